@@ -1,0 +1,135 @@
+"""`toolkit` command line: a thin argparse layer; user mistakes become one line and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from toolkit.errors import USER_ERROR_EXIT_CODE, RecipeError
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def _recipes_epilog() -> str:
+    recipes = sorted(RECIPES_DIR.glob("*.yaml")) if RECIPES_DIR.is_dir() else []
+    lines = [f"  {p.relative_to(RECIPES_DIR.parent)}" for p in recipes]
+    return "shipped recipes:\n" + ("\n".join(lines) or "  (none found)") + \
+        "\n\nexamples:\n  toolkit train recipes/minilm-sst.yaml\n" \
+        "  toolkit launch --nproc 2 recipes/minilm-sst.yaml --set strategy.name=ddp"
+
+
+def _add_overrides(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a recipe key, e.g. --set optim.lr=1e-4 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="toolkit", description="Fine-tune Hugging Face models under any parallel strategy and compare them.",
+        epilog=_recipes_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="run a recipe in this process (or as one rank under torchrun/accelerate)")
+    train.add_argument("recipe")
+    _add_overrides(train)
+
+    launch = sub.add_parser("launch", help="run a recipe on N local ranks through torch.distributed.run")
+    launch.add_argument("--nproc", type=int, default=1, help="ranks (processes) on this machine")
+    launch.add_argument("recipe")
+    _add_overrides(launch)
+
+    validate = sub.add_parser("validate", help="check a recipe and print the resolved one")
+    validate.add_argument("--nproc", type=int, default=1, help="world size to check the batch arithmetic for")
+    validate.add_argument("recipe")
+    _add_overrides(validate)
+
+    from toolkit.compare.cli import add_compare_commands
+
+    add_compare_commands(sub, _add_overrides)
+    return parser
+
+
+def cmd_train(args) -> int:
+    from toolkit.launch import prepare_environment
+
+    prepare_environment()
+    from toolkit.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    out_dir = Path(recipe.output_dir)
+    existed = out_dir.exists()
+    _quiet_libraries()
+    from toolkit.consistency import ReplicaDriftError
+    from toolkit.dist import init_distributed, shutdown
+    from toolkit.loop import train
+
+    env = init_distributed()
+    try:
+        train(recipe, env)
+    except RecipeError:
+        if env.is_main and not existed:
+            shutil.rmtree(out_dir, ignore_errors=True)  # nothing half-written for a user mistake
+        if not env.is_main:
+            sys.exit(USER_ERROR_EXIT_CODE)  # rank 0 prints the one line
+        raise
+    except ReplicaDriftError as exc:
+        print(f"toolkit: replica drift: {exc}", file=sys.stderr)
+        return 3
+    finally:
+        shutdown()
+    return 0
+
+
+def cmd_launch(args) -> int:
+    from toolkit.checks import check_recipe
+    from toolkit.launch import launch
+    from toolkit.recipe import load_recipe
+
+    if args.nproc < 1:
+        raise RecipeError("--nproc must be >= 1")
+    check_recipe(load_recipe(args.recipe, args.overrides), world_size=args.nproc)
+    return launch(args.recipe, nproc=args.nproc, overrides=args.overrides)
+
+
+def cmd_validate(args) -> int:
+    from toolkit.checks import check_recipe
+    from toolkit.recipe import dump_recipe, load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    plan = check_recipe(recipe, world_size=args.nproc)
+    print(dump_recipe(recipe), end="")
+    print(f"# ok: {plan.world_size} ranks × micro {plan.micro_batch_size} × accum {plan.grad_accum_steps} "
+          f"= global batch {plan.global_batch_size}")
+    return 0
+
+
+def _quiet_libraries() -> None:
+    import warnings
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
+
+
+COMMANDS = {"train": cmd_train, "launch": cmd_launch, "validate": cmd_validate}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from toolkit.compare.cli import COMPARE_COMMANDS
+
+    handler = {**COMMANDS, **COMPARE_COMMANDS}[args.command]
+    try:
+        return handler(args) or 0
+    except RecipeError as exc:
+        print(f"toolkit: error: {exc}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

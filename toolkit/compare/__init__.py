@@ -1,0 +1,1 @@
+"""Strategy A/B experiments: run arms, judge equivalence, render the report."""

@@ -1,0 +1,178 @@
+"""Data: local files through `datasets`, tokenized once (cached on disk), and the global-batch sampler.
+
+The samples of optimizer step k depend only on the seed and the global batch size: step k takes
+positions [k·G, (k+1)·G) of a seeded permutation of the train set (a new permutation each epoch).
+Ranks and micro-batches then split that global batch; the loss is normalised over all of it, so
+world size, micro-batch size and accumulation change the arithmetic order, not the maths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from toolkit.dist import DistEnv, broadcast_object
+from toolkit.errors import RecipeError
+from toolkit.recipe import BatchPlan, DataConfig
+
+FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+IGNORE_INDEX = -100
+
+
+def load_split(path: str, *, data: DataConfig, task: str, tokenizer, env: DistEnv):
+    """A tokenized `datasets.Dataset` with input_ids (+ label). Rank 0 tokenizes; the others read its cache."""
+    file = Path(path)
+    if not file.is_file():
+        raise RecipeError(f"data: {path} not found; give a local json/jsonl/csv/parquet/txt file")
+    fmt = FORMATS.get(file.suffix)
+    if fmt is None:
+        raise RecipeError(f"data: {path}: unknown format {file.suffix!r}; use one of {', '.join(FORMATS)}")
+    error = None
+    if env.is_main:
+        try:
+            dataset = _tokenized(file, fmt, data=data, task=task, tokenizer=tokenizer)
+        except RecipeError as exc:
+            error = str(exc)
+    error = broadcast_object(error, env)  # the other ranks fail with rank 0's message instead of hanging
+    if error is not None:
+        raise RecipeError(error)
+    if not env.is_main:
+        dataset = _tokenized(file, fmt, data=data, task=task, tokenizer=tokenizer)  # reads rank 0's cache
+    return dataset
+
+
+def _tokenized(file: Path, fmt: str, *, data: DataConfig, task: str, tokenizer):
+    import datasets
+
+    datasets.disable_progress_bars()
+    raw = datasets.load_dataset(fmt, data_files=str(file), split="train")
+    needed = [data.text_column] + ([data.label_column] if task == "sequence-classification" else [])
+    for column in needed:
+        if column not in raw.column_names:
+            raise RecipeError(f"data: {file} has no column {column!r} (it has {', '.join(raw.column_names)}); "
+                              f"set data.text_column / data.label_column to one of those")
+    key = _cache_key(file, data=data, task=task, tokenizer=tokenizer)
+    text, label = data.text_column, data.label_column
+
+    def encode(batch):
+        out = tokenizer(batch[text], truncation=True, max_length=data.max_length)
+        result = {"input_ids": out["input_ids"]}
+        if task == "sequence-classification":
+            result["label"] = [int(v) for v in batch[label]]
+        return result
+
+    dataset = raw.map(encode, batched=True, remove_columns=raw.column_names, new_fingerprint=key)
+    if task == "causal-lm" and data.packing:
+        dataset = dataset.map(_packer(data.max_length), batched=True, new_fingerprint=key + "-packed")
+    if len(dataset) == 0:
+        raise RecipeError(f"data: {file} has no samples")
+    return dataset
+
+
+def _cache_key(file: Path, *, data: DataConfig, task: str, tokenizer) -> str:
+    """Cache identity: file contents + tokenizer vocabulary + every setting that changes the tokens."""
+    digest = hashlib.sha256()
+    stat = file.stat()
+    digest.update(f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    digest.update(json.dumps([type(tokenizer).__name__, data.text_column, data.label_column,
+                              data.max_length, data.packing, task]).encode())
+    return digest.hexdigest()[:32]
+
+
+def _packer(block: int):
+    def pack(batch):
+        stream = [tok for ids in batch["input_ids"] for tok in ids]
+        usable = len(stream) // block * block
+        return {"input_ids": [stream[i:i + block] for i in range(0, usable, block)]}
+
+    return pack
+
+
+@dataclass(frozen=True)
+class GlobalBatchSampler:
+    """Which samples each rank's micro-batches hold at optimizer step k (see module docstring)."""
+
+    num_samples: int
+    plan: BatchPlan
+    rank: int
+    seed: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_samples // self.plan.global_batch_size
+
+    def global_batch(self, step: int) -> list[int]:
+        epoch, pos = divmod(step, self.steps_per_epoch)
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        order = torch.randperm(self.num_samples, generator=generator)
+        size = self.plan.global_batch_size
+        return order[pos * size:(pos + 1) * size].tolist()
+
+    def micro_batches(self, step: int) -> list[list[int]]:
+        per_rank = self.plan.micro_batch_size * self.plan.grad_accum_steps
+        mine = self.global_batch(step)[self.rank * per_rank:(self.rank + 1) * per_rank]
+        micro = self.plan.micro_batch_size
+        return [mine[i:i + micro] for i in range(0, per_rank, micro)]
+
+
+class StepIndexStream:
+    """Batch sampler for a DataLoader: micro-batch index lists for steps [start, stop)."""
+
+    def __init__(self, sampler: GlobalBatchSampler, *, start: int, stop: int):
+        self.sampler, self.start, self.stop = sampler, start, stop
+
+    def __iter__(self):
+        for step in range(self.start, self.stop):
+            yield from self.sampler.micro_batches(step)
+
+    def __len__(self) -> int:
+        return (self.stop - self.start) * self.sampler.plan.grad_accum_steps
+
+
+def eval_index_batches(num_samples: int, *, micro_batch_size: int, env: DistEnv) -> list[tuple[list[int], bool]]:
+    """Eval batches for this rank: every rank gets the same number (sharded strategies run collectives in
+    forward); a rank with nothing left repeats sample 0 flagged `weight False`, which counts for nothing."""
+    chunk = micro_batch_size * env.world_size
+    out = []
+    for start in range(0, num_samples, chunk):
+        mine = list(range(start, min(start + chunk, num_samples)))[env.rank * micro_batch_size:]
+        mine = mine[:micro_batch_size]
+        out.append((mine, True) if mine else ([0], False))
+    return out
+
+
+class Collator:
+    """Pads a micro-batch to its longest sample; labels carry IGNORE_INDEX on padding."""
+
+    def __init__(self, *, pad_token_id: int, task: str):
+        self.pad_token_id, self.task = pad_token_id, task
+
+    def __call__(self, samples: list[dict]) -> dict:
+        length = max(len(s["input_ids"]) for s in samples)
+        ids = torch.full((len(samples), length), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(samples), length), dtype=torch.long)
+        for row, sample in enumerate(samples):
+            n = len(sample["input_ids"])
+            ids[row, :n] = torch.tensor(sample["input_ids"], dtype=torch.long)
+            mask[row, :n] = 1
+        batch = {"input_ids": ids, "attention_mask": mask}
+        if self.task == "causal-lm":
+            batch["labels"] = ids.masked_fill(mask == 0, IGNORE_INDEX)
+            batch["num_items"] = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+        else:
+            batch["labels"] = torch.tensor([s["label"] for s in samples], dtype=torch.long)
+            batch["num_items"] = len(samples)
+        batch["num_tokens"] = int(mask.sum())
+        return batch
+
+
+def train_loader(dataset, *, sampler: GlobalBatchSampler, start: int, stop: int, collator: Collator,
+                 data: DataConfig):
+    return torch.utils.data.DataLoader(
+        dataset, batch_sampler=StepIndexStream(sampler, start=start, stop=stop), collate_fn=collator,
+        num_workers=data.num_workers, pin_memory=data.pin_memory)

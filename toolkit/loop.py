@@ -1,0 +1,153 @@
+"""The one training loop. It never names a strategy: everything parallel is behind `strategy`.
+
+Per optimizer step:
+  1. fetch this rank's grad_accum_steps micro-batches (the global batch is fixed by seed + step)
+  2. all-reduce the loss-term count of the whole global batch, so every micro-batch's loss is
+     normalised by it (accumulating 4×2 gives exactly one batch of 8, padding included)
+  3. forward + backward each micro-batch; gradient reduction only on the last one
+  4. clip + optimizer step + schedule (strategy.step)
+  5. log: the global-batch mean loss, grad norm, tokens/s, peak memory
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from toolkit import runinfo
+from toolkit.consistency import check_replicas
+from toolkit.data import Collator, GlobalBatchSampler, load_split, train_loader
+from toolkit.dist import DistEnv, all_reduce_sum
+from toolkit.errors import RecipeError
+from toolkit.evaluate import evaluate
+from toolkit.export import export_model
+from toolkit.metrics import JsonlWriter, Progress, peak_memory_bytes, synchronize
+from toolkit.model import build_model, load_tokenizer
+from toolkit.optim import build_adamw, build_scheduler
+from toolkit.precision import check_precision_supported
+from toolkit.recipe import Recipe, plan_batch
+from toolkit.strategies import make_strategy
+from toolkit.strategies.base import SetupArgs
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    strategy: object
+    losses: list[float]
+
+
+def micro_batch_loss_sum(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
+    """Sum (not mean) of the loss terms of one micro-batch, in fp32."""
+    logits = logits.float()
+    if task == "causal-lm":  # predict token t+1 from tokens <= t; padding carries IGNORE_INDEX
+        logits, labels = logits[:, :-1, :], labels[:, 1:]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum",
+                               ignore_index=-100)
+    return F.cross_entropy(logits, labels, reduction="sum")
+
+
+def forward_logits(strategy, batch: dict, device: torch.device) -> torch.Tensor:
+    with strategy.forward_context():
+        out = strategy.model(input_ids=batch["input_ids"].to(device, non_blocking=True),
+                             attention_mask=batch["attention_mask"].to(device, non_blocking=True))
+    return out.logits
+
+
+def run_microbatches(strategy, micro_batches: list[dict], *, task: str, env: DistEnv) -> tuple[float, dict]:
+    """Forward/backward every micro-batch of one optimizer step; returns the global mean loss + counts."""
+    counts = torch.tensor([sum(b["num_items"] for b in micro_batches), sum(b["num_tokens"] for b in micro_batches),
+                           sum(len(b["input_ids"]) for b in micro_batches)], dtype=torch.float64)
+    all_reduce_sum(counts, env)  # one tiny collective: the denominator of the global-batch mean
+    num_items = counts[0].item()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+    for index, batch in enumerate(micro_batches):
+        with strategy.accumulate(sync=index == len(micro_batches) - 1):
+            logits = forward_logits(strategy, batch, env.device)
+            micro_sum = micro_batch_loss_sum(logits, batch["labels"].to(env.device), task)
+            strategy.backward(micro_sum / num_items)
+        loss_sum += micro_sum.detach().double()
+    total = all_reduce_sum(loss_sum.cpu(), env)  # device sync: once per step, for the logged loss
+    return total.item() / num_items, {"items": int(num_items), "tokens": int(counts[1]), "samples": int(counts[2])}
+
+
+def prepare(recipe: Recipe, env: DistEnv):
+    """Everything that can fail on user input, before any output is written."""
+    plan = plan_batch(recipe.batch, world_size=env.world_size)
+    if recipe.strategy.name in ("single", "dp") and env.world_size > 1:
+        raise RecipeError(f"strategy {recipe.strategy.name} runs in one process, but {env.world_size} were launched; "
+                          "launch with --nproc 1 or use strategy.name=ddp")
+    check_precision_supported(recipe.precision, env.device)
+    tokenizer = load_tokenizer(recipe.model)
+    kwargs = dict(data=recipe.data, task=recipe.model.task, tokenizer=tokenizer, env=env)
+    train_ds = load_split(recipe.data.train, **kwargs)
+    eval_ds = load_split(recipe.data.eval, **kwargs) if recipe.data.eval else None
+    sampler = GlobalBatchSampler(num_samples=len(train_ds), plan=plan, rank=env.rank, seed=recipe.seed)
+    if sampler.steps_per_epoch == 0:
+        raise RecipeError(f"data: {len(train_ds)} train samples are fewer than one global batch of "
+                          f"{plan.global_batch_size}; lower batch sizes or add data")
+    total_steps = recipe.train.max_steps or max(1, int(recipe.train.epochs * sampler.steps_per_epoch))
+    model = build_model(recipe.model, tokenizer=tokenizer, seed=recipe.seed)
+    return plan, tokenizer, train_ds, eval_ds, sampler, total_steps, model
+
+
+def train(recipe: Recipe, env: DistEnv) -> TrainResult:
+    plan, tokenizer, train_ds, eval_ds, sampler, total_steps, model = prepare(recipe, env)
+    check_replicas(model.named_parameters(), env, when="at start (before setup)")
+    strategy = make_strategy(recipe.strategy.name)
+    strategy.setup(model, SetupArgs(
+        recipe=recipe, env=env, grad_accum_steps=plan.grad_accum_steps, total_steps=total_steps,
+        build_optimizer=lambda m: build_adamw(m, recipe.optim),
+        build_scheduler=lambda o: build_scheduler(o, config=recipe.optim, total_steps=total_steps)))
+    out_dir = Path(recipe.output_dir)
+    info = runinfo.start(recipe, env=env, plan=plan, total_steps=total_steps, model=strategy.export_module(),
+                         num_params=sum(p.numel() for p in model.parameters()), out_dir=out_dir)
+    collator = Collator(pad_token_id=tokenizer.pad_token_id, task=recipe.model.task)
+    loader = iter(train_loader(train_ds, sampler=sampler, start=0, stop=total_steps, collator=collator,
+                               data=recipe.data))
+    writer = JsonlWriter(out_dir / "metrics.jsonl") if env.is_main else None
+    progress = Progress(total=total_steps, enabled=env.is_main and recipe.train.progress,
+                        log_every=recipe.train.log_every)
+    losses = []
+    for step in range(1, total_steps + 1):
+        record = train_step(strategy, [next(loader) for _ in range(plan.grad_accum_steps)],
+                            recipe=recipe, env=env, step=step, info=info)
+        every = recipe.train.eval_every
+        if eval_ds is not None and ((every and step % every == 0) or step == total_steps):
+            record["eval_loss"] = evaluate(strategy, eval_ds, collator=collator, recipe=recipe, env=env)
+        check_every = recipe.train.consistency_check_every
+        if check_every and step % check_every == 0:
+            check_replicas(strategy.replicated_parameters(), env, when=f"at step {step}")
+        losses.append(record["loss"])
+        if writer:
+            writer.write(record)
+        progress.update(record)
+    progress.close()
+    export_model(strategy, tokenizer=tokenizer, out_dir=out_dir, env=env)
+    runinfo.finish(info, env=env, out_dir=out_dir, losses=losses)
+    if writer:
+        writer.close()
+    return TrainResult(output_dir=out_dir, strategy=strategy, losses=losses)
+
+
+def train_step(strategy, micro_batches: list[dict], *, recipe: Recipe, env: DistEnv, step: int, info) -> dict:
+    synchronize(env.device)
+    start = time.perf_counter()
+    lr = strategy.lr()
+    loss, counts = run_microbatches(strategy, micro_batches, task=recipe.model.task, env=env)
+    if step == 1:
+        runinfo.record_before_first_step(info, strategy, env=env)
+    result = strategy.step(max_grad_norm=recipe.optim.max_grad_norm)
+    if step == 1:
+        runinfo.record_after_first_step(info, strategy, env=env)
+    synchronize(env.device)
+    step_time_s = time.perf_counter() - start
+    return {"step": step, "loss": loss, "lr": lr, "grad_norm": result.grad_norm,
+            "tokens": counts["tokens"], "samples": counts["samples"], "loss_items": counts["items"],
+            "tokens_per_s": counts["tokens"] / step_time_s, "samples_per_s": counts["samples"] / step_time_s,
+            "step_time_s": step_time_s, "peak_mem_bytes": peak_memory_bytes(env.device),
+            "loss_scale": result.loss_scale, "skipped": result.skipped}

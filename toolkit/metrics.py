@@ -1,0 +1,72 @@
+"""Per-step metrics, memory readers and the JSONL writer (rank 0 writes, one flushed line per step)."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak device memory: CUDA allocator peak on GPU, peak resident set size of this process on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def peak_reserved_bytes(device: torch.device) -> int | None:
+    return int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else None
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # device sync: step timings must include queued kernels
+
+
+class JsonlWriter:
+    """Appends one JSON object per line and flushes, so a crash loses at most the step in flight."""
+
+    def __init__(self, path: Path):
+        self.file = open(path, "w", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+class Progress:
+    """A tqdm bar on rank 0 (steps, loss, tokens/s); plain log lines when stderr is not a terminal."""
+
+    def __init__(self, *, total: int, enabled: bool, log_every: int):
+        self.enabled, self.log_every, self.total = enabled, log_every, total
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+
+    def update(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        elif record["step"] % self.log_every == 0 or record["step"] == self.total:
+            print(f"step {record['step']}/{self.total} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+                  f"grad_norm {record['grad_norm']:.3f} tokens/s {record['tokens_per_s']:.0f} "
+                  f"step {record['step_time_s'] * 1000:.0f} ms", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

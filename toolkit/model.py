@@ -1,0 +1,121 @@
+"""Model and tokenizer: from a local folder (from_pretrained) or a config; block discovery; FLOPs per token."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from toolkit.errors import RecipeError
+from toolkit.recipe import ModelConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_path(spec: str) -> Path:
+    """A local path, or pkg://<package>/<subdir> for files a Python package ships (offline models)."""
+    if spec.startswith("pkg://"):
+        package, _, sub = spec[len("pkg://"):].partition("/")
+        found = importlib.util.find_spec(package)
+        if found is None or not found.submodule_search_locations:
+            raise RecipeError(f"model: package {package!r} is not installed; pip install it or give a local path")
+        return Path(list(found.submodule_search_locations)[0]) / sub
+    return Path(os.path.expanduser(spec))
+
+
+def _check_model_dir(path: Path, key: str) -> None:
+    if not path.is_dir():
+        raise RecipeError(f"{key}: {path} does not exist; point it at a folder written by save_pretrained")
+    if key == "model.path" and not (path / "config.json").is_file():
+        raise RecipeError(f"{key}: {path} has no config.json; point it at a folder written by save_pretrained")
+
+
+def load_tokenizer(config: ModelConfig):
+    from transformers import AutoTokenizer
+
+    path = resolve_path(config.tokenizer or config.path)
+    _check_model_dir(path, "model.tokenizer" if config.tokenizer else "model.path")
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    return tokenizer
+
+
+def build_model(config: ModelConfig, *, tokenizer, seed: int) -> nn.Module:
+    """The model on CPU in its load dtype. New weights (heads, from-scratch models) come from `seed`."""
+    import transformers
+
+    auto = (transformers.AutoModelForCausalLM if config.task == "causal-lm"
+            else transformers.AutoModelForSequenceClassification)
+    extra = {"num_labels": config.num_labels} if config.task == "sequence-classification" else {}
+    dtype = DTYPES[config.load_dtype]
+    torch.manual_seed(seed)  # same seed on every rank: identical fresh weights everywhere
+    if config.path is not None:
+        path = resolve_path(config.path)
+        _check_model_dir(path, "model.path")
+        model = auto.from_pretrained(str(path), dtype=dtype, **extra)
+    else:
+        fields = dict(config.config)
+        model_type = fields.pop("model_type")
+        try:
+            hf_config = transformers.AutoConfig.for_model(model_type, **fields, **extra)
+        except (ValueError, TypeError) as exc:
+            raise RecipeError(f"model.config: {exc}") from None
+        if getattr(hf_config, "pad_token_id", None) is None:
+            hf_config.pad_token_id = tokenizer.pad_token_id
+        model = auto.from_config(hf_config, dtype=dtype)
+    if getattr(model.config, "pad_token_id", None) is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    if config.dropout is not None:
+        set_dropout(model, config.dropout)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        raise RecipeError(f"model: tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                          f"{model.get_input_embeddings().num_embeddings}; use a matching tokenizer or vocab_size")
+    return model
+
+
+def set_dropout(model: nn.Module, p: float) -> None:
+    """Dropout masks depend on how a batch is split over ranks, so exact comparisons turn it off."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = p
+        for attr in ("attention_dropout", "dropout"):  # functional dropout rates some attention modules keep
+            if isinstance(getattr(module, attr, None), float):
+                setattr(module, attr, p)
+    for key in list(vars(model.config)):
+        if key.endswith("dropout") or key.endswith("dropout_prob"):
+            setattr(model.config, key, p)
+
+
+def transformer_blocks(model: nn.Module, class_names: tuple[str, ...] | None = None) -> list[nn.Module]:
+    """The repeated blocks to shard one by one: the recipe's class names, else the model's _no_split_modules."""
+    names = set(class_names or getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise RecipeError(f"no transformer blocks found (looked for {sorted(names) or 'model._no_split_modules'}); "
+                          "set strategy.blocks to the block class name, e.g. [LlamaDecoderLayer]")
+    return blocks
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_token(model_config, *, num_params: int, seq_len: int, lm_head: bool) -> dict:
+    """Training FLOPs per token: 6·N (forward + backward matmuls) plus attention 12·L·H·T (PaLM appendix B).
+
+    N counts non-embedding parameters: an embedding lookup is not a matmul.
+    """
+    layers = getattr(model_config, "num_hidden_layers", 0)
+    hidden = getattr(model_config, "hidden_size", 0)
+    vocab = getattr(model_config, "vocab_size", 0)
+    tied = lm_head and getattr(model_config, "tie_word_embeddings", False)
+    # the input embedding is a lookup, not a matmul; an LM head is a matmul, also when it shares that weight
+    n_matmul = num_params - vocab * hidden + (vocab * hidden if tied else 0)
+    attention = 12 * layers * hidden * seq_len
+    return {"flops_per_token": 6 * n_matmul + attention, "matmul_params": n_matmul,
+            "attention_flops_per_token": attention, "seq_len": seq_len,
+            "formula": "6*N_matmul + 12*layers*hidden*seq_len"}

@@ -1,0 +1,68 @@
+"""Mixed precision for strategies that run the model in fp32 weights: autocast + (fp16) a GradScaler."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from toolkit.errors import RecipeError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_precision_supported(precision: str, device: torch.device) -> None:
+    """Refuse a precision the device cannot compute in, before any work is done."""
+    if precision == "fp32":
+        return
+    if device.type == "cuda":
+        if precision == "bf16" and not torch.cuda.is_bf16_supported():
+            raise RecipeError(f"precision bf16 is not supported on {torch.cuda.get_device_name(device)}; "
+                              "use precision: fp16 (with loss scaling) or fp32")
+        return
+    try:
+        with torch.autocast(device.type, dtype=DTYPES[precision]):
+            torch.ones(2, 2, device=device) @ torch.ones(2, 2, device=device)
+    except (RuntimeError, AssertionError) as exc:
+        raise RecipeError(f"precision {precision} is not supported on {device.type}: {exc}; use fp32") from None
+
+
+@dataclass
+class StepResult:
+    grad_norm: float  # global L2 norm of the gradients before clipping
+    skipped: bool  # fp16 overflow: the optimizer step was skipped
+    loss_scale: float | None  # fp16 loss scale after this step
+
+
+class Amp:
+    """autocast for the forward, GradScaler for fp16 backward/step; a no-op in fp32."""
+
+    def __init__(self, precision: str, device: torch.device):
+        self.precision, self.device = precision, device
+        self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+
+    def autocast(self):
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def step(self, optimizer, parameters, *, max_grad_norm: float | None, clip=None) -> StepResult:
+        """Unscale (fp16), clip, step, update the scale. `clip(params, max_norm)` returns the total norm."""
+        clip = clip or torch.nn.utils.clip_grad_norm_
+        if self.scaler:
+            self.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+        grad_norm = clip(parameters, max_grad_norm if max_grad_norm else math.inf)
+        grad_norm = float(grad_norm)  # device sync: once per optimizer step
+        if not self.scaler:
+            optimizer.step()
+            return StepResult(grad_norm=grad_norm, skipped=False, loss_scale=None)
+        before = self.scaler.get_scale()
+        self.scaler.step(optimizer)  # skips the step when the grads hold inf/nan
+        self.scaler.update()
+        after = self.scaler.get_scale()
+        return StepResult(grad_norm=grad_norm, skipped=after < before, loss_scale=after)

@@ -1,0 +1,318 @@
+"""Recipes: typed, frozen dataclasses loaded from YAML with `--set a.b=c` overrides.
+
+Every key is declared here; an unknown key or a value of the wrong type is a
+RecipeError naming the key and the fix, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from toolkit.errors import RecipeError
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+TASKS = ("sequence-classification", "causal-lm")
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    path: str | None = None  # local HF folder, or pkg://<package>/<subdir> for a model a package ships
+    config: dict | None = None  # a from-scratch model: transformers config fields incl. model_type
+    tokenizer: str | None = None  # tokenizer folder (pkg:// allowed); default: `path`
+    task: str = "sequence-classification"  # sequence-classification | causal-lm
+    num_labels: int = 2  # classification head size (sequence-classification only)
+    load_dtype: str = "fp32"  # dtype the weights are loaded in; FSDP computes from these, ZeRO keeps fp32 masters
+    dropout: float | None = None  # override every dropout probability; 0.0 for runs compared across strategies
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.config is None):
+            raise RecipeError("model: give exactly one of model.path (a local HF folder) or model.config (a from-scratch config)")
+        if self.config is not None and "model_type" not in self.config:
+            raise RecipeError("model.config needs a model_type (e.g. llama, bert)")
+        if self.config is not None and self.tokenizer is None:
+            raise RecipeError("model.config needs model.tokenizer: a folder with a tokenizer (pkg:// allowed)")
+        _choice("model.task", self.task, TASKS)
+        _choice("model.load_dtype", self.load_dtype, ("fp32", "bf16", "fp16"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    train: str  # local json/jsonl/csv/parquet/txt file
+    eval: str | None = None  # held-out file; eval loss is logged every train.eval_every steps
+    text_column: str = "text"
+    label_column: str | None = "label"  # sequence-classification only
+    max_length: int = 128  # tokens per sample; longer ones are truncated
+    packing: bool = False  # causal-lm: concatenate samples into full max_length blocks (no padding)
+    num_workers: int = 0  # DataLoader workers per rank
+    pin_memory: bool = False  # pinned host memory: faster host-to-GPU copies, costs page-locked RAM
+
+    def __post_init__(self) -> None:
+        _positive("data.max_length", self.max_length)
+        if self.num_workers < 0:
+            raise RecipeError("data.num_workers must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    lr: float = 5.0e-5
+    weight_decay: float = 0.01  # not applied to biases and norm weights
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1.0e-8
+    warmup_steps: int = 0  # linear warm-up from 0 to lr
+    schedule: str = "cosine"  # cosine | linear | constant, after warm-up, down to min_lr_ratio × lr
+    min_lr_ratio: float = 0.0
+    max_grad_norm: float | None = 1.0  # clip the global grad norm; null disables clipping
+
+    def __post_init__(self) -> None:
+        _choice("optim.schedule", self.schedule, SCHEDULES)
+        if self.lr <= 0:
+            raise RecipeError("optim.lr must be > 0")
+        if self.warmup_steps < 0:
+            raise RecipeError("optim.warmup_steps must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchConfig:
+    micro_batch_size: int = 8  # samples per rank per forward/backward
+    grad_accum_steps: int | None = 1  # micro-batches per optimizer step; null: derived from global_batch_size
+    global_batch_size: int | None = None  # samples per optimizer step over all ranks; checked against the others
+
+    def __post_init__(self) -> None:
+        _positive("batch.micro_batch_size", self.micro_batch_size)
+        if self.grad_accum_steps is not None:
+            _positive("batch.grad_accum_steps", self.grad_accum_steps)
+        if self.global_batch_size is not None:
+            _positive("batch.global_batch_size", self.global_batch_size)
+        if self.grad_accum_steps is None and self.global_batch_size is None:
+            raise RecipeError("batch: give grad_accum_steps or global_batch_size (or both)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyConfig:
+    name: str = "single"  # see `toolkit strategies`
+    # ddp
+    find_unused_parameters: bool = False  # ddp: needed when some parameters get no gradient
+    bucket_cap_mb: float = 25.0  # ddp: gradient bucket size; bigger buckets, fewer all-reduces
+    # fsdp
+    reshard_after_forward: bool = True  # fsdp: True frees gathered params after forward (ZeRO-3-like, less memory, one more all-gather)
+    cpu_offload: bool = False  # fsdp: keep sharded params/grads/optimizer on CPU (much less device memory, slower)
+    replicate_degree: int = 1  # fsdp: >1 = HSDP, replicate over this many groups, shard within each
+    blocks: tuple[str, ...] | None = None  # fsdp: class names to shard one by one; default: model._no_split_modules
+    # zero
+    stage: int = 2  # zero: 0 = plain DP, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters
+    offload_optimizer: bool = False  # zero: optimizer state and step on CPU (DeepSpeed CPU Adam)
+    offload_param: bool = False  # zero: stage 3 only, parameters on CPU between uses
+    ds_config: str | None = None  # zero: an existing DeepSpeed JSON used as it is; "auto" values come from this recipe
+
+    def __post_init__(self) -> None:
+        from toolkit.strategies.names import STRATEGY_NAMES, check_strategy_options
+
+        _choice("strategy.name", self.name, STRATEGY_NAMES)
+        check_strategy_options(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    max_steps: int | None = 100  # optimizer steps; null: use epochs
+    epochs: float | None = None  # passes over the train set (rounded down to whole steps)
+    log_every: int = 1  # progress-bar/log-line cadence; metrics.jsonl always gets every step
+    eval_every: int | None = 50  # eval loss every N steps and at the end; null: only at the end (if data.eval)
+    consistency_check_every: int | None = None  # compare replica checksums every N steps; null: only at start
+    progress: bool = True  # progress bar on rank 0
+
+    def __post_init__(self) -> None:
+        if (self.max_steps is None) == (self.epochs is None):
+            raise RecipeError("train: give exactly one of max_steps or epochs")
+        if self.max_steps is not None:
+            _positive("train.max_steps", self.max_steps)
+        _positive("train.log_every", self.log_every)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    model: ModelConfig
+    data: DataConfig
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    precision: str = "fp32"  # fp32 | bf16 (autocast) | fp16 (autocast + loss scaling)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    seed: int = 0  # fixes init of new weights and the sample order of every step
+    output_dir: str = "runs/default"
+
+    def __post_init__(self) -> None:
+        _choice("precision", self.precision, PRECISIONS)
+        if self.model.task == "sequence-classification" and not self.data.label_column:
+            raise RecipeError("data.label_column is required for task sequence-classification")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchPlan:
+    """The batch arithmetic of one run: global = world × micro × accum."""
+
+    world_size: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    global_batch_size: int
+
+
+def plan_batch(batch: BatchConfig, *, world_size: int) -> BatchPlan:
+    micro = batch.micro_batch_size
+    accum = batch.grad_accum_steps
+    if accum is None:
+        per_step = world_size * micro
+        if batch.global_batch_size % per_step:
+            raise RecipeError(
+                f"batch: global_batch_size {batch.global_batch_size} is not a multiple of "
+                f"{world_size} ranks × micro {micro} = {per_step}; change micro_batch_size or global_batch_size")
+        accum = batch.global_batch_size // per_step
+    total = world_size * micro * accum
+    if batch.global_batch_size is not None and batch.global_batch_size != total:
+        raise RecipeError(
+            f"batch: {world_size} ranks × micro {micro} × accum {accum} = {total}, but global_batch_size is "
+            f"{batch.global_batch_size}; set batch.grad_accum_steps=null to derive it, or make global_batch_size {total}")
+    return BatchPlan(world_size=world_size, micro_batch_size=micro, grad_accum_steps=accum, global_batch_size=total)
+
+
+# --- loading ---------------------------------------------------------------------------------
+
+def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read a YAML recipe, apply `a.b=c` overrides, validate, return a frozen Recipe."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe {path} not found; pass a YAML file (see `toolkit --help` for the shipped recipes)")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"recipe {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"recipe {path} must be a mapping of sections (model, data, ...)")
+    for item in overrides:
+        apply_override(raw, item)
+    return recipe_from_dict(raw)
+
+
+def apply_override(raw: dict, item: str) -> None:
+    """Apply one `a.b=c` override in place; the value is parsed as YAML (so 1e-4, true, null work)."""
+    if "=" not in item:
+        raise RecipeError(f"--set {item!r}: expected key.path=value, e.g. --set optim.lr=1e-4")
+    key, _, text = item.partition("=")
+    value = yaml.safe_load(text) if text != "" else ""
+    parts = key.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise RecipeError(f"--set {key}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def recipe_from_dict(raw: dict) -> Recipe:
+    return _build(Recipe, raw, "")
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    def plain(value: Any) -> Any:
+        if isinstance(value, tuple):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+
+    return plain(dataclasses.asdict(recipe))
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False)
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{where or 'recipe'}: expected a mapping, got {type(raw).__name__} {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        key = f"{where}.{unknown[0]}" if where else unknown[0]
+        raise RecipeError(f"unknown recipe key {key!r}; known keys here: {', '.join(fields)}")
+    values = {}
+    for name, value in raw.items():
+        key = f"{where}.{name}" if where else name
+        values[name] = _coerce(hints[name], value, key)
+    missing = [n for n, f in fields.items() if n not in values and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        key = f"{where}.{missing[0]}" if where else missing[0]
+        raise RecipeError(f"recipe key {key!r} is required")
+    return cls(**values)
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, key)
+            except RecipeError as exc:
+                errors.append(str(exc))
+        raise RecipeError(errors[0] if errors else f"{key}: bad value {value!r}")
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise RecipeError(f"{key}: expected a list, got {value!r}")
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(args[0], v, key) for v in value)
+        if len(args) != len(value):
+            raise RecipeError(f"{key}: expected {len(args)} values, got {len(value)}")
+        return tuple(_coerce(a, v, key) for a, v in zip(args, value))
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise RecipeError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise RecipeError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RecipeError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RecipeError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise RecipeError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise AssertionError(f"unhandled recipe type {hint} for {key}")
+
+
+def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise RecipeError(f"{key}: unknown value {value!r}; choose one of {', '.join(choices)}")
+
+
+def _positive(key: str, value: int) -> None:
+    if value <= 0:
+        raise RecipeError(f"{key} must be > 0, got {value}")

@@ -1,0 +1,107 @@
+"""run.json: what a run was (strategy, world, batch arithmetic, FLOPs/token, versions), the precision
+audit and model-state bytes read from the live objects, and per-rank peak memory at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from toolkit.dist import DistEnv, gather_objects
+from toolkit.metrics import peak_memory_bytes, peak_reserved_bytes
+from toolkit.model import flops_per_token
+from toolkit.recipe import BatchPlan, Recipe, dump_recipe
+from toolkit.strategies.base import storage_bytes
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("transformers", "accelerate", "deepspeed", "datasets"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def device_name(env: DistEnv) -> str:
+    if env.device.type == "cuda":
+        return torch.cuda.get_device_name(env.device)
+    return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads/rank)"
+
+
+def start(recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, model, num_params: int,
+          out_dir: Path) -> dict:
+    lm_head = recipe.model.task == "causal-lm"
+    info = {
+        "status": "running", "strategy": recipe.strategy.name, "world_size": env.world_size,
+        "precision": recipe.precision, "total_steps": total_steps,
+        "batch": {"micro_batch_size": plan.micro_batch_size, "grad_accum_steps": plan.grad_accum_steps,
+                  "global_batch_size": plan.global_batch_size},
+        "num_params": num_params,
+        "flops": flops_per_token(model.config, num_params=num_params, seq_len=recipe.data.max_length,
+                                 lm_head=lm_head),
+        "device": device_name(env), "device_type": env.device.type, "versions": versions(),
+        "command": " ".join(sys.argv),
+    }
+    if env.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+        _write(info, out_dir)
+        b = info["batch"]
+        print(f"[toolkit] strategy {recipe.strategy.name} · world {env.world_size} · {recipe.precision} · "
+              f"global batch {b['global_batch_size']} = {env.world_size} ranks × micro {b['micro_batch_size']} "
+              f"× accum {b['grad_accum_steps']} · {total_steps} steps · {num_params / 1e6:.1f}M params · "
+              f"{info['device']} · output {out_dir}", file=sys.stderr, flush=True)
+    info["_out_dir"] = str(out_dir)
+    return info
+
+
+def record_before_first_step(info: dict, strategy, *, env: DistEnv) -> None:
+    """Gradients exist now (after the first backward) and the optimizer has not stepped."""
+    tensors = strategy.state_tensors()
+    info["_local"] = {"grads_bytes": storage_bytes(tensors["grads"]), "audit": strategy.precision_audit()}
+
+
+def record_after_first_step(info: dict, strategy, *, env: DistEnv) -> None:
+    """The optimizer has allocated its state now. Collective: gathers every rank's numbers."""
+    tensors = strategy.state_tensors()
+    local = info.pop("_local")
+    audit_after = strategy.precision_audit()
+    # grads come from before the step (they are freed after it); masters/optimizer state from after
+    audit = {**local["audit"], "master_weights": audit_after["master_weights"],
+             "optimizer_state": audit_after["optimizer_state"]}
+    mine = {"params_bytes": storage_bytes(tensors["params"]), "grads_bytes": local["grads_bytes"],
+            "optim_bytes": storage_bytes(tensors["optim"]), "audit": audit}
+    ranks = gather_objects(mine, env)
+    info["precision_audit"] = ranks[0]["audit"]
+    info["model_state_bytes"] = [{k: r[k] for k in ("params_bytes", "grads_bytes", "optim_bytes")} for r in ranks]
+    if env.is_main:
+        _write(info, Path(info["_out_dir"]))
+
+
+def finish(info: dict, *, env: DistEnv, out_dir: Path, losses: list[float]) -> None:
+    mine = {"peak_mem_bytes": peak_memory_bytes(env.device), "peak_reserved_bytes": peak_reserved_bytes(env.device)}
+    info["peak_memory"] = gather_objects(mine, env)
+    info["status"] = "completed"
+    info["final_loss"] = losses[-1] if losses else None
+    if env.is_main:
+        _write(info, out_dir)
+        print(f"[toolkit] done: metrics {out_dir / 'metrics.jsonl'} · model {out_dir / 'model'} · "
+              f"run info {out_dir / 'run.json'}", file=sys.stderr, flush=True)
+
+
+def _write(info: dict, out_dir: Path) -> None:
+    public = {k: v for k, v in info.items() if not k.startswith("_")}
+    tmp = out_dir / "run.json.tmp"
+    tmp.write_text(json.dumps(public, indent=2))
+    tmp.replace(out_dir / "run.json")
+
+
+def read_run(out_dir: Path) -> dict:
+    return json.loads((Path(out_dir) / "run.json").read_text())
