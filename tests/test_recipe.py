@@ -1,0 +1,59 @@
+"""Recipe schema: unknown keys, wrong types and inconsistent batch arithmetic are errors that name the fix."""
+
+import pytest
+
+from toolkit.errors import RecipeError
+from toolkit.recipe import BatchConfig, apply_override, plan_batch, recipe_from_dict
+
+BASE = {"model": {"path": "/m"}, "data": {"train": "t.jsonl"}}
+
+
+def make(**extra):
+    raw = {k: dict(v) for k, v in BASE.items()}
+    for key, value in extra.items():
+        raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
+    return recipe_from_dict(raw)
+
+
+def test_defaults_resolve():
+    recipe = make()
+    assert recipe.strategy.name == "single" and recipe.precision == "fp32"
+
+
+@pytest.mark.parametrize("raw, words", [
+    ({"optim": {"learning_rate": 1}}, "unknown recipe key 'optim.learning_rate'"),
+    ({"bogus": 1}, "unknown recipe key 'bogus'"),
+    ({"optim": {"lr": "fast"}}, "optim.lr: expected a number"),
+    ({"batch": {"micro_batch_size": 2.5}}, "batch.micro_batch_size: expected an integer"),
+    ({"strategy": {"name": "megatron"}}, "strategy.name: unknown value 'megatron'"),
+    ({"precision": "fp8"}, "precision: unknown value 'fp8'"),
+    ({"strategy": {"name": "ddp", "stage": 3}}, "strategy.stage applies to zero only"),
+    ({"strategy": {"name": "zero", "stage": 2, "offload_param": True}}, "needs strategy.stage=3"),
+])
+def test_bad_recipes_raise_with_the_key(raw, words):
+    with pytest.raises(RecipeError, match=words.replace("(", r"\(").replace(".", r"\.")):
+        make(**raw)
+
+
+def test_batch_arithmetic_checked_against_world_size():
+    batch = BatchConfig(micro_batch_size=4, grad_accum_steps=2, global_batch_size=16)
+    assert plan_batch(batch, world_size=2).global_batch_size == 16
+    with pytest.raises(RecipeError, match=r"3 ranks × micro 4 × accum 2 = 24, but global_batch_size is 16"):
+        plan_batch(batch, world_size=3)
+
+
+def test_accumulation_derived_from_global_batch():
+    batch = BatchConfig(micro_batch_size=2, grad_accum_steps=None, global_batch_size=16)
+    assert plan_batch(batch, world_size=2).grad_accum_steps == 4
+    with pytest.raises(RecipeError, match="not a multiple"):
+        plan_batch(batch, world_size=3)
+
+
+def test_override_parses_yaml_values():
+    raw = {"optim": {"lr": 1.0}}
+    apply_override(raw, "optim.lr=1e-4")
+    apply_override(raw, "train.eval_every=null")
+    apply_override(raw, "strategy.blocks=[LlamaDecoderLayer]")
+    assert raw == {"optim": {"lr": 1e-4}, "train": {"eval_every": None}, "strategy": {"blocks": ["LlamaDecoderLayer"]}}
+    with pytest.raises(RecipeError, match="expected key.path=value"):
+        apply_override(raw, "optim.lr")
