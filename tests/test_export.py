@@ -1,0 +1,27 @@
+"""The exported folder loads with plain transformers and gives the trained model's logits."""
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import write_recipe
+from toolkit.dist import DistEnv
+from toolkit.loop import train
+from toolkit.recipe import load_recipe
+
+
+def test_exported_model_loads_with_plain_transformers(tmp_path, tiny_llama_dir):
+    out = tmp_path / "run"
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out,
+                                      train={"max_steps": 3}))
+    result = train(recipe, DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+    trained = result.strategy.export_module().eval()
+    loaded = AutoModelForCausalLM.from_pretrained(out / "model").eval()
+    assert (out / "model" / "model.safetensors").is_file() and not (out / ".model.partial").exists()
+    ids = torch.tensor([[101, 2023, 3185, 2001, 2307, 102]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, trained(input_ids=ids).logits, rtol=0, atol=0)
+    # and it really trained: the export is not the initial checkpoint
+    initial = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    with torch.no_grad():
+        assert not torch.equal(initial(input_ids=ids).logits, loaded(input_ids=ids).logits)
+    assert (out / "recipe.yaml").is_file() and (out / "run.json").is_file()
