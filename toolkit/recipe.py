@@ -109,7 +109,7 @@ class StrategyConfig:
     replicate_degree: int = 1  # fsdp: >1 = HSDP, replicate over this many groups, shard within each
     blocks: tuple[str, ...] | None = None  # fsdp: class names to shard one by one; default: model._no_split_modules
     # zero
-    stage: int = 2  # zero: 0 = plain DP, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters
+    stage: int | None = None  # zero: 0 = plain DP, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters (default 2)
     offload_optimizer: bool = False  # zero: optimizer state and step on CPU (DeepSpeed CPU Adam)
     offload_param: bool = False  # zero: stage 3 only, parameters on CPU between uses
     ds_config: str | None = None  # zero: an existing DeepSpeed JSON used as it is; "auto" values come from this recipe

@@ -51,11 +51,11 @@ def check_strategy_options(config) -> None:
                 f"strategy.{f.name} applies to {'/'.join(owners)} only, but strategy.name is {config.name}; "
                 f"remove it or set strategy.name={owners[0]}")
     if config.name == "zero":
-        if config.stage not in (0, 1, 2, 3):
+        if config.stage is not None and config.stage not in (0, 1, 2, 3):
             raise RecipeError(f"strategy.stage must be 0, 1, 2 or 3, got {config.stage}")
-        if config.offload_param and config.stage != 3:
+        if config.offload_param and config.stage not in (3, None):
             raise RecipeError("strategy.offload_param needs strategy.stage=3; DeepSpeed offloads parameters only under ZeRO-3")
-        if config.offload_optimizer and config.stage == 0:
+        if config.offload_optimizer and config.stage == 0:  # stage None: the ds_config's or 2
             raise RecipeError("strategy.offload_optimizer needs strategy.stage >= 1")
     if config.name == "fsdp" and config.replicate_degree < 1:
         raise RecipeError("strategy.replicate_degree must be >= 1")

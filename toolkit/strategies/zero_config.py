@@ -1,0 +1,104 @@
+"""The DeepSpeed config of a recipe: generated from it, or an existing JSON with its "auto" values filled
+from it the way Accelerate/HF do. Where the JSON and the recipe disagree it is a RecipeError naming both.
+No deepspeed import: the launcher checks this before any rank starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from toolkit.errors import RecipeError
+from toolkit.recipe import BatchPlan, Recipe
+
+DEFAULT_STAGE = 2
+
+
+def recipe_values(recipe: Recipe, plan: BatchPlan) -> dict[str, object]:
+    """Dotted DeepSpeed keys -> the value the recipe implies."""
+    clip = recipe.optim.max_grad_norm or 0.0
+    return {
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.grad_accum_steps,
+        "train_batch_size": plan.global_batch_size,
+        "gradient_clipping": clip,
+        "bf16.enabled": recipe.precision == "bf16",
+        "fp16.enabled": recipe.precision == "fp16",
+    }
+
+
+def generated_config(recipe: Recipe, plan: BatchPlan) -> dict:
+    options = recipe.strategy
+    stage = DEFAULT_STAGE if options.stage is None else options.stage
+    zero: dict = {"stage": stage}
+    if options.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    if options.offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+    values = recipe_values(recipe, plan)
+    return {
+        "train_micro_batch_size_per_gpu": values["train_micro_batch_size_per_gpu"],
+        "gradient_accumulation_steps": values["gradient_accumulation_steps"],
+        "train_batch_size": values["train_batch_size"],
+        "gradient_clipping": values["gradient_clipping"],
+        "bf16": {"enabled": values["bf16.enabled"]},
+        "fp16": {"enabled": values["fp16.enabled"], "loss_scale": 0, "initial_scale_power": 16},  # 0: dynamic
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,  # the client optimizer is torch AdamW
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def resolve_ds_config(recipe: Recipe, plan: BatchPlan) -> dict:
+    """The config deepspeed.initialize gets; checks the JSON passthrough against the recipe."""
+    if recipe.strategy.ds_config is None:
+        return generated_config(recipe, plan)
+    path = Path(recipe.strategy.ds_config)
+    if not path.is_file():
+        raise RecipeError(f"strategy.ds_config: {path} not found; give a DeepSpeed JSON (see ds_configs/)")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise RecipeError(f"strategy.ds_config: {path} is not valid JSON ({exc})") from None
+    for key, wanted in recipe_values(recipe, plan).items():
+        _fill_or_check(config, key, wanted, path)
+    zero = config.setdefault("zero_optimization", {})
+    stage = zero.get("stage", DEFAULT_STAGE)
+    if recipe.strategy.stage is not None and recipe.strategy.stage != stage:
+        raise RecipeError(f"strategy.stage is {recipe.strategy.stage} but {path} has zero_optimization.stage "
+                          f"{stage}; drop strategy.stage or make them equal")
+    for option, section in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_param")):
+        in_json = zero.get(section, {}).get("device", "none") not in ("none", None)
+        if getattr(recipe.strategy, option) and not in_json:
+            raise RecipeError(f"strategy.{option} is true but {path} has no zero_optimization.{section}; "
+                              "add it to the JSON or drop the recipe option")
+    if "fp16" in config and config["fp16"].get("enabled"):
+        config["fp16"].setdefault("loss_scale", 0)
+    config.setdefault("zero_allow_untested_optimizer", True)
+    config.setdefault("steps_per_print", 10 ** 9)
+    return config
+
+
+def _fill_or_check(config: dict, dotted: str, wanted, path: Path) -> None:
+    *parents, leaf = dotted.split(".")
+    node = config
+    for part in parents:
+        node = node.setdefault(part, {})
+    present = node.get(leaf, "auto")  # a key the JSON leaves out is filled like "auto"
+    if present == "auto":
+        node[leaf] = wanted
+        return
+    same = float(present) == float(wanted) if isinstance(wanted, (int, float)) else present == wanted
+    if not same:
+        raise RecipeError(f"{path}: {dotted} is {present!r} but the recipe gives {wanted!r}; "
+                          f"set it to \"auto\" in the JSON or change the recipe")
+
+
+def stage_of(config: dict) -> int:
+    return int(config.get("zero_optimization", {}).get("stage", DEFAULT_STAGE))
+
+
+def offloads(config: dict) -> tuple[bool, bool]:
+    zero = config.get("zero_optimization", {})
+    return (zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None),
+            zero.get("offload_param", {}).get("device", "none") not in ("none", None))
