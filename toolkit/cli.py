@@ -57,7 +57,9 @@ def cmd_train(args) -> int:
     prepare_environment()
     from toolkit.recipe import load_recipe
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    import os
+
+    recipe = load_recipe(args.recipe, args.overrides, launcher_env=os.environ)
     out_dir = Path(recipe.output_dir)
     existed = out_dir.exists()
     _quiet_libraries()

@@ -186,8 +186,10 @@ def plan_batch(batch: BatchConfig, *, world_size: int) -> BatchPlan:
 
 # --- loading ---------------------------------------------------------------------------------
 
-def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """Read a YAML recipe, apply `a.b=c` overrides, validate, return a frozen Recipe."""
+def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), *,
+                launcher_env: dict | None = None) -> Recipe:
+    """Read a YAML recipe, apply `a.b=c` overrides (and an Accelerate launcher's settings found in
+    `launcher_env`), validate, return a frozen Recipe."""
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe {path} not found; pass a YAML file (see `toolkit --help` for the shipped recipes)")
@@ -199,6 +201,10 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
         raise RecipeError(f"recipe {path} must be a mapping of sections (model, data, ...)")
     for item in overrides:
         apply_override(raw, item)
+    if launcher_env is not None:
+        from toolkit.accelerate_env import apply_launcher_settings, launcher_settings
+
+        apply_launcher_settings(raw, launcher_settings(launcher_env))
     return recipe_from_dict(raw)
 
 
