@@ -15,6 +15,35 @@ def _run(cmd, tmp_path):
     assert result.returncode == 0, result.stderr[-5000:]
 
 
+@pytest.mark.parametrize("config, arm", [
+    ("fsdp.yaml", ("fsdp", ("strategy.name=fsdp", "batch.micro_batch_size=4"))),
+    ("deepspeed.yaml", ("zero2-json", ("strategy.name=zero", f"strategy.ds_config={REPO}/ds_configs/zero2.json",
+                                       "batch.micro_batch_size=4"))),
+])
+def test_accelerate_plugin_configs_match_toolkit_launch(llama_runs, config, arm, tmp_path):
+    name, overrides = arm
+    reference = llama_runs.get(name, nproc=2, overrides=overrides)
+    out = tmp_path / "acc"
+    # the recipe names no strategy: the accelerate config file chooses FSDP / ZeRO-2
+    _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+          str(REPO / "recipes" / "accelerate" / config), "-m", "toolkit", "train", str(llama_runs.recipe),
+          "--set", "batch.micro_batch_size=4", "--set", f"output_dir={out}"], tmp_path)
+    got, want = metrics(out), metrics(reference)
+    assert [{k: m[k] for k in COMPARED} for m in got] == [{k: m[k] for k in COMPARED} for m in want]
+
+
+def test_accelerate_config_contradicting_recipe_exits_2(llama_runs, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                             str(REPO / "recipes" / "accelerate" / "fsdp.yaml"), "-m", "toolkit", "train",
+                             str(llama_runs.recipe), "--set", "strategy.name=ddp",
+                             "--set", f"output_dir={tmp_path / 'x'}"],
+                            cwd=REPO, env=toolkit_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0
+    assert "toolkit: error: accelerate launch sets strategy.name='fsdp' (ACCELERATE_USE_FSDP) but the recipe has " \
+           "strategy.name='ddp'" in result.stderr
+    assert not (tmp_path / "x").exists()
+
+
 @pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
 def test_launch_paths_give_the_same_metrics(llama_runs, launcher, tmp_path):
     reference = llama_runs.get("ddp-m4", nproc=2, overrides=("strategy.name=ddp", "batch.micro_batch_size=4"))

@@ -47,6 +47,7 @@ def start(recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, mo
         "flops": flops_per_token(model.config, num_params=num_params, seq_len=recipe.data.max_length,
                                  lm_head=lm_head),
         "device": device_name(env), "device_type": env.device.type, "versions": versions(),
+        "threads_per_rank": torch.get_num_threads(),
         "command": " ".join(sys.argv),
     }
     if env.is_main:

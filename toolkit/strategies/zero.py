@@ -107,8 +107,10 @@ class ZeroStrategy:
         for name, param in self.module.named_parameters():
             full = safe_get_full_fp32_param(param)  # every rank calls it: stage 3 all-gathers
             state[name] = (full if full is not None else param.detach()).to("cpu", torch.float32, copy=True)
+        persistent = set(self.module.state_dict().keys())  # non-persistent buffers are not saved
         for name, buffer in self.module.named_buffers():
-            state[name] = buffer.detach().to("cpu", copy=True)
+            if name in persistent:
+                state[name] = buffer.detach().to("cpu", copy=True)
         return state if self.env.is_main else None
 
     def export_module(self) -> nn.Module:
@@ -118,6 +120,11 @@ class ZeroStrategy:
         return getattr(self.optimizer, "optimizer", self.optimizer)
 
     def _master_tensors(self) -> list[torch.Tensor]:
+        """The fp32 weights the optimizer updates: ZeRO's partitions where it keeps them, else its params."""
+        for attr in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):
+            found = [t for t in getattr(self.optimizer, attr, None) or [] if torch.is_tensor(t)]
+            if found:
+                return found
         inner = self._inner_optimizer()
         return [p for group in inner.param_groups for p in group["params"]]
 
@@ -129,8 +136,8 @@ class ZeroStrategy:
         model_ptrs = {t.untyped_storage().data_ptr() for t in params}
         masters = [m for m in masters if m.untyped_storage().data_ptr() not in model_ptrs]
         grads = [m.grad for m in self._master_tensors() if m.grad is not None]
+        grads += [g for group in getattr(self.optimizer, "averaged_gradients", {}).values() for g in group or []]
         grads += [p.grad for p in self.module.parameters() if p.grad is not None]
-        grads += _zero_grad_buffers(self.optimizer)
         return {"params": params, "grads": grads,
                 "optim": masters + optimizer_state_tensors(self._inner_optimizer())}
 
@@ -139,7 +146,8 @@ class ZeroStrategy:
         forward = first_dtype(p.ds_tensor if self.stage == 3 else p for p in params)
         masters = first_dtype(self._master_tensors())
         inner = self._inner_optimizer()
-        grads = _zero_grad_buffers(self.optimizer) or [p.grad for p in params if p.grad is not None]
+        grads = [p.grad for p in params if p.grad is not None] or [m.grad for m in self._master_tensors()
+                                                                   if m.grad is not None]
         scaling = "off"
         if self.engine.fp16_enabled():
             scale = self.engine._get_optimizer_loss_scale()
@@ -155,18 +163,6 @@ class ZeroStrategy:
             "loss_scaling": scaling,
             "optimizer": type(inner).__name__ + (" (offloaded)" if self.offload_optimizer else ""),
         }
-
-
-def _zero_grad_buffers(optimizer) -> list[torch.Tensor]:
-    """Gradient partitions ZeRO keeps outside `param.grad` (stage 1/2 averaged grads, stage 3 fp32 grads)."""
-    out = []
-    for attr in ("averaged_gradients", "fp32_partitioned_groups_flat"):
-        value = getattr(optimizer, attr, None)
-        if isinstance(value, dict):
-            out += [g for grads in value.values() for g in (grads or []) if torch.is_tensor(g)]
-        elif isinstance(value, list) and attr == "fp32_partitioned_groups_flat":
-            out += [t.grad for t in value if torch.is_tensor(t) and t.grad is not None]
-    return out
 
 
 def _json_offloads_optimizer(recipe) -> bool:

@@ -1,0 +1,63 @@
+"""Runs each arm as its own `toolkit launch` (its own processes, its own output dir). A failed arm is
+recorded with its error and the others go on; a re-run skips the arms already completed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from toolkit.compare.experiment import Arm, Experiment
+
+TAIL_LINES = 15
+
+
+def arm_dir(experiment: Experiment, arm: Arm) -> Path:
+    return experiment.out_dir / arm.name
+
+
+def arm_status(path: Path) -> str:
+    """completed | failed | pending, read from what the arm left on disk."""
+    run = path / "run.json"
+    if run.is_file() and json.loads(run.read_text()).get("status") == "completed" and (path / "model").is_dir():
+        return "completed"
+    return "failed" if (path / "failed.json").is_file() else "pending"
+
+
+def run_arm(experiment: Experiment, arm: Arm) -> str:
+    out = arm_dir(experiment, arm)
+    sets = [a for o in (*experiment.common, *arm.overrides, f"output_dir={out}") for a in ("--set", o)]
+    cmd = [sys.executable, "-m", "toolkit", "launch", "--nproc", str(arm.nproc), experiment.recipe, *sets]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "failed.json").unlink(missing_ok=True)
+    start = time.perf_counter()
+    with open(out / "launch.log", "w") as log:
+        code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    if code == 0 and arm_status(out) == "completed":
+        return "completed"
+    lines = (out / "launch.log").read_text(errors="replace").strip().splitlines()
+    error = next((l for l in reversed(lines) if "error" in l.lower() and l.strip()), lines[-1] if lines else "")
+    (out / "failed.json").write_text(json.dumps({"exit_code": code, "error": error.strip(),
+                                                 "log_tail": lines[-TAIL_LINES:],
+                                                 "wall_s": time.perf_counter() - start}, indent=2))
+    return "failed"
+
+
+def run_experiment(experiment: Experiment, *, log=print) -> dict[str, str]:
+    experiment.save()
+    statuses = {}
+    for index, arm in enumerate(experiment.arms, start=1):
+        status = arm_status(arm_dir(experiment, arm))
+        if status == "completed":
+            log(f"[compare] {index}/{len(experiment.arms)} {arm.name}: already completed, skipped")
+        else:
+            log(f"[compare] {index}/{len(experiment.arms)} {arm.name}: running on {arm.nproc} rank(s)...")
+            start = time.perf_counter()
+            status = run_arm(experiment, arm)
+            log(f"[compare] {index}/{len(experiment.arms)} {arm.name}: {status} "
+                f"({time.perf_counter() - start:.0f} s, log {arm_dir(experiment, arm) / 'launch.log'})")
+        statuses[arm.name] = status
+    return statuses
