@@ -98,6 +98,7 @@ def prepare(recipe: Recipe, env: DistEnv):
 def train(recipe: Recipe, env: DistEnv) -> TrainResult:
     plan, tokenizer, train_ds, eval_ds, sampler, total_steps, model = prepare(recipe, env)
     check_replicas(model.named_parameters(), env, when="at start (before setup)")
+    num_params = sum(p.numel() for p in model.parameters())  # before setup: ZeRO-3 empties the params
     strategy = make_strategy(recipe.strategy.name)
     strategy.setup(model, SetupArgs(
         recipe=recipe, env=env, grad_accum_steps=plan.grad_accum_steps, total_steps=total_steps,
@@ -105,7 +106,7 @@ def train(recipe: Recipe, env: DistEnv) -> TrainResult:
         build_scheduler=lambda o: build_scheduler(o, config=recipe.optim, total_steps=total_steps)))
     out_dir = Path(recipe.output_dir)
     info = runinfo.start(recipe, env=env, plan=plan, total_steps=total_steps, model=strategy.export_module(),
-                         num_params=sum(p.numel() for p in model.parameters()), out_dir=out_dir)
+                         num_params=num_params, out_dir=out_dir)
     collator = Collator(pad_token_id=tokenizer.pad_token_id, task=recipe.model.task)
     loader = iter(train_loader(train_ds, sampler=sampler, start=0, stop=total_steps, collator=collator,
                                data=recipe.data))

@@ -2,8 +2,88 @@
 
 from __future__ import annotations
 
-COMPARE_COMMANDS: dict = {}
+from pathlib import Path
+
+from toolkit.errors import RecipeError
 
 
 def add_compare_commands(sub, add_overrides) -> None:
-    return None
+    compare = sub.add_parser("compare", help="run one job under several strategies; report speed, memory, "
+                                             "MFU and whether they computed the same thing")
+    compare.add_argument("recipe", help="a recipe YAML, or a matrix file with `recipe:` and `strategies:`")
+    compare.add_argument("--strategies", default=None,
+                         help="comma-separated arms, first = reference (default single,ddp,fsdp,zero2,zero3)")
+    compare.add_argument("--nproc", type=int, default=None, help="ranks per multi-process arm (default 2)")
+    compare.add_argument("--steps", type=int, default=None, help="optimizer steps per arm")
+    add_overrides(compare)
+    report = sub.add_parser("report", help="re-render the report of a compare experiment directory")
+    report.add_argument("experiment_dir")
+
+
+def calibration_arms(experiment) -> list:
+    """Two reference runs per low precision, differing only in reduction order (see verdict.py)."""
+    from toolkit.compare.experiment import Arm
+    from toolkit.recipe import load_recipe, plan_batch
+
+    reference = experiment.arms[0]
+    precisions = set()
+    for arm in experiment.arms:
+        recipe = load_recipe(experiment.recipe, [*experiment.common, *arm.overrides])
+        if recipe.precision != "fp32":
+            precisions.add(recipe.precision)
+    out = []
+    for precision in sorted(precisions):
+        base = [o for o in reference.overrides if not o.startswith(("precision=", "batch."))]
+        recipe = load_recipe(experiment.recipe, [*experiment.common, *reference.overrides])
+        plan = plan_batch(recipe.batch, world_size=reference.nproc)
+        micro = plan.micro_batch_size // 2 if plan.micro_batch_size % 2 == 0 else 1
+        batch = [f"batch.global_batch_size={plan.global_batch_size}", "batch.grad_accum_steps=null"]
+        out.append(Arm(f"calibration-{precision}-a", reference.nproc,
+                       (*base, *batch, f"batch.micro_batch_size={plan.micro_batch_size}", f"precision={precision}")))
+        out.append(Arm(f"calibration-{precision}-b", reference.nproc,
+                       (*base, *batch, f"batch.micro_batch_size={micro}", f"precision={precision}")))
+    return out
+
+
+def cmd_compare(args) -> int:
+    import yaml
+
+    from toolkit.compare.experiment import build_experiment, load_matrix
+    from toolkit.compare.report import build_results, text_table, write_report
+    from toolkit.compare.runner import run_experiment
+
+    if not Path(args.recipe).is_file():
+        raise RecipeError(f"{args.recipe} not found; pass a recipe or a matrix file")
+    is_matrix = "strategies" in (yaml.safe_load(Path(args.recipe).read_text()) or {})
+    if is_matrix:
+        experiment = load_matrix(args.recipe, nproc=args.nproc, steps=args.steps, overrides=args.overrides)
+    else:
+        strategies = (args.strategies or "single,ddp,fsdp,zero2,zero3").split(",")
+        experiment = build_experiment(args.recipe, strategies=[s.strip() for s in strategies if s.strip()],
+                                      precisions=[None], accums=[None], nproc=args.nproc or 2, steps=args.steps,
+                                      overrides=args.overrides)
+    experiment.arms += calibration_arms(experiment)
+    print(f"[compare] experiment {experiment.out_dir}: {len(experiment.arms)} arms "
+          f"({', '.join(a.name for a in experiment.arms)})", flush=True)
+    statuses = run_experiment(experiment, log=lambda line: print(line, flush=True))
+    results = build_results(experiment)
+    write_report(results, experiment.out_dir)
+    print(text_table(results))
+    print(f"[compare] report: {experiment.out_dir / 'report.html'} · {experiment.out_dir / 'report.md'} · "
+          f"{experiment.out_dir / 'results.json'}")
+    return 1 if "failed" in statuses.values() else 0
+
+
+def cmd_report(args) -> int:
+    from toolkit.compare.experiment import Experiment
+    from toolkit.compare.report import build_results, text_table, write_report
+
+    experiment = Experiment.load(Path(args.experiment_dir))
+    results = build_results(experiment)
+    write_report(results, experiment.out_dir)
+    print(text_table(results))
+    print(f"[report] {experiment.out_dir / 'report.html'}")
+    return 0
+
+
+COMPARE_COMMANDS = {"compare": cmd_compare, "report": cmd_report}

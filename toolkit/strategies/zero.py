@@ -103,10 +103,13 @@ class ZeroStrategy:
         """fp32 master weights, gathered (a collective under ZeRO-3), plus buffers."""
         from deepspeed.utils import safe_get_full_fp32_param
 
-        state = {}
-        for name, param in self.module.named_parameters():
-            full = safe_get_full_fp32_param(param)  # every rank calls it: stage 3 all-gathers
-            state[name] = (full if full is not None else param.detach()).to("cpu", torch.float32, copy=True)
+        state, gathered = {}, {}
+        for name, param in self.module.named_parameters(remove_duplicate=False):  # tied weights: every name
+            if id(param) not in gathered:
+                full = safe_get_full_fp32_param(param)  # every rank calls it: stage 3 all-gathers
+                gathered[id(param)] = (full if full is not None else param.detach()).to("cpu", torch.float32,
+                                                                                         copy=True)
+            state[name] = gathered[id(param)]
         persistent = set(self.module.state_dict().keys())  # non-persistent buffers are not saved
         for name, buffer in self.module.named_buffers():
             if name in persistent:

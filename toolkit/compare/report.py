@@ -1,0 +1,246 @@
+"""Collect every arm's numbers, judge them against the reference arm, write results.json, report.md,
+a self-contained report.html (plots inlined) and the PNG plots; return the terminal table."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from pathlib import Path
+
+import yaml
+
+from toolkit.compare import measure, verdict
+from toolkit.compare.experiment import Experiment
+from toolkit.compare.runner import arm_dir, arm_status
+from toolkit.metrics import read_jsonl
+
+CALIBRATION_PREFIX = "calibration-"
+AUDIT_ROWS = ("forward_params", "master_weights", "gradients", "grad_reduction", "optimizer_state",
+              "loss_scaling", "optimizer")
+
+
+def load_arm(experiment: Experiment, arm) -> dict:
+    path = arm_dir(experiment, arm)
+    data = {"name": arm.name, "dir": path, "nproc": arm.nproc, "status": arm_status(path)}
+    if data["status"] != "completed":
+        failed = path / "failed.json"
+        data["error"] = json.loads(failed.read_text())["error"] if failed.is_file() else "not run yet"
+        return data
+    run = json.loads((path / "run.json").read_text())
+    data.update(run=run, metrics=read_jsonl(path / "metrics.jsonl"),
+                recipe=yaml.safe_load((path / "recipe.yaml").read_text()), audit=run.get("precision_audit"),
+                precision=run["precision"], num_params=run["num_params"])
+    return data
+
+
+def build_results(experiment: Experiment) -> dict:
+    arms = [load_arm(experiment, arm) for arm in experiment.arms]
+    shown = [a for a in arms if not a["name"].startswith(CALIBRATION_PREFIX)]
+    calibration = {a["name"]: a for a in arms if a["name"].startswith(CALIBRATION_PREFIX)}
+    reference = shown[0]
+    cpu_peaks: dict = {}
+    rows = []
+    for arm in shown:
+        row = {"arm": arm["name"], "status": arm["status"], "world_size": arm["nproc"]}
+        if arm["status"] != "completed":
+            rows.append({**row, "error": arm["error"], "verdict": "failed"})
+            continue
+        run, metrics = arm["run"], arm["metrics"]
+        speed = measure.throughput(metrics)
+        row.update(precision=run["precision"], strategy=run["strategy"], **speed, **measure.memory(run),
+                   **measure.mfu(run, speed["tokens_per_s"], cpu_peak_cache=cpu_peaks),
+                   final_loss=metrics[-1]["loss"], final_eval_loss=_last_eval(metrics),
+                   comm_bytes_per_step="n/a", flops=run["flops"], audit=arm["audit"], batch=run["batch"],
+                   losses=[m["loss"] for m in metrics], grad_norms=[m["grad_norm"] for m in metrics],
+                   recipe=arm["recipe"])
+        if reference["status"] == "completed":
+            row["speedup_vs_reference"] = speed["tokens_per_s"] / measure.throughput(reference["metrics"])["tokens_per_s"]
+            if arm is reference:
+                row.update(verdict="reference", differences=[])
+            else:
+                envelope = _envelope(calibration, arm["precision"], reference["precision"])
+                row.update(verdict.judge(arm, reference, envelope=envelope))
+        else:
+            row["verdict"] = "no reference (reference arm failed)"
+        rows.append(row)
+    first = next((a["run"] for a in arms if a["status"] == "completed"), {})
+    return {"experiment": str(experiment.out_dir), "recipe": experiment.recipe, "reference": reference["name"],
+            "arms": rows, "machine": {k: first.get(k) for k in ("device", "device_type", "versions")},
+            "tolerances": verdict.__doc__.strip()}
+
+
+def _envelope(calibration: dict, *precisions: str) -> list[float] | None:
+    low = [p for p in precisions if p != "fp32"]
+    if not low:
+        return None
+    a, b = calibration.get(f"{CALIBRATION_PREFIX}{low[0]}-a"), calibration.get(f"{CALIBRATION_PREFIX}{low[0]}-b")
+    if not a or not b or a["status"] != "completed" or b["status"] != "completed":
+        return None
+    return verdict.noise_envelope(a["metrics"], b["metrics"], low[0])
+
+
+def _last_eval(metrics: list[dict]) -> float | None:
+    return next((m["eval_loss"] for m in reversed(metrics) if "eval_loss" in m), None)
+
+
+def _mib(values) -> str:
+    return " / ".join(f"{v / 2 ** 20:.0f}" for v in values if v is not None) or "n/a"
+
+
+def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
+    head = ["arm", "world", "precision", "tokens/s", "× ref", "step ms (p10–p90)", "peak MiB/rank",
+            "model-state MiB/rank", "MFU", "final loss", "eval loss", "verdict"]
+    rows = []
+    for r in results["arms"]:
+        if r["status"] != "completed":
+            rows.append([r["arm"], str(r["world_size"]), "", "", "", "", "", "", "", "", "",
+                         f"failed: {r['error']}"[:120]])
+            continue
+        rows.append([
+            r["arm"], str(r["world_size"]), r["precision"], f"{r['tokens_per_s']:.0f}",
+            f"{r.get('speedup_vs_reference', float('nan')):.2f}",
+            f"{r['step_time_s'] * 1e3:.0f} ({r['step_time_p10_s'] * 1e3:.0f}–{r['step_time_p90_s'] * 1e3:.0f})",
+            _mib(r["peak_mem_bytes_per_rank"]), _mib(r["model_state_bytes_per_rank"]),
+            f"{r['mfu'] * 100:.2f}%" if r.get("mfu") is not None else "n/a",
+            f"{r['final_loss']:.4f}", f"{r['final_eval_loss']:.4f}" if r["final_eval_loss"] is not None else "n/a",
+            r["verdict"]])
+    return head, rows
+
+
+def text_table(results: dict) -> str:
+    head, rows = table_rows(results)
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(head), line(["-" * w for w in widths]), *[line(r) for r in rows]])
+
+
+def audit_table(results: dict) -> tuple[list[str], list[list[tuple[str, bool]]]]:
+    """Rows = audit fields, columns = arms; each cell (text, differs-from-reference)."""
+    arms = [r for r in results["arms"] if r.get("audit")]
+    rows = []
+    for field in AUDIT_ROWS:
+        values = [r["audit"].get(field, "n/a") for r in arms]
+        base = verdict._core(values[0]) if values else None
+        rows.append([(field, False)] + [(v, verdict._core(v) != base) for v in values])
+    return ["setting"] + [r["arm"] for r in arms], rows
+
+
+def write_plots(results: dict, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in results["arms"] if r["status"] == "completed"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in done:
+        steps = range(1, len(r["losses"]) + 1)
+        ax1.plot(steps, r["losses"], label=r["arm"], marker=".")
+        ax2.plot(steps, r["grad_norms"], label=r["arm"], marker=".")
+    ax1.set(title="training loss (global-batch mean)", xlabel="optimizer step", ylabel="loss")
+    ax2.set(title="gradient norm (before clipping)", xlabel="optimizer step", ylabel="L2 norm")
+    ax1.legend(fontsize=8)
+    fig.tight_layout()
+    curves = out_dir / "curves.png"
+    fig.savefig(curves, dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(11, 4))
+    names = [r["arm"] for r in done]
+    peak = [max(r["peak_mem_bytes_per_rank"] or [0]) / 2 ** 20 for r in done]
+    state = [max(r["model_state_bytes_per_rank"] or [0]) / 2 ** 20 for r in done]
+    xs = range(len(done))
+    ax.bar([x - 0.2 for x in xs], peak, width=0.4, label="peak memory (max over ranks)")
+    ax.bar([x + 0.2 for x in xs], state, width=0.4, label="params+grads+optimizer state (max over ranks)")
+    ax.set_xticks(list(xs), names, rotation=20)
+    ax.set(title="memory per rank", ylabel="MiB")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    mem = out_dir / "memory.png"
+    fig.savefig(mem, dpi=110)
+    plt.close(fig)
+    return [curves, mem]
+
+
+def write_report(results: dict, out_dir: Path) -> None:
+    plots = write_plots(results, out_dir)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    (out_dir / "report.md").write_text(render_markdown(results, plots))
+    (out_dir / "report.html").write_text(render_html(results, plots))
+
+
+def _explanations(results: dict) -> list[str]:
+    out = []
+    for r in results["arms"]:
+        if r.get("differences") and r.get("verdict") not in ("reference", "equivalent"):
+            out.append(f"**{r['arm']}** ({r['verdict']}) differs from {results['reference']} in: "
+                       + "; ".join(r["differences"]))
+    return out
+
+
+def _flops_note(results: dict) -> str:
+    first = next((r for r in results["arms"] if r.get("flops")), None)
+    if not first:
+        return ""
+    f = first["flops"]
+    return (f"FLOPs per token = {f['formula']} = 6×{f['matmul_params']:,} + {f['attention_flops_per_token']:,} "
+            f"= {f['flops_per_token']:,} (seq_len {f['seq_len']}); MFU = tokens/s × FLOPs/token ÷ "
+            f"(peak × world); peak: {first['peak_source']}.")
+
+
+def render_markdown(results: dict, plots: list[Path]) -> str:
+    head, rows = table_rows(results)
+    lines = [f"# Strategy comparison: {results['recipe']}", "",
+             f"Reference arm: **{results['reference']}** · machine: {results['machine'].get('device')} · "
+             f"versions: {results['machine'].get('versions')}", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines += ["", _flops_note(results), "", "## Why arms differ", ""]
+    lines += [f"- {e}" for e in _explanations(results)] or ["- every arm matches the reference"]
+    a_head, a_rows = audit_table(results)
+    lines += ["", "## Precision audit (read from the live objects; **bold** = differs from the reference)", "",
+              "| " + " | ".join(a_head) + " |", "|" + "---|" * len(a_head)]
+    lines += ["| " + " | ".join(f"**{t}**" if d else t for t, d in row) + " |" for row in a_rows]
+    lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
+    lines += ["", "## Tolerances", "", "```", results["tolerances"], "```", "", "## Resolved recipes", ""]
+    for r in results["arms"]:
+        if r.get("recipe"):
+            lines += [f"### {r['arm']}", "```yaml", yaml.safe_dump(r["recipe"], sort_keys=False).strip(), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def render_html(results: dict, plots: list[Path]) -> str:
+    esc = html.escape
+    head, rows = table_rows(results)
+    table = "<table id='summary'><tr>" + "".join(f"<th>{esc(h)}</th>" for h in head) + "</tr>"
+    for row in rows:
+        cls = "bad" if row[-1].startswith(("failed", "diverged")) else "ok"
+        table += f"<tr class='{cls}'>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>"
+    table += "</table>"
+    a_head, a_rows = audit_table(results)
+    audit = "<table id='audit'><tr>" + "".join(f"<th>{esc(h)}</th>" for h in a_head) + "</tr>"
+    for row in a_rows:
+        audit += "<tr>" + "".join(f"<td class='{'diff' if d else ''}'>{esc(str(t))}</td>" for t, d in row) + "</tr>"
+    audit += "</table>"
+    images = "".join(f"<img alt='{p.stem}' src='data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}'>"
+                     for p in plots)
+    why = "".join(f"<li>{esc(e.replace('**', ''))}</li>" for e in _explanations(results)) or \
+        "<li>every arm matches the reference</li>"
+    recipes = "".join(f"<details><summary>{esc(r['arm'])}</summary><pre>"
+                      f"{esc(yaml.safe_dump(r['recipe'], sort_keys=False))}</pre></details>"
+                      for r in results["arms"] if r.get("recipe"))
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>Strategy comparison</title><style>
+body{{font-family:sans-serif;margin:2em;color:#222}} table{{border-collapse:collapse;margin:1em 0}}
+td,th{{border:1px solid #bbb;padding:4px 8px;font-size:13px}} th{{background:#eee}}
+tr.bad td:last-child{{color:#b00;font-weight:bold}} tr.ok td:last-child{{color:#070}}
+td.diff{{background:#ffe08a;font-weight:bold}} img{{max-width:100%;display:block;margin:1em 0}}
+pre{{background:#f6f6f6;padding:8px}}</style></head><body>
+<h1>Strategy comparison: {esc(results['recipe'])}</h1>
+<p>Reference arm: <b>{esc(results['reference'])}</b> · {esc(str(results['machine'].get('device')))} ·
+{esc(str(results['machine'].get('versions')))}</p>{table}<p>{esc(_flops_note(results))}</p>
+<h2>Why arms differ</h2><ul>{why}</ul>
+<h2>Precision audit</h2><p>Read from the live objects after setup; highlighted cells differ from the reference.</p>
+{audit}<h2>Plots</h2>{images}<h2>Tolerances</h2><pre>{esc(results['tolerances'])}</pre>
+<h2>Resolved recipes</h2>{recipes}</body></html>
+"""
