@@ -50,10 +50,13 @@ class Experiment:
         return cls(recipe=data["recipe"], out_dir=Path(out_dir), arms=arms, common=data["common"])
 
 
-def arm_overrides(strategy: str) -> tuple[str, ...]:
+def arm_overrides(spec: str) -> tuple[str, ...]:
+    """`zero3` or `zero3@optim.lr=2e-4@seed=1`: a named arm plus per-arm recipe overrides."""
+    strategy, *extra = spec.split("@")
     if strategy not in ARM_ALIASES:
-        raise RecipeError(f"unknown arm {strategy!r}; choose from {', '.join(ARM_ALIASES)}")
-    return ARM_ALIASES[strategy]
+        raise RecipeError(f"unknown arm {strategy!r}; choose from {', '.join(ARM_ALIASES)} "
+                          "(add per-arm overrides as name@key=value)")
+    return (*ARM_ALIASES[strategy], *extra)
 
 
 def build_experiment(recipe_path: str, *, strategies: list[str], precisions: list[str | None],
@@ -71,14 +74,14 @@ def build_experiment(recipe_path: str, *, strategies: list[str], precisions: lis
     for strategy in strategies:
         for precision in precisions:
             for accum in accums:
-                arm_nproc = 1 if strategy in ONE_PROCESS_ARMS else nproc
+                arm_nproc = 1 if strategy.split("@")[0] in ONE_PROCESS_ARMS else nproc
                 extra = [f"batch.global_batch_size={global_batch}"]
                 if accum is None:
                     extra.append("batch.grad_accum_steps=null")
                 else:
                     micro = global_batch // (arm_nproc * accum)
                     extra += [f"batch.grad_accum_steps={accum}", f"batch.micro_batch_size={micro}"]
-                name = strategy
+                name = strategy.replace("/", "_")
                 if precision:
                     extra.append(f"precision={precision}")
                     name += f"-{precision}" if len(precisions) > 1 else ""

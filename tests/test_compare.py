@@ -1,0 +1,106 @@
+"""`toolkit compare`: a real 2-process experiment, its verdicts, memory ratios, failure/resume and report."""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import run_cli, write_recipe
+
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory, tiny_llama_dir):
+    root = tmp_path_factory.mktemp("compare")
+    recipe = write_recipe(root / "recipe.yaml", model_dir=tiny_llama_dir, output_dir=root / "unused",
+                          batch={"micro_batch_size": 4, "grad_accum_steps": 1})
+    out = root / "exp"
+    result = run_cli("compare", str(recipe), "--strategies", "single,ddp,fsdp,zero2,zero3", "--nproc", "2",
+                     "--steps", "5", "--set", f"output_dir={out}")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out, json.loads((out / "results.json").read_text()), result.stdout
+
+
+def _arms(results):
+    return {a["arm"]: a for a in results["arms"]}
+
+
+def test_fp32_strategies_are_all_equivalent(experiment):
+    _, results, stdout = experiment
+    arms = _arms(results)
+    assert arms["single"]["verdict"] == "reference"
+    for name in ("ddp", "fsdp", "zero2", "zero3"):
+        assert arms[name]["verdict"] == "equivalent", (name, arms[name])
+    assert "equivalent" in stdout and "tokens/s" in stdout  # the terminal prints the table
+
+
+def test_sharded_arms_hold_half_the_model_states_of_ddp(experiment):
+    arms = _arms(experiment[1])
+    ddp = arms["ddp"]["model_state_bytes_per_rank"]
+    assert len(ddp) == 2
+    for name in ("fsdp", "zero3"):
+        for rank_bytes in arms[name]["model_state_bytes_per_rank"]:
+            assert rank_bytes / ddp[0] == pytest.approx(0.5, rel=0.10), (name, rank_bytes, ddp[0])
+
+
+def test_measurements_are_present(experiment):
+    for arm in experiment[1]["arms"]:
+        assert arm["tokens_per_s"] > 0 and arm["samples_per_s"] > 0
+        assert arm["step_time_p10_s"] <= arm["step_time_s"] <= arm["step_time_p90_s"]
+        assert 0 < arm["mfu"] < 1 and "measured" in arm["peak_source"]
+        assert all(b > 0 for b in arm["peak_mem_bytes_per_rank"])
+        assert arm["final_eval_loss"] is not None and len(arm["losses"]) == 5
+
+
+def test_report_files_exist_and_html_renders(experiment, tmp_path):
+    out, _, _ = experiment
+    for name in ("report.md", "report.html", "results.json", "curves.png", "memory.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0
+    html = (out / "report.html").read_text()
+    assert "id='summary'" in html and "data:image/png;base64," in html and "id='audit'" in html
+    chromium = shutil.which("chromium")
+    assert chromium, "Debian package chromium is required for this test (make test installs it)"
+    shot = tmp_path / "shot.png"
+    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                    f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1200,1600",
+                    f"file://{out / 'report.html'}"], check=True, capture_output=True, timeout=120)
+    from PIL import Image
+
+    image = Image.open(shot).convert("L")
+    lo, hi = image.getextrema()
+    assert hi - lo > 100  # not blank: dark text and plots on a light page
+    colours = len(set(image.getdata()))
+    assert colours > 20
+
+
+def test_planted_divergence_and_failed_arm_then_resume(tmp_path, tiny_llama_dir):
+    recipe = write_recipe(tmp_path / "recipe.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "unused",
+                          train={"eval_every": None})
+    out = tmp_path / "exp"
+    args = ("compare", str(recipe), "--strategies",
+            "single,single@optim.lr=0.002,fsdp@strategy.blocks=[NoSuchBlock]", "--nproc", "2", "--steps", "5",
+            "--set", f"output_dir={out}")
+    first = run_cli(*args)
+    assert first.returncode == 1  # an arm failed: the command says so, the report is still written
+    arms = _arms(json.loads((out / "results.json").read_text()))
+    diverged = arms["single@optim.lr=0.002"]
+    assert diverged["verdict"] == "diverged at step 1"  # lr differs from the first step's update on
+    assert any(d.startswith("optim.lr: 0.002 vs 0.001") for d in diverged["differences"])
+    failed = arms["fsdp@strategy.blocks=[NoSuchBlock]"]
+    assert failed["status"] == "failed" and "NoSuchBlock" in failed["error"]
+    assert "optim.lr" in (out / "report.md").read_text()
+
+    shutil.rmtree(out / "single@optim.lr=0.002")  # as if the run had stopped before this arm
+    second = run_cli(*args)
+    assert "single: already completed, skipped" in second.stdout
+    assert "single@optim.lr=0.002: completed" in second.stdout
+    assert "fsdp@strategy.blocks=[NoSuchBlock]: failed" in second.stdout
+
+
+def test_report_rerenders_from_saved_runs(experiment):
+    out, results, _ = experiment
+    (out / "report.html").unlink()
+    result = run_cli("report", str(out))
+    assert result.returncode == 0 and (out / "report.html").is_file()
+    assert json.loads((out / "results.json").read_text())["arms"][1]["verdict"] == results["arms"][1]["verdict"]
