@@ -81,6 +81,8 @@ def cmd_train(args) -> int:
         return 3
     finally:
         shutdown()
+    if recipe.strategy.name == "zero":
+        _exit_after_deepspeed()
     return 0
 
 
@@ -105,6 +107,17 @@ def cmd_validate(args) -> int:
     print(f"# ok: {plan.world_size} ranks × micro {plan.micro_batch_size} × accum {plan.grad_accum_steps} "
           f"= global batch {plan.global_batch_size}")
     return 0
+
+
+def _exit_after_deepspeed() -> None:
+    """Every output is written and the process group is gone; leave without interpreter teardown.
+    DeepSpeed's CPU shared-memory comm op keeps native threads that can abort the teardown
+    ("terminate called without an active exception"), turning a finished run into a failed exit code."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _quiet_libraries() -> None:
