@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -24,6 +25,18 @@ def peak_reserved_bytes(device: torch.device) -> int | None:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # device sync: step timings must include queued kernels
+
+
+def measured_matmul_flops(*, dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
+    """Best-of-N FLOP/s of a square matmul with this process's threads: the CPU 'peak' MFU is taken against."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    a @ b  # warm-up: first call pays allocation and kernel selection
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best
 
 
 class JsonlWriter:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from toolkit.dist import DistEnv, gather_objects
-from toolkit.metrics import peak_memory_bytes, peak_reserved_bytes
+from toolkit.metrics import measured_matmul_flops, peak_memory_bytes, peak_reserved_bytes
 from toolkit.model import flops_per_token
 from toolkit.recipe import BatchPlan, Recipe, dump_recipe
 from toolkit.strategies.base import storage_bytes
@@ -35,6 +35,16 @@ def device_name(env: DistEnv) -> str:
     return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads/rank)"
 
 
+def _cpu_peak(recipe: Recipe, env: DistEnv) -> dict | None:
+    """On CPU, MFU needs a peak: every rank measures a matmul at once (they share the cores)."""
+    if env.device.type != "cpu":
+        return None
+    dtype = torch.bfloat16 if recipe.precision == "bf16" else torch.float32
+    peaks = gather_objects(measured_matmul_flops(dtype=dtype), env)
+    return {"flops_per_s": min(peaks), "dtype": recipe.precision if recipe.precision == "bf16" else "fp32",
+            "threads": torch.get_num_threads()}
+
+
 def start(recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, model, num_params: int,
           out_dir: Path) -> dict:
     lm_head = recipe.model.task == "causal-lm"
@@ -48,6 +58,7 @@ def start(recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, mo
                                  lm_head=lm_head),
         "device": device_name(env), "device_type": env.device.type, "versions": versions(),
         "threads_per_rank": torch.get_num_threads(),
+        "cpu_matmul_peak": _cpu_peak(recipe, env),
         "command": " ".join(sys.argv),
     }
     if env.is_main:

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import statistics
-import time
-
-import torch
 
 # Dense peak FLOP/s per GPU by compute precision (vendor datasheets; SXM parts; fp32 = non-tensor-core)
 GPU_PEAK_FLOPS = {
@@ -42,24 +39,7 @@ def throughput(metrics: list[dict]) -> dict:
     }
 
 
-def measured_cpu_matmul_flops(*, threads: int, dtype: torch.dtype = torch.float32, size: int = 1024) -> float:
-    """Best-of-5 FLOP/s of a square matmul on this CPU with `threads` threads: the CPU 'peak'."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-        a @ b
-        best = float("inf")
-        for _ in range(5):
-            start = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - start)
-        return 2 * size ** 3 / best
-    finally:
-        torch.set_num_threads(previous)
-
-
-def peak_flops_per_device(run: dict, *, cpu_peak_cache: dict) -> tuple[float | None, str]:
+def peak_flops_per_device(run: dict) -> tuple[float | None, str]:
     """(peak FLOP/s of one device, where it came from)."""
     precision = run["precision"]
     if run["device_type"] == "cuda":
@@ -67,22 +47,17 @@ def peak_flops_per_device(run: dict, *, cpu_peak_cache: dict) -> tuple[float | N
             if name in run["device"]:
                 return peaks[precision], f"{name} datasheet {precision} dense"
         return None, f"unknown GPU {run['device']!r}: no peak in the table"
-    threads = int(run.get("threads_per_rank", 1))
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    key = (threads, dtype)
-    if key not in cpu_peak_cache:
-        cpu_peak_cache[key] = measured_cpu_matmul_flops(threads=threads, dtype=dtype)
-    return cpu_peak_cache[key], f"measured {dtype_label(dtype)} matmul, {threads} thread(s)/rank"
+    measured = run.get("cpu_matmul_peak")
+    if not measured:
+        return None, "no measured CPU matmul peak in run.json"
+    return measured["flops_per_s"], (f"measured {measured['dtype']} matmul on each rank at start, "
+                                     f"{measured['threads']} thread(s)/rank, ranks concurrently")
 
 
-def dtype_label(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
-
-
-def mfu(run: dict, tokens_per_s: float, *, cpu_peak_cache: dict) -> dict:
+def mfu(run: dict, tokens_per_s: float) -> dict:
     flops_per_token = run["flops"]["flops_per_token"]
     achieved = tokens_per_s * flops_per_token
-    peak, source = peak_flops_per_device(run, cpu_peak_cache=cpu_peak_cache)
+    peak, source = peak_flops_per_device(run)
     total_peak = peak * run["world_size"] if peak else None
     return {"achieved_flops_per_s": achieved, "peak_flops_per_s": total_peak, "peak_source": source,
             "mfu": achieved / total_peak if total_peak else None}

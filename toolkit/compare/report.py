@@ -39,7 +39,6 @@ def build_results(experiment: Experiment) -> dict:
     shown = [a for a in arms if not a["name"].startswith(CALIBRATION_PREFIX)]
     calibration = {a["name"]: a for a in arms if a["name"].startswith(CALIBRATION_PREFIX)}
     reference = shown[0]
-    cpu_peaks: dict = {}
     rows = []
     for arm in shown:
         row = {"arm": arm["name"], "status": arm["status"], "world_size": arm["nproc"]}
@@ -49,7 +48,7 @@ def build_results(experiment: Experiment) -> dict:
         run, metrics = arm["run"], arm["metrics"]
         speed = measure.throughput(metrics)
         row.update(precision=run["precision"], strategy=run["strategy"], **speed, **measure.memory(run),
-                   **measure.mfu(run, speed["tokens_per_s"], cpu_peak_cache=cpu_peaks),
+                   **measure.mfu(run, speed["tokens_per_s"]),
                    final_loss=metrics[-1]["loss"], final_eval_loss=_last_eval(metrics),
                    comm_bytes_per_step="n/a", flops=run["flops"], audit=arm["audit"], batch=run["batch"],
                    losses=[m["loss"] for m in metrics], grad_norms=[m["grad_norm"] for m in metrics],
@@ -121,8 +120,9 @@ def audit_table(results: dict) -> tuple[list[str], list[list[tuple[str, bool]]]]
     rows = []
     for field in AUDIT_ROWS:
         values = [r["audit"].get(field, "n/a") for r in arms]
-        base = verdict._core(values[0]) if values else None
-        rows.append([(field, False)] + [(v, verdict._core(v) != base) for v in values])
+        keys = [verdict.audit_key(field, v) for v in values]
+        base = next((k for k in keys if k is not None), None)
+        rows.append([(field, False)] + [(v, k is not None and k != base) for v, k in zip(values, keys)])
     return ["setting"] + [r["arm"] for r in arms], rows
 
 

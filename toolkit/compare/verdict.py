@@ -81,7 +81,8 @@ def setting_differences(arm: dict, ref: dict) -> list[str]:
             out.append(f"{key}: {flat_a.get(key)!r} vs {flat_r.get(key)!r}")
     audit_a, audit_r = arm.get("audit") or {}, ref.get("audit") or {}
     for row in sorted(set(audit_a) | set(audit_r)):
-        if _core(audit_a.get(row)) != _core(audit_r.get(row)):
+        key_a, key_r = audit_key(row, audit_a.get(row)), audit_key(row, audit_r.get(row))
+        if key_a is not None and key_r is not None and key_a != key_r:
             out.append(f"audit {row}: {audit_a.get(row)} vs {audit_r.get(row)}")
     return out
 
@@ -105,9 +106,14 @@ def judge(arm: dict, ref: dict, *, envelope: list[float] | None) -> dict:
     return {"verdict": label, "step": step, "max_weight_diff": worst, "differences": diffs}
 
 
-def _core(value) -> str | None:
-    """An audit cell without its parenthesised detail (ZeRO stage, device), for a like-for-like check."""
-    return value.split(" (")[0] if isinstance(value, str) else value
+def audit_key(row: str, value) -> str | None:
+    """What of an audit cell must match between arms: for the reduction its dtype (the collective itself
+    is the strategy's plumbing), elsewhere the cell without its parenthesised detail (stage, device)."""
+    if not isinstance(value, str):
+        return value
+    if row == "grad_reduction":
+        return value[value.rfind("(") + 1:-1] if value.endswith(")") and "one process" not in value else None
+    return value.split(" (")[0]
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

@@ -164,8 +164,13 @@ class ZeroStrategy:
                               f"({dtype_name(self.engine.communication_data_type)})",
             "optimizer_state": dtype_name(first_dtype(optimizer_state_tensors(inner)) or masters),
             "loss_scaling": scaling,
-            "optimizer": type(inner).__name__ + (" (offloaded)" if self.offload_optimizer else ""),
+            "optimizer": _optimizer_label(inner) + (" (offloaded)" if self.offload_optimizer else ""),
         }
+
+
+def _optimizer_label(optimizer) -> str:
+    name = type(optimizer).__name__
+    return f"torch {name}" if type(optimizer).__module__.startswith("torch.optim") else f"DeepSpeed {name}"
 
 
 def _json_offloads_optimizer(recipe) -> bool:
