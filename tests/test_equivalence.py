@@ -41,3 +41,11 @@ def test_ddp_matches_single_sequence_classification(bert_runs):
     ddp = bert_runs.get("ddp-m2a2", nproc=2, overrides=(*DDP, "batch.micro_batch_size=2",
                                                         "batch.grad_accum_steps=2"))
     assert_same_run(ddp, reference)
+
+
+def test_data_parallel_matches_single(llama_runs):
+    # one process: DataParallel splits each micro-batch over the visible GPUs (none here, so the module
+    # runs as is); the run must still be the reference run, through the dp strategy's own code path
+    reference = llama_runs.get("single-m8")
+    assert_same_run(llama_runs.get("dp-m4a2", overrides=("strategy.name=dp", "batch.micro_batch_size=4",
+                                                          "batch.grad_accum_steps=2")), reference)

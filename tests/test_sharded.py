@@ -10,6 +10,8 @@ M2A2 = ("batch.micro_batch_size=2", "batch.grad_accum_steps=2")
 ARMS = {
     "fsdp": ("strategy.name=fsdp", *M4),
     "fsdp-noreshard-accum": ("strategy.name=fsdp", "strategy.reshard_after_forward=false", *M2A2),
+    # HSDP on a 2-D mesh: 2 replicas × 1 shard (the most a 2-rank machine can show); same maths
+    "hsdp": ("strategy.name=fsdp", "strategy.replicate_degree=2", *M4),
     "zero0": ("strategy.name=zero", "strategy.stage=0", *M4),
     "zero1": ("strategy.name=zero", "strategy.stage=1", *M4),
     # stage 2 through the shipped JSON with "auto" values: the passthrough path, same numbers expected
@@ -56,3 +58,11 @@ def test_precision_audit_shows_fsdp_vs_deepspeed_master_weights(llama_runs):
     assert fsdp["forward_params"] == "bf16" and zero["forward_params"] == "bf16"
     assert fsdp["master_weights"].startswith("fp32") and zero["master_weights"].startswith("fp32")
     assert "fp32" in fsdp["grad_reduction"] and "bf16" in zero["grad_reduction"]
+
+
+def test_fsdp_fp16_scales_losses_on_every_rank_alike(llama_runs):
+    run = llama_runs.get("fsdp-fp16", nproc=2, overrides=(
+        "strategy.name=fsdp", "precision=fp16", *M4, "train.max_steps=8", "optim.lr=0.003", "optim.warmup_steps=0"))
+    steps = metrics(run)
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5
+    assert steps[0]["loss_scale"] == 65536.0 and all(isinstance(m["skipped"], bool) for m in steps)
