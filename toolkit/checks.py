@@ -7,11 +7,11 @@ from pathlib import Path
 
 from toolkit.errors import RecipeError
 from toolkit.recipe import BatchPlan, Recipe, plan_batch
-
-ONE_PROCESS = ("single", "dp")
+from toolkit.strategies.names import ONE_PROCESS
 
 
 def check_world(recipe: Recipe, *, world_size: int) -> BatchPlan:
+    """The recipe against a world size: one-process strategies, the HSDP mesh, the batch arithmetic."""
     if recipe.strategy.name in ONE_PROCESS and world_size > 1:
         raise RecipeError(f"strategy {recipe.strategy.name} runs in one process, but {world_size} were asked for; "
                           "use --nproc 1 or strategy.name=ddp")

@@ -15,9 +15,7 @@ import yaml
 
 from toolkit.errors import RecipeError
 from toolkit.recipe import load_recipe, plan_batch
-from toolkit.strategies.names import ARM_ALIASES
-
-ONE_PROCESS_ARMS = ("single", "dp")
+from toolkit.strategies.names import ARM_ALIASES, ONE_PROCESS
 
 
 @dataclass(frozen=True)
@@ -74,7 +72,8 @@ def build_experiment(recipe_path: str, *, strategies: list[str], precisions: lis
     for strategy in strategies:
         for precision in precisions:
             for accum in accums:
-                arm_nproc = 1 if strategy.split("@")[0] in ONE_PROCESS_ARMS else nproc
+                arm_strategy = load_recipe(recipe_path, [*overrides, *arm_overrides(strategy)]).strategy.name
+                arm_nproc = 1 if arm_strategy in ONE_PROCESS else nproc
                 extra = [f"batch.global_batch_size={global_batch}"]
                 if accum is None:
                     extra.append("batch.grad_accum_steps=null")

@@ -7,9 +7,9 @@ import importlib
 from toolkit.strategies.names import STRATEGY_NAMES
 
 _FACTORIES = {
-    "single": ("toolkit.strategies.single", "SingleStrategy"),
-    "dp": ("toolkit.strategies.dp", "DataParallelStrategy"),
-    "ddp": ("toolkit.strategies.ddp", "DdpStrategy"),
+    "single": ("toolkit.strategies.single", "build"),
+    "dp": ("toolkit.strategies.dp", "build"),
+    "ddp": ("toolkit.strategies.ddp", "build"),
     "fsdp": ("toolkit.strategies.fsdp", "FsdpStrategy"),
     "zero": ("toolkit.strategies.zero", "ZeroStrategy"),
 }
@@ -17,5 +17,5 @@ assert set(_FACTORIES) == set(STRATEGY_NAMES)
 
 
 def make_strategy(name: str):
-    module, cls = _FACTORIES[name]
-    return getattr(importlib.import_module(module), cls)()
+    module, factory = _FACTORIES[name]
+    return getattr(importlib.import_module(module), factory)()

@@ -9,49 +9,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from toolkit.strategies.base import SetupArgs, no_context
-from toolkit.strategies.replicated import Replicated
+from toolkit.strategies.base import SetupArgs
+from toolkit.strategies.replicated import Replication, ReplicatedStrategy
 
 
-class DataParallelStrategy:
-    name = "dp"
+def wrap_data_parallel(module: nn.Module, args: SetupArgs) -> nn.Module:
+    assert args.env.world_size == 1, "dp is single-process; the launcher refuses nproc > 1"
+    return nn.DataParallel(module) if torch.cuda.device_count() > 1 else module
 
-    def setup(self, model: nn.Module, args: SetupArgs) -> None:
-        assert args.env.world_size == 1, "dp is single-process; the launcher refuses nproc > 1"
-        self.module = model.to(args.env.device)
-        self._model = nn.DataParallel(self.module) if torch.cuda.device_count() > 1 else self.module
-        self.core = Replicated(self.module, args, reduce_desc="sum onto GPU 0 ({dtype})")
 
-    @property
-    def model(self) -> nn.Module:
-        return self._model
+DP = Replication(name="dp", wrap=wrap_data_parallel, reduce_desc="sum onto GPU 0 ({dtype})")
 
-    def forward_context(self):
-        return self.core.amp.autocast()
 
-    def accumulate(self, *, sync: bool):
-        return no_context()
-
-    def backward(self, loss_share) -> None:
-        self.core.amp.backward(loss_share)
-
-    def step(self, *, max_grad_norm):
-        return self.core.step(max_grad_norm=max_grad_norm)
-
-    def lr(self) -> float:
-        return self.core.lr()
-
-    def replicated_parameters(self):
-        return []
-
-    def full_state_dict(self):
-        return self.core.full_state_dict(is_main=True)
-
-    def export_module(self) -> nn.Module:
-        return self.module
-
-    def state_tensors(self):
-        return self.core.state_tensors()
-
-    def precision_audit(self):
-        return self.core.precision_audit()
+def build() -> ReplicatedStrategy:
+    return ReplicatedStrategy(DP)

@@ -7,6 +7,16 @@ import dataclasses
 from toolkit.errors import RecipeError
 
 STRATEGY_NAMES = ("single", "dp", "ddp", "fsdp", "zero")
+ONE_PROCESS = ("single", "dp")  # strategies that run in exactly one process
+
+# what each strategy holds per rank and what it trades (`toolkit strategies` prints this)
+SUMMARIES = {
+    "single": "one process, full model; the reference every other strategy is checked against",
+    "dp": "torch.nn.DataParallel: one process splits each batch over the visible GPUs; full model on GPU 0",
+    "ddp": "DistributedDataParallel: a full replica per rank, gradients all-reduced; fastest when the model fits",
+    "fsdp": "FSDP2 fully_shard per block: params, grads, optimizer state sharded 1/N; all-gathers per block",
+    "zero": "DeepSpeed ZeRO: stage 1 shards optimizer state, 2 + gradients, 3 + parameters; optional CPU offload",
+}
 
 # strategy.<option> -> the strategies that read it
 OPTION_OWNERS = {

@@ -1,25 +1,61 @@
 """What single, dp and ddp share: full fp32 weights on every rank, autocast, torch AdamW, GradScaler.
 
-A composed helper, not a base class: each of those strategies holds one `Replicated`.
+Each of those strategies is this one class composed with its own `Replication` (how it wraps the module,
+how it reduces gradients): composition, not a base class, so each strategy's module says only what is its own.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ContextManager
 
 import torch
 from torch import nn
 
 from toolkit.precision import Amp, StepResult
-from toolkit.strategies.base import (SetupArgs, cpu_state_dict, dtype_name, first_dtype,
+from toolkit.strategies.base import (SetupArgs, cpu_state_dict, dtype_name, first_dtype, no_context,
                                      optimizer_state_tensors)
 
 
-class Replicated:
-    def __init__(self, module: nn.Module, args: SetupArgs, *, reduce_desc: str):
-        self.module = module  # the unwrapped model, already on its device
+@dataclass(frozen=True, kw_only=True)
+class Replication:
+    name: str
+    wrap: Callable[[nn.Module, SetupArgs], nn.Module]  # the unwrapped module (on its device) -> what forward calls
+    reduce_desc: str  # for the precision audit; "{dtype}" becomes the gradients' dtype
+    skip_sync: Callable[[nn.Module], ContextManager] | None = None  # wrapped -> context without gradient reduction
+    averages_over_ranks: bool = False  # the reduction averages: scale the loss share by the world size
+    multi_rank: bool = False  # ranks hold full replicas (checked for drift), and only rank 0 exports
+
+
+class ReplicatedStrategy:
+    def __init__(self, replication: Replication):
+        self.replication = replication
+        self.name = replication.name
+
+    def setup(self, model: nn.Module, args: SetupArgs) -> None:
+        self.env = args.env
+        self.module = model.to(args.env.device)  # the unwrapped model
+        self._model = self.replication.wrap(self.module, args)
         self.amp = Amp(args.recipe.precision, args.env.device)
-        self.optimizer = args.build_optimizer(module)
+        self.optimizer = args.build_optimizer(self.module)
         self.scheduler = args.build_scheduler(self.optimizer)
-        self.reduce_desc = reduce_desc
+
+    @property
+    def model(self) -> nn.Module:
+        return self._model
+
+    def forward_context(self):
+        return self.amp.autocast()
+
+    def accumulate(self, *, sync: bool):
+        if sync or self.replication.skip_sync is None:
+            return no_context()
+        return self.replication.skip_sync(self._model)
+
+    def backward(self, loss_share) -> None:
+        # loss_share sums to the global mean over ranks; an averaging reduction would divide it again
+        factor = self.env.world_size if self.replication.averages_over_ranks else 1
+        self.amp.backward(loss_share * factor)
 
     def step(self, *, max_grad_norm: float | None) -> StepResult:
         result = self.amp.step(self.optimizer, list(self.module.parameters()), max_grad_norm=max_grad_norm)
@@ -30,8 +66,14 @@ class Replicated:
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
-    def full_state_dict(self, *, is_main: bool) -> dict | None:
-        return cpu_state_dict(self.module) if is_main else None
+    def replicated_parameters(self):
+        return list(self.module.named_parameters()) if self.replication.multi_rank else []
+
+    def full_state_dict(self) -> dict | None:
+        return cpu_state_dict(self.module) if self.env.is_main else None
+
+    def export_module(self) -> nn.Module:
+        return self.module
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         params = list(self.module.parameters())
@@ -43,11 +85,12 @@ class Replicated:
         master = dtype_name(first_dtype(params))
         compute = master if self.amp.precision == "fp32" else f"{self.amp.precision} (autocast)"
         grads = [p.grad for p in params if p.grad is not None]
+        grad_dtype = dtype_name(first_dtype(grads)) if grads else master
         return {
             "forward_params": compute,
             "master_weights": master,
-            "gradients": dtype_name(first_dtype(grads)) if grads else master,
-            "grad_reduction": self.reduce_desc.format(dtype=dtype_name(first_dtype(grads)) if grads else master),
+            "gradients": grad_dtype,
+            "grad_reduction": self.replication.reduce_desc.format(dtype=grad_dtype),
             "optimizer_state": dtype_name(first_dtype(optimizer_state_tensors(self.optimizer))) or master,
             "loss_scaling": (f"dynamic (GradScaler, init {self.amp.scaler.get_scale():g})"
                              if self.amp.scaler else "off"),
