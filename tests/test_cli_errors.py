@@ -75,3 +75,13 @@ def test_single_strategy_refuses_two_ranks(tmp_path, tiny_llama_dir):
 def test_help_lists_shipped_recipes():
     result = run_cli("--help", cwd=REPO)
     assert result.returncode == 0 and "recipes/minilm-sst.yaml" in result.stdout
+
+
+def test_strategies_lists_every_strategy_with_its_options():
+    from toolkit.strategies.names import OPTION_OWNERS, STRATEGY_NAMES
+
+    result = run_cli("strategies", cwd=REPO)
+    assert result.returncode == 0
+    names = [line.split()[0] for line in result.stdout.splitlines() if line and not line.startswith(" ")]
+    assert names[:len(STRATEGY_NAMES)] == list(STRATEGY_NAMES)
+    assert all(f"strategy.{option}" in result.stdout for option in OPTION_OWNERS)

@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("recipe")
     _add_overrides(validate)
 
+    sub.add_parser("strategies", help="list the strategies, their recipe options and the compare arm names")
+
     from toolkit.compare.cli import add_compare_commands
 
     add_compare_commands(sub, _add_overrides)
@@ -109,6 +111,20 @@ def cmd_validate(args) -> int:
     return 0
 
 
+def cmd_strategies(args) -> int:
+    from toolkit.strategies.names import ARM_ALIASES, OPTION_OWNERS, STRATEGY_NAMES, SUMMARIES
+
+    for name in STRATEGY_NAMES:
+        options = [f"strategy.{key}" for key, owners in OPTION_OWNERS.items() if name in owners]
+        print(f"{name:<7} {SUMMARIES[name]}")
+        if options:
+            print(f"{'':<7} options: {', '.join(options)}")
+    print("\ncompare arms (toolkit compare --strategies a,b,...; add overrides as arm@key=value):")
+    for alias, overrides in ARM_ALIASES.items():
+        print(f"  {alias:<14} {' '.join(overrides)}")
+    return 0
+
+
 def _exit_after_deepspeed() -> None:
     """Every output is written and the process group is gone; leave without interpreter teardown.
     DeepSpeed's CPU shared-memory comm op keeps native threads that can abort the teardown
@@ -131,7 +147,7 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
 
 
-COMMANDS = {"train": cmd_train, "launch": cmd_launch, "validate": cmd_validate}
+COMMANDS = {"train": cmd_train, "launch": cmd_launch, "validate": cmd_validate, "strategies": cmd_strategies}
 
 
 def main(argv: list[str] | None = None) -> int:
