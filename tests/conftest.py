@@ -26,21 +26,30 @@ def _minilm_tokenizer():
     return AutoTokenizer.from_pretrained(str(resolve_path(MINILM)))
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory) -> Path:
-    """A 2-layer Llama written by save_pretrained; recipes load it back with from_pretrained."""
+def _save_tiny_llama(path: Path, *, tie_word_embeddings: bool) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    path = tmp_path_factory.mktemp("models") / "tiny-llama"
     tokenizer = _minilm_tokenizer()
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         pad_token_id=tokenizer.pad_token_id)
+                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tie_word_embeddings)
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A 2-layer Llama written by save_pretrained; recipes load it back with from_pretrained."""
+    return _save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_tied_llama_dir(tmp_path_factory) -> Path:
+    """The same Llama with its output layer tied to the input embedding (like recipes/llama-tiny.yaml)."""
+    return _save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-tied-llama", tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="session")

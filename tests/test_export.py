@@ -25,3 +25,20 @@ def test_exported_model_loads_with_plain_transformers(tmp_path, tiny_llama_dir):
     with torch.no_grad():
         assert not torch.equal(initial(input_ids=ids).logits, loaded(input_ids=ids).logits)
     assert (out / "recipe.yaml").is_file() and (out / "run.json").is_file()
+
+
+def test_tied_embedding_is_exported_once_and_reloads_tied(tmp_path, tiny_tied_llama_dir):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", model_dir=tiny_tied_llama_dir, output_dir=out,
+                                      train={"max_steps": 2}))
+    result = train(recipe, DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+    names = set(load_file(str(out / "model" / "model.safetensors")))
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    loaded = AutoModelForCausalLM.from_pretrained(out / "model").eval()
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    ids = torch.tensor([[101, 2023, 3185, 2001, 2307, 102]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits,
+                                   result.strategy.export_module().eval()(input_ids=ids).logits, rtol=0, atol=0)

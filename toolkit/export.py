@@ -5,7 +5,23 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from torch import nn
+
 from toolkit.dist import DistEnv, barrier
+
+
+def without_tied_aliases(module: nn.Module, state_dict: dict) -> dict:
+    """Keep one name per tied parameter (the first, e.g. `model.embed_tokens.weight`, not `lm_head.weight`).
+
+    How save_pretrained treats a tied pair depends on whether the two entries share storage, which
+    differs between strategies (copies here, one gathered tensor there); dropping the aliases first
+    gives every strategy the same file, and from_pretrained re-ties them from the config."""
+    first_name: dict[int, str] = {}
+    aliases = set()
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if first_name.setdefault(id(param), name) != name:
+            aliases.add(name)
+    return {k: v for k, v in state_dict.items() if k not in aliases}
 
 
 def export_model(strategy, *, tokenizer, out_dir: Path, env: DistEnv) -> Path:
@@ -16,7 +32,7 @@ def export_model(strategy, *, tokenizer, out_dir: Path, env: DistEnv) -> Path:
         tmp = out_dir / ".model.partial"
         shutil.rmtree(tmp, ignore_errors=True)
         module = strategy.export_module()
-        module.save_pretrained(str(tmp), state_dict=state_dict)
+        module.save_pretrained(str(tmp), state_dict=without_tied_aliases(module, state_dict))
         tokenizer.save_pretrained(str(tmp))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)

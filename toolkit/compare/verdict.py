@@ -93,6 +93,8 @@ def judge(arm: dict, ref: dict, *, envelope: list[float] | None) -> dict:
     diffs = setting_differences(arm, ref)
     step = first_step_outside(arm["metrics"], ref["metrics"], loss_tol=FP32_RTOL, norm_tol=norm_tol)
     close, worst = weights_close(arm["dir"], ref["dir"], rtol=FP32_RTOL)
+    if worst == float("inf"):
+        diffs = [*diffs, "exported weights: the two model files hold different tensor names"]
     if step is None and close:
         return {"verdict": "equivalent", "step": None, "max_weight_diff": worst, "differences": diffs}
     if envelope is not None:
