@@ -10,9 +10,10 @@ from conftest import run_cli, write_recipe
 
 
 @pytest.fixture(scope="module")
-def experiment(tmp_path_factory, tiny_llama_dir):
+def experiment(tmp_path_factory, tiny_tied_llama_dir):
+    # tied input/output embeddings: each strategy gathers the shared weight its own way, the exports must agree
     root = tmp_path_factory.mktemp("compare")
-    recipe = write_recipe(root / "recipe.yaml", model_dir=tiny_llama_dir, output_dir=root / "unused",
+    recipe = write_recipe(root / "recipe.yaml", model_dir=tiny_tied_llama_dir, output_dir=root / "unused",
                           batch={"micro_batch_size": 4, "grad_accum_steps": 1})
     out = root / "exp"
     result = run_cli("compare", str(recipe), "--strategies", "single,ddp,fsdp,zero2,zero3", "--nproc", "2",
@@ -61,6 +62,30 @@ def test_measurements_are_present(experiment):
         assert 0 < arm["mfu"] < 1 and "measured" in arm["peak_source"]
         assert all(b > 0 for b in arm["peak_mem_bytes_per_rank"])
         assert arm["final_eval_loss"] is not None and len(arm["losses"]) == 5
+
+
+def test_communication_per_step_is_counted_from_the_collectives(experiment):
+    out, results, _ = experiment
+    arms = _arms(results)
+    num_params = json.loads((out / "ddp" / "run.json").read_text())["num_params"]
+    grad_bytes = 4 * num_params  # fp32: one gradient of every parameter (the tied embedding once)
+    loop_bytes = 4 * 8  # the loop's own all-reduces per step: 3 float64 counts + the float64 loss sum
+    assert arms["single"]["comm"]["total_bytes"] == 0  # one process: nothing to communicate
+    ddp = arms["ddp"]["comm"]
+    assert ddp["step"] == 3
+    # DDP all-reduces every gradient once, in buckets; rotary inv_freq is a buffer DDP broadcasts each forward
+    assert ddp["bytes_by_op"]["allreduce_"] == grad_bytes + loop_bytes
+    assert set(ddp["bytes_by_op"]) <= {"allreduce_", "broadcast_"} and ddp["bytes_by_op"].get("broadcast_", 0) < 1024
+    for name in ("fsdp", "zero3"):
+        ops = arms[name]["comm"]["bytes_by_op"]
+        # each rank reduce-scatters every full gradient (FSDP2 pads shards to equal size, hence <=1% slack)
+        assert grad_bytes <= ops["_reduce_scatter_base_"] <= grad_bytes * 1.01, (name, ops)
+        # and all-gathers from its own half of the parameters (at least once per step)
+        assert ops["_allgather_base_"] >= grad_bytes / 2 * 0.99, (name, ops)
+    # the counted step is left out of the throughput medians (its per-op hook costs time)
+    metrics = [json.loads(l) for l in (out / "ddp" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "comm_bytes" in m] == [3]
+    assert "Communication per step" in (out / "report.md").read_text()
 
 
 def test_report_files_exist_and_html_renders(experiment, tmp_path):

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from toolkit import runinfo
+from toolkit.checks import check_world
+from toolkit.comm import count_collectives
 from toolkit.consistency import check_replicas
 from toolkit.data import Collator, GlobalBatchSampler, load_split, train_loader
 from toolkit.dist import DistEnv, all_reduce_sum
@@ -29,9 +31,14 @@ from toolkit.metrics import JsonlWriter, Progress, peak_memory_bytes, synchroniz
 from toolkit.model import build_model, load_tokenizer
 from toolkit.optim import build_adamw, build_scheduler
 from toolkit.precision import check_precision_supported
-from toolkit.recipe import Recipe, plan_batch
+from toolkit.recipe import Recipe
 from toolkit.strategies import make_strategy
 from toolkit.strategies.base import SetupArgs
+
+
+# the step whose collectives are counted (see toolkit/comm.py): past DDP's bucket rebuild and ZeRO-3's
+# first-step parameter fetches, so it shows a steady step; it is left out of throughput medians
+COMM_COUNT_STEP = 3
 
 
 @dataclass
@@ -77,10 +84,7 @@ def run_microbatches(strategy, micro_batches: list[dict], *, task: str, env: Dis
 
 def prepare(recipe: Recipe, env: DistEnv):
     """Everything that can fail on user input, before any output is written."""
-    plan = plan_batch(recipe.batch, world_size=env.world_size)
-    if recipe.strategy.name in ("single", "dp") and env.world_size > 1:
-        raise RecipeError(f"strategy {recipe.strategy.name} runs in one process, but {env.world_size} were launched; "
-                          "launch with --nproc 1 or use strategy.name=ddp")
+    plan = check_world(recipe, world_size=env.world_size)  # again here: torchrun/accelerate skip `toolkit launch`
     check_precision_supported(recipe.precision, env.device)
     tokenizer = load_tokenizer(recipe.model)
     kwargs = dict(data=recipe.data, task=recipe.model.task, tokenizer=tokenizer, env=env)
@@ -114,9 +118,10 @@ def train(recipe: Recipe, env: DistEnv) -> TrainResult:
     progress = Progress(total=total_steps, enabled=env.is_main and recipe.train.progress,
                         log_every=recipe.train.log_every)
     losses = []
+    comm_step = min(COMM_COUNT_STEP, total_steps)
     for step in range(1, total_steps + 1):
         record = train_step(strategy, [next(loader) for _ in range(plan.grad_accum_steps)],
-                            recipe=recipe, env=env, step=step, info=info)
+                            recipe=recipe, env=env, step=step, info=info, count_comm=step == comm_step)
         every = recipe.train.eval_every
         if eval_ds is not None and ((every and step % every == 0) or step == total_steps):
             record["eval_loss"] = evaluate(strategy, eval_ds, collator=collator, recipe=recipe, env=env)
@@ -135,14 +140,18 @@ def train(recipe: Recipe, env: DistEnv) -> TrainResult:
     return TrainResult(output_dir=out_dir, strategy=strategy, losses=losses)
 
 
-def train_step(strategy, micro_batches: list[dict], *, recipe: Recipe, env: DistEnv, step: int, info) -> dict:
+def train_step(strategy, micro_batches: list[dict], *, recipe: Recipe, env: DistEnv, step: int, info,
+               count_comm: bool) -> dict:
     synchronize(env.device)
     start = time.perf_counter()
     lr = strategy.lr()
-    loss, counts = run_microbatches(strategy, micro_batches, task=recipe.model.task, env=env)
-    if step == 1:
-        runinfo.record_before_first_step(info, strategy, env=env)
-    result = strategy.step(max_grad_norm=recipe.optim.max_grad_norm)
+    with count_collectives(count_comm) as comm:
+        loss, counts = run_microbatches(strategy, micro_batches, task=recipe.model.task, env=env)
+        if step == 1:
+            runinfo.record_before_first_step(info, strategy, env=env)  # local reads only, no collective
+        result = strategy.step(max_grad_norm=recipe.optim.max_grad_norm)
+    if comm is not None:
+        runinfo.record_comm(info, comm.summary(), step=step)
     if step == 1:
         runinfo.record_after_first_step(info, strategy, env=env)
     synchronize(env.device)
@@ -151,4 +160,5 @@ def train_step(strategy, micro_batches: list[dict], *, recipe: Recipe, env: Dist
             "tokens": counts["tokens"], "samples": counts["samples"], "loss_items": counts["items"],
             "tokens_per_s": counts["tokens"] / step_time_s, "samples_per_s": counts["samples"] / step_time_s,
             "step_time_s": step_time_s, "peak_mem_bytes": peak_memory_bytes(env.device),
-            "loss_scale": result.loss_scale, "skipped": result.skipped}
+            "loss_scale": result.loss_scale, "skipped": result.skipped,
+            **({"comm_bytes": comm.total_bytes} if comm is not None else {})}

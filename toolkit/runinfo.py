@@ -97,6 +97,12 @@ def record_after_first_step(info: dict, strategy, *, env: DistEnv) -> None:
         _write(info, Path(info["_out_dir"]))
 
 
+def record_comm(info: dict, summary: dict, *, step: int) -> None:
+    """Rank 0's collective input bytes of one step (written with run.json at the end)."""
+    info["comm_per_step"] = {"step": step, **summary,
+                             "counts": "input bytes this rank handed to c10d collectives (not wire bytes)"}
+
+
 def finish(info: dict, *, env: DistEnv, out_dir: Path, losses: list[float]) -> None:
     mine = {"peak_mem_bytes": peak_memory_bytes(env.device), "peak_reserved_bytes": peak_reserved_bytes(env.device)}
     info["peak_memory"] = gather_objects(mine, env)

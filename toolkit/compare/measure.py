@@ -27,7 +27,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def throughput(metrics: list[dict]) -> dict:
-    steady = metrics[warmup_steps(len(metrics)):] or metrics
+    # the step that counted collectives ran a Python hook per op: not a representative time
+    steady = [m for m in metrics[warmup_steps(len(metrics)):] if "comm_bytes" not in m] or metrics
     times = [m["step_time_s"] for m in steady]
     return {
         "tokens_per_s": statistics.median(m["tokens_per_s"] for m in steady),

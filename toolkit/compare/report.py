@@ -50,7 +50,7 @@ def build_results(experiment: Experiment) -> dict:
         row.update(precision=run["precision"], strategy=run["strategy"], **speed, **measure.memory(run),
                    **measure.mfu(run, speed["tokens_per_s"]),
                    final_loss=metrics[-1]["loss"], final_eval_loss=_last_eval(metrics),
-                   comm_bytes_per_step="n/a", flops=run["flops"], audit=arm["audit"], batch=run["batch"],
+                   comm=run.get("comm_per_step"), flops=run["flops"], audit=arm["audit"], batch=run["batch"],
                    losses=[m["loss"] for m in metrics], grad_norms=[m["grad_norm"] for m in metrics],
                    recipe=arm["recipe"])
         if reference["status"] == "completed":
@@ -89,11 +89,11 @@ def _mib(values) -> str:
 
 def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
     head = ["arm", "world", "precision", "tokens/s", "× ref", "step ms (p10–p90)", "peak MiB/rank",
-            "model-state MiB/rank", "MFU", "final loss", "eval loss", "verdict"]
+            "model-state MiB/rank", "comm MiB/step", "MFU", "final loss", "eval loss", "verdict"]
     rows = []
     for r in results["arms"]:
         if r["status"] != "completed":
-            rows.append([r["arm"], str(r["world_size"]), "", "", "", "", "", "", "", "", "",
+            rows.append([r["arm"], str(r["world_size"]), "", "", "", "", "", "", "", "", "", "",
                          f"failed: {r['error']}"[:120]])
             continue
         rows.append([
@@ -101,6 +101,7 @@ def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
             f"{r.get('speedup_vs_reference', float('nan')):.2f}",
             f"{r['step_time_s'] * 1e3:.0f} ({r['step_time_p10_s'] * 1e3:.0f}–{r['step_time_p90_s'] * 1e3:.0f})",
             _mib(r["peak_mem_bytes_per_rank"]), _mib(r["model_state_bytes_per_rank"]),
+            f"{r['comm']['total_bytes'] / 2 ** 20:.2f}" if r.get("comm") else "n/a",
             f"{r['mfu'] * 100:.2f}%" if r.get("mfu") is not None else "n/a",
             f"{r['final_loss']:.4f}", f"{r['final_eval_loss']:.4f}" if r["final_eval_loss"] is not None else "n/a",
             r["verdict"]])
@@ -179,6 +180,23 @@ def _explanations(results: dict) -> list[str]:
     return out
 
 
+def _comm_lines(results: dict) -> list[str]:
+    out = []
+    for r in results["arms"]:
+        comm = r.get("comm")
+        if not comm:
+            continue
+        ops = ", ".join(f"{op} {b / 2 ** 20:.2f} MiB in {comm['calls_by_op'][op]} call(s)"
+                        for op, b in comm["bytes_by_op"].items()) or "no collectives"
+        out.append(f"{r['arm']} (step {comm['step']}, rank 0): {ops}")
+    return out
+
+
+COMM_NOTE = ("Bytes each rank handed to collectives (the inputs of all-reduce / all-gather / reduce-scatter / "
+             "broadcast), counted at the c10d dispatcher during one steady step; wire traffic depends on the "
+             "backend's algorithm (a ring all-reduce sends about 2(N-1)/N of its input).")
+
+
 def _flops_note(results: dict) -> str:
     first = next((r for r in results["arms"] if r.get("flops")), None)
     if not first:
@@ -202,6 +220,8 @@ def render_markdown(results: dict, plots: list[Path]) -> str:
     lines += ["", "## Precision audit (read from the live objects; **bold** = differs from the reference)", "",
               "| " + " | ".join(a_head) + " |", "|" + "---|" * len(a_head)]
     lines += ["| " + " | ".join(f"**{t}**" if d else t for t, d in row) + " |" for row in a_rows]
+    lines += ["", "## Communication per step", "", COMM_NOTE, ""]
+    lines += [f"- {c}" for c in _comm_lines(results)] or ["- n/a"]
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     lines += ["", "## Tolerances", "", "```", results["tolerances"], "```", "", "## Resolved recipes", ""]
     for r in results["arms"]:
@@ -227,6 +247,7 @@ def render_html(results: dict, plots: list[Path]) -> str:
                      for p in plots)
     why = "".join(f"<li>{esc(e.replace('**', ''))}</li>" for e in _explanations(results)) or \
         "<li>every arm matches the reference</li>"
+    comm = "".join(f"<li>{esc(c)}</li>" for c in _comm_lines(results)) or "<li>n/a</li>"
     recipes = "".join(f"<details><summary>{esc(r['arm'])}</summary><pre>"
                       f"{esc(yaml.safe_dump(r['recipe'], sort_keys=False))}</pre></details>"
                       for r in results["arms"] if r.get("recipe"))
@@ -241,6 +262,6 @@ pre{{background:#f6f6f6;padding:8px}}</style></head><body>
 {esc(str(results['machine'].get('versions')))}</p>{table}<p>{esc(_flops_note(results))}</p>
 <h2>Why arms differ</h2><ul>{why}</ul>
 <h2>Precision audit</h2><p>Read from the live objects after setup; highlighted cells differ from the reference.</p>
-{audit}<h2>Plots</h2>{images}<h2>Tolerances</h2><pre>{esc(results['tolerances'])}</pre>
+{audit}<h2>Communication per step</h2><p>{esc(COMM_NOTE)}</p><ul>{comm}</ul><h2>Plots</h2>{images}<h2>Tolerances</h2><pre>{esc(results['tolerances'])}</pre>
 <h2>Resolved recipes</h2>{recipes}</body></html>
 """

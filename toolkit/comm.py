@@ -1,0 +1,74 @@
+"""Communication volume of one optimizer step, counted where every collective passes: the c10d dispatcher.
+
+DDP's reducer, FSDP2's all-gather/reduce-scatter, DTensor's functional collectives and DeepSpeed's
+`deepspeed.comm` (over torch.distributed) all call `torch.ops.c10d.*` / `torch.ops._c10d_functional.*`,
+so one TorchDispatchMode sees them without knowing the strategy. What it counts is each call's *input*
+payload on this rank (an all-gather's local shard, a reduce-scatter's full input, an all-reduce's
+buffer): bytes handed to the collective, not bytes on the wire, which depend on the algorithm (ring,
+tree) the backend picks. The mode costs Python time per op, so the loop turns it on for one step and
+that step is left out of throughput medians.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# op name (without overload) -> which argument holds the tensors this rank sends
+_C10D_INPUT_ARG = {
+    "allreduce_": 0, "allreduce_coalesced_": 0, "broadcast_": 0, "reduce_": 0, "send": 0,
+    "allgather_": 1, "_allgather_base_": 1, "allgather_coalesced_": 1, "allgather_into_tensor_coalesced_": 1,
+    "reduce_scatter_": 1, "_reduce_scatter_base_": 1, "reduce_scatter_tensor_coalesced_": 1,
+    "alltoall_": 1, "alltoall_base_": 1, "gather_": 1, "scatter_": 1,
+}
+_FUNCTIONAL = {"all_reduce", "all_reduce_coalesced", "all_gather_into_tensor", "all_gather_into_tensor_coalesced",
+               "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_to_all_single", "broadcast"}
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _payload_bytes(tensors: list[torch.Tensor]) -> int:
+    # a DTensor reaching the dispatcher here is unwrapped later; its local shard is what moves
+    return sum(getattr(t, "_local_tensor", t).numel() * t.element_size() for t in tensors)
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts calls and input bytes per collective op while active. Passes every op through unchanged."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes_by_op: dict[str, int] = {}
+        self.calls_by_op: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace, name = func.namespace, func.__name__.split(".")[0]
+        index = None
+        if namespace == "c10d":
+            index = _C10D_INPUT_ARG.get(name)
+        elif namespace == "_c10d_functional" and name in _FUNCTIONAL:
+            index = 0
+        if index is not None and len(args) > index:
+            self.bytes_by_op[name] = self.bytes_by_op.get(name, 0) + _payload_bytes(_tensors(args[index]))
+            self.calls_by_op[name] = self.calls_by_op.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_by_op.values())
+
+    def summary(self) -> dict:
+        return {"total_bytes": self.total_bytes, "bytes_by_op": dict(sorted(self.bytes_by_op.items())),
+                "calls_by_op": dict(sorted(self.calls_by_op.items()))}
+
+
+def count_collectives(enabled: bool):
+    """A CollectiveCounter around the block when enabled, else a do-nothing context yielding None."""
+    return CollectiveCounter() if enabled else contextlib.nullcontext()
