@@ -37,24 +37,27 @@ def test_zero3_offload_matches_single_process(llama_runs):
     assert_same_run(run, reference, rtol=1e-4)
 
 
+def bf16_run(llama_runs, arm: str):
+    _, *stage = arm.split("zero")
+    strategy = ("strategy.name=zero", f"strategy.stage={stage[0]}") if stage else (f"strategy.name={arm}",)
+    return llama_runs.get(f"{arm}-bf16", nproc=2, overrides=(
+        *strategy, "precision=bf16", *M4, "train.max_steps=8", "optim.lr=0.003", "optim.warmup_steps=0"))
+
+
 @pytest.mark.parametrize("arm", ["ddp", "fsdp", "zero2", "zero3"])
 def test_bf16_runs_complete_with_falling_loss(llama_runs, arm):
-    name, *stage = arm.split("zero")
-    strategy = ("strategy.name=zero", f"strategy.stage={stage[0]}") if stage else (f"strategy.name={arm}",)
-    run = llama_runs.get(f"{arm}-bf16", nproc=2, overrides=(
-        *strategy, "precision=bf16", *M4, "train.max_steps=8", "optim.lr=0.003", "optim.warmup_steps=0"))
-    steps = metrics(run)
+    steps = metrics(bf16_run(llama_runs, arm))
     assert len(steps) == 8 and steps[-1]["loss"] < steps[0]["loss"] - 0.5
 
 
 def test_precision_audit_shows_fsdp_vs_deepspeed_master_weights(llama_runs):
     import json
 
-    def audit(name):
-        return json.loads((llama_runs.get(name, nproc=2) / "run.json").read_text())["precision_audit"]
+    def audit(arm):
+        return json.loads((bf16_run(llama_runs, arm) / "run.json").read_text())["precision_audit"]
 
     # bf16 compute in both; DeepSpeed updates fp32 masters it keeps, FSDP updates the fp32 load-dtype shards
-    fsdp, zero = audit("fsdp-bf16"), audit("zero3-bf16")
+    fsdp, zero = audit("fsdp"), audit("zero3")
     assert fsdp["forward_params"] == "bf16" and zero["forward_params"] == "bf16"
     assert fsdp["master_weights"].startswith("fp32") and zero["master_weights"].startswith("fp32")
     assert "fp32" in fsdp["grad_reduction"] and "bf16" in zero["grad_reduction"]

@@ -39,9 +39,9 @@ class StepResult:
 class Amp:
     """autocast for the forward, GradScaler for fp16 backward/step; a no-op in fp32."""
 
-    def __init__(self, precision: str, device: torch.device):
+    def __init__(self, precision: str, device: torch.device, *, scaler_class=torch.amp.GradScaler):
         self.precision, self.device = precision, device
-        self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+        self.scaler = scaler_class(device.type) if precision == "fp16" else None
 
     def autocast(self):
         if self.precision == "fp32":

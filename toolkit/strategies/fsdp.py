@@ -12,17 +12,15 @@ MixedPrecisionPolicy.param_dtype for compute and reduces gradients in fp32.
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from toolkit.model import transformer_blocks
-from toolkit.precision import DTYPES, StepResult
+from toolkit.precision import DTYPES, Amp, StepResult
 from toolkit.strategies.base import (SetupArgs, dtype_name, first_dtype, no_context, optimizer_state_tensors)
 
 
@@ -47,8 +45,9 @@ class FsdpStrategy:
         self._model = model
         self.optimizer = args.build_optimizer(model)
         self.scheduler = args.build_scheduler(self.optimizer)
-        # fp16: one found-inf verdict for all ranks (each sees only its shard of the gradients)
-        self.scaler = ShardedScaler(env.device) if self.precision == "fp16" else None
+        # fp16: ShardedGradScaler all-reduces found-inf, so every rank (each seeing only its gradient
+        # shards) skips the same steps. Autocast stays off: MixedPrecisionPolicy casts inside each unit.
+        self.amp = Amp(self.precision, env.device, scaler_class=ShardedGradScaler)
 
     @property
     def model(self) -> nn.Module:
@@ -63,23 +62,14 @@ class FsdpStrategy:
         return no_context()
 
     def backward(self, loss_share: torch.Tensor) -> None:
-        loss = loss_share * self.env.world_size  # FSDP's reduce-scatter averages over ranks
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        self.amp.backward(loss_share * self.env.world_size)  # FSDP's reduce-scatter averages over ranks
 
     def step(self, *, max_grad_norm: float | None) -> StepResult:
         params = [p for p in self._model.parameters() if p.grad is not None]
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer, params)
-        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else math.inf)
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # collective + sync
-        skipped, scale = False, None
-        if self.scaler:
-            skipped, scale = self.scaler.step(self.optimizer)
-        else:
-            self.optimizer.step()
+        result = self.amp.step(self.optimizer, params, max_grad_norm=max_grad_norm, clip=clip_sharded)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(grad_norm=grad_norm, skipped=skipped, loss_scale=scale)
+        return result
 
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
@@ -111,7 +101,8 @@ class FsdpStrategy:
             "gradients": dtype_name(first_dtype(grads)) if grads else dtype_name(stored),
             "grad_reduction": f"reduce-scatter mean ({dtype_name(reduce)})",
             "optimizer_state": dtype_name(first_dtype(optimizer_state_tensors(self.optimizer)) or stored),
-            "loss_scaling": f"dynamic (sharded, init {self.scaler.scale_value:g})" if self.scaler else "off",
+            "loss_scaling": (f"dynamic (ShardedGradScaler, init {self.amp.scaler.get_scale():g})"
+                             if self.amp.scaler else "off"),
             "optimizer": f"torch {type(self.optimizer).__name__}",
         }
 
@@ -124,36 +115,7 @@ def build_mesh(device_type: str, *, world_size: int, replicate: int):
     return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
 
 
-class ShardedScaler:
-    """Dynamic fp16 loss scaling for sharded gradients: the inf/nan check is all-reduced over ranks,
-    so every rank skips (or takes) the same steps. Same schedule as torch.amp.GradScaler."""
-
-    def __init__(self, device: torch.device, *, init_scale: float = 2.0 ** 16, growth_interval: int = 2000):
-        self.device, self.scale_value, self.growth_interval = device, init_scale, growth_interval
-        self.good_steps, self.found_inf = 0, False
-
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.scale_value
-
-    def unscale_(self, optimizer, params) -> None:
-        inv = 1.0 / self.scale_value
-        local_bad = torch.zeros(1, device=self.device)
-        for param in params:
-            grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
-            grad.mul_(inv)
-            if not torch.isfinite(grad).all():
-                local_bad.fill_(1.0)
-        if dist.is_initialized():
-            dist.all_reduce(local_bad, op=dist.ReduceOp.MAX)
-        self.found_inf = bool(local_bad.item())
-
-    def step(self, optimizer) -> tuple[bool, float]:
-        if self.found_inf:
-            self.scale_value /= 2.0
-            self.good_steps = 0
-        else:
-            optimizer.step()
-            self.good_steps += 1
-            if self.good_steps % self.growth_interval == 0:
-                self.scale_value *= 2.0
-        return self.found_inf, self.scale_value
+def clip_sharded(params, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ over DTensor gradient shards; the norm comes back replicated (a collective)."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
