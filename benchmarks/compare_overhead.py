@@ -1,11 +1,13 @@
 """The toolkit's step time vs a minimal hand-written loop of the same strategy, same model and batches.
 
-    python benchmarks/compare_overhead.py [--strategies ddp,fsdp,zero2] [--steps 40] [--nproc 2] [--repeats 2]
+    python benchmarks/compare_overhead.py [--strategies ddp,fsdp,zero2,zero3] [--steps 60] [--nproc 2]
 
-For each strategy, `toolkit launch` and `benchmarks/minimal_loop.py` (plain DDP / fully_shard /
-deepspeed.initialize under torchrun) run alternately `--repeats` times on the same resolved recipe, so
-both see identical micro-batches at every step. Each run's step time is the median after a warm-up
-fifth; the table shows the median over repeats and the toolkit's overhead in percent (target < 3%).
+One torchrun job per strategy runs `benchmarks/overhead_worker.py`: the toolkit's `train_step` (plus its
+metrics write) and a minimal plain DDP / fully_shard / deepspeed.initialize step, on two identical
+models, alternating step by step on the same micro-batches. Steps in the first fifth are warm-up.
+Columns: median step time of each side; the overhead as the median of the per-step paired ratios
+(toolkit/minimal on the same batch, the steadier number on a noisy machine) with their p25–p75 band,
+which shows how much of it is noise. Target: toolkit overhead < 3%.
 """
 
 from __future__ import annotations
@@ -23,59 +25,47 @@ sys.path.insert(0, str(REPO))
 from toolkit.strategies.names import ARM_ALIASES  # noqa: E402
 
 
-def median_after_warmup(times: list[float]) -> float:
-    return statistics.median(times[max(1, len(times) // 5):])
-
-
-def run(cmd: list[str]) -> None:
+def measure(recipe: str, overrides: list[str], *, nproc: int, out: Path) -> dict:
+    sets = [a for o in overrides for a in ("--set", o)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(REPO / "benchmarks" / "overhead_worker.py"), "--recipe", recipe, "--out", str(out), *sets]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if result.returncode:
         sys.exit(f"failed: {' '.join(cmd)}\n{result.stderr[-3000:]}")
+    return json.loads(out.read_text())
 
 
-def sets(items: list[str]) -> list[str]:
-    return [a for s in items for a in ("--set", s)]
-
-
-def toolkit_step_s(recipe: str, overrides: list[str], *, nproc: int, out: Path) -> float:
-    run([sys.executable, "-m", "toolkit", "launch", "--nproc", str(nproc), recipe,
-         *sets([*overrides, f"output_dir={out}"])])
-    return median_after_warmup([json.loads(l)["step_time_s"] for l in (out / "metrics.jsonl").read_text().splitlines()])
-
-
-def minimal_step_s(recipe: str, overrides: list[str], *, nproc: int, out: Path) -> float:
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-         str(REPO / "benchmarks" / "minimal_loop.py"), "--recipe", recipe, "--out", str(out), *sets(overrides)])
-    return median_after_warmup(json.loads(out.read_text())["step_time_s"])
+def summarise(times: dict) -> tuple[float, float, float, float, float]:
+    skip = max(1, len(times["toolkit"]) // 5)
+    toolkit, minimal = times["toolkit"][skip:], times["minimal"][skip:]
+    ratios = [(a / b - 1) * 100 for a, b in zip(toolkit, minimal)]
+    p25, _, p75 = statistics.quantiles(ratios, n=4)
+    return (statistics.median(toolkit) * 1e3, statistics.median(minimal) * 1e3, statistics.median(ratios),
+            p25, p75)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--strategies", default="ddp,fsdp,zero2")
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--strategies", default="ddp,fsdp,zero2,zero3")
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--recipe", default=str(REPO / "recipes" / "llama-tiny.yaml"))
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help="extra recipe overrides")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.strategies.split(","):
-            # no eval, no progress bar, no dropout, a constant lr: nothing the minimal loop lacks
+            # no eval, no dropout, a constant lr, no accumulation: nothing the minimal step lacks
             overrides = [*ARM_ALIASES[name], f"train.max_steps={args.steps}", "train.eval_every=null",
                          "data.eval=null", "train.progress=false", "model.dropout=0.0", "optim.warmup_steps=0",
-                         "optim.schedule=constant", "batch.grad_accum_steps=1"]
-            toolkit, minimal = [], []
-            for repeat in range(args.repeats):
-                toolkit.append(toolkit_step_s(args.recipe, overrides, nproc=args.nproc, out=Path(tmp) / f"{name}-{repeat}"))
-                minimal.append(minimal_step_s(args.recipe, overrides, nproc=args.nproc,
-                                              out=Path(tmp) / f"{name}-{repeat}-minimal.json"))
-                print(f"{name} repeat {repeat + 1}/{args.repeats}: toolkit {toolkit[-1] * 1e3:.1f} ms, "
-                      f"minimal {minimal[-1] * 1e3:.1f} ms", file=sys.stderr)
-            t, m = statistics.median(toolkit), statistics.median(minimal)
-            rows.append((name, t * 1e3, m * 1e3, (t / m - 1) * 100))
-    print(f"{'strategy':<10}{'toolkit ms':>12}{'minimal ms':>12}{'overhead %':>12}")
-    for name, t, m, over in rows:
-        print(f"{name:<10}{t:>12.1f}{m:>12.1f}{over:>12.1f}")
+                         "optim.schedule=constant", "batch.grad_accum_steps=1", f"output_dir={tmp}/{name}",
+                         *args.overrides]
+            rows.append((name, *summarise(measure(args.recipe, overrides, nproc=args.nproc,
+                                                  out=Path(tmp) / f"{name}.json"))))
+            print(f"{name}: done", file=sys.stderr, flush=True)
+    print(f"{'strategy':<10}{'toolkit ms':>12}{'minimal ms':>12}{'overhead %':>12}{'p25..p75 %':>16}")
+    for name, t, m, over, p25, p75 in rows:
+        print(f"{name:<10}{t:>12.1f}{m:>12.1f}{over:>12.1f}{f'{p25:.1f}..{p75:.1f}':>16}")
 
 
 if __name__ == "__main__":

@@ -7,9 +7,8 @@ names the first parameter that drifted.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from toolkit.dist import DistEnv
+from toolkit.dist import DistEnv, all_gather_tensor
 
 
 class ReplicaDriftError(RuntimeError):
@@ -31,14 +30,11 @@ def check_replicas(named_params, env: DistEnv, *, when: str) -> None:
         return
     named_params = list(named_params)
     local = checksums(named_params)
-    count = torch.tensor([local.shape[0]], dtype=torch.long)
-    counts = [torch.zeros_like(count) for _ in range(env.world_size)]
-    dist.all_gather(counts, count)
+    counts = all_gather_tensor(torch.tensor([local.shape[0]], dtype=torch.long), env)
     if len({int(c) for c in counts}) != 1:
         raise ReplicaDriftError(f"{when}: ranks hold different numbers of replicated parameters "
                                 f"({[int(c) for c in counts]})")
-    gathered = [torch.zeros_like(local) for _ in range(env.world_size)]
-    dist.all_gather(gathered, local)
+    gathered = all_gather_tensor(local, env)
     for rank, other in enumerate(gathered[1:], start=1):
         differs = (other != gathered[0]).any(dim=1).nonzero()
         if differs.numel():

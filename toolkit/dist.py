@@ -58,17 +58,33 @@ def barrier(env: DistEnv) -> None:
         dist.barrier()
 
 
+def _to_backend(tensor: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """NCCL only moves device tensors: small host tensors (counts, checksums) travel through env.device."""
+    return tensor.to(env.device)  # no copy on CPU/gloo
+
+
+def _all_reduce(tensor: torch.Tensor, env: DistEnv, op) -> torch.Tensor:
+    if env.distributed:
+        moved = _to_backend(tensor, env)
+        dist.all_reduce(moved, op=op)
+        if moved is not tensor:
+            tensor.copy_(moved)  # device sync on GPU: callers read the result on the host
+    return tensor
+
+
 def all_reduce_sum(tensor: torch.Tensor, env: DistEnv) -> torch.Tensor:
     """Sum a small tensor over ranks in place (float64 sums stay exact for counts)."""
-    if env.distributed:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
+    return _all_reduce(tensor, env, dist.ReduceOp.SUM)
 
 
-def all_reduce_max(tensor: torch.Tensor, env: DistEnv) -> torch.Tensor:
-    if env.distributed:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor
+def all_gather_tensor(tensor: torch.Tensor, env: DistEnv) -> list[torch.Tensor]:
+    """Every rank's copy of a small tensor of the same shape, in rank order, on the tensor's device."""
+    if not env.distributed:
+        return [tensor]
+    moved = _to_backend(tensor, env)
+    out = [torch.zeros_like(moved) for _ in range(env.world_size)]
+    dist.all_gather(out, moved)
+    return [t.to(tensor.device) for t in out]
 
 
 def gather_objects(obj, env: DistEnv) -> list:

@@ -78,8 +78,8 @@ def run_microbatches(strategy, micro_batches: list[dict], *, task: str, env: Dis
             micro_sum = micro_batch_loss_sum(logits, batch["labels"].to(env.device), task)
             strategy.backward(micro_sum / num_items)
         loss_sum += micro_sum.detach().double()
-    total = all_reduce_sum(loss_sum.cpu(), env)  # device sync: once per step, for the logged loss
-    return total.item() / num_items, {"items": int(num_items), "tokens": int(counts[1]), "samples": int(counts[2])}
+    total = all_reduce_sum(loss_sum, env).item()  # device sync: once per step, for the logged loss
+    return total / num_items, {"items": int(num_items), "tokens": int(counts[1]), "samples": int(counts[2])}
 
 
 def prepare(recipe: Recipe, env: DistEnv):
@@ -99,15 +99,21 @@ def prepare(recipe: Recipe, env: DistEnv):
     return plan, tokenizer, train_ds, eval_ds, sampler, total_steps, model
 
 
-def train(recipe: Recipe, env: DistEnv) -> TrainResult:
-    plan, tokenizer, train_ds, eval_ds, sampler, total_steps, model = prepare(recipe, env)
-    check_replicas(model.named_parameters(), env, when="at start (before setup)")
-    num_params = sum(p.numel() for p in model.parameters())  # before setup: ZeRO-3 empties the params
+def setup_strategy(model, *, recipe: Recipe, env: DistEnv, plan, total_steps: int):
+    """The recipe's strategy, wrapped around `model`, with the recipe's AdamW and schedule."""
     strategy = make_strategy(recipe.strategy.name)
     strategy.setup(model, SetupArgs(
         recipe=recipe, env=env, grad_accum_steps=plan.grad_accum_steps, total_steps=total_steps,
         build_optimizer=lambda m: build_adamw(m, recipe.optim),
         build_scheduler=lambda o: build_scheduler(o, config=recipe.optim, total_steps=total_steps)))
+    return strategy
+
+
+def train(recipe: Recipe, env: DistEnv) -> TrainResult:
+    plan, tokenizer, train_ds, eval_ds, sampler, total_steps, model = prepare(recipe, env)
+    check_replicas(model.named_parameters(), env, when="at start (before setup)")
+    num_params = sum(p.numel() for p in model.parameters())  # before setup: ZeRO-3 empties the params
+    strategy = setup_strategy(model, recipe=recipe, env=env, plan=plan, total_steps=total_steps)
     out_dir = Path(recipe.output_dir)
     info = runinfo.start(recipe, env=env, plan=plan, total_steps=total_steps, model=strategy.export_module(),
                          num_params=num_params, out_dir=out_dir)

@@ -1,0 +1,115 @@
+"""One rank of compare_overhead.py: the toolkit's training step and a minimal hand-written step of the same
+strategy (plain DDP / fully_shard / deepspeed.initialize), on two identical models, alternating step by
+step on the same micro-batches, so that machine noise hits both alike.
+
+The toolkit side is the loop's own `train_step` plus its metrics.jsonl write; the minimal side is the
+shortest correct step: forward, per-rank mean loss, backward, clip, AdamW, zero grads, one `.item()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def minimal_setup(model, recipe, plan):
+    """(module to call, engine or None, optimizer) for the hand-written side."""
+    strategy, optim = recipe.strategy, recipe.optim
+    if strategy.name == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    elif strategy.name == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer, reshard_after_forward=strategy.reshard_after_forward)
+        fully_shard(model, reshard_after_forward=strategy.reshard_after_forward)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay, foreach=False)
+    if strategy.name != "zero":
+        return model, None, optimizer
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config={
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size, "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": strategy.stage}, "gradient_clipping": optim.max_grad_norm,
+        "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9})
+    return engine, engine, optimizer
+
+
+def minimal_step(model, engine, optimizer, batch: dict, *, max_grad_norm: float) -> float:
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    labels = batch["labels"]
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+    if engine is not None:
+        engine.backward(loss)
+        engine.step()
+    else:
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return loss.item()  # the one device sync per step a loop needs to log its loss
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    from toolkit.data import Collator, train_loader
+    from toolkit.dist import init_distributed
+    from toolkit.launch import prepare_environment
+    from toolkit.loop import prepare, setup_strategy, train_step
+    from toolkit.metrics import JsonlWriter, synchronize
+    from toolkit.model import build_model
+    from toolkit.recipe import load_recipe
+
+    prepare_environment()
+    recipe = load_recipe(args.recipe, args.overrides)
+    env = init_distributed()
+    plan, tokenizer, train_ds, _, sampler, total_steps, model = prepare(recipe, env)
+    assert plan.grad_accum_steps == 1, "the minimal step does not accumulate"
+    strategy = setup_strategy(model, recipe=recipe, env=env, plan=plan, total_steps=total_steps)
+    minimal = minimal_setup(build_model(recipe.model, tokenizer=tokenizer, seed=recipe.seed), recipe, plan)
+    loader = train_loader(train_ds, sampler=sampler, start=0, stop=total_steps, data=recipe.data,
+                          collator=Collator(pad_token_id=tokenizer.pad_token_id, task=recipe.model.task))
+    scratch = Path(tempfile.mkdtemp(prefix="overhead-"))
+    writer = JsonlWriter(scratch / "metrics.jsonl") if env.is_main else None
+    info = {"_out_dir": str(scratch)}  # the first step's run.json notes land in scratch
+    times = {"toolkit": [], "minimal": []}
+
+    def run_toolkit(step: int, batch: dict) -> None:
+        record = train_step(strategy, [batch], recipe=recipe, env=env, step=step, info=info, count_comm=False)
+        if writer:
+            writer.write(record)
+
+    def run_minimal(step: int, batch: dict) -> None:
+        minimal_step(*minimal, batch, max_grad_norm=recipe.optim.max_grad_norm)
+
+    sides = [("toolkit", run_toolkit), ("minimal", run_minimal)]
+    for step, batch in enumerate(loader, start=1):
+        for name, run in sides if step % 2 else sides[::-1]:  # alternate who goes first
+            synchronize(env.device)
+            start = time.perf_counter()
+            run(step, batch)
+            synchronize(env.device)
+            times[name].append(time.perf_counter() - start)
+    if writer:
+        writer.close()
+    if env.is_main:
+        Path(args.out).write_text(json.dumps({**times, "world_size": env.world_size}))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os._exit(0)  # DeepSpeed's CPU comm threads can abort interpreter teardown (see toolkit/cli.py)
+
+
+if __name__ == "__main__":
+    main()
