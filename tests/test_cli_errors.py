@@ -85,3 +85,22 @@ def test_strategies_lists_every_strategy_with_its_options():
     names = [line.split()[0] for line in result.stdout.splitlines() if line and not line.startswith(" ")]
     assert names[:len(STRATEGY_NAMES)] == list(STRATEGY_NAMES)
     assert all(f"strategy.{option}" in result.stdout for option in OPTION_OWNERS)
+
+
+def test_zero_refuses_a_precision_its_accelerator_lacks(tmp_path, tiny_llama_dir, capsys, monkeypatch):
+    import deepspeed.accelerator
+
+    class NoHalfAccelerator:  # DeepSpeed's CPU accelerator answers the same; a GPU one would not
+        def is_fp16_supported(self):
+            return False
+
+        def is_bf16_supported(self):
+            return True
+
+        def device_name(self):
+            return "cpu"
+
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: NoHalfAccelerator())
+    recipe, out = _bad_recipe(tmp_path, tiny_llama_dir, strategy={"name": "zero"}, precision="fp16")
+    _assert_one_line_exit_2(main(["validate", str(recipe)]), capsys,
+                            "precision fp16 is not supported by DeepSpeed's cpu accelerator; use precision: bf16", out)

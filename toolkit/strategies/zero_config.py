@@ -1,6 +1,6 @@
 """The DeepSpeed config of a recipe: generated from it, or an existing JSON with its "auto" values filled
 from it the way Accelerate/HF do. Where the JSON and the recipe disagree it is a RecipeError naming both.
-No deepspeed import: the launcher checks this before any rank starts."""
+The launcher checks this before any rank starts; only the precision check imports (a part of) DeepSpeed."""
 
 from __future__ import annotations
 
@@ -102,3 +102,24 @@ def offloads(config: dict) -> tuple[bool, bool]:
     zero = config.get("zero_optimization", {})
     return (zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None),
             zero.get("offload_param", {}).get("device", "none") not in ("none", None))
+
+
+def check_precision_supported(precision: str) -> None:
+    """DeepSpeed refuses a dtype its accelerator lacks (fp16 on its CPU accelerator) with a traceback
+    from every rank; say it once, with the way out. Imports DeepSpeed's accelerator module only."""
+    if precision == "fp32":
+        return
+    import os
+
+    import torch
+
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    supported = accelerator.is_fp16_supported() if precision == "fp16" else accelerator.is_bf16_supported()
+    if not supported:
+        other = "bf16" if precision == "fp16" else "fp32"
+        raise RecipeError(f"precision {precision} is not supported by DeepSpeed's {accelerator.device_name()} "
+                          f"accelerator; use precision: {other} with strategy zero, or strategy fsdp/ddp "
+                          f"for {precision}")
