@@ -64,10 +64,10 @@ def check_columns(recipe: Recipe) -> None:
 def check_recipe(recipe: Recipe, *, world_size: int) -> BatchPlan:
     plan = check_world(recipe, world_size=world_size)
     if recipe.strategy.name == "zero":
-        from toolkit.strategies.zero_config import check_precision_supported, resolve_ds_config
+        from toolkit.strategies.zero_config import check_deepspeed_precision, resolve_ds_config
 
         resolve_ds_config(recipe, plan)  # JSON passthrough contradictions, before any rank starts
-        check_precision_supported(recipe.precision)
+        check_deepspeed_precision(recipe.precision)
     check_paths(recipe)
     check_columns(recipe)
     return plan

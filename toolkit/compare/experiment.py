@@ -70,10 +70,10 @@ def build_experiment(recipe_path: str, *, strategies: list[str], precisions: lis
     out_dir = Path(out) if out else Path("runs") / f"{datetime.now():%Y%m%d-%H%M%S}-compare"
     arms = []
     for strategy in strategies:
+        arm_strategy = load_recipe(recipe_path, [*overrides, *arm_overrides(strategy)]).strategy.name
+        arm_nproc = 1 if arm_strategy in ONE_PROCESS else nproc
         for precision in precisions:
             for accum in accums:
-                arm_strategy = load_recipe(recipe_path, [*overrides, *arm_overrides(strategy)]).strategy.name
-                arm_nproc = 1 if arm_strategy in ONE_PROCESS else nproc
                 extra = [f"batch.global_batch_size={global_batch}"]
                 if accum is None:
                     extra.append("batch.grad_accum_steps=null")

@@ -24,7 +24,7 @@ class Replication:
     reduce_desc: str  # for the precision audit; "{dtype}" becomes the gradients' dtype
     skip_sync: Callable[[nn.Module], ContextManager] | None = None  # wrapped -> context without gradient reduction
     averages_over_ranks: bool = False  # the reduction averages: scale the loss share by the world size
-    multi_rank: bool = False  # ranks hold full replicas (checked for drift), and only rank 0 exports
+    multi_rank: bool = False  # several ranks hold full replicas: the consistency check compares them
 
 
 class ReplicatedStrategy:

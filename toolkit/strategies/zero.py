@@ -19,7 +19,7 @@ from toolkit.optim import param_groups
 from toolkit.precision import StepResult
 from toolkit.recipe import plan_batch
 from toolkit.strategies.base import SetupArgs, dtype_name, first_dtype, no_context, optimizer_state_tensors
-from toolkit.strategies.zero_config import check_precision_supported, offloads, resolve_ds_config, stage_of
+from toolkit.strategies.zero_config import check_deepspeed_precision, offloads, resolve_ds_config, stage_of
 
 
 def _ensure_process_group(env) -> None:
@@ -41,7 +41,7 @@ class ZeroStrategy:
         import deepspeed
 
         self.env, recipe = args.env, args.recipe
-        check_precision_supported(recipe.precision)  # again in the rank: torchrun/accelerate skip the launcher
+        check_deepspeed_precision(recipe.precision)  # again in the rank: torchrun/accelerate skip the launcher
         _ensure_process_group(args.env)
         self.config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=args.env.world_size))
         self.stage = stage_of(self.config)

@@ -104,7 +104,7 @@ def offloads(config: dict) -> tuple[bool, bool]:
             zero.get("offload_param", {}).get("device", "none") not in ("none", None))
 
 
-def check_precision_supported(precision: str) -> None:
+def check_deepspeed_precision(precision: str) -> None:
     """DeepSpeed refuses a dtype its accelerator lacks (fp16 on its CPU accelerator) with a traceback
     from every rank; say it once, with the way out. Imports DeepSpeed's accelerator module only."""
     if precision == "fp32":
