@@ -107,6 +107,7 @@ def launch(recipe: Path, *, nproc: int, overrides: tuple[str, ...] = ()) -> subp
     else:
         result = run_cli("launch", "--nproc", str(nproc), str(recipe), *sets)
     assert result.returncode == 0, f"run failed ({result.returncode}):\n{result.stdout}\n{result.stderr[-6000:]}"
+    assert "terminate called" not in result.stderr, result.stderr[-6000:]  # a rank aborted at exit
     return result
 
 

@@ -13,6 +13,7 @@ COMPARED = ("step", "loss", "lr", "grad_norm", "tokens", "samples")
 def _run(cmd, tmp_path):
     result = subprocess.run(cmd, cwd=REPO, env=toolkit_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-5000:]
+    assert "terminate called" not in result.stderr, result.stderr[-5000:]
 
 
 @pytest.mark.parametrize("config, arm", [

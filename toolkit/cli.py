@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from toolkit.errors import USER_ERROR_EXIT_CODE, RecipeError
@@ -62,29 +63,37 @@ def cmd_train(args) -> int:
     import os
 
     recipe = load_recipe(args.recipe, args.overrides, launcher_env=os.environ)
-    out_dir = Path(recipe.output_dir)
-    existed = out_dir.exists()
     _quiet_libraries()
-    from toolkit.consistency import ReplicaDriftError
-    from toolkit.dist import init_distributed, shutdown
-    from toolkit.loop import train
+    from toolkit.dist import exit_process, init_distributed, shutdown
 
     env = init_distributed()
+    code = 1  # an unexpected exception propagates (traceback, exit 1) after the group is left
     try:
-        train(recipe, env)
-    except RecipeError:
-        if env.is_main and not existed:
-            shutil.rmtree(out_dir, ignore_errors=True)  # nothing half-written for a user mistake
-        if not env.is_main:
-            sys.exit(USER_ERROR_EXIT_CODE)  # rank 0 prints the one line
-        raise
+        code = _train_rank(recipe, env)
+    finally:
+        shutdown(completed=code == 0)
+    return exit_process(code)
+
+
+def _train_rank(recipe, env) -> int:
+    """Train this rank; a user's mistake or replica drift is one line and an exit code, not a traceback."""
+    from toolkit.consistency import ReplicaDriftError
+    from toolkit.loop import train
+
+    out_dir = Path(recipe.output_dir)
+    existed = out_dir.exists()
+    try:
+        result = train(recipe, env)
+    except RecipeError as exc:
+        if env.is_main:
+            if not existed:
+                shutil.rmtree(out_dir, ignore_errors=True)  # nothing half-written for a user mistake
+            print(f"toolkit: error: {exc}", file=sys.stderr)  # rank 0 prints the one line
+        return USER_ERROR_EXIT_CODE
     except ReplicaDriftError as exc:
         print(f"toolkit: replica drift: {exc}", file=sys.stderr)
         return 3
-    finally:
-        shutdown()
-    if recipe.strategy.name == "zero":
-        _exit_after_deepspeed()
+    result.strategy.close()  # every output is written: release what holds the process group
     return 0
 
 
@@ -95,8 +104,17 @@ def cmd_launch(args) -> int:
 
     if args.nproc < 1:
         raise RecipeError("--nproc must be >= 1")
-    check_recipe(load_recipe(args.recipe, args.overrides), world_size=args.nproc)
-    return launch(args.recipe, nproc=args.nproc, overrides=args.overrides)
+    recipe = load_recipe(args.recipe, args.overrides)
+    check_recipe(recipe, world_size=args.nproc)
+    started = time.time()
+    code = launch(args.recipe, nproc=args.nproc, overrides=args.overrides)
+    run_info = Path(recipe.output_dir) / "run.json"
+    if code != 0 and run_info.is_file() and run_info.stat().st_mtime >= started \
+            and '"status": "completed"' in run_info.read_text():
+        # a rank that dies after the outputs are written is still a failure, but the outputs are good
+        print(f"toolkit: the run itself completed before that: outputs in {recipe.output_dir} are complete",
+              file=sys.stderr)
+    return code
 
 
 def cmd_validate(args) -> int:
@@ -123,17 +141,6 @@ def cmd_strategies(args) -> int:
     for alias, overrides in ARM_ALIASES.items():
         print(f"  {alias:<14} {' '.join(overrides)}")
     return 0
-
-
-def _exit_after_deepspeed() -> None:
-    """Every output is written and the process group is gone; leave without interpreter teardown.
-    DeepSpeed's CPU shared-memory comm op keeps native threads that can abort the teardown
-    ("terminate called without an active exception"), turning a finished run into a failed exit code."""
-    import os
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _quiet_libraries() -> None:

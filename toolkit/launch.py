@@ -43,7 +43,28 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str]) -> int:
     try:
         run(args)
     except ChildFailedError as exc:
-        codes = sorted({failure.exitcode for failure in exc.failures.values()})
-        print(f"toolkit: launch failed: rank exit codes {codes} (see the rank output above)", file=sys.stderr)
-        return USER_ERROR_EXIT_CODE if codes == [USER_ERROR_EXIT_CODE] else 1
+        codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
+        print(f"toolkit: launch failed: {describe_failures(codes)} (see the rank output above)", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE if set(codes.values()) == {USER_ERROR_EXIT_CODE} else 1
     return 0
+
+
+def describe_failures(codes: dict[int, int]) -> str:
+    """Which rank failed and how, from torch.distributed.run's exit codes (negative: killed by that signal).
+    When one rank fails the launcher stops the others with SIGTERM: those are named as stopped, not failed."""
+    import signal
+
+    def how(code: int) -> str:
+        if code >= 0:
+            return f"exit code {code}"
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+
+    stopped = [r for r, c in codes.items() if c == -signal.SIGTERM]
+    failed = [r for r in codes if r not in stopped] or stopped
+    text = "; ".join(f"rank {r} {how(codes[r])}" for r in sorted(failed))
+    if stopped and failed != stopped:
+        text += f"; rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, sorted(stopped)))} stopped by the launcher"
+    return text

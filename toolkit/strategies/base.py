@@ -76,6 +76,10 @@ class Strategy(Protocol):
     def precision_audit(self) -> dict[str, str]:
         """Dtypes read from the live objects: forward params, master weights, grads, reduction, optimizer state."""
 
+    def close(self) -> None:
+        """After the last output is written: release the wrapped model, optimizer and engine, which hold
+        the process group, so that destroy_process_group can free it."""
+
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind `tensors` (views of one flat buffer count once)."""

@@ -85,6 +85,9 @@ class FsdpStrategy:
     def export_module(self) -> nn.Module:
         return self._model
 
+    def close(self) -> None:
+        del self._model, self.optimizer, self.scheduler, self.mesh  # their groups, for destroy_process_group
+
     def state_tensors(self):
         params = list(self._model.parameters())
         return {"params": params, "grads": [p.grad for p in params if p.grad is not None],

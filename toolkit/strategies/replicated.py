@@ -75,6 +75,9 @@ class ReplicatedStrategy:
     def export_module(self) -> nn.Module:
         return self.module
 
+    def close(self) -> None:
+        del self._model, self.module, self.optimizer, self.scheduler  # DDP's reducer holds the process group
+
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         params = list(self.module.parameters())
         return {"params": params, "grads": [p.grad for p in params if p.grad is not None],

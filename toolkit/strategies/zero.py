@@ -9,28 +9,16 @@ and the optimizer steps; the loop's micro-batch count is only checked against it
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from toolkit.dist import ensure_process_group
 from toolkit.optim import param_groups
 from toolkit.precision import StepResult
 from toolkit.recipe import plan_batch
 from toolkit.strategies.base import SetupArgs, dtype_name, first_dtype, no_context, optimizer_state_tensors
 from toolkit.strategies.zero_config import check_deepspeed_precision, offloads, resolve_ds_config, stage_of
-
-
-def _ensure_process_group(env) -> None:
-    """DeepSpeed needs a process group even for one rank (a plain `toolkit train`)."""
-    if dist.is_initialized():
-        return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    backend = "nccl" if env.device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
 class ZeroStrategy:
@@ -42,7 +30,7 @@ class ZeroStrategy:
 
         self.env, recipe = args.env, args.recipe
         check_deepspeed_precision(recipe.precision)  # again in the rank: torchrun/accelerate skip the launcher
-        _ensure_process_group(args.env)
+        ensure_process_group(args.env)  # DeepSpeed needs one even for a plain one-process `toolkit train`
         self.config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=args.env.world_size))
         self.stage = stage_of(self.config)
         self.offload_optimizer, self.offload_param = offloads(self.config)
@@ -119,6 +107,10 @@ class ZeroStrategy:
 
     def export_module(self) -> nn.Module:
         return self.module
+
+    def close(self) -> None:
+        self.engine.destroy()  # removes ZeRO-3's hooks and the optimizer's buffers
+        del self.engine, self.optimizer, self.scheduler, self.module
 
     def _inner_optimizer(self):
         return getattr(self.optimizer, "optimizer", self.optimizer)
