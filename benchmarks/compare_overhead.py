@@ -22,7 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from toolkit.strategies.names import ARM_ALIASES  # noqa: E402
+from toolkit.strategies import arm_aliases  # noqa: E402
 
 
 def measure(recipe: str, overrides: list[str], *, nproc: int, out: Path) -> dict:
@@ -56,7 +56,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.strategies.split(","):
             # no eval, no dropout, a constant lr, no accumulation: nothing the minimal step lacks
-            overrides = [*ARM_ALIASES[name], f"train.max_steps={args.steps}", "train.eval_every=null",
+            overrides = [*arm_aliases()[name], f"train.max_steps={args.steps}", "train.eval_every=null",
                          "data.eval=null", "train.progress=false", "model.dropout=0.0", "optim.warmup_steps=0",
                          "optim.schedule=constant", "batch.grad_accum_steps=1", f"output_dir={tmp}/{name}",
                          *args.overrides]

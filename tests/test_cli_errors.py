@@ -78,13 +78,15 @@ def test_help_lists_shipped_recipes():
 
 
 def test_strategies_lists_every_strategy_with_its_options():
-    from toolkit.strategies.names import OPTION_OWNERS, STRATEGY_NAMES
+    from toolkit.strategies import arm_aliases, strategy_info, strategy_names
 
     result = run_cli("strategies", cwd=REPO)
     assert result.returncode == 0
     names = [line.split()[0] for line in result.stdout.splitlines() if line and not line.startswith(" ")]
-    assert names[:len(STRATEGY_NAMES)] == list(STRATEGY_NAMES)
-    assert all(f"strategy.{option}" in result.stdout for option in OPTION_OWNERS)
+    assert names[:len(strategy_names())] == list(strategy_names())
+    assert all(f"strategy.{option}" in result.stdout for name in strategy_names()
+               for option in strategy_info(name).options)
+    assert all(f"  {arm} " in result.stdout for arm in arm_aliases())
 
 
 def test_zero_refuses_a_precision_its_accelerator_lacks(tmp_path, tiny_llama_dir, capsys, monkeypatch):

@@ -38,7 +38,7 @@ def test_grad_norm_tolerance_scales_with_sqrt_params():
 def test_setting_differences_ignore_strategy_plumbing():
     ref = {"recipe": {"optim": {"lr": 0.001}, "strategy": {"name": "single"}, "output_dir": "a",
                       "batch": {"micro_batch_size": 8}},
-           "audit": {"master_weights": "fp32", "grad_reduction": "none (one process)"}}
+           "audit": {"master_weights": "fp32", "grad_reduction": "none: one process"}}
     arm = {"recipe": {"optim": {"lr": 0.002}, "strategy": {"name": "zero"}, "output_dir": "b",
                       "batch": {"micro_batch_size": 4}},
            "audit": {"master_weights": "fp32 (ZeRO-3, cpu)", "grad_reduction": "reduce-scatter mean (bf16)"}}

@@ -10,7 +10,13 @@ ACCELERATE_GRADIENT_ACCUMULATION_STEPS, ACCELERATE_GRADIENT_CLIPPING.
 
 from __future__ import annotations
 
+import dataclasses
+
 from toolkit.errors import RecipeError
+from toolkit.recipe import StrategyConfig
+from toolkit.strategies import strategy_for_plugin
+
+DEFAULT_STRATEGY = next(f.default for f in dataclasses.fields(StrategyConfig) if f.name == "name")
 
 PRECISION = {"no": "fp32", "fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
@@ -40,13 +46,13 @@ def launcher_settings(environ) -> list[tuple[str, object, str]]:
         if environ.get("FSDP_VERSION", "2") != "2":
             raise RecipeError("the accelerate config asks for FSDP version 1; the toolkit runs FSDP2 "
                               "(fully_shard): set fsdp_version: 2 in the config file")
-        out.append(("strategy.name", "fsdp", "ACCELERATE_USE_FSDP"))
+        out.append(("strategy.name", strategy_for_plugin("fsdp"), "ACCELERATE_USE_FSDP"))
         take("FSDP_RESHARD_AFTER_FORWARD", "strategy.reshard_after_forward", _flag)
         take("FSDP_OFFLOAD_PARAMS", "strategy.cpu_offload", _flag)
         take("FSDP_TRANSFORMER_CLS_TO_WRAP", "strategy.blocks",
              lambda v: [name.strip() for name in v.split(",") if name.strip()])
     if _flag(environ.get("ACCELERATE_USE_DEEPSPEED", "")):
-        out.append(("strategy.name", "zero", "ACCELERATE_USE_DEEPSPEED"))
+        out.append(("strategy.name", strategy_for_plugin("deepspeed"), "ACCELERATE_USE_DEEPSPEED"))
         take("ACCELERATE_DEEPSPEED_ZERO_STAGE", "strategy.stage", int)
         take("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "strategy.offload_optimizer", _device_flag)
         take("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "strategy.offload_param", _device_flag)
@@ -64,7 +70,8 @@ def apply_launcher_settings(raw: dict, settings: list[tuple[str, object, str]]) 
         for part in parents:
             node = node.setdefault(part, {}) if isinstance(node.get(part, {}), dict) else {}
         present = node.get(leaf)
-        replaceable = present is None or (key == "strategy.name" and present == "single")
+        # a recipe that leaves the strategy at its default lets the launcher's config file choose it
+        replaceable = present is None or (key == "strategy.name" and present == DEFAULT_STRATEGY)
         if not replaceable and present != value:
             raise RecipeError(f"accelerate launch sets {key}={value!r} ({source}) but the recipe has "
                               f"{key}={present!r}; change the recipe or the accelerate config file")

@@ -6,19 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from toolkit.errors import RecipeError
-from toolkit.recipe import BatchPlan, Recipe, plan_batch
-from toolkit.strategies.names import ONE_PROCESS
-
-
-def check_world(recipe: Recipe, *, world_size: int) -> BatchPlan:
-    """The recipe against a world size: one-process strategies, the HSDP mesh, the batch arithmetic."""
-    if recipe.strategy.name in ONE_PROCESS and world_size > 1:
-        raise RecipeError(f"strategy {recipe.strategy.name} runs in one process, but {world_size} were asked for; "
-                          "use --nproc 1 or strategy.name=ddp")
-    if recipe.strategy.name == "fsdp" and world_size % recipe.strategy.replicate_degree:
-        raise RecipeError(f"strategy.replicate_degree {recipe.strategy.replicate_degree} does not divide "
-                          f"world size {world_size}")
-    return plan_batch(recipe.batch, world_size=world_size)
+from toolkit.recipe import BatchPlan, Recipe
+from toolkit.strategies import validate_strategy
 
 
 def check_paths(recipe: Recipe) -> None:
@@ -62,12 +51,7 @@ def check_columns(recipe: Recipe) -> None:
 
 
 def check_recipe(recipe: Recipe, *, world_size: int) -> BatchPlan:
-    plan = check_world(recipe, world_size=world_size)
-    if recipe.strategy.name == "zero":
-        from toolkit.strategies.zero_config import check_deepspeed_precision, resolve_ds_config
-
-        resolve_ds_config(recipe, plan)  # JSON passthrough contradictions, before any rank starts
-        check_deepspeed_precision(recipe.precision)
+    plan = validate_strategy(recipe, world_size=world_size)
     check_paths(recipe)
     check_columns(recipe)
     return plan

@@ -55,14 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
-    from toolkit.launch import prepare_environment
-
-    prepare_environment()
-    from toolkit.recipe import load_recipe
-
     import os
 
-    recipe = load_recipe(args.recipe, args.overrides, launcher_env=os.environ)
+    from toolkit.accelerate_env import apply_launcher_settings, launcher_settings
+    from toolkit.recipe import read_recipe_dict, recipe_from_dict
+
+    raw = read_recipe_dict(args.recipe, args.overrides)
+    apply_launcher_settings(raw, launcher_settings(os.environ))  # under `accelerate launch`: its plugin settings
+    recipe = recipe_from_dict(raw)
     _quiet_libraries()
     from toolkit.dist import exit_process, init_distributed, shutdown
 
@@ -130,15 +130,15 @@ def cmd_validate(args) -> int:
 
 
 def cmd_strategies(args) -> int:
-    from toolkit.strategies.names import ARM_ALIASES, OPTION_OWNERS, STRATEGY_NAMES, SUMMARIES
+    from toolkit.strategies import arm_aliases, strategy_info, strategy_names
 
-    for name in STRATEGY_NAMES:
-        options = [f"strategy.{key}" for key, owners in OPTION_OWNERS.items() if name in owners]
-        print(f"{name:<7} {SUMMARIES[name]}")
-        if options:
-            print(f"{'':<7} options: {', '.join(options)}")
+    for name in strategy_names():
+        info = strategy_info(name)
+        print(f"{name:<7} {info.summary}")
+        if info.options:
+            print(f"{'':<7} options: {', '.join(f'strategy.{key}' for key in info.options)}")
     print("\ncompare arms (toolkit compare --strategies a,b,...; add overrides as arm@key=value):")
-    for alias, overrides in ARM_ALIASES.items():
+    for alias, overrides in arm_aliases().items():
         print(f"  {alias:<14} {' '.join(overrides)}")
     return 0
 
@@ -160,6 +160,9 @@ COMMANDS = {"train": cmd_train, "launch": cmd_launch, "validate": cmd_validate, 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from toolkit.compare.cli import COMPARE_COMMANDS
+    from toolkit.launch import prepare_environment
+
+    prepare_environment()  # before any library import that reads it (DeepSpeed's accelerator, the hubs)
 
     handler = {**COMMANDS, **COMPARE_COMMANDS}[args.command]
     try:

@@ -69,6 +69,6 @@ class CollectiveCounter(TorchDispatchMode):
                 "calls_by_op": dict(sorted(self.calls_by_op.items()))}
 
 
-def count_collectives(enabled: bool):
-    """A CollectiveCounter around the block when enabled, else a do-nothing context yielding None."""
-    return CollectiveCounter() if enabled else contextlib.nullcontext()
+def counting(counter: CollectiveCounter | None):
+    """The counter as a context (it may be entered again to count more of the same step), or nothing."""
+    return counter if counter is not None else contextlib.nullcontext()

@@ -1,14 +1,15 @@
 """Replica consistency: ranks that should hold identical weights prove it with a cheap checksum.
 
-One all-gather of 3 float64 numbers per parameter; any difference from rank 0 stops the run and
-names the first parameter that drifted.
+One all-gather of 3 float64 numbers per tensor within the group of ranks that hold the same copy
+(every rank for DDP, a replica group for HSDP); any difference from that group's first rank stops the
+run and names the first tensor that drifted.
 """
 
 from __future__ import annotations
 
 import torch
 
-from toolkit.dist import DistEnv, all_gather_tensor
+from toolkit.dist import DistEnv, all_gather_tensor, global_rank
 
 
 class ReplicaDriftError(RuntimeError):
@@ -24,21 +25,23 @@ def checksums(named_params) -> torch.Tensor:
     return torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.float64)
 
 
-def check_replicas(named_params, env: DistEnv, *, when: str) -> None:
-    """Collective. Raises ReplicaDriftError on every rank if any rank differs from rank 0."""
+def check_replicas(named_params, env: DistEnv, *, when: str, group=None) -> None:
+    """Collective over `group` (default: every rank). Raises ReplicaDriftError on each of its ranks if
+    any of them differs from the group's first rank."""
     if not env.distributed:
         return
     named_params = list(named_params)
     local = checksums(named_params)
-    counts = all_gather_tensor(torch.tensor([local.shape[0]], dtype=torch.long), env)
+    counts = all_gather_tensor(torch.tensor([local.shape[0]], dtype=torch.long), env, group=group)
     if len({int(c) for c in counts}) != 1:
         raise ReplicaDriftError(f"{when}: ranks hold different numbers of replicated parameters "
                                 f"({[int(c) for c in counts]})")
-    gathered = all_gather_tensor(local, env)
-    for rank, other in enumerate(gathered[1:], start=1):
+    gathered = all_gather_tensor(local, env, group=group)
+    first = global_rank(group, 0)
+    for index, other in enumerate(gathered[1:], start=1):
         differs = (other != gathered[0]).any(dim=1).nonzero()
         if differs.numel():
             name = named_params[int(differs[0])][0]
-            raise ReplicaDriftError(f"{when}: rank {rank} differs from rank 0 in parameter {name!r} "
-                                    f"(checksum {other[int(differs[0])].tolist()} vs "
+            raise ReplicaDriftError(f"{when}: rank {global_rank(group, index)} differs from rank {first} in "
+                                    f"parameter {name!r} (checksum {other[int(differs[0])].tolist()} vs "
                                     f"{gathered[0][int(differs[0])].tolist()})")

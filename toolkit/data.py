@@ -17,10 +17,10 @@ import torch
 
 from toolkit.dist import DistEnv, broadcast_object
 from toolkit.errors import RecipeError
+from toolkit.losses import IGNORE_INDEX
 from toolkit.recipe import BatchPlan, DataConfig
 
 FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
-IGNORE_INDEX = -100
 
 
 def load_split(path: str, *, data: DataConfig, task: str, tokenizer, env: DistEnv):

@@ -163,14 +163,25 @@ def all_reduce_sum(tensor: torch.Tensor, env: DistEnv) -> torch.Tensor:
     return _all_reduce(tensor, env, dist.ReduceOp.SUM)
 
 
-def all_gather_tensor(tensor: torch.Tensor, env: DistEnv) -> list[torch.Tensor]:
-    """Every rank's copy of a small tensor of the same shape, in rank order, on the tensor's device."""
+def all_reduce_max(tensor: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """Element-wise maximum of a small tensor over ranks, in place."""
+    return _all_reduce(tensor, env, dist.ReduceOp.MAX)
+
+
+def all_gather_tensor(tensor: torch.Tensor, env: DistEnv, *, group=None) -> list[torch.Tensor]:
+    """Every rank's copy (of `group`'s ranks; default all) of a small tensor of the same shape, in group
+    rank order, on the tensor's device."""
     if not env.distributed:
         return [tensor]
     moved = _to_backend(tensor, env)
-    out = [torch.zeros_like(moved) for _ in range(env.world_size)]
-    dist.all_gather(out, moved)
+    out = [torch.zeros_like(moved) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, moved, group=group)
     return [t.to(tensor.device) for t in out]
+
+
+def global_rank(group, group_rank: int) -> int:
+    """The global rank of `group_rank` in `group` (None: the world group)."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
 def gather_objects(obj, env: DistEnv) -> list:

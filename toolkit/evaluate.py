@@ -6,13 +6,12 @@ import torch
 
 from toolkit.data import eval_index_batches
 from toolkit.dist import DistEnv, all_reduce_sum
+from toolkit.losses import forward_logits, micro_batch_loss_sum
 from toolkit.recipe import Recipe
 
 
 @torch.no_grad()
 def evaluate(strategy, dataset, *, collator, recipe: Recipe, env: DistEnv) -> float:
-    from toolkit.loop import forward_logits, micro_batch_loss_sum
-
     strategy.model.eval()
     sums = torch.zeros(2, dtype=torch.float64)
     for indices, counts in eval_index_batches(len(dataset), micro_batch_size=recipe.batch.micro_batch_size, env=env):

@@ -11,28 +11,30 @@ Per optimizer step:
 
 from __future__ import annotations
 
+import functools
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from toolkit import runinfo
-from toolkit.checks import check_world
-from toolkit.comm import count_collectives
+from toolkit.comm import CollectiveCounter, counting
 from toolkit.consistency import check_replicas
 from toolkit.data import Collator, GlobalBatchSampler, load_split, train_loader
 from toolkit.dist import DistEnv, all_reduce_sum
 from toolkit.errors import RecipeError
 from toolkit.evaluate import evaluate
 from toolkit.export import export_model
+from toolkit.gradient_scale import GradientScale
+from toolkit.losses import forward_logits, micro_batch_loss_sum
 from toolkit.metrics import JsonlWriter, Progress, peak_memory_bytes, synchronize
 from toolkit.model import build_model, load_tokenizer
 from toolkit.optim import build_adamw, build_scheduler
 from toolkit.precision import check_precision_supported
 from toolkit.recipe import Recipe
-from toolkit.strategies import make_strategy
+from toolkit.strategies import make_strategy, validate_strategy
 from toolkit.strategies.base import SetupArgs
 
 
@@ -48,35 +50,22 @@ class TrainResult:
     losses: list[float]
 
 
-def micro_batch_loss_sum(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
-    """Sum (not mean) of the loss terms of one micro-batch, in fp32."""
-    logits = logits.float()
-    if task == "causal-lm":  # predict token t+1 from tokens <= t; padding carries IGNORE_INDEX
-        logits, labels = logits[:, :-1, :], labels[:, 1:]
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum",
-                               ignore_index=-100)
-    return F.cross_entropy(logits, labels, reduction="sum")
-
-
-def forward_logits(strategy, batch: dict, device: torch.device) -> torch.Tensor:
-    with strategy.forward_context():
-        out = strategy.model(input_ids=batch["input_ids"].to(device, non_blocking=True),
-                             attention_mask=batch["attention_mask"].to(device, non_blocking=True))
-    return out.logits
-
-
 def run_microbatches(strategy, micro_batches: list[dict], *, task: str, env: DistEnv) -> tuple[float, dict]:
     """Forward/backward every micro-batch of one optimizer step; returns the global mean loss + counts."""
     counts = torch.tensor([sum(b["num_items"] for b in micro_batches), sum(b["num_tokens"] for b in micro_batches),
                            sum(len(b["input_ids"]) for b in micro_batches)], dtype=torch.float64)
     all_reduce_sum(counts, env)  # one tiny collective: the denominator of the global-batch mean
     num_items = counts[0].item()
+    # Each micro-batch's loss sum over the global count is its share of the global-batch mean: summed over
+    # every rank's shares, the gradients are those of that mean. A reduction that averages over ranks
+    # divides by the world size, so the shares are multiplied by it first.
+    scale = env.world_size if strategy.info.averages_gradients else 1
     loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
     for index, batch in enumerate(micro_batches):
         with strategy.accumulate(sync=index == len(micro_batches) - 1):
             logits = forward_logits(strategy, batch, env.device)
             micro_sum = micro_batch_loss_sum(logits, batch["labels"].to(env.device), task)
-            strategy.backward(micro_sum / num_items)
+            strategy.backward(micro_sum / num_items * scale)
         loss_sum += micro_sum.detach().double()
     total = all_reduce_sum(loss_sum, env).item()  # device sync: once per step, for the logged loss
     return total / num_items, {"items": int(num_items), "tokens": int(counts[1]), "samples": int(counts[2])}
@@ -84,7 +73,7 @@ def run_microbatches(strategy, micro_batches: list[dict], *, task: str, env: Dis
 
 def prepare(recipe: Recipe, env: DistEnv):
     """Everything that can fail on user input, before any output is written."""
-    plan = check_world(recipe, world_size=env.world_size)  # again here: torchrun/accelerate skip `toolkit launch`
+    plan = validate_strategy(recipe, world_size=env.world_size)  # again: torchrun/accelerate skip `toolkit launch`
     check_precision_supported(recipe.precision, env.device)
     tokenizer = load_tokenizer(recipe.model)
     kwargs = dict(data=recipe.data, task=recipe.model.task, tokenizer=tokenizer, env=env)
@@ -104,7 +93,7 @@ def setup_strategy(model, *, recipe: Recipe, env: DistEnv, plan, total_steps: in
     strategy = make_strategy(recipe.strategy.name)
     strategy.setup(model, SetupArgs(
         recipe=recipe, env=env, grad_accum_steps=plan.grad_accum_steps, total_steps=total_steps,
-        build_optimizer=lambda m: build_adamw(m, recipe.optim),
+        build_optimizer=functools.partial(build_adamw, config=recipe.optim),
         build_scheduler=lambda o: build_scheduler(o, config=recipe.optim, total_steps=total_steps)))
     return strategy
 
@@ -117,51 +106,82 @@ def train(recipe: Recipe, env: DistEnv) -> TrainResult:
     out_dir = Path(recipe.output_dir)
     info = runinfo.start(recipe, env=env, plan=plan, total_steps=total_steps, model=strategy.export_module(),
                          num_params=num_params, out_dir=out_dir)
+    replicas = announce_replica_check(strategy, recipe=recipe, env=env, info=info)
     collator = Collator(pad_token_id=tokenizer.pad_token_id, task=recipe.model.task)
     loader = iter(train_loader(train_ds, sampler=sampler, start=0, stop=total_steps, collator=collator,
                                data=recipe.data))
     writer = JsonlWriter(out_dir / "metrics.jsonl") if env.is_main else None
     progress = Progress(total=total_steps, enabled=env.is_main and recipe.train.progress,
                         log_every=recipe.train.log_every)
+    scale = GradientScale() if recipe.train.record_gradient_scale else None
     losses = []
     comm_step = min(COMM_COUNT_STEP, total_steps)
     for step in range(1, total_steps + 1):
-        record = train_step(strategy, [next(loader) for _ in range(plan.grad_accum_steps)],
-                            recipe=recipe, env=env, step=step, info=info, count_comm=step == comm_step)
+        record = train_step(strategy, [next(loader) for _ in range(plan.grad_accum_steps)], recipe=recipe,
+                            env=env, step=step, info=info, count_comm=step == comm_step, gradient_scale=scale)
         every = recipe.train.eval_every
         if eval_ds is not None and ((every and step % every == 0) or step == total_steps):
             record["eval_loss"] = evaluate(strategy, eval_ds, collator=collator, recipe=recipe, env=env)
         check_every = recipe.train.consistency_check_every
-        if check_every and step % check_every == 0:
-            check_replicas(strategy.replicated_parameters(), env, when=f"at step {step}")
+        if replicas is not None and check_every and step % check_every == 0:
+            fresh = strategy.replicas()  # the live tensors of this step
+            check_replicas(fresh.named, env, when=f"at step {step}", group=fresh.group)
         losses.append(record["loss"])
         if writer:
             writer.write(record)
         progress.update(record)
     progress.close()
     export_model(strategy, tokenizer=tokenizer, out_dir=out_dir, env=env)
+    if scale is not None:
+        info["gradient_scale"] = scale.summary()
     runinfo.finish(info, env=env, out_dir=out_dir, losses=losses)
     if writer:
         writer.close()
     return TrainResult(output_dir=out_dir, strategy=strategy, losses=losses)
 
 
+def announce_replica_check(strategy, *, recipe: Recipe, env: DistEnv, info: dict):
+    """Say once what the periodic replica check compares, or that there is nothing to compare."""
+    every = recipe.train.consistency_check_every
+    replicas = strategy.replicas()
+    if not every:
+        text = "off (train.consistency_check_every is null); checked once at start"
+    elif replicas is None:
+        text = (f"nothing to compare after setup: {strategy.info.name} on {env.world_size} rank(s) holds no "
+                "replicated parameters (checked once at start)")
+    else:
+        text = f"every {every} step(s): {replicas.description}, {len(replicas.named)} tensors"
+    info["replica_check"] = text
+    if env.is_main and every:
+        print(f"[toolkit] replica check {text}", file=sys.stderr, flush=True)
+    return replicas
+
+
 def train_step(strategy, micro_batches: list[dict], *, recipe: Recipe, env: DistEnv, step: int, info,
-               count_comm: bool) -> dict:
+               count_comm: bool, gradient_scale: GradientScale | None) -> dict:
     synchronize(env.device)
     start = time.perf_counter()
     lr = strategy.lr()
-    with count_collectives(count_comm) as comm:
+    comm = CollectiveCounter() if count_comm else None
+    with counting(comm):
         loss, counts = run_microbatches(strategy, micro_batches, task=recipe.model.task, env=env)
         if step == 1:
             runinfo.record_before_first_step(info, strategy, env=env)  # local reads only, no collective
+    probe_s, abs_max = 0.0, None
+    if gradient_scale is not None:  # outside the collective count and the step time: a measurement aid
+        probe_start = time.perf_counter()
+        abs_max = strategy.gradient_abs_max()
+        probe_s = time.perf_counter() - probe_start
+    with counting(comm):
         result = strategy.step(max_grad_norm=recipe.optim.max_grad_norm)
+    if gradient_scale is not None and abs_max is not None and not result.skipped:
+        gradient_scale.update(abs_max, grad_norm=result.grad_norm)
     if comm is not None:
         runinfo.record_comm(info, comm.summary(), step=step)
     if step == 1:
         runinfo.record_after_first_step(info, strategy, env=env)
     synchronize(env.device)
-    step_time_s = time.perf_counter() - start
+    step_time_s = time.perf_counter() - start - probe_s
     return {"step": step, "loss": loss, "lr": lr, "grad_norm": result.grad_norm,
             "tokens": counts["tokens"], "samples": counts["samples"], "loss_items": counts["items"],
             "tokens_per_s": counts["tokens"] / step_time_s, "samples_per_s": counts["samples"] / step_time_s,

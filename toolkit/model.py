@@ -10,9 +10,8 @@ import torch
 from torch import nn
 
 from toolkit.errors import RecipeError
+from toolkit.precision import DTYPES
 from toolkit.recipe import ModelConfig
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def resolve_path(spec: str) -> Path:
@@ -98,10 +97,6 @@ def transformer_blocks(model: nn.Module, class_names: tuple[str, ...] | None = N
         raise RecipeError(f"no transformer blocks found (looked for {sorted(names) or 'model._no_split_modules'}); "
                           "set strategy.blocks to the block class name, e.g. [LlamaDecoderLayer]")
     return blocks
-
-
-def count_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 def flops_per_token(model_config, *, num_params: int, seq_len: int, lm_head: bool) -> dict:

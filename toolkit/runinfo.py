@@ -119,7 +119,3 @@ def _write(info: dict, out_dir: Path) -> None:
     tmp = out_dir / "run.json.tmp"
     tmp.write_text(json.dumps(public, indent=2))
     tmp.replace(out_dir / "run.json")
-
-
-def read_run(out_dir: Path) -> dict:
-    return json.loads((Path(out_dir) / "run.json").read_text())

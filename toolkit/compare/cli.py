@@ -22,7 +22,7 @@ def add_compare_commands(sub, add_overrides) -> None:
 
 def calibration_arms(experiment) -> list:
     """Two reference runs per low precision, differing only in reduction order (see verdict.py)."""
-    from toolkit.compare.experiment import Arm
+    from toolkit.compare.experiment import RECORD_GRADIENT_SCALE, Arm
     from toolkit.recipe import load_recipe, plan_batch
 
     reference = experiment.arms[0]
@@ -33,7 +33,7 @@ def calibration_arms(experiment) -> list:
             precisions.add(recipe.precision)
     out = []
     for precision in sorted(precisions):
-        base = [o for o in reference.overrides if not o.startswith(("precision=", "batch."))]
+        base = [o for o in reference.overrides if not o.startswith(("precision=", "batch.", RECORD_GRADIENT_SCALE))]
         recipe = load_recipe(experiment.recipe, [*experiment.common, *reference.overrides])
         plan = plan_batch(recipe.batch, world_size=reference.nproc)
         micro = plan.micro_batch_size // 2 if plan.micro_batch_size % 2 == 0 else 1

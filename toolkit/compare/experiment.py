@@ -15,7 +15,9 @@ import yaml
 
 from toolkit.errors import RecipeError
 from toolkit.recipe import load_recipe, plan_batch
-from toolkit.strategies.names import ARM_ALIASES, ONE_PROCESS
+
+RECORD_GRADIENT_SCALE = "train.record_gradient_scale"
+from toolkit.strategies import arm_aliases, strategy_info, validate_strategy
 
 
 @dataclass(frozen=True)
@@ -51,10 +53,11 @@ class Experiment:
 def arm_overrides(spec: str) -> tuple[str, ...]:
     """`zero3` or `zero3@optim.lr=2e-4@seed=1`: a named arm plus per-arm recipe overrides."""
     strategy, *extra = spec.split("@")
-    if strategy not in ARM_ALIASES:
-        raise RecipeError(f"unknown arm {strategy!r}; choose from {', '.join(ARM_ALIASES)} "
+    aliases = arm_aliases()
+    if strategy not in aliases:
+        raise RecipeError(f"unknown arm {strategy!r}; choose from {', '.join(aliases)} "
                           "(add per-arm overrides as name@key=value)")
-    return (*ARM_ALIASES[strategy], *extra)
+    return (*aliases[strategy], *extra)
 
 
 def build_experiment(recipe_path: str, *, strategies: list[str], precisions: list[str | None],
@@ -71,7 +74,7 @@ def build_experiment(recipe_path: str, *, strategies: list[str], precisions: lis
     arms = []
     for strategy in strategies:
         arm_strategy = load_recipe(recipe_path, [*overrides, *arm_overrides(strategy)]).strategy.name
-        arm_nproc = 1 if arm_strategy in ONE_PROCESS else nproc
+        arm_nproc = 1 if strategy_info(arm_strategy).one_process else nproc
         for precision in precisions:
             for accum in accums:
                 extra = [f"batch.global_batch_size={global_batch}"]
@@ -88,10 +91,11 @@ def build_experiment(recipe_path: str, *, strategies: list[str], precisions: lis
                     name += f"-accum{accum}"
                 arms.append(Arm(name, arm_nproc, (*arm_overrides(strategy), *extra)))
     common = [o for o in common if not o.startswith("output_dir=")]
+    if arms:  # the reference arm records its gradient scale: the verdict tells noise-driven weights from it
+        arms[0] = Arm(arms[0].name, arms[0].nproc, (*arms[0].overrides, f"{RECORD_GRADIENT_SCALE}=true"))
     experiment = Experiment(recipe=str(recipe_path), out_dir=out_dir, arms=arms, common=common)
-    for arm in arms:  # every arm's batch arithmetic is checked before anything runs
-        recipe = load_recipe(recipe_path, [*common, *arm.overrides])
-        plan_batch(recipe.batch, world_size=arm.nproc)
+    for arm in arms:  # every arm's strategy and batch arithmetic are checked before anything runs
+        validate_strategy(load_recipe(recipe_path, [*common, *arm.overrides]), world_size=arm.nproc)
     return experiment
 
 

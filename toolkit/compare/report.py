@@ -171,13 +171,63 @@ def write_report(results: dict, out_dir: Path) -> None:
     (out_dir / "report.html").write_text(render_html(results, plots))
 
 
+EQUIVALENT = ("reference", "equivalent", "equivalent within precision noise")
+
+
 def _explanations(results: dict) -> list[str]:
+    """One line per arm that is not plainly equivalent: the verdict and everything that differs. Built from
+    the same judgement as the table's verdict column, so the two cannot disagree."""
     out = []
     for r in results["arms"]:
-        if r.get("differences") and r.get("verdict") not in ("reference", "equivalent"):
-            out.append(f"**{r['arm']}** ({r['verdict']}) differs from {results['reference']} in: "
-                       + "; ".join(r["differences"]))
+        if r["status"] != "completed" or r["verdict"] in ("reference", "equivalent"):
+            continue
+        if r["verdict"] == "equivalent within precision noise" and not r.get("differences"):
+            continue
+        details = r.get("differences") or ["no recipe key or precision-audit row differs"]
+        out.append(f"**{r['arm']}** ({r['verdict']}) vs {results['reference']}: " + "; ".join(details))
     return out
+
+
+def _not_judged(results: dict) -> list[str]:
+    out = []
+    for r in results["arms"]:
+        if r.get("noise_note"):
+            out.append(f"{r['arm']}: {r['noise_note']}")
+        elif r.get("noise_map") is False:
+            out.append(f"{r['arm']}: the reference arm recorded no gradient scale (its strategy cannot read "
+                       "full gradients), so every weight was judged")
+    return out
+
+
+def _state_mib(r: dict) -> float:
+    return max(r["model_state_bytes_per_rank"] or [0]) / 2 ** 20
+
+
+def recommendations(results: dict) -> list[str]:
+    """Read from the table: the fastest equivalent arm, the one with the least memory per rank, and what
+    each arm buys and costs next to plain data parallelism (the multi-rank arm with full replicas)."""
+    done = [r for r in results["arms"] if r["status"] == "completed" and "verdict" in r]
+    ok = [r for r in done if r["verdict"] in EQUIVALENT]
+    if not ok:
+        return ["no arm finished with an equivalent result: nothing to recommend"]
+    fastest = max(ok, key=lambda r: r["tokens_per_s"])
+    leanest = min(ok, key=_state_mib)
+    # the baseline: full replicas on several ranks (most model-state memory per rank; first such arm on a tie)
+    base = max([r for r in ok if r["world_size"] > 1] or ok, key=_state_mib)
+    lines = [f"fastest equivalent arm: **{fastest['arm']}** ({fastest['tokens_per_s']:.0f} tokens/s, "
+             f"{fastest.get('speedup_vs_reference', float('nan')):.2f}× the reference)",
+             f"least memory per rank: **{leanest['arm']}** ({_state_mib(leanest):.0f} MiB of params + grads + "
+             f"optimizer state per rank)"]
+    for r in done:
+        if r is base:
+            continue
+        if r not in ok:
+            lines.append(f"{r['arm']}: not recommended: {r['verdict']}")
+            continue
+        memory = (_state_mib(r) / _state_mib(base) - 1) * 100 if _state_mib(base) else float("nan")
+        lines.append(f"{r['arm']}: {memory:+.0f} % model-state memory per rank vs {base['arm']}, "
+                     f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}× its tokens/s")
+    return lines
 
 
 def _comm_lines(results: dict) -> list[str]:
@@ -216,6 +266,7 @@ def render_markdown(results: dict, plots: list[Path]) -> str:
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     lines += ["", _flops_note(results), "", "## Why arms differ", ""]
     lines += [f"- {e}" for e in _explanations(results)] or ["- every arm matches the reference"]
+    lines += [f"- {n}" for n in _not_judged(results)]
     a_head, a_rows = audit_table(results)
     lines += ["", "## Precision audit (read from the live objects; **bold** = differs from the reference)", "",
               "| " + " | ".join(a_head) + " |", "|" + "---|" * len(a_head)]
@@ -223,7 +274,9 @@ def render_markdown(results: dict, plots: list[Path]) -> str:
     lines += ["", "## Communication per step", "", COMM_NOTE, ""]
     lines += [f"- {c}" for c in _comm_lines(results)] or ["- n/a"]
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
-    lines += ["", "## Tolerances", "", "```", results["tolerances"], "```", "", "## Resolved recipes", ""]
+    lines += ["", "## Tolerances", "", "```", results["tolerances"], "```", "", "## Recommendation", ""]
+    lines += [f"- {line}" for line in recommendations(results)]
+    lines += ["", "## Resolved recipes", ""]
     for r in results["arms"]:
         if r.get("recipe"):
             lines += [f"### {r['arm']}", "```yaml", yaml.safe_dump(r["recipe"], sort_keys=False).strip(), "```"]
@@ -247,6 +300,8 @@ def render_html(results: dict, plots: list[Path]) -> str:
                      for p in plots)
     why = "".join(f"<li>{esc(e.replace('**', ''))}</li>" for e in _explanations(results)) or \
         "<li>every arm matches the reference</li>"
+    why += "".join(f"<li>{esc(n)}</li>" for n in _not_judged(results))
+    advice = "".join(f"<li>{esc(line.replace('**', ''))}</li>" for line in recommendations(results))
     comm = "".join(f"<li>{esc(c)}</li>" for c in _comm_lines(results)) or "<li>n/a</li>"
     recipes = "".join(f"<details><summary>{esc(r['arm'])}</summary><pre>"
                       f"{esc(yaml.safe_dump(r['recipe'], sort_keys=False))}</pre></details>"
@@ -263,5 +318,6 @@ pre{{background:#f6f6f6;padding:8px}}</style></head><body>
 <h2>Why arms differ</h2><ul>{why}</ul>
 <h2>Precision audit</h2><p>Read from the live objects after setup; highlighted cells differ from the reference.</p>
 {audit}<h2>Communication per step</h2><p>{esc(COMM_NOTE)}</p><ul>{comm}</ul><h2>Plots</h2>{images}<h2>Tolerances</h2><pre>{esc(results['tolerances'])}</pre>
+<h2>Recommendation</h2><ul>{advice}</ul>
 <h2>Resolved recipes</h2>{recipes}</body></html>
 """

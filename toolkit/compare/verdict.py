@@ -3,14 +3,21 @@
 Tolerances come from the precision, not from a hand-picked number:
   fp32   loss: relative 1e-5 per step. grad norm: relative 1e-5 + 4·√N·2⁻²⁴ (clip_grad_norm_ reduces N
          squared fp32 values; its rounding error grows like √N·2⁻²⁴ and strategies sum in different
-         orders). Final weights: |Δ| ≤ 1e-5 + 1e-5·|w| per element.
+         orders). Final weights: |Δ| ≤ 1e-5 + 1e-5·|w| per element, except noise-driven tensors (below).
   bf16/fp16  calibrated: the reference strategy is run twice at that precision with different
          reduction orders (micro-batch split halved). Their per-step relative difference is pure
          rounding noise; the bound at step k is 4 × the largest calibration difference up to step k
          (one pair is one sample of that noise; ×4 covers its spread), never below the compute dtype's
          unit roundoff (bf16 2⁻⁸, fp16 2⁻¹¹).
+Noise-driven weights: a tensor whose gradient, in every step of the reference run, is no larger than
+  2⁻²⁴ × that step's global gradient norm (max |g| ≤ u·‖g‖, u the fp32 unit roundoff) is moved by
+  rounding noise alone; its exact gradient is zero by construction (an attention key bias: softmax
+  ignores a constant added to every score of a query). Adam turns that noise into steps of ~lr with
+  random sign, which follow the strategy's summation order, not the maths: such tensors are listed
+  with their |Δ| and not judged. The reference arm records the gradient scale (run.json).
 Verdicts: "equivalent" (fp32 tolerance), "equivalent within precision noise" (calibrated bound),
-"diverged at step k" (first step outside the bound), naming what differs between the two arms.
+"diverged at step k" (first step outside the bound), "diverged in final weights" (the trajectories
+agree, some judged tensor does not), each naming what differs between the two arms.
 """
 
 from __future__ import annotations
@@ -21,8 +28,11 @@ from pathlib import Path
 FP32_RTOL = 1e-5
 UNIT_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "fp32": 2.0 ** -24}
 NOISE_FACTOR = 4.0
+NOISE_GRADIENT_RATIO = UNIT_ROUNDOFF["fp32"]  # max|g| / ‖g‖ at or below this in every step: noise-driven
+WEIGHT_TOLERANCE = f"|Δ| ≤ {FP32_RTOL:g} + {FP32_RTOL:g}·|w|"
 # keys expected to differ between arms of one experiment: not a cause
-EXPECTED_DIFFERENT = ("output_dir", "strategy.", "batch.micro_batch_size", "batch.grad_accum_steps")
+EXPECTED_DIFFERENT = ("output_dir", "strategy.", "batch.micro_batch_size", "batch.grad_accum_steps",
+                      "train.record_gradient_scale")
 
 
 def relative(a: float, b: float) -> float:
@@ -44,30 +54,78 @@ def noise_envelope(calib_a: list[dict], calib_b: list[dict], precision: str) -> 
 
 def first_step_outside(arm: list[dict], ref: list[dict], *, loss_tol, norm_tol) -> int | None:
     """1-based step of the first loss/grad-norm outside tolerance (tol: float or per-step list)."""
+    found = first_difference(arm, ref, loss_tol=loss_tol, norm_tol=norm_tol)
+    return found["step"] if found else None
+
+
+def first_difference(arm: list[dict], ref: list[dict], *, loss_tol, norm_tol) -> dict | None:
+    """The first step whose loss or grad norm is outside tolerance, with what differs there."""
     if len(arm) != len(ref):
-        return min(len(arm), len(ref)) + 1
+        step = min(len(arm), len(ref)) + 1
+        return {"step": step, "what": f"the arm logged {len(arm)} steps, the reference {len(ref)}"}
     for index, (a, r) in enumerate(zip(arm, ref)):
         lt = loss_tol[index] if isinstance(loss_tol, list) else loss_tol
         nt = norm_tol[index] if isinstance(norm_tol, list) else norm_tol
-        if relative(a["loss"], r["loss"]) > lt or relative(a["grad_norm"], r["grad_norm"]) > nt:
-            return a["step"]
+        parts = []
+        if relative(a["loss"], r["loss"]) > lt:
+            parts.append(f"loss {a['loss']:.7g} vs {r['loss']:.7g} (relative {relative(a['loss'], r['loss']):.2g} "
+                         f"> {lt:.2g})")
+        if relative(a["grad_norm"], r["grad_norm"]) > nt:
+            parts.append(f"grad norm {a['grad_norm']:.7g} vs {r['grad_norm']:.7g} (relative "
+                         f"{relative(a['grad_norm'], r['grad_norm']):.2g} > {nt:.2g})")
+        if parts:
+            return {"step": a["step"], "what": f"step {a['step']}: " + ", ".join(parts)}
     return None
 
 
-def weights_close(arm_dir: Path, ref_dir: Path, *, rtol: float) -> tuple[bool, float]:
-    """(all elements within |Δ| ≤ rtol + rtol·|w|, largest |Δ|) over the exported weights."""
+def noise_driven_tensors(reference_run: dict) -> set[str] | None:
+    """Tensors the reference moved by rounding noise alone, from its recorded gradient scale (None: not
+    recorded, e.g. a reference strategy that cannot read full gradients)."""
+    scale = (reference_run or {}).get("gradient_scale")
+    if not scale or not scale.get("num_steps"):
+        return None
+    return {name for name, ratio in scale["max_abs_over_norm"].items() if ratio <= NOISE_GRADIENT_RATIO}
+
+
+def compare_weights(arm_dir: Path, ref_dir: Path, *, noise: set[str]) -> dict:
+    """Per tensor of the exported weights: elements outside the fp32 tolerance, largest |Δ|."""
     from safetensors.torch import load_file
 
-    arm, ref = load_file(str(arm_dir / "model" / "model.safetensors")), load_file(str(ref_dir / "model" / "model.safetensors"))
+    arm = load_file(str(Path(arm_dir) / "model" / "model.safetensors"))
+    ref = load_file(str(Path(ref_dir) / "model" / "model.safetensors"))
     if arm.keys() != ref.keys():
-        return False, float("inf")
-    worst, ok = 0.0, True
+        only = sorted(set(arm) ^ set(ref))
+        return {"same_names": False, "outside": [], "noise": [], "max_abs_diff": float("inf"),
+                "names_note": f"the two model files hold different tensor names (e.g. {only[0]})"}
+    outside, noisy, worst = [], [], 0.0
     for key, want in ref.items():
         got, want = arm[key].double(), want.double()
         diff = (got - want).abs()
-        worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
-        ok = ok and bool((diff <= rtol + rtol * want.abs()).all())
-    return ok, worst
+        largest = float(diff.max()) if diff.numel() else 0.0
+        worst = max(worst, largest)
+        if key in noise:
+            noisy.append({"tensor": key, "max_abs_diff": largest})
+            continue
+        bad = int((diff > FP32_RTOL + FP32_RTOL * want.abs()).sum())
+        if bad:
+            outside.append({"tensor": key, "elements": bad, "numel": diff.numel(), "max_abs_diff": largest})
+    return {"same_names": True, "outside": outside, "noise": noisy, "max_abs_diff": worst}
+
+
+def weight_lines(check: dict) -> list[str]:
+    """Each judged tensor outside tolerance: name, how many elements, the largest |Δ|, the tolerance."""
+    if not check["same_names"]:
+        return [f"exported weights: {check['names_note']}"]
+    return [f"final weights: {o['tensor']}: {o['elements']} of {o['numel']} elements outside {WEIGHT_TOLERANCE} "
+            f"(largest |Δ| {o['max_abs_diff']:.2g})" for o in check["outside"]]
+
+
+def noise_line(check: dict) -> str | None:
+    if not check["noise"]:
+        return None
+    parts = ", ".join(f"{n['tensor']} |Δ| up to {n['max_abs_diff']:.2g}" for n in check["noise"])
+    return (f"noise-driven (gradient ≈ 0 by construction: max |g| ≤ 2⁻²⁴·‖g‖ in every reference step), "
+            f"not judged: {parts}")
 
 
 def setting_differences(arm: dict, ref: dict) -> list[str]:
@@ -88,33 +146,40 @@ def setting_differences(arm: dict, ref: dict) -> list[str]:
 
 
 def judge(arm: dict, ref: dict, *, envelope: list[float] | None) -> dict:
-    """arm/ref: {"name", "dir", "metrics", "recipe", "audit", "precision", "num_params"}."""
+    """arm/ref: {"name", "dir", "metrics", "recipe", "audit", "precision", "num_params", "run"}."""
     norm_tol = grad_norm_rtol(ref["num_params"])
-    diffs = setting_differences(arm, ref)
-    step = first_step_outside(arm["metrics"], ref["metrics"], loss_tol=FP32_RTOL, norm_tol=norm_tol)
-    close, worst = weights_close(arm["dir"], ref["dir"], rtol=FP32_RTOL)
-    if worst == float("inf"):
-        diffs = [*diffs, "exported weights: the two model files hold different tensor names"]
-    if step is None and close:
-        return {"verdict": "equivalent", "step": None, "max_weight_diff": worst, "differences": diffs}
+    settings = setting_differences(arm, ref)
+    noise = noise_driven_tensors(ref.get("run"))
+    weights = compare_weights(arm["dir"], ref["dir"], noise=noise or set())
+    out = {"settings": settings, "weights": weights, "noise_map": noise is not None,
+           "noise_note": noise_line(weights), "max_weight_diff": weights["max_abs_diff"]}
+    first = first_difference(arm["metrics"], ref["metrics"], loss_tol=FP32_RTOL, norm_tol=norm_tol)
+    judged_weights_ok = weights["same_names"] and not weights["outside"]
+    if first is None and judged_weights_ok:
+        return {**out, "verdict": "equivalent", "step": None, "differences": settings}
     if envelope is not None:
-        noisy = first_step_outside(arm["metrics"], ref["metrics"], loss_tol=envelope,
-                                   norm_tol=[max(e, norm_tol) for e in envelope])
+        noisy = first_difference(arm["metrics"], ref["metrics"], loss_tol=envelope,
+                                 norm_tol=[max(e, norm_tol) for e in envelope])
         if noisy is None:
-            return {"verdict": "equivalent within precision noise", "step": None, "max_weight_diff": worst,
-                    "differences": diffs}
-        step = noisy
-    label = f"diverged at step {step}" if step is not None else "diverged in final weights"
-    return {"verdict": label, "step": step, "max_weight_diff": worst, "differences": diffs}
+            return {**out, "verdict": "equivalent within precision noise", "step": None, "differences": settings}
+        first = noisy
+    if first is not None:
+        return {**out, "verdict": f"diverged at step {first['step']}", "step": first["step"],
+                "differences": [first["what"], *settings]}
+    return {**out, "verdict": "diverged in final weights", "step": None,
+            "differences": [*weight_lines(weights), *settings]}
 
 
 def audit_key(row: str, value) -> str | None:
-    """What of an audit cell must match between arms: for the reduction its dtype (the collective itself
-    is the strategy's plumbing), elsewhere the cell without its parenthesised detail (stage, device)."""
+    """What of an audit cell must match between arms: for the reduction its dtype, the parenthesised
+    suffix (the collective itself is the strategy's plumbing; no suffix: nothing is reduced), elsewhere
+    the cell without its parenthesised detail (stage, device)."""
     if not isinstance(value, str):
         return value
     if row == "grad_reduction":
-        return value[value.rfind("(") + 1:-1] if value.endswith(")") and "one process" not in value else None
+        return value[value.rfind("(") + 1:-1] if value.endswith(")") else None
+    if row == "optimizer":
+        return value.split(",")[0]  # class and implementation; where its step runs is plumbing
     return value.split(" (")[0]
 
 

@@ -1,21 +1,85 @@
-"""The strategy table: name -> factory. Imports are lazy so DeepSpeed loads only when asked for."""
+"""The strategy registry: name -> module. Each module has `INFO` (a StrategyInfo) and `build()`.
+
+Adding a strategy = one module in this package + one line here. Modules load lazily, so DeepSpeed
+is imported only when a zero run sets up.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+from typing import TYPE_CHECKING
 
-from toolkit.strategies.names import STRATEGY_NAMES
+from toolkit.errors import RecipeError
+from toolkit.recipe import BatchPlan, Recipe, plan_batch
+from toolkit.strategies.base import Strategy, StrategyInfo
 
-_FACTORIES = {
-    "single": ("toolkit.strategies.single", "build"),
-    "dp": ("toolkit.strategies.dp", "build"),
-    "ddp": ("toolkit.strategies.ddp", "build"),
-    "fsdp": ("toolkit.strategies.fsdp", "FsdpStrategy"),
-    "zero": ("toolkit.strategies.zero", "ZeroStrategy"),
+_MODULES = {
+    "single": "toolkit.strategies.single",
+    "dp": "toolkit.strategies.dp",
+    "ddp": "toolkit.strategies.ddp",
+    "fsdp": "toolkit.strategies.fsdp",
+    "zero": "toolkit.strategies.zero",
 }
-assert set(_FACTORIES) == set(STRATEGY_NAMES)
+
+if TYPE_CHECKING:  # the type checker holds every strategy class to the protocol
+    from toolkit.strategies.fsdp import FsdpStrategy
+    from toolkit.strategies.replicated import ReplicatedStrategy
+    from toolkit.strategies.zero import ZeroStrategy
+
+    _PROTOCOL_CHECK: tuple[type[Strategy], ...] = (ReplicatedStrategy, FsdpStrategy, ZeroStrategy)
 
 
-def make_strategy(name: str):
-    module, factory = _FACTORIES[name]
-    return getattr(importlib.import_module(module), factory)()
+def strategy_names() -> tuple[str, ...]:
+    return tuple(_MODULES)
+
+
+def strategy_info(name: str) -> StrategyInfo:
+    return _module(name).INFO
+
+
+def make_strategy(name: str) -> Strategy:
+    return _module(name).build()
+
+
+def arm_aliases() -> dict[str, tuple[str, ...]]:
+    """Every strategy's `toolkit compare` arm names -> recipe overrides, in registry order."""
+    return {arm: overrides for name in _MODULES for arm, overrides in strategy_info(name).arms.items()}
+
+
+def strategy_for_plugin(plugin: str) -> str:
+    """The strategy that runs what an `accelerate launch` config file's plugin (fsdp, deepspeed) asks for."""
+    return next(name for name in _MODULES if strategy_info(name).accelerate_plugin == plugin)
+
+
+def validate_strategy(recipe: Recipe, *, world_size: int) -> BatchPlan:
+    """The recipe's strategy against a world size, before any process group exists: the name, options
+    set for another strategy, the strategy's own checks, the batch arithmetic."""
+    name = recipe.strategy.name
+    if name not in _MODULES:
+        raise RecipeError(f"strategy.name: unknown value {name!r}; choose one of {', '.join(_MODULES)} "
+                          "(`toolkit strategies` lists them)")
+    _check_options(recipe)
+    make_strategy(name).validate(recipe, world_size=world_size)
+    return plan_batch(recipe.batch, world_size=world_size)
+
+
+def _check_options(recipe: Recipe) -> None:
+    """An option set away from its default for a strategy that ignores it is a mistake, not a no-op."""
+    config = recipe.strategy
+    owners: dict[str, list[str]] = {}
+    for name in _MODULES:
+        for option in strategy_info(name).options:
+            owners.setdefault(option, []).append(name)
+    for f in dataclasses.fields(config):
+        readers = owners.get(f.name)
+        if readers is None or config.name in readers or getattr(config, f.name) == f.default:
+            continue
+        raise RecipeError(f"strategy.{f.name} applies to {'/'.join(readers)} only, but strategy.name is "
+                          f"{config.name}; remove it or set strategy.name={readers[0]}")
+
+
+def _module(name: str):
+    if name not in _MODULES:
+        raise RecipeError(f"strategy.name: unknown value {name!r}; choose one of {', '.join(_MODULES)}")
+    return importlib.import_module(_MODULES[name])

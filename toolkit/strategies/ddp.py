@@ -5,8 +5,13 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from toolkit.strategies.base import SetupArgs
+from toolkit.strategies.base import SetupArgs, StrategyInfo
 from toolkit.strategies.replicated import Replication, ReplicatedStrategy
+
+INFO = StrategyInfo(
+    name="ddp", averages_gradients=True, options=("find_unused_parameters", "bucket_cap_mb"),
+    summary="DistributedDataParallel: a full replica per rank, gradients all-reduced; fastest when the model fits",
+    arms={"ddp": ("strategy.name=ddp",)})
 
 
 def wrap_ddp(module: nn.Module, args: SetupArgs) -> nn.Module:
@@ -17,10 +22,9 @@ def wrap_ddp(module: nn.Module, args: SetupArgs) -> nn.Module:
 
 
 DDP = Replication(
-    name="ddp", wrap=wrap_ddp, reduce_desc="all-reduce mean ({dtype})",
+    info=INFO, wrap=wrap_ddp, reduce_desc="all-reduce mean ({dtype})",
     # no_sync: keep gradients local on non-final micro-batches; the last backward all-reduces the sum
-    skip_sync=lambda wrapped: wrapped.no_sync(),
-    averages_over_ranks=True, multi_rank=True)
+    skip_sync=lambda wrapped: wrapped.no_sync())
 
 
 def build() -> ReplicatedStrategy:

@@ -9,16 +9,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from toolkit.strategies.base import SetupArgs
+from toolkit.strategies.base import SetupArgs, StrategyInfo
 from toolkit.strategies.replicated import Replication, ReplicatedStrategy
+
+INFO = StrategyInfo(
+    name="dp", one_process=True,
+    summary="torch.nn.DataParallel: one process splits each batch over the visible GPUs; full model on GPU 0",
+    arms={"dp": ("strategy.name=dp",)})
 
 
 def wrap_data_parallel(module: nn.Module, args: SetupArgs) -> nn.Module:
-    assert args.env.world_size == 1, "dp is single-process; the launcher refuses nproc > 1"
     return nn.DataParallel(module) if torch.cuda.device_count() > 1 else module
 
 
-DP = Replication(name="dp", wrap=wrap_data_parallel, reduce_desc="sum onto GPU 0 ({dtype})")
+DP = Replication(info=INFO, wrap=wrap_data_parallel, reduce_desc="sum onto GPU 0 ({dtype})")
 
 
 def build() -> ReplicatedStrategy:

@@ -19,13 +19,35 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from toolkit.dist import all_reduce_max
+from toolkit.errors import RecipeError
 from toolkit.model import transformer_blocks
-from toolkit.precision import DTYPES, Amp, StepResult
-from toolkit.strategies.base import (SetupArgs, dtype_name, first_dtype, no_context, optimizer_state_tensors)
+from toolkit.precision import DTYPES, Amp, StepResult, dtype_name
+from toolkit.recipe import Recipe
+from toolkit.strategies.base import (Replicas, SetupArgs, StrategyInfo, first_dtype, local_abs_max, no_context,
+                                     optimizer_label, optimizer_state_tensors)
+
+INFO = StrategyInfo(
+    name="fsdp", averages_gradients=True, accelerate_plugin="fsdp",
+    options=("reshard_after_forward", "cpu_offload", "replicate_degree", "blocks"),
+    summary="FSDP2 fully_shard per block: params, grads, optimizer state sharded 1/N; all-gathers per block",
+    arms={"fsdp": ("strategy.name=fsdp",),
+          "fsdp-noreshard": ("strategy.name=fsdp", "strategy.reshard_after_forward=false"),
+          "fsdp-offload": ("strategy.name=fsdp", "strategy.cpu_offload=true")})
 
 
 class FsdpStrategy:
-    name = "fsdp"
+    info = INFO
+
+    def validate(self, recipe: Recipe, *, world_size: int) -> None:
+        replicate = recipe.strategy.replicate_degree
+        if replicate < 1:
+            raise RecipeError("strategy.replicate_degree must be >= 1")
+        if world_size % replicate:
+            raise RecipeError(f"strategy.replicate_degree {replicate} does not divide world size {world_size}")
+        if recipe.precision == "fp16" and recipe.optim.implementation == "fused":
+            raise RecipeError("optim.implementation fused cannot run under fsdp in fp16 (torch's ShardedGradScaler "
+                              "hands the fused AdamW kernel a found-inf tensor of the wrong shape); use auto or loop")
 
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
         options, env = args.recipe.strategy, args.env
@@ -43,7 +65,8 @@ class FsdpStrategy:
             fully_shard(block, **shard)
         fully_shard(model, **shard)
         self._model = model
-        self.optimizer = args.build_optimizer(model)
+        # ShardedGradScaler's found-inf tensor has a shape torch's fused AdamW kernel rejects (torch 2.13)
+        self.optimizer = args.build_optimizer(model, fused_ok=self.precision != "fp16")
         self.scheduler = args.build_scheduler(self.optimizer)
         # fp16: ShardedGradScaler all-reduces found-inf, so every rank (each seeing only its gradient
         # shards) skips the same steps. Autocast stays off: MixedPrecisionPolicy casts inside each unit.
@@ -62,7 +85,7 @@ class FsdpStrategy:
         return no_context()
 
     def backward(self, loss_share: torch.Tensor) -> None:
-        self.amp.backward(loss_share * self.env.world_size)  # FSDP's reduce-scatter averages over ranks
+        self.amp.backward(loss_share)
 
     def step(self, *, max_grad_norm: float | None) -> StepResult:
         params = [p for p in self._model.parameters() if p.grad is not None]
@@ -74,8 +97,22 @@ class FsdpStrategy:
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
-    def replicated_parameters(self):
-        return []  # every rank holds a different shard
+    def replicas(self) -> Replicas | None:
+        if "replicate" not in (self.mesh.mesh_dim_names or ()) or self.mesh["replicate"].size() == 1:
+            return None  # every rank holds a different shard
+        # HSDP: the ranks at one position of the shard dimension hold the same shards, one per replica group
+        named = [(n, p.to_local() if hasattr(p, "to_local") else p) for n, p in self._model.named_parameters()]
+        size = self.mesh["replicate"].size()
+        return Replicas(named=named, group=self.mesh.get_group("replicate"),
+                        description=f"{size} replica groups hold identical shards")
+
+    def gradient_abs_max(self) -> dict[str, float] | None:
+        maxima = local_abs_max((n, p.grad) for n, p in self._model.named_parameters())
+        names = sorted(maxima)
+        values = torch.tensor([maxima[n] for n in names], dtype=torch.float64)
+        all_reduce_max(values, self.env)  # each rank saw its shards only
+        scale = self.amp.scaler.get_scale() if self.amp.scaler else 1.0
+        return {n: float(v) / scale for n, v in zip(names, values)}
 
     def full_state_dict(self):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it, on CPU
@@ -106,7 +143,7 @@ class FsdpStrategy:
             "optimizer_state": dtype_name(first_dtype(optimizer_state_tensors(self.optimizer)) or stored),
             "loss_scaling": (f"dynamic (ShardedGradScaler, init {self.amp.scaler.get_scale():g})"
                              if self.amp.scaler else "off"),
-            "optimizer": f"torch {type(self.optimizer).__name__}",
+            "optimizer": optimizer_label(self.optimizer),
         }
 
 
@@ -122,3 +159,7 @@ def clip_sharded(params, max_norm: float) -> torch.Tensor:
     """clip_grad_norm_ over DTensor gradient shards; the norm comes back replicated (a collective)."""
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def build() -> FsdpStrategy:
+    return FsdpStrategy()

@@ -12,25 +12,30 @@ from typing import Callable, ContextManager
 import torch
 from torch import nn
 
-from toolkit.precision import Amp, StepResult
-from toolkit.strategies.base import (SetupArgs, cpu_state_dict, dtype_name, first_dtype, no_context,
-                                     optimizer_state_tensors)
+from toolkit.errors import RecipeError
+from toolkit.precision import Amp, StepResult, dtype_name
+from toolkit.recipe import Recipe
+from toolkit.strategies.base import (Replicas, SetupArgs, StrategyInfo, cpu_state_dict, first_dtype, local_abs_max,
+                                     no_context, optimizer_label, optimizer_state_tensors)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Replication:
-    name: str
+    info: StrategyInfo
     wrap: Callable[[nn.Module, SetupArgs], nn.Module]  # the unwrapped module (on its device) -> what forward calls
     reduce_desc: str  # for the precision audit; "{dtype}" becomes the gradients' dtype
     skip_sync: Callable[[nn.Module], ContextManager] | None = None  # wrapped -> context without gradient reduction
-    averages_over_ranks: bool = False  # the reduction averages: scale the loss share by the world size
-    multi_rank: bool = False  # several ranks hold full replicas: the consistency check compares them
 
 
 class ReplicatedStrategy:
     def __init__(self, replication: Replication):
         self.replication = replication
-        self.name = replication.name
+        self.info = replication.info
+
+    def validate(self, recipe: Recipe, *, world_size: int) -> None:
+        if self.info.one_process and world_size > 1:
+            raise RecipeError(f"strategy {self.info.name} runs in one process, but {world_size} were asked for; "
+                              "use --nproc 1 or strategy.name=ddp")
 
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
         self.env = args.env
@@ -53,9 +58,7 @@ class ReplicatedStrategy:
         return self.replication.skip_sync(self._model)
 
     def backward(self, loss_share) -> None:
-        # loss_share sums to the global mean over ranks; an averaging reduction would divide it again
-        factor = self.env.world_size if self.replication.averages_over_ranks else 1
-        self.amp.backward(loss_share * factor)
+        self.amp.backward(loss_share)
 
     def step(self, *, max_grad_norm: float | None) -> StepResult:
         result = self.amp.step(self.optimizer, list(self.module.parameters()), max_grad_norm=max_grad_norm)
@@ -66,8 +69,17 @@ class ReplicatedStrategy:
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
-    def replicated_parameters(self):
-        return list(self.module.named_parameters()) if self.replication.multi_rank else []
+    def replicas(self) -> Replicas | None:
+        if self.env.world_size == 1:
+            return None
+        return Replicas(named=list(self.module.named_parameters()), group=None,
+                        description=f"{self.env.world_size} ranks hold full replicas")
+
+    def gradient_abs_max(self) -> dict[str, float] | None:
+        # after the synced backward every rank holds the full reduced gradient; fp16 grads are still scaled
+        maxima = local_abs_max((n, p.grad) for n, p in self.module.named_parameters())
+        scale = self.amp.scaler.get_scale() if self.amp.scaler else 1.0
+        return {name: value / scale for name, value in maxima.items()}
 
     def full_state_dict(self) -> dict | None:
         return cpu_state_dict(self.module) if self.env.is_main else None
@@ -97,5 +109,6 @@ class ReplicatedStrategy:
             "optimizer_state": dtype_name(first_dtype(optimizer_state_tensors(self.optimizer))) or master,
             "loss_scaling": (f"dynamic (GradScaler, init {self.amp.scaler.get_scale():g})"
                              if self.amp.scaler else "off"),
-            "optimizer": f"torch {type(self.optimizer).__name__}",
+            "optimizer": optimizer_label(self.optimizer),
         }
+

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from toolkit.strategies.base import StrategyInfo
 from toolkit.strategies.replicated import Replication, ReplicatedStrategy
 
-SINGLE = Replication(name="single", wrap=lambda module, args: module, reduce_desc="none (one process)")
+INFO = StrategyInfo(
+    name="single", one_process=True,
+    summary="one process, full model; the reference every other strategy is checked against",
+    arms={"single": ("strategy.name=single",)})
+
+SINGLE = Replication(info=INFO, wrap=lambda module, args: module, reduce_desc="none: one process")
 
 
 def build() -> ReplicatedStrategy:

@@ -1,55 +1,81 @@
 """`zero`: DeepSpeed ZeRO stages 0-3 (+ CPU offload) through `deepspeed.initialize`.
 
 Stage 1 shards optimizer state, 2 also gradients, 3 also parameters. DeepSpeed keeps fp32 master
-weights whatever the compute dtype (unlike FSDP, which updates the load dtype). Backward and step
-go through the engine, so DeepSpeed's own accumulation boundary decides when gradients are reduced
-and the optimizer steps; the loop's micro-batch count is only checked against it.
+weights whatever the compute dtype (unlike FSDP, which updates the load dtype). The optimizer and the
+schedule are the recipe's, built by the same factories as every other strategy's and handed to
+DeepSpeed as its client optimizer and scheduler. The loop owns the accumulation boundary: each
+micro-batch tells the engine whether it is the last one, and the engine steps once per optimizer step.
 """
 
 from __future__ import annotations
 
-import os
+import sys
 
 import torch
 from torch import nn
 
 from toolkit.dist import ensure_process_group
-from toolkit.optim import param_groups
-from toolkit.precision import StepResult
-from toolkit.recipe import plan_batch
-from toolkit.strategies.base import SetupArgs, dtype_name, first_dtype, no_context, optimizer_state_tensors
+from toolkit.errors import RecipeError
+from toolkit.precision import StepResult, dtype_name
+from toolkit.recipe import Recipe, plan_batch
+from toolkit.strategies.base import (Replicas, SetupArgs, StrategyInfo, first_dtype, no_context, optimizer_label,
+                                     optimizer_state_tensors)
 from toolkit.strategies.zero_config import check_deepspeed_precision, offloads, resolve_ds_config, stage_of
+
+INFO = StrategyInfo(
+    name="zero", averages_gradients=True, accelerate_plugin="deepspeed",
+    options=("stage", "offload_optimizer", "offload_param", "ds_config"),
+    summary="DeepSpeed ZeRO: stage 1 shards optimizer state, 2 + gradients, 3 + parameters; optional CPU offload",
+    arms={"zero0": ("strategy.name=zero", "strategy.stage=0"),
+          "zero1": ("strategy.name=zero", "strategy.stage=1"),
+          "zero2": ("strategy.name=zero", "strategy.stage=2"),
+          "zero3": ("strategy.name=zero", "strategy.stage=3"),
+          "zero2-offload": ("strategy.name=zero", "strategy.stage=2", "strategy.offload_optimizer=true"),
+          "zero3-offload": ("strategy.name=zero", "strategy.stage=3", "strategy.offload_optimizer=true",
+                            "strategy.offload_param=true")})
 
 
 class ZeroStrategy:
-    name = "zero"
+    info = INFO
+
+    def validate(self, recipe: Recipe, *, world_size: int) -> None:
+        options = recipe.strategy
+        if options.stage is not None and options.stage not in (0, 1, 2, 3):
+            raise RecipeError(f"strategy.stage must be 0, 1, 2 or 3, got {options.stage}")
+        if options.offload_param and options.stage not in (3, None):
+            raise RecipeError("strategy.offload_param needs strategy.stage=3; DeepSpeed offloads parameters "
+                              "only under ZeRO-3")
+        if options.offload_optimizer and options.stage == 0:  # stage None: the ds_config's, or 2
+            raise RecipeError("strategy.offload_optimizer needs strategy.stage >= 1")
+        config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=world_size))  # JSON contradictions
+        if offloads(config)[1] and stage_of(config) != 3:
+            raise RecipeError(f"{options.ds_config}: zero_optimization.offload_param needs stage 3")
+        check_deepspeed_precision(recipe.precision)
 
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu" if args.env.device.type == "cpu" else "cuda")
         import deepspeed
 
         self.env, recipe = args.env, args.recipe
-        check_deepspeed_precision(recipe.precision)  # again in the rank: torchrun/accelerate skip the launcher
         ensure_process_group(args.env)  # DeepSpeed needs one even for a plain one-process `toolkit train`
         self.config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=args.env.world_size))
+        self._drop_optimizer_blocks(recipe)
         self.stage = stage_of(self.config)
         self.offload_optimizer, self.offload_param = offloads(self.config)
-        optimizer = None if "optimizer" in self.config else self._client_optimizer(model, recipe)
-        scheduler = None if "scheduler" in self.config else args.build_scheduler
+        optimizer = args.build_optimizer(model)
+        if self.offload_optimizer:
+            optimizer = _cpu_adam_like(optimizer)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.config,
-            model_parameters=None if optimizer is not None else param_groups(model, recipe.optim))
+            model=model, optimizer=optimizer, lr_scheduler=args.build_scheduler, config=self.config)
         self.module = self.engine.module
 
-    @staticmethod
-    def _client_optimizer(model: nn.Module, recipe):
-        groups, optim = param_groups(model, recipe.optim), recipe.optim
-        if recipe.strategy.offload_optimizer or _json_offloads_optimizer(recipe):
-            # the optimizer step runs on CPU: DeepSpeed's vectorised CPU Adam (JIT-built once)
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-            return DeepSpeedCPUAdam(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, adamw_mode=True)
-        return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, foreach=False)
+    def _drop_optimizer_blocks(self, recipe: Recipe) -> None:
+        """The recipe's optim section builds every strategy's optimizer and schedule alike, so that arms
+        stay comparable: a ds_config optimizer/scheduler block is left out, and the run says so once."""
+        blocks = [key for key in ("optimizer", "scheduler") if self.config.pop(key, None) is not None]
+        if blocks and self.env.is_main:
+            print(f"[toolkit] zero: the {' and '.join(blocks)} block{'s' if len(blocks) > 1 else ''} of "
+                  f"{recipe.strategy.ds_config} {'are' if len(blocks) > 1 else 'is'} not used: the recipe's optim "
+                  f"section wins (lr {recipe.optim.lr:g}, {recipe.optim.schedule} schedule)", file=sys.stderr)
 
     @property
     def model(self) -> nn.Module:
@@ -59,16 +85,14 @@ class ZeroStrategy:
         return no_context()  # the engine holds the params in the compute dtype already
 
     def accumulate(self, *, sync: bool):
-        # DeepSpeed counts micro-steps itself; the loop's idea of the boundary must agree with it
-        assert sync == self.engine.is_gradient_accumulation_boundary(), "accumulation boundary mismatch"
+        # DeepSpeed's own API for a caller-owned boundary: reduce only in the last micro-batch's backward
+        self.engine.set_gradient_accumulation_boundary(sync)
         return no_context()
 
     def backward(self, loss_share: torch.Tensor) -> None:
-        # the engine averages gradients over ranks; scale_wrt_gas=False: loss_share is already normalised
-        # over every micro-batch of the step, so DeepSpeed must not divide by the accumulation steps again
-        self.engine.backward(loss_share * self.env.world_size, scale_wrt_gas=False)
-        if not self.engine.is_gradient_accumulation_boundary():
-            self.engine.step()  # off the boundary this only advances DeepSpeed's micro-step counter
+        # scale_wrt_gas=False: loss_share is already normalised over every micro-batch of the step, so
+        # DeepSpeed must not divide by the accumulation steps again
+        self.engine.backward(loss_share, scale_wrt_gas=False)
 
     def step(self, *, max_grad_norm: float | None) -> StepResult:
         assert self.engine.is_gradient_accumulation_boundary()
@@ -83,10 +107,23 @@ class ZeroStrategy:
     def lr(self) -> float:
         return self.engine.get_lr()[0]
 
-    def replicated_parameters(self):
-        if self.stage == 3:
-            return []  # each rank holds a partition
-        return list(self.module.named_parameters())
+    def replicas(self) -> Replicas | None:
+        if self.stage == 3 or self.env.world_size == 1:
+            return None  # ZeRO-3: each rank holds a partition
+        return Replicas(named=list(self.module.named_parameters()), group=None,
+                        description=f"{self.env.world_size} ranks hold full parameters (ZeRO-{self.stage})")
+
+    def gradient_abs_max(self) -> dict[str, float] | None:
+        if self.engine.fp16_enabled():
+            return None  # gradients still carry the loss scale here
+        from deepspeed.utils import safe_get_full_grad
+
+        out = {}
+        for name, param in self.module.named_parameters():
+            grad = safe_get_full_grad(param)  # every rank calls it: ZeRO-3 gathers
+            if grad is not None:
+                out[name] = float(grad.abs().max()) if grad.numel() else 0.0
+        return out
 
     def full_state_dict(self):
         """fp32 master weights, gathered (a collective under ZeRO-3), plus buffers."""
@@ -157,19 +194,27 @@ class ZeroStrategy:
                               f"({dtype_name(self.engine.communication_data_type)})",
             "optimizer_state": dtype_name(first_dtype(optimizer_state_tensors(inner)) or masters),
             "loss_scaling": scaling,
-            "optimizer": _optimizer_label(inner) + (" (offloaded)" if self.offload_optimizer else ""),
+            "optimizer": _optimizer_label(inner) + (", offloaded" if self.offload_optimizer else ""),
         }
 
 
 def _optimizer_label(optimizer) -> str:
-    name = type(optimizer).__name__
-    return f"torch {name}" if type(optimizer).__module__.startswith("torch.optim") else f"DeepSpeed {name}"
+    if type(optimizer).__module__.startswith("torch.optim"):
+        return optimizer_label(optimizer)
+    return f"DeepSpeed {type(optimizer).__name__}"
 
 
-def _json_offloads_optimizer(recipe) -> bool:
-    if recipe.strategy.ds_config is None:
-        return False
-    import json
+def _cpu_adam_like(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The recipe's AdamW (its parameter groups, lr, betas, eps, weight decay) as DeepSpeed's vectorised
+    CPU Adam, which DeepSpeed requires for an offloaded optimizer step (JIT-built once)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    config = json.loads(open(recipe.strategy.ds_config).read())
-    return offloads(config)[0]
+    defaults = optimizer.defaults
+    groups = [{k: v for k, v in group.items() if k in ("params", "lr", "weight_decay", "betas", "eps")}
+              for group in optimizer.param_groups]
+    return DeepSpeedCPUAdam(groups, lr=defaults["lr"], betas=defaults["betas"], eps=defaults["eps"],
+                            weight_decay=defaults["weight_decay"], adamw_mode=True)
+
+
+def build() -> ZeroStrategy:
+    return ZeroStrategy()

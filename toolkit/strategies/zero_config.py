@@ -109,12 +109,7 @@ def check_deepspeed_precision(precision: str) -> None:
     from every rank; say it once, with the way out. Imports DeepSpeed's accelerator module only."""
     if precision == "fp32":
         return
-    import os
-
-    import torch
-
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed.accelerator import get_accelerator  # DS_ACCELERATOR: see toolkit.launch.prepare_environment
 
     accelerator = get_accelerator()
     supported = accelerator.is_fp16_supported() if precision == "fp16" else accelerator.is_bf16_supported()

@@ -1,0 +1,45 @@
+"""The strategy registry: every strategy's own checks run before any rank starts, by name only here."""
+
+import pytest
+
+from toolkit.errors import RecipeError
+from toolkit.recipe import recipe_from_dict
+from toolkit.strategies import arm_aliases, make_strategy, strategy_info, strategy_names, validate_strategy
+
+BASE = {"model": {"path": "/m"}, "data": {"train": "t.jsonl"}}
+
+
+def recipe(**strategy):
+    return recipe_from_dict({**BASE, "strategy": strategy})
+
+
+@pytest.mark.parametrize("strategy, world_size, words", [
+    ({"name": "megatron"}, 1, "strategy.name: unknown value 'megatron'; choose one of single, dp, ddp, fsdp, zero"),
+    ({"name": "ddp", "stage": 3}, 2, "strategy.stage applies to zero only, but strategy.name is ddp"),
+    ({"name": "single", "replicate_degree": 2}, 1, "strategy.replicate_degree applies to fsdp only"),
+    ({"name": "zero", "stage": 2, "offload_param": True}, 2, "needs strategy.stage=3"),
+    ({"name": "zero", "stage": 5}, 2, "strategy.stage must be 0, 1, 2 or 3, got 5"),
+    ({"name": "zero", "stage": 0, "offload_optimizer": True}, 2, "offload_optimizer needs strategy.stage >= 1"),
+    ({"name": "fsdp", "replicate_degree": 3}, 4, "replicate_degree 3 does not divide world size 4"),
+    ({"name": "single"}, 2, "strategy single runs in one process, but 2 were asked for"),
+    ({"name": "dp"}, 2, "strategy dp runs in one process"),
+])
+def test_strategy_checks_name_the_key(strategy, world_size, words):
+    with pytest.raises(RecipeError, match=words.replace("(", r"\(").replace(".", r"\.")):
+        validate_strategy(recipe(**strategy), world_size=world_size)
+
+
+def test_valid_strategies_pass_and_plan_the_batch():
+    assert validate_strategy(recipe(name="fsdp", replicate_degree=2), world_size=4).world_size == 4
+    assert validate_strategy(recipe(name="zero", stage=3, offload_param=True), world_size=2).micro_batch_size == 8
+
+
+def test_every_strategy_describes_itself_and_builds():
+    aliases = arm_aliases()
+    for name in strategy_names():
+        info = strategy_info(name)
+        assert info.name == name and info.summary
+        assert make_strategy(name).info is info or make_strategy(name).info == info
+        # every arm a strategy offers names that strategy
+        assert all(f"strategy.name={name}" in overrides for overrides in info.arms.values())
+        assert set(info.arms) <= set(aliases)

@@ -1,0 +1,30 @@
+"""Forward and the loss of one micro-batch, shared by the training loop and evaluation.
+
+The loss is a *sum* over the micro-batch's loss terms (tokens for causal LM, samples for
+classification); the loop divides by the count over the whole global batch, so any split of that
+batch into ranks and micro-batches gives the same mean.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100  # label of a position that carries no loss (padding); the value transformers uses
+
+
+def forward_logits(strategy, batch: dict, device: torch.device) -> torch.Tensor:
+    with strategy.forward_context():
+        out = strategy.model(input_ids=batch["input_ids"].to(device, non_blocking=True),
+                             attention_mask=batch["attention_mask"].to(device, non_blocking=True))
+    return out.logits
+
+
+def micro_batch_loss_sum(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
+    """Sum (not mean) of the loss terms of one micro-batch, in fp32."""
+    logits = logits.float()
+    if task == "causal-lm":  # predict token t+1 from tokens <= t
+        logits, labels = logits[:, :-1, :], labels[:, 1:]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum",
+                               ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(logits, labels, reduction="sum")
