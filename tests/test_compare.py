@@ -1,6 +1,7 @@
 """`toolkit compare`: a real 2-process experiment, its verdicts, memory ratios, failure/resume and report."""
 
 import json
+import re
 import shutil
 import subprocess
 
@@ -141,3 +142,72 @@ def test_report_rerenders_from_saved_runs(experiment):
     result = run_cli("report", str(out))
     assert result.returncode == 0 and (out / "report.html").is_file()
     assert json.loads((out / "results.json").read_text())["arms"][1]["verdict"] == results["arms"][1]["verdict"]
+
+
+@pytest.fixture(scope="module")
+def bert_experiment(tmp_path_factory, tiny_bert_dir):
+    """A BERT classifier (attention key biases: an exact gradient of zero) under the default arms, plus an
+    arm that really differs (weight decay 1.0 instead of 0.01)."""
+    root = tmp_path_factory.mktemp("compare-bert")
+    recipe = write_recipe(root / "recipe.yaml", model_dir=tiny_bert_dir, task="sequence-classification",
+                          output_dir=root / "unused", batch={"micro_batch_size": 4, "grad_accum_steps": 1},
+                          train={"eval_every": None})
+    out = root / "exp"
+    result = run_cli("compare", str(recipe), "--strategies", "single,ddp,fsdp,zero2,zero3,single@optim.weight_decay=1.0",
+                     "--nproc", "2", "--steps", "5", "--set", f"output_dir={out}")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_noise_driven_weights_are_exactly_the_attention_key_biases(bert_experiment):
+    # judged from the reference's own gradients, not from names: what it finds must be what the maths says
+    out, results = bert_experiment
+    scale = json.loads((out / "single" / "run.json").read_text())["gradient_scale"]
+    from toolkit.compare.verdict import noise_driven_tensors
+
+    found = noise_driven_tensors({"gradient_scale": scale})
+    keys = {name for name in scale["max_abs_over_norm"] if name.endswith("attention.self.key.bias")}
+    assert len(keys) == 2 and found == keys
+    arms = _arms(results)
+    for name in ("ddp", "fsdp", "zero2", "zero3"):
+        assert arms[name]["verdict"] == "equivalent", (name, arms[name].get("differences"))
+        assert arms[name]["noise_note"].startswith("noise-driven (gradient ≈ 0 by construction")
+
+
+def test_a_real_setting_difference_diverges_and_is_named(bert_experiment):
+    arms = _arms(bert_experiment[1])
+    decayed = arms["single@optim.weight_decay=1.0"]
+    assert decayed["verdict"].startswith("diverged"), decayed
+    assert "optim.weight_decay: 1.0 vs 0.01" in decayed["differences"]
+    report = (bert_experiment[0] / "report.md").read_text()
+    assert "single@optim.weight_decay=1.0** (diverged" in report and "every arm matches" not in report
+    assert "not recommended: diverged" in report
+
+
+def test_weights_moved_outside_tolerance_diverge_naming_the_tensor(bert_experiment, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    out, results = bert_experiment
+    copy = tmp_path / "exp"
+    shutil.copytree(out, copy)
+    path = copy / "zero2" / "model" / "model.safetensors"
+    weights = load_file(str(path))
+    name = "bert.encoder.layer.0.attention.self.query.weight"  # a gradient-carrying tensor
+    element = weights[name].view(-1)
+    element[7] += 10 * (1e-5 + 1e-5 * abs(float(element[7])))  # 10× the tolerance, losses untouched
+    save_file(weights, str(path))
+    result = run_cli("report", str(copy))
+    assert result.returncode == 0, result.stderr[-3000:]
+    arm = _arms(json.loads((copy / "results.json").read_text()))["zero2"]
+    assert arm["verdict"] == "diverged in final weights"
+    assert arm["differences"][0].startswith(f"final weights: {name}: 1 of 1024 elements outside |Δ| ≤ 1e-05")
+    assert f"zero2** (diverged in final weights) vs single: final weights: {name}" in (copy / "report.md").read_text()
+
+
+def test_report_ends_with_a_recommendation(experiment):
+    report = (experiment[0] / "report.md").read_text()
+    advice = report.split("## Recommendation", 1)[1].split("##", 1)[0]
+    assert "fastest equivalent arm: **" in advice and "least memory per rank: **" in advice
+    # FSDP holds 1/2 of the model states at 2 ranks (a few buffers are not sharded)
+    assert re.search(r"fsdp: -(4[5-9]|5[0-5]) % model-state memory per rank vs ddp, \d\.\d\d× its tokens/s", advice)
+    assert report.index("## Recommendation") > report.index("## Tolerances")

@@ -77,3 +77,58 @@ def test_matrix_file_and_calibration_arms(tmp_path, tiny_llama_dir):
     bad.write_text(f"recipe: {recipe}\nstrategies: [ddp]\nprecision: [bf16]\n")
     with pytest.raises(RecipeError, match="unknown key 'precision'"):
         load_matrix(str(bad), nproc=None, steps=None, overrides=[])
+
+
+def _export(path, tensors):
+    from safetensors.torch import save_file
+
+    (path / "model").mkdir(parents=True)
+    save_file(tensors, str(path / "model" / "model.safetensors"))
+    return path
+
+
+def _weights_case(tmp_path, *, arm_changes):
+    import torch
+
+    torch.manual_seed(0)
+    ref = {"q.bias": torch.randn(16), "k.bias": torch.randn(16), "w": torch.randn(4, 4)}
+    arm = {k: v.clone() for k, v in ref.items()}
+    for key, (index, delta) in arm_changes.items():
+        arm[key].view(-1)[index] += delta
+    ref_run = {"gradient_scale": {"num_steps": 5, "max_abs_over_norm": {
+        "q.bias": 1.3e-4, "k.bias": 3e-10, "w": 0.2}}}  # k.bias: gradient at rounding level in every step
+    metrics = steps([2.0, 1.9, 1.8])
+    ref_arm = {"dir": _export(tmp_path / "ref", ref), "metrics": metrics, "recipe": {}, "audit": {},
+               "num_params": 48, "run": ref_run}
+    other = {"dir": _export(tmp_path / "arm", arm), "metrics": metrics, "recipe": {}, "audit": {}, "num_params": 48}
+    return verdict.judge(other, ref_arm, envelope=None), ref
+
+
+def test_noise_driven_tensor_is_listed_not_judged(tmp_path):
+    # k.bias moved by 100× the tolerance, as Adam does to a tensor whose gradient is rounding noise
+    result, _ = _weights_case(tmp_path, arm_changes={"k.bias": (3, 1e-3)})
+    assert result["verdict"] == "equivalent"
+    assert result["noise_note"].startswith("noise-driven (gradient ≈ 0 by construction")
+    assert "1 tensor(s), |Δ| up to 0.001 (k.bias): k.bias" in result["noise_note"]
+    assert "q.bias" not in result["noise_note"]
+
+
+def test_gradient_carrying_tensor_outside_tolerance_diverges_naming_it(tmp_path):
+    # q.bias's gradient is small but real (1.3e-4 of the global norm): 10× the tolerance there is a difference
+    result, ref = _weights_case(tmp_path, arm_changes={"q.bias": (5, 10 * (1e-5 + 1e-5 * 3.0))})
+    assert result["verdict"] == "diverged in final weights"
+    line = result["differences"][0]
+    assert line.startswith("final weights: q.bias: 1 of 16 elements outside |Δ| ≤ 1e-05 + 1e-05·|w|")
+    assert "largest |Δ| 0.0004" in line
+
+
+def test_without_a_gradient_scale_every_tensor_is_judged():
+    assert verdict.noise_driven_tensors({}) is None
+    assert verdict.noise_driven_tensors({"gradient_scale": {"num_steps": 3, "max_abs_over_norm": {
+        "a": 2 ** -24, "b": 2 ** -23}}}) == {"a"}
+
+
+def test_diverged_step_names_what_differs():
+    ref = steps([2.0, 1.9, 1.8])
+    found = verdict.first_difference(steps([2.0, 1.9 * (1 + 1e-3), 1.8]), ref, loss_tol=1e-5, norm_tol=1e-5)
+    assert found["step"] == 2 and found["what"].startswith("step 2: loss 1.9019 vs 1.9 (relative 0.001 > 1e-05)")
