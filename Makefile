@@ -22,6 +22,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	# the report test renders report.html in headless Chromium (Debian package)
 	command -v chromium >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
+	$(BIN)/python -m mypy  # type check: settings in pyproject.toml
 	$(BIN)/python -m pytest -q tests
 
 clean:

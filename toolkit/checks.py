@@ -34,7 +34,7 @@ def check_columns(recipe: Recipe) -> None:
 
     datasets.disable_progress_bars()
     wanted = [recipe.data.text_column]
-    if recipe.model.task == "sequence-classification":
+    if recipe.model.task == "sequence-classification" and recipe.data.label_column:
         wanted.append(recipe.data.label_column)
     for key in ("train", "eval"):
         value = getattr(recipe.data, key)

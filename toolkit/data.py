@@ -12,6 +12,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -160,7 +161,7 @@ class Collator:
             n = len(sample["input_ids"])
             ids[row, :n] = torch.tensor(sample["input_ids"], dtype=torch.long)
             mask[row, :n] = 1
-        batch = {"input_ids": ids, "attention_mask": mask}
+        batch: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
         if self.task == "causal-lm":
             batch["labels"] = ids.masked_fill(mask == 0, IGNORE_INDEX)
             batch["num_items"] = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())

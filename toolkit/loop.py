@@ -35,7 +35,7 @@ from toolkit.optim import build_adamw, build_scheduler
 from toolkit.precision import check_precision_supported
 from toolkit.recipe import Recipe
 from toolkit.strategies import make_strategy, validate_strategy
-from toolkit.strategies.base import SetupArgs
+from toolkit.strategies.base import SetupArgs, Strategy
 
 
 # the step whose collectives are counted (see toolkit/comm.py): past DDP's bucket rebuild and ZeRO-3's
@@ -46,7 +46,7 @@ COMM_COUNT_STEP = 3
 @dataclass
 class TrainResult:
     output_dir: Path
-    strategy: object
+    strategy: Strategy
     losses: list[float]
 
 
@@ -83,7 +83,8 @@ def prepare(recipe: Recipe, env: DistEnv):
     if sampler.steps_per_epoch == 0:
         raise RecipeError(f"data: {len(train_ds)} train samples are fewer than one global batch of "
                           f"{plan.global_batch_size}; lower batch sizes or add data")
-    total_steps = recipe.train.max_steps or max(1, int(recipe.train.epochs * sampler.steps_per_epoch))
+    epochs = recipe.train.epochs or 0.0  # TrainConfig: exactly one of max_steps and epochs
+    total_steps = recipe.train.max_steps or max(1, int(epochs * sampler.steps_per_epoch))
     model = build_model(recipe.model, tokenizer=tokenizer, seed=recipe.seed)
     return plan, tokenizer, train_ds, eval_ds, sampler, total_steps, model
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -35,7 +36,9 @@ def _check_model_dir(path: Path, key: str) -> None:
 def load_tokenizer(config: ModelConfig):
     from transformers import AutoTokenizer
 
-    path = resolve_path(config.tokenizer or config.path)
+    source = config.tokenizer or config.path
+    assert source is not None  # ModelConfig: a from-scratch config needs model.tokenizer
+    path = resolve_path(source)
     _check_model_dir(path, "model.tokenizer" if config.tokenizer else "model.path")
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     if tokenizer.pad_token is None:
@@ -57,7 +60,7 @@ def build_model(config: ModelConfig, *, tokenizer, seed: int) -> nn.Module:
         _check_model_dir(path, "model.path")
         model = auto.from_pretrained(str(path), dtype=dtype, **extra)
     else:
-        fields = dict(config.config)
+        fields = dict(config.config or {})
         model_type = fields.pop("model_type")
         try:
             hf_config = transformers.AutoConfig.for_model(model_type, **fields, **extra)
@@ -70,9 +73,10 @@ def build_model(config: ModelConfig, *, tokenizer, seed: int) -> nn.Module:
         model.config.pad_token_id = tokenizer.pad_token_id
     if config.dropout is not None:
         set_dropout(model, config.dropout)
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+    vocab = cast(nn.Embedding, model.get_input_embeddings()).num_embeddings
+    if len(tokenizer) > vocab:
         raise RecipeError(f"model: tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
-                          f"{model.get_input_embeddings().num_embeddings}; use a matching tokenizer or vocab_size")
+                          f"{vocab}; use a matching tokenizer or vocab_size")
     return model
 
 

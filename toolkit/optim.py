@@ -13,7 +13,8 @@ from toolkit.recipe import OptimConfig
 
 def param_groups(model: nn.Module, config: OptimConfig) -> list[dict]:
     """Weight decay on matrices only: biases and norm weights (1-D) are not decayed."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for _, param in model.named_parameters():
         if not param.requires_grad:
             continue

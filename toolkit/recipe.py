@@ -174,6 +174,7 @@ def plan_batch(batch: BatchConfig, *, world_size: int) -> BatchPlan:
     micro = batch.micro_batch_size
     accum = batch.grad_accum_steps
     if accum is None:
+        assert batch.global_batch_size is not None  # BatchConfig refuses neither being set
         per_step = world_size * micro
         if batch.global_batch_size % per_step:
             raise RecipeError(
@@ -286,7 +287,7 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
             except RecipeError as exc:
                 errors.append(str(exc))
         raise RecipeError(errors[0] if errors else f"{key}: bad value {value!r}")
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _build(hint, value, key)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):

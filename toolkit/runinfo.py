@@ -9,6 +9,7 @@ import platform
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,8 +20,8 @@ from toolkit.recipe import BatchPlan, Recipe, dump_recipe
 from toolkit.strategies.base import storage_bytes
 
 
-def versions() -> dict:
-    out = {"python": platform.python_version(), "torch": torch.__version__}
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__}
     for name in ("transformers", "accelerate", "deepspeed", "datasets"):
         try:
             out[name] = metadata.version(name)
@@ -48,7 +49,7 @@ def _cpu_peak(recipe: Recipe, env: DistEnv) -> dict | None:
 def start(recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, model, num_params: int,
           out_dir: Path) -> dict:
     lm_head = recipe.model.task == "causal-lm"
-    info = {
+    info: dict[str, Any] = {
         "status": "running", "strategy": recipe.strategy.name, "world_size": env.world_size,
         "precision": recipe.precision, "total_steps": total_steps,
         "batch": {"micro_batch_size": plan.micro_batch_size, "grad_accum_steps": plan.grad_accum_steps,

@@ -63,7 +63,7 @@ def build_results(experiment: Experiment) -> dict:
         else:
             row["verdict"] = "no reference (reference arm failed)"
         rows.append(row)
-    first = next((a["run"] for a in arms if a["status"] == "completed"), {})
+    first: dict = next((a["run"] for a in arms if a["status"] == "completed"), {})
     return {"experiment": str(experiment.out_dir), "recipe": experiment.recipe, "reference": reference["name"],
             "arms": rows, "machine": {k: first.get(k) for k in ("device", "device_type", "versions")},
             "tolerances": verdict.__doc__.strip()}
@@ -293,8 +293,8 @@ def render_html(results: dict, plots: list[Path]) -> str:
     table += "</table>"
     a_head, a_rows = audit_table(results)
     audit = "<table id='audit'><tr>" + "".join(f"<th>{esc(h)}</th>" for h in a_head) + "</tr>"
-    for row in a_rows:
-        audit += "<tr>" + "".join(f"<td class='{'diff' if d else ''}'>{esc(str(t))}</td>" for t, d in row) + "</tr>"
+    for cells in a_rows:
+        audit += "<tr>" + "".join(f"<td class='{'diff' if d else ''}'>{esc(str(t))}</td>" for t, d in cells) + "</tr>"
     audit += "</table>"
     images = "".join(f"<img alt='{p.stem}' src='data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}'>"
                      for p in plots)

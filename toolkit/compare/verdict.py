@@ -78,7 +78,7 @@ def first_difference(arm: list[dict], ref: list[dict], *, loss_tol, norm_tol) ->
     return None
 
 
-def noise_driven_tensors(reference_run: dict) -> set[str] | None:
+def noise_driven_tensors(reference_run: dict | None) -> set[str] | None:
     """Tensors the reference moved by rounding noise alone, from its recorded gradient scale (None: not
     recorded, e.g. a reference strategy that cannot read full gradients)."""
     scale = (reference_run or {}).get("gradient_scale")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -24,7 +26,7 @@ def wrap_ddp(module: nn.Module, args: SetupArgs) -> nn.Module:
 DDP = Replication(
     info=INFO, wrap=wrap_ddp, reduce_desc="all-reduce mean ({dtype})",
     # no_sync: keep gradients local on non-final micro-batches; the last backward all-reduces the sum
-    skip_sync=lambda wrapped: wrapped.no_sync())
+    skip_sync=lambda wrapped: cast(DistributedDataParallel, wrapped).no_sync())
 
 
 def build() -> ReplicatedStrategy:

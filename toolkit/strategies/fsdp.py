@@ -12,11 +12,13 @@ MixedPrecisionPolicy.param_dtype for compute and reduces gradients in fp32.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from toolkit.dist import all_reduce_max
@@ -81,7 +83,7 @@ class FsdpStrategy:
 
     def accumulate(self, *, sync: bool):
         # no reduce-scatter on non-final micro-batches: unsharded grads accumulate locally
-        self._model.set_requires_gradient_sync(sync)
+        cast(FSDPModule, self._model).set_requires_gradient_sync(sync)
         return no_context()
 
     def backward(self, loss_share: torch.Tensor) -> None:

@@ -91,7 +91,7 @@ class ReplicatedStrategy:
         del self._model, self.module, self.optimizer, self.scheduler  # DDP's reducer holds the process group
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        params = list(self.module.parameters())
+        params: list[torch.Tensor] = list(self.module.parameters())
         return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
                 "optim": optimizer_state_tensors(self.optimizer)}
 
