@@ -37,3 +37,31 @@ def test_replica_check_names_the_drifted_parameter(tmp_path, drift):
     else:
         for rank in (0, 1):  # every rank stops, with the same message
             assert "at step 7: rank 1 differs from rank 0 in parameter '1.weight'" in results[rank]
+
+
+def _group_worker(rank: int, init_file: str, results) -> None:
+    # HSDP's layout at 4 ranks: replica groups {0, 2} and {1, 3} hold the same shards
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4)
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    torch.manual_seed(rank % 2)  # shard 0 on ranks 0 and 2, shard 1 on ranks 1 and 3
+    shard = torch.nn.Linear(4, 4)
+    if rank == 3:
+        with torch.no_grad():
+            shard.bias[2] += 1e-6
+    env = DistEnv(rank=rank, local_rank=rank, world_size=4, device=torch.device("cpu"))
+    try:
+        check_replicas(shard.named_parameters(), env, when="at step 3", group=groups[rank % 2])
+        results[rank] = "ok"
+    except ReplicaDriftError as exc:
+        results[rank] = str(exc)
+    dist.destroy_process_group()
+
+
+def test_replica_groups_are_checked_within_the_group(tmp_path):
+    # the shards differ between groups (by design) and agree within {0, 2}; rank 3 drifted from rank 1
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    results = mp.Manager().dict()
+    mp.spawn(_group_worker, args=(str(tmp_path / "init"), results), nprocs=4)
+    assert results[0] == results[2] == "ok"
+    for rank in (1, 3):
+        assert "at step 3: rank 3 differs from rank 1 in parameter 'bias'" in results[rank]

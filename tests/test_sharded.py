@@ -69,3 +69,16 @@ def test_fsdp_fp16_scales_losses_on_every_rank_alike(llama_runs):
     steps = metrics(run)
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.5
     assert steps[0]["loss_scale"] == 65536.0 and all(isinstance(m["skipped"], bool) for m in steps)
+
+
+def test_replica_check_covers_hsdp_and_says_when_nothing_is_replicated(llama_runs):
+    import json
+
+    def said(arm):
+        return json.loads((llama_runs.get(arm, nproc=2, overrides=ARMS[arm]) / "run.json").read_text())["replica_check"]
+
+    # the recipe checks every step: HSDP's replica groups hold identical shards and are compared
+    assert said("hsdp").startswith("every 1 step(s): 2 replica groups hold identical shards, ")
+    assert said("zero1").startswith("every 1 step(s): 2 ranks hold full parameters (ZeRO-1), ")
+    for arm in ("fsdp", "zero3-accum"):  # every rank a different shard: said once, not reported consistent
+        assert said(arm).startswith("nothing to compare after setup: ")
