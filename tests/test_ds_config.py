@@ -53,3 +53,25 @@ def test_recipe_stage_contradicting_json_exits_2(tmp_path, tiny_llama_dir, capsy
     path, _ = _recipe(tmp_path, tiny_llama_dir, REPO / "ds_configs" / "zero2.json")
     assert main(["validate", "--nproc", "2", str(path), "--set", "strategy.stage=3"]) == 2
     assert "strategy.stage is 3 but" in capsys.readouterr().err
+
+
+def test_ds_config_optimizer_blocks_give_way_to_the_recipe_with_one_line(tmp_path, tiny_llama_dir):
+    from conftest import run_cli
+
+    config = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    config["optimizer"] = {"type": "Adam", "params": {"lr": 0.5}}
+    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 100}}
+    blocks = tmp_path / "with-optimizer.json"
+    blocks.write_text(json.dumps(config))
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out,
+                          strategy={"name": "zero", "ds_config": str(blocks)}, train={"max_steps": 2})
+    result = run_cli("train", str(recipe))  # one rank: DeepSpeed gets a process group of one
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = [line for line in result.stderr.splitlines() if "not used" in line]
+    assert said == [f"[toolkit] zero: the optimizer and scheduler blocks of {blocks} are not used: the recipe's "
+                    "optim section wins (lr 0.001, cosine schedule)"]
+    run = json.loads((out / "run.json").read_text())
+    assert run["precision_audit"]["optimizer"].startswith("torch AdamW")
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps[0]["lr"] == pytest.approx(1e-3 / 3)  # the recipe's warm-up (2 steps), not the block's lr 0.5

@@ -53,16 +53,21 @@ def init_distributed() -> DistEnv:
     return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
 
 
-def ensure_process_group(env: DistEnv) -> None:
-    """A process group of one for libraries that need one even without a launcher (DeepSpeed)."""
+def ensure_process_group(env: DistEnv, *, strategy: str) -> None:
+    """A process group of one, for strategies that need one even without a launcher (FSDP's device mesh,
+    DeepSpeed), set up the way torch's launcher would for a single rank."""
     if dist.is_initialized():
         return
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", str(port))):
+        os.environ[key] = value  # no launcher set them (else a group would exist); DeepSpeed reads LOCAL_RANK itself
     _import_before_group()
-    dist.init_process_group("nccl" if env.device.type == "cuda" else "gloo",
-                            init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("nccl" if env.device.type == "cuda" else "gloo", rank=0, world_size=1)
+    print(f"[toolkit] {strategy} on one rank (a process group of one); `toolkit launch --nproc N` runs N ranks",
+          file=sys.stderr, flush=True)
 
 
 # Modules whose functions take `group=<the default group>` as a default argument, evaluated when the

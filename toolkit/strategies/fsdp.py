@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from toolkit.dist import all_reduce_max
+from toolkit.dist import all_reduce_max, ensure_process_group
 from toolkit.errors import RecipeError
 from toolkit.model import transformer_blocks
 from toolkit.precision import DTYPES, Amp, StepResult, dtype_name
@@ -54,6 +54,7 @@ class FsdpStrategy:
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
         options, env = args.recipe.strategy, args.env
         self.env, self.precision = env, args.recipe.precision
+        ensure_process_group(env, strategy=self.info.name)  # the device mesh needs one, even for one rank
         self.mesh = build_mesh(env.device.type, world_size=env.world_size, replicate=options.replicate_degree)
         compute = None if self.precision == "fp32" else DTYPES[self.precision]
         # reduce in fp32: a bf16 reduce-scatter keeps ~3 significant digits of the summed gradient

@@ -56,7 +56,7 @@ class ZeroStrategy:
         import deepspeed
 
         self.env, recipe = args.env, args.recipe
-        ensure_process_group(args.env)  # DeepSpeed needs one even for a plain one-process `toolkit train`
+        ensure_process_group(args.env, strategy=self.info.name)  # DeepSpeed needs one, even for one rank
         self.config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=args.env.world_size))
         self._drop_optimizer_blocks(recipe)
         self.stage = stage_of(self.config)
