@@ -61,3 +61,16 @@ def test_launch_paths_give_the_same_metrics(llama_runs, launcher, tmp_path):
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert {k: a[k] for k in COMPARED} == {k: b[k] for k in COMPARED}
+
+
+def test_fsdp_runs_as_one_rank_without_a_launcher(llama_runs, tmp_path):
+    from conftest import run_cli
+
+    out = tmp_path / "one-rank"
+    result = run_cli("train", str(llama_runs.recipe), "--set", "strategy.name=fsdp", "--set", f"output_dir={out}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[toolkit] fsdp on one rank (a process group of one); `toolkit launch --nproc N` runs N ranks" \
+        in result.stderr
+    # one rank holding every shard computes what the single-process reference computes
+    got, want = metrics(out), metrics(llama_runs.get("single-m8"))
+    assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in want], rel=1e-5)
