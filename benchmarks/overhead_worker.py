@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 
 def minimal_setup(model, recipe, plan):
-    """(module to call, engine or None, optimizer) for the hand-written side."""
+    """(module to call, engine or None, optimizer) for the hand-written side. It names strategies on
+    purpose: it is the hand-written baseline a user would write without the toolkit, not toolkit code."""
     strategy, optim = recipe.strategy, recipe.optim
     if strategy.name == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -65,7 +64,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     from toolkit.data import Collator, train_loader
-    from toolkit.dist import init_distributed
+    from toolkit.dist import exit_process, init_distributed, shutdown
     from toolkit.launch import prepare_environment
     from toolkit.loop import prepare, setup_strategy, train_step
     from toolkit.metrics import JsonlWriter, synchronize
@@ -87,7 +86,8 @@ def main() -> None:
     times = {"toolkit": [], "minimal": []}
 
     def run_toolkit(step: int, batch: dict) -> None:
-        record = train_step(strategy, [batch], recipe=recipe, env=env, step=step, info=info, count_comm=False)
+        record = train_step(strategy, [batch], recipe=recipe, env=env, step=step, info=info, count_comm=False,
+                            gradient_scale=None)
         if writer:
             writer.write(record)
 
@@ -106,9 +106,8 @@ def main() -> None:
         writer.close()
     if env.is_main:
         Path(args.out).write_text(json.dumps({**times, "world_size": env.world_size}))
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os._exit(0)  # DeepSpeed's CPU comm threads can abort interpreter teardown (see toolkit/cli.py)
+    shutdown(completed=True, release=strategy.close)
+    exit_process(0)  # the toolkit's own end of a rank (see toolkit/dist.py)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from toolkit.compare.measure import warmup_steps  # noqa: E402
-from toolkit.recipe import load_recipe  # noqa: E402
+from toolkit.recipe import load_recipe, plan_batch  # noqa: E402
 
 
 def toolkit_round(recipe_path: str, *, steps: int, out: Path) -> float:
@@ -64,10 +64,10 @@ def trainer_round(recipe_path: str, *, steps: int, out: Path) -> float:
         def on_step_end(self, args, state, control, **kwargs):
             times.append(time.perf_counter() - self.start)
 
-    batch, optim = recipe.batch, recipe.optim
+    plan, optim = plan_batch(recipe.batch, world_size=1), recipe.optim
     args = transformers.TrainingArguments(
-        output_dir=str(out), per_device_train_batch_size=batch.micro_batch_size,
-        gradient_accumulation_steps=batch.global_batch_size // batch.micro_batch_size, max_steps=steps,
+        output_dir=str(out), per_device_train_batch_size=plan.micro_batch_size,
+        gradient_accumulation_steps=plan.grad_accum_steps, max_steps=steps,
         learning_rate=optim.lr, weight_decay=optim.weight_decay, warmup_steps=optim.warmup_steps,
         lr_scheduler_type=optim.schedule, max_grad_norm=optim.max_grad_norm, save_strategy="no", report_to=[],
         logging_steps=10 ** 6, use_cpu=True, dataloader_num_workers=0, seed=recipe.seed, disable_tqdm=True)
@@ -75,7 +75,7 @@ def trainer_round(recipe_path: str, *, steps: int, out: Path) -> float:
                                    data_collator=transformers.DataCollatorWithPadding(tokenizer))
     trainer.train()
     steady = times[warmup_steps(len(times)):]
-    return batch.global_batch_size / statistics.median(steady)
+    return plan.global_batch_size / statistics.median(steady)
 
 
 def main() -> int:

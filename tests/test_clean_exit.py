@@ -66,8 +66,7 @@ PROBE = textwrap.dedent("""
     BertModel(BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8,
                          vocab_size=16)).save_pretrained(sys.argv[2] + f"/m{env.rank}")
     before = communication_threads()
-    strategy.close()
-    shutdown(completed=True)
+    shutdown(completed=True, release=strategy.close)
     left = communication_threads()
     print(f"rank {env.rank}: threads before {before} after {left}", flush=True)
     sys.exit(0 if before and not left else 5)

@@ -14,12 +14,17 @@ def steps(losses, norms=None):
     return [{"step": i + 1, "loss": l, "grad_norm": g} for i, (l, g) in enumerate(zip(losses, norms))]
 
 
+def _first_step(arm, ref):
+    found = verdict.first_difference(arm, ref, loss_tol=1e-5, norm_tol=1e-5)
+    return found["step"] if found else None
+
+
 def test_first_step_outside_fp32_tolerance():
     ref = steps([2.0, 1.9, 1.8])
-    assert verdict.first_step_outside(steps([2.0, 1.9 * (1 + 5e-6), 1.8]), ref, loss_tol=1e-5, norm_tol=1e-5) is None
-    assert verdict.first_step_outside(steps([2.0, 1.9, 1.8 * (1 + 3e-5)]), ref, loss_tol=1e-5, norm_tol=1e-5) == 3
-    assert verdict.first_step_outside(steps([2.0, 1.9], [1.0, 1.1]), ref[:2], loss_tol=1e-5, norm_tol=1e-5) == 2
-    assert verdict.first_step_outside(steps([2.0]), ref, loss_tol=1e-5, norm_tol=1e-5) == 2  # arm stopped early
+    assert _first_step(steps([2.0, 1.9 * (1 + 5e-6), 1.8]), ref) is None
+    assert _first_step(steps([2.0, 1.9, 1.8 * (1 + 3e-5)]), ref) == 3
+    assert _first_step(steps([2.0, 1.9], [1.0, 1.1]), ref[:2]) == 2
+    assert _first_step(steps([2.0]), ref) == 2  # arm stopped early
 
 
 def test_noise_envelope_grows_with_calibration_and_has_a_floor():

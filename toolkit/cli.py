@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import time
+import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from toolkit.errors import USER_ERROR_EXIT_CODE, RecipeError
+
+if TYPE_CHECKING:
+    from toolkit.strategies.base import Strategy
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -67,16 +73,20 @@ def cmd_train(args) -> int:
     from toolkit.dist import exit_process, init_distributed, shutdown
 
     env = init_distributed()
-    code = 1  # an unexpected exception propagates (traceback, exit 1) after the group is left
+    code, strategy = 1, None
     try:
-        code = _train_rank(recipe, env)
-    finally:
-        shutdown(completed=code == 0)
-    return exit_process(code)
+        code, strategy = _train_rank(recipe, env)
+    except Exception:  # a bug, not a user's mistake: the whole traceback, then the same end as any rank
+        traceback.print_exc()
+    finally:  # also on Ctrl-C, which then propagates
+        release = strategy.close if strategy is not None else None
+        left_cleanly = shutdown(completed=code == 0, release=release)
+    return exit_process(code if left_cleanly else 1)
 
 
-def _train_rank(recipe, env) -> int:
-    """Train this rank; a user's mistake or replica drift is one line and an exit code, not a traceback."""
+def _train_rank(recipe, env) -> tuple[int, Strategy | None]:
+    """Train this rank: (exit code, the strategy to release once every rank is done). A user's mistake or
+    replica drift is one line and an exit code, not a traceback."""
     from toolkit.consistency import ReplicaDriftError
     from toolkit.loop import train
 
@@ -89,12 +99,11 @@ def _train_rank(recipe, env) -> int:
             if not existed:
                 shutil.rmtree(out_dir, ignore_errors=True)  # nothing half-written for a user mistake
             print(f"toolkit: error: {exc}", file=sys.stderr)  # rank 0 prints the one line
-        return USER_ERROR_EXIT_CODE
+        return USER_ERROR_EXIT_CODE, None
     except ReplicaDriftError as exc:
         print(f"toolkit: replica drift: {exc}", file=sys.stderr)
-        return 3
-    result.strategy.close()  # every output is written: release what holds the process group
-    return 0
+        return 3, None
+    return 0, result.strategy
 
 
 def cmd_launch(args) -> int:
@@ -110,7 +119,7 @@ def cmd_launch(args) -> int:
     code = launch(args.recipe, nproc=args.nproc, overrides=args.overrides)
     run_info = Path(recipe.output_dir) / "run.json"
     if code != 0 and run_info.is_file() and run_info.stat().st_mtime >= started \
-            and '"status": "completed"' in run_info.read_text():
+            and json.loads(run_info.read_text()).get("status") == "completed":
         # a rank that dies after the outputs are written is still a failure, but the outputs are good
         print(f"toolkit: the run itself completed before that: outputs in {recipe.output_dir} are complete",
               file=sys.stderr)

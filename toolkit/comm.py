@@ -43,7 +43,7 @@ def _payload_bytes(tensors: list[torch.Tensor]) -> int:
 class CollectiveCounter(TorchDispatchMode):
     """Counts calls and input bytes per collective op while active. Passes every op through unchanged."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.bytes_by_op: dict[str, int] = {}
         self.calls_by_op: dict[str, int] = {}

@@ -5,10 +5,12 @@ from __future__ import annotations
 import datetime
 import gc
 import importlib
+import importlib.util
 import os
 import socket
 import sys
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -82,24 +84,38 @@ _DEFAULT_GROUP_CAPTURERS = ("torch.distributed.nn.functional", "torch.distribute
 
 def _import_before_group() -> None:
     for name in _DEFAULT_GROUP_CAPTURERS:
+        if importlib.util.find_spec(name.split(".")[0]) is None:
+            continue  # DeepSpeed is optional on a machine that runs no zero strategy
         try:
             importlib.import_module(name)
-        except ImportError:
-            pass  # DeepSpeed is optional on a machine that runs no zero strategy
+        except Exception as exc:  # noqa: BLE001 - a broken optional install must not stop a ddp run
+            print(f"[toolkit] note: importing {name} failed ({type(exc).__name__}: {exc}); a rank may then "
+                  "leave without interpreter teardown", file=sys.stderr)
 
 
-def shutdown(*, completed: bool) -> None:
-    """Leave the process group. `completed`: this rank finished and wrote its outputs; wait until every
-    rank has (a barrier) so none tears down while another still writes. The caller has released the
-    wrapped model and optimizer (strategy.close()), which hold the group too."""
+def shutdown(*, completed: bool, release: Callable[[], None] | None = None) -> bool:
+    """Leave the process group, in this order: wait until every rank has written its outputs (a barrier,
+    when this rank `completed`), `release` what holds the group (the strategy's wrapped model and
+    optimizer), destroy the group. Returns False when a peer left before the barrier (said in one line)."""
     global _threads_left
+    _threads_left = []
+    ok = True
+    if dist.is_initialized() and completed:
+        try:
+            dist.barrier()
+        except RuntimeError as exc:  # a peer died or was stopped: its failure is the launcher's to report
+            first = (str(exc).strip().splitlines() or ["no detail"])[0]
+            print(f"toolkit: rank {dist.get_rank()}: another rank left before the final barrier ({first[:160]})",
+                  file=sys.stderr, flush=True)
+            ok = False
+    if release is not None:
+        release()
     if not dist.is_initialized():
-        return
-    if completed:
-        dist.barrier()
+        return ok
     dist.destroy_process_group()
     gc.collect()  # reference cycles (module hooks, optimizer state) that still hold a group
     _threads_left = communication_threads()
+    return ok
 
 
 _threads_left: list[str] = []  # communication threads still running after shutdown() destroyed the group

@@ -39,8 +39,9 @@ def resolve_implementation(requested: str, params: list[torch.Tensor], *, fused_
     one kind (all DTensor or all plain) on a device with fused kernels. Without it: foreach on GPUs
     (batched launches), the per-tensor loop on CPU (measured here: foreach 2.3× slower than the loop,
     fused 2× faster, on 60 tensors of 384k fp32 elements). Mixed DTensor/plain parameter lists work only
-    with the loop. Every strategy resolves auto alike for the same model and device, so the arms of a
-    compare run one implementation; the precision audit names it."""
+    with the loop. For one model and device every strategy resolves auto alike (fused), except where its
+    step cannot drive a fused kernel (fsdp in fp16: `fused_ok`); the precision audit names what ran, and
+    the compare's verdict lists an arm whose implementation differs from the reference's."""
     from torch.distributed.tensor import DTensor
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 

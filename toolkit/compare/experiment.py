@@ -15,9 +15,9 @@ import yaml
 
 from toolkit.errors import RecipeError
 from toolkit.recipe import load_recipe, plan_batch
-
-RECORD_GRADIENT_SCALE = "train.record_gradient_scale"
 from toolkit.strategies import arm_aliases, strategy_info, validate_strategy
+
+RECORD_GRADIENT_SCALE = "train.record_gradient_scale"  # the reference arm's gradient scale (see verdict.py)
 
 
 @dataclass(frozen=True)

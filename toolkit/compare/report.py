@@ -175,27 +175,30 @@ EQUIVALENT = ("reference", "equivalent", "equivalent within precision noise")
 
 
 def _explanations(results: dict) -> list[str]:
-    """One line per arm that is not plainly equivalent: the verdict and everything that differs. Built from
-    the same judgement as the table's verdict column, so the two cannot disagree."""
+    """One line per arm that failed, diverged, or agrees although some setting differs: built from the same
+    judgement as the table's verdict column, so the two cannot disagree."""
     out = []
     for r in results["arms"]:
-        if r["status"] != "completed" or r["verdict"] in ("reference", "equivalent"):
+        if r["status"] != "completed":
+            out.append(f"**{r['arm']}** failed: {r['error']}")
             continue
-        if r["verdict"] == "equivalent within precision noise" and not r.get("differences"):
+        if r["verdict"] == "reference":
             continue
-        details = r.get("differences") or ["no recipe key or precision-audit row differs"]
+        details = r.get("differences") or []
+        if r["verdict"] in EQUIVALENT:
+            if details:
+                out.append(f"**{r['arm']}** ({r['verdict']}) vs {results['reference']}, although these differ: "
+                           + "; ".join(details))
+            continue
+        details = details or ["no recipe key or precision-audit row differs"]
         out.append(f"**{r['arm']}** ({r['verdict']}) vs {results['reference']}: " + "; ".join(details))
     return out
 
 
 def _not_judged(results: dict) -> list[str]:
-    out = []
-    for r in results["arms"]:
-        if r.get("noise_note"):
-            out.append(f"{r['arm']}: {r['noise_note']}")
-        elif r.get("noise_map") is False:
-            out.append(f"{r['arm']}: the reference arm recorded no gradient scale (its strategy cannot read "
-                       "full gradients), so every weight was judged")
+    out = [f"{r['arm']}: {r['noise_note']}" for r in results["arms"] if r.get("noise_note")]
+    if any(r.get("noise_map") is False for r in results["arms"]):
+        out.append("the reference arm recorded no gradient scale, so no weight was set aside as noise-driven")
     return out
 
 
@@ -274,12 +277,12 @@ def render_markdown(results: dict, plots: list[Path]) -> str:
     lines += ["", "## Communication per step", "", COMM_NOTE, ""]
     lines += [f"- {c}" for c in _comm_lines(results)] or ["- n/a"]
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
-    lines += ["", "## Tolerances", "", "```", results["tolerances"], "```", "", "## Recommendation", ""]
-    lines += [f"- {line}" for line in recommendations(results)]
-    lines += ["", "## Resolved recipes", ""]
+    lines += ["", "## Tolerances", "", "```", results["tolerances"], "```", "", "## Resolved recipes", ""]
     for r in results["arms"]:
         if r.get("recipe"):
             lines += [f"### {r['arm']}", "```yaml", yaml.safe_dump(r["recipe"], sort_keys=False).strip(), "```"]
+    lines += ["", "## Recommendation", ""]
+    lines += [f"- {line}" for line in recommendations(results)]
     return "\n".join(lines) + "\n"
 
 
@@ -318,6 +321,6 @@ pre{{background:#f6f6f6;padding:8px}}</style></head><body>
 <h2>Why arms differ</h2><ul>{why}</ul>
 <h2>Precision audit</h2><p>Read from the live objects after setup; highlighted cells differ from the reference.</p>
 {audit}<h2>Communication per step</h2><p>{esc(COMM_NOTE)}</p><ul>{comm}</ul><h2>Plots</h2>{images}<h2>Tolerances</h2><pre>{esc(results['tolerances'])}</pre>
-<h2>Recommendation</h2><ul>{advice}</ul>
-<h2>Resolved recipes</h2>{recipes}</body></html>
+<h2>Resolved recipes</h2>{recipes}
+<h2>Recommendation</h2><ul>{advice}</ul></body></html>
 """

@@ -52,14 +52,9 @@ def noise_envelope(calib_a: list[dict], calib_b: list[dict], precision: str) -> 
     return bound
 
 
-def first_step_outside(arm: list[dict], ref: list[dict], *, loss_tol, norm_tol) -> int | None:
-    """1-based step of the first loss/grad-norm outside tolerance (tol: float or per-step list)."""
-    found = first_difference(arm, ref, loss_tol=loss_tol, norm_tol=norm_tol)
-    return found["step"] if found else None
-
-
 def first_difference(arm: list[dict], ref: list[dict], *, loss_tol, norm_tol) -> dict | None:
-    """The first step whose loss or grad norm is outside tolerance, with what differs there."""
+    """The first step (1-based) whose loss or grad norm is outside tolerance (a float, or one per step),
+    with what differs there; None when every step is within."""
     if len(arm) != len(ref):
         step = min(len(arm), len(ref)) + 1
         return {"step": step, "what": f"the arm logged {len(arm)} steps, the reference {len(ref)}"}

@@ -55,12 +55,9 @@ def strategy_for_plugin(plugin: str) -> str:
 def validate_strategy(recipe: Recipe, *, world_size: int) -> BatchPlan:
     """The recipe's strategy against a world size, before any process group exists: the name, options
     set for another strategy, the strategy's own checks, the batch arithmetic."""
-    name = recipe.strategy.name
-    if name not in _MODULES:
-        raise RecipeError(f"strategy.name: unknown value {name!r}; choose one of {', '.join(_MODULES)} "
-                          "(`toolkit strategies` lists them)")
+    strategy = make_strategy(recipe.strategy.name)  # an unknown name is a RecipeError here
     _check_options(recipe)
-    make_strategy(name).validate(recipe, world_size=world_size)
+    strategy.validate(recipe, world_size=world_size)
     return plan_batch(recipe.batch, world_size=world_size)
 
 
@@ -81,5 +78,6 @@ def _check_options(recipe: Recipe) -> None:
 
 def _module(name: str):
     if name not in _MODULES:
-        raise RecipeError(f"strategy.name: unknown value {name!r}; choose one of {', '.join(_MODULES)}")
+        raise RecipeError(f"strategy.name: unknown value {name!r}; choose one of {', '.join(_MODULES)} "
+                          "(`toolkit strategies` lists them)")
     return importlib.import_module(_MODULES[name])

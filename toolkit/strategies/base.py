@@ -22,6 +22,7 @@ from typing import Callable, ContextManager, Iterable, Iterator, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from toolkit.dist import DistEnv
 from toolkit.precision import StepResult
@@ -163,7 +164,7 @@ def local_abs_max(named_grads: Iterable[tuple[str, torch.Tensor | None]]) -> dic
     for name, grad in named_grads:
         if grad is None:
             continue
-        local = getattr(grad, "_local_tensor", grad)
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
         names.append(name)
         maxima.append(local.detach().abs().max().float() if local.numel() else local.new_zeros((), dtype=torch.float32))
     if not names:

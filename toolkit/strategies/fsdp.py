@@ -12,7 +12,7 @@ MixedPrecisionPolicy.param_dtype for compute and reduces gradients in fp32.
 
 from __future__ import annotations
 
-from typing import cast
+from typing import ContextManager, cast
 
 import torch
 from torch import nn
@@ -79,10 +79,10 @@ class FsdpStrategy:
     def model(self) -> nn.Module:
         return self._model
 
-    def forward_context(self):
+    def forward_context(self) -> ContextManager:
         return no_context()  # MixedPrecisionPolicy casts parameters inside each shard unit
 
-    def accumulate(self, *, sync: bool):
+    def accumulate(self, *, sync: bool) -> ContextManager:
         # no reduce-scatter on non-final micro-batches: unsharded grads accumulate locally
         cast(FSDPModule, self._model).set_requires_gradient_sync(sync)
         return no_context()
@@ -117,10 +117,10 @@ class FsdpStrategy:
         scale = self.amp.scaler.get_scale() if self.amp.scaler else 1.0
         return {n: float(v) / scale for n, v in zip(names, values)}
 
-    def full_state_dict(self):
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it, on CPU
-        state = get_model_state_dict(self._model, options=options)
-        return state if self.env.is_main else None
+        state = get_model_state_dict(self._model, options=options)  # collective: every rank gathers
+        return cast(dict[str, torch.Tensor], state) if self.env.is_main else None
 
     def export_module(self) -> nn.Module:
         return self._model
@@ -128,8 +128,8 @@ class FsdpStrategy:
     def close(self) -> None:
         del self._model, self.optimizer, self.scheduler, self.mesh  # their groups, for destroy_process_group
 
-    def state_tensors(self):
-        params = list(self._model.parameters())
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        params: list[torch.Tensor] = list(self._model.parameters())
         return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
                 "optim": optimizer_state_tensors(self.optimizer)}
 

@@ -28,7 +28,7 @@ class Replication:
 
 
 class ReplicatedStrategy:
-    def __init__(self, replication: Replication):
+    def __init__(self, replication: Replication) -> None:
         self.replication = replication
         self.info = replication.info
 
@@ -49,10 +49,10 @@ class ReplicatedStrategy:
     def model(self) -> nn.Module:
         return self._model
 
-    def forward_context(self):
+    def forward_context(self) -> ContextManager:
         return self.amp.autocast()
 
-    def accumulate(self, *, sync: bool):
+    def accumulate(self, *, sync: bool) -> ContextManager:
         if sync or self.replication.skip_sync is None:
             return no_context()
         return self.replication.skip_sync(self._model)
@@ -81,7 +81,7 @@ class ReplicatedStrategy:
         scale = self.amp.scaler.get_scale() if self.amp.scaler else 1.0
         return {name: value / scale for name, value in maxima.items()}
 
-    def full_state_dict(self) -> dict | None:
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         return cpu_state_dict(self.module) if self.env.is_main else None
 
     def export_module(self) -> nn.Module:

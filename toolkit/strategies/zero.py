@@ -10,6 +10,7 @@ micro-batch tells the engine whether it is the last one, and the engine steps on
 from __future__ import annotations
 
 import sys
+from typing import ContextManager
 
 import torch
 from torch import nn
@@ -18,8 +19,8 @@ from toolkit.dist import ensure_process_group
 from toolkit.errors import RecipeError
 from toolkit.precision import StepResult, dtype_name
 from toolkit.recipe import Recipe, plan_batch
-from toolkit.strategies.base import (Replicas, SetupArgs, StrategyInfo, first_dtype, no_context, optimizer_label,
-                                     optimizer_state_tensors)
+from toolkit.strategies.base import (Replicas, SetupArgs, StrategyInfo, first_dtype, local_abs_max, no_context,
+                                     optimizer_label, optimizer_state_tensors)
 from toolkit.strategies.zero_config import check_deepspeed_precision, offloads, resolve_ds_config, stage_of
 
 INFO = StrategyInfo(
@@ -81,10 +82,10 @@ class ZeroStrategy:
     def model(self) -> nn.Module:
         return self.engine
 
-    def forward_context(self):
+    def forward_context(self) -> ContextManager:
         return no_context()  # the engine holds the params in the compute dtype already
 
-    def accumulate(self, *, sync: bool):
+    def accumulate(self, *, sync: bool) -> ContextManager:
         # DeepSpeed's own API for a caller-owned boundary: reduce only in the last micro-batch's backward
         self.engine.set_gradient_accumulation_boundary(sync)
         return no_context()
@@ -118,14 +119,10 @@ class ZeroStrategy:
             return None  # gradients still carry the loss scale here
         from deepspeed.utils import safe_get_full_grad
 
-        out = {}
-        for name, param in self.module.named_parameters():
-            grad = safe_get_full_grad(param)  # every rank calls it: ZeRO-3 gathers
-            if grad is not None:
-                out[name] = float(grad.abs().max()) if grad.numel() else 0.0
-        return out
+        # every rank calls it for every parameter: ZeRO-3 gathers; the full fp32 gradient on each rank
+        return local_abs_max((name, safe_get_full_grad(param)) for name, param in self.module.named_parameters())
 
-    def full_state_dict(self):
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """fp32 master weights, gathered (a collective under ZeRO-3), plus buffers."""
         from deepspeed.utils import safe_get_full_fp32_param
 
@@ -161,7 +158,7 @@ class ZeroStrategy:
         inner = self._inner_optimizer()
         return [p for group in inner.param_groups for p in group["params"]]
 
-    def state_tensors(self):
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         params = list(self.module.parameters())
         if self.stage == 3:
             params = [p.ds_tensor for p in params]  # this rank's partition; p itself is an empty placeholder
