@@ -145,7 +145,9 @@ def announce_replica_check(strategy, *, recipe: Recipe, env: DistEnv, info: dict
     """Say once what the periodic replica check compares, or that there is nothing to compare."""
     every = recipe.train.consistency_check_every
     replicas = strategy.replicas()
-    if not every:
+    if env.world_size == 1:
+        text = "one rank: nothing to compare"
+    elif not every:
         text = "off (train.consistency_check_every is null); checked once at start"
     elif replicas is None:
         text = (f"nothing to compare after setup: {strategy.info.name} on {env.world_size} rank(s) holds no "
