@@ -74,7 +74,7 @@ def main() -> None:
     prepare_environment()
     recipe = load_recipe(args.recipe, args.overrides)
     env = init_distributed()
-    plan, tokenizer, train_ds, _, sampler, total_steps, model = prepare(recipe, env)
+    plan, layout, tokenizer, train_ds, _, sampler, total_steps, model = prepare(recipe, env)
     assert plan.grad_accum_steps == 1, "the minimal step does not accumulate"
     strategy = setup_strategy(model, recipe=recipe, env=env, plan=plan, total_steps=total_steps)
     minimal = minimal_setup(build_model(recipe.model, tokenizer=tokenizer, seed=recipe.seed), recipe, plan)
@@ -86,8 +86,8 @@ def main() -> None:
     times = {"toolkit": [], "minimal": []}
 
     def run_toolkit(step: int, batch: dict) -> None:
-        record = train_step(strategy, [batch], recipe=recipe, env=env, step=step, info=info, count_comm=False,
-                            gradient_scale=None)
+        record = train_step(strategy, [batch], recipe=recipe, env=env, layout=layout, step=step, info=info,
+                            count_comm=False, gradient_scale=None)
         if writer:
             writer.write(record)
 

@@ -59,7 +59,7 @@ PROBE = textwrap.dedent("""
 
     recipe = load_recipe(sys.argv[1], ["strategy.name=ddp"])
     env = init_distributed()
-    strategy = make_strategy("ddp")
+    strategy = make_strategy(recipe)
     strategy.setup(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)), SetupArgs(
         recipe=recipe, env=env, grad_accum_steps=1, total_steps=2,
         build_optimizer=lambda m: build_adamw(m, recipe.optim),

@@ -1,7 +1,7 @@
 """The global-batch sampler: the samples of step k depend only on seed and global batch size."""
 
-from toolkit.data import Collator, GlobalBatchSampler, eval_index_batches
-from toolkit.dist import DistEnv
+from toolkit.data import Collator, DataLayout, GlobalBatchSampler, eval_index_batches
+
 from toolkit.recipe import BatchPlan
 
 
@@ -32,8 +32,7 @@ def test_seed_changes_order_and_epochs_reshuffle():
 def test_eval_batches_cover_every_sample_once_and_equal_counts_per_rank():
     seen, counts = [], set()
     for rank in range(3):
-        env = DistEnv(rank=rank, local_rank=rank, world_size=3, device=None)
-        batches = eval_index_batches(10, micro_batch_size=2, env=env)
+        batches = eval_index_batches(10, micro_batch_size=2, layout=DataLayout(rank=rank, size=3))
         counts.add(len(batches))
         seen.extend(i for indices, real in batches if real for i in indices)
     assert sorted(seen) == list(range(10)) and len(counts) == 1

@@ -95,6 +95,15 @@ def _packer(block: int):
 
 
 @dataclass(frozen=True)
+class DataLayout:
+    """Which shard of every global batch a rank reads: ranks with the same `rank` read the same samples
+    (the stages of one pipeline), `size` shards make up the global batch (the data-parallel ranks)."""
+
+    rank: int
+    size: int
+
+
+@dataclass(frozen=True)
 class GlobalBatchSampler:
     """Which samples each rank's micro-batches hold at optimizer step k (see module docstring)."""
 
@@ -135,13 +144,13 @@ class StepIndexStream:
         return (self.stop - self.start) * self.sampler.plan.grad_accum_steps
 
 
-def eval_index_batches(num_samples: int, *, micro_batch_size: int, env: DistEnv) -> list[tuple[list[int], bool]]:
-    """Eval batches for this rank: every rank gets the same number (sharded strategies run collectives in
-    forward); a rank with nothing left repeats sample 0 flagged `weight False`, which counts for nothing."""
-    chunk = micro_batch_size * env.world_size
+def eval_index_batches(num_samples: int, *, micro_batch_size: int, layout: DataLayout) -> list[tuple[list[int], bool]]:
+    """Eval batches for this rank's data shard: every rank gets the same number (sharded strategies run
+    collectives in forward); a shard with nothing left repeats sample 0 flagged `counted False`."""
+    chunk = micro_batch_size * layout.size
     out = []
     for start in range(0, num_samples, chunk):
-        mine = list(range(start, min(start + chunk, num_samples)))[env.rank * micro_batch_size:]
+        mine = list(range(start, min(start + chunk, num_samples)))[layout.rank * micro_batch_size:]
         mine = mine[:micro_batch_size]
         out.append((mine, True) if mine else ([0], False))
     return out

@@ -1,25 +1,31 @@
-"""Held-out loss: the token- (or sample-) weighted mean over the whole eval split, sharded over ranks."""
+"""Held-out loss: the token- (or sample-) weighted mean over the whole eval split, sharded over the data
+shards (every rank of a shard runs the same batches; only ranks that compute the loss count it)."""
 
 from __future__ import annotations
 
 import torch
 
-from toolkit.data import eval_index_batches
+from toolkit.data import DataLayout, eval_index_batches
 from toolkit.dist import DistEnv, all_reduce_sum
-from toolkit.losses import forward_logits, micro_batch_loss_sum
+from toolkit.losses import micro_batch_loss_sum
 from toolkit.recipe import Recipe
+from toolkit.strategies.base import Strategy
 
 
 @torch.no_grad()
-def evaluate(strategy, dataset, *, collator, recipe: Recipe, env: DistEnv) -> float:
+def evaluate(strategy: Strategy, dataset, *, collator, recipe: Recipe, env: DistEnv, layout: DataLayout) -> float:
+    def loss_sum(logits: torch.Tensor, batch: dict) -> torch.Tensor:
+        return micro_batch_loss_sum(logits, batch["labels"], recipe.model.task)
+
     strategy.model.eval()
     sums = torch.zeros(2, dtype=torch.float64)
-    for indices, counts in eval_index_batches(len(dataset), micro_batch_size=recipe.batch.micro_batch_size, env=env):
+    for indices, counted in eval_index_batches(len(dataset), micro_batch_size=recipe.batch.micro_batch_size,
+                                               layout=layout):
         batch = collator([dataset[i] for i in indices])
-        logits = forward_logits(strategy, batch, env.device)  # every rank runs forward: sharded params gather
-        if counts:
-            sums[0] += micro_batch_loss_sum(logits, batch["labels"].to(env.device), recipe.model.task).item()
-            sums[1] += batch["num_items"]
+        loss, items = strategy.forward_only(batch, loss_sum=loss_sum)  # every rank: sharded params gather
+        if counted:
+            sums[0] += loss.item()
+            sums[1] += items
     strategy.model.train()
     all_reduce_sum(sums, env)
     return (sums[0] / sums[1]).item()

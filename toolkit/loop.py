@@ -22,13 +22,13 @@ import torch
 from toolkit import runinfo
 from toolkit.comm import CollectiveCounter, counting
 from toolkit.consistency import check_replicas
-from toolkit.data import Collator, GlobalBatchSampler, load_split, train_loader
+from toolkit.data import Collator, DataLayout, GlobalBatchSampler, load_split, train_loader
 from toolkit.dist import DistEnv, all_reduce_sum
 from toolkit.errors import RecipeError
 from toolkit.evaluate import evaluate
 from toolkit.export import export_model
 from toolkit.gradient_scale import GradientScale
-from toolkit.losses import forward_logits, micro_batch_loss_sum
+from toolkit.losses import micro_batch_loss_sum
 from toolkit.metrics import JsonlWriter, Progress, peak_memory_bytes, synchronize
 from toolkit.model import build_model, load_tokenizer
 from toolkit.optim import build_adamw, build_scheduler
@@ -50,48 +50,49 @@ class TrainResult:
     losses: list[float]
 
 
-def run_microbatches(strategy, micro_batches: list[dict], *, task: str, env: DistEnv) -> tuple[float, dict]:
+def run_microbatches(strategy: Strategy, micro_batches: list[dict], *, task: str, env: DistEnv,
+                     layout: DataLayout) -> tuple[float, dict]:
     """Forward/backward every micro-batch of one optimizer step; returns the global mean loss + counts."""
     counts = torch.tensor([sum(b["num_items"] for b in micro_batches), sum(b["num_tokens"] for b in micro_batches),
                            sum(len(b["input_ids"]) for b in micro_batches)], dtype=torch.float64)
     all_reduce_sum(counts, env)  # one tiny collective: the denominator of the global-batch mean
+    counts /= env.world_size // layout.size  # ranks that read the same shard (a pipeline's stages) counted it alike
     num_items = counts[0].item()
     # Each micro-batch's loss sum over the global count is its share of the global-batch mean: summed over
-    # every rank's shares, the gradients are those of that mean. A reduction that averages over ranks
-    # divides by the world size, so the shares are multiplied by it first.
-    scale = env.world_size if strategy.info.averages_gradients else 1
-    loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
-    for index, batch in enumerate(micro_batches):
-        with strategy.accumulate(sync=index == len(micro_batches) - 1):
-            logits = forward_logits(strategy, batch, env.device)
-            micro_sum = micro_batch_loss_sum(logits, batch["labels"].to(env.device), task)
-            strategy.backward(micro_sum / num_items * scale)
-        loss_sum += micro_sum.detach().double()
-    total = all_reduce_sum(loss_sum, env).item()  # device sync: once per step, for the logged loss
+    # every shard's shares, the gradients are those of that mean. A reduction that averages over the data
+    # shards divides by their number, so the shares are multiplied by it first.
+    scale = layout.size if strategy.info.averages_gradients else 1
+
+    def loss_sum(logits: torch.Tensor, batch: dict) -> torch.Tensor:
+        return micro_batch_loss_sum(logits, batch["labels"], task)
+
+    local = strategy.forward_backward(micro_batches, loss_sum=loss_sum, share=lambda s: s / num_items * scale)
+    total = all_reduce_sum(local.to(env.device), env).item()  # device sync: once per step, for the logged loss
     return total / num_items, {"items": int(num_items), "tokens": int(counts[1]), "samples": int(counts[2])}
 
 
 def prepare(recipe: Recipe, env: DistEnv):
     """Everything that can fail on user input, before any output is written."""
     plan = validate_strategy(recipe, world_size=env.world_size)  # again: torchrun/accelerate skip `toolkit launch`
+    layout = make_strategy(recipe).data_layout(recipe, world_size=env.world_size, rank=env.rank)
     check_precision_supported(recipe.precision, env.device)
     tokenizer = load_tokenizer(recipe.model)
     kwargs = dict(data=recipe.data, task=recipe.model.task, tokenizer=tokenizer, env=env)
     train_ds = load_split(recipe.data.train, **kwargs)
     eval_ds = load_split(recipe.data.eval, **kwargs) if recipe.data.eval else None
-    sampler = GlobalBatchSampler(num_samples=len(train_ds), plan=plan, rank=env.rank, seed=recipe.seed)
+    sampler = GlobalBatchSampler(num_samples=len(train_ds), plan=plan, rank=layout.rank, seed=recipe.seed)
     if sampler.steps_per_epoch == 0:
         raise RecipeError(f"data: {len(train_ds)} train samples are fewer than one global batch of "
                           f"{plan.global_batch_size}; lower batch sizes or add data")
     epochs = recipe.train.epochs or 0.0  # TrainConfig: exactly one of max_steps and epochs
     total_steps = recipe.train.max_steps or max(1, int(epochs * sampler.steps_per_epoch))
     model = build_model(recipe.model, tokenizer=tokenizer, seed=recipe.seed)
-    return plan, tokenizer, train_ds, eval_ds, sampler, total_steps, model
+    return plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, model
 
 
 def setup_strategy(model, *, recipe: Recipe, env: DistEnv, plan, total_steps: int):
     """The recipe's strategy, wrapped around `model`, with the recipe's AdamW and schedule."""
-    strategy = make_strategy(recipe.strategy.name)
+    strategy = make_strategy(recipe)
     strategy.setup(model, SetupArgs(
         recipe=recipe, env=env, grad_accum_steps=plan.grad_accum_steps, total_steps=total_steps,
         build_optimizer=functools.partial(build_adamw, config=recipe.optim),
@@ -100,7 +101,7 @@ def setup_strategy(model, *, recipe: Recipe, env: DistEnv, plan, total_steps: in
 
 
 def train(recipe: Recipe, env: DistEnv) -> TrainResult:
-    plan, tokenizer, train_ds, eval_ds, sampler, total_steps, model = prepare(recipe, env)
+    plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, model = prepare(recipe, env)
     check_replicas(model.named_parameters(), env, when="at start (before setup)")
     num_params = sum(p.numel() for p in model.parameters())  # before setup: ZeRO-3 empties the params
     strategy = setup_strategy(model, recipe=recipe, env=env, plan=plan, total_steps=total_steps)
@@ -119,10 +120,12 @@ def train(recipe: Recipe, env: DistEnv) -> TrainResult:
     comm_step = min(COMM_COUNT_STEP, total_steps)
     for step in range(1, total_steps + 1):
         record = train_step(strategy, [next(loader) for _ in range(plan.grad_accum_steps)], recipe=recipe,
-                            env=env, step=step, info=info, count_comm=step == comm_step, gradient_scale=scale)
+                            env=env, layout=layout, step=step, info=info, count_comm=step == comm_step,
+                            gradient_scale=scale)
         every = recipe.train.eval_every
         if eval_ds is not None and ((every and step % every == 0) or step == total_steps):
-            record["eval_loss"] = evaluate(strategy, eval_ds, collator=collator, recipe=recipe, env=env)
+            record["eval_loss"] = evaluate(strategy, eval_ds, collator=collator, recipe=recipe, env=env,
+                                           layout=layout)
         check_every = recipe.train.consistency_check_every
         if replicas is not None and check_every and step % check_every == 0:
             fresh = strategy.replicas()  # the live tensors of this step
@@ -160,14 +163,14 @@ def announce_replica_check(strategy, *, recipe: Recipe, env: DistEnv, info: dict
     return replicas
 
 
-def train_step(strategy, micro_batches: list[dict], *, recipe: Recipe, env: DistEnv, step: int, info,
-               count_comm: bool, gradient_scale: GradientScale | None) -> dict:
+def train_step(strategy: Strategy, micro_batches: list[dict], *, recipe: Recipe, env: DistEnv, layout: DataLayout,
+               step: int, info, count_comm: bool, gradient_scale: GradientScale | None) -> dict:
     synchronize(env.device)
     start = time.perf_counter()
     lr = strategy.lr()
     comm = CollectiveCounter() if count_comm else None
     with counting(comm):
-        loss, counts = run_microbatches(strategy, micro_batches, task=recipe.model.task, env=env)
+        loss, counts = run_microbatches(strategy, micro_batches, task=recipe.model.task, env=env, layout=layout)
         if step == 1:
             runinfo.record_before_first_step(info, strategy, env=env)  # local reads only, no collective
     probe_s, abs_max = 0.0, None

@@ -13,18 +13,12 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100  # label of a position that carries no loss (padding); the value transformers uses
 
 
-def forward_logits(strategy, batch: dict, device: torch.device) -> torch.Tensor:
-    with strategy.forward_context():
-        out = strategy.model(input_ids=batch["input_ids"].to(device, non_blocking=True),
-                             attention_mask=batch["attention_mask"].to(device, non_blocking=True))
-    return out.logits
-
-
 def micro_batch_loss_sum(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
-    """Sum (not mean) of the loss terms of one micro-batch, in fp32."""
-    logits = logits.float()
+    """Sum (not mean) of the loss terms of one micro-batch, in fp32, on the logits' device (with a model
+    split over devices that is the last one). A label IGNORE_INDEX carries no loss, in either task."""
+    logits, labels = logits.float(), labels.to(logits.device, non_blocking=True)
     if task == "causal-lm":  # predict token t+1 from tokens <= t
         logits, labels = logits[:, :-1, :], labels[:, 1:]
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum",
                                ignore_index=IGNORE_INDEX)
-    return F.cross_entropy(logits, labels, reduction="sum")
+    return F.cross_entropy(logits, labels, reduction="sum", ignore_index=IGNORE_INDEX)

@@ -38,8 +38,9 @@ def strategy_info(name: str) -> StrategyInfo:
     return _module(name).INFO
 
 
-def make_strategy(name: str) -> Strategy:
-    return _module(name).build()
+def make_strategy(recipe: Recipe) -> Strategy:
+    """The recipe's strategy, not yet set up (an unknown name is a RecipeError)."""
+    return _module(recipe.strategy.name).build(recipe)
 
 
 def arm_aliases() -> dict[str, tuple[str, ...]]:
@@ -55,10 +56,11 @@ def strategy_for_plugin(plugin: str) -> str:
 def validate_strategy(recipe: Recipe, *, world_size: int) -> BatchPlan:
     """The recipe's strategy against a world size, before any process group exists: the name, options
     set for another strategy, the strategy's own checks, the batch arithmetic."""
-    strategy = make_strategy(recipe.strategy.name)  # an unknown name is a RecipeError here
+    strategy = make_strategy(recipe)
     _check_options(recipe)
     strategy.validate(recipe, world_size=world_size)
-    return plan_batch(recipe.batch, world_size=world_size)
+    layout = strategy.data_layout(recipe, world_size=world_size, rank=0)
+    return plan_batch(recipe.batch, world_size=layout.size)  # the global batch is split over data shards
 
 
 def _check_options(recipe: Recipe) -> None:

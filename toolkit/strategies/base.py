@@ -1,14 +1,14 @@
 """The Strategy protocol: everything the loop, the launcher and the report need from a parallel strategy.
 
 The loop calls, per optimizer step:
-    with strategy.accumulate(sync=is_last_micro_batch):
-        with strategy.forward_context(): logits = strategy.model(**inputs)
-        strategy.backward(loss_share)
+    loss_sums = strategy.forward_backward(micro_batches, loss_sum=..., share=...)
     strategy.step(max_grad_norm=...)
 
-`loss_share` is this micro-batch's share of the global-batch mean loss, already scaled by the loop for
-the strategy's gradient reduction (see `StrategyInfo.averages_gradients`): whatever the strategy's
-collective does, the gradient every rank ends up with is the gradient of the global-batch mean.
+`loss_sum(logits, micro_batch)` is the sum of a micro-batch's loss terms; `share(that sum)` is its share
+of the global-batch mean loss, scaled by the loop for the strategy's gradient reduction (see
+`StrategyInfo.averages_gradients`): backward runs on the share, so whatever the strategy's collective does,
+the gradient every rank ends up with is the gradient of the global-batch mean. Most strategies run the
+micro-batches one by one (`each_micro_batch`); a pipeline hands all of them to its schedule.
 
 A strategy is one module in this package exposing `INFO` and `build()`, plus one line in the registry
 (`toolkit/strategies/__init__.py`). Nothing outside this package compares strategy names.
@@ -24,9 +24,15 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from toolkit.data import DataLayout
 from toolkit.dist import DistEnv
 from toolkit.precision import StepResult
 from toolkit.recipe import Recipe
+
+
+LossSum = Callable[[torch.Tensor, dict], torch.Tensor]  # (logits, micro-batch) -> sum of its loss terms
+Share = Callable[[torch.Tensor], torch.Tensor]  # a micro-batch's loss sum -> what backward runs on
+
 
 class OptimizerFactory(Protocol):
     def __call__(self, model: nn.Module, *, fused_ok: bool = True) -> torch.optim.Optimizer:
@@ -75,20 +81,23 @@ class Strategy(Protocol):
         """Raise RecipeError for a recipe this strategy cannot run at this world size. No process group
         exists yet: the launcher runs it before any rank starts, and every rank again before setup."""
 
+    def data_layout(self, recipe: Recipe, *, world_size: int, rank: int) -> DataLayout:
+        """Which shard of each global batch `rank` reads (no process group needed)."""
+
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
         """Wrap/shard the model (on CPU, in its load dtype), move it to the device, build optimizer + schedule."""
 
     @property
     def model(self) -> nn.Module:
-        """The module the loop calls forward on."""
+        """The module(s) this rank runs; .train()/.eval() switch dropout."""
 
-    def forward_context(self) -> ContextManager:
-        """Around forward: autocast where this strategy uses it."""
+    def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
+        """Forward and backward every micro-batch of one optimizer step, gradients reduced after the last.
+        Returns this rank's summed loss sums (float64; zero on a rank that computes no loss)."""
 
-    def accumulate(self, *, sync: bool) -> ContextManager:
-        """Around forward+backward of one micro-batch; sync=False skips gradient reduction."""
-
-    def backward(self, loss_share: torch.Tensor) -> None: ...
+    def forward_only(self, batch: dict, *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
+        """Evaluation forward of one micro-batch: (its loss sum, its number of loss terms) on a rank that
+        computes the loss, (0, 0) on one that does not. Collective where the model is sharded."""
 
     def step(self, *, max_grad_norm: float | None) -> StepResult:
         """Clip, optimizer step, schedule step, zero grads."""
@@ -118,6 +127,50 @@ class Strategy(Protocol):
     def close(self) -> None:
         """After the last output is written: release the wrapped model, optimizer and engine, which hold
         the process group, so that destroy_process_group can free it."""
+
+
+class MicroBatchStrategy(Protocol):
+    """What `each_micro_batch` needs: a model to call, autocast, accumulation without sync, backward."""
+
+    @property
+    def model(self) -> nn.Module: ...
+
+    def forward_context(self) -> ContextManager: ...
+
+    def accumulate(self, *, sync: bool) -> ContextManager: ...
+
+    def backward(self, loss_share: torch.Tensor) -> None: ...
+
+
+def every_rank_a_shard(*, world_size: int, rank: int) -> DataLayout:
+    """The data-parallel layout: each rank reads its own shard of every global batch."""
+    return DataLayout(rank=rank, size=world_size)
+
+
+def logits_of(strategy: MicroBatchStrategy, batch: dict, device: torch.device) -> torch.Tensor:
+    with strategy.forward_context():
+        out = strategy.model(input_ids=batch["input_ids"].to(device, non_blocking=True),
+                             attention_mask=batch["attention_mask"].to(device, non_blocking=True))
+    return out.logits
+
+
+def each_micro_batch(strategy: MicroBatchStrategy, micro_batches: list[dict], *, loss_sum: LossSum, share: Share,
+                     device: torch.device) -> torch.Tensor:
+    """The step of every strategy but a pipeline: forward and backward one micro-batch at a time, gradient
+    reduction skipped (accumulate(sync=False)) on all but the last. `device`: where inputs go."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for index, batch in enumerate(micro_batches):
+        with strategy.accumulate(sync=index == len(micro_batches) - 1):
+            micro_sum = loss_sum(logits_of(strategy, batch, device), batch)
+            strategy.backward(share(micro_sum))
+        total += micro_sum.detach().double().to(device)
+    return total
+
+
+def forward_once(strategy: MicroBatchStrategy, batch: dict, *, loss_sum: LossSum,
+                 device: torch.device) -> tuple[torch.Tensor, int]:
+    """Evaluation forward of one micro-batch on a strategy whose every rank computes its own loss."""
+    return loss_sum(logits_of(strategy, batch, device), batch).detach().double(), int(batch["num_items"])
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -8,6 +8,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from toolkit.strategies.base import SetupArgs, StrategyInfo
+from toolkit.recipe import Recipe
 from toolkit.strategies.replicated import Replication, ReplicatedStrategy
 
 INFO = StrategyInfo(
@@ -29,5 +30,5 @@ DDP = Replication(
     skip_sync=lambda wrapped: cast(DistributedDataParallel, wrapped).no_sync())
 
 
-def build() -> ReplicatedStrategy:
+def build(recipe: Recipe) -> ReplicatedStrategy:
     return ReplicatedStrategy(DDP)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from toolkit.strategies.base import SetupArgs, StrategyInfo
+from toolkit.recipe import Recipe
 from toolkit.strategies.replicated import Replication, ReplicatedStrategy
 
 INFO = StrategyInfo(
@@ -25,5 +26,5 @@ def wrap_data_parallel(module: nn.Module, args: SetupArgs) -> nn.Module:
 DP = Replication(info=INFO, wrap=wrap_data_parallel, reduce_desc="sum onto GPU 0 ({dtype})")
 
 
-def build() -> ReplicatedStrategy:
+def build(recipe: Recipe) -> ReplicatedStrategy:
     return ReplicatedStrategy(DP)

@@ -26,7 +26,8 @@ from toolkit.errors import RecipeError
 from toolkit.model import transformer_blocks
 from toolkit.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.recipe import Recipe
-from toolkit.strategies.base import (Replicas, SetupArgs, StrategyInfo, first_dtype, local_abs_max, no_context,
+from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
+                                     every_rank_a_shard, first_dtype, forward_once, local_abs_max, no_context,
                                      optimizer_label, optimizer_state_tensors)
 
 INFO = StrategyInfo(
@@ -50,6 +51,15 @@ class FsdpStrategy:
         if recipe.precision == "fp16" and recipe.optim.implementation == "fused":
             raise RecipeError("optim.implementation fused cannot run under fsdp in fp16 (torch's ShardedGradScaler "
                               "hands the fused AdamW kernel a found-inf tensor of the wrong shape); use auto or loop")
+
+    def data_layout(self, recipe: Recipe, *, world_size: int, rank: int) -> DataLayout:
+        return every_rank_a_shard(world_size=world_size, rank=rank)
+
+    def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
+        return each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share, device=self.env.device)
+
+    def forward_only(self, batch: dict, *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
+        return forward_once(self, batch, loss_sum=loss_sum, device=self.env.device)
 
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
         options, env = args.recipe.strategy, args.env
@@ -164,5 +174,5 @@ def clip_sharded(params, max_norm: float) -> torch.Tensor:
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
-def build() -> FsdpStrategy:
+def build(recipe: Recipe) -> FsdpStrategy:
     return FsdpStrategy()

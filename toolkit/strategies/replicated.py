@@ -15,7 +15,8 @@ from torch import nn
 from toolkit.errors import RecipeError
 from toolkit.precision import Amp, StepResult, dtype_name
 from toolkit.recipe import Recipe
-from toolkit.strategies.base import (Replicas, SetupArgs, StrategyInfo, cpu_state_dict, first_dtype, local_abs_max,
+from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, cpu_state_dict,
+                                     each_micro_batch, every_rank_a_shard, first_dtype, forward_once, local_abs_max,
                                      no_context, optimizer_label, optimizer_state_tensors)
 
 
@@ -36,6 +37,15 @@ class ReplicatedStrategy:
         if self.info.one_process and world_size > 1:
             raise RecipeError(f"strategy {self.info.name} runs in one process, but {world_size} were asked for; "
                               "use --nproc 1 or strategy.name=ddp")
+
+    def data_layout(self, recipe: Recipe, *, world_size: int, rank: int) -> DataLayout:
+        return every_rank_a_shard(world_size=world_size, rank=rank)
+
+    def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
+        return each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share, device=self.env.device)
+
+    def forward_only(self, batch: dict, *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
+        return forward_once(self, batch, loss_sum=loss_sum, device=self.env.device)
 
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
         self.env = args.env

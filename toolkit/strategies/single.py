@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from toolkit.strategies.base import StrategyInfo
+from toolkit.recipe import Recipe
 from toolkit.strategies.replicated import Replication, ReplicatedStrategy
 
 INFO = StrategyInfo(
@@ -13,5 +14,5 @@ INFO = StrategyInfo(
 SINGLE = Replication(info=INFO, wrap=lambda module, args: module, reduce_desc="none: one process")
 
 
-def build() -> ReplicatedStrategy:
+def build(recipe: Recipe) -> ReplicatedStrategy:
     return ReplicatedStrategy(SINGLE)

@@ -19,7 +19,8 @@ from toolkit.dist import ensure_process_group
 from toolkit.errors import RecipeError
 from toolkit.precision import StepResult, dtype_name
 from toolkit.recipe import Recipe, plan_batch
-from toolkit.strategies.base import (Replicas, SetupArgs, StrategyInfo, first_dtype, local_abs_max, no_context,
+from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
+                                     every_rank_a_shard, first_dtype, forward_once, local_abs_max, no_context,
                                      optimizer_label, optimizer_state_tensors)
 from toolkit.strategies.zero_config import check_deepspeed_precision, offloads, resolve_ds_config, stage_of
 
@@ -52,6 +53,15 @@ class ZeroStrategy:
         if offloads(config)[1] and stage_of(config) != 3:
             raise RecipeError(f"{options.ds_config}: zero_optimization.offload_param needs stage 3")
         check_deepspeed_precision(recipe.precision)
+
+    def data_layout(self, recipe: Recipe, *, world_size: int, rank: int) -> DataLayout:
+        return every_rank_a_shard(world_size=world_size, rank=rank)
+
+    def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
+        return each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share, device=self.env.device)
+
+    def forward_only(self, batch: dict, *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
+        return forward_once(self, batch, loss_sum=loss_sum, device=self.env.device)
 
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
         import deepspeed
@@ -213,5 +223,5 @@ def _cpu_adam_like(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
                             weight_decay=defaults["weight_decay"], adamw_mode=True)
 
 
-def build() -> ZeroStrategy:
+def build(recipe: Recipe) -> ZeroStrategy:
     return ZeroStrategy()
