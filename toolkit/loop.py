@@ -108,6 +108,9 @@ def train(recipe: Recipe, env: DistEnv) -> TrainResult:
     out_dir = Path(recipe.output_dir)
     info = runinfo.start(recipe, env=env, plan=plan, total_steps=total_steps, model=strategy.export_module(),
                          num_params=num_params, out_dir=out_dir)
+    info["layout"] = strategy.layout()
+    if env.is_main:
+        print(f"[toolkit] layout: {info['layout']}", file=sys.stderr, flush=True)
     replicas = announce_replica_check(strategy, recipe=recipe, env=env, info=info)
     collator = Collator(pad_token_id=tokenizer.pad_token_id, task=recipe.model.task)
     loader = iter(train_loader(train_ds, sampler=sampler, start=0, stop=total_steps, collator=collator,
@@ -125,7 +128,7 @@ def train(recipe: Recipe, env: DistEnv) -> TrainResult:
         every = recipe.train.eval_every
         if eval_ds is not None and ((every and step % every == 0) or step == total_steps):
             record["eval_loss"] = evaluate(strategy, eval_ds, collator=collator, recipe=recipe, env=env,
-                                           layout=layout)
+                                           layout=layout, group=plan.grad_accum_steps)
         check_every = recipe.train.consistency_check_every
         if replicas is not None and check_every and step % check_every == 0:
             fresh = strategy.replicas()  # the live tensors of this step
@@ -138,7 +141,7 @@ def train(recipe: Recipe, env: DistEnv) -> TrainResult:
     export_model(strategy, tokenizer=tokenizer, out_dir=out_dir, env=env)
     if scale is not None:
         info["gradient_scale"] = scale.summary()
-    runinfo.finish(info, env=env, out_dir=out_dir, losses=losses)
+    runinfo.finish(info, env=env, out_dir=out_dir, losses=losses, strategy=strategy)
     if writer:
         writer.close()
     return TrainResult(output_dir=out_dir, strategy=strategy, losses=losses)
@@ -183,7 +186,7 @@ def train_step(strategy: Strategy, micro_batches: list[dict], *, recipe: Recipe,
     if gradient_scale is not None and abs_max is not None and not result.skipped:
         gradient_scale.update(abs_max, grad_norm=result.grad_norm)
     if comm is not None:
-        runinfo.record_comm(info, comm.summary(), step=step)
+        runinfo.record_comm(info, comm.summary(), step=step, env=env)
     if step == 1:
         runinfo.record_after_first_step(info, strategy, env=env)
     synchronize(env.device)

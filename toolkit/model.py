@@ -93,6 +93,26 @@ def set_dropout(model: nn.Module, p: float) -> None:
             setattr(model.config, key, p)
 
 
+def count_blocks(config: ModelConfig, names: tuple[str, ...] | None) -> int:
+    """How many transformer blocks the recipe's model has, read from a copy built on the meta device (no
+    weights loaded, no memory): lets the launcher check a split before any rank starts."""
+    import transformers
+
+    auto = (transformers.AutoModelForCausalLM if config.task == "causal-lm"
+            else transformers.AutoModelForSequenceClassification)
+    extra = {"num_labels": config.num_labels} if config.task == "sequence-classification" else {}
+    if config.path is not None:
+        path = resolve_path(config.path)
+        _check_model_dir(path, "model.path")
+        hf_config = transformers.AutoConfig.from_pretrained(str(path), **extra)
+    else:
+        fields = dict(config.config or {})
+        hf_config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields, **extra)
+    with torch.device("meta"):
+        model = auto.from_config(hf_config)
+    return len(layer_stack(model, names))
+
+
 def transformer_blocks(model: nn.Module, class_names: tuple[str, ...] | None = None) -> list[nn.Module]:
     """The repeated blocks to shard one by one: the recipe's class names, else the model's _no_split_modules."""
     names = set(class_names or getattr(model, "_no_split_modules", None) or ())
@@ -101,6 +121,14 @@ def transformer_blocks(model: nn.Module, class_names: tuple[str, ...] | None = N
         raise RecipeError(f"no transformer blocks found (looked for {sorted(names) or 'model._no_split_modules'}); "
                           "set strategy.blocks to the block class name, e.g. [LlamaDecoderLayer]")
     return blocks
+
+
+def layer_stack(model: nn.Module, class_names: tuple[str, ...] | None = None) -> list[nn.Module]:
+    """The blocks a model is split at: the transformer blocks that sit in a ModuleList (the layer stack),
+    in order; _no_split_modules also names one-off modules such as BertEmbeddings, which are not split."""
+    blocks = transformer_blocks(model, class_names)
+    stacked = {id(child) for m in model.modules() if isinstance(m, nn.ModuleList) for child in m}
+    return [b for b in blocks if id(b) in stacked] or blocks
 
 
 def flops_per_token(model_config, *, num_params: int, seq_len: int, lm_head: bool) -> dict:

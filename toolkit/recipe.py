@@ -118,6 +118,20 @@ class StrategyConfig:
     offload_optimizer: bool = False  # zero: optimizer state and step on CPU (DeepSpeed CPU Adam)
     offload_param: bool = False  # zero: stage 3 only, parameters on CPU between uses
     ds_config: str | None = None  # zero: an existing DeepSpeed JSON used as it is; "auto" values come from this recipe
+    # model_parallel, pipeline, hybrid
+    devices: tuple[str, ...] | None = None  # model_parallel/hybrid: the devices one process splits its model over
+    #   (e.g. [cuda:0, cuda:1]; `cpu` may repeat: same code path and boundaries). hybrid: local rank r uses
+    #   the next len(devices) GPUs (cuda:r·n + i)
+    split: tuple[int, ...] | None = None  # block index where each later device / stage starts; default: balanced
+    #   by parameter count (embeddings count with the first part, the final norm and head with the last)
+    schedule: str = "1f1b"  # pipeline: gpipe (all forwards, then all backwards: most activation memory) |
+    #   1f1b (one forward, one backward: at most `stages` micro-batches in flight) | interleaved-1f1b
+    #   (stages_per_rank virtual stages per rank: a smaller bubble, more point-to-point traffic)
+    stages_per_rank: int = 1  # pipeline: 2 or more for interleaved-1f1b
+    pipeline_degree: int | None = None  # pipeline/hybrid: stages; the other ranks are data-parallel replicas
+    #   (world = pipeline_degree × replicas); pipeline: default the world size
+    data_parallel: str = "ddp"  # hybrid/pipeline with replicas: ddp (full stage replicas, all-reduce) | fsdp
+    #   (each stage sharded over its replicas)
     # the name and the options are checked by the strategy registry (toolkit.strategies.validate_strategy)
 
 

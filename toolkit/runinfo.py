@@ -53,7 +53,7 @@ def start(recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, mo
         "status": "running", "strategy": recipe.strategy.name, "world_size": env.world_size,
         "precision": recipe.precision, "total_steps": total_steps,
         "batch": {"micro_batch_size": plan.micro_batch_size, "grad_accum_steps": plan.grad_accum_steps,
-                  "global_batch_size": plan.global_batch_size},
+                  "global_batch_size": plan.global_batch_size, "data_parallel_ranks": plan.world_size},
         "num_params": num_params,
         "flops": flops_per_token(model.config, num_params=num_params, seq_len=recipe.data.max_length,
                                  lm_head=lm_head),
@@ -68,7 +68,8 @@ def start(recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, mo
         _write(info, out_dir)
         b = info["batch"]
         print(f"[toolkit] strategy {recipe.strategy.name} · world {env.world_size} · {recipe.precision} · "
-              f"global batch {b['global_batch_size']} = {env.world_size} ranks × micro {b['micro_batch_size']} "
+              f"global batch {b['global_batch_size']} = {plan.world_size} data-parallel rank(s) × micro "
+              f"{b['micro_batch_size']} "
               f"× accum {b['grad_accum_steps']} · {total_steps} steps · {num_params / 1e6:.1f}M params · "
               f"{info['device']} · output {out_dir}", file=sys.stderr, flush=True)
     info["_out_dir"] = str(out_dir)
@@ -98,15 +99,23 @@ def record_after_first_step(info: dict, strategy, *, env: DistEnv) -> None:
         _write(info, Path(info["_out_dir"]))
 
 
-def record_comm(info: dict, summary: dict, *, step: int) -> None:
-    """Rank 0's collective input bytes of one step (written with run.json at the end)."""
+def record_comm(info: dict, summary: dict, *, step: int, env: DistEnv) -> None:
+    """Collective input bytes of one step: rank 0's by op, and every rank's total and point-to-point sends
+    (a pipeline's stages send different things: activations forward, gradients back). Collective."""
+    ranks = gather_objects({"total_bytes": summary["total_bytes"],
+                            "send_bytes": summary["bytes_by_op"].get("send", 0)}, env)
     info["comm_per_step"] = {"step": step, **summary,
-                             "counts": "input bytes this rank handed to c10d collectives (not wire bytes)"}
+                             "total_bytes_per_rank": [r["total_bytes"] for r in ranks],
+                             "p2p_send_bytes_all_ranks": sum(r["send_bytes"] for r in ranks),
+                             "counts": "input bytes handed to c10d collectives and sends (not wire bytes)"}
 
 
-def finish(info: dict, *, env: DistEnv, out_dir: Path, losses: list[float]) -> None:
+def finish(info: dict, *, env: DistEnv, out_dir: Path, losses: list[float], strategy) -> None:
     mine = {"peak_mem_bytes": peak_memory_bytes(env.device), "peak_reserved_bytes": peak_reserved_bytes(env.device)}
     info["peak_memory"] = gather_objects(mine, env)
+    measured = gather_objects(strategy.measurements(), env)
+    if any(measured):
+        info["strategy_measurements"] = measured  # per rank
     info["status"] = "completed"
     info["final_loss"] = losses[-1] if losses else None
     if env.is_main:

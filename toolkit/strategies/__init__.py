@@ -20,14 +20,18 @@ _MODULES = {
     "ddp": "toolkit.strategies.ddp",
     "fsdp": "toolkit.strategies.fsdp",
     "zero": "toolkit.strategies.zero",
+    "model_parallel": "toolkit.strategies.model_parallel",
+    "pipeline": "toolkit.strategies.pipeline",
+    "hybrid": "toolkit.strategies.hybrid",
 }
 
 if TYPE_CHECKING:  # the type checker holds every strategy class to the protocol
     from toolkit.strategies.fsdp import FsdpStrategy
+    from toolkit.strategies.pipeline import PipelineStrategy
     from toolkit.strategies.replicated import ReplicatedStrategy
     from toolkit.strategies.zero import ZeroStrategy
 
-    _PROTOCOL_CHECK: tuple[type[Strategy], ...] = (ReplicatedStrategy, FsdpStrategy, ZeroStrategy)
+    _PROTOCOL_CHECK: tuple[type[Strategy], ...] = (ReplicatedStrategy, FsdpStrategy, ZeroStrategy, PipelineStrategy)
 
 
 def strategy_names() -> tuple[str, ...]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Iterable, Iterator, Protocol
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -95,9 +95,10 @@ class Strategy(Protocol):
         """Forward and backward every micro-batch of one optimizer step, gradients reduced after the last.
         Returns this rank's summed loss sums (float64; zero on a rank that computes no loss)."""
 
-    def forward_only(self, batch: dict, *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
-        """Evaluation forward of one micro-batch: (its loss sum, its number of loss terms) on a rank that
-        computes the loss, (0, 0) on one that does not. Collective where the model is sharded."""
+    def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
+        """Evaluation forward of up to grad_accum_steps micro-batches: (their loss sum, their number of loss
+        terms) on a rank that computes the loss, (0, 0) on one that does not. Collective where the model
+        is sharded or pipelined."""
 
     def step(self, *, max_grad_norm: float | None) -> StepResult:
         """Clip, optimizer step, schedule step, zero grads."""
@@ -123,6 +124,12 @@ class Strategy(Protocol):
 
     def precision_audit(self) -> dict[str, str]:
         """Dtypes read from the live objects: forward params, master weights, grads, reduction, optimizer state."""
+
+    def layout(self) -> str:
+        """Where the model lives after setup, in one line (printed at start, kept in run.json)."""
+
+    def measurements(self) -> dict[str, Any]:
+        """What this rank measured that only this strategy can (a pipeline's bubble), for run.json."""
 
     def close(self) -> None:
         """After the last output is written: release the wrapped model, optimizer and engine, which hold
@@ -167,10 +174,13 @@ def each_micro_batch(strategy: MicroBatchStrategy, micro_batches: list[dict], *,
     return total
 
 
-def forward_once(strategy: MicroBatchStrategy, batch: dict, *, loss_sum: LossSum,
+def forward_once(strategy: MicroBatchStrategy, micro_batches: list[dict], *, loss_sum: LossSum,
                  device: torch.device) -> tuple[torch.Tensor, int]:
-    """Evaluation forward of one micro-batch on a strategy whose every rank computes its own loss."""
-    return loss_sum(logits_of(strategy, batch, device), batch).detach().double(), int(batch["num_items"])
+    """Evaluation forward, micro-batch by micro-batch, on a strategy whose every rank computes its loss."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for batch in micro_batches:
+        total += loss_sum(logits_of(strategy, batch, device), batch).detach().double().to(device)
+    return total, sum(int(batch["num_items"]) for batch in micro_batches)
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -58,8 +58,8 @@ class FsdpStrategy:
     def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
         return each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share, device=self.env.device)
 
-    def forward_only(self, batch: dict, *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
-        return forward_once(self, batch, loss_sum=loss_sum, device=self.env.device)
+    def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
+        return forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device)
 
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
         options, env = args.recipe.strategy, args.env
@@ -134,6 +134,13 @@ class FsdpStrategy:
 
     def export_module(self) -> nn.Module:
         return self._model
+
+    def measurements(self) -> dict:
+        return {}
+
+    def layout(self) -> str:
+        shape = " × ".join(f"{n} {name}" for n, name in zip(self.mesh.shape, self.mesh.mesh_dim_names or ()))
+        return f"every block and the root sharded over a mesh of {shape}"
 
     def close(self) -> None:
         del self._model, self.optimizer, self.scheduler, self.mesh  # their groups, for destroy_process_group

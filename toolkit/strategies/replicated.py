@@ -20,12 +20,21 @@ from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, S
                                      no_context, optimizer_label, optimizer_state_tensors)
 
 
+def on_rank_device(module: nn.Module, args: SetupArgs) -> tuple[nn.Module, torch.device, str]:
+    """The whole model on this rank's device, which is also where its inputs go."""
+    return module.to(args.env.device), args.env.device, f"the whole model on {args.env.device}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class Replication:
     info: StrategyInfo
-    wrap: Callable[[nn.Module, SetupArgs], nn.Module]  # the unwrapped module (on its device) -> what forward calls
+    wrap: Callable[[nn.Module, SetupArgs], nn.Module]  # the unwrapped module (placed) -> what forward calls
+    # the model (on CPU) -> (placed model, where inputs go, where it lives in words): one device, or split
+    # over several (model parallel)
+    place: Callable[[nn.Module, SetupArgs], tuple[nn.Module, torch.device, str]] = on_rank_device
     reduce_desc: str  # for the precision audit; "{dtype}" becomes the gradients' dtype
     skip_sync: Callable[[nn.Module], ContextManager] | None = None  # wrapped -> context without gradient reduction
+    check: Callable[[Recipe, int], None] | None = None  # (recipe, world size) -> RecipeError for what it cannot run
 
 
 class ReplicatedStrategy:
@@ -37,19 +46,21 @@ class ReplicatedStrategy:
         if self.info.one_process and world_size > 1:
             raise RecipeError(f"strategy {self.info.name} runs in one process, but {world_size} were asked for; "
                               "use --nproc 1 or strategy.name=ddp")
+        if self.replication.check is not None:
+            self.replication.check(recipe, world_size)
 
     def data_layout(self, recipe: Recipe, *, world_size: int, rank: int) -> DataLayout:
         return every_rank_a_shard(world_size=world_size, rank=rank)
 
     def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
-        return each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share, device=self.env.device)
+        return each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share, device=self.input_device)
 
-    def forward_only(self, batch: dict, *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
-        return forward_once(self, batch, loss_sum=loss_sum, device=self.env.device)
+    def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
+        return forward_once(self, micro_batches, loss_sum=loss_sum, device=self.input_device)
 
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
         self.env = args.env
-        self.module = model.to(args.env.device)  # the unwrapped model
+        self.module, self.input_device, self.placed = self.replication.place(model, args)  # unwrapped, placed
         self._model = self.replication.wrap(self.module, args)
         self.amp = Amp(args.recipe.precision, args.env.device)
         self.optimizer = args.build_optimizer(self.module)
@@ -96,6 +107,13 @@ class ReplicatedStrategy:
 
     def export_module(self) -> nn.Module:
         return self.module
+
+    def measurements(self) -> dict:
+        return {}
+
+    def layout(self) -> str:
+        world = self.env.world_size
+        return self.placed + (f"; a replica on each of {world} ranks" if world > 1 else "")
 
     def close(self) -> None:
         del self._model, self.module, self.optimizer, self.scheduler  # DDP's reducer holds the process group

@@ -60,8 +60,8 @@ class ZeroStrategy:
     def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
         return each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share, device=self.env.device)
 
-    def forward_only(self, batch: dict, *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
-        return forward_once(self, batch, loss_sum=loss_sum, device=self.env.device)
+    def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
+        return forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device)
 
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
         import deepspeed
@@ -151,6 +151,16 @@ class ZeroStrategy:
 
     def export_module(self) -> nn.Module:
         return self.module
+
+    def measurements(self) -> dict:
+        return {}
+
+    def layout(self) -> str:
+        held = {0: "full parameters, gradients and optimizer state", 1: "full parameters and gradients, 1/N of the "
+                "optimizer state", 2: "full parameters, 1/N of gradients and optimizer state",
+                3: "1/N of parameters, gradients and optimizer state"}[self.stage]
+        where = " (optimizer on CPU)" if self.offload_optimizer else ""
+        return f"ZeRO-{self.stage}: each of {self.env.world_size} ranks holds {held}{where}"
 
     def close(self) -> None:
         self.engine.destroy()  # removes ZeRO-3's hooks and the optimizer's buffers

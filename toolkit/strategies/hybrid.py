@@ -1,0 +1,58 @@
+"""`hybrid`: a split model × data parallelism.
+
+  with strategy.pipeline_degree   pipeline × data parallel on a (pp × dp) mesh: pipeline_degree stages,
+                                  each stage replicated over world / pipeline_degree ranks and kept in
+                                  step by DDP or sharded by FSDP2 (strategy.data_parallel); the pipeline
+                                  strategy's code with a second mesh dimension
+  without it                      model parallel inside each process (strategy.devices) × DDP across
+                                  processes: the textbook pattern of part1 on cuda:0, part2 on cuda:1,
+                                  the whole module wrapped in DistributedDataParallel
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from toolkit.errors import RecipeError
+from toolkit.recipe import Recipe
+from toolkit.strategies.base import SetupArgs, Strategy, StrategyInfo
+from toolkit.strategies.model_parallel import check_model_split, place_model
+from toolkit.strategies.pipeline import OPTIONS, PipelineStrategy
+from toolkit.strategies.replicated import Replication, ReplicatedStrategy
+
+INFO = StrategyInfo(
+    name="hybrid", averages_gradients=True, options=(*OPTIONS, "devices"),
+    summary="a split model × data parallel: pipeline stages replicated by DDP or sharded by FSDP over a "
+            "(pp × dp) mesh, or a model split over devices in each process × DDP",
+    arms={"pp-ddp": ("strategy.name=hybrid", "strategy.pipeline_degree=2", "strategy.data_parallel=ddp"),
+          "pp-fsdp": ("strategy.name=hybrid", "strategy.pipeline_degree=2", "strategy.data_parallel=fsdp"),
+          "mp-ddp": ("strategy.name=hybrid", "strategy.data_parallel=ddp")})
+
+
+def check_model_split_ddp(recipe: Recipe, world_size: int) -> None:
+    options = recipe.strategy
+    if options.data_parallel != "ddp":
+        raise RecipeError("hybrid without strategy.pipeline_degree splits the model inside each process and "
+                          "replicates it with ddp; set strategy.data_parallel=ddp, or a pipeline_degree for fsdp")
+    if options.schedule != "1f1b" or options.stages_per_rank != 1:
+        raise RecipeError("strategy.schedule / stages_per_rank need strategy.pipeline_degree (a pipeline)")
+    check_model_split(recipe, world_size)
+
+
+def wrap_ddp(module: nn.Module, args: SetupArgs) -> nn.Module:
+    # a module over several devices: DDP takes no device_ids and reduces each parameter where it lives
+    return DistributedDataParallel(module, device_ids=None)
+
+
+MODEL_SPLIT_DDP = Replication(
+    info=INFO, place=place_model, wrap=wrap_ddp, reduce_desc="all-reduce mean ({dtype})",
+    skip_sync=lambda wrapped: cast(DistributedDataParallel, wrapped).no_sync(), check=check_model_split_ddp)
+
+
+def build(recipe: Recipe) -> Strategy:
+    if recipe.strategy.pipeline_degree is not None:
+        return PipelineStrategy(INFO)
+    return ReplicatedStrategy(MODEL_SPLIT_DDP)

@@ -1,0 +1,47 @@
+"""`model_parallel`: one process splits the model by its transformer blocks over several devices.
+
+Each device holds a run of consecutive blocks; embeddings sit with the first, the final norm and head with
+the last; activations move at the boundaries through forward pre-hooks (the model's code is untouched).
+Only one device works at a time (no pipelining): it fits a model one device cannot hold, at the speed of
+one device plus the transfers. On a machine without GPUs the device list may repeat `cpu`: the code path
+and the boundaries are the same.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from toolkit.model import count_blocks
+from toolkit.recipe import Recipe
+from toolkit.strategies.base import SetupArgs, StrategyInfo
+from toolkit.strategies.placement import check_split, parse_devices, place_over_devices
+from toolkit.strategies.replicated import Replication, ReplicatedStrategy
+
+INFO = StrategyInfo(
+    name="model_parallel", one_process=True, options=("devices", "split", "blocks"),
+    summary="one process, the model split by blocks over strategy.devices; fits a model no single device holds, "
+            "one device busy at a time",
+    arms={"mp": ("strategy.name=model_parallel",)})
+
+
+def check_model_split(recipe: Recipe, world_size: int) -> None:
+    """The device list and the split against the model's blocks, before any rank starts."""
+    devices = parse_devices(recipe.strategy.devices, local_rank=max(0, world_size - 1))
+    check_split(recipe.strategy.split, num_blocks=count_blocks(recipe.model, recipe.strategy.blocks),
+                num_parts=len(devices), what="devices")
+
+
+def place_model(model: nn.Module, args: SetupArgs) -> tuple[nn.Module, torch.device, str]:
+    options = args.recipe.strategy
+    devices = parse_devices(options.devices, local_rank=args.env.local_rank)
+    placement = place_over_devices(model, devices=devices, split=options.split, block_names=options.blocks)
+    return model, placement.input_device, placement.describe()
+
+
+MODEL_PARALLEL = Replication(info=INFO, place=place_model, wrap=lambda module, args: module,
+                             reduce_desc="none: one process", check=check_model_split)
+
+
+def build(recipe: Recipe) -> ReplicatedStrategy:
+    return ReplicatedStrategy(MODEL_PARALLEL)

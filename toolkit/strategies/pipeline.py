@@ -1,0 +1,417 @@
+"""`pipeline`: the model cut into stages by its blocks, one stage per rank (or `stages_per_rank` for the
+interleaved schedule), run by `torch.distributed.pipelining` (PipelineStage + a schedule). With
+`pipeline_degree` below the world size (strategy `hybrid`), the ranks form a (pp × dp) mesh and each
+stage's replicas are kept in step by DDP or sharded by FSDP2 over the dp dimension.
+
+The step's accumulation micro-batches are the schedule's micro-batches, padded to one fixed shape
+(micro × data.max_length: the stages exchange activations of a shape fixed at the first step). The
+loss is computed on the last stage with the loop's normalisation (sum / the global count, no schedule
+rescaling: scale_grads=False). Tied input/output embeddings live twice, on the first and the last
+stage: their gradients are summed over those two ranks before clipping, so both copies take the same
+update. Clipping uses the norm over every stage (and shard); fp16 skips a step on every stage alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from toolkit.data import DataLayout
+from toolkit.dist import gather_objects
+from toolkit.errors import RecipeError
+from toolkit.losses import IGNORE_INDEX
+from toolkit.model import count_blocks, layer_stack
+from toolkit.precision import DTYPES, Amp, StepResult, dtype_name
+from toolkit.recipe import Recipe, plan_batch
+from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, StrategyInfo, first_dtype, optimizer_label,
+                                     optimizer_state_tensors)
+from toolkit.strategies.placement import blocks_of, check_split, part_of_blocks
+from toolkit.strategies.stages import Stage, family_of, tied_embedding_names
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+OPTIONS = ("schedule", "stages_per_rank", "pipeline_degree", "data_parallel", "split", "blocks")
+
+INFO = StrategyInfo(
+    name="pipeline", averages_gradients=True, options=OPTIONS,
+    summary="one stage of consecutive blocks per rank, micro-batches pipelined (torch.distributed.pipelining); "
+            "1/N of the model per rank, an idle bubble of (N-1)/(m+N-1)",
+    arms={"pp-gpipe": ("strategy.name=pipeline", "strategy.schedule=gpipe"),
+          "pp-1f1b": ("strategy.name=pipeline", "strategy.schedule=1f1b"),
+          "pp-interleaved": ("strategy.name=pipeline", "strategy.schedule=interleaved-1f1b",
+                             "strategy.stages_per_rank=2")})
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The (pp × dp) rank grid: rank = pp_rank · dp + dp_rank (a replica's stages are dp ranks apart)."""
+
+    pp: int
+    dp: int
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        return divmod(rank, self.dp)
+
+    def rank(self, pp_rank: int, dp_rank: int) -> int:
+        return pp_rank * self.dp + dp_rank
+
+
+def grid_of(recipe: Recipe, world_size: int) -> Grid:
+    pp = recipe.strategy.pipeline_degree or world_size
+    if pp < 2:
+        raise RecipeError(f"a pipeline needs at least 2 stages' ranks, got pipeline_degree {pp} of world size "
+                          f"{world_size}; launch with --nproc 2 or more")
+    if world_size % pp:
+        raise RecipeError(f"world size {world_size} is not divisible by strategy.pipeline_degree {pp}; use a "
+                          "multiple of it")
+    return Grid(pp=pp, dp=world_size // pp)
+
+
+def theoretical_bubble(*, stages: int, micro_batches: int, per_rank: int) -> float:
+    """Idle fraction of a rank: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v·m+p-1) interleaved over v."""
+    return (stages - 1) / (per_rank * micro_batches + stages - 1)
+
+
+class PipelineStrategy:
+    def __init__(self, info: StrategyInfo = INFO):
+        self.info = info
+
+    # --- before any rank starts -----------------------------------------------------------------
+    def validate(self, recipe: Recipe, *, world_size: int) -> None:
+        options = recipe.strategy
+        if options.schedule not in SCHEDULES:
+            raise RecipeError(f"strategy.schedule: unknown value {options.schedule!r}; choose one of "
+                              f"{', '.join(SCHEDULES)}")
+        interleaved = options.schedule == "interleaved-1f1b"
+        if interleaved and options.stages_per_rank < 2:
+            raise RecipeError("strategy.schedule interleaved-1f1b needs strategy.stages_per_rank of 2 or more")
+        if not interleaved and options.stages_per_rank != 1:
+            raise RecipeError(f"strategy.stages_per_rank {options.stages_per_rank} needs strategy.schedule "
+                              "interleaved-1f1b")
+        if options.data_parallel not in ("ddp", "fsdp"):
+            raise RecipeError(f"strategy.data_parallel: unknown value {options.data_parallel!r}; choose ddp or fsdp")
+        grid = grid_of(recipe, world_size)
+        stages = grid.pp * options.stages_per_rank
+        check_split(options.split, num_blocks=count_blocks(recipe.model, options.blocks), num_parts=stages,
+                    what="stages")
+        plan = plan_batch(recipe.batch, world_size=grid.dp)
+        if options.schedule == "1f1b" and plan.grad_accum_steps < grid.pp:
+            raise RecipeError(f"schedule 1f1b needs at least as many micro-batches per step as stages ({grid.pp}), "
+                              f"but batch.grad_accum_steps is {plan.grad_accum_steps}; raise it or use gpipe")
+        if recipe.precision == "fp16" and recipe.optim.implementation == "fused":
+            raise RecipeError("optim.implementation fused cannot run a pipeline in fp16 (torch's ShardedGradScaler "
+                              "hands the fused AdamW kernel a found-inf tensor of the wrong shape); use auto or loop")
+
+    def data_layout(self, recipe: Recipe, *, world_size: int, rank: int) -> DataLayout:
+        grid = grid_of(recipe, world_size)
+        return DataLayout(rank=grid.coords(rank)[1], size=grid.dp)  # a replica's stages read the same samples
+
+    # --- setup ----------------------------------------------------------------------------------
+    def setup(self, model: nn.Module, args: SetupArgs) -> None:
+        env, options, self.recipe = args.env, args.recipe.strategy, args.recipe
+        self.env, self.grid = env, grid_of(args.recipe, env.world_size)
+        self.pp_rank, self.dp_rank = self.grid.coords(env.rank)
+        self.mesh = init_device_mesh(env.device.type, (self.grid.pp, self.grid.dp), mesh_dim_names=("pp", "dp"))
+        family_of(model)  # a RecipeError for a model without a stage layout
+        num_stages = self.grid.pp * options.stages_per_rank
+        parts = part_of_blocks(model, blocks=layer_stack(model, options.blocks), num_parts=num_stages,
+                               split=options.split)
+        self.parts, self.num_stages = parts, num_stages
+        self.stage_ids = [self.pp_rank + k * self.grid.pp for k in range(options.stages_per_rank)]
+        self.tied = tied_embedding_names(model)
+        with torch.device("meta"):  # config, class and tied names for the export, without memory
+            self.skeleton = type(model)(model.config)
+        self.amp = Amp(args.recipe.precision, env.device, scaler_class=self._scaler)
+        self.stage_modules: list[Stage] = []
+        wrapped = []
+        for k, stage_id in enumerate(self.stage_ids):
+            source = model if k == len(self.stage_ids) - 1 else copy.deepcopy(model)  # each stage prunes a copy
+            stage = Stage(source, layer_ids=[i for i, p in enumerate(parts) if p == stage_id], first=stage_id == 0,
+                          last=stage_id == num_stages - 1, autocast=self.amp.autocast).to(env.device)
+            self.stage_modules.append(stage)
+            wrapped.append(self._replicate(stage, args.recipe))
+        self._model = nn.ModuleList(wrapped)
+        pp_group = self.mesh.get_group("pp")
+        self.stages = [PipelineStage(m, stage_id, num_stages, env.device, group=pp_group)
+                       for m, stage_id in zip(wrapped, self.stage_ids)]
+        self.busy_s = 0.0
+        for pipeline_stage in self.stages:
+            _time(pipeline_stage, self)
+        schedule = SCHEDULES[options.schedule]
+        self.micro_batches = args.grad_accum_steps
+        self.schedule = schedule(self.stages if len(self.stages) > 1 else self.stages[0],  # type: ignore[arg-type]
+                                 n_microbatches=self.micro_batches, loss_fn=self._loss, scale_grads=False)
+        # ShardedGradScaler's found-inf tensor has a shape torch's fused AdamW kernel rejects (torch 2.13)
+        self.optimizer = args.build_optimizer(self._model, fused_ok=args.recipe.precision != "fp16")
+        self.scheduler = args.build_scheduler(self.optimizer)
+        self.tied_group = self._tied_group()
+        self.bubbles: list[float] = []
+        self._loss_sum: LossSum | None = None
+        self._share: Share | None = None
+        self._sums: list[torch.Tensor] = []
+
+    def _scaler(self, device_type: str):
+        # fp16: found-inf all-reduced over every rank, so all stages skip the same steps
+        return ShardedGradScaler(device_type, process_group=dist.group.WORLD)
+
+    def _replicate(self, stage: Stage, recipe: Recipe) -> nn.Module:
+        """A stage's replicas over the dp dimension: DDP (all-reduce) or FSDP2 (shards); as is without any."""
+        if recipe.strategy.data_parallel == "fsdp":
+            compute = None if recipe.precision == "fp32" else DTYPES[recipe.precision]
+            policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
+            for block in stage.blocks():
+                fully_shard(block, mesh=self.mesh["dp"], mp_policy=policy)
+            fully_shard(stage, mesh=self.mesh["dp"], mp_policy=policy)
+            return stage
+        if self.grid.dp > 1:
+            ids = [self.env.device.index] if self.env.device.type == "cuda" else None
+            # find_unused_parameters: DDP's first-iteration bucket rebuild counts each parameter once per
+            # micro-batch under a pipeline schedule (its forwards run outside no_sync) and fails an internal
+            # check; with this flag DDP does not rebuild its buckets
+            return DistributedDataParallel(stage, process_group=self.mesh.get_group("dp"), device_ids=ids,
+                                           find_unused_parameters=True)
+        return stage
+
+    def _tied_group(self):
+        """Per replica, the group of the ranks holding the first and the last stage (every rank creates
+        every group: new_group is collective)."""
+        if self.tied is None:
+            return None
+        mine = None
+        for dp_rank in range(self.grid.dp):
+            ranks = sorted({self.grid.rank(0, dp_rank), self.grid.rank(self.grid.pp - 1, dp_rank)})
+            group = dist.new_group(ranks)
+            if self.env.rank in ranks:
+                mine = group
+        return mine
+
+    # --- the step -------------------------------------------------------------------------------
+    @property
+    def model(self) -> nn.Module:
+        return self._model
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss_fn on the last stage: the loop's loss sum, returned as its share."""
+        assert self._loss_sum is not None
+        micro_sum = self._loss_sum(output, {"labels": target})
+        self._sums.append(micro_sum.detach().double())
+        return self._share(micro_sum) if self._share is not None else micro_sum
+
+    def _stacked(self, micro_batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The micro-batches as one batch of fixed shape (micro × max_length), in order."""
+        length, rows = self.recipe.data.max_length, self.recipe.batch.micro_batch_size
+        ids, masks, labels = [], [], []
+        for batch in micro_batches:
+            pad = length - batch["input_ids"].shape[1]
+            missing = rows - batch["input_ids"].shape[0]
+            ids.append(_pad(batch["input_ids"], pad, missing, 0))
+            mask = _pad(batch["attention_mask"], pad, missing, 0)
+            if missing:
+                mask[-missing:, 0] = 1  # a filler row attends to its first token (no all-masked row); no loss
+            masks.append(mask)
+            label = batch["labels"]
+            labels.append(_pad(label, pad, missing, IGNORE_INDEX) if label.dim() == 2 else
+                          torch.cat([label, label.new_full((missing,), IGNORE_INDEX)]))
+        device = self.env.device
+        return torch.cat(ids).to(device), torch.cat(masks).to(device), torch.cat(labels).to(device)
+
+    def _run(self, micro_batches: list[dict], *, train: bool) -> None:
+        ids, mask, labels = self._stacked(micro_batches)
+        first = any(s.is_first for s in self.stages)
+        last = any(s.is_last for s in self.stages)
+        call = self.schedule.step if train else self.schedule.eval
+        self.busy_s, start = 0.0, time.perf_counter()
+        call(*((ids,) if first else ()), target=labels if last else None, attention_mask=mask)
+        if train:
+            wall = time.perf_counter() - start
+            self.bubbles.append(max(0.0, 1.0 - self.busy_s / wall) if wall > 0 else 0.0)
+
+    def _recorded(self, count: int) -> torch.Tensor:
+        """The loss sums of the last `count` micro-batches: on its first step (and after switching between
+        train and eval) the schedule first calls the loss on outputs of empty tensors to infer shapes."""
+        real = self._sums[-count:]
+        return torch.stack(real).sum() if real else torch.zeros((), dtype=torch.float64)
+
+    def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
+        self._loss_sum, self._share, self._sums = loss_sum, share, []
+        self._run(micro_batches, train=True)
+        return self._recorded(len(micro_batches))
+
+    def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
+        fillers = self.micro_batches - len(micro_batches)  # a short last group: micro-batches without loss
+        group = micro_batches + [_filler(micro_batches[0]) for _ in range(fillers)]
+        self._loss_sum, self._share, self._sums = loss_sum, None, []
+        self._run(group, train=False)
+        if not any(s.is_last for s in self.stages):
+            return torch.zeros((), dtype=torch.float64), 0
+        return self._recorded(len(group)), sum(int(b["num_items"]) for b in micro_batches)
+
+    def step(self, *, max_grad_norm: float | None) -> StepResult:
+        params = [p for p in self._model.parameters() if p.grad is not None]
+        result = self.amp.step(self.optimizer, params, max_grad_norm=max_grad_norm, clip=self._sync_and_clip)
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return result
+
+    def _sync_and_clip(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Sum the tied embedding's two gradients, then clip every gradient by the norm over all stages
+        (each tensor counted once: the tied copy on the last stage is left out of the norm), as
+        clip_grad_norm_ does on one process: coefficient max_norm / (norm + 1e-6), at most 1."""
+        duplicate = self._sync_tied()
+        local = [_local(p.grad) for p in params if p.grad is not None and p is not duplicate]
+        squares = torch.zeros((), dtype=torch.float32, device=self.env.device)
+        if local:
+            squares = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in local])) ** 2
+        # stages hold different tensors; fsdp shards them further over dp, ddp replicas hold the same
+        group = None if self.recipe.strategy.data_parallel == "fsdp" else self.mesh.get_group("pp")
+        dist.all_reduce(squares, group=group)
+        total = squares.sqrt()
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in params:
+            if p.grad is not None:
+                _local(p.grad).mul_(coefficient)
+        return total
+
+    def _sync_tied(self) -> torch.Tensor | None:
+        if self.tied_group is None:
+            return None
+        copies = [w for w in (s.tied_weight() for s in self.stage_modules) if w is not None]
+        for weight in copies:
+            if weight.grad is not None:
+                dist.all_reduce(_local(weight.grad), group=self.tied_group)
+        last = [s for s in self.stage_modules if s.last]
+        return last[0].tied_weight() if last else None
+
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    # --- what the run reports -------------------------------------------------------------------
+    def replicas(self) -> Replicas | None:
+        if self.grid.dp == 1 or self.recipe.strategy.data_parallel == "fsdp":
+            return None
+        named: list[tuple[str, torch.Tensor]] = [(n, p) for s in self.stage_modules for n, p in s.named_parameters()]
+        return Replicas(named=named, group=self.mesh.get_group("dp"),
+                        description=f"{self.grid.dp} replicas of each stage (DDP)")
+
+    def gradient_abs_max(self) -> dict[str, float] | None:
+        mine: dict[str, float] = {}
+        for stage in self.stage_modules:
+            for name, param in stage.named_parameters():
+                if param.grad is not None:
+                    value = float(_local(param.grad).abs().max()) if _local(param.grad).numel() else 0.0
+                    mine[name] = max(mine.get(name, 0.0), value)
+        merged: dict[str, float] = {}
+        for ranks in gather_objects(mine, self.env):  # each rank holds other tensors (and shards of them)
+            for name, value in ranks.items():
+                merged[name] = max(merged.get(name, 0.0), value)
+        scale = self.amp.scaler.get_scale() if self.amp.scaler else 1.0
+        return {name: value / scale for name, value in merged.items()}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Collective: every stage's weights under the whole model's names, on rank 0."""
+        mine: dict[str, torch.Tensor] = {}
+        for stage, wrapped in zip(self.stage_modules, self._model):
+            if isinstance(wrapped, FSDPModule):
+                # every dp rank gathers the stage (cpu_offload=True would keep it on global rank 0 only)
+                options = StateDictOptions(full_state_dict=True)  # collective over dp
+                state = cast(dict[str, torch.Tensor], get_model_state_dict(wrapped, options=options))
+            else:
+                state = stage.state_dict()
+            if self.dp_rank == 0:
+                mine.update({k: v.detach().to("cpu", copy=True) for k, v in state.items()})
+        merged: dict[str, torch.Tensor] = {}
+        for part in gather_objects(mine if self.dp_rank == 0 else {}, self.env):
+            for name, tensor in part.items():
+                merged.setdefault(name, tensor)  # a tied weight: the first stage's copy
+        return merged if self.env.is_main else None
+
+    def export_module(self) -> nn.Module:
+        return self.skeleton
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        params: list[torch.Tensor] = list(self._model.parameters())
+        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
+                "optim": optimizer_state_tensors(self.optimizer)}
+
+    def precision_audit(self) -> dict[str, str]:
+        params = list(self._model.parameters())
+        stored = first_dtype(_local(p) for p in params)
+        grads = [p.grad for p in params if p.grad is not None]
+        compute = dtype_name(stored) if self.amp.precision == "fp32" else f"{self.amp.precision} (autocast)"
+        reduce = {"ddp": f"all-reduce mean over {self.grid.dp} replicas", "fsdp": "reduce-scatter mean"}[
+            self.recipe.strategy.data_parallel] if self.grid.dp > 1 else "none: one replica per stage"
+        return {
+            "forward_params": compute,
+            "master_weights": dtype_name(stored),
+            "gradients": dtype_name(first_dtype(grads)) if grads else dtype_name(stored),
+            "grad_reduction": f"{reduce} ({dtype_name(first_dtype(grads) or stored)})" if self.grid.dp > 1 else reduce,
+            "optimizer_state": dtype_name(first_dtype(optimizer_state_tensors(self.optimizer)) or stored),
+            "loss_scaling": (f"dynamic (ShardedGradScaler over all stages, init {self.amp.scaler.get_scale():g})"
+                             if self.amp.scaler else "off"),
+            "optimizer": optimizer_label(self.optimizer),
+        }
+
+    def layout(self) -> str:
+        options = self.recipe.strategy
+        mine = "; ".join(f"stage {s}: blocks {blocks_of(self.parts, s)}" for s in self.stage_ids)
+        replicas = f" × {self.grid.dp} replicas ({options.data_parallel})" if self.grid.dp > 1 else ""
+        return (f"{self.num_stages} stages over {self.grid.pp} ranks{replicas}, schedule {options.schedule} with "
+                f"{self.micro_batches} micro-batches; rank {self.env.rank}: {mine}")
+
+    def measurements(self) -> dict[str, Any]:
+        steady = self.bubbles[1:] or self.bubbles  # step 1 also infers the stages' shapes
+        return {"stages": self.stage_ids,
+                "bubble_measured": sum(steady) / len(steady) if steady else None,
+                "bubble_theory": theoretical_bubble(stages=self.grid.pp, micro_batches=self.micro_batches,
+                                                    per_rank=len(self.stage_ids))}
+
+    def close(self) -> None:
+        del self.schedule, self.stages, self._model, self.stage_modules, self.optimizer, self.scheduler
+        del self.mesh, self.tied_group
+
+
+def _time(stage: PipelineStage, owner: PipelineStrategy) -> None:
+    """Count the time a stage computes (forward and backward chunks): the rest of a step is waiting."""
+    for name in ("forward_one_chunk", "backward_one_chunk"):
+        inner = getattr(stage, name)
+
+        def timed(*args, _inner=inner, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                owner.busy_s += time.perf_counter() - start
+
+        setattr(stage, name, timed)
+
+
+def _pad(tensor: torch.Tensor, columns: int, rows: int, value: int) -> torch.Tensor:
+    return torch.nn.functional.pad(tensor, (0, columns, 0, rows), value=value)
+
+
+def _filler(like: dict) -> dict:
+    """A micro-batch that carries no loss: one row, ignored labels (padded to shape by _stacked)."""
+    labels = like["labels"][:1].clone().fill_(IGNORE_INDEX)
+    return {"input_ids": like["input_ids"][:1], "attention_mask": like["attention_mask"][:1], "labels": labels,
+            "num_items": 0}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def build(recipe: Recipe) -> PipelineStrategy:
+    return PipelineStrategy()
+

@@ -1,0 +1,131 @@
+"""A transformers model cut into pipeline stages by hand (not traced: rotary embeddings, mask building
+and caches do not survive tracing). Each stage keeps the model's own modules under their own names
+(`model.layers.2…`), so its parameters save and load under the whole model's names.
+
+Two families, the ones the toolkit's tasks use:
+  decoder    a causal LM laid out as model.{embed_tokens, layers, norm, rotary_emb} + lm_head
+             (Llama, Qwen2, Mistral, …): every stage rebuilds positions, rotary cos/sin and the causal
+             mask from the padding mask it is given
+  encoder    a BERT-style classifier: bert.{embeddings, encoder.layer, pooler} + dropout + classifier;
+             every stage rebuilds the bidirectional mask
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager
+
+import torch
+from torch import nn
+
+from toolkit.errors import RecipeError
+
+FAMILIES = ("decoder", "encoder")
+
+
+def family_of(model: Any) -> str:
+    base = getattr(model, "model", None)
+    if base is not None and all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) \
+            and hasattr(model, "lm_head"):
+        return "decoder"
+    bert = getattr(model, "bert", None)
+    if bert is not None and hasattr(bert, "encoder") and hasattr(model, "classifier"):
+        return "encoder"
+    raise RecipeError(f"pipeline: no stage layout for {type(model).__name__}; supported: Llama-style causal LMs "
+                      "(model.layers + lm_head) and BERT-style classifiers (bert.encoder.layer + classifier)")
+
+
+def layer_list(model: Any) -> nn.ModuleList:
+    """The model's stack of transformer blocks."""
+    return model.model.layers if family_of(model) == "decoder" else model.bert.encoder.layer
+
+
+class Stage(nn.Module):
+    """One stage: blocks `layer_ids` of `model`, plus the embeddings (first) and the head (last)."""
+
+    # the transformers model's own children, adopted under their own names (typed loosely: any family)
+    model: Any
+    lm_head: Any
+    bert: Any
+    dropout: Any
+    classifier: Any
+
+    def __init__(self, model: Any, *, layer_ids: list[int], first: bool, last: bool,
+                 autocast: Callable[[], ContextManager] = contextlib.nullcontext):
+        super().__init__()
+        self.family, self.first, self.last, self.autocast = family_of(model), first, last, autocast
+        self.config = model.config
+        layers = layer_list(model)
+        kept = nn.ModuleDict({str(i): layers[i] for i in layer_ids})  # keys = the original indices: same names
+        if self.family == "decoder":
+            base = model.model
+            base.layers = kept
+            if not first:
+                base.embed_tokens = None
+            if not last:
+                base.norm = None
+            self.model = base
+            self.lm_head = model.lm_head if last else None
+        else:
+            bert = model.bert
+            bert.encoder.layer = kept
+            if not first:
+                bert.embeddings = None
+            if not last:
+                bert.pooler = None
+            self.bert = bert
+            self.dropout = model.dropout if last else None
+            self.classifier = model.classifier if last else None
+
+    def blocks(self) -> list[nn.Module]:
+        layers = self.model.layers if self.family == "decoder" else self.bert.encoder.layer
+        return list(layers.values())
+
+    def tied_weight(self) -> torch.Tensor | None:
+        """This stage's copy of a tied input/output embedding: the input one (first) or the head (last)."""
+        if self.first and self.family == "decoder":
+            return self.model.embed_tokens.weight
+        if self.last and self.family == "decoder":
+            return self.lm_head.weight
+        return None
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        with self.autocast():
+            if self.family == "decoder":
+                return self._decoder(x, attention_mask)
+            return self._encoder(x, attention_mask)
+
+    def _decoder(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        base = self.model
+        hidden = base.embed_tokens(x) if self.first else x
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        # an explicit mask on every stage: eager attention without one is not causal
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
+                                  past_key_values=None, position_ids=position_ids)
+        cos_sin = base.rotary_emb(hidden, position_ids=position_ids)
+        for layer in base.layers.values():
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=cos_sin, position_ids=position_ids)
+        if self.last:
+            return self.lm_head(base.norm(hidden))
+        return hidden
+
+    def _encoder(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_bidirectional_mask
+
+        bert = self.bert
+        hidden = bert.embeddings(input_ids=x) if self.first else x
+        mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask)
+        for layer in bert.encoder.layer.values():
+            hidden = layer(hidden, mask)
+        if self.last:
+            return self.classifier(self.dropout(bert.pooler(hidden)))
+        return hidden
+
+
+def tied_embedding_names(model: Any) -> tuple[str, str] | None:
+    """(input embedding, output head) parameter names when the two are one tied weight."""
+    if family_of(model) != "decoder" or model.lm_head.weight is not model.model.embed_tokens.weight:
+        return None
+    return "model.embed_tokens.weight", "lm_head.weight"
