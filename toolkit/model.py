@@ -94,8 +94,13 @@ def set_dropout(model: nn.Module, p: float) -> None:
 
 
 def count_blocks(config: ModelConfig, names: tuple[str, ...] | None) -> int:
-    """How many transformer blocks the recipe's model has, read from a copy built on the meta device (no
-    weights loaded, no memory): lets the launcher check a split before any rank starts."""
+    """How many transformer blocks the recipe's model has (lets the launcher check a split before any rank
+    starts)."""
+    return len(layer_stack(meta_model(config), names))
+
+
+def meta_model(config: ModelConfig) -> nn.Module:
+    """The recipe's model built on the meta device from its config: its structure, no weights, no memory."""
     import transformers
 
     auto = (transformers.AutoModelForCausalLM if config.task == "causal-lm"
@@ -109,8 +114,7 @@ def count_blocks(config: ModelConfig, names: tuple[str, ...] | None) -> int:
         fields = dict(config.config or {})
         hf_config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields, **extra)
     with torch.device("meta"):
-        model = auto.from_config(hf_config)
-    return len(layer_stack(model, names))
+        return auto.from_config(hf_config)
 
 
 def transformer_blocks(model: nn.Module, class_names: tuple[str, ...] | None = None) -> list[nn.Module]:

@@ -33,7 +33,7 @@ from toolkit.data import DataLayout
 from toolkit.dist import gather_objects
 from toolkit.errors import RecipeError
 from toolkit.losses import IGNORE_INDEX
-from toolkit.model import count_blocks, layer_stack
+from toolkit.model import layer_stack, meta_model
 from toolkit.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.recipe import Recipe, plan_batch
 from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, StrategyInfo, first_dtype, optimizer_label,
@@ -104,7 +104,9 @@ class PipelineStrategy:
             raise RecipeError(f"strategy.data_parallel: unknown value {options.data_parallel!r}; choose ddp or fsdp")
         grid = grid_of(recipe, world_size)
         stages = grid.pp * options.stages_per_rank
-        check_split(options.split, num_blocks=count_blocks(recipe.model, options.blocks), num_parts=stages,
+        skeleton = meta_model(recipe.model)
+        family_of(skeleton)  # a model without a stage layout
+        check_split(options.split, num_blocks=len(layer_stack(skeleton, options.blocks)), num_parts=stages,
                     what="stages")
         plan = plan_batch(recipe.batch, world_size=grid.dp)
         if options.schedule == "1f1b" and plan.grad_accum_steps < grid.pp:
@@ -134,6 +136,8 @@ class PipelineStrategy:
         with torch.device("meta"):  # config, class and tied names for the export, without memory
             self.skeleton = type(model)(model.config)
         self.amp = Amp(args.recipe.precision, env.device, scaler_class=self._scaler)
+        if self.amp.scaler:  # its scale tensor is made on first use; stages without the loss never scale one
+            self.amp.scaler.scale(torch.zeros((), device=env.device))
         self.stage_modules: list[Stage] = []
         wrapped = []
         for k, stage_id in enumerate(self.stage_ids):
@@ -207,7 +211,10 @@ class PipelineStrategy:
         assert self._loss_sum is not None
         micro_sum = self._loss_sum(output, {"labels": target})
         self._sums.append(micro_sum.detach().double())
-        return self._share(micro_sum) if self._share is not None else micro_sum
+        if self._share is None:  # evaluation
+            return micro_sum
+        share = self._share(micro_sum)
+        return self.amp.scaler.scale(share) if self.amp.scaler else share  # fp16: the scale flows back to every stage
 
     def _stacked(self, micro_batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The micro-batches as one batch of fixed shape (micro × max_length), in order."""

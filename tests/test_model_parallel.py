@@ -1,0 +1,170 @@
+"""Model parallel, pipelines and their hybrids with data parallelism against the single-process reference:
+fp32, the same global batch, 5 steps, real processes on gloo. Two models: a tiny 4-block Llama with tied
+input/output embeddings (its two copies live on the first and the last stage) and the pretrained MiniLM
+classifier. Runs are shared by the assertions that read them."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from conftest import MINILM, Runs, exported_weights, losses, metrics, write_recipe
+from toolkit.compare.verdict import grad_norm_rtol
+
+FOUR_BLOCK_LLAMA_LAYERS = 4
+ARMS = {
+    # name: (ranks, overrides); global batch 8 = data shards × micro 2 × accumulation
+    "mp": (1, ("strategy.name=model_parallel", "batch.grad_accum_steps=4")),
+    "pp-gpipe": (2, ("strategy.name=pipeline", "strategy.schedule=gpipe", "batch.grad_accum_steps=4")),
+    "pp-1f1b": (2, ("strategy.name=pipeline", "strategy.schedule=1f1b", "batch.grad_accum_steps=4")),
+    "pp-interleaved": (2, ("strategy.name=pipeline", "strategy.schedule=interleaved-1f1b",
+                           "strategy.stages_per_rank=2", "batch.grad_accum_steps=4")),
+    "pp-ddp": (4, ("strategy.name=hybrid", "strategy.pipeline_degree=2", "strategy.data_parallel=ddp",
+                   "batch.grad_accum_steps=2")),
+    "pp-fsdp": (4, ("strategy.name=hybrid", "strategy.pipeline_degree=2", "strategy.data_parallel=fsdp",
+                    "batch.grad_accum_steps=2")),
+    "mp-ddp": (2, ("strategy.name=hybrid", "batch.grad_accum_steps=2")),
+}
+MINILM_ARMS = ("mp", "pp-gpipe", "pp-1f1b", "pp-interleaved")  # 2 ranks at most: 22M parameters on 2 cores
+
+
+@pytest.fixture(scope="module")
+def llama4_runs(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conftest import _minilm_tokenizer
+
+    root = tmp_path_factory.mktemp("mp-llama")
+    tokenizer = _minilm_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=FOUR_BLOCK_LLAMA_LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    return Runs(root, write_recipe(root / "recipe.yaml", model_dir=root / "model", output_dir=root / "unused",
+                                   batch={"micro_batch_size": 2, "grad_accum_steps": 4}, data={"eval": None}))
+
+
+@pytest.fixture(scope="module")
+def minilm_runs(tmp_path_factory):
+    # lr 1e-5: Adam moves an element by about lr whatever the size of its gradient, so an element whose
+    # gradient is at rounding level follows the summation order, which a pipeline's padding to max_length
+    # changes. Measured between single and pp-gpipe: bert.pooler.dense.weight[30, 357] differs by 2.36e-6
+    # at lr 1e-4 and by 2.36e-7 at lr 1e-5 (the attention key biases, whose exact gradient is zero, alike):
+    # the difference scales with lr, i.e. it is rounding that Adam amplifies, not the computation.
+    root = tmp_path_factory.mktemp("mp-minilm")
+    recipe = write_recipe(root / "recipe.yaml", model_dir=MINILM, task="sequence-classification",
+                          output_dir=root / "unused", batch={"micro_batch_size": 2, "grad_accum_steps": 4},
+                          optim={"lr": 1.0e-5}, data={"eval": None},
+                          train={"max_steps": 5, "eval_every": None, "consistency_check_every": None})
+    return Runs(root, recipe)
+
+
+def assert_matches_single(run, reference):
+    """Per-step loss to relative 1e-5, grad norm to the verdict's fp32 bound, exported weights per element
+    |a−b| ≤ 1e-6 + 1e-5·|a|."""
+    got, want = metrics(run), metrics(reference)
+    torch.testing.assert_close(torch.tensor(losses(run), dtype=torch.float64),
+                               torch.tensor(losses(reference), dtype=torch.float64), rtol=1e-5, atol=0)
+    num_params = json.loads((reference / "run.json").read_text())["num_params"]
+    for a, b in zip(got, want):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=grad_norm_rtol(num_params))
+    ours, theirs = exported_weights(run), exported_weights(reference)
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("arm", list(ARMS))
+def test_split_strategies_match_single_on_a_tied_llama(llama4_runs, arm):
+    ranks, overrides = ARMS[arm]
+    run = llama4_runs.get(arm, nproc=ranks, overrides=overrides)
+    assert_matches_single(run, llama4_runs.get("single"))
+
+
+def test_tied_embedding_is_exported_once_and_reloads_tied(llama4_runs):
+    from transformers import AutoModelForCausalLM
+
+    run = llama4_runs.get("pp-1f1b", nproc=2, overrides=ARMS["pp-1f1b"][1])
+    assert "lm_head.weight" not in exported_weights(run)
+    loaded = AutoModelForCausalLM.from_pretrained(run / "model")
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("arm", MINILM_ARMS)
+def test_split_strategies_match_single_on_minilm(minilm_runs, arm):
+    ranks, overrides = ARMS[arm]
+    assert_matches_single(minilm_runs.get(arm, nproc=ranks, overrides=overrides), minilm_runs.get("single"))
+
+
+def test_layout_and_bubble_are_reported(llama4_runs):
+    run = json.loads((llama4_runs.get("pp-interleaved", nproc=2, overrides=ARMS["pp-interleaved"][1]) /
+                      "run.json").read_text())
+    assert run["layout"].startswith("4 stages over 2 ranks, schedule interleaved-1f1b with 4 micro-batches; "
+                                    "rank 0: stage 0: blocks 0; stage 2: blocks 2")
+    per_rank = run["strategy_measurements"]
+    assert [r["stages"] for r in per_rank] == [[0, 2], [1, 3]]
+    # (p-1)/(v·m+p-1) with p = 2 ranks, v = 2 stages per rank, m = 4 micro-batches
+    assert all(r["bubble_theory"] == pytest.approx(1 / 9) for r in per_rank)
+    assert all(0.0 <= r["bubble_measured"] < 1.0 for r in per_rank)
+    comm = run["comm_per_step"]
+    # every micro-batch's activations cross 3 stage boundaries forward and 3 back: 2 × 32 × 32 fp32 each
+    assert comm["p2p_send_bytes_all_ranks"] >= 4 * 6 * 2 * 32 * 32 * 4
+    mp = json.loads((llama4_runs.get("mp", overrides=ARMS["mp"][1]) / "run.json").read_text())
+    assert mp["layout"].startswith("blocks 0-1 on cpu, blocks 2-3 on cpu")
+
+
+def test_fp16_pipeline_stages_agree_on_skipped_steps(llama4_runs):
+    run = llama4_runs.get("pp-1f1b-fp16", nproc=2, overrides=(*ARMS["pp-1f1b"][1], "precision=fp16",
+                                                                "train.max_steps=8", "optim.lr=0.003"))
+    steps = metrics(run)
+    assert steps[0]["loss_scale"] == 65536.0 and all(isinstance(m["skipped"], bool) for m in steps)
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5
+
+
+BAD = {
+    "more stages than blocks": (4, ("strategy.name=pipeline", "strategy.schedule=interleaved-1f1b",
+                                    "strategy.stages_per_rank=2"),
+                                "8 stages but the model has 4 blocks; use at most 4 stages"),
+    "split out of range": (1, ("strategy.name=model_parallel", "strategy.split=[4]"),
+                           "strategy.split [4] is out of range: the model has 4 blocks"),
+    "split not increasing": (1, ("strategy.name=model_parallel", "strategy.devices=[cpu,cpu,cpu]",
+                                 "strategy.split=[3,2]"), "strategy.split [3, 2] is not increasing"),
+    "interleaved with one stage per rank": (2, ("strategy.name=pipeline", "strategy.schedule=interleaved-1f1b"),
+                                            "interleaved-1f1b needs strategy.stages_per_rank of 2 or more"),
+    "world not divisible": (4, ("strategy.name=hybrid", "strategy.pipeline_degree=3"),
+                            "world size 4 is not divisible by strategy.pipeline_degree 3"),
+    "too few micro-batches": (2, ("strategy.name=pipeline", "strategy.schedule=1f1b", "batch.grad_accum_steps=1"),
+                              "schedule 1f1b needs at least as many micro-batches per step as stages (2)"),
+    "no blocks found": (2, ("strategy.name=pipeline", "strategy.blocks=[NoSuchBlock]"),
+                        "set strategy.blocks to the block class name"),
+    "device that does not exist": (1, ("strategy.name=model_parallel", "strategy.devices=[cuda:0,cuda:1]"),
+                                   "strategy.devices: cuda:0 does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_split_inputs_are_one_line_before_any_rank(llama4_runs, case):
+    from toolkit.errors import RecipeError
+    from toolkit.recipe import load_recipe
+    from toolkit.strategies import validate_strategy
+
+    ranks, overrides, words = BAD[case]
+    recipe = load_recipe(llama4_runs.recipe, overrides)
+    with pytest.raises(RecipeError, match=re.escape(words)):
+        validate_strategy(recipe, world_size=ranks)
+
+
+def test_bad_split_through_the_launcher_exits_2_with_nothing_written(llama4_runs, tmp_path):
+    from conftest import run_cli
+
+    out = tmp_path / "never"
+    result = run_cli("launch", "--nproc", "2", str(llama4_runs.recipe), "--set", "strategy.name=pipeline",
+                     "--set", "strategy.split=[9]", "--set", f"output_dir={out}")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "toolkit: error: strategy.split [9] is out of range: the model has 4 blocks, so each index must be "
+        "between 1 and 3"]
+    assert not out.exists()
