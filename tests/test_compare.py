@@ -12,13 +12,14 @@ from conftest import run_cli, write_recipe
 
 @pytest.fixture(scope="module")
 def experiment(tmp_path_factory, tiny_tied_llama_dir):
-    # tied input/output embeddings: each strategy gathers the shared weight its own way, the exports must agree
+    # tied input/output embeddings: each strategy gathers the shared weight its own way, the exports must agree;
+    # pp-1f1b holds the tied weight on both stages (embedding on the first, head on the last)
     root = tmp_path_factory.mktemp("compare")
     recipe = write_recipe(root / "recipe.yaml", model_dir=tiny_tied_llama_dir, output_dir=root / "unused",
                           batch={"micro_batch_size": 4, "grad_accum_steps": 1})
     out = root / "exp"
-    result = run_cli("compare", str(recipe), "--strategies", "single,ddp,fsdp,zero2,zero3", "--nproc", "2",
-                     "--steps", "5", "--set", f"output_dir={out}")
+    result = run_cli("compare", str(recipe), "--strategies", "single,ddp,fsdp,zero2,zero3,pp-1f1b", "--nproc",
+                     "2", "--steps", "5", "--set", f"output_dir={out}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out, json.loads((out / "results.json").read_text()), result.stdout
 
@@ -31,7 +32,7 @@ def test_fp32_strategies_are_all_equivalent(experiment):
     _, results, stdout = experiment
     arms = _arms(results)
     assert arms["single"]["verdict"] == "reference"
-    for name in ("ddp", "fsdp", "zero2", "zero3"):
+    for name in ("ddp", "fsdp", "zero2", "zero3", "pp-1f1b"):
         assert arms[name]["verdict"] == "equivalent", (name, arms[name])
     assert "equivalent" in stdout and "tokens/s" in stdout  # the terminal prints the table
 
@@ -87,6 +88,24 @@ def test_communication_per_step_is_counted_from_the_collectives(experiment):
     metrics = [json.loads(l) for l in (out / "ddp" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "comm_bytes" in m] == [3]
     assert "Communication per step" in (out / "report.md").read_text()
+
+
+def test_pipeline_arm_shows_its_bubble_and_stage_traffic(experiment):
+    out, results, stdout = experiment
+    pipeline = _arms(results)["pp-1f1b"]["pipeline"]
+    # global batch 8 on one data-parallel replica of micro 4: m = 2 micro-batches through p = 2 stages
+    assert pipeline["stages_per_rank"] == [[0], [1]]
+    assert pipeline["bubble_theory"] == pytest.approx((2 - 1) / (2 + 2 - 1))
+    assert all(0.0 <= b < 1.0 for b in pipeline["bubble_measured_per_rank"])
+    assert len(pipeline["peak_mem_bytes_per_rank"]) == 2 and all(b > 0 for b in pipeline["peak_mem_bytes_per_rank"])
+    # one stage boundary: each micro-batch's hidden states (4 × 32 tokens × 32 fp32) go forward, their
+    # gradient comes back; nothing else crosses it
+    assert pipeline["p2p_send_bytes_per_step"] == 2 * 2 * (4 * 32 * 32 * 4)
+    report = (out / "report.md").read_text()
+    section = report.split("## Pipeline stages", 1)[1].split("##", 1)[0]
+    assert "pp-1f1b: rank 0 stage 0: idle " in section and "theoretical bubble 0.33" in section
+    assert "0.06 MiB sent between stages per step" in section
+    assert "(theory 0.33)" in stdout and "id='pipeline'" in (out / "report.html").read_text()
 
 
 def test_report_files_exist_and_html_renders(experiment, tmp_path):

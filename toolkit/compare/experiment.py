@@ -15,7 +15,7 @@ import yaml
 
 from toolkit.errors import RecipeError
 from toolkit.recipe import load_recipe, plan_batch
-from toolkit.strategies import arm_aliases, strategy_info, validate_strategy
+from toolkit.strategies import arm_aliases, make_strategy, strategy_info, validate_strategy
 
 RECORD_GRADIENT_SCALE = "train.record_gradient_scale"  # the reference arm's gradient scale (see verdict.py)
 
@@ -73,15 +73,17 @@ def build_experiment(recipe_path: str, *, strategies: list[str], precisions: lis
     out_dir = Path(out) if out else Path("runs") / f"{datetime.now():%Y%m%d-%H%M%S}-compare"
     arms = []
     for strategy in strategies:
-        arm_strategy = load_recipe(recipe_path, [*overrides, *arm_overrides(strategy)]).strategy.name
-        arm_nproc = 1 if strategy_info(arm_strategy).one_process else nproc
+        arm_recipe = load_recipe(recipe_path, [*overrides, *arm_overrides(strategy)])
+        arm_nproc = 1 if strategy_info(arm_recipe.strategy.name).one_process else nproc
+        # the global batch splits over the data-parallel shards (a pipeline's stages read the same samples)
+        shards = make_strategy(arm_recipe).data_layout(arm_recipe, world_size=arm_nproc, rank=0).size
         for precision in precisions:
             for accum in accums:
                 extra = [f"batch.global_batch_size={global_batch}"]
                 if accum is None:
                     extra.append("batch.grad_accum_steps=null")
                 else:
-                    micro = global_batch // (arm_nproc * accum)
+                    micro = global_batch // (shards * accum)
                     extra += [f"batch.grad_accum_steps={accum}", f"batch.micro_batch_size={micro}"]
                 name = strategy.replace("/", "_")
                 if precision:

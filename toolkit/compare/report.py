@@ -52,7 +52,7 @@ def build_results(experiment: Experiment) -> dict:
                    final_loss=metrics[-1]["loss"], final_eval_loss=_last_eval(metrics),
                    comm=run.get("comm_per_step"), flops=run["flops"], audit=arm["audit"], batch=run["batch"],
                    losses=[m["loss"] for m in metrics], grad_norms=[m["grad_norm"] for m in metrics],
-                   recipe=arm["recipe"])
+                   recipe=arm["recipe"], pipeline=_pipeline(run))
         if reference["status"] == "completed":
             row["speedup_vs_reference"] = speed["tokens_per_s"] / measure.throughput(reference["metrics"])["tokens_per_s"]
             if arm is reference:
@@ -79,6 +79,27 @@ def _envelope(calibration: dict, *precisions: str) -> list[float] | None:
     return verdict.noise_envelope(a["metrics"], b["metrics"], low[0])
 
 
+def _pipeline(run: dict) -> dict | None:
+    """A pipeline arm's stage numbers: per rank its stages, measured idle fraction and peak memory; the
+    schedule's theoretical bubble; bytes all ranks sent to each other in one step."""
+    ranks = run.get("strategy_measurements") or []
+    if not any(r and "bubble_measured" in r for r in ranks):
+        return None
+    peaks = [p["peak_mem_bytes"] for p in run.get("peak_memory") or []]
+    measured = [r["bubble_measured"] for r in ranks if r.get("bubble_measured") is not None]
+    return {"stages_per_rank": [r.get("stages") for r in ranks],
+            "bubble_measured_per_rank": [r.get("bubble_measured") for r in ranks],
+            "bubble_measured": sum(measured) / len(measured) if measured else None,
+            "bubble_theory": ranks[0].get("bubble_theory"), "peak_mem_bytes_per_rank": peaks,
+            "p2p_send_bytes_per_step": (run.get("comm_per_step") or {}).get("p2p_send_bytes_all_ranks")}
+
+
+def _bubble(pipeline: dict | None) -> str:
+    if not pipeline or pipeline["bubble_measured"] is None:
+        return "–"
+    return f"{pipeline['bubble_measured']:.2f} (theory {pipeline['bubble_theory']:.2f})"
+
+
 def _last_eval(metrics: list[dict]) -> float | None:
     return next((m["eval_loss"] for m in reversed(metrics) if "eval_loss" in m), None)
 
@@ -89,11 +110,11 @@ def _mib(values) -> str:
 
 def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
     head = ["arm", "world", "precision", "tokens/s", "× ref", "step ms (p10–p90)", "peak MiB/rank",
-            "model-state MiB/rank", "comm MiB/step", "MFU", "final loss", "eval loss", "verdict"]
+            "model-state MiB/rank", "comm MiB/step", "bubble", "MFU", "final loss", "eval loss", "verdict"]
     rows = []
     for r in results["arms"]:
         if r["status"] != "completed":
-            rows.append([r["arm"], str(r["world_size"]), "", "", "", "", "", "", "", "", "", "",
+            rows.append([r["arm"], str(r["world_size"]), "", "", "", "", "", "", "", "", "", "", "",
                          f"failed: {r['error']}"[:120]])
             continue
         rows.append([
@@ -101,7 +122,7 @@ def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
             f"{r.get('speedup_vs_reference', float('nan')):.2f}",
             f"{r['step_time_s'] * 1e3:.0f} ({r['step_time_p10_s'] * 1e3:.0f}–{r['step_time_p90_s'] * 1e3:.0f})",
             _mib(r["peak_mem_bytes_per_rank"]), _mib(r["model_state_bytes_per_rank"]),
-            f"{r['comm']['total_bytes'] / 2 ** 20:.2f}" if r.get("comm") else "n/a",
+            f"{r['comm']['total_bytes'] / 2 ** 20:.2f}" if r.get("comm") else "n/a", _bubble(r.get("pipeline")),
             f"{r['mfu'] * 100:.2f}%" if r.get("mfu") is not None else "n/a",
             f"{r['final_loss']:.4f}", f"{r['final_eval_loss']:.4f}" if r["final_eval_loss"] is not None else "n/a",
             r["verdict"]])
@@ -245,6 +266,28 @@ def _comm_lines(results: dict) -> list[str]:
     return out
 
 
+def _pipeline_lines(results: dict) -> list[str]:
+    out = []
+    for r in results["arms"]:
+        p = r.get("pipeline")
+        if not p:
+            continue
+        ranks = "; ".join(
+            f"rank {i} stage{'s' if len(stages or []) > 1 else ''} {', '.join(map(str, stages or []))}: idle "
+            + (f"{idle:.2f}" if idle is not None else "n/a") + (f", peak {peak / 2 ** 20:.0f} MiB" if peak else "")
+            for i, (stages, idle, peak) in enumerate(zip(p["stages_per_rank"], p["bubble_measured_per_rank"],
+                                                         p["peak_mem_bytes_per_rank"] + [None] * len(p["stages_per_rank"]))))
+        sent = p["p2p_send_bytes_per_step"]
+        out.append(f"{r['arm']}: {ranks}; schedule's theoretical bubble {p['bubble_theory']:.2f}; "
+                   + (f"{sent / 2 ** 20:.2f} MiB sent between stages per step (activations forward, gradients "
+                      "back, all ranks)" if sent is not None else "stage-to-stage bytes not counted"))
+    return out
+
+
+PIPELINE_NOTE = ("Idle fraction = 1 − (time a rank spent in its stages' forward and backward chunks) ÷ (wall "
+                 "time of the schedule's step), mean over steady steps; theory = (p−1)/(v·m+p−1) for p stages, m micro-batches, v stages per rank.")
+
+
 COMM_NOTE = ("Bytes each rank handed to collectives (the inputs of all-reduce / all-gather / reduce-scatter / "
              "broadcast), counted at the c10d dispatcher during one steady step; wire traffic depends on the "
              "backend's algorithm (a ring all-reduce sends about 2(N-1)/N of its input).")
@@ -276,6 +319,9 @@ def render_markdown(results: dict, plots: list[Path]) -> str:
     lines += ["| " + " | ".join(f"**{t}**" if d else t for t, d in row) + " |" for row in a_rows]
     lines += ["", "## Communication per step", "", COMM_NOTE, ""]
     lines += [f"- {c}" for c in _comm_lines(results)] or ["- n/a"]
+    pipeline = _pipeline_lines(results)
+    if pipeline:
+        lines += ["", "## Pipeline stages", "", PIPELINE_NOTE, ""] + [f"- {p}" for p in pipeline]
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     lines += ["", "## Tolerances", "", "```", results["tolerances"], "```", "", "## Resolved recipes", ""]
     for r in results["arms"]:
@@ -306,6 +352,9 @@ def render_html(results: dict, plots: list[Path]) -> str:
     why += "".join(f"<li>{esc(n)}</li>" for n in _not_judged(results))
     advice = "".join(f"<li>{esc(line.replace('**', ''))}</li>" for line in recommendations(results))
     comm = "".join(f"<li>{esc(c)}</li>" for c in _comm_lines(results)) or "<li>n/a</li>"
+    pipeline = "".join(f"<li>{esc(p)}</li>" for p in _pipeline_lines(results))
+    if pipeline:
+        pipeline = f"<h2>Pipeline stages</h2><p>{esc(PIPELINE_NOTE)}</p><ul id='pipeline'>{pipeline}</ul>"
     recipes = "".join(f"<details><summary>{esc(r['arm'])}</summary><pre>"
                       f"{esc(yaml.safe_dump(r['recipe'], sort_keys=False))}</pre></details>"
                       for r in results["arms"] if r.get("recipe"))
@@ -320,7 +369,7 @@ pre{{background:#f6f6f6;padding:8px}}</style></head><body>
 {esc(str(results['machine'].get('versions')))}</p>{table}<p>{esc(_flops_note(results))}</p>
 <h2>Why arms differ</h2><ul>{why}</ul>
 <h2>Precision audit</h2><p>Read from the live objects after setup; highlighted cells differ from the reference.</p>
-{audit}<h2>Communication per step</h2><p>{esc(COMM_NOTE)}</p><ul>{comm}</ul><h2>Plots</h2>{images}<h2>Tolerances</h2><pre>{esc(results['tolerances'])}</pre>
+{audit}<h2>Communication per step</h2><p>{esc(COMM_NOTE)}</p><ul>{comm}</ul>{pipeline}<h2>Plots</h2>{images}<h2>Tolerances</h2><pre>{esc(results['tolerances'])}</pre>
 <h2>Resolved recipes</h2>{recipes}
 <h2>Recommendation</h2><ul>{advice}</ul></body></html>
 """
