@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -141,15 +142,28 @@ def cmd_validate(args) -> int:
 def cmd_strategies(args) -> int:
     from toolkit.strategies import arm_aliases, strategy_info, strategy_names
 
+    from toolkit.recipe import StrategyConfig
+
+    defaults = StrategyConfig()
+    width = max(map(len, strategy_names()))
     for name in strategy_names():
         info = strategy_info(name)
-        print(f"{name:<7} {info.summary}")
-        if info.options:
-            print(f"{'':<7} options: {', '.join(f'strategy.{key}' for key in info.options)}")
+        print(f"{name:<{width}}  {info.summary}")
+        if info.options:  # each with its default (see the StrategyConfig comments in toolkit/recipe.py)
+            shown = ", ".join(f"strategy.{key}={_yaml_value(getattr(defaults, key))}" for key in info.options)
+            print(f"{'':<{width}}  options: {shown}")
     print("\ncompare arms (toolkit compare --strategies a,b,...; add overrides as arm@key=value):")
     for alias, overrides in arm_aliases().items():
         print(f"  {alias:<14} {' '.join(overrides)}")
     return 0
+
+
+def _yaml_value(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(list(value)) if isinstance(value, tuple) else str(value)
 
 
 def _quiet_libraries() -> None:
@@ -179,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as exc:
         print(f"toolkit: error: {exc}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
+    except BrokenPipeError:  # `toolkit strategies | head`: the reader left; the interpreter must not flush again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -128,10 +128,11 @@ class StrategyConfig:
     #   1f1b (one forward, one backward: at most `stages` micro-batches in flight) | interleaved-1f1b
     #   (stages_per_rank virtual stages per rank: a smaller bubble, more point-to-point traffic)
     stages_per_rank: int = 1  # pipeline: 2 or more for interleaved-1f1b
-    pipeline_degree: int | None = None  # pipeline/hybrid: stages; the other ranks are data-parallel replicas
-    #   (world = pipeline_degree × replicas); pipeline: default the world size
-    data_parallel: str = "ddp"  # hybrid/pipeline with replicas: ddp (full stage replicas, all-reduce) | fsdp
-    #   (each stage sharded over its replicas)
+    pipeline_degree: int | None = None  # hybrid: pipeline stages; the other ranks are data-parallel replicas
+    #   (world = pipeline_degree × replicas); unset: a model split inside each process (devices) × ddp.
+    #   pipeline: every rank is a stage
+    data_parallel: str = "ddp"  # hybrid: ddp (full stage replicas, all-reduce) | fsdp (each stage sharded over
+    #   its replicas)
     # the name and the options are checked by the strategy registry (toolkit.strategies.validate_strategy)
 
 

@@ -42,7 +42,7 @@ from toolkit.strategies.placement import blocks_of, check_split, part_of_blocks
 from toolkit.strategies.stages import Stage, family_of, tied_embedding_names
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
-OPTIONS = ("schedule", "stages_per_rank", "pipeline_degree", "data_parallel", "split", "blocks")
+OPTIONS = ("schedule", "stages_per_rank", "split", "blocks")  # hybrid adds pipeline_degree and data_parallel
 
 INFO = StrategyInfo(
     name="pipeline", averages_gradients=True, options=OPTIONS,
