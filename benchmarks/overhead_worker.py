@@ -87,7 +87,7 @@ def main() -> None:
 
     def run_toolkit(step: int, batch: dict) -> None:
         record = train_step(strategy, [batch], recipe=recipe, env=env, layout=layout, step=step, info=info,
-                            count_comm=False, gradient_scale=None)
+                            count_comm=False, gradient_scale=None, first=step == 1)
         if writer:
             writer.write(record)
 

@@ -33,6 +33,23 @@ def _add_overrides(parser: argparse.ArgumentParser) -> None:
                         help="override a recipe key, e.g. --set optim.lr=1e-4 (repeatable)")
 
 
+def _add_resume(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--resume", nargs="?", const="", default=None, metavar="CHECKPOINT",
+                        help="continue from the newest complete checkpoint in output_dir, or from CHECKPOINT")
+    parser.add_argument("--resume-weights-only", action="store_true",
+                        help="with --resume: take the weights, schedule and data position, start the optimizer afresh")
+
+
+def _resume_of(args):
+    from toolkit.checkpoint.run import Resume
+
+    if args.resume is None:
+        if args.resume_weights_only:
+            raise RecipeError("--resume-weights-only goes with --resume [CHECKPOINT]")
+        return None
+    return Resume(path=args.resume or None, weights_only=args.resume_weights_only)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="toolkit", description="Fine-tune Hugging Face models under any parallel strategy and compare them.",
@@ -42,11 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run a recipe in this process (or as one rank under torchrun/accelerate)")
     train.add_argument("recipe")
     _add_overrides(train)
+    _add_resume(train)
 
     launch = sub.add_parser("launch", help="run a recipe on N local ranks through torch.distributed.run")
     launch.add_argument("--nproc", type=int, default=1, help="ranks (processes) on this machine")
     launch.add_argument("recipe")
     _add_overrides(launch)
+    _add_resume(launch)
+
+    convert = sub.add_parser("convert", help="write a Hugging Face model folder from a training checkpoint")
+    convert.add_argument("checkpoint", help="a checkpoint folder (output_dir/checkpoints/step-N)")
+    convert.add_argument("out", help="the folder to write (must not exist)")
 
     validate = sub.add_parser("validate", help="check a recipe and print the resolved one")
     validate.add_argument("--nproc", type=int, default=1, help="world size to check the batch arithmetic for")
@@ -73,10 +96,11 @@ def cmd_train(args) -> int:
     _quiet_libraries()
     from toolkit.dist import exit_process, init_distributed, shutdown
 
+    resume = _resume_of(args)
     env = init_distributed()
     code, strategy = 1, None
     try:
-        code, strategy = _train_rank(recipe, env)
+        code, strategy = _train_rank(recipe, env, resume)
     except Exception:  # a bug, not a user's mistake: the whole traceback, then the same end as any rank
         traceback.print_exc()
     finally:  # also on Ctrl-C, which then propagates
@@ -85,7 +109,7 @@ def cmd_train(args) -> int:
     return exit_process(code if left_cleanly else 1)
 
 
-def _train_rank(recipe, env) -> tuple[int, Strategy | None]:
+def _train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
     """Train this rank: (exit code, the strategy to release once every rank is done). A user's mistake or
     replica drift is one line and an exit code, not a traceback."""
     from toolkit.consistency import ReplicaDriftError
@@ -94,7 +118,7 @@ def _train_rank(recipe, env) -> tuple[int, Strategy | None]:
     out_dir = Path(recipe.output_dir)
     existed = out_dir.exists()
     try:
-        result = train(recipe, env)
+        result = train(recipe, env, resume=resume)
     except RecipeError as exc:
         if env.is_main:
             if not existed:
@@ -115,9 +139,15 @@ def cmd_launch(args) -> int:
     if args.nproc < 1:
         raise RecipeError("--nproc must be >= 1")
     recipe = load_recipe(args.recipe, args.overrides)
-    check_recipe(recipe, world_size=args.nproc)
+    plan = check_recipe(recipe, world_size=args.nproc)
+    resume = _resume_of(args)
+    from toolkit.checkpoint.run import starting_point
+
+    starting_point(recipe, resume, plan=plan)  # an existing run without --resume, or nothing to resume: one line
+    extra = [] if resume is None else ["--resume", *([resume.path] if resume.path else [])] + \
+        (["--resume-weights-only"] if resume.weights_only else [])
     started = time.time()
-    code = launch(args.recipe, nproc=args.nproc, overrides=args.overrides)
+    code = launch(args.recipe, nproc=args.nproc, overrides=args.overrides, extra=extra)
     run_info = Path(recipe.output_dir) / "run.json"
     if code != 0 and run_info.is_file() and run_info.stat().st_mtime >= started \
             and json.loads(run_info.read_text()).get("status") == "completed":
@@ -177,7 +207,17 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
 
 
-COMMANDS = {"train": cmd_train, "launch": cmd_launch, "validate": cmd_validate, "strategies": cmd_strategies}
+def cmd_convert(args) -> int:
+    from toolkit.checkpoint.convert import convert
+
+    _quiet_libraries()
+    out = convert(Path(args.checkpoint), Path(args.out))
+    print(f"[toolkit] wrote {out} (load it with from_pretrained)", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "launch": cmd_launch, "validate": cmd_validate, "strategies": cmd_strategies,
+            "convert": cmd_convert}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,17 +8,17 @@ import sys
 from toolkit.errors import USER_ERROR_EXIT_CODE
 
 
-def worker_args(recipe_path: str, overrides: list[str]) -> list[str]:
+def worker_args(recipe_path: str, overrides: list[str], extra: list[str] | None = None) -> list[str]:
     args = ["-m", "toolkit", "train", recipe_path]
     for item in overrides:
         args += ["--set", item]
-    return args
+    return args + list(extra or [])
 
 
-def torchrun_args(recipe_path: str, *, nproc: int, overrides: list[str]) -> list[str]:
+def torchrun_args(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[str] | None = None) -> list[str]:
     """The torch.distributed.run command line: one node, a free local port, `nproc` ranks, this interpreter."""
     return ["--standalone", f"--nproc_per_node={nproc}", "--no-python", sys.executable,
-            *worker_args(recipe_path, overrides)]
+            *worker_args(recipe_path, overrides, extra)]
 
 
 def prepare_environment() -> None:
@@ -33,13 +33,14 @@ def prepare_environment() -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores; torchrun would set it too
 
 
-def launch(recipe_path: str, *, nproc: int, overrides: list[str]) -> int:
+def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[str] | None = None) -> int:
     """Run the recipe on `nproc` local ranks through torch.distributed.run; returns the exit code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     prepare_environment()
-    args = get_args_parser().parse_args(torchrun_args(recipe_path, nproc=nproc, overrides=overrides))
+    args = get_args_parser().parse_args(torchrun_args(recipe_path, nproc=nproc, overrides=overrides,
+                                                        extra=extra))
     try:
         run(args)
     except ChildFailedError as exc:

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 
 from toolkit import runinfo
+from toolkit.checkpoint import run as checkpoints
+from toolkit.checkpoint.run import Resume
 from toolkit.comm import CollectiveCounter, counting
 from toolkit.consistency import check_replicas
 from toolkit.data import Collator, DataLayout, GlobalBatchSampler, load_split, train_loader
@@ -100,31 +102,47 @@ def setup_strategy(model, *, recipe: Recipe, env: DistEnv, plan, total_steps: in
     return strategy
 
 
-def train(recipe: Recipe, env: DistEnv) -> TrainResult:
+def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> TrainResult:
     plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, model = prepare(recipe, env)
+    # before the collective below, so no rank can have written into output_dir yet
+    checkpoint = checkpoints.starting_point(recipe, resume, plan=plan)
+    checkpoints.load_weights(model, checkpoint)  # the plain model: each strategy shards it its own way
     check_replicas(model.named_parameters(), env, when="at start (before setup)")
     num_params = sum(p.numel() for p in model.parameters())  # before setup: ZeRO-3 empties the params
     strategy = setup_strategy(model, recipe=recipe, env=env, plan=plan, total_steps=total_steps)
+    done, tokens_seen = 0, 0
+    if checkpoint is not None:
+        assert resume is not None
+        done = checkpoints.restore(strategy, checkpoint, resume, env=env, total_steps=total_steps)
+        tokens_seen = int(checkpoint.manifest.get("tokens_seen", 0))
     out_dir = Path(recipe.output_dir)
     info = runinfo.start(recipe, env=env, plan=plan, total_steps=total_steps, model=strategy.export_module(),
                          num_params=num_params, out_dir=out_dir)
+    if checkpoint is not None:
+        info["resumed_from"] = {"checkpoint": str(checkpoint.path), "step": done,
+                                "weights_only": bool(resume and resume.weights_only)}
     info["layout"] = strategy.layout()
     if env.is_main:
         print(f"[toolkit] layout: {info['layout']}", file=sys.stderr, flush=True)
     replicas = announce_replica_check(strategy, recipe=recipe, env=env, info=info)
     collator = Collator(pad_token_id=tokenizer.pad_token_id, task=recipe.model.task)
-    loader = iter(train_loader(train_ds, sampler=sampler, start=0, stop=total_steps, collator=collator,
-                               data=recipe.data))
-    writer = JsonlWriter(out_dir / "metrics.jsonl") if env.is_main else None
+    loader = iter(train_loader(train_ds, sampler=sampler, start=done, stop=total_steps, collator=collator,
+                               data=recipe.data))  # the sampler is a function of seed + step: resumes exactly
+    if env.is_main:
+        checkpoints.continue_metrics(out_dir / "metrics.jsonl", done_steps=done)
+    writer = JsonlWriter(out_dir / "metrics.jsonl", append=done > 0) if env.is_main else None
     progress = Progress(total=total_steps, enabled=env.is_main and recipe.train.progress,
                         log_every=recipe.train.log_every)
     scale = GradientScale() if recipe.train.record_gradient_scale else None
+    saver = checkpoints.Saver(recipe, env=env, plan=plan, total_steps=total_steps, tokenizer=tokenizer,
+                              done_steps=done, tokens_seen=tokens_seen)
     losses = []
-    comm_step = min(COMM_COUNT_STEP, total_steps)
-    for step in range(1, total_steps + 1):
+    comm_step = min(max(COMM_COUNT_STEP, done + 1), total_steps)
+    for step in range(done + 1, total_steps + 1):
         record = train_step(strategy, [next(loader) for _ in range(plan.grad_accum_steps)], recipe=recipe,
                             env=env, layout=layout, step=step, info=info, count_comm=step == comm_step,
-                            gradient_scale=scale)
+                            gradient_scale=scale, first=step == done + 1)
+        saver.tokens_seen += record["tokens"]
         every = recipe.train.eval_every
         if eval_ds is not None and ((every and step % every == 0) or step == total_steps):
             record["eval_loss"] = evaluate(strategy, eval_ds, collator=collator, recipe=recipe, env=env,
@@ -134,6 +152,8 @@ def train(recipe: Recipe, env: DistEnv) -> TrainResult:
             fresh = strategy.replicas()  # the live tensors of this step
             check_replicas(fresh.named, env, when=f"at step {step}", group=fresh.group)
         losses.append(record["loss"])
+        if saver.due(step):
+            record["checkpoint_s"] = saver.save(strategy, step=step)  # outside step_time_s
         if writer:
             writer.write(record)
         progress.update(record)
@@ -167,14 +187,14 @@ def announce_replica_check(strategy, *, recipe: Recipe, env: DistEnv, info: dict
 
 
 def train_step(strategy: Strategy, micro_batches: list[dict], *, recipe: Recipe, env: DistEnv, layout: DataLayout,
-               step: int, info, count_comm: bool, gradient_scale: GradientScale | None) -> dict:
+               step: int, info, count_comm: bool, gradient_scale: GradientScale | None, first: bool) -> dict:
     synchronize(env.device)
     start = time.perf_counter()
     lr = strategy.lr()
     comm = CollectiveCounter() if count_comm else None
     with counting(comm):
         loss, counts = run_microbatches(strategy, micro_batches, task=recipe.model.task, env=env, layout=layout)
-        if step == 1:
+        if first:
             runinfo.record_before_first_step(info, strategy, env=env)  # local reads only, no collective
     probe_s, abs_max = 0.0, None
     if gradient_scale is not None:  # outside the collective count and the step time: a measurement aid
@@ -187,7 +207,7 @@ def train_step(strategy: Strategy, micro_batches: list[dict], *, recipe: Recipe,
         gradient_scale.update(abs_max, grad_norm=result.grad_norm)
     if comm is not None:
         runinfo.record_comm(info, comm.summary(), step=step, env=env)
-    if step == 1:
+    if first:
         runinfo.record_after_first_step(info, strategy, env=env)
     synchronize(env.device)
     step_time_s = time.perf_counter() - start - probe_s

@@ -42,8 +42,8 @@ def measured_matmul_flops(*, dtype: torch.dtype, size: int = 1024, repeats: int 
 class JsonlWriter:
     """Appends one JSON object per line and flushes, so a crash loses at most the step in flight."""
 
-    def __init__(self, path: Path):
-        self.file = open(path, "w", encoding="utf-8")
+    def __init__(self, path: Path, *, append: bool = False):
+        self.file = open(path, "a" if append else "w", encoding="utf-8")
 
     def write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")

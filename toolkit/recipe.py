@@ -158,6 +158,23 @@ class TrainConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Training checkpoints under output_dir/checkpoints (see toolkit/checkpoint): model, optimizer, schedule,
+    loss scale, data position and RNG, readable by every strategy at any world size."""
+
+    every_steps: int | None = None  # a checkpoint every N optimizer steps; null: only the final one
+    keep_last: int = 2  # complete checkpoints kept; older ones are deleted once a newer one is complete
+    final: bool = True  # a checkpoint after the last step (what a later --resume or `toolkit convert` reads)
+    # true: dcp.async_save, training goes on while the files are written (the next save waits for it)
+    async_save: bool = field(default=False, metadata={"key": "async"})
+
+    def __post_init__(self) -> None:
+        if self.every_steps is not None:
+            _positive("checkpoint.every_steps", self.every_steps)
+        _positive("checkpoint.keep_last", self.keep_last)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Recipe:
     model: ModelConfig
     data: DataConfig
@@ -166,6 +183,7 @@ class Recipe:
     precision: str = "fp32"  # fp32 | bf16 (autocast) | fp16 (autocast + loss scaling)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 0  # fixes init of new weights and the sample order of every step
     output_dir: str = "runs/default"
 
@@ -257,9 +275,16 @@ def recipe_to_dict(recipe: Recipe) -> dict:
             return [plain(v) for v in value]
         if isinstance(value, dict):
             return {k: plain(v) for k, v in value.items()}
+        if dataclasses.is_dataclass(value):
+            return {_key(f): plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
         return value
 
-    return plain(dataclasses.asdict(recipe))
+    return plain(recipe)
+
+
+def _key(f: dataclasses.Field) -> str:
+    """A field's recipe key: its name, or the key in its metadata where the name is a Python keyword."""
+    return f.metadata.get("key", f.name)
 
 
 def dump_recipe(recipe: Recipe) -> str:
@@ -270,7 +295,7 @@ def _build(cls: type, raw: Any, where: str) -> Any:
     if not isinstance(raw, dict):
         raise RecipeError(f"{where or 'recipe'}: expected a mapping, got {type(raw).__name__} {raw!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {_key(f): f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         key = f"{where}.{unknown[0]}" if where else unknown[0]
@@ -278,8 +303,8 @@ def _build(cls: type, raw: Any, where: str) -> Any:
     values = {}
     for name, value in raw.items():
         key = f"{where}.{name}" if where else name
-        values[name] = _coerce(hints[name], value, key)
-    missing = [n for n, f in fields.items() if n not in values and f.default is dataclasses.MISSING
+        values[fields[name].name] = _coerce(hints[fields[name].name], value, key)
+    missing = [n for n, f in fields.items() if f.name not in values and f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING]
     if missing:
         key = f"{where}.{missing[0]}" if where else missing[0]

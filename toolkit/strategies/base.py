@@ -131,6 +131,19 @@ class Strategy(Protocol):
     def measurements(self) -> dict[str, Any]:
         """What this rank measured that only this strategy can (a pipeline's bubble), for run.json."""
 
+    def checkpoint_tensors(self) -> dict[str, dict[str, Any]]:
+        """Collective: this rank's part of a checkpoint in the shared layout (toolkit/checkpoint/state.py):
+        {"model": state_dict entries (fp32 masters), "optim": {"state.<name>.<key>": tensor}}."""
+
+    def load_optimizer_state(self, read: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        """Collective, after setup: build this rank's optimizer state template in the shared layout, have
+        `read` fill it from the checkpoint, and make it the optimizer's state."""
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        """The LR schedule's and the loss scaler's state as plain numbers (the same on every rank)."""
+
+    def load_checkpoint_extra(self, extra: dict[str, Any]) -> None: ...
+
     def close(self) -> None:
         """After the last output is written: release the wrapped model, optimizer and engine, which hold
         the process group, so that destroy_process_group can free it."""

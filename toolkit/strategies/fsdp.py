@@ -12,7 +12,7 @@ MixedPrecisionPolicy.param_dtype for compute and reduces gradients in fp32.
 
 from __future__ import annotations
 
-from typing import ContextManager, cast
+from typing import Any, ContextManager, cast
 
 import torch
 from torch import nn
@@ -22,6 +22,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from toolkit.dist import all_reduce_max, ensure_process_group
+from toolkit.checkpoint.state import (Read, first_names, load_optimizer_tensors, load_schedule_state,
+                                     model_tensors, optimizer_tensors, schedule_state)
 from toolkit.errors import RecipeError
 from toolkit.model import transformer_blocks
 from toolkit.precision import DTYPES, Amp, StepResult, dtype_name
@@ -137,6 +139,18 @@ class FsdpStrategy:
 
     def measurements(self) -> dict:
         return {}
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, Any]]:
+        return {"model": model_tensors(self._model), "optim": optimizer_tensors(self.optimizer, first_names(self._model))}
+
+    def load_optimizer_state(self, read: Read) -> None:
+        load_optimizer_tensors(self.optimizer, first_names(self._model), read)
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        return schedule_state(self.scheduler, self.amp.scaler)
+
+    def load_checkpoint_extra(self, extra: dict[str, Any]) -> None:
+        load_schedule_state(self.scheduler, self.amp.scaler, extra)
 
     def layout(self) -> str:
         shape = " × ".join(f"{n} {name}" for n, name in zip(self.mesh.shape, self.mesh.mesh_dim_names or ()))

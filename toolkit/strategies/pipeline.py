@@ -29,6 +29,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from toolkit.checkpoint.state import (Read, load_optimizer_tensors, load_schedule_state, optimizer_tensors,
+                                     schedule_state)
 from toolkit.data import DataLayout
 from toolkit.dist import gather_objects
 from toolkit.errors import RecipeError
@@ -376,6 +378,34 @@ class PipelineStrategy:
         replicas = f" × {self.grid.dp} replicas ({options.data_parallel})" if self.grid.dp > 1 else ""
         return (f"{self.num_stages} stages over {self.grid.pp} ranks{replicas}, schedule {options.schedule} with "
                 f"{self.micro_batches} micro-batches; rank {self.env.rank}: {mine}")
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, Any]]:
+        model: dict[str, Any] = {}
+        for stage in self.stage_modules:  # the stages keep the model's own names
+            model.update(stage.state_dict())
+        if self.tied is not None:
+            model.pop(self.tied[1], None)  # the head's copy of the tied embedding: the first stage saves it
+        return {"model": model, "optim": optimizer_tensors(self.optimizer, self._first_names())}
+
+    def load_optimizer_state(self, read: Read) -> None:
+        load_optimizer_tensors(self.optimizer, self._first_names(), read)
+
+    def _first_names(self) -> dict[int, str]:
+        """Each parameter's name in the whole model; the last stage's copy of a tied embedding goes by the
+        input embedding's name (its gradient, so its Adam state, equals the first stage's)."""
+        names = {id(p): n for stage in self.stage_modules for n, p in stage.named_parameters()}
+        if self.tied is not None:
+            for stage in self.stage_modules:
+                weight = stage.tied_weight()
+                if weight is not None:
+                    names[id(weight)] = self.tied[0]
+        return names
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        return schedule_state(self.scheduler, self.amp.scaler)
+
+    def load_checkpoint_extra(self, extra: dict[str, Any]) -> None:
+        load_schedule_state(self.scheduler, self.amp.scaler, extra)
 
     def measurements(self) -> dict[str, Any]:
         steady = self.bubbles[1:] or self.bubbles  # step 1 also infers the stages' shapes

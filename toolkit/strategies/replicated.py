@@ -7,11 +7,13 @@ how it reduces gradients): composition, not a base class, so each strategy's mod
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
 
+from toolkit.checkpoint.state import (Read, first_names, load_optimizer_tensors, load_schedule_state,
+                                     model_tensors, optimizer_tensors, schedule_state)
 from toolkit.errors import RecipeError
 from toolkit.precision import Amp, StepResult, dtype_name
 from toolkit.recipe import Recipe
@@ -110,6 +112,18 @@ class ReplicatedStrategy:
 
     def measurements(self) -> dict:
         return {}
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, Any]]:
+        return {"model": model_tensors(self.module), "optim": optimizer_tensors(self.optimizer, first_names(self.module))}
+
+    def load_optimizer_state(self, read: Read) -> None:
+        load_optimizer_tensors(self.optimizer, first_names(self.module), read)
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        return schedule_state(self.scheduler, self.amp.scaler)
+
+    def load_checkpoint_extra(self, extra: dict[str, Any]) -> None:
+        load_schedule_state(self.scheduler, self.amp.scaler, extra)
 
     def layout(self) -> str:
         world = self.env.world_size

@@ -10,13 +10,15 @@ micro-batch tells the engine whether it is the last one, and the engine steps on
 from __future__ import annotations
 
 import sys
-from typing import ContextManager
+from typing import Any, ContextManager
 
 import torch
 from torch import nn
 
 from toolkit.dist import ensure_process_group
+from toolkit.checkpoint.state import Read, load_schedule_state, schedule_state
 from toolkit.errors import RecipeError
+from toolkit.export import without_tied_aliases
 from toolkit.precision import StepResult, dtype_name
 from toolkit.recipe import Recipe, plan_batch
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
@@ -155,6 +157,97 @@ class ZeroStrategy:
     def measurements(self) -> dict:
         return {}
 
+    # Checkpoints. DeepSpeed keeps its fp32 masters and Adam moments in flat partitions that torch's
+    # state_dict helpers cannot see; its own accessors (safe_get/set_full_*) convert them to and from full
+    # per-parameter tensors, which is the layout every other strategy writes. Rank 0 holds the full tensors
+    # while DCP writes them (a full fp32 copy of model + moments in host memory); the alternative, DeepSpeed's
+    # own checkpoint plus its universal converter, does not load a stage-2 save into stage 3.
+    def checkpoint_tensors(self) -> dict[str, dict[str, Any]]:
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        model = self.full_state_dict()  # collective under ZeRO-3; on rank 0 only
+        model = without_tied_aliases(self.module, model) if model is not None else {}
+        optim: dict[str, Any] = {}
+        step = self._optimizer_step()
+        for name, param in self.module.named_parameters():
+            for key in ("exp_avg", "exp_avg_sq"):
+                full = safe_get_full_optimizer_state(param, key)  # every rank calls it: a collective
+                if full is None:
+                    full = self._inner_optimizer().state.get(param, {}).get(key)  # no partitioning (stage 0)
+                if full is not None and self.env.is_main:
+                    optim[f"state.{name}.{key}"] = full.detach().to("cpu", torch.float32, copy=True)
+            if step is not None and self.env.is_main:
+                optim[f"state.{name}.step"] = torch.tensor(float(step))
+        return {"model": model, "optim": optim}
+
+    def load_optimizer_state(self, read: Read) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+        params = list(self.module.named_parameters())
+        model, optim = {}, {}
+        for name, param in params:
+            shape = param.ds_shape if self.stage == 3 else param.shape
+            model[name] = torch.zeros(shape, dtype=torch.float32)  # the fp32 master (bf16/fp16 weights round)
+            for key in ("exp_avg", "exp_avg_sq"):
+                optim[f"state.{name}.{key}"] = torch.zeros(shape, dtype=torch.float32)
+            optim[f"state.{name}.step"] = torch.zeros(())
+        read({"model": model, "optim": optim})  # every rank reads the full tensors, then keeps its partition
+        inner = self._inner_optimizer()
+        # the flat partitions' Adam state, created the way torch does it (a zero-gradient, zero-lr step);
+        # ZeRO-3 lists its partitions in the optimizer's groups only while it steps
+        expose = getattr(self.optimizer, "_set_fp32_optimizer_param_groups", None)
+        if expose is not None:
+            expose()
+        try:
+            _init_optim_state(inner)
+        finally:
+            if expose is not None:
+                self.optimizer._clear_fp32_optimizer_param_groups()
+        link = getattr(self.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+        if link is not None:
+            link()  # ZeRO-1/2: point each parameter's fragment at the new state
+        for name, param in params:
+            partitioned = hasattr(param, "ds_id") or getattr(param, "_hp_mapping", None) is not None
+            master = model[name].to(self.env.device)
+            if partitioned:
+                safe_set_full_fp32_param(param, master)
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = optim[f"state.{name}.{key}"].to(self.env.device)
+                if partitioned:
+                    safe_set_full_optimizer_state(param, value, key)
+                else:  # no DeepSpeed optimizer wrapper (stage 0, fp32): torch's own state per parameter
+                    inner.state[param][key].copy_(value)
+        step = float(optim[f"state.{params[0][0]}.step"])
+        for state in inner.state.values():
+            if "step" in state:
+                state["step"] = torch.tensor(step) if torch.is_tensor(state["step"]) else type(state["step"])(step)
+        self.engine.global_steps = int(step)
+
+    def _optimizer_step(self) -> float | None:
+        for state in self._inner_optimizer().state.values():
+            if "step" in state:
+                return float(state["step"])
+        return None
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        extra = schedule_state(self.scheduler, None)
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        if self.engine.fp16_enabled() and scaler is not None:
+            extra["scaler"] = {k: _number(getattr(scaler, k)) for k in DS_SCALER_FIELDS if hasattr(scaler, k)}
+        return extra
+
+    def load_checkpoint_extra(self, extra: dict[str, Any]) -> None:
+        load_schedule_state(self.scheduler, None, extra)
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        if self.engine.fp16_enabled() and scaler is not None:
+            saved = extra.get("scaler") or {}
+            if "scale" in saved and "cur_scale" not in saved:  # written by a torch GradScaler
+                saved = {"cur_scale": saved["scale"]}
+            for key, value in saved.items():
+                if key in DS_SCALER_FIELDS:
+                    setattr(scaler, key, value)
+
     def layout(self) -> str:
         held = {0: "full parameters, gradients and optimizer state", 1: "full parameters and gradients, 1/N of the "
                 "optimizer state", 2: "full parameters, 1/N of gradients and optimizer state",
@@ -213,6 +306,14 @@ class ZeroStrategy:
             "loss_scaling": scaling,
             "optimizer": _optimizer_label(inner) + (", offloaded" if self.offload_optimizer else ""),
         }
+
+
+# DeepSpeed's DynamicLossScaler: what a resumed fp16 run needs to go on with the same scale
+DS_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def _number(value):
+    return value.item() if torch.is_tensor(value) else value
 
 
 def _optimizer_label(optimizer) -> str:

@@ -1,0 +1,18 @@
+"""Training checkpoints: one format that every strategy writes and every other strategy reads.
+
+A checkpoint is a folder `output_dir/checkpoints/step-NNNNNNNN/` holding
+  - a `torch.distributed.checkpoint` (DCP) save: `model.<name>` (fp32 master weights under the model's own
+    parameter names, a tied weight once), `optim.state.<name>.<exp_avg|exp_avg_sq|step>` (AdamW's state, torch's flattened
+    layout) and `rng.<rank>` (each rank's CPU generator);
+  - `manifest.json`: step, strategy, world size, precision, recipe hash, tokens seen, versions, the LR
+    schedule's and the loss scaler's state (small numbers, JSON: nothing is unpickled on load);
+  - `recipe.yaml` and `hf/` (the model's config and tokenizer): enough for `toolkit convert` alone.
+
+DCP reshards on load, so a save from N ranks loads at M. The strategies meet in that one layout:
+single/dp/ddp/fsdp read and write it with torch's `get_state_dict`/`set_state_dict` helpers; ZeRO through
+DeepSpeed's `safe_get/set_full_*` accessors (see toolkit/strategies/zero.py). Weights are loaded into the
+plain model before the strategy wraps it, so every strategy shards them its own way.
+
+A save is atomic: written under `.step-NNNNNNNN.partial`, renamed into place by rank 0 once every rank's
+files and the manifest are on disk; older checkpoints beyond `keep_last` are deleted only after that.
+"""

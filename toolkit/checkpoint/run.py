@@ -1,0 +1,111 @@
+"""The loop's side of checkpoints: where a run starts from, when it saves, and the metrics it continues."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from toolkit.checkpoint import state, store
+from toolkit.dist import DistEnv
+from toolkit.errors import RecipeError
+from toolkit.recipe import BatchPlan, Recipe
+
+
+@dataclass(frozen=True)
+class Resume:
+    """What the command line asked for: --resume [PATH] and --resume-weights-only."""
+
+    path: str | None = None  # None: the newest complete checkpoint in output_dir
+    weights_only: bool = False
+
+
+def starting_point(recipe: Recipe, resume: Resume | None, *, plan: BatchPlan) -> store.Checkpoint | None:
+    """The checkpoint this run continues, or None for a fresh run into an output_dir that holds none."""
+    out_dir = Path(recipe.output_dir)
+    if resume is None:
+        store.check_output_dir(out_dir, resume=False)
+        return None
+    checkpoint = store.find_resume(out_dir, resume.path)
+    saved = checkpoint.manifest.get("global_batch_size")
+    if saved != plan.global_batch_size:
+        raise RecipeError(f"checkpoint {checkpoint.path} was trained with global batch {saved}, this recipe has "
+                          f"{plan.global_batch_size}: the data position would not carry over; set "
+                          f"batch.global_batch_size={saved}")
+    return checkpoint
+
+
+def load_weights(model: nn.Module, checkpoint: store.Checkpoint | None) -> None:
+    if checkpoint is not None:
+        state.load_weights(model, checkpoint.path)
+
+
+def restore(strategy, checkpoint: store.Checkpoint, resume: Resume, *, env: DistEnv, total_steps: int) -> int:
+    """After setup: optimizer state, schedule, loss scale, RNG. Returns the optimizer steps already done."""
+    if not resume.weights_only:
+        strategy.load_optimizer_state(state.optimizer_reader(checkpoint.path))
+    strategy.load_checkpoint_extra(checkpoint.manifest["extra"])
+    state.load_rng(checkpoint.path, env=env, saved_world=int(checkpoint.manifest["world_size"]))
+    if env.is_main:
+        m = checkpoint.manifest
+        what = "weights (fresh optimizer state)" if resume.weights_only else "weights and optimizer state"
+        print(f"[toolkit] resume: {what} from {checkpoint.path} (step {m['step']}, {m['strategy']} on "
+              f"{m['world_size']} rank(s)); continuing at step {m['step'] + 1} of {total_steps}",
+              file=sys.stderr, flush=True)
+    return checkpoint.step
+
+
+def continue_metrics(path: Path, *, done_steps: int) -> None:
+    """Rank 0: keep the metrics of the steps the checkpoint holds, drop the rest (they are re-run)."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= done_steps]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
+
+
+class Saver:
+    """Writes the recipe's checkpoints: every `every_steps` and after the last step."""
+
+    def __init__(self, recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, tokenizer,
+                 done_steps: int, tokens_seen: int):
+        self.recipe, self.env, self.plan, self.total_steps = recipe, env, plan, total_steps
+        self.tokenizer = tokenizer
+        self.config = recipe.checkpoint
+        self.done_steps = done_steps  # the step the run started from already has its checkpoint
+        self.tokens_seen = tokens_seen
+
+    def due(self, step: int) -> bool:
+        if step <= self.done_steps:
+            return False
+        every = self.config.every_steps
+        return bool(every and step % every == 0) or (step == self.total_steps and self.config.final)
+
+    def save(self, strategy, *, step: int) -> float:
+        """Collective. Returns the seconds the save held training up."""
+        from toolkit.runinfo import versions
+
+        start = time.perf_counter()
+        module = strategy.export_module()
+
+        def hf_files(folder: Path) -> None:
+            module.config.save_pretrained(str(folder))
+            self.tokenizer.save_pretrained(str(folder))
+
+        manifest = {"strategy": self.recipe.strategy.name, "precision": self.recipe.precision,
+                    "global_batch_size": self.plan.global_batch_size, "total_steps": self.total_steps,
+                    "tokens_seen": self.tokens_seen, "recipe_hash": store.recipe_hash(self.recipe),
+                    "task": self.recipe.model.task, "versions": versions(), "time": time.time()}
+        path = state.save(strategy, step=step, out_dir=Path(self.recipe.output_dir), env=self.env,
+                          recipe=self.recipe, manifest=manifest, hf_files=hf_files,
+                          keep_last=self.config.keep_last)
+        seconds = time.perf_counter() - start
+        if self.env.is_main:
+            print(f"[toolkit] checkpoint: step {step} → {path} ({seconds:.1f} s)", file=sys.stderr, flush=True)
+        return seconds

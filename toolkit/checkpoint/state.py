@@ -1,0 +1,167 @@
+"""What goes into a checkpoint and back: DCP for the tensors, the manifest for the small numbers.
+
+The layout every strategy shares (see toolkit/checkpoint/__init__.py):
+    model.<name>               every entry of the model's state_dict (a tied weight once), fp32 masters
+    optim.state.<name>.<key>   AdamW's exp_avg / exp_avg_sq / step, under the parameter's first name
+    rng.<rank>                 that rank's CPU generator
+Full tensors (ddp) and DTensor shards (fsdp) go in as they are: DCP stores one copy of a replicated key and
+reshards on load.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+
+from toolkit.checkpoint import store
+from toolkit.dist import DistEnv, barrier
+from toolkit.errors import RecipeError
+from toolkit.export import without_tied_aliases
+
+# {"optim": {...}} (and "model" where a strategy keeps masters of its own) -> the same, filled in place
+Read = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+# --- the torch-optimizer strategies (single, dp, ddp, model parallel, fsdp, pipeline) ------------------------
+
+def model_tensors(module: nn.Module) -> dict[str, Any]:
+    """The module's state_dict with a tied weight once (its alias shares the storage)."""
+    return without_tied_aliases(module, module.state_dict())
+
+
+def first_names(module: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its first name (a tied weight's canonical name, as named_parameters() gives it)."""
+    return {id(p): n for n, p in module.named_parameters()}
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
+    """The optimizer's per-parameter state in the shared layout (`state.<name>.<key>`)."""
+    out = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for key, value in optimizer.state.get(param, {}).items():
+                if torch.is_tensor(value):
+                    out[f"state.{names[id(param)]}.{key}"] = value
+    return out
+
+
+def load_optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str], read: Read) -> None:
+    """Create the optimizer's state (torch's own zero-gradient, zero-lr step), then fill it in place from the
+    checkpoint: DCP copies each saved tensor into the matching local one, resharding DTensors."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(optimizer)
+    read({"optim": optimizer_tensors(optimizer, names)})
+
+
+def schedule_state(scheduler, scaler) -> dict[str, Any]:
+    """The LR schedule's position and the fp16 loss scaler's state: plain numbers, kept in the manifest."""
+    state = {"scheduler": _plain(scheduler.state_dict())}
+    if scaler is not None:
+        state["scaler"] = _plain(scaler.state_dict())
+    return state
+
+
+def load_schedule_state(scheduler, scaler, extra: dict[str, Any]) -> None:
+    scheduler.load_state_dict(extra["scheduler"])
+    # the schedule's position alone does not touch the optimizer: its current lr goes back in by hand
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr
+    saved = extra.get("scaler")
+    if scaler is not None and saved:
+        if "scale" not in saved:  # written by DeepSpeed's loss scaler: its scale goes on
+            saved = {**scaler.state_dict(), "scale": saved["cur_scale"]}
+        scaler.load_state_dict(saved)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if torch.is_tensor(value):
+        return value.item()
+    return value
+
+
+# --- saving ---------------------------------------------------------------------------------------------------
+
+def save(strategy, *, step: int, out_dir: Path, env: DistEnv, recipe, manifest: dict, hf_files,
+         keep_last: int) -> Path:
+    """Collective: every rank writes its part; rank 0 writes the manifest and commits. Returns the folder."""
+    partial = store.partial_path(out_dir, step)
+    if env.is_main:
+        store.begin(out_dir, step)
+    barrier(env)
+    tensors = strategy.checkpoint_tensors()
+    state = {"model": tensors["model"], "optim": tensors["optim"], "rng": {str(env.rank): torch.get_rng_state()}}
+    dcp.save(state, checkpoint_id=str(partial))
+    extra = strategy.checkpoint_extra()
+    if env.is_main:
+        store.write_manifest(partial, {**manifest, "step": step, "world_size": env.world_size, "extra": extra},
+                             recipe=recipe, hf_files=hf_files)
+        store.commit(out_dir, step, keep_last=keep_last)
+    barrier(env)
+    return store.final_path(out_dir, step)
+
+
+# --- loading --------------------------------------------------------------------------------------------------
+
+def saved_keys(path: Path) -> set[str]:
+    try:
+        return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    except Exception as exc:  # noqa: BLE001 - any unreadable metadata is the same user-facing fact
+        raise RecipeError(f"checkpoint {path}: its DCP metadata is unreadable ({type(exc).__name__}); the "
+                          "checkpoint is corrupted, use an earlier one") from None
+
+
+def _load(state: dict, path: Path) -> None:
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except Exception as exc:  # noqa: BLE001
+        text = str(exc).strip().splitlines()
+        raise RecipeError(f"checkpoint {path} cannot be read into this model ({type(exc).__name__}: "
+                          f"{text[-1][:200] if text else ''}); it is corrupted or was written for another model") from None
+
+
+def load_weights(model: nn.Module, path: Path) -> None:
+    """Into the plain model, before the strategy wraps it (every rank; collective when distributed)."""
+    keys = saved_keys(path)
+    target = model_tensors(model)
+    missing = [k for k in target if f"model.{k}" not in keys]
+    if missing:
+        raise RecipeError(f"checkpoint {path} has no weight {missing[0]!r} ({len(missing)} missing): it was "
+                          "written for another model")
+    _load({"model": target}, path)
+
+
+def optimizer_reader(path: Path) -> Read:
+    keys = saved_keys(path)
+
+    def read(template: dict[str, Any]) -> dict[str, Any]:
+        missing = [f"{part}.{k}" for part, entries in template.items() for k in entries
+                   if f"{part}.{k}" not in keys]
+        if missing:
+            raise RecipeError(f"checkpoint {path} holds no {missing[0]!r}; resume with --resume-weights-only to "
+                              "start the optimizer afresh from its weights")
+        _load(template, path)
+        return template
+    return read
+
+
+def load_rng(path: Path, *, env: DistEnv, saved_world: int) -> None:
+    """Each rank's generator, when the world size is the one that saved it (it only drives dropout)."""
+    if saved_world != env.world_size:
+        if env.is_main:
+            print(f"[toolkit] resume: random generators not restored (saved by {saved_world} ranks, now "
+                  f"{env.world_size}); only dropout masks depend on them", file=sys.stderr, flush=True)
+        return
+    state = {"rng": {str(env.rank): torch.get_rng_state()}}
+    _load(state, path)
+    torch.set_rng_state(state["rng"][str(env.rank)])

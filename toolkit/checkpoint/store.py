@@ -1,0 +1,159 @@
+"""Checkpoint folders on disk: names, the manifest, the atomic commit, keep_last, finding the newest.
+
+Nothing here touches tensors: see toolkit/checkpoint/state.py for what goes into a checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from toolkit.errors import RecipeError
+from toolkit.recipe import Recipe, dump_recipe
+
+FORMAT = "toolkit-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+DCP_METADATA = ".metadata"  # written by DCP's coordinator once every rank's files are complete
+NAME = re.compile(r"^step-(\d{8})$")
+# a testing hook: SIGKILL this process after the checkpoint's files are written and before it is committed
+FAULT_ENV = "TOOLKIT_FAULT_KILL_BEFORE_COMMIT_STEP"
+
+
+def checkpoints_dir(out_dir: Path) -> Path:
+    return Path(out_dir) / "checkpoints"
+
+
+def final_path(out_dir: Path, step: int) -> Path:
+    return checkpoints_dir(out_dir) / f"step-{step:08d}"
+
+
+def partial_path(out_dir: Path, step: int) -> Path:
+    return checkpoints_dir(out_dir) / f".step-{step:08d}.partial"
+
+
+def recipe_hash(recipe: Recipe) -> str:
+    return hashlib.sha256(dump_recipe(recipe).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    manifest: dict
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+
+def is_complete(path: Path) -> bool:
+    return (path / MANIFEST).is_file() and (path / DCP_METADATA).is_file()
+
+
+def complete_checkpoints(out_dir: Path) -> list[Path]:
+    """The committed checkpoints of a run, oldest first (a partial save is never among them)."""
+    root = checkpoints_dir(out_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and NAME.match(p.name) and is_complete(p)]
+    return sorted(found, key=lambda p: int(NAME.match(p.name).group(1)))  # type: ignore[union-attr]
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    """A checkpoint folder given by the user or found in output_dir; RecipeError (one line) if it is not one."""
+    path = Path(path)
+    if not path.is_dir():
+        raise RecipeError(f"checkpoint {path} does not exist or is not a folder; pass a "
+                          f"output_dir/checkpoints/step-N folder, or --resume alone for the newest")
+    if not (path / MANIFEST).is_file():
+        hint = " (a run folder: pass it with --resume alone, or one of its checkpoints/step-N)" \
+            if checkpoints_dir(path).is_dir() else ""
+        raise RecipeError(f"{path} is not a toolkit checkpoint: no {MANIFEST}{hint}")
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise RecipeError(f"checkpoint {path}: {MANIFEST} is unreadable ({exc}); the checkpoint is corrupted, "
+                          "use an earlier one") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise RecipeError(f"{path} is not a toolkit checkpoint ({MANIFEST} has no format {FORMAT!r})")
+    if manifest.get("version") != VERSION:
+        raise RecipeError(f"checkpoint {path} has format version {manifest.get('version')}; this toolkit reads "
+                          f"version {VERSION}")
+    if not (path / DCP_METADATA).is_file():
+        raise RecipeError(f"checkpoint {path} is incomplete (no {DCP_METADATA}); use an earlier one")
+    return Checkpoint(path=path, manifest=manifest)
+
+
+def find_resume(out_dir: Path, given: str | None) -> Checkpoint:
+    """The checkpoint `--resume` means: the given folder, or the newest complete one in output_dir."""
+    if given:
+        return read_checkpoint(Path(given))
+    found = complete_checkpoints(out_dir)
+    if not found:
+        raise RecipeError(f"--resume: no complete checkpoint in {checkpoints_dir(out_dir)}; start the run "
+                          "without --resume, or pass a checkpoint folder with --resume PATH")
+    return read_checkpoint(found[-1])
+
+
+def holds_run(out_dir: Path) -> bool:
+    out_dir = Path(out_dir)
+    return any((out_dir / name).exists() for name in ("run.json", "metrics.jsonl", "checkpoints", "model"))
+
+
+def check_output_dir(out_dir: Path, *, resume: bool) -> None:
+    """Never overwrite a run silently: an output_dir that holds one needs --resume (or another output_dir)."""
+    if not resume and holds_run(out_dir):
+        raise RecipeError(f"output_dir {out_dir} already holds a run; continue it with --resume, or write this "
+                          f"one elsewhere with --set output_dir=OTHER")
+
+
+def begin(out_dir: Path, step: int) -> Path:
+    """Rank 0, before any rank writes: a fresh partial folder (a leftover from a crashed save is removed)."""
+    root = checkpoints_dir(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".step-*.partial"):
+        shutil.rmtree(stale, ignore_errors=True)
+    partial = partial_path(out_dir, step)
+    partial.mkdir()
+    return partial
+
+
+def write_manifest(partial: Path, manifest: dict, *, recipe: Recipe, hf_files) -> None:
+    """Rank 0, after every rank's tensors are written: the small files, then the manifest last."""
+    (partial / "recipe.yaml").write_text(dump_recipe(recipe))
+    hf_files(partial / "hf")
+    data = {"format": FORMAT, "version": VERSION, **manifest}
+    tmp = partial / (MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(partial / MANIFEST)
+
+
+def commit(out_dir: Path, step: int, *, keep_last: int) -> Path:
+    """Rank 0: the partial folder becomes the checkpoint, then checkpoints beyond keep_last are deleted."""
+    if os.environ.get(FAULT_ENV) == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
+    final = final_path(out_dir, step)
+    if final.exists():  # the same step saved again (a resumed run that ends where its checkpoint was)
+        shutil.rmtree(final)
+    partial_path(out_dir, step).rename(final)
+    _fsync_dir(final.parent)
+    for old in complete_checkpoints(out_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
