@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/toolkit train recipes/minilm-sst.yaml
+	# a new output folder each time: the toolkit never overwrites a run (it would offer --resume)
+	$(BIN)/toolkit train recipes/minilm-sst.yaml --set output_dir=runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP)
 	# the report test renders report.html in headless Chromium (Debian package)

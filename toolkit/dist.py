@@ -65,7 +65,9 @@ def ensure_process_group(env: DistEnv, *, strategy: str) -> None:
         port = sock.getsockname()[1]
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", str(port))):
-        os.environ[key] = value  # no launcher set them (else a group would exist); DeepSpeed reads LOCAL_RANK itself
+        # a launcher of one rank (torchrun --nproc 1) set them, and its workers join the launcher's own store
+        # at that address: keep them. Without a launcher nothing is set. DeepSpeed reads LOCAL_RANK itself.
+        os.environ.setdefault(key, value)
     _import_before_group()
     dist.init_process_group("nccl" if env.device.type == "cuda" else "gloo", rank=0, world_size=1)
     print(f"[toolkit] {strategy} on one rank (a process group of one); `toolkit launch --nproc N` runs N ranks",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -31,8 +32,8 @@ def run_arm(experiment: Experiment, arm: Arm) -> str:
     out = arm_dir(experiment, arm)
     sets = [a for o in (*experiment.common, *arm.overrides, f"output_dir={out}") for a in ("--set", o)]
     cmd = [sys.executable, "-m", "toolkit", "launch", "--nproc", str(arm.nproc), experiment.recipe, *sets]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "failed.json").unlink(missing_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # what an earlier, unfinished attempt left: the arm runs afresh
+    out.mkdir(parents=True)
     start = time.perf_counter()
     with open(out / "launch.log", "w") as log:
         code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())

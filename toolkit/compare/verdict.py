@@ -30,9 +30,9 @@ UNIT_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "fp32": 2.0 ** -24}
 NOISE_FACTOR = 4.0
 NOISE_GRADIENT_RATIO = UNIT_ROUNDOFF["fp32"]  # max|g| / ‖g‖ at or below this in every step: noise-driven
 WEIGHT_TOLERANCE = f"|Δ| ≤ {FP32_RTOL:g} + {FP32_RTOL:g}·|w|"
-# keys expected to differ between arms of one experiment: not a cause
+# keys expected to differ between arms of one experiment, or that cannot change what is computed: not a cause
 EXPECTED_DIFFERENT = ("output_dir", "strategy.", "batch.micro_batch_size", "batch.grad_accum_steps",
-                      "train.record_gradient_scale")
+                      "train.record_gradient_scale", "checkpoint.")
 
 
 def relative(a: float, b: float) -> float:

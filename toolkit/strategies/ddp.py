@@ -7,6 +7,7 @@ from typing import cast
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from toolkit.dist import ensure_process_group
 from toolkit.strategies.base import SetupArgs, StrategyInfo
 from toolkit.recipe import Recipe
 from toolkit.strategies.replicated import Replication, ReplicatedStrategy
@@ -19,6 +20,7 @@ INFO = StrategyInfo(
 
 def wrap_ddp(module: nn.Module, args: SetupArgs) -> nn.Module:
     options = args.recipe.strategy
+    ensure_process_group(args.env, strategy=INFO.name)  # DDP needs a group, even of one rank
     device_ids = [args.env.device.index] if args.env.device.type == "cuda" else None
     return DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=options.bucket_cap_mb,
                                    find_unused_parameters=options.find_unused_parameters)

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from toolkit.errors import RecipeError
+from toolkit.dist import ensure_process_group
 from toolkit.recipe import Recipe
 from toolkit.strategies.base import SetupArgs, Strategy, StrategyInfo
 from toolkit.strategies.model_parallel import check_model_split, place_model
@@ -44,6 +45,7 @@ def check_model_split_ddp(recipe: Recipe, world_size: int) -> None:
 
 def wrap_ddp(module: nn.Module, args: SetupArgs) -> nn.Module:
     # a module over several devices: DDP takes no device_ids and reduces each parameter where it lives
+    ensure_process_group(args.env, strategy=INFO.name)  # DDP needs a group, even of one rank
     return DistributedDataParallel(module, device_ids=None)
 
 

@@ -165,6 +165,7 @@ class ZeroStrategy:
     def checkpoint_tensors(self) -> dict[str, dict[str, Any]]:
         from deepspeed.utils import safe_get_full_optimizer_state
 
+        self._link_optimizer_state()
         model = self.full_state_dict()  # collective under ZeRO-3; on rank 0 only
         model = without_tied_aliases(self.module, model) if model is not None else {}
         optim: dict[str, Any] = {}
@@ -204,11 +205,9 @@ class ZeroStrategy:
         finally:
             if expose is not None:
                 self.optimizer._clear_fp32_optimizer_param_groups()
-        link = getattr(self.optimizer, "_lazy_init_hp_params_optimizer_state", None)
-        if link is not None:
-            link()  # ZeRO-1/2: point each parameter's fragment at the new state
+        self._link_optimizer_state()
         for name, param in params:
-            partitioned = hasattr(param, "ds_id") or getattr(param, "_hp_mapping", None) is not None
+            partitioned = hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")  # None: another rank's part
             master = model[name].to(self.env.device)
             if partitioned:
                 safe_set_full_fp32_param(param, master)
@@ -223,6 +222,15 @@ class ZeroStrategy:
             if "step" in state:
                 state["step"] = torch.tensor(step) if torch.is_tensor(state["step"]) else type(state["step"])(step)
         self.engine.global_steps = int(step)
+
+    def _link_optimizer_state(self) -> None:
+        """ZeRO-1/2 (and DeepSpeed's bf16 optimizer) point each parameter at its fragment of the Adam state
+        once, right after the first parameter group's first step: a second group's state does not exist yet
+        then, so its parameters stay unlinked (DeepSpeed 0.19.8, two groups: decay and no decay). Link again
+        now that every group's state exists."""
+        if hasattr(self.optimizer, "_lazy_init_hp_params_optimizer_state"):
+            self.optimizer._hp_optimizer_states_linked = False
+            self.optimizer._lazy_init_hp_params_optimizer_state()
 
     def _optimizer_step(self) -> float | None:
         for state in self._inner_optimizer().state.values():

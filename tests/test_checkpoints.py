@@ -1,0 +1,194 @@
+"""Checkpoints: a resumed run equals an uninterrupted one, under the same strategy and across strategies and
+world sizes; a save that died is never picked up; `toolkit convert`; every mistake one line.
+
+Each uninterrupted run (6 steps, a checkpoint every 3) is done once and shared. A run "stopped after step 3"
+is what a crash after step 5 leaves: the step-3 checkpoint and metrics of steps 1-5 (the resume drops 4-5)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import exported_weights, launch, losses, metrics, run_cli, toolkit_env, write_recipe
+
+SOURCES = {"ddp": 2, "fsdp": 2, "zero2": 2, "zero3": 2}
+CROSS = [("zero3", 2, "fsdp", 2), ("fsdp", 2, "ddp", 1), ("ddp", 2, "zero3", 2), ("zero2", 2, "single", 1),
+         ("fsdp", 2, "fsdp", 1)]
+
+
+def strategy_overrides(name: str) -> tuple[str, ...]:
+    if name.startswith("zero"):
+        return ("strategy.name=zero", f"strategy.stage={name[4:]}")
+    return (f"strategy.name={name}",)
+
+
+class CheckpointRuns:
+    def __init__(self, root, recipe):
+        self.root, self.recipe, self.done = root, recipe, {}
+
+    def full(self, name: str):
+        """The uninterrupted run of strategy `name` at its SOURCES world size."""
+        if name not in self.done:
+            out = self.root / f"full-{name}"
+            launch(self.recipe, nproc=SOURCES[name], overrides=(*strategy_overrides(name), f"output_dir={out}"))
+            self.done[name] = out
+        return self.done[name]
+
+    def resumed(self, source: str, target: str, nproc: int, *, extra=()):
+        """`target` at `nproc` ranks, resumed from the step-3 checkpoint `source` wrote."""
+        out = self.root / f"resume-{source}-to-{target}{nproc}"
+        crashed(self.full(source), out)
+        overrides = (*strategy_overrides(target), f"output_dir={out}")
+        sets = [a for o in overrides for a in ("--set", o)]
+        if nproc == 1 and target == "single":
+            result = run_cli("train", str(self.recipe), *sets, "--resume", *extra)
+        else:
+            result = run_cli("launch", "--nproc", str(nproc), str(self.recipe), *sets, "--resume", *extra)
+        assert result.returncode == 0, result.stderr[-4000:]
+        return out, result
+
+
+def crashed(full_run, out):
+    """What a run that died after step 5 leaves: metrics of steps 1-5, its step-3 checkpoint, no step 6."""
+    out.mkdir(parents=True)
+    lines = (full_run / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("".join(line + "\n" for line in lines[:5]))
+    shutil.copytree(full_run / "checkpoints" / "step-00000003", out / "checkpoints" / "step-00000003")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_tied_llama_dir):
+    root = tmp_path_factory.mktemp("checkpoints")
+    recipe = write_recipe(root / "recipe.yaml", model_dir=tiny_tied_llama_dir, output_dir=root / "unused",
+                          batch={"global_batch_size": 8, "micro_batch_size": 4, "grad_accum_steps": None},
+                          train={"max_steps": 6, "eval_every": None, "consistency_check_every": None,
+                                 "progress": False},
+                          checkpoint={"every_steps": 3, "keep_last": 2})
+    return CheckpointRuns(root, recipe)
+
+
+def assert_continues(resumed, reference, *, rtol: float):
+    """All 6 per-step losses and the final weights of `resumed` equal the uninterrupted `reference`'s."""
+    steps = metrics(resumed)
+    assert [m["step"] for m in steps] == [1, 2, 3, 4, 5, 6]  # steps 4-5 of the crashed run were dropped
+    torch.testing.assert_close(torch.tensor(losses(resumed), dtype=torch.float64),
+                               torch.tensor(losses(reference), dtype=torch.float64), rtol=rtol, atol=0.0)
+    got, want = exported_weights(resumed), exported_weights(reference)
+    assert got.keys() == want.keys()
+    for key in want:  # per element |a - b| <= 1e-6 + 1e-5·|a|
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("name", list(SOURCES))
+def test_resume_equals_uninterrupted(runs, name):
+    resumed, result = runs.resumed(name, name, SOURCES[name])
+    # the same strategy at the same world size runs the same arithmetic: equal to rounding (1e-6)
+    assert_continues(resumed, runs.full(name), rtol=1e-6)
+    assert "resume: weights and optimizer state from" in result.stderr and "continuing at step 4 of 6" in result.stderr
+    run = json.loads((resumed / "run.json").read_text())
+    assert run["resumed_from"]["step"] == 3 and run["status"] == "completed"
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["step-00000003", "step-00000006"]
+
+
+@pytest.mark.parametrize("source,source_ranks,target,target_ranks", CROSS,
+                         ids=[f"{s}{a}-to-{t}{b}" for s, a, t, b in CROSS])
+def test_resume_across_strategies_and_world_sizes(runs, source, source_ranks, target, target_ranks):
+    resumed, _ = runs.resumed(source, target, target_ranks)
+    # fp32, the same global batch: the strategies compute the same thing up to their reduction order, the
+    # tolerance every equivalence test uses (the optimizer state crossed over: step 4 would differ otherwise)
+    assert_continues(resumed, runs.full(source), rtol=1e-5)
+
+
+def test_checkpoint_layout_and_manifest(runs):
+    checkpoint = runs.full("fsdp") / "checkpoints" / "step-00000003"
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    assert manifest["step"] == 3 and manifest["strategy"] == "fsdp" and manifest["world_size"] == 2
+    assert manifest["global_batch_size"] == 8 and manifest["tokens_seen"] == sum(m["tokens"] for m in
+                                                                                  metrics(runs.full("fsdp"))[:3])
+    assert manifest["extra"]["scheduler"]["last_epoch"] == 3 and manifest["versions"]["torch"]
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = set(FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata)
+    assert "model.model.embed_tokens.weight" in keys and "model.lm_head.weight" not in keys  # tied: once
+    assert {"optim.state.model.embed_tokens.weight.exp_avg", "optim.state.model.embed_tokens.weight.step",
+            "rng.0", "rng.1"} <= keys
+    assert (checkpoint / "hf" / "config.json").is_file() and (checkpoint / "recipe.yaml").is_file()
+
+
+def test_a_save_killed_before_its_commit_is_never_resumed(runs, tmp_path):
+    out = tmp_path / "killed"
+    env = toolkit_env()
+    env["TOOLKIT_FAULT_KILL_BEFORE_COMMIT_STEP"] = "6"  # SIGKILL after step 6's files, before its rename
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    result = subprocess.run([sys.executable, "-m", "toolkit", "train", str(runs.recipe), "--set",
+                             f"output_dir={out}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == -9, result.stderr[-3000:]
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == [".step-00000006.partial", "step-00000003"]  # the partial one is complete on disk but
+    assert (out / "checkpoints" / ".step-00000006.partial" / "manifest.json").is_file()  # not committed
+    resumed = run_cli("train", str(runs.recipe), "--set", f"output_dir={out}", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step-00000003 (step 3" in resumed.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000003", "step-00000006"]
+    # single at 1 rank vs ddp at 2: the same maths, a different reduction order
+    assert_continues(out, runs.full("ddp"), rtol=1e-5)
+
+
+def test_convert_writes_a_model_transformers_loads_with_the_trained_logits(runs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    full = runs.full("zero3")
+    result = run_cli("convert", str(full / "checkpoints" / "step-00000006"), str(tmp_path / "hf"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    converted = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    exported = AutoModelForCausalLM.from_pretrained(str(full / "model"))  # what the run itself exported
+    assert converted.lm_head.weight.data_ptr() == converted.model.embed_tokens.weight.data_ptr()  # tied again
+    ids = torch.randint(0, converted.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(converted(ids).logits, exported(ids).logits, rtol=0, atol=0)
+    assert (tmp_path / "hf" / "tokenizer.json").is_file() or (tmp_path / "hf" / "vocab.txt").is_file()
+
+
+def test_an_output_dir_holding_a_run_is_refused_without_resume(runs):
+    full = runs.full("ddp")
+    before = (full / "run.json").stat().st_mtime_ns
+    result = run_cli("launch", "--nproc", "2", str(runs.recipe), "--set", "strategy.name=ddp", "--set",
+                     f"output_dir={full}")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"toolkit: error: output_dir {full} already holds a run; continue it with --resume, or write this one "
+        "elsewhere with --set output_dir=OTHER"]
+    assert (full / "run.json").stat().st_mtime_ns == before
+
+
+@pytest.mark.parametrize("damage", ["no checkpoint", "garbage metadata", "foreign folder", "other model"])
+def test_a_missing_corrupted_or_foreign_checkpoint_is_one_line(runs, tmp_path, tiny_bert_dir, damage):
+    given = tmp_path / "given"
+    shutil.copytree(runs.full("ddp") / "checkpoints" / "step-00000003", given)
+    args = ["--resume", str(given)]
+    expected = {"garbage metadata": "its DCP metadata is unreadable",
+                "foreign folder": "is not a toolkit checkpoint",
+                "other model": "it was written for another model",
+                "no checkpoint": "no complete checkpoint in"}[damage]
+    recipe = runs.recipe
+    if damage == "garbage metadata":
+        (given / ".metadata").write_bytes(b"not a pickle")
+    elif damage == "foreign folder":
+        (given / "manifest.json").write_text(json.dumps({"format": "something-else"}))
+    elif damage == "other model":
+        recipe = write_recipe(tmp_path / "bert.yaml", model_dir=tiny_bert_dir, task="sequence-classification",
+                              output_dir=tmp_path / "unused", batch={"global_batch_size": 8, "micro_batch_size": 8,
+                                                                     "grad_accum_steps": None})
+    else:
+        args = ["--resume"]
+    out = tmp_path / "out"
+    result = run_cli("train", str(recipe), "--set", f"output_dir={out}", *args)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [l for l in result.stderr.splitlines() if l.startswith("toolkit:")]
+    assert len(lines) == 1 and expected in lines[0] and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert not out.exists()  # nothing half-written
