@@ -83,7 +83,7 @@ def write_recipe(path: Path, *, model_dir: Path, task: str = "causal-lm", output
         "output_dir": str(output_dir),
     }
     for key, value in sections.items():
-        recipe[key] = {**recipe[key], **value} if isinstance(value, dict) else value
+        recipe[key] = {**recipe.get(key, {}), **value} if isinstance(value, dict) else value
     path.write_text(yaml.safe_dump(recipe))
     return path
 
