@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     launch = sub.add_parser("launch", help="run a recipe on N local ranks through torch.distributed.run")
     launch.add_argument("--nproc", type=int, default=1, help="ranks (processes) on this machine")
+    launch.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                        help="when a rank dies, restart every rank up to R times; they resume from the newest checkpoint")
     launch.add_argument("recipe")
     _add_overrides(launch)
     _add_resume(launch)
@@ -114,6 +116,7 @@ def _train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
     replica drift is one line and an exit code, not a traceback."""
     from toolkit.consistency import ReplicaDriftError
     from toolkit.loop import train
+    from toolkit.stopping import NonFiniteLoss, Stopped
 
     out_dir = Path(recipe.output_dir)
     existed = out_dir.exists()
@@ -128,7 +131,38 @@ def _train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
     except ReplicaDriftError as exc:
         print(f"toolkit: replica drift: {exc}", file=sys.stderr)
         return 3, None
+    except Stopped as stop:  # every rank stops after the same step; rank 0 says how to go on
+        if env.is_main:
+            print(f"toolkit: stopped by {stop}; checkpoint {stop.checkpoint}; resume with: "
+                  f"{resume_command(env.world_size)}", file=sys.stderr, flush=True)
+        return 128 + stop.signum, None
+    except NonFiniteLoss as exc:
+        if env.is_main:
+            from toolkit.checkpoint.store import complete_checkpoints
+
+            found = complete_checkpoints(out_dir)
+            where = f"the newest checkpoint is {found[-1]} (--resume)" if found else "no checkpoint was written yet"
+            print(f"toolkit: {exc}; stopped before its update, so no weight or checkpoint holds it; {where}; "
+                  "train.on_nonfinite=skip skips such steps", file=sys.stderr, flush=True)
+        return NONFINITE_EXIT_CODE, None
     return 0, result.strategy
+
+
+NONFINITE_EXIT_CODE = 4
+
+
+def resume_command(world_size: int) -> str:
+    """The command line that continues this run: this rank's arguments after `train`, plus --resume."""
+    import shlex
+
+    args = list(sys.argv[2:])
+    while "--resume-weights-only" in args:
+        args.remove("--resume-weights-only")
+    if "--resume" in args:  # --resume [PATH]: the newest checkpoint is what to continue from now
+        index = args.index("--resume")
+        del args[index:index + (2 if index + 1 < len(args) and not args[index + 1].startswith("--") else 1)]
+    launcher = f"toolkit launch --nproc {world_size}" if world_size > 1 else "toolkit train"
+    return f"{launcher} {' '.join(shlex.quote(a) for a in args)} --resume"
 
 
 def cmd_launch(args) -> int:
@@ -138,6 +172,8 @@ def cmd_launch(args) -> int:
 
     if args.nproc < 1:
         raise RecipeError("--nproc must be >= 1")
+    if args.max_restarts < 0:
+        raise RecipeError("--max-restarts must be >= 0")
     recipe = load_recipe(args.recipe, args.overrides)
     plan = check_recipe(recipe, world_size=args.nproc)
     resume = _resume_of(args)
@@ -147,7 +183,8 @@ def cmd_launch(args) -> int:
     extra = [] if resume is None else ["--resume", *([resume.path] if resume.path else [])] + \
         (["--resume-weights-only"] if resume.weights_only else [])
     started = time.time()
-    code = launch(args.recipe, nproc=args.nproc, overrides=args.overrides, extra=extra)
+    code = launch(args.recipe, nproc=args.nproc, overrides=args.overrides, extra=extra,
+                  max_restarts=args.max_restarts)
     run_info = Path(recipe.output_dir) / "run.json"
     if code != 0 and run_info.is_file() and run_info.stat().st_mtime >= started \
             and json.loads(run_info.read_text()).get("status") == "completed":

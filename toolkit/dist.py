@@ -32,6 +32,11 @@ class DistEnv:
         return self.world_size > 1
 
 
+def restarted() -> bool:
+    """Whether torch's launcher restarted this rank's group (`--max-restarts`): a later attempt of one run."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+
+
 def env_world_size() -> int:
     """World size as the launcher set it (1 when not launched by torchrun/accelerate)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -51,8 +56,23 @@ def init_distributed() -> DistEnv:
         backend = "gloo"
     if world_size > 1 and not dist.is_initialized():
         _import_before_group()
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+        timeout = datetime.timedelta(minutes=30)
+        dist.init_process_group(backend=backend, timeout=timeout,
+                                **_attempt_store(rank=rank, world_size=world_size, timeout=timeout))
     return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def _attempt_store(*, rank: int, world_size: int, timeout: datetime.timedelta) -> dict:
+    """Under torchrun, the launcher's store with a prefix per attempt. When `--max-restarts` restarts the
+    ranks, they join the same store again; without a prefix the new group reads the dead group's addresses
+    (gloo: "connectFullMesh failed ... Connection refused", measured with torch 2.13). Empty otherwise."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:
+        return {}
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the agent hosts it
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_store, timeout=timeout)
+    return {"store": dist.PrefixStore(f"toolkit/attempt-{attempt}", store), "rank": rank, "world_size": world_size}
 
 
 def ensure_process_group(env: DistEnv, *, strategy: str) -> None:

@@ -15,10 +15,12 @@ def worker_args(recipe_path: str, overrides: list[str], extra: list[str] | None 
     return args + list(extra or [])
 
 
-def torchrun_args(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[str] | None = None) -> list[str]:
-    """The torch.distributed.run command line: one node, a free local port, `nproc` ranks, this interpreter."""
-    return ["--standalone", f"--nproc_per_node={nproc}", "--no-python", sys.executable,
-            *worker_args(recipe_path, overrides, extra)]
+def torchrun_args(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[str] | None = None,
+                  max_restarts: int = 0) -> list[str]:
+    """The torch.distributed.run command line: one node, a free local port, `nproc` ranks, this interpreter;
+    with max_restarts, torch's elastic agent restarts every rank when one dies (they resume, see loop)."""
+    return ["--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", "--no-python",
+            sys.executable, *worker_args(recipe_path, overrides, extra)]
 
 
 def prepare_environment() -> None:
@@ -33,16 +35,25 @@ def prepare_environment() -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores; torchrun would set it too
 
 
-def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[str] | None = None) -> int:
+def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[str] | None = None,
+           max_restarts: int = 0) -> int:
     """Run the recipe on `nproc` local ranks through torch.distributed.run; returns the exit code."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     prepare_environment()
     args = get_args_parser().parse_args(torchrun_args(recipe_path, nproc=nproc, overrides=overrides,
-                                                        extra=extra))
+                                                        extra=extra, max_restarts=max_restarts))
+    # SIGUSR1 (SLURM's warning before a kill) is handled like SIGTERM: torch's agent forwards that to every
+    # rank, and the ranks checkpoint and stop after their current step
+    signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     try:
         run(args)
+    except SignalException as exc:  # the ranks said where they stopped and how to resume
+        return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
         print(f"toolkit: launch failed: {describe_failures(codes)} (see the rank output above)", file=sys.stderr)

@@ -12,6 +12,7 @@ Per optimizer step:
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit import runinfo
+from toolkit import faults, runinfo
 from toolkit.checkpoint import run as checkpoints
 from toolkit.checkpoint.run import Resume
 from toolkit.comm import CollectiveCounter, counting
@@ -37,6 +38,8 @@ from toolkit.optim import build_adamw, build_scheduler
 from toolkit.precision import check_precision_supported
 from toolkit.recipe import Recipe
 from toolkit.strategies import make_strategy, validate_strategy
+from toolkit.precision import StepResult
+from toolkit.stopping import NonFiniteLoss, StopSignals, Stopped
 from toolkit.strategies.base import SetupArgs, Strategy
 
 
@@ -111,16 +114,16 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     num_params = sum(p.numel() for p in model.parameters())  # before setup: ZeRO-3 empties the params
     strategy = setup_strategy(model, recipe=recipe, env=env, plan=plan, total_steps=total_steps)
     done, tokens_seen = 0, 0
+    weights_only = bool(resume and resume.weights_only)
     if checkpoint is not None:
-        assert resume is not None
-        done = checkpoints.restore(strategy, checkpoint, resume, env=env, total_steps=total_steps)
+        done = checkpoints.restore(strategy, checkpoint, weights_only=weights_only, env=env, total_steps=total_steps)
         tokens_seen = int(checkpoint.manifest.get("tokens_seen", 0))
     out_dir = Path(recipe.output_dir)
     info = runinfo.start(recipe, env=env, plan=plan, total_steps=total_steps, model=strategy.export_module(),
                          num_params=num_params, out_dir=out_dir)
     if checkpoint is not None:
         info["resumed_from"] = {"checkpoint": str(checkpoint.path), "step": done,
-                                "weights_only": bool(resume and resume.weights_only)}
+                                "weights_only": weights_only}
     info["layout"] = strategy.layout()
     if env.is_main:
         print(f"[toolkit] layout: {info['layout']}", file=sys.stderr, flush=True)
@@ -136,6 +139,28 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     scale = GradientScale() if recipe.train.record_gradient_scale else None
     saver = checkpoints.Saver(recipe, env=env, plan=plan, total_steps=total_steps, tokenizer=tokenizer,
                               done_steps=done, tokens_seen=tokens_seen)
+    signals = StopSignals().install()
+    try:
+        losses = run_steps(strategy, loader, recipe=recipe, env=env, plan=plan, layout=layout, info=info,
+                           done=done, total_steps=total_steps, eval_ds=eval_ds, collator=collator, saver=saver,
+                           writer=writer, progress=progress, scale=scale, replicas=replicas, signals=signals)
+    finally:
+        signals.restore()
+    progress.close()
+    export_model(strategy, tokenizer=tokenizer, out_dir=out_dir, env=env)
+    if scale is not None:
+        info["gradient_scale"] = scale.summary()
+    runinfo.finish(info, env=env, out_dir=out_dir, losses=losses, strategy=strategy)
+    if writer:
+        writer.close()
+    return TrainResult(output_dir=out_dir, strategy=strategy, losses=losses)
+
+
+def run_steps(strategy: Strategy, loader, *, recipe: Recipe, env: DistEnv, plan, layout: DataLayout, info: dict,
+              done: int, total_steps: int, eval_ds, collator, saver, writer, progress, scale, replicas,
+              signals: StopSignals) -> list[float]:
+    """Steps done+1 .. total_steps: train, evaluate, check replicas, checkpoint, log; stop after a step when
+    any rank got a stop signal (a checkpoint first)."""
     losses = []
     comm_step = min(max(COMM_COUNT_STEP, done + 1), total_steps)
     for step in range(done + 1, total_steps + 1):
@@ -150,6 +175,7 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
         check_every = recipe.train.consistency_check_every
         if replicas is not None and check_every and step % check_every == 0:
             fresh = strategy.replicas()  # the live tensors of this step
+            assert fresh is not None  # a strategy that had replicas at start has them now
             check_replicas(fresh.named, env, when=f"at step {step}", group=fresh.group)
         losses.append(record["loss"])
         if saver.due(step):
@@ -157,14 +183,13 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
         if writer:
             writer.write(record)
         progress.update(record)
-    progress.close()
-    export_model(strategy, tokenizer=tokenizer, out_dir=out_dir, env=env)
-    if scale is not None:
-        info["gradient_scale"] = scale.summary()
-    runinfo.finish(info, env=env, out_dir=out_dir, losses=losses, strategy=strategy)
-    if writer:
-        writer.close()
-    return TrainResult(output_dir=out_dir, strategy=strategy, losses=losses)
+        faults.after_step(step, env)  # tests only: a killed rank, a preempted launcher
+        signum = signals.requested(env)  # every rank alike: all stop after this same step
+        if signum and step < total_steps:
+            if saver.last_step != step:
+                saver.save(strategy, step=step)
+            raise Stopped(signum, step, total_steps, saver.last_path)
+    return losses
 
 
 def announce_replica_check(strategy, *, recipe: Recipe, env: DistEnv, info: dict):
@@ -201,8 +226,14 @@ def train_step(strategy: Strategy, micro_batches: list[dict], *, recipe: Recipe,
         probe_start = time.perf_counter()
         abs_max = strategy.gradient_abs_max()
         probe_s = time.perf_counter() - probe_start
-    with counting(comm):
-        result = strategy.step(max_grad_norm=recipe.optim.max_grad_norm)
+    if math.isfinite(loss):
+        with counting(comm):
+            result = strategy.step(max_grad_norm=recipe.optim.max_grad_norm)
+    elif recipe.train.on_nonfinite == "stop":  # before the update: no weight, no checkpoint holds it
+        raise NonFiniteLoss(loss, step)
+    else:
+        strategy.discard_step()
+        result = StepResult(grad_norm=float("nan"), skipped=True, loss_scale=None)
     if gradient_scale is not None and abs_max is not None and not result.skipped:
         gradient_scale.update(abs_max, grad_norm=result.grad_norm)
     if comm is not None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from torch import nn
 
 from toolkit.checkpoint import state, store
-from toolkit.dist import DistEnv
+from toolkit.dist import DistEnv, restarted
 from toolkit.errors import RecipeError
 from toolkit.recipe import BatchPlan, Recipe
 
@@ -27,6 +27,11 @@ class Resume:
 def starting_point(recipe: Recipe, resume: Resume | None, *, plan: BatchPlan) -> store.Checkpoint | None:
     """The checkpoint this run continues, or None for a fresh run into an output_dir that holds none."""
     out_dir = Path(recipe.output_dir)
+    if resume is None and restarted():
+        # torchrun restarted the ranks (--max-restarts): this run's own newest checkpoint, else from scratch
+        if not store.complete_checkpoints(out_dir):
+            return None
+        resume = Resume()
     if resume is None:
         store.check_output_dir(out_dir, resume=False)
         return None
@@ -44,15 +49,15 @@ def load_weights(model: nn.Module, checkpoint: store.Checkpoint | None) -> None:
         state.load_weights(model, checkpoint.path)
 
 
-def restore(strategy, checkpoint: store.Checkpoint, resume: Resume, *, env: DistEnv, total_steps: int) -> int:
+def restore(strategy, checkpoint: store.Checkpoint, *, weights_only: bool, env: DistEnv, total_steps: int) -> int:
     """After setup: optimizer state, schedule, loss scale, RNG. Returns the optimizer steps already done."""
-    if not resume.weights_only:
+    if not weights_only:
         strategy.load_optimizer_state(state.optimizer_reader(checkpoint.path))
     strategy.load_checkpoint_extra(checkpoint.manifest["extra"])
     state.load_rng(checkpoint.path, env=env, saved_world=int(checkpoint.manifest["world_size"]))
     if env.is_main:
         m = checkpoint.manifest
-        what = "weights (fresh optimizer state)" if resume.weights_only else "weights and optimizer state"
+        what = "weights (fresh optimizer state)" if weights_only else "weights and optimizer state"
         print(f"[toolkit] resume: {what} from {checkpoint.path} (step {m['step']}, {m['strategy']} on "
               f"{m['world_size']} rank(s)); continuing at step {m['step'] + 1} of {total_steps}",
               file=sys.stderr, flush=True)
@@ -80,6 +85,8 @@ class Saver:
         self.config = recipe.checkpoint
         self.done_steps = done_steps  # the step the run started from already has its checkpoint
         self.tokens_seen = tokens_seen
+        self.last_step: int | None = None  # the newest checkpoint this run wrote
+        self.last_path: Path | None = None
 
     def due(self, step: int) -> bool:
         if step <= self.done_steps:
@@ -106,6 +113,7 @@ class Saver:
                           recipe=self.recipe, manifest=manifest, hf_files=hf_files,
                           keep_last=self.config.keep_last)
         seconds = time.perf_counter() - start
+        self.last_step, self.last_path = step, path
         if self.env.is_main:
             print(f"[toolkit] checkpoint: step {step} → {path} ({seconds:.1f} s)", file=sys.stderr, flush=True)
         return seconds

@@ -10,10 +10,10 @@ import json
 import os
 import re
 import shutil
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit import faults
 from toolkit.errors import RecipeError
 from toolkit.recipe import Recipe, dump_recipe
 
@@ -22,8 +22,6 @@ VERSION = 1
 MANIFEST = "manifest.json"
 DCP_METADATA = ".metadata"  # written by DCP's coordinator once every rank's files are complete
 NAME = re.compile(r"^step-(\d{8})$")
-# a testing hook: SIGKILL this process after the checkpoint's files are written and before it is committed
-FAULT_ENV = "TOOLKIT_FAULT_KILL_BEFORE_COMMIT_STEP"
 
 
 def checkpoints_dir(out_dir: Path) -> Path:
@@ -139,8 +137,7 @@ def write_manifest(partial: Path, manifest: dict, *, recipe: Recipe, hf_files) -
 
 def commit(out_dir: Path, step: int, *, keep_last: int) -> Path:
     """Rank 0: the partial folder becomes the checkpoint, then checkpoints beyond keep_last are deleted."""
-    if os.environ.get(FAULT_ENV) == str(step):
-        os.kill(os.getpid(), signal.SIGKILL)
+    faults.before_commit(step)  # tests: a save that dies here must never be resumed from
     final = final_path(out_dir, step)
     if final.exists():  # the same step saved again (a resumed run that ends where its checkpoint was)
         shutil.rmtree(final)

@@ -103,6 +103,10 @@ class Strategy(Protocol):
     def step(self, *, max_grad_norm: float | None) -> StepResult:
         """Clip, optimizer step, schedule step, zero grads."""
 
+    def discard_step(self) -> None:
+        """Drop this step's gradients without an update (a non-finite loss); the LR schedule advances, as
+        it does for a step fp16 loss scaling skips."""
+
     def lr(self) -> float: ...
 
     def replicas(self) -> Replicas | None:

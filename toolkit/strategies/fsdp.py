@@ -109,6 +109,10 @@ class FsdpStrategy:
         self.optimizer.zero_grad(set_to_none=True)
         return result
 
+    def discard_step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 

@@ -303,6 +303,10 @@ class PipelineStrategy:
         last = [s for s in self.stage_modules if s.last]
         return last[0].tied_weight() if last else None
 
+    def discard_step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 

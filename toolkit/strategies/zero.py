@@ -55,6 +55,9 @@ class ZeroStrategy:
         if offloads(config)[1] and stage_of(config) != 3:
             raise RecipeError(f"{options.ds_config}: zero_optimization.offload_param needs stage 3")
         check_deepspeed_precision(recipe.precision)
+        if recipe.train.on_nonfinite == "skip":  # the engine owns the step; it has no "drop these gradients"
+            raise RecipeError("train.on_nonfinite=skip is not available under zero (DeepSpeed's engine steps on "
+                              "every boundary); use stop, or fp16, whose loss scaling skips overflowing steps")
 
     def data_layout(self, recipe: Recipe, *, world_size: int, rank: int) -> DataLayout:
         return every_rank_a_shard(world_size=world_size, rank=rank)
@@ -116,6 +119,9 @@ class ZeroStrategy:
         return StepResult(grad_norm=float(norm) if norm is not None else float("nan"),
                           skipped=self.engine.skipped_steps > skipped_before,
                           loss_scale=float(scale) if scale is not None else None)
+
+    def discard_step(self) -> None:
+        raise RecipeError("train.on_nonfinite=skip is not available under zero")  # validate() refuses it first
 
     def lr(self) -> float:
         return self.engine.get_lr()[0]
