@@ -6,18 +6,23 @@ is what a crash after step 5 leaves: the step-3 checkpoint and metrics of steps 
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import exported_weights, launch, losses, metrics, run_cli, toolkit_env, write_recipe
+from conftest import REPO, exported_weights, launch, losses, metrics, run_cli, toolkit_env, write_recipe
+from toolkit import faults
 
-SOURCES = {"ddp": 2, "fsdp": 2, "zero2": 2, "zero3": 2}
+SOURCES = {"ddp": 2, "fsdp": 2, "zero2": 2, "zero3": 2, "fsdp-async": 2}
 CROSS = [("zero3", 2, "fsdp", 2), ("fsdp", 2, "ddp", 1), ("ddp", 2, "zero3", 2), ("zero2", 2, "single", 1),
          ("fsdp", 2, "fsdp", 1)]
 
 
 def strategy_overrides(name: str) -> tuple[str, ...]:
+    if name == "fsdp-async":  # dcp.async_save: written in the background while training goes on
+        return ("strategy.name=fsdp", "checkpoint.async=true")
     if name.startswith("zero"):
         return ("strategy.name=zero", f"strategy.stage={name[4:]}")
     return (f"strategy.name={name}",)
@@ -80,11 +85,14 @@ def assert_continues(resumed, reference, *, rtol: float):
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
 
 
-@pytest.mark.parametrize("name", list(SOURCES))
+# ddp's own resume is the one the restart and SIGTERM tests below do, after a real interruption
+@pytest.mark.parametrize("name", ["fsdp", "zero2", "zero3", "fsdp-async"])
 def test_resume_equals_uninterrupted(runs, name):
     resumed, result = runs.resumed(name, name, SOURCES[name])
-    # the same strategy at the same world size runs the same arithmetic: equal to rounding (1e-6)
-    assert_continues(resumed, runs.full(name), rtol=1e-6)
+    # the same strategy at the same world size runs the same arithmetic: equal to rounding (1e-6); the async
+    # checkpoint was staged before training moved on, so it resumes like a synchronous one
+    reference = runs.full("fsdp" if name == "fsdp-async" else name)
+    assert_continues(resumed, reference, rtol=1e-6)
     assert "resume: weights and optimizer state from" in result.stderr and "continuing at step 4 of 6" in result.stderr
     run = json.loads((resumed / "run.json").read_text())
     assert run["resumed_from"]["step"] == 3 and run["status"] == "completed"
@@ -116,17 +124,19 @@ def test_checkpoint_layout_and_manifest(runs):
     assert (checkpoint / "hf" / "config.json").is_file() and (checkpoint / "recipe.yaml").is_file()
 
 
+def run_with_fault(fault: str, value: str, *args: str):
+    """`python -m toolkit ARGS` with one of toolkit/faults.py's hooks set."""
+    env = toolkit_env()
+    env[fault] = value
+    return subprocess.run([sys.executable, "-m", "toolkit", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
 def test_a_save_killed_before_its_commit_is_never_resumed(runs, tmp_path):
     out = tmp_path / "killed"
-    env = toolkit_env()
-    env["TOOLKIT_FAULT_KILL_BEFORE_COMMIT_STEP"] = "6"  # SIGKILL after step 6's files, before its rename
-    import subprocess
-    import sys
-
-    from conftest import REPO
-
-    result = subprocess.run([sys.executable, "-m", "toolkit", "train", str(runs.recipe), "--set",
-                             f"output_dir={out}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    # SIGKILL after step 6's files are written, before the folder is renamed into place
+    result = run_with_fault(faults.KILL_BEFORE_COMMIT_STEP, "6", "train", str(runs.recipe), "--set",
+                            f"output_dir={out}")
     assert result.returncode == -9, result.stderr[-3000:]
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names == [".step-00000006.partial", "step-00000003"]  # the partial one is complete on disk but
@@ -192,3 +202,63 @@ def test_a_missing_corrupted_or_foreign_checkpoint_is_one_line(runs, tmp_path, t
     lines = [l for l in result.stderr.splitlines() if l.startswith("toolkit:")]
     assert len(lines) == 1 and expected in lines[0] and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert not out.exists()  # nothing half-written
+
+
+def test_a_rank_killed_mid_run_is_restarted_and_the_run_finishes_as_if_never_killed(runs, tmp_path):
+    out = tmp_path / "restarted"
+    # rank 1 is SIGKILLed after step 4; torch's agent restarts both ranks, which resume from step 3
+    result = run_with_fault(faults.KILL_RANK_AT_STEP, "1:4", "launch", "--nproc", "2", "--max-restarts", "1",
+                            str(runs.recipe), "--set", "strategy.name=ddp", "--set", f"output_dir={out}")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "resume: weights and optimizer state from" in result.stderr and "step-00000003" in result.stderr
+    assert_continues(out, runs.full("ddp"), rtol=1e-6)
+
+
+def test_sigterm_to_the_launcher_checkpoints_stops_cleanly_and_resume_finishes(runs, tmp_path):
+    out = tmp_path / "preempted"
+    # rank 0 sends its launcher SIGTERM after step 2, as a scheduler preempting the job would; the ranks
+    # stop together after the step they are in, write a checkpoint there and say how to resume
+    result = run_with_fault(faults.SIGTERM_LAUNCHER_AT_STEP, "2", "launch", "--nproc", "2", str(runs.recipe),
+                            "--set", "strategy.name=ddp", "--set", f"output_dir={out}")
+    assert result.returncode == 128 + 15, result.stderr[-4000:]
+    lines = [l for l in result.stderr.splitlines() if l.startswith("toolkit:")]
+    assert len(lines) == 1 and lines[0].startswith("toolkit: stopped by SIGTERM at step "), result.stderr[-3000:]
+    assert lines[0].endswith(f"--set output_dir={out} --resume") and "toolkit launch --nproc 2" in lines[0]
+    stopped_at = int(lines[0].split(" at step ")[1].split()[0])
+    assert 2 <= stopped_at < 6 and (out / "checkpoints" / f"step-{stopped_at:08d}").is_dir()
+    assert "Traceback" not in result.stderr
+    resumed = run_cli("launch", "--nproc", "2", str(runs.recipe), "--set", "strategy.name=ddp", "--set",
+                      f"output_dir={out}", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_continues(out, runs.full("ddp"), rtol=1e-6)
+
+
+def test_a_non_finite_loss_stops_before_its_update_and_is_never_checkpointed(runs, tmp_path):
+    # lr 1e6: the first update sends the weights to ±1e6, the second step's loss is not finite
+    out = tmp_path / "nan"
+    result = run_cli("train", str(runs.recipe), "--set", "optim.lr=1e6", "--set", "checkpoint.every_steps=1",
+                     "--set", f"output_dir={out}")
+    assert result.returncode == 4, result.stderr[-3000:]
+    lines = [l for l in result.stderr.splitlines() if l.startswith("toolkit:")]
+    assert len(lines) == 1 and "non-finite loss" in lines[0] and "at step 2;" in lines[0], result.stderr[-3000:]
+    assert "step-00000001 (--resume)" in lines[0] and "Traceback" not in result.stderr
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000001"]  # step 2 never saved
+
+
+def test_on_nonfinite_skip_drops_those_steps_and_keeps_the_weights_finite(runs, tmp_path):
+    out = tmp_path / "skip"
+    result = run_cli("train", str(runs.recipe), "--set", "optim.lr=1e6", "--set", "train.on_nonfinite=skip",
+                     "--set", "checkpoint.every_steps=1", "--set", "checkpoint.keep_last=6", "--set",
+                     f"output_dir={out}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = metrics(out)
+    assert not steps[0]["skipped"] and all(m["skipped"] for m in steps[1:])
+    final = exported_weights(out)
+    assert all(torch.isfinite(w).all() for w in final.values())
+    # no update after step 1 (no weight decay either): the final weights are step 1's
+    converted = run_cli("convert", str(out / "checkpoints" / "step-00000001"), str(tmp_path / "step1"))
+    assert converted.returncode == 0, converted.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    step1 = load_file(str(tmp_path / "step1" / "model.safetensors"))
+    assert step1.keys() == final.keys() and all(torch.equal(step1[k], final[k]) for k in final)

@@ -144,6 +144,7 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
         losses = run_steps(strategy, loader, recipe=recipe, env=env, plan=plan, layout=layout, info=info,
                            done=done, total_steps=total_steps, eval_ds=eval_ds, collator=collator, saver=saver,
                            writer=writer, progress=progress, scale=scale, replicas=replicas, signals=signals)
+        saver.finish()  # an async checkpoint still being written is committed before the run ends
     finally:
         signals.restore()
     progress.close()
@@ -187,7 +188,8 @@ def run_steps(strategy: Strategy, loader, *, recipe: Recipe, env: DistEnv, plan,
         signum = signals.requested(env)  # every rank alike: all stop after this same step
         if signum and step < total_steps:
             if saver.last_step != step:
-                saver.save(strategy, step=step)
+                saver.save(strategy, step=step, wait=True)
+            saver.finish()
             raise Stopped(signum, step, total_steps, saver.last_path)
     return losses
 

@@ -87,6 +87,8 @@ class Saver:
         self.tokens_seen = tokens_seen
         self.last_step: int | None = None  # the newest checkpoint this run wrote
         self.last_path: Path | None = None
+        self.pending: state.PendingSave | None = None  # an async save still being written
+        self._async_group = None
 
     def due(self, step: int) -> bool:
         if step <= self.done_steps:
@@ -94,11 +96,17 @@ class Saver:
         every = self.config.every_steps
         return bool(every and step % every == 0) or (step == self.total_steps and self.config.final)
 
-    def save(self, strategy, *, step: int) -> float:
-        """Collective. Returns the seconds the save held training up."""
+    def save(self, strategy, *, step: int, wait: bool = False) -> float:
+        """Collective. Returns the seconds the save held training up. With checkpoint.async the files are
+        written in the background and committed at the next save or at finish() (or now, with `wait`)."""
         from toolkit.runinfo import versions
 
         start = time.perf_counter()
+        self.finish()  # the previous async save first: checkpoints are committed in order
+        if self.config.async_save and self._async_group is None and self.env.distributed:
+            import torch.distributed as dist
+
+            self._async_group = dist.new_group(backend="gloo")  # every rank reaches its first save together
         module = strategy.export_module()
 
         def hf_files(folder: Path) -> None:
@@ -109,11 +117,26 @@ class Saver:
                     "global_batch_size": self.plan.global_batch_size, "total_steps": self.total_steps,
                     "tokens_seen": self.tokens_seen, "recipe_hash": store.recipe_hash(self.recipe),
                     "task": self.recipe.model.task, "versions": versions(), "time": time.time()}
-        path = state.save(strategy, step=step, out_dir=Path(self.recipe.output_dir), env=self.env,
-                          recipe=self.recipe, manifest=manifest, hf_files=hf_files,
-                          keep_last=self.config.keep_last)
+        pending = state.save(strategy, step=step, out_dir=Path(self.recipe.output_dir), env=self.env,
+                             recipe=self.recipe, manifest=manifest, hf_files=hf_files, keep_last=self.config.keep_last,
+                             async_group=self._async_group if self.config.async_save else None)
+        if self.config.async_save:
+            self.pending = pending
+            if wait:
+                self.finish()
         seconds = time.perf_counter() - start
-        self.last_step, self.last_path = step, path
+        self.last_step, self.last_path = step, store.final_path(Path(self.recipe.output_dir), step)
         if self.env.is_main:
-            print(f"[toolkit] checkpoint: step {step} → {path} ({seconds:.1f} s)", file=sys.stderr, flush=True)
+            how = "writing in the background" if self.pending is not None else "written"
+            print(f"[toolkit] checkpoint: step {step} → {self.last_path} ({how}; training held {seconds:.2f} s)",
+                  file=sys.stderr, flush=True)
         return seconds
+
+    def finish(self) -> None:
+        """Commit an async save still in flight (collective: every rank waits for it)."""
+        if self.pending is not None:
+            self.pending.commit()
+            self.pending = None
+            from toolkit.dist import barrier
+
+            barrier(self.env)

@@ -11,6 +11,8 @@ reshards on load.
 from __future__ import annotations
 
 import sys
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -92,23 +94,52 @@ def _plain(value: Any) -> Any:
 
 # --- saving ---------------------------------------------------------------------------------------------------
 
+@dataclass
+class PendingSave:
+    """A checkpoint whose tensors are being written; `commit()` makes it a checkpoint (rank 0 renames)."""
+
+    step: int
+    out_dir: Path
+    env: DistEnv
+    writing: Future | None  # dcp.async_save's future; None: written already (a synchronous save)
+    finish: Callable[[], None]  # rank 0: manifest, rename, keep_last
+
+    def commit(self) -> Path:
+        if self.writing is not None:
+            # done on rank 0 only once every rank's files are written: DCP's coordinator writes the
+            # metadata after gathering every rank's write results
+            self.writing.result()
+        if self.env.is_main:
+            self.finish()
+        return store.final_path(self.out_dir, self.step)
+
+
 def save(strategy, *, step: int, out_dir: Path, env: DistEnv, recipe, manifest: dict, hf_files,
-         keep_last: int) -> Path:
-    """Collective: every rank writes its part; rank 0 writes the manifest and commits. Returns the folder."""
+         keep_last: int, async_group=None) -> PendingSave:
+    """Collective: every rank hands its part to DCP (in the background with `async_group`, a process group
+    of its own so the writes' collectives never interleave with training's). Commit the result."""
     partial = store.partial_path(out_dir, step)
     if env.is_main:
         store.begin(out_dir, step)
     barrier(env)
     tensors = strategy.checkpoint_tensors()
     state = {"model": tensors["model"], "optim": tensors["optim"], "rng": {str(env.rank): torch.get_rng_state()}}
-    dcp.save(state, checkpoint_id=str(partial))
-    extra = strategy.checkpoint_extra()
-    if env.is_main:
+    extra = strategy.checkpoint_extra()  # now: training moves the schedule on while the files are written
+
+    def finish() -> None:
         store.write_manifest(partial, {**manifest, "step": step, "world_size": env.world_size, "extra": extra},
                              recipe=recipe, hf_files=hf_files)
         store.commit(out_dir, step, keep_last=keep_last)
-    barrier(env)
-    return store.final_path(out_dir, step)
+
+    if async_group is None:
+        dcp.save(state, checkpoint_id=str(partial))
+        pending = PendingSave(step=step, out_dir=out_dir, env=env, writing=None, finish=finish)
+        pending.commit()
+        barrier(env)
+        return pending
+    # the state is staged (copied) before this returns, so the next optimizer step cannot change it
+    writing = dcp.async_save(state, checkpoint_id=str(partial), process_group=async_group)
+    return PendingSave(step=step, out_dir=out_dir, env=env, writing=writing, finish=finish)  # type: ignore[arg-type]
 
 
 # --- loading --------------------------------------------------------------------------------------------------
