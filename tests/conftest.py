@@ -79,6 +79,9 @@ def write_recipe(path: Path, *, model_dir: Path, task: str = "causal-lm", output
         "precision": "fp32",
         "strategy": {"name": "single"},
         "train": {"max_steps": 5, "eval_every": None, "consistency_check_every": 1, "progress": False},
+        # no final checkpoint unless a test asks for one (tests/test_checkpoints.py does): it is not what
+        # the other tests look at, and ~100 runs × its save is a minute of the suite
+        "checkpoint": {"final": False},
         "seed": 0,
         "output_dir": str(output_dir),
     }

@@ -116,7 +116,7 @@ def _train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
     replica drift is one line and an exit code, not a traceback."""
     from toolkit.consistency import ReplicaDriftError
     from toolkit.loop import train
-    from toolkit.stopping import NonFiniteLoss, Stopped
+    from toolkit.stopping import NonFinite, Stopped
 
     out_dir = Path(recipe.output_dir)
     existed = out_dir.exists()
@@ -136,13 +136,13 @@ def _train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
             print(f"toolkit: stopped by {stop}; checkpoint {stop.checkpoint}; resume with: "
                   f"{resume_command(env.world_size)}", file=sys.stderr, flush=True)
         return 128 + stop.signum, None
-    except NonFiniteLoss as exc:
+    except NonFinite as exc:
         if env.is_main:
             from toolkit.checkpoint.store import complete_checkpoints
 
             found = complete_checkpoints(out_dir)
             where = f"the newest checkpoint is {found[-1]} (--resume)" if found else "no checkpoint was written yet"
-            print(f"toolkit: {exc}; stopped before its update, so no weight or checkpoint holds it; {where}; "
+            print(f"toolkit: {exc}; the run stopped before any checkpoint could hold it; {where}; "
                   "train.on_nonfinite=skip skips such steps", file=sys.stderr, flush=True)
         return NONFINITE_EXIT_CODE, None
     return 0, result.strategy

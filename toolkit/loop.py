@@ -39,7 +39,7 @@ from toolkit.precision import check_precision_supported
 from toolkit.recipe import Recipe
 from toolkit.strategies import make_strategy, validate_strategy
 from toolkit.precision import StepResult
-from toolkit.stopping import NonFiniteLoss, StopSignals, Stopped
+from toolkit.stopping import NonFinite, StopSignals, Stopped
 from toolkit.strategies.base import SetupArgs, Strategy
 
 
@@ -228,14 +228,19 @@ def train_step(strategy: Strategy, micro_batches: list[dict], *, recipe: Recipe,
         probe_start = time.perf_counter()
         abs_max = strategy.gradient_abs_max()
         probe_s = time.perf_counter() - probe_start
+    stop_on_nonfinite = recipe.train.on_nonfinite == "stop"
     if math.isfinite(loss):
         with counting(comm):
             result = strategy.step(max_grad_norm=recipe.optim.max_grad_norm)
-    elif recipe.train.on_nonfinite == "stop":  # before the update: no weight, no checkpoint holds it
-        raise NonFiniteLoss(loss, step)
+    elif stop_on_nonfinite:  # before the update: no weight, no checkpoint holds it
+        raise NonFinite("loss", loss, step)
     else:
         strategy.discard_step()
         result = StepResult(grad_norm=float("nan"), skipped=True, loss_scale=None)
+    # a finite loss with non-finite gradients: torch strategies skipped the update (precision.Amp), fp16 loss
+    # scaling handles its own overflows (loss_scale is set); stop before any checkpoint can hold it
+    if stop_on_nonfinite and not math.isfinite(result.grad_norm) and result.loss_scale is None:
+        raise NonFinite("gradient norm", result.grad_norm, step)
     if gradient_scale is not None and abs_max is not None and not result.skipped:
         gradient_scale.update(abs_max, grad_norm=result.grad_norm)
     if comm is not None:

@@ -67,6 +67,8 @@ class Amp:
         grad_norm = clip(parameters, max_grad_norm if max_grad_norm else math.inf)
         grad_norm = float(grad_norm)  # device sync: once per optimizer step
         if not self.scaler:
+            if not math.isfinite(grad_norm):  # inf/nan gradients would make every weight NaN: no update
+                return StepResult(grad_norm=grad_norm, skipped=True, loss_scale=None)
             optimizer.step()
             return StepResult(grad_norm=grad_norm, skipped=False, loss_scale=None)
         before = self.scaler.get_scale()

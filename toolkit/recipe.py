@@ -148,8 +148,8 @@ class TrainConfig:
     # compare records it on its reference arm to tell weights only rounding noise moved (one pass over the
     # gradients per step, left out of the step time; ZeRO-3 gathers every gradient for it)
     record_gradient_scale: bool = False
-    # a non-finite global-batch loss: stop (one line naming the step, before its update: no weight and no
-    # checkpoint holds it) | skip (drop that step's gradients, no update; the schedule goes on)
+    # a non-finite loss or gradient norm (fp16 loss scaling handles its own): stop (one line naming the step;
+    # no checkpoint holds it) | skip (drop that step's gradients, no update; the schedule goes on)
     on_nonfinite: str = "stop"
 
     def __post_init__(self) -> None:

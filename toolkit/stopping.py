@@ -25,12 +25,13 @@ class Stopped(Exception):
         self.signum, self.step, self.total, self.checkpoint = signum, step, total, checkpoint
 
 
-class NonFiniteLoss(Exception):
-    """The global-batch loss of `step` is not finite: the run stopped before that step's optimizer update."""
+class NonFinite(Exception):
+    """The global-batch loss or the gradient norm of `step` is not finite (without fp16 loss scaling, which
+    handles its own overflows): the run stopped before any checkpoint could hold it."""
 
-    def __init__(self, loss: float, step: int):
-        super().__init__(f"non-finite loss ({loss}) at step {step}")
-        self.loss, self.step = loss, step
+    def __init__(self, what: str, value: float, step: int):
+        super().__init__(f"non-finite {what} ({value}) at step {step}")
+        self.what, self.value, self.step = what, value, step
 
 
 class StopSignals:

@@ -36,6 +36,7 @@ def starting_point(recipe: Recipe, resume: Resume | None, *, plan: BatchPlan) ->
         store.check_output_dir(out_dir, resume=False)
         return None
     checkpoint = store.find_resume(out_dir, resume.path)
+    state.saved_keys(checkpoint.path)  # its DCP metadata is readable (a one-line error before any rank starts)
     saved = checkpoint.manifest.get("global_batch_size")
     if saved != plan.global_batch_size:
         raise RecipeError(f"checkpoint {checkpoint.path} was trained with global batch {saved}, this recipe has "

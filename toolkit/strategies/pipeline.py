@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -43,7 +42,12 @@ from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, Strate
 from toolkit.strategies.placement import blocks_of, check_split, part_of_blocks
 from toolkit.strategies.stages import Stage, family_of, tied_embedding_names
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
+
+# schedule name -> torch.distributed.pipelining class, imported at setup (the import costs ~1.3 s, which
+# every process that only reads this module's INFO would pay)
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
 OPTIONS = ("schedule", "stages_per_rank", "split", "blocks")  # hybrid adds pipeline_degree and data_parallel
 
 INFO = StrategyInfo(
@@ -150,12 +154,14 @@ class PipelineStrategy:
             wrapped.append(self._replicate(stage, args.recipe))
         self._model = nn.ModuleList(wrapped)
         pp_group = self.mesh.get_group("pp")
-        self.stages = [PipelineStage(m, stage_id, num_stages, env.device, group=pp_group)
+        from torch.distributed import pipelining
+
+        self.stages = [pipelining.PipelineStage(m, stage_id, num_stages, env.device, group=pp_group)
                        for m, stage_id in zip(wrapped, self.stage_ids)]
         self.busy_s = 0.0
         for pipeline_stage in self.stages:
             _time(pipeline_stage, self)
-        schedule = SCHEDULES[options.schedule]
+        schedule = getattr(pipelining, SCHEDULES[options.schedule])
         self.micro_batches = args.grad_accum_steps
         self.schedule = schedule(self.stages if len(self.stages) > 1 else self.stages[0],  # type: ignore[arg-type]
                                  n_microbatches=self.micro_batches, loss_fn=self._loss, scale_grads=False)
