@@ -44,13 +44,8 @@ class CheckpointRuns:
         """`target` at `nproc` ranks, resumed from the step-3 checkpoint `source` wrote."""
         out = self.root / f"resume-{source}-to-{target}{nproc}"
         crashed(self.full(source), out)
-        overrides = (*strategy_overrides(target), f"output_dir={out}")
-        sets = [a for o in overrides for a in ("--set", o)]
-        if nproc == 1 and target == "single":
-            result = run_cli("train", str(self.recipe), *sets, "--resume", *extra)
-        else:
-            result = run_cli("launch", "--nproc", str(nproc), str(self.recipe), *sets, "--resume", *extra)
-        assert result.returncode == 0, result.stderr[-4000:]
+        result = launch(self.recipe, nproc=nproc, overrides=(*strategy_overrides(target), f"output_dir={out}"),
+                        extra=("--resume", *extra))
         return out, result
 
 
@@ -234,9 +229,7 @@ def test_sigterm_to_the_launcher_checkpoints_stops_cleanly_and_resume_finishes(r
     stopped_at = int(lines[0].split(" at step ")[1].split()[0])
     assert 2 <= stopped_at < 6 and (out / "checkpoints" / f"step-{stopped_at:08d}").is_dir()
     assert "Traceback" not in result.stderr
-    resumed = run_cli("launch", "--nproc", "2", str(runs.recipe), "--set", "strategy.name=ddp", "--set",
-                      f"output_dir={out}", "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    launch(runs.recipe, nproc=2, overrides=("strategy.name=ddp", f"output_dir={out}"), extra=("--resume",))
     assert_continues(out, runs.full("ddp"), rtol=1e-6)
 
 

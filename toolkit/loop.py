@@ -237,9 +237,9 @@ def train_step(strategy: Strategy, micro_batches: list[dict], *, recipe: Recipe,
     else:
         strategy.discard_step()
         result = StepResult(grad_norm=float("nan"), skipped=True, loss_scale=None)
-    # a finite loss with non-finite gradients: torch strategies skipped the update (precision.Amp), fp16 loss
-    # scaling handles its own overflows (loss_scale is set); stop before any checkpoint can hold it
-    if stop_on_nonfinite and not math.isfinite(result.grad_norm) and result.loss_scale is None:
+    # a finite loss with non-finite gradients (fp16 loss scaling handles its own overflows): the torch
+    # strategies skipped the update (precision.Amp); stop before any checkpoint can hold it
+    if stop_on_nonfinite and result.nonfinite:
         raise NonFinite("gradient norm", result.grad_norm, step)
     if gradient_scale is not None and abs_max is not None and not result.skipped:
         gradient_scale.update(abs_max, grad_norm=result.grad_norm)

@@ -42,6 +42,8 @@ class StepResult:
     grad_norm: float  # global L2 norm of the gradients before clipping
     skipped: bool  # fp16 overflow: the optimizer step was skipped
     loss_scale: float | None  # fp16 loss scale after this step
+    # gradients were inf/nan without fp16 loss scaling to handle it (the torch strategies skip the update)
+    nonfinite: bool = False
 
 
 class Amp:
@@ -68,7 +70,7 @@ class Amp:
         grad_norm = float(grad_norm)  # device sync: once per optimizer step
         if not self.scaler:
             if not math.isfinite(grad_norm):  # inf/nan gradients would make every weight NaN: no update
-                return StepResult(grad_norm=grad_norm, skipped=True, loss_scale=None)
+                return StepResult(grad_norm=grad_norm, skipped=True, loss_scale=None, nonfinite=True)
             optimizer.step()
             return StepResult(grad_norm=grad_norm, skipped=False, loss_scale=None)
         before = self.scaler.get_scale()

@@ -9,6 +9,7 @@ micro-batch tells the engine whether it is the last one, and the engine steps on
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any, ContextManager
 
@@ -116,9 +117,11 @@ class ZeroStrategy:
         self.engine.step()  # reduce (stage 0/1), clip at gradient_clipping, optimizer + lr schedule step
         norm = self.engine.get_global_grad_norm()
         scale = self.engine._get_optimizer_loss_scale() if self.engine.fp16_enabled() else None
-        return StepResult(grad_norm=float(norm) if norm is not None else float("nan"),
-                          skipped=self.engine.skipped_steps > skipped_before,
-                          loss_scale=float(scale) if scale is not None else None)
+        # stage 0 reports no norm (nan here: unknown, not non-finite)
+        grad_norm = float(norm) if norm is not None else float("nan")
+        return StepResult(grad_norm=grad_norm, skipped=self.engine.skipped_steps > skipped_before,
+                          loss_scale=float(scale) if scale is not None else None,
+                          nonfinite=norm is not None and scale is None and not math.isfinite(grad_norm))
 
     def discard_step(self) -> None:
         raise RecipeError("train.on_nonfinite=skip is not available under zero")  # validate() refuses it first
