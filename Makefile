@@ -24,7 +24,7 @@ test: $(STAMP)
 	# the report test renders report.html in headless Chromium (Debian package)
 	command -v chromium >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 	$(BIN)/python -m mypy  # type check: settings in pyproject.toml
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=60 tests  # the slowest tests listed: the suite must stay under 30 min
 
 clean:
 	rm -rf runs
