@@ -15,9 +15,9 @@ import torch
 from conftest import REPO, exported_weights, launch, losses, metrics, run_cli, toolkit_env, write_recipe
 from toolkit import faults
 
-SOURCES = {"ddp": 2, "fsdp": 2, "zero2": 2, "zero3": 2, "fsdp-async": 2}
+SOURCES = {"ddp": 2, "fsdp": 2, "zero2": 2, "zero3": 2, "fsdp-async": 2, "pp": 2}
 CROSS = [("zero3", 2, "fsdp", 2), ("fsdp", 2, "ddp", 1), ("ddp", 2, "zero3", 2), ("zero2", 2, "single", 1),
-         ("fsdp", 2, "fsdp", 1)]
+         ("fsdp", 2, "fsdp", 1), ("ddp", 2, "pp", 2), ("pp", 2, "single", 1)]
 
 
 def strategy_overrides(name: str) -> tuple[str, ...]:
@@ -25,6 +25,8 @@ def strategy_overrides(name: str) -> tuple[str, ...]:
         return ("strategy.name=fsdp", "checkpoint.async=true")
     if name.startswith("zero"):
         return ("strategy.name=zero", f"strategy.stage={name[4:]}")
+    if name == "pp":  # two stages, each rank holds half the blocks (the tied embedding on both ends)
+        return ("strategy.name=pipeline", "strategy.schedule=1f1b")
     return (f"strategy.name={name}",)
 
 
@@ -82,7 +84,7 @@ def assert_continues(resumed, reference, *, rtol: float):
 
 # ddp's own resume is the one the restart and SIGTERM tests below do, after a real interruption; fsdp's is
 # fsdp-async (the async save changes how the files are written, not what the resumed run reads)
-@pytest.mark.parametrize("name", ["zero2", "zero3", "fsdp-async"])
+@pytest.mark.parametrize("name", ["zero2", "zero3", "fsdp-async", "pp"])
 def test_resume_equals_uninterrupted(runs, name):
     resumed, result = runs.resumed(name, name, SOURCES[name])
     # the same strategy at the same world size runs the same arithmetic: equal to rounding (1e-6); the async

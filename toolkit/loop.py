@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -144,7 +145,7 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
         losses = run_steps(strategy, loader, recipe=recipe, env=env, plan=plan, layout=layout, info=info,
                            done=done, total_steps=total_steps, eval_ds=eval_ds, collator=collator, saver=saver,
                            writer=writer, progress=progress, scale=scale, replicas=replicas, signals=signals)
-        saver.finish()  # an async checkpoint still being written is committed before the run ends
+        saver.close()  # an async checkpoint still being written is committed before the run ends
     finally:
         signals.restore()
     progress.close()
@@ -167,7 +168,7 @@ def run_steps(strategy: Strategy, loader, *, recipe: Recipe, env: DistEnv, plan,
     for step in range(done + 1, total_steps + 1):
         record = train_step(strategy, [next(loader) for _ in range(plan.grad_accum_steps)], recipe=recipe,
                             env=env, layout=layout, step=step, info=info, count_comm=step == comm_step,
-                            gradient_scale=scale, first=step == done + 1)
+                            gradient_scale=scale, first=step == done + 1, before_update=saver.before_update)
         saver.tokens_seen += record["tokens"]
         every = recipe.train.eval_every
         if eval_ds is not None and ((every and step % every == 0) or step == total_steps):
@@ -214,7 +215,10 @@ def announce_replica_check(strategy, *, recipe: Recipe, env: DistEnv, info: dict
 
 
 def train_step(strategy: Strategy, micro_batches: list[dict], *, recipe: Recipe, env: DistEnv, layout: DataLayout,
-               step: int, info, count_comm: bool, gradient_scale: GradientScale | None, first: bool) -> dict:
+               step: int, info, count_comm: bool, gradient_scale: GradientScale | None, first: bool,
+               before_update: Callable[[], float] = lambda: 0.0) -> dict:
+    """One optimizer step. `before_update` waits for what must not change under the update (an async
+    checkpoint's copy of the weights); its seconds are the checkpoint's, not the step's."""
     synchronize(env.device)
     start = time.perf_counter()
     lr = strategy.lr()
@@ -229,6 +233,7 @@ def train_step(strategy: Strategy, micro_batches: list[dict], *, recipe: Recipe,
         abs_max = strategy.gradient_abs_max()
         probe_s = time.perf_counter() - probe_start
     stop_on_nonfinite = recipe.train.on_nonfinite == "stop"
+    held_s = before_update()
     if math.isfinite(loss):
         with counting(comm):
             result = strategy.step(max_grad_norm=recipe.optim.max_grad_norm)
@@ -248,10 +253,11 @@ def train_step(strategy: Strategy, micro_batches: list[dict], *, recipe: Recipe,
     if first:
         runinfo.record_after_first_step(info, strategy, env=env)
     synchronize(env.device)
-    step_time_s = time.perf_counter() - start - probe_s
+    step_time_s = time.perf_counter() - start - probe_s - held_s
     return {"step": step, "loss": loss, "lr": lr, "grad_norm": result.grad_norm,
             "tokens": counts["tokens"], "samples": counts["samples"], "loss_items": counts["items"],
             "tokens_per_s": counts["tokens"] / step_time_s, "samples_per_s": counts["samples"] / step_time_s,
             "step_time_s": step_time_s, "peak_mem_bytes": peak_memory_bytes(env.device),
             "loss_scale": result.loss_scale, "skipped": result.skipped,
-            **({"comm_bytes": comm.total_bytes} if comm is not None else {})}
+            **({"comm_bytes": comm.total_bytes} if comm is not None else {}),
+            **({"checkpoint_wait_s": held_s} if held_s else {})}

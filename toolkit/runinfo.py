@@ -3,6 +3,7 @@ audit and model-state bytes read from the live objects, and per-rank peak memory
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -21,6 +22,11 @@ from toolkit.strategies.base import storage_bytes
 
 
 def versions() -> dict[str, str | None]:
+    return dict(_versions())
+
+
+@functools.cache  # package metadata is read once: every checkpoint's manifest holds it
+def _versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__}
     for name in ("transformers", "accelerate", "deepspeed", "datasets"):
         try:

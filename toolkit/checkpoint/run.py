@@ -11,7 +11,7 @@ from pathlib import Path
 from torch import nn
 
 from toolkit.checkpoint import state, store
-from toolkit.dist import DistEnv, restarted
+from toolkit.dist import DistEnv, barrier, restarted
 from toolkit.errors import RecipeError
 from toolkit.recipe import BatchPlan, Recipe
 
@@ -89,7 +89,11 @@ class Saver:
         self.last_step: int | None = None  # the newest checkpoint this run wrote
         self.last_path: Path | None = None
         self.pending: state.PendingSave | None = None  # an async save still being written
-        self._async_group = None
+        self._writer: state.AsyncWriter | None = None
+        if self.config.every_steps or self.config.final:
+            if env.is_main:
+                store.remove_partials(Path(recipe.output_dir))
+            barrier(env)  # once, so that no save needs a barrier before its ranks write
 
     def due(self, step: int) -> bool:
         if step <= self.done_steps:
@@ -99,15 +103,14 @@ class Saver:
 
     def save(self, strategy, *, step: int, wait: bool = False) -> float:
         """Collective. Returns the seconds the save held training up. With checkpoint.async the files are
-        written in the background and committed at the next save or at finish() (or now, with `wait`)."""
+        copied and written in the background (the next update waits for the copy: `before_update`) and
+        committed on rank 0 once written; `wait` (or finish()) waits for all of it."""
         from toolkit.runinfo import versions
 
         start = time.perf_counter()
         self.finish()  # the previous async save first: checkpoints are committed in order
-        if self.config.async_save and self._async_group is None and self.env.distributed:
-            import torch.distributed as dist
-
-            self._async_group = dist.new_group(backend="gloo")  # every rank reaches its first save together
+        if self.config.async_save and self._writer is None:
+            self._writer = state.AsyncWriter.create(self.env)
         module = strategy.export_module()
 
         def hf_files(folder: Path) -> None:
@@ -118,13 +121,11 @@ class Saver:
                     "global_batch_size": self.plan.global_batch_size, "total_steps": self.total_steps,
                     "tokens_seen": self.tokens_seen, "recipe_hash": store.recipe_hash(self.recipe),
                     "task": self.recipe.model.task, "versions": versions(), "time": time.time()}
-        pending = state.save(strategy, step=step, out_dir=Path(self.recipe.output_dir), env=self.env,
-                             recipe=self.recipe, manifest=manifest, hf_files=hf_files, keep_last=self.config.keep_last,
-                             async_group=self._async_group if self.config.async_save else None)
-        if self.config.async_save:
-            self.pending = pending
-            if wait:
-                self.finish()
+        self.pending = state.save(strategy, step=step, out_dir=Path(self.recipe.output_dir), env=self.env,
+                                  recipe=self.recipe, manifest=manifest, hf_files=hf_files,
+                                  keep_last=self.config.keep_last, background=self._writer)
+        if wait:
+            self.finish()
         seconds = time.perf_counter() - start
         self.last_step, self.last_path = step, store.final_path(Path(self.recipe.output_dir), step)
         if self.env.is_main:
@@ -133,11 +134,20 @@ class Saver:
                   file=sys.stderr, flush=True)
         return seconds
 
+    def before_update(self) -> float:
+        """Before an optimizer step: wait until an async save has copied the weights it writes. Seconds held."""
+        return self.pending.wait_staged() if self.pending is not None else 0.0
+
     def finish(self) -> None:
-        """Commit an async save still in flight (collective: every rank waits for it)."""
+        """Wait for an async save still in flight and its commit (collective: every rank waits for it)."""
         if self.pending is not None:
             self.pending.commit()
             self.pending = None
-            from toolkit.dist import barrier
-
             barrier(self.env)
+
+    def close(self) -> None:
+        """After the last save: commit what is in flight, release the background writer."""
+        self.finish()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

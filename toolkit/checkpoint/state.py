@@ -11,6 +11,8 @@ reshards on load.
 from __future__ import annotations
 
 import sys
+import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,34 +96,59 @@ def _plain(value: Any) -> Any:
 
 # --- saving ---------------------------------------------------------------------------------------------------
 
-@dataclass
 class PendingSave:
-    """A checkpoint whose tensors are being written; `commit()` makes it a checkpoint (rank 0 renames)."""
+    """A checkpoint whose tensors are being written in the background (checkpoint.async).
 
-    step: int
-    out_dir: Path
-    env: DistEnv
-    writing: Future | None  # dcp.async_save's future; None: written already (a synchronous save)
-    finish: Callable[[], None]  # rank 0: manifest, rename, keep_last
+    Three things finish in order: the staging copy (training may not update the weights before it is done:
+    `wait_staged()`), every rank's files (DCP's coordinator on rank 0 writes the metadata after gathering every
+    rank's write results, so rank 0's future is done only when all are), then rank 0's commit (manifest,
+    rename, keep_last), which runs on a thread of its own so training is not held for it. `commit()` waits for
+    all three and raises what failed."""
+
+    def __init__(self, *, step: int, out_dir: Path, env: DistEnv, response, finish: Callable[[], None]):
+        self.step, self.out_dir, self.env = step, out_dir, env
+        self.staging: Future = response.staging_completion
+        self.writing: Future = response.upload_completion
+        self._failure: BaseException | None = None
+        self._committer: threading.Thread | None = None
+        if env.is_main:
+            def commit_when_written() -> None:
+                try:
+                    self.writing.result()
+                    finish()
+                except BaseException as exc:  # noqa: BLE001 - re-raised by commit() on the main thread
+                    self._failure = exc
+
+            # a daemon: a run that dies while a save is in flight exits without it (the save stays partial)
+            self._committer = threading.Thread(target=commit_when_written, name="toolkit-checkpoint-commit",
+                                               daemon=True)
+            self._committer.start()
+
+    def wait_staged(self) -> float:
+        """Seconds waited for the staging copy (before an update may change the weights it copies)."""
+        if self.staging.done():
+            self.staging.result()  # raises a failed copy
+            return 0.0
+        start = time.perf_counter()
+        self.staging.result()
+        return time.perf_counter() - start
 
     def commit(self) -> Path:
-        if self.writing is not None:
-            # done on rank 0 only once every rank's files are written: DCP's coordinator writes the
-            # metadata after gathering every rank's write results
-            self.writing.result()
-        if self.env.is_main:
-            self.finish()
+        self.staging.result()
+        self.writing.result()
+        if self._committer is not None:
+            self._committer.join()
+            if self._failure is not None:
+                raise self._failure
         return store.final_path(self.out_dir, self.step)
 
 
 def save(strategy, *, step: int, out_dir: Path, env: DistEnv, recipe, manifest: dict, hf_files,
-         keep_last: int, async_group=None) -> PendingSave:
-    """Collective: every rank hands its part to DCP (in the background with `async_group`, a process group
-    of its own so the writes' collectives never interleave with training's). Commit the result."""
-    partial = store.partial_path(out_dir, step)
-    if env.is_main:
-        store.begin(out_dir, step)
-    barrier(env)
+         keep_last: int, background=None) -> PendingSave | None:
+    """Collective: every rank hands its part to DCP. Synchronous: written and committed on return (None).
+    With `background` (an AsyncWriter: a process group of its own, so the writes' collectives never
+    interleave with training's, and a stager that copies in a thread): returns the PendingSave."""
+    partial = store.partial_path(out_dir, step)  # DCP creates it; Saver removed stale ones at the start
     tensors = strategy.checkpoint_tensors()
     state = {"model": tensors["model"], "optim": tensors["optim"], "rng": {str(env.rank): torch.get_rng_state()}}
     extra = strategy.checkpoint_extra()  # now: training moves the schedule on while the files are written
@@ -131,15 +158,41 @@ def save(strategy, *, step: int, out_dir: Path, env: DistEnv, recipe, manifest: 
                              recipe=recipe, hf_files=hf_files)
         store.commit(out_dir, step, keep_last=keep_last)
 
-    if async_group is None:
+    if background is None:
         dcp.save(state, checkpoint_id=str(partial))
-        pending = PendingSave(step=step, out_dir=out_dir, env=env, writing=None, finish=finish)
-        pending.commit()
+        if env.is_main:
+            finish()
         barrier(env)
-        return pending
-    # the state is staged (copied) before this returns, so the next optimizer step cannot change it
-    writing = dcp.async_save(state, checkpoint_id=str(partial), process_group=async_group)
-    return PendingSave(step=step, out_dir=out_dir, env=env, writing=writing, finish=finish)  # type: ignore[arg-type]
+        return None
+    response = dcp.async_save(state, checkpoint_id=str(partial), process_group=background.group,
+                              async_stager=background.stager)
+    return PendingSave(step=step, out_dir=out_dir, env=env, response=response, finish=finish)
+
+
+@dataclass
+class AsyncWriter:
+    """What every async save of a run shares: its process group and its stager (a copy made on a thread)."""
+
+    group: Any
+    stager: Any
+
+    @classmethod
+    def create(cls, env: DistEnv) -> "AsyncWriter":
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        group = None
+        if env.distributed:
+            import torch.distributed as dist
+
+            group = dist.new_group(backend="gloo")  # collective: every rank reaches its first save together
+        # copies on a thread of its own; pinned/shared memory and non-blocking copies are for accelerators
+        on_gpu = torch.device(env.device).type == "cuda"
+        options = StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=True,
+                                 use_non_blocking_copy=on_gpu)
+        return cls(group=group, stager=DefaultStager(options))
+
+    def close(self) -> None:
+        self.stager.close()
 
 
 # --- loading --------------------------------------------------------------------------------------------------

@@ -111,15 +111,11 @@ def check_output_dir(out_dir: Path, *, resume: bool) -> None:
                           f"one elsewhere with --set output_dir=OTHER")
 
 
-def begin(out_dir: Path, step: int) -> Path:
-    """Rank 0, before any rank writes: a fresh partial folder (a leftover from a crashed save is removed)."""
+def remove_partials(out_dir: Path) -> None:
+    """Rank 0, before the run's first save: what a crashed save left behind (never resumed from) goes."""
     root = checkpoints_dir(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".step-*.partial"):
+    for stale in root.glob(".step-*.partial") if root.is_dir() else ():
         shutil.rmtree(stale, ignore_errors=True)
-    partial = partial_path(out_dir, step)
-    partial.mkdir()
-    return partial
 
 
 def write_manifest(partial: Path, manifest: dict, *, recipe: Recipe, hf_files) -> None:
