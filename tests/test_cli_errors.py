@@ -106,3 +106,57 @@ def test_zero_refuses_a_precision_its_accelerator_lacks(tmp_path, tiny_llama_dir
     recipe, out = _bad_recipe(tmp_path, tiny_llama_dir, strategy={"name": "zero"}, precision="fp16")
     _assert_one_line_exit_2(main(["validate", str(recipe)]), capsys,
                             "precision fp16 is not supported by DeepSpeed's cpu accelerator; use precision: bf16", out)
+
+
+# a data file as a newcomer may have it: (its name, its text, the task, words of the one line)
+BAD_FILES = {
+    "header only": ("train.csv", "text,label\n", "causal-lm", "has no rows (a header at most)"),
+    "empty file": ("train.jsonl", "", "causal-lm", "is empty: it has no rows"),
+    "unparsable": ("train.jsonl", '{"text": "fine"}\n{"text": "cut\n', "causal-lm", "cannot be read as json"),
+    "text not text": ("train.csv", "text,label\n3,1\n4,0\n", "causal-lm", "column 'text' holds int64 values, not text"),
+    "row without text": ("train.jsonl", '{"text": "a"}\n{"text": null}\n', "causal-lm", "row 2 has no 'text'"),
+    "label outside num_labels": ("train.csv", "text,label\ngood,1\nbad,7\n", "sequence-classification",
+                                 "has label 7 in column 'label', outside 0..1 (model.num_labels: 2)"),
+    "text labels": ("train.csv", "text,label\ngood,pos\nbad,neg\n", "sequence-classification",
+                    "column 'label' holds text (e.g. 'pos'); labels must be class ids 0..1"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+@pytest.mark.parametrize("command", ["train", "validate"])
+def test_a_bad_data_file_exits_2_with_one_line(case, command, tmp_path, tiny_llama_dir, capsys):
+    name, text, task, words = BAD_FILES[case]
+    data = tmp_path / name
+    data.write_text(text)
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, task=task, output_dir=out,
+                          data={"train": str(data), "eval": None})
+    _assert_one_line_exit_2(main([command, str(recipe)]), capsys, f"data.train: {data} {words}", out)
+
+
+def test_model_path_to_a_file_and_max_length_beyond_the_positions(tmp_path, tiny_llama_dir, capsys):
+    recipe, out = _bad_recipe(tmp_path, tiny_llama_dir, model={"path": str(tiny_llama_dir / "config.json")})
+    _assert_one_line_exit_2(main(["train", str(recipe)]), capsys, "config.json is a file; point it at the "
+                            "folder save_pretrained wrote", out)
+    # the tiny Llama has 64 positions (tests/conftest.py)
+    recipe, out = _bad_recipe(tmp_path, tiny_llama_dir, data={"max_length": 65})
+    _assert_one_line_exit_2(main(["train", str(recipe)]), capsys, "data.max_length 65 is above the model's "
+                            "position limit 64", out)
+
+
+def test_a_yaml_syntax_error_names_file_line_and_column(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  path: x\n data:\n  train: y\n")
+    _assert_one_line_exit_2(main(["validate", str(recipe)]), capsys, f"recipe {recipe}:3:2: not valid YAML: "
+                            "expected <block end>, but found '<block mapping start>'", tmp_path / "out")
+
+
+def test_a_bad_data_file_is_refused_by_launch_before_any_rank_starts(tmp_path, tiny_llama_dir):
+    data = tmp_path / "train.csv"
+    data.write_text("text,label\n")
+    recipe, out = _bad_recipe(tmp_path, tiny_llama_dir, strategy={"name": "ddp"}, data={"train": str(data)})
+    result = run_cli("launch", "--nproc", "2", str(recipe))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [f"toolkit: error: data.train: {data} has no rows (a header at "
+                                                  "most); point data.train at a file with data"]
+    assert not out.exists()

@@ -3,55 +3,51 @@ so a user's mistake is one line from the launcher, not a failure inside every ra
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from toolkit.errors import RecipeError
 from toolkit.recipe import BatchPlan, Recipe
 from toolkit.strategies import validate_strategy
 
 
 def check_paths(recipe: Recipe) -> None:
-    from toolkit.model import resolve_path
+    from toolkit.model import check_model_dir, resolve_path
 
     if recipe.model.path is not None:
-        path = resolve_path(recipe.model.path)
-        if not (path / "config.json").is_file():
-            raise RecipeError(f"model.path: {path} is not a saved model (no config.json); "
-                              "point it at a folder written by save_pretrained")
-    if recipe.model.tokenizer is not None and not resolve_path(recipe.model.tokenizer).is_dir():
-        raise RecipeError(f"model.tokenizer: {recipe.model.tokenizer} does not exist")
+        check_model_dir(resolve_path(recipe.model.path), "model.path")
+    if recipe.model.tokenizer is not None:
+        check_model_dir(resolve_path(recipe.model.tokenizer), "model.tokenizer")
+    from toolkit.data import data_file
+
     for key in ("train", "eval"):
         value = getattr(recipe.data, key)
-        if value is not None and not Path(value).is_file():
-            raise RecipeError(f"data.{key}: {value} not found; give a local json/jsonl/csv/parquet/txt file")
+        if value is not None:
+            data_file(f"data.{key}", value)
 
 
-def check_columns(recipe: Recipe) -> None:
-    """Reads the data files' column names (not the data) and checks the named columns exist."""
-    import datasets
+def check_position_limit(recipe: Recipe) -> None:
+    """data.max_length within the model's position embeddings (reads config.json only)."""
+    from toolkit.model import position_limit
 
-    from toolkit.data import FORMATS
+    limit = position_limit(recipe.model)
+    if limit is not None and recipe.data.max_length > limit:
+        raise RecipeError(f"data.max_length {recipe.data.max_length} is above the model's position limit {limit} "
+                          f"(max_position_embeddings); set data.max_length <= {limit}")
 
-    datasets.disable_progress_bars()
-    wanted = [recipe.data.text_column]
-    if recipe.model.task == "sequence-classification" and recipe.data.label_column:
-        wanted.append(recipe.data.label_column)
-    for key in ("train", "eval"):
-        value = getattr(recipe.data, key)
-        if value is None:
-            continue
-        fmt = FORMATS.get(Path(value).suffix)
-        if fmt is None:
-            raise RecipeError(f"data.{key}: {value}: unknown format; use one of {', '.join(FORMATS)}")
-        columns = datasets.load_dataset(fmt, data_files=value, split="train").column_names
-        for column in wanted:
-            if column not in columns:
-                raise RecipeError(f"data.{key}: {value} has no column {column!r} (it has {', '.join(columns)}); "
-                                  "set data.text_column / data.label_column to one of those")
+
+def check_data(recipe: Recipe) -> None:
+    """Reads the data files (not tokenized): they have rows, and the named columns hold what training needs."""
+    from toolkit.data import check_rows, data_file, read_rows
+
+    for key in ("data.train", "data.eval"):
+        value = getattr(recipe.data, key.split(".")[1])
+        if value is not None:
+            file = data_file(key, value)
+            check_rows(read_rows(file, key=key), file, key=key, data=recipe.data, task=recipe.model.task,
+                       num_labels=recipe.model.num_labels)
 
 
 def check_recipe(recipe: Recipe, *, world_size: int) -> BatchPlan:
     plan = validate_strategy(recipe, world_size=world_size)
     check_paths(recipe)
-    check_columns(recipe)
+    check_position_limit(recipe)
+    check_data(recipe)
     return plan

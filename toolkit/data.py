@@ -24,39 +24,109 @@ from toolkit.recipe import BatchPlan, DataConfig
 FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
-def load_split(path: str, *, data: DataConfig, task: str, tokenizer, env: DistEnv):
-    """A tokenized `datasets.Dataset` with input_ids (+ label). Rank 0 tokenizes; the others read its cache."""
-    file = Path(path)
-    if not file.is_file():
-        raise RecipeError(f"data: {path} not found; give a local json/jsonl/csv/parquet/txt file")
-    fmt = FORMATS.get(file.suffix)
-    if fmt is None:
-        raise RecipeError(f"data: {path}: unknown format {file.suffix!r}; use one of {', '.join(FORMATS)}")
+def load_split(key: str, *, data: DataConfig, task: str, num_labels: int, tokenizer, env: DistEnv):
+    """The tokenized `datasets.Dataset` of recipe key `key` (data.train / data.eval) with input_ids (+ label).
+    Rank 0 tokenizes; the others read its cache."""
+    path = getattr(data, key.split(".")[-1])
+    file = data_file(key, path)
     error = None
     if env.is_main:
         try:
-            dataset = _tokenized(file, fmt, data=data, task=task, tokenizer=tokenizer)
+            dataset = _tokenized(file, key=key, data=data, task=task, num_labels=num_labels, tokenizer=tokenizer)
         except RecipeError as exc:
             error = str(exc)
     error = broadcast_object(error, env)  # the other ranks fail with rank 0's message instead of hanging
     if error is not None:
         raise RecipeError(error)
-    if not env.is_main:
-        dataset = _tokenized(file, fmt, data=data, task=task, tokenizer=tokenizer)  # reads rank 0's cache
+    if not env.is_main:  # reads rank 0's cache
+        dataset = _tokenized(file, key=key, data=data, task=task, num_labels=num_labels, tokenizer=tokenizer)
     return dataset
 
 
-def _tokenized(file: Path, fmt: str, *, data: DataConfig, task: str, tokenizer):
+def data_file(key: str, path: str) -> Path:
+    file = Path(path)
+    if not file.is_file():
+        what = "is a folder" if file.is_dir() else "not found"
+        raise RecipeError(f"{key}: {path} {what}; give a local json/jsonl/csv/parquet/txt file")
+    if file.suffix not in FORMATS:
+        raise RecipeError(f"{key}: {path}: unknown format {file.suffix!r}; use one of {', '.join(FORMATS)}")
+    return file
+
+
+def read_rows(file: Path, *, key: str):
+    """The file's rows, untokenized. A file without rows (empty, or a CSV header alone) or one that does not
+    parse as its suffix says is one line naming it."""
     import datasets
 
+    if file.stat().st_size == 0:
+        raise RecipeError(f"{key}: {file} is empty: it has no rows; point {key} at a file with data")
     datasets.disable_progress_bars()
-    raw = datasets.load_dataset(fmt, data_files=str(file), split="train")
+    fmt = FORMATS[file.suffix]
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a parse error is the one line below, not the
+    try:                                                        # library's log of it too
+        raw = datasets.load_dataset(fmt, data_files=str(file), split="train")
+    except ValueError as exc:
+        if "corresponds to no data" not in str(exc):
+            raise
+        raw = None
+    except datasets.exceptions.DatasetGenerationError as exc:
+        cause = str(exc.__cause__ or exc).strip().splitlines()
+        raise RecipeError(f"{key}: {file} cannot be read as {fmt} ({cause[-1][:200] if cause else 'no detail'}); "
+                          "fix the file or give it the suffix of its format") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+    if raw is None or len(raw) == 0:
+        raise RecipeError(f"{key}: {file} has no rows (a header at most); point {key} at a file with data")
+    return raw
+
+
+def check_rows(raw, file: Path, *, key: str, data: DataConfig, task: str, num_labels: int) -> None:
+    """The named columns exist and hold what training needs: text, and class ids within model.num_labels."""
+    import datasets
+
     needed = [data.text_column] + ([data.label_column] if task == "sequence-classification" else [])
     for column in needed:
         if column not in raw.column_names:
-            raise RecipeError(f"data: {file} has no column {column!r} (it has {', '.join(raw.column_names)}); "
+            raise RecipeError(f"{key}: {file} has no column {column!r} (it has {', '.join(raw.column_names)}); "
                               f"set data.text_column / data.label_column to one of those")
-    key = _cache_key(file, data=data, task=task, tokenizer=tokenizer)
+    text = raw.features[data.text_column]
+    if not (isinstance(text, datasets.Value) and text.dtype in ("string", "large_string")):
+        raise RecipeError(f"{key}: {file} column {data.text_column!r} holds {_describe(text)}, not text; set "
+                          "data.text_column to the column with the text")
+    missing = next((i for i, v in enumerate(raw[data.text_column]) if v is None), None)
+    if missing is not None:
+        raise RecipeError(f"{key}: {file} row {missing + 1} has no {data.text_column!r}; fill or drop it")
+    if task != "sequence-classification":
+        return
+    assert data.label_column is not None  # Recipe: required for sequence-classification
+    label = raw.features[data.label_column]
+    if isinstance(label, datasets.ClassLabel):
+        values = raw.unique(data.label_column)
+    elif isinstance(label, datasets.Value) and label.dtype.startswith(("int", "uint")):
+        values = raw.unique(data.label_column)
+    else:
+        example = next((v for v in raw[data.label_column] if v is not None), None)
+        raise RecipeError(f"{key}: {file} column {data.label_column!r} holds {_describe(label)} (e.g. {example!r}); "
+                          f"labels must be class ids 0..{num_labels - 1}")
+    bad = sorted((v for v in values if v is None or not 0 <= v < num_labels), key=lambda v: (v is None, v or 0))
+    if bad:
+        raise RecipeError(f"{key}: {file} has label {bad[0]!r} in column {data.label_column!r}, outside "
+                          f"0..{num_labels - 1} (model.num_labels: {num_labels}); fix the data or set "
+                          "model.num_labels")
+
+
+def _describe(feature) -> str:
+    dtype = getattr(feature, "dtype", None)
+    if dtype in ("string", "large_string"):
+        return "text"
+    return f"{dtype} values" if dtype else type(feature).__name__
+
+
+def _tokenized(file: Path, *, key: str, data: DataConfig, task: str, num_labels: int, tokenizer):
+    raw = read_rows(file, key=key)
+    check_rows(raw, file, key=key, data=data, task=task, num_labels=num_labels)
+    cache = _cache_key(file, data=data, task=task, tokenizer=tokenizer)
     text, label = data.text_column, data.label_column
 
     def encode(batch):
@@ -66,11 +136,13 @@ def _tokenized(file: Path, fmt: str, *, data: DataConfig, task: str, tokenizer):
             result["label"] = [int(v) for v in batch[label]]
         return result
 
-    dataset = raw.map(encode, batched=True, remove_columns=raw.column_names, new_fingerprint=key)
+    dataset = raw.map(encode, batched=True, remove_columns=raw.column_names, new_fingerprint=cache)
     if task == "causal-lm" and data.packing:
-        dataset = dataset.map(_packer(data.max_length), batched=True, new_fingerprint=key + "-packed")
-    if len(dataset) == 0:
-        raise RecipeError(f"data: {file} has no samples")
+        tokens = sum(len(ids) for ids in dataset["input_ids"])
+        dataset = dataset.map(_packer(data.max_length), batched=True, new_fingerprint=cache + "-packed")
+        if len(dataset) == 0:
+            raise RecipeError(f"{key}: {file} has {tokens} tokens, fewer than one packed block of data.max_length "
+                              f"{data.max_length}; lower data.max_length or add data")
     return dataset
 
 

@@ -25,6 +25,7 @@ from toolkit import faults, runinfo
 from toolkit.checkpoint import run as checkpoints
 from toolkit.checkpoint.run import Resume
 from toolkit.comm import CollectiveCounter, counting
+from toolkit.checks import check_position_limit
 from toolkit.consistency import check_replicas
 from toolkit.data import Collator, DataLayout, GlobalBatchSampler, load_split, train_loader
 from toolkit.dist import DistEnv, all_reduce_sum
@@ -82,10 +83,12 @@ def prepare(recipe: Recipe, env: DistEnv):
     plan = validate_strategy(recipe, world_size=env.world_size)  # again: torchrun/accelerate skip `toolkit launch`
     layout = make_strategy(recipe).data_layout(recipe, world_size=env.world_size, rank=env.rank)
     check_precision_supported(recipe.precision, env.device)
+    check_position_limit(recipe)
     tokenizer = load_tokenizer(recipe.model)
-    kwargs = dict(data=recipe.data, task=recipe.model.task, tokenizer=tokenizer, env=env)
-    train_ds = load_split(recipe.data.train, **kwargs)
-    eval_ds = load_split(recipe.data.eval, **kwargs) if recipe.data.eval else None
+    kwargs = dict(data=recipe.data, task=recipe.model.task, num_labels=recipe.model.num_labels, tokenizer=tokenizer,
+                  env=env)
+    train_ds = load_split("data.train", **kwargs)
+    eval_ds = load_split("data.eval", **kwargs) if recipe.data.eval else None
     sampler = GlobalBatchSampler(num_samples=len(train_ds), plan=plan, rank=layout.rank, seed=recipe.seed)
     if sampler.steps_per_epoch == 0:
         raise RecipeError(f"data: {len(train_ds)} train samples are fewer than one global batch of "

@@ -26,7 +26,10 @@ def resolve_path(spec: str) -> Path:
     return Path(os.path.expanduser(spec))
 
 
-def _check_model_dir(path: Path, key: str) -> None:
+def check_model_dir(path: Path, key: str) -> None:
+    if path.is_file():
+        raise RecipeError(f"{key}: {path} is a file; point it at the folder save_pretrained wrote (the one "
+                          "holding config.json)")
     if not path.is_dir():
         raise RecipeError(f"{key}: {path} does not exist; point it at a folder written by save_pretrained")
     if key == "model.path" and not (path / "config.json").is_file():
@@ -39,11 +42,30 @@ def load_tokenizer(config: ModelConfig):
     source = config.tokenizer or config.path
     assert source is not None  # ModelConfig: a from-scratch config needs model.tokenizer
     path = resolve_path(source)
-    _check_model_dir(path, "model.tokenizer" if config.tokenizer else "model.path")
+    check_model_dir(path, "model.tokenizer" if config.tokenizer else "model.path")
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     return tokenizer
+
+
+def position_limit(config: ModelConfig) -> int | None:
+    """The longest sequence the model's position embeddings cover, from its config (None: not declared)."""
+    if config.path is not None:
+        import json
+
+        path = resolve_path(config.path)
+        check_model_dir(path, "model.path")
+        try:
+            fields = json.loads((path / "config.json").read_text())
+        except ValueError as exc:
+            raise RecipeError(f"model.path: {path}/config.json is not valid JSON ({exc})") from None
+    else:
+        fields = dict(config.config or {})
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        if isinstance(fields.get(name), int):
+            return fields[name]
+    return None
 
 
 def build_model(config: ModelConfig, *, tokenizer, seed: int) -> nn.Module:
@@ -57,7 +79,7 @@ def build_model(config: ModelConfig, *, tokenizer, seed: int) -> nn.Module:
     torch.manual_seed(seed)  # same seed on every rank: identical fresh weights everywhere
     if config.path is not None:
         path = resolve_path(config.path)
-        _check_model_dir(path, "model.path")
+        check_model_dir(path, "model.path")
         model = auto.from_pretrained(str(path), dtype=dtype, **extra)
     else:
         fields = dict(config.config or {})
@@ -108,7 +130,7 @@ def meta_model(config: ModelConfig) -> nn.Module:
     extra = {"num_labels": config.num_labels} if config.task == "sequence-classification" else {}
     if config.path is not None:
         path = resolve_path(config.path)
-        _check_model_dir(path, "model.path")
+        check_model_dir(path, "model.path")
         hf_config = transformers.AutoConfig.from_pretrained(str(path), **extra)
     else:
         fields = dict(config.config or {})

@@ -233,6 +233,18 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
     return recipe_from_dict(read_recipe_dict(path, overrides))
 
 
+def _yaml_where(path: Path, exc: yaml.YAMLError) -> str:
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    return f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    problem, context = getattr(exc, "problem", None), getattr(exc, "context", None)
+    if problem:
+        return f"{problem} ({context})" if context else str(problem)
+    return str(exc).splitlines()[0]
+
+
 def read_recipe_dict(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> dict:
     """The recipe file as a plain dict with the overrides applied, not yet validated."""
     path = Path(path)
@@ -241,7 +253,7 @@ def read_recipe_dict(path: str | os.PathLike, overrides: list[str] | tuple[str, 
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise RecipeError(f"recipe {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        raise RecipeError(f"recipe {_yaml_where(path, exc)}: not valid YAML: {_yaml_problem(exc)}") from None
     if not isinstance(raw, dict):
         raise RecipeError(f"recipe {path} must be a mapping of sections (model, data, ...)")
     for item in overrides:
