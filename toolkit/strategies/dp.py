@@ -6,6 +6,8 @@ loss needs no rescaling: the process sees one batch and one loss.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -20,7 +22,14 @@ INFO = StrategyInfo(
 
 
 def wrap_data_parallel(module: nn.Module, args: SetupArgs) -> nn.Module:
-    return nn.DataParallel(module) if torch.cuda.device_count() > 1 else module
+    gpus = torch.cuda.device_count()
+    if gpus > 1:
+        return nn.DataParallel(module)
+    if args.env.is_main:  # DataParallel over one device is the plain module: say so rather than pretend
+        where = "one GPU" if gpus == 1 else "the CPU (no CUDA device)"
+        print(f"[toolkit] warning: strategy dp needs 2+ CUDA devices; this machine has {gpus}, so it runs as "
+              f"one process on {where}, like strategy single", file=sys.stderr, flush=True)
+    return module
 
 
 DP = Replication(info=INFO, wrap=wrap_data_parallel, reduce_desc="sum onto GPU 0 ({dtype})")
