@@ -19,7 +19,7 @@ def experiment(tmp_path_factory, tiny_tied_llama_dir):
                           batch={"micro_batch_size": 4, "grad_accum_steps": 1})
     out = root / "exp"
     result = run_cli("compare", str(recipe), "--strategies", "single,ddp,fsdp,zero2,zero3,pp-1f1b", "--nproc",
-                     "2", "--steps", "5", "--set", f"output_dir={out}")
+                     "2", "--steps", "5", "--output", str(out))  # (--set output_dir=... works as well: below)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out, json.loads((out / "results.json").read_text()), result.stdout
 

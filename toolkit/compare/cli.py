@@ -15,6 +15,9 @@ def add_compare_commands(sub, add_overrides) -> None:
                          help="comma-separated arms, first = reference (default single,ddp,fsdp,zero2,zero3)")
     compare.add_argument("--nproc", type=int, default=None, help="ranks per multi-process arm (default 2)")
     compare.add_argument("--steps", type=int, default=None, help="optimizer steps per arm")
+    compare.add_argument("--output", default=None, metavar="DIR",
+                         help="the experiment folder (default runs/<date>-compare); run again with the same "
+                              "DIR to finish the arms not completed")
     add_overrides(compare)
     report = sub.add_parser("report", help="re-render the report of a compare experiment directory")
     report.add_argument("experiment_dir")
@@ -55,13 +58,14 @@ def cmd_compare(args) -> int:
     if not Path(args.recipe).is_file():
         raise RecipeError(f"{args.recipe} not found; pass a recipe or a matrix file")
     is_matrix = "strategies" in (yaml.safe_load(Path(args.recipe).read_text()) or {})
+    overrides = [*args.overrides, *([f"output_dir={args.output}"] if args.output else [])]
     if is_matrix:
-        experiment = load_matrix(args.recipe, nproc=args.nproc, steps=args.steps, overrides=args.overrides)
+        experiment = load_matrix(args.recipe, nproc=args.nproc, steps=args.steps, overrides=overrides)
     else:
         strategies = (args.strategies or "single,ddp,fsdp,zero2,zero3").split(",")
         experiment = build_experiment(args.recipe, strategies=[s.strip() for s in strategies if s.strip()],
                                       precisions=[None], accums=[None], nproc=args.nproc or 2, steps=args.steps,
-                                      overrides=args.overrides)
+                                      overrides=overrides)
     experiment.arms += calibration_arms(experiment)
     print(f"[compare] experiment {experiment.out_dir}: {len(experiment.arms)} arms "
           f"({', '.join(a.name for a in experiment.arms)})", flush=True)
