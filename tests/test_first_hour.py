@@ -1,8 +1,16 @@
 """What a new user meets around the training itself: what a run says while it runs, and how it ends."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
-from conftest import write_recipe
+import psutil
+
+from conftest import REPO, metrics, toolkit_env, write_recipe
 from toolkit.cli import main
 
 
@@ -23,3 +31,66 @@ def test_dp_without_two_gpus_says_what_it_ran_as_and_progress_shows_eval_loss(tm
     assert [line.split()[1] for line in lines] == ["2/3", "3/3"]
     for line, step in zip(lines, (2, 3)):
         assert f" eval_loss {evaluated[step]:.4f} " in line
+
+
+def ctrl_c(args: list[str], *, started, timeout: float = 240) -> tuple[subprocess.CompletedProcess, list[int]]:
+    """Run `toolkit ARGS` in a session of its own, wait until `started()` holds, then press Ctrl-C as a terminal
+    does: SIGINT to the whole process group. Returns the result and the processes below it at that moment."""
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", *args], cwd=REPO, env=toolkit_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while not started():
+        assert proc.poll() is None, f"ended before Ctrl-C: {proc.communicate()}"
+        assert time.monotonic() < deadline, "never started"
+        time.sleep(0.2)
+    below = [child.pid for child in psutil.Process(proc.pid).children(recursive=True)]
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), below
+
+
+def assert_none_left(pids: list[int]) -> None:
+    time.sleep(0.5)
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"left running: {alive}"
+
+
+def stepped(run_dir: Path) -> bool:
+    path = run_dir / "metrics.jsonl"
+    return path.is_file() and bool(path.read_text().strip())
+
+
+def test_ctrl_c_stops_every_rank_after_its_step_with_one_line(tmp_path, tiny_llama_dir):
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out, strategy={"name": "ddp"},
+                          data={"eval": None}, batch={"micro_batch_size": 4},
+                          train={"max_steps": 2000, "consistency_check_every": None})
+    result, ranks = ctrl_c(["launch", "--nproc", "2", str(recipe)], started=lambda: stepped(out))
+    assert len(ranks) == 2  # the two ranks (torch's agent runs inside the launcher)
+    assert result.returncode == 130 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    said = [line for line in result.stderr.splitlines() if line.startswith("toolkit:")]
+    assert len(said) == 1 and said[0].startswith("toolkit: interrupted at step ") and \
+        f"of 2000; outputs so far in {out}; checkpoint {out}/checkpoints/step-" in said[0], result.stderr
+    assert all(line.startswith(("[toolkit]", "toolkit:")) for line in result.stderr.splitlines()), result.stderr
+    step = int(said[0].split()[4])
+    assert [m["step"] for m in metrics(out)] == list(range(1, step + 1))
+    assert (out / "checkpoints" / f"step-{step:08d}" / "manifest.json").is_file()
+    assert_none_left(ranks)
+
+
+def test_ctrl_c_during_compare_keeps_the_finished_arms_and_says_how_to_go_on(tmp_path, tiny_llama_dir):
+    exp = tmp_path / "exp"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "unused",
+                          data={"eval": None}, batch={"micro_batch_size": 4},
+                          train={"consistency_check_every": None})
+    result, below = ctrl_c(["compare", str(recipe), "--strategies", "single,ddp@train.max_steps=2000", "--steps", "2",
+                            "--nproc", "2", "--output", str(exp)],
+                           started=lambda: stepped(exp / "ddp@train.max_steps=2000"))
+    assert result.returncode == 130 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"toolkit: compare interrupted during arm ddp@train.max_steps=2000; arms completed and kept in {exp}: single; "
+                     f"run the rest with: toolkit compare {recipe} --strategies single,ddp@train.max_steps=2000 "
+                     f"--steps 2 --nproc 2 --output {exp}"]
+    assert json.loads((exp / "single" / "run.json").read_text())["status"] == "completed"
+    assert not (exp / "ddp@train.max_steps=2000" / "failed.json").exists()  # interrupted, not failed: a re-run runs it afresh
+    assert_none_left(below)

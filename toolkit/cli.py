@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 import traceback
@@ -103,12 +104,34 @@ def cmd_train(args) -> int:
     code, strategy = 1, None
     try:
         code, strategy = _train_rank(recipe, env, resume)
-    except Exception:  # a bug, not a user's mistake: the whole traceback, then the same end as any rank
-        traceback.print_exc()
-    finally:  # also on Ctrl-C, which then propagates
+    except KeyboardInterrupt:  # Ctrl-C outside the steps (inside them it is a stop signal: see loop)
+        code = interrupted(recipe, env)
+    except Exception as exc:  # a bug, not a user's mistake: the whole traceback, then the same end as any rank
+        if peer_lost(exc, env):  # the consequence of another rank's failure, which that rank reports
+            print(f"toolkit: rank {env.rank}: stopped, another rank left the run ({_first_line(exc)})",
+                  file=sys.stderr, flush=True)
+        else:
+            traceback.print_exc()
+    finally:
         release = strategy.close if strategy is not None else None
         left_cleanly = shutdown(completed=code == 0, release=release)
     return exit_process(code if left_cleanly else 1)
+
+
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed",
+             "Connection refused")  # gloo's words for a peer process that is gone
+
+
+def peer_lost(exc: BaseException, env) -> bool:
+    import torch.distributed as dist
+
+    return env.distributed and isinstance(exc, (RuntimeError, dist.DistError)) and \
+        any(words in str(exc) for words in PEER_LOST)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:200]
 
 
 def _train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
@@ -133,8 +156,10 @@ def _train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
         return 3, None
     except Stopped as stop:  # every rank stops after the same step; rank 0 says how to go on
         if env.is_main:
-            print(f"toolkit: stopped by {stop}; checkpoint {stop.checkpoint}; resume with: "
-                  f"{resume_command(env.world_size)}", file=sys.stderr, flush=True)
+            what = (f"interrupted at step {stop.step} of {stop.total}; outputs so far in {out_dir}"
+                    if stop.signum == signal.SIGINT else f"stopped by {stop}")
+            print(f"toolkit: {what}; checkpoint {stop.checkpoint}; resume with: {resume_command(env.world_size)}",
+                  file=sys.stderr, flush=True)
         return 128 + stop.signum, None
     except NonFinite as exc:
         if env.is_main:
@@ -149,6 +174,21 @@ def _train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
 
 
 NONFINITE_EXIT_CODE = 4
+INTERRUPTED_EXIT_CODE = 128 + 2  # SIGINT, as shells report it
+
+
+def interrupted(recipe=None, env=None) -> int:
+    """Ctrl-C outside the training steps: one line (rank 0), no traceback. Further Ctrl-Cs (the launcher
+    forwards the terminal's to every rank) are ignored: this process is on its way out already."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if (env.is_main if env is not None else os.environ.get("RANK", "0") == "0"):
+        where = ""
+        if recipe is not None:
+            out_dir = Path(recipe.output_dir)
+            where = f"; outputs so far in {out_dir}" if out_dir.is_dir() and any(out_dir.iterdir()) else \
+                "; nothing was written"
+        print(f"toolkit: interrupted{where}", file=sys.stderr, flush=True)
+    return INTERRUPTED_EXIT_CODE
 
 
 def resume_command(world_size: int) -> str:
@@ -258,6 +298,13 @@ COMMANDS = {"train": cmd_train, "launch": cmd_launch, "validate": cmd_validate, 
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C while the libraries are still being imported
+        return interrupted()
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     from toolkit.compare.cli import COMPARE_COMMANDS
     from toolkit.launch import prepare_environment
@@ -267,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     handler = {**COMMANDS, **COMPARE_COMMANDS}[args.command]
     try:
         return handler(args) or 0
+    except KeyboardInterrupt:
+        return interrupted()
     except RecipeError as exc:
         print(f"toolkit: error: {exc}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE

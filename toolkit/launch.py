@@ -45,6 +45,7 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
     from torch.distributed.run import get_args_parser, run
 
     prepare_environment()
+    quiet_agent_logs()
     args = get_args_parser().parse_args(torchrun_args(recipe_path, nproc=nproc, overrides=overrides,
                                                         extra=extra, max_restarts=max_restarts))
     # SIGUSR1 (SLURM's warning before a kill) is handled like SIGTERM: torch's agent forwards that to every
@@ -59,6 +60,18 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
         print(f"toolkit: launch failed: {describe_failures(codes)} (see the rank output above)", file=sys.stderr)
         return USER_ERROR_EXIT_CODE if set(codes.values()) == {USER_ERROR_EXIT_CODE} else 1
     return 0
+
+
+def quiet_agent_logs() -> None:
+    """torch's elastic agent logs each signal it forwards and each rank that failed; the toolkit says the same
+    in one line (describe_failures) after the ranks' own lines. LOGLEVEL (torch's switch) keeps them on."""
+    import logging
+
+    if "LOGLEVEL" in os.environ:
+        return
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def describe_failures(codes: dict[int, int]) -> str:

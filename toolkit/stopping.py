@@ -14,7 +14,8 @@ import torch
 
 from toolkit.dist import DistEnv, all_reduce_max
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# SIGINT: Ctrl-C in a terminal reaches the launcher and every rank; they stop like on SIGTERM
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class Stopped(Exception):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+import sys
 from pathlib import Path
 
 from toolkit.errors import RecipeError
@@ -53,7 +55,7 @@ def cmd_compare(args) -> int:
 
     from toolkit.compare.experiment import build_experiment, load_matrix
     from toolkit.compare.report import build_results, text_table, write_report
-    from toolkit.compare.runner import run_experiment
+    from toolkit.compare.runner import INTERRUPTED, Interrupted, run_experiment
 
     if not Path(args.recipe).is_file():
         raise RecipeError(f"{args.recipe} not found; pass a recipe or a matrix file")
@@ -69,7 +71,16 @@ def cmd_compare(args) -> int:
     experiment.arms += calibration_arms(experiment)
     print(f"[compare] experiment {experiment.out_dir}: {len(experiment.arms)} arms "
           f"({', '.join(a.name for a in experiment.arms)})", flush=True)
-    statuses = run_experiment(experiment, log=lambda line: print(line, flush=True))
+    try:
+        statuses = run_experiment(experiment, log=lambda line: print(line, flush=True))
+    except Interrupted as stop:
+        kept = ", ".join(stop.completed) or "none"
+        again = " ".join(shlex.quote(a) for a in sys.argv[1:] if a)
+        if "--output" not in sys.argv and not any(o.startswith("output_dir=") for o in args.overrides):
+            again += f" --output {shlex.quote(str(experiment.out_dir))}"
+        print(f"toolkit: compare interrupted during arm {stop.arm}; arms completed and kept in "
+              f"{experiment.out_dir}: {kept}; run the rest with: toolkit {again}", file=sys.stderr, flush=True)
+        return INTERRUPTED
     results = build_results(experiment)
     write_report(results, experiment.out_dir)
     print(text_table(results))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -36,7 +37,9 @@ def run_arm(experiment: Experiment, arm: Arm) -> str:
     out.mkdir(parents=True)
     start = time.perf_counter()
     with open(out / "launch.log", "w") as log:
-        code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        code = _run_launcher(cmd, log)
+    if code == INTERRUPTED:
+        return "interrupted"
     if code == 0 and arm_status(out) == "completed":
         return "completed"
     lines = (out / "launch.log").read_text(errors="replace").strip().splitlines()
@@ -47,9 +50,44 @@ def run_arm(experiment: Experiment, arm: Arm) -> str:
     return "failed"
 
 
+INTERRUPTED = 128 + signal.SIGINT
+
+
+def _run_launcher(cmd: list[str], log) -> int:
+    """The arm's `toolkit launch`, in a session of its own: a Ctrl-C reaches it once, from here (its agent
+    forwards it to the ranks, which stop after their step), never twice; and it is waited for, so no rank is
+    left behind. Returns its exit code, INTERRUPTED when Ctrl-C stopped it."""
+    child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(),
+                             start_new_session=True)
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM to compare stops the arm the same way
+    try:
+        return child.wait()
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # one Ctrl-C is enough: the arm is stopping
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        child.send_signal(signal.SIGINT)
+        child.wait()
+        return INTERRUPTED
+    finally:
+        if signal.getsignal(signal.SIGTERM) is _interrupt:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+class Interrupted(Exception):
+    """Ctrl-C stopped the experiment during arm `arm`; `completed` lists the arms whose runs are kept."""
+
+    def __init__(self, arm: str, completed: list[str]):
+        super().__init__(arm)
+        self.arm, self.completed = arm, completed
+
+
 def run_experiment(experiment: Experiment, *, log=print) -> dict[str, str]:
     experiment.save()
-    statuses = {}
+    statuses: dict[str, str] = {}
     for index, arm in enumerate(experiment.arms, start=1):
         status = arm_status(arm_dir(experiment, arm))
         if status == "completed":
@@ -58,6 +96,8 @@ def run_experiment(experiment: Experiment, *, log=print) -> dict[str, str]:
             log(f"[compare] {index}/{len(experiment.arms)} {arm.name}: running on {arm.nproc} rank(s)...")
             start = time.perf_counter()
             status = run_arm(experiment, arm)
+            if status == "interrupted":
+                raise Interrupted(arm.name, [name for name, done in statuses.items() if done == "completed"])
             log(f"[compare] {index}/{len(experiment.arms)} {arm.name}: {status} "
                 f"({time.perf_counter() - start:.0f} s, log {arm_dir(experiment, arm) / 'launch.log'})")
         statuses[arm.name] = status
