@@ -25,7 +25,8 @@ def without_tied_aliases(module: nn.Module, state_dict: dict) -> dict:
 
 
 def export_model(strategy, *, tokenizer, out_dir: Path, env: DistEnv) -> Path:
-    """Collective: gather full weights, then rank 0 writes a temp dir and renames it to out_dir/model."""
+    """Collective: gather full weights, then rank 0 writes a folder beside out_dir/model and swaps it in, so
+    that a complete model is always at out_dir/model (the old one until the new one is complete)."""
     state_dict = strategy.full_state_dict()
     final = out_dir / "model"
     if env.is_main:
@@ -34,7 +35,37 @@ def export_model(strategy, *, tokenizer, out_dir: Path, env: DistEnv) -> Path:
         module = strategy.export_module()
         module.save_pretrained(str(tmp), state_dict=without_tied_aliases(module, state_dict))
         tokenizer.save_pretrained(str(tmp))
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+        replace_folder(tmp, final)
     barrier(env)
     return final
+
+
+RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def replace_folder(new: Path, final: Path) -> None:
+    """Put folder `new` at `final`. An existing `final` is exchanged with `new` in one step (Linux
+    renameat2), then deleted; where that call is missing, it is moved aside first and deleted after."""
+    if not final.exists():
+        new.rename(final)
+        return
+    if not _exchange(new, final):
+        aside = final.with_name(f".{final.name}.old")
+        shutil.rmtree(aside, ignore_errors=True)
+        final.rename(aside)
+        new.rename(final)
+        new = aside
+    shutil.rmtree(new)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    import ctypes
+    import os
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd = -100
+    done = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), RENAME_EXCHANGE) == 0
+    return bool(done)
