@@ -90,6 +90,7 @@ class Saver:
         self.last_path: Path | None = None
         self.pending: state.PendingSave | None = None  # an async save still being written
         self._writer: state.AsyncWriter | None = None
+        self._manifest: dict | None = None
         if self.config.every_steps or self.config.final:
             if env.is_main:
                 store.remove_partials(Path(recipe.output_dir))
@@ -108,7 +109,7 @@ class Saver:
         from toolkit.runinfo import versions
 
         start = time.perf_counter()
-        self.finish()  # the previous async save first: checkpoints are committed in order
+        self.finish(barrier_after=False)  # the previous async save first: checkpoints are committed in order
         if self.config.async_save and self._writer is None:
             self._writer = state.AsyncWriter.create(self.env)
         module = strategy.export_module()
@@ -117,10 +118,12 @@ class Saver:
             module.config.save_pretrained(str(folder))
             self.tokenizer.save_pretrained(str(folder))
 
-        manifest = {"strategy": self.recipe.strategy.name, "precision": self.recipe.precision,
-                    "global_batch_size": self.plan.global_batch_size, "total_steps": self.total_steps,
-                    "tokens_seen": self.tokens_seen, "recipe_hash": store.recipe_hash(self.recipe),
-                    "task": self.recipe.model.task, "versions": versions(), "time": time.time()}
+        if self._manifest is None:  # what every checkpoint of the run says alike, made once
+            self._manifest = {"strategy": self.recipe.strategy.name, "precision": self.recipe.precision,
+                              "global_batch_size": self.plan.global_batch_size, "total_steps": self.total_steps,
+                              "recipe_hash": store.recipe_hash(self.recipe), "task": self.recipe.model.task,
+                              "versions": versions()}
+        manifest = {**self._manifest, "tokens_seen": self.tokens_seen, "time": time.time()}
         self.pending = state.save(strategy, step=step, out_dir=Path(self.recipe.output_dir), env=self.env,
                                   recipe=self.recipe, manifest=manifest, hf_files=hf_files,
                                   keep_last=self.config.keep_last, background=self._writer)
@@ -138,12 +141,14 @@ class Saver:
         """Before an optimizer step: wait until an async save has copied the weights it writes. Seconds held."""
         return self.pending.wait_staged() if self.pending is not None else 0.0
 
-    def finish(self) -> None:
-        """Wait for an async save still in flight and its commit (collective: every rank waits for it)."""
+    def finish(self, *, barrier_after: bool = True) -> None:
+        """Wait for an async save still in flight and its commit; with `barrier_after`, until every rank has
+        (not needed between two saves: nothing waits for the previous commit but the next one)."""
         if self.pending is not None:
             self.pending.commit()
             self.pending = None
-            barrier(self.env)
+            if barrier_after:
+                barrier(self.env)
 
     def close(self) -> None:
         """After the last save: commit what is in flight, release the background writer."""
