@@ -3,11 +3,13 @@
 SIGTERM and SIGUSR1 are what SLURM and Kubernetes send before they kill a job. The handler only notes the
 signal; at the next step boundary every rank learns whether any rank got one (one tiny all-reduce per step)
 so that all of them stop after the same step, write a checkpoint and leave. Under torchrun the launcher
-forwards the signal to every rank and waits 30 s before SIGKILL: a save must fit in that.
+forwards the signal to every rank and waits 30 s before SIGKILL: a save must fit in that. Ctrl-C (SIGINT)
+is the same stop, said as "interrupted"; a second Ctrl-C without a launcher stops at once.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 
 import torch
@@ -48,6 +50,10 @@ class StopSignals:
         return self
 
     def _note(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.received == signal.SIGINT and "TORCHELASTIC_RUN_ID" not in os.environ:
+            # a second Ctrl-C: stop now, without the checkpoint (under a launcher the second one is the copy
+            # torch's agent forwards of the first, and its own timeout ends a rank that does not stop)
+            raise KeyboardInterrupt
         self.received = self.received or signum
 
     def requested(self, env: DistEnv) -> int:
