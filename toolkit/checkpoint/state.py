@@ -191,7 +191,7 @@ class DeferredStager:
     def should_synchronize_after_execute(self) -> bool:
         return False
 
-    def stage(self, state_dict):
+    def stage(self, state_dict: dict[str, Any]) -> Future:
         future: Future = Future()
         self._job = (future, state_dict)
         return future
