@@ -119,6 +119,8 @@ BAD_FILES = {
                                  "has label 7 in column 'label', outside 0..1 (model.num_labels: 2)"),
     "text labels": ("train.csv", "text,label\ngood,pos\nbad,neg\n", "sequence-classification",
                     "column 'label' holds text (e.g. 'pos'); labels must be class ids 0..1"),
+    "row without a label": ("train.csv", "text,label\ngood,1\nbad,\n", "sequence-classification",
+                            "has a row without a 'label'; fill or drop it"),
 }
 
 
@@ -134,14 +136,28 @@ def test_a_bad_data_file_exits_2_with_one_line(case, command, tmp_path, tiny_lla
     _assert_one_line_exit_2(main([command, str(recipe)]), capsys, f"data.train: {data} {words}", out)
 
 
-def test_model_path_to_a_file_and_max_length_beyond_the_positions(tmp_path, tiny_llama_dir, capsys):
+@pytest.mark.parametrize("labels", ['"1"', "1.0", "true"])
+def test_labels_that_are_class_ids_in_another_type_are_accepted(labels, tmp_path, tiny_llama_dir):
+    data = tmp_path / "train.jsonl"  # digit strings, whole floats, booleans: int() of each is the class id
+    data.write_text("".join(f'{{"text": "review {i}", "label": {labels}}}\n' for i in range(3)))
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, task="sequence-classification",
+                          output_dir=tmp_path / "out", data={"train": str(data), "eval": None})
+    assert main(["validate", str(recipe)]) == 0
+
+
+def test_model_path_to_a_file_and_max_length_beyond_the_positions(tmp_path, tiny_llama_dir, tiny_bert_dir, capsys):
     recipe, out = _bad_recipe(tmp_path, tiny_llama_dir, model={"path": str(tiny_llama_dir / "config.json")})
     _assert_one_line_exit_2(main(["train", str(recipe)]), capsys, "config.json is a file; point it at the "
                             "folder save_pretrained wrote", out)
-    # the tiny Llama has 64 positions (tests/conftest.py)
-    recipe, out = _bad_recipe(tmp_path, tiny_llama_dir, data={"max_length": 65})
+    # the tiny BERT has a table of 64 learned positions (tests/conftest.py): 65 tokens cannot be embedded
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path / "bert.yaml", model_dir=tiny_bert_dir, task="sequence-classification",
+                          output_dir=out, data={"max_length": 65})
     _assert_one_line_exit_2(main(["train", str(recipe)]), capsys, "data.max_length 65 is above the model's "
                             "position limit 64", out)
+    # the tiny Llama's 64 are rotary: its trained context, not a limit; a longer max_length is the user's call
+    recipe, out = _bad_recipe(tmp_path, tiny_llama_dir, data={"max_length": 65})
+    assert main(["validate", str(recipe)]) == 0
 
 
 def test_a_yaml_syntax_error_names_file_line_and_column(tmp_path, capsys):

@@ -44,9 +44,15 @@ def test_tied_embedding_is_exported_once_and_reloads_tied(tmp_path, tiny_tied_ll
                                    result.strategy.export_module().eval()(input_ids=ids).logits, rtol=0, atol=0)
 
 
-def test_an_export_that_dies_midway_leaves_the_previous_model_in_place(tmp_path, tiny_llama_dir, monkeypatch):
-    """A resumed run exports over the model/ a previous export wrote: the new folder is written beside it and
-    swapped in, so some complete model is at model/ whenever the process dies."""
+def test_an_export_that_dies_midway_leaves_a_complete_model_in_place(tmp_path, tiny_llama_dir, monkeypatch):
+    """A resumed run exports over the model/ a previous export wrote. Writing the new folder beside it and
+    exchanging the two in one step leaves a complete model at model/ wherever the process dies; deleting the
+    old folder first and renaming the new one after would leave none if it died in between (simulated: the
+    rename dies)."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
     from toolkit import export
 
     out = tmp_path / "run"
@@ -54,33 +60,32 @@ def test_an_export_that_dies_midway_leaves_the_previous_model_in_place(tmp_path,
                                       train={"max_steps": 1}))
     env = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     strategy = train(recipe, env).strategy
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     before = (out / "model" / "model.safetensors").read_bytes()
-    with torch.no_grad():  # what a later export writes: other weights
-        for param in strategy.export_module().parameters():
-            param.add_(1.0)
 
     class Died(Exception):
         pass
 
     def dies(*args, **kwargs):
-        raise Died  # the process dying after the weights, before the tokenizer files
+        raise Died
 
-    tokenizer = type("Tokenizer", (), {"save_pretrained": staticmethod(dies)})()
-    try:
-        export.export_model(strategy, tokenizer=tokenizer, out_dir=out, env=env)
-    except Died:
-        pass
-    assert (out / "model" / "model.safetensors").read_bytes() == before  # the complete previous one
-    AutoModelForCausalLM.from_pretrained(out / "model")
-    # the same export, completed: the new folder takes model/'s place, nothing is left beside it; also where
-    # the one-step exchange (Linux renameat2) is missing and the old folder is moved aside first
-    for exchange in (export._exchange, lambda a, b: False):
-        monkeypatch.setattr(export, "_exchange", exchange)
-        from transformers import AutoTokenizer
-
-        export.export_model(strategy, tokenizer=AutoTokenizer.from_pretrained(tiny_llama_dir), out_dir=out, env=env)
-        assert (out / "model" / "model.safetensors").read_bytes() != before
-        assert sorted(p.name for p in out.iterdir() if "model" in p.name) == ["model"]
-        with torch.no_grad():
+    one_step = export._exchange
+    for exchange in (one_step, lambda a, b: False):  # renameat2, and the fallback without it
+        with torch.no_grad():  # what the later export writes: other weights
             for param in strategy.export_module().parameters():
                 param.add_(1.0)
+        monkeypatch.setattr(export, "_exchange", exchange)
+        with monkeypatch.context() as patch:
+            patch.setattr(Path, "rename", dies)
+            try:
+                export.export_model(strategy, tokenizer=tokenizer, out_dir=out, env=env)
+            except Died:
+                pass
+        written = (out / "model" / "model.safetensors").read_bytes()  # complete: the old one or the new one
+        assert written == before or exchange is one_step  # one step: nothing to die between, the export is done
+        AutoModelForCausalLM.from_pretrained(out / "model")
+        # the same export, completed: the new folder takes model/'s place and nothing is left beside it
+        export.export_model(strategy, tokenizer=tokenizer, out_dir=out, env=env)
+        after = (out / "model" / "model.safetensors").read_bytes()
+        assert after != before and sorted(p.name for p in out.iterdir() if "model" in p.name) == ["model"]
+        before = after

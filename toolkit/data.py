@@ -91,34 +91,54 @@ def check_rows(raw, file: Path, *, key: str, data: DataConfig, task: str, num_la
             raise RecipeError(f"{key}: {file} has no column {column!r} (it has {', '.join(raw.column_names)}); "
                               f"set data.text_column / data.label_column to one of those")
     text = raw.features[data.text_column]
-    if not (isinstance(text, datasets.Value) and text.dtype in ("string", "large_string")):
+    if not (isinstance(text, datasets.Value) and text.dtype in TEXT_DTYPES):
         raise RecipeError(f"{key}: {file} column {data.text_column!r} holds {_describe(text)}, not text; set "
                           "data.text_column to the column with the text")
-    missing = next((i for i, v in enumerate(raw[data.text_column]) if v is None), None)
-    if missing is not None:
+    if raw.data.column(data.text_column).null_count:  # arrow's count: no Python pass over the column
+        missing = next(i for i, v in enumerate(raw[data.text_column]) if v is None)
         raise RecipeError(f"{key}: {file} row {missing + 1} has no {data.text_column!r}; fill or drop it")
     if task != "sequence-classification":
         return
     assert data.label_column is not None  # Recipe: required for sequence-classification
     label = raw.features[data.label_column]
-    if isinstance(label, datasets.ClassLabel):
-        values = raw.unique(data.label_column)
-    elif isinstance(label, datasets.Value) and label.dtype.startswith(("int", "uint")):
-        values = raw.unique(data.label_column)
-    else:
-        example = next((v for v in raw[data.label_column] if v is not None), None)
+    values = raw.unique(data.label_column)
+    ids = _class_ids(label, values)
+    if ids is None:
+        example = next((v for v in values if v is not None), None)
         raise RecipeError(f"{key}: {file} column {data.label_column!r} holds {_describe(label)} (e.g. {example!r}); "
                           f"labels must be class ids 0..{num_labels - 1}")
-    bad = sorted((v for v in values if v is None or not 0 <= v < num_labels), key=lambda v: (v is None, v or 0))
+    if None in ids:
+        raise RecipeError(f"{key}: {file} has a row without a {data.label_column!r}; fill or drop it")
+    bad = sorted(v for v in ids if not 0 <= v < num_labels)
     if bad:
         raise RecipeError(f"{key}: {file} has label {bad[0]!r} in column {data.label_column!r}, outside "
                           f"0..{num_labels - 1} (model.num_labels: {num_labels}); fix the data or set "
                           "model.num_labels")
 
 
+TEXT_DTYPES = ("string", "large_string", "string_view")
+
+
+def _class_ids(feature, values: list) -> list | None:
+    """The label values as class ids (None in place of a missing one), or None when they are not ids:
+    integers, booleans, whole floats and digit strings are (`int(v)` is what training feeds the model)."""
+    import datasets
+
+    if isinstance(feature, datasets.ClassLabel):
+        return values
+    dtype = getattr(feature, "dtype", "")
+    if dtype.startswith(("int", "uint")) or dtype == "bool":
+        return [None if v is None else int(v) for v in values]
+    if dtype.startswith("float") and all(v is None or float(v).is_integer() for v in values):
+        return [None if v is None else int(v) for v in values]  # a CSV column with a gap reads as float
+    if dtype in TEXT_DTYPES and all(v is None or v.strip().isdigit() for v in values):
+        return [None if v is None else int(v) for v in values]
+    return None
+
+
 def _describe(feature) -> str:
     dtype = getattr(feature, "dtype", None)
-    if dtype in ("string", "large_string"):
+    if dtype in TEXT_DTYPES:
         return "text"
     return f"{dtype} values" if dtype else type(feature).__name__
 
@@ -138,9 +158,10 @@ def _tokenized(file: Path, *, key: str, data: DataConfig, task: str, num_labels:
 
     dataset = raw.map(encode, batched=True, remove_columns=raw.column_names, new_fingerprint=cache)
     if task == "causal-lm" and data.packing:
-        tokens = sum(len(ids) for ids in dataset["input_ids"])
+        unpacked = dataset
         dataset = dataset.map(_packer(data.max_length), batched=True, new_fingerprint=cache + "-packed")
         if len(dataset) == 0:
+            tokens = sum(len(ids) for ids in unpacked["input_ids"])
             raise RecipeError(f"{key}: {file} has {tokens} tokens, fewer than one packed block of data.max_length "
                               f"{data.max_length}; lower data.max_length or add data")
     return dataset

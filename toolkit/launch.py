@@ -57,8 +57,11 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
+        failed = {code for code in codes.values() if code != -signal.SIGTERM}  # not the ones the agent stopped
+        if failed == {USER_ERROR_EXIT_CODE}:  # a user's mistake: rank 0 said it in one line
+            return USER_ERROR_EXIT_CODE
         print(f"toolkit: launch failed: {describe_failures(codes)} (see the rank output above)", file=sys.stderr)
-        return USER_ERROR_EXIT_CODE if set(codes.values()) == {USER_ERROR_EXIT_CODE} else 1
+        return 1
     return 0
 
 

@@ -149,6 +149,9 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
                            done=done, total_steps=total_steps, eval_ds=eval_ds, collator=collator, saver=saver,
                            writer=writer, progress=progress, scale=scale, replicas=replicas, signals=signals)
         saver.close()  # an async checkpoint still being written is committed before the run ends
+    except (Stopped, NonFinite):  # every rank alike: the checkpoint still being written is a good one
+        saver.close()
+        raise
     finally:
         signals.restore()
     progress.close()
@@ -193,7 +196,6 @@ def run_steps(strategy: Strategy, loader, *, recipe: Recipe, env: DistEnv, plan,
         if signum and step < total_steps:
             if saver.last_step != step:
                 saver.save(strategy, step=step, wait=True)
-            saver.finish()
             raise Stopped(signum, step, total_steps, saver.last_path)
     return losses
 

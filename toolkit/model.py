@@ -50,7 +50,8 @@ def load_tokenizer(config: ModelConfig):
 
 
 def position_limit(config: ModelConfig) -> int | None:
-    """The longest sequence the model's position embeddings cover, from its config (None: not declared)."""
+    """The longest sequence a learned position table covers, from the model's config (None: not declared, or
+    rotary positions, where max_position_embeddings is the trained context rather than a hard limit)."""
     if config.path is not None:
         import json
 
@@ -62,10 +63,19 @@ def position_limit(config: ModelConfig) -> int | None:
             raise RecipeError(f"model.path: {path}/config.json is not valid JSON ({exc})") from None
     else:
         fields = dict(config.config or {})
+    if {"rope_parameters", "rope_theta", "rope_scaling"} & set(fields) or fields.get("position_embedding_type") == "rotary":
+        return None  # rotary positions: the trained context is not a table's size (a longer one runs)
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         if isinstance(fields.get(name), int):
-            return fields[name]
+            limit = fields[name]
+            if fields.get("model_type") in PADDING_OFFSET_POSITIONS:  # positions start after the padding id
+                limit -= int(fields.get("pad_token_id") or 0) + 1
+            return limit
     return None
+
+
+# learned positions numbered from padding_idx + 1 (RoBERTa's create_position_ids_from_input_ids)
+PADDING_OFFSET_POSITIONS = {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text"}
 
 
 def build_model(config: ModelConfig, *, tokenizer, seed: int) -> nn.Module:

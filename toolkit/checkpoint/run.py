@@ -91,10 +91,9 @@ class Saver:
         self.pending: state.PendingSave | None = None  # an async save still being written
         self._writer: state.AsyncWriter | None = None
         self._manifest: dict | None = None
-        if self.config.every_steps or self.config.final:
-            if env.is_main:
-                store.remove_partials(Path(recipe.output_dir))
-            barrier(env)  # once, so that no save needs a barrier before its ranks write
+        if env.is_main:  # (a stop signal saves even when the recipe asks for no checkpoint)
+            store.remove_partials(Path(recipe.output_dir))
+        barrier(env)  # once, so that no save needs a barrier before its ranks write
 
     def due(self, step: int) -> bool:
         if step <= self.done_steps:

@@ -182,9 +182,12 @@ class DeferredStager:
 
     _synchronize_after_execute = False  # the loop waits for the copy before the next update (before_update)
 
-    def __init__(self, copier) -> None:
+    def __init__(self, copier, *, device: torch.device) -> None:
         self._copier = copier  # torch's DefaultStager, synchronous: the copy itself
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="toolkit-checkpoint-copy")
+        # on a GPU the thread works on this rank's device (not GPU 0, CUDA's default for a new thread)
+        on_gpu = device.type == "cuda"
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="toolkit-checkpoint-copy",
+                                          initializer=(lambda: torch.cuda.set_device(device)) if on_gpu else None)
         self._job: tuple[Future, Any] | None = None
 
     @property
@@ -228,16 +231,16 @@ class AsyncWriter:
     def create(cls, env: DistEnv) -> "AsyncWriter":
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        group = None
-        if env.distributed:
-            import torch.distributed as dist
+        import torch.distributed as dist
 
+        group = None
+        if dist.is_initialized():  # also a group of one (fsdp/zero without a launcher), NCCL-only on a GPU
             group = dist.new_group(backend="gloo")  # collective: every rank reaches its first save together
         # a plain copy on the stager's thread; pinned memory speeds up the copies from a GPU
         on_gpu = torch.device(env.device).type == "cuda"
         copier = DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False,
                                               use_async_staging=False, use_non_blocking_copy=False))
-        return cls(group=group, stager=DeferredStager(copier))
+        return cls(group=group, stager=DeferredStager(copier, device=torch.device(env.device)))
 
     def close(self) -> None:
         self.stager.close()

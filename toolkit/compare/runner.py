@@ -59,18 +59,23 @@ def _run_launcher(cmd: list[str], log) -> int:
     left behind. Returns its exit code, INTERRUPTED when Ctrl-C stopped it."""
     child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(),
                              start_new_session=True)
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM to compare stops the arm the same way
+    # SIGTERM or a hang-up (the terminal or ssh session gone) stops the arm the same way
+    previous = {signum: signal.signal(signum, _interrupt) for signum in (signal.SIGTERM, signal.SIGHUP)}
     try:
         return child.wait()
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # one Ctrl-C is enough: the arm is stopping
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for signum in (signal.SIGINT, *previous):
+            signal.signal(signum, signal.SIG_IGN)  # one is enough: the arm is stopping
         child.send_signal(signal.SIGINT)
         child.wait()
         return INTERRUPTED
     finally:
-        if signal.getsignal(signal.SIGTERM) is _interrupt:
-            signal.signal(signal.SIGTERM, previous)
+        if child.poll() is None:  # compare itself failed: the arm's launcher must not outlive it
+            child.terminate()
+            child.wait()
+        for signum, handler in previous.items():
+            if signal.getsignal(signum) is _interrupt:
+                signal.signal(signum, handler)
 
 
 def _interrupt(signum, frame) -> None:
