@@ -13,7 +13,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from toolkit.errors import USER_ERROR_EXIT_CODE, RecipeError
+from toolkit.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, RecipeError
 
 if TYPE_CHECKING:
     from toolkit.strategies.base import Strategy
@@ -174,7 +174,6 @@ def _train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
 
 
 NONFINITE_EXIT_CODE = 4
-INTERRUPTED_EXIT_CODE = 128 + 2  # SIGINT, as shells report it
 
 
 def interrupted(recipe=None, env=None) -> int:
@@ -300,7 +299,7 @@ COMMANDS = {"train": cmd_train, "launch": cmd_launch, "validate": cmd_validate, 
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
-    except KeyboardInterrupt:  # Ctrl-C while the libraries are still being imported
+    except KeyboardInterrupt:  # Ctrl-C outside a rank's training (there: cmd_train, and the loop's stop signal)
         return interrupted()
 
 
@@ -314,8 +313,6 @@ def _main(argv: list[str] | None) -> int:
     handler = {**COMMANDS, **COMPARE_COMMANDS}[args.command]
     try:
         return handler(args) or 0
-    except KeyboardInterrupt:
-        return interrupted()
     except RecipeError as exc:
         print(f"toolkit: error: {exc}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE

@@ -127,13 +127,11 @@ def _class_ids(feature, values: list) -> list | None:
     if isinstance(feature, datasets.ClassLabel):
         return values
     dtype = getattr(feature, "dtype", "")
-    if dtype.startswith(("int", "uint")) or dtype == "bool":
-        return [None if v is None else int(v) for v in values]
-    if dtype.startswith("float") and all(v is None or float(v).is_integer() for v in values):
-        return [None if v is None else int(v) for v in values]  # a CSV column with a gap reads as float
-    if dtype in TEXT_DTYPES and all(v is None or v.strip().isdigit() for v in values):
-        return [None if v is None else int(v) for v in values]
-    return None
+    present = [v for v in values if v is not None]
+    ids = (dtype.startswith(("int", "uint")) or dtype == "bool"
+           or (dtype.startswith("float") and all(float(v).is_integer() for v in present))  # a CSV column with a gap
+           or (dtype in TEXT_DTYPES and all(v.strip().isdigit() for v in present)))
+    return [None if v is None else int(v) for v in values] if ids else None
 
 
 def _describe(feature) -> str:

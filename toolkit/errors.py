@@ -10,3 +10,4 @@ class RecipeError(ValueError):
 
 
 USER_ERROR_EXIT_CODE = 2
+INTERRUPTED_EXIT_CODE = 128 + 2  # Ctrl-C (SIGINT), as shells report it

@@ -57,8 +57,7 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
-        failed = {code for code in codes.values() if code != -signal.SIGTERM}  # not the ones the agent stopped
-        if failed == {USER_ERROR_EXIT_CODE}:  # a user's mistake: rank 0 said it in one line
+        if {codes[rank] for rank in failed_ranks(codes)} == {USER_ERROR_EXIT_CODE}:  # rank 0 said it in one line
             return USER_ERROR_EXIT_CODE
         print(f"toolkit: launch failed: {describe_failures(codes)} (see the rank output above)", file=sys.stderr)
         return 1
@@ -77,6 +76,15 @@ def quiet_agent_logs() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
+def failed_ranks(codes: dict[int, int]) -> list[int]:
+    """The ranks that failed on their own: not those the launcher stopped with SIGTERM after the first failure
+    (all of them, if every rank was stopped so)."""
+    import signal
+
+    stopped = [r for r, c in codes.items() if c == -signal.SIGTERM]
+    return [r for r in codes if r not in stopped] or stopped
+
+
 def describe_failures(codes: dict[int, int]) -> str:
     """Which rank failed and how, from torch.distributed.run's exit codes (negative: killed by that signal).
     When one rank fails the launcher stops the others with SIGTERM: those are named as stopped, not failed."""
@@ -90,9 +98,9 @@ def describe_failures(codes: dict[int, int]) -> str:
         except ValueError:
             return f"killed by signal {-code}"
 
-    stopped = [r for r, c in codes.items() if c == -signal.SIGTERM]
-    failed = [r for r in codes if r not in stopped] or stopped
+    failed = failed_ranks(codes)
+    stopped = [r for r in codes if r not in failed]
     text = "; ".join(f"rank {r} {how(codes[r])}" for r in sorted(failed))
-    if stopped and failed != stopped:
+    if stopped:
         text += f"; rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, sorted(stopped)))} stopped by the launcher"
     return text

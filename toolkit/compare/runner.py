@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from toolkit.compare.experiment import Arm, Experiment
+from toolkit.errors import INTERRUPTED_EXIT_CODE as INTERRUPTED
 
 TAIL_LINES = 15
 
@@ -48,9 +49,6 @@ def run_arm(experiment: Experiment, arm: Arm) -> str:
                                                  "log_tail": lines[-TAIL_LINES:],
                                                  "wall_s": time.perf_counter() - start}, indent=2))
     return "failed"
-
-
-INTERRUPTED = 128 + signal.SIGINT
 
 
 def _run_launcher(cmd: list[str], log) -> int:
