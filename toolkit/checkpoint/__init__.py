@@ -9,9 +9,11 @@ A checkpoint is a folder `output_dir/checkpoints/step-NNNNNNNN/` holding
   - `recipe.yaml` and `hf/` (the model's config and tokenizer): enough for `toolkit convert` alone.
 
 DCP reshards on load, so a save from N ranks loads at M. The strategies meet in that one layout:
-single/dp/ddp/fsdp read and write it with torch's `get_state_dict`/`set_state_dict` helpers; ZeRO through
-DeepSpeed's `safe_get/set_full_*` accessors (see toolkit/strategies/zero.py). Weights are loaded into the
-plain model before the strategy wraps it, so every strategy shards them its own way.
+single/dp/ddp/fsdp read and write it with torch's `get_state_dict`/`set_state_dict` helpers; ZeRO reads it
+through DeepSpeed's `safe_set_full_*` accessors (see toolkit/strategies/zero.py). Weights are loaded into the
+plain model before the strategy wraps it, so every strategy shards them its own way. ZeRO writes without
+those accessors: each rank lists its pieces of DeepSpeed's flat partitions and they are gathered on the
+checkpoint's own group, in the background with `checkpoint.async` (toolkit/checkpoint/fragments.py).
 
 A save is atomic: written under `.step-NNNNNNNN.partial`, renamed into place by rank 0 once every rank's
 files and the manifest are on disk; older checkpoints beyond `keep_last` are deleted only after that.

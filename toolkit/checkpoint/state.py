@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
 from toolkit.checkpoint import store
+from toolkit.checkpoint.fragments import Fragments
 from toolkit.dist import DistEnv, barrier
 from toolkit.errors import RecipeError
 from toolkit.export import without_tied_aliases
@@ -105,9 +106,10 @@ class PendingSave:
     rename, keep_last), which runs on a thread of its own so training is not held for it. `commit()` waits for
     all three and raises what failed."""
 
-    def __init__(self, *, step: int, out_dir: Path, env: DistEnv, response, finish: Callable[[], None]):
+    def __init__(self, *, step: int, out_dir: Path, env: DistEnv, response, copied: Future,
+                 finish: Callable[[], None]):
         self.step, self.out_dir, self.env = step, out_dir, env
-        self.staging: Future = response.staging_completion
+        self.staging: Future = copied  # the copy training waits for (the gather of ZeRO's pieces comes after)
         self.writing: Future = response.upload_completion
         self._failure: BaseException | None = None
         self._committer: threading.Thread | None = None
@@ -150,6 +152,11 @@ def save(strategy, *, step: int, out_dir: Path, env: DistEnv, recipe, manifest: 
     interleave with training's, and a stager that copies in a thread): returns the PendingSave."""
     partial = store.partial_path(out_dir, step)  # DCP creates it; Saver removed stale ones at the start
     tensors = strategy.checkpoint_tensors()
+    pieces = tensors if isinstance(tensors, Fragments) else None  # assembled on the checkpoint's own group
+    if pieces is not None:
+        tensors = {"model": {}, "optim": {}}
+        if background is None:
+            tensors = pieces.flatten().assemble()  # the default group, on the training thread
     state = {"model": tensors["model"], "optim": tensors["optim"], "rng": {str(env.rank): torch.get_rng_state()}}
     extra = strategy.checkpoint_extra()  # now: training moves the schedule on while the files are written
 
@@ -166,8 +173,8 @@ def save(strategy, *, step: int, out_dir: Path, env: DistEnv, recipe, manifest: 
         return None
     response = dcp.async_save(state, checkpoint_id=str(partial), process_group=background.group,
                               async_stager=background.stager)  # type: ignore[arg-type]  # AsyncStager protocol
-    background.stager.start()
-    return PendingSave(step=step, out_dir=out_dir, env=env, response=response, finish=finish)
+    copied = background.stager.start(pieces=pieces, group=background.group)
+    return PendingSave(step=step, out_dir=out_dir, env=env, response=response, copied=copied, finish=finish)
 
 
 class DeferredStager:
@@ -199,18 +206,31 @@ class DeferredStager:
         self._job = (future, state_dict)
         return future
 
-    def start(self) -> None:
+    def start(self, *, pieces: Fragments | None = None, group: Any = None) -> Future:
+        """Copy the state dict async_save was given (and a ZeRO rank's pieces) on the copy thread. Returns the
+        future of that copy, after which training may update; DCP's writer waits for the whole state dict,
+        which for pieces also needs their gather on `group`, still on the copy thread."""
         assert self._job is not None
         future, state_dict = self._job
         self._job = None
+        copied: Future = Future()
 
         def copy() -> None:
             try:
-                future.set_result(self._copier.stage(state_dict))
+                staged = self._copier.stage(state_dict)
+                flat = pieces.flatten() if pieces is not None else None
+                copied.set_result(None)
+                if flat is not None:
+                    for part, tensors in flat.assemble(group).items():
+                        staged[part].update(tensors)
+                future.set_result(staged)
             except BaseException as exc:  # noqa: BLE001 - the writer thread and wait_staged() raise it
+                if not copied.done():
+                    copied.set_exception(exc)
                 future.set_exception(exc)
 
         self._thread.submit(copy)
+        return copied
 
     def synchronize_staging(self) -> None:
         pass

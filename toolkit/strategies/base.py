@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from toolkit.checkpoint.fragments import Fragments
 from toolkit.data import DataLayout
 from toolkit.dist import DistEnv
 from toolkit.precision import StepResult
@@ -135,9 +136,11 @@ class Strategy(Protocol):
     def measurements(self) -> dict[str, Any]:
         """What this rank measured that only this strategy can (a pipeline's bubble), for run.json."""
 
-    def checkpoint_tensors(self) -> dict[str, dict[str, Any]]:
-        """Collective: this rank's part of a checkpoint in the shared layout (toolkit/checkpoint/state.py):
-        {"model": state_dict entries (fp32 masters), "optim": {"state.<name>.<key>": tensor}}."""
+    def checkpoint_tensors(self) -> dict[str, dict[str, Any]] | Fragments:
+        """This rank's part of a checkpoint in the shared layout (toolkit/checkpoint/state.py): {"model":
+        state_dict entries (fp32 masters), "optim": {"state.<name>.<key>": tensor}}, or, where the state lies
+        in flat partitions of the strategy's own, this rank's pieces of those tensors (assembled by a gather on
+        the checkpoint's own group, off the training thread with checkpoint.async). Collective if it gathers."""
 
     def load_optimizer_state(self, read: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
         """Collective, after setup: build this rank's optimizer state template in the shared layout, have

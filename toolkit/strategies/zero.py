@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from toolkit.dist import ensure_process_group
+from toolkit.checkpoint.fragments import Fragments
 from toolkit.checkpoint.state import Read, load_schedule_state, schedule_state
 from toolkit.errors import RecipeError
 from toolkit.export import without_tied_aliases
@@ -25,6 +26,7 @@ from toolkit.recipe import Recipe, plan_batch
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
                                      every_rank_a_shard, first_dtype, forward_once, local_abs_max, no_context,
                                      optimizer_label, optimizer_state_tensors)
+from toolkit.strategies import zero_checkpoint
 from toolkit.strategies.zero_config import check_deepspeed_precision, offloads, resolve_ds_config, stage_of
 
 INFO = StrategyInfo(
@@ -167,23 +169,30 @@ class ZeroStrategy:
         return {}
 
     # Checkpoints. DeepSpeed keeps its fp32 masters and Adam moments in flat partitions that torch's
-    # state_dict helpers cannot see; its own accessors (safe_get/set_full_*) convert them to and from full
-    # per-parameter tensors, which is the layout every other strategy writes. Rank 0 holds the full tensors
-    # while DCP writes them (a full fp32 copy of model + moments in host memory); the alternative, DeepSpeed's
-    # own checkpoint plus its universal converter, does not load a stage-2 save into stage 3.
-    def checkpoint_tensors(self) -> dict[str, dict[str, Any]]:
+    # state_dict helpers cannot see. Each rank lists its pieces of them (zero_checkpoint.py), and they are
+    # assembled into full per-parameter tensors, the layout every other strategy writes, by a gather on the
+    # checkpoint's own group (a background thread with checkpoint.async). Rank 0 holds the full tensors while
+    # DCP writes them (a full fp32 copy of model + moments in host memory); the alternative, DeepSpeed's own
+    # checkpoint plus its universal converter, does not load a stage-2 save into stage 3.
+    def checkpoint_tensors(self) -> dict[str, dict[str, Any]] | Fragments:
+        self._link_optimizer_state()
+        if not zero_checkpoint.readable(self.optimizer):
+            return self._gathered_checkpoint_tensors()
+        return zero_checkpoint.fragments(self.module, optimizer=self.optimizer, inner=self._inner_optimizer(),
+                                         stage=self.stage, is_main=self.env.is_main, step=self._optimizer_step())
+
+    def _gathered_checkpoint_tensors(self) -> dict[str, dict[str, Any]]:
+        """Through DeepSpeed's accessors, which swap NVMe-offloaded partitions in: collectives on DeepSpeed's
+        groups, so on the training thread even with checkpoint.async."""
         from deepspeed.utils import safe_get_full_optimizer_state
 
-        self._link_optimizer_state()
         model = self.full_state_dict()  # collective under ZeRO-3; on rank 0 only
         model = without_tied_aliases(self.module, model) if model is not None else {}
         optim: dict[str, Any] = {}
         step = self._optimizer_step()
         for name, param in self.module.named_parameters():
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in zero_checkpoint.MOMENTS:
                 full = safe_get_full_optimizer_state(param, key)  # every rank calls it: a collective
-                if full is None:
-                    full = self._inner_optimizer().state.get(param, {}).get(key)  # no partitioning (stage 0)
                 if full is not None and self.env.is_main:
                     optim[f"state.{name}.{key}"] = full.detach().to("cpu", torch.float32, copy=True)
             if step is not None and self.env.is_main:
@@ -209,9 +218,16 @@ class ZeroStrategy:
         expose = getattr(self.optimizer, "_set_fp32_optimizer_param_groups", None)
         if expose is not None:
             expose()
+        # with an offloaded optimizer DeepSpeed preallocates the partitions' gradients, and torch's helper
+        # takes any gradient to mean the state exists: hide them for the zero-gradient step, then put them back
+        held = [(p, p.grad) for group in inner.param_groups for p in group["params"]]
         try:
+            for p, _ in held:
+                p.grad = None
             _init_optim_state(inner)
         finally:
+            for p, grad in held:
+                p.grad = grad
             if expose is not None:
                 self.optimizer._clear_fp32_optimizer_param_groups()
         self._link_optimizer_state()

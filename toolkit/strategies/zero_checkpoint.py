@@ -1,0 +1,83 @@
+"""What a ZeRO rank contributes to a checkpoint: its pieces of DeepSpeed's flat fp32 partitions (masters and
+Adam moments), located by DeepSpeed's own per-parameter mappings, the ones its `safe_get_full_*` accessors
+read. Assembled into the shared layout by toolkit/checkpoint/fragments.py, off the training thread.
+
+Stages 1-2 (and DeepSpeed's bf16 optimizer): `param._hp_mapping` says which slice of the flattened parameter
+this rank's partition holds (None: another rank holds all of it). Stage 3: `grad_position` gives each
+parameter's slice in the rank's flat sub-group partition; rank r holds elements [r·n, r·n + n) of the
+flattened parameter (n = partition_numel; the last rank's padding is left out). Stage 0 in fp32 keeps no
+partitions: rank 0 gives the parameters and torch's Adam state whole.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from toolkit.checkpoint.fragments import Fragments, Piece
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def readable(optimizer) -> bool:
+    """False when ZeRO-3 swaps optimizer partitions to NVMe: they are not in memory to be listed."""
+    return not getattr(optimizer, "swap_optimizer", False)
+
+
+def fragments(module: nn.Module, *, optimizer, inner, stage: int, is_main: bool, step: float | None) -> Fragments:
+    pieces: list[Piece] = []
+    shapes: dict[str, tuple[int, ...]] = {}  # every key a piece may belong to
+    whole: dict[str, torch.Tensor] = {}
+    for name, param in module.named_parameters():  # a tied weight once, under its first name
+        shape = tuple(param.ds_shape if stage == 3 else param.shape)  # type: ignore[attr-defined]  # ZeRO-3 adds it
+        keys = {"model": f"model.{name}", **{m: f"optim.state.{name}.{m}" for m in MOMENTS}}
+        if hasattr(param, "ds_id"):
+            found = _stage3_pieces(param, optimizer=optimizer, inner=inner)
+        elif hasattr(param, "_hp_mapping"):
+            found = _mapped_pieces(param)
+        else:  # no partitions (stage 0, fp32): the parameter and torch's state per parameter, whole on rank 0
+            found = None
+            if is_main:
+                whole[keys["model"]] = param.detach().to(torch.float32)
+                for moment, value in inner.state.get(param, {}).items():
+                    if moment in MOMENTS:
+                        whole[keys[moment]] = value.to(torch.float32)
+        if found is not None:
+            shapes.update({key: shape for key in keys.values()})
+            pieces += [Piece(keys[kind], start, tensor) for kind, start, tensor in found]
+        if step is not None and is_main and param.requires_grad:
+            whole[f"optim.state.{name}.step"] = torch.tensor(float(step))
+    if is_main:
+        persistent = set(module.state_dict().keys())  # non-persistent buffers are not saved
+        whole.update({f"model.{n}": b.detach() for n, b in module.named_buffers() if n in persistent})
+    return Fragments(pieces=pieces, shapes=shapes, whole=whole)
+
+
+def _mapped_pieces(param) -> list[tuple[str, int, torch.Tensor]]:
+    mapping = param._hp_mapping
+    if mapping is None:  # this rank's partition holds none of it
+        return []
+    start = mapping.lp_fragment_address.start
+    found = [("model", start, mapping.hp_fragment)]
+    for moment in MOMENTS:
+        if mapping.optim_fragment and moment in mapping.optim_fragment:
+            found.append((moment, start, mapping.optim_fragment[moment]))
+    return found
+
+
+def _stage3_pieces(param, *, optimizer, inner) -> list[tuple[str, int, torch.Tensor]]:
+    rank = optimizer._get_param_partition_rank(param)
+    if not param.requires_grad:  # frozen: no master, its (compute-dtype) partition is the weight
+        flat, offset, numel = param.ds_tensor, 0, param.partition_numel()
+        states: dict = {}
+    else:
+        group, offset, numel = optimizer.grad_position[optimizer.get_param_id(param)]
+        flat = optimizer.fp32_partitioned_groups_flat[group]
+        states = inner.state.get(flat, {})
+    start = rank * numel
+    real = min(numel, max(0, param.ds_numel - start))  # the last ranks' padding is not the parameter's
+    if real == 0:
+        return []
+    found = [("model", start, flat.narrow(0, offset, real))]
+    found += [(m, start, states[m].narrow(0, offset, real)) for m in MOMENTS if m in states]
+    return found
