@@ -113,6 +113,10 @@ class StrategyConfig:
     cpu_offload: bool = False  # fsdp: keep sharded params/grads/optimizer on CPU (much less device memory, slower)
     replicate_degree: int = 1  # fsdp: >1 = HSDP, replicate over this many groups, shard within each
     blocks: tuple[str, ...] | None = None  # fsdp: class names to shard one by one; default: model._no_split_modules
+    # tp, fsdp
+    tp_degree: int | None = None  # fsdp: >1 = tensor parallel inside groups of this many ranks, FSDP across the
+    #   groups (a 2-D mesh dp × tp); tp: every rank (leave unset). Less memory per rank than fsdp alone for big
+    #   layers, but an activation all-reduce per attention and MLP block: keep a group inside one node
     # zero
     stage: int | None = None  # zero: 0 = plain DP, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters (default 2)
     offload_optimizer: bool = False  # zero: optimizer state and step on CPU (DeepSpeed CPU Adam)

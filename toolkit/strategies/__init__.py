@@ -23,15 +23,18 @@ _MODULES = {
     "model_parallel": "toolkit.strategies.model_parallel",
     "pipeline": "toolkit.strategies.pipeline",
     "hybrid": "toolkit.strategies.hybrid",
+    "tp": "toolkit.strategies.tp",
 }
 
 if TYPE_CHECKING:  # the type checker holds every strategy class to the protocol
     from toolkit.strategies.fsdp import FsdpStrategy
     from toolkit.strategies.pipeline import PipelineStrategy
     from toolkit.strategies.replicated import ReplicatedStrategy
+    from toolkit.strategies.tp import TpStrategy
     from toolkit.strategies.zero import ZeroStrategy
 
-    _PROTOCOL_CHECK: tuple[type[Strategy], ...] = (ReplicatedStrategy, FsdpStrategy, ZeroStrategy, PipelineStrategy)
+    _PROTOCOL_CHECK: tuple[type[Strategy], ...] = (ReplicatedStrategy, FsdpStrategy, ZeroStrategy, PipelineStrategy,
+                                                   TpStrategy)
 
 
 def strategy_names() -> tuple[str, ...]:

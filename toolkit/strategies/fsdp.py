@@ -5,6 +5,9 @@ Memory vs speed knobs (recipe `strategy.*`):
                          (ZeRO-3-like); False: keep them until backward (ZeRO-2-like, more memory)
   cpu_offload            sharded params, grads and optimizer step on CPU
   replicate_degree       >1: HSDP, a 2-D mesh (replicate × shard): shard within a group, all-reduce across
+  tp_degree              >1: tensor parallel inside groups of that many ranks (tensor_parallel.py), FSDP over
+                         the groups: a 2-D mesh (dp × tp) composed as torchtitan does (TP first, then
+                         fully_shard over dp); the ranks of a TP group read the same batch
 
 Precision: parameters are stored (and updated) in the load dtype; `precision: bf16|fp16` sets
 MixedPrecisionPolicy.param_dtype for compute and reduces gradients in fp32.
@@ -18,6 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -28,17 +32,20 @@ from toolkit.errors import RecipeError
 from toolkit.model import transformer_blocks
 from toolkit.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.recipe import Recipe
+from toolkit.strategies import tensor_parallel
+from toolkit.strategies.tp import check_tensor_parallel
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
                                      every_rank_a_shard, first_dtype, forward_once, local_abs_max, no_context,
                                      optimizer_label, optimizer_state_tensors)
 
 INFO = StrategyInfo(
     name="fsdp", averages_gradients=True, accelerate_plugin="fsdp",
-    options=("reshard_after_forward", "cpu_offload", "replicate_degree", "blocks"),
+    options=("reshard_after_forward", "cpu_offload", "replicate_degree", "blocks", "tp_degree"),
     summary="FSDP2 fully_shard per block: params, grads, optimizer state sharded 1/N; all-gathers per block",
     arms={"fsdp": ("strategy.name=fsdp",),
           "fsdp-noreshard": ("strategy.name=fsdp", "strategy.reshard_after_forward=false"),
-          "fsdp-offload": ("strategy.name=fsdp", "strategy.cpu_offload=true")})
+          "fsdp-offload": ("strategy.name=fsdp", "strategy.cpu_offload=true"),
+          "fsdp-tp2": ("strategy.name=fsdp", "strategy.tp_degree=2")})
 
 
 class FsdpStrategy:
@@ -50,31 +57,46 @@ class FsdpStrategy:
             raise RecipeError("strategy.replicate_degree must be >= 1")
         if world_size % replicate:
             raise RecipeError(f"strategy.replicate_degree {replicate} does not divide world size {world_size}")
+        tp = recipe.strategy.tp_degree or 1
+        if tp > 1:
+            if replicate > 1:
+                raise RecipeError("strategy.tp_degree and strategy.replicate_degree cannot be combined; choose one")
+            if world_size % tp:
+                raise RecipeError(f"strategy.tp_degree {tp} does not divide world size {world_size}; use a world "
+                                  f"size that is a multiple of {tp}")
+            check_tensor_parallel(recipe, degree=tp)
         if recipe.precision == "fp16" and recipe.optim.implementation == "fused":
             raise RecipeError("optim.implementation fused cannot run under fsdp in fp16 (torch's ShardedGradScaler "
                               "hands the fused AdamW kernel a found-inf tensor of the wrong shape); use auto or loop")
 
     def data_layout(self, recipe: Recipe, *, world_size: int, rank: int) -> DataLayout:
-        return every_rank_a_shard(world_size=world_size, rank=rank)
+        tp = recipe.strategy.tp_degree or 1  # the ranks of a TP group (consecutive) read one shard
+        return every_rank_a_shard(world_size=world_size // tp, rank=rank // tp)
 
     def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
-        return each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share, device=self.env.device)
+        total = each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share, device=self.env.device)
+        return tensor_parallel.first_of_group(total, tp_rank=self.env.rank % self.tp_degree)
 
     def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
-        return forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device)
+        total, count = forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device)
+        return (total, count) if self.env.rank % self.tp_degree == 0 else (torch.zeros_like(total), 0)
 
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
         options, env = args.recipe.strategy, args.env
         self.env, self.precision = env, args.recipe.precision
         ensure_process_group(env, strategy=self.info.name)  # the device mesh needs one, even for one rank
-        self.mesh = build_mesh(env.device.type, world_size=env.world_size, replicate=options.replicate_degree)
+        self.tp_degree = options.tp_degree or 1
+        self.mesh = build_mesh(env.device.type, world_size=env.world_size, replicate=options.replicate_degree,
+                               tp=self.tp_degree)
         compute = None if self.precision == "fp32" else DTYPES[self.precision]
         # reduce in fp32: a bf16 reduce-scatter keeps ~3 significant digits of the summed gradient
         self.mp_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
         offload = CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if options.cpu_offload else OffloadPolicy()
         if not options.cpu_offload:
             model.to(env.device)
-        shard = dict(mesh=self.mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=self.mp_policy,
+        if self.tp_degree > 1:  # TP first, then FSDP over the data-parallel dimension
+            tensor_parallel.parallelize(model, self.mesh["tp"])
+        shard = dict(mesh=self.mesh["dp"] if self.tp_degree > 1 else self.mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=self.mp_policy,
                      offload_policy=offload)
         for block in transformer_blocks(model, options.blocks):
             fully_shard(block, **shard)
@@ -104,7 +126,8 @@ class FsdpStrategy:
 
     def step(self, *, max_grad_norm: float | None) -> StepResult:
         params = [p for p in self._model.parameters() if p.grad is not None]
-        result = self.amp.step(self.optimizer, params, max_grad_norm=max_grad_norm, clip=clip_sharded)
+        clip = tensor_parallel.clip_global_norm if self.tp_degree > 1 else clip_sharded
+        result = self.amp.step(self.optimizer, params, max_grad_norm=max_grad_norm, clip=clip)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return result
@@ -117,6 +140,12 @@ class FsdpStrategy:
         return self.optimizer.param_groups[0]["lr"]
 
     def replicas(self) -> Replicas | None:
+        if self.tp_degree > 1:  # the ranks of a TP group hold the same shards of what TP does not split
+            named = [(n, cast(DTensor, p).to_local()) for n, p in self._model.named_parameters()
+                     if "tp" not in (cast(DTensor, p).device_mesh.mesh_dim_names or ())]
+            return Replicas(named=named, group=self.mesh.get_group("tp"),
+                            description=f"the {self.tp_degree} ranks of each TP group hold the same norm and "
+                                        "embedding shards")
         if "replicate" not in (self.mesh.mesh_dim_names or ()) or self.mesh["replicate"].size() == 1:
             return None  # every rank holds a different shard
         # HSDP: the ranks at one position of the shard dimension hold the same shards, one per replica group
@@ -158,7 +187,8 @@ class FsdpStrategy:
 
     def layout(self) -> str:
         shape = " × ".join(f"{n} {name}" for n, name in zip(self.mesh.shape, self.mesh.mesh_dim_names or ()))
-        return f"every block and the root sharded over a mesh of {shape}"
+        split = " (attention heads and MLP columns split over tp)" if self.tp_degree > 1 else ""
+        return f"every block and the root sharded over a mesh of {shape}{split}"
 
     def close(self) -> None:
         del self._model, self.optimizer, self.scheduler, self.mesh  # their groups, for destroy_process_group
@@ -177,7 +207,9 @@ class FsdpStrategy:
             "forward_params": dtype_name(self.mp_policy.param_dtype or stored),
             "master_weights": dtype_name(stored) + " (sharded, = load dtype)",
             "gradients": dtype_name(first_dtype(grads)) if grads else dtype_name(stored),
-            "grad_reduction": f"reduce-scatter mean ({dtype_name(reduce)})",
+            "grad_reduction": f"reduce-scatter mean ({dtype_name(reduce)})" + (
+                f"; activations all-reduced per block over tp ({dtype_name(self.mp_policy.param_dtype or stored)})"
+                if self.tp_degree > 1 else ""),
             "optimizer_state": dtype_name(first_dtype(optimizer_state_tensors(self.optimizer)) or stored),
             "loss_scaling": (f"dynamic (ShardedGradScaler, init {self.amp.scaler.get_scale():g})"
                              if self.amp.scaler else "off"),
@@ -185,8 +217,10 @@ class FsdpStrategy:
         }
 
 
-def build_mesh(device_type: str, *, world_size: int, replicate: int):
-    """The DeviceMesh, built once: 1-D (shard) or 2-D (replicate × shard) for HSDP."""
+def build_mesh(device_type: str, *, world_size: int, replicate: int, tp: int = 1):
+    """The DeviceMesh, built once: 1-D (shard), 2-D (replicate × shard) for HSDP, 2-D (dp × tp) with TP."""
+    if tp > 1:  # consecutive ranks form a TP group (on a GPU node: the fast links)
+        return init_device_mesh(device_type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
     if replicate > 1:
         return init_device_mesh(device_type, (replicate, world_size // replicate),
                                 mesh_dim_names=("replicate", "shard"))

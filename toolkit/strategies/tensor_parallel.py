@@ -1,0 +1,119 @@
+"""Tensor-parallel plans (Megatron-style): which linear layers split their output features over the TP ranks
+(column-wise: q/k/v, MLP up/gate) and which their input features (row-wise: attention out, MLP down).
+
+A column-wise layer's output stays sharded (each rank holds its heads, its MLP columns); the row-wise layer
+after it sums the partial outputs with one all-reduce. So each attention and each MLP block costs one
+all-reduce of activations forward, one backward.
+
+The plan comes from the model where transformers declares one (`config.base_model_tp_plan`, keys relative to
+the base model, e.g. "layers.*.self_attn.q_proj": "colwise"), else from a small table per architecture
+(BERT-style encoders declare none). Embeddings, norms and the head stay replicated: every rank computes the
+full logits, so the loop's loss is unchanged (a vocabulary-sharded head would save its memory but needs a
+loss that reduces over ranks). Attention needs no change: HF attention reshapes with `view(..., -1,
+head_dim)`, so each rank infers its local head count.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from toolkit.errors import RecipeError
+
+# architectures whose config declares no plan: module paths relative to the base model
+FALLBACK_PLANS: dict[str, dict[str, str]] = {
+    model_type: {"encoder.layer.*.attention.self.query": "colwise",
+                 "encoder.layer.*.attention.self.key": "colwise",
+                 "encoder.layer.*.attention.self.value": "colwise",
+                 "encoder.layer.*.attention.output.dense": "rowwise",
+                 "encoder.layer.*.intermediate.dense": "colwise",
+                 "encoder.layer.*.output.dense": "rowwise"}
+    for model_type in ("bert", "roberta", "xlm-roberta", "electra")}
+
+# the config fields a TP degree must divide: split heads and MLP columns
+DIVIDED_FIELDS = {"num_attention_heads": "attention heads", "num_key_value_heads": "KV heads",
+                  "intermediate_size": "MLP columns"}
+
+
+def resolve(model: nn.Module) -> dict[str, str]:
+    """Full module name -> "colwise" | "rowwise" for every linear layer the plan splits."""
+    config: Any = model.config
+    declared = getattr(config, "base_model_tp_plan", None) or FALLBACK_PLANS.get(config.model_type)
+    if not declared:
+        found = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                        if name and not list(m.children()) and any(True for _ in m.parameters(recurse=False))})
+        raise RecipeError(f"strategy tp: {config.model_type} declares no tensor-parallel plan "
+                          f"(config.base_model_tp_plan) and the toolkit has none for it (modules found: "
+                          f"{', '.join(found) or 'none'}); use fsdp or zero for this model")
+    base: Any = getattr(model, "base_model_prefix", "")
+    prefix = f"{base}." if base and hasattr(model, base) else ""
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    plan: dict[str, str] = {}
+    for pattern, style in declared.items():
+        if style not in ("colwise", "rowwise"):
+            raise RecipeError(f"strategy tp: the model's plan asks for {style!r} at {pattern}; the toolkit splits "
+                              "linear layers colwise and rowwise only")
+        found = [name for name in linears if fnmatch.fnmatchcase(name, prefix + pattern)]
+        if not found:
+            raise RecipeError(f"strategy tp: the plan entry {pattern} matches no linear layer of this model")
+        plan.update(dict.fromkeys(found, style))
+    return plan
+
+
+def check_degree(model: nn.Module, degree: int) -> None:
+    """Heads, KV heads, intermediate size and every split layer's features divisible by `degree`."""
+    config: Any = model.config
+    for field, what in DIVIDED_FIELDS.items():
+        value = getattr(config, field, None)
+        if isinstance(value, int) and value % degree:
+            raise RecipeError(f"strategy tp: the model's {what} ({field} = {value}) are not divisible by the "
+                              f"tensor-parallel degree {degree}; use a degree that divides {value}")
+    modules = dict(model.named_modules())
+    for name, style in resolve(model).items():
+        linear = cast(nn.Linear, modules[name])
+        features = linear.out_features if style == "colwise" else linear.in_features
+        if features % degree:
+            raise RecipeError(f"strategy tp: {name} has {features} {'output' if style == 'colwise' else 'input'} "
+                              f"features, not divisible by the tensor-parallel degree {degree}")
+
+
+def parallelize(model: nn.Module, mesh) -> None:
+    """Split the plan's linear layers over `mesh` (1-D) in place: their weights become DTensors."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {name: styles[style]() for name, style in resolve(model).items()}
+    parallelize_module(model, mesh, plan)  # type: ignore[arg-type]
+
+
+def clip_global_norm(params, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ over gradients that mix plain tensors (replicated over the TP ranks) and DTensors on
+    different meshes (TP-split weights; under fsdp + tp, 2-D ones and 1-D ones), which one torch call
+    refuses: one norm per kind, each made global (a collective for DTensors), then combined."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+            groups.setdefault(key, []).append(p)
+    norms = []
+    for members in groups.values():
+        norm = torch.nn.utils.get_total_norm([cast(torch.Tensor, p.grad) for p in members])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.zeros(())
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    if math.isfinite(max_norm):
+        for members in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(members, max_norm, total)
+    return total
+
+
+def first_of_group(total: torch.Tensor, *, tp_rank: int) -> torch.Tensor:
+    """A TP group's ranks all compute the same loss: only the first reports it (the loop sums over ranks)."""
+    return total if tp_rank == 0 else torch.zeros_like(total)

@@ -1,0 +1,172 @@
+"""`tp`: tensor parallel over every rank (DTensor `parallelize_module`, plan in tensor_parallel.py).
+
+Every rank reads the same micro-batches (one data shard) and holds 1/N of each attention and MLP weight;
+embeddings, norms and the head are replicated and get identical full gradients on every rank, so no
+gradient is reduced: the activations are (one all-reduce per attention and per MLP block, each way).
+For TP inside groups with data parallel across them, use fsdp with strategy.tp_degree.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ContextManager, cast
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from toolkit.checkpoint.state import (Read, first_names, load_optimizer_tensors, load_schedule_state,
+                                     model_tensors, optimizer_tensors, schedule_state)
+from toolkit.dist import all_reduce_max, ensure_process_group
+from toolkit.errors import RecipeError
+from toolkit.model import meta_model
+from toolkit.precision import Amp, StepResult, dtype_name
+from toolkit.recipe import Recipe
+from toolkit.strategies import tensor_parallel
+from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
+                                     first_dtype, forward_once, local_abs_max, no_context, optimizer_label,
+                                     optimizer_state_tensors)
+
+INFO = StrategyInfo(
+    name="tp", averages_gradients=True, options=("tp_degree",),
+    summary="tensor parallel: attention heads and MLP columns split over the ranks, one activation all-reduce "
+            "per block; every rank reads the same batch",
+    arms={"tp": ("strategy.name=tp",)})
+
+
+def check_tensor_parallel(recipe: Recipe, *, degree: int) -> None:
+    """Before any rank starts: the model has a plan and `degree` divides what it splits."""
+    if recipe.precision == "fp16":
+        raise RecipeError("precision fp16 is not available with tensor parallelism (its loss scaler cannot unscale "
+                          "gradients that mix DTensors and plain tensors); use bf16")
+    tensor_parallel.check_degree(meta_model(recipe.model), degree)
+
+
+class TpStrategy:
+    info = INFO
+
+    def validate(self, recipe: Recipe, *, world_size: int) -> None:
+        degree = recipe.strategy.tp_degree
+        if degree is not None and degree != world_size:
+            raise RecipeError(f"strategy tp splits every layer over all {world_size} ranks, but tp_degree is "
+                              f"{degree}; drop tp_degree, or use strategy.name=fsdp with tp_degree {degree} for "
+                              "tensor parallel inside groups and FSDP across them")
+        check_tensor_parallel(recipe, degree=world_size)
+
+    def data_layout(self, recipe: Recipe, *, world_size: int, rank: int) -> DataLayout:
+        return DataLayout(rank=0, size=1)  # every rank computes on the whole global batch
+
+    def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
+        total = each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share, device=self.env.device)
+        return tensor_parallel.first_of_group(total, tp_rank=self.env.rank)
+
+    def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
+        total, count = forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device)
+        return (total, count) if self.env.rank == 0 else (torch.zeros_like(total), 0)
+
+    def setup(self, model: nn.Module, args: SetupArgs) -> None:
+        self.env = args.env
+        ensure_process_group(args.env, strategy=self.info.name)
+        self.mesh = init_device_mesh(args.env.device.type, (args.env.world_size,), mesh_dim_names=("tp",))
+        self._model = model.to(args.env.device)
+        tensor_parallel.parallelize(self._model, self.mesh)
+        self.amp = Amp(args.recipe.precision, args.env.device)
+        self.optimizer = args.build_optimizer(self._model)  # auto: the per-tensor loop (DTensor and plain mixed)
+        self.scheduler = args.build_scheduler(self.optimizer)
+
+    @property
+    def model(self) -> nn.Module:
+        return self._model
+
+    def forward_context(self) -> ContextManager:
+        return self.amp.autocast()
+
+    def accumulate(self, *, sync: bool) -> ContextManager:
+        return no_context()  # no gradient is reduced: nothing to skip
+
+    def backward(self, loss_share: torch.Tensor) -> None:
+        self.amp.backward(loss_share)
+
+    def step(self, *, max_grad_norm: float | None) -> StepResult:
+        params = [p for p in self._model.parameters() if p.grad is not None]
+        result = self.amp.step(self.optimizer, params, max_grad_norm=max_grad_norm,
+                               clip=tensor_parallel.clip_global_norm)
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return result
+
+    def discard_step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def replicas(self) -> Replicas | None:
+        named: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in self._model.named_parameters()
+                                                 if not isinstance(p, DTensor)]
+        return Replicas(named=named, group=None, description=f"{self.env.world_size} ranks hold the embeddings, "
+                        "norms and head in full") if named and self.env.world_size > 1 else None
+
+    def gradient_abs_max(self) -> dict[str, float] | None:
+        maxima = local_abs_max((n, p.grad) for n, p in self._model.named_parameters())
+        names = sorted(maxima)
+        values = torch.tensor([maxima[n] for n in names], dtype=torch.float64)
+        all_reduce_max(values, self.env)  # each rank saw its shards of the split weights
+        return {n: float(v) for n, v in zip(names, values)}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it, on CPU
+        state = get_model_state_dict(self._model, options=options)  # collective: the split weights gathered
+        return cast(dict[str, torch.Tensor], state) if self.env.is_main else None
+
+    def export_module(self) -> nn.Module:
+        return self._model
+
+    def measurements(self) -> dict:
+        return {}
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, Any]]:
+        return {"model": model_tensors(self._model), "optim": optimizer_tensors(self.optimizer, first_names(self._model))}
+
+    def load_optimizer_state(self, read: Read) -> None:
+        load_optimizer_tensors(self.optimizer, first_names(self._model), read)
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        return schedule_state(self.scheduler, self.amp.scaler)
+
+    def load_checkpoint_extra(self, extra: dict[str, Any]) -> None:
+        load_schedule_state(self.scheduler, self.amp.scaler, extra)
+
+    def layout(self) -> str:
+        return (f"attention heads and MLP columns split over {self.env.world_size} ranks; embeddings, norms and "
+                "head replicated")
+
+    def close(self) -> None:
+        del self._model, self.optimizer, self.scheduler, self.mesh
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        params: list[torch.Tensor] = list(self._model.parameters())
+        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
+                "optim": optimizer_state_tensors(self.optimizer)}
+
+    def precision_audit(self) -> dict[str, str]:
+        params = list(self._model.parameters())
+        master = dtype_name(first_dtype(p.to_local() if isinstance(p, DTensor) else p for p in params))
+        compute = master if self.amp.precision == "fp32" else self.amp.precision
+        grads = [p.grad for p in params if p.grad is not None]
+        return {
+            "forward_params": compute if self.amp.precision == "fp32" else f"{compute} (autocast)",
+            "master_weights": master + " (split weights sharded)",
+            "gradients": dtype_name(first_dtype(grads)) if grads else master,
+            "grad_reduction": f"none (every rank computes the whole batch); activations all-reduced per block "
+                              f"({compute})",
+            "optimizer_state": dtype_name(first_dtype(optimizer_state_tensors(self.optimizer))) or master,
+            "loss_scaling": "off",
+            "optimizer": optimizer_label(self.optimizer),
+        }
+
+
+def build(recipe: Recipe) -> TpStrategy:
+    return TpStrategy()
