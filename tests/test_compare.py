@@ -13,13 +13,14 @@ from conftest import run_cli, write_recipe
 @pytest.fixture(scope="module")
 def experiment(tmp_path_factory, tiny_tied_llama_dir):
     # tied input/output embeddings: each strategy gathers the shared weight its own way, the exports must agree;
-    # pp-1f1b holds the tied weight on both stages (embedding on the first, head on the last)
+    # pp-1f1b holds the tied weight on both stages (embedding on the first, head on the last); tp splits attention
+    # and MLP over the 2 ranks, fsdp-tp2 the same inside FSDP (one data-parallel group at 2 ranks)
     root = tmp_path_factory.mktemp("compare")
     recipe = write_recipe(root / "recipe.yaml", model_dir=tiny_tied_llama_dir, output_dir=root / "unused",
                           batch={"micro_batch_size": 4, "grad_accum_steps": 1})
     out = root / "exp"
-    result = run_cli("compare", str(recipe), "--strategies", "single,ddp,fsdp,zero2,zero3,pp-1f1b", "--nproc",
-                     "2", "--steps", "5", "--output", str(out))  # (--set output_dir=... works as well: below)
+    result = run_cli("compare", str(recipe), "--strategies", "single,ddp,fsdp,zero3,pp-1f1b,tp,fsdp-tp2",
+                     "--nproc", "2", "--steps", "5", "--output", str(out))  # (--set output_dir=... works as well: below)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out, json.loads((out / "results.json").read_text()), result.stdout
 
@@ -32,7 +33,7 @@ def test_fp32_strategies_are_all_equivalent(experiment):
     _, results, stdout = experiment
     arms = _arms(results)
     assert arms["single"]["verdict"] == "reference"
-    for name in ("ddp", "fsdp", "zero2", "zero3", "pp-1f1b"):
+    for name in ("ddp", "fsdp", "zero3", "pp-1f1b", "tp", "fsdp-tp2"):
         assert arms[name]["verdict"] == "equivalent", (name, arms[name])
     assert "equivalent" in stdout and "tokens/s" in stdout  # the terminal prints the table
 
@@ -84,6 +85,12 @@ def test_communication_per_step_is_counted_from_the_collectives(experiment):
         assert grad_bytes <= ops["_reduce_scatter_base_"] <= grad_bytes * 1.01, (name, ops)
         # and all-gathers from its own half of the parameters (at least once per step)
         assert ops["_allgather_base_"] >= grad_bytes / 2 * 0.99, (name, ops)
+    for name in ("tp", "fsdp-tp2"):  # activations, not gradients: 2 blocks × 2 micro-batches × 7 all-reduces
+        ops = arms[name]["comm"]
+        assert ops["calls_by_op"]["all_reduce"] == 28 and ops["bytes_by_op"]["all_reduce"] < grad_bytes / 4, ops
+        assert "_allgather_base_" not in ops["bytes_by_op"]  # one data-parallel group: FSDP moves nothing
+    section = (out / "report.md").read_text().split("## Communication per step", 1)[1].split("##", 1)[0]
+    assert re.search(r"- tp \(step 3, rank 0\): all_reduce [0-9.]+ MiB in 28 call\(s\)", section), section
     # the counted step is left out of the throughput medians (its per-op hook costs time)
     metrics = [json.loads(l) for l in (out / "ddp" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "comm_bytes" in m] == [3]
@@ -176,7 +183,7 @@ def bert_experiment(tmp_path_factory, tiny_bert_dir):
                           output_dir=root / "unused", batch={"micro_batch_size": 4, "grad_accum_steps": 1},
                           train={"eval_every": None})
     out = root / "exp"
-    result = run_cli("compare", str(recipe), "--strategies", "single,ddp,fsdp,zero2,zero3,single@optim.weight_decay=0.05",
+    result = run_cli("compare", str(recipe), "--strategies", "single,ddp,fsdp,zero3,single@optim.weight_decay=0.05",
                      "--nproc", "2", "--steps", "5", "--set", f"output_dir={out}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out, json.loads((out / "results.json").read_text())
@@ -192,7 +199,7 @@ def test_noise_driven_weights_are_exactly_the_attention_key_biases(bert_experime
     keys = {name for name in scale["max_abs_over_norm"] if name.endswith("attention.self.key.bias")}
     assert len(keys) == 2 and found == keys
     arms = _arms(results)
-    for name in ("ddp", "fsdp", "zero2", "zero3"):
+    for name in ("ddp", "fsdp", "zero3"):
         assert arms[name]["verdict"] == "equivalent", (name, arms[name].get("differences"))
         assert arms[name]["noise_note"].startswith("noise-driven (gradient ≈ 0 by construction")
 
@@ -213,7 +220,7 @@ def test_weights_moved_outside_tolerance_diverge_naming_the_tensor(bert_experime
     out, results = bert_experiment
     copy = tmp_path / "exp"
     shutil.copytree(out, copy)
-    path = copy / "zero2" / "model" / "model.safetensors"
+    path = copy / "zero3" / "model" / "model.safetensors"
     weights = load_file(str(path))
     name = "bert.encoder.layer.0.attention.self.query.weight"  # a gradient-carrying tensor
     element = weights[name].view(-1)
@@ -221,10 +228,10 @@ def test_weights_moved_outside_tolerance_diverge_naming_the_tensor(bert_experime
     save_file(weights, str(path))
     result = run_cli("report", str(copy))
     assert result.returncode == 0, result.stderr[-3000:]
-    arm = _arms(json.loads((copy / "results.json").read_text()))["zero2"]
+    arm = _arms(json.loads((copy / "results.json").read_text()))["zero3"]
     assert arm["verdict"] == "diverged in final weights"
     assert arm["differences"][0].startswith(f"final weights: {name}: 1 of 1024 elements outside |Δ| ≤ 1e-05")
-    assert f"zero2** (diverged in final weights) vs single: final weights: {name}" in (copy / "report.md").read_text()
+    assert f"zero3** (diverged in final weights) vs single: final weights: {name}" in (copy / "report.md").read_text()
 
 
 def test_report_ends_with_a_recommendation(experiment):

@@ -13,6 +13,8 @@ ARMS = {
     # name: (ranks, overrides); global batch 8 = data shards × micro 2 × accumulation
     "tp": (2, ("strategy.name=tp", "batch.grad_accum_steps=4")),  # one data shard: both ranks read it
     "fsdp-tp2": (4, ("strategy.name=fsdp", "strategy.tp_degree=2", "batch.grad_accum_steps=2")),  # 2 dp × 2 tp
+    # norms and residuals on sequence shards between the split layers (uneven shards: padded lengths are odd too)
+    "tp-sp": (2, ("strategy.name=tp", "strategy.sequence_parallel=true", "batch.grad_accum_steps=4")),
 }
 # what the plans split (colwise: output features, rowwise: input features); everything else is replicated
 SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -20,6 +22,8 @@ SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 BF16 = ("precision=bf16", "train.max_steps=8", "optim.lr=0.003", "train.consistency_check_every=1")
 REPLICAS = {"tp": "every 1 step(s): 2 ranks hold the embeddings, norms and head in full",
             "fsdp-tp2": "every 1 step(s): the 2 ranks of each TP group hold the same norm and embedding shards"}
+BF16_ARMS = {"tp": ARMS["tp"][1],  # fsdp-tp2 at 2 ranks (1 dp × 2 tp), with sequence parallelism
+             "fsdp-tp2": (*ARMS["fsdp-tp2"][1], "strategy.sequence_parallel=true")}
 
 
 @pytest.mark.parametrize("arm", list(ARMS))
@@ -51,15 +55,34 @@ def test_tp_layout_model_states_and_audit_are_read_from_the_split_weights(llama4
     assert "activations all-reduced per block (fp32)" in run["precision_audit"]["grad_reduction"]
 
 
-@pytest.mark.parametrize("arm", list(ARMS))
+def test_communication_per_step_is_activation_all_reduces_beside_fsdp_traffic(llama4_runs):
+    runs = {arm: json.loads((llama4_runs.get(arm, nproc=ranks, overrides=overrides) / "run.json").read_text())
+            for arm, (ranks, overrides) in ARMS.items() if arm != "tp-sp"}
+    blocks, micro_batches = 4, {"tp": 4, "fsdp-tp2": 2}  # micro-batches per rank per step
+    for arm, run in runs.items():
+        ops = run["comm_per_step"]
+        # per block and micro-batch: forward, the row-wise o_proj and down_proj outputs are summed; backward,
+        # the gradients of the inputs of the column-wise q, k, v, gate and up projections: 7 all-reduces
+        assert ops["calls_by_op"]["all_reduce"] == 7 * blocks * micro_batches[arm], (arm, ops)
+    tp_params_bytes = runs["tp"]["model_state_bytes"][0]["params_bytes"]  # one TP rank's share of the model
+    fsdp_tp = runs["fsdp-tp2"]["comm_per_step"]["bytes_by_op"]
+    # FSDP over the 2 data-parallel groups: each rank reduce-scatters the full gradient of its TP share
+    # (padded to equal shards: <=1% more) and all-gathers its half of it, forward and again in backward
+    assert tp_params_bytes <= fsdp_tp["_reduce_scatter_base_"] <= tp_params_bytes * 1.01
+    assert fsdp_tp["_allgather_base_"] == pytest.approx(2 * fsdp_tp["_reduce_scatter_base_"], rel=0.01)
+    assert "_allgather_base_" not in runs["tp"]["comm_per_step"]["bytes_by_op"]  # tp alone moves activations only
+
+
+@pytest.mark.parametrize("arm", list(BF16_ARMS))
 def test_bf16_tensor_parallel_trains_and_audits_the_activation_reduction(llama4_runs, arm):
-    _, overrides = ARMS[arm]
-    run_dir = llama4_runs.get(f"{arm}-bf16", nproc=2, overrides=(*overrides, *BF16))  # fsdp-tp2: 1 dp × 2 tp
+    run_dir = llama4_runs.get(f"{arm}-bf16", nproc=2, overrides=(*BF16_ARMS[arm], *BF16))
     steps = metrics(run_dir)
     assert len(steps) == 8 and steps[-1]["loss"] < steps[0]["loss"] - 0.5
     run = json.loads((run_dir / "run.json").read_text())
     reduction = run["precision_audit"]["grad_reduction"]
-    assert re.search(r"activations all-reduced per block( over tp)? \(bf16\)", reduction), reduction
+    words = {"tp": "activations all-reduced per block (bf16)",
+             "fsdp-tp2": "activations reduce-scattered and all-gathered along the sequence per block over tp (bf16)"}
+    assert words[arm] in reduction, reduction
     assert run["replica_check"].startswith(REPLICAS[arm])
 
 
@@ -76,6 +99,8 @@ BAD = {
                                         "strategy.tp_degree applies to fsdp/tp only, but strategy.name is ddp"),
     "tp_degree other than the world under tp": (4, ("strategy.name=tp", "strategy.tp_degree=2"),
                                                 "use strategy.name=fsdp with tp_degree 2"),
+    "sequence_parallel without tensor parallelism": (2, ("strategy.name=fsdp", "strategy.sequence_parallel=true"),
+                                                     "strategy.sequence_parallel needs tensor parallelism"),
 }
 
 
@@ -111,6 +136,18 @@ def test_mlp_columns_not_divisible_and_a_model_without_plan_are_one_line(tmp_pat
     with pytest.raises(RecipeError, match=re.escape("gpt2 declares no tensor-parallel plan")) as error:
         validate_strategy(gpt2, world_size=2)
     assert "modules found: c_attn, c_fc, c_proj, lm_head" in str(error.value)  # what a plan would name
+
+
+def test_sequence_parallel_on_an_encoder_is_one_line(minilm_runs):
+    from toolkit.errors import RecipeError
+    from toolkit.recipe import load_recipe
+    from toolkit.strategies import validate_strategy
+
+    recipe = load_recipe(minilm_runs.recipe, ("strategy.name=tp", "strategy.sequence_parallel=true"))
+    with pytest.raises(RecipeError, match=re.escape("strategy.sequence_parallel: supported for Llama-style "
+                                                    "decoders (blocks with input_layernorm, self_attn, "
+                                                    "post_attention_layernorm, mlp), not bert")):
+        validate_strategy(recipe, world_size=2)
 
 
 def test_bad_tensor_parallel_input_through_the_launcher_exits_2_with_nothing_written(llama4_runs, tmp_path):

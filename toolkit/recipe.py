@@ -117,6 +117,8 @@ class StrategyConfig:
     tp_degree: int | None = None  # fsdp: >1 = tensor parallel inside groups of this many ranks, FSDP across the
     #   groups (a 2-D mesh dp × tp); tp: every rank (leave unset). Less memory per rank than fsdp alone for big
     #   layers, but an activation all-reduce per attention and MLP block: keep a group inside one node
+    sequence_parallel: bool = False  # tp, fsdp with tp_degree: norms and residuals on sequence shards between the
+    #   split layers (Llama-style decoders): less activation memory, the same bytes moved
     # zero
     stage: int | None = None  # zero: 0 = plain DP, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters (default 2)
     offload_optimizer: bool = False  # zero: optimizer state and step on CPU (DeepSpeed CPU Adam)

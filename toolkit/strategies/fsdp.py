@@ -40,7 +40,7 @@ from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, S
 
 INFO = StrategyInfo(
     name="fsdp", averages_gradients=True, accelerate_plugin="fsdp",
-    options=("reshard_after_forward", "cpu_offload", "replicate_degree", "blocks", "tp_degree"),
+    options=("reshard_after_forward", "cpu_offload", "replicate_degree", "blocks", "tp_degree", "sequence_parallel"),
     summary="FSDP2 fully_shard per block: params, grads, optimizer state sharded 1/N; all-gathers per block",
     arms={"fsdp": ("strategy.name=fsdp",),
           "fsdp-noreshard": ("strategy.name=fsdp", "strategy.reshard_after_forward=false"),
@@ -65,6 +65,8 @@ class FsdpStrategy:
                 raise RecipeError(f"strategy.tp_degree {tp} does not divide world size {world_size}; use a world "
                                   f"size that is a multiple of {tp}")
             check_tensor_parallel(recipe, degree=tp)
+        elif recipe.strategy.sequence_parallel:
+            raise RecipeError("strategy.sequence_parallel needs tensor parallelism: set strategy.tp_degree (2 or more)")
         if recipe.precision == "fp16" and recipe.optim.implementation == "fused":
             raise RecipeError("optim.implementation fused cannot run under fsdp in fp16 (torch's ShardedGradScaler "
                               "hands the fused AdamW kernel a found-inf tensor of the wrong shape); use auto or loop")
@@ -85,7 +87,7 @@ class FsdpStrategy:
         options, env = args.recipe.strategy, args.env
         self.env, self.precision = env, args.recipe.precision
         ensure_process_group(env, strategy=self.info.name)  # the device mesh needs one, even for one rank
-        self.tp_degree = options.tp_degree or 1
+        self.tp_degree, self.sequence_parallel = options.tp_degree or 1, options.sequence_parallel
         self.mesh = build_mesh(env.device.type, world_size=env.world_size, replicate=options.replicate_degree,
                                tp=self.tp_degree)
         compute = None if self.precision == "fp32" else DTYPES[self.precision]
@@ -95,7 +97,7 @@ class FsdpStrategy:
         if not options.cpu_offload:
             model.to(env.device)
         if self.tp_degree > 1:  # TP first, then FSDP over the data-parallel dimension
-            tensor_parallel.parallelize(model, self.mesh["tp"])
+            tensor_parallel.parallelize(model, self.mesh["tp"], sequence_parallel=options.sequence_parallel)
         shard = dict(mesh=self.mesh["dp"] if self.tp_degree > 1 else self.mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=self.mp_policy,
                      offload_policy=offload)
         for block in transformer_blocks(model, options.blocks):
@@ -187,7 +189,8 @@ class FsdpStrategy:
 
     def layout(self) -> str:
         shape = " × ".join(f"{n} {name}" for n, name in zip(self.mesh.shape, self.mesh.mesh_dim_names or ()))
-        split = " (attention heads and MLP columns split over tp)" if self.tp_degree > 1 else ""
+        split = " (attention heads and MLP columns split over tp" + (
+            ", norms on sequence shards)" if self.sequence_parallel else ")") if self.tp_degree > 1 else ""
         return f"every block and the root sharded over a mesh of {shape}{split}"
 
     def close(self) -> None:
@@ -208,8 +211,9 @@ class FsdpStrategy:
             "master_weights": dtype_name(stored) + " (sharded, = load dtype)",
             "gradients": dtype_name(first_dtype(grads)) if grads else dtype_name(stored),
             "grad_reduction": f"reduce-scatter mean ({dtype_name(reduce)})" + (
-                f"; activations all-reduced per block over tp ({dtype_name(self.mp_policy.param_dtype or stored)})"
-                if self.tp_degree > 1 else ""),
+                "; " + tensor_parallel.activation_reduction(
+                    sequence_parallel=self.sequence_parallel, dtype=dtype_name(self.mp_policy.param_dtype or stored),
+                    over=" over tp") if self.tp_degree > 1 else ""),
             "optimizer_state": dtype_name(first_dtype(optimizer_state_tensors(self.optimizer)) or stored),
             "loss_scaling": (f"dynamic (ShardedGradScaler, init {self.amp.scaler.get_scale():g})"
                              if self.amp.scaler else "off"),

@@ -81,13 +81,71 @@ def check_degree(model: nn.Module, degree: int) -> None:
                               f"features, not divisible by the tensor-parallel degree {degree}")
 
 
-def parallelize(model: nn.Module, mesh) -> None:
+def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False) -> None:
     """Split the plan's linear layers over `mesh` (1-D) in place: their weights become DTensors."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    if sequence_parallel:
+        parallelize_module(model, mesh, sequence_parallel_plan(model))  # type: ignore[arg-type]
+        return
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     plan = {name: styles[style]() for name, style in resolve(model).items()}
     parallelize_module(model, mesh, plan)  # type: ignore[arg-type]
+
+
+# what sequence parallelism needs of a decoder block (Llama, Qwen2, Mistral name them alike)
+DECODER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def sequence_parallel_plan(model: nn.Module) -> dict[str, Any]:
+    """Megatron's sequence parallelism on top of the plan: between the split layers the activations stay
+    sharded along the sequence, so the norms and residual adds compute 1/N of the tokens each. The row-wise
+    layers reduce-scatter instead of all-reduce, the inputs of attention and MLP are all-gathered: the same
+    bytes, less activation memory. The first block's input is cut from the (replicated) embedding output and
+    the head's input gathered back, so the model's mask, positions and the loss are those of the full
+    sequence. Llama-style decoders only: their blocks hold exactly DECODER_PARTS."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    config: Any = model.config
+    layers = _decoder_layers(model)
+    if layers is None:
+        raise RecipeError(f"strategy.sequence_parallel: supported for Llama-style decoders (blocks with "
+                          f"{', '.join(DECODER_PARTS)}), not {config.model_type}; set it to false")
+    stack, count = layers
+    seq, full = Shard(1), Replicate()
+    gather = dict(input_layouts=(seq,), desired_input_layouts=(full,), use_local_output=True)
+    plan: dict[str, Any] = {}
+    for name, style in resolve(model).items():
+        plan[name] = ColwiseParallel() if style == "colwise" else RowwiseParallel(output_layouts=seq,
+                                                                                  use_local_output=False)
+    for index in range(count):
+        block = f"{stack}.{index}"
+        plan[f"{block}.input_layernorm"] = SequenceParallel()
+        plan[f"{block}.post_attention_layernorm"] = SequenceParallel()
+        plan[f"{block}.self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
+                                                        desired_input_kwarg_layouts={"hidden_states": full},
+                                                        use_local_output=True)
+        plan[f"{block}.mlp"] = PrepareModuleInput(**gather)  # type: ignore[arg-type]
+    plan[f"{stack}.0"] = PrepareModuleInput(input_layouts=(full,), desired_input_layouts=(seq,))
+    base = stack.rsplit(".", 1)[0]
+    plan[f"{base}.norm"] = SequenceParallel()
+    for head, _ in model.named_children():  # the head (lm_head, score) reads the gathered sequence
+        if head != base:
+            plan[head] = PrepareModuleInput(**gather)  # type: ignore[arg-type]
+    return plan
+
+
+def _decoder_layers(model: nn.Module) -> tuple[str, int] | None:
+    """(the layer stack's name, its length) when every block has DECODER_PARTS and a final `norm` follows."""
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        if isinstance(module, nn.ModuleList) and len(module) and "." in name:
+            parts = {child for child, _ in module[0].named_children()}
+            if set(DECODER_PARTS) <= parts and f"{name.rsplit('.', 1)[0]}.norm" in modules:
+                return name, len(module)
+    return None
 
 
 def clip_global_norm(params, max_norm: float) -> torch.Tensor:
@@ -112,6 +170,12 @@ def clip_global_norm(params, max_norm: float) -> torch.Tensor:
         for members in groups.values():
             torch.nn.utils.clip_grads_with_norm_(members, max_norm, total)
     return total
+
+
+def activation_reduction(*, sequence_parallel: bool, dtype: str, over: str = "") -> str:
+    """The precision audit's words for what TP reduces: activations, in the compute dtype."""
+    how = "reduce-scattered and all-gathered along the sequence" if sequence_parallel else "all-reduced"
+    return f"activations {how} per block{over} ({dtype})"
 
 
 def first_of_group(total: torch.Tensor, *, tp_rank: int) -> torch.Tensor:

@@ -29,10 +29,10 @@ from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, S
                                      optimizer_state_tensors)
 
 INFO = StrategyInfo(
-    name="tp", averages_gradients=True, options=("tp_degree",),
+    name="tp", averages_gradients=True, options=("tp_degree", "sequence_parallel"),
     summary="tensor parallel: attention heads and MLP columns split over the ranks, one activation all-reduce "
             "per block; every rank reads the same batch",
-    arms={"tp": ("strategy.name=tp",)})
+    arms={"tp": ("strategy.name=tp",), "tp-sp": ("strategy.name=tp", "strategy.sequence_parallel=true")})
 
 
 def check_tensor_parallel(recipe: Recipe, *, degree: int) -> None:
@@ -40,7 +40,10 @@ def check_tensor_parallel(recipe: Recipe, *, degree: int) -> None:
     if recipe.precision == "fp16":
         raise RecipeError("precision fp16 is not available with tensor parallelism (its loss scaler cannot unscale "
                           "gradients that mix DTensors and plain tensors); use bf16")
-    tensor_parallel.check_degree(meta_model(recipe.model), degree)
+    model = meta_model(recipe.model)
+    tensor_parallel.check_degree(model, degree)
+    if recipe.strategy.sequence_parallel:
+        tensor_parallel.sequence_parallel_plan(model)  # the model has the blocks it needs
 
 
 class TpStrategy:
@@ -66,11 +69,11 @@ class TpStrategy:
         return (total, count) if self.env.rank == 0 else (torch.zeros_like(total), 0)
 
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
-        self.env = args.env
+        self.env, self.sequence_parallel = args.env, args.recipe.strategy.sequence_parallel
         ensure_process_group(args.env, strategy=self.info.name)
         self.mesh = init_device_mesh(args.env.device.type, (args.env.world_size,), mesh_dim_names=("tp",))
         self._model = model.to(args.env.device)
-        tensor_parallel.parallelize(self._model, self.mesh)
+        tensor_parallel.parallelize(self._model, self.mesh, sequence_parallel=args.recipe.strategy.sequence_parallel)
         self.amp = Amp(args.recipe.precision, args.env.device)
         self.optimizer = args.build_optimizer(self._model)  # auto: the per-tensor loop (DTensor and plain mixed)
         self.scheduler = args.build_scheduler(self.optimizer)
@@ -141,7 +144,7 @@ class TpStrategy:
 
     def layout(self) -> str:
         return (f"attention heads and MLP columns split over {self.env.world_size} ranks; embeddings, norms and "
-                "head replicated")
+                "head replicated" + ("; norms computed on sequence shards" if self.sequence_parallel else ""))
 
     def close(self) -> None:
         del self._model, self.optimizer, self.scheduler, self.mesh
@@ -160,8 +163,8 @@ class TpStrategy:
             "forward_params": compute if self.amp.precision == "fp32" else f"{compute} (autocast)",
             "master_weights": master + " (split weights sharded)",
             "gradients": dtype_name(first_dtype(grads)) if grads else master,
-            "grad_reduction": f"none (every rank computes the whole batch); activations all-reduced per block "
-                              f"({compute})",
+            "grad_reduction": "none (every rank computes the whole batch); " + tensor_parallel.activation_reduction(
+                sequence_parallel=self.sequence_parallel, dtype=compute),
             "optimizer_state": dtype_name(first_dtype(optimizer_state_tensors(self.optimizer))) or master,
             "loss_scaling": "off",
             "optimizer": optimizer_label(self.optimizer),
