@@ -17,7 +17,8 @@ from toolkit import faults
 
 SOURCES = {"ddp": 2, "fsdp": 2, "zero2-offload": 2, "zero3": 2, "fsdp-async": 2, "pp": 2}
 CROSS = [("zero3", 2, "fsdp", 2), ("fsdp", 2, "ddp", 1), ("ddp", 2, "zero3", 2), ("zero2-offload", 2, "single", 1),
-         ("fsdp", 2, "fsdp", 1), ("ddp", 2, "pp", 2), ("pp", 2, "single", 1)]
+         ("fsdp", 2, "fsdp", 1), ("ddp", 2, "pp", 2), ("pp", 2, "single", 1),
+         ("ddp", 2, "tp", 2)]  # tp: the split weights and their Adam state are DTensors
 
 
 def strategy_overrides(name: str) -> tuple[str, ...]:
