@@ -99,6 +99,9 @@ BAD = {
                                         "strategy.tp_degree applies to fsdp/tp only, but strategy.name is ddp"),
     "tp_degree other than the world under tp": (4, ("strategy.name=tp", "strategy.tp_degree=2"),
                                                 "use strategy.name=fsdp with tp_degree 2"),
+    "fp16 (a loss scaler over mixed DTensor/plain gradients)": (2, ("strategy.name=tp", "precision=fp16"),
+                                                                "precision fp16 is not available with tensor "
+                                                                "parallelism"),
     "sequence_parallel without tensor parallelism": (2, ("strategy.name=fsdp", "strategy.sequence_parallel=true"),
                                                      "strategy.sequence_parallel needs tensor parallelism"),
 }
