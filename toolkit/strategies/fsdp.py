@@ -33,7 +33,6 @@ from toolkit.model import transformer_blocks
 from toolkit.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.recipe import Recipe
 from toolkit.strategies import tensor_parallel
-from toolkit.strategies.tp import check_tensor_parallel
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
                                      every_rank_a_shard, first_dtype, forward_once, local_abs_max, no_context,
                                      optimizer_label, optimizer_state_tensors)
@@ -64,7 +63,7 @@ class FsdpStrategy:
             if world_size % tp:
                 raise RecipeError(f"strategy.tp_degree {tp} does not divide world size {world_size}; use a world "
                                   f"size that is a multiple of {tp}")
-            check_tensor_parallel(recipe, degree=tp)
+            tensor_parallel.check_recipe(recipe, degree=tp)
         elif recipe.strategy.sequence_parallel:
             raise RecipeError("strategy.sequence_parallel needs tensor parallelism: set strategy.tp_degree (2 or more)")
         if recipe.precision == "fp16" and recipe.optim.implementation == "fused":
@@ -98,8 +97,8 @@ class FsdpStrategy:
             model.to(env.device)
         if self.tp_degree > 1:  # TP first, then FSDP over the data-parallel dimension
             tensor_parallel.parallelize(model, self.mesh["tp"], sequence_parallel=options.sequence_parallel)
-        shard = dict(mesh=self.mesh["dp"] if self.tp_degree > 1 else self.mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=self.mp_policy,
-                     offload_policy=offload)
+        shard = dict(mesh=self.mesh["dp"] if self.tp_degree > 1 else self.mesh, mp_policy=self.mp_policy,
+                     reshard_after_forward=options.reshard_after_forward, offload_policy=offload)
         for block in transformer_blocks(model, options.blocks):
             fully_shard(block, **shard)
         fully_shard(model, **shard)
@@ -189,9 +188,11 @@ class FsdpStrategy:
 
     def layout(self) -> str:
         shape = " × ".join(f"{n} {name}" for n, name in zip(self.mesh.shape, self.mesh.mesh_dim_names or ()))
-        split = " (attention heads and MLP columns split over tp" + (
-            ", norms on sequence shards)" if self.sequence_parallel else ")") if self.tp_degree > 1 else ""
-        return f"every block and the root sharded over a mesh of {shape}{split}"
+        layout = f"every block and the root sharded over a mesh of {shape}"
+        if self.tp_degree > 1:
+            layout += " (attention heads and MLP columns split over tp"
+            layout += ", norms on sequence shards)" if self.sequence_parallel else ")"
+        return layout
 
     def close(self) -> None:
         del self._model, self.optimizer, self.scheduler, self.mesh  # their groups, for destroy_process_group

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from toolkit.errors import RecipeError
+from toolkit.recipe import Recipe
 
 # architectures whose config declares no plan: module paths relative to the base model
 FALLBACK_PLANS: dict[str, dict[str, str]] = {
@@ -62,6 +63,19 @@ def resolve(model: nn.Module) -> dict[str, str]:
             raise RecipeError(f"strategy tp: the plan entry {pattern} matches no linear layer of this model")
         plan.update(dict.fromkeys(found, style))
     return plan
+
+
+def check_recipe(recipe: Recipe, *, degree: int) -> None:
+    """Before any rank starts: the recipe's model has a plan and `degree` divides what it splits."""
+    from toolkit.model import meta_model
+
+    if recipe.precision == "fp16":
+        raise RecipeError("precision fp16 is not available with tensor parallelism (its loss scaler cannot unscale "
+                          "gradients that mix DTensors and plain tensors); use bf16")
+    model = meta_model(recipe.model)
+    check_degree(model, degree)
+    if recipe.strategy.sequence_parallel:
+        sequence_parallel_plan(model)  # the model has the blocks it needs
 
 
 def check_degree(model: nn.Module, degree: int) -> None:

@@ -20,7 +20,6 @@ from toolkit.checkpoint.state import (Read, first_names, load_optimizer_tensors,
                                      model_tensors, optimizer_tensors, schedule_state)
 from toolkit.dist import all_reduce_max, ensure_process_group
 from toolkit.errors import RecipeError
-from toolkit.model import meta_model
 from toolkit.precision import Amp, StepResult, dtype_name
 from toolkit.recipe import Recipe
 from toolkit.strategies import tensor_parallel
@@ -35,17 +34,6 @@ INFO = StrategyInfo(
     arms={"tp": ("strategy.name=tp",), "tp-sp": ("strategy.name=tp", "strategy.sequence_parallel=true")})
 
 
-def check_tensor_parallel(recipe: Recipe, *, degree: int) -> None:
-    """Before any rank starts: the model has a plan and `degree` divides what it splits."""
-    if recipe.precision == "fp16":
-        raise RecipeError("precision fp16 is not available with tensor parallelism (its loss scaler cannot unscale "
-                          "gradients that mix DTensors and plain tensors); use bf16")
-    model = meta_model(recipe.model)
-    tensor_parallel.check_degree(model, degree)
-    if recipe.strategy.sequence_parallel:
-        tensor_parallel.sequence_parallel_plan(model)  # the model has the blocks it needs
-
-
 class TpStrategy:
     info = INFO
 
@@ -55,7 +43,7 @@ class TpStrategy:
             raise RecipeError(f"strategy tp splits every layer over all {world_size} ranks, but tp_degree is "
                               f"{degree}; drop tp_degree, or use strategy.name=fsdp with tp_degree {degree} for "
                               "tensor parallel inside groups and FSDP across them")
-        check_tensor_parallel(recipe, degree=world_size)
+        tensor_parallel.check_recipe(recipe, degree=world_size)
 
     def data_layout(self, recipe: Recipe, *, world_size: int, rank: int) -> DataLayout:
         return DataLayout(rank=0, size=1)  # every rank computes on the whole global batch
