@@ -183,7 +183,7 @@ def bert_experiment(tmp_path_factory, tiny_bert_dir):
                           output_dir=root / "unused", batch={"micro_batch_size": 4, "grad_accum_steps": 1},
                           train={"eval_every": None})
     out = root / "exp"
-    result = run_cli("compare", str(recipe), "--strategies", "single,ddp,fsdp,zero3,single@optim.weight_decay=0.05",
+    result = run_cli("compare", str(recipe), "--strategies", "single,ddp,fsdp,single@optim.weight_decay=0.05",
                      "--nproc", "2", "--steps", "5", "--set", f"output_dir={out}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out, json.loads((out / "results.json").read_text())
@@ -199,7 +199,7 @@ def test_noise_driven_weights_are_exactly_the_attention_key_biases(bert_experime
     keys = {name for name in scale["max_abs_over_norm"] if name.endswith("attention.self.key.bias")}
     assert len(keys) == 2 and found == keys
     arms = _arms(results)
-    for name in ("ddp", "fsdp", "zero3"):
+    for name in ("ddp", "fsdp"):
         assert arms[name]["verdict"] == "equivalent", (name, arms[name].get("differences"))
         assert arms[name]["noise_note"].startswith("noise-driven (gradient ≈ 0 by construction")
 
@@ -220,7 +220,7 @@ def test_weights_moved_outside_tolerance_diverge_naming_the_tensor(bert_experime
     out, results = bert_experiment
     copy = tmp_path / "exp"
     shutil.copytree(out, copy)
-    path = copy / "zero3" / "model" / "model.safetensors"
+    path = copy / "fsdp" / "model" / "model.safetensors"
     weights = load_file(str(path))
     name = "bert.encoder.layer.0.attention.self.query.weight"  # a gradient-carrying tensor
     element = weights[name].view(-1)
@@ -228,10 +228,10 @@ def test_weights_moved_outside_tolerance_diverge_naming_the_tensor(bert_experime
     save_file(weights, str(path))
     result = run_cli("report", str(copy))
     assert result.returncode == 0, result.stderr[-3000:]
-    arm = _arms(json.loads((copy / "results.json").read_text()))["zero3"]
+    arm = _arms(json.loads((copy / "results.json").read_text()))["fsdp"]
     assert arm["verdict"] == "diverged in final weights"
     assert arm["differences"][0].startswith(f"final weights: {name}: 1 of 1024 elements outside |Δ| ≤ 1e-05")
-    assert f"zero3** (diverged in final weights) vs single: final weights: {name}" in (copy / "report.md").read_text()
+    assert f"fsdp** (diverged in final weights) vs single: final weights: {name}" in (copy / "report.md").read_text()
 
 
 def test_report_ends_with_a_recommendation(experiment):
