@@ -43,8 +43,11 @@ def test_dp_without_two_gpus_says_what_it_ran_as_and_progress_shows_eval_loss(tm
 def ctrl_c(args: list[str], *, started, timeout: float = 240) -> tuple[subprocess.CompletedProcess, list[int]]:
     """Run `toolkit ARGS` in a session of its own, wait until `started()` holds, then press Ctrl-C as a terminal
     does: SIGINT to the whole process group. Returns the result and the processes below it at that moment."""
+    # SIGINT as a terminal's foreground job has it: a shell without job control starts a background job (a CI
+    # script run with `&`) with SIGINT ignored, and Python then never raises KeyboardInterrupt
     proc = subprocess.Popen([sys.executable, "-m", "toolkit", *args], cwd=REPO, env=toolkit_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + timeout
     while not started():
         assert proc.poll() is None, f"ended before Ctrl-C: {proc.communicate()}"

@@ -52,13 +52,9 @@ def run_arm(experiment: Experiment, arm: Arm) -> str:
 
 
 def _run_launcher(cmd: list[str], log) -> int:
-    """The arm's `toolkit launch`, in a session of its own: a Ctrl-C reaches it once, from here, and it is
-    waited for, so no rank is left behind. Returns its exit code, INTERRUPTED when Ctrl-C stopped it.
-
-    The Ctrl-C goes to the launcher and to its ranks (torch's agent starts each rank in a session of its own,
-    so a terminal's Ctrl-C would not reach them either): a rank stops after its step whether or not the
-    agent's forwarded copy arrives (once, under load, an arm ran on to its last step after the launcher
-    alone was sent SIGINT); a rank takes the second copy as the same Ctrl-C."""
+    """The arm's `toolkit launch`, in a session of its own: a Ctrl-C reaches it once, from here (its agent
+    forwards it to the ranks, which stop after their step), never twice; and it is waited for, so no rank is
+    left behind. Returns its exit code, INTERRUPTED when Ctrl-C stopped it."""
     child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(),
                              start_new_session=True)
     # SIGTERM or a hang-up (the terminal or ssh session gone) stops the arm the same way
@@ -68,7 +64,7 @@ def _run_launcher(cmd: list[str], log) -> int:
     except KeyboardInterrupt:
         for signum in (signal.SIGINT, *previous):
             signal.signal(signum, signal.SIG_IGN)  # one is enough: the arm is stopping
-        _interrupt_tree(child.pid)
+        child.send_signal(signal.SIGINT)
         child.wait()
         return INTERRUPTED
     finally:
@@ -78,21 +74,6 @@ def _run_launcher(cmd: list[str], log) -> int:
         for signum, handler in previous.items():
             if signal.getsignal(signum) is _interrupt:
                 signal.signal(signum, handler)
-
-
-def _interrupt_tree(pid: int) -> None:
-    import psutil
-
-    try:
-        ranks = psutil.Process(pid).children()
-        os.kill(pid, signal.SIGINT)
-    except (psutil.NoSuchProcess, ProcessLookupError):
-        return  # the launcher already ended
-    for rank in ranks:
-        try:
-            rank.send_signal(signal.SIGINT)
-        except psutil.NoSuchProcess:
-            pass
 
 
 def _interrupt(signum, frame) -> None:
