@@ -35,8 +35,6 @@ class Fragments:
         """Copy: this rank's pieces in one new fp32 CPU buffer, the whole entries cloned."""
         flat = torch.cat([p.tensor.detach().reshape(-1).to("cpu", torch.float32) for p in self.pieces]) \
             if self.pieces else torch.zeros(0)
-        if len(self.pieces) == 1 and flat.data_ptr() == self.pieces[0].tensor.data_ptr():
-            flat = flat.clone()  # cat of one fp32 CPU tensor may hand back its storage
         table = [(p.key, p.start, p.tensor.numel()) for p in self.pieces]
         whole = {k: v.detach().to("cpu", copy=True) for k, v in self.whole.items()}
         return Flat(buffer=flat, table=table, shapes=self.shapes, whole=whole)

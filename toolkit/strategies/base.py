@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Protocol
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Protocol, cast
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from toolkit.checkpoint.fragments import Fragments
 from toolkit.data import DataLayout
-from toolkit.dist import DistEnv
+from toolkit.dist import DistEnv, all_reduce_max
 from toolkit.precision import StepResult
 from toolkit.recipe import Recipe
 
@@ -254,3 +254,21 @@ def local_abs_max(named_grads: Iterable[tuple[str, torch.Tensor | None]]) -> dic
         return {}
     values = torch.stack(maxima).double().cpu().tolist()  # device sync: only on steps that record it
     return dict(zip(names, values))
+
+
+def sharded_abs_max(model: nn.Module, env: DistEnv, *, scale: float = 1.0) -> dict[str, float]:
+    """gradient_abs_max where each rank holds shards of the gradients (DTensors): its local maxima, then the
+    maximum over ranks (a collective); `scale` is the loss scale still in the gradients."""
+    maxima = local_abs_max((n, p.grad) for n, p in model.named_parameters())
+    names = sorted(maxima)
+    values = torch.tensor([maxima[n] for n in names], dtype=torch.float64)
+    all_reduce_max(values, env)
+    return {n: float(v) / scale for n, v in zip(names, values)}
+
+
+def gathered_state_dict(model: nn.Module, env: DistEnv) -> dict[str, torch.Tensor] | None:
+    """Collective: the full weights of a model holding DTensors, gathered on CPU; rank 0 gets them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return cast(dict[str, torch.Tensor], state) if env.is_main else None

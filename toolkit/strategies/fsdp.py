@@ -19,13 +19,12 @@ from typing import Any, ContextManager, cast
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from toolkit.dist import all_reduce_max, ensure_process_group
+from toolkit.dist import ensure_process_group
 from toolkit.checkpoint.state import (Read, first_names, load_optimizer_tensors, load_schedule_state,
                                      model_tensors, optimizer_tensors, schedule_state)
 from toolkit.errors import RecipeError
@@ -34,8 +33,8 @@ from toolkit.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.recipe import Recipe
 from toolkit.strategies import tensor_parallel
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
-                                     every_rank_a_shard, first_dtype, forward_once, local_abs_max, no_context,
-                                     optimizer_label, optimizer_state_tensors)
+                                     every_rank_a_shard, first_dtype, forward_once, gathered_state_dict, no_context,
+                                     optimizer_label, optimizer_state_tensors, sharded_abs_max)
 
 INFO = StrategyInfo(
     name="fsdp", averages_gradients=True, accelerate_plugin="fsdp",
@@ -156,17 +155,10 @@ class FsdpStrategy:
                         description=f"{size} replica groups hold identical shards")
 
     def gradient_abs_max(self) -> dict[str, float] | None:
-        maxima = local_abs_max((n, p.grad) for n, p in self._model.named_parameters())
-        names = sorted(maxima)
-        values = torch.tensor([maxima[n] for n in names], dtype=torch.float64)
-        all_reduce_max(values, self.env)  # each rank saw its shards only
-        scale = self.amp.scaler.get_scale() if self.amp.scaler else 1.0
-        return {n: float(v) / scale for n, v in zip(names, values)}
+        return sharded_abs_max(self._model, self.env, scale=self.amp.scaler.get_scale() if self.amp.scaler else 1.0)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it, on CPU
-        state = get_model_state_dict(self._model, options=options)  # collective: every rank gathers
-        return cast(dict[str, torch.Tensor], state) if self.env.is_main else None
+        return gathered_state_dict(self._model, self.env)
 
     def export_module(self) -> nn.Module:
         return self._model

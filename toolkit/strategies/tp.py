@@ -8,24 +8,23 @@ For TP inside groups with data parallel across them, use fsdp with strategy.tp_d
 
 from __future__ import annotations
 
-from typing import Any, ContextManager, cast
+from typing import Any, ContextManager
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from toolkit.checkpoint.state import (Read, first_names, load_optimizer_tensors, load_schedule_state,
                                      model_tensors, optimizer_tensors, schedule_state)
-from toolkit.dist import all_reduce_max, ensure_process_group
+from toolkit.dist import ensure_process_group
 from toolkit.errors import RecipeError
 from toolkit.precision import Amp, StepResult, dtype_name
 from toolkit.recipe import Recipe
 from toolkit.strategies import tensor_parallel
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
-                                     first_dtype, forward_once, local_abs_max, no_context, optimizer_label,
-                                     optimizer_state_tensors)
+                                     first_dtype, forward_once, gathered_state_dict, no_context, optimizer_label,
+                                     optimizer_state_tensors, sharded_abs_max)
 
 INFO = StrategyInfo(
     name="tp", averages_gradients=True, options=("tp_degree", "sequence_parallel"),
@@ -101,16 +100,10 @@ class TpStrategy:
                         "norms and head in full") if named and self.env.world_size > 1 else None
 
     def gradient_abs_max(self) -> dict[str, float] | None:
-        maxima = local_abs_max((n, p.grad) for n, p in self._model.named_parameters())
-        names = sorted(maxima)
-        values = torch.tensor([maxima[n] for n in names], dtype=torch.float64)
-        all_reduce_max(values, self.env)  # each rank saw its shards of the split weights
-        return {n: float(v) for n, v in zip(names, values)}
+        return sharded_abs_max(self._model, self.env)  # each rank saw its shards of the split weights
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it, on CPU
-        state = get_model_state_dict(self._model, options=options)  # collective: the split weights gathered
-        return cast(dict[str, torch.Tensor], state) if self.env.is_main else None
+        return gathered_state_dict(self._model, self.env)
 
     def export_module(self) -> nn.Module:
         return self._model
