@@ -137,3 +137,14 @@ def test_diverged_step_names_what_differs():
     ref = steps([2.0, 1.9, 1.8])
     found = verdict.first_difference(steps([2.0, 1.9 * (1 + 1e-3), 1.8]), ref, loss_tol=1e-5, norm_tol=1e-5)
     assert found["step"] == 2 and found["what"].startswith("step 2: loss 1.9019 vs 1.9 (relative 0.001 > 1e-05)")
+
+
+def test_mfu_above_one_is_reported_as_an_unreliable_peak_not_a_number():
+    from toolkit.compare import measure
+
+    run = {"flops": {"flops_per_token": 1_000_000}, "world_size": 2, "precision": "bf16", "device_type": "cpu",
+           "cpu_matmul_peak": {"flops_per_s": 1e9, "dtype": "bf16", "threads": 1, "shape": [1024, 128, 344]}}
+    fine = measure.mfu(run, tokens_per_s=1000)  # 1e9 achieved of 2e9 peak
+    assert fine["mfu"] == pytest.approx(0.5) and "1024×128×344" in fine["peak_source"]
+    above = measure.mfu(run, tokens_per_s=3000)  # 3e9 achieved of 2e9 peak: the peak cannot be a peak
+    assert above["mfu"] is None and "unreliable" in above["peak_source"] and "3.0 GFLOP/s" in above["peak_source"]

@@ -22,21 +22,54 @@ def peak_reserved_bytes(device: torch.device) -> int | None:
     return int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else None
 
 
+def live_tensor_storages() -> dict[tuple[str, int], tuple[int, str, int]]:
+    """Every tensor storage Python can reach in this process: (device, address) -> (bytes, dtype, numel of the
+    largest view seen). An independent count of what a strategy holds, read without asking it: tensors only
+    C++ references (autograd's saved activations) are not seen, so call it between steps."""
+    import gc
+
+    found: dict[tuple[str, int], tuple[int, str, int]] = {}
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor) or obj.is_meta:
+            continue
+        local = getattr(obj, "_local_tensor", obj)  # DTensor: this rank's shard
+        try:
+            storage = local.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
+            continue
+        if storage.nbytes():
+            key = (local.device.type, storage.data_ptr())
+            seen = found.get(key)
+            if seen is None or local.numel() > seen[2]:
+                found[key] = (storage.nbytes(), str(local.dtype).removeprefix("torch."), local.numel())
+    return found
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # device sync: step timings must include queued kernels
 
 
-def measured_matmul_flops(*, dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
-    """Best-of-N FLOP/s of a square matmul with this process's threads: the CPU 'peak' MFU is taken against."""
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    a @ b  # warm-up: first call pays allocation and kernel selection
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * size ** 3 / best
+def measured_matmul_flops(shapes: list[tuple[int, int, int]], *, dtype: torch.dtype, repeats: int = 3) -> dict:
+    """The CPU 'peak' MFU is taken against: the best FLOP/s over `shapes` (m, k, n) of `x @ w.T` (the way
+    nn.Linear multiplies), best of `repeats` timings each, with this process's threads and dtype.
+
+    A peak is an upper bound only if it is measured on the kernels the step runs: one square matmul
+    can land on a slower path (bf16 without native support converts; small k under-fills the vector units)
+    than the step's own shapes, and then MFU reads above 100 %. So the model's matmul shapes are included.
+    """
+    best_flops_per_s, best_shape = 0.0, shapes[0]
+    for m, k, n in shapes:
+        x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+        torch.nn.functional.linear(x, w)  # warm-up: first call pays allocation and kernel selection
+        fastest_s = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            fastest_s = min(fastest_s, time.perf_counter() - start)
+        if 2 * m * k * n / fastest_s > best_flops_per_s:
+            best_flops_per_s, best_shape = 2 * m * k * n / fastest_s, (m, k, n)
+    return {"flops_per_s": best_flops_per_s, "shape": list(best_shape)}
 
 
 class JsonlWriter:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from toolkit.dist import DistEnv, gather_objects
-from toolkit.metrics import measured_matmul_flops, peak_memory_bytes, peak_reserved_bytes
+from toolkit.metrics import live_tensor_storages, measured_matmul_flops, peak_memory_bytes, peak_reserved_bytes
 from toolkit.model import flops_per_token
 from toolkit.recipe import BatchPlan, Recipe, dump_recipe
 from toolkit.strategies.base import storage_bytes
@@ -42,14 +42,24 @@ def device_name(env: DistEnv) -> str:
     return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads/rank)"
 
 
-def _cpu_peak(recipe: Recipe, env: DistEnv) -> dict | None:
-    """On CPU, MFU needs a peak: every rank measures a matmul at once (they share the cores)."""
+def _cpu_peak(recipe: Recipe, env: DistEnv, model) -> dict | None:
+    """On CPU, MFU needs a peak: every rank measures matmuls at once (they share the cores), on a square
+    shape and on the model's own linear shapes (tokens × hidden × MLP width, and the LM head's)."""
     if env.device.type != "cpu":
         return None
     dtype = torch.bfloat16 if recipe.precision == "bf16" else torch.float32
-    peaks = gather_objects(measured_matmul_flops(dtype=dtype), env)
-    return {"flops_per_s": min(peaks), "dtype": recipe.precision if recipe.precision == "bf16" else "fp32",
-            "threads": torch.get_num_threads()}
+    tokens = recipe.batch.micro_batch_size * recipe.data.max_length
+    hidden = getattr(model.config, "hidden_size", 0)
+    shapes = [(1024, 1024, 1024)]
+    if hidden:
+        width = getattr(model.config, "intermediate_size", 0) or 4 * hidden
+        shapes += [(tokens, hidden, width), (tokens, width, hidden), (tokens, hidden, hidden)]
+        if recipe.model.task == "causal-lm":
+            shapes.append((tokens, hidden, min(getattr(model.config, "vocab_size", 0) or hidden, 8192)))
+    peaks = gather_objects(measured_matmul_flops(shapes, dtype=dtype), env)
+    slowest = min(peaks, key=lambda p: p["flops_per_s"])  # ranks share the cores: the slowest rank is the bound
+    return {"flops_per_s": slowest["flops_per_s"], "shape": slowest["shape"],
+            "dtype": recipe.precision if recipe.precision == "bf16" else "fp32", "threads": torch.get_num_threads()}
 
 
 def start(recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, model, num_params: int,
@@ -65,7 +75,7 @@ def start(recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, mo
                                  lm_head=lm_head),
         "device": device_name(env), "device_type": env.device.type, "versions": versions(),
         "threads_per_rank": torch.get_num_threads(),
-        "cpu_matmul_peak": _cpu_peak(recipe, env),
+        "cpu_matmul_peak": _cpu_peak(recipe, env, model),
         "command": " ".join(sys.argv),
     }
     if env.is_main:
@@ -85,7 +95,19 @@ def start(recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, mo
 def record_before_first_step(info: dict, strategy, *, env: DistEnv) -> None:
     """Gradients exist now (after the first backward) and the optimizer has not stepped."""
     tensors = strategy.state_tensors()
-    info["_local"] = {"grads_bytes": storage_bytes(tensors["grads"]), "audit": strategy.precision_audit()}
+    info["_local"] = {"grads_bytes": storage_bytes(tensors["grads"]), "audit": strategy.precision_audit(),
+                      "other_live": _other_live(tensors)}
+
+
+def _other_live(tensors: dict[str, list[torch.Tensor]]) -> dict:
+    """What the process holds besides the counted model states, from a census of every live tensor: a
+    strategy's buffers (DeepSpeed's buckets, DDP's) that the counters above do not name. Batches are small."""
+    counted = {(getattr(t, "_local_tensor", t).device.type, getattr(t, "_local_tensor", t).untyped_storage().data_ptr())
+               for group in tensors.values() for t in group if t is not None}
+    other = {k: v for k, v in live_tensor_storages().items() if k not in counted}
+    largest = sorted(other.values(), reverse=True)[:3]
+    return {"bytes": sum(v[0] for v in other.values()),
+            "largest": [{"bytes": b, "dtype": d, "numel": n} for b, d, n in largest]}
 
 
 def record_after_first_step(info: dict, strategy, *, env: DistEnv) -> None:
@@ -97,10 +119,11 @@ def record_after_first_step(info: dict, strategy, *, env: DistEnv) -> None:
     audit = {**local["audit"], "master_weights": audit_after["master_weights"],
              "optimizer_state": audit_after["optimizer_state"]}
     mine = {"params_bytes": storage_bytes(tensors["params"]), "grads_bytes": local["grads_bytes"],
-            "optim_bytes": storage_bytes(tensors["optim"]), "audit": audit}
+            "optim_bytes": storage_bytes(tensors["optim"]), "audit": audit, "other_live": local["other_live"]}
     ranks = gather_objects(mine, env)
     info["precision_audit"] = ranks[0]["audit"]
     info["model_state_bytes"] = [{k: r[k] for k in ("params_bytes", "grads_bytes", "optim_bytes")} for r in ranks]
+    info["other_live_tensor_bytes"] = [r["other_live"] for r in ranks]  # after the first backward, per rank
     if env.is_main:
         _write(info, Path(info["_out_dir"]))
 

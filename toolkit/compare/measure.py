@@ -51,17 +51,25 @@ def peak_flops_per_device(run: dict) -> tuple[float | None, str]:
     measured = run.get("cpu_matmul_peak")
     if not measured:
         return None, "no measured CPU matmul peak in run.json"
-    return measured["flops_per_s"], (f"measured {measured['dtype']} matmul on each rank at start, "
-                                     f"{measured['threads']} thread(s)/rank, ranks concurrently")
+    shape = "×".join(map(str, measured.get("shape") or ()))
+    return measured["flops_per_s"], (f"measured {measured['dtype']} matmuls on each rank at start (best: "
+                                     f"{shape or 'square'}), {measured['threads']} thread(s)/rank, ranks concurrently")
 
 
 def mfu(run: dict, tokens_per_s: float) -> dict:
+    """Model FLOPs utilisation. A peak is an upper bound by definition: an achieved rate above it means the
+    peak was measured wrong (on CPU: another kernel path, or the ranks ran it at a quieter moment), and the
+    MFU is then reported as unknown, with why, rather than as a number above 100 %."""
     flops_per_token = run["flops"]["flops_per_token"]
     achieved = tokens_per_s * flops_per_token
     peak, source = peak_flops_per_device(run)
     total_peak = peak * run["world_size"] if peak else None
-    return {"achieved_flops_per_s": achieved, "peak_flops_per_s": total_peak, "peak_source": source,
-            "mfu": achieved / total_peak if total_peak else None}
+    value = achieved / total_peak if total_peak else None
+    if value is not None and total_peak and value > 1:
+        source = (f"{source}; unreliable: the step achieved {achieved / 1e9:.1f} GFLOP/s, above the "
+                  f"{total_peak / 1e9:.1f} GFLOP/s peak, so no MFU is shown")
+        value = None
+    return {"achieved_flops_per_s": achieved, "peak_flops_per_s": total_peak, "peak_source": source, "mfu": value}
 
 
 def memory(run: dict) -> dict:

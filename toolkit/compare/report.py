@@ -300,7 +300,9 @@ def _flops_note(results: dict) -> str:
     f = first["flops"]
     return (f"FLOPs per token = {f['formula']} = 6×{f['matmul_params']:,} + {f['attention_flops_per_token']:,} "
             f"= {f['flops_per_token']:,} (seq_len {f['seq_len']}); MFU = tokens/s × FLOPs/token ÷ "
-            f"(peak × world); peak: {first['peak_source']}.")
+            f"(peak × world); peak: {first['peak_source']}." + "".join(
+                f" {r['arm']}: {r['peak_source']}." for r in results["arms"]
+                if r.get("peak_source") and "unreliable" in r["peak_source"] and r is not first))
 
 
 def render_markdown(results: dict, plots: list[Path]) -> str:

@@ -29,6 +29,7 @@ from toolkit.data import DataLayout
 from toolkit.dist import DistEnv, all_reduce_max
 from toolkit.precision import StepResult
 from toolkit.recipe import Recipe
+from toolkit.strategies.state_bytes import StateBytes
 
 
 LossSum = Callable[[torch.Tensor, dict], torch.Tensor]  # (logits, micro-batch) -> sum of its loss terms
@@ -84,6 +85,10 @@ class Strategy(Protocol):
 
     def data_layout(self, recipe: Recipe, *, world_size: int, rank: int) -> DataLayout:
         """Which shard of each global batch `rank` reads (no process group needed)."""
+
+    def predict_state_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
+        """Per rank, the parameter, gradient and optimizer-state bytes a run will measure, from `model` built
+        on the meta device and this strategy's sharding and precision rules (toolkit plan; no process group)."""
 
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
         """Wrap/shard the model (on CPU, in its load dtype), move it to the device, build optimizer + schedule."""

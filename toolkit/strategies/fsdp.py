@@ -35,6 +35,7 @@ from toolkit.strategies import tensor_parallel
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
                                      every_rank_a_shard, first_dtype, forward_once, gathered_state_dict, no_context,
                                      optimizer_label, optimizer_state_tensors, sharded_abs_max)
+from toolkit.strategies.state_bytes import StateBytes, adam_state, dim0_shard, dim0_shard_of
 
 INFO = StrategyInfo(
     name="fsdp", averages_gradients=True, accelerate_plugin="fsdp",
@@ -72,6 +73,17 @@ class FsdpStrategy:
     def data_layout(self, recipe: Recipe, *, world_size: int, rank: int) -> DataLayout:
         tp = recipe.strategy.tp_degree or 1  # the ranks of a TP group (consecutive) read one shard
         return every_rank_a_shard(world_size=world_size // tp, rank=rank // tp)
+
+    def predict_state_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
+        # parameters stay in their load dtype (MixedPrecisionPolicy casts a block's copy for compute only);
+        # gradients are reduced into that dtype; AdamW state alike. CPU offload moves the bytes, not their count.
+        options, dtype = recipe.strategy, DTYPES[recipe.model.load_dtype]
+        tp = options.tp_degree or 1
+        if tp > 1:
+            local = dim0_shard_of(tensor_parallel.local_shapes(model, tp), world_size // tp)
+        else:
+            local = dim0_shard(world_size // options.replicate_degree)
+        return [adam_state(model.named_parameters(), dtype=dtype, local=local)] * world_size
 
     def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
         total = each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share, device=self.env.device)

@@ -41,6 +41,7 @@ from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, Strate
                                      optimizer_state_tensors)
 from toolkit.strategies.placement import blocks_of, check_split, part_of_blocks
 from toolkit.strategies.stages import Stage, family_of, tied_embedding_names
+from toolkit.strategies.state_bytes import StateBytes, adam_state, dim0_shard, whole
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
@@ -125,6 +126,24 @@ class PipelineStrategy:
     def data_layout(self, recipe: Recipe, *, world_size: int, rank: int) -> DataLayout:
         grid = grid_of(recipe, world_size)
         return DataLayout(rank=grid.coords(rank)[1], size=grid.dp)  # a replica's stages read the same samples
+
+    def predict_state_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
+        """Each rank's stages cut from the meta model as setup cuts them (a tied embedding is held by the
+        first and the last stage, once each), whole under ddp, dim-0 shards under fsdp."""
+        options, grid, dtype = recipe.strategy, grid_of(recipe, world_size), DTYPES[recipe.model.load_dtype]
+        num_stages = grid.pp * options.stages_per_rank
+        parts = part_of_blocks(model, blocks=layer_stack(model, options.blocks), num_parts=num_stages,
+                               split=options.split)
+        local = dim0_shard(grid.dp) if options.data_parallel == "fsdp" and grid.dp > 1 else whole
+        per_pp_rank = []
+        for pp_rank in range(grid.pp):
+            total = StateBytes(params_bytes=0, grads_bytes=0, optim_bytes=0)
+            for stage_id in (pp_rank + k * grid.pp for k in range(options.stages_per_rank)):
+                stage = Stage(copy.deepcopy(model), layer_ids=[i for i, p in enumerate(parts) if p == stage_id],
+                              first=stage_id == 0, last=stage_id == num_stages - 1)
+                total += adam_state(stage.named_parameters(), dtype=dtype, local=local)
+            per_pp_rank.append(total)
+        return [per_pp_rank[grid.coords(rank)[0]] for rank in range(world_size)]
 
     # --- setup ----------------------------------------------------------------------------------
     def setup(self, model: nn.Module, args: SetupArgs) -> None:

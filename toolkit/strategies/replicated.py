@@ -15,11 +15,12 @@ from torch import nn
 from toolkit.checkpoint.state import (Read, first_names, load_optimizer_tensors, load_schedule_state,
                                      model_tensors, optimizer_tensors, schedule_state)
 from toolkit.errors import RecipeError
-from toolkit.precision import Amp, StepResult, dtype_name
+from toolkit.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.recipe import Recipe
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, cpu_state_dict,
                                      each_micro_batch, every_rank_a_shard, first_dtype, forward_once, local_abs_max,
                                      no_context, optimizer_label, optimizer_state_tensors)
+from toolkit.strategies.state_bytes import StateBytes, adam_state
 
 
 def on_rank_device(module: nn.Module, args: SetupArgs) -> tuple[nn.Module, torch.device, str]:
@@ -53,6 +54,10 @@ class ReplicatedStrategy:
 
     def data_layout(self, recipe: Recipe, *, world_size: int, rank: int) -> DataLayout:
         return every_rank_a_shard(world_size=world_size, rank=rank)
+
+    def predict_state_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
+        # every process holds the whole model in its load dtype (autocast computes in 16-bit on the side)
+        return [adam_state(model.named_parameters(), dtype=DTYPES[recipe.model.load_dtype])] * world_size
 
     def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
         return each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share, device=self.input_device)

@@ -95,6 +95,23 @@ def check_degree(model: nn.Module, degree: int) -> None:
                               f"features, not divisible by the tensor-parallel degree {degree}")
 
 
+def local_shapes(model: nn.Module, degree: int) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> the shape one TP rank stores: column-wise layers split weight and bias by output
+    features, row-wise layers split the weight by input features and keep the bias whole; the rest is whole."""
+    styles = resolve(model)
+    shapes = {}
+    for name, param in model.named_parameters():
+        module, _, kind = name.rpartition(".")
+        shape = list(param.shape)
+        style = styles.get(module)
+        if style == "colwise":
+            shape[0] //= degree
+        elif style == "rowwise" and kind == "weight":
+            shape[1] //= degree
+        shapes[name] = tuple(shape)
+    return shapes
+
+
 def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False) -> None:
     """Split the plan's linear layers over `mesh` (1-D) in place: their weights become DTensors."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module

@@ -19,12 +19,13 @@ from toolkit.checkpoint.state import (Read, first_names, load_optimizer_tensors,
                                      model_tensors, optimizer_tensors, schedule_state)
 from toolkit.dist import ensure_process_group
 from toolkit.errors import RecipeError
-from toolkit.precision import Amp, StepResult, dtype_name
+from toolkit.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.recipe import Recipe
 from toolkit.strategies import tensor_parallel
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
                                      first_dtype, forward_once, gathered_state_dict, no_context, optimizer_label,
                                      optimizer_state_tensors, sharded_abs_max)
+from toolkit.strategies.state_bytes import StateBytes, adam_state, of_shapes
 
 INFO = StrategyInfo(
     name="tp", averages_gradients=True, options=("tp_degree", "sequence_parallel"),
@@ -46,6 +47,10 @@ class TpStrategy:
 
     def data_layout(self, recipe: Recipe, *, world_size: int, rank: int) -> DataLayout:
         return DataLayout(rank=0, size=1)  # every rank computes on the whole global batch
+
+    def predict_state_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
+        local = of_shapes(tensor_parallel.local_shapes(model, world_size))  # split layers 1/N, the rest whole
+        return [adam_state(model.named_parameters(), dtype=DTYPES[recipe.model.load_dtype], local=local)] * world_size
 
     def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
         total = each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share, device=self.env.device)

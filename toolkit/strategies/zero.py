@@ -26,8 +26,10 @@ from toolkit.recipe import Recipe, plan_batch
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
                                      every_rank_a_shard, first_dtype, forward_once, local_abs_max, no_context,
                                      optimizer_label, optimizer_state_tensors)
-from toolkit.strategies import zero_checkpoint
-from toolkit.strategies.zero_config import check_deepspeed_precision, offloads, resolve_ds_config, stage_of
+from toolkit.strategies.state_bytes import StateBytes
+from toolkit.strategies import zero_checkpoint, zero_state
+from toolkit.strategies.zero_config import (check_deepspeed_precision, hidden_size_of, offloads, resolve_ds_config,
+                                          stage_of)
 
 INFO = StrategyInfo(
     name="zero", averages_gradients=True, accelerate_plugin="deepspeed",
@@ -68,6 +70,9 @@ class ZeroStrategy:
     def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
         return each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share, device=self.env.device)
 
+    def predict_state_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
+        return zero_state.predict(model, recipe, world_size=world_size)
+
     def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
         return forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device)
 
@@ -76,7 +81,8 @@ class ZeroStrategy:
 
         self.env, recipe = args.env, args.recipe
         ensure_process_group(args.env, strategy=self.info.name)  # DeepSpeed needs one, even for one rank
-        self.config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=args.env.world_size))
+        self.config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=args.env.world_size),
+                                        hidden_size=hidden_size_of(model.config))
         self._drop_optimizer_blocks(recipe)
         self.stage = stage_of(self.config)
         self.offload_optimizer, self.offload_param = offloads(self.config)
@@ -314,6 +320,9 @@ class ZeroStrategy:
         grads = [m.grad for m in self._master_tensors() if m.grad is not None]
         grads += [g for group in getattr(self.optimizer, "averaged_gradients", {}).values() for g in group or []]
         grads += [p.grad for p in self.module.parameters() if p.grad is not None]
+        # the reduce bucket gradients are copied into before their reduce-scatter: ZeRO-3 keeps it for the run
+        grads += [b.buffer for b in getattr(self.optimizer, "ipg_buckets", {}).values()
+                  if isinstance(getattr(b, "buffer", None), torch.Tensor)]
         return {"params": params, "grads": grads,
                 "optim": masters + optimizer_state_tensors(self._inner_optimizer())}
 

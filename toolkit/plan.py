@@ -1,0 +1,107 @@
+"""Memory per rank before a run: model states exactly, activations and the peak as estimates.
+
+Model states (parameters, gradients, optimizer state) come from the model built on the meta device and the
+strategy's own rules (`Strategy.predict_state_bytes`): a run measures the same bytes (run.json's
+`model_state_bytes`; every run also writes this prediction beside them).
+
+Activations are an estimate, per micro-batch (T = micro_batch_size × max_length tokens, in the compute dtype):
+    per block, what backward keeps: its input and norm outputs, q/k/v, attention output, the MLP's
+    up/gate/activation/down inputs ≈ (6·hidden + 2·kv_width + 4·intermediate) elements per token
+    with activation checkpointing: each block keeps its input (hidden per token) and one block at a time is
+    recomputed in full
+    the head: logits, their log-softmax and its gradient, fp32 (3 × T × vocab × 4 bytes) for a causal LM.
+The peak adds what is not model state: the runtime (the Python process with torch and transformers loaded:
+measured here), the whole model each rank builds before it shards it (loading is not yet sharded), and a
+sharded strategy's largest gathered block.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from torch import nn
+
+from toolkit.errors import RecipeError
+from toolkit.model import layer_stack, meta_model
+from toolkit.precision import DTYPES
+from toolkit.recipe import Recipe
+from toolkit.strategies.state_bytes import StateBytes, element_bytes
+
+MiB = 2 ** 20
+UNITS = {"": 1, "b": 1, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40,
+         "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    strategy: str
+    world_size: int
+    per_rank: list[StateBytes]
+    activation_bytes: int  # one micro-batch in flight, this recipe's activation checkpointing setting
+    activation_bytes_checkpointed: int  # the same with activation checkpointing
+    load_bytes: int  # the whole model in its load dtype, as each rank builds it
+    runtime_bytes: int  # the process itself (interpreter, torch, transformers), before any model
+    peak_bytes: int  # the largest rank's estimate
+
+    def as_dict(self) -> dict:
+        return {"strategy": self.strategy, "world_size": self.world_size,
+                "model_state_bytes": [r.as_dict() for r in self.per_rank],
+                "activation_bytes": self.activation_bytes,
+                "activation_bytes_checkpointed": self.activation_bytes_checkpointed,
+                "load_bytes": self.load_bytes, "runtime_bytes": self.runtime_bytes, "peak_bytes": self.peak_bytes}
+
+
+def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, model: nn.Module | None = None) -> Prediction:
+    """The recipe's memory per rank at `world_size`; `model`: the recipe's model on the meta device, if built."""
+    from toolkit.strategies import make_strategy
+
+    model = model if model is not None else meta_model(recipe.model)
+    per_rank = make_strategy(recipe).predict_state_bytes(model, recipe, world_size=world_size)
+    load = sum(p.numel() for p in model.parameters()) * element_bytes(DTYPES[recipe.model.load_dtype])
+    full, checkpointed = activation_estimate(model, recipe)
+    activations = checkpointed if getattr(recipe.train, "activation_checkpointing", False) else full
+    states = max(r.total_bytes for r in per_rank)
+    sharded = max(r.params_bytes for r in per_rank) < load  # parameters are gathered a block at a time
+    training = states + activations + (largest_block_bytes(model, recipe) if sharded else 0)
+    peak = runtime_bytes + max(load, training)  # the model is built whole, then sharded and freed
+    return Prediction(strategy=recipe.strategy.name, world_size=world_size, per_rank=per_rank,
+                      activation_bytes=activations, activation_bytes_checkpointed=checkpointed, load_bytes=load,
+                      runtime_bytes=runtime_bytes, peak_bytes=peak)
+
+
+def activation_estimate(model: nn.Module, recipe: Recipe) -> tuple[int, int]:
+    """(without, with activation checkpointing) bytes of one micro-batch's saved activations."""
+    config = model.config
+    hidden = getattr(config, "hidden_size", 0)
+    heads = getattr(config, "num_attention_heads", 1) or 1
+    kv_width = (getattr(config, "num_key_value_heads", None) or heads) * (hidden // heads)
+    intermediate = getattr(config, "intermediate_size", 0) or 4 * hidden
+    try:
+        layers = len(layer_stack(model))
+    except RecipeError:
+        layers = getattr(config, "num_hidden_layers", 0)
+    tokens = recipe.batch.micro_batch_size * recipe.data.max_length
+    size = 4 if recipe.precision == "fp32" else 2
+    per_block = tokens * (6 * hidden + 2 * kv_width + 4 * intermediate) * size
+    head = 3 * tokens * getattr(config, "vocab_size", 0) * 4 if recipe.model.task == "causal-lm" else 0
+    return layers * per_block + head, layers * tokens * hidden * size + per_block + head
+
+
+def largest_block_bytes(model: nn.Module, recipe: Recipe) -> int:
+    """What a sharding strategy gathers at once: one block's full parameters in the compute dtype."""
+    try:
+        blocks = layer_stack(model)
+    except RecipeError:
+        return 0
+    size = 4 if recipe.precision == "fp32" else 2
+    return max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0) * size
+
+
+def parse_bytes(text: str) -> int:
+    """'40GiB', '80 GB', '512MiB', '1e9' -> bytes (a RecipeError naming the form otherwise)."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in UNITS:
+        raise RecipeError(f"--memory-per-rank: {text!r} is not a size; write it like 40GiB, 80GB or 512MiB")
+    return int(float(match.group(1)) * UNITS[unit])

@@ -1,0 +1,83 @@
+"""DeepSpeed ZeRO's model-state bytes per rank, from the model's shapes and DeepSpeed's own partitioning
+(deepspeed 0.19, runtime/zero/stage_1_and_2.py and stage3.py), checked against runs byte for byte.
+
+Stages 1 and 2 flatten each optimizer param group (with padding to a multiple of 2 × world elements) and cut
+it into N equal partitions; a rank keeps the fp32 master and AdamW moments of its partition. Its gradients
+after the backward are those of every parameter that *overlaps* its partition, whole: a parameter cut by a
+partition boundary is held entire by both ranks. So ZeRO-1 and ZeRO-2 end the backward with the same
+gradient bytes (ZeRO-1 holds all gradients during the backward, ZeRO-2 only one bucket), and a model whose
+bytes sit in one big tensor (llama-tiny's tied 30522 × 128 embedding: 84 % of it) keeps most gradients on
+every rank, not the 1/N of the ZeRO paper's accounting, which assumes many small tensors.
+
+Stage 3 partitions every parameter on its own (ceil(numel / N) elements per rank) and keeps one reduce bucket
+of `reduce_bucket_size` elements for the run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from toolkit.optim import param_groups
+from toolkit.precision import DTYPES
+from toolkit.recipe import Recipe, plan_batch
+from toolkit.strategies.state_bytes import ADAM_MOMENTS, StateBytes, element_bytes
+from toolkit.strategies.zero_config import hidden_size_of, offloads, resolve_ds_config, stage_of
+
+FP32 = 4
+ALIGNMENT = 2  # DeepSpeed's nccl_start_alignment_factor: partitions start 4-byte aligned for 16-bit data
+DEFAULT_REDUCE_BUCKET = 500_000_000
+
+
+def predict(model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
+    config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=world_size),
+                               hidden_size=hidden_size_of(model.config))
+    stage, (offload_optimizer, _) = stage_of(config), offloads(config)
+    dtype = DTYPES[recipe.precision] if recipe.precision != "fp32" else DTYPES[recipe.model.load_dtype]
+    size = element_bytes(dtype)
+    groups = [[p.numel() for p in g["params"]] for g in param_groups(model, recipe.optim)]
+    groups = [g for g in groups if g]
+    everything = sum(p.numel() for p in model.parameters())
+    if stage == 0:
+        masters = sum(map(sum, groups)) * FP32 if dtype != torch.float32 else 0  # 16-bit: fp32 masters, whole
+        state = StateBytes(params_bytes=everything * size, grads_bytes=sum(map(sum, groups)) * size,
+                           optim_bytes=masters + ADAM_MOMENTS * FP32 * sum(map(sum, groups)))
+        return [state] * world_size
+    if stage == 3:
+        return [_stage3(model, groups, config, size=size, offload=offload_optimizer, world_size=world_size)] * world_size
+    return [_stage12(groups, rank, size=size, everything=everything, offload=offload_optimizer, world_size=world_size)
+            for rank in range(world_size)]
+
+
+def _stage12(groups: list[list[int]], rank: int, *, size: int, everything: int, offload: bool,
+             world_size: int) -> StateBytes:
+    partition_total = grads = 0
+    for numels in groups:
+        align = ALIGNMENT * world_size
+        partition = math.ceil(sum(numels) / align) * align // world_size
+        partition_total += partition
+        start, end, offset = partition * rank, partition * (rank + 1), 0
+        for numel in numels:  # DeepSpeed's get_partition_info: whole parameters overlapping [start, end)
+            if start <= offset < end or offset < start < offset + numel:
+                grads += numel
+            offset += numel
+    # with the optimizer offloaded, gradients go straight into the fp32 partition's .grad on the CPU
+    grads_bytes = partition_total * FP32 if offload else grads * size
+    return StateBytes(params_bytes=everything * size, grads_bytes=grads_bytes,
+                      optim_bytes=(1 + ADAM_MOMENTS) * FP32 * partition_total)  # fp32 master + moments
+
+
+def _stage3(model: nn.Module, groups: list[list[int]], config: dict, *, size: int, offload: bool,
+            world_size: int) -> StateBytes:
+    def share(numel: int) -> int:
+        return math.ceil(numel / world_size)
+
+    params = sum(share(p.numel()) for p in model.parameters())
+    trainable = sum(share(n) for numels in groups for n in numels)
+    zero = config.get("zero_optimization", {})
+    bucket = int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET)) if zero.get("contiguous_gradients", True) else 0
+    grads_bytes = trainable * (FP32 if offload else size) + bucket * size
+    return StateBytes(params_bytes=params * size, grads_bytes=grads_bytes,
+                      optim_bytes=(1 + ADAM_MOMENTS) * FP32 * trainable)
