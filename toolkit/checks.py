@@ -45,9 +45,18 @@ def check_data(recipe: Recipe) -> None:
                        num_labels=recipe.model.num_labels)
 
 
+def check_activation_checkpointing(recipe: Recipe) -> None:
+    """The model has blocks to checkpoint (its config and class only: built on the meta device)."""
+    if recipe.train.activation_checkpointing:
+        from toolkit.model import enable_activation_checkpointing, meta_model
+
+        enable_activation_checkpointing(meta_model(recipe.model))  # a model without blocks: its one-line error
+
+
 def check_recipe(recipe: Recipe, *, world_size: int) -> BatchPlan:
     plan = validate_strategy(recipe, world_size=world_size)
     check_paths(recipe)
+    check_activation_checkpointing(recipe)
     check_position_limit(recipe)
     check_data(recipe)
     return plan

@@ -81,6 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("strategies", help="list the strategies, their recipe options and the compare arm names")
 
+    plan = sub.add_parser("plan", help="memory per rank of a recipe under each strategy, before any process starts")
+    plan.add_argument("recipe")
+    plan.add_argument("--nproc", type=int, default=2, help="ranks per multi-process strategy (default 2)")
+    plan.add_argument("--strategies", default=None, metavar="ARMS",
+                      help="comma-separated compare arms (toolkit strategies lists them); default: the recipe's")
+    plan.add_argument("--memory-per-rank", default=None, metavar="SIZE",
+                      help="e.g. 40GiB or 80GB (default: the GPU's memory, or host memory ÷ nproc)")
+    _add_overrides(plan)
+
     from toolkit.compare.cli import add_compare_commands
 
     add_compare_commands(sub, _add_overrides)
@@ -245,6 +254,40 @@ def cmd_validate(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from toolkit import plan
+    from toolkit.checks import check_recipe
+    from toolkit.metrics import process_bytes
+    from toolkit.model import meta_model
+    from toolkit.recipe import load_recipe
+    from toolkit.strategies import arm_aliases, strategy_info
+
+    aliases = arm_aliases()
+    arms = [a.strip() for a in args.strategies.split(",") if a.strip()] if args.strategies else [None]
+    unknown = [a for a in arms if a is not None and a not in aliases]
+    if unknown:
+        raise RecipeError(f"--strategies: unknown arm {unknown[0]!r}; choose from {', '.join(aliases)}")
+    limit, source = (plan.parse_bytes(args.memory_per_rank), "--memory-per-rank") if args.memory_per_rank \
+        else plan.default_memory_per_rank(args.nproc)
+    _quiet_libraries()
+    base = load_recipe(args.recipe, args.overrides)
+    model = meta_model(base.model)  # one skeleton for every arm: the arms change the strategy, not the model
+    runtime = process_bytes()  # this process with torch and transformers loaded: what a rank starts from
+    device = "cuda" if __import__("torch").cuda.is_available() else "cpu"
+    rows: list = []
+    for arm in arms:
+        recipe = load_recipe(args.recipe, [*args.overrides, *(aliases[arm] if arm else ())])
+        world = 1 if strategy_info(recipe.strategy.name).one_process else args.nproc
+        try:
+            check_recipe(recipe, world_size=world)
+            rows.append((arm or recipe.strategy.name, plan.predict(recipe, world_size=world, runtime_bytes=runtime,
+                                                                   device_type=device, model=model)))
+        except RecipeError as exc:
+            rows.append((arm or recipe.strategy.name, str(exc)))
+    print(plan.render(rows, memory_per_rank=limit, memory_source=source))
+    return 0
+
+
 def cmd_strategies(args) -> int:
     from toolkit.strategies import arm_aliases, strategy_info, strategy_names
 
@@ -293,7 +336,7 @@ def cmd_convert(args) -> int:
 
 
 COMMANDS = {"train": cmd_train, "launch": cmd_launch, "validate": cmd_validate, "strategies": cmd_strategies,
-            "convert": cmd_convert}
+            "convert": cmd_convert, "plan": cmd_plan}
 
 
 def main(argv: list[str] | None = None) -> int:

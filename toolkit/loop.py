@@ -34,8 +34,8 @@ from toolkit.evaluate import evaluate
 from toolkit.export import export_model
 from toolkit.gradient_scale import GradientScale
 from toolkit.losses import micro_batch_loss_sum
-from toolkit.metrics import JsonlWriter, Progress, peak_memory_bytes, synchronize
-from toolkit.model import build_model, load_tokenizer
+from toolkit.metrics import JsonlWriter, Progress, peak_memory_bytes, process_bytes, synchronize
+from toolkit.model import BlockForwards, build_model, enable_activation_checkpointing, layer_stack, load_tokenizer
 from toolkit.optim import build_adamw, build_scheduler
 from toolkit.precision import check_precision_supported
 from toolkit.recipe import Recipe
@@ -96,6 +96,8 @@ def prepare(recipe: Recipe, env: DistEnv):
     epochs = recipe.train.epochs or 0.0  # TrainConfig: exactly one of max_steps and epochs
     total_steps = recipe.train.max_steps or max(1, int(epochs * sampler.steps_per_epoch))
     model = build_model(recipe.model, tokenizer=tokenizer, seed=recipe.seed)
+    if recipe.train.activation_checkpointing:
+        enable_activation_checkpointing(model)  # before any strategy wraps or shards the blocks
     return plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, model
 
 
@@ -111,12 +113,20 @@ def setup_strategy(model, *, recipe: Recipe, env: DistEnv, plan, total_steps: in
 
 def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> TrainResult:
     plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, model = prepare(recipe, env)
+    # what the process holds besides the model it just built: the base a memory prediction starts from
+    runtime_bytes = max(0, process_bytes() - sum(p.numel() * p.element_size() for p in model.parameters()))
+    prediction = runinfo.predict_memory(recipe, env, runtime_bytes=runtime_bytes)  # warns before setup if too big
     # before the collective below, so no rank can have written into output_dir yet
     checkpoint = checkpoints.starting_point(recipe, resume, plan=plan)
     checkpoints.load_weights(model, checkpoint)  # the plain model: each strategy shards it its own way
     check_replicas(model.named_parameters(), env, when="at start (before setup)")
     num_params = sum(p.numel() for p in model.parameters())  # before setup: ZeRO-3 empties the params
+    # the blocks' forwards in the first step: twice per micro-batch shows the recomputation happened
+    forwards = BlockForwards(layer_stack(model)) if recipe.train.activation_checkpointing else None
     strategy = setup_strategy(model, recipe=recipe, env=env, plan=plan, total_steps=total_steps)
+    # transformers returns models in eval mode: dropout and activation checkpointing act in train mode only
+    # (before this, training ran without dropout until the first evaluation switched the model back)
+    strategy.model.train()
     done, tokens_seen = 0, 0
     weights_only = bool(resume and resume.weights_only)
     if checkpoint is not None:
@@ -124,7 +134,8 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
         tokens_seen = int(checkpoint.manifest.get("tokens_seen", 0))
     out_dir = Path(recipe.output_dir)
     info = runinfo.start(recipe, env=env, plan=plan, total_steps=total_steps, model=strategy.export_module(),
-                         num_params=num_params, out_dir=out_dir)
+                         num_params=num_params, out_dir=out_dir, prediction=prediction)
+    info["_block_forwards"] = forwards
     if checkpoint is not None:
         info["resumed_from"] = {"checkpoint": str(checkpoint.path), "step": done,
                                 "weights_only": weights_only}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -123,6 +123,42 @@ def set_dropout(model: nn.Module, p: float) -> None:
     for key in list(vars(model.config)):
         if key.endswith("dropout") or key.endswith("dropout_prob"):
             setattr(model.config, key, p)
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each transformer block in backward, through transformers' own per-layer checkpointing,
+    non-reentrant. Chosen over wrapping blocks in torch's checkpoint_wrapper because it leaves module and
+    parameter names as they are (checkpoints, exports, TP plans and FSDP units all go by name), and because
+    it composes with every strategy: it checkpoints a block's `forward`, so hooks on the block (FSDP2's
+    all-gather, which its pre-backward hook repeats before the recomputation needs the weights) stay outside
+    the checkpoint; ZeRO-3 fetches through hooks on every submodule, which run again inside it; pipeline
+    stages keep the layers, flag included."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise RecipeError(f"train.activation_checkpointing: {type(model).__name__} has no transformer block list "
+                          "that transformers can checkpoint (supports_gradient_checkpointing is false); set "
+                          "train.activation_checkpointing: false")
+    cast(Any, model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+class BlockForwards:
+    """Counts how often `blocks` compute, through hooks on their direct children (removed by `stop`).
+    transformers checkpoints a block's `forward`, not its call, so hooks on the block itself (FSDP2's, these)
+    run once; its children run again when backward recomputes it, twice per micro-batch in all."""
+
+    def __init__(self, blocks: list[nn.Module]):
+        children = [child for block in blocks for child in block.children()]
+        self.num_blocks, self.children_per_block, self.calls = len(blocks), len(children) // max(len(blocks), 1), 0
+        # pre-hooks: a recomputation stops early, once it has rebuilt what backward needs (torch's
+        # non-reentrant checkpoint), so the last child is entered but may not return
+        self.handles = [child.register_forward_pre_hook(self._count) for child in children]
+
+    def _count(self, module, args) -> None:
+        self.calls += 1
+
+    def stop(self) -> dict[str, int]:
+        for handle in self.handles:
+            handle.remove()
+        return {"blocks": self.num_blocks, "block_forwards_first_step": self.calls // max(self.children_per_block, 1)}
 
 
 def count_blocks(config: ModelConfig, names: tuple[str, ...] | None) -> int:

@@ -9,7 +9,8 @@ Activations are an estimate, per micro-batch (T = micro_batch_size × max_length
     up/gate/activation/down inputs ≈ (6·hidden + 2·kv_width + 4·intermediate) elements per token
     with activation checkpointing: each block keeps its input (hidden per token) and one block at a time is
     recomputed in full
-    the head: logits, their log-softmax and its gradient, fp32 (3 × T × vocab × 4 bytes) for a causal LM.
+    the head: for a causal LM, the fp32 log-softmax cross-entropy saves for backward (T × vocab × 4 bytes; the
+    loop lets the logits go once their loss sum exists, and in backward their gradient takes its place).
 The peak adds what is not model state: the runtime (the Python process with torch and transformers loaded:
 measured here), the whole model each rank builds before it shards it (loading is not yet sharded), and a
 sharded strategy's largest gathered block.
@@ -52,19 +53,22 @@ class Prediction:
                 "load_bytes": self.load_bytes, "runtime_bytes": self.runtime_bytes, "peak_bytes": self.peak_bytes}
 
 
-def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, model: nn.Module | None = None) -> Prediction:
-    """The recipe's memory per rank at `world_size`; `model`: the recipe's model on the meta device, if built."""
+def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type: str = "cpu",
+            model: nn.Module | None = None) -> Prediction:
+    """The recipe's memory per rank at `world_size`; `model`: the recipe's model on the meta device, if built.
+    On a GPU the peak is the allocator's (no runtime, no host-side load); on CPU the process's resident set."""
     from toolkit.strategies import make_strategy
 
     model = model if model is not None else meta_model(recipe.model)
     per_rank = make_strategy(recipe).predict_state_bytes(model, recipe, world_size=world_size)
     load = sum(p.numel() for p in model.parameters()) * element_bytes(DTYPES[recipe.model.load_dtype])
     full, checkpointed = activation_estimate(model, recipe)
-    activations = checkpointed if getattr(recipe.train, "activation_checkpointing", False) else full
+    activations = checkpointed if recipe.train.activation_checkpointing else full
     states = max(r.total_bytes for r in per_rank)
     sharded = max(r.params_bytes for r in per_rank) < load  # parameters are gathered a block at a time
     training = states + activations + (largest_block_bytes(model, recipe) if sharded else 0)
-    peak = runtime_bytes + max(load, training)  # the model is built whole, then sharded and freed
+    # on CPU the model is built whole in host memory, then sharded and freed; a GPU sees only what is moved
+    peak = training if device_type == "cuda" else runtime_bytes + max(load, training)
     return Prediction(strategy=recipe.strategy.name, world_size=world_size, per_rank=per_rank,
                       activation_bytes=activations, activation_bytes_checkpointed=checkpointed, load_bytes=load,
                       runtime_bytes=runtime_bytes, peak_bytes=peak)
@@ -84,7 +88,7 @@ def activation_estimate(model: nn.Module, recipe: Recipe) -> tuple[int, int]:
     tokens = recipe.batch.micro_batch_size * recipe.data.max_length
     size = 4 if recipe.precision == "fp32" else 2
     per_block = tokens * (6 * hidden + 2 * kv_width + 4 * intermediate) * size
-    head = 3 * tokens * getattr(config, "vocab_size", 0) * 4 if recipe.model.task == "causal-lm" else 0
+    head = tokens * getattr(config, "vocab_size", 0) * 4 if recipe.model.task == "causal-lm" else 0
     return layers * per_block + head, layers * tokens * hidden * size + per_block + head
 
 
@@ -105,3 +109,42 @@ def parse_bytes(text: str) -> int:
     if not match or unit not in UNITS:
         raise RecipeError(f"--memory-per-rank: {text!r} is not a size; write it like 40GiB, 80GB or 512MiB")
     return int(float(match.group(1)) * UNITS[unit])
+
+
+def default_memory_per_rank(nproc: int) -> tuple[int, str]:
+    """(bytes, what they are): a GPU's memory, or on CPU the host's memory shared by `nproc` ranks."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory, f"{props.name} memory"
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total // max(nproc, 1), f"host memory ÷ {nproc} rank(s)"
+
+
+def render(rows: list[tuple[str, Prediction | str]], *, memory_per_rank: int, memory_source: str) -> str:
+    """The plan table: one line per arm (per rank where ranks differ); an arm that cannot run says why."""
+    head = ["arm", "rank", "params MiB", "grads MiB", "optim MiB", "model states MiB", "activations MiB (AC)",
+            "peak MiB", f"fits {memory_per_rank / 2 ** 30:.1f} GiB"]
+    lines: list[list[str]] = []
+    for arm, prediction in rows:
+        if isinstance(prediction, str):
+            lines.append([arm, "-", *["-"] * 6, f"cannot run: {prediction}"])
+            continue
+        distinct = {tuple(r.as_dict().values()) for r in prediction.per_rank}
+        ranks = [(f"all {prediction.world_size}", prediction.per_rank[0])] if len(distinct) == 1 else \
+            [(str(i), r) for i, r in enumerate(prediction.per_rank)]
+        for label, state in ranks:
+            fits = "yes" if prediction.peak_bytes <= memory_per_rank else "NO"
+            lines.append([arm, label, f"{state.params_bytes / MiB:.1f}", f"{state.grads_bytes / MiB:.1f}",
+                          f"{state.optim_bytes / MiB:.1f}", f"{state.total_bytes / MiB:.1f}",
+                          f"{prediction.activation_bytes / MiB:.0f} ({prediction.activation_bytes_checkpointed / MiB:.0f})",
+                          f"{prediction.peak_bytes / MiB:.0f}", fits])
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)] if lines else map(len, head)
+    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
+    out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]
+    out.append(f"memory per rank: {memory_per_rank / 2 ** 30:.1f} GiB ({memory_source}). Model states are exact "
+               "(the run measures the same bytes); activations and peak are estimates: see toolkit/plan.py.")
+    return "\n".join(out)

@@ -157,6 +157,9 @@ class TrainConfig:
     # a non-finite loss or gradient norm (fp16 loss scaling handles its own): stop (one line naming the step;
     # no checkpoint holds it) | skip (drop that step's gradients, no update; the schedule goes on)
     on_nonfinite: str = "stop"
+    # true: each transformer block keeps only its input in forward and recomputes the rest in backward
+    # (activations ~1/layers of their size, about one more forward of compute); same losses
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         _choice("train.on_nonfinite", self.on_nonfinite, ("stop", "skip"))

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from toolkit.dist import DistEnv, gather_objects
+from toolkit.errors import RecipeError
 from toolkit.metrics import live_tensor_storages, measured_matmul_flops, peak_memory_bytes, peak_reserved_bytes
 from toolkit.model import flops_per_token
 from toolkit.recipe import BatchPlan, Recipe, dump_recipe
@@ -62,8 +63,28 @@ def _cpu_peak(recipe: Recipe, env: DistEnv, model) -> dict | None:
             "dtype": recipe.precision if recipe.precision == "bf16" else "fp32", "threads": torch.get_num_threads()}
 
 
+def predict_memory(recipe: Recipe, env: DistEnv, *, runtime_bytes: int) -> dict | None:
+    """Rank 0, before setup: toolkit plan's prediction for this run (kept beside what the run measures), and a
+    warning when its peak exceeds what the device has."""
+    if not env.is_main:
+        return None
+    from toolkit.plan import MiB, default_memory_per_rank, predict
+
+    try:
+        prediction = predict(recipe, world_size=env.world_size, runtime_bytes=runtime_bytes,
+                             device_type=env.device.type)
+    except RecipeError as exc:  # a model the planner cannot read (the run itself may still work)
+        return {"error": str(exc)}
+    limit, what = default_memory_per_rank(env.world_size if env.device.type == "cpu" else 1)
+    if prediction.peak_bytes > limit:
+        print(f"[toolkit] warning: predicted peak {prediction.peak_bytes / MiB:,.0f} MiB per rank exceeds "
+              f"{limit / MiB:,.0f} MiB ({what}); `toolkit plan` shows which strategies fit",
+              file=sys.stderr, flush=True)
+    return prediction.as_dict()
+
+
 def start(recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, model, num_params: int,
-          out_dir: Path) -> dict:
+          out_dir: Path, prediction: dict | None = None) -> dict:
     lm_head = recipe.model.task == "causal-lm"
     info: dict[str, Any] = {
         "status": "running", "strategy": recipe.strategy.name, "world_size": env.world_size,
@@ -76,6 +97,7 @@ def start(recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, mo
         "device": device_name(env), "device_type": env.device.type, "versions": versions(),
         "threads_per_rank": torch.get_num_threads(),
         "cpu_matmul_peak": _cpu_peak(recipe, env, model),
+        "memory_prediction": prediction,
         "command": " ".join(sys.argv),
     }
     if env.is_main:
@@ -94,6 +116,9 @@ def start(recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, mo
 
 def record_before_first_step(info: dict, strategy, *, env: DistEnv) -> None:
     """Gradients exist now (after the first backward) and the optimizer has not stepped."""
+    forwards = info.pop("_block_forwards", None)
+    if forwards is not None:  # this rank's blocks (a pipeline stage's own), every micro-batch of the step
+        info["activation_checkpointing"] = forwards.stop()
     tensors = strategy.state_tensors()
     info["_local"] = {"grads_bytes": storage_bytes(tensors["grads"]), "audit": strategy.precision_audit(),
                       "other_live": _other_live(tensors)}

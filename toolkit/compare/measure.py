@@ -75,9 +75,26 @@ def mfu(run: dict, tokens_per_s: float) -> dict:
 def memory(run: dict) -> dict:
     ranks = run.get("model_state_bytes") or []
     peaks = run.get("peak_memory") or []
-    return {
+    states = [r["params_bytes"] + r["grads_bytes"] + r["optim_bytes"] for r in ranks]
+    out = {
         "peak_mem_bytes_per_rank": [p["peak_mem_bytes"] for p in peaks],
         "peak_reserved_bytes_per_rank": [p.get("peak_reserved_bytes") for p in peaks],
-        "model_state_bytes_per_rank": [r["params_bytes"] + r["grads_bytes"] + r["optim_bytes"] for r in ranks],
+        "model_state_bytes_per_rank": states,
         "model_state_detail_per_rank": ranks,
+        "other_live_bytes_per_rank": [o["bytes"] for o in run.get("other_live_tensor_bytes") or []],
     }
+    return {**out, **prediction_error(run.get("memory_prediction") or {}, states=states,
+                                      peaks=out["peak_mem_bytes_per_rank"])}
+
+
+def prediction_error(predicted: dict, *, states: list[int], peaks: list[int]) -> dict:
+    """toolkit plan's prediction beside the measurement: model states per rank (exact when right), the peak
+    of the largest rank as a relative error (measured − predicted) / predicted."""
+    if "model_state_bytes" not in predicted:
+        return {"prediction": predicted.get("error", "no prediction in run.json")}
+    want = [sum(r.values()) for r in predicted["model_state_bytes"]]
+    return {"predicted_model_state_bytes_per_rank": want,
+            "model_state_prediction_error": max((abs(m - p) / p for m, p in zip(states, want) if p), default=0.0),
+            "predicted_peak_bytes": predicted["peak_bytes"],
+            "peak_prediction_error": (max(peaks) - predicted["peak_bytes"]) / predicted["peak_bytes"] if peaks else None,
+            "prediction": "toolkit plan"}

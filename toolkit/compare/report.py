@@ -10,6 +10,7 @@ from pathlib import Path
 
 import yaml
 
+from toolkit.compare.memory_report import MEMORY_NOTE, memory_lines
 from toolkit.compare import measure, verdict
 from toolkit.compare.experiment import Experiment
 from toolkit.compare.runner import arm_dir, arm_status
@@ -109,19 +110,21 @@ def _mib(values) -> str:
 
 
 def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
-    head = ["arm", "world", "precision", "tokens/s", "× ref", "step ms (p10–p90)", "peak MiB/rank",
+    head = ["arm", "world", "precision", "tokens/s", "× ref", "step ms (p10–p90)", "peak MiB/rank", "peak vs plan",
             "model-state MiB/rank", "comm MiB/step", "bubble", "MFU", "final loss", "eval loss", "verdict"]
     rows = []
     for r in results["arms"]:
         if r["status"] != "completed":
-            rows.append([r["arm"], str(r["world_size"]), "", "", "", "", "", "", "", "", "", "", "",
+            rows.append([r["arm"], str(r["world_size"]), "", "", "", "", "", "", "", "", "", "", "", "",
                          f"failed: {r['error']}"[:120]])
             continue
         rows.append([
             r["arm"], str(r["world_size"]), r["precision"], f"{r['tokens_per_s']:.0f}",
             f"{r.get('speedup_vs_reference', float('nan')):.2f}",
             f"{r['step_time_s'] * 1e3:.0f} ({r['step_time_p10_s'] * 1e3:.0f}–{r['step_time_p90_s'] * 1e3:.0f})",
-            _mib(r["peak_mem_bytes_per_rank"]), _mib(r["model_state_bytes_per_rank"]),
+            _mib(r["peak_mem_bytes_per_rank"]),
+            f"{r['peak_prediction_error'] * 100:+.0f}%" if r.get("peak_prediction_error") is not None else "n/a",
+            _mib(r["model_state_bytes_per_rank"]),
             f"{r['comm']['total_bytes'] / 2 ** 20:.2f}" if r.get("comm") else "n/a", _bubble(r.get("pipeline")),
             f"{r['mfu'] * 100:.2f}%" if r.get("mfu") is not None else "n/a",
             f"{r['final_loss']:.4f}", f"{r['final_eval_loss']:.4f}" if r["final_eval_loss"] is not None else "n/a",
@@ -319,6 +322,8 @@ def render_markdown(results: dict, plots: list[Path]) -> str:
     lines += ["", "## Precision audit (read from the live objects; **bold** = differs from the reference)", "",
               "| " + " | ".join(a_head) + " |", "|" + "---|" * len(a_head)]
     lines += ["| " + " | ".join(f"**{t}**" if d else t for t, d in row) + " |" for row in a_rows]
+    lines += ["", "## Memory: predicted and measured", "", MEMORY_NOTE, ""]
+    lines += [f"- {m}" for m in memory_lines(results)] or ["- n/a"]
     lines += ["", "## Communication per step", "", COMM_NOTE, ""]
     lines += [f"- {c}" for c in _comm_lines(results)] or ["- n/a"]
     pipeline = _pipeline_lines(results)
@@ -354,6 +359,7 @@ def render_html(results: dict, plots: list[Path]) -> str:
     why += "".join(f"<li>{esc(n)}</li>" for n in _not_judged(results))
     advice = "".join(f"<li>{esc(line.replace('**', ''))}</li>" for line in recommendations(results))
     comm = "".join(f"<li>{esc(c)}</li>" for c in _comm_lines(results)) or "<li>n/a</li>"
+    memory = "".join(f"<li>{esc(m)}</li>" for m in memory_lines(results)) or "<li>n/a</li>"
     pipeline = "".join(f"<li>{esc(p)}</li>" for p in _pipeline_lines(results))
     if pipeline:
         pipeline = f"<h2>Pipeline stages</h2><p>{esc(PIPELINE_NOTE)}</p><ul id='pipeline'>{pipeline}</ul>"
@@ -371,7 +377,8 @@ pre{{background:#f6f6f6;padding:8px}}</style></head><body>
 {esc(str(results['machine'].get('versions')))}</p>{table}<p>{esc(_flops_note(results))}</p>
 <h2>Why arms differ</h2><ul>{why}</ul>
 <h2>Precision audit</h2><p>Read from the live objects after setup; highlighted cells differ from the reference.</p>
-{audit}<h2>Communication per step</h2><p>{esc(COMM_NOTE)}</p><ul>{comm}</ul>{pipeline}<h2>Plots</h2>{images}<h2>Tolerances</h2><pre>{esc(results['tolerances'])}</pre>
+{audit}<h2>Memory: predicted and measured</h2><p>{esc(MEMORY_NOTE)}</p><ul id='memory'>{memory}</ul>
+<h2>Communication per step</h2><p>{esc(COMM_NOTE)}</p><ul>{comm}</ul>{pipeline}<h2>Plots</h2>{images}<h2>Tolerances</h2><pre>{esc(results['tolerances'])}</pre>
 <h2>Resolved recipes</h2>{recipes}
 <h2>Recommendation</h2><ul>{advice}</ul></body></html>
 """

@@ -22,8 +22,12 @@ def wrap_ddp(module: nn.Module, args: SetupArgs) -> nn.Module:
     options = args.recipe.strategy
     ensure_process_group(args.env, strategy=INFO.name)  # DDP needs a group, even of one rank
     device_ids = [args.env.device.index] if args.env.device.type == "cuda" else None
+    # gradient_as_bucket_view: .grad are views into DDP's all-reduce buckets. Without it DDP keeps a second
+    # copy of every gradient in its buckets (measured: 17.7 MiB beside llama-tiny's 17.7 MiB of gradients,
+    # found by the live-tensor census in run.json); same reduction, same numbers
     return DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=options.bucket_cap_mb,
-                                   find_unused_parameters=options.find_unused_parameters)
+                                   find_unused_parameters=options.find_unused_parameters,
+                                   gradient_as_bucket_view=True)
 
 
 DDP = Replication(

@@ -46,7 +46,7 @@ def check_model_split_ddp(recipe: Recipe, world_size: int) -> None:
 def wrap_ddp(module: nn.Module, args: SetupArgs) -> nn.Module:
     # a module over several devices: DDP takes no device_ids and reduces each parameter where it lives
     ensure_process_group(args.env, strategy=INFO.name)  # DDP needs a group, even of one rank
-    return DistributedDataParallel(module, device_ids=None)
+    return DistributedDataParallel(module, device_ids=None, gradient_as_bucket_view=True)  # no second gradient copy
 
 
 MODEL_SPLIT_DDP = Replication(

@@ -212,7 +212,7 @@ class PipelineStrategy:
             # micro-batch under a pipeline schedule (its forwards run outside no_sync) and fails an internal
             # check; with this flag DDP does not rebuild its buckets
             return DistributedDataParallel(stage, process_group=self.mesh.get_group("dp"), device_ids=ids,
-                                           find_unused_parameters=True)
+                                           find_unused_parameters=True, gradient_as_bucket_view=True)
         return stage
 
     def _tied_group(self):

@@ -323,6 +323,10 @@ class ZeroStrategy:
         # the reduce bucket gradients are copied into before their reduce-scatter: ZeRO-3 keeps it for the run
         grads += [b.buffer for b in getattr(self.optimizer, "ipg_buckets", {}).values()
                   if isinstance(getattr(b, "buffer", None), torch.Tensor)]
+        # ZeRO-3's flat buffer of this rank's gradient partitions; with the optimizer offloaded it is a second
+        # copy beside the fp32 masters' .grad (found by the live-tensor census)
+        flat = getattr(self.optimizer, "grad_partitions_flat_buffer", None)
+        grads += [flat] if isinstance(flat, torch.Tensor) else []
         return {"params": params, "grads": grads,
                 "optim": masters + optimizer_state_tensors(self._inner_optimizer())}
 

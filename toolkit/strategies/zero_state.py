@@ -9,8 +9,9 @@ gradient bytes (ZeRO-1 holds all gradients during the backward, ZeRO-2 only one 
 bytes sit in one big tensor (llama-tiny's tied 30522 × 128 embedding: 84 % of it) keeps most gradients on
 every rank, not the 1/N of the ZeRO paper's accounting, which assumes many small tensors.
 
-Stage 3 partitions every parameter on its own (ceil(numel / N) elements per rank) and keeps one reduce bucket
-of `reduce_bucket_size` elements for the run.
+Stage 3 partitions every parameter on its own (ceil(numel / N) elements per rank), keeps one reduce bucket of
+`reduce_bucket_size` elements for the run, and a flat buffer of its gradient partitions; with the optimizer
+offloaded the fp32 masters' gradients are a second copy on the CPU.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def _stage3(model: nn.Module, groups: list[list[int]], config: dict, *, size: in
     trainable = sum(share(n) for numels in groups for n in numels)
     zero = config.get("zero_optimization", {})
     bucket = int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET)) if zero.get("contiguous_gradients", True) else 0
-    grads_bytes = trainable * (FP32 if offload else size) + bucket * size
+    # the flat buffer of gradient partitions, plus, offloaded, the fp32 masters' own .grad beside it
+    grads_bytes = trainable * size + (trainable * FP32 if offload else 0) + bucket * size
     return StateBytes(params_bytes=params * size, grads_bytes=grads_bytes,
                       optim_bytes=(1 + ADAM_MOMENTS) * FP32 * trainable)

@@ -1,0 +1,50 @@
+"""train.activation_checkpointing: the same fp32 training as without it, under single, ddp, fsdp and zero3,
+and each block really recomputed (its forward runs twice per micro-batch in the first step)."""
+
+import json
+
+import pytest
+import torch
+
+import test_sharded
+from conftest import MINILM, exported_weights, losses, write_recipe
+from toolkit.cli import main
+
+AC = ("train.activation_checkpointing=true",)
+ARMS = {  # name of the run without it, in llama_runs -> (ranks, overrides, micro-batches per step)
+    "single-m8": (1, (), 1),
+    "ddp-m4": (2, ("strategy.name=ddp", "batch.micro_batch_size=4"), 1),
+    "fsdp": (2, test_sharded.ARMS["fsdp"], 1),
+    "zero3-accum": (2, test_sharded.ARMS["zero3-accum"], 2),
+}
+
+
+@pytest.mark.parametrize("arm", list(ARMS))
+def test_activation_checkpointing_gives_the_same_fp32_training(llama_runs, arm):
+    ranks, overrides, micro_batches = ARMS[arm]
+    plain = llama_runs.get(arm, nproc=ranks, overrides=overrides)
+    checkpointed = llama_runs.get(f"{arm}-ac", nproc=ranks, overrides=(*overrides, *AC))
+    # recomputing a block runs the same kernels on the same inputs: bit-for-bit the same activations
+    torch.testing.assert_close(torch.tensor(losses(checkpointed), dtype=torch.float64),
+                               torch.tensor(losses(plain), dtype=torch.float64), rtol=1e-6, atol=0)
+    ours, theirs = exported_weights(checkpointed), exported_weights(plain)
+    for name, tensor in theirs.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+    recorded = json.loads((checkpointed / "run.json").read_text())["activation_checkpointing"]
+    # 2 blocks, each run in forward and again in backward, per micro-batch
+    assert recorded == {"blocks": 2, "block_forwards_first_step": 2 * 2 * micro_batches}
+    assert "activation_checkpointing" not in json.loads((plain / "run.json").read_text())
+
+
+@pytest.mark.parametrize("command", ["train", "validate"])
+def test_activation_checkpointing_on_a_model_without_blocks_to_checkpoint_is_one_line(command, tmp_path, capsys):
+    out = tmp_path / "out"
+    # transformers' OpenAI GPT declares no gradient checkpointing (supports_gradient_checkpointing = False)
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=MINILM, output_dir=out, model={
+        "path": None, "tokenizer": MINILM, "config": {"model_type": "openai-gpt", "vocab_size": 30522,
+                                                      "n_positions": 64, "n_embd": 32, "n_layer": 1, "n_head": 2}},
+        train={"activation_checkpointing": True})
+    code = main([command, str(recipe)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "OpenAIGPTLMHeadModel" in err[0] and "activation_checkpointing" in err[0]
+    assert not out.exists()

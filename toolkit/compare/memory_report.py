@@ -1,0 +1,31 @@
+"""The report's memory section: toolkit plan's prediction beside what each arm measured."""
+
+from __future__ import annotations
+
+MEMORY_NOTE = ("Model states (parameters, gradients, optimizer state) are predicted exactly from the model's "
+               "shapes and each strategy's sharding rules, before the run (`toolkit plan`); the peak is an "
+               "estimate (runtime + activations + model states; see toolkit/plan.py). Other live tensors: a census "
+               "of every tensor the process holds after the first backward, less the counted model states "
+               "(a strategy's buckets and buffers, the batch).")
+
+
+def memory_lines(results: dict) -> list[str]:
+    lines = []
+    for r in results["arms"]:
+        if r["status"] != "completed" or not r.get("model_state_bytes_per_rank"):
+            continue
+        measured = "/".join(f"{b / 2 ** 20:.1f}" for b in r["model_state_bytes_per_rank"])
+        other = "/".join(f"{b / 2 ** 20:.1f}" for b in r.get("other_live_bytes_per_rank") or []) or "n/a"
+        if "predicted_model_state_bytes_per_rank" not in r:
+            lines.append(f"{r['arm']}: model states {measured} MiB/rank; other live tensors {other} MiB/rank; "
+                         f"no prediction ({r.get('prediction')})")
+            continue
+        predicted = "/".join(f"{b / 2 ** 20:.1f}" for b in r["predicted_model_state_bytes_per_rank"])
+        peak = max(r["peak_mem_bytes_per_rank"]) / 2 ** 20
+        peak_error = r.get("peak_prediction_error")
+        lines.append(f"{r['arm']}: model states measured {measured} vs predicted {predicted} MiB/rank (error "
+                     f"{r['model_state_prediction_error'] * 100:.2f} %); peak measured {peak:.0f} vs predicted "
+                     f"{r['predicted_peak_bytes'] / 2 ** 20:.0f} MiB ("
+                     f"{'n/a' if peak_error is None else f'{peak_error * 100:+.1f} %'}); other live tensors "
+                     f"{other} MiB/rank")
+    return lines
