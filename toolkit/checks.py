@@ -53,10 +53,19 @@ def check_activation_checkpointing(recipe: Recipe) -> None:
         enable_activation_checkpointing(meta_model(recipe.model))  # a model without blocks: its one-line error
 
 
+def check_lora(recipe: Recipe) -> None:
+    """The LoRA targets name layers of the model (peft adapts a meta-device copy: no weights read)."""
+    if recipe.model.lora is not None:
+        from toolkit.plan import planned_model
+
+        planned_model(recipe)
+
+
 def check_recipe(recipe: Recipe, *, world_size: int) -> BatchPlan:
     plan = validate_strategy(recipe, world_size=world_size)
     check_paths(recipe)
     check_activation_checkpointing(recipe)
+    check_lora(recipe)
     check_position_limit(recipe)
     check_data(recipe)
     return plan

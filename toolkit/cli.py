@@ -258,7 +258,6 @@ def cmd_plan(args) -> int:
     from toolkit import plan
     from toolkit.checks import check_recipe
     from toolkit.metrics import process_bytes
-    from toolkit.model import meta_model
     from toolkit.recipe import load_recipe
     from toolkit.strategies import arm_aliases, strategy_info
 
@@ -271,7 +270,7 @@ def cmd_plan(args) -> int:
         else plan.default_memory_per_rank(args.nproc)
     _quiet_libraries()
     base = load_recipe(args.recipe, args.overrides)
-    model = meta_model(base.model)  # one skeleton for every arm: the arms change the strategy, not the model
+    model = plan.planned_model(base)  # one skeleton for every arm: the arms change the strategy, not the model
     runtime = process_bytes()  # this process with torch and transformers loaded: what a rank starts from
     device = "cuda" if __import__("torch").cuda.is_available() else "cpu"
     rows: list = []

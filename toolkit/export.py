@@ -8,6 +8,7 @@ from pathlib import Path
 from torch import nn
 
 from toolkit.dist import DistEnv, barrier
+from toolkit.recipe import LoraOptions
 
 
 def without_tied_aliases(module: nn.Module, state_dict: dict) -> dict:
@@ -24,17 +25,31 @@ def without_tied_aliases(module: nn.Module, state_dict: dict) -> dict:
     return {k: v for k, v in state_dict.items() if k not in aliases}
 
 
-def export_model(strategy, *, tokenizer, out_dir: Path, env: DistEnv) -> Path:
+def export_model(strategy, *, tokenizer, out_dir: Path, env: DistEnv, lora: LoraOptions | None = None,
+                 task: str = "causal-lm") -> Path:
     """Collective: gather full weights, then rank 0 writes a folder beside out_dir/model and swaps it in, so
-    that a complete model is always at out_dir/model (the old one until the new one is complete)."""
+    that a complete model is always at out_dir/model (the old one until the new one is complete). With LoRA,
+    out_dir/model is the adapter (peft's format) and, with merge_on_export, out_dir/model-merged the merged
+    plain model."""
     state_dict = strategy.full_state_dict()
     final = out_dir / "model"
     if env.is_main:
         tmp = out_dir / ".model.partial"
         shutil.rmtree(tmp, ignore_errors=True)
         module = strategy.export_module()
-        module.save_pretrained(str(tmp), state_dict=without_tied_aliases(module, state_dict))
-        tokenizer.save_pretrained(str(tmp))
+        if lora is None:
+            module.save_pretrained(str(tmp), state_dict=without_tied_aliases(module, state_dict))
+            tokenizer.save_pretrained(str(tmp))
+        else:
+            from toolkit.lora import export_adapter
+
+            merged = out_dir / ".model-merged.partial" if lora.merge_on_export else None
+            if merged is not None:
+                shutil.rmtree(merged, ignore_errors=True)
+            export_adapter(module, state_dict, options=lora, task=task, tokenizer=tokenizer, adapter_dir=tmp,
+                           merged_dir=merged)
+            if merged is not None:
+                replace_folder(merged, out_dir / "model-merged")
         replace_folder(tmp, final)
     barrier(env)
     return final

@@ -33,6 +33,7 @@ from toolkit.errors import RecipeError
 from toolkit.evaluate import evaluate
 from toolkit.export import export_model
 from toolkit.gradient_scale import GradientScale
+from toolkit.lora import apply_lora
 from toolkit.losses import micro_batch_loss_sum
 from toolkit.metrics import JsonlWriter, Progress, peak_memory_bytes, process_bytes, synchronize
 from toolkit.model import BlockForwards, build_model, enable_activation_checkpointing, layer_stack, load_tokenizer
@@ -96,6 +97,8 @@ def prepare(recipe: Recipe, env: DistEnv):
     epochs = recipe.train.epochs or 0.0  # TrainConfig: exactly one of max_steps and epochs
     total_steps = recipe.train.max_steps or max(1, int(epochs * sampler.steps_per_epoch))
     model = build_model(recipe.model, tokenizer=tokenizer, seed=recipe.seed)
+    if recipe.model.lora is not None:  # adapters in place, base frozen: every strategy wraps what it gets
+        apply_lora(model, recipe.model.lora, task=recipe.model.task)
     if recipe.train.activation_checkpointing:
         enable_activation_checkpointing(model)  # before any strategy wraps or shards the blocks
     return plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, model
@@ -166,7 +169,8 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     finally:
         signals.restore()
     progress.close()
-    export_model(strategy, tokenizer=tokenizer, out_dir=out_dir, env=env)
+    export_model(strategy, tokenizer=tokenizer, out_dir=out_dir, env=env, lora=recipe.model.lora,
+                 task=recipe.model.task)
     if scale is not None:
         info["gradient_scale"] = scale.summary()
     runinfo.finish(info, env=env, out_dir=out_dir, losses=losses, strategy=strategy)

@@ -59,7 +59,7 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     On a GPU the peak is the allocator's (no runtime, no host-side load); on CPU the process's resident set."""
     from toolkit.strategies import make_strategy
 
-    model = model if model is not None else meta_model(recipe.model)
+    model = model if model is not None else planned_model(recipe)
     per_rank = make_strategy(recipe).predict_state_bytes(model, recipe, world_size=world_size)
     load = sum(p.numel() for p in model.parameters()) * element_bytes(DTYPES[recipe.model.load_dtype])
     full, checkpointed = activation_estimate(model, recipe)
@@ -72,6 +72,16 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     return Prediction(strategy=recipe.strategy.name, world_size=world_size, per_rank=per_rank,
                       activation_bytes=activations, activation_bytes_checkpointed=checkpointed, load_bytes=load,
                       runtime_bytes=runtime_bytes, peak_bytes=peak)
+
+
+def planned_model(recipe: Recipe) -> nn.Module:
+    """The recipe's model on the meta device, with its LoRA adapters when it has them."""
+    model = meta_model(recipe.model)
+    if recipe.model.lora is not None:
+        from toolkit.lora import apply_lora
+
+        apply_lora(model, recipe.model.lora, task=recipe.model.task)
+    return model
 
 
 def activation_estimate(model: nn.Module, recipe: Recipe) -> tuple[int, int]:

@@ -25,6 +25,25 @@ SCHEDULES = ("cosine", "linear", "constant")
 
 
 @dataclass(frozen=True, kw_only=True)
+class LoraOptions:
+    """LoRA adapters through peft: only they train (and hold gradients and optimizer state); the base is frozen."""
+
+    r: int = 8  # adapter rank: r × (in + out) trainable parameters per adapted layer
+    alpha: int = 16  # the adapter's output is scaled by alpha / r
+    dropout: float = 0.0  # on the adapter's input; 0.0 for runs compared across strategies
+    target_modules: tuple[str, ...] | None = None  # layer names to adapt (e.g. [q_proj, v_proj]); null: peft's default
+    merge_on_export: bool = False  # true: output_dir/model holds W + (alpha/r)·B·A as a plain transformers model
+
+    def __post_init__(self) -> None:
+        if self.r <= 0:
+            raise RecipeError(f"model.lora.r must be a positive rank, got {self.r}; 8 or 16 are usual")
+        if self.alpha <= 0:
+            raise RecipeError(f"model.lora.alpha must be > 0, got {self.alpha}; 2 × r is usual")
+        if not 0.0 <= self.dropout < 1.0:
+            raise RecipeError(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     path: str | None = None  # local HF folder, or pkg://<package>/<subdir> for a model a package ships
     config: dict | None = None  # a from-scratch model: transformers config fields incl. model_type
@@ -33,6 +52,7 @@ class ModelConfig:
     num_labels: int = 2  # classification head size (sequence-classification only)
     load_dtype: str = "fp32"  # dtype the weights are loaded in; FSDP computes from these, ZeRO keeps fp32 masters
     dropout: float | None = None  # override every dropout probability; 0.0 for runs compared across strategies
+    lora: LoraOptions | None = None  # LoRA adapters (peft): far fewer trainable parameters, same forward shape
 
     def __post_init__(self) -> None:
         if (self.path is None) == (self.config is None):

@@ -86,8 +86,8 @@ def compare_weights(arm_dir: Path, ref_dir: Path, *, noise: set[str]) -> dict:
     """Per tensor of the exported weights: elements outside the fp32 tolerance, largest |Δ|."""
     from safetensors.torch import load_file
 
-    arm = load_file(str(Path(arm_dir) / "model" / "model.safetensors"))
-    ref = load_file(str(Path(ref_dir) / "model" / "model.safetensors"))
+    arm = load_file(str(_weights_file(Path(arm_dir) / "model")))
+    ref = load_file(str(_weights_file(Path(ref_dir) / "model")))
     if arm.keys() != ref.keys():
         only = sorted(set(arm) ^ set(ref))
         return {"same_names": False, "outside": [], "noise": [], "max_abs_diff": float("inf"),
@@ -189,3 +189,9 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
         else:
             out[name] = value
     return out
+
+
+def _weights_file(model_dir: Path) -> Path:
+    """What an arm trained: the model's weights, or a LoRA run's adapter (its frozen base did not move)."""
+    plain = model_dir / "model.safetensors"
+    return plain if plain.is_file() else model_dir / "adapter_model.safetensors"

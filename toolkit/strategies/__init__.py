@@ -65,6 +65,9 @@ def validate_strategy(recipe: Recipe, *, world_size: int) -> BatchPlan:
     set for another strategy, the strategy's own checks, the batch arithmetic."""
     strategy = make_strategy(recipe)
     _check_options(recipe)
+    if recipe.model.lora is not None and not strategy.info.lora:
+        raise RecipeError(f"model.lora is not available with strategy {recipe.strategy.name} yet (its split of the "
+                          "model goes by layer names LoRA changes); use single, ddp, fsdp or zero")
     strategy.validate(recipe, world_size=world_size)
     layout = strategy.data_layout(recipe, world_size=world_size, rank=0)
     return plan_batch(recipe.batch, world_size=layout.size)  # the global batch is split over data shards

@@ -55,6 +55,7 @@ class StrategyInfo:
     one_process: bool = False  # runs in exactly one process (a compare arm of it gets 1 rank)
     averages_gradients: bool = False  # its reduction averages over ranks: the loop scales the loss by the world size
     accelerate_plugin: str | None = None  # the `accelerate launch` plugin it runs (fsdp, deepspeed)
+    lora: bool = True  # trains model.lora adapters (checked: single, ddp, fsdp, zero; not yet split models)
 
 
 @dataclass(frozen=True, kw_only=True)

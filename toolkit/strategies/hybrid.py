@@ -25,7 +25,7 @@ from toolkit.strategies.pipeline import OPTIONS, PipelineStrategy
 from toolkit.strategies.replicated import Replication, ReplicatedStrategy
 
 INFO = StrategyInfo(
-    name="hybrid", averages_gradients=True, options=(*OPTIONS, "pipeline_degree", "data_parallel", "devices"),
+    name="hybrid", averages_gradients=True, lora=False, options=(*OPTIONS, "pipeline_degree", "data_parallel", "devices"),
     summary="a split model × data parallel: pipeline stages replicated by DDP or sharded by FSDP over a "
             "(pp × dp) mesh, or a model split over devices in each process × DDP",
     arms={"pp-ddp": ("strategy.name=hybrid", "strategy.pipeline_degree=2", "strategy.data_parallel=ddp"),

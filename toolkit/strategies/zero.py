@@ -159,6 +159,8 @@ class ZeroStrategy:
         for name, param in self.module.named_parameters(remove_duplicate=False):  # tied weights: every name
             if id(param) not in gathered:
                 full = safe_get_full_fp32_param(param)  # every rank calls it: stage 3 all-gathers
+                if full is None and self.stage == 3:  # a frozen parameter (LoRA's base) has no fp32 master
+                    full = _gathered(param)
                 gathered[id(param)] = (full if full is not None else param.detach()).to("cpu", torch.float32,
                                                                                          copy=True)
             state[name] = gathered[id(param)]
@@ -378,6 +380,14 @@ def _cpu_adam_like(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
               for group in optimizer.param_groups]
     return DeepSpeedCPUAdam(groups, lr=defaults["lr"], betas=defaults["betas"], eps=defaults["eps"],
                             weight_decay=defaults["weight_decay"], adamw_mode=True)
+
+
+def _gathered(param: torch.Tensor) -> torch.Tensor:
+    """Collective under ZeRO-3: a full copy of a partitioned parameter (in its own dtype)."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+        return param.detach().clone()
 
 
 def build(recipe: Recipe) -> ZeroStrategy:

@@ -1,0 +1,63 @@
+"""LoRA through peft: adapters injected into the transformers model in place (`get_peft_model` adapts the model
+object itself, which every strategy then wraps as usual; parameter names gain `base_layer` / `lora_A.default`),
+the base frozen. Export writes the adapter with peft's own `save_pretrained` and, when asked, the merged model
+(`merge_and_unload`), both from the gathered full weights on rank 0."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from toolkit.errors import RecipeError
+from toolkit.recipe import LoraOptions
+
+TASK_TYPES = {"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS"}
+
+
+def lora_config(options: LoraOptions, *, task: str):
+    from peft import LoraConfig
+
+    return LoraConfig(r=options.r, lora_alpha=options.alpha, lora_dropout=options.dropout,
+                      target_modules=list(options.target_modules) if options.target_modules else None,
+                      task_type=TASK_TYPES[task])
+
+
+def apply_lora(model: nn.Module, options: LoraOptions, *, task: str) -> nn.Module:
+    """Adapters on `model`'s target layers, in place; everything else frozen (a classification head stays
+    trainable: peft's SEQ_CLS keeps it in modules_to_save). Returns the same model object."""
+    from peft import get_peft_model
+
+    try:
+        peft_model = get_peft_model(model, lora_config(options, task=task))
+    except ValueError as exc:  # peft: target modules that match no layer of the model
+        layers = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise RecipeError(f"model.lora.target_modules: {exc.args[0].split('.')[0]}; this model's linear layers "
+                          f"are named {', '.join(layers)}") from None
+    inner = peft_model.base_model.model
+    assert inner is model  # peft adapts the model in place
+    return inner
+
+
+def export_adapter(module: nn.Module, state_dict: dict[str, torch.Tensor], *, options: LoraOptions, task: str,
+                   tokenizer, adapter_dir: Path, merged_dir: Path | None) -> None:
+    """Rank 0: a fresh skeleton of the model with the same adapters, given the gathered weights; peft writes
+    the adapter (adapter_config.json, adapter_model.safetensors) and, with `merged_dir`, the merged model."""
+    from peft import get_peft_model
+
+    from toolkit.export import without_tied_aliases
+
+    with torch.device("meta"):
+        skeleton: Any = type(module)(module.config)
+    peft_model = get_peft_model(skeleton, lora_config(options, task=task))
+    inner: Any = peft_model.base_model.model
+    inner.load_state_dict(state_dict, assign=True)
+    inner.tie_weights()
+    peft_model.save_pretrained(str(adapter_dir))
+    tokenizer.save_pretrained(str(adapter_dir))
+    if merged_dir is not None:
+        merged: Any = peft_model.merge_and_unload()
+        merged.save_pretrained(str(merged_dir), state_dict=without_tied_aliases(merged, merged.state_dict()))
+        tokenizer.save_pretrained(str(merged_dir))
