@@ -5,7 +5,7 @@ measurement.
 
 The model is a Llama-style decoder built from a config (no download): hidden 1024, MLP 2816, 16 heads (4 KV),
 24 blocks, the MiniLM tokenizer's 30522-token vocabulary, tied embeddings: ~300M parameters. Each arm is one
-real `toolkit launch` run on the review texts (micro-batch 1 × 128 tokens, fp32) of `--steps` steps;
+real `toolkit launch` run on the review texts (packed; micro-batch 1 × 128 tokens by default, fp32) of `--steps` steps;
 run.json holds what it measured (model-state bytes counted from the live tensors, peak resident set size per
 rank) and the prediction the run made before setup (the same arithmetic as `toolkit plan`).
 Targets (issue 11): model states within ±1 % of the prediction (they are exact); peak within ±15 % on CPU.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = {"model_type": "llama", "vocab_size": 30522, "hidden_size": 1024, "intermediate_size": 2816,
-         "num_attention_heads": 16, "num_key_value_heads": 4, "max_position_embeddings": 256,
+         "num_attention_heads": 16, "num_key_value_heads": 4, "max_position_embeddings": 1024,
          "tie_word_embeddings": True}
 ARMS = {
     "ddp": ["strategy.name=ddp"],
@@ -36,10 +36,11 @@ ARMS = {
 MiB = 2 ** 20
 
 
-def run(arm: str, *, nproc: int, steps: int, layers: int, out: Path) -> dict:
+def run(arm: str, *, nproc: int, steps: int, layers: int, micro: int, seq: int, out: Path) -> dict:
     config = {**MODEL, "num_hidden_layers": layers}
     sets = [*ARMS[arm], f"model.config={json.dumps(config)}", f"train.max_steps={steps}", "train.eval_every=null",
-            "data.eval=null", "data.max_length=128", "batch.micro_batch_size=1", "batch.grad_accum_steps=1",
+            "data.eval=null", f"data.max_length={seq}", "data.packing=true", f"batch.micro_batch_size={micro}",
+            "batch.grad_accum_steps=1",
             "batch.global_batch_size=null", "train.progress=false", "checkpoint.final=false", f"output_dir={out}"]
     cmd = [sys.executable, "-m", "toolkit", "launch", "--nproc", str(nproc), "recipes/llama-tiny.yaml"]
     for item in sets:
@@ -69,6 +70,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--micro-batch", type=int, default=1, help="samples per micro-batch")
+    parser.add_argument("--seq", type=int, default=128, help="tokens per sample (packed: no padding)")
     args = parser.parse_args()
     head = ["arm", "params", "model states MiB/rank", "predicted", "error", "peak RSS MiB/rank", "predicted",
             "error", "other live MiB"]
@@ -76,7 +79,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for arm in args.arms.split(","):
             rows.append(row(arm, run(arm, nproc=args.nproc, steps=args.steps, layers=args.layers,
-                                     out=Path(tmp) / arm.replace("+", "-"))))
+                                     micro=args.micro_batch, seq=args.seq, out=Path(tmp) / arm.replace("+", "-"))))
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
