@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -23,6 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from toolkit.metrics import read_jsonl  # noqa: E402
+from toolkit_runs import launch  # noqa: E402
 
 ARMS = {"ddp": ["strategy.name=ddp"], "fsdp": ["strategy.name=fsdp"],
         "zero2": ["strategy.name=zero", "strategy.stage=2"], "zero3": ["strategy.name=zero", "strategy.stage=3"]}
@@ -32,13 +32,7 @@ def run(recipe: str, *, nproc: int, strategy: str, async_save: bool, steps: int,
     sets = [*ARMS[strategy], f"train.max_steps={steps}", f"checkpoint.every_steps={every}",
             f"checkpoint.async={str(async_save).lower()}", "checkpoint.keep_last=1", "checkpoint.final=false",
             "train.eval_every=null", "train.progress=false", f"output_dir={out}"]
-    cmd = [sys.executable, "-m", "toolkit", "launch", "--nproc", str(nproc), recipe]
-    for item in sets:
-        cmd += ["--set", item]
-    print(f"[benchmark] {strategy} {'async' if async_save else 'sync'} ...", file=sys.stderr, flush=True)
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"{strategy} failed:\n{result.stderr[-3000:]}")
+    launch(recipe, nproc=nproc, sets=sets, label=f"{strategy} {'async' if async_save else 'sync'}")
     records = read_jsonl(out / "metrics.jsonl")
     following = {m["step"] - 1: m.get("checkpoint_wait_s", 0.0) for m in records}
     held = [m["checkpoint_s"] + following.get(m["step"], 0.0) for m in records if "checkpoint_s" in m]

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from toolkit_runs import launch
+
 MODEL = {"model_type": "llama", "vocab_size": 30522, "hidden_size": 1024, "intermediate_size": 2816,
          "num_attention_heads": 16, "num_key_value_heads": 4, "max_position_embeddings": 1024,
          "tie_word_embeddings": True}
@@ -42,13 +41,7 @@ def run(arm: str, *, nproc: int, steps: int, layers: int, micro: int, seq: int, 
             "data.eval=null", f"data.max_length={seq}", "data.packing=true", f"batch.micro_batch_size={micro}",
             "batch.grad_accum_steps=1",
             "batch.global_batch_size=null", "train.progress=false", "checkpoint.final=false", f"output_dir={out}"]
-    cmd = [sys.executable, "-m", "toolkit", "launch", "--nproc", str(nproc), "recipes/llama-tiny.yaml"]
-    for item in sets:
-        cmd += ["--set", item]
-    print(f"[benchmark] {arm} ...", file=sys.stderr, flush=True)
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"{arm} failed:\n{result.stderr[-3000:]}")
+    launch("recipes/llama-tiny.yaml", nproc=nproc, sets=sets, label=arm)
     return json.loads((out / "run.json").read_text())
 
 
