@@ -45,27 +45,23 @@ def check_data(recipe: Recipe) -> None:
                        num_labels=recipe.model.num_labels)
 
 
-def check_activation_checkpointing(recipe: Recipe) -> None:
-    """The model has blocks to checkpoint (its config and class only: built on the meta device)."""
+def check_model_toggles(recipe: Recipe) -> None:
+    """LoRA targets that name layers of the model, and blocks to checkpoint: both on one meta-device copy of
+    the model (its config and class only, no weights read), built only when a toggle asks for it."""
+    if recipe.model.lora is None and not recipe.train.activation_checkpointing:
+        return
+    from toolkit.model import enable_activation_checkpointing
+    from toolkit.plan import planned_model
+
+    model = planned_model(recipe)  # applies the adapters: targets that match nothing are peft's one-line error
     if recipe.train.activation_checkpointing:
-        from toolkit.model import enable_activation_checkpointing, meta_model
-
-        enable_activation_checkpointing(meta_model(recipe.model))  # a model without blocks: its one-line error
-
-
-def check_lora(recipe: Recipe) -> None:
-    """The LoRA targets name layers of the model (peft adapts a meta-device copy: no weights read)."""
-    if recipe.model.lora is not None:
-        from toolkit.plan import planned_model
-
-        planned_model(recipe)
+        enable_activation_checkpointing(model)  # a model without blocks: its one-line error
 
 
 def check_recipe(recipe: Recipe, *, world_size: int) -> BatchPlan:
     plan = validate_strategy(recipe, world_size=world_size)
     check_paths(recipe)
-    check_activation_checkpointing(recipe)
-    check_lora(recipe)
+    check_model_toggles(recipe)
     check_position_limit(recipe)
     check_data(recipe)
     return plan

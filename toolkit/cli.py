@@ -255,6 +255,8 @@ def cmd_validate(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    import torch
+
     from toolkit import plan
     from toolkit.checks import check_recipe
     from toolkit.metrics import process_bytes
@@ -272,7 +274,7 @@ def cmd_plan(args) -> int:
     base = load_recipe(args.recipe, args.overrides)
     model = plan.planned_model(base)  # one skeleton for every arm: the arms change the strategy, not the model
     runtime = process_bytes()  # this process with torch and transformers loaded: what a rank starts from
-    device = "cuda" if __import__("torch").cuda.is_available() else "cpu"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     rows: list = []
     for arm in arms:
         recipe = load_recipe(args.recipe, [*args.overrides, *(aliases[arm] if arm else ())])

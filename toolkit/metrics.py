@@ -32,6 +32,13 @@ def peak_reserved_bytes(device: torch.device) -> int | None:
     return int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else None
 
 
+def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    """(device type, address) of the storage behind `tensor` (a DTensor: this rank's shard): views of one
+    buffer share it, so bytes counted per key count each buffer once."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    return local.device.type, local.untyped_storage().data_ptr()
+
+
 def live_tensor_storages() -> dict[tuple[str, int], tuple[int, str, int]]:
     """Every tensor storage Python can reach in this process: (device, address) -> (bytes, dtype, numel of the
     largest view seen). An independent count of what a strategy holds, read without asking it: tensors only
@@ -48,7 +55,7 @@ def live_tensor_storages() -> dict[tuple[str, int], tuple[int, str, int]]:
         except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
             continue
         if storage.nbytes():
-            key = (local.device.type, storage.data_ptr())
+            key = storage_key(local)
             seen = found.get(key)
             if seen is None or local.numel() > seen[2]:
                 found[key] = (storage.nbytes(), str(local.dtype).removeprefix("torch."), local.numel())

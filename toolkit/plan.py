@@ -100,10 +100,15 @@ def activation_estimate(model: nn.Module, recipe: Recipe) -> tuple[int, int]:
     except RecipeError:
         layers = getattr(config, "num_hidden_layers", 0)
     tokens = recipe.batch.micro_batch_size * recipe.data.max_length
-    size = 4 if recipe.precision == "fp32" else 2
+    size = compute_bytes(recipe)
     per_block = tokens * (6 * hidden + 2 * kv_width + 4 * intermediate) * size
     head = tokens * getattr(config, "vocab_size", 0) * 4 if recipe.model.task == "causal-lm" else 0
     return layers * per_block + head, layers * tokens * hidden * size + per_block + head
+
+
+def compute_bytes(recipe: Recipe) -> int:
+    """Bytes per element of what the forward computes in: fp32, or the 16-bit precision."""
+    return element_bytes(DTYPES[recipe.precision])
 
 
 def largest_block_bytes(model: nn.Module, recipe: Recipe) -> int:
@@ -112,7 +117,7 @@ def largest_block_bytes(model: nn.Module, recipe: Recipe) -> int:
         blocks = layer_stack(model)
     except RecipeError:
         return 0
-    size = 4 if recipe.precision == "fp32" else 2
+    size = compute_bytes(recipe)
     return max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0) * size
 
 

@@ -16,7 +16,8 @@ import torch
 
 from toolkit.dist import DistEnv, gather_objects
 from toolkit.errors import RecipeError
-from toolkit.metrics import live_tensor_storages, measured_matmul_flops, peak_memory_bytes, peak_reserved_bytes
+from toolkit.metrics import (live_tensor_storages, measured_matmul_flops, peak_memory_bytes, peak_reserved_bytes,
+                             storage_key)
 from toolkit.model import flops_per_token
 from toolkit.recipe import BatchPlan, Recipe, dump_recipe
 from toolkit.strategies.base import storage_bytes
@@ -127,8 +128,7 @@ def record_before_first_step(info: dict, strategy, *, env: DistEnv) -> None:
 def _other_live(tensors: dict[str, list[torch.Tensor]]) -> dict:
     """What the process holds besides the counted model states, from a census of every live tensor: a
     strategy's buffers (DeepSpeed's buckets, DDP's) that the counters above do not name. Batches are small."""
-    counted = {(getattr(t, "_local_tensor", t).device.type, getattr(t, "_local_tensor", t).untyped_storage().data_ptr())
-               for group in tensors.values() for t in group if t is not None}
+    counted = {storage_key(t) for group in tensors.values() for t in group if t is not None}
     other = {k: v for k, v in live_tensor_storages().items() if k not in counted}
     largest = sorted(other.values(), reverse=True)[:3]
     return {"bytes": sum(v[0] for v in other.values()),

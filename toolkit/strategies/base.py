@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from toolkit.checkpoint.fragments import Fragments
 from toolkit.data import DataLayout
 from toolkit.dist import DistEnv, all_reduce_max
+from toolkit.metrics import storage_key
 from toolkit.precision import StepResult
 from toolkit.recipe import Recipe
 from toolkit.strategies.state_bytes import StateBytes
@@ -215,11 +216,10 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     for tensor in tensors:
         if tensor is None:
             continue
-        local = getattr(tensor, "_local_tensor", tensor)  # DTensor: this rank's shard
-        storage = local.untyped_storage()
+        storage = getattr(tensor, "_local_tensor", tensor).untyped_storage()  # DTensor: this rank's shard
         if storage.nbytes() == 0:
             continue
-        seen[(local.device.type, storage.data_ptr())] = storage.nbytes()
+        seen[storage_key(tensor)] = storage.nbytes()
     return sum(seen.values())
 
 
