@@ -1,13 +1,17 @@
 """Memory per rank by strategy on a model big enough to show it, with `toolkit plan`'s prediction beside each
 measurement.
 
-    python benchmarks/memory_scaling.py [--nproc 2] [--steps 3] [--arms ddp,fsdp,...] [--layers 24]
+    python benchmarks/memory_scaling.py [--nproc 2] [--steps 3] [--arms ddp,fsdp,...] [--layers 24] [--from-config]
 
 The model is a Llama-style decoder built from a config (no download): hidden 1024, MLP 2816, 16 heads (4 KV),
-24 blocks, the MiniLM tokenizer's 30522-token vocabulary, tied embeddings: ~300M parameters. Each arm is one
-real `toolkit launch` run on the review texts (packed; micro-batch 1 × 128 tokens by default, fp32) of `--steps` steps;
-run.json holds what it measured (model-state bytes counted from the live tensors, peak resident set size per
-rank) and the prediction the run made before setup (the same arithmetic as `toolkit plan`).
+24 blocks, the MiniLM tokenizer's 30522-token vocabulary, tied embeddings: ~300M parameters. It is written once
+with save_pretrained and every arm fine-tunes it from that folder, as a user fine-tunes a pretrained model
+(`--from-config`: each run builds it from the config instead, seeded). Each arm is one real `toolkit launch` run
+on the review texts (packed; micro-batch 1 × 128 tokens by default, fp32) of `--steps` steps; run.json holds what
+it measured (model-state bytes counted from the live tensors, peak resident set size per rank) and the
+prediction the run made before setup (the same arithmetic as `toolkit plan`). fsdp and zero3 load with
+low-memory loading (the recipe's default); `fsdp-whole` and `zero3-whole` build the whole model on every rank
+first, for comparison.
 Targets (issue 11): model states within ±1 % of the prediction (they are exact); peak within ±15 % on CPU.
 """
 
@@ -31,13 +35,28 @@ ARMS = {
     "zero3-offload": ["strategy.name=zero", "strategy.stage=3", "strategy.offload_optimizer=true",
                       "strategy.offload_param=true"],
     "fsdp+ac": ["strategy.name=fsdp", "train.activation_checkpointing=true"],
+    "fsdp+lora": ["strategy.name=fsdp", 'model.lora={"r": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj"]}'],
+    "fsdp-whole": ["strategy.name=fsdp", "model.low_memory_loading=false"],
+    "zero3-whole": ["strategy.name=zero", "strategy.stage=3", "model.low_memory_loading=false"],
 }
+DEFAULT_ARMS = ("ddp", "fsdp", "zero2", "zero3", "zero3-offload", "fsdp+ac", "fsdp+lora")
 MiB = 2 ** 20
 
 
-def run(arm: str, *, nproc: int, steps: int, layers: int, micro: int, seq: int, out: Path) -> dict:
-    config = {**MODEL, "num_hidden_layers": layers}
-    sets = [*ARMS[arm], f"model.config={json.dumps(config)}", f"train.max_steps={steps}", "train.eval_every=null",
+def save_model(folder: Path, *, layers: int) -> Path:
+    """The benchmark's model, seeded from its config and written by save_pretrained (what `model.path` loads)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {**MODEL, "num_hidden_layers": layers}
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+def run(arm: str, *, model: list[str], nproc: int, steps: int, micro: int, seq: int, out: Path) -> dict:
+    sets = [*ARMS[arm], *model, f"train.max_steps={steps}", "train.eval_every=null",
             "data.eval=null", f"data.max_length={seq}", "data.packing=true", f"batch.micro_batch_size={micro}",
             "batch.grad_accum_steps=1",
             "batch.global_batch_size=null", "train.progress=false", "checkpoint.final=false", f"output_dir={out}"]
@@ -62,7 +81,8 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"of {', '.join(ARMS)}")
+    parser.add_argument("--from-config", action="store_true", help="build the model from its config in each run")
     parser.add_argument("--micro-batch", type=int, default=1, help="samples per micro-batch")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sample (packed: no padding)")
     args = parser.parse_args()
@@ -70,9 +90,14 @@ def main() -> None:
             "error", "other live MiB"]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        if args.from_config:
+            model = f"model.config={json.dumps({**MODEL, 'num_hidden_layers': args.layers})}"
+        else:  # the folder is read by every arm; the recipe's model.config gives way to model.path
+            model = f"model.path={save_model(Path(tmp) / 'model', layers=args.layers)}"
         for arm in args.arms.split(","):
-            rows.append(row(arm, run(arm, nproc=args.nproc, steps=args.steps, layers=args.layers,
-                                     micro=args.micro_batch, seq=args.seq, out=Path(tmp) / arm.replace("+", "-"))))
+            sets = [model] if args.from_config else ["model.config=null", model]
+            rows.append(row(arm, run(arm, model=sets, nproc=args.nproc, steps=args.steps, micro=args.micro_batch,
+                                     seq=args.seq, out=Path(tmp) / arm.replace("+", "-"))))
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")

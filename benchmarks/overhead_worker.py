@@ -66,17 +66,22 @@ def main() -> None:
     from toolkit.data import Collator, train_loader
     from toolkit.dist import exit_process, init_distributed, shutdown
     from toolkit.launch import prepare_environment
+    from toolkit.loading import ModelSource
     from toolkit.loop import prepare, setup_strategy, train_step
     from toolkit.metrics import JsonlWriter, synchronize
     from toolkit.model import build_model
     from toolkit.recipe import load_recipe
+    from toolkit.strategies import make_strategy
 
     prepare_environment()
     recipe = load_recipe(args.recipe, args.overrides)
     env = init_distributed()
-    plan, layout, tokenizer, train_ds, _, sampler, total_steps, model = prepare(recipe, env)
+    plan, layout, tokenizer, train_ds, _, sampler, total_steps = prepare(recipe, env)
     assert plan.grad_accum_steps == 1, "the minimal step does not accumulate"
-    strategy = setup_strategy(model, recipe=recipe, env=env, plan=plan, total_steps=total_steps)
+    strategy = make_strategy(recipe)
+    source = ModelSource(recipe=recipe, tokenizer=tokenizer)
+    setup_strategy(strategy, strategy.build_model(source, env=env), source=source, env=env, plan=plan,
+                   total_steps=total_steps)
     minimal = minimal_setup(build_model(recipe.model, tokenizer=tokenizer, seed=recipe.seed), recipe, plan)
     loader = train_loader(train_ds, sampler=sampler, start=0, stop=total_steps, data=recipe.data,
                           collator=Collator(pad_token_id=tokenizer.pad_token_id, task=recipe.model.task))

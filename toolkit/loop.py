@@ -28,15 +28,15 @@ from toolkit.comm import CollectiveCounter, counting
 from toolkit.checks import check_position_limit
 from toolkit.consistency import check_replicas
 from toolkit.data import Collator, DataLayout, GlobalBatchSampler, load_split, train_loader
-from toolkit.dist import DistEnv, all_reduce_sum
+from toolkit.dist import DistEnv, all_reduce_max, all_reduce_sum
 from toolkit.errors import RecipeError
 from toolkit.evaluate import evaluate
 from toolkit.export import export_model
 from toolkit.gradient_scale import GradientScale
-from toolkit.lora import apply_lora
+from toolkit.loading import ModelSource, num_parameters, whole_parameters
 from toolkit.losses import micro_batch_loss_sum
-from toolkit.metrics import JsonlWriter, Progress, peak_memory_bytes, process_bytes, synchronize
-from toolkit.model import BlockForwards, build_model, enable_activation_checkpointing, layer_stack, load_tokenizer
+from toolkit.metrics import JsonlWriter, Progress, compile_seconds, peak_memory_bytes, process_bytes, synchronize
+from toolkit.model import BlockForwards, layer_stack, load_tokenizer
 from toolkit.optim import build_adamw, build_scheduler
 from toolkit.precision import check_precision_supported
 from toolkit.recipe import Recipe
@@ -96,37 +96,32 @@ def prepare(recipe: Recipe, env: DistEnv):
                           f"{plan.global_batch_size}; lower batch sizes or add data")
     epochs = recipe.train.epochs or 0.0  # TrainConfig: exactly one of max_steps and epochs
     total_steps = recipe.train.max_steps or max(1, int(epochs * sampler.steps_per_epoch))
-    model = build_model(recipe.model, tokenizer=tokenizer, seed=recipe.seed)
-    if recipe.model.lora is not None:  # adapters in place, base frozen: every strategy wraps what it gets
-        apply_lora(model, recipe.model.lora, task=recipe.model.task)
-    if recipe.train.activation_checkpointing:
-        enable_activation_checkpointing(model)  # before any strategy wraps or shards the blocks
-    return plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, model
+    return plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps
 
 
-def setup_strategy(model, *, recipe: Recipe, env: DistEnv, plan, total_steps: int):
-    """The recipe's strategy, wrapped around `model`, with the recipe's AdamW and schedule."""
-    strategy = make_strategy(recipe)
+def setup_strategy(strategy: Strategy, model, *, source: ModelSource, env: DistEnv, plan, total_steps: int) -> None:
+    """`strategy` wrapped around `model` (built by strategy.build_model), with the recipe's AdamW and schedule."""
+    recipe = source.recipe
     strategy.setup(model, SetupArgs(
         recipe=recipe, env=env, grad_accum_steps=plan.grad_accum_steps, total_steps=total_steps,
         build_optimizer=functools.partial(build_adamw, config=recipe.optim),
-        build_scheduler=lambda o: build_scheduler(o, config=recipe.optim, total_steps=total_steps)))
-    return strategy
+        build_scheduler=lambda o: build_scheduler(o, config=recipe.optim, total_steps=total_steps), source=source))
 
 
 def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> TrainResult:
-    plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, model = prepare(recipe, env)
-    # what the process holds besides the model it just built: the base a memory prediction starts from
-    runtime_bytes = max(0, process_bytes() - sum(p.numel() * p.element_size() for p in model.parameters()))
+    plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps = prepare(recipe, env)
+    runtime_bytes = process_bytes()  # what the process holds before any model: the base a memory prediction starts from
     prediction = runinfo.predict_memory(recipe, env, runtime_bytes=runtime_bytes)  # warns before setup if too big
     # before the collective below, so no rank can have written into output_dir yet
     checkpoint = checkpoints.starting_point(recipe, resume, plan=plan)
-    checkpoints.load_weights(model, checkpoint)  # the plain model: each strategy shards it its own way
-    check_replicas(model.named_parameters(), env, when="at start (before setup)")
-    num_params = sum(p.numel() for p in model.parameters())  # before setup: ZeRO-3 empties the params
+    strategy = make_strategy(recipe)
+    source = ModelSource(recipe=recipe, tokenizer=tokenizer, checkpoint=checkpoint.path if checkpoint else None)
+    model = strategy.build_model(source, env=env)  # whole, or empty / partitioned under low-memory loading
+    check_replicas(whole_parameters(model), env, when="at start (before setup)")
+    num_params = num_parameters(model)
     # the blocks' forwards in the first step: twice per micro-batch shows the recomputation happened
     forwards = BlockForwards(layer_stack(model)) if recipe.train.activation_checkpointing else None
-    strategy = setup_strategy(model, recipe=recipe, env=env, plan=plan, total_steps=total_steps)
+    setup_strategy(strategy, model, source=source, env=env, plan=plan, total_steps=total_steps)
     # transformers returns models in eval mode: dropout and activation checkpointing act in train mode only
     # (before this, training ran without dropout until the first evaluation switched the model back)
     strategy.model.train()
@@ -191,6 +186,8 @@ def run_steps(strategy: Strategy, loader, *, recipe: Recipe, env: DistEnv, plan,
                             env=env, layout=layout, step=step, info=info, count_comm=step == comm_step,
                             gradient_scale=scale, first=step == done + 1, before_update=saver.before_update)
         saver.tokens_seen += record["tokens"]
+        if "compile_s" in record:  # run.json: the compile time of the whole run, apart from the steps'
+            info["compile_s"] = info.get("compile_s", 0.0) + record["compile_s"]
         every = recipe.train.eval_every
         if eval_ds is not None and ((every and step % every == 0) or step == total_steps):
             record["eval_loss"] = evaluate(strategy, eval_ds, collator=collator, recipe=recipe, env=env,
@@ -213,6 +210,13 @@ def run_steps(strategy: Strategy, loader, *, recipe: Recipe, env: DistEnv, plan,
                 saver.save(strategy, step=step, wait=True)
             raise Stopped(signum, step, total_steps, saver.last_path)
     return losses
+
+
+def step_compile_seconds(before_s: float, env: DistEnv) -> float:
+    """Collective: the most seconds any rank compiled in this step (every rank's step waited for it: a
+    pipeline's stages compile different blocks)."""
+    spent = torch.tensor([compile_seconds() - before_s], dtype=torch.float64)
+    return float(all_reduce_max(spent, env)[0])
 
 
 def announce_replica_check(strategy, *, recipe: Recipe, env: DistEnv, info: dict):
@@ -241,6 +245,7 @@ def train_step(strategy: Strategy, micro_batches: list[dict], *, recipe: Recipe,
     checkpoint's copy of the weights); its seconds are the checkpoint's, not the step's."""
     synchronize(env.device)
     start = time.perf_counter()
+    compiled_s = compile_seconds() if recipe.train.compile else 0.0
     lr = strategy.lr()
     comm = CollectiveCounter() if count_comm else None
     with counting(comm):
@@ -273,11 +278,12 @@ def train_step(strategy: Strategy, micro_batches: list[dict], *, recipe: Recipe,
     if first:
         runinfo.record_after_first_step(info, strategy, env=env)
     synchronize(env.device)
-    step_time_s = time.perf_counter() - start - probe_s - held_s
+    compile_s = step_compile_seconds(compiled_s, env) if recipe.train.compile else 0.0
+    step_time_s = time.perf_counter() - start - probe_s - held_s - compile_s
     return {"step": step, "loss": loss, "lr": lr, "grad_norm": result.grad_norm,
             "tokens": counts["tokens"], "samples": counts["samples"], "loss_items": counts["items"],
             "tokens_per_s": counts["tokens"] / step_time_s, "samples_per_s": counts["samples"] / step_time_s,
             "step_time_s": step_time_s, "peak_mem_bytes": peak_memory_bytes(env.device),
             "loss_scale": result.loss_scale, "skipped": result.skipped,
             **({"comm_bytes": comm.total_bytes} if comm is not None else {}),
-            **({"checkpoint_wait_s": held_s} if held_s else {})}
+            **({"checkpoint_wait_s": held_s} if held_s else {}), **({"compile_s": compile_s} if compile_s else {})}

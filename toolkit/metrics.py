@@ -47,19 +47,29 @@ def live_tensor_storages() -> dict[tuple[str, int], tuple[int, str, int]]:
 
     found: dict[tuple[str, int], tuple[int, str, int]] = {}
     for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor) or obj.is_meta:
+        try:
+            if not isinstance(obj, torch.Tensor) or obj.is_meta:
+                continue
+        except ReferenceError:  # a weak proxy (torch.compile keeps some) whose object is gone
             continue
         local = getattr(obj, "_local_tensor", obj)  # DTensor: this rank's shard
         try:
             storage = local.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
+            key = storage_key(local)
+        except (RuntimeError, NotImplementedError):  # subclasses without real memory (torch.compile's fake tensors)
             continue
         if storage.nbytes():
-            key = storage_key(local)
             seen = found.get(key)
             if seen is None or local.numel() > seen[2]:
                 found[key] = (storage.nbytes(), str(local.dtype).removeprefix("torch."), local.numel())
     return found
+
+
+def compile_seconds() -> float:
+    """Seconds torch.compile has spent in this process so far (dynamo's own timers: frames and backward graphs)."""
+    from torch._dynamo.utils import calculate_time_spent
+
+    return calculate_time_spent().get("total_wall_time", 0.0)
 
 
 def synchronize(device: torch.device) -> None:

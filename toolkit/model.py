@@ -78,29 +78,65 @@ def position_limit(config: ModelConfig) -> int | None:
 PADDING_OFFSET_POSITIONS = {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text"}
 
 
-def build_model(config: ModelConfig, *, tokenizer, seed: int) -> nn.Module:
-    """The model on CPU in its load dtype. New weights (heads, from-scratch models) come from `seed`."""
+def _auto_class(config: ModelConfig):
     import transformers
 
-    auto = (transformers.AutoModelForCausalLM if config.task == "causal-lm"
+    return (transformers.AutoModelForCausalLM if config.task == "causal-lm"
             else transformers.AutoModelForSequenceClassification)
-    extra = {"num_labels": config.num_labels} if config.task == "sequence-classification" else {}
+
+
+def _label_fields(config: ModelConfig) -> dict:
+    return {"num_labels": config.num_labels} if config.task == "sequence-classification" else {}
+
+
+def hf_config(config: ModelConfig, *, tokenizer=None):
+    """The transformers config of the recipe's model: its folder's config.json, or the recipe's fields."""
+    import transformers
+
+    if config.path is not None:
+        path = resolve_path(config.path)
+        check_model_dir(path, "model.path")
+        return transformers.AutoConfig.from_pretrained(str(path), **_label_fields(config))
+    fields = dict(config.config or {})
+    model_type = fields.pop("model_type")
+    try:
+        built = transformers.AutoConfig.for_model(model_type, **fields, **_label_fields(config))
+    except (ValueError, TypeError) as exc:
+        raise RecipeError(f"model.config: {exc}") from None
+    if tokenizer is not None and getattr(built, "pad_token_id", None) is None:
+        built.pad_token_id = tokenizer.pad_token_id
+    return built
+
+
+def build_model(config: ModelConfig, *, tokenizer, seed: int) -> nn.Module:
+    """The model on CPU in its load dtype. New weights (heads, from-scratch models) come from `seed`."""
     dtype = DTYPES[config.load_dtype]
     torch.manual_seed(seed)  # same seed on every rank: identical fresh weights everywhere
     if config.path is not None:
         path = resolve_path(config.path)
         check_model_dir(path, "model.path")
-        model = auto.from_pretrained(str(path), dtype=dtype, **extra)
+        model = _auto_class(config).from_pretrained(str(path), dtype=dtype, **_label_fields(config))
     else:
-        fields = dict(config.config or {})
-        model_type = fields.pop("model_type")
-        try:
-            hf_config = transformers.AutoConfig.for_model(model_type, **fields, **extra)
-        except (ValueError, TypeError) as exc:
-            raise RecipeError(f"model.config: {exc}") from None
-        if getattr(hf_config, "pad_token_id", None) is None:
-            hf_config.pad_token_id = tokenizer.pad_token_id
-        model = auto.from_config(hf_config, dtype=dtype)
+        model = _auto_class(config).from_config(hf_config(config, tokenizer=tokenizer), dtype=dtype)
+    return _finish(model, config, tokenizer=tokenizer)
+
+
+def empty_model(config: ModelConfig, *, tokenizer) -> nn.Module:
+    """`build_model`'s model with no weights: parameters on the meta device (no memory), buffers computed on
+    CPU by the constructor (a non-persistent buffer such as rotary inv_freq is in no weight file)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model: Any = _auto_class(config).from_config(hf_config(config, tokenizer=tokenizer),
+                                                     dtype=DTYPES[config.load_dtype])
+    # the context makes every parameter registered in it a new meta tensor, also the output layer that
+    # tie_weights pointed at the input embedding: tie them again outside it
+    model.tie_weights()
+    return _finish(model, config, tokenizer=tokenizer)
+
+
+def _finish(model: Any, config: ModelConfig, *, tokenizer) -> nn.Module:
+    """What every built model gets: a pad token id, the recipe's dropout, a vocabulary the tokenizer fits."""
     if getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     if config.dropout is not None:
@@ -140,6 +176,15 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     cast(Any, model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def compile_blocks(model: nn.Module) -> None:
+    """torch.compile each transformer block's `forward` (compiled lazily, at its first call). The forward, not
+    the module: hooks on the block (FSDP2's all-gather, the strategy's own) stay outside the compiled code, and
+    module and parameter names stay as they are. With activation checkpointing the compiled forward is the
+    checkpointing one, which dynamo traces as a region to recompute."""
+    for block in layer_stack(model):
+        block.forward = torch.compile(block.forward)  # type: ignore[method-assign]
+
+
 class BlockForwards:
     """Counts how often `blocks` compute, through hooks on their direct children (removed by `stop`).
     transformers checkpoints a block's `forward`, not its call, so hooks on the block itself (FSDP2's, these)
@@ -169,20 +214,8 @@ def count_blocks(config: ModelConfig, names: tuple[str, ...] | None) -> int:
 
 def meta_model(config: ModelConfig) -> nn.Module:
     """The recipe's model built on the meta device from its config: its structure, no weights, no memory."""
-    import transformers
-
-    auto = (transformers.AutoModelForCausalLM if config.task == "causal-lm"
-            else transformers.AutoModelForSequenceClassification)
-    extra = {"num_labels": config.num_labels} if config.task == "sequence-classification" else {}
-    if config.path is not None:
-        path = resolve_path(config.path)
-        check_model_dir(path, "model.path")
-        hf_config = transformers.AutoConfig.from_pretrained(str(path), **extra)
-    else:
-        fields = dict(config.config or {})
-        hf_config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields, **extra)
     with torch.device("meta"):
-        return auto.from_config(hf_config)
+        return _auto_class(config).from_config(hf_config(config))
 
 
 def transformer_blocks(model: nn.Module, class_names: tuple[str, ...] | None = None) -> list[nn.Module]:

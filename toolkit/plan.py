@@ -12,9 +12,9 @@ Activations are an estimate, per micro-batch (T = micro_batch_size × max_length
     the head: for a causal LM, the fp32 log-softmax cross-entropy saves for backward (T × vocab × 4 bytes; the
     loop lets the logits go once their loss sum exists, and in backward their gradient takes its place).
 The peak adds what is not model state: the runtime (the Python process with torch and transformers loaded:
-measured here), the whole model each rank builds before setup (on CPU it stays in the resident set: loading
-is not yet sharded), and a sharded strategy's largest gathered block. ZeRO-3 converting an already built
-model holds about one more copy than this (measured), which low-memory loading (zero.Init) would remove.
+measured here), the whole model where a rank builds it before setup (on CPU it stays in the resident set;
+under low-memory loading a rank builds only its part: `Strategy.predict_load_bytes`), and a sharded strategy's
+largest gathered block.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ class Prediction:
     per_rank: list[StateBytes]
     activation_bytes: int  # one micro-batch in flight, this recipe's activation checkpointing setting
     activation_bytes_checkpointed: int  # the same with activation checkpointing
-    load_bytes: int  # the whole model in its load dtype, as each rank builds it
+    load_bytes: int  # the whole model in its load dtype
+    built_bytes: list[int]  # per rank, the weights it builds beyond its model states (low-memory loading: 0)
     runtime_bytes: int  # the process itself (interpreter, torch, transformers), before any model
     peak_bytes: int  # the largest rank's estimate
 
@@ -51,7 +52,8 @@ class Prediction:
                 "model_state_bytes": [r.as_dict() for r in self.per_rank],
                 "activation_bytes": self.activation_bytes,
                 "activation_bytes_checkpointed": self.activation_bytes_checkpointed,
-                "load_bytes": self.load_bytes, "runtime_bytes": self.runtime_bytes, "peak_bytes": self.peak_bytes}
+                "load_bytes": self.load_bytes, "built_bytes": self.built_bytes, "runtime_bytes": self.runtime_bytes,
+                "peak_bytes": self.peak_bytes}
 
 
 def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type: str = "cpu",
@@ -61,21 +63,24 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     from toolkit.strategies import make_strategy
 
     model = model if model is not None else planned_model(recipe)
-    per_rank = make_strategy(recipe).predict_state_bytes(model, recipe, world_size=world_size)
+    strategy = make_strategy(recipe)
+    per_rank = strategy.predict_state_bytes(model, recipe, world_size=world_size)
+    built = strategy.predict_load_bytes(model, recipe, world_size=world_size)
     load = sum(p.numel() for p in model.parameters()) * element_bytes(DTYPES[recipe.model.load_dtype])
     full, checkpointed = activation_estimate(model, recipe)
     activations = checkpointed if recipe.train.activation_checkpointing else full
-    states = max(r.total_bytes for r in per_rank)
     sharded = max(r.params_bytes for r in per_rank) < load  # parameters are gathered a block at a time
-    training = states + activations + (largest_block_bytes(model, recipe) if sharded else 0)
-    # on CPU every rank builds the whole model in host memory before setup; what setup then copies or shards it
-    # into comes on top (DDP and ZeRO-1/2 copy it into flat buffers, FSDP into shards), and the allocator keeps
-    # the freed pages: measured on a 302M model, peak RSS = runtime + load + training to within 6 % for ddp,
-    # fsdp, zero2 (benchmarks/memory_scaling.py). A GPU sees only what is moved to it.
-    peak = training if device_type == "cuda" else runtime_bytes + load + training
+    gathered = largest_block_bytes(model, recipe) if sharded else 0
+    # on CPU a rank that builds the whole model in host memory before setup keeps it in its resident set: what
+    # setup then copies or shards it into comes on top (DDP and ZeRO-1/2 copy it into flat buffers, FSDP into
+    # shards), and the allocator keeps the freed pages: measured on a 302M model, peak RSS = runtime + load +
+    # training to within 6 % for ddp, fsdp, zero2 (benchmarks/memory_scaling.py). Under low-memory loading a rank
+    # builds no more than its own part. A GPU sees only what is moved to it.
+    peaks = [r.total_bytes + activations + gathered + (0 if device_type == "cuda" else runtime_bytes + b)
+             for r, b in zip(per_rank, built)]
     return Prediction(strategy=recipe.strategy.name, world_size=world_size, per_rank=per_rank,
                       activation_bytes=activations, activation_bytes_checkpointed=checkpointed, load_bytes=load,
-                      runtime_bytes=runtime_bytes, peak_bytes=peak)
+                      built_bytes=built, runtime_bytes=runtime_bytes, peak_bytes=max(peaks))
 
 
 def planned_model(recipe: Recipe) -> nn.Module:

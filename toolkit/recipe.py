@@ -53,6 +53,10 @@ class ModelConfig:
     load_dtype: str = "fp32"  # dtype the weights are loaded in; FSDP computes from these, ZeRO keeps fp32 masters
     dropout: float | None = None  # override every dropout probability; 0.0 for runs compared across strategies
     lora: LoraOptions | None = None  # LoRA adapters (peft): far fewer trainable parameters, same forward shape
+    # strategies that shard parameters (fsdp, zero stage 3) build the model empty and load only each rank's
+    # part of the weights: no rank holds the whole model (fsdp: rank 0 does for a model from a config or with
+    # LoRA, and broadcasts it). false: every rank builds the whole model first, as replicating strategies do
+    low_memory_loading: bool = True
 
     def __post_init__(self) -> None:
         if (self.path is None) == (self.config is None):
@@ -180,6 +184,9 @@ class TrainConfig:
     # true: each transformer block keeps only its input in forward and recomputes the rest in backward
     # (activations ~1/layers of their size, about one more forward of compute); same losses
     activation_checkpointing: bool = False
+    # true: torch.compile each transformer block's forward (names and the strategy's hooks unchanged): the first
+    # steps pay the compile time (metrics.jsonl compile_s, left out of step_time_s), later steps fuse kernels
+    compile: bool = False
 
     def __post_init__(self) -> None:
         _choice("train.on_nonfinite", self.on_nonfinite, ("stop", "skip"))

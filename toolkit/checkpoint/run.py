@@ -45,11 +45,6 @@ def starting_point(recipe: Recipe, resume: Resume | None, *, plan: BatchPlan) ->
     return checkpoint
 
 
-def load_weights(model: nn.Module, checkpoint: store.Checkpoint | None) -> None:
-    if checkpoint is not None:
-        state.load_weights(model, checkpoint.path)
-
-
 def restore(strategy, checkpoint: store.Checkpoint, *, weights_only: bool, env: DistEnv, total_steps: int) -> int:
     """After setup: optimizer state, schedule, loss scale, RNG. Returns the optimizer steps already done."""
     if not weights_only:

@@ -296,6 +296,13 @@ def load_weights(model: nn.Module, path: Path) -> None:
     _load({"model": target}, path)
 
 
+def read_model_tensors(path: Path, shapes: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Collective: the named weights of a checkpoint as full fp32 tensors, on every rank."""
+    target = {name: torch.empty(tuple(shape), dtype=torch.float32) for name, shape in shapes.items()}
+    _load({"model": target}, path)
+    return target
+
+
 def optimizer_reader(path: Path) -> Read:
     keys = saved_keys(path)
 

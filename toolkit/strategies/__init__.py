@@ -68,6 +68,9 @@ def validate_strategy(recipe: Recipe, *, world_size: int) -> BatchPlan:
     if recipe.model.lora is not None and not strategy.info.lora:
         raise RecipeError(f"model.lora is not available with strategy {recipe.strategy.name} yet (its split of the "
                           "model goes by layer names LoRA changes); use single, ddp, fsdp or zero")
+    if recipe.train.compile and not strategy.info.compiles:
+        raise RecipeError(f"train.compile is not available with strategy {recipe.strategy.name} yet (its compiled "
+                          "blocks are not checked against eager ones); set train.compile: false")
     strategy.validate(recipe, world_size=world_size)
     layout = strategy.data_layout(recipe, world_size=world_size, rank=0)
     return plan_batch(recipe.batch, world_size=layout.size)  # the global batch is split over data shards

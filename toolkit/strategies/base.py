@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from toolkit.checkpoint.fragments import Fragments
 from toolkit.data import DataLayout
 from toolkit.dist import DistEnv, all_reduce_max
+from toolkit.loading import ModelSource
 from toolkit.metrics import storage_key
 from toolkit.precision import StepResult
 from toolkit.recipe import Recipe
@@ -57,6 +58,7 @@ class StrategyInfo:
     averages_gradients: bool = False  # its reduction averages over ranks: the loop scales the loss by the world size
     accelerate_plugin: str | None = None  # the `accelerate launch` plugin it runs (fsdp, deepspeed)
     lora: bool = True  # trains model.lora adapters (checked: single, ddp, fsdp, zero; not yet split models)
+    compiles: bool = True  # runs train.compile's blocks (tp: torch 2.13's dynamo fails on DTensor-split blocks)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +69,7 @@ class SetupArgs:
     total_steps: int
     build_optimizer: OptimizerFactory  # the recipe's AdamW (groups, implementation): every strategy uses it
     build_scheduler: SchedulerFactory  # the recipe's warm-up + decay schedule, stepped once per optimizer step
+    source: ModelSource  # where the weights come from, for a model build_model left empty
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +94,16 @@ class Strategy(Protocol):
     def predict_state_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
         """Per rank, the parameter, gradient and optimizer-state bytes a run will measure, from `model` built
         on the meta device and this strategy's sharding and precision rules (toolkit plan; no process group)."""
+
+    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+        """Per rank, the bytes of weights it builds beyond its model states while the model is loaded: the whole
+        model where every rank builds it (on CPU it stays in the resident set), nothing under low-memory
+        loading, the whole model on rank 0 only where it builds it for the others (`model`: on the meta device;
+        toolkit plan, no process group)."""
+
+    def build_model(self, source: ModelSource, *, env: DistEnv) -> nn.Module:
+        """The model setup gets: `source.whole()`, or under low-memory loading a model whose weights setup (or
+        the build itself) loads part by part."""
 
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
         """Wrap/shard the model (on CPU, in its load dtype), move it to the device, build optimizer + schedule."""

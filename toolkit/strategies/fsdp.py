@@ -24,10 +24,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from toolkit.dist import ensure_process_group
+from toolkit.dist import DistEnv, ensure_process_group
 from toolkit.checkpoint.state import (Read, first_names, load_optimizer_tensors, load_schedule_state,
                                      model_tensors, optimizer_tensors, schedule_state)
 from toolkit.errors import RecipeError
+from toolkit.loading import ModelSource, load_sharded, materialize, whole_model_bytes
 from toolkit.model import transformer_blocks
 from toolkit.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.recipe import Recipe
@@ -64,6 +65,9 @@ class FsdpStrategy:
                 raise RecipeError(f"strategy.tp_degree {tp} does not divide world size {world_size}; use a world "
                                   f"size that is a multiple of {tp}")
             tensor_parallel.check_recipe(recipe, degree=tp)
+            if recipe.train.compile:
+                raise RecipeError("train.compile is not available with strategy.tp_degree yet (torch.compile fails on "
+                                  "DTensor-split blocks with a RecursionError); set train.compile: false or drop tp_degree")
         elif recipe.strategy.sequence_parallel:
             raise RecipeError("strategy.sequence_parallel needs tensor parallelism: set strategy.tp_degree (2 or more)")
         if recipe.precision == "fp16" and recipe.optim.implementation == "fused":
@@ -93,6 +97,17 @@ class FsdpStrategy:
         total, count = forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device)
         return (total, count) if self.env.rank % self.tp_degree == 0 else (torch.zeros_like(total), 0)
 
+    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+        whole = whole_model_bytes(model, recipe)
+        if not recipe.model.low_memory_loading:
+            return [whole] * world_size
+        rank0 = ModelSource(recipe=recipe, tokenizer=None).weight_files(model) is None
+        return [whole if rank0 else 0] + [0] * (world_size - 1)  # see load_sharded
+
+    def build_model(self, source: ModelSource, *, env: DistEnv) -> nn.Module:
+        # low-memory loading: shard the empty model, then each rank loads its shards (setup)
+        return source.empty() if source.recipe.model.low_memory_loading else source.whole()
+
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
         options, env = args.recipe.strategy, args.env
         self.env, self.precision = env, args.recipe.precision
@@ -104,7 +119,8 @@ class FsdpStrategy:
         # reduce in fp32: a bf16 reduce-scatter keeps ~3 significant digits of the summed gradient
         self.mp_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
         offload = CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if options.cpu_offload else OffloadPolicy()
-        if not options.cpu_offload:
+        empty = any(p.is_meta for p in model.parameters())  # build_model left it empty: shard first, then load
+        if not options.cpu_offload and not empty:
             model.to(env.device)
         if self.tp_degree > 1:  # TP first, then FSDP over the data-parallel dimension
             tensor_parallel.parallelize(model, self.mesh["tp"], sequence_parallel=options.sequence_parallel)
@@ -113,6 +129,10 @@ class FsdpStrategy:
         for block in transformer_blocks(model, options.blocks):
             fully_shard(block, **shard)
         fully_shard(model, **shard)
+        self.loading = "every rank built the whole model, then kept its shards"
+        if empty:  # offloaded shards live on the CPU
+            materialize(model, device=torch.device("cpu") if options.cpu_offload else env.device)
+            self.loading = load_sharded(model, args.source, env=env)
         self._model = model
         # ShardedGradScaler's found-inf tensor has a shape torch's fused AdamW kernel rejects (torch 2.13)
         self.optimizer = args.build_optimizer(model, fused_ok=self.precision != "fp16")
@@ -196,7 +216,7 @@ class FsdpStrategy:
         if self.tp_degree > 1:
             layout += " (attention heads and MLP columns split over tp"
             layout += ", norms on sequence shards)" if self.sequence_parallel else ")"
-        return layout
+        return f"{layout}; weights: {self.loading}"
 
     def close(self) -> None:
         del self._model, self.optimizer, self.scheduler, self.mesh  # their groups, for destroy_process_group

@@ -32,11 +32,12 @@ from torch.nn.parallel import DistributedDataParallel
 from toolkit.checkpoint.state import (Read, load_optimizer_tensors, load_schedule_state, optimizer_tensors,
                                      schedule_state)
 from toolkit.data import DataLayout
-from toolkit.dist import gather_objects
+from toolkit.dist import DistEnv, gather_objects
 from toolkit.errors import RecipeError
 from toolkit.losses import IGNORE_INDEX
 from toolkit.model import layer_stack, meta_model
 from toolkit.precision import DTYPES, Amp, StepResult, dtype_name
+from toolkit.loading import ModelSource, whole_model_bytes
 from toolkit.recipe import Recipe, plan_batch
 from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, StrategyInfo, first_dtype, optimizer_label,
                                      optimizer_state_tensors)
@@ -147,6 +148,12 @@ class PipelineStrategy:
         return [per_pp_rank[grid.coords(rank)[0]] for rank in range(world_size)]
 
     # --- setup ----------------------------------------------------------------------------------
+    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+        return [whole_model_bytes(model, recipe)] * world_size  # every rank builds the whole model: each then keeps its stages
+
+    def build_model(self, source: ModelSource, *, env: DistEnv) -> nn.Module:
+        return source.whole()
+
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
         env, options, self.recipe = args.env, args.recipe.strategy, args.recipe
         self.env, self.grid = env, grid_of(args.recipe, env.world_size)

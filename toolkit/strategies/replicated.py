@@ -14,7 +14,9 @@ from torch import nn
 
 from toolkit.checkpoint.state import (Read, first_names, load_optimizer_tensors, load_schedule_state,
                                      model_tensors, optimizer_tensors, schedule_state)
+from toolkit.dist import DistEnv
 from toolkit.errors import RecipeError
+from toolkit.loading import ModelSource, whole_model_bytes
 from toolkit.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.recipe import Recipe
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, cpu_state_dict,
@@ -64,6 +66,12 @@ class ReplicatedStrategy:
 
     def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
         return forward_once(self, micro_batches, loss_sum=loss_sum, device=self.input_device)
+
+    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+        return [whole_model_bytes(model, recipe)] * world_size  # every rank builds the whole model: each holds a full replica
+
+    def build_model(self, source: ModelSource, *, env: DistEnv) -> nn.Module:
+        return source.whole()
 
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
         self.env = args.env

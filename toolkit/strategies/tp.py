@@ -17,9 +17,10 @@ from torch.distributed.tensor import DTensor
 
 from toolkit.checkpoint.state import (Read, first_names, load_optimizer_tensors, load_schedule_state,
                                      model_tensors, optimizer_tensors, schedule_state)
-from toolkit.dist import ensure_process_group
+from toolkit.dist import DistEnv, ensure_process_group
 from toolkit.errors import RecipeError
 from toolkit.precision import DTYPES, Amp, StepResult, dtype_name
+from toolkit.loading import ModelSource, whole_model_bytes
 from toolkit.recipe import Recipe
 from toolkit.strategies import tensor_parallel
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
@@ -28,7 +29,7 @@ from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, S
 from toolkit.strategies.state_bytes import StateBytes, adam_state, of_shapes
 
 INFO = StrategyInfo(
-    name="tp", averages_gradients=True, lora=False, options=("tp_degree", "sequence_parallel"),
+    name="tp", averages_gradients=True, lora=False, compiles=False, options=("tp_degree", "sequence_parallel"),
     summary="tensor parallel: attention heads and MLP columns split over the ranks, one activation all-reduce "
             "per block; every rank reads the same batch",
     arms={"tp": ("strategy.name=tp",), "tp-sp": ("strategy.name=tp", "strategy.sequence_parallel=true")})
@@ -59,6 +60,12 @@ class TpStrategy:
     def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
         total, count = forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device)
         return (total, count) if self.env.rank == 0 else (torch.zeros_like(total), 0)
+
+    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+        return [whole_model_bytes(model, recipe)] * world_size  # every rank builds the whole model: each then keeps its slices of the split layers
+
+    def build_model(self, source: ModelSource, *, env: DistEnv) -> nn.Module:
+        return source.whole()
 
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
         self.env, self.sequence_parallel = args.env, args.recipe.strategy.sequence_parallel

@@ -16,20 +16,22 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 
-from toolkit.dist import ensure_process_group
+from toolkit.dist import DistEnv, ensure_process_group
 from toolkit.checkpoint.fragments import Fragments
 from toolkit.checkpoint.state import Read, load_schedule_state, schedule_state
 from toolkit.errors import RecipeError
 from toolkit.export import without_tied_aliases
+from toolkit.loading import ModelSource, whole_model_bytes
+from toolkit.model import hf_config
 from toolkit.precision import StepResult, dtype_name
 from toolkit.recipe import Recipe, plan_batch
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
                                      every_rank_a_shard, first_dtype, forward_once, local_abs_max, no_context,
                                      optimizer_label, optimizer_state_tensors)
 from toolkit.strategies.state_bytes import StateBytes
-from toolkit.strategies import zero_checkpoint, zero_state
-from toolkit.strategies.zero_config import (check_deepspeed_precision, hidden_size_of, offloads, resolve_ds_config,
-                                          stage_of)
+from toolkit.strategies import zero_checkpoint, zero_init, zero_state
+from toolkit.strategies.zero_config import (check_deepspeed_precision, configured_stage, hidden_size_of, offloads,
+                                          resolve_ds_config, stage_of)
 
 INFO = StrategyInfo(
     name="zero", averages_gradients=True, accelerate_plugin="deepspeed",
@@ -46,6 +48,7 @@ INFO = StrategyInfo(
 
 class ZeroStrategy:
     info = INFO
+    loading = "every rank built the whole model, then kept its partition"  # build_model says otherwise
 
     def validate(self, recipe: Recipe, *, world_size: int) -> None:
         options = recipe.strategy
@@ -75,6 +78,22 @@ class ZeroStrategy:
 
     def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
         return forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device)
+
+    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+        whole = whole_model_bytes(model, recipe)
+        if not _partitioned_at_creation(recipe):
+            return [whole] * world_size
+        return [whole if recipe.model.path is None else 0] + [0] * (world_size - 1)  # see zero_init.py
+
+    def build_model(self, source: ModelSource, *, env: DistEnv) -> nn.Module:
+        if not _partitioned_at_creation(source.recipe):
+            return source.whole()
+        ensure_process_group(env, strategy=self.info.name)  # zero.Init partitions over the group
+        recipe = source.recipe
+        config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=env.world_size),
+                                   hidden_size=hidden_size_of(hf_config(recipe.model)))
+        self.loading = "each parameter partitioned as it was created (zero.Init), filled one module at a time"
+        return zero_init.build_partitioned(source, config=config, env=env)
 
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
         import deepspeed
@@ -294,7 +313,7 @@ class ZeroStrategy:
                 "optimizer state", 2: "full parameters, 1/N of gradients and optimizer state",
                 3: "1/N of parameters, gradients and optimizer state"}[self.stage]
         where = " (optimizer on CPU)" if self.offload_optimizer else ""
-        return f"ZeRO-{self.stage}: each of {self.env.world_size} ranks holds {held}{where}"
+        return f"ZeRO-{self.stage}: each of {self.env.world_size} ranks holds {held}{where}; weights: {self.loading}"
 
     def close(self) -> None:
         self.engine.destroy()  # removes ZeRO-3's hooks and the optimizer's buffers
@@ -354,6 +373,12 @@ class ZeroStrategy:
             "loss_scaling": scaling,
             "optimizer": _optimizer_label(inner) + (", offloaded" if self.offload_optimizer else ""),
         }
+
+
+def _partitioned_at_creation(recipe: Recipe) -> bool:
+    """ZeRO-3's low-memory loading (zero_init.py). Not with LoRA: the adapters' initial values follow the whole
+    model's build (as single draws them), which zero.Init's does not reproduce."""
+    return recipe.model.low_memory_loading and recipe.model.lora is None and configured_stage(recipe) == 3
 
 
 # DeepSpeed's DynamicLossScaler: what a resumed fp16 run needs to go on with the same scale

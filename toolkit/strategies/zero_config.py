@@ -117,6 +117,18 @@ def _fill_or_check(config: dict, dotted: str, wanted, path: Path) -> None:
                           f"set it to \"auto\" in the JSON or change the recipe")
 
 
+def configured_stage(recipe: Recipe) -> int:
+    """The stage a recipe runs: strategy.stage, else its ds_config's, else the default (no batch plan needed)."""
+    if recipe.strategy.stage is not None:
+        return recipe.strategy.stage
+    if recipe.strategy.ds_config is not None:
+        try:
+            return stage_of(json.loads(Path(recipe.strategy.ds_config).read_text()))
+        except (OSError, ValueError):
+            return DEFAULT_STAGE  # resolve_ds_config says what is wrong with the file
+    return DEFAULT_STAGE
+
+
 def stage_of(config: dict) -> int:
     return int(config.get("zero_optimization", {}).get("stage", DEFAULT_STAGE))
 

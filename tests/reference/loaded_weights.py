@@ -1,0 +1,90 @@
+"""Run under torchrun by tests/test_loading.py: for each case, the toolkit builds and sets up the recipe's strategy
+(low-memory loading where it applies), gathers the full weights it starts from, and rank 0 compares them with a
+plain transformers build in this process (torch.manual_seed, then from_pretrained or from_config), element by
+element. Writes {case: {"weights": ..., "layout": ...}} as JSON."""
+
+import json
+import sys
+
+import torch
+
+
+def reference(recipe) -> dict[str, torch.Tensor]:
+    """The recipe's model built by transformers alone, as one process would build it."""
+    import transformers
+
+    auto = (transformers.AutoModelForCausalLM if recipe.model.task == "causal-lm"
+            else transformers.AutoModelForSequenceClassification)
+    extra = {"num_labels": recipe.model.num_labels} if recipe.model.task == "sequence-classification" else {}
+    extra["dtype"] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[recipe.model.load_dtype]
+    torch.manual_seed(recipe.seed)
+    if recipe.model.path is not None:
+        from toolkit.model import resolve_path
+
+        model = auto.from_pretrained(str(resolve_path(recipe.model.path)), **extra)
+    else:
+        fields = dict(recipe.model.config)
+        labels = {k: v for k, v in extra.items() if k == "num_labels"}
+        config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields, **labels)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(resolve_tokenizer(recipe)))
+        config.pad_token_id = tokenizer.pad_token_id
+        model = auto.from_config(config, dtype=extra["dtype"])
+    return model.state_dict()
+
+
+def resolve_tokenizer(recipe):
+    from toolkit.model import resolve_path
+
+    return resolve_path(recipe.model.tokenizer)
+
+
+def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict:
+    shared = sorted(set(got) & set(want))
+    differing = [k for k in shared if got[k].shape != want[k].shape or not torch.equal(got[k].float(), want[k].float())]
+    return {"missing": sorted(set(want) - set(got) - aliases(want)), "extra": sorted(set(got) - set(want)),
+            "compared": len(shared), "differing": differing[:5], "num_differing": len(differing)}
+
+
+def aliases(state: dict[str, torch.Tensor]) -> set[str]:
+    """Tied names the toolkit exports once (lm_head.weight beside the input embedding)."""
+    seen, out = {}, set()
+    for key, value in state.items():
+        if value.untyped_storage().data_ptr() in seen:
+            out.add(key)
+        seen.setdefault(value.untyped_storage().data_ptr(), key)
+    return out
+
+
+def main() -> None:
+    from toolkit.dist import exit_process, init_distributed, shutdown
+    from toolkit.launch import prepare_environment
+    from toolkit.loading import ModelSource
+    from toolkit.loop import setup_strategy
+    from toolkit.model import load_tokenizer
+    from toolkit.recipe import load_recipe, plan_batch
+    from toolkit.strategies import make_strategy
+
+    out, cases = sys.argv[1], json.loads(sys.argv[2])  # {name: [recipe path, override, ...]}
+    prepare_environment()
+    env = init_distributed()
+    results = {}
+    for name, (path, *overrides) in cases.items():
+        recipe = load_recipe(path, overrides)
+        strategy = make_strategy(recipe)
+        source = ModelSource(recipe=recipe, tokenizer=load_tokenizer(recipe.model))
+        model = strategy.build_model(source, env=env)
+        setup_strategy(strategy, model, source=source, env=env, total_steps=1,
+                       plan=plan_batch(recipe.batch, world_size=env.world_size))
+        got = strategy.full_state_dict()
+        if env.is_main:
+            results[name] = {"weights": compare(got, reference(recipe)), "layout": strategy.layout()}
+        strategy.close()
+    if env.is_main:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+    shutdown(completed=True)
+    exit_process(0)
+
+
+if __name__ == "__main__":
+    main()

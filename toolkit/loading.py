@@ -1,0 +1,186 @@
+"""Where a run's model and its starting weights come from, and how a strategy that shards parameters loads
+them without any rank holding the whole model (low-memory loading).
+
+`ModelSource.whole()` is the model every replicating strategy gets: built on CPU in its load dtype (pretrained
+weights, or a seeded init from a config), with its LoRA adapters and activation checkpointing, and on resume
+the checkpoint's weights. `ModelSource.empty()` is the same model with its parameters on the meta device (no
+memory) and its buffers computed as the constructor computes them. A DTensor-sharded model (FSDP2) is
+sharded while empty, then `load_sharded` fills each rank's shards, in the first way that applies:
+  a checkpoint     DCP reads each rank's part of every tensor (it reshards whatever wrote it);
+  safetensors      the pretrained files hold exactly the model's tensors: each rank reads only its slice of
+                   each tensor (safetensors' get_slice), no communication, no full copy anywhere;
+  rank 0           otherwise (a model from a config, LoRA adapters, a checkpoint whose names from_pretrained
+                   maps or completes): rank 0 builds the whole model as `whole()` does and broadcasts it
+                   (torch's set_model_state_dict, broadcast_from_rank0), one tensor at a time.
+ZeRO-3 builds its model inside DeepSpeed's zero.Init through transformers' own integration (zero.py).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from toolkit.dist import DistEnv
+from toolkit.recipe import Recipe
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSource:
+    recipe: Recipe
+    tokenizer: Any
+    checkpoint: Path | None = None  # resume: its weights replace the pretrained ones
+
+    def whole(self) -> nn.Module:
+        """The model with its starting weights, whole, on CPU. Collective on resume (DCP reads the checkpoint)."""
+        from toolkit.checkpoint import state
+
+        model = self.pretrained()
+        if self.checkpoint is not None:
+            state.load_weights(model, self.checkpoint)
+        return model
+
+    def pretrained(self) -> nn.Module:
+        """The model with its pretrained (or seeded) weights and its toggles, whatever the checkpoint holds."""
+        from toolkit.model import build_model
+
+        model = build_model(self.recipe.model, tokenizer=self.tokenizer, seed=self.recipe.seed)
+        self._toggles(model)
+        return model
+
+    def empty(self) -> nn.Module:
+        """The model and its toggles with parameters on the meta device and buffers computed on CPU."""
+        from toolkit.model import empty_model
+
+        model = empty_model(self.recipe.model, tokenizer=self.tokenizer)
+        self._toggles(model)
+        return model
+
+    def _toggles(self, model: nn.Module) -> None:
+        """LoRA, then activation checkpointing, then compile: each before any strategy wraps or shards a block."""
+        from toolkit.lora import apply_lora
+        from toolkit.model import compile_blocks, enable_activation_checkpointing
+
+        if self.recipe.model.lora is not None:  # adapters in place, base frozen: every strategy wraps what it gets
+            apply_lora(model, self.recipe.model.lora, task=self.recipe.model.task)
+        if self.recipe.train.activation_checkpointing:
+            enable_activation_checkpointing(model)
+        if self.recipe.train.compile:
+            compile_blocks(model)
+
+    def weight_files(self, model: nn.Module) -> dict[str, Path] | None:
+        """tensor name -> the safetensors file holding it, when the pretrained files hold exactly `model`'s
+        tensors (a tied alias may be there too): then they are its starting weights as they are. None where
+        from_pretrained would do more than read them (rename keys, initialise a new head) or there is nothing
+        to read (a model from a config, LoRA adapters to initialise, a checkpoint)."""
+        if self.recipe.model.path is None or self.recipe.model.lora is not None or self.checkpoint is not None:
+            return None
+        from toolkit.model import resolve_path
+
+        folder = resolve_path(self.recipe.model.path)
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            files = {k: folder / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+        elif (folder / "model.safetensors").is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+                files = {k: folder / "model.safetensors" for k in f.keys()}
+        else:
+            return None
+        tensors, aliases = named_tensors(model)
+        return files if set(tensors) <= set(files) <= set(tensors) | aliases else None
+
+
+def named_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """The model's state_dict entries with a tied weight once, and the names of its tied aliases."""
+    from toolkit.export import without_tied_aliases
+
+    full = model.state_dict()
+    kept = without_tied_aliases(model, full)
+    return kept, set(full) - set(kept)
+
+
+def materialize(model: nn.Module, *, device: torch.device) -> None:
+    """Allocate a model sharded on the meta device (its shards, uninitialised) and put back the buffers it was
+    built with (to_empty empties them too)."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
+
+
+def load_sharded(model: nn.Module, source: ModelSource, *, env: DistEnv) -> str:
+    """Fill the shards of a materialized DTensor model with the run's starting weights (collective); returns
+    how, in words (run.json, the start line)."""
+    from toolkit.checkpoint import state
+
+    if source.checkpoint is not None:
+        state.load_weights(model, source.checkpoint)  # DCP: each rank reads its part, resharded
+        return f"each rank read its shards of {source.checkpoint}"
+    files = source.weight_files(model)
+    if files is not None:
+        tensors, _ = named_tensors(model)
+        _read_slices(tensors, files)
+        return "each rank read only its slices of the pretrained safetensors files"
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full = source.whole().state_dict() if env.is_main else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full
+    return "rank 0 built the whole model and broadcast it tensor by tensor"
+
+
+def _read_slices(tensors: dict[str, torch.Tensor], files: dict[str, Path]) -> None:
+    """Copy into each local shard the slice of its tensor that this rank holds, read from the file alone."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for path in sorted(set(files.values())):
+        with safe_open(str(path), framework="pt") as f, torch.no_grad():
+            for name in (n for n in tensors if files[n] == path):
+                target = tensors[name]
+                if not isinstance(target, DTensor):
+                    target.copy_(f.get_tensor(name))
+                    continue
+                local = target.to_local()
+                if all(isinstance(p, (Shard, Replicate)) for p in target.placements):
+                    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh,
+                                                                          target.placements)
+                    piece = f.get_slice(name)[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+                else:  # a strided layout (FSDP over TP): torch cuts this rank's part from the whole tensor
+                    whole = f.get_tensor(name).to(local.dtype)
+                    piece = distribute_tensor(whole, target.device_mesh, target.placements,
+                                              src_data_rank=None).to_local()
+                local.copy_(piece.to(local.dtype))
+
+
+def whole_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The parameters this process holds whole (not on the meta device, not a ZeRO-3 partition)."""
+    for name, param in model.named_parameters():
+        if not param.is_meta and not hasattr(param, "ds_id"):
+            yield name, param
+
+
+def whole_model_bytes(model: nn.Module, recipe: Recipe) -> int:
+    """The whole model's weights in its load dtype (`model` may be on the meta device)."""
+    from toolkit.precision import DTYPES
+
+    return sum(p.numel() for p in model.parameters()) * DTYPES[recipe.model.load_dtype].itemsize
+
+
+def num_parameters(model: nn.Module) -> int:
+    """Every parameter's element count, also of an empty (meta) or ZeRO-3-partitioned model."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
+def say(env: DistEnv, how: str) -> None:
+    if env.is_main:
+        print(f"[toolkit] weights: {how}", file=sys.stderr, flush=True)
