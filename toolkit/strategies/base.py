@@ -69,7 +69,7 @@ class SetupArgs:
     total_steps: int
     build_optimizer: OptimizerFactory  # the recipe's AdamW (groups, implementation): every strategy uses it
     build_scheduler: SchedulerFactory  # the recipe's warm-up + decay schedule, stepped once per optimizer step
-    source: ModelSource  # where the weights come from, for a model build_model left empty
+    source: ModelSource | None = None  # where the weights come from, for a model build_model left empty
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -131,6 +131,7 @@ class FsdpStrategy:
         fully_shard(model, **shard)
         self.loading = "every rank built the whole model, then kept its shards"
         if empty:  # offloaded shards live on the CPU
+            assert args.source is not None  # build_model left the model empty: the source fills it
             materialize(model, device=torch.device("cpu") if options.cpu_offload else env.device)
             self.loading = load_sharded(model, args.source, env=env)
         self._model = model
