@@ -11,11 +11,11 @@ from toolkit.recipe import load_recipe, plan_batch
 from toolkit.strategies.zero_config import resolve_ds_config
 
 
-def _recipe(tmp_path, tiny_llama_dir, ds_config, **sections):
+def _recipe(tmp_path, tiny_llama_dir, ds_config, *, optim=None, **sections):
     path = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
                         strategy={"name": "zero", "ds_config": str(ds_config)},
                         batch={"micro_batch_size": 2, "grad_accum_steps": 3}, precision="bf16",
-                        optim={"max_grad_norm": 0.5}, **sections)
+                        optim={"max_grad_norm": 0.5, **(optim or {})}, **sections)
     return path, load_recipe(path)
 
 
@@ -55,23 +55,62 @@ def test_recipe_stage_contradicting_json_exits_2(tmp_path, tiny_llama_dir, capsy
     assert "strategy.stage is 3 but" in capsys.readouterr().err
 
 
-def test_ds_config_optimizer_blocks_give_way_to_the_recipe_with_one_line(tmp_path, tiny_llama_dir):
+def test_a_json_from_the_transformers_docs_runs_as_it_is(tmp_path, tiny_llama_dir):
+    """The ZeRO-2 offload JSON of transformers' DeepSpeed documentation, unchanged: DeepSpeed builds the AdamW and
+    WarmupLR it names, every "auto" filled from the recipe, and the run says what really ran."""
     from conftest import run_cli
 
-    config = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
-    config["optimizer"] = {"type": "Adam", "params": {"lr": 0.5}}
-    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 100}}
-    blocks = tmp_path / "with-optimizer.json"
-    blocks.write_text(json.dumps(config))
+    config = REPO / "ds_configs" / "hf-docs-zero2-offload.json"
     out = tmp_path / "out"
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out,
-                          strategy={"name": "zero", "ds_config": str(blocks)}, train={"max_steps": 2})
+                          strategy={"name": "zero", "ds_config": str(config)},
+                          optim={"lr": 1.0e-3, "warmup_steps": 3}, train={"max_steps": 5})
     result = run_cli("train", str(recipe))  # one rank: DeepSpeed gets a process group of one
     assert result.returncode == 0, result.stderr[-3000:]
-    said = [line for line in result.stderr.splitlines() if "not used" in line]
-    assert said == [f"[toolkit] zero: the optimizer and scheduler blocks of {blocks} are not used: the recipe's "
-                    "optim section wins (lr 0.001, cosine schedule)"]
-    run = json.loads((out / "run.json").read_text())
-    assert run["precision_audit"]["optimizer"].startswith("torch AdamW")
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps[0]["lr"] == pytest.approx(1e-3 / 3)  # the recipe's warm-up (2 steps), not the block's lr 0.5
+    assert f"DeepSpeed builds the optimizer AdamW and scheduler WarmupLR of {config}" in result.stderr
+    audit = json.loads((out / "run.json").read_text())["precision_audit"]
+    assert audit["optimizer"] == "DeepSpeed fused CPU Adam (AdamW), offloaded"
+    assert audit["scheduler"] == "DeepSpeed WarmupLR"
+    # DeepSpeed's WarmupLR (log warm-up, its default): lr = max_lr · ln(k + 1) / ln(warmup) at its k-th step,
+    # k = -1 before the first (lr 0), then max_lr from k = warmup on; max_lr was "auto": the recipe's 1e-3
+    import math
+
+    expected = [0.0] + [1e-3 * min(1.0, math.log(k + 1) / math.log(3)) for k in range(4)]
+    assert [m["lr"] for m in metrics_of(out)] == pytest.approx(expected, rel=1e-9, abs=1e-15)
+
+
+def metrics_of(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("block, words", [
+    ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": "auto", "cycle_max_lr": 1e-3}}},
+     "scheduler.params.cycle_min_lr is \"auto\", which the toolkit cannot fill"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 3e-5}}}, "optimizer.params.lr is 3e-05 but the recipe gives"),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95]}}}, "optimizer.params.betas is [0.9, 0.95]"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 100}}},
+     "scheduler.params.warmup_num_steps is 100 but the recipe gives 0"),
+    ({"communication_data_type": "auto"}, "communication_data_type is \"auto\""),
+])
+def test_json_blocks_the_recipe_cannot_fill_or_that_contradict_it_are_one_line(tmp_path, tiny_llama_dir, capsys,
+                                                                               block, words):
+    config = {**json.loads((REPO / "ds_configs" / "zero2.json").read_text()), **block}
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(config))
+    path, _ = _recipe(tmp_path, tiny_llama_dir, bad, optim={"warmup_steps": 0})
+    assert main(["validate", "--nproc", "2", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0] and str(bad) in err[0], err
+
+
+def test_a_compare_names_the_optimizer_and_scheduler_that_differ():
+    from toolkit.compare.verdict import setting_differences
+
+    recipe = {"strategy": {"name": "zero"}, "optim": {"lr": 1e-3}}
+    ours = {"recipe": recipe, "audit": {"optimizer": "DeepSpeed fused CPU Adam (AdamW), offloaded",
+                                        "scheduler": "DeepSpeed WarmupLR"}}
+    reference = {"recipe": recipe, "audit": {"optimizer": "torch AdamW (fused)",
+                                             "scheduler": "toolkit: 2 warm-up steps, then cosine (LambdaLR)"}}
+    assert setting_differences(ours, reference) == [
+        "audit optimizer: DeepSpeed fused CPU Adam (AdamW), offloaded vs torch AdamW (fused)",
+        "audit scheduler: DeepSpeed WarmupLR vs toolkit: 2 warm-up steps, then cosine (LambdaLR)"]

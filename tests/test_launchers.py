@@ -33,6 +33,52 @@ def test_accelerate_plugin_configs_match_toolkit_launch(llama_runs, config, arm,
     assert [{k: m[k] for k in COMPARED} for m in got] == [{k: m[k] for k in COMPARED} for m in want]
 
 
+def test_accelerates_own_fsdp_example_config_runs_as_it_is_on_fsdp2(llama_runs, tmp_path):
+    """Accelerate's example FSDP file (version 1 keys, no fsdp_version, bf16) gives the run a plain fsdp recipe
+    with precision bf16 gives, and says how each of its keys maps."""
+    import test_sharded
+
+    reference = test_sharded.bf16_run(llama_runs, "fsdp")
+    out = tmp_path / "acc"
+    result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                             str(REPO / "recipes" / "accelerate" / "fsdp-v1-example.yaml"), "-m", "toolkit", "train",
+                             str(llama_runs.recipe), "--set", "batch.micro_batch_size=4", "--set", "train.max_steps=8",
+                             "--set", "optim.lr=0.003", "--set", "optim.warmup_steps=0", "--set", f"output_dir={out}"],
+                            cwd=REPO, env=toolkit_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-5000:]
+    said = [line.removeprefix("[toolkit] accelerate: ") for line in result.stderr.splitlines()
+            if line.startswith("[toolkit] accelerate: ")]
+    assert said[0] == "fsdp_sharding_strategy FULL_SHARD → FSDP2 with strategy.reshard_after_forward=true"
+    assert any(line.startswith("fsdp_state_dict_type SHARDED_STATE_DICT → affects checkpoints only") for line in said)
+    for key in ("fsdp_backward_prefetch", "fsdp_use_orig_params", "fsdp_sync_module_states",
+                "fsdp_cpu_ram_efficient_loading"):
+        assert sum(line.startswith(f"{key} ") and "not applicable" in line for line in said) == 1, (key, said)
+    got, want = metrics(out), metrics(reference)
+    assert [{k: m[k] for k in COMPARED} for m in got] == [{k: m[k] for k in COMPARED} for m in want]
+
+
+@pytest.mark.parametrize("strategy, expected", [
+    ("SHARD_GRAD_OP", {"strategy.name": "fsdp", "strategy.reshard_after_forward": False}),
+    ("2", {"strategy.name": "fsdp", "strategy.reshard_after_forward": False}),  # Accelerate's 1-based number
+    ("HYBRID_SHARD", {"strategy.name": "fsdp", "strategy.reshard_after_forward": True,
+                      "strategy.replicate_degree": 2}),
+    ("HYBRID_SHARD_ZERO2", {"strategy.name": "fsdp", "strategy.reshard_after_forward": False,
+                            "strategy.replicate_degree": 2}),
+    ("NO_SHARD", {"strategy.name": "ddp", "train.activation_checkpointing": True}),
+])
+def test_fsdp1_sharding_strategies_map_onto_fsdp2(strategy, expected):
+    from toolkit.accelerate_env import launcher_settings
+
+    # what Accelerate exports for a version-1 file on 2 nodes × 2 ranks: its defaults included
+    environ = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": strategy,
+               "FSDP_RESHARD_AFTER_FORWARD": "true", "FSDP_OFFLOAD_PARAMS": "false",
+               "FSDP_ACTIVATION_CHECKPOINTING": "true", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+    settings = {s.key: s.value for s in launcher_settings(environ) if s.key}
+    if expected["strategy.name"] == "fsdp":
+        expected = {**expected, "strategy.cpu_offload": False, "train.activation_checkpointing": True}
+    assert settings == expected
+
+
 def test_accelerate_config_contradicting_recipe_exits_2(llama_runs, tmp_path):
     result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                              str(REPO / "recipes" / "accelerate" / "fsdp.yaml"), "-m", "toolkit", "train",
@@ -42,6 +88,7 @@ def test_accelerate_config_contradicting_recipe_exits_2(llama_runs, tmp_path):
     assert result.returncode != 0
     assert "toolkit: error: accelerate launch sets strategy.name='fsdp' (ACCELERATE_USE_FSDP) but the recipe has " \
            "strategy.name='ddp'" in result.stderr
+    assert result.stderr.count("toolkit: error:") == 1  # every rank finds it; the first one says it
     assert not (tmp_path / "x").exists()
 
 

@@ -1,16 +1,26 @@
 """Runs under `accelerate launch`: map its FSDP / DeepSpeed plugin settings (environment variables the
 launcher sets from its config file) onto recipe keys. A value the recipe sets differently is an error.
 
-Honoured: ACCELERATE_MIXED_PRECISION; ACCELERATE_USE_FSDP with FSDP_VERSION (must be 2),
-FSDP_RESHARD_AFTER_FORWARD, FSDP_OFFLOAD_PARAMS, FSDP_TRANSFORMER_CLS_TO_WRAP; ACCELERATE_USE_DEEPSPEED
-with ACCELERATE_DEEPSPEED_ZERO_STAGE, ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE,
-ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE, ACCELERATE_DEEPSPEED_CONFIG_FILE,
-ACCELERATE_GRADIENT_ACCUMULATION_STEPS, ACCELERATE_GRADIENT_CLIPPING.
+Honoured: ACCELERATE_MIXED_PRECISION; ACCELERATE_USE_FSDP with FSDP_VERSION; version 2: FSDP_RESHARD_AFTER_FORWARD;
+version 1 (or none: Accelerate's own example configs), each key mapped onto FSDP2 and said in one line:
+FSDP_SHARDING_STRATEGY (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, HYBRID_SHARD_ZERO2, NO_SHARD → ddp),
+FSDP_ACTIVATION_CHECKPOINTING, FSDP_STATE_DICT_TYPE and FSDP_AUTO_WRAP_POLICY (said, nothing to set), and the
+keys FSDP2 has no use for (prefetching, use_orig_params, sync_module_states, cpu_ram_efficient_loading),
+said to be not applicable; both versions: FSDP_OFFLOAD_PARAMS, FSDP_TRANSFORMER_CLS_TO_WRAP.
+ACCELERATE_USE_DEEPSPEED with ACCELERATE_DEEPSPEED_ZERO_STAGE, ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE,
+ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE, ACCELERATE_DEEPSPEED_CONFIG_FILE, ACCELERATE_GRADIENT_ACCUMULATION_STEPS,
+ACCELERATE_GRADIENT_CLIPPING.
+
+Accelerate exports every FSDP variable, with its own default where the config file says nothing (for example
+FSDP_RESHARD_AFTER_FORWARD=true beside FSDP_SHARDING_STRATEGY=SHARD_GRAD_OP in a version-1 config): a switch
+that is off (activation checkpointing) sets nothing, and only the keys that mean something for the file's
+version are read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from toolkit.errors import RecipeError
 from toolkit.recipe import StrategyConfig
@@ -19,6 +29,26 @@ from toolkit.strategies import strategy_for_plugin
 DEFAULT_STRATEGY = next(f.default for f in dataclasses.fields(StrategyConfig) if f.name == "name")
 
 PRECISION = {"no": "fp32", "fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
+
+# FSDP1 sharding strategies (by name, or Accelerate's 1-based number) -> (reshard after forward, hybrid)
+SHARDING = {"FULL_SHARD": (True, False), "SHARD_GRAD_OP": (False, False), "NO_SHARD": (None, False),
+            "HYBRID_SHARD": (True, True), "HYBRID_SHARD_ZERO2": (False, True)}
+# FSDP1 settings FSDP2 has no counterpart for: accepted and said to be not applicable
+NOT_APPLICABLE = {
+    "FSDP_BACKWARD_PREFETCH": "FSDP2 prefetches the next block's all-gather itself",
+    "FSDP_FORWARD_PREFETCH": "FSDP2 prefetches the next block's all-gather itself",
+    "FSDP_USE_ORIG_PARAMS": "FSDP2 always keeps the original parameters, as DTensors",
+    "FSDP_SYNC_MODULE_STATES": "every rank starts from the same weights: each reads its shards of them",
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": "that is model.low_memory_loading, on by default",
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str  # the recipe key, or "" for a setting that only gets its line
+    value: object
+    source: str  # the environment variable (and value) it came from
+    note: str = ""  # the line said for a version-1 mapping (rank 0, at start)
 
 
 def _flag(value: str) -> bool:
@@ -29,30 +59,32 @@ def _device_flag(value: str) -> bool:
     return value.strip().lower() not in ("none", "", "false")
 
 
-def launcher_settings(environ) -> list[tuple[str, object, str]]:
-    """(recipe key, value, where it came from) for every Accelerate setting present in `environ`."""
-    out: list[tuple[str, object, str]] = []
+def launcher_settings(environ) -> list[Setting]:
+    """Every Accelerate setting present in `environ`, as recipe keys (and lines to say)."""
+    out: list[Setting] = []
 
     def take(var: str, key: str, convert=str):
         if environ.get(var) not in (None, "", "None"):
-            out.append((key, convert(environ[var]), var))
+            out.append(Setting(key, convert(environ[var]), var))
 
     if "ACCELERATE_MIXED_PRECISION" in environ:
         value = environ["ACCELERATE_MIXED_PRECISION"].lower()
         if value not in PRECISION:
             raise RecipeError(f"accelerate mixed_precision {value!r} is not supported; use no, bf16 or fp16")
-        out.append(("precision", PRECISION[value], "ACCELERATE_MIXED_PRECISION"))
+        out.append(Setting("precision", PRECISION[value], "ACCELERATE_MIXED_PRECISION"))
     if _flag(environ.get("ACCELERATE_USE_FSDP", "")):
-        if environ.get("FSDP_VERSION", "2") != "2":
-            raise RecipeError("the accelerate config asks for FSDP version 1; the toolkit runs FSDP2 "
-                              "(fully_shard): set fsdp_version: 2 in the config file")
-        out.append(("strategy.name", strategy_for_plugin("fsdp"), "ACCELERATE_USE_FSDP"))
-        take("FSDP_RESHARD_AFTER_FORWARD", "strategy.reshard_after_forward", _flag)
-        take("FSDP_OFFLOAD_PARAMS", "strategy.cpu_offload", _flag)
-        take("FSDP_TRANSFORMER_CLS_TO_WRAP", "strategy.blocks",
-             lambda v: [name.strip() for name in v.split(",") if name.strip()])
+        version = environ.get("FSDP_VERSION", "1")
+        if version == "2":
+            out.append(Setting("strategy.name", strategy_for_plugin("fsdp"), "ACCELERATE_USE_FSDP"))
+            take("FSDP_RESHARD_AFTER_FORWARD", "strategy.reshard_after_forward", _flag)
+        else:
+            out += fsdp1_settings(environ)
+        if not any(s.key == "strategy.name" and s.value != "fsdp" for s in out):  # NO_SHARD runs ddp
+            take("FSDP_OFFLOAD_PARAMS", "strategy.cpu_offload", _flag)
+            take("FSDP_TRANSFORMER_CLS_TO_WRAP", "strategy.blocks",
+                 lambda v: [name.strip() for name in v.split(",") if name.strip()])
     if _flag(environ.get("ACCELERATE_USE_DEEPSPEED", "")):
-        out.append(("strategy.name", strategy_for_plugin("deepspeed"), "ACCELERATE_USE_DEEPSPEED"))
+        out.append(Setting("strategy.name", strategy_for_plugin("deepspeed"), "ACCELERATE_USE_DEEPSPEED"))
         take("ACCELERATE_DEEPSPEED_ZERO_STAGE", "strategy.stage", int)
         take("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "strategy.offload_optimizer", _device_flag)
         take("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "strategy.offload_param", _device_flag)
@@ -62,17 +94,61 @@ def launcher_settings(environ) -> list[tuple[str, object, str]]:
     return out
 
 
-def apply_launcher_settings(raw: dict, settings: list[tuple[str, object, str]]) -> None:
+def fsdp1_settings(environ) -> list[Setting]:
+    """A version-1 FSDP config (FSDP.__init__'s keys) on FSDP2, one line per key."""
+    raw = environ.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").strip().upper()
+    name = list(SHARDING)[int(raw) - 1] if raw.isdigit() and 1 <= int(raw) <= len(SHARDING) else raw
+    if name not in SHARDING:
+        raise RecipeError(f"accelerate fsdp_sharding_strategy {raw!r} is not one of {', '.join(SHARDING)}; fix the "
+                          "accelerate config file")
+    reshard, hybrid = SHARDING[name]
+    source = f"fsdp_sharding_strategy {name}"
+    if reshard is None:
+        out = [Setting("strategy.name", "ddp", source, f"{source} → strategy.name=ddp (nothing sharded: every rank "
+                                                       "holds the whole model, DDP's all-reduce)")]
+    else:
+        out = [Setting("strategy.name", strategy_for_plugin("fsdp"), source, ""),
+               Setting("strategy.reshard_after_forward", reshard, source,
+                       f"{source} → FSDP2 with strategy.reshard_after_forward={str(reshard).lower()}")]
+    if hybrid:  # FSDP1's hybrid: shard inside a node, replicate across nodes
+        nodes = int(environ.get("WORLD_SIZE", "1")) // max(int(environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+        out.append(Setting("strategy.replicate_degree", nodes, source,
+                           f"{source} → HSDP: shards inside each node, strategy.replicate_degree={nodes} (nodes)"))
+    if _flag(environ.get("FSDP_ACTIVATION_CHECKPOINTING", "")):
+        out.append(Setting("train.activation_checkpointing", True, "fsdp_activation_checkpointing true",
+                           "fsdp_activation_checkpointing true → train.activation_checkpointing=true"))
+    policy = environ.get("FSDP_AUTO_WRAP_POLICY")
+    if policy:
+        size = f" (fsdp_min_num_params {environ['FSDP_MIN_NUM_PARAMS']} not used)" \
+            if policy == "SIZE_BASED_WRAP" and environ.get("FSDP_MIN_NUM_PARAMS") else ""
+        out.append(Setting("", policy, "fsdp_auto_wrap_policy", f"fsdp_auto_wrap_policy {policy} → one FSDP2 unit "
+                           f"per transformer block (strategy.blocks), then the root{size}"))
+    state_dict = environ.get("FSDP_STATE_DICT_TYPE")
+    if state_dict:
+        out.append(Setting("", state_dict, "fsdp_state_dict_type", f"fsdp_state_dict_type {state_dict} → affects "
+                           "checkpoints only: the toolkit's are sharded (DCP), its model export consolidated"))
+    return out + _not_applicable(environ)
+
+
+def _not_applicable(environ) -> list[Setting]:
+    """Said for a setting that is on (Accelerate exports the ones that are off too, as its defaults)."""
+    return [Setting("", environ[var], var.lower(), f"{var.lower()} {environ[var]}: not applicable ({why})")
+            for var, why in NOT_APPLICABLE.items() if environ.get(var, "").lower() not in ("", "none", "false")]
+
+
+def apply_launcher_settings(raw: dict, settings: list[Setting]) -> None:
     """Fill keys the recipe leaves out; a key the recipe sets to another value is a RecipeError."""
-    for key, value, source in settings:
-        *parents, leaf = key.split(".")
+    for setting in settings:
+        if not setting.key:
+            continue
+        *parents, leaf = setting.key.split(".")
         node = raw
         for part in parents:
             node = node.setdefault(part, {}) if isinstance(node.get(part, {}), dict) else {}
         present = node.get(leaf)
         # a recipe that leaves the strategy at its default lets the launcher's config file choose it
-        replaceable = present is None or (key == "strategy.name" and present == DEFAULT_STRATEGY)
-        if not replaceable and present != value:
-            raise RecipeError(f"accelerate launch sets {key}={value!r} ({source}) but the recipe has "
-                              f"{key}={present!r}; change the recipe or the accelerate config file")
-        node[leaf] = value
+        replaceable = present is None or (setting.key == "strategy.name" and present == DEFAULT_STRATEGY)
+        if not replaceable and present != setting.value:
+            raise RecipeError(f"accelerate launch sets {setting.key}={setting.value!r} ({setting.source}) but the "
+                              f"recipe has {setting.key}={present!r}; change the recipe or the accelerate config file")
+        node[leaf] = setting.value

@@ -13,7 +13,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from toolkit.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, RecipeError
+from toolkit.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, RecipeError, say_once
 
 if TYPE_CHECKING:
     from toolkit.strategies.base import Strategy
@@ -103,8 +103,12 @@ def cmd_train(args) -> int:
     from toolkit.recipe import read_recipe_dict, recipe_from_dict
 
     raw = read_recipe_dict(args.recipe, args.overrides)
-    apply_launcher_settings(raw, launcher_settings(os.environ))  # under `accelerate launch`: its plugin settings
+    settings = launcher_settings(os.environ)  # under `accelerate launch`: its plugin settings
+    apply_launcher_settings(raw, settings)
     recipe = recipe_from_dict(raw)
+    if os.environ.get("RANK", "0") == "0":  # how a version-1 FSDP config runs on FSDP2, a line per key
+        for note in (s.note for s in settings if s.note):
+            print(f"[toolkit] accelerate: {note}", file=sys.stderr, flush=True)
     _quiet_libraries()
     from toolkit.dist import exit_process, init_distributed, shutdown
 
@@ -155,10 +159,9 @@ def _train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
     try:
         result = train(recipe, env, resume=resume)
     except RecipeError as exc:
-        if env.is_main:
-            if not existed:
-                shutil.rmtree(out_dir, ignore_errors=True)  # nothing half-written for a user mistake
-            print(f"toolkit: error: {exc}", file=sys.stderr)  # rank 0 prints the one line
+        if env.is_main and not existed:
+            shutil.rmtree(out_dir, ignore_errors=True)  # nothing half-written for a user mistake
+        say_once(f"toolkit: error: {exc}")  # the first rank that finds it prints the one line
         return USER_ERROR_EXIT_CODE, None
     except ReplicaDriftError as exc:
         print(f"toolkit: replica drift: {exc}", file=sys.stderr)
@@ -358,7 +361,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         return handler(args) or 0
     except RecipeError as exc:
-        print(f"toolkit: error: {exc}", file=sys.stderr)
+        say_once(f"toolkit: error: {exc}")  # every rank of a launch finds the same mistake: one line
         return USER_ERROR_EXIT_CODE
     except BrokenPipeError:  # `toolkit strategies | head`: the reader left; the interpreter must not flush again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

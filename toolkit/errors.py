@@ -1,5 +1,10 @@
 """User-facing errors: the CLI prints them as one line and exits 2."""
 
+import hashlib
+import os
+import sys
+import tempfile
+
 
 class RecipeError(ValueError):
     """A mistake in what the user asked for (recipe, overrides, data, model path).
@@ -11,3 +16,22 @@ class RecipeError(ValueError):
 
 USER_ERROR_EXIT_CODE = 2
 INTERRUPTED_EXIT_CODE = 128 + 2  # Ctrl-C (SIGINT), as shells report it
+
+
+def say_once(line: str) -> None:
+    """Print `line` to stderr once per launch, whichever rank gets there first: a mistake in the recipe is found
+    by every rank of a torchrun / accelerate launch alike. The first rank creates a marker file named for the
+    launch (the launcher's process, the parent of its ranks on a node) and the line (O_EXCL: exactly one wins);
+    outside a launch it just prints."""
+    launch = os.environ.get("TORCHELASTIC_RUN_ID")
+    if launch is None or os.environ.get("WORLD_SIZE", "1") == "1":
+        print(line, file=sys.stderr, flush=True)
+        return
+    key = f"{launch}:{os.environ.get('MASTER_PORT')}:{os.getppid()}:{line}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+    try:
+        os.close(os.open(os.path.join(tempfile.gettempdir(), f"toolkit-said-{digest}"),
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    print(line, file=sys.stderr, flush=True)

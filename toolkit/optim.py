@@ -77,3 +77,11 @@ def lr_factor(step: int, *, config: OptimConfig, total_steps: int) -> float:
 def build_scheduler(optimizer: torch.optim.Optimizer, *, config: OptimConfig, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, config=config, total_steps=total_steps))
+
+
+def schedule_label(config: OptimConfig) -> str:
+    """The recipe's schedule in words (the precision audit's scheduler row; a compare lists arms that differ)."""
+    warmup = f"{config.warmup_steps} warm-up step{'s' if config.warmup_steps != 1 else ''}, then " \
+        if config.warmup_steps else ""
+    floor = f" to {config.min_lr_ratio:g}× lr" if config.schedule != "constant" and config.min_lr_ratio else ""
+    return f"toolkit: {warmup}{config.schedule}{floor} (LambdaLR)"

@@ -19,6 +19,7 @@ from toolkit.errors import RecipeError
 from toolkit.metrics import (live_tensor_storages, measured_matmul_flops, peak_memory_bytes, peak_reserved_bytes,
                              storage_key)
 from toolkit.model import flops_per_token
+from toolkit.optim import schedule_label
 from toolkit.recipe import BatchPlan, Recipe, dump_recipe
 from toolkit.strategies.base import storage_bytes
 
@@ -112,6 +113,7 @@ def start(recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, mo
               f"× accum {b['grad_accum_steps']} · {total_steps} steps · {num_params / 1e6:.1f}M params · "
               f"{info['device']} · output {out_dir}", file=sys.stderr, flush=True)
     info["_out_dir"] = str(out_dir)
+    info["_schedule"] = schedule_label(recipe.optim)
     return info
 
 
@@ -143,6 +145,7 @@ def record_after_first_step(info: dict, strategy, *, env: DistEnv) -> None:
     # grads come from before the step (they are freed after it); masters/optimizer state from after
     audit = {**local["audit"], "master_weights": audit_after["master_weights"],
              "optimizer_state": audit_after["optimizer_state"]}
+    audit.setdefault("scheduler", info["_schedule"])  # the recipe's, unless the strategy ran one of its own
     mine = {"params_bytes": storage_bytes(tensors["params"]), "grads_bytes": local["grads_bytes"],
             "optim_bytes": storage_bytes(tensors["optim"]), "audit": audit, "other_live": local["other_live"]}
     ranks = gather_objects(mine, env)

@@ -23,6 +23,7 @@ from toolkit.errors import RecipeError
 from toolkit.export import without_tied_aliases
 from toolkit.loading import ModelSource, whole_model_bytes
 from toolkit.model import hf_config
+from toolkit.optim import param_groups, schedule_label
 from toolkit.precision import StepResult, dtype_name
 from toolkit.recipe import Recipe, plan_batch
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
@@ -48,6 +49,7 @@ INFO = StrategyInfo(
 
 class ZeroStrategy:
     info = INFO
+    schedule_label = ""  # setup: the recipe's schedule, or the DeepSpeed scheduler a JSON block names
     loading = "every rank built the whole model, then kept its partition"  # build_model says otherwise
 
     def validate(self, recipe: Recipe, *, world_size: int) -> None:
@@ -101,25 +103,27 @@ class ZeroStrategy:
         self.env, recipe = args.env, args.recipe
         ensure_process_group(args.env, strategy=self.info.name)  # DeepSpeed needs one, even for one rank
         self.config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=args.env.world_size),
-                                        hidden_size=hidden_size_of(model.config))
-        self._drop_optimizer_blocks(recipe)
+                                        hidden_size=hidden_size_of(model.config), total_steps=args.total_steps)
         self.stage = stage_of(self.config)
         self.offload_optimizer, self.offload_param = offloads(self.config)
-        optimizer = args.build_optimizer(model)
-        if self.offload_optimizer:
+        # a JSON optimizer / scheduler block is DeepSpeed's to build (its "auto" values are the recipe's); without
+        # one, the recipe's AdamW and schedule, built by the factories every strategy uses
+        optimizer = None if "optimizer" in self.config else args.build_optimizer(model)
+        if optimizer is not None and self.offload_optimizer:
             optimizer = _cpu_adam_like(optimizer)
+        scheduler = None if "scheduler" in self.config else args.build_scheduler
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=args.build_scheduler, config=self.config)
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.config,
+            model_parameters=param_groups(model, recipe.optim) if optimizer is None else None)
         self.module = self.engine.module
-
-    def _drop_optimizer_blocks(self, recipe: Recipe) -> None:
-        """The recipe's optim section builds every strategy's optimizer and schedule alike, so that arms
-        stay comparable: a ds_config optimizer/scheduler block is left out, and the run says so once."""
-        blocks = [key for key in ("optimizer", "scheduler") if self.config.pop(key, None) is not None]
-        if blocks and self.env.is_main:
-            print(f"[toolkit] zero: the {' and '.join(blocks)} block{'s' if len(blocks) > 1 else ''} of "
-                  f"{recipe.strategy.ds_config} {'are' if len(blocks) > 1 else 'is'} not used: the recipe's optim "
-                  f"section wins (lr {recipe.optim.lr:g}, {recipe.optim.schedule} schedule)", file=sys.stderr)
+        self.schedule_label = (f"DeepSpeed {self.config['scheduler']['type']}" if scheduler is None
+                               else schedule_label(recipe.optim))
+        if self.env.is_main and (optimizer is None or scheduler is None):
+            built = " and ".join(f"{kind} {self.config[kind]['type']}" for kind in ("optimizer", "scheduler")
+                                 if kind in self.config)
+            print(f"[toolkit] zero: DeepSpeed builds the {built} of {recipe.strategy.ds_config} (\"auto\" values "
+                  f"from the recipe; ran: {_optimizer_label(self._inner_optimizer())}, {self.schedule_label})",
+                  file=sys.stderr, flush=True)
 
     @property
     def model(self) -> nn.Module:
@@ -372,6 +376,7 @@ class ZeroStrategy:
             "optimizer_state": dtype_name(first_dtype(optimizer_state_tensors(inner)) or masters),
             "loss_scaling": scaling,
             "optimizer": _optimizer_label(inner) + (", offloaded" if self.offload_optimizer else ""),
+            "scheduler": self.schedule_label,
         }
 
 
@@ -390,9 +395,13 @@ def _number(value):
 
 
 def _optimizer_label(optimizer) -> str:
+    """What ran the step: torch's AdamW (and its implementation), or DeepSpeed's own optimizer by name."""
     if type(optimizer).__module__.startswith("torch.optim"):
         return optimizer_label(optimizer)
-    return f"DeepSpeed {type(optimizer).__name__}"
+    names = {"DeepSpeedCPUAdam": "fused CPU Adam", "FusedAdam": "FusedAdam"}
+    name = type(optimizer).__name__
+    mode = getattr(optimizer, "adamw_mode", getattr(optimizer, "adam_w_mode", None))
+    return f"DeepSpeed {names.get(name, name)}" + ("" if mode is None else " (AdamW)" if mode else " (Adam)")
 
 
 def _cpu_adam_like(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -68,9 +68,28 @@ def generated_config(recipe: Recipe, plan: BatchPlan, *, hidden_size: int | None
     }
 
 
-def resolve_ds_config(recipe: Recipe, plan: BatchPlan, *, hidden_size: int | None = None) -> dict:
+def block_values(recipe: Recipe, total_steps: int | None) -> dict[str, tuple[object, bool]]:
+    """What an "auto" in a JSON optimizer or scheduler block becomes, the way transformers' DeepSpeed integration
+    fills it: dotted key -> (value, whether a number the JSON gives must equal it). A scheduler's own parameters
+    the recipe has no value for (warmup_min_lr) are filled, never checked."""
+    optim = recipe.optim
+    values: dict[str, tuple[object, bool]] = {
+        "optimizer.params.lr": (optim.lr, True), "optimizer.params.betas": (list(optim.betas), True),
+        "optimizer.params.eps": (optim.eps, True), "optimizer.params.weight_decay": (optim.weight_decay, True),
+        "scheduler.params.warmup_min_lr": (0.0, False), "scheduler.params.warmup_max_lr": (optim.lr, True),
+        "scheduler.params.warmup_num_steps": (optim.warmup_steps, True),
+        "scheduler.params.warmup_min_ratio": (0.0, False), "scheduler.params.cos_min_ratio": (optim.min_lr_ratio, True),
+    }
+    if total_steps is not None:  # known once the data is read (train.epochs); the launcher's check goes without
+        values["scheduler.params.total_num_steps"] = (total_steps, True)
+    return values
+
+
+def resolve_ds_config(recipe: Recipe, plan: BatchPlan, *, hidden_size: int | None = None,
+                      total_steps: int | None = None) -> dict:
     """The config deepspeed.initialize gets; checks the JSON passthrough against the recipe. With the model's
-    `hidden_size`, bucket sizes are set (generated) or filled where the JSON says "auto"."""
+    `hidden_size`, bucket sizes are set (generated) or filled where the JSON says "auto". An optimizer or
+    scheduler block is DeepSpeed's to build: its "auto" values come from the recipe (block_values)."""
     if recipe.strategy.ds_config is None:
         return generated_config(recipe, plan, hidden_size=hidden_size)
     path = Path(recipe.strategy.ds_config)
@@ -80,8 +99,15 @@ def resolve_ds_config(recipe: Recipe, plan: BatchPlan, *, hidden_size: int | Non
         config = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise RecipeError(f"strategy.ds_config: {path} is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise RecipeError(f"strategy.ds_config: {path} holds {type(config).__name__}, not a JSON object of "
+                          "DeepSpeed settings")
     for key, wanted in recipe_values(recipe, plan).items():
         _fill_or_check(config, key, wanted, path)
+    for key, (wanted, checked) in block_values(recipe, total_steps).items():
+        block = config.get(key.split(".")[0])
+        if isinstance(block, dict):
+            _fill_or_check(config, key, wanted, path, check=checked, fill_missing=False)
     zero = config.setdefault("zero_optimization", {})
     stage = zero.get("stage", DEFAULT_STAGE)
     if recipe.strategy.stage is not None and recipe.strategy.stage != stage:
@@ -99,22 +125,56 @@ def resolve_ds_config(recipe: Recipe, plan: BatchPlan, *, hidden_size: int | Non
         config["fp16"].setdefault("loss_scale", 0)
     config.setdefault("zero_allow_untested_optimizer", True)
     config.setdefault("steps_per_print", 10 ** 9)
+    if zero.get("stage3_gather_16bit_weights_on_model_save") == "auto":  # DeepSpeed's own model save: unused
+        zero["stage3_gather_16bit_weights_on_model_save"] = False         # (the toolkit gathers its export)
+    # filled at setup, once the model (bucket sizes) and the data (total steps) are known
+    later = {f"zero_optimization.{key}" for key in bucket_sizes(1, stage=3)} if hidden_size is None else set()
+    later |= {"scheduler.params.total_num_steps"} if total_steps is None else set()
+    for key in _autos(config):
+        if key not in later:
+            raise RecipeError(f"{path}: {key} is \"auto\", which the toolkit cannot fill from the recipe; give it "
+                              "a value in the JSON")
     return config
 
 
-def _fill_or_check(config: dict, dotted: str, wanted, path: Path) -> None:
+def _autos(node, prefix: str = "") -> list[str]:
+    """The dotted keys still "auto" anywhere in a config."""
+    if isinstance(node, dict):
+        return [k for key, value in node.items() for k in _autos(value, f"{prefix}{key}.")]
+    return [prefix[:-1]] if node == "auto" else []
+
+
+def _fill_or_check(config: dict, dotted: str, wanted, path: Path, *, check: bool = True,
+                   fill_missing: bool = True) -> None:
+    """An "auto" (or, with `fill_missing`, a missing key) takes the recipe's value; with `check` a value the JSON
+    gives must equal it."""
     *parents, leaf = dotted.split(".")
     node = config
     for part in parents:
-        node = node.setdefault(part, {})
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise RecipeError(f"{path}: {part} must be a JSON object, not {child!r}")
+        node = child
+    if leaf not in node and not fill_missing:
+        return
     present = node.get(leaf, "auto")  # a key the JSON leaves out is filled like "auto"
     if present == "auto":
         node[leaf] = wanted
         return
-    same = float(present) == float(wanted) if isinstance(wanted, (int, float)) else present == wanted
-    if not same:
+    if check and not _same(present, wanted):
         raise RecipeError(f"{path}: {dotted} is {present!r} but the recipe gives {wanted!r}; "
                           f"set it to \"auto\" in the JSON or change the recipe")
+
+
+def _same(present, wanted) -> bool:
+    if isinstance(wanted, list):
+        return isinstance(present, list) and len(present) == len(wanted) and all(map(_same, present, wanted))
+    if isinstance(wanted, bool) or not isinstance(wanted, (int, float)):
+        return present == wanted
+    try:
+        return float(present) == float(wanted)
+    except (TypeError, ValueError):
+        return False
 
 
 def configured_stage(recipe: Recipe) -> int:
