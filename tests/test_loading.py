@@ -49,3 +49,5 @@ def test_sharded_strategies_start_from_exactly_the_weights_transformers_loads(tm
         assert results[name]["layout"].endswith(f"weights: {how}"), (name, results[name]["layout"])
         assert weights["compared"] >= 20 and not weights["missing"] and not weights["extra"], (name, weights)
         assert weights["num_differing"] == 0, (name, weights)
+        # the optimizer's weight-decay groups see each parameter's own shape, also ZeRO-3's empty placeholders
+        assert results[name]["param_groups"] == results[name]["want_groups"], (name, results[name])

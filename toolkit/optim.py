@@ -12,13 +12,14 @@ from toolkit.recipe import OptimConfig
 
 
 def param_groups(model: nn.Module, config: OptimConfig) -> list[dict]:
-    """Weight decay on matrices only: biases and norm weights (1-D) are not decayed."""
+    """Weight decay on matrices only: biases and norm weights (1-D) are not decayed. A parameter ZeRO-3 has
+    partitioned as it was created is an empty 1-D placeholder: its own shape is in ds_shape."""
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for _, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (decay if param.dim() >= 2 else no_decay).append(param)
+        (decay if len(getattr(param, "ds_shape", param.shape)) >= 2 else no_decay).append(param)
     return [{"params": decay, "weight_decay": config.weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
 

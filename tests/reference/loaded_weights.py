@@ -9,7 +9,7 @@ import sys
 import torch
 
 
-def reference(recipe) -> dict[str, torch.Tensor]:
+def reference(recipe):
     """The recipe's model built by transformers alone, as one process would build it."""
     import transformers
 
@@ -29,7 +29,7 @@ def reference(recipe) -> dict[str, torch.Tensor]:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(resolve_tokenizer(recipe)))
         config.pad_token_id = tokenizer.pad_token_id
         model = auto.from_config(config, dtype=extra["dtype"])
-    return model.state_dict()
+    return model
 
 
 def resolve_tokenizer(recipe):
@@ -61,6 +61,7 @@ def main() -> None:
     from toolkit.loading import ModelSource
     from toolkit.loop import setup_strategy
     from toolkit.model import load_tokenizer
+    from toolkit.optim import param_groups
     from toolkit.recipe import load_recipe, plan_batch
     from toolkit.strategies import make_strategy
 
@@ -73,11 +74,17 @@ def main() -> None:
         strategy = make_strategy(recipe)
         source = ModelSource(recipe=recipe, tokenizer=load_tokenizer(recipe.model))
         model = strategy.build_model(source, env=env)
+        groups = [len(g["params"]) for g in param_groups(model, recipe.optim)]  # decayed, not decayed
         setup_strategy(strategy, model, source=source, env=env, total_steps=1,
                        plan=plan_batch(recipe.batch, world_size=env.world_size))
         got = strategy.full_state_dict()
         if env.is_main:
-            results[name] = {"weights": compare(got, reference(recipe)), "layout": strategy.layout()}
+            plain = reference(recipe)
+            # the reference's matrices are decayed, its vectors not (counted here, not by param_groups)
+            dims = [p.dim() for p in plain.parameters()]
+            want_groups = [sum(d >= 2 for d in dims), sum(d < 2 for d in dims)]
+            results[name] = {"weights": compare(got, plain.state_dict()), "layout": strategy.layout(),
+                             "param_groups": groups, "want_groups": want_groups}
         strategy.close()
     if env.is_main:
         with open(out, "w") as f:
