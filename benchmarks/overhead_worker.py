@@ -76,7 +76,7 @@ def main() -> None:
     prepare_environment()
     recipe = load_recipe(args.recipe, args.overrides)
     env = init_distributed()
-    plan, layout, tokenizer, train_ds, _, sampler, total_steps = prepare(recipe, env)
+    plan, layout, tokenizer, train_ds, _, sampler, total_steps, _ = prepare(recipe, env)
     assert plan.grad_accum_steps == 1, "the minimal step does not accumulate"
     strategy = make_strategy(recipe)
     source = ModelSource(recipe=recipe, tokenizer=tokenizer)

@@ -117,8 +117,12 @@ BAD_FILES = {
     "row without text": ("train.jsonl", '{"text": "a"}\n{"text": null}\n', "causal-lm", "row 2 has no 'text'"),
     "label outside num_labels": ("train.csv", "text,label\ngood,1\nbad,7\n", "sequence-classification",
                                  "has label 7 in column 'label', outside 0..1 (model.num_labels: 2)"),
-    "text labels": ("train.csv", "text,label\ngood,pos\nbad,neg\n", "sequence-classification",
-                    "column 'label' holds text (e.g. 'pos'); labels must be class ids 0..1"),
+    "labels that are numbers but not ids": ("train.csv", "text,label\ngood,0.5\nbad,1.5\n", "sequence-classification",
+                                            "column 'label' holds float64 values (e.g. 0.5); labels must be class "
+                                            "ids or names"),
+    "more label names than num_labels": ("train.csv", "text,label\ngood,pos\nbad,neg\nmeh,mixed\n",
+                                         "sequence-classification", "has 3 labels (mixed, neg, pos) but "
+                                         "model.num_labels is 2; set model.num_labels: 3"),
     "row without a label": ("train.csv", "text,label\ngood,1\nbad,\n", "sequence-classification",
                             "has a row without a 'label'; fill or drop it"),
 }

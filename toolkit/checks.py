@@ -15,12 +15,12 @@ def check_paths(recipe: Recipe) -> None:
         check_model_dir(resolve_path(recipe.model.path), "model.path")
     if recipe.model.tokenizer is not None:
         check_model_dir(resolve_path(recipe.model.tokenizer), "model.tokenizer")
-    from toolkit.data import data_file
+    from toolkit.data_files import data_source
 
     for key in ("train", "eval"):
         value = getattr(recipe.data, key)
         if value is not None:
-            data_file(f"data.{key}", value)
+            data_source(f"data.{key}", value)
 
 
 def check_position_limit(recipe: Recipe) -> None:
@@ -35,14 +35,21 @@ def check_position_limit(recipe: Recipe) -> None:
 
 def check_data(recipe: Recipe) -> None:
     """Reads the data files (not tokenized): they have rows, and the named columns hold what training needs."""
-    from toolkit.data import check_rows, data_file, read_rows
+    from toolkit.data import check_rows
+    from toolkit.data_files import data_source, read_rows
 
+    names = None  # data.train's class names, which data.eval's labels must be among
     for key in ("data.train", "data.eval"):
         value = getattr(recipe.data, key.split(".")[1])
         if value is not None:
-            file = data_file(key, value)
-            check_rows(read_rows(file, key=key), file, key=key, data=recipe.data, task=recipe.model.task,
-                       num_labels=recipe.model.num_labels)
+            source = data_source(key, value)
+            names = check_rows(read_rows(source), source, data=recipe.data, task=recipe.model.task,
+                               num_labels=recipe.model.num_labels, names=names)
+    if recipe.data.format != "text":
+        from toolkit.instruct import check_tokenizer
+        from toolkit.model import load_tokenizer
+
+        check_tokenizer(recipe.data, load_tokenizer(recipe.model))
 
 
 def check_model_toggles(recipe: Recipe) -> None:

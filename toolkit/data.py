@@ -1,4 +1,5 @@
-"""Data: local files through `datasets`, tokenized once (cached on disk), and the global-batch sampler.
+"""Data: the recipe's splits through `datasets` (toolkit/data_files.py: which files, what they must hold),
+tokenized once (cached on disk), and the global-batch sampler.
 
 The samples of optimizer step k depend only on the seed and the global batch size: step k takes
 positions [k·G, (k+1)·G) of a seeded permutation of the train set (a new permutation each epoch).
@@ -16,171 +17,115 @@ from typing import Any
 
 import torch
 
+from toolkit.data_files import (DataSource, check_labels, check_text_column, class_names, data_source,
+                                read_rows)
 from toolkit.dist import DistEnv, broadcast_object
 from toolkit.errors import RecipeError
+from toolkit.instruct import check_messages, check_tokenizer, encode_batch
 from toolkit.losses import IGNORE_INDEX
 from toolkit.recipe import BatchPlan, DataConfig
 
-FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
-
-def load_split(key: str, *, data: DataConfig, task: str, num_labels: int, tokenizer, env: DistEnv):
-    """The tokenized `datasets.Dataset` of recipe key `key` (data.train / data.eval) with input_ids (+ label).
-    Rank 0 tokenizes; the others read its cache."""
-    path = getattr(data, key.split(".")[-1])
-    file = data_file(key, path)
+def load_split(key: str, *, data: DataConfig, task: str, num_labels: int, tokenizer, env: DistEnv,
+               names: list[str] | None = None) -> tuple[Any, list[str] | None]:
+    """The tokenized `datasets.Dataset` of recipe key `key` (data.train / data.eval) with input_ids (+ label, or
+    labels for instruction data), and the class names its labels were mapped from (None: class ids). Rank 0
+    tokenizes; the others read its cache. `names`: data.train's (an eval split's labels must be among them)."""
+    source = data_source(key, getattr(data, key.split(".")[-1]))
     error = None
     if env.is_main:
         try:
-            dataset = _tokenized(file, key=key, data=data, task=task, num_labels=num_labels, tokenizer=tokenizer)
+            split = _tokenized(source, data=data, task=task, num_labels=num_labels, tokenizer=tokenizer, names=names)
         except RecipeError as exc:
             error = str(exc)
     error = broadcast_object(error, env)  # the other ranks fail with rank 0's message instead of hanging
     if error is not None:
         raise RecipeError(error)
     if not env.is_main:  # reads rank 0's cache
-        dataset = _tokenized(file, key=key, data=data, task=task, num_labels=num_labels, tokenizer=tokenizer)
-    return dataset
+        split = _tokenized(source, data=data, task=task, num_labels=num_labels, tokenizer=tokenizer, names=names)
+    return split
 
 
-def data_file(key: str, path: str) -> Path:
-    file = Path(path)
-    if not file.is_file():
-        what = "is a folder" if file.is_dir() else "not found"
-        raise RecipeError(f"{key}: {path} {what}; give a local json/jsonl/csv/parquet/txt file")
-    if file.suffix not in FORMATS:
-        raise RecipeError(f"{key}: {path}: unknown format {file.suffix!r}; use one of {', '.join(FORMATS)}")
-    return file
-
-
-def read_rows(file: Path, *, key: str):
-    """The file's rows, untokenized. A file without rows (empty, or a CSV header alone) or one that does not
-    parse as its suffix says is one line naming it."""
-    import datasets
-
-    if file.stat().st_size == 0:
-        raise RecipeError(f"{key}: {file} is empty: it has no rows; point {key} at a file with data")
-    datasets.disable_progress_bars()
-    fmt = FORMATS[file.suffix]
-    verbosity = datasets.logging.get_verbosity()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a parse error is the one line below, not the
-    try:                                                        # library's log of it too
-        raw = datasets.load_dataset(fmt, data_files=str(file), split="train")
-    except ValueError as exc:
-        if "corresponds to no data" not in str(exc):
-            raise
-        raw = None
-    except datasets.exceptions.DatasetGenerationError as exc:
-        cause = str(exc.__cause__ or exc).strip().splitlines()
-        raise RecipeError(f"{key}: {file} cannot be read as {fmt} ({cause[-1][:200] if cause else 'no detail'}); "
-                          "fix the file or give it the suffix of its format") from None
-    finally:
-        datasets.logging.set_verbosity(verbosity)
-    if raw is None or len(raw) == 0:
-        raise RecipeError(f"{key}: {file} has no rows (a header at most); point {key} at a file with data")
-    return raw
-
-
-def check_rows(raw, file: Path, *, key: str, data: DataConfig, task: str, num_labels: int) -> None:
-    """The named columns exist and hold what training needs: text, and class ids within model.num_labels."""
-    import datasets
-
-    needed = [data.text_column] + ([data.label_column] if task == "sequence-classification" else [])
-    for column in needed:
-        if column not in raw.column_names:
-            raise RecipeError(f"{key}: {file} has no column {column!r} (it has {', '.join(raw.column_names)}); "
-                              f"set data.text_column / data.label_column to one of those")
-    text = raw.features[data.text_column]
-    if not (isinstance(text, datasets.Value) and text.dtype in TEXT_DTYPES):
-        raise RecipeError(f"{key}: {file} column {data.text_column!r} holds {_describe(text)}, not text; set "
-                          "data.text_column to the column with the text")
-    if raw.data.column(data.text_column).null_count:  # arrow's count: no Python pass over the column
-        missing = next(i for i, v in enumerate(raw[data.text_column]) if v is None)
-        raise RecipeError(f"{key}: {file} row {missing + 1} has no {data.text_column!r}; fill or drop it")
+def check_rows(raw, source: DataSource, *, data: DataConfig, task: str, num_labels: int,
+               names: list[str] | None = None) -> list[str] | None:
+    """The columns the recipe's format reads exist and hold what training needs. Returns the class names a
+    training split's named labels map from (sorted: the class id is the position), None for class ids."""
+    if data.format == "chat":
+        if data.messages_column not in raw.column_names:
+            raise RecipeError(f"{source.key}: {source.path} has no column {data.messages_column!r} (it has "
+                              f"{', '.join(raw.column_names)}); set data.messages_column to one of those")
+        check_messages(raw[data.messages_column], source.key, source.path, data.messages_column)
+    elif data.format == "prompt-response":
+        check_text_column(raw, source, data.prompt_column, "data.prompt_column")
+        check_text_column(raw, source, data.response_column, "data.response_column")
+    else:
+        check_text_column(raw, source, data.text_column, "data.text_column")
     if task != "sequence-classification":
-        return
+        return None
     assert data.label_column is not None  # Recipe: required for sequence-classification
-    label = raw.features[data.label_column]
-    values = raw.unique(data.label_column)
-    ids = _class_ids(label, values)
-    if ids is None:
-        example = next((v for v in values if v is not None), None)
-        raise RecipeError(f"{key}: {file} column {data.label_column!r} holds {_describe(label)} (e.g. {example!r}); "
-                          f"labels must be class ids 0..{num_labels - 1}")
-    if None in ids:
-        raise RecipeError(f"{key}: {file} has a row without a {data.label_column!r}; fill or drop it")
-    bad = sorted(v for v in ids if not 0 <= v < num_labels)
-    if bad:
-        raise RecipeError(f"{key}: {file} has label {bad[0]!r} in column {data.label_column!r}, outside "
-                          f"0..{num_labels - 1} (model.num_labels: {num_labels}); fix the data or set "
-                          "model.num_labels")
+    if names is None and source.key == "data.train":
+        names = class_names(raw, source, data.label_column)
+        if names is not None and len(names) != num_labels:
+            raise RecipeError(f"{source.key}: {source.path} has {len(names)} labels ({', '.join(names[:8])}) but "
+                              f"model.num_labels is {num_labels}; set model.num_labels: {len(names)}")
+    elif names is None and class_names(raw, source, data.label_column) is not None:
+        raise RecipeError(f"{source.key}: {source.path} has label names in column {data.label_column!r} where "
+                          "data.train has class ids; use one kind in both")
+    check_labels(raw, source, data, num_labels=num_labels, names=names)
+    return names
 
 
-TEXT_DTYPES = ("string", "large_string", "string_view")
-
-
-def _class_ids(feature, values: list) -> list | None:
-    """The label values as class ids (None in place of a missing one), or None when they are not ids:
-    integers, booleans, whole floats and digit strings are (`int(v)` is what training feeds the model)."""
-    import datasets
-
-    if isinstance(feature, datasets.ClassLabel):
-        return values
-    dtype = getattr(feature, "dtype", "")
-    present = [v for v in values if v is not None]
-    ids = (dtype.startswith(("int", "uint")) or dtype == "bool"
-           or (dtype.startswith("float") and all(float(v).is_integer() for v in present))  # a CSV column with a gap
-           or (dtype in TEXT_DTYPES and all(v.strip().isdigit() for v in present)))
-    return [None if v is None else int(v) for v in values] if ids else None
-
-
-def _describe(feature) -> str:
-    dtype = getattr(feature, "dtype", None)
-    if dtype in TEXT_DTYPES:
-        return "text"
-    return f"{dtype} values" if dtype else type(feature).__name__
-
-
-def _tokenized(file: Path, *, key: str, data: DataConfig, task: str, num_labels: int, tokenizer):
-    raw = read_rows(file, key=key)
-    check_rows(raw, file, key=key, data=data, task=task, num_labels=num_labels)
-    cache = _cache_key(file, data=data, task=task, tokenizer=tokenizer)
+def _tokenized(source: DataSource, *, data: DataConfig, task: str, num_labels: int, tokenizer,
+               names: list[str] | None):
+    raw = read_rows(source)
+    names = check_rows(raw, source, data=data, task=task, num_labels=num_labels, names=names)
+    cache = _cache_key(source, data=data, task=task, tokenizer=tokenizer, names=names)
     text, label = data.text_column, data.label_column
+    if data.format != "text":
+        check_tokenizer(data, tokenizer)
 
     def encode(batch):
+        if data.format != "text":
+            return encode_batch(batch, data, tokenizer)
         out = tokenizer(batch[text], truncation=True, max_length=data.max_length)
         result = {"input_ids": out["input_ids"]}
         if task == "sequence-classification":
-            result["label"] = [int(v) for v in batch[label]]
+            result["label"] = [names.index(str(v)) if names else int(v) for v in batch[label]]
         return result
 
     dataset = raw.map(encode, batched=True, remove_columns=raw.column_names, new_fingerprint=cache)
     if task == "causal-lm" and data.packing:
         unpacked = dataset
-        dataset = dataset.map(_packer(data.max_length), batched=True, new_fingerprint=cache + "-packed")
+        dataset = dataset.map(_packer(data.max_length), batched=True, remove_columns=dataset.column_names,
+                              new_fingerprint=cache + "-packed")
         if len(dataset) == 0:
             tokens = sum(len(ids) for ids in unpacked["input_ids"])
-            raise RecipeError(f"{key}: {file} has {tokens} tokens, fewer than one packed block of data.max_length "
-                              f"{data.max_length}; lower data.max_length or add data")
-    return dataset
+            raise RecipeError(f"{source.key}: {source.path} has {tokens} tokens, fewer than one packed block of "
+                              f"data.max_length {data.max_length}; lower data.max_length or add data")
+    return dataset, names
 
 
-def _cache_key(file: Path, *, data: DataConfig, task: str, tokenizer) -> str:
-    """Cache identity: file contents + tokenizer vocabulary + every setting that changes the tokens."""
-    digest = hashlib.sha256()
-    stat = file.stat()
-    digest.update(f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+def _cache_key(source: DataSource, *, data: DataConfig, task: str, tokenizer, names: list[str] | None) -> str:
+    """Cache identity: the source's files + tokenizer vocabulary and template + every setting that changes the
+    tokens or labels."""
+    digest = hashlib.sha256(source.fingerprint().encode())
     digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-    digest.update(json.dumps([type(tokenizer).__name__, data.text_column, data.label_column,
-                              data.max_length, data.packing, task]).encode())
+    digest.update(json.dumps([type(tokenizer).__name__, data.text_column, data.label_column, data.max_length,
+                              data.packing, task, data.format, data.messages_column, data.prompt_column,
+                              data.response_column, data.chat_template or getattr(tokenizer, "chat_template", None),
+                              tokenizer.eos_token, names]).encode())
     return digest.hexdigest()[:32]
 
 
 def _packer(block: int):
+    """Concatenate samples into blocks of `block` tokens; instruction data packs its labels alongside."""
     def pack(batch):
-        stream = [tok for ids in batch["input_ids"] for tok in ids]
-        usable = len(stream) // block * block
-        return {"input_ids": [stream[i:i + block] for i in range(0, usable, block)]}
+        out = {}
+        for column in [c for c in ("input_ids", "labels") if c in batch]:
+            stream = [tok for ids in batch[column] for tok in ids]
+            usable = len(stream) // block * block
+            out[column] = [stream[i:i + block] for i in range(0, usable, block)]
+        return out
 
     return pack
 
@@ -263,7 +208,13 @@ class Collator:
             mask[row, :n] = 1
         batch: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
         if self.task == "causal-lm":
-            batch["labels"] = ids.masked_fill(mask == 0, IGNORE_INDEX)
+            if "labels" in samples[0]:  # instruction data: the response tokens only
+                labels = torch.full((len(samples), length), IGNORE_INDEX, dtype=torch.long)
+                for row, sample in enumerate(samples):
+                    labels[row, :len(sample["labels"])] = torch.tensor(sample["labels"], dtype=torch.long)
+                batch["labels"] = labels
+            else:
+                batch["labels"] = ids.masked_fill(mask == 0, IGNORE_INDEX)
             batch["num_items"] = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
         else:
             batch["labels"] = torch.tensor([s["label"] for s in samples], dtype=torch.long)

@@ -88,15 +88,15 @@ def prepare(recipe: Recipe, env: DistEnv):
     tokenizer = load_tokenizer(recipe.model)
     kwargs = dict(data=recipe.data, task=recipe.model.task, num_labels=recipe.model.num_labels, tokenizer=tokenizer,
                   env=env)
-    train_ds = load_split("data.train", **kwargs)
-    eval_ds = load_split("data.eval", **kwargs) if recipe.data.eval else None
+    train_ds, names = load_split("data.train", **kwargs)
+    eval_ds = load_split("data.eval", **kwargs, names=names)[0] if recipe.data.eval else None
     sampler = GlobalBatchSampler(num_samples=len(train_ds), plan=plan, rank=layout.rank, seed=recipe.seed)
     if sampler.steps_per_epoch == 0:
         raise RecipeError(f"data: {len(train_ds)} train samples are fewer than one global batch of "
                           f"{plan.global_batch_size}; lower batch sizes or add data")
     epochs = recipe.train.epochs or 0.0  # TrainConfig: exactly one of max_steps and epochs
     total_steps = recipe.train.max_steps or max(1, int(epochs * sampler.steps_per_epoch))
-    return plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps
+    return plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, names
 
 
 def setup_strategy(strategy: Strategy, model, *, source: ModelSource, env: DistEnv, plan, total_steps: int) -> None:
@@ -109,7 +109,7 @@ def setup_strategy(strategy: Strategy, model, *, source: ModelSource, env: DistE
 
 
 def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> TrainResult:
-    plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps = prepare(recipe, env)
+    plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, names = prepare(recipe, env)
     runtime_bytes = process_bytes()  # what the process holds before any model: the base a memory prediction starts from
     prediction = runinfo.predict_memory(recipe, env, runtime_bytes=runtime_bytes)  # warns before setup if too big
     # before the collective below, so no rank can have written into output_dir yet
@@ -140,6 +140,8 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     info["layout"] = strategy.layout()
     if env.is_main:
         print(f"[toolkit] layout: {info['layout']}", file=sys.stderr, flush=True)
+    if names is not None:  # named labels: their class ids, in the exported config as transformers keeps them
+        name_labels(strategy.export_module(), names, info=info, env=env)
     replicas = announce_replica_check(strategy, recipe=recipe, env=env, info=info)
     collator = Collator(pad_token_id=tokenizer.pad_token_id, task=recipe.model.task)
     loader = iter(train_loader(train_ds, sampler=sampler, start=done, stop=total_steps, collator=collator,
@@ -190,8 +192,8 @@ def run_steps(strategy: Strategy, loader, *, recipe: Recipe, env: DistEnv, plan,
             info["compile_s"] = info.get("compile_s", 0.0) + record["compile_s"]
         every = recipe.train.eval_every
         if eval_ds is not None and ((every and step % every == 0) or step == total_steps):
-            record["eval_loss"] = evaluate(strategy, eval_ds, collator=collator, recipe=recipe, env=env,
-                                           layout=layout, group=plan.grad_accum_steps)
+            record.update(evaluate(strategy, eval_ds, collator=collator, recipe=recipe, env=env, layout=layout,
+                                   group=plan.grad_accum_steps))
         check_every = recipe.train.consistency_check_every
         if replicas is not None and check_every and step % check_every == 0:
             fresh = strategy.replicas()  # the live tensors of this step
@@ -217,6 +219,18 @@ def step_compile_seconds(before_s: float, env: DistEnv) -> float:
     pipeline's stages compile different blocks)."""
     spent = torch.tensor([compile_seconds() - before_s], dtype=torch.float64)
     return float(all_reduce_max(spent, env)[0])
+
+
+def name_labels(module, names: list[str], *, info: dict, env: DistEnv) -> None:
+    """data.train's label names (sorted: a name's position is its class id) into the model config's
+    id2label / label2id, which every export and checkpoint writes; said once and kept in run.json."""
+    module.config.id2label = dict(enumerate(names))
+    module.config.label2id = {name: index for index, name in enumerate(names)}
+    info["labels"] = names
+    if env.is_main:
+        mapped = ", ".join(f"{name} → {index}" for index, name in enumerate(names))
+        print(f"[toolkit] labels: {mapped} (data.train's names, sorted; id2label in the exported config)",
+              file=sys.stderr, flush=True)
 
 
 def announce_replica_check(strategy, *, recipe: Recipe, env: DistEnv, info: dict):

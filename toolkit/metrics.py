@@ -124,7 +124,7 @@ class Progress:
     def __init__(self, *, total: int, enabled: bool, log_every: int):
         self.enabled, self.log_every, self.total = enabled, log_every, total
         self.bar = None
-        self.eval_loss: float | None = None
+        self.evaluation = ""  # the latest evaluation, until the next one
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -135,15 +135,15 @@ class Progress:
             return
         evaluated = record.get("eval_loss") is not None
         if evaluated:
-            self.eval_loss = record["eval_loss"]
+            self.evaluation = " ".join(f"{k} {v:.4f}" for k, v in record.items() if k.startswith("eval_"))
         if self.bar is not None:
             self.bar.update(1)
             shown = {"loss": f"{record['loss']:.4f}", "tok_s": f"{record['tokens_per_s']:.0f}"}
-            if self.eval_loss is not None:  # the latest evaluation, until the next one
-                shown["eval_loss"] = f"{self.eval_loss:.4f}"
+            if self.evaluation:
+                shown["eval"] = self.evaluation
             self.bar.set_postfix(shown)
         elif evaluated or record["step"] % self.log_every == 0 or record["step"] == self.total:
-            evaluation = f" eval_loss {record['eval_loss']:.4f}" if evaluated else ""
+            evaluation = f" {self.evaluation}" if evaluated else ""
             print(f"step {record['step']}/{self.total} loss {record['loss']:.4f}{evaluation} lr {record['lr']:.2e} "
                   f"grad_norm {record['grad_norm']:.3f} tokens/s {record['tokens_per_s']:.0f} "
                   f"step {record['step_time_s'] * 1000:.0f} ms", file=sys.stderr, flush=True)

@@ -69,12 +69,25 @@ class ModelConfig:
         _choice("model.load_dtype", self.load_dtype, ("fp32", "bf16", "fp16"))
 
 
+DATA_FORMATS = ("text", "chat", "prompt-response")
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    train: str  # local json/jsonl/csv/parquet/txt file
-    eval: str | None = None  # held-out file; eval loss is logged every train.eval_every steps
+    # a json/jsonl/csv/parquet/txt file (also .gz, .bz2, .xz, .zst), a folder of such shards, or a folder written
+    # by datasets' save_to_disk (a DatasetDict: its train split; for eval its validation, eval or test split)
+    train: str
+    eval: str | None = None  # held-out data, the same kinds; eval loss (+ accuracy / perplexity) every eval_every
+    # text: train on text_column (classification: with label_column). Instruction tuning (causal-lm), the loss on
+    # the response tokens only: chat (messages_column: lists of {role, content}, rendered by the tokenizer's chat
+    # template) | prompt-response (prompt_column, response_column)
+    format: str = "text"
     text_column: str = "text"
-    label_column: str | None = "label"  # sequence-classification only
+    label_column: str | None = "label"  # sequence-classification: class ids, or names (mapped in sorted order)
+    messages_column: str = "messages"  # format chat
+    prompt_column: str = "prompt"  # format prompt-response
+    response_column: str = "response"  # format prompt-response
+    chat_template: str | None = None  # format chat: a Jinja template for a tokenizer that has none (or to replace it)
     max_length: int = 128  # tokens per sample; longer ones are truncated
     packing: bool = False  # causal-lm: concatenate samples into full max_length blocks (no padding)
     num_workers: int = 0  # DataLoader workers per rank
@@ -82,6 +95,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _positive("data.max_length", self.max_length)
+        _choice("data.format", self.format, DATA_FORMATS)
         if self.num_workers < 0:
             raise RecipeError("data.num_workers must be >= 0")
 
@@ -231,6 +245,9 @@ class Recipe:
         _choice("precision", self.precision, PRECISIONS)
         if self.model.task == "sequence-classification" and not self.data.label_column:
             raise RecipeError("data.label_column is required for task sequence-classification")
+        if self.model.task == "sequence-classification" and self.data.format != "text":
+            raise RecipeError(f"data.format {self.data.format} is for instruction tuning a causal-lm; a "
+                              "sequence-classification task reads data.format text")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -50,7 +50,8 @@ def build_results(experiment: Experiment) -> dict:
         speed = measure.throughput(metrics)
         row.update(precision=run["precision"], strategy=run["strategy"], **speed, **measure.memory(run),
                    **measure.mfu(run, speed["tokens_per_s"]),
-                   final_loss=metrics[-1]["loss"], final_eval_loss=_last_eval(metrics),
+                   final_loss=metrics[-1]["loss"], final_eval_loss=_last_eval(metrics, "eval_loss"),
+                   final_eval_metric=_last_metric(metrics),
                    comm=run.get("comm_per_step"), flops=run["flops"], audit=arm["audit"], batch=run["batch"],
                    losses=[m["loss"] for m in metrics], grad_norms=[m["grad_norm"] for m in metrics],
                    recipe=arm["recipe"], pipeline=_pipeline(run))
@@ -101,8 +102,17 @@ def _bubble(pipeline: dict | None) -> str:
     return f"{pipeline['bubble_measured']:.2f} (theory {pipeline['bubble_theory']:.2f})"
 
 
-def _last_eval(metrics: list[dict]) -> float | None:
-    return next((m["eval_loss"] for m in reversed(metrics) if "eval_loss" in m), None)
+def _last_eval(metrics: list[dict], key: str) -> float | None:
+    return next((m[key] for m in reversed(metrics) if key in m), None)
+
+
+def _last_metric(metrics: list[dict]) -> str | None:
+    """The latest evaluation's accuracy or perplexity, in words."""
+    for key, shown in (("eval_accuracy", "accuracy {:.3f}"), ("eval_perplexity", "perplexity {:.2f}")):
+        value = _last_eval(metrics, key)
+        if value is not None:
+            return shown.format(value)
+    return None
 
 
 def _mib(values) -> str:
@@ -111,12 +121,12 @@ def _mib(values) -> str:
 
 def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
     head = ["arm", "world", "precision", "tokens/s", "× ref", "step ms (p10–p90)", "peak MiB/rank", "peak vs plan",
-            "model-state MiB/rank", "comm MiB/step", "bubble", "MFU", "final loss", "eval loss", "verdict"]
+            "model-state MiB/rank", "comm MiB/step", "bubble", "MFU", "final loss", "eval loss", "eval metric",
+            "verdict"]
     rows = []
     for r in results["arms"]:
         if r["status"] != "completed":
-            rows.append([r["arm"], str(r["world_size"]), "", "", "", "", "", "", "", "", "", "", "", "",
-                         f"failed: {r['error']}"[:120]])
+            rows.append([r["arm"], str(r["world_size"]), *[""] * 13, f"failed: {r['error']}"[:120]])
             continue
         rows.append([
             r["arm"], str(r["world_size"]), r["precision"], f"{r['tokens_per_s']:.0f}",
@@ -128,7 +138,7 @@ def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
             f"{r['comm']['total_bytes'] / 2 ** 20:.2f}" if r.get("comm") else "n/a", _bubble(r.get("pipeline")),
             f"{r['mfu'] * 100:.2f}%" if r.get("mfu") is not None else "n/a",
             f"{r['final_loss']:.4f}", f"{r['final_eval_loss']:.4f}" if r["final_eval_loss"] is not None else "n/a",
-            r["verdict"]])
+            r.get("final_eval_metric") or "n/a", r["verdict"]])
     return head, rows
 
 

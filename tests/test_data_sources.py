@@ -1,0 +1,236 @@
+"""The data people have: saved datasets, folders of shards, compressed files, labels that are names, chat and
+prompt-response instruction data (the loss on the response tokens only), and eval metrics beyond the loss."""
+
+import gzip
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import EVAL, MINILM, TRAIN, exported_weights, launch, metrics, write_recipe
+from toolkit.cli import main
+from toolkit.data import Collator, _packer, load_split
+from toolkit.dist import DistEnv
+from toolkit.losses import IGNORE_INDEX
+from toolkit.recipe import load_recipe
+
+ROWS = [json.loads(line) for line in open(TRAIN)][:64]
+ONE_RANK = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    from toolkit.model import resolve_path
+
+    return AutoTokenizer.from_pretrained(str(resolve_path(MINILM)))
+
+
+def _split(recipe_path, key="data.train", names=None):
+    recipe = load_recipe(recipe_path)
+    return load_split(key, data=recipe.data, task=recipe.model.task, num_labels=recipe.model.num_labels,
+                      tokenizer=_tokenizer(), env=ONE_RANK, names=names)
+
+
+def _sources(tmp_path):
+    """The same 64 rows as a saved Dataset, a saved DatasetDict, parquet and jsonl shard folders, and .jsonl.gz."""
+    import datasets
+
+    table = datasets.Dataset.from_list(ROWS)
+    table.save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": table, "validation": table.select(range(8))}).save_to_disk(str(tmp_path / "dict"))
+    (tmp_path / "parquet").mkdir()
+    (tmp_path / "jsonl").mkdir()
+    for shard in range(2):
+        part = table.select(range(shard * 32, (shard + 1) * 32))
+        part.to_parquet(str(tmp_path / "parquet" / f"part-{shard:05d}.parquet"))
+        part.to_json(str(tmp_path / "jsonl" / f"part-{shard:05d}.jsonl"))
+    with gzip.open(tmp_path / "train.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(row) + "\n" for row in ROWS)
+    return {"saved": tmp_path / "saved", "dict": tmp_path / "dict", "parquet": tmp_path / "parquet",
+            "jsonl-shards": tmp_path / "jsonl", "jsonl.gz": tmp_path / "train.jsonl.gz"}
+
+
+def test_saved_datasets_shard_folders_and_compressed_files_load_the_same_rows(tmp_path, tiny_llama_dir):
+    tokenizer = _tokenizer()
+    # the reference: the tokenizer on the rows as written, in order
+    want = [tokenizer(row["text"], truncation=True, max_length=32)["input_ids"] for row in ROWS]
+    for name, path in _sources(tmp_path).items():
+        recipe = write_recipe(tmp_path / f"{name}.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
+                              data={"train": str(path), "eval": str(path) if name == "dict" else None})
+        dataset, names = _split(recipe)
+        assert dataset["input_ids"] == want and names is None, name
+        assert main(["validate", str(recipe)]) == 0, name
+    evaluation, _ = _split(tmp_path / "dict.yaml", key="data.eval")  # a DatasetDict's validation split
+    assert evaluation["input_ids"] == want[:8]
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda d: (d / "empty").mkdir(), "is a folder without data files"),
+    (lambda d: ((d / "mixed").mkdir(), (d / "mixed" / "a.csv").write_text("text\nx\n"),
+                (d / "mixed" / "b.jsonl").write_text('{"text": "y"}\n')), "mixes csv and json files"),
+    (lambda d: (d / "bad.jsonl.gz").write_bytes(b"\x1f\x8b not gzip at all"), "cannot be read as json"),
+])
+def test_a_folder_or_file_that_holds_no_readable_rows_is_one_line(tmp_path, tiny_llama_dir, capsys, make, words):
+    make(tmp_path)
+    target = next(p for p in tmp_path.iterdir() if p.name in ("empty", "mixed", "bad.jsonl.gz"))
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out,
+                          data={"train": str(target), "eval": None})
+    assert main(["validate", str(recipe)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+    assert not out.exists()
+
+
+def _named_labels(tmp_path, eval_rows):
+    train, evaluation = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    names = {0: "neg", 1: "pos"}
+    train.write_text("".join(json.dumps({"text": r["text"], "label": names[r["label"]]}) + "\n" for r in ROWS))
+    evaluation.write_text("".join(json.dumps(r) + "\n" for r in eval_rows))
+    return train, evaluation
+
+
+def test_label_names_map_to_sorted_ids_and_into_the_exported_config(tmp_path, tiny_bert_dir):
+    eval_rows = [{"text": json.loads(line)["text"], "label": ["neg", "pos"][json.loads(line)["label"]]}
+                 for line in open(EVAL)][:40]
+    train, evaluation = _named_labels(tmp_path, eval_rows)
+    out = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_bert_dir, task="sequence-classification",
+                          output_dir=out, data={"train": str(train), "eval": str(evaluation)},
+                          train={"max_steps": 3, "eval_every": None})
+    dataset, names = _split(recipe)
+    assert names == ["neg", "pos"]
+    assert dataset["label"] == [r["label"] for r in ROWS]  # neg -> 0, pos -> 1: the ids the names came from
+    result = launch(recipe, nproc=1)
+    assert "[toolkit] labels: neg → 0, pos → 1" in result.stderr
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["id2label"] == {"0": "neg", "1": "pos"} and config["label2id"] == {"neg": 0, "pos": 1}
+    assert json.loads((out / "run.json").read_text())["labels"] == ["neg", "pos"]
+
+    # eval accuracy is what the exported model gets on the eval rows, computed here with plain transformers
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(out / "model").eval()
+    tokenizer = AutoTokenizer.from_pretrained(out / "model")
+    hits = 0
+    with torch.no_grad():
+        for row in eval_rows:
+            logits = model(**tokenizer(row["text"], truncation=True, max_length=32, return_tensors="pt")).logits
+            hits += config["id2label"][str(int(logits.argmax()))] == row["label"]
+    final = metrics(out)[-1]
+    assert final["eval_accuracy"] == pytest.approx(hits / len(eval_rows), abs=1e-12)
+
+
+def test_an_eval_label_the_training_data_lacks_is_one_line(tmp_path, tiny_bert_dir, capsys):
+    train, evaluation = _named_labels(tmp_path, [{"text": "so so", "label": "mixed"}])
+    out = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_bert_dir, task="sequence-classification",
+                          output_dir=out, data={"train": str(train), "eval": str(evaluation)})
+    for command in ("validate", "train"):
+        assert main([command, str(recipe)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "has label 'mixed' in column 'label', which data.train does not have (its " \
+            "labels: neg, pos)" in err[0], err
+    assert not out.exists()
+
+
+def test_prompt_response_masks_exactly_the_prompt_tokens():
+    from toolkit.instruct import encode, prompt_response_text
+
+    tokenizer = _tokenizer()
+    prompt, response = "review: the plot was thin. sentiment:", " negative"
+    text, spans = prompt_response_text(prompt, response, tokenizer)
+    got = encode([text], [spans], tokenizer, max_length=64, add_special_tokens=True)
+    # by hand: [CLS] + the prompt's own tokens are the prompt; the response's tokens follow; [SEP] closes
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    response_ids = tokenizer(response.strip(), add_special_tokens=False)["input_ids"]
+    ids = [tokenizer.cls_token_id, *prompt_ids, *response_ids, tokenizer.sep_token_id]
+    assert got["input_ids"] == [ids]
+    assert got["labels"] == [[IGNORE_INDEX] * (1 + len(prompt_ids)) + response_ids + [IGNORE_INDEX]]
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_chat_masks_everything_but_the_assistant_turns():
+    from toolkit.instruct import chat_text, encode
+
+    tokenizer = _tokenizer()
+    messages = [{"role": "user", "content": "rate it"}, {"role": "assistant", "content": "good"},
+                {"role": "user", "content": "why"}, {"role": "assistant", "content": "fine acting"}]
+    text, spans = chat_text(messages, tokenizer, CHAT_TEMPLATE)
+    assert text == ("<user>rate it</user><assistant>good</assistant><user>why</user>"
+                    "<assistant>fine acting</assistant>")
+    got = encode([text], [spans], tokenizer, max_length=128, add_special_tokens=False)
+    trained = tokenizer.decode([t for t in got["labels"][0] if t != IGNORE_INDEX])
+    # each assistant turn's content and its closing tag; nothing of the user's turns or the opening tags
+    words = tokenizer.decode(tokenizer("good</assistant>fine acting</assistant>", add_special_tokens=False)["input_ids"])
+    assert trained == words
+
+
+def test_packing_keeps_each_token_with_its_label():
+    pack = _packer(4)
+    out = pack({"input_ids": [[1, 2, 3], [4, 5, 6, 7, 8]], "labels": [[-100, 2, 3], [-100, -100, 6, 7, 8]]})
+    assert out == {"input_ids": [[1, 2, 3, 4], [5, 6, 7, 8]], "labels": [[-100, 2, 3, -100], [-100, 6, 7, 8]]}
+    batch = Collator(pad_token_id=0, task="causal-lm")([{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]},
+                                                        {"input_ids": [4, 5], "labels": [-100, 5]}])
+    assert batch["labels"].tolist() == [[-100, 2, 3], [-100, 5, -100]] and batch["num_items"] == 3
+
+
+def test_prompt_response_training_logs_the_mean_over_response_tokens(tmp_path, tiny_llama_dir):
+    data = tmp_path / "pairs.jsonl"
+    pairs = [{"prompt": f"review: {r['text']} sentiment:", "response": [" negative", " positive"][r["label"]]}
+             for r in ROWS]
+    data.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    out = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out,
+                          data={"train": str(data), "eval": str(data), "format": "prompt-response", "max_length": 48},
+                          train={"max_steps": 2, "eval_every": None})
+    launch(recipe, nproc=1)
+    steps = metrics(out)
+
+    # the reference: the step-1 global batch through the pretrained model, cross-entropy on the response tokens
+    # alone (the prompt's tokens counted by tokenizing the prompt by itself), mean over those tokens
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.data import GlobalBatchSampler
+    from toolkit.recipe import BatchPlan
+
+    tokenizer, model = _tokenizer(), AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    plan = BatchPlan(world_size=1, micro_batch_size=8, grad_accum_steps=1, global_batch_size=8)
+    total, count = 0.0, 0
+    for index in GlobalBatchSampler(num_samples=len(pairs), plan=plan, rank=0, seed=0).global_batch(0):
+        prompt_len = 1 + len(tokenizer(pairs[index]["prompt"], add_special_tokens=False)["input_ids"])  # + [CLS]
+        ids = tokenizer(pairs[index]["prompt"] + pairs[index]["response"])["input_ids"][:-1]  # without [SEP]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0].double()
+        target = torch.tensor(ids[prompt_len:])  # predicted from the position before each
+        total += torch.nn.functional.cross_entropy(logits[prompt_len - 1:-1], target, reduction="sum").item()
+        count += len(target)
+    assert steps[0]["loss"] == pytest.approx(total / count, rel=1e-5)
+    assert steps[0]["loss_items"] == count
+    assert steps[-1]["eval_perplexity"] == pytest.approx(math.exp(steps[-1]["eval_loss"]), rel=1e-12)
+    assert exported_weights(out)  # the run exported a model
+
+
+def test_chat_data_without_a_template_or_an_assistant_turn_is_one_line(tmp_path, tiny_llama_dir, capsys):
+    data = tmp_path / "chats.jsonl"
+    chats = [{"messages": [{"role": "user", "content": r["text"]},
+                           {"role": "assistant", "content": ["no", "yes"][r["label"]]}]} for r in ROWS]
+    data.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    out = tmp_path / "run"
+    base = dict(model_dir=tiny_llama_dir, output_dir=out, train={"max_steps": 2, "eval_every": None})
+    recipe = write_recipe(tmp_path / "r.yaml", data={"train": str(data), "eval": None, "format": "chat"}, **base)
+    assert main(["validate", str(recipe)]) == 2  # the MiniLM tokenizer has no chat template
+    assert "data.format chat: the tokenizer has no chat template" in capsys.readouterr().err
+    with_template = {"train": str(data), "eval": None, "format": "chat", "chat_template": CHAT_TEMPLATE}
+    recipe = write_recipe(tmp_path / "r.yaml", data=with_template, **base)
+    assert main(["validate", str(recipe)]) == 0
+    chats[3]["messages"] = chats[3]["messages"][:1]
+    data.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    assert main(["validate", str(recipe)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "row 4 has no assistant message" in err[0], err

@@ -1,0 +1,94 @@
+"""Instruction tuning data: conversations (data.format chat) or prompts with their responses (prompt-response),
+tokenized with labels that carry the loss on the response tokens only; every other position, the prompt, the
+user's turns, the template's markup and padding, is IGNORE_INDEX. The loop's loss is then the mean over the
+response tokens of the global batch (toolkit/losses.py counts the labels that are not ignored).
+
+Which tokens are the response is decided on the text, not on token ids: the responses' character spans in the
+rendered text (for a chat, what the template adds between the conversation so far with a generation prompt
+and the conversation with that assistant turn), then each token whose offset starts inside a span. A
+tokenizer merges across a prompt/response boundary as it likes; the offsets say where each token came from.
+"""
+
+from __future__ import annotations
+
+from toolkit.errors import RecipeError
+from toolkit.losses import IGNORE_INDEX
+from toolkit.recipe import DataConfig
+
+Span = tuple[int, int]  # [start, end) characters of a response in the rendered text
+
+
+def prompt_response_text(prompt: str, response: str, tokenizer) -> tuple[str, list[Span]]:
+    """The sample's text (the response ends with the tokenizer's end-of-sequence token, when it has one, so
+    that the model learns to stop) and the response's span."""
+    tail = response + (tokenizer.eos_token or "")
+    return prompt + tail, [(len(prompt), len(prompt) + len(tail))]
+
+
+def chat_text(messages: list[dict], tokenizer, template: str | None) -> tuple[str, list[Span]]:
+    """The rendered conversation and the span of each assistant turn in it."""
+    def render(part: list[dict], generation: bool) -> str:
+        return tokenizer.apply_chat_template(part, tokenize=False, add_generation_prompt=generation,
+                                             chat_template=template)
+
+    full = render(messages, False)
+    spans = []
+    for index, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        before, through = render(messages[:index], True), render(messages[:index + 1], False)
+        if not (through.startswith(before) and full.startswith(through)):
+            raise RecipeError("data.format chat: the chat template renders a conversation so that its beginning "
+                              "changes as turns are added, so the assistant's tokens cannot be told apart; set "
+                              "data.chat_template to a template that appends each turn")
+        spans.append((len(before), len(through)))
+    return full, spans
+
+
+def encode(texts: list[str], spans: list[list[Span]], tokenizer, *, max_length: int,
+           add_special_tokens: bool) -> dict[str, list[list[int]]]:
+    """input_ids and labels: a token's label is itself where its text starts inside a response span, else
+    IGNORE_INDEX (special tokens the tokenizer adds have no text: ignored)."""
+    out = tokenizer(texts, truncation=True, max_length=max_length, return_offsets_mapping=True,
+                    add_special_tokens=add_special_tokens)
+    labels = []
+    for ids, offsets, sample_spans in zip(out["input_ids"], out["offset_mapping"], spans):
+        labels.append([token if end > start and any(a <= start < b for a, b in sample_spans) else IGNORE_INDEX
+                       for token, (start, end) in zip(ids, offsets)])
+    return {"input_ids": out["input_ids"], "labels": labels}
+
+
+def encode_batch(batch: dict, data: DataConfig, tokenizer) -> dict[str, list[list[int]]]:
+    """A `datasets.map` batch of instruction rows -> input_ids and labels."""
+    if data.format == "chat":
+        rendered = [chat_text(messages, tokenizer, data.chat_template) for messages in batch[data.messages_column]]
+        special = False  # the template writes the conversation's special tokens itself
+    else:
+        rendered = [prompt_response_text(p, r, tokenizer)
+                    for p, r in zip(batch[data.prompt_column], batch[data.response_column])]
+        special = True
+    return encode([text for text, _ in rendered], [spans for _, spans in rendered], tokenizer,
+                  max_length=data.max_length, add_special_tokens=special)
+
+
+def check_tokenizer(data: DataConfig, tokenizer) -> None:
+    if not getattr(tokenizer, "is_fast", False):
+        raise RecipeError(f"data.format {data.format} needs a fast tokenizer (its offsets tell response tokens "
+                          "apart); give a tokenizer folder with tokenizer.json")
+    if data.format == "chat" and data.chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise RecipeError("data.format chat: the tokenizer has no chat template; set data.chat_template to one "
+                          "(a Jinja template over `messages`, as in tokenizer_config.json)")
+
+
+def check_messages(rows, key: str, path, column: str) -> None:
+    """Each row of `column` is a list of {role, content} turns with at least one assistant turn."""
+    for number, messages in enumerate(rows, start=1):
+        ok = isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)
+        if not ok:
+            raise RecipeError(f"{key}: {path} row {number}: {column!r} must be a list of {{role, content}} "
+                              f"messages, got {str(messages)[:80]!r}; fix the data or set data.messages_column")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise RecipeError(f"{key}: {path} row {number} has no assistant message: nothing to train on; add "
+                              "one or drop the row")
