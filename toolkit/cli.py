@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -66,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--nproc", type=int, default=1, help="ranks (processes) on this machine")
     launch.add_argument("--max-restarts", type=int, default=0, metavar="R",
                         help="when a rank dies, restart every rank up to R times; they resume from the newest checkpoint")
+    launch.add_argument("--nnodes", type=int, default=1, help="machines in the job; run this command on each")
+    launch.add_argument("--node-rank", type=int, default=0, help="this machine's index (0..nnodes-1)")
+    launch.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                        help="where the machines meet (torchrun's c10d rendezvous, on one of them)")
+    launch.add_argument("--rdzv-id", default="toolkit", help="the job's rendezvous id, the same on every machine")
+    launch.add_argument("--local-addr", default=None, help="the address this machine is reached at by the others")
     launch.add_argument("recipe")
     _add_overrides(launch)
     _add_resume(launch)
@@ -225,8 +232,9 @@ def cmd_launch(args) -> int:
         raise RecipeError("--nproc must be >= 1")
     if args.max_restarts < 0:
         raise RecipeError("--max-restarts must be >= 0")
+    nodes = _nodes_of(args)
     recipe = load_recipe(args.recipe, args.overrides)
-    plan = check_recipe(recipe, world_size=args.nproc)
+    plan = check_recipe(recipe, world_size=args.nproc * nodes.count)  # on every node, before its ranks start
     resume = _resume_of(args)
     from toolkit.checkpoint.run import starting_point
 
@@ -235,7 +243,7 @@ def cmd_launch(args) -> int:
         (["--resume-weights-only"] if resume.weights_only else [])
     started = time.time()
     code = launch(args.recipe, nproc=args.nproc, overrides=args.overrides, extra=extra,
-                  max_restarts=args.max_restarts)
+                  max_restarts=args.max_restarts, nodes=nodes)
     run_info = Path(recipe.output_dir) / "run.json"
     if code != 0 and run_info.is_file() and run_info.stat().st_mtime >= started \
             and json.loads(run_info.read_text()).get("status") == "completed":
@@ -243,6 +251,21 @@ def cmd_launch(args) -> int:
         print(f"toolkit: the run itself completed before that: outputs in {recipe.output_dir} are complete",
               file=sys.stderr)
     return code
+
+
+def _nodes_of(args):
+    from toolkit.launch import Nodes
+
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise RecipeError(f"--nnodes {args.nnodes} --node-rank {args.node_rank}: give nnodes >= 1 and a node rank "
+                          "from 0 to nnodes-1")
+    if args.nnodes > 1 and not args.rdzv_endpoint:
+        raise RecipeError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT, an address of the first machine that every "
+                          "machine reaches (e.g. its hostname and a free port such as 29500)")
+    if args.rdzv_endpoint and not re.fullmatch(r"[\w.\-\[\]:]+:\d+", args.rdzv_endpoint):
+        raise RecipeError(f"--rdzv-endpoint {args.rdzv_endpoint!r} is not HOST:PORT (e.g. node001:29500)")
+    return Nodes(count=args.nnodes, rank=args.node_rank, endpoint=args.rdzv_endpoint, run_id=args.rdzv_id,
+                 local_addr=args.local_addr)
 
 
 def cmd_validate(args) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 
 from toolkit.errors import USER_ERROR_EXIT_CODE
 
@@ -15,11 +16,32 @@ def worker_args(recipe_path: str, overrides: list[str], extra: list[str] | None 
     return args + list(extra or [])
 
 
+@dataclass(frozen=True, kw_only=True)
+class Nodes:
+    """Where the ranks are: one machine (torchrun --standalone: a free local port), or `count` machines that meet
+    at a c10d rendezvous on `endpoint` (HOST:PORT, on one of them), each running this same command."""
+
+    count: int = 1
+    rank: int = 0  # this machine's --node-rank (with c10d, ranks are given in arrival order all the same)
+    endpoint: str | None = None
+    run_id: str = "toolkit"  # the rendezvous id: every node of one job passes the same
+    local_addr: str | None = None  # the address this node advertises (e.g. 127.0.0.1 for nodes on one host)
+
+    def torchrun_args(self) -> list[str]:
+        if self.count == 1 and self.endpoint is None:
+            return ["--standalone"]
+        assert self.endpoint is not None  # the CLI asks for it with --nnodes > 1
+        args = [f"--nnodes={self.count}", f"--node-rank={self.rank}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}"]
+        return args + ([f"--local-addr={self.local_addr}"] if self.local_addr else [])
+
+
 def torchrun_args(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[str] | None = None,
-                  max_restarts: int = 0) -> list[str]:
-    """The torch.distributed.run command line: one node, a free local port, `nproc` ranks, this interpreter;
-    with max_restarts, torch's elastic agent restarts every rank when one dies (they resume, see loop)."""
-    return ["--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", "--no-python",
+                  max_restarts: int = 0, nodes: Nodes = Nodes()) -> list[str]:
+    """The torch.distributed.run command line: `nproc` ranks on this machine (one node: a free local port, or
+    several meeting at a rendezvous), this interpreter; with max_restarts, torch's elastic agent restarts every
+    rank when one dies (they resume, see loop)."""
+    return [*nodes.torchrun_args(), f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", "--no-python",
             sys.executable, *worker_args(recipe_path, overrides, extra)]
 
 
@@ -36,8 +58,8 @@ def prepare_environment() -> None:
 
 
 def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[str] | None = None,
-           max_restarts: int = 0) -> int:
-    """Run the recipe on `nproc` local ranks through torch.distributed.run; returns the exit code."""
+           max_restarts: int = 0, nodes: Nodes = Nodes()) -> int:
+    """Run the recipe on `nproc` local ranks (of `nodes`) through torch.distributed.run; returns the exit code."""
     import signal
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -47,7 +69,7 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
     prepare_environment()
     quiet_agent_logs()
     args = get_args_parser().parse_args(torchrun_args(recipe_path, nproc=nproc, overrides=overrides,
-                                                        extra=extra, max_restarts=max_restarts))
+                                                        extra=extra, max_restarts=max_restarts, nodes=nodes))
     # SIGUSR1 (SLURM's warning before a kill) is handled like SIGTERM: torch's agent forwards that to every
     # rank, and the ranks checkpoint and stop after their current step
     signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
