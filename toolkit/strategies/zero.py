@@ -28,9 +28,10 @@ from toolkit.precision import StepResult, dtype_name
 from toolkit.recipe import Recipe, plan_batch
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
                                      every_rank_a_shard, first_dtype, forward_once, local_abs_max, no_context,
-                                     optimizer_label, optimizer_state_tensors)
+                                     optimizer_state_tensors)
 from toolkit.strategies.state_bytes import StateBytes
 from toolkit.strategies import zero_checkpoint, zero_init, zero_state
+from toolkit.strategies.zero_optim import cpu_adam_like, optimizer_label_of
 from toolkit.strategies.zero_config import (check_deepspeed_precision, configured_stage, hidden_size_of, offloads,
                                           resolve_ds_config, stage_of)
 
@@ -110,7 +111,7 @@ class ZeroStrategy:
         # one, the recipe's AdamW and schedule, built by the factories every strategy uses
         optimizer = None if "optimizer" in self.config else args.build_optimizer(model)
         if optimizer is not None and self.offload_optimizer:
-            optimizer = _cpu_adam_like(optimizer)
+            optimizer = cpu_adam_like(optimizer)
         scheduler = None if "scheduler" in self.config else args.build_scheduler
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.config,
@@ -122,7 +123,7 @@ class ZeroStrategy:
             built = " and ".join(f"{kind} {self.config[kind]['type']}" for kind in ("optimizer", "scheduler")
                                  if kind in self.config)
             print(f"[toolkit] zero: DeepSpeed builds the {built} of {recipe.strategy.ds_config} (\"auto\" values "
-                  f"from the recipe; ran: {_optimizer_label(self._inner_optimizer())}, {self.schedule_label})",
+                  f"from the recipe; ran: {optimizer_label_of(self._inner_optimizer())}, {self.schedule_label})",
                   file=sys.stderr, flush=True)
 
     @property
@@ -375,7 +376,7 @@ class ZeroStrategy:
                               f"({dtype_name(self.engine.communication_data_type)})",
             "optimizer_state": dtype_name(first_dtype(optimizer_state_tensors(inner)) or masters),
             "loss_scaling": scaling,
-            "optimizer": _optimizer_label(inner) + (", offloaded" if self.offload_optimizer else ""),
+            "optimizer": optimizer_label_of(inner) + (", offloaded" if self.offload_optimizer else ""),
             "scheduler": self.schedule_label,
         }
 
@@ -392,28 +393,6 @@ DS_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteres
 
 def _number(value):
     return value.item() if torch.is_tensor(value) else value
-
-
-def _optimizer_label(optimizer) -> str:
-    """What ran the step: torch's AdamW (and its implementation), or DeepSpeed's own optimizer by name."""
-    if type(optimizer).__module__.startswith("torch.optim"):
-        return optimizer_label(optimizer)
-    names = {"DeepSpeedCPUAdam": "fused CPU Adam", "FusedAdam": "FusedAdam"}
-    name = type(optimizer).__name__
-    mode = getattr(optimizer, "adamw_mode", getattr(optimizer, "adam_w_mode", None))
-    return f"DeepSpeed {names.get(name, name)}" + ("" if mode is None else " (AdamW)" if mode else " (Adam)")
-
-
-def _cpu_adam_like(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The recipe's AdamW (its parameter groups, lr, betas, eps, weight decay) as DeepSpeed's vectorised
-    CPU Adam, which DeepSpeed requires for an offloaded optimizer step (JIT-built once)."""
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-    defaults = optimizer.defaults
-    groups = [{k: v for k, v in group.items() if k in ("params", "lr", "weight_decay", "betas", "eps")}
-              for group in optimizer.param_groups]
-    return DeepSpeedCPUAdam(groups, lr=defaults["lr"], betas=defaults["betas"], eps=defaults["eps"],
-                            weight_decay=defaults["weight_decay"], adamw_mode=True)
 
 
 def _gathered(param: torch.Tensor) -> torch.Tensor:
