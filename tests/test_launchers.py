@@ -42,7 +42,8 @@ def test_accelerates_own_fsdp_example_config_runs_as_it_is_on_fsdp2(llama_runs, 
     out = tmp_path / "acc"
     result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                              str(REPO / "recipes" / "accelerate" / "fsdp-v1-example.yaml"), "-m", "toolkit", "train",
-                             str(llama_runs.recipe), "--set", "batch.micro_batch_size=4", "--set", "train.max_steps=8",
+                             str(llama_runs.recipe), "--set", "precision=bf16",  # the test recipe says fp32: as the file
+                             "--set", "batch.micro_batch_size=4", "--set", "train.max_steps=8",
                              "--set", "optim.lr=0.003", "--set", "optim.warmup_steps=0", "--set", f"output_dir={out}"],
                             cwd=REPO, env=toolkit_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-5000:]
