@@ -138,28 +138,32 @@ def load_sharded(model: nn.Module, source: ModelSource, *, env: DistEnv) -> str:
 
 
 def _read_slices(tensors: dict[str, torch.Tensor], files: dict[str, Path]) -> None:
-    """Copy into each local shard the slice of its tensor that this rank holds, read from the file alone."""
+    """Copy into each local shard the slice of its tensor that this rank holds, read from the file alone. One
+    tensor per opening: safe_open maps the whole file, and the pages a read touches stay in this process's
+    resident set until the file is closed (measured: 1.3 GB more peak RSS per rank, on a 1.2 GB file, when one
+    opening read every tensor)."""
     from safetensors import safe_open
+
+    for name, target in tensors.items():
+        with safe_open(str(files[name]), framework="pt") as f, torch.no_grad():
+            _read_slice(f, name, target)
+
+
+def _read_slice(f, name: str, target: torch.Tensor) -> None:
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    for path in sorted(set(files.values())):
-        with safe_open(str(path), framework="pt") as f, torch.no_grad():
-            for name in (n for n in tensors if files[n] == path):
-                target = tensors[name]
-                if not isinstance(target, DTensor):
-                    target.copy_(f.get_tensor(name))
-                    continue
-                local = target.to_local()
-                if all(isinstance(p, (Shard, Replicate)) for p in target.placements):
-                    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh,
-                                                                          target.placements)
-                    piece = f.get_slice(name)[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
-                else:  # a strided layout (FSDP over TP): torch cuts this rank's part from the whole tensor
-                    whole = f.get_tensor(name).to(local.dtype)
-                    piece = distribute_tensor(whole, target.device_mesh, target.placements,
-                                              src_data_rank=None).to_local()
-                local.copy_(piece.to(local.dtype))
+    if not isinstance(target, DTensor):
+        target.copy_(f.get_tensor(name))
+        return
+    local = target.to_local()
+    if all(isinstance(p, (Shard, Replicate)) for p in target.placements):
+        shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+        piece = f.get_slice(name)[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+    else:  # a strided layout (FSDP over TP): torch cuts this rank's part from the whole tensor
+        whole = f.get_tensor(name).to(local.dtype)
+        piece = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None).to_local()
+    local.copy_(piece.to(local.dtype))
 
 
 def whole_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
