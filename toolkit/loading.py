@@ -18,7 +18,6 @@ ZeRO-3 builds its model inside DeepSpeed's zero.Init through transformers' own i
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -183,8 +182,3 @@ def whole_model_bytes(model: nn.Module, recipe: Recipe) -> int:
 def num_parameters(model: nn.Module) -> int:
     """Every parameter's element count, also of an empty (meta) or ZeRO-3-partitioned model."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-
-
-def say(env: DistEnv, how: str) -> None:
-    if env.is_main:
-        print(f"[toolkit] weights: {how}", file=sys.stderr, flush=True)
