@@ -9,10 +9,11 @@ sharded while empty, then `load_sharded` fills each rank's shards, in the first 
   a checkpoint     DCP reads each rank's part of every tensor (it reshards whatever wrote it);
   safetensors      the pretrained files hold exactly the model's tensors: each rank reads only its slice of
                    each tensor (safetensors' get_slice), no communication, no full copy anywhere;
-  rank 0           otherwise (a model from a config, LoRA adapters, a checkpoint whose names from_pretrained
-                   maps or completes): rank 0 builds the whole model as `whole()` does and broadcasts it
-                   (torch's set_model_state_dict, broadcast_from_rank0), one tensor at a time.
-ZeRO-3 builds its model inside DeepSpeed's zero.Init through transformers' own integration (zero.py).
+  rank 0           otherwise (a model from a config, LoRA adapters, pretrained files whose names from_pretrained
+                   maps or completes with a new head): rank 0 builds the whole model as `whole()` does and
+                   broadcasts it (torch's set_model_state_dict, broadcast_from_rank0), one tensor at a time.
+ZeRO-3 builds its model inside DeepSpeed's zero.Init through transformers' own integration
+(strategies/zero_init.py).
 """
 
 from __future__ import annotations
