@@ -22,7 +22,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from toolkit_runs import launch
+from toolkit_runs import launch, print_table
 
 MODEL = {"model_type": "llama", "vocab_size": 30522, "hidden_size": 1024, "intermediate_size": 2816,
          "num_attention_heads": 16, "num_key_value_heads": 4, "max_position_embeddings": 1024,
@@ -98,11 +98,7 @@ def main() -> None:
             sets = [model] if args.from_config else ["model.config=null", model]
             rows.append(row(arm, run(arm, model=sets, nproc=args.nproc, steps=args.steps, micro=args.micro_batch,
                                      seq=args.seq, out=Path(tmp) / arm.replace("+", "-"))))
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for r in rows:
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+    print_table(head, rows)
 
 
 if __name__ == "__main__":

@@ -18,3 +18,12 @@ def launch(recipe: str, *, nproc: int, sets: list[str], label: str) -> None:
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"{label} failed:\n{result.stderr[-3000:]}")
+
+
+def print_table(head: list[str], rows: list[list[str]]) -> None:
+    """A Markdown table, columns padded (what the README shows)."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in rows:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")

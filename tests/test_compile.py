@@ -28,6 +28,21 @@ def test_compiled_blocks_train_as_eager_ones_under_fsdp_and_compile_time_is_apar
     assert "compile_s" not in metrics(eager)[0]
     run = json.loads((compiled / "run.json").read_text())
     assert run["compile_s"] == pytest.approx(sum(compile_s))  # the run's compile time, apart from its steps'
+    assert run["compile_graph_breaks"]["total"] == 0, run["compile_graph_breaks"]  # each block one graph
+
+
+def test_checkpointed_blocks_compile_without_graph_breaks_and_train_as_eager_ones(llama_runs):
+    ac = ("train.activation_checkpointing=true",)
+    eager = llama_runs.get("single-m8-ac", nproc=1, overrides=ac)
+    compiled = llama_runs.get("single-m8-ac-compile", nproc=1, overrides=(*ac, "train.compile=true"))
+    # the checkpoint is traced inside each compiled forward (one graph per block, recomputed in backward): a
+    # side effect inside it, such as the first step's block-forward counting hooks, made dynamo give up on
+    # the whole block (2 breaks here, measured; on an H100 the step was exactly as slow as eager)
+    run = json.loads((compiled / "run.json").read_text())
+    assert run["compile_graph_breaks"]["total"] == 0, run["compile_graph_breaks"]
+    assert run["compile_s"] > 0
+    torch.testing.assert_close(torch.tensor(losses(compiled), dtype=torch.float64),
+                               torch.tensor(losses(eager), dtype=torch.float64), rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("overrides", [("strategy.name=tp",), ("strategy.name=fsdp", "strategy.tp_degree=2")])

@@ -35,7 +35,8 @@ from toolkit.export import export_model
 from toolkit.gradient_scale import GradientScale
 from toolkit.loading import ModelSource, num_parameters, whole_parameters
 from toolkit.losses import micro_batch_loss_sum
-from toolkit.metrics import JsonlWriter, Progress, compile_seconds, peak_memory_bytes, process_bytes, synchronize
+from toolkit.metrics import (JsonlWriter, Progress, compile_graph_breaks, compile_seconds, peak_memory_bytes,
+                             process_bytes, synchronize)
 from toolkit.model import BlockForwards, layer_stack, load_tokenizer
 from toolkit.optim import build_adamw, build_scheduler
 from toolkit.precision import check_precision_supported
@@ -119,8 +120,11 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     model = strategy.build_model(source, env=env)  # whole, or empty / partitioned under low-memory loading
     check_replicas(whole_parameters(model), env, when="at start (before setup)")
     num_params = num_parameters(model)
-    # the blocks' forwards in the first step: twice per micro-batch shows the recomputation happened
-    forwards = BlockForwards(layer_stack(model)) if recipe.train.activation_checkpointing else None
+    # the blocks' forwards in the first step: twice per micro-batch shows the recomputation happened. Not under
+    # train.compile: the counting hooks would run inside the compiled checkpoint, where dynamo refuses a side
+    # effect and falls back to eager for the whole block (measured: no compile at all, step as slow as eager)
+    counted = recipe.train.activation_checkpointing and not recipe.train.compile
+    forwards = BlockForwards(layer_stack(model)) if counted else None
     setup_strategy(strategy, model, source=source, env=env, plan=plan, total_steps=total_steps)
     # transformers returns models in eval mode: dropout and activation checkpointing act in train mode only
     # (before this, training ran without dropout until the first evaluation switched the model back)
@@ -190,6 +194,8 @@ def run_steps(strategy: Strategy, loader, *, recipe: Recipe, env: DistEnv, plan,
         saver.tokens_seen += record["tokens"]
         if "compile_s" in record:  # run.json: the compile time of the whole run, apart from the steps'
             info["compile_s"] = info.get("compile_s", 0.0) + record["compile_s"]
+        if recipe.train.compile:
+            note_graph_breaks(info, first=step == done + 1, env=env)
         every = recipe.train.eval_every
         if eval_ds is not None and ((every and step % every == 0) or step == total_steps):
             record.update(evaluate(strategy, eval_ds, collator=collator, recipe=recipe, env=env, layout=layout,
@@ -212,6 +218,17 @@ def run_steps(strategy: Strategy, loader, *, recipe: Recipe, env: DistEnv, plan,
                 saver.save(strategy, step=step, wait=True)
             raise Stopped(signum, step, total_steps, saver.last_path)
     return losses
+
+
+def note_graph_breaks(info: dict, *, first: bool, env: DistEnv) -> None:
+    """run.json's compile_graph_breaks (this rank's count so far, by reason), said once on rank 0 after the
+    first step: a break inside a block leaves it eager, so the compile costs time and gains nothing there."""
+    breaks = compile_graph_breaks()
+    info["compile_graph_breaks"] = {"total": sum(breaks.values()), "reasons": breaks}
+    if first and breaks and env.is_main:
+        reason = max(breaks, key=lambda r: breaks[r]).splitlines()[0][:160]
+        print(f"[toolkit] train.compile: {sum(breaks.values())} graph break(s) in the first step, the code around "
+              f"them runs eager (most frequent: {reason})", file=sys.stderr, flush=True)
 
 
 def step_compile_seconds(before_s: float, env: DistEnv) -> float:

@@ -72,6 +72,14 @@ def compile_seconds() -> float:
     return calculate_time_spent().get("total_wall_time", 0.0)
 
 
+def compile_graph_breaks() -> dict[str, int]:
+    """Graph breaks torch.compile has met in this process so far, by reason (dynamo's own counters). A break
+    inside a block leaves the code around it eager: a compile that 'works' but makes nothing faster."""
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # device sync: step timings must include queued kernels

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from toolkit.errors import RecipeError
@@ -179,10 +181,29 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
 def compile_blocks(model: nn.Module) -> None:
     """torch.compile each transformer block's `forward` (compiled lazily, at its first call). The forward, not
     the module: hooks on the block (FSDP2's all-gather, the strategy's own) stay outside the compiled code, and
-    module and parameter names stay as they are. With activation checkpointing the compiled forward is the
-    checkpointing one, which dynamo traces as a region to recompute."""
+    module and parameter names stay as they are.
+
+    With activation checkpointing the checkpoint goes inside the compiled function, where dynamo traces it as
+    a region to recompute. Left where transformers puts it, it depends on the version whether it is inside:
+    transformers 5.17 checkpoints a layer's `__call__`, around the compiled forward, and on CUDA the compiled
+    graph then saves other tensors on recomputation than in forward (flash attention's RNG state among them):
+    torch's CheckpointError at the first backward (measured on an H100, torch 2.11)."""
     for block in layer_stack(model):
-        block.forward = torch.compile(block.forward)  # type: ignore[method-assign]
+        forward = block.forward
+        if getattr(block, "gradient_checkpointing", False):
+            setattr(block, "gradient_checkpointing", False)  # transformers' own checkpoint: off for this block
+            forward = _checkpointed(block, forward)
+        block.forward = torch.compile(forward)  # type: ignore[method-assign]
+
+
+def _checkpointed(block: nn.Module, forward: Callable) -> Callable:
+    """`forward` recomputed in backward while training: torch's non-reentrant checkpoint, as transformers'
+    own is set up (evaluation runs the plain forward)."""
+    def run(*args, **kwargs):
+        if not (block.training and torch.is_grad_enabled()):
+            return forward(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=False)
+    return run
 
 
 class BlockForwards:

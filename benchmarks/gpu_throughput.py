@@ -1,0 +1,111 @@
+"""Tokens/s, MFU and peak GPU memory of single, fsdp and zero3 on one GPU, each plain, with activation
+checkpointing and with `train.compile`, with `toolkit plan`'s peak prediction beside each measurement.
+
+    python benchmarks/gpu_throughput.py [--arms single,fsdp+ac,...] [--steps 12] [--micro-batch 4] [--seq 2048]
+
+The model is a Llama-style decoder of ~1B parameters built from a config (no download): hidden 2048, MLP 5632,
+32 heads (4 KV), 22 blocks, the MiniLM tokenizer's 30522-token vocabulary, tied embeddings. Each arm is one real
+`toolkit launch --nproc 1` run, bf16, on the review texts packed into `--seq`-token samples (no padding), of
+`--steps` steps; tokens/s is the median over the steps after the first fifth, MFU is against the GPU's datasheet
+dense bf16 peak (`toolkit compare`'s own numbers, read from the run's metrics.jsonl and run.json). fsdp and zero3
+run at world size 1: their hooks, casts and optimizer paths, without sharding.
+Issue 11's goal: >= 50 % MFU for the best arm. An arm that fails (out of memory, say) is a row saying so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from toolkit_runs import REPO, print_table
+
+sys.path.insert(0, str(REPO))
+
+from toolkit.compare import measure  # noqa: E402
+from toolkit.metrics import read_jsonl  # noqa: E402
+
+MODEL = {"model_type": "llama", "vocab_size": 30522, "hidden_size": 2048, "intermediate_size": 5632,
+         "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4,
+         "max_position_embeddings": 4096, "tie_word_embeddings": True}
+STRATEGIES = {"single": ["strategy.name=single"], "fsdp": ["strategy.name=fsdp"],
+              "zero3": ["strategy.name=zero", "strategy.stage=3"]}
+VARIANTS = {"": [], "+ac": ["train.activation_checkpointing=true"], "+compile": ["train.compile=true"],
+            "+ac+compile": ["train.activation_checkpointing=true", "train.compile=true"]}
+ARMS = {s + v: STRATEGIES[s] + VARIANTS[v] for s in STRATEGIES for v in VARIANTS}
+DEFAULT_ARMS = [s + v for s in STRATEGIES for v in ("", "+ac", "+compile")]
+GiB = 2 ** 30
+
+
+def run(arm: str, *, args, out: Path) -> dict:
+    """One arm; the run's numbers, or {"error": the last line it printed}."""
+    model = {**MODEL, "num_hidden_layers": args.layers, "hidden_size": args.hidden,
+             "intermediate_size": args.intermediate}
+    sets = [*ARMS[arm], f"model.config={json.dumps(model)}", "precision=bf16", f"train.max_steps={args.steps}",
+            "train.eval_every=null", "data.eval=null", f"data.max_length={args.seq}", "data.packing=true",
+            f"batch.micro_batch_size={args.micro_batch}", "batch.grad_accum_steps=1", "batch.global_batch_size=null",
+            "train.progress=false", "checkpoint.final=false", f"output_dir={out}"]
+    if args.tokenizer:
+        sets.append(f"model.tokenizer={args.tokenizer}")
+    cmd = [sys.executable, "-m", "toolkit", "launch", "--nproc", "1", "recipes/llama-tiny.yaml"]
+    for item in sets:
+        cmd += ["--set", item]
+    print(f"[benchmark] {arm} ...", file=sys.stderr, flush=True)
+    try:
+        result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.arm_timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"over {args.arm_timeout} s"}
+    if result.returncode != 0:
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        print(result.stderr[-4000:], file=sys.stderr)
+        return {"error": next((line for line in reversed(lines) if "Error" in line), lines[-1] if lines else "?")}
+    run_info = json.loads((out / "run.json").read_text())
+    speed = measure.throughput(read_jsonl(out / "metrics.jsonl"))
+    return {"run": run_info, **speed, **measure.mfu(run_info, speed["tokens_per_s"]), **measure.memory(run_info)}
+
+
+def row(arm: str, r: dict) -> list[str]:
+    if "error" in r:
+        return [arm, "failed: " + r["error"][:90], *[""] * 8]
+    run_info = r["run"]
+    peak = max(r["peak_mem_bytes_per_rank"])
+    reserved = max(x or 0 for x in r["peak_reserved_bytes_per_rank"])
+    predicted = r.get("predicted_peak_bytes")
+    return [arm, f"{run_info['num_params'] / 1e6:,.0f}M", f"{r['tokens_per_s']:,.0f}",
+            f"{r['mfu'] * 100:.1f} %" if r["mfu"] is not None else "n/a", f"{r['step_time_s'] * 1000:.0f}",
+            f"{run_info.get('compile_s') or 0:.0f}", f"{peak / GiB:.1f}", f"{reserved / GiB:.1f}",
+            f"{predicted / GiB:.1f}" if predicted else "n/a",
+            f"{(peak - predicted) / predicted * 100:+.1f} %" if predicted else "n/a"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"of {', '.join(ARMS)}")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--micro-batch", type=int, default=4, help="samples per micro-batch")
+    parser.add_argument("--seq", type=int, default=2048, help="tokens per sample (packed: no padding)")
+    parser.add_argument("--layers", type=int, default=MODEL["num_hidden_layers"])
+    parser.add_argument("--hidden", type=int, default=MODEL["hidden_size"])
+    parser.add_argument("--intermediate", type=int, default=MODEL["intermediate_size"])
+    parser.add_argument("--tokenizer", help="a tokenizer folder instead of the recipe's (the MiniLM package's)")
+    parser.add_argument("--arm-timeout", type=int, default=600, help="seconds before an arm counts as failed")
+    parser.add_argument("--json", type=Path, help="also write every arm's numbers here")
+    args = parser.parse_args()
+    head = ["arm", "params", "tokens/s", "MFU", "step ms", "compile s", "peak GiB", "reserved GiB",
+            "predicted GiB", "error"]
+    rows, results = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for arm in args.arms.split(","):
+            results[arm] = run(arm, args=args, out=Path(tmp) / arm.replace("+", "-"))
+            rows.append(row(arm, results[arm]))
+            print("| " + " | ".join(rows[-1]) + " |", file=sys.stderr, flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, default=str))
+    print_table(head, rows)
+
+
+if __name__ == "__main__":
+    main()
