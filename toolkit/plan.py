@@ -13,8 +13,9 @@ Activations are an estimate, per micro-batch (T = micro_batch_size × max_length
     loop lets the logits go once their loss sum exists, and in backward their gradient takes its place).
 The peak adds what is not model state: the runtime (the Python process with torch and transformers loaded:
 measured here), the whole model where a rank builds it before setup (on CPU it stays in the resident set;
-under low-memory loading a rank builds only its part: `Strategy.predict_load_bytes`), and a sharded strategy's
-largest gathered block.
+under low-memory loading a rank builds only its part: `Strategy.predict_load_bytes`), the parameters a rank
+gathers from the others (`Strategy.predict_gathered_bytes`: one block under FSDP2, under ZeRO-3 what DeepSpeed's
+reuse distance keeps), and on CPU the export, for which rank 0 of a sharding strategy gathers the whole model.
 """
 
 from __future__ import annotations
@@ -69,15 +70,17 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     load = sum(p.numel() for p in model.parameters()) * element_bytes(DTYPES[recipe.model.load_dtype])
     full, checkpointed = activation_estimate(model, recipe)
     activations = checkpointed if recipe.train.activation_checkpointing else full
-    sharded = max(r.params_bytes for r in per_rank) < load  # parameters are gathered a block at a time
-    gathered = largest_block_bytes(model, recipe) if sharded else 0
+    gathered = strategy.predict_gathered_bytes(model, recipe, world_size=world_size)
     # on CPU a rank that builds the whole model in host memory before setup keeps it in its resident set: what
     # setup then copies or shards it into comes on top (DDP and ZeRO-1/2 copy it into flat buffers, FSDP into
-    # shards), and the allocator keeps the freed pages: measured on a 302M model, peak RSS = runtime + load +
-    # training to within 6 % for ddp, fsdp, zero2 (benchmarks/memory_scaling.py). Under low-memory loading a rank
-    # builds no more than its own part. A GPU sees only what is moved to it.
-    peaks = [r.total_bytes + activations + gathered + (0 if device_type == "cuda" else runtime_bytes + b)
-             for r, b in zip(per_rank, built)]
+    # shards). Under low-memory loading a rank builds no more than its own part. A GPU sees only what is moved
+    # to it. (On CPU the toolkit has glibc give freed tensors' pages back, toolkit.launch.return_freed_pages;
+    # the resident set then follows the live tensors, which is what these terms add up.)
+    host = [0 if device_type == "cuda" else runtime_bytes + b for b in built]
+    peaks = [r.total_bytes + activations + gathered + h for r, h in zip(per_rank, host)]
+    if max(r.params_bytes for r in per_rank) < load and device_type != "cuda":
+        # the export: a rank that holds part of the model gathers the whole of it on rank 0 to write it
+        peaks[0] = max(peaks[0], per_rank[0].total_bytes + load + host[0])
     return Prediction(strategy=recipe.strategy.name, world_size=world_size, per_rank=per_rank,
                       activation_bytes=activations, activation_bytes_checkpointed=checkpointed, load_bytes=load,
                       built_bytes=built, runtime_bytes=runtime_bytes, peak_bytes=max(peaks))
@@ -114,16 +117,6 @@ def activation_estimate(model: nn.Module, recipe: Recipe) -> tuple[int, int]:
 def compute_bytes(recipe: Recipe) -> int:
     """Bytes per element of what the forward computes in: fp32, or the 16-bit precision."""
     return element_bytes(DTYPES[recipe.precision])
-
-
-def largest_block_bytes(model: nn.Module, recipe: Recipe) -> int:
-    """What a sharding strategy gathers at once: one block's full parameters in the compute dtype."""
-    try:
-        blocks = layer_stack(model)
-    except RecipeError:
-        return 0
-    size = compute_bytes(recipe)
-    return max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0) * size
 
 
 def parse_bytes(text: str) -> int:

@@ -101,6 +101,10 @@ class Strategy(Protocol):
         loading, the whole model on rank 0 only where it builds it for the others (`model`: on the meta device;
         toolkit plan, no process group)."""
 
+    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+        """The most parameter bytes a rank gathers from the others and holds at once during a step, beyond
+        its own shard (`model`: on the meta device; toolkit plan, no process group)."""
+
     def build_model(self, source: ModelSource, *, env: DistEnv) -> nn.Module:
         """The model setup gets: `source.whole()`, or under low-memory loading a model whose weights setup (or
         the build itself) loads part by part."""

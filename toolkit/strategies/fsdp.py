@@ -36,7 +36,7 @@ from toolkit.strategies import tensor_parallel
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
                                      every_rank_a_shard, first_dtype, forward_once, gathered_state_dict, no_context,
                                      optimizer_label, optimizer_state_tensors, sharded_abs_max)
-from toolkit.strategies.state_bytes import StateBytes, adam_state, dim0_shard, dim0_shard_of
+from toolkit.strategies.state_bytes import StateBytes, adam_state, dim0_shard, dim0_shard_of, largest_block_bytes
 
 INFO = StrategyInfo(
     name="fsdp", averages_gradients=True, accelerate_plugin="fsdp",
@@ -96,6 +96,9 @@ class FsdpStrategy:
     def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
         total, count = forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device)
         return (total, count) if self.env.rank % self.tp_degree == 0 else (torch.zeros_like(total), 0)
+
+    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+        return largest_block_bytes(model, recipe)  # FSDP2 all-gathers one block (unit) at a time
 
     def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         whole = whole_model_bytes(model, recipe)

@@ -43,7 +43,7 @@ from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, Strate
                                      optimizer_state_tensors)
 from toolkit.strategies.placement import blocks_of, check_split, part_of_blocks
 from toolkit.strategies.stages import Stage, family_of, tied_embedding_names
-from toolkit.strategies.state_bytes import StateBytes, adam_state, dim0_shard, whole
+from toolkit.strategies.state_bytes import StateBytes, adam_state, dim0_shard, largest_block_bytes, whole
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
@@ -148,6 +148,10 @@ class PipelineStrategy:
         return [per_pp_rank[grid.coords(rank)[0]] for rank in range(world_size)]
 
     # --- setup ----------------------------------------------------------------------------------
+    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+        # a stage's blocks are whole under ddp; fully_shard over dp gathers one block at a time
+        return largest_block_bytes(model, recipe) if recipe.strategy.data_parallel == "fsdp" else 0
+
     def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         return [whole_model_bytes(model, recipe)] * world_size  # every rank builds the whole model: each then keeps its stages
 

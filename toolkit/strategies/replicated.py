@@ -67,6 +67,9 @@ class ReplicatedStrategy:
     def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
         return forward_once(self, micro_batches, loss_sum=loss_sum, device=self.input_device)
 
+    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+        return 0  # every rank holds every parameter
+
     def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         return [whole_model_bytes(model, recipe)] * world_size  # every rank builds the whole model: each holds a full replica
 

@@ -19,6 +19,20 @@ from torch import nn
 ADAM_MOMENTS = 2  # exp_avg, exp_avg_sq
 
 
+def largest_block_bytes(model: nn.Module, recipe) -> int:
+    """What a strategy that gathers a block's parameters for its compute holds at once: one transformer
+    block's full parameters in the compute dtype (0 for a model without a block list)."""
+    from toolkit.errors import RecipeError
+    from toolkit.model import layer_stack
+    from toolkit.precision import DTYPES
+
+    try:
+        blocks = layer_stack(model)
+    except RecipeError:
+        return 0
+    return max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0) * element_bytes(DTYPES[recipe.precision])
+
+
 @dataclass(frozen=True, kw_only=True)
 class StateBytes:
     """One rank's model states, bytes."""

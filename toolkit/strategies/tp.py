@@ -61,6 +61,9 @@ class TpStrategy:
         total, count = forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device)
         return (total, count) if self.env.rank == 0 else (torch.zeros_like(total), 0)
 
+    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+        return 0  # each rank computes with its own slices (sequence parallelism gathers activations, not weights)
+
     def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         return [whole_model_bytes(model, recipe)] * world_size  # every rank builds the whole model: each then keeps its slices of the split layers
 
