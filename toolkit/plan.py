@@ -71,15 +71,20 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     full, checkpointed = activation_estimate(model, recipe)
     activations = checkpointed if recipe.train.activation_checkpointing else full
     gathered = strategy.predict_gathered_bytes(model, recipe, world_size=world_size)
-    # on CPU a rank that builds the whole model in host memory before setup keeps it in its resident set: what
-    # setup then copies or shards it into comes on top (DDP and ZeRO-1/2 copy it into flat buffers, FSDP into
-    # shards). Under low-memory loading a rank builds no more than its own part. A GPU sees only what is moved
-    # to it. (On CPU the toolkit has glibc give freed tensors' pages back, toolkit.launch.return_freed_pages;
-    # the resident set then follows the live tensors, which is what these terms add up.)
-    host = [0 if device_type == "cuda" else runtime_bytes + b for b in built]
-    peaks = [r.total_bytes + activations + gathered + h for r, h in zip(per_rank, host)]
-    if max(r.params_bytes for r in per_rank) < load and device_type != "cuda":
-        # the export: a rank that holds part of the model gathers the whole of it on rank 0 to write it
+    # On CPU a rank that builds the whole model in host memory before setup adds it to its resident set. A
+    # strategy that then holds only part of the model (fsdp, zero3, tp, pipeline stages) frees the rest, and the
+    # toolkit has glibc give freed pages back (toolkit.launch.return_freed_pages): the build is a loading peak
+    # of its own. One that keeps a whole copy (ddp's gradient buckets, ZeRO-1/2's flat buffers) keeps its
+    # bytes for the run. Under low-memory loading a rank builds no more than its own part. A GPU sees only
+    # what is moved to it.
+    partial = max(r.params_bytes for r in per_rank) < load
+    host = [0 if device_type == "cuda" else runtime_bytes for _ in per_rank]
+    kept = [0 if device_type == "cuda" or partial else b for b in built]
+    peaks = [r.total_bytes + activations + gathered + h + k for r, h, k in zip(per_rank, host, kept)]
+    if partial and device_type != "cuda":
+        for rank, (r, h, b) in enumerate(zip(per_rank, host, built)):
+            peaks[rank] = max(peaks[rank], h + b + r.params_bytes)  # while loading: the build beside the shards
+        # the export: rank 0 gathers the whole model to write it
         peaks[0] = max(peaks[0], per_rank[0].total_bytes + load + host[0])
     return Prediction(strategy=recipe.strategy.name, world_size=world_size, per_rank=per_rank,
                       activation_bytes=activations, activation_bytes_checkpointed=checkpointed, load_bytes=load,
