@@ -96,6 +96,10 @@ def write_recipe(path: Path, *, model_dir: Path, task: str = "causal-lm", output
 def toolkit_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    # runs with train.report_to mlflow write into their own output_dir, never to a server the shell points at
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
+        env.pop(name, None)
+    env["MLFLOW_DISABLE_TELEMETRY"] = "true"
     return env
 
 

@@ -20,8 +20,10 @@ def experiment(tmp_path_factory, tiny_tied_llama_dir):
     recipe = write_recipe(root / "recipe.yaml", model_dir=tiny_tied_llama_dir, output_dir=root / "unused",
                           batch={"micro_batch_size": 4, "grad_accum_steps": 1})
     out = root / "exp"
+    # each arm also writes its TensorBoard run (tests/test_tracking.py checks a run's values; here, the overlay)
     result = run_cli("compare", str(recipe), "--strategies", "single,ddp,fsdp,zero3,pp-1f1b,fsdp-tp2",
-                     "--nproc", "2", "--steps", "5", "--output", str(out))  # (--set output_dir=... works as well: below)
+                     "--nproc", "2", "--steps", "5", "--output", str(out),  # (--set output_dir=... works as well: below)
+                     "--set", "train.report_to=tensorboard")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out, json.loads((out / "results.json").read_text()), result.stdout
 
@@ -168,6 +170,23 @@ def test_planted_divergence_and_failed_arm_then_resume(tmp_path, tiny_llama_dir)
     assert "single: already completed, skipped" in second.stdout
     assert "single@optim.lr=0.002: completed" in second.stdout
     assert "fsdp@strategy.blocks=[NoSuchBlock]: failed" in second.stdout
+
+
+def test_tensorboard_overlays_one_run_per_arm(experiment):
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    out, results, stdout = experiment
+    arms = [a["arm"] for a in results["arms"]]
+    boards = EventMultiplexer().AddRunsFromDirectory(str(out / "tensorboard"))  # as `tensorboard --logdir` does
+    boards.Reload()
+    assert sorted(boards.Runs()) == sorted(arms)
+    for arm in arms:
+        assert len(list((out / "tensorboard" / arm).glob("events.out.tfevents.*"))) == 1, arm  # rank 0 only
+        want = [json.loads(line)["loss"] for line in (out / arm / "metrics.jsonl").read_text().splitlines()]
+        got = [e.value for e in boards.Scalars(arm, "loss")]
+        assert got == pytest.approx(want, rel=2**-23), arm  # float32 in the event files
+        assert not (out / arm / "tensorboard").exists()  # the arm's run is in the experiment folder only
+    assert f"tensorboard --logdir {out / 'tensorboard'}" in stdout
 
 
 def test_report_rerenders_from_saved_runs(experiment):

@@ -6,6 +6,9 @@ The reference of every comparison is a single-process run with micro-batch 8 and
 from conftest import assert_same_run, metrics
 
 DDP = ("strategy.name=ddp",)
+# 2 ranks × micro 2 × accum 2; the run also feeds TensorBoard and MLflow, which tests/test_tracking.py reads back
+# (the same run, so these overrides are the only ones it is asked with)
+DDP_M2A2 = (*DDP, "batch.micro_batch_size=2", "batch.grad_accum_steps=2", "train.report_to=[tensorboard,mlflow]")
 
 
 def test_ddp_matches_single_process_fp32(llama_runs):
@@ -24,9 +27,8 @@ def test_accumulation_equals_big_batch_single(llama_runs):
 
 def test_accumulation_equals_big_batch_ddp(llama_runs):
     reference = llama_runs.get("single-m8")
-    accum = llama_runs.get("ddp-m2a2", nproc=2,
-                           overrides=(*DDP, "batch.micro_batch_size=2", "batch.grad_accum_steps=2"))
-    assert_same_run(accum, reference)
+    accum = llama_runs.get("ddp-m2a2", nproc=2, overrides=DDP_M2A2)
+    assert_same_run(accum, reference)  # the trackers change nothing in training
 
 
 def test_padding_really_differs_between_micro_batches(llama_runs):

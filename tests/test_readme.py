@@ -50,6 +50,10 @@ NOT_RUN = {  # parsed and their files checked only
     "--steps 30 --output runs/sst-compare": "six arms of MiniLM: minutes; tests/test_compare.py runs these arms",
     "toolkit compare experiments/fsdp-vs-zero.yaml": "a 16-arm matrix; tests/test_compare.py runs a matrix file",
     "toolkit report runs/sst-compare": "needs the compare above; tests/test_compare.py re-renders a report",
+    "toolkit train recipes/llama-tiny.yaml --set 'train.report_to=[tensorboard,mlflow]'":
+        "tests/test_tracking.py reads both trackers back from a 2-rank run (tiny model)",
+    "toolkit compare recipes/llama-tiny.yaml --strategies single,ddp,fsdp --steps 20 --output runs/tiny-compare "
+    "--set train.report_to=tensorboard": "tests/test_compare.py runs a compare with train.report_to=tensorboard",
     "toolkit plan recipes/llama-tiny.yaml --nproc 2 --strategies ddp,fsdp,zero1,zero2,zero3,tp,pp-1f1b "
     "--memory-per-rank 40GiB": "tests/test_plan.py runs `toolkit plan` on this recipe (and checks its numbers)",
 }

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from toolkit import faults, runinfo
+from toolkit import faults, runinfo, tracking
 from toolkit.checkpoint import run as checkpoints
 from toolkit.checkpoint.run import Resume
 from toolkit.comm import CollectiveCounter, counting
@@ -35,7 +35,7 @@ from toolkit.export import export_model
 from toolkit.gradient_scale import GradientScale
 from toolkit.loading import ModelSource, num_parameters, whole_parameters
 from toolkit.losses import micro_batch_loss_sum
-from toolkit.metrics import (JsonlWriter, Progress, compile_graph_breaks, compile_seconds, peak_memory_bytes,
+from toolkit.metrics import (Progress, compile_graph_breaks, compile_seconds, peak_memory_bytes,
                              process_bytes, synchronize)
 from toolkit.model import BlockForwards, layer_stack, load_tokenizer
 from toolkit.optim import build_adamw, build_scheduler
@@ -86,6 +86,7 @@ def prepare(recipe: Recipe, env: DistEnv):
     layout = make_strategy(recipe).data_layout(recipe, world_size=env.world_size, rank=env.rank)
     check_precision_supported(recipe.precision, env.device)
     check_position_limit(recipe)
+    tracking.check_installed(recipe)
     tokenizer = load_tokenizer(recipe.model)
     kwargs = dict(data=recipe.data, task=recipe.model.task, num_labels=recipe.model.num_labels, tokenizer=tokenizer,
                   env=env)
@@ -152,31 +153,30 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
                                data=recipe.data))  # the sampler is a function of seed + step: resumes exactly
     if env.is_main:
         checkpoints.continue_metrics(out_dir / "metrics.jsonl", done_steps=done)
-    writer = JsonlWriter(out_dir / "metrics.jsonl", append=done > 0) if env.is_main else None
-    progress = Progress(total=total_steps, enabled=env.is_main and recipe.train.progress,
-                        log_every=recipe.train.log_every)
-    scale = GradientScale() if recipe.train.record_gradient_scale else None
-    saver = checkpoints.Saver(recipe, env=env, plan=plan, total_steps=total_steps, tokenizer=tokenizer,
-                              done_steps=done, tokens_seen=tokens_seen)
-    signals = StopSignals().install()
-    try:
-        losses = run_steps(strategy, loader, recipe=recipe, env=env, plan=plan, layout=layout, info=info,
-                           done=done, total_steps=total_steps, eval_ds=eval_ds, collator=collator, saver=saver,
-                           writer=writer, progress=progress, scale=scale, replicas=replicas, signals=signals)
-        saver.close()  # an async checkpoint still being written is committed before the run ends
-    except (Stopped, NonFinite):  # every rank alike: the checkpoint still being written is a good one
-        saver.close()
-        raise
-    finally:
-        signals.restore()
-    progress.close()
-    export_model(strategy, tokenizer=tokenizer, out_dir=out_dir, env=env, lora=recipe.model.lora,
-                 task=recipe.model.task)
-    if scale is not None:
-        info["gradient_scale"] = scale.summary()
-    runinfo.finish(info, env=env, out_dir=out_dir, losses=losses, strategy=strategy)
-    if writer:
-        writer.close()
+    # rank 0: metrics.jsonl and the trackers of train.report_to, closed however the run ends
+    with tracking.metrics_log(recipe, out_dir=out_dir, done_steps=done, main=env.is_main) as writer:
+        progress = Progress(total=total_steps, enabled=env.is_main and recipe.train.progress,
+                            log_every=recipe.train.log_every)
+        scale = GradientScale() if recipe.train.record_gradient_scale else None
+        saver = checkpoints.Saver(recipe, env=env, plan=plan, total_steps=total_steps, tokenizer=tokenizer,
+                                  done_steps=done, tokens_seen=tokens_seen)
+        signals = StopSignals().install()
+        try:
+            losses = run_steps(strategy, loader, recipe=recipe, env=env, plan=plan, layout=layout, info=info,
+                               done=done, total_steps=total_steps, eval_ds=eval_ds, collator=collator, saver=saver,
+                               writer=writer, progress=progress, scale=scale, replicas=replicas, signals=signals)
+            saver.close()  # an async checkpoint still being written is committed before the run ends
+        except (Stopped, NonFinite):  # every rank alike: the checkpoint still being written is a good one
+            saver.close()
+            raise
+        finally:
+            signals.restore()
+        progress.close()
+        export_model(strategy, tokenizer=tokenizer, out_dir=out_dir, env=env, lora=recipe.model.lora,
+                     task=recipe.model.task)
+        if scale is not None:
+            info["gradient_scale"] = scale.summary()
+        runinfo.finish(info, env=env, out_dir=out_dir, losses=losses, strategy=strategy)
     return TrainResult(output_dir=out_dir, strategy=strategy, losses=losses)
 
 

@@ -22,6 +22,7 @@ from toolkit.errors import RecipeError
 PRECISIONS = ("fp32", "bf16", "fp16")
 TASKS = ("sequence-classification", "causal-lm")
 SCHEDULES = ("cosine", "linear", "constant")
+TRACKERS = ("tensorboard", "mlflow")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,9 +202,20 @@ class TrainConfig:
     # true: torch.compile each transformer block's forward (names and the strategy's hooks unchanged): the first
     # steps pay the compile time (metrics.jsonl compile_s, left out of step_time_s), later steps fuse kernels
     compile: bool = False
+    # experiment trackers fed every metrics.jsonl record, from rank 0 (toolkit/tracking.py): tensorboard (event
+    # files in <tracking_dir>/tensorboard/<run>) | mlflow (a run in $MLFLOW_TRACKING_URI, else in the SQLite store
+    # <tracking_dir>/mlflow.db); <run> is output_dir's folder name. One name or a list
+    report_to: tuple[str, ...] = ()
+    # the folder both trackers write into; null: output_dir. One folder for many runs overlays their curves
+    # (`toolkit compare` points every arm at its experiment folder)
+    tracking_dir: str | None = None
 
     def __post_init__(self) -> None:
         _choice("train.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
+        for name in self.report_to:
+            _choice("train.report_to", name, TRACKERS)
+        if len(set(self.report_to)) != len(self.report_to):
+            raise RecipeError(f"train.report_to names a tracker twice: {list(self.report_to)}")
         if (self.max_steps is None) == (self.epochs is None):
             raise RecipeError("train: give exactly one of max_steps or epochs")
         if self.max_steps is not None:
@@ -399,9 +411,11 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _build(hint, value, key)
     if origin is tuple:
+        args = typing.get_args(hint)
+        if isinstance(value, str) and args == (str, Ellipsis):
+            value = [value]  # a list of names also takes one name: `report_to: tensorboard`
         if not isinstance(value, (list, tuple)):
             raise RecipeError(f"{key}: expected a list, got {value!r}")
-        args = typing.get_args(hint)
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_coerce(args[0], v, key) for v in value)
         if len(args) != len(value):

@@ -86,6 +86,8 @@ def cmd_compare(args) -> int:
     print(text_table(results))
     print(f"[compare] report: {experiment.out_dir / 'report.html'} · {experiment.out_dir / 'report.md'} · "
           f"{experiment.out_dir / 'results.json'}")
+    if (experiment.out_dir / "tensorboard").is_dir():  # train.report_to tensorboard: one run per arm
+        print(f"[compare] curves: tensorboard --logdir {experiment.out_dir / 'tensorboard'}")
     return 1 if "failed" in statuses.values() else 0
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from toolkit.compare.experiment import Arm, Experiment
 from toolkit.errors import INTERRUPTED_EXIT_CODE as INTERRUPTED
+from toolkit.tracking import tensorboard_dir
 
 TAIL_LINES = 15
 
@@ -32,9 +33,13 @@ def arm_status(path: Path) -> str:
 
 def run_arm(experiment: Experiment, arm: Arm) -> str:
     out = arm_dir(experiment, arm)
-    sets = [a for o in (*experiment.common, *arm.overrides, f"output_dir={out}") for a in ("--set", o)]
+    # trackers (train.report_to) write into the experiment folder, each arm a run named after it: one
+    # `tensorboard --logdir <experiment>/tensorboard` overlays the arms' curves
+    where = (f"output_dir={out}", f"train.tracking_dir={experiment.out_dir}")
+    sets = [a for o in (*experiment.common, *arm.overrides, *where) for a in ("--set", o)]
     cmd = [sys.executable, "-m", "toolkit", "launch", "--nproc", str(arm.nproc), experiment.recipe, *sets]
     shutil.rmtree(out, ignore_errors=True)  # what an earlier, unfinished attempt left: the arm runs afresh
+    shutil.rmtree(tensorboard_dir(experiment.out_dir, out.name), ignore_errors=True)  # and its curves
     out.mkdir(parents=True)
     start = time.perf_counter()
     with open(out / "launch.log", "w") as log:

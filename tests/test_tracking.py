@@ -1,0 +1,176 @@
+"""train.report_to: TensorBoard and MLflow hold every number of every metrics.jsonl record, written by rank 0
+only, read back with the libraries' own readers. The 2-rank run is test_equivalence's ddp-m2a2 (it also
+equals the single-process reference there); nothing here launches a run of its own."""
+
+import json
+import math
+import shutil
+import sys
+
+import pytest
+
+import test_equivalence
+from conftest import metrics, write_recipe
+from test_cli_errors import _assert_one_line_exit_2
+from toolkit.cli import main
+from toolkit.recipe import load_recipe
+from toolkit.stopping import Stopped
+
+
+def _numbers(record: dict) -> dict:
+    return {k: v for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _tensorboard_scalars(log_dir) -> dict:
+    """tag -> {step: value}, as TensorBoard's own loader reads the folder."""
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={SCALARS: 0})  # 0: keep every event
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
+def _mlflow_history(client, run_id: str, keys) -> dict:
+    return {key: [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+            for key in keys}
+
+
+@pytest.fixture(scope="module")
+def tracked_run(llama_runs):
+    return llama_runs.get("ddp-m2a2", nproc=2, overrides=test_equivalence.DDP_M2A2)
+
+
+def test_tensorboard_holds_every_number_of_metrics_jsonl_from_rank_0(tracked_run):
+    records = metrics(tracked_run)
+    assert len(records) == 5 and "eval_loss" in records[-1]  # the final evaluation is tracked too
+    boards = list((tracked_run / "tensorboard").iterdir())
+    assert [b.name for b in boards] == ["ddp-m2a2"]  # the run's name: output_dir's folder
+    assert len(list(boards[0].glob("events.out.tfevents.*"))) == 1  # one writer: rank 0
+    want: dict = {}
+    for record in records:
+        for key, value in _numbers(record).items():
+            want.setdefault(key, {})[record["step"]] = value
+    got = _tensorboard_scalars(boards[0])
+    assert got.keys() == want.keys()
+    for key, by_step in want.items():
+        assert got[key].keys() == by_step.keys(), key
+        for step, value in by_step.items():  # TensorBoard keeps float32
+            assert got[key][step] == pytest.approx(value, rel=2**-23), (key, step)
+
+
+def test_mlflow_holds_every_number_of_metrics_jsonl_in_one_run(tracked_run):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tracked_run / 'mlflow.db'}")
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    runs = client.search_runs(experiments)
+    assert len(runs) == 1  # rank 0 only
+    run = runs[0]
+    assert run.info.run_name == "ddp-m2a2" and run.info.status == "FINISHED"
+    assert run.data.params["strategy.name"] == "ddp" and float(run.data.params["optim.lr"]) == 1.0e-3
+    assert run.data.params["train.report_to"] == '["tensorboard", "mlflow"]'
+    records = metrics(tracked_run)
+    keys = {key for record in records for key in _numbers(record)}
+    assert set(run.data.metrics) == keys
+    history = _mlflow_history(client, run.info.run_id, keys)
+    for key in keys:  # float64 both sides: exactly equal
+        want = [(r["step"], float(r[key])) for r in records if key in _numbers(r)]
+        assert history[key] == want, key
+
+
+@pytest.fixture(scope="module")
+def mlflow_store(tracked_run, tmp_path_factory):
+    """The MLflow store of the tests below, named by $MLFLOW_TRACKING_URI as a user's server would be: a copy
+    of the tracked run's (a new SQLite store spends seconds creating its tables)."""
+    path = tmp_path_factory.mktemp("mlflow") / "mlflow.db"
+    shutil.copy(tracked_run / "mlflow.db", path)
+    return f"sqlite:///{path}"
+
+
+def _recipe(tmp_path, *overrides):
+    path = write_recipe(tmp_path / "recipe.yaml", model_dir=tmp_path, output_dir=tmp_path / "run")
+    return load_recipe(path, ["train.report_to=[tensorboard,mlflow]", *overrides])
+
+
+def _record(step: int, loss: float) -> dict:
+    return {"step": step, "loss": loss, "lr": 0.1, "tokens": 64, "skipped": False, "loss_scale": None}
+
+
+def _mlflow_run(out, store: str):
+    from mlflow.tracking import MlflowClient
+
+    saved = json.loads((out / "tracking.json").read_text())["mlflow"]
+    assert saved["tracking_uri"] == store and not (out / "mlflow.db").exists()  # the environment's store
+    client = MlflowClient(tracking_uri=store)
+    return client, client.get_run(saved["run_id"])
+
+
+def test_resume_continues_the_mlflow_run_and_tensorboard_hides_the_redone_steps(tmp_path, mlflow_store,
+                                                                                monkeypatch):
+    from toolkit import tracking
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_store)
+    recipe = _recipe(tmp_path)
+    out = tmp_path / "run"
+    out.mkdir()
+    # a run stopped after step 4, its checkpoint at step 2: steps 3 and 4 are run again on resume
+    with pytest.raises(Stopped):
+        with tracking.metrics_log(recipe, out_dir=out, done_steps=0, main=True) as log:
+            for step in range(1, 5):
+                log.write(_record(step, loss=10.0 - step))
+            raise Stopped(15, 4, 6, None)
+    first = json.loads((out / "tracking.json").read_text())["mlflow"]["run_id"]
+    with tracking.metrics_log(recipe, out_dir=out, done_steps=2, main=True) as log:
+        for step in range(3, 7):
+            log.write(_record(step, loss=100.0 - step))
+    board = _tensorboard_scalars(out / "tensorboard" / "run")
+    assert board["loss"] == {1: 9.0, 2: 8.0, 3: 97.0, 4: 96.0, 5: 95.0, 6: 94.0}
+    assert set(board) == {"loss", "lr", "tokens"}  # a flag and a null are not plotted
+    client, run = _mlflow_run(out, mlflow_store)
+    assert run.info.run_id == first and run.info.status == "FINISHED"
+    loss = _mlflow_history(client, first, ["loss"])["loss"]
+    # MLflow keeps whatever it was sent: the redone steps twice (README says so)
+    assert sorted(loss) == sorted([(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0),
+                                   (3, 97.0), (4, 96.0), (5, 95.0), (6, 94.0)])
+
+
+def test_a_stopped_run_is_marked_killed_a_crashed_one_failed(tmp_path, mlflow_store, monkeypatch):
+    from toolkit import tracking
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_store)
+    recipe = _recipe(tmp_path, "train.report_to=mlflow")  # one name, not a list
+    assert recipe.train.report_to == ("mlflow",)
+    statuses = []
+    for name, error in (("stopped", Stopped(15, 1, 2, None)), ("crashed", RuntimeError("boom"))):
+        out = tmp_path / name
+        out.mkdir()
+        with pytest.raises(type(error)):
+            with tracking.metrics_log(recipe, out_dir=out, done_steps=0, main=True) as log:
+                log.write(_record(1, loss=math.pi))
+                raise error
+        client, run = _mlflow_run(out, mlflow_store)
+        assert [m.value for m in client.get_metric_history(run.info.run_id, "loss")] == [math.pi]
+        statuses.append(run.info.status)
+    assert statuses == ["KILLED", "FAILED"]
+
+
+@pytest.mark.parametrize("command", ["train", "validate"])
+def test_unknown_tracker_is_one_line_naming_the_choices(command, tmp_path, tiny_llama_dir, capsys):
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out)
+    code = main([command, str(recipe), "--set", "train.report_to=[tensorboard,wandb]"])
+    _assert_one_line_exit_2(code, capsys, "train.report_to: unknown value 'wandb'; choose one of tensorboard, mlflow",
+                            out)
+
+
+@pytest.mark.parametrize("command", ["train", "validate"])
+@pytest.mark.parametrize("tracker, module, install", [("tensorboard", "tensorboard", "pip install tensorboard"),
+                                                      ("mlflow", "mlflow", "pip install mlflow-skinny")])
+def test_a_missing_tracker_package_is_one_line_naming_the_pip_install(command, tracker, module, install, tmp_path,
+                                                                      tiny_llama_dir, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, module, None)  # importlib finds no such module
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out)
+    code = main([command, str(recipe), "--set", f"train.report_to={tracker}"])
+    _assert_one_line_exit_2(code, capsys, install, out)

@@ -1,0 +1,224 @@
+"""Experiment trackers (train.report_to): TensorBoard and MLflow get exactly the records metrics.jsonl gets,
+on rank 0, through the libraries' own writers (torch's SummaryWriter, MLflow's client).
+
+Where they write: <tracking_dir>/tensorboard/<run> and MLflow's $MLFLOW_TRACKING_URI (its experiment:
+$MLFLOW_EXPERIMENT_NAME, else Default), else the SQLite store <tracking_dir>/mlflow.db; tracking_dir defaults
+to output_dir and <run> is output_dir's folder name. output_dir/tracking.json says where, and holds the MLflow
+run id that --resume continues. On resume TensorBoard hides the events of the steps the checkpoint does not
+hold (SummaryWriter's purge_step); MLflow keeps every value it was sent, so such steps appear twice there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator, Protocol
+
+from toolkit.errors import RecipeError
+from toolkit.metrics import JsonlWriter
+from toolkit.recipe import Recipe, dump_recipe, recipe_to_dict
+from toolkit.stopping import Stopped
+
+TRACKING_FILE = "tracking.json"  # in output_dir: where this run's trackers write, and its MLflow run
+
+
+class Tracker(Protocol):
+    def write(self, step: int, values: dict[str, float]) -> None: ...
+
+    def close(self, status: str) -> None: ...
+
+
+def run_name(recipe: Recipe) -> str:
+    """The run's name in every tracker: output_dir's folder name (a compare arm's name)."""
+    return Path(recipe.output_dir).resolve().name
+
+
+def tracking_root(recipe: Recipe) -> Path:
+    return Path(recipe.train.tracking_dir or recipe.output_dir)
+
+
+def tensorboard_dir(root: Path, name: str) -> Path:
+    """One TensorBoard run per folder: `tensorboard --logdir <root>/tensorboard` overlays every run under it."""
+    return root / "tensorboard" / name
+
+
+def mlflow_tracking_uri(recipe: Recipe) -> str:
+    """$MLFLOW_TRACKING_URI, as MLflow reads it itself; else a SQLite file in tracking_dir, MLflow's own local
+    default (its file store ./mlruns is in maintenance mode: MLflow refuses it unless MLFLOW_ALLOW_FILE_STORE)."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(tracking_root(recipe) / 'mlflow.db').resolve()}"
+
+
+def required_packages(recipe: Recipe) -> dict[str, str]:
+    """module -> pip package, for every tracker train.report_to names."""
+    needed = {}
+    if "tensorboard" in recipe.train.report_to:
+        needed["tensorboard"] = "tensorboard"
+    if "mlflow" in recipe.train.report_to:
+        needed["mlflow"] = "mlflow-skinny"  # the client and stores, without the server and UI
+        if mlflow_tracking_uri(recipe).startswith("sqlite:"):
+            needed |= {"sqlalchemy": "sqlalchemy", "alembic": "alembic"}  # MLflow's SQL store
+    return needed
+
+
+def check_installed(recipe: Recipe) -> None:
+    """Every package the recipe's trackers need can be imported: else one line naming the pip install."""
+    missing = [pip for module, pip in required_packages(recipe).items() if importlib.util.find_spec(module) is None]
+    if missing:
+        raise RecipeError(f"train.report_to {', '.join(recipe.train.report_to)} needs packages that are not "
+                          f"installed: pip install {' '.join(missing)}")
+
+
+def numbers(record: dict) -> dict[str, float]:
+    """What a tracker plots of a record: every number but the step itself (flags and nulls are not numbers)."""
+    return {key: float(value) for key, value in record.items()
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+class TensorBoard:
+    def __init__(self, log_dir: Path, *, done_steps: int):
+        from torch.utils.tensorboard import SummaryWriter
+
+        # purge_step: a resumed run's events from the steps after its checkpoint (written before the stop,
+        # run again now) are hidden, as metrics.jsonl drops those records
+        self.writer = SummaryWriter(str(log_dir), purge_step=done_steps + 1)
+
+    def log_recipe(self, recipe: Recipe) -> None:
+        text = "".join(f"    {line}\n" for line in dump_recipe(recipe).splitlines())  # a Markdown code block
+        self.writer.add_text("recipe", text, global_step=0)
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()  # every step, like metrics.jsonl: a crash loses at most the step in flight
+
+    def close(self, status: str) -> None:
+        self.writer.close()
+
+
+class Mlflow:
+    def __init__(self, client, run_id: str):
+        self.client, self.run_id = client, run_id
+
+    def log_recipe(self, recipe: Recipe) -> None:
+        from mlflow.entities import Param
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
+
+        params = [Param(key, value[:MAX_PARAM_VAL_LENGTH]) for key, value in flat_params(recipe_to_dict(recipe))]
+        for start in range(0, len(params), MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=params[start:start + MAX_PARAMS_TAGS_PER_BATCH])
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now_ms = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(key, value, now_ms, step) for key, value in values.items()])
+
+    def close(self, status: str) -> None:
+        self.client.set_terminated(self.run_id, status=status)
+
+
+def flat_params(tree: dict, prefix: str = "") -> list[tuple[str, str]]:
+    """`optim.lr` -> "0.001": the recipe's leaves with dotted keys (as --set names them), values as YAML/JSON."""
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out += flat_params(value, f"{prefix}{key}.")
+        else:
+            out.append((f"{prefix}{key}", value if isinstance(value, str) else json.dumps(value)))
+    return out
+
+
+def open_mlflow(recipe: Recipe, *, out_dir: Path, saved: dict) -> tuple[Mlflow, dict]:
+    """A new run named after output_dir, or on resume the run tracking.json names (if its store still has it)."""
+    import logging
+
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    for name in ("mlflow", "alembic"):  # the SQL store's table creation says each migration at INFO
+        logging.getLogger(name).setLevel(logging.WARNING)
+    uri = mlflow_tracking_uri(recipe)
+    client = MlflowClient(tracking_uri=uri)
+    run_id = saved.get("run_id") if saved.get("tracking_uri") == uri else None
+    if run_id is not None:
+        try:
+            client.update_run(run_id, status="RUNNING")
+            return Mlflow(client, run_id), {**saved, "continued": True}
+        except MlflowException:  # the store no longer has it: a new run
+            pass
+    experiment_name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "Default")
+    experiment = client.get_experiment_by_name(experiment_name)
+    experiment_id = experiment.experiment_id if experiment else client.create_experiment(experiment_name)
+    run = client.create_run(experiment_id, run_name=run_name(recipe), tags={"toolkit.output_dir": str(out_dir)})
+    tracker = Mlflow(client, run.info.run_id)
+    tracker.log_recipe(recipe)
+    return tracker, {"tracking_uri": uri, "experiment_id": experiment_id, "run_id": run.info.run_id}
+
+
+def open_trackers(recipe: Recipe, *, out_dir: Path, done_steps: int) -> list[Tracker]:
+    """Rank 0: the trackers of train.report_to, opened (or continued on resume); tracking.json says where."""
+    path = out_dir / TRACKING_FILE
+    saved = json.loads(path.read_text()) if done_steps and path.is_file() else {}
+    trackers: list[Tracker] = []
+    where: dict[str, Any] = {}
+    if "tensorboard" in recipe.train.report_to:
+        log_dir = tensorboard_dir(tracking_root(recipe), run_name(recipe))
+        board = TensorBoard(log_dir, done_steps=done_steps)
+        if not done_steps:
+            board.log_recipe(recipe)
+        trackers.append(board)
+        where["tensorboard"] = {"log_dir": str(log_dir)}
+        print(f"[toolkit] tensorboard: {log_dir} (view: tensorboard --logdir {log_dir.parent})", file=sys.stderr,
+              flush=True)
+    if "mlflow" in recipe.train.report_to:
+        run, where["mlflow"] = open_mlflow(recipe, out_dir=out_dir, saved=saved.get("mlflow", {}))
+        trackers.append(run)
+        what = "continued" if where["mlflow"].pop("continued", False) else "new"
+        print(f"[toolkit] mlflow: run {run.run_id} ({what}) in {where['mlflow']['tracking_uri']}", file=sys.stderr,
+              flush=True)
+    if where:
+        path.write_text(json.dumps(where, indent=2))
+    return trackers
+
+
+class MetricsLog:
+    """Rank 0's destinations of each step's record: metrics.jsonl first, then every tracker."""
+
+    def __init__(self, jsonl: JsonlWriter, trackers: list[Tracker]):
+        self.jsonl, self.trackers = jsonl, trackers
+
+    def write(self, record: dict) -> None:
+        self.jsonl.write(record)
+        values = numbers(record)
+        for tracker in self.trackers:
+            tracker.write(record["step"], values)
+
+    def close(self, status: str) -> None:
+        self.jsonl.close()
+        for tracker in self.trackers:
+            tracker.close(status)
+
+
+@contextlib.contextmanager
+def metrics_log(recipe: Recipe, *, out_dir: Path, done_steps: int, main: bool) -> Iterator[MetricsLog | None]:
+    """Rank 0: the metrics log, closed however the run ends (a tracker's run marked FINISHED, KILLED by a stop
+    signal or Ctrl-C, else FAILED). Other ranks: None."""
+    if not main:
+        yield None
+        return
+    log = MetricsLog(JsonlWriter(out_dir / "metrics.jsonl", append=done_steps > 0),
+                     open_trackers(recipe, out_dir=out_dir, done_steps=done_steps))
+    status = "FAILED"
+    try:
+        yield log
+        status = "FINISHED"
+    except (Stopped, KeyboardInterrupt):
+        status = "KILLED"  # stopped after a checkpoint: --resume continues it
+        raise
+    finally:
+        log.close(status)
