@@ -78,14 +78,15 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     # bytes for the run. Under low-memory loading a rank builds no more than its own part. A GPU sees only
     # what is moved to it.
     partial = max(r.params_bytes for r in per_rank) < load
-    host = [0 if device_type == "cuda" else runtime_bytes for _ in per_rank]
-    kept = [0 if device_type == "cuda" or partial else b for b in built]
-    peaks = [r.total_bytes + activations + gathered + h + k for r, h, k in zip(per_rank, host, kept)]
-    if partial and device_type != "cuda":
-        for rank, (r, h, b) in enumerate(zip(per_rank, host, built)):
-            peaks[rank] = max(peaks[rank], h + b + r.params_bytes)  # while loading: the build beside the shards
-        # the export: rank 0 gathers the whole model to write it
-        peaks[0] = max(peaks[0], per_rank[0].total_bytes + load + host[0])
+    if device_type == "cuda":
+        peaks = [r.total_bytes + activations + gathered for r in per_rank]
+    elif not partial:
+        peaks = [runtime_bytes + r.total_bytes + activations + gathered + b for r, b in zip(per_rank, built)]
+    else:  # the larger of training, and loading (the build beside the rank's shards); rank 0 also exports,
+        # gathering the whole model to write it
+        peaks = [runtime_bytes + max(r.total_bytes + activations + gathered, b + r.params_bytes)
+                 for r, b in zip(per_rank, built)]
+        peaks[0] = max(peaks[0], runtime_bytes + per_rank[0].total_bytes + load)
     return Prediction(strategy=recipe.strategy.name, world_size=world_size, per_rank=per_rank,
                       activation_bytes=activations, activation_bytes_checkpointed=checkpointed, load_bytes=load,
                       built_bytes=built, runtime_bytes=runtime_bytes, peak_bytes=max(peaks))

@@ -33,11 +33,16 @@ DEFAULT_REDUCE_BUCKET = 500_000_000
 DEFAULT_MAX_LIVE = DEFAULT_REUSE_DISTANCE = 1_000_000_000  # stage3_max_live_parameters, stage3_max_reuse_distance
 
 
+def param_dtype(recipe: Recipe) -> torch.dtype:
+    """What DeepSpeed keeps its (partitioned or gathered) parameters in: the 16-bit precision, else the load dtype."""
+    return DTYPES[recipe.precision] if recipe.precision != "fp32" else DTYPES[recipe.model.load_dtype]
+
+
 def predict(model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
     config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=world_size),
                                hidden_size=hidden_size_of(model.config))
     stage, (offload_optimizer, _) = stage_of(config), offloads(config)
-    dtype = DTYPES[recipe.precision] if recipe.precision != "fp32" else DTYPES[recipe.model.load_dtype]
+    dtype = param_dtype(recipe)
     size = element_bytes(dtype)
     groups = [[p.numel() for p in g["params"]] for g in param_groups(model, recipe.optim)]
     groups = [g for g in groups if g]
@@ -100,7 +105,7 @@ def gathered_bytes(model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
     if stage_of(config) != 3:
         return 0
     zero = config.get("zero_optimization", {})
-    dtype = DTYPES[recipe.precision] if recipe.precision != "fp32" else DTYPES[recipe.model.load_dtype]
+    dtype = param_dtype(recipe)
     kept = min(sum(p.numel() for p in model.parameters()),
                int(zero.get("stage3_max_reuse_distance", DEFAULT_REUSE_DISTANCE)) // 2,
                int(zero.get("stage3_max_live_parameters", DEFAULT_MAX_LIVE)))
