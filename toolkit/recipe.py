@@ -304,7 +304,10 @@ def read_recipe_dict(path: str | os.PathLike, overrides: list[str] | tuple[str, 
     if not path.is_file():
         raise RecipeError(f"recipe {path} not found; pass a YAML file (see `toolkit --help` for the shipped recipes)")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"recipe {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+                          "save it as UTF-8") from None
     except yaml.YAMLError as exc:
         raise RecipeError(f"recipe {_yaml_where(path, exc)}: not valid YAML: {_yaml_problem(exc)}") from None
     if not isinstance(raw, dict):
@@ -319,7 +322,11 @@ def apply_override(raw: dict, item: str) -> None:
     if "=" not in item:
         raise RecipeError(f"--set {item!r}: expected key.path=value, e.g. --set optim.lr=1e-4")
     key, _, text = item.partition("=")
-    value = yaml.safe_load(text) if text != "" else ""
+    try:
+        value = yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"--set {item!r}: the value is not valid YAML ({_yaml_problem(exc)}); a string with "
+                          "YAML's special characters goes in quotes: --set KEY='\"...\"'") from None
     if isinstance(value, str) and re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", value):
         value = float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string; users mean the number
     parts = key.strip().split(".")
@@ -365,7 +372,7 @@ def _build(cls: type, raw: Any, where: str) -> Any:
         raise RecipeError(f"{where or 'recipe'}: expected a mapping, got {type(raw).__name__} {raw!r}")
     hints = typing.get_type_hints(cls)
     fields = {_key(f): f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
+    unknown = sorted(set(raw) - set(fields), key=str)  # YAML keys may be numbers, booleans, null
     if unknown:
         key = f"{where}.{unknown[0]}" if where else unknown[0]
         raise RecipeError(f"unknown recipe key {key!r}; known keys here: {', '.join(fields)}")
