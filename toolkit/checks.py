@@ -25,9 +25,11 @@ def check_paths(recipe: Recipe) -> None:
 
 
 def check_position_limit(recipe: Recipe) -> None:
-    """data.max_length within the model's position embeddings (reads config.json only)."""
-    from toolkit.model import position_limit
+    """The model's config is one transformers accepts, and data.max_length is within its position embeddings
+    (reads config.json only)."""
+    from toolkit.model import hf_config, position_limit
 
+    hf_config(recipe.model)
     limit = position_limit(recipe.model)
     if limit is not None and recipe.data.max_length > limit:
         raise RecipeError(f"data.max_length {recipe.data.max_length} is above the model's position limit {limit} "

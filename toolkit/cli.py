@@ -14,7 +14,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from toolkit.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, RecipeError, say_once
+from toolkit.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, RecipeError, error_line, say_once
 
 if TYPE_CHECKING:
     from toolkit.strategies.base import Strategy
@@ -162,13 +162,13 @@ def _train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
     from toolkit.stopping import NonFinite, Stopped
 
     out_dir = Path(recipe.output_dir)
-    existed = out_dir.exists()
+    existed = os.path.exists(out_dir)  # False, not an error, for a name the file system refuses (train says so)
     try:
         result = train(recipe, env, resume=resume)
     except RecipeError as exc:
         if env.is_main and not existed:
             shutil.rmtree(out_dir, ignore_errors=True)  # nothing half-written for a user mistake
-        say_once(f"toolkit: error: {exc}")  # the first rank that finds it prints the one line
+        say_once(error_line(exc))  # the first rank that finds it prints the one line
         return USER_ERROR_EXIT_CODE, None
     except ReplicaDriftError as exc:
         print(f"toolkit: replica drift: {exc}", file=sys.stderr)
@@ -228,8 +228,7 @@ def cmd_launch(args) -> int:
     from toolkit.launch import launch
     from toolkit.recipe import load_recipe
 
-    if args.nproc < 1:
-        raise RecipeError("--nproc must be >= 1")
+    _check_nproc(args.nproc)
     if args.max_restarts < 0:
         raise RecipeError("--max-restarts must be >= 0")
     nodes = _nodes_of(args)
@@ -253,6 +252,11 @@ def cmd_launch(args) -> int:
     return code
 
 
+def _check_nproc(nproc: int) -> None:
+    if nproc < 1:
+        raise RecipeError(f"--nproc {nproc}: give the number of ranks, 1 or more")
+
+
 def _nodes_of(args):
     from toolkit.launch import Nodes
 
@@ -272,7 +276,9 @@ def cmd_validate(args) -> int:
     from toolkit.checks import check_recipe
     from toolkit.recipe import dump_recipe, load_recipe
 
+    _check_nproc(args.nproc)
     recipe = load_recipe(args.recipe, args.overrides)
+    _quiet_libraries()  # the checks build the model on the meta device: transformers' and peft's deprecation notes
     plan = check_recipe(recipe, world_size=args.nproc)
     print(dump_recipe(recipe), end="")
     print(f"# ok: {plan.world_size} ranks × micro {plan.micro_batch_size} × accum {plan.grad_accum_steps} "
@@ -289,6 +295,7 @@ def cmd_plan(args) -> int:
     from toolkit.recipe import load_recipe
     from toolkit.strategies import arm_aliases, strategy_info
 
+    _check_nproc(args.nproc)
     aliases = arm_aliases()
     arms = [a.strip() for a in args.strategies.split(",") if a.strip()] if args.strategies else [None]
     unknown = [a for a in arms if a is not None and a not in aliases]
@@ -384,7 +391,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         return handler(args) or 0
     except RecipeError as exc:
-        say_once(f"toolkit: error: {exc}")  # every rank of a launch finds the same mistake: one line
+        say_once(error_line(exc))  # every rank of a launch finds the same mistake: one line
         return USER_ERROR_EXIT_CODE
     except BrokenPipeError:  # `toolkit strategies | head`: the reader left; the interpreter must not flush again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

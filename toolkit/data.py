@@ -27,10 +27,11 @@ from toolkit.recipe import BatchPlan, DataConfig
 
 
 def load_split(key: str, *, data: DataConfig, task: str, num_labels: int, tokenizer, env: DistEnv,
-               names: list[str] | None = None) -> tuple[Any, list[str] | None]:
+               names: list[str] | None = None) -> tuple[Any, list[str] | None, int]:
     """The tokenized `datasets.Dataset` of recipe key `key` (data.train / data.eval) with input_ids (+ label, or
-    labels for instruction data), and the class names its labels were mapped from (None: class ids). Rank 0
-    tokenizes; the others read its cache. `names`: data.train's (an eval split's labels must be among them)."""
+    labels for instruction data), the class names its labels were mapped from (None: class ids), and how many
+    samples were left out for having no token to learn from (see left_out_note). Rank 0 tokenizes; the others
+    read its cache. `names`: data.train's (an eval split's labels must be among them)."""
     source = data_source(key, getattr(data, key.split(".")[-1]))
     error = None
     if env.is_main:
@@ -44,6 +45,11 @@ def load_split(key: str, *, data: DataConfig, task: str, num_labels: int, tokeni
     if not env.is_main:  # reads rank 0's cache
         split = _tokenized(source, data=data, task=task, num_labels=num_labels, tokenizer=tokenizer, names=names)
     return split
+
+
+def left_out_note(key: str, num_left_out: int, data: DataConfig) -> str:
+    return (f"[toolkit] {key}: {num_left_out} sample(s) have no token to learn from within data.max_length "
+            f"{data.max_length} (a prompt that fills it, an empty response, a one-token text); left out")
 
 
 def check_rows(raw, source: DataSource, *, data: DataConfig, task: str, num_labels: int,
@@ -76,9 +82,14 @@ def check_rows(raw, source: DataSource, *, data: DataConfig, task: str, num_labe
 
 
 def _tokenized(source: DataSource, *, data: DataConfig, task: str, num_labels: int, tokenizer,
-               names: list[str] | None):
+               names: list[str] | None) -> tuple[Any, list[str] | None, int]:
+    """The tokenized split, its class names, and how many samples were left out for having nothing to learn."""
     raw = read_rows(source)
     names = check_rows(raw, source, data=data, task=task, num_labels=num_labels, names=names)
+    special = tokenizer.num_special_tokens_to_add()
+    if data.format != "chat" and data.max_length <= special:  # the tokenizer would not truncate at all
+        raise RecipeError(f"data.max_length {data.max_length} leaves no room for text: the tokenizer adds {special} "
+                          f"special tokens to every sample; set data.max_length above {special}")
     cache = _cache_key(source, data=data, task=task, tokenizer=tokenizer, names=names)
     text, label = data.text_column, data.label_column
     if data.format != "text":
@@ -102,7 +113,22 @@ def _tokenized(source: DataSource, *, data: DataConfig, task: str, num_labels: i
             tokens = sum(len(ids) for ids in unpacked["input_ids"])
             raise RecipeError(f"{source.key}: {source.path} has {tokens} tokens, fewer than one packed block of "
                               f"data.max_length {data.max_length}; lower data.max_length or add data")
-    return dataset, names
+    if task == "sequence-classification":
+        return dataset, names, 0
+    kept = dataset.filter(_learnable, batched=True, new_fingerprint=cache + "-learnable")
+    if len(kept) == 0:
+        raise RecipeError(f"{source.key}: {source.path}: no sample has a token to learn from within data.max_length "
+                          f"{data.max_length} (prompts that fill it, empty responses, one-token texts); raise "
+                          "data.max_length or fix the data")
+    return kept, names, len(dataset) - len(kept)
+
+
+def _learnable(batch) -> list[bool]:
+    """Causal LM samples with a position the loss counts (the labels shifted by one, as losses.py does): a prompt
+    that fills data.max_length, an empty response or a one-token text teaches nothing, and a global batch of
+    only such samples would have no mean loss."""
+    labels = batch["labels"] if "labels" in batch else batch["input_ids"]
+    return [any(label != IGNORE_INDEX for label in row[1:]) for row in labels]
 
 
 def _cache_key(source: DataSource, *, data: DataConfig, task: str, tokenizer, names: list[str] | None) -> str:

@@ -1,7 +1,7 @@
 """Where a split's rows come from, and what they must hold: the data files people have.
 
 `data.train` / `data.eval` may name
-  a file            json, jsonl, csv, parquet or txt, also compressed (.gz, .bz2, .xz, .zst);
+  a file            json, jsonl, csv, parquet or txt, the text formats also compressed (.gz, .bz2, .xz, .zst);
   a folder of shards files of one of those formats (e.g. part-00000.parquet ...), read as one split;
   a saved dataset   a folder `datasets`' save_to_disk wrote: a Dataset, or a DatasetDict whose split named like
                     the key is taken (train; for eval: validation, eval or test).
@@ -62,19 +62,31 @@ def data_source(key: str, path: str) -> DataSource:
         formats = sorted({str(format_of(f)) for f in shards})
         if len(formats) > 1:
             raise RecipeError(f"{key}: {path} mixes {' and '.join(formats)} files; keep one format per folder")
+        _check_compression(key, shards[0], formats[0])
         return DataSource(key, where, formats[0], tuple(shards))
     if not where.is_file():
         raise RecipeError(f"{key}: {path} not found; give a {known} file, a folder of them or a saved dataset")
     fmt = format_of(where)
     if fmt is None:
         raise RecipeError(f"{key}: {path}: unknown format {where.suffix!r}; use {known}")
+    _check_compression(key, where, fmt)
     return DataSource(key, where, fmt, (where,))
+
+
+def _check_compression(key: str, file: Path, fmt: str) -> None:
+    """`datasets` decompresses text formats by their suffix; a parquet file compresses its columns itself and is
+    read only as written."""
+    if fmt == "parquet" and file.name.endswith(COMPRESSIONS):
+        raise RecipeError(f"{key}: {file}: parquet is read as written, not from a {file.suffix} archive; decompress "
+                          "it (parquet compresses its own columns)")
 
 
 def read_rows(source: DataSource):
     """The split's rows, untokenized (a datasets.Dataset). A source without rows, or one that does not parse
     as its format, is one line naming it."""
     import datasets
+    import pandas
+    from datasets.arrow_writer import SchemaInferenceError
 
     datasets.disable_progress_bars()
     if source.format == "saved":
@@ -91,8 +103,12 @@ def read_rows(source: DataSource):
         if "corresponds to no data" not in str(exc):
             raise _unreadable(source, exc) from None
         raw = None
+    except StopIteration:  # datasets' json reader on a compressed file that holds no rows
+        raw = None
     except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError, OSError) as exc:
-        raise _unreadable(source, exc.__cause__ or exc) from None
+        if not isinstance(exc.__cause__, (SchemaInferenceError, pandas.errors.EmptyDataError)):
+            raise _unreadable(source, exc.__cause__ or exc) from None
+        raw = None  # the text and csv readers on a compressed file that holds nothing
     finally:
         datasets.logging.set_verbosity(verbosity)
     if raw is None or len(raw) == 0:
@@ -113,6 +129,8 @@ def _saved_split(source: DataSource):
 
     try:
         saved = datasets.load_from_disk(str(source.path))
+    except IndexError:  # datasets concatenates the saved arrow files: there are none
+        raise RecipeError(f"{source.key}: {source.path} has no rows; point {source.key} at data") from None
     except (FileNotFoundError, ValueError, OSError) as exc:
         raise _unreadable(source, exc) from None
     if isinstance(saved, datasets.DatasetDict):

@@ -18,6 +18,12 @@ USER_ERROR_EXIT_CODE = 2
 INTERRUPTED_EXIT_CODE = 128 + 2  # Ctrl-C (SIGINT), as shells report it
 
 
+def error_line(exc: RecipeError) -> str:
+    """The one line a user mistake is reported in. A line break in it (from a path or value the user gave) is
+    shown escaped, as \\n, so that the message stays one line."""
+    return "toolkit: error: " + str(exc).replace("\r", "\\r").replace("\n", "\\n")
+
+
 def say_once(line: str) -> None:
     """Print `line` to stderr once per launch, whichever rank gets there first: a mistake in the recipe is found
     by every rank of a torchrun / accelerate launch alike. The first rank creates a marker file named for the

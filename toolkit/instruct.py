@@ -28,8 +28,15 @@ def prompt_response_text(prompt: str, response: str, tokenizer) -> tuple[str, li
 def chat_text(messages: list[dict], tokenizer, template: str | None) -> tuple[str, list[Span]]:
     """The rendered conversation and the span of each assistant turn in it."""
     def render(part: list[dict], generation: bool) -> str:
-        return tokenizer.apply_chat_template(part, tokenize=False, add_generation_prompt=generation,
-                                             chat_template=template)
+        try:
+            return tokenizer.apply_chat_template(part, tokenize=False, add_generation_prompt=generation,
+                                                 chat_template=template)
+        except Exception as exc:  # a template is code the user gave: whatever it raises is theirs to fix
+            whose, fix = ("data.chat_template", "fix it") if template is not None else \
+                ("the tokenizer's chat template", "set data.chat_template to one that renders it")
+            reason = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise RecipeError(f"data.format chat: {whose} fails on a conversation ({type(exc).__name__}: "
+                              f"{reason}); {fix}") from None
 
     full = render(messages, False)
     spans = []
@@ -78,6 +85,9 @@ def check_tokenizer(data: DataConfig, tokenizer) -> None:
     if data.format == "chat" and data.chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise RecipeError("data.format chat: the tokenizer has no chat template; set data.chat_template to one "
                           "(a Jinja template over `messages`, as in tokenizer_config.json)")
+    if data.format == "chat":  # a template that does not parse, or fails on a plain exchange: found before training
+        chat_text([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], tokenizer,
+                  data.chat_template)
 
 
 def check_messages(rows, key: str, path, column: str) -> None:
@@ -92,3 +102,7 @@ def check_messages(rows, key: str, path, column: str) -> None:
         if not any(m["role"] == "assistant" for m in messages):
             raise RecipeError(f"{key}: {path} row {number} has no assistant message: nothing to train on; add "
                               "one or drop the row")
+        if messages[0]["role"] == "assistant":  # chat_text renders what precedes each assistant turn
+            raise RecipeError(f"{key}: {path} row {number} starts with an assistant message: a chat template "
+                              "renders no empty conversation to tell its tokens apart; begin with a user or system "
+                              "message")

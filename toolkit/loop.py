@@ -27,7 +27,7 @@ from toolkit.checkpoint.run import Resume
 from toolkit.comm import CollectiveCounter, counting
 from toolkit.checks import check_position_limit
 from toolkit.consistency import check_replicas
-from toolkit.data import Collator, DataLayout, GlobalBatchSampler, load_split, train_loader
+from toolkit.data import Collator, DataLayout, GlobalBatchSampler, left_out_note, load_split, train_loader
 from toolkit.dist import DistEnv, all_reduce_max, all_reduce_sum
 from toolkit.errors import RecipeError
 from toolkit.evaluate import evaluate
@@ -90,15 +90,18 @@ def prepare(recipe: Recipe, env: DistEnv):
     tokenizer = load_tokenizer(recipe.model)
     kwargs = dict(data=recipe.data, task=recipe.model.task, num_labels=recipe.model.num_labels, tokenizer=tokenizer,
                   env=env)
-    train_ds, names = load_split("data.train", **kwargs)
-    eval_ds = load_split("data.eval", **kwargs, names=names)[0] if recipe.data.eval else None
+    train_ds, names, train_left_out = load_split("data.train", **kwargs)
+    eval_ds, _, eval_left_out = load_split("data.eval", **kwargs, names=names) if recipe.data.eval else (None, None, 0)
     sampler = GlobalBatchSampler(num_samples=len(train_ds), plan=plan, rank=layout.rank, seed=recipe.seed)
     if sampler.steps_per_epoch == 0:
-        raise RecipeError(f"data: {len(train_ds)} train samples are fewer than one global batch of "
+        left_out = f" ({train_left_out} left out: no token to learn from)" if train_left_out else ""
+        raise RecipeError(f"data: {len(train_ds)} train samples{left_out} are fewer than one global batch of "
                           f"{plan.global_batch_size}; lower batch sizes or add data")
+    notes = [left_out_note(key, num, recipe.data) for key, num in (("data.train", train_left_out),
+                                                                   ("data.eval", eval_left_out)) if num]
     epochs = recipe.train.epochs or 0.0  # TrainConfig: exactly one of max_steps and epochs
     total_steps = recipe.train.max_steps or max(1, int(epochs * sampler.steps_per_epoch))
-    return plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, names
+    return plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, names, notes
 
 
 def setup_strategy(strategy: Strategy, model, *, source: ModelSource, env: DistEnv, plan, total_steps: int) -> None:
@@ -111,7 +114,7 @@ def setup_strategy(strategy: Strategy, model, *, source: ModelSource, env: DistE
 
 
 def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> TrainResult:
-    plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, names = prepare(recipe, env)
+    plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, names, notes = prepare(recipe, env)
     runtime_bytes = process_bytes()  # what the process holds before any model: the base a memory prediction starts from
     prediction = runinfo.predict_memory(recipe, env, runtime_bytes=runtime_bytes)  # warns before setup if too big
     # before the collective below, so no rank can have written into output_dir yet
@@ -145,6 +148,8 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     info["layout"] = strategy.layout()
     if env.is_main:
         print(f"[toolkit] layout: {info['layout']}", file=sys.stderr, flush=True)
+        for note in notes:  # said once the run goes ahead: a user's mistake found before stays one line
+            print(note, file=sys.stderr, flush=True)
     if names is not None:  # named labels: their class ids, in the exported config as transformers keeps them
         name_labels(strategy.export_module(), names, info=info, env=env)
     replicas = announce_replica_check(strategy, recipe=recipe, env=env, info=info)

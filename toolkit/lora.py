@@ -30,6 +30,10 @@ def apply_lora(model: nn.Module, options: LoraOptions, *, task: str) -> nn.Modul
     trainable: peft's SEQ_CLS keeps it in modules_to_save). Returns the same model object."""
     from peft import get_peft_model
 
+    widths = [min(m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)]
+    if widths and options.r > max(widths):  # peft would allocate r × (in + out) per layer all the same
+        raise RecipeError(f"model.lora.r {options.r} is above the width of every layer of the model (at most "
+                          f"{max(widths)}): a larger rank adds parameters, not capacity; 8 or 16 are usual")
     try:
         peft_model = get_peft_model(model, lora_config(options, task=task))
     except ValueError as exc:  # peft: target modules that match no layer of the model

