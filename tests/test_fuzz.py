@@ -68,7 +68,7 @@ def terminal_stderr(err: io.StringIO):
     handlers = [h for name in list(logging.Logger.manager.loggerDict)
                 for h in getattr(logging.getLogger(name), "handlers", [])
                 if type(h) is logging.StreamHandler]
-    streams = [h.setStream(err) for h in handlers]
+    streams = [swap_stream(h, err) for h in handlers]
     try:
         with contextlib.redirect_stderr(err), warnings.catch_warnings():
             warnings.resetwarnings()
@@ -79,7 +79,16 @@ def terminal_stderr(err: io.StringIO):
             yield
     finally:
         for handler, stream in zip(handlers, streams):
-            handler.setStream(stream)
+            swap_stream(handler, stream)
+
+
+def swap_stream(handler: logging.StreamHandler, stream: typing.IO) -> typing.IO:
+    """Point `handler` at `stream`, returning its old one. Not `setStream`: it flushes the old stream, and a
+    library that was imported while an earlier test captured output holds a handler whose stream pytest has
+    closed since (ValueError: I/O operation on closed file)."""
+    with handler.lock or contextlib.nullcontext():
+        old, handler.stream = handler.stream, stream
+    return old
 
 
 def run_cli(args: list[str], *, cwd: Path) -> tuple[int, str]:
