@@ -373,6 +373,26 @@ COMMANDS = {"train": cmd_train, "launch": cmd_launch, "validate": cmd_validate, 
             "convert": cmd_convert, "plan": cmd_plan}
 
 
+def run() -> None:
+    """The `toolkit` command (and `python -m toolkit`): main(), then the process ends without tearing its
+    interpreter down. With torch and transformers loaded the teardown takes ~1.1 s (measured: 1.06-1.16 s
+    from the last line to the exit, 0.05 s without), paid by the launcher and by every rank of a run, and
+    it does nothing a run needs: the toolkit writes and closes its files before it returns, and the exit
+    handlers (logging's flush, temporary folders' cleanup, finalizers) still run. Where a Python thread is
+    still running, the normal exit waits for it as always."""
+    code = main()
+    import threading
+
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        sys.exit(code)
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
@@ -399,4 +419,4 @@ def _main(argv: list[str] | None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -109,10 +109,26 @@ def _import_before_group() -> None:
         if importlib.util.find_spec(name.split(".")[0]) is None:
             continue  # DeepSpeed is optional on a machine that runs no zero strategy
         try:
-            importlib.import_module(name)
+            import_without_autotuner_mlflow(name)
         except Exception as exc:  # noqa: BLE001 - a broken optional install must not stop a ddp run
             print(f"[toolkit] note: importing {name} failed ({type(exc).__name__}: {exc}); a rank may then "
                   "leave without interpreter teardown", file=sys.stderr)
+
+
+def import_without_autotuner_mlflow(name: str):
+    """Import `name`; if that imports DeepSpeed for the first time, without MLflow. DeepSpeed's autotuner (which
+    the toolkit never runs) imports MLflow when it is installed, for its own logging: ~1 s per process, every
+    rank of every run, where the tracking extra is installed (measured: `import deepspeed` 1.3 s with it, 0.3 s
+    without). An entry of None in sys.modules makes that one import fail, which the autotuner takes as MLflow
+    missing; the entry is removed at once, so the toolkit's own tracking imports MLflow as usual."""
+    hide = "deepspeed" not in sys.modules and "mlflow" not in sys.modules
+    if hide:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]
+    try:
+        return importlib.import_module(name)
+    finally:
+        if hide and sys.modules.get("mlflow", False) is None:
+            del sys.modules["mlflow"]
 
 
 def shutdown(*, completed: bool, release: Callable[[], None] | None = None) -> bool:
