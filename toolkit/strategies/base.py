@@ -290,8 +290,28 @@ def sharded_abs_max(model: nn.Module, env: DistEnv, *, scale: float = 1.0) -> di
 
 
 def gathered_state_dict(model: nn.Module, env: DistEnv) -> dict[str, torch.Tensor] | None:
-    """Collective: the full weights of a model holding DTensors, gathered on CPU; rank 0 gets them."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    """Collective: the full weights of a model holding DTensors, gathered on CPU; rank 0 gets them.
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return cast(dict[str, torch.Tensor], state) if env.is_main else None
+    Each tensor is gathered once and a tied weight appears under each of its names, sharing the one copy.
+    torch's get_model_state_dict(full_state_dict=True) gathers a tied weight once per name: with tied
+    embeddings rank 0 held two copies of the embedding while it exported (measured on the 302M benchmark
+    model: 119 MiB more at the export's peak; for a model with a large vocabulary, gigabytes)."""
+    from torch.distributed.tensor import DTensor
+
+    first: dict[int, str] = {}
+    aliases = {name: first.setdefault(id(p), name) for name, p in model.named_parameters(remove_duplicate=False)}
+    full: dict[str, torch.Tensor] = {}
+    for name, value in model.state_dict().items():
+        if aliases.get(name, name) != name:
+            continue  # a tied alias: its first name's copy, below
+        if isinstance(value, DTensor):
+            value = value.full_tensor()  # every rank takes part
+        if env.is_main:
+            full[name] = value.detach().to("cpu")
+        del value  # another rank's copy goes at once
+    if not env.is_main:
+        return None
+    for name, owner in aliases.items():
+        if owner != name and owner in full:
+            full[name] = full[owner]
+    return full
