@@ -89,3 +89,51 @@ def test_an_export_that_dies_midway_leaves_a_complete_model_in_place(tmp_path, t
         after = (out / "model" / "model.safetensors").read_bytes()
         assert after != before and sorted(p.name for p in out.iterdir() if "model" in p.name) == ["model"]
         before = after
+
+
+class _Tied(torch.nn.Module):
+    """An embedding and an output head sharing one weight, as tied language models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 8)
+        self.inner = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 64, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def _gather_worker(rank: int, init_file: str, results) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from toolkit.strategies.base import gathered_state_dict
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = _Tied()
+    whole = {name: t.clone() for name, t in model.state_dict().items()}  # before sharding: the reference
+    fully_shard(model.inner)
+    fully_shard(model)
+    assert all(p.to_local().numel() < whole[n].numel() for n, p in model.named_parameters())  # really sharded
+    full = gathered_state_dict(model, DistEnv(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu")))
+    if rank == 0:
+        results["keys"] = sorted(full)
+        results["tied_once"] = full["head.weight"] is full["embed.weight"]
+        results["equal"] = all(torch.equal(full[n], t) for n, t in whole.items())
+    else:
+        results["other_rank"] = full
+    dist.destroy_process_group()
+
+
+def test_sharded_weights_are_gathered_whole_with_a_tied_weight_gathered_once(tmp_path):
+    """The export's gather (FSDP2, TP): rank 0 gets every tensor whole under every name; a tied weight is one
+    gathered tensor under both names, not a copy per name (rank 0 would hold two while it exports)."""
+    import os
+
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    results = mp.Manager().dict()
+    mp.spawn(_gather_worker, args=(str(tmp_path / "init"), results), nprocs=2)
+    assert results["keys"] == ["embed.weight", "head.weight", "inner.bias", "inner.weight"]
+    assert results["tied_once"] and results["equal"] and results["other_rank"] is None
