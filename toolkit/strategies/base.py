@@ -298,8 +298,10 @@ def gathered_state_dict(model: nn.Module, env: DistEnv) -> dict[str, torch.Tenso
     model: 119 MiB more at the export's peak; for a model with a large vocabulary, gigabytes)."""
     from torch.distributed.tensor import DTensor
 
-    first: dict[int, str] = {}
-    aliases = {name: first.setdefault(id(p), name) for name, p in model.named_parameters(remove_duplicate=False)}
+    from toolkit.checkpoint.state import first_names
+
+    first = first_names(model)
+    aliases = {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
     full: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict().items():
         if aliases.get(name, name) != name:
