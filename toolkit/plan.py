@@ -4,13 +4,12 @@ Model states (parameters, gradients, optimizer state) come from the model built 
 strategy's own rules (`Strategy.predict_state_bytes`): a run measures the same bytes (run.json's
 `model_state_bytes`; every run also writes this prediction beside them).
 
-Activations are an estimate, per micro-batch (T = micro_batch_size × max_length tokens, in the compute dtype):
-    per block, what backward keeps: its input and norm outputs, q/k/v, attention output, the MLP's
-    up/gate/activation/down inputs ≈ (6·hidden + 2·kv_width + 4·intermediate) elements per token
-    with activation checkpointing: each block keeps its input (hidden per token) and one block at a time is
-    recomputed in full
-    the head: for a causal LM, the fp32 log-softmax cross-entropy saves for backward (T × vocab × 4 bytes; the
-    loop lets the logits go once their loss sum exists, and in backward their gradient takes its place).
+Activations are traced, not guessed (toolkit/activations.py): one micro-batch's forward, loss and backward on
+fake tensors, in the dtypes the strategy computes in, with and without activation checkpointing; their peak
+(T = micro_batch_size × max_length tokens) beside the model states. Gradients are model states, but a
+strategy that gives them back between steps (`StrategyInfo.holds_gradients` false) has none while a step's
+first micro-batch holds its activations: with one micro-batch per step its training peak is the larger of
+(parameters + optimizer state + activations) and (all model states, at the end of backward).
 The peak adds what is not model state: the runtime (the Python process with torch and transformers loaded:
 measured here), the whole model where a rank builds it before setup (on CPU it stays in the resident set;
 under low-memory loading a rank builds only its part: `Strategy.predict_load_bytes`), the parameters a rank
@@ -20,16 +19,18 @@ reuse distance keeps), and on CPU the export, for which rank 0 of a sharding str
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from toolkit.activations import traced_activations
 from toolkit.errors import RecipeError
-from toolkit.model import layer_stack, meta_model
+from toolkit.model import meta_model
 from toolkit.precision import DTYPES
-from toolkit.recipe import Recipe
+from toolkit.recipe import Recipe, plan_batch
 from toolkit.strategies.state_bytes import StateBytes, element_bytes
 
 MiB = 2 ** 20
@@ -43,7 +44,7 @@ class Prediction:
     world_size: int
     per_rank: list[StateBytes]
     activation_bytes: int  # one micro-batch in flight, this recipe's activation checkpointing setting
-    activation_bytes_checkpointed: int  # the same with activation checkpointing
+    activation_bytes_checkpointed: int | None  # the same with activation checkpointing (None: not traced)
     load_bytes: int  # the whole model in its load dtype
     built_bytes: list[int]  # per rank, the weights it builds beyond its model states (low-memory loading: 0)
     runtime_bytes: int  # the process itself (interpreter, torch, transformers), before any model
@@ -59,19 +60,35 @@ class Prediction:
 
 
 def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type: str = "cpu",
-            model: nn.Module | None = None) -> Prediction:
+            model: nn.Module | None = None, both: bool = True) -> Prediction:
     """The recipe's memory per rank at `world_size`; `model`: the recipe's model on the meta device, if built.
-    On a GPU the peak is the allocator's (no runtime, no host-side load); on CPU the process's resident set."""
+    On a GPU the peak is the allocator's (no runtime, no host-side load); on CPU the process's resident set.
+    both=False: activations traced for the recipe's own activation checkpointing setting only (a run's record)."""
     from toolkit.strategies import make_strategy
 
     model = model if model is not None else planned_model(recipe)
     strategy = make_strategy(recipe)
     per_rank = strategy.predict_state_bytes(model, recipe, world_size=world_size)
     built = strategy.predict_load_bytes(model, recipe, world_size=world_size)
-    load = sum(p.numel() for p in model.parameters()) * element_bytes(DTYPES[recipe.model.load_dtype])
-    full, checkpointed = activation_estimate(model, recipe)
-    activations = checkpointed if recipe.train.activation_checkpointing else full
+    stored, compute = DTYPES[recipe.model.load_dtype], DTYPES[recipe.precision]
+    load = sum(p.numel() for p in model.parameters()) * element_bytes(stored)
+    casts = strategy.info.casts_parameters
+    trace = functools.partial(traced_activations, model, recipe, params_dtype=compute if casts else stored,
+                              autocast_dtype=None if casts or compute == stored else compute)
+    checkpointing = recipe.train.activation_checkpointing
+    activations = trace(checkpointing=checkpointing)
+    other = trace(checkpointing=not checkpointing) if both else None
+    checkpointed = activations if checkpointing else other
     gathered = strategy.predict_gathered_bytes(model, recipe, world_size=world_size)
+    shards = strategy.data_layout(recipe, world_size=world_size, rank=0).size
+    accumulates = plan_batch(recipe.batch, world_size=shards).grad_accum_steps > 1
+
+    def training(state: StateBytes) -> int:
+        """Model states and one micro-batch's activations at their peak, gradients there only if held."""
+        if strategy.info.holds_gradients or accumulates:
+            return state.total_bytes + activations
+        return max(state.total_bytes - state.grads_bytes + activations, state.total_bytes)
+
     # On CPU a rank that builds the whole model in host memory before setup adds it to its resident set. A
     # strategy that then holds only part of the model (fsdp, zero3, tp, pipeline stages) frees the rest, and the
     # toolkit has glibc give freed pages back (toolkit.launch.return_freed_pages): the build is a loading peak
@@ -80,12 +97,12 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     # what is moved to it.
     partial = max(r.params_bytes for r in per_rank) < load
     if device_type == "cuda":
-        peaks = [r.total_bytes + activations + gathered for r in per_rank]
+        peaks = [training(r) + gathered for r in per_rank]
     elif not partial:
-        peaks = [runtime_bytes + r.total_bytes + activations + gathered + b for r, b in zip(per_rank, built)]
+        peaks = [runtime_bytes + training(r) + gathered + b for r, b in zip(per_rank, built)]
     else:  # the larger of training, and loading (the build beside the rank's shards); rank 0 also exports,
         # gathering the whole model to write it
-        peaks = [runtime_bytes + max(r.total_bytes + activations + gathered, b + r.params_bytes)
+        peaks = [runtime_bytes + max(training(r) + gathered, b + r.params_bytes)
                  for r, b in zip(per_rank, built)]
         peaks[0] = max(peaks[0], runtime_bytes + per_rank[0].total_bytes + load)
     return Prediction(strategy=recipe.strategy.name, world_size=world_size, per_rank=per_rank,
@@ -102,29 +119,6 @@ def planned_model(recipe: Recipe) -> nn.Module:
         with torch.device("meta"):  # the adapters too: peft would allocate them on the CPU
             apply_lora(model, recipe.model.lora, task=recipe.model.task)
     return model
-
-
-def activation_estimate(model: nn.Module, recipe: Recipe) -> tuple[int, int]:
-    """(without, with activation checkpointing) bytes of one micro-batch's saved activations."""
-    config = model.config
-    hidden = getattr(config, "hidden_size", 0)
-    heads = getattr(config, "num_attention_heads", 1) or 1
-    kv_width = (getattr(config, "num_key_value_heads", None) or heads) * (hidden // heads)
-    intermediate = getattr(config, "intermediate_size", 0) or 4 * hidden
-    try:
-        layers = len(layer_stack(model))
-    except RecipeError:
-        layers = getattr(config, "num_hidden_layers", 0)
-    tokens = recipe.batch.micro_batch_size * recipe.data.max_length
-    size = compute_bytes(recipe)
-    per_block = tokens * (6 * hidden + 2 * kv_width + 4 * intermediate) * size
-    head = tokens * getattr(config, "vocab_size", 0) * 4 if recipe.model.task == "causal-lm" else 0
-    return layers * per_block + head, layers * tokens * hidden * size + per_block + head
-
-
-def compute_bytes(recipe: Recipe) -> int:
-    """Bytes per element of what the forward computes in: fp32, or the 16-bit precision."""
-    return element_bytes(DTYPES[recipe.precision])
 
 
 def parse_bytes(text: str) -> int:
@@ -165,7 +159,7 @@ def render(rows: list[tuple[str, Prediction | str]], *, memory_per_rank: int, me
             fits = "yes" if prediction.peak_bytes <= memory_per_rank else "NO"
             lines.append([arm, label, f"{state.params_bytes / MiB:.1f}", f"{state.grads_bytes / MiB:.1f}",
                           f"{state.optim_bytes / MiB:.1f}", f"{state.total_bytes / MiB:.1f}",
-                          f"{prediction.activation_bytes / MiB:.0f} ({prediction.activation_bytes_checkpointed / MiB:.0f})",
+                          f"{prediction.activation_bytes / MiB:.0f} ({(prediction.activation_bytes_checkpointed or 0) / MiB:.0f})",
                           f"{prediction.peak_bytes / MiB:.0f}", fits])
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)] if lines else map(len, head)
     out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]

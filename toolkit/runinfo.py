@@ -76,7 +76,7 @@ def predict_memory(recipe: Recipe, env: DistEnv, *, runtime_bytes: int) -> dict 
 
     try:
         prediction = predict(recipe, world_size=env.world_size, runtime_bytes=runtime_bytes,
-                             device_type=env.device.type)
+                             device_type=env.device.type, both=False)
     except RecipeError as exc:  # a model the planner cannot read (the run itself may still work)
         return {"error": str(exc)}
     limit, what = default_memory_per_rank(env.world_size if env.device.type == "cpu" else 1)

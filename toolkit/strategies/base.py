@@ -59,6 +59,12 @@ class StrategyInfo:
     accelerate_plugin: str | None = None  # the `accelerate launch` plugin it runs (fsdp, deepspeed)
     lora: bool = True  # trains model.lora adapters (checked: single, ddp, fsdp, zero; not yet split models)
     compiles: bool = True  # runs train.compile's blocks (tp: torch 2.13's dynamo fails on DTensor-split blocks)
+    # computes with its parameters cast to the 16-bit precision (FSDP2's MixedPrecisionPolicy, DeepSpeed's 16-bit
+    # weights), not under autocast: what its forward saves for backward differs (toolkit/activations.py)
+    casts_parameters: bool = False
+    # keeps its gradients' memory from step to step (DDP's buckets, DeepSpeed's flat partitions); False: its
+    # zero_grad(set_to_none) gives them back, and a step's first micro-batch runs without them (toolkit plan)
+    holds_gradients: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)

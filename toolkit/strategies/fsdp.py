@@ -39,7 +39,7 @@ from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, S
 from toolkit.strategies.state_bytes import StateBytes, adam_state, dim0_shard, dim0_shard_of, largest_block_bytes
 
 INFO = StrategyInfo(
-    name="fsdp", averages_gradients=True, accelerate_plugin="fsdp",
+    name="fsdp", averages_gradients=True, accelerate_plugin="fsdp", casts_parameters=True, holds_gradients=False,
     options=("reshard_after_forward", "cpu_offload", "replicate_degree", "blocks", "tp_degree", "sequence_parallel"),
     summary="FSDP2 fully_shard per block: params, grads, optimizer state sharded 1/N; all-gathers per block",
     arms={"fsdp": ("strategy.name=fsdp",),

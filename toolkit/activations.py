@@ -1,0 +1,142 @@
+"""Activation memory of one micro-batch, traced rather than guessed: `toolkit plan`'s activation term.
+
+The recipe's model runs forward, the loop's loss and backward on fake tensors (torch's FakeTensorMode: shapes
+and dtypes, no memory, no arithmetic) under torch's MemTracker, which follows every storage's life. What it
+finds is what the model's own code keeps for backward, in the dtypes the strategy computes in:
+  - autocast strategies (single, dp, ddp, tp, pipeline): parameters in their load dtype, the forward under
+    autocast; a 16-bit run keeps a 16-bit copy of every matmul weight and, with fp32 weights, an fp32 residual
+    stream (normalisation layers save fp32 tensors)
+  - strategies that cast their parameters (FSDP2's MixedPrecisionPolicy, DeepSpeed's 16-bit weights): every
+    block in the 16-bit dtype, no autocast
+and the head: the loss's fp32 log-softmax and, in its backward, two more fp32 tensors of tokens × vocab.
+The term is the tracker's peak less the parameters (gradients are dropped as they arrive: the planner counts
+them with the model states). Two traces, of the model cut to its first block and to its first two, give
+the bytes outside the layer stack and the bytes each block adds; the whole stack is extrapolated from them,
+so a trace costs two blocks whatever the model's depth, and it is cached. The traces run the CPU's kernels: on a GPU,
+attention's kernels keep the same tensors (flash attention: output and log-sum-exp).
+
+Checked against the measured peaks of an H100 (benchmarks/gpu_throughput.py; see the README).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import nn
+from transformers.utils import logging as transformers_logging
+
+from toolkit.errors import RecipeError
+from toolkit.model import enable_activation_checkpointing, layer_stack, set_dropout
+from toolkit.recipe import Recipe
+
+TRACE_VERSION = 1  # raise when what a trace measures changes: cached traces of older versions are not read
+
+
+def traced_activations(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype,
+                       autocast_dtype: torch.dtype | None, checkpointing: bool) -> int:
+    """Bytes of one micro-batch's activations at their peak (forward + loss + backward). `model`: the recipe's
+    model on the meta device. Its parameters are cast to `params_dtype`, the forward runs under autocast to
+    `autocast_dtype` (None: no autocast), with or without activation checkpointing (a model that cannot
+    checkpoint is traced without). A trace is kept in the user's cache: the same model, batch and dtypes are
+    traced once."""
+    checkpointing = checkpointing and getattr(model, "supports_gradient_checkpointing", False)
+    key = _cache_key(model, recipe, params_dtype, autocast_dtype, checkpointing)
+    path = _cache_dir() / f"{key}.json"
+    try:
+        return int(json.loads(path.read_text())["bytes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    blocks = layer_stack(model)
+    one = _peak(_cut(model, blocks, 1), recipe, params_dtype, autocast_dtype, checkpointing)
+    found = one
+    if len(blocks) > 1:
+        two = _peak(_cut(model, blocks, 2), recipe, params_dtype, autocast_dtype, checkpointing)
+        found = one + (len(blocks) - 1) * max(two - one, 0)
+    try:  # a cache that cannot be written (a read-only home) only costs the next plan a trace
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps({"bytes": found}))
+        partial.replace(path)
+    except OSError:
+        pass
+    return found
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "toolkit" / "activations"
+
+
+def _cache_key(model: nn.Module, recipe: Recipe, params_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
+               checkpointing: bool) -> str:
+    """Everything a trace depends on: the model (config, adapters), the micro-batch, the dtypes, the versions."""
+    import transformers
+
+    lora = dataclasses.asdict(recipe.model.lora) if recipe.model.lora is not None else None
+    what = [TRACE_VERSION, torch.__version__, transformers.__version__, type(model).__name__,
+            cast(Any, model).config.to_json_string(use_diff=False), lora, recipe.model.dropout, recipe.model.task,
+            recipe.batch.micro_batch_size, recipe.data.max_length, recipe.data.packing, str(params_dtype),
+            str(autocast_dtype), checkpointing]
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _cut(model: nn.Module, blocks: list[nn.Module], keep: int) -> nn.Module:
+    """A copy of the meta `model` whose layer stack holds its first `keep` blocks."""
+    first = id(blocks[0])
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and any(id(child) == first for child in module):
+            held = list(module)
+            module._modules = {str(i): held[i] for i in range(min(keep, len(held)))}
+            try:
+                return copy.deepcopy(model)
+            finally:
+                module._modules = {str(i): child for i, child in enumerate(held)}
+    raise RecipeError(f"{type(model).__name__}: its blocks sit in no ModuleList; the activation trace cannot cut it")
+
+
+def _peak(model: nn.Module, recipe: Recipe, params_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
+          checkpointing: bool) -> int:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    from toolkit.losses import micro_batch_loss_sum
+
+    model.to(params_dtype)  # on the meta device: the dtype only
+    if recipe.model.dropout is not None:
+        set_dropout(model, recipe.model.dropout)
+    tokens = (recipe.batch.micro_batch_size, recipe.data.max_length)
+    # Packed samples have no padding: transformers sees an all-ones mask and attention runs causal without one
+    # (a fake mask's values are unknown, so it would build one). Padded batches carry their mask.
+    masks = {} if recipe.data.packing else {"attention_mask": torch.ones(tokens, dtype=torch.long)}
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # its notes on a cache during checkpointing: not the user's
+    with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():  # the meta weights
+        warnings.simplefilter("ignore")
+        model.to_empty(device="cpu")
+        model.train()
+        if checkpointing:
+            enable_activation_checkpointing(model)
+        for param in model.parameters():  # gradients are model states, counted on their own
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+        ids = torch.zeros(tokens, dtype=torch.long)
+        labels = ids if recipe.model.task == "causal-lm" else torch.zeros(tokens[0], dtype=torch.long)
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker:
+            with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+                logits = model(input_ids=ids, **masks).logits
+            loss = micro_batch_loss_sum(logits, labels, recipe.model.task)
+            del logits
+            loss.backward()
+        peak = tracker.get_tracker_snapshot("peak")
+    transformers_logging.set_verbosity(verbosity)
+    held = (_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.GRAD)
+    return sum(total["Total"] - sum(total.get(kind, 0) for kind in held) for total in peak.values())
