@@ -1,19 +1,19 @@
 """Activation memory of one micro-batch, traced rather than guessed: `toolkit plan`'s activation term.
 
 The recipe's model runs forward, the loop's loss and backward on fake tensors (torch's FakeTensorMode: shapes
-and dtypes, no memory, no arithmetic) under torch's MemTracker, which follows every storage's life. What it
-finds is what the model's own code keeps for backward, in the dtypes the strategy computes in:
+and dtypes, no memory, no arithmetic) under a dispatch mode that follows every storage's life (`LiveBytes`).
+What it finds is what the model's own code keeps for backward, in the dtypes the strategy computes in:
   - autocast strategies (single, dp, ddp, tp, pipeline): parameters in their load dtype, the forward under
     autocast; a 16-bit run keeps a 16-bit copy of every matmul weight and, with fp32 weights, an fp32 residual
     stream (normalisation layers save fp32 tensors)
   - strategies that cast their parameters (FSDP2's MixedPrecisionPolicy, DeepSpeed's 16-bit weights): every
     block in the 16-bit dtype, no autocast
 and the head: the loss's fp32 log-softmax and, in its backward, two more fp32 tensors of tokens × vocab.
-The term is the tracker's peak less the parameters (gradients are dropped as they arrive: the planner counts
-them with the model states). Two traces, of the model cut to its first block and to its first two, give
-the bytes outside the layer stack and the bytes each block adds; the whole stack is extrapolated from them,
-so a trace costs two blocks whatever the model's depth, and it is cached. The traces run the CPU's kernels: on a GPU,
-attention's kernels keep the same tensors (flash attention: output and log-sum-exp).
+The parameters exist before the trace and are not counted; gradients are dropped as they arrive (the planner
+counts them with the model states). Two traces, of the model cut to its first block and to its first two, give
+the bytes outside the layer stack and the bytes each block adds; the whole stack is extrapolated from them, so
+a trace costs two blocks whatever the model's depth, and it is cached. The traces run the CPU's kernels: on a
+GPU, attention's kernels keep the same tensors (flash attention: output and log-sum-exp).
 
 Checked against the measured peaks of an H100 (benchmarks/gpu_throughput.py; see the README).
 """
@@ -26,18 +26,21 @@ import hashlib
 import json
 import os
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers.utils import logging as transformers_logging
 
 from toolkit.errors import RecipeError
 from toolkit.model import enable_activation_checkpointing, layer_stack, set_dropout
 from toolkit.recipe import Recipe
 
-TRACE_VERSION = 1  # raise when what a trace measures changes: cached traces of older versions are not read
+TRACE_VERSION = 3  # raise when what a trace measures changes: cached traces of older versions are not read
 
 
 def traced_activations(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype,
@@ -54,12 +57,13 @@ def traced_activations(model: nn.Module, recipe: Recipe, *, params_dtype: torch.
         return int(json.loads(path.read_text())["bytes"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    blocks = layer_stack(model)
-    one = _peak(_cut(model, blocks, 1), recipe, params_dtype, autocast_dtype, checkpointing)
-    found = one
-    if len(blocks) > 1:
-        two = _peak(_cut(model, blocks, 2), recipe, params_dtype, autocast_dtype, checkpointing)
-        found = one + (len(blocks) - 1) * max(two - one, 0)
+    try:
+        found = _stack_peak(model, recipe, params_dtype, autocast_dtype, checkpointing)
+    except RecipeError:
+        raise
+    except Exception as exc:  # an op fake tensors cannot run (data-dependent shapes): no prediction, not a crash
+        raise RecipeError(f"the activation trace of {type(model).__name__} failed ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
     try:  # a cache that cannot be written (a read-only home) only costs the next plan a trace
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")
@@ -68,6 +72,21 @@ def traced_activations(model: nn.Module, recipe: Recipe, *, params_dtype: torch.
     except OSError:
         pass
     return found
+
+
+def _stack_peak(model: nn.Module, recipe: Recipe, params_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
+                checkpointing: bool) -> int:
+    """Traced with one block and with two, extrapolated to the whole stack; a model without a block list that
+    sits in a ModuleList is traced whole."""
+    try:
+        blocks = layer_stack(model)
+        one = _peak(_cut(model, blocks, 1), recipe, params_dtype, autocast_dtype, checkpointing)
+    except RecipeError:
+        return _peak(copy.deepcopy(model), recipe, params_dtype, autocast_dtype, checkpointing)
+    if len(blocks) == 1:
+        return one
+    two = _peak(_cut(model, blocks, 2), recipe, params_dtype, autocast_dtype, checkpointing)
+    return one + (len(blocks) - 1) * max(two - one, 0)
 
 
 def _cache_dir() -> Path:
@@ -103,11 +122,6 @@ def _cut(model: nn.Module, blocks: list[nn.Module], keep: int) -> nn.Module:
 
 def _peak(model: nn.Module, recipe: Recipe, params_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
           checkpointing: bool) -> int:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
-
-    from toolkit.losses import micro_batch_loss_sum
-
     model.to(params_dtype)  # on the meta device: the dtype only
     if recipe.model.dropout is not None:
         set_dropout(model, recipe.model.dropout)
@@ -117,26 +131,78 @@ def _peak(model: nn.Module, recipe: Recipe, params_dtype: torch.dtype, autocast_
     masks = {} if recipe.data.packing else {"attention_mask": torch.ones(tokens, dtype=torch.long)}
     verbosity = transformers_logging.get_verbosity()
     transformers_logging.set_verbosity_error()  # its notes on a cache during checkpointing: not the user's
+    try:
+        return _traced_peak(model, recipe, tokens, masks, autocast_dtype, checkpointing)
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+
+
+def _traced_peak(model: nn.Module, recipe: Recipe, tokens: tuple[int, int], masks: dict,
+                 autocast_dtype: torch.dtype | None, checkpointing: bool) -> int:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from toolkit.losses import micro_batch_loss_sum
+
     with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():  # the meta weights
         warnings.simplefilter("ignore")
         model.to_empty(device="cpu")
         model.train()
         if checkpointing:
             enable_activation_checkpointing(model)
-        for param in model.parameters():  # gradients are model states, counted on their own
+        live = LiveBytes([*model.parameters(), *model.buffers()])
+
+        def drop(param: torch.Tensor) -> None:  # gradients are model states, counted on their own
+            if param.grad is not None:
+                live.release(param.grad)
+            param.grad = None
+
+        for param in model.parameters():
             if param.requires_grad:
-                param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+                param.register_post_accumulate_grad_hook(drop)
         ids = torch.zeros(tokens, dtype=torch.long)
         labels = ids if recipe.model.task == "causal-lm" else torch.zeros(tokens[0], dtype=torch.long)
-        tracker = MemTracker()
-        tracker.track_external(model)
-        with tracker:
+        with live:
             with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
                 logits = model(input_ids=ids, **masks).logits
             loss = micro_batch_loss_sum(logits, labels, recipe.model.task)
             del logits
             loss.backward()
-        peak = tracker.get_tracker_snapshot("peak")
-    transformers_logging.set_verbosity(verbosity)
-    held = (_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.GRAD)
-    return sum(total["Total"] - sum(total.get(kind, 0) for kind in held) for total in peak.values())
+            del loss
+    return live.peak
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of the tensor storages made inside it that are still alive, and their peak: every op's outputs
+    are counted once per storage (views and in-place results share one) until the storage is freed or
+    `release`d; views of what existed before (a weight's transpose) are not. torch's MemTracker does this and more, but installs gradient hooks on every parameter it sees,
+    frozen ones too (LoRA's base weights), which torch refuses."""
+
+    def __init__(self, existing: list[torch.Tensor]) -> None:
+        """`existing`: tensors made before (parameters, buffers); their views are not new memory."""
+        super().__init__()
+        self.live = self.peak = 0
+        self._sizes: dict[int, int] = {}
+        self._existing = {t.untyped_storage()._cdata for t in existing}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self._count(tensor.untyped_storage())
+        return out
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Stop counting `tensor`'s storage now (a fake storage can outlive the tensor a real run frees)."""
+        self._free(tensor.untyped_storage()._cdata)
+
+    def _count(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key in self._sizes or key in self._existing:
+            return
+        self._sizes[key] = storage.nbytes()
+        self.live += self._sizes[key]
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.live -= self._sizes.pop(key, 0)
