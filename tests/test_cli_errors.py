@@ -28,6 +28,8 @@ CASES = {
     "missing model": ({"model": {"path": "/nonexistent/model", "task": "causal-lm"}}, (),
                       "/nonexistent/model"),
     "missing column": ({"data": {"text_column": "review"}}, (), "has no column 'review'"),
+    "profile window backwards": ({"train": {"profile_steps": [3, 2]}}, (), "train.profile_steps: got [3, 2]"),
+    "profile window past the end": ({}, ("train.profile_steps=[6, 7]",), "starts after the run's last step 5"),
     "cls without label column": ({"model": {"task": "sequence-classification"}},
                                  ("data.label_column=stars", f"data.train={EVAL}"), "has no column 'stars'"),
 }

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from toolkit import faults, runinfo, tracking
+from toolkit import faults, profiling, runinfo, tracking
 from toolkit.checkpoint import run as checkpoints
 from toolkit.checkpoint.run import Resume
 from toolkit.comm import CollectiveCounter, counting
@@ -101,6 +101,7 @@ def prepare(recipe: Recipe, env: DistEnv):
                                                                    ("data.eval", eval_left_out)) if num]
     epochs = recipe.train.epochs or 0.0  # TrainConfig: exactly one of max_steps and epochs
     total_steps = recipe.train.max_steps or max(1, int(epochs * sampler.steps_per_epoch))
+    profiling.check_window(recipe, total_steps=total_steps)
     return plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, names, notes
 
 
@@ -166,16 +167,21 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
         saver = checkpoints.Saver(recipe, env=env, plan=plan, total_steps=total_steps, tokenizer=tokenizer,
                                   done_steps=done, tokens_seen=tokens_seen)
         signals = StopSignals().install()
+        profiler = profiling.StepProfiler(recipe, env=env, out_dir=out_dir, done=done)
         try:
             losses = run_steps(strategy, loader, recipe=recipe, env=env, plan=plan, layout=layout, info=info,
                                done=done, total_steps=total_steps, eval_ds=eval_ds, collator=collator, saver=saver,
-                               writer=writer, progress=progress, scale=scale, replicas=replicas, signals=signals)
+                               writer=writer, progress=progress, scale=scale, replicas=replicas, signals=signals,
+                               profiler=profiler)
             saver.close()  # an async checkpoint still being written is committed before the run ends
         except (Stopped, NonFinite):  # every rank alike: the checkpoint still being written is a good one
             saver.close()
             raise
         finally:
             signals.restore()
+            profiler.close()  # a run that ended inside the window keeps what was recorded
+            if profiler.files:
+                info["profile"] = {"steps": [profiler.first, profiler.last], "files": profiler.files}
         progress.close()
         export_model(strategy, tokenizer=tokenizer, out_dir=out_dir, env=env, lora=recipe.model.lora,
                      task=recipe.model.task)
@@ -187,15 +193,20 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
 
 def run_steps(strategy: Strategy, loader, *, recipe: Recipe, env: DistEnv, plan, layout: DataLayout, info: dict,
               done: int, total_steps: int, eval_ds, collator, saver, writer, progress, scale, replicas,
-              signals: StopSignals) -> list[float]:
+              signals: StopSignals, profiler: profiling.StepProfiler) -> list[float]:
     """Steps done+1 .. total_steps: train, evaluate, check replicas, checkpoint, log; stop after a step when
     any rank got a stop signal (a checkpoint first)."""
     losses = []
     comm_step = min(max(COMM_COUNT_STEP, done + 1), total_steps)
     for step in range(done + 1, total_steps + 1):
-        record = train_step(strategy, [next(loader) for _ in range(plan.grad_accum_steps)], recipe=recipe,
-                            env=env, layout=layout, step=step, info=info, count_comm=step == comm_step,
-                            gradient_scale=scale, first=step == done + 1, before_update=saver.before_update)
+        micro_batches = [next(loader) for _ in range(plan.grad_accum_steps)]
+        profiler.before(step)
+        record = train_step(strategy, micro_batches, recipe=recipe, env=env, layout=layout, step=step, info=info,
+                            count_comm=step == comm_step, gradient_scale=scale, first=step == done + 1,
+                            before_update=saver.before_update)
+        if profiler.covers(step):
+            record["profiled"] = True
+        profiler.after(step)
         saver.tokens_seen += record["tokens"]
         if "compile_s" in record:  # run.json: the compile time of the whole run, apart from the steps'
             info["compile_s"] = info.get("compile_s", 0.0) + record["compile_s"]

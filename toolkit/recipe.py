@@ -222,9 +222,20 @@ class TrainConfig:
     # the folder both trackers write into; null: output_dir. One folder for many runs overlays their curves
     # (`toolkit compare` points every arm at its experiment folder)
     tracking_dir: str | None = None
+    # [first, last]: record optimizer steps first..last with torch.profiler (CPU and CUDA kernels) into
+    # output_dir/profile: a trace per rank (chrome://tracing, Perfetto) and rank 0's table of the costliest ops
+    # (toolkit/profiling.py). Those steps run slower: metrics.jsonl marks them, throughput leaves them out
+    profile_steps: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         _choice("train.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
+        if self.profile_steps is not None:
+            first, last = self.profile_steps
+            _require(1 <= first <= last, "train.profile_steps", list(self.profile_steps),
+                     "[first, last] optimizer steps with 1 <= first <= last, e.g. [5, 6]")
+            if self.max_steps is not None and first > self.max_steps:  # with epochs: once the data is read
+                raise RecipeError(f"train.profile_steps: {list(self.profile_steps)} starts after the run's last step "
+                                  f"{self.max_steps}; profile steps within 1..{self.max_steps}")
         for name in self.report_to:
             _choice("train.report_to", name, TRACKERS)
         if len(set(self.report_to)) != len(self.report_to):

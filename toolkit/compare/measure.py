@@ -27,8 +27,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def throughput(metrics: list[dict]) -> dict:
-    # the step that counted collectives ran a Python hook per op: not a representative time
-    steady = [m for m in metrics[warmup_steps(len(metrics)):] if "comm_bytes" not in m] or metrics
+    # the step that counted collectives ran a Python hook per op, profiled steps the profiler's: not representative
+    steady = [m for m in metrics[warmup_steps(len(metrics)):] if "comm_bytes" not in m and not m.get("profiled")] \
+        or metrics
     times = [m["step_time_s"] for m in steady]
     return {
         "tokens_per_s": statistics.median(m["tokens_per_s"] for m in steady),

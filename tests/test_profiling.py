@@ -1,0 +1,27 @@
+"""train.profile_steps: torch.profiler over a window of optimizer steps, files in output_dir/profile."""
+
+import json
+
+from conftest import launch, metrics, write_recipe
+from toolkit.compare import measure
+
+
+def test_profiled_steps_write_a_trace_and_an_op_table_and_are_left_out_of_throughput(tmp_path, tiny_llama_dir):
+    out = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out,
+                          train={"max_steps": 5, "profile_steps": [3, 4], "consistency_check_every": None})
+    launch(recipe, nproc=1)
+    trace = json.loads((out / "profile" / "rank0.trace.json").read_text())
+    names = {event.get("name") for event in trace["traceEvents"]}
+    assert {"aten::mm", "aten::_log_softmax"} <= names or {"aten::addmm", "aten::_log_softmax"} <= names, names
+    ops = (out / "profile" / "ops.txt").read_text()
+    assert ops.startswith("steps 3..4, rank 0, by self_cpu_time_total") and "aten::" in ops
+    assert not [p for p in (out / "profile").iterdir() if p.name.startswith(".")]  # no partial file left
+    records = metrics(out)
+    assert [r["step"] for r in records if r.get("profiled")] == [3, 4]
+    run = json.loads((out / "run.json").read_text())
+    assert run["profile"]["steps"] == [3, 4] and len(run["profile"]["files"]) == 2
+    # throughput is the median over the steady steps without the profiled ones: a profiled step made very
+    # slow must not move it
+    slowed = [{**r, "tokens_per_s": 1.0} if r.get("profiled") else r for r in records]
+    assert measure.throughput(slowed)["tokens_per_s"] == measure.throughput(records)["tokens_per_s"]

@@ -1,0 +1,88 @@
+"""`train.profile_steps: [first, last]`: torch.profiler over those optimizer steps, on every rank.
+
+What it writes into output_dir/profile (each file whole or not at all):
+  rank<r>.trace.json   the kernels and ops of every profiled step on that rank (chrome://tracing, Perfetto)
+  ops.txt              rank 0's ops by their own time (self CUDA time on a GPU, self CPU time otherwise): where
+                       a step goes, without opening the trace
+The profiled steps run slower (the profiler's own hooks): metrics.jsonl marks them `profiled` and throughput
+(`toolkit compare`, the benchmarks) leaves them out. A run that ends inside the window (a stop signal, an error
+in a later step) writes what it recorded.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from toolkit.dist import DistEnv
+from toolkit.errors import RecipeError
+from toolkit.recipe import Recipe
+
+ROWS = 40  # ops.txt's length
+
+
+def check_window(recipe: Recipe, *, total_steps: int) -> None:
+    """A window past the run's last step records nothing: one line, before any rank starts work."""
+    window = recipe.train.profile_steps
+    if window is not None and window[0] > total_steps:
+        raise RecipeError(f"train.profile_steps: {list(window)} starts after the run's last step {total_steps}; "
+                          f"profile steps within 1..{total_steps}")
+
+
+class StepProfiler:
+    """Starts torch.profiler before the window's first step, stops it after its last, writes the files."""
+
+    def __init__(self, recipe: Recipe, *, env: DistEnv, out_dir: Path, done: int):
+        window = recipe.train.profile_steps
+        self.first, self.last = window if window is not None else (0, -1)
+        self.first = max(self.first, done + 1)  # a resumed run profiles what is left of the window
+        self.env, self.folder = env, out_dir / "profile"
+        self._profiler: torch.profiler.profile | None = None
+        self.files: list[str] = []
+
+    def covers(self, step: int) -> bool:
+        return self.first <= step <= self.last
+
+    def before(self, step: int) -> None:
+        if step != self.first or self.last < self.first:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.env.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profiler = torch.profiler.profile(activities=activities)
+        self._profiler.start()
+
+    def after(self, step: int) -> None:
+        if step == self.last:
+            self.close()
+
+    def close(self) -> None:
+        """Stop and write, once (also when the run ends inside the window)."""
+        profiler, self._profiler = self._profiler, None
+        if profiler is None:
+            return
+        profiler.stop()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        trace = self.folder / f"rank{self.env.rank}.trace.json"
+        _write(trace, profiler.export_chrome_trace)
+        self.files.append(str(trace))
+        if self.env.is_main:
+            key = "self_cuda_time_total" if self.env.device.type == "cuda" else "self_cpu_time_total"
+            table = profiler.key_averages().table(sort_by=key, row_limit=ROWS)
+            ops = self.folder / "ops.txt"
+            _write(ops, lambda path: Path(path).write_text(f"steps {self.first}..{self.last}, rank 0, by {key}\n"
+                                                           f"{table}\n"))
+            self.files.append(str(ops))
+            print(f"[toolkit] profiled steps {self.first}..{self.last}: {ops} (the costliest ops), "
+                  f"{self.folder}/rank*.trace.json (chrome://tracing or ui.perfetto.dev)", file=sys.stderr,
+                  flush=True)
+
+
+def _write(path: Path, writer) -> None:
+    """`writer(name)` into a temporary name, renamed into place: a file in profile/ is whole."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    writer(str(partial))
+    partial.replace(path)
