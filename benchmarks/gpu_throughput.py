@@ -2,6 +2,7 @@
 checkpointing and with `train.compile`, with `toolkit plan`'s peak prediction beside each measurement.
 
     python benchmarks/gpu_throughput.py [--arms single,fsdp+ac,...] [--steps 12] [--micro-batch 4] [--seq 2048]
+                                        [--profile-dir DIR]
 
 The model is a Llama-style decoder of ~1B parameters built from a config (no download): hidden 2048, MLP 5632,
 32 heads (4 KV), 22 blocks, the MiniLM tokenizer's 30522-token vocabulary, tied embeddings. Each arm is one real
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -50,6 +52,9 @@ def run(arm: str, *, args, out: Path) -> dict:
             "train.progress=false", "checkpoint.final=false", f"output_dir={out}"]
     if args.tokenizer:
         sets.append(f"model.tokenizer={args.tokenizer}")
+    if args.profile_dir:  # two steps past the warm-up and the compile; they are left out of tokens/s
+        last = max(1, args.steps - 2)
+        sets.append(f"train.profile_steps=[{max(1, last - 1)}, {last}]")
     cmd = [sys.executable, "-m", "toolkit", "launch", "--nproc", "1", "recipes/llama-tiny.yaml"]
     for item in sets:
         cmd += ["--set", item]
@@ -63,6 +68,11 @@ def run(arm: str, *, args, out: Path) -> dict:
         print(result.stderr[-4000:], file=sys.stderr)
         return {"error": next((line for line in reversed(lines) if "Error" in line), lines[-1] if lines else "?")}
     run_info = json.loads((out / "run.json").read_text())
+    if args.profile_dir:
+        kept = args.profile_dir / arm.replace("+", "-")
+        shutil.rmtree(kept, ignore_errors=True)
+        shutil.copytree(out / "profile", kept)
+        print("\n".join((kept / "ops.txt").read_text().splitlines()[:20]), file=sys.stderr, flush=True)
     speed = measure.throughput(read_jsonl(out / "metrics.jsonl"))
     return {"run": run_info, **speed, **measure.mfu(run_info, speed["tokens_per_s"]), **measure.memory(run_info)}
 
@@ -93,6 +103,8 @@ def main() -> None:
     parser.add_argument("--tokenizer", help="a tokenizer folder instead of the recipe's (the MiniLM package's)")
     parser.add_argument("--arm-timeout", type=int, default=600, help="seconds before an arm counts as failed")
     parser.add_argument("--json", type=Path, help="also write every arm's numbers here")
+    parser.add_argument("--profile-dir", type=Path, help="profile two late steps of each arm (train.profile_steps) "
+                        "and keep each arm's trace and op table in DIR/<arm>")
     args = parser.parse_args()
     head = ["arm", "params", "tokens/s", "MFU", "step ms", "compile s", "peak GiB", "reserved GiB",
             "predicted GiB", "error"]
