@@ -147,14 +147,19 @@ class Runs:
     """Real runs of one base recipe, each done once per test session and shared by every test that reads it."""
 
     def __init__(self, root: Path, recipe: Path):
-        self.root, self.recipe, self.done = root, recipe, {}
+        self.root, self.recipe = root, recipe
+        self.done: dict[str, tuple[Path, int, tuple[str, ...]]] = {}
 
     def get(self, name: str, *, nproc: int = 1, overrides: tuple[str, ...] = ()) -> Path:
         if name not in self.done:
             out = self.root / name
             launch(self.recipe, nproc=nproc, overrides=(*overrides, f"output_dir={out}"))
-            self.done[name] = out
-        return self.done[name]
+            self.done[name] = (out, nproc, tuple(overrides))
+        out, done_nproc, done_overrides = self.done[name]
+        # one name, one run: a test asking for other settings under a taken name would read a run it did not ask for
+        assert (done_nproc, done_overrides) == (nproc, tuple(overrides)), \
+            f"run {name!r} was made with nproc={done_nproc} {done_overrides}, asked again with nproc={nproc} {overrides}"
+        return out
 
 
 @pytest.fixture(scope="session")

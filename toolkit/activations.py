@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import warnings
 import weakref
@@ -131,10 +132,15 @@ def _peak(model: nn.Module, recipe: Recipe, params_dtype: torch.dtype, autocast_
     masks = {} if recipe.data.packing else {"attention_mask": torch.ones(tokens, dtype=torch.long)}
     verbosity = transformers_logging.get_verbosity()
     transformers_logging.set_verbosity_error()  # its notes on a cache during checkpointing: not the user's
+    # an op fake tensors cannot run is logged with its traceback by torch before it raises; the caller gets
+    # the error as one line (a sequence too long to index, say), the user no traceback
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level, fake_log.level = fake_log.level, logging.CRITICAL
     try:
         return _traced_peak(model, recipe, tokens, masks, autocast_dtype, checkpointing)
     finally:
         transformers_logging.set_verbosity(verbosity)
+        fake_log.setLevel(level)
 
 
 def _traced_peak(model: nn.Module, recipe: Recipe, tokens: tuple[int, int], masks: dict,

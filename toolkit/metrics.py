@@ -45,10 +45,12 @@ def live_tensor_storages() -> dict[tuple[str, int], tuple[int, str, int]]:
     C++ references (autograd's saved activations) are not seen, so call it between steps."""
     import gc
 
+    from torch._subclasses.fake_tensor import FakeTensor
+
     found: dict[tuple[str, int], tuple[int, str, int]] = {}
     for obj in gc.get_objects():
-        try:
-            if not isinstance(obj, torch.Tensor) or obj.is_meta:
+        try:  # fake tensors hold no memory (toolkit plan's activation trace, torch.compile's tracing)
+            if not isinstance(obj, torch.Tensor) or obj.is_meta or isinstance(obj, FakeTensor):
                 continue
         except ReferenceError:  # a weak proxy (torch.compile keeps some) whose object is gone
             continue
