@@ -52,9 +52,9 @@ def run(arm: str, *, args, out: Path) -> dict:
             "train.progress=false", "checkpoint.final=false", f"output_dir={out}"]
     if args.tokenizer:
         sets.append(f"model.tokenizer={args.tokenizer}")
-    if args.profile_dir:  # two steps past the warm-up and the compile; they are left out of tokens/s
-        last = max(1, args.steps - 2)
-        sets.append(f"train.profile_steps=[{max(1, last - 1)}, {last}]")
+    if args.profile_dir:  # two late steps, past the first (the compile); they are left out of tokens/s
+        last = max(3, args.steps - 2)
+        sets.append(f"train.profile_steps=[{last - 1}, {min(last, args.steps)}]")
     cmd = [sys.executable, "-m", "toolkit", "launch", "--nproc", "1", "recipes/llama-tiny.yaml"]
     for item in sets:
         cmd += ["--set", item]

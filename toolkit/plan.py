@@ -159,7 +159,8 @@ def render(rows: list[tuple[str, Prediction | str]], *, memory_per_rank: int, me
             fits = "yes" if prediction.peak_bytes <= memory_per_rank else "NO"
             lines.append([arm, label, f"{state.params_bytes / MiB:.1f}", f"{state.grads_bytes / MiB:.1f}",
                           f"{state.optim_bytes / MiB:.1f}", f"{state.total_bytes / MiB:.1f}",
-                          f"{prediction.activation_bytes / MiB:.0f} ({(prediction.activation_bytes_checkpointed or 0) / MiB:.0f})",
+                          f"{prediction.activation_bytes / MiB:.0f} "
+                          f"({(prediction.activation_bytes_checkpointed or 0) / MiB:.0f})",
                           f"{prediction.peak_bytes / MiB:.0f}", fits])
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)] if lines else map(len, head)
     out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]

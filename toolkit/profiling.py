@@ -41,7 +41,8 @@ class StepProfiler:
         self.first = max(self.first, done + 1)  # a resumed run profiles what is left of the window
         self.env, self.folder = env, out_dir / "profile"
         self._profiler: torch.profiler.profile | None = None
-        self.files: list[str] = []
+        self.recorded: list[int] = []  # the steps the profiler saw end (a run can stop inside the window)
+        self.written = False
 
     def covers(self, step: int) -> bool:
         return self.first <= step <= self.last
@@ -56,33 +57,44 @@ class StepProfiler:
         self._profiler.start()
 
     def after(self, step: int) -> None:
+        if self._profiler is not None:
+            self.recorded.append(step)
         if step == self.last:
             self.close()
 
+    @property
+    def steps(self) -> str:
+        return f"{self.recorded[0]}..{self.recorded[-1]}" if self.recorded else f"{self.first} (not finished)"
+
     def close(self) -> None:
-        """Stop and write, once (also when the run ends inside the window)."""
+        """Stop and write, once (also when the run ends inside the window). Called from the loop's `finally`:
+        a failure here is one line, never in place of the error the run is ending with."""
         profiler, self._profiler = self._profiler, None
         if profiler is None:
             return
-        profiler.stop()
-        self.folder.mkdir(parents=True, exist_ok=True)
-        trace = self.folder / f"rank{self.env.rank}.trace.json"
-        _write(trace, profiler.export_chrome_trace)
-        self.files.append(str(trace))
-        if self.env.is_main:
-            key = "self_cuda_time_total" if self.env.device.type == "cuda" else "self_cpu_time_total"
-            table = profiler.key_averages().table(sort_by=key, row_limit=ROWS)
-            ops = self.folder / "ops.txt"
-            _write(ops, lambda path: Path(path).write_text(f"steps {self.first}..{self.last}, rank 0, by {key}\n"
-                                                           f"{table}\n"))
-            self.files.append(str(ops))
-            print(f"[toolkit] profiled steps {self.first}..{self.last}: {ops} (the costliest ops), "
-                  f"{self.folder}/rank*.trace.json (chrome://tracing or ui.perfetto.dev)", file=sys.stderr,
-                  flush=True)
+        try:
+            profiler.stop()
+            self.folder.mkdir(parents=True, exist_ok=True)
+            _write(self.folder / f"rank{self.env.rank}.trace.json", profiler.export_chrome_trace)
+            if self.env.is_main:
+                key = "self_cuda_time_total" if self.env.device.type == "cuda" else "self_cpu_time_total"
+                table = profiler.key_averages().table(sort_by=key, row_limit=ROWS)
+                ops = self.folder / "ops.txt"
+                _write(ops, lambda path: Path(path).write_text(f"steps {self.steps}, rank 0, by {key}\n{table}\n"))
+                print(f"[toolkit] profiled steps {self.steps}: {ops} (the costliest ops), "
+                      f"{self.folder}/rank*.trace.json (chrome://tracing or ui.perfetto.dev)", file=sys.stderr,
+                      flush=True)
+            self.written = True
+        except Exception as exc:  # a full disk, say: the run's own outcome stands
+            print(f"[toolkit] warning: train.profile_steps: the profile of rank {self.env.rank} was not written "
+                  f"({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
 
 
 def _write(path: Path, writer) -> None:
-    """`writer(name)` into a temporary name, renamed into place: a file in profile/ is whole."""
+    """`writer(name)` into a temporary name, renamed into place: a file in profile/ is whole, or absent."""
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    writer(str(partial))
-    partial.replace(path)
+    try:
+        writer(str(partial))
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
