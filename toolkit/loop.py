@@ -40,7 +40,7 @@ from toolkit.metrics import (Progress, compile_graph_breaks, compile_seconds, pe
 from toolkit.model import BlockForwards, layer_stack, load_tokenizer
 from toolkit.optim import build_adamw, build_scheduler
 from toolkit.precision import check_precision_supported
-from toolkit.recipe import Recipe
+from toolkit.recipe import Recipe, check_profile_window
 from toolkit.strategies import make_strategy, validate_strategy
 from toolkit.precision import StepResult
 from toolkit.stopping import NonFinite, StopSignals, Stopped
@@ -101,7 +101,7 @@ def prepare(recipe: Recipe, env: DistEnv):
                                                                    ("data.eval", eval_left_out)) if num]
     epochs = recipe.train.epochs or 0.0  # TrainConfig: exactly one of max_steps and epochs
     total_steps = recipe.train.max_steps or max(1, int(epochs * sampler.steps_per_epoch))
-    profiling.check_window(recipe, total_steps=total_steps)
+    check_profile_window(recipe.train.profile_steps, last_step=total_steps)
     return plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, names, notes
 
 

@@ -18,18 +18,9 @@ from pathlib import Path
 import torch
 
 from toolkit.dist import DistEnv
-from toolkit.errors import RecipeError
 from toolkit.recipe import Recipe
 
 ROWS = 40  # ops.txt's length
-
-
-def check_window(recipe: Recipe, *, total_steps: int) -> None:
-    """A window past the run's last step records nothing: one line, before any rank starts work."""
-    window = recipe.train.profile_steps
-    if window is not None and window[0] > total_steps:
-        raise RecipeError(f"train.profile_steps: {list(window)} starts after the run's last step {total_steps}; "
-                          f"profile steps within 1..{total_steps}")
 
 
 class StepProfiler:

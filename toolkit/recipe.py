@@ -233,9 +233,8 @@ class TrainConfig:
             first, last = self.profile_steps
             _require(1 <= first <= last, "train.profile_steps", list(self.profile_steps),
                      "[first, last] optimizer steps with 1 <= first <= last, e.g. [5, 6]")
-            if self.max_steps is not None and first > self.max_steps:  # with epochs: once the data is read
-                raise RecipeError(f"train.profile_steps: {list(self.profile_steps)} starts after the run's last step "
-                                  f"{self.max_steps}; profile steps within 1..{self.max_steps}")
+            if self.max_steps is not None:  # with epochs: once the data is read (toolkit.loop.prepare)
+                check_profile_window(self.profile_steps, last_step=self.max_steps)
         for name in self.report_to:
             _choice("train.report_to", name, TRACKERS)
         if len(set(self.report_to)) != len(self.report_to):
@@ -492,6 +491,13 @@ def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
 def _positive(key: str, value: int) -> None:
     if value <= 0:
         raise RecipeError(f"{key} must be > 0, got {value}")
+
+
+def check_profile_window(window: tuple[int, int] | None, *, last_step: int) -> None:
+    """A train.profile_steps window that starts past the run's last step records nothing: one line."""
+    if window is not None and window[0] > last_step:
+        raise RecipeError(f"train.profile_steps: {list(window)} starts after the run's last step {last_step}; "
+                          f"profile steps within 1..{last_step}")
 
 
 def _require(ok: bool, key: str, value: Any, wanted: str) -> None:
