@@ -11,12 +11,12 @@ in a later step) writes what it recorded.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import torch
 
+from toolkit.atomic import write_text_whole, write_whole
 from toolkit.dist import DistEnv
 from toolkit.recipe import Recipe
 
@@ -66,12 +66,13 @@ class StepProfiler:
         try:
             profiler.stop()
             self.folder.mkdir(parents=True, exist_ok=True)
-            _write(self.folder / f"rank{self.env.rank}.trace.json", profiler.export_chrome_trace)
+            trace = self.folder / f"rank{self.env.rank}.trace.json"
+            write_whole(trace, lambda tmp: profiler.export_chrome_trace(str(tmp)))
             if self.env.is_main:
                 key = "self_cuda_time_total" if self.env.device.type == "cuda" else "self_cpu_time_total"
                 table = profiler.key_averages().table(sort_by=key, row_limit=ROWS)
                 ops = self.folder / "ops.txt"
-                _write(ops, lambda path: Path(path).write_text(f"steps {self.steps}, rank 0, by {key}\n{table}\n"))
+                write_text_whole(ops, f"steps {self.steps}, rank 0, by {key}\n{table}\n")
                 print(f"[toolkit] profiled steps {self.steps}: {ops} (the costliest ops), "
                       f"{self.folder}/rank*.trace.json (chrome://tracing or ui.perfetto.dev)", file=sys.stderr,
                       flush=True)
@@ -79,13 +80,3 @@ class StepProfiler:
         except Exception as exc:  # a full disk, say: the run's own outcome stands
             print(f"[toolkit] warning: train.profile_steps: the profile of rank {self.env.rank} was not written "
                   f"({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
-
-
-def _write(path: Path, writer) -> None:
-    """`writer(name)` into a temporary name, renamed into place: a file in profile/ is whole, or absent."""
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    try:
-        writer(str(partial))
-        partial.replace(path)
-    finally:
-        partial.unlink(missing_ok=True)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from toolkit.atomic import write_text_whole
 from toolkit.dist import DistEnv, gather_objects
 from toolkit.errors import RecipeError
 from toolkit.metrics import (live_tensor_storages, measured_matmul_flops, peak_memory_bytes, peak_reserved_bytes,
@@ -185,6 +186,4 @@ def finish(info: dict, *, env: DistEnv, out_dir: Path, losses: list[float], stra
 
 def _write(info: dict, out_dir: Path) -> None:
     public = {k: v for k, v in info.items() if not k.startswith("_")}
-    tmp = out_dir / "run.json.tmp"
-    tmp.write_text(json.dumps(public, indent=2))
-    tmp.replace(out_dir / "run.json")
+    write_text_whole(out_dir / "run.json", json.dumps(public, indent=2))

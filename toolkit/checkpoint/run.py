@@ -10,6 +10,7 @@ from pathlib import Path
 
 from torch import nn
 
+from toolkit.atomic import write_text_whole
 from toolkit.checkpoint import state, store
 from toolkit.dist import DistEnv, barrier, restarted
 from toolkit.errors import RecipeError
@@ -66,9 +67,7 @@ def continue_metrics(path: Path, *, done_steps: int) -> None:
         return
     kept = [line for line in path.read_text().splitlines()
             if line.strip() and json.loads(line).get("step", 0) <= done_steps]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.replace(path)
+    write_text_whole(path, "".join(line + "\n" for line in kept))
 
 
 class Saver:

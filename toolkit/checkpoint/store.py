@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit import faults
+from toolkit.atomic import write_text_whole
 from toolkit.errors import RecipeError
 from toolkit.recipe import Recipe, dump_recipe
 
@@ -141,12 +142,7 @@ def write_manifest(partial: Path, manifest: dict, *, recipe: Recipe, hf_files) -
     (partial / "recipe.yaml").write_text(dump_recipe(recipe))
     hf_files(partial / "hf")
     data = {"format": FORMAT, "version": VERSION, **manifest}
-    tmp = partial / (MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(partial / MANIFEST)
+    write_text_whole(partial / MANIFEST, json.dumps(data, indent=2), durable=True)
 
 
 def commit(out_dir: Path, step: int, *, keep_last: int) -> Path:
