@@ -2,6 +2,7 @@
 measurement.
 
     python benchmarks/memory_scaling.py [--nproc 2] [--steps 3] [--arms ddp,fsdp,...] [--layers 24] [--from-config]
+                                        [--micro-batch 1] [--seq 128]
 
 The model is a Llama-style decoder built from a config (no download): hidden 1024, MLP 2816, 16 heads (4 KV),
 24 blocks, the MiniLM tokenizer's 30522-token vocabulary, tied embeddings: ~300M parameters. It is written once
@@ -11,7 +12,8 @@ on the review texts (packed; micro-batch 1 × 128 tokens by default, fp32) of `-
 it measured (model-state bytes counted from the live tensors, peak resident set size per rank) and the
 prediction the run made before setup (the same arithmetic as `toolkit plan`). fsdp and zero3 load with
 low-memory loading (the recipe's default); `fsdp-whole` and `zero3-whole` build the whole model on every rank
-first, for comparison.
+first, for comparison. `pp-gpipe` and `pp-1f1b` run a 2-stage pipeline of 4 micro-batches a step and get a row
+per rank (their stages differ); their activations show at a longer sequence (`--seq 512 --micro-batch 2`).
 Targets (issue 11): model states within ±1 % of the prediction (they are exact); peak within ±15 % on CPU.
 """
 
@@ -38,6 +40,9 @@ ARMS = {
     "fsdp+lora": ["strategy.name=fsdp", 'model.lora={"r": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj"]}'],
     "fsdp-whole": ["strategy.name=fsdp", "model.low_memory_loading=false"],
     "zero3-whole": ["strategy.name=zero", "strategy.stage=3", "model.low_memory_loading=false"],
+    # a pipeline's ranks differ (one row each): gpipe keeps every micro-batch of the step in flight, 1f1b fewer
+    "pp-gpipe": ["strategy.name=pipeline", "strategy.schedule=gpipe", "batch.grad_accum_steps=4"],
+    "pp-1f1b": ["strategy.name=pipeline", "strategy.schedule=1f1b", "batch.grad_accum_steps=4"],
 }
 DEFAULT_ARMS = ("ddp", "fsdp", "zero2", "zero3", "zero3-offload", "fsdp+ac", "fsdp+lora")
 MiB = 2 ** 20
@@ -56,24 +61,31 @@ def save_model(folder: Path, *, layers: int) -> Path:
 
 
 def run(arm: str, *, model: list[str], nproc: int, steps: int, micro: int, seq: int, out: Path) -> dict:
-    sets = [*ARMS[arm], *model, f"train.max_steps={steps}", "train.eval_every=null",
+    sets = [*model, f"train.max_steps={steps}", "train.eval_every=null",
             "data.eval=null", f"data.max_length={seq}", "data.packing=true", f"batch.micro_batch_size={micro}",
-            "batch.grad_accum_steps=1",
-            "batch.global_batch_size=null", "train.progress=false", "checkpoint.final=false", f"output_dir={out}"]
+            "batch.grad_accum_steps=1", "batch.global_batch_size=null", "train.progress=false",
+            "checkpoint.final=false", f"output_dir={out}", *ARMS[arm]]  # the arm's own settings last: they win
     launch("recipes/llama-tiny.yaml", nproc=nproc, sets=sets, label=arm)
     return json.loads((out / "run.json").read_text())
 
 
-def row(arm: str, run: dict) -> list[str]:
+def rows(arm: str, run: dict) -> list[list[str]]:
+    """One row, or one per rank where the prediction differs by rank (a pipeline's stages)."""
     states = [sum(r.values()) for r in run["model_state_bytes"]]
     predicted = run["memory_prediction"]
     want = [sum(r.values()) for r in predicted["model_state_bytes"]]
-    peak = max(p["peak_mem_bytes"] for p in run["peak_memory"])
+    peaks = [p["peak_mem_bytes"] for p in run["peak_memory"]]  # in rank order
+    want_peaks = predicted.get("peak_bytes_per_rank") or [predicted["peak_bytes"]] * len(peaks)
+    other = max(o["bytes"] for o in run["other_live_tensor_bytes"]) / MiB
+    if len(set(want_peaks)) == 1 or len(want_peaks) != len(peaks):
+        ranks = [(arm, max(states), max(want), max(peaks), max(want_peaks))]
+    else:
+        ranks = [(f"{arm} rank {r}", states[r], want[r], peaks[r], want_peaks[r]) for r in range(len(peaks))]
     state_error = max(abs(m - p) / p for m, p in zip(states, want))
-    return [arm, f"{run['num_params'] / 1e6:.0f}M", f"{max(states) / MiB:,.0f}", f"{max(want) / MiB:,.0f}",
-            f"{state_error * 100:.2f} %", f"{peak / MiB:,.0f}", f"{predicted['peak_bytes'] / MiB:,.0f}",
-            f"{(peak - predicted['peak_bytes']) / predicted['peak_bytes'] * 100:+.1f} %",
-            f"{max(o['bytes'] for o in run['other_live_tensor_bytes']) / MiB:,.1f}"]
+    return [[label, f"{run['num_params'] / 1e6:.0f}M", f"{state / MiB:,.0f}", f"{state_want / MiB:,.0f}",
+             f"{state_error * 100:.2f} %", f"{peak / MiB:,.0f}", f"{peak_want / MiB:,.0f}",
+             f"{(peak - peak_want) / peak_want * 100:+.1f} %", f"{other:,.1f}"]
+            for label, state, state_want, peak, peak_want in ranks]
 
 
 def main() -> None:
@@ -88,7 +100,7 @@ def main() -> None:
     args = parser.parse_args()
     head = ["arm", "params", "model states MiB/rank", "predicted", "error", "peak RSS MiB/rank", "predicted",
             "error", "other live MiB"]
-    rows = []
+    table: list[list[str]] = []
     with tempfile.TemporaryDirectory() as tmp:
         if args.from_config:
             model = f"model.config={json.dumps({**MODEL, 'num_hidden_layers': args.layers})}"
@@ -96,9 +108,9 @@ def main() -> None:
             model = f"model.path={save_model(Path(tmp) / 'model', layers=args.layers)}"
         for arm in args.arms.split(","):
             sets = [model] if args.from_config else ["model.config=null", model]
-            rows.append(row(arm, run(arm, model=sets, nproc=args.nproc, steps=args.steps, micro=args.micro_batch,
-                                     seq=args.seq, out=Path(tmp) / arm.replace("+", "-"))))
-    print_table(head, rows)
+            table += rows(arm, run(arm, model=sets, nproc=args.nproc, steps=args.steps, micro=args.micro_batch,
+                                   seq=args.seq, out=Path(tmp) / arm.replace("+", "-")))
+    print_table(head, table)
 
 
 if __name__ == "__main__":

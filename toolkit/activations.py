@@ -14,22 +14,26 @@ counts them with the model states). Two traces, of the model cut to its first bl
 the bytes outside the layer stack and the bytes each block adds; the whole stack is extrapolated from them, so
 a trace costs two blocks whatever the model's depth, and it is cached. The traces run the CPU's kernels: on a
 GPU, attention's kernels keep the same tensors (flash attention: output and log-sum-exp).
+A pipeline stage (`traced_stage`) is traced the same way, and also gives what its forward keeps until its
+backward: a pipeline holds that for every micro-batch it has in flight (toolkit/strategies/pipeline_memory.py).
 
 Checked against the measured peaks of an H100 (benchmarks/gpu_throughput.py; see the README).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
 import json
 import logging
 import os
+import unittest.mock
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 import torch
 from torch import nn
@@ -37,11 +41,27 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers.utils import logging as transformers_logging
 
+from toolkit.atomic import write_text_whole
 from toolkit.errors import RecipeError
 from toolkit.model import enable_activation_checkpointing, layer_stack, set_dropout
 from toolkit.recipe import Recipe
 
 TRACE_VERSION = 3  # raise when what a trace measures changes: cached traces of older versions are not read
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """One micro-batch through a model or a pipeline stage: the bytes alive at the peak of its forward, loss and
+    backward, and those alive between its forward (with the loss) and its backward, which a pipeline keeps for
+    every micro-batch it has in flight."""
+
+    peak: int
+    held: int
+
+    def extend(self, other: Traced, times: int) -> Traced:
+        """`self` (traced with one block) plus `times` more blocks, each adding what `other` (two) adds."""
+        return Traced(peak=self.peak + times * max(other.peak - self.peak, 0),
+                      held=self.held + times * max(other.held - self.held, 0))
 
 
 def traced_activations(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype,
@@ -54,24 +74,49 @@ def traced_activations(model: nn.Module, recipe: Recipe, *, params_dtype: torch.
     checkpointing = checkpointing and getattr(model, "supports_gradient_checkpointing", False)
     how: dict[str, Any] = {"params_dtype": params_dtype, "autocast_dtype": autocast_dtype,
                            "checkpointing": checkpointing}
-    key = _cache_key(model, recipe, **how)
+    return _cached(model, recipe, how, [], lambda: {"bytes": _stack_peak(model, recipe, **how)})["bytes"]
+
+
+def traced_stage(model: nn.Module, recipe: Recipe, *, blocks: int, first: bool, last: bool,
+                 params_dtype: torch.dtype, autocast_dtype: torch.dtype | None, checkpointing: bool) -> Traced:
+    """One micro-batch through a pipeline stage of `blocks` blocks (toolkit.strategies.stages.Stage: the
+    embeddings when `first`, the head and the loss when `last`), traced like `traced_activations`. A stage's
+    input (the activations it receives) and, unless last, the gradient of its output are the pipeline's
+    receive buffers, made before the trace and not counted. Traced with one block and two, extrapolated."""
+    checkpointing = checkpointing and getattr(model, "supports_gradient_checkpointing", False)
+    how: dict[str, Any] = {"params_dtype": params_dtype, "autocast_dtype": autocast_dtype,
+                           "checkpointing": checkpointing}
+
+    def trace() -> dict:
+        stack = layer_stack(model)
+        one = _traced(_cut(model, stack, min(blocks, 1)), recipe, stage=(first, last), **how)
+        if blocks <= 1:
+            return dataclasses.asdict(one)
+        two = _traced(_cut(model, stack, 2), recipe, stage=(first, last), **how)
+        return dataclasses.asdict(one.extend(two, blocks - 1))
+
+    return Traced(**_cached(model, recipe, how, ["stage", blocks, first, last], trace))
+
+
+def _cached(model: nn.Module, recipe: Recipe, how: dict[str, Any], what: list, trace: Callable[[], dict]) -> dict:
+    """`trace()`'s numbers, or the ones it gave before for the same model, batch, dtypes and `what`; an op fake
+    tensors cannot run becomes a RecipeError of one line (no prediction, not a crash)."""
+    key = _cache_key(model, recipe, **how, what=what)
     try:  # no home to find (an arbitrary container user) is no cache, not a failed run
         path = _cache_dir() / f"{key}.json"
-        return int(json.loads(path.read_text())["bytes"])
-    except (OSError, RuntimeError, ValueError, KeyError, TypeError):
+        return {k: int(v) for k, v in json.loads(path.read_text()).items()}
+    except (OSError, RuntimeError, ValueError, KeyError, TypeError, AttributeError):
         pass
     try:
-        found = _stack_peak(model, recipe, **how)
+        found = trace()
     except RecipeError:
         raise
-    except Exception as exc:  # an op fake tensors cannot run (data-dependent shapes): no prediction, not a crash
+    except Exception as exc:  # data-dependent shapes, a sequence too long to index
         raise RecipeError(f"the activation trace of {type(model).__name__} failed ({type(exc).__name__}: "
                           f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
     try:  # a cache that cannot be written (a read-only home) only costs the next plan a trace
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps({"bytes": found}))
-        partial.replace(path)
+        write_text_whole(path, json.dumps(found))
     except (OSError, RuntimeError):
         pass
     return found
@@ -82,13 +127,12 @@ def _stack_peak(model: nn.Module, recipe: Recipe, **how) -> int:
     sits in a ModuleList is traced whole. One stack: an encoder-decoder's second stack is not extrapolated."""
     try:
         blocks = layer_stack(model)
-        one = _peak(_cut(model, blocks, 1), recipe, **how)
+        one = _traced(_cut(model, blocks, 1), recipe, **how)
     except RecipeError:
-        return _peak(copy.deepcopy(model), recipe, **how)
+        return _traced(copy.deepcopy(model), recipe, **how).peak
     if len(blocks) == 1:
-        return one
-    two = _peak(_cut(model, blocks, 2), recipe, **how)
-    return one + (len(blocks) - 1) * max(two - one, 0)
+        return one.peak
+    return one.extend(_traced(_cut(model, blocks, 2), recipe, **how), len(blocks) - 1).peak
 
 
 def _cache_dir() -> Path:
@@ -100,16 +144,17 @@ def _cache_dir() -> Path:
 
 
 def _cache_key(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
-               checkpointing: bool) -> str:
-    """Everything a trace depends on: the model (config, adapters), the micro-batch, the dtypes, the versions."""
+               checkpointing: bool, what: list) -> str:
+    """Everything a trace depends on: the model (config, adapters), the micro-batch, the dtypes, the versions,
+    and `what` is traced (a pipeline stage: its blocks, first, last)."""
     import transformers
 
     lora = dataclasses.asdict(recipe.model.lora) if recipe.model.lora is not None else None
-    what = [TRACE_VERSION, torch.__version__, transformers.__version__, type(model).__name__,
-            cast(Any, model).config.to_json_string(use_diff=False), lora, recipe.model.dropout, recipe.model.task,
-            recipe.batch.micro_batch_size, recipe.data.max_length, recipe.data.packing, str(params_dtype),
-            str(autocast_dtype), checkpointing]
-    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    parts = [TRACE_VERSION, torch.__version__, transformers.__version__, type(model).__name__,
+             cast(Any, model).config.to_json_string(use_diff=False), lora, recipe.model.dropout, recipe.model.task,
+             recipe.batch.micro_batch_size, recipe.data.max_length, recipe.data.packing, str(params_dtype),
+             str(autocast_dtype), checkpointing, *what]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
 def _cut(model: nn.Module, blocks: list[nn.Module], keep: int) -> nn.Module:
@@ -126,8 +171,9 @@ def _cut(model: nn.Module, blocks: list[nn.Module], keep: int) -> nn.Module:
     raise RecipeError(f"{type(model).__name__}: its blocks sit in no ModuleList; the activation trace cannot cut it")
 
 
-def _peak(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
-          checkpointing: bool) -> int:
+def _traced(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
+            checkpointing: bool, stage: tuple[bool, bool] | None = None) -> Traced:
+    """`model` (a meta copy it may change) traced whole, or as a pipeline stage: `stage` = (first, last)."""
     model.to(params_dtype)  # on the meta device: the dtype only
     if recipe.model.dropout is not None:
         set_dropout(model, recipe.model.dropout)
@@ -142,7 +188,8 @@ def _peak(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, autoca
     level = fake_log.level
     fake_log.setLevel(logging.CRITICAL)
     try:
-        return _traced_peak(model, recipe, autocast_dtype=autocast_dtype, checkpointing=checkpointing)
+        return _run_fake(model, recipe, params_dtype=params_dtype, autocast_dtype=autocast_dtype,
+                         checkpointing=checkpointing, stage=stage)
     finally:
         transformers_logging.set_verbosity(verbosity)
         fake_log.setLevel(level)
@@ -150,8 +197,8 @@ def _peak(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, autoca
         getattr(getattr(logging.Logger, "warning_once", None), "cache_clear", lambda: None)()
 
 
-def _traced_peak(model: nn.Module, recipe: Recipe, *, autocast_dtype: torch.dtype | None,
-                 checkpointing: bool) -> int:
+def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
+              checkpointing: bool, stage: tuple[bool, bool] | None) -> Traced:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from toolkit.losses import micro_batch_loss_sum
@@ -162,30 +209,59 @@ def _traced_peak(model: nn.Module, recipe: Recipe, *, autocast_dtype: torch.dtyp
         model.train()
         if checkpointing:
             enable_activation_checkpointing(model)
-        live = LiveBytes([*model.parameters(), *model.buffers()])
+        tokens = (recipe.batch.micro_batch_size, recipe.data.max_length)
+        ids = torch.zeros(tokens, dtype=torch.long)
+        labels = ids if recipe.model.task == "causal-lm" else torch.zeros(tokens[0], dtype=torch.long)
+        # Packed samples have no padding: transformers sees an all-ones mask and attention runs causal without
+        # one (a fake mask's values are unknown, so it would build one). Padded batches carry their mask.
+        mask = None if recipe.data.packing else torch.ones(tokens, dtype=torch.long)
+        module, inputs, grad = model, [ids], None
+        positions: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if stage is not None:  # the received activations and the output's gradient: receive buffers, not counted
+            from transformers import masking_utils
+
+            from toolkit.strategies.stages import Stage, layer_list
+
+            first, last = stage
+            # A stage gives transformers its positions (0, 1, ...): without a mask, transformers reads their values
+            # to find packed sequences, which fake tensors do not have, and builds a mask a real run does not
+            # (it finds none). The trace tells it what it would find.
+            if hasattr(masking_utils, "find_packed_sequence_indices"):
+                positions = unittest.mock.patch.object(masking_utils, "find_packed_sequence_indices",
+                                                       lambda position_ids: None)
+            module = Stage(model, layer_ids=list(range(len(layer_list(model)))), first=first, last=last)
+            hidden = (*tokens, cast(Any, model).config.hidden_size)  # the residual stream, in the weights' dtype
+            inputs = [ids if first else torch.zeros(hidden, dtype=params_dtype, requires_grad=True)]
+            grad = None if last else torch.zeros(hidden, dtype=params_dtype)
+        live = LiveBytes([*module.parameters(), *module.buffers(), *inputs,
+                          *(t for t in (grad, mask) if t is not None)])
 
         def drop(param: torch.Tensor) -> None:  # gradients are model states, counted on their own
             if param.grad is not None:
                 live.release(param.grad)
             param.grad = None
 
-        for param in model.parameters():
+        for param in module.parameters():
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(drop)
-        tokens = (recipe.batch.micro_batch_size, recipe.data.max_length)
-        ids = torch.zeros(tokens, dtype=torch.long)
-        labels = ids if recipe.model.task == "causal-lm" else torch.zeros(tokens[0], dtype=torch.long)
-        # Packed samples have no padding: transformers sees an all-ones mask and attention runs causal without
-        # one (a fake mask's values are unknown, so it would build one). Padded batches carry their mask.
-        masks = {} if recipe.data.packing else {"attention_mask": torch.ones(tokens, dtype=torch.long)}
-        with live:
+        with live, positions:
             with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-                logits = model(input_ids=ids, **masks).logits
-            loss = micro_batch_loss_sum(logits, labels, recipe.model.task)
-            del logits
-            loss.backward()
-            del loss
-    return live.peak
+                if stage is None:
+                    out = model(input_ids=ids, **({} if mask is None else {"attention_mask": mask})).logits
+                else:
+                    out = module(inputs[0], mask)
+            if grad is None:  # the whole model, or the last stage: the loss
+                loss = micro_batch_loss_sum(out, labels, recipe.model.task)
+                if stage is None:
+                    del out  # the loop lets the logits go; a pipeline keeps a stage's output until its backward
+                held = live.live
+                loss.backward()
+                del loss
+            else:
+                held = live.live
+                out.backward(grad)
+                del out
+    return Traced(peak=live.peak, held=held)
 
 
 class LiveBytes(TorchDispatchMode):

@@ -6,7 +6,9 @@ strategy's own rules (`Strategy.predict_state_bytes`): a run measures the same b
 
 Activations are traced, not guessed (toolkit/activations.py): one micro-batch's forward, loss and backward on
 fake tensors, in the dtypes the strategy computes in, with and without activation checkpointing; their peak
-(T = micro_batch_size × max_length tokens) beside the model states. Gradients are model states, but a
+(T = micro_batch_size × max_length tokens) beside the model states; a pipeline rank traces its own stages and
+holds as many micro-batches as its schedule keeps in flight (`Strategy.predict_activation_bytes`,
+toolkit/strategies/pipeline_memory.py). Gradients are model states, but a
 strategy that gives them back between steps (`StrategyInfo.holds_gradients` false) has none while a step's
 first micro-batch holds its activations: with one micro-batch per step its training peak is the larger of
 (parameters + optimizer state + activations) and (all model states, at the end of backward).
@@ -26,7 +28,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from toolkit.activations import traced_activations
 from toolkit.errors import RecipeError
 from toolkit.model import meta_model
 from toolkit.precision import DTYPES
@@ -43,12 +44,17 @@ class Prediction:
     strategy: str
     world_size: int
     per_rank: list[StateBytes]
-    activation_bytes: int  # one micro-batch in flight, this recipe's activation checkpointing setting
-    activation_bytes_checkpointed: int | None  # the same with activation checkpointing (None: not traced)
+    activation_bytes: list[int]  # per rank, this recipe's activation checkpointing setting
+    activation_bytes_checkpointed: list[int] | None  # the same with activation checkpointing (None: not traced)
     load_bytes: int  # the whole model in its load dtype
     built_bytes: list[int]  # per rank, the weights it builds beyond its model states (low-memory loading: 0)
     runtime_bytes: int  # the process itself (interpreter, torch, transformers), before any model
-    peak_bytes: int  # the largest rank's estimate
+    peak_bytes_per_rank: list[int]
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest rank's estimate."""
+        return max(self.peak_bytes_per_rank)
 
     def as_dict(self) -> dict:
         return {"strategy": self.strategy, "world_size": self.world_size,
@@ -56,7 +62,7 @@ class Prediction:
                 "activation_bytes": self.activation_bytes,
                 "activation_bytes_checkpointed": self.activation_bytes_checkpointed,
                 "load_bytes": self.load_bytes, "built_bytes": self.built_bytes, "runtime_bytes": self.runtime_bytes,
-                "peak_bytes": self.peak_bytes}
+                "peak_bytes": self.peak_bytes, "peak_bytes_per_rank": self.peak_bytes_per_rank}
 
 
 def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type: str = "cpu",
@@ -73,18 +79,19 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     stored, compute = DTYPES[recipe.model.load_dtype], DTYPES[recipe.precision]
     load = sum(p.numel() for p in model.parameters()) * element_bytes(stored)
     casts = strategy.info.casts_parameters
-    trace = functools.partial(traced_activations, model, recipe, params_dtype=compute if casts else stored,
-                              autocast_dtype=None if casts or compute == stored else compute)
+    how = {"params_dtype": compute if casts else stored,
+           "autocast_dtype": None if casts or compute == stored else compute}
     checkpointing = recipe.train.activation_checkpointing
-    activations = trace(checkpointing=checkpointing)
-    other = trace(checkpointing=not checkpointing) if both else None
+    trace = functools.partial(strategy.predict_activation_bytes, model, recipe, world_size=world_size)
+    activations = trace(how={**how, "checkpointing": checkpointing})
+    other = trace(how={**how, "checkpointing": not checkpointing}) if both else None
     checkpointed = activations if checkpointing else other
     gathered = strategy.predict_gathered_bytes(model, recipe, world_size=world_size)
     shards = strategy.data_layout(recipe, world_size=world_size, rank=0).size
     accumulates = plan_batch(recipe.batch, world_size=shards).grad_accum_steps > 1
 
-    def training(state: StateBytes) -> int:
-        """Model states and one micro-batch's activations at their peak, gradients there only if held."""
+    def training(state: StateBytes, activations: int) -> int:
+        """Model states and the rank's activations at their peak, gradients there only if held."""
         if strategy.info.holds_gradients or accumulates:
             return state.total_bytes + activations
         return max(state.total_bytes - state.grads_bytes + activations, state.total_bytes)
@@ -97,17 +104,17 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     # what is moved to it.
     partial = max(r.params_bytes for r in per_rank) < load
     if device_type == "cuda":
-        peaks = [training(r) + gathered for r in per_rank]
+        peaks = [training(r, a) + gathered for r, a in zip(per_rank, activations)]
     elif not partial:
-        peaks = [runtime_bytes + training(r) + gathered + b for r, b in zip(per_rank, built)]
+        peaks = [runtime_bytes + training(r, a) + gathered + b for r, a, b in zip(per_rank, activations, built)]
     else:  # the larger of training, and loading (the build beside the rank's shards); rank 0 also exports,
         # gathering the whole model to write it
-        peaks = [runtime_bytes + max(training(r) + gathered, b + r.params_bytes)
-                 for r, b in zip(per_rank, built)]
+        peaks = [runtime_bytes + max(training(r, a) + gathered, b + r.params_bytes)
+                 for r, a, b in zip(per_rank, activations, built)]
         peaks[0] = max(peaks[0], runtime_bytes + per_rank[0].total_bytes + load)
     return Prediction(strategy=recipe.strategy.name, world_size=world_size, per_rank=per_rank,
                       activation_bytes=activations, activation_bytes_checkpointed=checkpointed, load_bytes=load,
-                      built_bytes=built, runtime_bytes=runtime_bytes, peak_bytes=max(peaks))
+                      built_bytes=built, runtime_bytes=runtime_bytes, peak_bytes_per_rank=peaks)
 
 
 def planned_model(recipe: Recipe) -> nn.Module:
@@ -152,16 +159,17 @@ def render(rows: list[tuple[str, Prediction | str]], *, memory_per_rank: int, me
         if isinstance(prediction, str):
             lines.append([arm, "-", *["-"] * 6, f"cannot run: {prediction}"])
             continue
-        distinct = {tuple(r.as_dict().values()) for r in prediction.per_rank}
-        ranks = [(f"all {prediction.world_size}", prediction.per_rank[0])] if len(distinct) == 1 else \
-            [(str(i), r) for i, r in enumerate(prediction.per_rank)]
-        for label, state in ranks:
-            fits = "yes" if prediction.peak_bytes <= memory_per_rank else "NO"
+        checkpointed = prediction.activation_bytes_checkpointed or [0] * prediction.world_size
+        columns = list(zip(prediction.per_rank, prediction.activation_bytes, checkpointed,
+                           prediction.peak_bytes_per_rank))
+        distinct = {(tuple(state.as_dict().values()), *rest) for state, *rest in columns}
+        ranks = [(f"all {prediction.world_size}", columns[0])] if len(distinct) == 1 else \
+            [(str(i), column) for i, column in enumerate(columns)]
+        for label, (state, activations, with_ac, peak) in ranks:
             lines.append([arm, label, f"{state.params_bytes / MiB:.1f}", f"{state.grads_bytes / MiB:.1f}",
                           f"{state.optim_bytes / MiB:.1f}", f"{state.total_bytes / MiB:.1f}",
-                          f"{prediction.activation_bytes / MiB:.0f} "
-                          f"({(prediction.activation_bytes_checkpointed or 0) / MiB:.0f})",
-                          f"{prediction.peak_bytes / MiB:.0f}", fits])
+                          f"{activations / MiB:.0f} ({with_ac / MiB:.0f})", f"{peak / MiB:.0f}",
+                          "yes" if peak <= memory_per_rank else "NO"])
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)] if lines else map(len, head)
     out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
     out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]

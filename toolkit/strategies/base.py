@@ -111,6 +111,13 @@ class Strategy(Protocol):
         """The most parameter bytes a rank gathers from the others and holds at once during a step, beyond
         its own shard (`model`: on the meta device; toolkit plan, no process group)."""
 
+    def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
+                                 how: dict[str, Any]) -> list[int]:
+        """Per rank, the most activation bytes it holds during a step, traced on fake tensors
+        (toolkit/activations.py; `how`: the dtypes and checkpointing its micro-batches compute with): one
+        micro-batch through the whole stack, or a pipeline rank's stages with the micro-batches its schedule
+        keeps in flight."""
+
     def build_model(self, source: ModelSource, *, env: DistEnv) -> nn.Module:
         """The model setup gets: `source.whole()`, or under low-memory loading a model whose weights setup (or
         the build itself) loads part by part."""
@@ -209,6 +216,13 @@ def logits_of(strategy: MicroBatchStrategy, batch: dict, device: torch.device) -
         out = strategy.model(input_ids=batch["input_ids"].to(device, non_blocking=True),
                              attention_mask=batch["attention_mask"].to(device, non_blocking=True))
     return out.logits
+
+
+def whole_stack_activations(model: nn.Module, recipe: Recipe, *, world_size: int, how: dict[str, Any]) -> list[int]:
+    """Every rank holds one micro-batch's activations through the whole layer stack at a time."""
+    from toolkit.activations import traced_activations  # transformers' logging: not at the launcher's import
+
+    return [traced_activations(model, recipe, **how)] * world_size
 
 
 def each_micro_batch(strategy: MicroBatchStrategy, micro_batches: list[dict], *, loss_sum: LossSum, share: Share,

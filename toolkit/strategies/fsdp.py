@@ -35,7 +35,8 @@ from toolkit.recipe import Recipe
 from toolkit.strategies import tensor_parallel
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
                                      every_rank_a_shard, first_dtype, forward_once, gathered_state_dict, no_context,
-                                     optimizer_label, optimizer_state_tensors, sharded_abs_max)
+                                     optimizer_label, optimizer_state_tensors, sharded_abs_max,
+                                     whole_stack_activations)
 from toolkit.strategies.state_bytes import StateBytes, adam_state, dim0_shard, dim0_shard_of, largest_block_bytes
 
 INFO = StrategyInfo(
@@ -99,6 +100,10 @@ class FsdpStrategy:
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return largest_block_bytes(model, recipe)  # FSDP2 all-gathers one block (unit) at a time
+
+    def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
+                                 how: dict[str, Any]) -> list[int]:
+        return whole_stack_activations(model, recipe, world_size=world_size, how=how)
 
     def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         whole = whole_model_bytes(model, recipe)

@@ -43,7 +43,8 @@ from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, Strate
                                      optimizer_state_tensors)
 from toolkit.strategies.placement import blocks_of, check_split, part_of_blocks
 from toolkit.strategies.stages import Stage, family_of, tied_embedding_names
-from toolkit.strategies.state_bytes import StateBytes, adam_state, dim0_shard, largest_block_bytes, whole
+from toolkit.strategies.state_bytes import (StateBytes, adam_state, dim0_shard, element_bytes, largest_block_bytes,
+                                           whole)
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
@@ -151,6 +152,33 @@ class PipelineStrategy:
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         # a stage's blocks are whole under ddp; fully_shard over dp gathers one block at a time
         return largest_block_bytes(model, recipe) if recipe.strategy.data_parallel == "fsdp" else 0
+
+    def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
+                                 how: dict[str, Any]) -> list[int]:
+        """Each rank's stages (cut as setup cuts them) with the micro-batches its schedule keeps in flight, and
+        the receive buffers of every micro-batch (toolkit/strategies/pipeline_memory.py)."""
+        from toolkit.activations import traced_stage
+        from toolkit.strategies.pipeline_memory import in_flight_peak, schedule_actions
+
+        options, grid = recipe.strategy, grid_of(recipe, world_size)
+        if options.data_parallel == "fsdp" and recipe.precision != "fp32":  # _replicate's MixedPrecisionPolicy
+            how = {**how, "params_dtype": DTYPES[recipe.precision]}
+        num_stages = grid.pp * options.stages_per_rank
+        parts = part_of_blocks(model, blocks=layer_stack(model, options.blocks), num_parts=num_stages,
+                               split=options.split)
+        micro_batches = plan_batch(recipe.batch, world_size=grid.dp).grad_accum_steps
+        hidden = cast(Any, model).config.hidden_size
+        buffer = recipe.batch.micro_batch_size * recipe.data.max_length * hidden * element_bytes(how["params_dtype"])
+        per_pp_rank = []
+        for pp_rank in range(grid.pp):
+            stage_ids = [pp_rank + k * grid.pp for k in range(options.stages_per_rank)]
+            traces = {s: traced_stage(model, recipe, blocks=parts.count(s), first=s == 0, last=s == num_stages - 1,
+                                      **how) for s in stage_ids}
+            buffers = sum(micro_batches * buffer * ((s != 0) + (s != num_stages - 1)) for s in stage_ids)
+            actions = schedule_actions(options.schedule, rank=pp_rank, pp=grid.pp,
+                                       stages_per_rank=options.stages_per_rank, micro_batches=micro_batches)
+            per_pp_rank.append(buffers + in_flight_peak(actions, traces))
+        return [per_pp_rank[grid.coords(rank)[0]] for rank in range(world_size)]
 
     def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         return [whole_model_bytes(model, recipe)] * world_size  # every rank builds the whole model: each then keeps its stages

@@ -21,7 +21,7 @@ from toolkit.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.recipe import Recipe
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, cpu_state_dict,
                                      each_micro_batch, every_rank_a_shard, first_dtype, forward_once, local_abs_max,
-                                     no_context, optimizer_label, optimizer_state_tensors)
+                                     no_context, optimizer_label, optimizer_state_tensors, whole_stack_activations)
 from toolkit.strategies.state_bytes import StateBytes, adam_state
 
 
@@ -69,6 +69,10 @@ class ReplicatedStrategy:
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return 0  # every rank holds every parameter
+
+    def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
+                                 how: dict[str, Any]) -> list[int]:
+        return whole_stack_activations(model, recipe, world_size=world_size, how=how)
 
     def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         return [whole_model_bytes(model, recipe)] * world_size  # every rank builds the whole model: each holds a full replica

@@ -25,7 +25,7 @@ from toolkit.recipe import Recipe
 from toolkit.strategies import tensor_parallel
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
                                      first_dtype, forward_once, gathered_state_dict, no_context, optimizer_label,
-                                     optimizer_state_tensors, sharded_abs_max)
+                                     optimizer_state_tensors, sharded_abs_max, whole_stack_activations)
 from toolkit.strategies.state_bytes import StateBytes, adam_state, of_shapes
 
 INFO = StrategyInfo(
@@ -63,6 +63,10 @@ class TpStrategy:
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return 0  # each rank computes with its own slices (sequence parallelism gathers activations, not weights)
+
+    def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
+                                 how: dict[str, Any]) -> list[int]:
+        return whole_stack_activations(model, recipe, world_size=world_size, how=how)
 
     def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         return [whole_model_bytes(model, recipe)] * world_size  # every rank builds the whole model: each then keeps its slices of the split layers

@@ -28,7 +28,7 @@ from toolkit.precision import StepResult, dtype_name
 from toolkit.recipe import Recipe, plan_batch
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
                                      every_rank_a_shard, first_dtype, forward_once, local_abs_max, no_context,
-                                     optimizer_state_tensors)
+                                     optimizer_state_tensors, whole_stack_activations)
 from toolkit.strategies.state_bytes import StateBytes
 from toolkit.strategies import zero_checkpoint, zero_init, zero_state
 from toolkit.strategies.zero_optim import cpu_adam_like, optimizer_label_of
@@ -84,6 +84,10 @@ class ZeroStrategy:
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return zero_state.gathered_bytes(model, recipe, world_size=world_size)
+
+    def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
+                                 how: dict[str, Any]) -> list[int]:
+        return whole_stack_activations(model, recipe, world_size=world_size, how=how)
 
     def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         whole = whole_model_bytes(model, recipe)

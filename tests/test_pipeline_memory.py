@@ -1,0 +1,105 @@
+"""toolkit plan's pipeline activations: the micro-batches each rank keeps in flight, against the order torch's
+own schedules give, and a stage's trace against the whole model's."""
+
+import pytest
+import torch
+from torch.distributed.pipelining import schedules
+
+from toolkit.activations import Traced, traced_activations, traced_stage
+from toolkit.plan import planned_model, predict
+from toolkit.recipe import load_recipe
+from toolkit.strategies.pipeline_memory import in_flight_peak, schedule_actions
+
+
+def most_in_flight(actions):
+    count = most = 0
+    for kind, _ in actions:
+        count += 1 if kind == "F" else -1
+        most = max(most, count)
+    return most
+
+
+def torch_order(schedule_class, *, stages: int, micro_batches: int) -> dict[int, list]:
+    """torch's schedule table (its _get_pipeline_order IR), without the stages its constructor needs."""
+    plan = object.__new__(schedule_class)
+    plan._num_stages, plan._n_microbatches = stages, micro_batches
+    return {rank: [("F" if a.computation_type.name == "FORWARD" else "B", a.stage_index)
+                   for a in actions if a is not None and a.computation_type.name in ("FORWARD", "FULL_BACKWARD")]
+            for rank, actions in plan._get_pipeline_order().items()}
+
+
+@pytest.mark.parametrize("name, schedule_class", [("gpipe", schedules.ScheduleGPipe),
+                                                  ("1f1b", schedules.Schedule1F1B)])
+@pytest.mark.parametrize("stages, micro_batches", [(2, 2), (2, 5), (3, 4), (4, 8)])
+def test_micro_batches_in_flight_are_those_of_torchs_schedule(name, schedule_class, stages, micro_batches):
+    order = torch_order(schedule_class, stages=stages, micro_batches=micro_batches)
+    for rank in range(stages):
+        ours = schedule_actions(name, rank=rank, pp=stages, stages_per_rank=1, micro_batches=micro_batches)
+        assert sorted(ours) == sorted(order[rank])  # every micro-batch forward and backward, once each
+        assert most_in_flight(ours) == most_in_flight(order[rank])
+    # the reason to choose 1F1B: the first stage holds min(m, stages) micro-batches, not all m
+    expected = micro_batches if name == "gpipe" else min(micro_batches, stages)
+    assert most_in_flight(schedule_actions(name, rank=0, pp=stages, stages_per_rank=1,
+                                           micro_batches=micro_batches)) == expected
+
+
+def test_interleaved_runs_every_virtual_stage_forward_before_backward():
+    for rank in range(2):
+        actions = schedule_actions("interleaved-1f1b", rank=rank, pp=2, stages_per_rank=2, micro_batches=4)
+        for stage in (rank, rank + 2):
+            mine = [kind for kind, s in actions if s == stage]
+            assert mine.count("F") == mine.count("B") == 4
+            assert all(mine[:i + 1].count("F") >= mine[:i + 1].count("B") for i in range(len(mine)))
+        assert 2 <= most_in_flight(actions) < 8  # some overlap, fewer than every chunk at once
+
+
+def test_the_peak_counts_every_micro_batch_in_flight_beside_the_one_going_backward():
+    traces = {0: Traced(peak=100, held=30), 2: Traced(peak=50, held=10)}
+    gpipe = schedule_actions("gpipe", rank=0, pp=2, stages_per_rank=1, micro_batches=4)
+    assert in_flight_peak(gpipe, traces) == 3 * 30 + 100
+    one_f_one_b = schedule_actions("1f1b", rank=0, pp=2, stages_per_rank=1, micro_batches=4)
+    assert in_flight_peak(one_f_one_b, traces) == 1 * 30 + 100
+    # two virtual stages: stage 2's backward peaks beside stage 0's micro-batch in flight
+    traces[0] = Traced(peak=40, held=30)
+    assert in_flight_peak([("F", 0), ("F", 2), ("B", 2), ("B", 0)], traces) == 30 + 50
+
+
+def tiny_recipe(*overrides):
+    model = ('model.config={"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, '
+             '"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, '
+             '"max_position_embeddings": 256, "tie_word_embeddings": true}')
+    return load_recipe("recipes/llama-tiny.yaml", [model, "data.max_length=64", "data.packing=true",
+                                                  "batch.micro_batch_size=2", "batch.global_batch_size=null",
+                                                  "batch.grad_accum_steps=1", *overrides])
+
+
+def test_a_stage_of_every_block_holds_the_whole_models_activations_and_its_logits(tmp_path, monkeypatch):
+    """One stage that is first and last is the whole model, except that the pipeline keeps the stage's output
+    (the logits, fp32 here) until its backward, where the loop lets them go after the loss."""
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
+    recipe = tiny_recipe()
+    model = planned_model(recipe)
+    how = {"params_dtype": torch.float32, "autocast_dtype": None, "checkpointing": False}
+    whole = traced_activations(model, recipe, **how)
+    stage = traced_stage(model, recipe, blocks=4, first=True, last=True, **how)
+    logits = 2 * 64 * 1000 * 4
+    assert stage.peak == whole + logits
+    assert logits < stage.held < stage.peak
+    # a middle stage: its blocks' activations, not the head's; its input and output gradient are buffers
+    middle = traced_stage(model, recipe, blocks=2, first=False, last=False, **how)
+    assert 0 < middle.held < middle.peak < stage.peak
+
+
+def test_gpipe_plans_more_activation_memory_than_1f1b_and_only_where_it_runs_more_in_flight(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
+
+    def activations(schedule):
+        recipe = tiny_recipe("strategy.name=pipeline", f"strategy.schedule={schedule}", "batch.grad_accum_steps=4")
+        return predict(recipe, world_size=2, runtime_bytes=0, device_type="cuda").activation_bytes
+
+    gpipe, one_f_one_b = activations("gpipe"), activations("1f1b")
+    # 2 stages, 4 micro-batches: gpipe keeps 4 in flight on both; 1f1b 2 on the first, 1 on the last
+    assert gpipe[0] > one_f_one_b[0] and gpipe[1] > one_f_one_b[1]
+    whole = predict(tiny_recipe("batch.grad_accum_steps=4"), world_size=1, runtime_bytes=0,
+                    device_type="cuda").activation_bytes[0]
+    assert one_f_one_b[1] < whole < gpipe[1]
