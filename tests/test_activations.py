@@ -3,6 +3,7 @@ takes (tests/reference/activation_peak.py: plain transformers + PyTorch, no tool
 
 import json
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -68,6 +69,23 @@ def test_a_trace_is_cached_and_a_different_micro_batch_is_traced_anew(tmp_path, 
     entry.write_text("{")  # a damaged entry is traced again
     assert traced_activations(model, recipe, params_dtype=torch.float32, autocast_dtype=None,
                               checkpointing=False) == first
+    entry.write_text(json.dumps({"peak": 1, "held": 1}))  # an entry of another kind too
+    assert traced_activations(model, recipe, params_dtype=torch.float32, autocast_dtype=None,
+                              checkpointing=False) == first
+
+
+def test_no_home_folder_is_no_cache_not_a_failed_trace(monkeypatch):
+    """A container user without a home: Path.home() raises; the trace runs and nothing is cached."""
+    monkeypatch.delenv("TOOLKIT_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", no_home)
+    recipe = small_recipe()
+    assert traced_activations(planned_model(recipe), recipe, params_dtype=torch.float32, autocast_dtype=None,
+                              checkpointing=False) > 0
 
 
 def test_a_llama_classifier_without_a_pad_token_traces(tmp_path, monkeypatch):

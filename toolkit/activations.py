@@ -29,7 +29,6 @@ import hashlib
 import json
 import logging
 import os
-import unittest.mock
 import warnings
 import weakref
 from pathlib import Path
@@ -46,7 +45,7 @@ from toolkit.errors import RecipeError
 from toolkit.model import enable_activation_checkpointing, layer_stack, set_dropout
 from toolkit.recipe import Recipe
 
-TRACE_VERSION = 3  # raise when what a trace measures changes: cached traces of older versions are not read
+TRACE_VERSION = 4  # raise when what a trace measures changes: cached traces of older versions are not read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +73,7 @@ def traced_activations(model: nn.Module, recipe: Recipe, *, params_dtype: torch.
     checkpointing = checkpointing and getattr(model, "supports_gradient_checkpointing", False)
     how: dict[str, Any] = {"params_dtype": params_dtype, "autocast_dtype": autocast_dtype,
                            "checkpointing": checkpointing}
-    return _cached(model, recipe, how, [], lambda: {"bytes": _stack_peak(model, recipe, **how)})["bytes"]
+    return _cached(model, recipe, how, [], ("bytes",), lambda: {"bytes": _stack_peak(model, recipe, **how)})["bytes"]
 
 
 def traced_stage(model: nn.Module, recipe: Recipe, *, blocks: int, first: bool, last: bool,
@@ -95,18 +94,24 @@ def traced_stage(model: nn.Module, recipe: Recipe, *, blocks: int, first: bool, 
         two = _traced(_cut(model, stack, 2), recipe, stage=(first, last), **how)
         return dataclasses.asdict(one.extend(two, blocks - 1))
 
-    return Traced(**_cached(model, recipe, how, ["stage", blocks, first, last], trace))
+    fields = tuple(f.name for f in dataclasses.fields(Traced))
+    return Traced(**_cached(model, recipe, how, ["stage", blocks, first, last], fields, trace))
 
 
-def _cached(model: nn.Module, recipe: Recipe, how: dict[str, Any], what: list, trace: Callable[[], dict]) -> dict:
-    """`trace()`'s numbers, or the ones it gave before for the same model, batch, dtypes and `what`; an op fake
-    tensors cannot run becomes a RecipeError of one line (no prediction, not a crash)."""
+def _cached(model: nn.Module, recipe: Recipe, how: dict[str, Any], what: list, keys: tuple[str, ...],
+            trace: Callable[[], dict]) -> dict:
+    """`trace()`'s numbers, or the ones it gave before for the same model, batch, dtypes and `what` (a cached
+    file that does not hold the same numbers is traced anew); an op fake tensors cannot run becomes a RecipeError
+    of one line (no prediction, not a crash)."""
     key = _cache_key(model, recipe, **how, what=what)
+    path: Path | None = None
     try:  # no home to find (an arbitrary container user) is no cache, not a failed run
         path = _cache_dir() / f"{key}.json"
-        return {k: int(v) for k, v in json.loads(path.read_text()).items()}
+        cached = {k: int(v) for k, v in json.loads(path.read_text()).items()}
     except (OSError, RuntimeError, ValueError, KeyError, TypeError, AttributeError):
-        pass
+        cached = {}
+    if cached and set(cached) == set(keys):
+        return cached
     try:
         found = trace()
     except RecipeError:
@@ -114,6 +119,8 @@ def _cached(model: nn.Module, recipe: Recipe, how: dict[str, Any], what: list, t
     except Exception as exc:  # data-dependent shapes, a sequence too long to index
         raise RecipeError(f"the activation trace of {type(model).__name__} failed ({type(exc).__name__}: "
                           f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
+    if path is None:
+        return found
     try:  # a cache that cannot be written (a read-only home) only costs the next plan a trace
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_whole(path, json.dumps(found))
@@ -227,8 +234,7 @@ def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, au
             # to find packed sequences, which fake tensors do not have, and builds a mask a real run does not
             # (it finds none). The trace tells it what it would find.
             if hasattr(masking_utils, "find_packed_sequence_indices"):
-                positions = unittest.mock.patch.object(masking_utils, "find_packed_sequence_indices",
-                                                       lambda position_ids: None)
+                positions = _replaced(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
             module = Stage(model, layer_ids=list(range(len(layer_list(model)))), first=first, last=last)
             hidden = (*tokens, cast(Any, model).config.hidden_size)  # the residual stream, in the weights' dtype
             inputs = [ids if first else torch.zeros(hidden, dtype=params_dtype, requires_grad=True)]
@@ -262,6 +268,17 @@ def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, au
                 out.backward(grad)
                 del out
     return Traced(peak=live.peak, held=held)
+
+
+@contextlib.contextmanager
+def _replaced(owner: Any, name: str, value: Any):
+    """`owner.name` is `value` inside, what it was after."""
+    kept = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, kept)
 
 
 class LiveBytes(TorchDispatchMode):

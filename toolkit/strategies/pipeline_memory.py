@@ -13,6 +13,7 @@ output (all but the last), micro × max_length × hidden each.
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from typing import Any
 
@@ -55,6 +56,8 @@ def _interleaved(*, rank: int, pp: int, stages_per_rank: int, micro_batches: int
             return actions
     except (AttributeError, TypeError, ValueError):
         pass
+    print("[toolkit] plan: this torch does not give ScheduleInterleaved1F1B's order; the rank is planned with every "
+          "micro-batch in flight (an upper bound)", file=sys.stderr, flush=True)
     local = [rank + k * pp for k in range(stages_per_rank)]
     return [("F", s) for s in local] * micro_batches + [("B", s) for s in reversed(local)] * micro_batches
 
