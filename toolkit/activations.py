@@ -70,9 +70,7 @@ def traced_activations(model: nn.Module, recipe: Recipe, *, params_dtype: torch.
     `autocast_dtype` (None: no autocast), with or without activation checkpointing (a model that cannot
     checkpoint is traced without). A trace is kept in the user's cache: the same model, batch and dtypes are
     traced once."""
-    checkpointing = checkpointing and getattr(model, "supports_gradient_checkpointing", False)
-    how: dict[str, Any] = {"params_dtype": params_dtype, "autocast_dtype": autocast_dtype,
-                           "checkpointing": checkpointing}
+    how = _how(model, params_dtype=params_dtype, autocast_dtype=autocast_dtype, checkpointing=checkpointing)
     return _cached(model, recipe, how, [], ("bytes",), lambda: {"bytes": _stack_peak(model, recipe, **how)})["bytes"]
 
 
@@ -82,20 +80,20 @@ def traced_stage(model: nn.Module, recipe: Recipe, *, blocks: int, first: bool, 
     embeddings when `first`, the head and the loss when `last`), traced like `traced_activations`. A stage's
     input (the activations it receives) and, unless last, the gradient of its output are the pipeline's
     receive buffers, made before the trace and not counted. Traced with one block and two, extrapolated."""
-    checkpointing = checkpointing and getattr(model, "supports_gradient_checkpointing", False)
-    how: dict[str, Any] = {"params_dtype": params_dtype, "autocast_dtype": autocast_dtype,
-                           "checkpointing": checkpointing}
+    how = _how(model, params_dtype=params_dtype, autocast_dtype=autocast_dtype, checkpointing=checkpointing)
 
     def trace() -> dict:
-        stack = layer_stack(model)
-        one = _traced(_cut(model, stack, min(blocks, 1)), recipe, stage=(first, last), **how)
-        if blocks <= 1:
-            return dataclasses.asdict(one)
-        two = _traced(_cut(model, stack, 2), recipe, stage=(first, last), **how)
-        return dataclasses.asdict(one.extend(two, blocks - 1))
+        return dataclasses.asdict(_over_blocks(model, recipe, layer_stack(model), blocks, stage=(first, last), **how))
 
     fields = tuple(f.name for f in dataclasses.fields(Traced))
     return Traced(**_cached(model, recipe, how, ["stage", blocks, first, last], fields, trace))
+
+
+def _how(model: nn.Module, *, params_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
+         checkpointing: bool) -> dict[str, Any]:
+    """How a trace computes (a model that cannot checkpoint is traced without)."""
+    checkpointing = checkpointing and getattr(model, "supports_gradient_checkpointing", False)
+    return {"params_dtype": params_dtype, "autocast_dtype": autocast_dtype, "checkpointing": checkpointing}
 
 
 def _cached(model: nn.Module, recipe: Recipe, how: dict[str, Any], what: list, keys: tuple[str, ...],
@@ -133,13 +131,20 @@ def _stack_peak(model: nn.Module, recipe: Recipe, **how) -> int:
     """Traced with one block and with two, extrapolated to the whole stack; a model without a block list that
     sits in a ModuleList is traced whole. One stack: an encoder-decoder's second stack is not extrapolated."""
     try:
-        blocks = layer_stack(model)
-        one = _traced(_cut(model, blocks, 1), recipe, **how)
+        stack = layer_stack(model)
+        _cut(model, stack, 0)  # a RecipeError if the blocks sit in no ModuleList
     except RecipeError:
         return _traced(copy.deepcopy(model), recipe, **how).peak
-    if len(blocks) == 1:
-        return one.peak
-    return one.extend(_traced(_cut(model, blocks, 2), recipe, **how), len(blocks) - 1).peak
+    return _over_blocks(model, recipe, stack, len(stack), **how).peak
+
+
+def _over_blocks(model: nn.Module, recipe: Recipe, stack: list[nn.Module], blocks: int, **how) -> Traced:
+    """`model` with `blocks` blocks of its `stack`: traced with one and with two, each further block adding
+    what the second added."""
+    one = _traced(_cut(model, stack, min(blocks, 1)), recipe, **how)
+    if blocks <= 1:
+        return one
+    return one.extend(_traced(_cut(model, stack, 2), recipe, **how), blocks - 1)
 
 
 def _cache_dir() -> Path:

@@ -77,6 +77,10 @@ class Grid:
     def rank(self, pp_rank: int, dp_rank: int) -> int:
         return pp_rank * self.dp + dp_rank
 
+    def stage_ids(self, pp_rank: int, stages_per_rank: int) -> list[int]:
+        """The stages a pipeline rank runs: its own and, interleaved, every pp-th after it."""
+        return [pp_rank + k * self.pp for k in range(stages_per_rank)]
+
 
 def grid_of(recipe: Recipe, world_size: int) -> Grid:
     pp = recipe.strategy.pipeline_degree or world_size
@@ -87,6 +91,15 @@ def grid_of(recipe: Recipe, world_size: int) -> Grid:
         raise RecipeError(f"world size {world_size} is not divisible by strategy.pipeline_degree {pp}; use a "
                           "multiple of it")
     return Grid(pp=pp, dp=world_size // pp)
+
+
+def stage_of_blocks(model: nn.Module, recipe: Recipe, grid: Grid) -> tuple[list[int], int]:
+    """The stage of every block (strategy.split, or balanced by parameters), and the number of stages."""
+    options = recipe.strategy
+    num_stages = grid.pp * options.stages_per_rank
+    parts = part_of_blocks(model, blocks=layer_stack(model, options.blocks), num_parts=num_stages,
+                           split=options.split)
+    return parts, num_stages
 
 
 def theoretical_bubble(*, stages: int, micro_batches: int, per_rank: int) -> float:
@@ -134,14 +147,12 @@ class PipelineStrategy:
         """Each rank's stages cut from the meta model as setup cuts them (a tied embedding is held by the
         first and the last stage, once each), whole under ddp, dim-0 shards under fsdp."""
         options, grid, dtype = recipe.strategy, grid_of(recipe, world_size), DTYPES[recipe.model.load_dtype]
-        num_stages = grid.pp * options.stages_per_rank
-        parts = part_of_blocks(model, blocks=layer_stack(model, options.blocks), num_parts=num_stages,
-                               split=options.split)
+        parts, num_stages = stage_of_blocks(model, recipe, grid)
         local = dim0_shard(grid.dp) if options.data_parallel == "fsdp" and grid.dp > 1 else whole
         per_pp_rank = []
         for pp_rank in range(grid.pp):
             total = StateBytes(params_bytes=0, grads_bytes=0, optim_bytes=0)
-            for stage_id in (pp_rank + k * grid.pp for k in range(options.stages_per_rank)):
+            for stage_id in grid.stage_ids(pp_rank, options.stages_per_rank):
                 stage = Stage(copy.deepcopy(model), layer_ids=[i for i, p in enumerate(parts) if p == stage_id],
                               first=stage_id == 0, last=stage_id == num_stages - 1)
                 total += adam_state(stage.named_parameters(), dtype=dtype, local=local)
@@ -163,15 +174,13 @@ class PipelineStrategy:
         options, grid = recipe.strategy, grid_of(recipe, world_size)
         if options.data_parallel == "fsdp" and recipe.precision != "fp32":  # _replicate's MixedPrecisionPolicy
             how = {**how, "params_dtype": DTYPES[recipe.precision]}
-        num_stages = grid.pp * options.stages_per_rank
-        parts = part_of_blocks(model, blocks=layer_stack(model, options.blocks), num_parts=num_stages,
-                               split=options.split)
+        parts, num_stages = stage_of_blocks(model, recipe, grid)
         micro_batches = plan_batch(recipe.batch, world_size=grid.dp).grad_accum_steps
         hidden = cast(Any, model).config.hidden_size
         buffer = recipe.batch.micro_batch_size * recipe.data.max_length * hidden * element_bytes(how["params_dtype"])
         per_pp_rank = []
         for pp_rank in range(grid.pp):
-            stage_ids = [pp_rank + k * grid.pp for k in range(options.stages_per_rank)]
+            stage_ids = grid.stage_ids(pp_rank, options.stages_per_rank)
             traces = {s: traced_stage(model, recipe, blocks=parts.count(s), first=s == 0, last=s == num_stages - 1,
                                       **how) for s in stage_ids}
             buffers = sum(micro_batches * buffer * ((s != 0) + (s != num_stages - 1)) for s in stage_ids)
@@ -192,11 +201,9 @@ class PipelineStrategy:
         self.pp_rank, self.dp_rank = self.grid.coords(env.rank)
         self.mesh = init_device_mesh(env.device.type, (self.grid.pp, self.grid.dp), mesh_dim_names=("pp", "dp"))
         family_of(model)  # a RecipeError for a model without a stage layout
-        num_stages = self.grid.pp * options.stages_per_rank
-        parts = part_of_blocks(model, blocks=layer_stack(model, options.blocks), num_parts=num_stages,
-                               split=options.split)
+        parts, num_stages = stage_of_blocks(model, args.recipe, self.grid)
         self.parts, self.num_stages = parts, num_stages
-        self.stage_ids = [self.pp_rank + k * self.grid.pp for k in range(options.stages_per_rank)]
+        self.stage_ids = self.grid.stage_ids(self.pp_rank, options.stages_per_rank)
         self.tied = tied_embedding_names(model)
         with torch.device("meta"):  # config, class and tied names for the export, without memory
             self.skeleton = type(model)(model.config)
