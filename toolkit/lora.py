@@ -5,6 +5,7 @@ the base frozen. Export writes the adapter with peft's own `save_pretrained` and
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +26,25 @@ def lora_config(options: LoraOptions, *, task: str):
                       task_type=TASK_TYPES[task])
 
 
+def _adapted(model: nn.Module, options: LoraOptions, *, task: str):
+    """peft's `get_peft_model`, without the FutureWarning it raises itself by reading transformers'
+    deprecated `is_gradient_checkpointing` (peft's call, not the recipe's: nothing for a user to change)."""
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, lora_config(options, task=task))
+
+
 def apply_lora(model: nn.Module, options: LoraOptions, *, task: str) -> nn.Module:
     """Adapters on `model`'s target layers, in place; everything else frozen (a classification head stays
     trainable: peft's SEQ_CLS keeps it in modules_to_save). Returns the same model object."""
-    from peft import get_peft_model
-
     widths = [min(m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)]
     if widths and options.r > max(widths):  # peft would allocate r × (in + out) per layer all the same
         raise RecipeError(f"model.lora.r {options.r} is above the width of every layer of the model (at most "
                           f"{max(widths)}): a larger rank adds parameters, not capacity; 8 or 16 are usual")
     try:
-        peft_model = get_peft_model(model, lora_config(options, task=task))
+        peft_model = _adapted(model, options, task=task)
     except ValueError as exc:  # peft: target modules that match no layer of the model
         layers = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
         raise RecipeError(f"model.lora.target_modules: {exc.args[0].split('.')[0]}; this model's linear layers "
@@ -49,13 +58,11 @@ def export_adapter(module: nn.Module, state_dict: dict[str, torch.Tensor], *, op
                    tokenizer, adapter_dir: Path, merged_dir: Path | None) -> None:
     """Rank 0: a fresh skeleton of the model with the same adapters, given the gathered weights; peft writes
     the adapter (adapter_config.json, adapter_model.safetensors) and, with `merged_dir`, the merged model."""
-    from peft import get_peft_model
-
     from toolkit.export import without_tied_aliases
 
     with torch.device("meta"):
         skeleton: Any = type(module)(module.config)
-    peft_model = get_peft_model(skeleton, lora_config(options, task=task))
+    peft_model = _adapted(skeleton, options, task=task)
     inner: Any = peft_model.base_model.model
     inner.load_state_dict(state_dict, assign=True)
     inner.tie_weights()

@@ -7,6 +7,7 @@ import os
 import resource
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -39,6 +40,14 @@ def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
     return local.device.type, local.untyped_storage().data_ptr()
 
 
+def _real_tensor(obj, fake: type) -> bool:
+    """A tensor that holds memory: not meta, not `fake` (toolkit plan's activation trace, torch.compile's tracing)."""
+    try:
+        return isinstance(obj, torch.Tensor) and not obj.is_meta and not isinstance(obj, fake)
+    except ReferenceError:  # a weak proxy (torch.compile keeps some) whose object is gone
+        return False
+
+
 def live_tensor_storages() -> dict[tuple[str, int], tuple[int, str, int]]:
     """Every tensor storage Python can reach in this process: (device, address) -> (bytes, dtype, numel of the
     largest view seen). An independent count of what a strategy holds, read without asking it: tensors only
@@ -48,12 +57,10 @@ def live_tensor_storages() -> dict[tuple[str, int], tuple[int, str, int]]:
     from torch._subclasses.fake_tensor import FakeTensor
 
     found: dict[tuple[str, int], tuple[int, str, int]] = {}
-    for obj in gc.get_objects():
-        try:  # fake tensors hold no memory (toolkit plan's activation trace, torch.compile's tracing)
-            if not isinstance(obj, torch.Tensor) or obj.is_meta or isinstance(obj, FakeTensor):
-                continue
-        except ReferenceError:  # a weak proxy (torch.compile keeps some) whose object is gone
-            continue
+    with warnings.catch_warnings():  # asking a deprecated module object its type warns (torch's `reduce_op`)
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = [obj for obj in gc.get_objects() if _real_tensor(obj, FakeTensor)]
+    for obj in tensors:
         local = getattr(obj, "_local_tensor", obj)  # DTensor: this rank's shard
         try:
             storage = local.untyped_storage()
