@@ -14,7 +14,8 @@ prediction the run made before setup (the same arithmetic as `toolkit plan`). fs
 low-memory loading (the recipe's default); `fsdp-whole` and `zero3-whole` build the whole model on every rank
 first, for comparison. `pp-gpipe` and `pp-1f1b` run a 2-stage pipeline of 4 micro-batches a step and get a row
 per rank (their stages differ); their activations show at a longer sequence (`--seq 512 --micro-batch 2`).
-`tp` splits heads and MLP over the ranks (its plan charges each rank the whole stack's activations).
+`tp` splits heads and MLP over the ranks (planned with each rank's share of them), `tp-sp` adds sequence
+parallelism (planned as `tp`, an upper bound).
 Targets (issue 11): model states within ±1 % of the prediction (they are exact); peak within ±15 % on CPU.
 """
 
@@ -44,7 +45,9 @@ ARMS = {
     # a pipeline's ranks differ (one row each): gpipe keeps every micro-batch of the step in flight, 1f1b fewer
     "pp-gpipe": ["strategy.name=pipeline", "strategy.schedule=gpipe", "batch.grad_accum_steps=4"],
     "pp-1f1b": ["strategy.name=pipeline", "strategy.schedule=1f1b", "batch.grad_accum_steps=4"],
-    "tp": ["strategy.name=tp"],  # planned as one micro-batch through the whole stack per rank (not its 1/N share)
+    # a TP rank is planned with its share of heads and MLP columns; sequence parallelism as plain TP (its bound)
+    "tp": ["strategy.name=tp"],
+    "tp-sp": ["strategy.name=tp", "strategy.sequence_parallel=true"],
 }
 DEFAULT_ARMS = ("ddp", "fsdp", "zero2", "zero3", "zero3-offload", "fsdp+ac", "fsdp+lora")
 MiB = 2 ** 20

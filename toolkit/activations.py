@@ -64,14 +64,21 @@ class Traced:
 
 
 def traced_activations(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype,
-                       autocast_dtype: torch.dtype | None, checkpointing: bool) -> int:
+                       autocast_dtype: torch.dtype | None, checkpointing: bool, tp_degree: int = 1) -> int:
     """Bytes of one micro-batch's activations at their peak (forward + loss + backward). `model`: the recipe's
     model on the meta device. Its parameters are cast to `params_dtype`, the forward runs under autocast to
     `autocast_dtype` (None: no autocast), with or without activation checkpointing (a model that cannot
-    checkpoint is traced without). A trace is kept in the user's cache: the same model, batch and dtypes are
-    traced once."""
+    checkpoint is traced without). `tp_degree` > 1: as one tensor-parallel rank of that many computes it, its
+    split layers 1/N wide (tensor_parallel.local_model). A trace is kept in the user's cache: the same model,
+    batch and dtypes are traced once."""
     how = _how(model, params_dtype=params_dtype, autocast_dtype=autocast_dtype, checkpointing=checkpointing)
-    return _cached(model, recipe, how, [], ("bytes",), lambda: {"bytes": _stack_peak(model, recipe, **how)})["bytes"]
+
+    def trace() -> dict:
+        from toolkit.strategies.tensor_parallel import local_model
+
+        return {"bytes": _stack_peak(local_model(model, tp_degree) if tp_degree > 1 else model, recipe, **how)}
+
+    return _cached(model, recipe, how, ["tp", tp_degree] if tp_degree > 1 else [], ("bytes",), trace)["bytes"]
 
 
 def traced_stage(model: nn.Module, recipe: Recipe, *, blocks: int, first: bool, last: bool,

@@ -166,6 +166,43 @@ def _read_slice(f, name: str, target: torch.Tensor) -> None:
     local.copy_(piece.to(local.dtype))
 
 
+def own_memory(model: nn.Module) -> int:
+    """`model`'s host tensors that lie in a mapped file get memory of their own, one at a time; the bytes moved.
+    transformers loads safetensors by mapping the file: its weights are views into that mapping, which stays open
+    while any of them lives, and every page of it that was ever read stays resident. A strategy that keeps some
+    weights as loaded and replaces the others (tensor parallel's slices, its sequence-parallel norms, which are
+    DTensors whose local tensor is the loaded one) would otherwise hold the file's pages of the weights it dropped
+    for the whole run (measured on a 291 MiB model at TP 2: 172 MiB per rank, the split layers' full size).
+    Tensors not in a mapped file (a sharded or partitioned copy, a seeded init) are left as they are."""
+    ranges = _mapped_file_ranges()
+    moved = 0
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            local = getattr(tensor, "_local_tensor", tensor)  # a DTensor: this rank's part
+            if local.device.type != "cpu" or local.is_meta or not local.numel():
+                continue
+            address = local.untyped_storage().data_ptr()
+            if any(start <= address < end for start, end in ranges):
+                local.data = local.data.clone()
+                moved += local.numel() * local.element_size()
+    return moved
+
+
+def _mapped_file_ranges() -> list[tuple[int, int]]:
+    """The address ranges of this process's file mappings (Linux /proc; none where it cannot be read)."""
+    ranges = []
+    try:
+        with open("/proc/self/maps") as handle:
+            for line in handle:
+                fields = line.split()
+                if len(fields) >= 6 and fields[4] != "0" and fields[5].startswith("/"):
+                    start, _, end = fields[0].partition("-")
+                    ranges.append((int(start, 16), int(end, 16)))
+    except OSError:
+        pass
+    return ranges
+
+
 def whole_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The parameters this process holds whole (not on the meta device, not a ZeRO-3 partition)."""
     for name, param in model.named_parameters():

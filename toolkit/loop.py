@@ -33,7 +33,7 @@ from toolkit.errors import RecipeError
 from toolkit.evaluate import evaluate
 from toolkit.export import export_model
 from toolkit.gradient_scale import GradientScale
-from toolkit.loading import ModelSource, num_parameters, whole_parameters
+from toolkit.loading import ModelSource, num_parameters, own_memory, whole_parameters
 from toolkit.losses import micro_batch_loss_sum
 from toolkit.metrics import (Progress, compile_graph_breaks, compile_seconds, peak_memory_bytes,
                              process_bytes, synchronize)
@@ -131,6 +131,7 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     counted = recipe.train.activation_checkpointing and not recipe.train.compile
     forwards = BlockForwards(layer_stack(model)) if counted else None
     setup_strategy(strategy, model, source=source, env=env, plan=plan, total_steps=total_steps)
+    own_memory(strategy.model)  # what it kept as loaded lets go of the weight file (its dropped weights' pages)
     # transformers returns models in eval mode: dropout and activation checkpointing act in train mode only
     # (before this, training ran without dropout until the first evaluation switched the model back)
     strategy.model.train()

@@ -8,7 +8,8 @@ Activations are traced, not guessed (toolkit/activations.py): one micro-batch's 
 fake tensors, in the dtypes the strategy computes in, with and without activation checkpointing; their peak
 (T = micro_batch_size × max_length tokens) beside the model states; a pipeline rank traces its own stages and
 holds as many micro-batches as its schedule keeps in flight (`Strategy.predict_activation_bytes`,
-toolkit/strategies/pipeline_memory.py). Gradients are model states, but a
+toolkit/strategies/pipeline_memory.py); a tensor-parallel rank (tp, fsdp's tp_degree) traces the model with
+its share of heads and MLP columns (`tensor_parallel.local_model`). Gradients are model states, but a
 strategy that gives them back between steps (`StrategyInfo.holds_gradients` false) has none while a step's
 first micro-batch holds its activations: with one micro-batch per step its training peak is the larger of
 (parameters + optimizer state + activations) and (all model states, at the end of backward).

@@ -115,8 +115,8 @@ class Strategy(Protocol):
                                  how: dict[str, Any]) -> list[int]:
         """Per rank, the most activation bytes it holds during a step, traced on fake tensors
         (toolkit/activations.py; `how`: the dtypes and checkpointing its micro-batches compute with): one
-        micro-batch through the whole stack, or a pipeline rank's stages with the micro-batches its schedule
-        keeps in flight."""
+        micro-batch through the whole stack (a tensor-parallel rank: with its share of the split layers), or a
+        pipeline rank's stages with the micro-batches its schedule keeps in flight."""
 
     def build_model(self, source: ModelSource, *, env: DistEnv) -> nn.Module:
         """The model setup gets: `source.whole()`, or under low-memory loading a model whose weights setup (or
@@ -218,11 +218,13 @@ def logits_of(strategy: MicroBatchStrategy, batch: dict, device: torch.device) -
     return out.logits
 
 
-def whole_stack_activations(model: nn.Module, recipe: Recipe, *, world_size: int, how: dict[str, Any]) -> list[int]:
-    """Every rank holds one micro-batch's activations through the whole layer stack at a time."""
+def whole_stack_activations(model: nn.Module, recipe: Recipe, *, world_size: int, how: dict[str, Any],
+                            tp_degree: int = 1) -> list[int]:
+    """Every rank holds one micro-batch's activations through the whole layer stack at a time; `tp_degree` > 1:
+    its split layers' 1/N share of them (a tensor-parallel rank)."""
     from toolkit.activations import traced_activations  # transformers' logging: not at the launcher's import
 
-    return [traced_activations(model, recipe, **how)] * world_size
+    return [traced_activations(model, recipe, **how, tp_degree=tp_degree)] * world_size
 
 
 def each_micro_batch(strategy: MicroBatchStrategy, micro_batches: list[dict], *, loss_sum: LossSum, share: Share,

@@ -103,7 +103,8 @@ class FsdpStrategy:
 
     def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
                                  how: dict[str, Any]) -> list[int]:
-        return whole_stack_activations(model, recipe, world_size=world_size, how=how)
+        return whole_stack_activations(model, recipe, world_size=world_size, how=how,
+                                       tp_degree=recipe.strategy.tp_degree or 1)
 
     def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         whole = whole_model_bytes(model, recipe)

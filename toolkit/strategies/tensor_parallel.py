@@ -112,6 +112,28 @@ def local_shapes(model: nn.Module, degree: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def local_model(model: nn.Module, degree: int) -> nn.Module:
+    """A copy of the meta `model` as one TP rank computes it: every linear layer the plan splits replaced by
+    one of the local shape (column-wise: 1/N of the output features, row-wise: 1/N of the input features),
+    the rest whole. Attention infers its head count from q/k/v's outputs (`view(..., -1, head_dim)`), so the
+    copy runs 1/N of the heads and MLP columns on the full residual stream, as a rank does: what the activation
+    trace of a TP rank runs. Sequence parallelism is not modelled (it shards the norms' and residual adds'
+    tokens too): its trace is this one, an upper bound by 1 - 1/N of each norm's saved input."""
+    import copy
+
+    local = copy.deepcopy(model)
+    modules = dict(local.named_modules())
+    for name, style in resolve(local).items():
+        old = cast(nn.Linear, modules[name])
+        features = ((old.in_features, old.out_features // degree) if style == "colwise"
+                    else (old.in_features // degree, old.out_features))
+        new = nn.Linear(*features, bias=old.bias is not None, device=old.weight.device, dtype=old.weight.dtype)
+        new.weight.requires_grad_(old.weight.requires_grad)
+        parent, _, child = name.rpartition(".")
+        setattr(local.get_submodule(parent) if parent else local, child, new)
+    return local
+
+
 def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False) -> None:
     """Split the plan's linear layers over `mesh` (1-D) in place: their weights become DTensors."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module

@@ -66,7 +66,7 @@ class TpStrategy:
 
     def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
                                  how: dict[str, Any]) -> list[int]:
-        return whole_stack_activations(model, recipe, world_size=world_size, how=how)
+        return whole_stack_activations(model, recipe, world_size=world_size, how=how, tp_degree=world_size)
 
     def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         return [whole_model_bytes(model, recipe)] * world_size  # every rank builds the whole model: each then keeps its slices of the split layers
