@@ -9,8 +9,10 @@ import torch
 
 from toolkit.activations import traced_activations
 from toolkit.loading import own_memory
+from toolkit.errors import RecipeError
 from toolkit.plan import planned_model, predict
 from toolkit.recipe import load_recipe
+from toolkit.strategies import make_strategy, tensor_parallel
 
 CONFIG = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
           "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8,
@@ -48,29 +50,76 @@ def test_a_tp_rank_is_traced_as_a_model_with_its_share_of_heads_and_mlp_columns(
     assert hybrid.activation_bytes[0] < whole  # fsdp casts no weights here (fp32): the same dtypes, its TP share
 
 
+@pytest.mark.parametrize("config", [
+    {**CONFIG, "attention_bias": True, "mlp_bias": True},  # column-wise biases split, row-wise ones whole
+    {"model_type": "bert", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+     "num_attention_heads": 4},  # the toolkit's own plan for encoders (no base_model_tp_plan)
+], ids=["llama-bias", "bert"])
+def test_the_traced_tp_rank_holds_the_shapes_a_tp_rank_stores(config):
+    """local_model's parameter shapes are local_shapes', the rule model-state bytes are predicted with and that
+    the 2-rank runs of tests/test_plan.py measure exactly."""
+    task = ["model.task=sequence-classification", "data.label_column=label"] if config["model_type"] == "bert" else []
+    model = planned_model(recipe_of(config, *task))
+    local = tensor_parallel.local_model(model, 2)
+    expected = tensor_parallel.local_shapes(model, 2)
+    assert {n: tuple(p.shape) for n, p in local.named_parameters()} == expected
+    assert expected != {n: tuple(p.shape) for n, p in model.named_parameters()}  # something is split
+    assert {n: p.requires_grad for n, p in local.named_parameters()} == \
+        {n: p.requires_grad for n, p in model.named_parameters()}
+
+
+def test_lora_with_tensor_parallel_groups_is_one_line_before_any_rank():
+    recipe = recipe_of(CONFIG, "strategy.name=fsdp", "strategy.tp_degree=2",
+                       'model.lora={"r": 4, "target_modules": ["q_proj"]}')
+    with pytest.raises(RecipeError, match="model.lora is not available with strategy.tp_degree"):
+        make_strategy(recipe).validate(recipe, world_size=4)
+
+
 def mapped_files() -> set[str]:
     with open("/proc/self/maps") as handle:
         return {line.split()[-1] for line in handle if line.rstrip().endswith(".safetensors")}
 
 
-def test_own_memory_lets_go_of_the_mapped_pretrained_file_and_keeps_the_weights(tiny_tied_llama_dir):
+def test_a_model_that_keeps_part_of_its_weight_file_lets_go_of_it_and_keeps_its_weights(tiny_tied_llama_dir):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_tied_llama_dir)
     weights = str(tiny_tied_llama_dir / "model.safetensors")
     # the reason for own_memory: the loaded weights are views into the mapped file (transformers' loading)
     assert weights in mapped_files()
-    before = {name: param.detach().clone() for name, param in model.named_parameters()}
+    everything = {name: param.detach().clone() for name, param in model.named_parameters()}
+    # the whole file kept: nothing to give back, nothing copied (no transient copy, ranks' pages stay shared)
+    assert own_memory(model) == 0 and weights in mapped_files()
+    model.model.layers = model.model.layers[:1]  # a part dropped, as a strategy's setup does
     fresh = torch.nn.Linear(4, 4)  # memory of its own already: left where it is
     model.add_module("extra", fresh)
     address = fresh.weight.data_ptr()
+    kept = {name: t for name, t in everything.items() if not name.startswith("model.layers.1.")}
     moved = own_memory(model)
     gc.collect()
     assert weights not in mapped_files()
-    assert moved == sum(t.numel() * t.element_size() for t in before.values())  # each tied weight once
+    assert moved == sum(t.numel() * t.element_size() for t in kept.values())  # each tied weight once
     assert fresh.weight.data_ptr() == address
     for name, param in model.named_parameters():
-        if name in before:
-            assert torch.equal(param, before[name]), name
+        if name in kept:
+            assert torch.equal(param, kept[name]), name
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied: the same parameter object
     assert own_memory(model) == 0
+
+
+def test_a_first_pipeline_stage_of_an_untied_model_lets_go_of_the_file_once_the_rest_is_dropped(tiny_llama_dir):
+    """The stage keeps the embeddings and a block; the head and the other block go with the model object (the
+    loop drops its reference after setup)."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.strategies.stages import Stage
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    weights = str(tiny_llama_dir / "model.safetensors")
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    stage = Stage(model, layer_ids=[0], first=True, last=False)
+    del model
+    gc.collect()
+    assert own_memory(stage) > 0
+    gc.collect()
+    assert weights not in mapped_files()

@@ -167,40 +167,55 @@ def _read_slice(f, name: str, target: torch.Tensor) -> None:
 
 
 def own_memory(model: nn.Module) -> int:
-    """`model`'s host tensors that lie in a mapped file get memory of their own, one at a time; the bytes moved.
+    """Where `model` keeps only part of a weight file it was loaded from, its host tensors in that file get memory
+    of their own, one at a time, so the file is unmapped; returns the bytes moved.
     transformers loads safetensors by mapping the file: its weights are views into that mapping, which stays open
-    while any of them lives, and every page of it that was ever read stays resident. A strategy that keeps some
-    weights as loaded and replaces the others (tensor parallel's slices, its sequence-parallel norms, which are
-    DTensors whose local tensor is the loaded one) would otherwise hold the file's pages of the weights it dropped
-    for the whole run (measured on a 291 MiB model at TP 2: 172 MiB per rank, the split layers' full size).
-    Tensors not in a mapped file (a sharded or partitioned copy, a seeded init) are left as they are."""
-    ranges = _mapped_file_ranges()
+    while any of them lives, and every page of it that was ever read (the replica check reads them all) stays
+    resident. A strategy that keeps some weights as loaded and drops the others (tensor parallel's slices, its
+    sequence-parallel norms, which are DTensors whose local tensor is the loaded one; a pipeline's other stages)
+    would otherwise hold the file's pages of what it dropped for the whole run (measured on a 291 MiB model at TP
+    2: 172 MiB per rank, the split layers' full size). A model that keeps the whole file is left as it is:
+    copying would only add a transient copy, and N ranks' unwritten pages (frozen LoRA weights) are shared."""
+    files = _mapped_files()
+    by_file: dict[str, list[torch.Tensor]] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        local = getattr(tensor, "_local_tensor", tensor)  # a DTensor: this rank's part
+        if local.device.type != "cpu" or local.is_meta or not local.numel():
+            continue
+        address = local.untyped_storage().data_ptr()
+        path = next((path for path, ranges in files.items() if any(a <= address < b for a, b in ranges)), None)
+        if path is not None:
+            by_file.setdefault(path, []).append(local)
     moved = 0
     with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            local = getattr(tensor, "_local_tensor", tensor)  # a DTensor: this rank's part
-            if local.device.type != "cpu" or local.is_meta or not local.numel():
+        for path, kept in by_file.items():
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
+            if sum(storages.values()) >= 0.99 * sum(b - a for a, b in files[path]):  # all of it (a header aside)
                 continue
-            address = local.untyped_storage().data_ptr()
-            if any(start <= address < end for start, end in ranges):
+            for local in kept:
                 local.data = local.data.clone()
                 moved += local.numel() * local.element_size()
     return moved
 
 
-def _mapped_file_ranges() -> list[tuple[int, int]]:
-    """The address ranges of this process's file mappings (Linux /proc; none where it cannot be read)."""
-    ranges = []
+def _mapped_files() -> dict[str, list[tuple[int, int]]]:
+    """This process's mappings of regular files: path -> address ranges (Linux /proc; none where it cannot be
+    read). Devices, shared memory and anonymous files are not weight files."""
+    files: dict[str, list[tuple[int, int]]] = {}
     try:
         with open("/proc/self/maps") as handle:
             for line in handle:
-                fields = line.split()
-                if len(fields) >= 6 and fields[4] != "0" and fields[5].startswith("/"):
-                    start, _, end = fields[0].partition("-")
-                    ranges.append((int(start, 16), int(end, 16)))
+                fields = line.split(maxsplit=5)
+                if len(fields) < 6 or fields[4] == "0":
+                    continue
+                path = fields[5].strip()
+                if not path.startswith("/") or path.startswith("/dev/") or path.endswith("(deleted)"):
+                    continue
+                start, _, end = fields[0].partition("-")
+                files.setdefault(path, []).append((int(start, 16), int(end, 16)))
     except OSError:
         pass
-    return ranges
+    return files
 
 
 def whole_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

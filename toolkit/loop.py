@@ -131,7 +131,10 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     counted = recipe.train.activation_checkpointing and not recipe.train.compile
     forwards = BlockForwards(layer_stack(model)) if counted else None
     setup_strategy(strategy, model, source=source, env=env, plan=plan, total_steps=total_steps)
-    own_memory(strategy.model)  # what it kept as loaded lets go of the weight file (its dropped weights' pages)
+    # the strategy holds what it kept; what it dropped (a pipeline's other stages and head) goes, and what it kept
+    # as loaded lets go of the weight file, whose pages of the dropped weights would otherwise stay resident
+    del model
+    own_memory(strategy.model)
     # transformers returns models in eval mode: dropout and activation checkpointing act in train mode only
     # (before this, training ran without dropout until the first evaluation switched the model back)
     strategy.model.train()

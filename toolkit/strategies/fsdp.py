@@ -66,6 +66,9 @@ class FsdpStrategy:
                 raise RecipeError(f"strategy.tp_degree {tp} does not divide world size {world_size}; use a world "
                                   f"size that is a multiple of {tp}")
             tensor_parallel.check_recipe(recipe, degree=tp)
+            if recipe.model.lora is not None:
+                raise RecipeError("model.lora is not available with strategy.tp_degree yet (peft wraps the linear "
+                                  "layers the tensor-parallel plan splits); drop model.lora or strategy.tp_degree")
             if recipe.train.compile:
                 raise RecipeError("train.compile is not available with strategy.tp_degree yet (torch.compile fails on "
                                   "DTensor-split blocks with a RecursionError); set train.compile: false or drop tp_degree")

@@ -118,7 +118,8 @@ def local_model(model: nn.Module, degree: int) -> nn.Module:
     the rest whole. Attention infers its head count from q/k/v's outputs (`view(..., -1, head_dim)`), so the
     copy runs 1/N of the heads and MLP columns on the full residual stream, as a rank does: what the activation
     trace of a TP rank runs. Sequence parallelism is not modelled (it shards the norms' and residual adds'
-    tokens too): its trace is this one, an upper bound by 1 - 1/N of each norm's saved input."""
+    tokens too): its trace is this one, an upper bound by 1 - 1/N of each norm's saved input. Traces of it are
+    cached (toolkit/activations.py): a change to what it builds raises activations.TRACE_VERSION."""
     import copy
 
     local = copy.deepcopy(model)
@@ -128,7 +129,9 @@ def local_model(model: nn.Module, degree: int) -> nn.Module:
         features = ((old.in_features, old.out_features // degree) if style == "colwise"
                     else (old.in_features // degree, old.out_features))
         new = nn.Linear(*features, bias=old.bias is not None, device=old.weight.device, dtype=old.weight.dtype)
-        new.weight.requires_grad_(old.weight.requires_grad)
+        for kind in ("weight", "bias"):
+            if getattr(old, kind) is not None:
+                getattr(new, kind).requires_grad_(getattr(old, kind).requires_grad)
         parent, _, child = name.rpartition(".")
         setattr(local.get_submodule(parent) if parent else local, child, new)
     return local
