@@ -58,7 +58,9 @@ def _interleaved(*, rank: int, pp: int, stages_per_rank: int, micro_batches: int
         pass
     print("[toolkit] plan: this torch does not give ScheduleInterleaved1F1B's order; the rank is planned with every "
           "micro-batch in flight (an upper bound)", file=sys.stderr, flush=True)
-    local = [rank + k * pp for k in range(stages_per_rank)]
+    from toolkit.strategies.pipeline import Grid
+
+    local = Grid(pp=pp, dp=1).stage_ids(rank, stages_per_rank)
     return [("F", s) for s in local] * micro_batches + [("B", s) for s in reversed(local)] * micro_batches
 
 
