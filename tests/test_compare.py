@@ -71,8 +71,15 @@ def test_measurements_are_present(experiment):
         # toolkit plan's prediction, made by the run before setup, beside what it measured
         assert arm["predicted_model_state_bytes_per_rank"] == arm["model_state_bytes_per_rank"], arm["arm"]
         assert arm["model_state_prediction_error"] == 0 and arm["peak_prediction_error"] is not None
+    # a pipeline's stages differ: each rank's peak against its own prediction, the worse one reported
+    pipeline = next(arm for arm in experiment[1]["arms"] if arm["arm"] == "pp-1f1b")
+    measured, predicted = pipeline["peak_mem_bytes_per_rank"], pipeline["predicted_peak_bytes_per_rank"]
+    assert len(set(predicted)) == 2
+    assert pipeline["peak_prediction_error"] == max(((m - p) / p for m, p in zip(measured, predicted)), key=abs)
     memory = (experiment[0] / "report.md").read_text().split("## Memory: predicted and measured", 1)[1]
     assert "- zero3: model states measured" in memory and "(error 0.00 %)" in memory
+    assert f"peak measured {measured[0] / 2 ** 20:.0f}/{measured[1] / 2 ** 20:.0f} vs predicted " \
+           f"{predicted[0] / 2 ** 20:.0f}/{predicted[1] / 2 ** 20:.0f} MiB/rank" in memory
 
 
 def test_communication_per_step_is_counted_from_the_collectives(experiment):

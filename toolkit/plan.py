@@ -12,12 +12,15 @@ toolkit/strategies/pipeline_memory.py); a tensor-parallel rank (tp, fsdp's tp_de
 its share of heads and MLP columns (`tensor_parallel.local_model`). Gradients are model states, but a
 strategy that gives them back between steps (`StrategyInfo.holds_gradients` false) has none while a step's
 first micro-batch holds its activations: with one micro-batch per step its training peak is the larger of
-(parameters + optimizer state + activations) and (all model states, at the end of backward).
+(parameters + optimizer state + activations) and (all model states at the end of backward, with a tied
+embedding's gradients being summed: `tied_gradient_bytes` × `StrategyInfo.tied_gradients`).
 The peak adds what is not model state: the runtime (the Python process with torch and transformers loaded:
-measured here), the whole model where a rank builds it before setup (on CPU it stays in the resident set;
-under low-memory loading a rank builds only its part: `Strategy.predict_load_bytes`), the parameters a rank
-gathers from the others (`Strategy.predict_gathered_bytes`: one block under FSDP2, under ZeRO-3 what DeepSpeed's
-reuse distance keeps), and on CPU the export, for which rank 0 of a sharding strategy gathers the whole model.
+measured here), the parameters a rank gathers from the others (`Strategy.predict_gathered_bytes`: one block
+under FSDP2, under ZeRO-3 what DeepSpeed's reuse distance keeps), and on CPU two peaks of their own: loading,
+where a strategy copies the weights it built into its own tensors (`Strategy.predict_load_bytes`; none where the
+built tensors are its parameters, only its part under low-memory loading), and the export, for which rank 0
+gathers or copies the whole model. Not counted: what the process itself grows by once training runs (code
+pages, the allocator's small blocks: measured 50-280 MiB on CPU over 3 steps, more for a larger model).
 """
 
 from __future__ import annotations
@@ -91,31 +94,49 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     shards = strategy.data_layout(recipe, world_size=world_size, rank=0).size
     accumulates = plan_batch(recipe.batch, world_size=shards).grad_accum_steps > 1
 
-    def training(state: StateBytes, activations: int) -> int:
-        """Model states and the rank's activations at their peak, gradients there only if held."""
-        if strategy.info.holds_gradients or accumulates:
-            return state.total_bytes + activations
-        return max(state.total_bytes - state.grads_bytes + activations, state.total_bytes)
+    # the gradients' dtype: the parameters' a rank computes with
+    tied = tied_gradient_bytes(model, compute if casts else stored) * strategy.info.tied_gradients
 
-    # On CPU a rank that builds the whole model in host memory before setup adds it to its resident set. A
-    # strategy that then holds only part of the model (fsdp, zero3, tp, pipeline stages) frees the rest, and the
-    # toolkit has glibc give freed pages back (toolkit.launch.return_freed_pages): the build is a loading peak
-    # of its own. One that keeps a whole copy (ddp's gradient buckets, ZeRO-1/2's flat buffers) keeps its
-    # bytes for the run. Under low-memory loading a rank builds no more than its own part. A GPU sees only
-    # what is moved to it.
-    partial = max(r.params_bytes for r in per_rank) < load
+    def training(state: StateBytes, activations: int) -> int:
+        """Model states and the rank's activations at their peak (gradients there only if held), or the end of
+        backward: all model states, and a tied weight's gradients being summed (StrategyInfo.tied_gradients)."""
+        held = state.total_bytes if strategy.info.holds_gradients or accumulates else \
+            state.total_bytes - state.grads_bytes
+        return max(held + activations, state.total_bytes + tied)
+
+    # On CPU a rank builds its weights in host memory before setup. A strategy that keeps the tensors it built
+    # as its parameters (single, dp, ddp) adds nothing (`built` 0); one that copies them into its own (FSDP's
+    # shards, ZeRO's flat buffers, TP's slices, a pipeline's stages) holds the build beside them until setup
+    # drops it, and the toolkit has glibc give freed pages back (toolkit.launch.return_freed_pages): the build
+    # is a loading peak of its own, not part of training's. Under low-memory loading a rank builds no more than
+    # its own part. Rank 0 also exports: the whole model gathered or copied to write it, except where its
+    # parameters are the weights it built (the export reads them). A GPU sees only what is moved to it.
     if device_type == "cuda":
         peaks = [training(r, a) + gathered for r, a in zip(per_rank, activations)]
-    elif not partial:
-        peaks = [runtime_bytes + training(r, a) + gathered + b for r, a, b in zip(per_rank, activations, built)]
-    else:  # the larger of training, and loading (the build beside the rank's shards); rank 0 also exports,
-        # gathering the whole model to write it
+    else:
         peaks = [runtime_bytes + max(training(r, a) + gathered, b + r.params_bytes)
                  for r, a, b in zip(per_rank, activations, built)]
-        peaks[0] = max(peaks[0], runtime_bytes + per_rank[0].total_bytes + load)
+        if built[0] or max(r.params_bytes for r in per_rank) < load:  # at the end: gradients only if held
+            kept = per_rank[0].total_bytes - (0 if strategy.info.holds_gradients else per_rank[0].grads_bytes)
+            peaks[0] = max(peaks[0], runtime_bytes + kept + load)
     return Prediction(strategy=recipe.strategy.name, world_size=world_size, per_rank=per_rank,
                       activation_bytes=activations, activation_bytes_checkpointed=checkpointed, load_bytes=load,
                       built_bytes=built, runtime_bytes=runtime_bytes, peak_bytes_per_rank=peaks)
+
+
+def tied_gradient_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """Gradient bytes of the trainable weights a forward uses twice (a tied embedding and head): one gradient
+    of each.
+
+    Autograd sums the gradients a weight gets from its uses before accumulating them, out of place (seen under a
+    dispatch mode: `aten.add`, not `add_`, fp32 and bf16 autocast alike): at the end of backward the head's
+    gradient, the embedding's dense vocab × hidden one and their sum exist at once, beside every other gradient
+    (measured on CPU, 76M Llama with a 30522 × 1024 embedding: single +2 × 119 MiB over the same model untied, the
+    sum being its gradient; ddp +3 × 119, copying the sum into its bucket)."""
+    uses: dict[int, tuple[torch.Tensor, int]] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = (param, uses.get(id(param), (param, 0))[1] + 1)
+    return sum(p.numel() for p, n in uses.values() if n > 1 and p.requires_grad) * element_bytes(dtype)
 
 
 def planned_model(recipe: Recipe) -> nn.Module:

@@ -89,13 +89,16 @@ def memory(run: dict) -> dict:
 
 
 def prediction_error(predicted: dict, *, states: list[int], peaks: list[int]) -> dict:
-    """toolkit plan's prediction beside the measurement: model states per rank (exact when right), the peak
-    of the largest rank as a relative error (measured − predicted) / predicted."""
+    """toolkit plan's prediction beside the measurement, rank by rank (a pipeline's ranks differ): model states
+    (exact when right), and the peak's relative error (measured − predicted) / predicted of the rank it is
+    largest for, with its sign."""
     if "model_state_bytes" not in predicted:
         return {"prediction": predicted.get("error", "no prediction in run.json")}
     want = [sum(r.values()) for r in predicted["model_state_bytes"]]
+    want_peaks = predicted.get("peak_bytes_per_rank") or [predicted["peak_bytes"]] * len(peaks)
+    errors = [(m - p) / p for m, p in zip(peaks, want_peaks) if p]
     return {"predicted_model_state_bytes_per_rank": want,
             "model_state_prediction_error": max((abs(m - p) / p for m, p in zip(states, want) if p), default=0.0),
-            "predicted_peak_bytes": predicted["peak_bytes"],
-            "peak_prediction_error": (max(peaks) - predicted["peak_bytes"]) / predicted["peak_bytes"] if peaks else None,
+            "predicted_peak_bytes": predicted["peak_bytes"], "predicted_peak_bytes_per_rank": want_peaks,
+            "peak_prediction_error": max(errors, key=abs) if errors else None,
             "prediction": "toolkit plan"}

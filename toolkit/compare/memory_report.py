@@ -21,11 +21,13 @@ def memory_lines(results: dict) -> list[str]:
                          f"no prediction ({r.get('prediction')})")
             continue
         predicted = "/".join(f"{b / 2 ** 20:.1f}" for b in r["predicted_model_state_bytes_per_rank"])
-        peak = max(r["peak_mem_bytes_per_rank"]) / 2 ** 20
+        peak = "/".join(f"{b / 2 ** 20:.0f}" for b in r["peak_mem_bytes_per_rank"])
+        peak_want = "/".join(f"{b / 2 ** 20:.0f}" for b in
+                             r.get("predicted_peak_bytes_per_rank") or [r["predicted_peak_bytes"]])
         peak_error = r.get("peak_prediction_error")
         lines.append(f"{r['arm']}: model states measured {measured} vs predicted {predicted} MiB/rank (error "
-                     f"{r['model_state_prediction_error'] * 100:.2f} %); peak measured {peak:.0f} vs predicted "
-                     f"{r['predicted_peak_bytes'] / 2 ** 20:.0f} MiB ("
+                     f"{r['model_state_prediction_error'] * 100:.2f} %); peak measured {peak} vs predicted "
+                     f"{peak_want} MiB/rank (largest error "
                      f"{'n/a' if peak_error is None else f'{peak_error * 100:+.1f} %'}); other live tensors "
                      f"{other} MiB/rank")
     return lines

@@ -65,6 +65,12 @@ class StrategyInfo:
     # keeps its gradients' memory from step to step (DDP's buckets, DeepSpeed's flat partitions); False: its
     # zero_grad(set_to_none) gives them back, and a step's first micro-batch runs without them (toolkit plan)
     holds_gradients: bool = True
+    # how many gradients of a tied weight (embedding and head) exist beyond the model states at the end of
+    # backward (toolkit plan's tied_gradient_bytes): autograd sums the head's and the embedding's out of place,
+    # so both and their sum exist at once. The sum is the gradient a strategy that keeps autograd's gradients
+    # holds (single, dp, tp): 2 more; one whose gradient states are buffers of its own (DDP's buckets, FSDP's
+    # shards, ZeRO's partitions) copies the sum into them: 3; a pipeline's end stages hold a copy each: 0
+    tied_gradients: int = 3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -283,7 +289,21 @@ def no_context() -> ContextManager:
 
 
 def cpu_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+    """The module's weights on CPU for an export, which only reads them: the live tensors where they are already
+    there (a copy would add the whole model to rank 0's peak), else one copy per tensor, a tied weight's names
+    sharing it."""
+    copies: dict[tuple, torch.Tensor] = {}
+
+    def on_cpu(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type == "cpu":
+            return tensor
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
+               tensor.dtype)
+        if key not in copies:
+            copies[key] = tensor.to("cpu")
+        return copies[key]
+
+    return {k: on_cpu(v.detach()) for k, v in module.state_dict().items()}
 
 
 def local_abs_max(named_grads: Iterable[tuple[str, torch.Tensor | None]]) -> dict[str, float]:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import cast
 
 from torch import nn
@@ -56,5 +57,5 @@ MODEL_SPLIT_DDP = Replication(
 
 def build(recipe: Recipe) -> Strategy:
     if recipe.strategy.pipeline_degree is not None:
-        return PipelineStrategy(INFO)
+        return PipelineStrategy(replace(INFO, tied_gradients=0))  # a tied weight: a copy per end stage
     return ReplicatedStrategy(MODEL_SPLIT_DDP)

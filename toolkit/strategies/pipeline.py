@@ -55,7 +55,7 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b
 OPTIONS = ("schedule", "stages_per_rank", "split", "blocks")  # hybrid adds pipeline_degree and data_parallel
 
 INFO = StrategyInfo(
-    name="pipeline", averages_gradients=True, lora=False, options=OPTIONS,
+    name="pipeline", averages_gradients=True, lora=False, options=OPTIONS, tied_gradients=0,
     summary="one stage of consecutive blocks per rank, micro-batches pipelined (torch.distributed.pipelining); "
             "1/N of the model per rank, an idle bubble of (N-1)/(m+N-1)",
     arms={"pp-gpipe": ("strategy.name=pipeline", "strategy.schedule=gpipe"),

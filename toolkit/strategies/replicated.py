@@ -16,7 +16,7 @@ from toolkit.checkpoint.state import (Read, first_names, load_optimizer_tensors,
                                      model_tensors, optimizer_tensors, schedule_state)
 from toolkit.dist import DistEnv
 from toolkit.errors import RecipeError
-from toolkit.loading import ModelSource, whole_model_bytes
+from toolkit.loading import ModelSource
 from toolkit.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.recipe import Recipe
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, cpu_state_dict,
@@ -75,7 +75,9 @@ class ReplicatedStrategy:
         return whole_stack_activations(model, recipe, world_size=world_size, how=how)
 
     def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
-        return [whole_model_bytes(model, recipe)] * world_size  # every rank builds the whole model: each holds a full replica
+        # every rank builds the whole model, and the weights it built are its parameters (in the load dtype,
+        # where they stay): nothing beyond its model states
+        return [0] * world_size
 
     def build_model(self, source: ModelSource, *, env: DistEnv) -> nn.Module:
         return source.whole()

@@ -29,7 +29,8 @@ from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, S
 from toolkit.strategies.state_bytes import StateBytes, adam_state, of_shapes
 
 INFO = StrategyInfo(
-    name="tp", averages_gradients=True, lora=False, compiles=False, holds_gradients=False, options=("tp_degree", "sequence_parallel"),
+    name="tp", averages_gradients=True, lora=False, compiles=False, holds_gradients=False, tied_gradients=2,
+    options=("tp_degree", "sequence_parallel"),
     summary="tensor parallel: attention heads and MLP columns split over the ranks, one activation all-reduce "
             "per block; every rank reads the same batch",
     arms={"tp": ("strategy.name=tp",), "tp-sp": ("strategy.name=tp", "strategy.sequence_parallel=true")})
