@@ -137,3 +137,31 @@ def test_sharded_weights_are_gathered_whole_with_a_tied_weight_gathered_once(tmp
     mp.spawn(_gather_worker, args=(str(tmp_path / "init"), results), nprocs=2)
     assert results["keys"] == ["embed.weight", "head.weight", "inner.bias", "inner.weight"]
     assert results["tied_once"] and results["equal"] and results["other_rank"] is None
+
+
+UNWRAP = """
+import sys
+from transformers import AutoModelForCausalLM
+from toolkit.export import unwrapped_without_deepspeed
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+with unwrapped_without_deepspeed():
+    model.save_pretrained(sys.argv[2] + "/with")
+print("deepspeed" in sys.modules)
+model.save_pretrained(sys.argv[2] + "/without")
+print("deepspeed" in sys.modules)
+"""
+
+
+def test_the_export_leaves_deepspeed_unimported_in_a_run_that_never_used_it(tmp_path, tiny_llama_dir):
+    """save_pretrained asks accelerate to unwrap the model, which imports DeepSpeed (1.4 s) where installed; the
+    export answers the same without it. Plain save_pretrained, after, shows the import the export avoids."""
+    import subprocess
+    import sys
+
+    from conftest import toolkit_env
+
+    done = subprocess.run([sys.executable, "-c", UNWRAP, str(tiny_llama_dir), str(tmp_path)], capture_output=True,
+                          text=True, env=toolkit_env(), check=True)
+    assert [line for line in done.stdout.splitlines() if line in ("True", "False")] == ["False", "True"]
+    assert (tmp_path / "with" / "model.safetensors").read_bytes() == \
+        (tmp_path / "without" / "model.safetensors").read_bytes()

@@ -58,7 +58,7 @@ def export_adapter(module: nn.Module, state_dict: dict[str, torch.Tensor], *, op
                    tokenizer, adapter_dir: Path, merged_dir: Path | None) -> None:
     """Rank 0: a fresh skeleton of the model with the same adapters, given the gathered weights; peft writes
     the adapter (adapter_config.json, adapter_model.safetensors) and, with `merged_dir`, the merged model."""
-    from toolkit.export import without_tied_aliases
+    from toolkit.export import unwrapped_without_deepspeed, without_tied_aliases
 
     with torch.device("meta"):
         skeleton: Any = type(module)(module.config)
@@ -66,9 +66,11 @@ def export_adapter(module: nn.Module, state_dict: dict[str, torch.Tensor], *, op
     inner: Any = peft_model.base_model.model
     inner.load_state_dict(state_dict, assign=True)
     inner.tie_weights()
-    peft_model.save_pretrained(str(adapter_dir))
+    with unwrapped_without_deepspeed():
+        peft_model.save_pretrained(str(adapter_dir))
     tokenizer.save_pretrained(str(adapter_dir))
     if merged_dir is not None:
         merged: Any = peft_model.merge_and_unload()
-        merged.save_pretrained(str(merged_dir), state_dict=without_tied_aliases(merged, merged.state_dict()))
+        with unwrapped_without_deepspeed():
+            merged.save_pretrained(str(merged_dir), state_dict=without_tied_aliases(merged, merged.state_dict()))
         tokenizer.save_pretrained(str(merged_dir))

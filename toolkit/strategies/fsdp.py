@@ -102,17 +102,18 @@ class FsdpStrategy:
         return (total, count) if self.env.rank % self.tp_degree == 0 else (torch.zeros_like(total), 0)
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
-        # FSDP2 all-gathers one unit (block) at a time, and keeps the root's parameters (those in no block: the
-        # embedding, final norm, an untied head) gathered from forward to backward: it does not reshard the root
-        # after forward (measured: +119 MiB, a 30522 x 1024 fp32 embedding, for the whole step).
-        # reshard_after_forward false keeps every unit gathered until its backward: the whole model
+        # FSDP2 computes with one unit (block) gathered while it gathers the next (its implicit prefetch), and
+        # keeps the root's parameters (those in no block: the embedding, final norm, an untied head) gathered from
+        # forward to backward: it does not reshard the root after forward (measured: +119 MiB, a 30522 x 1024 fp32
+        # embedding, for the whole step). reshard_after_forward false keeps every unit gathered until its
+        # backward: the whole model
         options, compute = recipe.strategy, element_bytes(DTYPES[recipe.precision])
         units = [sum(p.numel() for p in block.parameters()) for block in transformer_blocks(model, options.blocks)]
         everything = sum(p.numel() for p in model.parameters())  # a tied weight once
         tp = options.tp_degree or 1  # a block's split layers hold 1/tp of it on each rank
         if not options.reshard_after_forward:
             return (everything - sum(units) + sum(units) // tp) * compute
-        return (everything - sum(units) + max(units, default=0) // tp) * compute
+        return (everything - sum(units) + 2 * max(units, default=0) // tp) * compute
 
     def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
                                  how: dict[str, Any]) -> list[int]:
