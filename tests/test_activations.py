@@ -157,3 +157,25 @@ def test_a_tied_embedding_ends_backward_with_two_more_gradients_than_the_model_s
     beyond_tied, beyond_untied = json.loads(done.stdout.splitlines()[-1])
     # measured 60.5 MiB against 2 x 29.8 (a few hundred KiB of small tensors and page granularity either side)
     assert abs((beyond_tied - beyond_untied) - 2 * predicted) < 4 * 2 ** 20
+
+
+def test_the_end_of_backward_holds_a_tied_embeddings_gradients_being_summed():
+    """With few tokens the peak is the end of backward: every model state and the tied embedding's gradients
+    being summed, two beyond the states under single (the sum becomes its gradient), three once a step's second
+    micro-batch adds into a gradient that exists, or where the strategy copies the sum into buffers of its own
+    (ddp's buckets). On CPU single adds the runtime only: it builds nothing beyond its parameters and exports
+    them in place."""
+    def prediction(*overrides: str, device_type: str = "cuda", runtime_bytes: int = 0):
+        recipe = small_recipe("batch.micro_batch_size=1", "data.max_length=8", *overrides)
+        return predict(recipe, world_size=1, runtime_bytes=runtime_bytes, device_type=device_type)
+
+    one, tied = prediction(), CONFIG["vocab_size"] * CONFIG["hidden_size"] * 4  # the fp32 embedding
+    states = one.per_rank[0]
+    # the other side of the max is the smaller here, also where the gradients are held (the trace's activations
+    # include the head's gradient, which waits in autograd's buffer for the embedding's)
+    assert tied < one.activation_bytes[0] < 2 * tied
+    assert one.peak_bytes == states.total_bytes + 2 * tied
+    assert prediction("batch.grad_accum_steps=2").peak_bytes == states.total_bytes + 3 * tied
+    assert prediction("strategy.name=ddp").peak_bytes == states.total_bytes + 3 * tied
+    on_cpu = prediction(device_type="cpu", runtime_bytes=100)
+    assert on_cpu.built_bytes == [0] and on_cpu.peak_bytes == 100 + states.total_bytes + 2 * tied

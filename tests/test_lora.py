@@ -108,3 +108,31 @@ def test_lora_bad_input_is_one_line(case, tmp_path, tiny_llama_dir, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and words in err[0], err
     assert not out.exists()
+
+
+def test_the_merged_export_leaves_the_trained_model_as_it_was(tmp_path, tiny_llama_dir):
+    """On CPU the export reads the live weights in place: merging the adapters for model-merged must not add
+    them into the trained model's own base weights (which would then apply them twice)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from toolkit.lora import apply_lora, export_adapter
+    from toolkit.recipe import LoraOptions
+    from toolkit.strategies.base import cpu_state_dict
+
+    options = LoraOptions(r=4, alpha=8, target_modules=("q_proj", "v_proj"), merge_on_export=True)
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), options, task="causal-lm")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_()  # a trained adapter: B is zero at start
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state_dict = cpu_state_dict(model)
+    assert all(state_dict[k].data_ptr() == v.data_ptr() for k, v in model.state_dict().items())  # in place
+    export_adapter(model, state_dict, options=options, task="causal-lm",
+                   tokenizer=AutoTokenizer.from_pretrained(tiny_llama_dir), adapter_dir=tmp_path / "adapter",
+                   merged_dir=tmp_path / "merged")
+    for key, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, before[key], rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged[key], before["model.layers.0.self_attn.q_proj.base_layer.weight"])

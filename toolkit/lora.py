@@ -70,7 +70,9 @@ def export_adapter(module: nn.Module, state_dict: dict[str, torch.Tensor], *, op
         peft_model.save_pretrained(str(adapter_dir))
     tokenizer.save_pretrained(str(adapter_dir))
     if merged_dir is not None:
-        merged: Any = peft_model.merge_and_unload()
+        # safe_merge: into a copy of each adapted weight. The state dict holds the trained model's own tensors
+        # (on CPU the export reads them in place), which a merge in place would change under the live model
+        merged: Any = peft_model.merge_and_unload(safe_merge=True)
         with unwrapped_without_deepspeed():
             merged.save_pretrained(str(merged_dir), state_dict=without_tied_aliases(merged, merged.state_dict()))
         tokenizer.save_pretrained(str(merged_dir))

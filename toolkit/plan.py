@@ -51,7 +51,8 @@ class Prediction:
     activation_bytes: list[int]  # per rank, this recipe's activation checkpointing setting
     activation_bytes_checkpointed: list[int] | None  # the same with activation checkpointing (None: not traced)
     load_bytes: int  # the whole model in its load dtype
-    built_bytes: list[int]  # per rank, the weights it builds beyond its model states (low-memory loading: 0)
+    built_bytes: list[int]  # per rank, the weights it builds beyond its model states (0 where they are its
+    # parameters, or under low-memory loading)
     runtime_bytes: int  # the process itself (interpreter, torch, transformers), before any model
     peak_bytes_per_rank: list[int]
 
@@ -95,7 +96,10 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     accumulates = plan_batch(recipe.batch, world_size=shards).grad_accum_steps > 1
 
     # the gradients' dtype: the parameters' a rank computes with
-    tied = tied_gradient_bytes(model, compute if casts else stored) * strategy.info.tied_gradients
+    # a strategy that keeps autograd's gradients (2) already holds one from a step's second micro-batch on:
+    # the sum is then a tensor of its own, added into it (3)
+    copies = 3 if accumulates and strategy.info.tied_gradients == 2 else strategy.info.tied_gradients
+    tied = tied_gradient_bytes(model, compute if casts else stored) * copies
 
     def training(state: StateBytes, activations: int) -> int:
         """Model states and the rank's activations at their peak (gradients there only if held), or the end of
@@ -116,7 +120,7 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     else:
         peaks = [runtime_bytes + max(training(r, a) + gathered, b + r.params_bytes)
                  for r, a, b in zip(per_rank, activations, built)]
-        if built[0] or max(r.params_bytes for r in per_rank) < load:  # at the end: gradients only if held
+        if not strategy.info.exports_in_place:  # at the end: gradients only if held
             kept = per_rank[0].total_bytes - (0 if strategy.info.holds_gradients else per_rank[0].grads_bytes)
             peaks[0] = max(peaks[0], runtime_bytes + kept + load)
     return Prediction(strategy=recipe.strategy.name, world_size=world_size, per_rank=per_rank,

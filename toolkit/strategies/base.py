@@ -71,6 +71,9 @@ class StrategyInfo:
     # holds (single, dp, tp): 2 more; one whose gradient states are buffers of its own (DDP's buckets, FSDP's
     # shards, ZeRO's partitions) copies the sum into them: 3; a pipeline's end stages hold a copy each: 0
     tied_gradients: int = 3
+    # its export reads the parameters where they are on CPU (single, dp, ddp: full replicas in the load dtype);
+    # False: rank 0 gathers or copies the whole model to write it (toolkit plan's export term)
+    exports_in_place: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,9 +112,10 @@ class Strategy(Protocol):
 
     def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         """Per rank, the bytes of weights it builds beyond its model states while the model is loaded: the whole
-        model where every rank builds it (on CPU it stays in the resident set), nothing under low-memory
-        loading, the whole model on rank 0 only where it builds it for the others (`model`: on the meta device;
-        toolkit plan, no process group)."""
+        model where every rank builds it and then copies what it keeps into tensors of its own (freed after
+        setup: a loading peak), nothing where the built tensors are its parameters (single, dp, ddp) or under
+        low-memory loading, the whole model on rank 0 only where it builds it for the others (`model`: on the
+        meta device; toolkit plan, no process group)."""
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         """The most parameter bytes a rank gathers from the others and holds at once during a step, beyond

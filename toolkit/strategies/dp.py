@@ -16,7 +16,7 @@ from toolkit.recipe import Recipe
 from toolkit.strategies.replicated import Replication, ReplicatedStrategy
 
 INFO = StrategyInfo(
-    name="dp", one_process=True, holds_gradients=False, tied_gradients=2,
+    name="dp", one_process=True, holds_gradients=False, tied_gradients=2, exports_in_place=True,
     summary="torch.nn.DataParallel: one process splits each batch over the visible GPUs; full model on GPU 0",
     arms={"dp": ("strategy.name=dp",)})
 

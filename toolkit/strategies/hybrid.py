@@ -27,6 +27,7 @@ from toolkit.strategies.replicated import Replication, ReplicatedStrategy
 
 INFO = StrategyInfo(
     name="hybrid", averages_gradients=True, lora=False, options=(*OPTIONS, "pipeline_degree", "data_parallel", "devices"),
+    exports_in_place=True,  # the model split over devices × DDP; the pipeline form below does not
     summary="a split model × data parallel: pipeline stages replicated by DDP or sharded by FSDP over a "
             "(pp × dp) mesh, or a model split over devices in each process × DDP",
     arms={"pp-ddp": ("strategy.name=hybrid", "strategy.pipeline_degree=2", "strategy.data_parallel=ddp"),
@@ -57,5 +58,5 @@ MODEL_SPLIT_DDP = Replication(
 
 def build(recipe: Recipe) -> Strategy:
     if recipe.strategy.pipeline_degree is not None:
-        return PipelineStrategy(replace(INFO, tied_gradients=0))  # a tied weight: a copy per end stage
+        return PipelineStrategy(replace(INFO, tied_gradients=0, exports_in_place=False))  # a tied weight: a copy per end stage
     return ReplicatedStrategy(MODEL_SPLIT_DDP)

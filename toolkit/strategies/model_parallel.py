@@ -19,7 +19,7 @@ from toolkit.strategies.placement import check_split, parse_devices, place_over_
 from toolkit.strategies.replicated import Replication, ReplicatedStrategy
 
 INFO = StrategyInfo(
-    name="model_parallel", one_process=True, lora=False, holds_gradients=False, tied_gradients=2,
+    name="model_parallel", one_process=True, lora=False, holds_gradients=False, tied_gradients=2, exports_in_place=True,
     options=("devices", "split", "blocks"),
     summary="one process, the model split by blocks over strategy.devices; fits a model no single device holds, "
             "one device busy at a time",

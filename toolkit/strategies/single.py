@@ -7,7 +7,7 @@ from toolkit.recipe import Recipe
 from toolkit.strategies.replicated import Replication, ReplicatedStrategy
 
 INFO = StrategyInfo(
-    name="single", one_process=True, holds_gradients=False, tied_gradients=2,
+    name="single", one_process=True, holds_gradients=False, tied_gradients=2, exports_in_place=True,
     summary="one process, full model; the reference every other strategy is checked against",
     arms={"single": ("strategy.name=single",)})
 
