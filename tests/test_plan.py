@@ -71,6 +71,19 @@ def test_zero1_and_zero2_keep_the_gradients_of_every_parameter_their_partition_t
     assert _run(request, "llama_runs", "zero2-json")[0]["model_state_bytes"] == run["model_state_bytes"]
 
 
+@pytest.mark.parametrize("name", ["zero1", "zero2-json", "zero2-bf16"])
+def test_zero1_and_zero2_steps_are_planned_with_a_copy_of_the_measured_gradient_partition(request, name):
+    # the step flattens a rank's gradients into one fp32 tensor of its partition (16-bit gradients: cast from a
+    # flat 16-bit one): the partition is the fp32 master's, measured in every run as a third of its optimizer
+    # state (master, exp_avg, exp_avg_sq)
+    run, recipe = _run(request, "llama_runs", name)
+    from toolkit.strategies import make_strategy
+
+    step = make_strategy(recipe).predict_step_bytes(plan.planned_model(recipe), recipe, world_size=2)
+    partition = {r["optim_bytes"] // 3 for r in run["model_state_bytes"]}
+    assert partition == {step if recipe.precision == "fp32" else step * 4 // 6}
+
+
 def test_plan_command_prints_every_arm_and_what_does_not_fit():
     done = run_cli("plan", "recipes/llama-tiny.yaml", "--nproc", "2", "--strategies", "ddp,zero3,tp,pp-1f1b",
                    "--memory-per-rank", "64MiB")

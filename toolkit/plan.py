@@ -12,15 +12,16 @@ toolkit/strategies/pipeline_memory.py); a tensor-parallel rank (tp, fsdp's tp_de
 its share of heads and MLP columns (`tensor_parallel.local_model`). Gradients are model states, but a
 strategy that gives them back between steps (`StrategyInfo.holds_gradients` false) has none while a step's
 first micro-batch holds its activations: with one micro-batch per step its training peak is the larger of
-(parameters + optimizer state + activations) and (all model states at the end of backward, with a tied
-embedding's gradients being summed: `tied_gradient_bytes` × `StrategyInfo.tied_gradients`).
+(parameters + optimizer state + activations), (all model states at the end of backward, with a tied
+embedding's gradients being summed: `tied_gradient_bytes` × `StrategyInfo.tied_gradients`) and (all model states
+in the optimizer step, with what it copies: `Strategy.predict_step_bytes`).
 The peak adds what is not model state: the runtime (the Python process with torch and transformers loaded:
 measured here), the parameters a rank gathers from the others (`Strategy.predict_gathered_bytes`: one block
 under FSDP2, under ZeRO-3 what DeepSpeed's reuse distance keeps), and on CPU two peaks of their own: loading,
 where a strategy copies the weights it built into its own tensors (`Strategy.predict_load_bytes`; none where the
 built tensors are its parameters, only its part under low-memory loading), and the export, for which rank 0
 gathers or copies the whole model. Not counted: what the process itself grows by once training runs (code
-pages, the allocator's small blocks: measured 50-280 MiB on CPU over 3 steps, more for a larger model).
+pages, the allocator's small blocks: measured 50-330 MiB on CPU over 3 steps, more for a larger model).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     other = trace(how={**how, "checkpointing": not checkpointing}) if both else None
     checkpointed = activations if checkpointing else other
     gathered = strategy.predict_gathered_bytes(model, recipe, world_size=world_size)
+    step = strategy.predict_step_bytes(model, recipe, world_size=world_size)
     shards = strategy.data_layout(recipe, world_size=world_size, rank=0).size
     accumulates = plan_batch(recipe.batch, world_size=shards).grad_accum_steps > 1
 
@@ -102,11 +104,12 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     tied = tied_gradient_bytes(model, compute if casts else stored) * copies
 
     def training(state: StateBytes, activations: int) -> int:
-        """Model states and the rank's activations at their peak (gradients there only if held), or the end of
-        backward: all model states, and a tied weight's gradients being summed (StrategyInfo.tied_gradients)."""
+        """Model states and the rank's activations at their peak (gradients there only if held), the end of
+        backward (all model states, and a tied weight's gradients being summed: StrategyInfo.tied_gradients), or
+        the optimizer step (all model states, and what the step copies: Strategy.predict_step_bytes)."""
         held = state.total_bytes if strategy.info.holds_gradients or accumulates else \
             state.total_bytes - state.grads_bytes
-        return max(held + activations, state.total_bytes + tied)
+        return max(held + activations, state.total_bytes + tied, state.total_bytes + step)
 
     # On CPU a rank builds its weights in host memory before setup. A strategy that keeps the tensors it built
     # as its parameters (single, dp, ddp) adds nothing (`built` 0); one that copies them into its own (FSDP's

@@ -117,6 +117,11 @@ class Strategy(Protocol):
         low-memory loading, the whole model on rank 0 only where it builds it for the others (`model`: on the
         meta device; toolkit plan, no process group)."""
 
+    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+        """What its optimizer step holds beyond the model states at once: a copy the step makes (ZeRO-1/2
+        flatten a rank's gradients into one fp32 partition); 0 where the step works in place (`model`: on the
+        meta device; toolkit plan, no process group)."""
+
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         """The most parameter bytes a rank gathers from the others and holds at once during a step, beyond
         its own shard (`model`: on the meta device; toolkit plan, no process group)."""

@@ -101,6 +101,9 @@ class FsdpStrategy:
         total, count = forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device)
         return (total, count) if self.env.rank % self.tp_degree == 0 else (torch.zeros_like(total), 0)
 
+    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+        return 0  # the recipe's AdamW steps the parameters in place
+
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         # FSDP2 computes with one unit (block) gathered while it gathers the next (its implicit prefetch), and
         # keeps the root's parameters (those in no block: the embedding, final norm, an untied head) gathered from

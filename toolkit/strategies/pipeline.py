@@ -160,6 +160,9 @@ class PipelineStrategy:
         return [per_pp_rank[grid.coords(rank)[0]] for rank in range(world_size)]
 
     # --- setup ----------------------------------------------------------------------------------
+    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+        return 0  # the recipe's AdamW steps the parameters in place
+
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         # a stage's blocks are whole under ddp; fully_shard over dp gathers one block at a time
         return largest_block_bytes(model, recipe) if recipe.strategy.data_parallel == "fsdp" else 0

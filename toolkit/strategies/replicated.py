@@ -67,6 +67,9 @@ class ReplicatedStrategy:
     def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
         return forward_once(self, micro_batches, loss_sum=loss_sum, device=self.input_device)
 
+    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+        return 0  # the recipe's AdamW steps the parameters in place
+
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return 0  # every rank holds every parameter
 

@@ -62,6 +62,9 @@ class TpStrategy:
         total, count = forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device)
         return (total, count) if self.env.rank == 0 else (torch.zeros_like(total), 0)
 
+    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+        return 0  # the recipe's AdamW steps the parameters in place
+
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return 0  # each rank computes with its own slices (sequence parallelism gathers activations, not weights)
 

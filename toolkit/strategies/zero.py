@@ -82,6 +82,9 @@ class ZeroStrategy:
     def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
         return forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device)
 
+    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+        return zero_state.step_bytes(model, recipe, world_size=world_size)
+
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return zero_state.gathered_bytes(model, recipe, world_size=world_size)
 

@@ -62,8 +62,7 @@ def _stage12(groups: list[list[int]], rank: int, *, size: int, everything: int, 
              world_size: int) -> StateBytes:
     partition_total = grads = 0
     for numels in groups:
-        align = ALIGNMENT * world_size
-        partition = math.ceil(sum(numels) / align) * align // world_size
+        partition = _partition(numels, world_size)
         partition_total += partition
         start, end, offset = partition * rank, partition * (rank + 1), 0
         for numel in numels:  # DeepSpeed's get_partition_info: whole parameters overlapping [start, end)
@@ -74,6 +73,12 @@ def _stage12(groups: list[list[int]], rank: int, *, size: int, everything: int, 
     grads_bytes = partition_total * FP32 if offload else grads * size
     return StateBytes(params_bytes=everything * size, grads_bytes=grads_bytes,
                       optim_bytes=(1 + ADAM_MOMENTS) * FP32 * partition_total)  # fp32 master + moments
+
+
+def _partition(numels: list[int], world_size: int) -> int:
+    """Elements of one rank's partition of a param group, flattened and padded to a multiple of 2 × world."""
+    align = ALIGNMENT * world_size
+    return math.ceil(sum(numels) / align) * align // world_size
 
 
 def _stage3(model: nn.Module, groups: list[list[int]], config: dict, *, size: int, offload: bool,
@@ -89,6 +94,21 @@ def _stage3(model: nn.Module, groups: list[list[int]], config: dict, *, size: in
     grads_bytes = trainable * size + (trainable * FP32 if offload else 0) + bucket * size
     return StateBytes(params_bytes=params * size, grads_bytes=grads_bytes,
                       optim_bytes=(1 + ADAM_MOMENTS) * FP32 * trainable)
+
+
+def step_bytes(model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+    """Stages 1 and 2 (optimizer not offloaded): the step flattens the rank's averaged gradients into one tensor
+    of its partition, cast to fp32 (a second one where the gradients are 16-bit), before freeing them
+    (stage_1_and_2.py, step()). Measured: zero2 302M, 2 ranks, fp32: the step's peak 576 MiB (the partition) above
+    the model states, beside the process's own growth. Stage 3 and offload: not measured, 0."""
+    config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=world_size),
+                               hidden_size=hidden_size_of(model.config))
+    if stage_of(config) not in (1, 2) or offloads(config)[0]:
+        return 0
+    size = element_bytes(param_dtype(recipe))
+    partition = sum(_partition([p.numel() for p in g["params"]], world_size)
+                    for g in param_groups(model, recipe.optim) if g["params"])
+    return partition * (FP32 + (size if size != FP32 else 0))
 
 
 def gathered_bytes(model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
