@@ -73,15 +73,17 @@ def test_zero1_and_zero2_keep_the_gradients_of_every_parameter_their_partition_t
 
 @pytest.mark.parametrize("name", ["zero1", "zero2-json", "zero2-bf16"])
 def test_zero1_and_zero2_steps_are_planned_with_a_copy_of_the_measured_gradient_partition(request, name):
-    # the step flattens a rank's gradients into one fp32 tensor of its partition (16-bit gradients: cast from a
-    # flat 16-bit one): the partition is the fp32 master's, measured in every run as a third of its optimizer
-    # state (master, exp_avg, exp_avg_sq)
+    # the step flattens a rank's gradients of one param group into one fp32 tensor of its partition (16-bit
+    # gradients: cast from a flat 16-bit one): the largest group's fp32 master partition. Measured in every run:
+    # the masters of all groups, a third of its optimizer state (master, exp_avg, exp_avg_sq); the other group
+    # (norms, no weight decay) holds under 0.1 % of this model
     run, recipe = _run(request, "llama_runs", name)
     from toolkit.strategies import make_strategy
 
     step = make_strategy(recipe).predict_step_bytes(plan.planned_model(recipe), recipe, world_size=2)
-    partition = {r["optim_bytes"] // 3 for r in run["model_state_bytes"]}
-    assert partition == {step if recipe.precision == "fp32" else step * 4 // 6}
+    fp32_partition = step if recipe.precision == "fp32" else step * 4 // 6
+    for rank in run["model_state_bytes"]:
+        assert 0.999 * rank["optim_bytes"] // 3 < fp32_partition < rank["optim_bytes"] // 3
 
 
 def test_plan_command_prints_every_arm_and_what_does_not_fit():

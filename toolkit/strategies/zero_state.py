@@ -97,17 +97,20 @@ def _stage3(model: nn.Module, groups: list[list[int]], config: dict, *, size: in
 
 
 def step_bytes(model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
-    """Stages 1 and 2 (optimizer not offloaded): the step flattens the rank's averaged gradients into one tensor
-    of its partition, cast to fp32 (a second one where the gradients are 16-bit), before freeing them
-    (stage_1_and_2.py, step()). Measured: zero2 302M, 2 ranks, fp32: the step's peak 576 MiB (the partition) above
-    the model states, beside the process's own growth. Stage 3 and offload: not measured, 0."""
+    """Stages 1 and 2 (optimizer not offloaded): the step flattens the rank's averaged gradients of one param
+    group at a time into one tensor of its partition, cast to fp32 (a second one where the gradients are 16-bit),
+    before freeing them (stage_1_and_2.py, step()): the largest group's. Measured: zero2 302M, 2 ranks, fp32: the
+    step's peak 576 MiB (the partition) above the model states, beside the process's own growth.
+    Not counted (read in DeepSpeed's source, not measured): stage 3 flattens each sub-group's gradients the same
+    way (stage3.py, on top of its gradient buffer), stage 0 in 16-bit (FP16_Optimizer) casts every gradient to
+    fp32 and concatenates them. Offloaded, the gradients go to the CPU partition's own .grad: nothing."""
     config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=world_size),
                                hidden_size=hidden_size_of(model.config))
     if stage_of(config) not in (1, 2) or offloads(config)[0]:
         return 0
     size = element_bytes(param_dtype(recipe))
-    partition = sum(_partition([p.numel() for p in g["params"]], world_size)
-                    for g in param_groups(model, recipe.optim) if g["params"])
+    partition = max((_partition([p.numel() for p in g["params"]], world_size)
+                     for g in param_groups(model, recipe.optim) if g["params"]), default=0)
     return partition * (FP32 + (size if size != FP32 else 0))
 
 
