@@ -20,11 +20,9 @@ def without_tied_aliases(module: nn.Module, state_dict: dict) -> dict:
     How save_pretrained treats a tied pair depends on whether the two entries share storage, which
     differs between strategies (copies here, one gathered tensor there); dropping the aliases first
     gives every strategy the same file, and from_pretrained re-ties them from the config."""
-    first_name: dict[int, str] = {}
-    aliases = set()
-    for name, param in module.named_parameters(remove_duplicate=False):
-        if first_name.setdefault(id(param), name) != name:
-            aliases.add(name)
+    from toolkit.strategies.base import tied_aliases
+
+    aliases = {name for name, first in tied_aliases(module).items() if name != first}
     return {k: v for k, v in state_dict.items() if k not in aliases}
 
 

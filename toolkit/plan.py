@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -97,10 +98,10 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     shards = strategy.data_layout(recipe, world_size=world_size, rank=0).size
     accumulates = plan_batch(recipe.batch, world_size=shards).grad_accum_steps > 1
 
-    # the gradients' dtype: the parameters' a rank computes with
     # a strategy that keeps autograd's gradients (2) already holds one from a step's second micro-batch on:
     # the sum is then a tensor of its own, added into it (3)
     copies = 3 if accumulates and strategy.info.tied_gradients == 2 else strategy.info.tied_gradients
+    # in the gradients' dtype: the parameters' a rank computes with
     tied = tied_gradient_bytes(model, compute if casts else stored) * copies
 
     def training(state: StateBytes, activations: int) -> int:
@@ -140,10 +141,8 @@ def tied_gradient_bytes(model: nn.Module, dtype: torch.dtype) -> int:
     gradient, the embedding's dense vocab × hidden one and their sum exist at once, beside every other gradient
     (measured on CPU, 76M Llama with a 30522 × 1024 embedding: single +2 × 119 MiB over the same model untied, the
     sum being its gradient; ddp +3 × 119, copying the sum into its bucket)."""
-    uses: dict[int, tuple[torch.Tensor, int]] = {}
-    for _, param in model.named_parameters(remove_duplicate=False):
-        uses[id(param)] = (param, uses.get(id(param), (param, 0))[1] + 1)
-    return sum(p.numel() for p, n in uses.values() if n > 1 and p.requires_grad) * element_bytes(dtype)
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return sum(p.numel() for p in model.parameters() if uses[id(p)] > 1 and p.requires_grad) * element_bytes(dtype)
 
 
 def planned_model(recipe: Recipe) -> nn.Module:

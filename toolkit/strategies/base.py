@@ -301,18 +301,20 @@ def cpu_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """The module's weights on CPU for an export, which only reads them: the live tensors where they are already
     there (a copy would add the whole model to rank 0's peak), else one copy per tensor, a tied weight's names
     sharing it."""
-    copies: dict[tuple, torch.Tensor] = {}
+    aliases = tied_aliases(module)
+    out: dict[str, torch.Tensor] = {}
+    for name, value in module.state_dict().items():
+        owner = aliases.get(name, name)
+        out[name] = out[owner] if owner in out else value.detach().to("cpu")  # no copy of a CPU tensor
+    return out
 
-    def on_cpu(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.device.type == "cpu":
-            return tensor
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
-               tensor.dtype)
-        if key not in copies:
-            copies[key] = tensor.to("cpu")
-        return copies[key]
 
-    return {k: on_cpu(v.detach()) for k, v in module.state_dict().items()}
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """Every parameter name -> the first name of its tensor (a tied weight's names -> its canonical one)."""
+    from toolkit.checkpoint.state import first_names
+
+    first = first_names(model)
+    return {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
 
 
 def local_abs_max(named_grads: Iterable[tuple[str, torch.Tensor | None]]) -> dict[str, float]:
@@ -349,10 +351,7 @@ def gathered_state_dict(model: nn.Module, env: DistEnv) -> dict[str, torch.Tenso
     model: 119 MiB more at the export's peak; for a model with a large vocabulary, gigabytes)."""
     from torch.distributed.tensor import DTensor
 
-    from toolkit.checkpoint.state import first_names
-
-    first = first_names(model)
-    aliases = {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
+    aliases = tied_aliases(model)
     full: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict().items():
         if aliases.get(name, name) != name:
