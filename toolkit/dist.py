@@ -252,6 +252,24 @@ def gather_objects(obj, env: DistEnv) -> list:
     return out
 
 
+def tensors_on_main(mine: dict[str, torch.Tensor], env: DistEnv) -> dict[str, torch.Tensor] | None:
+    """Collective: every rank's named tensors on rank 0, on CPU (None elsewhere), sent point to point one at
+    a time after their names, shapes and dtypes (small objects): rank 0 holds each tensor once as it arrives,
+    the others nothing more. A name several ranks hold keeps the lowest rank's tensor."""
+    shapes = gather_objects({k: (tuple(v.shape), v.dtype) for k, v in mine.items()}, env)
+    if not env.is_main:
+        for tensor in mine.values():
+            dist.send(tensor.contiguous(), dst=0)
+        return None
+    merged = {k: v.to("cpu", copy=True) for k, v in mine.items()}
+    for source, held in enumerate(shapes[1:], start=1):
+        for name, (shape, dtype) in held.items():
+            received = torch.empty(shape, dtype=dtype, device=env.device)
+            dist.recv(received, src=source)
+            merged.setdefault(name, received.cpu())
+    return merged
+
+
 def broadcast_object(obj, env: DistEnv):
     if not env.distributed:
         return obj

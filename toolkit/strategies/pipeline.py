@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import functools
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -32,26 +31,22 @@ from torch.nn.parallel import DistributedDataParallel
 from toolkit.checkpoint.state import (Read, load_optimizer_tensors, load_schedule_state, optimizer_tensors,
                                      schedule_state)
 from toolkit.data import DataLayout
-from toolkit.dist import DistEnv, gather_objects
-from toolkit.errors import RecipeError
-from toolkit.losses import IGNORE_INDEX
-from toolkit.model import layer_stack, meta_model
+from toolkit.dist import DistEnv, gather_objects, tensors_on_main
 from toolkit.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.loading import ModelSource, whole_model_bytes
-from toolkit.recipe import Recipe, plan_batch
+from toolkit.recipe import Recipe
 from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, StrategyInfo, first_dtype, optimizer_label,
                                      optimizer_state_tensors)
-from toolkit.strategies.placement import blocks_of, check_split, part_of_blocks
+from toolkit.strategies.pipeline_batches import filler, stacked
+from toolkit.strategies.pipeline_layout import (SCHEDULES, check_recipe, grid_of, stage_of_blocks,
+                                               theoretical_bubble)
+from toolkit.strategies.placement import blocks_of
 from toolkit.strategies.stages import Stage, family_of, tied_embedding_names
-from toolkit.strategies.state_bytes import (StateBytes, adam_state, dim0_shard, element_bytes, largest_block_bytes,
-                                           whole)
+from toolkit.strategies.state_bytes import StateBytes, largest_block_bytes
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
 
-# schedule name -> torch.distributed.pipelining class, imported at setup (the import costs ~1.3 s, which
-# every process that only reads this module's INFO would pay)
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
 OPTIONS = ("schedule", "stages_per_rank", "split", "blocks")  # hybrid adds pipeline_degree and data_parallel
 
 INFO = StrategyInfo(
@@ -64,100 +59,22 @@ INFO = StrategyInfo(
                              "strategy.stages_per_rank=2")})
 
 
-@dataclass(frozen=True)
-class Grid:
-    """The (pp × dp) rank grid: rank = pp_rank · dp + dp_rank (a replica's stages are dp ranks apart)."""
-
-    pp: int
-    dp: int
-
-    def coords(self, rank: int) -> tuple[int, int]:
-        return divmod(rank, self.dp)
-
-    def rank(self, pp_rank: int, dp_rank: int) -> int:
-        return pp_rank * self.dp + dp_rank
-
-    def stage_ids(self, pp_rank: int, stages_per_rank: int) -> list[int]:
-        """The stages a pipeline rank runs: its own and, interleaved, every pp-th after it."""
-        return [pp_rank + k * self.pp for k in range(stages_per_rank)]
-
-
-def grid_of(recipe: Recipe, world_size: int) -> Grid:
-    pp = recipe.strategy.pipeline_degree or world_size
-    if pp < 2:
-        raise RecipeError(f"a pipeline needs at least 2 stages' ranks, got pipeline_degree {pp} of world size "
-                          f"{world_size}; launch with --nproc 2 or more")
-    if world_size % pp:
-        raise RecipeError(f"world size {world_size} is not divisible by strategy.pipeline_degree {pp}; use a "
-                          "multiple of it")
-    return Grid(pp=pp, dp=world_size // pp)
-
-
-def stage_of_blocks(model: nn.Module, recipe: Recipe, grid: Grid) -> tuple[list[int], int]:
-    """The stage of every block (strategy.split, or balanced by parameters), and the number of stages."""
-    options = recipe.strategy
-    num_stages = grid.pp * options.stages_per_rank
-    parts = part_of_blocks(model, blocks=layer_stack(model, options.blocks), num_parts=num_stages,
-                           split=options.split)
-    return parts, num_stages
-
-
-def theoretical_bubble(*, stages: int, micro_batches: int, per_rank: int) -> float:
-    """Idle fraction of a rank: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v·m+p-1) interleaved over v."""
-    return (stages - 1) / (per_rank * micro_batches + stages - 1)
-
-
 class PipelineStrategy:
     def __init__(self, info: StrategyInfo = INFO):
         self.info = info
 
     # --- before any rank starts -----------------------------------------------------------------
     def validate(self, recipe: Recipe, *, world_size: int) -> None:
-        options = recipe.strategy
-        if options.schedule not in SCHEDULES:
-            raise RecipeError(f"strategy.schedule: unknown value {options.schedule!r}; choose one of "
-                              f"{', '.join(SCHEDULES)}")
-        interleaved = options.schedule == "interleaved-1f1b"
-        if interleaved and options.stages_per_rank < 2:
-            raise RecipeError("strategy.schedule interleaved-1f1b needs strategy.stages_per_rank of 2 or more")
-        if not interleaved and options.stages_per_rank != 1:
-            raise RecipeError(f"strategy.stages_per_rank {options.stages_per_rank} needs strategy.schedule "
-                              "interleaved-1f1b")
-        if options.data_parallel not in ("ddp", "fsdp"):
-            raise RecipeError(f"strategy.data_parallel: unknown value {options.data_parallel!r}; choose ddp or fsdp")
-        grid = grid_of(recipe, world_size)
-        stages = grid.pp * options.stages_per_rank
-        skeleton = meta_model(recipe.model)
-        family_of(skeleton)  # a model without a stage layout
-        check_split(options.split, num_blocks=len(layer_stack(skeleton, options.blocks)), num_parts=stages,
-                    what="stages")
-        plan = plan_batch(recipe.batch, world_size=grid.dp)
-        if options.schedule == "1f1b" and plan.grad_accum_steps < grid.pp:
-            raise RecipeError(f"schedule 1f1b needs at least as many micro-batches per step as stages ({grid.pp}), "
-                              f"but batch.grad_accum_steps is {plan.grad_accum_steps}; raise it or use gpipe")
-        if recipe.precision == "fp16" and recipe.optim.implementation == "fused":
-            raise RecipeError("optim.implementation fused cannot run a pipeline in fp16 (torch's ShardedGradScaler "
-                              "hands the fused AdamW kernel a found-inf tensor of the wrong shape); use auto or loop")
+        check_recipe(recipe, world_size=world_size)
 
     def data_layout(self, recipe: Recipe, *, world_size: int, rank: int) -> DataLayout:
         grid = grid_of(recipe, world_size)
         return DataLayout(rank=grid.coords(rank)[1], size=grid.dp)  # a replica's stages read the same samples
 
     def predict_state_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
-        """Each rank's stages cut from the meta model as setup cuts them (a tied embedding is held by the
-        first and the last stage, once each), whole under ddp, dim-0 shards under fsdp."""
-        options, grid, dtype = recipe.strategy, grid_of(recipe, world_size), DTYPES[recipe.model.load_dtype]
-        parts, num_stages = stage_of_blocks(model, recipe, grid)
-        local = dim0_shard(grid.dp) if options.data_parallel == "fsdp" and grid.dp > 1 else whole
-        per_pp_rank = []
-        for pp_rank in range(grid.pp):
-            total = StateBytes(params_bytes=0, grads_bytes=0, optim_bytes=0)
-            for stage_id in grid.stage_ids(pp_rank, options.stages_per_rank):
-                stage = Stage(copy.deepcopy(model), layer_ids=[i for i, p in enumerate(parts) if p == stage_id],
-                              first=stage_id == 0, last=stage_id == num_stages - 1)
-                total += adam_state(stage.named_parameters(), dtype=dtype, local=local)
-            per_pp_rank.append(total)
-        return [per_pp_rank[grid.coords(rank)[0]] for rank in range(world_size)]
+        from toolkit.strategies.pipeline_memory import state_bytes_per_rank
+
+        return state_bytes_per_rank(model, recipe, world_size=world_size)
 
     # --- setup ----------------------------------------------------------------------------------
     def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
@@ -170,28 +87,9 @@ class PipelineStrategy:
 
     def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
                                  how: dict[str, Any]) -> list[int]:
-        """Each rank's stages (cut as setup cuts them) with the micro-batches its schedule keeps in flight, and
-        the receive buffers of every micro-batch (toolkit/strategies/pipeline_memory.py)."""
-        from toolkit.activations import traced_stage
-        from toolkit.strategies.pipeline_memory import in_flight_peak, schedule_actions
+        from toolkit.strategies.pipeline_memory import activation_bytes_per_rank
 
-        options, grid = recipe.strategy, grid_of(recipe, world_size)
-        if options.data_parallel == "fsdp" and recipe.precision != "fp32":  # _replicate's MixedPrecisionPolicy
-            how = {**how, "params_dtype": DTYPES[recipe.precision]}
-        parts, num_stages = stage_of_blocks(model, recipe, grid)
-        micro_batches = plan_batch(recipe.batch, world_size=grid.dp).grad_accum_steps
-        hidden = cast(Any, model).config.hidden_size
-        buffer = recipe.batch.micro_batch_size * recipe.data.max_length * hidden * element_bytes(how["params_dtype"])
-        per_pp_rank = []
-        for pp_rank in range(grid.pp):
-            stage_ids = grid.stage_ids(pp_rank, options.stages_per_rank)
-            traces = {s: traced_stage(model, recipe, blocks=parts.count(s), first=s == 0, last=s == num_stages - 1,
-                                      **how) for s in stage_ids}
-            buffers = sum(micro_batches * buffer * ((s != 0) + (s != num_stages - 1)) for s in stage_ids)
-            actions = schedule_actions(options.schedule, rank=pp_rank, pp=grid.pp,
-                                       stages_per_rank=options.stages_per_rank, micro_batches=micro_batches)
-            per_pp_rank.append(buffers + in_flight_peak(actions, traces))
-        return [per_pp_rank[grid.coords(rank)[0]] for rank in range(world_size)]
+        return activation_bytes_per_rank(model, recipe, world_size=world_size, how=how)
 
     def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         return [whole_model_bytes(model, recipe)] * world_size  # every rank builds the whole model: each then keeps its stages
@@ -294,26 +192,9 @@ class PipelineStrategy:
         share = self._share(micro_sum)
         return self.amp.scaler.scale(share) if self.amp.scaler else share  # fp16: the scale flows back to every stage
 
-    def _stacked(self, micro_batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The micro-batches as one batch of fixed shape (micro × max_length), in order."""
-        length, rows = self.recipe.data.max_length, self.recipe.batch.micro_batch_size
-        ids, masks, labels = [], [], []
-        for batch in micro_batches:
-            pad = length - batch["input_ids"].shape[1]
-            missing = rows - batch["input_ids"].shape[0]
-            ids.append(_pad(batch["input_ids"], pad, missing, 0))
-            mask = _pad(batch["attention_mask"], pad, missing, 0)
-            if missing:
-                mask[-missing:, 0] = 1  # a filler row attends to its first token (no all-masked row); no loss
-            masks.append(mask)
-            label = batch["labels"]
-            labels.append(_pad(label, pad, missing, IGNORE_INDEX) if label.dim() == 2 else
-                          torch.cat([label, label.new_full((missing,), IGNORE_INDEX)]))
-        device = self.env.device
-        return torch.cat(ids).to(device), torch.cat(masks).to(device), torch.cat(labels).to(device)
-
     def _run(self, micro_batches: list[dict], *, train: bool) -> None:
-        ids, mask, labels = self._stacked(micro_batches)
+        ids, mask, labels = stacked(micro_batches, length=self.recipe.data.max_length,
+                                    rows=self.recipe.batch.micro_batch_size, device=self.env.device)
         first = any(s.is_first for s in self.stages)
         last = any(s.is_last for s in self.stages)
         # return_outputs=False: the loss is taken per micro-batch (loss_fn); otherwise the last stage keeps every
@@ -339,7 +220,7 @@ class PipelineStrategy:
 
     def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
         fillers = self.micro_batches - len(micro_batches)  # a short last group: micro-batches without loss
-        group = micro_batches + [_filler(micro_batches[0]) for _ in range(fillers)]
+        group = micro_batches + [filler(micro_batches[0]) for _ in range(fillers)]
         self._loss_sum, self._share, self._sums = loss_sum, None, []
         self._run(group, train=False)
         if not any(s.is_last for s in self.stages):
@@ -412,10 +293,9 @@ class PipelineStrategy:
         return {name: value / scale for name, value in merged.items()}
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Collective: every stage's weights under the whole model's names, on rank 0. Each stage's first
-        replica sends its tensors to rank 0 one at a time, point to point (their names, shapes and dtypes go
-        first, as small objects): rank 0 holds the whole model once, the others nothing beyond their stages.
-        (Gathering the state dicts as pickled objects to every rank held ~3.6× the model on every rank.)"""
+        """Collective: every stage's weights under the whole model's names, on rank 0 (each stage's first
+        replica sends them, point to point: rank 0 holds the whole model once, the others nothing beyond their
+        stages; gathering the state dicts as pickled objects to every rank held ~3.6× the model on every rank)."""
         mine: dict[str, torch.Tensor] = {}
         for stage, wrapped in zip(self.stage_modules, self._model):
             if isinstance(wrapped, FSDPModule):
@@ -426,18 +306,7 @@ class PipelineStrategy:
                 state = stage.state_dict()
             if self.dp_rank == 0:
                 mine.update({k: v.detach() for k, v in state.items()})
-        shapes = gather_objects({k: (tuple(v.shape), v.dtype) for k, v in mine.items()}, self.env)
-        if not self.env.is_main:
-            for tensor in mine.values():
-                dist.send(tensor.contiguous(), dst=0)
-            return None
-        merged = {k: v.to("cpu", copy=True) for k, v in mine.items()}
-        for source, held in enumerate(shapes[1:], start=1):
-            for name, (shape, dtype) in held.items():
-                received = torch.empty(shape, dtype=dtype, device=self.env.device)
-                dist.recv(received, src=source)
-                merged.setdefault(name, received.cpu())  # a tied weight: the first stage's copy (rank 0's)
-        return merged
+        return tensors_on_main(mine, self.env)  # a tied weight: the first stage's copy (rank 0's)
 
     def export_module(self) -> nn.Module:
         return self.skeleton
@@ -525,17 +394,6 @@ def _time(stage: PipelineStage, owner: PipelineStrategy) -> None:
                 owner.busy_s += time.perf_counter() - start
 
         setattr(stage, name, timed)
-
-
-def _pad(tensor: torch.Tensor, columns: int, rows: int, value: int) -> torch.Tensor:
-    return torch.nn.functional.pad(tensor, (0, columns, 0, rows), value=value)
-
-
-def _filler(like: dict) -> dict:
-    """A micro-batch that carries no loss: one row, ignored labels (padded to shape by _stacked)."""
-    labels = like["labels"][:1].clone().fill_(IGNORE_INDEX)
-    return {"input_ids": like["input_ids"][:1], "attention_mask": like["attention_mask"][:1], "labels": labels,
-            "num_items": 0}
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

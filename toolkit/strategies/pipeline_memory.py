@@ -13,13 +13,60 @@ output (all but the last), micro × max_length × hidden each.
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections import defaultdict
-from typing import Any
+from typing import Any, cast
 
-from toolkit.activations import Traced
+from torch import nn
+
+from toolkit.activations import Traced, traced_stage
+from toolkit.precision import DTYPES
+from toolkit.recipe import Recipe, plan_batch
+from toolkit.strategies.pipeline_layout import Grid, grid_of, stage_of_blocks
+from toolkit.strategies.stages import Stage
+from toolkit.strategies.state_bytes import StateBytes, adam_state, dim0_shard, element_bytes, whole
 
 Action = tuple[str, int]  # ("F" forward | "B" backward, stage index)
+
+
+def state_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
+    """Each rank's stages cut from the meta model as setup cuts them (a tied embedding is held by the
+    first and the last stage, once each), whole under ddp, dim-0 shards under fsdp."""
+    options, grid, dtype = recipe.strategy, grid_of(recipe, world_size), DTYPES[recipe.model.load_dtype]
+    parts, num_stages = stage_of_blocks(model, recipe, grid)
+    local = dim0_shard(grid.dp) if options.data_parallel == "fsdp" and grid.dp > 1 else whole
+    per_pp_rank = []
+    for pp_rank in range(grid.pp):
+        total = StateBytes(params_bytes=0, grads_bytes=0, optim_bytes=0)
+        for stage_id in grid.stage_ids(pp_rank, options.stages_per_rank):
+            stage = Stage(copy.deepcopy(model), layer_ids=[i for i, p in enumerate(parts) if p == stage_id],
+                          first=stage_id == 0, last=stage_id == num_stages - 1)
+            total += adam_state(stage.named_parameters(), dtype=dtype, local=local)
+        per_pp_rank.append(total)
+    return [per_pp_rank[grid.coords(rank)[0]] for rank in range(world_size)]
+
+
+def activation_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: int, how: dict[str, Any]) -> list[int]:
+    """Each rank's stages (cut as setup cuts them) with the micro-batches its schedule keeps in flight, and
+    the receive buffers of every micro-batch."""
+    options, grid = recipe.strategy, grid_of(recipe, world_size)
+    if options.data_parallel == "fsdp" and recipe.precision != "fp32":  # the replicas' MixedPrecisionPolicy
+        how = {**how, "params_dtype": DTYPES[recipe.precision]}
+    parts, num_stages = stage_of_blocks(model, recipe, grid)
+    micro_batches = plan_batch(recipe.batch, world_size=grid.dp).grad_accum_steps
+    hidden = cast(Any, model).config.hidden_size
+    buffer = recipe.batch.micro_batch_size * recipe.data.max_length * hidden * element_bytes(how["params_dtype"])
+    per_pp_rank = []
+    for pp_rank in range(grid.pp):
+        stage_ids = grid.stage_ids(pp_rank, options.stages_per_rank)
+        traces = {s: traced_stage(model, recipe, blocks=parts.count(s), first=s == 0, last=s == num_stages - 1,
+                                  **how) for s in stage_ids}
+        buffers = sum(micro_batches * buffer * ((s != 0) + (s != num_stages - 1)) for s in stage_ids)
+        actions = schedule_actions(options.schedule, rank=pp_rank, pp=grid.pp,
+                                   stages_per_rank=options.stages_per_rank, micro_batches=micro_batches)
+        per_pp_rank.append(buffers + in_flight_peak(actions, traces))
+    return [per_pp_rank[grid.coords(rank)[0]] for rank in range(world_size)]
 
 
 def schedule_actions(schedule: str, *, rank: int, pp: int, stages_per_rank: int, micro_batches: int) -> list[Action]:
@@ -58,8 +105,6 @@ def _interleaved(*, rank: int, pp: int, stages_per_rank: int, micro_batches: int
         pass
     print("[toolkit] plan: this torch does not give ScheduleInterleaved1F1B's order; the rank is planned with every "
           "micro-batch in flight (an upper bound)", file=sys.stderr, flush=True)
-    from toolkit.strategies.pipeline import Grid
-
     local = Grid(pp=pp, dp=1).stage_ids(rank, stages_per_rank)
     return [("F", s) for s in local] * micro_batches + [("B", s) for s in reversed(local)] * micro_batches
 

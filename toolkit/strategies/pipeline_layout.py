@@ -1,0 +1,91 @@
+"""A pipeline's layout, before any rank starts: the recipe's checks, the (pp × dp) rank grid, which stage
+each block goes to, and the idle bubble its schedule leaves in theory. Shared by the strategy's setup and
+its memory plan (toolkit/strategies/pipeline_memory.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from toolkit.errors import RecipeError
+from toolkit.model import layer_stack, meta_model
+from toolkit.recipe import Recipe, plan_batch
+from toolkit.strategies.placement import check_split, part_of_blocks
+from toolkit.strategies.stages import family_of
+
+# schedule name -> torch.distributed.pipelining class, imported at setup (the import costs ~1.3 s, which
+# every process that only reads the strategy's INFO would pay)
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The (pp × dp) rank grid: rank = pp_rank · dp + dp_rank (a replica's stages are dp ranks apart)."""
+
+    pp: int
+    dp: int
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        return divmod(rank, self.dp)
+
+    def rank(self, pp_rank: int, dp_rank: int) -> int:
+        return pp_rank * self.dp + dp_rank
+
+    def stage_ids(self, pp_rank: int, stages_per_rank: int) -> list[int]:
+        """The stages a pipeline rank runs: its own and, interleaved, every pp-th after it."""
+        return [pp_rank + k * self.pp for k in range(stages_per_rank)]
+
+
+def grid_of(recipe: Recipe, world_size: int) -> Grid:
+    pp = recipe.strategy.pipeline_degree or world_size
+    if pp < 2:
+        raise RecipeError(f"a pipeline needs at least 2 stages' ranks, got pipeline_degree {pp} of world size "
+                          f"{world_size}; launch with --nproc 2 or more")
+    if world_size % pp:
+        raise RecipeError(f"world size {world_size} is not divisible by strategy.pipeline_degree {pp}; use a "
+                          "multiple of it")
+    return Grid(pp=pp, dp=world_size // pp)
+
+
+def stage_of_blocks(model: nn.Module, recipe: Recipe, grid: Grid) -> tuple[list[int], int]:
+    """The stage of every block (strategy.split, or balanced by parameters), and the number of stages."""
+    options = recipe.strategy
+    num_stages = grid.pp * options.stages_per_rank
+    parts = part_of_blocks(model, blocks=layer_stack(model, options.blocks), num_parts=num_stages,
+                           split=options.split)
+    return parts, num_stages
+
+
+def theoretical_bubble(*, stages: int, micro_batches: int, per_rank: int) -> float:
+    """Idle fraction of a rank: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v·m+p-1) interleaved over v."""
+    return (stages - 1) / (per_rank * micro_batches + stages - 1)
+
+
+def check_recipe(recipe: Recipe, *, world_size: int) -> None:
+    """The pipeline's recipe errors, one RecipeError each, before any rank starts."""
+    options = recipe.strategy
+    if options.schedule not in SCHEDULES:
+        raise RecipeError(f"strategy.schedule: unknown value {options.schedule!r}; choose one of "
+                          f"{', '.join(SCHEDULES)}")
+    interleaved = options.schedule == "interleaved-1f1b"
+    if interleaved and options.stages_per_rank < 2:
+        raise RecipeError("strategy.schedule interleaved-1f1b needs strategy.stages_per_rank of 2 or more")
+    if not interleaved and options.stages_per_rank != 1:
+        raise RecipeError(f"strategy.stages_per_rank {options.stages_per_rank} needs strategy.schedule "
+                          "interleaved-1f1b")
+    if options.data_parallel not in ("ddp", "fsdp"):
+        raise RecipeError(f"strategy.data_parallel: unknown value {options.data_parallel!r}; choose ddp or fsdp")
+    grid = grid_of(recipe, world_size)
+    stages = grid.pp * options.stages_per_rank
+    skeleton = meta_model(recipe.model)
+    family_of(skeleton)  # a model without a stage layout
+    check_split(options.split, num_blocks=len(layer_stack(skeleton, options.blocks)), num_parts=stages,
+                what="stages")
+    plan = plan_batch(recipe.batch, world_size=grid.dp)
+    if options.schedule == "1f1b" and plan.grad_accum_steps < grid.pp:
+        raise RecipeError(f"schedule 1f1b needs at least as many micro-batches per step as stages ({grid.pp}), "
+                          f"but batch.grad_accum_steps is {plan.grad_accum_steps}; raise it or use gpipe")
+    if recipe.precision == "fp16" and recipe.optim.implementation == "fused":
+        raise RecipeError("optim.implementation fused cannot run a pipeline in fp16 (torch's ShardedGradScaler "
+                          "hands the fused AdamW kernel a found-inf tensor of the wrong shape); use auto or loop")
