@@ -35,8 +35,9 @@ from hypothesis import strategies as st
 
 from conftest import EVAL, REPO, write_recipe
 from toolkit.cli import main
-from toolkit.recipe import DATA_FORMATS, PRECISIONS, SCHEDULES, TASKS, Recipe, _key
+from toolkit.recipe import DATA_FORMATS, PRECISIONS, SCHEDULES, TASKS, Recipe
 from toolkit.strategies import strategy_names
+from toolkit.typed import recipe_key
 
 # more examples for a longer search: FUZZ_SCALE=20 pytest tests/test_fuzz.py (CI runs the bounded set)
 SCALE = int(os.environ.get("FUZZ_SCALE", "1"))
@@ -119,7 +120,7 @@ def key_hints(cls: type, prefix: str = "") -> dict[str, typing.Any]:
     hints = typing.get_type_hints(cls)
     keys: dict[str, typing.Any] = {}
     for f in dataclasses.fields(cls):
-        path = prefix + _key(f)
+        path = prefix + recipe_key(f)
         keys[path] = hints[f.name]
         inner = [t for t in (hints[f.name], *typing.get_args(hints[f.name])) if dataclasses.is_dataclass(t)]
         if inner:
@@ -154,7 +155,7 @@ def typed(hint, *, huge: bool = True) -> st.SearchStrategy:
         return st.one_of(st.none(), *(typed(a, huge=huge) for a in args))
     if dataclasses.is_dataclass(hint):
         fields = typing.get_type_hints(hint)
-        return st.fixed_dictionaries({}, optional={_key(f): typed(fields[f.name], huge=huge)
+        return st.fixed_dictionaries({}, optional={recipe_key(f): typed(fields[f.name], huge=huge)
                                                    for f in dataclasses.fields(hint)})
     if origin is tuple:
         return st.lists(typed(args[0], huge=huge), max_size=3)

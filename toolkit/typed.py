@@ -1,0 +1,90 @@
+"""Plain values (parsed YAML, `--set` overrides) into typed, frozen dataclasses, by the fields' type hints:
+an unknown key, a missing required one or a value of the wrong type is a RecipeError naming the key."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any
+
+from toolkit.errors import RecipeError
+
+
+def recipe_key(f: dataclasses.Field) -> str:
+    """A field's recipe key: its name, or the key in its metadata where the name is a Python keyword."""
+    return f.metadata.get("key", f.name)
+
+
+def from_plain(cls: type, raw: Any, where: str = "") -> Any:
+    """`cls` (a dataclass) from a plain mapping, every value checked against its field's type hint, nested
+    dataclasses built the same way; `where` is the key path so far, for the errors."""
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{where or 'recipe'}: expected a mapping, got {type(raw).__name__} {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {recipe_key(f): f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields), key=str)  # YAML keys may be numbers, booleans, null
+    if unknown:
+        key = f"{where}.{unknown[0]}" if where else unknown[0]
+        raise RecipeError(f"unknown recipe key {key!r}; known keys here: {', '.join(fields)}")
+    values = {}
+    for name, value in raw.items():
+        key = f"{where}.{name}" if where else name
+        values[fields[name].name] = _coerce(hints[fields[name].name], value, key)
+    missing = [n for n, f in fields.items() if f.name not in values and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        key = f"{where}.{missing[0]}" if where else missing[0]
+        raise RecipeError(f"recipe key {key!r} is required")
+    return cls(**values)
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, key)
+            except RecipeError as exc:
+                errors.append(str(exc))
+        raise RecipeError(errors[0] if errors else f"{key}: bad value {value!r}")
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return from_plain(hint, value, key)
+    if origin is tuple:
+        args = typing.get_args(hint)
+        if isinstance(value, str) and args == (str, Ellipsis):
+            value = [value]  # a list of names also takes one name: `report_to: tensorboard`
+        if not isinstance(value, (list, tuple)):
+            raise RecipeError(f"{key}: expected a list, got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(args[0], v, key) for v in value)
+        if len(args) != len(value):
+            raise RecipeError(f"{key}: expected {len(args)} values, got {len(value)}")
+        return tuple(_coerce(a, v, key) for a, v in zip(args, value))
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise RecipeError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise RecipeError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RecipeError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RecipeError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise RecipeError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise AssertionError(f"unhandled recipe type {hint} for {key}")
