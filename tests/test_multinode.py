@@ -1,6 +1,7 @@
 """More than one machine: `toolkit launch --nnodes 2` meets at torchrun's c10d rendezvous. Two launchers of one
 rank each on 127.0.0.1 act as two nodes and must train exactly what one node of two ranks trains."""
 
+import os
 import socket
 import subprocess
 import sys
@@ -43,3 +44,40 @@ def test_bad_node_arguments_are_one_line(llama_runs, args, words, capsys):
     assert main(["launch", *args, str(llama_runs.recipe)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0], err
+
+
+def test_a_stopped_job_of_several_machines_is_resumed_by_a_launch_on_each(monkeypatch):
+    from toolkit.cli import resume_command
+    from toolkit.launch import NODES_ENV, Nodes
+
+    # what a rank of `toolkit launch --nnodes 2 --node-rank 1 --nproc 4 ...` sees: torchrun's local world size,
+    # and the options `toolkit launch` shares with its ranks
+    argv = ["toolkit", "train", "recipes/llama-tiny.yaml", "--set", "strategy.name=fsdp", "--resume"]
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv(NODES_ENV, Nodes(count=2, rank=1, endpoint="node001:29500", run_id="job 7").shared_launch_args())
+    assert resume_command(8) == ("toolkit launch --nproc 4 --nnodes 2 --rdzv-endpoint node001:29500 --rdzv-id 'job 7' "
+                                 "--node-rank NODE_RANK recipes/llama-tiny.yaml --set strategy.name=fsdp --resume "
+                                 "(on each of the 2 machines, NODE_RANK its own)")
+    monkeypatch.delenv(NODES_ENV)  # started by torchrun itself: the rendezvous is not known to the ranks
+    assert resume_command(8).startswith("toolkit launch --nproc 4 --nnodes 2 --rdzv-endpoint HOST:PORT --node-rank ")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # one machine
+    assert resume_command(8) == "toolkit launch --nproc 8 recipes/llama-tiny.yaml --set strategy.name=fsdp --resume"
+    monkeypatch.setenv(NODES_ENV, Nodes().shared_launch_args())
+    assert resume_command(8) == "toolkit launch --nproc 8 recipes/llama-tiny.yaml --set strategy.name=fsdp --resume"
+
+
+def test_toolkit_launch_hands_its_machines_options_to_its_ranks(llama_runs, monkeypatch):
+    import torch.distributed.run
+
+    import toolkit.launch
+    from toolkit.launch import NODES_ENV, Nodes, launch
+
+    seen = []
+    monkeypatch.setenv(NODES_ENV, "before")  # restored after the test
+    monkeypatch.setattr(toolkit.launch, "prepare_environment", lambda: None)  # the ranks' settings: not for pytest
+    monkeypatch.setattr(torch.distributed.run, "run", lambda args: seen.append(os.environ[NODES_ENV]))
+    nodes = Nodes(count=2, rank=1, endpoint="node001:29500", run_id="job7", local_addr="10.0.0.2")
+    assert launch(str(llama_runs.recipe), nproc=4, overrides=[], nodes=nodes) == 0
+    assert launch(str(llama_runs.recipe), nproc=4, overrides=[]) == 0
+    assert seen == ["--nnodes 2 --rdzv-endpoint node001:29500 --rdzv-id job7", ""]

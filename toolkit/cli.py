@@ -210,8 +210,12 @@ def interrupted(recipe=None, env=None) -> int:
 
 
 def resume_command(world_size: int) -> str:
-    """The command line that continues this run: this rank's arguments after `train`, plus --resume."""
+    """The command line that continues this run: this rank's arguments after `train`, plus --resume. A job
+    over several machines is continued by a `toolkit launch` on each, with the job's shared options (known
+    when `toolkit launch` started it) and each machine's own --node-rank."""
     import shlex
+
+    from toolkit.launch import NODES_ENV
 
     args = list(sys.argv[2:])
     while "--resume-weights-only" in args:
@@ -219,8 +223,15 @@ def resume_command(world_size: int) -> str:
     if "--resume" in args:  # --resume [PATH]: the newest checkpoint is what to continue from now
         index = args.index("--resume")
         del args[index:index + (2 if index + 1 < len(args) and not args[index + 1].startswith("--") else 1)]
+    tail = f"{' '.join(shlex.quote(a) for a in args)} --resume"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    machines = world_size // local if 0 < local < world_size else 1
+    if machines > 1:
+        shared = os.environ.get(NODES_ENV) or f"--nnodes {machines} --rdzv-endpoint HOST:PORT"
+        return (f"toolkit launch --nproc {local} {shared} --node-rank NODE_RANK {tail} (on each of the {machines} "
+                "machines, NODE_RANK its own)")
     launcher = f"toolkit launch --nproc {world_size}" if world_size > 1 else "toolkit train"
-    return f"{launcher} {' '.join(shlex.quote(a) for a in args)} --resume"
+    return f"{launcher} {tail}"
 
 
 def cmd_launch(args) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shlex
 import sys
 from dataclasses import dataclass
 
@@ -35,6 +36,16 @@ class Nodes:
         args = [f"--nnodes={self.count}", f"--node-rank={self.rank}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}"]
         return args + ([f"--local-addr={self.local_addr}"] if self.local_addr else [])
+
+    def shared_launch_args(self) -> str:
+        """The `toolkit launch` options every machine of this job passes alike ('' on one machine): what a
+        rank's resume command needs (each machine adds its own --node-rank, and --local-addr if it set one)."""
+        if self.count == 1 and self.endpoint is None:
+            return ""
+        return f"--nnodes {self.count} --rdzv-endpoint {self.endpoint} --rdzv-id {shlex.quote(self.run_id)}"
+
+
+NODES_ENV = "TOOLKIT_NODES"  # Nodes.shared_launch_args, for the ranks (toolkit.cli.resume_command)
 
 
 def torchrun_args(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[str] | None = None,
@@ -92,6 +103,7 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
 
     prepare_environment()
     quiet_agent_logs()
+    os.environ[NODES_ENV] = nodes.shared_launch_args()
     args = get_args_parser().parse_args(torchrun_args(recipe_path, nproc=nproc, overrides=overrides,
                                                         extra=extra, max_restarts=max_restarts, nodes=nodes))
     # SIGUSR1 (SLURM's warning before a kill) is handled like SIGTERM: torch's agent forwards that to every
