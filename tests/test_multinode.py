@@ -2,6 +2,7 @@
 rank each on 127.0.0.1 act as two nodes and must train exactly what one node of two ranks trains."""
 
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -47,27 +48,40 @@ def test_bad_node_arguments_are_one_line(llama_runs, args, words, capsys):
 
 
 def test_a_stopped_job_of_several_machines_is_resumed_by_a_launch_on_each(monkeypatch):
-    from toolkit.cli import resume_command
-    from toolkit.launch import NODES_ENV, Nodes
+    from toolkit.launch import NODES_ENV, Nodes, resume_hint
 
-    # what a rank of `toolkit launch --nnodes 2 --node-rank 1 --nproc 4 ...` sees: torchrun's local world size,
-    # and the options `toolkit launch` shares with its ranks
+    def command(hint: str) -> list[str]:  # what follows "resume with...:" must be a shell command as it stands
+        return shlex.split(hint.split(": ", 1)[1])
+
+    # what a rank of `toolkit launch --nnodes 2 --node-rank 1 --nproc 4 ...` sees: torch's launcher's machine
+    # count and local world size, and the options `toolkit launch` shares with its ranks
     argv = ["toolkit", "train", "recipes/llama-tiny.yaml", "--set", "strategy.name=fsdp", "--resume"]
     monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    monkeypatch.setenv(NODES_ENV, Nodes(count=2, rank=1, endpoint="node001:29500", run_id="job 7").shared_launch_args())
-    assert resume_command(8) == ("toolkit launch --nproc 4 --nnodes 2 --rdzv-endpoint node001:29500 --rdzv-id 'job 7' "
-                                 "--node-rank NODE_RANK recipes/llama-tiny.yaml --set strategy.name=fsdp --resume "
-                                 "(on each of the 2 machines, NODE_RANK its own)")
-    monkeypatch.delenv(NODES_ENV)  # started by torchrun itself: the rendezvous is not known to the ranks
-    assert resume_command(8).startswith("toolkit launch --nproc 4 --nnodes 2 --rdzv-endpoint HOST:PORT --node-rank ")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # one machine
-    assert resume_command(8) == "toolkit launch --nproc 8 recipes/llama-tiny.yaml --set strategy.name=fsdp --resume"
-    monkeypatch.setenv(NODES_ENV, Nodes().shared_launch_args())
-    assert resume_command(8) == "toolkit launch --nproc 8 recipes/llama-tiny.yaml --set strategy.name=fsdp --resume"
+    monkeypatch.setenv(NODES_ENV, Nodes(count=2, rank=1, endpoint="[::1]:29500", run_id="job 7").shared_launch_args())
+    hint = resume_hint(8)
+    assert hint.startswith("resume with, on each of the 2 machines (NODE_RANK its own, and --local-addr if it set one): ")
+    assert command(hint) == ["toolkit", "launch", "--nproc", "4", "--nnodes", "2", "--rdzv-endpoint", "[::1]:29500",
+                             "--rdzv-id", "job 7", "--node-rank", "NODE_RANK", "recipes/llama-tiny.yaml", "--set",
+                             "strategy.name=fsdp", "--resume"]
+    assert "'[::1]:29500'" in hint  # quoted: a shell would take the brackets for a pattern
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # machines of different sizes: each gives its own
+    assert command(resume_hint(8))[:4] == ["toolkit", "launch", "--nproc", "NPROC"]
+    assert "(NODE_RANK and NPROC its own" in resume_hint(8)
+    monkeypatch.delenv(NODES_ENV)  # started by torchrun itself: the rendezvous endpoint is not known to the ranks
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    assert command(resume_hint(8))[4:10] == ["--nnodes", "2", "--rdzv-endpoint", "HOST:PORT", "--rdzv-id", "job7"]
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")  # one machine
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert resume_hint(8) == "resume with: toolkit launch --nproc 8 recipes/llama-tiny.yaml --set strategy.name=fsdp --resume"
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "eight")  # not a number: still a line, no traceback
+    assert resume_hint(8).startswith("resume with: toolkit launch --nproc 8 ")
 
 
-def test_toolkit_launch_hands_its_machines_options_to_its_ranks(llama_runs, monkeypatch):
+def test_toolkit_launch_hands_its_machines_options_to_its_ranks(monkeypatch):
     import torch.distributed.run
 
     import toolkit.launch
@@ -78,6 +92,6 @@ def test_toolkit_launch_hands_its_machines_options_to_its_ranks(llama_runs, monk
     monkeypatch.setattr(toolkit.launch, "prepare_environment", lambda: None)  # the ranks' settings: not for pytest
     monkeypatch.setattr(torch.distributed.run, "run", lambda args: seen.append(os.environ[NODES_ENV]))
     nodes = Nodes(count=2, rank=1, endpoint="node001:29500", run_id="job7", local_addr="10.0.0.2")
-    assert launch(str(llama_runs.recipe), nproc=4, overrides=[], nodes=nodes) == 0
-    assert launch(str(llama_runs.recipe), nproc=4, overrides=[]) == 0
+    assert launch("recipe.yaml", nproc=4, overrides=[], nodes=nodes) == 0
+    assert launch("recipe.yaml", nproc=4, overrides=[]) == 0
     assert seen == ["--nnodes 2 --rdzv-endpoint node001:29500 --rdzv-id job7", ""]

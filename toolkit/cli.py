@@ -159,6 +159,7 @@ def _train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
     replica drift is one line and an exit code, not a traceback."""
     from toolkit.consistency import ReplicaDriftError
     from toolkit.loop import train
+    from toolkit.launch import resume_hint
     from toolkit.stopping import NonFinite, Stopped
 
     out_dir = Path(recipe.output_dir)
@@ -177,7 +178,7 @@ def _train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
         if env.is_main:
             what = (f"interrupted at step {stop.step} of {stop.total}; outputs so far in {out_dir}"
                     if stop.signum == signal.SIGINT else f"stopped by {stop}")
-            print(f"toolkit: {what}; checkpoint {stop.checkpoint}; resume with: {resume_command(env.world_size)}",
+            print(f"toolkit: {what}; checkpoint {stop.checkpoint}; {resume_hint(env.world_size)}",
                   file=sys.stderr, flush=True)
         return 128 + stop.signum, None
     except NonFinite as exc:
@@ -207,31 +208,6 @@ def interrupted(recipe=None, env=None) -> int:
                 "; nothing was written"
         print(f"toolkit: interrupted{where}", file=sys.stderr, flush=True)
     return INTERRUPTED_EXIT_CODE
-
-
-def resume_command(world_size: int) -> str:
-    """The command line that continues this run: this rank's arguments after `train`, plus --resume. A job
-    over several machines is continued by a `toolkit launch` on each, with the job's shared options (known
-    when `toolkit launch` started it) and each machine's own --node-rank."""
-    import shlex
-
-    from toolkit.launch import NODES_ENV
-
-    args = list(sys.argv[2:])
-    while "--resume-weights-only" in args:
-        args.remove("--resume-weights-only")
-    if "--resume" in args:  # --resume [PATH]: the newest checkpoint is what to continue from now
-        index = args.index("--resume")
-        del args[index:index + (2 if index + 1 < len(args) and not args[index + 1].startswith("--") else 1)]
-    tail = f"{' '.join(shlex.quote(a) for a in args)} --resume"
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    machines = world_size // local if 0 < local < world_size else 1
-    if machines > 1:
-        shared = os.environ.get(NODES_ENV) or f"--nnodes {machines} --rdzv-endpoint HOST:PORT"
-        return (f"toolkit launch --nproc {local} {shared} --node-rank NODE_RANK {tail} (on each of the {machines} "
-                "machines, NODE_RANK its own)")
-    launcher = f"toolkit launch --nproc {world_size}" if world_size > 1 else "toolkit train"
-    return f"{launcher} {tail}"
 
 
 def cmd_launch(args) -> int:

@@ -42,6 +42,15 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def machines_of(world_size: int) -> tuple[int, int]:
+    """(machines, ranks on this machine) as torch's launcher set them (GROUP_WORLD_SIZE, LOCAL_WORLD_SIZE);
+    one machine of `world_size` ranks without a launcher or where a value is not a number."""
+    try:
+        return int(os.environ.get("GROUP_WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    except ValueError:
+        return 1, world_size
+
+
 def init_distributed() -> DistEnv:
     """Join the process group the launcher described (if any) and pick this rank's device."""
     rank = int(os.environ.get("RANK", "0"))

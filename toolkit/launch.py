@@ -42,10 +42,37 @@ class Nodes:
         rank's resume command needs (each machine adds its own --node-rank, and --local-addr if it set one)."""
         if self.count == 1 and self.endpoint is None:
             return ""
-        return f"--nnodes {self.count} --rdzv-endpoint {self.endpoint} --rdzv-id {shlex.quote(self.run_id)}"
+        return (f"--nnodes {self.count} --rdzv-endpoint {shlex.quote(str(self.endpoint))} "
+                f"--rdzv-id {shlex.quote(self.run_id)}")
 
 
-NODES_ENV = "TOOLKIT_NODES"  # Nodes.shared_launch_args, for the ranks (toolkit.cli.resume_command)
+NODES_ENV = "TOOLKIT_NODES"  # Nodes.shared_launch_args, for the ranks (resume_hint)
+
+
+def resume_hint(world_size: int) -> str:
+    """'resume with: COMMAND', the command that continues this run: this rank's arguments after `train`, plus
+    --resume. A job over several machines is continued by a `toolkit launch` on each: the job's shared options
+    (known where `toolkit launch` started it), each machine's own --node-rank (and --local-addr, if it set one)."""
+    from toolkit.dist import machines_of
+
+    args = list(sys.argv[2:])
+    while "--resume-weights-only" in args:
+        args.remove("--resume-weights-only")
+    if "--resume" in args:  # --resume [PATH]: the newest checkpoint is what to continue from now
+        index = args.index("--resume")
+        del args[index:index + (2 if index + 1 < len(args) and not args[index + 1].startswith("--") else 1)]
+    tail = f"{' '.join(shlex.quote(a) for a in args)} --resume"
+    num_machines, local_world_size = machines_of(world_size)
+    if num_machines <= 1:
+        launcher = f"toolkit launch --nproc {world_size}" if world_size > 1 else "toolkit train"
+        return f"resume with: {launcher} {tail}"
+    even = local_world_size * num_machines == world_size  # every machine runs as many ranks as this one
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "ID")
+    shared = os.environ.get(NODES_ENV) or \
+        f"--nnodes {num_machines} --rdzv-endpoint HOST:PORT --rdzv-id {shlex.quote(run_id)}"
+    own = "NODE_RANK" if even else "NODE_RANK and NPROC"
+    return (f"resume with, on each of the {num_machines} machines ({own} its own, and --local-addr if it set one): "
+            f"toolkit launch --nproc {local_world_size if even else 'NPROC'} {shared} --node-rank NODE_RANK {tail}")
 
 
 def torchrun_args(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[str] | None = None,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import functools
 import time
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -38,14 +38,11 @@ from toolkit.recipe import Recipe
 from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, StrategyInfo, first_dtype, optimizer_label,
                                      optimizer_state_tensors)
 from toolkit.strategies.pipeline_batches import filler, stacked
-from toolkit.strategies.pipeline_layout import (SCHEDULES, check_recipe, grid_of, stage_of_blocks,
-                                               theoretical_bubble)
+from toolkit.strategies.pipeline_layout import (SCHEDULES, check_recipe, count_busy_time, grid_of,
+                                               stage_of_blocks, theoretical_bubble)
 from toolkit.strategies.placement import blocks_of
 from toolkit.strategies.stages import Stage, family_of, tied_embedding_names
 from toolkit.strategies.state_bytes import StateBytes, largest_block_bytes
-
-if TYPE_CHECKING:
-    from torch.distributed.pipelining import PipelineStage
 
 OPTIONS = ("schedule", "stages_per_rank", "split", "blocks")  # hybrid adds pipeline_degree and data_parallel
 
@@ -128,7 +125,7 @@ class PipelineStrategy:
                        for m, stage_id in zip(wrapped, self.stage_ids)]
         self.busy_s = 0.0
         for pipeline_stage in self.stages:
-            _time(pipeline_stage, self)
+            count_busy_time(pipeline_stage, self)
         schedule = getattr(pipelining, SCHEDULES[options.schedule])
         self.micro_batches = args.grad_accum_steps
         self.schedule = schedule(self.stages if len(self.stages) > 1 else self.stages[0],  # type: ignore[arg-type]
@@ -379,21 +376,6 @@ class PipelineStrategy:
     def close(self) -> None:
         del self.schedule, self.stages, self._model, self.stage_modules, self.optimizer, self.scheduler
         del self.mesh, self.tied_group
-
-
-def _time(stage: PipelineStage, owner: PipelineStrategy) -> None:
-    """Count the time a stage computes (forward and backward chunks): the rest of a step is waiting."""
-    for name in ("forward_one_chunk", "backward_one_chunk"):
-        inner = getattr(stage, name)
-
-        def timed(*args, _inner=inner, **kwargs):
-            start = time.perf_counter()
-            try:
-                return _inner(*args, **kwargs)
-            finally:
-                owner.busy_s += time.perf_counter() - start
-
-        setattr(stage, name, timed)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,12 @@
 """A pipeline's layout, before any rank starts: the recipe's checks, the (pp × dp) rank grid, which stage
-each block goes to, and the idle bubble its schedule leaves in theory. Shared by the strategy's setup and
+each block goes to, and the idle bubble its schedule leaves (in theory; measured by count_busy_time). Shared by the strategy's setup and
 its memory plan (toolkit/strategies/pipeline_memory.py)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -13,6 +15,9 @@ from toolkit.model import layer_stack, meta_model
 from toolkit.recipe import Recipe, plan_batch
 from toolkit.strategies.placement import check_split, part_of_blocks
 from toolkit.strategies.stages import family_of
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
 
 # schedule name -> torch.distributed.pipelining class, imported at setup (the import costs ~1.3 s, which
 # every process that only reads the strategy's INFO would pay)
@@ -60,6 +65,22 @@ def stage_of_blocks(model: nn.Module, recipe: Recipe, grid: Grid) -> tuple[list[
 def theoretical_bubble(*, stages: int, micro_batches: int, per_rank: int) -> float:
     """Idle fraction of a rank: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v·m+p-1) interleaved over v."""
     return (stages - 1) / (per_rank * micro_batches + stages - 1)
+
+
+def count_busy_time(stage: PipelineStage, owner: Any) -> None:
+    """Add the time a stage computes (its forward and backward chunks) to `owner.busy_s`: the rest of a step is
+    waiting, the measured bubble."""
+    for name in ("forward_one_chunk", "backward_one_chunk"):
+        inner = getattr(stage, name)
+
+        def timed(*args, _inner=inner, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                owner.busy_s += time.perf_counter() - start
+
+        setattr(stage, name, timed)
 
 
 def check_recipe(recipe: Recipe, *, world_size: int) -> None:

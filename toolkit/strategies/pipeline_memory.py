@@ -1,4 +1,5 @@
-"""A pipeline rank's activation memory, before a run (`toolkit plan`, run.json's prediction).
+"""A pipeline rank's memory, before a run (`toolkit plan`, run.json's prediction): its stages' model states
+(state_bytes_per_rank) and activations (activation_bytes_per_rank).
 
 A stage keeps what one micro-batch's forward leaves for backward (its saved activations and its output)
 for every micro-batch it has in flight; how many that is comes from the schedule:
