@@ -8,32 +8,73 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import test_sharded
 from conftest import REPO, metrics, toolkit_env
+from toolkit import faults
 from toolkit.cli import main
 
 COMPARED = ("step", "loss", "lr", "grad_norm", "tokens", "samples")
 ARMS = {"ddp-m4": ("strategy.name=ddp", "batch.micro_batch_size=4"), "fsdp": test_sharded.ARMS["fsdp"]}
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def two_nodes(args: list[str], *, env: dict | None = None) -> tuple[list[int], list[str]]:
+    """`python -m toolkit launch ARGS` as two machines of one rank each on 127.0.0.1: exit codes and outputs.
+    ARGS name NODE_RANK where each gives its own --node-rank."""
+    nodes = [subprocess.Popen([sys.executable, "-m", "toolkit", *[str(rank) if a == "NODE_RANK" else a for a in args],
+                               "--local-addr", "127.0.0.1"], cwd=REPO, env=env or toolkit_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    logs = [node.communicate(timeout=600)[0] for node in nodes]
+    return [node.returncode for node in nodes], logs
+
+
 @pytest.mark.parametrize("name", list(ARMS))
 def test_two_nodes_of_one_rank_train_as_one_node_of_two(llama_runs, name, tmp_path):
     reference = llama_runs.get(name, nproc=2, overrides=ARMS[name])
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     out = tmp_path / "two-nodes"
     sets = [a for o in (*ARMS[name], f"output_dir={out}") for a in ("--set", o)]
-    nodes = [subprocess.Popen([sys.executable, "-m", "toolkit", "launch", "--nnodes", "2", "--node-rank", str(rank),
-                               "--nproc", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", "127.0.0.1",
-                               str(llama_runs.recipe), *sets], cwd=REPO, env=toolkit_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
-    logs = [node.communicate(timeout=600)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    codes, logs = two_nodes(["launch", "--nnodes", "2", "--node-rank", "NODE_RANK", "--nproc", "1", "--rdzv-endpoint",
+                             f"127.0.0.1:{free_port()}", str(llama_runs.recipe), *sets])
+    assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
     assert sum("[toolkit] strategy" in log for log in logs) == 1  # one global rank 0, on whichever node
     got, want = metrics(out), metrics(reference)
     assert [{k: m[k] for k in COMPARED} for m in got] == [{k: m[k] for k in COMPARED} for m in want]
+
+
+def test_a_job_preempted_on_one_machine_stops_on_both_and_resumes_from_the_line_it_printed(llama_runs, tmp_path):
+    reference = llama_runs.get("ddp-m4", nproc=2, overrides=ARMS["ddp-m4"])
+    out, endpoint = tmp_path / "preempted", f"127.0.0.1:{free_port()}"
+    sets = [a for o in (*ARMS["ddp-m4"], f"output_dir={out}") for a in ("--set", o)]
+    env = toolkit_env()
+    env[faults.SIGTERM_LAUNCHER_AT_STEP] = "2"  # rank 0 has its own machine's launcher sent SIGTERM after step 2
+    codes, logs = two_nodes(["launch", "--nnodes", "2", "--node-rank", "NODE_RANK", "--nproc", "1", "--rdzv-endpoint",
+                             endpoint, "--rdzv-id", "job 7", str(llama_runs.recipe), *sets], env=env)
+    assert codes == [143, 143], "\n".join(log[-3000:] for log in logs)  # every rank stopped after the same step
+    lines = sorted((l for log in logs for l in log.splitlines() if l.startswith("toolkit:")), key=len)
+    assert len(lines) == 2 and "Traceback" not in "".join(logs), "\n".join(logs)
+    # the other machine (whichever holds rank 1: ranks go in arrival order) says the job stopped, not that it failed
+    assert lines[0] == ("toolkit: this machine's ranks stopped with the job (SIGTERM) after writing their part of the "
+                        "checkpoint; the first rank's output says how to resume")
+    note = "resume with, on each of the 2 machines (NODE_RANK its own, and --local-addr if it set one): "
+    assert lines[1].startswith("toolkit: stopped by SIGTERM at step ") and note in lines[1], lines[1]
+    command = shlex.split(lines[1].split(note)[1])
+    assert command[:12] == ["toolkit", "launch", "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", endpoint,
+                            "--rdzv-id", "job 7", "--node-rank", "NODE_RANK"] and command[-1] == "--resume"
+    command[7] = f"127.0.0.1:{free_port()}"  # the first rendezvous's port may still be held by the system
+    codes, logs = two_nodes(command[1:])
+    assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
+    assert sum("[toolkit] resume: weights and optimizer state from" in log for log in logs) == 1
+    got, want = metrics(out), metrics(reference)  # the steps after the checkpoint were dropped and run again
+    assert [m["step"] for m in got] == [m["step"] for m in want] == [1, 2, 3, 4, 5]
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in got], dtype=torch.float64),
+                               torch.tensor([m["loss"] for m in want], dtype=torch.float64), rtol=1e-6, atol=0.0)
 
 
 @pytest.mark.parametrize("args, words", [

@@ -144,6 +144,13 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
         codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
         if {codes[rank] for rank in failed_ranks(codes)} == {USER_ERROR_EXIT_CODE}:  # rank 0 said it in one line
             return USER_ERROR_EXIT_CODE
+        stopped = stopped_together(codes)
+        if stopped:  # a stop signal reached the ranks (on another machine, or not through this launcher)
+            if 0 not in codes:  # rank 0, on another machine, says where the checkpoint is and how to resume
+                print(f"toolkit: this machine's ranks stopped with the job ({signal.Signals(stopped - 128).name}) "
+                      "after writing their part of the checkpoint; the first rank's output says how to resume",
+                      file=sys.stderr, flush=True)
+            return stopped
         print(f"toolkit: launch failed: {describe_failures(codes)} (see the rank output above)", file=sys.stderr)
         return 1
     return 0
@@ -159,6 +166,15 @@ def quiet_agent_logs() -> None:
     for name in list(logging.root.manager.loggerDict):
         if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def stopped_together(codes: dict[int, int]) -> int:
+    """The exit code 128 + signal every failed rank gave after a stop signal made the ranks checkpoint and stop
+    (toolkit.stopping), 0 for anything else."""
+    from toolkit.stopping import STOP_SIGNALS
+
+    failed = {codes[rank] for rank in failed_ranks(codes)}
+    return failed.pop() if len(failed) == 1 and failed <= {128 + int(s) for s in STOP_SIGNALS} else 0
 
 
 def failed_ranks(codes: dict[int, int]) -> list[int]:
