@@ -16,7 +16,7 @@ warm = torch.empty(8 << 20, dtype=torch.uint8); warm.fill_(1); del warm  # glibc
 temporaries, kept = [], []
 for _ in range(40):  # a step's transients (4 MiB each), each followed by a small tensor that stays
     t = torch.empty(4 << 20, dtype=torch.uint8); t.fill_(1); temporaries.append(t)
-    k = torch.empty(64 << 10, dtype=torch.uint8); k.fill_(1); kept.append(k)
+    k = torch.empty(16 << 10, dtype=torch.uint8); k.fill_(1); kept.append(k)
 before = rss(); temporaries.clear()
 print(before - rss())
 """
