@@ -3,13 +3,15 @@ byte, for every strategy. The runs are the ones the equivalence tests share (sam
 this file launches nothing of its own beyond the CLI checks."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 import test_model_parallel
 import test_sharded
 import test_tensor_parallel
-from conftest import run_cli
+from conftest import REPO, run_cli, toolkit_env, write_recipe
 from toolkit import plan
 from toolkit.errors import RecipeError
 from toolkit.recipe import load_recipe
@@ -84,6 +86,39 @@ def test_zero1_and_zero2_steps_are_planned_with_a_copy_of_the_measured_gradient_
     fp32_partition = step if recipe.precision == "fp32" else step * 4 // 6
     for rank in run["model_state_bytes"]:
         assert 0.999 * rank["optim_bytes"] // 3 < fp32_partition < rank["optim_bytes"] // 3
+
+
+HELD_AFTER_STEP = r"""
+import json, sys
+from toolkit.strategies import zero
+from toolkit.strategies.base import storage_bytes
+step = zero.ZeroStrategy.step
+def counted(self, **kwargs):
+    result = step(self, **kwargs)
+    # every gradient holder of DeepSpeed's the run's counters read (printed now: a sharded run ends in os._exit)
+    print("held after step:", storage_bytes(self.state_tensors()["grads"]), flush=True)
+    return result
+zero.ZeroStrategy.step = counted
+from toolkit.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_plan_knows_which_zero_stages_give_their_gradients_back_after_a_step(tiny_llama_dir, tmp_path, stage):
+    # rank 0's export and a step's forward run without gradients where the strategy gives them back: measured
+    # here after each optimizer step of a real run (stage 2: none left; stage 3: its flat gradient buffer)
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
+                          strategy={"name": "zero", "stage": stage}, data={"eval": None},
+                          train={"max_steps": 2, "consistency_check_every": None})
+    result = subprocess.run([sys.executable, "-c", HELD_AFTER_STEP, "train", str(recipe)], cwd=REPO,
+                            env=toolkit_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    held = [int(line.split(": ")[1]) for line in result.stdout.splitlines() if line.startswith("held after step:")]
+    assert len(held) == 2 and (held[0] > 0) == (held[1] > 0)
+    from toolkit.strategies import make_strategy
+
+    assert make_strategy(load_recipe(recipe)).info.holds_gradients == (held[0] > 0) == (stage == 3), held
 
 
 def test_plan_command_prints_every_arm_and_what_does_not_fit():

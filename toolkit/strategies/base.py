@@ -62,8 +62,9 @@ class StrategyInfo:
     # computes with its parameters cast to the 16-bit precision (FSDP2's MixedPrecisionPolicy, DeepSpeed's 16-bit
     # weights), not under autocast: what its forward saves for backward differs (toolkit/activations.py)
     casts_parameters: bool = False
-    # keeps its gradients' memory from step to step (DDP's buckets, DeepSpeed's flat partitions); False: its
-    # zero_grad(set_to_none) gives them back, and a step's first micro-batch runs without them (toolkit plan)
+    # keeps its gradients' memory from step to step (DDP's buckets, ZeRO-3's flat buffer); False: its
+    # zero_grad(set_to_none) or step gives them back (ZeRO-1/2: zero's build sets it), and a step's first
+    # micro-batch and the export run without them (toolkit plan)
     holds_gradients: bool = True
     # how many gradients of a tied weight (embedding and head) exist beyond the model states at the end of
     # backward (toolkit plan's tied_gradient_bytes): autograd sums the head's and the embedding's out of place,

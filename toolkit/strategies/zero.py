@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import replace
 from typing import Any, ContextManager
 
 import torch
@@ -32,8 +33,8 @@ from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, S
 from toolkit.strategies.state_bytes import StateBytes
 from toolkit.strategies import zero_checkpoint, zero_init, zero_state
 from toolkit.strategies.zero_optim import cpu_adam_like, optimizer_label_of
-from toolkit.strategies.zero_config import (check_deepspeed_precision, configured_stage, hidden_size_of, offloads,
-                                          resolve_ds_config, stage_of)
+from toolkit.strategies.zero_config import (check_deepspeed_precision, configured_stage, frees_gradients,
+                                          hidden_size_of, offloads, resolve_ds_config, stage_of)
 
 INFO = StrategyInfo(
     name="zero", averages_gradients=True, accelerate_plugin="deepspeed", casts_parameters=True,
@@ -414,4 +415,6 @@ def _gathered(param: torch.Tensor) -> torch.Tensor:
 
 
 def build(recipe: Recipe) -> ZeroStrategy:
-    return ZeroStrategy()
+    strategy = ZeroStrategy()
+    strategy.info = replace(INFO, holds_gradients=not frees_gradients(recipe))  # toolkit plan: stages 1-2 free them
+    return strategy
