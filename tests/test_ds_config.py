@@ -49,6 +49,21 @@ def test_contradicting_json_exits_2(tmp_path, tiny_llama_dir, capsys, key, value
     assert len(err) == 1 and words in err[0] and str(bad) in err[0]
 
 
+@pytest.mark.parametrize("text, words", [
+    ("[1, 2]", "holds list, not a JSON object"),
+    ('{"zero_optimization": [2]}', "zero_optimization must be a JSON object"),
+    ('{"zero_optimization": {"stage": 2, "offload_optimizer": "cpu"}}',
+     "zero_optimization.offload_optimizer must be a JSON object"),
+])
+def test_a_json_of_the_wrong_shape_is_one_line(tmp_path, tiny_llama_dir, capsys, text, words):
+    bad = tmp_path / "bad.json"
+    bad.write_text(text)
+    path, _ = _recipe(tmp_path, tiny_llama_dir, bad)
+    assert main(["validate", "--nproc", "2", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+
+
 def test_recipe_stage_contradicting_json_exits_2(tmp_path, tiny_llama_dir, capsys):
     path, _ = _recipe(tmp_path, tiny_llama_dir, REPO / "ds_configs" / "zero2.json")
     assert main(["validate", "--nproc", "2", str(path), "--set", "strategy.stage=3"]) == 2

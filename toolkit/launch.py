@@ -6,6 +6,7 @@ import ctypes
 import os
 import shlex
 import sys
+import time
 from dataclasses import dataclass
 
 from toolkit.errors import USER_ERROR_EXIT_CODE
@@ -111,8 +112,9 @@ def return_freed_pages() -> bool:
     4,288 -> 3,702 MiB per rank, the same step times. A fixed threshold stops the rise. At 1 MiB the heap still
     fragmented under the activations of short sequences (128 tokens x hidden 1024 in fp32: 512 KiB each): on the
     302M ddp benchmark freed heap memory grew by ~240 MiB over 4 steps, and the peak with it; at 64 KiB it stays
-    under 4 MiB, the peak is 5,508 instead of 5,731 MiB per rank, the step times the same. A threshold the user
-    set (MALLOC_MMAP_THRESHOLD_) is kept; off Linux/glibc nothing changes. True when set here."""
+    under 4 MiB, the peak is 5,508 instead of 5,731 MiB per rank (a 4-step probe; the benchmark's 3 steps: 5,511
+    vs 5,718), step times within noise (one run each: +2 % over steps 2-4). A threshold the user set
+    (MALLOC_MMAP_THRESHOLD_) is kept; off Linux/glibc nothing changes. True when set here."""
     if sys.platform != "linux" or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     try:
@@ -129,6 +131,7 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
     prepare_environment()
@@ -142,6 +145,7 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
     try:
         run(args)
     except SignalException as exc:  # the ranks said where they stopped and how to resume
+        outlive_other_machines(nodes)
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
@@ -150,13 +154,33 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
         stopped = stopped_together(codes)
         if stopped:  # a stop signal reached the ranks (on another machine, or not through this launcher)
             if 0 not in codes:  # rank 0, on another machine, says where the checkpoint is and how to resume
-                print(f"toolkit: this machine's ranks stopped with the job ({signal.Signals(stopped - 128).name}) "
-                      "after writing their part of the checkpoint; the first rank's output says how to resume",
-                      file=sys.stderr, flush=True)
+                name = signal.Signals(stopped - 128).name
+                what = "" if name == "SIGINT" else " after writing their part of the checkpoint"
+                print(f"toolkit: this machine's ranks stopped with the job ({name}){what}; the first rank's output "
+                      "says how to resume", file=sys.stderr, flush=True)
+            outlive_other_machines(nodes)
             return stopped
         print(f"toolkit: launch failed: {describe_failures(codes)} (see the rank output above)", file=sys.stderr)
         return 1
+    except RendezvousError as exc:  # the machine that hosts the rendezvous is gone
+        if nodes.count == 1:
+            raise
+        print(f"toolkit: lost the job's rendezvous at {nodes.endpoint} ({type(exc).__name__}): the machine there "
+              "stopped or failed; its output says why", file=sys.stderr, flush=True)
+        return 1
     return 0
+
+
+RENDEZVOUS_GRACE_S = 3.0
+
+
+def outlive_other_machines(nodes: Nodes) -> None:
+    """A stopping machine of a multi-machine job waits a few seconds before its launcher exits: the launcher that
+    hosts the rendezvous store takes the store with it, and another machine's agent, which reads the store about
+    once a second while its ranks run, would otherwise fail with a RendezvousConnectionError while its ranks
+    are still exiting after the same stop."""
+    if nodes.count > 1:
+        time.sleep(RENDEZVOUS_GRACE_S)
 
 
 def quiet_agent_logs() -> None:

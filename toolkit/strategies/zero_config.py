@@ -108,7 +108,7 @@ def resolve_ds_config(recipe: Recipe, plan: BatchPlan, *, hidden_size: int | Non
         block = config.get(key.split(".")[0])
         if isinstance(block, dict):
             _fill_or_check(config, key, wanted, path, check=checked, fill_missing=False)
-    zero = config.setdefault("zero_optimization", {})
+    zero = _section(config.setdefault("zero_optimization", {}), "zero_optimization", path)
     stage = zero.get("stage", DEFAULT_STAGE)
     if recipe.strategy.stage is not None and recipe.strategy.stage != stage:
         raise RecipeError(f"strategy.stage is {recipe.strategy.stage} but {path} has zero_optimization.stage "
@@ -117,11 +117,12 @@ def resolve_ds_config(recipe: Recipe, plan: BatchPlan, *, hidden_size: int | Non
         if zero.get(key) == "auto":
             zero[key] = size
     for option, section in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_param")):
-        in_json = zero.get(section, {}).get("device", "none") not in ("none", None)
+        in_json = _section(zero.get(section, {}), f"zero_optimization.{section}", path).get("device", "none") \
+            not in ("none", None)
         if getattr(recipe.strategy, option) and not in_json:
             raise RecipeError(f"strategy.{option} is true but {path} has no zero_optimization.{section}; "
                               "add it to the JSON or drop the recipe option")
-    if "fp16" in config and config["fp16"].get("enabled"):
+    if "fp16" in config and _section(config["fp16"], "fp16", path).get("enabled"):
         config["fp16"].setdefault("loss_scale", 0)
     config.setdefault("zero_allow_untested_optimizer", True)
     config.setdefault("steps_per_print", 10 ** 9)
@@ -135,6 +136,12 @@ def resolve_ds_config(recipe: Recipe, plan: BatchPlan, *, hidden_size: int | Non
             raise RecipeError(f"{path}: {key} is \"auto\", which the toolkit cannot fill from the recipe; give it "
                               "a value in the JSON")
     return config
+
+
+def _section(value, name: str, path: Path) -> dict:
+    if not isinstance(value, dict):
+        raise RecipeError(f"{path}: {name} must be a JSON object, not {value!r}")
+    return value
 
 
 def _autos(node, prefix: str = "") -> list[str]:
@@ -184,25 +191,27 @@ def configured_stage(recipe: Recipe) -> int:
     if recipe.strategy.ds_config is not None:
         try:
             return stage_of(json.loads(Path(recipe.strategy.ds_config).read_text()))
-        except (OSError, ValueError):
-            return DEFAULT_STAGE  # resolve_ds_config says what is wrong with the file
+        except (OSError, ValueError, AttributeError, TypeError):  # resolve_ds_config says what is wrong
+            return DEFAULT_STAGE
     return DEFAULT_STAGE
 
 
 def frees_gradients(recipe: Recipe) -> bool:
     """Whether the recipe's ZeRO gives its gradients back after each step: stages 1 and 2 without an offloaded
     optimizer do (DeepSpeed's stage_1_and_2.py step() drops the averaged gradients and the parameters' grads, the
-    contiguous partition buffer with them; measured: rank 0 of zero2 on the 302M benchmark exports one gradient
-    partition below the model states). Stage 3 keeps its flat gradient buffer, an offloaded optimizer a pinned
-    fp32 gradient per partition; stage 0 (torch's optimizer inside DeepSpeed's engine) is not measured: kept."""
+    contiguous partition buffer with them; measured in tests/test_plan.py). Stage 3 keeps its flat gradient
+    buffer, an offloaded optimizer a pinned fp32 gradient per partition, and a JSON that sets
+    data_types.grad_accum_dtype may run DeepSpeed's BF16_Optimizer, whose flat fp32 gradients stay; stage 0
+    (torch's optimizer inside DeepSpeed's engine) is not measured: kept."""
     if configured_stage(recipe) not in (1, 2) or recipe.strategy.offload_optimizer:
         return False
-    if recipe.strategy.ds_config is not None:
-        try:
-            return not offloads(json.loads(Path(recipe.strategy.ds_config).read_text()))[0]
-        except (OSError, ValueError):
-            return False  # resolve_ds_config says what is wrong with the file
-    return True
+    if recipe.strategy.ds_config is None:
+        return True
+    try:
+        config = json.loads(Path(recipe.strategy.ds_config).read_text())
+        return not offloads(config)[0] and "grad_accum_dtype" not in config.get("data_types", {})
+    except (OSError, ValueError, AttributeError, TypeError):  # resolve_ds_config says what is wrong
+        return False
 
 
 def stage_of(config: dict) -> int:
