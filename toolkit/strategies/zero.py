@@ -38,6 +38,7 @@ from toolkit.strategies.zero_config import (check_deepspeed_precision, configure
 
 INFO = StrategyInfo(
     name="zero", averages_gradients=True, accelerate_plugin="deepspeed", casts_parameters=True,
+    holds_gradients=False,  # the default stage 2 gives them back after each step; build() says it per recipe
     options=("stage", "offload_optimizer", "offload_param", "ds_config"),
     summary="DeepSpeed ZeRO: stage 1 shards optimizer state, 2 + gradients, 3 + parameters; optional CPU offload",
     arms={"zero0": ("strategy.name=zero", "strategy.stage=0"),
