@@ -189,11 +189,17 @@ def configured_stage(recipe: Recipe) -> int:
     if recipe.strategy.stage is not None:
         return recipe.strategy.stage
     if recipe.strategy.ds_config is not None:
-        try:
-            return stage_of(json.loads(Path(recipe.strategy.ds_config).read_text()))
-        except (OSError, ValueError, AttributeError, TypeError):  # resolve_ds_config says what is wrong
-            return DEFAULT_STAGE
+        return _read_json(recipe.strategy.ds_config, stage_of, malformed=DEFAULT_STAGE)
     return DEFAULT_STAGE
+
+
+def _read_json(path: str, read, *, malformed):
+    """`read` of the DeepSpeed JSON at `path`; `malformed` where it cannot be read or has the wrong shape
+    (resolve_ds_config says what is wrong with it, in one line)."""
+    try:
+        return read(json.loads(Path(path).read_text()))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return malformed
 
 
 def frees_gradients(recipe: Recipe) -> bool:
@@ -207,11 +213,8 @@ def frees_gradients(recipe: Recipe) -> bool:
         return False
     if recipe.strategy.ds_config is None:
         return True
-    try:
-        config = json.loads(Path(recipe.strategy.ds_config).read_text())
-        return not offloads(config)[0] and "grad_accum_dtype" not in config.get("data_types", {})
-    except (OSError, ValueError, AttributeError, TypeError):  # resolve_ds_config says what is wrong
-        return False
+    return _read_json(recipe.strategy.ds_config, malformed=False, read=lambda config: not offloads(config)[0]
+                      and "grad_accum_dtype" not in config.get("data_types", {}))
 
 
 def stage_of(config: dict) -> int:
