@@ -120,6 +120,11 @@ def test_a_stopped_job_of_several_machines_is_resumed_by_a_launch_on_each(monkey
     monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "eight")  # not a number: still a line, no traceback
     assert resume_hint(8).startswith("resume with: toolkit launch --nproc 8 ")
+    monkeypatch.delenv("GROUP_WORLD_SIZE")  # DeepSpeed's launcher names them CROSS_SIZE and LOCAL_SIZE
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("CROSS_SIZE", "2")
+    monkeypatch.setenv("LOCAL_SIZE", "4")
+    assert command(resume_hint(8))[:6] == ["toolkit", "launch", "--nproc", "4", "--nnodes", "2"]
 
 
 def test_toolkit_launch_hands_its_machines_options_to_its_ranks(monkeypatch):

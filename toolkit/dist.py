@@ -43,10 +43,13 @@ def env_world_size() -> int:
 
 
 def machines_of(world_size: int) -> tuple[int, int]:
-    """(machines, ranks on this machine) as torch's launcher set them (GROUP_WORLD_SIZE, LOCAL_WORLD_SIZE);
-    one machine of `world_size` ranks without a launcher or where a value is not a number."""
+    """(machines, ranks on this machine) as the launcher set them: torch's (GROUP_WORLD_SIZE, LOCAL_WORLD_SIZE) or
+    DeepSpeed's (CROSS_SIZE, LOCAL_SIZE); one machine of `world_size` ranks without a launcher or where a value is
+    not a number."""
+    env = os.environ
     try:
-        return int(os.environ.get("GROUP_WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        return (int(env.get("GROUP_WORLD_SIZE", env.get("CROSS_SIZE", "1"))),
+                int(env.get("LOCAL_WORLD_SIZE", env.get("LOCAL_SIZE", world_size))))
     except ValueError:
         return 1, world_size
 
