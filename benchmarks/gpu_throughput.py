@@ -10,6 +10,8 @@ The model is a Llama-style decoder of ~1B parameters built from a config (no dow
 `--steps` steps; tokens/s is the median over the steps after the first fifth, MFU is against the GPU's datasheet
 dense bf16 peak (`toolkit compare`'s own numbers, read from the run's metrics.jsonl and run.json). fsdp and zero3
 run at world size 1: their hooks, casts and optimizer paths, without sharding.
+On a GPU machine without internet: `bash benchmarks/offline_wheels.sh` here gathers DeepSpeed, datasets and the
+tokenizer into .whl/ (it says how to install them there); then `--tokenizer .whl/tokenizer`.
 Issue 11's goal: >= 50 % MFU for the best arm. An arm that fails (out of memory, say) is a row saying so.
 """
 
