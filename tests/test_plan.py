@@ -104,12 +104,14 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_the_plan_knows_which_zero_stages_give_their_gradients_back_after_a_step(tiny_llama_dir, tmp_path, stage):
+@pytest.mark.parametrize("stage,precision", [(0, "fp32"), (0, "bf16"), (1, "fp32"), (2, "fp32"), (3, "fp32")])
+def test_the_plan_knows_which_zero_stages_give_their_gradients_back_after_a_step(tiny_llama_dir, tmp_path, stage,
+                                                                                  precision):
     # rank 0's export and a step's forward run without gradients where the strategy gives them back: measured
-    # here after each optimizer step of a real run (stages 1, 2: none left; stage 3: its flat gradient buffer)
+    # here after each optimizer step of a real run (stages 0-2: none left; stage 3: its flat gradient buffer).
+    # Stage 0 in bf16 runs DeepSpeed's own mixed-precision wrapper around torch's optimizer, in fp32 torch's alone.
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
-                          strategy={"name": "zero", "stage": stage}, data={"eval": None},
+                          precision=precision, strategy={"name": "zero", "stage": stage}, data={"eval": None},
                           train={"max_steps": 2, "consistency_check_every": None})
     result = subprocess.run([sys.executable, "-c", HELD_AFTER_STEP, "train", str(recipe)], cwd=REPO,
                             env=toolkit_env(), capture_output=True, text=True, timeout=600)

@@ -203,13 +203,14 @@ def _read_json(path: str, read, *, malformed):
 
 
 def frees_gradients(recipe: Recipe) -> bool:
-    """Whether the recipe's ZeRO gives its gradients back after each step: stages 1 and 2 without an offloaded
-    optimizer do (DeepSpeed's stage_1_and_2.py step() drops the averaged gradients and the parameters' grads, the
-    contiguous partition buffer with them; measured in tests/test_plan.py). Stage 3 keeps its flat gradient
+    """Whether the recipe's ZeRO gives its gradients back after each step (measured in tests/test_plan.py).
+    Stages 1 and 2 without an offloaded optimizer do: DeepSpeed's stage_1_and_2.py step() drops the averaged
+    gradients and the parameters' grads, the contiguous partition buffer with them. Stage 0 does too: torch's
+    optimizer inside DeepSpeed's engine, whose step sets every .grad to None (fp32), or its FP16_UnfusedOptimizer
+    wrapper for bf16, which drops the fp32 masters' grads and the bf16 ones. Stage 3 keeps its flat gradient
     buffer, an offloaded optimizer a pinned fp32 gradient per partition, and a JSON that sets
-    data_types.grad_accum_dtype may run DeepSpeed's BF16_Optimizer, whose flat fp32 gradients stay; stage 0
-    (torch's optimizer inside DeepSpeed's engine) is not measured: kept."""
-    if configured_stage(recipe) not in (1, 2) or recipe.strategy.offload_optimizer:
+    data_types.grad_accum_dtype may run DeepSpeed's BF16_Optimizer, whose flat fp32 gradients stay."""
+    if configured_stage(recipe) not in (0, 1, 2) or recipe.strategy.offload_optimizer:
         return False
     if recipe.strategy.ds_config is None:
         return True
