@@ -34,6 +34,8 @@ MODEL = {"model_type": "llama", "vocab_size": 30522, "hidden_size": 1024, "inter
 ARMS = {
     "ddp": ["strategy.name=ddp"],
     "fsdp": ["strategy.name=fsdp"],
+    "zero0": ["strategy.name=zero", "strategy.stage=0"],
+    "zero1": ["strategy.name=zero", "strategy.stage=1"],
     "zero2": ["strategy.name=zero", "strategy.stage=2"],
     "zero3": ["strategy.name=zero", "strategy.stage=3"],
     "zero3-offload": ["strategy.name=zero", "strategy.stage=3", "strategy.offload_optimizer=true",

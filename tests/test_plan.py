@@ -15,6 +15,7 @@ from conftest import REPO, run_cli, toolkit_env, write_recipe
 from toolkit import plan
 from toolkit.errors import RecipeError
 from toolkit.recipe import load_recipe
+from toolkit.strategies import zero_state
 
 LLAMA = {  # the 2-block untied Llama: name -> (ranks, overrides)
     "single-m8": (1, ()),
@@ -99,6 +100,13 @@ def counted(self, **kwargs):
     print("held after step:", storage_bytes(self.state_tensors()["grads"]), flush=True)
     return result
 zero.ZeroStrategy.step = counted
+from deepspeed.runtime.engine import DeepSpeedEngine
+allreduce_bucket = DeepSpeedEngine.allreduce_bucket
+def flattened(self, bucket, *args, **kwargs):  # stage 0's all-reduce: the flat copy of a bucket of gradients
+    result = allreduce_bucket(self, bucket, *args, **kwargs)
+    print("flattened:", result.numel() * result.element_size(), flush=True)
+    return result
+DeepSpeedEngine.allreduce_bucket = flattened
 from toolkit.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -120,7 +128,23 @@ def test_the_plan_knows_which_zero_stages_give_their_gradients_back_after_a_step
     assert len(held) == 2 and (held[0] > 0) == (held[1] > 0)
     from toolkit.strategies import make_strategy
 
-    assert make_strategy(load_recipe(recipe)).info.holds_gradients == (held[0] > 0) == (stage == 3), held
+    strategy = make_strategy(load_recipe(recipe))
+    assert strategy.info.holds_gradients == (held[0] > 0) == (stage == 3), held
+    if stage == 0:  # the plan's end of backward: the all-reduce's flat copy of the gradients (fp32: the whole step)
+        flat = max(int(line.split(": ")[1]) for line in result.stdout.splitlines() if line.startswith("flattened:"))
+        model = plan.planned_model(load_recipe(recipe))
+        assert flat == zero_state.largest_allreduce_bucket([p.numel() for p in model.parameters()]) * \
+            (4 if precision == "fp32" else 2)
+        step = strategy.predict_step_bytes(model, load_recipe(recipe), world_size=1)
+        assert step == flat if precision == "fp32" else step == 2 * flat  # bf16: the step's fp32 copy is larger
+
+
+def test_the_stage_0_all_reduce_is_planned_bucket_by_bucket():
+    # DeepSpeed sends a bucket once it holds more than the limit: the largest flat copy is that bucket
+    assert zero_state.largest_allreduce_bucket([3, 3, 3], limit=5) == 6
+    assert zero_state.largest_allreduce_bucket([3, 1, 9, 2], limit=5) == 13
+    assert zero_state.largest_allreduce_bucket([2, 2], limit=5) == 4
+    assert zero_state.largest_allreduce_bucket([], limit=5) == 0
 
 
 def test_plan_command_prints_every_arm_and_what_does_not_fit():
