@@ -3,6 +3,7 @@ byte, for every strategy. The runs are the ones the equivalence tests share (sam
 this file launches nothing of its own beyond the CLI checks."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -90,49 +91,82 @@ def test_zero1_and_zero2_steps_are_planned_with_a_copy_of_the_measured_gradient_
 
 
 HELD_AFTER_STEP = r"""
-import json, sys
+import os, sys
 from toolkit.strategies import zero
 from toolkit.strategies.base import storage_bytes
+def say(what, value):  # one write per line: two ranks share the pipe
+    sys.stdout.write(f"{what} {os.environ.get('RANK', '0')}: {value}\n")
+    sys.stdout.flush()
 step = zero.ZeroStrategy.step
 def counted(self, **kwargs):
     result = step(self, **kwargs)
     # the gradient holders the run's counters read (DeepSpeed's; printed now: a sharded run ends in os._exit)
-    print("held after step:", storage_bytes(self.state_tensors()["grads"]), flush=True)
+    say("held after step", storage_bytes(self.state_tensors()["grads"]))
     return result
 zero.ZeroStrategy.step = counted
 from deepspeed.runtime.engine import DeepSpeedEngine
 allreduce_bucket = DeepSpeedEngine.allreduce_bucket
 def flattened(self, bucket, *args, **kwargs):  # stage 0's all-reduce: the flat copy of a bucket of gradients
     result = allreduce_bucket(self, bucket, *args, **kwargs)
-    print("flattened:", result.numel() * result.element_size(), flush=True)
+    say("flattened", result.numel() * result.element_size())
     return result
 DeepSpeedEngine.allreduce_bucket = flattened
+allreduce_gradients = DeepSpeedEngine.allreduce_gradients
+def unreduced(self, *args, **kwargs):  # the end of backward, before the engine reduces the gradients
+    grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+    say("unreduced", sum(g.numel() * g.element_size() for g in grads))
+    return allreduce_gradients(self, *args, **kwargs)
+DeepSpeedEngine.allreduce_gradients = unreduced
 from toolkit.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("stage,precision", [(0, "fp32"), (0, "bf16"), (1, "fp32"), (2, "fp32"), (3, "fp32")])
+@pytest.mark.parametrize("stage,precision,nproc", [(0, "fp32", 1), (0, "bf16", 1), (1, "fp32", 2), (2, "fp32", 2),
+                                                   (3, "fp32", 1)])
 def test_the_plan_knows_which_zero_stages_give_their_gradients_back_after_a_step(tiny_llama_dir, tmp_path, stage,
-                                                                                  precision):
+                                                                                  precision, nproc):
     # rank 0's export and a step's forward run without gradients where the strategy gives them back: measured
     # here after each optimizer step of a real run (stages 0-2: none left; stage 3: its flat gradient buffer).
     # Stage 0 in bf16 runs DeepSpeed's own mixed-precision wrapper around torch's optimizer, in fp32 torch's alone.
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
                           precision=precision, strategy={"name": "zero", "stage": stage}, data={"eval": None},
                           train={"max_steps": 2, "consistency_check_every": None})
-    result = subprocess.run([sys.executable, "-c", HELD_AFTER_STEP, "train", str(recipe)], cwd=REPO,
+    probe = tmp_path / "probe.py"
+    probe.write_text(HELD_AFTER_STEP)
+    ranks = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    result = subprocess.run([sys.executable, *ranks, str(probe), "train", str(recipe)], cwd=REPO,
                             env=toolkit_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    held = [int(line.split(": ")[1]) for line in result.stdout.splitlines() if line.startswith("held after step:")]
-    assert len(held) == 2 and (held[0] > 0) == (held[1] > 0)
+
+    def printed(what: str, rank: int | None = None) -> list[int]:
+        return [int(n) for r, n in re.findall(rf"^{what} (\d+): (\d+)$", result.stdout, re.M)
+                if rank is None or int(r) == rank]
+
+    held = printed("held after step")
+    assert len(held) == 2 * nproc and len({h > 0 for h in held}) == 1, result.stdout[-3000:]
     from toolkit.strategies import make_strategy
 
     strategy = make_strategy(load_recipe(recipe))
     assert strategy.info.holds_gradients == (held[0] > 0) == (stage == 3), held
+    # ZeRO-1 reduces once backward is done: every rank holds every trainable parameter's gradient, whole, beyond
+    # the partition its model states count; ZeRO-2 reduces them bucket by bucket as backward goes, and keeps
+    # only those its partition touches
+    model = plan.planned_model(load_recipe(recipe))
+    whole = sum(p.numel() for p in model.parameters()) * 4
+    if stage in (1, 2):
+        counted = [r["grads_bytes"] for r in json.loads(next((tmp_path / "out").rglob("run.json")).read_text())
+                   ["model_state_bytes"]]
+        unreduced = [printed("unreduced", rank) for rank in range(nproc)]
+        assert [len(u) for u in unreduced] == [2] * nproc, result.stdout[-3000:]
+        if stage == 1:
+            assert unreduced == [[whole, whole]] * nproc and all(c < whole for c in counted), (unreduced, counted)
+        else:  # rank 0 holds no more than its partition's gradients; rank 1 also the bucket not yet reduced
+            # when backward ends (here the embedding's, the first parameter: not in its partition)
+            assert max(unreduced[0]) == counted[0] < whole and max(unreduced[1]) < whole, (unreduced, counted)
+    assert strategy.info.whole_gradients_in_backward == (stage == 1)
     if stage == 0:  # the plan's end of backward: the all-reduce's flat copy of the gradients (fp32: the whole step)
-        flat = max(int(line.split(": ")[1]) for line in result.stdout.splitlines() if line.startswith("flattened:"))
-        model = plan.planned_model(load_recipe(recipe))
+        flat = max(printed("flattened"))
         assert flat == zero_state.largest_allreduce_bucket([p.numel() for p in model.parameters()]) * \
             (4 if precision == "fp32" else 2)
         step = strategy.predict_step_bytes(model, load_recipe(recipe), world_size=1)

@@ -13,8 +13,9 @@ its share of heads and MLP columns (`tensor_parallel.local_model`). Gradients ar
 strategy that gives them back between steps (`StrategyInfo.holds_gradients` false) has none while a step's
 first micro-batch holds its activations: with one micro-batch per step its training peak is the larger of
 (parameters + optimizer state + activations), (all model states at the end of backward, with a tied
-embedding's gradients being summed: `tied_gradient_bytes` × `StrategyInfo.tied_gradients`) and (all model states
-in the optimizer step, with what it copies: `Strategy.predict_step_bytes`).
+embedding's gradients being summed: `tied_gradient_bytes` × `StrategyInfo.tied_gradients`; under ZeRO-1 every
+gradient, not yet reduced: `StrategyInfo.whole_gradients_in_backward`) and (all model states in the optimizer
+step, with what it copies: `Strategy.predict_step_bytes`).
 The peak adds what is not model state: the runtime (the Python process with torch and transformers loaded:
 measured here), the parameters a rank gathers from the others (`Strategy.predict_gathered_bytes`: one block
 under FSDP2, under ZeRO-3 what DeepSpeed's reuse distance keeps), and on CPU two peaks of their own: loading,
@@ -103,6 +104,9 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     copies = 3 if accumulates and strategy.info.tied_gradients == 2 else strategy.info.tied_gradients
     # in the gradients' dtype: the parameters' a rank computes with
     tied = tied_gradient_bytes(model, compute if casts else stored) * copies
+    # ZeRO-1: every gradient, unreduced, until backward ends (its model states count its partition's)
+    unreduced = sum(p.numel() for p in model.parameters() if p.requires_grad) * \
+        element_bytes(compute if casts else stored) if strategy.info.whole_gradients_in_backward else 0
 
     def training(state: StateBytes, activations: int) -> int:
         """Model states and the rank's activations at their peak (gradients there only if held), the end of
@@ -110,7 +114,8 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
         the optimizer step (all model states, and what the step copies: Strategy.predict_step_bytes)."""
         held = state.total_bytes if strategy.info.holds_gradients or accumulates else \
             state.total_bytes - state.grads_bytes
-        return max(held + activations, state.total_bytes + tied, state.total_bytes + step)
+        end_of_backward = state.total_bytes - state.grads_bytes + max(state.grads_bytes, unreduced) + tied
+        return max(held + activations, end_of_backward, state.total_bytes + step)
 
     # On CPU a rank builds its weights in host memory before setup. A strategy that keeps the tensors it built
     # as its parameters (single, dp, ddp) adds nothing (`built` 0); one that copies them into its own (FSDP's

@@ -72,6 +72,9 @@ class StrategyInfo:
     # holds (single, dp, tp): 2 more; one whose gradient states are buffers of its own (DDP's buckets, FSDP's
     # shards, ZeRO's partitions) copies the sum into them: 3; a pipeline's end stages hold a copy each: 0
     tied_gradients: int = 3
+    # every rank holds every trainable parameter's gradient, unreduced, at the end of backward, beyond those its
+    # model states count: ZeRO-1 reduces them only once backward is done (zero's build sets it; toolkit plan)
+    whole_gradients_in_backward: bool = False
     # its export reads the parameters where they are on CPU (single, dp, ddp: full replicas in the load dtype);
     # False: rank 0 gathers or copies the whole model to write it (toolkit plan's export term)
     exports_in_place: bool = False

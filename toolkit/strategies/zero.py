@@ -417,5 +417,7 @@ def _gathered(param: torch.Tensor) -> torch.Tensor:
 
 def build(recipe: Recipe) -> ZeroStrategy:
     strategy = ZeroStrategy()
-    strategy.info = replace(INFO, holds_gradients=not frees_gradients(recipe))  # toolkit plan: stages 1-2 free them
+    # toolkit plan: stages 0-2 free their gradients after a step; stage 1 holds them all until backward ends
+    strategy.info = replace(INFO, holds_gradients=not frees_gradients(recipe),
+                            whole_gradients_in_backward=configured_stage(recipe) == 1)
     return strategy
