@@ -30,6 +30,7 @@ CASES = {
     "missing column": ({"data": {"text_column": "review"}}, (), "has no column 'review'"),
     "profile window backwards": ({"train": {"profile_steps": [3, 2]}}, (), "train.profile_steps: got [3, 2]"),
     "profile window past the end": ({}, ("train.profile_steps=[6, 7]",), "starts after the run's last step 5"),
+    "lora adapting nothing": ({}, ("model.lora={\"target_modules\": []}",), "model.lora.target_modules is empty"),
     "cls without label column": ({"model": {"task": "sequence-classification"}},
                                  ("data.label_column=stars", f"data.train={EVAL}"), "has no column 'stars'"),
 }

@@ -41,6 +41,9 @@ class LoraOptions:
         if self.alpha <= 0:
             raise RecipeError(f"model.lora.alpha must be > 0, got {self.alpha}; 2 × r is usual")
         _require(0.0 <= self.dropout < 1.0, "model.lora.dropout", self.dropout, "in [0, 1)")
+        if self.target_modules is not None and not self.target_modules:  # peft would adapt its default layers
+            raise RecipeError("model.lora.target_modules is empty: name the layers to adapt (e.g. [q_proj, v_proj]), "
+                              "or leave it out for peft's default for this model")
 
 
 @dataclass(frozen=True, kw_only=True)
