@@ -21,9 +21,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
-from toolkit.checkpoint import store
+from toolkit.checkpoint import store, verify
 from toolkit.checkpoint.fragments import Fragments
 from toolkit.dist import DistEnv, barrier
 from toolkit.errors import RecipeError
@@ -269,17 +269,14 @@ class AsyncWriter:
 # --- loading --------------------------------------------------------------------------------------------------
 
 def saved_keys(path: Path) -> set[str]:
-    try:
-        return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-    except Exception as exc:  # noqa: BLE001 - any unreadable metadata is the same user-facing fact
-        raise RecipeError(f"checkpoint {path}: its DCP metadata is unreadable ({type(exc).__name__}); the "
-                          "checkpoint is corrupted, use an earlier one") from None
+    """The keys of a checkpoint whose files are all there (RecipeError, one line, otherwise)."""
+    return set(verify.read_metadata(path).state_dict_metadata)
 
 
 def _load(state: dict, path: Path) -> None:
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except Exception as exc:  # noqa: BLE001
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - (DCP's own is a BaseException)
         text = str(exc).strip().splitlines()
         raise RecipeError(f"checkpoint {path} cannot be read into this model ({type(exc).__name__}: "
                           f"{text[-1][:200] if text else ''}); it is corrupted or was written for another model") from None
@@ -287,17 +284,14 @@ def _load(state: dict, path: Path) -> None:
 
 def load_weights(model: nn.Module, path: Path) -> None:
     """Into the plain model, before the strategy wraps it (every rank; collective when distributed)."""
-    keys = saved_keys(path)
     target = model_tensors(model)
-    missing = [k for k in target if f"model.{k}" not in keys]
-    if missing:
-        raise RecipeError(f"checkpoint {path} has no weight {missing[0]!r} ({len(missing)} missing): it was "
-                          "written for another model")
+    verify.check_model_fits(path, verify.read_metadata(path), {k: v.shape for k, v in target.items()}, whole=True)
     _load({"model": target}, path)
 
 
 def read_model_tensors(path: Path, shapes: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Collective: the named weights of a checkpoint as full fp32 tensors, on every rank."""
+    verify.check_model_fits(path, verify.read_metadata(path), shapes, whole=False)
     target = {name: torch.empty(tuple(shape), dtype=torch.float32) for name, shape in shapes.items()}
     _load({"model": target}, path)
     return target

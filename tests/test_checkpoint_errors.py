@@ -1,0 +1,77 @@
+"""A checkpoint that is incomplete or was written for another model, and an output folder that cannot be made:
+exit code 2, one line naming the problem and the fix, nothing written. One tiny single-process run (a model from a
+config, so that a test can change its shapes) writes the checkpoint every test shares; no test trains."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import MINILM, launch, write_recipe
+from toolkit.cli import main
+
+CONFIG = {"model_type": "llama", "vocab_size": 30522, "hidden_size": 32, "intermediate_size": 64,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "max_position_embeddings": 64, "tie_word_embeddings": True}
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory) -> Path:
+    """A 2-layer Llama built from its config, one step, its checkpoint written at the end."""
+    root = tmp_path_factory.mktemp("checkpoint-errors")
+    path = write_recipe(root / "recipe.yaml", model_dir=root, output_dir=root / "run",
+                        train={"max_steps": 1, "consistency_check_every": None}, checkpoint={"final": True})
+    data = yaml.safe_load(path.read_text())
+    data["model"] = {"config": CONFIG, "tokenizer": MINILM, "task": "causal-lm", "dropout": 0.0}
+    path.write_text(yaml.safe_dump(data))
+    launch(path, nproc=1)
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(recipe) -> Path:
+    return recipe.parent / "run" / "checkpoints" / "step-00000001"
+
+
+def _assert_one_line_exit_2(code, capsys, *words):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, err
+    assert len(err) == 1 and err[0].startswith("toolkit: error:") and all(w in err[0] for w in words), err
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+@pytest.mark.parametrize("command", ["train", "launch", "convert"])
+def test_a_checkpoint_missing_a_data_file_is_one_line_naming_it(command, recipe, checkpoint, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(checkpoint, copy)
+    (copy / "__0_0.distcp").unlink()
+    out = tmp_path / "out"
+    args = {"train": ["train", str(recipe), "--set", f"output_dir={out}", "--resume", str(copy)],
+            "launch": ["launch", "--nproc", "1", str(recipe), "--set", f"output_dir={out}", "--resume", str(copy)],
+            "convert": ["convert", str(copy), str(out)]}[command]
+    _assert_one_line_exit_2(main(args), capsys, "is incomplete", "__0_0.distcp")
+    assert not out.exists()
+
+
+def test_a_checkpoint_of_other_tensor_shapes_is_one_line_naming_a_tensor(recipe, checkpoint, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(["train", str(recipe), "--set", "model.config.hidden_size=16", "--set", f"output_dir={out}",
+                 "--resume", str(checkpoint)])
+    _assert_one_line_exit_2(code, capsys, "'model.embed_tokens.weight' with shape [30522, 32]",
+                            "this model's is [30522, 16]", "written for another model")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("weights_only", [False, True])
+def test_a_checkpoint_with_layers_the_model_lacks_is_refused(weights_only, recipe, checkpoint, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(["train", str(recipe), "--set", "model.config.num_hidden_layers=1", "--set", f"output_dir={out}",
+                 "--resume", str(checkpoint), *(["--resume-weights-only"] if weights_only else [])])
+    # layer 1: 4 attention + 3 MLP projections + 2 norms
+    _assert_one_line_exit_2(code, capsys, "'model.layers.1.", "that this model does not have (9 such)",
+                            "written for another model")
+    assert not out.exists()
