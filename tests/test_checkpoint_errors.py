@@ -75,3 +75,13 @@ def test_a_checkpoint_with_layers_the_model_lacks_is_refused(weights_only, recip
     _assert_one_line_exit_2(code, capsys, "'model.layers.1.", "that this model does not have (9 such)",
                             "written for another model")
     assert not out.exists()
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="no /proc here")
+@pytest.mark.parametrize("command", ["train", "launch"])
+def test_an_output_dir_that_cannot_be_made_is_one_line(command, recipe, capsys):
+    out = "/proc/toolkit-run"
+    args = ["train", str(recipe)] if command == "train" else ["launch", "--nproc", "1", str(recipe)]
+    _assert_one_line_exit_2(main([*args, "--set", f"output_dir={out}"]), capsys,
+                            f"output_dir {out}: no folder can be made in /proc", "choose another output_dir")
+    assert not Path(out).exists()

@@ -24,6 +24,7 @@ import torch
 from toolkit import faults, profiling, runinfo, tracking
 from toolkit.checkpoint import run as checkpoints
 from toolkit.checkpoint.run import Resume
+from toolkit.checkpoint.store import check_creatable
 from toolkit.comm import CollectiveCounter, counting
 from toolkit.checks import check_position_limit
 from toolkit.consistency import check_replicas
@@ -83,6 +84,7 @@ def run_microbatches(strategy: Strategy, micro_batches: list[dict], *, task: str
 def prepare(recipe: Recipe, env: DistEnv):
     """Everything that can fail on user input, before any output is written."""
     plan = validate_strategy(recipe, world_size=env.world_size)  # again: torchrun/accelerate skip `toolkit launch`
+    check_creatable(Path(recipe.output_dir))  # before the data is read and the model built, not at the first write
     layout = make_strategy(recipe).data_layout(recipe, world_size=env.world_size, rank=env.rank)
     check_precision_supported(recipe.precision, env.device)
     check_position_limit(recipe)

@@ -33,8 +33,8 @@ def starting_point(recipe: Recipe, resume: Resume | None, *, plan: BatchPlan) ->
         if not store.complete_checkpoints(out_dir):
             return None
         resume = Resume()
+    store.check_output_dir(out_dir, resume=resume is not None)  # also where a resumed run writes elsewhere
     if resume is None:
-        store.check_output_dir(out_dir, resume=False)
         return None
     checkpoint = store.find_resume(out_dir, resume.path)
     state.saved_keys(checkpoint.path)  # its DCP metadata is readable (a one-line error before any rank starts)

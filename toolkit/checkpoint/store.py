@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,28 +107,30 @@ def holds_run(out_dir: Path) -> bool:
 
 
 def check_output_dir(out_dir: Path, *, resume: bool) -> None:
-    """Never overwrite a run silently: an output_dir that holds one needs --resume (or another output_dir). A new
-    run's output_dir is a folder, or one it can make: checked before anything is written."""
-    if resume:
-        return
+    """Never overwrite a run silently: an output_dir that holds one needs --resume (or another output_dir). A run's
+    output_dir is a folder, or one it can make: checked before anything is written."""
     check_creatable(out_dir)
-    if holds_run(out_dir):
+    if not resume and holds_run(out_dir):
         raise RecipeError(f"output_dir {out_dir} already holds a run; continue it with --resume, or write this "
                           f"one elsewhere with --set output_dir=OTHER")
 
 
-def check_creatable(out_dir: Path) -> None:
-    """`out_dir`, or its nearest parent that exists, is a folder this process writes in."""
+def check_creatable(out_dir: Path, *, what: str = "output_dir") -> None:
+    """`out_dir`, or its nearest parent that exists, is a folder this process can make a folder in. Tried, not
+    inferred from permission bits: root passes os.access everywhere, also in /proc, where mkdir still fails."""
+    fix = f"choose another {what}"
     if "\0" in str(out_dir):  # exists() says False for it, and mkdir raises ValueError
-        raise RecipeError(f"output_dir {str(out_dir)!r} holds a NUL character; choose another output_dir")
+        raise RecipeError(f"{what} {str(out_dir)!r} holds a NUL character; {fix}")
     try:  # exists() is False for a missing path, and raises for a name the file system refuses (too long)
         nearest = next(p for p in (out_dir, *out_dir.parents) if p.exists())
     except OSError as exc:
-        raise RecipeError(f"output_dir {out_dir}: {exc.strerror}; choose another output_dir") from None
+        raise RecipeError(f"{what} {out_dir}: {exc.strerror}; {fix}") from None
     if not nearest.is_dir():
-        raise RecipeError(f"output_dir {out_dir}: {nearest} is a file, not a folder; choose another output_dir")
-    if not os.access(nearest, os.W_OK | os.X_OK):
-        raise RecipeError(f"output_dir {out_dir}: {nearest} is not writable; choose another output_dir")
+        raise RecipeError(f"{what} {out_dir}: {nearest} is a file, not a folder; {fix}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".toolkit-probe-", dir=nearest))  # made and gone: nothing left behind
+    except OSError as exc:
+        raise RecipeError(f"{what} {out_dir}: no folder can be made in {nearest} ({exc.strerror}); {fix}") from None
 
 
 def remove_partials(out_dir: Path) -> None:
