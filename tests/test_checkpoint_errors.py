@@ -77,6 +77,18 @@ def test_a_checkpoint_with_layers_the_model_lacks_is_refused(weights_only, recip
     assert not out.exists()
 
 
+@pytest.mark.parametrize("where", ["under a file", "in /proc", "inside the checkpoint"])
+def test_convert_into_a_folder_it_cannot_or_must_not_make_is_one_line(where, recipe, checkpoint, capsys):
+    if where == "in /proc" and not Path("/proc").is_dir():
+        pytest.skip("no /proc here")
+    dest, words = {"under a file": (checkpoint.parent.parent / "run.json" / "sub", "run.json is a file, not a folder"),
+                   "in /proc": (Path("/proc/toolkit-convert"), "no folder can be made in /proc"),
+                   "inside the checkpoint": (checkpoint / "inside", "is inside the checkpoint")}[where]
+    before = _files(checkpoint)
+    _assert_one_line_exit_2(main(["convert", str(checkpoint), str(dest)]), capsys, words)
+    assert not dest.exists() and _files(checkpoint) == before
+
+
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="no /proc here")
 @pytest.mark.parametrize("command", ["train", "launch"])
 def test_an_output_dir_that_cannot_be_made_is_one_line(command, recipe, capsys):

@@ -20,8 +20,7 @@ def convert(checkpoint_path: Path, out: Path) -> Path:
     import transformers
 
     checkpoint = store.read_checkpoint(checkpoint_path)
-    if out.exists():
-        raise RecipeError(f"{out} already exists; pass a new folder to write the model into")
+    check_out(out, checkpoint=checkpoint.path)
     hf = checkpoint.path / "hf"
     if not (hf / "config.json").is_file():
         raise RecipeError(f"checkpoint {checkpoint.path} has no hf/config.json; it is incomplete")
@@ -38,3 +37,13 @@ def convert(checkpoint_path: Path, out: Path) -> Path:
     transformers.AutoTokenizer.from_pretrained(str(hf)).save_pretrained(str(tmp))
     tmp.rename(out)
     return out
+
+
+def check_out(out: Path, *, checkpoint: Path) -> None:
+    """OUT is a new folder outside the checkpoint, in a place where a folder can be made: before any weight is
+    read, so that a mistake costs nothing and leaves nothing behind."""
+    if out.resolve().is_relative_to(checkpoint.resolve()):
+        raise RecipeError(f"{out} is inside the checkpoint {checkpoint}; write the model to a folder outside it")
+    store.check_creatable(out, what="model folder")
+    if out.exists():
+        raise RecipeError(f"{out} already exists; pass a new folder to write the model into")
