@@ -103,14 +103,37 @@ def hf_config(config: ModelConfig, *, tokenizer=None):
         path = resolve_path(config.path)
         check_model_dir(path, "model.path")
         with config_errors(config):
-            return transformers.AutoConfig.from_pretrained(str(path), **_label_fields(config))
+            built = transformers.AutoConfig.from_pretrained(str(path), **_label_fields(config))
+        check_architecture(built, config)
+        return built
     fields = dict(config.config or {})
     model_type = fields.pop("model_type")
     with config_errors(config):
         built = transformers.AutoConfig.for_model(model_type, **fields, **_label_fields(config))
+    check_architecture(built, config)
     if tokenizer is not None and getattr(built, "pad_token_id", None) is None:
         built.pad_token_id = tokenizer.pad_token_id
     return built
+
+
+def check_architecture(built, config: ModelConfig) -> None:
+    """What transformers' config classes accept but their models cannot run: a task head the model type lacks
+    (from_config's refusal lists every config class in one huge line), grouped-query attention whose key/value
+    heads do not divide the query heads (Llama's config takes it; attention fails inside the first forward)."""
+    key = _config_key(config)
+    auto = _auto_class(config)
+    if type(built) not in auto._model_mapping:  # the condition from_config checks
+        raise RecipeError(f"{key}: model_type {built.model_type} has no {config.task} head in transformers "
+                          f"({auto.__name__}); use a model type that has one, or another model.task")
+    heads, kv_heads = getattr(built, "num_attention_heads", None), getattr(built, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
+        raise RecipeError(f"{key}: num_attention_heads {heads} must be a multiple of num_key_value_heads "
+                          f"{kv_heads} (each key/value head serves a group of query heads); set "
+                          f"num_key_value_heads to a divisor of {heads}")
+
+
+def _config_key(config: ModelConfig) -> str:
+    return "model.config" if config.config is not None else f"model.path {config.path}"
 
 
 @contextlib.contextmanager
@@ -127,8 +150,7 @@ def config_errors(config: ModelConfig, *more: type[Exception]) -> Iterator[None]
     except refused as exc:
         lines = str(exc).strip().splitlines()  # transformers' validators: a header, the reason on the last line
         reason = lines[-1].strip().rstrip(".") if lines else type(exc).__name__
-        key = "model.config" if config.config is not None else f"model.path {config.path}"
-        raise RecipeError(f"{key}: {reason[:200]}{'…' if len(reason) > 200 else ''}; fix the model's config") \
+        raise RecipeError(f"{_config_key(config)}: {reason[:200]}{'…' if len(reason) > 200 else ''}; fix the model's config") \
             from None
 
 

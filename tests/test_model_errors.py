@@ -1,0 +1,38 @@
+"""Mistakes in the model, tokenizer, DeepSpeed JSON and Accelerate settings a recipe points at: exit code 2 and
+one line naming the key and the fix, found by `validate` (before any rank starts), not a traceback in training."""
+
+import pytest
+
+from conftest import write_recipe
+from toolkit.cli import main
+
+# a from-scratch Llama like recipes/llama-tiny.yaml, at the size of conftest's tiny Llama
+TINY_LLAMA_CONFIG = {"model_type": "llama", "vocab_size": 30522, "hidden_size": 32, "intermediate_size": 64,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "max_position_embeddings": 64}
+
+
+def _from_config(tmp_path, tiny_llama_dir, **fields):
+    out = tmp_path / "out"
+    model = {"path": None, "tokenizer": str(tiny_llama_dir), "config": {**TINY_LLAMA_CONFIG, **fields}}
+    return write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out, model=model), out
+
+
+def _assert_one_line_exit_2(code, capsys, words, out):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("toolkit: error:") and all(w in err[0] for w in words), err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_key_value_heads_that_do_not_divide_the_heads_are_one_line(command, tmp_path, tiny_llama_dir, capsys):
+    recipe, out = _from_config(tmp_path, tiny_llama_dir, num_key_value_heads=3)
+    _assert_one_line_exit_2(main([command, str(recipe)]), capsys,
+                            ("model.config", "num_attention_heads 4", "num_key_value_heads 3", "multiple"), out)
+
+
+def test_a_model_type_without_the_tasks_head_is_one_line(tmp_path, tiny_llama_dir, capsys):
+    recipe, out = _from_config(tmp_path, tiny_llama_dir, model_type="t5")
+    _assert_one_line_exit_2(main(["validate", str(recipe)]), capsys,
+                            ("model.config", "model_type t5", "no causal-lm head"), out)
