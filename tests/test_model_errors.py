@@ -36,3 +36,42 @@ def test_a_model_type_without_the_tasks_head_is_one_line(tmp_path, tiny_llama_di
     recipe, out = _from_config(tmp_path, tiny_llama_dir, model_type="t5")
     _assert_one_line_exit_2(main(["validate", str(recipe)]), capsys,
                             ("model.config", "model_type t5", "no causal-lm head"), out)
+
+
+def test_an_empty_tokenizer_folder_is_one_line(tmp_path, tiny_llama_dir, capsys):
+    empty = tmp_path / "tokenizer"
+    empty.mkdir()
+    recipe, out = _from_config(tmp_path, tiny_llama_dir)
+    _assert_one_line_exit_2(main(["validate", str(recipe), "--set", f"model.tokenizer={empty}"]), capsys,
+                            (f"model.tokenizer: {empty}", "tokenizer.json"), out)
+
+
+@pytest.mark.parametrize("files, words", [
+    (("config.json",), "has config.json but no weights"),
+    (("config.json", "model.safetensors"), "holds no tokenizer"),  # weights without the tokenizer's files
+])
+def test_a_model_folder_missing_files_is_one_line(files, words, tmp_path, tiny_bert_dir, capsys):
+    import shutil
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in files:
+        shutil.copy(tiny_bert_dir / name, folder / name)
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=folder, task="sequence-classification", output_dir=out)
+    _assert_one_line_exit_2(main(["validate", str(recipe)]), capsys, (f"model.path: {folder}", words), out)
+
+
+def test_a_sharded_model_missing_a_shard_is_one_line(tmp_path, tiny_bert_dir, capsys):
+    import json
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_bert_dir, folder)
+    (folder / "model.safetensors").unlink()
+    index = {"metadata": {}, "weight_map": {"bert.embeddings.word_embeddings.weight": "model-00001-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=folder, task="sequence-classification", output_dir=out)
+    _assert_one_line_exit_2(main(["validate", str(recipe)]), capsys,
+                            ("model.safetensors.index.json", "model-00001-of-00002.safetensors"), out)

