@@ -75,3 +75,29 @@ def test_a_sharded_model_missing_a_shard_is_one_line(tmp_path, tiny_bert_dir, ca
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=folder, task="sequence-classification", output_dir=out)
     _assert_one_line_exit_2(main(["validate", str(recipe)]), capsys,
                             ("model.safetensors.index.json", "model-00001-of-00002.safetensors"), out)
+
+
+# DeepSpeed JSONs whose mistakes only deepspeed.initialize found, each with the words of its one line
+BAD_DS_JSONS = {
+    "stage out of range": ({"zero_optimization": {"stage": 7}}, "zero_optimization.stage"),
+    "stage not a number": ({"zero_optimization": {"stage": "two"}}, "zero_optimization.stage"),
+    "bucket size not a number": ({"zero_optimization": {"stage": 2, "reduce_bucket_size": "lots"}},
+                                 "zero_optimization.reduce_bucket_size"),
+    "nvme without a path": ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
+                            "zero_optimization.offload_optimizer.nvme_path"),
+    "unknown optimizer": ({"optimizer": {"type": "NoSuchOpt", "params": {}}, "zero_optimization": {"stage": 2}},
+                          "optimizer.type 'NoSuchOpt'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DS_JSONS))
+def test_a_deepspeed_json_deepspeed_refuses_is_one_line(case, tmp_path, tiny_llama_dir, capsys):
+    import json
+
+    config, words = BAD_DS_JSONS[case]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(config))
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out,
+                          strategy={"name": "zero", "ds_config": str(bad)})
+    _assert_one_line_exit_2(main(["validate", str(recipe)]), capsys, (str(bad), words), out)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, ContextManager
 
 import torch
@@ -33,8 +34,8 @@ from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, S
 from toolkit.strategies.state_bytes import StateBytes
 from toolkit.strategies import zero_checkpoint, zero_init, zero_state
 from toolkit.strategies.zero_optim import cpu_adam_like, optimizer_label_of
-from toolkit.strategies.zero_config import (check_deepspeed_precision, configured_stage, frees_gradients,
-                                          hidden_size_of, offloads, resolve_ds_config, stage_of)
+from toolkit.strategies.zero_config import (check_deepspeed_precision, check_with_deepspeed, configured_stage,
+                                          frees_gradients, hidden_size_of, offloads, resolve_ds_config, stage_of)
 
 INFO = StrategyInfo(
     name="zero", averages_gradients=True, accelerate_plugin="deepspeed", casts_parameters=True,
@@ -65,6 +66,8 @@ class ZeroStrategy:
         if options.offload_optimizer and options.stage == 0:  # stage None: the ds_config's, or 2
             raise RecipeError("strategy.offload_optimizer needs strategy.stage >= 1")
         config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=world_size))  # JSON contradictions
+        if options.ds_config is not None:
+            check_with_deepspeed(config, Path(options.ds_config))
         if offloads(config)[1] and stage_of(config) != 3:
             raise RecipeError(f"{options.ds_config}: zero_optimization.offload_param needs stage 3")
         check_deepspeed_precision(recipe.precision)
