@@ -101,3 +101,42 @@ def test_a_deepspeed_json_deepspeed_refuses_is_one_line(case, tmp_path, tiny_lla
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out,
                           strategy={"name": "zero", "ds_config": str(bad)})
     _assert_one_line_exit_2(main(["validate", str(recipe)]), capsys, (str(bad), words), out)
+
+
+DEEPSPEED_PLUGIN = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}
+
+
+@pytest.mark.parametrize("var, value", [("ACCELERATE_DEEPSPEED_ZERO_STAGE", "three"),
+                                        ("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "lots"),
+                                        ("ACCELERATE_GRADIENT_CLIPPING", "high")])
+def test_an_accelerate_setting_that_is_no_number_is_one_line(var, value, monkeypatch):
+    import os
+
+    from toolkit.accelerate_env import launcher_settings
+    from toolkit.errors import RecipeError
+
+    for name, setting in {**DEEPSPEED_PLUGIN, var: value}.items():
+        monkeypatch.setenv(name, setting)
+    with pytest.raises(RecipeError, match=f"{var}={value!r}"):
+        launcher_settings(os.environ)
+
+
+@pytest.mark.parametrize("var", ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "ACCELERATE_GRADIENT_CLIPPING"])
+def test_accelerates_auto_leaves_the_recipes_value(var, monkeypatch):
+    """Accelerate's DeepSpeedPlugin takes "auto" for these two: the training script's value (the recipe's)."""
+    import os
+
+    from toolkit.accelerate_env import launcher_settings
+
+    for name, setting in {**DEEPSPEED_PLUGIN, var: "auto"}.items():
+        monkeypatch.setenv(name, setting)
+    assert [s.key for s in launcher_settings(os.environ)] == ["strategy.name", "strategy.stage"]
+
+
+def test_train_under_a_bad_accelerate_setting_is_one_line(tmp_path, tiny_llama_dir, capsys, monkeypatch):
+    for name, setting in {**DEEPSPEED_PLUGIN, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "three"}.items():
+        monkeypatch.setenv(name, setting)
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out)
+    _assert_one_line_exit_2(main(["train", str(recipe)]), capsys,
+                            ("ACCELERATE_DEEPSPEED_ZERO_STAGE='three'", "accelerate config"), out)

@@ -9,7 +9,8 @@ keys FSDP2 has no use for (prefetching, use_orig_params, sync_module_states, cpu
 said to be not applicable; both versions: FSDP_OFFLOAD_PARAMS, FSDP_TRANSFORMER_CLS_TO_WRAP.
 ACCELERATE_USE_DEEPSPEED with ACCELERATE_DEEPSPEED_ZERO_STAGE, ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE,
 ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE, ACCELERATE_DEEPSPEED_CONFIG_FILE, ACCELERATE_GRADIENT_ACCUMULATION_STEPS,
-ACCELERATE_GRADIENT_CLIPPING.
+ACCELERATE_GRADIENT_CLIPPING (these two "auto", Accelerate's default for both, leave the recipe's value). A value
+that is no number where one is needed (ACCELERATE_DEEPSPEED_ZERO_STAGE=three) is a RecipeError naming the variable.
 
 Accelerate exports every FSDP variable, with its own default where the config file says nothing (for example
 FSDP_RESHARD_AFTER_FORWARD=true beside FSDP_SHARDING_STRATEGY=SHARD_GRAD_OP in a version-1 config): a switch
@@ -51,6 +52,21 @@ class Setting:
     note: str = ""  # the line said for a version-1 mapping (rank 0, at start)
 
 
+# settings Accelerate's DeepSpeedPlugin takes as "auto": the training script's value, here the recipe's
+AUTO = {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "ACCELERATE_GRADIENT_CLIPPING"}
+EXPECTED = {int: "a whole number", float: "a number"}
+
+
+def _converted(var: str, value: str, convert):
+    try:
+        return convert(value)
+    except ValueError:  # int("three"), float("lots"): the config file's value, not the toolkit's
+        auto = ' or "auto"' if var in AUTO else ""
+        raise RecipeError(f"accelerate launch sets {var}={value!r}, which is not {EXPECTED.get(convert, 'valid')}"
+                          f"{auto}; fix it in the accelerate config file (accelerate config) or the environment") \
+            from None
+
+
 def _flag(value: str) -> bool:
     return value.strip().lower() in ("1", "true", "yes")
 
@@ -64,8 +80,10 @@ def launcher_settings(environ) -> list[Setting]:
     out: list[Setting] = []
 
     def take(var: str, key: str, convert=str):
-        if environ.get(var) not in (None, "", "None"):
-            out.append(Setting(key, convert(environ[var]), var))
+        value = environ.get(var)
+        if value in (None, "", "None") or (var in AUTO and value == "auto"):
+            return
+        out.append(Setting(key, _converted(var, value, convert), var))
 
     if "ACCELERATE_MIXED_PRECISION" in environ:
         value = environ["ACCELERATE_MIXED_PRECISION"].lower()
