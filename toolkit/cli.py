@@ -288,8 +288,8 @@ def cmd_plan(args) -> int:
     unknown = [a for a in arms if a is not None and a not in aliases]
     if unknown:
         raise RecipeError(f"--strategies: unknown arm {unknown[0]!r}; choose from {', '.join(aliases)}")
-    limit, source = (plan.parse_bytes(args.memory_per_rank), "--memory-per-rank") if args.memory_per_rank \
-        else plan.default_memory_per_rank(args.nproc)
+    limit, source = (plan.parse_bytes(args.memory_per_rank), "--memory-per-rank") \
+        if args.memory_per_rank is not None else plan.default_memory_per_rank(args.nproc)
     _quiet_libraries()
     base = load_recipe(args.recipe, args.overrides)
     model = plan.planned_model(base)  # one skeleton for every arm: the arms change the strategy, not the model

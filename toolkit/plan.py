@@ -42,7 +42,7 @@ from toolkit.recipe import Recipe, plan_batch
 from toolkit.strategies.state_bytes import StateBytes, element_bytes
 
 MiB = 2 ** 20
-UNITS = {"": 1, "b": 1, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40,
+UNITS = {"b": 1, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40,
          "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
 
 
@@ -162,12 +162,15 @@ def planned_model(recipe: Recipe) -> nn.Module:
 
 
 def parse_bytes(text: str) -> int:
-    """'40GiB', '80 GB', '512MiB', '1e9' -> bytes (a RecipeError naming the form otherwise)."""
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    """'40GiB', '80 GB', '512MiB', '1e9B' -> bytes. The unit is required, and the size at least 1 MiB (less holds
+    no model): a bare `40`, read as 40 bytes, would say that nothing fits. A RecipeError naming the form otherwise."""
+    match = re.fullmatch(r"\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else None
-    if not match or unit not in UNITS:
-        raise RecipeError(f"--memory-per-rank: {text!r} is not a size; write it like 40GiB, 80GB or 512MiB")
-    return int(float(match.group(1)) * UNITS[unit])
+    size_bytes = float(match.group(1)) * UNITS[unit] if match and unit in UNITS else 0.0
+    if not MiB <= size_bytes < float("inf"):
+        raise RecipeError(f"--memory-per-rank: {text!r} is not a size of 1 MiB or more with its unit; write it like "
+                          "40GiB, 80GB or 512MiB")
+    return int(size_bytes)
 
 
 def default_memory_per_rank(nproc: int) -> tuple[int, str]:
