@@ -2,6 +2,7 @@
 the fix, and nothing written."""
 
 import pytest
+import yaml
 
 from conftest import write_recipe
 from toolkit.cli import main
@@ -17,6 +18,88 @@ def _assert_one_line_exit_2(code, capsys, words, out=None):
 @pytest.fixture
 def recipe(tmp_path, tiny_llama_dir):
     return write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "unused")
+
+
+# a compare file as it may come: (its bytes, words of the one line; the file's path is added)
+BAD_COMPARE_FILES = {
+    "unparsable": (b"recipe: [\n", (":2:1: not valid YAML",)),
+    "a number": (b"42\n", ("must be a mapping of recipe sections", "or matrix keys")),
+    "not UTF-8": (b"recipe: \xff\xfe\n", ("not UTF-8 text", "save it as UTF-8")),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_COMPARE_FILES))
+def test_a_compare_file_that_cannot_be_read_is_one_line(case, tmp_path, capsys):
+    text, words = BAD_COMPARE_FILES[case]
+    path = tmp_path / "c.yaml"
+    path.write_bytes(text)
+    out = tmp_path / "exp"
+    _assert_one_line_exit_2(main(["compare", str(path), "--output", str(out)]), capsys,
+                            (f"compare file {path}", *words), out)
+
+
+@pytest.mark.parametrize("arms", [",", "", "ddp,,fsdp"])
+@pytest.mark.parametrize("command", ["compare", "plan"])
+def test_an_empty_arm_name_is_refused(arms, command, recipe, tmp_path, capsys):
+    out = tmp_path / "exp"
+    extra = ["--output", str(out)] if command == "compare" else []
+    _assert_one_line_exit_2(main([command, str(recipe), "--strategies", arms, *extra]), capsys,
+                            (f"--strategies {arms!r}: an arm name is empty", "single,ddp,fsdp"), out)
+
+
+@pytest.mark.parametrize("command, arms", [("compare", "single,single"), ("plan", "ddp,ddp")])
+def test_a_repeated_arm_is_refused(command, arms, recipe, tmp_path, capsys):
+    out = tmp_path / "exp"
+    extra = ["--output", str(out)] if command == "compare" else []
+    _assert_one_line_exit_2(main([command, str(recipe), "--strategies", arms, *extra]), capsys,
+                            (f"arm {arms.split(',')[0]!r} is given twice", "list each arm once"), out)
+
+
+# a matrix-file line with a slip: words of the one line
+BAD_MATRIX_LINES = {
+    "nproc: two": ("nproc must be a whole number >= 1", "got 'two'"),
+    "grad_accum_steps: [0]": ("grad_accum_steps must be a list of whole numbers >= 1", "got [0]"),
+    "strategies: ddp,fsdp": ("strategies must be a list of arms, e.g. strategies: [ddp, fsdp]", "got 'ddp,fsdp'"),
+    "strategies: [ddp, ddp]": ("strategies: arm 'ddp' is given twice",),
+    "precisions: bf16": ("precisions must be a list, e.g. precisions: [fp32, bf16]", "got 'bf16'"),
+    "set: train.max_steps=2": ("set must be a list of KEY=VALUE overrides", "got 'train.max_steps=2'"),
+    "set: {train.max_steps: 1}": ("set must be a list of KEY=VALUE overrides", "got {'train.max_steps': 1}"),
+}
+
+
+@pytest.mark.parametrize("line", list(BAD_MATRIX_LINES))
+def test_a_matrix_key_of_the_wrong_form_is_named(line, recipe, tmp_path, capsys):
+    matrix = tmp_path / "m.yaml"
+    fields = {"recipe": str(recipe), "strategies": ["single", "ddp"], **yaml.safe_load(line)}
+    matrix.write_text(yaml.safe_dump(fields))
+    out = tmp_path / "exp"
+    _assert_one_line_exit_2(main(["compare", str(matrix), "--output", str(out)]), capsys,
+                            BAD_MATRIX_LINES[line], out)
+
+
+@pytest.mark.parametrize("below", ["", "/sub"])
+def test_an_output_path_on_a_file_is_refused_before_any_arm_runs(below, recipe, tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.write_text("not a folder\n")
+    code = main(["compare", str(recipe), "--strategies", "single", "--steps", "1", "--output", f"{taken}{below}"])
+    _assert_one_line_exit_2(code, capsys, (f"{taken}", "is a file, not a folder; pass another --output"))
+    assert taken.read_text() == "not a folder\n"
+
+
+@pytest.mark.parametrize("nproc", ["0", "-1"])
+def test_compare_refuses_fewer_than_one_rank_up_front(nproc, recipe, tmp_path, capsys):
+    out = tmp_path / "exp"
+    _assert_one_line_exit_2(main(["compare", str(recipe), "--strategies", "ddp", "--nproc", nproc, "--output",
+                                  str(out)]), capsys, (f"--nproc {nproc}: give the number of ranks", "1 or more"), out)
+
+
+@pytest.mark.parametrize("text, words", [("{bad", "Expecting property name"), ('{"recipe": "x"}', "no 'arms' key"),
+                                         ("[]", "not the layout it writes")])
+def test_report_of_a_damaged_experiment_file_is_one_line(text, words, tmp_path, capsys):
+    (tmp_path / "experiment.json").write_text(text)
+    _assert_one_line_exit_2(main(["report", str(tmp_path)]), capsys,
+                            (f"{tmp_path / 'experiment.json'} is not a readable compare experiment", words))
+    assert [p.name for p in tmp_path.iterdir()] == ["experiment.json"]
 
 
 @pytest.mark.parametrize("size", ["40", "0", "0.0001KiB"])

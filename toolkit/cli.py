@@ -278,13 +278,14 @@ def cmd_plan(args) -> int:
 
     from toolkit import plan
     from toolkit.checks import check_recipe
+    from toolkit.compare.experiment import split_arms
     from toolkit.metrics import process_bytes
     from toolkit.recipe import load_recipe
     from toolkit.strategies import arm_aliases, strategy_info
 
     _check_nproc(args.nproc)
     aliases = arm_aliases()
-    arms = [a.strip() for a in args.strategies.split(",") if a.strip()] if args.strategies else [None]
+    arms = split_arms(args.strategies) if args.strategies is not None else [None]
     unknown = [a for a in arms if a is not None and a not in aliases]
     if unknown:
         raise RecipeError(f"--strategies: unknown arm {unknown[0]!r}; choose from {', '.join(aliases)}")

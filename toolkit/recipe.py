@@ -18,6 +18,7 @@ import yaml
 
 from toolkit.errors import RecipeError
 from toolkit.typed import from_plain, recipe_key
+from toolkit.yaml_files import read_yaml_mapping, yaml_problem
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 TASKS = ("sequence-classification", "causal-lm")
@@ -332,32 +333,12 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
     return recipe_from_dict(read_recipe_dict(path, overrides))
 
 
-def _yaml_where(path: Path, exc: yaml.YAMLError) -> str:
-    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-    return f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-
-
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    problem, context = getattr(exc, "problem", None), getattr(exc, "context", None)
-    if problem:
-        return f"{problem} ({context})" if context else str(problem)
-    return str(exc).splitlines()[0]
-
-
 def read_recipe_dict(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> dict:
     """The recipe file as a plain dict with the overrides applied, not yet validated."""
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe {path} not found; pass a YAML file (see `toolkit --help` for the shipped recipes)")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except UnicodeDecodeError as exc:
-        raise RecipeError(f"recipe {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
-                          "save it as UTF-8") from None
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"recipe {_yaml_where(path, exc)}: not valid YAML: {_yaml_problem(exc)}") from None
-    if not isinstance(raw, dict):
-        raise RecipeError(f"recipe {path} must be a mapping of sections (model, data, ...)")
+    raw = read_yaml_mapping(path, what="recipe", holds="sections (model, data, ...)")
     for item in overrides:
         apply_override(raw, item)
     return raw
@@ -371,7 +352,7 @@ def apply_override(raw: dict, item: str) -> None:
     try:
         value = yaml.safe_load(text) if text != "" else ""
     except yaml.YAMLError as exc:
-        raise RecipeError(f"--set {item!r}: the value is not valid YAML ({_yaml_problem(exc)}); a string with "
+        raise RecipeError(f"--set {item!r}: the value is not valid YAML ({yaml_problem(exc)}); a string with "
                           "YAML's special characters goes in quotes: --set KEY='\"...\"'") from None
     if isinstance(value, str) and re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", value):
         value = float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string; users mean the number

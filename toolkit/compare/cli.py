@@ -8,13 +8,15 @@ from pathlib import Path
 
 from toolkit.errors import RecipeError
 
+DEFAULT_ARMS = "single,ddp,fsdp,zero2,zero3"  # the first is the reference
+
 
 def add_compare_commands(sub, add_overrides) -> None:
     compare = sub.add_parser("compare", help="run one job under several strategies; report speed, memory, "
                                              "MFU and whether they computed the same thing")
     compare.add_argument("recipe", help="a recipe YAML, or a matrix file with `recipe:` and `strategies:`")
     compare.add_argument("--strategies", default=None,
-                         help="comma-separated arms, first = reference (default single,ddp,fsdp,zero2,zero3)")
+                         help=f"comma-separated arms, first = reference (default {DEFAULT_ARMS})")
     compare.add_argument("--nproc", type=int, default=None, help="ranks per multi-process arm (default 2)")
     compare.add_argument("--steps", type=int, default=None, help="optimizer steps per arm")
     compare.add_argument("--output", default=None, metavar="DIR",
@@ -50,25 +52,34 @@ def calibration_arms(experiment) -> list:
     return out
 
 
-def cmd_compare(args) -> int:
-    import yaml
-
-    from toolkit.compare.experiment import build_experiment, load_matrix
-    from toolkit.compare.report import build_results, text_table, write_report
-    from toolkit.compare.runner import INTERRUPTED, Interrupted, run_experiment
+def experiment_of(args):
+    """The experiment `toolkit compare` was asked for: from a matrix file, or a recipe and --strategies."""
+    from toolkit.compare.experiment import build_experiment, load_matrix, split_arms
+    from toolkit.yaml_files import read_yaml_mapping
 
     if not Path(args.recipe).is_file():
         raise RecipeError(f"{args.recipe} not found; pass a recipe or a matrix file")
-    is_matrix = "strategies" in (yaml.safe_load(Path(args.recipe).read_text()) or {})
+    if args.nproc is not None and args.nproc < 1:  # None: the matrix file's nproc, else 2
+        raise RecipeError(f"--nproc {args.nproc}: give the number of ranks per multi-process arm, 1 or more")
+    data = read_yaml_mapping(Path(args.recipe), what="compare file",
+                             holds="recipe sections (model, data, ...) or matrix keys (recipe, strategies, ...)")
     overrides = [*args.overrides, *([f"output_dir={args.output}"] if args.output else [])]
-    if is_matrix:
+    if "strategies" in data:
         experiment = load_matrix(args.recipe, nproc=args.nproc, steps=args.steps, overrides=overrides)
     else:
-        strategies = (args.strategies or "single,ddp,fsdp,zero2,zero3").split(",")
-        experiment = build_experiment(args.recipe, strategies=[s.strip() for s in strategies if s.strip()],
-                                      precisions=[None], accums=[None], nproc=args.nproc or 2, steps=args.steps,
-                                      overrides=overrides)
+        strategies = split_arms(args.strategies if args.strategies is not None else DEFAULT_ARMS)
+        experiment = build_experiment(args.recipe, strategies=strategies, precisions=[None], accums=[None],
+                                      nproc=args.nproc or 2, steps=args.steps, overrides=overrides)
     experiment.arms += calibration_arms(experiment)
+    return experiment
+
+
+
+def cmd_compare(args) -> int:
+    from toolkit.compare.report import build_results, text_table, write_report
+    from toolkit.compare.runner import INTERRUPTED, Interrupted, run_experiment
+
+    experiment = experiment_of(args)
     print(f"[compare] experiment {experiment.out_dir}: {len(experiment.arms)} arms "
           f"({', '.join(a.name for a in experiment.arms)})", flush=True)
     try:

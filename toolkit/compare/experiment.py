@@ -11,11 +11,10 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-import yaml
-
 from toolkit.errors import RecipeError
 from toolkit.recipe import load_recipe, plan_batch
 from toolkit.strategies import arm_aliases, make_strategy, strategy_info, validate_strategy
+from toolkit.yaml_files import read_yaml_mapping
 
 RECORD_GRADIENT_SCALE = "train.record_gradient_scale"  # the reference arm's gradient scale (see verdict.py)
 
@@ -45,9 +44,15 @@ class Experiment:
         if not path.is_file():
             raise RecipeError(f"{out_dir} is not a compare experiment (no experiment.json); "
                               "pass the directory `toolkit compare` wrote")
-        data = json.loads(path.read_text())
-        arms = [Arm(a["name"], a["nproc"], tuple(a["overrides"])) for a in data["arms"]]
-        return cls(recipe=data["recipe"], out_dir=Path(out_dir), arms=arms, common=data["common"])
+        try:  # a JSON or layout error (a ValueError, KeyError or TypeError) is a damaged file, not our bug
+            data = json.loads(path.read_text(encoding="utf-8"))
+            arms = [Arm(a["name"], a["nproc"], tuple(a["overrides"])) for a in data["arms"]]
+            return cls(recipe=data["recipe"], out_dir=Path(out_dir), arms=arms, common=list(data["common"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            problem = f"no {exc} key" if isinstance(exc, KeyError) else "not the layout it writes" \
+                if isinstance(exc, TypeError) else str(exc).splitlines()[0]
+            raise RecipeError(f"{path} is not a readable compare experiment ({problem}); run `toolkit compare` "
+                              f"again with a new --output, or pass a folder it wrote") from None
 
 
 def arm_overrides(spec: str) -> tuple[str, ...]:
@@ -58,6 +63,31 @@ def arm_overrides(spec: str) -> tuple[str, ...]:
         raise RecipeError(f"unknown arm {strategy!r}; choose from {', '.join(aliases)} "
                           "(add per-arm overrides as name@key=value)")
     return (*aliases[strategy], *extra)
+
+
+def split_arms(text: str, *, option: str = "--strategies") -> list[str]:
+    """`single,ddp,fsdp@optim.lr=2e-4` -> its arms, in order; an empty or a repeated arm is a RecipeError."""
+    arms = [a.strip() for a in text.split(",")]
+    if not all(arms):
+        raise RecipeError(f"{option} {text!r}: an arm name is empty; give comma-separated arms, e.g. {option} "
+                          "single,ddp,fsdp (`toolkit strategies` lists them)")
+    refuse_repeats(arms, where=option)
+    return arms
+
+
+def refuse_repeats(names: list[str], *, where: str) -> None:
+    """Each arm runs once: a repeat would be reported beside itself (the reference judged against itself)."""
+    repeated = next((name for i, name in enumerate(names) if name in names[:i]), None)
+    if repeated is not None:
+        raise RecipeError(f"{where}: arm {repeated!r} is given twice; list each arm once")
+
+
+def check_output_dir(out_dir: Path) -> None:
+    """The experiment folder is a folder, or can be made: no file stands at its path or above it."""
+    existing = next(p for p in (out_dir, *out_dir.parents) if p.exists())  # `.` or `/` at the latest
+    if not existing.is_dir():
+        what = f"{out_dir} is a file" if existing == out_dir else f"{existing}, above {out_dir}, is a file"
+        raise RecipeError(f"experiment folder: {what}, not a folder; pass another --output")
 
 
 def build_experiment(recipe_path: str, *, strategies: list[str], precisions: list[str | None],
@@ -71,6 +101,7 @@ def build_experiment(recipe_path: str, *, strategies: list[str], precisions: lis
         common.append("model.dropout=0.0")  # masks depend on the batch split: exact comparison needs it off
     out = next((o.split("=", 1)[1] for o in overrides if o.startswith("output_dir=")), None)
     out_dir = Path(out) if out else Path("runs") / f"{datetime.now():%Y%m%d-%H%M%S}-compare"
+    check_output_dir(out_dir)
     arms = []
     for strategy in strategies:
         arm_recipe = load_recipe(recipe_path, [*overrides, *arm_overrides(strategy)])
@@ -92,6 +123,7 @@ def build_experiment(recipe_path: str, *, strategies: list[str], precisions: lis
                 if accum is not None and len(accums) > 1:
                     name += f"-accum{accum}"
                 arms.append(Arm(name, arm_nproc, (*arm_overrides(strategy), *extra)))
+    refuse_repeats([arm.name for arm in arms], where="strategies")
     common = [o for o in common if not o.startswith("output_dir=")]
     if arms:  # the reference arm records its gradient scale: the verdict tells noise-driven weights from it
         arms[0] = Arm(arms[0].name, arms[0].nproc, (*arms[0].overrides, f"{RECORD_GRADIENT_SCALE}=true"))
@@ -101,16 +133,48 @@ def build_experiment(recipe_path: str, *, strategies: list[str], precisions: lis
     return experiment
 
 
-def load_matrix(path: str, *, nproc: int | None, steps: int | None, overrides: list[str]) -> Experiment:
-    """A matrix file: {recipe, strategies, precisions?, grad_accum_steps?, nproc?, steps?, set?}."""
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    known = {"recipe", "strategies", "precisions", "grad_accum_steps", "nproc", "steps", "set"}
-    unknown = sorted(set(data) - known)
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _strings(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+# each matrix-file key: whether a value has its form, and that form in words (null: an optional key left out)
+MATRIX_KEYS = {
+    "recipe": (lambda v: isinstance(v, str), "a recipe file's path, e.g. recipe: recipes/llama-tiny.yaml"),
+    "strategies": (lambda v: _strings(v) and len(v) > 0, "a list of arms, e.g. strategies: [ddp, fsdp]"),
+    "precisions": (_strings, "a list, e.g. precisions: [fp32, bf16]"),
+    "grad_accum_steps": (lambda v: isinstance(v, list) and all(map(_whole, v)),
+                         "a list of whole numbers >= 1, e.g. grad_accum_steps: [1, 2]"),
+    "nproc": (_whole, "a whole number >= 1, e.g. nproc: 2"),
+    "steps": (_whole, "a whole number >= 1, e.g. steps: 20"),
+    "set": (lambda v: _strings(v) and all("=" in o for o in v),
+            "a list of KEY=VALUE overrides, e.g. set: [train.max_steps=20]"),
+}
+
+
+def read_matrix(path: str) -> dict:
+    """A matrix file's keys, each checked for its form: {recipe, strategies, precisions?, grad_accum_steps?,
+    nproc?, steps?, set?}; a slip (`strategies: ddp,fsdp`, a string) is one line naming the key and its form."""
+    data = read_yaml_mapping(Path(path), what="matrix file", holds="keys (recipe, strategies, ...)")
+    unknown = sorted(set(data) - set(MATRIX_KEYS))
     if unknown:
-        raise RecipeError(f"{path}: unknown key {unknown[0]!r}; known: {', '.join(sorted(known))}")
-    if "recipe" not in data or "strategies" not in data:
+        raise RecipeError(f"{path}: unknown key {unknown[0]!r}; known: {', '.join(sorted(MATRIX_KEYS))}")
+    if data.get("recipe") is None or data.get("strategies") is None:
         raise RecipeError(f"{path}: a matrix file needs `recipe` and `strategies`")
+    for key, value in data.items():
+        has_form, form = MATRIX_KEYS[key]
+        if value is not None and not has_form(value):
+            raise RecipeError(f"{path}: {key} must be {form}; got {value!r}")
+    return data
+
+
+def load_matrix(path: str, *, nproc: int | None, steps: int | None, overrides: list[str]) -> Experiment:
+    """The experiment of a matrix file (see read_matrix); nproc, steps and overrides from the command line win."""
+    data = read_matrix(path)
     return build_experiment(
-        data["recipe"], strategies=list(data["strategies"]), precisions=list(data.get("precisions") or [None]),
-        accums=list(data.get("grad_accum_steps") or [None]), nproc=nproc or int(data.get("nproc", 2)),
-        steps=steps if steps is not None else data.get("steps"), overrides=[*data.get("set", []), *overrides])
+        data["recipe"], strategies=data["strategies"], precisions=data.get("precisions") or [None],
+        accums=data.get("grad_accum_steps") or [None], nproc=nproc if nproc is not None else data.get("nproc") or 2,
+        steps=steps if steps is not None else data.get("steps"), overrides=[*(data.get("set") or []), *overrides])
