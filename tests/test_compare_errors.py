@@ -1,10 +1,13 @@
 """`toolkit compare`, `report` and `plan`: each user mistake is exit code 2, one line naming the problem and
-the fix, and nothing written."""
+the fix, and nothing written. Only the resume tests train: one 1-step, single-process compare they share."""
+
+import json
+import shutil
 
 import pytest
 import yaml
 
-from conftest import write_recipe
+from conftest import run_cli, write_recipe
 from toolkit.cli import main
 
 
@@ -106,3 +109,50 @@ def test_report_of_a_damaged_experiment_file_is_one_line(text, words, tmp_path, 
 def test_plan_wants_a_memory_size_with_its_unit(size, recipe, capsys):
     _assert_one_line_exit_2(main(["plan", str(recipe), "--memory-per-rank", size]), capsys,
                             (f"--memory-per-rank: {size!r}", "1 MiB or more with its unit", "40GiB"))
+
+
+@pytest.fixture(scope="module")
+def one_step(tmp_path_factory, tiny_llama_dir):
+    """A finished 1-step single-process compare: (its recipe, its folder, the arguments that made it)."""
+    root = tmp_path_factory.mktemp("compare-resume")
+    recipe = write_recipe(root / "r.yaml", model_dir=tiny_llama_dir, output_dir=root / "unused",
+                          data={"eval": None}, train={"max_steps": 5, "consistency_check_every": None})
+    out = root / "exp"
+    args = ["compare", str(recipe), "--strategies", "single", "--steps", "1", "--output", str(out)]
+    done = run_cli(*args)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return recipe, out, args
+
+
+def _files(folder):
+    return {p: p.stat().st_mtime_ns for p in folder.rglob("*")}
+
+
+def test_rerun_with_other_settings_refuses_the_folder(one_step, capsys):
+    recipe, out, args = one_step
+    before = _files(out)
+    code = main([*args[:4], "--steps", "3", "--set", "optim.lr=0.5", "--output", str(out)])
+    _assert_one_line_exit_2(code, capsys, (f"{out} holds arm single run with other settings",
+                                           "optim.lr: 0.001 then, 0.5 now", "train.max_steps: 1 then, 3 now",
+                                           "pass a new --output, or remove"))
+    assert _files(out) == before  # experiment.json still describes the runs it holds
+
+
+def test_rerun_after_the_recipe_file_changed_refuses_the_folder(one_step, tmp_path, capsys):
+    recipe, out, args = one_step
+    changed = tmp_path / "r.yaml"
+    changed.write_text(recipe.read_text().replace("lr: 0.001", "lr: 0.002"))
+    copy = tmp_path / "exp"
+    shutil.copytree(out, copy)
+    code = main(["compare", str(changed), *args[2:6], "--output", str(copy)])
+    _assert_one_line_exit_2(code, capsys, ("holds arm single run with other settings",
+                                           "optim.lr: 0.001 then, 0.002 now"))
+
+
+def test_rerun_with_the_same_settings_reuses_the_completed_arm(one_step, tmp_path, capsys):
+    recipe, out, args = one_step
+    copy = tmp_path / "exp"
+    shutil.copytree(out, copy)
+    assert main([*args[:-1], str(copy)]) == 0
+    assert "single: already completed, skipped" in capsys.readouterr().out
+    assert json.loads((copy / "results.json").read_text())["arms"][0]["arm"] == "single"

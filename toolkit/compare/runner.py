@@ -1,5 +1,6 @@
 """Runs each arm as its own `toolkit launch` (its own processes, its own output dir). A failed arm is
-recorded with its error and the others go on; a re-run skips the arms already completed."""
+recorded with its error and the others go on; a re-run skips the arms already completed with the same
+settings, and refuses a folder whose completed arms ran with others."""
 
 from __future__ import annotations
 
@@ -12,8 +13,13 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 from toolkit.compare.experiment import Arm, Experiment
+from toolkit.compare.verdict import flatten
 from toolkit.errors import INTERRUPTED_EXIT_CODE as INTERRUPTED
+from toolkit.errors import RecipeError
+from toolkit.recipe import load_recipe, recipe_to_dict
 from toolkit.tracking import tensorboard_dir
 
 TAIL_LINES = 15
@@ -29,6 +35,37 @@ def arm_status(path: Path) -> str:
     if run.is_file() and json.loads(run.read_text()).get("status") == "completed" and (path / "model").is_dir():
         return "completed"
     return "failed" if (path / "failed.json").is_file() else "pending"
+
+
+def check_reusable(experiment: Experiment) -> None:
+    """An arm completed in the experiment folder is reused only when it ran with the settings this experiment
+    gives it (recipe, overrides, ranks): else its numbers would be reported as this experiment's. Checked for
+    every arm before anything runs or is written; a difference is one line naming the setting."""
+    for arm in experiment.arms:
+        path = arm_dir(experiment, arm)
+        difference = settings_difference(experiment, arm, path) if arm_status(path) == "completed" else None
+        if difference:
+            raise RecipeError(f"{experiment.out_dir} holds arm {arm.name} run with other settings ({difference}); "
+                              f"pass a new --output, or remove {experiment.out_dir} to run the experiment afresh")
+
+
+WHERE_KEYS = ("output_dir", "train.tracking_dir")  # where an arm writes (see run_arm), not what it computes
+
+
+def settings_difference(experiment: Experiment, arm: Arm, path: Path) -> str | None:
+    """How the completed run in `path` differs from `arm` in this experiment, in words; None when it does not."""
+    if not (path / "recipe.yaml").is_file():
+        return "its recipe.yaml is missing"
+    ran = flatten(yaml.safe_load((path / "recipe.yaml").read_text()))
+    wanted = flatten(recipe_to_dict(load_recipe(experiment.recipe, [*experiment.common, *arm.overrides])))
+    changed = [f"{key}: {ran.get(key)!r} then, {wanted.get(key)!r} now" for key in sorted(set(ran) | set(wanted))
+               if key not in WHERE_KEYS and ran.get(key) != wanted.get(key)]
+    world_size = json.loads((path / "run.json").read_text()).get("world_size")
+    if world_size != arm.nproc:
+        changed.append(f"ranks: {world_size} then, {arm.nproc} now")
+    if not changed:
+        return None
+    return ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
 
 
 def run_arm(experiment: Experiment, arm: Arm) -> str:
@@ -94,6 +131,7 @@ class Interrupted(Exception):
 
 
 def run_experiment(experiment: Experiment, *, log=print) -> dict[str, str]:
+    check_reusable(experiment)
     experiment.save()
     statuses: dict[str, str] = {}
     for index, arm in enumerate(experiment.arms, start=1):

@@ -128,7 +128,7 @@ def noise_line(check: dict) -> str | None:
 def setting_differences(arm: dict, ref: dict) -> list[str]:
     """Resolved-recipe keys and precision-audit rows that differ (strategy plumbing left out)."""
     out = []
-    flat_a, flat_r = _flatten(arm["recipe"]), _flatten(ref["recipe"])
+    flat_a, flat_r = flatten(arm["recipe"]), flatten(ref["recipe"])
     for key in sorted(set(flat_a) | set(flat_r)):
         if key.startswith(EXPECTED_DIFFERENT) or key in EXPECTED_DIFFERENT:
             continue
@@ -180,12 +180,13 @@ def audit_key(row: str, value) -> str | None:
     return value.split(" (")[0]
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict:
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """A resolved recipe as {"optim.lr": 0.001, ...} (a model's `config` stays one value)."""
     out = {}
     for key, value in (tree or {}).items():
         name = f"{prefix}{key}"
         if isinstance(value, dict) and key != "config":
-            out.update(_flatten(value, name + "."))
+            out.update(flatten(value, name + "."))
         else:
             out[name] = value
     return out
