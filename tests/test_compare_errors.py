@@ -89,6 +89,16 @@ def test_an_output_path_on_a_file_is_refused_before_any_arm_runs(below, recipe, 
     assert taken.read_text() == "not a folder\n"
 
 
+def test_an_output_folder_that_holds_no_experiment_is_left_alone(recipe, tmp_path, capsys):
+    # an arm runs afresh in OUTPUT/<arm>, replacing that folder: a user's folder of that name must survive
+    mine = tmp_path / "work" / "single"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("mine\n")
+    code = main(["compare", str(recipe), "--strategies", "single", "--steps", "1", "--output", str(tmp_path / "work")])
+    _assert_one_line_exit_2(code, capsys, ("holds files but no experiment.json", "pass a new or empty --output"))
+    assert (mine / "notes.txt").read_text() == "mine\n"
+
+
 @pytest.mark.parametrize("nproc", ["0", "-1"])
 def test_compare_refuses_fewer_than_one_rank_up_front(nproc, recipe, tmp_path, capsys):
     out = tmp_path / "exp"

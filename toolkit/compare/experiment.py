@@ -88,6 +88,10 @@ def check_output_dir(out_dir: Path) -> None:
     if not existing.is_dir():
         what = f"{out_dir} is a file" if existing == out_dir else f"{existing}, above {out_dir}, is a file"
         raise RecipeError(f"experiment folder: {what}, not a folder; pass another --output")
+    # each arm runs afresh in out_dir/<arm>, replacing what is there: only a folder compare made is written into
+    if existing == out_dir and any(out_dir.iterdir()) and not (out_dir / "experiment.json").is_file():
+        raise RecipeError(f"experiment folder: {out_dir} holds files but no experiment.json (it is no compare "
+                          "experiment, whose arm folders a run replaces); pass a new or empty --output")
 
 
 def build_experiment(recipe_path: str, *, strategies: list[str], precisions: list[str | None],
