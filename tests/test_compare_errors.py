@@ -80,6 +80,14 @@ def test_a_matrix_key_of_the_wrong_form_is_named(line, recipe, tmp_path, capsys)
                             BAD_MATRIX_LINES[line], out)
 
 
+def test_a_matrix_file_with_strategies_on_the_command_line_is_refused(recipe, tmp_path, capsys):
+    matrix = tmp_path / "m.yaml"
+    matrix.write_text(yaml.safe_dump({"recipe": str(recipe), "strategies": ["single", "ddp"]}))
+    out = tmp_path / "exp"
+    _assert_one_line_exit_2(main(["compare", str(matrix), "--strategies", "fsdp", "--output", str(out)]), capsys,
+                            ("is a matrix file: its `strategies:` lists the arms", "drop --strategies"), out)
+
+
 @pytest.mark.parametrize("below", ["", "/sub"])
 def test_an_output_path_on_a_file_is_refused_before_any_arm_runs(below, recipe, tmp_path, capsys):
     taken = tmp_path / "taken"
@@ -166,3 +174,14 @@ def test_rerun_with_the_same_settings_reuses_the_completed_arm(one_step, tmp_pat
     assert main([*args[:-1], str(copy)]) == 0
     assert "single: already completed, skipped" in capsys.readouterr().out
     assert json.loads((copy / "results.json").read_text())["arms"][0]["arm"] == "single"
+
+
+@pytest.mark.parametrize("text", ["{bad", "[]", ""])
+def test_an_arm_whose_run_json_is_damaged_runs_again(text, tmp_path):
+    from toolkit.compare.runner import arm_status
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "run.json").write_text(text)
+    assert arm_status(tmp_path) == "pending"  # not a traceback, nor a completed arm without numbers
+    (tmp_path / "run.json").write_text('{"status": "completed"}')
+    assert arm_status(tmp_path) == "completed"

@@ -65,6 +65,9 @@ def experiment_of(args):
                              holds="recipe sections (model, data, ...) or matrix keys (recipe, strategies, ...)")
     overrides = [*args.overrides, *([f"output_dir={args.output}"] if args.output else [])]
     if "strategies" in data:
+        if args.strategies is not None:  # the file's arms would win without a word
+            raise RecipeError(f"{args.recipe} is a matrix file: its `strategies:` lists the arms; drop --strategies, "
+                              "or pass a recipe with --strategies")
         experiment = load_matrix(args.recipe, nproc=args.nproc, steps=args.steps, overrides=overrides)
     else:
         strategies = split_arms(args.strategies if args.strategies is not None else DEFAULT_ARMS)

@@ -13,7 +13,7 @@ import yaml
 from toolkit.compare.memory_report import MEMORY_NOTE, memory_lines
 from toolkit.compare import measure, verdict
 from toolkit.compare.experiment import Experiment
-from toolkit.compare.runner import arm_dir, arm_status
+from toolkit.compare.runner import arm_dir, arm_status, read_run
 from toolkit.metrics import read_jsonl
 
 CALIBRATION_PREFIX = "calibration-"
@@ -28,7 +28,7 @@ def load_arm(experiment: Experiment, arm) -> dict:
         failed = path / "failed.json"
         data["error"] = json.loads(failed.read_text())["error"] if failed.is_file() else "not run yet"
         return data
-    run = json.loads((path / "run.json").read_text())
+    run = read_run(path) or {}  # completed: its run.json was read just now
     data.update(run=run, metrics=read_jsonl(path / "metrics.jsonl"),
                 recipe=yaml.safe_load((path / "recipe.yaml").read_text()), audit=run.get("precision_audit"),
                 precision=run["precision"], num_params=run["num_params"])

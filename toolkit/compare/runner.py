@@ -30,11 +30,20 @@ def arm_dir(experiment: Experiment, arm: Arm) -> Path:
 
 
 def arm_status(path: Path) -> str:
-    """completed | failed | pending, read from what the arm left on disk."""
-    run = path / "run.json"
-    if run.is_file() and json.loads(run.read_text()).get("status") == "completed" and (path / "model").is_dir():
+    """completed | failed | pending, read from what the arm left on disk (a damaged run.json: pending, so that
+    the arm runs again)."""
+    if (read_run(path) or {}).get("status") == "completed" and (path / "model").is_dir():
         return "completed"
     return "failed" if (path / "failed.json").is_file() else "pending"
+
+
+def read_run(path: Path) -> dict | None:
+    """The arm's run.json; None where it is missing or is no JSON object (written in place by hand, cut short)."""
+    try:
+        run = json.loads((path / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return run if isinstance(run, dict) else None
 
 
 def check_reusable(experiment: Experiment) -> None:
@@ -60,7 +69,7 @@ def settings_difference(experiment: Experiment, arm: Arm, path: Path) -> str | N
     wanted = flatten(recipe_to_dict(load_recipe(experiment.recipe, [*experiment.common, *arm.overrides])))
     changed = [f"{key}: {ran.get(key)!r} then, {wanted.get(key)!r} now" for key in sorted(set(ran) | set(wanted))
                if key not in WHERE_KEYS and ran.get(key) != wanted.get(key)]
-    world_size = json.loads((path / "run.json").read_text()).get("world_size")
+    world_size = (read_run(path) or {}).get("world_size")
     if world_size != arm.nproc:
         changed.append(f"ranks: {world_size} then, {arm.nproc} now")
     if not changed:
