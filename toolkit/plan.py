@@ -87,7 +87,8 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     stored, compute = DTYPES[recipe.model.load_dtype], DTYPES[recipe.precision]
     load = sum(p.numel() for p in model.parameters()) * element_bytes(stored)
     casts = strategy.info.casts_parameters
-    how = {"params_dtype": compute if casts else stored,
+    params_dtype = compute if casts else stored  # what a rank computes with, and so its gradients' dtype
+    how = {"params_dtype": params_dtype,
            "autocast_dtype": None if casts or compute == stored else compute}
     checkpointing = recipe.train.activation_checkpointing
     trace = functools.partial(strategy.predict_activation_bytes, model, recipe, world_size=world_size)
@@ -103,10 +104,10 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     # the sum is then a tensor of its own, added into it (3)
     copies = 3 if accumulates and strategy.info.tied_gradients == 2 else strategy.info.tied_gradients
     # in the gradients' dtype: the parameters' a rank computes with
-    tied = tied_gradient_bytes(model, compute if casts else stored) * copies
+    tied = tied_gradient_bytes(model, params_dtype) * copies
     # ZeRO-1: every gradient, unreduced, until backward ends (its model states count its partition's)
     unreduced = sum(p.numel() for p in model.parameters() if p.requires_grad) * \
-        element_bytes(compute if casts else stored) if strategy.info.whole_gradients_in_backward else 0
+        element_bytes(params_dtype) if strategy.info.whole_gradients_in_backward else 0
 
     def training(state: StateBytes, activations: int) -> int:
         """Model states and the rank's activations at their peak (gradients there only if held), the end of

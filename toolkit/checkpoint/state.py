@@ -22,6 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 
 from toolkit.checkpoint import store, verify
 from toolkit.checkpoint.fragments import Fragments
@@ -289,9 +290,11 @@ def load_weights(model: nn.Module, path: Path) -> None:
     _load({"model": target}, path)
 
 
-def read_model_tensors(path: Path, shapes: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Collective: the named weights of a checkpoint as full fp32 tensors, on every rank."""
-    verify.check_model_fits(path, verify.read_metadata(path), shapes, whole=False)
+def read_model_tensors(path: Path, shapes: dict[str, Any],
+                       metadata: Metadata | None = None) -> dict[str, torch.Tensor]:
+    """Collective: the named weights of a checkpoint as full fp32 tensors, on every rank. `metadata`: its
+    verify.read_metadata, where a caller reading it part by part has it already (its files checked once)."""
+    verify.check_model_fits(path, metadata or verify.read_metadata(path), shapes, whole=False)
     target = {name: torch.empty(tuple(shape), dtype=torch.float32) for name, shape in shapes.items()}
     _load({"model": target}, path)
     return target

@@ -16,8 +16,10 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata
 
 from toolkit.checkpoint.state import first_names, read_model_tensors
+from toolkit.checkpoint.verify import read_metadata
 from toolkit.dist import DistEnv
 from toolkit.loading import ModelSource
 
@@ -36,8 +38,9 @@ def build_partitioned(source: ModelSource, *, config: dict, env: DistEnv) -> nn.
         del live
     checkpoint = source.checkpoint
     if checkpoint is not None:
-        fill(model, lambda shapes: read_model_tensors(checkpoint, shapes))  # every rank reads
-        fill_buffers(model, checkpoint)
+        metadata = read_metadata(checkpoint)  # its files checked once, not at every module
+        fill(model, lambda shapes: read_model_tensors(checkpoint, shapes, metadata))  # every rank reads
+        fill_buffers(model, checkpoint, metadata)
     elif source.recipe.model.path is None:
         # a model from a config: zero.Init draws its random weights in another order than one whole build,
         # so rank 0 builds it as every other strategy does (seeded) and hands it over one module at a time
@@ -66,12 +69,12 @@ def fill(model: nn.Module, values: Callable[[dict[str, Any]], dict[str, torch.Te
                     param.data.copy_(full[names[id(param)]])
 
 
-def fill_buffers(model: nn.Module, path: Path) -> None:
+def fill_buffers(model: nn.Module, path: Path, metadata: Metadata) -> None:
     """Collective: a checkpoint's persistent buffers (not partitioned) into every rank's model."""
     saved = set(model.state_dict())
     buffers = {n: b for n, b in model.named_buffers() if n in saved}
     if buffers:
-        full = read_model_tensors(path, {n: b.shape for n, b in buffers.items()})
+        full = read_model_tensors(path, {n: b.shape for n, b in buffers.items()}, metadata)
         with torch.no_grad():
             for name, buffer in buffers.items():
                 buffer.copy_(full[name])

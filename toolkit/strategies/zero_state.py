@@ -30,6 +30,7 @@ from toolkit.strategies.zero_config import hidden_size_of, offloads, resolve_ds_
 FP32 = 4
 ALIGNMENT = 2  # DeepSpeed's nccl_start_alignment_factor: partitions start 4-byte aligned for 16-bit data
 DEFAULT_REDUCE_BUCKET = 500_000_000
+ALLREDUCE_BUCKET = 500_000_000  # stage 0's all-reduce buckets (engine.py, MEMORY_OPT_ALLREDUCE_SIZE; no setting)
 DEFAULT_MAX_LIVE = DEFAULT_REUSE_DISTANCE = 1_000_000_000  # stage3_max_live_parameters, stage3_max_reuse_distance
 
 
@@ -125,7 +126,7 @@ def step_bytes(model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
     return partition * (FP32 + (size if size != FP32 else 0))
 
 
-def largest_allreduce_bucket(numels: list[int], limit: int = DEFAULT_REDUCE_BUCKET) -> int:
+def largest_allreduce_bucket(numels: list[int], limit: int = ALLREDUCE_BUCKET) -> int:
     """Elements of the largest bucket DeepSpeed's stage-0 all-reduce flattens: gradients in parameter order,
     a bucket sent as soon as it holds more than `limit` (engine.py, allreduce_no_retain)."""
     largest = bucket = 0
