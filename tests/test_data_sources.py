@@ -70,6 +70,34 @@ def test_saved_datasets_shard_folders_and_compressed_files_load_the_same_rows(tm
     assert evaluation["input_ids"] == want[:8]
 
 
+def test_a_folder_whose_file_names_name_splits_gives_each_key_its_own_split(tmp_path, tiny_llama_dir, capsys):
+    """train-*.jsonl and validation.jsonl in one folder: data.train reads the train files only and data.eval the
+    validation file, as load_dataset(folder) splits them; read as one split, the eval rows would be trained on."""
+    tokenizer = _tokenizer()
+    folder = tmp_path / "splits"
+    folder.mkdir()
+    for name, rows in (("train-00000.jsonl", ROWS[:24]), ("train-00001.jsonl", ROWS[24:48]),
+                       ("validation.jsonl", ROWS[48:])):
+        (folder / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
+                          data={"train": str(folder), "eval": str(folder)})
+    want = [tokenizer(row["text"], truncation=True, max_length=32)["input_ids"] for row in ROWS]
+    assert _split(recipe)[0]["input_ids"] == want[:48]
+    assert _split(recipe, key="data.eval")[0]["input_ids"] == want[48:]
+
+    (folder / "extra.jsonl").write_text(json.dumps(ROWS[0]) + "\n")  # a file whose name gives no split
+    assert main(["validate", str(recipe)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "extra.jsonl, whose name gives no split" in err[0], err
+    for name in ("extra.jsonl", "train-00000.jsonl", "train-00001.jsonl"):
+        (folder / name).rename(tmp_path / name)
+    (tmp_path / "test.jsonl").write_text(json.dumps(ROWS[0]) + "\n")
+    (tmp_path / "test.jsonl").rename(folder / "test.jsonl")  # validation and test, no train
+    assert main(["validate", str(recipe)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "none named train" in err[0], err
+
+
 @pytest.mark.parametrize("make, words", [
     (lambda d: (d / "empty").mkdir(), "is a folder without data files"),
     (lambda d: ((d / "mixed").mkdir(), (d / "mixed" / "a.csv").write_text("text\nx\n"),

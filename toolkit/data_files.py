@@ -2,7 +2,10 @@
 
 `data.train` / `data.eval` may name
   a file            json, jsonl, csv, parquet or txt, the text formats also compressed (.gz, .bz2, .xz, .zst);
-  a folder of shards files of one of those formats (e.g. part-00000.parquet ...), read as one split;
+  a folder of shards files of one of those formats (e.g. part-00000.parquet ...), read as one split; where the
+                    file names name several splits by `datasets`' own rules (train-*, *_validation.*, test.*,
+                    dev, eval ...), only the key's split (train; for eval: validation, then test), as for
+                    load_dataset(folder);
   a saved dataset   a folder `datasets`' save_to_disk wrote: a Dataset, or a DatasetDict whose split named like
                     the key is taken (train; for eval: validation, eval or test).
 Every problem with them (missing, empty, unparsable, a column without what training needs) is a RecipeError
@@ -63,7 +66,7 @@ def data_source(key: str, path: str) -> DataSource:
         if len(formats) > 1:
             raise RecipeError(f"{key}: {path} mixes {' and '.join(formats)} files; keep one format per folder")
         _check_compression(key, shards[0], formats[0])
-        return DataSource(key, where, formats[0], tuple(shards))
+        return DataSource(key, where, formats[0], tuple(_split_of(key, where, shards)))
     if not where.is_file():
         raise RecipeError(f"{key}: {path} not found; give a {known} file, a folder of them or a saved dataset")
     fmt = format_of(where)
@@ -71,6 +74,35 @@ def data_source(key: str, path: str) -> DataSource:
         raise RecipeError(f"{key}: {path}: unknown format {where.suffix!r}; use {known}")
     _check_compression(key, where, fmt)
     return DataSource(key, where, fmt, (where,))
+
+
+def _split_of(key: str, where: Path, shards: list[Path]) -> list[Path]:
+    """The shards of the key's split where their names name several (`datasets`' split keywords), else all."""
+    from datasets.data_files import get_data_patterns, resolve_pattern
+
+    named: dict[str, list[Path]] = {}
+    for split, patterns in get_data_patterns(str(where)).items():
+        found: set[Path] = set()
+        for pattern in patterns:
+            try:
+                found.update(Path(f).resolve() for f in resolve_pattern(pattern, str(where)))
+            except FileNotFoundError:  # no file of the pattern
+                pass
+        files = [f for f in shards if f.resolve() in found]  # a split's files inside sub-folders are not read
+        if files:
+            named[str(split)] = files
+    if len(named) < 2:
+        return shards
+    wanted = ("train",) if key == "data.train" else EVAL_SPLITS
+    split = next((name for name in wanted if name in named), None)
+    if split is None:
+        raise RecipeError(f"{key}: {where} holds files of splits {', '.join(named)}, none named "
+                          f"{' or '.join(wanted)}; point {key} at a folder or file of one split")
+    unnamed = sorted(f.name for f in set(shards) - {f for files in named.values() for f in files})
+    if unnamed:
+        raise RecipeError(f"{key}: {where} holds files of splits {', '.join(named)} and {unnamed[0]}, whose name "
+                          "gives no split; rename it (train-*, validation-*, test-*) or move it out")
+    return named[split]
 
 
 def _check_compression(key: str, file: Path, fmt: str) -> None:
