@@ -77,6 +77,20 @@ def test_a_checkpoint_with_layers_the_model_lacks_is_refused(weights_only, recip
     assert not out.exists()
 
 
+def test_zero3_refuses_a_checkpoint_with_layers_the_model_lacks(recipe, checkpoint, tmp_path, capfd):
+    """ZeRO-3 reads a checkpoint one module at a time into its partitions (low-memory loading), not as a whole
+    state dict: two ranks, through the launcher (a rank of a process group ends without tearing it down), whose
+    stderr is the ranks' own (capfd)."""
+    out = tmp_path / "out"
+    code = main(["launch", "--nproc", "2", str(recipe), "--set", "model.config.num_hidden_layers=1",
+                 "--set", "strategy.name=zero", "--set", "strategy.stage=3", "--set", "batch.micro_batch_size=4",
+                 "--set", f"output_dir={out}",
+                 "--resume", str(checkpoint)])
+    _assert_one_line_exit_2(code, capfd, "'model.layers.1.", "that this model does not have (9 such)",
+                            "written for another model")
+    assert not (out / "checkpoints").exists() and not (out / "model").exists()
+
+
 @pytest.mark.parametrize("where", ["under a file", "in /proc", "inside the checkpoint"])
 def test_convert_into_a_folder_it_cannot_or_must_not_make_is_one_line(where, recipe, checkpoint, capsys):
     if where == "in /proc" and not Path("/proc").is_dir():

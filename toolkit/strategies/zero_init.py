@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata
 
-from toolkit.checkpoint.state import first_names, read_model_tensors
-from toolkit.checkpoint.verify import read_metadata
+from toolkit.checkpoint.state import first_names, model_tensors, read_model_tensors
+from toolkit.checkpoint.verify import check_model_fits, read_metadata
 from toolkit.dist import DistEnv
 from toolkit.loading import ModelSource
 
@@ -39,6 +39,7 @@ def build_partitioned(source: ModelSource, *, config: dict, env: DistEnv) -> nn.
     checkpoint = source.checkpoint
     if checkpoint is not None:
         metadata = read_metadata(checkpoint)  # its files checked once, not at every module
+        check_model_fits(checkpoint, metadata, full_shapes(model), whole=True)  # no tensor the model lacks
         fill(model, lambda shapes: read_model_tensors(checkpoint, shapes, metadata))  # every rank reads
         fill_buffers(model, checkpoint, metadata)
     elif source.recipe.model.path is None:
@@ -48,6 +49,12 @@ def build_partitioned(source: ModelSource, *, config: dict, env: DistEnv) -> nn.
         fill(model, lambda shapes: {name: whole[name] for name in shapes} if env.is_main else None)
         del whole
     return model
+
+
+def full_shapes(model: nn.Module) -> dict[str, Any]:
+    """The model's checkpointed tensors (a tied weight once) -> their whole shapes (a partition's `ds_shape`)."""
+    params = dict(model.named_parameters())
+    return {name: getattr(params.get(name), "ds_shape", tensor.shape) for name, tensor in model_tensors(model).items()}
 
 
 def fill(model: nn.Module, values: Callable[[dict[str, Any]], dict[str, torch.Tensor] | None]) -> None:
