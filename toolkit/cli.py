@@ -6,18 +6,12 @@ import argparse
 import json
 import os
 import re
-import shutil
-import signal
 import sys
 import time
-import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from toolkit.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, RecipeError, error_line, say_once
-
-if TYPE_CHECKING:
-    from toolkit.strategies.base import Strategy
+from toolkit.errors import USER_ERROR_EXIT_CODE, RecipeError, error_line, say_once
+from toolkit.rank import interrupted, quiet_libraries
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -104,110 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
-    import os
+    from toolkit.rank import run_rank
 
-    from toolkit.accelerate_env import apply_launcher_settings, launcher_settings
-    from toolkit.recipe import read_recipe_dict, recipe_from_dict
-
-    raw = read_recipe_dict(args.recipe, args.overrides)
-    settings = launcher_settings(os.environ)  # under `accelerate launch`: its plugin settings
-    apply_launcher_settings(raw, settings)
-    recipe = recipe_from_dict(raw)
-    if os.environ.get("RANK", "0") == "0":  # how a version-1 FSDP config runs on FSDP2, a line per key
-        for note in (s.note for s in settings if s.note):
-            print(f"[toolkit] accelerate: {note}", file=sys.stderr, flush=True)
-    _quiet_libraries()
-    from toolkit.dist import exit_process, init_distributed, shutdown
-
-    resume = _resume_of(args)
-    env = init_distributed()
-    code, strategy = 1, None
-    try:
-        code, strategy = _train_rank(recipe, env, resume)
-    except KeyboardInterrupt:  # Ctrl-C outside the steps (inside them it is a stop signal: see loop)
-        code = interrupted(recipe, env)
-    except Exception as exc:  # a bug, not a user's mistake: the whole traceback, then the same end as any rank
-        if peer_lost(exc, env):  # the consequence of another rank's failure, which that rank reports
-            print(f"toolkit: rank {env.rank}: stopped, another rank left the run ({_first_line(exc)})",
-                  file=sys.stderr, flush=True)
-        else:
-            traceback.print_exc()
-    finally:
-        release = strategy.close if strategy is not None else None
-        left_cleanly = shutdown(completed=code == 0, release=release)
-    return exit_process(code if left_cleanly else 1)
-
-
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed",
-             "Connection refused")  # gloo's words for a peer process that is gone
-
-
-def peer_lost(exc: BaseException, env) -> bool:
-    import torch.distributed as dist
-
-    return env.distributed and isinstance(exc, (RuntimeError, dist.DistError)) and \
-        any(words in str(exc) for words in PEER_LOST)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:200]
-
-
-def _train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
-    """Train this rank: (exit code, the strategy to release once every rank is done). A user's mistake or
-    replica drift is one line and an exit code, not a traceback."""
-    from toolkit.consistency import ReplicaDriftError
-    from toolkit.loop import train
-    from toolkit.launch import resume_hint
-    from toolkit.stopping import NonFinite, Stopped
-
-    out_dir = Path(recipe.output_dir)
-    existed = os.path.exists(out_dir)  # False, not an error, for a name the file system refuses (train says so)
-    try:
-        result = train(recipe, env, resume=resume)
-    except RecipeError as exc:
-        if env.is_main and not existed:
-            shutil.rmtree(out_dir, ignore_errors=True)  # nothing half-written for a user mistake
-        say_once(error_line(exc))  # the first rank that finds it prints the one line
-        return USER_ERROR_EXIT_CODE, None
-    except ReplicaDriftError as exc:
-        print(f"toolkit: replica drift: {exc}", file=sys.stderr)
-        return 3, None
-    except Stopped as stop:  # every rank stops after the same step; rank 0 says how to go on
-        if env.is_main:
-            what = (f"interrupted at step {stop.step} of {stop.total}; outputs so far in {out_dir}"
-                    if stop.signum == signal.SIGINT else f"stopped by {stop}")
-            print(f"toolkit: {what}; checkpoint {stop.checkpoint}; {resume_hint(env.world_size)}",
-                  file=sys.stderr, flush=True)
-        return 128 + stop.signum, None
-    except NonFinite as exc:
-        if env.is_main:
-            from toolkit.checkpoint.store import complete_checkpoints
-
-            found = complete_checkpoints(out_dir)
-            where = f"the newest checkpoint is {found[-1]} (--resume)" if found else "no checkpoint was written yet"
-            print(f"toolkit: {exc}; the run stopped before any checkpoint could hold it; {where}; "
-                  "train.on_nonfinite=skip skips such steps", file=sys.stderr, flush=True)
-        return NONFINITE_EXIT_CODE, None
-    return 0, result.strategy
-
-
-NONFINITE_EXIT_CODE = 4
-
-
-def interrupted(recipe=None, env=None) -> int:
-    """Ctrl-C outside the training steps: one line (rank 0), no traceback. Further Ctrl-Cs (the launcher
-    forwards the terminal's to every rank) are ignored: this process is on its way out already."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if (env.is_main if env is not None else os.environ.get("RANK", "0") == "0"):
-        where = ""
-        if recipe is not None:
-            out_dir = Path(recipe.output_dir)
-            where = f"; outputs so far in {out_dir}" if out_dir.is_dir() and any(out_dir.iterdir()) else \
-                "; nothing was written"
-        print(f"toolkit: interrupted{where}", file=sys.stderr, flush=True)
-    return INTERRUPTED_EXIT_CODE
+    return run_rank(args.recipe, args.overrides, _resume_of(args))
 
 
 def cmd_launch(args) -> int:
@@ -265,7 +158,7 @@ def cmd_validate(args) -> int:
 
     _check_nproc(args.nproc)
     recipe = load_recipe(args.recipe, args.overrides)
-    _quiet_libraries()  # the checks build the model on the meta device: transformers' and peft's deprecation notes
+    quiet_libraries()  # the checks build the model on the meta device: transformers' and peft's deprecation notes
     plan = check_recipe(recipe, world_size=args.nproc)
     print(dump_recipe(recipe), end="")
     print(f"# ok: {plan.world_size} ranks × micro {plan.micro_batch_size} × accum {plan.grad_accum_steps} "
@@ -291,7 +184,7 @@ def cmd_plan(args) -> int:
         raise RecipeError(f"--strategies: unknown arm {unknown[0]!r}; choose from {', '.join(aliases)}")
     limit, source = (plan.parse_bytes(args.memory_per_rank), "--memory-per-rank") \
         if args.memory_per_rank is not None else plan.default_memory_per_rank(args.nproc)
-    _quiet_libraries()
+    quiet_libraries()
     base = load_recipe(args.recipe, args.overrides)
     model = plan.planned_model(base)  # one skeleton for every arm: the arms change the strategy, not the model
     runtime = process_bytes()  # this process with torch and transformers loaded: what a rank starts from
@@ -337,21 +230,10 @@ def _yaml_value(value) -> str:
     return str(list(value)) if isinstance(value, tuple) else str(value)
 
 
-def _quiet_libraries() -> None:
-    import warnings
-
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
-
-
 def cmd_convert(args) -> int:
     from toolkit.checkpoint.convert import convert
 
-    _quiet_libraries()
+    quiet_libraries()
     out = convert(Path(args.checkpoint), Path(args.out))
     print(f"[toolkit] wrote {out} (load it with from_pretrained)", file=sys.stderr)
     return 0

@@ -10,7 +10,7 @@ A checkpoint is a folder `output_dir/checkpoints/step-NNNNNNNN/` holding
 
 DCP reshards on load, so a save from N ranks loads at M. The strategies meet in that one layout:
 single/dp/ddp/fsdp read and write it with torch's `get_state_dict`/`set_state_dict` helpers; ZeRO reads it
-through DeepSpeed's `safe_set_full_*` accessors (see toolkit/strategies/zero.py). Weights are loaded into the
+through DeepSpeed's `safe_set_full_*` accessors (see toolkit/strategies/zero_checkpoint.py). Weights are loaded into the
 plain model before the strategy wraps it, so every strategy shards them its own way. ZeRO writes without
 those accessors: each rank lists its pieces of DeepSpeed's flat partitions and they are gathered on the
 checkpoint's own group, in the background with `checkpoint.async` (toolkit/checkpoint/fragments.py).

@@ -247,62 +247,13 @@ class ZeroStrategy:
         return {"model": model, "optim": optim}
 
     def load_optimizer_state(self, read: Read) -> None:
-        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-        from torch.distributed.checkpoint.state_dict import _init_optim_state
-
-        params = list(self.module.named_parameters())
-        model, optim = {}, {}
-        for name, param in params:
-            shape = param.ds_shape if self.stage == 3 else param.shape
-            model[name] = torch.zeros(shape, dtype=torch.float32)  # the fp32 master (bf16/fp16 weights round)
-            for key in ("exp_avg", "exp_avg_sq"):
-                optim[f"state.{name}.{key}"] = torch.zeros(shape, dtype=torch.float32)
-            optim[f"state.{name}.step"] = torch.zeros(())
-        read({"model": model, "optim": optim})  # every rank reads the full tensors, then keeps its partition
-        inner = self._inner_optimizer()
-        # the flat partitions' Adam state, created the way torch does it (a zero-gradient, zero-lr step);
-        # ZeRO-3 lists its partitions in the optimizer's groups only while it steps
-        expose = getattr(self.optimizer, "_set_fp32_optimizer_param_groups", None)
-        if expose is not None:
-            expose()
-        # with an offloaded optimizer DeepSpeed preallocates the partitions' gradients, and torch's helper
-        # takes any gradient to mean the state exists: hide them for the zero-gradient step, then put them back
-        held = [(p, p.grad) for group in inner.param_groups for p in group["params"]]
-        try:
-            for p, _ in held:
-                p.grad = None
-            _init_optim_state(inner)
-        finally:
-            for p, grad in held:
-                p.grad = grad
-            if expose is not None:
-                self.optimizer._clear_fp32_optimizer_param_groups()
-        self._link_optimizer_state()
-        for name, param in params:
-            partitioned = hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")  # None: another rank's part
-            master = model[name].to(self.env.device)
-            if partitioned:
-                safe_set_full_fp32_param(param, master)
-            for key in ("exp_avg", "exp_avg_sq"):
-                value = optim[f"state.{name}.{key}"].to(self.env.device)
-                if partitioned:
-                    safe_set_full_optimizer_state(param, value, key)
-                else:  # no DeepSpeed optimizer wrapper (stage 0, fp32): torch's own state per parameter
-                    inner.state[param][key].copy_(value)
-        step = float(optim[f"state.{params[0][0]}.step"])
-        for state in inner.state.values():
-            if "step" in state:
-                state["step"] = torch.tensor(step) if torch.is_tensor(state["step"]) else type(state["step"])(step)
+        step = zero_checkpoint.load_optimizer_state(self.module, optimizer=self.optimizer,
+                                                    inner=self._inner_optimizer(), stage=self.stage,
+                                                    device=self.env.device, read=read)
         self.engine.global_steps = int(step)
 
     def _link_optimizer_state(self) -> None:
-        """ZeRO-1/2 (and DeepSpeed's bf16 optimizer) point each parameter at its fragment of the Adam state
-        once, right after the first parameter group's first step: a second group's state does not exist yet
-        then, so its parameters stay unlinked (DeepSpeed 0.19.8, two groups: decay and no decay). Link again
-        now that every group's state exists."""
-        if hasattr(self.optimizer, "_lazy_init_hp_params_optimizer_state"):
-            self.optimizer._hp_optimizer_states_linked = False
-            self.optimizer._lazy_init_hp_params_optimizer_state()
+        zero_checkpoint.link_optimizer_state(self.optimizer)
 
     def _optimizer_step(self) -> float | None:
         for state in self._inner_optimizer().state.values():

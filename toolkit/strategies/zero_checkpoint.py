@@ -6,7 +6,8 @@ Stages 1-2 (and DeepSpeed's bf16 optimizer): `param._hp_mapping` says which slic
 this rank's partition holds (None: another rank holds all of it). Stage 3: `grad_position` gives each
 parameter's slice in the rank's flat sub-group partition; rank r holds elements [r·n, r·n + n) of the
 flattened parameter (n = partition_numel; the last rank's padding is left out). Stage 0 in fp32 keeps no
-partitions: rank 0 gives the parameters and torch's Adam state whole.
+partitions: rank 0 gives the parameters and torch's Adam state whole. On resume, every rank reads the full
+tensors and keeps its partition of them (load_optimizer_state).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from toolkit.checkpoint.fragments import Fragments, Piece
+from toolkit.checkpoint.state import Read
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -81,3 +83,64 @@ def _stage3_pieces(param, *, optimizer, inner) -> list[tuple[str, int, torch.Ten
     found = [("model", start, flat.narrow(0, offset, real))]
     found += [(m, start, states[m].narrow(0, offset, real)) for m in MOMENTS if m in states]
     return found
+
+
+def load_optimizer_state(module: nn.Module, *, optimizer, inner, stage: int, device: torch.device,
+                         read: Read) -> float:
+    """Every rank reads the checkpoint's full fp32 masters and Adam moments, then keeps its partition of them
+    (DeepSpeed's `safe_set_full_*` accessors). Returns the optimizer step they were saved at."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    params = list(module.named_parameters())
+    model, optim = {}, {}
+    for name, param in params:
+        shape = param.ds_shape if stage == 3 else param.shape  # type: ignore[attr-defined]  # ZeRO-3 adds it
+        model[name] = torch.zeros(shape, dtype=torch.float32)  # the fp32 master (bf16/fp16 weights round)
+        for key in MOMENTS:
+            optim[f"state.{name}.{key}"] = torch.zeros(shape, dtype=torch.float32)
+        optim[f"state.{name}.step"] = torch.zeros(())
+    read({"model": model, "optim": optim})
+    # the flat partitions' Adam state, created the way torch does it (a zero-gradient, zero-lr step);
+    # ZeRO-3 lists its partitions in the optimizer's groups only while it steps
+    expose = getattr(optimizer, "_set_fp32_optimizer_param_groups", None)
+    if expose is not None:
+        expose()
+    # with an offloaded optimizer DeepSpeed preallocates the partitions' gradients, and torch's helper
+    # takes any gradient to mean the state exists: hide them for the zero-gradient step, then put them back
+    held = [(p, p.grad) for group in inner.param_groups for p in group["params"]]
+    try:
+        for p, _ in held:
+            p.grad = None
+        _init_optim_state(inner)
+    finally:
+        for p, grad in held:
+            p.grad = grad
+        if expose is not None:
+            optimizer._clear_fp32_optimizer_param_groups()
+    link_optimizer_state(optimizer)
+    for name, param in params:
+        partitioned = hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")  # None: another rank's part
+        if partitioned:
+            safe_set_full_fp32_param(param, model[name].to(device))
+        for key in MOMENTS:
+            value = optim[f"state.{name}.{key}"].to(device)
+            if partitioned:
+                safe_set_full_optimizer_state(param, value, key)
+            else:  # no DeepSpeed optimizer wrapper (stage 0, fp32): torch's own state per parameter
+                inner.state[param][key].copy_(value)
+    step = float(optim[f"state.{params[0][0]}.step"])
+    for state in inner.state.values():
+        if "step" in state:
+            state["step"] = torch.tensor(step) if torch.is_tensor(state["step"]) else type(state["step"])(step)
+    return step
+
+
+def link_optimizer_state(optimizer) -> None:
+    """ZeRO-1/2 (and DeepSpeed's bf16 optimizer) point each parameter at its fragment of the Adam state
+    once, right after the first parameter group's first step: a second group's state does not exist yet
+    then, so its parameters stay unlinked (DeepSpeed 0.19.8, two groups: decay and no decay). Link again
+    now that every group's state exists."""
+    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()
