@@ -194,6 +194,22 @@ def test_plan_command_prints_every_arm_and_what_does_not_fit():
     assert sum(line.startswith("pp-1f1b ") for line in lines) == 2
 
 
+def test_plan_judges_each_arm_against_its_own_ranks_share_of_the_host():
+    """On CPU the default memory per rank is the host's ÷ the arm's ranks: a one-process arm (single) has the
+    whole host, a 4-rank ddp a quarter of it (computed here from the host's pages, not by the planner)."""
+    import os
+
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    done = run_cli("plan", "recipes/llama-tiny.yaml", "--nproc", "4", "--strategies", "single,ddp",
+                   "--set", "batch.micro_batch_size=8")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    for arm, ranks in (("single", 1), ("ddp", 4)):
+        row = next(line for line in lines if line.startswith(f"{arm} "))
+        assert row.rstrip().endswith(f"yes ({host // ranks / 2 ** 30:.1f} GiB)"), row
+    assert f"({host // 4 / 2 ** 30:.1f} GiB" not in next(line for line in lines if line.startswith("single "))
+
+
 def test_plan_bad_input_is_one_line():
     done = run_cli("plan", "recipes/llama-tiny.yaml", "--strategies", "ddp,zero9")
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "zero9" in done.stderr

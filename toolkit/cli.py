@@ -182,8 +182,10 @@ def cmd_plan(args) -> int:
     unknown = [a for a in arms if a is not None and a not in aliases]
     if unknown:
         raise RecipeError(f"--strategies: unknown arm {unknown[0]!r}; choose from {', '.join(aliases)}")
-    limit, source = (plan.parse_bytes(args.memory_per_rank), "--memory-per-rank") \
-        if args.memory_per_rank is not None else plan.default_memory_per_rank(args.nproc)
+    given = plan.parse_bytes(args.memory_per_rank) if args.memory_per_rank is not None else None
+
+    def memory_per_rank(world: int) -> tuple[int, str]:  # a one-process arm has the host to itself
+        return (given, "--memory-per-rank") if given is not None else plan.default_memory_per_rank(world)
     quiet_libraries()
     base = load_recipe(args.recipe, args.overrides)
     model = plan.planned_model(base)  # one skeleton for every arm: the arms change the strategy, not the model
@@ -199,7 +201,7 @@ def cmd_plan(args) -> int:
                                                                    device_type=device, model=model)))
         except RecipeError as exc:
             rows.append((arm or recipe.strategy.name, str(exc)))
-    print(plan.render(rows, memory_per_rank=limit, memory_source=source))
+    print(plan.render(rows, memory_per_rank=memory_per_rank))
     return 0
 
 

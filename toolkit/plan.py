@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import re
+from typing import Callable
 from collections import Counter
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ from toolkit.recipe import Recipe, plan_batch
 from toolkit.strategies.state_bytes import StateBytes, element_bytes
 
 MiB = 2 ** 20
+GiB = 2 ** 30
 UNITS = {"b": 1, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40,
          "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
 
@@ -187,15 +189,27 @@ def default_memory_per_rank(nproc: int) -> tuple[int, str]:
     return total // max(nproc, 1), f"host memory ÷ {nproc} rank(s)"
 
 
-def render(rows: list[tuple[str, Prediction | str]], *, memory_per_rank: int, memory_source: str) -> str:
-    """The plan table: one line per arm (per rank where ranks differ); an arm that cannot run says why."""
+def _size(size: int) -> str:
+    return f"{size / GiB:.1f} GiB" if size >= GiB else f"{size / MiB:.0f} MiB"
+
+
+def render(rows: list[tuple[str, Prediction | str]], *,
+           memory_per_rank: Callable[[int], tuple[int, str]]) -> str:
+    """The plan table: one line per arm (per rank where ranks differ); an arm that cannot run says why. Each arm
+    is judged against `memory_per_rank(its world size)`: (bytes, what they are), host memory ÷ its own ranks on
+    CPU (a one-process arm has the host to itself)."""
+    worlds = sorted({p.world_size for _, p in rows if not isinstance(p, str)})
+    limits = {world: memory_per_rank(world) for world in worlds}
+    one = len({limit for limit, _ in limits.values()}) <= 1
+    shown = next(iter(limits.values()), memory_per_rank(1))[0]
     head = ["arm", "rank", "params MiB", "grads MiB", "optim MiB", "model states MiB", "activations MiB (AC)",
-            "peak MiB", f"fits {memory_per_rank / 2 ** 30:.1f} GiB"]
+            "peak MiB", f"fits {_size(shown)}" if one else "fits"]
     lines: list[list[str]] = []
     for arm, prediction in rows:
         if isinstance(prediction, str):
             lines.append([arm, "-", *["-"] * 6, f"cannot run: {prediction}"])
             continue
+        limit = limits[prediction.world_size][0]
         checkpointed = prediction.activation_bytes_checkpointed or [0] * prediction.world_size
         columns = list(zip(prediction.per_rank, prediction.activation_bytes, checkpointed,
                            prediction.peak_bytes_per_rank))
@@ -203,13 +217,16 @@ def render(rows: list[tuple[str, Prediction | str]], *, memory_per_rank: int, me
         ranks = [(f"all {prediction.world_size}", columns[0])] if len(distinct) == 1 else \
             [(str(i), column) for i, column in enumerate(columns)]
         for label, (state, activations, with_ac, peak) in ranks:
+            fits = "yes" if peak <= limit else "NO"
             lines.append([arm, label, f"{state.params_bytes / MiB:.1f}", f"{state.grads_bytes / MiB:.1f}",
                           f"{state.optim_bytes / MiB:.1f}", f"{state.total_bytes / MiB:.1f}",
                           f"{activations / MiB:.0f} ({with_ac / MiB:.0f})", f"{peak / MiB:.0f}",
-                          "yes" if peak <= memory_per_rank else "NO"])
+                          fits if one else f"{fits} ({_size(limit)})"])
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)] if lines else map(len, head)
     out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
     out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]
-    out.append(f"memory per rank: {memory_per_rank / 2 ** 30:.1f} GiB ({memory_source}). Model states are exact "
+    given = limits.values() if limits else [memory_per_rank(1)]
+    where = "; ".join(sorted({f"{_size(limit)} ({source})" for limit, source in given}))
+    out.append(f"memory per rank: {where}. Model states are exact "
                "(the run measures the same bytes); activations and peak are estimates: see toolkit/plan.py.")
     return "\n".join(out)
