@@ -32,6 +32,30 @@ def test_key_value_heads_that_do_not_divide_the_heads_are_one_line(command, tmp_
                             ("model.config", "num_attention_heads 4", "num_key_value_heads 3", "multiple"), out)
 
 
+@pytest.mark.parametrize("field, value", [("num_attention_heads", 0), ("hidden_size", 0),
+                                          ("num_attention_heads", -4), ("num_hidden_layers", -1)])
+def test_a_size_below_one_in_the_model_config_is_one_line(field, value, tmp_path, tiny_llama_dir, capsys):
+    """Llama's config divides by the heads (ZeroDivisionError); hidden 0 or negative heads or layers passed
+    validate and failed inside the model's build, a traceback with run files left behind."""
+    recipe, out = _from_config(tmp_path, tiny_llama_dir, **{field: value})
+    _assert_one_line_exit_2(main(["train", str(recipe)]), capsys,
+                            ("model.config", f"{field} is {value}", "1 or more"), out)
+
+
+def test_a_size_below_one_in_a_model_folders_config_is_one_line(tmp_path, tiny_llama_dir, capsys):
+    import json
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 0}))
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=folder, output_dir=out)
+    _assert_one_line_exit_2(main(["validate", str(recipe)]), capsys,
+                            (f"model.path {folder}", "num_hidden_layers is 0", "1 or more"), out)
+
+
 def test_a_model_type_without_the_tasks_head_is_one_line(tmp_path, tiny_llama_dir, capsys):
     recipe, out = _from_config(tmp_path, tiny_llama_dir, model_type="t5")
     _assert_one_line_exit_2(main(["validate", str(recipe)]), capsys,

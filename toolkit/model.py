@@ -149,16 +149,32 @@ def hf_config(config: ModelConfig, *, tokenizer=None):
         check_model_dir(path, "model.path")
         with config_errors(config):
             built = transformers.AutoConfig.from_pretrained(str(path), **_label_fields(config))
+        check_sizes(built.to_dict(), config)
         check_architecture(built, config)
         return built
     fields = dict(config.config or {})
     model_type = fields.pop("model_type")
+    check_sizes(fields, config)  # before the config class, whose own arithmetic divides by some of them
     with config_errors(config):
         built = transformers.AutoConfig.for_model(model_type, **fields, **_label_fields(config))
     check_architecture(built, config)
     if tokenizer is not None and getattr(built, "pad_token_id", None) is None:
         built.pad_token_id = tokenizer.pad_token_id
     return built
+
+
+# sizes a transformer config holds that must be at least 1 (names across the model families transformers has);
+# at 0 or below a config class divides by zero or a model builds tensors of negative size
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "max_position_embeddings", "n_embd", "n_layer", "n_head",
+               "n_positions", "d_model", "d_ff", "d_kv", "num_layers", "num_heads", "ffn_dim")
+
+
+def check_sizes(fields: dict, config: ModelConfig) -> None:
+    for name in SIZE_FIELDS:
+        value = fields.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 1:
+            raise RecipeError(f"{_config_key(config)}: {name} is {value}; a size must be 1 or more")
 
 
 def check_architecture(built, config: ModelConfig) -> None:
@@ -187,7 +203,7 @@ def config_errors(config: ModelConfig, *more: type[Exception]) -> Iterator[None]
     model type, sizes past what a tensor holds) as a RecipeError, one line naming the recipe key."""
     from huggingface_hub.errors import StrictDataclassError
 
-    refused: tuple[type[Exception], ...] = (ValueError, TypeError, StrictDataclassError, *more)
+    refused: tuple[type[Exception], ...] = (ValueError, TypeError, ZeroDivisionError, StrictDataclassError, *more)
     try:
         yield
     except RecipeError:
