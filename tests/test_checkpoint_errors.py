@@ -111,3 +111,17 @@ def test_an_output_dir_that_cannot_be_made_is_one_line(command, recipe, capsys):
     _assert_one_line_exit_2(main([*args, "--set", f"output_dir={out}"]), capsys,
                             f"output_dir {out}: no folder can be made in /proc", "choose another output_dir")
     assert not Path(out).exists()
+
+
+@pytest.mark.parametrize("source, words", [
+    ("manifest", ("manifest.json does not exist or is not a folder", "(the folder holding it: ")),
+    ("run folder", ("is not a toolkit checkpoint", "pass one of its checkpoints/step-N")),
+])
+def test_convert_of_a_file_or_run_folder_names_the_checkpoint_folder_not_resume(source, words, recipe, checkpoint,
+                                                                                 tmp_path, capsys):
+    """convert takes no --resume: its hint names the folder to pass."""
+    given = checkpoint / "manifest.json" if source == "manifest" else checkpoint.parent.parent
+    code = main(["convert", str(given), str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and all(w in err[0] for w in words) and "--resume" not in err[0], err
+    assert not (tmp_path / "out").exists()

@@ -19,7 +19,7 @@ from toolkit.export import without_tied_aliases
 def convert(checkpoint_path: Path, out: Path) -> Path:
     import transformers
 
-    checkpoint = store.read_checkpoint(checkpoint_path)
+    checkpoint = store.read_checkpoint(checkpoint_path, resuming=False)
     check_out(out, checkpoint=checkpoint.path)
     hf = checkpoint.path / "hf"
     if not (hf / "config.json").is_file():

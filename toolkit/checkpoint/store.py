@@ -65,15 +65,19 @@ def complete_checkpoints(out_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(NAME.match(p.name).group(1)))  # type: ignore[union-attr]
 
 
-def read_checkpoint(path: Path) -> Checkpoint:
-    """A checkpoint folder given by the user or found in output_dir; RecipeError (one line) if it is not one."""
+def read_checkpoint(path: Path, *, resuming: bool = True) -> Checkpoint:
+    """A checkpoint folder given by the user or found in output_dir; RecipeError (one line) if it is not one.
+    `resuming`: given to --resume (which alone finds the newest), not to `toolkit convert`."""
     path = Path(path)
     if not path.is_dir():
-        raise RecipeError(f"checkpoint {path} does not exist or is not a folder; pass a "
-                          f"output_dir/checkpoints/step-N folder, or --resume alone for the newest")
+        newest = ", or --resume alone for the newest" if resuming else ""
+        inside = f" (the folder holding it: {path.parent})" if path.name == MANIFEST else ""
+        raise RecipeError(f"checkpoint {path} does not exist or is not a folder{inside}; pass an "
+                          f"output_dir/checkpoints/step-N folder{newest}")
     if not (path / MANIFEST).is_file():
-        hint = " (a run folder: pass it with --resume alone, or one of its checkpoints/step-N)" \
-            if checkpoints_dir(path).is_dir() else ""
+        how = "pass it with --resume alone, or one of its checkpoints/step-N" if resuming else \
+            "pass one of its checkpoints/step-N"
+        hint = f" (a run folder: {how})" if checkpoints_dir(path).is_dir() else ""
         raise RecipeError(f"{path} is not a toolkit checkpoint: no {MANIFEST}{hint}")
     try:
         manifest = json.loads((path / MANIFEST).read_text())
