@@ -56,6 +56,14 @@ def test_a_size_below_one_in_a_model_folders_config_is_one_line(tmp_path, tiny_l
                             (f"model.path {folder}", "num_hidden_layers is 0", "1 or more"), out)
 
 
+@pytest.mark.parametrize("spec, words", [("pkg://os/model", ("'os' is a module, not a package folder",)),
+                                         ("pkg://no_such_package/model", ("package 'no_such_package' is not "
+                                                                          "installed",))])
+def test_a_pkg_path_that_names_no_package_folder_is_one_line(spec, words, tmp_path, tiny_llama_dir, capsys):
+    recipe, out = _from_config(tmp_path, tiny_llama_dir)
+    _assert_one_line_exit_2(main(["validate", str(recipe), "--set", f"model.tokenizer={spec}"]), capsys, words, out)
+
+
 def test_a_model_type_without_the_tasks_head_is_one_line(tmp_path, tiny_llama_dir, capsys):
     recipe, out = _from_config(tmp_path, tiny_llama_dir, model_type="t5")
     _assert_one_line_exit_2(main(["validate", str(recipe)]), capsys,

