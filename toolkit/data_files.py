@@ -77,18 +77,19 @@ def data_source(key: str, path: str) -> DataSource:
 
 
 def _split_of(key: str, where: Path, shards: list[Path]) -> list[Path]:
-    """The shards of the key's split where their names name several (`datasets`' split keywords), else all."""
-    from datasets.data_files import get_data_patterns, resolve_pattern
+    """The shards of the key's split where their names name several, else all. A name names a split as
+    load_dataset(folder) reads it: one of `datasets`' split keywords, at the start or after a separator, followed
+    by one (train-00000.jsonl, my_validation.csv, test.parquet). Only the folder's own files are read (datasets'
+    patterns would walk every sub-folder)."""
+    import fnmatch
+
+    from datasets.data_files import NON_WORDS_CHARS, SPLIT_KEYWORDS
 
     named: dict[str, list[Path]] = {}
-    for split, patterns in get_data_patterns(str(where)).items():
-        found: set[Path] = set()
-        for pattern in patterns:
-            try:
-                found.update(Path(f).resolve() for f in resolve_pattern(pattern, str(where)))
-            except FileNotFoundError:  # no file of the pattern
-                pass
-        files = [f for f in shards if f.resolve() in found]  # a split's files inside sub-folders are not read
+    for split, keywords in SPLIT_KEYWORDS.items():
+        patterns = [p.format(keyword=k, sep=NON_WORDS_CHARS) for k in keywords
+                    for p in ("{keyword}[{sep}]*", "*[{sep}]{keyword}[{sep}]*")]
+        files = [f for f in shards if any(fnmatch.fnmatchcase(f.name, p) for p in patterns)]
         if files:
             named[str(split)] = files
     if len(named) < 2:
