@@ -64,6 +64,17 @@ def test_a_pkg_path_that_names_no_package_folder_is_one_line(spec, words, tmp_pa
     _assert_one_line_exit_2(main(["validate", str(recipe), "--set", f"model.tokenizer={spec}"]), capsys, words, out)
 
 
+def test_a_model_config_key_the_config_class_lacks_is_one_line_with_the_near_name(tmp_path, tiny_llama_dir, capsys):
+    """A typo (num_hidden_layer) was kept by transformers as an attribute no model reads: the run silently built
+    the default depth. A legacy key the class converts (rope_theta, into rope_parameters) still passes."""
+    recipe, out = _from_config(tmp_path, tiny_llama_dir, num_hidden_layer=1)
+    _assert_one_line_exit_2(main(["validate", str(recipe)]), capsys,
+                            ("model.config: num_hidden_layer is not a field of LlamaConfig",
+                             "did you mean num_hidden_layers?"), out)
+    recipe, out = _from_config(tmp_path, tiny_llama_dir, rope_theta=50000.0)
+    assert main(["validate", str(recipe)]) == 0
+
+
 def test_a_model_type_without_the_tasks_head_is_one_line(tmp_path, tiny_llama_dir, capsys):
     recipe, out = _from_config(tmp_path, tiny_llama_dir, model_type="t5")
     _assert_one_line_exit_2(main(["validate", str(recipe)]), capsys,

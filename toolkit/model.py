@@ -160,7 +160,8 @@ def hf_config(config: ModelConfig, *, tokenizer=None):
     check_sizes(fields, config)  # before the config class, whose own arithmetic divides by some of them
     with config_errors(config):
         built = transformers.AutoConfig.for_model(model_type, **fields, **_label_fields(config))
-    check_architecture(built, config)
+    check_architecture(built, config)  # first: a model type without the task's head is the bigger mistake
+    check_unknown_fields(built, fields, config)
     if tokenizer is not None and getattr(built, "pad_token_id", None) is None:
         built.pad_token_id = tokenizer.pad_token_id
     return built
@@ -178,6 +179,24 @@ def check_sizes(fields: dict, config: ModelConfig) -> None:
         value = fields.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 1:
             raise RecipeError(f"{_config_key(config)}: {name} is {value}; a size must be 1 or more")
+
+
+def check_unknown_fields(built, fields: dict, config: ModelConfig) -> None:
+    """A model.config key the config class does not have (a typo such as num_hidden_layer): transformers keeps
+    it as an attribute no model reads, so the run would silently use the default. Legacy keys the class converts
+    (rope_theta into rope_parameters, torch_dtype) leave no attribute of their own and pass."""
+    import difflib
+
+    try:
+        known = set(type(built)().to_dict())
+    except Exception:  # noqa: BLE001 - a config class without defaults: nothing to compare against
+        return
+    unknown = sorted(name for name in set(built.to_dict()) - known if name in fields)
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+        hint = f"did you mean {near[0]}?" if near else "see its fields in transformers' documentation"
+        raise RecipeError(f"model.config: {unknown[0]} is not a field of {type(built).__name__} ({hint}); fix or "
+                          "remove it")
 
 
 def check_architecture(built, config: ModelConfig) -> None:
