@@ -43,7 +43,8 @@ def _resume_of(args):
         if args.resume_weights_only:
             raise RecipeError("--resume-weights-only goes with --resume [CHECKPOINT]")
         return None
-    return Resume(path=args.resume or None, weights_only=args.resume_weights_only)
+    # `--resume=~/run/...` reaches us unexpanded (a shell expands `~` only at a word's start): as the recipe's paths
+    return Resume(path=os.path.expanduser(args.resume) if args.resume else None, weights_only=args.resume_weights_only)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ import yaml
 from toolkit.errors import RecipeError
 from toolkit.typed import from_plain, recipe_key
 from toolkit.yaml_files import read_yaml_mapping, yaml_problem
+
+PATH = {"path": True}  # a key naming a file or folder: `~` expanded, empty refused (toolkit.typed)
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 TASKS = ("sequence-classification", "causal-lm")
@@ -49,9 +52,9 @@ class LoraOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    path: str | None = None  # local HF folder, or pkg://<package>/<subdir> for a model a package ships
+    path: str | None = field(default=None, metadata=PATH)  # local HF folder, or pkg://<package>/<subdir> for a model a package ships
     config: dict | None = None  # a from-scratch model: transformers config fields incl. model_type
-    tokenizer: str | None = None  # tokenizer folder (pkg:// allowed); default: `path`
+    tokenizer: str | None = field(default=None, metadata=PATH)  # tokenizer folder (pkg:// allowed); default: `path`
     task: str = "sequence-classification"  # sequence-classification | causal-lm
     num_labels: int = 2  # classification head size (sequence-classification only)
     load_dtype: str = "fp32"  # dtype the weights are loaded in; FSDP computes from these, ZeRO keeps fp32 masters
@@ -84,8 +87,8 @@ DATA_FORMATS = ("text", "chat", "prompt-response")
 class DataConfig:
     # a json/jsonl/csv/parquet/txt file (also .gz, .bz2, .xz, .zst), a folder of such shards, or a folder written
     # by datasets' save_to_disk (a DatasetDict: its train split; for eval its validation, eval or test split)
-    train: str
-    eval: str | None = None  # held-out data, the same kinds; eval loss (+ accuracy / perplexity) every eval_every
+    train: str = field(metadata=PATH)
+    eval: str | None = field(default=None, metadata=PATH)  # held-out data, the same kinds; eval loss (+ accuracy / perplexity) every eval_every
     # text: train on text_column (classification: with label_column). Instruction tuning (causal-lm), the loss on
     # the response tokens only: chat (messages_column: lists of {role, content}, rendered by the tokenizer's chat
     # template) | prompt-response (prompt_column, response_column)
@@ -178,7 +181,7 @@ class StrategyConfig:
     stage: int | None = None  # zero: 0 = plain DP, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters (default 2)
     offload_optimizer: bool = False  # zero: optimizer state and step on CPU (DeepSpeed CPU Adam)
     offload_param: bool = False  # zero: stage 3 only, parameters on CPU between uses
-    ds_config: str | None = None  # zero: an existing DeepSpeed JSON used as it is; "auto" values come from this recipe
+    ds_config: str | None = field(default=None, metadata=PATH)  # zero: an existing DeepSpeed JSON used as it is; "auto" values come from this recipe
     # model_parallel, pipeline, hybrid
     devices: tuple[str, ...] | None = None  # model_parallel/hybrid: the devices one process splits its model over
     #   (e.g. [cuda:0, cuda:1]; `cpu` may repeat: same code path and boundaries). hybrid: local rank r uses
@@ -224,7 +227,7 @@ class TrainConfig:
     report_to: tuple[str, ...] = ()
     # the folder both trackers write into; null: output_dir. One folder for many runs overlays their curves
     # (`toolkit compare` points every arm at its experiment folder)
-    tracking_dir: str | None = None
+    tracking_dir: str | None = field(default=None, metadata=PATH)
     # [first, last]: record optimizer steps first..last with torch.profiler (CPU and CUDA kernels) into
     # output_dir/profile: a trace per rank (chrome://tracing, Perfetto) and rank 0's table of the costliest ops
     # (toolkit/profiling.py). Those steps run slower: metrics.jsonl marks them, throughput leaves them out
@@ -284,7 +287,7 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 0  # fixes init of new weights and the sample order of every step
-    output_dir: str = "runs/default"
+    output_dir: str = field(default="runs/default", metadata=PATH)
 
     def __post_init__(self) -> None:
         _choice("precision", self.precision, PRECISIONS)
@@ -383,6 +386,19 @@ def recipe_to_dict(recipe: Recipe) -> dict:
         return value
 
     return plain(recipe)
+
+
+def path_keys(cls: type = Recipe, prefix: str = "") -> list[str]:
+    """The dotted keys marked PATH (model.path, data.train, output_dir, ...)."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        inner = [h for h in (hint, *typing.get_args(hint)) if isinstance(h, type) and dataclasses.is_dataclass(h)]
+        if f.metadata.get("path"):
+            keys.append(prefix + recipe_key(f))
+        elif inner:
+            keys += path_keys(inner[0], prefix + recipe_key(f) + ".")
+    return keys
 
 
 def dump_recipe(recipe: Recipe) -> str:

@@ -4,6 +4,7 @@ an unknown key, a missing required one or a value of the wrong type is a RecipeE
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from typing import Any
@@ -31,12 +32,23 @@ def from_plain(cls: type, raw: Any, where: str = "") -> Any:
     for name, value in raw.items():
         key = f"{where}.{name}" if where else name
         values[fields[name].name] = _coerce(hints[fields[name].name], value, key)
+        if fields[name].metadata.get("path") and values[fields[name].name] is not None:
+            values[fields[name].name] = _path(values[fields[name].name], key)
     missing = [n for n, f in fields.items() if f.name not in values and f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING]
     if missing:
         key = f"{where}.{missing[0]}" if where else missing[0]
         raise RecipeError(f"recipe key {key!r} is required")
     return cls(**values)
+
+
+def _path(value: str, key: str) -> str:
+    """A field marked as a path (metadata {"path": True}): `~` is the home folder, as a shell would have read it,
+    for every path key alike and once, here, so that every reader and the saved recipe see the same path. An empty
+    one would be read as the current folder (an output_dir: the run written beside whatever is there)."""
+    if not value.strip():
+        raise RecipeError(f"{key} is empty, which would mean the current folder; give it a file or folder path")
+    return os.path.expanduser(value)
 
 
 def _coerce(hint: Any, value: Any, key: str) -> Any:

@@ -19,7 +19,7 @@ from toolkit.compare.experiment import Arm, Experiment
 from toolkit.compare.verdict import flatten
 from toolkit.errors import INTERRUPTED_EXIT_CODE as INTERRUPTED
 from toolkit.errors import RecipeError
-from toolkit.recipe import load_recipe, recipe_to_dict
+from toolkit.recipe import load_recipe, path_keys, recipe_to_dict
 from toolkit.tracking import tensorboard_dir
 
 TAIL_LINES = 15
@@ -66,6 +66,9 @@ def settings_difference(experiment: Experiment, arm: Arm, path: Path) -> str | N
     if not (path / "recipe.yaml").is_file():
         return "its recipe.yaml is missing"
     ran = flatten(yaml.safe_load((path / "recipe.yaml").read_text()))
+    # a run saved before paths were expanded when the recipe is built holds `~/...` where the recipe now gives
+    # the home folder's path: the same file
+    ran.update({key: os.path.expanduser(ran[key]) for key in path_keys() if isinstance(ran.get(key), str)})
     wanted = flatten(recipe_to_dict(load_recipe(experiment.recipe, [*experiment.common, *arm.overrides])))
     changed = [f"{key}: {ran.get(key)!r} then, {wanted.get(key)!r} now" for key in sorted(set(ran) | set(wanted))
                if key not in WHERE_KEYS and ran.get(key) != wanted.get(key)]

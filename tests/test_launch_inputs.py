@@ -1,0 +1,72 @@
+"""What a user gives `toolkit validate` / `toolkit launch` beside the recipe's own keys (paths with `~`, trackers'
+stores, the rendezvous endpoint, checks only the ranks used to make): exit code 2, one line naming the fix, before
+any rank starts and with nothing written."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import yaml
+
+from conftest import TRAIN, write_recipe
+from toolkit.cli import main
+
+
+def _recipe(tmp_path, model_dir, **sections):
+    out = tmp_path / "out"
+    return write_recipe(tmp_path / "r.yaml", model_dir=model_dir, output_dir=out, **sections), out
+
+
+def _one_line_exit_2(code, capsys, words, out=None):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("toolkit: error:") and words in err[0], err
+    assert out is None or not out.exists()
+
+
+# --- paths -----------------------------------------------------------------------------------------------------
+
+def test_tilde_is_the_home_folder_in_every_path_key(tmp_path, tiny_llama_dir, monkeypatch, capsys):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "train.jsonl").write_text(open(TRAIN).read())
+    monkeypatch.setenv("HOME", str(home))
+    recipe, _ = _recipe(tmp_path, tiny_llama_dir)
+    sets = ["data.train=~/train.jsonl", "data.eval=~/train.jsonl", "output_dir=~/run", "train.tracking_dir=~/tb"]
+    assert main(["validate", str(recipe), *[a for s in sets for a in ("--set", s)]]) == 0
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    assert resolved["data"]["train"] == resolved["data"]["eval"] == str(home / "train.jsonl")
+    assert resolved["output_dir"] == str(home / "run")
+    assert resolved["train"]["tracking_dir"] == str(home / "tb")
+    assert not (tmp_path / "~").exists() and not os.path.exists("~")
+    from toolkit.recipe import load_recipe, path_keys
+
+    every = load_recipe(recipe, [f"{key}=~/{key}" for key in path_keys() if key != "model.path"])
+    assert every.strategy.ds_config == str(home / "strategy.ds_config")
+    assert every.model.tokenizer == str(home / "model.tokenizer")
+
+
+@pytest.mark.parametrize("key", ["output_dir", "data.eval", "train.tracking_dir", "model.tokenizer"])
+def test_an_empty_path_is_one_line(key, tmp_path, tiny_llama_dir, capsys):
+    recipe, out = _recipe(tmp_path, tiny_llama_dir)
+    _one_line_exit_2(main(["validate", str(recipe), "--set", f"{key}="]), capsys, f"{key} is empty", out)
+
+
+def test_compare_takes_a_saved_tilde_path_for_the_same_setting(tmp_path, tiny_llama_dir, monkeypatch):
+    """An arm saved before `~` was expanded when the recipe is built is still the same run."""
+    from toolkit.compare.experiment import Arm, Experiment
+    from toolkit.compare.runner import settings_difference
+    from toolkit.recipe import dump_recipe, load_recipe
+
+    monkeypatch.setenv("HOME", str(tiny_llama_dir.parent))
+    recipe, _ = _recipe(tmp_path, tiny_llama_dir)
+    arm_dir = tmp_path / "arm"
+    arm_dir.mkdir()
+    saved = dump_recipe(load_recipe(recipe)).replace(str(tiny_llama_dir), f"~/{tiny_llama_dir.name}")
+    assert f"~/{tiny_llama_dir.name}" in saved
+    (arm_dir / "recipe.yaml").write_text(saved)
+    (arm_dir / "run.json").write_text('{"world_size": 1, "status": "completed"}')
+    experiment = Experiment(recipe=str(recipe), out_dir=tmp_path, arms=[Arm(name="arm", overrides=(), nproc=1)],
+                            common=[])
+    assert settings_difference(experiment, experiment.arms[0], arm_dir) is None
