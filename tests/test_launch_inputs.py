@@ -70,3 +70,21 @@ def test_compare_takes_a_saved_tilde_path_for_the_same_setting(tmp_path, tiny_ll
     experiment = Experiment(recipe=str(recipe), out_dir=tmp_path, arms=[Arm(name="arm", overrides=(), nproc=1)],
                             common=[])
     assert settings_difference(experiment, experiment.arms[0], arm_dir) is None
+
+
+# --- trackers --------------------------------------------------------------------------------------------------
+
+def test_mlflow_file_store_is_one_line_before_ranks_start(tmp_path, tiny_llama_dir, monkeypatch, capsys):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path}/mlruns")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    recipe, out = _recipe(tmp_path, tiny_llama_dir, train={"report_to": ["mlflow"]})
+    _one_line_exit_2(main(["launch", str(recipe)]), capsys, "MLFLOW_ALLOW_FILE_STORE=true", out)
+    assert not (tmp_path / "mlruns").exists()
+
+
+def test_tracking_dir_that_is_a_file_is_one_line(tmp_path, tiny_llama_dir, capsys):
+    (tmp_path / "afile").write_text("")
+    recipe, out = _recipe(tmp_path, tiny_llama_dir,
+                          train={"report_to": ["tensorboard"], "tracking_dir": str(tmp_path / "afile")})
+    _one_line_exit_2(main(["launch", str(recipe)]), capsys, "is a file, not a folder; choose another "
+                     "train.tracking_dir", out)

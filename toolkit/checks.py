@@ -6,7 +6,7 @@ from __future__ import annotations
 from toolkit.errors import RecipeError
 from toolkit.recipe import BatchPlan, Recipe
 from toolkit.strategies import validate_strategy
-from toolkit.tracking import check_installed
+from toolkit.tracking import check_trackers
 
 
 def check_paths(recipe: Recipe) -> None:
@@ -73,7 +73,7 @@ def check_model_toggles(recipe: Recipe) -> None:
 
 def check_recipe(recipe: Recipe, *, world_size: int) -> BatchPlan:
     plan = validate_strategy(recipe, world_size=world_size)
-    check_installed(recipe)  # train.report_to's packages
+    check_trackers(recipe)  # train.report_to's packages, and where they write
     check_paths(recipe)
     check_model_toggles(recipe)
     check_position_limit(recipe)

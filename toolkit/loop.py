@@ -88,7 +88,7 @@ def prepare(recipe: Recipe, env: DistEnv):
     layout = make_strategy(recipe).data_layout(recipe, world_size=env.world_size, rank=env.rank)
     check_precision_supported(recipe.precision, env.device)
     check_position_limit(recipe)
-    tracking.check_installed(recipe)
+    tracking.check_trackers(recipe)
     tokenizer = load_tokenizer(recipe.model)
     kwargs = dict(data=recipe.data, task=recipe.model.task, num_labels=recipe.model.num_labels, tokenizer=tokenizer,
                   env=env)

@@ -73,6 +73,41 @@ def check_installed(recipe: Recipe) -> None:
                           f"installed: pip install {' '.join(missing)}")
 
 
+def check_trackers(recipe: Recipe) -> None:
+    """Before any rank starts (and again on each rank, for torchrun/accelerate): the trackers of train.report_to
+    can open where they will write. A tracker that fails only once the run has started leaves a traceback and
+    a run folder behind."""
+    if not recipe.train.report_to:
+        return
+    check_installed(recipe)
+    from toolkit.checkpoint.store import check_creatable
+
+    what = "train.tracking_dir" if recipe.train.tracking_dir else "output_dir"
+    check_creatable(tracking_root(recipe) / "tensorboard", what=what)  # a file there: SummaryWriter's traceback
+    if "mlflow" in recipe.train.report_to:
+        check_mlflow_store(mlflow_tracking_uri(recipe))
+
+
+def check_mlflow_store(uri: str) -> None:
+    """MLflow refuses its file store (a file: URI or a plain path, e.g. ./mlruns), which it keeps in maintenance
+    mode, unless MLFLOW_ALLOW_FILE_STORE is true (mlflow/store/tracking/file_store.py): refused here in one line."""
+    from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
+    from mlflow.utils.uri import get_uri_scheme
+
+    if get_uri_scheme(uri) not in ("", "file"):  # the schemes MLflow opens its file store for
+        return
+
+    try:
+        allowed = MLFLOW_ALLOW_FILE_STORE.get()
+    except ValueError:  # MLflow's own reading: true, false, 1 or 0
+        raise RecipeError(f"MLFLOW_ALLOW_FILE_STORE={os.environ.get('MLFLOW_ALLOW_FILE_STORE')!r} is not true, "
+                          "false, 1 or 0; set it to one of those") from None
+    if not allowed:
+        raise RecipeError(f"MLFLOW_TRACKING_URI={uri} is MLflow's file store, which MLflow refuses (maintenance "
+                          "mode); point it at a SQLite file (sqlite:///PATH/mlflow.db) or a server, unset it for "
+                          "<tracking_dir>/mlflow.db, or set MLFLOW_ALLOW_FILE_STORE=true to write the file store")
+
+
 def numbers(record: dict) -> dict[str, float]:
     """What a tracker plots of a record: every number but the step itself (flags and nulls are not numbers)."""
     return {key: float(value) for key, value in record.items()
@@ -85,7 +120,11 @@ class TensorBoard:
 
         # purge_step: a resumed run's events from the steps after its checkpoint (written before the stop,
         # run again now) are hidden, as metrics.jsonl drops those records
-        self.writer = SummaryWriter(str(log_dir), purge_step=done_steps + 1)
+        try:
+            self.writer = SummaryWriter(str(log_dir), purge_step=done_steps + 1)
+        except OSError as exc:  # checked before the run (check_trackers); a folder that changed since
+            raise RecipeError(f"train.report_to tensorboard: cannot write {log_dir} ({exc.strerror}); choose "
+                              "another train.tracking_dir") from None
 
     def log_recipe(self, recipe: Recipe) -> None:
         text = "".join(f"    {line}\n" for line in dump_recipe(recipe).splitlines())  # a Markdown code block
@@ -134,7 +173,20 @@ def flat_params(tree: dict, prefix: str = "") -> list[tuple[str, str]]:
 
 
 def open_mlflow(recipe: Recipe, *, out_dir: Path, saved: dict) -> tuple[Mlflow, dict]:
-    """A new run named after output_dir, or on resume the run tracking.json names (if its store still has it)."""
+    """A new run named after output_dir, or on resume the run tracking.json names (if its store still has it).
+    A store that cannot be opened (a server that does not answer, a URI MLflow refuses) is one line: the run
+    stops before its first step, and rank 0 removes the run folder it had begun (toolkit.rank)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return _open_mlflow_run(recipe, out_dir=out_dir, saved=saved)
+    except MlflowException as exc:
+        message = str(exc).strip().splitlines() or [type(exc).__name__]
+        raise RecipeError(f"train.report_to mlflow: the store {mlflow_tracking_uri(recipe)} cannot be opened "
+                          f"({message[0][:300]}); fix or unset MLFLOW_TRACKING_URI") from None
+
+
+def _open_mlflow_run(recipe: Recipe, *, out_dir: Path, saved: dict) -> tuple[Mlflow, dict]:
     import logging
 
     from mlflow.exceptions import MlflowException
