@@ -5,6 +5,7 @@ any rank starts and with nothing written."""
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import yaml
@@ -88,3 +89,36 @@ def test_tracking_dir_that_is_a_file_is_one_line(tmp_path, tiny_llama_dir, capsy
                           train={"report_to": ["tensorboard"], "tracking_dir": str(tmp_path / "afile")})
     _one_line_exit_2(main(["launch", str(recipe)]), capsys, "is a file, not a folder; choose another "
                      "train.tracking_dir", out)
+
+
+# --- the rendezvous endpoint -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("nodes, endpoint, words", [
+    ((), "127.0.0.1:99999", "port 99999 is outside 1..65535"),
+    ((), "nosuchhost.invalid:29500", "cannot resolve the host 'nosuchhost.invalid'"),
+    (("--nnodes", "2"), "nosuchhost.invalid:29500", "cannot resolve the host 'nosuchhost.invalid'"),
+])
+def test_bad_rdzv_endpoint_is_one_line_before_the_recipe_is_read(nodes, endpoint, words, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(["launch", *nodes, "--rdzv-endpoint", endpoint, str(tmp_path / "no-recipe.yaml")])
+    _one_line_exit_2(code, capsys, words, out)
+
+
+def test_a_failed_rendezvous_on_one_machine_is_one_line(tmp_path, tiny_llama_dir, monkeypatch, capsys):
+    import torch.distributed.run
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    from toolkit.launch import NODES_ENV
+
+    def refused(args):
+        raise RendezvousConnectionError("The connection to the C10d store has failed.")
+
+    monkeypatch.setattr(torch.distributed.run, "run", refused)
+    monkeypatch.setenv(NODES_ENV, "")
+    recipe, out = _recipe(tmp_path, tiny_llama_dir)
+    usr1 = signal.getsignal(signal.SIGUSR1)  # the launcher forwards it as SIGTERM: not this test process's
+    try:
+        code = main(["launch", "--rdzv-endpoint", "127.0.0.1:29500", str(recipe)])
+    finally:
+        signal.signal(signal.SIGUSR1, usr1)
+    _one_line_exit_2(code, capsys, "the rendezvous failed there (RendezvousConnectionError", out)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -147,8 +146,10 @@ def _nodes_of(args):
     if args.nnodes > 1 and not args.rdzv_endpoint:
         raise RecipeError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT, an address of the first machine that every "
                           "machine reaches (e.g. its hostname and a free port such as 29500)")
-    if args.rdzv_endpoint and not re.fullmatch(r"[\w.\-\[\]:]+:\d+", args.rdzv_endpoint):
-        raise RecipeError(f"--rdzv-endpoint {args.rdzv_endpoint!r} is not HOST:PORT (e.g. node001:29500)")
+    if args.rdzv_endpoint:
+        from toolkit.launch import check_endpoint
+
+        check_endpoint(args.rdzv_endpoint)
     return Nodes(count=args.nnodes, rank=args.node_rank, endpoint=args.rdzv_endpoint, run_id=args.rdzv_id,
                  local_addr=args.local_addr)
 

@@ -24,6 +24,12 @@ def error_line(exc: RecipeError) -> str:
     return "toolkit: error: " + str(exc).replace("\r", "\\r").replace("\n", "\\n")
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's first line (at most 200 characters), for a one-line report of a library's error."""
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:200]
+
+
 def say_once(line: str) -> None:
     """Print `line` to stderr once per launch, whichever rank gets there first: a mistake in the recipe is found
     by every rank of a torchrun / accelerate launch alike. The first rank creates a marker file named for the

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shlex
 import sys
 import time
 from dataclasses import dataclass
 
-from toolkit.errors import USER_ERROR_EXIT_CODE
+from toolkit.errors import USER_ERROR_EXIT_CODE, RecipeError, first_line
 
 
 def worker_args(recipe_path: str, overrides: list[str], extra: list[str] | None = None) -> list[str]:
@@ -45,6 +46,25 @@ class Nodes:
             return ""
         return (f"--nnodes {self.count} --rdzv-endpoint {shlex.quote(str(self.endpoint))} "
                 f"--rdzv-id {shlex.quote(self.run_id)}")
+
+
+def check_endpoint(endpoint: str) -> None:
+    """--rdzv-endpoint is HOST:PORT with a port in 1..65535 and a host this machine resolves: torch's agent would
+    raise a ValueError for the port, and for the host log C++ stack frames for minutes before it gives up."""
+    import socket
+
+    form = f"--rdzv-endpoint {endpoint!r}"
+    match = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[\w.\-]+):(\d+)", endpoint)
+    if match is None:
+        raise RecipeError(f"{form} is not HOST:PORT (e.g. node001:29500, or [::1]:29500 for an IPv6 address)")
+    host, port = match.group(1).strip("[]"), int(match.group(2))
+    if not 1 <= port <= 65535:
+        raise RecipeError(f"{form}: port {port} is outside 1..65535; give a free port such as 29500")
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:  # UnicodeError: a label longer than 63 characters
+        raise RecipeError(f"{form}: this machine cannot resolve the host {host!r} ({exc}); give a hostname or "
+                          "address of the first machine that every machine reaches") from None
 
 
 NODES_ENV = "TOOLKIT_NODES"  # Nodes.shared_launch_args, for the ranks (resume_hint)
@@ -163,8 +183,10 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
         print(f"toolkit: launch failed: {describe_failures(codes)} (see the rank output above)", file=sys.stderr)
         return 1
     except RendezvousError as exc:  # the machine that hosts the rendezvous is gone
-        if nodes.count == 1:
-            raise
+        if nodes.count == 1:  # this machine is the only one: the endpoint is not one it can host
+            raise RecipeError(f"--rdzv-endpoint {nodes.endpoint}: the rendezvous failed there ({type(exc).__name__}: "
+                              f"{first_line(exc)}); give this machine's address and a free port, or leave "
+                              "--rdzv-endpoint out on one machine") from None
         print(f"toolkit: lost the job's rendezvous at {nodes.endpoint} ({type(exc).__name__}): the machine there "
               "stopped or failed; its output says why", file=sys.stderr, flush=True)
         return 1

@@ -12,7 +12,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from toolkit.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, RecipeError, error_line, say_once
+from toolkit.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, RecipeError, error_line, first_line, say_once
 
 if TYPE_CHECKING:
     from toolkit.checkpoint.run import Resume
@@ -62,11 +62,6 @@ def peer_lost(exc: BaseException, env) -> bool:
 
     return env.distributed and isinstance(exc, (RuntimeError, dist.DistError)) and \
         any(words in str(exc) for words in PEER_LOST)
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:200]
 
 
 def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:

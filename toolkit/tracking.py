@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
-from toolkit.errors import RecipeError
+from toolkit.errors import RecipeError, first_line
 from toolkit.metrics import JsonlWriter
 from toolkit.recipe import Recipe, dump_recipe, recipe_to_dict
 from toolkit.stopping import Stopped
@@ -181,9 +181,8 @@ def open_mlflow(recipe: Recipe, *, out_dir: Path, saved: dict) -> tuple[Mlflow, 
     try:
         return _open_mlflow_run(recipe, out_dir=out_dir, saved=saved)
     except MlflowException as exc:
-        message = str(exc).strip().splitlines() or [type(exc).__name__]
         raise RecipeError(f"train.report_to mlflow: the store {mlflow_tracking_uri(recipe)} cannot be opened "
-                          f"({message[0][:300]}); fix or unset MLFLOW_TRACKING_URI") from None
+                          f"({first_line(exc)}); fix or unset MLFLOW_TRACKING_URI") from None
 
 
 def _open_mlflow_run(recipe: Recipe, *, out_dir: Path, saved: dict) -> tuple[Mlflow, dict]:
