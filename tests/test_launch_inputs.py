@@ -122,3 +122,50 @@ def test_a_failed_rendezvous_on_one_machine_is_one_line(tmp_path, tiny_llama_dir
     finally:
         signal.signal(signal.SIGUSR1, usr1)
     _one_line_exit_2(code, capsys, "the rendezvous failed there (RendezvousConnectionError", out)
+
+
+# --- what `accelerate launch` exports ----------------------------------------------------------------------------
+
+DEEPSPEED = {"ACCELERATE_USE_DEEPSPEED": "true"}
+FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+
+
+@pytest.mark.parametrize("environ, words", [
+    ({**DEEPSPEED, "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "nvme"},
+     "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE=nvme, but the recipe's offload switches offload to CPU only"),
+    ({**DEEPSPEED, "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "nvme"}, "OFFLOAD_PARAM_DEVICE=nvme"),
+    ({**DEEPSPEED, "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "gpu"}, "'gpu', which is not none, cpu or nvme"),
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "3"}, "FSDP_VERSION='3'; Accelerate has FSDP versions 1 and 2"),
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2.0"}, "FSDP_VERSION='2.0'"),
+    ({**FSDP2, "FSDP_RESHARD_AFTER_FORWARD": "maybe"}, "FSDP_RESHARD_AFTER_FORWARD='maybe', which is not true or"),
+    ({**FSDP2, "FSDP_OFFLOAD_PARAMS": "ture"}, "FSDP_OFFLOAD_PARAMS='ture'"),
+    ({**FSDP2, **DEEPSPEED}, "sets both ACCELERATE_USE_FSDP and ACCELERATE_USE_DEEPSPEED"),
+    ({**DEEPSPEED, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "5"},
+     "strategy.stage must be 0, 1, 2 or 3, got 5 (the value comes from accelerate launch: "
+     "ACCELERATE_DEEPSPEED_ZERO_STAGE"),
+    ({**DEEPSPEED, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "0"}, "from accelerate launch: "
+     "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"),
+    ({**DEEPSPEED, "ACCELERATE_GRADIENT_CLIPPING": "inf"}, "from accelerate launch: ACCELERATE_GRADIENT_CLIPPING"),
+])
+def test_an_accelerate_value_the_toolkit_cannot_take_is_one_line_naming_it(environ, words, tmp_path, tiny_llama_dir,
+                                                                           monkeypatch, capsys):
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    recipe, out = _recipe(tmp_path, tiny_llama_dir)
+    raw = yaml.safe_load(recipe.read_text())  # accumulation and clipping left to the launcher, as it may set them
+    del raw["optim"]["max_grad_norm"], raw["batch"]["grad_accum_steps"]
+    raw["batch"]["global_batch_size"] = 8
+    recipe.write_text(yaml.safe_dump(raw))
+    _one_line_exit_2(main(["train", str(recipe)]), capsys, words, out)
+
+
+def test_accelerates_own_switch_spellings_are_read_as_it_reads_them():
+    from toolkit.accelerate_env import launcher_settings
+
+    settings = {s.key: s.value for s in launcher_settings({**FSDP2, "FSDP_RESHARD_AFTER_FORWARD": "off",
+                                                           "FSDP_OFFLOAD_PARAMS": "Y"})}
+    assert settings["strategy.reshard_after_forward"] is False and settings["strategy.cpu_offload"] is True
+    settings = {s.key: s.value for s in launcher_settings({**DEEPSPEED,
+                                                           "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu",
+                                                           "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none"})}
+    assert settings["strategy.offload_optimizer"] is True and settings["strategy.offload_param"] is False

@@ -20,8 +20,10 @@ version are read.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
+from typing import Iterator
 
 from toolkit.errors import RecipeError
 from toolkit.recipe import StrategyConfig
@@ -67,12 +69,34 @@ def _converted(var: str, value: str, convert):
             from None
 
 
-def _flag(value: str) -> bool:
-    return value.strip().lower() in ("1", "true", "yes")
+# Accelerate's own spellings of a switch (accelerate.utils.environment.str_to_bool, which its plugins read the
+# variables with); anything else it refuses, and so does the toolkit, rather than read it as false
+TRUE = ("y", "yes", "t", "true", "on", "1")
+FALSE = ("n", "no", "f", "false", "off", "0")
 
 
-def _device_flag(value: str) -> bool:
-    return value.strip().lower() not in ("none", "", "false")
+def _flag(value: str, var: str = "") -> bool:
+    """`var`'s value as Accelerate reads a switch; another spelling (ture, maybe) is a RecipeError naming it."""
+    word = value.strip().lower()
+    if word not in TRUE + FALSE:
+        raise RecipeError(f"accelerate launch sets {var}={value!r}, which is not true or false (Accelerate reads "
+                          f"{', '.join(TRUE)} / {', '.join(FALSE)}); fix it in the accelerate config file or the "
+                          "environment")
+    return word in TRUE
+
+
+def _offload_device(value: str, var: str) -> bool:
+    """Accelerate's offload devices: none, cpu, nvme. The recipe's offload switches offload to CPU; NVMe is a
+    DeepSpeed JSON's offload block with its nvme_path (strategy.ds_config), not a device to guess a folder for."""
+    word = value.strip().lower()
+    if word == "nvme":
+        raise RecipeError(f"accelerate launch sets {var}=nvme, but the recipe's offload switches offload to CPU only; "
+                          "for NVMe give a DeepSpeed JSON (deepspeed_config_file) whose offload block names device "
+                          "nvme and its nvme_path, or offload to cpu")
+    if word not in ("none", "cpu", ""):
+        raise RecipeError(f"accelerate launch sets {var}={value!r}, which is not none, cpu or nvme; fix it in the "
+                          "accelerate config file or the environment")
+    return word == "cpu"
 
 
 def launcher_settings(environ) -> list[Setting]:
@@ -83,15 +107,26 @@ def launcher_settings(environ) -> list[Setting]:
         value = environ.get(var)
         if value in (None, "", "None") or (var in AUTO and value == "auto"):
             return
-        out.append(Setting(key, _converted(var, value, convert), var))
+        if convert in (_flag, _offload_device):  # they name the variable in their own message
+            out.append(Setting(key, convert(value, var), var))
+        else:
+            out.append(Setting(key, _converted(var, value, convert), var))
 
     if "ACCELERATE_MIXED_PRECISION" in environ:
         value = environ["ACCELERATE_MIXED_PRECISION"].lower()
         if value not in PRECISION:
             raise RecipeError(f"accelerate mixed_precision {value!r} is not supported; use no, bf16 or fp16")
         out.append(Setting("precision", PRECISION[value], "ACCELERATE_MIXED_PRECISION"))
-    if _flag(environ.get("ACCELERATE_USE_FSDP", "")):
-        version = environ.get("FSDP_VERSION", "1")
+    use_fsdp, use_deepspeed = (_flag(environ.get(var) or "false", var)
+                               for var in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"))
+    if use_fsdp and use_deepspeed:
+        raise RecipeError("accelerate launch sets both ACCELERATE_USE_FSDP and ACCELERATE_USE_DEEPSPEED; keep one "
+                          "(distributed_type in the accelerate config file, or unset the other variable)")
+    if use_fsdp:
+        version = environ.get("FSDP_VERSION", "1").strip()
+        if version not in ("1", "2"):  # Accelerate's two plugin versions; a third is no version-1 file
+            raise RecipeError(f"accelerate launch sets FSDP_VERSION={version!r}; Accelerate has FSDP versions 1 and "
+                              "2: set fsdp_version to one of them in the accelerate config file")
         if version == "2":
             out.append(Setting("strategy.name", strategy_for_plugin("fsdp"), "ACCELERATE_USE_FSDP"))
             take("FSDP_RESHARD_AFTER_FORWARD", "strategy.reshard_after_forward", _flag)
@@ -101,11 +136,11 @@ def launcher_settings(environ) -> list[Setting]:
             take("FSDP_OFFLOAD_PARAMS", "strategy.cpu_offload", _flag)
             take("FSDP_TRANSFORMER_CLS_TO_WRAP", "strategy.blocks",
                  lambda v: [name.strip() for name in v.split(",") if name.strip()])
-    if _flag(environ.get("ACCELERATE_USE_DEEPSPEED", "")):
+    if use_deepspeed:
         out.append(Setting("strategy.name", strategy_for_plugin("deepspeed"), "ACCELERATE_USE_DEEPSPEED"))
         take("ACCELERATE_DEEPSPEED_ZERO_STAGE", "strategy.stage", int)
-        take("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "strategy.offload_optimizer", _device_flag)
-        take("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "strategy.offload_param", _device_flag)
+        take("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "strategy.offload_optimizer", _offload_device)
+        take("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "strategy.offload_param", _offload_device)
         take("ACCELERATE_DEEPSPEED_CONFIG_FILE", "strategy.ds_config")
         take("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "batch.grad_accum_steps", int)
         take("ACCELERATE_GRADIENT_CLIPPING", "optim.max_grad_norm", float)
@@ -132,7 +167,7 @@ def fsdp1_settings(environ) -> list[Setting]:
         nodes = int(environ.get("WORLD_SIZE", "1")) // max(int(environ.get("LOCAL_WORLD_SIZE", "1")), 1)
         out.append(Setting("strategy.replicate_degree", nodes, source,
                            f"{source} → HSDP: shards inside each node, strategy.replicate_degree={nodes} (nodes)"))
-    if _flag(environ.get("FSDP_ACTIVATION_CHECKPOINTING", "")):
+    if _flag(environ.get("FSDP_ACTIVATION_CHECKPOINTING") or "false", "FSDP_ACTIVATION_CHECKPOINTING"):
         out.append(Setting("train.activation_checkpointing", True, "fsdp_activation_checkpointing true",
                            "fsdp_activation_checkpointing true → train.activation_checkpointing=true"))
     policy = environ.get("FSDP_AUTO_WRAP_POLICY")
@@ -170,3 +205,17 @@ def apply_launcher_settings(raw: dict, settings: list[Setting]) -> None:
             raise RecipeError(f"accelerate launch sets {setting.key}={setting.value!r} ({setting.source}) but the "
                               f"recipe has {setting.key}={present!r}; change the recipe or the accelerate config file")
         node[leaf] = setting.value
+
+
+@contextlib.contextmanager
+def named_source(settings: list[Setting]) -> Iterator[None]:
+    """A recipe check that refuses a value Accelerate supplied (ACCELERATE_DEEPSPEED_ZERO_STAGE=5, accumulation 0,
+    clipping inf) names the variable it came from: the recipe the user reads does not hold it."""
+    try:
+        yield
+    except RecipeError as exc:
+        source = next((s.source for s in settings if s.key and str(exc).startswith(s.key)), None)  # its subject
+        if source is None:
+            raise
+        raise RecipeError(f"{exc} (the value comes from accelerate launch: {source}; fix it in the accelerate "
+                          "config file or the environment)") from None

@@ -22,13 +22,18 @@ if TYPE_CHECKING:
 def run_rank(recipe_path: str, overrides: list[str], resume: Resume | None) -> int:
     """`toolkit train`: this process's rank of the run, from the recipe (and, under `accelerate launch`, its
     plugin settings) to the exit code; every outcome a user causes is one line."""
-    from toolkit.accelerate_env import apply_launcher_settings, launcher_settings
+    from toolkit.accelerate_env import apply_launcher_settings, launcher_settings, named_source
     from toolkit.recipe import read_recipe_dict, recipe_from_dict
 
     raw = read_recipe_dict(recipe_path, overrides)
     settings = launcher_settings(os.environ)  # under `accelerate launch`: its plugin settings
     apply_launcher_settings(raw, settings)
-    recipe = recipe_from_dict(raw)
+    with named_source(settings):
+        recipe = recipe_from_dict(raw)
+        if any(s.key for s in settings):  # the strategy's checks too (train makes them again, cheaply)
+            from toolkit.strategies import validate_strategy
+
+            validate_strategy(recipe, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     if os.environ.get("RANK", "0") == "0":  # how a version-1 FSDP config runs on FSDP2, a line per key
         for note in (s.note for s in settings if s.note):
             print(f"[toolkit] accelerate: {note}", file=sys.stderr, flush=True)
