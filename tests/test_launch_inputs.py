@@ -169,3 +169,30 @@ def test_accelerates_own_switch_spellings_are_read_as_it_reads_them():
                                                            "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu",
                                                            "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none"})}
     assert settings["strategy.offload_optimizer"] is True and settings["strategy.offload_param"] is False
+
+
+# --- what only the ranks found ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sets, words", [
+    (("model.path=null", "model.config={model_type: llama, vocab_size: 10, hidden_size: 16, intermediate_size: 32, "
+      "num_hidden_layers: 1, num_attention_heads: 2}", "model.tokenizer={model}"),
+     "tokenizer has 30522 tokens but the model's vocab_size is 10"),
+    (("data.max_length=1",), "data.max_length 1 leaves no room for text"),
+    (("strategy.name=fsdp", "strategy.blocks=[Foo]"), "no transformer blocks found (looked for ['Foo'])"),
+])
+@pytest.mark.parametrize("command", ["validate", "launch"])
+def test_what_the_ranks_found_is_checked_before_they_start(command, sets, words, tmp_path, tiny_llama_dir, capsys):
+    recipe, out = _recipe(tmp_path, tiny_llama_dir)
+    sets = [s.replace("{model}", str(tiny_llama_dir)) for s in sets]
+    _one_line_exit_2(main([command, str(recipe), *[a for s in sets for a in ("--set", s)]]), capsys, words, out)
+
+
+def test_a_mistake_is_said_once_per_launch_also_by_one_rank_restarted(monkeypatch, capsys):
+    """--max-restarts restarts a rank that exited 2 as any other: the next attempt must not say it again."""
+    from toolkit.errors import say_once
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"test-{os.getpid()}-{id(capsys)}")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    say_once("toolkit: error: the same mistake")
+    say_once("toolkit: error: the same mistake")
+    assert capsys.readouterr().err.splitlines() == ["toolkit: error: the same mistake"]

@@ -36,10 +36,11 @@ def check_position_limit(recipe: Recipe) -> None:
                           f"(max_position_embeddings); set data.max_length <= {limit}")
 
 
-def check_data(recipe: Recipe) -> None:
+def check_data(recipe: Recipe):
     """Reads the data files (not tokenized): they have rows, and the named columns hold what training needs; the
-    tokenizer that will tokenize them loads."""
-    from toolkit.data import check_rows
+    tokenizer that will tokenize them loads, and data.max_length leaves room beside its special tokens. Returns
+    the tokenizer."""
+    from toolkit.data import check_room, check_rows
     from toolkit.data_files import data_source, read_rows
 
     names = None  # data.train's class names, which data.eval's labels must be among
@@ -52,21 +53,25 @@ def check_data(recipe: Recipe) -> None:
     from toolkit.model import load_tokenizer
 
     tokenizer = load_tokenizer(recipe.model)  # its folder's files load (0.1 s for MiniLM's, measured)
+    check_room(recipe.data, tokenizer)
     if recipe.data.format != "text":
         from toolkit.instruct import check_tokenizer
 
         check_tokenizer(recipe.data, tokenizer)
+    return tokenizer
 
 
-def check_model_toggles(recipe: Recipe) -> None:
-    """LoRA targets that name layers of the model, and blocks to checkpoint: both on one meta-device copy of
-    the model (its config and class only, no weights read), built only when a toggle asks for it."""
-    if recipe.model.lora is None and not recipe.train.activation_checkpointing:
-        return
-    from toolkit.model import enable_activation_checkpointing
+def check_model(recipe: Recipe, tokenizer) -> None:
+    """What the ranks would find only once they build the model, on one meta-device copy of it (its config and
+    class only, no weights read): the tokenizer fits its vocabulary, LoRA targets name layers of it, and the
+    blocks to shard (strategy.blocks) or to checkpoint are there."""
+    from toolkit.model import check_vocabulary, enable_activation_checkpointing, transformer_blocks
     from toolkit.plan import planned_model
 
     model = planned_model(recipe)  # applies the adapters: targets that match nothing are peft's one-line error
+    check_vocabulary(model, tokenizer)
+    if recipe.strategy.blocks is not None:  # set only for a strategy that reads it (validate_strategy)
+        transformer_blocks(model, recipe.strategy.blocks)
     if recipe.train.activation_checkpointing:
         enable_activation_checkpointing(model)  # a model without blocks: its one-line error
 
@@ -75,7 +80,7 @@ def check_recipe(recipe: Recipe, *, world_size: int) -> BatchPlan:
     plan = validate_strategy(recipe, world_size=world_size)
     check_trackers(recipe)  # train.report_to's packages, and where they write
     check_paths(recipe)
-    check_model_toggles(recipe)
     check_position_limit(recipe)
-    check_data(recipe)
+    tokenizer = check_data(recipe)
+    check_model(recipe, tokenizer)
     return plan

@@ -81,15 +81,20 @@ def check_rows(raw, source: DataSource, *, data: DataConfig, task: str, num_labe
     return names
 
 
+def check_room(data: DataConfig, tokenizer) -> None:
+    """data.max_length holds more than the special tokens the tokenizer adds to every sample."""
+    special = tokenizer.num_special_tokens_to_add()
+    if data.format != "chat" and data.max_length <= special:  # the tokenizer would not truncate at all
+        raise RecipeError(f"data.max_length {data.max_length} leaves no room for text: the tokenizer adds {special} "
+                          f"special tokens to every sample; set data.max_length above {special}")
+
+
 def _tokenized(source: DataSource, *, data: DataConfig, task: str, num_labels: int, tokenizer,
                names: list[str] | None) -> tuple[Any, list[str] | None, int]:
     """The tokenized split, its class names, and how many samples were left out for having nothing to learn."""
     raw = read_rows(source)
     names = check_rows(raw, source, data=data, task=task, num_labels=num_labels, names=names)
-    special = tokenizer.num_special_tokens_to_add()
-    if data.format != "chat" and data.max_length <= special:  # the tokenizer would not truncate at all
-        raise RecipeError(f"data.max_length {data.max_length} leaves no room for text: the tokenizer adds {special} "
-                          f"special tokens to every sample; set data.max_length above {special}")
+    check_room(data, tokenizer)
     cache = _cache_key(source, data=data, task=task, tokenizer=tokenizer, names=names)
     text, label = data.text_column, data.label_column
     if data.format != "text":

@@ -34,9 +34,10 @@ def say_once(line: str) -> None:
     """Print `line` to stderr once per launch, whichever rank gets there first: a mistake in the recipe is found
     by every rank of a torchrun / accelerate launch alike. The first rank creates a marker file named for the
     launch (the launcher's process, the parent of its ranks on a node) and the line (O_EXCL: exactly one wins);
-    outside a launch it just prints."""
+    outside a launch it just prints. One rank too: `--max-restarts` restarts the ranks whatever their exit code
+    (torch's elastic agent has no policy by exit code), and each attempt finds the same mistake again."""
     launch = os.environ.get("TORCHELASTIC_RUN_ID")
-    if launch is None or os.environ.get("WORLD_SIZE", "1") == "1":
+    if launch is None:
         print(line, file=sys.stderr, flush=True)
         return
     key = f"{launch}:{os.environ.get('MASTER_PORT')}:{os.getppid()}:{line}"

@@ -270,11 +270,17 @@ def _finish(model: Any, config: ModelConfig, *, tokenizer) -> nn.Module:
         model.config.pad_token_id = tokenizer.pad_token_id
     if config.dropout is not None:
         set_dropout(model, config.dropout)
-    vocab = cast(nn.Embedding, model.get_input_embeddings()).num_embeddings
+    check_vocabulary(model, tokenizer)
+    return model
+
+
+def check_vocabulary(model: nn.Module, tokenizer) -> None:
+    """Every token id the tokenizer gives has a row in the model's input embedding (also on the meta device: the
+    launcher's check before any rank starts)."""
+    vocab = cast(nn.Embedding, cast(Any, model).get_input_embeddings()).num_embeddings
     if len(tokenizer) > vocab:
         raise RecipeError(f"model: tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
                           f"{vocab}; use a matching tokenizer or vocab_size")
-    return model
 
 
 def set_dropout(model: nn.Module, p: float) -> None:
