@@ -149,6 +149,12 @@ FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
 ])
 def test_an_accelerate_value_the_toolkit_cannot_take_is_one_line_naming_it(environ, words, tmp_path, tiny_llama_dir,
                                                                            monkeypatch, capsys):
+    import toolkit.dist
+
+    def no_rank():  # a value taken as given would train here, and end this process (dist.exit_process)
+        raise AssertionError("the rank started")
+
+    monkeypatch.setattr(toolkit.dist, "init_distributed", no_rank)
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
     recipe, out = _recipe(tmp_path, tiny_llama_dir)
