@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import cast
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from toolkit.dist import ensure_process_group
+from toolkit.errors import RecipeError
 from toolkit.strategies.base import SetupArgs, StrategyInfo
 from toolkit.recipe import Recipe
 from toolkit.strategies.replicated import Replication, ReplicatedStrategy
@@ -31,8 +33,15 @@ def wrap_ddp(module: nn.Module, args: SetupArgs) -> nn.Module:
                                    gradient_as_bucket_view=True)
 
 
+def check_buckets(recipe: Recipe, world_size: int) -> None:
+    size_mb = recipe.strategy.bucket_cap_mb  # DDP takes 0 or less without a word, and inf as an overflow
+    if not 0 < size_mb < math.inf:
+        raise RecipeError(f"strategy.bucket_cap_mb must be a finite number > 0 (MiB per gradient bucket), got "
+                          f"{size_mb}; DDP's default is 25")
+
+
 DDP = Replication(
-    info=INFO, wrap=wrap_ddp, reduce_desc="all-reduce mean ({dtype})",
+    info=INFO, wrap=wrap_ddp, reduce_desc="all-reduce mean ({dtype})", check=check_buckets,
     # no_sync: keep gradients local on non-final micro-batches; the last backward all-reduces the sum
     skip_sync=lambda wrapped: cast(DistributedDataParallel, wrapped).no_sync())
 

@@ -58,8 +58,10 @@ class FsdpStrategy:
             raise RecipeError("strategy.replicate_degree must be >= 1")
         if world_size % replicate:
             raise RecipeError(f"strategy.replicate_degree {replicate} does not divide world size {world_size}")
-        tp = recipe.strategy.tp_degree or 1
-        if tp > 1:
+        tp = recipe.strategy.tp_degree
+        if tp is not None and tp < 1:  # 0 would silently mean fsdp alone, a negative one a negative mesh
+            raise RecipeError(f"strategy.tp_degree must be >= 1, got {tp}; leave it unset for FSDP alone")
+        if tp is not None and tp > 1:
             if replicate > 1:
                 raise RecipeError("strategy.tp_degree and strategy.replicate_degree cannot be combined; choose one")
             if world_size % tp:

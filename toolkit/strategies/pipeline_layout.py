@@ -43,10 +43,14 @@ class Grid:
 
 
 def grid_of(recipe: Recipe, world_size: int) -> Grid:
-    pp = recipe.strategy.pipeline_degree or world_size
+    degree = recipe.strategy.pipeline_degree  # unset: every rank is a stage (strategy pipeline)
+    if degree is not None and degree < 2:  # 0 once meant "every rank" without a word
+        raise RecipeError(f"strategy.pipeline_degree must be >= 2 (pipeline stages), got {degree}; leave it unset "
+                          "for a model split over strategy.devices inside each process")
+    pp = world_size if degree is None else degree
     if pp < 2:
-        raise RecipeError(f"a pipeline needs at least 2 stages' ranks, got pipeline_degree {pp} of world size "
-                          f"{world_size}; launch with --nproc 2 or more")
+        raise RecipeError(f"a pipeline needs at least 2 ranks, one per stage, but the world size is {world_size}; "
+                          "launch with --nproc 2 or more")
     if world_size % pp:
         raise RecipeError(f"world size {world_size} is not divisible by strategy.pipeline_degree {pp}; use a "
                           "multiple of it")
@@ -89,6 +93,12 @@ def check_recipe(recipe: Recipe, *, world_size: int) -> None:
     if options.schedule not in SCHEDULES:
         raise RecipeError(f"strategy.schedule: unknown value {options.schedule!r}; choose one of "
                           f"{', '.join(SCHEDULES)}")
+    if options.stages_per_rank < 1:
+        raise RecipeError(f"strategy.stages_per_rank must be >= 1, got {options.stages_per_rank}; 2 or more "
+                          "with strategy.schedule interleaved-1f1b")
+    if options.devices is not None:  # hybrid: each rank runs its stages on its own device (toolkit.dist)
+        raise RecipeError("strategy.devices applies to hybrid without strategy.pipeline_degree (a model split "
+                          "inside each process); a pipeline stage runs on its rank's device: remove it")
     interleaved = options.schedule == "interleaved-1f1b"
     if interleaved and options.stages_per_rank < 2:
         raise RecipeError("strategy.schedule interleaved-1f1b needs strategy.stages_per_rank of 2 or more")

@@ -42,9 +42,12 @@ class TpStrategy:
     def validate(self, recipe: Recipe, *, world_size: int) -> None:
         degree = recipe.strategy.tp_degree
         if degree is not None and degree != world_size:
+            # fsdp's tp_degree is the other reading only for a group size it can make of these ranks
+            groups = 1 < degree < world_size and world_size % degree == 0
             raise RecipeError(f"strategy tp splits every layer over all {world_size} ranks, but tp_degree is "
-                              f"{degree}; drop tp_degree, or use strategy.name=fsdp with tp_degree {degree} for "
-                              "tensor parallel inside groups and FSDP across them")
+                              f"{degree}; drop tp_degree" + (f", or use strategy.name=fsdp with tp_degree {degree} "
+                                                            "for tensor parallel inside groups and FSDP across them"
+                                                            if groups else ""))
         tensor_parallel.check_recipe(recipe, degree=world_size)
 
     def data_layout(self, recipe: Recipe, *, world_size: int, rank: int) -> DataLayout:

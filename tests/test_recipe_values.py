@@ -1,0 +1,60 @@
+"""Values a recipe may spell but the run cannot mean: each is one line naming the fix, exit 2, before any rank.
+
+Validate calls only (no training): a degree of 0 or less, an option the task, data format or schedule ignores,
+a warm-up that outlasts the run, an empty path."""
+
+import pytest
+
+from conftest import write_recipe
+from toolkit.cli import main
+
+
+def _validate(tmp_path, tiny_llama_dir, overrides, *, nproc=2, **sections):
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out", **sections)
+    return main(["validate", str(recipe), "--nproc", str(nproc), *[a for o in overrides for a in ("--set", o)]])
+
+
+def _assert_one_line_exit_2(code, capsys, words):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("toolkit: error:") and words in err[0], err
+
+
+STRATEGY_VALUES = {
+    "fsdp tp_degree negative": (2, ("strategy.name=fsdp", "strategy.tp_degree=-2"),
+                                "strategy.tp_degree must be >= 1, got -2"),
+    "fsdp tp_degree 0 (was fsdp alone)": (2, ("strategy.name=fsdp", "strategy.tp_degree=0"),
+                                          "strategy.tp_degree must be >= 1, got 0"),
+    "hybrid pipeline_degree 0 (was every rank)": (2, ("strategy.name=hybrid", "strategy.pipeline_degree=0"),
+                                                  "strategy.pipeline_degree must be >= 2 (pipeline stages), got 0"),
+    "hybrid pipeline_degree negative": (2, ("strategy.name=hybrid", "strategy.pipeline_degree=-2"),
+                                        "strategy.pipeline_degree must be >= 2 (pipeline stages), got -2"),
+    "hybrid pipeline with devices it never reads": (2, ("strategy.name=hybrid", "strategy.pipeline_degree=2",
+                                                        "strategy.devices=[cpu,cpu]"),
+                                                    "strategy.devices applies to hybrid without "
+                                                    "strategy.pipeline_degree"),
+    "ddp bucket_cap_mb 0": (2, ("strategy.name=ddp", "strategy.bucket_cap_mb=0"),
+                            "strategy.bucket_cap_mb must be a finite number > 0"),
+    "ddp bucket_cap_mb negative": (2, ("strategy.name=ddp", "strategy.bucket_cap_mb=-5"),
+                                   "strategy.bucket_cap_mb must be a finite number > 0"),
+    "stages_per_rank 0": (2, ("strategy.name=pipeline", "strategy.stages_per_rank=0"),
+                          "strategy.stages_per_rank must be >= 1, got 0"),
+    "stages_per_rank -1 interleaved": (2, ("strategy.name=pipeline", "strategy.schedule=interleaved-1f1b",
+                                           "strategy.stages_per_rank=-1"),
+                                       "strategy.stages_per_rank must be >= 1, got -1"),
+    "pipeline on one rank names the world size": (1, ("strategy.name=pipeline",),
+                                                  "a pipeline needs at least 2 ranks, one per stage, but the world "
+                                                  "size is 1"),
+}
+
+
+@pytest.mark.parametrize("case", list(STRATEGY_VALUES))
+def test_strategy_values_out_of_range_are_one_line(case, tmp_path, tiny_llama_dir, capsys):
+    nproc, overrides, words = STRATEGY_VALUES[case]
+    _assert_one_line_exit_2(_validate(tmp_path, tiny_llama_dir, overrides, nproc=nproc), capsys, words)
+
+
+def test_tp_with_tp_degree_0_does_not_suggest_fsdp_with_0(tmp_path, tiny_llama_dir, capsys):
+    code = _validate(tmp_path, tiny_llama_dir, ("strategy.name=tp", "strategy.tp_degree=0"))
+    err = capsys.readouterr().err
+    assert code == 2 and "tp_degree is 0; drop tp_degree" in err and "tp_degree 0 for" not in err, err
