@@ -415,8 +415,11 @@ def data_recipes(draw) -> dict:
     fmt = "text" if task == "sequence-classification" else draw(st.sampled_from(DATA_FORMATS))
     data = {"format": fmt, "text_column": draw(st.sampled_from(["text", "text", "Text", "label"])),
             "label_column": "label" if task == "sequence-classification" else None,
-            "chat_template": draw(st.sampled_from([None, CHAT_TEMPLATE]))}
-    return {"task": task, "num_labels": draw(st.sampled_from([2, 3, 1])), "data": data}
+            # a chat_template under another format is refused (one line): drawn where it is read
+            "chat_template": draw(st.sampled_from([None, CHAT_TEMPLATE])) if fmt == "chat" else None}
+    # num_labels is read by classification only (set under causal-lm it is refused in one line)
+    labels = draw(st.sampled_from([2, 3, 1])) if task == "sequence-classification" else 2
+    return {"task": task, "num_labels": labels, "data": data}
 
 
 def recipe_reading(here: Path, train: Path, eval_: Path | None, setup: dict) -> Path:
@@ -570,7 +573,8 @@ def test_odd_texts_train_or_are_one_line_exit_2_and_write_nothing(table, task_fo
     with tempfile.TemporaryDirectory() as tmp:
         here = Path(tmp)
         (here / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in table))
-        data = {"format": fmt, "chat_template": template, "train": str(here / "train.jsonl"), "eval": None,
+        data = {"format": fmt, "chat_template": template if fmt == "chat" else None,  # read under chat only
+                "train": str(here / "train.jsonl"), "eval": None,
                 "max_length": max_length, "packing": packing and task == "causal-lm"}
         recipe = write_recipe(here / "recipe.yaml", model_dir=tiny_llama_dir, task=task, output_dir=here / "out",
                               data=data, batch={"micro_batch_size": 2}, train={"max_steps": 1, "progress": False})

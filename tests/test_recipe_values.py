@@ -58,3 +58,54 @@ def test_tp_with_tp_degree_0_does_not_suggest_fsdp_with_0(tmp_path, tiny_llama_d
     code = _validate(tmp_path, tiny_llama_dir, ("strategy.name=tp", "strategy.tp_degree=0"))
     err = capsys.readouterr().err
     assert code == 2 and "tp_degree is 0; drop tp_degree" in err and "tp_degree 0 for" not in err, err
+
+IGNORED = {  # (task, format, overrides) -> what the line says
+    "packing under classification": ("sequence-classification", ("data.packing=true",),
+                                     "data.packing applies to model.task causal-lm only, but model.task is "
+                                     "sequence-classification"),
+    "num_labels under causal-lm": ("causal-lm", ("model.num_labels=3",),
+                                   "model.num_labels applies to model.task sequence-classification only"),
+    "messages_column under text": ("causal-lm", ("data.messages_column=turns",),
+                                   "data.messages_column applies to data.format chat only, but data.format is text"),
+    "chat_template under prompt-response": ("causal-lm", ("data.format=prompt-response", "data.chat_template=x"),
+                                            "data.chat_template applies to data.format chat only"),
+    "prompt_column under chat": ("causal-lm", ("data.format=chat", "data.prompt_column=q"),
+                                 "data.prompt_column applies to data.format prompt-response only"),
+    "response_column under text": ("causal-lm", ("data.response_column=a",),
+                                   "data.response_column applies to data.format prompt-response only"),
+    "min_lr_ratio under constant": ("causal-lm", ("optim.schedule=constant", "optim.min_lr_ratio=0.1"),
+                                    "optim.min_lr_ratio applies to optim.schedule cosine/linear only"),
+}
+
+
+@pytest.mark.parametrize("case", list(IGNORED))
+def test_an_option_the_task_format_or_schedule_ignores_is_one_line(case, tmp_path, tiny_llama_dir, capsys):
+    task, overrides, words = IGNORED[case]
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, task=task, output_dir=tmp_path / "out")
+    code = main(["validate", str(recipe), *[a for o in overrides for a in ("--set", o)]])
+    _assert_one_line_exit_2(code, capsys, words)
+
+
+def test_options_spelled_at_their_defaults_still_validate(tmp_path, tiny_llama_dir, capsys):
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
+                          model={"num_labels": 2}, optim={"schedule": "constant", "min_lr_ratio": 0.0},
+                          data={"packing": False, "messages_column": "messages", "chat_template": None,
+                                "prompt_column": "prompt", "response_column": "response"})
+    assert main(["validate", str(recipe)]) == 0, capsys.readouterr().err
+
+
+
+def test_a_warmup_as_long_as_the_run_is_said_once_and_the_run_goes_on(tmp_path, tiny_llama_dir):
+    """Optimizer step k of a warm-up of w runs at k/(w+1) of optim.lr: a w at least the run's steps never
+    reaches it nor follows the schedule. A short smoke run (max_steps 2 on a recipe's warm-up) is a common,
+    deliberate case, so it is a note, not a refusal; rank 0 says it once."""
+    from conftest import launch, metrics
+
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out,
+                          optim={"warmup_steps": 3, "lr": 1e-3}, train={"max_steps": 2, "progress": False})
+    result = launch(recipe, nproc=1)
+    note = "optim.warmup_steps 3 is not below the run's 2 optimizer steps"
+    assert result.stderr.count(note) == 1, result.stderr[-2000:]
+    # the lr the run logged at its last step is the warm-up's 2/4 of optim.lr (independent arithmetic)
+    assert abs(metrics(out)[-1]["lr"] - 1e-3 * 2 / 4) < 1e-12

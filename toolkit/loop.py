@@ -104,7 +104,16 @@ def prepare(recipe: Recipe, env: DistEnv):
     epochs = recipe.train.epochs or 0.0  # TrainConfig: exactly one of max_steps and epochs
     total_steps = recipe.train.max_steps or max(1, int(epochs * sampler.steps_per_epoch))
     check_profile_window(recipe.train.profile_steps, last_step=total_steps)
+    if recipe.optim.warmup_steps >= total_steps:  # a smoke run on a recipe's warm-up: deliberate, yet say so
+        notes.append(warmup_note(recipe.optim.warmup_steps, total_steps))
     return plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, names, notes
+
+
+def warmup_note(warmup_steps: int, total_steps: int) -> str:
+    """Optimizer step k of a warm-up of w steps runs at (k+1)/(w+1) of optim.lr (toolkit.optim.lr_factor): a
+    warm-up as long as the run never reaches optim.lr nor follows optim.schedule."""
+    return (f"[toolkit] optim.warmup_steps {warmup_steps} is not below the run's {total_steps} optimizer steps: "
+            f"the lr ends at {total_steps / (warmup_steps + 1):.0%} of optim.lr and never follows optim.schedule")
 
 
 def setup_strategy(strategy: Strategy, model, *, source: ModelSource, env: DistEnv, plan, total_steps: int) -> None:

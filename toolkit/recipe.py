@@ -298,6 +298,39 @@ class Recipe:
         if self.model.task == "sequence-classification" and self.data.format != "text":
             raise RecipeError(f"data.format {self.data.format} is for instruction tuning a causal-lm; a "
                               "sequence-classification task reads data.format text")
+        _check_readers(self)
+
+
+# options only some tasks, data formats or schedules read: (the key that decides, the values that read them, the
+# options). Set away from its default under another value, an option would be ignored without a word
+READERS = (
+    ("model.task", ("causal-lm",), ("data.packing",)),
+    ("model.task", ("sequence-classification",), ("model.num_labels",)),
+    ("data.format", ("chat",), ("data.messages_column", "data.chat_template")),
+    ("data.format", ("prompt-response",), ("data.prompt_column", "data.response_column")),
+    ("optim.schedule", ("cosine", "linear"), ("optim.min_lr_ratio",)),
+)
+
+
+def _check_readers(recipe: Recipe) -> None:
+    """An option set away from its default where the task, data format or schedule ignores it is a mistake, not
+    a no-op (as a strategy option is for another strategy: toolkit.strategies._check_options). Its default may be
+    spelled out."""
+    for decider, readers, options in READERS:
+        value = _key_value(recipe, decider)
+        if value in readers:
+            continue
+        for option in options:
+            section, name = option.split(".")
+            default = next(f.default for f in dataclasses.fields(getattr(recipe, section)) if f.name == name)
+            if _key_value(recipe, option) != default:
+                raise RecipeError(f"{option} applies to {decider} {'/'.join(readers)} only, but {decider} is "
+                                  f"{value}; remove it or set {decider}={readers[0]}")
+
+
+def _key_value(recipe: Recipe, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(recipe, section), name)
 
 
 @dataclass(frozen=True, kw_only=True)
