@@ -70,7 +70,7 @@ def main() -> None:
     from toolkit.loop import prepare, setup_strategy, train_step
     from toolkit.metrics import JsonlWriter, synchronize
     from toolkit.model import build_model
-    from toolkit.recipe import load_recipe
+    from toolkit.recipe_files import load_recipe
     from toolkit.strategies import make_strategy
 
     prepare_environment()

@@ -24,7 +24,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from toolkit.compare.measure import warmup_steps  # noqa: E402
-from toolkit.recipe import load_recipe, plan_batch  # noqa: E402
+from toolkit.recipe import plan_batch  # noqa: E402
+from toolkit.recipe_files import load_recipe  # noqa: E402
 
 
 def toolkit_round(recipe_path: str, *, steps: int, out: Path) -> float:

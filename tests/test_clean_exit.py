@@ -57,7 +57,7 @@ PROBE = textwrap.dedent("""
     from toolkit.dist import communication_threads, init_distributed, shutdown
     from toolkit.strategies import make_strategy
     from toolkit.strategies.base import SetupArgs
-    from toolkit.recipe import load_recipe
+    from toolkit.recipe_files import load_recipe
     from toolkit.optim import build_adamw, build_scheduler
 
     recipe = load_recipe(sys.argv[1], ["strategy.name=ddp"])

@@ -13,7 +13,7 @@ from toolkit.cli import main
 from toolkit.data import Collator, _packer, load_split
 from toolkit.dist import DistEnv
 from toolkit.losses import IGNORE_INDEX
-from toolkit.recipe import load_recipe
+from toolkit.recipe_files import load_recipe
 
 ROWS = [json.loads(line) for line in open(TRAIN)][:64]
 ONE_RANK = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

@@ -7,7 +7,8 @@ import pytest
 from conftest import REPO, write_recipe
 from toolkit.cli import main
 from toolkit.errors import RecipeError
-from toolkit.recipe import load_recipe, plan_batch
+from toolkit.recipe import plan_batch
+from toolkit.recipe_files import load_recipe
 from toolkit.strategies.zero_config import resolve_ds_config
 
 

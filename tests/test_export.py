@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 from conftest import write_recipe
 from toolkit.dist import DistEnv
 from toolkit.loop import train
-from toolkit.recipe import load_recipe
+from toolkit.recipe_files import load_recipe
 
 
 def test_exported_model_loads_with_plain_transformers(tmp_path, tiny_llama_dir):

@@ -41,7 +41,7 @@ def test_tilde_is_the_home_folder_in_every_path_key(tmp_path, tiny_llama_dir, mo
     assert resolved["output_dir"] == str(home / "run")
     assert resolved["train"]["tracking_dir"] == str(home / "tb")
     assert not (tmp_path / "~").exists() and not os.path.exists("~")
-    from toolkit.recipe import load_recipe, path_keys
+    from toolkit.recipe_files import load_recipe, path_keys
 
     every = load_recipe(recipe, [f"{key}=~/{key}" for key in path_keys() if key != "model.path"])
     assert every.strategy.ds_config == str(home / "strategy.ds_config")
@@ -58,7 +58,7 @@ def test_compare_takes_a_saved_tilde_path_for_the_same_setting(tmp_path, tiny_ll
     """An arm saved before `~` was expanded when the recipe is built is still the same run."""
     from toolkit.compare.experiment import Arm, Experiment
     from toolkit.compare.runner import settings_difference
-    from toolkit.recipe import dump_recipe, load_recipe
+    from toolkit.recipe_files import dump_recipe, load_recipe
 
     monkeypatch.setenv("HOME", str(tiny_llama_dir.parent))
     recipe, _ = _recipe(tmp_path, tiny_llama_dir)

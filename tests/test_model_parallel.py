@@ -99,7 +99,7 @@ BAD = {
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_split_inputs_are_one_line_before_any_rank(llama4_runs, case):
     from toolkit.errors import RecipeError
-    from toolkit.recipe import load_recipe
+    from toolkit.recipe_files import load_recipe
     from toolkit.strategies import validate_strategy
 
     ranks, overrides, words = BAD[case]

@@ -7,7 +7,7 @@ from torch.distributed.pipelining import schedules
 
 from toolkit.activations import Traced, traced_activations, traced_stage
 from toolkit.plan import planned_model, predict
-from toolkit.recipe import load_recipe
+from toolkit.recipe_files import load_recipe
 from toolkit.strategies.pipeline_memory import in_flight_peak, schedule_actions
 
 

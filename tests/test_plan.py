@@ -15,7 +15,7 @@ import test_tensor_parallel
 from conftest import REPO, run_cli, toolkit_env, write_recipe
 from toolkit import plan
 from toolkit.errors import RecipeError
-from toolkit.recipe import load_recipe
+from toolkit.recipe_files import load_recipe
 from toolkit.strategies import zero_state
 
 LLAMA = {  # the 2-block untied Llama: name -> (ranks, overrides)

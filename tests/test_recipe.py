@@ -5,7 +5,8 @@ import re
 import pytest
 
 from toolkit.errors import RecipeError
-from toolkit.recipe import BatchConfig, apply_override, plan_batch, recipe_from_dict
+from toolkit.recipe import BatchConfig, plan_batch
+from toolkit.recipe_files import apply_override, recipe_from_dict
 
 BASE = {"model": {"path": "/m"}, "data": {"train": "t.jsonl"}}
 

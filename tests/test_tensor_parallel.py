@@ -108,7 +108,7 @@ BAD = {
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_tensor_parallel_inputs_are_one_line_before_any_rank(llama4_runs, case):
     from toolkit.errors import RecipeError
-    from toolkit.recipe import load_recipe
+    from toolkit.recipe_files import load_recipe
     from toolkit.strategies import validate_strategy
 
     ranks, overrides, words = BAD[case]
@@ -119,7 +119,7 @@ def test_bad_tensor_parallel_inputs_are_one_line_before_any_rank(llama4_runs, ca
 def test_mlp_columns_not_divisible_and_a_model_without_plan_are_one_line(tmp_path):
     from conftest import MINILM
     from toolkit.errors import RecipeError
-    from toolkit.recipe import load_recipe
+    from toolkit.recipe_files import load_recipe
     from toolkit.strategies import validate_strategy
 
     def recipe_for(config: dict):
@@ -141,7 +141,7 @@ def test_mlp_columns_not_divisible_and_a_model_without_plan_are_one_line(tmp_pat
 
 def test_sequence_parallel_on_an_encoder_is_one_line(minilm_runs):
     from toolkit.errors import RecipeError
-    from toolkit.recipe import load_recipe
+    from toolkit.recipe_files import load_recipe
     from toolkit.strategies import validate_strategy
 
     recipe = load_recipe(minilm_runs.recipe, ("strategy.name=tp", "strategy.sequence_parallel=true"))

@@ -11,7 +11,7 @@ from toolkit.activations import traced_activations
 from toolkit.loading import own_memory
 from toolkit.errors import RecipeError
 from toolkit.plan import planned_model, predict
-from toolkit.recipe import load_recipe
+from toolkit.recipe_files import load_recipe
 from toolkit.strategies import make_strategy, tensor_parallel
 
 CONFIG = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,

@@ -13,7 +13,7 @@ import test_equivalence
 from conftest import metrics, write_recipe
 from test_cli_errors import _assert_one_line_exit_2
 from toolkit.cli import main
-from toolkit.recipe import load_recipe
+from toolkit.recipe_files import load_recipe
 from toolkit.stopping import Stopped
 
 

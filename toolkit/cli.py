@@ -106,7 +106,7 @@ def cmd_train(args) -> int:
 def cmd_launch(args) -> int:
     from toolkit.checks import check_recipe
     from toolkit.launch import launch
-    from toolkit.recipe import load_recipe
+    from toolkit.recipe_files import load_recipe
 
     _check_nproc(args.nproc)
     if args.max_restarts < 0:
@@ -156,7 +156,7 @@ def _nodes_of(args):
 
 def cmd_validate(args) -> int:
     from toolkit.checks import check_recipe
-    from toolkit.recipe import dump_recipe, load_recipe
+    from toolkit.recipe_files import dump_recipe, load_recipe
 
     _check_nproc(args.nproc)
     recipe = load_recipe(args.recipe, args.overrides)
@@ -175,7 +175,7 @@ def cmd_plan(args) -> int:
     from toolkit.checks import check_recipe
     from toolkit.compare.experiment import split_arms
     from toolkit.metrics import process_bytes
-    from toolkit.recipe import load_recipe
+    from toolkit.recipe_files import load_recipe
     from toolkit.strategies import arm_aliases, strategy_info
 
     _check_nproc(args.nproc)

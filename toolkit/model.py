@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterator, NoReturn, cast
+from typing import Any, Callable, NoReturn, cast
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
 
 from toolkit.errors import RecipeError
+from toolkit.model_config import (auto_class, check_architecture, check_sizes, check_unknown_fields,
+                                  config_errors)
 from toolkit.precision import DTYPES
 from toolkit.recipe import ModelConfig
 
@@ -132,13 +133,6 @@ def position_limit(config: ModelConfig) -> int | None:
 PADDING_OFFSET_POSITIONS = {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text"}
 
 
-def _auto_class(config: ModelConfig):
-    import transformers
-
-    return (transformers.AutoModelForCausalLM if config.task == "causal-lm"
-            else transformers.AutoModelForSequenceClassification)
-
-
 def _label_fields(config: ModelConfig) -> dict:
     return {"num_labels": config.num_labels} if config.task == "sequence-classification" else {}
 
@@ -167,76 +161,6 @@ def hf_config(config: ModelConfig, *, tokenizer=None):
     return built
 
 
-# sizes a transformer config holds that must be at least 1 (names across the model families transformers has);
-# at 0 or below a config class divides by zero or a model builds tensors of negative size
-SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "num_key_value_heads", "head_dim", "max_position_embeddings", "n_embd", "n_layer", "n_head",
-               "n_positions", "d_model", "d_ff", "d_kv", "num_layers", "num_heads", "ffn_dim")
-
-
-def check_sizes(fields: dict, config: ModelConfig) -> None:
-    for name in SIZE_FIELDS:
-        value = fields.get(name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 1:
-            raise RecipeError(f"{_config_key(config)}: {name} is {value}; a size must be 1 or more")
-
-
-def check_unknown_fields(built, fields: dict, config: ModelConfig) -> None:
-    """A model.config key the config class does not have (a typo such as num_hidden_layer): transformers keeps
-    it as an attribute no model reads, so the run would silently use the default. Legacy keys the class converts
-    (rope_theta into rope_parameters, torch_dtype) leave no attribute of their own and pass."""
-    import difflib
-
-    try:
-        known = set(type(built)().to_dict())
-    except Exception:  # noqa: BLE001 - a config class without defaults: nothing to compare against
-        return
-    unknown = sorted(name for name in set(built.to_dict()) - known if name in fields)
-    if unknown:
-        near = difflib.get_close_matches(unknown[0], sorted(known), n=1)
-        hint = f"did you mean {near[0]}?" if near else "see its fields in transformers' documentation"
-        raise RecipeError(f"model.config: {unknown[0]} is not a field of {type(built).__name__} ({hint}); fix or "
-                          "remove it")
-
-
-def check_architecture(built, config: ModelConfig) -> None:
-    """What transformers' config classes accept but their models cannot run: a task head the model type lacks
-    (from_config's refusal lists every config class in one huge line), grouped-query attention whose key/value
-    heads do not divide the query heads (Llama's config takes it; attention fails inside the first forward)."""
-    key = _config_key(config)
-    auto = _auto_class(config)
-    if type(built) not in auto._model_mapping:  # the condition from_config checks
-        raise RecipeError(f"{key}: model_type {built.model_type} has no {config.task} head in transformers "
-                          f"({auto.__name__}); use a model type that has one, or another model.task")
-    heads, kv_heads = getattr(built, "num_attention_heads", None), getattr(built, "num_key_value_heads", None)
-    if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
-        raise RecipeError(f"{key}: num_attention_heads {heads} must be a multiple of num_key_value_heads "
-                          f"{kv_heads} (each key/value head serves a group of query heads); set "
-                          f"num_key_value_heads to a divisor of {heads}")
-
-
-def _config_key(config: ModelConfig) -> str:
-    return "model.config" if config.config is not None else f"model.path {config.path}"
-
-
-@contextlib.contextmanager
-def config_errors(config: ModelConfig, *more: type[Exception]) -> Iterator[None]:
-    """transformers' refusal of a config's fields (a hidden size that is no multiple of the heads, an unknown
-    model type, sizes past what a tensor holds) as a RecipeError, one line naming the recipe key."""
-    from huggingface_hub.errors import StrictDataclassError
-
-    refused: tuple[type[Exception], ...] = (ValueError, TypeError, ZeroDivisionError, StrictDataclassError, *more)
-    try:
-        yield
-    except RecipeError:
-        raise
-    except refused as exc:
-        lines = str(exc).strip().splitlines()  # transformers' validators: a header, the reason on the last line
-        reason = lines[-1].strip().rstrip(".") if lines else type(exc).__name__
-        raise RecipeError(f"{_config_key(config)}: {reason[:200]}{'…' if len(reason) > 200 else ''}; fix the model's config") \
-            from None
-
-
 def build_model(config: ModelConfig, *, tokenizer, seed: int) -> nn.Module:
     """The model on CPU in its load dtype. New weights (heads, from-scratch models) come from `seed`."""
     dtype = DTYPES[config.load_dtype]
@@ -244,9 +168,9 @@ def build_model(config: ModelConfig, *, tokenizer, seed: int) -> nn.Module:
     if config.path is not None:
         path = resolve_path(config.path)
         check_model_dir(path, "model.path")
-        model = _auto_class(config).from_pretrained(str(path), dtype=dtype, **_label_fields(config))
+        model = auto_class(config).from_pretrained(str(path), dtype=dtype, **_label_fields(config))
     else:
-        model = _auto_class(config).from_config(hf_config(config, tokenizer=tokenizer), dtype=dtype)
+        model = auto_class(config).from_config(hf_config(config, tokenizer=tokenizer), dtype=dtype)
     return _finish(model, config, tokenizer=tokenizer)
 
 
@@ -256,7 +180,7 @@ def empty_model(config: ModelConfig, *, tokenizer) -> nn.Module:
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):
-        model: Any = _auto_class(config).from_config(hf_config(config, tokenizer=tokenizer),
+        model: Any = auto_class(config).from_config(hf_config(config, tokenizer=tokenizer),
                                                      dtype=DTYPES[config.load_dtype])
     # the context makes every parameter registered in it a new meta tensor, also the output layer that
     # tie_weights pointed at the input embedding: tie them again outside it
@@ -369,7 +293,7 @@ def count_blocks(config: ModelConfig, names: tuple[str, ...] | None) -> int:
 def meta_model(config: ModelConfig) -> nn.Module:
     """The recipe's model built on the meta device from its config: its structure, no weights, no memory."""
     with torch.device("meta"), config_errors(config, RuntimeError):  # RuntimeError: a size past int64
-        return _auto_class(config).from_config(hf_config(config))
+        return auto_class(config).from_config(hf_config(config))
 
 
 def transformer_blocks(model: nn.Module, class_names: tuple[str, ...] | None = None) -> list[nn.Module]:

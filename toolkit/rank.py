@@ -23,7 +23,7 @@ def run_rank(recipe_path: str, overrides: list[str], resume: Resume | None) -> i
     """`toolkit train`: this process's rank of the run, from the recipe (and, under `accelerate launch`, its
     plugin settings) to the exit code; every outcome a user causes is one line."""
     from toolkit.accelerate_env import apply_launcher_settings, launcher_settings, named_source
-    from toolkit.recipe import read_recipe_dict, recipe_from_dict
+    from toolkit.recipe_files import read_recipe_dict, recipe_from_dict
 
     raw = read_recipe_dict(recipe_path, overrides)
     settings = launcher_settings(os.environ)  # under `accelerate launch`: its plugin settings

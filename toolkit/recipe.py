@@ -1,4 +1,4 @@
-"""Recipes: typed, frozen dataclasses loaded from YAML with `--set a.b=c` overrides.
+"""Recipes: typed, frozen dataclasses, loaded from YAML with `--set a.b=c` overrides by toolkit/recipe_files.py.
 
 Every key is declared here; an unknown key or a value of the wrong type is a
 RecipeError naming the key and the fix, never silently ignored.
@@ -8,18 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import re
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import yaml
-
 from toolkit.errors import RecipeError
-from toolkit.typed import from_plain, recipe_key
-from toolkit.yaml_files import read_yaml_mapping, yaml_problem
 
 PATH = {"path": True}  # a key naming a file or folder: `~` expanded, empty refused (toolkit.typed)
 
@@ -52,7 +44,8 @@ class LoraOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    path: str | None = field(default=None, metadata=PATH)  # local HF folder, or pkg://<package>/<subdir> for a model a package ships
+    # a local HF folder, or pkg://<package>/<subdir> for a model a package ships
+    path: str | None = field(default=None, metadata=PATH)
     config: dict | None = None  # a from-scratch model: transformers config fields incl. model_type
     tokenizer: str | None = field(default=None, metadata=PATH)  # tokenizer folder (pkg:// allowed); default: `path`
     task: str = "sequence-classification"  # sequence-classification | causal-lm
@@ -88,7 +81,8 @@ class DataConfig:
     # a json/jsonl/csv/parquet/txt file (also .gz, .bz2, .xz, .zst), a folder of such shards, or a folder written
     # by datasets' save_to_disk (a DatasetDict: its train split; for eval its validation, eval or test split)
     train: str = field(metadata=PATH)
-    eval: str | None = field(default=None, metadata=PATH)  # held-out data, the same kinds; eval loss (+ accuracy / perplexity) every eval_every
+    # held-out data, the same kinds; eval loss (+ accuracy / perplexity) every eval_every
+    eval: str | None = field(default=None, metadata=PATH)
     # text: train on text_column (classification: with label_column). Instruction tuning (causal-lm), the loss on
     # the response tokens only: chat (messages_column: lists of {role, content}, rendered by the tokenizer's chat
     # template) | prompt-response (prompt_column, response_column)
@@ -181,7 +175,8 @@ class StrategyConfig:
     stage: int | None = None  # zero: 0 = plain DP, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters (default 2)
     offload_optimizer: bool = False  # zero: optimizer state and step on CPU (DeepSpeed CPU Adam)
     offload_param: bool = False  # zero: stage 3 only, parameters on CPU between uses
-    ds_config: str | None = field(default=None, metadata=PATH)  # zero: an existing DeepSpeed JSON used as it is; "auto" values come from this recipe
+    # zero: an existing DeepSpeed JSON used as it is; "auto" values come from this recipe
+    ds_config: str | None = field(default=None, metadata=PATH)
     # model_parallel, pipeline, hybrid
     devices: tuple[str, ...] | None = None  # model_parallel/hybrid: the devices one process splits its model over
     #   (e.g. [cuda:0, cuda:1]; `cpu` may repeat: same code path and boundaries). hybrid: local rank r uses
@@ -360,82 +355,6 @@ def plan_batch(batch: BatchConfig, *, world_size: int) -> BatchPlan:
             f"batch: {world_size} ranks × micro {micro} × accum {accum} = {total}, but global_batch_size is "
             f"{batch.global_batch_size}; set batch.grad_accum_steps=null to derive it, or make global_batch_size {total}")
     return BatchPlan(world_size=world_size, micro_batch_size=micro, grad_accum_steps=accum, global_batch_size=total)
-
-
-# --- loading ---------------------------------------------------------------------------------
-
-def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """Read a YAML recipe, apply `a.b=c` overrides, validate, return a frozen Recipe."""
-    return recipe_from_dict(read_recipe_dict(path, overrides))
-
-
-def read_recipe_dict(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> dict:
-    """The recipe file as a plain dict with the overrides applied, not yet validated."""
-    path = Path(path)
-    if not path.is_file():
-        raise RecipeError(f"recipe {path} not found; pass a YAML file (see `toolkit --help` for the shipped recipes)")
-    raw = read_yaml_mapping(path, what="recipe", holds="sections (model, data, ...)")
-    for item in overrides:
-        apply_override(raw, item)
-    return raw
-
-
-def apply_override(raw: dict, item: str) -> None:
-    """Apply one `a.b=c` override in place; the value is parsed as YAML (so 1e-4, true, null work)."""
-    if "=" not in item:
-        raise RecipeError(f"--set {item!r}: expected key.path=value, e.g. --set optim.lr=1e-4")
-    key, _, text = item.partition("=")
-    try:
-        value = yaml.safe_load(text) if text != "" else ""
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"--set {item!r}: the value is not valid YAML ({yaml_problem(exc)}); a string with "
-                          "YAML's special characters goes in quotes: --set KEY='\"...\"'") from None
-    if isinstance(value, str) and re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", value):
-        value = float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string; users mean the number
-    parts = key.strip().split(".")
-    node = raw
-    for part in parts[:-1]:
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise RecipeError(f"--set {key}: {part} is not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def recipe_from_dict(raw: dict) -> Recipe:
-    return from_plain(Recipe, raw)
-
-
-def recipe_to_dict(recipe: Recipe) -> dict:
-    def plain(value: Any) -> Any:
-        if isinstance(value, tuple):
-            return [plain(v) for v in value]
-        if isinstance(value, dict):
-            return {k: plain(v) for k, v in value.items()}
-        if dataclasses.is_dataclass(value):
-            return {recipe_key(f): plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        return value
-
-    return plain(recipe)
-
-
-def path_keys(cls: type = Recipe, prefix: str = "") -> list[str]:
-    """The dotted keys marked PATH (model.path, data.train, output_dir, ...)."""
-    keys = []
-    for f in dataclasses.fields(cls):
-        hint = typing.get_type_hints(cls)[f.name]
-        inner = [h for h in (hint, *typing.get_args(hint)) if isinstance(h, type) and dataclasses.is_dataclass(h)]
-        if f.metadata.get("path"):
-            keys.append(prefix + recipe_key(f))
-        elif inner:
-            keys += path_keys(inner[0], prefix + recipe_key(f) + ".")
-    return keys
-
-
-def dump_recipe(recipe: Recipe) -> str:
-    return yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False)
 
 
 def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:

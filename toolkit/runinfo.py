@@ -21,7 +21,8 @@ from toolkit.metrics import (live_tensor_storages, measured_matmul_flops, peak_m
                              storage_key)
 from toolkit.model import flops_per_token
 from toolkit.optim import schedule_label
-from toolkit.recipe import BatchPlan, Recipe, dump_recipe
+from toolkit.recipe import BatchPlan, Recipe
+from toolkit.recipe_files import dump_recipe
 from toolkit.strategies.base import storage_bytes
 
 

@@ -21,7 +21,8 @@ from typing import Any, Iterator, Protocol
 
 from toolkit.errors import RecipeError, first_line
 from toolkit.metrics import JsonlWriter
-from toolkit.recipe import Recipe, dump_recipe, recipe_to_dict
+from toolkit.recipe import Recipe
+from toolkit.recipe_files import dump_recipe, recipe_to_dict
 from toolkit.stopping import Stopped
 
 TRACKING_FILE = "tracking.json"  # in output_dir: where this run's trackers write, and its MLflow run

@@ -62,7 +62,8 @@ def main() -> None:
     from toolkit.loop import setup_strategy
     from toolkit.model import load_tokenizer
     from toolkit.optim import param_groups
-    from toolkit.recipe import load_recipe, plan_batch
+    from toolkit.recipe import plan_batch
+    from toolkit.recipe_files import load_recipe
     from toolkit.strategies import make_strategy
 
     out, cases = sys.argv[1], json.loads(sys.argv[2])  # {name: [recipe path, override, ...]}

@@ -17,7 +17,8 @@ from pathlib import Path
 from toolkit import faults
 from toolkit.atomic import write_text_whole
 from toolkit.errors import RecipeError
-from toolkit.recipe import Recipe, dump_recipe
+from toolkit.recipe import Recipe
+from toolkit.recipe_files import dump_recipe
 
 FORMAT = "toolkit-checkpoint"
 VERSION = 1

@@ -30,7 +30,8 @@ def add_compare_commands(sub, add_overrides) -> None:
 def calibration_arms(experiment) -> list:
     """Two reference runs per low precision, differing only in reduction order (see verdict.py)."""
     from toolkit.compare.experiment import RECORD_GRADIENT_SCALE, Arm
-    from toolkit.recipe import load_recipe, plan_batch
+    from toolkit.recipe import plan_batch
+    from toolkit.recipe_files import load_recipe
 
     reference = experiment.arms[0]
     precisions = set()

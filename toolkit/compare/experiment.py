@@ -12,7 +12,8 @@ from datetime import datetime
 from pathlib import Path
 
 from toolkit.errors import RecipeError
-from toolkit.recipe import load_recipe, plan_batch
+from toolkit.recipe import plan_batch
+from toolkit.recipe_files import load_recipe
 from toolkit.strategies import arm_aliases, make_strategy, strategy_info, validate_strategy
 from toolkit.yaml_files import read_yaml_mapping
 

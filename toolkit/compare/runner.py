@@ -19,7 +19,7 @@ from toolkit.compare.experiment import Arm, Experiment
 from toolkit.compare.verdict import flatten
 from toolkit.errors import INTERRUPTED_EXIT_CODE as INTERRUPTED
 from toolkit.errors import RecipeError
-from toolkit.recipe import load_recipe, path_keys, recipe_to_dict
+from toolkit.recipe_files import load_recipe, path_keys, recipe_to_dict
 from toolkit.tracking import tensorboard_dir
 
 TAIL_LINES = 15

@@ -1,0 +1,88 @@
+"""A model's transformers config, checked before any model is built: what transformers' config classes accept
+but no run should (sizes below 1, a key the class lacks, a model type without the task's head, key/value heads
+that do not divide the heads), and their own refusals, each as one line naming the recipe key."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from toolkit.errors import RecipeError
+from toolkit.recipe import ModelConfig
+
+
+def auto_class(config: ModelConfig):
+    import transformers
+
+    return (transformers.AutoModelForCausalLM if config.task == "causal-lm"
+            else transformers.AutoModelForSequenceClassification)
+
+
+# sizes a transformer config holds that must be at least 1 (names across the model families transformers has);
+# at 0 or below a config class divides by zero or a model builds tensors of negative size
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "max_position_embeddings", "n_embd", "n_layer", "n_head",
+               "n_positions", "d_model", "d_ff", "d_kv", "num_layers", "num_heads", "ffn_dim")
+
+
+def check_sizes(fields: dict, config: ModelConfig) -> None:
+    for name in SIZE_FIELDS:
+        value = fields.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 1:
+            raise RecipeError(f"{config_key(config)}: {name} is {value}; a size must be 1 or more")
+
+
+def check_unknown_fields(built, fields: dict, config: ModelConfig) -> None:
+    """A model.config key the config class does not have (a typo such as num_hidden_layer): transformers keeps
+    it as an attribute no model reads, so the run would silently use the default. Legacy keys the class converts
+    (rope_theta into rope_parameters, torch_dtype) leave no attribute of their own and pass."""
+    import difflib
+
+    try:
+        known = set(type(built)().to_dict())
+    except Exception:  # noqa: BLE001 - a config class without defaults: nothing to compare against
+        return
+    unknown = sorted(name for name in set(built.to_dict()) - known if name in fields)
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+        hint = f"did you mean {near[0]}?" if near else "see its fields in transformers' documentation"
+        raise RecipeError(f"model.config: {unknown[0]} is not a field of {type(built).__name__} ({hint}); fix or "
+                          "remove it")
+
+
+def check_architecture(built, config: ModelConfig) -> None:
+    """What transformers' config classes accept but their models cannot run: a task head the model type lacks
+    (from_config's refusal lists every config class in one huge line), grouped-query attention whose key/value
+    heads do not divide the query heads (Llama's config takes it; attention fails inside the first forward)."""
+    key = config_key(config)
+    auto = auto_class(config)
+    if type(built) not in auto._model_mapping:  # the condition from_config checks
+        raise RecipeError(f"{key}: model_type {built.model_type} has no {config.task} head in transformers "
+                          f"({auto.__name__}); use a model type that has one, or another model.task")
+    heads, kv_heads = getattr(built, "num_attention_heads", None), getattr(built, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
+        raise RecipeError(f"{key}: num_attention_heads {heads} must be a multiple of num_key_value_heads "
+                          f"{kv_heads} (each key/value head serves a group of query heads); set "
+                          f"num_key_value_heads to a divisor of {heads}")
+
+
+def config_key(config: ModelConfig) -> str:
+    return "model.config" if config.config is not None else f"model.path {config.path}"
+
+
+@contextlib.contextmanager
+def config_errors(config: ModelConfig, *more: type[Exception]) -> Iterator[None]:
+    """transformers' refusal of a config's fields (a hidden size that is no multiple of the heads, an unknown
+    model type, sizes past what a tensor holds) as a RecipeError, one line naming the recipe key."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    refused: tuple[type[Exception], ...] = (ValueError, TypeError, ZeroDivisionError, StrictDataclassError, *more)
+    try:
+        yield
+    except RecipeError:
+        raise
+    except refused as exc:
+        lines = str(exc).strip().splitlines()  # transformers' validators: a header, the reason on the last line
+        reason = lines[-1].strip().rstrip(".") if lines else type(exc).__name__
+        raise RecipeError(f"{config_key(config)}: {reason[:200]}{'…' if len(reason) > 200 else ''}; fix the model's config") \
+            from None
