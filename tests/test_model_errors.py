@@ -75,6 +75,28 @@ def test_a_model_config_key_the_config_class_lacks_is_one_line_with_the_near_nam
     assert main(["validate", str(recipe)]) == 0
 
 
+@pytest.mark.parametrize("model_type, task, key, value", [
+    ("t5", "sequence-classification", "decoder_start_token_id", 0),  # T5's model reads it; not a declared field
+    ("gpt2", "causal-lm", "n_ctx", 64),  # in GPT-2's own config.json
+    ("bert", "sequence-classification", "gradient_checkpointing", False),  # in bert-base-uncased's config.json
+    ("llama", "causal-lm", "auto_map", {}),
+])
+def test_keys_people_copy_from_a_config_json_still_validate(model_type, task, key, value, tmp_path, tiny_llama_dir,
+                                                            capsys):
+    from transformers import AutoConfig
+
+    from toolkit.model import hf_config
+    from toolkit.recipe import ModelConfig
+
+    small = {"llama": TINY_LLAMA_CONFIG, "gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64},
+             "bert": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64},
+             "t5": {"d_model": 32, "d_ff": 64, "num_layers": 2, "num_heads": 4, "d_kv": 8}}[model_type]
+    fields = {**small, "model_type": model_type, key: value}
+    built = hf_config(ModelConfig(config=fields, tokenizer=str(tiny_llama_dir), task=task))
+    assert getattr(built, key) == value  # kept, as transformers itself keeps it
+    assert type(built) is type(AutoConfig.for_model(model_type))
+
+
 def test_a_model_type_without_the_tasks_head_is_one_line(tmp_path, tiny_llama_dir, capsys):
     recipe, out = _from_config(tmp_path, tiny_llama_dir, model_type="t5")
     _assert_one_line_exit_2(main(["validate", str(recipe)]), capsys,

@@ -194,6 +194,8 @@ def test_plan_command_prints_every_arm_and_what_does_not_fit():
     assert sum(line.startswith("pp-1f1b ") for line in lines) == 2
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="on a GPU every arm is judged against the GPU's "
+                    "memory, whatever its ranks")
 def test_plan_judges_each_arm_against_its_own_ranks_share_of_the_host():
     """On CPU the default memory per rank is the host's ÷ the arm's ranks: a one-process arm (single) has the
     whole host, a 4-rank ddp a quarter of it (computed here from the host's pages, not by the planner)."""

@@ -1,7 +1,7 @@
 """Values a recipe may spell but the run cannot mean: each is one line naming the fix, exit 2, before any rank.
 
-Validate calls only (no training): a degree of 0 or less, an option the task, data format or schedule ignores,
-a warm-up that outlasts the run, an empty path."""
+Validate calls (no training): a degree of 0 or less, an option the task, data format or schedule ignores. One
+2-rank run: a warm-up that outlasts the run is a note, said once."""
 
 import pytest
 
@@ -103,8 +103,9 @@ def test_a_warmup_as_long_as_the_run_is_said_once_and_the_run_goes_on(tmp_path, 
 
     out = tmp_path / "out"
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out,
-                          optim={"warmup_steps": 3, "lr": 1e-3}, train={"max_steps": 2, "progress": False})
-    result = launch(recipe, nproc=1)
+                          optim={"warmup_steps": 3, "lr": 1e-3}, train={"max_steps": 2, "progress": False},
+                          batch={"micro_batch_size": 4, "grad_accum_steps": 1})
+    result = launch(recipe, nproc=2, overrides=("strategy.name=ddp",))  # two ranks, one note
     note = "optim.warmup_steps 3 is not below the run's 2 optimizer steps"
     assert result.stderr.count(note) == 1, result.stderr[-2000:]
     # the lr the run logged at its last step is the warm-up's 2/4 of optim.lr (independent arithmetic)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -214,7 +215,9 @@ def named_source(settings: list[Setting]) -> Iterator[None]:
     try:
         yield
     except RecipeError as exc:
-        source = next((s.source for s in settings if s.key and str(exc).startswith(s.key)), None)  # its subject
+        # its subject: the message starts with the key, not with a longer one it prefixes (stage, stages_per_rank)
+        source = next((s.source for s in settings if s.key and re.match(re.escape(s.key) + r"(?![\w.])", str(exc))),
+                      None)
         if source is None:
             raise
         raise RecipeError(f"{exc} (the value comes from accelerate launch: {source}; fix it in the accelerate "

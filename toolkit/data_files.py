@@ -3,9 +3,9 @@
 `data.train` / `data.eval` may name
   a file            json, jsonl, csv, parquet or txt, the text formats also compressed (.gz, .bz2, .xz, .zst);
   a folder of shards files of one of those formats (e.g. part-00000.parquet ...), read as one split; where the
-                    file names name several splits by `datasets`' own rules (train-*, *_validation.*, test.*,
-                    dev, eval ...), only the key's split (train; for eval: validation, then test), as for
-                    load_dataset(folder);
+                    file names name two or more splits by `datasets`' split keywords (train-*, *_validation.*,
+                    test.*, dev, eval ...), only the key's split (train; for eval: validation, then test), and a
+                    file naming none there is refused (load_dataset(folder) would leave it out without a word);
   a saved dataset   a folder `datasets`' save_to_disk wrote: a Dataset, or a DatasetDict whose split named like
                     the key is taken (train; for eval: validation, eval or test).
 Every problem with them (missing, empty, unparsable, a column without what training needs) is a RecipeError
@@ -77,7 +77,8 @@ def data_source(key: str, path: str) -> DataSource:
 
 
 def _split_of(key: str, where: Path, shards: list[Path]) -> list[Path]:
-    """The shards of the key's split where their names name several, else all. A name names a split as
+    """The shards of the key's split where their names name two or more, else all (one named split, e.g.
+    reviews-train.jsonl beside part-2.jsonl, is read whole, as a folder of shards). A name names a split as
     load_dataset(folder) reads it: one of `datasets`' split keywords, at the start or after a separator, followed
     by one (train-00000.jsonl, my_validation.csv, test.parquet). Only the folder's own files are read (datasets'
     patterns would walk every sub-folder)."""

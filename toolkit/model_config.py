@@ -33,21 +33,26 @@ def check_sizes(fields: dict, config: ModelConfig) -> None:
 
 
 def check_unknown_fields(built, fields: dict, config: ModelConfig) -> None:
-    """A model.config key the config class does not have (a typo such as num_hidden_layer): transformers keeps
-    it as an attribute no model reads, so the run would silently use the default. Legacy keys the class converts
-    (rope_theta into rope_parameters, torch_dtype) leave no attribute of their own and pass."""
+    """A model.config key that is a near miss of one of the config class's fields (num_hidden_layer for
+    num_hidden_layers): transformers keeps it as an attribute no model reads, so the run would silently use the
+    default. Other keys the class does not declare pass, as transformers lets them: many are read all the same
+    (T5's decoder_start_token_id, a generation setting) or are metadata copied from a config.json (n_ctx,
+    gradient_checkpointing, auto_map). Legacy keys the class converts (rope_theta into rope_parameters) leave no
+    attribute of their own."""
     import difflib
+
+    import transformers
 
     try:
         known = set(type(built)().to_dict())
     except Exception:  # noqa: BLE001 - a config class without defaults: nothing to compare against
         return
-    unknown = sorted(name for name in set(built.to_dict()) - known if name in fields)
-    if unknown:
-        near = difflib.get_close_matches(unknown[0], sorted(known), n=1)
-        hint = f"did you mean {near[0]}?" if near else "see its fields in transformers' documentation"
-        raise RecipeError(f"model.config: {unknown[0]} is not a field of {type(built).__name__} ({hint}); fix or "
-                          "remove it")
+    read_anyway = set(transformers.GenerationConfig().to_dict())
+    for name in sorted(set(built.to_dict()) - known - read_anyway):
+        near = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8) if name in fields else []
+        if near:
+            raise RecipeError(f"model.config: {name} is not a field of {type(built).__name__} (did you mean "
+                              f"{near[0]}?); fix or remove it")
 
 
 def check_architecture(built, config: ModelConfig) -> None:

@@ -226,7 +226,7 @@ def render(rows: list[tuple[str, Prediction | str]], *,
     out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
     out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]
     given = limits.values() if limits else [memory_per_rank(1)]
-    where = "; ".join(sorted({f"{_size(limit)} ({source})" for limit, source in given}))
+    where = "; ".join(f"{_size(limit)} ({source})" for limit, source in sorted(set(given)))
     out.append(f"memory per rank: {where}. Model states are exact "
                "(the run measures the same bytes); activations and peak are estimates: see toolkit/plan.py.")
     return "\n".join(out)

@@ -318,6 +318,7 @@ def _check_readers(recipe: Recipe) -> None:
         for option in options:
             section, name = option.split(".")
             default = next(f.default for f in dataclasses.fields(getattr(recipe, section)) if f.name == name)
+            assert default is not dataclasses.MISSING, option  # READERS options have plain defaults
             if _key_value(recipe, option) != default:
                 raise RecipeError(f"{option} applies to {decider} {'/'.join(readers)} only, but {decider} is "
                                   f"{value}; remove it or set {decider}={readers[0]}")
