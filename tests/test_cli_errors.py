@@ -183,3 +183,24 @@ def test_a_bad_data_file_is_refused_by_launch_before_any_rank_starts(tmp_path, t
     assert result.stderr.strip().splitlines() == [f"toolkit: error: data.train: {data} has no rows (a header at "
                                                   "most); point data.train at a file with data"]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["trian", "r.yaml"], "toolkit: error: argument command: invalid choice: 'trian'"),
+    (["launch", "--nproc", "two", "r.yaml"], "toolkit launch: error: argument --nproc: invalid int value: 'two'"),
+    (["train"], "toolkit train: error: the following arguments are required: recipe"),
+    (["plan", "r.yaml", "--memory-per-rank"], "toolkit plan: error: argument --memory-per-rank: expected one argument"),
+    (["compare", "r.yaml", "--nprocs", "2"], "toolkit compare: error: unrecognized arguments: --nprocs 2"),
+])
+def test_a_command_line_mistake_is_one_line_without_the_usage_block(args, words, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2
+    assert len(err) == 1 and err[0].startswith(words) and err[0].endswith("--help)"), err
+
+
+def test_help_still_shows_the_usage(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["launch", "--help"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("usage: toolkit launch")

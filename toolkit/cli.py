@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from toolkit.errors import USER_ERROR_EXIT_CODE, RecipeError, error_line, say_once
@@ -46,8 +47,29 @@ def _resume_of(args):
     return Resume(path=os.path.expanduser(args.resume) if args.resume else None, weights_only=args.resume_weights_only)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's own mistakes (an unknown command or option, a missing argument, a value that is not a number)
+    in one line, as the toolkit's: argparse prints its usage block first, which buries the error under the
+    options. The usage stays one --help away; subcommands' parsers are of this class too (add_subparsers)."""
+
+    commands: Mapping[str, argparse.ArgumentParser] = {}  # the subcommands' parsers, by name (build_parser)
+
+    def error(self, message: str):  # type: ignore[override]
+        say_once(f"{self.prog}: error: {message} (see {self.prog} --help)")
+        sys.exit(USER_ERROR_EXIT_CODE)
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        """As argparse's, but an argument no parser took is reported by the subcommand it was given to, whose
+        --help lists the options it has (argparse reports it from the top, as `toolkit: error: ...`)."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.commands.get(getattr(parsed, "command", None), self).error(
+                f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="toolkit", description="Fine-tune Hugging Face models under any parallel strategy and compare them.",
         epilog=_recipes_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -94,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     from toolkit.compare.cli import add_compare_commands
 
     add_compare_commands(sub, _add_overrides)
+    parser.commands = sub.choices
     return parser
 
 
@@ -149,7 +172,7 @@ def _nodes_of(args):
     if args.rdzv_endpoint:
         from toolkit.launch import check_endpoint
 
-        check_endpoint(args.rdzv_endpoint)
+        check_endpoint(args.rdzv_endpoint, hosted_here=args.nnodes == 1)
     return Nodes(count=args.nnodes, rank=args.node_rank, endpoint=args.rdzv_endpoint, run_id=args.rdzv_id,
                  local_addr=args.local_addr)
 
