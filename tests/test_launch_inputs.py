@@ -104,6 +104,30 @@ def test_bad_rdzv_endpoint_is_one_line_before_the_recipe_is_read(nodes, endpoint
     _one_line_exit_2(code, capsys, words, out)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_a_busy_port_on_one_machine_is_one_line_at_once(tmp_path, capsys):
+    """A one-machine launch hosts the rendezvous: on a port another server holds, torch's agent would join that
+    server and wait out its timeout. Before: minutes, then the line; now the line before the recipe is read."""
+    import socket
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        code = main(["launch", "--rdzv-endpoint", f"127.0.0.1:{port}", str(tmp_path / "no-recipe.yaml")])
+    _one_line_exit_2(code, capsys, f"port {port} is already in use on this machine", tmp_path / "out")
+    # a job over machines: the port may be the other launcher's store on this host, so it is not probed
+    code = main(["launch", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", str(tmp_path / "no-recipe.yaml")])
+    _one_line_exit_2(code, capsys, "no-recipe.yaml", tmp_path / "out")
+
+
 def test_a_failed_rendezvous_on_one_machine_is_one_line(tmp_path, tiny_llama_dir, monkeypatch, capsys):
     import torch.distributed.run
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
@@ -114,14 +138,13 @@ def test_a_failed_rendezvous_on_one_machine_is_one_line(tmp_path, tiny_llama_dir
         raise RendezvousConnectionError("The connection to the C10d store has failed.")
 
     monkeypatch.setattr(torch.distributed.run, "run", refused)
-    monkeypatch.setenv(NODES_ENV, "")
+    monkeypatch.delenv(NODES_ENV, raising=False)
     recipe, out = _recipe(tmp_path, tiny_llama_dir)
-    usr1 = signal.getsignal(signal.SIGUSR1)  # the launcher forwards it as SIGTERM: not this test process's
-    try:
-        code = main(["launch", "--rdzv-endpoint", "127.0.0.1:29500", str(recipe)])
-    finally:
-        signal.signal(signal.SIGUSR1, usr1)
+    usr1 = signal.getsignal(signal.SIGUSR1)
+    code = main(["launch", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(recipe)])
     _one_line_exit_2(code, capsys, "the rendezvous failed there (RendezvousConnectionError", out)
+    # what the launcher set for its ranks (SIGUSR1 forwarded as SIGTERM, the job's node options) is undone
+    assert signal.getsignal(signal.SIGUSR1) == usr1 and NODES_ENV not in os.environ
 
 
 # --- what `accelerate launch` exports ----------------------------------------------------------------------------

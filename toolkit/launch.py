@@ -48,9 +48,10 @@ class Nodes:
                 f"--rdzv-id {shlex.quote(self.run_id)}")
 
 
-def check_endpoint(endpoint: str) -> None:
+def check_endpoint(endpoint: str, *, hosted_here: bool = False) -> None:
     """--rdzv-endpoint is HOST:PORT with a port in 1..65535 and a host this machine resolves: torch's agent would
-    raise a ValueError for the port, and for the host log C++ stack frames for minutes before it gives up."""
+    raise a ValueError for the port, and for the host log C++ stack frames for minutes before it gives up.
+    `hosted_here` (a one-machine job): the port must be free where the host is this machine."""
     import socket
 
     form = f"--rdzv-endpoint {endpoint!r}"
@@ -61,10 +62,35 @@ def check_endpoint(endpoint: str) -> None:
     if not 1 <= port <= 65535:
         raise RecipeError(f"{form}: port {port} is outside 1..65535; give a free port such as 29500")
     try:
-        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:  # UnicodeError: a label longer than 63 characters
         raise RecipeError(f"{form}: this machine cannot resolve the host {host!r} ({exc}); give a hostname or "
                           "address of the first machine that every machine reaches") from None
+    if hosted_here:
+        _check_port_free(form, port, addresses)
+
+
+def _check_port_free(form: str, port: int, addresses: list) -> None:
+    """One machine with --rdzv-endpoint: its launcher hosts the rendezvous store on that port. torch's agent,
+    finding the port taken, joins whatever listens there as a client and waits out its timeout (more than
+    150 s) before it fails. A bind to one of the endpoint's addresses tells at once; an address that is not
+    this machine's (EADDRNOTAVAIL) is left to the rendezvous, whose failure is one line too (launch)."""
+    import errno
+    import socket
+
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free to a server
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise RecipeError(f"{form}: port {port} is already in use on this machine; give a free port, "
+                                      "or leave --rdzv-endpoint out on one machine (a free one is then chosen)") \
+                        from None
+                if exc.errno == errno.EACCES:
+                    raise RecipeError(f"{form}: port {port} is reserved for privileged processes on this machine; "
+                                      "give a port above 1023, such as 29500") from None
 
 
 NODES_ENV = "TOOLKIT_NODES"  # Nodes.shared_launch_args, for the ranks (resume_hint)
@@ -149,19 +175,35 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
     """Run the recipe on `nproc` local ranks (of `nodes`) through torch.distributed.run; returns the exit code."""
     import signal
 
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
     prepare_environment()
     quiet_agent_logs()
-    os.environ[NODES_ENV] = nodes.shared_launch_args()
     args = get_args_parser().parse_args(torchrun_args(recipe_path, nproc=nproc, overrides=overrides,
                                                         extra=extra, max_restarts=max_restarts, nodes=nodes))
     # SIGUSR1 (SLURM's warning before a kill) is handled like SIGTERM: torch's agent forwards that to every
     # rank, and the ranks checkpoint and stop after their current step
-    signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+    usr1 = signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+    before = os.environ.get(NODES_ENV)
+    os.environ[NODES_ENV] = nodes.shared_launch_args()  # the ranks inherit it; this process gets its own back
+    try:
+        return _run_ranks(run, args, nodes)
+    finally:
+        signal.signal(signal.SIGUSR1, usr1)
+        if before is None:
+            os.environ.pop(NODES_ENV, None)
+        else:
+            os.environ[NODES_ENV] = before
+
+
+def _run_ranks(run, args, nodes: Nodes) -> int:
+    """torch.distributed.run's run(args), its outcome as the launcher's exit code (see launch)."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
     try:
         run(args)
     except SignalException as exc:  # the ranks said where they stopped and how to resume
