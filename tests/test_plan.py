@@ -218,3 +218,17 @@ def test_plan_bad_input_is_one_line():
     with pytest.raises(RecipeError, match="40GiB"):
         plan.parse_bytes("forty gigs")
     assert plan.parse_bytes("40GiB") == 40 * 2 ** 30 and plan.parse_bytes("80 GB") == 80 * 10 ** 9
+
+
+def test_a_plan_where_no_arm_can_run_states_no_memory_limit():
+    """With every arm refused there is nothing to judge: the footer said "host memory ÷ 1 rank(s)" whatever
+    --nproc was. Now it says that no arm can run, and the limit is not asked for."""
+    def no_limit(world):
+        raise AssertionError(f"asked for the memory of {world} rank(s)")
+
+    text = plan.render([("tp", "needs 2 or more ranks"), ("pp-1f1b", "needs 2 or more ranks")],
+                       memory_per_rank=no_limit)
+    lines = text.splitlines()
+    assert lines[0].split()[-1] == "fits" and lines[-1] == "no arm can run as given: each line says why."
+    assert [line.split()[0] for line in lines[1:-1]] == ["tp", "pp-1f1b"]
+    assert all(line.rstrip().endswith("cannot run: needs 2 or more ranks") for line in lines[1:-1])

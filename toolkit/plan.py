@@ -200,11 +200,9 @@ def render(rows: list[tuple[str, Prediction | str]], *,
     CPU (a one-process arm has the host to itself)."""
     worlds = sorted({p.world_size for _, p in rows if not isinstance(p, str)})
     limits = {world: memory_per_rank(world) for world in worlds}
-    stated = limits or {1: memory_per_rank(1)}  # what the header and footer say (every arm failed: one rank's)
-    one = len({limit for limit, _ in stated.values()}) <= 1
-    shown = next(iter(stated.values()))[0]
+    one = len({limit for limit, _ in limits.values()}) == 1  # the header states it (every arm failed: none)
     head = ["arm", "rank", "params MiB", "grads MiB", "optim MiB", "model states MiB", "activations MiB (AC)",
-            "peak MiB", f"fits {_size(shown)}" if one else "fits"]
+            "peak MiB", f"fits {_size(next(iter(limits.values()))[0])}" if one else "fits"]
     lines: list[list[str]] = []
     for arm, prediction in rows:
         if isinstance(prediction, str):
@@ -226,7 +224,10 @@ def render(rows: list[tuple[str, Prediction | str]], *,
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)] if lines else map(len, head)
     out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
     out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]
-    where = "; ".join(f"{_size(limit)} ({source})" for limit, source in sorted(set(stated.values())))
+    if not limits:
+        out.append("no arm can run as given: each line says why.")
+        return "\n".join(out)
+    where = "; ".join(f"{_size(limit)} ({source})" for limit, source in sorted(set(limits.values())))
     out.append(f"memory per rank: {where}. Model states are exact "
                "(the run measures the same bytes); activations and peak are estimates: see toolkit/plan.py.")
     return "\n".join(out)
