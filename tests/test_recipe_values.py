@@ -73,6 +73,10 @@ IGNORED = {  # (task, format, overrides) -> what the line says
                                  "data.prompt_column applies to data.format prompt-response only"),
     "response_column under text": ("causal-lm", ("data.response_column=a",),
                                    "data.response_column applies to data.format prompt-response only"),
+    "label_column under causal-lm": ("causal-lm", ("data.label_column=stars",),
+                                     "data.label_column applies to model.task sequence-classification only"),
+    "text_column under chat": ("causal-lm", ("data.format=chat", "data.text_column=body"),
+                               "data.text_column applies to data.format text only, but data.format is chat"),
     "min_lr_ratio under constant": ("causal-lm", ("optim.schedule=constant", "optim.min_lr_ratio=0.1"),
                                     "optim.min_lr_ratio applies to optim.schedule cosine/linear only"),
 }
@@ -90,7 +94,8 @@ def test_options_spelled_at_their_defaults_still_validate(tmp_path, tiny_llama_d
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
                           model={"num_labels": 2}, optim={"schedule": "constant", "min_lr_ratio": 0.0},
                           data={"packing": False, "messages_column": "messages", "chat_template": None,
-                                "prompt_column": "prompt", "response_column": "response"})
+                                "prompt_column": "prompt", "response_column": "response",
+                                "label_column": "label"})  # causal-lm: null, as llama-tiny.yaml says, or the default
     assert main(["validate", str(recipe)]) == 0, capsys.readouterr().err
 
 
