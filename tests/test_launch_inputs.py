@@ -225,3 +225,28 @@ def test_a_mistake_is_said_once_per_launch_also_by_one_rank_restarted(monkeypatc
     say_once("toolkit: error: the same mistake")
     say_once("toolkit: error: the same mistake")
     assert capsys.readouterr().err.splitlines() == ["toolkit: error: the same mistake"]
+
+
+def test_the_markers_that_say_a_mistake_once_go_with_the_launch(tmp_path, tiny_llama_dir, monkeypatch, capsys):
+    """The ranks of a `toolkit launch` mark a said line in a folder of the launch's own, which the launcher
+    removes when its ranks are done (they were left in the temporary folder, one per mistake and launch)."""
+    import torch.distributed.run
+
+    from toolkit.errors import SAID_DIR_ENV, say_once
+
+    seen = {}
+
+    def ranks(args):  # two ranks finding the same mistake, as the launcher's children would
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"test-{os.getpid()}-{id(seen)}")
+        say_once("toolkit: error: the same mistake")
+        say_once("toolkit: error: the same mistake")
+        seen["folder"] = os.environ[SAID_DIR_ENV]
+        seen["markers"] = os.listdir(seen["folder"])
+
+    monkeypatch.setattr(torch.distributed.run, "run", ranks)
+    monkeypatch.delenv(SAID_DIR_ENV, raising=False)
+    recipe, _ = _recipe(tmp_path, tiny_llama_dir)
+    assert main(["launch", str(recipe)]) == 0
+    assert capsys.readouterr().err.splitlines().count("toolkit: error: the same mistake") == 1
+    assert len(seen["markers"]) == 1 and seen["markers"][0].startswith("toolkit-said-")
+    assert not os.path.exists(seen["folder"]) and SAID_DIR_ENV not in os.environ

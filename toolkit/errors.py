@@ -30,12 +30,17 @@ def first_line(exc: BaseException) -> str:
     return (text[0] if text else type(exc).__name__)[:200]
 
 
+SAID_DIR_ENV = "TOOLKIT_SAID_DIR"  # where say_once's markers go (toolkit launch: a folder of its own)
+
+
 def say_once(line: str) -> None:
     """Print `line` to stderr once per launch, whichever rank gets there first: a mistake in the recipe is found
     by every rank of a torchrun / accelerate launch alike. The first rank creates a marker file named for the
     launch (the launcher's process, the parent of its ranks on a node) and the line (O_EXCL: exactly one wins);
     outside a launch it just prints. One rank too: `--max-restarts` restarts the ranks whatever their exit code
-    (torch's elastic agent has no policy by exit code), and each attempt finds the same mistake again."""
+    (torch's elastic agent has no policy by exit code), and each attempt finds the same mistake again. Under
+    `toolkit launch` the marker goes in a folder the launcher removes when the ranks are done (SAID_DIR_ENV);
+    under another launcher, in the temporary folder."""
     launch = os.environ.get("TORCHELASTIC_RUN_ID")
     if launch is None:
         print(line, file=sys.stderr, flush=True)
@@ -43,8 +48,10 @@ def say_once(line: str) -> None:
     key = f"{launch}:{os.environ.get('MASTER_PORT')}:{os.getppid()}:{line}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
     try:
-        os.close(os.open(os.path.join(tempfile.gettempdir(), f"toolkit-said-{digest}"),
-                         os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        folder = os.environ.get(SAID_DIR_ENV) or tempfile.gettempdir()
+        os.close(os.open(os.path.join(folder, f"toolkit-said-{digest}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
         return
+    except OSError:  # no marker can be made (the folder is gone): said again rather than not at all
+        pass
     print(line, file=sys.stderr, flush=True)

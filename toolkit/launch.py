@@ -6,11 +6,13 @@ import ctypes
 import os
 import re
 import shlex
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
-from toolkit.errors import USER_ERROR_EXIT_CODE, RecipeError, first_line
+from toolkit.errors import SAID_DIR_ENV, USER_ERROR_EXIT_CODE, RecipeError, first_line
 
 
 def worker_args(recipe_path: str, overrides: list[str], extra: list[str] | None = None) -> list[str]:
@@ -184,16 +186,20 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
     # SIGUSR1 (SLURM's warning before a kill) is handled like SIGTERM: torch's agent forwards that to every
     # rank, and the ranks checkpoint and stop after their current step
     usr1 = signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
-    before = os.environ.get(NODES_ENV)
-    os.environ[NODES_ENV] = nodes.shared_launch_args()  # the ranks inherit it; this process gets its own back
+    said = tempfile.mkdtemp(prefix="toolkit-launch-")  # the ranks' say_once markers, gone with the launch
+    # the ranks inherit these; this process gets its own back
+    before = {name: os.environ.get(name) for name in (NODES_ENV, SAID_DIR_ENV)}
+    os.environ.update({NODES_ENV: nodes.shared_launch_args(), SAID_DIR_ENV: said})
     try:
         return _run_ranks(run, args, nodes)
     finally:
         signal.signal(signal.SIGUSR1, usr1)
-        if before is None:
-            os.environ.pop(NODES_ENV, None)
-        else:
-            os.environ[NODES_ENV] = before
+        shutil.rmtree(said, ignore_errors=True)
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _run_ranks(run, args, nodes: Nodes) -> int:
