@@ -138,9 +138,13 @@ def cmd_launch(args) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     plan = check_recipe(recipe, world_size=args.nproc * nodes.count)  # on every node, before its ranks start
     resume = _resume_of(args)
-    from toolkit.checkpoint.run import starting_point
+    from toolkit.checkpoint.run import NothingToResume, starting_point
 
-    starting_point(recipe, resume, plan=plan)  # an existing run without --resume, or nothing to resume: one line
+    try:  # an existing run without --resume, or nothing to resume: one line
+        starting_point(recipe, resume, plan=plan)
+    except NothingToResume as done:
+        print(done, file=sys.stderr, flush=True)
+        return 0
     extra = [] if resume is None else ["--resume", *([resume.path] if resume.path else [])] + \
         (["--resume-weights-only"] if resume.weights_only else [])
     started = time.time()

@@ -130,7 +130,7 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     runtime_bytes = process_bytes()  # what the process holds before any model: the base a memory prediction starts from
     prediction = runinfo.predict_memory(recipe, env, runtime_bytes=runtime_bytes)  # warns before setup if too big
     # before the collective below, so no rank can have written into output_dir yet
-    checkpoint = checkpoints.starting_point(recipe, resume, plan=plan)
+    checkpoint = checkpoints.starting_point(recipe, resume, plan=plan, total_steps=total_steps)
     strategy = make_strategy(recipe)
     source = ModelSource(recipe=recipe, tokenizer=tokenizer, checkpoint=checkpoint.path if checkpoint else None)
     model = strategy.build_model(source, env=env)  # whole, or empty / partitioned under low-memory loading
@@ -173,7 +173,7 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     loader = iter(train_loader(train_ds, sampler=sampler, start=done, stop=total_steps, collator=collator,
                                data=recipe.data))  # the sampler is a function of seed + step: resumes exactly
     if env.is_main:
-        checkpoints.continue_metrics(out_dir / "metrics.jsonl", done_steps=done)
+        checkpoints.continue_metrics(out_dir, done_steps=done)
     # rank 0: metrics.jsonl and the trackers of train.report_to, closed however the run ends
     with tracking.metrics_log(recipe, out_dir=out_dir, done_steps=done, main=env.is_main) as writer:
         progress = Progress(total=total_steps, enabled=env.is_main and recipe.train.progress,

@@ -72,6 +72,7 @@ def peer_lost(exc: BaseException, env) -> bool:
 def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
     """Train this rank: (exit code, the strategy to release once every rank is done). A user's mistake or
     replica drift is one line and an exit code, not a traceback."""
+    from toolkit.checkpoint.run import NothingToResume
     from toolkit.consistency import ReplicaDriftError
     from toolkit.loop import train
     from toolkit.launch import resume_hint
@@ -86,6 +87,9 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
             shutil.rmtree(out_dir, ignore_errors=True)  # nothing half-written for a user mistake
         say_once(error_line(exc))  # the first rank that finds it prints the one line
         return USER_ERROR_EXIT_CODE, None
+    except NothingToResume as done:  # every rank finds it alike: one line, nothing written
+        say_once(str(done))
+        return 0, None
     except ReplicaDriftError as exc:
         print(f"toolkit: replica drift: {exc}", file=sys.stderr)
         return 3, None

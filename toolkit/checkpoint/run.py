@@ -25,8 +25,15 @@ class Resume:
     weights_only: bool = False
 
 
-def starting_point(recipe: Recipe, resume: Resume | None, *, plan: BatchPlan) -> store.Checkpoint | None:
-    """The checkpoint this run continues, or None for a fresh run into an output_dir that holds none."""
+class NothingToResume(Exception):
+    """--resume of a run that completed at the step its recipe ends with: nothing is trained or rewritten (its
+    run.json, metrics and export stay as the run left them). The CLI says so in one line and exits 0."""
+
+
+def starting_point(recipe: Recipe, resume: Resume | None, *, plan: BatchPlan,
+                   total_steps: int | None = None) -> store.Checkpoint | None:
+    """The checkpoint this run continues, or None for a fresh run into an output_dir that holds none.
+    `total_steps`: the run's last step where known (the loop; the launcher knows train.max_steps only)."""
     out_dir = Path(recipe.output_dir)
     if resume is None and restarted():
         # torchrun restarted the ranks (--max-restarts): this run's own newest checkpoint, else from scratch
@@ -43,7 +50,34 @@ def starting_point(recipe: Recipe, resume: Resume | None, *, plan: BatchPlan) ->
         raise RecipeError(f"checkpoint {checkpoint.path} was trained with global batch {saved}, this recipe has "
                           f"{plan.global_batch_size}: the data position would not carry over; set "
                           f"batch.global_batch_size={saved}")
+    _check_seed(checkpoint, recipe)
+    if not store.holds_checkpoint(out_dir, checkpoint.path) and store.holds_run(out_dir):
+        raise RecipeError(f"output_dir {out_dir} holds another run than the one checkpoint {checkpoint.path} "
+                          "belongs to: their metrics and checkpoints would mix; continue this checkpoint into "
+                          "a new folder with --set output_dir=NEW")
+    last = total_steps if total_steps is not None else recipe.train.max_steps
+    if last is not None and checkpoint.step > last:
+        raise RecipeError(f"checkpoint {checkpoint.path} is at step {checkpoint.step}, past this run's last step "
+                          f"{last}: resuming would train nothing and export older weights; set train.max_steps "
+                          f"above {checkpoint.step} to train on, or resume an earlier checkpoint")
+    if last is not None and checkpoint.step == last and store.completed_run(out_dir, total_steps=last):
+        raise NothingToResume(f"[toolkit] nothing to resume: {out_dir} holds the completed run (step {last} of "
+                              f"{last}), left as it is; set train.max_steps above {last} to train on")
     return checkpoint
+
+
+def _check_seed(checkpoint: store.Checkpoint, recipe: Recipe) -> None:
+    """The data position is the step, and the sampler's order a function of seed + step: another seed would
+    continue with other samples (as another global batch would)."""
+    import yaml
+
+    try:
+        saved = (yaml.safe_load((checkpoint.path / "recipe.yaml").read_text()) or {}).get("seed")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return  # the checkpoint's recipe is a record, not what it is read by: no seed to compare
+    if saved is not None and saved != recipe.seed:
+        raise RecipeError(f"checkpoint {checkpoint.path} was trained with seed {saved}, this recipe has seed "
+                          f"{recipe.seed}: the data order would not carry over; set seed={saved}")
 
 
 def restore(strategy, checkpoint: store.Checkpoint, *, weights_only: bool, env: DistEnv, total_steps: int) -> int:
@@ -61,13 +95,24 @@ def restore(strategy, checkpoint: store.Checkpoint, *, weights_only: bool, env: 
     return checkpoint.step
 
 
-def continue_metrics(path: Path, *, done_steps: int) -> None:
-    """Rank 0: keep the metrics of the steps the checkpoint holds, drop the rest (they are re-run)."""
-    if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= done_steps]
-    write_text_whole(path, "".join(line + "\n" for line in kept))
+def continue_metrics(out_dir: Path, *, done_steps: int) -> None:
+    """Rank 0, resuming: the run goes on from `done_steps`. metrics.jsonl keeps the steps the checkpoint holds;
+    the later steps are run again. Resumed from an earlier checkpoint than the newest, the run branches there:
+    the later checkpoints and metrics belong to the steps given up, and are set aside in one folder under
+    checkpoints/, said in one line, not deleted (nor counted by keep_last, nor taken by a later --resume)."""
+    path = out_dir / "metrics.jsonl"
+    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    steps = [json.loads(line).get("step", 0) for line in lines]
+    kept = [line for line, step in zip(lines, steps) if step <= done_steps]
+    later = [line for line, step in zip(lines, steps) if step > done_steps]
+    aside = store.set_aside_later(out_dir, done_steps)
+    if aside is not None:
+        (aside / "metrics.jsonl").write_text("".join(line + "\n" for line in later))
+        print(f"[toolkit] resume from step {done_steps}: the run had gone further; its later checkpoints "
+              f"({', '.join(sorted(p.name for p in aside.iterdir() if p.is_dir()))}) and the metrics of those "
+              f"steps are set aside in {aside}", file=sys.stderr, flush=True)
+    if later:
+        write_text_whole(path, "".join(line + "\n" for line in kept))
 
 
 class Saver:

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,7 +64,12 @@ def complete_checkpoints(out_dir: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and NAME.match(p.name) and is_complete(p)]
-    return sorted(found, key=lambda p: int(NAME.match(p.name).group(1)))  # type: ignore[union-attr]
+    return sorted(found, key=step_of)
+
+
+def step_of(path: Path) -> int:
+    """The step a checkpoint folder's name says (step-N)."""
+    return int(NAME.match(path.name).group(1))  # type: ignore[union-attr]
 
 
 def read_checkpoint(path: Path, *, resuming: bool = True) -> Checkpoint:
@@ -104,6 +110,33 @@ def find_resume(out_dir: Path, given: str | None) -> Checkpoint:
         raise RecipeError(f"--resume: no complete checkpoint in {checkpoints_dir(out_dir)}; start the run "
                           "without --resume, or pass a checkpoint folder with --resume PATH")
     return read_checkpoint(found[-1])
+
+
+def holds_checkpoint(out_dir: Path, path: Path) -> bool:
+    """Whether the checkpoint folder `path` is one of output_dir's own."""
+    return Path(path).resolve().parent == checkpoints_dir(out_dir).resolve()
+
+
+def completed_run(out_dir: Path, *, total_steps: int) -> bool:
+    """output_dir's run.json says its run completed, at `total_steps`."""
+    try:
+        info = json.loads((Path(out_dir) / "run.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(info, dict) and info.get("status") == "completed" and info.get("total_steps") == total_steps
+
+
+def set_aside_later(out_dir: Path, step: int) -> Path | None:
+    """Rank 0: the complete checkpoints after `step` move into checkpoints/set-aside-after-step-N-TIME (a name
+    no checkpoint has); the folder, or None when there were none."""
+    later = [p for p in complete_checkpoints(out_dir) if step_of(p) > step]
+    if not later:
+        return None
+    aside = checkpoints_dir(out_dir) / f"set-aside-after-step-{step:08d}-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside.mkdir()
+    for path in later:
+        path.rename(aside / path.name)
+    return aside
 
 
 def holds_run(out_dir: Path) -> bool:

@@ -1,0 +1,122 @@
+"""--resume from a checkpoint that is not the run's newest, past the recipe's end, or from another run: the run
+branches (its later checkpoints and metrics set aside, not lost), is refused in one line, or does nothing.
+Each case works on a copy of one 3-step single-process run with a checkpoint after every step."""
+
+import json
+import shutil
+
+import pytest
+
+from conftest import run_cli, write_recipe
+
+SETS = ("checkpoint.every_steps=1", "checkpoint.keep_last=5", "train.max_steps=3")
+
+
+@pytest.fixture(scope="module")
+def three_steps(tmp_path_factory, tiny_llama_dir):
+    root = tmp_path_factory.mktemp("branches")
+    recipe = write_recipe(root / "recipe.yaml", model_dir=tiny_llama_dir, output_dir=root / "unused")
+    out = root / "run"
+    done = run_cli("train", str(recipe), *_sets(*SETS, f"output_dir={out}"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return recipe, out
+
+
+def _sets(*items: str) -> list[str]:
+    return [a for item in items for a in ("--set", item)]
+
+
+def _copy(run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    return copy
+
+
+def _files(run) -> dict:
+    """Every file of a run folder and its bytes: what a refused or empty resume must leave as it was."""
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def _steps(path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def test_resuming_an_earlier_checkpoint_branches_and_sets_the_later_steps_aside(three_steps, tmp_path):
+    """Before: with keep_last 1 the checkpoint the resumed run wrote (step 2) was deleted, and the given-up
+    run's step 3 stayed the newest, which a later --resume would continue."""
+    recipe, run = three_steps
+    out = _copy(run, tmp_path)
+    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[1])  # the uninterrupted run's step 2
+    done = run_cli("train", str(recipe), *_sets("checkpoint.every_steps=1", "checkpoint.keep_last=1",
+                                                "train.max_steps=2", f"output_dir={out}"),
+                   "--resume", str(out / "checkpoints" / "step-00000001"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names[0].startswith("set-aside-after-step-00000001-")
+    assert names[1:] == ["step-00000002"]  # the new step 2, kept; keep_last did not touch the set-aside ones
+    aside = out / "checkpoints" / names[0]
+    assert sorted(p.name for p in aside.iterdir()) == ["metrics.jsonl", "step-00000002", "step-00000003"]
+    assert _steps(aside / "metrics.jsonl") == [2, 3] and _steps(out / "metrics.jsonl") == [1, 2]
+    assert f"set aside in {aside}" in done.stderr
+    # the branch continued the same data and weights: its step 2 is the uninterrupted run's
+    again = json.loads((out / "metrics.jsonl").read_text().splitlines()[1])
+    assert again["loss"] == pytest.approx(first["loss"], rel=1e-6)
+    newest = run_cli("train", str(recipe), *_sets(*SETS, f"output_dir={out}"), "--resume")
+    assert newest.returncode == 0 and "step-00000002 (step 2" in newest.stderr, newest.stderr[-3000:]
+
+
+@pytest.mark.parametrize("command", ["train", "launch"])
+def test_a_checkpoint_past_the_last_step_is_one_line(command, three_steps, tmp_path):
+    """Before: 'continuing at step 4 of 2', exit 0, and the exported model replaced by the step-3 weights."""
+    recipe, run = three_steps
+    out = _copy(run, tmp_path)
+    before = _files(out)
+    done = run_cli(command, str(recipe), *_sets(*SETS[:2], "train.max_steps=2", f"output_dir={out}"),
+                   "--resume", str(out / "checkpoints" / "step-00000003"))
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1, done.stderr[-3000:]
+    assert "is at step 3, past this run's last step 2" in err[0] and "train.max_steps above 3" in err[0]
+    assert _files(out) == before
+
+
+@pytest.mark.parametrize("command", ["train", "launch"])
+def test_resuming_a_completed_run_leaves_it_as_it_is(command, three_steps, tmp_path):
+    """Before: the run was 'resumed' at its last step: nothing trained, and run.json rewritten without its
+    final loss, precision audit and model-state bytes."""
+    recipe, run = three_steps
+    out = _copy(run, tmp_path)
+    before = _files(out)
+    done = run_cli(command, str(recipe), *_sets(*SETS, f"output_dir={out}"), "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("nothing to resume") == 1 and "completed run (step 3 of 3)" in done.stderr
+    assert _files(out) == before
+
+
+def test_another_runs_checkpoint_into_a_folder_holding_a_run_is_one_line(three_steps, tmp_path):
+    """Before: the two runs' metrics were mixed in one metrics.jsonl, without a word."""
+    recipe, run = three_steps
+    other = tmp_path / "other"
+    done = run_cli("train", str(recipe), *_sets("train.max_steps=1", f"output_dir={other}"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    before = _files(other)
+    done = run_cli("train", str(recipe), *_sets(*SETS, f"output_dir={other}"),
+                   "--resume", str(run / "checkpoints" / "step-00000001"))
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1 and "holds another run" in err[0], done.stderr[-3000:]
+    assert _files(other) == before
+    # into a new folder it is the supported way to branch from another run
+    fresh = tmp_path / "fresh"
+    done = run_cli("train", str(recipe), *_sets(*SETS, f"output_dir={fresh}"),
+                   "--resume", str(run / "checkpoints" / "step-00000001"))
+    assert done.returncode == 0 and _steps(fresh / "metrics.jsonl") == [2, 3], done.stderr[-3000:]
+
+
+def test_another_seed_on_resume_is_one_line(three_steps, tmp_path):
+    """The sampler's order is a function of seed + step: another seed would go on with other samples."""
+    recipe, run = three_steps
+    out = _copy(run, tmp_path)
+    done = run_cli("train", str(recipe), *_sets(*SETS[:2], "train.max_steps=4", "seed=7", f"output_dir={out}"),
+                   "--resume")
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1, done.stderr[-3000:]
+    assert "was trained with seed 0, this recipe has seed 7" in err[0] and "set seed=0" in err[0]
