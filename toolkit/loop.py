@@ -106,6 +106,11 @@ def prepare(recipe: Recipe, env: DistEnv):
     check_profile_window(recipe.train.profile_steps, last_step=total_steps)
     if recipe.optim.warmup_steps >= total_steps:  # a smoke run on a recipe's warm-up: deliberate, yet say so
         notes.append(warmup_note(recipe.optim.warmup_steps, total_steps))
+    lora = recipe.model.lora
+    if lora is not None and recipe.model.path is None and not lora.merge_on_export:
+        notes.append("[toolkit] model.lora on a model built from model.config: its base weights are saved "
+                     "nowhere, so output_dir/model (the adapter alone) loads onto no base; "
+                     "model.lora.merge_on_export=true writes a usable model, as `toolkit convert` does from a checkpoint")
     return plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, names, notes
 
 

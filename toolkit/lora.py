@@ -76,3 +76,12 @@ def export_adapter(module: nn.Module, state_dict: dict[str, torch.Tensor], *, op
         with unwrapped_without_deepspeed():
             merged.save_pretrained(str(merged_dir), state_dict=without_tied_aliases(merged, merged.state_dict()))
         tokenizer.save_pretrained(str(merged_dir))
+
+
+def merged_model(model: nn.Module, options: LoraOptions, *, task: str, load) -> nn.Module:
+    """`model` with the adapters `options` describe, filled by `load(model)` (a checkpoint's weights, under the
+    adapted names: base_layer, lora_A.default), then merged into plain layers (peft's merge_and_unload): what
+    `toolkit convert` writes for a LoRA run, loadable with from_pretrained alone."""
+    peft_model = _adapted(model, options, task=task)
+    load(peft_model.base_model.model)
+    return peft_model.merge_and_unload()

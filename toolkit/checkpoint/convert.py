@@ -1,7 +1,8 @@
 """`toolkit convert CHECKPOINT OUT`: a Hugging Face model folder from any checkpoint, in one CPU process.
 
 Needs nothing but the checkpoint: its `hf/` folder holds the model's config and tokenizer, and DCP reads
-the weights whatever strategy and world size wrote them.
+the weights whatever strategy and world size wrote them. A LoRA run's checkpoint (its recipe.yaml names
+model.lora) comes out with its adapters merged: a plain model, as merge_on_export writes it.
 """
 
 from __future__ import annotations
@@ -30,13 +31,41 @@ def convert(checkpoint_path: Path, out: Path) -> Path:
             else transformers.AutoModelForSequenceClassification)
     with torch.device("cpu"):
         model = auto.from_config(config, dtype=torch.float32)
-    state.load_weights(model, checkpoint.path)  # no process group: DCP reads every shard in this process
+    lora = lora_of(checkpoint.path)
+    if lora is None:
+        state.load_weights(model, checkpoint.path)  # no process group: DCP reads every shard in this process
+    else:  # the checkpoint holds the adapted model: its adapters merged, a plain model comes out
+        from toolkit.lora import merged_model
+
+        model = merged_model(model, lora, task=task, load=lambda m: state.load_weights(m, checkpoint.path))
     tmp = out.parent / f".{out.name}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp), state_dict=without_tied_aliases(model, model.state_dict()))
     transformers.AutoTokenizer.from_pretrained(str(hf)).save_pretrained(str(tmp))
     tmp.rename(out)
     return out
+
+
+def lora_of(path: Path):
+    """The LoraOptions of the run that wrote the checkpoint (its recipe.yaml's model.lora), or None."""
+    import yaml
+
+    from toolkit.recipe import LoraOptions
+
+    try:
+        raw = yaml.safe_load((path / "recipe.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise RecipeError(f"checkpoint {path}: recipe.yaml is unreadable ({exc}); it is incomplete") from None
+    model = raw.get("model") if isinstance(raw, dict) else None
+    options = model.get("lora") if isinstance(model, dict) else None
+    if not options:
+        return None
+    try:
+        targets = options.get("target_modules")
+        return LoraOptions(**{**options, "target_modules": tuple(targets) if targets is not None else None})
+    except (AttributeError, TypeError, RecipeError) as exc:
+        raise RecipeError(f"checkpoint {path}: recipe.yaml's model.lora is not one this toolkit wrote ({exc}); "
+                          "the checkpoint is damaged") from None
 
 
 def check_out(out: Path, *, checkpoint: Path) -> None:

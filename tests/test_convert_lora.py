@@ -1,0 +1,67 @@
+"""`toolkit convert` of a LoRA run's checkpoint: a plain transformers model with the adapters merged, checked
+against W + (alpha / r) · B @ A computed here from the base model and the run's exported adapter. Before, the
+checkpoint was refused as one "written for another model" (it holds the adapted names, base_layer / lora_A)."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, run_cli, write_recipe
+
+R, ALPHA = 4, 8
+
+
+def test_a_lora_checkpoint_converts_to_the_merged_model(tmp_path, tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "run",
+                          checkpoint={"final": True}, train={"max_steps": 2})
+    lora = f"model.lora={{r: {R}, alpha: {ALPHA}, target_modules: [q_proj, v_proj]}}"
+    done = run_cli("train", str(recipe), "--set", lora)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "saved nowhere" not in done.stderr  # a pretrained base: the adapter loads onto it
+    out = tmp_path / "converted"
+    done = run_cli("convert", str(tmp_path / "run" / "checkpoints" / "step-00000002"), str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    base = load_file(tiny_llama_dir / "model.safetensors")
+    adapter = load_file(tmp_path / "run" / "model" / "adapter_model.safetensors")
+    converted = load_file(out / "model.safetensors")
+    assert converted.keys() == base.keys()  # plain names: no base_layer, no lora_A
+    adapted = 0
+    for key, weight in base.items():
+        layer = key.removesuffix(".weight")
+        a = adapter.get(f"base_model.model.{layer}.lora_A.weight")
+        adapted += a is not None
+        want = weight if a is None else weight + (ALPHA / R) * adapter[f"base_model.model.{layer}.lora_B.weight"] @ a
+        torch.testing.assert_close(converted[key], want, rtol=1e-6, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+    assert adapted == 2 * 2  # q_proj and v_proj of 2 blocks
+    assert not torch.equal(converted["model.layers.0.self_attn.q_proj.weight"],
+                           base["model.layers.0.self_attn.q_proj.weight"])  # two steps moved B away from zero
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        assert AutoModelForCausalLM.from_pretrained(out)(input_ids=ids).logits.isfinite().all()
+
+
+@pytest.mark.parametrize("damage", ["no recipe", "bad yaml"])
+def test_a_checkpoint_without_its_recipe_is_one_line(damage, tmp_path, tiny_llama_dir):
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "run",
+                          checkpoint={"final": True}, train={"max_steps": 1})
+    assert run_cli("train", str(recipe)).returncode == 0
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000001"
+    if damage == "no recipe":
+        (checkpoint / "recipe.yaml").unlink()
+    else:
+        (checkpoint / "recipe.yaml").write_text("model: [unclosed\n")
+    done = run_cli("convert", str(checkpoint), str(tmp_path / "converted"))
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1 and "recipe.yaml is unreadable" in err[0], done.stderr
+    assert not (tmp_path / "converted").exists()
+
+
+def test_lora_on_a_model_from_a_config_says_the_adapter_alone_is_unusable(tmp_path):
+    """The base of a model built from model.config exists only in the run: an adapter of it (base_model_name_or_path
+    null) loads onto nothing. Said once, before the steps; merge_on_export writes the usable model."""
+    done = run_cli("train", str(REPO / "recipes" / "llama-tiny.yaml"), "--set", "train.max_steps=1",
+                   "--set", "model.lora={r: 4, target_modules: [q_proj]}", "--set", f"output_dir={tmp_path / 'run'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("model.lora on a model built from model.config: its base weights are saved nowhere") == 1
