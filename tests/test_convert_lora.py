@@ -20,6 +20,7 @@ def test_a_lora_checkpoint_converts_to_the_merged_model(tmp_path, tiny_llama_dir
     done = run_cli("train", str(recipe), "--set", lora)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "saved nowhere" not in done.stderr  # a pretrained base: the adapter loads onto it
+    assert f"· adapter {tmp_path / 'run' / 'model'} ·" in done.stderr and "merged model" not in done.stderr
     out = tmp_path / "converted"
     done = run_cli("convert", str(tmp_path / "run" / "checkpoints" / "step-00000002"), str(out))
     assert done.returncode == 0, done.stderr[-3000:]

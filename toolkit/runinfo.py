@@ -181,8 +181,12 @@ def finish(info: dict, *, env: DistEnv, out_dir: Path, losses: list[float], stra
     info["final_loss"] = losses[-1] if losses else None
     if env.is_main:
         _write(info, out_dir)
-        print(f"[toolkit] done: metrics {out_dir / 'metrics.jsonl'} · model {out_dir / 'model'} · "
-              f"run info {out_dir / 'run.json'}", file=sys.stderr, flush=True)
+        adapter = (out_dir / "model" / "adapter_config.json").is_file()  # LoRA: the export is peft's adapter
+        model = f"{'adapter' if adapter else 'model'} {out_dir / 'model'}"
+        if adapter and (out_dir / "model-merged").is_dir():
+            model += f" · merged model {out_dir / 'model-merged'}"
+        print(f"[toolkit] done: metrics {out_dir / 'metrics.jsonl'} · {model} · run info {out_dir / 'run.json'}",
+              file=sys.stderr, flush=True)
 
 
 def _write(info: dict, out_dir: Path) -> None:
