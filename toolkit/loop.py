@@ -24,6 +24,7 @@ import torch
 from toolkit import faults, profiling, runinfo, tracking
 from toolkit.checkpoint import run as checkpoints
 from toolkit.checkpoint.run import Resume
+from toolkit.checkpoint.schedule import schedule_changes
 from toolkit.checkpoint.store import check_creatable
 from toolkit.comm import CollectiveCounter, counting
 from toolkit.checks import check_position_limit
@@ -130,6 +131,19 @@ def setup_strategy(strategy: Strategy, model, *, source: ModelSource, env: DistE
         build_scheduler=lambda o: build_scheduler(o, config=recipe.optim, total_steps=total_steps), source=source))
 
 
+def announce_schedule_changes(recipe: Recipe, checkpoint, *, env: DistEnv, total_steps: int) -> None:
+    """Rank 0: one line where the resumed schedule (always this recipe's) differs from the checkpoint's run."""
+    if not env.is_main:
+        return
+    manifest = checkpoint.manifest
+    changes = schedule_changes(recipe, checkpoint.path, total_steps=total_steps,
+                               saved_total_steps=manifest.get("total_steps"),
+                               saved_state=manifest["extra"].get("scheduler") or {})
+    if changes:
+        print(f"[toolkit] resume: the lr schedule follows this recipe ({'; '.join(changes)})",
+              file=sys.stderr, flush=True)
+
+
 def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> TrainResult:
     plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, names, notes = prepare(recipe, env)
     runtime_bytes = process_bytes()  # what the process holds before any model: the base a memory prediction starts from
@@ -158,6 +172,7 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     weights_only = bool(resume and resume.weights_only)
     if checkpoint is not None:
         done = checkpoints.restore(strategy, checkpoint, weights_only=weights_only, env=env, total_steps=total_steps)
+        announce_schedule_changes(recipe, checkpoint, env=env, total_steps=total_steps)
         tokens_seen = int(checkpoint.manifest.get("tokens_seen", 0))
     out_dir = Path(recipe.output_dir)
     info = runinfo.start(recipe, env=env, plan=plan, total_steps=total_steps, model=strategy.export_module(),

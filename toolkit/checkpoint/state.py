@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from toolkit.checkpoint import store, verify
+from toolkit.checkpoint import schedule, store, verify
 from toolkit.checkpoint.fragments import Fragments
 from toolkit.dist import DistEnv, barrier
 from toolkit.errors import RecipeError
@@ -67,7 +67,8 @@ def load_optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[int, st
 
 
 def schedule_state(scheduler, scaler) -> dict[str, Any]:
-    """The LR schedule's position and the fp16 loss scaler's state: plain numbers, kept in the manifest."""
+    """The LR schedule's state (its position is what a resume reads) and the fp16 loss scaler's state: plain
+    numbers, kept in the manifest."""
     state = {"scheduler": _plain(scheduler.state_dict())}
     if scaler is not None:
         state["scaler"] = _plain(scaler.state_dict())
@@ -75,10 +76,10 @@ def schedule_state(scheduler, scaler) -> dict[str, Any]:
 
 
 def load_schedule_state(scheduler, scaler, extra: dict[str, Any]) -> None:
-    scheduler.load_state_dict(extra["scheduler"])
-    # the schedule's position alone does not touch the optimizer: its current lr goes back in by hand
-    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
-        group["lr"] = lr
+    """The checkpoint's position on this run's schedule (built from its recipe: see schedule.py), and the fp16
+    loss scale. The saved schedule itself (base lrs, lambdas, a DeepSpeed scheduler's settings) is not
+    loaded: that kept the checkpoint's lr while the recipe said another."""
+    schedule.advance(scheduler, schedule.schedule_steps(extra.get("scheduler") or {}))
     saved = extra.get("scaler")
     if scaler is not None and saved:
         if "scale" not in saved:  # written by DeepSpeed's loss scaler: its scale goes on
