@@ -77,6 +77,7 @@ def assert_continues(resumed, reference, *, rtol: float):
     """All 6 per-step losses and the final weights of `resumed` equal the uninterrupted `reference`'s."""
     steps = metrics(resumed)
     assert [m["step"] for m in steps] == [1, 2, 3, 4, 5, 6]  # steps 4-5 of the crashed run were dropped
+    assert [m["lr"] for m in steps] == [m["lr"] for m in metrics(reference)]  # the same schedule, taken up exactly
     torch.testing.assert_close(torch.tensor(losses(resumed), dtype=torch.float64),
                                torch.tensor(losses(reference), dtype=torch.float64), rtol=rtol, atol=0.0)
     got, want = exported_weights(resumed), exported_weights(reference)
@@ -95,6 +96,7 @@ def test_resume_equals_uninterrupted(runs, name):
     reference = runs.full("fsdp" if name == "fsdp-async" else name)
     assert_continues(resumed, reference, rtol=1e-6)
     assert "resume: weights and optimizer state from" in result.stderr and "continuing at step 4 of 6" in result.stderr
+    assert "the lr schedule follows this recipe" not in result.stderr  # the same recipe: no change to name
     run = json.loads((resumed / "run.json").read_text())
     assert run["resumed_from"]["step"] == 3 and run["status"] == "completed"
     assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["step-00000003", "step-00000006"]
