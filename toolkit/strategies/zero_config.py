@@ -11,7 +11,10 @@ from pathlib import Path
 
 from toolkit.errors import RecipeError
 from toolkit.recipe import BatchPlan, Recipe
+from toolkit.strategies.zero_json import check_top_level_keys
 
+# where neither strategy.stage nor the JSON names one: reported, planned and written into the config DeepSpeed
+# gets (DeepSpeed's own default is stage 0)
 DEFAULT_STAGE = 2
 
 
@@ -111,7 +114,12 @@ def resolve_ds_config(recipe: Recipe, plan: BatchPlan, *, hidden_size: int | Non
         if isinstance(block, dict):
             _fill_or_check(config, key, wanted, path, check=checked, fill_missing=False)
     zero = _section(config.setdefault("zero_optimization", {}), "zero_optimization", path)
-    stage = zero.get("stage", DEFAULT_STAGE)
+    if zero.get("stage", "auto") == "auto":  # written: left out, DeepSpeed would run its own default, stage 0
+        zero["stage"] = DEFAULT_STAGE if recipe.strategy.stage is None else recipe.strategy.stage
+    stage = zero["stage"]
+    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise RecipeError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, not {stage!r}; fix it in the "
+                          "JSON or leave it out (strategy.stage, else 2)")
     if recipe.strategy.stage is not None and recipe.strategy.stage != stage:
         raise RecipeError(f"strategy.stage is {recipe.strategy.stage} but {path} has zero_optimization.stage "
                           f"{stage}; drop strategy.stage or make them equal")
@@ -143,11 +151,13 @@ def resolve_ds_config(recipe: Recipe, plan: BatchPlan, *, hidden_size: int | Non
 def check_with_deepspeed(config: dict, path: Path) -> None:
     """What deepspeed.initialize would refuse in a JSON, found before any rank starts: DeepSpeed's own model of
     zero_optimization (a stage outside 0-3, a size that is no number, a key it does not know), an nvme offload
-    without its nvme_path (a TypeError in a path join otherwise), and an optimizer or scheduler type that its
-    engine does not build (an AssertionError otherwise)."""
+    without its nvme_path (a TypeError in a path join otherwise), an optimizer or scheduler type that its
+    engine does not build (an AssertionError otherwise), and a top-level key that is a typo of one DeepSpeed reads,
+    or one it removed (zero_json)."""
     import pydantic
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
+    check_top_level_keys(config, path)
     later = {key: value for key, value in config.get("zero_optimization", {}).items() if value != "auto"}
     try:  # the "auto" bucket sizes left are filled at setup, from the model
         zero = DeepSpeedZeroConfig(**later)

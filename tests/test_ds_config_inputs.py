@@ -1,0 +1,71 @@
+"""DeepSpeed JSONs that passed the launcher's check and then ran something else than the toolkit reported, or
+crashed every rank: a missing stage, a misspelled or removed top-level key. Each is checked before any rank starts
+(`toolkit validate`)."""
+
+import json
+
+import pytest
+
+from conftest import write_recipe
+from toolkit.cli import main
+from toolkit.recipe import plan_batch
+from toolkit.recipe_files import load_recipe
+from toolkit.strategies.zero_config import configured_stage, resolve_ds_config
+
+
+def _recipe(tmp_path, tiny_llama_dir, config: dict, **strategy):
+    """A zero recipe over `config` written as JSON; micro 8 × accum 1 (× 2 ranks = train_batch_size 16), fp32."""
+    ds_config = tmp_path / "ds.json"
+    ds_config.write_text(json.dumps(config))
+    out = tmp_path / "out"
+    path = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out,
+                        strategy={"name": "zero", "ds_config": str(ds_config), **strategy})
+    return path, ds_config, out
+
+
+def _one_line_exit_2(code, capsys, words, out):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, err
+    assert len(err) == 1 and err[0].startswith("toolkit: error:") and all(w in err[0] for w in words), err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("config", [{}, {"zero_optimization": {}}, {"zero_optimization": {"stage": "auto"}}],
+                         ids=["no block", "no stage", "stage auto"])
+@pytest.mark.parametrize("recipe_stage, stage", [(None, 2), (3, 3)])
+def test_a_json_without_a_stage_gives_deepspeed_the_stage_the_toolkit_reports(tmp_path, tiny_llama_dir, config,
+                                                                              recipe_stage, stage):
+    """DeepSpeed's own default is stage 0; the toolkit reported (layout, plan, audit) strategy.stage, else 2."""
+    path, _, _ = _recipe(tmp_path, tiny_llama_dir, config, **({"stage": recipe_stage} if recipe_stage else {}))
+    recipe = load_recipe(path)
+    resolved = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=2))
+    assert resolved["zero_optimization"]["stage"] == stage == configured_stage(recipe)
+
+
+@pytest.mark.parametrize("stage", [True, 2.0, "2"])
+def test_a_stage_that_is_no_whole_number_is_one_line(tmp_path, tiny_llama_dir, capsys, stage):
+    path, ds_config, out = _recipe(tmp_path, tiny_llama_dir, {"zero_optimization": {"stage": stage}})
+    _one_line_exit_2(main(["validate", "--nproc", "2", str(path)]), capsys,
+                     (str(ds_config), "zero_optimization.stage must be 0, 1, 2 or 3"), out)
+
+
+@pytest.mark.parametrize("typo, key", [("zero_optimisation", "zero_optimization"), ("gradient_clip", "gradient_clipping"),
+                                       ("fp_16", "fp16"), ("train_micro_batch_size_per_gpus",
+                                                           "train_micro_batch_size_per_gpu")])
+def test_a_top_level_key_a_typo_away_from_deepspeeds_is_one_line(tmp_path, tiny_llama_dir, capsys, typo, key):
+    """DeepSpeed ignores a key it does not read: "zero_optimisation": {"stage": 3} ran stage 0."""
+    value = {"zero_optimisation": {"stage": 3}, "gradient_clip": 1.0, "fp_16": {"enabled": False},
+             "train_micro_batch_size_per_gpus": 8}[typo]
+    path, ds_config, out = _recipe(tmp_path, tiny_llama_dir, {typo: value})
+    _one_line_exit_2(main(["validate", "--nproc", "2", str(path)]), capsys,
+                     (str(ds_config), f"'{typo}' is no key DeepSpeed reads", f"did you mean '{key}'"), out)
+    # the key spelled right runs; a key far from every one DeepSpeed reads passes through as before
+    path, _, _ = _recipe(tmp_path, tiny_llama_dir, {key: value, "comment": "tried on CPU"})
+    assert main(["validate", "--nproc", "2", str(path)]) == 0, capsys.readouterr().err
+
+
+def test_a_top_level_key_deepspeed_removed_is_one_line(tmp_path, tiny_llama_dir, capsys):
+    path, ds_config, out = _recipe(tmp_path, tiny_llama_dir, {"nebula": {"enabled": True},
+                                                              "zero_optimization": {"stage": 2}})
+    _one_line_exit_2(main(["validate", "--nproc", "2", str(path)]), capsys,
+                     (str(ds_config), "DeepSpeed refuses it", "Nebula", "remove that key"), out)
