@@ -1,6 +1,6 @@
 """DeepSpeed JSONs that passed the launcher's check and then ran something else than the toolkit reported, or
-crashed every rank: a missing stage, a misspelled or removed top-level key. Each is checked before any rank starts
-(`toolkit validate`)."""
+crashed every rank: a missing stage, a misspelled or removed top-level key, a number written as a string. Each is
+checked before any rank starts (`toolkit validate`)."""
 
 import json
 
@@ -69,3 +69,14 @@ def test_a_top_level_key_deepspeed_removed_is_one_line(tmp_path, tiny_llama_dir,
                                                               "zero_optimization": {"stage": 2}})
     _one_line_exit_2(main(["validate", "--nproc", "2", str(path)]), capsys,
                      (str(ds_config), "DeepSpeed refuses it", "Nebula", "remove that key"), out)
+
+
+@pytest.mark.parametrize("key, value, kind", [
+    ("train_micro_batch_size_per_gpu", "8", "a whole number"), ("gradient_accumulation_steps", "1", "a whole number"),
+    ("train_batch_size", 16.0, "a whole number"), ("gradient_clipping", "1.0", "a number")])
+def test_a_batch_or_clipping_value_deepspeed_cannot_compute_with_is_one_line(tmp_path, tiny_llama_dir, capsys,
+                                                                             key, value, kind):
+    """Equal to the recipe's as a number, so it passed; DeepSpeed's batch assertion raised a TypeError per rank."""
+    path, ds_config, out = _recipe(tmp_path, tiny_llama_dir, {key: value, "zero_optimization": {"stage": 2}})
+    _one_line_exit_2(main(["validate", "--nproc", "2", str(path)]), capsys,
+                     (str(ds_config), f"{key} is {value!r}", f"must be {kind}", "\"auto\""), out)

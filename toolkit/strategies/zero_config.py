@@ -224,6 +224,10 @@ def _fill_or_check(config: dict, dotted: str, wanted, path: Path, *, check: bool
     if present == "auto":
         node[leaf] = wanted
         return
+    if _is_count(wanted) and not _is_count(present) or isinstance(wanted, float) and not _is_number(present):
+        kind = "a whole number" if _is_count(wanted) else "a number"
+        raise RecipeError(f"{path}: {dotted} is {present!r}, which DeepSpeed cannot compute with: it must be "
+                          f"{kind}; write {wanted!r} (the recipe's) or \"auto\"")
     if check and not _same(present, wanted):
         raise RecipeError(f"{path}: {dotted} is {present!r} but the recipe gives {wanted!r}; "
                           f"set it to \"auto\" in the JSON or change the recipe")
@@ -234,10 +238,17 @@ def _same(present, wanted) -> bool:
         return isinstance(present, list) and len(present) == len(wanted) and all(map(_same, present, wanted))
     if isinstance(wanted, bool) or not isinstance(wanted, (int, float)):
         return present == wanted
-    try:
-        return float(present) == float(wanted)
-    except (TypeError, ValueError):
-        return False
+    # a JSON string is no number: DeepSpeed's batch assertions and optimizers compare and multiply it (a TypeError
+    # on every rank)
+    return _is_number(present) and float(present) == float(wanted)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def configured_stage(recipe: Recipe) -> int:
