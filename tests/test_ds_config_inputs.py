@@ -1,6 +1,6 @@
 """DeepSpeed JSONs that passed the launcher's check and then ran something else than the toolkit reported, or
-crashed every rank: a missing stage, a misspelled or removed top-level key, a number written as a string. Each is
-checked before any rank starts (`toolkit validate`)."""
+crashed every rank: a missing stage, a misspelled or removed top-level key, a number written as a string, an
+optimizer with no op on this machine. Each is checked before any rank starts (`toolkit validate`)."""
 
 import json
 
@@ -80,3 +80,27 @@ def test_a_batch_or_clipping_value_deepspeed_cannot_compute_with_is_one_line(tmp
     path, ds_config, out = _recipe(tmp_path, tiny_llama_dir, {key: value, "zero_optimization": {"stage": 2}})
     _one_line_exit_2(main(["validate", "--nproc", "2", str(path)]), capsys,
                      (str(ds_config), f"{key} is {value!r}", f"must be {kind}", "\"auto\""), out)
+
+
+@pytest.mark.parametrize("kind", ["Lion", "Lamb", "MuAdam"])
+def test_an_optimizer_deepspeed_cannot_build_here_is_one_line(tmp_path, tiny_llama_dir, capsys, kind):
+    """On DeepSpeed's CPU accelerator FusedLion and FusedLamb raise "This op had not been implemented" on every rank;
+    the mu* types import the mup package, not installed here."""
+    config = {"zero_optimization": {"stage": 2}, "optimizer": {"type": kind, "params": {"lr": "auto"}}}
+    path, ds_config, out = _recipe(tmp_path, tiny_llama_dir, config)
+    words = ("needs the mup package",) if kind == "MuAdam" else (
+        "no implementation on DeepSpeed's cpu accelerator", "use one of adam, adamw, adagrad")
+    _one_line_exit_2(main(["validate", "--nproc", "2", str(path)]), capsys,
+                     (str(ds_config), f"optimizer.type '{kind}'", *words), out)
+
+
+def test_lion_with_an_offloaded_optimizer_is_deepspeeds_cpu_lion(tmp_path, tiny_llama_dir, capsys):
+    """Offloaded, DeepSpeed builds DeepSpeedCPULion, which the CPU accelerator has; FusedLamb it has in neither."""
+    offload = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    lion = {"zero_optimization": offload, "optimizer": {"type": "Lion", "params": {"lr": "auto"}}}
+    path, _, _ = _recipe(tmp_path, tiny_llama_dir, lion)
+    assert main(["validate", "--nproc", "2", str(path)]) == 0, capsys.readouterr().err
+    lamb = {**lion, "optimizer": {"type": "Lamb", "params": {"lr": "auto"}}}
+    path, ds_config, out = _recipe(tmp_path, tiny_llama_dir, lamb)
+    _one_line_exit_2(main(["validate", "--nproc", "2", str(path)]), capsys,
+                     (str(ds_config), "'Lamb'", "with an offloaded optimizer", "adam, adamw, adagrad, lion"), out)

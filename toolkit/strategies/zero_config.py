@@ -11,7 +11,7 @@ from pathlib import Path
 
 from toolkit.errors import RecipeError
 from toolkit.recipe import BatchPlan, Recipe
-from toolkit.strategies.zero_json import check_top_level_keys
+from toolkit.strategies.zero_json import check_optimizer_ops, check_top_level_keys
 
 # where neither strategy.stage nor the JSON names one: reported, planned and written into the config DeepSpeed
 # gets (DeepSpeed's own default is stage 0)
@@ -152,8 +152,8 @@ def check_with_deepspeed(config: dict, path: Path) -> None:
     """What deepspeed.initialize would refuse in a JSON, found before any rank starts: DeepSpeed's own model of
     zero_optimization (a stage outside 0-3, a size that is no number, a key it does not know), an nvme offload
     without its nvme_path (a TypeError in a path join otherwise), an optimizer or scheduler type that its
-    engine does not build (an AssertionError otherwise), and a top-level key that is a typo of one DeepSpeed reads,
-    or one it removed (zero_json)."""
+    engine does not build (an AssertionError otherwise), and what zero_json finds: a top-level key that is a typo
+    of one DeepSpeed reads, or one it removed, and an optimizer type with no op on this accelerator."""
     import pydantic
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
@@ -172,6 +172,7 @@ def check_with_deepspeed(config: dict, path: Path) -> None:
             raise RecipeError(f"{path}: zero_optimization.{section}.nvme_path is missing (device nvme needs it); "
                               "give a folder on an NVMe drive, or use device cpu")
     _check_block_types(config, path)
+    check_optimizer_ops(config, path, offloaded=offloads(config)[0])
 
 
 def _check_block_types(config: dict, path: Path) -> None:

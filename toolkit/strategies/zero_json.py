@@ -1,6 +1,6 @@
-"""What DeepSpeed would ignore or refuse in a JSON, found before any rank starts: a top-level key it does not read
-(a typo of one it does), or one it has removed. Imports DeepSpeed (zero_config.check_with_deepspeed calls these for
-a JSON only)."""
+"""What DeepSpeed would ignore or fail on in a JSON, found before any rank starts: a top-level key it does not read
+(a typo of one it does), one it has removed, and an optimizer type its accelerator has no op for. Imports DeepSpeed
+(zero_config.check_with_deepspeed calls these for a JSON only)."""
 
 from __future__ import annotations
 
@@ -61,3 +61,41 @@ def deepspeed_config_keys() -> frozenset[str]:
     reader.world_size, reader.global_rank = 1, 0
     reader._initialize_params(Recorder())
     return frozenset(asked)
+
+
+# The op each of DeepSpeed's own optimizer types loads in its engine (_configure_basic_optimizer): without, and
+# with, an offloaded optimizer. None: a torch optimizer (adagrad), or an adam whose params set torch_adam.
+OPTIMIZER_OPS = {"adam": ("FusedAdamBuilder", "CPUAdamBuilder"), "adamw": ("FusedAdamBuilder", "CPUAdamBuilder"),
+                 "adagrad": (None, "CPUAdagradBuilder"), "lamb": ("FusedLambBuilder", "FusedLambBuilder"),
+                 "lion": ("FusedLionBuilder", "CPULionBuilder")}
+MUP_OPTIMIZERS = ("muadam", "muadamw", "musgd")  # the engine imports them from the mup package
+
+
+def check_optimizer_ops(config: dict, path: Path, *, offloaded: bool) -> None:
+    """An optimizer block whose type DeepSpeed's accelerator has no op for (FusedLion on CPU) raised "This op had
+    not been implemented" on every rank; a mup type without mup, a NameError. Both are known before ranks start."""
+    import importlib.util
+
+    name = config.get("optimizer", {}).get("type", "").lower()  # a dict with a str type: _check_block_types
+    if name in MUP_OPTIMIZERS and importlib.util.find_spec("mup") is None:
+        raise RecipeError(f"{path}: optimizer.type {config['optimizer']['type']!r} needs the mup package, which is "
+                          "not installed; install it, or use another type")
+    if name not in OPTIMIZER_OPS or config["optimizer"].get("params", {}).get("torch_adam"):
+        return
+    missing = _op_missing(OPTIMIZER_OPS[name][offloaded])
+    if missing is None:
+        return
+    works = [kind for kind, ops in OPTIMIZER_OPS.items() if _op_missing(ops[offloaded]) is None]
+    raise RecipeError(f"{path}: optimizer.type {config['optimizer']['type']!r} has no implementation on DeepSpeed's "
+                      f"{missing} accelerator{' with an offloaded optimizer' if offloaded else ''}; use one of "
+                      f"{', '.join(works)}, or a class name in torch.optim")
+
+
+def _op_missing(builder_name: str | None) -> str | None:
+    """The accelerator's name where it has no op `builder_name` (its NotImplementedBuilder stands in), else None."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    builder = accelerator.get_op_builder(builder_name) if builder_name else None
+    stand_in = builder is not None and any(cls.__name__ == "NotImplementedBuilder" for cls in builder.__mro__)
+    return accelerator.device_name() if stand_in or (builder_name and builder is None) else None
