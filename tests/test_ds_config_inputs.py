@@ -49,9 +49,9 @@ def test_a_stage_that_is_no_whole_number_is_one_line(tmp_path, tiny_llama_dir, c
                      (str(ds_config), "zero_optimization.stage must be 0, 1, 2 or 3"), out)
 
 
-@pytest.mark.parametrize("typo, key", [("zero_optimisation", "zero_optimization"), ("gradient_clip", "gradient_clipping"),
-                                       ("fp_16", "fp16"), ("train_micro_batch_size_per_gpus",
-                                                           "train_micro_batch_size_per_gpu")])
+@pytest.mark.parametrize("typo, key", [
+    ("zero_optimisation", "zero_optimization"), ("gradient_clip", "gradient_clipping"), ("fp_16", "fp16"),
+    ("train_micro_batch_size_per_gpus", "train_micro_batch_size_per_gpu")])
 def test_a_top_level_key_a_typo_away_from_deepspeeds_is_one_line(tmp_path, tiny_llama_dir, capsys, typo, key):
     """DeepSpeed ignores a key it does not read: "zero_optimisation": {"stage": 3} ran stage 0."""
     value = {"zero_optimisation": {"stage": 3}, "gradient_clip": 1.0, "fp_16": {"enabled": False},

@@ -35,8 +35,8 @@ def check_top_level_keys(config: dict, path: Path) -> None:
 def deepspeed_config_keys() -> frozenset[str]:
     """The top-level keys DeepSpeed's config reads: those its DeepSpeedConfig._initialize_params asks an empty config
     for, recorded, so that the set is the installed DeepSpeed's. Its constants modules are no such list: they mix
-    top-level keys with nested ones ("enabled", "loss_scale") and leave out blocks other modules read (zero_optimization,
-    tensorboard)."""
+    top-level keys with nested ones ("enabled", "loss_scale") and leave out blocks other modules read
+    (zero_optimization, tensorboard)."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
     asked: set[str] = set()
