@@ -95,8 +95,44 @@ def check_output_dir(out_dir: Path) -> None:
                           "experiment, whose arm folders a run replaces); pass a new or empty --output")
 
 
+def _key(override: str) -> str:
+    return override.partition("=")[0].strip()
+
+
+def refuse_replaced(strategies: list[str], *, overrides: list[str], precisions: list[str | None],
+                    accums: list[int | None]) -> None:
+    """What compare sets for every arm itself (build_experiment's batch and precision, run_arm's folders) would
+    replace an arm's own value without a word: refused, naming why and what to do instead."""
+    replaced = {
+        "batch.global_batch_size": "every arm runs the same global batch, so that its loss compares with the "
+                                   "reference's step for step; set it for all arms with "
+                                   "--set batch.global_batch_size=N",
+        "batch.grad_accum_steps": "each arm's accumulation follows from the global batch, its ranks and micro batch; "
+                                  "vary it with a matrix file's grad_accum_steps: [1, 4], or per arm with "
+                                  "NAME@batch.micro_batch_size=N",
+        "output_dir": "each arm writes in EXPERIMENT/NAME; --output names the experiment folder",
+        "train.tracking_dir": "trackers write into the experiment folder, one run per arm; drop it",
+    }
+    if accums != [None]:
+        replaced["batch.micro_batch_size"] = ("the matrix's grad_accum_steps sets each arm's micro batch (global "
+                                              "batch ÷ data-parallel ranks ÷ accumulation); drop grad_accum_steps: "
+                                              "to set it")
+    if precisions != [None]:
+        replaced["precision"] = "the matrix's precisions: sets each arm's precision; drop one of the two"
+    for spec in strategies:
+        key = next((_key(o) for o in spec.split("@")[1:] if _key(o) in replaced), None)
+        if key is not None:
+            raise RecipeError(f"arm {spec!r}: compare sets {key} for every arm itself ({replaced[key]})")
+    # for all arms, the batch and output_dir are the experiment's own (the global batch, its folder)
+    key = next((_key(o) for o in overrides if _key(o) in replaced.keys() & {"precision", "train.tracking_dir"}), None)
+    if key is not None:
+        raise RecipeError(f"{key} is set for all arms (--set, or a matrix file's set:), but compare sets it for "
+                          f"every arm itself ({replaced[key]})")
+
+
 def build_experiment(recipe_path: str, *, strategies: list[str], precisions: list[str | None],
                      accums: list[int | None], nproc: int, steps: int | None, overrides: list[str]) -> Experiment:
+    refuse_replaced(strategies, overrides=overrides, precisions=precisions, accums=accums)
     base = load_recipe(recipe_path, overrides)
     global_batch = plan_batch(base.batch, world_size=nproc).global_batch_size
     common = list(overrides)

@@ -1,0 +1,76 @@
+"""`toolkit compare` inputs that were silently dropped: a per-arm override of what compare sets for every arm
+itself. Checked before any arm runs."""
+
+import pytest
+import yaml
+
+from conftest import write_recipe
+from toolkit.cli import build_parser, main
+from toolkit.compare.cli import experiment_of
+from toolkit.recipe import plan_batch
+from toolkit.recipe_files import load_recipe
+
+
+def _one_line_exit_2(code, capsys, words, out=None):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, err
+    assert len(err) == 1 and err[0].startswith("toolkit: error:") and all(w in err[0] for w in words), err
+    assert out is None or not out.exists()
+
+
+@pytest.fixture
+def recipe(tmp_path, tiny_llama_dir):
+    return write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "unused")
+
+
+def _matrix(tmp_path, recipe, **fields):
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump({"recipe": str(recipe), **fields}))
+    return path
+
+
+@pytest.mark.parametrize("arms, key, words", [
+    ("single@batch.global_batch_size=64,ddp", "batch.global_batch_size", "the same global batch"),
+    ("single,single@batch.grad_accum_steps=4", "batch.grad_accum_steps", "NAME@batch.micro_batch_size=N"),
+    ("single,ddp@output_dir=/tmp/elsewhere", "output_dir", "--output names the experiment folder"),
+    ("single@train.tracking_dir=/tmp/elsewhere", "train.tracking_dir", "one run per arm"),
+])
+def test_a_per_arm_override_compare_replaces_is_one_line(recipe, tmp_path, capsys, arms, key, words):
+    """Both arms of `single@batch.global_batch_size=64,single@batch.grad_accum_steps=4` ran global batch 32."""
+    out = tmp_path / "exp"
+    _one_line_exit_2(main(["compare", str(recipe), "--strategies", arms, "--output", str(out)]), capsys,
+                     ("arm '", f"compare sets {key} for every arm itself", words), out)
+
+
+def test_a_per_arm_micro_batch_is_what_the_refusal_offers_and_is_kept(recipe, tmp_path, capsys):
+    out = tmp_path / "exp"
+    _one_line_exit_2(main(["compare", str(recipe), "--strategies", "single@batch.grad_accum_steps=4",
+                           "--output", str(out)]), capsys, ("batch.grad_accum_steps",), out)
+    args = build_parser().parse_args(["compare", str(recipe), "--strategies", "single@batch.micro_batch_size=2,ddp",
+                                      "--output", str(out)])
+    experiment = experiment_of(args)
+    arm = load_recipe(experiment.recipe, [*experiment.common, *experiment.arms[0].overrides])
+    plan = plan_batch(arm.batch, world_size=experiment.arms[0].nproc)
+    assert (plan.global_batch_size, plan.micro_batch_size, plan.grad_accum_steps) == (16, 2, 8)  # one rank
+
+
+@pytest.mark.parametrize("matrix, arm, key", [
+    ({"precisions": ["fp32", "bf16"]}, "single@precision=bf16", "precision"),
+    ({"grad_accum_steps": [1, 2]}, "single@batch.micro_batch_size=2", "batch.micro_batch_size"),
+])
+def test_a_per_arm_override_the_matrix_sets_is_one_line(recipe, tmp_path, capsys, matrix, arm, key):
+    path = _matrix(tmp_path, recipe, strategies=[arm, "ddp"], **matrix)
+    out = tmp_path / "exp"
+    _one_line_exit_2(main(["compare", str(path), "--output", str(out)]), capsys,
+                     (f"arm '{arm}'", f"compare sets {key} for every arm itself", "drop"), out)
+
+
+@pytest.mark.parametrize("matrix, sets, key", [
+    ({"precisions": ["fp32", "bf16"]}, ["--set", "precision=bf16"], "precision"),
+    ({}, ["--set", "train.tracking_dir=/tmp/elsewhere"], "train.tracking_dir"),
+])
+def test_a_setting_for_all_arms_that_compare_replaces_is_one_line(recipe, tmp_path, capsys, matrix, sets, key):
+    path = _matrix(tmp_path, recipe, strategies=["single", "ddp"], **matrix)
+    out = tmp_path / "exp"
+    _one_line_exit_2(main(["compare", str(path), *sets, "--output", str(out)]), capsys,
+                     (f"{key} is set for all arms", "compare sets it for every arm itself"), out)
