@@ -1,5 +1,5 @@
 """`toolkit compare` inputs that were silently dropped: a per-arm override of what compare sets for every arm
-itself. Checked before any arm runs."""
+itself, --output beside an output_dir. Checked before any arm runs."""
 
 import pytest
 import yaml
@@ -74,3 +74,14 @@ def test_a_setting_for_all_arms_that_compare_replaces_is_one_line(recipe, tmp_pa
     out = tmp_path / "exp"
     _one_line_exit_2(main(["compare", str(path), *sets, "--output", str(out)]), capsys,
                      (f"{key} is set for all arms", "compare sets it for every arm itself"), out)
+
+
+def test_the_command_lines_output_wins_over_an_output_dir(recipe, tmp_path):
+    """--output named the folder the docs promise; the experiment went to the output_dir given beside it."""
+    wanted, other = tmp_path / "wanted", tmp_path / "other"
+    given = ["--strategies", "single", "--set", f"output_dir={other}", "--output", str(wanted)]
+    assert experiment_of(build_parser().parse_args(["compare", str(recipe), *given])).out_dir == wanted
+    matrix = _matrix(tmp_path, recipe, strategies=["single"], set=[f"output_dir={other}"])
+    assert experiment_of(build_parser().parse_args(["compare", str(matrix), "--output", str(wanted)])).out_dir \
+        == wanted
+    assert not other.exists() and not wanted.exists()  # nothing written before the arms run

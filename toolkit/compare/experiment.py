@@ -140,7 +140,8 @@ def build_experiment(recipe_path: str, *, strategies: list[str], precisions: lis
         common.append(f"train.max_steps={steps}")
     if base.model.dropout is None:
         common.append("model.dropout=0.0")  # masks depend on the batch split: exact comparison needs it off
-    out = next((o.split("=", 1)[1] for o in overrides if o.startswith("output_dir=")), None)
+    # the last output_dir given: --output comes after the matrix file's `set:` and --set (the command line wins)
+    out = next((o.partition("=")[2] for o in reversed(overrides) if _key(o) == "output_dir"), None)
     out_dir = Path(out) if out else Path("runs") / f"{datetime.now():%Y%m%d-%H%M%S}-compare"
     check_output_dir(out_dir)
     arms = []
@@ -165,7 +166,7 @@ def build_experiment(recipe_path: str, *, strategies: list[str], precisions: lis
                     name += f"-accum{accum}"
                 arms.append(Arm(name, arm_nproc, (*arm_overrides(strategy), *extra)))
     refuse_repeats([arm.name for arm in arms], where="strategies")
-    common = [o for o in common if not o.startswith("output_dir=")]
+    common = [o for o in common if _key(o) != "output_dir"]
     if arms:  # the reference arm records its gradient scale: the verdict tells noise-driven weights from it
         arms[0] = Arm(arms[0].name, arms[0].nproc, (*arms[0].overrides, f"{RECORD_GRADIENT_SCALE}=true"))
     experiment = Experiment(recipe=str(recipe_path), out_dir=out_dir, arms=arms, common=common)
