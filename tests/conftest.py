@@ -135,6 +135,18 @@ def launch(recipe: Path, *, nproc: int, overrides: tuple[str, ...] = (), extra: 
     return result
 
 
+def finished_compare(root: Path, *, model_dir: Path, strategies: str) -> tuple[Path, Path, list[str]]:
+    """A finished 1-step compare of `strategies` on a tiny model, without evaluation: (its recipe, its folder,
+    the arguments that made it)."""
+    recipe = write_recipe(root / "r.yaml", model_dir=model_dir, output_dir=root / "unused",
+                          data={"eval": None}, train={"max_steps": 5, "consistency_check_every": None})
+    out = root / "exp"
+    args = ["compare", str(recipe), "--strategies", strategies, "--steps", "1", "--output", str(out)]
+    done = run_cli(*args)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return recipe, out, args
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 

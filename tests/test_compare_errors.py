@@ -7,7 +7,7 @@ import shutil
 import pytest
 import yaml
 
-from conftest import run_cli, write_recipe
+from conftest import finished_compare, write_recipe
 from toolkit.cli import main
 
 
@@ -132,14 +132,7 @@ def test_plan_wants_a_memory_size_with_its_unit(size, recipe, capsys):
 @pytest.fixture(scope="module")
 def one_step(tmp_path_factory, tiny_llama_dir):
     """A finished 1-step single-process compare: (its recipe, its folder, the arguments that made it)."""
-    root = tmp_path_factory.mktemp("compare-resume")
-    recipe = write_recipe(root / "r.yaml", model_dir=tiny_llama_dir, output_dir=root / "unused",
-                          data={"eval": None}, train={"max_steps": 5, "consistency_check_every": None})
-    out = root / "exp"
-    args = ["compare", str(recipe), "--strategies", "single", "--steps", "1", "--output", str(out)]
-    done = run_cli(*args)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return recipe, out, args
+    return finished_compare(tmp_path_factory.mktemp("compare-resume"), model_dir=tiny_llama_dir, strategies="single")
 
 
 def _files(folder):
@@ -184,4 +177,6 @@ def test_an_arm_whose_run_json_is_damaged_runs_again(text, tmp_path):
     (tmp_path / "run.json").write_text(text)
     assert arm_status(tmp_path) == "pending"  # not a traceback, nor a completed arm without numbers
     (tmp_path / "run.json").write_text('{"status": "completed"}')
+    step = {"loss": 1.0, "grad_norm": 1.0, "step_time_s": 1.0, "tokens_per_s": 1.0, "samples_per_s": 1.0}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(step) + "\n")
     assert arm_status(tmp_path) == "completed"

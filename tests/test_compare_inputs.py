@@ -1,10 +1,14 @@
-"""`toolkit compare` inputs that were silently dropped: a per-arm override of what compare sets for every arm
-itself, --output beside an output_dir. Checked before any arm runs."""
+"""`toolkit compare` and `report` inputs that were silently dropped or ended in a traceback: a per-arm override of
+what compare sets for every arm itself, --output beside an output_dir, an arm whose metrics.jsonl is damaged. Only
+the last train: one 2-arm, 1-step, single-process compare they share."""
+
+import json
+import shutil
 
 import pytest
 import yaml
 
-from conftest import write_recipe
+from conftest import finished_compare, write_recipe
 from toolkit.cli import build_parser, main
 from toolkit.compare.cli import experiment_of
 from toolkit.recipe import plan_batch
@@ -85,3 +89,57 @@ def test_the_command_lines_output_wins_over_an_output_dir(recipe, tmp_path):
     assert experiment_of(build_parser().parse_args(["compare", str(matrix), "--output", str(wanted)])).out_dir \
         == wanted
     assert not other.exists() and not wanted.exists()  # nothing written before the arms run
+
+
+@pytest.fixture(scope="module")
+def two_arms(tmp_path_factory, tiny_llama_dir):
+    """A finished 1-step compare of two single-process arms: (its folder, the arguments that made it)."""
+    _, out, args = finished_compare(tmp_path_factory.mktemp("compare-inputs"), model_dir=tiny_llama_dir,
+                                    strategies="single,single@optim.lr=2e-3")
+    return out, args
+
+
+def _damage(folder, arm, text):
+    (folder / arm / "metrics.jsonl").write_text(text)
+
+
+@pytest.mark.parametrize("text, words", [("", "holds no step"), ('{"step": 1, "loss": 10.', "line 1 is no JSON"),
+                                         ('{"step": 1}\n', "line 1 is no step record")])
+def test_report_shows_an_arm_whose_metrics_are_damaged_and_the_others(two_arms, tmp_path, capsys, text, words):
+    """An emptied metrics.jsonl was a StatisticsError; one cut mid-line a JSONDecodeError, and no report."""
+    out, _ = two_arms
+    copy = tmp_path / "exp"
+    shutil.copytree(out, copy)
+    _damage(copy, "single@optim.lr=2e-3", text)
+    assert main(["report", str(copy)]) == 0
+    table = capsys.readouterr().out
+    arms = {a["arm"]: a for a in json.loads((copy / "results.json").read_text())["arms"]}
+    damaged = arms["single@optim.lr=2e-3"]
+    assert damaged["status"] == damaged["verdict"] == "damaged"
+    assert str(copy / "single@optim.lr=2e-3" / "metrics.jsonl") in damaged["error"] and words in damaged["error"]
+    assert arms["single"]["verdict"] == "reference" and arms["single"]["tokens_per_s"] > 0
+    assert "damaged: " in table and f"**single@optim.lr=2e-3** damaged: {damaged['error']}" in \
+        (copy / "report.md").read_text()
+
+
+def test_a_damaged_reference_leaves_the_other_arms_unjudged(two_arms, tmp_path, capsys):
+    out, _ = two_arms
+    copy = tmp_path / "exp"
+    shutil.copytree(out, copy)
+    _damage(copy, "single", "")
+    assert main(["report", str(copy)]) == 0
+    arms = json.loads((copy / "results.json").read_text())["arms"]
+    assert [a["verdict"] for a in arms] == ["damaged", "no reference (reference arm damaged)"]
+    assert arms[1]["tokens_per_s"] > 0
+
+
+def test_a_rerun_compare_runs_the_damaged_arm_again(two_arms, tmp_path, capsys):
+    out, args = two_arms
+    copy = tmp_path / "exp"
+    shutil.copytree(out, copy)
+    _damage(copy, "single@optim.lr=2e-3", '{"step": 1, "lo')
+    assert main([*args[:-1], str(copy)]) == 0
+    printed = capsys.readouterr().out
+    assert "single: already completed, skipped" in printed and "single@optim.lr=2e-3: completed" in printed
+    verdicts = [a["verdict"] for a in json.loads((copy / "results.json").read_text())["arms"]]
+    assert verdicts[0] == "reference" and verdicts[1] not in ("damaged", "failed")

@@ -130,11 +130,6 @@ class JsonlWriter:
         self.file.close()
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    with open(path, encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
-
-
 class Progress:
     """A tqdm bar on rank 0 (steps, loss, tokens/s); plain log lines when stderr is not a terminal."""
 

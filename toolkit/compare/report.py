@@ -13,8 +13,7 @@ import yaml
 from toolkit.compare.memory_report import MEMORY_NOTE, memory_lines
 from toolkit.compare import measure, verdict
 from toolkit.compare.experiment import Experiment
-from toolkit.compare.runner import arm_dir, arm_status, read_run
-from toolkit.metrics import read_jsonl
+from toolkit.compare.runner import arm_dir, arm_status, read_metrics, read_run
 
 CALIBRATION_PREFIX = "calibration-"
 AUDIT_ROWS = ("forward_params", "master_weights", "gradients", "grad_reduction", "optimizer_state",
@@ -24,12 +23,15 @@ AUDIT_ROWS = ("forward_params", "master_weights", "gradients", "grad_reduction",
 def load_arm(experiment: Experiment, arm) -> dict:
     path = arm_dir(experiment, arm)
     data = {"name": arm.name, "dir": path, "nproc": arm.nproc, "status": arm_status(path)}
+    metrics, damage = read_metrics(path)
+    if data["status"] == "damaged":  # the run completed; its numbers are lost
+        data["error"] = f"{damage}; `toolkit compare` with this --output runs the arm again"
     if data["status"] != "completed":
         failed = path / "failed.json"
-        data["error"] = json.loads(failed.read_text())["error"] if failed.is_file() else "not run yet"
+        data.setdefault("error", json.loads(failed.read_text())["error"] if failed.is_file() else "not run yet")
         return data
     run = read_run(path) or {}  # completed: its run.json was read just now
-    data.update(run=run, metrics=read_jsonl(path / "metrics.jsonl"),
+    data.update(run=run, metrics=metrics,
                 recipe=yaml.safe_load((path / "recipe.yaml").read_text()), audit=run.get("precision_audit"),
                 precision=run["precision"], num_params=run["num_params"])
     return data
@@ -44,7 +46,8 @@ def build_results(experiment: Experiment) -> dict:
     for arm in shown:
         row = {"arm": arm["name"], "status": arm["status"], "world_size": arm["nproc"]}
         if arm["status"] != "completed":
-            rows.append({**row, "error": arm["error"], "verdict": "failed"})
+            failed = "damaged" if arm["status"] == "damaged" else "failed"  # damaged: it ran, its numbers are lost
+            rows.append({**row, "error": arm["error"], "verdict": failed})
             continue
         run, metrics = arm["run"], arm["metrics"]
         speed = measure.throughput(metrics)
@@ -63,7 +66,7 @@ def build_results(experiment: Experiment) -> dict:
                 envelope = _envelope(calibration, arm["precision"], reference["precision"])
                 row.update(verdict.judge(arm, reference, envelope=envelope))
         else:
-            row["verdict"] = "no reference (reference arm failed)"
+            row["verdict"] = f"no reference (reference arm {reference['status']})"
         rows.append(row)
     first: dict = next((a["run"] for a in arms if a["status"] == "completed"), {})
     return {"experiment": str(experiment.out_dir), "recipe": experiment.recipe, "reference": reference["name"],
@@ -126,7 +129,7 @@ def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
     rows = []
     for r in results["arms"]:
         if r["status"] != "completed":
-            rows.append([r["arm"], str(r["world_size"]), *[""] * 13, f"failed: {r['error']}"[:120]])
+            rows.append([r["arm"], str(r["world_size"]), *[""] * 13, f"{r['verdict']}: {r['error']}"[:120]])
             continue
         rows.append([
             r["arm"], str(r["world_size"]), r["precision"], f"{r['tokens_per_s']:.0f}",
@@ -214,7 +217,7 @@ def _explanations(results: dict) -> list[str]:
     out = []
     for r in results["arms"]:
         if r["status"] != "completed":
-            out.append(f"**{r['arm']}** failed: {r['error']}")
+            out.append(f"**{r['arm']}** {r['verdict']}: {r['error']}")
             continue
         if r["verdict"] == "reference":
             continue
@@ -354,7 +357,7 @@ def render_html(results: dict, plots: list[Path]) -> str:
     head, rows = table_rows(results)
     table = "<table id='summary'><tr>" + "".join(f"<th>{esc(h)}</th>" for h in head) + "</tr>"
     for row in rows:
-        cls = "bad" if row[-1].startswith(("failed", "diverged")) else "ok"
+        cls = "bad" if row[-1].startswith(("failed", "damaged", "diverged")) else "ok"
         table += f"<tr class='{cls}'>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>"
     table += "</table>"
     a_head, a_rows = audit_table(results)

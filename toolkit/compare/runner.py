@@ -30,11 +30,34 @@ def arm_dir(experiment: Experiment, arm: Arm) -> Path:
 
 
 def arm_status(path: Path) -> str:
-    """completed | failed | pending, read from what the arm left on disk (a damaged run.json: pending, so that
-    the arm runs again)."""
+    """completed | damaged | failed | pending, read from what the arm left on disk (a damaged run.json: pending;
+    a completed run whose metrics.jsonl cannot be read: damaged; either runs again in a re-run compare)."""
     if (read_run(path) or {}).get("status") == "completed" and (path / "model").is_dir():
-        return "completed"
+        return "completed" if read_metrics(path)[1] is None else "damaged"
     return "failed" if (path / "failed.json").is_file() else "pending"
+
+
+STEP_KEYS = ("loss", "grad_norm", "step_time_s", "tokens_per_s", "samples_per_s")  # what the report reads per step
+
+
+def read_metrics(path: Path) -> tuple[list[dict], str | None]:
+    """The arm's metrics.jsonl, one record per optimizer step, and None; or what is wrong with it, naming the file
+    (emptied, cut short mid-line, written by hand), and no records."""
+    file = path / "metrics.jsonl"
+    try:
+        lines = [line for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, ValueError) as exc:  # missing, or not UTF-8
+        return [], f"{file} cannot be read ({type(exc).__name__})"
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return [], f"{file} line {number} is no JSON (cut short?)"
+        if not isinstance(record, dict) or not all(key in record for key in STEP_KEYS):
+            return [], f"{file} line {number} is no step record ({', '.join(STEP_KEYS)})"
+        records.append(record)
+    return (records, None) if records else ([], f"{file} holds no step")
 
 
 def read_run(path: Path) -> dict | None:
