@@ -1,6 +1,7 @@
 """`toolkit compare` and `report` inputs that were silently dropped or ended in a traceback: a per-arm override of
-what compare sets for every arm itself, --output beside an output_dir, an arm whose metrics.jsonl is damaged. Only
-the last train: one 2-arm, 1-step, single-process compare they share."""
+what compare sets for every arm itself, --output beside an output_dir, an arm whose metrics.jsonl is damaged, arms
+given in another order. Only those about a finished experiment train: one 2-arm, 1-step, single-process compare
+they share."""
 
 import json
 import shutil
@@ -143,3 +144,17 @@ def test_a_rerun_compare_runs_the_damaged_arm_again(two_arms, tmp_path, capsys):
     assert "single: already completed, skipped" in printed and "single@optim.lr=2e-3: completed" in printed
     verdicts = [a["verdict"] for a in json.loads((copy / "results.json").read_text())["arms"]]
     assert verdicts[0] == "reference" and verdicts[1] not in ("damaged", "failed")
+
+
+def test_a_rerun_with_the_arms_reordered_names_the_reference_arm(two_arms, tmp_path, capsys):
+    """The refusal named an internal key: (train.record_gradient_scale: False then, True now)."""
+    out, args = two_arms
+    code = main([*args[:3], "single@optim.lr=2e-3,single", *args[4:]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"{out} holds arm single@optim.lr=2e-3 run with other settings" in err[0]
+    assert "(not the reference (first) arm then, the reference now)" in err[0] and "record_gradient" not in err[0]
+    code = main([*args[:3], "ddp,single", *args[4:]])  # single, the reference then, follows a new arm
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "arm single run with other settings (the reference (first) arm then, " \
+        "ddp is now)" in err[0], err

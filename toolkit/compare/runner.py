@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from toolkit.compare.experiment import Arm, Experiment
+from toolkit.compare.experiment import RECORD_GRADIENT_SCALE, Arm, Experiment
 from toolkit.compare.verdict import flatten
 from toolkit.errors import INTERRUPTED_EXIT_CODE as INTERRUPTED
 from toolkit.errors import RecipeError
@@ -93,7 +93,7 @@ def settings_difference(experiment: Experiment, arm: Arm, path: Path) -> str | N
     # the home folder's path: the same file
     ran.update({key: os.path.expanduser(ran[key]) for key in path_keys() if isinstance(ran.get(key), str)})
     wanted = flatten(recipe_to_dict(load_recipe(experiment.recipe, [*experiment.common, *arm.overrides])))
-    changed = [f"{key}: {ran.get(key)!r} then, {wanted.get(key)!r} now" for key in sorted(set(ran) | set(wanted))
+    changed = [_difference(experiment, key, ran.get(key), wanted.get(key)) for key in sorted(set(ran) | set(wanted))
                if key not in WHERE_KEYS and ran.get(key) != wanted.get(key)]
     world_size = (read_run(path) or {}).get("world_size")
     if world_size != arm.nproc:
@@ -101,6 +101,13 @@ def settings_difference(experiment: Experiment, arm: Arm, path: Path) -> str | N
     if not changed:
         return None
     return ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+
+
+def _difference(experiment: Experiment, key: str, then, now) -> str:
+    if key == RECORD_GRADIENT_SCALE:  # set by compare on the first arm only: the arms' order changed
+        return (f"the reference (first) arm then, {experiment.arms[0].name} is now" if then
+                else "not the reference (first) arm then, the reference now")
+    return f"{key}: {then!r} then, {now!r} now"
 
 
 def run_arm(experiment: Experiment, arm: Arm) -> str:
