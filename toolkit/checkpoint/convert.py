@@ -48,15 +48,12 @@ def convert(checkpoint_path: Path, out: Path) -> Path:
 
 def lora_of(path: Path):
     """The LoraOptions of the run that wrote the checkpoint (its recipe.yaml's model.lora), or None."""
-    import yaml
-
     from toolkit.recipe import LoraOptions
 
-    try:
-        raw = yaml.safe_load((path / "recipe.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise RecipeError(f"checkpoint {path}: recipe.yaml is unreadable ({exc}); it is incomplete") from None
-    model = raw.get("model") if isinstance(raw, dict) else None
+    raw = store.saved_recipe(path)
+    if raw is None:
+        raise RecipeError(f"checkpoint {path}: recipe.yaml is unreadable (missing, or no recipe); it is incomplete")
+    model = raw.get("model")
     options = model.get("lora") if isinstance(model, dict) else None
     if not options:
         return None

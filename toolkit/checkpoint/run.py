@@ -69,12 +69,7 @@ def starting_point(recipe: Recipe, resume: Resume | None, *, plan: BatchPlan,
 def _check_seed(checkpoint: store.Checkpoint, recipe: Recipe) -> None:
     """The data position is the step, and the sampler's order a function of seed + step: another seed would
     continue with other samples (as another global batch would)."""
-    import yaml
-
-    try:
-        saved = (yaml.safe_load((checkpoint.path / "recipe.yaml").read_text()) or {}).get("seed")
-    except (OSError, yaml.YAMLError, AttributeError):
-        return  # the checkpoint's recipe is a record, not what it is read by: no seed to compare
+    saved = (store.saved_recipe(checkpoint.path) or {}).get("seed")  # none readable: no seed to compare
     if saved is not None and saved != recipe.seed:
         raise RecipeError(f"checkpoint {checkpoint.path} was trained with seed {saved}, this recipe has seed "
                           f"{recipe.seed}: the data order would not carry over; set seed={saved}")

@@ -15,8 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from toolkit.checkpoint import store
 from toolkit.errors import RecipeError
 from toolkit.recipe import Recipe
 from toolkit.recipe_files import recipe_to_dict
@@ -51,7 +50,8 @@ def advance(scheduler, num_steps: int) -> None:
 def schedule_changes(recipe: Recipe, checkpoint_dir: Path, *, total_steps: int, saved_total_steps: int | None,
                      saved_state: dict[str, Any]) -> list[str]:
     """What sets the schedule and differs from the checkpoint's run: "optim.lr 0.005, was 0.001", ..."""
-    now, before = recipe_to_dict(recipe), _saved_recipe(checkpoint_dir)
+    # (no readable recipe.yaml: the manifest still says the total steps and which kind of scheduler ran)
+    now, before = recipe_to_dict(recipe), store.saved_recipe(checkpoint_dir)
     changes: list[str] = []
     if before is not None:
         changes += [f"{key} {_shown(_dotted(now, key))}, was {_shown(_dotted(before, key))}"
@@ -65,16 +65,6 @@ def schedule_changes(recipe: Recipe, checkpoint_dir: Path, *, total_steps: int, 
     if old_scheduler != new_scheduler:
         changes.append(f"scheduler {new_scheduler}, was {old_scheduler}")
     return changes
-
-
-def _saved_recipe(checkpoint_dir: Path) -> dict | None:
-    """The recipe.yaml a checkpoint holds, as plain data (None: missing or unreadable; the manifest still says
-    the total steps and which kind of scheduler ran)."""
-    try:
-        raw = yaml.safe_load((checkpoint_dir / "recipe.yaml").read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError, UnicodeDecodeError):
-        return None
-    return raw if isinstance(raw, dict) else None
 
 
 def _scheduler_named(recipe: dict) -> str | None:

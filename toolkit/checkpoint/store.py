@@ -112,6 +112,18 @@ def find_resume(out_dir: Path, given: str | None) -> Checkpoint:
     return read_checkpoint(found[-1])
 
 
+def saved_recipe(path: Path) -> dict | None:
+    """The recipe.yaml a checkpoint holds (its run's resolved recipe), as plain data; None where it is missing,
+    unreadable or no mapping. A record: a checkpoint is read by its tensors and manifest, not by this."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load((Path(path) / "recipe.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
 def holds_checkpoint(out_dir: Path, path: Path) -> bool:
     """Whether the checkpoint folder `path` is one of output_dir's own."""
     return Path(path).resolve().parent == checkpoints_dir(out_dir).resolve()
