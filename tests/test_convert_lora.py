@@ -2,6 +2,8 @@
 against W + (alpha / r) · B @ A computed here from the base model and the run's exported adapter. Before, the
 checkpoint was refused as one "written for another model" (it holds the adapted names, base_layer / lora_A)."""
 
+import shutil
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -11,21 +13,29 @@ from conftest import REPO, run_cli, write_recipe
 R, ALPHA = 4, 8
 
 
-def test_a_lora_checkpoint_converts_to_the_merged_model(tmp_path, tiny_llama_dir):
-    from transformers import AutoModelForCausalLM
-
-    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "run",
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, tiny_llama_dir):
+    """One 2-step LoRA run with a final checkpoint, shared by this file's tests (each converts a copy or reads it)."""
+    root = tmp_path_factory.mktemp("lora-run")
+    recipe = write_recipe(root / "r.yaml", model_dir=tiny_llama_dir, output_dir=root / "run",
                           checkpoint={"final": True}, train={"max_steps": 2})
     lora = f"model.lora={{r: {R}, alpha: {ALPHA}, target_modules: [q_proj, v_proj]}}"
     done = run_cli("train", str(recipe), "--set", lora)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "saved nowhere" not in done.stderr  # a pretrained base: the adapter loads onto it
-    assert f"· adapter {tmp_path / 'run' / 'model'} ·" in done.stderr and "merged model" not in done.stderr
+    return root / "run", done.stderr
+
+
+def test_a_lora_checkpoint_converts_to_the_merged_model(lora_run, tmp_path, tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    run, stderr = lora_run
+    assert "saved nowhere" not in stderr  # a pretrained base: the adapter loads onto it
+    assert f"· adapter {run / 'model'} ·" in stderr and "merged model" not in stderr
     out = tmp_path / "converted"
-    done = run_cli("convert", str(tmp_path / "run" / "checkpoints" / "step-00000002"), str(out))
+    done = run_cli("convert", str(run / "checkpoints" / "step-00000002"), str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     base = load_file(tiny_llama_dir / "model.safetensors")
-    adapter = load_file(tmp_path / "run" / "model" / "adapter_model.safetensors")
+    adapter = load_file(run / "model" / "adapter_model.safetensors")
     converted = load_file(out / "model.safetensors")
     assert converted.keys() == base.keys()  # plain names: no base_layer, no lora_A
     adapted = 0
@@ -44,11 +54,9 @@ def test_a_lora_checkpoint_converts_to_the_merged_model(tmp_path, tiny_llama_dir
 
 
 @pytest.mark.parametrize("damage", ["no recipe", "bad yaml"])
-def test_a_checkpoint_without_its_recipe_is_one_line(damage, tmp_path, tiny_llama_dir):
-    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "run",
-                          checkpoint={"final": True}, train={"max_steps": 1})
-    assert run_cli("train", str(recipe)).returncode == 0
-    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000001"
+def test_a_checkpoint_without_its_recipe_is_one_line(damage, lora_run, tmp_path):
+    checkpoint = tmp_path / "step-00000002"  # a copy: the shared run's checkpoint stays whole
+    shutil.copytree(lora_run[0] / "checkpoints" / "step-00000002", checkpoint)
     if damage == "no recipe":
         (checkpoint / "recipe.yaml").unlink()
     else:
