@@ -125,7 +125,7 @@ def test_the_checkpoint_walk_through_runs_as_written(tmp_path):
     assert checkpoints == ["step-00000005", "step-00000010"]  # the single run's step 10
     # the fsdp run's own step 10, set aside when the single run branched from step 5 (README: Checkpoints)
     assert aside.startswith("set-aside-after-step-00000005-")
-    assert sorted(p.name for p in (root / aside).iterdir()) == ["metrics.jsonl", "step-00000010"]
+    assert sorted(p.name for p in (root / aside).iterdir()) == ["metrics.jsonl", "model", "step-00000010"]
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(copy / "my-model")

@@ -55,9 +55,13 @@ def test_resuming_an_earlier_checkpoint_branches_and_sets_the_later_steps_aside(
     assert names[0].startswith("set-aside-after-step-00000001-")
     assert names[1:] == ["step-00000002"]  # the new step 2, kept; keep_last did not touch the set-aside ones
     aside = out / "checkpoints" / names[0]
-    assert sorted(p.name for p in aside.iterdir()) == ["metrics.jsonl", "step-00000002", "step-00000003"]
+    assert sorted(p.name for p in aside.iterdir()) == ["metrics.jsonl", "model", "step-00000002", "step-00000003"]
     assert _steps(aside / "metrics.jsonl") == [2, 3] and _steps(out / "metrics.jsonl") == [1, 2]
+    assert "later checkpoints (step-00000002, step-00000003), its exported model/ and the metrics" in done.stderr
     assert f"set aside in {aside}" in done.stderr
+    # the given-up run's step-3 export went with its steps; model/ is the branch's own step-2 export
+    assert _files(aside / "model") == _files(run / "model")
+    assert _files(out / "model") != _files(run / "model")
     # the branch continued the same data and weights: its step 2 is the uninterrupted run's
     again = json.loads((out / "metrics.jsonl").read_text().splitlines()[1])
     assert again["loss"] == pytest.approx(first["loss"], rel=1e-6)

@@ -103,8 +103,11 @@ def continue_metrics(out_dir: Path, *, done_steps: int) -> None:
     aside = store.set_aside_later(out_dir, done_steps)
     if aside is not None:
         (aside / "metrics.jsonl").write_text("".join(line + "\n" for line in later))
+        moved = sorted(p.name for p in aside.iterdir() if p.is_dir())
+        exports = [name for name in moved if name in store.EXPORTS]
+        also = f", its exported {' and '.join(f'{name}/' for name in exports)}" if exports else ""
         print(f"[toolkit] resume from step {done_steps}: the run had gone further; its later checkpoints "
-              f"({', '.join(sorted(p.name for p in aside.iterdir() if p.is_dir()))}) and the metrics of those "
+              f"({', '.join(name for name in moved if name not in exports)}){also} and the metrics of those "
               f"steps are set aside in {aside}", file=sys.stderr, flush=True)
     if later:
         write_text_whole(path, "".join(line + "\n" for line in kept))

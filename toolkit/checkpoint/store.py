@@ -138,15 +138,21 @@ def completed_run(out_dir: Path, *, total_steps: int) -> bool:
     return isinstance(info, dict) and info.get("status") == "completed" and info.get("total_steps") == total_steps
 
 
+EXPORTS = ("model", "model-merged")  # export_model's folders in output_dir
+
+
 def set_aside_later(out_dir: Path, step: int) -> Path | None:
     """Rank 0: the complete checkpoints after `step` move into checkpoints/set-aside-after-step-N-TIME (a name
-    no checkpoint has); the folder, or None when there were none."""
+    no checkpoint has); the folder, or None when there were none. The exported model/ (and model-merged/) go with
+    them: the run went past `step`, so an export there is the given-up steps' (or, after a run extended beyond an
+    earlier finish, weights the branch re-trains from); left in place it would pass for this branch's until the
+    branch exports its own at its end."""
     later = [p for p in complete_checkpoints(out_dir) if step_of(p) > step]
     if not later:
         return None
     aside = checkpoints_dir(out_dir) / f"set-aside-after-step-{step:08d}-{time.strftime('%Y%m%d-%H%M%S')}"
     aside.mkdir()
-    for path in later:
+    for path in [*later, *(Path(out_dir) / name for name in EXPORTS if (Path(out_dir) / name).is_dir())]:
         path.rename(aside / path.name)
     return aside
 
