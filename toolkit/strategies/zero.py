@@ -3,8 +3,11 @@
 Stage 1 shards optimizer state, 2 also gradients, 3 also parameters. DeepSpeed keeps fp32 master
 weights whatever the compute dtype (unlike FSDP, which updates the load dtype). The optimizer and the
 schedule are the recipe's, built by the same factories as every other strategy's and handed to
-DeepSpeed as its client optimizer and scheduler. The loop owns the accumulation boundary: each
-micro-batch tells the engine whether it is the last one, and the engine steps once per optimizer step.
+DeepSpeed as its client optimizer and scheduler (with the optimizer offloaded, the recipe's AdamW
+becomes DeepSpeed's CPU Adam: zero_optim.py), unless a ds_config names its own `optimizer` or
+`scheduler` block: DeepSpeed then builds that one, its "auto" values filled from the recipe
+(zero_config.py). The loop owns the accumulation boundary: each micro-batch tells the engine whether it
+is the last one, and the engine steps once per optimizer step.
 """
 
 from __future__ import annotations
