@@ -61,7 +61,10 @@ def check_architecture(built, config: ModelConfig) -> None:
     heads do not divide the query heads (Llama's config takes it; attention fails inside the first forward)."""
     key = config_key(config)
     auto = auto_class(config)
-    if type(built) not in auto._model_mapping:  # the condition from_config checks
+    # the condition from_config checks, on the auto class's private table: a transformers without it skips this
+    # check, and from_config's own (long) refusal reaches config_errors instead
+    mapping = getattr(auto, "_model_mapping", None)
+    if mapping is not None and type(built) not in mapping:
         raise RecipeError(f"{key}: model_type {built.model_type} has no {config.task} head in transformers "
                           f"({auto.__name__}); use a model type that has one, or another model.task")
     heads, kv_heads = getattr(built, "num_attention_heads", None), getattr(built, "num_key_value_heads", None)
