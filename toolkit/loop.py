@@ -149,7 +149,7 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     runtime_bytes = process_bytes()  # what the process holds before any model: the base a memory prediction starts from
     prediction = runinfo.predict_memory(recipe, env, runtime_bytes=runtime_bytes)  # warns before setup if too big
     # before the collective below, so no rank can have written into output_dir yet
-    checkpoint = checkpoints.starting_point(recipe, resume, plan=plan, total_steps=total_steps)
+    checkpoint = checkpoints.starting_point(recipe, resume, plan=plan, total_steps=total_steps, env=env)
     strategy = make_strategy(recipe)
     source = ModelSource(recipe=recipe, tokenizer=tokenizer, checkpoint=checkpoint.path if checkpoint else None)
     model = strategy.build_model(source, env=env)  # whole, or empty / partitioned under low-memory loading

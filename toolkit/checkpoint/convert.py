@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.checkpoint import state, store
+from toolkit.checkpoint import digest, state, store
 from toolkit.errors import RecipeError
 from toolkit.export import without_tied_aliases
 
@@ -22,6 +22,7 @@ def convert(checkpoint_path: Path, out: Path) -> Path:
 
     checkpoint = store.read_checkpoint(checkpoint_path, resuming=False)
     check_out(out, checkpoint=checkpoint.path)
+    digest.check(checkpoint.path, expected=checkpoint.records_digests)  # bytes changed since the save: before reading
     hf = checkpoint.path / "hf"
     if not (hf / "config.json").is_file():
         raise RecipeError(f"checkpoint {checkpoint.path} has no hf/config.json; it is incomplete")

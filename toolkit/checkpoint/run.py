@@ -11,7 +11,7 @@ from pathlib import Path
 from torch import nn
 
 from toolkit.atomic import write_text_whole
-from toolkit.checkpoint import state, store
+from toolkit.checkpoint import digest, state, store
 from toolkit.dist import DistEnv, barrier, restarted
 from toolkit.errors import RecipeError
 from toolkit.recipe import BatchPlan, Recipe
@@ -30,10 +30,11 @@ class NothingToResume(Exception):
     run.json, metrics and export stay as the run left them). The CLI says so in one line and exits 0."""
 
 
-def starting_point(recipe: Recipe, resume: Resume | None, *, plan: BatchPlan,
-                   total_steps: int | None = None) -> store.Checkpoint | None:
+def starting_point(recipe: Recipe, resume: Resume | None, *, plan: BatchPlan, total_steps: int | None = None,
+                   env: DistEnv | None = None) -> store.Checkpoint | None:
     """The checkpoint this run continues, or None for a fresh run into an output_dir that holds none.
-    `total_steps`: the run's last step where known (the loop; the launcher knows train.max_steps only)."""
+    `total_steps`: the run's last step where known (the loop; the launcher knows train.max_steps only).
+    `env`: the ranks' (collective), which also compare the files' bytes with their recorded digests."""
     out_dir = Path(recipe.output_dir)
     if resume is None and restarted():
         # torchrun restarted the ranks (--max-restarts): this run's own newest checkpoint, else from scratch
@@ -45,6 +46,8 @@ def starting_point(recipe: Recipe, resume: Resume | None, *, plan: BatchPlan,
         return None
     checkpoint = store.find_resume(out_dir, resume.path)
     state.saved_keys(checkpoint.path)  # its DCP metadata is readable (a one-line error before any rank starts)
+    if env is not None:  # the ranks, each hashing its share; not the launcher too: one pass over the bytes
+        digest.check(checkpoint.path, expected=checkpoint.records_digests, env=env)
     saved = checkpoint.manifest.get("global_batch_size")
     if saved != plan.global_batch_size:
         raise RecipeError(f"checkpoint {checkpoint.path} was trained with global batch {saved}, this recipe has "

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from toolkit import faults
 from toolkit.atomic import write_text_whole
+from toolkit.checkpoint import digest
 from toolkit.errors import RecipeError
 from toolkit.recipe import Recipe
 from toolkit.recipe_files import dump_recipe
@@ -52,6 +53,11 @@ class Checkpoint:
     @property
     def step(self) -> int:
         return int(self.manifest["step"])
+
+    @property
+    def records_digests(self) -> bool:
+        """Its save recorded digests.json (a checkpoint written before the toolkit did has no such key)."""
+        return self.manifest.get("digests") == digest.DIGESTS
 
 
 def is_complete(path: Path) -> bool:
@@ -200,13 +206,15 @@ def write_manifest(partial: Path, manifest: dict, *, recipe: Recipe, hf_files) -
     """Rank 0, after every rank's tensors are written: the small files, then the manifest last."""
     (partial / "recipe.yaml").write_text(dump_recipe(recipe))
     hf_files(partial / "hf")
-    data = {"format": FORMAT, "version": VERSION, **manifest}
+    data = {"format": FORMAT, "version": VERSION, "digests": digest.DIGESTS, **manifest}  # recorded by commit()
     write_text_whole(partial / MANIFEST, json.dumps(data, indent=2), durable=True)
 
 
 def commit(out_dir: Path, step: int, *, keep_last: int) -> Path:
-    """Rank 0: the partial folder becomes the checkpoint, then checkpoints beyond keep_last are deleted."""
+    """Rank 0: the partial folder, its digests recorded, becomes the checkpoint, then checkpoints beyond keep_last
+    are deleted."""
     faults.before_commit(step)  # tests: a save that dies here must never be resumed from
+    digest.record(partial_path(out_dir, step))  # after the manifest: digests.json covers every other file
     final = final_path(out_dir, step)
     if final.exists():  # the same step saved again (a resumed run that ends where its checkpoint was)
         shutil.rmtree(final)
