@@ -6,7 +6,9 @@ A checkpoint is a folder `output_dir/checkpoints/step-NNNNNNNN/` holding
     layout) and `rng.<rank>` (each rank's CPU generator);
   - `manifest.json`: step, strategy, world size, precision, recipe hash, tokens seen, versions, the LR
     schedule's and the loss scaler's state (small numbers, JSON: nothing is unpickled on load);
-  - `recipe.yaml` and `hf/` (the model's config and tokenizer): enough for `toolkit convert` alone.
+  - `recipe.yaml` and `hf/` (the model's config and tokenizer): enough for `toolkit convert` alone;
+  - `digests.json`: every other file's size and SHA-256, compared before a resume or convert reads a tensor
+    (toolkit/checkpoint/digest.py).
 
 DCP reshards on load, so a save from N ranks loads at M. The strategies meet in that one layout:
 single/dp/ddp/fsdp read and write it with torch's `get_state_dict`/`set_state_dict` helpers; ZeRO reads it
@@ -16,5 +18,6 @@ those accessors: each rank lists its pieces of DeepSpeed's flat partitions and t
 checkpoint's own group, in the background with `checkpoint.async` (toolkit/checkpoint/fragments.py).
 
 A save is atomic: written under `.step-NNNNNNNN.partial`, renamed into place by rank 0 once every rank's
-files and the manifest are on disk; older checkpoints beyond `keep_last` are deleted only after that.
+files and the manifest are on disk and their digests recorded; older checkpoints beyond `keep_last` are deleted
+only after that.
 """
