@@ -2,6 +2,7 @@
 against W + (alpha / r) · B @ A computed here from the base model and the run's exported adapter. Before, the
 checkpoint was refused as one "written for another model" (it holds the adapted names, base_layer / lora_A)."""
 
+import json
 import shutil
 
 import pytest
@@ -53,17 +54,31 @@ def test_a_lora_checkpoint_converts_to_the_merged_model(lora_run, tmp_path, tiny
         assert AutoModelForCausalLM.from_pretrained(out)(input_ids=ids).logits.isfinite().all()
 
 
+@pytest.mark.parametrize("digests", ["recorded", "older checkpoint"])
 @pytest.mark.parametrize("damage", ["no recipe", "bad yaml"])
-def test_a_checkpoint_without_its_recipe_is_one_line(damage, lora_run, tmp_path):
+def test_a_checkpoint_without_its_recipe_is_one_line(damage, digests, lora_run, tmp_path):
+    """Its digests.json finds the lost or changed recipe.yaml first; a checkpoint written before digests were
+    recorded (no digests.json, no "digests" in its manifest) reaches the recipe reader, which says it in one line."""
     checkpoint = tmp_path / "step-00000002"  # a copy: the shared run's checkpoint stays whole
     shutil.copytree(lora_run[0] / "checkpoints" / "step-00000002", checkpoint)
+    if digests == "older checkpoint":
+        (checkpoint / "digests.json").unlink()
+        manifest = json.loads((checkpoint / "manifest.json").read_text())
+        del manifest["digests"]
+        (checkpoint / "manifest.json").write_text(json.dumps(manifest))
     if damage == "no recipe":
         (checkpoint / "recipe.yaml").unlink()
     else:
         (checkpoint / "recipe.yaml").write_text("model: [unclosed\n")
     done = run_cli("convert", str(checkpoint), str(tmp_path / "converted"))
     err = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and len(err) == 1 and "recipe.yaml is unreadable" in err[0], done.stderr
+    assert done.returncode == 2 and len(err) == 1, done.stderr
+    if digests == "recorded":
+        words = "recipe.yaml, listed in its digests.json, is missing" if damage == "no recipe" else \
+            "is damaged: its file recipe.yaml has 17 bytes, it was saved with"
+    else:
+        words = "recipe.yaml is unreadable"
+    assert words in err[0], err[0]
     assert not (tmp_path / "converted").exists()
 
 
