@@ -4,6 +4,7 @@ given in another order. Only those about a finished experiment train: one 2-arm,
 they share."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -92,6 +93,46 @@ def test_the_command_lines_output_wins_over_an_output_dir(recipe, tmp_path):
     assert not other.exists() and not wanted.exists()  # nothing written before the arms run
 
 
+def test_a_matrix_files_recipe_is_read_from_the_matrix_files_folder(recipe, tmp_path, monkeypatch, capsys):
+    """`toolkit compare sub/m.yaml` with `recipe: r.yaml` read ./r.yaml: not found, or another recipe."""
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    beside = sub / "r.yaml"
+    beside.write_text(recipe.read_text().replace("lr: 0.001", "lr: 0.002"))
+    matrix = sub / "m.yaml"
+    matrix.write_text(yaml.safe_dump({"recipe": "r.yaml", "strategies": ["single"]}))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # holds no r.yaml
+    args = ["compare", "../sub/m.yaml", "--output", str(tmp_path / "exp")]
+    experiment = experiment_of(build_parser().parse_args(args))
+    assert experiment.recipe == str(beside) and capsys.readouterr().err == ""
+    monkeypatch.chdir(recipe.parent)  # holds an r.yaml too (lr 0.001): the matrix file's folder wins, said once
+    experiment = experiment_of(build_parser().parse_args(["compare", "sub/m.yaml", *args[2:]]))
+    assert experiment.recipe == str(beside)
+    assert load_recipe(experiment.recipe, [*experiment.common, *experiment.arms[0].overrides]).optim.lr == 0.002
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"recipe: r.yaml is read from the matrix file's folder ({beside}), not from the " \
+        f"current folder ({recipe})" in err[0], err
+
+
+def test_a_matrix_recipe_found_only_from_the_current_folder_is_taken_with_a_note(recipe, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """What compare read before: a matrix file written for it keeps working, and says how to write it now."""
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    (sub / "m.yaml").write_text(yaml.safe_dump({"recipe": "r.yaml", "strategies": ["single"]}))
+    monkeypatch.chdir(tmp_path)
+    experiment = experiment_of(build_parser().parse_args(["compare", "sub/m.yaml", "--output", "exp"]))
+    assert experiment.recipe == str(recipe)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"is not in the matrix file's folder; read {recipe} from the current folder" in err[0] \
+        and "write recipe: ../r.yaml" in err[0], err
+    (sub / "m.yaml").write_text(yaml.safe_dump({"recipe": "none.yaml", "strategies": ["single"]}))
+    _one_line_exit_2(main(["compare", "sub/m.yaml", "--output", "exp"]), capsys,
+                     (f"sub/m.yaml: recipe: none.yaml not found at {sub / 'none.yaml'}", "matrix file's folder"),
+                     tmp_path / "exp")
+
+
 @pytest.fixture(scope="module")
 def two_arms(tmp_path_factory, tiny_llama_dir):
     """A finished 1-step compare of two single-process arms: (its folder, the arguments that made it)."""
@@ -158,3 +199,22 @@ def test_a_rerun_with_the_arms_reordered_names_the_reference_arm(two_arms, tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "arm single run with other settings (the reference (first) arm then, " \
         "ddp is now)" in err[0], err
+
+
+def test_a_rerun_from_another_folder_reuses_the_arms(two_arms, tmp_path, monkeypatch, capsys):
+    """A matrix file's relative recipe: and the saved experiment's recipe both resolve from any folder."""
+    out, args = two_arms
+    copy = tmp_path / "exp"
+    shutil.copytree(out, copy)
+    (tmp_path / "matrices").mkdir()
+    matrix = tmp_path / "matrices" / "m.yaml"
+    recipe = os.path.relpath(args[1], matrix.parent)
+    matrix.write_text(yaml.safe_dump({"recipe": recipe, "strategies": args[3].split(","), "steps": 1}))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["compare", "../matrices/m.yaml", "--output", "../exp"]) == 0
+    printed = capsys.readouterr().out
+    assert "single: already completed, skipped" in printed and "single@optim.lr=2e-3: already completed" in printed
+    assert json.loads((copy / "experiment.json").read_text())["recipe"] == args[1]  # absolute
+    assert not (elsewhere / "exp").exists()

@@ -69,7 +69,8 @@ def experiment_of(args):
         if args.strategies is not None:  # the file's arms would win without a word
             raise RecipeError(f"{args.recipe} is a matrix file: its `strategies:` lists the arms; drop --strategies, "
                               "or pass a recipe with --strategies")
-        experiment = load_matrix(args.recipe, nproc=args.nproc, steps=args.steps, overrides=overrides)
+        experiment = load_matrix(args.recipe, nproc=args.nproc, steps=args.steps, overrides=overrides,
+                                 note=lambda line: print(line, file=sys.stderr, flush=True))
     else:
         strategies = split_arms(args.strategies if args.strategies is not None else DEFAULT_ARMS)
         experiment = build_experiment(args.recipe, strategies=strategies, precisions=[None], accums=[None],

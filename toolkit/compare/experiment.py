@@ -7,6 +7,8 @@ from the global batch (so `single` on 1 rank and `ddp` on 2 ranks see the same s
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -169,7 +171,8 @@ def build_experiment(recipe_path: str, *, strategies: list[str], precisions: lis
     common = [o for o in common if _key(o) != "output_dir"]
     if arms:  # the reference arm records its gradient scale: the verdict tells noise-driven weights from it
         arms[0] = Arm(arms[0].name, arms[0].nproc, (*arms[0].overrides, f"{RECORD_GRADIENT_SCALE}=true"))
-    experiment = Experiment(recipe=str(recipe_path), out_dir=out_dir, arms=arms, common=common)
+    # absolute: experiment.json and each arm's launch read it from wherever compare or report is run next
+    experiment = Experiment(recipe=os.path.abspath(recipe_path), out_dir=out_dir, arms=arms, common=common)
     for arm in arms:  # every arm's strategy and batch arithmetic are checked before anything runs
         validate_strategy(load_recipe(recipe_path, [*common, *arm.overrides]), world_size=arm.nproc)
     return experiment
@@ -213,10 +216,35 @@ def read_matrix(path: str) -> dict:
     return data
 
 
-def load_matrix(path: str, *, nproc: int | None, steps: int | None, overrides: list[str]) -> Experiment:
-    """The experiment of a matrix file (see read_matrix); nproc, steps and overrides from the command line win."""
+def matrix_recipe(matrix: Path, recipe: str, *, note: Callable[[str], None]) -> str:
+    """A matrix file's `recipe:` as an absolute path. A relative one is read from the matrix file's folder, as a
+    config file's paths are, so `toolkit compare path/to/matrix.yaml` reads the same recipe from any folder. One
+    found only from the current folder (where compare read it before) is still taken, with a note saying how to
+    write it; one found in both is the matrix folder's, with a note naming the other."""
+    given = Path(recipe).expanduser()
+    if given.is_absolute():
+        return str(given)
+    beside, here = os.path.abspath(matrix.parent / given), os.path.abspath(given)
+    if os.path.isfile(beside):
+        if os.path.isfile(here) and not os.path.samefile(beside, here):
+            note(f"[compare] note: {matrix}: recipe: {recipe} is read from the matrix file's folder ({beside}), "
+                 f"not from the current folder ({here})")
+        return beside
+    if os.path.isfile(here):
+        note(f"[compare] note: {matrix}: recipe: {recipe} is not in the matrix file's folder; read {here} from the "
+             f"current folder (relative paths are read from the matrix file's folder: write recipe: "
+             f"{os.path.relpath(here, matrix.parent)})")
+        return here
+    raise RecipeError(f"{matrix}: recipe: {recipe} not found at {beside} (a relative recipe: is read from the "
+                      "matrix file's folder); give its path from there, or an absolute one")
+
+
+def load_matrix(path: str, *, nproc: int | None, steps: int | None, overrides: list[str],
+                note: Callable[[str], None]) -> Experiment:
+    """The experiment of a matrix file (see read_matrix); nproc, steps and overrides from the command line win;
+    `note` is told where a relative recipe: was found other than the matrix file's folder (see matrix_recipe)."""
     data = read_matrix(path)
     return build_experiment(
-        data["recipe"], strategies=data["strategies"], precisions=data.get("precisions") or [None],
+        matrix_recipe(Path(path), data["recipe"], note=note), strategies=data["strategies"], precisions=data.get("precisions") or [None],
         accums=data.get("grad_accum_steps") or [None], nproc=nproc if nproc is not None else data.get("nproc") or 2,
         steps=steps if steps is not None else data.get("steps"), overrides=[*(data.get("set") or []), *overrides])
