@@ -58,9 +58,35 @@ class Experiment:
                               f"again with a new --output, or pass a folder it wrote") from None
 
 
+CLOSING = {"[": "]", "{": "}"}
+
+
+def split_outside(text: str, sep: str, *, where: str) -> list[str]:
+    """`text` split at each `sep` that is outside [...], {...} and quotes, so that an override's YAML value keeps
+    its own commas and @: `fsdp@strategy.blocks=[A,B],ddp` is two arms. An unclosed one is a RecipeError."""
+    parts, start, closers, quote = [], 0, [], ""
+    for i, char in enumerate(text):
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"" and (i == 0 or text[i - 1] in "=[{,: "):  # a quote opens a YAML value, as in YAML
+            quote = char
+        elif char in CLOSING:
+            closers.append(CLOSING[char])
+        elif closers and char == closers[-1]:
+            closers.pop()
+        elif char == sep and not closers:
+            parts.append(text[start:i])
+            start = i + 1
+    if quote or closers:
+        unclosed = quote or next(opening for opening, closing in CLOSING.items() if closing == closers[-1])
+        raise RecipeError(f"{where}: {unclosed!r} is not closed; close it, e.g. fsdp@strategy.blocks=[A,B] "
+                          "(commas inside [...], {...} or quotes stay in the arm's override)")
+    return [*parts, text[start:]]
+
+
 def arm_overrides(spec: str) -> tuple[str, ...]:
     """`zero3` or `zero3@optim.lr=2e-4@seed=1`: a named arm plus per-arm recipe overrides."""
-    strategy, *extra = spec.split("@")
+    strategy, *extra = split_outside(spec, "@", where=f"arm {spec!r}")
     aliases = arm_aliases()
     if strategy not in aliases:
         raise RecipeError(f"unknown arm {strategy!r}; choose from {', '.join(aliases)} "
@@ -70,7 +96,7 @@ def arm_overrides(spec: str) -> tuple[str, ...]:
 
 def split_arms(text: str, *, option: str = "--strategies") -> list[str]:
     """`single,ddp,fsdp@optim.lr=2e-4` -> its arms, in order; an empty or a repeated arm is a RecipeError."""
-    arms = [a.strip() for a in text.split(",")]
+    arms = [a.strip() for a in split_outside(text, ",", where=f"{option} {text!r}")]
     if not all(arms):
         raise RecipeError(f"{option} {text!r}: an arm name is empty; give comma-separated arms, e.g. {option} "
                           "single,ddp,fsdp (`toolkit strategies` lists them)")
@@ -122,7 +148,8 @@ def refuse_replaced(strategies: list[str], *, overrides: list[str], precisions: 
     if precisions != [None]:
         replaced["precision"] = "the matrix's precisions: sets each arm's precision; drop one of the two"
     for spec in strategies:
-        key = next((_key(o) for o in spec.split("@")[1:] if _key(o) in replaced), None)
+        key = next((_key(o) for o in split_outside(spec, "@", where=f"arm {spec!r}")[1:] if _key(o) in replaced),
+                   None)
         if key is not None:
             raise RecipeError(f"arm {spec!r}: compare sets {key} for every arm itself ({replaced[key]})")
     # for all arms, the batch and output_dir are the experiment's own (the global batch, its folder)
