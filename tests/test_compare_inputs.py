@@ -1,7 +1,7 @@
-"""`toolkit compare` and `report` inputs that were silently dropped or ended in a traceback: a per-arm override of
-what compare sets for every arm itself, --output beside an output_dir, an arm whose metrics.jsonl is damaged, arms
-given in another order. Only those about a finished experiment train: one 2-arm, 1-step, single-process compare
-they share."""
+"""`toolkit compare` and `report` inputs that were silently dropped, misread or ended in a traceback: a per-arm
+override of what compare sets for every arm itself, --output beside an output_dir, a matrix file's relative recipe:,
+an arm whose metrics.jsonl is damaged, arms given in another order. Only those about a finished experiment train:
+one 2-arm, 1-step, single-process compare they share."""
 
 import json
 import os
@@ -40,6 +40,9 @@ def _matrix(tmp_path, recipe, **fields):
     ("single,single@batch.grad_accum_steps=4", "batch.grad_accum_steps", "NAME@batch.micro_batch_size=N"),
     ("single,ddp@output_dir=/tmp/elsewhere", "output_dir", "--output names the experiment folder"),
     ("single@train.tracking_dir=/tmp/elsewhere", "train.tracking_dir", "one run per arm"),
+    # the reference's false was replaced by true: the verdict reads its gradient scale
+    ("single@train.record_gradient_scale=false,ddp", "train.record_gradient_scale", "reference (first) arm only"),
+    ("single,ddp@train.record_gradient_scale=true", "train.record_gradient_scale", "the verdict reads"),
 ])
 def test_a_per_arm_override_compare_replaces_is_one_line(recipe, tmp_path, capsys, arms, key, words):
     """Both arms of `single@batch.global_batch_size=64,single@batch.grad_accum_steps=4` ran global batch 32."""
@@ -74,6 +77,7 @@ def test_a_per_arm_override_the_matrix_sets_is_one_line(recipe, tmp_path, capsys
 @pytest.mark.parametrize("matrix, sets, key", [
     ({"precisions": ["fp32", "bf16"]}, ["--set", "precision=bf16"], "precision"),
     ({}, ["--set", "train.tracking_dir=/tmp/elsewhere"], "train.tracking_dir"),
+    ({}, ["--set", "train.record_gradient_scale=false"], "train.record_gradient_scale"),
 ])
 def test_a_setting_for_all_arms_that_compare_replaces_is_one_line(recipe, tmp_path, capsys, matrix, sets, key):
     path = _matrix(tmp_path, recipe, strategies=["single", "ddp"], **matrix)

@@ -129,8 +129,9 @@ def _key(override: str) -> str:
 
 def refuse_replaced(strategies: list[str], *, overrides: list[str], precisions: list[str | None],
                     accums: list[int | None]) -> None:
-    """What compare sets for every arm itself (build_experiment's batch and precision, run_arm's folders) would
-    replace an arm's own value without a word: refused, naming why and what to do instead."""
+    """What compare sets for every arm itself (build_experiment's batch, precision and the reference's gradient
+    scale, run_arm's folders) would replace an arm's own value without a word: refused, naming why and what to do
+    instead."""
     replaced = {
         "batch.global_batch_size": "every arm runs the same global batch, so that its loss compares with the "
                                    "reference's step for step; set it for all arms with "
@@ -140,6 +141,9 @@ def refuse_replaced(strategies: list[str], *, overrides: list[str], precisions: 
                                   "NAME@batch.micro_batch_size=N",
         "output_dir": "each arm writes in EXPERIMENT/NAME; --output names the experiment folder",
         "train.tracking_dir": "trackers write into the experiment folder, one run per arm; drop it",
+        RECORD_GRADIENT_SCALE: "on for the reference (first) arm only: the verdict reads its gradient scale to set "
+                               "aside weights only rounding noise moved, and the other arms skip that pass over "
+                               "their gradients; drop it",
     }
     if accums != [None]:
         replaced["batch.micro_batch_size"] = ("the matrix's grad_accum_steps sets each arm's micro batch (global "
@@ -152,8 +156,10 @@ def refuse_replaced(strategies: list[str], *, overrides: list[str], precisions: 
                    None)
         if key is not None:
             raise RecipeError(f"arm {spec!r}: compare sets {key} for every arm itself ({replaced[key]})")
-    # for all arms, the batch and output_dir are the experiment's own (the global batch, its folder)
-    key = next((_key(o) for o in overrides if _key(o) in replaced.keys() & {"precision", "train.tracking_dir"}), None)
+    # for all arms, the batch and output_dir are the experiment's own (the global batch, its folder); the
+    # gradient scale would be recorded by every arm, or not by the reference
+    for_all = replaced.keys() & {"precision", "train.tracking_dir", RECORD_GRADIENT_SCALE}
+    key = next((_key(o) for o in overrides if _key(o) in for_all), None)
     if key is not None:
         raise RecipeError(f"{key} is set for all arms (--set, or a matrix file's set:), but compare sets it for "
                           f"every arm itself ({replaced[key]})")
