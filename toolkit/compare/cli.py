@@ -81,7 +81,8 @@ def experiment_of(args):
 
 
 def cmd_compare(args) -> int:
-    from toolkit.compare.report import build_results, text_table, write_report
+    from toolkit.compare.report import build_results, write_report
+    from toolkit.compare.report_render import text_table
     from toolkit.compare.runner import INTERRUPTED, Interrupted, run_experiment
 
     experiment = experiment_of(args)
@@ -109,7 +110,8 @@ def cmd_compare(args) -> int:
 
 def cmd_report(args) -> int:
     from toolkit.compare.experiment import Experiment
-    from toolkit.compare.report import build_results, text_table, write_report
+    from toolkit.compare.report import build_results, write_report
+    from toolkit.compare.report_render import text_table
 
     experiment = Experiment.load(Path(args.experiment_dir))
     results = build_results(experiment)

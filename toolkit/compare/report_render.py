@@ -1,0 +1,258 @@
+"""A compare experiment's results (report.py's build_results) as text: the terminal table, report.md and the
+self-contained report.html, with the sections both share (why arms differ, audit, communication, pipeline,
+recommendation)."""
+
+from __future__ import annotations
+
+import base64
+import html
+from pathlib import Path
+
+import yaml
+
+from toolkit.compare import verdict
+from toolkit.compare.memory_report import MEMORY_NOTE, memory_lines
+
+AUDIT_ROWS = ("forward_params", "master_weights", "gradients", "grad_reduction", "optimizer_state",
+              "loss_scaling", "optimizer")
+
+
+def _bubble(pipeline: dict | None) -> str:
+    if not pipeline or pipeline["bubble_measured"] is None:
+        return "–"
+    return f"{pipeline['bubble_measured']:.2f} (theory {pipeline['bubble_theory']:.2f})"
+
+
+def _mib(values) -> str:
+    return " / ".join(f"{v / 2 ** 20:.0f}" for v in values if v is not None) or "n/a"
+
+
+def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
+    head = ["arm", "world", "precision", "tokens/s", "× ref", "step ms (p10–p90)", "peak MiB/rank", "peak vs plan",
+            "model-state MiB/rank", "comm MiB/step", "bubble", "MFU", "final loss", "eval loss", "eval metric",
+            "verdict"]
+    rows = []
+    for r in results["arms"]:
+        if r["status"] != "completed":
+            rows.append([r["arm"], str(r["world_size"]), *[""] * 13, f"{r['verdict']}: {r['error']}"[:120]])
+            continue
+        rows.append([
+            r["arm"], str(r["world_size"]), r["precision"], f"{r['tokens_per_s']:.0f}",
+            f"{r.get('speedup_vs_reference', float('nan')):.2f}",
+            f"{r['step_time_s'] * 1e3:.0f} ({r['step_time_p10_s'] * 1e3:.0f}–{r['step_time_p90_s'] * 1e3:.0f})",
+            _mib(r["peak_mem_bytes_per_rank"]),
+            f"{r['peak_prediction_error'] * 100:+.0f}%" if r.get("peak_prediction_error") is not None else "n/a",
+            _mib(r["model_state_bytes_per_rank"]),
+            f"{r['comm']['total_bytes'] / 2 ** 20:.2f}" if r.get("comm") else "n/a", _bubble(r.get("pipeline")),
+            f"{r['mfu'] * 100:.2f}%" if r.get("mfu") is not None else "n/a",
+            f"{r['final_loss']:.4f}", f"{r['final_eval_loss']:.4f}" if r["final_eval_loss"] is not None else "n/a",
+            r.get("final_eval_metric") or "n/a", r["verdict"]])
+    return head, rows
+
+
+def text_table(results: dict) -> str:
+    head, rows = table_rows(results)
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(head), line(["-" * w for w in widths]), *[line(r) for r in rows]])
+
+
+def audit_table(results: dict) -> tuple[list[str], list[list[tuple[str, bool]]]]:
+    """Rows = audit fields, columns = arms; each cell (text, differs-from-reference)."""
+    arms = [r for r in results["arms"] if r.get("audit")]
+    rows = []
+    for field in AUDIT_ROWS:
+        values = [r["audit"].get(field, "n/a") for r in arms]
+        keys = [verdict.audit_key(field, v) for v in values]
+        base = next((k for k in keys if k is not None), None)
+        rows.append([(field, False)] + [(v, k is not None and k != base) for v, k in zip(values, keys)])
+    return ["setting"] + [r["arm"] for r in arms], rows
+
+
+EQUIVALENT = ("reference", "equivalent", "equivalent within precision noise")
+
+
+def _explanations(results: dict) -> list[str]:
+    """One line per arm that failed, diverged, or agrees although some setting differs: built from the same
+    judgement as the table's verdict column, so the two cannot disagree."""
+    out = []
+    for r in results["arms"]:
+        if r["status"] != "completed":
+            out.append(f"**{r['arm']}** {r['verdict']}: {r['error']}")
+            continue
+        if r["verdict"] == "reference":
+            continue
+        details = r.get("differences") or []
+        if r["verdict"] in EQUIVALENT:
+            if details:
+                out.append(f"**{r['arm']}** ({r['verdict']}) vs {results['reference']}, although these differ: "
+                           + "; ".join(details))
+            continue
+        details = details or ["no recipe key or precision-audit row differs"]
+        out.append(f"**{r['arm']}** ({r['verdict']}) vs {results['reference']}: " + "; ".join(details))
+    return out
+
+
+def _not_judged(results: dict) -> list[str]:
+    out = [f"{r['arm']}: {r['noise_note']}" for r in results["arms"] if r.get("noise_note")]
+    if any(r.get("noise_map") is False for r in results["arms"]):
+        out.append("the reference arm recorded no gradient scale, so no weight was set aside as noise-driven")
+    return out
+
+
+def _state_mib(r: dict) -> float:
+    return max(r["model_state_bytes_per_rank"] or [0]) / 2 ** 20
+
+
+def recommendations(results: dict) -> list[str]:
+    """Read from the table: the fastest equivalent arm, the one with the least memory per rank, and what
+    each arm buys and costs next to plain data parallelism (the multi-rank arm with full replicas)."""
+    done = [r for r in results["arms"] if r["status"] == "completed" and "verdict" in r]
+    ok = [r for r in done if r["verdict"] in EQUIVALENT]
+    if not ok:
+        return ["no arm finished with an equivalent result: nothing to recommend"]
+    fastest = max(ok, key=lambda r: r["tokens_per_s"])
+    leanest = min(ok, key=_state_mib)
+    # the baseline: full replicas on several ranks (most model-state memory per rank; first such arm on a tie)
+    base = max([r for r in ok if r["world_size"] > 1] or ok, key=_state_mib)
+    lines = [f"fastest equivalent arm: **{fastest['arm']}** ({fastest['tokens_per_s']:.0f} tokens/s, "
+             f"{fastest.get('speedup_vs_reference', float('nan')):.2f}× the reference)",
+             f"least memory per rank: **{leanest['arm']}** ({_state_mib(leanest):.0f} MiB of params + grads + "
+             f"optimizer state per rank)"]
+    for r in done:
+        if r is base:
+            continue
+        if r not in ok:
+            lines.append(f"{r['arm']}: not recommended: {r['verdict']}")
+            continue
+        memory = (_state_mib(r) / _state_mib(base) - 1) * 100 if _state_mib(base) else float("nan")
+        lines.append(f"{r['arm']}: {memory:+.0f} % model-state memory per rank vs {base['arm']}, "
+                     f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}× its tokens/s")
+    return lines
+
+
+def _comm_lines(results: dict) -> list[str]:
+    out = []
+    for r in results["arms"]:
+        comm = r.get("comm")
+        if not comm:
+            continue
+        ops = ", ".join(f"{op} {b / 2 ** 20:.2f} MiB in {comm['calls_by_op'][op]} call(s)"
+                        for op, b in comm["bytes_by_op"].items()) or "no collectives"
+        out.append(f"{r['arm']} (step {comm['step']}, rank 0): {ops}")
+    return out
+
+
+def _pipeline_lines(results: dict) -> list[str]:
+    out = []
+    for r in results["arms"]:
+        p = r.get("pipeline")
+        if not p:
+            continue
+        ranks = "; ".join(
+            f"rank {i} stage{'s' if len(stages or []) > 1 else ''} {', '.join(map(str, stages or []))}: idle "
+            + (f"{idle:.2f}" if idle is not None else "n/a") + (f", peak {peak / 2 ** 20:.0f} MiB" if peak else "")
+            for i, (stages, idle, peak) in enumerate(zip(p["stages_per_rank"], p["bubble_measured_per_rank"],
+                                                         p["peak_mem_bytes_per_rank"] + [None] * len(p["stages_per_rank"]))))
+        sent = p["p2p_send_bytes_per_step"]
+        out.append(f"{r['arm']}: {ranks}; schedule's theoretical bubble {p['bubble_theory']:.2f}; "
+                   + (f"{sent / 2 ** 20:.2f} MiB sent between stages per step (activations forward, gradients "
+                      "back, all ranks)" if sent is not None else "stage-to-stage bytes not counted"))
+    return out
+
+
+PIPELINE_NOTE = ("Idle fraction = 1 − (time a rank spent in its stages' forward and backward chunks) ÷ (wall "
+                 "time of the schedule's step), mean over steady steps; theory = (p−1)/(v·m+p−1) for p stages, m micro-batches, v stages per rank.")
+
+
+COMM_NOTE = ("Bytes each rank handed to collectives (the inputs of all-reduce / all-gather / reduce-scatter / "
+             "broadcast), counted at the c10d dispatcher during one steady step; wire traffic depends on the "
+             "backend's algorithm (a ring all-reduce sends about 2(N-1)/N of its input).")
+
+
+def _flops_note(results: dict) -> str:
+    first = next((r for r in results["arms"] if r.get("flops")), None)
+    if not first:
+        return ""
+    f = first["flops"]
+    return (f"FLOPs per token = {f['formula']} = 6×{f['matmul_params']:,} + {f['attention_flops_per_token']:,} "
+            f"= {f['flops_per_token']:,} (seq_len {f['seq_len']}); MFU = tokens/s × FLOPs/token ÷ "
+            f"(peak × world); peak: {first['peak_source']}." + "".join(
+                f" {r['arm']}: {r['peak_source']}." for r in results["arms"]
+                if r.get("peak_source") and "unreliable" in r["peak_source"] and r is not first))
+
+
+def render_markdown(results: dict, plots: list[Path]) -> str:
+    head, rows = table_rows(results)
+    lines = [f"# Strategy comparison: {results['recipe']}", "",
+             f"Reference arm: **{results['reference']}** · machine: {results['machine'].get('device')} · "
+             f"versions: {results['machine'].get('versions')}", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines += ["", _flops_note(results), "", "## Why arms differ", ""]
+    lines += [f"- {e}" for e in _explanations(results)] or ["- every arm matches the reference"]
+    lines += [f"- {n}" for n in _not_judged(results)]
+    a_head, a_rows = audit_table(results)
+    lines += ["", "## Precision audit (read from the live objects; **bold** = differs from the reference)", "",
+              "| " + " | ".join(a_head) + " |", "|" + "---|" * len(a_head)]
+    lines += ["| " + " | ".join(f"**{t}**" if d else t for t, d in row) + " |" for row in a_rows]
+    lines += ["", "## Memory: predicted and measured", "", MEMORY_NOTE, ""]
+    lines += [f"- {m}" for m in memory_lines(results)] or ["- n/a"]
+    lines += ["", "## Communication per step", "", COMM_NOTE, ""]
+    lines += [f"- {c}" for c in _comm_lines(results)] or ["- n/a"]
+    pipeline = _pipeline_lines(results)
+    if pipeline:
+        lines += ["", "## Pipeline stages", "", PIPELINE_NOTE, ""] + [f"- {p}" for p in pipeline]
+    lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
+    lines += ["", "## Tolerances", "", "```", results["tolerances"], "```", "", "## Resolved recipes", ""]
+    for r in results["arms"]:
+        if r.get("recipe"):
+            lines += [f"### {r['arm']}", "```yaml", yaml.safe_dump(r["recipe"], sort_keys=False).strip(), "```"]
+    lines += ["", "## Recommendation", ""]
+    lines += [f"- {line}" for line in recommendations(results)]
+    return "\n".join(lines) + "\n"
+
+
+def render_html(results: dict, plots: list[Path]) -> str:
+    esc = html.escape
+    head, rows = table_rows(results)
+    table = "<table id='summary'><tr>" + "".join(f"<th>{esc(h)}</th>" for h in head) + "</tr>"
+    for row in rows:
+        cls = "bad" if row[-1].startswith(("failed", "damaged", "diverged")) else "ok"
+        table += f"<tr class='{cls}'>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>"
+    table += "</table>"
+    a_head, a_rows = audit_table(results)
+    audit = "<table id='audit'><tr>" + "".join(f"<th>{esc(h)}</th>" for h in a_head) + "</tr>"
+    for cells in a_rows:
+        audit += "<tr>" + "".join(f"<td class='{'diff' if d else ''}'>{esc(str(t))}</td>" for t, d in cells) + "</tr>"
+    audit += "</table>"
+    images = "".join(f"<img alt='{p.stem}' src='data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}'>"
+                     for p in plots)
+    why = "".join(f"<li>{esc(e.replace('**', ''))}</li>" for e in _explanations(results)) or \
+        "<li>every arm matches the reference</li>"
+    why += "".join(f"<li>{esc(n)}</li>" for n in _not_judged(results))
+    advice = "".join(f"<li>{esc(line.replace('**', ''))}</li>" for line in recommendations(results))
+    comm = "".join(f"<li>{esc(c)}</li>" for c in _comm_lines(results)) or "<li>n/a</li>"
+    memory = "".join(f"<li>{esc(m)}</li>" for m in memory_lines(results)) or "<li>n/a</li>"
+    pipeline = "".join(f"<li>{esc(p)}</li>" for p in _pipeline_lines(results))
+    if pipeline:
+        pipeline = f"<h2>Pipeline stages</h2><p>{esc(PIPELINE_NOTE)}</p><ul id='pipeline'>{pipeline}</ul>"
+    recipes = "".join(f"<details><summary>{esc(r['arm'])}</summary><pre>"
+                      f"{esc(yaml.safe_dump(r['recipe'], sort_keys=False))}</pre></details>"
+                      for r in results["arms"] if r.get("recipe"))
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>Strategy comparison</title><style>
+body{{font-family:sans-serif;margin:2em;color:#222}} table{{border-collapse:collapse;margin:1em 0}}
+td,th{{border:1px solid #bbb;padding:4px 8px;font-size:13px}} th{{background:#eee}}
+tr.bad td:last-child{{color:#b00;font-weight:bold}} tr.ok td:last-child{{color:#070}}
+td.diff{{background:#ffe08a;font-weight:bold}} img{{max-width:100%;display:block;margin:1em 0}}
+pre{{background:#f6f6f6;padding:8px}}</style></head><body>
+<h1>Strategy comparison: {esc(results['recipe'])}</h1>
+<p>Reference arm: <b>{esc(results['reference'])}</b> · {esc(str(results['machine'].get('device')))} ·
+{esc(str(results['machine'].get('versions')))}</p>{table}<p>{esc(_flops_note(results))}</p>
+<h2>Why arms differ</h2><ul>{why}</ul>
+<h2>Precision audit</h2><p>Read from the live objects after setup; highlighted cells differ from the reference.</p>
+{audit}<h2>Memory: predicted and measured</h2><p>{esc(MEMORY_NOTE)}</p><ul id='memory'>{memory}</ul>
+<h2>Communication per step</h2><p>{esc(COMM_NOTE)}</p><ul>{comm}</ul>{pipeline}<h2>Plots</h2>{images}<h2>Tolerances</h2><pre>{esc(results['tolerances'])}</pre>
+<h2>Resolved recipes</h2>{recipes}
+<h2>Recommendation</h2><ul>{advice}</ul></body></html>
+"""
