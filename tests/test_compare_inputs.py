@@ -3,6 +3,7 @@ override of what compare sets for every arm itself, --output beside an output_di
 an arm whose metrics.jsonl is damaged, arms given in another order. Only those about a finished experiment train:
 one 2-arm, 1-step, single-process compare they share."""
 
+import html
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import yaml
 from conftest import finished_compare, write_recipe
 from toolkit.cli import build_parser, main
 from toolkit.compare.cli import experiment_of
+from toolkit.compare.report_render import table_rows
 from toolkit.recipe import plan_batch
 from toolkit.recipe_files import load_recipe
 
@@ -168,15 +170,29 @@ def test_report_shows_an_arm_whose_metrics_are_damaged_and_the_others(two_arms, 
         (copy / "report.md").read_text()
 
 
-def test_a_damaged_reference_leaves_the_other_arms_unjudged(two_arms, tmp_path, capsys):
+@pytest.mark.parametrize("status", ["damaged", "pending"])
+def test_a_reference_without_numbers_leaves_the_other_arms_unjudged(status, two_arms, tmp_path, capsys):
+    """The other arms' `× ref` was nan, in the terminal, report.md and report.html alike."""
     out, _ = two_arms
     copy = tmp_path / "exp"
     shutil.copytree(out, copy)
-    _damage(copy, "single", "")
+    if status == "damaged":
+        _damage(copy, "single", "")
+    else:  # not run: its folder gone
+        shutil.rmtree(copy / "single")
     assert main(["report", str(copy)]) == 0
-    arms = json.loads((copy / "results.json").read_text())["arms"]
-    assert [a["verdict"] for a in arms] == ["damaged", "no reference (reference arm damaged)"]
+    table = capsys.readouterr().out
+    results = json.loads((copy / "results.json").read_text())
+    arms = results["arms"]
+    assert [a["verdict"] for a in arms] == [status if status == "damaged" else "failed",
+                                            f"no reference (reference arm {status})"]
     assert arms[1]["tokens_per_s"] > 0
+    head, rows = table_rows(results)
+    assert rows[1][head.index("× ref")] == "–"
+    note = f"× ref –: the reference arm single has no measurement ({status}), so no arm's tokens/s is shown"
+    markdown, page = (copy / "report.md").read_text(), (copy / "report.html").read_text()
+    assert note in table and note in markdown and html.escape(note) in page
+    assert " nan " not in table and "| nan |" not in markdown and "<td>nan</td>" not in page
 
 
 def test_a_rerun_compare_runs_the_damaged_arm_again(two_arms, tmp_path, capsys):

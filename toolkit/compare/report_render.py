@@ -38,7 +38,7 @@ def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
             continue
         rows.append([
             r["arm"], str(r["world_size"]), r["precision"], f"{r['tokens_per_s']:.0f}",
-            f"{r.get('speedup_vs_reference', float('nan')):.2f}",
+            f"{r['speedup_vs_reference']:.2f}" if "speedup_vs_reference" in r else "–",
             f"{r['step_time_s'] * 1e3:.0f} ({r['step_time_p10_s'] * 1e3:.0f}–{r['step_time_p90_s'] * 1e3:.0f})",
             _mib(r["peak_mem_bytes_per_rank"]),
             f"{r['peak_prediction_error'] * 100:+.0f}%" if r.get("peak_prediction_error") is not None else "n/a",
@@ -50,11 +50,21 @@ def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
+def reference_note(results: dict) -> str:
+    """Below the table, where the reference arm has no throughput to divide by: why `× ref` shows –."""
+    reference = next(r for r in results["arms"] if r["arm"] == results["reference"])
+    if reference["status"] == "completed":
+        return ""
+    return (f"× ref –: the reference arm {reference['arm']} has no measurement ({reference['status']}), so no arm's "
+            "tokens/s is shown relative to it")
+
+
 def text_table(results: dict) -> str:
     head, rows = table_rows(results)
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
-    return "\n".join([line(head), line(["-" * w for w in widths]), *[line(r) for r in rows]])
+    note = reference_note(results)
+    return "\n".join([line(head), line(["-" * w for w in widths]), *[line(r) for r in rows], *([note] if note else [])])
 
 
 def audit_table(results: dict) -> tuple[list[str], list[list[tuple[str, bool]]]]:
@@ -189,7 +199,8 @@ def render_markdown(results: dict, plots: list[Path]) -> str:
              f"versions: {results['machine'].get('versions')}", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
-    lines += ["", _flops_note(results), "", "## Why arms differ", ""]
+    note = reference_note(results)
+    lines += ["", *([note, ""] if note else []), _flops_note(results), "", "## Why arms differ", ""]
     lines += [f"- {e}" for e in _explanations(results)] or ["- every arm matches the reference"]
     lines += [f"- {n}" for n in _not_judged(results)]
     a_head, a_rows = audit_table(results)
@@ -221,6 +232,8 @@ def render_html(results: dict, plots: list[Path]) -> str:
         cls = "bad" if row[-1].startswith(("failed", "damaged", "diverged")) else "ok"
         table += f"<tr class='{cls}'>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>"
     table += "</table>"
+    note = reference_note(results)
+    note = f"<p id='reference-note'>{esc(note)}</p>" if note else ""
     a_head, a_rows = audit_table(results)
     audit = "<table id='audit'><tr>" + "".join(f"<th>{esc(h)}</th>" for h in a_head) + "</tr>"
     for cells in a_rows:
@@ -248,7 +261,7 @@ td.diff{{background:#ffe08a;font-weight:bold}} img{{max-width:100%;display:block
 pre{{background:#f6f6f6;padding:8px}}</style></head><body>
 <h1>Strategy comparison: {esc(results['recipe'])}</h1>
 <p>Reference arm: <b>{esc(results['reference'])}</b> · {esc(str(results['machine'].get('device')))} ·
-{esc(str(results['machine'].get('versions')))}</p>{table}<p>{esc(_flops_note(results))}</p>
+{esc(str(results['machine'].get('versions')))}</p>{table}{note}<p>{esc(_flops_note(results))}</p>
 <h2>Why arms differ</h2><ul>{why}</ul>
 <h2>Precision audit</h2><p>Read from the live objects after setup; highlighted cells differ from the reference.</p>
 {audit}<h2>Memory: predicted and measured</h2><p>{esc(MEMORY_NOTE)}</p><ul id='memory'>{memory}</ul>
