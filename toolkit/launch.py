@@ -9,10 +9,12 @@ import shlex
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
 from toolkit.errors import SAID_DIR_ENV, USER_ERROR_EXIT_CODE, RecipeError, first_line
+from toolkit.orphans import LAUNCHER_PID_ENV
 
 
 def worker_args(recipe_path: str, overrides: list[str], extra: list[str] | None = None) -> list[str]:
@@ -188,8 +190,13 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
     usr1 = signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     said = tempfile.mkdtemp(prefix="toolkit-launch-")  # the ranks' say_once markers, gone with the launch
     # the ranks inherit these; this process gets its own back
-    before = {name: os.environ.get(name) for name in (NODES_ENV, SAID_DIR_ENV)}
+    before = {name: os.environ.get(name) for name in (NODES_ENV, SAID_DIR_ENV, LAUNCHER_PID_ENV)}
     os.environ.update({NODES_ENV: nodes.shared_launch_args(), SAID_DIR_ENV: said})
+    if threading.current_thread() is threading.main_thread():
+        # the ranks end with this process (toolkit.orphans): torch's agent starts them from the thread that
+        # calls run(), and a rank's death signal fires when that thread ends, which for the main thread is
+        # when the process does
+        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     try:
         return _run_ranks(run, args, nodes)
     finally:
