@@ -113,3 +113,36 @@ def test_a_rank_that_cannot_stop_is_killed_after_the_grace(tmp_path):
         if _alive([rank]):
             rank.kill()
     assert not left
+
+
+# --- a user's mistake found inside the ranks, with --max-restarts -------------------------------------------------
+
+def test_a_restart_after_a_users_mistake_ends_at_once_with_its_one_line(tmp_path, tiny_llama_dir):
+    # 4 rows, a global batch of 8: found by the rank once it has read the data, not by launch's checks (one rank:
+    # what is tested is the launcher's restarts, the same for any number)
+    train = tmp_path / "four.jsonl"
+    train.write_text("".join((REPO / "data" / "reviews-train.jsonl").read_text().splitlines(keepends=True)[:4]))
+    out = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out,
+                          data={"train": str(train), "eval": None})
+    env = {**toolkit_env(), "LOGLEVEL": "INFO"}  # torch's agent logs each restart (restart_count=N)
+    start = time.monotonic()
+    launcher = subprocess.Popen([sys.executable, "-m", "toolkit", "launch", "--nproc", "1", "--max-restarts", "2",
+                                 str(recipe)], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    assert launcher.stderr is not None
+    line = "toolkit: error: data: 4 train samples are fewer than one global batch of 8"
+    said_s, lines = None, []
+    for text in launcher.stderr:
+        lines.append(text)
+        if said_s is None and text.startswith(line):
+            said_s = time.monotonic() - start
+    code, total_s = launcher.wait(), time.monotonic() - start
+    output = "".join(lines)
+    assert code == 2, output[-3000:]
+    assert [text.startswith(line) for text in lines].count(True) == 1, output[-3000:]
+    assert "restart_count=2" in output  # both restarts happened
+    assert said_s is not None
+    # the first attempt started the launcher and loaded torch, the model and the data before it found the
+    # mistake; the two restarts, which load nothing, take a fraction of that (they took as long each)
+    assert total_s - said_s < said_s / 2, (said_s, total_s)
+    assert not out.exists()

@@ -10,7 +10,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from toolkit.errors import USER_ERROR_EXIT_CODE, RecipeError, error_line, say_once
+from toolkit.errors import USER_ERROR_EXIT_CODE, RecipeError, say_once, say_user_error
 from toolkit.rank import interrupted, quiet_libraries
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -312,7 +312,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         return handler(args) or 0
     except RecipeError as exc:
-        say_once(error_line(exc))  # every rank of a launch finds the same mistake: one line
+        say_user_error(exc)  # every rank of a launch finds the same mistake: one line
         return USER_ERROR_EXIT_CODE
     except BrokenPipeError:  # `toolkit strategies | head`: the reader left; the interpreter must not flush again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -1,5 +1,6 @@
 """User-facing errors: the CLI prints them as one line and exits 2."""
 
+import contextlib
 import hashlib
 import os
 import sys
@@ -38,7 +39,8 @@ def say_once(line: str) -> None:
     by every rank of a torchrun / accelerate launch alike. The first rank creates a marker file named for the
     launch (the launcher's process, the parent of its ranks on a node) and the line (O_EXCL: exactly one wins);
     outside a launch it just prints. One rank too: `--max-restarts` restarts the ranks whatever their exit code
-    (torch's elastic agent has no policy by exit code), and each attempt finds the same mistake again. Under
+    (torch's elastic agent has no policy by exit code), and under plain torchrun each attempt finds the same
+    mistake again (under `toolkit launch` a restart ends at once: end_restart_after_user_error). Under
     `toolkit launch` the marker goes in a folder the launcher removes when the ranks are done (SAID_DIR_ENV);
     under another launcher, in the temporary folder."""
     launch = os.environ.get("TORCHELASTIC_RUN_ID")
@@ -55,3 +57,28 @@ def say_once(line: str) -> None:
     except OSError:  # no marker can be made (the folder is gone): said again rather than not at all
         pass
     print(line, file=sys.stderr, flush=True)
+
+
+USER_ERROR_MARK = "toolkit-user-error"  # in SAID_DIR_ENV: a rank of this launch stopped on a user's mistake
+
+
+def say_user_error(exc: RecipeError) -> None:
+    """A user's mistake found in a process: its one line, once per launch (say_once). In a rank of `toolkit
+    launch` also a mark in the launch's folder, which ends the restarts that would find it again
+    (end_restart_after_user_error)."""
+    say_once(error_line(exc))
+    folder = os.environ.get(SAID_DIR_ENV)
+    if folder and "TORCHELASTIC_RUN_ID" in os.environ:
+        with contextlib.suppress(OSError):  # the folder is gone: the launch is ending anyway
+            os.close(os.open(os.path.join(folder, USER_ERROR_MARK), os.O_CREAT | os.O_WRONLY))
+
+
+def end_restart_after_user_error() -> None:
+    """First thing in a rank: a rank that torch's agent restarted (--max-restarts, which restarts whatever the
+    exit code) after a rank of the same launch stopped on a user's mistake exits 2 at once. The recipe and data
+    are the same, so the attempt would load the model and data to find the same mistake; the one line is said
+    already, and the launch ends with it and exit 2 (launch._run_ranks) in seconds instead of R full starts."""
+    folder = os.environ.get(SAID_DIR_ENV)
+    if folder and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and \
+            os.path.exists(os.path.join(folder, USER_ERROR_MARK)):
+        raise SystemExit(USER_ERROR_EXIT_CODE)

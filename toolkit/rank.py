@@ -12,7 +12,8 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from toolkit.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, RecipeError, error_line, first_line, say_once
+from toolkit.errors import (INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, RecipeError, first_line, say_once,
+                            say_user_error)
 
 if TYPE_CHECKING:
     from toolkit.checkpoint.run import Resume
@@ -85,7 +86,7 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
     except RecipeError as exc:
         if env.is_main and not existed:
             shutil.rmtree(out_dir, ignore_errors=True)  # nothing half-written for a user mistake
-        say_once(error_line(exc))  # the first rank that finds it prints the one line
+        say_user_error(exc)  # the first rank that finds it prints the one line
         return USER_ERROR_EXIT_CODE, None
     except NothingToResume as done:  # every rank finds it alike: one line, nothing written
         say_once(str(done))
