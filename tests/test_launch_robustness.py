@@ -3,24 +3,26 @@ found inside the ranks with --max-restarts, a tracker that fails mid-run."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
 
-from conftest import REPO, toolkit_env, write_recipe
+from conftest import REPO, metrics, toolkit_env, write_recipe
 
 
-def _launcher(args: list[str], log: Path) -> subprocess.Popen:
+def _launcher(args: list[str], log: Path, *, env: dict[str, str] | None = None) -> subprocess.Popen:
     """`toolkit launch ARGS` with its output (and its ranks', which inherit it) in `log`: a file, not a pipe,
     that nobody has to drain once the launcher is gone."""
     with open(log, "w") as handle:
-        return subprocess.Popen([sys.executable, "-m", "toolkit", "launch", *args], cwd=REPO, env=toolkit_env(),
-                                stdout=handle, stderr=subprocess.STDOUT)
+        return subprocess.Popen([sys.executable, "-m", "toolkit", "launch", *args], cwd=REPO,
+                                env={**toolkit_env(), **(env or {})}, stdout=handle, stderr=subprocess.STDOUT)
 
 
 def _wait_for(log: Path, words: str, process: subprocess.Popen, *, timeout_s: float) -> None:
@@ -50,20 +52,56 @@ def _wait_gone(processes: list[psutil.Process], *, timeout_s: float) -> list[psu
     return _alive(processes)
 
 
-# --- the launcher killed -----------------------------------------------------------------------------------------
+# --- one 2-rank run: its TensorBoard disk full mid-run, then its launcher killed ---------------------------------
 
-def test_ranks_of_a_killed_launcher_checkpoint_and_end(tmp_path, tiny_llama_dir):
+@dataclass
+class KilledRun:
+    out: Path
+    log: str  # the launcher's output and its ranks'
+    failed_step: int  # the step the tracker failed at
+    left: list[psutil.Process]  # ranks still running once the launcher was killed and the wait is over
+
+
+DISK_FULL = textwrap.dedent("""
+    # rank 0's TensorBoard event file is on a disk that fills up once the test creates the flag file: the
+    # writes of TensorBoard's own writer thread fail as on a full disk (ENOSPC), the rest of the run's are fine
+    import errno, os
+    if os.environ.get("RANK") == "0":
+        from tensorboard.summary.writer import record_writer
+
+        _write = record_writer.RecordWriter.write
+
+        def write(self, data):
+            if os.path.exists(os.environ["TEST_DISK_FULL"]):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return _write(self, data)
+
+        record_writer.RecordWriter.write = write
+""")
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory, tiny_llama_dir) -> KilledRun:
     # enough steps to still be training seconds after the first is logged; each step logged
-    out = tmp_path / "run"
-    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out, data={"eval": None},
+    root = tmp_path_factory.mktemp("killed")
+    out = root / "run"
+    recipe = write_recipe(root / "r.yaml", model_dir=tiny_llama_dir, output_dir=out, data={"eval": None},
                           batch={"micro_batch_size": 4}, strategy={"name": "ddp"},
                           train={"max_steps": 2000, "consistency_check_every": None, "progress": True,
-                                 "log_every": 1})
-    log = tmp_path / "launch.log"
-    launcher = _launcher(["--nproc", "2", str(recipe)], log)
+                                 "log_every": 1, "report_to": "tensorboard"})
+    (root / "shim").mkdir()
+    (root / "shim" / "sitecustomize.py").write_text(DISK_FULL)
+    full = root / "disk-full"
+    log = root / "launch.log"
+    shim = {"PYTHONPATH": f"{root / 'shim'}:{toolkit_env()['PYTHONPATH']}", "TEST_DISK_FULL": str(full)}
+    launcher = _launcher(["--nproc", "2", str(recipe)], log, env=shim)
     ranks: list[psutil.Process] = []
     try:
         _wait_for(log, "step 2/2000", launcher, timeout_s=120)
+        full.touch()
+        _wait_for(log, "[toolkit] warning: train.report_to tensorboard failed at step", launcher, timeout_s=30)
+        failed_step = int(re.findall(r"tensorboard failed at step (\d+)", log.read_text())[0])
+        _wait_for(log, f"step {failed_step + 2}/2000", launcher, timeout_s=30)  # training went on
         ranks = psutil.Process(launcher.pid).children()
         assert len(ranks) == 2, ranks
         launcher.kill()
@@ -73,11 +111,25 @@ def test_ranks_of_a_killed_launcher_checkpoint_and_end(tmp_path, tiny_llama_dir)
         launcher.kill()
         for process in _alive(ranks):  # a failed test leaves no rank training on
             process.kill()
-    assert not left, f"ranks {[p.pid for p in left]} outlived their launcher:\n{log.read_text()[-3000:]}"
+    return KilledRun(out=out, log=log.read_text(), failed_step=failed_step, left=left)
+
+
+def test_ranks_of_a_killed_launcher_checkpoint_and_end(killed_run):
+    assert not killed_run.left, f"ranks {[p.pid for p in killed_run.left]} outlived their launcher:\n" \
+        f"{killed_run.log[-3000:]}"
     # the death signal is SIGTERM: the ranks stopped together after a step and wrote a checkpoint first
-    text = log.read_text()
-    assert "toolkit: stopped by SIGTERM at step" in text, text[-3000:]
-    assert list((out / "checkpoints").glob("step-*")), text[-3000:]
+    assert "toolkit: stopped by SIGTERM at step" in killed_run.log, killed_run.log[-3000:]
+    assert list((killed_run.out / "checkpoints").glob("step-*")), killed_run.log[-3000:]
+
+
+def test_a_tracker_failing_mid_run_is_one_warning_and_the_run_goes_on(killed_run):
+    warnings = [line for line in killed_run.log.splitlines() if "train.report_to tensorboard failed" in line]
+    assert len(warnings) == 1, killed_run.log[-3000:]
+    assert "No space left on device" in warnings[0] and "it is off for the rest of the run" in warnings[0]
+    assert f"{killed_run.out / 'metrics.jsonl'} has every step" in warnings[0]
+    assert "Traceback" not in killed_run.log and "launch failed" not in killed_run.log
+    steps = [record["step"] for record in metrics(killed_run.out)]
+    assert steps == list(range(1, len(steps) + 1)) and steps[-1] >= killed_run.failed_step + 2
 
 
 ORPHAN = textwrap.dedent("""
@@ -146,3 +198,47 @@ def test_a_restart_after_a_users_mistake_ends_at_once_with_its_one_line(tmp_path
     # mistake; the two restarts, which load nothing, take a fraction of that (they took as long each)
     assert total_s - said_s < said_s / 2, (said_s, total_s)
     assert not out.exists()
+
+
+# --- trackers that fail: what the log does with them ---------------------------------------------------------------
+
+class _Tracker:
+    """A tracker whose store fails at `fails_at` (a step, or "close")."""
+
+    def __init__(self, name: str, fails_at):
+        self.name, self.fails_at = name, fails_at
+        self.steps: list[int] = []
+        self.closed = self.dropped = False
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        if step == self.fails_at:
+            raise ConnectionError(f"{self.name} store gone\nsecond line")
+        self.steps.append(step)
+
+    def close(self, status: str) -> None:
+        if self.fails_at == "close":
+            raise OSError("no space left")
+        self.closed = True
+
+    def drop(self) -> None:
+        self.dropped = True
+
+
+def test_each_failing_tracker_is_one_warning_and_the_others_and_metrics_jsonl_go_on(tmp_path, capsys):
+    from toolkit.metrics import JsonlWriter
+    from toolkit.tracking import MetricsLog
+
+    mid_run, at_close, healthy = _Tracker("mlflow", 2), _Tracker("tensorboard", "close"), _Tracker("other", None)
+    log = MetricsLog(JsonlWriter(tmp_path / "metrics.jsonl"), [mid_run, at_close, healthy])
+    for step in (1, 2, 3):
+        log.write({"step": step, "loss": 1.0 / step})
+    log.close("FINISHED")
+    assert metrics(tmp_path) == [{"step": s, "loss": 1.0 / s} for s in (1, 2, 3)]
+    assert mid_run.steps == [1] and mid_run.dropped and not mid_run.closed  # asked nothing after it failed
+    assert at_close.steps == [1, 2, 3] and healthy.steps == [1, 2, 3] and healthy.closed
+    where = f"{tmp_path / 'metrics.jsonl'} has every step"
+    assert capsys.readouterr().err.splitlines() == [
+        f"[toolkit] warning: train.report_to mlflow failed at step 2 (ConnectionError: mlflow store gone); it is off "
+        f"for the rest of the run, and {where}",
+        f"[toolkit] warning: train.report_to tensorboard failed when it was closed (OSError: no space left); it may "
+        f"show the run as still running, and {where}"]

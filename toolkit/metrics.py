@@ -120,6 +120,7 @@ class JsonlWriter:
     """Appends one JSON object per line and flushes, so a crash loses at most the step in flight."""
 
     def __init__(self, path: Path, *, append: bool = False):
+        self.path = path
         self.file = open(path, "a" if append else "w", encoding="utf-8")
 
     def write(self, record: dict) -> None:

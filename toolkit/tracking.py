@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator, Protocol
@@ -29,9 +30,14 @@ TRACKING_FILE = "tracking.json"  # in output_dir: where this run's trackers writ
 
 
 class Tracker(Protocol):
+    name: str  # as train.report_to names it
+
     def write(self, step: int, values: dict[str, float]) -> None: ...
 
     def close(self, status: str) -> None: ...
+
+    def drop(self) -> None:
+        """After a failure: let go of what it holds, asking its store nothing (it just failed)."""
 
 
 def run_name(recipe: Recipe) -> str:
@@ -116,6 +122,8 @@ def numbers(record: dict) -> dict[str, float]:
 
 
 class TensorBoard:
+    name = "tensorboard"
+
     def __init__(self, log_dir: Path, *, done_steps: int):
         from torch.utils.tensorboard import SummaryWriter
 
@@ -126,6 +134,7 @@ class TensorBoard:
         except OSError as exc:  # checked before the run (check_trackers); a folder that changed since
             raise RecipeError(f"train.report_to tensorboard: cannot write {log_dir} ({exc.strerror}); choose "
                               "another train.tracking_dir") from None
+        quiet_writer_threads()
 
     def log_recipe(self, recipe: Recipe) -> None:
         text = "".join(f"    {line}\n" for line in dump_recipe(recipe).splitlines())  # a Markdown code block
@@ -139,8 +148,30 @@ class TensorBoard:
     def close(self, status: str) -> None:
         self.writer.close()
 
+    def drop(self) -> None:
+        with contextlib.suppress(Exception):  # closes the event file; its flush fails again, as the write did
+            self.writer.close()
+
+
+def quiet_writer_threads() -> None:
+    """TensorBoard writes events in a thread of its own, which keeps a write's error for the next add_scalar or
+    flush to raise (MetricsLog says it in one line) and also lets it end the thread, which Python prints as
+    a traceback of its own. That print is left out, for TensorBoard's writer threads only."""
+    previous = threading.excepthook
+    if getattr(previous, "quiets_tensorboard", False):
+        return
+
+    def hook(args) -> None:
+        if not type(args.thread).__module__.startswith("tensorboard.summary.writer"):
+            previous(args)
+
+    hook.quiets_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
 
 class Mlflow:
+    name = "mlflow"
+
     def __init__(self, client, run_id: str):
         self.client, self.run_id = client, run_id
 
@@ -160,6 +191,9 @@ class Mlflow:
 
     def close(self, status: str) -> None:
         self.client.set_terminated(self.run_id, status=status)
+
+    def drop(self) -> None:
+        pass  # the run stays RUNNING in the store: a server that failed would be retried for minutes to mark it
 
 
 def flat_params(tree: dict, prefix: str = "") -> list[tuple[str, str]]:
@@ -239,7 +273,11 @@ def open_trackers(recipe: Recipe, *, out_dir: Path, done_steps: int) -> list[Tra
 
 
 class MetricsLog:
-    """Rank 0's destinations of each step's record: metrics.jsonl first, then every tracker."""
+    """Rank 0's destinations of each step's record: metrics.jsonl first, then every tracker.
+
+    A tracker is a copy of metrics.jsonl for viewing: one that fails mid-run (its disk full, its store or
+    server gone) is switched off with one warning line and the run goes on. It used to end the run with a
+    traceback, and rank 0 leaving made every other rank fail too: hours of training lost to a plot."""
 
     def __init__(self, jsonl: JsonlWriter, trackers: list[Tracker]):
         self.jsonl, self.trackers = jsonl, trackers
@@ -247,13 +285,25 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         self.jsonl.write(record)
         values = numbers(record)
-        for tracker in self.trackers:
-            tracker.write(record["step"], values)
+        for tracker in list(self.trackers):
+            try:
+                tracker.write(record["step"], values)
+            except Exception as exc:  # whatever its library raises (OSError, MlflowException, a driver's error)
+                self.trackers.remove(tracker)
+                tracker.drop()
+                self._warn(tracker, exc, when=f"at step {record['step']}", then="it is off for the rest of the run")
 
     def close(self, status: str) -> None:
         self.jsonl.close()
         for tracker in self.trackers:
-            tracker.close(status)
+            try:
+                tracker.close(status)
+            except Exception as exc:  # every step is in it already: the run's outcome stands
+                self._warn(tracker, exc, when="when it was closed", then="it may show the run as still running")
+
+    def _warn(self, tracker: Tracker, exc: Exception, *, when: str, then: str) -> None:
+        print(f"[toolkit] warning: train.report_to {tracker.name} failed {when} ({type(exc).__name__}: "
+              f"{first_line(exc)}); {then}, and {self.jsonl.path} has every step", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
