@@ -147,6 +147,15 @@ def finished_compare(root: Path, *, model_dir: Path, strategies: str) -> tuple[P
     return recipe, out, args
 
 
+@pytest.fixture(scope="session")
+def two_arm_compare(tmp_path_factory, tiny_llama_dir) -> tuple[Path, Path, list[str]]:
+    """One finished 1-step compare of two single-process arms (`single`, the reference, and
+    `single@optim.lr=2e-3`), shared by the tests about re-running and reporting a finished experiment: each
+    copies its folder before changing anything in it. (its recipe, its folder, the arguments that made it)"""
+    return finished_compare(tmp_path_factory.mktemp("two-arm-compare"), model_dir=tiny_llama_dir,
+                            strategies="single,single@optim.lr=2e-3")
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 

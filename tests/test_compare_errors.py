@@ -7,7 +7,7 @@ import shutil
 import pytest
 import yaml
 
-from conftest import finished_compare, write_recipe
+from conftest import write_recipe
 from toolkit.cli import main
 
 
@@ -129,10 +129,11 @@ def test_plan_wants_a_memory_size_with_its_unit(size, recipe, capsys):
                             (f"--memory-per-rank: {size!r}", "1 MiB or more with its unit", "40GiB"))
 
 
-@pytest.fixture(scope="module")
-def one_step(tmp_path_factory, tiny_llama_dir):
-    """A finished 1-step single-process compare: (its recipe, its folder, the arguments that made it)."""
-    return finished_compare(tmp_path_factory.mktemp("compare-resume"), model_dir=tiny_llama_dir, strategies="single")
+@pytest.fixture
+def one_step(two_arm_compare):
+    """The shared finished compare (its first arm, `single`, is the one these tests name): (its recipe, its
+    folder, the arguments that made it)."""
+    return two_arm_compare
 
 
 def _files(folder):

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import yaml
 
-from conftest import finished_compare, write_recipe
+from conftest import write_recipe
 from toolkit.cli import build_parser, main
 from toolkit.compare.cli import experiment_of
 from toolkit.compare.report_render import table_rows
@@ -139,11 +139,10 @@ def test_a_matrix_recipe_found_only_from_the_current_folder_is_taken_with_a_note
                      tmp_path / "exp")
 
 
-@pytest.fixture(scope="module")
-def two_arms(tmp_path_factory, tiny_llama_dir):
-    """A finished 1-step compare of two single-process arms: (its folder, the arguments that made it)."""
-    _, out, args = finished_compare(tmp_path_factory.mktemp("compare-inputs"), model_dir=tiny_llama_dir,
-                                    strategies="single,single@optim.lr=2e-3")
+@pytest.fixture
+def two_arms(two_arm_compare):
+    """The shared finished 2-arm compare: (its folder, the arguments that made it)."""
+    _, out, args = two_arm_compare
     return out, args
 
 
