@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -138,6 +137,7 @@ def cmd_launch(args) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     plan = check_recipe(recipe, world_size=args.nproc * nodes.count)  # on every node, before its ranks start
     resume = _resume_of(args)
+    from toolkit.checkpoint import store
     from toolkit.checkpoint.run import NothingToResume, starting_point
 
     try:  # an existing run without --resume, or nothing to resume: one line
@@ -152,7 +152,7 @@ def cmd_launch(args) -> int:
                   max_restarts=args.max_restarts, nodes=nodes)
     run_info = Path(recipe.output_dir) / "run.json"
     if code != 0 and run_info.is_file() and run_info.stat().st_mtime >= started \
-            and json.loads(run_info.read_text()).get("status") == "completed":
+            and (store.read_run_info(Path(recipe.output_dir)) or {}).get("status") == "completed":
         # a rank that dies after the outputs are written is still a failure, but the outputs are good
         print(f"toolkit: the run itself completed before that: outputs in {recipe.output_dir} are complete",
               file=sys.stderr)

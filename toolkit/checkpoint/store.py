@@ -135,13 +135,20 @@ def holds_checkpoint(out_dir: Path, path: Path) -> bool:
     return Path(path).resolve().parent == checkpoints_dir(out_dir).resolve()
 
 
+def read_run_info(out_dir: Path) -> dict | None:
+    """output_dir's run.json (runinfo.py writes it); None where it is missing or is no JSON object (cut short,
+    edited by hand): every reader takes such a run as one that did not complete."""
+    try:
+        info = json.loads((Path(out_dir) / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
 def completed_run(out_dir: Path, *, total_steps: int) -> bool:
     """output_dir's run.json says its run completed, at `total_steps`."""
-    try:
-        info = json.loads((Path(out_dir) / "run.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(info, dict) and info.get("status") == "completed" and info.get("total_steps") == total_steps
+    info = read_run_info(out_dir) or {}
+    return info.get("status") == "completed" and info.get("total_steps") == total_steps
 
 
 EXPORTS = ("model", "model-merged")  # export_model's folders in output_dir

@@ -11,7 +11,8 @@ import yaml
 from toolkit.compare import measure, verdict
 from toolkit.compare.experiment import Experiment
 from toolkit.compare.report_render import render_html, render_markdown
-from toolkit.compare.runner import arm_dir, arm_status, read_metrics, read_run
+from toolkit.checkpoint.store import read_run_info
+from toolkit.compare.runner import arm_dir, arm_status, read_metrics
 
 CALIBRATION_PREFIX = "calibration-"
 
@@ -26,7 +27,7 @@ def load_arm(experiment: Experiment, arm) -> dict:
         failed = path / "failed.json"
         data.setdefault("error", json.loads(failed.read_text())["error"] if failed.is_file() else "not run yet")
         return data
-    run = read_run(path) or {}  # completed: its run.json was read just now
+    run = read_run_info(path) or {}  # completed: its run.json was read just now
     data.update(run=run, metrics=metrics,
                 recipe=yaml.safe_load((path / "recipe.yaml").read_text()), audit=run.get("precision_audit"),
                 precision=run["precision"], num_params=run["num_params"])

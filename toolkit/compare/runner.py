@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from toolkit.compare.experiment import RECORD_GRADIENT_SCALE, Arm, Experiment
+from toolkit.checkpoint.store import read_run_info
 from toolkit.compare.verdict import flatten
 from toolkit.errors import INTERRUPTED_EXIT_CODE as INTERRUPTED
 from toolkit.errors import RecipeError
@@ -32,7 +33,7 @@ def arm_dir(experiment: Experiment, arm: Arm) -> Path:
 def arm_status(path: Path) -> str:
     """completed | damaged | failed | pending, read from what the arm left on disk (a damaged run.json: pending;
     a completed run whose metrics.jsonl cannot be read: damaged; either runs again in a re-run compare)."""
-    if (read_run(path) or {}).get("status") == "completed" and (path / "model").is_dir():
+    if (read_run_info(path) or {}).get("status") == "completed" and (path / "model").is_dir():
         return "completed" if read_metrics(path)[1] is None else "damaged"
     return "failed" if (path / "failed.json").is_file() else "pending"
 
@@ -60,13 +61,6 @@ def read_metrics(path: Path) -> tuple[list[dict], str | None]:
     return (records, None) if records else ([], f"{file} holds no step")
 
 
-def read_run(path: Path) -> dict | None:
-    """The arm's run.json; None where it is missing or is no JSON object (written in place by hand, cut short)."""
-    try:
-        run = json.loads((path / "run.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return run if isinstance(run, dict) else None
 
 
 def check_reusable(experiment: Experiment) -> None:
@@ -95,7 +89,7 @@ def settings_difference(experiment: Experiment, arm: Arm, path: Path) -> str | N
     wanted = flatten(recipe_to_dict(load_recipe(experiment.recipe, [*experiment.common, *arm.overrides])))
     changed = [_difference(experiment, key, ran.get(key), wanted.get(key)) for key in sorted(set(ran) | set(wanted))
                if key not in WHERE_KEYS and ran.get(key) != wanted.get(key)]
-    world_size = (read_run(path) or {}).get("world_size")
+    world_size = (read_run_info(path) or {}).get("world_size")
     if world_size != arm.nproc:
         changed.append(f"ranks: {world_size} then, {arm.nproc} now")
     if not changed:
