@@ -98,6 +98,38 @@ def test_a_folder_whose_file_names_name_splits_gives_each_key_its_own_split(tmp_
     assert len(err) == 1 and "none named train" in err[0], err
 
 
+@pytest.mark.parametrize("files, words", [
+    # before: read whole, as a folder of shards: the validation rows were trained on
+    (("part-00000.jsonl", "part-00001.jsonl", "validation.jsonl"), "holds files of split validation, none named train"),
+    (("validation.jsonl",), "holds files of split validation, none named train"),
+    (("train-00000.jsonl", "notes.jsonl"), "holds files of split train and notes.jsonl, whose name gives no split"),
+])
+def test_a_folder_naming_one_split_gives_data_train_only_its_train_files(files, words, tmp_path, tiny_llama_dir,
+                                                                         capsys):
+    folder = tmp_path / "splits"
+    folder.mkdir()
+    for i, name in enumerate(files):
+        (folder / name).write_text("".join(json.dumps(row) + "\n" for row in ROWS[16 * i:16 * (i + 1)]))
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
+                          data={"train": str(folder), "eval": None})
+    assert main(["validate", str(recipe)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+
+
+def test_a_folder_of_one_named_split_alone_is_that_split(tmp_path, tiny_llama_dir):
+    folder = tmp_path / "splits"
+    folder.mkdir()
+    (folder / "train-00000.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ROWS[:16]))
+    (folder / "train-00001.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ROWS[16:32]))
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
+                          data={"train": str(folder), "eval": str(folder / "train-00001.jsonl")})
+    tokenizer = _tokenizer()
+    want = [tokenizer(row["text"], truncation=True, max_length=32)["input_ids"] for row in ROWS[:32]]
+    assert _split(recipe)[0]["input_ids"] == want
+    assert _split(recipe, key="data.eval")[0]["input_ids"] == want[16:]  # a file: read whatever its name
+
+
 @pytest.mark.parametrize("make, words", [
     (lambda d: (d / "empty").mkdir(), "is a folder without data files"),
     (lambda d: ((d / "mixed").mkdir(), (d / "mixed" / "a.csv").write_text("text\nx\n"),

@@ -3,9 +3,10 @@
 `data.train` / `data.eval` may name
   a file            json, jsonl, csv, parquet or txt, the text formats also compressed (.gz, .bz2, .xz, .zst);
   a folder of shards files of one of those formats (e.g. part-00000.parquet ...), read as one split; where the
-                    file names name two or more splits by `datasets`' split keywords (train-*, *_validation.*,
-                    test.*, dev, eval ...), only the key's split (train; for eval: validation, then test), and a
-                    file naming none there is refused (load_dataset(folder) would leave it out without a word);
+                    file names name splits by `datasets`' split keywords (train-*, *_validation.*, test.*, dev,
+                    eval ...), only the key's split (train; for eval: validation, then test), and a folder without
+                    it, or with a file naming none beside them, is refused (load_dataset(folder) would leave that
+                    file out without a word; read whole, a validation file would be trained on);
   a saved dataset   a folder `datasets`' save_to_disk wrote: a Dataset, or a DatasetDict whose split named like
                     the key is taken (train; for eval: validation, eval or test).
 Every problem with them (missing, empty, unparsable, a column without what training needs) is a RecipeError
@@ -77,11 +78,12 @@ def data_source(key: str, path: str) -> DataSource:
 
 
 def _split_of(key: str, where: Path, shards: list[Path]) -> list[Path]:
-    """The shards of the key's split where their names name two or more, else all (one named split, e.g.
-    reviews-train.jsonl beside part-2.jsonl, is read whole, as a folder of shards). A name names a split as
-    load_dataset(folder) reads it: one of `datasets`' split keywords, at the start or after a separator, followed
-    by one (train-00000.jsonl, my_validation.csv, test.parquet). Only the folder's own files are read (datasets'
-    patterns would walk every sub-folder)."""
+    """The shards of the key's split where any file name names a split, else all (a folder of shards). A name
+    names a split as load_dataset(folder) reads it: one of `datasets`' split keywords, at the start or after a
+    separator, followed by one (train-00000.jsonl, my_validation.csv, test.parquet). A folder whose names name
+    splits but not the key's, or that also holds a file naming none, is refused: read whole, a folder of
+    part-*.jsonl with a validation.jsonl beside them would train on the validation rows. Only the folder's own
+    files are read (datasets' patterns would walk every sub-folder)."""
     import fnmatch
 
     from datasets.data_files import NON_WORDS_CHARS, SPLIT_KEYWORDS
@@ -93,16 +95,17 @@ def _split_of(key: str, where: Path, shards: list[Path]) -> list[Path]:
         files = [f for f in shards if any(fnmatch.fnmatchcase(f.name, p) for p in patterns)]
         if files:
             named[str(split)] = files
-    if len(named) < 2:
+    if not named:
         return shards
     wanted = ("train",) if key == "data.train" else EVAL_SPLITS
     split = next((name for name in wanted if name in named), None)
+    of = f"split {next(iter(named))}" if len(named) == 1 else f"splits {', '.join(named)}"
     if split is None:
-        raise RecipeError(f"{key}: {where} holds files of splits {', '.join(named)}, none named "
-                          f"{' or '.join(wanted)}; point {key} at a folder or file of one split")
+        raise RecipeError(f"{key}: {where} holds files of {of}, none named {' or '.join(wanted)}; point {key} at "
+                          f"a folder or file of its split (a file is read whatever its name)")
     unnamed = sorted(f.name for f in set(shards) - {f for files in named.values() for f in files})
     if unnamed:
-        raise RecipeError(f"{key}: {where} holds files of splits {', '.join(named)} and {unnamed[0]}, whose name "
+        raise RecipeError(f"{key}: {where} holds files of {of} and {unnamed[0]}, whose name "
                           "gives no split; rename it (train-*, validation-*, test-*) or move it out")
     return named[split]
 
