@@ -205,3 +205,59 @@ def test_train_under_a_bad_accelerate_setting_is_one_line(tmp_path, tiny_llama_d
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out)
     _assert_one_line_exit_2(main(["train", str(recipe)]), capsys,
                             ("ACCELERATE_DEEPSPEED_ZERO_STAGE='three'", "accelerate config"), out)
+
+
+# --- a model folder or config that would train the wrong thing, or fail inside every rank ---------------------
+
+def _model_copy(tmp_path, source):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(source, folder)
+    return folder
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("cut in the header", ("model.safetensors", "invalid header length")),
+    ("cut in the tensors", ("model.safetensors", "file not fully covered")),
+    ("cut shard", ("model-00001-of-00001.safetensors", "file not fully covered")),
+    ("config not JSON", ("config.json is not valid JSON",)),
+])
+def test_a_damaged_model_folder_is_one_line(damage, words, tmp_path, tiny_bert_dir, capsys):
+    """A download or copy that stopped part way: safetensors' or transformers' traceback in every rank, while
+    validate said ok."""
+    import json
+    import os
+
+    folder = _model_copy(tmp_path, tiny_bert_dir)
+    weights = folder / "model.safetensors"
+    if damage == "cut shard":
+        from safetensors import safe_open
+
+        with safe_open(str(weights), framework="pt") as f:
+            names = list(f.keys())
+        weights = weights.rename(folder / "model-00001-of-00001.safetensors")
+        (folder / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {name: weights.name for name in names}}))
+    if damage == "cut in the header":
+        os.truncate(weights, 1000)
+    elif damage == "config not JSON":
+        (folder / "config.json").write_text('{"model_type": "bert", ')
+    else:
+        os.truncate(weights, weights.stat().st_size - 100)
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=folder, task="sequence-classification", output_dir=out)
+    _assert_one_line_exit_2(main(["validate", str(recipe)]), capsys, (f"model.path: {folder}", *words), out)
+
+
+@pytest.mark.parametrize("value", ["bert-base-uncased", "google-bert/bert-base-uncased"])
+def test_a_hub_id_as_model_path_says_it_is_not_downloaded(value, tmp_path, tiny_bert_dir, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_bert_dir, task="sequence-classification",
+                          output_dir=out)
+    _assert_one_line_exit_2(main(["validate", str(recipe), "--set", f"model.path={value}"]), capsys,
+                            (f"model.path: {value} is no folder here", "hub ids are not downloaded",
+                             f"hf download {value} --local-dir DIR"), out)
+    _assert_one_line_exit_2(main(["validate", str(recipe), "--set", f"model.path={tmp_path}/missing"]), capsys,
+                            (f"model.path: {tmp_path}/missing does not exist",), out)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable, NoReturn, cast
 
@@ -41,6 +43,9 @@ def check_model_dir(path: Path, key: str) -> None:
         raise RecipeError(f"{key}: {path} is a file; point it at the folder save_pretrained wrote (the one "
                           "holding config.json)")
     if not path.is_dir():
+        if _looks_like_hub_id(path):
+            raise RecipeError(f"{key}: {path} is no folder here, and hub ids are not downloaded; fetch it with "
+                              f"`hf download {path} --local-dir DIR` and point {key} at DIR")
         raise RecipeError(f"{key}: {path} does not exist; point it at a folder written by save_pretrained")
     if key == "model.path" and not (path / "config.json").is_file():
         raise RecipeError(f"{key}: {path} has no config.json; point it at a folder written by save_pretrained")
@@ -53,7 +58,10 @@ def _check_weight_files(path: Path) -> None:
     save that stopped part way leaves config.json alone, or an index without all its shards)."""
     from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
-    if (path / SAFE_WEIGHTS_NAME).is_file() or (path / WEIGHTS_NAME).is_file():
+    if (path / SAFE_WEIGHTS_NAME).is_file():
+        _check_safetensors(path / SAFE_WEIGHTS_NAME)
+        return
+    if (path / WEIGHTS_NAME).is_file():
         return
     index = next((path / name for name in (SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_INDEX_NAME) if (path / name).is_file()),
                  None)
@@ -61,8 +69,6 @@ def _check_weight_files(path: Path) -> None:
         raise RecipeError(f"model.path: {path} has config.json but no weights ({SAFE_WEIGHTS_NAME}, "
                           f"{SAFE_WEIGHTS_INDEX_NAME} with its shards, or {WEIGHTS_NAME}); finish the download or "
                           "save_pretrained there, or use model.config to train from scratch")
-    import json
-
     try:
         shards = set(json.loads(index.read_text())["weight_map"].values())
     except (ValueError, KeyError, TypeError, AttributeError):
@@ -72,6 +78,31 @@ def _check_weight_files(path: Path) -> None:
     if missing:
         raise RecipeError(f"model.path: {index} names {len(missing)} missing shard file(s), e.g. {missing[0]}; "
                           "finish the download or save_pretrained there")
+    for shard in sorted(shards):
+        if shard.endswith(".safetensors"):
+            _check_safetensors(path / shard)
+
+
+def _looks_like_hub_id(path: Path) -> bool:
+    """`bert-base-uncased` or `owner/name` as a user copies it from the hub: relative, one or two parts, a hub
+    id's characters."""
+    text = str(path)
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", text) is not None
+
+
+def _check_safetensors(file: Path) -> None:
+    """The file's header parses and its tensors end where the file ends (safetensors checks both on opening;
+    reads the header only): a download or copy that stopped part way is one line here, not a traceback from
+    every rank's from_pretrained."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as opened:
+            opened.keys()
+    except Exception as exc:  # noqa: BLE001 - safetensors' own error type (SafetensorError) is its Rust core's
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:150]
+        raise RecipeError(f"model.path: {file} is not a complete safetensors file ({reason}); finish the download "
+                          "or copy, or save_pretrained again") from None
 
 
 def load_tokenizer(config: ModelConfig):
@@ -108,14 +139,9 @@ def position_limit(config: ModelConfig) -> int | None:
     """The longest sequence a learned position table covers, from the model's config (None: not declared, or
     rotary positions, where max_position_embeddings is the trained context rather than a hard limit)."""
     if config.path is not None:
-        import json
-
         path = resolve_path(config.path)
         check_model_dir(path, "model.path")
-        try:
-            fields = json.loads((path / "config.json").read_text())
-        except ValueError as exc:
-            raise RecipeError(f"model.path: {path}/config.json is not valid JSON ({exc})") from None
+        fields = saved_config(path)
     else:
         fields = dict(config.config or {})
     if {"rope_parameters", "rope_theta", "rope_scaling"} & set(fields) or fields.get("position_embedding_type") == "rotary":
@@ -127,6 +153,19 @@ def position_limit(config: ModelConfig) -> int | None:
                 limit -= int(fields.get("pad_token_id") or 0) + 1
             return limit
     return None
+
+
+def saved_config(path: Path) -> dict:
+    """The fields of a model folder's config.json (`path` passed check_model_dir)."""
+    try:
+        fields = json.loads((path / "config.json").read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"model.path: {path}/config.json is not valid JSON ({exc}); download it again or "
+                          "save_pretrained there again") from None
+    if not isinstance(fields, dict):
+        raise RecipeError(f"model.path: {path}/config.json holds a {type(fields).__name__}, not a config's fields; "
+                          "download it again or save_pretrained there again")
+    return fields
 
 
 # learned positions numbered from padding_idx + 1 (RoBERTa's create_position_ids_from_input_ids)
@@ -144,6 +183,7 @@ def hf_config(config: ModelConfig, *, tokenizer=None):
     if config.path is not None:
         path = resolve_path(config.path)
         check_model_dir(path, "model.path")
+        saved_config(path)  # transformers' own refusal of bad JSON is a traceback
         with config_errors(config):
             built = transformers.AutoConfig.from_pretrained(str(path), **_label_fields(config))
         check_sizes(built.to_dict(), config)
