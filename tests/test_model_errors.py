@@ -217,6 +217,56 @@ def _model_copy(tmp_path, source):
     return folder
 
 
+@pytest.mark.parametrize("model", ["folder", "config"])
+def test_an_encoder_as_a_causal_lm_is_one_line(model, tmp_path, tiny_bert_dir, tiny_llama_dir, capsys):
+    """BertLMHeadModel on a config with is_decoder false attends both ways: each position sees the token it
+    predicts, and the loss falls for nothing (transformers' own warning is hidden by the toolkit's quiet logs)."""
+    out = tmp_path / "out"
+    if model == "folder":
+        recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_bert_dir, output_dir=out)
+        words: tuple[str, ...] = (f"model.path {tiny_bert_dir}", "its config.json")
+    else:
+        recipe, out = _from_config(tmp_path, tiny_llama_dir, model_type="bert")
+        words = ("model.config", "in model.config")
+    for command in ("validate", "train"):  # train: also run under torchrun, without launch's checks
+        _assert_one_line_exit_2(main([command, str(recipe)]), capsys,
+                                (*words, "bert is an encoder (is_decoder false)", "BertLMHeadModel",
+                                 "use a decoder model", "model.task sequence-classification"), out)
+    if model == "config":  # the same encoder made a decoder: causal, accepted
+        recipe, out = _from_config(tmp_path, tiny_llama_dir, model_type="bert", is_decoder=True)
+        assert main(["validate", str(recipe)]) == 0
+
+
+def test_which_causal_lm_classes_need_is_decoder_is_transformers_own_test():
+    """The encoder families' causal-LM classes test config.is_decoder; decoders never read it, and the
+    encoder-decoder families' causal-LM classes set it themselves."""
+    import transformers
+
+    from toolkit.model_config import _needs_is_decoder
+
+    for name in ("BertLMHeadModel", "RobertaForCausalLM", "XLMRobertaForCausalLM", "ElectraForCausalLM",
+                 "RoFormerForCausalLM", "ReformerModelWithLMHead"):
+        assert _needs_is_decoder(getattr(transformers, name)), name
+    for name in ("LlamaForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "BartForCausalLM", "Qwen2ForCausalLM"):
+        assert not _needs_is_decoder(getattr(transformers, name)), name
+
+
+def test_num_labels_other_than_the_saved_heads_is_one_line(tmp_path, tiny_bert_dir, capsys):
+    """from_pretrained refuses the 2-label head at 3 labels with a RuntimeError pointing at a report the quiet logs
+    hide; a folder without a head (MiniLM's BertModel) takes any num_labels."""
+    from conftest import MINILM
+    from toolkit.model import hf_config
+    from toolkit.recipe import ModelConfig
+
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_bert_dir, task="sequence-classification",
+                          output_dir=out, model={"num_labels": 3})
+    _assert_one_line_exit_2(main(["validate", str(recipe)]), capsys,
+                            (f"model.path {tiny_bert_dir}", "head has 2 labels", "model.num_labels is 3",
+                             "set model.num_labels: 2", "save the model without its head"), out)
+    assert hf_config(ModelConfig(path=MINILM, num_labels=3)).num_labels == 3
+
+
 @pytest.mark.parametrize("damage, words", [
     ("cut in the header", ("model.safetensors", "invalid header length")),
     ("cut in the tensors", ("model.safetensors", "file not fully covered")),
@@ -248,6 +298,14 @@ def test_a_damaged_model_folder_is_one_line(damage, words, tmp_path, tiny_bert_d
     out = tmp_path / "out"
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=folder, task="sequence-classification", output_dir=out)
     _assert_one_line_exit_2(main(["validate", str(recipe)]), capsys, (f"model.path: {folder}", *words), out)
+
+
+@pytest.mark.parametrize("command", ["validate", "plan", "train"])
+def test_a_model_config_value_transformers_fails_to_build_on_is_one_line(command, tmp_path, tiny_llama_dir, capsys):
+    """An activation ACT2FN lacks was a KeyError traceback from inside the model's build."""
+    recipe, out = _from_config(tmp_path, tiny_llama_dir, hidden_act="foo")
+    _assert_one_line_exit_2(main([command, str(recipe)]), capsys,
+                            ("model.config: hidden_act 'foo' is not a value transformers knows", "silu"), out)
 
 
 @pytest.mark.parametrize("value", ["bert-base-uncased", "google-bert/bert-base-uncased"])

@@ -15,8 +15,8 @@ import torch.utils.checkpoint
 from torch import nn
 
 from toolkit.errors import RecipeError
-from toolkit.model_config import (auto_class, check_architecture, check_sizes, check_unknown_fields,
-                                  config_errors)
+from toolkit.model_config import (auto_class, build_errors, check_architecture, check_saved_head, check_sizes,
+                                  check_unknown_fields, config_errors)
 from toolkit.precision import DTYPES
 from toolkit.recipe import ModelConfig
 
@@ -183,11 +183,14 @@ def hf_config(config: ModelConfig, *, tokenizer=None):
     if config.path is not None:
         path = resolve_path(config.path)
         check_model_dir(path, "model.path")
-        saved_config(path)  # transformers' own refusal of bad JSON is a traceback
+        fields = saved_config(path)  # transformers' own refusal of bad JSON is a traceback
         with config_errors(config):
             built = transformers.AutoConfig.from_pretrained(str(path), **_label_fields(config))
         check_sizes(built.to_dict(), config)
         check_architecture(built, config)
+        if config.task == "sequence-classification":
+            check_saved_head(fields, config,
+                             saved_num_labels=lambda: transformers.AutoConfig.from_pretrained(str(path)).num_labels)
         return built
     fields = dict(config.config or {})
     model_type = fields.pop("model_type")
@@ -210,7 +213,8 @@ def build_model(config: ModelConfig, *, tokenizer, seed: int) -> nn.Module:
         check_model_dir(path, "model.path")
         model = auto_class(config).from_pretrained(str(path), dtype=dtype, **_label_fields(config))
     else:
-        model = auto_class(config).from_config(hf_config(config, tokenizer=tokenizer), dtype=dtype)
+        with build_errors(config):
+            model = auto_class(config).from_config(hf_config(config, tokenizer=tokenizer), dtype=dtype)
     return _finish(model, config, tokenizer=tokenizer)
 
 
@@ -219,7 +223,7 @@ def empty_model(config: ModelConfig, *, tokenizer) -> nn.Module:
     CPU by the constructor (a non-persistent buffer such as rotary inv_freq is in no weight file)."""
     from accelerate import init_empty_weights
 
-    with init_empty_weights(include_buffers=False):
+    with init_empty_weights(include_buffers=False), build_errors(config):
         model: Any = auto_class(config).from_config(hf_config(config, tokenizer=tokenizer),
                                                      dtype=DTYPES[config.load_dtype])
     # the context makes every parameter registered in it a new meta tensor, also the output layer that
@@ -332,7 +336,8 @@ def count_blocks(config: ModelConfig, names: tuple[str, ...] | None) -> int:
 
 def meta_model(config: ModelConfig) -> nn.Module:
     """The recipe's model built on the meta device from its config: its structure, no weights, no memory."""
-    with torch.device("meta"), config_errors(config, RuntimeError):  # RuntimeError: a size past int64
+    # RuntimeError: a size past int64; anything else the build raises on model.config's values: build_errors
+    with torch.device("meta"), build_errors(config), config_errors(config, RuntimeError):
         return auto_class(config).from_config(hf_config(config))
 
 

@@ -5,7 +5,9 @@ that do not divide the heads), and their own refusals, each as one line naming t
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import functools
+import re
+from typing import Callable, Iterator
 
 from toolkit.errors import RecipeError
 from toolkit.recipe import ModelConfig
@@ -67,11 +69,51 @@ def check_architecture(built, config: ModelConfig) -> None:
     if mapping is not None and type(built) not in mapping:
         raise RecipeError(f"{key}: model_type {built.model_type} has no {config.task} head in transformers "
                           f"({auto.__name__}); use a model type that has one, or another model.task")
+    if mapping is not None and config.task == "causal-lm" and getattr(built, "is_decoder", None) is False \
+            and _needs_is_decoder(mapping[type(built)]):
+        where = "model.config" if config.config is not None else "its config.json"
+        raise RecipeError(f"{key}: {built.model_type} is an encoder (is_decoder false): as a causal LM "
+                          f"({mapping[type(built)].__name__}) each position would attend to the token it "
+                          "predicts; use a decoder model (llama, gpt2, ...) or model.task sequence-classification "
+                          f"(or set is_decoder: true in {where} to train it as a decoder)")
     heads, kv_heads = getattr(built, "num_attention_heads", None), getattr(built, "num_key_value_heads", None)
     if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
         raise RecipeError(f"{key}: num_attention_heads {heads} must be a multiple of num_key_value_heads "
                           f"{kv_heads} (each key/value head serves a group of query heads); set "
                           f"num_key_value_heads to a divisor of {heads}")
+
+
+@functools.cache
+def _needs_is_decoder(model_class: type) -> bool:
+    """Whether `model_class` attends causally only when its config sets is_decoder, as transformers decides it:
+    the causal-LM classes of encoder families (BertLMHeadModel, RobertaForCausalLM, ElectraForCausalLM, ...) test
+    `config.is_decoder` in their constructor and, when it is false, warn ("add `is_decoder=True`") or assert,
+    then build a bidirectional model all the same. Decoder-only models (llama, gpt2, gpt_neox) never test it, and
+    the encoder-decoder families' causal-LM classes (BartForCausalLM) set it themselves."""
+    import inspect
+
+    try:
+        source = inspect.getsource(getattr(model_class, "__init__"))
+    except (OSError, TypeError):  # no source shipped: no check
+        return False
+    return re.search(r"(\bnot|\bassert)\s+(self\.)?config\.is_decoder\b", source) is not None
+
+
+def check_saved_head(fields: dict, config: ModelConfig, *, saved_num_labels: Callable[[], int]) -> None:
+    """model.num_labels is the size of the classification head model.path holds, where it holds one (its
+    config.json's architectures name a ...ForSequenceClassification class): from_pretrained refuses a head of
+    another size (ignore_mismatched_sizes) and points at a report the toolkit's quiet logging hides. A folder
+    without a head (BertModel, BertForMaskedLM) gets a new head of any size."""
+    architectures = fields.get("architectures")
+    if not isinstance(architectures, list) or \
+            not any(str(name).endswith("ForSequenceClassification") for name in architectures):
+        return
+    saved = saved_num_labels()
+    if saved != config.num_labels:
+        raise RecipeError(f"model.path {config.path}: its classification head has {saved} labels (config.json "
+                          f"id2label), model.num_labels is {config.num_labels}; set model.num_labels: {saved}, or "
+                          f"for a new {config.num_labels}-label head save the model without its head "
+                          "(AutoModel.from_pretrained(...).save_pretrained(DIR)) and point model.path at DIR")
 
 
 def config_key(config: ModelConfig) -> str:
@@ -94,3 +136,32 @@ def config_errors(config: ModelConfig, *more: type[Exception]) -> Iterator[None]
         reason = lines[-1].strip().rstrip(".") if lines else type(exc).__name__
         raise RecipeError(f"{config_key(config)}: {reason[:200]}{'…' if len(reason) > 200 else ''}; fix the model's config") \
             from None
+
+
+@contextlib.contextmanager
+def build_errors(config: ModelConfig) -> Iterator[None]:
+    """A model built from model.config: whatever transformers' constructors raise on the config's values, as
+    one line naming the key that holds the value where one does (an activation ACT2FN lacks is a KeyError from
+    inside the build). A model from model.path is left to config_errors: its failures are the files'."""
+    try:
+        yield
+    except RecipeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - from_config runs only transformers' code on the recipe's values
+        if config.config is None:
+            raise
+        raise RecipeError(_build_failure(exc, config.config)) from None
+
+
+def _build_failure(exc: Exception, fields: dict) -> str:
+    value = exc.args[0] if isinstance(exc, KeyError) and exc.args else None
+    names = [name for name, given in fields.items() if isinstance(value, str) and given == value]
+    if names:
+        from transformers.activations import ACT2FN
+
+        known = f" (activations: {', '.join(sorted(ACT2FN))})" if value not in ACT2FN else ""
+        return f"model.config: {names[0]} {value!r} is not a value transformers knows{known}; fix it"
+    lines = str(exc).strip().splitlines()
+    reason = lines[-1].strip().rstrip(".")[:200] if lines else ""
+    return f"model.config: transformers cannot build the model from it ({type(exc).__name__}: {reason}); " \
+        "fix the model's config"
