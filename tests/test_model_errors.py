@@ -308,6 +308,31 @@ def test_a_model_config_value_transformers_fails_to_build_on_is_one_line(command
                             ("model.config: hidden_act 'foo' is not a value transformers knows", "silu"), out)
 
 
+def test_rotary_positions_are_no_limit_for_a_llama_from_its_config(tmp_path, tiny_llama_dir):
+    """A Llama from model.config names no rope keys, yet is as rotary as one saved by save_pretrained (whose
+    config.json has rope_parameters): the 64 positions were a limit for one and not the other."""
+    recipe, _ = _from_config(tmp_path, tiny_llama_dir)
+    assert main(["validate", str(recipe), "--set", "data.max_length=65"]) == 0
+
+
+@pytest.mark.parametrize("fields, limit", [
+    ({"model_type": "llama"}, None),
+    ({"model_type": "gpt_neox"}, None),
+    ({"model_type": "bert", "max_position_embeddings": 64}, 64),
+    ({"model_type": "gpt2", "n_positions": 128}, 128),
+    ({"model_type": "roberta", "max_position_embeddings": 66, "pad_token_id": 1}, 64),  # numbered after padding
+    ({"model_type": "esm", "max_position_embeddings": 64, "position_embedding_type": "absolute"}, 64),
+    ({"model_type": "esm", "max_position_embeddings": 64, "position_embedding_type": "rotary"}, None),
+])
+def test_the_position_limit_is_read_from_the_built_config(fields, limit):
+    from transformers import AutoConfig
+
+    from toolkit.model import position_limit
+
+    config = dict(fields)
+    assert position_limit(AutoConfig.for_model(config.pop("model_type"), **config)) == limit
+
+
 @pytest.mark.parametrize("value", ["bert-base-uncased", "google-bert/bert-base-uncased"])
 def test_a_hub_id_as_model_path_says_it_is_not_downloaded(value, tmp_path, tiny_bert_dir, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)

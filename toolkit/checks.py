@@ -25,12 +25,11 @@ def check_paths(recipe: Recipe) -> None:
 
 
 def check_position_limit(recipe: Recipe) -> None:
-    """The model's config is one transformers accepts, and data.max_length is within its position embeddings
-    (reads config.json only)."""
+    """The model's config is one transformers accepts for the task (model_config's checks; a folder's files are
+    complete), and data.max_length is within its position embeddings (reads config.json and weight headers only)."""
     from toolkit.model import hf_config, position_limit
 
-    hf_config(recipe.model)
-    limit = position_limit(recipe.model)
+    limit = position_limit(hf_config(recipe.model))
     if limit is not None and recipe.data.max_length > limit:
         raise RecipeError(f"data.max_length {recipe.data.max_length} is above the model's position limit {limit} "
                           f"(max_position_embeddings); set data.max_length <= {limit}")

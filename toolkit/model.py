@@ -135,16 +135,16 @@ def _no_tokenizer(config: ModelConfig, path: Path, reason: str) -> NoReturn:
                       f"tokenizer.save_pretrained writes them{where}")
 
 
-def position_limit(config: ModelConfig) -> int | None:
-    """The longest sequence a learned position table covers, from the model's config (None: not declared, or
-    rotary positions, where max_position_embeddings is the trained context rather than a hard limit)."""
-    if config.path is not None:
-        path = resolve_path(config.path)
-        check_model_dir(path, "model.path")
-        fields = saved_config(path)
-    else:
-        fields = dict(config.config or {})
-    if {"rope_parameters", "rope_theta", "rope_scaling"} & set(fields) or fields.get("position_embedding_type") == "rotary":
+def position_limit(built) -> int | None:
+    """The longest sequence a learned position table covers, from the model's transformers config (`hf_config`'s:
+    a folder's config.json and a model.config get one rule; None: not declared, or rotary positions, where
+    max_position_embeddings is the trained context rather than a hard limit). The built config, not the recipe's
+    fields: a Llama's config class adds its rope_parameters whether or not model.config names them."""
+    fields = built.to_dict()
+    kind = fields.get("position_embedding_type")  # where declared (ESM: absolute or rotary), it decides
+    rotary = kind == "rotary" if kind is not None else \
+        any(fields.get(name) is not None for name in ("rope_parameters", "rope_theta", "rope_scaling"))
+    if rotary:
         return None  # rotary positions: the trained context is not a table's size (a longer one runs)
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         if isinstance(fields.get(name), int):
