@@ -121,13 +121,13 @@ BAD_FILES = {
     "label outside num_labels": ("train.csv", "text,label\ngood,1\nbad,7\n", "sequence-classification",
                                  "has label 7 in column 'label', outside 0..1 (model.num_labels: 2)"),
     "labels that are numbers but not ids": ("train.csv", "text,label\ngood,0.5\nbad,1.5\n", "sequence-classification",
-                                            "column 'label' holds float64 values (e.g. 0.5); labels must be class "
-                                            "ids or names"),
+                                            "row 1 has label 0.5 in column 'label'; labels must be class ids "
+                                            "(whole numbers) or names"),
     "more label names than num_labels": ("train.csv", "text,label\ngood,pos\nbad,neg\nmeh,mixed\n",
                                          "sequence-classification", "has 3 labels (mixed, neg, pos) but "
                                          "model.num_labels is 2; set model.num_labels: 3"),
     "row without a label": ("train.csv", "text,label\ngood,1\nbad,\n", "sequence-classification",
-                            "has a row without a 'label'; fill or drop it"),
+                            "row 2 has no 'label'; fill or drop it"),  # the row named, as for text
 }
 
 
@@ -146,7 +146,8 @@ def test_a_bad_data_file_exits_2_with_one_line(case, command, tmp_path, tiny_lla
 @pytest.mark.parametrize("labels", ['"1"', "1.0", "true"])
 def test_labels_that_are_class_ids_in_another_type_are_accepted(labels, tmp_path, tiny_llama_dir):
     data = tmp_path / "train.jsonl"  # digit strings, whole floats, booleans: int() of each is the class id
-    data.write_text("".join(f'{{"text": "review {i}", "label": {labels}}}\n' for i in range(3)))
+    # 8 rows: one global batch (validate refuses fewer, as train does)
+    data.write_text("".join(f'{{"text": "review {i}", "label": {labels}}}\n' for i in range(8)))
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, task="sequence-classification",
                           output_dir=tmp_path / "out", data={"train": str(data), "eval": None})
     assert main(["validate", str(recipe)]) == 0

@@ -30,10 +30,10 @@ def _tokenizer():
 def _split(recipe_path, key="data.train", names=None):
     """The tokenized split and its class names (every sample here has tokens to learn from: none left out)."""
     recipe = load_recipe(recipe_path)
-    dataset, names, num_left_out = load_split(key, data=recipe.data, task=recipe.model.task,
-                                              num_labels=recipe.model.num_labels, tokenizer=_tokenizer(),
-                                              env=ONE_RANK, names=names)
-    assert num_left_out == 0
+    dataset, names, counts = load_split(key, data=recipe.data, task=recipe.model.task,
+                                        num_labels=recipe.model.num_labels, tokenizer=_tokenizer(),
+                                        env=ONE_RANK, names=names)
+    assert counts.num_left_out == 0
     return dataset, names
 
 

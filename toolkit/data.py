@@ -11,27 +11,40 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import pyarrow.compute as pc
 import torch
 
-from toolkit.data_files import (DataSource, check_labels, check_text_column, class_names, data_source,
-                                read_rows)
+from toolkit.data_files import (DataSource, check_labels, check_records, check_text_column, class_names, columns,
+                                data_source, drop_blank_lines, label_ids, read_rows)
 from toolkit.dist import DistEnv, broadcast_object
 from toolkit.errors import RecipeError
-from toolkit.instruct import check_messages, check_tokenizer, encode_batch
+from toolkit.instruct import chat_template_text, check_messages, check_tokenizer, encode_batch, num_cut_tokens
 from toolkit.losses import IGNORE_INDEX
 from toolkit.recipe import BatchPlan, DataConfig
 
 
+@dataclass(frozen=True)
+class SplitCounts:
+    """What reading and tokenizing a split left out or cut, for rank 0's note (see data_note)."""
+
+    num_left_out: int = 0  # samples with no token to learn from
+    num_blank: int = 0  # blank lines of a text file, dropped before tokenizing
+    num_cut: int = 0  # samples cut at data.max_length (without packing)
+    num_tokens_cut: int = 0  # the tokens those lost
+    num_tokens: int = 0  # in the split as tokenized whole (before any cut, or before packing)
+    num_tokens_unpacked: int = 0  # packing: the tokens of each map batch's last, partial block
+
+
 def load_split(key: str, *, data: DataConfig, task: str, num_labels: int, tokenizer, env: DistEnv,
-               names: list[str] | None = None) -> tuple[Any, list[str] | None, int]:
+               names: list[str] | None = None) -> tuple[Any, list[str] | None, SplitCounts]:
     """The tokenized `datasets.Dataset` of recipe key `key` (data.train / data.eval) with input_ids (+ label, or
-    labels for instruction data), the class names its labels were mapped from (None: class ids), and how many
-    samples were left out for having no token to learn from (see left_out_note). Rank 0 tokenizes; the others
-    read its cache. `names`: data.train's (an eval split's labels must be among them)."""
+    labels for instruction data), the class names its labels were mapped from (None: class ids), and what was
+    left out or cut (see data_note). Rank 0 tokenizes; the others read its cache. `names`: data.train's (an eval
+    split's labels must be among them)."""
     source = data_source(key, getattr(data, key.split(".")[-1]))
     error = None
     if env.is_main:
@@ -47,19 +60,50 @@ def load_split(key: str, *, data: DataConfig, task: str, num_labels: int, tokeni
     return split
 
 
-def left_out_note(key: str, num_left_out: int, data: DataConfig) -> str:
-    return (f"[toolkit] {key}: {num_left_out} sample(s) have no token to learn from within data.max_length "
-            f"{data.max_length} (a prompt that fills it, an empty response, a one-token text); left out")
+def data_note(key: str, counts: SplitCounts, data: DataConfig) -> str | None:
+    """One line on what of a split the run does not train or evaluate on; None where it uses all of it."""
+    parts = []
+    if counts.num_blank:
+        parts.append(f"{counts.num_blank} blank line(s) left out")
+    if counts.num_left_out:
+        parts.append(f"{counts.num_left_out} sample(s) have no token to learn from within data.max_length "
+                     f"{data.max_length} (a prompt that fills it, an empty response, a one-token text); left out")
+    if counts.num_cut:
+        parts.append(f"{counts.num_cut} sample(s) longer than data.max_length {data.max_length} were cut, dropping "
+                     f"{counts.num_tokens_cut:,} of {counts.num_tokens:,} tokens "
+                     f"({_share(counts.num_tokens_cut, counts.num_tokens)}); raise data.max_length, or set "
+                     "data.packing: true (causal-lm) to keep them")
+    if counts.num_tokens_unpacked:
+        parts.append(f"{counts.num_tokens_unpacked:,} of {counts.num_tokens:,} tokens "
+                     f"({_share(counts.num_tokens_unpacked, counts.num_tokens)}) are left out of packing: the "
+                     f"partial block at the end of every {PACK_ROWS} samples")
+    return f"[toolkit] {key}: {'; '.join(parts)}" if parts else None
+
+
+def _share(part: int, whole: int) -> str:
+    share = part / max(whole, 1)
+    return "<0.1%" if 0 < share < 0.001 else f"{share:.1%}"
+
+
+def check_one_batch(num_samples: int, *, global_batch_size: int, num_left_out: int = 0) -> None:
+    """The train split fills one global batch (the sampler steps through whole global batches only)."""
+    if num_samples < global_batch_size:
+        left_out = f" ({num_left_out} left out: no token to learn from)" if num_left_out else ""
+        raise RecipeError(f"data: {num_samples} train samples{left_out} are fewer than one global batch of "
+                          f"{global_batch_size}; lower batch sizes or add data")
 
 
 def check_rows(raw, source: DataSource, *, data: DataConfig, task: str, num_labels: int,
                names: list[str] | None = None) -> list[str] | None:
     """The columns the recipe's format reads exist and hold what training needs. Returns the class names a
     training split's named labels map from (sorted: the class id is the position), None for class ids."""
+    import datasets
+
+    check_records(raw, source)
     if data.format == "chat":
         if data.messages_column not in raw.column_names:
             raise RecipeError(f"{source.key}: {source.path} has no column {data.messages_column!r} (it has "
-                              f"{', '.join(raw.column_names)}); set data.messages_column to one of those")
+                              f"{columns(raw)}); set data.messages_column to one of those")
         check_messages(raw[data.messages_column], source.key, source.path, data.messages_column)
     elif data.format == "prompt-response":
         check_text_column(raw, source, data.prompt_column, "data.prompt_column")
@@ -74,7 +118,8 @@ def check_rows(raw, source: DataSource, *, data: DataConfig, task: str, num_labe
         if names is not None and len(names) != num_labels:
             raise RecipeError(f"{source.key}: {source.path} has {len(names)} labels ({', '.join(names[:8])}) but "
                               f"model.num_labels is {num_labels}; set model.num_labels: {len(names)}")
-    elif names is None and class_names(raw, source, data.label_column) is not None:
+    elif names is None and not isinstance(raw.features[data.label_column], datasets.ClassLabel) and \
+            class_names(raw, source, data.label_column) is not None:  # a ClassLabel's ids are ids
         raise RecipeError(f"{source.key}: {source.path} has label names in column {data.label_column!r} where "
                           "data.train has class ids; use one kind in both")
     check_labels(raw, source, data, num_labels=num_labels, names=names)
@@ -90,42 +135,59 @@ def check_room(data: DataConfig, tokenizer) -> None:
 
 
 def _tokenized(source: DataSource, *, data: DataConfig, task: str, num_labels: int, tokenizer,
-               names: list[str] | None) -> tuple[Any, list[str] | None, int]:
-    """The tokenized split, its class names, and how many samples were left out for having nothing to learn."""
+               names: list[str] | None) -> tuple[Any, list[str] | None, SplitCounts]:
+    """The tokenized split, its class names, and what was left out or cut. Without packing each sample is cut at
+    data.max_length; with it, samples are tokenized whole and their stream cut into blocks (as transformers'
+    run_clm does): a long document becomes many blocks, none of it lost."""
     raw = read_rows(source)
     names = check_rows(raw, source, data=data, task=task, num_labels=num_labels, names=names)
     check_room(data, tokenizer)
+    data = chat_template_text(data)  # a path to a template file: its text (what the cache keys, too)
     cache = _cache_key(source, data=data, task=task, tokenizer=tokenizer, names=names)
     text, label = data.text_column, data.label_column
     if data.format != "text":
         check_tokenizer(data, tokenizer)
+    raw, num_blank = drop_blank_lines(raw, source, text, fingerprint=cache + "-lines")
+    packing = task == "causal-lm" and data.packing
+    label_feature = raw.features[label] if task == "sequence-classification" else None
+    max_length = None if packing else data.max_length
 
     def encode(batch):
         if data.format != "text":
             return encode_batch(batch, data, tokenizer)
-        out = tokenizer(batch[text], truncation=True, max_length=data.max_length)
-        result = {"input_ids": out["input_ids"]}
+        out = tokenizer(batch[text], truncation=not packing, max_length=max_length)
+        result = {"input_ids": out["input_ids"],
+                  "num_cut": num_cut_tokens(batch[text], out["input_ids"], tokenizer, max_length=max_length)}
         if task == "sequence-classification":
-            result["label"] = [names.index(str(v)) if names else int(v) for v in batch[label]]
+            result["label"] = label_ids(batch[label], label_feature, names)
         return result
 
-    dataset = raw.map(encode, batched=True, remove_columns=raw.column_names, new_fingerprint=cache)
-    if task == "causal-lm" and data.packing:
-        unpacked = dataset
-        dataset = dataset.map(_packer(data.max_length), batched=True, remove_columns=dataset.column_names,
-                              new_fingerprint=cache + "-packed")
+    encoded = raw.map(encode, batched=True, remove_columns=raw.column_names, new_fingerprint=cache)
+    num_tokens = _sum(pc.list_value_length(encoded.data.column("input_ids")))
+    cut = encoded.data.column("num_cut")
+    counts = SplitCounts(num_blank=num_blank, num_cut=_sum(pc.greater(cut, 0)), num_tokens_cut=_sum(cut),
+                         num_tokens=num_tokens + _sum(cut))
+    dataset = encoded.remove_columns("num_cut")
+    if packing:
+        dataset = dataset.map(_packer(data.max_length), batched=True, batch_size=PACK_ROWS,
+                              remove_columns=dataset.column_names, new_fingerprint=cache + "-packed")
         if len(dataset) == 0:
-            tokens = sum(len(ids) for ids in unpacked["input_ids"])
-            raise RecipeError(f"{source.key}: {source.path} has {tokens} tokens, fewer than one packed block of "
+            raise RecipeError(f"{source.key}: {source.path} has {num_tokens} tokens, fewer than one packed block of "
                               f"data.max_length {data.max_length}; lower data.max_length or add data")
+        counts = replace(counts, num_tokens_unpacked=num_tokens - len(dataset) * data.max_length)
     if task == "sequence-classification":
-        return dataset, names, 0
+        return dataset, names, counts
     kept = dataset.filter(_learnable, batched=True, new_fingerprint=cache + "-learnable")
     if len(kept) == 0:
         raise RecipeError(f"{source.key}: {source.path}: no sample has a token to learn from within data.max_length "
                           f"{data.max_length} (prompts that fill it, empty responses, one-token texts); raise "
                           "data.max_length or fix the data")
-    return kept, names, len(dataset) - len(kept)
+    return kept, names, replace(counts, num_left_out=len(dataset) - len(kept))
+
+
+def _sum(values) -> int:
+    """An arrow column's sum as an int (0 for none): no Python pass over the column."""
+    return int(pc.sum(values).as_py() or 0)
 
 
 def _learnable(batch) -> list[bool]:
@@ -136,16 +198,25 @@ def _learnable(batch) -> list[bool]:
     return [any(label != IGNORE_INDEX for label in row[1:]) for row in labels]
 
 
+# what the cached columns mean: a change to how samples are tokenized gives them a new name, so that a cache an
+# older toolkit wrote is not read as this one's (v2: packing tokenizes whole documents; blank text lines dropped)
+TOKENIZED_VERSION = "tokenized-v2"
+
+
 def _cache_key(source: DataSource, *, data: DataConfig, task: str, tokenizer, names: list[str] | None) -> str:
     """Cache identity: the source's files + tokenizer vocabulary and template + every setting that changes the
     tokens or labels."""
     digest = hashlib.sha256(source.fingerprint().encode())
+    digest.update(TOKENIZED_VERSION.encode())
     digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     digest.update(json.dumps([type(tokenizer).__name__, data.text_column, data.label_column, data.max_length,
                               data.packing, task, data.format, data.messages_column, data.prompt_column,
                               data.response_column, data.chat_template or getattr(tokenizer, "chat_template", None),
                               tokenizer.eos_token, names]).encode())
     return digest.hexdigest()[:32]
+
+
+PACK_ROWS = 1000  # samples per packing batch: its stream's last partial block is left out (run_clm's group_texts)
 
 
 def _packer(block: int):

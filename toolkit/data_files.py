@@ -1,7 +1,8 @@
 """Where a split's rows come from, and what they must hold: the data files people have.
 
 `data.train` / `data.eval` may name
-  a file            json, jsonl, csv, parquet or txt, the text formats also compressed (.gz, .bz2, .xz, .zst);
+  a file            json, jsonl, csv, tsv, parquet or txt, the text formats also compressed (.gz, .bz2, .xz,
+                    .zst: through the zstandard package);
   a folder of shards files of one of those formats (e.g. part-00000.parquet ...), read as one split; where the
                     file names name splits by `datasets`' split keywords (train-*, *_validation.*, test.*, dev,
                     eval ...), only the key's split (train; for eval: validation, then test), and a folder without
@@ -22,7 +23,7 @@ from pathlib import Path
 from toolkit.errors import RecipeError
 from toolkit.recipe import DataConfig
 
-FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet", ".txt": "text"}
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")  # what `datasets` decompresses by the file name
 SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # a save_to_disk folder
 EVAL_SPLITS = ("validation", "eval", "test")
@@ -33,7 +34,7 @@ TEXT_DTYPES = ("string", "large_string", "string_view")
 class DataSource:
     key: str  # data.train | data.eval
     path: Path
-    format: str  # json | csv | parquet | text | saved
+    format: str  # json | csv | tsv | parquet | text | saved
     files: tuple[Path, ...]  # what is read (a saved dataset: every file of its folder)
 
     def fingerprint(self) -> str:
@@ -55,7 +56,7 @@ def format_of(file: Path) -> str | None:
 def data_source(key: str, path: str) -> DataSource:
     """What `key` names, checked to exist and to be something the toolkit reads (no rows read yet)."""
     where = Path(path)
-    known = "json, jsonl, csv, parquet or txt (optionally .gz, .bz2, .xz, .zst)"
+    known = "json, jsonl, csv, tsv, parquet or txt (optionally .gz, .bz2, .xz, .zst)"
     if where.is_dir():
         if any((where / marker).is_file() for marker in SAVED_MARKERS):
             return DataSource(key, where, "saved", tuple(sorted(f for f in where.rglob("*") if f.is_file())))
@@ -112,10 +113,17 @@ def _split_of(key: str, where: Path, shards: list[Path]) -> list[Path]:
 
 def _check_compression(key: str, file: Path, fmt: str) -> None:
     """`datasets` decompresses text formats by their suffix; a parquet file compresses its columns itself and is
-    read only as written."""
+    read only as written. zstd needs the zstandard package (a dependency of the toolkit; an environment may lack
+    it), without which `datasets` blames the file."""
     if fmt == "parquet" and file.name.endswith(COMPRESSIONS):
         raise RecipeError(f"{key}: {file}: parquet is read as written, not from a {file.suffix} archive; decompress "
                           "it (parquet compresses its own columns)")
+    if file.name.endswith(".zst"):
+        try:
+            import zstandard  # noqa: F401
+        except ImportError:
+            raise RecipeError(f"{key}: {file} is zstd-compressed, which needs the zstandard package: pip install "
+                              "zstandard (or decompress it: zstd -d)") from None
 
 
 def read_rows(source: DataSource):
@@ -134,8 +142,9 @@ def read_rows(source: DataSource):
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a parse error is the one line below, not the
     try:                                                        # library's log of it too
-        raw = datasets.load_dataset(source.format, data_files=[str(f) for f in source.files if f.stat().st_size],
-                                    split="train")
+        builder, options = ("csv", {"delimiter": "\t"}) if source.format == "tsv" else (source.format, {})
+        raw = datasets.load_dataset(builder, data_files=[str(f) for f in source.files if f.stat().st_size],
+                                    split="train", **options)
     except ValueError as exc:
         if "corresponds to no data" not in str(exc):
             raise _unreadable(source, exc) from None
@@ -152,6 +161,19 @@ def read_rows(source: DataSource):
         raise RecipeError(f"{source.key}: {source.path} has no rows (a header at most); point {source.key} at a "
                           "file with data")
     return raw
+
+
+def drop_blank_lines(raw, source: DataSource, column: str, *, fingerprint: str | None = None):
+    """A text file's rows without the lines that are empty or only whitespace (the blank line between
+    paragraphs), and how many those were: a tokenizer that adds [CLS] [SEP] makes a sample of each, which would
+    teach the model nothing but its own markup. Other formats keep every row: a row there is a record."""
+    if source.format != "text":
+        return raw, 0
+    kept = raw.filter(lambda batch: [bool(line.strip()) for line in batch[column]], batched=True,
+                      new_fingerprint=fingerprint)
+    if len(kept) == 0:
+        raise RecipeError(f"{source.key}: {source.path} has only blank lines; point {source.key} at a file with text")
+    return kept, len(raw) - len(kept)
 
 
 def _unreadable(source: DataSource, exc: BaseException) -> RecipeError:
@@ -182,53 +204,140 @@ def _saved_split(source: DataSource):
     return saved
 
 
+def columns(raw) -> str:
+    """The split's column names, quoted: a stray space in a CSV header shows."""
+    return ", ".join(repr(c) for c in raw.column_names)
+
+
+def check_records(raw, source: DataSource) -> None:
+    """One row per record: a JSON file of one object whose values are lists (columnar, as pandas' to_json
+    writes a dict of lists) reads as a single row of lists."""
+    import datasets
+
+    if len(raw) == 1 and all(isinstance(f, (datasets.List, datasets.LargeList)) for f in raw.features.values()):
+        raise RecipeError(f"{source.key}: {source.path} holds one record whose values are lists (columnar JSON); "
+                          "write one record per line (JSON Lines: {\"text\": ..., \"label\": ...})")
+
+
+def _shown(value) -> str:
+    """A cell's value as Python writes it (a number unquoted, text quoted), cut to fit one line."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _first_row(raw, column: str, bad) -> tuple[int, object]:
+    """The 1-based number and value of the first row whose `column` value is bad (an error path: one pass)."""
+    return next((number, value) for number, value in enumerate(raw[column], start=1) if bad(value))
+
+
+def _check_filled(raw, source: DataSource, column: str) -> None:
+    if raw.data.column(column).null_count:  # arrow's count: no Python pass over the column
+        number, _ = _first_row(raw, column, lambda v: v is None)
+        raise RecipeError(f"{source.key}: {source.path} row {number} has no {column!r}; fill or drop it")
+
+
 def check_text_column(raw, source: DataSource, column: str, setting: str) -> None:
     """`column` exists and holds text in every row."""
     import datasets
 
     if column not in raw.column_names:
-        raise RecipeError(f"{source.key}: {source.path} has no column {column!r} (it has "
-                          f"{', '.join(raw.column_names)}); set {setting} to one of those")
+        raise RecipeError(f"{source.key}: {source.path} has no column {column!r} (it has {columns(raw)}); set "
+                          f"{setting} to one of those")
+    _check_filled(raw, source, column)
     feature = raw.features[column]
-    if not (isinstance(feature, datasets.Value) and feature.dtype in TEXT_DTYPES):
-        raise RecipeError(f"{source.key}: {source.path} column {column!r} holds {describe(feature)}, not text; set "
-                          f"{setting} to the column with the text")
-    if raw.data.column(column).null_count:  # arrow's count: no Python pass over the column
-        missing = next(i for i, v in enumerate(raw[column]) if v is None)
-        raise RecipeError(f"{source.key}: {source.path} row {missing + 1} has no {column!r}; fill or drop it")
+    if isinstance(feature, datasets.Value) and feature.dtype in TEXT_DTYPES:
+        return
+    if isinstance(feature, datasets.Json):  # JSON values of several types: text in some rows only
+        number, value = _first_row(raw, column, lambda v: not isinstance(v, str))
+        raise RecipeError(f"{source.key}: {source.path} row {number} has {_shown(value)} in column {column!r}, "
+                          "where other rows have text; write it as text (in quotes) or drop the row")
+    raise RecipeError(f"{source.key}: {source.path} column {column!r} holds {describe(feature)}, not text; set "
+                      f"{setting} to the column with the text")
+
+
+def _label_kind(value) -> str:
+    if isinstance(value, bool) or isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return "class ids"
+    return "names" if isinstance(value, str) else "other"
 
 
 def label_values(raw, source: DataSource, column: str) -> list:
-    """The distinct labels of a split (a missing one is a RecipeError)."""
+    """The distinct labels of a split (a missing one, or labels of several kinds, is a RecipeError naming the
+    row)."""
+    import datasets
+
     if column not in raw.column_names:
-        raise RecipeError(f"{source.key}: {source.path} has no column {column!r} (it has "
-                          f"{', '.join(raw.column_names)}); set data.label_column to one of those")
-    values = raw.unique(column)
-    if any(v is None for v in values):
-        raise RecipeError(f"{source.key}: {source.path} has a row without a {column!r}; fill or drop it")
-    return values
+        raise RecipeError(f"{source.key}: {source.path} has no column {column!r} (it has {columns(raw)}); set "
+                          "data.label_column to one of those")
+    _check_filled(raw, source, column)
+    if not isinstance(raw.features[column], datasets.Json):
+        return raw.unique(column)
+    # JSON values of several types (ids in some rows, names in others): arrow has no kernel to list them
+    kinds = [_label_kind(v) for v in raw[column]]
+    if len(set(kinds)) == 1 and kinds[0] != "other":  # ids of several types (1, true): one kind all the same
+        return list(dict.fromkeys(raw[column]))
+    odd = "other" if "other" in kinds else min(("class ids", "names"), key=kinds.count)
+    number = kinds.index(odd) + 1
+    value = raw[number - 1][column]
+    if odd == "other":
+        raise RecipeError(f"{source.key}: {source.path} row {number} has label {_shown(value)} in column "
+                          f"{column!r}; labels must be class ids or names")
+    usual = "names" if odd == "class ids" else "class ids"
+    raise RecipeError(f"{source.key}: {source.path} row {number} has label {_shown(value)} in column {column!r} where "
+                      f"other rows have {usual}; use one kind")
 
 
 def class_names(raw, source: DataSource, column: str) -> list[str] | None:
     """A label column that holds names (`pos`, `neg`): the names in sorted order, whose positions are the class
-    ids. None where the labels are class ids already: integers, booleans, whole floats, digit strings."""
+    ids; a `datasets` ClassLabel column: its names, in its id order. None where the labels are class ids already:
+    integers, booleans, whole floats, digit strings."""
     import datasets
 
     values = label_values(raw, source, column)
     feature = raw.features[column]
     if isinstance(feature, datasets.ClassLabel):
+        return list(feature.names)
+    if isinstance(feature, datasets.Json):  # one kind (label_values): ids of several types, or names
+        return sorted(values) if all(isinstance(v, str) for v in values) else None
+    if is_id_column(feature):
         return None
-    dtype = getattr(feature, "dtype", "")
-    if dtype.startswith(("int", "uint")) or dtype == "bool" or \
-            (dtype.startswith("float") and all(float(v).is_integer() for v in values)):
-        return None
+    dtype = feature.dtype
+    if dtype.startswith("float"):
+        if all(float(v).is_integer() for v in values):
+            return None
+        number, value = _first_row(raw, column, lambda v: not float(v).is_integer())
+        raise RecipeError(f"{source.key}: {source.path} row {number} has label {value!r} in column {column!r}; "
+                          "labels must be class ids (whole numbers) or names")
     if dtype in TEXT_DTYPES:
         if all(v.strip().isdigit() for v in values):
             return None
         return sorted(values)
-    example = next(iter(values), None)
-    raise RecipeError(f"{source.key}: {source.path} column {column!r} holds {describe(feature)} (e.g. {example!r}); "
-                      "labels must be class ids or names")
+    raise RecipeError(f"{source.key}: {source.path} column {column!r} holds {describe(feature)} (row 1: "
+                      f"{_shown(raw[0][column])}); labels must be class ids or names")
+
+
+def is_id_column(feature) -> bool:
+    """A column of integers or booleans: class ids, whatever data.train's labels are."""
+    import datasets
+
+    dtype = feature.dtype if isinstance(feature, datasets.Value) else ""
+    return dtype.startswith(("int", "uint")) or dtype == "bool"
+
+
+def label_ids(values, feature, names: list[str] | None) -> list[int]:
+    """Class ids of labels: a name's position in `names` (data.train's class names; a ClassLabel's id stands for
+    its name), else the id as written."""
+    if names is None or is_id_column(feature):
+        return [int(v) for v in values]
+    return [names.index(name) for name in _as_names(values, feature)]
+
+
+def _as_names(values, feature) -> list[str]:
+    import datasets
+
+    if isinstance(feature, datasets.ClassLabel):
+        return [feature.int2str(int(v)) for v in values]
+    return [str(v) for v in values]
 
 
 def check_labels(raw, source: DataSource, data: DataConfig, *, num_labels: int, names: list[str] | None) -> None:
@@ -236,8 +345,9 @@ def check_labels(raw, source: DataSource, data: DataConfig, *, num_labels: int, 
     column = data.label_column
     assert column is not None  # Recipe: required for sequence-classification
     values = label_values(raw, source, column)
-    if names is not None:
-        unknown = sorted(str(v) for v in values if str(v) not in names)
+    feature = raw.features[column]
+    if names is not None and not is_id_column(feature):
+        unknown = sorted(v for v in _as_names(values, feature) if v not in names)
         if unknown:
             raise RecipeError(f"{source.key}: {source.path} has label {unknown[0]!r} in column {column!r}, which "
                               f"data.train does not have (its labels: {', '.join(names)}); fix the data")

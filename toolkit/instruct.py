@@ -11,6 +11,9 @@ tokenizer merges across a prompt/response boundary as it likes; the offsets say 
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 from toolkit.errors import RecipeError
 from toolkit.losses import IGNORE_INDEX
 from toolkit.recipe import DataConfig
@@ -52,21 +55,40 @@ def chat_text(messages: list[dict], tokenizer, template: str | None) -> tuple[st
     return full, spans
 
 
-def encode(texts: list[str], spans: list[list[Span]], tokenizer, *, max_length: int,
-           add_special_tokens: bool) -> dict[str, list[list[int]]]:
+def encode(texts: list[str], spans: list[list[Span]], tokenizer, *, max_length: int | None,
+           add_special_tokens: bool) -> dict[str, list]:
     """input_ids and labels: a token's label is itself where its text starts inside a response span, else
-    IGNORE_INDEX (special tokens the tokenizer adds have no text: ignored)."""
-    out = tokenizer(texts, truncation=True, max_length=max_length, return_offsets_mapping=True,
+    IGNORE_INDEX (special tokens the tokenizer adds have no text: ignored). Each sample is cut at `max_length`
+    (None: kept whole, for packing); num_cut says how many tokens that cut off."""
+    out = tokenizer(texts, truncation=max_length is not None, max_length=max_length, return_offsets_mapping=True,
                     add_special_tokens=add_special_tokens)
     labels = []
     for ids, offsets, sample_spans in zip(out["input_ids"], out["offset_mapping"], spans):
         labels.append([token if end > start and any(a <= start < b for a, b in sample_spans) else IGNORE_INDEX
                        for token, (start, end) in zip(ids, offsets)])
-    return {"input_ids": out["input_ids"], "labels": labels}
+    return {"input_ids": out["input_ids"], "labels": labels,
+            "num_cut": num_cut_tokens(texts, out["input_ids"], tokenizer, max_length=max_length,
+                                      add_special_tokens=add_special_tokens)}
 
 
-def encode_batch(batch: dict, data: DataConfig, tokenizer) -> dict[str, list[list[int]]]:
-    """A `datasets.map` batch of instruction rows -> input_ids and labels."""
+def num_cut_tokens(texts: list[str], ids: list[list[int]], tokenizer, *, max_length: int | None,
+                   add_special_tokens: bool = True) -> list[int]:
+    """How many tokens truncation at `max_length` cut off each text. Only a sample that fills max_length may
+    have been cut: those alone are tokenized again, whole, to count (a data set of short texts costs nothing)."""
+    cut = [0] * len(texts)
+    if max_length is None:
+        return cut
+    full = [i for i, row in enumerate(ids) if len(row) >= max_length]
+    if full:
+        whole = tokenizer([texts[i] for i in full], add_special_tokens=add_special_tokens)["input_ids"]
+        for i, row in zip(full, whole):
+            cut[i] = max(0, len(row) - len(ids[i]))
+    return cut
+
+
+def encode_batch(batch: dict, data: DataConfig, tokenizer) -> dict[str, list]:
+    """A `datasets.map` batch of instruction rows -> input_ids, labels and num_cut (whole samples under
+    data.packing: the packer cuts the stream into blocks)."""
     if data.format == "chat":
         rendered = [chat_text(messages, tokenizer, data.chat_template) for messages in batch[data.messages_column]]
         special = False  # the template writes the conversation's special tokens itself
@@ -75,7 +97,7 @@ def encode_batch(batch: dict, data: DataConfig, tokenizer) -> dict[str, list[lis
                     for p, r in zip(batch[data.prompt_column], batch[data.response_column])]
         special = True
     return encode([text for text, _ in rendered], [spans for _, spans in rendered], tokenizer,
-                  max_length=data.max_length, add_special_tokens=special)
+                  max_length=None if data.packing else data.max_length, add_special_tokens=special)
 
 
 def check_tokenizer(data: DataConfig, tokenizer) -> None:
@@ -86,8 +108,31 @@ def check_tokenizer(data: DataConfig, tokenizer) -> None:
         raise RecipeError("data.format chat: the tokenizer has no chat template; set data.chat_template to one "
                           "(a Jinja template over `messages`, as in tokenizer_config.json)")
     if data.format == "chat":  # a template that does not parse, or fails on a plain exchange: found before training
-        chat_text([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], tokenizer,
-                  data.chat_template)
+        text, spans = chat_text([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+                                tokenizer, data.chat_template)
+        if not any("hello" in text[start:end] for start, end in spans):  # nothing of the response to train on
+            whose = "data.chat_template" if data.chat_template is not None else "the tokenizer's chat template"
+            raise RecipeError(f"data.format chat: {whose} does not write the assistant's message (rendered "
+                              f"{text[:60]!r} for user 'hi', assistant 'hello'); it must write each message's "
+                              "content ({{ message['content'] }})")
+
+
+def chat_template_text(data: DataConfig) -> DataConfig:
+    """`data` with data.chat_template as template text: a value that holds no Jinja tag ({{ }}, {% %}) is not a
+    template but the path of a file holding one (a .jinja file, as most templates are kept), which is read."""
+    template = data.chat_template
+    if template is None or data.format != "chat" or "{{" in template or "{%" in template:
+        return data
+    path = Path(template).expanduser()
+    if not path.is_file():
+        raise RecipeError(f"data.chat_template {template[:80]!r} is neither a Jinja template (it has no {{{{ }}}} "
+                          "or {% %}) nor a file; give the template's text or the path of a file holding it")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"data.chat_template: {path} cannot be read ({type(exc).__name__}); fix the "
+                          "file") from None
+    return replace(data, chat_template=text)
 
 
 def check_messages(rows, key: str, path, column: str) -> None:

@@ -29,7 +29,8 @@ from toolkit.checkpoint.store import check_creatable
 from toolkit.comm import CollectiveCounter, counting
 from toolkit.checks import check_position_limit
 from toolkit.consistency import check_replicas
-from toolkit.data import Collator, DataLayout, GlobalBatchSampler, left_out_note, load_split, train_loader
+from toolkit.data import (Collator, DataLayout, GlobalBatchSampler, SplitCounts, check_one_batch, data_note, load_split,
+                          train_loader)
 from toolkit.dist import DistEnv, all_reduce_max, all_reduce_sum
 from toolkit.errors import RecipeError
 from toolkit.evaluate import evaluate
@@ -93,15 +94,13 @@ def prepare(recipe: Recipe, env: DistEnv):
     tokenizer = load_tokenizer(recipe.model)
     kwargs = dict(data=recipe.data, task=recipe.model.task, num_labels=recipe.model.num_labels, tokenizer=tokenizer,
                   env=env)
-    train_ds, names, train_left_out = load_split("data.train", **kwargs)
-    eval_ds, _, eval_left_out = load_split("data.eval", **kwargs, names=names) if recipe.data.eval else (None, None, 0)
+    train_ds, names, train_counts = load_split("data.train", **kwargs)
+    eval_ds, _, eval_counts = load_split("data.eval", **kwargs, names=names) if recipe.data.eval else \
+        (None, None, SplitCounts())
     sampler = GlobalBatchSampler(num_samples=len(train_ds), plan=plan, rank=layout.rank, seed=recipe.seed)
-    if sampler.steps_per_epoch == 0:
-        left_out = f" ({train_left_out} left out: no token to learn from)" if train_left_out else ""
-        raise RecipeError(f"data: {len(train_ds)} train samples{left_out} are fewer than one global batch of "
-                          f"{plan.global_batch_size}; lower batch sizes or add data")
-    notes = [left_out_note(key, num, recipe.data) for key, num in (("data.train", train_left_out),
-                                                                   ("data.eval", eval_left_out)) if num]
+    check_one_batch(len(train_ds), global_batch_size=plan.global_batch_size, num_left_out=train_counts.num_left_out)
+    notes = [note for note in (data_note("data.train", train_counts, recipe.data),
+                               data_note("data.eval", eval_counts, recipe.data)) if note]
     epochs = recipe.train.epochs or 0.0  # TrainConfig: exactly one of max_steps and epochs
     total_steps = recipe.train.max_steps or max(1, int(epochs * sampler.steps_per_epoch))
     check_profile_window(recipe.train.profile_steps, last_step=total_steps)

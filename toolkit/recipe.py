@@ -78,7 +78,7 @@ DATA_FORMATS = ("text", "chat", "prompt-response")
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    # a json/jsonl/csv/parquet/txt file (also .gz, .bz2, .xz, .zst), a folder of such shards, or a folder written
+    # a json/jsonl/csv/tsv/parquet/txt file (also .gz, .bz2, .xz, .zst), a folder of such shards, or a folder written
     # by datasets' save_to_disk (a DatasetDict: its train split; for eval its validation, eval or test split)
     train: str = field(metadata=PATH)
     # held-out data, the same kinds; eval loss (+ accuracy / perplexity) every eval_every
@@ -92,9 +92,12 @@ class DataConfig:
     messages_column: str = "messages"  # format chat
     prompt_column: str = "prompt"  # format prompt-response
     response_column: str = "response"  # format prompt-response
-    chat_template: str | None = None  # format chat: a Jinja template for a tokenizer that has none (or to replace it)
-    max_length: int = 128  # tokens per sample; longer ones are truncated
-    packing: bool = False  # causal-lm: concatenate samples into full max_length blocks (no padding)
+    # format chat: a Jinja template (its text, or the path of a .jinja file) for a tokenizer that has none (or to
+    # replace it)
+    chat_template: str | None = None
+    max_length: int = 128  # tokens per sample; longer ones are cut (the run says how many tokens that dropped)
+    # causal-lm: documents tokenized whole, their stream cut into full max_length blocks (no padding, no cut)
+    packing: bool = False
     num_workers: int = 0  # DataLoader workers per rank
     pin_memory: bool = False  # pinned host memory: faster host-to-GPU copies, costs page-locked RAM
 

@@ -1,0 +1,216 @@
+"""What of a data file reaches training: packing keeps every token of long documents, truncation and blank lines
+are counted in one note, and a file a user got wrong (mixed label types, a template given as a path, a tab-
+separated or zstd file) is one line naming the row, value or fix — found by `validate` where `train` would refuse."""
+
+import importlib.util
+import json
+import sys
+
+import pytest
+import torch
+
+from conftest import MINILM, TRAIN, write_recipe
+from toolkit.cli import main
+from toolkit.data import data_note, load_split
+from toolkit.dist import DistEnv
+from toolkit.recipe_files import load_recipe
+
+ROWS = [json.loads(line) for line in open(TRAIN)][:64]
+ONE_RANK = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    from toolkit.model import resolve_path
+
+    return AutoTokenizer.from_pretrained(str(resolve_path(MINILM)))
+
+
+def _split(recipe_path, key="data.train", names=None):
+    recipe = load_recipe(recipe_path)
+    return load_split(key, data=recipe.data, task=recipe.model.task, num_labels=recipe.model.num_labels,
+                      tokenizer=_tokenizer(), env=ONE_RANK, names=names)
+
+
+def _one_line_exit_2(code, capsys, *words):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("toolkit: error:"), err
+    assert all(w in err[0] for w in words), err
+
+
+def _long_documents(tmp_path):
+    """4 documents of ~3,000 tokens each and 60 short ones."""
+    path = tmp_path / "long.jsonl"
+    rows = [{"text": " ".join(r["text"] for r in ROWS) if i < 4 else ROWS[i]["text"]} for i in range(64)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path, [r["text"] for r in rows]
+
+
+def test_packing_keeps_every_token_of_long_documents(tmp_path, tiny_llama_dir):
+    """Packing tokenizes whole documents and cuts their stream into blocks (transformers' run_clm group_texts):
+    the blocks are the first len // 32 blocks of the concatenated whole-document token ids. Before, each
+    document was cut at data.max_length first and ~90 % of these tokens never reached a block."""
+    path, texts = _long_documents(tmp_path)
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
+                          data={"train": str(path), "eval": None, "packing": True, "max_length": 32})
+    dataset, _, counts = _split(recipe)
+    stream = [t for ids in _tokenizer()(texts)["input_ids"] for t in ids]  # the reference: whole documents
+    blocks = len(stream) // 32
+    assert dataset["input_ids"] == [stream[i * 32:(i + 1) * 32] for i in range(blocks)]
+    assert counts.num_tokens == len(stream) and counts.num_cut == 0
+    assert counts.num_tokens_unpacked == len(stream) - blocks * 32 < 32  # one partial block: 64 rows, one batch
+
+
+def test_truncation_without_packing_is_one_note_with_the_share_of_tokens_lost(tmp_path, tiny_llama_dir):
+    path, texts = _long_documents(tmp_path)
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
+                          data={"train": str(path), "eval": None, "max_length": 32})
+    dataset, _, counts = _split(recipe)
+    whole = [len(ids) for ids in _tokenizer()(texts)["input_ids"]]
+    assert sum(len(ids) for ids in dataset["input_ids"]) == sum(min(n, 32) for n in whole)
+    assert counts.num_cut == sum(n > 32 for n in whole) == 4  # the long documents; no short one reaches 32
+    assert counts.num_tokens == sum(whole) and counts.num_tokens_cut == sum(max(n - 32, 0) for n in whole)
+    note = data_note("data.train", counts, load_recipe(recipe).data)
+    share = f"{counts.num_tokens_cut / counts.num_tokens:.1%}"
+    assert note == (f"[toolkit] data.train: 4 sample(s) longer than data.max_length 32 were cut, dropping "
+                    f"{counts.num_tokens_cut:,} of {counts.num_tokens:,} tokens ({share}); raise data.max_length, "
+                    "or set data.packing: true (causal-lm) to keep them")
+    short = write_recipe(tmp_path / "short.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
+                         data={"train": TRAIN, "eval": None, "max_length": 64})
+    assert data_note("data.train", _split(short)[2], load_recipe(short).data) is None  # nothing cut: no note
+
+
+def test_blank_lines_of_a_text_file_are_left_out_and_counted(tmp_path, tiny_llama_dir, capsys):
+    """Paragraphs separated by blank lines (CRLF): the MiniLM tokenizer makes [CLS] [SEP] of a blank line, a
+    sample with a token to learn from, so half of the samples taught the model its own markup."""
+    path = tmp_path / "paragraphs.txt"
+    path.write_bytes("".join(f"{r['text']}\r\n \r\n" for r in ROWS).encode())
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
+                          data={"train": str(path), "eval": None})
+    dataset, _, counts = _split(recipe)
+    tokenizer = _tokenizer()
+    assert dataset["input_ids"] == [tokenizer(r["text"], truncation=True, max_length=32)["input_ids"] for r in ROWS]
+    assert counts.num_blank == 64
+    note = data_note("data.train", counts, load_recipe(recipe).data)
+    assert note == "[toolkit] data.train: 64 blank line(s) left out"
+    path.write_text("\n  \n\t\n")
+    _one_line_exit_2(main(["validate", str(recipe)]), capsys, f"data.train: {path} has only blank lines")
+
+
+# a file as a user may have it: (its name, its text, the words of the one line)
+MIXED = [{"text": r["text"], "label": r["label"]} for r in ROWS[:8]]
+BAD_FILES = {
+    "ids and names": ("mixed.jsonl", [*MIXED[:5], {"text": "meh", "label": "pos"}, *MIXED[5:]],
+                      "row 6 has label 'pos' in column 'label' where other rows have class ids; use one kind"),
+    "a number among texts": ("numtext.jsonl", [*MIXED[:3], {"text": 12345, "label": 0}, *MIXED[3:]],
+                             "row 4 has 12345 in column 'text', where other rows have text"),
+    "a fraction among ids": ("float.jsonl", [*MIXED[:6], {"text": "meh", "label": 1.5}, *MIXED[6:]],
+                             "row 7 has label 1.5 in column 'label'; labels must be class ids (whole numbers)"),
+    "columnar json": ("columns.json", {"text": [r["text"] for r in MIXED], "label": [r["label"] for r in MIXED]},
+                      "holds one record whose values are lists (columnar JSON); write one record per line"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_a_label_or_text_of_the_wrong_kind_names_its_row_and_value(case, tmp_path, tiny_llama_dir, capsys):
+    name, rows, words = BAD_FILES[case]
+    path = tmp_path / name
+    path.write_text(json.dumps(rows) if isinstance(rows, dict) else "".join(json.dumps(r) + "\n" for r in rows))
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, task="sequence-classification",
+                          output_dir=tmp_path / "out", data={"train": str(path), "eval": None})
+    _one_line_exit_2(main(["validate", str(recipe)]), capsys, f"data.train: {path} {words}")
+
+
+def test_csv_cells_and_headers_name_the_row_and_show_the_spaces(tmp_path, tiny_llama_dir, capsys):
+    path = tmp_path / "train.csv"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, task="sequence-classification",
+                          output_dir=tmp_path / "out", data={"train": str(path), "eval": None})
+    path.write_text("text,label\n" + "good,1\n" * 5 + "bad,\n" + "meh,0\n" * 4)
+    _one_line_exit_2(main(["validate", str(recipe)]), capsys, "row 6 has no 'label'; fill or drop it")
+    path.write_text("text , label\n" + "good,1\n" * 8)
+    _one_line_exit_2(main(["validate", str(recipe)]), capsys, "has no column 'text' (it has 'text ', ' label')")
+
+
+def test_validate_refuses_fewer_train_rows_than_one_global_batch_as_train_does(tmp_path, tiny_llama_dir, capsys):
+    path = tmp_path / "tiny.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:3]))
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
+                          data={"train": str(path), "eval": None})
+    for command in ("validate", "train"):
+        _one_line_exit_2(main([command, str(recipe)]), capsys,
+                         "data: 3 train samples are fewer than one global batch of 8; lower batch sizes or add data")
+    # packed, 3 long rows may fill many blocks: known only once tokenized, so validate lets it through
+    assert main(["validate", str(recipe), "--set", "data.packing=true"]) == 0
+
+
+def test_a_tab_separated_file_reads_as_the_same_rows(tmp_path, tiny_llama_dir):
+    path = tmp_path / "train.tsv"
+    path.write_text("text\tlabel\n" + "".join(f"{r['text']}\t{r['label']}\n" for r in ROWS))
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, task="sequence-classification",
+                          output_dir=tmp_path / "out", data={"train": str(path), "eval": None})
+    dataset, _, _ = _split(recipe)
+    tokenizer = _tokenizer()
+    assert dataset["input_ids"] == [tokenizer(r["text"], truncation=True, max_length=32)["input_ids"] for r in ROWS]
+    assert dataset["label"] == [r["label"] for r in ROWS]
+
+
+def test_a_zstd_file_reads_or_names_the_package_to_install(tmp_path, tiny_llama_dir, capsys, monkeypatch):
+    path = tmp_path / "train.jsonl.zst"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
+                          data={"train": str(path), "eval": None})
+    text = "".join(json.dumps(r) + "\n" for r in ROWS).encode()
+    if importlib.util.find_spec("zstandard"):  # a dependency (pyproject.toml): the file reads as its rows
+        import zstandard
+
+        path.write_bytes(zstandard.ZstdCompressor().compress(text))
+        assert _split(recipe)[0].num_rows == 64
+    path.write_bytes(b"\x28\xb5\x2f\xfd")  # what is read never matters without the package: the line names it
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # an environment without it
+    _one_line_exit_2(main(["validate", str(recipe)]), capsys,
+                     f"data.train: {path} is zstd-compressed, which needs the zstandard package: pip install zstandard")
+
+
+def test_a_chat_template_file_is_read_and_a_template_that_writes_no_message_is_one_line(tmp_path, tiny_llama_dir,
+                                                                                        capsys):
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": r["text"]},
+                                                     {"role": "assistant", "content": ["no", "yes"][r["label"]]}]})
+                            + "\n" for r in ROWS))
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
+                          data={"train": str(data), "eval": None, "format": "chat", "chat_template": str(template)})
+    assert main(["validate", str(recipe)]) == 0
+    from_file, _, _ = _split(recipe)
+    inline = write_recipe(tmp_path / "inline.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
+                          data={"train": str(data), "eval": None, "format": "chat", "chat_template": CHAT_TEMPLATE})
+    assert from_file["labels"] == _split(inline)[0]["labels"]  # the file's template, as if given as text
+    template.unlink()
+    _one_line_exit_2(main(["validate", str(recipe)]), capsys,
+                     f"data.chat_template '{template}' is neither a Jinja template", "nor a file")
+    roles_only = "{% for m in messages %}<{{ m['role'] }}>{% endfor %}"
+    _one_line_exit_2(main(["validate", str(recipe), "--set", f"data.chat_template={json.dumps(roles_only)}"]), capsys,
+                     "data.chat_template does not write the assistant's message")
+
+
+def test_a_saved_class_label_column_gives_its_names(tmp_path, tiny_bert_dir):
+    """A datasets ClassLabel says which id each name is: those are the class names (exported as id2label), and an
+    eval file with the names maps onto the same ids."""
+    import datasets
+
+    saved = tmp_path / "saved"
+    table = datasets.Dataset.from_list([{"text": r["text"], "label": r["label"]} for r in ROWS])
+    table.cast_column("label", datasets.ClassLabel(names=["neg", "pos"])).save_to_disk(str(saved))
+    evaluation = tmp_path / "eval.jsonl"
+    evaluation.write_text("".join(json.dumps({"text": r["text"], "label": ["neg", "pos"][r["label"]]}) + "\n"
+                                  for r in ROWS[:16]))
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_bert_dir, task="sequence-classification",
+                          output_dir=tmp_path / "out", data={"train": str(saved), "eval": str(evaluation)})
+    train, names, _ = _split(recipe)
+    assert names == ["neg", "pos"] and train["label"] == [r["label"] for r in ROWS]
+    evaluated, _, _ = _split(recipe, key="data.eval", names=names)
+    assert evaluated["label"] == [r["label"] for r in ROWS[:16]]
+    assert main(["validate", str(recipe)]) == 0
