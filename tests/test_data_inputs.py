@@ -146,6 +146,35 @@ def test_validate_refuses_fewer_train_rows_than_one_global_batch_as_train_does(t
     assert main(["validate", str(recipe), "--set", "data.packing=true"]) == 0
 
 
+def test_a_folder_holding_a_file_and_its_compressed_copy_is_one_line(tmp_path, tiny_llama_dir, capsys):
+    """Before: both were read as shards, 128 rows from 64, each trained on twice."""
+    import gzip
+
+    folder = tmp_path / "d"
+    folder.mkdir()
+    text = "".join(json.dumps(r) + "\n" for r in ROWS)
+    (folder / "x.jsonl").write_text(text)
+    (folder / "x.jsonl.gz").write_bytes(gzip.compress(text.encode()))  # what `gzip -k x.jsonl` leaves
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
+                          data={"train": str(folder), "eval": None})
+    _one_line_exit_2(main(["validate", str(recipe)]), capsys, "holds x.jsonl and x.jsonl.gz, one file compressed "
+                     "and not", "each row would count twice")
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_json_lines_file_cut_mid_line_names_the_line_as_an_editor_counts(compressed, tmp_path, tiny_llama_dir,
+                                                                          capsys):
+    """arrow said "in row 9" of line 10: it counts from 0, within the block it was parsing."""
+    import gzip
+
+    text = "".join(json.dumps(r) + "\n" for r in ROWS[:9]) + '{"text": "cut", "lab\n' + json.dumps(ROWS[9]) + "\n"
+    path = tmp_path / ("x.jsonl.gz" if compressed else "x.jsonl")
+    path.write_bytes(gzip.compress(text.encode()) if compressed else text.encode())
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
+                          data={"train": str(path), "eval": None})
+    _one_line_exit_2(main(["validate", str(recipe)]), capsys, f"({path.name} line 10: Unterminated string")
+
+
 def test_a_tab_separated_file_reads_as_the_same_rows(tmp_path, tiny_llama_dir):
     path = tmp_path / "train.tsv"
     path.write_text("text\tlabel\n" + "".join(f"{r['text']}\t{r['label']}\n" for r in ROWS))

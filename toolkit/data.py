@@ -329,4 +329,5 @@ def train_loader(dataset, *, sampler: GlobalBatchSampler, start: int, stop: int,
                  data: DataConfig):
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=StepIndexStream(sampler, start=start, stop=stop), collate_fn=collator,
-        num_workers=data.num_workers, pin_memory=data.pin_memory)
+        # pinned pages only speed up copies to a GPU: without one torch warns (several lines) and pins nothing
+        num_workers=data.num_workers, pin_memory=data.pin_memory and torch.cuda.is_available())

@@ -17,6 +17,7 @@ naming the file and the fix, found by `toolkit launch` before any rank starts.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +68,7 @@ def data_source(key: str, path: str) -> DataSource:
         formats = sorted({str(format_of(f)) for f in shards})
         if len(formats) > 1:
             raise RecipeError(f"{key}: {path} mixes {' and '.join(formats)} files; keep one format per folder")
+        _check_copies(key, where, shards)
         _check_compression(key, shards[0], formats[0])
         return DataSource(key, where, formats[0], tuple(_split_of(key, where, shards)))
     if not where.is_file():
@@ -76,6 +78,20 @@ def data_source(key: str, path: str) -> DataSource:
         raise RecipeError(f"{key}: {path}: unknown format {where.suffix!r}; use {known}")
     _check_compression(key, where, fmt)
     return DataSource(key, where, fmt, (where,))
+
+
+def _check_copies(key: str, where: Path, shards: list[Path]) -> None:
+    """No two files of a folder are one file compressed and not (x.jsonl beside the x.jsonl.gz `gzip -k` left):
+    read as shards, every row would be trained on twice."""
+    seen: dict[str, str] = {}
+    for file in shards:
+        name = file.name
+        for suffix in COMPRESSIONS:
+            name = name.removesuffix(suffix)
+        if name in seen:
+            raise RecipeError(f"{key}: {where} holds {seen[name]} and {file.name}, one file compressed and not: read "
+                              "as shards, each row would count twice; keep one of them in the folder")
+        seen[name] = file.name
 
 
 def _split_of(key: str, where: Path, shards: list[Path]) -> list[Path]:
@@ -178,9 +194,33 @@ def drop_blank_lines(raw, source: DataSource, column: str, *, fingerprint: str |
 
 def _unreadable(source: DataSource, exc: BaseException) -> RecipeError:
     cause = str(exc).strip().splitlines()
-    return RecipeError(f"{source.key}: {source.path} cannot be read as {source.format} "
-                       f"({cause[-1][:200] if cause else type(exc).__name__}); fix the file or give it the suffix of "
-                       "its format")
+    reason = cause[-1][:200] if cause else type(exc).__name__
+    if source.format == "json" and "in row " in reason:
+        # arrow counts rows from 0 within the block it was parsing: not a line a user can find
+        reason = _first_bad_json_line(source.files) or re.sub(r" in row \d+", "", reason)
+    return RecipeError(f"{source.key}: {source.path} cannot be read as {source.format} ({reason}); fix the file or "
+                       "give it the suffix of its format")
+
+
+def _first_bad_json_line(files) -> str | None:
+    """In JSON Lines files, the first line that is no JSON: "FILE line N: why" (1-based, as an editor counts),
+    or None where the files are no JSON Lines (one document, an array) or every line parses."""
+    import json
+
+    import fsspec  # datasets' own file layer: decompresses by the file name, as datasets did reading it
+
+    for file in files:
+        with fsspec.open(str(file), "rt", compression="infer", encoding="utf-8", errors="replace") as handle:
+            for number, line in enumerate(handle, start=1):
+                if number == 1 and not line.lstrip().startswith("{"):
+                    break  # one JSON document, not a record per line
+                if not line.strip():
+                    continue
+                try:
+                    json.loads(line.rstrip("\r\n"))
+                except ValueError as exc:
+                    return f"{Path(file).name} line {number}: {getattr(exc, 'msg', exc)}"
+    return None
 
 
 def _saved_split(source: DataSource):
