@@ -225,6 +225,21 @@ def test_a_chat_template_file_is_read_and_a_template_that_writes_no_message_is_o
                      "data.chat_template does not write the assistant's message")
 
 
+def test_a_chat_template_that_fails_on_one_conversation_names_its_row(tmp_path, tiny_llama_dir):
+    from toolkit.errors import RecipeError
+
+    rows = [[{"role": "user", "content": r["text"]}, {"role": "assistant", "content": "yes"}] for r in ROWS[:9]]
+    rows[6].insert(1, {"role": "tool", "content": "42"})  # row 7: a role the template refuses
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    strict = ("{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+              "{{ raise_exception('no role ' + m['role']) }}{% endif %}" + CHAT_TEMPLATE.split("%}", 1)[1])
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
+                          data={"train": str(data), "eval": None, "format": "chat", "chat_template": strict})
+    with pytest.raises(RecipeError, match="data.chat_template fails on row 7's conversation .*no role tool"):
+        _split(recipe)
+
+
 def test_a_saved_class_label_column_gives_its_names(tmp_path, tiny_bert_dir):
     """A datasets ClassLabel says which id each name is: those are the class names (exported as id2label), and an
     eval file with the names maps onto the same ids."""

@@ -152,9 +152,9 @@ def _tokenized(source: DataSource, *, data: DataConfig, task: str, num_labels: i
     label_feature = raw.features[label] if task == "sequence-classification" else None
     max_length = None if packing else data.max_length
 
-    def encode(batch):
+    def encode(batch, indices):
         if data.format != "text":
-            return encode_batch(batch, data, tokenizer)
+            return encode_batch(batch, data, tokenizer, indices=indices)
         out = tokenizer(batch[text], truncation=not packing, max_length=max_length)
         result = {"input_ids": out["input_ids"],
                   "num_cut": num_cut_tokens(batch[text], out["input_ids"], tokenizer, max_length=max_length)}
@@ -162,7 +162,8 @@ def _tokenized(source: DataSource, *, data: DataConfig, task: str, num_labels: i
             result["label"] = label_ids(batch[label], label_feature, names)
         return result
 
-    encoded = raw.map(encode, batched=True, remove_columns=raw.column_names, new_fingerprint=cache)
+    encoded = raw.map(encode, batched=True, with_indices=True, remove_columns=raw.column_names,
+                      new_fingerprint=cache)
     num_tokens = _sum(pc.list_value_length(encoded.data.column("input_ids")))
     cut = encoded.data.column("num_cut")
     counts = SplitCounts(num_blank=num_blank, num_cut=_sum(pc.greater(cut, 0)), num_tokens_cut=_sum(cut),
