@@ -15,7 +15,7 @@ import yaml
 from toolkit.errors import RecipeError
 from toolkit.recipe import Recipe
 from toolkit.typed import from_plain, recipe_key
-from toolkit.yaml_files import read_yaml_mapping, yaml_problem
+from toolkit.yaml_files import load_yaml, read_yaml_mapping, yaml_problem
 
 
 def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
@@ -40,7 +40,7 @@ def apply_override(raw: dict, item: str) -> None:
         raise RecipeError(f"--set {item!r}: expected key.path=value, e.g. --set optim.lr=1e-4")
     key, _, text = item.partition("=")
     try:
-        value = yaml.safe_load(text) if text != "" else ""
+        value = load_yaml(text) if text != "" else ""
     except yaml.YAMLError as exc:
         raise RecipeError(f"--set {item!r}: the value is not valid YAML ({yaml_problem(exc)}); a string with "
                           "YAML's special characters goes in quotes: --set KEY='\"...\"'") from None

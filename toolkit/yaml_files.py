@@ -3,10 +3,44 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from toolkit.errors import RecipeError
+
+
+class DuplicateKey(yaml.MarkedYAMLError):
+    """A key written twice in one mapping: PyYAML keeps the last without a word, so a section appended to a
+    recipe (a second `optim:`) would silently replace the first, every key of it."""
+
+    def __init__(self, key: Any, first: yaml.Mark, again: yaml.Mark) -> None:
+        super().__init__(problem=f"key {key!r} appears twice (also line {first.line + 1}); keep one",
+                         problem_mark=again)
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key written twice in one mapping (keys a `<<` merge brings in may still
+    be overridden: that is what a merge is for)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node)
+            except TypeError:  # an unhashable key: construct_mapping refuses it in its own words
+                continue
+            if first is not key_node:
+                raise DuplicateKey(key, first.start_mark, key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str) -> Any:
+    """YAML text the user wrote (a file, a --set value): safe_load, a duplicated key refused."""
+    return yaml.load(text, Loader=UniqueKeyLoader)  # a SafeLoader: tags that build Python objects are refused
 
 
 def _yaml_where(path: Path, exc: yaml.YAMLError) -> str:
@@ -23,12 +57,15 @@ def yaml_problem(exc: yaml.YAMLError) -> str:
 
 def read_yaml_mapping(path: Path, *, what: str, holds: str) -> dict:
     """A YAML file that must hold a mapping (an empty file is an empty one): text that is not UTF-8, not YAML,
-    or YAML of another shape is a RecipeError naming the file (and the line and column where YAML broke)."""
+    a key written twice, or YAML of another shape is a RecipeError naming the file (and the line and column
+    where YAML broke)."""
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        raw = load_yaml(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError as exc:
         raise RecipeError(f"{what} {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
                           "save it as UTF-8") from None
+    except DuplicateKey as exc:
+        raise RecipeError(f"{what} {_yaml_where(path, exc)}: {yaml_problem(exc)}") from None
     except yaml.YAMLError as exc:
         raise RecipeError(f"{what} {_yaml_where(path, exc)}: not valid YAML: {yaml_problem(exc)}") from None
     if not isinstance(raw, dict):

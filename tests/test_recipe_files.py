@@ -1,0 +1,56 @@
+"""Recipe files as users write them: a key written twice, `1e-4`, `$SCRATCH` in a path, an empty file. Each is
+read as the user means it or refused in one line; no model is loaded."""
+
+import re
+
+import pytest
+
+from toolkit.cli import main
+from toolkit.errors import RecipeError
+from toolkit.recipe_files import apply_override, load_recipe
+
+HEAD = "model: {path: /m}\ndata: {train: t.jsonl}\n"
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("text, where, key, first", [
+    (HEAD + "optim: {lr: 1.0e-4}\noptim: {lr: 1.0e-2}\n", "4:1", "optim", 3),  # a section appended again
+    ("model: {path: /m}\nmodel: {path: /n, task: causal-lm}\ndata: {train: t.jsonl}\n", "2:1", "model", 1),
+    (HEAD + "optim:\n  lr: 1.0e-4\n  warmup_steps: 2\n  lr: 1.0e-2\n", "6:3", "lr", 4),  # nested
+])
+def test_a_key_written_twice_is_refused_naming_both_lines(tmp_path, capsys, text, where, key, first):
+    path = _write(tmp_path, text)
+    with pytest.raises(RecipeError, match=re.escape(f"recipe {path}:{where}: key {key!r} appears twice "
+                                                    f"(also line {first}); keep one")):
+        load_recipe(path)
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("toolkit: error:") and "appears twice" in err[0], err
+
+
+def test_a_merge_key_may_still_be_overridden(tmp_path):
+    path = _write(tmp_path, HEAD + "base: &base {lr: 1.0e-4, warmup_steps: 2}\n")
+    # `<<` brings keys in that the mapping may set again: that is a merge, not a duplicate
+    from toolkit.yaml_files import load_yaml
+
+    assert load_yaml(path.read_text() + "optim: {<<: *base, lr: 1.0e-2}\n")["optim"] == {"lr": 1e-2, "warmup_steps": 2}
+
+
+def test_a_matrix_file_with_a_key_written_twice_is_refused(tmp_path):
+    from toolkit.compare.experiment import read_matrix
+
+    path = tmp_path / "m.yaml"
+    path.write_text("recipe: r.yaml\nstrategies: [single]\nstrategies: [ddp]\n")
+    with pytest.raises(RecipeError, match=re.escape(f"matrix file {path}:3:1: key 'strategies' appears twice")):
+        read_matrix(str(path))
+
+
+
+def test_a_set_value_with_a_key_written_twice_is_refused():
+    with pytest.raises(RecipeError, match="key 'a' appears twice"):
+        apply_override({}, "model.config={a: 1, a: 2}")
