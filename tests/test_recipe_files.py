@@ -50,6 +50,22 @@ def test_a_matrix_file_with_a_key_written_twice_is_refused(tmp_path):
         read_matrix(str(path))
 
 
+@pytest.mark.parametrize("text", ["optim: {lr: 1e-4, eps: 1E-8, max_grad_norm: 1e0}\n",
+                                  "optim: {lr: +1e-4, eps: 1.e-8, max_grad_norm: 1e+0}\n"])
+def test_exponent_numbers_without_a_dot_are_numbers_in_a_file_as_with_set(tmp_path, text):
+    recipe = load_recipe(_write(tmp_path, HEAD + text))
+    assert (recipe.optim.lr, recipe.optim.eps, recipe.optim.max_grad_norm) == (1e-4, 1e-8, 1.0)
+    assert load_recipe(_write(tmp_path, HEAD), ["optim.lr=1e-4"]).optim.lr == 1e-4
+
+
+def test_exponent_text_stays_text_where_a_key_takes_text(tmp_path):
+    recipe = load_recipe(_write(tmp_path, HEAD), ["data.text_column=1e5", "model.path=null",
+                                                  "model.tokenizer=/t",
+                                                  "model.config={model_type: llama, rms_norm_eps: 1e-5}"])
+    assert recipe.data.text_column == "1e5"  # a column may be named so
+    assert recipe.model.config == {"model_type": "llama", "rms_norm_eps": 1e-5}  # a transformers config field: the number
+
+
 
 def test_a_set_value_with_a_key_written_twice_is_refused():
     with pytest.raises(RecipeError, match="key 'a' appears twice"):

@@ -29,6 +29,7 @@ from typing import Iterator
 from toolkit.errors import RecipeError
 from toolkit.recipe import StrategyConfig
 from toolkit.strategies import strategy_for_plugin
+from toolkit.typed import yaml_number
 
 DEFAULT_STRATEGY = next(f.default for f in dataclasses.fields(StrategyConfig) if f.name == "name")
 
@@ -202,7 +203,7 @@ def apply_launcher_settings(raw: dict, settings: list[Setting]) -> None:
         present = node.get(leaf)
         # a recipe that leaves the strategy at its default lets the launcher's config file choose it
         replaceable = present is None or (setting.key == "strategy.name" and present == DEFAULT_STRATEGY)
-        if not replaceable and present != setting.value:
+        if not replaceable and yaml_number(present) != setting.value:  # clipping: 1e0 in the file is 1.0
             raise RecipeError(f"accelerate launch sets {setting.key}={setting.value!r} ({setting.source}) but the "
                               f"recipe has {setting.key}={present!r}; change the recipe or the accelerate config file")
         node[leaf] = setting.value

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,8 @@ def read_recipe_dict(path: str | os.PathLike, overrides: list[str] | tuple[str, 
 
 
 def apply_override(raw: dict, item: str) -> None:
-    """Apply one `a.b=c` override in place; the value is parsed as YAML (so 1e-4, true, null work)."""
+    """Apply one `a.b=c` override in place; the value is parsed as YAML, as in a recipe file (true, null, [a, b];
+    1e-4, which YAML 1.1 reads as text, is a number where the key takes one: typed.yaml_number)."""
     if "=" not in item:
         raise RecipeError(f"--set {item!r}: expected key.path=value, e.g. --set optim.lr=1e-4")
     key, _, text = item.partition("=")
@@ -44,8 +44,6 @@ def apply_override(raw: dict, item: str) -> None:
     except yaml.YAMLError as exc:
         raise RecipeError(f"--set {item!r}: the value is not valid YAML ({yaml_problem(exc)}); a string with "
                           "YAML's special characters goes in quotes: --set KEY='\"...\"'") from None
-    if isinstance(value, str) and re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", value):
-        value = float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string; users mean the number
     parts = key.strip().split(".")
     node = raw
     for part in parts[:-1]:

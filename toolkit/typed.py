@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from typing import Any
@@ -51,6 +52,23 @@ def _path(value: str, key: str) -> str:
     return os.path.expanduser(value)
 
 
+# a number in exponent form without a dot (1e-4): YAML 1.1, which PyYAML reads, takes it for text
+YAML_11_TEXT_NUMBER = re.compile(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+")
+
+
+def yaml_number(value: Any) -> Any:
+    """`value`, or the number a user meant by text YAML 1.1 did not read as one (`lr: 1e-4` in a file or a
+    --set): for keys that take a number, and the values of a transformers config (model.config), where no
+    field holds such text."""
+    if isinstance(value, str) and YAML_11_TEXT_NUMBER.fullmatch(value.strip()):
+        return float(value)
+    if isinstance(value, dict):
+        return {k: yaml_number(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [yaml_number(v) for v in value]
+    return value
+
+
 def _coerce(hint: Any, value: Any, key: str) -> Any:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
@@ -82,7 +100,7 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
     if hint is dict or origin is dict:
         if not isinstance(value, dict):
             raise RecipeError(f"{key}: expected a mapping, got {value!r}")
-        return dict(value)
+        return yaml_number(value)
     if hint is bool:
         if not isinstance(value, bool):
             raise RecipeError(f"{key}: expected true or false, got {value!r}")
@@ -92,6 +110,7 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
             raise RecipeError(f"{key}: expected an integer, got {value!r}")
         return value
     if hint is float:
+        value = yaml_number(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise RecipeError(f"{key}: expected a number, got {value!r}")
         return float(value)
