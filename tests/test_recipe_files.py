@@ -4,10 +4,11 @@ read as the user means it or refused in one line; no model is loaded."""
 import re
 
 import pytest
+import yaml
 
 from toolkit.cli import main
 from toolkit.errors import RecipeError
-from toolkit.recipe_files import apply_override, load_recipe
+from toolkit.recipe_files import apply_override, dump_recipe, load_recipe
 
 HEAD = "model: {path: /m}\ndata: {train: t.jsonl}\n"
 
@@ -63,8 +64,31 @@ def test_exponent_text_stays_text_where_a_key_takes_text(tmp_path):
                                                   "model.tokenizer=/t",
                                                   "model.config={model_type: llama, rms_norm_eps: 1e-5}"])
     assert recipe.data.text_column == "1e5"  # a column may be named so
-    assert recipe.model.config == {"model_type": "llama", "rms_norm_eps": 1e-5}  # a transformers config field: the number
+    assert recipe.model.config == {"model_type": "llama", "rms_norm_eps": 1e-5}  # a config field: the number
 
+
+def test_environment_variables_in_path_keys_are_expanded_and_saved_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("SCRATCH", str(tmp_path / "scratch"))
+    path = _write(tmp_path, "model: {path: $SCRATCH/m}\ndata: {train: '${SCRATCH}/t.jsonl'}\n"
+                            "output_dir: $SCRATCH/runs/x\n")
+    recipe = load_recipe(path)
+    assert recipe.output_dir == str(tmp_path / "scratch" / "runs" / "x")
+    assert (recipe.model.path, recipe.data.train) == (str(tmp_path / "scratch" / "m"),
+                                                      str(tmp_path / "scratch" / "t.jsonl"))
+    assert yaml.safe_load(dump_recipe(recipe))["output_dir"] == recipe.output_dir  # as recipe.yaml holds it
+    assert load_recipe(path, ["output_dir=${SCRATCH}/y"]).output_dir == str(tmp_path / "scratch" / "y")
+
+
+@pytest.mark.parametrize("value, name", [("$TOOLKIT_UNSET_VAR/runs/x", "TOOLKIT_UNSET_VAR"),
+                                         ("${TOOLKIT_UNSET_VAR}/runs", "TOOLKIT_UNSET_VAR")])
+def test_an_unset_environment_variable_in_a_path_is_one_line(tmp_path, capsys, monkeypatch, value, name):
+    monkeypatch.delenv(name, raising=False)
+    path = _write(tmp_path, HEAD)
+    assert main(["validate", str(path), "--set", f"output_dir={value}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"output_dir: {value!r} names the environment variable {name}, which is not set" \
+        in err[0], err
+    assert not (tmp_path / "$TOOLKIT_UNSET_VAR").exists()
 
 
 def test_a_set_value_with_a_key_written_twice_is_refused():

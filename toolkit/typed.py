@@ -43,13 +43,25 @@ def from_plain(cls: type, raw: Any, where: str = "") -> Any:
     return cls(**values)
 
 
+# what os.path.expandvars replaces: $NAME or ${NAME}; one left after it names a variable that is not set
+ENV_VARIABLE = re.compile(r"\$(\w+|\{[^}]*\})")
+
+
 def _path(value: str, key: str) -> str:
-    """A field marked as a path (metadata {"path": True}): `~` is the home folder, as a shell would have read it,
-    for every path key alike and once, here, so that every reader and the saved recipe see the same path. An empty
-    one would be read as the current folder (an output_dir: the run written beside whatever is there)."""
+    """A field marked as a path (metadata {"path": True}): `~` is the home folder and $NAME / ${NAME} the
+    environment variable's value, as a shell would have read them, for every path key alike and once, here, so
+    that every reader and the saved recipe see the same path. A variable that is not set would leave a folder
+    literally named `$SCRATCH` in the current one, and an empty path would be the current folder (an output_dir:
+    the run written beside whatever is there)."""
     if not value.strip():
         raise RecipeError(f"{key} is empty, which would mean the current folder; give it a file or folder path")
-    return os.path.expanduser(value)
+    expanded = os.path.expandvars(os.path.expanduser(value))
+    unset = ENV_VARIABLE.search(expanded)
+    if unset is not None:
+        name = unset.group(1).strip("{}")
+        raise RecipeError(f"{key}: {value!r} names the environment variable {name}, which is not set; set it "
+                          f"(export {name}=...) or write the path out")
+    return expanded
 
 
 # a number in exponent form without a dot (1e-4): YAML 1.1, which PyYAML reads, takes it for text
