@@ -59,6 +59,31 @@ def test_tp_with_tp_degree_0_does_not_suggest_fsdp_with_0(tmp_path, tiny_llama_d
     err = capsys.readouterr().err
     assert code == 2 and "tp_degree is 0; drop tp_degree" in err and "tp_degree 0 for" not in err, err
 
+
+@pytest.mark.parametrize("accelerate, option", [(False, "--nproc"), (True, "--num_processes")])
+@pytest.mark.parametrize("nproc, overrides, fix", [
+    (2, ("strategy.name=single",), "use {option} 1 or strategy.name=ddp"),
+    (1, ("strategy.name=pipeline",), "launch with {option} 2 or more"),
+])
+def test_a_process_count_fix_names_the_option_of_the_launcher_in_use(tmp_path, tiny_llama_dir, capsys, monkeypatch,
+                                                                     accelerate, option, nproc, overrides, fix):
+    if accelerate:  # what `accelerate launch` exports to every process it starts; it has no --nproc
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    else:
+        monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    code = _validate(tmp_path, tiny_llama_dir, overrides, nproc=nproc)
+    _assert_one_line_exit_2(code, capsys, fix.format(option=option))
+
+
+def test_the_resume_command_under_accelerate_is_its_own_launch(monkeypatch):
+    from toolkit.launch import resume_hint
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    monkeypatch.setattr("sys.argv", ["toolkit", "train", "r.yaml", "--set", "seed=1"])
+    assert resume_hint(2) == ("resume with: the same accelerate launch command (config file, --num_processes 2) "
+                              "and `-m toolkit train r.yaml --set seed=1 --resume`")
+
+
 IGNORED = {  # (task, format, overrides) -> what the line says
     "packing under classification": ("sequence-classification", ("data.packing=true",),
                                      "data.packing applies to model.task causal-lm only, but model.task is "

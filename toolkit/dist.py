@@ -15,6 +15,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from toolkit.errors import ranks_option, under_accelerate
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -102,8 +104,9 @@ def ensure_process_group(env: DistEnv, *, strategy: str) -> None:
         os.environ.setdefault(key, value)
     _import_before_group()
     dist.init_process_group("nccl" if env.device.type == "cuda" else "gloo", rank=0, world_size=1)
-    print(f"[toolkit] {strategy} on one rank (a process group of one); `toolkit launch --nproc N` runs N ranks",
-          file=sys.stderr, flush=True)
+    launcher = "accelerate launch" if under_accelerate() else "toolkit launch"
+    print(f"[toolkit] {strategy} on one rank (a process group of one); `{launcher} {ranks_option('N')}` runs N "
+          "ranks", file=sys.stderr, flush=True)
 
 
 # Modules whose functions take `group=<the default group>` as a default argument, evaluated when the

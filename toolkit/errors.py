@@ -31,6 +31,18 @@ def first_line(exc: BaseException) -> str:
     return (text[0] if text else type(exc).__name__)[:200]
 
 
+def under_accelerate() -> bool:
+    """Whether `accelerate launch` started this process: it exports ACCELERATE_MIXED_PRECISION to every process
+    it starts, whatever its config file says."""
+    return "ACCELERATE_MIXED_PRECISION" in os.environ
+
+
+def ranks_option(count: int | str) -> str:
+    """The option setting the number of ranks, for a message's fix, in the launcher the user ran: accelerate
+    launch has no --nproc (its own is --num_processes, or num_processes in its config file)."""
+    return f"--num_processes {count}" if under_accelerate() else f"--nproc {count}"
+
+
 SAID_DIR_ENV = "TOOLKIT_SAID_DIR"  # where say_once's markers go (toolkit launch: a folder of its own)
 
 

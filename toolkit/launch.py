@@ -13,7 +13,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from toolkit.errors import SAID_DIR_ENV, USER_ERROR_EXIT_CODE, RecipeError, first_line
+from toolkit.errors import (SAID_DIR_ENV, USER_ERROR_EXIT_CODE, RecipeError, first_line, ranks_option,
+                            under_accelerate)
 from toolkit.orphans import LAUNCHER_PID_ENV
 
 
@@ -113,6 +114,9 @@ def resume_hint(world_size: int) -> str:
         index = args.index("--resume")
         del args[index:index + (2 if index + 1 < len(args) and not args[index + 1].startswith("--") else 1)]
     tail = f"{' '.join(shlex.quote(a) for a in args)} --resume"
+    if under_accelerate():  # its config file (the strategy's plugin) and process count are the launch's own
+        return (f"resume with: the same accelerate launch command (config file, {ranks_option(world_size)}) and "
+                f"`-m toolkit train {tail}`")
     num_machines, local_world_size = machines_of(world_size)
     if num_machines <= 1:
         launcher = f"toolkit launch --nproc {world_size}" if world_size > 1 else "toolkit train"

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from toolkit.errors import RecipeError
+from toolkit.errors import RecipeError, ranks_option
 from toolkit.model import layer_stack, meta_model
 from toolkit.recipe import Recipe, plan_batch
 from toolkit.strategies.placement import check_split, part_of_blocks
@@ -50,7 +50,7 @@ def grid_of(recipe: Recipe, world_size: int) -> Grid:
     pp = world_size if degree is None else degree
     if pp < 2:
         raise RecipeError(f"a pipeline needs at least 2 ranks, one per stage, but the world size is {world_size}; "
-                          "launch with --nproc 2 or more")
+                          f"launch with {ranks_option(2)} or more")
     if world_size % pp:
         raise RecipeError(f"world size {world_size} is not divisible by strategy.pipeline_degree {pp}; use a "
                           "multiple of it")

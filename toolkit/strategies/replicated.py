@@ -15,7 +15,7 @@ from torch import nn
 from toolkit.checkpoint.state import (Read, first_names, load_optimizer_tensors, load_schedule_state,
                                      model_tensors, optimizer_tensors, schedule_state)
 from toolkit.dist import DistEnv
-from toolkit.errors import RecipeError
+from toolkit.errors import RecipeError, ranks_option
 from toolkit.loading import ModelSource
 from toolkit.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.recipe import Recipe
@@ -50,7 +50,7 @@ class ReplicatedStrategy:
     def validate(self, recipe: Recipe, *, world_size: int) -> None:
         if self.info.one_process and world_size > 1:
             raise RecipeError(f"strategy {self.info.name} runs in one process, but {world_size} were asked for; "
-                              "use --nproc 1 or strategy.name=ddp")
+                              f"use {ranks_option(1)} or strategy.name=ddp")
         if self.replication.check is not None:
             self.replication.check(recipe, world_size)
 
