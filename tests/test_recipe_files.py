@@ -94,3 +94,12 @@ def test_an_unset_environment_variable_in_a_path_is_one_line(tmp_path, capsys, m
 def test_a_set_value_with_a_key_written_twice_is_refused():
     with pytest.raises(RecipeError, match="key 'a' appears twice"):
         apply_override({}, "model.config={a: 1, a: 2}")
+
+
+@pytest.mark.parametrize("text", ["", "\n", "# a recipe, one day\n"])
+def test_an_empty_recipe_file_is_said_to_be_empty(tmp_path, capsys, text):
+    path = _write(tmp_path, text)
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"toolkit: error: recipe {path} is empty; it needs at least a model and a data section "
+                   "(see recipes/)"], err

@@ -28,6 +28,8 @@ def read_recipe_dict(path: str | os.PathLike, overrides: list[str] | tuple[str, 
     if not path.is_file():
         raise RecipeError(f"recipe {path} not found; pass a YAML file (see `toolkit --help` for the shipped recipes)")
     raw = read_yaml_mapping(path, what="recipe", holds="sections (model, data, ...)")
+    if not raw and not overrides:  # else "recipe key 'model' is required", as if one section were missing
+        raise RecipeError(f"recipe {path} is empty; it needs at least a model and a data section (see recipes/)")
     for item in overrides:
         apply_override(raw, item)
     return raw
