@@ -49,6 +49,17 @@ def test_split_strategies_match_single_on_minilm(minilm_runs, arm):
     assert_matches_single(minilm_runs.get(arm, nproc=ranks, overrides=overrides), minilm_runs.get("single"))
 
 
+def test_the_layout_line_names_every_ranks_blocks():
+    """Rank 0 writes the line (and run.json's layout) for the whole run: every rank's stages, not its own."""
+    from toolkit.strategies.pipeline_layout import Grid
+
+    parts = [0, 0, 1, 1, 2, 3]  # block -> stage
+    assert Grid(pp=2, dp=1).stages_by_rank(parts, 2) == (
+        "rank 0: stage 0: blocks 0-1; stage 2: blocks 4; rank 1: stage 1: blocks 2-3; stage 3: blocks 5")
+    assert Grid(pp=2, dp=2).stages_by_rank([0, 0, 1, 1], 1) == (
+        "ranks 0-1: stage 0: blocks 0-1; ranks 2-3: stage 1: blocks 2-3")  # a stage's replicas
+
+
 def test_layout_and_bubble_are_reported(llama4_runs):
     run = json.loads((llama4_runs.get("pp-interleaved", nproc=2, overrides=ARMS["pp-interleaved"][1]) /
                       "run.json").read_text())

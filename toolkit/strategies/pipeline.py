@@ -40,7 +40,6 @@ from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, Strate
 from toolkit.strategies.pipeline_batches import filler, stacked
 from toolkit.strategies.pipeline_layout import (SCHEDULES, check_recipe, count_busy_time, grid_of,
                                                stage_of_blocks, theoretical_bubble)
-from toolkit.strategies.placement import blocks_of
 from toolkit.strategies.stages import Stage, family_of, tied_embedding_names
 from toolkit.strategies.state_bytes import StateBytes, largest_block_bytes
 
@@ -333,10 +332,9 @@ class PipelineStrategy:
 
     def layout(self) -> str:
         options = self.recipe.strategy
-        mine = "; ".join(f"stage {s}: blocks {blocks_of(self.parts, s)}" for s in self.stage_ids)
         replicas = f" × {self.grid.dp} replicas ({options.data_parallel})" if self.grid.dp > 1 else ""
         return (f"{self.num_stages} stages over {self.grid.pp} ranks{replicas}, schedule {options.schedule} with "
-                f"{self.micro_batches} micro-batches; rank {self.env.rank}: {mine}")
+                f"{self.micro_batches} micro-batches; {self.grid.stages_by_rank(self.parts, options.stages_per_rank)}")
 
     def checkpoint_tensors(self) -> dict[str, dict[str, Any]]:
         model: dict[str, Any] = {}

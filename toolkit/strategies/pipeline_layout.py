@@ -13,7 +13,7 @@ from torch import nn
 from toolkit.errors import RecipeError, ranks_option
 from toolkit.model import layer_stack, meta_model
 from toolkit.recipe import Recipe, plan_batch
-from toolkit.strategies.placement import check_split, part_of_blocks
+from toolkit.strategies.placement import blocks_of, check_split, part_of_blocks
 from toolkit.strategies.stages import family_of
 
 if TYPE_CHECKING:
@@ -40,6 +40,18 @@ class Grid:
     def stage_ids(self, pp_rank: int, stages_per_rank: int) -> list[int]:
         """The stages a pipeline rank runs: its own and, interleaved, every pp-th after it."""
         return [pp_rank + k * self.pp for k in range(stages_per_rank)]
+
+    def stages_by_rank(self, block_parts: list[int], stages_per_rank: int) -> str:
+        """Which blocks each rank runs, for the layout line: 'rank 0: stage 0: blocks 0-1; rank 1: stage 1: ...'
+        (with replicas, 'ranks 0-1: ...': a pipeline rank's dp replicas are consecutive ranks)."""
+        out = []
+        for pp_rank in range(self.pp):
+            first, last = self.rank(pp_rank, 0), self.rank(pp_rank, self.dp - 1)
+            ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
+            stages = "; ".join(f"stage {s}: blocks {blocks_of(block_parts, s)}"
+                               for s in self.stage_ids(pp_rank, stages_per_rank))
+            out.append(f"{ranks}: {stages}")
+        return "; ".join(out)
 
 
 def grid_of(recipe: Recipe, world_size: int) -> Grid:
