@@ -218,6 +218,18 @@ def test_plan_bad_input_is_one_line():
     with pytest.raises(RecipeError, match="40GiB"):
         plan.parse_bytes("forty gigs")
     assert plan.parse_bytes("40GiB") == 40 * 2 ** 30 and plan.parse_bytes("80 GB") == 80 * 10 ** 9
+    with pytest.raises(RecipeError, match="--memory-per-rank: 40G is ambiguous: write 40GiB or 40GB"):
+        plan.parse_bytes("40G")  # 7 % apart: the fit may differ
+
+
+def test_plan_exits_1_when_no_arm_can_run(capsys):
+    """A script that plans before it launches stops: no arm can run as given (pipelines on one rank) is exit 1,
+    the table saying why (an arm that can run, fitting or not, is exit 0: test_plan_command_prints_every_arm...)."""
+    from toolkit.cli import main
+
+    assert main(["plan", str(REPO / "recipes/llama-tiny.yaml"), "--nproc", "1", "--strategies",
+                 "pp-gpipe,pp-1f1b"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == "no arm can run as given: each line says why."
 
 
 def test_a_plan_where_no_arm_can_run_states_no_memory_limit():

@@ -103,7 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("strategies", help="list the strategies, their recipe options and the compare arm names")
 
-    plan = sub.add_parser("plan", help="memory per rank of a recipe under each strategy, before any process starts")
+    plan = sub.add_parser("plan", help="memory per rank of a recipe under each strategy, before any process starts",
+                          description="Memory per rank of a recipe under each strategy, before any process starts. "
+                          "Exit status: 0 when at least one arm can run (whether it fits is in its line), 1 when no "
+                          "arm can run as given (each line says why), 2 for a mistake in the command or recipe.")
     plan.add_argument("recipe")
     plan.add_argument("--nproc", type=int, default=2, help="ranks per multi-process strategy (default 2)")
     plan.add_argument("--strategies", default=None, metavar="ARMS",
@@ -231,7 +234,8 @@ def cmd_plan(args) -> int:
         except RecipeError as exc:
             rows.append((arm or recipe.strategy.name, str(exc)))
     print(plan.render(rows, memory_per_rank=memory_per_rank))
-    return 0
+    # a script that plans before it launches stops here: no arm can run, so no launch of one can either
+    return 0 if any(not isinstance(prediction, str) for _, prediction in rows) else 1
 
 
 def cmd_strategies(args) -> int:

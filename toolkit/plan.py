@@ -169,6 +169,10 @@ def parse_bytes(text: str) -> int:
     no model): a bare `40`, read as 40 bytes, would say that nothing fits. A RecipeError naming the form otherwise."""
     match = re.fullmatch(r"\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else None
+    if match and unit in ("k", "m", "g", "t"):  # 2**30 or 10**9: 7 % apart, so the fit may differ
+        number, letter = match.group(1), match.group(2).upper()
+        raise RecipeError(f"--memory-per-rank: {text.strip()} is ambiguous: write {number}{letter}iB or "
+                          f"{number}{letter}B")
     size_bytes = float(match.group(1)) * UNITS[unit] if match and unit in UNITS else 0.0
     if not MiB <= size_bytes < float("inf"):
         raise RecipeError(f"--memory-per-rank: {text!r} is not a size of 1 MiB or more with its unit; write it like "
