@@ -91,6 +91,15 @@ def test_an_unset_environment_variable_in_a_path_is_one_line(tmp_path, capsys, m
     assert not (tmp_path / "$TOOLKIT_UNSET_VAR").exists()
 
 
+def test_an_empty_environment_variable_in_a_path_is_one_line(tmp_path, capsys, monkeypatch):
+    """A shell would make `$SCRATCH/runs/x` of an empty SCRATCH `/runs/x`: a folder at the file system's root."""
+    monkeypatch.setenv("TOOLKIT_EMPTY_VAR", "")
+    path = _write(tmp_path, HEAD)
+    assert main(["validate", str(path), "--set", "output_dir=$TOOLKIT_EMPTY_VAR/runs/x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "names the environment variable TOOLKIT_EMPTY_VAR, which is set but empty" in err[0], err
+
+
 def test_a_set_value_with_a_key_written_twice_is_refused():
     with pytest.raises(RecipeError, match="key 'a' appears twice"):
         apply_override({}, "model.config={a: 1, a: 2}")

@@ -55,7 +55,13 @@ def _path(value: str, key: str) -> str:
     the run written beside whatever is there)."""
     if not value.strip():
         raise RecipeError(f"{key} is empty, which would mean the current folder; give it a file or folder path")
-    expanded = os.path.expandvars(os.path.expanduser(value))
+    home = os.path.expanduser(value)
+    names = [m.group(1).strip("{}") for m in ENV_VARIABLE.finditer(home)]
+    empty = [name for name in names if os.environ.get(name) == ""]
+    if empty:  # `$SCRATCH/runs` would be `/runs`: a folder at the root of the file system, not what was meant
+        raise RecipeError(f"{key}: {value!r} names the environment variable {empty[0]}, which is set but empty; "
+                          f"set it (export {empty[0]}=...) or write the path out")
+    expanded = os.path.expandvars(home)
     unset = ENV_VARIABLE.search(expanded)
     if unset is not None:
         name = unset.group(1).strip("{}")
