@@ -170,19 +170,20 @@ def test_a_rank_that_cannot_stop_is_killed_after_the_grace(tmp_path):
 # --- a user's mistake found inside the ranks, with --max-restarts -------------------------------------------------
 
 def test_a_restart_after_a_users_mistake_ends_at_once_with_its_one_line(tmp_path, tiny_llama_dir):
-    # 4 rows, a global batch of 8: found by the rank once it has read the data, not by launch's checks (one rank:
+    # 4 short rows, packed: fewer tokens than one global batch of blocks, which only the rank finds, once it has
+    # tokenized them (launch's checks count rows, and packed blocks are known only after tokenizing; one rank:
     # what is tested is the launcher's restarts, the same for any number)
     train = tmp_path / "four.jsonl"
     train.write_text("".join((REPO / "data" / "reviews-train.jsonl").read_text().splitlines(keepends=True)[:4]))
     out = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out,
-                          data={"train": str(train), "eval": None})
+                          data={"train": str(train), "eval": None, "packing": True})
     env = {**toolkit_env(), "LOGLEVEL": "INFO"}  # torch's agent logs each restart (restart_count=N)
     start = time.monotonic()
     launcher = subprocess.Popen([sys.executable, "-m", "toolkit", "launch", "--nproc", "1", "--max-restarts", "2",
                                  str(recipe)], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
     assert launcher.stderr is not None
-    line = "toolkit: error: data: 4 train samples are fewer than one global batch of 8"
+    line = "toolkit: error: data: "  # N train samples (packed blocks) are fewer than one global batch of 8
     said_s, lines = None, []
     for text in launcher.stderr:
         lines.append(text)
