@@ -71,7 +71,10 @@ def test_matrix_file_and_calibration_arms(tmp_path, tiny_llama_dir):
     matrix = tmp_path / "m.yaml"
     matrix.write_text(f"recipe: {recipe}\nstrategies: [ddp, fsdp]\nprecisions: [fp32, bf16]\n"
                       "grad_accum_steps: [1, 2]\nnproc: 2\nsteps: 4\nset: [batch.global_batch_size=16]\n")
-    experiment = load_matrix(str(matrix), nproc=None, steps=None, overrides=[f"output_dir={tmp_path / 'exp'}"])
+    notes: list[str] = []
+    experiment = load_matrix(str(matrix), nproc=None, steps=None, overrides=[f"output_dir={tmp_path / 'exp'}"],
+                             note=notes.append)
+    assert notes == []  # an absolute recipe: path is found where it says
     names = [a.name for a in experiment.arms]
     assert names[:2] == ["ddp-fp32-accum1", "ddp-fp32-accum2"] and len(names) == 8
     assert "batch.micro_batch_size=4" in experiment.arms[1].overrides  # 16 = 2 ranks × 4 × accum 2
@@ -81,7 +84,7 @@ def test_matrix_file_and_calibration_arms(tmp_path, tiny_llama_dir):
     bad = tmp_path / "bad.yaml"
     bad.write_text(f"recipe: {recipe}\nstrategies: [ddp]\nprecision: [bf16]\n")
     with pytest.raises(RecipeError, match="unknown key 'precision'"):
-        load_matrix(str(bad), nproc=None, steps=None, overrides=[])
+        load_matrix(str(bad), nproc=None, steps=None, overrides=[], note=notes.append)
 
 
 def _export(path, tensors):
