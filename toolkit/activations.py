@@ -325,7 +325,8 @@ class LiveBytes(TorchDispatchMode):
         self._sizes[key] = storage.nbytes()
         self.live += self._sizes[key]
         self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._free, key)
+        # not at interpreter exit (atexit False): a count nobody reads then, and work in a rank's last moments
+        weakref.finalize(storage, self._free, key).atexit = False
 
     def _free(self, key: int) -> None:
         self.live -= self._sizes.pop(key, 0)
