@@ -41,7 +41,7 @@ def check_data(recipe: Recipe, *, global_batch_size: int | None = None):
     out for having no token to learn from is counted); the tokenizer that will tokenize them loads, and
     data.max_length leaves room beside its special tokens. Returns the tokenizer."""
     from toolkit.data import check_one_batch, check_room, check_rows
-    from toolkit.data_files import data_source, drop_blank_lines, read_rows
+    from toolkit.data_files import data_source, num_blank_lines, read_rows
 
     names = None  # data.train's class names, which data.eval's labels must be among
     for key in ("data.train", "data.eval"):
@@ -53,8 +53,8 @@ def check_data(recipe: Recipe, *, global_batch_size: int | None = None):
                                num_labels=recipe.model.num_labels, names=names)
             packed = recipe.model.task == "causal-lm" and recipe.data.packing  # blocks, not rows: known once tokenized
             if key == "data.train" and global_batch_size is not None and not packed:
-                raw, _ = drop_blank_lines(raw, source, recipe.data.text_column)
-                check_one_batch(len(raw), global_batch_size=global_batch_size)
+                num_rows = len(raw) - num_blank_lines(raw, source, recipe.data.text_column)
+                check_one_batch(num_rows, global_batch_size=global_batch_size)
     from toolkit.model import load_tokenizer
 
     tokenizer = load_tokenizer(recipe.model)  # its folder's files load (0.1 s for MiniLM's, measured)

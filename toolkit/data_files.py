@@ -48,10 +48,15 @@ class DataSource:
 
 
 def format_of(file: Path) -> str | None:
+    return FORMATS.get(Path(_uncompressed_name(file)).suffix)
+
+
+def _uncompressed_name(file: Path) -> str:
+    """The file's name without the compression suffixes `datasets` reads through (x.jsonl.gz -> x.jsonl)."""
     name = file.name
     for suffix in COMPRESSIONS:
         name = name.removesuffix(suffix)
-    return FORMATS.get(Path(name).suffix)
+    return name
 
 
 def data_source(key: str, path: str) -> DataSource:
@@ -85,9 +90,7 @@ def _check_copies(key: str, where: Path, shards: list[Path]) -> None:
     read as shards, every row would be trained on twice."""
     seen: dict[str, str] = {}
     for file in shards:
-        name = file.name
-        for suffix in COMPRESSIONS:
-            name = name.removesuffix(suffix)
+        name = _uncompressed_name(file)
         if name in seen:
             raise RecipeError(f"{key}: {where} holds {seen[name]} and {file.name}, one file compressed and not: read "
                               "as shards, each row would count twice; keep one of them in the folder")
@@ -179,17 +182,27 @@ def read_rows(source: DataSource):
     return raw
 
 
-def drop_blank_lines(raw, source: DataSource, column: str, *, fingerprint: str | None = None):
+def num_blank_lines(raw, source: DataSource, column: str) -> int:
+    """How many of a text file's rows are empty or only whitespace (0 for other formats: a row there is a record);
+    all of them is a RecipeError. Counted without writing anything (validate counts; the ranks drop them)."""
+    if source.format != "text":
+        return 0
+    num_blank = sum(1 for line in raw[column] if not line.strip())
+    if num_blank == len(raw):
+        raise RecipeError(f"{source.key}: {source.path} has only blank lines; point {source.key} at a file with text")
+    return num_blank
+
+
+def drop_blank_lines(raw, source: DataSource, column: str, *, fingerprint: str):
     """A text file's rows without the lines that are empty or only whitespace (the blank line between
     paragraphs), and how many those were: a tokenizer that adds [CLS] [SEP] makes a sample of each, which would
     teach the model nothing but its own markup. Other formats keep every row: a row there is a record."""
-    if source.format != "text":
+    num_blank = num_blank_lines(raw, source, column)
+    if not num_blank:  # nothing to drop: no filtered copy of the split written
         return raw, 0
     kept = raw.filter(lambda batch: [bool(line.strip()) for line in batch[column]], batched=True,
                       new_fingerprint=fingerprint)
-    if len(kept) == 0:
-        raise RecipeError(f"{source.key}: {source.path} has only blank lines; point {source.key} at a file with text")
-    return kept, len(raw) - len(kept)
+    return kept, num_blank
 
 
 def _unreadable(source: DataSource, exc: BaseException) -> RecipeError:
