@@ -42,6 +42,14 @@ def test_a_json_without_a_stage_gives_deepspeed_the_stage_the_toolkit_reports(tm
     assert resolved["zero_optimization"]["stage"] == stage == configured_stage(recipe)
 
 
+def test_a_key_written_twice_in_the_json_is_one_line(tmp_path, tiny_llama_dir, capsys):
+    """json.loads keeps the last of two "stage" keys without a word; DeepSpeed refuses such a file read by path."""
+    path, ds_config, out = _recipe(tmp_path, tiny_llama_dir, {})
+    ds_config.write_text('{"zero_optimization": {"stage": 3, "overlap_comm": true, "stage": 1}}')
+    _one_line_exit_2(main(["validate", "--nproc", "2", str(path)]), capsys,
+                     (str(ds_config), "has the key 'stage' twice"), out)
+
+
 @pytest.mark.parametrize("stage", [True, 2.0, "2"])
 def test_a_stage_that_is_no_whole_number_is_one_line(tmp_path, tiny_llama_dir, capsys, stage):
     path, ds_config, out = _recipe(tmp_path, tiny_llama_dir, {"zero_optimization": {"stage": stage}})

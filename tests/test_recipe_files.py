@@ -22,7 +22,7 @@ def _write(tmp_path, text):
 @pytest.mark.parametrize("text, where, key, first", [
     (HEAD + "optim: {lr: 1.0e-4}\noptim: {lr: 1.0e-2}\n", "4:1", "optim", 3),  # a section appended again
     ("model: {path: /m}\nmodel: {path: /n, task: causal-lm}\ndata: {train: t.jsonl}\n", "2:1", "model", 1),
-    (HEAD + "optim:\n  lr: 1.0e-4\n  warmup_steps: 2\n  lr: 1.0e-2\n", "6:3", "lr", 4),  # nested
+    (HEAD + "optim:\n  lr: 1.0e-4\n  warmup_steps: 2\n  lr: 1.0e-2\n", "6:3", "optim.lr", 4),  # nested: named
 ])
 def test_a_key_written_twice_is_refused_naming_both_lines(tmp_path, capsys, text, where, key, first):
     path = _write(tmp_path, text)

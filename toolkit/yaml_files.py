@@ -14,28 +14,41 @@ class DuplicateKey(yaml.MarkedYAMLError):
     """A key written twice in one mapping: PyYAML keeps the last without a word, so a section appended to a
     recipe (a second `optim:`) would silently replace the first, every key of it."""
 
-    def __init__(self, key: Any, first: yaml.Mark, again: yaml.Mark) -> None:
+    def __init__(self, key: str, first: yaml.Mark, again: yaml.Mark) -> None:
         super().__init__(problem=f"key {key!r} appears twice (also line {first.line + 1}); keep one",
                          problem_mark=again)
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a key written twice in one mapping (keys a `<<` merge brings in may still
-    be overridden: that is what a merge is for)."""
+    """PyYAML's safe loader, refusing a key written twice in one mapping, named with its section (`optim.lr`):
+    keys a `<<` merge brings in may still be overridden, that is what a merge is for."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: dict = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = self.construct_object(key_node, deep=True)
-            try:
-                first = seen.setdefault(key, key_node)
-            except TypeError:  # an unhashable key: construct_mapping refuses it in its own words
-                continue
-            if first is not key_node:
-                raise DuplicateKey(key, first.start_mark, key_node.start_mark)
-        return super().construct_mapping(node, deep=deep)
+    def construct_document(self, node: yaml.Node) -> Any:
+        self._refuse_repeats(node, "", set())
+        return super().construct_document(node)
+
+    def _refuse_repeats(self, node: yaml.Node, where: str, open_nodes: set[int]) -> None:
+        if id(node) in open_nodes:  # an alias inside its own anchor: walked already
+            return
+        open_nodes.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                name = f"{where}.{key}" if where else str(key)
+                try:
+                    first = seen.setdefault(key, key_node)
+                except TypeError:  # an unhashable key: construct_mapping refuses it in its own words
+                    continue
+                if first is not key_node:
+                    raise DuplicateKey(name, first.start_mark, key_node.start_mark)
+                self._refuse_repeats(value_node, name, open_nodes)
+        elif isinstance(node, yaml.SequenceNode):
+            for index, item in enumerate(node.value):
+                self._refuse_repeats(item, f"{where}[{index}]", open_nodes)
+        open_nodes.discard(id(node))
 
 
 def load_yaml(text: str) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from toolkit.errors import RecipeError
 from toolkit.recipe import BatchPlan, Recipe
@@ -90,6 +91,20 @@ def block_values(recipe: Recipe, total_steps: int | None) -> dict[str, tuple[obj
     return values
 
 
+class _RepeatedKey(ValueError):
+    """A key written twice in one JSON object of a ds_config."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """json's object_pairs_hook: the object, or _RepeatedKey (DeepSpeed refuses such a file given by path, but
+    the toolkit hands it a dict, so the check is here)."""
+    keys = [key for key, _ in pairs]
+    for key in keys:
+        if keys.count(key) > 1:
+            raise _RepeatedKey(key)
+    return dict(pairs)
+
+
 def resolve_ds_config(recipe: Recipe, plan: BatchPlan, *, hidden_size: int | None = None,
                       total_steps: int | None = None) -> dict:
     """The config deepspeed.initialize gets; checks the JSON passthrough against the recipe. With the model's
@@ -101,9 +116,12 @@ def resolve_ds_config(recipe: Recipe, plan: BatchPlan, *, hidden_size: int | Non
     if not path.is_file():
         raise RecipeError(f"strategy.ds_config: {path} not found; give a DeepSpeed JSON (see ds_configs/)")
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(path.read_text(), object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
         raise RecipeError(f"strategy.ds_config: {path} is not valid JSON ({exc})") from None
+    except _RepeatedKey as exc:
+        raise RecipeError(f"strategy.ds_config: {path} has the key {exc.args[0]!r} twice in one object (JSON "
+                          "keeps the last without a word); keep one") from None
     if not isinstance(config, dict):
         raise RecipeError(f"strategy.ds_config: {path} holds {type(config).__name__}, not a JSON object of "
                           "DeepSpeed settings")
