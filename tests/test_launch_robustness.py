@@ -237,6 +237,7 @@ def test_each_failing_tracker_is_one_warning_and_the_others_and_metrics_jsonl_go
     assert metrics(tmp_path) == [{"step": s, "loss": 1.0 / s} for s in (1, 2, 3)]
     assert mid_run.steps == [1] and mid_run.dropped and not mid_run.closed  # asked nothing after it failed
     assert at_close.steps == [1, 2, 3] and healthy.steps == [1, 2, 3] and healthy.closed
+    assert log.switched_off == [{"tracker": "mlflow", "step": 2, "error": "ConnectionError: mlflow store gone"}]
     where = f"{tmp_path / 'metrics.jsonl'} has every step"
     assert capsys.readouterr().err.splitlines() == [
         f"[toolkit] warning: train.report_to mlflow failed at step 2 (ConnectionError: mlflow store gone); it is off "

@@ -1,6 +1,7 @@
 """train.report_to: TensorBoard and MLflow hold every number of every metrics.jsonl record, written by rank 0
 only, read back with the libraries' own readers. The 2-rank run is test_equivalence's ddp-m2a2 (it also
-equals the single-process reference there); nothing here launches a run of its own."""
+equals the single-process reference there); nothing here launches ranks of its own (one 3-step run trains
+in-process)."""
 
 import json
 import math
@@ -174,3 +175,25 @@ def test_a_missing_tracker_package_is_one_line_naming_the_pip_install(command, t
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out)
     code = main([command, str(recipe), "--set", f"train.report_to={tracker}"])
     _assert_one_line_exit_2(code, capsys, install, out)
+
+
+def test_a_tracker_switched_off_mid_run_is_in_run_json(tmp_path, tiny_llama_dir, monkeypatch):
+    """The warning scrolls away; run.json says why the plot ends at step 2 (metrics.jsonl has every step)."""
+    import torch
+
+    from toolkit import tracking
+    from toolkit.dist import DistEnv
+    from toolkit.loop import train
+
+    def full_disk(self, step, values):
+        if step == 2:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tracking.TensorBoard, "write", full_disk)
+    out = tmp_path / "run"
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out,
+                                      train={"max_steps": 3, "report_to": "tensorboard"}))
+    train(recipe, DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+    assert json.loads((out / "run.json").read_text())["trackers_switched_off"] == [
+        {"tracker": "tensorboard", "step": 2, "error": "OSError: [Errno 28] No space left on device"}]

@@ -221,6 +221,8 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
                      task=recipe.model.task)
         if scale is not None:
             info["gradient_scale"] = scale.summary()
+        if writer is not None and writer.switched_off:
+            info["trackers_switched_off"] = writer.switched_off
         runinfo.finish(info, env=env, out_dir=out_dir, losses=losses, strategy=strategy)
     return TrainResult(output_dir=out_dir, strategy=strategy, losses=losses)
 

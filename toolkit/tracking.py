@@ -277,10 +277,13 @@ class MetricsLog:
 
     A tracker is a copy of metrics.jsonl for viewing: one that fails mid-run (its disk full, its store or
     server gone) is switched off with one warning line and the run goes on. It used to end the run with a
-    traceback, and rank 0 leaving made every other rank fail too: hours of training lost to a plot."""
+    traceback, and rank 0 leaving made every other rank fail too: hours of training lost to a plot. Those
+    switched off are listed (`switched_off`, run.json's `trackers_switched_off`): a plot that stops at step N
+    says why there too."""
 
     def __init__(self, jsonl: JsonlWriter, trackers: list[Tracker]):
         self.jsonl, self.trackers = jsonl, trackers
+        self.switched_off: list[dict] = []
 
     def write(self, record: dict) -> None:
         self.jsonl.write(record)
@@ -291,6 +294,8 @@ class MetricsLog:
             except Exception as exc:  # whatever its library raises (OSError, MlflowException, a driver's error)
                 self.trackers.remove(tracker)
                 tracker.drop()
+                self.switched_off.append({"tracker": tracker.name, "step": record["step"],
+                                          "error": f"{type(exc).__name__}: {first_line(exc)}"})
                 self._warn(tracker, exc, when=f"at step {record['step']}", then="it is off for the rest of the run")
 
     def close(self, status: str) -> None:
