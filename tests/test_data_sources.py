@@ -162,8 +162,8 @@ def test_label_names_map_to_sorted_ids_and_into_the_exported_config(tmp_path, ti
     train, evaluation = _named_labels(tmp_path, eval_rows)
     out = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_bert_dir, task="sequence-classification",
-                          output_dir=out, data={"train": str(train), "eval": str(evaluation)},
-                          train={"max_steps": 3, "eval_every": None})
+                          output_dir=out, data={"train": str(train), "eval": str(evaluation), "max_length": 16},
+                          train={"max_steps": 3, "eval_every": None})  # 16: some rows are cut (see run.json below)
     dataset, names = _split(recipe)
     assert names == ["neg", "pos"]
     assert dataset["label"] == [r["label"] for r in ROWS]  # neg -> 0, pos -> 1: the ids the names came from
@@ -171,7 +171,18 @@ def test_label_names_map_to_sorted_ids_and_into_the_exported_config(tmp_path, ti
     assert "[toolkit] labels: neg → 0, pos → 1" in result.stderr
     config = json.loads((out / "model" / "config.json").read_text())
     assert config["id2label"] == {"0": "neg", "1": "pos"} and config["label2id"] == {"neg": 0, "pos": 1}
-    assert json.loads((out / "run.json").read_text())["labels"] == ["neg", "pos"]
+    info = json.loads((out / "run.json").read_text())
+    assert info["labels"] == ["neg", "pos"]
+    # what of each split the run read, counted here with the tokenizer alone: 64 rows, 8 a step, 3 steps
+    lengths = {key: [len(ids) for ids in _tokenizer()([r["text"] for r in rows])["input_ids"]]
+               for key, rows in (("train", ROWS), ("eval", eval_rows))}
+    for key, record in info["data"].items():
+        n = lengths[key]
+        assert (record["samples"], record["tokens"]) == (len(n), sum(n)), key
+        assert (record["samples_cut"], record["tokens_cut"]) == (sum(k > 16 for k in n), sum(max(k - 16, 0) for k in n))
+    assert info["data"]["train"]["samples_cut"] > 0  # the check above could fail
+    assert {k: info["data"]["train"][k] for k in ("steps_per_epoch", "epochs", "samples_unread_per_epoch")} == {
+        "steps_per_epoch": 8, "epochs": 0.375, "samples_unread_per_epoch": 0}
 
     # eval accuracy is what the exported model gets on the eval rows, computed here with plain transformers
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -181,7 +192,7 @@ def test_label_names_map_to_sorted_ids_and_into_the_exported_config(tmp_path, ti
     hits = 0
     with torch.no_grad():
         for row in eval_rows:
-            logits = model(**tokenizer(row["text"], truncation=True, max_length=32, return_tensors="pt")).logits
+            logits = model(**tokenizer(row["text"], truncation=True, max_length=16, return_tensors="pt")).logits
             hits += config["id2label"][str(int(logits.argmax()))] == row["label"]
     final = metrics(out)[-1]
     assert final["eval_accuracy"] == pytest.approx(hits / len(eval_rows), abs=1e-12)

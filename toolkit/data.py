@@ -80,6 +80,15 @@ def data_note(key: str, counts: SplitCounts, data: DataConfig) -> str | None:
     return f"[toolkit] {key}: {'; '.join(parts)}" if parts else None
 
 
+def data_record(counts: SplitCounts, *, num_samples: int, data: DataConfig) -> dict:
+    """run.json's account of one split: the samples the run reads (blocks, under packing) and what reading and
+    tokenizing left out or cut (the numbers of data_note's line, kept where the line scrolls away)."""
+    return {"samples": num_samples, "packed": data.packing, "tokens": counts.num_tokens,
+            "blank_lines_left_out": counts.num_blank, "samples_left_out": counts.num_left_out,
+            "samples_cut": counts.num_cut, "tokens_cut": counts.num_tokens_cut,
+            "tokens_left_out_of_packing": counts.num_tokens_unpacked}
+
+
 def _share(part: int, whole: int) -> str:
     share = part / max(whole, 1)
     return "<0.1%" if 0 < share < 0.001 else f"{share:.1%}"

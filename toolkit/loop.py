@@ -29,8 +29,8 @@ from toolkit.checkpoint.store import check_creatable
 from toolkit.comm import CollectiveCounter, counting
 from toolkit.checks import check_position_limit
 from toolkit.consistency import check_replicas
-from toolkit.data import (Collator, DataLayout, GlobalBatchSampler, SplitCounts, check_one_batch, data_note, load_split,
-                          train_loader)
+from toolkit.data import (Collator, DataLayout, GlobalBatchSampler, SplitCounts, check_one_batch, data_note,
+                          data_record, load_split, train_loader)
 from toolkit.dist import DistEnv, all_reduce_max, all_reduce_sum
 from toolkit.errors import RecipeError
 from toolkit.evaluate import evaluate
@@ -103,6 +103,12 @@ def prepare(recipe: Recipe, env: DistEnv):
                                data_note("data.eval", eval_counts, recipe.data)) if note]
     epochs = recipe.train.epochs or 0.0  # TrainConfig: exactly one of max_steps and epochs
     total_steps = recipe.train.max_steps or max(1, int(epochs * sampler.steps_per_epoch))
+    seen = total_steps * plan.global_batch_size
+    data_info = {"train": {**data_record(train_counts, num_samples=len(train_ds), data=recipe.data),
+                           "steps_per_epoch": sampler.steps_per_epoch, "epochs": round(seen / len(train_ds), 4),
+                           "samples_unread_per_epoch": len(train_ds) % plan.global_batch_size}}
+    if eval_ds is not None:
+        data_info["eval"] = data_record(eval_counts, num_samples=len(eval_ds), data=recipe.data)
     check_profile_window(recipe.train.profile_steps, last_step=total_steps)
     if recipe.optim.warmup_steps >= total_steps:  # a smoke run on a recipe's warm-up: deliberate, yet say so
         notes.append(warmup_note(recipe.optim.warmup_steps, total_steps))
@@ -111,7 +117,7 @@ def prepare(recipe: Recipe, env: DistEnv):
         notes.append("[toolkit] model.lora on a model built from model.config: its base weights are saved "
                      "nowhere, so output_dir/model (the adapter alone) loads onto no base; "
                      "model.lora.merge_on_export=true writes a usable model, as `toolkit convert` does from a checkpoint")
-    return plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, names, notes
+    return plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, names, notes, data_info
 
 
 def warmup_note(warmup_steps: int, total_steps: int) -> str:
@@ -144,7 +150,7 @@ def announce_schedule_changes(recipe: Recipe, checkpoint, *, env: DistEnv, total
 
 
 def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> TrainResult:
-    plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, names, notes = prepare(recipe, env)
+    plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, names, notes, data_info = prepare(recipe, env)
     runtime_bytes = process_bytes()  # what the process holds before any model: the base a memory prediction starts from
     prediction = runinfo.predict_memory(recipe, env, runtime_bytes=runtime_bytes)  # warns before setup if too big
     # before the collective below, so no rank can have written into output_dir yet
@@ -175,7 +181,7 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
         tokens_seen = int(checkpoint.manifest.get("tokens_seen", 0))
     out_dir = Path(recipe.output_dir)
     info = runinfo.start(recipe, env=env, plan=plan, total_steps=total_steps, model=strategy.export_module(),
-                         num_params=num_params, out_dir=out_dir, prediction=prediction)
+                         num_params=num_params, out_dir=out_dir, prediction=prediction, data=data_info)
     info["_block_forwards"] = forwards
     if checkpoint is not None:
         info["resumed_from"] = {"checkpoint": str(checkpoint.path), "step": done,

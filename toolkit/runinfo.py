@@ -90,7 +90,7 @@ def predict_memory(recipe: Recipe, env: DistEnv, *, runtime_bytes: int) -> dict 
 
 
 def start(recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, model, num_params: int,
-          out_dir: Path, prediction: dict | None = None) -> dict:
+          out_dir: Path, prediction: dict | None = None, data: dict | None = None) -> dict:
     lm_head = recipe.model.task == "causal-lm"
     info: dict[str, Any] = {
         "status": "running", "strategy": recipe.strategy.name, "world_size": env.world_size,
@@ -104,6 +104,7 @@ def start(recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, mo
         "threads_per_rank": torch.get_num_threads(),
         "cpu_matmul_peak": _cpu_peak(recipe, env, model),
         "memory_prediction": prediction,
+        "data": data,
         "command": " ".join(sys.argv),
     }
     if env.is_main:
