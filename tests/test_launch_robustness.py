@@ -167,6 +167,40 @@ def test_a_rank_that_cannot_stop_is_killed_after_the_grace(tmp_path):
     assert not left
 
 
+TORCHRUN_RANK = textwrap.dedent("""
+    # a rank of plain torchrun: a SIGTERM handler that says it was called, as the toolkit's stop does
+    import os, signal, sys, time
+    from toolkit.orphans import follow_launcher
+    signal.signal(signal.SIGTERM, lambda *_: (print("SIGTERM", flush=True), sys.exit(143)))
+    follow_launcher(grace_s=30.0)
+    print("ready", os.getpid(), os.environ.get("TOOLKIT_FOLLOWS_LAUNCHER"), flush=True)
+    time.sleep(120)
+""")
+
+
+def test_a_rank_of_plain_torchrun_gets_sigterm_when_torchrun_is_killed(tmp_path):
+    """torchrun's agent starts its ranks in sessions of their own: before, `kill -9` of torchrun (or the OOM
+    killer) left them running. The agent is the real one here; the rank is a script, so this takes seconds."""
+    log = tmp_path / "log"
+    with open(log, "w") as handle:
+        agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+                                  "--no-python", sys.executable, "-c", TORCHRUN_RANK], cwd=REPO, env=toolkit_env(),
+                                 stdout=handle, stderr=subprocess.STDOUT)
+    rank = None
+    try:
+        _wait_for(log, "ready", agent, timeout_s=60)
+        words = re.search(r"ready (\d+) (\S+)", log.read_text())
+        assert words is not None and words[2] == "1", log.read_text()  # followed; what it starts will not
+        rank = psutil.Process(int(words[1]))
+        agent.kill()
+        agent.wait()
+        left = _wait_gone([rank], timeout_s=10)  # well inside the 30 s grace: the signal ended it, not the kill
+    finally:
+        if rank is not None and _alive([rank]):
+            rank.kill()
+    assert not left and "SIGTERM" in log.read_text(), log.read_text()
+
+
 # --- a user's mistake found inside the ranks, with --max-restarts -------------------------------------------------
 
 def test_a_restart_after_a_users_mistake_ends_at_once_with_its_one_line(tmp_path, tiny_llama_dir):

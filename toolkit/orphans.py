@@ -1,4 +1,4 @@
-"""A rank of `toolkit launch` does not outlive its launcher.
+"""A rank of `toolkit launch` (or of plain `torchrun` / `accelerate launch`) does not outlive its launcher.
 
 torch's agent starts each rank in a session of its own (Popen(start_new_session=True)), so a launcher killed
 with SIGKILL (or by the OOM killer) takes nothing with it: its ranks train on to the end, or wait in a
@@ -9,7 +9,9 @@ PR_SET_PDEATHSIG fires when the *thread* that forked the child ends, not the pro
 starts the ranks in the thread that called torch.distributed.run's run(): LocalElasticAgent._start_workers ->
 start_processes -> SubprocessContext._start -> Popen, and a restart (--max-restarts) goes through
 _restart_workers from the same _invoke_run loop, in the same thread. `toolkit launch` calls run() from its main
-thread (launch.launch passes its pid only from there), and that thread ends only with the process.
+thread (launch.launch passes its pid only from there), and that thread ends only with the process. So do
+`torchrun` (torch.distributed.run's main -> run -> elastic_launch) and `accelerate launch` (multi_gpu_launcher ->
+torch.distributed.run's run): a rank they start (TORCHELASTIC_RUN_ID set) follows its parent, the agent.
 
 The signal is SIGTERM, not SIGKILL: the ranks take it as a stop (toolkit.stopping), agree on it at the next
 step boundary, write a checkpoint and leave, so a launcher killed by mistake or by the OOM killer loses
@@ -29,18 +31,23 @@ import threading
 import time
 
 LAUNCHER_PID_ENV = "TOOLKIT_LAUNCHER_PID"  # set by `toolkit launch` for its ranks: the process that starts them
+FOLLOWED_ENV = "TOOLKIT_FOLLOWS_LAUNCHER"  # set in a rank that follows its launcher: not in what the rank starts
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 ORPHAN_GRACE_S = 30.0  # torch's agent: SIGTERM, then SIGKILL after its shutdown timeout of 30 s
 WATCH_INTERVAL_S = 1.0
 
 
 def follow_launcher(*, grace_s: float = ORPHAN_GRACE_S) -> None:
-    """In a rank of `toolkit launch` (LAUNCHER_PID_ENV set): SIGTERM when the launcher dies, SIGKILL `grace_s`
-    later if the rank is still there. Elsewhere (another launcher, a single process, not Linux) nothing.
-    The variable is removed so that processes this rank starts do not take the launcher for their parent."""
+    """In a rank of `toolkit launch` (LAUNCHER_PID_ENV set) or of torch's elastic agent (torchrun, accelerate
+    launch: TORCHELASTIC_RUN_ID set, the agent is the parent): SIGTERM when the launcher dies, SIGKILL `grace_s`
+    later if the rank is still there. Elsewhere (a single process, not Linux) nothing. The variables are
+    removed (FOLLOWED_ENV set) so that processes this rank starts do not take the launcher for their parent."""
     value = os.environ.pop(LAUNCHER_PID_ENV, None)
+    if value is None and "TORCHELASTIC_RUN_ID" in os.environ and FOLLOWED_ENV not in os.environ:
+        value = str(os.getppid())  # the agent that started this rank (or a wrapper it ran, which waits for it)
     if value is None or sys.platform != "linux":
         return
+    os.environ[FOLLOWED_ENV] = "1"
     launcher = int(value)
     if _set_parent_death_signal(signal.SIGTERM) and os.getppid() != launcher:
         # the launcher died before the request was made: no signal will come, and nothing has started yet
