@@ -272,6 +272,7 @@ def test_num_labels_other_than_the_saved_heads_is_one_line(tmp_path, tiny_bert_d
     ("cut in the tensors", ("model.safetensors", "file not fully covered")),
     ("cut shard", ("model-00001-of-00001.safetensors", "file not fully covered")),
     ("config not JSON", ("config.json is not valid JSON",)),
+    ("cut torch file", ("pytorch_model.bin", "not a complete torch weight file", "cut short")),
 ])
 def test_a_damaged_model_folder_is_one_line(damage, words, tmp_path, tiny_bert_dir, capsys):
     """A download or copy that stopped part way: safetensors' or transformers' traceback in every rank, while
@@ -279,16 +280,23 @@ def test_a_damaged_model_folder_is_one_line(damage, words, tmp_path, tiny_bert_d
     import json
     import os
 
+    from safetensors import safe_open
+
     folder = _model_copy(tmp_path, tiny_bert_dir)
     weights = folder / "model.safetensors"
     if damage == "cut shard":
-        from safetensors import safe_open
-
         with safe_open(str(weights), framework="pt") as f:
             names = list(f.keys())
         weights = weights.rename(folder / "model-00001-of-00001.safetensors")
         (folder / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {}, "weight_map": {name: weights.name for name in names}}))
+    if damage == "cut torch file":  # the format older checkpoints come in: torch.save's zip archive
+        import torch
+
+        with safe_open(str(weights), framework="pt") as f:
+            torch.save({name: f.get_tensor(name) for name in f.keys()}, folder / "pytorch_model.bin")
+        weights.unlink()
+        weights = folder / "pytorch_model.bin"
     if damage == "cut in the header":
         os.truncate(weights, 1000)
     elif damage == "config not JSON":

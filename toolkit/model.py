@@ -14,7 +14,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from toolkit.errors import RecipeError
+from toolkit.errors import RecipeError, first_line
 from toolkit.model_config import (auto_class, build_errors, check_architecture, check_saved_head, check_sizes,
                                   check_unknown_fields, config_errors)
 from toolkit.precision import DTYPES
@@ -62,6 +62,7 @@ def _check_weight_files(path: Path) -> None:
         _check_safetensors(path / SAFE_WEIGHTS_NAME)
         return
     if (path / WEIGHTS_NAME).is_file():
+        _check_torch_file(path / WEIGHTS_NAME)
         return
     index = next((path / name for name in (SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_INDEX_NAME) if (path / name).is_file()),
                  None)
@@ -81,6 +82,25 @@ def _check_weight_files(path: Path) -> None:
     for shard in sorted(shards):
         if shard.endswith(".safetensors"):
             _check_safetensors(path / shard)
+        else:
+            _check_torch_file(path / shard)
+
+
+def _check_torch_file(file: Path) -> None:
+    """A torch.save file (pytorch_model.bin) is a zip archive whose directory is at its end: one cut short
+    has none, and every rank's from_pretrained failed with torch's "failed finding central directory"
+    traceback. Reads the directory only; a file of torch's legacy (pre-zip) format is left to torch."""
+    import zipfile
+
+    with open(file, "rb") as handle:
+        if handle.read(4) != b"PK\x03\x04":
+            return
+    try:
+        with zipfile.ZipFile(file) as archive:
+            archive.infolist()
+    except (zipfile.BadZipFile, OSError) as exc:  # zipfile: "File is not a zip file", of one that starts as one
+        raise RecipeError(f"model.path: {file} is not a complete torch weight file (a zip archive cut short: "
+                          f"{first_line(exc)}); finish the download or copy, or save_pretrained again") from None
 
 
 def _looks_like_hub_id(path: Path) -> bool:
