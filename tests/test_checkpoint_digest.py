@@ -111,3 +111,13 @@ def test_an_unchanged_checkpoint_resumes(recipe, checkpoint, tmp_path, capsys):
                  "--resume", str(checkpoint)])
     assert code == 0 and "resume: weights and optimizer state from" in capsys.readouterr().err
     assert (out / "checkpoints" / "step-00000002" / "digests.json").is_file()
+
+
+def test_digests_switched_off_records_none_and_the_checkpoint_reads_as_before(recipe, checkpoint, tmp_path):
+    """checkpoint.digests: false, for checkpoints so large that hashing them at each commit costs minutes."""
+    out = tmp_path / "resumed"
+    assert main(["train", str(recipe), "--set", "train.max_steps=2", "--set", f"output_dir={out}",
+                 "--set", "checkpoint.digests=false", "--resume", str(checkpoint)]) == 0
+    saved = out / "checkpoints" / "step-00000002"
+    assert not (saved / "digests.json").exists() and "digests" not in json.loads((saved / "manifest.json").read_text())
+    assert main(["convert", str(saved), str(tmp_path / "model")]) == 0  # read as a checkpoint from before digests

@@ -165,7 +165,7 @@ def save(strategy, *, step: int, out_dir: Path, env: DistEnv, recipe, manifest: 
     def finish() -> None:
         store.write_manifest(partial, {**manifest, "step": step, "world_size": env.world_size, "extra": extra},
                              recipe=recipe, hf_files=hf_files)
-        store.commit(out_dir, step, keep_last=keep_last)
+        store.commit(out_dir, step, keep_last=keep_last, digests=recipe.checkpoint.digests)
 
     if background is None:
         dcp.save(state, checkpoint_id=str(partial))

@@ -213,15 +213,18 @@ def write_manifest(partial: Path, manifest: dict, *, recipe: Recipe, hf_files) -
     """Rank 0, after every rank's tensors are written: the small files, then the manifest last."""
     (partial / "recipe.yaml").write_text(dump_recipe(recipe))
     hf_files(partial / "hf")
-    data = {"format": FORMAT, "version": VERSION, "digests": digest.DIGESTS, **manifest}  # recorded by commit()
+    data = {"format": FORMAT, "version": VERSION, **manifest}
+    if recipe.checkpoint.digests:
+        data["digests"] = digest.DIGESTS  # recorded by commit(); without the key a reader expects none
     write_text_whole(partial / MANIFEST, json.dumps(data, indent=2), durable=True)
 
 
-def commit(out_dir: Path, step: int, *, keep_last: int) -> Path:
-    """Rank 0: the partial folder, its digests recorded, becomes the checkpoint, then checkpoints beyond keep_last
-    are deleted."""
+def commit(out_dir: Path, step: int, *, keep_last: int, digests: bool = True) -> Path:
+    """Rank 0: the partial folder, its digests recorded (unless `digests` is False), becomes the checkpoint,
+    then checkpoints beyond keep_last are deleted."""
     faults.before_commit(step)  # tests: a save that dies here must never be resumed from
-    digest.record(partial_path(out_dir, step))  # after the manifest: digests.json covers every other file
+    if digests:
+        digest.record(partial_path(out_dir, step))  # after the manifest: digests.json covers every other file
     final = final_path(out_dir, step)
     if final.exists():  # the same step saved again (a resumed run that ends where its checkpoint was)
         shutil.rmtree(final)
