@@ -268,7 +268,7 @@ class CheckpointConfig:
     # true: dcp.async_save, training goes on while the files are written (the next save waits for it)
     async_save: bool = field(default=False, metadata={"key": "async"})
     # each file's size and SHA-256 in digests.json, compared before a resume or convert reads it (bytes changed
-    # after the save are found); false: rank 0 hashes nothing at each commit (~6 GB/s on 4 threads), for
+    # after the save are found); false: rank 0 hashes nothing at each commit (~1.5 GB/s a thread, up to 4), for
     # checkpoints so large that the wait matters, and only missing or short files are found
     digests: bool = True
 
