@@ -21,15 +21,22 @@ def test_dp_without_two_gpus_says_what_it_ran_as_and_progress_shows_eval_loss(tm
     assert main(["train", str(recipe)]) == 0
     err = capsys.readouterr().err.splitlines()
     warnings = [line for line in err if "warning" in line]
+    run = json.loads((out / "run.json").read_text())
     import torch
 
     gpus = torch.cuda.device_count()
     if gpus < 2:
         where = "one GPU" if gpus == 1 else "the CPU (no CUDA device)"
-        assert warnings == [f"[toolkit] warning: strategy dp needs 2+ CUDA devices; this machine has {gpus}, so it "
-                            f"runs as one process on {where}, like strategy single"]
+        reason = (f"strategy dp needs 2+ CUDA devices; this machine has {gpus}, so it runs as one process on {where}, "
+                  "like strategy single")
+        assert warnings == [f"[toolkit] warning: {reason}"]
+        # run.json says what ran, for a report: nothing was summed onto a GPU 0
+        assert run["fallback"] == reason
+        assert run["precision_audit"]["grad_reduction"] == \
+            "none: one process; dp without 2+ CUDA devices runs as single"
     else:  # DataParallel really splits the batch: nothing to warn about
         assert warnings == []
+        assert "fallback" not in run and run["precision_audit"]["grad_reduction"] == "sum onto GPU 0 (fp32)"
     evaluated = {m["step"]: m["eval_loss"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
                  if "eval_loss" in m}
     assert sorted(evaluated) == [2, 3]

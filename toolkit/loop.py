@@ -187,6 +187,9 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
         info["resumed_from"] = {"checkpoint": str(checkpoint.path), "step": done,
                                 "weights_only": weights_only}
     info["layout"] = strategy.layout()
+    fallback = strategy.fallback()
+    if fallback is not None:  # what ran is not what the recipe names: a report flags it
+        info["fallback"] = fallback
     if env.is_main:
         print(f"[toolkit] layout: {info['layout']}", file=sys.stderr, flush=True)
         for note in notes:  # said once the run goes ahead: a user's mistake found before stays one line

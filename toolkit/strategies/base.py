@@ -189,6 +189,10 @@ class Strategy(Protocol):
     def layout(self) -> str:
         """Where the model lives after setup, in one line (printed at start, kept in run.json)."""
 
+    def fallback(self) -> str | None:
+        """Why this machine runs something other than the strategy asked for, in one line (dp without 2+ GPUs
+        runs as single), or None where it runs as itself: run.json's `fallback`, for a report to flag."""
+
     def measurements(self) -> dict[str, Any]:
         """What this rank measured that only this strategy can (a pipeline's bubble), for run.json."""
 

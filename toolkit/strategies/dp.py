@@ -1,7 +1,9 @@
-"""`dp`: torch.nn.DataParallel, one process driving every visible GPU (on CPU it runs the module as is).
+"""`dp`: torch.nn.DataParallel, one process driving every visible GPU.
 
 DataParallel splits each micro-batch over the GPUs and sums gradients onto the first one, so the
-loss needs no rescaling: the process sees one batch and one loss.
+loss needs no rescaling: the process sees one batch and one loss. Over fewer than 2 GPUs (on CPU) it
+is the plain module: the run is strategy single's, and says so (the warning at start, the precision
+audit, run.json's `fallback`).
 """
 
 from __future__ import annotations
@@ -21,18 +23,28 @@ INFO = StrategyInfo(
     arms={"dp": ("strategy.name=dp",)})
 
 
-def wrap_data_parallel(module: nn.Module, args: SetupArgs) -> nn.Module:
+def runs_as_single() -> str | None:
+    """Why this machine runs dp as strategy single, in one line; None where DataParallel splits batches (2+ GPUs)."""
     gpus = torch.cuda.device_count()
     if gpus > 1:
+        return None
+    where = "one GPU" if gpus == 1 else "the CPU (no CUDA device)"
+    return (f"strategy dp needs 2+ CUDA devices; this machine has {gpus}, so it runs as one process on {where}, "
+            "like strategy single")
+
+
+def wrap_data_parallel(module: nn.Module, args: SetupArgs) -> nn.Module:
+    reason = runs_as_single()
+    if reason is None:
         return nn.DataParallel(module)
     if args.env.is_main:  # DataParallel over one device is the plain module: say so rather than pretend
-        where = "one GPU" if gpus == 1 else "the CPU (no CUDA device)"
-        print(f"[toolkit] warning: strategy dp needs 2+ CUDA devices; this machine has {gpus}, so it runs as "
-              f"one process on {where}, like strategy single", file=sys.stderr, flush=True)
+        print(f"[toolkit] warning: {reason}", file=sys.stderr, flush=True)
     return module
 
 
-DP = Replication(info=INFO, wrap=wrap_data_parallel, reduce_desc="sum onto GPU 0 ({dtype})")
+DP = Replication(info=INFO, wrap=wrap_data_parallel, reduce_desc="sum onto GPU 0 ({dtype})",
+                 runs_as_single=runs_as_single,
+                 single_reduce_desc="none: one process; dp without 2+ CUDA devices runs as single")
 
 
 def build(recipe: Recipe) -> ReplicatedStrategy:

@@ -248,6 +248,9 @@ class FsdpStrategy:
             layout += ", norms on sequence shards)" if self.sequence_parallel else ")"
         return f"{layout}; weights: {self.loading}"
 
+    def fallback(self) -> str | None:
+        return None  # runs as itself on any machine
+
     def close(self) -> None:
         del self._model, self.optimizer, self.scheduler, self.mesh  # their groups, for destroy_process_group
 

@@ -336,6 +336,9 @@ class PipelineStrategy:
         return (f"{self.num_stages} stages over {self.grid.pp} ranks{replicas}, schedule {options.schedule} with "
                 f"{self.micro_batches} micro-batches; {self.grid.stages_by_rank(self.parts, options.stages_per_rank)}")
 
+    def fallback(self) -> str | None:
+        return None  # runs as itself on any machine
+
     def checkpoint_tensors(self) -> dict[str, dict[str, Any]]:
         model: dict[str, Any] = {}
         for stage in self.stage_modules:  # the stages keep the model's own names

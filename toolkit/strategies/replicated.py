@@ -40,6 +40,10 @@ class Replication:
     reduce_desc: str  # for the precision audit; "{dtype}" becomes the gradients' dtype
     skip_sync: Callable[[nn.Module], ContextManager] | None = None  # wrapped -> context without gradient reduction
     check: Callable[[Recipe, int], None] | None = None  # (recipe, world size) -> RecipeError for what it cannot run
+    # () -> why this machine runs the strategy as `single` (one process, one device, nothing reduced), in one line,
+    # or None where it runs as itself (dp over fewer than 2 GPUs): run.json's `fallback`
+    runs_as_single: Callable[[], str | None] | None = None
+    single_reduce_desc: str = "none: one process"  # the audit's reduction row when it runs as single
 
 
 class ReplicatedStrategy:
@@ -89,6 +93,7 @@ class ReplicatedStrategy:
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
         self.env = args.env
         self.module, self.input_device, self.placed = self.replication.place(model, args)  # unwrapped, placed
+        self.as_single = self.replication.runs_as_single() if self.replication.runs_as_single else None
         self._model = self.replication.wrap(self.module, args)
         self.amp = Amp(args.recipe.precision, args.env.device)
         self.optimizer = args.build_optimizer(self.module)
@@ -159,6 +164,9 @@ class ReplicatedStrategy:
         world = self.env.world_size
         return self.placed + (f"; a replica on each of {world} ranks" if world > 1 else "")
 
+    def fallback(self) -> str | None:
+        return self.as_single
+
     def close(self) -> None:
         del self._model, self.module, self.optimizer, self.scheduler  # DDP's reducer holds the process group
 
@@ -177,7 +185,8 @@ class ReplicatedStrategy:
             "forward_params": compute,
             "master_weights": master,
             "gradients": grad_dtype,
-            "grad_reduction": self.replication.reduce_desc.format(dtype=grad_dtype),
+            "grad_reduction": (self.replication.single_reduce_desc if self.as_single else
+                               self.replication.reduce_desc.format(dtype=grad_dtype)),
             "optimizer_state": dtype_name(first_dtype(optimizer_state_tensors(self.optimizer))) or master,
             "loss_scaling": (f"dynamic (GradScaler, init {self.amp.scaler.get_scale():g})"
                              if self.amp.scaler else "off"),

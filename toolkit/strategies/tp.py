@@ -154,6 +154,9 @@ class TpStrategy:
         return (f"attention heads and MLP columns split over {self.env.world_size} ranks; embeddings, norms and "
                 "head replicated" + ("; norms computed on sequence shards" if self.sequence_parallel else ""))
 
+    def fallback(self) -> str | None:
+        return None  # runs as itself on any machine
+
     def close(self) -> None:
         del self._model, self.optimizer, self.scheduler, self.mesh
 

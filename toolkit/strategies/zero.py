@@ -289,6 +289,9 @@ class ZeroStrategy:
         where = " (optimizer on CPU)" if self.offload_optimizer else ""
         return f"ZeRO-{self.stage}: each of {self.env.world_size} ranks holds {held}{where}; weights: {self.loading}"
 
+    def fallback(self) -> str | None:
+        return None  # runs as itself on any machine
+
     def close(self) -> None:
         self.engine.destroy()  # removes ZeRO-3's hooks and the optimizer's buffers
         del self.engine, self.optimizer, self.scheduler, self.module
