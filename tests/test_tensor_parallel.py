@@ -53,6 +53,8 @@ def test_tp_layout_model_states_and_audit_are_read_from_the_split_weights(llama4
         assert detail["params_bytes"] == expected
         assert detail["grads_bytes"] == expected and detail["optim_bytes"] == 2 * expected
     assert "activations all-reduced per block (fp32)" in run["precision_audit"]["grad_reduction"]
+    # the implementation single and the other strategies run: split and replicated parameters in groups of their own
+    assert run["precision_audit"]["optimizer"] == "torch AdamW (fused)"
 
 
 def test_communication_per_step_is_activation_all_reduces_beside_fsdp_traffic(llama4_runs):

@@ -89,7 +89,9 @@ class TpStrategy:
         self._model = model.to(args.env.device)
         tensor_parallel.parallelize(self._model, self.mesh, sequence_parallel=args.recipe.strategy.sequence_parallel)
         self.amp = Amp(args.recipe.precision, args.env.device)
-        self.optimizer = args.build_optimizer(self._model)  # auto: the per-tensor loop (DTensor and plain mixed)
+        # auto: fused, as elsewhere; the split layers (DTensors) and the replicated rest (plain) in groups of their
+        # own, since one fused call refuses the mix
+        self.optimizer = args.build_optimizer(self._model)
         self.scheduler = args.build_scheduler(self.optimizer)
 
     @property
