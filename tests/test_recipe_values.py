@@ -128,15 +128,18 @@ def test_options_spelled_at_their_defaults_still_validate(tmp_path, tiny_llama_d
 def test_a_warmup_as_long_as_the_run_is_said_once_and_the_run_goes_on(tmp_path, tiny_llama_dir):
     """Optimizer step k of a warm-up of w runs at k/(w+1) of optim.lr: a w at least the run's steps never
     reaches it nor follows the schedule. A short smoke run (max_steps 2 on a recipe's warm-up) is a common,
-    deliberate case, so it is a note, not a refusal; rank 0 says it once."""
+    deliberate case, so it is a note, not a refusal; rank 0 says it once. So is a recipe's eval_every kept
+    when the run drops its eval data (--set data.eval=null): nothing is evaluated, and the run says so."""
     from conftest import launch, metrics
 
     out = tmp_path / "out"
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out,
                           optim={"warmup_steps": 3, "lr": 1e-3}, train={"max_steps": 2, "progress": False},
                           batch={"micro_batch_size": 4, "grad_accum_steps": 1})
-    result = launch(recipe, nproc=2, overrides=("strategy.name=ddp",))  # two ranks, one note
+    result = launch(recipe, nproc=2, overrides=("strategy.name=ddp", "data.eval=null", "train.eval_every=1"))
     note = "optim.warmup_steps 3 is not below the run's 2 optimizer steps"
-    assert result.stderr.count(note) == 1, result.stderr[-2000:]
+    assert result.stderr.count(note) == 1, result.stderr[-2000:]  # two ranks, one note
+    assert result.stderr.count("train.eval_every 1 is ignored: data.eval is null") == 1, result.stderr[-2000:]
+    assert not any("eval_loss" in record for record in metrics(out))
     # the lr the run logged at its last step is the warm-up's 2/4 of optim.lr (independent arithmetic)
     assert abs(metrics(out)[-1]["lr"] - 1e-3 * 2 / 4) < 1e-12

@@ -43,7 +43,7 @@ from toolkit.metrics import (Progress, compile_graph_breaks, compile_seconds, pe
 from toolkit.model import BlockForwards, layer_stack, load_tokenizer
 from toolkit.optim import build_adamw, build_scheduler
 from toolkit.precision import check_precision_supported
-from toolkit.recipe import Recipe, check_profile_window
+from toolkit.recipe import EVAL_EVERY_DEFAULT, Recipe, check_profile_window
 from toolkit.strategies import make_strategy, validate_strategy
 from toolkit.precision import StepResult
 from toolkit.stopping import NonFinite, StopSignals, Stopped
@@ -110,6 +110,10 @@ def prepare(recipe: Recipe, env: DistEnv):
     if eval_ds is not None:
         data_info["eval"] = data_record(eval_counts, num_samples=len(eval_ds), data=recipe.data)
     check_profile_window(recipe.train.profile_steps, last_step=total_steps)
+    if recipe.data.eval is None and recipe.train.eval_every not in (None, EVAL_EVERY_DEFAULT):
+        # said, not refused: a recipe's eval_every stays when a run drops its eval data (--set data.eval=null)
+        notes.append(f"[toolkit] train.eval_every {recipe.train.eval_every} is ignored: data.eval is null, so "
+                     "nothing is evaluated; give data.eval a file to evaluate")
     if recipe.optim.warmup_steps >= total_steps:  # a smoke run on a recipe's warm-up: deliberate, yet say so
         notes.append(warmup_note(recipe.optim.warmup_steps, total_steps))
     lora = recipe.model.lora

@@ -198,12 +198,16 @@ class StrategyConfig:
     # the name and the options are checked by the strategy registry (toolkit.strategies.validate_strategy)
 
 
+EVAL_EVERY_DEFAULT = 50
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     max_steps: int | None = 100  # optimizer steps; null: use epochs
     epochs: float | None = None  # passes over the train set (rounded down to whole steps)
     log_every: int = 1  # progress-bar/log-line cadence; metrics.jsonl always gets every step
-    eval_every: int | None = 50  # eval loss every N steps and at the end; null: only at the end (if data.eval)
+    # eval loss every N steps and at the end; null: only at the end (if data.eval)
+    eval_every: int | None = EVAL_EVERY_DEFAULT
     consistency_check_every: int | None = None  # compare replica checksums every N steps; null: only at start
     progress: bool = True  # progress bar on rank 0
     # per parameter, the largest |gradient| over the run relative to the global gradient norm, into run.json;
