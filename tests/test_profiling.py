@@ -2,8 +2,11 @@
 
 import json
 
+import pytest
+
 from conftest import launch, metrics, write_recipe
 from toolkit.compare import measure
+from toolkit.loop import count_step
 
 
 def test_profiled_steps_write_a_trace_and_an_op_table_and_are_left_out_of_throughput(tmp_path, tiny_llama_dir):
@@ -21,7 +24,20 @@ def test_profiled_steps_write_a_trace_and_an_op_table_and_are_left_out_of_throug
     assert [r["step"] for r in records if r.get("profiled")] == [3, 4]
     run = json.loads((out / "run.json").read_text())
     assert run["profile"] == {"steps": [3, 4], "folder": str(out / "profile")}
+    # the collectives are counted at step 5, after the window: inside it, the counting dispatch mode topped
+    # ops.txt and every op showed twice
+    assert run["comm_per_step"]["step"] == 5 and "PythonDispatchMode" not in ops, ops[:600]
+    assert [r["step"] for r in records if "comm_bytes" in r] == [5]
     # throughput is the median over the steady steps without the profiled ones: a profiled step made very
     # slow must not move it
     slowed = [{**r, "tokens_per_s": 1.0} if r.get("profiled") else r for r in records]
     assert measure.throughput(slowed)["tokens_per_s"] == measure.throughput(records)["tokens_per_s"]
+
+
+@pytest.mark.parametrize("done, total, window, step", [
+    (0, 10, None, 3), (0, 2, None, 2), (5, 10, None, 6),  # step 3, or the nearest the run has
+    (0, 10, (5, 6), 3), (0, 10, (2, 4), 5),  # outside the window as it is; else right after it
+    (0, 4, (2, 4), 1), (0, 4, (1, 4), None), (2, 4, (3, 4), None),  # else before it; else nothing is counted
+])
+def test_collectives_are_counted_outside_the_profiled_steps(done, total, window, step):
+    assert count_step(done=done, total_steps=total, profiled=window) == step

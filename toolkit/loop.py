@@ -55,6 +55,19 @@ from toolkit.strategies.base import SetupArgs, Strategy
 COMM_COUNT_STEP = 3
 
 
+def count_step(*, done: int, total_steps: int, profiled: tuple[int, int] | None) -> int | None:
+    """The step whose collectives are counted: COMM_COUNT_STEP (or the nearest the run has), moved out of the
+    train.profile_steps window, whose profile would otherwise show the counting dispatch mode on top of ops.txt
+    and every op twice: the first step after the window, else the last before it; None where the window covers
+    every step the run has left (nothing is counted then)."""
+    first, last = profiled if profiled is not None else (0, -1)
+    wanted = min(max(COMM_COUNT_STEP, done + 1), total_steps)
+    if not first <= wanted <= last:
+        return wanted
+    after, before = last + 1, first - 1
+    return after if after <= total_steps else before if before > done else None
+
+
 @dataclass
 class TrainResult:
     output_dir: Path
@@ -246,7 +259,7 @@ def run_steps(strategy: Strategy, loader, *, recipe: Recipe, env: DistEnv, plan,
     """Steps done+1 .. total_steps: train, evaluate, check replicas, checkpoint, log; stop after a step when
     any rank got a stop signal (a checkpoint first)."""
     losses = []
-    comm_step = min(max(COMM_COUNT_STEP, done + 1), total_steps)
+    comm_step = count_step(done=done, total_steps=total_steps, profiled=recipe.train.profile_steps)
     for step in range(done + 1, total_steps + 1):
         micro_batches = [next(loader) for _ in range(plan.grad_accum_steps)]
         profiler.before(step)
