@@ -17,6 +17,7 @@ from toolkit.compare.cli import experiment_of
 from toolkit.compare.report_render import table_rows
 from toolkit.recipe import plan_batch
 from toolkit.recipe_files import load_recipe
+from toolkit.strategies import validate_strategy
 
 
 def _one_line_exit_2(code, capsys, words, out=None):
@@ -237,3 +238,62 @@ def test_a_rerun_from_another_folder_reuses_the_arms(two_arms, tmp_path, monkeyp
     assert "single: already completed, skipped" in printed and "single@optim.lr=2e-3: already completed" in printed
     assert json.loads((copy / "experiment.json").read_text())["recipe"] == args[1]  # absolute
     assert not (elsewhere / "exp").exists()
+
+
+@pytest.fixture
+def micro4_recipe(tmp_path, tiny_llama_dir):
+    """Micro-batch 4, global batch 8, the accumulation derived."""
+    return write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "unused",
+                        batch={"micro_batch_size": 4, "grad_accum_steps": None, "global_batch_size": 8})
+
+
+def test_each_arm_splits_the_global_batch_over_its_own_data_parallel_ranks(micro4_recipe, tmp_path):
+    """Compare refused `--set batch.global_batch_size=4 --strategies single,pp-gpipe,tp --nproc 2` as if all 2 ranks
+    read separate samples (`4 is not a multiple of 2 ranks × micro 4`), where plan and validate accept each arm: a
+    pipeline's stages and tp's ranks read the same samples."""
+    args = ["compare", str(micro4_recipe), "--set", "batch.global_batch_size=4", "--strategies", "single,pp-gpipe,tp",
+            "--nproc", "2", "--output", str(tmp_path / "exp")]
+    experiment = experiment_of(build_parser().parse_args(args))
+    plans = {}
+    for arm in experiment.arms:
+        recipe = load_recipe(experiment.recipe, [*experiment.common, *arm.overrides])
+        plans[arm.name] = (arm.nproc, validate_strategy(recipe, world_size=arm.nproc))
+    assert {name: (nproc, plan.world_size, plan.micro_batch_size, plan.grad_accum_steps, plan.global_batch_size)
+            for name, (nproc, plan) in plans.items()} == \
+        {"single": (1, 1, 4, 1, 4), "pp-gpipe": (2, 1, 4, 1, 4), "tp": (2, 1, 4, 1, 4)}
+
+
+@pytest.mark.parametrize("arms, nproc, words", [
+    # pp-ddp at 4 ranks: 2 pipelines of 2 stages, 2 data-parallel ranks (compare said "4 ranks × micro 4 = 16")
+    ("single,pp-ddp", "4", "arm pp-ddp (4 rank(s), 2 of them data-parallel): batch: global_batch_size 4 is not a "
+                           "multiple of 2 ranks × micro 4 = 8"),
+    ("single,ddp", "2", "arm ddp (2 rank(s), 2 of them data-parallel): batch: global_batch_size 4 is not a "
+                        "multiple of 2 ranks × micro 4 = 8"),
+])
+def test_a_global_batch_an_arm_cannot_split_names_the_arm_and_its_data_parallel_ranks(micro4_recipe, tmp_path, capsys,
+                                                                                     arms, nproc, words):
+    out = tmp_path / "exp"
+    _one_line_exit_2(main(["compare", str(micro4_recipe), "--set", "batch.global_batch_size=4", "--strategies", arms,
+                           "--nproc", nproc, "--output", str(out)]), capsys, (words,), out)
+
+
+def test_a_matrix_accumulation_the_global_batch_cannot_take_is_one_line(micro4_recipe, tmp_path, capsys):
+    """global 8 over 2 ranks × accum 3 gave micro 1 and a refusal that offered grad_accum_steps=null."""
+    path = _matrix(tmp_path, micro4_recipe, strategies=["single", "ddp"], grad_accum_steps=[1, 3])
+    out = tmp_path / "exp"
+    _one_line_exit_2(main(["compare", str(path), "--output", str(out)]), capsys,
+                     ("arm single-accum3: global batch 8 does not split into 1 data-parallel rank(s) × accum 3",
+                      "a multiple of 3"), out)
+
+
+def test_a_pipeline_references_calibration_runs_take_its_data_parallel_batch(micro4_recipe, tmp_path):
+    """bf16 calibration runs (the reference twice, micro batch halved) planned a pipeline reference's batch over
+    all its ranks: refused `global_batch_size 4 is not a multiple of 2 ranks × micro 4`."""
+    args = ["compare", str(micro4_recipe), "--set", "batch.global_batch_size=4", "--set", "precision=bf16",
+            "--strategies", "pp-gpipe,single", "--nproc", "2", "--output", str(tmp_path / "exp")]
+    experiment = experiment_of(build_parser().parse_args(args))
+    calibration = {arm.name: arm for arm in experiment.arms if arm.name.startswith("calibration-")}
+    micro = {name: load_recipe(experiment.recipe, [*experiment.common, *arm.overrides]).batch.micro_batch_size
+             for name, arm in calibration.items()}
+    assert micro == {"calibration-bf16-a": 4, "calibration-bf16-b": 2}
+    assert {arm.nproc for arm in calibration.values()} == {2}

@@ -30,8 +30,8 @@ def add_compare_commands(sub, add_overrides) -> None:
 def calibration_arms(experiment) -> list:
     """Two reference runs per low precision, differing only in reduction order (see verdict.py)."""
     from toolkit.compare.experiment import RECORD_GRADIENT_SCALE, Arm
-    from toolkit.recipe import plan_batch
     from toolkit.recipe_files import load_recipe
+    from toolkit.strategies import validate_strategy
 
     reference = experiment.arms[0]
     precisions = set()
@@ -43,7 +43,7 @@ def calibration_arms(experiment) -> list:
     for precision in sorted(precisions):
         base = [o for o in reference.overrides if not o.startswith(("precision=", "batch.", RECORD_GRADIENT_SCALE))]
         recipe = load_recipe(experiment.recipe, [*experiment.common, *reference.overrides])
-        plan = plan_batch(recipe.batch, world_size=reference.nproc)
+        plan = validate_strategy(recipe, world_size=reference.nproc)  # over its data-parallel ranks, not all ranks
         micro = plan.micro_batch_size // 2 if plan.micro_batch_size % 2 == 0 else 1
         batch = [f"batch.global_batch_size={plan.global_batch_size}", "batch.grad_accum_steps=null"]
         out.append(Arm(f"calibration-{precision}-a", reference.nproc,

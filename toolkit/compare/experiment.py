@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 
 from toolkit.errors import RecipeError
-from toolkit.recipe import plan_batch
+from toolkit.recipe import Recipe, plan_batch
 from toolkit.recipe_files import load_recipe
 from toolkit.strategies import arm_aliases, make_strategy, strategy_info, validate_strategy
 from toolkit.yaml_files import read_yaml_mapping
@@ -169,7 +169,7 @@ def build_experiment(recipe_path: str, *, strategies: list[str], precisions: lis
                      accums: list[int | None], nproc: int, steps: int | None, overrides: list[str]) -> Experiment:
     refuse_replaced(strategies, overrides=overrides, precisions=precisions, accums=accums)
     base = load_recipe(recipe_path, overrides)
-    global_batch = plan_batch(base.batch, world_size=nproc).global_batch_size
+    global_batch = experiment_global_batch(base, nproc=nproc)
     common = list(overrides)
     if steps is not None:
         common.append(f"train.max_steps={steps}")
@@ -187,18 +187,11 @@ def build_experiment(recipe_path: str, *, strategies: list[str], precisions: lis
         shards = make_strategy(arm_recipe).data_layout(arm_recipe, world_size=arm_nproc, rank=0).size
         for precision in precisions:
             for accum in accums:
-                extra = [f"batch.global_batch_size={global_batch}"]
-                if accum is None:
-                    extra.append("batch.grad_accum_steps=null")
-                else:
-                    micro = global_batch // (shards * accum)
-                    extra += [f"batch.grad_accum_steps={accum}", f"batch.micro_batch_size={micro}"]
-                name = strategy.replace("/", "_")
-                if precision:
-                    extra.append(f"precision={precision}")
-                    name += f"-{precision}" if len(precisions) > 1 else ""
-                if accum is not None and len(accums) > 1:
-                    name += f"-accum{accum}"
+                name = strategy.replace("/", "_") + (f"-{precision}" if precision and len(precisions) > 1 else "") \
+                    + (f"-accum{accum}" if accum is not None and len(accums) > 1 else "")
+                extra = [f"batch.global_batch_size={global_batch}",
+                         *_accumulation(global_batch, shards=shards, accum=accum, arm=name),
+                         *([f"precision={precision}"] if precision else [])]
                 arms.append(Arm(name, arm_nproc, (*arm_overrides(strategy), *extra)))
     refuse_repeats([arm.name for arm in arms], where="strategies")
     common = [o for o in common if _key(o) != "output_dir"]
@@ -207,8 +200,40 @@ def build_experiment(recipe_path: str, *, strategies: list[str], precisions: lis
     # absolute: experiment.json and each arm's launch read it from wherever compare or report is run next
     experiment = Experiment(recipe=os.path.abspath(recipe_path), out_dir=out_dir, arms=arms, common=common)
     for arm in arms:  # every arm's strategy and batch arithmetic are checked before anything runs
-        validate_strategy(load_recipe(recipe_path, [*common, *arm.overrides]), world_size=arm.nproc)
+        check_arm(load_recipe(recipe_path, [*common, *arm.overrides]), arm=arm)
     return experiment
+
+
+def experiment_global_batch(base: Recipe, *, nproc: int) -> int:
+    """The one global batch every arm runs: the recipe's global_batch_size as given; without one, micro × accum
+    on --nproc data-parallel ranks (what ddp runs there). Whether it splits over an arm's ranks is each arm's own
+    check (check_arm): its data-parallel size is its strategy's, not --nproc (a pipeline's stages and tp's ranks
+    read the same samples; pp-ddp at 4 ranks has 2 data-parallel ranks)."""
+    if base.batch.global_batch_size is not None:
+        return base.batch.global_batch_size
+    return plan_batch(base.batch, world_size=nproc).global_batch_size
+
+
+def _accumulation(global_batch: int, *, shards: int, accum: int | None, arm: str) -> list[str]:
+    """An arm's accumulation overrides: derived from the global batch (None), or a matrix's grad_accum_steps with
+    the micro batch that follows: the global batch ÷ the arm's data-parallel ranks ÷ the accumulation."""
+    if accum is None:
+        return ["batch.grad_accum_steps=null"]
+    if global_batch % (shards * accum):
+        raise RecipeError(f"arm {arm}: global batch {global_batch} does not split into {shards} data-parallel "
+                          f"rank(s) × accum {accum}; make batch.global_batch_size a multiple of {shards * accum}, "
+                          "or change the matrix's grad_accum_steps")
+    return [f"batch.grad_accum_steps={accum}", f"batch.micro_batch_size={global_batch // (shards * accum)}"]
+
+
+def check_arm(recipe: Recipe, *, arm: Arm) -> None:
+    """validate_strategy for the arm's recipe at its ranks, as `toolkit launch` runs it; a refusal names the arm
+    and how many of its ranks split the global batch (its strategy's data-parallel size)."""
+    try:
+        validate_strategy(recipe, world_size=arm.nproc)
+    except RecipeError as exc:
+        shards = make_strategy(recipe).data_layout(recipe, world_size=arm.nproc, rank=0).size
+        raise RecipeError(f"arm {arm.name} ({arm.nproc} rank(s), {shards} of them data-parallel): {exc}") from None
 
 
 def _whole(value) -> bool:
