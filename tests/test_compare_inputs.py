@@ -297,3 +297,21 @@ def test_a_pipeline_references_calibration_runs_take_its_data_parallel_batch(mic
              for name, arm in calibration.items()}
     assert micro == {"calibration-bf16-a": 4, "calibration-bf16-b": 2}
     assert {arm.nproc for arm in calibration.values()} == {2}
+
+
+def test_both_arms_mfu_divide_by_the_higher_peak_either_measured(two_arms, tmp_path, capsys):
+    """Each arm's MFU was divided by the CPU peak it measured at its start: the faster arm could show the lower MFU."""
+    out, _ = two_arms
+    copy = tmp_path / "exp"
+    shutil.copytree(out, copy)
+    for arm, flops_per_s in (("single", 4e9), ("single@optim.lr=2e-3", 8e9)):
+        run = json.loads((copy / arm / "run.json").read_text())
+        run["cpu_matmul_peak"]["flops_per_s"] = flops_per_s
+        (copy / arm / "run.json").write_text(json.dumps(run))
+    assert main(["report", str(copy)]) == 0
+    arms = json.loads((copy / "results.json").read_text())["arms"]
+    assert [a["peak_flops_per_s"] for a in arms] == [8e9, 8e9]  # 1 rank each
+    for a in arms:
+        assert a["mfu"] == pytest.approx(a["tokens_per_s"] * a["flops"]["flops_per_token"] / 8e9)
+    line = "the highest per-rank peak of the 2 arms that measured so, single@optim.lr=2e-3's 8.00 GFLOP/s"
+    assert (copy / "report.md").read_text().count(line) == 1

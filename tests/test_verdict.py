@@ -151,3 +151,46 @@ def test_mfu_above_one_is_reported_as_an_unreliable_peak_not_a_number():
     assert fine["mfu"] == pytest.approx(0.5) and "1024×128×344" in fine["peak_source"]
     above = measure.mfu(run, tokens_per_s=3000)  # 3e9 achieved of 2e9 peak: the peak cannot be a peak
     assert above["mfu"] is None and "unreliable" in above["peak_source"] and "3.0 GFLOP/s" in above["peak_source"]
+
+
+def _cpu_run(*, peak, threads=1, dtype="fp32", world_size=2):
+    return {"flops": {"flops_per_token": 1_000_000}, "world_size": world_size, "precision": dtype,
+            "device_type": "cpu", "cpu_matmul_peak": {"flops_per_s": peak, "dtype": dtype, "threads": threads,
+                                                      "shape": [256, 32, 64]}}
+
+
+def test_cpu_arms_of_one_kind_divide_by_the_best_peak_any_of_them_measured():
+    """Each arm divided by the peak it measured at its own start (1.8× apart on a loaded machine): tp at 265
+    tokens/s showed 0.91 % MFU, fsdp-tp2 at 271 tokens/s (same world, same FLOPs/token) 0.53 %."""
+    from toolkit.compare import measure
+
+    runs = {"tp": _cpu_run(peak=1e9), "fsdp-tp2": _cpu_run(peak=1.8e9),
+            "single": _cpu_run(peak=3e9, threads=2, world_size=1),  # 2 threads per rank: a peak of another kind
+            "tp-bf16": _cpu_run(peak=0.5e9, dtype="bf16"),  # bf16 matmuls: another kind
+            "gpu": {"flops": {"flops_per_token": 1_000_000}, "world_size": 1, "precision": "bf16",
+                    "device_type": "cuda", "device": "NVIDIA H100 80GB HBM3"}}
+    shared = measure.shared_cpu_peaks(runs)
+    assert set(shared) == {"tp", "fsdp-tp2", "single", "tp-bf16"}
+    assert shared["tp"] is shared["fsdp-tp2"] and (shared["tp"]["arm"], shared["tp"]["num_arms"]) == ("fsdp-tp2", 2)
+    assert (shared["single"]["flops_per_s"], shared["tp-bf16"]["flops_per_s"]) == (3e9, 0.5e9)
+    tp, fsdp_tp = (measure.mfu(runs[name], tokens, shared_peak=shared[name])
+                   for name, tokens in (("tp", 265), ("fsdp-tp2", 271)))
+    assert tp["peak_flops_per_s"] == fsdp_tp["peak_flops_per_s"] == 2 * 1.8e9
+    assert tp["mfu"] == pytest.approx(265e6 / 3.6e9) and fsdp_tp["mfu"] == pytest.approx(271e6 / 3.6e9)
+    assert tp["peak_used"] == fsdp_tp["peak_used"] and \
+        "the highest per-rank peak of the 2 arms that measured so, fsdp-tp2's 1.80 GFLOP/s" in tp["peak_used"]
+    alone = measure.mfu(runs["single"], 100, shared_peak=shared["single"])["peak_used"]
+    assert "2 thread(s)/rank" in alone and "highest" not in alone  # one arm of its kind: its own peak, as before
+    assert measure.mfu(runs["gpu"], 1000, shared_peak=shared.get("gpu"))["peak_used"] == "H100 datasheet bf16 dense"
+
+
+def test_the_report_names_each_peak_used_once_in_one_line():
+    from toolkit.compare.report_render import flops_note
+
+    flops = {"formula": "6*N", "matmul_params": 1, "attention_flops_per_token": 0, "flops_per_token": 6, "seq_len": 1}
+    arms = [{"arm": "tp", "flops": flops, "peak_used": "P", "peak_source": "P"},
+            {"arm": "fsdp-tp2", "peak_used": "P", "peak_source": "P"}]
+    assert flops_note({"arms": arms}).endswith("(peak × world); peak: P.")
+    arms.append({"arm": "single", "peak_used": "Q", "peak_source": "Q; unreliable: above"})
+    assert flops_note({"arms": arms}).endswith("(peak × world); peaks: tp, fsdp-tp2: P; single: Q. single: Q; "
+                                               "unreliable: above.")

@@ -39,6 +39,8 @@ def build_results(experiment: Experiment) -> dict:
     shown = [a for a in arms if not a["name"].startswith(CALIBRATION_PREFIX)]
     calibration = {a["name"]: a for a in arms if a["name"].startswith(CALIBRATION_PREFIX)}
     reference = shown[0]
+    # one CPU peak per kind of arm, the best any arm of the experiment measured (calibration runs included)
+    peaks = measure.shared_cpu_peaks({a["name"]: a["run"] for a in arms if a["status"] == "completed"})
     rows = []
     for arm in shown:
         row = {"arm": arm["name"], "status": arm["status"], "world_size": arm["nproc"]}
@@ -49,7 +51,7 @@ def build_results(experiment: Experiment) -> dict:
         run, metrics = arm["run"], arm["metrics"]
         speed = measure.throughput(metrics)
         row.update(precision=run["precision"], strategy=run["strategy"], **speed, **measure.memory(run),
-                   **measure.mfu(run, speed["tokens_per_s"]),
+                   **measure.mfu(run, speed["tokens_per_s"], shared_peak=peaks.get(arm["name"])),
                    final_loss=metrics[-1]["loss"], final_eval_loss=_last_eval(metrics, "eval_loss"),
                    final_eval_metric=_last_metric(metrics),
                    comm=run.get("comm_per_step"), flops=run["flops"], audit=arm["audit"], batch=run["batch"],

@@ -180,16 +180,28 @@ COMM_NOTE = ("Bytes each rank handed to collectives (the inputs of all-reduce / 
              "backend's algorithm (a ring all-reduce sends about 2(N-1)/N of its input).")
 
 
-def _flops_note(results: dict) -> str:
+def flops_note(results: dict) -> str:
     first = next((r for r in results["arms"] if r.get("flops")), None)
     if not first:
         return ""
     f = first["flops"]
     return (f"FLOPs per token = {f['formula']} = 6×{f['matmul_params']:,} + {f['attention_flops_per_token']:,} "
             f"= {f['flops_per_token']:,} (seq_len {f['seq_len']}); MFU = tokens/s × FLOPs/token ÷ "
-            f"(peak × world); peak: {first['peak_source']}." + "".join(
+            f"(peak × world); {_peaks_used(results)}." + "".join(
                 f" {r['arm']}: {r['peak_source']}." for r in results["arms"]
-                if r.get("peak_source") and "unreliable" in r["peak_source"] and r is not first))
+                if r.get("peak_source") and "unreliable" in r["peak_source"]))
+
+
+def _peaks_used(results: dict) -> str:
+    """Which peak each arm's MFU divides by: one line, each peak named once with the arms that use it."""
+    users: dict[str, list[str]] = {}
+    for r in results["arms"]:
+        peak = r.get("peak_used")
+        if peak:
+            users.setdefault(peak, []).append(r["arm"])
+    if len(users) == 1:
+        return f"peak: {next(iter(users))}"
+    return "peaks: " + "; ".join(f"{', '.join(arms)}: {peak}" for peak, arms in users.items())
 
 
 def render_markdown(results: dict, plots: list[Path]) -> str:
@@ -200,7 +212,7 @@ def render_markdown(results: dict, plots: list[Path]) -> str:
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     note = reference_note(results)
-    lines += ["", *([note, ""] if note else []), _flops_note(results), "", "## Why arms differ", ""]
+    lines += ["", *([note, ""] if note else []), flops_note(results), "", "## Why arms differ", ""]
     lines += [f"- {e}" for e in _explanations(results)] or ["- every arm matches the reference"]
     lines += [f"- {n}" for n in _not_judged(results)]
     a_head, a_rows = audit_table(results)
@@ -261,7 +273,7 @@ td.diff{{background:#ffe08a;font-weight:bold}} img{{max-width:100%;display:block
 pre{{background:#f6f6f6;padding:8px}}</style></head><body>
 <h1>Strategy comparison: {esc(results['recipe'])}</h1>
 <p>Reference arm: <b>{esc(results['reference'])}</b> · {esc(str(results['machine'].get('device')))} ·
-{esc(str(results['machine'].get('versions')))}</p>{table}{note}<p>{esc(_flops_note(results))}</p>
+{esc(str(results['machine'].get('versions')))}</p>{table}{note}<p>{esc(flops_note(results))}</p>
 <h2>Why arms differ</h2><ul>{why}</ul>
 <h2>Precision audit</h2><p>Read from the live objects after setup; highlighted cells differ from the reference.</p>
 {audit}<h2>Memory: predicted and measured</h2><p>{esc(MEMORY_NOTE)}</p><ul id='memory'>{memory}</ul>
