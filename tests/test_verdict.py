@@ -194,3 +194,54 @@ def test_the_report_names_each_peak_used_once_in_one_line():
     arms.append({"arm": "single", "peak_used": "Q", "peak_source": "Q; unreliable: above"})
     assert flops_note({"arms": arms}).endswith("(peak × world); peaks: tp, fsdp-tp2: P; single: Q. single: Q; "
                                                "unreliable: above.")
+
+
+def _timed(num_steps, *, comm_step=3, step_time_s=0.1):
+    return [{"step": k, "step_time_s": step_time_s, "tokens_per_s": 100.0, "samples_per_s": 1.0,
+             **({"comm_bytes": 1} if k == min(comm_step, num_steps) else {})} for k in range(1, num_steps + 1)]
+
+
+def test_throughput_says_how_many_steady_steps_its_medians_are_over():
+    """--steps 3 timed one step (step 1 warms up, step 3 counts collectives), and the table did not say so."""
+    from toolkit.compare import measure
+
+    assert measure.throughput(_timed(3))["num_timed_steps"] == 1
+    assert measure.throughput(_timed(2))["num_timed_steps"] == 0  # none steady: the medians are over both steps
+    assert measure.steps_for_timed(measure.MIN_TIMED_STEPS) == 7
+    assert measure.throughput(_timed(7))["num_timed_steps"] == measure.MIN_TIMED_STEPS == 5
+    assert measure.throughput(_timed(6))["num_timed_steps"] == 4
+
+
+def _row(arm, *, step_ms, band_ms, timed, state_mib=100, world_size=2, verdict_="equivalent"):
+    return {"arm": arm, "status": "completed", "verdict": verdict_, "world_size": world_size, "precision": "fp32",
+            "tokens_per_s": 8000 / step_ms, "speedup_vs_reference": 75 / step_ms, "step_time_s": step_ms / 1e3,
+            "step_time_p10_s": band_ms[0] / 1e3, "step_time_p90_s": band_ms[1] / 1e3, "num_timed_steps": timed,
+            "model_state_bytes_per_rank": [state_mib * 2 ** 20], "peak_mem_bytes_per_rank": [2 ** 30],
+            "losses": [1.0] * 3, "final_loss": 1.0, "final_eval_loss": None}
+
+
+@pytest.mark.parametrize("timed, mp_band, fastest, doubts", [
+    (1, (38, 38), "fastest equivalent arm: not told apart: mp has the highest median (211 tokens/s, 1.97× the "
+                  "reference), but its difference to dp is not measured enough (mp timed over 1 steady step(s), dp "
+                  "over 1; fewer than 5 each: run --steps 7 or more)",
+     (" (not measured enough)", " (not measured enough)")),
+    (5, (36, 72), "fastest equivalent arm: not told apart: mp has the highest median (211 tokens/s, 1.97× the "
+                  "reference), but its difference to dp is within noise (step time p10–p90 mp 36–72 ms and dp "
+                  "70–74 ms overlap: more --steps measure the difference better)",
+     (" (within noise)", " (within noise)")),
+    (5, (36, 40), "fastest equivalent arm: **mp** (211 tokens/s, 1.97× the reference)", (" (within noise)", "")),
+])
+def test_the_recommendation_names_a_fastest_arm_only_when_measured_and_apart(timed, mp_band, fastest, doubts):
+    """--steps 3 named `mp` fastest at 1.97× single, and dp at 1.05× single (identical code), from one step each."""
+    from toolkit.compare.report_render import recommendations, table_rows
+
+    results = {"reference": "single", "arms": [
+        _row("single", step_ms=75, band_ms=(73, 77), timed=timed, world_size=1, state_mib=50, verdict_="reference"),
+        _row("dp", step_ms=71.4, band_ms=(70, 74), timed=timed),
+        _row("mp", step_ms=38, band_ms=mp_band, timed=timed, state_mib=60)]}
+    lines = recommendations(results)
+    assert lines[0] == fastest
+    assert lines[2:] == [f"single: -50 % model-state memory per rank vs dp, 0.95× its tokens/s{doubts[0]}",
+                         f"mp: -40 % model-state memory per rank vs dp, 1.88× its tokens/s{doubts[1]}"]
+    head, rows = table_rows(results)
+    assert [row[head.index("timed steps")] for row in rows] == [str(timed)] * 3

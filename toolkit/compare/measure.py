@@ -15,9 +15,24 @@ GPU_PEAK_FLOPS = {
 }
 
 
+# steady steps an arm's medians must be over before its speed is set against another arm's: fewer, and one slow or
+# quick step (the machine's other work, a cache) decides the order
+MIN_TIMED_STEPS = 5
+
+
 def warmup_steps(num_steps: int) -> int:
     """Steps left out of throughput medians: the first fifth (at least 1) pays allocation and caches."""
     return max(1, num_steps // 5) if num_steps > 1 else 0
+
+
+def steps_for_timed(num_timed: int) -> int:
+    """The fewest optimizer steps (--steps) whose medians are over `num_timed` steady steps: past the warm-up and
+    the one step that counts collectives (profiled steps, when asked for, are left out too)."""
+    num_steps = num_timed + 1
+    # collectives are counted on step 3 (toolkit/loop.py's COMM_COUNT_STEP): a step of its own past the warm-up
+    while num_steps - warmup_steps(num_steps) - (warmup_steps(num_steps) < 3) < num_timed:
+        num_steps += 1
+    return num_steps
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -27,18 +42,39 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def throughput(metrics: list[dict]) -> dict:
+    """Medians over the steady steps, and how many there are (`num_timed_steps`); with none (a run of 1 or 2
+    steps), over every step, warm-up and the counting step included, and `num_timed_steps` 0."""
     # the step that counted collectives ran a Python hook per op, profiled steps the profiler's: not representative
-    steady = [m for m in metrics[warmup_steps(len(metrics)):] if "comm_bytes" not in m and not m.get("profiled")] \
-        or metrics
-    times = [m["step_time_s"] for m in steady]
+    steady = [m for m in metrics[warmup_steps(len(metrics)):] if "comm_bytes" not in m and not m.get("profiled")]
+    timed = steady or metrics
+    times = [m["step_time_s"] for m in timed]
     return {
-        "tokens_per_s": statistics.median(m["tokens_per_s"] for m in steady),
-        "samples_per_s": statistics.median(m["samples_per_s"] for m in steady),
+        "tokens_per_s": statistics.median(m["tokens_per_s"] for m in timed),
+        "samples_per_s": statistics.median(m["samples_per_s"] for m in timed),
         "step_time_s": statistics.median(times),
         "step_time_p10_s": percentile(times, 0.1),
         "step_time_p90_s": percentile(times, 0.9),
         "warmup_steps": warmup_steps(len(metrics)),
+        "num_timed_steps": len(steady),
     }
+
+
+def speed_doubt(a: dict, b: dict) -> tuple[str, str] | None:
+    """Why two arms' (results rows') tokens/s do not tell which is faster: ("not measured enough" or "within
+    noise", the numbers in words); None when they do: both timed over MIN_TIMED_STEPS steady steps or more, and
+    their step-time p10–p90 bands apart (the arms run the same global batches, so step time orders them)."""
+    if min(a["num_timed_steps"], b["num_timed_steps"]) < MIN_TIMED_STEPS:
+        return "not measured enough", (
+            f"{a['arm']} timed over {a['num_timed_steps']} steady step(s), {b['arm']} over {b['num_timed_steps']}; "
+            f"fewer than {MIN_TIMED_STEPS} each: run --steps {steps_for_timed(MIN_TIMED_STEPS)} or more")
+    if a["step_time_p10_s"] <= b["step_time_p90_s"] and b["step_time_p10_s"] <= a["step_time_p90_s"]:
+        return "within noise", (f"step time p10–p90 {_band_ms(a)} and {_band_ms(b)} overlap: more --steps measure "
+                                "the difference better")
+    return None
+
+
+def _band_ms(row: dict) -> str:
+    return f"{row['arm']} {row['step_time_p10_s'] * 1e3:.0f}–{row['step_time_p90_s'] * 1e3:.0f} ms"
 
 
 def cpu_peak_group(run: dict) -> tuple | None:
@@ -54,9 +90,10 @@ def shared_cpu_peaks(runs: dict[str, dict]) -> dict[str, dict]:
     """Per arm, the CPU peak its MFU divides by: of the arms whose peaks are peaks of the same thing
     (cpu_peak_group), the highest per-rank peak any of them measured, with the arm that measured it ("arm") and
     how many arms share it ("num_arms"). Each arm measures at its own start, under whatever else the machine runs
-    then: on a loaded machine two arms of one experiment measured 1.8× apart, and divided each by its own, arms at
-    the same tokens/s and FLOPs per token showed 0.91 % and 0.53 % MFU. A peak is an upper bound: the highest
-    measurement is the closest to it, and one peak keeps the MFU column in the order of the tokens/s column."""
+    then: on a loaded machine two arms of one experiment measured 1.8× apart, and divided each by its own, tp at 265
+    tokens/s showed 0.91 % MFU and fsdp-tp2 at 271 (same world, same FLOPs per token) 0.53 %. A peak is an upper
+    bound: the highest measurement is the closest to it, and with one peak arms of one world size rank by MFU as
+    they do by tokens/s."""
     groups: dict[tuple, list[str]] = {}
     for name, run in runs.items():
         key = cpu_peak_group(run)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from toolkit.compare import verdict
+from toolkit.compare import measure, verdict
 from toolkit.compare.memory_report import MEMORY_NOTE, memory_lines
 
 AUDIT_ROWS = ("forward_params", "master_weights", "gradients", "grad_reduction", "optimizer_state",
@@ -28,18 +28,20 @@ def _mib(values) -> str:
 
 
 def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
-    head = ["arm", "world", "precision", "tokens/s", "× ref", "step ms (p10–p90)", "peak MiB/rank", "peak vs plan",
-            "model-state MiB/rank", "comm MiB/step", "bubble", "MFU", "final loss", "eval loss", "eval metric",
-            "verdict"]
+    head = ["arm", "world", "precision", "tokens/s", "× ref", "step ms (p10–p90)", "timed steps", "peak MiB/rank",
+            "peak vs plan", "model-state MiB/rank", "comm MiB/step", "bubble", "MFU", "final loss", "eval loss",
+            "eval metric", "verdict"]
     rows = []
     for r in results["arms"]:
         if r["status"] != "completed":
-            rows.append([r["arm"], str(r["world_size"]), *[""] * 13, f"{r['verdict']}: {r['error']}"[:120]])
+            blank = [""] * (len(head) - 3)
+            rows.append([r["arm"], str(r["world_size"]), *blank, f"{r['verdict']}: {r['error']}"[:120]])
             continue
         rows.append([
             r["arm"], str(r["world_size"]), r["precision"], f"{r['tokens_per_s']:.0f}",
             f"{r['speedup_vs_reference']:.2f}" if "speedup_vs_reference" in r else "–",
             f"{r['step_time_s'] * 1e3:.0f} ({r['step_time_p10_s'] * 1e3:.0f}–{r['step_time_p90_s'] * 1e3:.0f})",
+            str(r["num_timed_steps"]) if r["num_timed_steps"] else f"0 (all {len(r['losses'])}, warm-up included)",
             _mib(r["peak_mem_bytes_per_rank"]),
             f"{r['peak_prediction_error'] * 100:+.0f}%" if r.get("peak_prediction_error") is not None else "n/a",
             _mib(r["model_state_bytes_per_rank"]),
@@ -50,21 +52,29 @@ def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
-def reference_note(results: dict) -> str:
-    """Below the table, where the reference arm has no throughput to divide by: why `× ref` shows –."""
+def table_notes(results: dict) -> list[str]:
+    """Below the table: why `× ref` shows – (the reference arm has no throughput to divide by), and which arms'
+    speeds were timed over too few steps to be set against each other."""
+    notes = []
     reference = next(r for r in results["arms"] if r["arm"] == results["reference"])
-    if reference["status"] == "completed":
-        return ""
-    return (f"× ref –: the reference arm {reference['arm']} has no measurement ({reference['status']}), so no arm's "
-            "tokens/s is shown relative to it")
+    if reference["status"] != "completed":
+        notes.append(f"× ref –: the reference arm {reference['arm']} has no measurement ({reference['status']}), so "
+                     "no arm's tokens/s is shown relative to it")
+    few = [r["arm"] for r in results["arms"]
+           if r["status"] == "completed" and r["num_timed_steps"] < measure.MIN_TIMED_STEPS]
+    if few:
+        notes.append(f"timed steps: the steady steps the medians are over (the warm-up and the step that counts "
+                     f"collectives are left out); {', '.join(few)}: fewer than {measure.MIN_TIMED_STEPS}, too few to "
+                     f"tell arms' speeds apart (run --steps {measure.steps_for_timed(measure.MIN_TIMED_STEPS)} "
+                     "or more)")
+    return notes
 
 
 def text_table(results: dict) -> str:
     head, rows = table_rows(results)
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
-    note = reference_note(results)
-    return "\n".join([line(head), line(["-" * w for w in widths]), *[line(r) for r in rows], *([note] if note else [])])
+    return "\n".join([line(head), line(["-" * w for w in widths]), *[line(r) for r in rows], *table_notes(results)])
 
 
 def audit_table(results: dict) -> tuple[list[str], list[list[tuple[str, bool]]]]:
@@ -115,18 +125,17 @@ def _state_mib(r: dict) -> float:
 
 
 def recommendations(results: dict) -> list[str]:
-    """Read from the table: the fastest equivalent arm, the one with the least memory per rank, and what
-    each arm buys and costs next to plain data parallelism (the multi-rank arm with full replicas)."""
+    """Read from the table: the fastest equivalent arm (when its speed is told apart from every other's: see
+    measure.speed_doubt), the one with the least memory per rank, and what each arm buys and costs next to plain data
+    parallelism (the multi-rank arm with full replicas)."""
     done = [r for r in results["arms"] if r["status"] == "completed" and "verdict" in r]
     ok = [r for r in done if r["verdict"] in EQUIVALENT]
     if not ok:
         return ["no arm finished with an equivalent result: nothing to recommend"]
-    fastest = max(ok, key=lambda r: r["tokens_per_s"])
     leanest = min(ok, key=_state_mib)
     # the baseline: full replicas on several ranks (most model-state memory per rank; first such arm on a tie)
     base = max([r for r in ok if r["world_size"] > 1] or ok, key=_state_mib)
-    lines = [f"fastest equivalent arm: **{fastest['arm']}** ({fastest['tokens_per_s']:.0f} tokens/s, "
-             f"{fastest.get('speedup_vs_reference', float('nan')):.2f}× the reference)",
+    lines = [_fastest_line(ok),
              f"least memory per rank: **{leanest['arm']}** ({_state_mib(leanest):.0f} MiB of params + grads + "
              f"optimizer state per rank)"]
     for r in done:
@@ -136,9 +145,24 @@ def recommendations(results: dict) -> list[str]:
             lines.append(f"{r['arm']}: not recommended: {r['verdict']}")
             continue
         memory = (_state_mib(r) / _state_mib(base) - 1) * 100 if _state_mib(base) else float("nan")
+        doubt = measure.speed_doubt(r, base)
         lines.append(f"{r['arm']}: {memory:+.0f} % model-state memory per rank vs {base['arm']}, "
-                     f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}× its tokens/s")
+                     f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}× its tokens/s"
+                     + (f" ({doubt[0]})" if doubt else ""))
     return lines
+
+
+def _fastest_line(ok: list[dict]) -> str:
+    """The equivalent arm with the highest median tokens/s, named fastest only when it is told apart from each other
+    equivalent arm (the closest first); else which difference is not measured enough or within noise, and why."""
+    fastest, *others = sorted(ok, key=lambda r: r["tokens_per_s"], reverse=True)
+    speed = (f"{fastest['tokens_per_s']:.0f} tokens/s, "
+             f"{fastest.get('speedup_vs_reference', float('nan')):.2f}× the reference")
+    against, doubt = next(((r, d) for r in others if (d := measure.speed_doubt(fastest, r))), (None, None))
+    if against is None or doubt is None:
+        return f"fastest equivalent arm: **{fastest['arm']}** ({speed})"
+    return (f"fastest equivalent arm: not told apart: {fastest['arm']} has the highest median ({speed}), but its "
+            f"difference to {against['arm']} is {doubt[0]} ({doubt[1]})")
 
 
 def _comm_lines(results: dict) -> list[str]:
@@ -211,8 +235,8 @@ def render_markdown(results: dict, plots: list[Path]) -> str:
              f"versions: {results['machine'].get('versions')}", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
-    note = reference_note(results)
-    lines += ["", *([note, ""] if note else []), flops_note(results), "", "## Why arms differ", ""]
+    lines += ["", *[part for note in table_notes(results) for part in (note, "")], flops_note(results), "",
+              "## Why arms differ", ""]
     lines += [f"- {e}" for e in _explanations(results)] or ["- every arm matches the reference"]
     lines += [f"- {n}" for n in _not_judged(results)]
     a_head, a_rows = audit_table(results)
@@ -244,8 +268,7 @@ def render_html(results: dict, plots: list[Path]) -> str:
         cls = "bad" if row[-1].startswith(("failed", "damaged", "diverged")) else "ok"
         table += f"<tr class='{cls}'>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>"
     table += "</table>"
-    note = reference_note(results)
-    note = f"<p id='reference-note'>{esc(note)}</p>" if note else ""
+    note = "".join(f"<p class='table-note'>{esc(note)}</p>" for note in table_notes(results))
     a_head, a_rows = audit_table(results)
     audit = "<table id='audit'><tr>" + "".join(f"<th>{esc(h)}</th>" for h in a_head) + "</tr>"
     for cells in a_rows:
