@@ -54,3 +54,20 @@ def test_an_unclosed_bracket_or_quote_is_one_line(arms, unclosed, recipe, tmp_pa
     assert code == 2 and len(err) == 1, err
     assert f"--strategies {arms!r}: {unclosed} is not closed; close it" in err[0], err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("tail, line", [
+    (["step 1/4 ...", "toolkit: non-finite loss (nan) at step 2; the run stopped before any checkpoint could hold it",
+      "toolkit: launch failed: rank 0 exit code 4; rank 1 exit code 4 (see the rank output above)"],
+     "toolkit: non-finite loss (nan) at step 2; the run stopped before any checkpoint could hold it"),
+    (["toolkit: error: data.train: x.jsonl does not exist"], "toolkit: error: data.train: x.jsonl does not exist"),
+    (["Traceback (most recent call last):", "RuntimeError: boom",
+      "toolkit: launch failed: rank 1 exit code 1 (see the rank output above)"], "RuntimeError: boom"),
+    (["toolkit: launch failed: rank 1 exit code -9 (see the rank output above)"],
+     "toolkit: launch failed: rank 1 exit code -9"),
+])
+def test_an_arms_failure_reason_is_its_ranks_own_line(tail, line):
+    """A report holds no "rank output above": the ranks' line says why, not the launcher's exit codes."""
+    from toolkit.compare.runner import failure_line
+
+    assert failure_line(tail) == line

@@ -245,3 +245,16 @@ def test_the_recommendation_names_a_fastest_arm_only_when_measured_and_apart(tim
                          f"mp: -40 % model-state memory per rank vs dp, 1.88× its tokens/s{doubts[1]}"]
     head, rows = table_rows(results)
     assert [row[head.index("timed steps")] for row in rows] == [str(timed)] * 3
+
+
+def test_an_arm_that_fell_back_is_said_and_never_recommended_as_fastest():
+    """dp on a machine without 2+ GPUs runs as single: its speed is single's, measured again."""
+    from toolkit.compare.report_render import _explanations, recommendations
+
+    fell_back = "strategy dp needs 2+ CUDA devices; this machine has 0, so it runs as one process, like single"
+    results = {"reference": "single", "arms": [
+        _row("single", step_ms=75, band_ms=(73, 77), timed=5, world_size=1, verdict_="reference"),
+        {**_row("dp", step_ms=30, band_ms=(29, 31), timed=5, world_size=1), "fallback": fell_back},
+        _row("ddp", step_ms=50, band_ms=(49, 51), timed=5)]}
+    assert f"**dp** did not run as its strategy on this machine: {fell_back}" in _explanations(results)
+    assert recommendations(results)[0].startswith("fastest equivalent arm: **ddp**")

@@ -56,7 +56,7 @@ def build_results(experiment: Experiment) -> dict:
                    final_eval_metric=_last_metric(metrics),
                    comm=run.get("comm_per_step"), flops=run["flops"], audit=arm["audit"], batch=run["batch"],
                    losses=[m["loss"] for m in metrics], grad_norms=[m["grad_norm"] for m in metrics],
-                   recipe=arm["recipe"], pipeline=_pipeline(run))
+                   recipe=arm["recipe"], pipeline=_pipeline(run), fallback=run.get("fallback"))
         if reference["status"] == "completed":
             row["speedup_vs_reference"] = speed["tokens_per_s"] / measure.throughput(reference["metrics"])["tokens_per_s"]
             if arm is reference:

@@ -100,6 +100,8 @@ def _explanations(results: dict) -> list[str]:
         if r["status"] != "completed":
             out.append(f"**{r['arm']}** {r['verdict']}: {r['error']}")
             continue
+        if r.get("fallback"):  # dp without 2+ GPUs: its numbers are another strategy's
+            out.append(f"**{r['arm']}** did not run as its strategy on this machine: {r['fallback']}")
         if r["verdict"] == "reference":
             continue
         details = r.get("differences") or []
@@ -129,7 +131,7 @@ def recommendations(results: dict) -> list[str]:
     measure.speed_doubt), the one with the least memory per rank, and what each arm buys and costs next to plain data
     parallelism (the multi-rank arm with full replicas)."""
     done = [r for r in results["arms"] if r["status"] == "completed" and "verdict" in r]
-    ok = [r for r in done if r["verdict"] in EQUIVALENT]
+    ok = [r for r in done if r["verdict"] in EQUIVALENT and not r.get("fallback")]  # fallback: another's numbers
     if not ok:
         return ["no arm finished with an equivalent result: nothing to recommend"]
     leanest = min(ok, key=_state_mib)

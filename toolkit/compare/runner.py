@@ -104,6 +104,11 @@ def _difference(experiment: Experiment, key: str, then, now) -> str:
     return f"{key}: {then!r} then, {now!r} now"
 
 
+# toolkit/launch.py's words when a rank exits non-zero: a summary of exit codes pointing at the ranks' lines
+LAUNCH_FAILED = "toolkit: launch failed"
+SEE_ABOVE = " (see the rank output above)"
+
+
 def run_arm(experiment: Experiment, arm: Arm) -> str:
     out = arm_dir(experiment, arm)
     # trackers (train.report_to) write into the experiment folder, each arm a run named after it: one
@@ -122,11 +127,22 @@ def run_arm(experiment: Experiment, arm: Arm) -> str:
     if code == 0 and arm_status(out) == "completed":
         return "completed"
     lines = (out / "launch.log").read_text(errors="replace").strip().splitlines()
-    error = next((l for l in reversed(lines) if "error" in l.lower() and l.strip()), lines[-1] if lines else "")
-    (out / "failed.json").write_text(json.dumps({"exit_code": code, "error": error.strip(),
+    (out / "failed.json").write_text(json.dumps({"exit_code": code, "error": failure_line(lines),
                                                  "log_tail": lines[-TAIL_LINES:],
                                                  "wall_s": time.perf_counter() - start}, indent=2))
     return "failed"
+
+
+def failure_line(lines: list[str]) -> str:
+    """Why an arm failed, from its launch.log: the ranks' own one line (`toolkit: error: ...`, `toolkit: non-finite
+    loss (nan) at step 2; ...`), not the launcher's summary of their exit codes, which points at output a report
+    does not hold; else the last line that says error, else the last line."""
+    said = [line.strip() for line in lines if line.startswith("toolkit: ") and not line.startswith(LAUNCH_FAILED)]
+    if said:
+        return said[-1]
+    error = next((line for line in reversed(lines) if "error" in line.lower() and line.strip()),
+                 lines[-1] if lines else "")
+    return error.strip().replace(SEE_ABOVE, "")
 
 
 def _run_launcher(cmd: list[str], log) -> int:
