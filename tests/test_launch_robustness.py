@@ -201,6 +201,32 @@ def test_a_rank_of_plain_torchrun_gets_sigterm_when_torchrun_is_killed(tmp_path)
     assert not left and "SIGTERM" in log.read_text(), log.read_text()
 
 
+# --- how the ranks ended, as the launcher's exit code ----------------------------------------------------------------
+
+def _ranks_exit(codes: dict[int, int]):
+    """torch.distributed.run's run() where the ranks ended with `codes` (negative: killed by that signal)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def run(args):
+        raise ChildFailedError("toolkit", {rank: ProcessFailure(local_rank=rank, pid=0, exitcode=code, error_file="")
+                                           for rank, code in codes.items()})
+    return run
+
+
+def test_ranks_stopped_on_a_non_finite_value_end_the_launch_with_exit_4_not_as_a_failure(capsys):
+    """Before: every rank exited 4 after rank 0's line, and the launcher added 'launch failed' and exit 1."""
+    from toolkit.launch import Nodes, _run_ranks
+
+    for codes in ({0: 4, 1: 4}, {0: 4, 1: -15}):  # -15: stopped by the launcher once rank 0 had left
+        assert _run_ranks(_ranks_exit(codes), None, Nodes()) == 4
+        assert capsys.readouterr().err == ""  # rank 0 said it (toolkit.rank), nothing to add
+    assert _run_ranks(_ranks_exit({0: -15, 1: 4}), None, Nodes()) == 4  # rank 0 stopped before its line
+    assert "non-finite" in capsys.readouterr().err
+    assert _run_ranks(_ranks_exit({0: 4, 1: 1}), None, Nodes()) == 1  # a rank that failed otherwise: a failure
+    assert "launch failed: rank 0 exit code 4; rank 1 exit code 1" in capsys.readouterr().err
+    assert _run_ranks(_ranks_exit({0: 143, 1: 143}), None, Nodes()) == 143  # a stop signal: as before
+
+
 # --- a user's mistake found inside the ranks, with --max-restarts -------------------------------------------------
 
 def test_a_restart_after_a_users_mistake_ends_at_once_with_its_one_line(tmp_path, tiny_llama_dir):

@@ -16,6 +16,8 @@ class RecipeError(ValueError):
 
 
 USER_ERROR_EXIT_CODE = 2
+# a non-finite loss or gradient norm stopped the run (toolkit.stopping.NonFinite); rank 0 said where, in one line
+NONFINITE_EXIT_CODE = 4
 INTERRUPTED_EXIT_CODE = 128 + 2  # Ctrl-C (SIGINT), as shells report it
 
 

@@ -13,8 +13,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from toolkit.errors import (SAID_DIR_ENV, USER_ERROR_EXIT_CODE, RecipeError, first_line, ranks_option,
-                            under_accelerate)
+from toolkit.errors import (NONFINITE_EXIT_CODE, SAID_DIR_ENV, USER_ERROR_EXIT_CODE, RecipeError, first_line,
+                            ranks_option, under_accelerate)
 from toolkit.orphans import LAUNCHER_PID_ENV
 
 
@@ -228,8 +228,14 @@ def _run_ranks(run, args, nodes: Nodes) -> int:
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
-        if {codes[rank] for rank in failed_ranks(codes)} == {USER_ERROR_EXIT_CODE}:  # rank 0 said it in one line
+        failed = {codes[rank] for rank in failed_ranks(codes)}
+        if failed == {USER_ERROR_EXIT_CODE}:  # rank 0 said it in one line
             return USER_ERROR_EXIT_CODE
+        if failed == {NONFINITE_EXIT_CODE}:  # every rank stopped at the same step; rank 0 said where (rank.py)
+            if codes.get(0) != NONFINITE_EXIT_CODE:
+                print(nonfinite_elsewhere(codes), file=sys.stderr, flush=True)
+            outlive_other_machines(nodes)
+            return NONFINITE_EXIT_CODE
         stopped = stopped_together(codes)
         if stopped:  # a stop signal reached the ranks (on another machine, or not through this launcher)
             if 0 not in codes:  # rank 0, on another machine, says where the checkpoint is and how to resume
@@ -283,6 +289,16 @@ def stopped_together(codes: dict[int, int]) -> int:
 
     failed = {codes[rank] for rank in failed_ranks(codes)}
     return failed.pop() if len(failed) == 1 and failed <= {128 + int(s) for s in STOP_SIGNALS} else 0
+
+
+def nonfinite_elsewhere(codes: dict[int, int]) -> str:
+    """The line for ranks that stopped on a non-finite value where rank 0, which says at which step, did not
+    exit so here: it runs on another machine, or this launcher stopped it (SIGTERM) before it said it."""
+    if 0 not in codes:
+        return ("toolkit: this machine's ranks stopped on a non-finite loss or gradient norm with the job; the first "
+                "rank's output says at which step")
+    return ("toolkit: the ranks stopped on a non-finite loss or gradient norm (rank 0 was stopped by the launcher "
+            "before it said at which step: see run.json's ended)")
 
 
 def failed_ranks(codes: dict[int, int]) -> list[int]:

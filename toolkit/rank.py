@@ -12,8 +12,8 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from toolkit.errors import (INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, RecipeError, first_line, say_once,
-                            say_user_error)
+from toolkit.errors import (INTERRUPTED_EXIT_CODE, NONFINITE_EXIT_CODE, USER_ERROR_EXIT_CODE, RecipeError,
+                            first_line, say_once, say_user_error)
 
 if TYPE_CHECKING:
     from toolkit.checkpoint.run import Resume
@@ -111,9 +111,6 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
                   "train.on_nonfinite=skip skips such steps", file=sys.stderr, flush=True)
         return NONFINITE_EXIT_CODE, None
     return 0, result.strategy
-
-
-NONFINITE_EXIT_CODE = 4
 
 
 def interrupted(recipe=None, env=None) -> int:
