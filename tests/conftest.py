@@ -156,8 +156,14 @@ def two_arm_compare(tmp_path_factory, tiny_llama_dir) -> tuple[Path, Path, list[
                             strategies="single,single@optim.lr=2e-3")
 
 
+def strict_loads(text: str):
+    """json.loads as strict parsers read (JSON.parse, jq): a bare NaN or Infinity, which is no JSON, fails."""
+    return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} is no JSON: {text[:200]}"))
+
+
 def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    """metrics.jsonl's records, read as strictly as other tools read them (a non-finite value is null)."""
+    return [strict_loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def losses(run_dir: Path) -> list[float]:

@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, exported_weights, launch, losses, metrics, run_cli, toolkit_env, write_recipe
+from conftest import (REPO, exported_weights, launch, losses, metrics, run_cli, strict_loads, toolkit_env,
+                      write_recipe)
 from toolkit import faults
 
 SOURCES = {"ddp": 2, "fsdp": 2, "zero2-offload": 2, "zero3": 2, "fsdp-async": 2, "pp": 2}
@@ -268,9 +269,12 @@ def test_on_nonfinite_skip_drops_those_steps_and_keeps_the_weights_finite(runs, 
                      "--set", "checkpoint.every_steps=1", "--set", "checkpoint.keep_last=6", "--set",
                      f"output_dir={out}")
     assert result.returncode == 0, result.stderr[-3000:]
-    steps = metrics(out)
+    steps = metrics(out)  # strict JSON: before, `"grad_norm": NaN`
     first_bad = next(m["step"] for m in steps if m["skipped"])
     assert all(m["skipped"] for m in steps[first_bad - 1:]) and not any(m["skipped"] for m in steps[:first_bad - 1])
+    assert all(m["nonfinite"] for m in steps[first_bad - 1:])  # what each null was
+    run = strict_loads((out / "run.json").read_text())
+    assert run["status"] == "completed" and run["final_loss"] == steps[-1]["loss"]
     final = exported_weights(out)
     assert all(torch.isfinite(w).all() for w in final.values())
     # no update after the last good step (no weight decay either): the final weights are that step's

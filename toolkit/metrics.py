@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -116,15 +117,75 @@ def measured_matmul_flops(shapes: list[tuple[int, int, int]], *, dtype: torch.dt
     return {"flops_per_s": best_flops_per_s, "shape": list(best_shape)}
 
 
+NONFINITE_KEY = "nonfinite"  # where strict_json keeps what a null written for a non-finite number was
+
+
+def strict_json(obj: dict) -> dict:
+    """`obj` as JSON can hold it: every NaN or ±inf (at any depth) becomes null, and obj["nonfinite"] holds
+    each where it stood, as text: {"loss": null, ..., "nonfinite": {"loss": "nan"}}; nested, the same shape
+    ({"a": {"b": [1.0, null]}, "nonfinite": {"a": {"b": {"1": "inf"}}}}: a list's items by index). json.dumps
+    would write bare NaN / Infinity tokens, which are no JSON: JSON.parse, jq and Python's parse_constant
+    refuse them. restore_nonfinite puts the numbers back."""
+    assert NONFINITE_KEY not in obj  # our own records never use the name
+    clean, found = _finite(obj)
+    return {**clean, NONFINITE_KEY: found} if found else clean
+
+
+def _finite(value):
+    """(value with null for each non-finite float, what those were in value's shape, or None if none)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None, repr(float(value))  # 'nan', 'inf', '-inf': float() reads each back
+    if isinstance(value, dict):
+        parts = {k: _finite(v) for k, v in value.items()}
+        found = {str(k): f for k, (_, f) in parts.items() if f is not None}
+        return {k: v for k, (v, _) in parts.items()}, found or None
+    if isinstance(value, (list, tuple)):
+        items = [_finite(v) for v in value]
+        found = {str(i): f for i, (_, f) in enumerate(items) if f is not None}
+        return [v for v, _ in items], found or None
+    return value, None
+
+
+def restore_nonfinite(obj):
+    """A record strict_json wrote, with its non-finite numbers back in place of their nulls (and its
+    "nonfinite" key gone); anything else as it is. An entry that names no null it can fill is left out."""
+    if isinstance(obj, dict) and isinstance(obj.get(NONFINITE_KEY), dict):
+        _restore(obj, obj.pop(NONFINITE_KEY))
+    return obj
+
+
+def _restore(holder, found: dict) -> None:
+    for name, what in found.items():
+        try:
+            key = int(name) if isinstance(holder, list) else name
+            if isinstance(what, dict):
+                _restore(holder[key], what)
+            elif holder[key] is None:
+                holder[key] = float(what)
+        except (KeyError, IndexError, TypeError, ValueError):  # written by hand, or cut: the null stays
+            continue
+
+
+def read_record(line: str):
+    """One metrics.jsonl line as the loop wrote it: NaN and ±inf where it was not finite (ValueError: no JSON)."""
+    return restore_nonfinite(json.loads(line))
+
+
+def read_jsonl(path: Path) -> list:
+    """Every record of a metrics.jsonl (read_record), blank lines left out."""
+    return [read_record(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 class JsonlWriter:
-    """Appends one JSON object per line and flushes, so a crash loses at most the step in flight."""
+    """Appends one JSON object per line and flushes, so a crash loses at most the step in flight. Strict JSON:
+    a non-finite number is null, named in the line's "nonfinite" (strict_json)."""
 
     def __init__(self, path: Path, *, append: bool = False):
         self.path = path
         self.file = open(path, "a" if append else "w", encoding="utf-8")
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
         self.file.flush()
 
     def close(self) -> None:

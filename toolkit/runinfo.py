@@ -18,7 +18,7 @@ from toolkit.atomic import write_text_whole
 from toolkit.dist import DistEnv, gather_objects
 from toolkit.errors import RecipeError
 from toolkit.metrics import (live_tensor_storages, measured_matmul_flops, peak_memory_bytes, peak_reserved_bytes,
-                             storage_key)
+                             storage_key, strict_json)
 from toolkit.model import flops_per_token
 from toolkit.optim import schedule_label
 from toolkit.recipe import BatchPlan, Recipe
@@ -191,5 +191,6 @@ def finish(info: dict, *, env: DistEnv, out_dir: Path, losses: list[float], stra
 
 
 def _write(info: dict, out_dir: Path) -> None:
+    """run.json, whole (atomic) and strict JSON: a non-finite number is null, named in "nonfinite"."""
     public = {k: v for k, v in info.items() if not k.startswith("_")}
-    write_text_whole(out_dir / "run.json", json.dumps(public, indent=2))
+    write_text_whole(out_dir / "run.json", json.dumps(strict_json(public), indent=2, allow_nan=False))
