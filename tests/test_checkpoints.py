@@ -237,6 +237,11 @@ def test_sigterm_to_the_launcher_checkpoints_stops_cleanly_and_resume_finishes(r
     stopped_at = int(lines[0].split(" at step ")[1].split()[0])
     assert 2 <= stopped_at < 6 and (out / "checkpoints" / f"step-{stopped_at:08d}").is_dir()
     assert "Traceback" not in result.stderr
+    ended = json.loads((out / "run.json").read_text())  # before: "status": "running"
+    assert ended["status"] == "stopped" and ended["ended"]["reason"] == f"stopped by SIGTERM at step {stopped_at} of 6"
+    assert ended["ended"]["checkpoint"] == str(out / "checkpoints" / f"step-{stopped_at:08d}")
+    assert ended["ended"]["signal"] == "SIGTERM" and ended["ended"]["resumable"] and \
+        ended["ended"]["steps_done"] == stopped_at
     launch(runs.recipe, nproc=2, overrides=("strategy.name=ddp", f"output_dir={out}"), extra=("--resume",))
     assert_continues(out, runs.full("ddp"), rtol=1e-6)
 
@@ -254,6 +259,9 @@ def test_a_non_finite_step_stops_the_run_and_is_never_checkpointed(runs, tmp_pat
     bad = int(lines[0].split(" at step ")[1].split(";")[0])
     assert bad >= 2 and f"step-{bad - 1:08d} (--resume)" in lines[0]
     assert [m["step"] for m in metrics(out)] == list(range(1, bad))  # the bad step is not logged as done
+    run = strict_loads((out / "run.json").read_text())  # before: "status": "running"
+    assert run["status"] == "stopped" and run["ended"]["step"] == bad and run["ended"]["steps_done"] == bad - 1
+    assert run["ended"]["checkpoint"] == str(out / "checkpoints" / f"step-{bad - 1:08d}")
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names[-1] == f"step-{bad - 1:08d}"  # written up to the step before, never the bad one
     converted = run_cli("convert", str(out / "checkpoints" / names[-1]), str(tmp_path / "last"))

@@ -199,57 +199,60 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     out_dir = Path(recipe.output_dir)
     info = runinfo.start(recipe, env=env, plan=plan, total_steps=total_steps, model=strategy.export_module(),
                          num_params=num_params, out_dir=out_dir, prediction=prediction, data=data_info)
-    info["_block_forwards"] = forwards
-    if checkpoint is not None:
-        info["resumed_from"] = {"checkpoint": str(checkpoint.path), "step": done,
-                                "weights_only": weights_only}
-    info["layout"] = strategy.layout()
-    fallback = strategy.fallback()
-    if fallback is not None:  # what ran is not what the recipe names: a report flags it
-        info["fallback"] = fallback
-    if env.is_main:
-        print(f"[toolkit] layout: {info['layout']}", file=sys.stderr, flush=True)
-        for note in notes:  # said once the run goes ahead: a user's mistake found before stays one line
-            print(note, file=sys.stderr, flush=True)
-    if names is not None:  # named labels: their class ids, in the exported config as transformers keeps them
-        name_labels(strategy.export_module(), names, info=info, env=env)
-    replicas = announce_replica_check(strategy, recipe=recipe, env=env, info=info)
-    collator = Collator(pad_token_id=tokenizer.pad_token_id, task=recipe.model.task)
-    loader = iter(train_loader(train_ds, sampler=sampler, start=done, stop=total_steps, collator=collator,
-                               data=recipe.data))  # the sampler is a function of seed + step: resumes exactly
-    if env.is_main:
-        checkpoints.continue_metrics(out_dir, done_steps=done)
-    # rank 0: metrics.jsonl and the trackers of train.report_to, closed however the run ends
-    with tracking.metrics_log(recipe, out_dir=out_dir, done_steps=done, main=env.is_main) as writer:
-        progress = Progress(total=total_steps, enabled=env.is_main and recipe.train.progress,
-                            log_every=recipe.train.log_every)
-        scale = GradientScale() if recipe.train.record_gradient_scale else None
-        saver = checkpoints.Saver(recipe, env=env, plan=plan, total_steps=total_steps, tokenizer=tokenizer,
-                                  done_steps=done, tokens_seen=tokens_seen)
-        signals = StopSignals().install()
-        profiler = profiling.StepProfiler(recipe, env=env, out_dir=out_dir, done=done)
-        try:
-            losses = run_steps(strategy, loader, recipe=recipe, env=env, plan=plan, layout=layout, info=info,
-                               done=done, total_steps=total_steps, eval_ds=eval_ds, collator=collator, saver=saver,
-                               writer=writer, progress=progress, scale=scale, replicas=replicas, signals=signals,
-                               profiler=profiler)
-            saver.close()  # an async checkpoint still being written is committed before the run ends
-        except (Stopped, NonFinite):  # every rank alike: the checkpoint still being written is a good one
-            saver.close()
-            raise
-        finally:
-            signals.restore()
-            profiler.close()  # a run that ended inside the window keeps what was recorded
-            if profiler.written:
-                info["profile"] = {"steps": profiler.recorded, "folder": str(out_dir / "profile")}
-        progress.close()
-        export_model(strategy, tokenizer=tokenizer, out_dir=out_dir, env=env, lora=recipe.model.lora,
-                     task=recipe.model.task)
-        if scale is not None:
-            info["gradient_scale"] = scale.summary()
-        if writer is not None and writer.switched_off:
-            info["trackers_switched_off"] = writer.switched_off
-        runinfo.finish(info, env=env, out_dir=out_dir, losses=losses, strategy=strategy)
+    info["_last_step"] = done  # the last step metrics.jsonl holds (run.json's ended, when the run does not complete)
+    # rank 0: run.json's status stopped or failed when the run ends otherwise than completing
+    with runinfo.ending(info, env=env, out_dir=out_dir):
+        info["_block_forwards"] = forwards
+        if checkpoint is not None:
+            info["resumed_from"] = {"checkpoint": str(checkpoint.path), "step": done,
+                                    "weights_only": weights_only}
+        info["layout"] = strategy.layout()
+        fallback = strategy.fallback()
+        if fallback is not None:  # what ran is not what the recipe names: a report flags it
+            info["fallback"] = fallback
+        if env.is_main:
+            print(f"[toolkit] layout: {info['layout']}", file=sys.stderr, flush=True)
+            for note in notes:  # said once the run goes ahead: a user's mistake found before stays one line
+                print(note, file=sys.stderr, flush=True)
+        if names is not None:  # named labels: their class ids, in the exported config as transformers keeps them
+            name_labels(strategy.export_module(), names, info=info, env=env)
+        replicas = announce_replica_check(strategy, recipe=recipe, env=env, info=info)
+        collator = Collator(pad_token_id=tokenizer.pad_token_id, task=recipe.model.task)
+        loader = iter(train_loader(train_ds, sampler=sampler, start=done, stop=total_steps, collator=collator,
+                                   data=recipe.data))  # a function of seed + step: resumes exactly
+        if env.is_main:
+            checkpoints.continue_metrics(out_dir, done_steps=done)
+        # rank 0: metrics.jsonl and the trackers of train.report_to, closed however the run ends
+        with tracking.metrics_log(recipe, out_dir=out_dir, done_steps=done, main=env.is_main) as writer:
+            progress = Progress(total=total_steps, enabled=env.is_main and recipe.train.progress,
+                                log_every=recipe.train.log_every)
+            scale = GradientScale() if recipe.train.record_gradient_scale else None
+            saver = checkpoints.Saver(recipe, env=env, plan=plan, total_steps=total_steps, tokenizer=tokenizer,
+                                      done_steps=done, tokens_seen=tokens_seen)
+            signals = StopSignals().install()
+            profiler = profiling.StepProfiler(recipe, env=env, out_dir=out_dir, done=done)
+            try:
+                losses = run_steps(strategy, loader, recipe=recipe, env=env, plan=plan, layout=layout, info=info,
+                                   done=done, total_steps=total_steps, eval_ds=eval_ds, collator=collator,
+                                   saver=saver, writer=writer, progress=progress, scale=scale, replicas=replicas,
+                                   signals=signals, profiler=profiler)
+                saver.close()  # an async checkpoint still being written is committed before the run ends
+            except (Stopped, NonFinite):  # every rank alike: the checkpoint still being written is a good one
+                saver.close()
+                raise
+            finally:
+                signals.restore()
+                profiler.close()  # a run that ended inside the window keeps what was recorded
+                if profiler.written:
+                    info["profile"] = {"steps": profiler.recorded, "folder": str(out_dir / "profile")}
+            progress.close()
+            export_model(strategy, tokenizer=tokenizer, out_dir=out_dir, env=env, lora=recipe.model.lora,
+                         task=recipe.model.task)
+            if scale is not None:
+                info["gradient_scale"] = scale.summary()
+            if writer is not None and writer.switched_off:
+                info["trackers_switched_off"] = writer.switched_off
+            runinfo.finish(info, env=env, out_dir=out_dir, losses=losses, strategy=strategy)
     return TrainResult(output_dir=out_dir, strategy=strategy, losses=losses)
 
 
@@ -289,6 +292,7 @@ def run_steps(strategy: Strategy, loader, *, recipe: Recipe, env: DistEnv, plan,
         if writer:
             writer.write(record)
         progress.update(record)
+        info["_last_step"] = step
         faults.after_step(step, env)  # tests only: a killed rank, a preempted launcher
         signum = signals.requested(env)  # every rank alike: all stop after this same step
         if signum and step < total_steps:

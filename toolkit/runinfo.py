@@ -3,11 +3,14 @@ audit and model-state bytes read from the live objects, and per-rank peak memory
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import platform
+import signal
 import sys
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -15,14 +18,16 @@ from typing import Any
 import torch
 
 from toolkit.atomic import write_text_whole
+from toolkit.checkpoint.store import complete_checkpoints
 from toolkit.dist import DistEnv, gather_objects
-from toolkit.errors import RecipeError
+from toolkit.errors import RecipeError, first_line
 from toolkit.metrics import (live_tensor_storages, measured_matmul_flops, peak_memory_bytes, peak_reserved_bytes,
                              storage_key, strict_json)
 from toolkit.model import flops_per_token
 from toolkit.optim import schedule_label
 from toolkit.recipe import BatchPlan, Recipe
 from toolkit.recipe_files import dump_recipe
+from toolkit.stopping import NonFinite, Stopped
 from toolkit.strategies.base import storage_bytes
 
 
@@ -188,6 +193,44 @@ def finish(info: dict, *, env: DistEnv, out_dir: Path, losses: list[float], stra
             model += f" · merged model {out_dir / 'model-merged'}"
         print(f"[toolkit] done: metrics {out_dir / 'metrics.jsonl'} · {model} · run info {out_dir / 'run.json'}",
               file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def ending(info: dict, *, env: DistEnv, out_dir: Path) -> Iterator[None]:
+    """Around a started run: when it ends other than completing (finish writes "completed"), rank 0 rewrites
+    run.json's "running" as it goes: "stopped" (a stop signal, a non-finite value) or "failed" (an exception),
+    and `ended` says why (ended_record). Best effort: a process killed outright writes nothing, and a write
+    that fails is passed over, so the run's own error is what is reported. No collective: ranks may be gone."""
+    try:
+        yield
+    except BaseException as exc:
+        if env.is_main and info.get("status") == "running":
+            with contextlib.suppress(Exception):
+                _write({**info, **ended_record(info, exc, out_dir=out_dir)}, out_dir)
+        raise
+
+
+def ended_record(info: dict, exc: BaseException, *, out_dir: Path) -> dict:
+    """run.json's status and ended for a run that `exc` ended. ended: the reason in one line,
+    steps_done (the last step metrics.jsonl holds) and the newest complete checkpoint (or null); a stop signal
+    adds the signal and resumable (its checkpoint is of steps_done); a non-finite value what, value and step;
+    a failure the error."""
+    found = complete_checkpoints(out_dir)
+    ended: dict[str, Any] = {"reason": "", "steps_done": info.get("_last_step", 0),
+                             "checkpoint": str(found[-1]) if found else None}
+    status = "stopped"
+    if isinstance(exc, Stopped):
+        name = signal.Signals(exc.signum).name
+        ended.update(reason=f"interrupted at step {exc.step} of {exc.total}" if exc.signum == signal.SIGINT
+                     else f"stopped by {exc}", signal=name, checkpoint=str(exc.checkpoint), resumable=True)
+    elif isinstance(exc, NonFinite):
+        ended.update(reason=str(exc), what=exc.what, value=repr(float(exc.value)), step=exc.step)
+    elif isinstance(exc, KeyboardInterrupt):  # a second Ctrl-C: out at once, without a checkpoint
+        ended["reason"] = "interrupted (a second Ctrl-C: no checkpoint written)"
+    else:
+        status = "failed"
+        ended.update(reason=f"{type(exc).__name__}: {first_line(exc)}", error=type(exc).__name__)
+    return {"status": status, "ended": ended}
 
 
 def _write(info: dict, out_dir: Path) -> None:
