@@ -280,9 +280,13 @@ def test_on_nonfinite_skip_drops_those_steps_and_keeps_the_weights_finite(runs, 
     steps = metrics(out)  # strict JSON: before, `"grad_norm": NaN`
     first_bad = next(m["step"] for m in steps if m["skipped"])
     assert all(m["skipped"] for m in steps[first_bad - 1:]) and not any(m["skipped"] for m in steps[:first_bad - 1])
-    assert all(m["nonfinite"] for m in steps[first_bad - 1:])  # what each null was
+    assert all(m["skipped_nonfinite"] and m["nonfinite"] for m in steps[first_bad - 1:])  # what each null was
+    # fewer in a row than train.max_consecutive_skips (10): the run completes, and says how many it skipped
+    skipped = 6 - first_bad + 1
+    assert f"[toolkit] done: {skipped} of 6 steps skipped (non-finite loss or gradient norm)" in result.stderr
     run = strict_loads((out / "run.json").read_text())
     assert run["status"] == "completed" and run["final_loss"] == steps[-1]["loss"]
+    assert run["skipped_steps"] == {"nonfinite": skipped, "fp16_overflow": 0, "steps_run": 6}
     final = exported_weights(out)
     assert all(torch.isfinite(w).all() for w in final.values())
     # no update after the last good step (no weight decay either): the final weights are that step's

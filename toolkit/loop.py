@@ -46,7 +46,7 @@ from toolkit.precision import check_precision_supported
 from toolkit.recipe import EVAL_EVERY_DEFAULT, Recipe, check_profile_window
 from toolkit.strategies import make_strategy, validate_strategy
 from toolkit.precision import StepResult
-from toolkit.stopping import NonFinite, StopSignals, Stopped
+from toolkit.stopping import NonFinite, SkippedSteps, StopSignals, Stopped
 from toolkit.strategies.base import SetupArgs, Strategy
 
 
@@ -200,8 +200,9 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     info = runinfo.start(recipe, env=env, plan=plan, total_steps=total_steps, model=strategy.export_module(),
                          num_params=num_params, out_dir=out_dir, prediction=prediction, data=data_info)
     info["_last_step"] = done  # the last step metrics.jsonl holds (run.json's ended, when the run does not complete)
+    skips = SkippedSteps(recipe.train.max_consecutive_skips, done=done)
     # rank 0: run.json's status stopped or failed when the run ends otherwise than completing
-    with runinfo.ending(info, env=env, out_dir=out_dir):
+    with runinfo.ending(info, env=env, out_dir=out_dir, skips=skips):
         info["_block_forwards"] = forwards
         if checkpoint is not None:
             info["resumed_from"] = {"checkpoint": str(checkpoint.path), "step": done,
@@ -235,7 +236,7 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
                 losses = run_steps(strategy, loader, recipe=recipe, env=env, plan=plan, layout=layout, info=info,
                                    done=done, total_steps=total_steps, eval_ds=eval_ds, collator=collator,
                                    saver=saver, writer=writer, progress=progress, scale=scale, replicas=replicas,
-                                   signals=signals, profiler=profiler)
+                                   signals=signals, profiler=profiler, skips=skips)
                 saver.close()  # an async checkpoint still being written is committed before the run ends
             except (Stopped, NonFinite):  # every rank alike: the checkpoint still being written is a good one
                 saver.close()
@@ -252,15 +253,16 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
                 info["gradient_scale"] = scale.summary()
             if writer is not None and writer.switched_off:
                 info["trackers_switched_off"] = writer.switched_off
-            runinfo.finish(info, env=env, out_dir=out_dir, losses=losses, strategy=strategy)
+            runinfo.finish(info, env=env, out_dir=out_dir, losses=losses, strategy=strategy, skips=skips)
     return TrainResult(output_dir=out_dir, strategy=strategy, losses=losses)
 
 
 def run_steps(strategy: Strategy, loader, *, recipe: Recipe, env: DistEnv, plan, layout: DataLayout, info: dict,
               done: int, total_steps: int, eval_ds, collator, saver, writer, progress, scale, replicas,
-              signals: StopSignals, profiler: profiling.StepProfiler) -> list[float]:
+              signals: StopSignals, profiler: profiling.StepProfiler, skips: SkippedSteps) -> list[float]:
     """Steps done+1 .. total_steps: train, evaluate, check replicas, checkpoint, log; stop after a step when
-    any rank got a stop signal (a checkpoint first)."""
+    any rank got a stop signal (a checkpoint first), or at the train.max_consecutive_skips-th non-finite step
+    skipped in a row (once it is logged)."""
     losses = []
     comm_step = count_step(done=done, total_steps=total_steps, profiled=recipe.train.profile_steps)
     for step in range(done + 1, total_steps + 1):
@@ -287,12 +289,15 @@ def run_steps(strategy: Strategy, loader, *, recipe: Recipe, env: DistEnv, plan,
             assert fresh is not None  # a strategy that had replicas at start has them now
             check_replicas(fresh.named, env, when=f"at step {step}", group=fresh.group)
         losses.append(record["loss"])
+        unrecoverable = skips.count(record)  # every rank alike: the loss and the norm are global
         if saver.due(step):
             record["checkpoint_s"] = saver.save(strategy, step=step)  # outside step_time_s
         if writer:
             writer.write(record)
         progress.update(record)
         info["_last_step"] = step
+        if unrecoverable is not None:
+            raise unrecoverable
         faults.after_step(step, env)  # tests only: a killed rank, a preempted launcher
         signum = signals.requested(env)  # every rank alike: all stop after this same step
         if signum and step < total_steps:
@@ -379,7 +384,7 @@ def train_step(strategy: Strategy, micro_batches: list[dict], *, recipe: Recipe,
         raise NonFinite("loss", loss, step)
     else:
         strategy.discard_step()
-        result = StepResult(grad_norm=float("nan"), skipped=True, loss_scale=None)
+        result = StepResult(grad_norm=float("nan"), skipped=True, loss_scale=None, nonfinite=True)
     # a finite loss with non-finite gradients (fp16 loss scaling handles its own overflows): the torch
     # strategies skipped the update (precision.Amp); stop before any checkpoint can hold it
     if stop_on_nonfinite and result.nonfinite:
@@ -398,5 +403,7 @@ def train_step(strategy: Strategy, micro_batches: list[dict], *, recipe: Recipe,
             "tokens_per_s": counts["tokens"] / step_time_s, "samples_per_s": counts["samples"] / step_time_s,
             "step_time_s": step_time_s, "peak_mem_bytes": peak_memory_bytes(env.device),
             "loss_scale": result.loss_scale, "skipped": result.skipped,
+            # dropped by train.on_nonfinite skip (fp16 loss scaling's own skips are not)
+            **({"skipped_nonfinite": True} if result.skipped and result.nonfinite else {}),
             **({"comm_bytes": comm.total_bytes} if comm is not None else {}),
             **({"checkpoint_wait_s": held_s} if held_s else {}), **({"compile_s": compile_s} if compile_s else {})}

@@ -103,14 +103,29 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
         return 128 + stop.signum, None
     except NonFinite as exc:
         if env.is_main:
-            from toolkit.checkpoint.store import complete_checkpoints
-
-            found = complete_checkpoints(out_dir)
-            where = f"the newest checkpoint is {found[-1]} (--resume)" if found else "no checkpoint was written yet"
-            print(f"toolkit: {exc}; the run stopped before any checkpoint could hold it; {where}; "
-                  "train.on_nonfinite=skip skips such steps", file=sys.stderr, flush=True)
+            print(f"toolkit: {nonfinite_line(exc, out_dir)}", file=sys.stderr, flush=True)
         return NONFINITE_EXIT_CODE, None
     return 0, result.strategy
+
+
+def nonfinite_line(exc, out_dir: Path) -> str:
+    """What a NonFinite stop says: the step, and the newest checkpoint to go back to. Under on_nonfinite skip
+    (exc.skipped_from), the weights every skipped step ran on are those of the step before the first: the
+    checkpoint to go back to is one from before them."""
+    from toolkit.checkpoint.store import complete_checkpoints, step_of
+
+    found = complete_checkpoints(out_dir)
+    if exc.skipped_from is None:
+        where = f"the newest checkpoint is {found[-1]} (--resume)" if found else "no checkpoint was written yet"
+        return (f"{exc}; the run stopped before any checkpoint could hold it; {where}; train.on_nonfinite=skip "
+                "skips such steps")
+    last_update = exc.skipped_from - 1
+    before = [path for path in found if step_of(path) < last_update]
+    where = f"the newest checkpoint from before them is {before[-1]} (--resume PATH)" if before else \
+        "no checkpoint from before them was written"
+    return (f"{exc}: no step updated the weights since step {last_update}, so its weights give non-finite values "
+            f"on every batch and skipping cannot recover (train.max_consecutive_skips); {where}; a lower optim.lr "
+            "or gradient clipping (optim.max_grad_norm) avoids such an update")
 
 
 def interrupted(recipe=None, env=None) -> int:

@@ -217,6 +217,11 @@ class TrainConfig:
     # a non-finite loss or gradient norm (fp16 loss scaling handles its own): stop (one line naming the step;
     # no checkpoint holds it) | skip (drop that step's gradients, no update; the schedule goes on)
     on_nonfinite: str = "stop"
+    # on_nonfinite skip: stop as on_nonfinite stop (exit 4) at the Nth skipped step in a row; null: never.
+    # A skipped step changes no weight, so N different batches in a row all non-finite mean the weights
+    # themselves overflow and every later step would be skipped too. 10: a bad batch or two in a row (the
+    # spikes skip is for) stays far below it, and a run that cannot recover loses 10 steps, not the rest
+    max_consecutive_skips: int | None = 10
     # true: each transformer block keeps only its input in forward and recomputes the rest in backward
     # (activations ~1/layers of their size, about one more forward of compute); same losses
     activation_checkpointing: bool = False
@@ -256,7 +261,8 @@ class TrainConfig:
             _positive("train.max_steps", self.max_steps)
         _positive("train.log_every", self.log_every)
         for key, every in (("train.eval_every", self.eval_every),
-                           ("train.consistency_check_every", self.consistency_check_every)):
+                           ("train.consistency_check_every", self.consistency_check_every),
+                           ("train.max_consecutive_skips", self.max_consecutive_skips)):
             if every is not None:
                 _positive(key, every)
 

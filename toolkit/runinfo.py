@@ -27,7 +27,7 @@ from toolkit.model import flops_per_token
 from toolkit.optim import schedule_label
 from toolkit.recipe import BatchPlan, Recipe
 from toolkit.recipe_files import dump_recipe
-from toolkit.stopping import NonFinite, Stopped
+from toolkit.stopping import NonFinite, SkippedSteps, Stopped
 from toolkit.strategies.base import storage_bytes
 
 
@@ -177,7 +177,7 @@ def record_comm(info: dict, summary: dict, *, step: int, env: DistEnv) -> None:
                              "counts": "input bytes handed to c10d collectives and sends (not wire bytes)"}
 
 
-def finish(info: dict, *, env: DistEnv, out_dir: Path, losses: list[float], strategy) -> None:
+def finish(info: dict, *, env: DistEnv, out_dir: Path, losses: list[float], strategy, skips: SkippedSteps) -> None:
     mine = {"peak_mem_bytes": peak_memory_bytes(env.device), "peak_reserved_bytes": peak_reserved_bytes(env.device)}
     info["peak_memory"] = gather_objects(mine, env)
     measured = gather_objects(strategy.measurements(), env)
@@ -185,18 +185,20 @@ def finish(info: dict, *, env: DistEnv, out_dir: Path, losses: list[float], stra
         info["strategy_measurements"] = measured  # per rank
     info["status"] = "completed"
     info["final_loss"] = losses[-1] if losses else None
+    info["skipped_steps"] = skips.summary()
     if env.is_main:
         _write(info, out_dir)
         adapter = (out_dir / "model" / "adapter_config.json").is_file()  # LoRA: the export is peft's adapter
         model = f"{'adapter' if adapter else 'model'} {out_dir / 'model'}"
         if adapter and (out_dir / "model-merged").is_dir():
             model += f" · merged model {out_dir / 'model-merged'}"
-        print(f"[toolkit] done: metrics {out_dir / 'metrics.jsonl'} · {model} · run info {out_dir / 'run.json'}",
-              file=sys.stderr, flush=True)
+        skipped = f"{skips.note()} · " if skips.note() else ""  # first: a run that trained on few steps says so
+        print(f"[toolkit] done: {skipped}metrics {out_dir / 'metrics.jsonl'} · {model} · run info "
+              f"{out_dir / 'run.json'}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
-def ending(info: dict, *, env: DistEnv, out_dir: Path) -> Iterator[None]:
+def ending(info: dict, *, env: DistEnv, out_dir: Path, skips: SkippedSteps) -> Iterator[None]:
     """Around a started run: when it ends other than completing (finish writes "completed"), rank 0 rewrites
     run.json's "running" as it goes: "stopped" (a stop signal, a non-finite value) or "failed" (an exception),
     and `ended` says why (ended_record). Best effort: a process killed outright writes nothing, and a write
@@ -206,15 +208,15 @@ def ending(info: dict, *, env: DistEnv, out_dir: Path) -> Iterator[None]:
     except BaseException as exc:
         if env.is_main and info.get("status") == "running":
             with contextlib.suppress(Exception):
-                _write({**info, **ended_record(info, exc, out_dir=out_dir)}, out_dir)
+                _write({**info, **ended_record(info, exc, out_dir=out_dir, skips=skips)}, out_dir)
         raise
 
 
-def ended_record(info: dict, exc: BaseException, *, out_dir: Path) -> dict:
-    """run.json's status and ended for a run that `exc` ended. ended: the reason in one line,
+def ended_record(info: dict, exc: BaseException, *, out_dir: Path, skips: SkippedSteps) -> dict:
+    """run.json's status, ended and skipped_steps for a run that `exc` ended. ended: the reason in one line,
     steps_done (the last step metrics.jsonl holds) and the newest complete checkpoint (or null); a stop signal
-    adds the signal and resumable (its checkpoint is of steps_done); a non-finite value what, value and step;
-    a failure the error."""
+    adds the signal and resumable (its checkpoint is of steps_done); a non-finite value what, value and step
+    (and skipped_from, under train.on_nonfinite skip); a failure the error."""
     found = complete_checkpoints(out_dir)
     ended: dict[str, Any] = {"reason": "", "steps_done": info.get("_last_step", 0),
                              "checkpoint": str(found[-1]) if found else None}
@@ -225,12 +227,14 @@ def ended_record(info: dict, exc: BaseException, *, out_dir: Path) -> dict:
                      else f"stopped by {exc}", signal=name, checkpoint=str(exc.checkpoint), resumable=True)
     elif isinstance(exc, NonFinite):
         ended.update(reason=str(exc), what=exc.what, value=repr(float(exc.value)), step=exc.step)
+        if exc.skipped_from is not None:
+            ended["skipped_from"] = exc.skipped_from
     elif isinstance(exc, KeyboardInterrupt):  # a second Ctrl-C: out at once, without a checkpoint
         ended["reason"] = "interrupted (a second Ctrl-C: no checkpoint written)"
     else:
         status = "failed"
         ended.update(reason=f"{type(exc).__name__}: {first_line(exc)}", error=type(exc).__name__)
-    return {"status": status, "ended": ended}
+    return {"status": status, "ended": ended, "skipped_steps": skips.summary()}
 
 
 def _write(info: dict, out_dir: Path) -> None:
