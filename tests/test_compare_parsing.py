@@ -71,3 +71,18 @@ def test_an_arms_failure_reason_is_its_ranks_own_line(tail, line):
     from toolkit.compare.runner import failure_line
 
     assert failure_line(tail) == line
+
+
+def test_an_arms_metrics_with_a_non_finite_step_read_back_as_nan(tmp_path):
+    """metrics.jsonl writes null (strict JSON) and names what it was; compare's tables and verdict get NaN back."""
+    import math
+
+    from toolkit.compare.runner import read_metrics
+    from toolkit.metrics import JsonlWriter
+
+    writer = JsonlWriter(tmp_path / "metrics.jsonl")
+    writer.write({"step": 1, "loss": float("nan"), "grad_norm": float("inf"), "lr": 0.1, "tokens": 8,
+                  "step_time_s": 1.0, "tokens_per_s": 8.0, "samples_per_s": 1.0})
+    writer.close()
+    [record], problem = read_metrics(tmp_path)
+    assert problem is None and math.isnan(record["loss"]) and record["grad_norm"] == math.inf

@@ -20,6 +20,7 @@ from toolkit.checkpoint.store import read_run_info
 from toolkit.compare.verdict import flatten
 from toolkit.errors import INTERRUPTED_EXIT_CODE as INTERRUPTED
 from toolkit.errors import RecipeError
+from toolkit.metrics import read_record
 from toolkit.recipe_files import load_recipe, path_keys, recipe_to_dict
 from toolkit.tracking import tensorboard_dir
 
@@ -52,7 +53,7 @@ def read_metrics(path: Path) -> tuple[list[dict], str | None]:
     records = []
     for number, line in enumerate(lines, start=1):
         try:
-            record = json.loads(line)
+            record = read_record(line)  # NaN and ±inf back where the loop wrote null
         except ValueError:
             return [], f"{file} line {number} is no JSON (cut short?)"
         if not isinstance(record, dict) or not all(key in record for key in STEP_KEYS):
