@@ -225,6 +225,26 @@ def test_ranks_stopped_on_a_non_finite_value_end_the_launch_with_exit_4_not_as_a
     assert _run_ranks(_ranks_exit({0: 4, 1: 1}), None, Nodes()) == 1  # a rank that failed otherwise: a failure
     assert "launch failed: rank 0 exit code 4; rank 1 exit code 1" in capsys.readouterr().err
     assert _run_ranks(_ranks_exit({0: 143, 1: 143}), None, Nodes()) == 143  # a stop signal: as before
+    assert _run_ranks(_ranks_exit({0: 3, 1: 3}), None, Nodes()) == 3  # replica drift: every rank said which tensor
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("code", [2, 4])
+def test_a_restart_after_a_stop_that_would_come_again_ends_at_once_with_its_code(code, tmp_path, monkeypatch):
+    """A user's mistake, or a non-finite loss the restart would reach again from the same checkpoint: the
+    restarted rank exits before loading anything (the 2-rank path is test_a_restart_after_a_users_mistake...)."""
+    from toolkit.errors import SAID_DIR_ENV, end_restart_after_final_stop, mark_final
+
+    monkeypatch.setenv(SAID_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    end_restart_after_final_stop()  # the first attempt, nothing marked: it goes on
+    mark_final(code)
+    end_restart_after_final_stop()  # the first attempt itself is never ended so
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(SystemExit) as ended:
+        end_restart_after_final_stop()
+    assert ended.value.code == code
 
 
 # --- a user's mistake found inside the ranks, with --max-restarts -------------------------------------------------

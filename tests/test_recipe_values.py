@@ -104,6 +104,8 @@ IGNORED = {  # (task, format, overrides) -> what the line says
                                "data.text_column applies to data.format text only, but data.format is chat"),
     "min_lr_ratio under constant": ("causal-lm", ("optim.schedule=constant", "optim.min_lr_ratio=0.1"),
                                     "optim.min_lr_ratio applies to optim.schedule cosine/linear only"),
+    "a skip bound under stop": ("causal-lm", ("train.max_consecutive_skips=3",),
+                                "train.max_consecutive_skips applies to train.on_nonfinite skip only"),
 }
 
 

@@ -16,6 +16,7 @@ class RecipeError(ValueError):
 
 
 USER_ERROR_EXIT_CODE = 2
+REPLICA_DRIFT_EXIT_CODE = 3  # replicas that should be equal are not (toolkit.consistency); every rank says so
 # a non-finite loss or gradient norm stopped the run (toolkit.stopping.NonFinite); rank 0 said where, in one line
 NONFINITE_EXIT_CODE = 4
 INTERRUPTED_EXIT_CODE = 128 + 2  # Ctrl-C (SIGINT), as shells report it
@@ -54,7 +55,7 @@ def say_once(line: str) -> None:
     launch (the launcher's process, the parent of its ranks on a node) and the line (O_EXCL: exactly one wins);
     outside a launch it just prints. One rank too: `--max-restarts` restarts the ranks whatever their exit code
     (torch's elastic agent has no policy by exit code), and under plain torchrun each attempt finds the same
-    mistake again (under `toolkit launch` a restart ends at once: end_restart_after_user_error). Under
+    mistake again (under `toolkit launch` a restart ends at once: end_restart_after_final_stop). Under
     `toolkit launch` the marker goes in a folder the launcher removes when the ranks are done (SAID_DIR_ENV);
     under another launcher, in the temporary folder."""
     launch = os.environ.get("TORCHELASTIC_RUN_ID")
@@ -73,26 +74,36 @@ def say_once(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-USER_ERROR_MARK = "toolkit-user-error"  # in SAID_DIR_ENV: a rank of this launch stopped on a user's mistake
+# in SAID_DIR_ENV: a rank of this launch ended so that a restart would end the same way (same recipe, data, seed
+# and checkpoint): a user's mistake, or a non-finite loss the resumed run reaches again
+FINAL_MARKS = {USER_ERROR_EXIT_CODE: "toolkit-user-error", NONFINITE_EXIT_CODE: "toolkit-nonfinite"}
 
 
 def say_user_error(exc: RecipeError) -> None:
-    """A user's mistake found in a process: its one line, once per launch (say_once). In a rank of `toolkit
-    launch` also a mark in the launch's folder, which ends the restarts that would find it again
-    (end_restart_after_user_error)."""
+    """A user's mistake found in a process: its one line, once per launch (say_once), and the launch's mark that
+    ends the restarts that would find it again (mark_final)."""
     say_once(error_line(exc))
+    mark_final(USER_ERROR_EXIT_CODE)
+
+
+def mark_final(code: int) -> None:
+    """In a rank of `toolkit launch`: a mark in the launch's folder that the run ended with `code` (a key of
+    FINAL_MARKS), which ends the restarts that would end so again (end_restart_after_final_stop)."""
     folder = os.environ.get(SAID_DIR_ENV)
     if folder and "TORCHELASTIC_RUN_ID" in os.environ:
         with contextlib.suppress(OSError):  # the folder is gone: the launch is ending anyway
-            os.close(os.open(os.path.join(folder, USER_ERROR_MARK), os.O_CREAT | os.O_WRONLY))
+            os.close(os.open(os.path.join(folder, FINAL_MARKS[code]), os.O_CREAT | os.O_WRONLY))
 
 
-def end_restart_after_user_error() -> None:
+def end_restart_after_final_stop() -> None:
     """First thing in a rank: a rank that torch's agent restarted (--max-restarts, which restarts whatever the
-    exit code) after a rank of the same launch stopped on a user's mistake exits 2 at once. The recipe and data
-    are the same, so the attempt would load the model and data to find the same mistake; the one line is said
-    already, and the launch ends with it and exit 2 (launch._run_ranks) in seconds instead of R full starts."""
+    exit code) after a rank of the same launch stopped on a user's mistake, or on a non-finite loss, exits with
+    that code at once. The recipe, data and seed are the same, and the restart resumes the same checkpoint, so
+    the attempt would load the model and data to end the same way; the one line is said already, and the launch
+    ends with it (launch._run_ranks) in seconds instead of R full starts."""
     folder = os.environ.get(SAID_DIR_ENV)
-    if folder and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and \
-            os.path.exists(os.path.join(folder, USER_ERROR_MARK)):
-        raise SystemExit(USER_ERROR_EXIT_CODE)
+    if not folder or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        return
+    for code, mark in FINAL_MARKS.items():
+        if os.path.exists(os.path.join(folder, mark)):
+            raise SystemExit(code)

@@ -13,8 +13,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from toolkit.errors import (NONFINITE_EXIT_CODE, SAID_DIR_ENV, USER_ERROR_EXIT_CODE, RecipeError, first_line,
-                            ranks_option, under_accelerate)
+from toolkit.errors import (NONFINITE_EXIT_CODE, REPLICA_DRIFT_EXIT_CODE, SAID_DIR_ENV, USER_ERROR_EXIT_CODE,
+                            RecipeError, first_line, ranks_option, under_accelerate)
 from toolkit.orphans import LAUNCHER_PID_ENV
 
 
@@ -231,6 +231,9 @@ def _run_ranks(run, args, nodes: Nodes) -> int:
         failed = {codes[rank] for rank in failed_ranks(codes)}
         if failed == {USER_ERROR_EXIT_CODE}:  # rank 0 said it in one line
             return USER_ERROR_EXIT_CODE
+        if failed == {REPLICA_DRIFT_EXIT_CODE}:  # every rank said which tensor drifted
+            outlive_other_machines(nodes)
+            return REPLICA_DRIFT_EXIT_CODE
         if failed == {NONFINITE_EXIT_CODE}:  # every rank stopped at the same step; rank 0 said where (rank.py)
             if codes.get(0) != NONFINITE_EXIT_CODE:
                 print(nonfinite_elsewhere(codes), file=sys.stderr, flush=True)

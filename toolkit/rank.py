@@ -12,8 +12,8 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from toolkit.errors import (INTERRUPTED_EXIT_CODE, NONFINITE_EXIT_CODE, USER_ERROR_EXIT_CODE, RecipeError,
-                            first_line, say_once, say_user_error)
+from toolkit.errors import (INTERRUPTED_EXIT_CODE, NONFINITE_EXIT_CODE, REPLICA_DRIFT_EXIT_CODE, USER_ERROR_EXIT_CODE,
+                            RecipeError, first_line, mark_final, say_once, say_user_error)
 
 if TYPE_CHECKING:
     from toolkit.checkpoint.run import Resume
@@ -93,7 +93,7 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
         return 0, None
     except ReplicaDriftError as exc:
         print(f"toolkit: replica drift: {exc}", file=sys.stderr)
-        return 3, None
+        return REPLICA_DRIFT_EXIT_CODE, None
     except Stopped as stop:  # every rank stops after the same step; rank 0 says how to go on
         if env.is_main:
             what = (f"interrupted at step {stop.step} of {stop.total}; outputs so far in {out_dir}"
@@ -104,6 +104,7 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
     except NonFinite as exc:
         if env.is_main:
             print(f"toolkit: {nonfinite_line(exc, out_dir)}", file=sys.stderr, flush=True)
+        mark_final(NONFINITE_EXIT_CODE)  # a restart would resume before the step and reach it again
         return NONFINITE_EXIT_CODE, None
     return 0, result.strategy
 

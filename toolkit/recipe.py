@@ -322,6 +322,7 @@ READERS = (
     ("data.format", ("chat",), ("data.messages_column", "data.chat_template")),
     ("data.format", ("prompt-response",), ("data.prompt_column", "data.response_column")),
     ("optim.schedule", ("cosine", "linear"), ("optim.min_lr_ratio",)),
+    ("train.on_nonfinite", ("skip",), ("train.max_consecutive_skips",)),
 )
 
 
