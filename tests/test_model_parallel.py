@@ -102,6 +102,13 @@ BAD = {
                               "schedule 1f1b needs at least as many micro-batches per step as stages (2)"),
     "no blocks found": (2, ("strategy.name=pipeline", "strategy.blocks=[NoSuchBlock]"),
                         "set strategy.blocks to the block class name"),
+    # stages hold runs of the layer stack: a norm passed the split check as 9 "blocks", then cut past the stack
+    "norms as pipeline blocks": (3, ("strategy.name=pipeline", "strategy.schedule=gpipe",
+                                     "strategy.blocks=[LlamaRMSNorm]"),
+                                 "strategy.blocks ['LlamaRMSNorm']: a pipeline cuts LlamaForCausalLM between the 4 "
+                                 "blocks of its layer stack (LlamaDecoderLayer), which these do not name"),
+    "MLPs as hybrid blocks": (4, ("strategy.name=hybrid", "strategy.pipeline_degree=2",
+                                  "strategy.blocks=[LlamaMLP]"), "set it to [LlamaDecoderLayer]"),
     "device that does not exist": (1, ("strategy.name=model_parallel", "strategy.devices=[cuda:0,cuda:1]"),
                                    "strategy.devices: cuda:0 does not exist"),
 }
@@ -117,6 +124,14 @@ def test_bad_split_inputs_are_one_line_before_any_rank(llama4_runs, case):
     recipe = load_recipe(llama4_runs.recipe, overrides)
     with pytest.raises(RecipeError, match=re.escape(words)):
         validate_strategy(recipe, world_size=ranks)
+
+
+def test_the_layer_stacks_own_block_class_is_taken_as_pipeline_blocks(llama4_runs):
+    from toolkit.recipe_files import load_recipe
+    from toolkit.strategies import validate_strategy
+
+    validate_strategy(load_recipe(llama4_runs.recipe, ("strategy.name=pipeline", "strategy.schedule=gpipe",
+                                                       "strategy.blocks=[LlamaDecoderLayer]")), world_size=2)
 
 
 def test_bad_split_through_the_launcher_exits_2_with_nothing_written(llama4_runs, tmp_path):

@@ -14,7 +14,7 @@ from toolkit.errors import RecipeError, ranks_option
 from toolkit.model import layer_stack, meta_model
 from toolkit.recipe import Recipe, plan_batch
 from toolkit.strategies.placement import blocks_of, check_split, part_of_blocks
-from toolkit.strategies.stages import family_of
+from toolkit.strategies.stages import family_of, layer_list
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
@@ -99,6 +99,21 @@ def count_busy_time(stage: PipelineStage, owner: Any) -> None:
         setattr(stage, name, timed)
 
 
+def check_stage_blocks(skeleton: nn.Module, names: tuple[str, ...] | None) -> None:
+    """strategy.blocks under a pipeline may only name the blocks of the model's layer stack: a stage holds a run
+    of them (stages.Stage slices layer_list), so other modules (LlamaRMSNorm, LlamaMLP) were counted as blocks by
+    the split check and then cut nothing, or cut past the stack's end (an IndexError in every rank)."""
+    if names is None:
+        return
+    stack = list(layer_list(skeleton))
+    named = layer_stack(skeleton, names)
+    if [id(b) for b in named] != [id(b) for b in stack]:
+        kind = type(stack[0]).__name__
+        raise RecipeError(f"strategy.blocks {list(names)}: a pipeline cuts {type(skeleton).__name__} between the "
+                          f"{len(stack)} blocks of its layer stack ({kind}), which these do not name; leave "
+                          f"strategy.blocks out or set it to [{kind}]")
+
+
 def check_recipe(recipe: Recipe, *, world_size: int) -> None:
     """The pipeline's recipe errors, one RecipeError each, before any rank starts."""
     options = recipe.strategy
@@ -123,6 +138,7 @@ def check_recipe(recipe: Recipe, *, world_size: int) -> None:
     stages = grid.pp * options.stages_per_rank
     skeleton = meta_model(recipe.model)
     family_of(skeleton)  # a model without a stage layout
+    check_stage_blocks(skeleton, options.blocks)
     check_split(options.split, num_blocks=len(layer_stack(skeleton, options.blocks)), num_parts=stages,
                 what="stages")
     plan = plan_batch(recipe.batch, world_size=grid.dp)
