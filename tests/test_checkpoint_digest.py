@@ -121,3 +121,6 @@ def test_digests_switched_off_records_none_and_the_checkpoint_reads_as_before(re
     saved = out / "checkpoints" / "step-00000002"
     assert not (saved / "digests.json").exists() and "digests" not in json.loads((saved / "manifest.json").read_text())
     assert main(["convert", str(saved), str(tmp_path / "model")]) == 0  # read as a checkpoint from before digests
+    # the converted weights as readable as the rest (safetensors creates its file 0600 whatever the umask)
+    assert {p.stat().st_mode & 0o777 for p in (tmp_path / "model").iterdir()} == {
+        (tmp_path / "model" / "config.json").stat().st_mode & 0o777}

@@ -25,6 +25,17 @@ def test_exported_model_loads_with_plain_transformers(tmp_path, tiny_llama_dir):
     with torch.no_grad():
         assert not torch.equal(initial(input_ids=ids).logits, loaded(input_ids=ids).logits)
     assert (out / "recipe.yaml").is_file() and (out / "run.json").is_file()
+    # every file as readable as the umask allows: safetensors creates its file 0600 whatever the umask
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (out / "model").iterdir()}
+    assert set(modes.values()) == {0o666 & ~_umask()}, modes
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)  # the test's own process: no other thread creates files now
+    os.umask(mask)
+    return mask
 
 
 def test_tied_embedding_is_exported_once_and_reloads_tied(tmp_path, tiny_tied_llama_dir):

@@ -80,9 +80,32 @@ def export_model(strategy, *, tokenizer, out_dir: Path, env: DistEnv, lora: Lora
 RENAME_EXCHANGE = 2  # linux/fs.h
 
 
+def readable_as_umask_allows(folder: Path) -> None:
+    """The folder's files with the permissions the process's umask gives a new file (0644 under umask 022).
+    safetensors' save_file creates its file 0600 whatever the umask, so an exported model's weights were the
+    one file in the folder that a teammate, or the user a server runs as, could not read."""
+    mode = 0o666 & ~_umask()
+    for file in folder.rglob("*"):
+        if file.is_file() and (file.stat().st_mode & 0o777) != mode:
+            file.chmod(mode)
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it (os.umask sets it, for every thread at once)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
 def replace_folder(new: Path, final: Path) -> None:
-    """Put folder `new` at `final`. An existing `final` is exchanged with `new` in one step (Linux
-    renameat2), then deleted; where that call is missing, it is moved aside first and deleted after."""
+    """Put folder `new` at `final` (its files readable as the umask allows). An existing `final` is exchanged
+    with `new` in one step (Linux renameat2), then deleted; where that call is missing, it is moved aside first
+    and deleted after."""
+    readable_as_umask_allows(new)
     if not final.exists():
         new.rename(final)
         return
