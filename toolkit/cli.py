@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_resume(train)
 
     launch = sub.add_parser("launch", help="run a recipe on N local ranks through torch.distributed.run")
-    launch.add_argument("--nproc", type=int, default=1, help="ranks (processes) on this machine")
+    launch.add_argument("--nproc", type=int, default=1, help="ranks (processes) on this machine (default 1)")
     launch.add_argument("--max-restarts", type=int, default=0, metavar="R",
                         help="when a rank dies, restart every rank up to R times; they resume from the newest checkpoint")
     launch.add_argument("--nnodes", type=int, default=1, help="machines in the job; run this command on each")
@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("out", help="the folder to write (must not exist)")
 
     validate = sub.add_parser("validate", help="check a recipe and print the resolved one")
-    validate.add_argument("--nproc", type=int, default=1, help="world size to check the batch arithmetic for")
+    validate.add_argument("--nproc", type=int, default=1,
+                          help="world size to check the batch arithmetic for (default 1)")
     validate.add_argument("recipe")
     _add_overrides(validate)
 
