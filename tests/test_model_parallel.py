@@ -43,6 +43,23 @@ def test_tied_embedding_is_exported_once_and_reloads_tied(llama4_runs):
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
 
 
+def test_replica_check_compares_the_tied_embeddings_two_stage_copies(llama4_runs):
+    """The first and the last stage each hold a copy of the tied embedding, updated by their own optimizers:
+    these runs (consistency_check_every 1) compared the two copies every step, besides DDP's replicas
+    (before: 'nothing to compare' under a pipeline)."""
+    def said(arm):
+        ranks, overrides = ARMS[arm]
+        return json.loads((llama4_runs.get(arm, nproc=ranks, overrides=overrides) / "run.json").read_text())[
+            "replica_check"]
+
+    tied = "the tied model.embed_tokens.weight and lm_head.weight on {} first and last stage, 1 tensor"
+    assert said("pp-1f1b") == said("pp-interleaved") == "every 1 step(s): " + tied.format("the")
+    # rank 0's stage: the embedding and blocks 0-1 (9 tensors each)
+    assert said("pp-ddp") == "every 1 step(s): 2 replicas of each stage (DDP), 19 tensors; " + \
+        tied.format("each pipeline's")
+    assert said("pp-fsdp") == "every 1 step(s): " + tied.format("each pipeline's")  # shards: tied copies only
+
+
 @pytest.mark.parametrize("arm", MINILM_ARMS)
 def test_split_strategies_match_single_on_minilm(minilm_runs, arm):
     ranks, overrides = ARMS[arm]

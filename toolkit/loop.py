@@ -284,10 +284,11 @@ def run_steps(strategy: Strategy, loader, *, recipe: Recipe, env: DistEnv, plan,
             record.update(evaluate(strategy, eval_ds, collator=collator, recipe=recipe, env=env, layout=layout,
                                    group=plan.grad_accum_steps))
         check_every = recipe.train.consistency_check_every
-        if replicas is not None and check_every and step % check_every == 0:
+        if replicas and check_every and step % check_every == 0:
             fresh = strategy.replicas()  # the live tensors of this step
-            assert fresh is not None  # a strategy that had replicas at start has them now
-            check_replicas(fresh.named, env, when=f"at step {step}", group=fresh.group)
+            assert len(fresh) == len(replicas)  # what a strategy had replicated at start it has now
+            for each in fresh:  # one collective per group, in the same order on the ranks of each group
+                check_replicas(each.named, env, when=f"at step {step}", group=each.group)
         losses.append(record["loss"])
         unrecoverable = skips.count(record)  # every rank alike: the loss and the norm are global
         if saver.due(step):
@@ -345,14 +346,15 @@ def announce_replica_check(strategy, *, recipe: Recipe, env: DistEnv, info: dict
         text = "one rank: nothing to compare"
     elif not every:
         text = "off (train.consistency_check_every is null); checked once at start"
-    elif replicas is None:
+    elif not replicas:
         text = (f"nothing to compare after setup: {strategy.info.name} on {env.world_size} rank(s) holds no "
                 "replicated parameters (checked once at start)")
-    else:
-        text = f"every {every} step(s): {replicas.description}, {len(replicas.named)} tensors"
+    else:  # rank 0's groups (it writes run.json); a pipeline's other stages check theirs alike
+        text = f"every {every} step(s): " + "; ".join(
+            f"{each.description}, {len(each.named)} tensor{'s' if len(each.named) != 1 else ''}" for each in replicas)
     info["replica_check"] = text
     if env.is_main and every:
-        print(f"[toolkit] replica check {text}", file=sys.stderr, flush=True)
+        print(f"[toolkit] replica check: {text}", file=sys.stderr, flush=True)
     return replicas
 
 

@@ -166,9 +166,12 @@ class Strategy(Protocol):
 
     def lr(self) -> float: ...
 
-    def replicas(self) -> Replicas | None:
-        """What ranks hold identical copies of (the replica consistency check compares them); None when
-        nothing is replicated (one process, or every rank holds a different shard)."""
+    def replicas(self) -> list[Replicas]:
+        """What this rank holds identical copies of, one entry per group of ranks holding them (a stage's
+        data-parallel replicas; a pipeline's first and last stage, which both hold a tied embedding). The
+        replica consistency check compares each entry over its group, in list order: every rank of a group
+        must list it at the same position. Empty when nothing is replicated (one process, or every rank holds
+        a different shard)."""
 
     def gradient_abs_max(self) -> dict[str, float] | None:
         """Collective, after the last backward of a step and before step(): per parameter name, the largest

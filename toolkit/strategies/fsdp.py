@@ -201,20 +201,20 @@ class FsdpStrategy:
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
-    def replicas(self) -> Replicas | None:
+    def replicas(self) -> list[Replicas]:
         if self.tp_degree > 1:  # the ranks of a TP group hold the same shards of what TP does not split
             named = [(n, cast(DTensor, p).to_local()) for n, p in self._model.named_parameters()
                      if "tp" not in (cast(DTensor, p).device_mesh.mesh_dim_names or ())]
-            return Replicas(named=named, group=self.mesh.get_group("tp"),
-                            description=f"the {self.tp_degree} ranks of each TP group hold the same norm and "
-                                        "embedding shards")
+            return [Replicas(named=named, group=self.mesh.get_group("tp"),
+                             description=f"the {self.tp_degree} ranks of each TP group hold the same norm and "
+                                         "embedding shards")]
         if "replicate" not in (self.mesh.mesh_dim_names or ()) or self.mesh["replicate"].size() == 1:
-            return None  # every rank holds a different shard
+            return []  # every rank holds a different shard
         # HSDP: the ranks at one position of the shard dimension hold the same shards, one per replica group
         named = [(n, p.to_local() if hasattr(p, "to_local") else p) for n, p in self._model.named_parameters()]
         size = self.mesh["replicate"].size()
-        return Replicas(named=named, group=self.mesh.get_group("replicate"),
-                        description=f"{size} replica groups hold identical shards")
+        return [Replicas(named=named, group=self.mesh.get_group("replicate"),
+                         description=f"{size} replica groups hold identical shards")]
 
     def gradient_abs_max(self) -> dict[str, float] | None:
         return sharded_abs_max(self._model, self.env, scale=self.amp.scaler.get_scale() if self.amp.scaler else 1.0)

@@ -8,7 +8,8 @@ The step's accumulation micro-batches are the schedule's micro-batches, padded t
 loss is computed on the last stage with the loop's normalisation (sum / the global count, no schedule
 rescaling: scale_grads=False). Tied input/output embeddings live twice, on the first and the last
 stage: their gradients are summed over those two ranks before clipping, so both copies take the same
-update. Clipping uses the norm over every stage (and shard); fp16 skips a step on every stage alike.
+update (the replica check compares them over the same group). Clipping uses the norm over every stage
+(and shard); fp16 skips a step on every stage alike.
 """
 
 from __future__ import annotations
@@ -267,12 +268,25 @@ class PipelineStrategy:
         return self.optimizer.param_groups[0]["lr"]
 
     # --- what the run reports -------------------------------------------------------------------
-    def replicas(self) -> Replicas | None:
-        if self.grid.dp == 1 or self.recipe.strategy.data_parallel == "fsdp":
-            return None
-        named: list[tuple[str, torch.Tensor]] = [(n, p) for s in self.stage_modules for n, p in s.named_parameters()]
-        return Replicas(named=named, group=self.mesh.get_group("dp"),
-                        description=f"{self.grid.dp} replicas of each stage (DDP)")
+    def replicas(self) -> list[Replicas]:
+        """A stage's DDP replicas over dp, then the tied embedding's two copies (first and last stage: two
+        optimizers update them, kept equal only by the gradient sum in _sync_tied) over the tied group."""
+        found = []
+        if self.grid.dp > 1 and self.recipe.strategy.data_parallel == "ddp":
+            named: list[tuple[str, torch.Tensor]] = [(n, p) for s in self.stage_modules
+                                                     for n, p in s.named_parameters()]
+            found.append(Replicas(named=named, group=self.mesh.get_group("dp"),
+                                  description=f"{self.grid.dp} replicas of each stage (DDP)"))
+        copies = [w for w in (s.tied_weight() for s in self.stage_modules) if w is not None]
+        if self.tied is not None and self.tied_group is not None:
+            assert len(copies) == 1  # the first and the last stage are on different pipeline ranks
+            first, last = self.tied
+            # one name on both ranks, so that a drift names the pair alike on each; under fsdp both ranks
+            # of a tied group sit at the same dp position and hold the same shard
+            whose = "each pipeline's" if self.grid.dp > 1 else "the"
+            found.append(Replicas(named=[(f"{first} = {last} (tied)", _local(copies[0]))], group=self.tied_group,
+                                  description=f"the tied {first} and {last} on {whose} first and last stage"))
+        return found
 
     def gradient_abs_max(self) -> dict[str, float] | None:
         mine: dict[str, float] = {}

@@ -127,11 +127,11 @@ class ReplicatedStrategy:
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
-    def replicas(self) -> Replicas | None:
+    def replicas(self) -> list[Replicas]:
         if self.env.world_size == 1:
-            return None
-        return Replicas(named=list(self.module.named_parameters()), group=None,
-                        description=f"{self.env.world_size} ranks hold full replicas")
+            return []
+        return [Replicas(named=list(self.module.named_parameters()), group=None,
+                         description=f"{self.env.world_size} ranks hold full replicas")]
 
     def gradient_abs_max(self) -> dict[str, float] | None:
         # after the synced backward every rank holds the full reduced gradient; fp16 grads are still scaled

@@ -122,11 +122,13 @@ class TpStrategy:
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
-    def replicas(self) -> Replicas | None:
+    def replicas(self) -> list[Replicas]:
         named: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in self._model.named_parameters()
                                                  if not isinstance(p, DTensor)]
-        return Replicas(named=named, group=None, description=f"{self.env.world_size} ranks hold the embeddings, "
-                        "norms and head in full") if named and self.env.world_size > 1 else None
+        if not named or self.env.world_size == 1:
+            return []
+        return [Replicas(named=named, group=None, description=f"{self.env.world_size} ranks hold the embeddings, "
+                         "norms and head in full")]
 
     def gradient_abs_max(self) -> dict[str, float] | None:
         return sharded_abs_max(self._model, self.env)  # each rank saw its shards of the split weights

@@ -179,11 +179,11 @@ class ZeroStrategy:
     def lr(self) -> float:
         return self.engine.get_lr()[0]
 
-    def replicas(self) -> Replicas | None:
+    def replicas(self) -> list[Replicas]:
         if self.stage == 3 or self.env.world_size == 1:
-            return None  # ZeRO-3: each rank holds a partition
-        return Replicas(named=list(self.module.named_parameters()), group=None,
-                        description=f"{self.env.world_size} ranks hold full parameters (ZeRO-{self.stage})")
+            return []  # ZeRO-3: each rank holds a partition
+        return [Replicas(named=list(self.module.named_parameters()), group=None,
+                         description=f"{self.env.world_size} ranks hold full parameters (ZeRO-{self.stage})")]
 
     def gradient_abs_max(self) -> dict[str, float] | None:
         if self.engine.fp16_enabled():
