@@ -1,11 +1,12 @@
 """metrics.jsonl and run.json are strict JSON: a non-finite number is written as null beside a "nonfinite" field
-that keeps what it was, and the toolkit's reader puts it back."""
+that keeps what it was, and the toolkit's reader puts it back. The progress line says which steps made no
+update."""
 
 import json
 import math
 
 from conftest import strict_loads
-from toolkit.metrics import JsonlWriter, read_jsonl, restore_nonfinite, strict_json
+from toolkit.metrics import JsonlWriter, Progress, read_jsonl, restore_nonfinite, strict_json
 
 
 def test_a_non_finite_step_is_strict_json_and_reads_back_as_written(tmp_path):
@@ -38,3 +39,30 @@ def test_nested_non_finite_numbers_keep_their_place_and_hand_edits_leave_nulls()
     # an entry naming nothing, or no number, is passed over: the reader still gets the record
     assert restore_nonfinite({"loss": None, "nonfinite": {"loss": "many", "gone": "nan", "ranks": {"4": "nan"}}}) == \
         {"loss": None}
+
+
+def _step(step: int, *, loss: float = 2.0, grad_norm: float = 1.0, scale: float | None = 65536.0,
+          skipped: bool = False, nonfinite: bool = False) -> dict:
+    record = {"step": step, "loss": loss, "lr": 1e-3, "grad_norm": grad_norm, "tokens_per_s": 100.0,
+              "step_time_s": 0.5, "loss_scale": scale, "skipped": skipped}
+    return {**record, "skipped_nonfinite": True} if nonfinite else record
+
+
+def test_the_progress_line_says_a_step_was_skipped_and_why(capsys):
+    """Before: an fp16 overflow read `step 4/4 loss 19.5835 ... grad_norm inf ...` as if it had trained. A skipped
+    step gets its line whatever log_every (here 10), naming fp16's lowered scale or the non-finite value."""
+    progress = Progress(total=20, enabled=True, log_every=10)
+    for record in (_step(1, grad_norm=math.inf, scale=32768.0, skipped=True),  # the first: the scale before unknown
+                   _step(2, scale=32768.0),
+                   _step(3, grad_norm=math.inf, scale=16384.0, skipped=True),
+                   _step(4, loss=math.nan, grad_norm=math.nan, scale=16384.0, skipped=True, nonfinite=True),
+                   _step(5, grad_norm=math.nan, scale=16384.0, skipped=True, nonfinite=True),
+                   _step(6, scale=16384.0), _step(10, scale=16384.0)):
+        progress.update(record)
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split()[1] for line in lines] == ["1/20", "3/20", "4/20", "5/20", "10/20"]
+    assert lines[0].endswith(" ms · skipped (fp16 overflow, loss scale now 32768)")
+    assert lines[1].endswith(" ms · skipped (fp16 overflow, loss scale 32768 → 16384)")
+    assert lines[2].endswith(" ms · skipped (non-finite loss, train.on_nonfinite skip)")
+    assert lines[3].endswith(" ms · skipped (non-finite gradient norm, train.on_nonfinite skip)")
+    assert "skipped" not in lines[4]

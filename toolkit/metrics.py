@@ -193,12 +193,15 @@ class JsonlWriter:
 
 
 class Progress:
-    """A tqdm bar on rank 0 (steps, loss, tokens/s); plain log lines when stderr is not a terminal."""
+    """A tqdm bar on rank 0 (steps, loss, tokens/s); plain log lines when stderr is not a terminal. A step that
+    made no update (an fp16 overflow, a non-finite step under train.on_nonfinite skip) says so, and gets its
+    line whatever train.log_every: its loss and grad_norm are not those of a step that trained."""
 
     def __init__(self, *, total: int, enabled: bool, log_every: int):
         self.enabled, self.log_every, self.total = enabled, log_every, total
         self.bar = None
         self.evaluation = ""  # the latest evaluation, until the next one
+        self.loss_scale: float | None = None  # the fp16 loss scale after the latest step: the next one runs at it
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -207,6 +210,9 @@ class Progress:
     def update(self, record: dict) -> None:
         if not self.enabled:
             return
+        skipped = skip_reason(record, scale_before=self.loss_scale)
+        if record.get("loss_scale") is not None:
+            self.loss_scale = record["loss_scale"]
         evaluated = record.get("eval_loss") is not None
         if evaluated:
             self.evaluation = " ".join(f"{k} {v:.4f}" for k, v in record.items() if k.startswith("eval_"))
@@ -215,13 +221,35 @@ class Progress:
             shown = {"loss": f"{record['loss']:.4f}", "tok_s": f"{record['tokens_per_s']:.0f}"}
             if self.evaluation:
                 shown["eval"] = self.evaluation
+            if skipped:
+                shown["skipped"] = skipped
             self.bar.set_postfix(shown)
-        elif evaluated or record["step"] % self.log_every == 0 or record["step"] == self.total:
+        elif evaluated or skipped or record["step"] % self.log_every == 0 or record["step"] == self.total:
             evaluation = f" {self.evaluation}" if evaluated else ""
             print(f"step {record['step']}/{self.total} loss {record['loss']:.4f}{evaluation} lr {record['lr']:.2e} "
                   f"grad_norm {record['grad_norm']:.3f} tokens/s {record['tokens_per_s']:.0f} "
-                  f"step {record['step_time_s'] * 1000:.0f} ms", file=sys.stderr, flush=True)
+                  f"step {record['step_time_s'] * 1000:.0f} ms" + (f" · skipped ({skipped})" if skipped else ""),
+                  file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def skip_reason(record: dict, *, scale_before: float | None) -> str:
+    """Why a step made no update, for the progress line ('' when it made one): fp16 loss scaling's overflow
+    with the scale it lowered (`scale_before`: the scale the step ran at, None when not known: a process's
+    first step), or a non-finite loss or gradient norm that train.on_nonfinite skip dropped."""
+    if not record.get("skipped"):
+        return ""
+    if record.get("skipped_nonfinite"):
+        what = "gradient norm" if math.isfinite(record["loss"]) else "loss"
+        return f"non-finite {what}, train.on_nonfinite skip"
+    after = record.get("loss_scale")
+    if after is None:
+        return "fp16 overflow"
+    if scale_before is None:
+        return f"fp16 overflow, loss scale now {after:g}"
+    if scale_before == after:  # DeepSpeed's hysteresis (2 by default): an overflow that skips and keeps the scale
+        return f"fp16 overflow, loss scale stays {after:g}"
+    return f"fp16 overflow, loss scale {scale_before:g} → {after:g}"
