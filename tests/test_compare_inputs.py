@@ -89,6 +89,26 @@ def test_a_setting_for_all_arms_that_compare_replaces_is_one_line(recipe, tmp_pa
                      (f"{key} is set for all arms", "compare sets it for every arm itself"), out)
 
 
+@pytest.mark.parametrize("matrix, words", [
+    # the schedule's check named no arm among the matrix's 6
+    ({"strategies": ["single", "pp-1f1b", "tp"], "grad_accum_steps": [1, 2]},
+     "arm pp-1f1b-accum1 (2 rank(s), 1 of them data-parallel): schedule 1f1b needs at least as many micro-batches"),
+    # these named no arm: an arm's recipe that does not read, a layout its strategy cannot make at its ranks
+    ({"strategies": ["single", "ddp@optim.lr=abc"]}, "arm ddp@optim.lr=abc: optim.lr: expected a number, got 'abc'"),
+    ({"strategies": ["single", "ddp"], "precisions": ["fp32", "fp33"]},
+     "arm single-fp33 (1 rank(s)): precision: unknown value 'fp33'"),
+    ({"strategies": ["single", "pp-ddp"], "nproc": 3},
+     "arm pp-ddp (3 rank(s)): world size 3 is not divisible by strategy.pipeline_degree 2"),
+    ({"strategies": ["single", "pp-ddp"], "nproc": 3, "grad_accum_steps": [1, 2]},
+     "arms pp-ddp-accum1, pp-ddp-accum2 (3 rank(s)): world size 3 is not divisible"),
+])
+def test_a_refused_arm_is_named_in_the_one_line(recipe, tmp_path, capsys, matrix, words):
+    """The whole experiment is refused before any arm runs, in one line that starts with the arm(s) refused."""
+    out = tmp_path / "exp"
+    _one_line_exit_2(main(["compare", str(_matrix(tmp_path, recipe, steps=2, **matrix)), "--output", str(out)]),
+                     capsys, (f"toolkit: error: {words}",), out)
+
+
 def test_the_command_lines_output_wins_over_an_output_dir(recipe, tmp_path):
     """--output named the folder the docs promise; the experiment went to the output_dir given beside it."""
     wanted, other = tmp_path / "wanted", tmp_path / "other"

@@ -6,9 +6,10 @@ from the global batch (so `single` on 1 rank and `ddp` on 2 ranks see the same s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -179,28 +180,17 @@ def build_experiment(recipe_path: str, *, strategies: list[str], precisions: lis
     out = next((o.partition("=")[2] for o in reversed(overrides) if _key(o) == "output_dir"), None)
     out_dir = Path(out) if out else Path("runs") / f"{datetime.now():%Y%m%d-%H%M%S}-compare"
     check_output_dir(out_dir)
-    arms = []
-    for strategy in strategies:
-        arm_recipe = load_recipe(recipe_path, [*overrides, *arm_overrides(strategy)])
-        arm_nproc = 1 if strategy_info(arm_recipe.strategy.name).one_process else nproc
-        # the global batch splits over the data-parallel shards (a pipeline's stages read the same samples)
-        shards = make_strategy(arm_recipe).data_layout(arm_recipe, world_size=arm_nproc, rank=0).size
-        for precision in precisions:
-            for accum in accums:
-                name = strategy.replace("/", "_") + (f"-{precision}" if precision and len(precisions) > 1 else "") \
-                    + (f"-accum{accum}" if accum is not None and len(accums) > 1 else "")
-                extra = [f"batch.global_batch_size={global_batch}",
-                         *_accumulation(global_batch, shards=shards, accum=accum, arm=name),
-                         *([f"precision={precision}"] if precision else [])]
-                arms.append(Arm(name, arm_nproc, (*arm_overrides(strategy), *extra)))
+    arms = [arm for spec in strategies for arm in _spec_arms(recipe_path, spec, overrides=overrides, nproc=nproc,
+                                                             precisions=precisions, accums=accums,
+                                                             global_batch=global_batch)]
     refuse_repeats([arm.name for arm in arms], where="strategies")
     common = [o for o in common if _key(o) != "output_dir"]
     if arms:  # the reference arm records its gradient scale: the verdict tells noise-driven weights from it
         arms[0] = Arm(arms[0].name, arms[0].nproc, (*arms[0].overrides, f"{RECORD_GRADIENT_SCALE}=true"))
     # absolute: experiment.json and each arm's launch read it from wherever compare or report is run next
     experiment = Experiment(recipe=os.path.abspath(recipe_path), out_dir=out_dir, arms=arms, common=common)
-    for arm in arms:  # every arm's strategy and batch arithmetic are checked before anything runs
-        check_arm(load_recipe(recipe_path, [*common, *arm.overrides]), arm=arm)
+    for arm in arms:  # every arm's recipe, strategy and batch arithmetic are checked before anything runs
+        check_arm(recipe_path, common=common, arm=arm)
     return experiment
 
 
@@ -226,14 +216,56 @@ def _accumulation(global_batch: int, *, shards: int, accum: int | None, arm: str
     return [f"batch.grad_accum_steps={accum}", f"batch.micro_batch_size={global_batch // (shards * accum)}"]
 
 
-def check_arm(recipe: Recipe, *, arm: Arm) -> None:
-    """validate_strategy for the arm's recipe at its ranks, as `toolkit launch` runs it; a refusal names the arm
-    and how many of its ranks split the global batch (its strategy's data-parallel size)."""
-    try:
+def _spec_arms(recipe_path: str, spec: str, *, overrides: list[str], nproc: int, precisions: list[str | None],
+               accums: list[int | None], global_batch: int) -> list[Arm]:
+    """The arms of one --strategies entry (`zero3`, `zero3@optim.lr=2e-4`): one per precision × accumulation, each
+    splitting the global batch over its strategy's data-parallel ranks. A refusal of the entry's recipe or strategy
+    names the arms it would have made."""
+    named = [(precision, accum, spec.replace("/", "_") + (f"-{precision}" if precision and len(precisions) > 1 else "")
+              + (f"-accum{accum}" if accum is not None and len(accums) > 1 else ""))
+             for precision in precisions for accum in accums]
+    names = [name for *_, name in named]
+    strategy = arm_overrides(spec)  # an unknown arm's refusal names it
+    with naming_arms(names):
+        arm_recipe = load_recipe(recipe_path, [*overrides, *strategy])
+        arm_nproc = 1 if strategy_info(arm_recipe.strategy.name).one_process else nproc
+    with naming_arms(names, nproc=arm_nproc):
+        # the global batch splits over the data-parallel shards (a pipeline's stages read the same samples)
+        shards = make_strategy(arm_recipe).data_layout(arm_recipe, world_size=arm_nproc, rank=0).size
+    return [Arm(name, arm_nproc, (*strategy, f"batch.global_batch_size={global_batch}",
+                                  *_accumulation(global_batch, shards=shards, accum=accum, arm=name),
+                                  *([f"precision={precision}"] if precision else [])))
+            for precision, accum, name in named]
+
+
+def check_arm(recipe_path: str, *, common: list[str], arm: Arm) -> None:
+    """The arm's recipe and validate_strategy at its ranks, as `toolkit launch` reads and runs them; a refusal names
+    the arm, its ranks and how many of them split the global batch (its strategy's data-parallel size)."""
+    with naming_arms([arm.name], nproc=arm.nproc):
+        recipe = load_recipe(recipe_path, [*common, *arm.overrides])
+    with naming_arms([arm.name], nproc=arm.nproc, recipe=recipe):
         validate_strategy(recipe, world_size=arm.nproc)
+
+
+@contextlib.contextmanager
+def naming_arms(names: list[str], *, nproc: int | None = None, recipe: Recipe | None = None) -> Iterator[None]:
+    """A RecipeError raised inside, as one line that starts with the arm(s) it refuses (with 6 arms of a matrix, a
+    bare `schedule 1f1b needs ...` leaves the user to guess which), then their ranks where known, and of them how
+    many split the global batch where the recipe is read."""
+    try:
+        yield
     except RecipeError as exc:
-        shards = make_strategy(recipe).data_layout(recipe, world_size=arm.nproc, rank=0).size
-        raise RecipeError(f"arm {arm.name} ({arm.nproc} rank(s), {shards} of them data-parallel): {exc}") from None
+        ranks = f" ({nproc} rank(s){_data_parallel(recipe, nproc=nproc)})" if nproc is not None else ""
+        raise RecipeError(f"arm{'s' if len(names) > 1 else ''} {', '.join(names)}{ranks}: {exc}") from None
+
+
+def _data_parallel(recipe: Recipe | None, *, nproc: int) -> str:
+    if recipe is None:
+        return ""
+    try:
+        return f", {make_strategy(recipe).data_layout(recipe, world_size=nproc, rank=0).size} of them data-parallel"
+    except RecipeError:  # the layout is what was refused
+        return ""
 
 
 def _whole(value) -> bool:
