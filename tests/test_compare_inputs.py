@@ -335,3 +335,20 @@ def test_both_arms_mfu_divide_by_the_higher_peak_either_measured(two_arms, tmp_p
         assert a["mfu"] == pytest.approx(a["tokens_per_s"] * a["flops"]["flops_per_token"] / 8e9)
     line = "the highest per-rank peak of the 2 arms that measured so, single@optim.lr=2e-3's 8.00 GFLOP/s"
     assert (copy / "report.md").read_text().count(line) == 1
+
+
+def test_the_recommendation_names_its_baseline_plain_data_parallelism_read_from_the_strategy(two_arms, tmp_path):
+    """Without a ddp arm, the per-arm lines were set against the multi-rank arm with the most model-state memory per
+    rank (tp, a pipeline: no data parallelism), and nothing said which arm or why."""
+    out, _ = two_arms
+    copy = tmp_path / "exp"
+    shutil.copytree(out, copy)
+    run_json = copy / "single@optim.lr=2e-3" / "run.json"  # as if it ran as ddp: its strategy is what is read
+    run_json.write_text(json.dumps({**json.loads(run_json.read_text()), "strategy": "ddp"}))
+    assert main(["report", str(copy)]) == 0
+    results = json.loads((copy / "results.json").read_text())
+    assert results["plain_data_parallel"] == ["ddp"]
+    assert [(a["arm"], a["plain_data_parallel"], a["verdict"]) for a in results["arms"]] == \
+        [("single", False, "reference"), ("single@optim.lr=2e-3", True, "diverged in final weights")]
+    assert "- each arm below is set against **single**: the reference arm, as plain data parallelism " \
+           "(single@optim.lr=2e-3) is not recommended\n" in (copy / "report.md").read_text()

@@ -212,8 +212,9 @@ def test_throughput_says_how_many_steady_steps_its_medians_are_over():
     assert measure.throughput(_timed(6))["num_timed_steps"] == 4
 
 
-def _row(arm, *, step_ms, band_ms, timed, state_mib=100, world_size=2, verdict_="equivalent"):
+def _row(arm, *, step_ms, band_ms, timed, state_mib=100, world_size=2, verdict_="equivalent", plain=False):
     return {"arm": arm, "status": "completed", "verdict": verdict_, "world_size": world_size, "precision": "fp32",
+            "plain_data_parallel": plain,
             "tokens_per_s": 8000 / step_ms, "speedup_vs_reference": 75 / step_ms, "step_time_s": step_ms / 1e3,
             "step_time_p10_s": band_ms[0] / 1e3, "step_time_p90_s": band_ms[1] / 1e3, "num_timed_steps": timed,
             "model_state_bytes_per_rank": [state_mib * 2 ** 20], "peak_mem_bytes_per_rank": [2 ** 30],
@@ -222,11 +223,11 @@ def _row(arm, *, step_ms, band_ms, timed, state_mib=100, world_size=2, verdict_=
 
 @pytest.mark.parametrize("timed, mp_band, fastest, doubts", [
     (1, (38, 38), "fastest equivalent arm: not told apart: mp has the highest median (211 tokens/s, 1.97× the "
-                  "reference), but its difference to dp is not measured enough (mp timed over 1 steady step(s), dp "
+                  "reference), but its difference to ddp is not measured enough (mp timed over 1 steady step(s), ddp "
                   "over 1; fewer than 5 each: run --steps 7 or more)",
      (" (not measured enough)", " (not measured enough)")),
     (5, (36, 72), "fastest equivalent arm: not told apart: mp has the highest median (211 tokens/s, 1.97× the "
-                  "reference), but its difference to dp is within noise (step time p10–p90 mp 36–72 ms and dp "
+                  "reference), but its difference to ddp is within noise (step time p10–p90 mp 36–72 ms and ddp "
                   "70–74 ms overlap: more --steps measure the difference better)",
      (" (within noise)", " (within noise)")),
     (5, (36, 40), "fastest equivalent arm: **mp** (211 tokens/s, 1.97× the reference)", (" (within noise)", "")),
@@ -237,12 +238,14 @@ def test_the_recommendation_names_a_fastest_arm_only_when_measured_and_apart(tim
 
     results = {"reference": "single", "arms": [
         _row("single", step_ms=75, band_ms=(73, 77), timed=timed, world_size=1, state_mib=50, verdict_="reference"),
-        _row("dp", step_ms=71.4, band_ms=(70, 74), timed=timed),
+        _row("ddp", step_ms=71.4, band_ms=(70, 74), timed=timed, plain=True),
         _row("mp", step_ms=38, band_ms=mp_band, timed=timed, state_mib=60)]}
     lines = recommendations(results)
     assert lines[0] == fastest
-    assert lines[2:] == [f"single: -50 % model-state memory per rank vs dp, 0.95× its tokens/s{doubts[0]}",
-                         f"mp: -40 % model-state memory per rank vs dp, 1.88× its tokens/s{doubts[1]}"]
+    assert lines[2:] == ["each arm below is set against **ddp**: plain data parallelism (a full replica on each of its 2 "
+                         "rank(s), the batch split over them), what the other strategies trade memory and speed against",
+                         f"single: -50 % model-state memory per rank vs ddp, 0.95× its tokens/s{doubts[0]}",
+                         f"mp: -40 % model-state memory per rank vs ddp, 1.88× its tokens/s{doubts[1]}"]
     head, rows = table_rows(results)
     assert [row[head.index("timed steps")] for row in rows] == [str(timed)] * 3
 
@@ -255,6 +258,37 @@ def test_an_arm_that_fell_back_is_said_and_never_recommended_as_fastest():
     results = {"reference": "single", "arms": [
         _row("single", step_ms=75, band_ms=(73, 77), timed=5, world_size=1, verdict_="reference"),
         {**_row("dp", step_ms=30, band_ms=(29, 31), timed=5, world_size=1), "fallback": fell_back},
-        _row("ddp", step_ms=50, band_ms=(49, 51), timed=5)]}
+        _row("ddp", step_ms=50, band_ms=(49, 51), timed=5, plain=True)]}
     assert f"**dp** did not run as its strategy on this machine: {fell_back}" in _explanations(results)
     assert recommendations(results)[0].startswith("fastest equivalent arm: **ddp**")
+
+
+def _arms_without_ddp(**ddp):
+    """`single,tp,mp` at 2 ranks (tp holds most model-state memory per rank of the multi-rank arms), with a ddp arm
+    when `ddp` gives its row's settings."""
+    arms = [_row("single", step_ms=75, band_ms=(73, 77), timed=5, world_size=1, state_mib=50, verdict_="reference"),
+            _row("tp", step_ms=150, band_ms=(149, 151), timed=5, state_mib=120),
+            _row("mp", step_ms=37, band_ms=(36, 38), timed=5, world_size=1, state_mib=50)]
+    if ddp:
+        arms.append(_row("ddp", step_ms=50, band_ms=(49, 51), timed=5, plain=True, **ddp))
+    return {"reference": "single", "plain_data_parallel": ["ddp"], "arms": arms}
+
+
+@pytest.mark.parametrize("ddp, baseline, mp_line", [
+    # `single,tp,mp`: every arm was set against tp, the one multi-rank arm, and nothing said why
+    ({}, "**single**: the reference arm, as no arm ran plain data parallelism (ddp)",
+     "mp: +0 % model-state memory per rank vs single, 2.03× its tokens/s"),
+    # ddp, although tp holds more model-state memory per rank: plain data parallelism, not the fullest arm
+    ({"state_mib": 100}, "**ddp**: plain data parallelism (a full replica on each of its 2 rank(s), the batch split "
+                         "over them), what the other strategies trade memory and speed against",
+     "mp: -50 % model-state memory per rank vs ddp, 1.35× its tokens/s"),
+    ({"verdict_": "diverged at step 2"}, "**single**: the reference arm, as plain data parallelism (ddp) is not "
+                                         "recommended", "mp: +0 % model-state memory per rank vs single, 2.03× its "
+                                                        "tokens/s"),
+])
+def test_the_recommendation_sets_arms_against_plain_data_parallelism_else_the_reference(ddp, baseline, mp_line):
+    from toolkit.compare.report_render import recommendations
+
+    lines = recommendations(_arms_without_ddp(**ddp))
+    assert lines[2] == f"each arm below is set against {baseline}"
+    assert mp_line in lines and not any(" vs tp," in line for line in lines)

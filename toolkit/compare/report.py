@@ -13,6 +13,7 @@ from toolkit.compare.experiment import Experiment
 from toolkit.compare.report_render import render_html, render_markdown
 from toolkit.checkpoint.store import read_run_info
 from toolkit.compare.runner import arm_dir, arm_status, read_metrics
+from toolkit.strategies import strategy_info, strategy_names
 
 CALIBRATION_PREFIX = "calibration-"
 
@@ -56,7 +57,8 @@ def build_results(experiment: Experiment) -> dict:
                    final_eval_metric=_last_metric(metrics),
                    comm=run.get("comm_per_step"), flops=run["flops"], audit=arm["audit"], batch=run["batch"],
                    losses=[m["loss"] for m in metrics], grad_norms=[m["grad_norm"] for m in metrics],
-                   recipe=arm["recipe"], pipeline=_pipeline(run), fallback=run.get("fallback"))
+                   recipe=arm["recipe"], pipeline=_pipeline(run), fallback=run.get("fallback"),
+                   plain_data_parallel=strategy_info(run["strategy"]).plain_data_parallel)
         if reference["status"] == "completed":
             row["speedup_vs_reference"] = speed["tokens_per_s"] / measure.throughput(reference["metrics"])["tokens_per_s"]
             if arm is reference:
@@ -70,6 +72,8 @@ def build_results(experiment: Experiment) -> dict:
     first: dict = next((a["run"] for a in arms if a["status"] == "completed"), {})
     return {"experiment": str(experiment.out_dir), "recipe": experiment.recipe, "reference": reference["name"],
             "arms": rows, "machine": {k: first.get(k) for k in ("device", "device_type", "versions")},
+            # the recommendation's baseline, named where no arm ran it
+            "plain_data_parallel": [name for name in strategy_names() if strategy_info(name).plain_data_parallel],
             "tolerances": verdict.__doc__.strip()}
 
 

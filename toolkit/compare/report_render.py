@@ -128,18 +128,18 @@ def _state_mib(r: dict) -> float:
 
 def recommendations(results: dict) -> list[str]:
     """Read from the table: the fastest equivalent arm (when its speed is told apart from every other's: see
-    measure.speed_doubt), the one with the least memory per rank, and what each arm buys and costs next to plain data
-    parallelism (the multi-rank arm with full replicas)."""
+    measure.speed_doubt), the one with the least memory per rank, and what each arm buys and costs next to a
+    baseline, named in a line of its own with why it (see _baseline)."""
     done = [r for r in results["arms"] if r["status"] == "completed" and "verdict" in r]
     ok = [r for r in done if r["verdict"] in EQUIVALENT and not r.get("fallback")]  # fallback: another's numbers
     if not ok:
         return ["no arm finished with an equivalent result: nothing to recommend"]
     leanest = min(ok, key=_state_mib)
-    # the baseline: full replicas on several ranks (most model-state memory per rank; first such arm on a tie)
-    base = max([r for r in ok if r["world_size"] > 1] or ok, key=_state_mib)
+    base, why = _baseline(results, done=done, ok=ok)
     lines = [_fastest_line(ok),
              f"least memory per rank: **{leanest['arm']}** ({_state_mib(leanest):.0f} MiB of params + grads + "
-             f"optimizer state per rank)"]
+             f"optimizer state per rank)",
+             f"each arm below is set against **{base['arm']}**: {why}"]
     for r in done:
         if r is base:
             continue
@@ -152,6 +152,24 @@ def recommendations(results: dict) -> list[str]:
                      f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}× its tokens/s"
                      + (f" ({doubt[0]})" if doubt else ""))
     return lines
+
+
+def _baseline(results: dict, *, done: list[dict], ok: list[dict]) -> tuple[dict, str]:
+    """The arm the others' memory and tokens/s are set against, and why it: plain data parallelism (its first
+    equivalent arm), what every other strategy is a trade against; without one, the reference arm (else the first
+    equivalent arm). It was the multi-rank arm with the most model-state memory: with no ddp arm that was tp or a
+    pipeline, neither of them data parallelism, and nothing said why."""
+    plain = [r for r in done if r.get("plain_data_parallel")]
+    base = next((r for r in plain if r in ok), None)
+    if base is not None:
+        return base, (f"plain data parallelism (a full replica on each of its {base['world_size']} rank(s), the batch "
+                      "split over them), what the other strategies trade memory and speed against")
+    missing = (f"plain data parallelism ({', '.join(r['arm'] for r in plain)}) is not recommended" if plain else
+               f"no arm ran plain data parallelism ({', '.join(results['plain_data_parallel'])})")
+    reference = next((r for r in ok if r["arm"] == results["reference"]), None)
+    if reference is not None:
+        return reference, f"the reference arm, as {missing}"
+    return ok[0], f"the first equivalent arm, as {missing} and the reference arm is not recommended"
 
 
 def _fastest_line(ok: list[dict]) -> str:

@@ -56,6 +56,9 @@ class StrategyInfo:
     arms: dict[str, tuple[str, ...]] = field(default_factory=dict)  # compare arm name -> recipe overrides
     one_process: bool = False  # runs in exactly one process (a compare arm of it gets 1 rank)
     averages_gradients: bool = False  # its reduction averages over ranks: the loop scales the loss by the world size
+    # a full replica per rank and the batch split over all ranks, nothing else: the yardstick toolkit compare's
+    # recommendation sets every other arm's memory and tokens/s against
+    plain_data_parallel: bool = False
     accelerate_plugin: str | None = None  # the `accelerate launch` plugin it runs (fsdp, deepspeed)
     lora: bool = True  # trains model.lora adapters (checked: single, ddp, fsdp, zero; not yet split models)
     compiles: bool = True  # runs train.compile's blocks (tp: torch 2.13's dynamo fails on DTensor-split blocks)

@@ -15,7 +15,7 @@ from toolkit.recipe import Recipe
 from toolkit.strategies.replicated import Replication, ReplicatedStrategy
 
 INFO = StrategyInfo(
-    name="ddp", averages_gradients=True, exports_in_place=True,
+    name="ddp", averages_gradients=True, exports_in_place=True, plain_data_parallel=True,
     options=("find_unused_parameters", "bucket_cap_mb"),
     summary="DistributedDataParallel: a full replica per rank, gradients all-reduced; fastest when the model fits",
     arms={"ddp": ("strategy.name=ddp",)})
