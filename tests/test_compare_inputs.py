@@ -352,3 +352,27 @@ def test_the_recommendation_names_its_baseline_plain_data_parallelism_read_from_
         [("single", False, "reference"), ("single@optim.lr=2e-3", True, "diverged in final weights")]
     assert "- each arm below is set against **single**: the reference arm, as plain data parallelism " \
            "(single@optim.lr=2e-3) is not recommended\n" in (copy / "report.md").read_text()
+
+
+def test_a_one_step_compare_marks_its_speed_and_a_first_step_count_of_collectives(two_arms, tmp_path, capsys):
+    """--steps 1: tokens/s and MFU were the first step's, and collectives counted on it were shown as one steady
+    step's (a pipeline's shape exchange, DDP's first broadcast). One process counts none: nothing to mark there."""
+    out, _ = two_arms
+    copy = tmp_path / "exp"
+    shutil.copytree(out, copy)
+    run_json = copy / "single@optim.lr=2e-3" / "run.json"  # as if it had sent 1 MiB on its (first) counted step
+    run = json.loads(run_json.read_text())
+    run["comm_per_step"].update(total_bytes=2 ** 20, bytes_by_op={"broadcast": 2 ** 20}, calls_by_op={"broadcast": 1})
+    run_json.write_text(json.dumps(run))
+    assert main(["report", str(copy)]) == 0
+    table = capsys.readouterr().out
+    results = json.loads((copy / "results.json").read_text())
+    assert [(a["comm"]["step"], a["comm"]["includes_setup"]) for a in results["arms"]] == [(1, False), (1, True)]
+    head, rows = table_rows(results)
+    for row in rows:
+        cells = dict(zip(head, row))
+        assert all(cells[c].endswith(" (no steady step)") for c in ("tokens/s", "× ref", "step ms (p10–p90)", "MFU"))
+    assert [dict(zip(head, row))["comm MiB/step"] for row in rows] == ["0.00", "1.00 (incl. set-up)"]
+    assert "(no steady step): single, single@optim.lr=2e-3 ran no step past the warm-up" in table
+    assert "- single@optim.lr=2e-3 (step 1, incl. set-up, rank 0): broadcast 1.00 MiB in 1 call(s)" in \
+        (copy / "report.md").read_text()

@@ -292,3 +292,40 @@ def test_the_recommendation_sets_arms_against_plain_data_parallelism_else_the_re
     lines = recommendations(_arms_without_ddp(**ddp))
     assert lines[2] == f"each arm below is set against {baseline}"
     assert mp_line in lines and not any(" vs tp," in line for line in lines)
+
+
+def test_an_arm_without_a_steady_step_has_its_speed_and_set_up_traffic_marked():
+    """--steps 1: tokens/s, MFU and "bubble 0.71 (theory 0.33)" were the first step's, shown as steady numbers, and
+    pp-gpipe's collectives counted on step 1 (its stages' shape exchange) as its traffic per step."""
+    from toolkit.compare.report_render import _comm_lines, _pipeline_lines, table_notes, table_rows
+
+    pipeline = {"stages_per_rank": [[0], [1]], "bubble_measured_per_rank": [0.9, 0.52], "bubble_measured": 0.71,
+                "bubble_theory": 0.33, "peak_mem_bytes_per_rank": [], "p2p_send_bytes_per_step": 2 ** 20}
+
+    def comm(step, includes_setup):
+        return {"step": step, "total_bytes": 2 ** 20, "bytes_by_op": {"send": 2 ** 20}, "calls_by_op": {"send": 5},
+                "includes_setup": includes_setup}
+
+    def arms(timed, step, includes_setup):
+        return {"reference": "single", "arms": [
+            _row("single", step_ms=75, band_ms=(75, 75), timed=timed, world_size=1, verdict_="reference"),
+            {**_row("pp-gpipe", step_ms=150, band_ms=(150, 150), timed=timed), "mfu": 0.0077,
+             "comm": comm(step, includes_setup), "pipeline": pipeline}]}
+
+    head, rows = table_rows(arms(0, 1, True))
+    cells = dict(zip(head, rows[1]))
+    assert [cells[c] for c in ("tokens/s", "× ref", "step ms (p10–p90)", "MFU", "bubble", "comm MiB/step")] == \
+        ["53 (no steady step)", "0.50 (no steady step)", "150 (150–150) (no steady step)", "0.77% (no steady step)",
+         "0.71 (theory 0.33) (no steady step)", "1.00 (incl. set-up)"]
+    notes = table_notes(arms(0, 1, True))
+    assert any(n.startswith("(no steady step): single, pp-gpipe ran no step past the warm-up") and
+               n.endswith("(run --steps 3 to time one steady step)") for n in notes), notes
+    assert any(n.startswith("(incl. set-up): pp-gpipe counted collectives on step 1, before the first step without "
+                            "set-up traffic") for n in notes), notes
+    assert _comm_lines(arms(0, 1, True)) == ["pp-gpipe (step 1, incl. set-up, rank 0): send 1.00 MiB in 5 call(s)"]
+    assert _pipeline_lines(arms(0, 1, True))[0].startswith("pp-gpipe (no steady step): rank 0 stage 0: idle 0.90")
+    # timed over a steady step, collectives counted on step 3: nothing marked
+    head, rows = table_rows(arms(1, 3, False))
+    assert not any("(no steady step)" in cell or "(incl. set-up)" in cell for row in rows for cell in row), rows
+    assert not any(n.startswith(("(no steady step)", "(incl. set-up)")) for n in table_notes(arms(1, 3, False)))
+    assert _comm_lines(arms(1, 3, False)) == ["pp-gpipe (step 3, rank 0): send 1.00 MiB in 5 call(s)"]

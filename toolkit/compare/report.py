@@ -12,6 +12,7 @@ from toolkit.compare import measure, verdict
 from toolkit.compare.experiment import Experiment
 from toolkit.compare.report_render import render_html, render_markdown
 from toolkit.checkpoint.store import read_run_info
+from toolkit.loop import COMM_COUNT_STEP
 from toolkit.compare.runner import arm_dir, arm_status, read_metrics
 from toolkit.strategies import strategy_info, strategy_names
 
@@ -55,7 +56,7 @@ def build_results(experiment: Experiment) -> dict:
                    **measure.mfu(run, speed["tokens_per_s"], shared_peak=peaks.get(arm["name"])),
                    final_loss=metrics[-1]["loss"], final_eval_loss=_last_eval(metrics, "eval_loss"),
                    final_eval_metric=_last_metric(metrics),
-                   comm=run.get("comm_per_step"), flops=run["flops"], audit=arm["audit"], batch=run["batch"],
+                   comm=_comm(run), flops=run["flops"], audit=arm["audit"], batch=run["batch"],
                    losses=[m["loss"] for m in metrics], grad_norms=[m["grad_norm"] for m in metrics],
                    recipe=arm["recipe"], pipeline=_pipeline(run), fallback=run.get("fallback"),
                    plain_data_parallel=strategy_info(run["strategy"]).plain_data_parallel)
@@ -75,6 +76,14 @@ def build_results(experiment: Experiment) -> dict:
             # the recommendation's baseline, named where no arm ran it
             "plain_data_parallel": [name for name in strategy_names() if strategy_info(name).plain_data_parallel],
             "tolerances": verdict.__doc__.strip()}
+
+
+def _comm(run: dict) -> dict | None:
+    """run.json's count of one step's collectives, and whether it includes set-up traffic: counted before
+    COMM_COUNT_STEP (a run of 1 or 2 steps counts its last), on a step that also set things up; a count of nothing
+    (one process) includes none."""
+    comm = run.get("comm_per_step")
+    return {**comm, "includes_setup": comm["step"] < COMM_COUNT_STEP and comm["total_bytes"] > 0} if comm else None
 
 
 def _envelope(calibration: dict, *precisions: str) -> list[float] | None:

@@ -17,10 +17,28 @@ AUDIT_ROWS = ("forward_params", "master_weights", "gradients", "grad_reduction",
               "loss_scaling", "optimizer")
 
 
-def _bubble(pipeline: dict | None) -> str:
+# An arm of a 1- or 2-step run has no steady step: its speed is the first step's (allocation, caches, a pipeline's shape
+# exchange) and the collective-counting step's (a Python hook per op), and its collectives were counted on a step
+# that also set things up (a pipeline's shapes on step 1, DDP's bucket rebuild on step 2). Its cells are marked, not
+# refused: `--steps 1` is a real smoke test of every arm (does it run, does it agree with the reference), and its
+# numbers, said to be what they are, still tell an arm that runs 10× slower.
+UNSTEADY = " (no steady step)"
+SETUP = " (incl. set-up)"
+
+
+def _unsteady(r: dict) -> str:
+    return UNSTEADY if r["num_timed_steps"] == 0 else ""
+
+
+def _setup(comm: dict) -> str:
+    return SETUP if comm["includes_setup"] else ""
+
+
+def _bubble(r: dict) -> str:
+    pipeline = r.get("pipeline")
     if not pipeline or pipeline["bubble_measured"] is None:
         return "–"
-    return f"{pipeline['bubble_measured']:.2f} (theory {pipeline['bubble_theory']:.2f})"
+    return f"{pipeline['bubble_measured']:.2f} (theory {pipeline['bubble_theory']:.2f}){_unsteady(r)}"
 
 
 def _mib(values) -> str:
@@ -31,22 +49,26 @@ def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
     head = ["arm", "world", "precision", "tokens/s", "× ref", "step ms (p10–p90)", "timed steps", "peak MiB/rank",
             "peak vs plan", "model-state MiB/rank", "comm MiB/step", "bubble", "MFU", "final loss", "eval loss",
             "eval metric", "verdict"]
+    reference = next(r for r in results["arms"] if r["arm"] == results["reference"])
     rows = []
     for r in results["arms"]:
         if r["status"] != "completed":
             blank = [""] * (len(head) - 3)
             rows.append([r["arm"], str(r["world_size"]), *blank, f"{r['verdict']}: {r['error']}"[:120]])
             continue
+        unsteady = _unsteady(r)
         rows.append([
-            r["arm"], str(r["world_size"]), r["precision"], f"{r['tokens_per_s']:.0f}",
-            f"{r['speedup_vs_reference']:.2f}" if "speedup_vs_reference" in r else "–",
-            f"{r['step_time_s'] * 1e3:.0f} ({r['step_time_p10_s'] * 1e3:.0f}–{r['step_time_p90_s'] * 1e3:.0f})",
+            r["arm"], str(r["world_size"]), r["precision"], f"{r['tokens_per_s']:.0f}{unsteady}",
+            f"{r['speedup_vs_reference']:.2f}{unsteady or _unsteady(reference)}" if "speedup_vs_reference" in r
+            else "–",
+            f"{r['step_time_s'] * 1e3:.0f} ({r['step_time_p10_s'] * 1e3:.0f}–{r['step_time_p90_s'] * 1e3:.0f})"
+            f"{unsteady}",
             str(r["num_timed_steps"]) if r["num_timed_steps"] else f"0 (all {len(r['losses'])}, warm-up included)",
             _mib(r["peak_mem_bytes_per_rank"]),
             f"{r['peak_prediction_error'] * 100:+.0f}%" if r.get("peak_prediction_error") is not None else "n/a",
             _mib(r["model_state_bytes_per_rank"]),
-            f"{r['comm']['total_bytes'] / 2 ** 20:.2f}" if r.get("comm") else "n/a", _bubble(r.get("pipeline")),
-            f"{r['mfu'] * 100:.2f}%" if r.get("mfu") is not None else "n/a",
+            f"{r['comm']['total_bytes'] / 2 ** 20:.2f}{_setup(r['comm'])}" if r.get("comm") else "n/a", _bubble(r),
+            f"{r['mfu'] * 100:.2f}%{unsteady}" if r.get("mfu") is not None else "n/a",
             f"{r['final_loss']:.4f}", f"{r['final_eval_loss']:.4f}" if r["final_eval_loss"] is not None else "n/a",
             r.get("final_eval_metric") or "n/a", r["verdict"]])
     return head, rows
@@ -60,13 +82,26 @@ def table_notes(results: dict) -> list[str]:
     if reference["status"] != "completed":
         notes.append(f"× ref –: the reference arm {reference['arm']} has no measurement ({reference['status']}), so "
                      "no arm's tokens/s is shown relative to it")
-    few = [r["arm"] for r in results["arms"]
-           if r["status"] == "completed" and r["num_timed_steps"] < measure.MIN_TIMED_STEPS]
+    done = [r for r in results["arms"] if r["status"] == "completed"]
+    few = [r["arm"] for r in done if r["num_timed_steps"] < measure.MIN_TIMED_STEPS]
     if few:
         notes.append(f"timed steps: the steady steps the medians are over (the warm-up and the step that counts "
                      f"collectives are left out); {', '.join(few)}: fewer than {measure.MIN_TIMED_STEPS}, too few to "
                      f"tell arms' speeds apart (run --steps {measure.steps_for_timed(measure.MIN_TIMED_STEPS)} "
                      "or more)")
+    unsteady = [r["arm"] for r in done if _unsteady(r)]
+    if unsteady:
+        notes.append(f"{UNSTEADY.strip()}: {', '.join(unsteady)} ran no step past the warm-up and the step that "
+                     "counts collectives, so their tokens/s, × ref, step time, bubble and MFU are those steps' "
+                     "(allocation, caches, a hook per collective), no steady speed (run --steps "
+                     f"{measure.steps_for_timed(1)} to time one steady step)")
+    setup = [r for r in done if r.get("comm") and r["comm"]["includes_setup"]]
+    if setup:
+        steps = " or ".join(sorted({str(r["comm"]["step"]) for r in setup}))
+        notes.append(f"{SETUP.strip()}: {', '.join(r['arm'] for r in setup)} counted collectives on step {steps}, "
+                     "before the first step without set-up traffic, so their comm MiB/step includes it (a "
+                     "pipeline's first-step shape exchange, DDP's bucket rebuild on step 2, ZeRO-3's first "
+                     f"parameter fetches; run --steps {measure.steps_for_timed(1)} or more to count a steady step)")
     return notes
 
 
@@ -193,7 +228,8 @@ def _comm_lines(results: dict) -> list[str]:
             continue
         ops = ", ".join(f"{op} {b / 2 ** 20:.2f} MiB in {comm['calls_by_op'][op]} call(s)"
                         for op, b in comm["bytes_by_op"].items()) or "no collectives"
-        out.append(f"{r['arm']} (step {comm['step']}, rank 0): {ops}")
+        out.append(f"{r['arm']} (step {comm['step']}{', incl. set-up' if comm['includes_setup'] else ''}, rank 0): "
+                   f"{ops}")
     return out
 
 
@@ -209,9 +245,10 @@ def _pipeline_lines(results: dict) -> list[str]:
             for i, (stages, idle, peak) in enumerate(zip(p["stages_per_rank"], p["bubble_measured_per_rank"],
                                                          p["peak_mem_bytes_per_rank"] + [None] * len(p["stages_per_rank"]))))
         sent = p["p2p_send_bytes_per_step"]
-        out.append(f"{r['arm']}: {ranks}; schedule's theoretical bubble {p['bubble_theory']:.2f}; "
-                   + (f"{sent / 2 ** 20:.2f} MiB sent between stages per step (activations forward, gradients "
-                      "back, all ranks)" if sent is not None else "stage-to-stage bytes not counted"))
+        out.append(f"{r['arm']}{_unsteady(r)}: {ranks}; schedule's theoretical bubble {p['bubble_theory']:.2f}; "
+                   + (f"{sent / 2 ** 20:.2f} MiB sent between stages per step (activations forward, gradients back, "
+                      f"all ranks{', incl. set-up' if r['comm']['includes_setup'] else ''})" if sent is not None
+                      else "stage-to-stage bytes not counted"))
     return out
 
 
@@ -220,8 +257,9 @@ PIPELINE_NOTE = ("Idle fraction = 1 − (time a rank spent in its stages' forwar
 
 
 COMM_NOTE = ("Bytes each rank handed to collectives (the inputs of all-reduce / all-gather / reduce-scatter / "
-             "broadcast), counted at the c10d dispatcher during one steady step; wire traffic depends on the "
-             "backend's algorithm (a ring all-reduce sends about 2(N-1)/N of its input).")
+             "broadcast), counted at the c10d dispatcher during one steady step (step 3, past the set-up; a run "
+             "of fewer steps counts its last, marked incl. set-up); wire traffic depends on the backend's algorithm "
+             "(a ring all-reduce sends about 2(N-1)/N of its input).")
 
 
 def flops_note(results: dict) -> str:
