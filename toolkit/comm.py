@@ -16,6 +16,10 @@ import contextlib
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+# the step whose collectives are counted (toolkit.loop.count_step): past DDP's bucket rebuild and ZeRO-3's
+# first-step parameter fetches, so it shows a steady step; it is left out of throughput medians
+COMM_COUNT_STEP = 3
+
 # op name (without overload) -> which argument holds the tensors this rank sends
 _C10D_INPUT_ARG = {
     "allreduce_": 0, "allreduce_coalesced_": 0, "broadcast_": 0, "reduce_": 0, "send": 0,

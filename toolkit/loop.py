@@ -26,7 +26,7 @@ from toolkit.checkpoint import run as checkpoints
 from toolkit.checkpoint.run import Resume
 from toolkit.checkpoint.schedule import schedule_changes
 from toolkit.checkpoint.store import check_creatable
-from toolkit.comm import CollectiveCounter, counting
+from toolkit.comm import COMM_COUNT_STEP, CollectiveCounter, counting
 from toolkit.checks import check_position_limit
 from toolkit.consistency import check_replicas
 from toolkit.data import (Collator, DataLayout, GlobalBatchSampler, SplitCounts, check_one_batch, data_note,
@@ -48,11 +48,6 @@ from toolkit.strategies import make_strategy, validate_strategy
 from toolkit.precision import StepResult
 from toolkit.stopping import NonFinite, SkippedSteps, StopSignals, Stopped
 from toolkit.strategies.base import SetupArgs, Strategy
-
-
-# the step whose collectives are counted (see toolkit/comm.py): past DDP's bucket rebuild and ZeRO-3's
-# first-step parameter fetches, so it shows a steady step; it is left out of throughput medians
-COMM_COUNT_STEP = 3
 
 
 def count_step(*, done: int, total_steps: int, profiled: tuple[int, int] | None) -> int | None:

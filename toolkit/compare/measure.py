@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import statistics
 
+from toolkit.comm import COMM_COUNT_STEP
+
 # Dense peak FLOP/s per GPU by compute precision (vendor datasheets; SXM parts; fp32 = non-tensor-core)
 GPU_PEAK_FLOPS = {
     "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
@@ -29,8 +31,8 @@ def steps_for_timed(num_timed: int) -> int:
     """The fewest optimizer steps (--steps) whose medians are over `num_timed` steady steps: past the warm-up and
     the one step that counts collectives (profiled steps, when asked for, are left out too)."""
     num_steps = num_timed + 1
-    # collectives are counted on step 3 (toolkit/loop.py's COMM_COUNT_STEP): a step of its own past the warm-up
-    while num_steps - warmup_steps(num_steps) - (warmup_steps(num_steps) < 3) < num_timed:
+    # collectives are counted on COMM_COUNT_STEP: a step of its own past the warm-up
+    while num_steps - warmup_steps(num_steps) - (warmup_steps(num_steps) < COMM_COUNT_STEP) < num_timed:
         num_steps += 1
     return num_steps
 

@@ -12,7 +12,7 @@ from toolkit.compare import measure, verdict
 from toolkit.compare.experiment import Experiment
 from toolkit.compare.report_render import render_html, render_markdown
 from toolkit.checkpoint.store import read_run_info
-from toolkit.loop import COMM_COUNT_STEP
+from toolkit.comm import COMM_COUNT_STEP
 from toolkit.compare.runner import arm_dir, arm_status, read_metrics
 from toolkit.strategies import strategy_info, strategy_names
 
