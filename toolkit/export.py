@@ -80,7 +80,7 @@ def export_model(strategy, *, tokenizer, out_dir: Path, env: DistEnv, lora: Lora
 RENAME_EXCHANGE = 2  # linux/fs.h
 
 
-def readable_as_umask_allows(folder: Path) -> None:
+def _readable_as_umask_allows(folder: Path) -> None:
     """The folder's files with the permissions the process's umask gives a new file (0644 under umask 022).
     safetensors' save_file creates its file 0600 whatever the umask, so an exported model's weights were the
     one file in the folder that a teammate, or the user a server runs as, could not read."""
@@ -105,7 +105,7 @@ def replace_folder(new: Path, final: Path) -> None:
     """Put folder `new` at `final` (its files readable as the umask allows). An existing `final` is exchanged
     with `new` in one step (Linux renameat2), then deleted; where that call is missing, it is moved aside first
     and deleted after."""
-    readable_as_umask_allows(new)
+    _readable_as_umask_allows(new)
     if not final.exists():
         new.rename(final)
         return

@@ -14,7 +14,7 @@ import torch
 
 from toolkit.checkpoint import digest, state, store
 from toolkit.errors import RecipeError
-from toolkit.export import readable_as_umask_allows, without_tied_aliases
+from toolkit.export import replace_folder, without_tied_aliases
 
 
 def convert(checkpoint_path: Path, out: Path) -> Path:
@@ -43,8 +43,7 @@ def convert(checkpoint_path: Path, out: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp), state_dict=without_tied_aliases(model, model.state_dict()))
     transformers.AutoTokenizer.from_pretrained(str(hf)).save_pretrained(str(tmp))
-    readable_as_umask_allows(tmp)
-    tmp.rename(out)
+    replace_folder(tmp, out)  # out is new (check_out): renamed into place, its files as readable as the umask allows
     return out
 
 
