@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from toolkit.stopping import nonfinite_value
+
 
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak device memory: CUDA allocator peak on GPU, peak resident set size of this process on CPU."""
@@ -243,8 +245,7 @@ def skip_reason(record: dict, *, scale_before: float | None) -> str:
     if not record.get("skipped"):
         return ""
     if record.get("skipped_nonfinite"):
-        what = "gradient norm" if math.isfinite(record["loss"]) else "loss"
-        return f"non-finite {what}, train.on_nonfinite skip"
+        return f"non-finite {nonfinite_value(record)[0]}, train.on_nonfinite skip"
     after = record.get("loss_scale")
     if after is None:
         return "fp16 overflow"

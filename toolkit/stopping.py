@@ -41,6 +41,13 @@ class NonFinite(Exception):
         self.what, self.value, self.step, self.skipped_from = what, value, step, skipped_from
 
 
+def nonfinite_value(record: dict) -> tuple[str, float]:
+    """Which of a step's loss and gradient norm was not finite (the loss, if both), and its value."""
+    if not math.isfinite(record["loss"]):
+        return "loss", record["loss"]
+    return "gradient norm", record["grad_norm"]
+
+
 class SkippedSteps:
     """train.on_nonfinite=skip: counts the steps dropped for a non-finite loss or gradient norm, and stops the
     run (NonFinite) at the `limit`-th in a row. A skipped step changes no weight, so when `limit` different
@@ -70,8 +77,7 @@ class SkippedSteps:
         self.in_row += 1
         if self.limit is None or self.in_row < self.limit:
             return None
-        what, value = ("loss", record["loss"]) if not math.isfinite(record["loss"]) else \
-            ("gradient norm", record["grad_norm"])
+        what, value = nonfinite_value(record)
         return NonFinite(what, value, record["step"], skipped_from=record["step"] - self.in_row + 1)
 
     def summary(self) -> dict:
