@@ -63,7 +63,7 @@ def test_tp_with_tp_degree_0_does_not_suggest_fsdp_with_0(tmp_path, tiny_llama_d
 @pytest.mark.parametrize("accelerate, option", [(False, "--nproc"), (True, "--num_processes")])
 @pytest.mark.parametrize("nproc, overrides, fix", [
     (2, ("strategy.name=single",), "use {option} 1 or strategy.name=ddp"),
-    (1, ("strategy.name=pipeline",), "launch with {option} 2 or more"),
+    (1, ("strategy.name=pipeline",), "use {option} 2 or more"),
 ])
 def test_a_process_count_fix_names_the_option_of_the_launcher_in_use(tmp_path, tiny_llama_dir, capsys, monkeypatch,
                                                                      accelerate, option, nproc, overrides, fix):

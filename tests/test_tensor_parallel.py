@@ -159,6 +159,6 @@ def test_bad_tensor_parallel_input_through_the_launcher_exits_2_with_nothing_wri
                      "--set", f"output_dir={out}")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "toolkit: error: strategy tp: the model's attention heads (num_attention_heads = 4) are not divisible by "
+        "toolkit: error: tensor parallelism: the model's attention heads (num_attention_heads = 4) are not divisible by "
         "the tensor-parallel degree 3; use a degree that divides 4"]
     assert not out.exists()

@@ -62,7 +62,7 @@ def grid_of(recipe: Recipe, world_size: int) -> Grid:
     pp = world_size if degree is None else degree
     if pp < 2:
         raise RecipeError(f"a pipeline needs at least 2 ranks, one per stage, but the world size is {world_size}; "
-                          f"launch with {ranks_option(2)} or more")
+                          f"use {ranks_option(2)} or more")
     if world_size % pp:
         raise RecipeError(f"world size {world_size} is not divisible by strategy.pipeline_degree {pp}; use a "
                           "multiple of it")

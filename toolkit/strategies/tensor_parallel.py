@@ -47,7 +47,7 @@ def resolve(model: nn.Module) -> dict[str, str]:
     if not declared:
         found = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                         if name and not list(m.children()) and any(True for _ in m.parameters(recurse=False))})
-        raise RecipeError(f"strategy tp: {config.model_type} declares no tensor-parallel plan "
+        raise RecipeError(f"tensor parallelism: {config.model_type} declares no tensor-parallel plan "
                           f"(config.base_model_tp_plan) and the toolkit has none for it (modules found: "
                           f"{', '.join(found) or 'none'}); use fsdp or zero for this model")
     base: Any = getattr(model, "base_model_prefix", "")
@@ -56,11 +56,11 @@ def resolve(model: nn.Module) -> dict[str, str]:
     plan: dict[str, str] = {}
     for pattern, style in declared.items():
         if style not in ("colwise", "rowwise"):
-            raise RecipeError(f"strategy tp: the model's plan asks for {style!r} at {pattern}; the toolkit splits "
-                              "linear layers colwise and rowwise only")
+            raise RecipeError(f"tensor parallelism: the model's plan asks for {style!r} at {pattern}; the toolkit "
+                              "splits linear layers colwise and rowwise only")
         found = [name for name in linears if fnmatch.fnmatchcase(name, prefix + pattern)]
         if not found:
-            raise RecipeError(f"strategy tp: the plan entry {pattern} matches no linear layer of this model")
+            raise RecipeError(f"tensor parallelism: the plan entry {pattern} matches no linear layer of this model")
         plan.update(dict.fromkeys(found, style))
     return plan
 
@@ -84,15 +84,16 @@ def check_degree(model: nn.Module, degree: int) -> None:
     for field, what in DIVIDED_FIELDS.items():
         value = getattr(config, field, None)
         if isinstance(value, int) and value % degree:
-            raise RecipeError(f"strategy tp: the model's {what} ({field} = {value}) are not divisible by the "
+            raise RecipeError(f"tensor parallelism: the model's {what} ({field} = {value}) are not divisible by the "
                               f"tensor-parallel degree {degree}; use a degree that divides {value}")
     modules = dict(model.named_modules())
     for name, style in resolve(model).items():
         linear = cast(nn.Linear, modules[name])
         features = linear.out_features if style == "colwise" else linear.in_features
         if features % degree:
-            raise RecipeError(f"strategy tp: {name} has {features} {'output' if style == 'colwise' else 'input'} "
-                              f"features, not divisible by the tensor-parallel degree {degree}")
+            side = "output" if style == "colwise" else "input"
+            raise RecipeError(f"tensor parallelism: {name} has {features} {side} features, not divisible by the "
+                              f"tensor-parallel degree {degree}")
 
 
 def local_shapes(model: nn.Module, degree: int) -> dict[str, tuple[int, ...]]:
