@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from toolkit.consistency import ReplicaDriftError, check_replicas
+from toolkit.consistency import ReplicaDriftError, check_groups, check_replicas
 from toolkit.dist import DistEnv
 
 
@@ -49,11 +49,15 @@ def _group_worker(rank: int, init_file: str, results) -> None:
         with torch.no_grad():
             shard.bias[2] += 1e-6
     env = DistEnv(rank=rank, local_rank=rank, world_size=4, device=torch.device("cpu"))
-    try:
-        check_replicas(shard.named_parameters(), env, when="at step 3", group=groups[rank % 2])
-        results[rank] = "ok"
-    except ReplicaDriftError as exc:
-        results[rank] = str(exc)
+    said = []
+    for check in (lambda: check_replicas(shard.named_parameters(), env, when="at step 3", group=groups[rank % 2]),
+                  lambda: check_groups([(list(shard.named_parameters()), groups[rank % 2])], env, when="at step 4")):
+        try:
+            check()
+            said.append("ok")
+        except ReplicaDriftError as exc:
+            said.append(str(exc))
+    results[rank] = said
     dist.destroy_process_group()
 
 
@@ -62,6 +66,14 @@ def test_replica_groups_are_checked_within_the_group(tmp_path):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = mp.Manager().dict()
     mp.spawn(_group_worker, args=(str(tmp_path / "init"), results), nprocs=4)
-    assert results[0] == results[2] == "ok"
+    alone = {rank: said[0] for rank, said in results.items()}
+    assert alone[0] == alone[2] == "ok"
     for rank in (1, 3):
-        assert "at step 3: rank 3 differs from rank 1 in parameter 'bias'" in results[rank]
+        assert "at step 3: rank 3 differs from rank 1 in parameter 'bias'" in alone[rank]
+    # what the training loop runs (check_groups): the drift stops every rank, the other group's with a pointer
+    together = {rank: said[1] for rank, said in results.items()}
+    for rank in (1, 3):
+        assert "at step 4: rank 3 differs from rank 1 in parameter 'bias'" in together[rank]
+    for rank in (0, 2):
+        assert together[rank] == ("at step 4: replicas on rank(s) 1, 3 drifted (their line names the tensor); this "
+                                  "rank's own replicas agree")

@@ -2,7 +2,8 @@
 
 One all-gather of 3 float64 numbers per tensor within the group of ranks that hold the same copy
 (every rank for DDP, a replica group for HSDP); any difference from that group's first rank stops the
-run and names the first tensor that drifted.
+run and names the first tensor that drifted. Where the groups are smaller than the world, one more
+all-gather of a flag stops every rank with it, not only the drifted group's (check_groups).
 """
 
 from __future__ import annotations
@@ -45,3 +46,23 @@ def check_replicas(named_params, env: DistEnv, *, when: str, group=None) -> None
             raise ReplicaDriftError(f"{when}: rank {global_rank(group, index)} differs from rank {first} in "
                                     f"parameter {name!r} (checksum {other[int(differs[0])].tolist()} vs "
                                     f"{gathered[0][int(differs[0])].tolist()})")
+
+
+def check_groups(entries: list[tuple[list, object | None]], env: DistEnv, *, when: str) -> None:
+    """check_replicas for each (named tensors, group) in order, then, if any group is smaller than the world, one
+    flag per rank over every rank: a drift found in one group raises ReplicaDriftError on every rank, so all of
+    them stop with the drift's exit code rather than the other groups failing when their peers leave."""
+    found: ReplicaDriftError | None = None
+    for named, group in entries:
+        try:
+            check_replicas(named, env, when=when, group=group)
+        except ReplicaDriftError as exc:  # the later groups' collectives still run on this rank's peers
+            found = found or exc
+    if env.distributed and any(group is not None for _, group in entries):
+        flags = all_gather_tensor(torch.tensor([found is not None], dtype=torch.long), env)
+        ranks = [rank for rank, flag in enumerate(flags) if int(flag)]
+        if ranks and found is None:
+            raise ReplicaDriftError(f"{when}: replicas on rank(s) {', '.join(map(str, ranks))} drifted (their line "
+                                    "names the tensor); this rank's own replicas agree")
+    if found is not None:
+        raise found

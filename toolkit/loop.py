@@ -28,7 +28,7 @@ from toolkit.checkpoint.schedule import schedule_changes
 from toolkit.checkpoint.store import check_creatable
 from toolkit.comm import COMM_COUNT_STEP, CollectiveCounter, counting
 from toolkit.checks import check_position_limit
-from toolkit.consistency import check_replicas
+from toolkit.consistency import check_groups, check_replicas
 from toolkit.data import (Collator, DataLayout, GlobalBatchSampler, SplitCounts, check_one_batch, data_note,
                           data_record, load_split, train_loader)
 from toolkit.dist import DistEnv, all_reduce_max, all_reduce_sum
@@ -208,6 +208,8 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
             info["fallback"] = fallback
         if env.is_main:
             print(f"[toolkit] layout: {info['layout']}", file=sys.stderr, flush=True)
+            if fallback is not None:
+                print(f"[toolkit] warning: {fallback}", file=sys.stderr, flush=True)
             for note in notes:  # said once the run goes ahead: a user's mistake found before stays one line
                 print(note, file=sys.stderr, flush=True)
         if names is not None:  # named labels: their class ids, in the exported config as transformers keeps them
@@ -282,8 +284,8 @@ def run_steps(strategy: Strategy, loader, *, recipe: Recipe, env: DistEnv, plan,
         if replicas and check_every and step % check_every == 0:
             fresh = strategy.replicas()  # the live tensors of this step
             assert len(fresh) == len(replicas)  # what a strategy had replicated at start it has now
-            for each in fresh:  # one collective per group, in the same order on the ranks of each group
-                check_replicas(each.named, env, when=f"at step {step}", group=each.group)
+            # one collective per group, in the same order on the ranks of each group; a drift stops every rank
+            check_groups([(each.named, each.group) for each in fresh], env, when=f"at step {step}")
         losses.append(record["loss"])
         unrecoverable = skips.count(record)  # every rank alike: the loss and the norm are global
         if saver.due(step):
