@@ -162,3 +162,30 @@ def test_bad_split_through_the_launcher_exits_2_with_nothing_written(llama4_runs
         "toolkit: error: strategy.split [9] is out of range: the model has 4 blocks, so each index must be "
         "between 1 and 3"]
     assert not out.exists()
+
+
+def test_a_hybrid_with_one_replica_per_stage_says_it_runs_as_a_pipeline(llama4_runs, monkeypatch):
+    """pipeline_degree 2 on 2 ranks leaves no rank for data parallelism: what ran is strategy pipeline's, and
+    run.json's `fallback` (a warning at start, a line in the compare report) says so; 2 × 2 has none."""
+    import torch
+
+    from toolkit.dist import DistEnv
+    from toolkit.strategies.hybrid import INFO
+    from toolkit.strategies.pipeline import PipelineStrategy
+    from toolkit.strategies.pipeline_layout import Grid
+
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)  # the fix names toolkit launch's --nproc
+
+    def fallback(info, pp, dp):
+        strategy = PipelineStrategy(info)  # what setup() sets, for the grid of a launch
+        strategy.grid, strategy.env = Grid(pp=pp, dp=dp), DistEnv(0, 0, pp * dp, torch.device("cpu"))
+        return strategy.fallback()
+
+    assert fallback(INFO, 2, 1) == ("strategy hybrid with 2 stages on 2 ranks has one replica per stage, so it runs "
+                                    "as strategy pipeline, without data parallelism; use --nproc 4 for 2 stages × "
+                                    "2 replicas")
+    assert fallback(INFO, 2, 2) is None
+    assert fallback(PipelineStrategy().info, 2, 1) is None  # strategy pipeline runs as itself
+    ranks, overrides = ARMS["pp-ddp"]
+    assert "fallback" not in json.loads((llama4_runs.get("pp-ddp", nproc=ranks, overrides=overrides) /
+                                         "run.json").read_text())

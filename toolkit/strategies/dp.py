@@ -8,8 +8,6 @@ audit, run.json's `fallback`).
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from torch import nn
 
@@ -34,12 +32,8 @@ def runs_as_single() -> str | None:
 
 
 def wrap_data_parallel(module: nn.Module, args: SetupArgs) -> nn.Module:
-    reason = runs_as_single()
-    if reason is None:
-        return nn.DataParallel(module)
-    if args.env.is_main:  # DataParallel over one device is the plain module: say so rather than pretend
-        print(f"[toolkit] warning: {reason}", file=sys.stderr, flush=True)
-    return module
+    # DataParallel over one device is the plain module: the run says so (run.json's `fallback`, a warning)
+    return nn.DataParallel(module) if runs_as_single() is None else module
 
 
 DP = Replication(info=INFO, wrap=wrap_data_parallel, reduce_desc="sum onto GPU 0 ({dtype})",

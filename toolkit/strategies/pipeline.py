@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import statistics
 import time
 from typing import Any, cast
 
@@ -33,6 +34,7 @@ from toolkit.checkpoint.state import (Read, load_optimizer_tensors, load_schedul
                                      schedule_state)
 from toolkit.data import DataLayout
 from toolkit.dist import DistEnv, gather_objects, tensors_on_main
+from toolkit.errors import ranks_option
 from toolkit.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.loading import ModelSource, whole_model_bytes
 from toolkit.recipe import Recipe
@@ -351,7 +353,12 @@ class PipelineStrategy:
                 f"{self.micro_batches} micro-batches; {self.grid.stages_by_rank(self.parts, options.stages_per_rank)}")
 
     def fallback(self) -> str | None:
-        return None  # runs as itself on any machine
+        if self.info.name != "hybrid" or self.grid.dp > 1:
+            return None
+        pp = self.grid.pp  # a hybrid with one replica per stage is the pipeline strategy: no data parallelism
+        return (f"strategy hybrid with {pp} stages on {self.env.world_size} ranks has one replica per stage, so it "
+                f"runs as strategy pipeline, without data parallelism; use {ranks_option(2 * pp)} for {pp} stages × "
+                "2 replicas")
 
     def checkpoint_tensors(self) -> dict[str, dict[str, Any]]:
         model: dict[str, Any] = {}
@@ -383,8 +390,9 @@ class PipelineStrategy:
 
     def measurements(self) -> dict[str, Any]:
         steady = self.bubbles[1:] or self.bubbles  # step 1 also infers the stages' shapes
+        # the median: one step run otherwise (step 3 counts collectives in a dispatch mode) does not move it
         return {"stages": self.stage_ids,
-                "bubble_measured": sum(steady) / len(steady) if steady else None,
+                "bubble_measured": statistics.median(steady) if steady else None,
                 "bubble_theory": theoretical_bubble(stages=self.grid.pp, micro_batches=self.micro_batches,
                                                     per_rank=len(self.stage_ids))}
 
