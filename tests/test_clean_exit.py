@@ -120,3 +120,24 @@ def test_rank_dying_after_its_outputs_is_reported_and_outputs_stay(short_recipe,
     assert f"outputs in {out} are complete" in result.stderr
     assert json.loads((out / "run.json").read_text())["status"] == "completed"
     assert (out / "model" / "model.safetensors").is_file()
+
+
+def test_rank_0_killed_outright_leaves_a_run_json_that_says_the_run_failed(short_recipe, tmp_path):
+    """SIGKILL (the out-of-memory killer's) gives rank 0 no chance to write how the run ended: `toolkit launch`,
+    the last process standing, turns its "running" into "failed", with the launch's line and what was kept."""
+    from toolkit import faults
+
+    env = toolkit_env()
+    env[faults.KILL_RANK_AT_STEP] = "0:1"  # after step 1 and its checkpoint
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "toolkit", "launch", "--nproc", "2", str(short_recipe),
+                             "--set", "strategy.name=ddp", "--set", "checkpoint.every_steps=1",
+                             "--set", f"output_dir={out}"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "toolkit: launch failed: rank 0 killed by SIGKILL" in result.stderr
+    run = json.loads((out / "run.json").read_text())
+    assert run["status"] == "failed"
+    assert run["ended"]["reason"].startswith("launch failed: rank 0 killed by SIGKILL"), run["ended"]
+    assert run["ended"]["steps_done"] == 1
+    assert run["ended"]["checkpoint"] == str(out / "checkpoints" / "step-00000001")

@@ -151,15 +151,25 @@ def cmd_launch(args) -> int:
         return 0
     extra = [] if resume is None else ["--resume", *([resume.path] if resume.path else [])] + \
         (["--resume-weights-only"] if resume.weights_only else [])
-    started = time.time()
+    started, failures = time.time(), list[str]()
     code = launch(args.recipe, nproc=args.nproc, overrides=args.overrides, extra=extra,
-                  max_restarts=args.max_restarts, nodes=nodes)
-    run_info = Path(recipe.output_dir) / "run.json"
-    if code != 0 and run_info.is_file() and run_info.stat().st_mtime >= started \
-            and (store.read_run_info(Path(recipe.output_dir)) or {}).get("status") == "completed":
+                  max_restarts=args.max_restarts, nodes=nodes, failures=failures)
+    out_dir = Path(recipe.output_dir)
+    run_info = out_dir / "run.json"
+    if code == 0 or not run_info.is_file() or run_info.stat().st_mtime < started:
+        return code
+    status = (store.read_run_info(out_dir) or {}).get("status")
+    if status == "completed":
         # a rank that dies after the outputs are written is still a failure, but the outputs are good
         print(f"toolkit: the run itself completed before that: outputs in {recipe.output_dir} are complete",
               file=sys.stderr)
+    elif status == "running" and nodes.count == 1:
+        # rank 0 was killed before it could write how the run ended (with more machines, rank 0's launcher may be
+        # another's, and rank 0 may still be writing: left to it)
+        from toolkit.runinfo import mark_left_running
+
+        mark_left_running(out_dir, reason=f"launch failed: {failures[-1]}" if failures else
+                          f"the ranks ended (launch exit code {code}) before rank 0 recorded why")
     return code
 
 

@@ -179,8 +179,9 @@ def return_freed_pages() -> bool:
 
 
 def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[str] | None = None,
-           max_restarts: int = 0, nodes: Nodes = Nodes()) -> int:
-    """Run the recipe on `nproc` local ranks (of `nodes`) through torch.distributed.run; returns the exit code."""
+           max_restarts: int = 0, nodes: Nodes = Nodes(), failures: list[str] | None = None) -> int:
+    """Run the recipe on `nproc` local ranks (of `nodes`) through torch.distributed.run; returns the exit code.
+    `failures` gets which ranks failed and how, where the launch failed ("rank 0 killed by SIGKILL; ...")."""
     import signal
 
     from torch.distributed.run import get_args_parser, run
@@ -202,7 +203,7 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
         # when the process does
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     try:
-        return _run_ranks(run, args, nodes)
+        return _run_ranks(run, args, nodes, failures=failures if failures is not None else [])
     finally:
         signal.signal(signal.SIGUSR1, usr1)
         shutil.rmtree(said, ignore_errors=True)
@@ -213,7 +214,7 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
                 os.environ[name] = value
 
 
-def _run_ranks(run, args, nodes: Nodes) -> int:
+def _run_ranks(run, args, nodes: Nodes, *, failures: list[str]) -> int:
     """torch.distributed.run's run(args), its outcome as the launcher's exit code (see launch)."""
     import signal
 
@@ -248,7 +249,8 @@ def _run_ranks(run, args, nodes: Nodes) -> int:
                       "says how to resume", file=sys.stderr, flush=True)
             outlive_other_machines(nodes)
             return stopped
-        print(f"toolkit: launch failed: {describe_failures(codes)} (see the rank output above)", file=sys.stderr)
+        failures.append(describe_failures(codes))
+        print(f"toolkit: launch failed: {failures[-1]} (see the rank output above)", file=sys.stderr)
         return 1
     except RendezvousError as exc:  # the machine that hosts the rendezvous is gone
         if nodes.count == 1:  # this machine is the only one: the endpoint is not one it can host

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from toolkit.atomic import write_text_whole
-from toolkit.checkpoint.store import complete_checkpoints
+from toolkit.checkpoint.store import complete_checkpoints, read_run_info
 from toolkit.dist import DistEnv, gather_objects
 from toolkit.errors import RecipeError, first_line
 from toolkit.metrics import (live_tensor_storages, measured_matmul_flops, peak_memory_bytes, peak_reserved_bytes,
@@ -235,6 +235,27 @@ def ended_record(info: dict, exc: BaseException, *, out_dir: Path, skips: Skippe
         status = "failed"
         ended.update(reason=f"{type(exc).__name__}: {first_line(exc)}", error=type(exc).__name__)
     return {"status": status, "ended": ended, "skipped_steps": skips.summary()}
+
+
+def mark_left_running(out_dir: Path, *, reason: str) -> bool:
+    """After every rank is gone (the launcher's last word): a run.json still "running" (rank 0 was killed outright,
+    SIGKILL or the out-of-memory killer, or stopped by its launcher before it could write) becomes "failed", ended
+    with `reason`, the last step metrics.jsonl holds and the newest complete checkpoint. True when rewritten."""
+    info = read_run_info(out_dir)
+    if info is None or info.get("status") != "running":
+        return False
+    steps = 0
+    with contextlib.suppress(OSError):
+        for line in (out_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+            with contextlib.suppress(ValueError, TypeError):
+                steps = max(steps, int(json.loads(line)["step"]))
+    found = complete_checkpoints(out_dir)
+    info.update(status="failed", ended={"reason": reason, "steps_done": steps,
+                                        "checkpoint": str(found[-1]) if found else None})
+    with contextlib.suppress(OSError):  # best effort, as `ending`: the launch's own line is what is reported
+        write_text_whole(out_dir / "run.json", json.dumps(info, indent=2, allow_nan=False))
+        return True
+    return False
 
 
 def _write(info: dict, out_dir: Path) -> None:
