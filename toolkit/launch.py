@@ -203,7 +203,7 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
         # when the process does
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     try:
-        return _run_ranks(run, args, nodes, failures=failures if failures is not None else [])
+        return _run_ranks(run, args, nodes, failures=failures)
     finally:
         signal.signal(signal.SIGUSR1, usr1)
         shutil.rmtree(said, ignore_errors=True)
@@ -214,7 +214,7 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
                 os.environ[name] = value
 
 
-def _run_ranks(run, args, nodes: Nodes, *, failures: list[str]) -> int:
+def _run_ranks(run, args, nodes: Nodes, *, failures: list[str] | None = None) -> int:
     """torch.distributed.run's run(args), its outcome as the launcher's exit code (see launch)."""
     import signal
 
@@ -249,8 +249,10 @@ def _run_ranks(run, args, nodes: Nodes, *, failures: list[str]) -> int:
                       "says how to resume", file=sys.stderr, flush=True)
             outlive_other_machines(nodes)
             return stopped
-        failures.append(describe_failures(codes))
-        print(f"toolkit: launch failed: {failures[-1]} (see the rank output above)", file=sys.stderr)
+        failed_how = describe_failures(codes)
+        if failures is not None:
+            failures.append(failed_how)
+        print(f"toolkit: launch failed: {failed_how} (see the rank output above)", file=sys.stderr)
         return 1
     except RendezvousError as exc:  # the machine that hosts the rendezvous is gone
         if nodes.count == 1:  # this machine is the only one: the endpoint is not one it can host
