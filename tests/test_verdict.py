@@ -212,6 +212,29 @@ def test_throughput_says_how_many_steady_steps_its_medians_are_over():
     assert measure.throughput(_timed(6))["num_timed_steps"] == 4
 
 
+@pytest.mark.parametrize("window", [None, (2, 4), (3, 3), (1, 6), (6, 9)])
+def test_the_steps_hint_counts_profiled_steps_out_as_throughput_does(window):
+    """The report's "run --steps N" times MIN_TIMED_STEPS steady steps also when train.profile_steps left some
+    out (it assumed only the warm-up and step 3 were): checked against throughput's own choice of steps, on
+    metrics marked where the loop marks them (the profiled window; the counting step, moved out of it)."""
+    from toolkit.comm import count_step
+    from toolkit.compare import measure
+
+    def metrics(num_steps):
+        counted = count_step(done=0, total_steps=num_steps, profiled=window)
+        first, last = window or (0, -1)
+        return [{"step": k, "step_time_s": 0.1, "tokens_per_s": 100.0, "samples_per_s": 1.0,
+                 **({"profiled": True} if first <= k <= last else {}), **({"comm_bytes": 1} if k == counted else {})}
+                for k in range(1, num_steps + 1)]
+
+    wanted = measure.MIN_TIMED_STEPS
+    steps = measure.steps_for_timed(wanted, window)
+    assert measure.throughput(metrics(steps))["num_timed_steps"] == wanted
+    assert measure.throughput(metrics(steps - 1))["num_timed_steps"] < wanted
+    row = {"recipe": {"train": {"profile_steps": list(window) if window else None}}}
+    assert measure.profile_window(row) == window
+
+
 def _row(arm, *, step_ms, band_ms, timed, state_mib=100, world_size=2, verdict_="equivalent", plain=False):
     return {"arm": arm, "status": "completed", "verdict": verdict_, "world_size": world_size, "precision": "fp32",
             "plain_data_parallel": plain,

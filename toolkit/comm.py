@@ -16,9 +16,23 @@ import contextlib
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# the step whose collectives are counted (toolkit.loop.count_step): past DDP's bucket rebuild and ZeRO-3's
+# the step whose collectives are counted (count_step): past DDP's bucket rebuild and ZeRO-3's
 # first-step parameter fetches, so it shows a steady step; it is left out of throughput medians
 COMM_COUNT_STEP = 3
+
+
+def count_step(*, done: int, total_steps: int, profiled: tuple[int, int] | None) -> int | None:
+    """The step whose collectives are counted: COMM_COUNT_STEP (or the nearest the run has), moved out of the
+    train.profile_steps window, whose profile would otherwise show the counting dispatch mode on top of ops.txt
+    and every op twice: the first step after the window, else the last before it; None where the window covers
+    every step the run has left (nothing is counted then)."""
+    first, last = profiled if profiled is not None else (0, -1)
+    wanted = min(max(COMM_COUNT_STEP, done + 1), total_steps)
+    if not first <= wanted <= last:
+        return wanted
+    after, before = last + 1, first - 1
+    return after if after <= total_steps else before if before > done else None
+
 
 # op name (without overload) -> which argument holds the tensors this rank sends
 _C10D_INPUT_ARG = {

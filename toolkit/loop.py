@@ -26,7 +26,7 @@ from toolkit.checkpoint import run as checkpoints
 from toolkit.checkpoint.run import Resume
 from toolkit.checkpoint.schedule import schedule_changes
 from toolkit.checkpoint.store import check_creatable
-from toolkit.comm import COMM_COUNT_STEP, CollectiveCounter, counting
+from toolkit.comm import CollectiveCounter, count_step, counting
 from toolkit.checks import check_position_limit
 from toolkit.consistency import check_groups, check_replicas
 from toolkit.data import (Collator, DataLayout, GlobalBatchSampler, SplitCounts, check_one_batch, data_note,
@@ -48,19 +48,6 @@ from toolkit.strategies import make_strategy, validate_strategy
 from toolkit.precision import StepResult
 from toolkit.stopping import NonFinite, SkippedSteps, StopSignals, Stopped
 from toolkit.strategies.base import SetupArgs, Strategy
-
-
-def count_step(*, done: int, total_steps: int, profiled: tuple[int, int] | None) -> int | None:
-    """The step whose collectives are counted: COMM_COUNT_STEP (or the nearest the run has), moved out of the
-    train.profile_steps window, whose profile would otherwise show the counting dispatch mode on top of ops.txt
-    and every op twice: the first step after the window, else the last before it; None where the window covers
-    every step the run has left (nothing is counted then)."""
-    first, last = profiled if profiled is not None else (0, -1)
-    wanted = min(max(COMM_COUNT_STEP, done + 1), total_steps)
-    if not first <= wanted <= last:
-        return wanted
-    after, before = last + 1, first - 1
-    return after if after <= total_steps else before if before > done else None
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from toolkit.comm import COMM_COUNT_STEP
+from toolkit.comm import count_step
 
 # Dense peak FLOP/s per GPU by compute precision (vendor datasheets; SXM parts; fp32 = non-tensor-core)
 GPU_PEAK_FLOPS = {
@@ -27,14 +27,28 @@ def warmup_steps(num_steps: int) -> int:
     return max(1, num_steps // 5) if num_steps > 1 else 0
 
 
-def steps_for_timed(num_timed: int) -> int:
-    """The fewest optimizer steps (--steps) whose medians are over `num_timed` steady steps: past the warm-up and
-    the one step that counts collectives (profiled steps, when asked for, are left out too)."""
-    num_steps = num_timed + 1
-    # collectives are counted on COMM_COUNT_STEP: a step of its own past the warm-up
-    while num_steps - warmup_steps(num_steps) - (warmup_steps(num_steps) < COMM_COUNT_STEP) < num_timed:
+def steps_for_timed(num_timed: int, profiled: tuple[int, int] | None = None) -> int:
+    """The fewest optimizer steps (--steps) whose medians are over `num_timed` steady steps: past the warm-up,
+    without the step that counts collectives (count_step: where the loop puts it) and the train.profile_steps
+    window `profiled`, as throughput leaves them out."""
+    num_steps = num_timed
+    while timed_steps(num_steps, profiled) < num_timed:
         num_steps += 1
     return num_steps
+
+
+def timed_steps(num_steps: int, profiled: tuple[int, int] | None) -> int:
+    """How many of a `num_steps` run's steps its throughput medians are over (throughput's steady steps)."""
+    counted = count_step(done=0, total_steps=num_steps, profiled=profiled)
+    first, last = profiled if profiled is not None else (0, -1)
+    return sum(1 for step in range(warmup_steps(num_steps) + 1, num_steps + 1)
+               if step != counted and not first <= step <= last)
+
+
+def profile_window(row: dict) -> tuple[int, int] | None:
+    """A results row's train.profile_steps (its recipe), or None."""
+    window = ((row.get("recipe") or {}).get("train") or {}).get("profile_steps")
+    return (int(window[0]), int(window[1])) if window else None
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -68,7 +82,8 @@ def speed_doubt(a: dict, b: dict) -> tuple[str, str] | None:
     if min(a["num_timed_steps"], b["num_timed_steps"]) < MIN_TIMED_STEPS:
         return "not measured enough", (
             f"{a['arm']} timed over {a['num_timed_steps']} steady step(s), {b['arm']} over {b['num_timed_steps']}; "
-            f"fewer than {MIN_TIMED_STEPS} each: run --steps {steps_for_timed(MIN_TIMED_STEPS)} or more")
+            f"fewer than {MIN_TIMED_STEPS} each: run --steps "
+            f"{max(steps_for_timed(MIN_TIMED_STEPS, profile_window(r)) for r in (a, b))} or more")
     if a["step_time_p10_s"] <= b["step_time_p90_s"] and b["step_time_p10_s"] <= a["step_time_p90_s"]:
         return "within noise", (f"step time p10–p90 {_band_ms(a)} and {_band_ms(b)} overlap: more --steps measure "
                                 "the difference better")

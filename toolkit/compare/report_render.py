@@ -83,26 +83,31 @@ def table_notes(results: dict) -> list[str]:
         notes.append(f"× ref –: the reference arm {reference['arm']} has no measurement ({reference['status']}), so "
                      "no arm's tokens/s is shown relative to it")
     done = [r for r in results["arms"] if r["status"] == "completed"]
-    few = [r["arm"] for r in done if r["num_timed_steps"] < measure.MIN_TIMED_STEPS]
+    few = [r for r in done if r["num_timed_steps"] < measure.MIN_TIMED_STEPS]
     if few:
-        notes.append(f"timed steps: the steady steps the medians are over (the warm-up and the step that counts "
-                     f"collectives are left out); {', '.join(few)}: fewer than {measure.MIN_TIMED_STEPS}, too few to "
-                     f"tell arms' speeds apart (run --steps {measure.steps_for_timed(measure.MIN_TIMED_STEPS)} "
-                     "or more)")
-    unsteady = [r["arm"] for r in done if _unsteady(r)]
+        notes.append(f"timed steps: the steady steps the medians are over (the warm-up, the step that counts "
+                     f"collectives and profiled steps are left out); {', '.join(r['arm'] for r in few)}: fewer than "
+                     f"{measure.MIN_TIMED_STEPS}, too few to tell arms' speeds apart (run --steps "
+                     f"{_steps_for(few, measure.MIN_TIMED_STEPS)} or more)")
+    unsteady = [r for r in done if _unsteady(r)]
     if unsteady:
-        notes.append(f"{UNSTEADY.strip()}: {', '.join(unsteady)} ran no step past the warm-up and the step that "
-                     "counts collectives, so their tokens/s, × ref, step time, bubble and MFU are those steps' "
-                     "(allocation, caches, a hook per collective), no steady speed (run --steps "
-                     f"{measure.steps_for_timed(1)} to time one steady step)")
+        notes.append(f"{UNSTEADY.strip()}: {', '.join(r['arm'] for r in unsteady)} ran no step past the warm-up and "
+                     "the step that counts collectives, so their tokens/s, × ref, step time, bubble and MFU are "
+                     "those steps' (allocation, caches, a hook per collective), no steady speed (run --steps "
+                     f"{_steps_for(unsteady, 1)} to time one steady step)")
     setup = [r for r in done if r.get("comm") and r["comm"]["includes_setup"]]
     if setup:
         steps = " or ".join(sorted({str(r["comm"]["step"]) for r in setup}))
         notes.append(f"{SETUP.strip()}: {', '.join(r['arm'] for r in setup)} counted collectives on step {steps}, "
                      "before the first step without set-up traffic, so their comm MiB/step includes it (a "
                      "pipeline's first-step shape exchange, DDP's bucket rebuild on step 2, ZeRO-3's first "
-                     f"parameter fetches; run --steps {measure.steps_for_timed(1)} or more to count a steady step)")
+                     f"parameter fetches; run --steps {_steps_for(setup, 1)} or more to count a steady step)")
     return notes
+
+
+def _steps_for(rows: list[dict], num_timed: int) -> int:
+    """The --steps that time `num_timed` steady steps in every one of these arms (their profile windows too)."""
+    return max(measure.steps_for_timed(num_timed, measure.profile_window(r)) for r in rows)
 
 
 def text_table(results: dict) -> str:
