@@ -93,6 +93,14 @@ def test_layout_and_bubble_are_reported(llama4_runs):
     assert comm["p2p_send_bytes_all_ranks"] == 4 * 6 * 2 * 32 * 32 * 4
     mp = json.loads((llama4_runs.get("mp", overrides=ARMS["mp"][1]) / "run.json").read_text())
     assert mp["layout"].startswith("blocks 0-1 on cpu, blocks 2-3 on cpu")
+    # both parts on the one CPU: the split's code ran, but its memory and speed are no split's, and run.json says
+    # so (the compare report then names it and recommends it for nothing), for model parallel × DDP too
+    split = json.loads((llama4_runs.get("mp-ddp", nproc=2, overrides=ARMS["mp-ddp"][1]) / "run.json").read_text())
+    for run, name in ((mp, "model_parallel"), (split, "hybrid")):
+        assert run["fallback"] == (f"strategy {name} put all 2 parts of the model on cpu: the split's code ran "
+                                   "(inputs moved at each boundary), but one device held the whole model, so its "
+                                   "memory and speed are not a split's; list two or more devices in "
+                                   "strategy.devices (e.g. [cuda:0, cuda:1])")
 
 
 def test_fp16_pipeline_stages_agree_on_skipped_steps(llama4_runs):

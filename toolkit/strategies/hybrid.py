@@ -21,7 +21,7 @@ from toolkit.errors import RecipeError
 from toolkit.dist import ensure_process_group
 from toolkit.recipe import Recipe
 from toolkit.strategies.base import SetupArgs, Strategy, StrategyInfo
-from toolkit.strategies.model_parallel import check_model_split, place_model
+from toolkit.strategies.model_parallel import check_model_split, one_device, place_model
 from toolkit.strategies.pipeline import OPTIONS, PipelineStrategy
 from toolkit.strategies.replicated import Replication, ReplicatedStrategy
 
@@ -53,7 +53,8 @@ def wrap_ddp(module: nn.Module, args: SetupArgs) -> nn.Module:
 
 MODEL_SPLIT_DDP = Replication(
     info=INFO, place=place_model, wrap=wrap_ddp, reduce_desc="all-reduce mean ({dtype})",
-    skip_sync=lambda wrapped: cast(DistributedDataParallel, wrapped).no_sync(), check=check_model_split_ddp)
+    skip_sync=lambda wrapped: cast(DistributedDataParallel, wrapped).no_sync(), check=check_model_split_ddp,
+    one_device=one_device)
 
 
 def build(recipe: Recipe) -> Strategy:

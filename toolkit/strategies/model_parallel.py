@@ -40,8 +40,19 @@ def place_model(model: nn.Module, args: SetupArgs) -> tuple[nn.Module, torch.dev
     return model, placement.input_device, placement.describe()
 
 
+def one_device(args: SetupArgs) -> str | None:
+    """Why a split whose parts all share one device (the CPU's default: two `cpu` parts) is no split, in one line;
+    None where the parts are on devices of their own."""
+    devices = parse_devices(args.recipe.strategy.devices, local_rank=args.env.local_rank)
+    if len(set(devices)) > 1:
+        return None
+    return (f"strategy {args.recipe.strategy.name} put all {len(devices)} parts of the model on {devices[0]}: the "
+            "split's code ran (inputs moved at each boundary), but one device held the whole model, so its memory "
+            "and speed are not a split's; list two or more devices in strategy.devices (e.g. [cuda:0, cuda:1])")
+
+
 MODEL_PARALLEL = Replication(info=INFO, place=place_model, wrap=lambda module, args: module,
-                             reduce_desc="none: one process", check=check_model_split)
+                             reduce_desc="none: one process", check=check_model_split, one_device=one_device)
 
 
 def build(recipe: Recipe) -> ReplicatedStrategy:

@@ -44,6 +44,9 @@ class Replication:
     # or None where it runs as itself (dp over fewer than 2 GPUs): run.json's `fallback`
     runs_as_single: Callable[[], str | None] | None = None
     single_reduce_desc: str = "none: one process"  # the audit's reduction row when it runs as single
+    # (setup's args) -> why what ran is not what the strategy is for, though its code ran as written (a model split
+    # whose parts all share one device), or None: run.json's `fallback` too
+    one_device: Callable[[SetupArgs], str | None] | None = None
 
 
 class ReplicatedStrategy:
@@ -94,6 +97,7 @@ class ReplicatedStrategy:
         self.env = args.env
         self.module, self.input_device, self.placed = self.replication.place(model, args)  # unwrapped, placed
         self.as_single = self.replication.runs_as_single() if self.replication.runs_as_single else None
+        self.one_device = self.replication.one_device(args) if self.replication.one_device else None
         self._model = self.replication.wrap(self.module, args)
         self.amp = Amp(args.recipe.precision, args.env.device)
         self.optimizer = args.build_optimizer(self.module)
@@ -165,7 +169,7 @@ class ReplicatedStrategy:
         return self.placed + (f"; a replica on each of {world} ranks" if world > 1 else "")
 
     def fallback(self) -> str | None:
-        return self.as_single
+        return self.as_single or self.one_device
 
     def close(self) -> None:
         del self._model, self.module, self.optimizer, self.scheduler  # DDP's reducer holds the process group
