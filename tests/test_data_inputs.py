@@ -258,3 +258,33 @@ def test_a_saved_class_label_column_gives_its_names(tmp_path, tiny_bert_dir):
     evaluated, _, _ = _split(recipe, key="data.eval", names=names)
     assert evaluated["label"] == [r["label"] for r in ROWS[:16]]
     assert main(["validate", str(recipe)]) == 0
+
+
+def test_packed_instruction_blocks_without_a_response_token_are_counted_as_blocks_and_tokens(tmp_path,
+                                                                                             tiny_llama_dir):
+    """Prompts longer than a block: packing leaves out the blocks that hold prompt text only. The note said
+    "N sample(s) have no token to learn from" of what were blocks, and not the share of the tokens they held
+    (here most of them). Checked against the kept blocks: the blocks packed = kept + left out, every kept block
+    has a response token, and the tokens left out are whole blocks."""
+    data = tmp_path / "long-prompts.jsonl"
+    pairs = [{"prompt": "reviews: " + " ".join(r["text"] for r in ROWS[i:i + 6]) + " sentiment:",
+              "response": " positive"} for i in range(32)]
+    data.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
+                          data={"train": str(data), "eval": None, "format": "prompt-response", "packing": True,
+                                "max_length": 32})
+    dataset, _, counts = _split(recipe)
+    packed = (counts.num_tokens - counts.num_tokens_unpacked) // 32
+    left_out = packed - len(dataset)
+    assert counts.num_left_out == left_out > len(dataset)  # most blocks are prompt text only
+    assert all(any(label != -100 for label in row[1:]) for row in dataset["labels"])
+    tokens = left_out * 32
+    note = data_note("data.train", counts, load_recipe(recipe).data)
+    assert note == (f"[toolkit] data.train: {left_out} of {packed} packed blocks of data.max_length 32 tokens hold "
+                    f"no response token: {tokens:,} of {counts.num_tokens:,} tokens "
+                    f"({tokens / counts.num_tokens:.1%}) left out, and a response whose prompt began in another "
+                    "block is trained without it; raise data.max_length, or leave data.packing off for prompts this "
+                    "long; "
+                    f"{counts.num_tokens_unpacked:,} of {counts.num_tokens:,} tokens "
+                    f"({counts.num_tokens_unpacked / counts.num_tokens:.1%}) are left out of packing: the partial "
+                    "block at the end of every 1000 samples")

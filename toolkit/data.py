@@ -65,7 +65,15 @@ def data_note(key: str, counts: SplitCounts, data: DataConfig) -> str | None:
     parts = []
     if counts.num_blank:
         parts.append(f"{counts.num_blank} blank line(s) left out")
-    if counts.num_left_out:
+    if counts.num_left_out and data.packing:  # instruction data: blocks of prompt text only (all full blocks)
+        blocks = (counts.num_tokens - counts.num_tokens_unpacked) // data.max_length
+        tokens = counts.num_left_out * data.max_length
+        parts.append(f"{counts.num_left_out} of {blocks} packed blocks of data.max_length {data.max_length} tokens "
+                     f"hold no response token: {tokens:,} of {counts.num_tokens:,} tokens "
+                     f"({_share(tokens, counts.num_tokens)}) left out, and a response whose prompt began in "
+                     "another block is trained without it; raise data.max_length, or leave data.packing off for "
+                     "prompts this long")
+    elif counts.num_left_out:
         parts.append(f"{counts.num_left_out} sample(s) have no token to learn from within data.max_length "
                      f"{data.max_length} (a prompt that fills it, an empty response, a one-token text); left out")
     if counts.num_cut:
