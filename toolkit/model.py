@@ -188,6 +188,23 @@ def saved_config(path: Path) -> dict:
     return fields
 
 
+def saved_label_names(config: ModelConfig) -> list[str] | None:
+    """The class names model.path's config.json gives its head's ids (id2label, in id order); None without a
+    folder, without a mapping, or with transformers' placeholders (LABEL_0, LABEL_1, ...), which name nothing."""
+    if config.path is None or config.task != "sequence-classification":
+        return None
+    path = resolve_path(config.path)
+    check_model_dir(path, "model.path")
+    id2label = saved_config(path).get("id2label")  # JSON read as written: absent in a config that has no head
+    if not isinstance(id2label, dict) or not all(str(key).isdigit() for key in id2label):
+        return None
+    names = [str(id2label[key]) for key in sorted(id2label, key=int)]
+    if [int(key) for key in sorted(id2label, key=int)] != list(range(len(names))) or \
+            names == [f"LABEL_{index}" for index in range(len(names))]:
+        return None
+    return names
+
+
 # learned positions numbered from padding_idx + 1 (RoBERTa's create_position_ids_from_input_ids)
 PADDING_OFFSET_POSITIONS = {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text"}
 
