@@ -198,6 +198,50 @@ def test_label_names_map_to_sorted_ids_and_into_the_exported_config(tmp_path, ti
     assert final["eval_accuracy"] == pytest.approx(hits / len(eval_rows), abs=1e-12)
 
 
+def _relabelled_bert(tiny_bert_dir, folder, id2label: dict[int, str]):
+    """tiny_bert_dir's model and tokenizer, its config.json naming its head's ids as `id2label` does."""
+    import shutil
+
+    shutil.copytree(tiny_bert_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["id2label"] = {str(k): v for k, v in id2label.items()}
+    config["label2id"] = {v: k for k, v in id2label.items()}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_pretrained_heads_own_label_ids_are_kept_for_training_and_export(tmp_path, tiny_bert_dir, capsys):
+    """model.path's id2label {0: pos, 1: neg} names data.train's labels: its ids train and export, not sorted ones
+    (neg -> 0 would train the head's `pos` row as neg)."""
+    from toolkit.model import saved_label_names
+
+    model = _relabelled_bert(tiny_bert_dir, tmp_path / "pos-neg", {0: "pos", 1: "neg"})
+    train, evaluation = _named_labels(tmp_path, [{"text": r["text"], "label": ["neg", "pos"][r["label"]]}
+                                                 for r in ROWS[:16]])
+    out = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=model, task="sequence-classification", output_dir=out,
+                          data={"train": str(train), "eval": str(evaluation)}, train={"max_steps": 2})
+    config = load_recipe(recipe)
+    dataset, names, _ = load_split("data.train", data=config.data, task=config.model.task, num_labels=2,
+                                   tokenizer=_tokenizer(), env=ONE_RANK, model_names=saved_label_names(config.model))
+    written = [json.loads(line)["label"] for line in open(train)]
+    assert names == ["pos", "neg"] and dataset["label"] == [{"pos": 0, "neg": 1}[label] for label in written]
+    assert main(["train", str(recipe)]) == 0
+    assert "[toolkit] labels: pos → 0, neg → 1 (id2label in the exported config)" in capsys.readouterr().err
+    exported = json.loads((out / "model" / "config.json").read_text())
+    assert exported["id2label"] == {"0": "pos", "1": "neg"} and exported["label2id"] == {"pos": 0, "neg": 1}
+
+
+def test_a_pretrained_head_naming_other_labels_is_replaced_in_one_line():
+    from toolkit.data import in_model_order, label_note
+
+    assert in_model_order(["neg", "pos"], ["good", "bad"]) == ["neg", "pos"]  # data.train's, sorted
+    assert label_note(["neg", "pos"], ["good", "bad"]) == (
+        "[toolkit] model.path's id2label (good, bad) names other labels than data.train (neg, pos): its mapping is "
+        "replaced by data.train's")
+    assert label_note(["pos", "neg"], ["pos", "neg"]) is None and label_note(["neg", "pos"], None) is None
+
+
 def test_an_eval_label_the_training_data_lacks_is_one_line(tmp_path, tiny_bert_dir, capsys):
     train, evaluation = _named_labels(tmp_path, [{"text": "so so", "label": "mixed"}])
     out = tmp_path / "run"
@@ -209,6 +253,24 @@ def test_an_eval_label_the_training_data_lacks_is_one_line(tmp_path, tiny_bert_d
         assert len(err) == 1 and "has label 'mixed' in column 'label', which data.train does not have (its " \
             "labels: neg, pos)" in err[0], err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("train_kind", ["names", "class ids"])
+def test_names_in_one_split_and_class_ids_in_the_other_is_one_line(train_kind, tmp_path, tiny_bert_dir, capsys):
+    rows = [{"text": r["text"], "label": r["label"]} for r in ROWS]
+    named = [{"text": r["text"], "label": ["neg", "pos"][r["label"]]} for r in ROWS]
+    train, evaluation = (named, rows) if train_kind == "names" else (rows, named)
+    paths = {}
+    for key, split in (("train", train), ("eval", evaluation[:16])):
+        paths[key] = tmp_path / f"{key}.jsonl"
+        paths[key].write_text("".join(json.dumps(r) + "\n" for r in split))
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_bert_dir, task="sequence-classification",
+                          output_dir=tmp_path / "run", data={k: str(v) for k, v in paths.items()})
+    assert main(["validate", str(recipe)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    eval_kind, other = ("class ids", "label names") if train_kind == "names" else ("label names", "class ids")
+    assert err == [f"toolkit: error: data.eval: {paths['eval']} has {eval_kind} in column 'label' where data.train "
+                   f"has {other}; use one kind in both"]
 
 
 def test_prompt_response_masks_exactly_the_prompt_tokens():

@@ -176,3 +176,27 @@ def test_the_export_leaves_deepspeed_unimported_in_a_run_that_never_used_it(tmp_
     assert [line for line in done.stdout.splitlines() if line in ("True", "False")] == ["False", "True"]
     assert (tmp_path / "with" / "model.safetensors").read_bytes() == \
         (tmp_path / "without" / "model.safetensors").read_bytes()
+
+
+def test_model_dropout_is_the_runs_alone_the_export_and_checkpoint_keep_the_models(tmp_path, tiny_bert_dir):
+    """model.dropout 0.0 trains without dropout, but out_dir/model, the checkpoint's hf/ folder and `toolkit
+    convert`'s folder carry model.path's own rates: a later fine-tune from them has the model's dropout."""
+    import json
+
+    from toolkit.cli import main
+
+    out = tmp_path / "run"
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", model_dir=tiny_bert_dir, output_dir=out,
+                                      task="sequence-classification", train={"max_steps": 1},
+                                      checkpoint={"final": True}))
+    assert recipe.model.dropout == 0.0
+    result = train(recipe, DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+    source = json.loads((tiny_bert_dir / "config.json").read_text())
+    own = {key: value for key, value in source.items() if key.endswith(("dropout", "dropout_prob"))}
+    assert own["hidden_dropout_prob"] == 0.1 and own["attention_probs_dropout_prob"] == 0.1  # could differ from 0.0
+    assert all(getattr(result.strategy.export_module().config, key) == 0.0 for key in own)  # the run's own rate
+    converted = tmp_path / "converted"
+    assert main(["convert", str(out / "checkpoints" / "step-00000001"), str(converted)]) == 0
+    for folder in (out / "model", out / "checkpoints" / "step-00000001" / "hf", converted):
+        saved = json.loads((folder / "config.json").read_text())
+        assert {key: saved.get(key) for key in own} == own, folder

@@ -43,14 +43,17 @@ def check_data(recipe: Recipe, *, global_batch_size: int | None = None):
     from toolkit.data import check_one_batch, check_room, check_rows
     from toolkit.data_files import data_source, num_blank_lines, read_rows
 
+    from toolkit.model import saved_label_names
+
     names = None  # data.train's class names, which data.eval's labels must be among
+    model_names = saved_label_names(recipe.model)
     for key in ("data.train", "data.eval"):
         value = getattr(recipe.data, key.split(".")[1])
         if value is not None:
             source = data_source(key, value)
             raw = read_rows(source)
             names = check_rows(raw, source, data=recipe.data, task=recipe.model.task,
-                               num_labels=recipe.model.num_labels, names=names)
+                               num_labels=recipe.model.num_labels, names=names, model_names=model_names)
             packed = recipe.model.task == "causal-lm" and recipe.data.packing  # blocks, not rows: known once tokenized
             if key == "data.train" and global_batch_size is not None and not packed:
                 num_rows = len(raw) - num_blank_lines(raw, source, recipe.data.text_column)

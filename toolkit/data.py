@@ -40,23 +40,26 @@ class SplitCounts:
 
 
 def load_split(key: str, *, data: DataConfig, task: str, num_labels: int, tokenizer, env: DistEnv,
-               names: list[str] | None = None) -> tuple[Any, list[str] | None, SplitCounts]:
+               names: list[str] | None = None,
+               model_names: list[str] | None = None) -> tuple[Any, list[str] | None, SplitCounts]:
     """The tokenized `datasets.Dataset` of recipe key `key` (data.train / data.eval) with input_ids (+ label, or
     labels for instruction data), the class names its labels were mapped from (None: class ids), and what was
     left out or cut (see data_note). Rank 0 tokenizes; the others read its cache. `names`: data.train's (an eval
-    split's labels must be among them)."""
+    split's labels must be among them); `model_names`: model.path's id2label (see check_rows)."""
     source = data_source(key, getattr(data, key.split(".")[-1]))
     error = None
     if env.is_main:
         try:
-            split = _tokenized(source, data=data, task=task, num_labels=num_labels, tokenizer=tokenizer, names=names)
+            split = _tokenized(source, data=data, task=task, num_labels=num_labels, tokenizer=tokenizer, names=names,
+                               model_names=model_names)
         except RecipeError as exc:
             error = str(exc)
     error = broadcast_object(error, env)  # the other ranks fail with rank 0's message instead of hanging
     if error is not None:
         raise RecipeError(error)
     if not env.is_main:  # reads rank 0's cache
-        split = _tokenized(source, data=data, task=task, num_labels=num_labels, tokenizer=tokenizer, names=names)
+        split = _tokenized(source, data=data, task=task, num_labels=num_labels, tokenizer=tokenizer, names=names,
+                           model_names=model_names)
     return split
 
 
@@ -111,11 +114,10 @@ def check_one_batch(num_samples: int, *, global_batch_size: int, num_left_out: i
 
 
 def check_rows(raw, source: DataSource, *, data: DataConfig, task: str, num_labels: int,
-               names: list[str] | None = None) -> list[str] | None:
+               names: list[str] | None = None, model_names: list[str] | None = None) -> list[str] | None:
     """The columns the recipe's format reads exist and hold what training needs. Returns the class names a
-    training split's named labels map from (sorted: the class id is the position), None for class ids."""
-    import datasets
-
+    training split's named labels map from (the class id is the position: model.path's id2label order where it
+    names the same labels, `model_names`; else sorted), None for class ids."""
     check_records(raw, source)
     if data.format == "chat":
         if data.messages_column not in raw.column_names:
@@ -131,16 +133,45 @@ def check_rows(raw, source: DataSource, *, data: DataConfig, task: str, num_labe
         return None
     assert data.label_column is not None  # Recipe: required for sequence-classification
     if names is None and source.key == "data.train":
-        names = class_names(raw, source, data.label_column)
+        names = in_model_order(class_names(raw, source, data.label_column), model_names)
         if names is not None and len(names) != num_labels:
             raise RecipeError(f"{source.key}: {source.path} has {len(names)} labels ({', '.join(names[:8])}) but "
                               f"model.num_labels is {num_labels}; set model.num_labels: {len(names)}")
-    elif names is None and not isinstance(raw.features[data.label_column], datasets.ClassLabel) and \
-            class_names(raw, source, data.label_column) is not None:  # a ClassLabel's ids are ids
-        raise RecipeError(f"{source.key}: {source.path} has label names in column {data.label_column!r} where "
-                          "data.train has class ids; use one kind in both")
+    else:
+        check_label_kind(raw, source, column=data.label_column, named=names is not None)
     check_labels(raw, source, data, num_labels=num_labels, names=names)
     return names
+
+
+def in_model_order(names: list[str] | None, model_names: list[str] | None) -> list[str] | None:
+    """data.train's class names in model.path's id order where its id2label names exactly these labels (as
+    transformers' run_glue keeps them): its pretrained head's row for `pos` goes on meaning `pos`."""
+    if names is None or model_names is None or sorted(model_names) != sorted(names):
+        return names
+    return list(model_names)
+
+
+def label_note(names: list[str] | None, model_names: list[str] | None) -> str | None:
+    """One line where data.train's names replace model.path's id2label, which names other labels: its head's
+    rows are trained (and exported) as data.train's classes (as transformers' run_glue does, which warns too)."""
+    if names is None or model_names is None or names == model_names:
+        return None
+    return (f"[toolkit] model.path's id2label ({', '.join(model_names[:8])}) names other labels than data.train "
+            f"({', '.join(names[:8])}): its mapping is replaced by data.train's")
+
+
+def check_label_kind(raw, source: DataSource, *, column: str, named: bool) -> None:
+    """data.eval's labels are of data.train's kind: names where it has names, class ids where it has ids (a
+    ClassLabel column is both: its ids stand for its names)."""
+    import datasets
+
+    if isinstance(raw.features[column], datasets.ClassLabel):
+        return
+    eval_named = class_names(raw, source, column) is not None
+    if eval_named != named:
+        kind, other = ("class ids", "label names") if named else ("label names", "class ids")
+        raise RecipeError(f"{source.key}: {source.path} has {kind} in column {column!r} where data.train has "
+                          f"{other}; use one kind in both")
 
 
 def check_room(data: DataConfig, tokenizer) -> None:
@@ -152,12 +183,13 @@ def check_room(data: DataConfig, tokenizer) -> None:
 
 
 def _tokenized(source: DataSource, *, data: DataConfig, task: str, num_labels: int, tokenizer,
-               names: list[str] | None) -> tuple[Any, list[str] | None, SplitCounts]:
+               names: list[str] | None, model_names: list[str] | None) -> tuple[Any, list[str] | None, SplitCounts]:
     """The tokenized split, its class names, and what was left out or cut. Without packing each sample is cut at
     data.max_length; with it, samples are tokenized whole and their stream cut into blocks (as transformers'
     run_clm does): a long document becomes many blocks, none of it lost."""
     raw = read_rows(source)
-    names = check_rows(raw, source, data=data, task=task, num_labels=num_labels, names=names)
+    names = check_rows(raw, source, data=data, task=task, num_labels=num_labels, names=names,
+                       model_names=model_names)
     check_room(data, tokenizer)
     data = chat_template_text(data)  # a path to a template file: its text (what the cache keys, too)
     cache = _cache_key(source, data=data, task=task, tokenizer=tokenizer, names=names)

@@ -11,6 +11,7 @@ from typing import Iterator
 from torch import nn
 
 from toolkit.dist import DistEnv, barrier
+from toolkit.model import own_dropout
 from toolkit.recipe import LoraOptions
 
 
@@ -58,23 +59,30 @@ def export_model(strategy, *, tokenizer, out_dir: Path, env: DistEnv, lora: Lora
         tmp = out_dir / ".model.partial"
         shutil.rmtree(tmp, ignore_errors=True)
         module = strategy.export_module()
-        if lora is None:
-            with unwrapped_without_deepspeed():
-                module.save_pretrained(str(tmp), state_dict=without_tied_aliases(module, state_dict))
-            tokenizer.save_pretrained(str(tmp))
-        else:
-            from toolkit.lora import export_adapter
-
-            merged = out_dir / ".model-merged.partial" if lora.merge_on_export else None
-            if merged is not None:
-                shutil.rmtree(merged, ignore_errors=True)
-            export_adapter(module, state_dict, options=lora, task=task, tokenizer=tokenizer, adapter_dir=tmp,
-                           merged_dir=merged)
-            if merged is not None:
-                replace_folder(merged, out_dir / "model-merged")
+        with own_dropout(module.config):  # the model's dropout, not model.dropout's override for this run
+            _write_model(module, state_dict, tokenizer=tokenizer, out_dir=out_dir, tmp=tmp, lora=lora, task=task)
         replace_folder(tmp, final)
     barrier(env)
     return final
+
+
+def _write_model(module, state_dict, *, tokenizer, out_dir: Path, tmp: Path, lora: LoraOptions | None,
+                 task: str) -> None:
+    """Rank 0: the model (or LoRA's adapter, and the merged model) and tokenizer files into tmp."""
+    if lora is None:
+        with unwrapped_without_deepspeed():
+            module.save_pretrained(str(tmp), state_dict=without_tied_aliases(module, state_dict))
+        tokenizer.save_pretrained(str(tmp))
+        return
+    from toolkit.lora import export_adapter
+
+    merged = out_dir / ".model-merged.partial" if lora.merge_on_export else None
+    if merged is not None:
+        shutil.rmtree(merged, ignore_errors=True)
+    export_adapter(module, state_dict, options=lora, task=task, tokenizer=tokenizer, adapter_dir=tmp,
+                   merged_dir=merged)
+    if merged is not None:
+        replace_folder(merged, out_dir / "model-merged")
 
 
 RENAME_EXCHANGE = 2  # linux/fs.h

@@ -30,7 +30,7 @@ from toolkit.comm import CollectiveCounter, count_step, counting
 from toolkit.checks import check_position_limit
 from toolkit.consistency import check_groups, check_replicas
 from toolkit.data import (Collator, DataLayout, GlobalBatchSampler, SplitCounts, check_one_batch, data_note,
-                          data_record, load_split, train_loader)
+                          data_record, label_note, load_split, train_loader)
 from toolkit.dist import DistEnv, all_reduce_max, all_reduce_sum
 from toolkit.errors import RecipeError
 from toolkit.evaluate import evaluate
@@ -40,7 +40,7 @@ from toolkit.loading import ModelSource, num_parameters, own_memory, whole_param
 from toolkit.losses import micro_batch_loss_sum
 from toolkit.metrics import (Progress, compile_graph_breaks, compile_seconds, peak_memory_bytes,
                              process_bytes, synchronize)
-from toolkit.model import BlockForwards, layer_stack, load_tokenizer
+from toolkit.model import BlockForwards, layer_stack, load_tokenizer, saved_label_names
 from toolkit.optim import build_adamw, build_scheduler
 from toolkit.precision import check_precision_supported
 from toolkit.recipe import EVAL_EVERY_DEFAULT, Recipe, check_profile_window
@@ -89,13 +89,15 @@ def prepare(recipe: Recipe, env: DistEnv):
     tokenizer = load_tokenizer(recipe.model)
     kwargs = dict(data=recipe.data, task=recipe.model.task, num_labels=recipe.model.num_labels, tokenizer=tokenizer,
                   env=env)
-    train_ds, names, train_counts = load_split("data.train", **kwargs)
+    model_names = saved_label_names(recipe.model)  # a pretrained head's own mapping, kept where the data fits it
+    train_ds, names, train_counts = load_split("data.train", **kwargs, model_names=model_names)
     eval_ds, _, eval_counts = load_split("data.eval", **kwargs, names=names) if recipe.data.eval else \
         (None, None, SplitCounts())
     sampler = GlobalBatchSampler(num_samples=len(train_ds), plan=plan, rank=layout.rank, seed=recipe.seed)
     check_one_batch(len(train_ds), global_batch_size=plan.global_batch_size, num_left_out=train_counts.num_left_out)
     notes = [note for note in (data_note("data.train", train_counts, recipe.data),
-                               data_note("data.eval", eval_counts, recipe.data)) if note]
+                               data_note("data.eval", eval_counts, recipe.data),
+                               label_note(names, model_names)) if note]
     epochs = recipe.train.epochs or 0.0  # TrainConfig: exactly one of max_steps and epochs
     total_steps = recipe.train.max_steps or max(1, int(epochs * sampler.steps_per_epoch))
     seen = total_steps * plan.global_batch_size
@@ -311,14 +313,15 @@ def step_compile_seconds(before_s: float, env: DistEnv) -> float:
 
 
 def name_labels(module, names: list[str], *, info: dict, env: DistEnv) -> None:
-    """data.train's label names (sorted: a name's position is its class id) into the model config's
+    """data.train's label names (a name's position is its class id: model.path's id2label order where it names
+    these labels, else sorted) into the model config's
     id2label / label2id, which every export and checkpoint writes; said once and kept in run.json."""
     module.config.id2label = dict(enumerate(names))
     module.config.label2id = {name: index for index, name in enumerate(names)}
     info["labels"] = names
     if env.is_main:
         mapped = ", ".join(f"{name} → {index}" for index, name in enumerate(names))
-        print(f"[toolkit] labels: {mapped} (data.train's names, sorted; id2label in the exported config)",
+        print(f"[toolkit] labels: {mapped} (id2label in the exported config)",
               file=sys.stderr, flush=True)
 
 

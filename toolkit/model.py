@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
 import os
 import re
+import weakref
 from pathlib import Path
-from typing import Any, Callable, NoReturn, cast
+from typing import Any, Callable, Iterator, NoReturn, cast
 
 import torch
 import torch.utils.checkpoint
@@ -188,6 +190,23 @@ def saved_config(path: Path) -> dict:
     return fields
 
 
+def saved_label_names(config: ModelConfig) -> list[str] | None:
+    """The class names model.path's config.json gives its head's ids (id2label, in id order); None without a
+    folder, without a mapping, or with transformers' placeholders (LABEL_0, LABEL_1, ...), which name nothing."""
+    if config.path is None or config.task != "sequence-classification":
+        return None
+    path = resolve_path(config.path)
+    check_model_dir(path, "model.path")
+    id2label = saved_config(path).get("id2label")  # JSON read as written: absent in a config that has no head
+    if not isinstance(id2label, dict) or not all(str(key).isdigit() for key in id2label):
+        return None
+    names = [str(id2label[key]) for key in sorted(id2label, key=int)]
+    if [int(key) for key in sorted(id2label, key=int)] != list(range(len(names))) or \
+            names == [f"LABEL_{index}" for index in range(len(names))]:
+        return None
+    return names
+
+
 # learned positions numbered from padding_idx + 1 (RoBERTa's create_position_ids_from_input_ids)
 PADDING_OFFSET_POSITIONS = {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text"}
 
@@ -271,17 +290,56 @@ def check_vocabulary(model: nn.Module, tokenizer) -> None:
                           f"{vocab}; use a matching tokenizer or vocab_size")
 
 
+# a config's own dropout rates, by id(config), from before set_dropout changed them: what its saves write
+_OWN_DROPOUT: dict[int, tuple[weakref.ref, dict[str, Any]]] = {}
+
+
 def set_dropout(model: nn.Module, p: float) -> None:
-    """Dropout masks depend on how a batch is split over ranks, so exact comparisons turn it off."""
+    """Dropout masks depend on how a batch is split over ranks, so exact comparisons turn it off. The config's
+    own rates are kept aside for what is saved (own_dropout): model.dropout is this run's, not the model's."""
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = p
         for attr in ("attention_dropout", "dropout"):  # functional dropout rates some attention modules keep
             if isinstance(getattr(module, attr, None), float):
                 setattr(module, attr, p)
-    for key in list(vars(model.config)):
-        if key.endswith("dropout") or key.endswith("dropout_prob"):
-            setattr(model.config, key, p)
+    config = model.config
+    own = {key: value for key, value in vars(config).items() if key.endswith(("dropout", "dropout_prob"))}
+    if own_rates(config) is None:  # a second call keeps the first one's originals
+        _OWN_DROPOUT[id(config)] = (weakref.ref(config), own)
+    for key in own:
+        setattr(config, key, p)
+
+
+def own_rates(config) -> dict[str, Any] | None:
+    entry = _OWN_DROPOUT.get(id(config))
+    return entry[1] if entry is not None and entry[0]() is config else None  # an id reused by a later config: not it
+
+
+def with_own_dropout(config):
+    """A copy of the config with the model's own dropout rates, for a save that may run beside training (an
+    async checkpoint's thread): the training model's config is left as it is."""
+    import copy
+
+    saved = copy.deepcopy(config)
+    for key, value in (own_rates(config) or {}).items():
+        setattr(saved, key, value)
+    return saved
+
+
+@contextlib.contextmanager
+def own_dropout(config) -> Iterator[None]:
+    """The config holds the model's own dropout rates while it is saved (an export, a checkpoint's hf/ folder): a
+    later fine-tune from it runs with the model's dropout, not this run's model.dropout override."""
+    own = own_rates(config) or {}
+    used = {key: getattr(config, key) for key in own}
+    for key, value in own.items():
+        setattr(config, key, value)
+    try:
+        yield
+    finally:
+        for key, value in used.items():
+            setattr(config, key, value)
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:

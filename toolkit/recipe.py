@@ -51,7 +51,9 @@ class ModelConfig:
     task: str = "sequence-classification"  # sequence-classification | causal-lm
     num_labels: int = 2  # classification head size (sequence-classification only)
     load_dtype: str = "fp32"  # dtype the weights are loaded in; FSDP computes from these, ZeRO keeps fp32 masters
-    dropout: float | None = None  # override every dropout probability; 0.0 for runs compared across strategies
+    # override every dropout probability for this run (its export and checkpoints keep the model's own rates);
+    # 0.0 for runs compared across strategies
+    dropout: float | None = None
     lora: LoraOptions | None = None  # LoRA adapters (peft): far fewer trainable parameters, same forward shape
     # strategies that shard parameters (fsdp, zero stage 3) build the model empty and load only each rank's
     # part of the weights: no rank holds the whole model (fsdp: rank 0 does for a model from a config or with

@@ -14,6 +14,7 @@ from toolkit.atomic import write_text_whole
 from toolkit.checkpoint import digest, state, store
 from toolkit.dist import DistEnv, barrier, restarted
 from toolkit.errors import RecipeError
+from toolkit.model import with_own_dropout
 from toolkit.recipe import BatchPlan, Recipe
 
 
@@ -154,7 +155,8 @@ class Saver:
         module = strategy.export_module()
 
         def hf_files(folder: Path) -> None:
-            module.config.save_pretrained(str(folder))
+            # what `toolkit convert` exports: the model's dropout, not this run's model.dropout
+            with_own_dropout(module.config).save_pretrained(str(folder))
             self.tokenizer.save_pretrained(str(folder))
 
         if self._manifest is None:  # what every checkpoint of the run says alike, made once
