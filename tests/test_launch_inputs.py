@@ -83,6 +83,20 @@ def test_mlflow_file_store_is_one_line_before_ranks_start(tmp_path, tiny_llama_d
     assert not (tmp_path / "mlruns").exists()
 
 
+@pytest.mark.parametrize("store, words", [
+    ("/proc/nope/mlflow.db", "cannot be made: its folder /proc/nope: no folder can be made in /proc"),
+    ("notadb.db", "is not a SQLite database file"),
+    (".", "is a folder, not a SQLite file; fix or unset MLFLOW_TRACKING_URI"),
+])
+def test_mlflow_sqlite_store_mlflow_cannot_open_is_one_line_before_ranks_start(store, words, tmp_path,
+                                                                               tiny_llama_dir, monkeypatch, capsys):
+    (tmp_path / "notadb.db").write_text("garbage, not a database\n")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{(tmp_path / store).resolve()}")
+    recipe, out = _recipe(tmp_path, tiny_llama_dir, train={"report_to": ["mlflow"]})
+    _one_line_exit_2(main(["validate", str(recipe)]), capsys, words, out)
+    assert (tmp_path / "notadb.db").read_text() == "garbage, not a database\n"  # the user's file, untouched
+
+
 def test_tracking_dir_that_is_a_file_is_one_line(tmp_path, tiny_llama_dir, capsys):
     (tmp_path / "afile").write_text("")
     recipe, out = _recipe(tmp_path, tiny_llama_dir,

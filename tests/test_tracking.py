@@ -14,6 +14,7 @@ import test_equivalence
 from conftest import metrics, write_recipe
 from test_cli_errors import _assert_one_line_exit_2
 from toolkit.cli import main
+from toolkit.errors import RecipeError
 from toolkit.recipe_files import load_recipe
 from toolkit.stopping import Stopped
 
@@ -197,3 +198,15 @@ def test_a_tracker_switched_off_mid_run_is_in_run_json(tmp_path, tiny_llama_dir,
     assert [r["step"] for r in metrics(out)] == [1, 2, 3]
     assert json.loads((out / "run.json").read_text())["trackers_switched_off"] == [
         {"tracker": "tensorboard", "step": 2, "error": "OSError: [Errno 28] No space left on device"}]
+
+
+def test_a_store_error_mlflow_does_not_wrap_is_one_line_naming_the_store(tmp_path, monkeypatch):
+    """The SQL driver's errors (here SQLAlchemy's DatabaseError) reach the caller unwrapped by MLflow."""
+    from toolkit import tracking
+
+    store = tmp_path / "notadb.db"
+    store.write_text("garbage, not a database\n")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}")
+    with pytest.raises(RecipeError, match=r"the store sqlite:///.*notadb.db cannot be opened \(DatabaseError: .*\); "
+                                          r"fix or unset MLFLOW_TRACKING_URI$"):
+        tracking.open_mlflow(_recipe(tmp_path, "train.report_to=mlflow"), out_dir=tmp_path, saved={})

@@ -93,6 +93,45 @@ def check_trackers(recipe: Recipe) -> None:
     check_creatable(tracking_root(recipe) / "tensorboard", what=what)  # a file there: SummaryWriter's traceback
     if "mlflow" in recipe.train.report_to:
         check_mlflow_store(mlflow_tracking_uri(recipe))
+        check_sqlite_store(mlflow_tracking_uri(recipe), fix=store_fix(recipe))
+
+
+def store_fix(recipe: Recipe) -> str:
+    """How to point MLflow at another store: the variable that named this one, or the folder it is made in."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return "fix or unset MLFLOW_TRACKING_URI"
+    return f"choose another {'train.tracking_dir' if recipe.train.tracking_dir else 'output_dir'}"
+
+
+SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
+
+
+def check_sqlite_store(uri: str, *, fix: str) -> None:
+    """A sqlite: store MLflow can open: its folder can be made (MLflow makes it) and its file, if there, is a
+    SQLite database. Checked on the file itself, without opening the store: MLflow would create its tables (or
+    migrate them), seconds of writing for a check. Without this the error came from the SQL driver mid-run."""
+    if not uri.startswith("sqlite:"):
+        return
+    from sqlalchemy.engine import make_url
+
+    from toolkit.checkpoint.store import check_creatable
+
+    database = make_url(uri).database
+    if database in (None, "", ":memory:"):
+        return
+    path = Path(database)
+    what = "its folder"
+    try:
+        check_creatable(path.parent, what=what)
+    except RecipeError as exc:  # check_creatable's line less its own fix (another folder), which is not ours
+        reason = str(exc).removesuffix(f"; choose another {what}")
+        raise RecipeError(f"train.report_to mlflow: the store {uri} cannot be made: {reason}; {fix}") from None
+    if path.is_dir():
+        raise RecipeError(f"train.report_to mlflow: the store {uri} is a folder, not a SQLite file; {fix}")
+    if path.is_file() and path.stat().st_size > 0:  # an empty file is an empty database to SQLite
+        with path.open("rb") as head:
+            if head.read(len(SQLITE_HEADER)) != SQLITE_HEADER:
+                raise RecipeError(f"train.report_to mlflow: the store {uri} is not a SQLite database file; {fix}")
 
 
 def check_mlflow_store(uri: str) -> None:
@@ -209,15 +248,16 @@ def flat_params(tree: dict, prefix: str = "") -> list[tuple[str, str]]:
 
 def open_mlflow(recipe: Recipe, *, out_dir: Path, saved: dict) -> tuple[Mlflow, dict]:
     """A new run named after output_dir, or on resume the run tracking.json names (if its store still has it).
-    A store that cannot be opened (a server that does not answer, a URI MLflow refuses) is one line: the run
-    stops before its first step, and rank 0 removes the run folder it had begun (toolkit.rank)."""
-    from mlflow.exceptions import MlflowException
-
+    A store that cannot be opened (a server that does not answer, a URI MLflow refuses, a file its SQL driver
+    cannot read or make) is one line: the run stops before its first step, and rank 0 removes what the run had
+    begun (toolkit.rank). Any exception: MLflow passes its driver's (OSError, SQLAlchemy's) through unwrapped."""
     try:
         return _open_mlflow_run(recipe, out_dir=out_dir, saved=saved)
-    except MlflowException as exc:
+    except RecipeError:
+        raise
+    except Exception as exc:
         raise RecipeError(f"train.report_to mlflow: the store {mlflow_tracking_uri(recipe)} cannot be opened "
-                          f"({first_line(exc)}); fix or unset MLFLOW_TRACKING_URI") from None
+                          f"({type(exc).__name__}: {first_line(exc)}); {store_fix(recipe)}") from None
 
 
 def _open_mlflow_run(recipe: Recipe, *, out_dir: Path, saved: dict) -> tuple[Mlflow, dict]:
