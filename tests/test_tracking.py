@@ -210,3 +210,28 @@ def test_a_store_error_mlflow_does_not_wrap_is_one_line_naming_the_store(tmp_pat
     with pytest.raises(RecipeError, match=r"the store sqlite:///.*notadb.db cannot be opened \(DatabaseError: .*\); "
                                           r"fix or unset MLFLOW_TRACKING_URI$"):
         tracking.open_mlflow(_recipe(tmp_path, "train.report_to=mlflow"), out_dir=tmp_path, saved={})
+
+
+def test_a_mistake_found_at_tracker_start_leaves_a_folder_made_beforehand_as_it_was(tmp_path, tiny_llama_dir,
+                                                                                    monkeypatch, capsys):
+    """A job script's `mkdir -p` made output_dir: the run's files go, the user's stay, and the rerun is not
+    refused as "already holds a run"."""
+    import torch
+
+    from toolkit import tracking
+    from toolkit.dist import DistEnv
+    from toolkit.rank import train_rank
+
+    def changed_since_checked(*args, **kwargs):
+        raise RecipeError("train.report_to tensorboard: cannot write here")
+
+    monkeypatch.setattr(tracking, "TensorBoard", changed_since_checked)
+    out = tmp_path / "run"
+    (out / "notes").mkdir(parents=True)
+    (out / "notes" / "job.sh").write_text("mkdir -p run\n")
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out,
+                                      train={"max_steps": 1, "report_to": "tensorboard"}))
+    env = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    assert train_rank(recipe, env, None) == (2, None)
+    assert "cannot write here" in capsys.readouterr().err
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == ["notes", "notes/job.sh"]
