@@ -34,7 +34,8 @@ def test_tilde_is_the_home_folder_in_every_path_key(tmp_path, tiny_llama_dir, mo
     (home / "train.jsonl").write_text(open(TRAIN).read())
     monkeypatch.setenv("HOME", str(home))
     recipe, _ = _recipe(tmp_path, tiny_llama_dir)
-    sets = ["data.train=~/train.jsonl", "data.eval=~/train.jsonl", "output_dir=~/run", "train.tracking_dir=~/tb"]
+    sets = ["data.train=~/train.jsonl", "data.eval=~/train.jsonl", "output_dir=~/run", "train.tracking_dir=~/tb",
+            "train.report_to=tensorboard"]
     assert main(["validate", str(recipe), *[a for s in sets for a in ("--set", s)]]) == 0
     resolved = yaml.safe_load(capsys.readouterr().out)
     assert resolved["data"]["train"] == resolved["data"]["eval"] == str(home / "train.jsonl")
@@ -43,7 +44,8 @@ def test_tilde_is_the_home_folder_in_every_path_key(tmp_path, tiny_llama_dir, mo
     assert not (tmp_path / "~").exists() and not os.path.exists("~")
     from toolkit.recipe_files import load_recipe, path_keys
 
-    every = load_recipe(recipe, [f"{key}=~/{key}" for key in path_keys() if key != "model.path"])
+    every = load_recipe(recipe, [*(f"{key}=~/{key}" for key in path_keys() if key != "model.path"),
+                                 "train.report_to=tensorboard"])
     assert every.strategy.ds_config == str(home / "strategy.ds_config")
     assert every.model.tokenizer == str(home / "model.tokenizer")
 

@@ -252,6 +252,9 @@ class TrainConfig:
             _choice("train.report_to", name, TRACKERS)
         if len(set(self.report_to)) != len(self.report_to):
             raise RecipeError(f"train.report_to names a tracker twice: {list(self.report_to)}")
+        if self.tracking_dir and not self.report_to:  # set, it says the user expects curves there: none are written
+            raise RecipeError("train.tracking_dir applies only when train.report_to names a tracker; remove it or "
+                              f"set train.report_to (one or more of {', '.join(TRACKERS)})")
         if (self.max_steps is None) == (self.epochs is None):
             raise RecipeError("train: give exactly one of max_steps or epochs")
         if self.epochs is not None:
