@@ -235,3 +235,24 @@ def test_a_mistake_found_at_tracker_start_leaves_a_folder_made_beforehand_as_it_
     assert train_rank(recipe, env, None) == (2, None)
     assert "cannot write here" in capsys.readouterr().err
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == ["notes", "notes/job.sh"]
+
+
+def test_a_deleted_experiment_is_one_line_naming_it_before_the_run_and_at_open(tmp_path, monkeypatch):
+    """Read from the SQLite file before any rank starts; asked of the store (a server's too) when the run opens."""
+    from mlflow.tracking import MlflowClient
+
+    from toolkit import tracking
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=store)
+    client.delete_experiment(client.create_experiment("gone"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "gone")
+    recipe = _recipe(tmp_path, "train.report_to=mlflow")
+    words = r"the experiment 'gone' \(MLFLOW_EXPERIMENT_NAME\) is deleted in the store; restore it"
+    with pytest.raises(RecipeError, match=words):
+        tracking.check_trackers(recipe)
+    with pytest.raises(RecipeError, match=words):
+        tracking.open_mlflow(recipe, out_dir=tmp_path, saved={})
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "kept")
+    tracking.check_trackers(recipe)  # another name: a new experiment

@@ -94,6 +94,7 @@ def check_trackers(recipe: Recipe) -> None:
     if "mlflow" in recipe.train.report_to:
         check_mlflow_store(mlflow_tracking_uri(recipe))
         check_sqlite_store(mlflow_tracking_uri(recipe), fix=store_fix(recipe))
+        check_sqlite_experiment(mlflow_tracking_uri(recipe), experiment_name())
 
 
 def store_fix(recipe: Recipe) -> str:
@@ -103,6 +104,16 @@ def store_fix(recipe: Recipe) -> str:
     return f"choose another {'train.tracking_dir' if recipe.train.tracking_dir else 'output_dir'}"
 
 
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a sqlite: URI (SQLAlchemy's reading of it); None for another store or in memory."""
+    if not uri.startswith("sqlite:"):
+        return None
+    from sqlalchemy.engine import make_url
+
+    database = make_url(uri).database
+    return None if database in (None, "", ":memory:") else Path(database)
+
+
 SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
 
 
@@ -110,16 +121,11 @@ def check_sqlite_store(uri: str, *, fix: str) -> None:
     """A sqlite: store MLflow can open: its folder can be made (MLflow makes it) and its file, if there, is a
     SQLite database. Checked on the file itself, without opening the store: MLflow would create its tables (or
     migrate them), seconds of writing for a check. Without this the error came from the SQL driver mid-run."""
-    if not uri.startswith("sqlite:"):
-        return
-    from sqlalchemy.engine import make_url
-
     from toolkit.checkpoint.store import check_creatable
 
-    database = make_url(uri).database
-    if database in (None, "", ":memory:"):
+    path = sqlite_path(uri)
+    if path is None:
         return
-    path = Path(database)
     what = "its folder"
     try:
         check_creatable(path.parent, what=what)
@@ -152,6 +158,34 @@ def check_mlflow_store(uri: str) -> None:
         raise RecipeError(f"MLFLOW_TRACKING_URI={uri} is MLflow's file store, which MLflow refuses (maintenance "
                           "mode); point it at a SQLite file (sqlite:///PATH/mlflow.db) or a server, unset it for "
                           "<tracking_dir>/mlflow.db, or set MLFLOW_ALLOW_FILE_STORE=true to write the file store")
+
+
+def experiment_name() -> str:
+    return os.environ.get("MLFLOW_EXPERIMENT_NAME", "Default")
+
+
+def deleted_experiment(name: str) -> RecipeError:
+    # MLflow keeps a deleted experiment's name taken (its runs can be restored) and refuses new runs in it
+    named = "(MLFLOW_EXPERIMENT_NAME)" if os.environ.get("MLFLOW_EXPERIMENT_NAME") else "(MLflow's default)"
+    return RecipeError(f"train.report_to mlflow: the experiment {name!r} {named} is deleted in the store; restore "
+                       "it (mlflow experiments restore) or set MLFLOW_EXPERIMENT_NAME to another name")
+
+
+def check_sqlite_experiment(uri: str, name: str) -> None:
+    """A sqlite: store's experiment of that name is not deleted: read from the file, read-only (the store's
+    own client would create or migrate its tables). A file MLflow has not made its tables in yet says nothing."""
+    import sqlite3
+
+    path = sqlite_path(uri)
+    if path is None or not path.is_file():
+        return
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
+            row = db.execute("SELECT lifecycle_stage FROM experiments WHERE name = ?", (name,)).fetchone()
+    except sqlite3.Error:  # no such table yet, a locked file: MLflow's own open says it
+        return
+    if row is not None and row[0] == "deleted":
+        raise deleted_experiment(name)
 
 
 def numbers(record: dict) -> dict[str, float]:
@@ -277,9 +311,11 @@ def _open_mlflow_run(recipe: Recipe, *, out_dir: Path, saved: dict) -> tuple[Mlf
             return Mlflow(client, run_id), {**saved, "continued": True}
         except MlflowException:  # the store no longer has it: a new run
             pass
-    experiment_name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "Default")
-    experiment = client.get_experiment_by_name(experiment_name)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(experiment_name)
+    name = experiment_name()
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None and experiment.lifecycle_stage == "deleted":  # a server's store, too
+        raise deleted_experiment(name)
+    experiment_id = experiment.experiment_id if experiment else client.create_experiment(name)
     run = client.create_run(experiment_id, run_name=run_name(recipe), tags={"toolkit.output_dir": str(out_dir)})
     tracker = Mlflow(client, run.info.run_id)
     tracker.log_recipe(recipe)
