@@ -256,3 +256,26 @@ def test_a_deleted_experiment_is_one_line_naming_it_before_the_run_and_at_open(t
         tracking.open_mlflow(recipe, out_dir=tmp_path, saved={})
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "kept")
     tracking.check_trackers(recipe)  # another name: a new experiment
+
+
+def test_a_new_run_whose_tensorboard_name_holds_another_runs_events_takes_more_of_its_path(tmp_path, capsys):
+    """sweepA/seed0 and sweepB/seed0 in one tracking_dir: the later run's purge_step hid the earlier one's curves.
+    A resume keeps the folder tracking.json names."""
+    from toolkit import tracking
+
+    shared = tmp_path / "shared"
+
+    def recipe_for(out):
+        return load_recipe(write_recipe(tmp_path / "r.yaml", model_dir=tmp_path, output_dir=out),
+                           ["train.report_to=tensorboard", f"train.tracking_dir={shared}"])
+
+    first = tracking.tensorboard_log_dir(recipe_for(tmp_path / "sweepA" / "seed0"), saved={})
+    assert first == shared / "tensorboard" / "seed0"
+    first.mkdir(parents=True)
+    assert tracking.tensorboard_log_dir(recipe_for(tmp_path / "sweepB" / "seed0"), saved={}) == first  # no events yet
+    (first / "events.out.tfevents.1.host").write_bytes(b"")
+    second = tracking.tensorboard_log_dir(recipe_for(tmp_path / "sweepB" / "seed0"), saved={})
+    assert second == shared / "tensorboard" / "sweepB-seed0"
+    assert f"{first} holds another run's events; this run is sweepB-seed0" in capsys.readouterr().err
+    resumed = tracking.tensorboard_log_dir(recipe_for(tmp_path / "sweepA" / "seed0"), saved={"log_dir": str(first)})
+    assert resumed == first

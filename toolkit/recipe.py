@@ -230,7 +230,8 @@ class TrainConfig:
     compile: bool = False
     # experiment trackers fed every metrics.jsonl record, from rank 0 (toolkit/tracking.py): tensorboard (event
     # files in <tracking_dir>/tensorboard/<run>) | mlflow (a run in $MLFLOW_TRACKING_URI, else in the SQLite store
-    # <tracking_dir>/mlflow.db); <run> is output_dir's folder name. One name or a list
+    # <tracking_dir>/mlflow.db); <run> is output_dir's folder name (more of its path if another run's events hold
+    # it). One name or a list
     report_to: tuple[str, ...] = ()
     # the folder both trackers write into; null: output_dir. One folder for many runs overlays their curves
     # (`toolkit compare` points every arm at its experiment folder)

@@ -3,8 +3,9 @@ on rank 0, through the libraries' own writers (torch's SummaryWriter, MLflow's c
 
 Where they write: <tracking_dir>/tensorboard/<run> and MLflow's $MLFLOW_TRACKING_URI (its experiment:
 $MLFLOW_EXPERIMENT_NAME, else Default), else the SQLite store <tracking_dir>/mlflow.db; tracking_dir defaults
-to output_dir and <run> is output_dir's folder name. output_dir/tracking.json says where, and holds the MLflow
-run id that --resume continues. On resume TensorBoard hides the events of the steps the checkpoint does not
+to output_dir and <run> is output_dir's folder name (more of its path where another run's events hold that
+name). output_dir/tracking.json says where, and holds the TensorBoard folder and MLflow run that --resume
+continues. On resume TensorBoard hides the events of the steps the checkpoint does not
 hold (SummaryWriter's purge_step); MLflow keeps every value it was sent, so such steps appear twice there.
 """
 
@@ -52,6 +53,21 @@ def tracking_root(recipe: Recipe) -> Path:
 def tensorboard_dir(root: Path, name: str) -> Path:
     """One TensorBoard run per folder: `tensorboard --logdir <root>/tensorboard` overlays every run under it."""
     return root / "tensorboard" / name
+
+
+def holds_events(log_dir: Path) -> bool:
+    return log_dir.is_dir() and any(log_dir.glob("events.out.tfevents.*"))
+
+
+def fresh_tensorboard_name(root: Path, out_dir: Path) -> str:
+    """A new run's TensorBoard folder name: output_dir's folder name, unless another run's events are there
+    (sweepA/seed0 and sweepB/seed0 in one tracking_dir): then more of output_dir's path (sweepB-seed0), then a
+    number. Shared, the later run's purge_step hid the earlier one's curves. tracking.json keeps the name, for
+    --resume to write on in the same folder."""
+    parts = out_dir.resolve().parts[1:]  # without the root, "/"
+    candidates = ["-".join(parts[-count:]) for count in range(1, len(parts) + 1)]
+    candidates += [f"{candidates[0]}-{number}" for number in range(2, 1000)]
+    return next(name for name in candidates if not holds_events(tensorboard_dir(root, name)))
 
 
 def mlflow_tracking_uri(recipe: Recipe) -> str:
@@ -280,13 +296,13 @@ def flat_params(tree: dict, prefix: str = "") -> list[tuple[str, str]]:
     return out
 
 
-def open_mlflow(recipe: Recipe, *, out_dir: Path, saved: dict) -> tuple[Mlflow, dict]:
+def open_mlflow(recipe: Recipe, *, out_dir: Path, saved: dict, name: str | None = None) -> tuple[Mlflow, dict]:
     """A new run named after output_dir, or on resume the run tracking.json names (if its store still has it).
     A store that cannot be opened (a server that does not answer, a URI MLflow refuses, a file its SQL driver
     cannot read or make) is one line: the run stops before its first step, and rank 0 removes what the run had
     begun (toolkit.rank). Any exception: MLflow passes its driver's (OSError, SQLAlchemy's) through unwrapped."""
     try:
-        return _open_mlflow_run(recipe, out_dir=out_dir, saved=saved)
+        return _open_mlflow_run(recipe, out_dir=out_dir, saved=saved, name=name or run_name(recipe))
     except RecipeError:
         raise
     except Exception as exc:
@@ -294,7 +310,7 @@ def open_mlflow(recipe: Recipe, *, out_dir: Path, saved: dict) -> tuple[Mlflow, 
                           f"({type(exc).__name__}: {first_line(exc)}); {store_fix(recipe)}") from None
 
 
-def _open_mlflow_run(recipe: Recipe, *, out_dir: Path, saved: dict) -> tuple[Mlflow, dict]:
+def _open_mlflow_run(recipe: Recipe, *, out_dir: Path, saved: dict, name: str) -> tuple[Mlflow, dict]:
     import logging
 
     from mlflow.exceptions import MlflowException
@@ -311,12 +327,12 @@ def _open_mlflow_run(recipe: Recipe, *, out_dir: Path, saved: dict) -> tuple[Mlf
             return Mlflow(client, run_id), {**saved, "continued": True}
         except MlflowException:  # the store no longer has it: a new run
             pass
-    name = experiment_name()
-    experiment = client.get_experiment_by_name(name)
+    named = experiment_name()
+    experiment = client.get_experiment_by_name(named)
     if experiment is not None and experiment.lifecycle_stage == "deleted":  # a server's store, too
-        raise deleted_experiment(name)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(name)
-    run = client.create_run(experiment_id, run_name=run_name(recipe), tags={"toolkit.output_dir": str(out_dir)})
+        raise deleted_experiment(named)
+    experiment_id = experiment.experiment_id if experiment else client.create_experiment(named)
+    run = client.create_run(experiment_id, run_name=name, tags={"toolkit.output_dir": str(out_dir)})
     tracker = Mlflow(client, run.info.run_id)
     tracker.log_recipe(recipe)
     return tracker, {"tracking_uri": uri, "experiment_id": experiment_id, "run_id": run.info.run_id}
@@ -328,8 +344,10 @@ def open_trackers(recipe: Recipe, *, out_dir: Path, done_steps: int) -> list[Tra
     saved = json.loads(path.read_text()) if done_steps and path.is_file() else {}
     trackers: list[Tracker] = []
     where: dict[str, Any] = {}
+    name = run_name(recipe)
     if "tensorboard" in recipe.train.report_to:
-        log_dir = tensorboard_dir(tracking_root(recipe), run_name(recipe))
+        log_dir = tensorboard_log_dir(recipe, saved=saved.get("tensorboard", {}))
+        name = log_dir.name
         board = TensorBoard(log_dir, done_steps=done_steps)
         if not done_steps:
             board.log_recipe(recipe)
@@ -338,7 +356,7 @@ def open_trackers(recipe: Recipe, *, out_dir: Path, done_steps: int) -> list[Tra
         print(f"[toolkit] tensorboard: {log_dir} (view: tensorboard --logdir {log_dir.parent})", file=sys.stderr,
               flush=True)
     if "mlflow" in recipe.train.report_to:
-        run, where["mlflow"] = open_mlflow(recipe, out_dir=out_dir, saved=saved.get("mlflow", {}))
+        run, where["mlflow"] = open_mlflow(recipe, out_dir=out_dir, saved=saved.get("mlflow", {}), name=name)
         trackers.append(run)
         what = "continued" if where["mlflow"].pop("continued", False) else "new"
         print(f"[toolkit] mlflow: run {run.run_id} ({what}) in {where['mlflow']['tracking_uri']}", file=sys.stderr,
@@ -346,6 +364,20 @@ def open_trackers(recipe: Recipe, *, out_dir: Path, done_steps: int) -> list[Tra
     if where:
         path.write_text(json.dumps(where, indent=2))
     return trackers
+
+
+def tensorboard_log_dir(recipe: Recipe, *, saved: dict) -> Path:
+    """A resumed run's own folder (tracking.json's, while tracking_dir is the same); else a fresh name."""
+    root, leaf = tracking_root(recipe), run_name(recipe)
+    if "log_dir" in saved:
+        own = Path(saved["log_dir"])
+        if own == tensorboard_dir(root, own.name):
+            return own
+    name = fresh_tensorboard_name(root, Path(recipe.output_dir))
+    if name != leaf:
+        print(f"[toolkit] tensorboard: {tensorboard_dir(root, leaf)} holds another run's events; this run is "
+              f"{name}", file=sys.stderr, flush=True)
+    return tensorboard_dir(root, name)
 
 
 class MetricsLog:
