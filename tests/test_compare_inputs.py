@@ -376,3 +376,18 @@ def test_a_one_step_compare_marks_its_speed_and_a_first_step_count_of_collective
     assert "(no steady step): single, single@optim.lr=2e-3 ran no step past the warm-up" in table
     assert "- single@optim.lr=2e-3 (step 1, incl. set-up, rank 0): broadcast 1.00 MiB in 1 call(s)" in \
         (copy / "report.md").read_text()
+
+
+@pytest.mark.parametrize("report_to, tracking_dir", [("[]", False), ("tensorboard", True)])
+def test_compare_points_an_arm_at_the_experiment_folder_only_when_it_tracks(recipe, tmp_path, monkeypatch, report_to,
+                                                                            tracking_dir):
+    """The recipe refuses train.tracking_dir without train.report_to: an untracked arm is not given one."""
+    from toolkit.compare import runner
+    from toolkit.compare.experiment import Arm, Experiment
+
+    commands = []
+    monkeypatch.setattr(runner, "_run_launcher", lambda cmd, log: commands.append(cmd) or 1)
+    experiment = Experiment(recipe=str(recipe), out_dir=tmp_path, arms=[Arm(name="a", overrides=(), nproc=1)],
+                            common=[f"train.report_to={report_to}"])
+    assert runner.run_arm(experiment, experiment.arms[0]) == "failed"
+    assert (f"train.tracking_dir={tmp_path}" in commands[0]) is tracking_dir

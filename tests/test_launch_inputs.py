@@ -34,7 +34,8 @@ def test_tilde_is_the_home_folder_in_every_path_key(tmp_path, tiny_llama_dir, mo
     (home / "train.jsonl").write_text(open(TRAIN).read())
     monkeypatch.setenv("HOME", str(home))
     recipe, _ = _recipe(tmp_path, tiny_llama_dir)
-    sets = ["data.train=~/train.jsonl", "data.eval=~/train.jsonl", "output_dir=~/run", "train.tracking_dir=~/tb"]
+    sets = ["data.train=~/train.jsonl", "data.eval=~/train.jsonl", "output_dir=~/run", "train.tracking_dir=~/tb",
+            "train.report_to=tensorboard"]
     assert main(["validate", str(recipe), *[a for s in sets for a in ("--set", s)]]) == 0
     resolved = yaml.safe_load(capsys.readouterr().out)
     assert resolved["data"]["train"] == resolved["data"]["eval"] == str(home / "train.jsonl")
@@ -43,7 +44,8 @@ def test_tilde_is_the_home_folder_in_every_path_key(tmp_path, tiny_llama_dir, mo
     assert not (tmp_path / "~").exists() and not os.path.exists("~")
     from toolkit.recipe_files import load_recipe, path_keys
 
-    every = load_recipe(recipe, [f"{key}=~/{key}" for key in path_keys() if key != "model.path"])
+    every = load_recipe(recipe, [*(f"{key}=~/{key}" for key in path_keys() if key != "model.path"),
+                                 "train.report_to=tensorboard"])
     assert every.strategy.ds_config == str(home / "strategy.ds_config")
     assert every.model.tokenizer == str(home / "model.tokenizer")
 
@@ -81,6 +83,20 @@ def test_mlflow_file_store_is_one_line_before_ranks_start(tmp_path, tiny_llama_d
     recipe, out = _recipe(tmp_path, tiny_llama_dir, train={"report_to": ["mlflow"]})
     _one_line_exit_2(main(["launch", str(recipe)]), capsys, "MLFLOW_ALLOW_FILE_STORE=true", out)
     assert not (tmp_path / "mlruns").exists()
+
+
+@pytest.mark.parametrize("store, words", [
+    ("/proc/nope/mlflow.db", "cannot be made: its folder /proc/nope: no folder can be made in /proc"),
+    ("notadb.db", "is not a SQLite database file"),
+    (".", "is a folder, not a SQLite file; fix or unset MLFLOW_TRACKING_URI"),
+])
+def test_mlflow_sqlite_store_mlflow_cannot_open_is_one_line_before_ranks_start(store, words, tmp_path,
+                                                                               tiny_llama_dir, monkeypatch, capsys):
+    (tmp_path / "notadb.db").write_text("garbage, not a database\n")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{(tmp_path / store).resolve()}")
+    recipe, out = _recipe(tmp_path, tiny_llama_dir, train={"report_to": ["mlflow"]})
+    _one_line_exit_2(main(["validate", str(recipe)]), capsys, words, out)
+    assert (tmp_path / "notadb.db").read_text() == "garbage, not a database\n"  # the user's file, untouched
 
 
 def test_tracking_dir_that_is_a_file_is_one_line(tmp_path, tiny_llama_dir, capsys):

@@ -106,6 +106,8 @@ IGNORED = {  # (task, format, overrides) -> what the line says
                                     "optim.min_lr_ratio applies to optim.schedule cosine/linear only"),
     "a skip bound under stop": ("causal-lm", ("train.max_consecutive_skips=3",),
                                 "train.max_consecutive_skips applies to train.on_nonfinite skip only"),
+    "tracking_dir without a tracker": ("causal-lm", ("train.tracking_dir=tb",),
+                                       "train.tracking_dir applies only when train.report_to names a tracker"),
 }
 
 

@@ -14,6 +14,7 @@ import test_equivalence
 from conftest import metrics, write_recipe
 from test_cli_errors import _assert_one_line_exit_2
 from toolkit.cli import main
+from toolkit.errors import RecipeError
 from toolkit.recipe_files import load_recipe
 from toolkit.stopping import Stopped
 
@@ -197,3 +198,84 @@ def test_a_tracker_switched_off_mid_run_is_in_run_json(tmp_path, tiny_llama_dir,
     assert [r["step"] for r in metrics(out)] == [1, 2, 3]
     assert json.loads((out / "run.json").read_text())["trackers_switched_off"] == [
         {"tracker": "tensorboard", "step": 2, "error": "OSError: [Errno 28] No space left on device"}]
+
+
+def test_a_store_error_mlflow_does_not_wrap_is_one_line_naming_the_store(tmp_path, monkeypatch):
+    """The SQL driver's errors (here SQLAlchemy's DatabaseError) reach the caller unwrapped by MLflow."""
+    from toolkit import tracking
+
+    store = tmp_path / "notadb.db"
+    store.write_text("garbage, not a database\n")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}")
+    with pytest.raises(RecipeError, match=r"the store sqlite:///.*notadb.db cannot be opened \(DatabaseError: .*\); "
+                                          r"fix or unset MLFLOW_TRACKING_URI$"):
+        tracking.open_mlflow(_recipe(tmp_path, "train.report_to=mlflow"), out_dir=tmp_path, saved={})
+
+
+def test_a_mistake_found_at_tracker_start_leaves_a_folder_made_beforehand_as_it_was(tmp_path, tiny_llama_dir,
+                                                                                    monkeypatch, capsys):
+    """A job script's `mkdir -p` made output_dir: the run's files go, the user's stay, and the rerun is not
+    refused as "already holds a run"."""
+    import torch
+
+    from toolkit import tracking
+    from toolkit.dist import DistEnv
+    from toolkit.rank import train_rank
+
+    def changed_since_checked(*args, **kwargs):
+        raise RecipeError("train.report_to tensorboard: cannot write here")
+
+    monkeypatch.setattr(tracking, "TensorBoard", changed_since_checked)
+    out = tmp_path / "run"
+    (out / "notes").mkdir(parents=True)
+    (out / "notes" / "job.sh").write_text("mkdir -p run\n")
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out,
+                                      train={"max_steps": 1, "report_to": "tensorboard"}))
+    env = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    assert train_rank(recipe, env, None) == (2, None)
+    assert "cannot write here" in capsys.readouterr().err
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == ["notes", "notes/job.sh"]
+
+
+def test_a_deleted_experiment_is_one_line_naming_it_before_the_run_and_at_open(tmp_path, monkeypatch):
+    """Read from the SQLite file before any rank starts; asked of the store (a server's too) when the run opens."""
+    from mlflow.tracking import MlflowClient
+
+    from toolkit import tracking
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=store)
+    client.delete_experiment(client.create_experiment("gone"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "gone")
+    recipe = _recipe(tmp_path, "train.report_to=mlflow")
+    words = r"the experiment 'gone' \(MLFLOW_EXPERIMENT_NAME\) is deleted in the store; restore it"
+    with pytest.raises(RecipeError, match=words):
+        tracking.check_trackers(recipe)
+    with pytest.raises(RecipeError, match=words):
+        tracking.open_mlflow(recipe, out_dir=tmp_path, saved={})
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "kept")
+    tracking.check_trackers(recipe)  # another name: a new experiment
+
+
+def test_a_new_run_whose_tensorboard_name_holds_another_runs_events_takes_more_of_its_path(tmp_path, capsys):
+    """sweepA/seed0 and sweepB/seed0 in one tracking_dir: the later run's purge_step hid the earlier one's curves.
+    A resume keeps the folder tracking.json names."""
+    from toolkit import tracking
+
+    shared = tmp_path / "shared"
+
+    def recipe_for(out):
+        return load_recipe(write_recipe(tmp_path / "r.yaml", model_dir=tmp_path, output_dir=out),
+                           ["train.report_to=tensorboard", f"train.tracking_dir={shared}"])
+
+    first = tracking.tensorboard_log_dir(recipe_for(tmp_path / "sweepA" / "seed0"), saved={})
+    assert first == shared / "tensorboard" / "seed0"
+    first.mkdir(parents=True)
+    assert tracking.tensorboard_log_dir(recipe_for(tmp_path / "sweepB" / "seed0"), saved={}) == first  # no events yet
+    (first / "events.out.tfevents.1.host").write_bytes(b"")
+    second = tracking.tensorboard_log_dir(recipe_for(tmp_path / "sweepB" / "seed0"), saved={})
+    assert second == shared / "tensorboard" / "sweepB-seed0"
+    assert f"{first} holds another run's events; this run is sweepB-seed0" in capsys.readouterr().err
+    resumed = tracking.tensorboard_log_dir(recipe_for(tmp_path / "sweepA" / "seed0"), saved={"log_dir": str(first)})
+    assert resumed == first

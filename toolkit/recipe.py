@@ -232,7 +232,8 @@ class TrainConfig:
     compile: bool = False
     # experiment trackers fed every metrics.jsonl record, from rank 0 (toolkit/tracking.py): tensorboard (event
     # files in <tracking_dir>/tensorboard/<run>) | mlflow (a run in $MLFLOW_TRACKING_URI, else in the SQLite store
-    # <tracking_dir>/mlflow.db); <run> is output_dir's folder name. One name or a list
+    # <tracking_dir>/mlflow.db); <run> is output_dir's folder name (more of its path if another run's events hold
+    # it). One name or a list
     report_to: tuple[str, ...] = ()
     # the folder both trackers write into; null: output_dir. One folder for many runs overlays their curves
     # (`toolkit compare` points every arm at its experiment folder)
@@ -254,6 +255,9 @@ class TrainConfig:
             _choice("train.report_to", name, TRACKERS)
         if len(set(self.report_to)) != len(self.report_to):
             raise RecipeError(f"train.report_to names a tracker twice: {list(self.report_to)}")
+        if self.tracking_dir and not self.report_to:  # set, it says the user expects curves there: none are written
+            raise RecipeError("train.tracking_dir applies only when train.report_to names a tracker; remove it or "
+                              f"set train.report_to (one or more of {', '.join(TRACKERS)})")
         if (self.max_steps is None) == (self.epochs is None):
             raise RecipeError("train: give exactly one of max_steps or epochs")
         if self.epochs is not None:

@@ -3,8 +3,9 @@ on rank 0, through the libraries' own writers (torch's SummaryWriter, MLflow's c
 
 Where they write: <tracking_dir>/tensorboard/<run> and MLflow's $MLFLOW_TRACKING_URI (its experiment:
 $MLFLOW_EXPERIMENT_NAME, else Default), else the SQLite store <tracking_dir>/mlflow.db; tracking_dir defaults
-to output_dir and <run> is output_dir's folder name. output_dir/tracking.json says where, and holds the MLflow
-run id that --resume continues. On resume TensorBoard hides the events of the steps the checkpoint does not
+to output_dir and <run> is output_dir's folder name (more of its path where another run's events hold that
+name). output_dir/tracking.json says where, and holds the TensorBoard folder and MLflow run that --resume
+continues. On resume TensorBoard hides the events of the steps the checkpoint does not
 hold (SummaryWriter's purge_step); MLflow keeps every value it was sent, so such steps appear twice there.
 """
 
@@ -54,6 +55,21 @@ def tensorboard_dir(root: Path, name: str) -> Path:
     return root / "tensorboard" / name
 
 
+def holds_events(log_dir: Path) -> bool:
+    return log_dir.is_dir() and any(log_dir.glob("events.out.tfevents.*"))
+
+
+def fresh_tensorboard_name(root: Path, out_dir: Path) -> str:
+    """A new run's TensorBoard folder name: output_dir's folder name, unless another run's events are there
+    (sweepA/seed0 and sweepB/seed0 in one tracking_dir): then more of output_dir's path (sweepB-seed0), then a
+    number. Shared, the later run's purge_step hid the earlier one's curves. tracking.json keeps the name, for
+    --resume to write on in the same folder."""
+    parts = out_dir.resolve().parts[1:]  # without the root, "/"
+    candidates = ["-".join(parts[-count:]) for count in range(1, len(parts) + 1)]
+    candidates += [f"{candidates[0]}-{number}" for number in range(2, 1000)]
+    return next(name for name in candidates if not holds_events(tensorboard_dir(root, name)))
+
+
 def mlflow_tracking_uri(recipe: Recipe) -> str:
     """$MLFLOW_TRACKING_URI, as MLflow reads it itself; else a SQLite file in tracking_dir, MLflow's own local
     default (its file store ./mlruns is in maintenance mode: MLflow refuses it unless MLFLOW_ALLOW_FILE_STORE)."""
@@ -93,6 +109,51 @@ def check_trackers(recipe: Recipe) -> None:
     check_creatable(tracking_root(recipe) / "tensorboard", what=what)  # a file there: SummaryWriter's traceback
     if "mlflow" in recipe.train.report_to:
         check_mlflow_store(mlflow_tracking_uri(recipe))
+        check_sqlite_store(mlflow_tracking_uri(recipe), fix=store_fix(recipe))
+        check_sqlite_experiment(mlflow_tracking_uri(recipe), experiment_name())
+
+
+def store_fix(recipe: Recipe) -> str:
+    """How to point MLflow at another store: the variable that named this one, or the folder it is made in."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return "fix or unset MLFLOW_TRACKING_URI"
+    return f"choose another {'train.tracking_dir' if recipe.train.tracking_dir else 'output_dir'}"
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a sqlite: URI (SQLAlchemy's reading of it); None for another store or in memory."""
+    if not uri.startswith("sqlite:"):
+        return None
+    from sqlalchemy.engine import make_url
+
+    database = make_url(uri).database
+    return None if database in (None, "", ":memory:") else Path(database)
+
+
+SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
+
+
+def check_sqlite_store(uri: str, *, fix: str) -> None:
+    """A sqlite: store MLflow can open: its folder can be made (MLflow makes it) and its file, if there, is a
+    SQLite database. Checked on the file itself, without opening the store: MLflow would create its tables (or
+    migrate them), seconds of writing for a check. Without this the error came from the SQL driver mid-run."""
+    from toolkit.checkpoint.store import check_creatable
+
+    path = sqlite_path(uri)
+    if path is None:
+        return
+    what = "its folder"
+    try:
+        check_creatable(path.parent, what=what)
+    except RecipeError as exc:  # check_creatable's line less its own fix (another folder), which is not ours
+        reason = str(exc).removesuffix(f"; choose another {what}")
+        raise RecipeError(f"train.report_to mlflow: the store {uri} cannot be made: {reason}; {fix}") from None
+    if path.is_dir():
+        raise RecipeError(f"train.report_to mlflow: the store {uri} is a folder, not a SQLite file; {fix}")
+    if path.is_file() and path.stat().st_size > 0:  # an empty file is an empty database to SQLite
+        with path.open("rb") as head:
+            if head.read(len(SQLITE_HEADER)) != SQLITE_HEADER:
+                raise RecipeError(f"train.report_to mlflow: the store {uri} is not a SQLite database file; {fix}")
 
 
 def check_mlflow_store(uri: str) -> None:
@@ -113,6 +174,34 @@ def check_mlflow_store(uri: str) -> None:
         raise RecipeError(f"MLFLOW_TRACKING_URI={uri} is MLflow's file store, which MLflow refuses (maintenance "
                           "mode); point it at a SQLite file (sqlite:///PATH/mlflow.db) or a server, unset it for "
                           "<tracking_dir>/mlflow.db, or set MLFLOW_ALLOW_FILE_STORE=true to write the file store")
+
+
+def experiment_name() -> str:
+    return os.environ.get("MLFLOW_EXPERIMENT_NAME", "Default")
+
+
+def deleted_experiment(name: str) -> RecipeError:
+    # MLflow keeps a deleted experiment's name taken (its runs can be restored) and refuses new runs in it
+    named = "(MLFLOW_EXPERIMENT_NAME)" if os.environ.get("MLFLOW_EXPERIMENT_NAME") else "(MLflow's default)"
+    return RecipeError(f"train.report_to mlflow: the experiment {name!r} {named} is deleted in the store; restore "
+                       "it (mlflow experiments restore) or set MLFLOW_EXPERIMENT_NAME to another name")
+
+
+def check_sqlite_experiment(uri: str, name: str) -> None:
+    """A sqlite: store's experiment of that name is not deleted: read from the file, read-only (the store's
+    own client would create or migrate its tables). A file MLflow has not made its tables in yet says nothing."""
+    import sqlite3
+
+    path = sqlite_path(uri)
+    if path is None or not path.is_file():
+        return
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
+            row = db.execute("SELECT lifecycle_stage FROM experiments WHERE name = ?", (name,)).fetchone()
+    except sqlite3.Error:  # no such table yet, a locked file: MLflow's own open says it
+        return
+    if row is not None and row[0] == "deleted":
+        raise deleted_experiment(name)
 
 
 def numbers(record: dict) -> dict[str, float]:
@@ -207,20 +296,21 @@ def flat_params(tree: dict, prefix: str = "") -> list[tuple[str, str]]:
     return out
 
 
-def open_mlflow(recipe: Recipe, *, out_dir: Path, saved: dict) -> tuple[Mlflow, dict]:
+def open_mlflow(recipe: Recipe, *, out_dir: Path, saved: dict, name: str | None = None) -> tuple[Mlflow, dict]:
     """A new run named after output_dir, or on resume the run tracking.json names (if its store still has it).
-    A store that cannot be opened (a server that does not answer, a URI MLflow refuses) is one line: the run
-    stops before its first step, and rank 0 removes the run folder it had begun (toolkit.rank)."""
-    from mlflow.exceptions import MlflowException
-
+    A store that cannot be opened (a server that does not answer, a URI MLflow refuses, a file its SQL driver
+    cannot read or make) is one line: the run stops before its first step, and rank 0 removes what the run had
+    begun (toolkit.rank). Any exception: MLflow passes its driver's (OSError, SQLAlchemy's) through unwrapped."""
     try:
-        return _open_mlflow_run(recipe, out_dir=out_dir, saved=saved)
-    except MlflowException as exc:
+        return _open_mlflow_run(recipe, out_dir=out_dir, saved=saved, name=name or run_name(recipe))
+    except RecipeError:
+        raise
+    except Exception as exc:
         raise RecipeError(f"train.report_to mlflow: the store {mlflow_tracking_uri(recipe)} cannot be opened "
-                          f"({first_line(exc)}); fix or unset MLFLOW_TRACKING_URI") from None
+                          f"({type(exc).__name__}: {first_line(exc)}); {store_fix(recipe)}") from None
 
 
-def _open_mlflow_run(recipe: Recipe, *, out_dir: Path, saved: dict) -> tuple[Mlflow, dict]:
+def _open_mlflow_run(recipe: Recipe, *, out_dir: Path, saved: dict, name: str) -> tuple[Mlflow, dict]:
     import logging
 
     from mlflow.exceptions import MlflowException
@@ -237,10 +327,12 @@ def _open_mlflow_run(recipe: Recipe, *, out_dir: Path, saved: dict) -> tuple[Mlf
             return Mlflow(client, run_id), {**saved, "continued": True}
         except MlflowException:  # the store no longer has it: a new run
             pass
-    experiment_name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "Default")
-    experiment = client.get_experiment_by_name(experiment_name)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(experiment_name)
-    run = client.create_run(experiment_id, run_name=run_name(recipe), tags={"toolkit.output_dir": str(out_dir)})
+    named = experiment_name()
+    experiment = client.get_experiment_by_name(named)
+    if experiment is not None and experiment.lifecycle_stage == "deleted":  # a server's store, too
+        raise deleted_experiment(named)
+    experiment_id = experiment.experiment_id if experiment else client.create_experiment(named)
+    run = client.create_run(experiment_id, run_name=name, tags={"toolkit.output_dir": str(out_dir)})
     tracker = Mlflow(client, run.info.run_id)
     tracker.log_recipe(recipe)
     return tracker, {"tracking_uri": uri, "experiment_id": experiment_id, "run_id": run.info.run_id}
@@ -252,8 +344,10 @@ def open_trackers(recipe: Recipe, *, out_dir: Path, done_steps: int) -> list[Tra
     saved = json.loads(path.read_text()) if done_steps and path.is_file() else {}
     trackers: list[Tracker] = []
     where: dict[str, Any] = {}
+    name = run_name(recipe)
     if "tensorboard" in recipe.train.report_to:
-        log_dir = tensorboard_dir(tracking_root(recipe), run_name(recipe))
+        log_dir = tensorboard_log_dir(recipe, saved=saved.get("tensorboard", {}))
+        name = log_dir.name
         board = TensorBoard(log_dir, done_steps=done_steps)
         if not done_steps:
             board.log_recipe(recipe)
@@ -262,7 +356,7 @@ def open_trackers(recipe: Recipe, *, out_dir: Path, done_steps: int) -> list[Tra
         print(f"[toolkit] tensorboard: {log_dir} (view: tensorboard --logdir {log_dir.parent})", file=sys.stderr,
               flush=True)
     if "mlflow" in recipe.train.report_to:
-        run, where["mlflow"] = open_mlflow(recipe, out_dir=out_dir, saved=saved.get("mlflow", {}))
+        run, where["mlflow"] = open_mlflow(recipe, out_dir=out_dir, saved=saved.get("mlflow", {}), name=name)
         trackers.append(run)
         what = "continued" if where["mlflow"].pop("continued", False) else "new"
         print(f"[toolkit] mlflow: run {run.run_id} ({what}) in {where['mlflow']['tracking_uri']}", file=sys.stderr,
@@ -270,6 +364,20 @@ def open_trackers(recipe: Recipe, *, out_dir: Path, done_steps: int) -> list[Tra
     if where:
         path.write_text(json.dumps(where, indent=2))
     return trackers
+
+
+def tensorboard_log_dir(recipe: Recipe, *, saved: dict) -> Path:
+    """A resumed run's own folder (tracking.json's, while tracking_dir is the same); else a fresh name."""
+    root, leaf = tracking_root(recipe), run_name(recipe)
+    if "log_dir" in saved:
+        own = Path(saved["log_dir"])
+        if own == tensorboard_dir(root, own.name):
+            return own
+    name = fresh_tensorboard_name(root, Path(recipe.output_dir))
+    if name != leaf:
+        print(f"[toolkit] tensorboard: {tensorboard_dir(root, leaf)} holds another run's events; this run is "
+              f"{name}", file=sys.stderr, flush=True)
+    return tensorboard_dir(root, name)
 
 
 class MetricsLog:

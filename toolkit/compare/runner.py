@@ -113,8 +113,10 @@ SEE_ABOVE = " (see the rank output above)"
 def run_arm(experiment: Experiment, arm: Arm) -> str:
     out = arm_dir(experiment, arm)
     # trackers (train.report_to) write into the experiment folder, each arm a run named after it: one
-    # `tensorboard --logdir <experiment>/tensorboard` overlays the arms' curves
-    where = (f"output_dir={out}", f"train.tracking_dir={experiment.out_dir}")
+    # `tensorboard --logdir <experiment>/tensorboard` overlays the arms' curves. Without trackers the recipe
+    # refuses train.tracking_dir (nothing reads it)
+    tracked = load_recipe(experiment.recipe, [*experiment.common, *arm.overrides]).train.report_to
+    where = (f"output_dir={out}", *([f"train.tracking_dir={experiment.out_dir}"] if tracked else []))
     sets = [a for o in (*experiment.common, *arm.overrides, *where) for a in ("--set", o)]
     cmd = [sys.executable, "-m", "toolkit", "launch", "--nproc", str(arm.nproc), experiment.recipe, *sets]
     shutil.rmtree(out, ignore_errors=True)  # what an earlier, unfinished attempt left: the arm runs afresh
