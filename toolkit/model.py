@@ -226,9 +226,20 @@ def hf_config(config: ModelConfig, *, tokenizer=None):
         built = transformers.AutoConfig.for_model(model_type, **fields, **_label_fields(config))
     check_architecture(built, config)  # first: a model type without the task's head is the bigger mistake
     check_unknown_fields(built, fields, config)
-    if tokenizer is not None and getattr(built, "pad_token_id", None) is None:
-        built.pad_token_id = padding_id(tokenizer)
+    if tokenizer is not None:
+        _take_token_ids(built, fields, tokenizer)
     return built
+
+
+def _take_token_ids(built, fields: dict, tokenizer) -> None:
+    """A model built from a config speaks its tokenizer's bos/eos (none where the tokenizer has none), not its config
+    class's defaults (Llama's 1/2 are other tokens of this vocabulary: generate() would stop on the wrong one).
+    Ids model.config names stay the recipe's; a config class's own pad id stays (RoBERTa's positions count from it)."""
+    for name in ("bos_token_id", "eos_token_id"):
+        if name not in fields and hasattr(built, name):
+            setattr(built, name, getattr(tokenizer, name))
+    if getattr(built, "pad_token_id", None) is None:
+        built.pad_token_id = padding_id(tokenizer)
 
 
 def build_model(config: ModelConfig, *, tokenizer, seed: int) -> nn.Module:
