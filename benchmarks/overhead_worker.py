@@ -69,7 +69,7 @@ def main() -> None:
     from toolkit.loading import ModelSource
     from toolkit.loop import prepare, setup_strategy, train_step
     from toolkit.metrics import JsonlWriter, synchronize
-    from toolkit.model import build_model
+    from toolkit.model import build_model, padding_id
     from toolkit.recipe_files import load_recipe
     from toolkit.strategies import make_strategy
 
@@ -84,7 +84,7 @@ def main() -> None:
                    total_steps=total_steps)
     minimal = minimal_setup(build_model(recipe.model, tokenizer=tokenizer, seed=recipe.seed), recipe, plan)
     loader = train_loader(train_ds, sampler=sampler, start=0, stop=total_steps, data=recipe.data,
-                          collator=Collator(pad_token_id=tokenizer.pad_token_id, task=recipe.model.task))
+                          collator=Collator(pad_token_id=padding_id(tokenizer), task=recipe.model.task))
     scratch = Path(tempfile.mkdtemp(prefix="overhead-"))
     writer = JsonlWriter(scratch / "metrics.jsonl") if env.is_main else None
     info = {"_out_dir": str(scratch)}  # the first step's run.json notes land in scratch

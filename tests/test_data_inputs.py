@@ -288,3 +288,47 @@ def test_packed_instruction_blocks_without_a_response_token_are_counted_as_block
                     f"{counts.num_tokens_unpacked:,} of {counts.num_tokens:,} tokens "
                     f"({counts.num_tokens_unpacked / counts.num_tokens:.1%}) are left out of packing: the partial "
                     "block at the end of every 1000 samples")
+
+
+def _cased_tokenizer(path):
+    """The test tokenizer saved without lower-casing: the same vocabulary (an uncased one), other ids ("Overall" is
+    [UNK])."""
+    from transformers import AutoTokenizer
+
+    from toolkit.model import resolve_path
+
+    AutoTokenizer.from_pretrained(str(resolve_path(MINILM)), do_lower_case=False).save_pretrained(path)
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def test_a_tokenizer_with_the_same_vocabulary_that_tokenizes_otherwise_reads_its_own_tokens(tmp_path,
+                                                                                           tiny_llama_dir):
+    """The tokenized cache keyed the vocabulary, not the normalizer: a second tokenizer with the same
+    vocabulary was given the first one's cached tokens. The reference is the second tokenizer called directly."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from toolkit.data import tokenizer_identity
+
+    path = tmp_path / "rows.jsonl"
+    texts = [r["text"].capitalize() for r in ROWS[:16]]  # capitals: what lower-casing changes
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
+                                      data={"train": str(path), "eval": None}))
+    plain, other = _tokenizer(), _cased_tokenizer(tmp_path / "cased")
+    assert other.get_vocab() == plain.get_vocab()
+    shutil.copytree(tiny_llama_dir, tmp_path / "copy")  # the same files elsewhere: the same identity
+
+    def identity(folder):
+        return tokenizer_identity(AutoTokenizer.from_pretrained(str(folder)))
+
+    assert identity(tmp_path / "copy") == identity(tiny_llama_dir)
+    assert tokenizer_identity(other) != tokenizer_identity(plain)
+
+    def ids(tokenizer):
+        return load_split("data.train", data=recipe.data, task="causal-lm", num_labels=2, tokenizer=tokenizer,
+                          env=ONE_RANK)[0]["input_ids"]
+
+    assert ids(plain) == plain(texts, truncation=True, max_length=32)["input_ids"]
+    assert ids(other) == other(texts, truncation=True, max_length=32)["input_ids"] != ids(plain)

@@ -254,16 +254,48 @@ TOKENIZED_VERSION = "tokenized-v2"
 
 
 def _cache_key(source: DataSource, *, data: DataConfig, task: str, tokenizer, names: list[str] | None) -> str:
-    """Cache identity: the source's files + tokenizer vocabulary and template + every setting that changes the
-    tokens or labels."""
+    """Cache identity: the source's files + how the tokenizer tokenizes + every setting that changes the tokens
+    or labels."""
     digest = hashlib.sha256(source.fingerprint().encode())
     digest.update(TOKENIZED_VERSION.encode())
-    digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-    digest.update(json.dumps([type(tokenizer).__name__, data.text_column, data.label_column, data.max_length,
-                              data.packing, task, data.format, data.messages_column, data.prompt_column,
-                              data.response_column, data.chat_template or getattr(tokenizer, "chat_template", None),
-                              tokenizer.eos_token, names]).encode())
+    digest.update(tokenizer_identity(tokenizer).encode())
+    digest.update(json.dumps([data.text_column, data.label_column, data.max_length, data.packing, task, data.format,
+                              data.messages_column, data.prompt_column, data.response_column,
+                              data.chat_template or getattr(tokenizer, "chat_template", None), names]).encode())
     return digest.hexdigest()[:32]
+
+
+def tokenizer_identity(tokenizer) -> str:
+    """A digest of everything that decides a tokenizer's ids: two tokenizers with one vocabulary can still
+    tokenize differently (a post-processor that adds BOS, a normalizer that lower-cases, another truncation side).
+    Stable across processes: file contents, never the folder's path."""
+    digest = hashlib.sha256(type(tokenizer).__name__.encode())
+    digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:  # a fast tokenizer: its whole pipeline, as tokenizer.json holds it
+        state = json.loads(backend.to_str())
+        for key in ("truncation", "padding"):  # set by each call from its own arguments (which the key has)
+            state.pop(key, None)
+        digest.update(json.dumps(state, sort_keys=True).encode())
+    digest.update(json.dumps([tokenizer.truncation_side, _described(tokenizer.special_tokens_map),
+                              _described(tokenizer.init_kwargs)], sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def _described(value: Any, key: str = "") -> Any:
+    """init_kwargs as JSON: a file a slow tokenizer reads (vocab_file, a SentencePiece model) by its content, not
+    its path; the folder's own path left out; AddedToken and other objects by their repr."""
+    if key == "name_or_path":
+        return None
+    if isinstance(value, str) and key.endswith("_file") and Path(value).is_file():
+        return hashlib.sha256(Path(value).read_bytes()).hexdigest()
+    if isinstance(value, dict):
+        return {str(k): _described(v, str(k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_described(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return repr(value)
 
 
 PACK_ROWS = 1000  # samples per packing batch: its stream's last partial block is left out (run_clm's group_texts)

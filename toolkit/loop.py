@@ -40,7 +40,7 @@ from toolkit.loading import ModelSource, num_parameters, own_memory, whole_param
 from toolkit.losses import micro_batch_loss_sum
 from toolkit.metrics import (Progress, compile_graph_breaks, compile_seconds, peak_memory_bytes,
                              process_bytes, synchronize)
-from toolkit.model import BlockForwards, layer_stack, load_tokenizer, saved_label_names
+from toolkit.model import BlockForwards, layer_stack, load_tokenizer, padding_id, saved_label_names
 from toolkit.optim import build_adamw, build_scheduler
 from toolkit.precision import check_precision_supported
 from toolkit.recipe import EVAL_EVERY_DEFAULT, Recipe, check_profile_window
@@ -113,6 +113,10 @@ def prepare(recipe: Recipe, env: DistEnv):
                      "nothing is evaluated; give data.eval a file to evaluate")
     if recipe.optim.warmup_steps >= total_steps:  # a smoke run on a recipe's warm-up: deliberate, yet say so
         notes.append(warmup_note(recipe.optim.warmup_steps, total_steps))
+    if tokenizer.pad_token_id is None:
+        key = "model.tokenizer" if recipe.model.tokenizer else "model.path"
+        notes.append(f"[toolkit] {key}: the tokenizer has no pad, eos or unk token; batches are padded with id 0 "
+                     "(masked out of attention and the loss)")
     lora = recipe.model.lora
     if lora is not None and recipe.model.path is None and not lora.merge_on_export:
         notes.append("[toolkit] model.lora on a model built from model.config: its base weights are saved "
@@ -204,7 +208,7 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
         if names is not None:  # named labels: their class ids, in the exported config as transformers keeps them
             name_labels(strategy.export_module(), names, info=info, env=env)
         replicas = announce_replica_check(strategy, recipe=recipe, env=env, info=info)
-        collator = Collator(pad_token_id=tokenizer.pad_token_id, task=recipe.model.task)
+        collator = Collator(pad_token_id=padding_id(tokenizer), task=recipe.model.task)
         loader = iter(train_loader(train_ds, sampler=sampler, start=done, stop=total_steps, collator=collator,
                                    data=recipe.data))  # a function of seed + step: resumes exactly
         if env.is_main:

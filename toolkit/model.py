@@ -150,6 +150,13 @@ def load_tokenizer(config: ModelConfig):
     return tokenizer
 
 
+def padding_id(tokenizer) -> int:
+    """The id batches are padded with: the tokenizer's pad token (load_tokenizer's fallback: eos, then unk), else 0.
+    Padding is masked out of attention and the loss, so any id serves; naming no token keeps the tokenizer as it
+    was (a vocabulary token made its pad would be dropped from decoded text)."""
+    return 0 if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+
+
 def _no_tokenizer(config: ModelConfig, path: Path, reason: str) -> NoReturn:
     key, where = ("model.tokenizer", "") if config.tokenizer else ("model.path", ", or set model.tokenizer")
     raise RecipeError(f"{key}: {path} holds no tokenizer transformers can load ({reason}); it needs "
@@ -238,9 +245,20 @@ def hf_config(config: ModelConfig, *, tokenizer=None):
         built = transformers.AutoConfig.for_model(model_type, **fields, **_label_fields(config))
     check_architecture(built, config)  # first: a model type without the task's head is the bigger mistake
     check_unknown_fields(built, fields, config)
-    if tokenizer is not None and getattr(built, "pad_token_id", None) is None:
-        built.pad_token_id = tokenizer.pad_token_id
+    if tokenizer is not None:
+        _take_token_ids(built, fields, tokenizer)
     return built
+
+
+def _take_token_ids(built, fields: dict, tokenizer) -> None:
+    """A model built from a config speaks its tokenizer's bos/eos (none where the tokenizer has none), not its config
+    class's defaults (Llama's 1/2 are other tokens of this vocabulary: generate() would stop on the wrong one).
+    Ids model.config names stay the recipe's; a config class's own pad id stays (RoBERTa's positions count from it)."""
+    for name in ("bos_token_id", "eos_token_id"):
+        if name not in fields and hasattr(built, name):
+            setattr(built, name, getattr(tokenizer, name))
+    if getattr(built, "pad_token_id", None) is None:
+        built.pad_token_id = padding_id(tokenizer)
 
 
 def build_model(config: ModelConfig, *, tokenizer, seed: int) -> nn.Module:
@@ -273,8 +291,8 @@ def empty_model(config: ModelConfig, *, tokenizer) -> nn.Module:
 
 def _finish(model: Any, config: ModelConfig, *, tokenizer) -> nn.Module:
     """What every built model gets: a pad token id, the recipe's dropout, a vocabulary the tokenizer fits."""
-    if getattr(model.config, "pad_token_id", None) is None:
-        model.config.pad_token_id = tokenizer.pad_token_id
+    if getattr(model.config, "pad_token_id", None) is None:  # a classifier finds each sample's end by it
+        model.config.pad_token_id = padding_id(tokenizer)
     if config.dropout is not None:
         set_dropout(model, config.dropout)
     check_vocabulary(model, tokenizer)
