@@ -209,8 +209,9 @@ def _learnable(batch) -> list[bool]:
 
 
 # what the cached columns mean: a change to how samples are tokenized gives them a new name, so that a cache an
-# older toolkit wrote is not read as this one's (v2: packing tokenizes whole documents; blank text lines dropped)
-TOKENIZED_VERSION = "tokenized-v2"
+# older toolkit wrote is not read as this one's (v2: packing tokenizes whole documents; blank text lines dropped;
+# v3: an instruction token that overlaps a response is trained, where v2 trained one that starts in it)
+TOKENIZED_VERSION = "tokenized-v3"
 
 
 def _cache_key(source: DataSource, *, data: DataConfig, task: str, tokenizer, names: list[str] | None) -> str:
