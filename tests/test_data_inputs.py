@@ -225,6 +225,27 @@ def test_a_chat_template_file_is_read_and_a_template_that_writes_no_message_is_o
                      "data.chat_template does not write the assistant's message")
 
 
+def test_the_chat_template_trained_with_is_saved_with_the_export_and_the_checkpoint(tmp_path, tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": r["text"]},
+                                                     {"role": "assistant", "content": ["no", "yes"][r["label"]]}]})
+                            + "\n" for r in ROWS[:8]))
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out,
+                          data={"train": str(data), "eval": None, "format": "chat", "chat_template": str(template)},
+                          train={"max_steps": 1}, checkpoint={"final": True})
+    assert AutoTokenizer.from_pretrained(tiny_llama_dir).chat_template is None  # the model's own has none
+    assert main(["train", str(recipe)]) == 0
+    saved = [out / "model", *(out / "checkpoints").glob("*/hf")]
+    assert len(saved) == 2, saved
+    for folder in saved:  # what a user's transformers reads back, against the file the recipe named
+        assert AutoTokenizer.from_pretrained(folder).chat_template == template.read_text(), folder
+
+
 def test_a_chat_template_that_fails_on_one_conversation_names_its_row(tmp_path, tiny_llama_dir):
     from toolkit.errors import RecipeError
 

@@ -144,6 +144,15 @@ def chat_template_text(data: DataConfig) -> DataConfig:
     return replace(data, chat_template=text)
 
 
+def adopt_chat_template(tokenizer, data: DataConfig) -> None:
+    """data.chat_template, when given, becomes the tokenizer's own. The run saves this tokenizer with its
+    checkpoints (hf/) and its export: a model is prompted through its tokenizer's template (apply_chat_template,
+    serving stacks), and the tokenizer's original one, or none, renders another format than it was trained on."""
+    template = chat_template_text(data).chat_template
+    if data.format == "chat" and template is not None:
+        tokenizer.chat_template = template
+
+
 def check_messages(rows, key: str, path, column: str) -> None:
     """Each row of `column` is a list of {role, content} turns with at least one assistant turn."""
     for number, messages in enumerate(rows, start=1):
