@@ -246,19 +246,25 @@ def test_the_chat_template_trained_with_is_saved_with_the_export_and_the_checkpo
         assert AutoTokenizer.from_pretrained(folder).chat_template == template.read_text(), folder
 
 
-def test_a_chat_template_that_fails_on_one_conversation_names_its_row(tmp_path, tiny_llama_dir):
+def test_a_chat_template_that_fails_on_one_conversation_names_its_split_file_and_row(tmp_path, tiny_llama_dir):
     from toolkit.errors import RecipeError
 
     rows = [[{"role": "user", "content": r["text"]}, {"role": "assistant", "content": "yes"}] for r in ROWS[:9]]
+    clean = tmp_path / "clean.jsonl"
+    clean.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
     rows[6].insert(1, {"role": "tool", "content": "42"})  # row 7: a role the template refuses
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
     strict = ("{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
               "{{ raise_exception('no role ' + m['role']) }}{% endif %}" + CHAT_TEMPLATE.split("%}", 1)[1])
-    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
-                          data={"train": str(data), "eval": None, "format": "chat", "chat_template": strict})
-    with pytest.raises(RecipeError, match="data.chat_template fails on row 7's conversation .*no role tool"):
-        _split(recipe)
+    for key, train, evaluation in (("data.train", data, None), ("data.eval", clean, data)):
+        recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
+                              data={"train": str(train), "eval": evaluation and str(evaluation), "format": "chat",
+                                    "chat_template": strict})
+        with pytest.raises(RecipeError) as refused:
+            _split(recipe, key)
+        assert str(refused.value) == (f"{key}: {data} row 7: data.chat_template fails on its conversation "
+                                      "(TemplateError: no role tool); fix it")
 
 
 def test_a_saved_class_label_column_gives_its_names(tmp_path, tiny_bert_dir):

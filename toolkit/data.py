@@ -163,7 +163,7 @@ def _tokenized(source: DataSource, *, data: DataConfig, task: str, num_labels: i
 
     def encode(batch, indices):
         if data.format != "text":
-            return encode_batch(batch, data, tokenizer, indices=indices)
+            return encode_batch(batch, data, tokenizer, indices=indices, where=f"{source.key}: {source.path}")
         out = tokenizer(batch[text], truncation=not packing, max_length=max_length)
         result = {"input_ids": out["input_ids"],
                   "num_cut": num_cut_tokens(batch[text], out["input_ids"], tokenizer, max_length=max_length)}

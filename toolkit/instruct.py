@@ -89,17 +89,19 @@ def num_cut_tokens(texts: list[str], ids: list[list[int]], tokenizer, *, max_len
     return cut
 
 
-def encode_batch(batch: dict, data: DataConfig, tokenizer, *, indices: list[int]) -> dict[str, list]:
-    """A `datasets.map` batch of instruction rows (`indices`: their positions in the split, from 0) -> input_ids,
-    labels and num_cut (whole samples under data.packing: the packer cuts the stream into blocks)."""
+def encode_batch(batch: dict, data: DataConfig, tokenizer, *, indices: list[int], where: str) -> dict[str, list]:
+    """A `datasets.map` batch of instruction rows (`indices`: their positions in the split, from 0; `where`: the
+    split's key and path, "data.eval: FILE") -> input_ids, labels and num_cut (whole samples under data.packing:
+    the packer cuts the stream into blocks)."""
     if data.format == "chat":
         rendered = []
         for index, messages in zip(indices, batch[data.messages_column]):
             try:
                 rendered.append(chat_text(messages, tokenizer, data.chat_template))
-            except RecipeError as exc:  # the template fails on this conversation: say which, as the rows count
-                raise RecipeError(str(exc).replace("fails on a conversation", f"fails on row {index + 1}'s "
-                                                   "conversation", 1)) from None
+            except RecipeError as exc:  # the template fails on this conversation: say which, as other data errors do
+                reason = str(exc).removeprefix("data.format chat: ").replace("on a conversation", "on its "
+                                                                            "conversation", 1)
+                raise RecipeError(f"{where} row {index + 1}: {reason}") from None
         special = False  # the template writes the conversation's special tokens itself
     else:
         rendered = [prompt_response_text(p, r, tokenizer)
