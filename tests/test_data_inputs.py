@@ -13,6 +13,7 @@ from conftest import MINILM, TRAIN, write_recipe
 from toolkit.cli import main
 from toolkit.data import data_note, load_split
 from toolkit.dist import DistEnv
+from toolkit.losses import IGNORE_INDEX
 from toolkit.recipe_files import load_recipe
 
 ROWS = [json.loads(line) for line in open(TRAIN)][:64]
@@ -105,8 +106,8 @@ MIXED = [{"text": r["text"], "label": r["label"]} for r in ROWS[:8]]
 BAD_FILES = {
     "ids and names": ("mixed.jsonl", [*MIXED[:5], {"text": "meh", "label": "pos"}, *MIXED[5:]],
                       "row 6 has label 'pos' in column 'label' where other rows have class ids; use one kind"),
-    "a number among texts": ("numtext.jsonl", [*MIXED[:3], {"text": 12345, "label": 0}, *MIXED[3:]],
-                             "row 4 has 12345 in column 'text', where other rows have text"),
+    "a boolean among texts": ("booltext.jsonl", [*MIXED[:3], {"text": True, "label": 0}, *MIXED[3:]],
+                              "row 4 has True in column 'text', where other rows have text"),  # a number is text
     "a fraction among ids": ("float.jsonl", [*MIXED[:6], {"text": "meh", "label": 1.5}, *MIXED[6:]],
                              "row 7 has label 1.5 in column 'label'; labels must be class ids (whole numbers)"),
     "columnar json": ("columns.json", {"text": [r["text"] for r in MIXED], "label": [r["label"] for r in MIXED]},
@@ -122,6 +123,26 @@ def test_a_label_or_text_of_the_wrong_kind_names_its_row_and_value(case, tmp_pat
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, task="sequence-classification",
                           output_dir=tmp_path / "out", data={"train": str(path), "eval": None})
     _one_line_exit_2(main(["validate", str(recipe)]), capsys, f"data.train: {path} {words}")
+
+
+def test_responses_that_are_numbers_are_read_as_the_text_written(tmp_path, tiny_llama_dir):
+    prompts = [f"what is {r['text'][:20]}? answer:" for r in ROWS[:4]]
+    written = ["2", "007", "1.50", "42"]  # pandas alone reads this column as the floats 2.0, 7.0, 1.5, 42.0
+    csv = tmp_path / "math.csv"
+    csv.write_text("prompt,response\n" + "".join(f'"{p}",{r}\n' for p, r in zip(prompts, written)))
+    ints, mixed = tmp_path / "ints.jsonl", tmp_path / "mixed.jsonl"  # a JSON number: its value's text
+    for path, responses in ((ints, [2, 7, 15, 42]), (mixed, ["yes", 7, "1.50", 42])):
+        path.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in zip(prompts, responses)))
+    tokenizer = _tokenizer()
+    for path, responses in ((csv, written), (ints, ["2", "7", "15", "42"]), (mixed, ["yes", "7", "1.50", "42"])):
+        recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
+                              data={"train": str(path), "eval": None, "format": "prompt-response"})
+        dataset, _, _ = _split(recipe)
+        for row, prompt, response in zip(dataset, prompts, responses, strict=True):  # the tokenizer alone, on the text
+            whole = tokenizer(prompt + response)["input_ids"]
+            skip = len(tokenizer(prompt)["input_ids"]) - 1  # [CLS] and the prompt's tokens, without [SEP]
+            assert row["input_ids"] == whole, (path, response)
+            assert [t for t in row["labels"] if t != IGNORE_INDEX] == whole[skip:-1], (path, response)
 
 
 def test_csv_cells_and_headers_name_the_row_and_show_the_spaces(tmp_path, tiny_llama_dir, capsys):

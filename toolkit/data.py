@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 import torch
 
 from toolkit.data_files import (DataSource, check_labels, check_records, check_text_column, class_names, columns,
-                                data_source, drop_blank_lines, label_ids, read_rows)
+                                data_source, drop_blank_lines, label_ids, numbers_as_text, read_rows, text_columns)
 from toolkit.dist import DistEnv, broadcast_object
 from toolkit.errors import RecipeError
 from toolkit.instruct import chat_template_text, check_messages, check_tokenizer, encode_batch, num_cut_tokens
@@ -148,7 +148,7 @@ def _tokenized(source: DataSource, *, data: DataConfig, task: str, num_labels: i
     """The tokenized split, its class names, and what was left out or cut. Without packing each sample is cut at
     data.max_length; with it, samples are tokenized whole and their stream cut into blocks (as transformers'
     run_clm does): a long document becomes many blocks, none of it lost."""
-    raw = read_rows(source)
+    raw = read_rows(source, text=text_columns(data))
     names = check_rows(raw, source, data=data, task=task, num_labels=num_labels, names=names)
     check_room(data, tokenizer)
     data = chat_template_text(data)  # a path to a template file: its text (what the cache keys, too)
@@ -156,6 +156,7 @@ def _tokenized(source: DataSource, *, data: DataConfig, task: str, num_labels: i
     text, label = data.text_column, data.label_column
     if data.format != "text":
         check_tokenizer(data, tokenizer)
+    raw = numbers_as_text(raw, text_columns(data), fingerprint=cache + "-numbers")
     raw, num_blank = drop_blank_lines(raw, source, text, fingerprint=cache + "-lines")
     packing = task == "causal-lm" and data.packing
     label_feature = raw.features[label] if task == "sequence-classification" else None
