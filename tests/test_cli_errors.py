@@ -116,7 +116,8 @@ BAD_FILES = {
     "header only": ("train.csv", "text,label\n", "causal-lm", "has no rows (a header at most)"),
     "empty file": ("train.jsonl", "", "causal-lm", "is empty: it has no rows"),
     "unparsable": ("train.jsonl", '{"text": "fine"}\n{"text": "cut\n', "causal-lm", "cannot be read as json"),
-    "text not text": ("train.csv", "text,label\n3,1\n4,0\n", "causal-lm", "column 'text' holds int64 values, not text"),
+    "text not text": ("train.jsonl", '{"text": true}\n{"text": false}\n', "causal-lm",
+                      "column 'text' holds bool values, not text"),  # numbers are read as text
     "row without text": ("train.jsonl", '{"text": "a"}\n{"text": null}\n', "causal-lm", "row 2 has no 'text'"),
     "label outside num_labels": ("train.csv", "text,label\ngood,1\nbad,7\n", "sequence-classification",
                                  "has label 7 in column 'label', outside 0..1 (model.num_labels: 2)"),

@@ -13,6 +13,7 @@ from conftest import MINILM, TRAIN, write_recipe
 from toolkit.cli import main
 from toolkit.data import data_note, load_split
 from toolkit.dist import DistEnv
+from toolkit.losses import IGNORE_INDEX
 from toolkit.recipe_files import load_recipe
 
 ROWS = [json.loads(line) for line in open(TRAIN)][:64]
@@ -105,8 +106,8 @@ MIXED = [{"text": r["text"], "label": r["label"]} for r in ROWS[:8]]
 BAD_FILES = {
     "ids and names": ("mixed.jsonl", [*MIXED[:5], {"text": "meh", "label": "pos"}, *MIXED[5:]],
                       "row 6 has label 'pos' in column 'label' where other rows have class ids; use one kind"),
-    "a number among texts": ("numtext.jsonl", [*MIXED[:3], {"text": 12345, "label": 0}, *MIXED[3:]],
-                             "row 4 has 12345 in column 'text', where other rows have text"),
+    "a boolean among texts": ("booltext.jsonl", [*MIXED[:3], {"text": True, "label": 0}, *MIXED[3:]],
+                              "row 4 has True in column 'text', where other rows have text"),  # a number is text
     "a fraction among ids": ("float.jsonl", [*MIXED[:6], {"text": "meh", "label": 1.5}, *MIXED[6:]],
                              "row 7 has label 1.5 in column 'label'; labels must be class ids (whole numbers)"),
     "columnar json": ("columns.json", {"text": [r["text"] for r in MIXED], "label": [r["label"] for r in MIXED]},
@@ -122,6 +123,26 @@ def test_a_label_or_text_of_the_wrong_kind_names_its_row_and_value(case, tmp_pat
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, task="sequence-classification",
                           output_dir=tmp_path / "out", data={"train": str(path), "eval": None})
     _one_line_exit_2(main(["validate", str(recipe)]), capsys, f"data.train: {path} {words}")
+
+
+def test_responses_that_are_numbers_are_read_as_the_text_written(tmp_path, tiny_llama_dir):
+    prompts = [f"what is {r['text'][:20]}? answer:" for r in ROWS[:4]]
+    written = ["2", "007", "1.50", "42"]  # pandas alone reads this column as the floats 2.0, 7.0, 1.5, 42.0
+    csv = tmp_path / "math.csv"
+    csv.write_text("prompt,response\n" + "".join(f'"{p}",{r}\n' for p, r in zip(prompts, written)))
+    ints, mixed = tmp_path / "ints.jsonl", tmp_path / "mixed.jsonl"  # a JSON number: its value's text
+    for path, responses in ((ints, [2, 7, 15, 42]), (mixed, ["yes", 7, "1.50", 42])):
+        path.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in zip(prompts, responses)))
+    tokenizer = _tokenizer()
+    for path, responses in ((csv, written), (ints, ["2", "7", "15", "42"]), (mixed, ["yes", "7", "1.50", "42"])):
+        recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
+                              data={"train": str(path), "eval": None, "format": "prompt-response"})
+        dataset, _, _ = _split(recipe)
+        for row, prompt, response in zip(dataset, prompts, responses, strict=True):  # the tokenizer alone, on the text
+            whole = tokenizer(prompt + response)["input_ids"]
+            skip = len(tokenizer(prompt)["input_ids"]) - 1  # [CLS] and the prompt's tokens, without [SEP]
+            assert row["input_ids"] == whole, (path, response)
+            assert [t for t in row["labels"] if t != IGNORE_INDEX] == whole[skip:-1], (path, response)
 
 
 def test_csv_cells_and_headers_name_the_row_and_show_the_spaces(tmp_path, tiny_llama_dir, capsys):
@@ -225,19 +246,46 @@ def test_a_chat_template_file_is_read_and_a_template_that_writes_no_message_is_o
                      "data.chat_template does not write the assistant's message")
 
 
-def test_a_chat_template_that_fails_on_one_conversation_names_its_row(tmp_path, tiny_llama_dir):
+def test_the_chat_template_trained_with_is_saved_with_the_export_and_the_checkpoint(tmp_path, tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": r["text"]},
+                                                     {"role": "assistant", "content": ["no", "yes"][r["label"]]}]})
+                            + "\n" for r in ROWS[:8]))
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out,
+                          data={"train": str(data), "eval": None, "format": "chat", "chat_template": str(template)},
+                          train={"max_steps": 1}, checkpoint={"final": True})
+    assert AutoTokenizer.from_pretrained(tiny_llama_dir).chat_template is None  # the model's own has none
+    assert main(["train", str(recipe)]) == 0
+    saved = [out / "model", *(out / "checkpoints").glob("*/hf")]
+    assert len(saved) == 2, saved
+    for folder in saved:  # what a user's transformers reads back, against the file the recipe named
+        assert AutoTokenizer.from_pretrained(folder).chat_template == template.read_text(), folder
+
+
+def test_a_chat_template_that_fails_on_one_conversation_names_its_split_file_and_row(tmp_path, tiny_llama_dir):
     from toolkit.errors import RecipeError
 
     rows = [[{"role": "user", "content": r["text"]}, {"role": "assistant", "content": "yes"}] for r in ROWS[:9]]
+    clean = tmp_path / "clean.jsonl"
+    clean.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
     rows[6].insert(1, {"role": "tool", "content": "42"})  # row 7: a role the template refuses
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
     strict = ("{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
               "{{ raise_exception('no role ' + m['role']) }}{% endif %}" + CHAT_TEMPLATE.split("%}", 1)[1])
-    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
-                          data={"train": str(data), "eval": None, "format": "chat", "chat_template": strict})
-    with pytest.raises(RecipeError, match="data.chat_template fails on row 7's conversation .*no role tool"):
-        _split(recipe)
+    for key, train, evaluation in (("data.train", data, None), ("data.eval", clean, data)):
+        recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
+                              data={"train": str(train), "eval": evaluation and str(evaluation), "format": "chat",
+                                    "chat_template": strict})
+        with pytest.raises(RecipeError) as refused:
+            _split(recipe, key)
+        assert str(refused.value) == (f"{key}: {data} row 7: data.chat_template fails on its conversation "
+                                      "(TemplateError: no role tool); fix it")
 
 
 def test_a_saved_class_label_column_gives_its_names(tmp_path, tiny_bert_dir):

@@ -308,6 +308,48 @@ def test_chat_masks_everything_but_the_assistant_turns():
     assert trained == words
 
 
+def _byte_level_bpe():
+    """A byte-level BPE tokenizer as Llama-3's and Qwen-2's are (offsets not trimmed: a word's token holds the space
+    before it), trained in memory on a few strings so that " negative" is one token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator([r["text"] + " sentiment: negative positive" for r in ROWS[:16]], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+
+
+def _first_trained(tokenizer, text, labels):
+    """The trained tokens as the tokenizer writes them, and where in `text` the first one starts."""
+    offsets = tokenizer(text, return_offsets_mapping=True)["offset_mapping"]
+    first = next(i for i, label in enumerate(labels) if label != IGNORE_INDEX)
+    return tokenizer.convert_ids_to_tokens([t for t in labels if t != IGNORE_INDEX]), offsets[first][0]
+
+
+def test_a_response_word_merged_with_the_prompts_trailing_space_is_trained():
+    from toolkit.instruct import chat_text, encode, prompt_response_text
+
+    tokenizer = _byte_level_bpe()
+    prompt = "review: the plot was thin. sentiment: "
+    text, spans = prompt_response_text(prompt, "negative", tokenizer)
+    labels = encode([text], [spans], tokenizer, max_length=64, add_special_tokens=True)["labels"][0]
+    # the tokenizer's own tokens: " negative" is one token that begins at the prompt's last character (the space)
+    assert _first_trained(tokenizer, text, labels) == (["Ġnegative", "<|endoftext|>"], len(prompt) - 1)
+
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant: {% endif %}")  # a generation prompt ending in a space
+    text, spans = chat_text([{"role": "user", "content": "the plot was thin"},
+                             {"role": "assistant", "content": "negative"}], tokenizer, template)
+    labels = encode([text], [spans], tokenizer, max_length=64, add_special_tokens=False)["labels"][0]
+    assert text == "user: the plot was thin\nassistant: negative\n"
+    assert _first_trained(tokenizer, text, labels) == (["Ġnegative", "Ċ"], text.index(" negative"))
+
+
 def test_packing_keeps_each_token_with_its_label():
     pack = _packer(4)
     out = pack({"input_ids": [[1, 2, 3], [4, 5, 6, 7, 8]], "labels": [[-100, 2, 3], [-100, -100, 6, 7, 8]]})

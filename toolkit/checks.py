@@ -41,7 +41,7 @@ def check_data(recipe: Recipe, *, global_batch_size: int | None = None):
     out for having no token to learn from is counted); the tokenizer that will tokenize them loads, and
     data.max_length leaves room beside its special tokens. Returns the tokenizer."""
     from toolkit.data import check_one_batch, check_room, check_rows
-    from toolkit.data_files import data_source, num_blank_lines, read_rows
+    from toolkit.data_files import data_source, num_blank_lines, read_rows, text_columns
 
     from toolkit.model import saved_label_names
 
@@ -51,7 +51,7 @@ def check_data(recipe: Recipe, *, global_batch_size: int | None = None):
         value = getattr(recipe.data, key.split(".")[1])
         if value is not None:
             source = data_source(key, value)
-            raw = read_rows(source)
+            raw = read_rows(source, text=text_columns(recipe.data))
             names = check_rows(raw, source, data=recipe.data, task=recipe.model.task,
                                num_labels=recipe.model.num_labels, names=names, model_names=model_names)
             packed = recipe.model.task == "causal-lm" and recipe.data.packing  # blocks, not rows: known once tokenized

@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 import torch
 
 from toolkit.data_files import (DataSource, check_labels, check_records, check_text_column, class_names, columns,
-                                data_source, drop_blank_lines, label_ids, read_rows)
+                                data_source, drop_blank_lines, label_ids, numbers_as_text, read_rows, text_columns)
 from toolkit.dist import DistEnv, broadcast_object
 from toolkit.errors import RecipeError
 from toolkit.instruct import chat_template_text, check_messages, check_tokenizer, encode_batch, num_cut_tokens
@@ -187,7 +187,7 @@ def _tokenized(source: DataSource, *, data: DataConfig, task: str, num_labels: i
     """The tokenized split, its class names, and what was left out or cut. Without packing each sample is cut at
     data.max_length; with it, samples are tokenized whole and their stream cut into blocks (as transformers'
     run_clm does): a long document becomes many blocks, none of it lost."""
-    raw = read_rows(source)
+    raw = read_rows(source, text=text_columns(data))
     names = check_rows(raw, source, data=data, task=task, num_labels=num_labels, names=names,
                        model_names=model_names)
     check_room(data, tokenizer)
@@ -196,6 +196,7 @@ def _tokenized(source: DataSource, *, data: DataConfig, task: str, num_labels: i
     text, label = data.text_column, data.label_column
     if data.format != "text":
         check_tokenizer(data, tokenizer)
+    raw = numbers_as_text(raw, text_columns(data), fingerprint=cache + "-numbers")
     raw, num_blank = drop_blank_lines(raw, source, text, fingerprint=cache + "-lines")
     packing = task == "causal-lm" and data.packing
     label_feature = raw.features[label] if task == "sequence-classification" else None
@@ -203,7 +204,7 @@ def _tokenized(source: DataSource, *, data: DataConfig, task: str, num_labels: i
 
     def encode(batch, indices):
         if data.format != "text":
-            return encode_batch(batch, data, tokenizer, indices=indices)
+            return encode_batch(batch, data, tokenizer, indices=indices, where=f"{source.key}: {source.path}")
         out = tokenizer(batch[text], truncation=not packing, max_length=max_length)
         result = {"input_ids": out["input_ids"],
                   "num_cut": num_cut_tokens(batch[text], out["input_ids"], tokenizer, max_length=max_length)}
@@ -249,8 +250,9 @@ def _learnable(batch) -> list[bool]:
 
 
 # what the cached columns mean: a change to how samples are tokenized gives them a new name, so that a cache an
-# older toolkit wrote is not read as this one's (v2: packing tokenizes whole documents; blank text lines dropped)
-TOKENIZED_VERSION = "tokenized-v2"
+# older toolkit wrote is not read as this one's (v2: packing tokenizes whole documents; blank text lines dropped;
+# v3: an instruction token that overlaps a response is trained, where v2 trained one that starts in it)
+TOKENIZED_VERSION = "tokenized-v3"
 
 
 def _cache_key(source: DataSource, *, data: DataConfig, task: str, tokenizer, names: list[str] | None) -> str:

@@ -29,6 +29,7 @@ COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")  # what `datasets` decompresses by
 SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # a save_to_disk folder
 EVAL_SPLITS = ("validation", "eval", "test")
 TEXT_DTYPES = ("string", "large_string", "string_view")
+NUMBER_DTYPES = ("int", "uint", "float", "double")  # read as text where a text column holds them
 
 
 @dataclass(frozen=True)
@@ -145,9 +146,24 @@ def _check_compression(key: str, file: Path, fmt: str) -> None:
                               "zstandard (or decompress it: zstd -d)") from None
 
 
-def read_rows(source: DataSource):
-    """The split's rows, untokenized (a datasets.Dataset). A source without rows, or one that does not parse
-    as its format, is one line naming it."""
+def text_columns(data: DataConfig) -> tuple[str, ...]:
+    """The columns data.format reads as text (a chat's messages column holds turns)."""
+    if data.format == "chat":
+        return ()
+    if data.format == "prompt-response":
+        return data.prompt_column, data.response_column
+    return (data.text_column,)
+
+
+def _csv_cell(value: str) -> str | None:
+    """A CSV cell of a text column as written: pandas would read a column of 007 and 1.50 as the numbers 7 and
+    1.5. An empty cell stays a missing value, as pandas reads it."""
+    return value if value != "" else None
+
+
+def read_rows(source: DataSource, *, text: tuple[str, ...] = ()):
+    """The split's rows, untokenized (a datasets.Dataset); a CSV's `text` columns as written. A source without
+    rows, or one that does not parse as its format, is one line naming it."""
     import datasets
     import pandas
     from datasets.arrow_writer import SchemaInferenceError
@@ -162,8 +178,9 @@ def read_rows(source: DataSource):
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a parse error is the one line below, not the
     try:                                                        # library's log of it too
         builder, options = ("csv", {"delimiter": "\t"}) if source.format == "tsv" else (source.format, {})
+        converters = {"converters": {column: _csv_cell for column in text}} if builder == "csv" else {}
         raw = datasets.load_dataset(builder, data_files=[str(f) for f in source.files if f.stat().st_size],
-                                    split="train", **options)
+                                    split="train", **options, **converters)
     except ValueError as exc:
         if "corresponds to no data" not in str(exc):
             raise _unreadable(source, exc) from None
@@ -289,8 +306,12 @@ def _check_filled(raw, source: DataSource, column: str) -> None:
         raise RecipeError(f"{source.key}: {source.path} row {number} has no {column!r}; fill or drop it")
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def check_text_column(raw, source: DataSource, column: str, setting: str) -> None:
-    """`column` exists and holds text in every row."""
+    """`column` exists and holds text or numbers (read as text: numbers_as_text) in every row."""
     import datasets
 
     if column not in raw.column_names:
@@ -298,14 +319,43 @@ def check_text_column(raw, source: DataSource, column: str, setting: str) -> Non
                           f"{setting} to one of those")
     _check_filled(raw, source, column)
     feature = raw.features[column]
-    if isinstance(feature, datasets.Value) and feature.dtype in TEXT_DTYPES:
+    if isinstance(feature, datasets.Value) and feature.dtype.startswith(TEXT_DTYPES + NUMBER_DTYPES):
         return
-    if isinstance(feature, datasets.Json):  # JSON values of several types: text in some rows only
-        number, value = _first_row(raw, column, lambda v: not isinstance(v, str))
+    if isinstance(feature, datasets.Json):  # JSON values of several types: text and numbers in some rows only
+        if not any(not isinstance(v, str) and not _is_number(v) for v in raw[column]):
+            return
+        number, value = _first_row(raw, column, lambda v: not isinstance(v, str) and not _is_number(v))
         raise RecipeError(f"{source.key}: {source.path} row {number} has {_shown(value)} in column {column!r}, "
                           "where other rows have text; write it as text (in quotes) or drop the row")
     raise RecipeError(f"{source.key}: {source.path} column {column!r} holds {describe(feature)}, not text; set "
                       f"{setting} to the column with the text")
+
+
+def numbers_as_text(raw, text: tuple[str, ...], *, fingerprint: str):
+    """`raw` with the numbers of its `text` columns as text (42 -> "42"): a math set's answers are what the model
+    must write. A JSON or parquet number is its value's text (2.50 -> "2.5"; arrow reads a JSON column mixing 42
+    and 2.5 as floats: 42.0); text in quotes is kept as written."""
+    import datasets
+
+    for column in [c for c in text if c in raw.column_names and not (isinstance(raw.features[c], datasets.Value)
+                                                                      and raw.features[c].dtype in TEXT_DTYPES)]:
+        stored = raw.data.column(column).to_pylist()
+        if isinstance(raw.features[column], datasets.Json):  # JSON values of several types, each stored as JSON
+            texts = [value if value is None else _json_text(value) for value in stored]
+        else:
+            texts = [value if value is None else str(value) for value in stored]
+        raw = raw.remove_columns(column).add_column(column, texts, new_fingerprint=f"{fingerprint}-{column}",
+                                                    feature=datasets.Value("string"))
+    return raw
+
+
+def _json_text(stored: str) -> str:
+    """A Json column's value as text: datasets stores each as JSON, and a quoted number ("1.50") unquoted, so
+    the stored text of what is not a string is kept, not the number it parses as (1.5)."""
+    import json
+
+    value = json.loads(stored)
+    return value if isinstance(value, str) else stored
 
 
 def _label_kind(value) -> str:

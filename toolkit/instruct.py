@@ -5,8 +5,11 @@ response tokens of the global batch (toolkit/losses.py counts the labels that ar
 
 Which tokens are the response is decided on the text, not on token ids: the responses' character spans in the
 rendered text (for a chat, what the template adds between the conversation so far with a generation prompt
-and the conversation with that assistant turn), then each token whose offset starts inside a span. A
-tokenizer merges across a prompt/response boundary as it likes; the offsets say where each token came from.
+and the conversation with that assistant turn), then each token whose characters overlap a span. A
+tokenizer merges across a prompt/response boundary as it likes; the offsets say where each token came from. A
+token that begins in the prompt and ends in the response is the response's: byte-level BPE (Llama-3, Qwen) and
+SentencePiece merge a prompt's trailing space with the answer's first word (" yes", "▁yes"), and that word is
+what the model must learn to write.
 """
 
 from __future__ import annotations
@@ -57,15 +60,15 @@ def chat_text(messages: list[dict], tokenizer, template: str | None) -> tuple[st
 
 def encode(texts: list[str], spans: list[list[Span]], tokenizer, *, max_length: int | None,
            add_special_tokens: bool) -> dict[str, list]:
-    """input_ids and labels: a token's label is itself where its text starts inside a response span, else
+    """input_ids and labels: a token's label is itself where its text overlaps a response span, else
     IGNORE_INDEX (special tokens the tokenizer adds have no text: ignored). Each sample is cut at `max_length`
     (None: kept whole, for packing); num_cut says how many tokens that cut off."""
     out = tokenizer(texts, truncation=max_length is not None, max_length=max_length, return_offsets_mapping=True,
                     add_special_tokens=add_special_tokens)
     labels = []
     for ids, offsets, sample_spans in zip(out["input_ids"], out["offset_mapping"], spans):
-        labels.append([token if end > start and any(a <= start < b for a, b in sample_spans) else IGNORE_INDEX
-                       for token, (start, end) in zip(ids, offsets)])
+        labels.append([token if end > start and any(start < b and end > a for a, b in sample_spans) else
+                       IGNORE_INDEX for token, (start, end) in zip(ids, offsets)])
     return {"input_ids": out["input_ids"], "labels": labels,
             "num_cut": num_cut_tokens(texts, out["input_ids"], tokenizer, max_length=max_length,
                                       add_special_tokens=add_special_tokens)}
@@ -86,17 +89,19 @@ def num_cut_tokens(texts: list[str], ids: list[list[int]], tokenizer, *, max_len
     return cut
 
 
-def encode_batch(batch: dict, data: DataConfig, tokenizer, *, indices: list[int]) -> dict[str, list]:
-    """A `datasets.map` batch of instruction rows (`indices`: their positions in the split, from 0) -> input_ids,
-    labels and num_cut (whole samples under data.packing: the packer cuts the stream into blocks)."""
+def encode_batch(batch: dict, data: DataConfig, tokenizer, *, indices: list[int], where: str) -> dict[str, list]:
+    """A `datasets.map` batch of instruction rows (`indices`: their positions in the split, from 0; `where`: the
+    split's key and path, "data.eval: FILE") -> input_ids, labels and num_cut (whole samples under data.packing:
+    the packer cuts the stream into blocks)."""
     if data.format == "chat":
         rendered = []
         for index, messages in zip(indices, batch[data.messages_column]):
             try:
                 rendered.append(chat_text(messages, tokenizer, data.chat_template))
-            except RecipeError as exc:  # the template fails on this conversation: say which, as the rows count
-                raise RecipeError(str(exc).replace("fails on a conversation", f"fails on row {index + 1}'s "
-                                                   "conversation", 1)) from None
+            except RecipeError as exc:  # the template fails on this conversation: say which, as other data errors do
+                reason = str(exc).removeprefix("data.format chat: ").replace("on a conversation", "on its "
+                                                                            "conversation", 1)
+                raise RecipeError(f"{where} row {index + 1}: {reason}") from None
         special = False  # the template writes the conversation's special tokens itself
     else:
         rendered = [prompt_response_text(p, r, tokenizer)
@@ -139,6 +144,15 @@ def chat_template_text(data: DataConfig) -> DataConfig:
         raise RecipeError(f"data.chat_template: {path} cannot be read ({type(exc).__name__}); fix the "
                           "file") from None
     return replace(data, chat_template=text)
+
+
+def adopt_chat_template(tokenizer, data: DataConfig) -> None:
+    """data.chat_template, when given, becomes the tokenizer's own. The run saves this tokenizer with its
+    checkpoints (hf/) and its export: a model is prompted through its tokenizer's template (apply_chat_template,
+    serving stacks), and the tokenizer's original one, or none, renders another format than it was trained on."""
+    template = chat_template_text(data).chat_template
+    if data.format == "chat" and template is not None:
+        tokenizer.chat_template = template
 
 
 def check_messages(rows, key: str, path, column: str) -> None:

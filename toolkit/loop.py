@@ -36,6 +36,7 @@ from toolkit.errors import RecipeError
 from toolkit.evaluate import evaluate
 from toolkit.export import export_model
 from toolkit.gradient_scale import GradientScale
+from toolkit.instruct import adopt_chat_template
 from toolkit.loading import ModelSource, num_parameters, own_memory, whole_parameters
 from toolkit.losses import micro_batch_loss_sum
 from toolkit.metrics import (Progress, compile_graph_breaks, compile_seconds, peak_memory_bytes,
@@ -87,6 +88,7 @@ def prepare(recipe: Recipe, env: DistEnv):
     check_position_limit(recipe)
     tracking.check_trackers(recipe)
     tokenizer = load_tokenizer(recipe.model)
+    adopt_chat_template(tokenizer, recipe.data)  # the template trained with is the one saved with the model
     kwargs = dict(data=recipe.data, task=recipe.model.task, num_labels=recipe.model.num_labels, tokenizer=tokenizer,
                   env=env)
     model_names = saved_label_names(recipe.model)  # a pretrained head's own mapping, kept where the data fits it
