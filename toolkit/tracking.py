@@ -316,8 +316,8 @@ def _open_mlflow_run(recipe: Recipe, *, out_dir: Path, saved: dict, name: str) -
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    for name in ("mlflow", "alembic"):  # the SQL store's table creation says each migration at INFO
-        logging.getLogger(name).setLevel(logging.WARNING)
+    for logger in ("mlflow", "alembic"):  # the SQL store's table creation says each migration at INFO
+        logging.getLogger(logger).setLevel(logging.WARNING)
     uri = mlflow_tracking_uri(recipe)
     client = MlflowClient(tracking_uri=uri)
     run_id = saved.get("run_id") if saved.get("tracking_uri") == uri else None
