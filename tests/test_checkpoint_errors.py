@@ -2,6 +2,7 @@
 exit code 2, one line naming the problem and the fix, nothing written. One tiny single-process run (a model from a
 config, so that a test can change its shapes) writes the checkpoint every test shares; no test trains."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -125,3 +126,25 @@ def test_convert_of_a_file_or_run_folder_names_the_checkpoint_folder_not_resume(
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and all(w in err[0] for w in words) and "--resume" not in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_run_that_wrote_no_checkpoint_is_refused_with_a_way_out(tmp_path):
+    """A run that failed before its first checkpoint: a rerun was refused ('continue it with --resume') and
+    --resume too ('start the run without --resume'); each message sent the user to the other."""
+    from toolkit.checkpoint.store import check_output_dir, find_resume
+    from toolkit.errors import RecipeError
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps({"status": "failed"}))
+    (out / "metrics.jsonl").write_text("")
+    with pytest.raises(RecipeError) as rerun:
+        check_output_dir(out, resume=False)
+    assert str(rerun.value) == (f"output_dir {out} holds a run that wrote no checkpoint, so --resume cannot continue "
+                                "it; remove that folder to start again there, or write this one elsewhere with "
+                                "--set output_dir=OTHER")
+    with pytest.raises(RecipeError) as resumed:
+        find_resume(out, None)
+    assert str(resumed.value) == (f"--resume: no complete checkpoint in {out / 'checkpoints'}; remove {out} (its run "
+                                  "wrote no checkpoint) and start again without --resume, or pass a checkpoint "
+                                  "folder with --resume PATH")

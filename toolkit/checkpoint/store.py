@@ -113,8 +113,10 @@ def find_resume(out_dir: Path, given: str | None) -> Checkpoint:
         return read_checkpoint(Path(given))
     found = complete_checkpoints(out_dir)
     if not found:
-        raise RecipeError(f"--resume: no complete checkpoint in {checkpoints_dir(out_dir)}; start the run "
-                          "without --resume, or pass a checkpoint folder with --resume PATH")
+        fresh = (f"remove {out_dir} (its run wrote no checkpoint) and start again without --resume"
+                 if holds_run(out_dir) else "start the run without --resume")
+        raise RecipeError(f"--resume: no complete checkpoint in {checkpoints_dir(out_dir)}; {fresh}, or pass a "
+                          "checkpoint folder with --resume PATH")
     return read_checkpoint(found[-1])
 
 
@@ -180,6 +182,10 @@ def check_output_dir(out_dir: Path, *, resume: bool) -> None:
     output_dir is a folder, or one it can make: checked before anything is written."""
     check_creatable(out_dir)
     if not resume and holds_run(out_dir):
+        if not complete_checkpoints(out_dir):  # --resume would find nothing: say what does help
+            raise RecipeError(f"output_dir {out_dir} holds a run that wrote no checkpoint, so --resume cannot "
+                              f"continue it; remove that folder to start again there, or write this one elsewhere "
+                              f"with --set output_dir=OTHER")
         raise RecipeError(f"output_dir {out_dir} already holds a run; continue it with --resume, or write this "
                           f"one elsewhere with --set output_dir=OTHER")
 
