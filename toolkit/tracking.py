@@ -108,9 +108,10 @@ def check_trackers(recipe: Recipe) -> None:
     what = "train.tracking_dir" if recipe.train.tracking_dir else "output_dir"
     check_creatable(tracking_root(recipe) / "tensorboard", what=what)  # a file there: SummaryWriter's traceback
     if "mlflow" in recipe.train.report_to:
-        check_mlflow_store(mlflow_tracking_uri(recipe))
-        check_sqlite_store(mlflow_tracking_uri(recipe), fix=store_fix(recipe))
-        check_sqlite_experiment(mlflow_tracking_uri(recipe), experiment_name())
+        uri = mlflow_tracking_uri(recipe)
+        check_mlflow_store(uri)
+        check_sqlite_store(uri, fix=store_fix(recipe))
+        check_sqlite_experiment(uri, experiment_name())
 
 
 def store_fix(recipe: Recipe) -> str:
