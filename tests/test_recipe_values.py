@@ -129,7 +129,7 @@ def test_options_spelled_at_their_defaults_still_validate(tmp_path, tiny_llama_d
 
 
 
-def test_a_warmup_as_long_as_the_run_is_said_once_and_the_run_goes_on(tmp_path, tiny_llama_dir):
+def test_a_warmup_as_long_as_the_run_is_said_once_and_the_run_goes_on(tmp_path, tiny_llama_dir, capsys):
     """Optimizer step k of a warm-up of w runs at k/(w+1) of optim.lr: a w at least the run's steps never
     reaches it nor follows the schedule. A short smoke run (max_steps 2 on a recipe's warm-up) is a common,
     deliberate case, so it is a note, not a refusal; rank 0 says it once. So is a recipe's eval_every kept
@@ -145,5 +145,9 @@ def test_a_warmup_as_long_as_the_run_is_said_once_and_the_run_goes_on(tmp_path, 
     assert result.stderr.count(note) == 1, result.stderr[-2000:]  # two ranks, one note
     assert result.stderr.count("train.eval_every 1 is ignored: data.eval is null") == 1, result.stderr[-2000:]
     assert not any("eval_loss" in record for record in metrics(out))
+    sets = ["--set", "data.eval=null", "--set", "train.eval_every=1"]
+    assert main(["validate", str(recipe), "--nproc", "2", "--set", "strategy.name=ddp", *sets]) == 0
+    said = capsys.readouterr().err  # validate says both before a run: the steps are known (train.max_steps)
+    assert said.count(note) == 1 and said.count("train.eval_every 1 is ignored") == 1, said
     # the lr the run logged at its last step is the warm-up's 2/4 of optim.lr (independent arithmetic)
     assert abs(metrics(out)[-1]["lr"] - 1e-3 * 2 / 4) < 1e-12

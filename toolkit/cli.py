@@ -197,6 +197,8 @@ def _nodes_of(args):
 
 def cmd_validate(args) -> int:
     from toolkit.checks import check_recipe
+    from toolkit.model import load_tokenizer
+    from toolkit.notes import recipe_notes
     from toolkit.recipe_files import dump_recipe, load_recipe
 
     _check_nproc(args.nproc)
@@ -206,6 +208,10 @@ def cmd_validate(args) -> int:
     print(dump_recipe(recipe), end="")
     print(f"# ok: {plan.world_size} ranks × micro {plan.micro_batch_size} × accum {plan.grad_accum_steps} "
           f"= global batch {plan.global_batch_size}")
+    # what the run would say at start (those that need no tokenized data): a run of train.epochs counts its
+    # steps once its data is tokenized, so its warm-up is checked by the run alone
+    for note in recipe_notes(recipe, load_tokenizer(recipe.model), total_steps=recipe.train.max_steps):
+        print(note, file=sys.stderr)
     return 0
 
 

@@ -42,9 +42,10 @@ from toolkit.losses import micro_batch_loss_sum
 from toolkit.metrics import (Progress, compile_graph_breaks, compile_seconds, peak_memory_bytes,
                              process_bytes, synchronize)
 from toolkit.model import BlockForwards, layer_stack, load_tokenizer, padding_id, saved_label_names
+from toolkit.notes import recipe_notes
 from toolkit.optim import build_adamw, build_scheduler
 from toolkit.precision import check_precision_supported
-from toolkit.recipe import EVAL_EVERY_DEFAULT, Recipe, check_profile_window
+from toolkit.recipe import Recipe, check_profile_window
 from toolkit.strategies import make_strategy, validate_strategy
 from toolkit.precision import StepResult
 from toolkit.stopping import NonFinite, SkippedSteps, StopSignals, Stopped
@@ -109,29 +110,8 @@ def prepare(recipe: Recipe, env: DistEnv):
     if eval_ds is not None:
         data_info["eval"] = data_record(eval_counts, num_samples=len(eval_ds), data=recipe.data)
     check_profile_window(recipe.train.profile_steps, last_step=total_steps)
-    if recipe.data.eval is None and recipe.train.eval_every not in (None, EVAL_EVERY_DEFAULT):
-        # said, not refused: a recipe's eval_every stays when a run drops its eval data (--set data.eval=null)
-        notes.append(f"[toolkit] train.eval_every {recipe.train.eval_every} is ignored: data.eval is null, so "
-                     "nothing is evaluated; give data.eval a file to evaluate")
-    if recipe.optim.warmup_steps >= total_steps:  # a smoke run on a recipe's warm-up: deliberate, yet say so
-        notes.append(warmup_note(recipe.optim.warmup_steps, total_steps))
-    if tokenizer.pad_token_id is None:
-        key = "model.tokenizer" if recipe.model.tokenizer else "model.path"
-        notes.append(f"[toolkit] {key}: the tokenizer has no pad, eos or unk token; batches are padded with id 0 "
-                     "(masked out of attention and the loss)")
-    lora = recipe.model.lora
-    if lora is not None and recipe.model.path is None and not lora.merge_on_export:
-        notes.append("[toolkit] model.lora on a model built from model.config: its base weights are saved "
-                     "nowhere, so output_dir/model (the adapter alone) loads onto no base; "
-                     "model.lora.merge_on_export=true writes a usable model, as `toolkit convert` does from a checkpoint")
+    notes += recipe_notes(recipe, tokenizer, total_steps=total_steps)
     return plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, names, notes, data_info
-
-
-def warmup_note(warmup_steps: int, total_steps: int) -> str:
-    """Optimizer step k of a warm-up of w steps runs at (k+1)/(w+1) of optim.lr (toolkit.optim.lr_factor): a
-    warm-up as long as the run never reaches optim.lr nor follows optim.schedule."""
-    return (f"[toolkit] optim.warmup_steps {warmup_steps} is not below the run's {total_steps} optimizer steps: "
-            f"the lr ends at {total_steps / (warmup_steps + 1):.0%} of optim.lr and never follows optim.schedule")
 
 
 def setup_strategy(strategy: Strategy, model, *, source: ModelSource, env: DistEnv, plan, total_steps: int) -> None:
