@@ -279,3 +279,47 @@ def test_a_new_run_whose_tensorboard_name_holds_another_runs_events_takes_more_o
     assert f"{first} holds another run's events; this run is sweepB-seed0" in capsys.readouterr().err
     resumed = tracking.tensorboard_log_dir(recipe_for(tmp_path / "sweepA" / "seed0"), saved={"log_dir": str(first)})
     assert resumed == first
+
+
+def test_a_mistake_after_the_trackers_opened_removes_this_runs_tensorboard_files_only(tmp_path, monkeypatch):
+    """rank 0 removes what a run made in output_dir after a user's mistake (toolkit.rank); the TensorBoard folder
+    it began in a separate tracking_dir stayed, and made a rerun take another name (its events were there)."""
+    from toolkit import tracking
+
+    shared = tmp_path / "shared"
+
+    def recipe_for(out, report_to="tensorboard"):
+        return load_recipe(write_recipe(tmp_path / "r.yaml", model_dir=tmp_path, output_dir=out),
+                           [f"train.report_to={report_to}", f"train.tracking_dir={shared}"])
+
+    def store_gone(*args, **kwargs):  # found at open (a server's deleted experiment), after TensorBoard began
+        raise RecipeError("train.report_to mlflow: the store cannot be used")
+
+    monkeypatch.setattr(tracking, "open_mlflow", store_gone)
+    out = tmp_path / "a" / "run"
+    out.mkdir(parents=True)
+    with pytest.raises(RecipeError, match="cannot be used"):
+        with tracking.metrics_log(recipe_for(out, "[tensorboard,mlflow]"), out_dir=out, done_steps=0, main=True):
+            pass
+    assert not shared.exists()  # tracking_dir, tensorboard/ and the run's folder were all this run's
+
+    other = shared / "tensorboard" / "other"  # another run's, beside this one's in a shared tracking_dir
+    other.mkdir(parents=True)
+    (other / "events.out.tfevents.1.host").write_bytes(b"kept")
+    mistake = RecipeError("found at step 1")
+    with pytest.raises(RecipeError, match="found at step 1"):
+        with tracking.metrics_log(recipe_for(out), out_dir=out, done_steps=0, main=True) as log:
+            log.write(_record(1, loss=1.0))
+            assert tracking.holds_events(shared / "tensorboard" / "run")  # written, before the mistake
+            raise mistake
+    assert sorted(p.name for p in (shared / "tensorboard").iterdir()) == ["other"]
+
+    mine = shared / "tensorboard" / "run"  # a resumed run keeps the events of its earlier attempts
+    mine.mkdir()
+    (mine / "events.out.tfevents.0.host").write_bytes(b"steps 1-2")
+    (out / "tracking.json").write_text(json.dumps({"tensorboard": {"log_dir": str(mine)}}))
+    with pytest.raises(RecipeError):
+        with tracking.metrics_log(recipe_for(out), out_dir=out, done_steps=2, main=True) as log:
+            log.write(_record(3, loss=1.0))
+            raise mistake
+    assert [p.name for p in mine.iterdir()] == ["events.out.tfevents.0.host"]

@@ -5,13 +5,13 @@ rank left says only that."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import sys
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from toolkit.cleanup import entries, remove_made
 from toolkit.errors import (INTERRUPTED_EXIT_CODE, NONFINITE_EXIT_CODE, REPLICA_DRIFT_EXIT_CODE, USER_ERROR_EXIT_CODE,
                             RecipeError, first_line, mark_final, say_once, say_user_error)
 
@@ -107,31 +107,6 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
         mark_final(NONFINITE_EXIT_CODE)  # a restart would resume before the step and reach it again
         return NONFINITE_EXIT_CODE, None
     return 0, result.strategy
-
-
-def entries(out_dir: Path) -> set[str] | None:
-    """The names output_dir holds; None where nothing is there (the run makes the folder)."""
-    if not os.path.lexists(out_dir):  # False, not an error, for a name the file system refuses (train says so)
-        return None
-    try:
-        return {path.name for path in out_dir.iterdir()}
-    except OSError:  # a file, a folder this process cannot read: nothing of it is removed
-        return set()
-
-
-def remove_made(out_dir: Path, *, before: set[str] | None) -> None:
-    """After a user's mistake: remove what this run made in output_dir, the folder itself if the run made it.
-    A folder made beforehand (a job script's `mkdir -p`) keeps only what it held: left in it, run.json and
-    metrics.jsonl made a rerun "already hold a run" and --resume find no checkpoint."""
-    if before is None:
-        shutil.rmtree(out_dir, ignore_errors=True)
-        return
-    for name in (entries(out_dir) or set()) - before:
-        path = out_dir / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
 
 
 def nonfinite_line(exc, out_dir: Path) -> str:

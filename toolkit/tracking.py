@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
+from toolkit.cleanup import entries, remove_made
 from toolkit.errors import RecipeError, first_line
 from toolkit.metrics import JsonlWriter
 from toolkit.recipe import Recipe
@@ -39,6 +40,10 @@ class Tracker(Protocol):
 
     def drop(self) -> None:
         """After a failure: let go of what it holds, asking its store nothing (it just failed)."""
+
+    def discard(self) -> None:
+        """After a user's mistake ended the run (closed already): remove what this run began writing, as rank 0
+        does in output_dir (toolkit.rank.remove_made), where that is a folder of its own."""
 
 
 def run_name(recipe: Recipe) -> str:
@@ -217,6 +222,10 @@ class TensorBoard:
     def __init__(self, log_dir: Path, *, done_steps: int):
         from torch.utils.tensorboard import SummaryWriter
 
+        # what this run makes: its files in its folder (which a resumed run had already), and tensorboard/ or
+        # tracking_dir itself where they are new; a user's mistake removes them again (discard)
+        self.log_dir, self.before = log_dir, entries(log_dir)
+        self.new_parents = [path for path in (log_dir.parent, log_dir.parent.parent) if not path.exists()]
         # purge_step: a resumed run's events from the steps after its checkpoint (written before the stop,
         # run again now) are hidden, as metrics.jsonl drops those records
         try:
@@ -241,6 +250,12 @@ class TensorBoard:
     def drop(self) -> None:
         with contextlib.suppress(Exception):  # closes the event file; its flush fails again, as the write did
             self.writer.close()
+
+    def discard(self) -> None:
+        remove_made(self.log_dir, before=self.before)
+        for parent in self.new_parents:  # only if empty: another run sharing tracking_dir may write beside it
+            with contextlib.suppress(OSError):
+                parent.rmdir()
 
 
 def quiet_writer_threads() -> None:
@@ -284,6 +299,9 @@ class Mlflow:
 
     def drop(self) -> None:
         pass  # the run stays RUNNING in the store: a server that failed would be retried for minutes to mark it
+
+    def discard(self) -> None:
+        pass  # a run in a store, not files: it stays there, marked FAILED by close
 
 
 def flat_params(tree: dict, prefix: str = "") -> list[tuple[str, str]]:
@@ -357,7 +375,13 @@ def open_trackers(recipe: Recipe, *, out_dir: Path, done_steps: int) -> list[Tra
         print(f"[toolkit] tensorboard: {log_dir} (view: tensorboard --logdir {log_dir.parent})", file=sys.stderr,
               flush=True)
     if "mlflow" in recipe.train.report_to:
-        run, where["mlflow"] = open_mlflow(recipe, out_dir=out_dir, saved=saved.get("mlflow", {}), name=name)
+        try:
+            run, where["mlflow"] = open_mlflow(recipe, out_dir=out_dir, saved=saved.get("mlflow", {}), name=name)
+        except RecipeError:  # its store cannot be used: the TensorBoard folder just begun goes too
+            for tracker in trackers:
+                tracker.close("FAILED")
+                tracker.discard()
+            raise
         trackers.append(run)
         what = "continued" if where["mlflow"].pop("continued", False) else "new"
         print(f"[toolkit] mlflow: run {run.run_id} ({what}) in {where['mlflow']['tracking_uri']}", file=sys.stderr,
@@ -429,12 +453,18 @@ def metrics_log(recipe: Recipe, *, out_dir: Path, done_steps: int, main: bool) -
         return
     log = MetricsLog(JsonlWriter(out_dir / "metrics.jsonl", append=done_steps > 0),
                      open_trackers(recipe, out_dir=out_dir, done_steps=done_steps))
-    status = "FAILED"
+    status, mistake = "FAILED", False
     try:
         yield log
         status = "FINISHED"
     except (Stopped, KeyboardInterrupt):
         status = "KILLED"  # stopped after a checkpoint: --resume continues it
         raise
+    except RecipeError:
+        mistake = True
+        raise
     finally:
         log.close(status)
+        if mistake:  # what the run began in the trackers' folders goes, as in output_dir
+            for tracker in log.trackers:
+                tracker.discard()
