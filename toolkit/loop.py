@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from toolkit import faults, profiling, runinfo, tracking
+from toolkit.blocks import BlockForwards, layer_stack
 from toolkit.checkpoint import run as checkpoints
 from toolkit.checkpoint.run import Resume
 from toolkit.checkpoint.schedule import schedule_changes
@@ -41,7 +42,7 @@ from toolkit.loading import ModelSource, num_parameters, own_memory, whole_param
 from toolkit.losses import micro_batch_loss_sum
 from toolkit.metrics import (Progress, compile_graph_breaks, compile_seconds, peak_memory_bytes,
                              process_bytes, synchronize)
-from toolkit.model import BlockForwards, layer_stack, load_tokenizer, padding_id, saved_label_names
+from toolkit.model import load_tokenizer, padding_id, saved_label_names
 from toolkit.optim import build_adamw, build_scheduler
 from toolkit.precision import check_precision_supported
 from toolkit.recipe import EVAL_EVERY_DEFAULT, Recipe, check_profile_window
