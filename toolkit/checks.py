@@ -6,7 +6,7 @@ from __future__ import annotations
 from toolkit.errors import RecipeError
 from toolkit.recipe import BatchPlan, Recipe
 from toolkit.strategies import validate_strategy
-from toolkit.tracking import check_trackers
+from toolkit.tracking_checks import check_trackers
 
 
 def check_paths(recipe: Recipe) -> None:

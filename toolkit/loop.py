@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from toolkit import faults, profiling, runinfo, tracking
+from toolkit import faults, profiling, runinfo, tracking, tracking_checks
 from toolkit.blocks import BlockForwards, layer_stack
 from toolkit.checkpoint import run as checkpoints
 from toolkit.checkpoint.run import Resume
@@ -87,7 +87,7 @@ def prepare(recipe: Recipe, env: DistEnv):
     layout = make_strategy(recipe).data_layout(recipe, world_size=env.world_size, rank=env.rank)
     check_precision_supported(recipe.precision, env.device)
     check_position_limit(recipe)
-    tracking.check_trackers(recipe)
+    tracking_checks.check_trackers(recipe)
     tokenizer = load_tokenizer(recipe.model)
     adopt_chat_template(tokenizer, recipe.data)  # the template trained with is the one saved with the model
     kwargs = dict(data=recipe.data, task=recipe.model.task, num_labels=recipe.model.num_labels, tokenizer=tokenizer,
