@@ -241,7 +241,7 @@ def test_a_deleted_experiment_is_one_line_naming_it_before_the_run_and_at_open(t
     """Read from the SQLite file before any rank starts; asked of the store (a server's too) when the run opens."""
     from mlflow.tracking import MlflowClient
 
-    from toolkit import tracking
+    from toolkit import tracking, tracking_checks
 
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=store)
@@ -251,11 +251,11 @@ def test_a_deleted_experiment_is_one_line_naming_it_before_the_run_and_at_open(t
     recipe = _recipe(tmp_path, "train.report_to=mlflow")
     words = r"the experiment 'gone' \(MLFLOW_EXPERIMENT_NAME\) is deleted in the store; restore it"
     with pytest.raises(RecipeError, match=words):
-        tracking.check_trackers(recipe)
+        tracking_checks.check_trackers(recipe)
     with pytest.raises(RecipeError, match=words):
         tracking.open_mlflow(recipe, out_dir=tmp_path, saved={})
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "kept")
-    tracking.check_trackers(recipe)  # another name: a new experiment
+    tracking_checks.check_trackers(recipe)  # another name: a new experiment
 
 
 def test_a_new_run_whose_tensorboard_name_holds_another_runs_events_takes_more_of_its_path(tmp_path, capsys):

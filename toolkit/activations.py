@@ -41,8 +41,9 @@ from torch.utils._pytree import tree_leaves
 from transformers.utils import logging as transformers_logging
 
 from toolkit.atomic import write_text_whole
+from toolkit.blocks import enable_activation_checkpointing, layer_stack
 from toolkit.errors import RecipeError
-from toolkit.model import enable_activation_checkpointing, layer_stack, set_dropout
+from toolkit.model import set_dropout
 from toolkit.recipe import Recipe
 
 TRACE_VERSION = 4  # raise when what a trace measures changes: cached traces of older versions are not read

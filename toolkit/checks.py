@@ -6,11 +6,12 @@ from __future__ import annotations
 from toolkit.errors import RecipeError
 from toolkit.recipe import BatchPlan, Recipe
 from toolkit.strategies import validate_strategy
-from toolkit.tracking import check_trackers
+from toolkit.tracking_checks import check_trackers
 
 
 def check_paths(recipe: Recipe) -> None:
-    from toolkit.model import check_model_dir, resolve_path
+    from toolkit.model import resolve_path
+    from toolkit.model_files import check_model_dir
 
     if recipe.model.path is not None:
         check_model_dir(resolve_path(recipe.model.path), "model.path")
@@ -73,7 +74,8 @@ def check_model(recipe: Recipe, tokenizer) -> None:
     """What the ranks would find only once they build the model, on one meta-device copy of it (its config and
     class only, no weights read): the tokenizer fits its vocabulary, LoRA targets name layers of it, and the
     blocks to shard (strategy.blocks) or to checkpoint are there."""
-    from toolkit.model import check_vocabulary, enable_activation_checkpointing, transformer_blocks
+    from toolkit.blocks import enable_activation_checkpointing, transformer_blocks
+    from toolkit.model import check_vocabulary
     from toolkit.plan import planned_model
 
     model = planned_model(recipe)  # applies the adapters: targets that match nothing are peft's one-line error

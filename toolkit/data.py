@@ -1,5 +1,5 @@
-"""Data: the recipe's splits through `datasets` (toolkit/data_files.py: which files, what they must hold),
-tokenized once (cached on disk), and the global-batch sampler.
+"""Data: the recipe's splits through `datasets` (toolkit/data_files.py: which files, what they must hold;
+toolkit/labels.py: class labels), tokenized once (cached on disk), and the global-batch sampler.
 
 The samples of optimizer step k depend only on the seed and the global batch size: step k takes
 positions [k·G, (k+1)·G) of a seeded permutation of the train set (a new permutation each epoch).
@@ -18,11 +18,12 @@ from typing import Any
 import pyarrow.compute as pc
 import torch
 
-from toolkit.data_files import (DataSource, check_labels, check_records, check_text_column, class_names, columns,
-                                data_source, drop_blank_lines, label_ids, numbers_as_text, read_rows, text_columns)
+from toolkit.data_files import (DataSource, check_records, check_text_column, columns, data_source, drop_blank_lines,
+                                numbers_as_text, read_rows, text_columns)
 from toolkit.dist import DistEnv, broadcast_object
 from toolkit.errors import RecipeError
 from toolkit.instruct import chat_template_text, check_messages, check_tokenizer, encode_batch, num_cut_tokens
+from toolkit.labels import check_labels, class_names, label_ids
 from toolkit.losses import IGNORE_INDEX
 from toolkit.recipe import BatchPlan, DataConfig
 

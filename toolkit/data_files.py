@@ -289,20 +289,20 @@ def check_records(raw, source: DataSource) -> None:
                           "write one record per line (JSON Lines: {\"text\": ..., \"label\": ...})")
 
 
-def _shown(value) -> str:
+def shown(value) -> str:
     """A cell's value as Python writes it (a number unquoted, text quoted), cut to fit one line."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _first_row(raw, column: str, bad) -> tuple[int, object]:
+def first_row(raw, column: str, bad) -> tuple[int, object]:
     """The 1-based number and value of the first row whose `column` value is bad (an error path: one pass)."""
     return next((number, value) for number, value in enumerate(raw[column], start=1) if bad(value))
 
 
-def _check_filled(raw, source: DataSource, column: str) -> None:
+def check_filled(raw, source: DataSource, column: str) -> None:
     if raw.data.column(column).null_count:  # arrow's count: no Python pass over the column
-        number, _ = _first_row(raw, column, lambda v: v is None)
+        number, _ = first_row(raw, column, lambda v: v is None)
         raise RecipeError(f"{source.key}: {source.path} row {number} has no {column!r}; fill or drop it")
 
 
@@ -317,15 +317,15 @@ def check_text_column(raw, source: DataSource, column: str, setting: str) -> Non
     if column not in raw.column_names:
         raise RecipeError(f"{source.key}: {source.path} has no column {column!r} (it has {columns(raw)}); set "
                           f"{setting} to one of those")
-    _check_filled(raw, source, column)
+    check_filled(raw, source, column)
     feature = raw.features[column]
     if isinstance(feature, datasets.Value) and feature.dtype.startswith(TEXT_DTYPES + NUMBER_DTYPES):
         return
     if isinstance(feature, datasets.Json):  # JSON values of several types: text and numbers in some rows only
         if not any(not isinstance(v, str) and not _is_number(v) for v in raw[column]):
             return
-        number, value = _first_row(raw, column, lambda v: not isinstance(v, str) and not _is_number(v))
-        raise RecipeError(f"{source.key}: {source.path} row {number} has {_shown(value)} in column {column!r}, "
+        number, value = first_row(raw, column, lambda v: not isinstance(v, str) and not _is_number(v))
+        raise RecipeError(f"{source.key}: {source.path} row {number} has {shown(value)} in column {column!r}, "
                           "where other rows have text; write it as text (in quotes) or drop the row")
     raise RecipeError(f"{source.key}: {source.path} column {column!r} holds {describe(feature)}, not text; set "
                       f"{setting} to the column with the text")
@@ -356,111 +356,6 @@ def _json_text(stored: str) -> str:
 
     value = json.loads(stored)
     return value if isinstance(value, str) else stored
-
-
-def _label_kind(value) -> str:
-    if isinstance(value, bool) or isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
-        return "class ids"
-    return "names" if isinstance(value, str) else "other"
-
-
-def label_values(raw, source: DataSource, column: str) -> list:
-    """The distinct labels of a split (a missing one, or labels of several kinds, is a RecipeError naming the
-    row)."""
-    import datasets
-
-    if column not in raw.column_names:
-        raise RecipeError(f"{source.key}: {source.path} has no column {column!r} (it has {columns(raw)}); set "
-                          "data.label_column to one of those")
-    _check_filled(raw, source, column)
-    if not isinstance(raw.features[column], datasets.Json):
-        return raw.unique(column)
-    # JSON values of several types (ids in some rows, names in others): arrow has no kernel to list them
-    kinds = [_label_kind(v) for v in raw[column]]
-    if len(set(kinds)) == 1 and kinds[0] != "other":  # ids of several types (1, true): one kind all the same
-        return list(dict.fromkeys(raw[column]))
-    odd = "other" if "other" in kinds else min(("class ids", "names"), key=kinds.count)
-    number = kinds.index(odd) + 1
-    value = raw[number - 1][column]
-    if odd == "other":
-        raise RecipeError(f"{source.key}: {source.path} row {number} has label {_shown(value)} in column "
-                          f"{column!r}; labels must be class ids or names")
-    usual = "names" if odd == "class ids" else "class ids"
-    raise RecipeError(f"{source.key}: {source.path} row {number} has label {_shown(value)} in column {column!r} where "
-                      f"other rows have {usual}; use one kind")
-
-
-def class_names(raw, source: DataSource, column: str) -> list[str] | None:
-    """A label column that holds names (`pos`, `neg`): the names in sorted order, whose positions are the class
-    ids; a `datasets` ClassLabel column: its names, in its id order. None where the labels are class ids already:
-    integers, booleans, whole floats, digit strings."""
-    import datasets
-
-    values = label_values(raw, source, column)
-    feature = raw.features[column]
-    if isinstance(feature, datasets.ClassLabel):
-        return list(feature.names)
-    if isinstance(feature, datasets.Json):  # one kind (label_values): ids of several types, or names
-        return sorted(values) if all(isinstance(v, str) for v in values) else None
-    if is_id_column(feature):
-        return None
-    dtype = feature.dtype
-    if dtype.startswith("float"):
-        if all(float(v).is_integer() for v in values):
-            return None
-        number, value = _first_row(raw, column, lambda v: not float(v).is_integer())
-        raise RecipeError(f"{source.key}: {source.path} row {number} has label {value!r} in column {column!r}; "
-                          "labels must be class ids (whole numbers) or names")
-    if dtype in TEXT_DTYPES:
-        if all(v.strip().isdigit() for v in values):
-            return None
-        return sorted(values)
-    raise RecipeError(f"{source.key}: {source.path} column {column!r} holds {describe(feature)} (row 1: "
-                      f"{_shown(raw[0][column])}); labels must be class ids or names")
-
-
-def is_id_column(feature) -> bool:
-    """A column of integers or booleans: class ids, whatever data.train's labels are."""
-    import datasets
-
-    dtype = feature.dtype if isinstance(feature, datasets.Value) else ""
-    return dtype.startswith(("int", "uint")) or dtype == "bool"
-
-
-def label_ids(values, feature, names: list[str] | None) -> list[int]:
-    """Class ids of labels: a name's position in `names` (data.train's class names; a ClassLabel's id stands for
-    its name), else the id as written."""
-    if names is None or is_id_column(feature):
-        return [int(v) for v in values]
-    return [names.index(name) for name in _as_names(values, feature)]
-
-
-def _as_names(values, feature) -> list[str]:
-    import datasets
-
-    if isinstance(feature, datasets.ClassLabel):
-        return [feature.int2str(int(v)) for v in values]
-    return [str(v) for v in values]
-
-
-def check_labels(raw, source: DataSource, data: DataConfig, *, num_labels: int, names: list[str] | None) -> None:
-    """Every label is a class id below model.num_labels, or one of `names` (the training split's)."""
-    column = data.label_column
-    assert column is not None  # Recipe: required for sequence-classification
-    values = label_values(raw, source, column)
-    feature = raw.features[column]
-    if names is not None and not is_id_column(feature):
-        unknown = sorted(v for v in _as_names(values, feature) if v not in names)
-        if unknown:
-            raise RecipeError(f"{source.key}: {source.path} has label {unknown[0]!r} in column {column!r}, which "
-                              f"data.train does not have (its labels: {', '.join(names)}); fix the data")
-        return
-    ids = sorted(int(v) for v in values)
-    bad = [v for v in ids if not 0 <= v < num_labels]
-    if bad:
-        raise RecipeError(f"{source.key}: {source.path} has label {bad[0]!r} in column {column!r}, outside "
-                          f"0..{num_labels - 1} (model.num_labels: {num_labels}); fix the data or set "
-                          "model.num_labels")
 
 
 def describe(feature) -> str:

@@ -64,7 +64,7 @@ class ModelSource:
     def _toggles(self, model: nn.Module) -> None:
         """LoRA, then activation checkpointing, then compile: each before any strategy wraps or shards a block."""
         from toolkit.lora import apply_lora
-        from toolkit.model import compile_blocks, enable_activation_checkpointing
+        from toolkit.blocks import compile_blocks, enable_activation_checkpointing
 
         if self.recipe.model.lora is not None:  # adapters in place, base frozen: every strategy wraps what it gets
             apply_lora(model, self.recipe.model.lora, task=self.recipe.model.task)

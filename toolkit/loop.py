@@ -21,7 +21,8 @@ from typing import Callable
 
 import torch
 
-from toolkit import faults, profiling, runinfo, tracking
+from toolkit import faults, profiling, runinfo, tracking, tracking_checks
+from toolkit.blocks import BlockForwards, layer_stack
 from toolkit.checkpoint import run as checkpoints
 from toolkit.checkpoint.run import Resume
 from toolkit.checkpoint.schedule import schedule_changes
@@ -41,7 +42,7 @@ from toolkit.loading import ModelSource, num_parameters, own_memory, whole_param
 from toolkit.losses import micro_batch_loss_sum
 from toolkit.metrics import (Progress, compile_graph_breaks, compile_seconds, peak_memory_bytes,
                              process_bytes, synchronize)
-from toolkit.model import BlockForwards, layer_stack, load_tokenizer, padding_id, saved_label_names
+from toolkit.model import load_tokenizer, padding_id, saved_label_names
 from toolkit.notes import recipe_notes
 from toolkit.optim import build_adamw, build_scheduler
 from toolkit.precision import check_precision_supported
@@ -87,7 +88,7 @@ def prepare(recipe: Recipe, env: DistEnv):
     layout = make_strategy(recipe).data_layout(recipe, world_size=env.world_size, rank=env.rank)
     check_precision_supported(recipe.precision, env.device)
     check_position_limit(recipe)
-    tracking.check_trackers(recipe)
+    tracking_checks.check_trackers(recipe)
     tokenizer = load_tokenizer(recipe.model)
     adopt_chat_template(tokenizer, recipe.data)  # the template trained with is the one saved with the model
     kwargs = dict(data=recipe.data, task=recipe.model.task, num_labels=recipe.model.num_labels, tokenizer=tokenizer,

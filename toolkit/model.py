@@ -1,24 +1,22 @@
-"""Model and tokenizer: from a local folder (from_pretrained) or a config; block discovery; FLOPs per token."""
+"""Model and tokenizer: from a local folder (from_pretrained) or a config; FLOPs per token."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import json
 import os
-import re
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Iterator, NoReturn, cast
+from typing import Any, Iterator, NoReturn, cast
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 
-from toolkit.errors import RecipeError, first_line
+from toolkit.errors import RecipeError
 from toolkit.model_config import (auto_class, build_errors, check_architecture, check_saved_head, check_sizes,
                                   check_unknown_fields, config_errors)
+from toolkit.model_files import check_model_dir
 from toolkit.precision import DTYPES
 from toolkit.recipe import ModelConfig
 
@@ -39,92 +37,6 @@ def resolve_path(spec: str) -> Path:
         return Path(list(found.submodule_search_locations)[0]) / sub
     return Path(os.path.expanduser(spec))
 
-
-def check_model_dir(path: Path, key: str) -> None:
-    if path.is_file():
-        raise RecipeError(f"{key}: {path} is a file; point it at the folder save_pretrained wrote (the one "
-                          "holding config.json)")
-    if not path.is_dir():
-        if _looks_like_hub_id(path):
-            raise RecipeError(f"{key}: {path} is no folder here, and hub ids are not downloaded; fetch it with "
-                              f"`hf download {path} --local-dir DIR` and point {key} at DIR")
-        raise RecipeError(f"{key}: {path} does not exist; point it at a folder written by save_pretrained")
-    if key == "model.path" and not (path / "config.json").is_file():
-        raise RecipeError(f"{key}: {path} has no config.json; point it at a folder written by save_pretrained")
-    if key == "model.path":
-        _check_weight_files(path)
-
-
-def _check_weight_files(path: Path) -> None:
-    """The weights from_pretrained reads are there: one file, or every shard its index names (a download or a
-    save that stopped part way leaves config.json alone, or an index without all its shards)."""
-    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
-
-    if (path / SAFE_WEIGHTS_NAME).is_file():
-        _check_safetensors(path / SAFE_WEIGHTS_NAME)
-        return
-    if (path / WEIGHTS_NAME).is_file():
-        _check_torch_file(path / WEIGHTS_NAME)
-        return
-    index = next((path / name for name in (SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_INDEX_NAME) if (path / name).is_file()),
-                 None)
-    if index is None:
-        raise RecipeError(f"model.path: {path} has config.json but no weights ({SAFE_WEIGHTS_NAME}, "
-                          f"{SAFE_WEIGHTS_INDEX_NAME} with its shards, or {WEIGHTS_NAME}); finish the download or "
-                          "save_pretrained there, or use model.config to train from scratch")
-    try:
-        shards = set(json.loads(index.read_text())["weight_map"].values())
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise RecipeError(f"model.path: {index} is not a weight index (JSON with a weight_map); download it "
-                          "again") from None
-    missing = sorted(shard for shard in shards if not (path / shard).is_file())
-    if missing:
-        raise RecipeError(f"model.path: {index} names {len(missing)} missing shard file(s), e.g. {missing[0]}; "
-                          "finish the download or save_pretrained there")
-    for shard in sorted(shards):
-        if shard.endswith(".safetensors"):
-            _check_safetensors(path / shard)
-        else:
-            _check_torch_file(path / shard)
-
-
-def _check_torch_file(file: Path) -> None:
-    """A torch.save file (pytorch_model.bin) is a zip archive whose directory is at its end: one cut short
-    has none, and every rank's from_pretrained failed with torch's "failed finding central directory"
-    traceback. Reads the directory only; a file of torch's legacy (pre-zip) format is left to torch."""
-    import zipfile
-
-    with open(file, "rb") as handle:
-        if handle.read(4) != b"PK\x03\x04":
-            return
-    try:
-        with zipfile.ZipFile(file) as archive:
-            archive.infolist()
-    except (zipfile.BadZipFile, OSError) as exc:  # zipfile: "File is not a zip file", of one that starts as one
-        raise RecipeError(f"model.path: {file} is not a complete torch weight file (a zip archive cut short: "
-                          f"{first_line(exc)}); finish the download or copy, or save_pretrained again") from None
-
-
-def _looks_like_hub_id(path: Path) -> bool:
-    """`bert-base-uncased` or `owner/name` as a user copies it from the hub: relative, one or two parts, a hub
-    id's characters."""
-    text = str(path)
-    return re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", text) is not None
-
-
-def _check_safetensors(file: Path) -> None:
-    """The file's header parses and its tensors end where the file ends (safetensors checks both on opening;
-    reads the header only): a download or copy that stopped part way is one line here, not a traceback from
-    every rank's from_pretrained."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(file), framework="pt") as opened:
-            opened.keys()
-    except Exception as exc:  # noqa: BLE001 - safetensors' own error type (SafetensorError) is its Rust core's
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:150]
-        raise RecipeError(f"model.path: {file} is not a complete safetensors file ({reason}); finish the download "
-                          "or copy, or save_pretrained again") from None
 
 
 def load_tokenizer(config: ModelConfig):
@@ -360,99 +272,11 @@ def own_dropout(config) -> Iterator[None]:
             setattr(config, key, value)
 
 
-def enable_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each transformer block in backward, through transformers' own per-layer checkpointing,
-    non-reentrant. Chosen over wrapping blocks in torch's checkpoint_wrapper because it leaves module and
-    parameter names as they are (checkpoints, exports, TP plans and FSDP units all go by name), and because
-    it composes with every strategy: it checkpoints a block's `forward`, so hooks on the block (FSDP2's
-    all-gather, which its pre-backward hook repeats before the recomputation needs the weights) stay outside
-    the checkpoint; ZeRO-3 fetches through hooks on every submodule, which run again inside it; pipeline
-    stages keep the layers, flag included."""
-    if not getattr(model, "supports_gradient_checkpointing", False):
-        raise RecipeError(f"train.activation_checkpointing: {type(model).__name__} has no transformer block list "
-                          "that transformers can checkpoint (supports_gradient_checkpointing is false); set "
-                          "train.activation_checkpointing: false")
-    cast(Any, model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-def compile_blocks(model: nn.Module) -> None:
-    """torch.compile each transformer block's `forward` (compiled lazily, at its first call). The forward, not
-    the module: hooks on the block (FSDP2's all-gather, the strategy's own) stay outside the compiled code, and
-    module and parameter names stay as they are.
-
-    With activation checkpointing the checkpoint goes inside the compiled function, where dynamo traces it as
-    a region to recompute. Left where transformers puts it, it depends on the version whether it is inside:
-    transformers 5.17 checkpoints a layer's `__call__`, around the compiled forward, and on CUDA the compiled
-    graph then saves other tensors on recomputation than in forward (flash attention's RNG state among them):
-    torch's CheckpointError at the first backward (measured on an H100, torch 2.11)."""
-    for block in layer_stack(model):
-        forward = block.forward
-        if getattr(block, "gradient_checkpointing", False):
-            setattr(block, "gradient_checkpointing", False)  # transformers' own checkpoint: off for this block
-            forward = _checkpointed(block, forward)
-        block.forward = torch.compile(forward)  # type: ignore[method-assign]
-
-
-def _checkpointed(block: nn.Module, forward: Callable) -> Callable:
-    """`forward` recomputed in backward while training: torch's non-reentrant checkpoint, as transformers'
-    own is set up (evaluation runs the plain forward)."""
-    def run(*args, **kwargs):
-        if not (block.training and torch.is_grad_enabled()):
-            return forward(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=False)
-    return run
-
-
-class BlockForwards:
-    """Counts how often `blocks` compute, through hooks on their direct children (removed by `stop`).
-    transformers checkpoints a block's `forward`, not its call, so hooks on the block itself (FSDP2's, these)
-    run once; its children run again when backward recomputes it, twice per micro-batch in all."""
-
-    def __init__(self, blocks: list[nn.Module]):
-        children = [child for block in blocks for child in block.children()]
-        self.num_blocks, self.children_per_block, self.calls = len(blocks), len(children) // max(len(blocks), 1), 0
-        # pre-hooks: a recomputation stops early, once it has rebuilt what backward needs (torch's
-        # non-reentrant checkpoint), so the last child is entered but may not return
-        self.handles = [child.register_forward_pre_hook(self._count) for child in children]
-
-    def _count(self, module, args) -> None:
-        self.calls += 1
-
-    def stop(self) -> dict[str, int]:
-        for handle in self.handles:
-            handle.remove()
-        return {"blocks": self.num_blocks, "block_forwards_first_step": self.calls // max(self.children_per_block, 1)}
-
-
-def count_blocks(config: ModelConfig, names: tuple[str, ...] | None) -> int:
-    """How many transformer blocks the recipe's model has (lets the launcher check a split before any rank
-    starts)."""
-    return len(layer_stack(meta_model(config), names))
-
-
 def meta_model(config: ModelConfig) -> nn.Module:
     """The recipe's model built on the meta device from its config: its structure, no weights, no memory."""
     # RuntimeError: a size past int64; anything else the build raises on model.config's values: build_errors
     with torch.device("meta"), build_errors(config), config_errors(config, RuntimeError):
         return auto_class(config).from_config(hf_config(config))
-
-
-def transformer_blocks(model: nn.Module, class_names: tuple[str, ...] | None = None) -> list[nn.Module]:
-    """The repeated blocks to shard one by one: the recipe's class names, else the model's _no_split_modules."""
-    names = set(class_names or getattr(model, "_no_split_modules", None) or ())
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
-    if not blocks:
-        raise RecipeError(f"no transformer blocks found (looked for {sorted(names) or 'model._no_split_modules'}); "
-                          "set strategy.blocks to the block class name, e.g. [LlamaDecoderLayer]")
-    return blocks
-
-
-def layer_stack(model: nn.Module, class_names: tuple[str, ...] | None = None) -> list[nn.Module]:
-    """The blocks a model is split at: the transformer blocks that sit in a ModuleList (the layer stack),
-    in order; _no_split_modules also names one-off modules such as BertEmbeddings, which are not split."""
-    blocks = transformer_blocks(model, class_names)
-    stacked = {id(child) for m in model.modules() if isinstance(m, nn.ModuleList) for child in m}
-    return [b for b in blocks if id(b) in stacked] or blocks
 
 
 def flops_per_token(model_config, *, num_params: int, seq_len: int, lm_head: bool) -> dict:

@@ -24,12 +24,12 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from toolkit.blocks import transformer_blocks
 from toolkit.dist import DistEnv, ensure_process_group
 from toolkit.checkpoint.state import (Read, first_names, load_optimizer_tensors, load_schedule_state,
                                      model_tensors, optimizer_tensors, schedule_state)
 from toolkit.errors import RecipeError
 from toolkit.loading import ModelSource, load_sharded, materialize, whole_model_bytes
-from toolkit.model import transformer_blocks
 from toolkit.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.recipe import Recipe
 from toolkit.strategies import tensor_parallel

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from toolkit.model import count_blocks
+from toolkit.blocks import count_blocks
 from toolkit.recipe import Recipe
 from toolkit.strategies.base import SetupArgs, StrategyInfo
 from toolkit.strategies.placement import check_split, parse_devices, place_over_devices

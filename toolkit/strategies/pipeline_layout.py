@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from toolkit.blocks import layer_stack
 from toolkit.errors import RecipeError, ranks_option
-from toolkit.model import layer_stack, meta_model
+from toolkit.model import meta_model
 from toolkit.recipe import Recipe, plan_batch
 from toolkit.strategies.placement import blocks_of, check_split, part_of_blocks
 from toolkit.strategies.stages import family_of, layer_list

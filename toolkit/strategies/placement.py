@@ -14,8 +14,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from toolkit.blocks import layer_stack
 from toolkit.errors import RecipeError
-from toolkit.model import layer_stack
 
 
 def check_split(split: tuple[int, ...] | None, *, num_blocks: int, num_parts: int, what: str) -> None:

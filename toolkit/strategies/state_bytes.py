@@ -22,8 +22,8 @@ ADAM_MOMENTS = 2  # exp_avg, exp_avg_sq
 def largest_block_bytes(model: nn.Module, recipe) -> int:
     """What a strategy that gathers a block's parameters for its compute holds at once: one transformer
     block's full parameters in the compute dtype (0 for a model without a block list)."""
+    from toolkit.blocks import layer_stack
     from toolkit.errors import RecipeError
-    from toolkit.model import layer_stack
     from toolkit.precision import DTYPES
 
     try:
