@@ -233,7 +233,7 @@ def test_a_pretrained_heads_own_label_ids_are_kept_for_training_and_export(tmp_p
 
 
 def test_a_pretrained_head_naming_other_labels_is_replaced_in_one_line():
-    from toolkit.data import in_model_order, label_note
+    from toolkit.labels import in_model_order, label_note
 
     assert in_model_order(["neg", "pos"], ["good", "bad"]) == ["neg", "pos"]  # data.train's, sorted
     assert label_note(["neg", "pos"], ["good", "bad"]) == (
@@ -408,6 +408,7 @@ def test_chat_data_without_a_template_or_an_assistant_turn_is_one_line(tmp_path,
     with_template = {"train": str(data), "eval": None, "format": "chat", "chat_template": CHAT_TEMPLATE}
     recipe = write_recipe(tmp_path / "r.yaml", data=with_template, **base)
     assert main(["validate", str(recipe)]) == 0
+    assert "optim.warmup_steps 2 is not below the run's 2" in capsys.readouterr().err  # validate's note only
     chats[3]["messages"] = chats[3]["messages"][:1]
     data.write_text("".join(json.dumps(c) + "\n" for c in chats))
     assert main(["validate", str(recipe)]) == 2

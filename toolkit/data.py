@@ -23,7 +23,7 @@ from toolkit.data_files import (DataSource, check_records, check_text_column, co
 from toolkit.dist import DistEnv, broadcast_object
 from toolkit.errors import RecipeError
 from toolkit.instruct import chat_template_text, check_messages, check_tokenizer, encode_batch, num_cut_tokens
-from toolkit.labels import check_labels, class_names, label_ids
+from toolkit.labels import check_label_kind, check_labels, class_names, in_model_order, label_ids
 from toolkit.losses import IGNORE_INDEX
 from toolkit.recipe import BatchPlan, DataConfig
 
@@ -142,37 +142,6 @@ def check_rows(raw, source: DataSource, *, data: DataConfig, task: str, num_labe
         check_label_kind(raw, source, column=data.label_column, named=names is not None)
     check_labels(raw, source, data, num_labels=num_labels, names=names)
     return names
-
-
-def in_model_order(names: list[str] | None, model_names: list[str] | None) -> list[str] | None:
-    """data.train's class names in model.path's id order where its id2label names exactly these labels (as
-    transformers' run_glue keeps them): its pretrained head's row for `pos` goes on meaning `pos`."""
-    if names is None or model_names is None or sorted(model_names) != sorted(names):
-        return names
-    return list(model_names)
-
-
-def label_note(names: list[str] | None, model_names: list[str] | None) -> str | None:
-    """One line where data.train's names replace model.path's id2label, which names other labels: its head's
-    rows are trained (and exported) as data.train's classes (as transformers' run_glue does, which warns too)."""
-    if names is None or model_names is None or names == model_names:
-        return None
-    return (f"[toolkit] model.path's id2label ({', '.join(model_names[:8])}) names other labels than data.train "
-            f"({', '.join(names[:8])}): its mapping is replaced by data.train's")
-
-
-def check_label_kind(raw, source: DataSource, *, column: str, named: bool) -> None:
-    """data.eval's labels are of data.train's kind: names where it has names, class ids where it has ids (a
-    ClassLabel column is both: its ids stand for its names)."""
-    import datasets
-
-    if isinstance(raw.features[column], datasets.ClassLabel):
-        return
-    eval_named = class_names(raw, source, column) is not None
-    if eval_named != named:
-        kind, other = ("class ids", "label names") if named else ("label names", "class ids")
-        raise RecipeError(f"{source.key}: {source.path} has {kind} in column {column!r} where data.train has "
-                          f"{other}; use one kind in both")
 
 
 def check_room(data: DataConfig, tokenizer) -> None:

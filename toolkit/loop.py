@@ -31,13 +31,14 @@ from toolkit.comm import CollectiveCounter, count_step, counting
 from toolkit.checks import check_position_limit
 from toolkit.consistency import check_groups, check_replicas
 from toolkit.data import (Collator, DataLayout, GlobalBatchSampler, SplitCounts, check_one_batch, data_note,
-                          data_record, label_note, load_split, train_loader)
+                          data_record, load_split, train_loader)
 from toolkit.dist import DistEnv, all_reduce_max, all_reduce_sum
 from toolkit.errors import RecipeError
 from toolkit.evaluate import evaluate
 from toolkit.export import export_model
 from toolkit.gradient_scale import GradientScale
 from toolkit.instruct import adopt_chat_template
+from toolkit.labels import label_note
 from toolkit.loading import ModelSource, num_parameters, own_memory, whole_parameters
 from toolkit.losses import micro_batch_loss_sum
 from toolkit.metrics import (Progress, compile_graph_breaks, compile_seconds, peak_memory_bytes,
