@@ -148,9 +148,28 @@ def test_sequence_parallel_on_an_encoder_is_one_line(minilm_runs):
 
     recipe = load_recipe(minilm_runs.recipe, ("strategy.name=tp", "strategy.sequence_parallel=true"))
     with pytest.raises(RecipeError, match=re.escape("strategy.sequence_parallel: supported for Llama-style "
-                                                    "decoders (blocks with input_layernorm, self_attn, "
+                                                    "decoders (blocks of exactly input_layernorm, self_attn, "
                                                     "post_attention_layernorm, mlp), not bert")):
         validate_strategy(recipe, world_size=2)
+
+
+def test_sequence_parallel_on_a_block_with_more_norms_is_one_line(tmp_path):
+    """Gemma 2's blocks hold the four parts and two more norms (around the MLP): validate said ok, then every
+    rank died mixing DTensors and plain tensors in those norms."""
+    from conftest import MINILM
+    from toolkit.errors import RecipeError
+    from toolkit.recipe_files import load_recipe
+    from toolkit.strategies import validate_strategy
+
+    config = {"model_type": "gemma2", "vocab_size": 30522, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+    path = tmp_path / "gemma2.yaml"
+    path.write_text(json.dumps({"model": {"config": config, "tokenizer": MINILM, "task": "causal-lm"},
+                                "data": {"train": "unused.jsonl", "text_column": "text"},
+                                "strategy": {"name": "tp", "sequence_parallel": True}}))
+    validate_strategy(load_recipe(path, ("strategy.sequence_parallel=false",)), world_size=2)  # plain tp runs it
+    with pytest.raises(RecipeError, match=r"sequence_parallel: supported for Llama-style decoders .*, not gemma2"):
+        validate_strategy(load_recipe(path, ()), world_size=2)
 
 
 def test_bad_tensor_parallel_input_through_the_launcher_exits_2_with_nothing_written(llama4_runs, tmp_path):

@@ -15,7 +15,7 @@ from toolkit.errors import RecipeError, ranks_option
 from toolkit.model import meta_model
 from toolkit.recipe import Recipe, plan_batch
 from toolkit.strategies.placement import blocks_of, check_split, part_of_blocks
-from toolkit.strategies.stages import family_of, layer_list
+from toolkit.strategies.stages import check_window, family_of, layer_list
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
@@ -139,6 +139,7 @@ def check_recipe(recipe: Recipe, *, world_size: int) -> None:
     stages = grid.pp * options.stages_per_rank
     skeleton = meta_model(recipe.model)
     family_of(skeleton)  # a model without a stage layout
+    check_window(skeleton.config, max_length=recipe.data.max_length)
     check_stage_blocks(skeleton, options.blocks)
     check_split(options.split, num_blocks=len(layer_stack(skeleton, options.blocks)), num_parts=stages,
                 what="stages")

@@ -3,9 +3,9 @@ and caches do not survive tracing). Each stage keeps the model's own modules und
 (`model.layers.2…`), so its parameters save and load under the whole model's names.
 
 Two families, the ones the toolkit's tasks use:
-  decoder    a causal LM laid out as model.{embed_tokens, layers, norm, rotary_emb} + lm_head
-             (Llama, Qwen2, Mistral, …): every stage rebuilds positions, rotary cos/sin and the causal
-             mask from the padding mask it is given
+  decoder    a causal LM laid out as model.{embed_tokens, layers, norm, rotary_emb} + lm_head whose own
+             forward is exactly that (STAGED_DECODERS: Llama, Mistral, Qwen2/3, Gemma, OLMo): every stage
+             rebuilds positions, rotary cos/sin and the causal mask from the padding mask it is given
   encoder    a BERT-style classifier: bert.{embeddings, encoder.layer, pooler} + dropout + classifier;
              every stage rebuilds the bidirectional mask
 """
@@ -21,18 +21,48 @@ from torch import nn
 from toolkit.errors import RecipeError
 
 FAMILIES = ("decoder", "encoder")
+# causal LMs (config.model_type) whose own forward is what Stage._decoder runs: embeddings, each block with the
+# causal mask and one rotary cos/sin, the norm, the head (tests/test_stages.py checks each against the model's own
+# logits). Others laid out alike compute more, which a stage would drop without a word: Cohere scales its logits,
+# Granite its embeddings and logits, Gemma 2/3 soft-cap the logits, Gemma 3 and OLMo 3 keep a rotary table per
+# layer type
+STAGED_DECODERS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo", "olmo2")
 
 
 def family_of(model: Any) -> str:
     base = getattr(model, "model", None)
     if base is not None and all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) \
             and hasattr(model, "lm_head"):
+        if model.config.model_type not in STAGED_DECODERS:
+            raise RecipeError(f"pipeline: no stage layout for {type(model).__name__}: its forward does more than "
+                              f"embeddings, blocks, norm and head, so a pipeline stage would compute another model; "
+                              f"supported decoders: {', '.join(STAGED_DECODERS)}; fsdp, zero or ddp run it whole")
         return "decoder"
     bert = getattr(model, "bert", None)
     if bert is not None and hasattr(bert, "encoder") and hasattr(model, "classifier"):
         return "encoder"
     raise RecipeError(f"pipeline: no stage layout for {type(model).__name__}; supported: Llama-style causal LMs "
                       "(model.layers + lm_head) and BERT-style classifiers (bert.encoder.layer + classifier)")
+
+
+def sliding_window(config: Any) -> int | None:
+    """The window of sliding-window attention where some layer uses it (Mistral's sliding_window; Qwen2/3's
+    sliding_attention layers), else None."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    return int(window)
+
+
+def check_window(config: Any, *, max_length: int) -> None:
+    """Stages build the plain causal mask, which a window at least as long as every sample equals (a token sees
+    the window's keys up to itself); a shorter window would be another model's attention."""
+    window = sliding_window(config)
+    if window is not None and window < max_length:
+        raise RecipeError(f"pipeline: the model's sliding-window attention (sliding_window {window}) is not built by "
+                          f"pipeline stages, and data.max_length {max_length} is longer, so stages would attend "
+                          f"past the window; set data.max_length <= {window}, or run fsdp, zero or ddp")
 
 
 def layer_list(model: Any) -> nn.ModuleList:
@@ -103,7 +133,7 @@ class Stage(nn.Module):
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         # an explicit mask on every stage: eager attention without one is not causal
         mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                                  past_key_values=None, position_ids=position_ids)
+                                  position_ids=position_ids, **{_CACHE_ARG: None})
         cos_sin = base.rotary_emb(hidden, position_ids=position_ids)
         for layer in base.layers.values():
             hidden = layer(hidden, attention_mask=mask, position_embeddings=cos_sin, position_ids=position_ids)
@@ -122,6 +152,19 @@ class Stage(nn.Module):
         if self.last:
             return self.classifier(self.dropout(bert.pooler(hidden)))
         return hidden
+
+
+def _cache_arg() -> str:
+    """What create_causal_mask calls its (here absent) KV cache: `cache` in transformers 5.x, `past_key_values`
+    before (5.x still takes that name, with a FutureWarning on every call)."""
+    import inspect
+
+    from transformers.masking_utils import create_causal_mask
+
+    return "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+
+
+_CACHE_ARG = _cache_arg()
 
 
 def tied_embedding_names(model: Any) -> tuple[str, str] | None:

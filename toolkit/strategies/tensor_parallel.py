@@ -168,7 +168,7 @@ def sequence_parallel_plan(model: nn.Module) -> dict[str, Any]:
     config: Any = model.config
     layers = _decoder_layers(model)
     if layers is None:
-        raise RecipeError(f"strategy.sequence_parallel: supported for Llama-style decoders (blocks with "
+        raise RecipeError(f"strategy.sequence_parallel: supported for Llama-style decoders (blocks of exactly "
                           f"{', '.join(DECODER_PARTS)}), not {config.model_type}; set it to false")
     stack, count = layers
     seq, full = Shard(1), Replicate()
@@ -195,12 +195,14 @@ def sequence_parallel_plan(model: nn.Module) -> dict[str, Any]:
 
 
 def _decoder_layers(model: nn.Module) -> tuple[str, int] | None:
-    """(the layer stack's name, its length) when every block has DECODER_PARTS and a final `norm` follows."""
+    """(the layer stack's name, its length) when every block has exactly DECODER_PARTS and a final `norm` follows.
+    A block with more norms (Gemma 2's around its MLP, which it also applies to the attention output, not the
+    residual) would mix sequence shards and whole tensors: refused, not guessed."""
     modules = dict(model.named_modules())
     for name, module in modules.items():
         if isinstance(module, nn.ModuleList) and len(module) and "." in name:
             parts = {child for child, _ in module[0].named_children()}
-            if set(DECODER_PARTS) <= parts and f"{name.rsplit('.', 1)[0]}.norm" in modules:
+            if set(DECODER_PARTS) == parts and f"{name.rsplit('.', 1)[0]}.norm" in modules:
                 return name, len(module)
     return None
 
