@@ -67,3 +67,26 @@ def test_a_model_built_from_its_config_takes_the_tokenizers_bos_and_eos_ids(tmp_
     assert (built.bos_token_id, built.eos_token_id) == (None, None)
     named = ModelConfig(config={**TINY_LLAMA_CONFIG, "eos_token_id": 7}, tokenizer=str(folder), task="causal-lm")
     assert build_model(named, tokenizer=tokenizer, seed=0).config.eos_token_id == 7
+
+
+def test_a_decoder_classifier_pools_each_samples_own_last_token_whatever_its_config_class_pads_with(tiny_llama_dir):
+    """OPTConfig's pad id is 1, the tests' tokenizer pads with 0: OPT's classifier pooled the last position that is
+    not 1, i.e. padding, so a sample's logits depended on how long the others in its micro-batch were (losses of
+    micro 8 and micro 1 × accum 8 differed by 6 %). The reference: each sample alone, unpadded."""
+    import torch
+
+    from toolkit.model import build_model, load_tokenizer
+    from toolkit.recipe import ModelConfig
+
+    opt = {"model_type": "opt", "vocab_size": 30522, "hidden_size": 32, "ffn_dim": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "max_position_embeddings": 64, "word_embed_proj_dim": 32}
+    config = ModelConfig(config=opt, tokenizer=str(tiny_llama_dir), task="sequence-classification", num_labels=2)
+    tokenizer = load_tokenizer(config)
+    model = build_model(config, tokenizer=tokenizer, seed=0).eval()
+    assert model.config.pad_token_id == tokenizer.pad_token_id == 0
+    texts = ["a short one", "a much longer sample that the short one is padded to match"]
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        together = model(**batch).logits
+        alone = torch.cat([model(**tokenizer([text], return_tensors="pt")).logits for text in texts])
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
