@@ -136,3 +136,18 @@ def test_the_merged_export_leaves_the_trained_model_as_it_was(tmp_path, tiny_lla
     merged = load_file(tmp_path / "merged" / "model.safetensors")
     key = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(merged[key], before["model.layers.0.self_attn.q_proj.base_layer.weight"])
+
+
+def test_a_target_that_matches_nothing_names_the_layers_peft_adapts_also_gpt2s_conv1d(capsys):
+    """GPT-2's attention and MLP are transformers' Conv1D, which peft adapts: the line named only lm_head."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from toolkit.errors import RecipeError
+    from toolkit.lora import apply_lora
+    from toolkit.recipe import LoraOptions
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=16))
+    with pytest.raises(RecipeError, match=r"this model's linear layers are named c_attn, c_fc, c_proj, lm_head$"):
+        apply_lora(model, LoraOptions(r=4, target_modules=("q_proj",)), task="causal-lm")
+    with pytest.raises(RecipeError, match=r"above the width of every layer of the model \(at most 32\)"):
+        apply_lora(model, LoraOptions(r=33, target_modules=("c_attn",)), task="causal-lm")

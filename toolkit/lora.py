@@ -36,17 +36,27 @@ def _adapted(model: nn.Module, options: LoraOptions, *, task: str):
         return get_peft_model(model, lora_config(options, task=task))
 
 
+def _linear_layers(model: nn.Module) -> dict[str, int]:
+    """The layers LoRA adapts, by name: the width (the smaller of in and out features) of each nn.Linear and
+    transformers' Conv1D (GPT-2's attention and MLP, weights stored in × out)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return {name: min(module.weight.shape) for name, module in model.named_modules()
+            if isinstance(module, (nn.Linear, Conv1D))}
+
+
 def apply_lora(model: nn.Module, options: LoraOptions, *, task: str) -> nn.Module:
     """Adapters on `model`'s target layers, in place; everything else frozen (a classification head stays
     trainable: peft's SEQ_CLS keeps it in modules_to_save). Returns the same model object."""
-    widths = [min(m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)]
+    linear = _linear_layers(model)
+    widths = list(linear.values())
     if widths and options.r > max(widths):  # peft would allocate r × (in + out) per layer all the same
         raise RecipeError(f"model.lora.r {options.r} is above the width of every layer of the model (at most "
                           f"{max(widths)}): a larger rank adds parameters, not capacity; 8 or 16 are usual")
     try:
         peft_model = _adapted(model, options, task=task)
     except ValueError as exc:  # peft: target modules that match no layer of the model
-        layers = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        layers = sorted({name.rsplit(".", 1)[-1] for name in linear})
         raise RecipeError(f"model.lora.target_modules: {exc.args[0].split('.')[0]}; this model's linear layers "
                           f"are named {', '.join(layers)}") from None
     inner = peft_model.base_model.model
