@@ -206,6 +206,8 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
                                       done_steps=done, tokens_seen=tokens_seen)
             signals = StopSignals().install()
             profiler = profiling.StepProfiler(recipe, env=env, out_dir=out_dir, done=done)
+            if checkpoint is not None:  # last before the first step: nothing draws from the restored generator
+                checkpoints.restore_rng(checkpoint, env=env)
             try:
                 losses = run_steps(strategy, loader, recipe=recipe, env=env, plan=plan, layout=layout, info=info,
                                    done=done, total_steps=total_steps, eval_ds=eval_ds, collator=collator,

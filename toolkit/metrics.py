@@ -106,8 +106,11 @@ def measured_matmul_flops(shapes: list[tuple[int, int, int]], *, dtype: torch.dt
     than the step's own shapes, and then MFU reads above 100 %. So the model's matmul shapes are included.
     """
     best_flops_per_s, best_shape = 0.0, shapes[0]
+    # its own generator: drawn from torch's, the run's dropout masks depended on this measurement (and a resumed
+    # run's, measured after its generator was restored, differed from the uninterrupted run's)
+    numbers = torch.Generator().manual_seed(0)
     for m, k, n in shapes:
-        x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+        x, w = (torch.randn(rows, k, dtype=dtype, generator=numbers) for rows in (m, n))
         torch.nn.functional.linear(x, w)  # warm-up: first call pays allocation and kernel selection
         fastest_s = float("inf")
         for _ in range(repeats):

@@ -80,11 +80,11 @@ def _check_seed(checkpoint: store.Checkpoint, recipe: Recipe) -> None:
 
 
 def restore(strategy, checkpoint: store.Checkpoint, *, weights_only: bool, env: DistEnv, total_steps: int) -> int:
-    """After setup: optimizer state, schedule, loss scale, RNG. Returns the optimizer steps already done."""
+    """After setup: optimizer state, schedule, loss scale (the RNG: restore_rng). Returns the optimizer steps
+    already done."""
     if not weights_only:
         strategy.load_optimizer_state(state.optimizer_reader(checkpoint.path))
     strategy.load_checkpoint_extra(checkpoint.manifest["extra"])
-    state.load_rng(checkpoint.path, env=env, saved_world=int(checkpoint.manifest["world_size"]))
     if env.is_main:
         m = checkpoint.manifest
         what = "weights (fresh optimizer state)" if weights_only else "weights and optimizer state"
@@ -92,6 +92,13 @@ def restore(strategy, checkpoint: store.Checkpoint, *, weights_only: bool, env: 
               f"{m['world_size']} rank(s)); continuing at step {m['step'] + 1} of {total_steps}",
               file=sys.stderr, flush=True)
     return checkpoint.step
+
+
+def restore_rng(checkpoint: store.Checkpoint, *, env: DistEnv) -> None:
+    """Each rank's CPU generator as the checkpoint left it: the loop's last act before the first step, so nothing
+    in between draws from it (the CPU matmul peak measured at start did, and every dropout mask after a resume
+    differed from the uninterrupted run's)."""
+    state.load_rng(checkpoint.path, env=env, saved_world=int(checkpoint.manifest["world_size"]))
 
 
 def continue_metrics(out_dir: Path, *, done_steps: int) -> None:
