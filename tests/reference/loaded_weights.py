@@ -1,10 +1,12 @@
 """Run under torchrun by tests/test_loading.py: for each case, the toolkit builds and sets up the recipe's strategy
 (low-memory loading where it applies), gathers the full weights it starts from, and rank 0 compares them with a
 plain transformers build in this process (torch.manual_seed, then from_pretrained or from_config), element by
-element. Writes {case: {"weights": ..., "layout": ...}} as JSON."""
+element; each case's export is written too, and its tensor names read beside those of the plain model's own
+save_pretrained. Writes {case: {"weights": ..., "layout": ..., "export_names": ...}} as JSON."""
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -55,8 +57,15 @@ def aliases(state: dict[str, torch.Tensor]) -> set[str]:
     return out
 
 
+def names(folder: Path) -> list[str]:
+    from safetensors import safe_open
+
+    return sorted(name for file in folder.glob("*.safetensors") for name in safe_open(str(file), "pt").keys())
+
+
 def main() -> None:
     from toolkit.dist import exit_process, init_distributed, shutdown
+    from toolkit.export import export_model
     from toolkit.launch import prepare_environment
     from toolkit.loading import ModelSource
     from toolkit.loop import setup_strategy
@@ -79,13 +88,18 @@ def main() -> None:
         setup_strategy(strategy, model, source=source, env=env, total_steps=1,
                        plan=plan_batch(recipe.batch, world_size=env.world_size))
         got = strategy.full_state_dict()
+        exported = export_model(strategy, tokenizer=source.tokenizer, out_dir=Path(out).parent / f"export-{name}",
+                                env=env, task=recipe.model.task)
         if env.is_main:
             plain = reference(recipe)
+            plain.save_pretrained(Path(out).parent / f"plain-{name}")
             # the reference's matrices are decayed, its vectors not (counted here, not by param_groups)
             dims = [p.dim() for p in plain.parameters()]
             want_groups = [sum(d >= 2 for d in dims), sum(d < 2 for d in dims)]
             results[name] = {"weights": compare(got, plain.state_dict()), "layout": strategy.layout(),
-                             "param_groups": groups, "want_groups": want_groups}
+                             "param_groups": groups, "want_groups": want_groups,
+                             # the exported file's tensor names, beside those transformers' own save writes
+                             "export_names": names(exported), "want_export_names": names(Path(out).parent / f"plain-{name}")}
         strategy.close()
     if env.is_main:
         with open(out, "w") as f:

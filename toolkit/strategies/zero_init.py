@@ -22,6 +22,7 @@ from toolkit.checkpoint.state import first_names, model_tensors, read_model_tens
 from toolkit.checkpoint.verify import check_model_fits, read_metadata
 from toolkit.dist import DistEnv
 from toolkit.loading import ModelSource
+from toolkit.model import resolve_path
 
 
 def build_partitioned(source: ModelSource, *, config: dict, env: DistEnv) -> nn.Module:
@@ -36,6 +37,8 @@ def build_partitioned(source: ModelSource, *, config: dict, env: DistEnv) -> nn.
     finally:
         unset_hf_deepspeed_config()
         del live
+    if source.recipe.model.path is not None:
+        keep_used_renamings(model, resolve_path(source.recipe.model.path))
     checkpoint = source.checkpoint
     if checkpoint is not None:
         metadata = read_metadata(checkpoint)  # its files checked once, not at every module
@@ -49,6 +52,26 @@ def build_partitioned(source: ModelSource, *, config: dict, env: DistEnv) -> nn.
         fill(model, lambda shapes: {name: whole[name] for name in shapes} if env.is_main else None)
         del whole
     return model
+
+
+def keep_used_renamings(model: Any, folder: Path) -> None:
+    """transformers' ZeRO-3 load keeps every weight renaming its model type knows (`_weight_conversions`), used
+    or not, and save_pretrained reverts each: a BERT whose files say LayerNorm.weight was exported as
+    LayerNorm.gamma, and compare judged the zero3 arm "diverged in final weights" (other tensor names) on the
+    default recipe. Kept, as transformers' own load keeps them: those some name in the safetensors files matches
+    (a .bin checkpoint's names are not read: its renamings stay)."""
+    import re
+
+    from safetensors import safe_open
+
+    renamings = getattr(model, "_weight_conversions", None)
+    files = sorted(folder.glob("*.safetensors"))
+    if not renamings or not files or any(folder.glob("*.bin")):
+        return
+    names = [name for file in files for name in safe_open(str(file), "pt").keys()]
+    model._weight_conversions = [conversion for conversion in renamings
+                                 if any(re.search(pattern, name) for pattern in conversion.source_patterns
+                                        for name in names)]
 
 
 def full_shapes(model: nn.Module) -> dict[str, Any]:
