@@ -3,9 +3,12 @@ masked), and a model built from model.config gets the tokenizer's bos/eos ids, n
 
 import json
 
+import pytest
+
 from conftest import write_recipe
 from test_model_errors import TINY_LLAMA_CONFIG
 from toolkit.cli import main
+from toolkit.errors import RecipeError
 
 
 def _tokenizer_without_special_tokens(tiny_llama_dir, path):
@@ -90,3 +93,21 @@ def test_a_decoder_classifier_pools_each_samples_own_last_token_whatever_its_con
         together = model(**batch).logits
         alone = torch.cat([model(**tokenizer([text], return_tensors="pt")).logits for text in texts])
     torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
+
+
+def test_a_config_class_pad_id_outside_the_recipes_vocabulary_gives_way_to_the_tokenizers(tiny_llama_dir):
+    """Phi3Config's pad id is 32000, for Phi-3's own vocabulary: built with vocab_size 30522 (the tests'
+    tokenizer), transformers refused it ("Padding_idx must be within num_embeddings"), a value the recipe never set.
+    A pad id model.config names stays the recipe's (and its mistake one line)."""
+    from toolkit.model import build_model, load_tokenizer, meta_model
+    from toolkit.recipe import ModelConfig
+
+    phi3 = {"model_type": "phi3", "vocab_size": 30522, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+    config = ModelConfig(config=phi3, tokenizer=str(tiny_llama_dir), task="causal-lm")
+    tokenizer = load_tokenizer(config)
+    assert build_model(config, tokenizer=tokenizer, seed=0).config.pad_token_id == tokenizer.pad_token_id == 0
+    assert meta_model(config).get_input_embeddings().num_embeddings == 30522  # validate and plan build it too
+    named = ModelConfig(config={**phi3, "pad_token_id": 32000}, tokenizer=str(tiny_llama_dir), task="causal-lm")
+    with pytest.raises(RecipeError, match="Padding_idx must be within num_embeddings"):
+        meta_model(named)

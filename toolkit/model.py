@@ -157,6 +157,11 @@ def hf_config(config: ModelConfig, *, tokenizer=None):
         built = transformers.AutoConfig.for_model(model_type, **fields, **_label_fields(config))
     check_architecture(built, config)  # first: a model type without the task's head is the bigger mistake
     check_unknown_fields(built, fields, config)
+    pad, vocab = getattr(built, "pad_token_id", None), getattr(built, "vocab_size", None)
+    if "pad_token_id" not in fields and isinstance(pad, int) and isinstance(vocab, int) and not 0 <= pad < vocab:
+        # a config class's default for its own vocabulary (Phi-3's 32000), outside the recipe's: the embedding
+        # refused it ("Padding_idx must be within num_embeddings"); the tokenizer's is taken below
+        built.pad_token_id = None
     if tokenizer is not None:
         _take_token_ids(built, fields, tokenizer)
     return built
