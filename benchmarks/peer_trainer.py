@@ -1,7 +1,8 @@
 """The toolkit against the tool a user would pick instead: the same job through `toolkit train` (single
 process) and through transformers' `Trainer`, alternating in one process, so both see the same machine
 state. Same model, data file, max_length, batch (micro 16 × accum 2 = 32), AdamW (Trainer's default
-fused one; the toolkit's optim.implementation auto), warm-up + cosine schedule, clipping at 1.0, no eval.
+fused one; the toolkit's optim.implementation auto), warm-up + cosine schedule (the warm-up's lrs differ:
+(k+1)/(w+1) of lr here, k/w in Trainer; the same work), clipping at 1.0, no eval.
 
     python benchmarks/peer_trainer.py [--recipe recipes/minilm-sst.yaml] [--steps 40] [--rounds 3]
 

@@ -118,7 +118,9 @@ class OptimConfig:
     weight_decay: float = 0.01  # not applied to biases and norm weights
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1.0e-8
-    warmup_steps: int = 0  # linear warm-up from 0 to lr
+    # linear warm-up: step k of w (0-based) at (k+1)/(w+1) of lr, so no step is wasted at lr 0 (transformers'
+    # get_*_schedule_with_warmup: k/w, its first step at 0); after it the schedules are transformers' own
+    warmup_steps: int = 0
     schedule: str = "cosine"  # cosine | linear | constant, after warm-up, down to min_lr_ratio × lr
     min_lr_ratio: float = 0.0
     max_grad_norm: float | None = 1.0  # clip the global grad norm; null disables clipping
