@@ -156,7 +156,7 @@ def test_planted_divergence_and_failed_arm_then_resume(tmp_path, tiny_llama_dir)
                           train={"eval_every": None})
     out = tmp_path / "exp"
     args = ("compare", str(recipe), "--strategies",
-            "single,single@optim.lr=0.002,fsdp@strategy.blocks=[NoSuchBlock]", "--nproc", "2", "--steps", "5",
+            "single,single@optim.lr=0.002,single@data.max_length=1", "--nproc", "2", "--steps", "5",
             "--set", f"output_dir={out}")
     first = run_cli(*args)
     assert first.returncode == 1  # an arm failed: the command says so, the report is still written
@@ -165,17 +165,20 @@ def test_planted_divergence_and_failed_arm_then_resume(tmp_path, tiny_llama_dir)
     # step 1's loss and grad norm come before the first update; the first update uses the other lr
     assert diverged["verdict"] == "diverged at step 2"
     assert any(d.startswith("optim.lr: 0.002 vs 0.001") for d in diverged["differences"])
-    failed = arms["fsdp@strategy.blocks=[NoSuchBlock]"]
-    assert failed["status"] == "failed" and "NoSuchBlock" in failed["error"]
+    # an arm whose own override its launch refuses (compare checks the data the arms share, and each arm's
+    # strategy and batch, before any arm runs; a run that fails while it runs is recorded alike)
+    failed = arms["single@data.max_length=1"]
+    assert failed["status"] == "failed" and "data.max_length 1 leaves no room for text" in failed["error"], failed
     why = (out / "report.md").read_text().split("## Why arms differ", 1)[1].split("##", 1)[0]
-    assert "**fsdp@strategy.blocks=[NoSuchBlock]** failed: " in why  # the table and this section agree
+    assert "**single@data.max_length=1** failed: " in why  # the table and this section agree
     assert "optim.lr" in (out / "report.md").read_text()
 
-    shutil.rmtree(out / "single@optim.lr=0.002")  # as if the run had stopped before this arm
+    # a re-run runs the failed arm again, and only it (an arm damaged or never run is run again too:
+    # tests/test_compare_inputs.py)
     second = run_cli(*args)
     assert "single: already completed, skipped" in second.stdout
-    assert "single@optim.lr=0.002: completed" in second.stdout
-    assert "fsdp@strategy.blocks=[NoSuchBlock]: failed" in second.stdout
+    assert "single@optim.lr=0.002: already completed, skipped" in second.stdout
+    assert "single@data.max_length=1: failed" in second.stdout
 
 
 def test_tensorboard_overlays_one_run_per_arm(experiment):

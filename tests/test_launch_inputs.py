@@ -224,12 +224,23 @@ def test_accelerates_own_switch_spellings_are_read_as_it_reads_them():
      "tokenizer has 30522 tokens but the model's vocab_size is 10"),
     (("data.max_length=1",), "data.max_length 1 leaves no room for text"),
     (("strategy.name=fsdp", "strategy.blocks=[Foo]"), "no transformer blocks found (looked for ['Foo'])"),
+    # DistilBERT names no blocks of its own (_no_split_modules): the line names the class its layer stack holds
+    (("model.path=null", "model.task=sequence-classification", "data.label_column=label", "model.tokenizer={model}",
+      "model.config={model_type: distilbert, vocab_size: 30522, dim: 32, hidden_dim: 64, n_layers: 2, n_heads: 2}",
+      "strategy.name=fsdp"), "set strategy.blocks to the block class name (this model's layer stack holds "
+                             "TransformerBlock: [TransformerBlock])"),
 ])
-@pytest.mark.parametrize("command", ["validate", "launch"])
+@pytest.mark.parametrize("command", ["validate", "launch", "compare"])
 def test_what_the_ranks_found_is_checked_before_they_start(command, sets, words, tmp_path, tiny_llama_dir, capsys):
     recipe, out = _recipe(tmp_path, tiny_llama_dir)
     sets = [s.replace("{model}", str(tiny_llama_dir)) for s in sets]
-    _one_line_exit_2(main([command, str(recipe), *[a for s in sets for a in ("--set", s)]]), capsys, words, out)
+    arms = []
+    if command == "compare":  # the fsdp arm takes the strategy's settings; refused before any arm runs
+        fsdp = [s for s in sets if s.startswith("strategy.") and s != "strategy.name=fsdp"]
+        sets = [s for s in sets if not s.startswith("strategy.")]
+        arms = ["--strategies", "@".join(["single,fsdp", *fsdp]), "--nproc", "2"]
+    _one_line_exit_2(main([command, str(recipe), *arms, *[a for s in sets for a in ("--set", s)]]), capsys, words,
+                     out)
 
 
 def test_a_mistake_is_said_once_per_launch_also_by_one_rank_restarted(monkeypatch, capsys):

@@ -89,9 +89,21 @@ def transformer_blocks(model: nn.Module, class_names: tuple[str, ...] | None = N
     names = set(class_names or getattr(model, "_no_split_modules", None) or ())
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     if not blocks:
+        stack = _stack_class(model)
+        example = f"this model's layer stack holds {stack}: [{stack}]" if stack else "e.g. [LlamaDecoderLayer]"
         raise RecipeError(f"no transformer blocks found (looked for {sorted(names) or 'model._no_split_modules'}); "
-                          "set strategy.blocks to the block class name, e.g. [LlamaDecoderLayer]")
+                          f"set strategy.blocks to the block class name ({example})")
     return blocks
+
+
+def _stack_class(model: nn.Module) -> str | None:
+    """The class of the largest ModuleList of one class (a model's stack of blocks), if it has one."""
+    stacks = [stack for stack in model.modules() if isinstance(stack, nn.ModuleList) and len(stack) > 1
+              and len({type(block) for block in stack}) == 1]
+    if not stacks:
+        return None
+    largest = max(stacks, key=lambda stack: sum(p.numel() for p in stack.parameters()))
+    return type(largest[0]).__name__
 
 
 def layer_stack(model: nn.Module, class_names: tuple[str, ...] | None = None) -> list[nn.Module]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from toolkit.errors import RecipeError
 from toolkit.recipe import BatchPlan, Recipe
-from toolkit.strategies import validate_strategy
+from toolkit.strategies import strategy_info, validate_strategy
 from toolkit.tracking_checks import check_trackers
 
 
@@ -74,14 +74,13 @@ def check_model(recipe: Recipe, tokenizer) -> None:
     """What the ranks would find only once they build the model, on one meta-device copy of it (its config and
     class only, no weights read): the tokenizer fits its vocabulary, LoRA targets name layers of it, and the
     blocks to shard (strategy.blocks) or to checkpoint are there."""
-    from toolkit.blocks import enable_activation_checkpointing, transformer_blocks
+    from toolkit.blocks import enable_activation_checkpointing
     from toolkit.model import check_vocabulary
     from toolkit.plan import planned_model
 
     model = planned_model(recipe)  # applies the adapters: targets that match nothing are peft's one-line error
     check_vocabulary(model, tokenizer)
-    if recipe.strategy.blocks is not None:  # set only for a strategy that reads it (validate_strategy)
-        transformer_blocks(model, recipe.strategy.blocks)
+    check_blocks(recipe, model)
     if recipe.train.activation_checkpointing:
         enable_activation_checkpointing(model)  # a model without blocks: its one-line error
 
@@ -94,3 +93,15 @@ def check_recipe(recipe: Recipe, *, world_size: int) -> BatchPlan:
     tokenizer = check_data(recipe, global_batch_size=plan.global_batch_size)
     check_model(recipe, tokenizer)
     return plan
+
+
+def check_blocks(recipe: Recipe, model=None) -> None:
+    """A strategy that shards (fsdp) or cuts (model parallel, pipeline) at the transformer blocks finds them in the
+    model (`model`: its meta-device copy, built here if not given). DistilBERT names none of its own: the run
+    stopped at set-up, after validate said ok."""
+    if "blocks" not in strategy_info(recipe.strategy.name).options:
+        return
+    from toolkit.blocks import transformer_blocks
+    from toolkit.model import meta_model
+
+    transformer_blocks(model if model is not None else meta_model(recipe.model), recipe.strategy.blocks)

@@ -17,6 +17,7 @@ from pathlib import Path
 from toolkit.errors import RecipeError
 from toolkit.recipe import Recipe, plan_batch
 from toolkit.recipe_files import load_recipe
+from toolkit.checks import check_blocks, check_recipe
 from toolkit.strategies import arm_aliases, make_strategy, strategy_info, validate_strategy
 from toolkit.yaml_files import read_yaml_mapping
 
@@ -189,8 +190,10 @@ def build_experiment(recipe_path: str, *, strategies: list[str], precisions: lis
         arms[0] = Arm(arms[0].name, arms[0].nproc, (*arms[0].overrides, f"{RECORD_GRADIENT_SCALE}=true"))
     # absolute: experiment.json and each arm's launch read it from wherever compare or report is run next
     experiment = Experiment(recipe=os.path.abspath(recipe_path), out_dir=out_dir, arms=arms, common=common)
-    for arm in arms:  # every arm's recipe, strategy and batch arithmetic are checked before anything runs
-        check_arm(recipe_path, common=common, arm=arm)
+    # every arm's recipe, strategy and batch arithmetic are checked before anything runs; the data, tokenizer and
+    # model the arms share, once (a mistake there failed every arm, one after the other)
+    for index, arm in enumerate(arms):
+        check_arm(recipe_path, common=common, arm=arm, whole=index == 0)
     return experiment
 
 
@@ -238,13 +241,18 @@ def _spec_arms(recipe_path: str, spec: str, *, overrides: list[str], nproc: int,
             for precision, accum, name in named]
 
 
-def check_arm(recipe_path: str, *, common: list[str], arm: Arm) -> None:
-    """The arm's recipe and validate_strategy at its ranks, as `toolkit launch` reads and runs them; a refusal names
-    the arm, its ranks and how many of them split the global batch (its strategy's data-parallel size)."""
+def check_arm(recipe_path: str, *, common: list[str], arm: Arm, whole: bool = False) -> None:
+    """The arm's recipe and validate_strategy at its ranks, as `toolkit launch` reads and runs them (`whole`: every
+    check launch makes, data files and model included); a refusal names the arm, its ranks and how many of them
+    split the global batch (its strategy's data-parallel size)."""
     with naming_arms([arm.name], nproc=arm.nproc):
         recipe = load_recipe(recipe_path, [*common, *arm.overrides])
     with naming_arms([arm.name], nproc=arm.nproc, recipe=recipe):
-        validate_strategy(recipe, world_size=arm.nproc)
+        if whole:
+            check_recipe(recipe, world_size=arm.nproc)
+        else:
+            validate_strategy(recipe, world_size=arm.nproc)
+            check_blocks(recipe)
 
 
 @contextlib.contextmanager
