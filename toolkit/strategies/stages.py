@@ -13,6 +13,7 @@ Two families, the ones the toolkit's tasks use:
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -133,7 +134,7 @@ class Stage(nn.Module):
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         # an explicit mask on every stage: eager attention without one is not causal
         mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                                  position_ids=position_ids, **{_CACHE_ARG: None})
+                                  position_ids=position_ids, **{_cache_arg(): None})
         cos_sin = base.rotary_emb(hidden, position_ids=position_ids)
         for layer in base.layers.values():
             hidden = layer(hidden, attention_mask=mask, position_embeddings=cos_sin, position_ids=position_ids)
@@ -154,17 +155,16 @@ class Stage(nn.Module):
         return hidden
 
 
+@functools.cache
 def _cache_arg() -> str:
     """What create_causal_mask calls its (here absent) KV cache: `cache` in transformers 5.x, `past_key_values`
-    before (5.x still takes that name, with a FutureWarning on every call)."""
+    before (5.x still takes that name, with a FutureWarning on every call). Read at the first stage forward, not
+    at import: a process that builds no pipeline does not import transformers' masking code for it."""
     import inspect
 
     from transformers.masking_utils import create_causal_mask
 
     return "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
-
-
-_CACHE_ARG = _cache_arg()
 
 
 def tied_embedding_names(model: Any) -> tuple[str, str] | None:

@@ -69,9 +69,10 @@ def keep_used_renamings(model: Any, folder: Path) -> None:
     if not renamings or not files or any(folder.glob("*.bin")):
         return
     names = [name for file in files for name in safe_open(str(file), "pt").keys()]
-    model._weight_conversions = [conversion for conversion in renamings
-                                 if any(re.search(pattern, name) for pattern in conversion.source_patterns
-                                        for name in names)]
+    model._weight_conversions = [
+        conversion for conversion in renamings
+        if not hasattr(conversion, "source_patterns")  # a transformers of other internals: left as it is
+        or any(re.search(pattern, name) for pattern in conversion.source_patterns for name in names)]
 
 
 def full_shapes(model: nn.Module) -> dict[str, Any]:
