@@ -35,15 +35,16 @@ def family_of(model: Any) -> str:
     if base is not None and all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) \
             and hasattr(model, "lm_head"):
         if model.config.model_type not in STAGED_DECODERS:
-            raise RecipeError(f"pipeline: no stage layout for {type(model).__name__}: its forward does more than "
-                              f"embeddings, blocks, norm and head, so a pipeline stage would compute another model; "
-                              f"supported decoders: {', '.join(STAGED_DECODERS)}; fsdp, zero or ddp run it whole")
+            raise RecipeError(f"pipeline: no stage layout for {type(model).__name__}: stages run embeddings, blocks, "
+                              f"norm and head, which only these decoders' own forward is checked to be "
+                              f"({', '.join(STAGED_DECODERS)}; others scale or cap what they compute, and a stage "
+                              f"would train another model); fsdp, zero or ddp run it whole")
         return "decoder"
     bert = getattr(model, "bert", None)
     if bert is not None and hasattr(bert, "encoder") and hasattr(model, "classifier"):
         return "encoder"
-    raise RecipeError(f"pipeline: no stage layout for {type(model).__name__}; supported: Llama-style causal LMs "
-                      "(model.layers + lm_head) and BERT-style classifiers (bert.encoder.layer + classifier)")
+    raise RecipeError(f"pipeline: no stage layout for {type(model).__name__}; supported: the causal LMs "
+                      f"{', '.join(STAGED_DECODERS)} and BERT-style classifiers (bert.encoder.layer + classifier)")
 
 
 def sliding_window(config: Any) -> int | None:
