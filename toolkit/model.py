@@ -208,13 +208,12 @@ def empty_model(config: ModelConfig, *, tokenizer) -> nn.Module:
 
 def _finish(model: Any, config: ModelConfig, *, tokenizer) -> nn.Module:
     """What every built model gets: a pad token id, the recipe's dropout, a vocabulary the tokenizer fits."""
-    if getattr(model.config, "pad_token_id", None) is None:  # a classifier finds each sample's end by it
-        model.config.pad_token_id = padding_id(tokenizer)
-    elif config.task == "sequence-classification" and model.config.model_type not in PADDING_OFFSET_POSITIONS:
-        # a decoder's classifier pools each sample's last token that is not its config's pad id: batches are
-        # padded with the tokenizer's (Collator), so another id there (OPT's class default 1 beside a tokenizer
-        # padding with 0) pooled padding, and a sample's logits depended on the samples beside it. RoBERTa-style
-        # models pool their first token and number positions from their pad id: theirs stays
+    # a decoder's classifier pools each sample's last token that is not its config's pad id: batches are padded
+    # with the tokenizer's (Collator), so another id there (OPT's class default 1 beside a tokenizer padding with 0)
+    # pooled padding, and a sample's logits depended on the samples beside it. RoBERTa-style models pool their
+    # first token and number positions from their pad id: theirs stays unless it has none
+    pools_by_pad = config.task == "sequence-classification" and model.config.model_type not in PADDING_OFFSET_POSITIONS
+    if getattr(model.config, "pad_token_id", None) is None or pools_by_pad:
         model.config.pad_token_id = padding_id(tokenizer)
     if config.dropout is not None:
         set_dropout(model, config.dropout)
