@@ -386,7 +386,13 @@ def test_compare_points_an_arm_at_the_experiment_folder_only_when_it_tracks(reci
     from toolkit.compare.experiment import Arm, Experiment
 
     commands = []
-    monkeypatch.setattr(runner, "_run_launcher", lambda cmd, log: commands.append(cmd) or 1)
+
+    def launcher(recipe, overrides, *, nproc, log):  # the arm's overrides, and a failed launch
+        commands.append(overrides)
+        log.write_text("toolkit: launch failed: rank 0 exit code 1\n")
+        return 1
+
+    monkeypatch.setattr(runner, "_run_launcher", launcher)
     experiment = Experiment(recipe=str(recipe), out_dir=tmp_path, arms=[Arm(name="a", overrides=(), nproc=1)],
                             common=[f"train.report_to={report_to}"])
     assert runner.run_arm(experiment, experiment.arms[0]) == "failed"

@@ -47,9 +47,11 @@ def test_dp_without_two_gpus_says_what_it_ran_as_and_progress_shows_eval_loss(tm
         assert f" eval_loss {evaluated[step]:.4f} " in line
 
 
-def ctrl_c(args: list[str], *, started, timeout: float = 240) -> tuple[subprocess.CompletedProcess, list[int]]:
+def ctrl_c(args: list[str], *, started, timeout: float = 240,
+           signum: int = signal.SIGINT) -> tuple[subprocess.CompletedProcess, list[int]]:
     """Run `toolkit ARGS` in a session of its own, wait until `started()` holds, then press Ctrl-C as a terminal
-    does: SIGINT to the whole process group. Returns the result and the processes below it at that moment."""
+    does: SIGINT to the whole process group (another `signum`: to the toolkit's process alone, as `kill` or a
+    job scheduler sends it). Returns the result and the processes below it at that moment."""
     # SIGINT as a terminal's foreground job has it: a shell without job control starts a background job (a CI
     # script run with `&`) with SIGINT ignored, and Python then never raises KeyboardInterrupt
     proc = subprocess.Popen([sys.executable, "-m", "toolkit", *args], cwd=REPO, env=toolkit_env(),
@@ -61,7 +63,10 @@ def ctrl_c(args: list[str], *, started, timeout: float = 240) -> tuple[subproces
         assert time.monotonic() < deadline, "never started"
         time.sleep(0.2)
     below = [child.pid for child in psutil.Process(proc.pid).children(recursive=True)]
-    os.killpg(proc.pid, signal.SIGINT)
+    if signum == signal.SIGINT:
+        os.killpg(proc.pid, signum)
+    else:
+        proc.send_signal(signum)
     out, err = proc.communicate(timeout=120)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), below
 
@@ -110,6 +115,26 @@ def test_ctrl_c_during_compare_keeps_the_finished_arms_and_says_how_to_go_on(tmp
                      f"--steps 2 --nproc 2 --output {exp}"]
     assert json.loads((exp / "single" / "run.json").read_text())["status"] == "completed"
     assert not (exp / "ddp@train.max_steps=2000" / "failed.json").exists()  # interrupted, not failed: a re-run runs it afresh
+    assert_none_left(below)
+
+
+def test_sigterm_to_compare_stops_the_arm_it_runs_and_says_how_to_go_on(tmp_path, tiny_llama_dir):
+    """compare runs an arm's launch in its own process: torch's agent turns the SIGTERM into a stop of the arm's
+    ranks (they checkpoint and stop after their step), and compare ends as after Ctrl-C."""
+    exp = tmp_path / "exp"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "unused",
+                          data={"eval": None}, batch={"micro_batch_size": 4},
+                          train={"consistency_check_every": None})
+    arm = "ddp@train.max_steps=2000"
+    result, below = ctrl_c(["compare", str(recipe), "--strategies", arm, "--steps", "2", "--nproc", "2", "--output",
+                            str(exp)], started=lambda: stepped(exp / arm), signum=signal.SIGTERM)
+    assert result.returncode == 130 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [
+        f"toolkit: compare interrupted during arm {arm}; arms completed and kept in {exp}: none; run the rest with: "
+        f"toolkit compare {recipe} --strategies {arm} --steps 2 --nproc 2 --output {exp}"]
+    log = (exp / arm / "launch.log").read_text()
+    assert "toolkit: stopped by SIGTERM" in log, log[-2000:]  # the ranks' own line: they stopped after a step
+    assert not (exp / arm / "failed.json").exists()
     assert_none_left(below)
 
 

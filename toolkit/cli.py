@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -130,47 +129,13 @@ def cmd_train(args) -> int:
 
 
 def cmd_launch(args) -> int:
-    from toolkit.checks import check_recipe
-    from toolkit.launch import launch
-    from toolkit.recipe_files import load_recipe
+    from toolkit.launch import launch_recipe
 
     _check_nproc(args.nproc)
     if args.max_restarts < 0:
         raise RecipeError("--max-restarts must be >= 0")
-    nodes = _nodes_of(args)
-    recipe = load_recipe(args.recipe, args.overrides)
-    plan = check_recipe(recipe, world_size=args.nproc * nodes.count)  # on every node, before its ranks start
-    resume = _resume_of(args)
-    from toolkit.checkpoint import store
-    from toolkit.checkpoint.run import NothingToResume, starting_point
-
-    try:  # an existing run without --resume, or nothing to resume: one line
-        starting_point(recipe, resume, plan=plan)
-    except NothingToResume as done:
-        print(done, file=sys.stderr, flush=True)
-        return 0
-    extra = [] if resume is None else ["--resume", *([resume.path] if resume.path else [])] + \
-        (["--resume-weights-only"] if resume.weights_only else [])
-    started, failures = time.time(), list[str]()
-    code = launch(args.recipe, nproc=args.nproc, overrides=args.overrides, extra=extra,
-                  max_restarts=args.max_restarts, nodes=nodes, failures=failures)
-    out_dir = Path(recipe.output_dir)
-    run_info = out_dir / "run.json"
-    if code == 0 or not run_info.is_file() or run_info.stat().st_mtime < started:
-        return code
-    status = (store.read_run_info(out_dir) or {}).get("status")
-    if status == "completed":
-        # a rank that dies after the outputs are written is still a failure, but the outputs are good
-        print(f"toolkit: the run itself completed before that: outputs in {recipe.output_dir} are complete",
-              file=sys.stderr)
-    elif status == "running" and nodes.count == 1:
-        # rank 0 was killed before it could write how the run ended (with more machines, rank 0's launcher may be
-        # another's, and rank 0 may still be writing: left to it)
-        from toolkit.runinfo import mark_left_running
-
-        mark_left_running(out_dir, reason=f"launch failed: {failures[-1]}" if failures else
-                          f"the ranks ended (launch exit code {code}) before rank 0 recorded why")
-    return code
+    return launch_recipe(args.recipe, args.overrides, nproc=args.nproc, nodes=_nodes_of(args),
+                         max_restarts=args.max_restarts, resume=_resume_of(args))
 
 
 def _check_nproc(nproc: int) -> None:

@@ -178,6 +178,51 @@ def return_freed_pages() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, FREED_PAGES_THRESHOLD))
 
 
+def launch_recipe(recipe_path: str, overrides: list[str], *, nproc: int, nodes: Nodes = Nodes(),
+                  max_restarts: int = 0, resume=None) -> int:
+    """`toolkit launch`: the recipe's checks on this machine, before any rank starts (a mistake: RecipeError), then
+    its ranks (launch); returns the exit code. `resume`: a checkpoint.run.Resume, or None to start afresh."""
+    from pathlib import Path
+
+    from toolkit.checkpoint import store
+    from toolkit.checkpoint.run import NothingToResume, starting_point
+    from toolkit.checks import check_recipe
+    from toolkit.recipe_files import load_recipe
+
+    recipe = load_recipe(recipe_path, overrides)
+    plan = check_recipe(recipe, world_size=nproc * nodes.count)  # on every node, before its ranks start
+    try:  # an existing run without --resume, or nothing to resume: one line
+        starting_point(recipe, resume, plan=plan)
+    except NothingToResume as done:
+        print(done, file=sys.stderr, flush=True)
+        return 0
+    extra = [] if resume is None else ["--resume", *([resume.path] if resume.path else [])] + \
+        (["--resume-weights-only"] if resume.weights_only else [])
+    started, failures = time.time(), list[str]()
+    code = launch(recipe_path, nproc=nproc, overrides=overrides, extra=extra, max_restarts=max_restarts,
+                  nodes=nodes, failures=failures)
+    out_dir = Path(recipe.output_dir)
+    run_info = out_dir / "run.json"
+    if code == 0 or not run_info.is_file() or run_info.stat().st_mtime < started:
+        return code
+    status = (store.read_run_info(out_dir) or {}).get("status")
+    if status == "completed":
+        # a rank that dies after the outputs are written is still a failure, but the outputs are good
+        print(f"toolkit: the run itself completed before that: outputs in {recipe.output_dir} are complete",
+              file=sys.stderr)
+    elif status == "running" and nodes.count == 1:
+        # rank 0 was killed before it could write how the run ended (with more machines, rank 0's launcher may be
+        # another's, and rank 0 may still be writing: left to it)
+        from toolkit.runinfo import mark_left_running
+
+        mark_left_running(out_dir, reason=f"launch failed: {failures[-1]}" if failures else
+                          f"the ranks ended (launch exit code {code}) before rank 0 recorded why")
+    return code
+
+
+AGENT_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")  # the handlers torch's agent installs
+
+
 def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[str] | None = None,
            max_restarts: int = 0, nodes: Nodes = Nodes(), failures: list[str] | None = None) -> int:
     """Run the recipe on `nproc` local ranks (of `nodes`) through torch.distributed.run; returns the exit code.
@@ -193,6 +238,10 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
     # SIGUSR1 (SLURM's warning before a kill) is handled like SIGTERM: torch's agent forwards that to every
     # rank, and the ranks checkpoint and stop after their current step
     usr1 = signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+    # torch's agent turns these into its SignalException for as long as it runs, and leaves them so: a caller that
+    # goes on (compare, between its arms) gets its own handlers back
+    handlers = {signum: signal.getsignal(signum) for signum in
+                (getattr(signal, name) for name in AGENT_SIGNALS if hasattr(signal, name))}
     said = tempfile.mkdtemp(prefix="toolkit-launch-")  # the ranks' say_once markers, gone with the launch
     # the ranks inherit these; this process gets its own back
     before = {name: os.environ.get(name) for name in (NODES_ENV, SAID_DIR_ENV, LAUNCHER_PID_ENV)}
@@ -206,6 +255,9 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
         return _run_ranks(run, args, nodes, failures=failures)
     finally:
         signal.signal(signal.SIGUSR1, usr1)
+        for signum, handler in handlers.items():
+            if handler is not None:  # None: not set from Python, nothing to give back
+                signal.signal(signum, handler)
         shutil.rmtree(said, ignore_errors=True)
         for name, value in before.items():
             if value is None:
