@@ -163,6 +163,7 @@ def test_label_names_map_to_sorted_ids_and_into_the_exported_config(tmp_path, ti
     out = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_bert_dir, task="sequence-classification",
                           output_dir=out, data={"train": str(train), "eval": str(evaluation), "max_length": 16},
+                          batch={"micro_batch_size": 10},  # 64 rows: 6 steps an epoch, 4 rows unread
                           train={"max_steps": 3, "eval_every": None})  # 16: some rows are cut (see run.json below)
     dataset, names = _split(recipe)
     assert names == ["neg", "pos"]
@@ -173,7 +174,7 @@ def test_label_names_map_to_sorted_ids_and_into_the_exported_config(tmp_path, ti
     assert config["id2label"] == {"0": "neg", "1": "pos"} and config["label2id"] == {"neg": 0, "pos": 1}
     info = json.loads((out / "run.json").read_text())
     assert info["labels"] == ["neg", "pos"]
-    # what of each split the run read, counted here with the tokenizer alone: 64 rows, 8 a step, 3 steps
+    # what of each split the run read, counted here with the tokenizer alone: 64 rows, 10 a step, 3 steps
     lengths = {key: [len(ids) for ids in _tokenizer()([r["text"] for r in rows])["input_ids"]]
                for key, rows in (("train", ROWS), ("eval", eval_rows))}
     for key, record in info["data"].items():
@@ -181,8 +182,9 @@ def test_label_names_map_to_sorted_ids_and_into_the_exported_config(tmp_path, ti
         assert (record["samples"], record["tokens"]) == (len(n), sum(n)), key
         assert (record["samples_cut"], record["tokens_cut"]) == (sum(k > 16 for k in n), sum(max(k - 16, 0) for k in n))
     assert info["data"]["train"]["samples_cut"] > 0  # the check above could fail
+    # epochs as train.epochs counts them: steps over steps an epoch (3 of 6), not the 30 rows read over 64 (0.47)
     assert {k: info["data"]["train"][k] for k in ("steps_per_epoch", "epochs", "samples_unread_per_epoch")} == {
-        "steps_per_epoch": 8, "epochs": 0.375, "samples_unread_per_epoch": 0}
+        "steps_per_epoch": 6, "epochs": 0.5, "samples_unread_per_epoch": 4}
 
     # eval accuracy is what the exported model gets on the eval rows, computed here with plain transformers
     from transformers import AutoModelForSequenceClassification, AutoTokenizer

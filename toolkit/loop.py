@@ -105,9 +105,11 @@ def prepare(recipe: Recipe, env: DistEnv):
                                label_note(names, model_names)) if note]
     epochs = recipe.train.epochs or 0.0  # TrainConfig: exactly one of max_steps and epochs
     total_steps = recipe.train.max_steps or max(1, int(epochs * sampler.steps_per_epoch))
-    seen = total_steps * plan.global_batch_size
+    # epochs as train.epochs counts them (each drops its last partial batch): not the samples read over the
+    # dataset's size, which falls short of train.epochs wherever an epoch leaves samples unread
     data_info = {"train": {**data_record(train_counts, num_samples=len(train_ds), data=recipe.data),
-                           "steps_per_epoch": sampler.steps_per_epoch, "epochs": round(seen / len(train_ds), 4),
+                           "steps_per_epoch": sampler.steps_per_epoch,
+                           "epochs": round(total_steps / sampler.steps_per_epoch, 4),
                            "samples_unread_per_epoch": len(train_ds) % plan.global_batch_size}}
     if eval_ds is not None:
         data_info["eval"] = data_record(eval_counts, num_samples=len(eval_ds), data=recipe.data)
