@@ -397,3 +397,29 @@ def test_compare_points_an_arm_at_the_experiment_folder_only_when_it_tracks(reci
                             common=[f"train.report_to={report_to}"])
     assert runner.run_arm(experiment, experiment.arms[0]) == "failed"
     assert (f"train.tracking_dir={tmp_path}" in commands[0]) is tracking_dir
+
+
+@pytest.mark.parametrize("raised, status", [(ValueError("a bug"), "failed"), (KeyboardInterrupt(), "interrupted")])
+def test_an_arms_launch_that_raises_fails_or_stops_that_arm_and_gives_the_output_back(recipe, tmp_path, monkeypatch,
+                                                                                     capfd, raised, status):
+    """compare runs each arm's launch in its own process, its output sent to the arm's launch.log: an exception
+    out of it fails that arm (the others go on, as when the launch was a process of its own), Ctrl-C stops the
+    experiment, and either way this process's output is its own again."""
+    from toolkit import launch
+    from toolkit.compare import runner
+    from toolkit.compare.experiment import Arm, Experiment
+
+    def launch_recipe(recipe_path, overrides, *, nproc):
+        print("the arm's own output")
+        raise raised
+
+    monkeypatch.setattr(launch, "launch_recipe", launch_recipe)
+    experiment = Experiment(recipe=str(recipe), out_dir=tmp_path, arms=[Arm(name="a", overrides=(), nproc=1)])
+    assert runner.run_arm(experiment, experiment.arms[0]) == status
+    print("compare's own output")
+    assert capfd.readouterr().out == "compare's own output\n"
+    log = (tmp_path / "a" / "launch.log").read_text()
+    assert log.startswith("the arm's own output\n")
+    if status == "failed":
+        assert "Traceback" in log and json.loads((tmp_path / "a" / "failed.json").read_text())["error"] == \
+            "ValueError: a bug"

@@ -11,6 +11,7 @@ import shutil
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -169,6 +170,11 @@ def _run_launcher(recipe_path: str, overrides: list[str], *, nproc: int, log: Pa
             except RecipeError as exc:  # the arm's own mistake: its one line in its log, as its launch says it
                 print(error_line(exc), file=sys.stderr, flush=True)
                 code = USER_ERROR_EXIT_CODE
+            except SignalException:  # a stop signal around torch's agent (see below)
+                raise
+            except Exception:  # noqa: BLE001 - a failure of this arm's launch fails the arm, not the experiment
+                traceback.print_exc()
+                code = 1
     except (KeyboardInterrupt, SignalException):
         return INTERRUPTED
     finally:
