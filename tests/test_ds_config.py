@@ -107,6 +107,10 @@ def metrics_of(out):
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 100}}},
      "scheduler.params.warmup_num_steps is 100 but the recipe gives 0"),
     ({"communication_data_type": "auto"}, "communication_data_type is \"auto\""),
+    # the recipe's warm-up (0) where the JSON says "auto": DeepSpeed's WarmupLR refused it in every rank at set-up
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}},
+     "DeepSpeed's WarmupLR needs scheduler.params.warmup_num_steps of 1 or more (it warms up over at least 2 "
+     "steps), not 0; set optim.warmup_steps to 1 or more"),
 ])
 def test_json_blocks_the_recipe_cannot_fill_or_that_contradict_it_are_one_line(tmp_path, tiny_llama_dir, capsys,
                                                                                block, words):

@@ -190,7 +190,25 @@ def check_with_deepspeed(config: dict, path: Path) -> None:
             raise RecipeError(f"{path}: zero_optimization.{section}.nvme_path is missing (device nvme needs it); "
                               "give a folder on an NVMe drive, or use device cpu")
     _check_block_types(config, path)
+    _check_warmup(config, path)
     check_optimizer_ops(config, path, offloaded=offloads(config)[0])
+
+
+WARMUP_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")  # DeepSpeed's, with a warmup_num_steps
+
+
+def _check_warmup(config: dict, path: Path) -> None:
+    """DeepSpeed's warm-up schedulers refuse a warmup_num_steps below 1 (a ValueError in every rank at set-up):
+    the recipe's default optim.warmup_steps, 0, filled into the "auto" of transformers' documented JSON was one."""
+    scheduler = config.get("scheduler")
+    if not isinstance(scheduler, dict) or scheduler.get("type") not in WARMUP_SCHEDULERS:
+        return
+    steps = _section(scheduler.get("params", {}), "scheduler.params", path).get("warmup_num_steps", 1000)
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise RecipeError(f"{path}: DeepSpeed's {scheduler['type']} needs scheduler.params.warmup_num_steps of 1 or "
+                          f"more (it warms up over at least 2 steps), not {steps!r}; set optim.warmup_steps to 1 or "
+                          "more (\"auto\" takes it), or drop the JSON's scheduler block to run the recipe's "
+                          "optim.schedule, which can start without warm-up")
 
 
 def _check_block_types(config: dict, path: Path) -> None:
