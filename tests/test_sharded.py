@@ -1,9 +1,12 @@
 """FSDP2 and DeepSpeed ZeRO 0-3 (+ offload) against the single-process reference: per-step losses and the
 exported (consolidated) final weights, fp32, 2 real ranks on gloo. One run per arm, shared by the tests."""
 
+import json
+
 import pytest
 
 from conftest import REPO, assert_same_run, metrics
+from toolkit.compare.verdict import grad_norm_rtol
 
 M4 = ("batch.micro_batch_size=4",)
 M2A2 = ("batch.micro_batch_size=2", "batch.grad_accum_steps=2")
@@ -25,6 +28,10 @@ def test_sharded_strategy_matches_single_process_fp32(llama_runs, arm):
     reference = llama_runs.get("single-m8")
     run = llama_runs.get(arm, nproc=2, overrides=ARMS[arm])
     assert_same_run(run, reference)
+    # the pre-clip global gradient norm of every step, as single's (zero0 reported none: null in metrics.jsonl)
+    bound = grad_norm_rtol(json.loads((reference / "run.json").read_text())["num_params"])
+    for got, want in zip(metrics(run), metrics(reference), strict=True):
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=bound), (got["step"], got["grad_norm"])
 
 
 def test_zero3_offload_matches_single_process(llama_runs):

@@ -164,14 +164,27 @@ class ZeroStrategy:
     def step(self, *, max_grad_norm: float | None) -> StepResult:
         assert self.engine.is_gradient_accumulation_boundary()
         skipped_before = self.engine.skipped_steps
-        self.engine.step()  # reduce (stage 0/1), clip at gradient_clipping, optimizer + lr schedule step
-        norm = self.engine.get_global_grad_norm()
+        own_norm = self._plain_optimizer_norm()
+        self.engine.step()  # reduce (stage 1), clip at gradient_clipping, optimizer + lr schedule step
+        norm = self.engine.get_global_grad_norm() if own_norm is None else own_norm
         scale = self.engine._get_optimizer_loss_scale() if self.engine.fp16_enabled() else None
-        # stage 0 reports no norm (nan here: unknown, not non-finite)
-        grad_norm = float(norm) if norm is not None else float("nan")
+        grad_norm = float(norm) if norm is not None else float("nan")  # nan: unknown, not non-finite
         return StepResult(grad_norm=grad_norm, skipped=self.engine.skipped_steps > skipped_before,
                           loss_scale=float(scale) if scale is not None else None,
                           nonfinite=norm is not None and scale is None and not math.isfinite(grad_norm))
+
+    def _plain_optimizer_norm(self) -> float | None:
+        """The pre-clip global gradient norm where the engine keeps none: stage 0 in fp32 steps the torch AdamW
+        itself (no DeepSpeed optimizer to record a norm; its clip_fp32_gradients drops the one clip_grad_norm_
+        returns), so metrics.jsonl read null, the progress line nan, and a non-finite gradient went unchecked.
+        Its gradients are reduced in backward at the boundary (engine.allreduce_gradients): each rank holds them
+        whole, and measures the same norm. None where a DeepSpeed optimizer keeps the norm (the condition is the
+        engine's own for clip_fp32_gradients)."""
+        engine = self.engine
+        if engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization():
+            return None
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
 
     def discard_step(self) -> None:
         raise RecipeError("train.on_nonfinite=skip is not available under zero")  # validate() refuses it first
