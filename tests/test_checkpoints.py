@@ -240,6 +240,25 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_run_finishes_as_if_never_kil
     assert_continues(out, runs.full("ddp"), rtol=1e-6)
 
 
+def test_a_restart_without_a_checkpoint_says_it_trains_again_from_step_one(tiny_llama_dir, tmp_path):
+    """--max-restarts resumes from the run's newest checkpoint; with checkpoint.every_steps unset there is none
+    before the end, and a restart trains every step again: the launch says so before the ranks start, and the
+    restart where it happens (it retrained in silence)."""
+    out = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out, data={"eval": None},
+                          train={"max_steps": 3})
+    result = run_with_fault(faults.KILL_RANK_AT_STEP, "0:2", "launch", "--nproc", "1", "--max-restarts", "1",
+                            str(recipe))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [line for line in result.stderr.splitlines() if "warning" in line] == [
+        "[toolkit] warning: --max-restarts 1 restarts the ranks from the run's newest checkpoint, and "
+        "checkpoint.every_steps is not set (only a final checkpoint): a restart trains again from step 1; set "
+        "checkpoint.every_steps to lose at most that many steps",
+        f"[toolkit] warning: restarted with no complete checkpoint in {out / 'checkpoints'}: training again from "
+        "step 1"]
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3]
+
+
 def test_sigterm_to_the_launcher_checkpoints_stops_cleanly_and_resume_finishes(runs, tmp_path):
     out = tmp_path / "preempted"
     # rank 0 sends its launcher SIGTERM after step 2, as a scheduler preempting the job would; the ranks

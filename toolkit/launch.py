@@ -191,6 +191,10 @@ def launch_recipe(recipe_path: str, overrides: list[str], *, nproc: int, nodes: 
 
     recipe = load_recipe(recipe_path, overrides)
     plan = check_recipe(recipe, world_size=nproc * nodes.count)  # on every node, before its ranks start
+    if max_restarts and recipe.checkpoint.every_steps is None:
+        print(f"[toolkit] warning: --max-restarts {max_restarts} restarts the ranks from the run's newest "
+              "checkpoint, and checkpoint.every_steps is not set (only a final checkpoint): a restart trains again "
+              "from step 1; set checkpoint.every_steps to lose at most that many steps", file=sys.stderr, flush=True)
     try:  # an existing run without --resume, or nothing to resume: one line
         starting_point(recipe, resume, plan=plan)
     except NothingToResume as done:

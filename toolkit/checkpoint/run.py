@@ -40,6 +40,9 @@ def starting_point(recipe: Recipe, resume: Resume | None, *, plan: BatchPlan, to
     if resume is None and restarted():
         # torchrun restarted the ranks (--max-restarts): this run's own newest checkpoint, else from scratch
         if not store.complete_checkpoints(out_dir):
+            if env is not None and env.is_main:
+                print(f"[toolkit] warning: restarted with no complete checkpoint in {out_dir / 'checkpoints'}: "
+                      "training again from step 1", file=sys.stderr, flush=True)
             return None
         resume = Resume()
     store.check_output_dir(out_dir, resume=resume is not None)  # also where a resumed run writes elsewhere
