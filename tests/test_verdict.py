@@ -142,6 +142,19 @@ def test_diverged_step_names_what_differs():
     assert found["step"] == 2 and found["what"].startswith("step 2: loss 1.9019 vs 1.9 (relative 0.001 > 1e-05)")
 
 
+def test_a_norm_only_one_side_has_or_that_is_not_finite_differs():
+    """ZeRO stage 0 in fp32 once reported no norm (nan): its relative difference, nan, passed every tolerance."""
+    ref = steps([2.0, 1.9, 1.8])
+    arm = [dict(step) for step in ref]
+    arm[1]["grad_norm"] = float("nan")
+    assert verdict.first_difference(arm, ref, loss_tol=1e-5, norm_tol=1e-5)["what"].startswith(
+        "step 2: grad norm nan vs ")
+    arm[1]["grad_norm"] = float("inf")
+    assert verdict.first_difference(arm, ref, loss_tol=1e-5, norm_tol=1e-5)["step"] == 2
+    both = [dict(step, grad_norm=float("inf") if step["step"] == 2 else step["grad_norm"]) for step in ref]
+    assert verdict.first_difference(both, both, loss_tol=1e-5, norm_tol=1e-5) is None  # the same overflow
+
+
 def test_mfu_above_one_is_reported_as_an_unreliable_peak_not_a_number():
     from toolkit.compare import measure
 

@@ -39,6 +39,15 @@ def relative(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
+def _differs(a: float, b: float, tol: float) -> bool:
+    """Outside tolerance. A value only one side has (nan: a norm the arm did not measure) or a non-finite one
+    differs: a relative difference of nan compared as within any tolerance. The same on both sides (two fp16
+    runs that overflowed at the same step) does not."""
+    if a == b or (math.isnan(a) and math.isnan(b)):
+        return False
+    return not relative(a, b) <= tol
+
+
 def grad_norm_rtol(num_params: int) -> float:
     return FP32_RTOL + 4.0 * math.sqrt(num_params) * UNIT_ROUNDOFF["fp32"]
 
@@ -62,10 +71,10 @@ def first_difference(arm: list[dict], ref: list[dict], *, loss_tol, norm_tol) ->
         lt = loss_tol[index] if isinstance(loss_tol, list) else loss_tol
         nt = norm_tol[index] if isinstance(norm_tol, list) else norm_tol
         parts = []
-        if relative(a["loss"], r["loss"]) > lt:
+        if _differs(a["loss"], r["loss"], lt):
             parts.append(f"loss {a['loss']:.7g} vs {r['loss']:.7g} (relative {relative(a['loss'], r['loss']):.2g} "
                          f"> {lt:.2g})")
-        if relative(a["grad_norm"], r["grad_norm"]) > nt:
+        if _differs(a["grad_norm"], r["grad_norm"], nt):
             parts.append(f"grad norm {a['grad_norm']:.7g} vs {r['grad_norm']:.7g} (relative "
                          f"{relative(a['grad_norm'], r['grad_norm']):.2g} > {nt:.2g})")
         if parts:
