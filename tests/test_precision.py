@@ -1,8 +1,12 @@
 """bf16 and fp16 runs complete with falling loss; fp16 reports its loss scale and skipped steps."""
 
+import subprocess
+import sys
+
 import pytest
 
-from conftest import metrics
+from conftest import REPO, metrics, toolkit_env, write_recipe
+from toolkit import faults
 
 FAST = ("train.max_steps=8", "optim.lr=0.003", "optim.warmup_steps=0")
 
@@ -27,3 +31,20 @@ def test_fp16_under_ddp_with_accumulation(llama_runs):
     steps = metrics(run)
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.5
     assert steps[0]["loss_scale"] == 65536.0  # GradScaler's default initial scale, reported per step
+
+
+def test_an_fp16_overflow_skips_the_update_and_holds_the_lr_schedule(tiny_llama_dir, tmp_path):
+    """As DeepSpeed's engine and transformers' Trainer do: the torch strategies stepped the schedule on a step
+    the loss scaler skipped, and their lr ran one step ahead of a ZeRO arm's after each overflow."""
+    out = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out, precision="fp16",
+                          data={"eval": None}, optim={"warmup_steps": 3}, train={"max_steps": 4})
+    env = {**toolkit_env(), faults.INF_GRADIENT_AT_STEP: "2"}  # an inf gradient before step 2's update
+    result = subprocess.run([sys.executable, "-m", "toolkit", "train", str(recipe)], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = metrics(out)
+    assert [m["skipped"] for m in steps] == [False, True, False, False]
+    assert steps[1]["loss_scale"] == steps[0]["loss_scale"] / 2  # the scaler backed off
+    # warm-up step k runs at (k+1)/(w+1) of optim.lr (w = 3): 1/4, 2/4; the skipped step holds it at 2/4; 3/4
+    assert [m["lr"] for m in steps] == pytest.approx([0.25e-3, 0.5e-3, 0.5e-3, 0.75e-3], rel=1e-12)

@@ -12,6 +12,7 @@ from toolkit.dist import DistEnv, restarted
 KILL_RANK_AT_STEP = "TOOLKIT_FAULT_KILL_RANK_AT_STEP"  # "RANK:STEP": SIGKILL that rank after that step
 SIGTERM_LAUNCHER_AT_STEP = "TOOLKIT_FAULT_SIGTERM_LAUNCHER_AT_STEP"  # rank 0 sends its launcher SIGTERM
 KILL_BEFORE_COMMIT_STEP = "TOOLKIT_FAULT_KILL_BEFORE_COMMIT_STEP"  # SIGKILL before a checkpoint is committed
+INF_GRADIENT_AT_STEP = "TOOLKIT_FAULT_INF_GRADIENT_AT_STEP"  # an inf gradient before that step's update
 
 
 def after_step(step: int, env: DistEnv) -> None:
@@ -27,3 +28,9 @@ def after_step(step: int, env: DistEnv) -> None:
 def before_commit(step: int) -> None:
     if not restarted() and os.environ.get(KILL_BEFORE_COMMIT_STEP) == str(step):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def before_update(step: int, model) -> None:
+    """An inf in the first gradient of `step`, as an fp16 overflow leaves one (the loss scaler skips the update)."""
+    if not restarted() and os.environ.get(INF_GRADIENT_AT_STEP) == str(step):
+        next(p.grad for p in model.parameters() if p.grad is not None).fill_(float("inf"))

@@ -359,6 +359,7 @@ def train_step(strategy: Strategy, micro_batches: list[dict], *, recipe: Recipe,
     stop_on_nonfinite = recipe.train.on_nonfinite == "stop"
     held_s = before_update()
     if math.isfinite(loss):
+        faults.before_update(step, strategy.model)  # tests only: an fp16 overflow
         with counting(comm):
             result = strategy.step(max_grad_norm=recipe.optim.max_grad_norm)
     elif stop_on_nonfinite:  # before the update: no weight, no checkpoint holds it

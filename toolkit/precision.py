@@ -45,6 +45,14 @@ class StepResult:
     # gradients were inf/nan without fp16 loss scaling to handle it (the torch strategies skip the update)
     nonfinite: bool = False
 
+    @property
+    def advances_schedule(self) -> bool:
+        """Whether the lr schedule steps after this step: not after an fp16 overflow the loss scaler skipped, as
+        DeepSpeed's engine and transformers' Trainer hold it (the update did not happen; the torch strategies
+        stepped it, so their lr ran ahead of a ZeRO arm's by one step per overflow). A step whose non-finite
+        values were discarded (train.on_nonfinite skip) used up its batch, and does."""
+        return not self.skipped or self.nonfinite
+
 
 class Amp:
     """autocast for the forward, GradScaler for fp16 backward/step; a no-op in fp32."""

@@ -120,7 +120,8 @@ class ReplicatedStrategy:
 
     def step(self, *, max_grad_norm: float | None) -> StepResult:
         result = self.amp.step(self.optimizer, list(self.module.parameters()), max_grad_norm=max_grad_norm)
-        self.scheduler.step()
+        if result.advances_schedule:  # held after an fp16 overflow, as DeepSpeed holds it
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return result
 

@@ -111,7 +111,8 @@ class TpStrategy:
         params = [p for p in self._model.parameters() if p.grad is not None]
         result = self.amp.step(self.optimizer, params, max_grad_norm=max_grad_norm,
                                clip=tensor_parallel.clip_global_norm)
-        self.scheduler.step()
+        if result.advances_schedule:  # held after an fp16 overflow, as DeepSpeed holds it
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return result
 
