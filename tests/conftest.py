@@ -117,10 +117,12 @@ def run_cli(*args: str, cwd: Path = REPO, timeout: int = 600) -> subprocess.Comp
 
 def run_torchrun(nproc: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node N -m toolkit ARGS`: the ranks without `toolkit launch`'s checks
-    before they start (those have tests of their own, and cost ~4 s of every run)."""
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                           str(nproc), "-m", "toolkit", *args], cwd=REPO, env=toolkit_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    before they start (those have tests of their own, and cost ~4 s of every run). The launcher is forked from
+    a process that imported it once (torchrun_fork)."""
+    from torchrun_fork import run_torchrun as forked
+
+    return forked(["--standalone", "--nproc_per_node", str(nproc), "-m", "toolkit", *args], cwd=REPO,
+                  env=toolkit_env(), timeout=timeout)
 
 
 def launch(recipe: Path, *, nproc: int, overrides: tuple[str, ...] = (), extra: tuple[str, ...] = ()

@@ -26,8 +26,9 @@ SCHEDULE_KEYS = ("optim.lr", "optim.schedule", "optim.warmup_steps", "optim.min_
 
 def schedule_steps(saved: dict[str, Any]) -> int:
     """The schedule steps a checkpoint's scheduler had taken (its state_dict, as the manifest keeps it).
-    fp16 steps skipped on overflow count under torch's schedulers and not under DeepSpeed's engine, so this
-    is the scheduler's own count, not the checkpoint's step."""
+    fp16 steps skipped on overflow do not count (DeepSpeed's engine and, since it held them too, the torch
+    strategies; their earlier checkpoints counted them), so this is the scheduler's own count, not the
+    checkpoint's step."""
     if "last_epoch" in saved:  # torch's LRScheduler: 0 once built, +1 per step()
         return int(saved["last_epoch"])
     if "last_batch_iteration" in saved:  # DeepSpeed's own schedulers: -1 once built
