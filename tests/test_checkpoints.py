@@ -5,6 +5,8 @@ Each uninterrupted run (6 steps, a checkpoint every 3) is done once and shared. 
 is what a crash after step 5 leaves: the step-3 checkpoint and metrics of steps 1-5 (the resume drops 4-5)."""
 
 import json
+import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -151,6 +153,34 @@ def test_a_save_killed_before_its_commit_is_never_resumed(runs, tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000003", "step-00000006"]
     # single at 1 rank vs ddp at 2: the same maths, a different reduction order
     assert_continues(out, runs.full("ddp"), rtol=1e-5)
+
+
+def test_a_checkpoint_that_cannot_be_written_ends_the_run_in_one_line(runs, tmp_path):
+    """A disk that fills up at a save (here the file size limit, `ulimit -f`: Python ignores SIGXFSZ, so DCP's
+    write fails with EFBIG where a full disk gives ENOSPC): one line naming the step, its folder and the OS error,
+    exit 1 (a failed run, not a recipe mistake), no traceback; run.json's ended says the same; no step folder."""
+    out = tmp_path / "full"
+    # above every file the run writes before its first save (run.json, metrics, ~10 kB), below the save's shard
+    # (~12 MB: the tied Llama's fp32 weights and Adam state)
+    limit_bytes = 2 * 2**20
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+
+    result = subprocess.run([sys.executable, "-m", "toolkit", "train", str(runs.recipe), "--set",
+                             "train.max_steps=3", "--set", f"output_dir={out}"], cwd=REPO, env=toolkit_env(),
+                            capture_output=True, text=True, timeout=600, preexec_fn=limit_file_size)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("toolkit: ")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    folder = re.escape(str(out / "checkpoints" / "step-00000003"))
+    assert re.fullmatch(rf"toolkit: checkpoint of step 3 NOT written to {folder}: File too large \(EFBIG\) on rank 0; "
+                        r"[\d,.]+ GiB free on its file system; no intact checkpoint was written before it", lines[0])
+    ended = json.loads((out / "run.json").read_text())["ended"]
+    assert ended["reason"] == lines[0].removeprefix("toolkit: ")
+    assert (ended["error"], ended["step"], ended["checkpoint"]) == ("CheckpointWriteError", 3, None)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [".step-00000003.partial"]  # never resumed
 
 
 def test_a_resumed_run_draws_the_same_dropout_masks_as_the_uninterrupted_one(runs, tmp_path):

@@ -1,6 +1,6 @@
 """`toolkit train`: one rank of a run, and how it ends. A user's mistake, a stop signal, replica drift or a
-non-finite loss is one line and its own exit code; a bug is its traceback; a rank that fails because another
-rank left says only that."""
+non-finite loss is one line and its own exit code; a checkpoint that cannot be written is one line and exit 1;
+a bug is its traceback; a rank that fails because another rank left says only that."""
 
 from __future__ import annotations
 
@@ -74,6 +74,7 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
     """Train this rank: (exit code, the strategy to release once every rank is done). A user's mistake or
     replica drift is one line and an exit code, not a traceback."""
     from toolkit.checkpoint.run import NothingToResume
+    from toolkit.checkpoint.store import CheckpointWriteError
     from toolkit.consistency import ReplicaDriftError
     from toolkit.loop import train
     from toolkit.launch import resume_hint
@@ -106,6 +107,10 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
             print(f"toolkit: {nonfinite_line(exc, out_dir)}", file=sys.stderr, flush=True)
         mark_final(NONFINITE_EXIT_CODE)  # a restart would resume before the step and reach it again
         return NONFINITE_EXIT_CODE, None
+    except CheckpointWriteError as exc:  # a full disk: not the recipe's fault, a failed run (exit 1) in one line
+        if env.is_main:  # every rank's failure is in rank 0's line (DCP gathers them)
+            say_once(f"toolkit: {exc}")
+        return 1, None
     return 0, result.strategy
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from toolkit.atomic import write_text_whole
-from toolkit.checkpoint.store import complete_checkpoints, read_run_info
+from toolkit.checkpoint.store import CheckpointWriteError, complete_checkpoints, read_run_info
 from toolkit.dist import DistEnv, gather_objects
 from toolkit.errors import RecipeError, first_line
 from toolkit.metrics import (live_tensor_storages, measured_matmul_flops, peak_memory_bytes, peak_reserved_bytes,
@@ -216,7 +216,7 @@ def ended_record(info: dict, exc: BaseException, *, out_dir: Path, skips: Skippe
     """run.json's status, ended and skipped_steps for a run that `exc` ended. ended: the reason in one line,
     steps_done (the last step metrics.jsonl holds) and the newest complete checkpoint (or null); a stop signal
     adds the signal and resumable (its checkpoint is of steps_done); a non-finite value what, value and step
-    (and skipped_from, under train.on_nonfinite skip); a failure the error."""
+    (and skipped_from, under train.on_nonfinite skip); a failure the error (a checkpoint not written: its step)."""
     found = complete_checkpoints(out_dir)
     ended: dict[str, Any] = {"reason": "", "steps_done": info.get("_last_step", 0),
                              "checkpoint": str(found[-1]) if found else None}
@@ -231,6 +231,9 @@ def ended_record(info: dict, exc: BaseException, *, out_dir: Path, skips: Skippe
             ended["skipped_from"] = exc.skipped_from
     elif isinstance(exc, KeyboardInterrupt):  # a second Ctrl-C: out at once, without a checkpoint
         ended["reason"] = "interrupted (a second Ctrl-C: no checkpoint written)"
+    elif isinstance(exc, CheckpointWriteError):  # the whole line the run ended with (first_line would cut it)
+        status = "failed"
+        ended.update(reason=str(exc), error=type(exc).__name__, step=exc.step)
     else:
         status = "failed"
         ended.update(reason=f"{type(exc).__name__}: {first_line(exc)}", error=type(exc).__name__)

@@ -10,24 +10,26 @@ reshards on load.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from toolkit.checkpoint import schedule, store, verify
 from toolkit.checkpoint.fragments import Fragments
 from toolkit.dist import DistEnv, barrier
-from toolkit.errors import RecipeError
+from toolkit.errors import RecipeError, first_line
 from toolkit.export import without_tied_aliases
 
 # {"optim": {...}} (and "model" where a strategy keeps masters of its own) -> the same, filled in place
@@ -138,13 +140,66 @@ class PendingSave:
         return time.perf_counter() - start
 
     def commit(self) -> Path:
-        self.staging.result()
-        self.writing.result()
-        if self._committer is not None:
-            self._committer.join()
-            if self._failure is not None:
-                raise self._failure
+        with written(self.out_dir, self.step):
+            self.staging.result()
+            self.writing.result()
+            if self._committer is not None:
+                self._committer.join()
+                if self._failure is not None:
+                    raise self._failure
         return store.final_path(self.out_dir, self.step)
+
+
+@contextlib.contextmanager
+def written(out_dir: Path, step: int) -> Iterator[None]:
+    """Around the writing of a checkpoint's files: a write that fails (a full disk: ENOSPC; a file size limit:
+    EFBIG) is a CheckpointWriteError naming the step, the OS error, the free space and the checkpoint to resume
+    from, in one line, instead of DCP's traceback of every rank's failure."""
+    try:
+        yield
+    except CheckpointException as exc:  # DCP's own (a BaseException): every rank's failure, gathered
+        raise store.write_failed(out_dir, step, why=_failures_text(exc)) from exc
+    except OSError as exc:  # rank 0's small files (manifest, recipe, hf/, digests) or the rename
+        raise store.write_failed(out_dir, step, why=store.os_error_text(exc)) from exc
+
+
+def _failures_text(exc: CheckpointException) -> str:
+    """What failed on which ranks: the OS error where there is one (OsErrorWriter), else the error's first line."""
+    ranks_by_why: dict[str, list[int]] = {}
+    for rank, failure in sorted(exc.failures.items()):
+        error = failure[0] if isinstance(failure, tuple) else failure
+        os_error = _os_error(error)
+        ranks_by_why.setdefault(store.os_error_text(os_error) if os_error else first_line(error), []).append(rank)
+    return "; ".join(f"{why} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+                     for why, ranks in ranks_by_why.items()) or first_line(exc)
+
+
+def _os_error(error: BaseException | None) -> OSError | None:
+    """The OSError under `error`: itself, its cause or its context, and so on."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError) and error.errno:
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+class OsErrorWriter(FileSystemWriter):
+    """DCP's file writer (as dcp.save makes it from a checkpoint_id), whose failed write raises the OSError itself.
+
+    Why: torch.save reports a failed write (a full disk, a file size limit) as a RuntimeError, "unexpected pos
+    704 vs 598", whose context is the OSError; DCP pickles every rank's failure to gather them, and pickling
+    drops the context, so rank 0 would know only that RuntimeError. An OSError pickles with its errno."""
+
+    def write_data(self, plan, planner):
+        try:
+            return super().write_data(plan, planner)
+        except RuntimeError as exc:
+            os_error = _os_error(exc)
+            if os_error is None:
+                raise
+            raise os_error from None
 
 
 def save(strategy, *, step: int, out_dir: Path, env: DistEnv, recipe, manifest: dict, hf_files,
@@ -168,12 +223,14 @@ def save(strategy, *, step: int, out_dir: Path, env: DistEnv, recipe, manifest: 
         store.commit(out_dir, step, keep_last=keep_last, digests=recipe.checkpoint.digests)
 
     if background is None:
-        dcp.save(state, checkpoint_id=str(partial))
-        if env.is_main:
-            finish()
+        with written(out_dir, step):
+            dcp.save(state, checkpoint_id=str(partial), storage_writer=OsErrorWriter(partial))
+            if env.is_main:
+                finish()
         barrier(env)
         return None
-    response = dcp.async_save(state, checkpoint_id=str(partial), process_group=background.group,
+    response = dcp.async_save(state, checkpoint_id=str(partial), storage_writer=OsErrorWriter(partial),
+                              process_group=background.group,
                               async_stager=background.stager)  # type: ignore[arg-type]  # AsyncStager protocol
     copied = background.stager.start(pieces=pieces, group=background.group)
     return PendingSave(step=step, out_dir=out_dir, env=env, response=response, copied=copied, finish=finish)

@@ -5,6 +5,7 @@ Nothing here touches tensors: see toolkit/checkpoint/state.py for what goes into
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -247,3 +248,35 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class CheckpointWriteError(Exception):
+    """A checkpoint whose files could not be written (a full disk, a file size limit): the run ends on it in one
+    line, which its message is (rank.py), and run.json's ended.reason says the same."""
+
+    def __init__(self, message: str, *, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+def os_error_text(exc: OSError) -> str:
+    """An OSError as a user reads it: 'No space left on device (ENOSPC)'."""
+    name = errno.errorcode.get(exc.errno, str(exc.errno)) if exc.errno else None
+    return f"{exc.strerror or exc} ({name})" if name else str(exc.strerror or exc)
+
+
+def write_failed(out_dir: Path, step: int, *, why: str) -> CheckpointWriteError:
+    """The error of a checkpoint that was not written: its step and folder, why (the OS error), the free space
+    where it goes, and the newest intact checkpoint to resume from (what is half-written is never resumed and
+    goes at the next start: remove_partials)."""
+    root = checkpoints_dir(out_dir)
+    try:
+        free_bytes = shutil.disk_usage(root if root.is_dir() else out_dir).free
+        free = f"{free_bytes / 2**30:,.2f} GiB free on its file system"
+    except OSError as exc:
+        free = f"its free space unknown ({exc.strerror})"
+    found = complete_checkpoints(out_dir)
+    newest = f"the newest intact checkpoint is {found[-1]} (--resume)" if found else \
+        "no intact checkpoint was written before it"
+    return CheckpointWriteError(f"checkpoint of step {step} NOT written to {final_path(out_dir, step)}: {why}; "
+                                f"{free}; {newest}", step=step)
