@@ -5,7 +5,7 @@ The layout every strategy shares (see toolkit/checkpoint/__init__.py):
     optim.state.<name>.<key>   AdamW's exp_avg / exp_avg_sq / step, under the parameter's first name
     rng.<rank>                 that rank's CPU generator
 Full tensors (ddp) and DTensor shards (fsdp) go in as they are: DCP stores one copy of a replicated key and
-reshards on load.
+reshards on load. ZeRO's pieces of its flat partitions go in as the boxes they cover (fragments.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from toolkit.checkpoint import schedule, store, verify
-from toolkit.checkpoint.fragments import Fragments
+from toolkit.checkpoint.fragments import Fragments, PiecesSavePlanner
 from toolkit.dist import DistEnv, barrier
 from toolkit.errors import RecipeError, first_line
 from toolkit.export import without_tied_aliases
@@ -209,11 +209,10 @@ def save(strategy, *, step: int, out_dir: Path, env: DistEnv, recipe, manifest: 
     interleave with training's, and a stager that copies in a thread): returns the PendingSave."""
     partial = store.partial_path(out_dir, step)  # DCP creates it; Saver removed stale ones at the start
     tensors = strategy.checkpoint_tensors()
-    pieces = tensors if isinstance(tensors, Fragments) else None  # assembled on the checkpoint's own group
+    pieces = tensors if isinstance(tensors, Fragments) else None  # each rank writes its own (fragments.py)
+    planner = PiecesSavePlanner(pieces if background is None else None)  # async: given the copy when made
     if pieces is not None:
-        tensors = {"model": {}, "optim": {}}
-        if background is None:
-            tensors = pieces.flatten().assemble()  # the default group, on the training thread
+        tensors = pieces.state() if background is None else {"model": {}, "optim": {}}
     state = {"model": tensors["model"], "optim": tensors["optim"], "rng": {str(env.rank): torch.get_rng_state()}}
     extra = strategy.checkpoint_extra()  # now: training moves the schedule on while the files are written
 
@@ -224,15 +223,15 @@ def save(strategy, *, step: int, out_dir: Path, env: DistEnv, recipe, manifest: 
 
     if background is None:
         with written(out_dir, step):
-            dcp.save(state, checkpoint_id=str(partial), storage_writer=OsErrorWriter(partial))
+            dcp.save(state, checkpoint_id=str(partial), storage_writer=OsErrorWriter(partial), planner=planner)
             if env.is_main:
                 finish()
         barrier(env)
         return None
     response = dcp.async_save(state, checkpoint_id=str(partial), storage_writer=OsErrorWriter(partial),
-                              process_group=background.group,
+                              planner=planner, process_group=background.group,
                               async_stager=background.stager)  # type: ignore[arg-type]  # AsyncStager protocol
-    copied = background.stager.start(pieces=pieces, group=background.group)
+    copied = background.stager.start(pieces=pieces, planner=planner)
     return PendingSave(step=step, out_dir=out_dir, env=env, response=response, copied=copied, finish=finish)
 
 
@@ -265,10 +264,10 @@ class DeferredStager:
         self._job = (future, state_dict)
         return future
 
-    def start(self, *, pieces: Fragments | None = None, group: Any = None) -> Future:
-        """Copy the state dict async_save was given (and a ZeRO rank's pieces) on the copy thread. Returns the
-        future of that copy, after which training may update; DCP's writer waits for the whole state dict,
-        which for pieces also needs their gather on `group`, still on the copy thread."""
+    def start(self, *, pieces: Fragments | None = None, planner: PiecesSavePlanner | None = None) -> Future:
+        """Copy the state dict async_save was given (and a ZeRO rank's pieces, handed to `planner`) on the copy
+        thread. Returns the future of that copy, after which training may update; DCP's writer plans and
+        writes once the whole state dict is staged."""
         assert self._job is not None
         future, state_dict = self._job
         self._job = None
@@ -277,11 +276,11 @@ class DeferredStager:
         def copy() -> None:
             try:
                 staged = self._copier.stage(state_dict)
-                flat = pieces.flatten() if pieces is not None else None
-                copied.set_result(None)
-                if flat is not None:
-                    for part, tensors in flat.assemble(group).items():
+                if pieces is not None and planner is not None:
+                    planner.fragments = pieces.flatten()
+                    for part, tensors in planner.fragments.state().items():
                         staged[part].update(tensors)
+                copied.set_result(None)
                 future.set_result(staged)
             except BaseException as exc:  # noqa: BLE001 - the writer thread and wait_staged() raise it
                 if not copied.done():

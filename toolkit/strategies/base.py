@@ -205,8 +205,8 @@ class Strategy(Protocol):
     def checkpoint_tensors(self) -> dict[str, dict[str, Any]] | Fragments:
         """This rank's part of a checkpoint in the shared layout (toolkit/checkpoint/state.py): {"model":
         state_dict entries (fp32 masters), "optim": {"state.<name>.<key>": tensor}}, or, where the state lies
-        in flat partitions of the strategy's own, this rank's pieces of those tensors (assembled by a gather on
-        the checkpoint's own group, off the training thread with checkpoint.async). Collective if it gathers."""
+        in flat partitions of the strategy's own, this rank's pieces of those tensors (each rank writes its
+        own: checkpoint/fragments.py). Collective if it gathers."""
 
     def load_optimizer_state(self, read: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
         """Collective, after setup: build this rank's optimizer state template in the shared layout, have

@@ -232,11 +232,10 @@ class ZeroStrategy:
         return {}
 
     # Checkpoints. DeepSpeed keeps its fp32 masters and Adam moments in flat partitions that torch's
-    # state_dict helpers cannot see. Each rank lists its pieces of them (zero_checkpoint.py), and they are
-    # assembled into full per-parameter tensors, the layout every other strategy writes, by a gather on the
-    # checkpoint's own group (a background thread with checkpoint.async). Rank 0 holds the full tensors while
-    # DCP writes them (a full fp32 copy of model + moments in host memory); the alternative, DeepSpeed's own
-    # checkpoint plus its universal converter, does not load a stage-2 save into stage 3.
+    # state_dict helpers cannot see. Each rank lists its pieces of them (zero_checkpoint.py) and writes them
+    # as its chunks of the full per-parameter tensors, the layout every other strategy writes
+    # (checkpoint/fragments.py): no rank holds a full tensor. The alternative, DeepSpeed's own checkpoint
+    # plus its universal converter, does not load a stage-2 save into stage 3.
     def checkpoint_tensors(self) -> dict[str, dict[str, Any]] | Fragments:
         self._link_optimizer_state()
         if not zero_checkpoint.readable(self.optimizer):

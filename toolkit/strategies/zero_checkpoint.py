@@ -1,6 +1,6 @@
 """What a ZeRO rank contributes to a checkpoint: its pieces of DeepSpeed's flat fp32 partitions (masters and
 Adam moments), located by DeepSpeed's own per-parameter mappings, the ones its `safe_get_full_*` accessors
-read. Assembled into the shared layout by toolkit/checkpoint/fragments.py, off the training thread.
+read. Written as chunks of the shared layout's full tensors by toolkit/checkpoint/fragments.py.
 
 Stages 1-2 (and DeepSpeed's bf16 optimizer): `param._hp_mapping` says which slice of the flattened parameter
 this rank's partition holds (None: another rank holds all of it). Stage 3: `grad_position` gives each
