@@ -204,14 +204,18 @@ def cmd_plan(args) -> int:
     base = load_recipe(args.recipe, args.overrides)
     model = plan.planned_model(base)  # one skeleton for every arm: the arms change the strategy, not the model
     runtime = process_bytes()  # this process with torch and transformers loaded: what a rank starts from
+    recipes = {arm: load_recipe(args.recipe, [*args.overrides, *(aliases[arm] if arm else ())]) for arm in arms}
+    # and what a rank imports beyond them (DeepSpeed), measured before anything else here imports it
+    extra = {arm: plan.runtime_module_bytes(strategy_info(r.strategy.name).runtime_modules)
+             for arm, r in recipes.items()}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows: list = []
-    for arm in arms:
-        recipe = load_recipe(args.recipe, [*args.overrides, *(aliases[arm] if arm else ())])
+    for arm, recipe in recipes.items():
         world = 1 if strategy_info(recipe.strategy.name).one_process else args.nproc
         try:
             check_recipe(recipe, world_size=world)
-            rows.append((arm or recipe.strategy.name, plan.predict(recipe, world_size=world, runtime_bytes=runtime,
+            rows.append((arm or recipe.strategy.name, plan.predict(recipe, world_size=world,
+                                                                   runtime_bytes=runtime + extra[arm],
                                                                    device_type=device, model=model)))
         except RecipeError as exc:
             rows.append((arm or recipe.strategy.name, str(exc)))

@@ -48,7 +48,7 @@ from toolkit.notes import recipe_notes
 from toolkit.optim import build_adamw, build_scheduler
 from toolkit.precision import check_precision_supported
 from toolkit.recipe import Recipe, check_profile_window
-from toolkit.strategies import make_strategy, validate_strategy
+from toolkit.strategies import import_runtime_modules, make_strategy, validate_strategy
 from toolkit.precision import StepResult
 from toolkit.stopping import NonFinite, SkippedSteps, StopSignals, Stopped
 from toolkit.strategies.base import SetupArgs, Strategy
@@ -142,6 +142,7 @@ def announce_schedule_changes(recipe: Recipe, checkpoint, *, env: DistEnv, total
 
 def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> TrainResult:
     plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, names, notes, data_info = prepare(recipe, env)
+    import_runtime_modules(recipe)  # DeepSpeed's 51-105 MiB: part of the runtime, as toolkit plan counts it
     runtime_bytes = process_bytes()  # what the process holds before any model: the base a memory prediction starts from
     prediction = runinfo.predict_memory(recipe, env, runtime_bytes=runtime_bytes)  # warns before setup if too big
     # before the collective below, so no rank can have written into output_dir yet

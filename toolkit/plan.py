@@ -140,6 +140,25 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
                       built_bytes=built, runtime_bytes=runtime_bytes, peak_bytes_per_rank=peaks)
 
 
+_IMPORTED_BYTES: dict[str, int] = {}
+
+
+def runtime_module_bytes(modules: tuple[str, ...]) -> int:
+    """What importing a strategy's runtime modules (StrategyInfo.runtime_modules) adds to this process's resident
+    set, measured at their first import here: a rank imports them before it measures its runtime (toolkit.loop),
+    so a plan made in a process without them adds this to its own runtime."""
+    import importlib
+
+    from toolkit.metrics import process_bytes
+
+    for name in modules:
+        if name not in _IMPORTED_BYTES:
+            before = process_bytes()
+            importlib.import_module(name)
+            _IMPORTED_BYTES[name] = max(0, process_bytes() - before)
+    return sum(_IMPORTED_BYTES[name] for name in modules)
+
+
 def tied_gradient_bytes(model: nn.Module, dtype: torch.dtype) -> int:
     """Gradient bytes of the trainable weights a forward uses twice (a tied embedding and head): one gradient
     of each.

@@ -45,6 +45,15 @@ def strategy_info(name: str) -> StrategyInfo:
     return _module(name).INFO
 
 
+def import_runtime_modules(recipe: Recipe) -> None:
+    """Import the libraries the recipe's strategy runs on (StrategyInfo.runtime_modules): a rank does it before
+    it measures the runtime its memory prediction starts from, so that the runtime holds them, as toolkit plan's."""
+    import importlib
+
+    for name in strategy_info(recipe.strategy.name).runtime_modules:
+        importlib.import_module(name)
+
+
 def make_strategy(recipe: Recipe) -> Strategy:
     """The recipe's strategy, not yet set up (an unknown name is a RecipeError)."""
     return _module(recipe.strategy.name).build(recipe)

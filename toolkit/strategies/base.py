@@ -81,6 +81,10 @@ class StrategyInfo:
     # its export reads the parameters where they are on CPU (single, dp, ddp: full replicas in the load dtype);
     # False: rank 0 gathers or copies the whole model to write it (toolkit plan's export term)
     exports_in_place: bool = False
+    # the libraries its ranks import beyond torch and transformers, part of the runtime a memory prediction
+    # starts from (DeepSpeed: +51-105 MiB resident on CPU beyond the toolkit's own imports, measured; toolkit
+    # plan imports them to measure it)
+    runtime_modules: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -42,6 +42,7 @@ from toolkit.strategies.zero_config import (check_deepspeed_precision, check_wit
 
 INFO = StrategyInfo(
     name="zero", averages_gradients=True, accelerate_plugin="deepspeed", casts_parameters=True,
+    runtime_modules=("deepspeed",),
     holds_gradients=False,  # the default stage 2 gives them back after each step; build() says it per recipe
     options=("stage", "offload_optimizer", "offload_param", "ds_config"),
     summary="DeepSpeed ZeRO: stage 1 shards optimizer state, 2 + gradients, 3 + parameters; optional CPU offload",
