@@ -139,6 +139,17 @@ def test_mlp_columns_not_divisible_and_a_model_without_plan_are_one_line(tmp_pat
     with pytest.raises(RecipeError, match=re.escape("gpt2 declares no tensor-parallel plan")) as error:
         validate_strategy(gpt2, world_size=2)
     assert "modules found: c_attn, c_fc, c_proj, lm_head" in str(error.value)  # what a plan would name
+    # OLMo 2 normalizes q and k over all heads at once: its plan gathers the projections' outputs
+    # (colwise_gather_output), a style the toolkit does not build
+    olmo2 = recipe_for({"model_type": "olmo2", "vocab_size": 30522, "hidden_size": 32, "intermediate_size": 64,
+                        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2})
+    with pytest.raises(RecipeError, match=re.escape("the model's plan asks for 'colwise_gather_output' at "
+                                                    "layers.*.self_attn.q_proj")) as error:
+        validate_strategy(olmo2, world_size=2)
+    assert str(error.value).endswith("use fsdp or zero for this model")
+    qwen3 = recipe_for({"model_type": "qwen3", "vocab_size": 30522, "hidden_size": 32, "intermediate_size": 64,
+                        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8})
+    validate_strategy(qwen3, world_size=2)  # its per-head norms' gradients are summed (the Qwen3 test below)
 
 
 def test_sequence_parallel_on_an_encoder_is_one_line(minilm_runs):
@@ -181,3 +192,54 @@ def test_bad_tensor_parallel_input_through_the_launcher_exits_2_with_nothing_wri
         "toolkit: error: tensor parallelism: the model's attention heads (num_attention_heads = 4) are not divisible by "
         "the tensor-parallel degree 3; use a degree that divides 4"]
     assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def qwen3_runs(tmp_path_factory):
+    """A tiny Qwen3: its plan keeps q_norm and k_norm (RMSNorm over head_dim, after the column-wise q/k
+    projections) whole on every rank, marked replicated_with_grad_allreduce. Dropout 0, global batch 8."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from conftest import Runs, _minilm_tokenizer, write_recipe
+
+    root = tmp_path_factory.mktemp("qwen3")
+    tokenizer = _minilm_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():  # away from ones: the norm weights' gradients then differ between heads more
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    # lr 1e-4: at 1e-3 the single reference itself moves one embedding element (2833, 30) by 3.4e-6 between 1
+    # thread (launch --nproc 1) and 2 (train), rounding that Adam amplifies on an element whose summed gradient
+    # nears zero; tp equalled the 1-thread run there to 4e-10. At 1e-4 tp and single differ by <= 1.3e-8.
+    return Runs(root, write_recipe(root / "recipe.yaml", model_dir=root / "model", output_dir=root / "unused",
+                                   batch={"micro_batch_size": 2, "grad_accum_steps": 4}, data={"eval": None},
+                                   optim={"lr": 1.0e-4},
+                                   train={"max_steps": 4, "eval_every": None, "consistency_check_every": 1,
+                                          "progress": False}))
+
+
+@pytest.mark.parametrize("arm", ["tp", "fsdp-tp2"])
+def test_qwen3_per_head_norms_sum_their_gradients_over_the_tp_ranks(qwen3_runs, llama4_runs, arm):
+    """Each TP rank normalizes only its own heads with the whole q_norm/k_norm weight, so its gradient of that
+    weight is a partial sum over heads: summed over the ranks once per step, after accumulating 4 micro-batches
+    (summed per micro-batch, as a backward hook would, it would be counted again each time). Without the sum
+    the ranks' copies drift apart (the consistency check, every step, stops the run) and differ from single's.
+    fsdp-tp2 at 2 ranks: 1 dp × 2 tp, the sum over FSDP's gradient shards."""
+    overrides = ("strategy.name=tp",) if arm == "tp" else ("strategy.name=fsdp", "strategy.tp_degree=2")
+    run = qwen3_runs.get(arm, nproc=2, overrides=overrides)
+    assert_matches_single(run, qwen3_runs.get("single"))
+    comm = json.loads((run / "run.json").read_text())["comm_per_step"]
+    assert comm["calls_by_op"]["all_reduce"] == 7 * 2 * 4  # the activations' (DTensor's), as on Llama
+    # beside the loop's own small all-reduces (a Llama tp run's): one more, the 2 blocks' q_norm and k_norm
+    # gradients, head_dim 8 each, in fp32
+    llama = json.loads((llama4_runs.get("tp", nproc=2, overrides=ARMS["tp"][1]) / "run.json").read_text())
+    assert comm["calls_by_op"]["allreduce_"] == llama["comm_per_step"]["calls_by_op"]["allreduce_"] + 1
+    assert comm["bytes_by_op"]["allreduce_"] == llama["comm_per_step"]["bytes_by_op"]["allreduce_"] + 2 * 2 * 8 * 4

@@ -97,6 +97,8 @@ class FsdpStrategy:
 
     def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
         total = each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share, device=self.env.device)
+        if self.partial:  # after FSDP's reduce-scatter over dp (the sums commute): Qwen3's q_norm, k_norm, ...
+            tensor_parallel.sum_partial_gradients(self.partial, self.mesh.get_group("tp"), device=self.env.device)
         return tensor_parallel.first_of_group(total, tp_rank=self.env.rank % self.tp_degree)
 
     def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
@@ -164,6 +166,7 @@ class FsdpStrategy:
             materialize(model, device=torch.device("cpu") if options.cpu_offload else env.device)
             self.loading = load_sharded(model, args.source, env=env)
         self._model = model
+        self.partial = tensor_parallel.partial_gradient_params(model) if self.tp_degree > 1 else []
         # ShardedGradScaler's found-inf tensor has a shape torch's fused AdamW kernel rejects (torch 2.13)
         self.optimizer = args.build_optimizer(model, fused_ok=self.precision != "fp16")
         self.scheduler = args.build_scheduler(self.optimizer)
@@ -253,7 +256,7 @@ class FsdpStrategy:
         return None  # runs as itself on any machine
 
     def close(self) -> None:
-        del self._model, self.optimizer, self.scheduler, self.mesh  # their groups, for destroy_process_group
+        del self._model, self.optimizer, self.scheduler, self.mesh, self.partial  # their groups, for destroy_process_group
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         params: list[torch.Tensor] = list(self._model.parameters())

@@ -11,6 +11,12 @@ the base model, e.g. "layers.*.self_attn.q_proj": "colwise"), else from a small 
 full logits, so the loop's loss is unchanged (a vocabulary-sharded head would save its memory but needs a
 loss that reduces over ranks). Attention needs no change: HF attention reshapes with `view(..., -1,
 head_dim)`, so each rank infers its local head count.
+
+A plan may also name modules "replicated_with_grad_allreduce" (Qwen3's, Gemma 3's per-head q_norm and k_norm,
+between a column-wise projection and attention): they stay whole on every rank, but each rank normalizes only
+its own heads, so its gradient is a partial sum over heads. The strategies sum those gradients over the TP
+group once per step, after the last micro-batch's backward (`sum_partial_gradients`; a hook per backward, as
+transformers installs, would sum the already summed gradient again under gradient accumulation).
 """
 
 from __future__ import annotations
@@ -40,8 +46,22 @@ DIVIDED_FIELDS = {"num_attention_heads": "attention heads", "num_key_value_heads
                   "intermediate_size": "MLP columns"}
 
 
+# a module the plan keeps whole whose gradient each TP rank computes only in part (see the docstring)
+PARTIAL_GRADIENT = "replicated_with_grad_allreduce"
+
+
 def resolve(model: nn.Module) -> dict[str, str]:
     """Full module name -> "colwise" | "rowwise" for every linear layer the plan splits."""
+    return {name: style for name, style in _entries(model).items() if style != PARTIAL_GRADIENT}
+
+
+def partial_gradient_modules(model: nn.Module) -> list[str]:
+    """Full names of the modules whose gradients the TP ranks must sum (PARTIAL_GRADIENT entries)."""
+    return [name for name, style in _entries(model).items() if style == PARTIAL_GRADIENT]
+
+
+def _entries(model: nn.Module) -> dict[str, str]:
+    """Full module name -> its plan style, for every module the model's plan (or the toolkit's) names."""
     config: Any = model.config
     declared = getattr(config, "base_model_tp_plan", None) or FALLBACK_PLANS.get(config.model_type)
     if not declared:
@@ -52,17 +72,48 @@ def resolve(model: nn.Module) -> dict[str, str]:
                           f"{', '.join(found) or 'none'}); use fsdp or zero for this model")
     base: Any = getattr(model, "base_model_prefix", "")
     prefix = f"{base}." if base and hasattr(model, base) else ""
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    modules = dict(model.named_modules())
     plan: dict[str, str] = {}
     for pattern, style in declared.items():
-        if style not in ("colwise", "rowwise"):
+        if style not in ("colwise", "rowwise", PARTIAL_GRADIENT):
             raise RecipeError(f"tensor parallelism: the model's plan asks for {style!r} at {pattern}; the toolkit "
-                              "splits linear layers colwise and rowwise only")
-        found = [name for name in linears if fnmatch.fnmatchcase(name, prefix + pattern)]
+                              f"splits linear layers colwise and rowwise and sums {PARTIAL_GRADIENT} gradients "
+                              "only; use fsdp or zero for this model")
+        if style == PARTIAL_GRADIENT:
+            found = [name for name, m in modules.items() if fnmatch.fnmatchcase(name, prefix + pattern)
+                     and any(True for _ in m.parameters(recurse=False))]
+        else:
+            found = [name for name, m in modules.items() if fnmatch.fnmatchcase(name, prefix + pattern)
+                     and isinstance(m, nn.Linear)]
         if not found:
-            raise RecipeError(f"tensor parallelism: the plan entry {pattern} matches no linear layer of this model")
+            what = "module with parameters" if style == PARTIAL_GRADIENT else "linear layer"
+            raise RecipeError(f"tensor parallelism: the plan entry {pattern} matches no {what} of this model")
         plan.update(dict.fromkeys(found, style))
     return plan
+
+
+def partial_gradient_params(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of the plan's PARTIAL_GRADIENT modules, as the model holds them now (after fully_shard,
+    its DTensors): what `sum_partial_gradients` sums each step."""
+    modules = dict(model.named_modules())
+    return [p for name in partial_gradient_modules(model) for p in modules[name].parameters(recurse=False)
+            if p.requires_grad]
+
+
+def sum_partial_gradients(params: list[nn.Parameter], group, *, device: torch.device) -> None:
+    """Sum the gradients of `params` (partial_gradient_params) over the TP `group` in place: one all-reduce of
+    their concatenation, in fp32 (a handful of head-size vectors per block). A gradient that is a DTensor
+    (FSDP's shard over the data-parallel ranks) sums its local shard: a TP group's ranks hold the same shard."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [cast(torch.Tensor, p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+             for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1).to(device=device, dtype=torch.float32) for g in grads])
+    torch.distributed.all_reduce(flat, group=group)
+    for grad, summed in zip(grads, flat.split([g.numel() for g in grads])):
+        grad.copy_(summed.view_as(grad))
 
 
 def check_recipe(recipe: Recipe, *, degree: int) -> None:

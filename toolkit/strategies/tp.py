@@ -2,7 +2,9 @@
 
 Every rank reads the same micro-batches (one data shard) and holds 1/N of each attention and MLP weight;
 embeddings, norms and the head are replicated and get identical full gradients on every rank, so no
-gradient is reduced: the activations are (one all-reduce per attention and per MLP block, each way).
+gradient is reduced: the activations are (one all-reduce per attention and per MLP block, each way). The
+exception: norms inside attention that see only a rank's heads (Qwen3's q_norm, k_norm), whose gradients
+are summed over the ranks once per step (tensor_parallel.sum_partial_gradients).
 For TP inside groups with data parallel across them, use fsdp with strategy.tp_degree.
 """
 
@@ -59,6 +61,7 @@ class TpStrategy:
 
     def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
         total = each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share, device=self.env.device)
+        tensor_parallel.sum_partial_gradients(self.partial, self.mesh.get_group(), device=self.env.device)
         return tensor_parallel.first_of_group(total, tp_rank=self.env.rank)
 
     def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
@@ -88,6 +91,7 @@ class TpStrategy:
         self.mesh = init_device_mesh(args.env.device.type, (args.env.world_size,), mesh_dim_names=("tp",))
         self._model = model.to(args.env.device)
         tensor_parallel.parallelize(self._model, self.mesh, sequence_parallel=args.recipe.strategy.sequence_parallel)
+        self.partial = tensor_parallel.partial_gradient_params(self._model)  # Qwen3's q_norm, k_norm, ...
         self.amp = Amp(args.recipe.precision, args.env.device)
         # auto: fused, as elsewhere; the split layers (DTensors) and the replicated rest (plain) in groups of their
         # own, since one fused call refuses the mix
@@ -102,7 +106,8 @@ class TpStrategy:
         return self.amp.autocast()
 
     def accumulate(self, *, sync: bool) -> ContextManager:
-        return no_context()  # no gradient is reduced: nothing to skip
+        return no_context()  # no gradient is reduced per micro-batch: nothing to skip (the per-head norms' are
+        # summed once, after the last; forward_backward)
 
     def backward(self, loss_share: torch.Tensor) -> None:
         self.amp.backward(loss_share)
@@ -163,7 +168,7 @@ class TpStrategy:
         return None  # runs as itself on any machine
 
     def close(self) -> None:
-        del self._model, self.optimizer, self.scheduler, self.mesh
+        del self._model, self.optimizer, self.scheduler, self.mesh, self.partial
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         params: list[torch.Tensor] = list(self._model.parameters())
