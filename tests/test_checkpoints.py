@@ -171,10 +171,12 @@ def test_a_save_killed_before_its_commit_is_never_resumed(runs, tmp_path):
     assert_continues(out, runs.full("ddp"), rtol=1e-5)
 
 
-def test_a_checkpoint_that_cannot_be_written_ends_the_run_in_one_line(runs, tmp_path):
+@pytest.mark.parametrize("how", ["train", "launch"])
+def test_a_checkpoint_that_cannot_be_written_ends_the_run_in_one_line(runs, tmp_path, how):
     """A disk that fills up at a save (here the file size limit, `ulimit -f`: Python ignores SIGXFSZ, so DCP's
     write fails with EFBIG where a full disk gives ENOSPC): one line naming the step, its folder and the OS error,
-    exit 1 (a failed run, not a recipe mistake), no traceback; run.json's ended says the same; no step folder."""
+    exit 1 (a failed run, not a recipe mistake), no traceback; run.json's ended says the same; no step folder.
+    Through `toolkit launch` (2 ddp ranks) the same one line: the launcher adds no "launch failed" of its own."""
     out = tmp_path / "full"
     # above every file the run writes before its first save (run.json, metrics, ~10 kB), below the save's shard
     # (~12 MB: the tied Llama's fp32 weights and Adam state)
@@ -183,15 +185,19 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_run_in_one_line(runs, tmp_
     def limit_file_size() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
 
-    result = subprocess.run([sys.executable, "-m", "toolkit", "train", str(runs.recipe), "--set",
-                             "train.max_steps=3", "--set", f"output_dir={out}"], cwd=REPO, env=toolkit_env(),
-                            capture_output=True, text=True, timeout=600, preexec_fn=limit_file_size)
+    command = ["train"] if how == "train" else ["launch", "--nproc", "2"]
+    strategy = "single" if how == "train" else "ddp"
+    result = subprocess.run([sys.executable, "-m", "toolkit", *command, str(runs.recipe), "--set",
+                             "train.max_steps=3", "--set", f"strategy.name={strategy}", "--set", f"output_dir={out}"],
+                            cwd=REPO, env=toolkit_env(), capture_output=True, text=True, timeout=600,
+                            preexec_fn=limit_file_size)
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("toolkit: ")]
     assert len(lines) == 1, result.stderr[-3000:]
     folder = re.escape(str(out / "checkpoints" / "step-00000003"))
-    assert re.fullmatch(rf"toolkit: checkpoint of step 3 NOT written to {folder}: File too large \(EFBIG\) on rank 0; "
+    ranks = "rank 0" if how == "train" else "ranks 0, 1"  # each ddp rank writes its part (DCP gathers the errors)
+    assert re.fullmatch(rf"toolkit: checkpoint of step 3 NOT written to {folder}: File too large \(EFBIG\) on {ranks}; "
                         r"[\d,.]+ GiB free on its file system; no intact checkpoint was written before it", lines[0])
     ended = json.loads((out / "run.json").read_text())["ended"]
     assert ended["reason"] == lines[0].removeprefix("toolkit: ")

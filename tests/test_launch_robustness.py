@@ -203,14 +203,31 @@ def test_a_rank_of_plain_torchrun_gets_sigterm_when_torchrun_is_killed(tmp_path)
 
 # --- how the ranks ended, as the launcher's exit code ----------------------------------------------------------------
 
-def _ranks_exit(codes: dict[int, int]):
-    """torch.distributed.run's run() where the ranks ended with `codes` (negative: killed by that signal)."""
+def _ranks_exit(codes: dict[int, int], *, pid: int = 0):
+    """torch.distributed.run's run() where the ranks ended with `codes` (negative: killed by that signal); rank r
+    was process `pid` + r."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     def run(args):
-        raise ChildFailedError("toolkit", {rank: ProcessFailure(local_rank=rank, pid=0, exitcode=code, error_file="")
-                                           for rank, code in codes.items()})
+        raise ChildFailedError("toolkit", {rank: ProcessFailure(local_rank=rank, pid=pid + rank, exitcode=code,
+                                                                error_file="") for rank, code in codes.items()})
     return run
+
+
+def test_a_failure_a_rank_said_in_one_line_gets_no_launch_failed_line_after_it(capsys, tmp_path, monkeypatch):
+    """A checkpoint that cannot be written: every rank exits 1 and rank 0 says why in one line (the 2-rank run is
+    test_checkpoints' test_a_checkpoint_that_cannot_be_written_...). Its mark is per process: a crash of another
+    process (a restarted rank) still gets the launcher's line."""
+    from toolkit.errors import SAID_DIR_ENV
+    from toolkit.launch import Nodes, _run_ranks
+
+    monkeypatch.setenv(SAID_DIR_ENV, str(tmp_path))
+    (tmp_path / "toolkit-failure-said-1000").touch()  # what rank 0, process 1000, left (errors.mark_failure_said)
+    assert _run_ranks(_ranks_exit({0: 1, 1: 1}, pid=1000), None, Nodes()) == 1
+    assert capsys.readouterr().err == ""
+    for codes, pid in (({0: 1, 1: 1}, 2000), ({0: -9, 1: 1}, 1000), ({0: 1, 1: 4}, 1000)):
+        assert _run_ranks(_ranks_exit(codes, pid=pid), None, Nodes()) == 1
+        assert "toolkit: launch failed: rank 0 " in capsys.readouterr().err, (codes, pid)
 
 
 def test_ranks_stopped_on_a_non_finite_value_end_the_launch_with_exit_4_not_as_a_failure(capsys):

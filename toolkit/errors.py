@@ -95,6 +95,23 @@ def mark_final(code: int) -> None:
             os.close(os.open(os.path.join(folder, FINAL_MARKS[code]), os.O_CREAT | os.O_WRONLY))
 
 
+def mark_failure_said() -> None:
+    """In the rank of `toolkit launch` that said in one line why the run failed (a checkpoint that cannot be
+    written: exit 1, as a crash): a mark named for this process, so that the launcher does not add its own
+    "launch failed" line under it (failure_said). Named for the process, not the launch: a restarted rank that
+    then crashes gets the launcher's line."""
+    folder = os.environ.get(SAID_DIR_ENV)
+    if folder and "TORCHELASTIC_RUN_ID" in os.environ:
+        with contextlib.suppress(OSError):  # the folder is gone: the launcher's line follows, as before
+            os.close(os.open(os.path.join(folder, f"toolkit-failure-said-{os.getpid()}"), os.O_CREAT | os.O_WRONLY))
+
+
+def failure_said(pid: int) -> bool:
+    """In the launcher, while its ranks' folder exists: whether the rank process `pid` marked its failure said."""
+    folder = os.environ.get(SAID_DIR_ENV)
+    return folder is not None and os.path.exists(os.path.join(folder, f"toolkit-failure-said-{pid}"))
+
+
 def end_restart_after_final_stop() -> None:
     """First thing in a rank: a rank that torch's agent restarted (--max-restarts, which restarts whatever the
     exit code) after a rank of the same launch stopped on a user's mistake, or on a non-finite loss, exits with

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from toolkit.errors import (NONFINITE_EXIT_CODE, REPLICA_DRIFT_EXIT_CODE, SAID_DIR_ENV, USER_ERROR_EXIT_CODE,
-                            RecipeError, first_line, ranks_option, under_accelerate)
+                            RecipeError, failure_said, first_line, ranks_option, under_accelerate)
 from toolkit.orphans import LAUNCHER_PID_ENV
 
 
@@ -308,6 +308,9 @@ def _run_ranks(run, args, nodes: Nodes, *, failures: list[str] | None = None) ->
         failed_how = describe_failures(codes)
         if failures is not None:
             failures.append(failed_how)
+        first = exc.failures.get(min(failed_ranks(codes)))
+        if failed == {1} and first is not None and failure_said(first.pid):  # its one line is the launch's
+            return 1
         print(f"toolkit: launch failed: {failed_how} (see the rank output above)", file=sys.stderr)
         return 1
     except RendezvousError as exc:  # the machine that hosts the rendezvous is gone

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 from toolkit.cleanup import entries, remove_made
 from toolkit.errors import (INTERRUPTED_EXIT_CODE, NONFINITE_EXIT_CODE, REPLICA_DRIFT_EXIT_CODE, USER_ERROR_EXIT_CODE,
-                            RecipeError, first_line, mark_final, say_once, say_user_error)
+                            RecipeError, first_line, mark_failure_said, mark_final, say_once,
+                            say_user_error)
 
 if TYPE_CHECKING:
     from toolkit.checkpoint.run import Resume
@@ -110,6 +111,7 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
     except CheckpointWriteError as exc:  # a full disk: not the recipe's fault, a failed run (exit 1) in one line
         if env.is_main:  # every rank's failure is in rank 0's line (DCP gathers them)
             say_once(f"toolkit: {exc}")
+            mark_failure_said()  # the launcher adds no line of its own
         return 1, None
     return 0, result.strategy
 
