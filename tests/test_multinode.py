@@ -1,6 +1,7 @@
 """More than one machine: `toolkit launch --nnodes 2` meets at torchrun's c10d rendezvous. Two launchers of one
 rank each on 127.0.0.1 act as two nodes and must train exactly what one node of two ranks trains."""
 
+import json
 import os
 import shlex
 import socket
@@ -75,6 +76,24 @@ def test_a_job_preempted_on_one_machine_stops_on_both_and_resumes_from_the_line_
     assert [m["step"] for m in got] == [m["step"] for m in want] == [1, 2, 3, 4, 5]
     torch.testing.assert_close(torch.tensor([m["loss"] for m in got], dtype=torch.float64),
                                torch.tensor([m["loss"] for m in want], dtype=torch.float64), rtol=1e-6, atol=0.0)
+
+
+def test_rank_0_killed_on_one_machine_leaves_a_run_json_that_says_the_run_failed(llama_runs, tmp_path):
+    """SIGKILL (the out-of-memory killer's) gives rank 0 no time to write how the run ended: the launcher of its
+    machine, whose ranks are all gone, turns run.json's "running" into "failed" (one machine: test_clean_exit).
+    The other machine's launcher leaves it to that one: there, rank 0 might still be writing."""
+    out = tmp_path / "killed"
+    sets = [a for o in (*ARMS["ddp-m4"], "checkpoint.every_steps=1", f"output_dir={out}") for a in ("--set", o)]
+    env = toolkit_env()
+    env[faults.KILL_RANK_AT_STEP] = "0:1"  # after step 1 and its checkpoint
+    codes, logs = two_nodes(["launch", "--nnodes", "2", "--node-rank", "NODE_RANK", "--nproc", "1", "--rdzv-endpoint",
+                             f"127.0.0.1:{free_port()}", str(llama_runs.recipe), *sets], env=env)
+    assert codes == [1, 1], "\n".join(log[-3000:] for log in logs)
+    assert sum("toolkit: launch failed: rank 0 killed by SIGKILL" in log for log in logs) == 1, "\n".join(logs)
+    run = json.loads((out / "run.json").read_text())
+    assert run["status"] == "failed", run.get("ended")
+    assert run["ended"]["reason"].startswith("launch failed: rank 0 killed by SIGKILL"), run["ended"]
+    assert (run["ended"]["steps_done"], run["ended"]["checkpoint"]) == (1, str(out / "checkpoints" / "step-00000001"))
 
 
 @pytest.mark.parametrize("args, words", [

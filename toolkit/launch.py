@@ -12,6 +12,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from toolkit.errors import (NONFINITE_EXIT_CODE, REPLICA_DRIFT_EXIT_CODE, SAID_DIR_ENV, USER_ERROR_EXIT_CODE,
                             RecipeError, failure_said, first_line, ranks_option, under_accelerate)
@@ -23,6 +24,12 @@ def worker_args(recipe_path: str, overrides: list[str], extra: list[str] | None 
     for item in overrides:
         args += ["--set", item]
     return args + list(extra or [])
+
+
+class Failure(NamedTuple):
+    """How a launch's ranks on this machine failed: the words (describe_failures) and their global ranks."""
+    how: str
+    ranks: frozenset[int]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,7 +209,7 @@ def launch_recipe(recipe_path: str, overrides: list[str], *, nproc: int, nodes: 
         return 0
     extra = [] if resume is None else ["--resume", *([resume.path] if resume.path else [])] + \
         (["--resume-weights-only"] if resume.weights_only else [])
-    started, failures = time.time(), list[str]()
+    started, failures = time.time(), list[Failure]()
     code = launch(recipe_path, nproc=nproc, overrides=overrides, extra=extra, max_restarts=max_restarts,
                   nodes=nodes, failures=failures)
     out_dir = Path(recipe.output_dir)
@@ -214,12 +221,12 @@ def launch_recipe(recipe_path: str, overrides: list[str], *, nproc: int, nodes: 
         # a rank that dies after the outputs are written is still a failure, but the outputs are good
         print(f"toolkit: the run itself completed before that: outputs in {recipe.output_dir} are complete",
               file=sys.stderr)
-    elif status == "running" and nodes.count == 1:
-        # rank 0 was killed before it could write how the run ended (with more machines, rank 0's launcher may be
-        # another's, and rank 0 may still be writing: left to it)
+    elif status == "running" and (nodes.count == 1 or (failures and 0 in failures[-1].ranks)):
+        # rank 0 was killed before it could write how the run ended. With more machines, only rank 0's own
+        # launcher (its failure is among this machine's ranks, all gone) knows it will write nothing more.
         from toolkit.runinfo import mark_left_running
 
-        mark_left_running(out_dir, reason=f"launch failed: {failures[-1]}" if failures else
+        mark_left_running(out_dir, reason=f"launch failed: {failures[-1].how}" if failures else
                           f"the ranks ended (launch exit code {code}) before rank 0 recorded why")
     return code
 
@@ -228,7 +235,7 @@ AGENT_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")  # the handlers torch
 
 
 def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[str] | None = None,
-           max_restarts: int = 0, nodes: Nodes = Nodes(), failures: list[str] | None = None) -> int:
+           max_restarts: int = 0, nodes: Nodes = Nodes(), failures: list[Failure] | None = None) -> int:
     """Run the recipe on `nproc` local ranks (of `nodes`) through torch.distributed.run; returns the exit code.
     `failures` gets which ranks failed and how, where the launch failed ("rank 0 killed by SIGKILL; ...")."""
     import signal
@@ -270,7 +277,7 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
                 os.environ[name] = value
 
 
-def _run_ranks(run, args, nodes: Nodes, *, failures: list[str] | None = None) -> int:
+def _run_ranks(run, args, nodes: Nodes, *, failures: list[Failure] | None = None) -> int:
     """torch.distributed.run's run(args), its outcome as the launcher's exit code (see launch)."""
     import signal
 
@@ -307,7 +314,7 @@ def _run_ranks(run, args, nodes: Nodes, *, failures: list[str] | None = None) ->
             return stopped
         failed_how = describe_failures(codes)
         if failures is not None:
-            failures.append(failed_how)
+            failures.append(Failure(failed_how, frozenset(codes)))
         first = exc.failures.get(min(failed_ranks(codes)))
         if failed == {1} and first is not None and failure_said(first.pid):  # its one line is the launch's
             return 1
