@@ -57,3 +57,18 @@ def test_pieces_saved_as_chunks_load_back_as_the_full_tensors(tmp_path):
     assert torch.equal(loaded["model"]["w"], weight)
     assert torch.equal(loaded["optim"]["state.w.exp_avg"], moment)
     assert float(loaded["optim"]["state.w.step"]) == 3.0
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_pieces_read_their_elements_from_a_checkpoint_of_full_tensors(tmp_path):
+    """The resume side: a rank's pieces (views into its flat partition) filled in place from whatever chunks a
+    checkpoint holds, here one written by a strategy that saves full tensors."""
+    from toolkit.checkpoint.fragments import PiecesLoadPlanner
+
+    torch.manual_seed(0)
+    weight = torch.randn(6, 5)
+    dcp.save({"model": {"w": weight}}, checkpoint_id=str(tmp_path))
+    partition = torch.zeros(12)  # this rank's flat partition: elements 9-20 of the flattened weight
+    pieces = Fragments(pieces=[Piece("model.w", 9, partition)], shapes={"model.w": (6, 5)}, whole={})
+    dcp.load({}, checkpoint_id=str(tmp_path), planner=PiecesLoadPlanner(pieces))
+    assert torch.equal(partition, weight.reshape(-1)[9:21])

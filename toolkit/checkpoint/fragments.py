@@ -24,9 +24,12 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-from torch.distributed.checkpoint import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem,
+                                                  WriteItemType)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 
 @dataclass(frozen=True)
@@ -67,18 +70,22 @@ class Fragments:
         return out
 
     def write_items(self) -> dict[MetadataIndex, tuple[WriteItem, torch.Tensor]]:
-        """Every box of every piece: its DCP write item and its data (a view, fp32: the layout's dtype)."""
+        """Every box of every piece: its DCP write item and its data (fp32: the layout's dtype)."""
         items: dict[MetadataIndex, tuple[WriteItem, torch.Tensor]] = {}
-        for piece in self.pieces:
-            shape = self.shapes[piece.key]
-            data = piece.tensor.detach().to(torch.float32)  # a frozen ZeRO-3 weight is in its compute dtype
-            for offsets, sizes, begin in boxes(shape, piece.start, piece.tensor.numel()):
-                box = data.narrow(0, begin, math.prod(sizes)).view(sizes)
-                index = MetadataIndex(piece.key, torch.Size(offsets))
-                items[index] = (WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
-                    properties=TensorProperties.create_from_tensor(box), size=torch.Size(shape))), box)
+        for key, chunk, view in self.boxes():
+            box = view.detach().to(torch.float32)  # a frozen ZeRO-3 weight is in its compute dtype
+            index = MetadataIndex(key, chunk.offsets)
+            items[index] = (WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
+                chunk=chunk, properties=TensorProperties.create_from_tensor(box),
+                size=torch.Size(self.shapes[key]))), box)
         return items
+
+    def boxes(self) -> Iterator[tuple[str, ChunkStorageMetadata, torch.Tensor]]:
+        """Every box of every piece: its key, its chunk of the full tensor, and the piece's view of it."""
+        for piece in self.pieces:
+            for offsets, sizes, begin in boxes(self.shapes[piece.key], piece.start, piece.tensor.numel()):
+                view = piece.tensor.narrow(0, begin, math.prod(sizes)).view(sizes)
+                yield piece.key, ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)), view
 
 
 def _cloned(whole: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -142,3 +149,30 @@ class PiecesSavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem):
         found = self._items.get(write_item.index)
         return found[1] if found is not None else super().resolve_data(write_item)
+
+
+class PiecesLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, plus read items that fill this rank's pieces (views into the strategy's live
+    state, fp32) from whatever chunks the checkpoint holds of their keys."""
+
+    def __init__(self, fragments: Fragments) -> None:
+        super().__init__()
+        self.fragments = fragments
+        self._targets: dict[MetadataIndex, torch.Tensor] = {}
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        extra: list[ReadItem] = []
+        for key, chunk, view in self.fragments.boxes():
+            assert view.dtype == torch.float32, (key, view.dtype)  # read in place: no cast may copy it
+            self._targets[MetadataIndex(key, chunk.offsets)] = view
+            saved = self.metadata.state_dict_metadata[key] if self.metadata is not None else None
+            assert isinstance(saved, TensorStorageMetadata), key  # the reader checked the keys are there
+            extra += create_read_items_for_chunk_list(key, saved, [chunk])
+        return dataclasses.replace(plan, items=[*plan.items, *extra])
+
+    def resolve_tensor(self, read_item: ReadItem):
+        target = self._targets.get(read_item.dest_index)
+        if target is None:
+            return super().resolve_tensor(read_item)
+        return self.transform_tensor(read_item, target)

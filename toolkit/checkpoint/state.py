@@ -17,7 +17,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -27,13 +27,16 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from toolkit.checkpoint import schedule, store, verify
-from toolkit.checkpoint.fragments import Fragments, PiecesSavePlanner
+from toolkit.checkpoint.fragments import Fragments, PiecesLoadPlanner, PiecesSavePlanner
 from toolkit.dist import DistEnv, barrier
 from toolkit.errors import RecipeError, first_line
 from toolkit.export import without_tied_aliases
 
-# {"optim": {...}} (and "model" where a strategy keeps masters of its own) -> the same, filled in place
-Read = Callable[[dict[str, Any]], dict[str, Any]]
+class Read(Protocol):
+    """{"optim": {...}} (and "model" where a strategy keeps masters of its own) -> the same, filled in place;
+    with `pieces`, those too (a ZeRO rank's views of its flat partitions: fragments.py)."""
+
+    def __call__(self, template: dict[str, Any], *, pieces: Fragments | None = None) -> dict[str, Any]: ...
 
 
 # --- the torch-optimizer strategies (single, dp, ddp, model parallel, fsdp, pipeline) ------------------------
@@ -332,9 +335,9 @@ def saved_keys(path: Path) -> set[str]:
     return set(verify.read_metadata(path).state_dict_metadata)
 
 
-def _load(state: dict, path: Path) -> None:
+def _load(state: dict, path: Path, *, pieces: Fragments | None = None) -> None:
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, checkpoint_id=str(path), planner=PiecesLoadPlanner(pieces) if pieces is not None else None)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - (DCP's own is a BaseException)
         text = str(exc).strip().splitlines()
         raise RecipeError(f"checkpoint {path} cannot be read into this model ({type(exc).__name__}: "
@@ -361,13 +364,14 @@ def read_model_tensors(path: Path, shapes: dict[str, Any],
 def optimizer_reader(path: Path) -> Read:
     keys = saved_keys(path)
 
-    def read(template: dict[str, Any]) -> dict[str, Any]:
-        missing = [f"{part}.{k}" for part, entries in template.items() for k in entries
-                   if f"{part}.{k}" not in keys]
+    def read(template: dict[str, Any], *, pieces: Fragments | None = None) -> dict[str, Any]:
+        wanted = [f"{part}.{k}" for part, entries in template.items() for k in entries]
+        wanted += [p.key for p in pieces.pieces] if pieces is not None else []
+        missing = [key for key in wanted if key not in keys]
         if missing:
             raise RecipeError(f"checkpoint {path} holds no {missing[0]!r}; resume with --resume-weights-only to "
                               "start the optimizer afresh from its weights")
-        _load(template, path)
+        _load(template, path, pieces=pieces)
         return template
     return read
 

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from toolkit.checkpoint.fragments import Fragments
+from toolkit.checkpoint.state import Read
 from toolkit.data import DataLayout
 from toolkit.dist import DistEnv, all_reduce_max
 from toolkit.loading import ModelSource
@@ -212,7 +213,7 @@ class Strategy(Protocol):
         in flat partitions of the strategy's own, this rank's pieces of those tensors (each rank writes its
         own: checkpoint/fragments.py). Collective if it gathers."""
 
-    def load_optimizer_state(self, read: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    def load_optimizer_state(self, read: Read) -> None:
         """Collective, after setup: build this rank's optimizer state template in the shared layout, have
         `read` fill it from the checkpoint, and make it the optimizer's state."""
 

@@ -87,22 +87,36 @@ def _stage3_pieces(param, *, optimizer, inner) -> list[tuple[str, int, torch.Ten
 
 def load_optimizer_state(module: nn.Module, *, optimizer, inner, stage: int, device: torch.device,
                          read: Read) -> float:
-    """Every rank reads the checkpoint's full fp32 masters and Adam moments, then keeps its partition of them
-    (DeepSpeed's `safe_set_full_*` accessors). Returns the optimizer step they were saved at."""
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+    """Each rank reads its own pieces of the checkpoint's fp32 masters and Adam moments, as DCP chunks, straight
+    into DeepSpeed's flat partitions: the views `fragments` lists, which DeepSpeed's `safe_set_full_*` accessors
+    write. No rank holds a full tensor (reading every full tensor on every rank cost each rank 12 bytes per
+    parameter: 84 GB for 7B). Parameters outside any partition (stage 0 in fp32) read their full Adam state,
+    as a ddp rank does. NVMe-swapped partitions go through the accessors, which swap them in. Returns the
+    optimizer step they were saved at."""
+    params = list(module.named_parameters())
+    _create_state(optimizer, inner)
+    if not readable(optimizer):
+        return _load_through_accessors(params, optimizer=optimizer, inner=inner, stage=stage, device=device,
+                                       read=read)
+    frozen = {f"model.{name}" for name, param in params if not param.requires_grad}  # weights, loaded before setup
+    listed = fragments(module, optimizer=optimizer, inner=inner, stage=stage, is_main=False, step=None)
+    pieces = Fragments(pieces=[p for p in listed.pieces if p.key not in frozen], shapes=listed.shapes, whole={})
+    optim: dict[str, torch.Tensor] = {}
+    for name, param in params:
+        if not (hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")):  # torch's own state, whole
+            optim.update({f"state.{name}.{key}": inner.state[param][key] for key in MOMENTS if key in inner.state[param]})
+        if param.requires_grad:
+            optim[f"state.{name}.step"] = torch.zeros(())
+    read({"optim": optim}, pieces=pieces)
+    return _set_step(inner, float(optim[next(k for k in optim if k.endswith(".step"))]))
+
+
+def _create_state(optimizer, inner) -> None:
+    """The flat partitions' Adam state, created the way torch does it (a zero-gradient, zero-lr step); ZeRO-3
+    lists its partitions in the optimizer's groups only while it steps. Then each parameter is pointed at its
+    fragments of that state (link_optimizer_state)."""
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
-    params = list(module.named_parameters())
-    model, optim = {}, {}
-    for name, param in params:
-        shape = param.ds_shape if stage == 3 else param.shape  # type: ignore[attr-defined]  # ZeRO-3 adds it
-        model[name] = torch.zeros(shape, dtype=torch.float32)  # the fp32 master (bf16/fp16 weights round)
-        for key in MOMENTS:
-            optim[f"state.{name}.{key}"] = torch.zeros(shape, dtype=torch.float32)
-        optim[f"state.{name}.step"] = torch.zeros(())
-    read({"model": model, "optim": optim})
-    # the flat partitions' Adam state, created the way torch does it (a zero-gradient, zero-lr step);
-    # ZeRO-3 lists its partitions in the optimizer's groups only while it steps
     expose = getattr(optimizer, "_set_fp32_optimizer_param_groups", None)
     if expose is not None:
         expose()
@@ -119,6 +133,20 @@ def load_optimizer_state(module: nn.Module, *, optimizer, inner, stage: int, dev
         if expose is not None:
             optimizer._clear_fp32_optimizer_param_groups()
     link_optimizer_state(optimizer)
+
+
+def _load_through_accessors(params, *, optimizer, inner, stage: int, device: torch.device, read: Read) -> float:
+    """Every rank reads the full tensors and keeps its partition of them (DeepSpeed's `safe_set_full_*`)."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    model, optim = {}, {}
+    for name, param in params:
+        shape = param.ds_shape if stage == 3 else param.shape  # type: ignore[attr-defined]  # ZeRO-3 adds it
+        model[name] = torch.zeros(shape, dtype=torch.float32)  # the fp32 master (bf16/fp16 weights round)
+        for key in MOMENTS:
+            optim[f"state.{name}.{key}"] = torch.zeros(shape, dtype=torch.float32)
+        optim[f"state.{name}.step"] = torch.zeros(())
+    read({"model": model, "optim": optim})
     for name, param in params:
         partitioned = hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")  # None: another rank's part
         if partitioned:
@@ -129,7 +157,10 @@ def load_optimizer_state(module: nn.Module, *, optimizer, inner, stage: int, dev
                 safe_set_full_optimizer_state(param, value, key)
             else:  # no DeepSpeed optimizer wrapper (stage 0, fp32): torch's own state per parameter
                 inner.state[param][key].copy_(value)
-    step = float(optim[f"state.{params[0][0]}.step"])
+    return _set_step(inner, float(optim[f"state.{params[0][0]}.step"]))
+
+
+def _set_step(inner, step: float) -> float:
     for state in inner.state.values():
         if "step" in state:
             state["step"] = torch.tensor(step) if torch.is_tensor(state["step"]) else type(state["step"])(step)
