@@ -104,7 +104,8 @@ def load_optimizer_state(module: nn.Module, *, optimizer, inner, stage: int, dev
     optim: dict[str, torch.Tensor] = {}
     for name, param in params:
         if not (hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")):  # torch's own state, whole
-            optim.update({f"state.{name}.{key}": inner.state[param][key] for key in MOMENTS if key in inner.state[param]})
+            state = inner.state.get(param, {})  # (.get: a frozen weight has none, and gets no entry)
+            optim.update({f"state.{name}.{key}": state[key] for key in MOMENTS if key in state})
         if param.requires_grad:
             optim[f"state.{name}.step"] = torch.zeros(())
     read({"optim": optim}, pieces=pieces)
