@@ -14,8 +14,8 @@ DCP reshards on load, so a save from N ranks loads at M. The strategies meet in 
 single/dp/ddp/fsdp read and write it with torch's `get_state_dict`/`set_state_dict` helpers. Weights are
 loaded into the plain model before the strategy wraps it, so every strategy shards them its own way. ZeRO's
 masters and Adam moments live in DeepSpeed's flat partitions: each rank writes its pieces of them as chunks of
-the full tensors (in the background with `checkpoint.async`; toolkit/checkpoint/fragments.py) and reads the full
-tensors back through DeepSpeed's `safe_set_full_*` accessors (toolkit/strategies/zero_checkpoint.py).
+the full tensors (in the background with `checkpoint.async`) and reads them back the same way
+(toolkit/checkpoint/fragments.py).
 
 A save is atomic: written under `.step-NNNNNNNN.partial`, renamed into place by rank 0 once every rank's
 files and the manifest are on disk and their digests recorded; older checkpoints beyond `keep_last` are deleted
