@@ -89,10 +89,7 @@ def say_user_error(exc: RecipeError) -> None:
 def mark_final(code: int) -> None:
     """In a rank of `toolkit launch`: a mark in the launch's folder that the run ended with `code` (a key of
     FINAL_MARKS), which ends the restarts that would end so again (end_restart_after_final_stop)."""
-    folder = os.environ.get(SAID_DIR_ENV)
-    if folder and "TORCHELASTIC_RUN_ID" in os.environ:
-        with contextlib.suppress(OSError):  # the folder is gone: the launch is ending anyway
-            os.close(os.open(os.path.join(folder, FINAL_MARKS[code]), os.O_CREAT | os.O_WRONLY))
+    _mark_launch(FINAL_MARKS[code])
 
 
 def mark_failure_said() -> None:
@@ -100,16 +97,25 @@ def mark_failure_said() -> None:
     written: exit 1, as a crash): a mark named for this process, so that the launcher does not add its own
     "launch failed" line under it (failure_said). Named for the process, not the launch: a restarted rank that
     then crashes gets the launcher's line."""
-    folder = os.environ.get(SAID_DIR_ENV)
-    if folder and "TORCHELASTIC_RUN_ID" in os.environ:
-        with contextlib.suppress(OSError):  # the folder is gone: the launcher's line follows, as before
-            os.close(os.open(os.path.join(folder, f"toolkit-failure-said-{os.getpid()}"), os.O_CREAT | os.O_WRONLY))
+    _mark_launch(_failure_said_mark(os.getpid()))
 
 
 def failure_said(pid: int) -> bool:
     """In the launcher, while its ranks' folder exists: whether the rank process `pid` marked its failure said."""
     folder = os.environ.get(SAID_DIR_ENV)
-    return folder is not None and os.path.exists(os.path.join(folder, f"toolkit-failure-said-{pid}"))
+    return folder is not None and os.path.exists(os.path.join(folder, _failure_said_mark(pid)))
+
+
+def _failure_said_mark(pid: int) -> str:
+    return f"toolkit-failure-said-{pid}"
+
+
+def _mark_launch(name: str) -> None:
+    """In a rank of `toolkit launch`: an empty file `name` in the launch's folder, which its launcher reads."""
+    folder = os.environ.get(SAID_DIR_ENV)
+    if folder and "TORCHELASTIC_RUN_ID" in os.environ:
+        with contextlib.suppress(OSError):  # the folder is gone: the launch is ending anyway
+            os.close(os.open(os.path.join(folder, name), os.O_CREAT | os.O_WRONLY))
 
 
 def end_restart_after_final_stop() -> None:
