@@ -79,14 +79,11 @@ def _entries(model: nn.Module) -> dict[str, str]:
             raise RecipeError(f"tensor parallelism: the model's plan asks for {style!r} at {pattern}; the toolkit "
                               f"splits linear layers colwise and rowwise and sums {PARTIAL_GRADIENT} gradients "
                               "only; use fsdp or zero for this model")
-        if style == PARTIAL_GRADIENT:
-            found = [name for name, m in modules.items() if fnmatch.fnmatchcase(name, prefix + pattern)
-                     and any(True for _ in m.parameters(recurse=False))]
-        else:
-            found = [name for name, m in modules.items() if fnmatch.fnmatchcase(name, prefix + pattern)
-                     and isinstance(m, nn.Linear)]
+        partial = style == PARTIAL_GRADIENT  # a module with parameters of its own; else a linear layer to split
+        found = [name for name, m in modules.items() if fnmatch.fnmatchcase(name, prefix + pattern)
+                 and (any(True for _ in m.parameters(recurse=False)) if partial else isinstance(m, nn.Linear))]
         if not found:
-            what = "module with parameters" if style == PARTIAL_GRADIENT else "linear layer"
+            what = "module with parameters" if partial else "linear layer"
             raise RecipeError(f"tensor parallelism: the plan entry {pattern} matches no {what} of this model")
         plan.update(dict.fromkeys(found, style))
     return plan
