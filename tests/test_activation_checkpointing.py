@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+import test_model_parallel
 import test_sharded
 from conftest import MINILM, exported_weights, losses, write_recipe
 from toolkit.cli import main
@@ -34,6 +35,20 @@ def test_activation_checkpointing_gives_the_same_fp32_training(llama_runs, arm):
     # 2 blocks, each run in forward and again in backward, per micro-batch
     assert recorded == {"blocks": 2, "block_forwards_first_step": 2 * 2 * micro_batches}
     assert "activation_checkpointing" not in json.loads((plain / "run.json").read_text())
+
+
+def test_a_pipeline_rank_counts_its_own_blocks_and_no_shape_inference(llama4_runs):
+    """Interleaved 1F1B, 4 blocks over 4 stages, 2 per rank (each built from its own copy of the model): rank 0
+    holds blocks 0 and 2. Before, run.json counted the whole model's 4 blocks, lost the copied stage's forwards
+    and added torch's shape inference (one forward and one recomputation of a stage at its first step)."""
+    ranks, overrides = test_model_parallel.ARMS["pp-interleaved"]
+    plain = llama4_runs.get("pp-interleaved", nproc=ranks, overrides=overrides)
+    checkpointed = llama4_runs.get("pp-interleaved-ac", nproc=ranks, overrides=(*overrides, *AC))
+    torch.testing.assert_close(torch.tensor(losses(checkpointed), dtype=torch.float64),
+                               torch.tensor(losses(plain), dtype=torch.float64), rtol=1e-6, atol=0)
+    recorded = json.loads((checkpointed / "run.json").read_text())["activation_checkpointing"]
+    micro_batches = 4  # micro 2 × accumulation 4 = global batch 8
+    assert recorded == {"blocks": 2, "block_forwards_first_step": 2 * 2 * micro_batches}
 
 
 @pytest.mark.parametrize("command", ["train", "validate"])

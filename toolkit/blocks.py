@@ -62,6 +62,15 @@ class BlockForwards:
     transformers checkpoints a block's `forward`, not its call, so hooks on the block itself (FSDP2's, these)
     run once; its children run again when backward recomputes it, twice per micro-batch in all."""
 
+    paused = 0  # > 0 while blocks compute for something other than training (`uncounted`)
+
+    @classmethod
+    def among(cls, model: nn.Module, classes: set[type]) -> BlockForwards:
+        """A counter of the blocks of `classes` (the whole model's, found before a strategy set it up) that
+        `model` holds: a pipeline rank's stages hold a few of them, in copies of the model."""
+        kinds = tuple(classes)  # isinstance: FSDP2 subclasses each block it shards
+        return cls([module for module in model.modules() if kinds and isinstance(module, kinds)])
+
     def __init__(self, blocks: list[nn.Module]):
         children = [child for block in blocks for child in block.children()]
         self.num_blocks, self.children_per_block, self.calls = len(blocks), len(children) // max(len(blocks), 1), 0
@@ -70,12 +79,25 @@ class BlockForwards:
         self.handles = [child.register_forward_pre_hook(self._count) for child in children]
 
     def _count(self, module, args) -> None:
-        self.calls += 1
+        if not BlockForwards.paused:
+            self.calls += 1
 
     def stop(self) -> dict[str, int]:
         for handle in self.handles:
             handle.remove()
         return {"blocks": self.num_blocks, "block_forwards_first_step": self.calls // max(self.children_per_block, 1)}
+
+
+def uncounted(method: Callable) -> Callable:
+    """`method` with the block forwards it runs left out of every BlockForwards count."""
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        BlockForwards.paused += 1
+        try:
+            return method(*args, **kwargs)
+        finally:
+            BlockForwards.paused -= 1
+    return run
 
 
 def count_blocks(config: ModelConfig, names: tuple[str, ...] | None) -> int:

@@ -42,7 +42,7 @@ from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, Strate
                                      optimizer_state_tensors)
 from toolkit.strategies.pipeline_batches import filler, stacked
 from toolkit.strategies.pipeline_layout import (SCHEDULES, check_recipe, count_busy_time, grid_of,
-                                               stage_of_blocks, theoretical_bubble)
+                                               stage_of_blocks, theoretical_bubble, uncount_shape_inference)
 from toolkit.strategies.stages import Stage, family_of, tied_embedding_names
 from toolkit.strategies.state_bytes import StateBytes, largest_block_bytes
 
@@ -128,6 +128,7 @@ class PipelineStrategy:
         self.busy_s = 0.0
         for pipeline_stage in self.stages:
             count_busy_time(pipeline_stage, self)
+            uncount_shape_inference(pipeline_stage)
         schedule = getattr(pipelining, SCHEDULES[options.schedule])
         self.micro_batches = args.grad_accum_steps
         self.schedule = schedule(self.stages if len(self.stages) > 1 else self.stages[0],  # type: ignore[arg-type]

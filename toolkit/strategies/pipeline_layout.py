@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from toolkit.blocks import layer_stack
+from toolkit.blocks import layer_stack, uncounted
 from toolkit.errors import RecipeError, ranks_option
 from toolkit.model import meta_model
 from toolkit.recipe import Recipe, plan_batch
@@ -98,6 +98,19 @@ def count_busy_time(stage: PipelineStage, owner: Any) -> None:
                 owner.busy_s += time.perf_counter() - start
 
         setattr(stage, name, timed)
+
+
+# torch's stage metadata inference (torch 2.13): at a stage's first step, its module runs once forward and once
+# backward (recomputing a checkpointed block) on empty tensors of the micro-batch's shapes, to size the buffers
+SHAPE_INFERENCE = ("_forward_metadata_inference", "_backward_metadata_inference")
+
+
+def uncount_shape_inference(stage: PipelineStage) -> None:
+    """A stage's shape inference left out of the blocks' forward count (run.json's activation_checkpointing): it
+    is not training's, and it added one forward and one recomputation per stage to the first step's count."""
+    for name in SHAPE_INFERENCE:
+        if hasattr(stage, name):
+            setattr(stage, name, uncounted(getattr(stage, name)))
 
 
 def check_stage_blocks(skeleton: nn.Module, names: tuple[str, ...] | None) -> None:
