@@ -176,7 +176,9 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_run_in_one_line(runs, tmp_
     """A disk that fills up at a save (here the file size limit, `ulimit -f`: Python ignores SIGXFSZ, so DCP's
     write fails with EFBIG where a full disk gives ENOSPC): one line naming the step, its folder and the OS error,
     exit 1 (a failed run, not a recipe mistake), no traceback; run.json's ended says the same; no step folder.
-    Through `toolkit launch` (2 ddp ranks) the same one line: the launcher adds no "launch failed" of its own."""
+    Through `toolkit launch` (2 ddp ranks) the same one line: the launcher adds no "launch failed" of its own,
+    also when rank 0 is slow to say it (a loaded machine; before, rank 1 exited first and the launcher stopped
+    rank 0 before its line: only "launch failed: rank 1 exit code 1; rank 0 stopped by the launcher")."""
     out = tmp_path / "full"
     # above every file the run writes before its first save (run.json, metrics, ~10 kB), below the save's shard
     # (~12 MB: the tied Llama's fp32 weights and Adam state)
@@ -189,8 +191,8 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_run_in_one_line(runs, tmp_
     strategy = "single" if how == "train" else "ddp"
     result = subprocess.run([sys.executable, "-m", "toolkit", *command, str(runs.recipe), "--set",
                              "train.max_steps=3", "--set", f"strategy.name={strategy}", "--set", f"output_dir={out}"],
-                            cwd=REPO, env=toolkit_env(), capture_output=True, text=True, timeout=600,
-                            preexec_fn=limit_file_size)
+                            cwd=REPO, env={**toolkit_env(), faults.DELAY_FAILURE_LINE: "2"}, capture_output=True,
+                            text=True, timeout=600, preexec_fn=limit_file_size)
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("toolkit: ")]

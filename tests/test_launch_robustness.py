@@ -225,6 +225,9 @@ def test_a_failure_a_rank_said_in_one_line_gets_no_launch_failed_line_after_it(c
     (tmp_path / "toolkit-failure-said-1000").touch()  # what rank 0, process 1000, left (errors.mark_failure_said)
     assert _run_ranks(_ranks_exit({0: 1, 1: 1}, pid=1000), None, Nodes()) == 1
     assert capsys.readouterr().err == ""
+    # rank 1 exited first (after rank 0's line: toolkit.rank waits for it), and the launcher stopped rank 0
+    assert _run_ranks(_ranks_exit({0: -15, 1: 1}, pid=1000), None, Nodes()) == 1
+    assert capsys.readouterr().err == ""
     for codes, pid in (({0: 1, 1: 1}, 2000), ({0: -9, 1: 1}, 1000), ({0: 1, 1: 4}, 1000)):
         assert _run_ranks(_ranks_exit(codes, pid=pid), None, Nodes()) == 1
         assert "toolkit: launch failed: rank 0 " in capsys.readouterr().err, (codes, pid)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 from toolkit.dist import DistEnv, restarted
 
@@ -13,6 +14,7 @@ KILL_RANK_AT_STEP = "TOOLKIT_FAULT_KILL_RANK_AT_STEP"  # "RANK:STEP": SIGKILL th
 SIGTERM_LAUNCHER_AT_STEP = "TOOLKIT_FAULT_SIGTERM_LAUNCHER_AT_STEP"  # rank 0 sends its launcher SIGTERM
 KILL_BEFORE_COMMIT_STEP = "TOOLKIT_FAULT_KILL_BEFORE_COMMIT_STEP"  # SIGKILL before a checkpoint is committed
 INF_GRADIENT_AT_STEP = "TOOLKIT_FAULT_INF_GRADIENT_AT_STEP"  # an inf gradient before that step's update
+DELAY_FAILURE_LINE = "TOOLKIT_FAULT_DELAY_FAILURE_LINE"  # seconds rank 0 waits before a failed save's line
 
 
 def after_step(step: int, env: DistEnv) -> None:
@@ -34,3 +36,9 @@ def before_update(step: int, model) -> None:
     """An inf in the first gradient of `step`, as an fp16 overflow leaves one (the loss scaler skips the update)."""
     if not restarted() and os.environ.get(INF_GRADIENT_AT_STEP) == str(step):
         next(p.grad for p in model.parameters() if p.grad is not None).fill_(float("inf"))
+
+
+def before_failure_line() -> None:
+    """Rank 0 slower to say why the run failed than the other ranks are to exit (as a loaded machine makes it)."""
+    if not restarted() and os.environ.get(DELAY_FAILURE_LINE):
+        time.sleep(float(os.environ[DELAY_FAILURE_LINE]))

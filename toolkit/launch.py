@@ -310,8 +310,8 @@ def _run_ranks(run, args, nodes: Nodes, *, failures: list[Failure] | None = None
         failed_how = describe_failures(codes)
         if failures is not None:
             failures.append(Failure(failed_how, frozenset(codes)))
-        first = exc.failures.get(min(failed_ranks(codes)))
-        if failed == {1} and first is not None and failure_said(first.pid):  # its one line is the launch's
+        # a rank that said the failure in one line (rank 0, which may then be stopped by the first rank to exit)
+        if failed == {1} and any(failure_said(failure.pid) for failure in exc.failures.values()):
             return 1
         print(f"toolkit: launch failed: {failed_how} (see the rank output above)", file=sys.stderr)
         return 1

@@ -4,6 +4,7 @@ a bug is its traceback; a rank that fails because another rank left says only th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -110,8 +111,16 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
         return NONFINITE_EXIT_CODE, None
     except CheckpointWriteError as exc:  # a full disk: not the recipe's fault, a failed run (exit 1) in one line
         if env.is_main:  # every rank's failure is in rank 0's line (DCP gathers them)
+            from toolkit import faults
+
+            faults.before_failure_line()
             say_once(f"toolkit: {exc}")
             mark_failure_said()  # the launcher adds no line of its own
+        if exc.on_every_rank:  # every rank has it (DCP's gathered failure): they leave once rank 0 said it, since
+            from toolkit.dist import barrier  # the first rank to exit gets the others stopped by the launcher
+
+            with contextlib.suppress(RuntimeError):  # a rank gone already: the launcher's line says which
+                barrier(env)
         return 1, None
     return 0, result.strategy
 

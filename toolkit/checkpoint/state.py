@@ -161,7 +161,7 @@ def written(out_dir: Path, step: int) -> Iterator[None]:
     try:
         yield
     except CheckpointException as exc:  # DCP's own (a BaseException): every rank's failure, gathered
-        raise store.write_failed(out_dir, step, why=_failures_text(exc)) from exc
+        raise store.write_failed(out_dir, step, why=_failures_text(exc), on_every_rank=True) from exc
     except OSError as exc:  # rank 0's small files (manifest, recipe, hf/, digests) or the rename
         raise store.write_failed(out_dir, step, why=store.os_error_text(exc)) from exc
 

@@ -254,9 +254,9 @@ class CheckpointWriteError(Exception):
     """A checkpoint whose files could not be written (a full disk, a file size limit): the run ends on it in one
     line, which its message is (rank.py), and run.json's ended.reason says the same."""
 
-    def __init__(self, message: str, *, step: int) -> None:
+    def __init__(self, message: str, *, step: int, on_every_rank: bool = False) -> None:
         super().__init__(message)
-        self.step = step
+        self.step, self.on_every_rank = step, on_every_rank  # DCP's write failed: every rank raises this one
 
 
 def os_error_text(exc: OSError) -> str:
@@ -265,7 +265,7 @@ def os_error_text(exc: OSError) -> str:
     return f"{exc.strerror or exc} ({name})" if name else str(exc.strerror or exc)
 
 
-def write_failed(out_dir: Path, step: int, *, why: str) -> CheckpointWriteError:
+def write_failed(out_dir: Path, step: int, *, why: str, on_every_rank: bool = False) -> CheckpointWriteError:
     """The error of a checkpoint that was not written: its step and folder, why (the OS error), the free space
     where it goes, and the newest intact checkpoint to resume from (what is half-written is never resumed and
     goes at the next start: remove_partials)."""
@@ -279,4 +279,4 @@ def write_failed(out_dir: Path, step: int, *, why: str) -> CheckpointWriteError:
     newest = f"the newest intact checkpoint is {found[-1]} (--resume)" if found else \
         "no intact checkpoint was written before it"
     return CheckpointWriteError(f"checkpoint of step {step} NOT written to {final_path(out_dir, step)}: {why}; "
-                                f"{free}; {newest}", step=step)
+                                f"{free}; {newest}", step=step, on_every_rank=on_every_rank)
