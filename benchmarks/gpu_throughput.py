@@ -47,7 +47,7 @@ GiB = 2 ** 30
 def run(arm: str, *, args, out: Path) -> dict:
     """One arm; the run's numbers, or {"error": the last line it printed}."""
     model = {**MODEL, "num_hidden_layers": args.layers, "hidden_size": args.hidden,
-             "intermediate_size": args.intermediate}
+             "intermediate_size": args.intermediate, "num_attention_heads": args.heads}
     sets = [*ARMS[arm], f"model.config={json.dumps(model)}", "precision=bf16", f"train.max_steps={args.steps}",
             "train.eval_every=null", "data.eval=null", f"data.max_length={args.seq}", "data.packing=true",
             f"batch.micro_batch_size={args.micro_batch}", "batch.grad_accum_steps=1", "batch.global_batch_size=null",
@@ -102,6 +102,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=MODEL["num_hidden_layers"])
     parser.add_argument("--hidden", type=int, default=MODEL["hidden_size"])
     parser.add_argument("--intermediate", type=int, default=MODEL["intermediate_size"])
+    parser.add_argument("--heads", type=int, default=MODEL["num_attention_heads"],
+                        help="attention heads (head dim = hidden / heads: 16 gives 128, flash attention's best)")
     parser.add_argument("--tokenizer", help="a tokenizer folder instead of the recipe's (the MiniLM package's)")
     parser.add_argument("--arm-timeout", type=int, default=600, help="seconds before an arm counts as failed")
     parser.add_argument("--json", type=Path, help="also write every arm's numbers here")
