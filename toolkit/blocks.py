@@ -69,7 +69,9 @@ class BlockForwards:
         """A counter of the blocks of `classes` (the whole model's, found before a strategy set it up) that
         `model` holds: a pipeline rank's stages hold a few of them, in copies of the model."""
         kinds = tuple(classes)  # isinstance: FSDP2 subclasses each block it shards
-        return cls([module for module in model.modules() if kinds and isinstance(module, kinds)])
+        blocks = [module for module in model.modules() if kinds and isinstance(module, kinds)]
+        # a pipeline stage keeps its blocks in a ModuleDict
+        return cls(_stacked(model, blocks, containers=(nn.ModuleList, nn.ModuleDict)))
 
     def __init__(self, blocks: list[nn.Module]):
         children = [child for block in blocks for child in block.children()]
@@ -131,6 +133,10 @@ def _stack_class(model: nn.Module) -> str | None:
 def layer_stack(model: nn.Module, class_names: tuple[str, ...] | None = None) -> list[nn.Module]:
     """The blocks a model is split at: the transformer blocks that sit in a ModuleList (the layer stack),
     in order; _no_split_modules also names one-off modules such as BertEmbeddings, which are not split."""
-    blocks = transformer_blocks(model, class_names)
-    stacked = {id(child) for m in model.modules() if isinstance(m, nn.ModuleList) for child in m}
+    return _stacked(model, transformer_blocks(model, class_names), containers=(nn.ModuleList,))
+
+
+def _stacked(model: nn.Module, blocks: list[nn.Module], *, containers: tuple[type, ...]) -> list[nn.Module]:
+    """Those of `blocks` that sit in a stack of `model` (a container of those types), or all if none does."""
+    stacked = {id(child) for m in model.modules() if isinstance(m, containers) for child in m.children()}
     return [b for b in blocks if id(b) in stacked] or blocks
