@@ -69,7 +69,7 @@ class BlockForwards:
         """A counter of the blocks of `classes` (the whole model's, found before a strategy set it up) that
         `model` holds: a pipeline rank's stages hold a few of them, in copies of the model."""
         kinds = tuple(classes)  # isinstance: FSDP2 subclasses each block it shards
-        blocks = [module for module in model.modules() if kinds and isinstance(module, kinds)]
+        blocks = [module for module in model.modules() if isinstance(module, kinds)]  # none for no classes
         # a pipeline stage keeps its blocks in a ModuleDict
         return cls(_stacked(model, blocks, containers=(nn.ModuleList, nn.ModuleDict)))
 
