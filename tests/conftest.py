@@ -109,20 +109,56 @@ def toolkit_env() -> dict:
     return env
 
 
+FORKED_RANKS = REPO / "tests" / "forked_ranks.py"
+
+
+def _forked_env() -> dict:
+    """toolkit_env() for a process that `python tests/forked_ranks.py ARGS` starts as `python -m toolkit ARGS`,
+    forked from a server that imported the toolkit once (started at the first call; ~3 s of imports less per
+    process); where this environment differs from the server's in what a fork cannot give, it is exec'd."""
+    import forked_ranks
+
+    global _RANK_SERVER
+    if _RANK_SERVER is None:
+        folder = tempfile.mkdtemp(prefix="toolkit-ranks-")
+        socket_path = os.path.join(folder, "socket")
+        with open(os.path.join(folder, "server-stderr"), "w") as stderr:
+            server = subprocess.Popen([sys.executable, str(FORKED_RANKS), "serve", socket_path], cwd=REPO,
+                                      env=toolkit_env(), stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                      start_new_session=True)
+        atexit.register(shutil.rmtree, folder, True)
+        atexit.register(server.kill)
+        ready = server.stdout.readline()
+        _RANK_SERVER = socket_path if ready.strip() == "ready" else ""  # "": it failed; every process is exec'd
+    return {**toolkit_env(), forked_ranks.FORKED_RANKS_ENV: _RANK_SERVER} if _RANK_SERVER else toolkit_env()
+
+
+_RANK_SERVER: str | None = None
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """How many toolkit processes the server did not fork, and why (an environment it cannot give)."""
+    log = Path(f"{_RANK_SERVER}.exec-log") if _RANK_SERVER else None
+    if log and log.is_file():
+        reasons = log.read_text().splitlines()
+        terminalreporter.write_line(f"forked_ranks: {len(reasons)} toolkit process(es) exec'd, not forked: "
+                                    + "; ".join(sorted(set(r.split(": ", 1)[-1] for r in reasons))))
+
+
 def run_cli(*args: str, cwd: Path = REPO, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`python -m toolkit ARGS` in a real process."""
-    return subprocess.run([sys.executable, "-m", "toolkit", *args], cwd=cwd, env=toolkit_env(),
+    """`python -m toolkit ARGS` in a real process (forked from the tests' server of imported ranks)."""
+    return subprocess.run([sys.executable, str(FORKED_RANKS), *args], cwd=cwd, env=_forked_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 
 def run_torchrun(nproc: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node N -m toolkit ARGS`: the ranks without `toolkit launch`'s checks
     before they start (those have tests of their own, and cost ~4 s of every run). The launcher is forked from
-    a process that imported it once (torchrun_fork)."""
+    a process that imported it once (torchrun_fork), and so is each rank (forked_ranks)."""
     from torchrun_fork import run_torchrun as forked
 
-    return forked(["--standalone", "--nproc_per_node", str(nproc), "-m", "toolkit", *args], cwd=REPO,
-                  env=toolkit_env(), timeout=timeout)
+    return forked(["--standalone", "--nproc_per_node", str(nproc), str(FORKED_RANKS), *args], cwd=REPO,
+                  env=_forked_env(), timeout=timeout)
 
 
 def launch(recipe: Path, *, nproc: int, overrides: tuple[str, ...] = (), extra: tuple[str, ...] = ()

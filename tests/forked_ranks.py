@@ -1,0 +1,264 @@
+"""Toolkit processes forked from one that imported the toolkit once, for the tests' launches (conftest's
+run_cli and run_torchrun): a plain `python -m toolkit` spends ~3 s importing torch, transformers and the
+toolkit before it trains a tiny model for a second or two, and the suite starts over 300 of them. Measured
+here: a 2-rank ddp run of the tiny Llama through torchrun 7.0-7.5 s plain, 4.1-4.6 s forked; the suite
+25:04 -> 17:46 min.
+
+    python tests/forked_ranks.py serve SOCKET      the server: imports what every rank imports, then serves
+    python [-u] tests/forked_ranks.py ARGS...      the client: `python [-u] -m toolkit ARGS`, run in a fork of
+                                                   the server (or exec'd as it is, below)
+
+What torchrun (or run_cli) starts is the client, with SOCKET in FORKED_RANKS_ENV. It hands the server its
+arguments, folder, environment and standard streams (SCM_RIGHTS); the server forks a supervisor, which forks
+the process: `python -m toolkit ARGS` as the interpreter runs it (runpy, `__main__`, sys.path[0] the folder),
+in that folder, with that environment and those streams, in a session of its own (torch's agent starts ranks
+with start_new_session). The client stays where torchrun sees its rank: it forwards every signal the agent
+sends (SIGTERM to its process group, SIGINT, ...) to the process, follows the agent as a plain rank does (a
+SIGTERM when it dies, toolkit.orphans) and ends as the process ended, with its exit code or by its signal. A
+client killed outright (SIGKILL, a test's timeout) closes its socket, and the supervisor then kills the process
+with SIGKILL. Numbers are those of a plain process: a 2-rank ddp run's losses, peak RSS (662.0 vs 661.8 MB)
+and the plan's runtime bytes (505.2 vs 504.9 MB) alike.
+
+What a fork cannot give is exec'd instead: a client whose environment differs from the server's (with the
+toolkit's own defaults, which every process adds) in a variable that C libraries or Python may read as the
+process starts (anything but the launch's per-rank variables, the toolkit's TOOLKIT_* and pytest's, which are
+read when used) runs `python -m toolkit ARGS` itself, as does one that finds no server; the server lists each
+in SOCKET.exec-log and the test session's summary counts them. The tests of how ranks start, stop, exit or
+die start theirs themselves (Popen of `python -m toolkit`, plain torchrun: test_clean_exit,
+test_launch_robustness, test_first_hour, test_multinode), and `toolkit launch` under run_cli starts plain
+ranks: only its launcher is forked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+FORKED_RANKS_ENV = "TOOLKIT_TEST_RANK_SERVER"
+# set per rank by torch's agent, per launch by the tests or per test by pytest (PYTEST_CURRENT_TEST), and read
+# only when used: a difference in these between a client and the server does not stop the fork
+RUNTIME_PREFIXES = ("TORCHELASTIC_", "TOOLKIT_", "TORCH_NCCL_", "NCCL_", "PYTEST_")
+RUNTIME_NAMES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "OMP_NUM_THREADS",  # the rank sets its threads from it (torch.set_num_threads)
+                 # read by Intel's OpenMP as it loads (torch's CPU build links GNU's) and by inductor's C++
+                 # builder when it compiles; scikit-learn sets it as it is imported (in the tests' process)
+                 "KMP_DUPLICATE_LIB_OK",
+                 "PYTHONUNBUFFERED", "PWD", "OLDPWD", "SHLVL", "_"}
+_SERVER_ENV: dict[str, str] = {}  # the server's environment once it imported: what a client's is set against
+_DEFAULTS: dict[str, str] = {}  # what the toolkit's settings and the imports added to it (a rank adds the same)
+_LOG = [""]  # the server's list of the processes it did not fork, and why: SOCKET.exec-log
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _runtime(name: str) -> bool:
+    return name in RUNTIME_NAMES or name.startswith(RUNTIME_PREFIXES)
+
+
+def _send(conn: socket.socket, message: dict, fds: tuple[int, ...] = ()) -> None:
+    data = json.dumps(message).encode()
+    payload = struct.pack("!I", len(data)) + data
+    sent = socket.send_fds(conn, [payload], list(fds)) if fds else 0
+    conn.sendall(payload[sent:])
+
+
+def _receive(conn: socket.socket, *, max_fds: int = 0) -> tuple[dict | None, list[int]]:
+    """One message (None when the peer closed first) and the descriptors that came with it."""
+    data, fds = b"", []
+    while len(data) < 4 or len(data) < 4 + struct.unpack("!I", data[:4])[0]:
+        chunk, more, _, _ = socket.recv_fds(conn, 1 << 16, max_fds) if max_fds else (conn.recv(1 << 16), [], 0, 0)
+        fds += more
+        if not chunk:
+            return None, fds
+        data += chunk
+    return json.loads(data[4:]), fds
+
+
+# ---------------------------------------------------------------------------------------------------- client
+
+
+def client(args: list[str]) -> None:
+    """A rank as torchrun sees it: its fork in the server, or `python -u -m toolkit ARGS` exec'd."""
+    unbuffered = bool(getattr(sys.stdout, "write_through", False))  # what -u gives
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(os.environ.pop(FORKED_RANKS_ENV))
+        _send(conn, {"args": args, "cwd": os.getcwd(), "env": dict(os.environ), "unbuffered": unbuffered}, (0, 1, 2))
+        reply, _ = _receive(conn)
+    except (KeyError, OSError):
+        reply = None
+    if not reply or "pid" not in reply:  # no server, or an environment a fork cannot give
+        conn.close()
+        os.execv(sys.executable, [sys.executable, *(["-u"] if unbuffered else []), "-m", "toolkit", *args])
+    rank = reply["pid"]
+    for forwarded in SIGNALS:
+        signal.signal(forwarded, lambda signum, _frame: _forward(rank, signum))
+    _follow_parent()
+    ended, _ = _receive(conn)  # a signal's handler runs while this waits (PEP 475 resumes the wait)
+    status = ended["status"] if ended else (128 + signal.SIGKILL) << 8  # the server is gone
+    if os.WIFSIGNALED(status):  # as the rank died: torchrun reports -N
+        signum = os.WTERMSIG(status)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
+def _forward(rank: int, signum: int) -> None:
+    try:
+        os.kill(rank, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _follow_parent() -> None:
+    """SIGTERM (forwarded to the rank) when torch's agent dies, as a plain rank asks for (toolkit.orphans)."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+# ---------------------------------------------------------------------------------------------------- server
+
+
+def serve(path: str) -> None:
+    """Import what every rank imports, then fork a supervisor per client until the tests end."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # ends with the test session that started it
+    _LOG[0] = f"{path}.exec-log"
+    sys.path[0] = os.getcwd()  # as under `python -m`: the folder it runs in, not this file's
+    started = dict(os.environ)
+    _preload()
+    _SERVER_ENV.update(os.environ)
+    _DEFAULTS.update({name: value for name, value in os.environ.items() if name not in started})
+    import gc
+
+    gc.freeze()  # the imported objects stay out of the collector's sweeps: their pages stay shared, not copied
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(128)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # supervisors are reaped by the kernel
+    print("ready", flush=True)
+    while True:
+        conn, _ = listener.accept()
+        if os.fork() == 0:
+            listener.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            _supervise(conn)  # returns only in the rank, which then runs the toolkit
+            return
+        conn.close()
+
+
+def _preload() -> None:
+    """The modules every rank of a tiny-model test imports before it trains (not DeepSpeed: a rank of another
+    strategy would carry its ~50-100 MiB, which the memory tests would count), in a rank's order: the toolkit's
+    settings first (offline hubs, the allocator's threshold: toolkit.cli's _main), as libraries read them when
+    they load."""
+    from toolkit.launch import prepare_environment
+
+    prepare_environment()
+    import transformers.models.bert.modeling_bert  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+    import toolkit.cli  # noqa: F401
+    import toolkit.loop  # noqa: F401
+
+
+def _supervise(conn: socket.socket) -> None:
+    """In the supervisor: fork the rank, tell the client its pid, wait for its end or the client's."""
+    request, fds = _receive(conn, max_fds=3)
+    differ = _differences(request["env"]) if request and len(fds) == 3 else ["(no request)"]
+    if differ:
+        with open(_LOG[0], "a") as log:  # for a look at why a suite runs slower than it could
+            log.write(f"exec'd: {' '.join(request['args'][:1]) if request else ''}: {', '.join(differ)}\n")
+        try:
+            _send(conn, {})
+        finally:
+            os._exit(0)
+    rank = os.fork()
+    if rank == 0:
+        conn.close()
+        _become_rank(request, fds)
+        return
+    for fd in fds:
+        os.close(fd)
+    _send(conn, {"pid": rank})
+    import select
+
+    watch = select.poll()
+    pidfd = os.pidfd_open(rank)
+    watch.register(pidfd, select.POLLIN)
+    watch.register(conn, select.POLLIN)
+    while True:
+        ready = {fd for fd, _ in watch.poll()}
+        if pidfd in ready:
+            break
+        if conn.fileno() in ready and not conn.recv(1):  # the client was killed outright: so is its rank
+            os.kill(rank, signal.SIGKILL)
+            break
+    _, status = os.waitpid(rank, 0)
+    try:
+        _send(conn, {"status": status})
+    except OSError:
+        pass
+    os._exit(0)
+
+
+def _differences(env: dict[str, str]) -> list[str]:
+    """The variables a fork cannot give: set, unset or other in `env` (with the defaults the rank would add, as
+    the server did: toolkit.launch.prepare_environment's) than in the server's environment."""
+    effective = {**_DEFAULTS, **env}
+    names = (set(effective) | set(_SERVER_ENV)) - {FORKED_RANKS_ENV}
+    return sorted(n for n in names if not _runtime(n) and effective.get(n) != _SERVER_ENV.get(n))
+
+
+def _become_rank(request: dict, fds: list[int]) -> None:
+    """In the rank: what `python -u -m toolkit ARGS` would be, in the client's folder, environment and streams."""
+    import runpy
+
+    import torch
+
+    os.setsid()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    _standard_streams(unbuffered=request["unbuffered"])
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    if "OMP_NUM_THREADS" in os.environ:  # libgomp read the server's as it loaded
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    sys.argv = ["-m", *request["args"]]
+    sys.path[0] = os.getcwd()
+    runpy.run_module("toolkit", run_name="__main__", alter_sys=True)
+
+
+def _standard_streams(*, unbuffered: bool) -> None:
+    """sys.stdin/stdout/stderr over descriptors 0-2 as the interpreter makes them: with -u, written through;
+    else stdout buffered (by line on a terminal) and stderr by line."""
+    import io
+
+    encoding, errors = sys.stdout.encoding, sys.stdout.errors
+
+    def writer(fd: int, *, line_buffering: bool, errors: str) -> io.TextIOWrapper:
+        raw = io.FileIO(fd, "w", closefd=False)
+        if unbuffered:
+            return io.TextIOWrapper(raw, encoding=encoding, errors=errors, write_through=True)
+        return io.TextIOWrapper(io.BufferedWriter(raw), encoding=encoding, errors=errors,
+                                line_buffering=line_buffering)
+
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)),
+                                                 encoding=encoding, errors=errors)
+    sys.stdout = sys.__stdout__ = writer(1, line_buffering=os.isatty(1), errors=errors)
+    sys.stderr = sys.__stderr__ = writer(2, line_buffering=True, errors="backslashreplace")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["serve"]:
+        serve(sys.argv[2])
+    else:
+        client(sys.argv[1:])
