@@ -128,16 +128,25 @@ def _forked_env() -> dict:
                                       start_new_session=True)
         atexit.register(shutil.rmtree, folder, True)
         atexit.register(server.kill)
-        ready = server.stdout.readline()
-        _RANK_SERVER = socket_path if ready.strip() == "ready" else ""  # "": it failed; every process is exec'd
+        ready = server.stdout.readline().strip() == "ready"
+        # What the imports printed (a library's warning) a forked process would not print again: then every
+        # process is exec'd, so that the tests see each process's output whole. "": every process is exec'd.
+        said = Path(folder, "server-stderr").read_text()
+        _RANK_SERVER = socket_path if ready and not said else ""
+        if not _RANK_SERVER:
+            server.kill()
+            _NOT_FORKED.append(f"the server {'printed: ' + said[-300:] if said else 'did not start'}")
     return {**toolkit_env(), forked_ranks.FORKED_RANKS_ENV: _RANK_SERVER} if _RANK_SERVER else toolkit_env()
 
 
 _RANK_SERVER: str | None = None
+_NOT_FORKED: list[str] = []  # why no process was forked
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
     """How many toolkit processes the server did not fork, and why (an environment it cannot give)."""
+    if _NOT_FORKED:
+        terminalreporter.write_line(f"forked_ranks: every toolkit process exec'd, none forked: {_NOT_FORKED[0]}")
     log = Path(f"{_RANK_SERVER}.exec-log") if _RANK_SERVER else None
     if log and log.is_file():
         reasons = log.read_text().splitlines()

@@ -66,43 +66,65 @@ def _send(conn: socket.socket, message: dict, fds: tuple[int, ...] = ()) -> None
     conn.sendall(payload[sent:])
 
 
-def _receive(conn: socket.socket, *, max_fds: int = 0) -> tuple[dict | None, list[int]]:
-    """One message (None when the peer closed first) and the descriptors that came with it."""
-    data, fds = b"", []
-    while len(data) < 4 or len(data) < 4 + struct.unpack("!I", data[:4])[0]:
-        chunk, more, _, _ = socket.recv_fds(conn, 1 << 16, max_fds) if max_fds else (conn.recv(1 << 16), [], 0, 0)
-        fds += more
-        if not chunk:
-            return None, fds
-        data += chunk
-    return json.loads(data[4:]), fds
+class _Messages:
+    """The length-prefixed messages of one connection, in order: bytes read past one are kept for the next."""
+
+    def __init__(self, conn: socket.socket):
+        self.conn, self.buffer, self.fds = conn, b"", []
+
+    def next(self, *, max_fds: int = 0) -> dict | None:
+        """The next message; None when the peer closed (or reset) the connection first."""
+        try:
+            while len(self.buffer) < 4 or len(self.buffer) < 4 + struct.unpack("!I", self.buffer[:4])[0]:
+                chunk, fds, _, _ = socket.recv_fds(self.conn, 1 << 16, max_fds) if max_fds else \
+                    (self.conn.recv(1 << 16), [], 0, 0)
+                self.fds += fds
+                if not chunk:
+                    return None
+                self.buffer += chunk
+        except OSError:
+            return None
+        end = 4 + struct.unpack("!I", self.buffer[:4])[0]
+        message, self.buffer = self.buffer[4:end], self.buffer[end:]
+        return json.loads(message)
 
 
 # ---------------------------------------------------------------------------------------------------- client
 
 
 def client(args: list[str]) -> None:
-    """A rank as torchrun sees it: its fork in the server, or `python -u -m toolkit ARGS` exec'd."""
+    """A rank as torchrun sees it: its fork in the server, or `python [-u] -m toolkit ARGS` exec'd."""
     unbuffered = bool(getattr(sys.stdout, "write_through", False))  # what -u gives
+    # a signal that comes before the rank exists waits for it (forwarded below) instead of ending this process
+    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    messages = _Messages(conn)
     try:
         conn.connect(os.environ.pop(FORKED_RANKS_ENV))
-        _send(conn, {"args": args, "cwd": os.getcwd(), "env": dict(os.environ), "unbuffered": unbuffered}, (0, 1, 2))
-        reply, _ = _receive(conn)
+        _send(conn, {"args": args, "cwd": os.getcwd(), "env": dict(os.environ), "unbuffered": unbuffered,
+                     "client": os.getpid()}, (0, 1, 2))
+        reply = messages.next()
     except (KeyError, OSError):
         reply = None
     if not reply or "pid" not in reply:  # no server, or an environment a fork cannot give
         conn.close()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # the mask would outlive the exec
         os.execv(sys.executable, [sys.executable, *(["-u"] if unbuffered else []), "-m", "toolkit", *args])
     rank = reply["pid"]
     for forwarded in SIGNALS:
         signal.signal(forwarded, lambda signum, _frame: _forward(rank, signum))
     _follow_parent()
-    ended, _ = _receive(conn)  # a signal's handler runs while this waits (PEP 475 resumes the wait)
-    status = ended["status"] if ended else (128 + signal.SIGKILL) << 8  # the server is gone
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+    ended = messages.next()  # a signal's handler runs while this waits (PEP 475 resumes the wait)
+    if ended is None:  # the supervisor is gone: so is the rank, as if the client had been killed outright
+        _forward(rank, signal.SIGKILL)
+        status = signal.SIGKILL  # a wait status: killed by that signal
+    else:
+        status = ended["status"]
     if os.WIFSIGNALED(status):  # as the rank died: torchrun reports -N
         signum = os.WTERMSIG(status)
-        signal.signal(signum, signal.SIG_DFL)
+        if signum in SIGNALS:  # ours forward it; SIGKILL, SIGSEGV, SIGABRT have their default action already
+            signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
     os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
 
@@ -161,6 +183,9 @@ def _preload() -> None:
     from toolkit.launch import prepare_environment
 
     prepare_environment()
+    import torch
+
+    torch.set_num_threads(1)  # no OpenMP team before a fork: a forked child's next parallel region would hang
     import transformers.models.bert.modeling_bert  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
 
@@ -170,7 +195,8 @@ def _preload() -> None:
 
 def _supervise(conn: socket.socket) -> None:
     """In the supervisor: fork the rank, tell the client its pid, wait for its end or the client's."""
-    request, fds = _receive(conn, max_fds=3)
+    messages = _Messages(conn)
+    request, fds = messages.next(max_fds=3), messages.fds
     differ = _differences(request["env"]) if request and len(fds) == 3 else ["(no request)"]
     if differ:
         with open(_LOG[0], "a") as log:  # for a look at why a suite runs slower than it could
@@ -186,7 +212,21 @@ def _supervise(conn: socket.socket) -> None:
         return
     for fd in fds:
         os.close(fd)
-    _send(conn, {"pid": rank})
+    try:
+        _send(conn, {"pid": rank})
+        _wait(rank, conn)
+    except OSError:  # the client is gone (reset, broken pipe): so is its rank, as if it had been killed outright
+        os.kill(rank, signal.SIGKILL)
+    _, status = os.waitpid(rank, 0)
+    try:
+        _send(conn, {"status": status})
+    except OSError:
+        pass
+    os._exit(0)
+
+
+def _wait(rank: int, conn: socket.socket) -> None:
+    """Until the rank ends, or the client closes its socket (killed outright): then the rank is killed too."""
     import select
 
     watch = select.poll()
@@ -196,16 +236,10 @@ def _supervise(conn: socket.socket) -> None:
     while True:
         ready = {fd for fd, _ in watch.poll()}
         if pidfd in ready:
-            break
-        if conn.fileno() in ready and not conn.recv(1):  # the client was killed outright: so is its rank
+            return
+        if conn.fileno() in ready and not conn.recv(1):
             os.kill(rank, signal.SIGKILL)
-            break
-    _, status = os.waitpid(rank, 0)
-    try:
-        _send(conn, {"status": status})
-    except OSError:
-        pass
-    os._exit(0)
+            return
 
 
 def _differences(env: dict[str, str]) -> list[str]:
@@ -217,9 +251,11 @@ def _differences(env: dict[str, str]) -> list[str]:
 
 
 def _become_rank(request: dict, fds: list[int]) -> None:
-    """In the rank: what `python -u -m toolkit ARGS` would be, in the client's folder, environment and streams."""
+    """In the rank: what `python [-u] -m toolkit ARGS` would be, in the client's folder, environment and
+    streams, with the client's parent (torch's agent) as its parent."""
     import runpy
 
+    import numpy
     import torch
 
     os.setsid()
@@ -230,11 +266,28 @@ def _become_rank(request: dict, fds: list[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    if "OMP_NUM_THREADS" in os.environ:  # libgomp read the server's as it loaded
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    # libgomp read the server's OMP_NUM_THREADS as it loaded; without one, a process uses every CPU it may run on
+    try:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0))))
+    except ValueError:  # a value libgomp reads and int() does not ("2,1"): left as the server's
+        pass
+    numpy.random.seed()  # a new process's numpy draws its seed from the system, as Python's `random` does here
+    # The rank's parent is its supervisor; what the toolkit asks of its parent (follow_launcher's watch,
+    # say_once's key, the preemption fault) is about the process that started the client: torch's agent.
+    client = request["client"]
+    os.getppid = lambda: _parent_of(client)
     sys.argv = ["-m", *request["args"]]
     sys.path[0] = os.getcwd()
     runpy.run_module("toolkit", run_name="__main__", alter_sys=True)
+
+
+def _parent_of(pid: int) -> int:
+    """The parent of `pid` (/proc), or 1 once `pid` is gone: as getppid reads after a parent died."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 1
 
 
 def _standard_streams(*, unbuffered: bool) -> None:
