@@ -17,7 +17,10 @@ sends (SIGTERM to its process group, SIGINT, ...) to the process, follows the ag
 SIGTERM when it dies, toolkit.orphans) and ends as the process ended, with its exit code or by its signal. A
 client killed outright (SIGKILL, a test's timeout) closes its socket, and the supervisor then kills the process
 with SIGKILL. Numbers are those of a plain process: a 2-rank ddp run's losses, peak RSS (662.0 vs 661.8 MB)
-and the plan's runtime bytes (505.2 vs 504.9 MB) alike.
+and the plan's runtime bytes (505.2 vs 504.9 MB) alike. What stays the server's: the hash seed of str keys
+(every forked process shares one, where plain ones each draw their own: an order of a set of names that
+differed between ranks would not show here; it would in the plain ranks of `toolkit launch` and compare),
+umask, rlimits and CPU affinity, and objects the imports made are never collected (gc.freeze).
 
 What a fork cannot give is exec'd instead: a client whose environment differs from the server's (with the
 toolkit's own defaults, which every process adds) in a variable that C libraries or Python may read as the
