@@ -41,6 +41,8 @@ import socket
 import struct
 import sys
 
+from toolkit.orphans import _set_parent_death_signal  # prctl(PR_SET_PDEATHSIG) through libc, as a rank asks
+
 FORKED_RANKS_ENV = "TOOLKIT_TEST_RANK_SERVER"
 # set per rank by torch's agent, per launch by the tests or per test by pytest (PYTEST_CURRENT_TEST), and read
 # only when used: a difference in these between a client and the server does not stop the fork
@@ -116,7 +118,8 @@ def client(args: list[str]) -> None:
     rank = reply["pid"]
     for forwarded in SIGNALS:
         signal.signal(forwarded, lambda signum, _frame: _forward(rank, signum))
-    _follow_parent()
+    # SIGTERM (forwarded to the rank) when torch's agent dies, as a plain rank asks for its own (toolkit.orphans)
+    _set_parent_death_signal(signal.SIGTERM)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
     ended = messages.next()  # a signal's handler runs while this waits (PEP 475 resumes the wait)
     if ended is None:  # the supervisor is gone: so is the rank, as if the client had been killed outright
@@ -139,21 +142,12 @@ def _forward(rank: int, signum: int) -> None:
         pass
 
 
-def _follow_parent() -> None:
-    """SIGTERM (forwarded to the rank) when torch's agent dies, as a plain rank asks for (toolkit.orphans)."""
-    import ctypes
-
-    ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
 # ---------------------------------------------------------------------------------------------------- server
 
 
 def serve(path: str) -> None:
     """Import what every rank imports, then fork a supervisor per client until the tests end."""
-    import ctypes
-
-    ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # ends with the test session that started it
+    _set_parent_death_signal(signal.SIGTERM)  # ends with the test session that started it
     _LOG[0] = f"{path}.exec-log"
     sys.path[0] = os.getcwd()  # as under `python -m`: the folder it runs in, not this file's
     started = dict(os.environ)
