@@ -10,7 +10,8 @@ with save_pretrained and every arm fine-tunes it from that folder, as a user fin
 (`--from-config`: each run builds it from the config instead, seeded). Each arm is one real `toolkit launch` run
 on the review texts (packed; micro-batch 1 × 128 tokens by default, fp32) of `--steps` steps; run.json holds what
 it measured (model-state bytes counted from the live tensors, peak resident set size per rank) and the
-prediction the run made before setup (the same arithmetic as `toolkit plan`). fsdp and zero3 load with
+prediction the run made before setup (the same arithmetic as `toolkit plan`), with `train.host_memory:
+predictable` (freed tensors leave the resident set; `fast` keeps its high-water mark). fsdp and zero3 load with
 low-memory loading (the recipe's default); `fsdp-whole` and `zero3-whole` build the whole model on every rank
 first, for comparison. `pp-gpipe` and `pp-1f1b` run a 2-stage pipeline of 4 micro-batches a step and get a row
 per rank (their stages differ); their activations show at a longer sequence (`--seq 512 --micro-batch 2`).
@@ -71,7 +72,8 @@ def run(arm: str, *, model: list[str], nproc: int, steps: int, micro: int, seq: 
     sets = [*model, f"train.max_steps={steps}", "train.eval_every=null",
             "data.eval=null", f"data.max_length={seq}", "data.packing=true", f"batch.micro_batch_size={micro}",
             "batch.grad_accum_steps=1", "batch.global_batch_size=null", "train.progress=false",
-            "checkpoint.final=false", f"output_dir={out}", *ARMS[arm]]  # the arm's own settings last: they win
+            "checkpoint.final=false", "train.host_memory=predictable",  # the resident set the plan predicts
+            f"output_dir={out}", *ARMS[arm]]  # the arm's own settings last: they win
     launch("recipes/llama-tiny.yaml", nproc=nproc, sets=sets, label=arm)
     return json.loads((out / "run.json").read_text())
 

@@ -120,7 +120,7 @@ def test_gradients_sit_beside_the_activation_peak_only_where_held_or_accumulated
 TIED_RSS = r"""
 import ctypes, json, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-ctypes.CDLL(None).mallopt(-3, 1 << 20)  # as in a run (toolkit.launch): freed tensors leave the resident set
+ctypes.CDLL(None).mallopt(-3, 1 << 20)  # freed tensors leave the resident set (cf. train.host_memory predictable)
 def status(field):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field))
 out = {}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import shlex
@@ -151,33 +150,6 @@ def prepare_environment() -> None:
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores; torchrun would set it too
-        return_freed_pages()
-
-
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-FREED_PAGES_THRESHOLD = 64 << 10
-
-
-def return_freed_pages() -> bool:
-    """On CPU, allocations of 64 KiB and more (tensors) get pages of their own, given back when freed.
-
-    glibc raises its mmap threshold each time a large block is freed (up to 32 MiB), after which tensors up to
-    that size come from the heap, whose freed pages stay in the resident set: a CPU run's peak RSS then carries
-    the transients of its earlier steps (each block's gathered parameters and gradients, the optimizer's
-    temporaries), which no plan can predict. Measured on the 302M fsdp benchmark, 2 ranks: peak RSS
-    4,288 -> 3,702 MiB per rank, the same step times. A fixed threshold stops the rise. At 1 MiB the heap still
-    fragmented under the activations of short sequences (128 tokens x hidden 1024 in fp32: 512 KiB each): on the
-    302M ddp benchmark freed heap memory grew by ~240 MiB over 4 steps, and the peak with it; at 64 KiB it stays
-    under 4 MiB, the peak is 5,508 instead of 5,731 MiB per rank (a 4-step probe; the benchmark's 3 steps: 5,511
-    vs 5,718), step times within noise (one run each: +2 % over steps 2-4). A threshold the user set
-    (MALLOC_MMAP_THRESHOLD_) is kept; off Linux/glibc nothing changes. True when set here."""
-    if sys.platform != "linux" or "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc
-        return False
-    return bool(mallopt(M_MMAP_THRESHOLD, FREED_PAGES_THRESHOLD))
 
 
 def launch_recipe(recipe_path: str, overrides: list[str], *, nproc: int, nodes: Nodes = Nodes(),

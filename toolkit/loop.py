@@ -145,6 +145,7 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     import_runtime_modules(recipe)  # DeepSpeed's 51-105 MiB: part of the runtime, as toolkit plan counts it
     runtime_bytes = process_bytes()  # what the process holds before any model: the base a memory prediction starts from
     prediction = runinfo.predict_memory(recipe, env, runtime_bytes=runtime_bytes)  # warns before setup if too big
+    host_memory = runinfo.set_host_memory(recipe, env, prediction=prediction)  # CPU: fast or predictable malloc
     # before the collective below, so no rank can have written into output_dir yet
     checkpoint = checkpoints.starting_point(recipe, resume, plan=plan, total_steps=total_steps, env=env)
     strategy = make_strategy(recipe)
@@ -176,6 +177,7 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     out_dir = Path(recipe.output_dir)
     info = runinfo.start(recipe, env=env, plan=plan, total_steps=total_steps, model=strategy.export_module(),
                          num_params=num_params, out_dir=out_dir, prediction=prediction, data=data_info)
+    info["host_memory"] = host_memory
     info["_last_step"] = done  # the last step metrics.jsonl holds (run.json's ended, when the run does not complete)
     skips = SkippedSteps(recipe.train.max_consecutive_skips, done=done)
     # rank 0: run.json's status stopped or failed when the run ends otherwise than completing

@@ -123,7 +123,7 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     # On CPU a rank builds its weights in host memory before setup. A strategy that keeps the tensors it built
     # as its parameters (single, dp, ddp) adds nothing (`built` 0); one that copies them into its own (FSDP's
     # shards, ZeRO's flat buffers, TP's slices, a pipeline's stages) holds the build beside them until setup
-    # drops it, and the toolkit has glibc give freed pages back (toolkit.launch.return_freed_pages): the build
+    # drops it, and with train.host_memory predictable glibc gives freed pages back (toolkit/host_memory.py): the build
     # is a loading peak of its own, not part of training's. Under low-memory loading a rank builds no more than
     # its own part. Rank 0 also exports: the whole model gathered or copied to write it, except where its
     # parameters are the weights it built (the export reads them). A GPU sees only what is moved to it.

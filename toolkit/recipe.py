@@ -244,9 +244,15 @@ class TrainConfig:
     # output_dir/profile: a trace per rank (chrome://tracing, Perfetto) and rank 0's table of the costliest ops
     # (toolkit/profiling.py). Those steps run slower: metrics.jsonl marks them, throughput leaves them out
     profile_steps: tuple[int, int] | None = None
+    # on CPU, how a rank allocates (toolkit/host_memory.py): fast (freed memory reused, no page faults; the resident
+    # set keeps its high-water mark, under fsdp up to 3.6× the plan) | predictable (tensors get pages of their own,
+    # given back when freed: the peak `toolkit plan` predicts, the default MiniLM job 0.6× as fast) | auto (fast
+    # where 4× the plan's peak fits the rank's share of host memory). No effect on GPU
+    host_memory: str = "auto"
 
     def __post_init__(self) -> None:
         _choice("train.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
+        _choice("train.host_memory", self.host_memory, ("auto", "fast", "predictable"))
         if self.profile_steps is not None:
             first, last = self.profile_steps
             _require(1 <= first <= last, "train.profile_steps", list(self.profile_steps),

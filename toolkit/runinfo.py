@@ -19,7 +19,8 @@ import torch
 
 from toolkit.atomic import write_text_whole
 from toolkit.checkpoint.store import CheckpointWriteError, complete_checkpoints, read_run_info
-from toolkit.dist import DistEnv, gather_objects
+from toolkit import host_memory
+from toolkit.dist import DistEnv, all_reduce_max, gather_objects
 from toolkit.errors import RecipeError, first_line
 from toolkit.metrics import (live_tensor_storages, measured_matmul_flops, peak_memory_bytes, peak_reserved_bytes,
                              storage_key, strict_json)
@@ -92,6 +93,30 @@ def predict_memory(recipe: Recipe, env: DistEnv, *, runtime_bytes: int) -> dict 
               f"{limit / MiB:,.0f} MiB ({what}); `toolkit plan` shows which strategies fit",
               file=sys.stderr, flush=True)
     return prediction.as_dict()
+
+
+def set_host_memory(recipe: Recipe, env: DistEnv, *, prediction: dict | None) -> str | None:
+    """train.host_memory on CPU, before the model is built: rank 0 chooses (auto: from its prediction's peak),
+    every rank sets the same (toolkit.host_memory). The mode, or None on a GPU."""
+    if env.device.type != "cpu":
+        return None
+    from toolkit.plan import MiB, default_memory_per_rank
+
+    setting = recipe.train.host_memory
+    peak = prediction.get("peak_bytes") if prediction else None
+    share, what = default_memory_per_rank(env.world_size)
+    mode = host_memory.choose(setting, predicted_peak_bytes=peak, memory_per_rank_bytes=share)
+    if setting == "auto" and env.distributed:  # rank 0 alone holds the prediction: its choice (others send 0)
+        chosen = torch.tensor([host_memory.MODES.index(mode) if env.is_main else 0])
+        mode = host_memory.MODES[int(all_reduce_max(chosen, env)[0])]
+    host_memory.apply(mode)
+    if setting == "auto" and mode == "predictable" and env.is_main:
+        room = f"{peak / MiB:,.0f} MiB × {host_memory.FAST_HEADROOM} > {share / MiB:,.0f} MiB ({what})" if peak \
+            else "no prediction"
+        print(f"[toolkit] host memory: predictable ({room}): freed tensors leave the resident set, each new one "
+              "costs page faults; train.host_memory=fast is quicker where memory is not tight",
+              file=sys.stderr, flush=True)
+    return mode
 
 
 def start(recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, model, num_params: int,

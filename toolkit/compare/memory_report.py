@@ -6,7 +6,9 @@ MEMORY_NOTE = ("Model states (parameters, gradients, optimizer state) are predic
                "shapes and each strategy's sharding rules, before the run (`toolkit plan`); the peak is an "
                "estimate (runtime + activations + model states; see toolkit/plan.py). Other live tensors: a census "
                "of every tensor the process holds after the first backward, less the counted model states "
-               "(a strategy's buckets and buffers, the batch).")
+               "(a strategy's buckets and buffers, the batch). On CPU the peak is predicted for "
+               "train.host_memory=predictable; an arm that ran `fast` reuses freed memory and keeps its high-water "
+               "mark, above the prediction (toolkit/host_memory.py).")
 
 
 def memory_lines(results: dict) -> list[str]:
@@ -29,5 +31,10 @@ def memory_lines(results: dict) -> list[str]:
                      f"{r['model_state_prediction_error'] * 100:.2f} %); peak measured {peak} vs predicted "
                      f"{peak_want} MiB/rank (largest error "
                      f"{'n/a' if peak_error is None else f'{peak_error * 100:+.1f} %'}); other live tensors "
-                     f"{other} MiB/rank")
+                     f"{other} MiB/rank{host_memory_note(r)}")
     return lines
+
+
+def host_memory_note(arm: dict) -> str:
+    """'; host memory fast' where a CPU arm's peak is not the one the plan predicts."""
+    return f"; host memory {arm['host_memory']}" if arm.get("host_memory") == "fast" else ""
