@@ -8,6 +8,12 @@ models, alternating step by step on the same micro-batches. Steps in the first f
 Columns: median step time of each side; the overhead as the median of the per-step paired ratios
 (toolkit/minimal on the same batch, the steadier number on a noisy machine) with their p25–p75 band,
 which shows how much of it is noise. Target: toolkit overhead < 3%.
+
+Why an in-process hook, not `toolkit launch` beside a script of its own: the two sides alternate step by step on
+the same batches in one process, so machine noise hits both alike; separate runs on a shared 2-core machine
+differ by more than the 3 % measured. The worker starts as a rank of `toolkit launch` does (torchrun; the
+toolkit's environment; the recipe's checks, its train.host_memory allocator and run.json), and the toolkit side
+is the loop's own `train_step`.
 """
 
 from __future__ import annotations

@@ -66,9 +66,10 @@ def main() -> None:
     from toolkit.data import Collator, train_loader
     from toolkit.dist import exit_process, init_distributed, shutdown
     from toolkit.launch import prepare_environment
-    from toolkit.loading import ModelSource
+    from toolkit.loading import ModelSource, num_parameters
     from toolkit.loop import prepare, setup_strategy, train_step
-    from toolkit.metrics import JsonlWriter, synchronize
+    from toolkit import runinfo
+    from toolkit.metrics import JsonlWriter, process_bytes, synchronize
     from toolkit.model import build_model, padding_id
     from toolkit.recipe_files import load_recipe
     from toolkit.strategies import make_strategy
@@ -76,8 +77,11 @@ def main() -> None:
     prepare_environment()
     recipe = load_recipe(args.recipe, args.overrides)
     env = init_distributed()
-    plan, layout, tokenizer, train_ds, _, sampler, total_steps, _ = prepare(recipe, env)
+    plan, layout, tokenizer, train_ds, _, sampler, total_steps, *_ = prepare(recipe, env)
     assert plan.grad_accum_steps == 1, "the minimal step does not accumulate"
+    # the allocator a rank of this recipe runs with (train.host_memory), for both sides
+    prediction = runinfo.predict_memory(recipe, env, runtime_bytes=process_bytes())
+    runinfo.set_host_memory(recipe, env, prediction=prediction)
     strategy = make_strategy(recipe)
     source = ModelSource(recipe=recipe, tokenizer=tokenizer)
     setup_strategy(strategy, strategy.build_model(source, env=env), source=source, env=env, plan=plan,
@@ -87,7 +91,9 @@ def main() -> None:
                           collator=Collator(pad_token_id=padding_id(tokenizer), task=recipe.model.task))
     scratch = Path(tempfile.mkdtemp(prefix="overhead-"))
     writer = JsonlWriter(scratch / "metrics.jsonl") if env.is_main else None
-    info = {"_out_dir": str(scratch)}  # the first step's run.json notes land in scratch
+    # run.json as a run starts it (the first step's notes land there), in scratch
+    info = runinfo.start(recipe, env=env, plan=plan, total_steps=total_steps, model=strategy.export_module(),
+                         num_params=num_parameters(strategy.model), out_dir=scratch, prediction=prediction)
     times = {"toolkit": [], "minimal": []}
 
     def run_toolkit(step: int, batch: dict) -> None:

@@ -1,0 +1,33 @@
+"""Every benchmark runs for one tiny step on CPU and prints its table: each starts the toolkit as its user does
+(`toolkit train`/`launch` in a subprocess; compare_overhead's worker as a rank of the recipe), so a change to
+the toolkit that breaks a benchmark fails here, not on the day someone measures (compare_overhead's worker had
+unpacked 8 of prepare()'s 10 values, unnoticed while its test ran --help only)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, toolkit_env
+
+TINY_LLAMA = ["--layers", "1", "--hidden", "64", "--intermediate", "128", "--heads", "4"]
+RUNS = {
+    "peer_trainer": (["--steps", "2", "--rounds", "1"], "toolkit samples/s"),
+    "compare_overhead": (["--strategies", "ddp", "--steps", "3"], "overhead %"),
+    "checkpoint_cost": (["--strategies", "ddp", "--steps", "2", "--every", "1"], "async/sync"),
+    "memory_scaling": (["--arms", "ddp", "--layers", "1", "--steps", "1", "--from-config"], "peak RSS MiB/rank"),
+    "gpu_throughput": (["--arms", "single", "--steps", "2", "--seq", "32", "--micro-batch", "1", *TINY_LLAMA],
+                       "tokens/s"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_benchmark_prints_its_table(name):
+    args, column = RUNS[name]
+    result = subprocess.run([sys.executable, f"benchmarks/{name}.py", *args], cwd=REPO, env=toolkit_env(),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = result.stdout.splitlines()
+    header = next(i for i, line in enumerate(table) if column in line)
+    rows = [line for line in table[header + 1:] if line.strip() and not set(line) <= set("|- ")]
+    assert rows and "failed" not in result.stdout, result.stdout
