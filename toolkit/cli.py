@@ -8,6 +8,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from toolkit.console import outlive_reader
 from toolkit.errors import USER_ERROR_EXIT_CODE, RecipeError, say_once, say_user_error
 from toolkit.rank import interrupted, quiet_libraries
 
@@ -292,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    outlive_reader()  # a console whose reader left (`| head`, a closed session) does not end the run
     args = build_parser().parse_args(argv)
     from toolkit.compare.cli import COMPARE_COMMANDS
     from toolkit.launch import prepare_environment
@@ -304,9 +306,6 @@ def _main(argv: list[str] | None) -> int:
     except RecipeError as exc:
         say_user_error(exc)  # every rank of a launch finds the same mistake: one line
         return USER_ERROR_EXIT_CODE
-    except BrokenPipeError:  # `toolkit strategies | head`: the reader left; the interpreter must not flush again
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
 
 
 if __name__ == "__main__":

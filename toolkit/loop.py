@@ -278,8 +278,8 @@ def run_steps(strategy: Strategy, loader, *, recipe: Recipe, env: DistEnv, plan,
             record["checkpoint_s"] = saver.save(strategy, step=step)  # outside step_time_s
         if writer:
             writer.write(record)
+        info["_last_step"] = step  # before anything else can fail: run.json's steps_done is what metrics.jsonl holds
         progress.update(record)
-        info["_last_step"] = step
         if unrecoverable is not None:
             raise unrecoverable
         faults.after_step(step, env)  # tests only: a killed rank, a preempted launcher
