@@ -17,6 +17,7 @@ import torch
 from conftest import (REPO, exported_weights, launch, losses, metrics, run_cli, strict_loads, toolkit_env,
                       write_recipe)
 from toolkit import faults
+from toolkit.errors import RecipeError
 
 SOURCES = {"ddp": 2, "fsdp": 2, "zero2-offload": 2, "zero3": 2, "fsdp-async": 2, "pp": 2}
 CROSS = [("zero3", 2, "fsdp", 2), ("fsdp", 2, "ddp", 1), ("ddp", 2, "zero3", 2), ("zero2-offload", 2, "single", 1),
@@ -246,10 +247,24 @@ def test_an_output_dir_holding_a_run_is_refused_without_resume(runs, capsys):
     code = main(["launch", "--nproc", "2", str(runs.recipe), "--set", "strategy.name=ddp", "--set",
                  f"output_dir={full}"])  # refused before any rank starts: in this process
     assert code == 2
+    # a completed run: --resume at the same max_steps has nothing left to do, so it is not offered alone
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"toolkit: error: output_dir {full} already holds a run; continue it with --resume, or write this one "
-        "elsewhere with --set output_dir=OTHER"]
+        f"toolkit: error: output_dir {full} holds a completed run (6 steps); write this one elsewhere with --set "
+        "output_dir=OTHER, or train that one further with a larger train.max_steps and --resume"]
     assert (full / "run.json").stat().st_mtime_ns == before
+
+
+def test_an_output_dir_holding_a_stopped_run_offers_resume(runs, tmp_path):
+    from toolkit.checkpoint.store import check_output_dir
+
+    stopped = tmp_path / "stopped"
+    shutil.copytree(runs.full("ddp"), stopped)
+    info = json.loads((stopped / "run.json").read_text())
+    (stopped / "run.json").write_text(json.dumps({**info, "status": "stopped"}))
+    with pytest.raises(RecipeError) as refused:
+        check_output_dir(stopped, resume=False)
+    assert str(refused.value) == (f"output_dir {stopped} already holds a run; continue it with --resume, or write "
+                                  "this one elsewhere with --set output_dir=OTHER")
 
 
 @pytest.mark.parametrize("damage", ["no checkpoint", "garbage metadata", "foreign folder", "other model"])

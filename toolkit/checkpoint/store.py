@@ -187,6 +187,11 @@ def check_output_dir(out_dir: Path, *, resume: bool) -> None:
             raise RecipeError(f"output_dir {out_dir} holds a run that wrote no checkpoint, so --resume cannot "
                               f"continue it; remove that folder to start again there, or write this one elsewhere "
                               f"with --set output_dir=OTHER")
+        info = read_run_info(out_dir) or {}
+        if info.get("status") == "completed":  # --resume would find nothing left to do at the same max_steps
+            raise RecipeError(f"output_dir {out_dir} holds a completed run ({info.get('total_steps')} steps); write "
+                              f"this one elsewhere with --set output_dir=OTHER, or train that one further with a "
+                              f"larger train.max_steps and --resume")
         raise RecipeError(f"output_dir {out_dir} already holds a run; continue it with --resume, or write this "
                           f"one elsewhere with --set output_dir=OTHER")
 
