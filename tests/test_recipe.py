@@ -61,6 +61,15 @@ def test_accumulation_derived_from_global_batch():
         plan_batch(batch, world_size=3)
 
 
+def test_a_recipe_giving_the_global_batch_alone_derives_its_accumulation():
+    # a first recipe's usual shape: micro and global batch, no grad_accum_steps (it had defaulted to 1: refused)
+    recipe = make(batch={"micro_batch_size": 4, "global_batch_size": 32})
+    assert plan_batch(recipe.batch, world_size=2).grad_accum_steps == 4
+    assert plan_batch(recipe.batch, world_size=1).grad_accum_steps == 8
+    # neither given: one micro-batch a step, as before
+    assert plan_batch(make(batch={"micro_batch_size": 4}).batch, world_size=2).global_batch_size == 8
+
+
 def test_override_parses_yaml_values():
     raw = {"optim": {"lr": 1.0}}
     apply_override(raw, "optim.lr=1e-4")

@@ -148,7 +148,8 @@ class OptimConfig:
 @dataclass(frozen=True, kw_only=True)
 class BatchConfig:
     micro_batch_size: int = 8  # samples per rank per forward/backward
-    grad_accum_steps: int | None = 1  # micro-batches per optimizer step; null: derived from global_batch_size
+    # micro-batches per optimizer step; null (the default): derived from global_batch_size, 1 without it
+    grad_accum_steps: int | None = None
     global_batch_size: int | None = None  # samples per optimizer step over all ranks; checked against the others
 
     def __post_init__(self) -> None:
@@ -157,8 +158,6 @@ class BatchConfig:
             _positive("batch.grad_accum_steps", self.grad_accum_steps)
         if self.global_batch_size is not None:
             _positive("batch.global_batch_size", self.global_batch_size)
-        if self.grad_accum_steps is None and self.global_batch_size is None:
-            raise RecipeError("batch: give grad_accum_steps or global_batch_size (or both)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -375,8 +374,10 @@ class BatchPlan:
 def plan_batch(batch: BatchConfig, *, world_size: int) -> BatchPlan:
     micro = batch.micro_batch_size
     accum = batch.grad_accum_steps
+    if accum is None and batch.global_batch_size is None:
+        accum = 1
     if accum is None:
-        assert batch.global_batch_size is not None  # BatchConfig refuses neither being set
+        assert batch.global_batch_size is not None
         per_step = world_size * micro
         if batch.global_batch_size % per_step:
             raise RecipeError(
