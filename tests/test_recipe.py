@@ -26,6 +26,9 @@ def test_defaults_resolve():
 @pytest.mark.parametrize("raw, words", [
     ({"optim": {"learning_rate": 1}}, "unknown recipe key 'optim.learning_rate'"),
     ({"bogus": 1}, "unknown recipe key 'bogus'"),
+    # a near miss names the key it was likely meant to be
+    ({"train": {"max_step": 5}}, "unknown recipe key 'train.max_step'; did you mean 'train.max_steps'? known keys"),
+    ({"optimizer": {"lr": 1}}, "unknown recipe key 'optimizer'; did you mean 'optim'?"),
     ({"optim": {"lr": "fast"}}, "optim.lr: expected a number"),
     ({"batch": {"micro_batch_size": 2.5}}, "batch.micro_batch_size: expected an integer"),
     ({"precision": "fp8"}, "precision: unknown value 'fp8'"),

@@ -184,12 +184,12 @@ def cmd_validate(args) -> int:
 def cmd_plan(args) -> int:
     import torch
 
-    from toolkit import plan
+    from toolkit import plan, plan_advice
     from toolkit.checks import check_recipe
     from toolkit.compare.experiment import split_arms
     from toolkit.metrics import process_bytes
     from toolkit.recipe_files import load_recipe
-    from toolkit.strategies import arm_aliases, strategy_info
+    from toolkit.strategies import arm_aliases, strategy_info, validate_strategy
 
     _check_nproc(args.nproc)
     aliases = arm_aliases()
@@ -210,19 +210,35 @@ def cmd_plan(args) -> int:
     extra = {arm: plan.runtime_module_bytes(strategy_info(r.strategy.name).runtime_modules)
              for arm, r in recipes.items()}
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    rows: list = []
+    planned: list[plan_advice.Planned] = []
+    changes: dict[str, str] = {}
     for arm, recipe in recipes.items():
-        world = 1 if strategy_info(recipe.strategy.name).one_process else args.nproc
+        name = arm or recipe.strategy.name
+        one_process = strategy_info(recipe.strategy.name).one_process
+        world = 1 if one_process else args.nproc
         try:
             check_recipe(recipe, world_size=world)
-            rows.append((arm or recipe.strategy.name, plan.predict(recipe, world_size=world,
-                                                                   runtime_bytes=runtime + extra[arm],
-                                                                   device_type=device, model=model)))
+            prediction = plan.predict(recipe, world_size=world, runtime_bytes=runtime + extra[arm], device_type=device,
+                                      model=model)
         except RecipeError as exc:
-            rows.append((arm or recipe.strategy.name, str(exc)))
-    print(plan.render(rows, memory_per_rank=memory_per_rank))
-    # a script that plans before it launches stops here: no arm can run, so no launch of one can either
-    return 0 if any(not isinstance(prediction, str) for _, prediction in rows) else 1
+            planned.append(plan_advice.Planned(name, str(exc)))
+            continue
+        planned.append(plan_advice.Planned(name, prediction, memory_per_rank(world)[0]))
+
+        def predict_with(more: tuple[str, ...], world: int, arm=arm):
+            changed = load_recipe(args.recipe, [*args.overrides, *(aliases[arm] if arm else ()), *more])
+            validate_strategy(changed, world_size=world)  # an option the strategy does not take: refused
+            return plan.predict(changed, world_size=world, runtime_bytes=runtime + extra[arm], device_type=device,
+                                model=model, both=False)
+        if not plan_advice.fits(planned[-1]):
+            change = plan_advice.one_change(planned[-1], predict=predict_with, one_process=one_process)
+            if change is not None:
+                changes[name] = change
+    print(plan.render([(p.arm, p.prediction) for p in planned], memory_per_rank=memory_per_rank))
+    if all(isinstance(p.prediction, str) for p in planned):
+        return 1  # a script that plans before it launches stops here: no arm can run, so no launch of one can either
+    print("\n".join(plan_advice.summary(planned, changes, num_params=sum(p.numel() for p in model.parameters()))))
+    return 0 if any(plan_advice.fits(p) for p in planned) else 1  # nothing fits: no launch as asked would either
 
 
 def cmd_strategies(args) -> int:

@@ -227,9 +227,11 @@ def render(rows: list[tuple[str, Prediction | str]], *,
     head = ["arm", "rank", "params MiB", "grads MiB", "optim MiB", "model states MiB", "activations MiB (AC)",
             "peak MiB", f"fits {_size(next(iter(limits.values()))[0])}" if one else "fits"]
     lines: list[list[str]] = []
+    refused: list[str] = []  # under the table: a reason would set its last column's width
     for arm, prediction in rows:
         if isinstance(prediction, str):
-            lines.append([arm, "-", *["-"] * 6, f"cannot run: {prediction}"])
+            lines.append([arm, "-", *["-"] * 6, "cannot run (below)"])
+            refused.append(f"{arm} cannot run: {prediction}")
             continue
         limit = limits[prediction.world_size][0]
         checkpointed = prediction.activation_bytes_checkpointed or [0] * prediction.world_size
@@ -246,7 +248,8 @@ def render(rows: list[tuple[str, Prediction | str]], *,
                           fits if one else f"{fits} ({_size(limit)})"])
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)] if lines else map(len, head)
     out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
-    out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]
+    out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+    out += refused
     if not limits:
         out.append("no arm can run as given: each line says why.")
         return "\n".join(out)

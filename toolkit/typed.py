@@ -4,6 +4,7 @@ an unknown key, a missing required one or a value of the wrong type is a RecipeE
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 import types
@@ -28,7 +29,9 @@ def from_plain(cls: type, raw: Any, where: str = "") -> Any:
     unknown = sorted(set(raw) - set(fields), key=str)  # YAML keys may be numbers, booleans, null
     if unknown:
         key = f"{where}.{unknown[0]}" if where else unknown[0]
-        raise RecipeError(f"unknown recipe key {key!r}; known keys here: {', '.join(fields)}")
+        close = difflib.get_close_matches(str(unknown[0]), list(fields), n=1, cutoff=0.7)
+        guess = f"did you mean {f'{where}.{close[0]}' if where else close[0]!r}? " if close else ""
+        raise RecipeError(f"unknown recipe key {key!r}; {guess}known keys here: {', '.join(fields)}")
     values = {}
     for name, value in raw.items():
         key = f"{where}.{name}" if where else name
