@@ -423,3 +423,23 @@ def test_an_arms_launch_that_raises_fails_or_stops_that_arm_and_gives_the_output
     if status == "failed":
         assert "Traceback" in log and json.loads((tmp_path / "a" / "failed.json").read_text())["error"] == \
             "ValueError: a bug"
+
+
+def test_compare_says_where_it_turns_dropout_off(tmp_path, tiny_llama_dir):
+    """A recipe leaving the model's own dropout: compare turns it off in every arm (masks depend on the batch
+    split) and says so, with the way to keep it; where the recipe sets dropout itself, nothing is said."""
+    from toolkit.compare.experiment import dropout_note
+    from toolkit.compare.report_render import render_markdown
+
+    own = write_recipe(tmp_path / "own.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "unused",
+                       model={"path": str(tiny_llama_dir), "task": "causal-lm", "dropout": None})
+    args = ["compare", str(own), "--strategies", "single,ddp", "--nproc", "2", "--output", str(tmp_path / "exp")]
+    note = dropout_note(experiment_of(build_parser().parse_args(args)).common)
+    assert note is not None and "model.dropout=0.0" in note and "--set model.dropout=P" in note
+    kept = write_recipe(tmp_path / "kept.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "unused")  # 0.0
+    args = ["compare", str(kept), "--strategies", "single,ddp", "--nproc", "2", "--output", str(tmp_path / "exp2")]
+    assert dropout_note(experiment_of(build_parser().parse_args(args)).common) is None
+    results = {"recipe": str(own), "reference": "single", "machine": {}, "arms": [], "dropout_note": note,
+               "tolerances": ""}
+    top = render_markdown(results, []).split("| ")[0]  # before the verdict table
+    assert f"Note: {note}." in top

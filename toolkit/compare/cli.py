@@ -81,6 +81,7 @@ def experiment_of(args):
 
 
 def cmd_compare(args) -> int:
+    from toolkit.compare.experiment import dropout_note
     from toolkit.compare.report import build_results, write_report
     from toolkit.compare.report_render import text_table
     from toolkit.compare.runner import INTERRUPTED, Interrupted, run_experiment
@@ -88,6 +89,9 @@ def cmd_compare(args) -> int:
     experiment = experiment_of(args)
     print(f"[compare] experiment {experiment.out_dir}: {len(experiment.arms)} arms "
           f"({', '.join(a.name for a in experiment.arms)})", flush=True)
+    note = dropout_note(experiment.common)
+    if note:
+        print(f"[compare] {note}", flush=True)
     try:
         statuses = run_experiment(experiment, log=lambda line: print(line, flush=True))
     except Interrupted as stop:

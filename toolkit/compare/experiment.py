@@ -167,6 +167,18 @@ def refuse_replaced(strategies: list[str], *, overrides: list[str], precisions: 
                           f"every arm itself ({replaced[key]})")
 
 
+DROPOUT_OFF = "model.dropout=0.0"
+
+
+def dropout_note(common: list[str]) -> str | None:
+    """The line compare says at its start and the report at its top where every arm runs without dropout."""
+    if DROPOUT_OFF not in common:
+        return None
+    return ("dropout is off in every arm (model.dropout=0.0): a dropout mask depends on how the batch is split over "
+            "ranks, so arms with it could not match the reference; compare sets it where the recipe leaves the "
+            "model's own, and `--set model.dropout=P` keeps dropout (noisier losses to compare)")
+
+
 def build_experiment(recipe_path: str, *, strategies: list[str], precisions: list[str | None],
                      accums: list[int | None], nproc: int, steps: int | None, overrides: list[str]) -> Experiment:
     refuse_replaced(strategies, overrides=overrides, precisions=precisions, accums=accums)
@@ -176,7 +188,7 @@ def build_experiment(recipe_path: str, *, strategies: list[str], precisions: lis
     if steps is not None:
         common.append(f"train.max_steps={steps}")
     if base.model.dropout is None:
-        common.append("model.dropout=0.0")  # masks depend on the batch split: exact comparison needs it off
+        common.append(DROPOUT_OFF)  # masks depend on the batch split: exact comparison needs it off (said: dropout_note)
     # the last output_dir given: --output comes after the matrix file's `set:` and --set (the command line wins)
     out = next((o.partition("=")[2] for o in reversed(overrides) if _key(o) == "output_dir"), None)
     out_dir = Path(out) if out else Path("runs") / f"{datetime.now():%Y%m%d-%H%M%S}-compare"

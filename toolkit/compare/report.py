@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from toolkit.compare import measure, verdict
-from toolkit.compare.experiment import Experiment
+from toolkit.compare.experiment import Experiment, dropout_note
 from toolkit.compare.report_render import render_html, render_markdown
 from toolkit.checkpoint.store import read_run_info
 from toolkit.comm import COMM_COUNT_STEP
@@ -75,7 +75,7 @@ def build_results(experiment: Experiment) -> dict:
             "arms": rows, "machine": {k: first.get(k) for k in ("device", "device_type", "versions")},
             # the recommendation's baseline, named where no arm ran it
             "plain_data_parallel": [name for name in strategy_names() if strategy_info(name).plain_data_parallel],
-            "tolerances": verdict.__doc__.strip()}
+            "tolerances": verdict.__doc__.strip(), "dropout_note": dropout_note(experiment.common)}
 
 
 def _comm(run: dict) -> dict | None:

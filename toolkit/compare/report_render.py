@@ -296,6 +296,7 @@ def render_markdown(results: dict, plots: list[Path]) -> str:
     lines = [f"# Strategy comparison: {results['recipe']}", "",
              f"Reference arm: **{results['reference']}** · machine: {results['machine'].get('device')} · "
              f"versions: {results['machine'].get('versions')}", "",
+             *([f"Note: {results['dropout_note']}.", ""] if results.get("dropout_note") else []),
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     lines += ["", *[part for note in table_notes(results) for part in (note, "")], flops_note(results), "",

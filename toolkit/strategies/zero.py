@@ -36,6 +36,7 @@ from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, S
                                      optimizer_state_tensors, whole_stack_activations)
 from toolkit.strategies.state_bytes import StateBytes
 from toolkit.strategies import zero_checkpoint, zero_init, zero_state
+from toolkit.strategies.zero_comm import init_deepspeed_comm
 from toolkit.strategies.zero_optim import cpu_adam_like, optimizer_label_of
 from toolkit.strategies.zero_config import (check_deepspeed_precision, check_with_deepspeed, configured_stage,
                                           frees_gradients, hidden_size_of, offloads, resolve_ds_config, stage_of)
@@ -111,6 +112,7 @@ class ZeroStrategy:
         if not _partitioned_at_creation(source.recipe):
             return source.whole()
         ensure_process_group(env, strategy=self.info.name)  # zero.Init partitions over the group
+        init_deepspeed_comm()
         recipe = source.recipe
         config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=env.world_size),
                                    hidden_size=hidden_size_of(hf_config(recipe.model)))
@@ -122,6 +124,7 @@ class ZeroStrategy:
 
         self.env, recipe = args.env, args.recipe
         ensure_process_group(args.env, strategy=self.info.name)  # DeepSpeed needs one, even for one rank
+        init_deepspeed_comm()
         self.config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=args.env.world_size),
                                         hidden_size=hidden_size_of(model.config), total_steps=args.total_steps)
         self.stage = stage_of(self.config)
