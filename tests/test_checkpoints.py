@@ -390,6 +390,11 @@ def test_on_nonfinite_skip_drops_those_steps_and_keeps_the_weights_finite(runs, 
     # fewer in a row than train.max_consecutive_skips (10): the run completes, and says how many it skipped
     skipped = 6 - first_bad + 1
     assert f"[toolkit] done: {skipped} of 6 steps skipped (non-finite loss or gradient norm)" in result.stderr
+    # what the run left on disk, summed here from the files: the export and its 6 checkpoints
+    done = next(line for line in result.stderr.splitlines() if line.startswith("[toolkit] done:"))
+    for folder in ("model", "checkpoints"):
+        size = sum(f.stat().st_size for f in (out / folder).rglob("*") if f.is_file())
+        assert f"{out / folder} ({size / 1e6:,.0f} MB)" in done, done
     run = strict_loads((out / "run.json").read_text())
     assert run["status"] == "completed" and run["final_loss"] == steps[-1]["loss"]
     assert run["skipped_steps"] == {"nonfinite": skipped, "fp16_overflow": 0, "steps_run": 6}

@@ -214,12 +214,20 @@ def finish(info: dict, *, env: DistEnv, out_dir: Path, losses: list[float], stra
     if env.is_main:
         _write(info, out_dir)
         adapter = (out_dir / "model" / "adapter_config.json").is_file()  # LoRA: the export is peft's adapter
-        model = f"{'adapter' if adapter else 'model'} {out_dir / 'model'}"
+        model = f"{'adapter' if adapter else 'model'} {out_dir / 'model'} ({_disk(out_dir / 'model')})"
         if adapter and (out_dir / "model-merged").is_dir():
-            model += f" · merged model {out_dir / 'model-merged'}"
+            model += f" · merged model {out_dir / 'model-merged'} ({_disk(out_dir / 'model-merged')})"
+        if (out_dir / "checkpoints").is_dir():  # what resuming costs on disk (checkpoint.keep_last, .final)
+            model += f" · checkpoints {out_dir / 'checkpoints'} ({_disk(out_dir / 'checkpoints')})"
         skipped = f"{skips.note()} · " if skips.note() else ""  # first: a run that trained on few steps says so
         print(f"[toolkit] done: {skipped}metrics {out_dir / 'metrics.jsonl'} · {model} · run info "
               f"{out_dir / 'run.json'}", file=sys.stderr, flush=True)
+
+
+def _disk(folder: Path) -> str:
+    """What the files under `folder` take on disk, in MB."""
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    return f"{size / 1e6:,.0f} MB" if size >= 1e6 else f"{size / 1e3:,.0f} kB"
 
 
 @contextlib.contextmanager
