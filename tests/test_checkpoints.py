@@ -394,7 +394,8 @@ def test_on_nonfinite_skip_drops_those_steps_and_keeps_the_weights_finite(runs, 
     done = next(line for line in result.stderr.splitlines() if line.startswith("[toolkit] done:"))
     for folder in ("model", "checkpoints"):
         size = sum(f.stat().st_size for f in (out / folder).rglob("*") if f.is_file())
-        assert f"{out / folder} ({size / 1e6:,.0f} MB)" in done, done
+        shown = f"{size / 1e6:,.0f} MB" if size >= 1e6 else f"{size / 1e3:,.0f} kB"
+        assert f"{out / folder} ({shown})" in done, done
     run = strict_loads((out / "run.json").read_text())
     assert run["status"] == "completed" and run["final_loss"] == steps[-1]["loss"]
     assert run["skipped_steps"] == {"nonfinite": skipped, "fp16_overflow": 0, "steps_run": 6}
