@@ -120,8 +120,10 @@ def test_an_output_dir_that_cannot_be_made_is_one_line(command, recipe, capsys):
 ])
 def test_convert_of_a_file_or_run_folder_names_the_checkpoint_folder_not_resume(source, words, recipe, checkpoint,
                                                                                  tmp_path, capsys):
-    """convert takes no --resume: its hint names the folder to pass."""
-    given = checkpoint / "manifest.json" if source == "manifest" else checkpoint.parent.parent
+    """convert takes no --resume: its hint names the folder to pass. (A run folder holding a complete checkpoint
+    is converted from its newest: tests/test_checkpoints.py; this one holds none.)"""
+    given = checkpoint / "manifest.json" if source == "manifest" else tmp_path / "run"
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     code = main(["convert", str(given), str(tmp_path / "out")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and all(w in err[0] for w in words) and "--resume" not in err[0], err

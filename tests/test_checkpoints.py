@@ -241,6 +241,17 @@ def test_convert_writes_a_model_transformers_loads_with_the_trained_logits(runs,
     assert (tmp_path / "hf" / "tokenizer.json").is_file() or (tmp_path / "hf" / "vocab.txt").is_file()
 
 
+@pytest.mark.parametrize("given", ["run", "checkpoints"])
+def test_convert_given_a_run_takes_its_newest_complete_checkpoint_and_says_which(runs, tmp_path, given):
+    """`toolkit convert RUN` or `RUN/checkpoints` answered 'not a toolkit checkpoint: no manifest.json'."""
+    full = runs.full("ddp")
+    result = run_cli("convert", str(full if given == "run" else full / "checkpoints"), str(tmp_path / "hf"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"[toolkit] convert: {full / 'checkpoints' / 'step-00000006'}, the newest complete checkpoint" in \
+        result.stderr
+    assert (tmp_path / "hf" / "config.json").is_file()
+
+
 def test_an_output_dir_holding_a_run_is_refused_without_resume(runs, capsys):
     from toolkit.cli import main
 

@@ -8,6 +8,7 @@ model.lora) comes out with its adapters merged: a plain model, as merge_on_expor
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -20,6 +21,11 @@ from toolkit.export import replace_folder, without_tied_aliases
 def convert(checkpoint_path: Path, out: Path) -> Path:
     import transformers
 
+    newest = store.newest_checkpoint_in(checkpoint_path)
+    if newest is not None:  # a run's folder or its checkpoints/: its newest complete checkpoint, as --resume takes
+        print(f"[toolkit] convert: {newest}, the newest complete checkpoint in {checkpoint_path}", file=sys.stderr,
+              flush=True)
+        checkpoint_path = newest
     checkpoint = store.read_checkpoint(checkpoint_path, resuming=False)
     check_out(out, checkpoint=checkpoint.path)
     digest.check(checkpoint.path, expected=checkpoint.records_digests)  # bytes changed since the save: before reading

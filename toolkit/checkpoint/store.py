@@ -121,6 +121,17 @@ def find_resume(out_dir: Path, given: str | None) -> Checkpoint:
     return read_checkpoint(found[-1])
 
 
+def newest_checkpoint_in(path: Path) -> Path | None:
+    """Where a checkpoint is asked for and a run's folder or its checkpoints/ folder is given: that run's newest
+    complete checkpoint (None where `path` is a checkpoint itself, or holds none)."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return None
+    run = path.parent if path.name == "checkpoints" and not checkpoints_dir(path).is_dir() else path
+    found = complete_checkpoints(run)
+    return found[-1] if found else None
+
+
 def saved_recipe(path: Path) -> dict | None:
     """The recipe.yaml a checkpoint holds (its run's resolved recipe), as plain data; None where it is missing,
     unreadable or no mapping. A record: a checkpoint is read by its tensors and manifest, not by this."""
