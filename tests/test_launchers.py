@@ -80,6 +80,20 @@ def test_fsdp1_sharding_strategies_map_onto_fsdp2(strategy, expected):
     assert settings == expected
 
 
+def test_a_plugin_replacing_the_recipes_default_strategy_is_said():
+    """fsdp.yaml / deepspeed.yaml choose the strategy of a recipe that says `single` (the default): said in one
+    line, where it was silent (ddp.yaml has no plugin: the recipe's single stays, and 2 ranks refuse it)."""
+    from toolkit.accelerate_env import apply_launcher_settings, launcher_settings
+
+    raw = {"strategy": {"name": "single"}}
+    replaced = apply_launcher_settings(raw, launcher_settings({"ACCELERATE_USE_DEEPSPEED": "true"}))
+    assert raw["strategy"]["name"] == "zero"
+    assert replaced == ["strategy.name=zero (ACCELERATE_USE_DEEPSPEED) replaces the recipe's strategy.name=single "
+                        "(a config file without a plugin, such as ddp.yaml, leaves it)"]
+    untouched = {"strategy": {"name": "zero"}}
+    assert apply_launcher_settings(untouched, launcher_settings({"ACCELERATE_USE_DEEPSPEED": "true"})) == []
+
+
 def test_accelerate_config_contradicting_recipe_exits_2(llama_runs, tmp_path):
     result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                              str(REPO / "recipes" / "accelerate" / "fsdp.yaml"), "-m", "toolkit", "train",

@@ -191,8 +191,10 @@ def _not_applicable(environ) -> list[Setting]:
             for var, why in NOT_APPLICABLE.items() if environ.get(var, "").lower() not in ("", "none", "false")]
 
 
-def apply_launcher_settings(raw: dict, settings: list[Setting]) -> None:
-    """Fill keys the recipe leaves out; a key the recipe sets to another value is a RecipeError."""
+def apply_launcher_settings(raw: dict, settings: list[Setting]) -> list[str]:
+    """Fill keys the recipe leaves out; a key the recipe sets to another value is a RecipeError. Returns a line for
+    each value of the recipe's that a setting replaced (its default strategy, which the config file chooses)."""
+    replaced = []
     for setting in settings:
         if not setting.key:
             continue
@@ -206,7 +208,11 @@ def apply_launcher_settings(raw: dict, settings: list[Setting]) -> None:
         if not replaceable and yaml_number(present) != setting.value:  # clipping: 1e0 in the file is 1.0
             raise RecipeError(f"accelerate launch sets {setting.key}={setting.value!r} ({setting.source}) but the "
                               f"recipe has {setting.key}={present!r}; change the recipe or the accelerate config file")
+        if present is not None and yaml_number(present) != setting.value:
+            replaced.append(f"{setting.key}={setting.value} ({setting.source}) replaces the recipe's "
+                            f"{setting.key}={present} (a config file without a plugin, such as ddp.yaml, leaves it)")
         node[leaf] = setting.value
+    return replaced
 
 
 @contextlib.contextmanager

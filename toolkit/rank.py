@@ -30,7 +30,7 @@ def run_rank(recipe_path: str, overrides: list[str], resume: Resume | None) -> i
 
     raw = read_recipe_dict(recipe_path, overrides)
     settings = launcher_settings(os.environ)  # under `accelerate launch`: its plugin settings
-    apply_launcher_settings(raw, settings)
+    replaced = apply_launcher_settings(raw, settings)
     with named_source(settings):
         recipe = recipe_from_dict(raw)
         if any(s.key for s in settings):  # the strategy's checks too (train makes them again, cheaply)
@@ -38,7 +38,7 @@ def run_rank(recipe_path: str, overrides: list[str], resume: Resume | None) -> i
 
             validate_strategy(recipe, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     if os.environ.get("RANK", "0") == "0":  # how a version-1 FSDP config runs on FSDP2, a line per key
-        for note in (s.note for s in settings if s.note):
+        for note in [*replaced, *(s.note for s in settings if s.note)]:
             print(f"[toolkit] accelerate: {note}", file=sys.stderr, flush=True)
     quiet_libraries()
     from toolkit.dist import exit_process, init_distributed, shutdown
