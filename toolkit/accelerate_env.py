@@ -43,7 +43,7 @@ NOT_APPLICABLE = {
     "FSDP_BACKWARD_PREFETCH": "FSDP2 prefetches the next block's all-gather itself",
     "FSDP_FORWARD_PREFETCH": "FSDP2 prefetches the next block's all-gather itself",
     "FSDP_USE_ORIG_PARAMS": "FSDP2 always keeps the original parameters, as DTensors",
-    "FSDP_SYNC_MODULE_STATES": "every rank starts from the same weights: each reads its shards of them",
+    "FSDP_SYNC_MODULE_STATES": "every rank starts from the same weights (the layout line says how they came)",
     "FSDP_CPU_RAM_EFFICIENT_LOADING": "that is model.low_memory_loading, on by default",
 }
 
