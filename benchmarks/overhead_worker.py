@@ -18,9 +18,12 @@ import torch
 import torch.nn.functional as F
 
 
-def minimal_setup(model, recipe, plan):
+def minimal_setup(model, recipe, plan, *, zero_optimization: dict | None = None):
     """(module to call, engine or None, optimizer) for the hand-written side. It names strategies on
-    purpose: it is the hand-written baseline a user would write without the toolkit, not toolkit code."""
+    purpose: it is the hand-written baseline a user would write without the toolkit, not toolkit code.
+    `zero_optimization`: the toolkit's own block (its bucket sizes and persistence threshold), so that both sides
+    run the same ZeRO: with DeepSpeed's defaults a small model's parameters stay whole on every rank (persistence
+    threshold 1e5 elements), which is less work than the ZeRO-3 the toolkit runs, not less overhead."""
     strategy, optim = recipe.strategy, recipe.optim
     if strategy.name == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -37,7 +40,7 @@ def minimal_setup(model, recipe, plan):
 
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config={
         "train_micro_batch_size_per_gpu": plan.micro_batch_size, "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": strategy.stage}, "gradient_clipping": optim.max_grad_norm,
+        "zero_optimization": zero_optimization or {"stage": strategy.stage}, "gradient_clipping": optim.max_grad_norm,
         "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9})
     return engine, engine, optimizer
 
@@ -86,7 +89,8 @@ def main() -> None:
     source = ModelSource(recipe=recipe, tokenizer=tokenizer)
     setup_strategy(strategy, strategy.build_model(source, env=env), source=source, env=env, plan=plan,
                    total_steps=total_steps)
-    minimal = minimal_setup(build_model(recipe.model, tokenizer=tokenizer, seed=recipe.seed), recipe, plan)
+    minimal = minimal_setup(build_model(recipe.model, tokenizer=tokenizer, seed=recipe.seed), recipe, plan,
+                            zero_optimization=getattr(strategy, "config", {}).get("zero_optimization"))
     loader = train_loader(train_ds, sampler=sampler, start=0, stop=total_steps, data=recipe.data,
                           collator=Collator(pad_token_id=padding_id(tokenizer), task=recipe.model.task))
     scratch = Path(tempfile.mkdtemp(prefix="overhead-"))
