@@ -439,7 +439,8 @@ def test_compare_says_where_it_turns_dropout_off(tmp_path, tiny_llama_dir):
     kept = write_recipe(tmp_path / "kept.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "unused")  # 0.0
     args = ["compare", str(kept), "--strategies", "single,ddp", "--nproc", "2", "--output", str(tmp_path / "exp2")]
     assert dropout_note(experiment_of(build_parser().parse_args(args)).common) is None
-    results = {"recipe": str(own), "reference": "single", "machine": {}, "arms": [], "dropout_note": note,
-               "tolerances": ""}
+    arms = [{"arm": "single", "status": "failed", "world_size": 1, "error": "x", "verdict": "failed"}]
+    results = {"recipe": str(own), "reference": "single", "machine": {}, "arms": arms, "dropout_note": note,
+               "tolerances": "", "plain_data_parallel": ["ddp"]}
     top = render_markdown(results, []).split("| ")[0]  # before the verdict table
     assert f"Note: {note}." in top

@@ -254,6 +254,7 @@ def render(rows: list[tuple[str, Prediction | str]], *,
         out.append("no arm can run as given: each line says why.")
         return "\n".join(out)
     where = "; ".join(f"{_size(limit)} ({source})" for limit, source in sorted(set(limits.values())))
-    out.append(f"memory per rank: {where}. Model states are exact "
-               "(the run measures the same bytes); activations and peak are estimates: see toolkit/plan.py.")
+    out.append(f"memory per rank: {where}.")
+    out.append("Model states are exact (the run measures the same bytes); activations and peak are estimates: see "
+               "toolkit/plan.py.")
     return "\n".join(out)

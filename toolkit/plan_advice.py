@@ -62,6 +62,6 @@ def summary(planned: list[Planned], changes: dict[str, str], *, num_params: int)
     if changes:
         lines.append("fits with one change: " + "; ".join(f"{arm} with {how}" for arm, how in changes.items()))
     elif not fitting:
-        lines.append("no arm fits with one change (activation checkpointing, offload, twice the ranks) either: "
-                     "more memory per rank, LoRA (model.lora) or a smaller model")
+        lines.append("fits with one change: none (activation checkpointing, offload, twice the ranks were tried);")
+        lines.append("  more memory per rank, LoRA (model.lora) or a smaller model would be needed")
     return lines
