@@ -49,7 +49,10 @@ def test_accelerates_own_fsdp_example_config_runs_as_it_is_on_fsdp2(llama_runs, 
     assert result.returncode == 0, result.stderr[-5000:]
     said = [line.removeprefix("[toolkit] accelerate: ") for line in result.stderr.splitlines()
             if line.startswith("[toolkit] accelerate: ")]
-    assert said[0] == "fsdp_sharding_strategy FULL_SHARD → FSDP2 with strategy.reshard_after_forward=true"
+    # the test recipe says strategy single (the default): the file's plugin replaces it, and says so first
+    assert said[0] == ("strategy.name=fsdp (fsdp_sharding_strategy FULL_SHARD) replaces the recipe's "
+                       "strategy.name=single (a config file without a plugin, such as ddp.yaml, leaves it)")
+    assert said[1] == "fsdp_sharding_strategy FULL_SHARD → FSDP2 with strategy.reshard_after_forward=true"
     assert any(line.startswith("fsdp_state_dict_type SHARDED_STATE_DICT → affects checkpoints only") for line in said)
     for key in ("fsdp_backward_prefetch", "fsdp_use_orig_params", "fsdp_sync_module_states",
                 "fsdp_cpu_ram_efficient_loading"):
