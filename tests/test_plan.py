@@ -224,6 +224,9 @@ def test_plan_names_the_first_single_change_under_which_an_arm_fits():
     assert offered(47) == "strategy.offload_optimizer=true, strategy.offload_param=true"
     assert offered(42) == "4 ranks"
     assert offered(42, one_process=True) is None and offered(30) is None
+    # on CPU twice the ranks share the host: each has half the memory
+    assert one_change(Planned("x", prediction(100), 42), predict=predict, one_process=False,
+                      limit_at=lambda world: 84 // world) is None
     assert one_change(Planned("x", "needs 2 ranks"), predict=predict, one_process=False) is None
 
 

@@ -231,7 +231,8 @@ def cmd_plan(args) -> int:
             return plan.predict(changed, world_size=world, runtime_bytes=runtime + extra[arm], device_type=device,
                                 model=model, both=False)
         if not plan_advice.fits(planned[-1]):
-            change = plan_advice.one_change(planned[-1], predict=predict_with, one_process=one_process)
+            change = plan_advice.one_change(planned[-1], predict=predict_with, one_process=one_process,
+                                            limit_at=lambda world: memory_per_rank(world)[0])
             if change is not None:
                 changes[name] = change
     print(plan.render([(p.arm, p.prediction) for p in planned], memory_per_rank=memory_per_rank))

@@ -33,9 +33,10 @@ def fits(planned: Planned) -> bool:
 
 
 def one_change(planned: Planned, *, predict: Callable[[tuple[str, ...], int], Prediction],
-               one_process: bool) -> str | None:
+               one_process: bool, limit_at: Callable[[int], int] | None = None) -> str | None:
     """The first change under which an arm that runs but does not fit would: `predict(extra overrides, world)`
-    raises RecipeError for a change the arm's strategy refuses."""
+    raises RecipeError for a change the arm's strategy refuses; `limit_at(world)`: the memory per rank at another
+    world size (on CPU the host's ÷ the ranks; default: the arm's own limit)."""
     if isinstance(planned.prediction, str):
         return None
     world = planned.prediction.world_size
@@ -47,7 +48,8 @@ def one_change(planned: Planned, *, predict: Callable[[tuple[str, ...], int], Pr
             continue
     if not one_process:
         try:
-            if predict((), 2 * world).peak_bytes <= planned.limit_bytes:
+            limit = limit_at(2 * world) if limit_at is not None else planned.limit_bytes
+            if predict((), 2 * world).peak_bytes <= limit:
                 return f"{2 * world} ranks"
         except RecipeError:
             pass
@@ -60,7 +62,8 @@ def summary(planned: list[Planned], changes: dict[str, str], *, num_params: int)
     lines = [f"model: {num_params / 1e6:,.1f}M parameters"]
     lines.append(f"fits as asked: {', '.join(fitting)}" if fitting else "fits as asked: none")
     if changes:
-        lines.append("fits with one change: " + "; ".join(f"{arm} with {how}" for arm, how in changes.items()))
+        lines.append("fits with one change:")
+        lines += [f"  {arm} with {how}" for arm, how in changes.items()]
     elif not fitting:
         lines.append("fits with one change: none (activation checkpointing, offload, twice the ranks were tried);")
         lines.append("  more memory per rank, LoRA (model.lora) or a smaller model would be needed")
