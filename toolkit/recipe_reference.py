@@ -36,7 +36,8 @@ def field_comments(cls: type) -> dict[str, str]:
         name = stripped.split(":", 1)[0]
         if name not in names or stripped.startswith("#") or line[:4] != "    " or line[4] == " ":
             continue
-        above, k = [], number - 1
+        above: list[str] = []
+        k = number - 1
         # the comment block above it, up to the previous field's continuation lines; a group label ("# tp, fsdp")
         # names the strategies its fields' own comments name again
         while k >= 1 and lines[k - 1].strip().startswith("#") and not lines[k - 1].strip().startswith("#  "):
@@ -44,7 +45,8 @@ def field_comments(cls: type) -> dict[str, str]:
                 above.insert(0, comments.get(k, ""))
             k -= 1
         beside = [comments[number]] if number in comments else []
-        after, k = [], number + 1
+        after: list[str] = []
+        k = number + 1
         while k <= len(lines) and lines[k - 1].strip().startswith("#  "):
             after.append(comments.get(k, "").strip())
             k += 1
@@ -81,7 +83,7 @@ def rows(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
     for f in dataclasses.fields(cls):
         key = f"{prefix}{recipe_key(f)}"
         hint = hints[f.name]
-        nested = [a for a in typing.get_args(hint) or (hint,) if dataclasses.is_dataclass(a)]
+        nested = [a for a in typing.get_args(hint) or (hint,) if isinstance(a, type) and dataclasses.is_dataclass(a)]
         if nested and prefix == "":  # a section: its keys follow, each with its own row
             out.append((key, "section", "", comments.get(f.name, "")))
             out += rows(nested[0], f"{key}.")

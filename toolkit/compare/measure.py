@@ -172,10 +172,9 @@ def memory(run: dict) -> dict:
         "model_state_bytes_per_rank": states,
         "model_state_detail_per_rank": ranks,
         "other_live_bytes_per_rank": [o["bytes"] for o in run.get("other_live_tensor_bytes") or []],
-        "host_memory": run.get("host_memory"),  # CPU: the plan's peak is predicted for "predictable"
     }
-    return {**out, **prediction_error(run.get("memory_prediction") or {}, states=states,
-                                      peaks=out["peak_mem_bytes_per_rank"])}
+    return {**out, "host_memory": run.get("host_memory"),  # CPU: the plan's peak is predicted for "predictable"
+            **prediction_error(run.get("memory_prediction") or {}, states=states, peaks=out["peak_mem_bytes_per_rank"])}
 
 
 def prediction_error(predicted: dict, *, states: list[int], peaks: list[int]) -> dict:
