@@ -95,11 +95,12 @@ def predict_memory(recipe: Recipe, env: DistEnv, *, runtime_bytes: int) -> dict 
     return prediction.as_dict()
 
 
-def set_host_memory(recipe: Recipe, env: DistEnv, *, prediction: dict | None) -> str | None:
+def set_host_memory(recipe: Recipe, env: DistEnv, *, prediction: dict | None) -> tuple[str | None, str | None]:
     """train.host_memory on CPU, before the model is built: rank 0 chooses (auto: from its prediction's peak),
-    every rank sets the same (toolkit.host_memory). The mode, or None on a GPU."""
+    every rank sets the same (toolkit.host_memory). The mode (None on a GPU), and on rank 0 the line that says why
+    auto chose predictable, for the run to print once it goes ahead (a user's mistake found before stays one line)."""
     if env.device.type != "cpu":
-        return None
+        return None, None
     from toolkit.plan import MiB, default_memory_per_rank
 
     setting = recipe.train.host_memory
@@ -110,13 +111,12 @@ def set_host_memory(recipe: Recipe, env: DistEnv, *, prediction: dict | None) ->
         chosen = torch.tensor([host_memory.MODES.index(mode) if env.is_main else 0])
         mode = host_memory.MODES[int(all_reduce_max(chosen, env)[0])]
     host_memory.apply(mode)
-    if setting == "auto" and mode == "predictable" and env.is_main:
-        room = f"{peak / MiB:,.0f} MiB × {host_memory.FAST_HEADROOM} > {share / MiB:,.0f} MiB ({what})" if peak \
-            else "no prediction"
-        print(f"[toolkit] host memory: predictable ({room}): freed tensors leave the resident set, each new one "
-              "costs page faults; train.host_memory=fast is quicker where memory is not tight",
-              file=sys.stderr, flush=True)
-    return mode
+    if not (setting == "auto" and mode == "predictable" and env.is_main):
+        return mode, None
+    room = f"{peak / MiB:,.0f} MiB × {host_memory.FAST_HEADROOM} > {share / MiB:,.0f} MiB ({what})" if peak \
+        else "no prediction"
+    return mode, (f"[toolkit] host memory: predictable ({room}): freed tensors leave the resident set, each new "
+                  "one costs page faults; train.host_memory=fast is quicker where memory is not tight")
 
 
 def start(recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, model, num_params: int,
