@@ -50,6 +50,8 @@ class ModelSource:
         from toolkit.model import build_model
 
         model = build_model(self.recipe.model, tokenizer=self.tokenizer, seed=self.recipe.seed)
+        if self.recipe.train.init_perturbation:
+            perturb_weights(model, self.recipe.train.init_perturbation, seed=self.recipe.seed)
         self._toggles(model)
         return model
 
@@ -78,7 +80,8 @@ class ModelSource:
         tensors (a tied alias may be there too): then they are its starting weights as they are. None where
         from_pretrained would do more than read them (rename keys, initialise a new head) or there is nothing
         to read (a model from a config, LoRA adapters to initialise, a checkpoint)."""
-        if self.recipe.model.path is None or self.recipe.model.lora is not None or self.checkpoint is not None:
+        if self.recipe.model.path is None or self.recipe.model.lora is not None or self.checkpoint is not None \
+                or self.recipe.train.init_perturbation:  # perturbed: what pretrained() makes of the files
             return None
         from toolkit.model import resolve_path
 
@@ -95,6 +98,28 @@ class ModelSource:
             return None
         tensors, aliases = named_tensors(model)
         return files if set(tensors) <= set(files) <= set(tensors) | aliases else None
+
+
+PERTURBATION_SEED = 7_919  # added to the recipe's seed: the perturbation's draws are not the init's
+
+
+def perturb_weights(model: nn.Module, relative: float, *, seed: int) -> None:
+    """Every floating-point parameter w becomes w·(1 + relative·N(0,1)), the same draws on every rank (seeded, in
+    the order of named_parameters, a tied weight once). A ZeRO-3 partition holds no whole weight to perturb."""
+    from toolkit.errors import RecipeError
+
+    generator = torch.Generator().manual_seed(seed + PERTURBATION_SEED)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if hasattr(param, "ds_id"):
+                raise RecipeError("train.init_perturbation: ZeRO-3 builds its weights partitioned, with none whole to "
+                                  "perturb; run the perturbed start under another strategy (zero2, fsdp, single)")
+            if param.is_floating_point():
+                noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+                # w + w·x·n, not w·(1 + x·n): 1 + 1e-7·n on fp32's grid near 1 (steps of 6e-8 below, 1.2e-7
+                # above) would be a coarse and biased factor
+                weight = param.float()
+                param.copy_((weight + weight * (relative * noise)).to(param.dtype))
 
 
 def named_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:

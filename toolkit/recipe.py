@@ -248,10 +248,16 @@ class TrainConfig:
     # given back when freed: the peak `toolkit plan` predicts, the default MiniLM job 0.6× as fast) | auto (fast
     # where 4× the plan's peak fits the rank's share of host memory). No effect on GPU
     host_memory: str = "auto"
+    # x > 0: every starting weight w becomes w·(1 + x·N(0,1)) (seeded from `seed`), a run from a start that
+    # differs by rounding alone (1e-7: about fp32's unit roundoff). `toolkit compare` runs its reference so once:
+    # what that moves is what rounding alone moves, the verdict's bound (toolkit/compare/verdict.py). 0: as loaded
+    init_perturbation: float = 0.0
 
     def __post_init__(self) -> None:
         _choice("train.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         _choice("train.host_memory", self.host_memory, ("auto", "fast", "predictable"))
+        _require(0.0 <= self.init_perturbation <= 1e-3, "train.init_perturbation", self.init_perturbation,
+                 "in [0, 1e-3]: a relative change of the starting weights the size of rounding, e.g. 1e-7")
         if self.profile_steps is not None:
             first, last = self.profile_steps
             _require(1 <= first <= last, "train.profile_steps", list(self.profile_steps),

@@ -28,18 +28,20 @@ def add_compare_commands(sub, add_overrides) -> None:
 
 
 def calibration_arms(experiment) -> list:
-    """Two reference runs per low precision, differing only in reduction order (see verdict.py)."""
+    """Two reference runs per low precision, differing only in reduction order, and where the reference is fp32
+    one run of it on one process from a rounding-perturbed start (see verdict.py)."""
     from toolkit.compare.experiment import RECORD_GRADIENT_SCALE, Arm
     from toolkit.recipe_files import load_recipe
     from toolkit.strategies import validate_strategy
 
     reference = experiment.arms[0]
+    rounding = rounding_arm(experiment)
+    out = [rounding] if rounding is not None else []
     precisions = set()
     for arm in experiment.arms:
         recipe = load_recipe(experiment.recipe, [*experiment.common, *arm.overrides])
         if recipe.precision != "fp32":
             precisions.add(recipe.precision)
-    out = []
     for precision in sorted(precisions):
         base = [o for o in reference.overrides if not o.startswith(("precision=", "batch.", RECORD_GRADIENT_SCALE))]
         recipe = load_recipe(experiment.recipe, [*experiment.common, *reference.overrides])
@@ -51,6 +53,27 @@ def calibration_arms(experiment) -> list:
         out.append(Arm(f"calibration-{precision}-b", reference.nproc,
                        (*base, *batch, f"batch.micro_batch_size={micro}", f"precision={precision}")))
     return out
+
+
+def rounding_arm(experiment):
+    """The reference arm's job on one process (strategy single: one reduction order, the whole model built as
+    loaded, so every strategy's reference can be perturbed) from weights × (1 + 1e-7·N(0,1)); None for a
+    reference in bf16 or fp16, which calibration judges."""
+    from toolkit.compare.experiment import RECORD_GRADIENT_SCALE, Arm, arm_overrides
+    from toolkit.compare.report import ROUNDING_ARM
+    from toolkit.compare.verdict import ROUNDING_PERTURBATION
+    from toolkit.recipe_files import load_recipe
+    from toolkit.strategies import validate_strategy
+
+    reference = experiment.arms[0]
+    recipe = load_recipe(experiment.recipe, [*experiment.common, *reference.overrides])
+    if recipe.precision != "fp32":
+        return None
+    plan = validate_strategy(recipe, world_size=reference.nproc)
+    own = [o for o in reference.overrides if not o.startswith(("strategy.", "batch.", RECORD_GRADIENT_SCALE))]
+    return Arm(ROUNDING_ARM, 1, (*arm_overrides("single"), *own, f"batch.global_batch_size={plan.global_batch_size}",
+                                 f"batch.micro_batch_size={plan.micro_batch_size}", "batch.grad_accum_steps=null",
+                                 f"train.init_perturbation={ROUNDING_PERTURBATION}"))
 
 
 def experiment_of(args):

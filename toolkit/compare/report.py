@@ -17,6 +17,7 @@ from toolkit.compare.runner import arm_dir, arm_status, read_metrics
 from toolkit.strategies import strategy_info, strategy_names
 
 CALIBRATION_PREFIX = "calibration-"
+ROUNDING_ARM = f"{CALIBRATION_PREFIX}rounding"  # the reference from a rounding-perturbed start (verdict.py)
 
 
 def load_arm(experiment: Experiment, arm) -> dict:
@@ -30,6 +31,8 @@ def load_arm(experiment: Experiment, arm) -> dict:
         data.setdefault("error", json.loads(failed.read_text())["error"] if failed.is_file() else "not run yet")
         return data
     run = read_run_info(path) or {}  # completed: its run.json was read just now
+    cost = path / "arm.json"  # its wall time, written by the runner (absent in folders of older versions)
+    data.update(wall_s=json.loads(cost.read_text()).get("wall_s") if cost.is_file() else None)
     data.update(run=run, metrics=metrics,
                 recipe=yaml.safe_load((path / "recipe.yaml").read_text()), audit=run.get("precision_audit"),
                 precision=run["precision"], num_params=run["num_params"])
@@ -43,6 +46,7 @@ def build_results(experiment: Experiment) -> dict:
     reference = shown[0]
     # one CPU peak per kind of arm, the best any arm of the experiment measured (calibration runs included)
     peaks = measure.shared_cpu_peaks({a["name"]: a["run"] for a in arms if a["status"] == "completed"})
+    rounding, rounding_note = _rounding(calibration.get(ROUNDING_ARM), reference)
     rows = []
     for arm in shown:
         row = {"arm": arm["name"], "status": arm["status"], "world_size": arm["nproc"]}
@@ -66,7 +70,7 @@ def build_results(experiment: Experiment) -> dict:
                 row.update(verdict="reference", differences=[])
             else:
                 envelope = _envelope(calibration, arm["precision"], reference["precision"])
-                row.update(verdict.judge(arm, reference, envelope=envelope))
+                row.update(verdict.judge(arm, reference, envelope=envelope, rounding=rounding))
         else:
             row["verdict"] = f"no reference (reference arm {reference['status']})"
         rows.append(row)
@@ -75,7 +79,36 @@ def build_results(experiment: Experiment) -> dict:
             "arms": rows, "machine": {k: first.get(k) for k in ("device", "device_type", "versions")},
             # the recommendation's baseline, named where no arm ran it
             "plain_data_parallel": [name for name in strategy_names() if strategy_info(name).plain_data_parallel],
-            "tolerances": verdict.__doc__.strip(), "dropout_note": dropout_note(experiment.common)}
+            "tolerances": verdict.__doc__.strip(), "dropout_note": dropout_note(experiment.common),
+            "rounding_note": rounding_note, "rounding": rounding}
+
+
+def _by(relative_diff: float) -> str:
+    return f"by up to {relative_diff:.2g} relative" if relative_diff else "not at all"
+
+
+def _rounding(arm: dict | None, reference: dict) -> tuple[dict | None, str | None]:
+    """What the rounding reference moved (verdict.rounding_scale) and the report's line on it: what it cost, how
+    far it moved weights, or why the fp32 bounds stand alone."""
+    if arm is None:  # a bf16/fp16 reference: calibration judges
+        return None, None
+    if arm["status"] != "completed" or reference["status"] != "completed":
+        why = arm.get("error") if arm["status"] != "completed" else f"the reference arm {reference['status']}"
+        return None, f"rounding reference not available ({why}): arms are judged by the fp32 bounds alone"
+    scale = verdict.rounding_scale(arm, reference)
+    if scale is None:
+        return None, ("rounding reference not used (it logged other steps or exported other tensors than the "
+                      "reference): arms are judged by the fp32 bounds alone")
+    cost = f"{arm['wall_s']:.0f} s" if arm.get("wall_s") is not None else "one more single-process run"
+    noise = verdict.noise_driven_tensors(reference.get("run")) or set()  # not judged: left out here too
+    judged = {name: d for name, d in scale["weights"].items() if name not in noise}
+    moved = max(judged.items(), key=lambda item: item[1], default=("-", 0.0))
+    widened = sum(verdict.ROUNDING_FACTOR * d > verdict.FP32_RTOL for d in judged.values())
+    return scale, (f"rounding reference ({cost}): the reference again on one process from weights × (1 + "
+                   f"{verdict.ROUNDING_PERTURBATION:g}·N(0,1)) moved final weights by up to {moved[1]:.2g} "
+                   f"({moved[0]}) and the loss {_by(scale['loss'][-1] if scale['loss'] else 0.0)}; "
+                   f"bounds are the larger of the fp32 ones and {verdict.ROUNDING_FACTOR:g}× that, per step and "
+                   f"per tensor ({widened} of {len(judged)} judged tensors' bound widened past 1e-5)")
 
 
 def _comm(run: dict) -> dict | None:

@@ -297,6 +297,7 @@ def render_markdown(results: dict, plots: list[Path]) -> str:
              f"Reference arm: **{results['reference']}** · machine: {results['machine'].get('device')} · "
              f"versions: {results['machine'].get('versions')}", "",
              *([f"Note: {results['dropout_note']}.", ""] if results.get("dropout_note") else []),
+             *([f"Note: {results['rounding_note']}.", ""] if results.get("rounding_note") else []),
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     lines += ["", *[part for note in table_notes(results) for part in (note, "")], flops_note(results), "",
@@ -360,7 +361,8 @@ td.diff{{background:#ffe08a;font-weight:bold}} img{{max-width:100%;display:block
 pre{{background:#f6f6f6;padding:8px}}</style></head><body>
 <h1>Strategy comparison: {esc(results['recipe'])}</h1>
 <p>Reference arm: <b>{esc(results['reference'])}</b> · {esc(str(results['machine'].get('device')))} ·
-{esc(str(results['machine'].get('versions')))}</p>{table}{note}<p>{esc(flops_note(results))}</p>
+{esc(str(results['machine'].get('versions')))}</p>{''.join(f"<p>Note: {esc(results[k])}.</p>" for k in
+("dropout_note", "rounding_note") if results.get(k))}{table}{note}<p>{esc(flops_note(results))}</p>
 <h2>Why arms differ</h2><ul>{why}</ul>
 <h2>Precision audit</h2><p>Read from the live objects after setup; highlighted cells differ from the reference.</p>
 {audit}<h2>Memory: predicted and measured</h2><p>{esc(MEMORY_NOTE)}</p><ul id='memory'>{memory}</ul>

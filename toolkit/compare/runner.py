@@ -128,6 +128,7 @@ def run_arm(experiment: Experiment, arm: Arm) -> str:
     if code == INTERRUPTED:
         return "interrupted"
     if code == 0 and arm_status(out) == "completed":
+        (out / "arm.json").write_text(json.dumps({"wall_s": time.perf_counter() - start}))  # its cost, in the report
         return "completed"
     lines = (out / "launch.log").read_text(errors="replace").strip().splitlines()
     (out / "failed.json").write_text(json.dumps({"exit_code": code, "error": failure_line(lines),
