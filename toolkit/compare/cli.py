@@ -83,7 +83,7 @@ def experiment_of(args):
 def cmd_compare(args) -> int:
     from toolkit.compare.experiment import dropout_note
     from toolkit.compare.report import build_results, write_report
-    from toolkit.compare.report_render import text_table
+    from toolkit.compare.console import summary_lines
     from toolkit.compare.runner import INTERRUPTED, Interrupted, run_experiment
 
     experiment = experiment_of(args)
@@ -104,9 +104,9 @@ def cmd_compare(args) -> int:
         return INTERRUPTED
     results = build_results(experiment)
     write_report(results, experiment.out_dir)
-    print(text_table(results))
-    print(f"[compare] report: {experiment.out_dir / 'report.html'} · {experiment.out_dir / 'report.md'} · "
-          f"{experiment.out_dir / 'results.json'}")
+    print("\n".join(summary_lines(results)))  # the full table: report.md and report.html
+    print(f"[compare] report: {experiment.out_dir / 'report.html'}")
+    print(f"[compare] also: report.md, results.json (every arm's resolved recipe) in {experiment.out_dir}")
     if (experiment.out_dir / "tensorboard").is_dir():  # train.report_to tensorboard: one run per arm
         print(f"[compare] curves: tensorboard --logdir {experiment.out_dir / 'tensorboard'}")
     return 1 if "failed" in statuses.values() else 0
@@ -115,12 +115,12 @@ def cmd_compare(args) -> int:
 def cmd_report(args) -> int:
     from toolkit.compare.experiment import Experiment
     from toolkit.compare.report import build_results, write_report
-    from toolkit.compare.report_render import text_table
+    from toolkit.compare.console import summary_lines
 
     experiment = Experiment.load(Path(args.experiment_dir))
     results = build_results(experiment)
     write_report(results, experiment.out_dir)
-    print(text_table(results))
+    print("\n".join(summary_lines(results)))
     print(f"[report] {experiment.out_dir / 'report.html'}")
     return 0
 
