@@ -39,7 +39,13 @@ def test_fp32_strategies_are_all_equivalent(experiment):
     assert arms["single"]["verdict"] == "reference"
     for name in ("ddp", "fsdp", "zero3", "pp-1f1b"):
         assert arms[name]["verdict"] == "equivalent", (name, arms[name])
-    assert "equivalent" in stdout and "tokens/s" in stdout  # the terminal prints the table
+    # the terminal ends with the verdict table and the recommendation, every line of it within 120 characters
+    end = stdout[stdout.index("\narm "):stdout.index("[compare] report:")].strip().splitlines()
+    assert end[0].split()[:4] == ["arm", "world", "precision", "verdict"] and "tokens/s" in end[0]
+    assert [line.split()[0] for line in end[2:7]] == ["single", "ddp", "fsdp", "zero3", "pp-1f1b"]
+    assert all(" equivalent " in line for line in end[3:7]), end
+    assert end[end.index("recommendation:") + 1].startswith("- fastest equivalent arm:")
+    assert max(len(line) for line in end) <= 120, end
 
 
 def test_sharded_arms_hold_half_the_model_states_of_ddp(experiment):
@@ -126,7 +132,9 @@ def test_pipeline_arm_shows_its_bubble_and_stage_traffic(experiment):
     section = report.split("## Pipeline stages", 1)[1].split("##", 1)[0]
     assert "pp-1f1b: rank 0 stage 0: idle " in section and "theoretical bubble 0.33" in section
     assert "0.06 MiB sent between stages per step" in section
-    assert "(theory 0.33)" in stdout and "id='pipeline'" in (out / "report.html").read_text()
+    measurements = report.split("## All measurements", 1)[1].split("\n## ", 1)[0]  # the full table: not the console's
+    assert re.search(r"\| pp-1f1b \|.*\| \d\.\d\d \(theory 0\.33\) \|", measurements), measurements
+    assert "(theory 0.33)" not in stdout and "id='pipeline'" in (out / "report.html").read_text()
 
 
 def test_report_files_exist_and_html_renders(experiment, tmp_path):
@@ -171,7 +179,7 @@ def test_planted_divergence_and_failed_arm_then_resume(tmp_path, tiny_llama_dir)
     assert failed["status"] == "failed" and "data.max_length 1 leaves no room for text" in failed["error"], failed
     why = (out / "report.md").read_text().split("## Why arms differ", 1)[1].split("##", 1)[0]
     assert "**single@data.max_length=1** failed: " in why  # the table and this section agree
-    assert "optim.lr" in (out / "report.md").read_text()
+    assert "- **single@optim.lr=0.002**\n  - `optim.lr: 0.001 → 0.002`\n" in (out / "report.md").read_text()
 
     # a re-run runs the failed arm again, and only it (an arm damaged or never run is run again too:
     # tests/test_compare_inputs.py)
@@ -236,6 +244,14 @@ def test_noise_driven_weights_are_exactly_the_attention_key_biases(bert_experime
     arms = _arms(results)
     assert arms["fsdp"]["verdict"] == "equivalent", arms["fsdp"].get("differences")
     assert arms["fsdp"]["noise_note"].startswith("noise-driven (gradient ≈ 0 by construction")
+    # the report names each once, under its own heading, with the arms that moved it and how far; not as a reason
+    # why arms differ
+    report = (out / "report.md").read_text()
+    section = report.split("## Not judged: weights moved by rounding alone\n", 1)[1].split("\n## ", 1)[0]
+    for key in keys:
+        assert report.count(key) == 1 and re.search(rf"- {re.escape(key)}: fsdp (unchanged|\|Δ\| \S+), "
+                                                    rf"single@optim.weight_decay=0.05 (unchanged|\|Δ\| \S+)", section)
+    assert "key.bias" not in report.split("## Why arms differ", 1)[1].split("\n## ", 1)[0] and "up to 0" not in report
 
 
 def test_a_real_setting_difference_diverges_and_is_named(bert_experiment):
@@ -268,9 +284,14 @@ def test_weights_moved_outside_tolerance_diverge_naming_the_tensor(bert_experime
     assert f"fsdp** (diverged in final weights) vs single: final weights: {name}" in (copy / "report.md").read_text()
 
 
-def test_report_ends_with_a_recommendation(experiment):
-    report = (experiment[0] / "report.md").read_text()
-    advice = report.split("## Recommendation", 1)[1].split("##", 1)[0]
+def test_report_opens_with_the_verdicts_and_a_recommendation(experiment):
+    out, results, stdout = experiment
+    report = (out / "report.md").read_text()
+    top, advice = report.split("\n## Recommendation\n", 1)
+    # the narrow verdict table before it: one row per arm
+    assert "| arm | world | precision | verdict | tokens/s | × ref | peak MiB/rank | final loss |" in top
+    assert all(f"| {a['arm']} | {a['world_size']} | fp32 | {a['verdict']} | " in top for a in results["arms"])
+    advice = advice.split("\n## ", 1)[0]
     # 5 steps time 3 (step 1 warms up, step 3 counts collectives): too few to name a fastest arm
     assert re.search(r"fastest equivalent arm: not told apart: \S+ has the highest median \(\d+ tokens/s, "
                      r"\d\.\d\d× the reference\), but its difference to \S+ is not measured enough \(\S+ timed "
@@ -278,4 +299,12 @@ def test_report_ends_with_a_recommendation(experiment):
     assert "least memory per rank: **" in advice
     # FSDP holds 1/2 of the model states at 2 ranks (a few buffers are not sharded)
     assert re.search(r"fsdp: -(4[5-9]|5[0-5]) % model-state memory per rank vs ddp, \d\.\d\d× its tokens/s", advice)
-    assert report.rindex("\n## ") == report.index("\n## Recommendation")  # the report ends with it
+    assert "least memory per rank: " in stdout and "fsdp: -" in stdout  # the console prints it too
+    # the details after; each arm's recipe as its changes, the reference's whole recipe at the end
+    assert report.index("\n## Recommendation") < report.index("\n## All measurements") < report.index(
+        "\n## Why arms differ") < report.index("\n## Recipes: what each arm changes from the reference")
+    assert report.rindex("\n## ") == report.index("\n## Appendix: the reference arm's resolved recipe (single)")
+    changes = report.split("## Recipes: what each arm changes from the reference", 1)[1].split("\n## ", 1)[0]
+    assert "- **fsdp**\n  - `strategy.name: single → fsdp`\n" in changes and "model.config" not in changes
+    assert report.count("```yaml\nmodel:\n") == 1  # one whole recipe, the reference's, in the appendix
+    assert report.index("```yaml\nmodel:\n") > report.index("\n## Appendix")

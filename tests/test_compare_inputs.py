@@ -186,8 +186,11 @@ def test_report_shows_an_arm_whose_metrics_are_damaged_and_the_others(two_arms, 
     assert damaged["status"] == damaged["verdict"] == "damaged"
     assert str(copy / "single@optim.lr=2e-3" / "metrics.jsonl") in damaged["error"] and words in damaged["error"]
     assert arms["single"]["verdict"] == "reference" and arms["single"]["tokens_per_s"] > 0
-    assert "damaged: " in table and f"**single@optim.lr=2e-3** damaged: {damaged['error']}" in \
-        (copy / "report.md").read_text()
+    # the console says it below its verdict table, wrapped at 120 characters; report.md in full
+    printed = [line for line in table.splitlines() if not line.startswith("[report]")]
+    assert f"single@optim.lr=2e-3 damaged: {damaged['error']}" in " ".join(line.strip() for line in printed)
+    assert max(len(line) for line in printed) <= 120, printed
+    assert f"**single@optim.lr=2e-3** damaged: {damaged['error']}" in (copy / "report.md").read_text()
 
 
 @pytest.mark.parametrize("status", ["damaged", "pending"])

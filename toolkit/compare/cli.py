@@ -106,7 +106,7 @@ def experiment_of(args):
 def cmd_compare(args) -> int:
     from toolkit.compare.experiment import dropout_note
     from toolkit.compare.report import build_results, write_report
-    from toolkit.compare.report_render import text_table
+    from toolkit.compare.console import summary_lines, wrapped
     from toolkit.compare.runner import INTERRUPTED, Interrupted, run_experiment
 
     experiment = experiment_of(args)
@@ -114,7 +114,7 @@ def cmd_compare(args) -> int:
           f"({', '.join(a.name for a in experiment.arms)})", flush=True)
     note = dropout_note(experiment.common)
     if note:
-        print(f"[compare] {note}", flush=True)
+        print("\n".join(wrapped(f"[compare] {note}")), flush=True)
     try:
         statuses = run_experiment(experiment, log=lambda line: print(line, flush=True))
     except Interrupted as stop:
@@ -127,9 +127,9 @@ def cmd_compare(args) -> int:
         return INTERRUPTED
     results = build_results(experiment)
     write_report(results, experiment.out_dir)
-    print(text_table(results))
-    print(f"[compare] report: {experiment.out_dir / 'report.html'} · {experiment.out_dir / 'report.md'} · "
-          f"{experiment.out_dir / 'results.json'}")
+    print("\n".join(summary_lines(results)))  # the full table: report.md and report.html
+    print(f"[compare] report: {experiment.out_dir / 'report.html'}")
+    print(f"[compare] also: report.md, results.json (every arm's resolved recipe) in {experiment.out_dir}")
     if (experiment.out_dir / "tensorboard").is_dir():  # train.report_to tensorboard: one run per arm
         print(f"[compare] curves: tensorboard --logdir {experiment.out_dir / 'tensorboard'}")
     return 1 if "failed" in statuses.values() else 0
@@ -138,12 +138,12 @@ def cmd_compare(args) -> int:
 def cmd_report(args) -> int:
     from toolkit.compare.experiment import Experiment
     from toolkit.compare.report import build_results, write_report
-    from toolkit.compare.report_render import text_table
+    from toolkit.compare.console import summary_lines, wrapped
 
     experiment = Experiment.load(Path(args.experiment_dir))
     results = build_results(experiment)
     write_report(results, experiment.out_dir)
-    print(text_table(results))
+    print("\n".join(summary_lines(results)))
     print(f"[report] {experiment.out_dir / 'report.html'}")
     return 0
 

@@ -12,6 +12,9 @@ import yaml
 
 from toolkit.compare import measure, verdict
 from toolkit.compare.memory_report import MEMORY_NOTE, memory_lines
+from toolkit.compare.recommend import EQUIVALENT, recommendations
+from toolkit.compare.report_sections import (NOT_JUDGED_HEADING, RECIPES_NOTE, arm_recipe_lines, not_judged_section,
+                                             reference_recipe)
 
 AUDIT_ROWS = ("forward_params", "master_weights", "gradients", "grad_reduction", "optimizer_state",
               "loss_scaling", "optimizer")
@@ -74,9 +77,10 @@ def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
-def table_notes(results: dict) -> list[str]:
+def table_notes(results: dict, *, compact: bool = False) -> list[str]:
     """Below the table: why `× ref` shows – (the reference arm has no throughput to divide by), and which arms'
-    speeds were timed over too few steps to be set against each other."""
+    speeds were timed over too few steps to be set against each other. compact: below the verdict table, whose
+    unsteady cells carry UNSTEADY_MARK and which has no comm column (its set-up note left out)."""
     notes = []
     reference = next(r for r in results["arms"] if r["arm"] == results["reference"])
     if reference["status"] != "completed":
@@ -91,11 +95,11 @@ def table_notes(results: dict) -> list[str]:
                      f"{_steps_for(few, measure.MIN_TIMED_STEPS)} or more)")
     unsteady = [r for r in done if _unsteady(r)]
     if unsteady:
-        notes.append(f"{UNSTEADY.strip()}: {', '.join(r['arm'] for r in unsteady)} ran no step past the warm-up and "
+        notes.append(f"{UNSTEADY_MARK + ' ' if compact else ''}{UNSTEADY.strip()}: {', '.join(r['arm'] for r in unsteady)} ran no step past the warm-up and "
                      "the step that counts collectives, so their tokens/s, × ref, step time, bubble and MFU are "
                      "those steps' (allocation, caches, a hook per collective), no steady speed (run --steps "
                      f"{_steps_for(unsteady, 1)} to time one steady step)")
-    setup = [r for r in done if r.get("comm") and r["comm"]["includes_setup"]]
+    setup = [r for r in done if r.get("comm") and r["comm"]["includes_setup"] and not compact]
     if setup:
         steps = " or ".join(sorted({str(r["comm"]["step"]) for r in setup}))
         notes.append(f"{SETUP.strip()}: {', '.join(r['arm'] for r in setup)} counted collectives on step {steps}, "
@@ -110,11 +114,36 @@ def _steps_for(rows: list[dict], num_timed: int) -> int:
     return max(measure.steps_for_timed(num_timed, measure.profile_window(r)) for r in rows)
 
 
-def text_table(results: dict) -> str:
-    head, rows = table_rows(results)
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
-    return "\n".join([line(head), line(["-" * w for w in widths]), *[line(r) for r in rows], *table_notes(results)])
+VERDICT_HEAD = ["arm", "world", "precision", "verdict", "tokens/s", "× ref", "peak MiB/rank", "final loss"]
+UNSTEADY_MARK = "†"  # the verdict table's short (no steady step): the full table spells it out in each cell
+
+
+def verdict_rows(results: dict) -> tuple[list[str], list[list[str]]]:
+    """The narrow table read first, what a person choosing a strategy needs: does the arm compute the same thing,
+    how fast, how much memory (the largest rank's peak). A failed arm's error goes below it (below_verdicts),
+    never in a cell: one error would make every row as wide as itself."""
+    reference = next(r for r in results["arms"] if r["arm"] == results["reference"])
+    rows = []
+    for r in results["arms"]:
+        if r["status"] != "completed":
+            rows.append([r["arm"], str(r["world_size"]), "", r["verdict"], "", "", "", ""])
+            continue
+        mark = UNSTEADY_MARK if _unsteady(r) else ""
+        ref_mark = mark or (UNSTEADY_MARK if _unsteady(reference) else "")
+        peaks = [b for b in r["peak_mem_bytes_per_rank"] if b is not None]
+        rows.append([r["arm"], str(r["world_size"]), r["precision"], r["verdict"], f"{r['tokens_per_s']:.0f}{mark}",
+                     f"{r['speedup_vs_reference']:.2f}{ref_mark}" if "speedup_vs_reference" in r else "–",
+                     _mib([max(peaks)]) if peaks else "n/a", f"{r['final_loss']:.4f}"])
+    return VERDICT_HEAD, rows
+
+
+def below_verdicts(results: dict) -> list[str]:
+    """The long texts of the verdict table, each a line of its own: why an arm failed or ran as another strategy,
+    then the table's notes."""
+    out = [f"{r['arm']} {r['verdict']}: {r['error']}" for r in results["arms"] if r["status"] != "completed"]
+    out += [f"{r['arm']} did not run as its strategy on this machine: {r['fallback']}" for r in results["arms"]
+            if r.get("fallback")]
+    return out + table_notes(results, compact=True)
 
 
 def audit_table(results: dict) -> tuple[list[str], list[list[tuple[str, bool]]]]:
@@ -129,7 +158,6 @@ def audit_table(results: dict) -> tuple[list[str], list[list[tuple[str, bool]]]]
     return ["setting"] + [r["arm"] for r in arms], rows
 
 
-EQUIVALENT = ("reference", "equivalent", "equivalent within precision noise")
 
 
 def _explanations(results: dict) -> list[str]:
@@ -153,76 +181,6 @@ def _explanations(results: dict) -> list[str]:
         details = details or ["no recipe key or precision-audit row differs"]
         out.append(f"**{r['arm']}** ({r['verdict']}) vs {results['reference']}: " + "; ".join(details))
     return out
-
-
-def _not_judged(results: dict) -> list[str]:
-    out = [f"{r['arm']}: {r['noise_note']}" for r in results["arms"] if r.get("noise_note")]
-    if any(r.get("noise_map") is False for r in results["arms"]):
-        out.append("the reference arm recorded no gradient scale, so no weight was set aside as noise-driven")
-    return out
-
-
-def _state_mib(r: dict) -> float:
-    return max(r["model_state_bytes_per_rank"] or [0]) / 2 ** 20
-
-
-def recommendations(results: dict) -> list[str]:
-    """Read from the table: the fastest equivalent arm (when its speed is told apart from every other's: see
-    measure.speed_doubt), the one with the least memory per rank, and what each arm buys and costs next to a
-    baseline, named in a line of its own with why it (see _baseline)."""
-    done = [r for r in results["arms"] if r["status"] == "completed" and "verdict" in r]
-    ok = [r for r in done if r["verdict"] in EQUIVALENT and not r.get("fallback")]  # fallback: another's numbers
-    if not ok:
-        return ["no arm finished with an equivalent result: nothing to recommend"]
-    leanest = min(ok, key=_state_mib)
-    base, why = _baseline(results, done=done, ok=ok)
-    lines = [_fastest_line(ok),
-             f"least memory per rank: **{leanest['arm']}** ({_state_mib(leanest):.0f} MiB of params + grads + "
-             f"optimizer state per rank)",
-             f"each arm below is set against **{base['arm']}**: {why}"]
-    for r in done:
-        if r is base:
-            continue
-        if r not in ok:
-            lines.append(f"{r['arm']}: not recommended: {r['verdict']}")
-            continue
-        memory = (_state_mib(r) / _state_mib(base) - 1) * 100 if _state_mib(base) else float("nan")
-        doubt = measure.speed_doubt(r, base)
-        lines.append(f"{r['arm']}: {memory:+.0f} % model-state memory per rank vs {base['arm']}, "
-                     f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}× its tokens/s"
-                     + (f" ({doubt[0]})" if doubt else ""))
-    return lines
-
-
-def _baseline(results: dict, *, done: list[dict], ok: list[dict]) -> tuple[dict, str]:
-    """The arm the others' memory and tokens/s are set against, and why it: plain data parallelism (its first
-    equivalent arm), what every other strategy is a trade against; without one, the reference arm (else the first
-    equivalent arm). It was the multi-rank arm with the most model-state memory: with no ddp arm that was tp or a
-    pipeline, neither of them data parallelism, and nothing said why."""
-    plain = [r for r in done if r.get("plain_data_parallel")]
-    base = next((r for r in plain if r in ok), None)
-    if base is not None:
-        return base, (f"plain data parallelism (a full replica on each of its {base['world_size']} rank(s), the batch "
-                      "split over them), what the other strategies trade memory and speed against")
-    missing = (f"plain data parallelism ({', '.join(r['arm'] for r in plain)}) is not recommended" if plain else
-               f"no arm ran plain data parallelism ({', '.join(results['plain_data_parallel'])})")
-    reference = next((r for r in ok if r["arm"] == results["reference"]), None)
-    if reference is not None:
-        return reference, f"the reference arm, as {missing}"
-    return ok[0], f"the first equivalent arm, as {missing} and the reference arm is not recommended"
-
-
-def _fastest_line(ok: list[dict]) -> str:
-    """The equivalent arm with the highest median tokens/s, named fastest only when it is told apart from each other
-    equivalent arm (the closest first); else which difference is not measured enough or within noise, and why."""
-    fastest, *others = sorted(ok, key=lambda r: r["tokens_per_s"], reverse=True)
-    speed = (f"{fastest['tokens_per_s']:.0f} tokens/s, "
-             f"{fastest.get('speedup_vs_reference', float('nan')):.2f}× the reference")
-    against, doubt = next(((r, d) for r in others if (d := measure.speed_doubt(fastest, r))), (None, None))
-    if against is None or doubt is None:
-        return f"fastest equivalent arm: **{fastest['arm']}** ({speed})"
-    return (f"fastest equivalent arm: not told apart: {fastest['arm']} has the highest median ({speed}), but its "
-            f"difference to {against['arm']} is {doubt[0]} ({doubt[1]})")
 
 
 def _comm_lines(results: dict) -> list[str]:
@@ -291,19 +249,27 @@ def _peaks_used(results: dict) -> str:
     return "peaks: " + "; ".join(f"{', '.join(arms)}: {peak}" for peak, arms in users.items())
 
 
+def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *["| " + " | ".join(r) + " |" for r in rows]]
+
+
 def render_markdown(results: dict, plots: list[Path]) -> str:
-    head, rows = table_rows(results)
+    """The verdict table and the recommendation first, then the details; the reference's whole recipe last."""
     lines = [f"# Strategy comparison: {results['recipe']}", "",
              f"Reference arm: **{results['reference']}** · machine: {results['machine'].get('device')} · "
              f"versions: {results['machine'].get('versions')}", "",
              *([f"Note: {results['dropout_note']}.", ""] if results.get("dropout_note") else []),
-             *([f"Note: {results['rounding_note']}.", ""] if results.get("rounding_note") else []),
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    lines += ["", *[part for note in table_notes(results) for part in (note, "")], flops_note(results), "",
-              "## Why arms differ", ""]
+             *_md_table(*verdict_rows(results)), ""]
+    lines += [*[f"- {text}" for text in below_verdicts(results)], *([""] if below_verdicts(results) else [])]
+    lines += ["## Recommendation", ""] + [f"- {line}" for line in recommendations(results)]
+    lines += ["", "## All measurements", "", *_md_table(*table_rows(results)), ""]
+    lines += [*[part for note in table_notes(results) for part in (note, "")], flops_note(results), "",
+              "## Why arms differ", "",
+              *([f"Note: {results['rounding_note']}.", ""] if results.get("rounding_note") else [])]
     lines += [f"- {e}" for e in _explanations(results)] or ["- every arm matches the reference"]
-    lines += [f"- {n}" for n in _not_judged(results)]
+    note, not_judged = not_judged_section(results)
+    if not_judged:
+        lines += ["", f"## {NOT_JUDGED_HEADING}", "", *([note, ""] if note else []), *[f"- {n}" for n in not_judged]]
     a_head, a_rows = audit_table(results)
     lines += ["", "## Precision audit (read from the live objects; **bold** = differs from the reference)", "",
               "| " + " | ".join(a_head) + " |", "|" + "---|" * len(a_head)]
@@ -316,23 +282,39 @@ def render_markdown(results: dict, plots: list[Path]) -> str:
     if pipeline:
         lines += ["", "## Pipeline stages", "", PIPELINE_NOTE, ""] + [f"- {p}" for p in pipeline]
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
-    lines += ["", "## Tolerances", "", "```", results["tolerances"], "```", "", "## Resolved recipes", ""]
-    for r in results["arms"]:
-        if r.get("recipe"):
-            lines += [f"### {r['arm']}", "```yaml", yaml.safe_dump(r["recipe"], sort_keys=False).strip(), "```"]
-    lines += ["", "## Recommendation", ""]
-    lines += [f"- {line}" for line in recommendations(results)]
+    lines += ["", "## Tolerances", "", "```", results["tolerances"], "```"]
+    lines += ["", "## Recipes: what each arm changes from the reference", "", RECIPES_NOTE, ""]
+    for arm, changes in arm_recipe_lines(results):
+        lines += [f"- **{arm}**", *[f"  - `{c}`" for c in changes]]
+    reference = reference_recipe(results)
+    if reference:
+        lines += ["", f"## Appendix: the reference arm's resolved recipe ({results['reference']})", "", "```yaml",
+                  yaml.safe_dump(reference, sort_keys=False).strip(), "```"]
     return "\n".join(lines) + "\n"
 
 
-def render_html(results: dict, plots: list[Path]) -> str:
-    esc = html.escape
-    head, rows = table_rows(results)
-    table = "<table id='summary'><tr>" + "".join(f"<th>{esc(h)}</th>" for h in head) + "</tr>"
+def _html_table(table_id: str, head: list[str], rows: list[list[str]]) -> str:
+    """Rows whose verdict (the column named so) is a failure or a divergence are marked bad, the others ok."""
+    esc, verdict_at = html.escape, head.index("verdict")
+    out = f"<table id='{table_id}'><tr>" + "".join(f"<th>{esc(h)}</th>" for h in head) + "</tr>"
     for row in rows:
-        cls = "bad" if row[-1].startswith(("failed", "damaged", "diverged")) else "ok"
-        table += f"<tr class='{cls}'>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>"
-    table += "</table>"
+        cls = "bad" if row[verdict_at].startswith(("failed", "damaged", "diverged", "no reference")) else "ok"
+        out += f"<tr class='{cls}'>" + "".join(
+            f"<td{' class=verdict' if i == verdict_at else ''}>{esc(c)}</td>" for i, c in enumerate(row)) + "</tr>"
+    return out + "</table>"
+
+
+def _items(texts: list[str], empty: str = "") -> str:
+    return "".join(f"<li>{html.escape(t.replace('**', ''))}</li>" for t in texts) or (
+        f"<li>{html.escape(empty)}</li>" if empty else "")
+
+
+def render_html(results: dict, plots: list[Path]) -> str:
+    """report.md's order, in one file (plots inlined); the reference's whole recipe in a collapsed <details>."""
+    esc = html.escape
+    dropout = f"<p>Note: {esc(results['dropout_note'])}.</p>" if results.get("dropout_note") else ""
+    rounding = f"<p>Note: {esc(results['rounding_note'])}.</p>" if results.get("rounding_note") else ""
+    below = f"<ul id='below-verdicts'>{_items(below_verdicts(results))}</ul>" if below_verdicts(results) else ""
     note = "".join(f"<p class='table-note'>{esc(note)}</p>" for note in table_notes(results))
     a_head, a_rows = audit_table(results)
     audit = "<table id='audit'><tr>" + "".join(f"<th>{esc(h)}</th>" for h in a_head) + "</tr>"
@@ -341,32 +323,34 @@ def render_html(results: dict, plots: list[Path]) -> str:
     audit += "</table>"
     images = "".join(f"<img alt='{p.stem}' src='data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}'>"
                      for p in plots)
-    why = "".join(f"<li>{esc(e.replace('**', ''))}</li>" for e in _explanations(results)) or \
-        "<li>every arm matches the reference</li>"
-    why += "".join(f"<li>{esc(n)}</li>" for n in _not_judged(results))
-    advice = "".join(f"<li>{esc(line.replace('**', ''))}</li>" for line in recommendations(results))
-    comm = "".join(f"<li>{esc(c)}</li>" for c in _comm_lines(results)) or "<li>n/a</li>"
-    memory = "".join(f"<li>{esc(m)}</li>" for m in memory_lines(results)) or "<li>n/a</li>"
-    pipeline = "".join(f"<li>{esc(p)}</li>" for p in _pipeline_lines(results))
+    why = _items(_explanations(results), "every arm matches the reference")
+    judged_note, judged_lines = not_judged_section(results)
+    not_judged = (f"<h2>{esc(NOT_JUDGED_HEADING)}</h2>" + (f"<p>{esc(judged_note)}</p>" if judged_note else "")
+                  + f"<ul id='not-judged'>{_items(judged_lines)}</ul>") if judged_lines else ""
+    pipeline = _items(_pipeline_lines(results))
     if pipeline:
         pipeline = f"<h2>Pipeline stages</h2><p>{esc(PIPELINE_NOTE)}</p><ul id='pipeline'>{pipeline}</ul>"
-    recipes = "".join(f"<details><summary>{esc(r['arm'])}</summary><pre>"
-                      f"{esc(yaml.safe_dump(r['recipe'], sort_keys=False))}</pre></details>"
-                      for r in results["arms"] if r.get("recipe"))
+    changes = "".join(f"<li><b>{esc(arm)}</b><ul>{''.join(f'<li><code>{esc(c)}</code></li>' for c in lines)}</ul></li>"
+                      for arm, lines in arm_recipe_lines(results))
+    reference = reference_recipe(results)
+    appendix = (f"<h2>Appendix: the reference arm's resolved recipe</h2><details><summary>{esc(results['reference'])}"
+                f"</summary><pre>{esc(yaml.safe_dump(reference, sort_keys=False))}</pre></details>" if reference else "")
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>Strategy comparison</title><style>
 body{{font-family:sans-serif;margin:2em;color:#222}} table{{border-collapse:collapse;margin:1em 0}}
 td,th{{border:1px solid #bbb;padding:4px 8px;font-size:13px}} th{{background:#eee}}
-tr.bad td:last-child{{color:#b00;font-weight:bold}} tr.ok td:last-child{{color:#070}}
+tr.bad td.verdict{{color:#b00;font-weight:bold}} tr.ok td.verdict{{color:#070}}
 td.diff{{background:#ffe08a;font-weight:bold}} img{{max-width:100%;display:block;margin:1em 0}}
 pre{{background:#f6f6f6;padding:8px}}</style></head><body>
 <h1>Strategy comparison: {esc(results['recipe'])}</h1>
 <p>Reference arm: <b>{esc(results['reference'])}</b> · {esc(str(results['machine'].get('device')))} ·
-{esc(str(results['machine'].get('versions')))}</p>{''.join(f"<p>Note: {esc(results[k])}.</p>" for k in
-("dropout_note", "rounding_note") if results.get(k))}{table}{note}<p>{esc(flops_note(results))}</p>
-<h2>Why arms differ</h2><ul>{why}</ul>
+{esc(str(results['machine'].get('versions')))}</p>{dropout}{_html_table('verdicts', *verdict_rows(results))}{below}
+<h2>Recommendation</h2><ul id='recommendation'>{_items(recommendations(results))}</ul>
+<h2>All measurements</h2>{_html_table('summary', *table_rows(results))}{note}<p>{esc(flops_note(results))}</p>
+<h2>Why arms differ</h2>{rounding}<ul>{why}</ul>{not_judged}
 <h2>Precision audit</h2><p>Read from the live objects after setup; highlighted cells differ from the reference.</p>
-{audit}<h2>Memory: predicted and measured</h2><p>{esc(MEMORY_NOTE)}</p><ul id='memory'>{memory}</ul>
-<h2>Communication per step</h2><p>{esc(COMM_NOTE)}</p><ul>{comm}</ul>{pipeline}<h2>Plots</h2>{images}<h2>Tolerances</h2><pre>{esc(results['tolerances'])}</pre>
-<h2>Resolved recipes</h2>{recipes}
-<h2>Recommendation</h2><ul>{advice}</ul></body></html>
+{audit}<h2>Memory: predicted and measured</h2><p>{esc(MEMORY_NOTE)}</p><ul id='memory'>{_items(memory_lines(results), "n/a")}</ul>
+<h2>Communication per step</h2><p>{esc(COMM_NOTE)}</p><ul>{_items(_comm_lines(results), "n/a")}</ul>{pipeline}
+<h2>Plots</h2>{images}<h2>Tolerances</h2><pre>{esc(results['tolerances'])}</pre>
+<h2>Recipes: what each arm changes from the reference</h2><p>{esc(RECIPES_NOTE)}</p><ul id='recipe-changes'>{changes}</ul>
+{appendix}</body></html>
 """

@@ -1,0 +1,72 @@
+"""The report's recommendation, read from the results' rows: the fastest equivalent arm (only when measured apart),
+the one with the least memory per rank, and what each arm buys and costs against a baseline."""
+
+from __future__ import annotations
+
+from toolkit.compare import measure
+
+# the verdicts of an arm that computed what the reference did
+EQUIVALENT = ("reference", "equivalent", "equivalent within precision noise")
+
+
+def _state_mib(r: dict) -> float:
+    return max(r["model_state_bytes_per_rank"] or [0]) / 2 ** 20
+
+
+def recommendations(results: dict) -> list[str]:
+    """Read from the table: the fastest equivalent arm (when its speed is told apart from every other's: see
+    measure.speed_doubt), the one with the least memory per rank, and what each arm buys and costs next to a
+    baseline, named in a line of its own with why it (see _baseline)."""
+    done = [r for r in results["arms"] if r["status"] == "completed" and "verdict" in r]
+    ok = [r for r in done if r["verdict"] in EQUIVALENT and not r.get("fallback")]  # fallback: another's numbers
+    if not ok:
+        return ["no arm finished with an equivalent result: nothing to recommend"]
+    leanest = min(ok, key=_state_mib)
+    base, why = _baseline(results, done=done, ok=ok)
+    lines = [_fastest_line(ok),
+             f"least memory per rank: **{leanest['arm']}** ({_state_mib(leanest):.0f} MiB of params + grads + "
+             f"optimizer state per rank)",
+             f"each arm below is set against **{base['arm']}**: {why}"]
+    for r in done:
+        if r is base:
+            continue
+        if r not in ok:
+            lines.append(f"{r['arm']}: not recommended: {r['verdict']}")
+            continue
+        memory = (_state_mib(r) / _state_mib(base) - 1) * 100 if _state_mib(base) else float("nan")
+        doubt = measure.speed_doubt(r, base)
+        lines.append(f"{r['arm']}: {memory:+.0f} % model-state memory per rank vs {base['arm']}, "
+                     f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}× its tokens/s"
+                     + (f" ({doubt[0]})" if doubt else ""))
+    return lines
+
+
+def _baseline(results: dict, *, done: list[dict], ok: list[dict]) -> tuple[dict, str]:
+    """The arm the others' memory and tokens/s are set against, and why it: plain data parallelism (its first
+    equivalent arm), what every other strategy is a trade against; without one, the reference arm (else the first
+    equivalent arm). It was the multi-rank arm with the most model-state memory: with no ddp arm that was tp or a
+    pipeline, neither of them data parallelism, and nothing said why."""
+    plain = [r for r in done if r.get("plain_data_parallel")]
+    base = next((r for r in plain if r in ok), None)
+    if base is not None:
+        return base, (f"plain data parallelism (a full replica on each of its {base['world_size']} rank(s), the batch "
+                      "split over them), what the other strategies trade memory and speed against")
+    missing = (f"plain data parallelism ({', '.join(r['arm'] for r in plain)}) is not recommended" if plain else
+               f"no arm ran plain data parallelism ({', '.join(results['plain_data_parallel'])})")
+    reference = next((r for r in ok if r["arm"] == results["reference"]), None)
+    if reference is not None:
+        return reference, f"the reference arm, as {missing}"
+    return ok[0], f"the first equivalent arm, as {missing} and the reference arm is not recommended"
+
+
+def _fastest_line(ok: list[dict]) -> str:
+    """The equivalent arm with the highest median tokens/s, named fastest only when it is told apart from each other
+    equivalent arm (the closest first); else which difference is not measured enough or within noise, and why."""
+    fastest, *others = sorted(ok, key=lambda r: r["tokens_per_s"], reverse=True)
+    speed = (f"{fastest['tokens_per_s']:.0f} tokens/s, "
+             f"{fastest.get('speedup_vs_reference', float('nan')):.2f}× the reference")
+    against, doubt = next(((r, d) for r in others if (d := measure.speed_doubt(fastest, r))), (None, None))
+    if against is None or doubt is None:
+        return f"fastest equivalent arm: **{fastest['arm']}** ({speed})"
+    return (f"fastest equivalent arm: not told apart: {fastest['arm']} has the highest median ({speed}), but its "
+            f"difference to {against['arm']} is {doubt[0]} ({doubt[1]})")
