@@ -151,3 +151,23 @@ def test_a_warmup_as_long_as_the_run_is_said_once_and_the_run_goes_on(tmp_path, 
     assert said.count(note) == 1 and said.count("train.eval_every 1 is ignored") == 1, said
     # the lr the run logged at its last step is the warm-up's 2/4 of optim.lr (independent arithmetic)
     assert abs(metrics(out)[-1]["lr"] - 1e-3 * 2 / 4) < 1e-12
+
+
+def test_validate_says_where_dropout_makes_other_rank_splits_log_other_losses(tmp_path, tiny_bert_dir, capsys):
+    """The README's claim (1 rank × accum 4 and 2 ranks × accum 2 log the same numbers) holds with dropout off:
+    validate names the rate a run would drop out with, the model's own (read here from its config.json by
+    transformers) where model.dropout is null, and says nothing once it is 0."""
+    from transformers import AutoConfig
+
+    own = AutoConfig.from_pretrained(str(tiny_bert_dir)).hidden_dropout_prob
+    assert own > 0
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_bert_dir, task="sequence-classification",
+                          output_dir=tmp_path / "out")
+    cases = {"null": f"dropout {own:g} (the model's own", "0.2": "dropout 0.2 (model.dropout)", "0.0": None}
+    for value, said in cases.items():
+        assert main(["validate", str(recipe), "--set", f"model.dropout={value}"]) == 0
+        err = capsys.readouterr().err
+        if said is None:
+            assert "dropout" not in err, err
+        else:
+            assert err.count(said) == 1 and "model.dropout: 0.0 makes them log the same numbers" in err, err

@@ -164,7 +164,7 @@ def _nodes_of(args):
 def cmd_validate(args) -> int:
     from toolkit.checks import check_recipe
     from toolkit.model import load_tokenizer
-    from toolkit.notes import recipe_notes
+    from toolkit.notes import dropout_note, recipe_notes
     from toolkit.recipe_files import dump_recipe, load_recipe
 
     _check_nproc(args.nproc)
@@ -176,7 +176,9 @@ def cmd_validate(args) -> int:
           f"= global batch {plan.global_batch_size}")
     # what the run would say at start (those that need no tokenized data): a run of train.epochs counts its
     # steps once its data is tokenized, so its warm-up is checked by the run alone
-    for note in recipe_notes(recipe, load_tokenizer(recipe.model), total_steps=recipe.train.max_steps):
+    tokenizer = load_tokenizer(recipe.model)
+    for note in [*recipe_notes(recipe, tokenizer, total_steps=recipe.train.max_steps),
+                 *filter(None, [dropout_note(recipe, tokenizer)])]:
         print(note, file=sys.stderr)
     return 0
 

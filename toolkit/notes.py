@@ -33,3 +33,21 @@ def recipe_notes(recipe: Recipe, tokenizer, *, total_steps: int | None) -> list[
                      "nowhere, so output_dir/model (the adapter alone) loads onto no base; "
                      "model.lora.merge_on_export=true writes a usable model, as `toolkit convert` does from a checkpoint")
     return notes
+
+
+def dropout_note(recipe: Recipe, tokenizer) -> str | None:
+    """validate's note where the run drops out: its losses depend on how each global batch is split (the README's
+    claim that 1 rank × accum 4 and 2 ranks × accum 2 log the same numbers holds with dropout off)."""
+    from toolkit.model import hf_config
+
+    if recipe.model.dropout is not None:
+        rate, whose = recipe.model.dropout, "model.dropout"
+    else:
+        rates = [v for k, v in hf_config(recipe.model, tokenizer=tokenizer).to_dict().items()
+                 if k.endswith(("dropout", "dropout_prob")) and isinstance(v, (int, float)) and not isinstance(v, bool)]
+        rate, whose = max(rates, default=0.0), "the model's own; model.dropout null keeps it"
+    if not rate:
+        return None
+    return (f"[toolkit] dropout {rate:g} ({whose}): a dropout mask depends on how each global batch is split over "
+            "ranks and micro-batches, so this recipe at other ranks × accum (1 × 4, 2 × 2) logs other losses; "
+            "model.dropout: 0.0 makes them log the same numbers (as `toolkit compare` sets)")
