@@ -79,8 +79,14 @@ def test_matrix_file_and_calibration_arms(tmp_path, tiny_llama_dir):
     assert names[:2] == ["ddp-fp32-accum1", "ddp-fp32-accum2"] and len(names) == 8
     assert "batch.micro_batch_size=4" in experiment.arms[1].overrides  # 16 = 2 ranks × 4 × accum 2
     calib = calibration_arms(experiment)
-    assert [a.name for a in calib] == ["calibration-bf16-a", "calibration-bf16-b"]
-    assert "batch.micro_batch_size=8" in calib[0].overrides and "batch.micro_batch_size=4" in calib[1].overrides
+    # the reference (ddp-fp32-accum1) is fp32: its rounding reference, on one process with the experiment's global
+    # batch in micro-batches of the reference's 8 (accumulation derived: 2), and bf16's two calibration runs
+    assert [a.name for a in calib] == ["calibration-rounding", "calibration-bf16-a", "calibration-bf16-b"]
+    rounding = calib[0]
+    assert rounding.nproc == 1 and {"strategy.name=single", "batch.global_batch_size=16", "batch.micro_batch_size=8",
+                                    "train.init_perturbation=1e-07"} <= set(rounding.overrides)
+    assert "batch.micro_batch_size=8" in calib[1].overrides and "batch.micro_batch_size=4" in calib[2].overrides
+    assert all("train.report_to=[]" in arm.overrides for arm in calib)  # no tracker run beside the arms
     bad = tmp_path / "bad.yaml"
     bad.write_text(f"recipe: {recipe}\nstrategies: [ddp]\nprecision: [bf16]\n")
     with pytest.raises(RecipeError, match="unknown key 'precision'"):

@@ -27,9 +27,13 @@ def add_compare_commands(sub, add_overrides) -> None:
     report.add_argument("experiment_dir")
 
 
+# a calibration run is no arm of the experiment: its curves (train.report_to) would stand beside the arms' as one
+UNTRACKED = "train.report_to=[]"
+
+
 def calibration_arms(experiment) -> list:
     """Two reference runs per low precision, differing only in reduction order, and where the reference is fp32
-    one run of it on one process from a rounding-perturbed start (see verdict.py)."""
+    one run of it on one process from a rounding-perturbed start (see verdict.py); none tracked."""
     from toolkit.compare.experiment import RECORD_GRADIENT_SCALE, Arm
     from toolkit.recipe_files import load_recipe
     from toolkit.strategies import validate_strategy
@@ -49,9 +53,10 @@ def calibration_arms(experiment) -> list:
         micro = plan.micro_batch_size // 2 if plan.micro_batch_size % 2 == 0 else 1
         batch = [f"batch.global_batch_size={plan.global_batch_size}", "batch.grad_accum_steps=null"]
         out.append(Arm(f"calibration-{precision}-a", reference.nproc,
-                       (*base, *batch, f"batch.micro_batch_size={plan.micro_batch_size}", f"precision={precision}")))
+                       (*base, *batch, f"batch.micro_batch_size={plan.micro_batch_size}", f"precision={precision}",
+                        UNTRACKED)))
         out.append(Arm(f"calibration-{precision}-b", reference.nproc,
-                       (*base, *batch, f"batch.micro_batch_size={micro}", f"precision={precision}")))
+                       (*base, *batch, f"batch.micro_batch_size={micro}", f"precision={precision}", UNTRACKED)))
     return out
 
 
@@ -59,8 +64,7 @@ def rounding_arm(experiment):
     """The reference arm's job on one process (strategy single: one reduction order, the whole model built as
     loaded, so every strategy's reference can be perturbed) from weights × (1 + 1e-7·N(0,1)); None for a
     reference in bf16 or fp16, which calibration judges."""
-    from toolkit.compare.experiment import RECORD_GRADIENT_SCALE, Arm, arm_overrides
-    from toolkit.compare.report import ROUNDING_ARM
+    from toolkit.compare.experiment import RECORD_GRADIENT_SCALE, ROUNDING_ARM, Arm, arm_overrides
     from toolkit.compare.verdict import ROUNDING_PERTURBATION
     from toolkit.recipe_files import load_recipe
     from toolkit.strategies import validate_strategy
@@ -73,7 +77,7 @@ def rounding_arm(experiment):
     own = [o for o in reference.overrides if not o.startswith(("strategy.", "batch.", RECORD_GRADIENT_SCALE))]
     return Arm(ROUNDING_ARM, 1, (*arm_overrides("single"), *own, f"batch.global_batch_size={plan.global_batch_size}",
                                  f"batch.micro_batch_size={plan.micro_batch_size}", "batch.grad_accum_steps=null",
-                                 f"train.init_perturbation={ROUNDING_PERTURBATION}"))
+                                 f"train.init_perturbation={ROUNDING_PERTURBATION}", UNTRACKED))
 
 
 def experiment_of(args):

@@ -22,6 +22,10 @@ from toolkit.strategies import arm_aliases, make_strategy, strategy_info, valida
 from toolkit.yaml_files import read_yaml_mapping
 
 RECORD_GRADIENT_SCALE = "train.record_gradient_scale"  # the reference arm's gradient scale (see verdict.py)
+# runs the verdict reads and the report does not show as arms: two bf16/fp16 reference runs per low precision, and
+# the reference from a rounding-perturbed start (verdict.py)
+CALIBRATION_PREFIX = "calibration-"
+ROUNDING_ARM = f"{CALIBRATION_PREFIX}rounding"
 
 
 @dataclass(frozen=True)

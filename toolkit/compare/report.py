@@ -9,15 +9,13 @@ from pathlib import Path
 import yaml
 
 from toolkit.compare import measure, verdict
-from toolkit.compare.experiment import Experiment, dropout_note
+from toolkit.compare.experiment import CALIBRATION_PREFIX, ROUNDING_ARM, Experiment, dropout_note
 from toolkit.compare.report_render import render_html, render_markdown
 from toolkit.checkpoint.store import read_run_info
 from toolkit.comm import COMM_COUNT_STEP
 from toolkit.compare.runner import arm_dir, arm_status, read_metrics
 from toolkit.strategies import strategy_info, strategy_names
 
-CALIBRATION_PREFIX = "calibration-"
-ROUNDING_ARM = f"{CALIBRATION_PREFIX}rounding"  # the reference from a rounding-perturbed start (verdict.py)
 
 
 def load_arm(experiment: Experiment, arm) -> dict:
