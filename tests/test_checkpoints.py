@@ -419,3 +419,25 @@ def test_on_nonfinite_skip_drops_those_steps_and_keeps_the_weights_finite(runs, 
 
     step1 = load_file(str(tmp_path / "step1" / "model.safetensors"))
     assert step1.keys() == final.keys() and all(torch.equal(step1[k], final[k]) for k in final)
+
+
+def test_a_quick_run_keeps_no_final_checkpoint_and_a_continued_one_does(tmp_path, tiny_llama_dir):
+    """checkpoint.final null (the default): a run that trained under 10 minutes writes no final checkpoint (its
+    export is its result; its checkpoint would be 3× the fp32 model) and says so in its done line; its 2 ranks agree
+    (one collective flag); a run that continued a checkpoint keeps one, as does checkpoint.final true."""
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out, data={"eval": None},
+                          checkpoint={"final": None}, batch={"micro_batch_size": 4, "grad_accum_steps": 1})
+    quick = launch(recipe, nproc=2, overrides=("strategy.name=ddp", "train.max_steps=2"))
+    assert not (out / "checkpoints").exists() and (out / "model" / "model.safetensors").is_file()
+    assert "no final checkpoint: a run of " in quick.stderr and "checkpoint.final: true keeps one" in quick.stderr
+    assert json.loads((out / "run.json").read_text())["status"] == "completed"
+    # every 2 steps to step 2, then continued to step 3, which only the final checkpoint of a continued run writes
+    steps = tmp_path / "steps"
+    launch(recipe, nproc=1, overrides=(f"output_dir={steps}", "train.max_steps=2", "checkpoint.every_steps=2"))
+    launch(recipe, nproc=1, overrides=(f"output_dir={steps}", "train.max_steps=3", "checkpoint.every_steps=2"),
+           extra=("--resume",))
+    assert sorted(p.name for p in (steps / "checkpoints").iterdir()) == ["step-00000002", "step-00000003"]
+    kept = tmp_path / "kept"
+    launch(recipe, nproc=1, overrides=(f"output_dir={kept}", "train.max_steps=1", "checkpoint.final=true"))
+    assert [p.name for p in (kept / "checkpoints").iterdir()] == ["step-00000001"]

@@ -222,6 +222,8 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
                                    saver=saver, writer=writer, progress=progress, scale=scale, replicas=replicas,
                                    signals=signals, profiler=profiler, skips=skips)
                 saver.close()  # an async checkpoint still being written is committed before the run ends
+                if saver.final_skipped:  # checkpoint.final null on a quick run: the done line says it
+                    info["final_checkpoint_skipped"] = saver.final_skipped
             except (Stopped, NonFinite):  # every rank alike: the checkpoint still being written is a good one
                 saver.close()
                 raise

@@ -293,7 +293,10 @@ class CheckpointConfig:
 
     every_steps: int | None = None  # a checkpoint every N optimizer steps; null: only the final one
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted once a newer one is complete
-    final: bool = True  # a checkpoint after the last step (what a later --resume or `toolkit convert` reads)
+    # a checkpoint after the last step (what a later --resume with more steps or `toolkit convert` reads); null:
+    # where this run trained 10 minutes or more, or continues a checkpoint. A quick run is cheaper to run again than
+    # its checkpoint is to keep (the default MiniLM: ~270 MB of fp32 weights and AdamW state beside its 90 MB export)
+    final: bool | None = None
     # true: dcp.async_save, training goes on while the files are written (the next save waits for it)
     async_save: bool = field(default=False, metadata={"key": "async"})
     # each file's size and SHA-256 in digests.json, compared before a resume or convert reads it (bytes changed

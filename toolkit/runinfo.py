@@ -219,6 +219,8 @@ def finish(info: dict, *, env: DistEnv, out_dir: Path, losses: list[float], stra
             model += f" · merged model {out_dir / 'model-merged'} ({_disk(out_dir / 'model-merged')})"
         if (out_dir / "checkpoints").is_dir():  # what resuming costs on disk (checkpoint.keep_last, .final)
             model += f" · checkpoints {out_dir / 'checkpoints'} ({_disk(out_dir / 'checkpoints')})"
+        if info.get("final_checkpoint_skipped"):
+            model += f" · {info['final_checkpoint_skipped']}"
         skipped = f"{skips.note()} · " if skips.note() else ""  # first: a run that trained on few steps says so
         print(f"[toolkit] done: {skipped}metrics {out_dir / 'metrics.jsonl'} · {model} · run info "
               f"{out_dir / 'run.json'}", file=sys.stderr, flush=True)

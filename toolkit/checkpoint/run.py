@@ -8,11 +8,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from toolkit.atomic import write_text_whole
 from toolkit.checkpoint import digest, state, store
-from toolkit.dist import DistEnv, barrier, restarted
+from toolkit.dist import DistEnv, all_reduce_max, barrier, restarted
 from toolkit.errors import RecipeError
 from toolkit.model import with_own_dropout
 from toolkit.recipe import BatchPlan, Recipe
@@ -127,6 +128,10 @@ def continue_metrics(out_dir: Path, *, done_steps: int) -> None:
         write_text_whole(path, "".join(line + "\n" for line in kept))
 
 
+# checkpoint.final null: a final checkpoint where this run trained at least this long (or continues a checkpoint)
+FINAL_AUTO_MIN_S = 600.0
+
+
 class Saver:
     """Writes the recipe's checkpoints: every `every_steps` and after the last step."""
 
@@ -142,6 +147,8 @@ class Saver:
         self.pending: state.PendingSave | None = None  # an async save still being written
         self._writer: state.AsyncWriter | None = None
         self._manifest: dict | None = None
+        self.started_s = time.perf_counter()
+        self.final_skipped: str | None = None  # why checkpoint.final null wrote no final checkpoint
         if env.is_main:  # (a stop signal saves even when the recipe asks for no checkpoint)
             store.remove_partials(Path(recipe.output_dir))
         barrier(env)  # once, so that no save needs a barrier before its ranks write
@@ -150,7 +157,20 @@ class Saver:
         if step <= self.done_steps:
             return False
         every = self.config.every_steps
-        return bool(every and step % every == 0) or (step == self.total_steps and self.config.final)
+        return bool(every and step % every == 0) or (step == self.total_steps and self._final())
+
+    def _final(self) -> bool:
+        """checkpoint.final; null: where this run trained FINAL_AUTO_MIN_S or more, or continues a checkpoint.
+        Collective where null: the ranks' clocks differ, so one rank's yes is every rank's."""
+        if self.config.final is not None:
+            return self.config.final
+        trained_s = time.perf_counter() - self.started_s
+        wanted = torch.tensor([float(self.done_steps > 0 or trained_s >= FINAL_AUTO_MIN_S)])
+        if bool(all_reduce_max(wanted, self.env)[0]):
+            return True
+        self.final_skipped = (f"no final checkpoint: a run of {trained_s:.0f} s, cheaper to run again than its "
+                              f"checkpoint is to keep (checkpoint.final: true keeps one)")
+        return False
 
     def save(self, strategy, *, step: int, wait: bool = False) -> float:
         """Collective. Returns the seconds the save held training up. With checkpoint.async the files are

@@ -195,6 +195,10 @@ def check_output_dir(out_dir: Path, *, resume: bool) -> None:
     check_creatable(out_dir)
     if not resume and holds_run(out_dir):
         if not complete_checkpoints(out_dir):  # --resume would find nothing: say what does help
+            if (read_run_info(out_dir) or {}).get("status") == "completed":  # checkpoint.final null, a quick run
+                raise RecipeError(f"output_dir {out_dir} holds a completed run (its model in {out_dir / 'model'}; no "
+                                  "checkpoint, so it cannot be trained further); remove that folder to start again "
+                                  "there, or write this one elsewhere with --set output_dir=OTHER")
             raise RecipeError(f"output_dir {out_dir} holds a run that wrote no checkpoint, so --resume cannot "
                               f"continue it; remove that folder to start again there, or write this one elsewhere "
                               f"with --set output_dir=OTHER")
