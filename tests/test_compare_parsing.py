@@ -39,7 +39,8 @@ def test_an_arm_with_a_list_override_runs_with_the_whole_list(recipe, tmp_path):
     arms = "single,fsdp@strategy.blocks=[LlamaDecoderLayer,LlamaMLP]"
     experiment = experiment_of(build_parser().parse_args(["compare", str(recipe), "--strategies", arms,
                                                           "--output", str(tmp_path / "exp")]))
-    assert [arm.name for arm in experiment.arms] == arms.split(",", 1)
+    # the two arms, then the fp32 reference's rounding run (toolkit/compare/verdict.py)
+    assert [arm.name for arm in experiment.arms] == [*arms.split(",", 1), "calibration-rounding"]
     fsdp = load_recipe(experiment.recipe, [*experiment.common, *experiment.arms[1].overrides])
     assert fsdp.strategy.blocks == ("LlamaDecoderLayer", "LlamaMLP")
 
