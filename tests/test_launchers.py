@@ -139,3 +139,17 @@ def test_fsdp_runs_as_one_rank_without_a_launcher(llama_runs, tmp_path):
     # one rank holding every shard computes what the single-process reference computes
     got, want = metrics(out), metrics(llama_runs.get("single-m8"))
     assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in want], rel=1e-5)
+
+
+def test_a_launch_leaves_nothing_in_the_temporary_folder(llama_runs, tmp_path):
+    # torch's agent makes a torchelastic_* log folder in the temporary folder unless told where; the ranks'
+    # say_once markers go there too: the launch gives both a folder of its own and removes it when done
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**toolkit_env(), "TMPDIR": str(temp)}
+    result = subprocess.run([sys.executable, "-m", "toolkit", "launch", "--nproc", "2", str(llama_runs.recipe),
+                             "--set", "strategy.name=ddp", "--set", "train.max_steps=1",
+                             "--set", f"output_dir={tmp_path / 'out'}"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in temp.iterdir()) == []

@@ -213,6 +213,11 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
     quiet_agent_logs()
     args = get_args_parser().parse_args(torchrun_args(recipe_path, nproc=nproc, overrides=overrides,
                                                         extra=extra, max_restarts=max_restarts, nodes=nodes))
+    # the launch's own temporary folder: the ranks' say_once markers and torch's agent logs (its default is a
+    # torchelastic_* folder of its own in the temporary folder, left there), all gone with the launch
+    said = tempfile.mkdtemp(prefix="toolkit-launch-")
+    if not args.log_dir:
+        args.log_dir = os.path.join(said, "agent")
     # SIGUSR1 (SLURM's warning before a kill) is handled like SIGTERM: torch's agent forwards that to every
     # rank, and the ranks checkpoint and stop after their current step
     usr1 = signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
@@ -220,7 +225,6 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
     # goes on (compare, between its arms) gets its own handlers back
     handlers = {signum: signal.getsignal(signum) for signum in
                 (getattr(signal, name) for name in AGENT_SIGNALS if hasattr(signal, name))}
-    said = tempfile.mkdtemp(prefix="toolkit-launch-")  # the ranks' say_once markers, gone with the launch
     # the ranks inherit these; this process gets its own back
     before = {name: os.environ.get(name) for name in (NODES_ENV, SAID_DIR_ENV, LAUNCHER_PID_ENV)}
     os.environ.update({NODES_ENV: nodes.shared_launch_args(), SAID_DIR_ENV: said})
