@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from toolkit.metrics import read_jsonl  # noqa: E402
+from toolkit.observe.metrics import read_jsonl  # noqa: E402
 from toolkit_runs import launch  # noqa: E402
 
 ARMS = {"ddp": ["strategy.name=ddp"], "fsdp": ["strategy.name=fsdp"],

@@ -30,7 +30,7 @@ from toolkit_runs import REPO, print_table
 sys.path.insert(0, str(REPO))
 
 from toolkit.compare import measure  # noqa: E402
-from toolkit.metrics import read_jsonl  # noqa: E402
+from toolkit.observe.metrics import read_jsonl  # noqa: E402
 
 MODEL = {"model_type": "llama", "vocab_size": 30522, "hidden_size": 2048, "intermediate_size": 5632,
          "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4,

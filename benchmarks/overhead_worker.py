@@ -66,15 +66,15 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    from toolkit.data import Collator, train_loader
-    from toolkit.dist import exit_process, init_distributed, shutdown
-    from toolkit.launch import prepare_environment
-    from toolkit.loading import ModelSource, num_parameters
-    from toolkit.loop import prepare, setup_strategy, train_step
-    from toolkit import runinfo
-    from toolkit.metrics import JsonlWriter, process_bytes, synchronize
-    from toolkit.model import build_model, padding_id
-    from toolkit.recipe_files import load_recipe
+    from toolkit.data.splits import Collator, train_loader
+    from toolkit.process.dist import exit_process, init_distributed, shutdown
+    from toolkit.launch.launcher import prepare_environment
+    from toolkit.checkpoint.loading import ModelSource, num_parameters
+    from toolkit.train.loop import prepare, setup_strategy, train_step
+    from toolkit.train import runinfo
+    from toolkit.observe.metrics import JsonlWriter, process_bytes, synchronize
+    from toolkit.model.build import build_model, padding_id
+    from toolkit.config.files import load_recipe
     from toolkit.strategies import make_strategy
 
     prepare_environment()
@@ -122,7 +122,7 @@ def main() -> None:
     if env.is_main:
         Path(args.out).write_text(json.dumps({**times, "world_size": env.world_size}))
     shutdown(completed=True, release=strategy.close)
-    exit_process(0)  # the toolkit's own end of a rank (see toolkit/dist.py)
+    exit_process(0)  # the toolkit's own end of a rank (see toolkit/process/dist.py)
 
 
 if __name__ == "__main__":

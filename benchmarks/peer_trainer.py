@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from toolkit.compare.measure import warmup_steps  # noqa: E402
-from toolkit.metrics import read_jsonl  # noqa: E402
+from toolkit.observe.metrics import read_jsonl  # noqa: E402
 
 NO_EVAL = ["train.eval_every=null", "data.eval=null", "train.progress=false"]
 
@@ -60,9 +60,9 @@ def trainer_side(recipe_path: str, *, steps: int, out: Path) -> None:
     import datasets
     import transformers
 
-    from toolkit.model import load_tokenizer, resolve_path
-    from toolkit.recipe import plan_batch
-    from toolkit.recipe_files import load_recipe
+    from toolkit.model.build import load_tokenizer, resolve_path
+    from toolkit.config.recipe import plan_batch
+    from toolkit.config.files import load_recipe
 
     transformers.logging.set_verbosity_error()
     recipe = load_recipe(recipe_path)

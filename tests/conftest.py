@@ -29,7 +29,7 @@ EVAL = str(REPO / "tests" / "data" / "reviews-eval-64.jsonl")
 def _minilm_tokenizer():
     from transformers import AutoTokenizer
 
-    from toolkit.model import resolve_path
+    from toolkit.model.build import resolve_path
 
     return AutoTokenizer.from_pretrained(str(resolve_path(MINILM)))
 

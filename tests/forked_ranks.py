@@ -14,7 +14,7 @@ the process: `python -m toolkit ARGS` as the interpreter runs it (runpy, `__main
 in that folder, with that environment and those streams, in a session of its own (torch's agent starts ranks
 with start_new_session). The client stays where torchrun sees its rank: it forwards every signal the agent
 sends (SIGTERM to its process group, SIGINT, ...) to the process, follows the agent as a plain rank does (a
-SIGTERM when it dies, toolkit.orphans) and ends as the process ended, with its exit code or by its signal. A
+SIGTERM when it dies, toolkit.process.orphans) and ends as the process ended, with its exit code or by its signal. A
 client killed outright (SIGKILL, a test's timeout) closes its socket, and the supervisor then kills the process
 with SIGKILL. Numbers are those of a plain process: a 2-rank ddp run's losses, peak RSS (662.0 vs 661.8 MB)
 and the plan's runtime bytes (505.2 vs 504.9 MB) alike. What stays the server's: the hash seed of str keys
@@ -41,7 +41,7 @@ import socket
 import struct
 import sys
 
-from toolkit.orphans import _set_parent_death_signal  # prctl(PR_SET_PDEATHSIG) through libc, as a rank asks
+from toolkit.process.orphans import _set_parent_death_signal  # prctl(PR_SET_PDEATHSIG) through libc, as a rank asks
 
 FORKED_RANKS_ENV = "TOOLKIT_TEST_RANK_SERVER"
 # set per rank by torch's agent, per launch by the tests or per test by pytest (PYTEST_CURRENT_TEST), and read
@@ -118,7 +118,7 @@ def client(args: list[str]) -> None:
     rank = reply["pid"]
     for forwarded in SIGNALS:
         signal.signal(forwarded, lambda signum, _frame: _forward(rank, signum))
-    # SIGTERM (forwarded to the rank) when torch's agent dies, as a plain rank asks for its own (toolkit.orphans)
+    # SIGTERM (forwarded to the rank) when torch's agent dies, as a plain rank asks for its own (toolkit.process.orphans)
     _set_parent_death_signal(signal.SIGTERM)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
     ended = messages.next()  # a signal's handler runs while this waits (PEP 475 resumes the wait)
@@ -177,7 +177,7 @@ def _preload() -> None:
     strategy would carry its ~50-100 MiB, which the memory tests would count), in a rank's order: the toolkit's
     settings first (offline hubs, the allocator's threshold: toolkit.cli's _main), as libraries read them when
     they load."""
-    from toolkit.launch import prepare_environment
+    from toolkit.launch.launcher import prepare_environment
 
     prepare_environment()
     import torch
@@ -187,7 +187,7 @@ def _preload() -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401
 
     import toolkit.cli  # noqa: F401
-    import toolkit.loop  # noqa: F401
+    import toolkit.train.loop  # noqa: F401
 
 
 def _supervise(conn: socket.socket) -> None:
@@ -241,7 +241,7 @@ def _wait(rank: int, conn: socket.socket) -> None:
 
 def _differences(env: dict[str, str]) -> list[str]:
     """The variables a fork cannot give: set, unset or other in `env` (with the defaults the rank would add, as
-    the server did: toolkit.launch.prepare_environment's) than in the server's environment."""
+    the server did: toolkit.launch.launcher.prepare_environment's) than in the server's environment."""
     effective = {**_DEFAULTS, **env}
     names = (set(effective) | set(_SERVER_ENV)) - {FORKED_RANKS_ENV}
     return sorted(n for n in names if not _runtime(n) and effective.get(n) != _SERVER_ENV.get(n))

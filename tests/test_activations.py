@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conftest import REPO
-from toolkit.activations import traced_activations
-from toolkit.plan import planned_model, predict, tied_gradient_bytes
-from toolkit.recipe_files import load_recipe
+from toolkit.config.files import load_recipe
+from toolkit.memory.activations import traced_activations
+from toolkit.plan.predict import planned_model, predict, tied_gradient_bytes
 
 # big enough that the blocks, not the head, hold most of it: 4 blocks of hidden 512, a 4096-token vocabulary
 CONFIG = {"model_type": "llama", "vocab_size": 4096, "hidden_size": 512, "intermediate_size": 1376,

@@ -16,8 +16,8 @@ import torch
 
 from conftest import (REPO, exported_weights, launch, losses, metrics, run_cli, strict_loads, toolkit_env,
                       write_recipe)
-from toolkit import faults
 from toolkit.errors import RecipeError
+from toolkit.process import faults
 
 SOURCES = {"ddp": 2, "fsdp": 2, "zero2-offload": 2, "zero3": 2, "fsdp-async": 2, "pp": 2}
 CROSS = [("zero3", 2, "fsdp", 2), ("fsdp", 2, "ddp", 1), ("ddp", 2, "zero3", 2), ("zero2-offload", 2, "single", 1),
@@ -150,7 +150,7 @@ def test_each_zero_rank_writes_its_own_part_of_the_checkpoint(runs, name):
 
 
 def run_with_fault(fault: str, value: str, *args: str):
-    """`python -m toolkit ARGS` with one of toolkit/faults.py's hooks set."""
+    """`python -m toolkit ARGS` with one of toolkit/process/faults.py's hooks set."""
     env = toolkit_env()
     env[fault] = value
     return subprocess.run([sys.executable, "-m", "toolkit", *args], cwd=REPO, env=env, capture_output=True,

@@ -54,11 +54,11 @@ PROBE = textwrap.dedent("""
     # DDP through the toolkit's own strategy, then the toolkit's teardown: no communication thread may be
     # left, i.e. destroy_process_group really freed the group (nothing else holds it)
     import sys, torch
-    from toolkit.dist import communication_threads, init_distributed, shutdown
+    from toolkit.process.dist import communication_threads, init_distributed, shutdown
     from toolkit.strategies import make_strategy
     from toolkit.strategies.base import SetupArgs
-    from toolkit.recipe_files import load_recipe
-    from toolkit.optim import build_adamw, build_scheduler
+    from toolkit.config.files import load_recipe
+    from toolkit.strategies.optim import build_adamw, build_scheduler
 
     recipe = load_recipe(sys.argv[1], ["strategy.name=ddp"])
     env = init_distributed()
@@ -82,7 +82,7 @@ PROBE = textwrap.dedent("""
 
 def test_ddp_teardown_frees_the_process_group(short_recipe, tmp_path):
     # every cause found for ddp is fixed at the root, so its ranks end through a normal interpreter exit
-    # (the exit path in toolkit.dist.exit_process is for groups a library keeps, as FSDP's DTensor caches do)
+    # (the exit path in toolkit.process.dist.exit_process is for groups a library keeps, as FSDP's DTensor caches do)
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -96,12 +96,12 @@ SITECUSTOMIZE = textwrap.dedent("""
     # rank 1 dies of SIGABRT after its outputs are written and the group is left, before it can exit
     import os, signal
     if os.environ.get("RANK") == "1":
-        import toolkit.dist
+        import toolkit.process.dist
 
         def _die(exit_code):
             os.kill(os.getpid(), signal.SIGABRT)
 
-        toolkit.dist.exit_process = _die
+        toolkit.process.dist.exit_process = _die
 """)
 
 
@@ -125,7 +125,7 @@ def test_rank_dying_after_its_outputs_is_reported_and_outputs_stay(short_recipe,
 def test_rank_0_killed_outright_leaves_a_run_json_that_says_the_run_failed(short_recipe, tmp_path):
     """SIGKILL (the out-of-memory killer's) gives rank 0 no chance to write how the run ended: `toolkit launch`,
     the last process standing, turns its "running" into "failed", with the launch's line and what was kept."""
-    from toolkit import faults
+    from toolkit.process import faults
 
     env = toolkit_env()
     env[faults.KILL_RANK_AT_STEP] = "0:1"  # after step 1 and its checkpoint

@@ -3,8 +3,8 @@
 import pytest
 
 from conftest import EVAL, REPO, run_cli, write_recipe
-from toolkit import precision as precision_mod
 from toolkit.cli import main
+from toolkit.model import precision as precision_mod
 
 
 def _bad_recipe(tmp_path, tiny_llama_dir, **sections):

@@ -15,8 +15,8 @@ from conftest import write_recipe
 from toolkit.cli import build_parser, main
 from toolkit.compare.cli import experiment_of
 from toolkit.compare.report_render import table_rows
-from toolkit.recipe import plan_batch
-from toolkit.recipe_files import load_recipe
+from toolkit.config.files import load_recipe
+from toolkit.config.recipe import plan_batch
 from toolkit.strategies import validate_strategy
 
 
@@ -410,7 +410,7 @@ def test_an_arms_launch_that_raises_fails_or_stops_that_arm_and_gives_the_output
     """compare runs each arm's launch in its own process, its output sent to the arm's launch.log: an exception
     out of it fails that arm (the others go on, as when the launch was a process of its own), Ctrl-C stops the
     experiment, and either way this process's output is its own again."""
-    from toolkit import launch
+    from toolkit.launch import launcher as launch
     from toolkit.compare import runner
     from toolkit.compare.experiment import Arm, Experiment
 

@@ -7,7 +7,7 @@ from conftest import write_recipe
 from toolkit.cli import build_parser, main
 from toolkit.compare.cli import experiment_of
 from toolkit.compare.experiment import arm_overrides, split_arms
-from toolkit.recipe_files import load_recipe
+from toolkit.config.files import load_recipe
 
 
 @pytest.mark.parametrize("text, arms", [
@@ -79,7 +79,7 @@ def test_an_arms_metrics_with_a_non_finite_step_read_back_as_nan(tmp_path):
     import math
 
     from toolkit.compare.runner import read_metrics
-    from toolkit.metrics import JsonlWriter
+    from toolkit.observe.metrics import JsonlWriter
 
     writer = JsonlWriter(tmp_path / "metrics.jsonl")
     writer.write({"step": 1, "loss": float("nan"), "grad_norm": float("inf"), "lr": 0.1, "tokens": 8,

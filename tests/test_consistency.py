@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from toolkit.consistency import ReplicaDriftError, check_groups, check_replicas
-from toolkit.dist import DistEnv
+from toolkit.observe.consistency import ReplicaDriftError, check_groups, check_replicas
+from toolkit.process.dist import DistEnv
 
 
 def _worker(rank: int, init_file: str, drift: bool, results) -> None:

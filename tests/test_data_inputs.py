@@ -11,10 +11,10 @@ import torch
 
 from conftest import MINILM, TRAIN, write_recipe
 from toolkit.cli import main
-from toolkit.data import data_note, load_split
-from toolkit.dist import DistEnv
-from toolkit.losses import IGNORE_INDEX
-from toolkit.recipe_files import load_recipe
+from toolkit.config.files import load_recipe
+from toolkit.data.losses import IGNORE_INDEX
+from toolkit.data.splits import data_note, load_split
+from toolkit.process.dist import DistEnv
 
 ROWS = [json.loads(line) for line in open(TRAIN)][:64]
 ONE_RANK = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
@@ -25,7 +25,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{
 def _tokenizer():
     from transformers import AutoTokenizer
 
-    from toolkit.model import resolve_path
+    from toolkit.model.build import resolve_path
 
     return AutoTokenizer.from_pretrained(str(resolve_path(MINILM)))
 
@@ -343,7 +343,7 @@ def _cased_tokenizer(path):
     [UNK])."""
     from transformers import AutoTokenizer
 
-    from toolkit.model import resolve_path
+    from toolkit.model.build import resolve_path
 
     AutoTokenizer.from_pretrained(str(resolve_path(MINILM)), do_lower_case=False).save_pretrained(path)
     return AutoTokenizer.from_pretrained(str(path))
@@ -357,7 +357,7 @@ def test_a_tokenizer_with_the_same_vocabulary_that_tokenizes_otherwise_reads_its
 
     from transformers import AutoTokenizer
 
-    from toolkit.data import tokenizer_identity
+    from toolkit.data.splits import tokenizer_identity
 
     path = tmp_path / "rows.jsonl"
     texts = [r["text"].capitalize() for r in ROWS[:16]]  # capitals: what lower-casing changes

@@ -10,10 +10,10 @@ import torch
 
 from conftest import EVAL, MINILM, TRAIN, exported_weights, launch, metrics, write_recipe
 from toolkit.cli import main
-from toolkit.data import Collator, _packer, load_split
-from toolkit.dist import DistEnv
-from toolkit.losses import IGNORE_INDEX
-from toolkit.recipe_files import load_recipe
+from toolkit.config.files import load_recipe
+from toolkit.data.losses import IGNORE_INDEX
+from toolkit.data.splits import Collator, _packer, load_split
+from toolkit.process.dist import DistEnv
 
 ROWS = [json.loads(line) for line in open(TRAIN)][:64]
 ONE_RANK = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
@@ -22,7 +22,7 @@ ONE_RANK = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"
 def _tokenizer():
     from transformers import AutoTokenizer
 
-    from toolkit.model import resolve_path
+    from toolkit.model.build import resolve_path
 
     return AutoTokenizer.from_pretrained(str(resolve_path(MINILM)))
 
@@ -215,7 +215,7 @@ def _relabelled_bert(tiny_bert_dir, folder, id2label: dict[int, str]):
 def test_a_pretrained_heads_own_label_ids_are_kept_for_training_and_export(tmp_path, tiny_bert_dir, capsys):
     """model.path's id2label {0: pos, 1: neg} names data.train's labels: its ids train and export, not sorted ones
     (neg -> 0 would train the head's `pos` row as neg)."""
-    from toolkit.model import saved_label_names
+    from toolkit.model.build import saved_label_names
 
     model = _relabelled_bert(tiny_bert_dir, tmp_path / "pos-neg", {0: "pos", 1: "neg"})
     train, evaluation = _named_labels(tmp_path, [{"text": r["text"], "label": ["neg", "pos"][r["label"]]}
@@ -235,7 +235,7 @@ def test_a_pretrained_heads_own_label_ids_are_kept_for_training_and_export(tmp_p
 
 
 def test_a_pretrained_head_naming_other_labels_is_replaced_in_one_line():
-    from toolkit.labels import in_model_order, label_note
+    from toolkit.data.labels import in_model_order, label_note
 
     assert in_model_order(["neg", "pos"], ["good", "bad"]) == ["neg", "pos"]  # data.train's, sorted
     assert label_note(["neg", "pos"], ["good", "bad"]) == (
@@ -276,7 +276,7 @@ def test_names_in_one_split_and_class_ids_in_the_other_is_one_line(train_kind, t
 
 
 def test_prompt_response_masks_exactly_the_prompt_tokens():
-    from toolkit.instruct import encode, prompt_response_text
+    from toolkit.data.instruct import encode, prompt_response_text
 
     tokenizer = _tokenizer()
     prompt, response = "review: the plot was thin. sentiment:", " negative"
@@ -295,7 +295,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{
 
 
 def test_chat_masks_everything_but_the_assistant_turns():
-    from toolkit.instruct import chat_text, encode
+    from toolkit.data.instruct import chat_text, encode
 
     tokenizer = _tokenizer()
     messages = [{"role": "user", "content": "rate it"}, {"role": "assistant", "content": "good"},
@@ -334,7 +334,7 @@ def _first_trained(tokenizer, text, labels):
 
 
 def test_a_response_word_merged_with_the_prompts_trailing_space_is_trained():
-    from toolkit.instruct import chat_text, encode, prompt_response_text
+    from toolkit.data.instruct import chat_text, encode, prompt_response_text
 
     tokenizer = _byte_level_bpe()
     prompt = "review: the plot was thin. sentiment: "
@@ -377,8 +377,8 @@ def test_prompt_response_training_logs_the_mean_over_response_tokens(tmp_path, t
     # alone (the prompt's tokens counted by tokenizing the prompt by itself), mean over those tokens
     from transformers import AutoModelForCausalLM
 
-    from toolkit.data import GlobalBatchSampler
-    from toolkit.recipe import BatchPlan
+    from toolkit.data.splits import GlobalBatchSampler
+    from toolkit.config.recipe import BatchPlan
 
     tokenizer, model = _tokenizer(), AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
     plan = BatchPlan(world_size=1, micro_batch_size=8, grad_accum_steps=1, global_batch_size=8)

@@ -1,4 +1,4 @@
-"""What a rank does to DeepSpeed's imports before its process group exists (toolkit.dist)."""
+"""What a rank does to DeepSpeed's imports before its process group exists (toolkit.process.dist)."""
 
 import cpuinfo
 
@@ -6,7 +6,7 @@ import cpuinfo
 def test_deepspeeds_cpu_queries_start_one_cpuinfo_subprocess_per_rank_not_three(monkeypatch):
     """DeepSpeed's op builder (cpu_arch, simd_width) and DeepSpeedCPUAdam each call py-cpuinfo's get_cpu_info,
     which starts a Python subprocess per call (~1.1 s): the rank keeps the first answer."""
-    from toolkit.dist import cache_cpu_info
+    from toolkit.process.dist import cache_cpu_info
 
     calls = []
 

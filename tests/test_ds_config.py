@@ -6,10 +6,10 @@ import pytest
 
 from conftest import REPO, write_recipe
 from toolkit.cli import main
+from toolkit.config.files import load_recipe
+from toolkit.config.recipe import plan_batch
 from toolkit.errors import RecipeError
-from toolkit.recipe import plan_batch
-from toolkit.recipe_files import load_recipe
-from toolkit.strategies.zero_config import resolve_ds_config
+from toolkit.strategies.zero.config import resolve_ds_config
 
 
 def _recipe(tmp_path, tiny_llama_dir, ds_config, *, optim=None, **sections):

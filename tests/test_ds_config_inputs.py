@@ -8,9 +8,9 @@ import pytest
 
 from conftest import write_recipe
 from toolkit.cli import main
-from toolkit.recipe import plan_batch
-from toolkit.recipe_files import load_recipe
-from toolkit.strategies.zero_config import configured_stage, resolve_ds_config
+from toolkit.config.files import load_recipe
+from toolkit.config.recipe import plan_batch
+from toolkit.strategies.zero.config import configured_stage, resolve_ds_config
 
 
 def _recipe(tmp_path, tiny_llama_dir, config: dict, **strategy):

@@ -4,9 +4,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import write_recipe
-from toolkit.dist import DistEnv
-from toolkit.loop import train
-from toolkit.recipe_files import load_recipe
+from toolkit.config.files import load_recipe
+from toolkit.process.dist import DistEnv
+from toolkit.train.loop import train
 
 
 def test_exported_model_loads_with_plain_transformers(tmp_path, tiny_llama_dir):
@@ -64,8 +64,7 @@ def test_an_export_that_dies_midway_leaves_a_complete_model_in_place(tmp_path, t
 
     from transformers import AutoTokenizer
 
-    from toolkit import export
-
+    from toolkit.model import export
     out = tmp_path / "run"
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out,
                                       train={"max_steps": 1}))
@@ -153,7 +152,7 @@ def test_sharded_weights_are_gathered_whole_with_a_tied_weight_gathered_once(tmp
 UNWRAP = """
 import sys
 from transformers import AutoModelForCausalLM
-from toolkit.export import unwrapped_without_deepspeed
+from toolkit.model.export import unwrapped_without_deepspeed
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
 with unwrapped_without_deepspeed():
     model.save_pretrained(sys.argv[2] + "/with")

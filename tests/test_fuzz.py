@@ -1,6 +1,6 @@
 """Bad input, fuzzed: recipes mutated from the shipped ones (wrong types, missing and unknown keys, out-of-range
 numbers, contradictory batch arithmetic, absurd strings, nested garbage, broken YAML) and data files in the formats
-the toolkit reads (toolkit/data_files.py) broken the ways people's files are. Whatever the input, the command ends
+the toolkit reads (toolkit/data/files.py) broken the ways people's files are. Whatever the input, the command ends
 in exit 0, or in exit 2 with exactly one line on stderr and no output dir: never a traceback.
 
 The CLI runs in this process (`main([...])`). `validate` checks the recipe, the batch arithmetic and the data
@@ -35,9 +35,9 @@ from hypothesis import strategies as st
 
 from conftest import EVAL, REPO, write_recipe
 from toolkit.cli import main
-from toolkit.recipe import DATA_FORMATS, PRECISIONS, SCHEDULES, TASKS, Recipe
+from toolkit.config.recipe import DATA_FORMATS, PRECISIONS, SCHEDULES, TASKS, Recipe
+from toolkit.config.typed import recipe_key
 from toolkit.strategies import strategy_names
-from toolkit.typed import recipe_key
 
 # more examples for a longer search: FUZZ_SCALE=20 pytest tests/test_fuzz.py (CI runs the bounded set)
 SCALE = int(os.environ.get("FUZZ_SCALE", "1"))

@@ -1,4 +1,4 @@
-"""On CPU a rank allocates as train.host_memory says (toolkit/host_memory.py): `predictable` gives a freed
+"""On CPU a rank allocates as train.host_memory says (toolkit/process/host_memory.py): `predictable` gives a freed
 tensor's pages back, so the resident set follows the live tensors and `toolkit plan` can predict its peak;
 `fast` keeps freed pages for the next allocation, so a step's tensors come without page faults."""
 
@@ -7,11 +7,11 @@ import sys
 
 from conftest import REPO, toolkit_env
 
-from toolkit import host_memory
+from toolkit.process import host_memory
 
 STEP = r"""
 import sys, psutil, torch
-from toolkit import host_memory
+from toolkit.process import host_memory
 if sys.argv[1] != "glibc":
     assert host_memory.apply(sys.argv[1])
 rss = lambda: psutil.Process().memory_info().rss / 2**20
@@ -30,7 +30,7 @@ print(before - rss())
 # the page faults of each of 8 steps once the first two have set up the optimizer state
 STEPS = r"""
 import resource, sys, torch
-from toolkit import host_memory
+from toolkit.process import host_memory
 if sys.argv[1] != "glibc":
     assert host_memory.apply(sys.argv[1])
 torch.manual_seed(0)

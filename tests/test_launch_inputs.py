@@ -42,7 +42,7 @@ def test_tilde_is_the_home_folder_in_every_path_key(tmp_path, tiny_llama_dir, mo
     assert resolved["output_dir"] == str(home / "run")
     assert resolved["train"]["tracking_dir"] == str(home / "tb")
     assert not (tmp_path / "~").exists() and not os.path.exists("~")
-    from toolkit.recipe_files import load_recipe, path_keys
+    from toolkit.config.files import load_recipe, path_keys
 
     every = load_recipe(recipe, [*(f"{key}=~/{key}" for key in path_keys() if key != "model.path"),
                                  "train.report_to=tensorboard"])
@@ -60,7 +60,7 @@ def test_compare_takes_a_saved_tilde_path_for_the_same_setting(tmp_path, tiny_ll
     """An arm saved before `~` was expanded when the recipe is built is still the same run."""
     from toolkit.compare.experiment import Arm, Experiment
     from toolkit.compare.runner import settings_difference
-    from toolkit.recipe_files import dump_recipe, load_recipe
+    from toolkit.config.files import dump_recipe, load_recipe
 
     monkeypatch.setenv("HOME", str(tiny_llama_dir.parent))
     recipe, _ = _recipe(tmp_path, tiny_llama_dir)
@@ -148,7 +148,7 @@ def test_a_failed_rendezvous_on_one_machine_is_one_line(tmp_path, tiny_llama_dir
     import torch.distributed.run
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-    from toolkit.launch import NODES_ENV
+    from toolkit.launch.launcher import NODES_ENV
 
     def refused(args):
         raise RendezvousConnectionError("The connection to the C10d store has failed.")
@@ -188,12 +188,12 @@ FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
 ])
 def test_an_accelerate_value_the_toolkit_cannot_take_is_one_line_naming_it(environ, words, tmp_path, tiny_llama_dir,
                                                                            monkeypatch, capsys):
-    import toolkit.dist
+    import toolkit.process.dist
 
     def no_rank():  # a value taken as given would train here, and end this process (dist.exit_process)
         raise AssertionError("the rank started")
 
-    monkeypatch.setattr(toolkit.dist, "init_distributed", no_rank)
+    monkeypatch.setattr(toolkit.process.dist, "init_distributed", no_rank)
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
     recipe, out = _recipe(tmp_path, tiny_llama_dir)
@@ -205,7 +205,7 @@ def test_an_accelerate_value_the_toolkit_cannot_take_is_one_line_naming_it(envir
 
 
 def test_accelerates_own_switch_spellings_are_read_as_it_reads_them():
-    from toolkit.accelerate_env import launcher_settings
+    from toolkit.launch.accelerate_env import launcher_settings
 
     settings = {s.key: s.value for s in launcher_settings({**FSDP2, "FSDP_RESHARD_AFTER_FORWARD": "off",
                                                            "FSDP_OFFLOAD_PARAMS": "Y"})}

@@ -135,11 +135,11 @@ def test_a_tracker_failing_mid_run_is_one_warning_and_the_run_goes_on(killed_run
 ORPHAN = textwrap.dedent("""
     # a 'launcher' that starts a 'rank' which cannot act on SIGTERM (a rank blocked in a collective)
     import os, subprocess, sys, time
-    from toolkit.orphans import LAUNCHER_PID_ENV
+    from toolkit.process.orphans import LAUNCHER_PID_ENV
     rank = '''
     import signal, sys, time
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from toolkit.orphans import follow_launcher
+    from toolkit.process.orphans import follow_launcher
     follow_launcher(grace_s=1.0)
     print("ready", flush=True)
     time.sleep(120)
@@ -170,7 +170,7 @@ def test_a_rank_that_cannot_stop_is_killed_after_the_grace(tmp_path):
 TORCHRUN_RANK = textwrap.dedent("""
     # a rank of plain torchrun: a SIGTERM handler that says it was called, as the toolkit's stop does
     import os, signal, sys, time
-    from toolkit.orphans import follow_launcher
+    from toolkit.process.orphans import follow_launcher
     signal.signal(signal.SIGTERM, lambda *_: (print("SIGTERM", flush=True), sys.exit(143)))
     follow_launcher(grace_s=30.0)
     print("ready", os.getpid(), os.environ.get("TOOLKIT_FOLLOWS_LAUNCHER"), flush=True)
@@ -219,13 +219,13 @@ def test_a_failure_a_rank_said_in_one_line_gets_no_launch_failed_line_after_it(c
     test_checkpoints' test_a_checkpoint_that_cannot_be_written_...). Its mark is per process: a crash of another
     process (a restarted rank) still gets the launcher's line."""
     from toolkit.errors import SAID_DIR_ENV
-    from toolkit.launch import Nodes, _run_ranks
+    from toolkit.launch.launcher import Nodes, _run_ranks
 
     monkeypatch.setenv(SAID_DIR_ENV, str(tmp_path))
     (tmp_path / "toolkit-failure-said-1000").touch()  # what rank 0, process 1000, left (errors.mark_failure_said)
     assert _run_ranks(_ranks_exit({0: 1, 1: 1}, pid=1000), None, Nodes()) == 1
     assert capsys.readouterr().err == ""
-    # rank 1 exited first (after rank 0's line: toolkit.rank waits for it), and the launcher stopped rank 0
+    # rank 1 exited first (after rank 0's line: toolkit.launch.rank waits for it), and the launcher stopped rank 0
     assert _run_ranks(_ranks_exit({0: -15, 1: 1}, pid=1000), None, Nodes()) == 1
     assert capsys.readouterr().err == ""
     for codes, pid in (({0: 1, 1: 1}, 2000), ({0: -9, 1: 1}, 1000), ({0: 1, 1: 4}, 1000)):
@@ -235,11 +235,11 @@ def test_a_failure_a_rank_said_in_one_line_gets_no_launch_failed_line_after_it(c
 
 def test_ranks_stopped_on_a_non_finite_value_end_the_launch_with_exit_4_not_as_a_failure(capsys):
     """Before: every rank exited 4 after rank 0's line, and the launcher added 'launch failed' and exit 1."""
-    from toolkit.launch import Nodes, _run_ranks
+    from toolkit.launch.launcher import Nodes, _run_ranks
 
     for codes in ({0: 4, 1: 4}, {0: 4, 1: -15}):  # -15: stopped by the launcher once rank 0 had left
         assert _run_ranks(_ranks_exit(codes), None, Nodes()) == 4
-        assert capsys.readouterr().err == ""  # rank 0 said it (toolkit.rank), nothing to add
+        assert capsys.readouterr().err == ""  # rank 0 said it (toolkit.launch.rank), nothing to add
     assert _run_ranks(_ranks_exit({0: -15, 1: 4}), None, Nodes()) == 4  # rank 0 stopped before its line
     assert "non-finite" in capsys.readouterr().err
     assert _run_ranks(_ranks_exit({0: 4, 1: 1}), None, Nodes()) == 1  # a rank that failed otherwise: a failure
@@ -326,8 +326,8 @@ class _Tracker:
 
 
 def test_each_failing_tracker_is_one_warning_and_the_others_and_metrics_jsonl_go_on(tmp_path, capsys):
-    from toolkit.metrics import JsonlWriter
-    from toolkit.tracking import MetricsLog
+    from toolkit.observe.metrics import JsonlWriter
+    from toolkit.observe.tracking import MetricsLog
 
     mid_run, at_close, healthy = _Tracker("mlflow", 2), _Tracker("tensorboard", "close"), _Tracker("other", None)
     log = MetricsLog(JsonlWriter(tmp_path / "metrics.jsonl"), [mid_run, at_close, healthy])

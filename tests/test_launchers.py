@@ -71,7 +71,7 @@ def test_accelerates_own_fsdp_example_config_runs_as_it_is_on_fsdp2(llama_runs, 
     ("NO_SHARD", {"strategy.name": "ddp", "train.activation_checkpointing": True}),
 ])
 def test_fsdp1_sharding_strategies_map_onto_fsdp2(strategy, expected):
-    from toolkit.accelerate_env import launcher_settings
+    from toolkit.launch.accelerate_env import launcher_settings
 
     # what Accelerate exports for a version-1 file on 2 nodes × 2 ranks: its defaults included
     environ = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": strategy,
@@ -86,7 +86,7 @@ def test_fsdp1_sharding_strategies_map_onto_fsdp2(strategy, expected):
 def test_a_plugin_replacing_the_recipes_default_strategy_is_said():
     """fsdp.yaml / deepspeed.yaml choose the strategy of a recipe that says `single` (the default): said in one
     line, where it was silent (ddp.yaml has no plugin: the recipe's single stays, and 2 ranks refuse it)."""
-    from toolkit.accelerate_env import apply_launcher_settings, launcher_settings
+    from toolkit.launch.accelerate_env import apply_launcher_settings, launcher_settings
 
     raw = {"strategy": {"name": "single"}}
     replaced = apply_launcher_settings(raw, launcher_settings({"ACCELERATE_USE_DEEPSPEED": "true"}))

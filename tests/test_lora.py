@@ -115,8 +115,9 @@ def test_the_merged_export_leaves_the_trained_model_as_it_was(tmp_path, tiny_lla
     them into the trained model's own base weights (which would then apply them twice)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from toolkit.lora import apply_lora, export_adapter
-    from toolkit.recipe import LoraOptions
+    from toolkit.model.export import export_adapter
+    from toolkit.model.lora import apply_lora
+    from toolkit.config.recipe import LoraOptions
     from toolkit.strategies.base import cpu_state_dict
 
     options = LoraOptions(r=4, alpha=8, target_modules=("q_proj", "v_proj"), merge_on_export=True)
@@ -143,8 +144,8 @@ def test_a_target_that_matches_nothing_names_the_layers_peft_adapts_also_gpt2s_c
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from toolkit.errors import RecipeError
-    from toolkit.lora import apply_lora
-    from toolkit.recipe import LoraOptions
+    from toolkit.model.lora import apply_lora
+    from toolkit.config.recipe import LoraOptions
 
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=16))
     with pytest.raises(RecipeError, match=r"this model's linear layers are named c_attn, c_fc, c_proj, lm_head$"):

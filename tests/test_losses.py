@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from toolkit.losses import IGNORE_INDEX, micro_batch_loss_sum
+from toolkit.data.losses import IGNORE_INDEX, micro_batch_loss_sum
 
 
 def reference_causal_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import json
 import math
 
 from conftest import strict_loads
-from toolkit.metrics import JsonlWriter, Progress, read_jsonl, restore_nonfinite, strict_json
+from toolkit.observe.metrics import JsonlWriter, Progress, read_jsonl, restore_nonfinite, strict_json
 
 
 def test_a_non_finite_step_is_strict_json_and_reads_back_as_written(tmp_path):

@@ -85,8 +85,8 @@ def test_keys_people_copy_from_a_config_json_still_validate(model_type, task, ke
                                                             capsys):
     from transformers import AutoConfig
 
-    from toolkit.model import hf_config
-    from toolkit.recipe import ModelConfig
+    from toolkit.model.build import hf_config
+    from toolkit.config.recipe import ModelConfig
 
     small = {"llama": TINY_LLAMA_CONFIG, "gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64},
              "bert": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64},
@@ -177,7 +177,7 @@ DEEPSPEED_PLUGIN = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZE
 def test_an_accelerate_setting_that_is_no_number_is_one_line(var, value, monkeypatch):
     import os
 
-    from toolkit.accelerate_env import launcher_settings
+    from toolkit.launch.accelerate_env import launcher_settings
     from toolkit.errors import RecipeError
 
     for name, setting in {**DEEPSPEED_PLUGIN, var: value}.items():
@@ -191,7 +191,7 @@ def test_accelerates_auto_leaves_the_recipes_value(var, monkeypatch):
     """Accelerate's DeepSpeedPlugin takes "auto" for these two: the training script's value (the recipe's)."""
     import os
 
-    from toolkit.accelerate_env import launcher_settings
+    from toolkit.launch.accelerate_env import launcher_settings
 
     for name, setting in {**DEEPSPEED_PLUGIN, var: "auto"}.items():
         monkeypatch.setenv(name, setting)
@@ -242,7 +242,7 @@ def test_which_causal_lm_classes_need_is_decoder_is_transformers_own_test():
     encoder-decoder families' causal-LM classes set it themselves."""
     import transformers
 
-    from toolkit.model_config import _needs_is_decoder
+    from toolkit.model.config import _needs_is_decoder
 
     for name in ("BertLMHeadModel", "RobertaForCausalLM", "XLMRobertaForCausalLM", "ElectraForCausalLM",
                  "RoFormerForCausalLM", "ReformerModelWithLMHead"):
@@ -255,8 +255,8 @@ def test_num_labels_other_than_the_saved_heads_is_one_line(tmp_path, tiny_bert_d
     """from_pretrained refuses the 2-label head at 3 labels with a RuntimeError pointing at a report the quiet logs
     hide; a folder without a head (MiniLM's BertModel) takes any num_labels."""
     from conftest import MINILM
-    from toolkit.model import hf_config
-    from toolkit.recipe import ModelConfig
+    from toolkit.model.build import hf_config
+    from toolkit.config.recipe import ModelConfig
 
     out = tmp_path / "out"
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_bert_dir, task="sequence-classification",
@@ -335,7 +335,7 @@ def test_rotary_positions_are_no_limit_for_a_llama_from_its_config(tmp_path, tin
 def test_the_position_limit_is_read_from_the_built_config(fields, limit):
     from transformers import AutoConfig
 
-    from toolkit.model import position_limit
+    from toolkit.model.build import position_limit
 
     config = dict(fields)
     assert position_limit(AutoConfig.for_model(config.pop("model_type"), **config)) == limit

@@ -68,7 +68,7 @@ def test_split_strategies_match_single_on_minilm(minilm_runs, arm):
 
 def test_the_layout_line_names_every_ranks_blocks():
     """Rank 0 writes the line (and run.json's layout) for the whole run: every rank's stages, not its own."""
-    from toolkit.strategies.pipeline_layout import Grid
+    from toolkit.strategies.pipeline.layout import Grid
 
     parts = [0, 0, 1, 1, 2, 3]  # block -> stage
     assert Grid(pp=2, dp=1).stages_by_rank(parts, 2) == (
@@ -142,7 +142,7 @@ BAD = {
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_split_inputs_are_one_line_before_any_rank(llama4_runs, case):
     from toolkit.errors import RecipeError
-    from toolkit.recipe_files import load_recipe
+    from toolkit.config.files import load_recipe
     from toolkit.strategies import validate_strategy
 
     ranks, overrides, words = BAD[case]
@@ -152,7 +152,7 @@ def test_bad_split_inputs_are_one_line_before_any_rank(llama4_runs, case):
 
 
 def test_the_layer_stacks_own_block_class_is_taken_as_pipeline_blocks(llama4_runs):
-    from toolkit.recipe_files import load_recipe
+    from toolkit.config.files import load_recipe
     from toolkit.strategies import validate_strategy
 
     validate_strategy(load_recipe(llama4_runs.recipe, ("strategy.name=pipeline", "strategy.schedule=gpipe",
@@ -177,10 +177,10 @@ def test_a_hybrid_with_one_replica_per_stage_says_it_runs_as_a_pipeline(llama4_r
     run.json's `fallback` (a warning at start, a line in the compare report) says so; 2 × 2 has none."""
     import torch
 
-    from toolkit.dist import DistEnv
+    from toolkit.process.dist import DistEnv
     from toolkit.strategies.hybrid import INFO
-    from toolkit.strategies.pipeline import PipelineStrategy
-    from toolkit.strategies.pipeline_layout import Grid
+    from toolkit.strategies.pipeline.strategy import PipelineStrategy
+    from toolkit.strategies.pipeline.layout import Grid
 
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)  # the fix names toolkit launch's --nproc
 

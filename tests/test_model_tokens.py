@@ -50,8 +50,8 @@ def test_a_model_built_from_its_config_takes_the_tokenizers_bos_and_eos_ids(tmp_
     tokenizer's own ids; an id model.config names stays the recipe's."""
     from transformers import AutoTokenizer
 
-    from toolkit.model import build_model, load_tokenizer
-    from toolkit.recipe import ModelConfig
+    from toolkit.model.build import build_model, load_tokenizer
+    from toolkit.config.recipe import ModelConfig
 
     folder = tmp_path / "with-eos"  # the tests' tokenizer with a bos and an eos, as a decoder's tokenizer has
     AutoTokenizer.from_pretrained(str(tiny_llama_dir), bos_token="[CLS]", eos_token="[SEP]").save_pretrained(folder)
@@ -78,8 +78,8 @@ def test_a_decoder_classifier_pools_each_samples_own_last_token_whatever_its_con
     micro 8 and micro 1 × accum 8 differed by 6 %). The reference: each sample alone, unpadded."""
     import torch
 
-    from toolkit.model import build_model, load_tokenizer
-    from toolkit.recipe import ModelConfig
+    from toolkit.model.build import build_model, load_tokenizer
+    from toolkit.config.recipe import ModelConfig
 
     opt = {"model_type": "opt", "vocab_size": 30522, "hidden_size": 32, "ffn_dim": 64, "num_hidden_layers": 2,
            "num_attention_heads": 4, "max_position_embeddings": 64, "word_embed_proj_dim": 32}
@@ -99,8 +99,8 @@ def test_a_config_class_pad_id_outside_the_recipes_vocabulary_gives_way_to_the_t
     """Phi3Config's pad id is 32000, for Phi-3's own vocabulary: built with vocab_size 30522 (the tests'
     tokenizer), transformers refused it ("Padding_idx must be within num_embeddings"), a value the recipe never set.
     A pad id model.config names stays the recipe's (and its mistake one line)."""
-    from toolkit.model import build_model, load_tokenizer, meta_model
-    from toolkit.recipe import ModelConfig
+    from toolkit.model.build import build_model, load_tokenizer, meta_model
+    from toolkit.config.recipe import ModelConfig
 
     phi3 = {"model_type": "phi3", "vocab_size": 30522, "hidden_size": 32, "intermediate_size": 64,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}

@@ -13,8 +13,8 @@ import torch
 
 import test_sharded
 from conftest import REPO, metrics, toolkit_env
-from toolkit import faults
 from toolkit.cli import main
+from toolkit.process import faults
 
 COMPARED = ("step", "loss", "lr", "grad_norm", "tokens", "samples")
 ARMS = {"ddp-m4": ("strategy.name=ddp", "batch.micro_batch_size=4"), "fsdp": test_sharded.ARMS["fsdp"]}
@@ -108,7 +108,7 @@ def test_bad_node_arguments_are_one_line(llama_runs, args, words, capsys):
 
 
 def test_a_stopped_job_of_several_machines_is_resumed_by_a_launch_on_each(monkeypatch):
-    from toolkit.launch import NODES_ENV, Nodes, resume_hint
+    from toolkit.launch.launcher import NODES_ENV, Nodes, resume_hint
 
     def command(hint: str) -> list[str]:  # what follows "resume with...:" must be a shell command as it stands
         return shlex.split(hint.split(": ", 1)[1])
@@ -149,12 +149,12 @@ def test_a_stopped_job_of_several_machines_is_resumed_by_a_launch_on_each(monkey
 def test_toolkit_launch_hands_its_machines_options_to_its_ranks(monkeypatch):
     import torch.distributed.run
 
-    import toolkit.launch
-    from toolkit.launch import NODES_ENV, Nodes, launch
+    import toolkit.launch.launcher
+    from toolkit.launch.launcher import NODES_ENV, Nodes, launch
 
     seen = []
     monkeypatch.setenv(NODES_ENV, "before")  # restored after the test
-    monkeypatch.setattr(toolkit.launch, "prepare_environment", lambda: None)  # the ranks' settings: not for pytest
+    monkeypatch.setattr(toolkit.launch.launcher, "prepare_environment", lambda: None)  # the ranks' settings: not for pytest
     monkeypatch.setattr(torch.distributed.run, "run", lambda args: seen.append(os.environ[NODES_ENV]))
     nodes = Nodes(count=2, rank=1, endpoint="node001:29500", run_id="job7", local_addr="10.0.0.2")
     assert launch("recipe.yaml", nproc=4, overrides=[], nodes=nodes) == 0

@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from toolkit.optim import build_adamw
-from toolkit.recipe import OptimConfig
+from toolkit.config.recipe import OptimConfig
 from toolkit.strategies.base import optimizer_label
+from toolkit.strategies.optim import build_adamw
 
 
 @pytest.fixture

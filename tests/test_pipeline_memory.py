@@ -5,10 +5,10 @@ import pytest
 import torch
 from torch.distributed.pipelining import schedules
 
-from toolkit.activations import Traced, traced_activations, traced_stage
-from toolkit.plan import planned_model, predict
-from toolkit.recipe_files import load_recipe
-from toolkit.strategies.pipeline_memory import in_flight_peak, schedule_actions
+from toolkit.config.files import load_recipe
+from toolkit.memory.activations import Traced, traced_activations, traced_stage
+from toolkit.plan.predict import planned_model, predict
+from toolkit.strategies.pipeline.memory import in_flight_peak, schedule_actions
 
 
 def most_in_flight(actions):

@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import TRAIN, exported_weights, launch, losses, write_recipe
-from toolkit.data import GlobalBatchSampler
-from toolkit.recipe import BatchPlan
+from toolkit.config.recipe import BatchPlan
+from toolkit.data.splits import GlobalBatchSampler
 
 
 def test_accumulated_steps_match_plain_pytorch(tmp_path, tiny_llama_dir):

@@ -13,11 +13,10 @@ import test_model_parallel
 import test_sharded
 import test_tensor_parallel
 from conftest import REPO, run_cli, toolkit_env, write_recipe
-from toolkit import plan
+from toolkit.config.files import load_recipe
 from toolkit.errors import RecipeError
-from toolkit.recipe_files import load_recipe
-from toolkit.strategies import zero_state
-
+from toolkit.plan import predict as plan
+from toolkit.strategies.zero import memory as zero_state
 LLAMA = {  # the 2-block untied Llama: name -> (ranks, overrides)
     "single-m8": (1, ()),
     "ddp-m4": (2, ("strategy.name=ddp", "batch.micro_batch_size=4")),
@@ -92,7 +91,7 @@ def test_zero1_and_zero2_steps_are_planned_with_a_copy_of_the_measured_gradient_
 
 HELD_AFTER_STEP = r"""
 import os, sys
-from toolkit.strategies import zero
+from toolkit.strategies.zero import engine as zero
 from toolkit.strategies.base import storage_bytes
 def say(what, value):  # one write per line: two ranks share the pipe
     sys.stdout.write(f"{what} {os.environ.get('RANK', '0')}: {value}\n")
@@ -200,8 +199,8 @@ def test_plan_names_the_first_single_change_under_which_an_arm_fits():
     """What the plan's summary offers for an arm that does not fit: the first change (activation checkpointing,
     then offload, then twice the ranks) whose own prediction is within the limit; a change the strategy refuses
     is passed over. The predictions are given here: plan.predict has its own tests."""
-    from toolkit.plan import Prediction
-    from toolkit.plan_advice import Planned, one_change
+    from toolkit.plan.predict import Prediction
+    from toolkit.plan.advice import Planned, one_change
 
     def prediction(peak: int, world: int = 2) -> Prediction:
         return Prediction(strategy="x", world_size=world, per_rank=[], activation_bytes=[],

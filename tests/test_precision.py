@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from conftest import REPO, metrics, toolkit_env, write_recipe
-from toolkit import faults
+from toolkit.process import faults
 
 FAST = ("train.max_steps=8", "optim.lr=0.003", "optim.warmup_steps=0")
 

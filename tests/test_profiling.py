@@ -6,7 +6,7 @@ import pytest
 
 from conftest import launch, metrics, write_recipe
 from toolkit.compare import measure
-from toolkit.comm import count_step
+from toolkit.observe.comm import count_step
 
 
 def test_profiled_steps_write_a_trace_and_an_op_table_and_are_left_out_of_throughput(tmp_path, tiny_llama_dir):

@@ -4,9 +4,9 @@ import re
 
 import pytest
 
+from toolkit.config.files import apply_override, recipe_from_dict
+from toolkit.config.recipe import BatchConfig, plan_batch
 from toolkit.errors import RecipeError
-from toolkit.recipe import BatchConfig, plan_batch
-from toolkit.recipe_files import apply_override, recipe_from_dict
 
 BASE = {"model": {"path": "/m"}, "data": {"train": "t.jsonl"}}
 

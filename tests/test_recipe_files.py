@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from toolkit.cli import main
+from toolkit.config.files import apply_override, dump_recipe, load_recipe
 from toolkit.errors import RecipeError
-from toolkit.recipe_files import apply_override, dump_recipe, load_recipe
 
 HEAD = "model: {path: /m}\ndata: {train: t.jsonl}\n"
 
@@ -37,7 +37,7 @@ def test_a_key_written_twice_is_refused_naming_both_lines(tmp_path, capsys, text
 def test_a_merge_key_may_still_be_overridden(tmp_path):
     path = _write(tmp_path, HEAD + "base: &base {lr: 1.0e-4, warmup_steps: 2}\n")
     # `<<` brings keys in that the mapping may set again: that is a merge, not a duplicate
-    from toolkit.yaml_files import load_yaml
+    from toolkit.config.yaml_files import load_yaml
 
     assert load_yaml(path.read_text() + "optim: {<<: *base, lr: 1.0e-2}\n")["optim"] == {"lr": 1e-2, "warmup_steps": 2}
 

@@ -1,12 +1,12 @@
-"""docs/recipe-keys.md is what toolkit/recipe.py declares: a key added, removed, renamed, retyped, given another
-default or another comment without the reference made again fails here (`python -m toolkit.recipe_reference >
+"""docs/recipe-keys.md is what toolkit/config/recipe.py declares: a key added, removed, renamed, retyped, given another
+default or another comment without the reference made again fails here (`python -m toolkit.config.reference >
 docs/recipe-keys.md` makes it)."""
 
 import dataclasses
 
 from conftest import REPO
-from toolkit import recipe_reference
-from toolkit.recipe import Recipe, TrainConfig
+from toolkit.config import reference as recipe_reference
+from toolkit.config.recipe import Recipe, TrainConfig
 
 
 def test_the_recipe_key_reference_is_the_declarations():

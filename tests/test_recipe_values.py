@@ -76,7 +76,7 @@ def test_a_process_count_fix_names_the_option_of_the_launcher_in_use(tmp_path, t
 
 
 def test_the_resume_command_under_accelerate_is_its_own_launch(monkeypatch):
-    from toolkit.launch import resume_hint
+    from toolkit.launch.launcher import resume_hint
 
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     monkeypatch.setattr("sys.argv", ["toolkit", "train", "r.yaml", "--set", "seed=1"])

@@ -11,9 +11,9 @@ import torch
 
 from conftest import _minilm_tokenizer, run_cli, write_recipe
 
+from toolkit.checkpoint.loading import ModelSource
 from toolkit.compare import verdict
-from toolkit.loading import ModelSource
-from toolkit.recipe_files import load_recipe
+from toolkit.config.files import load_recipe
 
 
 def _qwen2(path, *, hidden: int):

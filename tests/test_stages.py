@@ -1,4 +1,4 @@
-"""Pipeline stages run a decoder's blocks by hand (toolkit.strategies.stages): for every architecture they accept,
+"""Pipeline stages run a decoder's blocks by hand (toolkit.model.stages): for every architecture they accept,
 one stage holding the whole model gives the model's own logits; architectures whose forward does more, and
 sliding windows shorter than the samples, are refused before any rank starts."""
 
@@ -10,7 +10,7 @@ from test_cli_errors import _assert_one_line_exit_2
 from test_model_errors import TINY_LLAMA_CONFIG
 from toolkit.cli import main
 from toolkit.errors import RecipeError
-from toolkit.strategies.stages import STAGED_DECODERS, Stage, check_window, family_of, layer_list
+from toolkit.model.stages import STAGED_DECODERS, Stage, check_window, family_of, layer_list
 
 SHAPES = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, head_dim=8, pad_token_id=0, bos_token_id=1,
@@ -49,8 +49,7 @@ def test_a_stage_of_every_accepted_decoder_computes_the_models_own_logits(model_
     ("gemma2", {"final_logit_softcapping": 0.5}, "soft-caps its logits"),
 ])
 def test_a_decoder_whose_forward_does_more_is_refused(model_type, fields, what, monkeypatch):
-    from toolkit.strategies import stages
-
+    from toolkit.model import stages
     model = _model(model_type, **fields)
     # the reason it is refused: a stage of it (let through here) computes another function (measured, not assumed)
     with monkeypatch.context() as patched:

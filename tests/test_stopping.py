@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from conftest import metrics, strict_loads, write_recipe
-from toolkit import runinfo
-from toolkit.dist import DistEnv
-from toolkit.loop import train
-from toolkit.metrics import read_jsonl
-from toolkit.rank import nonfinite_line
-from toolkit.recipe_files import load_recipe
-from toolkit.stopping import NonFinite, SkippedSteps
+from toolkit.config.files import load_recipe
+from toolkit.launch.rank import nonfinite_line
+from toolkit.observe.metrics import read_jsonl
+from toolkit.process.dist import DistEnv
+from toolkit.process.stopping import NonFinite, SkippedSteps
+from toolkit.train import runinfo
+from toolkit.train.loop import train
 
 ONE_RANK = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 

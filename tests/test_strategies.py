@@ -2,8 +2,8 @@
 
 import pytest
 
+from toolkit.config.files import recipe_from_dict
 from toolkit.errors import RecipeError
-from toolkit.recipe_files import recipe_from_dict
 from toolkit.strategies import arm_aliases, make_strategy, strategy_info, strategy_names, validate_strategy
 
 BASE = {"model": {"path": "/m"}, "data": {"train": "t.jsonl"}}

@@ -110,7 +110,7 @@ BAD = {
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_tensor_parallel_inputs_are_one_line_before_any_rank(llama4_runs, case):
     from toolkit.errors import RecipeError
-    from toolkit.recipe_files import load_recipe
+    from toolkit.config.files import load_recipe
     from toolkit.strategies import validate_strategy
 
     ranks, overrides, words = BAD[case]
@@ -121,7 +121,7 @@ def test_bad_tensor_parallel_inputs_are_one_line_before_any_rank(llama4_runs, ca
 def test_mlp_columns_not_divisible_and_a_model_without_plan_are_one_line(tmp_path):
     from conftest import MINILM
     from toolkit.errors import RecipeError
-    from toolkit.recipe_files import load_recipe
+    from toolkit.config.files import load_recipe
     from toolkit.strategies import validate_strategy
 
     def recipe_for(config: dict):
@@ -154,7 +154,7 @@ def test_mlp_columns_not_divisible_and_a_model_without_plan_are_one_line(tmp_pat
 
 def test_sequence_parallel_on_an_encoder_is_one_line(minilm_runs):
     from toolkit.errors import RecipeError
-    from toolkit.recipe_files import load_recipe
+    from toolkit.config.files import load_recipe
     from toolkit.strategies import validate_strategy
 
     recipe = load_recipe(minilm_runs.recipe, ("strategy.name=tp", "strategy.sequence_parallel=true"))
@@ -169,7 +169,7 @@ def test_sequence_parallel_on_a_block_with_more_norms_is_one_line(tmp_path):
     rank died mixing DTensors and plain tensors in those norms."""
     from conftest import MINILM
     from toolkit.errors import RecipeError
-    from toolkit.recipe_files import load_recipe
+    from toolkit.config.files import load_recipe
     from toolkit.strategies import validate_strategy
 
     config = {"model_type": "gemma2", "vocab_size": 30522, "hidden_size": 32, "intermediate_size": 64,

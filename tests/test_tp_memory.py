@@ -7,13 +7,13 @@ import json
 import pytest
 import torch
 
-from toolkit.activations import traced_activations
-from toolkit.loading import own_memory
+from toolkit.checkpoint.loading import own_memory
+from toolkit.config.files import load_recipe
 from toolkit.errors import RecipeError
-from toolkit.plan import planned_model, predict
-from toolkit.recipe_files import load_recipe
-from toolkit.strategies import make_strategy, tensor_parallel
-
+from toolkit.memory.activations import traced_activations
+from toolkit.model import tp_plan as tensor_parallel
+from toolkit.plan.predict import planned_model, predict
+from toolkit.strategies import make_strategy
 CONFIG = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
           "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8,
           "max_position_embeddings": 256, "tie_word_embeddings": True}
@@ -113,7 +113,7 @@ def test_a_first_pipeline_stage_of_an_untied_model_lets_go_of_the_file_once_the_
     loop drops its reference after setup)."""
     from transformers import AutoModelForCausalLM
 
-    from toolkit.strategies.stages import Stage
+    from toolkit.model.stages import Stage
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
     weights = str(tiny_llama_dir / "model.safetensors")

@@ -14,9 +14,9 @@ import test_equivalence
 from conftest import metrics, write_recipe
 from test_cli_errors import _assert_one_line_exit_2
 from toolkit.cli import main
+from toolkit.config.files import load_recipe
 from toolkit.errors import RecipeError
-from toolkit.recipe_files import load_recipe
-from toolkit.stopping import Stopped
+from toolkit.process.stopping import Stopped
 
 
 def _numbers(record: dict) -> dict:
@@ -110,7 +110,7 @@ def _mlflow_run(out, store: str):
 
 def test_resume_continues_the_mlflow_run_and_tensorboard_hides_the_redone_steps(tmp_path, mlflow_store,
                                                                                 monkeypatch):
-    from toolkit import tracking
+    from toolkit.observe import tracking
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_store)
     recipe = _recipe(tmp_path)
@@ -138,7 +138,7 @@ def test_resume_continues_the_mlflow_run_and_tensorboard_hides_the_redone_steps(
 
 
 def test_a_stopped_run_is_marked_killed_a_crashed_one_failed(tmp_path, mlflow_store, monkeypatch):
-    from toolkit import tracking
+    from toolkit.observe import tracking
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_store)
     recipe = _recipe(tmp_path, "train.report_to=mlflow")  # one name, not a list
@@ -182,9 +182,9 @@ def test_a_tracker_switched_off_mid_run_is_in_run_json(tmp_path, tiny_llama_dir,
     """The warning scrolls away; run.json says why the plot ends at step 2 (metrics.jsonl has every step)."""
     import torch
 
-    from toolkit import tracking
-    from toolkit.dist import DistEnv
-    from toolkit.loop import train
+    from toolkit.observe import tracking
+    from toolkit.process.dist import DistEnv
+    from toolkit.train.loop import train
 
     def full_disk(self, step, values):
         if step == 2:
@@ -202,7 +202,7 @@ def test_a_tracker_switched_off_mid_run_is_in_run_json(tmp_path, tiny_llama_dir,
 
 def test_a_store_error_mlflow_does_not_wrap_is_one_line_naming_the_store(tmp_path, monkeypatch):
     """The SQL driver's errors (here SQLAlchemy's DatabaseError) reach the caller unwrapped by MLflow."""
-    from toolkit import tracking
+    from toolkit.observe import tracking
 
     store = tmp_path / "notadb.db"
     store.write_text("garbage, not a database\n")
@@ -218,9 +218,9 @@ def test_a_mistake_found_at_tracker_start_leaves_a_folder_made_beforehand_as_it_
     refused as "already holds a run"."""
     import torch
 
-    from toolkit import tracking
-    from toolkit.dist import DistEnv
-    from toolkit.rank import train_rank
+    from toolkit.observe import tracking
+    from toolkit.process.dist import DistEnv
+    from toolkit.launch.rank import train_rank
 
     def changed_since_checked(*args, **kwargs):
         raise RecipeError("train.report_to tensorboard: cannot write here")
@@ -241,7 +241,9 @@ def test_a_deleted_experiment_is_one_line_naming_it_before_the_run_and_at_open(t
     """Read from the SQLite file before any rank starts; asked of the store (a server's too) when the run opens."""
     from mlflow.tracking import MlflowClient
 
-    from toolkit import tracking, tracking_checks
+    from toolkit.observe import tracking
+
+    from toolkit.train import tracking_checks
 
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=store)
@@ -261,7 +263,7 @@ def test_a_deleted_experiment_is_one_line_naming_it_before_the_run_and_at_open(t
 def test_a_new_run_whose_tensorboard_name_holds_another_runs_events_takes_more_of_its_path(tmp_path, capsys):
     """sweepA/seed0 and sweepB/seed0 in one tracking_dir: the later run's purge_step hid the earlier one's curves.
     A resume keeps the folder tracking.json names."""
-    from toolkit import tracking
+    from toolkit.observe import tracking
 
     shared = tmp_path / "shared"
 
@@ -282,9 +284,9 @@ def test_a_new_run_whose_tensorboard_name_holds_another_runs_events_takes_more_o
 
 
 def test_a_mistake_after_the_trackers_opened_removes_this_runs_tensorboard_files_only(tmp_path, monkeypatch):
-    """rank 0 removes what a run made in output_dir after a user's mistake (toolkit.rank); the TensorBoard folder
+    """rank 0 removes what a run made in output_dir after a user's mistake (toolkit.launch.rank); the TensorBoard folder
     it began in a separate tracking_dir stayed, and made a rerun take another name (its events were there)."""
-    from toolkit import tracking
+    from toolkit.observe import tracking
 
     shared = tmp_path / "shared"
 

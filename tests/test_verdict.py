@@ -236,7 +236,7 @@ def test_the_steps_hint_counts_profiled_steps_out_as_throughput_does(window):
     """The report's "run --steps N" times MIN_TIMED_STEPS steady steps also when train.profile_steps left some
     out (it assumed only the warm-up and step 3 were): checked against throughput's own choice of steps, on
     metrics marked where the loop marks them (the profiled window; the counting step, moved out of it)."""
-    from toolkit.comm import count_step
+    from toolkit.observe.comm import count_step
     from toolkit.compare import measure
 
     def metrics(num_steps):

@@ -1,5 +1,5 @@
 from toolkit.errors import end_restart_after_final_stop
-from toolkit.orphans import follow_launcher
+from toolkit.process.orphans import follow_launcher
 
 # a rank of `toolkit launch`: before anything else, so that it cannot outlive its launcher, and so that a restart
 # after a user's mistake or a non-finite stop costs no loading

@@ -8,9 +8,9 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from toolkit.console import outlive_reader
 from toolkit.errors import USER_ERROR_EXIT_CODE, RecipeError, say_once, say_user_error
-from toolkit.rank import interrupted, quiet_libraries
+from toolkit.launch.rank import interrupted, quiet_libraries
+from toolkit.process.console import outlive_reader
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -124,13 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
-    from toolkit.rank import run_rank
+    from toolkit.launch.rank import run_rank
 
     return run_rank(args.recipe, args.overrides, _resume_of(args))
 
 
 def cmd_launch(args) -> int:
-    from toolkit.launch import launch_recipe
+    from toolkit.launch.launcher import launch_recipe
 
     _check_nproc(args.nproc)
     if args.max_restarts < 0:
@@ -145,7 +145,7 @@ def _check_nproc(nproc: int) -> None:
 
 
 def _nodes_of(args):
-    from toolkit.launch import Nodes
+    from toolkit.launch.launcher import Nodes
 
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         raise RecipeError(f"--nnodes {args.nnodes} --node-rank {args.node_rank}: give nnodes >= 1 and a node rank "
@@ -154,7 +154,7 @@ def _nodes_of(args):
         raise RecipeError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT, an address of the first machine that every "
                           "machine reaches (e.g. its hostname and a free port such as 29500)")
     if args.rdzv_endpoint:
-        from toolkit.launch import check_endpoint
+        from toolkit.launch.launcher import check_endpoint
 
         check_endpoint(args.rdzv_endpoint, hosted_here=args.nnodes == 1)
     return Nodes(count=args.nnodes, rank=args.node_rank, endpoint=args.rdzv_endpoint, run_id=args.rdzv_id,
@@ -162,10 +162,10 @@ def _nodes_of(args):
 
 
 def cmd_validate(args) -> int:
-    from toolkit.checks import check_recipe
-    from toolkit.model import load_tokenizer
-    from toolkit.notes import dropout_note, recipe_notes
-    from toolkit.recipe_files import dump_recipe, load_recipe
+    from toolkit.train.checks import check_recipe
+    from toolkit.model.build import load_tokenizer
+    from toolkit.train.notes import dropout_note, recipe_notes
+    from toolkit.config.files import dump_recipe, load_recipe
 
     _check_nproc(args.nproc)
     recipe = load_recipe(args.recipe, args.overrides)
@@ -186,11 +186,12 @@ def cmd_validate(args) -> int:
 def cmd_plan(args) -> int:
     import torch
 
-    from toolkit import plan, plan_advice
-    from toolkit.checks import check_recipe
+    from toolkit.plan import predict as plan
+    from toolkit.plan import advice as plan_advice
+    from toolkit.train.checks import check_recipe
     from toolkit.compare.experiment import split_arms
-    from toolkit.metrics import process_bytes
-    from toolkit.recipe_files import load_recipe
+    from toolkit.observe.metrics import process_bytes
+    from toolkit.config.files import load_recipe
     from toolkit.strategies import arm_aliases, strategy_info, validate_strategy
 
     _check_nproc(args.nproc)
@@ -247,14 +248,14 @@ def cmd_plan(args) -> int:
 def cmd_strategies(args) -> int:
     from toolkit.strategies import arm_aliases, strategy_info, strategy_names
 
-    from toolkit.recipe import StrategyConfig
+    from toolkit.config.recipe import StrategyConfig
 
     defaults = StrategyConfig()
     width = max(map(len, strategy_names()))
     for name in strategy_names():
         info = strategy_info(name)
         print(f"{name:<{width}}  {info.summary}")
-        if info.options:  # each with its default (see the StrategyConfig comments in toolkit/recipe.py)
+        if info.options:  # each with its default (see the StrategyConfig comments in toolkit/config/recipe.py)
             shown = ", ".join(f"strategy.{key}={_yaml_value(getattr(defaults, key))}" for key in info.options)
             print(f"{'':<{width}}  options: {shown}")
     print("\ncompare arms (toolkit compare --strategies a,b,...; add overrides as arm@key=value):")
@@ -273,7 +274,6 @@ def _yaml_value(value) -> str:
 
 def cmd_convert(args) -> int:
     from toolkit.checkpoint.convert import convert
-
     quiet_libraries()
     out = convert(Path(args.checkpoint), Path(args.out))
     print(f"[toolkit] wrote {out} (load it with from_pretrained)", file=sys.stderr)
@@ -315,7 +315,7 @@ def _main(argv: list[str] | None) -> int:
     outlive_reader()  # a console whose reader left (`| head`, a closed session) does not end the run
     args = build_parser().parse_args(argv)
     from toolkit.compare.cli import COMPARE_COMMANDS
-    from toolkit.launch import prepare_environment
+    from toolkit.launch.launcher import prepare_environment
 
     prepare_environment()  # before any library import that reads it (DeepSpeed's accelerator, the hubs)
 

@@ -16,8 +16,8 @@ class RecipeError(ValueError):
 
 
 USER_ERROR_EXIT_CODE = 2
-REPLICA_DRIFT_EXIT_CODE = 3  # replicas that should be equal are not (toolkit.consistency); every rank says so
-# a non-finite loss or gradient norm stopped the run (toolkit.stopping.NonFinite); rank 0 said where, in one line
+REPLICA_DRIFT_EXIT_CODE = 3  # replicas that should be equal are not (toolkit.observe.consistency); every rank says so
+# a non-finite loss or gradient norm stopped the run (toolkit.process.stopping.NonFinite); rank 0 said where, in one line
 NONFINITE_EXIT_CODE = 4
 INTERRUPTED_EXIT_CODE = 128 + 2  # Ctrl-C (SIGINT), as shells report it
 

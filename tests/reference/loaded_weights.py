@@ -21,7 +21,7 @@ def reference(recipe):
     extra["dtype"] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[recipe.model.load_dtype]
     torch.manual_seed(recipe.seed)
     if recipe.model.path is not None:
-        from toolkit.model import resolve_path
+        from toolkit.model.build import resolve_path
 
         model = auto.from_pretrained(str(resolve_path(recipe.model.path)), **extra)
     else:
@@ -35,7 +35,7 @@ def reference(recipe):
 
 
 def resolve_tokenizer(recipe):
-    from toolkit.model import resolve_path
+    from toolkit.model.build import resolve_path
 
     return resolve_path(recipe.model.tokenizer)
 
@@ -64,15 +64,15 @@ def names(folder: Path) -> list[str]:
 
 
 def main() -> None:
-    from toolkit.dist import exit_process, init_distributed, shutdown
-    from toolkit.export import export_model
-    from toolkit.launch import prepare_environment
-    from toolkit.loading import ModelSource
-    from toolkit.loop import setup_strategy
-    from toolkit.model import load_tokenizer
-    from toolkit.optim import param_groups
-    from toolkit.recipe import plan_batch
-    from toolkit.recipe_files import load_recipe
+    from toolkit.process.dist import exit_process, init_distributed, shutdown
+    from toolkit.model.export import export_model
+    from toolkit.launch.launcher import prepare_environment
+    from toolkit.checkpoint.loading import ModelSource
+    from toolkit.train.loop import setup_strategy
+    from toolkit.model.build import load_tokenizer
+    from toolkit.strategies.optim import param_groups
+    from toolkit.config.recipe import plan_batch
+    from toolkit.config.files import load_recipe
     from toolkit.strategies import make_strategy
 
     out, cases = sys.argv[1], json.loads(sys.argv[2])  # {name: [recipe path, override, ...]}

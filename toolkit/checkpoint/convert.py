@@ -15,7 +15,8 @@ import torch
 
 from toolkit.checkpoint import digest, state, store
 from toolkit.errors import RecipeError
-from toolkit.export import replace_folder, without_tied_aliases
+from toolkit.model.export import replace_folder
+from toolkit.model.tied import without_tied_aliases
 
 
 def convert(checkpoint_path: Path, out: Path) -> Path:
@@ -42,7 +43,7 @@ def convert(checkpoint_path: Path, out: Path) -> Path:
     if lora is None:
         state.load_weights(model, checkpoint.path)  # no process group: DCP reads every shard in this process
     else:  # the checkpoint holds the adapted model: its adapters merged, a plain model comes out
-        from toolkit.lora import merged_model
+        from toolkit.model.lora import merged_model
 
         model = merged_model(model, lora, task=task, load=lambda m: state.load_weights(m, checkpoint.path))
     tmp = out.parent / f".{out.name}.partial"
@@ -55,7 +56,7 @@ def convert(checkpoint_path: Path, out: Path) -> Path:
 
 def lora_of(path: Path):
     """The LoraOptions of the run that wrote the checkpoint (its recipe.yaml's model.lora), or None."""
-    from toolkit.recipe import LoraOptions
+    from toolkit.config.recipe import LoraOptions
 
     raw = store.saved_recipe(path)
     if raw is None:

@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from toolkit.atomic import write_text_whole
-from toolkit.dist import DistEnv, gather_objects
 from toolkit.errors import RecipeError
+from toolkit.process.dist import DistEnv, gather_objects
 
 DIGESTS = "digests.json"
 # sha256: with the CPU's SHA instructions it hashed 1.5 GB/s from the page cache on the development machine,

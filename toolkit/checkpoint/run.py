@@ -13,10 +13,11 @@ from torch import nn
 
 from toolkit.atomic import write_text_whole
 from toolkit.checkpoint import digest, state, store
-from toolkit.dist import DistEnv, all_reduce_max, barrier, restarted
+from toolkit.config.recipe import BatchPlan, Recipe
 from toolkit.errors import RecipeError
-from toolkit.model import with_own_dropout
-from toolkit.recipe import BatchPlan, Recipe
+from toolkit.model.build import with_own_dropout
+from toolkit.observe.versions import versions
+from toolkit.process.dist import DistEnv, all_reduce_max, barrier, restarted
 
 
 @dataclass(frozen=True)
@@ -176,8 +177,6 @@ class Saver:
         """Collective. Returns the seconds the save held training up. With checkpoint.async the files are
         copied and written in the background (the next update waits for the copy: `before_update`) and
         committed on rank 0 once written; `wait` (or finish()) waits for all of it."""
-        from toolkit.runinfo import versions
-
         start = time.perf_counter()
         self.finish(barrier_after=False)  # the previous async save first: checkpoints are committed in order
         if self.config.async_save and self._writer is None:

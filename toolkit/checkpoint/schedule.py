@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.checkpoint import store
+from toolkit.config.files import recipe_to_dict
+from toolkit.config.recipe import Recipe
 from toolkit.errors import RecipeError
-from toolkit.recipe import Recipe
-from toolkit.recipe_files import recipe_to_dict
 
 # what sets a schedule besides the run's total steps and a ds_config's scheduler block
 SCHEDULE_KEYS = ("optim.lr", "optim.schedule", "optim.warmup_steps", "optim.min_lr_ratio")

@@ -28,9 +28,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from toolkit.checkpoint import schedule, store, verify
 from toolkit.checkpoint.fragments import Fragments, PiecesLoadPlanner, PiecesSavePlanner
-from toolkit.dist import DistEnv, barrier
 from toolkit.errors import RecipeError, first_line
-from toolkit.export import without_tied_aliases
+from toolkit.model.tied import first_names, without_tied_aliases
+from toolkit.process.dist import DistEnv, barrier
 
 class Read(Protocol):
     """{"optim": {...}} (and "model" where a strategy keeps masters of its own) -> the same, filled in place;
@@ -44,11 +44,6 @@ class Read(Protocol):
 def model_tensors(module: nn.Module) -> dict[str, Any]:
     """The module's state_dict with a tied weight once (its alias shares the storage)."""
     return without_tied_aliases(module, module.state_dict())
-
-
-def first_names(module: nn.Module) -> dict[int, str]:
-    """id(parameter) -> its first name (a tied weight's canonical name, as named_parameters() gives it)."""
-    return {id(p): n for n, p in module.named_parameters()}
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:

@@ -16,12 +16,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit import faults
 from toolkit.atomic import write_text_whole
 from toolkit.checkpoint import digest
+from toolkit.config.files import dump_recipe
+from toolkit.config.recipe import Recipe
 from toolkit.errors import RecipeError
-from toolkit.recipe import Recipe
-from toolkit.recipe_files import dump_recipe
+from toolkit.process import faults
 
 FORMAT = "toolkit-checkpoint"
 VERSION = 1

@@ -35,7 +35,7 @@ def calibration_arms(experiment) -> list:
     """Two reference runs per low precision, differing only in reduction order, and where the reference is fp32
     one run of it on one process from a rounding-perturbed start (see verdict.py); none tracked."""
     from toolkit.compare.experiment import RECORD_GRADIENT_SCALE, Arm
-    from toolkit.recipe_files import load_recipe
+    from toolkit.config.files import load_recipe
     from toolkit.strategies import validate_strategy
 
     reference = experiment.arms[0]
@@ -66,7 +66,7 @@ def rounding_arm(experiment):
     reference in bf16 or fp16, which calibration judges."""
     from toolkit.compare.experiment import RECORD_GRADIENT_SCALE, ROUNDING_ARM, Arm, arm_overrides
     from toolkit.compare.verdict import ROUNDING_PERTURBATION
-    from toolkit.recipe_files import load_recipe
+    from toolkit.config.files import load_recipe
     from toolkit.strategies import validate_strategy
 
     reference = experiment.arms[0]
@@ -83,7 +83,7 @@ def rounding_arm(experiment):
 def experiment_of(args):
     """The experiment `toolkit compare` was asked for: from a matrix file, or a recipe and --strategies."""
     from toolkit.compare.experiment import build_experiment, load_matrix, split_arms
-    from toolkit.yaml_files import read_yaml_mapping
+    from toolkit.config.yaml_files import read_yaml_mapping
 
     if not Path(args.recipe).is_file():
         raise RecipeError(f"{args.recipe} not found; pass a recipe or a matrix file")

@@ -14,12 +14,12 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from toolkit.config.files import load_recipe
+from toolkit.config.recipe import Recipe, plan_batch
+from toolkit.config.yaml_files import read_yaml_mapping
 from toolkit.errors import RecipeError
-from toolkit.recipe import Recipe, plan_batch
-from toolkit.recipe_files import load_recipe
-from toolkit.checks import check_blocks, check_recipe
 from toolkit.strategies import arm_aliases, make_strategy, strategy_info, validate_strategy
-from toolkit.yaml_files import read_yaml_mapping
+from toolkit.train.checks import check_blocks, check_recipe
 
 RECORD_GRADIENT_SCALE = "train.record_gradient_scale"  # the reference arm's gradient scale (see verdict.py)
 # runs the verdict reads and the report does not show as arms: two bf16/fp16 reference runs per low precision, and

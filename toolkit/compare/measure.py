@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from toolkit.comm import count_step
+from toolkit.observe.comm import count_step
 
 # Dense peak FLOP/s per GPU by compute precision (vendor datasheets; SXM parts; fp32 = non-tensor-core)
 GPU_PEAK_FLOPS = {

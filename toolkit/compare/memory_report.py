@@ -4,11 +4,11 @@ from __future__ import annotations
 
 MEMORY_NOTE = ("Model states (parameters, gradients, optimizer state) are predicted exactly from the model's "
                "shapes and each strategy's sharding rules, before the run (`toolkit plan`); the peak is an "
-               "estimate (runtime + activations + model states; see toolkit/plan.py). Other live tensors: a census "
+               "estimate (runtime + activations + model states; see toolkit/plan/predict.py). Other live tensors: a census "
                "of every tensor the process holds after the first backward, less the counted model states "
                "(a strategy's buckets and buffers, the batch). On CPU the peak is predicted for "
                "train.host_memory=predictable; an arm that ran `fast` reuses freed memory and keeps its high-water "
-               "mark, above the prediction (toolkit/host_memory.py).")
+               "mark, above the prediction (toolkit/process/host_memory.py).")
 
 
 def memory_lines(results: dict) -> list[str]:

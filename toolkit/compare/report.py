@@ -8,12 +8,12 @@ from pathlib import Path
 
 import yaml
 
+from toolkit.checkpoint.store import read_run_info
 from toolkit.compare import measure, verdict
 from toolkit.compare.experiment import CALIBRATION_PREFIX, ROUNDING_ARM, Experiment, dropout_note
 from toolkit.compare.report_render import render_html, render_markdown
-from toolkit.checkpoint.store import read_run_info
-from toolkit.comm import COMM_COUNT_STEP
 from toolkit.compare.runner import arm_dir, arm_status, read_metrics
+from toolkit.observe.comm import COMM_COUNT_STEP
 from toolkit.strategies import strategy_info, strategy_names
 
 

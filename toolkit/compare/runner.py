@@ -17,14 +17,14 @@ from pathlib import Path
 
 import yaml
 
-from toolkit.compare.experiment import RECORD_GRADIENT_SCALE, Arm, Experiment
 from toolkit.checkpoint.store import read_run_info
+from toolkit.compare.experiment import RECORD_GRADIENT_SCALE, Arm, Experiment
 from toolkit.compare.verdict import flatten
+from toolkit.config.files import load_recipe, path_keys, recipe_to_dict
 from toolkit.errors import INTERRUPTED_EXIT_CODE as INTERRUPTED
 from toolkit.errors import USER_ERROR_EXIT_CODE, RecipeError, error_line
-from toolkit.metrics import read_record
-from toolkit.recipe_files import load_recipe, path_keys, recipe_to_dict
-from toolkit.tracking import tensorboard_dir
+from toolkit.observe.metrics import read_record
+from toolkit.observe.tracking import tensorboard_dir
 
 TAIL_LINES = 15
 
@@ -107,7 +107,7 @@ def _difference(experiment: Experiment, key: str, then, now) -> str:
     return f"{key}: {then!r} then, {now!r} now"
 
 
-# toolkit/launch.py's words when a rank exits non-zero: a summary of exit codes pointing at the ranks' lines
+# toolkit/launch/launcher.py's words when a rank exits non-zero: a summary of exit codes pointing at the ranks' lines
 LAUNCH_FAILED = "toolkit: launch failed"
 SEE_ABOVE = " (see the rank output above)"
 
@@ -159,7 +159,7 @@ def _run_launcher(recipe_path: str, overrides: list[str], *, nproc: int, log: Pa
     re-run either way."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from toolkit.launch import launch_recipe
+    from toolkit.launch.launcher import launch_recipe
 
     # until torch's agent takes them over (and after it gives them back), SIGTERM and a hang-up stop the arm as
     # Ctrl-C does

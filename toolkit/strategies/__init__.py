@@ -10,8 +10,8 @@ import dataclasses
 import importlib
 from typing import TYPE_CHECKING
 
+from toolkit.config.recipe import BatchPlan, Recipe, plan_batch
 from toolkit.errors import RecipeError
-from toolkit.recipe import BatchPlan, Recipe, plan_batch
 from toolkit.strategies.base import Strategy, StrategyInfo
 
 _MODULES = {
@@ -19,19 +19,19 @@ _MODULES = {
     "dp": "toolkit.strategies.dp",
     "ddp": "toolkit.strategies.ddp",
     "fsdp": "toolkit.strategies.fsdp",
-    "zero": "toolkit.strategies.zero",
+    "zero": "toolkit.strategies.zero.engine",
     "model_parallel": "toolkit.strategies.model_parallel",
-    "pipeline": "toolkit.strategies.pipeline",
+    "pipeline": "toolkit.strategies.pipeline.strategy",
     "hybrid": "toolkit.strategies.hybrid",
     "tp": "toolkit.strategies.tp",
 }
 
 if TYPE_CHECKING:  # the type checker holds every strategy class to the protocol
     from toolkit.strategies.fsdp import FsdpStrategy
-    from toolkit.strategies.pipeline import PipelineStrategy
+    from toolkit.strategies.pipeline.strategy import PipelineStrategy
     from toolkit.strategies.replicated import ReplicatedStrategy
     from toolkit.strategies.tp import TpStrategy
-    from toolkit.strategies.zero import ZeroStrategy
+    from toolkit.strategies.zero.engine import ZeroStrategy
 
     _PROTOCOL_CHECK: tuple[type[Strategy], ...] = (ReplicatedStrategy, FsdpStrategy, ZeroStrategy, PipelineStrategy,
                                                    TpStrategy)

@@ -25,14 +25,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from toolkit.checkpoint.fragments import Fragments
+from toolkit.checkpoint.loading import ModelSource
 from toolkit.checkpoint.state import Read
-from toolkit.data import DataLayout
-from toolkit.dist import DistEnv, all_reduce_max
-from toolkit.loading import ModelSource
-from toolkit.metrics import storage_key
-from toolkit.precision import StepResult
-from toolkit.recipe import Recipe
-from toolkit.strategies.state_bytes import StateBytes
+from toolkit.config.recipe import Recipe
+from toolkit.data.splits import DataLayout
+from toolkit.memory.state_bytes import StateBytes
+from toolkit.model.precision import StepResult
+from toolkit.model.tied import tied_aliases
+from toolkit.observe.metrics import storage_key
+from toolkit.process.dist import DistEnv, all_reduce_max
 
 
 LossSum = Callable[[torch.Tensor, dict], torch.Tensor]  # (logits, micro-batch) -> sum of its loss terms
@@ -64,7 +65,7 @@ class StrategyInfo:
     lora: bool = True  # trains model.lora adapters (checked: single, ddp, fsdp, zero; not yet split models)
     compiles: bool = True  # runs train.compile's blocks (tp: torch 2.13's dynamo fails on DTensor-split blocks)
     # computes with its parameters cast to the 16-bit precision (FSDP2's MixedPrecisionPolicy, DeepSpeed's 16-bit
-    # weights), not under autocast: what its forward saves for backward differs (toolkit/activations.py)
+    # weights), not under autocast: what its forward saves for backward differs (toolkit/memory/activations.py)
     casts_parameters: bool = False
     # keeps its gradients' memory from step to step (DDP's buckets, ZeRO-3's flat buffer); False: its
     # zero_grad(set_to_none) or step gives them back (ZeRO-1/2: zero's build sets it), and a step's first
@@ -141,7 +142,7 @@ class Strategy(Protocol):
     def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
                                  how: dict[str, Any]) -> list[int]:
         """Per rank, the most activation bytes it holds during a step, traced on fake tensors
-        (toolkit/activations.py; `how`: the dtypes and checkpointing its micro-batches compute with): one
+        (toolkit/memory/activations.py; `how`: the dtypes and checkpointing its micro-batches compute with): one
         micro-batch through the whole stack (a tensor-parallel rank: with its share of the split layers), or a
         pipeline rank's stages with the micro-batches its schedule keeps in flight."""
 
@@ -256,7 +257,7 @@ def whole_stack_activations(model: nn.Module, recipe: Recipe, *, world_size: int
                             tp_degree: int = 1) -> list[int]:
     """Every rank holds one micro-batch's activations through the whole layer stack at a time; `tp_degree` > 1:
     its split layers' 1/N share of them (a tensor-parallel rank)."""
-    from toolkit.activations import traced_activations  # transformers' logging: not at the launcher's import
+    from toolkit.memory.activations import traced_activations  # transformers' logging: not at the launcher's import
 
     return [traced_activations(model, recipe, **how, tp_degree=tp_degree)] * world_size
 
@@ -326,14 +327,6 @@ def cpu_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
         owner = aliases.get(name, name)
         out[name] = out[owner] if owner in out else value.detach().to("cpu")  # no copy of a CPU tensor
     return out
-
-
-def tied_aliases(model: nn.Module) -> dict[str, str]:
-    """Every parameter name -> the first name of its tensor (a tied weight's names -> its canonical one)."""
-    from toolkit.checkpoint.state import first_names
-
-    first = first_names(model)
-    return {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
 
 
 def local_abs_max(named_grads: Iterable[tuple[str, torch.Tensor | None]]) -> dict[str, float]:

@@ -8,10 +8,10 @@ from typing import cast
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from toolkit.dist import ensure_process_group
+from toolkit.config.recipe import Recipe
 from toolkit.errors import RecipeError
+from toolkit.process.dist import ensure_process_group
 from toolkit.strategies.base import SetupArgs, StrategyInfo
-from toolkit.recipe import Recipe
 from toolkit.strategies.replicated import Replication, ReplicatedStrategy
 
 INFO = StrategyInfo(

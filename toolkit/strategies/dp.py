@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from toolkit.config.recipe import Recipe
 from toolkit.strategies.base import SetupArgs, StrategyInfo
-from toolkit.recipe import Recipe
 from toolkit.strategies.replicated import Replication, ReplicatedStrategy
 
 INFO = StrategyInfo(

@@ -5,7 +5,7 @@ Memory vs speed knobs (recipe `strategy.*`):
                          (ZeRO-3-like); False: keep them until backward (ZeRO-2-like, more memory)
   cpu_offload            sharded params, grads and optimizer step on CPU
   replicate_degree       >1: HSDP, a 2-D mesh (replicate × shard): shard within a group, all-reduce across
-  tp_degree              >1: tensor parallel inside groups of that many ranks (tensor_parallel.py), FSDP over
+  tp_degree              >1: tensor parallel inside groups of that many ranks (model/tp_plan.py), FSDP over
                          the groups: a 2-D mesh (dp × tp) composed as torchtitan does (TP first, then
                          fully_shard over dp); the ranks of a TP group read the same batch
 
@@ -24,20 +24,21 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from toolkit.blocks import transformer_blocks
-from toolkit.dist import DistEnv, ensure_process_group
-from toolkit.checkpoint.state import (Read, first_names, load_optimizer_tensors, load_schedule_state,
-                                     model_tensors, optimizer_tensors, schedule_state)
+from toolkit.checkpoint.loading import ModelSource, load_sharded, materialize, whole_model_bytes
+from toolkit.checkpoint.state import (Read, load_optimizer_tensors, load_schedule_state,
+                                      model_tensors, optimizer_tensors, schedule_state)
+from toolkit.config.recipe import Recipe
 from toolkit.errors import RecipeError
-from toolkit.loading import ModelSource, load_sharded, materialize, whole_model_bytes
-from toolkit.precision import DTYPES, Amp, StepResult, dtype_name
-from toolkit.recipe import Recipe
-from toolkit.strategies import tensor_parallel
+from toolkit.memory.state_bytes import StateBytes, adam_state, dim0_shard, dim0_shard_of, element_bytes
+from toolkit.model import tp_plan as tensor_parallel
+from toolkit.model.blocks import transformer_blocks
+from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
+from toolkit.model.tied import first_names
+from toolkit.process.dist import DistEnv, ensure_process_group
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
                                      every_rank_a_shard, first_dtype, forward_once, gathered_state_dict, no_context,
                                      optimizer_label, optimizer_state_tensors, sharded_abs_max,
                                      whole_stack_activations)
-from toolkit.strategies.state_bytes import StateBytes, adam_state, dim0_shard, dim0_shard_of, element_bytes
 
 INFO = StrategyInfo(
     name="fsdp", averages_gradients=True, accelerate_plugin="fsdp", casts_parameters=True, holds_gradients=False,

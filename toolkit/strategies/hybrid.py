@@ -17,12 +17,12 @@ from typing import cast
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from toolkit.config.recipe import Recipe
 from toolkit.errors import RecipeError
-from toolkit.dist import ensure_process_group
-from toolkit.recipe import Recipe
+from toolkit.process.dist import ensure_process_group
 from toolkit.strategies.base import SetupArgs, Strategy, StrategyInfo
 from toolkit.strategies.model_parallel import check_model_split, one_device, place_model
-from toolkit.strategies.pipeline import OPTIONS, PipelineStrategy
+from toolkit.strategies.pipeline.strategy import OPTIONS, PipelineStrategy
 from toolkit.strategies.replicated import Replication, ReplicatedStrategy
 
 INFO = StrategyInfo(

@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from toolkit.blocks import count_blocks
-from toolkit.recipe import Recipe
+from toolkit.config.recipe import Recipe
+from toolkit.model.blocks import count_blocks
+from toolkit.model.placement import check_split, parse_devices, place_over_devices
 from toolkit.strategies.base import SetupArgs, StrategyInfo
-from toolkit.strategies.placement import check_split, parse_devices, place_over_devices
 from toolkit.strategies.replicated import Replication, ReplicatedStrategy
 
 INFO = StrategyInfo(

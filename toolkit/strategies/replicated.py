@@ -12,17 +12,18 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch import nn
 
-from toolkit.checkpoint.state import (Read, first_names, load_optimizer_tensors, load_schedule_state,
-                                     model_tensors, optimizer_tensors, schedule_state)
-from toolkit.dist import DistEnv
+from toolkit.checkpoint.loading import ModelSource
+from toolkit.checkpoint.state import (Read, load_optimizer_tensors, load_schedule_state,
+                                      model_tensors, optimizer_tensors, schedule_state)
+from toolkit.config.recipe import Recipe
 from toolkit.errors import RecipeError, ranks_option
-from toolkit.loading import ModelSource
-from toolkit.precision import DTYPES, Amp, StepResult, dtype_name
-from toolkit.recipe import Recipe
+from toolkit.memory.state_bytes import StateBytes, adam_state
+from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
+from toolkit.model.tied import first_names
+from toolkit.process.dist import DistEnv
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, cpu_state_dict,
                                      each_micro_batch, every_rank_a_shard, first_dtype, forward_once, local_abs_max,
                                      no_context, optimizer_label, optimizer_state_tensors, whole_stack_activations)
-from toolkit.strategies.state_bytes import StateBytes, adam_state
 
 
 def on_rank_device(module: nn.Module, args: SetupArgs) -> tuple[nn.Module, torch.device, str]:

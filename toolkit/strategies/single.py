@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from toolkit.config.recipe import Recipe
 from toolkit.strategies.base import StrategyInfo
-from toolkit.recipe import Recipe
 from toolkit.strategies.replicated import Replication, ReplicatedStrategy
 
 INFO = StrategyInfo(

@@ -1,4 +1,4 @@
-"""`tp`: tensor parallel over every rank (DTensor `parallelize_module`, plan in tensor_parallel.py).
+"""`tp`: tensor parallel over every rank (DTensor `parallelize_module`, plan in model/tp_plan.py).
 
 Every rank reads the same micro-batches (one data shard) and holds 1/N of each attention and MLP weight;
 embeddings, norms and the head are replicated and get identical full gradients on every rank, so no
@@ -17,18 +17,19 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from toolkit.checkpoint.state import (Read, first_names, load_optimizer_tensors, load_schedule_state,
-                                     model_tensors, optimizer_tensors, schedule_state)
-from toolkit.dist import DistEnv, ensure_process_group
+from toolkit.checkpoint.loading import ModelSource, whole_model_bytes
+from toolkit.checkpoint.state import (Read, load_optimizer_tensors, load_schedule_state,
+                                      model_tensors, optimizer_tensors, schedule_state)
+from toolkit.config.recipe import Recipe
 from toolkit.errors import RecipeError
-from toolkit.precision import DTYPES, Amp, StepResult, dtype_name
-from toolkit.loading import ModelSource, whole_model_bytes
-from toolkit.recipe import Recipe
-from toolkit.strategies import tensor_parallel
+from toolkit.memory.state_bytes import StateBytes, adam_state, of_shapes
+from toolkit.model import tp_plan as tensor_parallel
+from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
+from toolkit.model.tied import first_names
+from toolkit.process.dist import DistEnv, ensure_process_group
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
                                      first_dtype, forward_once, gathered_state_dict, no_context, optimizer_label,
                                      optimizer_state_tensors, sharded_abs_max, whole_stack_activations)
-from toolkit.strategies.state_bytes import StateBytes, adam_state, of_shapes
 
 INFO = StrategyInfo(
     name="tp", averages_gradients=True, lora=False, compiles=False, holds_gradients=False, tied_gradients=2,

@@ -1,0 +1,170 @@
+"""`toolkit train`: one rank of a run, and how it ends. A user's mistake, a stop signal, replica drift or a
+non-finite loss is one line and its own exit code; a checkpoint that cannot be written is one line and exit 1;
+a bug is its traceback; a rank that fails because another rank left says only that."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from toolkit.errors import (INTERRUPTED_EXIT_CODE, NONFINITE_EXIT_CODE, REPLICA_DRIFT_EXIT_CODE, USER_ERROR_EXIT_CODE,
+                            RecipeError, first_line, mark_failure_said, mark_final, say_once,
+                            say_user_error)
+from toolkit.process.cleanup import entries, remove_made
+
+if TYPE_CHECKING:
+    from toolkit.checkpoint.run import Resume
+    from toolkit.strategies.base import Strategy
+
+
+def run_rank(recipe_path: str, overrides: list[str], resume: Resume | None) -> int:
+    """`toolkit train`: this process's rank of the run, from the recipe (and, under `accelerate launch`, its
+    plugin settings) to the exit code; every outcome a user causes is one line."""
+    from toolkit.launch.accelerate_env import apply_launcher_settings, launcher_settings, named_source
+    from toolkit.config.files import read_recipe_dict, recipe_from_dict
+
+    raw = read_recipe_dict(recipe_path, overrides)
+    settings = launcher_settings(os.environ)  # under `accelerate launch`: its plugin settings
+    replaced = apply_launcher_settings(raw, settings)
+    with named_source(settings):
+        recipe = recipe_from_dict(raw)
+        if any(s.key for s in settings):  # the strategy's checks too (train makes them again, cheaply)
+            from toolkit.strategies import validate_strategy
+
+            validate_strategy(recipe, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    if os.environ.get("RANK", "0") == "0":  # how a version-1 FSDP config runs on FSDP2, a line per key
+        for note in [*replaced, *(s.note for s in settings if s.note)]:
+            print(f"[toolkit] accelerate: {note}", file=sys.stderr, flush=True)
+    quiet_libraries()
+    from toolkit.process.dist import exit_process, init_distributed, shutdown
+
+    env = init_distributed()
+    code, strategy = 1, None
+    try:
+        code, strategy = train_rank(recipe, env, resume)
+    except KeyboardInterrupt:  # Ctrl-C outside the steps (inside them it is a stop signal: see loop)
+        code = interrupted(recipe, env)
+    except Exception as exc:  # a bug, not a user's mistake: the whole traceback, then the same end as any rank
+        if peer_lost(exc, env):  # the consequence of another rank's failure, which that rank reports
+            print(f"toolkit: rank {env.rank}: stopped, another rank left the run ({first_line(exc)})",
+                  file=sys.stderr, flush=True)
+        else:
+            traceback.print_exc()
+    finally:
+        release = strategy.close if strategy is not None else None
+        left_cleanly = shutdown(completed=code == 0, release=release)
+    return exit_process(code if left_cleanly else 1)
+
+
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed",
+             "Connection refused")  # gloo's words for a peer process that is gone
+
+
+def peer_lost(exc: BaseException, env) -> bool:
+    import torch.distributed as dist
+
+    return env.distributed and isinstance(exc, (RuntimeError, dist.DistError)) and \
+        any(words in str(exc) for words in PEER_LOST)
+
+
+def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
+    """Train this rank: (exit code, the strategy to release once every rank is done). A user's mistake or
+    replica drift is one line and an exit code, not a traceback."""
+    from toolkit.checkpoint.run import NothingToResume
+    from toolkit.checkpoint.store import CheckpointWriteError
+    from toolkit.observe.consistency import ReplicaDriftError
+    from toolkit.train.loop import train
+    from toolkit.launch.launcher import resume_hint
+    from toolkit.process.stopping import NonFinite, Stopped
+
+    out_dir = Path(recipe.output_dir)
+    before = entries(out_dir)
+    try:
+        result = train(recipe, env, resume=resume)
+    except RecipeError as exc:
+        if env.is_main:
+            remove_made(out_dir, before=before)  # nothing half-written for a user mistake
+        say_user_error(exc)  # the first rank that finds it prints the one line
+        return USER_ERROR_EXIT_CODE, None
+    except NothingToResume as done:  # every rank finds it alike: one line, nothing written
+        say_once(str(done))
+        return 0, None
+    except ReplicaDriftError as exc:
+        print(f"toolkit: replica drift: {exc}", file=sys.stderr)
+        return REPLICA_DRIFT_EXIT_CODE, None
+    except Stopped as stop:  # every rank stops after the same step; rank 0 says how to go on
+        if env.is_main:
+            what = (f"interrupted at step {stop.step} of {stop.total}; outputs so far in {out_dir}"
+                    if stop.signum == signal.SIGINT else f"stopped by {stop}")
+            print(f"toolkit: {what}; checkpoint {stop.checkpoint}; {resume_hint(env.world_size)}",
+                  file=sys.stderr, flush=True)
+        return 128 + stop.signum, None
+    except NonFinite as exc:
+        if env.is_main:
+            print(f"toolkit: {nonfinite_line(exc, out_dir)}", file=sys.stderr, flush=True)
+        mark_final(NONFINITE_EXIT_CODE)  # a restart would resume before the step and reach it again
+        return NONFINITE_EXIT_CODE, None
+    except CheckpointWriteError as exc:  # a full disk: not the recipe's fault, a failed run (exit 1) in one line
+        if env.is_main:  # every rank's failure is in rank 0's line (DCP gathers them)
+            from toolkit.process import faults
+
+            faults.before_failure_line()
+            say_once(f"toolkit: {exc}")
+            mark_failure_said()  # the launcher adds no line of its own
+        if exc.on_every_rank:  # every rank has it (DCP's gathered failure): they leave once rank 0 said it, since
+            from toolkit.process.dist import barrier  # the first rank to exit gets the others stopped by the launcher
+
+            with contextlib.suppress(RuntimeError):  # a rank gone already: the launcher's line says which
+                barrier(env)
+        return 1, None
+    return 0, result.strategy
+
+
+def nonfinite_line(exc, out_dir: Path) -> str:
+    """What a NonFinite stop says: the step, and the newest checkpoint to go back to. Under on_nonfinite skip
+    (exc.skipped_from), the weights every skipped step ran on are those of the step before the first: the
+    checkpoint to go back to is one from before them."""
+    from toolkit.checkpoint.store import complete_checkpoints, step_of
+
+    found = complete_checkpoints(out_dir)
+    if exc.skipped_from is None:
+        where = f"the newest checkpoint is {found[-1]} (--resume)" if found else "no checkpoint was written yet"
+        return (f"{exc}; the run stopped before any checkpoint could hold it; {where}; train.on_nonfinite=skip "
+                "skips such steps")
+    last_update = exc.skipped_from - 1
+    before = [path for path in found if step_of(path) < last_update]
+    where = f"the newest checkpoint from before them is {before[-1]} (--resume PATH)" if before else \
+        "no checkpoint from before them was written"
+    return (f"{exc}: no step updated the weights since step {last_update}, so its weights give non-finite values "
+            f"on every batch and skipping cannot recover (train.max_consecutive_skips); {where}; a lower optim.lr "
+            "or gradient clipping (optim.max_grad_norm) avoids such an update")
+
+
+def interrupted(recipe=None, env=None) -> int:
+    """Ctrl-C outside the training steps: one line (rank 0), no traceback. Further Ctrl-Cs (the launcher
+    forwards the terminal's to every rank) are ignored: this process is on its way out already."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if (env.is_main if env is not None else os.environ.get("RANK", "0") == "0"):
+        where = ""
+        if recipe is not None:
+            out_dir = Path(recipe.output_dir)
+            where = f"; outputs so far in {out_dir}" if out_dir.is_dir() and any(out_dir.iterdir()) else \
+                "; nothing was written"
+        print(f"toolkit: interrupted{where}", file=sys.stderr, flush=True)
+    return INTERRUPTED_EXIT_CODE
+
+
+def quiet_libraries() -> None:
+    import warnings
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")

@@ -1,0 +1,1 @@
+"""Memory arithmetic `toolkit plan` predicts with: model-state bytes from shapes, traced activations."""

@@ -1,0 +1,290 @@
+"""Tensor-parallel plans (Megatron-style): which linear layers split their output features over the TP ranks
+(column-wise: q/k/v, MLP up/gate) and which their input features (row-wise: attention out, MLP down).
+
+A column-wise layer's output stays sharded (each rank holds its heads, its MLP columns); the row-wise layer
+after it sums the partial outputs with one all-reduce. So each attention and each MLP block costs one
+all-reduce of activations forward, one backward.
+
+The plan comes from the model where transformers declares one (`config.base_model_tp_plan`, keys relative to
+the base model, e.g. "layers.*.self_attn.q_proj": "colwise"), else from a small table per architecture
+(BERT-style encoders declare none). Embeddings, norms and the head stay replicated: every rank computes the
+full logits, so the loop's loss is unchanged (a vocabulary-sharded head would save its memory but needs a
+loss that reduces over ranks). Attention needs no change: HF attention reshapes with `view(..., -1,
+head_dim)`, so each rank infers its local head count.
+
+A plan may also name modules "replicated_with_grad_allreduce" (Qwen3's, Gemma 3's per-head q_norm and k_norm,
+between a column-wise projection and attention): they stay whole on every rank, but each rank normalizes only
+its own heads, so its gradient is a partial sum over heads. The strategies sum those gradients over the TP
+group once per step, after the last micro-batch's backward (`sum_partial_gradients`; a hook per backward, as
+transformers installs, would sum the already summed gradient again under gradient accumulation).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from toolkit.config.recipe import Recipe
+from toolkit.errors import RecipeError
+
+# architectures whose config declares no plan: module paths relative to the base model
+FALLBACK_PLANS: dict[str, dict[str, str]] = {
+    model_type: {"encoder.layer.*.attention.self.query": "colwise",
+                 "encoder.layer.*.attention.self.key": "colwise",
+                 "encoder.layer.*.attention.self.value": "colwise",
+                 "encoder.layer.*.attention.output.dense": "rowwise",
+                 "encoder.layer.*.intermediate.dense": "colwise",
+                 "encoder.layer.*.output.dense": "rowwise"}
+    for model_type in ("bert", "roberta", "xlm-roberta", "electra")}
+
+# the config fields a TP degree must divide: split heads and MLP columns
+DIVIDED_FIELDS = {"num_attention_heads": "attention heads", "num_key_value_heads": "KV heads",
+                  "intermediate_size": "MLP columns"}
+
+
+# a module the plan keeps whole whose gradient each TP rank computes only in part (see the docstring)
+PARTIAL_GRADIENT = "replicated_with_grad_allreduce"
+
+
+def resolve(model: nn.Module) -> dict[str, str]:
+    """Full module name -> "colwise" | "rowwise" for every linear layer the plan splits."""
+    return {name: style for name, style in _entries(model).items() if style != PARTIAL_GRADIENT}
+
+
+def partial_gradient_modules(model: nn.Module) -> list[str]:
+    """Full names of the modules whose gradients the TP ranks must sum (PARTIAL_GRADIENT entries)."""
+    return [name for name, style in _entries(model).items() if style == PARTIAL_GRADIENT]
+
+
+def _entries(model: nn.Module) -> dict[str, str]:
+    """Full module name -> its plan style, for every module the model's plan (or the toolkit's) names."""
+    config: Any = model.config
+    declared = getattr(config, "base_model_tp_plan", None) or FALLBACK_PLANS.get(config.model_type)
+    if not declared:
+        found = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                        if name and not list(m.children()) and any(True for _ in m.parameters(recurse=False))})
+        raise RecipeError(f"tensor parallelism: {config.model_type} declares no tensor-parallel plan "
+                          f"(config.base_model_tp_plan) and the toolkit has none for it (modules found: "
+                          f"{', '.join(found) or 'none'}); use fsdp or zero for this model")
+    base: Any = getattr(model, "base_model_prefix", "")
+    prefix = f"{base}." if base and hasattr(model, base) else ""
+    modules = dict(model.named_modules())
+    plan: dict[str, str] = {}
+    for pattern, style in declared.items():
+        if style not in ("colwise", "rowwise", PARTIAL_GRADIENT):
+            raise RecipeError(f"tensor parallelism: the model's plan asks for {style!r} at {pattern}; the toolkit "
+                              f"splits linear layers colwise and rowwise and sums {PARTIAL_GRADIENT} gradients "
+                              "only; use fsdp or zero for this model")
+        partial = style == PARTIAL_GRADIENT  # a module with parameters of its own; else a linear layer to split
+        found = [name for name, m in modules.items() if fnmatch.fnmatchcase(name, prefix + pattern)
+                 and (any(True for _ in m.parameters(recurse=False)) if partial else isinstance(m, nn.Linear))]
+        if not found:
+            what = "module with parameters" if partial else "linear layer"
+            raise RecipeError(f"tensor parallelism: the plan entry {pattern} matches no {what} of this model")
+        plan.update(dict.fromkeys(found, style))
+    return plan
+
+
+def partial_gradient_params(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of the plan's PARTIAL_GRADIENT modules, as the model holds them now (after fully_shard,
+    its DTensors): what `sum_partial_gradients` sums each step."""
+    modules = dict(model.named_modules())
+    return [p for name in partial_gradient_modules(model) for p in modules[name].parameters(recurse=False)
+            if p.requires_grad]
+
+
+def sum_partial_gradients(params: list[nn.Parameter], group, *, device: torch.device) -> None:
+    """Sum the gradients of `params` (partial_gradient_params) over the TP `group` in place: one all-reduce of
+    their concatenation, in fp32 (a handful of head-size vectors per block). A gradient that is a DTensor
+    (FSDP's shard over the data-parallel ranks) sums its local shard: a TP group's ranks hold the same shard."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [cast(torch.Tensor, p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+             for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1).to(device=device, dtype=torch.float32) for g in grads])
+    torch.distributed.all_reduce(flat, group=group)
+    for grad, summed in zip(grads, flat.split([g.numel() for g in grads])):
+        grad.copy_(summed.view_as(grad))
+
+
+def check_recipe(recipe: Recipe, *, degree: int) -> None:
+    """Before any rank starts: the recipe's model has a plan and `degree` divides what it splits."""
+    from toolkit.model.build import meta_model
+
+    if recipe.precision == "fp16":
+        raise RecipeError("precision fp16 is not available with tensor parallelism (its loss scaler cannot unscale "
+                          "gradients that mix DTensors and plain tensors); use bf16")
+    model = meta_model(recipe.model)
+    check_degree(model, degree)
+    if recipe.strategy.sequence_parallel:
+        sequence_parallel_plan(model)  # the model has the blocks it needs
+
+
+def check_degree(model: nn.Module, degree: int) -> None:
+    """Heads, KV heads, intermediate size and every split layer's features divisible by `degree`."""
+    config: Any = model.config
+    for field, what in DIVIDED_FIELDS.items():
+        value = getattr(config, field, None)
+        if isinstance(value, int) and value % degree:
+            raise RecipeError(f"tensor parallelism: the model's {what} ({field} = {value}) are not divisible by the "
+                              f"tensor-parallel degree {degree}; use a degree that divides {value}")
+    modules = dict(model.named_modules())
+    for name, style in resolve(model).items():
+        linear = cast(nn.Linear, modules[name])
+        features = linear.out_features if style == "colwise" else linear.in_features
+        if features % degree:
+            side = "output" if style == "colwise" else "input"
+            raise RecipeError(f"tensor parallelism: {name} has {features} {side} features, not divisible by the "
+                              f"tensor-parallel degree {degree}")
+
+
+def local_shapes(model: nn.Module, degree: int) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> the shape one TP rank stores: column-wise layers split weight and bias by output
+    features, row-wise layers split the weight by input features and keep the bias whole; the rest is whole."""
+    styles = resolve(model)
+    shapes = {}
+    for name, param in model.named_parameters():
+        module, _, kind = name.rpartition(".")
+        shape = list(param.shape)
+        style = styles.get(module)
+        if style == "colwise":
+            shape[0] //= degree
+        elif style == "rowwise" and kind == "weight":
+            shape[1] //= degree
+        shapes[name] = tuple(shape)
+    return shapes
+
+
+def local_model(model: nn.Module, degree: int) -> nn.Module:
+    """A copy of the meta `model` as one TP rank computes it: every linear layer the plan splits replaced by
+    one of the local shape (column-wise: 1/N of the output features, row-wise: 1/N of the input features),
+    the rest whole. Attention infers its head count from q/k/v's outputs (`view(..., -1, head_dim)`), so the
+    copy runs 1/N of the heads and MLP columns on the full residual stream, as a rank does: what the activation
+    trace of a TP rank runs. Sequence parallelism is not modelled (it shards the norms' and residual adds'
+    tokens too): its trace is this one, an upper bound by 1 - 1/N of each norm's saved input. Traces of it are
+    cached (toolkit/memory/activations.py): a change to what it builds raises activations.TRACE_VERSION."""
+    import copy
+
+    local = copy.deepcopy(model)
+    modules = dict(local.named_modules())
+    for name, style in resolve(local).items():
+        old = cast(nn.Linear, modules[name])
+        features = ((old.in_features, old.out_features // degree) if style == "colwise"
+                    else (old.in_features // degree, old.out_features))
+        new = nn.Linear(*features, bias=old.bias is not None, device=old.weight.device, dtype=old.weight.dtype)
+        for kind in ("weight", "bias"):
+            if getattr(old, kind) is not None:
+                getattr(new, kind).requires_grad_(getattr(old, kind).requires_grad)
+        parent, _, child = name.rpartition(".")
+        setattr(local.get_submodule(parent) if parent else local, child, new)
+    return local
+
+
+def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False) -> None:
+    """Split the plan's linear layers over `mesh` (1-D) in place: their weights become DTensors."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if sequence_parallel:
+        parallelize_module(model, mesh, sequence_parallel_plan(model))  # type: ignore[arg-type]
+        return
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {name: styles[style]() for name, style in resolve(model).items()}
+    parallelize_module(model, mesh, plan)  # type: ignore[arg-type]
+
+
+# what sequence parallelism needs of a decoder block (Llama, Qwen2, Mistral name them alike)
+DECODER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def sequence_parallel_plan(model: nn.Module) -> dict[str, Any]:
+    """Megatron's sequence parallelism on top of the plan: between the split layers the activations stay
+    sharded along the sequence, so the norms and residual adds compute 1/N of the tokens each. The row-wise
+    layers reduce-scatter instead of all-reduce, the inputs of attention and MLP are all-gathered: the same
+    bytes, less activation memory. The first block's input is cut from the (replicated) embedding output and
+    the head's input gathered back, so the model's mask, positions and the loss are those of the full
+    sequence. Llama-style decoders only: their blocks hold exactly DECODER_PARTS."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    config: Any = model.config
+    layers = _decoder_layers(model)
+    if layers is None:
+        raise RecipeError(f"strategy.sequence_parallel: supported for Llama-style decoders (blocks of exactly "
+                          f"{', '.join(DECODER_PARTS)}), not {config.model_type}; set it to false")
+    stack, count = layers
+    seq, full = Shard(1), Replicate()
+    gather = dict(input_layouts=(seq,), desired_input_layouts=(full,), use_local_output=True)
+    plan: dict[str, Any] = {}
+    for name, style in resolve(model).items():
+        plan[name] = ColwiseParallel() if style == "colwise" else RowwiseParallel(output_layouts=seq,
+                                                                                  use_local_output=False)
+    for index in range(count):
+        block = f"{stack}.{index}"
+        plan[f"{block}.input_layernorm"] = SequenceParallel()
+        plan[f"{block}.post_attention_layernorm"] = SequenceParallel()
+        plan[f"{block}.self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
+                                                        desired_input_kwarg_layouts={"hidden_states": full},
+                                                        use_local_output=True)
+        plan[f"{block}.mlp"] = PrepareModuleInput(**gather)  # type: ignore[arg-type]
+    plan[f"{stack}.0"] = PrepareModuleInput(input_layouts=(full,), desired_input_layouts=(seq,))
+    base = stack.rsplit(".", 1)[0]
+    plan[f"{base}.norm"] = SequenceParallel()
+    for head, _ in model.named_children():  # the head (lm_head, score) reads the gathered sequence
+        if head != base:
+            plan[head] = PrepareModuleInput(**gather)  # type: ignore[arg-type]
+    return plan
+
+
+def _decoder_layers(model: nn.Module) -> tuple[str, int] | None:
+    """(the layer stack's name, its length) when every block has exactly DECODER_PARTS and a final `norm` follows.
+    A block with more norms (Gemma 2's around its MLP, which it also applies to the attention output, not the
+    residual) would mix sequence shards and whole tensors: refused, not guessed."""
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        if isinstance(module, nn.ModuleList) and len(module) and "." in name:
+            parts = {child for child, _ in module[0].named_children()}
+            if set(DECODER_PARTS) == parts and f"{name.rsplit('.', 1)[0]}.norm" in modules:
+                return name, len(module)
+    return None
+
+
+def clip_global_norm(params, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ over gradients that mix plain tensors (replicated over the TP ranks) and DTensors on
+    different meshes (TP-split weights; under fsdp + tp, 2-D ones and 1-D ones), which one torch call
+    refuses: one norm per kind, each made global (a collective for DTensors), then combined."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+            groups.setdefault(key, []).append(p)
+    norms = []
+    for members in groups.values():
+        norm = torch.nn.utils.get_total_norm([cast(torch.Tensor, p.grad) for p in members])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.zeros(())
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    if math.isfinite(max_norm):
+        for members in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(members, max_norm, total)
+    return total
+
+
+def activation_reduction(*, sequence_parallel: bool, dtype: str, over: str = "") -> str:
+    """The precision audit's words for what TP reduces: activations, in the compute dtype."""
+    how = "reduce-scattered and all-gathered along the sequence" if sequence_parallel else "all-reduced"
+    return f"activations {how} per block{over} ({dtype})"
+
+
+def first_of_group(total: torch.Tensor, *, tp_rank: int) -> torch.Tensor:
+    """A TP group's ranks all compute the same loss: only the first reports it (the loop sums over ranks)."""
+    return total if tp_rank == 0 else torch.zeros_like(total)

@@ -1,0 +1,68 @@
+"""Replica consistency: ranks that should hold identical weights prove it with a cheap checksum.
+
+One all-gather of 3 float64 numbers per tensor within the group of ranks that hold the same copy
+(every rank for DDP, a replica group for HSDP); any difference from that group's first rank stops the
+run and names the first tensor that drifted. Where the groups are smaller than the world, one more
+all-gather of a flag stops every rank with it, not only the drifted group's (check_groups).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from toolkit.process.dist import DistEnv, all_gather_tensor, global_rank
+
+
+class ReplicaDriftError(RuntimeError):
+    """Replicas that must be identical are not."""
+
+
+def checksums(named_params) -> torch.Tensor:
+    rows = []
+    for _, param in named_params:
+        flat = param.detach().flatten().to("cpu", torch.float64)
+        weights = torch.arange(flat.numel(), dtype=torch.float64) % 7 + 1  # sees swapped elements
+        rows.append(torch.stack([flat.sum(), (flat * flat).sum(), (flat * weights).sum()]))
+    return torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.float64)
+
+
+def check_replicas(named_params, env: DistEnv, *, when: str, group=None) -> None:
+    """Collective over `group` (default: every rank). Raises ReplicaDriftError on each of its ranks if
+    any of them differs from the group's first rank."""
+    if not env.distributed:
+        return
+    named_params = list(named_params)
+    local = checksums(named_params)
+    counts = all_gather_tensor(torch.tensor([local.shape[0]], dtype=torch.long), env, group=group)
+    if len({int(c) for c in counts}) != 1:
+        raise ReplicaDriftError(f"{when}: ranks hold different numbers of replicated parameters "
+                                f"({[int(c) for c in counts]})")
+    gathered = all_gather_tensor(local, env, group=group)
+    first = global_rank(group, 0)
+    for index, other in enumerate(gathered[1:], start=1):
+        differs = (other != gathered[0]).any(dim=1).nonzero()
+        if differs.numel():
+            name = named_params[int(differs[0])][0]
+            raise ReplicaDriftError(f"{when}: rank {global_rank(group, index)} differs from rank {first} in "
+                                    f"parameter {name!r} (checksum {other[int(differs[0])].tolist()} vs "
+                                    f"{gathered[0][int(differs[0])].tolist()})")
+
+
+def check_groups(entries: list[tuple[list, object | None]], env: DistEnv, *, when: str) -> None:
+    """check_replicas for each (named tensors, group) in order, then, if any group is smaller than the world, one
+    flag per rank over every rank: a drift found in one group raises ReplicaDriftError on every rank, so all of
+    them stop with the drift's exit code rather than the other groups failing when their peers leave."""
+    found: ReplicaDriftError | None = None
+    for named, group in entries:
+        try:
+            check_replicas(named, env, when=when, group=group)
+        except ReplicaDriftError as exc:  # the later groups' collectives still run on this rank's peers
+            found = found or exc
+    if env.distributed and any(group is not None for _, group in entries):
+        flags = all_gather_tensor(torch.tensor([found is not None], dtype=torch.long), env)
+        ranks = [rank for rank, flag in enumerate(flags) if int(flag)]
+        if ranks and found is None:
+            raise ReplicaDriftError(f"{when}: replicas on rank(s) {', '.join(map(str, ranks))} drifted (their line "
+                                    "names the tensor); this rank's own replicas agree")
+    if found is not None:
+        raise found

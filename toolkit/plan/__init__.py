@@ -1,0 +1,1 @@
+"""`toolkit plan`: memory per rank before a run, and what would fit."""

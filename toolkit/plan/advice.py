@@ -1,0 +1,70 @@
+"""What `toolkit plan` says under its table: which arms fit as asked, and which would with one change (activation
+checkpointing, offload, twice the ranks), each change predicted like the arm itself, not inferred from a column."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from toolkit.errors import RecipeError
+from toolkit.plan.predict import Prediction
+
+# one change at a time, by what it trades; a strategy that does not take an option refuses it (check_recipe)
+CHANGES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("train.activation_checkpointing=true", ("train.activation_checkpointing=true",)),
+    ("strategy.cpu_offload=true", ("strategy.cpu_offload=true",)),
+    ("strategy.offload_optimizer=true", ("strategy.offload_optimizer=true",)),
+    ("strategy.offload_optimizer=true, strategy.offload_param=true",
+     ("strategy.offload_optimizer=true", "strategy.offload_param=true")),
+)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One arm: its prediction at its world size, or why it cannot run."""
+    arm: str
+    prediction: Prediction | str
+    limit_bytes: int = 0  # the memory per rank it is judged against
+
+
+def fits(planned: Planned) -> bool:
+    """Every rank's peak within the arm's memory per rank."""
+    return not isinstance(planned.prediction, str) and planned.prediction.peak_bytes <= planned.limit_bytes
+
+
+def one_change(planned: Planned, *, predict: Callable[[tuple[str, ...], int], Prediction],
+               one_process: bool, limit_at: Callable[[int], int] | None = None) -> str | None:
+    """The first change under which an arm that runs but does not fit would: `predict(extra overrides, world)`
+    raises RecipeError for a change the arm's strategy refuses; `limit_at(world)`: the memory per rank at another
+    world size (on CPU the host's ÷ the ranks; default: the arm's own limit)."""
+    if isinstance(planned.prediction, str):
+        return None
+    world = planned.prediction.world_size
+    for label, overrides in CHANGES:
+        try:
+            if predict(overrides, world).peak_bytes <= planned.limit_bytes:
+                return label
+        except RecipeError:  # not an option of this strategy, or already set
+            continue
+    if not one_process:
+        try:
+            limit = limit_at(2 * world) if limit_at is not None else planned.limit_bytes
+            if predict((), 2 * world).peak_bytes <= limit:
+                return f"{2 * world} ranks"
+        except RecipeError:
+            pass
+    return None
+
+
+def summary(planned: list[Planned], changes: dict[str, str], *, num_params: int) -> list[str]:
+    """The lines under the table: the model's size, what fits as asked, what would with one change."""
+    fitting = [p.arm for p in planned if fits(p)]
+    lines = [f"model: {num_params / 1e6:,.1f}M parameters"]
+    lines.append(f"fits as asked: {', '.join(fitting)}" if fitting else "fits as asked: none")
+    if changes:
+        lines.append("fits with one change:")
+        lines += [f"  {arm} with {how}" for arm, how in changes.items()]
+    elif not fitting:
+        lines.append("fits with one change: none (activation checkpointing, offload, twice the ranks were tried);")
+        lines.append("  more memory per rank, LoRA (model.lora) or a smaller model would be needed")
+    return lines

@@ -1,0 +1,260 @@
+"""Memory per rank before a run: model states exactly, activations and the peak as estimates.
+
+Model states (parameters, gradients, optimizer state) come from the model built on the meta device and the
+strategy's own rules (`Strategy.predict_state_bytes`): a run measures the same bytes (run.json's
+`model_state_bytes`; every run also writes this prediction beside them).
+
+Activations are traced, not guessed (toolkit/memory/activations.py): one micro-batch's forward, loss and backward on
+fake tensors, in the dtypes the strategy computes in, with and without activation checkpointing; their peak
+(T = micro_batch_size × max_length tokens) beside the model states; a pipeline rank traces its own stages and
+holds as many micro-batches as its schedule keeps in flight (`Strategy.predict_activation_bytes`,
+toolkit/strategies/pipeline/memory.py); a tensor-parallel rank (tp, fsdp's tp_degree) traces the model with
+its share of heads and MLP columns (`tensor_parallel.local_model`). Gradients are model states, but a
+strategy that gives them back between steps (`StrategyInfo.holds_gradients` false) has none while a step's
+first micro-batch holds its activations: with one micro-batch per step its training peak is the larger of
+(parameters + optimizer state + activations), (all model states at the end of backward, with a tied
+embedding's gradients being summed: `tied_gradient_bytes` × `StrategyInfo.tied_gradients`; under ZeRO-1 every
+gradient, not yet reduced: `StrategyInfo.whole_gradients_in_backward`) and (all model states in the optimizer
+step, with what it copies: `Strategy.predict_step_bytes`).
+The peak adds what is not model state: the runtime (the Python process with torch and transformers loaded:
+measured here), the parameters a rank gathers from the others (`Strategy.predict_gathered_bytes`: one block
+under FSDP2, under ZeRO-3 what DeepSpeed's reuse distance keeps), and on CPU two peaks of their own: loading,
+where a strategy copies the weights it built into its own tensors (`Strategy.predict_load_bytes`; none where the
+built tensors are its parameters, only its part under low-memory loading), and the export, for which rank 0
+gathers or copies the whole model. Not counted: what the process itself grows by once training runs (code
+pages, the allocator's small blocks: measured 50-330 MiB on CPU over 3 steps, more for a larger model).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Callable
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from toolkit.config.recipe import Recipe, plan_batch
+from toolkit.errors import RecipeError
+from toolkit.memory.state_bytes import StateBytes, element_bytes
+from toolkit.model.build import meta_model
+from toolkit.model.precision import DTYPES
+
+MiB = 2 ** 20
+GiB = 2 ** 30
+UNITS = {"b": 1, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40,
+         "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    strategy: str
+    world_size: int
+    per_rank: list[StateBytes]
+    activation_bytes: list[int]  # per rank, this recipe's activation checkpointing setting
+    activation_bytes_checkpointed: list[int] | None  # the same with activation checkpointing (None: not traced)
+    load_bytes: int  # the whole model in its load dtype
+    built_bytes: list[int]  # per rank, the weights it builds beyond its model states (0 where they are its
+    # parameters, or under low-memory loading)
+    runtime_bytes: int  # the process itself (interpreter, torch, transformers), before any model
+    peak_bytes_per_rank: list[int]
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest rank's estimate."""
+        return max(self.peak_bytes_per_rank)
+
+    def as_dict(self) -> dict:
+        return {"strategy": self.strategy, "world_size": self.world_size,
+                "model_state_bytes": [r.as_dict() for r in self.per_rank],
+                "activation_bytes": self.activation_bytes,
+                "activation_bytes_checkpointed": self.activation_bytes_checkpointed,
+                "load_bytes": self.load_bytes, "built_bytes": self.built_bytes, "runtime_bytes": self.runtime_bytes,
+                "peak_bytes": self.peak_bytes, "peak_bytes_per_rank": self.peak_bytes_per_rank}
+
+
+def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type: str = "cpu",
+            model: nn.Module | None = None, both: bool = True) -> Prediction:
+    """The recipe's memory per rank at `world_size`; `model`: the recipe's model on the meta device, if built.
+    On a GPU the peak is the allocator's (no runtime, no host-side load); on CPU the process's resident set.
+    both=False: activations traced for the recipe's own activation checkpointing setting only (a run's record)."""
+    from toolkit.strategies import make_strategy
+
+    model = model if model is not None else planned_model(recipe)
+    strategy = make_strategy(recipe)
+    per_rank = strategy.predict_state_bytes(model, recipe, world_size=world_size)
+    built = strategy.predict_load_bytes(model, recipe, world_size=world_size)
+    stored, compute = DTYPES[recipe.model.load_dtype], DTYPES[recipe.precision]
+    load = sum(p.numel() for p in model.parameters()) * element_bytes(stored)
+    casts = strategy.info.casts_parameters
+    params_dtype = compute if casts else stored  # what a rank computes with, and so its gradients' dtype
+    how = {"params_dtype": params_dtype,
+           "autocast_dtype": None if casts or compute == stored else compute}
+    checkpointing = recipe.train.activation_checkpointing
+    trace = functools.partial(strategy.predict_activation_bytes, model, recipe, world_size=world_size)
+    activations = trace(how={**how, "checkpointing": checkpointing})
+    other = trace(how={**how, "checkpointing": not checkpointing}) if both else None
+    checkpointed = activations if checkpointing else other
+    gathered = strategy.predict_gathered_bytes(model, recipe, world_size=world_size)
+    step = strategy.predict_step_bytes(model, recipe, world_size=world_size)
+    shards = strategy.data_layout(recipe, world_size=world_size, rank=0).size
+    accumulates = plan_batch(recipe.batch, world_size=shards).grad_accum_steps > 1
+
+    # a strategy that keeps autograd's gradients (2) already holds one from a step's second micro-batch on:
+    # the sum is then a tensor of its own, added into it (3)
+    copies = 3 if accumulates and strategy.info.tied_gradients == 2 else strategy.info.tied_gradients
+    # in the gradients' dtype: the parameters' a rank computes with
+    tied = tied_gradient_bytes(model, params_dtype) * copies
+    # ZeRO-1: every gradient, unreduced, until backward ends (its model states count its partition's)
+    unreduced = sum(p.numel() for p in model.parameters() if p.requires_grad) * \
+        element_bytes(params_dtype) if strategy.info.whole_gradients_in_backward else 0
+
+    def training(state: StateBytes, activations: int) -> int:
+        """Model states and the rank's activations at their peak (gradients there only if held), the end of
+        backward (all model states, and a tied weight's gradients being summed: StrategyInfo.tied_gradients), or
+        the optimizer step (all model states, and what the step copies: Strategy.predict_step_bytes)."""
+        held = state.total_bytes if strategy.info.holds_gradients or accumulates else \
+            state.total_bytes - state.grads_bytes
+        end_of_backward = state.total_bytes - state.grads_bytes + max(state.grads_bytes, unreduced) + tied
+        return max(held + activations, end_of_backward, state.total_bytes + step)
+
+    # On CPU a rank builds its weights in host memory before setup. A strategy that keeps the tensors it built
+    # as its parameters (single, dp, ddp) adds nothing (`built` 0); one that copies them into its own (FSDP's
+    # shards, ZeRO's flat buffers, TP's slices, a pipeline's stages) holds the build beside them until setup
+    # drops it, and with train.host_memory predictable glibc gives freed pages back (toolkit/process/host_memory.py): the build
+    # is a loading peak of its own, not part of training's. Under low-memory loading a rank builds no more than
+    # its own part. Rank 0 also exports: the whole model gathered or copied to write it, except where its
+    # parameters are the weights it built (the export reads them). A GPU sees only what is moved to it.
+    if device_type == "cuda":
+        peaks = [training(r, a) + gathered for r, a in zip(per_rank, activations)]
+    else:
+        peaks = [runtime_bytes + max(training(r, a) + gathered, b + r.params_bytes)
+                 for r, a, b in zip(per_rank, activations, built)]
+        if not strategy.info.exports_in_place:  # at the end: gradients only if held
+            kept = per_rank[0].total_bytes - (0 if strategy.info.holds_gradients else per_rank[0].grads_bytes)
+            peaks[0] = max(peaks[0], runtime_bytes + kept + load)
+    return Prediction(strategy=recipe.strategy.name, world_size=world_size, per_rank=per_rank,
+                      activation_bytes=activations, activation_bytes_checkpointed=checkpointed, load_bytes=load,
+                      built_bytes=built, runtime_bytes=runtime_bytes, peak_bytes_per_rank=peaks)
+
+
+_IMPORTED_BYTES: dict[str, int] = {}
+
+
+def runtime_module_bytes(modules: tuple[str, ...]) -> int:
+    """What importing a strategy's runtime modules (StrategyInfo.runtime_modules) adds to this process's resident
+    set, measured at their first import here: a rank imports them before it measures its runtime (toolkit.train.loop),
+    so a plan made in a process without them adds this to its own runtime."""
+    import importlib
+
+    from toolkit.observe.metrics import process_bytes
+
+    for name in modules:
+        if name not in _IMPORTED_BYTES:
+            before = process_bytes()
+            importlib.import_module(name)
+            _IMPORTED_BYTES[name] = max(0, process_bytes() - before)
+    return sum(_IMPORTED_BYTES[name] for name in modules)
+
+
+def tied_gradient_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """Gradient bytes of the trainable weights a forward uses twice (a tied embedding and head): one gradient
+    of each.
+
+    Autograd sums the gradients a weight gets from its uses before accumulating them, out of place (seen under a
+    dispatch mode: `aten.add`, not `add_`, fp32 and bf16 autocast alike): at the end of backward the head's
+    gradient, the embedding's dense vocab × hidden one and their sum exist at once, beside every other gradient
+    (measured on CPU, 76M Llama with a 30522 × 1024 embedding: single +2 × 119 MiB over the same model untied, the
+    sum being its gradient; ddp +3 × 119, copying the sum into its bucket)."""
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return sum(p.numel() for p in model.parameters() if uses[id(p)] > 1 and p.requires_grad) * element_bytes(dtype)
+
+
+def planned_model(recipe: Recipe) -> nn.Module:
+    """The recipe's model on the meta device, with its LoRA adapters when it has them."""
+    model = meta_model(recipe.model)
+    if recipe.model.lora is not None:
+        from toolkit.model.lora import apply_lora
+
+        with torch.device("meta"):  # the adapters too: peft would allocate them on the CPU
+            apply_lora(model, recipe.model.lora, task=recipe.model.task)
+    return model
+
+
+def parse_bytes(text: str) -> int:
+    """'40GiB', '80 GB', '512MiB', '1e9B' -> bytes. The unit is required, and the size at least 1 MiB (less holds
+    no model): a bare `40`, read as 40 bytes, would say that nothing fits. A RecipeError naming the form otherwise."""
+    match = re.fullmatch(r"\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match and unit in ("k", "m", "g", "t"):  # 2**30 or 10**9: 7 % apart, so the fit may differ
+        number, letter = match.group(1), match.group(2).upper()
+        raise RecipeError(f"--memory-per-rank: {text.strip()} is ambiguous: write {number}{letter}iB or "
+                          f"{number}{letter}B")
+    size_bytes = float(match.group(1)) * UNITS[unit] if match and unit in UNITS else 0.0
+    if not MiB <= size_bytes < float("inf"):
+        raise RecipeError(f"--memory-per-rank: {text!r} is not a size of 1 MiB or more with its unit; write it like "
+                          "40GiB, 80GB or 512MiB")
+    return int(size_bytes)
+
+
+def default_memory_per_rank(nproc: int) -> tuple[int, str]:
+    """(bytes, what they are): a GPU's memory, or on CPU the host's memory shared by `nproc` ranks."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory, f"{props.name} memory"
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total // max(nproc, 1), f"host memory ÷ {nproc} rank(s)"
+
+
+def _size(size: int) -> str:
+    return f"{size / GiB:.1f} GiB" if size >= GiB else f"{size / MiB:.0f} MiB"
+
+
+def render(rows: list[tuple[str, Prediction | str]], *,
+           memory_per_rank: Callable[[int], tuple[int, str]]) -> str:
+    """The plan table: one line per arm (per rank where ranks differ); an arm that cannot run says why. Each arm
+    is judged against `memory_per_rank(its world size)`: (bytes, what they are), host memory ÷ its own ranks on
+    CPU (a one-process arm has the host to itself)."""
+    worlds = sorted({p.world_size for _, p in rows if not isinstance(p, str)})
+    limits = {world: memory_per_rank(world) for world in worlds}
+    one = len({limit for limit, _ in limits.values()}) == 1  # the header states it (every arm failed: none)
+    head = ["arm", "rank", "params MiB", "grads MiB", "optim MiB", "model states MiB", "activations MiB (AC)",
+            "peak MiB", f"fits {_size(next(iter(limits.values()))[0])}" if one else "fits"]
+    lines: list[list[str]] = []
+    refused: list[str] = []  # under the table: a reason would set its last column's width
+    for arm, prediction in rows:
+        if isinstance(prediction, str):
+            lines.append([arm, "-", *["-"] * 6, "cannot run (below)"])
+            refused.append(f"{arm} cannot run: {prediction}")
+            continue
+        limit = limits[prediction.world_size][0]
+        checkpointed = prediction.activation_bytes_checkpointed or [0] * prediction.world_size
+        columns = list(zip(prediction.per_rank, prediction.activation_bytes, checkpointed,
+                           prediction.peak_bytes_per_rank))
+        distinct = {(tuple(state.as_dict().values()), *rest) for state, *rest in columns}
+        ranks = [(f"all {prediction.world_size}", columns[0])] if len(distinct) == 1 else \
+            [(str(i), column) for i, column in enumerate(columns)]
+        for label, (state, activations, with_ac, peak) in ranks:
+            fits = "yes" if peak <= limit else "NO"
+            lines.append([arm, label, f"{state.params_bytes / MiB:.1f}", f"{state.grads_bytes / MiB:.1f}",
+                          f"{state.optim_bytes / MiB:.1f}", f"{state.total_bytes / MiB:.1f}",
+                          f"{activations / MiB:.0f} ({with_ac / MiB:.0f})", f"{peak / MiB:.0f}",
+                          fits if one else f"{fits} ({_size(limit)})"])
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)] if lines else map(len, head)
+    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
+    out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+    out += refused
+    if not limits:
+        out.append("no arm can run as given: each line says why.")
+        return "\n".join(out)
+    where = "; ".join(f"{_size(limit)} ({source})" for limit, source in sorted(set(limits.values())))
+    out.append(f"memory per rank: {where}.")
+    out.append("Model states are exact (the run measures the same bytes); activations and peak are estimates: see "
+               "toolkit/plan/.")
+    return "\n".join(out)

@@ -1,0 +1,44 @@
+"""Fault injection for the tests of what a run survives: real signals at a given step, set by environment
+variables (nothing happens unless one is set). Each acts only in a run's first attempt, so that a run
+restarted by `--max-restarts` goes on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from toolkit.process.dist import DistEnv, restarted
+
+KILL_RANK_AT_STEP = "TOOLKIT_FAULT_KILL_RANK_AT_STEP"  # "RANK:STEP": SIGKILL that rank after that step
+SIGTERM_LAUNCHER_AT_STEP = "TOOLKIT_FAULT_SIGTERM_LAUNCHER_AT_STEP"  # rank 0 sends its launcher SIGTERM
+KILL_BEFORE_COMMIT_STEP = "TOOLKIT_FAULT_KILL_BEFORE_COMMIT_STEP"  # SIGKILL before a checkpoint is committed
+INF_GRADIENT_AT_STEP = "TOOLKIT_FAULT_INF_GRADIENT_AT_STEP"  # an inf gradient before that step's update
+DELAY_FAILURE_LINE = "TOOLKIT_FAULT_DELAY_FAILURE_LINE"  # seconds rank 0 waits before a failed save's line
+
+
+def after_step(step: int, env: DistEnv) -> None:
+    if restarted():
+        return
+    kill = os.environ.get(KILL_RANK_AT_STEP)
+    if kill and kill == f"{env.rank}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get(SIGTERM_LAUNCHER_AT_STEP) == str(step) and env.is_main:
+        os.kill(os.getppid(), signal.SIGTERM)  # what a scheduler's preemption does to the launcher
+
+
+def before_commit(step: int) -> None:
+    if not restarted() and os.environ.get(KILL_BEFORE_COMMIT_STEP) == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def before_update(step: int, model) -> None:
+    """An inf in the first gradient of `step`, as an fp16 overflow leaves one (the loss scaler skips the update)."""
+    if not restarted() and os.environ.get(INF_GRADIENT_AT_STEP) == str(step):
+        next(p.grad for p in model.parameters() if p.grad is not None).fill_(float("inf"))
+
+
+def before_failure_line() -> None:
+    """Rank 0 slower to say why the run failed than the other ranks are to exit (as a loaded machine makes it)."""
+    if not restarted() and os.environ.get(DELAY_FAILURE_LINE):
+        time.sleep(float(os.environ[DELAY_FAILURE_LINE]))

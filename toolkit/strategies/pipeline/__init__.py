@@ -1,0 +1,1 @@
+"""The pipeline strategy: stages over ranks, torch.distributed.pipelining schedules."""

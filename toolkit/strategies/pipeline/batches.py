@@ -1,0 +1,38 @@
+"""A pipeline step's micro-batches as the stages exchange them: one batch of a fixed shape
+(micro × data.max_length), since a stage's receive buffers take the shape of the first step's."""
+
+from __future__ import annotations
+
+import torch
+
+from toolkit.data.losses import IGNORE_INDEX
+
+
+def stacked(micro_batches: list[dict], *, length: int, rows: int,
+            device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The micro-batches as one batch of `rows` × `length` per micro-batch, in order: input ids, attention
+    mask and labels, padded (a missing row attends to its first token and carries no loss)."""
+    ids, masks, labels = [], [], []
+    for batch in micro_batches:
+        pad = length - batch["input_ids"].shape[1]
+        missing = rows - batch["input_ids"].shape[0]
+        ids.append(_pad(batch["input_ids"], pad, missing, 0))
+        mask = _pad(batch["attention_mask"], pad, missing, 0)
+        if missing:
+            mask[-missing:, 0] = 1  # a filler row attends to its first token (no all-masked row); no loss
+        masks.append(mask)
+        label = batch["labels"]
+        labels.append(_pad(label, pad, missing, IGNORE_INDEX) if label.dim() == 2 else
+                      torch.cat([label, label.new_full((missing,), IGNORE_INDEX)]))
+    return torch.cat(ids).to(device), torch.cat(masks).to(device), torch.cat(labels).to(device)
+
+
+def filler(like: dict) -> dict:
+    """A micro-batch that carries no loss: one row, ignored labels (padded to shape by `stacked`)."""
+    labels = like["labels"][:1].clone().fill_(IGNORE_INDEX)
+    return {"input_ids": like["input_ids"][:1], "attention_mask": like["attention_mask"][:1], "labels": labels,
+            "num_items": 0}
+
+
+def _pad(tensor: torch.Tensor, columns: int, rows: int, value: int) -> torch.Tensor:
+    return torch.nn.functional.pad(tensor, (0, columns, 0, rows), value=value)

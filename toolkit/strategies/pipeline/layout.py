@@ -1,0 +1,165 @@
+"""A pipeline's layout, before any rank starts: the recipe's checks, the (pp × dp) rank grid, which stage
+each block goes to, and the idle bubble its schedule leaves (in theory; measured by count_busy_time). Shared by the strategy's setup and
+its memory plan (toolkit/strategies/pipeline/memory.py)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from toolkit.config.recipe import Recipe, plan_batch
+from toolkit.errors import RecipeError, ranks_option
+from toolkit.model.blocks import layer_stack, uncounted
+from toolkit.model.build import meta_model
+from toolkit.model.placement import blocks_of, check_split, part_of_blocks
+from toolkit.model.stages import check_window, family_of, layer_list
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
+
+# schedule name -> torch.distributed.pipelining class, imported at setup (the import costs ~1.3 s, which
+# every process that only reads the strategy's INFO would pay)
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The (pp × dp) rank grid: rank = pp_rank · dp + dp_rank (a replica's stages are dp ranks apart)."""
+
+    pp: int
+    dp: int
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        return divmod(rank, self.dp)
+
+    def rank(self, pp_rank: int, dp_rank: int) -> int:
+        return pp_rank * self.dp + dp_rank
+
+    def stage_ids(self, pp_rank: int, stages_per_rank: int) -> list[int]:
+        """The stages a pipeline rank runs: its own and, interleaved, every pp-th after it."""
+        return [pp_rank + k * self.pp for k in range(stages_per_rank)]
+
+    def stages_by_rank(self, block_parts: list[int], stages_per_rank: int) -> str:
+        """Which blocks each rank runs, for the layout line: 'rank 0: stage 0: blocks 0-1; rank 1: stage 1: ...'
+        (with replicas, 'ranks 0-1: ...': a pipeline rank's dp replicas are consecutive ranks)."""
+        out = []
+        for pp_rank in range(self.pp):
+            first, last = self.rank(pp_rank, 0), self.rank(pp_rank, self.dp - 1)
+            ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
+            stages = "; ".join(f"stage {s}: blocks {blocks_of(block_parts, s)}"
+                               for s in self.stage_ids(pp_rank, stages_per_rank))
+            out.append(f"{ranks}: {stages}")
+        return "; ".join(out)
+
+
+def grid_of(recipe: Recipe, world_size: int) -> Grid:
+    degree = recipe.strategy.pipeline_degree  # unset: every rank is a stage (strategy pipeline)
+    if degree is not None and degree < 2:  # 0 once meant "every rank" without a word
+        raise RecipeError(f"strategy.pipeline_degree must be >= 2 (pipeline stages), got {degree}; leave it unset "
+                          "for a model split over strategy.devices inside each process")
+    pp = world_size if degree is None else degree
+    if pp < 2:
+        raise RecipeError(f"a pipeline needs at least 2 ranks, one per stage, but the world size is {world_size}; "
+                          f"use {ranks_option(2)} or more")
+    if world_size % pp:
+        raise RecipeError(f"world size {world_size} is not divisible by strategy.pipeline_degree {pp}; use a "
+                          "multiple of it")
+    return Grid(pp=pp, dp=world_size // pp)
+
+
+def stage_of_blocks(model: nn.Module, recipe: Recipe, grid: Grid) -> tuple[list[int], int]:
+    """The stage of every block (strategy.split, or balanced by parameters), and the number of stages."""
+    options = recipe.strategy
+    num_stages = grid.pp * options.stages_per_rank
+    parts = part_of_blocks(model, blocks=layer_stack(model, options.blocks), num_parts=num_stages,
+                           split=options.split)
+    return parts, num_stages
+
+
+def theoretical_bubble(*, stages: int, micro_batches: int, per_rank: int) -> float:
+    """Idle fraction of a rank: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v·m+p-1) interleaved over v."""
+    return (stages - 1) / (per_rank * micro_batches + stages - 1)
+
+
+def count_busy_time(stage: PipelineStage, owner: Any) -> None:
+    """Add the time a stage computes (its forward and backward chunks) to `owner.busy_s`: the rest of a step is
+    waiting, the measured bubble."""
+    for name in ("forward_one_chunk", "backward_one_chunk"):
+        inner = getattr(stage, name)
+
+        def timed(*args, _inner=inner, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                owner.busy_s += time.perf_counter() - start
+
+        setattr(stage, name, timed)
+
+
+# torch's stage metadata inference (torch 2.13): at a stage's first step, its module runs once forward and once
+# backward (recomputing a checkpointed block) on empty tensors of the micro-batch's shapes, to size the buffers
+SHAPE_INFERENCE = ("_forward_metadata_inference", "_backward_metadata_inference")
+
+
+def uncount_shape_inference(stage: PipelineStage) -> None:
+    """A stage's shape inference left out of the blocks' forward count (run.json's activation_checkpointing): it
+    is not training's, and it added one forward and one recomputation per stage to the first step's count."""
+    for name in SHAPE_INFERENCE:
+        if hasattr(stage, name):
+            setattr(stage, name, uncounted(getattr(stage, name)))
+
+
+def check_stage_blocks(skeleton: nn.Module, names: tuple[str, ...] | None) -> None:
+    """strategy.blocks under a pipeline may only name the blocks of the model's layer stack: a stage holds a run
+    of them (stages.Stage slices layer_list), so other modules (LlamaRMSNorm, LlamaMLP) were counted as blocks by
+    the split check and then cut nothing, or cut past the stack's end (an IndexError in every rank)."""
+    if names is None:
+        return
+    stack = list(layer_list(skeleton))
+    named = layer_stack(skeleton, names)
+    if [id(b) for b in named] != [id(b) for b in stack]:
+        kind = type(stack[0]).__name__
+        raise RecipeError(f"strategy.blocks {list(names)}: a pipeline cuts {type(skeleton).__name__} between the "
+                          f"{len(stack)} blocks of its layer stack ({kind}), which these do not name; leave "
+                          f"strategy.blocks out or set it to [{kind}]")
+
+
+def check_recipe(recipe: Recipe, *, world_size: int) -> None:
+    """The pipeline's recipe errors, one RecipeError each, before any rank starts."""
+    options = recipe.strategy
+    if options.schedule not in SCHEDULES:
+        raise RecipeError(f"strategy.schedule: unknown value {options.schedule!r}; choose one of "
+                          f"{', '.join(SCHEDULES)}")
+    if options.stages_per_rank < 1:
+        raise RecipeError(f"strategy.stages_per_rank must be >= 1, got {options.stages_per_rank}; 2 or more "
+                          "with strategy.schedule interleaved-1f1b")
+    if options.devices is not None:  # hybrid: each rank runs its stages on its own device (toolkit.process.dist)
+        raise RecipeError("strategy.devices applies to hybrid without strategy.pipeline_degree (a model split "
+                          "inside each process); a pipeline stage runs on its rank's device: remove it")
+    interleaved = options.schedule == "interleaved-1f1b"
+    if interleaved and options.stages_per_rank < 2:
+        raise RecipeError("strategy.schedule interleaved-1f1b needs strategy.stages_per_rank of 2 or more")
+    if not interleaved and options.stages_per_rank != 1:
+        raise RecipeError(f"strategy.stages_per_rank {options.stages_per_rank} needs strategy.schedule "
+                          "interleaved-1f1b")
+    if options.data_parallel not in ("ddp", "fsdp"):
+        raise RecipeError(f"strategy.data_parallel: unknown value {options.data_parallel!r}; choose ddp or fsdp")
+    grid = grid_of(recipe, world_size)
+    stages = grid.pp * options.stages_per_rank
+    skeleton = meta_model(recipe.model)
+    family_of(skeleton)  # a model without a stage layout
+    check_window(skeleton.config, max_length=recipe.data.max_length)
+    check_stage_blocks(skeleton, options.blocks)
+    check_split(options.split, num_blocks=len(layer_stack(skeleton, options.blocks)), num_parts=stages,
+                what="stages")
+    plan = plan_batch(recipe.batch, world_size=grid.dp)
+    if options.schedule == "1f1b" and plan.grad_accum_steps < grid.pp:
+        raise RecipeError(f"schedule 1f1b needs at least as many micro-batches per step as stages ({grid.pp}), "
+                          f"but batch.grad_accum_steps is {plan.grad_accum_steps}; raise it or use gpipe")
+    if recipe.precision == "fp16" and recipe.optim.implementation == "fused":
+        raise RecipeError("optim.implementation fused cannot run a pipeline in fp16 (torch's ShardedGradScaler "
+                          "hands the fused AdamW kernel a found-inf tensor of the wrong shape); use auto or loop")

@@ -1,0 +1,127 @@
+"""A pipeline rank's memory, before a run (`toolkit plan`, run.json's prediction): its stages' model states
+(state_bytes_per_rank) and activations (activation_bytes_per_rank).
+
+A stage keeps what one micro-batch's forward leaves for backward (its saved activations and its output)
+for every micro-batch it has in flight; how many that is comes from the schedule:
+  gpipe             every micro-batch of the step: all forwards run before the first backward
+  1f1b              stage s of S: min(M, S - s) (torch's Schedule1F1B warms up with that many forwards, then
+                    alternates one backward, one forward)
+  interleaved-1f1b  the order torch's ScheduleInterleaved1F1B computes for the rank, over its virtual stages
+On top, torch's PipelineStage allocates receive buffers for every micro-batch of the step at its first step
+and keeps them: the activations a stage receives (all but the first stage) and the gradients of its
+output (all but the last), micro × max_length × hidden each.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections import defaultdict
+from typing import Any, cast
+
+from torch import nn
+
+from toolkit.config.recipe import Recipe, plan_batch
+from toolkit.memory.activations import Traced, traced_stage
+from toolkit.memory.state_bytes import StateBytes, adam_state, dim0_shard, element_bytes, whole
+from toolkit.model.precision import DTYPES
+from toolkit.model.stages import Stage
+from toolkit.strategies.pipeline.layout import Grid, grid_of, stage_of_blocks
+
+Action = tuple[str, int]  # ("F" forward | "B" backward, stage index)
+
+
+def state_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
+    """Each rank's stages cut from the meta model as setup cuts them (a tied embedding is held by the
+    first and the last stage, once each), whole under ddp, dim-0 shards under fsdp."""
+    options, grid, dtype = recipe.strategy, grid_of(recipe, world_size), DTYPES[recipe.model.load_dtype]
+    parts, num_stages = stage_of_blocks(model, recipe, grid)
+    local = dim0_shard(grid.dp) if options.data_parallel == "fsdp" and grid.dp > 1 else whole
+    per_pp_rank = []
+    for pp_rank in range(grid.pp):
+        total = StateBytes(params_bytes=0, grads_bytes=0, optim_bytes=0)
+        for stage_id in grid.stage_ids(pp_rank, options.stages_per_rank):
+            stage = Stage(copy.deepcopy(model), layer_ids=[i for i, p in enumerate(parts) if p == stage_id],
+                          first=stage_id == 0, last=stage_id == num_stages - 1)
+            total += adam_state(stage.named_parameters(), dtype=dtype, local=local)
+        per_pp_rank.append(total)
+    return [per_pp_rank[grid.coords(rank)[0]] for rank in range(world_size)]
+
+
+def activation_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: int, how: dict[str, Any]) -> list[int]:
+    """Each rank's stages (cut as setup cuts them) with the micro-batches its schedule keeps in flight, and
+    the receive buffers of every micro-batch."""
+    options, grid = recipe.strategy, grid_of(recipe, world_size)
+    if options.data_parallel == "fsdp" and recipe.precision != "fp32":  # the replicas' MixedPrecisionPolicy
+        how = {**how, "params_dtype": DTYPES[recipe.precision]}
+    parts, num_stages = stage_of_blocks(model, recipe, grid)
+    micro_batches = plan_batch(recipe.batch, world_size=grid.dp).grad_accum_steps
+    hidden = cast(Any, model).config.hidden_size
+    buffer = recipe.batch.micro_batch_size * recipe.data.max_length * hidden * element_bytes(how["params_dtype"])
+    per_pp_rank = []
+    for pp_rank in range(grid.pp):
+        stage_ids = grid.stage_ids(pp_rank, options.stages_per_rank)
+        traces = {s: traced_stage(model, recipe, blocks=parts.count(s), first=s == 0, last=s == num_stages - 1,
+                                  **how) for s in stage_ids}
+        buffers = sum(micro_batches * buffer * ((s != 0) + (s != num_stages - 1)) for s in stage_ids)
+        actions = schedule_actions(options.schedule, rank=pp_rank, pp=grid.pp,
+                                   stages_per_rank=options.stages_per_rank, micro_batches=micro_batches)
+        per_pp_rank.append(buffers + in_flight_peak(actions, traces))
+    return [per_pp_rank[grid.coords(rank)[0]] for rank in range(world_size)]
+
+
+def schedule_actions(schedule: str, *, rank: int, pp: int, stages_per_rank: int, micro_batches: int) -> list[Action]:
+    """This rank's forwards and backwards, in the order its schedule runs them (one micro-batch each)."""
+    m = micro_batches
+    if schedule == "gpipe":
+        return [("F", rank)] * m + [("B", rank)] * m
+    if schedule == "1f1b":
+        warmup = min(m, pp - rank)
+        steady = [action for _ in range(m - warmup) for action in (("B", rank), ("F", rank))]
+        return [("F", rank)] * warmup + steady + [("B", rank)] * warmup
+    return _interleaved(rank=rank, pp=pp, stages_per_rank=stages_per_rank, micro_batches=m)
+
+
+def _interleaved(*, rank: int, pp: int, stages_per_rank: int, micro_batches: int) -> list[Action]:
+    """torch's own order for the rank (ScheduleInterleaved1F1B computes it from these four numbers; its
+    constructor also needs live stages, so the order is asked of the class directly). A torch without that
+    method: every forward of every local stage before any backward, the most a rank could hold."""
+    from torch.distributed.pipelining import schedules
+
+    try:
+        plan: Any = object.__new__(schedules.ScheduleInterleaved1F1B)
+        plan.pp_group_size, plan.n_local_stages, plan._n_microbatches = pp, stages_per_rank, micro_batches
+        plan.number_of_rounds = max(1, micro_batches // pp)
+        plan.microbatches_per_round = micro_batches // plan.number_of_rounds
+        actions = []
+        for action in plan._calculate_single_rank_operations(rank):
+            kind = getattr(getattr(action, "computation_type", None), "name", "")
+            if kind == "FORWARD":
+                actions.append(("F", action.stage_index))
+            elif kind in ("FULL_BACKWARD", "BACKWARD_INPUT"):
+                actions.append(("B", action.stage_index))
+        if actions:
+            return actions
+    except (AttributeError, TypeError, ValueError):
+        pass
+    print("[toolkit] plan: this torch does not give ScheduleInterleaved1F1B's order; the rank is planned with every "
+          "micro-batch in flight (an upper bound)", file=sys.stderr, flush=True)
+    local = Grid(pp=pp, dp=1).stage_ids(rank, stages_per_rank)
+    return [("F", s) for s in local] * micro_batches + [("B", s) for s in reversed(local)] * micro_batches
+
+
+def in_flight_peak(actions: list[Action], traces: dict[int, Traced]) -> int:
+    """The most bytes the rank's stages hold at once running `actions`: at a backward, every micro-batch in
+    flight holds its forward's bytes, and the one going backward has reached its own peak."""
+    in_flight: dict[int, int] = defaultdict(int)
+    peak = 0
+    for kind, stage in actions:
+        held = sum(count * traces[s].held for s, count in in_flight.items())
+        if kind == "F":
+            in_flight[stage] += 1
+            peak = max(peak, held + traces[stage].held)
+        else:
+            peak = max(peak, held - traces[stage].held + traces[stage].peak)
+            in_flight[stage] -= 1
+    return peak
+

@@ -1,0 +1,412 @@
+"""`pipeline`: the model cut into stages by its blocks, one stage per rank (or `stages_per_rank` for the
+interleaved schedule), run by `torch.distributed.pipelining` (PipelineStage + a schedule). With
+`pipeline_degree` below the world size (strategy `hybrid`), the ranks form a (pp × dp) mesh and each
+stage's replicas are kept in step by DDP or sharded by FSDP2 over the dp dimension.
+
+The step's accumulation micro-batches are the schedule's micro-batches, padded to one fixed shape
+(micro × data.max_length: the stages exchange activations of a shape fixed at the first step). The
+loss is computed on the last stage with the loop's normalisation (sum / the global count, no schedule
+rescaling: scale_grads=False). Tied input/output embeddings live twice, on the first and the last
+stage: their gradients are summed over those two ranks before clipping, so both copies take the same
+update (the replica check compares them over the same group). Clipping uses the norm over every stage
+(and shard); fp16 skips a step on every stage alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import statistics
+import time
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from toolkit.checkpoint.loading import ModelSource, whole_model_bytes
+from toolkit.checkpoint.state import (Read, load_optimizer_tensors, load_schedule_state, optimizer_tensors,
+                                      schedule_state)
+from toolkit.config.recipe import Recipe
+from toolkit.data.splits import DataLayout
+from toolkit.errors import ranks_option
+from toolkit.memory.state_bytes import StateBytes, largest_block_bytes
+from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
+from toolkit.model.stages import Stage, family_of, tied_embedding_names
+from toolkit.process.dist import DistEnv, gather_objects, tensors_on_main
+from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, StrategyInfo, first_dtype, optimizer_label,
+                                     optimizer_state_tensors)
+from toolkit.strategies.pipeline.batches import filler, stacked
+from toolkit.strategies.pipeline.layout import (SCHEDULES, check_recipe, count_busy_time, grid_of,
+                                                stage_of_blocks, theoretical_bubble, uncount_shape_inference)
+
+OPTIONS = ("schedule", "stages_per_rank", "split", "blocks")  # hybrid adds pipeline_degree and data_parallel
+
+INFO = StrategyInfo(
+    name="pipeline", averages_gradients=True, lora=False, options=OPTIONS, tied_gradients=0,
+    summary="one stage of consecutive blocks per rank, micro-batches pipelined (torch.distributed.pipelining); "
+            "1/N of the model per rank, an idle bubble of (N-1)/(m+N-1)",
+    arms={"pp-gpipe": ("strategy.name=pipeline", "strategy.schedule=gpipe"),
+          "pp-1f1b": ("strategy.name=pipeline", "strategy.schedule=1f1b"),
+          "pp-interleaved": ("strategy.name=pipeline", "strategy.schedule=interleaved-1f1b",
+                             "strategy.stages_per_rank=2")})
+
+
+class PipelineStrategy:
+    def __init__(self, info: StrategyInfo = INFO):
+        self.info = info
+
+    # --- before any rank starts -----------------------------------------------------------------
+    def validate(self, recipe: Recipe, *, world_size: int) -> None:
+        check_recipe(recipe, world_size=world_size)
+
+    def data_layout(self, recipe: Recipe, *, world_size: int, rank: int) -> DataLayout:
+        grid = grid_of(recipe, world_size)
+        return DataLayout(rank=grid.coords(rank)[1], size=grid.dp)  # a replica's stages read the same samples
+
+    def predict_state_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
+        from toolkit.strategies.pipeline.memory import state_bytes_per_rank
+
+        return state_bytes_per_rank(model, recipe, world_size=world_size)
+
+    # --- setup ----------------------------------------------------------------------------------
+    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+        return 0  # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's
+        # temporaries (about 2 x the largest parameter) are not counted
+
+    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+        # a stage's blocks are whole under ddp; fully_shard over dp gathers one block at a time
+        return largest_block_bytes(model, recipe) if recipe.strategy.data_parallel == "fsdp" else 0
+
+    def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
+                                 how: dict[str, Any]) -> list[int]:
+        from toolkit.strategies.pipeline.memory import activation_bytes_per_rank
+
+        return activation_bytes_per_rank(model, recipe, world_size=world_size, how=how)
+
+    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+        return [whole_model_bytes(model, recipe)] * world_size  # every rank builds the whole model: each then keeps its stages
+
+    def build_model(self, source: ModelSource, *, env: DistEnv) -> nn.Module:
+        return source.whole()
+
+    def setup(self, model: nn.Module, args: SetupArgs) -> None:
+        env, options, self.recipe = args.env, args.recipe.strategy, args.recipe
+        self.env, self.grid = env, grid_of(args.recipe, env.world_size)
+        self.pp_rank, self.dp_rank = self.grid.coords(env.rank)
+        self.mesh = init_device_mesh(env.device.type, (self.grid.pp, self.grid.dp), mesh_dim_names=("pp", "dp"))
+        family_of(model)  # a RecipeError for a model without a stage layout
+        parts, num_stages = stage_of_blocks(model, args.recipe, self.grid)
+        self.parts, self.num_stages = parts, num_stages
+        self.stage_ids = self.grid.stage_ids(self.pp_rank, options.stages_per_rank)
+        self.tied = tied_embedding_names(model)
+        with torch.device("meta"):  # config, class and tied names for the export, without memory
+            self.skeleton = type(model)(model.config)
+        self.amp = Amp(args.recipe.precision, env.device, scaler_class=self._scaler)
+        if self.amp.scaler:  # its scale tensor is made on first use; stages without the loss never scale one
+            self.amp.scaler.scale(torch.zeros((), device=env.device))
+        self.stage_modules: list[Stage] = []
+        wrapped = []
+        for k, stage_id in enumerate(self.stage_ids):
+            source = model if k == len(self.stage_ids) - 1 else copy.deepcopy(model)  # each stage prunes a copy
+            stage = Stage(source, layer_ids=[i for i, p in enumerate(parts) if p == stage_id], first=stage_id == 0,
+                          last=stage_id == num_stages - 1, autocast=self.amp.autocast).to(env.device)
+            self.stage_modules.append(stage)
+            wrapped.append(self._replicate(stage, args.recipe))
+        self._model = nn.ModuleList(wrapped)
+        pp_group = self.mesh.get_group("pp")
+        from torch.distributed import pipelining
+
+        self.stages = [pipelining.PipelineStage(m, stage_id, num_stages, env.device, group=pp_group)
+                       for m, stage_id in zip(wrapped, self.stage_ids)]
+        self.busy_s = 0.0
+        for pipeline_stage in self.stages:
+            count_busy_time(pipeline_stage, self)
+            uncount_shape_inference(pipeline_stage)
+        schedule = getattr(pipelining, SCHEDULES[options.schedule])
+        self.micro_batches = args.grad_accum_steps
+        self.schedule = schedule(self.stages if len(self.stages) > 1 else self.stages[0],  # type: ignore[arg-type]
+                                 n_microbatches=self.micro_batches, loss_fn=self._loss, scale_grads=False)
+        # ShardedGradScaler's found-inf tensor has a shape torch's fused AdamW kernel rejects (torch 2.13)
+        self.optimizer = args.build_optimizer(self._model, fused_ok=args.recipe.precision != "fp16")
+        self.scheduler = args.build_scheduler(self.optimizer)
+        self.tied_group = self._tied_group()
+        self.bubbles: list[float] = []
+        self._loss_sum: LossSum | None = None
+        self._share: Share | None = None
+        self._sums: list[torch.Tensor] = []
+
+    def _scaler(self, device_type: str):
+        # fp16: found-inf all-reduced over every rank, so all stages skip the same steps
+        return ShardedGradScaler(device_type, process_group=dist.group.WORLD)
+
+    def _replicate(self, stage: Stage, recipe: Recipe) -> nn.Module:
+        """A stage's replicas over the dp dimension: DDP (all-reduce) or FSDP2 (shards); as is without any."""
+        if recipe.strategy.data_parallel == "fsdp":
+            compute = None if recipe.precision == "fp32" else DTYPES[recipe.precision]
+            policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
+            for block in stage.blocks():
+                fully_shard(block, mesh=self.mesh["dp"], mp_policy=policy)
+            fully_shard(stage, mesh=self.mesh["dp"], mp_policy=policy)
+            return stage
+        if self.grid.dp > 1:
+            ids = [self.env.device.index] if self.env.device.type == "cuda" else None
+            # find_unused_parameters: DDP's first-iteration bucket rebuild counts each parameter once per
+            # micro-batch under a pipeline schedule (its forwards run outside no_sync) and fails an internal
+            # check; with this flag DDP does not rebuild its buckets
+            return DistributedDataParallel(stage, process_group=self.mesh.get_group("dp"), device_ids=ids,
+                                           find_unused_parameters=True, gradient_as_bucket_view=True)
+        return stage
+
+    def _tied_group(self):
+        """Per replica, the group of the ranks holding the first and the last stage (every rank creates
+        every group: new_group is collective)."""
+        if self.tied is None:
+            return None
+        mine = None
+        for dp_rank in range(self.grid.dp):
+            ranks = sorted({self.grid.rank(0, dp_rank), self.grid.rank(self.grid.pp - 1, dp_rank)})
+            group = dist.new_group(ranks)
+            if self.env.rank in ranks:
+                mine = group
+        return mine
+
+    # --- the step -------------------------------------------------------------------------------
+    @property
+    def model(self) -> nn.Module:
+        return self._model
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss_fn on the last stage: the loop's loss sum, returned as its share."""
+        assert self._loss_sum is not None
+        micro_sum = self._loss_sum(output, {"labels": target})
+        self._sums.append(micro_sum.detach().double())
+        if self._share is None:  # evaluation
+            return micro_sum
+        share = self._share(micro_sum)
+        return self.amp.scaler.scale(share) if self.amp.scaler else share  # fp16: the scale flows back to every stage
+
+    def _run(self, micro_batches: list[dict], *, train: bool) -> None:
+        ids, mask, labels = stacked(micro_batches, length=self.recipe.data.max_length,
+                                    rows=self.recipe.batch.micro_batch_size, device=self.env.device)
+        first = any(s.is_first for s in self.stages)
+        last = any(s.is_last for s in self.stages)
+        # return_outputs=False: the loss is taken per micro-batch (loss_fn); otherwise the last stage keeps every
+        # micro-batch's logits for a merged output nobody reads (measured: 240 MiB on llama-tiny's last stage,
+        # held through the step and until the next one)
+        call = functools.partial(self.schedule.step, return_outputs=False) if train else self.schedule.eval
+        self.busy_s, start = 0.0, time.perf_counter()
+        call(*((ids,) if first else ()), target=labels if last else None, attention_mask=mask)
+        if train:
+            wall = time.perf_counter() - start
+            self.bubbles.append(max(0.0, 1.0 - self.busy_s / wall) if wall > 0 else 0.0)
+
+    def _recorded(self, count: int) -> torch.Tensor:
+        """The loss sums of the last `count` micro-batches: on its first step (and after switching between
+        train and eval) the schedule first calls the loss on outputs of empty tensors to infer shapes."""
+        real = self._sums[-count:]
+        return torch.stack(real).sum() if real else torch.zeros((), dtype=torch.float64)
+
+    def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
+        self._loss_sum, self._share, self._sums = loss_sum, share, []
+        self._run(micro_batches, train=True)
+        return self._recorded(len(micro_batches))
+
+    def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
+        fillers = self.micro_batches - len(micro_batches)  # a short last group: micro-batches without loss
+        group = micro_batches + [filler(micro_batches[0]) for _ in range(fillers)]
+        self._loss_sum, self._share, self._sums = loss_sum, None, []
+        self._run(group, train=False)
+        if not any(s.is_last for s in self.stages):
+            return torch.zeros((), dtype=torch.float64), 0
+        return self._recorded(len(group)), sum(int(b["num_items"]) for b in micro_batches)
+
+    def step(self, *, max_grad_norm: float | None) -> StepResult:
+        params = [p for p in self._model.parameters() if p.grad is not None]
+        result = self.amp.step(self.optimizer, params, max_grad_norm=max_grad_norm, clip=self._sync_and_clip)
+        if result.advances_schedule:  # held after an fp16 overflow, as DeepSpeed holds it
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return result
+
+    def _sync_and_clip(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Sum the tied embedding's two gradients, then clip every gradient by the norm over all stages
+        (each tensor counted once: the tied copy on the last stage is left out of the norm), as
+        clip_grad_norm_ does on one process: coefficient max_norm / (norm + 1e-6), at most 1."""
+        duplicate = self._sync_tied()
+        local = [_local(p.grad) for p in params if p.grad is not None and p is not duplicate]
+        squares = torch.zeros((), dtype=torch.float32, device=self.env.device)
+        if local:
+            squares = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in local])) ** 2
+        # stages hold different tensors; fsdp shards them further over dp, ddp replicas hold the same
+        group = None if self.recipe.strategy.data_parallel == "fsdp" else self.mesh.get_group("pp")
+        dist.all_reduce(squares, group=group)
+        total = squares.sqrt()
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in params:
+            if p.grad is not None:
+                _local(p.grad).mul_(coefficient)
+        return total
+
+    def _sync_tied(self) -> torch.Tensor | None:
+        if self.tied_group is None:
+            return None
+        copies = [w for w in (s.tied_weight() for s in self.stage_modules) if w is not None]
+        for weight in copies:
+            if weight.grad is not None:
+                dist.all_reduce(_local(weight.grad), group=self.tied_group)
+        last = [s for s in self.stage_modules if s.last]
+        return last[0].tied_weight() if last else None
+
+    def discard_step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    # --- what the run reports -------------------------------------------------------------------
+    def replicas(self) -> list[Replicas]:
+        """A stage's DDP replicas over dp, then the tied embedding's two copies (first and last stage: two
+        optimizers update them, kept equal only by the gradient sum in _sync_tied) over the tied group."""
+        found = []
+        if self.grid.dp > 1 and self.recipe.strategy.data_parallel == "ddp":
+            named: list[tuple[str, torch.Tensor]] = [(n, p) for s in self.stage_modules
+                                                     for n, p in s.named_parameters()]
+            found.append(Replicas(named=named, group=self.mesh.get_group("dp"),
+                                  description=f"{self.grid.dp} replicas of each stage (DDP)"))
+        copies = [w for w in (s.tied_weight() for s in self.stage_modules) if w is not None]
+        if self.tied is not None and self.tied_group is not None:
+            assert len(copies) == 1  # the first and the last stage are on different pipeline ranks
+            first, last = self.tied
+            # one name on both ranks, so that a drift names the pair alike on each; under fsdp both ranks
+            # of a tied group sit at the same dp position and hold the same shard
+            whose = "each pipeline's" if self.grid.dp > 1 else "the"
+            found.append(Replicas(named=[(f"{first} = {last} (tied)", _local(copies[0]))], group=self.tied_group,
+                                  description=f"the tied {first} and {last} on {whose} first and last stage"))
+        return found
+
+    def gradient_abs_max(self) -> dict[str, float] | None:
+        mine: dict[str, float] = {}
+        for stage in self.stage_modules:
+            for name, param in stage.named_parameters():
+                if param.grad is not None:
+                    value = float(_local(param.grad).abs().max()) if _local(param.grad).numel() else 0.0
+                    mine[name] = max(mine.get(name, 0.0), value)
+        merged: dict[str, float] = {}
+        for ranks in gather_objects(mine, self.env):  # each rank holds other tensors (and shards of them)
+            for name, value in ranks.items():
+                merged[name] = max(merged.get(name, 0.0), value)
+        scale = self.amp.scaler.get_scale() if self.amp.scaler else 1.0
+        return {name: value / scale for name, value in merged.items()}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Collective: every stage's weights under the whole model's names, on rank 0 (each stage's first
+        replica sends them, point to point: rank 0 holds the whole model once, the others nothing beyond their
+        stages; gathering the state dicts as pickled objects to every rank held ~3.6× the model on every rank)."""
+        mine: dict[str, torch.Tensor] = {}
+        for stage, wrapped in zip(self.stage_modules, self._model):
+            if isinstance(wrapped, FSDPModule):
+                # every dp rank gathers the stage (cpu_offload=True would keep it on global rank 0 only)
+                options = StateDictOptions(full_state_dict=True)  # collective over dp
+                state = cast(dict[str, torch.Tensor], get_model_state_dict(wrapped, options=options))
+            else:
+                state = stage.state_dict()
+            if self.dp_rank == 0:
+                mine.update({k: v.detach() for k, v in state.items()})
+        return tensors_on_main(mine, self.env)  # a tied weight: the first stage's copy (rank 0's)
+
+    def export_module(self) -> nn.Module:
+        return self.skeleton
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        params: list[torch.Tensor] = list(self._model.parameters())
+        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
+                "optim": optimizer_state_tensors(self.optimizer)}
+
+    def precision_audit(self) -> dict[str, str]:
+        params = list(self._model.parameters())
+        stored = first_dtype(_local(p) for p in params)
+        grads = [p.grad for p in params if p.grad is not None]
+        compute = dtype_name(stored) if self.amp.precision == "fp32" else f"{self.amp.precision} (autocast)"
+        reduce = {"ddp": f"all-reduce mean over {self.grid.dp} replicas", "fsdp": "reduce-scatter mean"}[
+            self.recipe.strategy.data_parallel] if self.grid.dp > 1 else "none: one replica per stage"
+        return {
+            "forward_params": compute,
+            "master_weights": dtype_name(stored),
+            "gradients": dtype_name(first_dtype(grads)) if grads else dtype_name(stored),
+            "grad_reduction": f"{reduce} ({dtype_name(first_dtype(grads) or stored)})" if self.grid.dp > 1 else reduce,
+            "optimizer_state": dtype_name(first_dtype(optimizer_state_tensors(self.optimizer)) or stored),
+            "loss_scaling": (f"dynamic (ShardedGradScaler over all stages, init {self.amp.scaler.get_scale():g})"
+                             if self.amp.scaler else "off"),
+            "optimizer": optimizer_label(self.optimizer),
+        }
+
+    def layout(self) -> str:
+        options = self.recipe.strategy
+        replicas = f" × {self.grid.dp} replicas ({options.data_parallel})" if self.grid.dp > 1 else ""
+        return (f"{self.num_stages} stages over {self.grid.pp} ranks{replicas}, schedule {options.schedule} with "
+                f"{self.micro_batches} micro-batches; {self.grid.stages_by_rank(self.parts, options.stages_per_rank)}")
+
+    def fallback(self) -> str | None:
+        if self.info.name != "hybrid" or self.grid.dp > 1:
+            return None
+        pp = self.grid.pp  # a hybrid with one replica per stage is the pipeline strategy: no data parallelism
+        return (f"strategy hybrid with {pp} stages on {self.env.world_size} ranks has one replica per stage, so it "
+                f"runs as strategy pipeline, without data parallelism; use {ranks_option(2 * pp)} for {pp} stages × "
+                "2 replicas")
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, Any]]:
+        model: dict[str, Any] = {}
+        for stage in self.stage_modules:  # the stages keep the model's own names
+            model.update(stage.state_dict())
+        if self.tied is not None:
+            model.pop(self.tied[1], None)  # the head's copy of the tied embedding: the first stage saves it
+        return {"model": model, "optim": optimizer_tensors(self.optimizer, self._first_names())}
+
+    def load_optimizer_state(self, read: Read) -> None:
+        load_optimizer_tensors(self.optimizer, self._first_names(), read)
+
+    def _first_names(self) -> dict[int, str]:
+        """Each parameter's name in the whole model; the last stage's copy of a tied embedding goes by the
+        input embedding's name (its gradient, so its Adam state, equals the first stage's)."""
+        names = {id(p): n for stage in self.stage_modules for n, p in stage.named_parameters()}
+        if self.tied is not None:
+            for stage in self.stage_modules:
+                weight = stage.tied_weight()
+                if weight is not None:
+                    names[id(weight)] = self.tied[0]
+        return names
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        return schedule_state(self.scheduler, self.amp.scaler)
+
+    def load_checkpoint_extra(self, extra: dict[str, Any]) -> None:
+        load_schedule_state(self.scheduler, self.amp.scaler, extra)
+
+    def measurements(self) -> dict[str, Any]:
+        steady = self.bubbles[1:] or self.bubbles  # step 1 also infers the stages' shapes
+        # the median: one step run otherwise (step 3 counts collectives in a dispatch mode) does not move it
+        return {"stages": self.stage_ids,
+                "bubble_measured": statistics.median(steady) if steady else None,
+                "bubble_theory": theoretical_bubble(stages=self.grid.pp, micro_batches=self.micro_batches,
+                                                    per_rank=len(self.stage_ids))}
+
+    def close(self) -> None:
+        del self.schedule, self.stages, self._model, self.stage_modules, self.optimizer, self.scheduler
+        del self.mesh, self.tied_group
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def build(recipe: Recipe) -> PipelineStrategy:
+    return PipelineStrategy()
+

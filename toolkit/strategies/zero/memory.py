@@ -1,0 +1,158 @@
+"""DeepSpeed ZeRO's model-state bytes per rank, from the model's shapes and DeepSpeed's own partitioning
+(deepspeed 0.19, runtime/zero/stage_1_and_2.py and stage3.py), checked against runs byte for byte.
+
+Stages 1 and 2 flatten each optimizer param group (with padding to a multiple of 2 × world elements) and cut
+it into N equal partitions; a rank keeps the fp32 master and AdamW moments of its partition. Its gradients
+after the backward are those of every parameter that *overlaps* its partition, whole: a parameter cut by a
+partition boundary is held entire by both ranks. So ZeRO-1 and ZeRO-2 end the backward with the same
+gradient bytes (ZeRO-1 holds all gradients during the backward, ZeRO-2 only one bucket), and a model whose
+bytes sit in one big tensor (llama-tiny's tied 30522 × 128 embedding: 84 % of it) keeps most gradients on
+every rank, not the 1/N of the ZeRO paper's accounting, which assumes many small tensors.
+
+Stage 3 partitions every parameter on its own (ceil(numel / N) elements per rank), keeps one reduce bucket of
+`reduce_bucket_size` elements for the run, and a flat buffer of its gradient partitions; with the optimizer
+offloaded the fp32 masters' gradients are a second copy on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from toolkit.config.recipe import Recipe, plan_batch
+from toolkit.memory.state_bytes import ADAM_MOMENTS, StateBytes, element_bytes, largest_block_bytes
+from toolkit.model.precision import DTYPES
+from toolkit.strategies.optim import param_groups
+from toolkit.strategies.zero.config import hidden_size_of, offloads, resolve_ds_config, stage_of
+
+FP32 = 4
+ALIGNMENT = 2  # DeepSpeed's nccl_start_alignment_factor: partitions start 4-byte aligned for 16-bit data
+DEFAULT_REDUCE_BUCKET = 500_000_000
+ALLREDUCE_BUCKET = 500_000_000  # stage 0's all-reduce buckets (engine.py, MEMORY_OPT_ALLREDUCE_SIZE; no setting)
+DEFAULT_MAX_LIVE = DEFAULT_REUSE_DISTANCE = 1_000_000_000  # stage3_max_live_parameters, stage3_max_reuse_distance
+
+
+def param_dtype(recipe: Recipe) -> torch.dtype:
+    """What DeepSpeed keeps its (partitioned or gathered) parameters in: the 16-bit precision, else the load dtype."""
+    return DTYPES[recipe.precision] if recipe.precision != "fp32" else DTYPES[recipe.model.load_dtype]
+
+
+def predict(model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
+    config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=world_size),
+                               hidden_size=hidden_size_of(model.config))
+    stage, (offload_optimizer, _) = stage_of(config), offloads(config)
+    dtype = param_dtype(recipe)
+    size = element_bytes(dtype)
+    groups = [[p.numel() for p in g["params"]] for g in param_groups(model, recipe.optim)]
+    groups = [g for g in groups if g]
+    everything = sum(p.numel() for p in model.parameters())
+    if stage == 0:
+        masters = sum(map(sum, groups)) * FP32 if dtype != torch.float32 else 0  # 16-bit: fp32 masters, whole
+        state = StateBytes(params_bytes=everything * size, grads_bytes=sum(map(sum, groups)) * size,
+                           optim_bytes=masters + ADAM_MOMENTS * FP32 * sum(map(sum, groups)))
+        return [state] * world_size
+    if stage == 3:
+        return [_stage3(model, groups, config, size=size, offload=offload_optimizer, world_size=world_size)] * world_size
+    return [_stage12(groups, rank, size=size, everything=everything, offload=offload_optimizer, world_size=world_size)
+            for rank in range(world_size)]
+
+
+def _stage12(groups: list[list[int]], rank: int, *, size: int, everything: int, offload: bool,
+             world_size: int) -> StateBytes:
+    partition_total = grads = 0
+    for numels in groups:
+        partition = _partition(numels, world_size)
+        partition_total += partition
+        start, end, offset = partition * rank, partition * (rank + 1), 0
+        for numel in numels:  # DeepSpeed's get_partition_info: whole parameters overlapping [start, end)
+            if start <= offset < end or offset < start < offset + numel:
+                grads += numel
+            offset += numel
+    # with the optimizer offloaded, gradients go straight into the fp32 partition's .grad on the CPU
+    grads_bytes = partition_total * FP32 if offload else grads * size
+    return StateBytes(params_bytes=everything * size, grads_bytes=grads_bytes,
+                      optim_bytes=(1 + ADAM_MOMENTS) * FP32 * partition_total)  # fp32 master + moments
+
+
+def _partition(numels: list[int], world_size: int) -> int:
+    """Elements of one rank's partition of a param group, flattened and padded to a multiple of 2 × world."""
+    align = ALIGNMENT * world_size
+    return math.ceil(sum(numels) / align) * align // world_size
+
+
+def _stage3(model: nn.Module, groups: list[list[int]], config: dict, *, size: int, offload: bool,
+            world_size: int) -> StateBytes:
+    def share(numel: int) -> int:
+        return math.ceil(numel / world_size)
+
+    params = sum(share(p.numel()) for p in model.parameters())
+    trainable = sum(share(n) for numels in groups for n in numels)
+    zero = config.get("zero_optimization", {})
+    bucket = int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET)) if zero.get("contiguous_gradients", True) else 0
+    # the flat buffer of gradient partitions, plus, offloaded, the fp32 masters' own .grad beside it
+    grads_bytes = trainable * size + (trainable * FP32 if offload else 0) + bucket * size
+    return StateBytes(params_bytes=params * size, grads_bytes=grads_bytes,
+                      optim_bytes=(1 + ADAM_MOMENTS) * FP32 * trainable)
+
+
+def step_bytes(model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+    """What the end of a step copies beside the model states.
+
+    Stages 1 and 2 (optimizer not offloaded): the step flattens the rank's averaged gradients of one param group
+    at a time into one tensor of its partition, cast to fp32 (a second one where the gradients are 16-bit),
+    before freeing them (stage_1_and_2.py, step()): the largest group's. Measured: zero2 302M, 2 ranks, fp32: the
+    step's peak 576 MiB (the partition) above the model states, beside the process's own growth.
+    Stage 0: the engine's all-reduce at the end of backward flattens the gradients into buckets of 5e8 elements
+    (engine.py, buffered_allreduce_fallback / allreduce_no_retain: a bucket is sent once it passes that), the
+    largest bucket a copy beside every gradient; in 16-bit, the step then gives every gradient an fp32 copy on
+    its master (FP16_UnfusedOptimizer) before the update. Measured: zero0 302M, 2 ranks, fp32: +16.3 % peak
+    without the bucket, +1.5 % with it (benchmarks/memory_scaling.py --arms zero0).
+    Not counted (read in DeepSpeed's source, not measured): stage 3 flattens each sub-group's gradients the same
+    way (stage3.py, on top of its gradient buffer). Offloaded, the gradients go to the CPU partition's own .grad:
+    nothing."""
+    config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=world_size),
+                               hidden_size=hidden_size_of(model.config))
+    size = element_bytes(param_dtype(recipe))
+    if stage_of(config) == 0:
+        trainable = [p.numel() for p in model.parameters() if p.requires_grad]
+        cast = sum(trainable) * FP32 if size != FP32 else 0
+        return max(largest_allreduce_bucket(trainable) * size, cast)
+    if stage_of(config) not in (1, 2) or offloads(config)[0]:
+        return 0
+    partition = max((_partition([p.numel() for p in g["params"]], world_size)
+                     for g in param_groups(model, recipe.optim) if g["params"]), default=0)
+    return partition * (FP32 + (size if size != FP32 else 0))
+
+
+def largest_allreduce_bucket(numels: list[int], limit: int = ALLREDUCE_BUCKET) -> int:
+    """Elements of the largest bucket DeepSpeed's stage-0 all-reduce flattens: gradients in parameter order,
+    a bucket sent as soon as it holds more than `limit` (engine.py, allreduce_no_retain)."""
+    largest = bucket = 0
+    for numel in numels:
+        bucket += numel
+        if bucket > limit:
+            largest, bucket = max(largest, bucket), 0
+    return max(largest, bucket)
+
+
+def gathered_bytes(model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+    """Stage 3: the parameters DeepSpeed keeps gathered. Once the first step has traced the module order, a
+    parameter is not released after its use while it recurs within `stage3_max_reuse_distance` elements of the
+    trace (deepspeed 0.19, runtime/zero/partitioned_param_coordinator.py, `__params_to_release`). A block's
+    backward use comes about twice the elements after its forward one that lie between, so the blocks within
+    half that distance of the forward's end stay gathered until backward, up to `stage3_max_live_parameters`.
+    DeepSpeed's defaults (1e9 each; transformers' documented configs set the same) keep every parameter of a
+    model under 500M gathered from the end of the forward (measured on the 302M benchmark: RSS rose by the
+    whole model's fp32 bytes from the second step on, not by one block). Stages 1 and 2 gather nothing."""
+    config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=world_size),
+                               hidden_size=hidden_size_of(model.config))
+    if stage_of(config) != 3:
+        return 0
+    zero = config.get("zero_optimization", {})
+    dtype = param_dtype(recipe)
+    kept = min(sum(p.numel() for p in model.parameters()),
+               int(zero.get("stage3_max_reuse_distance", DEFAULT_REUSE_DISTANCE)) // 2,
+               int(zero.get("stage3_max_live_parameters", DEFAULT_MAX_LIVE)))
+    return max(kept * element_bytes(dtype), largest_block_bytes(model, recipe))

@@ -1,0 +1,1 @@
+"""The one training loop, its checks, evaluation and the run record (run.json)."""

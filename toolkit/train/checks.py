@@ -1,0 +1,107 @@
+"""Checks of a recipe that need no process group: run by `validate` and by `launch` before any rank starts,
+so a user's mistake is one line from the launcher, not a failure inside every rank."""
+
+from __future__ import annotations
+
+from toolkit.config.recipe import BatchPlan, Recipe
+from toolkit.errors import RecipeError
+from toolkit.strategies import strategy_info, validate_strategy
+from toolkit.train.tracking_checks import check_trackers
+
+
+def check_paths(recipe: Recipe) -> None:
+    from toolkit.model.build import resolve_path
+    from toolkit.model.files import check_model_dir
+
+    if recipe.model.path is not None:
+        check_model_dir(resolve_path(recipe.model.path), "model.path")
+    if recipe.model.tokenizer is not None:
+        check_model_dir(resolve_path(recipe.model.tokenizer), "model.tokenizer")
+    from toolkit.data.files import data_source
+
+    for key in ("train", "eval"):
+        value = getattr(recipe.data, key)
+        if value is not None:
+            data_source(f"data.{key}", value)
+
+
+def check_position_limit(recipe: Recipe) -> None:
+    """The model's config is one transformers accepts for the task (model_config's checks; a folder's files are
+    complete), and data.max_length is within its position embeddings (reads config.json and weight headers only)."""
+    from toolkit.model.build import hf_config, position_limit
+
+    limit = position_limit(hf_config(recipe.model))
+    if limit is not None and recipe.data.max_length > limit:
+        raise RecipeError(f"data.max_length {recipe.data.max_length} is above the model's position limit {limit} "
+                          f"(max_position_embeddings); set data.max_length <= {limit}")
+
+
+def check_data(recipe: Recipe, *, global_batch_size: int | None = None):
+    """Reads the data files (not tokenized): they have rows, and the named columns hold what training needs; the
+    train rows fill one global batch where a row is a sample (without packing: one that `train` may still leave
+    out for having no token to learn from is counted); the tokenizer that will tokenize them loads, and
+    data.max_length leaves room beside its special tokens. Returns the tokenizer."""
+    from toolkit.data.splits import check_one_batch, check_room, check_rows
+    from toolkit.data.files import data_source, num_blank_lines, read_rows, text_columns
+
+    from toolkit.model.build import saved_label_names
+
+    names = None  # data.train's class names, which data.eval's labels must be among
+    model_names = saved_label_names(recipe.model)
+    for key in ("data.train", "data.eval"):
+        value = getattr(recipe.data, key.split(".")[1])
+        if value is not None:
+            source = data_source(key, value)
+            raw = read_rows(source, text=text_columns(recipe.data))
+            names = check_rows(raw, source, data=recipe.data, task=recipe.model.task,
+                               num_labels=recipe.model.num_labels, names=names, model_names=model_names)
+            packed = recipe.model.task == "causal-lm" and recipe.data.packing  # blocks, not rows: known once tokenized
+            if key == "data.train" and global_batch_size is not None and not packed:
+                num_rows = len(raw) - num_blank_lines(raw, source, recipe.data.text_column)
+                check_one_batch(num_rows, global_batch_size=global_batch_size)
+    from toolkit.model.build import load_tokenizer
+
+    tokenizer = load_tokenizer(recipe.model)  # its folder's files load (0.1 s for MiniLM's, measured)
+    check_room(recipe.data, tokenizer)
+    if recipe.data.format != "text":
+        from toolkit.data.instruct import chat_template_text, check_tokenizer
+
+        check_tokenizer(chat_template_text(recipe.data), tokenizer)
+    return tokenizer
+
+
+def check_model(recipe: Recipe, tokenizer) -> None:
+    """What the ranks would find only once they build the model, on one meta-device copy of it (its config and
+    class only, no weights read): the tokenizer fits its vocabulary, LoRA targets name layers of it, and the
+    blocks to shard (strategy.blocks) or to checkpoint are there."""
+    from toolkit.model.blocks import enable_activation_checkpointing
+    from toolkit.model.build import check_vocabulary
+    from toolkit.plan.predict import planned_model
+
+    model = planned_model(recipe)  # applies the adapters: targets that match nothing are peft's one-line error
+    check_vocabulary(model, tokenizer)
+    check_blocks(recipe, model)
+    if recipe.train.activation_checkpointing:
+        enable_activation_checkpointing(model)  # a model without blocks: its one-line error
+
+
+def check_recipe(recipe: Recipe, *, world_size: int) -> BatchPlan:
+    plan = validate_strategy(recipe, world_size=world_size)
+    check_trackers(recipe)  # train.report_to's packages, and where they write
+    check_paths(recipe)
+    check_position_limit(recipe)
+    tokenizer = check_data(recipe, global_batch_size=plan.global_batch_size)
+    check_model(recipe, tokenizer)
+    return plan
+
+
+def check_blocks(recipe: Recipe, model=None) -> None:
+    """A strategy that shards (fsdp) or cuts (model parallel, pipeline) at the transformer blocks finds them in the
+    model (`model`: its meta-device copy, built here if not given). DistilBERT names none of its own: the run
+    stopped at set-up, after validate said ok."""
+    if "blocks" not in strategy_info(recipe.strategy.name).options:
+        return
+    from toolkit.model.blocks import transformer_blocks
+    from toolkit.model.build import meta_model
+
+    transformer_blocks(model if model is not None else meta_model(recipe.model), recipe.strategy.blocks)

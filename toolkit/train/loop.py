@@ -1,0 +1,407 @@
+"""The one training loop. It never names a strategy: everything parallel is behind `strategy`.
+
+Per optimizer step:
+  1. fetch this rank's grad_accum_steps micro-batches (the global batch is fixed by seed + step)
+  2. all-reduce the loss-term count of the whole global batch, so every micro-batch's loss is
+     normalised by it (accumulating 4×2 gives exactly one batch of 8, padding included)
+  3. forward + backward each micro-batch; gradient reduction only on the last one
+  4. clip + optimizer step + schedule (strategy.step)
+  5. log: the global-batch mean loss, grad norm, tokens/s, peak memory
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from toolkit.process import faults
+
+from toolkit.observe import profiling
+
+from toolkit.train import runinfo
+
+from toolkit.observe import tracking
+
+from toolkit.checkpoint import run as checkpoints
+from toolkit.checkpoint.loading import ModelSource, num_parameters, own_memory, whole_parameters
+from toolkit.checkpoint.run import Resume
+from toolkit.checkpoint.schedule import schedule_changes
+from toolkit.checkpoint.store import check_creatable
+from toolkit.config.recipe import Recipe, check_profile_window
+from toolkit.data.instruct import adopt_chat_template
+from toolkit.data.labels import label_note
+from toolkit.data.losses import micro_batch_loss_sum
+from toolkit.data.splits import (Collator, DataLayout, GlobalBatchSampler, SplitCounts, check_one_batch, data_note,
+                                 data_record, load_split, train_loader)
+from toolkit.errors import RecipeError
+from toolkit.model.blocks import BlockForwards, layer_stack
+from toolkit.model.build import load_tokenizer, padding_id, saved_label_names
+from toolkit.model.export import export_model
+from toolkit.model.precision import check_precision_supported
+from toolkit.model.precision import StepResult
+from toolkit.observe.comm import CollectiveCounter, count_step, counting
+from toolkit.observe.consistency import check_groups, check_replicas
+from toolkit.observe.gradient_scale import GradientScale
+from toolkit.observe.metrics import (Progress, compile_graph_breaks, compile_seconds, peak_memory_bytes,
+                                     process_bytes, synchronize)
+from toolkit.process.dist import DistEnv, all_reduce_max, all_reduce_sum
+from toolkit.process.stopping import NonFinite, SkippedSteps, StopSignals, Stopped
+from toolkit.strategies import import_runtime_modules, make_strategy, validate_strategy
+from toolkit.strategies.base import SetupArgs, Strategy
+from toolkit.strategies.optim import build_adamw, build_scheduler
+from toolkit.train import tracking_checks
+from toolkit.train.checks import check_position_limit
+from toolkit.train.evaluate import evaluate
+from toolkit.train.notes import recipe_notes
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    strategy: Strategy
+    losses: list[float]
+
+
+def run_microbatches(strategy: Strategy, micro_batches: list[dict], *, task: str, env: DistEnv,
+                     layout: DataLayout) -> tuple[float, dict]:
+    """Forward/backward every micro-batch of one optimizer step; returns the global mean loss + counts."""
+    counts = torch.tensor([sum(b["num_items"] for b in micro_batches), sum(b["num_tokens"] for b in micro_batches),
+                           sum(len(b["input_ids"]) for b in micro_batches)], dtype=torch.float64)
+    all_reduce_sum(counts, env)  # one tiny collective: the denominator of the global-batch mean
+    counts /= env.world_size // layout.size  # ranks that read the same shard (a pipeline's stages) counted it alike
+    num_items = counts[0].item()
+    # Each micro-batch's loss sum over the global count is its share of the global-batch mean: summed over
+    # every shard's shares, the gradients are those of that mean. A reduction that averages over the data
+    # shards divides by their number, so the shares are multiplied by it first.
+    scale = layout.size if strategy.info.averages_gradients else 1
+
+    def loss_sum(logits: torch.Tensor, batch: dict) -> torch.Tensor:
+        return micro_batch_loss_sum(logits, batch["labels"], task)
+
+    local = strategy.forward_backward(micro_batches, loss_sum=loss_sum, share=lambda s: s / num_items * scale)
+    total = all_reduce_sum(local.to(env.device), env).item()  # device sync: once per step, for the logged loss
+    return total / num_items, {"items": int(num_items), "tokens": int(counts[1]), "samples": int(counts[2])}
+
+
+def prepare(recipe: Recipe, env: DistEnv):
+    """Everything that can fail on user input, before any output is written."""
+    plan = validate_strategy(recipe, world_size=env.world_size)  # again: torchrun/accelerate skip `toolkit launch`
+    check_creatable(Path(recipe.output_dir))  # before the data is read and the model built, not at the first write
+    layout = make_strategy(recipe).data_layout(recipe, world_size=env.world_size, rank=env.rank)
+    check_precision_supported(recipe.precision, env.device)
+    check_position_limit(recipe)
+    tracking_checks.check_trackers(recipe)
+    tokenizer = load_tokenizer(recipe.model)
+    adopt_chat_template(tokenizer, recipe.data)  # the template trained with is the one saved with the model
+    kwargs = dict(data=recipe.data, task=recipe.model.task, num_labels=recipe.model.num_labels, tokenizer=tokenizer,
+                  env=env)
+    model_names = saved_label_names(recipe.model)  # a pretrained head's own mapping, kept where the data fits it
+    train_ds, names, train_counts = load_split("data.train", **kwargs, model_names=model_names)
+    eval_ds, _, eval_counts = load_split("data.eval", **kwargs, names=names) if recipe.data.eval else \
+        (None, None, SplitCounts())
+    sampler = GlobalBatchSampler(num_samples=len(train_ds), plan=plan, rank=layout.rank, seed=recipe.seed)
+    check_one_batch(len(train_ds), global_batch_size=plan.global_batch_size, num_left_out=train_counts.num_left_out)
+    notes = [note for note in (data_note("data.train", train_counts, recipe.data),
+                               data_note("data.eval", eval_counts, recipe.data),
+                               label_note(names, model_names)) if note]
+    epochs = recipe.train.epochs or 0.0  # TrainConfig: exactly one of max_steps and epochs
+    total_steps = recipe.train.max_steps or max(1, int(epochs * sampler.steps_per_epoch))
+    # epochs as train.epochs counts them (each drops its last partial batch): not the samples read over the
+    # dataset's size, which falls short of train.epochs wherever an epoch leaves samples unread
+    data_info = {"train": {**data_record(train_counts, num_samples=len(train_ds), data=recipe.data),
+                           "steps_per_epoch": sampler.steps_per_epoch,
+                           "epochs": round(total_steps / sampler.steps_per_epoch, 4),
+                           "samples_unread_per_epoch": len(train_ds) % plan.global_batch_size}}
+    if eval_ds is not None:
+        data_info["eval"] = data_record(eval_counts, num_samples=len(eval_ds), data=recipe.data)
+    check_profile_window(recipe.train.profile_steps, last_step=total_steps)
+    notes += recipe_notes(recipe, tokenizer, total_steps=total_steps)
+    return plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, names, notes, data_info
+
+
+def setup_strategy(strategy: Strategy, model, *, source: ModelSource, env: DistEnv, plan, total_steps: int) -> None:
+    """`strategy` wrapped around `model` (built by strategy.build_model), with the recipe's AdamW and schedule."""
+    recipe = source.recipe
+    strategy.setup(model, SetupArgs(
+        recipe=recipe, env=env, grad_accum_steps=plan.grad_accum_steps, total_steps=total_steps,
+        build_optimizer=functools.partial(build_adamw, config=recipe.optim),
+        build_scheduler=lambda o: build_scheduler(o, config=recipe.optim, total_steps=total_steps), source=source))
+
+
+def announce_schedule_changes(recipe: Recipe, checkpoint, *, env: DistEnv, total_steps: int) -> None:
+    """Rank 0: one line where the resumed schedule (always this recipe's) differs from the checkpoint's run."""
+    if not env.is_main:
+        return
+    manifest = checkpoint.manifest
+    changes = schedule_changes(recipe, checkpoint.path, total_steps=total_steps,
+                               saved_total_steps=manifest.get("total_steps"),
+                               saved_state=manifest["extra"].get("scheduler") or {})
+    if changes:
+        print(f"[toolkit] resume: the lr schedule follows this recipe ({'; '.join(changes)})",
+              file=sys.stderr, flush=True)
+
+
+def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> TrainResult:
+    plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, names, notes, data_info = prepare(recipe, env)
+    import_runtime_modules(recipe)  # DeepSpeed's 51-105 MiB: part of the runtime, as toolkit plan counts it
+    runtime_bytes = process_bytes()  # what the process holds before any model: the base a memory prediction starts from
+    prediction = runinfo.predict_memory(recipe, env, runtime_bytes=runtime_bytes)  # warns before setup if too big
+    host_memory, host_note = runinfo.set_host_memory(recipe, env, prediction=prediction)  # CPU: fast or predictable
+    notes += [host_note] if host_note else []
+    # before the collective below, so no rank can have written into output_dir yet
+    checkpoint = checkpoints.starting_point(recipe, resume, plan=plan, total_steps=total_steps, env=env)
+    strategy = make_strategy(recipe)
+    source = ModelSource(recipe=recipe, tokenizer=tokenizer, checkpoint=checkpoint.path if checkpoint else None)
+    model = strategy.build_model(source, env=env)  # whole, or empty / partitioned under low-memory loading
+    check_replicas(whole_parameters(model), env, when="at start (before setup)")
+    num_params = num_parameters(model)
+    # the blocks' forwards in the first step: twice per micro-batch shows the recomputation happened. Not under
+    # train.compile: the counting hooks would run inside the compiled checkpoint, where dynamo refuses a side
+    # effect and falls back to eager for the whole block (measured: no compile at all, step as slow as eager)
+    counted = recipe.train.activation_checkpointing and not recipe.train.compile
+    block_classes = {type(block) for block in layer_stack(model)} if counted else set()
+    setup_strategy(strategy, model, source=source, env=env, plan=plan, total_steps=total_steps)
+    # the blocks this rank holds once set up (a pipeline stage's own, in its copy of the model)
+    forwards = BlockForwards.among(strategy.model, block_classes) if counted else None
+    # the strategy holds what it kept; what it dropped (a pipeline's other stages and head) goes, and what it kept
+    # as loaded lets go of the weight file, whose pages of the dropped weights would otherwise stay resident
+    del model
+    own_memory(strategy.model)
+    # transformers returns models in eval mode: dropout and activation checkpointing act in train mode only
+    # (before this, training ran without dropout until the first evaluation switched the model back)
+    strategy.model.train()
+    done, tokens_seen = 0, 0
+    weights_only = bool(resume and resume.weights_only)
+    if checkpoint is not None:
+        done = checkpoints.restore(strategy, checkpoint, weights_only=weights_only, env=env, total_steps=total_steps)
+        announce_schedule_changes(recipe, checkpoint, env=env, total_steps=total_steps)
+        tokens_seen = int(checkpoint.manifest.get("tokens_seen", 0))
+    out_dir = Path(recipe.output_dir)
+    info = runinfo.start(recipe, env=env, plan=plan, total_steps=total_steps, model=strategy.export_module(),
+                         num_params=num_params, out_dir=out_dir, prediction=prediction, data=data_info)
+    info["host_memory"] = host_memory
+    info["_last_step"] = done  # the last step metrics.jsonl holds (run.json's ended, when the run does not complete)
+    skips = SkippedSteps(recipe.train.max_consecutive_skips, done=done)
+    # rank 0: run.json's status stopped or failed when the run ends otherwise than completing
+    with runinfo.ending(info, env=env, out_dir=out_dir, skips=skips):
+        info["_block_forwards"] = forwards
+        if checkpoint is not None:
+            info["resumed_from"] = {"checkpoint": str(checkpoint.path), "step": done,
+                                    "weights_only": weights_only}
+        info["layout"] = strategy.layout()
+        fallback = strategy.fallback()
+        if fallback is not None:  # what ran is not what the recipe names: a report flags it
+            info["fallback"] = fallback
+        if env.is_main:
+            print(f"[toolkit] layout: {info['layout']}", file=sys.stderr, flush=True)
+            if fallback is not None:
+                print(f"[toolkit] warning: {fallback}", file=sys.stderr, flush=True)
+            for note in notes:  # said once the run goes ahead: a user's mistake found before stays one line
+                print(note, file=sys.stderr, flush=True)
+        if names is not None:  # named labels: their class ids, in the exported config as transformers keeps them
+            name_labels(strategy.export_module(), names, info=info, env=env)
+        replicas = announce_replica_check(strategy, recipe=recipe, env=env, info=info)
+        collator = Collator(pad_token_id=padding_id(tokenizer), task=recipe.model.task)
+        loader = iter(train_loader(train_ds, sampler=sampler, start=done, stop=total_steps, collator=collator,
+                                   data=recipe.data))  # a function of seed + step: resumes exactly
+        if env.is_main:
+            checkpoints.continue_metrics(out_dir, done_steps=done)
+        # rank 0: metrics.jsonl and the trackers of train.report_to, closed however the run ends
+        with tracking.metrics_log(recipe, out_dir=out_dir, done_steps=done, main=env.is_main) as writer:
+            progress = Progress(total=total_steps, enabled=env.is_main and recipe.train.progress,
+                                log_every=recipe.train.log_every)
+            scale = GradientScale() if recipe.train.record_gradient_scale else None
+            saver = checkpoints.Saver(recipe, env=env, plan=plan, total_steps=total_steps, tokenizer=tokenizer,
+                                      done_steps=done, tokens_seen=tokens_seen)
+            signals = StopSignals().install()
+            profiler = profiling.StepProfiler(recipe, env=env, out_dir=out_dir, done=done)
+            if checkpoint is not None:  # last before the first step: nothing draws from the restored generator
+                checkpoints.restore_rng(checkpoint, env=env)
+            try:
+                losses = run_steps(strategy, loader, recipe=recipe, env=env, plan=plan, layout=layout, info=info,
+                                   done=done, total_steps=total_steps, eval_ds=eval_ds, collator=collator,
+                                   saver=saver, writer=writer, progress=progress, scale=scale, replicas=replicas,
+                                   signals=signals, profiler=profiler, skips=skips)
+                saver.close()  # an async checkpoint still being written is committed before the run ends
+                if saver.final_skipped:  # checkpoint.final null on a quick run: the done line says it
+                    info["final_checkpoint_skipped"] = saver.final_skipped
+            except (Stopped, NonFinite):  # every rank alike: the checkpoint still being written is a good one
+                saver.close()
+                raise
+            finally:
+                signals.restore()
+                profiler.close()  # a run that ended inside the window keeps what was recorded
+                if profiler.written:
+                    info["profile"] = {"steps": profiler.recorded, "folder": str(out_dir / "profile")}
+            progress.close()
+            export_model(strategy, tokenizer=tokenizer, out_dir=out_dir, env=env, lora=recipe.model.lora,
+                         task=recipe.model.task)
+            if scale is not None:
+                info["gradient_scale"] = scale.summary()
+            if writer is not None and writer.switched_off:
+                info["trackers_switched_off"] = writer.switched_off
+            runinfo.finish(info, env=env, out_dir=out_dir, losses=losses, strategy=strategy, skips=skips)
+    return TrainResult(output_dir=out_dir, strategy=strategy, losses=losses)
+
+
+def run_steps(strategy: Strategy, loader, *, recipe: Recipe, env: DistEnv, plan, layout: DataLayout, info: dict,
+              done: int, total_steps: int, eval_ds, collator, saver, writer, progress, scale, replicas,
+              signals: StopSignals, profiler: profiling.StepProfiler, skips: SkippedSteps) -> list[float]:
+    """Steps done+1 .. total_steps: train, evaluate, check replicas, checkpoint, log; stop after a step when
+    any rank got a stop signal (a checkpoint first), or at the train.max_consecutive_skips-th non-finite step
+    skipped in a row (once it is logged)."""
+    losses = []
+    comm_step = count_step(done=done, total_steps=total_steps, profiled=recipe.train.profile_steps)
+    for step in range(done + 1, total_steps + 1):
+        micro_batches = [next(loader) for _ in range(plan.grad_accum_steps)]
+        profiler.before(step)
+        record = train_step(strategy, micro_batches, recipe=recipe, env=env, layout=layout, step=step, info=info,
+                            count_comm=step == comm_step, gradient_scale=scale, first=step == done + 1,
+                            before_update=saver.before_update)
+        if profiler.covers(step):
+            record["profiled"] = True
+        profiler.after(step)
+        saver.tokens_seen += record["tokens"]
+        if "compile_s" in record:  # run.json: the compile time of the whole run, apart from the steps'
+            info["compile_s"] = info.get("compile_s", 0.0) + record["compile_s"]
+        if recipe.train.compile:
+            note_graph_breaks(info, first=step == done + 1, env=env)
+        every = recipe.train.eval_every
+        if eval_ds is not None and ((every and step % every == 0) or step == total_steps):
+            record.update(evaluate(strategy, eval_ds, collator=collator, recipe=recipe, env=env, layout=layout,
+                                   group=plan.grad_accum_steps))
+        check_every = recipe.train.consistency_check_every
+        if replicas and check_every and step % check_every == 0:
+            fresh = strategy.replicas()  # the live tensors of this step
+            assert len(fresh) == len(replicas)  # what a strategy had replicated at start it has now
+            # one collective per group, in the same order on the ranks of each group; a drift stops every rank
+            check_groups([(each.named, each.group) for each in fresh], env, when=f"at step {step}")
+        losses.append(record["loss"])
+        unrecoverable = skips.count(record)  # every rank alike: the loss and the norm are global
+        if saver.due(step):
+            record["checkpoint_s"] = saver.save(strategy, step=step)  # outside step_time_s
+        if writer:
+            writer.write(record)
+        info["_last_step"] = step  # before anything else can fail: run.json's steps_done is what metrics.jsonl holds
+        progress.update(record)
+        if unrecoverable is not None:
+            raise unrecoverable
+        faults.after_step(step, env)  # tests only: a killed rank, a preempted launcher
+        signum = signals.requested(env)  # every rank alike: all stop after this same step
+        if signum and step < total_steps:
+            if saver.last_step != step:
+                saver.save(strategy, step=step, wait=True)
+            raise Stopped(signum, step, total_steps, saver.last_path)
+    return losses
+
+
+def note_graph_breaks(info: dict, *, first: bool, env: DistEnv) -> None:
+    """run.json's compile_graph_breaks (this rank's count so far, by reason), said once on rank 0 after the
+    first step: a break inside a block leaves it eager, so the compile costs time and gains nothing there."""
+    breaks = compile_graph_breaks()
+    info["compile_graph_breaks"] = {"total": sum(breaks.values()), "reasons": breaks}
+    if first and breaks and env.is_main:
+        reason = max(breaks, key=lambda r: breaks[r]).splitlines()[0][:160]
+        print(f"[toolkit] train.compile: {sum(breaks.values())} graph break(s) in the first step, the code around "
+              f"them runs eager (most frequent: {reason})", file=sys.stderr, flush=True)
+
+
+def step_compile_seconds(before_s: float, env: DistEnv) -> float:
+    """Collective: the most seconds any rank compiled in this step (every rank's step waited for it: a
+    pipeline's stages compile different blocks)."""
+    spent = torch.tensor([compile_seconds() - before_s], dtype=torch.float64)
+    return float(all_reduce_max(spent, env)[0])
+
+
+def name_labels(module, names: list[str], *, info: dict, env: DistEnv) -> None:
+    """data.train's label names (a name's position is its class id: model.path's id2label order where it names
+    these labels, else sorted) into the model config's
+    id2label / label2id, which every export and checkpoint writes; said once and kept in run.json."""
+    module.config.id2label = dict(enumerate(names))
+    module.config.label2id = {name: index for index, name in enumerate(names)}
+    info["labels"] = names
+    if env.is_main:
+        mapped = ", ".join(f"{name} → {index}" for index, name in enumerate(names))
+        print(f"[toolkit] labels: {mapped} (id2label in the exported config)",
+              file=sys.stderr, flush=True)
+
+
+def announce_replica_check(strategy, *, recipe: Recipe, env: DistEnv, info: dict):
+    """Say once what the periodic replica check compares, or that there is nothing to compare."""
+    every = recipe.train.consistency_check_every
+    replicas = strategy.replicas()
+    if env.world_size == 1:
+        text = "one rank: nothing to compare"
+    elif not every:
+        text = "off (train.consistency_check_every is null); checked once at start"
+    elif not replicas:
+        text = (f"nothing to compare after setup: {strategy.info.name} on {env.world_size} rank(s) holds no "
+                "replicated parameters (checked once at start)")
+    else:  # rank 0's groups (it writes run.json); a pipeline's other stages check theirs alike
+        text = f"every {every} step(s): " + "; ".join(
+            f"{each.description}, {len(each.named)} tensor{'s' if len(each.named) != 1 else ''}" for each in replicas)
+    info["replica_check"] = text
+    if env.is_main and every:
+        print(f"[toolkit] replica check: {text}", file=sys.stderr, flush=True)
+    return replicas
+
+
+def train_step(strategy: Strategy, micro_batches: list[dict], *, recipe: Recipe, env: DistEnv, layout: DataLayout,
+               step: int, info, count_comm: bool, gradient_scale: GradientScale | None, first: bool,
+               before_update: Callable[[], float] = lambda: 0.0) -> dict:
+    """One optimizer step. `before_update` waits for what must not change under the update (an async
+    checkpoint's copy of the weights); its seconds are the checkpoint's, not the step's."""
+    synchronize(env.device)
+    start = time.perf_counter()
+    compiled_s = compile_seconds() if recipe.train.compile else 0.0
+    lr = strategy.lr()
+    comm = CollectiveCounter() if count_comm else None
+    with counting(comm):
+        loss, counts = run_microbatches(strategy, micro_batches, task=recipe.model.task, env=env, layout=layout)
+        if first:
+            runinfo.record_before_first_step(info, strategy, env=env)  # local reads only, no collective
+    probe_s, abs_max = 0.0, None
+    if gradient_scale is not None:  # outside the collective count and the step time: a measurement aid
+        probe_start = time.perf_counter()
+        abs_max = strategy.gradient_abs_max()
+        probe_s = time.perf_counter() - probe_start
+    stop_on_nonfinite = recipe.train.on_nonfinite == "stop"
+    held_s = before_update()
+    if math.isfinite(loss):
+        faults.before_update(step, strategy.model)  # tests only: an fp16 overflow
+        with counting(comm):
+            result = strategy.step(max_grad_norm=recipe.optim.max_grad_norm)
+    elif stop_on_nonfinite:  # before the update: no weight, no checkpoint holds it
+        raise NonFinite("loss", loss, step)
+    else:
+        strategy.discard_step()
+        result = StepResult(grad_norm=float("nan"), skipped=True, loss_scale=None, nonfinite=True)
+    # a finite loss with non-finite gradients (fp16 loss scaling handles its own overflows): the torch
+    # strategies skipped the update (precision.Amp); stop before any checkpoint can hold it
+    if stop_on_nonfinite and result.nonfinite:
+        raise NonFinite("gradient norm", result.grad_norm, step)
+    if gradient_scale is not None and abs_max is not None and not result.skipped:
+        gradient_scale.update(abs_max, grad_norm=result.grad_norm)
+    if comm is not None:
+        runinfo.record_comm(info, comm.summary(), step=step, env=env)
+    if first:
+        runinfo.record_after_first_step(info, strategy, env=env)
+    synchronize(env.device)
+    compile_s = step_compile_seconds(compiled_s, env) if recipe.train.compile else 0.0
+    step_time_s = time.perf_counter() - start - probe_s - held_s - compile_s
+    return {"step": step, "loss": loss, "lr": lr, "grad_norm": result.grad_norm,
+            "tokens": counts["tokens"], "samples": counts["samples"], "loss_items": counts["items"],
+            "tokens_per_s": counts["tokens"] / step_time_s, "samples_per_s": counts["samples"] / step_time_s,
+            "step_time_s": step_time_s, "peak_mem_bytes": peak_memory_bytes(env.device),
+            "loss_scale": result.loss_scale, "skipped": result.skipped,
+            # dropped by train.on_nonfinite skip (fp16 loss scaling's own skips are not)
+            **({"skipped_nonfinite": True} if result.skipped and result.nonfinite else {}),
+            **({"comm_bytes": comm.total_bytes} if comm is not None else {}),
+            **({"checkpoint_wait_s": held_s} if held_s else {}), **({"compile_s": compile_s} if compile_s else {})}

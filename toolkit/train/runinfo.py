@@ -1,0 +1,283 @@
+"""run.json: what a run was (strategy, world, batch arithmetic, FLOPs/token, versions), the precision
+audit and model-state bytes read from the live objects, and per-rank peak memory at the end."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from toolkit.atomic import write_text_whole
+from toolkit.checkpoint.store import CheckpointWriteError, complete_checkpoints, read_run_info
+from toolkit.config.files import dump_recipe
+from toolkit.config.recipe import BatchPlan, Recipe
+from toolkit.errors import RecipeError, first_line
+from toolkit.model.build import flops_per_token
+from toolkit.observe.metrics import (live_tensor_storages, measured_matmul_flops, peak_memory_bytes, peak_reserved_bytes,
+                                     storage_key, strict_json)
+from toolkit.observe.versions import versions
+from toolkit.process import host_memory
+from toolkit.process.dist import DistEnv, all_reduce_max, gather_objects
+from toolkit.process.stopping import NonFinite, SkippedSteps, Stopped
+from toolkit.strategies.base import storage_bytes
+from toolkit.strategies.optim import schedule_label
+def device_name(env: DistEnv) -> str:
+    if env.device.type == "cuda":
+        return torch.cuda.get_device_name(env.device)
+    return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads/rank)"
+
+
+def _cpu_peak(recipe: Recipe, env: DistEnv, model) -> dict | None:
+    """On CPU, MFU needs a peak: every rank measures matmuls at once (they share the cores), on a square
+    shape and on the model's own linear shapes (tokens × hidden × MLP width, and the LM head's)."""
+    if env.device.type != "cpu":
+        return None
+    dtype = torch.bfloat16 if recipe.precision == "bf16" else torch.float32
+    # rows of the measured matmuls: a micro-batch of max_length samples, at most 8192 (as many fill the vector
+    # units; a long data.max_length would allocate gigabytes here, and a batch is only as long as its longest sample)
+    tokens = min(recipe.batch.micro_batch_size * recipe.data.max_length, 8192)
+    hidden = getattr(model.config, "hidden_size", 0)
+    shapes = [(1024, 1024, 1024)]
+    if hidden:
+        width = getattr(model.config, "intermediate_size", 0) or 4 * hidden
+        shapes += [(tokens, hidden, width), (tokens, width, hidden), (tokens, hidden, hidden)]
+        if recipe.model.task == "causal-lm":
+            shapes.append((tokens, hidden, min(getattr(model.config, "vocab_size", 0) or hidden, 8192)))
+    peaks = gather_objects(measured_matmul_flops(shapes, dtype=dtype), env)
+    slowest = min(peaks, key=lambda p: p["flops_per_s"])  # ranks share the cores: the slowest rank is the bound
+    return {"flops_per_s": slowest["flops_per_s"], "shape": slowest["shape"],
+            "dtype": recipe.precision if recipe.precision == "bf16" else "fp32", "threads": torch.get_num_threads()}
+
+
+def predict_memory(recipe: Recipe, env: DistEnv, *, runtime_bytes: int) -> dict | None:
+    """Rank 0, before setup: toolkit plan's prediction for this run (kept beside what the run measures), and a
+    warning when its peak exceeds what the device has."""
+    if not env.is_main:
+        return None
+    from toolkit.plan.predict import MiB, default_memory_per_rank, predict
+
+    try:
+        prediction = predict(recipe, world_size=env.world_size, runtime_bytes=runtime_bytes,
+                             device_type=env.device.type, both=False)
+    except RecipeError as exc:  # a model the planner cannot read (the run itself may still work)
+        return {"error": str(exc)}
+    limit, what = default_memory_per_rank(env.world_size if env.device.type == "cpu" else 1)
+    if prediction.peak_bytes > limit:
+        print(f"[toolkit] warning: predicted peak {prediction.peak_bytes / MiB:,.0f} MiB per rank exceeds "
+              f"{limit / MiB:,.0f} MiB ({what}); `toolkit plan` shows which strategies fit",
+              file=sys.stderr, flush=True)
+    return prediction.as_dict()
+
+
+def set_host_memory(recipe: Recipe, env: DistEnv, *, prediction: dict | None) -> tuple[str | None, str | None]:
+    """train.host_memory on CPU, before the model is built: rank 0 chooses (auto: from its prediction's peak),
+    every rank sets the same (toolkit.process.host_memory). The mode (None on a GPU), and on rank 0 the line that says why
+    auto chose predictable, for the run to print once it goes ahead (a user's mistake found before stays one line)."""
+    if env.device.type != "cpu":
+        return None, None
+    from toolkit.plan.predict import MiB, default_memory_per_rank
+
+    setting = recipe.train.host_memory
+    peak = prediction.get("peak_bytes") if prediction else None
+    share, what = default_memory_per_rank(env.world_size)
+    mode = host_memory.choose(setting, predicted_peak_bytes=peak, memory_per_rank_bytes=share)
+    if setting == "auto" and env.distributed:  # rank 0 alone holds the prediction: its choice (others send 0)
+        chosen = torch.tensor([host_memory.MODES.index(mode) if env.is_main else 0])
+        mode = host_memory.MODES[int(all_reduce_max(chosen, env)[0])]
+    host_memory.apply(mode)
+    if not (setting == "auto" and mode == "predictable" and env.is_main):
+        return mode, None
+    room = f"{peak / MiB:,.0f} MiB × {host_memory.FAST_HEADROOM} > {share / MiB:,.0f} MiB ({what})" if peak \
+        else "no prediction"
+    return mode, (f"[toolkit] host memory: predictable ({room}): freed tensors leave the resident set, each new "
+                  "one costs page faults; train.host_memory=fast is quicker where memory is not tight")
+
+
+def start(recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, model, num_params: int,
+          out_dir: Path, prediction: dict | None = None, data: dict | None = None) -> dict:
+    lm_head = recipe.model.task == "causal-lm"
+    info: dict[str, Any] = {
+        "status": "running", "strategy": recipe.strategy.name, "world_size": env.world_size,
+        "precision": recipe.precision, "total_steps": total_steps,
+        "batch": {"micro_batch_size": plan.micro_batch_size, "grad_accum_steps": plan.grad_accum_steps,
+                  "global_batch_size": plan.global_batch_size, "data_parallel_ranks": plan.world_size},
+        "num_params": num_params,
+        "flops": flops_per_token(model.config, num_params=num_params, seq_len=recipe.data.max_length,
+                                 lm_head=lm_head),
+        "device": device_name(env), "device_type": env.device.type, "versions": versions(),
+        "threads_per_rank": torch.get_num_threads(),
+        "cpu_matmul_peak": _cpu_peak(recipe, env, model),
+        "memory_prediction": prediction,
+        "data": data,
+        "command": " ".join(sys.argv),
+    }
+    if env.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+        _write(info, out_dir)
+        b = info["batch"]
+        print(f"[toolkit] strategy {recipe.strategy.name} · world {env.world_size} · {recipe.precision} · "
+              f"global batch {b['global_batch_size']} = {plan.world_size} data-parallel rank(s) × micro "
+              f"{b['micro_batch_size']} "
+              f"× accum {b['grad_accum_steps']} · {total_steps} steps · {num_params / 1e6:.1f}M params · "
+              f"{info['device']} · output {out_dir}", file=sys.stderr, flush=True)
+    info["_out_dir"] = str(out_dir)
+    info["_schedule"] = schedule_label(recipe.optim)
+    return info
+
+
+def record_before_first_step(info: dict, strategy, *, env: DistEnv) -> None:
+    """Gradients exist now (after the first backward) and the optimizer has not stepped."""
+    forwards = info.pop("_block_forwards", None)
+    if forwards is not None:  # this rank's blocks (a pipeline stage's own), every micro-batch of the step
+        info["activation_checkpointing"] = forwards.stop()
+    tensors = strategy.state_tensors()
+    info["_local"] = {"grads_bytes": storage_bytes(tensors["grads"]), "audit": strategy.precision_audit(),
+                      "other_live": _other_live(tensors)}
+
+
+def _other_live(tensors: dict[str, list[torch.Tensor]]) -> dict:
+    """What the process holds besides the counted model states, from a census of every live tensor: a
+    strategy's buffers (DeepSpeed's buckets, DDP's) that the counters above do not name. Batches are small."""
+    counted = {storage_key(t) for group in tensors.values() for t in group if t is not None}
+    other = {k: v for k, v in live_tensor_storages().items() if k not in counted}
+    largest = sorted(other.values(), reverse=True)[:3]
+    return {"bytes": sum(v[0] for v in other.values()),
+            "largest": [{"bytes": b, "dtype": d, "numel": n} for b, d, n in largest]}
+
+
+def record_after_first_step(info: dict, strategy, *, env: DistEnv) -> None:
+    """The optimizer has allocated its state now. Collective: gathers every rank's numbers."""
+    tensors = strategy.state_tensors()
+    local = info.pop("_local")
+    audit_after = strategy.precision_audit()
+    # grads come from before the step (they are freed after it); masters/optimizer state from after
+    audit = {**local["audit"], "master_weights": audit_after["master_weights"],
+             "optimizer_state": audit_after["optimizer_state"]}
+    audit.setdefault("scheduler", info["_schedule"])  # the recipe's, unless the strategy ran one of its own
+    mine = {"params_bytes": storage_bytes(tensors["params"]), "grads_bytes": local["grads_bytes"],
+            "optim_bytes": storage_bytes(tensors["optim"]), "audit": audit, "other_live": local["other_live"]}
+    ranks = gather_objects(mine, env)
+    info["precision_audit"] = ranks[0]["audit"]
+    info["model_state_bytes"] = [{k: r[k] for k in ("params_bytes", "grads_bytes", "optim_bytes")} for r in ranks]
+    info["other_live_tensor_bytes"] = [r["other_live"] for r in ranks]  # after the first backward, per rank
+    if env.is_main:
+        _write(info, Path(info["_out_dir"]))
+
+
+def record_comm(info: dict, summary: dict, *, step: int, env: DistEnv) -> None:
+    """Collective input bytes of one step: rank 0's by op, and every rank's total and point-to-point sends
+    (a pipeline's stages send different things: activations forward, gradients back). Collective."""
+    ranks = gather_objects({"total_bytes": summary["total_bytes"],
+                            "send_bytes": summary["bytes_by_op"].get("send", 0)}, env)
+    info["comm_per_step"] = {"step": step, **summary,
+                             "total_bytes_per_rank": [r["total_bytes"] for r in ranks],
+                             "p2p_send_bytes_all_ranks": sum(r["send_bytes"] for r in ranks),
+                             "counts": "input bytes handed to c10d collectives and sends (not wire bytes)"}
+
+
+def finish(info: dict, *, env: DistEnv, out_dir: Path, losses: list[float], strategy, skips: SkippedSteps) -> None:
+    mine = {"peak_mem_bytes": peak_memory_bytes(env.device), "peak_reserved_bytes": peak_reserved_bytes(env.device)}
+    info["peak_memory"] = gather_objects(mine, env)
+    measured = gather_objects(strategy.measurements(), env)
+    if any(measured):
+        info["strategy_measurements"] = measured  # per rank
+    info["status"] = "completed"
+    info["final_loss"] = losses[-1] if losses else None
+    info["skipped_steps"] = skips.summary()
+    if env.is_main:
+        _write(info, out_dir)
+        adapter = (out_dir / "model" / "adapter_config.json").is_file()  # LoRA: the export is peft's adapter
+        model = f"{'adapter' if adapter else 'model'} {out_dir / 'model'} ({_disk(out_dir / 'model')})"
+        if adapter and (out_dir / "model-merged").is_dir():
+            model += f" · merged model {out_dir / 'model-merged'} ({_disk(out_dir / 'model-merged')})"
+        if (out_dir / "checkpoints").is_dir():  # what resuming costs on disk (checkpoint.keep_last, .final)
+            model += f" · checkpoints {out_dir / 'checkpoints'} ({_disk(out_dir / 'checkpoints')})"
+        if info.get("final_checkpoint_skipped"):
+            model += f" · {info['final_checkpoint_skipped']}"
+        skipped = f"{skips.note()} · " if skips.note() else ""  # first: a run that trained on few steps says so
+        print(f"[toolkit] done: {skipped}metrics {out_dir / 'metrics.jsonl'} · {model} · run info "
+              f"{out_dir / 'run.json'}", file=sys.stderr, flush=True)
+
+
+def _disk(folder: Path) -> str:
+    """What the files under `folder` take on disk, in MB."""
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    return f"{size / 1e6:,.0f} MB" if size >= 1e6 else f"{size / 1e3:,.0f} kB"
+
+
+@contextlib.contextmanager
+def ending(info: dict, *, env: DistEnv, out_dir: Path, skips: SkippedSteps) -> Iterator[None]:
+    """Around a started run: when it ends other than completing (finish writes "completed"), rank 0 rewrites
+    run.json's "running" as it goes: "stopped" (a stop signal, a non-finite value) or "failed" (an exception),
+    and `ended` says why (ended_record). Best effort: a process killed outright writes nothing, and a write
+    that fails is passed over, so the run's own error is what is reported. No collective: ranks may be gone."""
+    try:
+        yield
+    except BaseException as exc:
+        if env.is_main and info.get("status") == "running":
+            with contextlib.suppress(Exception):
+                _write({**info, **ended_record(info, exc, out_dir=out_dir, skips=skips)}, out_dir)
+        raise
+
+
+def ended_record(info: dict, exc: BaseException, *, out_dir: Path, skips: SkippedSteps) -> dict:
+    """run.json's status, ended and skipped_steps for a run that `exc` ended. ended: the reason in one line,
+    steps_done (the last step metrics.jsonl holds) and the newest complete checkpoint (or null); a stop signal
+    adds the signal and resumable (its checkpoint is of steps_done); a non-finite value what, value and step
+    (and skipped_from, under train.on_nonfinite skip); a failure the error (a checkpoint not written: its step)."""
+    found = complete_checkpoints(out_dir)
+    ended: dict[str, Any] = {"reason": "", "steps_done": info.get("_last_step", 0),
+                             "checkpoint": str(found[-1]) if found else None}
+    status = "stopped"
+    if isinstance(exc, Stopped):
+        name = signal.Signals(exc.signum).name
+        ended.update(reason=f"interrupted at step {exc.step} of {exc.total}" if exc.signum == signal.SIGINT
+                     else f"stopped by {exc}", signal=name, checkpoint=str(exc.checkpoint), resumable=True)
+    elif isinstance(exc, NonFinite):
+        ended.update(reason=str(exc), what=exc.what, value=repr(float(exc.value)), step=exc.step)
+        if exc.skipped_from is not None:
+            ended["skipped_from"] = exc.skipped_from
+    elif isinstance(exc, KeyboardInterrupt):  # a second Ctrl-C: out at once, without a checkpoint
+        ended["reason"] = "interrupted (a second Ctrl-C: no checkpoint written)"
+    elif isinstance(exc, CheckpointWriteError):  # the whole line the run ended with (first_line would cut it)
+        status = "failed"
+        ended.update(reason=str(exc), error=type(exc).__name__, step=exc.step)
+    else:
+        status = "failed"
+        ended.update(reason=f"{type(exc).__name__}: {first_line(exc)}", error=type(exc).__name__)
+    return {"status": status, "ended": ended, "skipped_steps": skips.summary()}
+
+
+def mark_left_running(out_dir: Path, *, reason: str) -> bool:
+    """After every rank is gone (the launcher's last word): a run.json still "running" (rank 0 was killed outright,
+    SIGKILL or the out-of-memory killer, or stopped by its launcher before it could write) becomes "failed", ended
+    with `reason`, the last step metrics.jsonl holds and the newest complete checkpoint. True when rewritten."""
+    info = read_run_info(out_dir)
+    if info is None or info.get("status") != "running":
+        return False
+    steps = 0
+    with contextlib.suppress(OSError):
+        for line in (out_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+            with contextlib.suppress(ValueError, TypeError):
+                steps = max(steps, int(json.loads(line)["step"]))
+    found = complete_checkpoints(out_dir)
+    info.update(status="failed", ended={"reason": reason, "steps_done": steps,
+                                        "checkpoint": str(found[-1]) if found else None})
+    with contextlib.suppress(OSError):  # best effort, as `ending`: the launch's own line is what is reported
+        write_text_whole(out_dir / "run.json", json.dumps(info, indent=2, allow_nan=False))
+        return True
+    return False
+
+
+def _write(info: dict, out_dir: Path) -> None:
+    """run.json, whole (atomic) and strict JSON: a non-finite number is null, named in "nonfinite"."""
+    public = {k: v for k, v in info.items() if not k.startswith("_")}
+    write_text_whole(out_dir / "run.json", json.dumps(strict_json(public), indent=2, allow_nan=False))
