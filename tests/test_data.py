@@ -1,8 +1,7 @@
 """The global-batch sampler: the samples of step k depend only on seed and global batch size."""
 
-from toolkit.data.splits import Collator, DataLayout, GlobalBatchSampler, eval_index_batches
-
 from toolkit.config.recipe import BatchPlan
+from toolkit.data.splits import Collator, DataLayout, GlobalBatchSampler, eval_index_batches
 
 
 def step_samples(world: int, micro: int, accum: int, step: int, seed: int = 0) -> list[int]:

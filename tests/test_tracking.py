@@ -242,7 +242,6 @@ def test_a_deleted_experiment_is_one_line_naming_it_before_the_run_and_at_open(t
     from mlflow.tracking import MlflowClient
 
     from toolkit.observe import tracking
-
     from toolkit.train import tracking_checks
 
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -247,7 +247,6 @@ def cmd_plan(args) -> int:
 
 def cmd_strategies(args) -> int:
     from toolkit.strategies import arm_aliases, strategy_info, strategy_names
-
     from toolkit.config.recipe import StrategyConfig
 
     defaults = StrategyConfig()

@@ -43,7 +43,6 @@ def check_data(recipe: Recipe, *, global_batch_size: int | None = None):
     data.max_length leaves room beside its special tokens. Returns the tokenizer."""
     from toolkit.data.splits import check_one_batch, check_room, check_rows
     from toolkit.data.files import data_source, num_blank_lines, read_rows, text_columns
-
     from toolkit.model.build import saved_label_names
 
     names = None  # data.train's class names, which data.eval's labels must be among

@@ -21,14 +21,6 @@ from typing import Callable
 
 import torch
 
-from toolkit.process import faults
-
-from toolkit.observe import profiling
-
-from toolkit.train import runinfo
-
-from toolkit.observe import tracking
-
 from toolkit.checkpoint import run as checkpoints
 from toolkit.checkpoint.loading import ModelSource, num_parameters, own_memory, whole_parameters
 from toolkit.checkpoint.run import Resume
@@ -46,16 +38,20 @@ from toolkit.model.build import load_tokenizer, padding_id, saved_label_names
 from toolkit.model.export import export_model
 from toolkit.model.precision import check_precision_supported
 from toolkit.model.precision import StepResult
+from toolkit.observe import profiling
+from toolkit.observe import tracking
 from toolkit.observe.comm import CollectiveCounter, count_step, counting
 from toolkit.observe.consistency import check_groups, check_replicas
 from toolkit.observe.gradient_scale import GradientScale
 from toolkit.observe.metrics import (Progress, compile_graph_breaks, compile_seconds, peak_memory_bytes,
                                      process_bytes, synchronize)
+from toolkit.process import faults
 from toolkit.process.dist import DistEnv, all_reduce_max, all_reduce_sum
 from toolkit.process.stopping import NonFinite, SkippedSteps, StopSignals, Stopped
 from toolkit.strategies import import_runtime_modules, make_strategy, validate_strategy
 from toolkit.strategies.base import SetupArgs, Strategy
 from toolkit.strategies.optim import build_adamw, build_scheduler
+from toolkit.train import runinfo
 from toolkit.train import tracking_checks
 from toolkit.train.checks import check_position_limit
 from toolkit.train.evaluate import evaluate
