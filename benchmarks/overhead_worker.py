@@ -70,22 +70,23 @@ def main() -> None:
     from toolkit.process.dist import exit_process, init_distributed, shutdown
     from toolkit.launch.launcher import prepare_environment
     from toolkit.checkpoint.loading import ModelSource, num_parameters
-    from toolkit.train.loop import prepare, setup_strategy, train_step
+    from toolkit.train.loop import setup_strategy, train_step
+    from toolkit.train.prepare import prepare
     from toolkit.train import runinfo
     from toolkit.observe.metrics import JsonlWriter, process_bytes, synchronize
     from toolkit.model.build import build_model, padding_id
     from toolkit.config.files import load_recipe
-    from toolkit.strategies import make_strategy
 
     prepare_environment()
     recipe = load_recipe(args.recipe, args.overrides)
     env = init_distributed()
-    plan, layout, tokenizer, train_ds, _, sampler, total_steps, *_ = prepare(recipe, env)
+    prepared = prepare(recipe, env)
+    plan, layout, strategy, tokenizer = prepared.plan, prepared.layout, prepared.strategy, prepared.tokenizer
+    train_ds, sampler, total_steps = prepared.train_ds, prepared.sampler, prepared.total_steps
     assert plan.grad_accum_steps == 1, "the minimal step does not accumulate"
     # the allocator a rank of this recipe runs with (train.host_memory), for both sides
-    prediction = runinfo.predict_memory(recipe, env, runtime_bytes=process_bytes())
+    prediction = runinfo.predict_memory(recipe, env, runtime_bytes=process_bytes(), strategy=strategy)
     runinfo.set_host_memory(recipe, env, prediction=prediction)
-    strategy = make_strategy(recipe)
     source = ModelSource(recipe=recipe, tokenizer=tokenizer)
     setup_strategy(strategy, strategy.build_model(source, env=env), source=source, env=env, plan=plan,
                    total_steps=total_steps)

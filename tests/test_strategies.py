@@ -43,3 +43,23 @@ def test_every_strategy_describes_itself_and_builds():
         # every arm a strategy offers names that strategy
         assert all(f"strategy.name={name}" in overrides for overrides in info.arms.values())
         assert set(info.arms) <= set(aliases)
+
+
+def test_a_rank_makes_its_strategy_once(tmp_path, tiny_llama_dir, monkeypatch):
+    # one strategy object per rank: the checks, the data layout, the memory prediction and the run itself all
+    # ask the one the run trains with (four were made per rank before)
+    import torch
+
+    from conftest import write_recipe
+    from toolkit.config.files import load_recipe
+    from toolkit.process.dist import DistEnv
+    from toolkit.strategies import single
+    from toolkit.train.loop import train
+
+    made = []
+    build = single.build
+    monkeypatch.setattr(single, "build", lambda recipe: made.append(recipe.strategy.name) or build(recipe))
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "run",
+                                      train={"max_steps": 1}))
+    result = train(recipe, DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+    assert made == ["single"] and len(result.losses) == 1

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from toolkit.checkpoint import schedule, store, verify
 from toolkit.checkpoint.fragments import Fragments, PiecesLoadPlanner, PiecesSavePlanner
 from toolkit.errors import RecipeError, first_line
-from toolkit.model.tied import first_names, without_tied_aliases
+from toolkit.model.tied import without_tied_aliases
 from toolkit.process.dist import DistEnv, barrier
 
 class Read(Protocol):

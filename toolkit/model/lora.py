@@ -6,7 +6,6 @@ the base frozen. Export writes the adapter with peft's own `save_pretrained` and
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import torch
 from torch import nn

@@ -41,6 +41,7 @@ from toolkit.errors import RecipeError
 from toolkit.memory.state_bytes import StateBytes, element_bytes
 from toolkit.model.build import meta_model
 from toolkit.model.precision import DTYPES
+from toolkit.strategies.base import Strategy
 
 MiB = 2 ** 20
 GiB = 2 ** 30
@@ -76,14 +77,15 @@ class Prediction:
 
 
 def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type: str = "cpu",
-            model: nn.Module | None = None, both: bool = True) -> Prediction:
+            model: nn.Module | None = None, both: bool = True, strategy: Strategy | None = None) -> Prediction:
     """The recipe's memory per rank at `world_size`; `model`: the recipe's model on the meta device, if built.
     On a GPU the peak is the allocator's (no runtime, no host-side load); on CPU the process's resident set.
-    both=False: activations traced for the recipe's own activation checkpointing setting only (a run's record)."""
+    both=False: activations traced for the recipe's own activation checkpointing setting only (a run's record).
+    `strategy`: the recipe's, where the caller made it already (a rank's own, not yet set up)."""
     from toolkit.strategies import make_strategy
 
     model = model if model is not None else planned_model(recipe)
-    strategy = make_strategy(recipe)
+    strategy = strategy if strategy is not None else make_strategy(recipe)
     per_rank = strategy.predict_state_bytes(model, recipe, world_size=world_size)
     built = strategy.predict_load_bytes(model, recipe, world_size=world_size)
     stored, compute = DTYPES[recipe.model.load_dtype], DTYPES[recipe.precision]

@@ -69,10 +69,11 @@ def strategy_for_plugin(plugin: str) -> str:
     return next(name for name in _MODULES if strategy_info(name).accelerate_plugin == plugin)
 
 
-def validate_strategy(recipe: Recipe, *, world_size: int) -> BatchPlan:
+def validate_strategy(recipe: Recipe, *, world_size: int, strategy: Strategy | None = None) -> BatchPlan:
     """The recipe's strategy against a world size, before any process group exists: the name, options
-    set for another strategy, the strategy's own checks, the batch arithmetic."""
-    strategy = make_strategy(recipe)
+    set for another strategy, the strategy's own checks, the batch arithmetic. `strategy`: the recipe's, where
+    the caller made it already (a rank makes its strategy once)."""
+    strategy = strategy if strategy is not None else make_strategy(recipe)
     _check_options(recipe)
     if recipe.model.lora is not None and not strategy.info.lora:
         raise RecipeError(f"model.lora is not available with strategy {recipe.strategy.name} yet (its split of the "

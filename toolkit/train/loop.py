@@ -25,18 +25,12 @@ from toolkit.checkpoint import run as checkpoints
 from toolkit.checkpoint.loading import ModelSource, num_parameters, own_memory, whole_parameters
 from toolkit.checkpoint.run import Resume
 from toolkit.checkpoint.schedule import schedule_changes
-from toolkit.checkpoint.store import check_creatable
-from toolkit.config.recipe import Recipe, check_profile_window
-from toolkit.data.instruct import adopt_chat_template
-from toolkit.data.labels import label_note
+from toolkit.config.recipe import Recipe
 from toolkit.data.losses import micro_batch_loss_sum
-from toolkit.data.splits import (Collator, DataLayout, GlobalBatchSampler, SplitCounts, check_one_batch, data_note,
-                                 data_record, load_split, train_loader)
-from toolkit.errors import RecipeError
+from toolkit.data.splits import Collator, DataLayout, train_loader
 from toolkit.model.blocks import BlockForwards, layer_stack
-from toolkit.model.build import load_tokenizer, padding_id, saved_label_names
+from toolkit.model.build import padding_id
 from toolkit.model.export import export_model
-from toolkit.model.precision import check_precision_supported
 from toolkit.model.precision import StepResult
 from toolkit.observe import profiling
 from toolkit.observe import tracking
@@ -48,14 +42,12 @@ from toolkit.observe.metrics import (Progress, compile_graph_breaks, compile_sec
 from toolkit.process import faults
 from toolkit.process.dist import DistEnv, all_reduce_max, all_reduce_sum
 from toolkit.process.stopping import NonFinite, SkippedSteps, StopSignals, Stopped
-from toolkit.strategies import import_runtime_modules, make_strategy, validate_strategy
+from toolkit.strategies import import_runtime_modules
 from toolkit.strategies.base import SetupArgs, Strategy
 from toolkit.strategies.optim import build_adamw, build_scheduler
 from toolkit.train import runinfo
-from toolkit.train import tracking_checks
-from toolkit.train.checks import check_position_limit
 from toolkit.train.evaluate import evaluate
-from toolkit.train.notes import recipe_notes
+from toolkit.train.prepare import prepare
 
 
 @dataclass
@@ -86,42 +78,6 @@ def run_microbatches(strategy: Strategy, micro_batches: list[dict], *, task: str
     return total / num_items, {"items": int(num_items), "tokens": int(counts[1]), "samples": int(counts[2])}
 
 
-def prepare(recipe: Recipe, env: DistEnv):
-    """Everything that can fail on user input, before any output is written."""
-    plan = validate_strategy(recipe, world_size=env.world_size)  # again: torchrun/accelerate skip `toolkit launch`
-    check_creatable(Path(recipe.output_dir))  # before the data is read and the model built, not at the first write
-    layout = make_strategy(recipe).data_layout(recipe, world_size=env.world_size, rank=env.rank)
-    check_precision_supported(recipe.precision, env.device)
-    check_position_limit(recipe)
-    tracking_checks.check_trackers(recipe)
-    tokenizer = load_tokenizer(recipe.model)
-    adopt_chat_template(tokenizer, recipe.data)  # the template trained with is the one saved with the model
-    kwargs = dict(data=recipe.data, task=recipe.model.task, num_labels=recipe.model.num_labels, tokenizer=tokenizer,
-                  env=env)
-    model_names = saved_label_names(recipe.model)  # a pretrained head's own mapping, kept where the data fits it
-    train_ds, names, train_counts = load_split("data.train", **kwargs, model_names=model_names)
-    eval_ds, _, eval_counts = load_split("data.eval", **kwargs, names=names) if recipe.data.eval else \
-        (None, None, SplitCounts())
-    sampler = GlobalBatchSampler(num_samples=len(train_ds), plan=plan, rank=layout.rank, seed=recipe.seed)
-    check_one_batch(len(train_ds), global_batch_size=plan.global_batch_size, num_left_out=train_counts.num_left_out)
-    notes = [note for note in (data_note("data.train", train_counts, recipe.data),
-                               data_note("data.eval", eval_counts, recipe.data),
-                               label_note(names, model_names)) if note]
-    epochs = recipe.train.epochs or 0.0  # TrainConfig: exactly one of max_steps and epochs
-    total_steps = recipe.train.max_steps or max(1, int(epochs * sampler.steps_per_epoch))
-    # epochs as train.epochs counts them (each drops its last partial batch): not the samples read over the
-    # dataset's size, which falls short of train.epochs wherever an epoch leaves samples unread
-    data_info = {"train": {**data_record(train_counts, num_samples=len(train_ds), data=recipe.data),
-                           "steps_per_epoch": sampler.steps_per_epoch,
-                           "epochs": round(total_steps / sampler.steps_per_epoch, 4),
-                           "samples_unread_per_epoch": len(train_ds) % plan.global_batch_size}}
-    if eval_ds is not None:
-        data_info["eval"] = data_record(eval_counts, num_samples=len(eval_ds), data=recipe.data)
-    check_profile_window(recipe.train.profile_steps, last_step=total_steps)
-    notes += recipe_notes(recipe, tokenizer, total_steps=total_steps)
-    return plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, names, notes, data_info
-
-
 def setup_strategy(strategy: Strategy, model, *, source: ModelSource, env: DistEnv, plan, total_steps: int) -> None:
     """`strategy` wrapped around `model` (built by strategy.build_model), with the recipe's AdamW and schedule."""
     recipe = source.recipe
@@ -145,15 +101,17 @@ def announce_schedule_changes(recipe: Recipe, checkpoint, *, env: DistEnv, total
 
 
 def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> TrainResult:
-    plan, layout, tokenizer, train_ds, eval_ds, sampler, total_steps, names, notes, data_info = prepare(recipe, env)
+    prepared = prepare(recipe, env)
+    plan, layout, strategy, tokenizer = prepared.plan, prepared.layout, prepared.strategy, prepared.tokenizer
+    total_steps, notes = prepared.total_steps, prepared.notes
     import_runtime_modules(recipe)  # DeepSpeed's 51-105 MiB: part of the runtime, as toolkit plan counts it
     runtime_bytes = process_bytes()  # what the process holds before any model: the base a memory prediction starts from
-    prediction = runinfo.predict_memory(recipe, env, runtime_bytes=runtime_bytes)  # warns before setup if too big
+    # warns before setup if too big
+    prediction = runinfo.predict_memory(recipe, env, runtime_bytes=runtime_bytes, strategy=strategy)
     host_memory, host_note = runinfo.set_host_memory(recipe, env, prediction=prediction)  # CPU: fast or predictable
     notes += [host_note] if host_note else []
     # before the collective below, so no rank can have written into output_dir yet
     checkpoint = checkpoints.starting_point(recipe, resume, plan=plan, total_steps=total_steps, env=env)
-    strategy = make_strategy(recipe)
     source = ModelSource(recipe=recipe, tokenizer=tokenizer, checkpoint=checkpoint.path if checkpoint else None)
     model = strategy.build_model(source, env=env)  # whole, or empty / partitioned under low-memory loading
     check_replicas(whole_parameters(model), env, when="at start (before setup)")
@@ -181,7 +139,7 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
         tokens_seen = int(checkpoint.manifest.get("tokens_seen", 0))
     out_dir = Path(recipe.output_dir)
     info = runinfo.start(recipe, env=env, plan=plan, total_steps=total_steps, model=strategy.export_module(),
-                         num_params=num_params, out_dir=out_dir, prediction=prediction, data=data_info)
+                         num_params=num_params, out_dir=out_dir, prediction=prediction, data=prepared.data_info)
     info["host_memory"] = host_memory
     info["_last_step"] = done  # the last step metrics.jsonl holds (run.json's ended, when the run does not complete)
     skips = SkippedSteps(recipe.train.max_consecutive_skips, done=done)
@@ -201,12 +159,12 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
                 print(f"[toolkit] warning: {fallback}", file=sys.stderr, flush=True)
             for note in notes:  # said once the run goes ahead: a user's mistake found before stays one line
                 print(note, file=sys.stderr, flush=True)
-        if names is not None:  # named labels: their class ids, in the exported config as transformers keeps them
-            name_labels(strategy.export_module(), names, info=info, env=env)
+        if prepared.label_names is not None:  # named labels: their class ids, in the exported config
+            name_labels(strategy.export_module(), prepared.label_names, info=info, env=env)
         replicas = announce_replica_check(strategy, recipe=recipe, env=env, info=info)
         collator = Collator(pad_token_id=padding_id(tokenizer), task=recipe.model.task)
-        loader = iter(train_loader(train_ds, sampler=sampler, start=done, stop=total_steps, collator=collator,
-                                   data=recipe.data))  # a function of seed + step: resumes exactly
+        loader = iter(train_loader(prepared.train_ds, sampler=prepared.sampler, start=done, stop=total_steps,
+                                   collator=collator, data=recipe.data))  # a function of seed + step: resumes exactly
         if env.is_main:
             checkpoints.continue_metrics(out_dir, done_steps=done)
         # rank 0: metrics.jsonl and the trackers of train.report_to, closed however the run ends
@@ -222,7 +180,7 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
                 checkpoints.restore_rng(checkpoint, env=env)
             try:
                 losses = run_steps(strategy, loader, recipe=recipe, env=env, plan=plan, layout=layout, info=info,
-                                   done=done, total_steps=total_steps, eval_ds=eval_ds, collator=collator,
+                                   done=done, total_steps=total_steps, eval_ds=prepared.eval_ds, collator=collator,
                                    saver=saver, writer=writer, progress=progress, scale=scale, replicas=replicas,
                                    signals=signals, profiler=profiler, skips=skips)
                 saver.close()  # an async checkpoint still being written is committed before the run ends
