@@ -25,8 +25,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from toolkit.checkpoint.loading import ModelSource, load_sharded, materialize, whole_model_bytes
-from toolkit.checkpoint.state import (Read, load_optimizer_tensors, load_schedule_state,
-                                      model_tensors, optimizer_tensors, schedule_state)
+from toolkit.checkpoint.state import Read, model_tensors
 from toolkit.config.recipe import Recipe
 from toolkit.errors import RecipeError
 from toolkit.memory.state_bytes import StateBytes, adam_state, dim0_shard, dim0_shard_of, element_bytes
@@ -37,8 +36,8 @@ from toolkit.model.tied import first_names
 from toolkit.process.dist import DistEnv, ensure_process_group
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
                                      every_rank_a_shard, first_dtype, forward_once, gathered_state_dict, no_context,
-                                     optimizer_label, optimizer_state_tensors, sharded_abs_max,
-                                     whole_stack_activations)
+                                     sharded_abs_max, whole_stack_activations)
+from toolkit.strategies.torch_optim import TorchOptim
 
 INFO = StrategyInfo(
     name="fsdp", averages_gradients=True, accelerate_plugin="fsdp", casts_parameters=True, holds_gradients=False,
@@ -169,11 +168,13 @@ class FsdpStrategy:
         self._model = model
         self.partial = tensor_parallel.partial_gradient_params(model) if self.tp_degree > 1 else []
         # ShardedGradScaler's found-inf tensor has a shape torch's fused AdamW kernel rejects (torch 2.13)
-        self.optimizer = args.build_optimizer(model, fused_ok=self.precision != "fp16")
-        self.scheduler = args.build_scheduler(self.optimizer)
+        optimizer = args.build_optimizer(model, fused_ok=self.precision != "fp16")
         # fp16: ShardedGradScaler all-reduces found-inf, so every rank (each seeing only its gradient
         # shards) skips the same steps. Autocast stays off: MixedPrecisionPolicy casts inside each unit.
         self.amp = Amp(self.precision, env.device, scaler_class=ShardedGradScaler)
+        self.optim = TorchOptim(optimizer, args.build_scheduler(optimizer), amp=self.amp,
+                                names=lambda: first_names(self._model),
+                                clip=tensor_parallel.clip_global_norm if self.tp_degree > 1 else clip_sharded)
 
     @property
     def model(self) -> nn.Module:
@@ -192,19 +193,13 @@ class FsdpStrategy:
 
     def step(self, *, max_grad_norm: float | None) -> StepResult:
         params = [p for p in self._model.parameters() if p.grad is not None]
-        clip = tensor_parallel.clip_global_norm if self.tp_degree > 1 else clip_sharded
-        result = self.amp.step(self.optimizer, params, max_grad_norm=max_grad_norm, clip=clip)
-        if result.advances_schedule:  # held after an fp16 overflow, as DeepSpeed holds it
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return result
+        return self.optim.step(params, max_grad_norm=max_grad_norm)
 
     def discard_step(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        self.optim.discard_step()
 
     def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
+        return self.optim.lr()
 
     def replicas(self) -> list[Replicas]:
         if self.tp_degree > 1:  # the ranks of a TP group hold the same shards of what TP does not split
@@ -234,16 +229,16 @@ class FsdpStrategy:
         return {}
 
     def checkpoint_tensors(self) -> dict[str, dict[str, Any]]:
-        return {"model": model_tensors(self._model), "optim": optimizer_tensors(self.optimizer, first_names(self._model))}
+        return {"model": model_tensors(self._model), "optim": self.optim.checkpoint_tensors()}
 
     def load_optimizer_state(self, read: Read) -> None:
-        load_optimizer_tensors(self.optimizer, first_names(self._model), read)
+        self.optim.load_state(read)
 
     def checkpoint_extra(self) -> dict[str, Any]:
-        return schedule_state(self.scheduler, self.amp.scaler)
+        return self.optim.checkpoint_extra()
 
     def load_checkpoint_extra(self, extra: dict[str, Any]) -> None:
-        load_schedule_state(self.scheduler, self.amp.scaler, extra)
+        self.optim.load_checkpoint_extra(extra)
 
     def layout(self) -> str:
         shape = " × ".join(f"{n} {name}" for n, name in zip(self.mesh.shape, self.mesh.mesh_dim_names or ()))
@@ -257,12 +252,12 @@ class FsdpStrategy:
         return None  # runs as itself on any machine
 
     def close(self) -> None:
-        del self._model, self.optimizer, self.scheduler, self.mesh, self.partial  # their groups, for destroy_process_group
+        del self._model, self.optim, self.mesh, self.partial  # their groups, for destroy_process_group
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         params: list[torch.Tensor] = list(self._model.parameters())
         return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
-                "optim": optimizer_state_tensors(self.optimizer)}
+                "optim": self.optim.state_tensors()}
 
     def precision_audit(self) -> dict[str, str]:
         params = list(self._model.parameters())
@@ -277,10 +272,7 @@ class FsdpStrategy:
                 "; " + tensor_parallel.activation_reduction(
                     sequence_parallel=self.sequence_parallel, dtype=dtype_name(self.mp_policy.param_dtype or stored),
                     over=" over tp") if self.tp_degree > 1 else ""),
-            "optimizer_state": dtype_name(first_dtype(optimizer_state_tensors(self.optimizer)) or stored),
-            "loss_scaling": (f"dynamic (ShardedGradScaler, init {self.amp.scaler.get_scale():g})"
-                             if self.amp.scaler else "off"),
-            "optimizer": optimizer_label(self.optimizer),
+            **self.optim.audit(before_state=stored, scaler="ShardedGradScaler"),
         }
 
 

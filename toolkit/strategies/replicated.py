@@ -13,8 +13,7 @@ import torch
 from torch import nn
 
 from toolkit.checkpoint.loading import ModelSource
-from toolkit.checkpoint.state import (Read, load_optimizer_tensors, load_schedule_state,
-                                      model_tensors, optimizer_tensors, schedule_state)
+from toolkit.checkpoint.state import Read, model_tensors
 from toolkit.config.recipe import Recipe
 from toolkit.errors import RecipeError, ranks_option
 from toolkit.memory.state_bytes import StateBytes, adam_state
@@ -23,7 +22,8 @@ from toolkit.model.tied import first_names
 from toolkit.process.dist import DistEnv
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, cpu_state_dict,
                                      each_micro_batch, every_rank_a_shard, first_dtype, forward_once, local_abs_max,
-                                     no_context, optimizer_label, optimizer_state_tensors, whole_stack_activations)
+                                     no_context, whole_stack_activations)
+from toolkit.strategies.torch_optim import TorchOptim
 
 
 def on_rank_device(module: nn.Module, args: SetupArgs) -> tuple[nn.Module, torch.device, str]:
@@ -101,8 +101,9 @@ class ReplicatedStrategy:
         self.one_device = self.replication.one_device(args) if self.replication.one_device else None
         self._model = self.replication.wrap(self.module, args)
         self.amp = Amp(args.recipe.precision, args.env.device)
-        self.optimizer = args.build_optimizer(self.module)
-        self.scheduler = args.build_scheduler(self.optimizer)
+        optimizer = args.build_optimizer(self.module)
+        self.optim = TorchOptim(optimizer, args.build_scheduler(optimizer), amp=self.amp,
+                                names=lambda: first_names(self.module))
 
     @property
     def model(self) -> nn.Module:
@@ -120,18 +121,13 @@ class ReplicatedStrategy:
         self.amp.backward(loss_share)
 
     def step(self, *, max_grad_norm: float | None) -> StepResult:
-        result = self.amp.step(self.optimizer, list(self.module.parameters()), max_grad_norm=max_grad_norm)
-        if result.advances_schedule:  # held after an fp16 overflow, as DeepSpeed holds it
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return result
+        return self.optim.step(list(self.module.parameters()), max_grad_norm=max_grad_norm)
 
     def discard_step(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        self.optim.discard_step()
 
     def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
+        return self.optim.lr()
 
     def replicas(self) -> list[Replicas]:
         if self.env.world_size == 1:
@@ -155,16 +151,16 @@ class ReplicatedStrategy:
         return {}
 
     def checkpoint_tensors(self) -> dict[str, dict[str, Any]]:
-        return {"model": model_tensors(self.module), "optim": optimizer_tensors(self.optimizer, first_names(self.module))}
+        return {"model": model_tensors(self.module), "optim": self.optim.checkpoint_tensors()}
 
     def load_optimizer_state(self, read: Read) -> None:
-        load_optimizer_tensors(self.optimizer, first_names(self.module), read)
+        self.optim.load_state(read)
 
     def checkpoint_extra(self) -> dict[str, Any]:
-        return schedule_state(self.scheduler, self.amp.scaler)
+        return self.optim.checkpoint_extra()
 
     def load_checkpoint_extra(self, extra: dict[str, Any]) -> None:
-        load_schedule_state(self.scheduler, self.amp.scaler, extra)
+        self.optim.load_checkpoint_extra(extra)
 
     def layout(self) -> str:
         world = self.env.world_size
@@ -174,12 +170,12 @@ class ReplicatedStrategy:
         return self.as_single or self.one_device
 
     def close(self) -> None:
-        del self._model, self.module, self.optimizer, self.scheduler  # DDP's reducer holds the process group
+        del self._model, self.module, self.optim  # DDP's reducer holds the process group
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         params: list[torch.Tensor] = list(self.module.parameters())
         return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
-                "optim": optimizer_state_tensors(self.optimizer)}
+                "optim": self.optim.state_tensors()}
 
     def precision_audit(self) -> dict[str, str]:
         params = list(self.module.parameters())
@@ -193,9 +189,6 @@ class ReplicatedStrategy:
             "gradients": grad_dtype,
             "grad_reduction": (self.replication.single_reduce_desc if self.as_single else
                                self.replication.reduce_desc.format(dtype=grad_dtype)),
-            "optimizer_state": dtype_name(first_dtype(optimizer_state_tensors(self.optimizer))) or master,
-            "loss_scaling": (f"dynamic (GradScaler, init {self.amp.scaler.get_scale():g})"
-                             if self.amp.scaler else "off"),
-            "optimizer": optimizer_label(self.optimizer),
+            **self.optim.audit(),
         }
 

@@ -18,8 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from toolkit.checkpoint.loading import ModelSource, whole_model_bytes
-from toolkit.checkpoint.state import (Read, load_optimizer_tensors, load_schedule_state,
-                                      model_tensors, optimizer_tensors, schedule_state)
+from toolkit.checkpoint.state import Read, model_tensors
 from toolkit.config.recipe import Recipe
 from toolkit.errors import RecipeError
 from toolkit.memory.state_bytes import StateBytes, adam_state, of_shapes
@@ -28,8 +27,9 @@ from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.model.tied import first_names
 from toolkit.process.dist import DistEnv, ensure_process_group
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
-                                     first_dtype, forward_once, gathered_state_dict, no_context, optimizer_label,
-                                     optimizer_state_tensors, sharded_abs_max, whole_stack_activations)
+                                     first_dtype, forward_once, gathered_state_dict, no_context, sharded_abs_max,
+                                     whole_stack_activations)
+from toolkit.strategies.torch_optim import TorchOptim
 
 INFO = StrategyInfo(
     name="tp", averages_gradients=True, lora=False, compiles=False, holds_gradients=False, tied_gradients=2,
@@ -96,8 +96,9 @@ class TpStrategy:
         self.amp = Amp(args.recipe.precision, args.env.device)
         # auto: fused, as elsewhere; the split layers (DTensors) and the replicated rest (plain) in groups of their
         # own, since one fused call refuses the mix
-        self.optimizer = args.build_optimizer(self._model)
-        self.scheduler = args.build_scheduler(self.optimizer)
+        optimizer = args.build_optimizer(self._model)
+        self.optim = TorchOptim(optimizer, args.build_scheduler(optimizer), amp=self.amp,
+                                names=lambda: first_names(self._model), clip=tensor_parallel.clip_global_norm)
 
     @property
     def model(self) -> nn.Module:
@@ -115,19 +116,13 @@ class TpStrategy:
 
     def step(self, *, max_grad_norm: float | None) -> StepResult:
         params = [p for p in self._model.parameters() if p.grad is not None]
-        result = self.amp.step(self.optimizer, params, max_grad_norm=max_grad_norm,
-                               clip=tensor_parallel.clip_global_norm)
-        if result.advances_schedule:  # held after an fp16 overflow, as DeepSpeed holds it
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return result
+        return self.optim.step(params, max_grad_norm=max_grad_norm)
 
     def discard_step(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        self.optim.discard_step()
 
     def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
+        return self.optim.lr()
 
     def replicas(self) -> list[Replicas]:
         named: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in self._model.named_parameters()
@@ -150,16 +145,16 @@ class TpStrategy:
         return {}
 
     def checkpoint_tensors(self) -> dict[str, dict[str, Any]]:
-        return {"model": model_tensors(self._model), "optim": optimizer_tensors(self.optimizer, first_names(self._model))}
+        return {"model": model_tensors(self._model), "optim": self.optim.checkpoint_tensors()}
 
     def load_optimizer_state(self, read: Read) -> None:
-        load_optimizer_tensors(self.optimizer, first_names(self._model), read)
+        self.optim.load_state(read)
 
     def checkpoint_extra(self) -> dict[str, Any]:
-        return schedule_state(self.scheduler, self.amp.scaler)
+        return self.optim.checkpoint_extra()
 
     def load_checkpoint_extra(self, extra: dict[str, Any]) -> None:
-        load_schedule_state(self.scheduler, self.amp.scaler, extra)
+        self.optim.load_checkpoint_extra(extra)
 
     def layout(self) -> str:
         return (f"attention heads and MLP columns split over {self.env.world_size} ranks; embeddings, norms and "
@@ -169,12 +164,12 @@ class TpStrategy:
         return None  # runs as itself on any machine
 
     def close(self) -> None:
-        del self._model, self.optimizer, self.scheduler, self.mesh, self.partial
+        del self._model, self.optim, self.mesh, self.partial
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         params: list[torch.Tensor] = list(self._model.parameters())
         return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
-                "optim": optimizer_state_tensors(self.optimizer)}
+                "optim": self.optim.state_tensors()}
 
     def precision_audit(self) -> dict[str, str]:
         params = list(self._model.parameters())
@@ -187,9 +182,7 @@ class TpStrategy:
             "gradients": dtype_name(first_dtype(grads)) if grads else master,
             "grad_reduction": "none (every rank computes the whole batch); " + tensor_parallel.activation_reduction(
                 sequence_parallel=self.sequence_parallel, dtype=compute),
-            "optimizer_state": dtype_name(first_dtype(optimizer_state_tensors(self.optimizer))) or master,
-            "loss_scaling": "off",
-            "optimizer": optimizer_label(self.optimizer),
+            **self.optim.audit(),
         }
 
 

@@ -31,8 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from toolkit.checkpoint.loading import ModelSource, whole_model_bytes
-from toolkit.checkpoint.state import (Read, load_optimizer_tensors, load_schedule_state, optimizer_tensors,
-                                      schedule_state)
+from toolkit.checkpoint.state import Read
 from toolkit.config.recipe import Recipe
 from toolkit.data.splits import DataLayout
 from toolkit.errors import ranks_option
@@ -40,11 +39,11 @@ from toolkit.memory.state_bytes import StateBytes, largest_block_bytes
 from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.model.stages import Stage, family_of, tied_embedding_names
 from toolkit.process.dist import DistEnv, gather_objects, tensors_on_main
-from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, StrategyInfo, first_dtype, optimizer_label,
-                                     optimizer_state_tensors)
+from toolkit.strategies.base import LossSum, Replicas, SetupArgs, Share, StrategyInfo, first_dtype
 from toolkit.strategies.pipeline.batches import filler, stacked
 from toolkit.strategies.pipeline.layout import (SCHEDULES, check_recipe, count_busy_time, grid_of,
                                                 stage_of_blocks, theoretical_bubble, uncount_shape_inference)
+from toolkit.strategies.torch_optim import TorchOptim
 
 OPTIONS = ("schedule", "stages_per_rank", "split", "blocks")  # hybrid adds pipeline_degree and data_parallel
 
@@ -134,8 +133,9 @@ class PipelineStrategy:
         self.schedule = schedule(self.stages if len(self.stages) > 1 else self.stages[0],  # type: ignore[arg-type]
                                  n_microbatches=self.micro_batches, loss_fn=self._loss, scale_grads=False)
         # ShardedGradScaler's found-inf tensor has a shape torch's fused AdamW kernel rejects (torch 2.13)
-        self.optimizer = args.build_optimizer(self._model, fused_ok=args.recipe.precision != "fp16")
-        self.scheduler = args.build_scheduler(self.optimizer)
+        optimizer = args.build_optimizer(self._model, fused_ok=args.recipe.precision != "fp16")
+        self.optim = TorchOptim(optimizer, args.build_scheduler(optimizer), amp=self.amp, names=self._first_names,
+                                clip=self._sync_and_clip)
         self.tied_group = self._tied_group()
         self.bubbles: list[float] = []
         self._loss_sum: LossSum | None = None
@@ -229,11 +229,7 @@ class PipelineStrategy:
 
     def step(self, *, max_grad_norm: float | None) -> StepResult:
         params = [p for p in self._model.parameters() if p.grad is not None]
-        result = self.amp.step(self.optimizer, params, max_grad_norm=max_grad_norm, clip=self._sync_and_clip)
-        if result.advances_schedule:  # held after an fp16 overflow, as DeepSpeed holds it
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return result
+        return self.optim.step(params, max_grad_norm=max_grad_norm)
 
     def _sync_and_clip(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Sum the tied embedding's two gradients, then clip every gradient by the norm over all stages
@@ -265,11 +261,10 @@ class PipelineStrategy:
         return last[0].tied_weight() if last else None
 
     def discard_step(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        self.optim.discard_step()
 
     def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
+        return self.optim.lr()
 
     # --- what the run reports -------------------------------------------------------------------
     def replicas(self) -> list[Replicas]:
@@ -328,7 +323,7 @@ class PipelineStrategy:
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         params: list[torch.Tensor] = list(self._model.parameters())
         return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
-                "optim": optimizer_state_tensors(self.optimizer)}
+                "optim": self.optim.state_tensors()}
 
     def precision_audit(self) -> dict[str, str]:
         params = list(self._model.parameters())
@@ -342,10 +337,7 @@ class PipelineStrategy:
             "master_weights": dtype_name(stored),
             "gradients": dtype_name(first_dtype(grads)) if grads else dtype_name(stored),
             "grad_reduction": f"{reduce} ({dtype_name(first_dtype(grads) or stored)})" if self.grid.dp > 1 else reduce,
-            "optimizer_state": dtype_name(first_dtype(optimizer_state_tensors(self.optimizer)) or stored),
-            "loss_scaling": (f"dynamic (ShardedGradScaler over all stages, init {self.amp.scaler.get_scale():g})"
-                             if self.amp.scaler else "off"),
-            "optimizer": optimizer_label(self.optimizer),
+            **self.optim.audit(before_state=stored, scaler="ShardedGradScaler over all stages"),
         }
 
     def layout(self) -> str:
@@ -368,10 +360,10 @@ class PipelineStrategy:
             model.update(stage.state_dict())
         if self.tied is not None:
             model.pop(self.tied[1], None)  # the head's copy of the tied embedding: the first stage saves it
-        return {"model": model, "optim": optimizer_tensors(self.optimizer, self._first_names())}
+        return {"model": model, "optim": self.optim.checkpoint_tensors()}
 
     def load_optimizer_state(self, read: Read) -> None:
-        load_optimizer_tensors(self.optimizer, self._first_names(), read)
+        self.optim.load_state(read)
 
     def _first_names(self) -> dict[int, str]:
         """Each parameter's name in the whole model; the last stage's copy of a tied embedding goes by the
@@ -385,10 +377,10 @@ class PipelineStrategy:
         return names
 
     def checkpoint_extra(self) -> dict[str, Any]:
-        return schedule_state(self.scheduler, self.amp.scaler)
+        return self.optim.checkpoint_extra()
 
     def load_checkpoint_extra(self, extra: dict[str, Any]) -> None:
-        load_schedule_state(self.scheduler, self.amp.scaler, extra)
+        self.optim.load_checkpoint_extra(extra)
 
     def measurements(self) -> dict[str, Any]:
         steady = self.bubbles[1:] or self.bubbles  # step 1 also infers the stages' shapes
@@ -399,7 +391,7 @@ class PipelineStrategy:
                                                     per_rank=len(self.stage_ids))}
 
     def close(self) -> None:
-        del self.schedule, self.stages, self._model, self.stage_modules, self.optimizer, self.scheduler
+        del self.schedule, self.stages, self._model, self.stage_modules, self.optim
         del self.mesh, self.tied_group
 
 
