@@ -218,15 +218,18 @@ def test_report_rerenders_from_saved_runs(experiment):
 def bert_experiment(tmp_path_factory, tiny_bert_dir):
     """A BERT classifier (attention key biases: an exact gradient of zero) under fsdp (ddp on the same classifier
     is checked against single in tests/test_equivalence.py; here it would add a launch and no new path through
-    the verdict), plus an arm that really differs: weight decay 0.05 instead of 0.01. Over 5 steps at lr 1e-3 that moves a weight
-    w by about 2e-4·|w| more, outside the 1e-5 + 1e-5·|w| tolerance wherever |w| > 0.06: a few thousand of
-    the word embedding's 1M elements (std 0.02), so the verdict must see it in the final weights."""
+    the verdict), plus an arm that really differs: weight decay 0.5 instead of 0.01. AdamW's decay moves a weight
+    w by lr·Δwd·|w| a step; over the 5 steps' lrs (warm-up 2, then cosine from 1e-3: they sum to ~2.8e-3) that is
+    ~1.4e-3·|w| more, outside the 1e-5 + 1e-5·|w| tolerance (and the rounding reference's widened bounds, a few
+    1e-5 at most) wherever |w| > ~0.05: thousands of the word embedding's 1M elements (std 0.02), so the verdict
+    must see it in the final weights. (Decay 0.05 moved them ~1.1e-4·|w|: at |w| ≤ 0.1 a hair from the bound, and
+    the rounding reference's bounds took it in.)"""
     root = tmp_path_factory.mktemp("compare-bert")
     recipe = write_recipe(root / "recipe.yaml", model_dir=tiny_bert_dir, task="sequence-classification",
                           output_dir=root / "unused", batch={"micro_batch_size": 4, "grad_accum_steps": 1},
                           train={"eval_every": None})
     out = root / "exp"
-    result = run_cli("compare", str(recipe), "--strategies", "single,fsdp,single@optim.weight_decay=0.05",
+    result = run_cli("compare", str(recipe), "--strategies", "single,fsdp,single@optim.weight_decay=0.5",
                      "--nproc", "2", "--steps", "5", "--set", f"output_dir={out}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out, json.loads((out / "results.json").read_text())
@@ -250,17 +253,17 @@ def test_noise_driven_weights_are_exactly_the_attention_key_biases(bert_experime
     section = report.split("## Not judged: weights moved by rounding alone\n", 1)[1].split("\n## ", 1)[0]
     for key in keys:
         assert report.count(key) == 1 and re.search(rf"- {re.escape(key)}: fsdp (unchanged|\|Δ\| \S+), "
-                                                    rf"single@optim.weight_decay=0.05 (unchanged|\|Δ\| \S+)", section)
+                                                    rf"single@optim.weight_decay=0.5 (unchanged|\|Δ\| \S+)", section)
     assert "key.bias" not in report.split("## Why arms differ", 1)[1].split("\n## ", 1)[0] and "up to 0" not in report
 
 
 def test_a_real_setting_difference_diverges_and_is_named(bert_experiment):
     arms = _arms(bert_experiment[1])
-    decayed = arms["single@optim.weight_decay=0.05"]
+    decayed = arms["single@optim.weight_decay=0.5"]
     assert decayed["verdict"].startswith("diverged"), decayed
-    assert "optim.weight_decay: 0.05 vs 0.01" in decayed["differences"]
+    assert "optim.weight_decay: 0.5 vs 0.01" in decayed["differences"]
     report = (bert_experiment[0] / "report.md").read_text()
-    assert "single@optim.weight_decay=0.05** (diverged" in report and "every arm matches" not in report
+    assert "single@optim.weight_decay=0.5** (diverged" in report and "every arm matches" not in report
     assert "not recommended: diverged" in report
 
 

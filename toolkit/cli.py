@@ -162,18 +162,21 @@ def _nodes_of(args):
 
 
 def cmd_validate(args) -> int:
+    from toolkit.config.parallel import resolve
+    from toolkit.strategies import layout_line
     from toolkit.train.checks import check_recipe
     from toolkit.model.build import load_tokenizer
     from toolkit.train.notes import dropout_note, recipe_notes
     from toolkit.config.files import dump_recipe, load_recipe
 
     _check_nproc(args.nproc)
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = resolve(load_recipe(args.recipe, args.overrides), world_size=args.nproc)  # degrees -> preset
     quiet_libraries()  # the checks build the model on the meta device: transformers' and peft's deprecation notes
     plan = check_recipe(recipe, world_size=args.nproc)
     print(dump_recipe(recipe), end="")
     print(f"# ok: {plan.world_size} ranks × micro {plan.micro_batch_size} × accum {plan.grad_accum_steps} "
           f"= global batch {plan.global_batch_size}")
+    print(f"# parallel: {layout_line(recipe, world_size=args.nproc)}")
     # what the run would say at start (those that need no tokenized data): a run of train.epochs counts its
     # steps once its data is tokenized, so its warm-up is checked by the run alone
     tokenizer = load_tokenizer(recipe.model)

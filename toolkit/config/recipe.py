@@ -201,6 +201,37 @@ class StrategyConfig:
     # the name and the options are checked by the strategy registry (toolkit.strategies.validate_strategy)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """The run's parallel degrees on one device mesh (toolkit/config/parallel.py). Set, they choose the layout
+    on their own, with no strategy.name: world = dp_replicate × dp_shard × cp × tp × pp."""
+
+    dp_replicate: int | None = None  # full replicas, gradients all-reduced (DDP); with dp_shard: HSDP's replica
+    #   groups (the all-reduce crosses groups, the sharding traffic stays inside one: a group per node)
+    dp_shard: int | None = None  # FSDP2: parameters, gradients and optimizer state sharded 1/N within a replica;
+    #   unset: the ranks the other degrees leave (as torchtitan's -1)
+    tp: int | None = None  # tensor parallel: attention heads and MLP columns split (an activation all-reduce per
+    #   block: keep a group inside one node); strategy.sequence_parallel for the norms
+    pp: int | None = None  # pipeline stages, a contiguous run of blocks each (strategy.schedule, strategy.split,
+    #   strategy.stages_per_rank)
+    cp: int | None = None  # reserved: context parallel (sequence shards), not built yet
+    ep: int | None = None  # reserved: expert parallel (borrows its ranks from dp_shard × cp), not built yet
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"):
+            value = getattr(self, name)
+            if value is not None:
+                _require(value >= 1, f"parallel.{name}", value, "at least 1 (or unset)")
+        for name, what in (("cp", "context parallel"), ("ep", "expert parallel")):
+            if (getattr(self, name) or 1) > 1:
+                raise RecipeError(f"parallel.{name}: {what} is not built yet; leave parallel.{name} unset")
+
+    @property
+    def given(self) -> bool:
+        """Whether any degree is set: then the degrees choose the layout."""
+        return any(getattr(self, f.name) is not None for f in dataclasses.fields(self))
+
+
 EVAL_EVERY_DEFAULT = 50
 
 
@@ -318,6 +349,7 @@ class Recipe:
     batch: BatchConfig = field(default_factory=BatchConfig)
     precision: str = "fp32"  # fp32 | bf16 (autocast) | fp16 (autocast + loss scaling)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # degrees instead of a strategy.name
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 0  # fixes init of new weights and the sample order of every step

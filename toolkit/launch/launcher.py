@@ -160,10 +160,11 @@ def launch_recipe(recipe_path: str, overrides: list[str], *, nproc: int, nodes: 
 
     from toolkit.checkpoint import store
     from toolkit.checkpoint.run import NothingToResume, starting_point
+    from toolkit.config.parallel import resolve
     from toolkit.train.checks import check_recipe
     from toolkit.config.files import load_recipe
 
-    recipe = load_recipe(recipe_path, overrides)
+    recipe = resolve(load_recipe(recipe_path, overrides), world_size=nproc * nodes.count)  # degrees -> preset
     plan = check_recipe(recipe, world_size=nproc * nodes.count)  # on every node, before its ranks start
     if max_restarts and recipe.checkpoint.every_steps is None:
         print(f"[toolkit] warning: --max-restarts {max_restarts} restarts the ranks from the run's newest "

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from toolkit.config.parallel import resolve
 from toolkit.config.recipe import Recipe, plan_batch
 from toolkit.errors import RecipeError
 from toolkit.memory.state_bytes import StateBytes, element_bytes
@@ -84,6 +85,7 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     `strategy`: the recipe's, where the caller made it already (a rank's own, not yet set up)."""
     from toolkit.strategies import make_strategy
 
+    recipe = resolve(recipe, world_size=world_size)  # parallel degrees -> their preset
     model = model if model is not None else planned_model(recipe)
     strategy = strategy if strategy is not None else make_strategy(recipe)
     per_rank = strategy.predict_state_bytes(model, recipe, world_size=world_size)

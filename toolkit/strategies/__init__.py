@@ -10,6 +10,7 @@ import dataclasses
 import importlib
 from typing import TYPE_CHECKING
 
+from toolkit.config.parallel import Degrees, resolve
 from toolkit.config.recipe import BatchPlan, Recipe, plan_batch
 from toolkit.errors import RecipeError
 from toolkit.strategies.base import Strategy, StrategyInfo
@@ -55,8 +56,21 @@ def import_runtime_modules(recipe: Recipe) -> None:
 
 
 def make_strategy(recipe: Recipe) -> Strategy:
-    """The recipe's strategy, not yet set up (an unknown name is a RecipeError)."""
+    """The recipe's strategy, not yet set up (an unknown name is a RecipeError). `recipe`: resolved (its
+    `parallel:` degrees turned into a preset: toolkit.config.parallel.resolve, where the world size is known)."""
+    assert recipe.strategy.name != "single" or all((getattr(recipe.parallel, name) or 1) == 1 for name in (
+        "dp_replicate", "dp_shard", "tp", "pp")), "make_strategy needs the recipe resolve() returns"
     return _module(recipe.strategy.name).build(recipe)
+
+
+def strategy_degrees(recipe: Recipe, *, world_size: int) -> Degrees:
+    """The parallel degrees the recipe's strategy runs at `world_size` (what the run prints and run.json keeps)."""
+    return _module(recipe.strategy.name).degrees(recipe, world_size=world_size)
+
+
+def layout_line(recipe: Recipe, *, world_size: int) -> str:
+    """`fsdp (dp_shard 2 × tp 2)`: the preset and the degrees it runs at, in one line."""
+    return f"{recipe.strategy.name} ({strategy_degrees(recipe, world_size=world_size).describe()})"
 
 
 def arm_aliases() -> dict[str, tuple[str, ...]]:
@@ -73,6 +87,7 @@ def validate_strategy(recipe: Recipe, *, world_size: int, strategy: Strategy | N
     """The recipe's strategy against a world size, before any process group exists: the name, options
     set for another strategy, the strategy's own checks, the batch arithmetic. `strategy`: the recipe's, where
     the caller made it already (a rank makes its strategy once)."""
+    recipe = resolve(recipe, world_size=world_size)  # parallel degrees -> their preset; unchanged without them
     strategy = strategy if strategy is not None else make_strategy(recipe)
     _check_options(recipe)
     if recipe.model.lora is not None and not strategy.info.lora:

@@ -8,6 +8,7 @@ from typing import cast
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.errors import RecipeError
 from toolkit.process.dist import ensure_process_group
@@ -48,3 +49,7 @@ DDP = Replication(
 
 def build(recipe: Recipe) -> ReplicatedStrategy:
     return ReplicatedStrategy(DDP)
+
+
+def degrees(recipe: Recipe, *, world_size: int) -> Degrees:
+    return Degrees(dp_replicate=world_size)

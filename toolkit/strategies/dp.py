@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.strategies.base import SetupArgs, StrategyInfo
 from toolkit.strategies.replicated import Replication, ReplicatedStrategy
@@ -43,3 +44,7 @@ DP = Replication(info=INFO, wrap=wrap_data_parallel, reduce_desc="sum onto GPU 0
 
 def build(recipe: Recipe) -> ReplicatedStrategy:
     return ReplicatedStrategy(DP)
+
+
+def degrees(recipe: Recipe, *, world_size: int) -> Degrees:
+    return Degrees()  # one process: its replicas are devices of the process, not ranks of a mesh

@@ -26,6 +26,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from toolkit.checkpoint.loading import ModelSource, load_sharded, materialize, whole_model_bytes
 from toolkit.checkpoint.state import Read, model_tensors
+from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.errors import RecipeError
 from toolkit.memory.state_bytes import StateBytes, adam_state, dim0_shard, dim0_shard_of, element_bytes
@@ -294,3 +295,8 @@ def clip_sharded(params, max_norm: float) -> torch.Tensor:
 
 def build(recipe: Recipe) -> FsdpStrategy:
     return FsdpStrategy()
+
+
+def degrees(recipe: Recipe, *, world_size: int) -> Degrees:
+    replicate, tp = recipe.strategy.replicate_degree, recipe.strategy.tp_degree or 1
+    return Degrees(dp_replicate=replicate, dp_shard=world_size // (replicate * tp), tp=tp)

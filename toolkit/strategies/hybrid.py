@@ -17,6 +17,7 @@ from typing import cast
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.errors import RecipeError
 from toolkit.process.dist import ensure_process_group
@@ -61,3 +62,13 @@ def build(recipe: Recipe) -> Strategy:
     if recipe.strategy.pipeline_degree is not None:
         return PipelineStrategy(replace(INFO, tied_gradients=0, exports_in_place=False))  # a tied weight: a copy per end stage
     return ReplicatedStrategy(MODEL_SPLIT_DDP)
+
+
+def degrees(recipe: Recipe, *, world_size: int) -> Degrees:
+    stages = recipe.strategy.pipeline_degree
+    if stages is None:  # a model split over one process's devices, × ddp over the ranks
+        return Degrees(dp_replicate=world_size)
+    replicas = world_size // stages
+    if recipe.strategy.data_parallel == "fsdp":
+        return Degrees(pp=stages, dp_shard=replicas)
+    return Degrees(pp=stages, dp_replicate=replicas)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.model.blocks import count_blocks
 from toolkit.model.placement import check_split, parse_devices, place_over_devices
@@ -57,3 +58,7 @@ MODEL_PARALLEL = Replication(info=INFO, place=place_model, wrap=lambda module, a
 
 def build(recipe: Recipe) -> ReplicatedStrategy:
     return ReplicatedStrategy(MODEL_PARALLEL)
+
+
+def degrees(recipe: Recipe, *, world_size: int) -> Degrees:
+    return Degrees()  # one process: its parts are devices of the process, not ranks of a mesh

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.strategies.base import StrategyInfo
 from toolkit.strategies.replicated import Replication, ReplicatedStrategy
@@ -16,3 +17,7 @@ SINGLE = Replication(info=INFO, wrap=lambda module, args: module, reduce_desc="n
 
 def build(recipe: Recipe) -> ReplicatedStrategy:
     return ReplicatedStrategy(SINGLE)
+
+
+def degrees(recipe: Recipe, *, world_size: int) -> Degrees:
+    return Degrees()  # one process, one device

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from toolkit.checkpoint.loading import ModelSource, whole_model_bytes
 from toolkit.checkpoint.state import Read, model_tensors
+from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.errors import RecipeError
 from toolkit.memory.state_bytes import StateBytes, adam_state, of_shapes
@@ -188,3 +189,7 @@ class TpStrategy:
 
 def build(recipe: Recipe) -> TpStrategy:
     return TpStrategy()
+
+
+def degrees(recipe: Recipe, *, world_size: int) -> Degrees:
+    return Degrees(tp=world_size)

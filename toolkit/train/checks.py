@@ -3,6 +3,7 @@ so a user's mistake is one line from the launcher, not a failure inside every ra
 
 from __future__ import annotations
 
+from toolkit.config.parallel import resolve
 from toolkit.config.recipe import BatchPlan, Recipe
 from toolkit.errors import RecipeError
 from toolkit.strategies import strategy_info, validate_strategy
@@ -85,6 +86,7 @@ def check_model(recipe: Recipe, tokenizer) -> None:
 
 
 def check_recipe(recipe: Recipe, *, world_size: int) -> BatchPlan:
+    recipe = resolve(recipe, world_size=world_size)  # parallel degrees -> their preset
     plan = validate_strategy(recipe, world_size=world_size)
     check_trackers(recipe)  # train.report_to's packages, and where they write
     check_paths(recipe)

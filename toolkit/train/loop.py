@@ -25,6 +25,7 @@ from toolkit.checkpoint import run as checkpoints
 from toolkit.checkpoint.loading import ModelSource, num_parameters, own_memory, whole_parameters
 from toolkit.checkpoint.run import Resume
 from toolkit.checkpoint.schedule import schedule_changes
+from toolkit.config.parallel import resolve
 from toolkit.config.recipe import Recipe
 from toolkit.data.losses import micro_batch_loss_sum
 from toolkit.data.splits import Collator, DataLayout, train_loader
@@ -101,6 +102,7 @@ def announce_schedule_changes(recipe: Recipe, checkpoint, *, env: DistEnv, total
 
 
 def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> TrainResult:
+    recipe = resolve(recipe, world_size=env.world_size)  # parallel degrees -> their preset: one form from here on
     prepared = prepare(recipe, env)
     plan, layout, strategy, tokenizer = prepared.plan, prepared.layout, prepared.strategy, prepared.tokenizer
     total_steps, notes = prepared.total_steps, prepared.notes

@@ -26,6 +26,7 @@ from toolkit.observe.versions import versions
 from toolkit.process import host_memory
 from toolkit.process.dist import DistEnv, all_reduce_max, gather_objects
 from toolkit.process.stopping import NonFinite, SkippedSteps, Stopped
+from toolkit.strategies import layout_line, strategy_degrees
 from toolkit.strategies.base import Strategy, storage_bytes
 from toolkit.strategies.optim import schedule_label
 def device_name(env: DistEnv) -> str:
@@ -106,6 +107,7 @@ def start(recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, mo
     lm_head = recipe.model.task == "causal-lm"
     info: dict[str, Any] = {
         "status": "running", "strategy": recipe.strategy.name, "world_size": env.world_size,
+        "parallel": strategy_degrees(recipe, world_size=env.world_size).as_dict(),  # the degrees it runs at
         "precision": recipe.precision, "total_steps": total_steps,
         "batch": {"micro_batch_size": plan.micro_batch_size, "grad_accum_steps": plan.grad_accum_steps,
                   "global_batch_size": plan.global_batch_size, "data_parallel_ranks": plan.world_size},
@@ -124,7 +126,8 @@ def start(recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, mo
         (out_dir / "recipe.yaml").write_text(dump_recipe(recipe))
         _write(info, out_dir)
         b = info["batch"]
-        print(f"[toolkit] strategy {recipe.strategy.name} · world {env.world_size} · {recipe.precision} · "
+        print(f"[toolkit] strategy {layout_line(recipe, world_size=env.world_size)} · world {env.world_size} · "
+              f"{recipe.precision} · "
               f"global batch {b['global_batch_size']} = {plan.world_size} data-parallel rank(s) × micro "
               f"{b['micro_batch_size']} "
               f"× accum {b['grad_accum_steps']} · {total_steps} steps · {num_params / 1e6:.1f}M params · "

@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from toolkit.checkpoint.loading import ModelSource, whole_model_bytes
 from toolkit.checkpoint.state import Read
+from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.data.splits import DataLayout
 from toolkit.errors import ranks_option
@@ -402,3 +403,6 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def build(recipe: Recipe) -> PipelineStrategy:
     return PipelineStrategy()
 
+
+def degrees(recipe: Recipe, *, world_size: int) -> Degrees:
+    return Degrees(pp=world_size)

@@ -24,6 +24,7 @@ from torch import nn
 from toolkit.checkpoint.fragments import Fragments
 from toolkit.checkpoint.loading import ModelSource, whole_model_bytes
 from toolkit.checkpoint.state import Read, load_schedule_state, schedule_state
+from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe, plan_batch
 from toolkit.errors import RecipeError
 from toolkit.memory.state_bytes import StateBytes
@@ -399,3 +400,11 @@ def build(recipe: Recipe) -> ZeroStrategy:
     strategy.info = replace(INFO, holds_gradients=not frees_gradients(recipe),
                             whole_gradients_in_backward=configured_stage(recipe) == 1)
     return strategy
+
+
+def degrees(recipe: Recipe, *, world_size: int) -> Degrees:
+    # DeepSpeed's engine: stage 0 keeps full replicas; stages 1-3 shard the optimizer state (and gradients,
+    # parameters) over every rank
+    if configured_stage(recipe) == 0:
+        return Degrees(dp_replicate=world_size)
+    return Degrees(dp_shard=world_size)

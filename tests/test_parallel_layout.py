@@ -1,0 +1,109 @@
+"""`parallel:` degrees choose the layout on their own: each tested combination runs as the preset that runs it,
+untested ones and contradictions are one line, and every run records the degrees it ran at."""
+
+import json
+
+import pytest
+
+from conftest import assert_same_run, run_cli
+from toolkit.config.files import recipe_from_dict
+from toolkit.config.parallel import degrees_of, resolve
+from toolkit.errors import RecipeError
+from toolkit.strategies import strategy_degrees, validate_strategy
+
+M4 = ("batch.micro_batch_size=4",)
+
+
+def recipe(parallel=None, model="/m", **strategy):
+    return recipe_from_dict({"model": {"path": str(model), "task": "causal-lm"}, "data": {"train": "t.jsonl"}, "strategy": strategy,
+                             **({"parallel": parallel} if parallel else {}),
+                             "batch": {"global_batch_size": 8, "micro_batch_size": 1}})
+
+
+@pytest.mark.parametrize("parallel, world_size, name, options", [
+    ({"dp_replicate": 2}, 2, "ddp", {}),
+    ({"dp_shard": 2}, 2, "fsdp", {}),
+    ({"dp_shard": 4}, 4, "fsdp", {}),
+    ({"dp_replicate": 2}, 4, "fsdp", {"replicate_degree": 2}),  # dp_shard takes the other 2: HSDP
+    ({"dp_replicate": 2, "dp_shard": 2}, 4, "fsdp", {"replicate_degree": 2}),
+    ({"tp": 2}, 2, "tp", {}),
+    ({"dp_shard": 2, "tp": 2}, 4, "fsdp", {"tp_degree": 2}),
+    ({"tp": 2}, 4, "fsdp", {"tp_degree": 2}),
+    ({"pp": 2}, 2, "pipeline", {}),
+    ({"pp": 2, "dp_replicate": 2}, 4, "hybrid", {"pipeline_degree": 2, "data_parallel": "ddp"}),
+    ({"pp": 2, "dp_shard": 2}, 4, "hybrid", {"pipeline_degree": 2, "data_parallel": "fsdp"}),
+    ({"pp": 2}, 4, "hybrid", {"pipeline_degree": 2, "data_parallel": "fsdp"}),
+    ({"tp": 1}, 1, "single", {}),
+])
+def test_degrees_resolve_to_the_preset_that_runs_them(parallel, world_size, name, options, tiny_llama_dir):
+    resolved = resolve(recipe(parallel, model=tiny_llama_dir), world_size=world_size)
+    assert resolved.strategy.name == name
+    assert {key: getattr(resolved.strategy, key) for key in options} == options
+    # the preset's own degrees are the ones asked for (the run prints and records these)
+    assert strategy_degrees(resolved, world_size=world_size) == degrees_of(resolved, world_size=world_size)
+    assert resolve(resolved, world_size=world_size) == resolved  # a resolved recipe (a run's recipe.yaml) stays
+    validate_strategy(resolved, world_size=world_size)
+
+
+@pytest.mark.parametrize("name, options, world_size", [
+    ("single", {}, 1), ("ddp", {}, 2), ("fsdp", {}, 2), ("fsdp", {"replicate_degree": 2}, 4),
+    ("fsdp", {"tp_degree": 2}, 4), ("tp", {}, 2), ("pipeline", {}, 2),
+    ("hybrid", {"pipeline_degree": 2, "data_parallel": "ddp"}, 4),
+    ("hybrid", {"pipeline_degree": 2, "data_parallel": "fsdp"}, 4),
+])
+def test_every_preset_is_its_degrees(name, options, world_size):
+    # the preset's degrees, given as `parallel:` alone, run the same preset with the same options
+    preset = recipe(name=name, **options)
+    degrees = strategy_degrees(preset, world_size=world_size)
+    given = {key: value for key, value in degrees.as_dict().items() if value > 1}
+    resolved = resolve(recipe(given or {"tp": 1}), world_size=world_size)
+    assert resolved.strategy == preset.strategy
+
+
+@pytest.mark.parametrize("parallel, strategy, world_size, words", [
+    ({"tp": 2, "pp": 2}, {}, 4, "parallel: pp × tp together is not tested yet"),
+    ({"dp_replicate": 2, "tp": 2}, {}, 4, "parallel: dp_replicate × tp together is not tested yet"),
+    ({"dp_shard": 3}, {}, 4, "parallel: dp_shard 3 = 3 ranks, but the run has 4; make the product 4"),
+    ({"tp": 3}, {}, 4, "parallel: tp 3 = 3 does not divide the 4 ranks"),
+    ({"dp_shard": 2}, {"name": "ddp"}, 2, "strategy.name ddp and parallel (dp_shard 2, which runs as fsdp) disagree"),
+    ({"dp_replicate": 2}, {"name": "fsdp", "replicate_degree": 4}, 4,
+     "strategy.replicate_degree=4 disagrees with parallel (dp_replicate 2 × dp_shard 2), which sets 2"),
+])
+def test_what_the_degrees_cannot_run_is_refused_in_one_line(parallel, strategy, world_size, words):
+    with pytest.raises(RecipeError) as refused:
+        resolve(recipe(parallel, **strategy), world_size=world_size)
+    assert str(refused.value).startswith(words) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("key", ["cp", "ep"])
+def test_reserved_degrees_are_refused_until_built(key):
+    with pytest.raises(RecipeError, match=f"parallel.{key}: .* is not built yet; leave parallel.{key} unset"):
+        recipe({key: 2})
+
+
+def test_an_untested_pair_exits_2_with_one_line(tmp_path, tiny_llama_dir):
+    from conftest import write_recipe
+
+    path = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out")
+    done = run_cli("validate", str(path), "--nproc", "4", "--set", "parallel.tp=2", "--set", "parallel.pp=2")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "toolkit: error: parallel: pp × tp together is not tested yet (tested pairs: dp_replicate × dp_shard; "
+        "dp_shard × tp; dp_replicate × pp; dp_shard × pp); drop one of them"]
+    assert not (tmp_path / "out").exists()
+    done = run_cli("validate", str(path), "--nproc", "2", "--set", "parallel.dp_shard=2")
+    assert done.returncode == 0 and "# parallel: fsdp (dp_shard 2)" in done.stdout.splitlines()
+
+
+@pytest.mark.parametrize("parallel, preset", [
+    ("parallel.dp_shard=2", ("fsdp", ("strategy.name=fsdp", *M4))),
+    ("parallel.dp_replicate=2", ("ddp-m4", ("strategy.name=ddp", *M4))),
+])
+def test_degrees_alone_run_exactly_as_their_preset(llama_runs, parallel, preset):
+    name, overrides = preset
+    run = llama_runs.get(parallel, nproc=2, overrides=(parallel, *M4))
+    assert_same_run(run, llama_runs.get(name, nproc=2, overrides=overrides), rtol=0.0)
+    info = json.loads((run / "run.json").read_text())
+    key, value = parallel.removeprefix("parallel.").split("=")
+    assert info["strategy"] == name.split("-")[0]
+    assert {k: v for k, v in info["parallel"].items() if v > 1} == {key: int(value)}

@@ -1,0 +1,114 @@
+"""A run's parallel degrees, and the named strategy (preset) that runs each tested combination of them.
+
+The degrees compose on one device mesh, in torchtitan's order (`ParallelDims`, outermost first):
+
+    pp  ×  dp_replicate  ×  dp_shard  ×  cp  ×  tp        world = the product; ep borrows dp_shard × cp
+
+so that tensor parallel takes neighbouring ranks (one node's fast links), the sharding of dp_shard the next ones,
+and the pipeline's point-to-point sends the slowest links. An unset dp_shard takes the ranks the others leave
+(torchtitan's -1); expert parallel's ranks come out of dp_shard × cp, as transformers' DistributedConfig defines
+`ep_size` (a multiple of tp dividing fsdp × tp). cp and ep are reserved here: the recipe refuses them until built.
+
+A recipe gives either `parallel:` degrees or a `strategy.name` with its options (the presets, and the names compare
+arms keep); `resolve` turns degrees into the preset that runs them, so every later part of a run reads one form.
+A combination no test has run is refused in one line, never run untested."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from toolkit.config.recipe import Recipe, StrategyConfig
+from toolkit.errors import RecipeError
+
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first: how the ranks are laid out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Degrees:
+    """How many ranks each dimension spans (1: not parallel along it)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1  # borrowed from dp_shard × cp: not a factor of the world
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    def active(self) -> tuple[str, ...]:
+        """The dimensions of more than one rank, in mesh order."""
+        return tuple(name for name in MESH_ORDER if getattr(self, name) > 1)
+
+    def describe(self) -> str:
+        """`dp_replicate 2 × dp_shard 2`, or `all degrees 1` where nothing is parallel."""
+        return " × ".join(f"{name} {getattr(self, name)}" for name in self.active()) or "all degrees 1"
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+# the tested combinations of degrees (the dimensions above 1) -> the preset that runs them and its options
+PRESETS: dict[frozenset[str], tuple[str, Any]] = {
+    frozenset(): ("single", lambda d: {}),
+    frozenset({"dp_replicate"}): ("ddp", lambda d: {}),
+    frozenset({"dp_shard"}): ("fsdp", lambda d: {}),
+    frozenset({"dp_replicate", "dp_shard"}): ("fsdp", lambda d: {"replicate_degree": d.dp_replicate}),
+    frozenset({"tp"}): ("tp", lambda d: {}),
+    frozenset({"dp_shard", "tp"}): ("fsdp", lambda d: {"tp_degree": d.tp}),
+    frozenset({"pp"}): ("pipeline", lambda d: {}),
+    frozenset({"pp", "dp_replicate"}): ("hybrid", lambda d: {"pipeline_degree": d.pp, "data_parallel": "ddp"}),
+    frozenset({"pp", "dp_shard"}): ("hybrid", lambda d: {"pipeline_degree": d.pp, "data_parallel": "fsdp"}),
+}
+
+
+def degrees_of(recipe: Recipe, *, world_size: int) -> Degrees:
+    """The recipe's `parallel:` degrees at `world_size`, an unset dp_shard filling the rest of the world."""
+    given = recipe.parallel
+    fixed = {name: getattr(given, name) or 1 for name in ("dp_replicate", "cp", "tp", "pp")}
+    others = fixed["dp_replicate"] * fixed["cp"] * fixed["tp"] * fixed["pp"]
+    shard = given.dp_shard
+    if shard is None:
+        if world_size % others:
+            raise RecipeError(f"parallel: {_product(fixed)} = {others} does not divide the {world_size} ranks; the "
+                              f"rest would be dp_shard; give degrees whose product divides {world_size}")
+        shard = world_size // others
+    degrees = Degrees(dp_shard=shard, ep=given.ep or 1, **fixed)
+    if degrees.world_size != world_size:
+        raise RecipeError(f"parallel: {_product({**fixed, 'dp_shard': shard})} = {degrees.world_size} ranks, but the "
+                          f"run has {world_size}; make the product {world_size} or leave parallel.dp_shard unset")
+    return degrees
+
+
+def resolve(recipe: Recipe, *, world_size: int) -> Recipe:
+    """The recipe with its `parallel:` degrees turned into the preset that runs them (strategy.name and its
+    options); unchanged where no degree is given. A strategy.name or option the degrees contradict is refused."""
+    if not recipe.parallel.given:
+        return recipe
+    degrees = degrees_of(recipe, world_size=world_size)
+    active = frozenset(degrees.active())
+    if active not in PRESETS:
+        tested = "; ".join(" × ".join(sorted(combo)) for combo in PRESETS if len(combo) > 1)
+        raise RecipeError(f"parallel: {' × '.join(degrees.active())} together is not tested yet (tested pairs: "
+                          f"{tested}); drop one of them")
+    name, options_of = PRESETS[active]
+    options = options_of(degrees)
+    current = recipe.strategy
+    if current.name not in (StrategyConfig.name, name):
+        raise RecipeError(f"strategy.name {current.name} and parallel ({degrees.describe()}, which runs as {name}) "
+                          "disagree; give one of them")
+    defaults = StrategyConfig()
+    for key, value in options.items():
+        set_to = getattr(current, key)
+        if set_to != getattr(defaults, key) and set_to != value:
+            raise RecipeError(f"strategy.{key}={set_to} disagrees with parallel ({degrees.describe()}), which sets "
+                              f"{value}; give one of them")
+    return dataclasses.replace(recipe, strategy=dataclasses.replace(current, name=name, **options))
+
+
+def _product(degrees: dict[str, int]) -> str:
+    return " × ".join(f"{name} {value}" for name, value in degrees.items() if value > 1) or "1"
