@@ -1,5 +1,6 @@
 """toolkit launch, torchrun and accelerate launch run the same job and log the same metrics."""
 
+import json
 import subprocess
 import sys
 
@@ -147,9 +148,13 @@ def test_a_launch_leaves_nothing_in_the_temporary_folder(llama_runs, tmp_path):
     temp = tmp_path / "tmp"
     temp.mkdir()
     env = {**toolkit_env(), "TMPDIR": str(temp)}
+    # the degrees alone choose the layout, through the launcher as a user starts it
     result = subprocess.run([sys.executable, "-m", "toolkit", "launch", "--nproc", "2", str(llama_runs.recipe),
-                             "--set", "strategy.name=ddp", "--set", "train.max_steps=1",
+                             "--set", "parallel.dp_replicate=2", "--set", "train.max_steps=1",
                              "--set", f"output_dir={tmp_path / 'out'}"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p.name for p in temp.iterdir()) == []
+    assert "[toolkit] strategy ddp (dp_replicate 2) · world 2 · " in result.stderr
+    info = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert info["strategy"] == "ddp" and info["parallel"]["dp_replicate"] == 2
