@@ -45,7 +45,7 @@ def test_skipping_stops_once_the_weights_overflow_on_every_batch_and_run_json_sa
 
 
 def test_a_run_that_raises_says_failed_in_run_json_and_its_own_error_stays(tmp_path):
-    info = {"status": "running", "strategy": "single", "_last_step": 2}
+    info = runinfo.RunRecord(fields={"status": "running", "strategy": "single"}, out_dir=tmp_path, last_step=2)
     with pytest.raises(ZeroDivisionError):
         with runinfo.ending(info, env=ONE_RANK, out_dir=tmp_path, skips=SkippedSteps(10)):
             1 / 0

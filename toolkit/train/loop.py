@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -26,15 +26,14 @@ from toolkit.checkpoint.loading import ModelSource, num_parameters, own_memory, 
 from toolkit.checkpoint.run import Resume
 from toolkit.checkpoint.schedule import schedule_changes
 from toolkit.config.parallel import resolve
-from toolkit.config.recipe import Recipe
+from toolkit.config.recipe import BatchPlan, Recipe
 from toolkit.data.losses import micro_batch_loss_sum
 from toolkit.data.splits import Collator, DataLayout, train_loader
 from toolkit.model.blocks import BlockForwards, layer_stack
 from toolkit.model.build import padding_id
 from toolkit.model.export import export_model
 from toolkit.model.precision import StepResult
-from toolkit.observe import profiling
-from toolkit.observe import tracking
+from toolkit.observe import profiling, tracking
 from toolkit.observe.comm import CollectiveCounter, count_step, counting
 from toolkit.observe.consistency import check_groups, check_replicas
 from toolkit.observe.gradient_scale import GradientScale
@@ -44,7 +43,7 @@ from toolkit.process import faults
 from toolkit.process.dist import DistEnv, all_reduce_max, all_reduce_sum
 from toolkit.process.stopping import NonFinite, SkippedSteps, StopSignals, Stopped
 from toolkit.strategies import import_runtime_modules
-from toolkit.strategies.base import SetupArgs, Strategy
+from toolkit.strategies.base import Replicas, SetupArgs, Strategy
 from toolkit.strategies.optim import build_adamw, build_scheduler
 from toolkit.train import runinfo
 from toolkit.train.evaluate import evaluate
@@ -143,11 +142,11 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     info = runinfo.start(recipe, env=env, plan=plan, total_steps=total_steps, model=strategy.export_module(),
                          num_params=num_params, out_dir=out_dir, prediction=prediction, data=prepared.data_info)
     info["host_memory"] = host_memory
-    info["_last_step"] = done  # the last step metrics.jsonl holds (run.json's ended, when the run does not complete)
+    info.last_step = done
     skips = SkippedSteps(recipe.train.max_consecutive_skips, done=done)
     # rank 0: run.json's status stopped or failed when the run ends otherwise than completing
     with runinfo.ending(info, env=env, out_dir=out_dir, skips=skips):
-        info["_block_forwards"] = forwards
+        info.block_forwards = forwards
         if checkpoint is not None:
             info["resumed_from"] = {"checkpoint": str(checkpoint.path), "step": done,
                                     "weights_only": weights_only}
@@ -181,10 +180,11 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
             if checkpoint is not None:  # last before the first step: nothing draws from the restored generator
                 checkpoints.restore_rng(checkpoint, env=env)
             try:
-                losses = run_steps(strategy, loader, recipe=recipe, env=env, plan=plan, layout=layout, info=info,
-                                   done=done, total_steps=total_steps, eval_ds=prepared.eval_ds, collator=collator,
-                                   saver=saver, writer=writer, progress=progress, scale=scale, replicas=replicas,
-                                   signals=signals, profiler=profiler, skips=skips)
+                parts = StepParts(recipe=recipe, env=env, plan=plan, layout=layout, total_steps=total_steps, info=info,
+                                  eval_ds=prepared.eval_ds, collator=collator, saver=saver, writer=writer,
+                                  progress=progress, scale=scale, replicas=replicas, signals=signals,
+                                  profiler=profiler, skips=skips)
+                losses = run_steps(strategy, loader, parts, done=done)
                 saver.close()  # an async checkpoint still being written is committed before the run ends
                 if saver.final_skipped:  # checkpoint.final null on a quick run: the done line says it
                     info["final_checkpoint_skipped"] = saver.final_skipped
@@ -207,20 +207,41 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     return TrainResult(output_dir=out_dir, strategy=strategy, losses=losses)
 
 
-def run_steps(strategy: Strategy, loader, *, recipe: Recipe, env: DistEnv, plan, layout: DataLayout, info: dict,
-              done: int, total_steps: int, eval_ds, collator, saver, writer, progress, scale, replicas,
-              signals: StopSignals, profiler: profiling.StepProfiler, skips: SkippedSteps) -> list[float]:
+@dataclass(frozen=True, kw_only=True)
+class StepParts:
+    """What run_steps drives besides the strategy: the run's settings and the parts that record and end it."""
+
+    recipe: Recipe
+    env: DistEnv
+    plan: BatchPlan
+    layout: DataLayout  # this rank's shard of every global batch
+    total_steps: int
+    info: runinfo.RunRecord
+    eval_ds: Any | None  # the tokenized eval split, None without data.eval
+    collator: Collator
+    saver: checkpoints.Saver
+    writer: Any | None  # rank 0's metrics log and trackers (tracking.metrics_log), None on the other ranks
+    progress: Progress
+    scale: GradientScale | None  # train.record_gradient_scale
+    replicas: list[Replicas]  # what the replica check compares (announce_replica_check)
+    signals: StopSignals
+    profiler: profiling.StepProfiler
+    skips: SkippedSteps
+
+
+def run_steps(strategy: Strategy, loader, parts: StepParts, *, done: int) -> list[float]:
     """Steps done+1 .. total_steps: train, evaluate, check replicas, checkpoint, log; stop after a step when
     any rank got a stop signal (a checkpoint first), or at the train.max_consecutive_skips-th non-finite step
     skipped in a row (once it is logged)."""
+    recipe, env, info, saver, profiler = parts.recipe, parts.env, parts.info, parts.saver, parts.profiler
     losses = []
-    comm_step = count_step(done=done, total_steps=total_steps, profiled=recipe.train.profile_steps)
-    for step in range(done + 1, total_steps + 1):
-        micro_batches = [next(loader) for _ in range(plan.grad_accum_steps)]
+    comm_step = count_step(done=done, total_steps=parts.total_steps, profiled=recipe.train.profile_steps)
+    for step in range(done + 1, parts.total_steps + 1):
+        micro_batches = [next(loader) for _ in range(parts.plan.grad_accum_steps)]
         profiler.before(step)
-        record = train_step(strategy, micro_batches, recipe=recipe, env=env, layout=layout, step=step, info=info,
-                            count_comm=step == comm_step, gradient_scale=scale, first=step == done + 1,
-                            before_update=saver.before_update)
+        record = train_step(strategy, micro_batches, recipe=recipe, env=env, layout=parts.layout, step=step,
+                            info=info, count_comm=step == comm_step, gradient_scale=parts.scale,
+                            first=step == done + 1, before_update=saver.before_update)
         if profiler.covers(step):
             record["profiled"] = True
         profiler.after(step)
@@ -230,35 +251,35 @@ def run_steps(strategy: Strategy, loader, *, recipe: Recipe, env: DistEnv, plan,
         if recipe.train.compile:
             note_graph_breaks(info, first=step == done + 1, env=env)
         every = recipe.train.eval_every
-        if eval_ds is not None and ((every and step % every == 0) or step == total_steps):
-            record.update(evaluate(strategy, eval_ds, collator=collator, recipe=recipe, env=env, layout=layout,
-                                   group=plan.grad_accum_steps))
+        if parts.eval_ds is not None and ((every and step % every == 0) or step == parts.total_steps):
+            record.update(evaluate(strategy, parts.eval_ds, collator=parts.collator, recipe=recipe, env=env,
+                                   layout=parts.layout, group=parts.plan.grad_accum_steps))
         check_every = recipe.train.consistency_check_every
-        if replicas and check_every and step % check_every == 0:
+        if parts.replicas and check_every and step % check_every == 0:
             fresh = strategy.replicas()  # the live tensors of this step
-            assert len(fresh) == len(replicas)  # what a strategy had replicated at start it has now
+            assert len(fresh) == len(parts.replicas)  # what a strategy had replicated at start it has now
             # one collective per group, in the same order on the ranks of each group; a drift stops every rank
             check_groups([(each.named, each.group) for each in fresh], env, when=f"at step {step}")
         losses.append(record["loss"])
-        unrecoverable = skips.count(record)  # every rank alike: the loss and the norm are global
+        unrecoverable = parts.skips.count(record)  # every rank alike: the loss and the norm are global
         if saver.due(step):
             record["checkpoint_s"] = saver.save(strategy, step=step)  # outside step_time_s
-        if writer:
-            writer.write(record)
-        info["_last_step"] = step  # before anything else can fail: run.json's steps_done is what metrics.jsonl holds
-        progress.update(record)
+        if parts.writer:
+            parts.writer.write(record)
+        info.last_step = step  # before anything else can fail: run.json's steps_done is what metrics.jsonl holds
+        parts.progress.update(record)
         if unrecoverable is not None:
             raise unrecoverable
         faults.after_step(step, env)  # tests only: a killed rank, a preempted launcher
-        signum = signals.requested(env)  # every rank alike: all stop after this same step
-        if signum and step < total_steps:
+        signum = parts.signals.requested(env)  # every rank alike: all stop after this same step
+        if signum and step < parts.total_steps:
             if saver.last_step != step:
                 saver.save(strategy, step=step, wait=True)
-            raise Stopped(signum, step, total_steps, saver.last_path)
+            raise Stopped(signum, step, parts.total_steps, saver.last_path)
     return losses
 
 
-def note_graph_breaks(info: dict, *, first: bool, env: DistEnv) -> None:
+def note_graph_breaks(info: runinfo.RunRecord, *, first: bool, env: DistEnv) -> None:
     """run.json's compile_graph_breaks (this rank's count so far, by reason), said once on rank 0 after the
     first step: a break inside a block leaves it eager, so the compile costs time and gains nothing there."""
     breaks = compile_graph_breaks()
@@ -276,7 +297,7 @@ def step_compile_seconds(before_s: float, env: DistEnv) -> float:
     return float(all_reduce_max(spent, env)[0])
 
 
-def name_labels(module, names: list[str], *, info: dict, env: DistEnv) -> None:
+def name_labels(module, names: list[str], *, info: runinfo.RunRecord, env: DistEnv) -> None:
     """data.train's label names (a name's position is its class id: model.path's id2label order where it names
     these labels, else sorted) into the model config's
     id2label / label2id, which every export and checkpoint writes; said once and kept in run.json."""
@@ -289,7 +310,7 @@ def name_labels(module, names: list[str], *, info: dict, env: DistEnv) -> None:
               file=sys.stderr, flush=True)
 
 
-def announce_replica_check(strategy, *, recipe: Recipe, env: DistEnv, info: dict):
+def announce_replica_check(strategy, *, recipe: Recipe, env: DistEnv, info: runinfo.RunRecord):
     """Say once what the periodic replica check compares, or that there is nothing to compare."""
     every = recipe.train.consistency_check_every
     replicas = strategy.replicas()
@@ -310,7 +331,7 @@ def announce_replica_check(strategy, *, recipe: Recipe, env: DistEnv, info: dict
 
 
 def train_step(strategy: Strategy, micro_batches: list[dict], *, recipe: Recipe, env: DistEnv, layout: DataLayout,
-               step: int, info, count_comm: bool, gradient_scale: GradientScale | None, first: bool,
+               step: int, info: runinfo.RunRecord, count_comm: bool, gradient_scale: GradientScale | None, first: bool,
                before_update: Callable[[], float] = lambda: 0.0) -> dict:
     """One optimizer step. `before_update` waits for what must not change under the update (an async
     checkpoint's copy of the weights); its seconds are the checkpoint's, not the step's."""

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from toolkit.checkpoint.store import CheckpointWriteError, complete_checkpoints,
 from toolkit.config.files import dump_recipe
 from toolkit.config.recipe import BatchPlan, Recipe
 from toolkit.errors import RecipeError, first_line
+from toolkit.model.blocks import BlockForwards
 from toolkit.model.build import flops_per_token
 from toolkit.observe.metrics import (live_tensor_storages, measured_matmul_flops, peak_memory_bytes,
                                      peak_reserved_bytes, storage_key, strict_json)
@@ -29,6 +31,35 @@ from toolkit.process.stopping import NonFinite, SkippedSteps, Stopped
 from toolkit.strategies import layout_line, strategy_degrees
 from toolkit.strategies.base import Strategy, storage_bytes
 from toolkit.strategies.optim import schedule_label
+
+@dataclass(eq=False)
+class RunRecord:
+    """run.json as a run builds it: `fields` is the file's content, written whole; beside it, what the run keeps
+    for later writes and never writes. Reads and writes of run.json's keys go through `record[key]`."""
+
+    fields: dict[str, Any]
+    out_dir: Path
+    schedule: str = ""  # the recipe's lr schedule in words: the audit's scheduler row, unless the strategy has its own
+    last_step: int = 0  # the last step metrics.jsonl holds (run.json's ended, where the run does not complete)
+    block_forwards: BlockForwards | None = None  # counts the first step's block forwards (activation checkpointing)
+    first_backward: dict[str, Any] | None = None  # this rank's reads after the first backward, until that step ends
+
+    def __getitem__(self, key: str) -> Any:
+        return self.fields[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.fields[key] = value
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.fields
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(key, default)
+
+    def write(self) -> None:
+        _write(self.fields, self.out_dir)
+
+
 def device_name(env: DistEnv) -> str:
     if env.device.type == "cuda":
         return torch.cuda.get_device_name(env.device)
@@ -103,7 +134,7 @@ def set_host_memory(recipe: Recipe, env: DistEnv, *, prediction: dict | None) ->
 
 
 def start(recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, model, num_params: int,
-          out_dir: Path, prediction: dict | None = None, data: dict | None = None) -> dict:
+          out_dir: Path, prediction: dict | None = None, data: dict | None = None) -> RunRecord:
     lm_head = recipe.model.task == "causal-lm"
     info: dict[str, Any] = {
         "status": "running", "strategy": recipe.strategy.name, "world_size": env.world_size,
@@ -132,19 +163,17 @@ def start(recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, mo
               f"{b['micro_batch_size']} "
               f"× accum {b['grad_accum_steps']} · {total_steps} steps · {num_params / 1e6:.1f}M params · "
               f"{info['device']} · output {out_dir}", file=sys.stderr, flush=True)
-    info["_out_dir"] = str(out_dir)
-    info["_schedule"] = schedule_label(recipe.optim)
-    return info
+    return RunRecord(fields=info, out_dir=out_dir, schedule=schedule_label(recipe.optim))
 
 
-def record_before_first_step(info: dict, strategy, *, env: DistEnv) -> None:
+def record_before_first_step(info: RunRecord, strategy, *, env: DistEnv) -> None:
     """Gradients exist now (after the first backward) and the optimizer has not stepped."""
-    forwards = info.pop("_block_forwards", None)
+    forwards, info.block_forwards = info.block_forwards, None
     if forwards is not None:  # this rank's blocks (a pipeline stage's own), every micro-batch of the step
         info["activation_checkpointing"] = forwards.stop()
     tensors = strategy.state_tensors()
-    info["_local"] = {"grads_bytes": storage_bytes(tensors["grads"]), "audit": strategy.precision_audit(),
-                      "other_live": _other_live(tensors)}
+    info.first_backward = {"grads_bytes": storage_bytes(tensors["grads"]), "audit": strategy.precision_audit(),
+                           "other_live": _other_live(tensors)}
 
 
 def _other_live(tensors: dict[str, list[torch.Tensor]]) -> dict:
@@ -157,15 +186,16 @@ def _other_live(tensors: dict[str, list[torch.Tensor]]) -> dict:
             "largest": [{"bytes": b, "dtype": d, "numel": n} for b, d, n in largest]}
 
 
-def record_after_first_step(info: dict, strategy, *, env: DistEnv) -> None:
+def record_after_first_step(info: RunRecord, strategy, *, env: DistEnv) -> None:
     """The optimizer has allocated its state now. Collective: gathers every rank's numbers."""
     tensors = strategy.state_tensors()
-    local = info.pop("_local")
+    local, info.first_backward = info.first_backward, None
+    assert local is not None  # record_before_first_step ran in this step
     audit_after = strategy.precision_audit()
     # grads come from before the step (they are freed after it); masters/optimizer state from after
     audit = {**local["audit"], "master_weights": audit_after["master_weights"],
              "optimizer_state": audit_after["optimizer_state"]}
-    audit.setdefault("scheduler", info["_schedule"])  # the recipe's, unless the strategy ran one of its own
+    audit.setdefault("scheduler", info.schedule)  # the recipe's, unless the strategy ran one of its own
     mine = {"params_bytes": storage_bytes(tensors["params"]), "grads_bytes": local["grads_bytes"],
             "optim_bytes": storage_bytes(tensors["optim"]), "audit": audit, "other_live": local["other_live"]}
     ranks = gather_objects(mine, env)
@@ -173,10 +203,10 @@ def record_after_first_step(info: dict, strategy, *, env: DistEnv) -> None:
     info["model_state_bytes"] = [{k: r[k] for k in ("params_bytes", "grads_bytes", "optim_bytes")} for r in ranks]
     info["other_live_tensor_bytes"] = [r["other_live"] for r in ranks]  # after the first backward, per rank
     if env.is_main:
-        _write(info, Path(info["_out_dir"]))
+        info.write()
 
 
-def record_comm(info: dict, summary: dict, *, step: int, env: DistEnv) -> None:
+def record_comm(info: RunRecord, summary: dict, *, step: int, env: DistEnv) -> None:
     """Collective input bytes of one step: rank 0's by op, and every rank's total and point-to-point sends
     (a pipeline's stages send different things: activations forward, gradients back). Collective."""
     ranks = gather_objects({"total_bytes": summary["total_bytes"],
@@ -187,7 +217,7 @@ def record_comm(info: dict, summary: dict, *, step: int, env: DistEnv) -> None:
                              "counts": "input bytes handed to c10d collectives and sends (not wire bytes)"}
 
 
-def finish(info: dict, *, env: DistEnv, out_dir: Path, losses: list[float], strategy, skips: SkippedSteps) -> None:
+def finish(info: RunRecord, *, env: DistEnv, out_dir: Path, losses: list[float], strategy, skips: SkippedSteps) -> None:
     mine = {"peak_mem_bytes": peak_memory_bytes(env.device), "peak_reserved_bytes": peak_reserved_bytes(env.device)}
     info["peak_memory"] = gather_objects(mine, env)
     measured = gather_objects(strategy.measurements(), env)
@@ -197,7 +227,7 @@ def finish(info: dict, *, env: DistEnv, out_dir: Path, losses: list[float], stra
     info["final_loss"] = losses[-1] if losses else None
     info["skipped_steps"] = skips.summary()
     if env.is_main:
-        _write(info, out_dir)
+        _write(info.fields, out_dir)
         adapter = (out_dir / "model" / "adapter_config.json").is_file()  # LoRA: the export is peft's adapter
         model = f"{'adapter' if adapter else 'model'} {out_dir / 'model'} ({_disk(out_dir / 'model')})"
         if adapter and (out_dir / "model-merged").is_dir():
@@ -218,7 +248,7 @@ def _disk(folder: Path) -> str:
 
 
 @contextlib.contextmanager
-def ending(info: dict, *, env: DistEnv, out_dir: Path, skips: SkippedSteps) -> Iterator[None]:
+def ending(info: RunRecord, *, env: DistEnv, out_dir: Path, skips: SkippedSteps) -> Iterator[None]:
     """Around a started run: when it ends other than completing (finish writes "completed"), rank 0 rewrites
     run.json's "running" as it goes: "stopped" (a stop signal, a non-finite value) or "failed" (an exception),
     and `ended` says why (ended_record). Best effort: a process killed outright writes nothing, and a write
@@ -228,17 +258,17 @@ def ending(info: dict, *, env: DistEnv, out_dir: Path, skips: SkippedSteps) -> I
     except BaseException as exc:
         if env.is_main and info.get("status") == "running":
             with contextlib.suppress(Exception):
-                _write({**info, **ended_record(info, exc, out_dir=out_dir, skips=skips)}, out_dir)
+                _write({**info.fields, **ended_record(info, exc, out_dir=out_dir, skips=skips)}, out_dir)
         raise
 
 
-def ended_record(info: dict, exc: BaseException, *, out_dir: Path, skips: SkippedSteps) -> dict:
+def ended_record(info: RunRecord, exc: BaseException, *, out_dir: Path, skips: SkippedSteps) -> dict:
     """run.json's status, ended and skipped_steps for a run that `exc` ended. ended: the reason in one line,
     steps_done (the last step metrics.jsonl holds) and the newest complete checkpoint (or null); a stop signal
     adds the signal and resumable (its checkpoint is of steps_done); a non-finite value what, value and step
     (and skipped_from, under train.on_nonfinite skip); a failure the error (a checkpoint not written: its step)."""
     found = complete_checkpoints(out_dir)
-    ended: dict[str, Any] = {"reason": "", "steps_done": info.get("_last_step", 0),
+    ended: dict[str, Any] = {"reason": "", "steps_done": info.last_step,
                              "checkpoint": str(found[-1]) if found else None}
     status = "stopped"
     if isinstance(exc, Stopped):
@@ -283,5 +313,4 @@ def mark_left_running(out_dir: Path, *, reason: str) -> bool:
 
 def _write(info: dict, out_dir: Path) -> None:
     """run.json, whole (atomic) and strict JSON: a non-finite number is null, named in "nonfinite"."""
-    public = {k: v for k, v in info.items() if not k.startswith("_")}
-    write_text_whole(out_dir / "run.json", json.dumps(strict_json(public), indent=2, allow_nan=False))
+    write_text_whole(out_dir / "run.json", json.dumps(strict_json(info), indent=2, allow_nan=False))

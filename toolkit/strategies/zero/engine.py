@@ -36,9 +36,7 @@ from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, S
                                      every_rank_a_shard, first_dtype, forward_once, local_abs_max, no_context,
                                      optimizer_state_tensors, whole_stack_activations)
 from toolkit.strategies.optim import param_groups, schedule_label
-from toolkit.strategies.zero import checkpoint as zero_checkpoint
-from toolkit.strategies.zero import init as zero_init
-from toolkit.strategies.zero import memory as zero_state
+from toolkit.strategies.zero import checkpoint as zero_checkpoint, init as zero_init, memory as zero_state
 from toolkit.strategies.zero.comm import init_deepspeed_comm
 from toolkit.strategies.zero.config import (check_deepspeed_precision, check_with_deepspeed, configured_stage,
                                             frees_gradients, hidden_size_of, offloads, resolve_ds_config, stage_of)
