@@ -21,7 +21,7 @@ def launch(recipe: str, *, nproc: int, sets: list[str], label: str) -> None:
 
 
 def print_table(head: list[str], rows: list[list[str]]) -> None:
-    """A Markdown table, columns padded (what the README shows)."""
+    """A Markdown table, columns padded (what docs/benchmarks.md shows)."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")

@@ -1,9 +1,12 @@
-"""The README's commands run as written, from a fresh copy of the project, so the README cannot rot.
+"""The commands of the README and of its docs/ pages run as written, from a fresh copy of the project, so the
+documentation cannot rot.
 
-Every command in the README's command blocks is listed below: run (each from a fresh copy, with fewer steps
-where the README says `--set train.max_steps=2` is fine), run in sequence (the checkpoint walk-through), or
-not run here with the reason, and then at least parsed by the toolkit's own command line with every file it
-names present. A command added to the README without an entry here fails the first test."""
+Every command in the command blocks of README.md and of every docs/*.md page (README.md first, then the pages in
+name order; a command shown on two pages counts once) is listed below: run (each from a fresh copy, with fewer
+steps where the README says `--set train.max_steps=2` is fine), run in sequence (the checkpoint walk-through of
+docs/checkpoints.md), or not run here with the reason, and then at least parsed by the toolkit's own command line
+with every file it names present. A command added to the README or a docs page without an entry here fails the
+first test."""
 
 from __future__ import annotations
 
@@ -56,18 +59,29 @@ NOT_RUN = {  # parsed and their files checked only
     "--set train.report_to=tensorboard": "tests/test_compare.py runs a compare with train.report_to=tensorboard",
     "toolkit plan recipes/llama-tiny.yaml --nproc 2 --strategies ddp,fsdp,zero1,zero2,zero3,tp,pp-1f1b "
     "--memory-per-rank 40GiB": "tests/test_plan.py runs `toolkit plan` on this recipe (and checks its numbers)",
+    "toolkit launch --nproc 2 recipes/llama-tiny.yaml --set parallel.dp_shard=2":
+        "tests/test_parallel_layout.py runs these degrees against their presets (tiny model)",
+    "toolkit launch --nproc 2 recipes/llama-tiny.yaml --set parallel.dp_replicate=2":
+        "tests/test_parallel_layout.py runs these degrees against their presets (tiny model)",
+    "toolkit launch --nproc 4 recipes/llama-tiny.yaml --set parallel.dp_shard=2 --set parallel.tp=2":
+        "four ranks; tests/test_parallel_layout.py resolves dp_shard 2 × tp 2 to fsdp with tp_degree 2",
 }
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]  # README first, then the pages by name
 
 
 def readme_commands() -> list[str]:
-    """The command lines of the README's command blocks, comments dropped, spacing normalised."""
-    commands, fenced = [], False
-    for line in (REPO / "README.md").read_text().splitlines():
-        if line.startswith("```"):
-            fenced = not fenced
-        elif fenced and line.startswith(PREFIXES):
-            commands.append(shlex.join(shlex.split(line, comments=True)))
-    return commands
+    """The command lines of the command blocks of README.md and the docs/ pages (DOCS, in that order), comments
+    dropped, spacing normalised; a command shown on more than one page (the README's short form of a page) once."""
+    commands: list[str] = []
+    for page in DOCS:
+        fenced = False
+        for line in page.read_text().splitlines():
+            if line.startswith("```"):
+                fenced = not fenced
+            elif fenced and line.startswith(PREFIXES):
+                commands.append(shlex.join(shlex.split(line, comments=True)))
+        assert not fenced, f"{page.name}: a command block is not closed"
+    return list(dict.fromkeys(commands))
 
 
 def fresh_copy(root: Path) -> Path:
@@ -123,7 +137,7 @@ def test_the_checkpoint_walk_through_runs_as_written(tmp_path):
     root = copy / "runs" / "llama-tiny" / "checkpoints"
     aside, *checkpoints = sorted(p.name for p in root.iterdir())
     assert checkpoints == ["step-00000005", "step-00000010"]  # the single run's step 10
-    # the fsdp run's own step 10, set aside when the single run branched from step 5 (README: Checkpoints)
+    # the fsdp run's own step 10, set aside when the single run branched from step 5 (docs/checkpoints.md)
     assert aside.startswith("set-aside-after-step-00000005-")
     assert sorted(p.name for p in (root / aside).iterdir()) == ["metrics.jsonl", "model", "step-00000010"]
     from transformers import AutoModelForCausalLM

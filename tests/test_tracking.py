@@ -132,7 +132,7 @@ def test_resume_continues_the_mlflow_run_and_tensorboard_hides_the_redone_steps(
     client, run = _mlflow_run(out, mlflow_store)
     assert run.info.run_id == first and run.info.status == "FINISHED"
     loss = _mlflow_history(client, first, ["loss"])["loss"]
-    # MLflow keeps whatever it was sent: the redone steps twice (README says so)
+    # MLflow keeps whatever it was sent: the redone steps twice (docs/launching.md says so)
     assert sorted(loss) == sorted([(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0),
                                    (3, 97.0), (4, 96.0), (5, 95.0), (6, 94.0)])
 

@@ -17,7 +17,7 @@ GPU, attention's kernels keep the same tensors (flash attention: output and log-
 A pipeline stage (`traced_stage`) is traced the same way, and also gives what its forward keeps until its
 backward: a pipeline holds that for every micro-batch it has in flight (toolkit/strategies/pipeline/memory.py).
 
-Checked against the measured peaks of an H100 (benchmarks/gpu_throughput.py; see the README).
+Checked against the measured peaks of an H100 (benchmarks/gpu_throughput.py; see docs/benchmarks.md).
 """
 
 from __future__ import annotations
