@@ -85,7 +85,7 @@ def main() -> None:
     train_ds, sampler, total_steps = prepared.train_ds, prepared.sampler, prepared.total_steps
     assert plan.grad_accum_steps == 1, "the minimal step does not accumulate"
     # the allocator a rank of this recipe runs with (train.host_memory), for both sides
-    prediction = runinfo.predict_memory(recipe, env, runtime_bytes=process_bytes(), strategy=strategy)
+    prediction = runinfo.predict_memory(recipe, env, runtime_bytes=process_bytes())
     runinfo.set_host_memory(recipe, env, prediction=prediction)
     source = ModelSource(recipe=recipe, tokenizer=tokenizer)
     setup_strategy(strategy, strategy.build_model(source, env=env), source=source, env=env, plan=plan,

@@ -81,9 +81,9 @@ def test_zero1_and_zero2_steps_are_planned_with_a_copy_of_the_measured_gradient_
     # the masters of all groups, a third of its optimizer state (master, exp_avg, exp_avg_sq); the other group
     # (norms, no weight decay) holds under 0.1 % of this model
     run, recipe = _run(request, "llama_runs", name)
-    from toolkit.strategies import make_strategy
+    from toolkit.strategies import strategy_rules
 
-    step = make_strategy(recipe).predict_step_bytes(plan.planned_model(recipe), recipe, world_size=2)
+    step = strategy_rules(recipe).predict_step_bytes(plan.planned_model(recipe), recipe, world_size=2)
     fp32_partition = step if recipe.precision == "fp32" else step * 4 // 6
     for rank in run["model_state_bytes"]:
         assert 0.999 * rank["optim_bytes"] // 3 < fp32_partition < rank["optim_bytes"] // 3
@@ -144,7 +144,7 @@ def test_the_plan_knows_which_zero_stages_give_their_gradients_back_after_a_step
 
     held = printed("held after step")
     assert len(held) == 2 * nproc and len({h > 0 for h in held}) == 1, result.stdout[-3000:]
-    from toolkit.strategies import make_strategy
+    from toolkit.strategies import make_strategy, strategy_rules
 
     strategy = make_strategy(load_recipe(recipe))
     assert strategy.info.holds_gradients == (held[0] > 0) == (stage == 3), held
@@ -168,7 +168,7 @@ def test_the_plan_knows_which_zero_stages_give_their_gradients_back_after_a_step
         flat = max(printed("flattened"))
         assert flat == zero_state.largest_allreduce_bucket([p.numel() for p in model.parameters()]) * \
             (4 if precision == "fp32" else 2)
-        step = strategy.predict_step_bytes(model, load_recipe(recipe), world_size=1)
+        step = strategy_rules(load_recipe(recipe)).predict_step_bytes(model, load_recipe(recipe), world_size=1)
         assert step == flat if precision == "fp32" else step == 2 * flat  # bf16: the step's fp32 copy is larger
 
 

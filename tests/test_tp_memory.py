@@ -13,7 +13,7 @@ from toolkit.errors import RecipeError
 from toolkit.memory.activations import traced_activations
 from toolkit.model import tp_plan as tensor_parallel
 from toolkit.plan.predict import planned_model, predict
-from toolkit.strategies import make_strategy
+from toolkit.strategies import strategy_rules
 CONFIG = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
           "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8,
           "max_position_embeddings": 256, "tie_word_embeddings": True}
@@ -73,7 +73,7 @@ def test_lora_with_tensor_parallel_groups_is_one_line_before_any_rank():
     recipe = recipe_of(CONFIG, "strategy.name=fsdp", "strategy.tp_degree=2",
                        'model.lora={"r": 4, "target_modules": ["q_proj"]}')
     with pytest.raises(RecipeError, match="model.lora is not available with strategy.tp_degree"):
-        make_strategy(recipe).validate(recipe, world_size=4)
+        strategy_rules(recipe).validate(recipe, world_size=4)
 
 
 def mapped_files() -> set[str]:

@@ -15,10 +15,11 @@ from datetime import datetime
 from pathlib import Path
 
 from toolkit.config.files import load_recipe
+from toolkit.config.parallel import resolve
 from toolkit.config.recipe import Recipe, plan_batch
 from toolkit.config.yaml_files import read_yaml_mapping
 from toolkit.errors import RecipeError
-from toolkit.strategies import arm_aliases, make_strategy, strategy_info, validate_strategy
+from toolkit.strategies import arm_aliases, data_layout, strategy_info, validate_strategy
 from toolkit.train.checks import check_blocks, check_recipe
 
 RECORD_GRADIENT_SCALE = "train.record_gradient_scale"  # the reference arm's gradient scale (see verdict.py)
@@ -250,7 +251,7 @@ def _spec_arms(recipe_path: str, spec: str, *, overrides: list[str], nproc: int,
         arm_nproc = 1 if strategy_info(arm_recipe.strategy.name).one_process else nproc
     with naming_arms(names, nproc=arm_nproc):
         # the global batch splits over the data-parallel shards (a pipeline's stages read the same samples)
-        shards = make_strategy(arm_recipe).data_layout(arm_recipe, world_size=arm_nproc, rank=0).size
+        shards = data_layout(resolve(arm_recipe, world_size=arm_nproc), world_size=arm_nproc, rank=0).size
     return [Arm(name, arm_nproc, (*strategy, f"batch.global_batch_size={global_batch}",
                                   *_accumulation(global_batch, shards=shards, accum=accum, arm=name),
                                   *([f"precision={precision}"] if precision else [])))
@@ -287,7 +288,8 @@ def _data_parallel(recipe: Recipe | None, *, nproc: int) -> str:
     if recipe is None:
         return ""
     try:
-        return f", {make_strategy(recipe).data_layout(recipe, world_size=nproc, rank=0).size} of them data-parallel"
+        shards = data_layout(resolve(recipe, world_size=nproc), world_size=nproc, rank=0).size
+        return f", {shards} of them data-parallel"
     except RecipeError:  # the layout is what was refused
         return ""
 

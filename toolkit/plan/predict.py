@@ -1,13 +1,13 @@
 """Memory per rank before a run: model states exactly, activations and the peak as estimates.
 
 Model states (parameters, gradients, optimizer state) come from the model built on the meta device and the
-strategy's own rules (`Strategy.predict_state_bytes`): a run measures the same bytes (run.json's
+strategy's own rules (`StrategyRules.predict_state_bytes`): a run measures the same bytes (run.json's
 `model_state_bytes`; every run also writes this prediction beside them).
 
 Activations are traced, not guessed (toolkit/memory/activations.py): one micro-batch's forward, loss and backward on
 fake tensors, in the dtypes the strategy computes in, with and without activation checkpointing; their peak
 (T = micro_batch_size × max_length tokens) beside the model states; a pipeline rank traces its own stages and
-holds as many micro-batches as its schedule keeps in flight (`Strategy.predict_activation_bytes`,
+holds as many micro-batches as its schedule keeps in flight (`StrategyRules.predict_activation_bytes`,
 toolkit/strategies/pipeline/memory.py); a tensor-parallel rank (tp, fsdp's tp_degree) traces the model with
 its share of heads and MLP columns (`tensor_parallel.local_model`). Gradients are model states, but a
 strategy that gives them back between steps (`StrategyInfo.holds_gradients` false) has none while a step's
@@ -15,11 +15,11 @@ first micro-batch holds its activations: with one micro-batch per step its train
 (parameters + optimizer state + activations), (all model states at the end of backward, with a tied
 embedding's gradients being summed: `tied_gradient_bytes` × `StrategyInfo.tied_gradients`; under ZeRO-1 every
 gradient, not yet reduced: `StrategyInfo.whole_gradients_in_backward`) and (all model states in the optimizer
-step, with what it copies: `Strategy.predict_step_bytes`).
+step, with what it copies: `StrategyRules.predict_step_bytes`).
 The peak adds what is not model state: the runtime (the Python process with torch and transformers loaded:
-measured here), the parameters a rank gathers from the others (`Strategy.predict_gathered_bytes`: one block
+measured here), the parameters a rank gathers from the others (`StrategyRules.predict_gathered_bytes`: one block
 under FSDP2, under ZeRO-3 what DeepSpeed's reuse distance keeps), and on CPU two peaks of their own: loading,
-where a strategy copies the weights it built into its own tensors (`Strategy.predict_load_bytes`; none where the
+where a strategy copies the weights it built into its own tensors (`StrategyRules.predict_load_bytes`; none where the
 built tensors are its parameters, only its part under low-memory loading), and the export, for which rank 0
 gathers or copies the whole model. Not counted: what the process itself grows by once training runs (code
 pages, the allocator's small blocks: measured 50-330 MiB on CPU over 3 steps, more for a larger model).
@@ -42,7 +42,7 @@ from toolkit.errors import RecipeError
 from toolkit.memory.state_bytes import StateBytes, element_bytes
 from toolkit.model.build import meta_model
 from toolkit.model.precision import DTYPES
-from toolkit.strategies.base import Strategy
+from toolkit.strategies import strategy_rules
 
 MiB = 2 ** 20
 GiB = 2 ** 30
@@ -78,48 +78,48 @@ class Prediction:
 
 
 def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type: str = "cpu",
-            model: nn.Module | None = None, both: bool = True, strategy: Strategy | None = None) -> Prediction:
+            model: nn.Module | None = None, both: bool = True) -> Prediction:
     """The recipe's memory per rank at `world_size`; `model`: the recipe's model on the meta device, if built.
     On a GPU the peak is the allocator's (no runtime, no host-side load); on CPU the process's resident set.
     both=False: activations traced for the recipe's own activation checkpointing setting only (a run's record).
-    `strategy`: the recipe's, where the caller made it already (a rank's own, not yet set up)."""
-    from toolkit.strategies import make_strategy
+    From the strategy's rules (its module's RULES): no strategy object is made."""
 
     recipe = resolve(recipe, world_size=world_size)  # parallel degrees -> their preset
     model = model if model is not None else planned_model(recipe)
-    strategy = strategy if strategy is not None else make_strategy(recipe)
-    per_rank = strategy.predict_state_bytes(model, recipe, world_size=world_size)
-    built = strategy.predict_load_bytes(model, recipe, world_size=world_size)
+    rules = strategy_rules(recipe)
+    info = rules.info(recipe)
+    per_rank = rules.predict_state_bytes(model, recipe, world_size=world_size)
+    built = rules.predict_load_bytes(model, recipe, world_size=world_size)
     stored, compute = DTYPES[recipe.model.load_dtype], DTYPES[recipe.precision]
     load = sum(p.numel() for p in model.parameters()) * element_bytes(stored)
-    casts = strategy.info.casts_parameters
+    casts = info.casts_parameters
     params_dtype = compute if casts else stored  # what a rank computes with, and so its gradients' dtype
     how = {"params_dtype": params_dtype,
            "autocast_dtype": None if casts or compute == stored else compute}
     checkpointing = recipe.train.activation_checkpointing
-    trace = functools.partial(strategy.predict_activation_bytes, model, recipe, world_size=world_size)
+    trace = functools.partial(rules.predict_activation_bytes, model, recipe, world_size=world_size)
     activations = trace(how={**how, "checkpointing": checkpointing})
     other = trace(how={**how, "checkpointing": not checkpointing}) if both else None
     checkpointed = activations if checkpointing else other
-    gathered = strategy.predict_gathered_bytes(model, recipe, world_size=world_size)
-    step = strategy.predict_step_bytes(model, recipe, world_size=world_size)
-    shards = strategy.data_layout(recipe, world_size=world_size, rank=0).size
+    gathered = rules.predict_gathered_bytes(model, recipe, world_size=world_size)
+    step = rules.predict_step_bytes(model, recipe, world_size=world_size)
+    shards = rules.data_layout(recipe, world_size=world_size, rank=0).size
     accumulates = plan_batch(recipe.batch, world_size=shards).grad_accum_steps > 1
 
     # a strategy that keeps autograd's gradients (2) already holds one from a step's second micro-batch on:
     # the sum is then a tensor of its own, added into it (3)
-    copies = 3 if accumulates and strategy.info.tied_gradients == 2 else strategy.info.tied_gradients
+    copies = 3 if accumulates and info.tied_gradients == 2 else info.tied_gradients
     # in the gradients' dtype: the parameters' a rank computes with
     tied = tied_gradient_bytes(model, params_dtype) * copies
     # ZeRO-1: every gradient, unreduced, until backward ends (its model states count its partition's)
     unreduced = sum(p.numel() for p in model.parameters() if p.requires_grad) * \
-        element_bytes(params_dtype) if strategy.info.whole_gradients_in_backward else 0
+        element_bytes(params_dtype) if info.whole_gradients_in_backward else 0
 
     def training(state: StateBytes, activations: int) -> int:
         """Model states and the rank's activations at their peak (gradients there only if held), the end of
         backward (all model states, and a tied weight's gradients being summed: StrategyInfo.tied_gradients), or
-        the optimizer step (all model states, and what the step copies: Strategy.predict_step_bytes)."""
-        held = state.total_bytes if strategy.info.holds_gradients or accumulates else \
+        the optimizer step (all model states, and what the step copies: StrategyRules.predict_step_bytes)."""
+        held = state.total_bytes if info.holds_gradients or accumulates else \
             state.total_bytes - state.grads_bytes
         end_of_backward = state.total_bytes - state.grads_bytes + max(state.grads_bytes, unreduced) + tied
         return max(held + activations, end_of_backward, state.total_bytes + step)
@@ -136,8 +136,8 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     else:
         peaks = [runtime_bytes + max(training(r, a) + gathered, b + r.params_bytes)
                  for r, a, b in zip(per_rank, activations, built)]
-        if not strategy.info.exports_in_place:  # at the end: gradients only if held
-            kept = per_rank[0].total_bytes - (0 if strategy.info.holds_gradients else per_rank[0].grads_bytes)
+        if not info.exports_in_place:  # at the end: gradients only if held
+            kept = per_rank[0].total_bytes - (0 if info.holds_gradients else per_rank[0].grads_bytes)
             peaks[0] = max(peaks[0], runtime_bytes + kept + load)
     return Prediction(strategy=recipe.strategy.name, world_size=world_size, per_rank=per_rank,
                       activation_bytes=activations, activation_bytes_checkpointed=checkpointed, load_bytes=load,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from toolkit.config.parallel import Degrees, resolve
 from toolkit.config.recipe import BatchPlan, Recipe, plan_batch
 from toolkit.errors import RecipeError
-from toolkit.strategies.base import Strategy, StrategyInfo
+from toolkit.strategies.base import DataLayout, Strategy, StrategyInfo, StrategyRules
 
 _MODULES = {
     "single": "toolkit.strategies.single",
@@ -28,14 +28,17 @@ _MODULES = {
 }
 
 if TYPE_CHECKING:  # the type checker holds every strategy class to the protocol
-    from toolkit.strategies.fsdp import FsdpStrategy
-    from toolkit.strategies.pipeline.strategy import PipelineStrategy
-    from toolkit.strategies.replicated import ReplicatedStrategy
-    from toolkit.strategies.tp import TpStrategy
-    from toolkit.strategies.zero.engine import ZeroStrategy
+    from toolkit.strategies.fsdp import FsdpRules, FsdpStrategy
+    from toolkit.strategies.hybrid import HybridRules
+    from toolkit.strategies.pipeline.strategy import PipelineRules, PipelineStrategy
+    from toolkit.strategies.replicated import ReplicatedRules, ReplicatedStrategy
+    from toolkit.strategies.tp import TpRules, TpStrategy
+    from toolkit.strategies.zero.engine import ZeroRules, ZeroStrategy
 
     _PROTOCOL_CHECK: tuple[type[Strategy], ...] = (ReplicatedStrategy, FsdpStrategy, ZeroStrategy, PipelineStrategy,
                                                    TpStrategy)
+    _RULES_CHECK: tuple[type[StrategyRules], ...] = (ReplicatedRules, FsdpRules, ZeroRules, PipelineRules, TpRules,
+                                                     HybridRules)
 
 
 def strategy_names() -> tuple[str, ...]:
@@ -63,6 +66,16 @@ def make_strategy(recipe: Recipe) -> Strategy:
     return _module(recipe.strategy.name).build(recipe)
 
 
+def strategy_rules(recipe: Recipe) -> StrategyRules:
+    """The recipe's strategy before any process group: its checks, data layout and memory rules. `recipe`: resolved."""
+    return _module(recipe.strategy.name).RULES
+
+
+def data_layout(recipe: Recipe, *, world_size: int, rank: int) -> DataLayout:
+    """Which shard of each global batch `rank` reads under the recipe's strategy (`recipe`: resolved)."""
+    return strategy_rules(recipe).data_layout(recipe, world_size=world_size, rank=rank)
+
+
 def strategy_degrees(recipe: Recipe, *, world_size: int) -> Degrees:
     """The parallel degrees the recipe's strategy runs at `world_size` (what the run prints and run.json keeps)."""
     return _module(recipe.strategy.name).degrees(recipe, world_size=world_size)
@@ -83,21 +96,21 @@ def strategy_for_plugin(plugin: str) -> str:
     return next(name for name in _MODULES if strategy_info(name).accelerate_plugin == plugin)
 
 
-def validate_strategy(recipe: Recipe, *, world_size: int, strategy: Strategy | None = None) -> BatchPlan:
+def validate_strategy(recipe: Recipe, *, world_size: int) -> BatchPlan:
     """The recipe's strategy against a world size, before any process group exists: the name, options
-    set for another strategy, the strategy's own checks, the batch arithmetic. `strategy`: the recipe's, where
-    the caller made it already (a rank makes its strategy once)."""
+    set for another strategy, the strategy's own checks, the batch arithmetic (its rules: no strategy is made)."""
     recipe = resolve(recipe, world_size=world_size)  # parallel degrees -> their preset; unchanged without them
-    strategy = strategy if strategy is not None else make_strategy(recipe)
+    rules = strategy_rules(recipe)
+    info = rules.info(recipe)
     _check_options(recipe)
-    if recipe.model.lora is not None and not strategy.info.lora:
+    if recipe.model.lora is not None and not info.lora:
         raise RecipeError(f"model.lora is not available with strategy {recipe.strategy.name} yet (its split of the "
                           "model goes by layer names LoRA changes); use single, ddp, fsdp or zero")
-    if recipe.train.compile and not strategy.info.compiles:
+    if recipe.train.compile and not info.compiles:
         raise RecipeError(f"train.compile is not available with strategy {recipe.strategy.name} yet (its compiled "
                           "blocks are not checked against eager ones); set train.compile: false")
-    strategy.validate(recipe, world_size=world_size)
-    layout = strategy.data_layout(recipe, world_size=world_size, rank=0)
+    rules.validate(recipe, world_size=world_size)
+    layout = rules.data_layout(recipe, world_size=world_size, rank=0)
     return plan_batch(recipe.batch, world_size=layout.size)  # the global batch is split over data shards
 
 

@@ -109,8 +109,13 @@ class Replicas:
     description: str  # e.g. "2 ranks hold full replicas"
 
 
-class Strategy(Protocol):
-    info: StrategyInfo
+class StrategyRules(Protocol):
+    """What a strategy is before any process group exists: the checks the launcher and every rank make, which
+    data shard a rank reads, and the memory rules `toolkit plan` predicts with. Each strategy module exposes one
+    as `RULES`; the object a rank trains with (Strategy) does not carry them."""
+
+    def info(self, recipe: Recipe) -> StrategyInfo:
+        """What the strategy is under this recipe (ZeRO's stage decides whether it holds gradients)."""
 
     def validate(self, recipe: Recipe, *, world_size: int) -> None:
         """Raise RecipeError for a recipe this strategy cannot run at this world size. No process group
@@ -145,6 +150,10 @@ class Strategy(Protocol):
         (toolkit/memory/activations.py; `how`: the dtypes and checkpointing its micro-batches compute with): one
         micro-batch through the whole stack (a tensor-parallel rank: with its share of the split layers), or a
         pipeline rank's stages with the micro-batches its schedule keeps in flight."""
+
+
+class Strategy(Protocol):
+    info: StrategyInfo
 
     def build_model(self, source: ModelSource, *, env: DistEnv) -> nn.Module:
         """The model setup gets: `source.whole()`, or under low-memory loading a model whose weights setup (or

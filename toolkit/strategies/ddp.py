@@ -13,7 +13,7 @@ from toolkit.config.recipe import Recipe
 from toolkit.errors import RecipeError
 from toolkit.process.dist import ensure_process_group
 from toolkit.strategies.base import SetupArgs, StrategyInfo
-from toolkit.strategies.replicated import Replication, ReplicatedStrategy
+from toolkit.strategies.replicated import ReplicatedRules, Replication, ReplicatedStrategy
 
 INFO = StrategyInfo(
     name="ddp", averages_gradients=True, exports_in_place=True, plain_data_parallel=True,
@@ -45,6 +45,9 @@ DDP = Replication(
     info=INFO, wrap=wrap_ddp, reduce_desc="all-reduce mean ({dtype})", check=check_buckets,
     # no_sync: keep gradients local on non-final micro-batches; the last backward all-reduces the sum
     skip_sync=lambda wrapped: cast(DistributedDataParallel, wrapped).no_sync())
+
+
+RULES = ReplicatedRules(DDP)
 
 
 def build(recipe: Recipe) -> ReplicatedStrategy:

@@ -14,7 +14,7 @@ from torch import nn
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.strategies.base import SetupArgs, StrategyInfo
-from toolkit.strategies.replicated import Replication, ReplicatedStrategy
+from toolkit.strategies.replicated import ReplicatedRules, Replication, ReplicatedStrategy
 
 INFO = StrategyInfo(
     name="dp", one_process=True, holds_gradients=False, tied_gradients=2, exports_in_place=True,
@@ -40,6 +40,9 @@ def wrap_data_parallel(module: nn.Module, args: SetupArgs) -> nn.Module:
 DP = Replication(info=INFO, wrap=wrap_data_parallel, reduce_desc="sum onto GPU 0 ({dtype})",
                  runs_as_single=runs_as_single,
                  single_reduce_desc="none: one process; dp without 2+ CUDA devices runs as single")
+
+
+RULES = ReplicatedRules(DP)
 
 
 def build(recipe: Recipe) -> ReplicatedStrategy:

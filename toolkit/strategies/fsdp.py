@@ -50,8 +50,11 @@ INFO = StrategyInfo(
           "fsdp-tp2": ("strategy.name=fsdp", "strategy.tp_degree=2")})
 
 
-class FsdpStrategy:
-    info = INFO
+class FsdpRules:
+    """What fsdp is before any process group: its checks, data layout and memory rules (toolkit plan)."""
+
+    def info(self, recipe: Recipe) -> StrategyInfo:
+        return INFO
 
     def validate(self, recipe: Recipe, *, world_size: int) -> None:
         replicate = recipe.strategy.replicate_degree
@@ -96,19 +99,15 @@ class FsdpStrategy:
             local = dim0_shard(world_size // options.replicate_degree)
         return [adam_state(model.named_parameters(), dtype=dtype, local=local)] * world_size
 
-    def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
-        total = each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share, device=self.env.device)
-        if self.partial:  # after FSDP's reduce-scatter over dp (the sums commute): Qwen3's q_norm, k_norm, ...
-            tensor_parallel.sum_partial_gradients(self.partial, self.mesh.get_group("tp"), device=self.env.device)
-        return tensor_parallel.first_of_group(total, tp_rank=self.env.rank % self.tp_degree)
-
-    def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
-        total, count = forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device)
-        return (total, count) if self.env.rank % self.tp_degree == 0 else (torch.zeros_like(total), 0)
+    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+        whole = whole_model_bytes(model, recipe)
+        if not recipe.model.low_memory_loading:
+            return [whole] * world_size
+        rank0 = ModelSource(recipe=recipe, tokenizer=None).weight_files(model) is None
+        return [whole if rank0 else 0] + [0] * (world_size - 1)  # see load_sharded
 
     def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return 0  # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's
-        # temporaries (about 2 x the largest parameter) are not counted
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         # FSDP2 computes with one unit (block) gathered while it gathers the next (its implicit prefetch), and
@@ -129,12 +128,21 @@ class FsdpStrategy:
         return whole_stack_activations(model, recipe, world_size=world_size, how=how,
                                        tp_degree=recipe.strategy.tp_degree or 1)
 
-    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
-        whole = whole_model_bytes(model, recipe)
-        if not recipe.model.low_memory_loading:
-            return [whole] * world_size
-        rank0 = ModelSource(recipe=recipe, tokenizer=None).weight_files(model) is None
-        return [whole if rank0 else 0] + [0] * (world_size - 1)  # see load_sharded
+
+class FsdpStrategy:
+    info = INFO
+
+    def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
+        total = each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share, device=self.env.device)
+        if self.partial:  # after FSDP's reduce-scatter over dp (the sums commute): Qwen3's q_norm, k_norm, ...
+            tensor_parallel.sum_partial_gradients(self.partial, self.mesh.get_group("tp"), device=self.env.device)
+        return tensor_parallel.first_of_group(total, tp_rank=self.env.rank % self.tp_degree)
+
+    def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
+        total, count = forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device)
+        return (total, count) if self.env.rank % self.tp_degree == 0 else (torch.zeros_like(total), 0)
+
+        # temporaries (about 2 x the largest parameter) are not counted
 
     def build_model(self, source: ModelSource, *, env: DistEnv) -> nn.Module:
         # low-memory loading: shard the empty model, then each rank loads its shards (setup)
@@ -291,6 +299,9 @@ def clip_sharded(params, max_norm: float) -> torch.Tensor:
     """clip_grad_norm_ over DTensor gradient shards; the norm comes back replicated (a collective)."""
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+RULES = FsdpRules()
 
 
 def build(recipe: Recipe) -> FsdpStrategy:

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import cast
+from typing import Any, cast
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -20,11 +20,12 @@ from torch.nn.parallel import DistributedDataParallel
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.errors import RecipeError
+from toolkit.memory.state_bytes import StateBytes
 from toolkit.process.dist import ensure_process_group
-from toolkit.strategies.base import SetupArgs, Strategy, StrategyInfo
+from toolkit.strategies.base import DataLayout, SetupArgs, Strategy, StrategyInfo, StrategyRules
 from toolkit.strategies.model_parallel import check_model_split, one_device, place_model
-from toolkit.strategies.pipeline.strategy import OPTIONS, PipelineStrategy
-from toolkit.strategies.replicated import Replication, ReplicatedStrategy
+from toolkit.strategies.pipeline.strategy import OPTIONS, PipelineRules, PipelineStrategy
+from toolkit.strategies.replicated import ReplicatedRules, Replication, ReplicatedStrategy
 
 INFO = StrategyInfo(
     name="hybrid", averages_gradients=True, lora=False, options=(*OPTIONS, "pipeline_degree", "data_parallel", "devices"),
@@ -58,9 +59,49 @@ MODEL_SPLIT_DDP = Replication(
     one_device=one_device)
 
 
+# the pipeline form: a tied weight has a copy per end stage, and rank 0 gathers the whole model to export it
+PIPELINE_INFO = replace(INFO, tied_gradients=0, exports_in_place=False)
+PIPELINE_RULES, MODEL_SPLIT_RULES = PipelineRules(PIPELINE_INFO), ReplicatedRules(MODEL_SPLIT_DDP)
+
+
+class HybridRules:
+    """The pipeline's rules with strategy.pipeline_degree, a model split × DDP's without: each form's own."""
+
+    def _form(self, recipe: Recipe) -> StrategyRules:
+        return PIPELINE_RULES if recipe.strategy.pipeline_degree is not None else MODEL_SPLIT_RULES
+
+    def info(self, recipe: Recipe) -> StrategyInfo:
+        return self._form(recipe).info(recipe)
+
+    def validate(self, recipe: Recipe, *, world_size: int) -> None:
+        self._form(recipe).validate(recipe, world_size=world_size)
+
+    def data_layout(self, recipe: Recipe, *, world_size: int, rank: int) -> DataLayout:
+        return self._form(recipe).data_layout(recipe, world_size=world_size, rank=rank)
+
+    def predict_state_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
+        return self._form(recipe).predict_state_bytes(model, recipe, world_size=world_size)
+
+    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+        return self._form(recipe).predict_load_bytes(model, recipe, world_size=world_size)
+
+    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+        return self._form(recipe).predict_step_bytes(model, recipe, world_size=world_size)
+
+    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+        return self._form(recipe).predict_gathered_bytes(model, recipe, world_size=world_size)
+
+    def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
+                                 how: dict[str, Any]) -> list[int]:
+        return self._form(recipe).predict_activation_bytes(model, recipe, world_size=world_size, how=how)
+
+
+RULES = HybridRules()
+
+
 def build(recipe: Recipe) -> Strategy:
     if recipe.strategy.pipeline_degree is not None:
-        return PipelineStrategy(replace(INFO, tied_gradients=0, exports_in_place=False))  # a tied weight: a copy per end stage
+        return PipelineStrategy(PIPELINE_INFO)
     return ReplicatedStrategy(MODEL_SPLIT_DDP)
 
 

@@ -17,7 +17,7 @@ from toolkit.config.recipe import Recipe
 from toolkit.model.blocks import count_blocks
 from toolkit.model.placement import check_split, parse_devices, place_over_devices
 from toolkit.strategies.base import SetupArgs, StrategyInfo
-from toolkit.strategies.replicated import Replication, ReplicatedStrategy
+from toolkit.strategies.replicated import ReplicatedRules, Replication, ReplicatedStrategy
 
 INFO = StrategyInfo(
     name="model_parallel", one_process=True, lora=False, holds_gradients=False, tied_gradients=2, exports_in_place=True,
@@ -54,6 +54,9 @@ def one_device(args: SetupArgs) -> str | None:
 
 MODEL_PARALLEL = Replication(info=INFO, place=place_model, wrap=lambda module, args: module,
                              reduce_desc="none: one process", check=check_model_split, one_device=one_device)
+
+
+RULES = ReplicatedRules(MODEL_PARALLEL)
 
 
 def build(recipe: Recipe) -> ReplicatedStrategy:

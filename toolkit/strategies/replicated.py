@@ -50,14 +50,20 @@ class Replication:
     one_device: Callable[[SetupArgs], str | None] | None = None
 
 
-class ReplicatedStrategy:
+class ReplicatedRules:
+    """What a replicated strategy (single, dp, ddp, model parallel) is before any process group: its checks,
+    data layout and memory rules (toolkit plan)."""
+
     def __init__(self, replication: Replication) -> None:
         self.replication = replication
-        self.info = replication.info
+
+    def info(self, recipe: Recipe) -> StrategyInfo:
+        return self.replication.info
 
     def validate(self, recipe: Recipe, *, world_size: int) -> None:
-        if self.info.one_process and world_size > 1:
-            raise RecipeError(f"strategy {self.info.name} runs in one process, but {world_size} were asked for; "
+        info = self.replication.info
+        if info.one_process and world_size > 1:
+            raise RecipeError(f"strategy {info.name} runs in one process, but {world_size} were asked for; "
                               f"use {ranks_option(1)} or strategy.name=ddp")
         if self.replication.check is not None:
             self.replication.check(recipe, world_size)
@@ -69,15 +75,13 @@ class ReplicatedStrategy:
         # every process holds the whole model in its load dtype (autocast computes in 16-bit on the side)
         return [adam_state(model.named_parameters(), dtype=DTYPES[recipe.model.load_dtype])] * world_size
 
-    def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
-        return each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share, device=self.input_device)
-
-    def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
-        return forward_once(self, micro_batches, loss_sum=loss_sum, device=self.input_device)
+    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+        # every rank builds the whole model, and the weights it built are its parameters (in the load dtype,
+        # where they stay): nothing beyond its model states
+        return [0] * world_size
 
     def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return 0  # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's
-        # temporaries (about 2 x the largest parameter) are not counted
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return 0  # every rank holds every parameter
@@ -86,10 +90,19 @@ class ReplicatedStrategy:
                                  how: dict[str, Any]) -> list[int]:
         return whole_stack_activations(model, recipe, world_size=world_size, how=how)
 
-    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
-        # every rank builds the whole model, and the weights it built are its parameters (in the load dtype,
-        # where they stay): nothing beyond its model states
-        return [0] * world_size
+
+class ReplicatedStrategy:
+    def __init__(self, replication: Replication) -> None:
+        self.replication = replication
+        self.info = replication.info
+
+    def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
+        return each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share, device=self.input_device)
+
+    def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
+        return forward_once(self, micro_batches, loss_sum=loss_sum, device=self.input_device)
+
+        # temporaries (about 2 x the largest parameter) are not counted
 
     def build_model(self, source: ModelSource, *, env: DistEnv) -> nn.Module:
         return source.whole()

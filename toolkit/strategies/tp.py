@@ -40,8 +40,11 @@ INFO = StrategyInfo(
     arms={"tp": ("strategy.name=tp",), "tp-sp": ("strategy.name=tp", "strategy.sequence_parallel=true")})
 
 
-class TpStrategy:
-    info = INFO
+class TpRules:
+    """What tp is before any process group: its checks, data layout and memory rules (toolkit plan)."""
+
+    def info(self, recipe: Recipe) -> StrategyInfo:
+        return INFO
 
     def validate(self, recipe: Recipe, *, world_size: int) -> None:
         degree = recipe.strategy.tp_degree
@@ -61,6 +64,23 @@ class TpStrategy:
         local = of_shapes(tensor_parallel.local_shapes(model, world_size))  # split layers 1/N, the rest whole
         return [adam_state(model.named_parameters(), dtype=DTYPES[recipe.model.load_dtype], local=local)] * world_size
 
+    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+        return [whole_model_bytes(model, recipe)] * world_size  # every rank builds the whole model: each then keeps its slices of the split layers
+
+    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+        return 0  # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's
+
+    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+        return 0  # each rank computes with its own slices (sequence parallelism gathers activations, not weights)
+
+    def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
+                                 how: dict[str, Any]) -> list[int]:
+        return whole_stack_activations(model, recipe, world_size=world_size, how=how, tp_degree=world_size)
+
+
+class TpStrategy:
+    info = INFO
+
     def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
         total = each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share, device=self.env.device)
         tensor_parallel.sum_partial_gradients(self.partial, self.mesh.get_group(), device=self.env.device)
@@ -70,19 +90,7 @@ class TpStrategy:
         total, count = forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device)
         return (total, count) if self.env.rank == 0 else (torch.zeros_like(total), 0)
 
-    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
-        return 0  # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's
         # temporaries (about 2 x the largest parameter) are not counted
-
-    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
-        return 0  # each rank computes with its own slices (sequence parallelism gathers activations, not weights)
-
-    def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
-                                 how: dict[str, Any]) -> list[int]:
-        return whole_stack_activations(model, recipe, world_size=world_size, how=how, tp_degree=world_size)
-
-    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
-        return [whole_model_bytes(model, recipe)] * world_size  # every rank builds the whole model: each then keeps its slices of the split layers
 
     def build_model(self, source: ModelSource, *, env: DistEnv) -> nn.Module:
         return source.whole()
@@ -185,6 +193,9 @@ class TpStrategy:
                 sequence_parallel=self.sequence_parallel, dtype=compute),
             **self.optim.audit(),
         }
+
+
+RULES = TpRules()
 
 
 def build(recipe: Recipe) -> TpStrategy:

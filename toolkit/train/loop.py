@@ -108,7 +108,7 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     import_runtime_modules(recipe)  # DeepSpeed's 51-105 MiB: part of the runtime, as toolkit plan counts it
     runtime_bytes = process_bytes()  # what the process holds before any model: the base a memory prediction starts from
     # warns before setup if too big
-    prediction = runinfo.predict_memory(recipe, env, runtime_bytes=runtime_bytes, strategy=strategy)
+    prediction = runinfo.predict_memory(recipe, env, runtime_bytes=runtime_bytes)
     host_memory, host_note = runinfo.set_host_memory(recipe, env, prediction=prediction)  # CPU: fast or predictable
     notes += [host_note] if host_note else []
     # before the collective below, so no rank can have written into output_dir yet

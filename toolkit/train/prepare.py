@@ -16,7 +16,7 @@ from toolkit.data.splits import (DataLayout, GlobalBatchSampler, SplitCounts, ch
 from toolkit.model.build import load_tokenizer, saved_label_names
 from toolkit.model.precision import check_precision_supported
 from toolkit.process.dist import DistEnv
-from toolkit.strategies import make_strategy, validate_strategy
+from toolkit.strategies import data_layout, make_strategy, validate_strategy
 from toolkit.strategies.base import Strategy
 from toolkit.train import tracking_checks
 from toolkit.train.checks import check_position_limit
@@ -45,9 +45,9 @@ def prepare(recipe: Recipe, env: DistEnv) -> Prepared:
     """Everything that can fail on user input, before any output is written."""
     strategy = make_strategy(recipe)  # the one strategy object of this rank
     # again: torchrun/accelerate skip `toolkit launch`
-    plan = validate_strategy(recipe, world_size=env.world_size, strategy=strategy)
+    plan = validate_strategy(recipe, world_size=env.world_size)
     check_creatable(Path(recipe.output_dir))  # before the data is read and the model built, not at the first write
-    layout = strategy.data_layout(recipe, world_size=env.world_size, rank=env.rank)
+    layout = data_layout(recipe, world_size=env.world_size, rank=env.rank)
     check_precision_supported(recipe.precision, env.device)
     check_position_limit(recipe)
     tracking_checks.check_trackers(recipe)

@@ -29,7 +29,7 @@ from toolkit.process import host_memory
 from toolkit.process.dist import DistEnv, all_reduce_max, gather_objects
 from toolkit.process.stopping import NonFinite, SkippedSteps, Stopped
 from toolkit.strategies import layout_line, strategy_degrees
-from toolkit.strategies.base import Strategy, storage_bytes
+from toolkit.strategies.base import storage_bytes
 from toolkit.strategies.optim import schedule_label
 
 @dataclass(eq=False)
@@ -88,17 +88,16 @@ def _cpu_peak(recipe: Recipe, env: DistEnv, model) -> dict | None:
             "dtype": recipe.precision if recipe.precision == "bf16" else "fp32", "threads": torch.get_num_threads()}
 
 
-def predict_memory(recipe: Recipe, env: DistEnv, *, runtime_bytes: int,
-                   strategy: Strategy | None = None) -> dict | None:
+def predict_memory(recipe: Recipe, env: DistEnv, *, runtime_bytes: int) -> dict | None:
     """Rank 0, before setup: toolkit plan's prediction for this run (kept beside what the run measures), and a
-    warning when its peak exceeds what the device has. `strategy`: the rank's own, not yet set up."""
+    warning when its peak exceeds what the device has."""
     if not env.is_main:
         return None
     from toolkit.plan.predict import MiB, default_memory_per_rank, predict
 
     try:
         prediction = predict(recipe, world_size=env.world_size, runtime_bytes=runtime_bytes,
-                             device_type=env.device.type, both=False, strategy=strategy)
+                             device_type=env.device.type, both=False)
     except RecipeError as exc:  # a model the planner cannot read (the run itself may still work)
         return {"error": str(exc)}
     limit, what = default_memory_per_rank(env.world_size if env.device.type == "cpu" else 1)

@@ -58,11 +58,15 @@ INFO = StrategyInfo(
                              "strategy.stages_per_rank=2")})
 
 
-class PipelineStrategy:
-    def __init__(self, info: StrategyInfo = INFO):
-        self.info = info
+class PipelineRules:
+    """What a pipeline is before any process group: its checks, data layout and memory rules (toolkit plan)."""
 
-    # --- before any rank starts -----------------------------------------------------------------
+    def __init__(self, info: StrategyInfo = INFO) -> None:
+        self._info = info  # hybrid's pipeline form has its own
+
+    def info(self, recipe: Recipe) -> StrategyInfo:
+        return self._info
+
     def validate(self, recipe: Recipe, *, world_size: int) -> None:
         check_recipe(recipe, world_size=world_size)
 
@@ -75,10 +79,11 @@ class PipelineStrategy:
 
         return state_bytes_per_rank(model, recipe, world_size=world_size)
 
-    # --- setup ----------------------------------------------------------------------------------
+    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+        return [whole_model_bytes(model, recipe)] * world_size  # every rank builds the whole model: each then keeps its stages
+
     def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return 0  # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's
-        # temporaries (about 2 x the largest parameter) are not counted
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         # a stage's blocks are whole under ddp; fully_shard over dp gathers one block at a time
@@ -90,8 +95,14 @@ class PipelineStrategy:
 
         return activation_bytes_per_rank(model, recipe, world_size=world_size, how=how)
 
-    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
-        return [whole_model_bytes(model, recipe)] * world_size  # every rank builds the whole model: each then keeps its stages
+
+class PipelineStrategy:
+    def __init__(self, info: StrategyInfo = INFO):
+        self.info = info
+
+    # --- before any rank starts -----------------------------------------------------------------
+    # --- setup ----------------------------------------------------------------------------------
+        # temporaries (about 2 x the largest parameter) are not counted
 
     def build_model(self, source: ModelSource, *, env: DistEnv) -> nn.Module:
         return source.whole()
@@ -398,6 +409,9 @@ class PipelineStrategy:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+RULES = PipelineRules()
 
 
 def build(recipe: Recipe) -> PipelineStrategy:

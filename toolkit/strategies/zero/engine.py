@@ -57,10 +57,13 @@ INFO = StrategyInfo(
                             "strategy.offload_param=true")})
 
 
-class ZeroStrategy:
-    info = INFO
-    schedule_label = ""  # setup: the recipe's schedule, or the DeepSpeed scheduler a JSON block names
-    loading = "every rank built the whole model, then kept its partition"  # build_model says otherwise
+class ZeroRules:
+    """What zero is before any process group: its checks, data layout and memory rules (toolkit plan)."""
+
+    def info(self, recipe: Recipe) -> StrategyInfo:
+        # toolkit plan: stages 0-2 free their gradients after a step; stage 1 holds them all until backward ends
+        return replace(INFO, holds_gradients=not frees_gradients(recipe),
+                       whole_gradients_in_backward=configured_stage(recipe) == 1)
 
     def validate(self, recipe: Recipe, *, world_size: int) -> None:
         options = recipe.strategy
@@ -84,14 +87,14 @@ class ZeroStrategy:
     def data_layout(self, recipe: Recipe, *, world_size: int, rank: int) -> DataLayout:
         return every_rank_a_shard(world_size=world_size, rank=rank)
 
-    def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
-        return each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share, device=self.env.device)
-
     def predict_state_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
         return zero_state.predict(model, recipe, world_size=world_size)
 
-    def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
-        return forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device)
+    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+        whole = whole_model_bytes(model, recipe)
+        if not _partitioned_at_creation(recipe):
+            return [whole] * world_size
+        return [whole if recipe.model.path is None else 0] + [0] * (world_size - 1)  # see zero/init.py
 
     def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return zero_state.step_bytes(model, recipe, world_size=world_size)
@@ -103,11 +106,17 @@ class ZeroStrategy:
                                  how: dict[str, Any]) -> list[int]:
         return whole_stack_activations(model, recipe, world_size=world_size, how=how)
 
-    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
-        whole = whole_model_bytes(model, recipe)
-        if not _partitioned_at_creation(recipe):
-            return [whole] * world_size
-        return [whole if recipe.model.path is None else 0] + [0] * (world_size - 1)  # see zero/init.py
+
+class ZeroStrategy:
+    info = INFO
+    schedule_label = ""  # setup: the recipe's schedule, or the DeepSpeed scheduler a JSON block names
+    loading = "every rank built the whole model, then kept its partition"  # build_model says otherwise
+
+    def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
+        return each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share, device=self.env.device)
+
+    def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
+        return forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device)
 
     def build_model(self, source: ModelSource, *, env: DistEnv) -> nn.Module:
         if not _partitioned_at_creation(source.recipe):
@@ -392,11 +401,12 @@ def _gathered(param: torch.Tensor) -> torch.Tensor:
         return param.detach().clone()
 
 
+RULES = ZeroRules()
+
+
 def build(recipe: Recipe) -> ZeroStrategy:
     strategy = ZeroStrategy()
-    # toolkit plan: stages 0-2 free their gradients after a step; stage 1 holds them all until backward ends
-    strategy.info = replace(INFO, holds_gradients=not frees_gradients(recipe),
-                            whole_gradients_in_backward=configured_stage(recipe) == 1)
+    strategy.info = RULES.info(recipe)
     return strategy
 
 
