@@ -97,7 +97,7 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="overhead-"))
     writer = JsonlWriter(scratch / "metrics.jsonl") if env.is_main else None
     # run.json as a run starts it (the first step's notes land there), in scratch
-    info = runinfo.start(recipe, env=env, plan=plan, total_steps=total_steps, model=strategy.export_module(),
+    info = runinfo.start(recipe, env=env, plan=plan, total_steps=total_steps, model=strategy.state.export_module(),
                          num_params=num_parameters(strategy.model), out_dir=scratch, prediction=prediction)
     times = {"toolkit": [], "minimal": []}
 

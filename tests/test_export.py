@@ -14,7 +14,7 @@ def test_exported_model_loads_with_plain_transformers(tmp_path, tiny_llama_dir):
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out,
                                       train={"max_steps": 3}))
     result = train(recipe, DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
-    trained = result.strategy.export_module().eval()
+    trained = result.strategy.state.export_module().eval()
     loaded = AutoModelForCausalLM.from_pretrained(out / "model").eval()
     assert (out / "model" / "model.safetensors").is_file() and not (out / ".model.partial").exists()
     ids = torch.tensor([[101, 2023, 3185, 2001, 2307, 102]])
@@ -52,7 +52,7 @@ def test_tied_embedding_is_exported_once_and_reloads_tied(tmp_path, tiny_tied_ll
     ids = torch.tensor([[101, 2023, 3185, 2001, 2307, 102]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits,
-                                   result.strategy.export_module().eval()(input_ids=ids).logits, rtol=0, atol=0)
+                                   result.strategy.state.export_module().eval()(input_ids=ids).logits, rtol=0, atol=0)
 
 
 def test_an_export_that_dies_midway_leaves_a_complete_model_in_place(tmp_path, tiny_llama_dir, monkeypatch):
@@ -82,7 +82,7 @@ def test_an_export_that_dies_midway_leaves_a_complete_model_in_place(tmp_path, t
     one_step = export._exchange
     for exchange in (one_step, lambda a, b: False):  # renameat2, and the fallback without it
         with torch.no_grad():  # what the later export writes: other weights
-            for param in strategy.export_module().parameters():
+            for param in strategy.state.export_module().parameters():
                 param.add_(1.0)
         monkeypatch.setattr(export, "_exchange", exchange)
         with monkeypatch.context() as patch:
@@ -193,7 +193,7 @@ def test_model_dropout_is_the_runs_alone_the_export_and_checkpoint_keep_the_mode
     source = json.loads((tiny_bert_dir / "config.json").read_text())
     own = {key: value for key, value in source.items() if key.endswith(("dropout", "dropout_prob"))}
     assert own["hidden_dropout_prob"] == 0.1 and own["attention_probs_dropout_prob"] == 0.1  # could differ from 0.0
-    assert all(getattr(result.strategy.export_module().config, key) == 0.0 for key in own)  # the run's own rate
+    assert all(getattr(result.strategy.state.export_module().config, key) == 0.0 for key in own)  # the run's own rate
     converted = tmp_path / "converted"
     assert main(["convert", str(out / "checkpoints" / "step-00000001"), str(converted)]) == 0
     for folder in (out / "model", out / "checkpoints" / "step-00000001" / "hf", converted):

@@ -178,22 +178,22 @@ def test_a_hybrid_with_one_replica_per_stage_says_it_runs_as_a_pipeline(llama4_r
     import torch
 
     from toolkit.process.dist import DistEnv
-    from toolkit.strategies.hybrid import INFO
+    from toolkit.strategies.hybrid import pipeline_form
     from toolkit.strategies.pipeline.strategy import PipelineStrategy
     from toolkit.strategies.pipeline.layout import Grid
 
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)  # the fix names toolkit launch's --nproc
 
-    def fallback(info, pp, dp):
-        strategy = PipelineStrategy(info)  # what setup() sets, for the grid of a launch
+    def fallback(strategy, pp, dp):
+        # what setup() sets, for the grid of a launch
         strategy.grid, strategy.env = Grid(pp=pp, dp=dp), DistEnv(0, 0, pp * dp, torch.device("cpu"))
-        return strategy.fallback()
+        return strategy._fallback()  # report()'s fallback, without the rest of a set-up pipeline
 
-    assert fallback(INFO, 2, 1) == ("strategy hybrid with 2 stages on 2 ranks has one replica per stage, so it runs "
-                                    "as strategy pipeline, without data parallelism; use --nproc 4 for 2 stages × "
-                                    "2 replicas")
-    assert fallback(INFO, 2, 2) is None
-    assert fallback(PipelineStrategy().info, 2, 1) is None  # strategy pipeline runs as itself
+    assert fallback(pipeline_form(), 2, 1) == (
+        "strategy hybrid with 2 stages on 2 ranks has one replica per stage, so it runs "
+        "as strategy pipeline, without data parallelism; use --nproc 4 for 2 stages × 2 replicas")
+    assert fallback(pipeline_form(), 2, 2) is None
+    assert fallback(PipelineStrategy(), 2, 1) is None  # strategy pipeline runs as itself
     ranks, overrides = ARMS["pp-ddp"]
     assert "fallback" not in json.loads((llama4_runs.get("pp-ddp", nproc=ranks, overrides=overrides) /
                                          "run.json").read_text())

@@ -87,7 +87,7 @@ def main() -> None:
         groups = [len(g["params"]) for g in param_groups(model, recipe.optim)]  # decayed, not decayed
         setup_strategy(strategy, model, source=source, env=env, total_steps=1,
                        plan=plan_batch(recipe.batch, world_size=env.world_size))
-        got = strategy.full_state_dict()
+        got = strategy.state.full_state_dict()
         exported = export_model(strategy, tokenizer=source.tokenizer, out_dir=Path(out).parent / f"export-{name}",
                                 env=env, task=recipe.model.task)
         if env.is_main:
@@ -96,7 +96,7 @@ def main() -> None:
             # the reference's matrices are decayed, its vectors not (counted here, not by param_groups)
             dims = [p.dim() for p in plain.parameters()]
             want_groups = [sum(d >= 2 for d in dims), sum(d < 2 for d in dims)]
-            results[name] = {"weights": compare(got, plain.state_dict()), "layout": strategy.layout(),
+            results[name] = {"weights": compare(got, plain.state_dict()), "layout": strategy.report().layout,
                              "param_groups": groups, "want_groups": want_groups,
                              # the exported file's tensor names, beside those transformers' own save writes
                              "export_names": names(exported), "want_export_names": names(Path(out).parent / f"plain-{name}")}

@@ -88,8 +88,8 @@ def restore(strategy, checkpoint: store.Checkpoint, *, weights_only: bool, env: 
     """After setup: optimizer state, schedule, loss scale (the RNG: restore_rng). Returns the optimizer steps
     already done."""
     if not weights_only:
-        strategy.load_optimizer_state(state.optimizer_reader(checkpoint.path))
-    strategy.load_checkpoint_extra(checkpoint.manifest["extra"])
+        strategy.state.load_optimizer_state(state.optimizer_reader(checkpoint.path))
+    strategy.state.load_checkpoint_extra(checkpoint.manifest["extra"])
     if env.is_main:
         m = checkpoint.manifest
         what = "weights (fresh optimizer state)" if weights_only else "weights and optimizer state"
@@ -181,7 +181,7 @@ class Saver:
         self.finish(barrier_after=False)  # the previous async save first: checkpoints are committed in order
         if self.config.async_save and self._writer is None:
             self._writer = state.AsyncWriter.create(self.env)
-        module = strategy.export_module()
+        module = strategy.state.export_module()
 
         def hf_files(folder: Path) -> None:
             # what `toolkit convert` exports: the model's dropout, not this run's model.dropout

@@ -206,14 +206,14 @@ def save(strategy, *, step: int, out_dir: Path, env: DistEnv, recipe, manifest: 
     With `background` (an AsyncWriter: a process group of its own, so the writes' collectives never
     interleave with training's, and a stager that copies in a thread): returns the PendingSave."""
     partial = store.partial_path(out_dir, step)  # DCP creates it; Saver removed stale ones at the start
-    tensors = strategy.checkpoint_tensors()
+    tensors = strategy.state.checkpoint_tensors()
     pieces = tensors if isinstance(tensors, Fragments) else None  # each rank writes its own (fragments.py)
     planner = None  # DCP's default, except for pieces: async, the planner is given the copy when it is made
     if pieces is not None:
         planner = PiecesSavePlanner(pieces if background is None else None)
         tensors = pieces.state() if background is None else {"model": {}, "optim": {}}
     state = {"model": tensors["model"], "optim": tensors["optim"], "rng": {str(env.rank): torch.get_rng_state()}}
-    extra = strategy.checkpoint_extra()  # now: training moves the schedule on while the files are written
+    extra = strategy.state.checkpoint_extra()  # now: training moves the schedule on while the files are written
 
     def finish() -> None:
         store.write_manifest(partial, {**manifest, "step": step, "world_size": env.world_size, "extra": extra},

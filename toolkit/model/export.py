@@ -44,12 +44,12 @@ def export_model(strategy, *, tokenizer, out_dir: Path, env: DistEnv, lora: Lora
     that a complete model is always at out_dir/model (the old one until the new one is complete). With LoRA,
     out_dir/model is the adapter (peft's format) and, with merge_on_export, out_dir/model-merged the merged
     plain model."""
-    state_dict = strategy.full_state_dict()
+    state_dict = strategy.state.full_state_dict()
     final = out_dir / "model"
     if env.is_main:
         tmp = out_dir / ".model.partial"
         shutil.rmtree(tmp, ignore_errors=True)
-        module = strategy.export_module()
+        module = strategy.state.export_module()
         with own_dropout(module.config):  # the model's dropout, not model.dropout's override for this run
             _write_model(module, state_dict, tokenizer=tokenizer, out_dir=out_dir, tmp=tmp, lora=lora, task=task)
         replace_folder(tmp, final)

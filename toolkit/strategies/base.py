@@ -152,7 +152,62 @@ class StrategyRules(Protocol):
         pipeline rank's stages with the micro-batches its schedule keeps in flight."""
 
 
+class StrategyState(Protocol):
+    """What a rank holds, for checkpoints, the export and the run's checks: read from the live objects after setup."""
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, Any]] | Fragments:
+        """This rank's part of a checkpoint in the shared layout (toolkit/checkpoint/state.py): {"model":
+        state_dict entries (fp32 masters), "optim": {"state.<name>.<key>": tensor}}, or, where the state lies
+        in flat partitions of the strategy's own, this rank's pieces of those tensors (each rank writes its
+        own: checkpoint/fragments.py). Collective if it gathers."""
+
+    def load_optimizer_state(self, read: Read) -> None:
+        """Collective, after setup: build this rank's optimizer state template in the shared layout, have
+        `read` fill it from the checkpoint, and make it the optimizer's state."""
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        """The LR schedule's and the loss scaler's state as plain numbers (the same on every rank)."""
+
+    def load_checkpoint_extra(self, extra: dict[str, Any]) -> None: ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Collective: the full model weights on CPU on rank 0 (fp32 masters where kept), None elsewhere."""
+
+    def export_module(self) -> nn.Module:
+        """The unwrapped transformers model (its config and save_pretrained are used for export)."""
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """This rank's tensors holding parameters, gradients and optimizer state (for exact byte counts)."""
+
+    def precision_audit(self) -> dict[str, str]:
+        """Dtypes read from the live objects: forward params, master weights, grads, reduction, optimizer state."""
+
+    def replicas(self) -> list[Replicas]:
+        """What this rank holds identical copies of, one entry per group of ranks holding them (a stage's
+        data-parallel replicas; a pipeline's first and last stage, which both hold a tied embedding). The
+        replica consistency check compares each entry over its group, in list order: every rank of a group
+        must list it at the same position. Empty when nothing is replicated (one process, or every rank holds
+        a different shard)."""
+
+    def gradient_abs_max(self) -> dict[str, float] | None:
+        """Collective, after the last backward of a step and before step(): per parameter name, the largest
+        |element| of its full gradient over all ranks. None where this strategy cannot read full gradients."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyReport:
+    """What a run says about its strategy once set up (the start lines, run.json)."""
+
+    layout: str  # where the model lives after setup, in one line
+    # why this machine runs something other than the strategy asked for, in one line (dp without 2+ GPUs runs as
+    # single), or None where it runs as itself: run.json's `fallback`, for a report to flag
+    fallback: str | None
+    measurements: dict[str, Any]  # what this rank measured that only this strategy can (a pipeline's bubble)
+
+
 class Strategy(Protocol):
+    """The object a rank trains with: what the loop drives. Made once per rank (make_strategy), set up once."""
+
     info: StrategyInfo
 
     def build_model(self, source: ModelSource, *, env: DistEnv) -> nn.Module:
@@ -184,53 +239,12 @@ class Strategy(Protocol):
 
     def lr(self) -> float: ...
 
-    def replicas(self) -> list[Replicas]:
-        """What this rank holds identical copies of, one entry per group of ranks holding them (a stage's
-        data-parallel replicas; a pipeline's first and last stage, which both hold a tied embedding). The
-        replica consistency check compares each entry over its group, in list order: every rank of a group
-        must list it at the same position. Empty when nothing is replicated (one process, or every rank holds
-        a different shard)."""
+    @property
+    def state(self) -> StrategyState:
+        """Checkpoint, export and the live tensors: one object (TorchState for most)."""
 
-    def gradient_abs_max(self) -> dict[str, float] | None:
-        """Collective, after the last backward of a step and before step(): per parameter name, the largest
-        |element| of its full gradient over all ranks. None where this strategy cannot read full gradients."""
-
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Collective: the full model weights on CPU on rank 0 (fp32 masters where kept), None elsewhere."""
-
-    def export_module(self) -> nn.Module:
-        """The unwrapped transformers model (its config and save_pretrained are used for export)."""
-
-    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """This rank's tensors holding parameters, gradients and optimizer state (for exact byte counts)."""
-
-    def precision_audit(self) -> dict[str, str]:
-        """Dtypes read from the live objects: forward params, master weights, grads, reduction, optimizer state."""
-
-    def layout(self) -> str:
-        """Where the model lives after setup, in one line (printed at start, kept in run.json)."""
-
-    def fallback(self) -> str | None:
-        """Why this machine runs something other than the strategy asked for, in one line (dp without 2+ GPUs
-        runs as single), or None where it runs as itself: run.json's `fallback`, for a report to flag."""
-
-    def measurements(self) -> dict[str, Any]:
-        """What this rank measured that only this strategy can (a pipeline's bubble), for run.json."""
-
-    def checkpoint_tensors(self) -> dict[str, dict[str, Any]] | Fragments:
-        """This rank's part of a checkpoint in the shared layout (toolkit/checkpoint/state.py): {"model":
-        state_dict entries (fp32 masters), "optim": {"state.<name>.<key>": tensor}}, or, where the state lies
-        in flat partitions of the strategy's own, this rank's pieces of those tensors (each rank writes its
-        own: checkpoint/fragments.py). Collective if it gathers."""
-
-    def load_optimizer_state(self, read: Read) -> None:
-        """Collective, after setup: build this rank's optimizer state template in the shared layout, have
-        `read` fill it from the checkpoint, and make it the optimizer's state."""
-
-    def checkpoint_extra(self) -> dict[str, Any]:
-        """The LR schedule's and the loss scaler's state as plain numbers (the same on every rank)."""
-
-    def load_checkpoint_extra(self, extra: dict[str, Any]) -> None: ...
+    def report(self) -> StrategyReport:
+        """Where the model lives, any fallback, and what only this strategy measures."""
 
     def close(self) -> None:
         """After the last output is written: release the wrapped model, optimizer and engine, which hold

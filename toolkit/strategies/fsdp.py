@@ -35,10 +35,10 @@ from toolkit.model.blocks import transformer_blocks
 from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.model.tied import first_names
 from toolkit.process.dist import DistEnv, ensure_process_group
-from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
-                                     every_rank_a_shard, first_dtype, forward_once, gathered_state_dict, no_context,
-                                     sharded_abs_max, whole_stack_activations)
-from toolkit.strategies.torch_optim import TorchOptim
+from toolkit.strategies.base import (StrategyReport, StrategyState, DataLayout, LossSum, Replicas, SetupArgs, Share,
+                                     StrategyInfo, each_micro_batch, every_rank_a_shard, first_dtype, forward_once,
+                                     gathered_state_dict, no_context, sharded_abs_max, whole_stack_activations)
+from toolkit.strategies.torch_optim import TorchOptim, TorchState
 
 INFO = StrategyInfo(
     name="fsdp", averages_gradients=True, accelerate_plugin="fsdp", casts_parameters=True, holds_gradients=False,
@@ -108,6 +108,7 @@ class FsdpRules:
 
     def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return 0  # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's
+        # temporaries (about 2 x the largest parameter) are not counted
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         # FSDP2 computes with one unit (block) gathered while it gathers the next (its implicit prefetch), and
@@ -142,7 +143,6 @@ class FsdpStrategy:
         total, count = forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device)
         return (total, count) if self.env.rank % self.tp_degree == 0 else (torch.zeros_like(total), 0)
 
-        # temporaries (about 2 x the largest parameter) are not counted
 
     def build_model(self, source: ModelSource, *, env: DistEnv) -> nn.Module:
         # low-memory loading: shard the empty model, then each rank loads its shards (setup)
@@ -184,10 +184,20 @@ class FsdpStrategy:
         self.optim = TorchOptim(optimizer, args.build_scheduler(optimizer), amp=self.amp,
                                 names=lambda: first_names(self._model),
                                 clip=tensor_parallel.clip_global_norm if self.tp_degree > 1 else clip_sharded)
+        self._state = TorchState(self._model, self.optim, env=args.env, gathered=True,
+                                 replicas=self._replicas, gradient_abs_max=self._gradient_abs_max,
+                                 audit=self._precision_audit)
 
     @property
     def model(self) -> nn.Module:
         return self._model
+
+    @property
+    def state(self) -> StrategyState:
+        return self._state
+
+    def report(self) -> StrategyReport:
+        return StrategyReport(layout=self._layout(), fallback=self._fallback(), measurements=self._measurements())
 
     def forward_context(self) -> ContextManager:
         return no_context()  # MixedPrecisionPolicy casts parameters inside each shard unit
@@ -210,7 +220,7 @@ class FsdpStrategy:
     def lr(self) -> float:
         return self.optim.lr()
 
-    def replicas(self) -> list[Replicas]:
+    def _replicas(self) -> list[Replicas]:
         if self.tp_degree > 1:  # the ranks of a TP group hold the same shards of what TP does not split
             named = [(n, cast(DTensor, p).to_local()) for n, p in self._model.named_parameters()
                      if "tp" not in (cast(DTensor, p).device_mesh.mesh_dim_names or ())]
@@ -225,31 +235,13 @@ class FsdpStrategy:
         return [Replicas(named=named, group=self.mesh.get_group("replicate"),
                          description=f"{size} replica groups hold identical shards")]
 
-    def gradient_abs_max(self) -> dict[str, float] | None:
+    def _gradient_abs_max(self) -> dict[str, float] | None:
         return sharded_abs_max(self._model, self.env, scale=self.amp.scaler.get_scale() if self.amp.scaler else 1.0)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        return gathered_state_dict(self._model, self.env)
-
-    def export_module(self) -> nn.Module:
-        return self._model
-
-    def measurements(self) -> dict:
+    def _measurements(self) -> dict:
         return {}
 
-    def checkpoint_tensors(self) -> dict[str, dict[str, Any]]:
-        return {"model": model_tensors(self._model), "optim": self.optim.checkpoint_tensors()}
-
-    def load_optimizer_state(self, read: Read) -> None:
-        self.optim.load_state(read)
-
-    def checkpoint_extra(self) -> dict[str, Any]:
-        return self.optim.checkpoint_extra()
-
-    def load_checkpoint_extra(self, extra: dict[str, Any]) -> None:
-        self.optim.load_checkpoint_extra(extra)
-
-    def layout(self) -> str:
+    def _layout(self) -> str:
         shape = " × ".join(f"{n} {name}" for n, name in zip(self.mesh.shape, self.mesh.mesh_dim_names or ()))
         layout = f"every block and the root sharded over a mesh of {shape}"
         if self.tp_degree > 1:
@@ -257,18 +249,13 @@ class FsdpStrategy:
             layout += ", norms on sequence shards)" if self.sequence_parallel else ")"
         return f"{layout}; weights: {self.loading}"
 
-    def fallback(self) -> str | None:
+    def _fallback(self) -> str | None:
         return None  # runs as itself on any machine
 
     def close(self) -> None:
-        del self._model, self.optim, self.mesh, self.partial  # their groups, for destroy_process_group
+        del self._model, self.optim, self._state, self.mesh, self.partial  # their groups, for destroy_process_group
 
-    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        params: list[torch.Tensor] = list(self._model.parameters())
-        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
-                "optim": self.optim.state_tensors()}
-
-    def precision_audit(self) -> dict[str, str]:
+    def _precision_audit(self) -> dict[str, str]:
         params = list(self._model.parameters())
         stored = first_dtype(p.to_local() if hasattr(p, "to_local") else p for p in params)
         grads = [p.grad for p in params if p.grad is not None]

@@ -19,11 +19,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
-from toolkit.errors import RecipeError
+from toolkit.errors import RecipeError, ranks_option
 from toolkit.memory.state_bytes import StateBytes
 from toolkit.process.dist import ensure_process_group
 from toolkit.strategies.base import DataLayout, SetupArgs, Strategy, StrategyInfo, StrategyRules
 from toolkit.strategies.model_parallel import check_model_split, one_device, place_model
+from toolkit.strategies.pipeline.layout import Grid
 from toolkit.strategies.pipeline.strategy import OPTIONS, PipelineRules, PipelineStrategy
 from toolkit.strategies.replicated import ReplicatedRules, Replication, ReplicatedStrategy
 
@@ -99,9 +100,22 @@ class HybridRules:
 RULES = HybridRules()
 
 
+def one_replica_per_stage(grid: Grid, world_size: int) -> str | None:
+    """A hybrid whose grid leaves one replica per stage is the pipeline strategy: no data parallelism."""
+    if grid.dp > 1:
+        return None
+    pp = grid.pp
+    return (f"strategy hybrid with {pp} stages on {world_size} ranks has one replica per stage, so it runs as "
+            f"strategy pipeline, without data parallelism; use {ranks_option(2 * pp)} for {pp} stages × 2 replicas")
+
+
+def pipeline_form() -> PipelineStrategy:
+    return PipelineStrategy(PIPELINE_INFO, fallback=one_replica_per_stage)
+
+
 def build(recipe: Recipe) -> Strategy:
     if recipe.strategy.pipeline_degree is not None:
-        return PipelineStrategy(PIPELINE_INFO)
+        return pipeline_form()
     return ReplicatedStrategy(MODEL_SPLIT_DDP)
 
 

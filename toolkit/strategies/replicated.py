@@ -20,10 +20,10 @@ from toolkit.memory.state_bytes import StateBytes, adam_state
 from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.model.tied import first_names
 from toolkit.process.dist import DistEnv
-from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, cpu_state_dict,
-                                     each_micro_batch, every_rank_a_shard, first_dtype, forward_once, local_abs_max,
-                                     no_context, whole_stack_activations)
-from toolkit.strategies.torch_optim import TorchOptim
+from toolkit.strategies.base import (StrategyReport, StrategyState, DataLayout, LossSum, Replicas, SetupArgs, Share,
+                                     StrategyInfo, cpu_state_dict, each_micro_batch, every_rank_a_shard, first_dtype,
+                                     forward_once, local_abs_max, no_context, whole_stack_activations)
+from toolkit.strategies.torch_optim import TorchOptim, TorchState
 
 
 def on_rank_device(module: nn.Module, args: SetupArgs) -> tuple[nn.Module, torch.device, str]:
@@ -82,6 +82,7 @@ class ReplicatedRules:
 
     def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return 0  # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's
+        # temporaries (about 2 x the largest parameter) are not counted
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return 0  # every rank holds every parameter
@@ -102,7 +103,6 @@ class ReplicatedStrategy:
     def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
         return forward_once(self, micro_batches, loss_sum=loss_sum, device=self.input_device)
 
-        # temporaries (about 2 x the largest parameter) are not counted
 
     def build_model(self, source: ModelSource, *, env: DistEnv) -> nn.Module:
         return source.whole()
@@ -117,10 +117,20 @@ class ReplicatedStrategy:
         optimizer = args.build_optimizer(self.module)
         self.optim = TorchOptim(optimizer, args.build_scheduler(optimizer), amp=self.amp,
                                 names=lambda: first_names(self.module))
+        self._state = TorchState(self.module, self.optim, env=args.env, gathered=False,
+                                 replicas=self._replicas, gradient_abs_max=self._gradient_abs_max,
+                                 audit=self._precision_audit)
 
     @property
     def model(self) -> nn.Module:
         return self._model
+
+    @property
+    def state(self) -> StrategyState:
+        return self._state
+
+    def report(self) -> StrategyReport:
+        return StrategyReport(layout=self._layout(), fallback=self._fallback(), measurements=self._measurements())
 
     def forward_context(self) -> ContextManager:
         return self.amp.autocast()
@@ -142,55 +152,32 @@ class ReplicatedStrategy:
     def lr(self) -> float:
         return self.optim.lr()
 
-    def replicas(self) -> list[Replicas]:
+    def _replicas(self) -> list[Replicas]:
         if self.env.world_size == 1:
             return []
         return [Replicas(named=list(self.module.named_parameters()), group=None,
                          description=f"{self.env.world_size} ranks hold full replicas")]
 
-    def gradient_abs_max(self) -> dict[str, float] | None:
+    def _gradient_abs_max(self) -> dict[str, float] | None:
         # after the synced backward every rank holds the full reduced gradient; fp16 grads are still scaled
         maxima = local_abs_max((n, p.grad) for n, p in self.module.named_parameters())
         scale = self.amp.scaler.get_scale() if self.amp.scaler else 1.0
         return {name: value / scale for name, value in maxima.items()}
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        return cpu_state_dict(self.module) if self.env.is_main else None
-
-    def export_module(self) -> nn.Module:
-        return self.module
-
-    def measurements(self) -> dict:
+    def _measurements(self) -> dict:
         return {}
 
-    def checkpoint_tensors(self) -> dict[str, dict[str, Any]]:
-        return {"model": model_tensors(self.module), "optim": self.optim.checkpoint_tensors()}
-
-    def load_optimizer_state(self, read: Read) -> None:
-        self.optim.load_state(read)
-
-    def checkpoint_extra(self) -> dict[str, Any]:
-        return self.optim.checkpoint_extra()
-
-    def load_checkpoint_extra(self, extra: dict[str, Any]) -> None:
-        self.optim.load_checkpoint_extra(extra)
-
-    def layout(self) -> str:
+    def _layout(self) -> str:
         world = self.env.world_size
         return self.placed + (f"; a replica on each of {world} ranks" if world > 1 else "")
 
-    def fallback(self) -> str | None:
+    def _fallback(self) -> str | None:
         return self.as_single or self.one_device
 
     def close(self) -> None:
-        del self._model, self.module, self.optim  # DDP's reducer holds the process group
+        del self._model, self.module, self.optim, self._state  # DDP's reducer holds the process group
 
-    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        params: list[torch.Tensor] = list(self.module.parameters())
-        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
-                "optim": self.optim.state_tensors()}
-
-    def precision_audit(self) -> dict[str, str]:
+    def _precision_audit(self) -> dict[str, str]:
         params = list(self.module.parameters())
         master = dtype_name(first_dtype(params))
         compute = master if self.amp.precision == "fp32" else f"{self.amp.precision} (autocast)"

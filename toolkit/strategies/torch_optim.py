@@ -1,20 +1,24 @@
-"""The optimizer side of every torch-native strategy (single, dp, ddp, model parallel, fsdp, tp, pipeline): the
-recipe's AdamW, its lr schedule and the fp16 loss scaler, stepped, skipped and checkpointed the same way.
-
-Each of those strategies holds one (composition, not a base class); what differs between them is passed in: the
-parameters a step clips, how it computes the global norm (sharded, split or staged), and each parameter's name in
-the shared checkpoint layout. DeepSpeed ZeRO owns its optimizer and does not use this."""
+"""What every torch-native strategy (single, dp, ddp, model parallel, fsdp, tp, pipeline) shares, as components
+it holds (composition, not a base class):
+- TorchOptim: the recipe's AdamW, its lr schedule and the fp16 loss scaler, stepped, skipped and checkpointed the
+  same way; what differs is passed in: how a step computes the global norm (sharded, split or staged) and each
+  parameter's name in the shared checkpoint layout;
+- TorchState: the checkpoint and export state of one whose one module holds every parameter of the rank.
+DeepSpeed ZeRO owns its optimizer and uses neither."""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
 import torch
+from torch import nn
 
-from toolkit.checkpoint.state import (Read, load_optimizer_tensors, load_schedule_state, optimizer_tensors,
-                                      schedule_state)
+from toolkit.checkpoint.state import (Read, load_optimizer_tensors, load_schedule_state, model_tensors,
+                                      optimizer_tensors, schedule_state)
 from toolkit.model.precision import Amp, StepResult, dtype_name
-from toolkit.strategies.base import first_dtype, optimizer_label, optimizer_state_tensors
+from toolkit.process.dist import DistEnv
+from toolkit.strategies.base import (Replicas, cpu_state_dict, first_dtype, gathered_state_dict, optimizer_label,
+                                     optimizer_state_tensors)
 
 Clip = Callable[[list[torch.Tensor], float], torch.Tensor]  # (parameters, max norm) -> the total norm
 
@@ -67,3 +71,41 @@ class TorchOptim:
             "loss_scaling": f"dynamic ({scaler}, init {self.amp.scaler.get_scale():g})" if self.amp.scaler else "off",
             "optimizer": optimizer_label(self.optimizer),
         }
+
+
+class TorchState:
+    """Checkpoint and export state of a torch-native strategy whose one module holds this rank's parameters
+    (single, dp, ddp, model parallel, fsdp, tp): the module's state dict in the shared layout and its TorchOptim's.
+    What differs between them is passed in: whether the full weights are gathered to rank 0 (DTensor shards) or
+    read where they are (a replica on CPU), what is replicated, the gradients' maxima and the precision audit."""
+
+    def __init__(self, module: nn.Module, optim: TorchOptim, *, env: DistEnv, gathered: bool,
+                 replicas: Callable[[], list[Replicas]], gradient_abs_max: Callable[[], dict[str, float] | None],
+                 audit: Callable[[], dict[str, str]]) -> None:
+        self.module, self.optim, self.env, self.gathered = module, optim, env, gathered
+        self.replicas, self.gradient_abs_max, self.precision_audit = replicas, gradient_abs_max, audit
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, Any]]:
+        return {"model": model_tensors(self.module), "optim": self.optim.checkpoint_tensors()}
+
+    def load_optimizer_state(self, read: Read) -> None:
+        self.optim.load_state(read)
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        return self.optim.checkpoint_extra()
+
+    def load_checkpoint_extra(self, extra: dict[str, Any]) -> None:
+        self.optim.load_checkpoint_extra(extra)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        if self.gathered:
+            return gathered_state_dict(self.module, self.env)  # collective
+        return cpu_state_dict(self.module) if self.env.is_main else None
+
+    def export_module(self) -> nn.Module:
+        return self.module
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        params: list[torch.Tensor] = list(self.module.parameters())
+        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
+                "optim": self.optim.state_tensors()}

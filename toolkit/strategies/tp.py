@@ -27,10 +27,10 @@ from toolkit.model import tp_plan as tensor_parallel
 from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.model.tied import first_names
 from toolkit.process.dist import DistEnv, ensure_process_group
-from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
-                                     first_dtype, forward_once, gathered_state_dict, no_context, sharded_abs_max,
-                                     whole_stack_activations)
-from toolkit.strategies.torch_optim import TorchOptim
+from toolkit.strategies.base import (StrategyReport, StrategyState, DataLayout, LossSum, Replicas, SetupArgs, Share,
+                                     StrategyInfo, each_micro_batch, first_dtype, forward_once, gathered_state_dict,
+                                     no_context, sharded_abs_max, whole_stack_activations)
+from toolkit.strategies.torch_optim import TorchOptim, TorchState
 
 INFO = StrategyInfo(
     name="tp", averages_gradients=True, lora=False, compiles=False, holds_gradients=False, tied_gradients=2,
@@ -69,6 +69,7 @@ class TpRules:
 
     def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return 0  # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's
+        # temporaries (about 2 x the largest parameter) are not counted
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return 0  # each rank computes with its own slices (sequence parallelism gathers activations, not weights)
@@ -90,7 +91,6 @@ class TpStrategy:
         total, count = forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device)
         return (total, count) if self.env.rank == 0 else (torch.zeros_like(total), 0)
 
-        # temporaries (about 2 x the largest parameter) are not counted
 
     def build_model(self, source: ModelSource, *, env: DistEnv) -> nn.Module:
         return source.whole()
@@ -108,10 +108,20 @@ class TpStrategy:
         optimizer = args.build_optimizer(self._model)
         self.optim = TorchOptim(optimizer, args.build_scheduler(optimizer), amp=self.amp,
                                 names=lambda: first_names(self._model), clip=tensor_parallel.clip_global_norm)
+        self._state = TorchState(self._model, self.optim, env=args.env, gathered=True,
+                                 replicas=self._replicas, gradient_abs_max=self._gradient_abs_max,
+                                 audit=self._precision_audit)
 
     @property
     def model(self) -> nn.Module:
         return self._model
+
+    @property
+    def state(self) -> StrategyState:
+        return self._state
+
+    def report(self) -> StrategyReport:
+        return StrategyReport(layout=self._layout(), fallback=self._fallback(), measurements=self._measurements())
 
     def forward_context(self) -> ContextManager:
         return self.amp.autocast()
@@ -133,7 +143,7 @@ class TpStrategy:
     def lr(self) -> float:
         return self.optim.lr()
 
-    def replicas(self) -> list[Replicas]:
+    def _replicas(self) -> list[Replicas]:
         named: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in self._model.named_parameters()
                                                  if not isinstance(p, DTensor)]
         if not named or self.env.world_size == 1:
@@ -141,46 +151,23 @@ class TpStrategy:
         return [Replicas(named=named, group=None, description=f"{self.env.world_size} ranks hold the embeddings, "
                          "norms and head in full")]
 
-    def gradient_abs_max(self) -> dict[str, float] | None:
+    def _gradient_abs_max(self) -> dict[str, float] | None:
         return sharded_abs_max(self._model, self.env)  # each rank saw its shards of the split weights
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        return gathered_state_dict(self._model, self.env)
-
-    def export_module(self) -> nn.Module:
-        return self._model
-
-    def measurements(self) -> dict:
+    def _measurements(self) -> dict:
         return {}
 
-    def checkpoint_tensors(self) -> dict[str, dict[str, Any]]:
-        return {"model": model_tensors(self._model), "optim": self.optim.checkpoint_tensors()}
-
-    def load_optimizer_state(self, read: Read) -> None:
-        self.optim.load_state(read)
-
-    def checkpoint_extra(self) -> dict[str, Any]:
-        return self.optim.checkpoint_extra()
-
-    def load_checkpoint_extra(self, extra: dict[str, Any]) -> None:
-        self.optim.load_checkpoint_extra(extra)
-
-    def layout(self) -> str:
+    def _layout(self) -> str:
         return (f"attention heads and MLP columns split over {self.env.world_size} ranks; embeddings, norms and "
                 "head replicated" + ("; norms computed on sequence shards" if self.sequence_parallel else ""))
 
-    def fallback(self) -> str | None:
+    def _fallback(self) -> str | None:
         return None  # runs as itself on any machine
 
     def close(self) -> None:
-        del self._model, self.optim, self.mesh, self.partial
+        del self._model, self.optim, self._state, self.mesh, self.partial
 
-    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        params: list[torch.Tensor] = list(self._model.parameters())
-        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
-                "optim": self.optim.state_tensors()}
-
-    def precision_audit(self) -> dict[str, str]:
+    def _precision_audit(self) -> dict[str, str]:
         params = list(self._model.parameters())
         master = dtype_name(first_dtype(p.to_local() if isinstance(p, DTensor) else p for p in params))
         compute = master if self.amp.precision == "fp32" else self.amp.precision

@@ -139,7 +139,7 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
         announce_schedule_changes(recipe, checkpoint, env=env, total_steps=total_steps)
         tokens_seen = int(checkpoint.manifest.get("tokens_seen", 0))
     out_dir = Path(recipe.output_dir)
-    info = runinfo.start(recipe, env=env, plan=plan, total_steps=total_steps, model=strategy.export_module(),
+    info = runinfo.start(recipe, env=env, plan=plan, total_steps=total_steps, model=strategy.state.export_module(),
                          num_params=num_params, out_dir=out_dir, prediction=prediction, data=prepared.data_info)
     info["host_memory"] = host_memory
     info.last_step = done
@@ -150,8 +150,9 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
         if checkpoint is not None:
             info["resumed_from"] = {"checkpoint": str(checkpoint.path), "step": done,
                                     "weights_only": weights_only}
-        info["layout"] = strategy.layout()
-        fallback = strategy.fallback()
+        said = strategy.report()
+        info["layout"] = said.layout
+        fallback = said.fallback
         if fallback is not None:  # what ran is not what the recipe names: a report flags it
             info["fallback"] = fallback
         if env.is_main:
@@ -161,7 +162,7 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
             for note in notes:  # said once the run goes ahead: a user's mistake found before stays one line
                 print(note, file=sys.stderr, flush=True)
         if prepared.label_names is not None:  # named labels: their class ids, in the exported config
-            name_labels(strategy.export_module(), prepared.label_names, info=info, env=env)
+            name_labels(strategy.state.export_module(), prepared.label_names, info=info, env=env)
         replicas = announce_replica_check(strategy, recipe=recipe, env=env, info=info)
         collator = Collator(pad_token_id=padding_id(tokenizer), task=recipe.model.task)
         loader = iter(train_loader(prepared.train_ds, sampler=prepared.sampler, start=done, stop=total_steps,
@@ -256,7 +257,7 @@ def run_steps(strategy: Strategy, loader, parts: StepParts, *, done: int) -> lis
                                    layout=parts.layout, group=parts.plan.grad_accum_steps))
         check_every = recipe.train.consistency_check_every
         if parts.replicas and check_every and step % check_every == 0:
-            fresh = strategy.replicas()  # the live tensors of this step
+            fresh = strategy.state.replicas()  # the live tensors of this step
             assert len(fresh) == len(parts.replicas)  # what a strategy had replicated at start it has now
             # one collective per group, in the same order on the ranks of each group; a drift stops every rank
             check_groups([(each.named, each.group) for each in fresh], env, when=f"at step {step}")
@@ -313,7 +314,7 @@ def name_labels(module, names: list[str], *, info: runinfo.RunRecord, env: DistE
 def announce_replica_check(strategy, *, recipe: Recipe, env: DistEnv, info: runinfo.RunRecord):
     """Say once what the periodic replica check compares, or that there is nothing to compare."""
     every = recipe.train.consistency_check_every
-    replicas = strategy.replicas()
+    replicas = strategy.state.replicas()
     if env.world_size == 1:
         text = "one rank: nothing to compare"
     elif not every:
@@ -347,7 +348,7 @@ def train_step(strategy: Strategy, micro_batches: list[dict], *, recipe: Recipe,
     probe_s, abs_max = 0.0, None
     if gradient_scale is not None:  # outside the collective count and the step time: a measurement aid
         probe_start = time.perf_counter()
-        abs_max = strategy.gradient_abs_max()
+        abs_max = strategy.state.gradient_abs_max()
         probe_s = time.perf_counter() - probe_start
     stop_on_nonfinite = recipe.train.on_nonfinite == "stop"
     held_s = before_update()

@@ -170,8 +170,8 @@ def record_before_first_step(info: RunRecord, strategy, *, env: DistEnv) -> None
     forwards, info.block_forwards = info.block_forwards, None
     if forwards is not None:  # this rank's blocks (a pipeline stage's own), every micro-batch of the step
         info["activation_checkpointing"] = forwards.stop()
-    tensors = strategy.state_tensors()
-    info.first_backward = {"grads_bytes": storage_bytes(tensors["grads"]), "audit": strategy.precision_audit(),
+    tensors = strategy.state.state_tensors()
+    info.first_backward = {"grads_bytes": storage_bytes(tensors["grads"]), "audit": strategy.state.precision_audit(),
                            "other_live": _other_live(tensors)}
 
 
@@ -187,10 +187,10 @@ def _other_live(tensors: dict[str, list[torch.Tensor]]) -> dict:
 
 def record_after_first_step(info: RunRecord, strategy, *, env: DistEnv) -> None:
     """The optimizer has allocated its state now. Collective: gathers every rank's numbers."""
-    tensors = strategy.state_tensors()
+    tensors = strategy.state.state_tensors()
     local, info.first_backward = info.first_backward, None
     assert local is not None  # record_before_first_step ran in this step
-    audit_after = strategy.precision_audit()
+    audit_after = strategy.state.precision_audit()
     # grads come from before the step (they are freed after it); masters/optimizer state from after
     audit = {**local["audit"], "master_weights": audit_after["master_weights"],
              "optimizer_state": audit_after["optimizer_state"]}
@@ -219,7 +219,7 @@ def record_comm(info: RunRecord, summary: dict, *, step: int, env: DistEnv) -> N
 def finish(info: RunRecord, *, env: DistEnv, out_dir: Path, losses: list[float], strategy, skips: SkippedSteps) -> None:
     mine = {"peak_mem_bytes": peak_memory_bytes(env.device), "peak_reserved_bytes": peak_reserved_bytes(env.device)}
     info["peak_memory"] = gather_objects(mine, env)
-    measured = gather_objects(strategy.measurements(), env)
+    measured = gather_objects(strategy.report().measurements, env)
     if any(measured):
         info["strategy_measurements"] = measured  # per rank
     info["status"] = "completed"

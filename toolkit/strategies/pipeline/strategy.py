@@ -18,7 +18,7 @@ import copy
 import functools
 import statistics
 import time
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 import torch
 import torch.distributed as dist
@@ -35,14 +35,14 @@ from toolkit.checkpoint.state import Read
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.data.splits import DataLayout
-from toolkit.errors import ranks_option
 from toolkit.memory.state_bytes import StateBytes, largest_block_bytes
 from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.model.stages import Stage, family_of, tied_embedding_names
 from toolkit.process.dist import DistEnv, gather_objects, tensors_on_main
-from toolkit.strategies.base import LossSum, Replicas, SetupArgs, Share, StrategyInfo, first_dtype
+from toolkit.strategies.base import (StrategyReport, StrategyState, LossSum, Replicas, SetupArgs, Share, StrategyInfo,
+                                     first_dtype)
 from toolkit.strategies.pipeline.batches import filler, stacked
-from toolkit.strategies.pipeline.layout import (SCHEDULES, check_recipe, count_busy_time, grid_of,
+from toolkit.strategies.pipeline.layout import (SCHEDULES, Grid, check_recipe, count_busy_time, grid_of,
                                                 stage_of_blocks, theoretical_bubble, uncount_shape_inference)
 from toolkit.strategies.torch_optim import TorchOptim
 
@@ -84,6 +84,7 @@ class PipelineRules:
 
     def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return 0  # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's
+        # temporaries (about 2 x the largest parameter) are not counted
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         # a stage's blocks are whole under ddp; fully_shard over dp gathers one block at a time
@@ -97,12 +98,12 @@ class PipelineRules:
 
 
 class PipelineStrategy:
-    def __init__(self, info: StrategyInfo = INFO):
-        self.info = info
+    def __init__(self, info: StrategyInfo = INFO, *, fallback: Callable[[Grid, int], str | None] | None = None):
+        """`fallback(grid, world size)`: why a grid runs as something other than `info` names (a preset that
+        runs this pipeline, such as hybrid, says when its grid leaves it no replica), or None."""
+        self.info, self.fallback_of = info, fallback
 
-    # --- before any rank starts -----------------------------------------------------------------
     # --- setup ----------------------------------------------------------------------------------
-        # temporaries (about 2 x the largest parameter) are not counted
 
     def build_model(self, source: ModelSource, *, env: DistEnv) -> nn.Module:
         return source.whole()
@@ -193,6 +194,13 @@ class PipelineStrategy:
     @property
     def model(self) -> nn.Module:
         return self._model
+
+    @property
+    def state(self) -> StrategyState:
+        return self  # its checkpoint, export and live tensors are its engine's, read here
+
+    def report(self) -> StrategyReport:
+        return StrategyReport(layout=self._layout(), fallback=self._fallback(), measurements=self._measurements())
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss_fn on the last stage: the loop's loss sum, returned as its share."""
@@ -352,19 +360,14 @@ class PipelineStrategy:
             **self.optim.audit(before_state=stored, scaler="ShardedGradScaler over all stages"),
         }
 
-    def layout(self) -> str:
+    def _layout(self) -> str:
         options = self.recipe.strategy
         replicas = f" × {self.grid.dp} replicas ({options.data_parallel})" if self.grid.dp > 1 else ""
         return (f"{self.num_stages} stages over {self.grid.pp} ranks{replicas}, schedule {options.schedule} with "
                 f"{self.micro_batches} micro-batches; {self.grid.stages_by_rank(self.parts, options.stages_per_rank)}")
 
-    def fallback(self) -> str | None:
-        if self.info.name != "hybrid" or self.grid.dp > 1:
-            return None
-        pp = self.grid.pp  # a hybrid with one replica per stage is the pipeline strategy: no data parallelism
-        return (f"strategy hybrid with {pp} stages on {self.env.world_size} ranks has one replica per stage, so it "
-                f"runs as strategy pipeline, without data parallelism; use {ranks_option(2 * pp)} for {pp} stages × "
-                "2 replicas")
+    def _fallback(self) -> str | None:
+        return self.fallback_of(self.grid, self.env.world_size) if self.fallback_of is not None else None
 
     def checkpoint_tensors(self) -> dict[str, dict[str, Any]]:
         model: dict[str, Any] = {}
@@ -394,7 +397,7 @@ class PipelineStrategy:
     def load_checkpoint_extra(self, extra: dict[str, Any]) -> None:
         self.optim.load_checkpoint_extra(extra)
 
-    def measurements(self) -> dict[str, Any]:
+    def _measurements(self) -> dict[str, Any]:
         steady = self.bubbles[1:] or self.bubbles  # step 1 also infers the stages' shapes
         # the median: one step run otherwise (step 3 counts collectives in a dispatch mode) does not move it
         return {"stages": self.stage_ids,

@@ -32,9 +32,9 @@ from toolkit.model.build import hf_config
 from toolkit.model.precision import StepResult, dtype_name
 from toolkit.model.tied import without_tied_aliases
 from toolkit.process.dist import DistEnv, ensure_process_group
-from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, each_micro_batch,
-                                     every_rank_a_shard, first_dtype, forward_once, local_abs_max, no_context,
-                                     optimizer_state_tensors, whole_stack_activations)
+from toolkit.strategies.base import (StrategyReport, StrategyState, DataLayout, LossSum, Replicas, SetupArgs, Share,
+                                     StrategyInfo, each_micro_batch, every_rank_a_shard, first_dtype, forward_once,
+                                     local_abs_max, no_context, optimizer_state_tensors, whole_stack_activations)
 from toolkit.strategies.optim import param_groups, schedule_label
 from toolkit.strategies.zero import checkpoint as zero_checkpoint, init as zero_init, memory as zero_state
 from toolkit.strategies.zero.comm import init_deepspeed_comm
@@ -162,6 +162,13 @@ class ZeroStrategy:
     def model(self) -> nn.Module:
         return self.engine
 
+    @property
+    def state(self) -> StrategyState:
+        return self  # its checkpoint, export and live tensors are its engine's, read here
+
+    def report(self) -> StrategyReport:
+        return StrategyReport(layout=self._layout(), fallback=self._fallback(), measurements=self._measurements())
+
     def forward_context(self) -> ContextManager:
         return no_context()  # the engine holds the params in the compute dtype already
 
@@ -242,7 +249,7 @@ class ZeroStrategy:
     def export_module(self) -> nn.Module:
         return self.module
 
-    def measurements(self) -> dict:
+    def _measurements(self) -> dict:
         return {}
 
     # Checkpoints. DeepSpeed keeps its fp32 masters and Adam moments in flat partitions that torch's
@@ -308,14 +315,14 @@ class ZeroStrategy:
                 if key in DS_SCALER_FIELDS:
                     setattr(scaler, key, value)
 
-    def layout(self) -> str:
+    def _layout(self) -> str:
         held = {0: "full parameters, gradients and optimizer state", 1: "full parameters and gradients, 1/N of the "
                 "optimizer state", 2: "full parameters, 1/N of gradients and optimizer state",
                 3: "1/N of parameters, gradients and optimizer state"}[self.stage]
         where = " (optimizer on CPU)" if self.offload_optimizer else ""
         return f"ZeRO-{self.stage}: each of {self.env.world_size} ranks holds {held}{where}; weights: {self.loading}"
 
-    def fallback(self) -> str | None:
+    def _fallback(self) -> str | None:
         return None  # runs as itself on any machine
 
     def close(self) -> None:
