@@ -20,7 +20,7 @@ from toolkit.memory.state_bytes import StateBytes, adam_state
 from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.model.tied import first_names
 from toolkit.process.dist import DistEnv
-from toolkit.strategies.base import (StrategyReport, StrategyState, DataLayout, LossSum, Replicas, SetupArgs, Share,
+from toolkit.strategies.base import (StrategyReport, DataLayout, LossSum, Replicas, SetupArgs, Share,
                                      StrategyInfo, cpu_state_dict, each_micro_batch, every_rank_a_shard, first_dtype,
                                      forward_once, local_abs_max, no_context, whole_stack_activations)
 from toolkit.strategies.torch_optim import TorchOptim, TorchState
@@ -117,17 +117,13 @@ class ReplicatedStrategy:
         optimizer = args.build_optimizer(self.module)
         self.optim = TorchOptim(optimizer, args.build_scheduler(optimizer), amp=self.amp,
                                 names=lambda: first_names(self.module))
-        self._state = TorchState(self.module, self.optim, env=args.env, gathered=False,
-                                 replicas=self._replicas, gradient_abs_max=self._gradient_abs_max,
-                                 audit=self._precision_audit)
+        self.state = TorchState(self.module, self.optim, env=args.env, gathered=False,
+                                replicas=self._replicas, gradient_abs_max=self._gradient_abs_max,
+                                audit=self._precision_audit)
 
     @property
     def model(self) -> nn.Module:
         return self._model
-
-    @property
-    def state(self) -> StrategyState:
-        return self._state
 
     def report(self) -> StrategyReport:
         return StrategyReport(layout=self._layout(), fallback=self._fallback(), measurements=self._measurements())
@@ -175,7 +171,7 @@ class ReplicatedStrategy:
         return self.as_single or self.one_device
 
     def close(self) -> None:
-        del self._model, self.module, self.optim, self._state  # DDP's reducer holds the process group
+        del self._model, self.module, self.optim, self.state  # DDP's reducer holds the process group
 
     def _precision_audit(self) -> dict[str, str]:
         params = list(self.module.parameters())

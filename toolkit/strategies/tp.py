@@ -27,7 +27,7 @@ from toolkit.model import tp_plan as tensor_parallel
 from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.model.tied import first_names
 from toolkit.process.dist import DistEnv, ensure_process_group
-from toolkit.strategies.base import (StrategyReport, StrategyState, DataLayout, LossSum, Replicas, SetupArgs, Share,
+from toolkit.strategies.base import (StrategyReport, DataLayout, LossSum, Replicas, SetupArgs, Share,
                                      StrategyInfo, each_micro_batch, first_dtype, forward_once, gathered_state_dict,
                                      no_context, sharded_abs_max, whole_stack_activations)
 from toolkit.strategies.torch_optim import TorchOptim, TorchState
@@ -108,17 +108,13 @@ class TpStrategy:
         optimizer = args.build_optimizer(self._model)
         self.optim = TorchOptim(optimizer, args.build_scheduler(optimizer), amp=self.amp,
                                 names=lambda: first_names(self._model), clip=tensor_parallel.clip_global_norm)
-        self._state = TorchState(self._model, self.optim, env=args.env, gathered=True,
-                                 replicas=self._replicas, gradient_abs_max=self._gradient_abs_max,
-                                 audit=self._precision_audit)
+        self.state = TorchState(self._model, self.optim, env=args.env, gathered=True,
+                                replicas=self._replicas, gradient_abs_max=self._gradient_abs_max,
+                                audit=self._precision_audit)
 
     @property
     def model(self) -> nn.Module:
         return self._model
-
-    @property
-    def state(self) -> StrategyState:
-        return self._state
 
     def report(self) -> StrategyReport:
         return StrategyReport(layout=self._layout(), fallback=self._fallback(), measurements=self._measurements())
@@ -165,7 +161,7 @@ class TpStrategy:
         return None  # runs as itself on any machine
 
     def close(self) -> None:
-        del self._model, self.optim, self._state, self.mesh, self.partial
+        del self._model, self.optim, self.state, self.mesh, self.partial
 
     def _precision_audit(self) -> dict[str, str]:
         params = list(self._model.parameters())
