@@ -8,6 +8,7 @@ import functools
 import gc
 import importlib
 import importlib.util
+import math
 import os
 import socket
 import sys
@@ -17,6 +18,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from toolkit.config.parallel import MESH_ORDER, Degrees
 from toolkit.errors import ranks_option, under_accelerate
 
 
@@ -234,6 +236,19 @@ def exit_process(exit_code: int) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
+
+
+def world_mesh(env: DistEnv, degrees: Degrees, *, keep: tuple[str, ...] = ()):
+    """The run's one DeviceMesh: its dimensions in MESH_ORDER (pp, dp_replicate, dp_shard, cp, tp, outermost first,
+    as torchtitan lays them out), those of more than one rank and those named in `keep` (a strategy that slices
+    a dimension by name keeps it at size 1). Every dimension's groups are the slices of this one mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = tuple(name for name in MESH_ORDER if getattr(degrees, name) > 1 or name in keep)
+    assert names, "a mesh needs a dimension: keep one"
+    shape = tuple(getattr(degrees, name) for name in names)
+    assert math.prod(shape) == env.world_size, (degrees, env.world_size)
+    return init_device_mesh(env.device.type, shape, mesh_dim_names=names)
 
 
 def barrier(env: DistEnv) -> None:

@@ -34,7 +34,7 @@ from toolkit.model import tp_plan as tensor_parallel
 from toolkit.model.blocks import transformer_blocks
 from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.model.tied import first_names
-from toolkit.process.dist import DistEnv, ensure_process_group
+from toolkit.process.dist import DistEnv, ensure_process_group, world_mesh
 from toolkit.strategies.base import (StrategyReport, DataLayout, LossSum, Replicas, SetupArgs, Share,
                                      StrategyInfo, each_micro_batch, every_rank_a_shard, first_dtype, forward_once,
                                      gathered_state_dict, no_context, sharded_abs_max, whole_stack_activations)
@@ -153,8 +153,8 @@ class FsdpStrategy:
         self.env, self.precision = env, args.recipe.precision
         ensure_process_group(env, strategy=self.info.name)  # the device mesh needs one, even for one rank
         self.tp_degree, self.sequence_parallel = options.tp_degree or 1, options.sequence_parallel
-        self.mesh = build_mesh(env.device.type, world_size=env.world_size, replicate=options.replicate_degree,
-                               tp=self.tp_degree)
+        # one mesh in the layout's order: dp_shard (its groups' ranks the furthest apart), then tp (neighbours)
+        self.mesh = world_mesh(env, degrees(args.recipe, world_size=env.world_size), keep=("dp_shard",))
         compute = None if self.precision == "fp32" else DTYPES[self.precision]
         # reduce in fp32: a bf16 reduce-scatter keeps ~3 significant digits of the summed gradient
         self.mp_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
@@ -164,7 +164,8 @@ class FsdpStrategy:
             model.to(env.device)
         if self.tp_degree > 1:  # TP first, then FSDP over the data-parallel dimension
             tensor_parallel.parallelize(model, self.mesh["tp"], sequence_parallel=options.sequence_parallel)
-        shard = dict(mesh=self.mesh["dp"] if self.tp_degree > 1 else self.mesh, mp_policy=self.mp_policy,
+        # FSDP over dp_shard, or HSDP over the 2-D (dp_replicate, dp_shard) mesh
+        shard = dict(mesh=self.mesh["dp_shard"] if self.tp_degree > 1 else self.mesh, mp_policy=self.mp_policy,
                      reshard_after_forward=options.reshard_after_forward, offload_policy=offload)
         for block in transformer_blocks(model, options.blocks):
             fully_shard(block, **shard)
@@ -223,12 +224,12 @@ class FsdpStrategy:
             return [Replicas(named=named, group=self.mesh.get_group("tp"),
                              description=f"the {self.tp_degree} ranks of each TP group hold the same norm and "
                                          "embedding shards")]
-        if "replicate" not in (self.mesh.mesh_dim_names or ()) or self.mesh["replicate"].size() == 1:
+        if "dp_replicate" not in (self.mesh.mesh_dim_names or ()):
             return []  # every rank holds a different shard
         # HSDP: the ranks at one position of the shard dimension hold the same shards, one per replica group
         named = [(n, p.to_local() if hasattr(p, "to_local") else p) for n, p in self._model.named_parameters()]
-        size = self.mesh["replicate"].size()
-        return [Replicas(named=named, group=self.mesh.get_group("replicate"),
+        size = self.mesh["dp_replicate"].size()
+        return [Replicas(named=named, group=self.mesh.get_group("dp_replicate"),
                          description=f"{size} replica groups hold identical shards")]
 
     def _gradient_abs_max(self) -> dict[str, float] | None:
@@ -266,16 +267,6 @@ class FsdpStrategy:
                     over=" over tp") if self.tp_degree > 1 else ""),
             **self.optim.audit(before_state=stored, scaler="ShardedGradScaler"),
         }
-
-
-def build_mesh(device_type: str, *, world_size: int, replicate: int, tp: int = 1):
-    """The DeviceMesh, built once: 1-D (shard), 2-D (replicate × shard) for HSDP, 2-D (dp × tp) with TP."""
-    if tp > 1:  # consecutive ranks form a TP group (on a GPU node: the fast links)
-        return init_device_mesh(device_type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
-    if replicate > 1:
-        return init_device_mesh(device_type, (replicate, world_size // replicate),
-                                mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
 
 
 def clip_sharded(params, max_norm: float) -> torch.Tensor:

@@ -14,7 +14,6 @@ from typing import Any, ContextManager
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from toolkit.checkpoint.loading import ModelSource, whole_model_bytes
@@ -26,7 +25,7 @@ from toolkit.memory.state_bytes import StateBytes, adam_state, of_shapes
 from toolkit.model import tp_plan as tensor_parallel
 from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.model.tied import first_names
-from toolkit.process.dist import DistEnv, ensure_process_group
+from toolkit.process.dist import DistEnv, ensure_process_group, world_mesh
 from toolkit.strategies.base import (StrategyReport, DataLayout, LossSum, Replicas, SetupArgs, Share,
                                      StrategyInfo, each_micro_batch, first_dtype, forward_once, gathered_state_dict,
                                      no_context, sharded_abs_max, whole_stack_activations)
@@ -98,7 +97,7 @@ class TpStrategy:
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
         self.env, self.sequence_parallel = args.env, args.recipe.strategy.sequence_parallel
         ensure_process_group(args.env, strategy=self.info.name)
-        self.mesh = init_device_mesh(args.env.device.type, (args.env.world_size,), mesh_dim_names=("tp",))
+        self.mesh = world_mesh(args.env, degrees(args.recipe, world_size=args.env.world_size), keep=("tp",))
         self._model = model.to(args.env.device)
         tensor_parallel.parallelize(self._model, self.mesh, sequence_parallel=args.recipe.strategy.sequence_parallel)
         self.partial = tensor_parallel.partial_gradient_params(self._model)  # Qwen3's q_norm, k_norm, ...

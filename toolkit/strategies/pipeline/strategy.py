@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
@@ -38,7 +37,7 @@ from toolkit.data.splits import DataLayout
 from toolkit.memory.state_bytes import StateBytes, largest_block_bytes
 from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.model.stages import Stage, family_of, tied_embedding_names
-from toolkit.process.dist import DistEnv, gather_objects, tensors_on_main
+from toolkit.process.dist import DistEnv, gather_objects, tensors_on_main, world_mesh
 from toolkit.strategies.base import (StrategyReport, StrategyState, LossSum, Replicas, SetupArgs, Share, StrategyInfo,
                                      first_dtype)
 from toolkit.strategies.pipeline.batches import filler, stacked
@@ -112,7 +111,10 @@ class PipelineStrategy:
         env, options, self.recipe = args.env, args.recipe.strategy, args.recipe
         self.env, self.grid = env, grid_of(args.recipe, env.world_size)
         self.pp_rank, self.dp_rank = self.grid.coords(env.rank)
-        self.mesh = init_device_mesh(env.device.type, (self.grid.pp, self.grid.dp), mesh_dim_names=("pp", "dp"))
+        # the stages' replicas: DDP's over dp_replicate, FSDP's over dp_shard (pp outermost, as in the one layout)
+        self.dp_dim = "dp_shard" if options.data_parallel == "fsdp" else "dp_replicate"
+        degrees_here = Degrees(pp=self.grid.pp, **{self.dp_dim: self.grid.dp})
+        self.mesh = world_mesh(env, degrees_here, keep=("pp", self.dp_dim))
         family_of(model)  # a RecipeError for a model without a stage layout
         parts, num_stages = stage_of_blocks(model, args.recipe, self.grid)
         self.parts, self.num_stages = parts, num_stages
@@ -165,15 +167,15 @@ class PipelineStrategy:
             compute = None if recipe.precision == "fp32" else DTYPES[recipe.precision]
             policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
             for block in stage.blocks():
-                fully_shard(block, mesh=self.mesh["dp"], mp_policy=policy)
-            fully_shard(stage, mesh=self.mesh["dp"], mp_policy=policy)
+                fully_shard(block, mesh=self.mesh[self.dp_dim], mp_policy=policy)
+            fully_shard(stage, mesh=self.mesh[self.dp_dim], mp_policy=policy)
             return stage
         if self.grid.dp > 1:
             ids = [self.env.device.index] if self.env.device.type == "cuda" else None
             # find_unused_parameters: DDP's first-iteration bucket rebuild counts each parameter once per
             # micro-batch under a pipeline schedule (its forwards run outside no_sync) and fails an internal
             # check; with this flag DDP does not rebuild its buckets
-            return DistributedDataParallel(stage, process_group=self.mesh.get_group("dp"), device_ids=ids,
+            return DistributedDataParallel(stage, process_group=self.mesh.get_group(self.dp_dim), device_ids=ids,
                                            find_unused_parameters=True, gradient_as_bucket_view=True)
         return stage
 
@@ -294,7 +296,7 @@ class PipelineStrategy:
         if self.grid.dp > 1 and self.recipe.strategy.data_parallel == "ddp":
             named: list[tuple[str, torch.Tensor]] = [(n, p) for s in self.stage_modules
                                                      for n, p in s.named_parameters()]
-            found.append(Replicas(named=named, group=self.mesh.get_group("dp"),
+            found.append(Replicas(named=named, group=self.mesh.get_group(self.dp_dim),
                                   description=f"{self.grid.dp} replicas of each stage (DDP)"))
         copies = [w for w in (s.tied_weight() for s in self.stage_modules) if w is not None]
         if self.tied is not None and self.tied_group is not None:
