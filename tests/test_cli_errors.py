@@ -90,6 +90,12 @@ def test_strategies_lists_every_strategy_with_its_options():
     assert all(f"strategy.{option}" in result.stdout for name in strategy_names()
                for option in strategy_info(name).options)
     assert all(f"  {arm} " in result.stdout for arm in arm_aliases())
+    # every tested combination of parallel degrees, with the preset that runs it
+    from toolkit.config.parallel import PRESETS
+
+    table = result.stdout.split("\nparallel degrees", 1)[1].splitlines()[1:]
+    assert len(table) == len(PRESETS) and ["dp_shard", "×", "tp", "fsdp", "(strategy.tp_degree)"] in [
+        line.split() for line in table]
 
 
 def test_zero_refuses_a_precision_its_accelerator_lacks(tmp_path, tiny_llama_dir, capsys, monkeypatch):

@@ -249,8 +249,9 @@ def cmd_plan(args) -> int:
 
 
 def cmd_strategies(args) -> int:
-    from toolkit.strategies import arm_aliases, strategy_info, strategy_names
+    from toolkit.config.parallel import presets
     from toolkit.config.recipe import StrategyConfig
+    from toolkit.strategies import arm_aliases, strategy_info, strategy_names
 
     defaults = StrategyConfig()
     width = max(map(len, strategy_names()))
@@ -263,6 +264,9 @@ def cmd_strategies(args) -> int:
     print("\ncompare arms (toolkit compare --strategies a,b,...; add overrides as arm@key=value):")
     for alias, overrides in arm_aliases().items():
         print(f"  {alias:<14} {' '.join(overrides)}")
+    print("\nparallel degrees (a recipe's parallel: section; world = their product) and the preset that runs them:")
+    for combination, name, options in presets():
+        print(f"  {' × '.join(combination) or '(none)':<24} {name}" + (f" ({', '.join(options)})" if options else ""))
     return 0
 
 

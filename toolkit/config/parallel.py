@@ -66,6 +66,14 @@ PRESETS: dict[frozenset[str], tuple[str, Any]] = {
 }
 
 
+def presets() -> list[tuple[tuple[str, ...], str, tuple[str, ...]]]:
+    """Each tested combination (its dimensions in mesh order), the preset that runs it and the strategy options the
+    degrees set: what `toolkit strategies` lists."""
+    return [(tuple(name for name in MESH_ORDER if name in combination), preset,
+             tuple(f"strategy.{key}" for key in options_of(Degrees(**dict.fromkeys(combination, 2)))))
+            for combination, (preset, options_of) in PRESETS.items()]
+
+
 def degrees_of(recipe: Recipe, *, world_size: int) -> Degrees:
     """The recipe's `parallel:` degrees at `world_size`, an unset dp_shard filling the rest of the world."""
     given = recipe.parallel
