@@ -21,8 +21,11 @@ _SERVER.set_forkserver_preload(["torch.distributed.run"])
 def run_torchrun(args: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     """As subprocess.run([python, "-m", "torch.distributed.run", *args], cwd=cwd, env=env, capture_output=True,
     text=True, timeout=timeout)."""
-    command = [sys.executable, "-m", "torch.distributed.run", *args]
     with tempfile.TemporaryDirectory(prefix="torchrun-") as tmp:
+        # torch's agent logs in this launch's own folder, removed with it (its default: a torchelastic_* folder
+        # in the temporary folder, left there after every launch)
+        args = ["--log-dir", str(Path(tmp) / "agent"), *args] if "--log-dir" not in args else args
+        command = [sys.executable, "-m", "torch.distributed.run", *args]
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
         process = _SERVER.Process(target=_torchrun_main, args=(args, str(cwd), env, str(out), str(err)))
         process.start()
