@@ -31,6 +31,16 @@ class Grid:
 
     pp: int
     dp: int
+    sharded: bool = False  # a stage's dp replicas shard it (FSDP2, the layout's dp_shard) or hold it whole (DDP)
+
+    @property
+    def dp_dim(self) -> str:
+        """The layout dimension the dp replicas span (process.dist.world_mesh)."""
+        return "dp_shard" if self.sharded else "dp_replicate"
+
+    @property
+    def dp_kind(self) -> str:
+        return "fsdp" if self.sharded else "ddp"
 
     def coords(self, rank: int) -> tuple[int, int]:
         return divmod(rank, self.dp)
@@ -56,6 +66,8 @@ class Grid:
 
 
 def grid_of(recipe: Recipe, world_size: int) -> Grid:
+    """The rank grid of a pipeline, from the options of the preset that runs it (the only place that reads them):
+    strategy.pipeline_degree stages (unset: every rank is one) × replicas by strategy.data_parallel."""
     degree = recipe.strategy.pipeline_degree  # unset: every rank is a stage (strategy pipeline)
     if degree is not None and degree < 2:  # 0 once meant "every rank" without a word
         raise RecipeError(f"strategy.pipeline_degree must be >= 2 (pipeline stages), got {degree}; leave it unset "
@@ -67,7 +79,7 @@ def grid_of(recipe: Recipe, world_size: int) -> Grid:
     if world_size % pp:
         raise RecipeError(f"world size {world_size} is not divisible by strategy.pipeline_degree {pp}; use a "
                           "multiple of it")
-    return Grid(pp=pp, dp=world_size // pp)
+    return Grid(pp=pp, dp=world_size // pp, sharded=recipe.strategy.data_parallel == "fsdp")
 
 
 def stage_of_blocks(model: nn.Module, recipe: Recipe, grid: Grid) -> tuple[list[int], int]:

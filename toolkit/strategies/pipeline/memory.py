@@ -36,7 +36,7 @@ def state_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: int) -
     first and the last stage, once each), whole under ddp, dim-0 shards under fsdp."""
     options, grid, dtype = recipe.strategy, grid_of(recipe, world_size), DTYPES[recipe.model.load_dtype]
     parts, num_stages = stage_of_blocks(model, recipe, grid)
-    local = dim0_shard(grid.dp) if options.data_parallel == "fsdp" and grid.dp > 1 else whole
+    local = dim0_shard(grid.dp) if grid.sharded and grid.dp > 1 else whole
     per_pp_rank = []
     for pp_rank in range(grid.pp):
         total = StateBytes(params_bytes=0, grads_bytes=0, optim_bytes=0)
@@ -52,7 +52,7 @@ def activation_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: i
     """Each rank's stages (cut as setup cuts them) with the micro-batches its schedule keeps in flight, and
     the receive buffers of every micro-batch."""
     options, grid = recipe.strategy, grid_of(recipe, world_size)
-    if options.data_parallel == "fsdp" and recipe.precision != "fp32":  # the replicas' MixedPrecisionPolicy
+    if grid.sharded and recipe.precision != "fp32":  # the replicas' MixedPrecisionPolicy
         how = {**how, "params_dtype": DTYPES[recipe.precision]}
     parts, num_stages = stage_of_blocks(model, recipe, grid)
     micro_batches = plan_batch(recipe.batch, world_size=grid.dp).grad_accum_steps

@@ -87,7 +87,7 @@ class PipelineRules:
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         # a stage's blocks are whole under ddp; fully_shard over dp gathers one block at a time
-        return largest_block_bytes(model, recipe) if recipe.strategy.data_parallel == "fsdp" else 0
+        return largest_block_bytes(model, recipe) if grid_of(recipe, world_size).sharded else 0
 
     def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
                                  how: dict[str, Any]) -> list[int]:
@@ -112,9 +112,8 @@ class PipelineStrategy:
         self.env, self.grid = env, grid_of(args.recipe, env.world_size)
         self.pp_rank, self.dp_rank = self.grid.coords(env.rank)
         # the stages' replicas: DDP's over dp_replicate, FSDP's over dp_shard (pp outermost, as in the one layout)
-        self.dp_dim = "dp_shard" if options.data_parallel == "fsdp" else "dp_replicate"
-        degrees_here = Degrees(pp=self.grid.pp, **{self.dp_dim: self.grid.dp})
-        self.mesh = world_mesh(env, degrees_here, keep=("pp", self.dp_dim))
+        self.dp_dim = self.grid.dp_dim
+        self.mesh = world_mesh(env, Degrees(pp=self.grid.pp, **{self.dp_dim: self.grid.dp}), keep=("pp", self.dp_dim))
         family_of(model)  # a RecipeError for a model without a stage layout
         parts, num_stages = stage_of_blocks(model, args.recipe, self.grid)
         self.parts, self.num_stages = parts, num_stages
@@ -163,7 +162,7 @@ class PipelineStrategy:
 
     def _replicate(self, stage: Stage, recipe: Recipe) -> nn.Module:
         """A stage's replicas over the dp dimension: DDP (all-reduce) or FSDP2 (shards); as is without any."""
-        if recipe.strategy.data_parallel == "fsdp":
+        if self.grid.sharded:
             compute = None if recipe.precision == "fp32" else DTYPES[recipe.precision]
             policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
             for block in stage.blocks():
@@ -263,7 +262,7 @@ class PipelineStrategy:
         if local:
             squares = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in local])) ** 2
         # stages hold different tensors; fsdp shards them further over dp, ddp replicas hold the same
-        group = None if self.recipe.strategy.data_parallel == "fsdp" else self.mesh.get_group("pp")
+        group = None if self.grid.sharded else self.mesh.get_group("pp")
         dist.all_reduce(squares, group=group)
         total = squares.sqrt()
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -293,7 +292,7 @@ class PipelineStrategy:
         """A stage's DDP replicas over dp, then the tied embedding's two copies (first and last stage: two
         optimizers update them, kept equal only by the gradient sum in _sync_tied) over the tied group."""
         found = []
-        if self.grid.dp > 1 and self.recipe.strategy.data_parallel == "ddp":
+        if self.grid.dp > 1 and not self.grid.sharded:
             named: list[tuple[str, torch.Tensor]] = [(n, p) for s in self.stage_modules
                                                      for n, p in s.named_parameters()]
             found.append(Replicas(named=named, group=self.mesh.get_group(self.dp_dim),
@@ -352,8 +351,8 @@ class PipelineStrategy:
         stored = first_dtype(_local(p) for p in params)
         grads = [p.grad for p in params if p.grad is not None]
         compute = dtype_name(stored) if self.amp.precision == "fp32" else f"{self.amp.precision} (autocast)"
-        reduce = {"ddp": f"all-reduce mean over {self.grid.dp} replicas", "fsdp": "reduce-scatter mean"}[
-            self.recipe.strategy.data_parallel] if self.grid.dp > 1 else "none: one replica per stage"
+        reduce = ("reduce-scatter mean" if self.grid.sharded else f"all-reduce mean over {self.grid.dp} replicas") \
+            if self.grid.dp > 1 else "none: one replica per stage"
         return {
             "forward_params": compute,
             "master_weights": dtype_name(stored),
@@ -364,7 +363,7 @@ class PipelineStrategy:
 
     def _layout(self) -> str:
         options = self.recipe.strategy
-        replicas = f" × {self.grid.dp} replicas ({options.data_parallel})" if self.grid.dp > 1 else ""
+        replicas = f" × {self.grid.dp} replicas ({self.grid.dp_kind})" if self.grid.dp > 1 else ""
         return (f"{self.num_stages} stages over {self.grid.pp} ranks{replicas}, schedule {options.schedule} with "
                 f"{self.micro_batches} micro-batches; {self.grid.stages_by_rank(self.parts, options.stages_per_rank)}")
 
