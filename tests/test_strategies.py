@@ -63,3 +63,18 @@ def test_a_rank_makes_its_strategy_once(tmp_path, tiny_llama_dir, monkeypatch):
                                       train={"max_steps": 1}))
     result = train(recipe, DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
     assert made == ["single"] and len(result.losses) == 1
+
+
+def test_every_strategy_module_exposes_what_the_registry_reads():
+    # the registry reads each module's INFO, RULES, build and degrees by name: a module that lost one fails here,
+    # not in the first run that asks for it
+    from toolkit.strategies import _module
+    from toolkit.strategies.base import StrategyInfo
+
+    for name in strategy_names():
+        module = _module(name)
+        assert isinstance(module.INFO, StrategyInfo) and module.INFO.name == name, name
+        assert callable(module.build) and callable(module.degrees), name
+        assert all(callable(getattr(module.RULES, member)) for member in (
+            "info", "validate", "data_layout", "predict_state_bytes", "predict_load_bytes", "predict_step_bytes",
+            "predict_gathered_bytes", "predict_activation_bytes")), name

@@ -21,7 +21,7 @@ from toolkit.checkpoint.store import read_run_info
 from toolkit.compare.experiment import RECORD_GRADIENT_SCALE, Arm, Experiment
 from toolkit.compare.verdict import flatten
 from toolkit.config.files import load_recipe, path_keys, recipe_to_dict
-from toolkit.errors import INTERRUPTED_EXIT_CODE as INTERRUPTED, RecipeError, USER_ERROR_EXIT_CODE, error_line
+from toolkit.errors import INTERRUPTED_EXIT_CODE as INTERRUPTED, USER_ERROR_EXIT_CODE, RecipeError, error_line
 from toolkit.observe.metrics import read_record
 from toolkit.observe.tracking import tensorboard_dir
 

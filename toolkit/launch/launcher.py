@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 from toolkit.errors import (NONFINITE_EXIT_CODE, REPLICA_DRIFT_EXIT_CODE, SAID_DIR_ENV, USER_ERROR_EXIT_CODE,
                             RecipeError, failure_said, first_line, ranks_option, under_accelerate)
-from toolkit.launch.exits import (Failure, describe_failures, failed_ranks, nonfinite_elsewhere,
-                                  stopped_together)
+from toolkit.launch.exits import Failure, describe_failures, failed_ranks, nonfinite_elsewhere, stopped_together
 from toolkit.process.orphans import LAUNCHER_PID_ENV
 
 

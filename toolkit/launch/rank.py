@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from toolkit.errors import (INTERRUPTED_EXIT_CODE, NONFINITE_EXIT_CODE, REPLICA_DRIFT_EXIT_CODE, USER_ERROR_EXIT_CODE,
-                            RecipeError, first_line, mark_failure_said, mark_final, say_once,
-                            say_user_error)
+                            RecipeError, first_line, mark_failure_said, mark_final, say_once, say_user_error)
 from toolkit.process.cleanup import entries, remove_made
 
 if TYPE_CHECKING:

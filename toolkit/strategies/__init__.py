@@ -30,10 +30,12 @@ _MODULES = {
 if TYPE_CHECKING:  # the type checker holds every strategy class to the protocol
     from toolkit.strategies.fsdp import FsdpRules, FsdpStrategy
     from toolkit.strategies.hybrid import HybridRules
-    from toolkit.strategies.pipeline.strategy import PipelineRules, PipelineStrategy
+    from toolkit.strategies.pipeline.rules import PipelineRules
+    from toolkit.strategies.pipeline.strategy import PipelineStrategy
     from toolkit.strategies.replicated import ReplicatedRules, ReplicatedStrategy
     from toolkit.strategies.tp import TpRules, TpStrategy
-    from toolkit.strategies.zero.engine import ZeroRules, ZeroStrategy
+    from toolkit.strategies.zero.engine import ZeroStrategy
+    from toolkit.strategies.zero.rules import ZeroRules
 
     _PROTOCOL_CHECK: tuple[type[Strategy], ...] = (ReplicatedStrategy, FsdpStrategy, ZeroStrategy, PipelineStrategy,
                                                    TpStrategy)

@@ -13,7 +13,7 @@ from toolkit.config.recipe import Recipe
 from toolkit.errors import RecipeError
 from toolkit.process.dist import ensure_process_group
 from toolkit.strategies.base import SetupArgs, StrategyInfo
-from toolkit.strategies.replicated import ReplicatedRules, Replication, ReplicatedStrategy
+from toolkit.strategies.replicated import ReplicatedRules, ReplicatedStrategy, Replication
 
 INFO = StrategyInfo(
     name="ddp", averages_gradients=True, exports_in_place=True, plain_data_parallel=True,

@@ -14,7 +14,7 @@ from torch import nn
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.strategies.base import SetupArgs, StrategyInfo
-from toolkit.strategies.replicated import ReplicatedRules, Replication, ReplicatedStrategy
+from toolkit.strategies.replicated import ReplicatedRules, ReplicatedStrategy, Replication
 
 INFO = StrategyInfo(
     name="dp", one_process=True, holds_gradients=False, tied_gradients=2, exports_in_place=True,

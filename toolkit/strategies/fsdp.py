@@ -35,8 +35,8 @@ from toolkit.model.blocks import transformer_blocks
 from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.model.tied import first_names
 from toolkit.process.dist import DistEnv, ensure_process_group, world_mesh
-from toolkit.strategies.base import (StrategyReport, DataLayout, LossSum, Replicas, SetupArgs, Share,
-                                     StrategyInfo, each_micro_batch, every_rank_a_shard, first_dtype, forward_once,
+from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport,
+                                     each_micro_batch, every_rank_a_shard, first_dtype, forward_once,
                                      gathered_state_dict, no_context, sharded_abs_max, whole_stack_activations)
 from toolkit.strategies.torch_optim import TorchOptim, TorchState
 

@@ -25,8 +25,9 @@ from toolkit.process.dist import ensure_process_group
 from toolkit.strategies.base import DataLayout, SetupArgs, Strategy, StrategyInfo, StrategyRules
 from toolkit.strategies.model_parallel import check_model_split, one_device, place_model
 from toolkit.strategies.pipeline.layout import Grid
-from toolkit.strategies.pipeline.strategy import OPTIONS, PipelineRules, PipelineStrategy
-from toolkit.strategies.replicated import ReplicatedRules, Replication, ReplicatedStrategy
+from toolkit.strategies.pipeline.rules import OPTIONS, PipelineRules
+from toolkit.strategies.pipeline.strategy import PipelineStrategy
+from toolkit.strategies.replicated import ReplicatedRules, ReplicatedStrategy, Replication
 
 INFO = StrategyInfo(
     name="hybrid", averages_gradients=True, lora=False, options=(*OPTIONS, "pipeline_degree", "data_parallel", "devices"),

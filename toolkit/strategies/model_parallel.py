@@ -17,7 +17,7 @@ from toolkit.config.recipe import Recipe
 from toolkit.model.blocks import count_blocks
 from toolkit.model.placement import check_split, parse_devices, place_over_devices
 from toolkit.strategies.base import SetupArgs, StrategyInfo
-from toolkit.strategies.replicated import ReplicatedRules, Replication, ReplicatedStrategy
+from toolkit.strategies.replicated import ReplicatedRules, ReplicatedStrategy, Replication
 
 INFO = StrategyInfo(
     name="model_parallel", one_process=True, lora=False, holds_gradients=False, tied_gradients=2, exports_in_place=True,

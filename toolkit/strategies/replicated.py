@@ -20,9 +20,9 @@ from toolkit.memory.state_bytes import StateBytes, adam_state
 from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.model.tied import first_names
 from toolkit.process.dist import DistEnv
-from toolkit.strategies.base import (StrategyReport, DataLayout, LossSum, Replicas, SetupArgs, Share,
-                                     StrategyInfo, cpu_state_dict, each_micro_batch, every_rank_a_shard, first_dtype,
-                                     forward_once, local_abs_max, no_context, whole_stack_activations)
+from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport,
+                                     cpu_state_dict, each_micro_batch, every_rank_a_shard, first_dtype, forward_once,
+                                     local_abs_max, no_context, whole_stack_activations)
 from toolkit.strategies.torch_optim import TorchOptim, TorchState
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.strategies.base import StrategyInfo
-from toolkit.strategies.replicated import ReplicatedRules, Replication, ReplicatedStrategy
+from toolkit.strategies.replicated import ReplicatedRules, ReplicatedStrategy, Replication
 
 INFO = StrategyInfo(
     name="single", one_process=True, holds_gradients=False, tied_gradients=2, exports_in_place=True,

@@ -37,8 +37,8 @@ from toolkit.observe import profiling, tracking
 from toolkit.observe.comm import CollectiveCounter, count_step, counting
 from toolkit.observe.consistency import check_groups, check_replicas
 from toolkit.observe.gradient_scale import GradientScale
-from toolkit.observe.metrics import (Progress, compile_graph_breaks, compile_seconds, peak_memory_bytes,
-                                     process_bytes, synchronize)
+from toolkit.observe.metrics import (Progress, compile_graph_breaks, compile_seconds, peak_memory_bytes, process_bytes,
+                                     synchronize)
 from toolkit.process import faults
 from toolkit.process.dist import DistEnv, all_reduce_max, all_reduce_sum
 from toolkit.process.stopping import NonFinite, SkippedSteps, StopSignals, Stopped

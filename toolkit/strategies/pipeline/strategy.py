@@ -29,72 +29,20 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from toolkit.checkpoint.loading import ModelSource, whole_model_bytes
+from toolkit.checkpoint.loading import ModelSource
 from toolkit.checkpoint.state import Read
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
-from toolkit.data.splits import DataLayout
-from toolkit.memory.state_bytes import StateBytes, largest_block_bytes
 from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.model.stages import Stage, family_of, tied_embedding_names
 from toolkit.process.dist import DistEnv, gather_objects, tensors_on_main, world_mesh
-from toolkit.strategies.base import (StrategyReport, StrategyState, LossSum, Replicas, SetupArgs, Share, StrategyInfo,
+from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport, StrategyState,
                                      first_dtype)
 from toolkit.strategies.pipeline.batches import filler, stacked
-from toolkit.strategies.pipeline.layout import (SCHEDULES, Grid, check_recipe, count_busy_time, grid_of,
-                                                stage_of_blocks, theoretical_bubble, uncount_shape_inference)
+from toolkit.strategies.pipeline.layout import (SCHEDULES, Grid, count_busy_time, grid_of, stage_of_blocks,
+                                                theoretical_bubble, uncount_shape_inference)
+from toolkit.strategies.pipeline.rules import INFO, RULES  # noqa: F401 (RULES: the registry reads it here)
 from toolkit.strategies.torch_optim import TorchOptim
-
-OPTIONS = ("schedule", "stages_per_rank", "split", "blocks")  # hybrid adds pipeline_degree and data_parallel
-
-INFO = StrategyInfo(
-    name="pipeline", averages_gradients=True, lora=False, options=OPTIONS, tied_gradients=0,
-    summary="one stage of consecutive blocks per rank, micro-batches pipelined (torch.distributed.pipelining); "
-            "1/N of the model per rank, an idle bubble of (N-1)/(m+N-1)",
-    arms={"pp-gpipe": ("strategy.name=pipeline", "strategy.schedule=gpipe"),
-          "pp-1f1b": ("strategy.name=pipeline", "strategy.schedule=1f1b"),
-          "pp-interleaved": ("strategy.name=pipeline", "strategy.schedule=interleaved-1f1b",
-                             "strategy.stages_per_rank=2")})
-
-
-class PipelineRules:
-    """What a pipeline is before any process group: its checks, data layout and memory rules (toolkit plan)."""
-
-    def __init__(self, info: StrategyInfo = INFO) -> None:
-        self._info = info  # hybrid's pipeline form has its own
-
-    def info(self, recipe: Recipe) -> StrategyInfo:
-        return self._info
-
-    def validate(self, recipe: Recipe, *, world_size: int) -> None:
-        check_recipe(recipe, world_size=world_size)
-
-    def data_layout(self, recipe: Recipe, *, world_size: int, rank: int) -> DataLayout:
-        grid = grid_of(recipe, world_size)
-        return DataLayout(rank=grid.coords(rank)[1], size=grid.dp)  # a replica's stages read the same samples
-
-    def predict_state_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
-        from toolkit.strategies.pipeline.memory import state_bytes_per_rank
-
-        return state_bytes_per_rank(model, recipe, world_size=world_size)
-
-    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
-        return [whole_model_bytes(model, recipe)] * world_size  # every rank builds the whole model: each then keeps its stages
-
-    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
-        return 0  # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's
-        # temporaries (about 2 x the largest parameter) are not counted
-
-    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
-        # a stage's blocks are whole under ddp; fully_shard over dp gathers one block at a time
-        return largest_block_bytes(model, recipe) if grid_of(recipe, world_size).sharded else 0
-
-    def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
-                                 how: dict[str, Any]) -> list[int]:
-        from toolkit.strategies.pipeline.memory import activation_bytes_per_rank
-
-        return activation_bytes_per_rank(model, recipe, world_size=world_size, how=how)
-
 
 class PipelineStrategy:
     def __init__(self, info: StrategyInfo = INFO, *, fallback: Callable[[Grid, int], str | None] | None = None):
@@ -414,8 +362,6 @@ class PipelineStrategy:
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
-
-RULES = PipelineRules()
 
 
 def build(recipe: Recipe) -> PipelineStrategy:

@@ -1,0 +1,67 @@
+"""What `pipeline` is before any process group exists: its INFO, the checks a launcher and every rank make, which
+data shard a rank reads (its replica's) and the memory rules `toolkit plan` predicts with (pipeline/memory.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from toolkit.checkpoint.loading import whole_model_bytes
+from toolkit.config.recipe import Recipe
+from toolkit.memory.state_bytes import StateBytes, largest_block_bytes
+from toolkit.strategies.base import DataLayout, StrategyInfo
+from toolkit.strategies.pipeline.layout import check_recipe, grid_of
+
+OPTIONS = ("schedule", "stages_per_rank", "split", "blocks")  # hybrid adds pipeline_degree and data_parallel
+
+INFO = StrategyInfo(
+    name="pipeline", averages_gradients=True, lora=False, options=OPTIONS, tied_gradients=0,
+    summary="one stage of consecutive blocks per rank, micro-batches pipelined (torch.distributed.pipelining); "
+            "1/N of the model per rank, an idle bubble of (N-1)/(m+N-1)",
+    arms={"pp-gpipe": ("strategy.name=pipeline", "strategy.schedule=gpipe"),
+          "pp-1f1b": ("strategy.name=pipeline", "strategy.schedule=1f1b"),
+          "pp-interleaved": ("strategy.name=pipeline", "strategy.schedule=interleaved-1f1b",
+                             "strategy.stages_per_rank=2")})
+
+
+class PipelineRules:
+    """What a pipeline is before any process group: its checks, data layout and memory rules (toolkit plan)."""
+
+    def __init__(self, info: StrategyInfo = INFO) -> None:
+        self._info = info  # hybrid's pipeline form has its own
+
+    def info(self, recipe: Recipe) -> StrategyInfo:
+        return self._info
+
+    def validate(self, recipe: Recipe, *, world_size: int) -> None:
+        check_recipe(recipe, world_size=world_size)
+
+    def data_layout(self, recipe: Recipe, *, world_size: int, rank: int) -> DataLayout:
+        grid = grid_of(recipe, world_size)
+        return DataLayout(rank=grid.coords(rank)[1], size=grid.dp)  # a replica's stages read the same samples
+
+    def predict_state_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
+        from toolkit.strategies.pipeline.memory import state_bytes_per_rank
+
+        return state_bytes_per_rank(model, recipe, world_size=world_size)
+
+    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+        return [whole_model_bytes(model, recipe)] * world_size  # every rank builds the whole model: each then keeps its stages
+
+    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+        return 0  # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's
+        # temporaries (about 2 x the largest parameter) are not counted
+
+    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+        # a stage's blocks are whole under ddp; fully_shard over dp gathers one block at a time
+        return largest_block_bytes(model, recipe) if grid_of(recipe, world_size).sharded else 0
+
+    def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
+                                 how: dict[str, Any]) -> list[int]:
+        from toolkit.strategies.pipeline.memory import activation_bytes_per_rank
+
+        return activation_bytes_per_rank(model, recipe, world_size=world_size, how=how)
+
+
+RULES = PipelineRules()
