@@ -15,9 +15,10 @@ Noise-driven weights: a tensor whose gradient, in every step of the reference ru
   ignores a constant added to every score of a query). Adam turns that noise into steps of ~lr with
   random sign, which follow the strategy's summation order, not the maths: such tensors are listed
   with their |Δ| and not judged. The reference arm records the gradient scale (run.json).
-Rounding reference: fp32 bounds alone can be flipped by rounding: an element of a signal tensor (o_proj,
-  down_proj of a 4-block Qwen2) moved by 1.0-1.2e-5 when the same run started from weights × (1 + 1e-7·N(0,1)),
-  at the bound. So compare runs the reference once more from such a start (train.init_perturbation 1e-7, about
+Rounding reference: fp32 bounds alone can be flipped by rounding: single vs tp on a 4-block Qwen2 (hidden 256,
+  4 steps at lr 1e-3) "diverged in final weights" on 2 of 3 seeds by the fixed bound alone (one element of a
+  v_proj or o_proj, |Δ| 1.2-1.7e-5), and the same run started from weights × (1 + 1e-7·N(0,1)) moved weights by
+  up to 2.5e-5-1.1e-4 (docs/compare.md). So compare runs the reference once more from such a start (train.init_perturbation 1e-7, about
   fp32's unit roundoff; one single-process run). Per step, the loss and grad-norm bound is the larger of the
   fp32 one and 4 × the largest relative difference the perturbed run showed up to that step; per tensor, the
   element bound is the larger of the fp32 one and 4 × the largest |Δ| the perturbation moved that tensor by
@@ -29,7 +30,9 @@ agree, some judged tensor does not), each naming what differs between the two ar
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterable
 from pathlib import Path
 
 FP32_RTOL = 1e-5
@@ -61,13 +64,17 @@ def grad_norm_rtol(num_params: int) -> float:
     return FP32_RTOL + 4.0 * math.sqrt(num_params) * UNIT_ROUNDOFF["fp32"]
 
 
+def running_max(steps: Iterable[tuple[float, ...]]) -> list[float]:
+    """Per step, the largest of its values and every earlier step's, from 0 (a nan is passed over: max(0.0, nan)
+    is 0.0)."""
+    return list(itertools.accumulate(steps, lambda worst, values: max(worst, *values), initial=0.0))[1:]
+
+
 def noise_envelope(calib_a: list[dict], calib_b: list[dict], precision: str) -> list[float]:
     """Per-step bound from two reference runs that differ only in reduction order."""
-    bound, worst = [], 0.0
-    for a, b in zip(calib_a, calib_b):
-        worst = max(worst, relative(a["loss"], b["loss"]), relative(a["grad_norm"], b["grad_norm"]))
-        bound.append(max(NOISE_FACTOR * worst, UNIT_ROUNDOFF[precision]))
-    return bound
+    worst = running_max((relative(a["loss"], b["loss"]), relative(a["grad_norm"], b["grad_norm"]))
+                        for a, b in zip(calib_a, calib_b))
+    return [max(NOISE_FACTOR * w, UNIT_ROUNDOFF[precision]) for w in worst]
 
 
 def first_difference(arm: list[dict], ref: list[dict], *, loss_tol, norm_tol) -> dict | None:
@@ -108,12 +115,9 @@ def rounding_scale(perturbed: dict, ref: dict) -> dict | None:
 
     if len(perturbed["metrics"]) != len(ref["metrics"]):
         return None
-    loss, norm, worst_loss, worst_norm = [], [], 0.0, 0.0
-    for a, r in zip(perturbed["metrics"], ref["metrics"]):
-        worst_loss = max(worst_loss, relative(a["loss"], r["loss"]))
-        worst_norm = max(worst_norm, relative(a["grad_norm"], r["grad_norm"]))
-        loss.append(worst_loss)
-        norm.append(worst_norm)
+    pairs = list(zip(perturbed["metrics"], ref["metrics"]))
+    loss = running_max((relative(a["loss"], r["loss"]),) for a, r in pairs)
+    norm = running_max((relative(a["grad_norm"], r["grad_norm"]),) for a, r in pairs)
     moved_weights = load_file(str(_weights_file(Path(perturbed["dir"]) / "model")))
     ref_weights = load_file(str(_weights_file(Path(ref["dir"]) / "model")))
     if moved_weights.keys() != ref_weights.keys():
