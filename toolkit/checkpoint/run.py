@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from toolkit.atomic import write_text_whole
 from toolkit.checkpoint import digest, state, store

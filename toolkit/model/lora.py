@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import warnings
 
-import torch
 from torch import nn
 
 from toolkit.config.recipe import LoraOptions

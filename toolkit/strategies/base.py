@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Protocol, cast
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Protocol
 
 import torch
 from torch import nn

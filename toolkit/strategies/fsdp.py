@@ -19,13 +19,11 @@ from typing import Any, ContextManager, cast
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from toolkit.checkpoint.loading import ModelSource, load_sharded, materialize, whole_model_bytes
-from toolkit.checkpoint.state import Read, model_tensors
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.errors import RecipeError
@@ -36,8 +34,8 @@ from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.model.tied import first_names
 from toolkit.process.dist import DistEnv, ensure_process_group, world_mesh
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport,
-                                     each_micro_batch, every_rank_a_shard, first_dtype, forward_once,
-                                     gathered_state_dict, no_context, sharded_abs_max, whole_stack_activations)
+                                     each_micro_batch, every_rank_a_shard, first_dtype, forward_once, no_context,
+                                     sharded_abs_max, whole_stack_activations)
 from toolkit.strategies.torch_optim import TorchOptim, TorchState
 
 INFO = StrategyInfo(

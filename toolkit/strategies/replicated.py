@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from toolkit.checkpoint.loading import ModelSource
-from toolkit.checkpoint.state import Read, model_tensors
 from toolkit.config.recipe import Recipe
 from toolkit.errors import RecipeError, ranks_option
 from toolkit.memory.state_bytes import StateBytes, adam_state
@@ -21,8 +20,8 @@ from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.model.tied import first_names
 from toolkit.process.dist import DistEnv
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport,
-                                     cpu_state_dict, each_micro_batch, every_rank_a_shard, first_dtype, forward_once,
-                                     local_abs_max, no_context, whole_stack_activations)
+                                     each_micro_batch, every_rank_a_shard, first_dtype, forward_once, local_abs_max,
+                                     no_context, whole_stack_activations)
 from toolkit.strategies.torch_optim import TorchOptim, TorchState
 
 
