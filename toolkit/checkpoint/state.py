@@ -32,6 +32,7 @@ from toolkit.errors import RecipeError, first_line
 from toolkit.model.tied import without_tied_aliases
 from toolkit.process.dist import DistEnv, barrier
 
+
 class Read(Protocol):
     """{"optim": {...}} (and "model" where a strategy keeps masters of its own) -> the same, filled in place;
     with `pieces`, those too (a ZeRO rank's views of its flat partitions: fragments.py)."""

@@ -10,7 +10,8 @@ of the global-batch mean loss, scaled by the loop for the strategy's gradient re
 the gradient every rank ends up with is the gradient of the global-batch mean. Most strategies run the
 micro-batches one by one (`each_micro_batch`); a pipeline hands all of them to its schedule.
 
-A strategy is one module in this package exposing `INFO` and `build()`, plus one line in the registry
+A strategy is one module in this package exposing `INFO`, `RULES` (its StrategyRules: checks, data layout,
+memory rules), `build()` (the Strategy a rank trains with) and `degrees()`, plus one line in the registry
 (`toolkit/strategies/__init__.py`). Nothing outside this package compares strategy names.
 """
 

@@ -106,6 +106,11 @@ class TorchState:
         return self.module
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        params: list[torch.Tensor] = list(self.module.parameters())
-        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
-                "optim": self.optim.state_tensors()}
+        return live_state_tensors(self.module, self.optim)
+
+
+def live_state_tensors(module: nn.Module, optim: TorchOptim) -> dict[str, list[torch.Tensor]]:
+    """A rank's parameters, gradients and optimizer state (StrategyState.state_tensors) where `module` holds
+    every parameter `optim` steps."""
+    params: list[torch.Tensor] = list(module.parameters())
+    return {"params": params, "grads": [p.grad for p in params if p.grad is not None], "optim": optim.state_tensors()}

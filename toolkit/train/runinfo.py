@@ -32,6 +32,7 @@ from toolkit.strategies import layout_line, strategy_degrees
 from toolkit.strategies.base import storage_bytes
 from toolkit.strategies.optim import schedule_label
 
+
 @dataclass(eq=False)
 class RunRecord:
     """run.json as a run builds it: `fields` is the file's content, written whole; beside it, what the run keeps

@@ -42,7 +42,8 @@ from toolkit.strategies.pipeline.batches import filler, stacked
 from toolkit.strategies.pipeline.layout import (SCHEDULES, Grid, count_busy_time, grid_of, stage_of_blocks,
                                                 theoretical_bubble, uncount_shape_inference)
 from toolkit.strategies.pipeline.rules import INFO, RULES  # noqa: F401 (RULES: the registry reads it here)
-from toolkit.strategies.torch_optim import TorchOptim
+from toolkit.strategies.torch_optim import TorchOptim, live_state_tensors
+
 
 class PipelineStrategy:
     def __init__(self, info: StrategyInfo = INFO, *, fallback: Callable[[Grid, int], str | None] | None = None):
@@ -290,9 +291,7 @@ class PipelineStrategy:
         return self.skeleton
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        params: list[torch.Tensor] = list(self._model.parameters())
-        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
-                "optim": self.optim.state_tensors()}
+        return live_state_tensors(self._model, self.optim)
 
     def precision_audit(self) -> dict[str, str]:
         params = list(self._model.parameters())
@@ -361,7 +360,6 @@ class PipelineStrategy:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
 
 
 def build(recipe: Recipe) -> PipelineStrategy:

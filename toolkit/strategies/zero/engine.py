@@ -39,6 +39,7 @@ from toolkit.strategies.zero.config import configured_stage, hidden_size_of, off
 from toolkit.strategies.zero.optim import cpu_adam_like, optimizer_label_of
 from toolkit.strategies.zero.rules import INFO, RULES, partitioned_at_creation
 
+
 class ZeroStrategy:
     info = INFO
     schedule_label = ""  # setup: the recipe's schedule, or the DeepSpeed scheduler a JSON block names
