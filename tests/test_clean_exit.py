@@ -58,7 +58,7 @@ PROBE = textwrap.dedent("""
     from toolkit.strategies import make_strategy
     from toolkit.strategies.base import SetupArgs
     from toolkit.config.files import load_recipe
-    from toolkit.strategies.optim import build_adamw, build_scheduler
+    from toolkit.strategies.optim.adamw import build_adamw, build_scheduler
 
     recipe = load_recipe(sys.argv[1], ["strategy.name=ddp"])
     env = init_distributed()

@@ -8,7 +8,7 @@ from torch import nn
 
 from toolkit.config.recipe import OptimConfig
 from toolkit.strategies.base import optimizer_label
-from toolkit.strategies.optim import build_adamw
+from toolkit.strategies.optim.adamw import build_adamw
 
 
 @pytest.fixture

@@ -70,7 +70,7 @@ def main() -> None:
     from toolkit.checkpoint.loading import ModelSource
     from toolkit.train.loop import setup_strategy
     from toolkit.model.build import load_tokenizer
-    from toolkit.strategies.optim import param_groups
+    from toolkit.strategies.optim.adamw import param_groups
     from toolkit.config.recipe import plan_batch
     from toolkit.config.files import load_recipe
     from toolkit.strategies import make_strategy

@@ -10,32 +10,42 @@ from torch.nn.parallel import DistributedDataParallel
 
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
+from toolkit.config.strategy_options import option_names, options_of, strategy_options
 from toolkit.errors import RecipeError
-from toolkit.process.dist import ensure_process_group
+from toolkit.process.dist import ensure_process_group, world_mesh
 from toolkit.strategies.base import SetupArgs, StrategyInfo
+from toolkit.strategies.parallelize import DdpWrap, parallelize
 from toolkit.strategies.replicated import ReplicatedRules, ReplicatedStrategy, Replication
+
+@strategy_options
+class DdpOptions:
+    """The strategy.<option> keys ddp reads (their defaults and trade-offs: docs/recipe-keys.md)."""
+
+    find_unused_parameters: bool
+    bucket_cap_mb: float
+
+
+OPTIONS = DdpOptions  # the registry reads it by this name
+
 
 INFO = StrategyInfo(
     name="ddp", averages_gradients=True, exports_in_place=True, plain_data_parallel=True,
-    options=("find_unused_parameters", "bucket_cap_mb"),
+    options=option_names(DdpOptions),
     summary="DistributedDataParallel: a full replica per rank, gradients all-reduced; fastest when the model fits",
     arms={"ddp": ("strategy.name=ddp",)})
 
 
 def wrap_ddp(module: nn.Module, args: SetupArgs) -> nn.Module:
-    options = args.recipe.strategy
-    ensure_process_group(args.env, strategy=INFO.name)  # DDP needs a group, even of one rank
-    device_ids = [args.env.device.index] if args.env.device.type == "cuda" else None
-    # gradient_as_bucket_view: .grad are views into DDP's all-reduce buckets. Without it DDP keeps a second
-    # copy of every gradient in its buckets (measured: 17.7 MiB beside llama-tiny's 17.7 MiB of gradients,
-    # found by the live-tensor census in run.json); same reduction, same numbers
-    return DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=options.bucket_cap_mb,
-                                   find_unused_parameters=options.find_unused_parameters,
-                                   gradient_as_bucket_view=True)
+    options, env = options_of(DdpOptions, args.recipe), args.env
+    ensure_process_group(env, strategy=INFO.name)  # DDP needs a group, even of one rank
+    # a 1-D mesh over the world: its group is the default one (no new group is made)
+    mesh = world_mesh(env, degrees(args.recipe, world_size=env.world_size), keep=("dp_replicate",))
+    wrap = DdpWrap(bucket_cap_mb=options.bucket_cap_mb, find_unused_parameters=options.find_unused_parameters)
+    return parallelize(module, mesh=mesh, env=env, units=[], data_parallel=wrap)
 
 
 def check_buckets(recipe: Recipe, world_size: int) -> None:
-    size_mb = recipe.strategy.bucket_cap_mb  # DDP takes 0 or less without a word, and inf as an overflow
+    size_mb = options_of(DdpOptions, recipe).bucket_cap_mb  # DDP takes 0 or less without a word, and inf as an overflow
     if not 0 < size_mb < math.inf:
         raise RecipeError(f"strategy.bucket_cap_mb must be a finite number > 0 (MiB per gradient bucket), got "
                           f"{size_mb}; DDP's default is 25")

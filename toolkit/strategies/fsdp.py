@@ -20,12 +20,13 @@ from typing import Any, ContextManager, cast
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from toolkit.checkpoint.loading import ModelSource, load_sharded, materialize, whole_model_bytes
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
+from toolkit.config.strategy_options import option_names, options_of, strategy_options
 from toolkit.errors import RecipeError
 from toolkit.memory.state_bytes import StateBytes, adam_state, dim0_shard, dim0_shard_of, element_bytes
 from toolkit.model import tp_plan as tensor_parallel
@@ -36,11 +37,27 @@ from toolkit.process.dist import DistEnv, ensure_process_group, world_mesh
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport,
                                      each_micro_batch, every_rank_a_shard, first_dtype, forward_once, no_context,
                                      sharded_abs_max, whole_stack_activations)
-from toolkit.strategies.torch_optim import TorchOptim, TorchState
+from toolkit.strategies.parallelize import FsdpWrap, parallelize
+from toolkit.strategies.optim.torch_optim import TorchOptim, TorchState
+
+@strategy_options
+class FsdpOptions:
+    """The strategy.<option> keys fsdp reads (their defaults and trade-offs: docs/recipe-keys.md)."""
+
+    reshard_after_forward: bool
+    cpu_offload: bool
+    replicate_degree: int  # > 1: HSDP (parallel.dp_replicate)
+    blocks: tuple[str, ...] | None
+    tp_degree: int | None  # > 1: fsdp × tp (parallel.tp)
+    sequence_parallel: bool
+
+
+OPTIONS = FsdpOptions  # the registry reads it by this name
+
 
 INFO = StrategyInfo(
     name="fsdp", averages_gradients=True, accelerate_plugin="fsdp", casts_parameters=True, holds_gradients=False,
-    options=("reshard_after_forward", "cpu_offload", "replicate_degree", "blocks", "tp_degree", "sequence_parallel"),
+    options=option_names(FsdpOptions),
     summary="FSDP2 fully_shard per block: params, grads, optimizer state sharded 1/N; all-gathers per block",
     arms={"fsdp": ("strategy.name=fsdp",),
           "fsdp-noreshard": ("strategy.name=fsdp", "strategy.reshard_after_forward=false"),
@@ -55,12 +72,13 @@ class FsdpRules:
         return INFO
 
     def validate(self, recipe: Recipe, *, world_size: int) -> None:
-        replicate = recipe.strategy.replicate_degree
+        options = options_of(FsdpOptions, recipe)
+        replicate = options.replicate_degree
         if replicate < 1:
             raise RecipeError("strategy.replicate_degree must be >= 1")
         if world_size % replicate:
             raise RecipeError(f"strategy.replicate_degree {replicate} does not divide world size {world_size}")
-        tp = recipe.strategy.tp_degree
+        tp = options.tp_degree
         if tp is not None and tp < 1:  # 0 would silently mean fsdp alone, a negative one a negative mesh
             raise RecipeError(f"strategy.tp_degree must be >= 1, got {tp}; leave it unset for FSDP alone")
         if tp is not None and tp > 1:
@@ -76,20 +94,20 @@ class FsdpRules:
             if recipe.train.compile:
                 raise RecipeError("train.compile is not available with strategy.tp_degree yet (torch.compile fails on "
                                   "DTensor-split blocks with a RecursionError); set train.compile: false or drop tp_degree")
-        elif recipe.strategy.sequence_parallel:
+        elif options.sequence_parallel:
             raise RecipeError("strategy.sequence_parallel needs tensor parallelism: set strategy.tp_degree (2 or more)")
         if recipe.precision == "fp16" and recipe.optim.implementation == "fused":
             raise RecipeError("optim.implementation fused cannot run under fsdp in fp16 (torch's ShardedGradScaler "
                               "hands the fused AdamW kernel a found-inf tensor of the wrong shape); use auto or loop")
 
     def data_layout(self, recipe: Recipe, *, world_size: int, rank: int) -> DataLayout:
-        tp = recipe.strategy.tp_degree or 1  # the ranks of a TP group (consecutive) read one shard
+        tp = options_of(FsdpOptions, recipe).tp_degree or 1  # the ranks of a TP group (consecutive) read one shard
         return every_rank_a_shard(world_size=world_size // tp, rank=rank // tp)
 
     def predict_state_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
         # parameters stay in their load dtype (MixedPrecisionPolicy casts a block's copy for compute only);
         # gradients are reduced into that dtype; AdamW state alike. CPU offload moves the bytes, not their count.
-        options, dtype = recipe.strategy, DTYPES[recipe.model.load_dtype]
+        options, dtype = options_of(FsdpOptions, recipe), DTYPES[recipe.model.load_dtype]
         tp = options.tp_degree or 1
         if tp > 1:
             local = dim0_shard_of(tensor_parallel.local_shapes(model, tp), world_size // tp)
@@ -114,7 +132,7 @@ class FsdpRules:
         # forward to backward: it does not reshard the root after forward (measured: +119 MiB, a 30522 x 1024 fp32
         # embedding, for the whole step). reshard_after_forward false keeps every unit gathered until its
         # backward: the whole model
-        options, compute = recipe.strategy, element_bytes(DTYPES[recipe.precision])
+        options, compute = options_of(FsdpOptions, recipe), element_bytes(DTYPES[recipe.precision])
         units = [sum(p.numel() for p in block.parameters()) for block in transformer_blocks(model, options.blocks)]
         everything = sum(p.numel() for p in model.parameters())  # a tied weight once
         tp = options.tp_degree or 1  # a block's split layers hold 1/tp of it on each rank
@@ -125,7 +143,7 @@ class FsdpRules:
     def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
                                  how: dict[str, Any]) -> list[int]:
         return whole_stack_activations(model, recipe, world_size=world_size, how=how,
-                                       tp_degree=recipe.strategy.tp_degree or 1)
+                                       tp_degree=options_of(FsdpOptions, recipe).tp_degree or 1)
 
 
 class FsdpStrategy:
@@ -147,27 +165,21 @@ class FsdpStrategy:
         return source.empty() if source.recipe.model.low_memory_loading else source.whole()
 
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
-        options, env = args.recipe.strategy, args.env
+        options, env = options_of(FsdpOptions, args.recipe), args.env
         self.env, self.precision = env, args.recipe.precision
         ensure_process_group(env, strategy=self.info.name)  # the device mesh needs one, even for one rank
         self.tp_degree, self.sequence_parallel = options.tp_degree or 1, options.sequence_parallel
         # one mesh in the layout's order: dp_shard (its groups' ranks the furthest apart), then tp (neighbours)
         self.mesh = world_mesh(env, degrees(args.recipe, world_size=env.world_size), keep=("dp_shard",))
-        compute = None if self.precision == "fp32" else DTYPES[self.precision]
-        # reduce in fp32: a bf16 reduce-scatter keeps ~3 significant digits of the summed gradient
-        self.mp_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
-        offload = CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if options.cpu_offload else OffloadPolicy()
+        wrap = FsdpWrap(precision=self.precision, reshard_after_forward=options.reshard_after_forward,
+                        cpu_offload=options.cpu_offload)
+        self.mp_policy = wrap.mp_policy
         empty = any(p.is_meta for p in model.parameters())  # build_model left it empty: shard first, then load
         if not options.cpu_offload and not empty:
             model.to(env.device)
-        if self.tp_degree > 1:  # TP first, then FSDP over the data-parallel dimension
-            tensor_parallel.parallelize(model, self.mesh["tp"], sequence_parallel=options.sequence_parallel)
-        # FSDP over dp_shard, or HSDP over the 2-D (dp_replicate, dp_shard) mesh
-        shard = dict(mesh=self.mesh["dp_shard"] if self.tp_degree > 1 else self.mesh, mp_policy=self.mp_policy,
-                     reshard_after_forward=options.reshard_after_forward, offload_policy=offload)
-        for block in transformer_blocks(model, options.blocks):
-            fully_shard(block, **shard)
-        fully_shard(model, **shard)
+        # tp (when the mesh has it), then FSDP over dp_shard, or HSDP over (dp_replicate, dp_shard)
+        parallelize(model, mesh=self.mesh, env=env, units=transformer_blocks(model, options.blocks),
+                    data_parallel=wrap, sequence_parallel=options.sequence_parallel)
         self.loading = "every rank built the whole model, then kept its shards"
         if empty:  # offloaded shards live on the CPU
             assert args.source is not None  # build_model left the model empty: the source fills it
@@ -281,5 +293,6 @@ def build(recipe: Recipe) -> FsdpStrategy:
 
 
 def degrees(recipe: Recipe, *, world_size: int) -> Degrees:
-    replicate, tp = recipe.strategy.replicate_degree, recipe.strategy.tp_degree or 1
+    options = options_of(FsdpOptions, recipe)
+    replicate, tp = options.replicate_degree, options.tp_degree or 1
     return Degrees(dp_replicate=replicate, dp_shard=world_size // (replicate * tp), tp=tp)

@@ -19,18 +19,37 @@ from torch.nn.parallel import DistributedDataParallel
 
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
+from toolkit.config.strategy_options import option_names, options_of, strategy_options
 from toolkit.errors import RecipeError, ranks_option
 from toolkit.memory.state_bytes import StateBytes
-from toolkit.process.dist import ensure_process_group
+from toolkit.process.dist import ensure_process_group, world_mesh
 from toolkit.strategies.base import DataLayout, SetupArgs, Strategy, StrategyInfo, StrategyRules
 from toolkit.strategies.model_parallel import check_model_split, one_device, place_model
+from toolkit.strategies.parallelize import DdpWrap, parallelize
 from toolkit.strategies.pipeline.layout import Grid
-from toolkit.strategies.pipeline.rules import OPTIONS, PipelineRules
+from toolkit.strategies.pipeline.rules import PipelineRules
 from toolkit.strategies.pipeline.strategy import PipelineStrategy
 from toolkit.strategies.replicated import ReplicatedRules, ReplicatedStrategy, Replication
 
+@strategy_options
+class HybridOptions:
+    """The strategy.<option> keys hybrid reads (their defaults and trade-offs: docs/recipe-keys.md): the pipeline's,
+    and how its stages are replicated; or, without pipeline_degree, a model split over devices × ddp."""
+
+    schedule: str
+    stages_per_rank: int
+    split: tuple[int, ...] | None
+    blocks: tuple[str, ...] | None
+    pipeline_degree: int | None
+    data_parallel: str
+    devices: tuple[str, ...] | None
+
+
+OPTIONS = HybridOptions  # the registry reads it by this name
+
+
 INFO = StrategyInfo(
-    name="hybrid", averages_gradients=True, lora=False, options=(*OPTIONS, "pipeline_degree", "data_parallel", "devices"),
+    name="hybrid", averages_gradients=True, lora=False, options=option_names(HybridOptions),
     exports_in_place=True,  # the model split over devices × DDP; the pipeline form below does not
     summary="a split model × data parallel: pipeline stages replicated by DDP or sharded by FSDP over a "
             "(pp × dp) mesh, or a model split over devices in each process × DDP",
@@ -40,7 +59,7 @@ INFO = StrategyInfo(
 
 
 def check_model_split_ddp(recipe: Recipe, world_size: int) -> None:
-    options = recipe.strategy
+    options = options_of(HybridOptions, recipe)
     if options.data_parallel != "ddp":
         raise RecipeError("hybrid without strategy.pipeline_degree splits the model inside each process and "
                           "replicates it with ddp; set strategy.data_parallel=ddp, or a pipeline_degree for fsdp")
@@ -50,9 +69,10 @@ def check_model_split_ddp(recipe: Recipe, world_size: int) -> None:
 
 
 def wrap_ddp(module: nn.Module, args: SetupArgs) -> nn.Module:
-    # a module over several devices: DDP takes no device_ids and reduces each parameter where it lives
     ensure_process_group(args.env, strategy=INFO.name)  # DDP needs a group, even of one rank
-    return DistributedDataParallel(module, device_ids=None, gradient_as_bucket_view=True)  # no second gradient copy
+    mesh = world_mesh(args.env, degrees(args.recipe, world_size=args.env.world_size), keep=("dp_replicate",))
+    # a module over several devices: DDP takes no device_ids and reduces each parameter where it lives
+    return parallelize(module, mesh=mesh, env=args.env, units=[], data_parallel=DdpWrap(one_device=False))
 
 
 MODEL_SPLIT_DDP = Replication(
@@ -70,7 +90,7 @@ class HybridRules:
     """The pipeline's rules with strategy.pipeline_degree, a model split × DDP's without: each form's own."""
 
     def _form(self, recipe: Recipe) -> StrategyRules:
-        return PIPELINE_RULES if recipe.strategy.pipeline_degree is not None else MODEL_SPLIT_RULES
+        return PIPELINE_RULES if options_of(HybridOptions, recipe).pipeline_degree is not None else MODEL_SPLIT_RULES
 
     def info(self, recipe: Recipe) -> StrategyInfo:
         return self._form(recipe).info(recipe)
@@ -115,16 +135,17 @@ def pipeline_form() -> PipelineStrategy:
 
 
 def build(recipe: Recipe) -> Strategy:
-    if recipe.strategy.pipeline_degree is not None:
+    if options_of(HybridOptions, recipe).pipeline_degree is not None:
         return pipeline_form()
     return ReplicatedStrategy(MODEL_SPLIT_DDP)
 
 
 def degrees(recipe: Recipe, *, world_size: int) -> Degrees:
-    stages = recipe.strategy.pipeline_degree
+    options = options_of(HybridOptions, recipe)
+    stages = options.pipeline_degree
     if stages is None:  # a model split over one process's devices, × ddp over the ranks
         return Degrees(dp_replicate=world_size)
     replicas = world_size // stages
-    if recipe.strategy.data_parallel == "fsdp":
+    if options.data_parallel == "fsdp":
         return Degrees(pp=stages, dp_shard=replicas)
     return Degrees(pp=stages, dp_replicate=replicas)

@@ -22,7 +22,7 @@ from toolkit.process.dist import DistEnv
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport,
                                      each_micro_batch, every_rank_a_shard, first_dtype, forward_once, local_abs_max,
                                      no_context, whole_stack_activations)
-from toolkit.strategies.torch_optim import TorchOptim, TorchState
+from toolkit.strategies.optim.torch_optim import TorchOptim, TorchState
 
 
 def on_rank_device(module: nn.Module, args: SetupArgs) -> tuple[nn.Module, torch.device, str]:

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from toolkit.checkpoint.loading import ModelSource, whole_model_bytes
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
+from toolkit.config.strategy_options import option_names, options_of, strategy_options
 from toolkit.errors import RecipeError
 from toolkit.memory.state_bytes import StateBytes, adam_state, of_shapes
 from toolkit.model import tp_plan as tensor_parallel
@@ -28,11 +29,23 @@ from toolkit.process.dist import DistEnv, ensure_process_group, world_mesh
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport,
                                      each_micro_batch, first_dtype, forward_once, no_context, sharded_abs_max,
                                      whole_stack_activations)
-from toolkit.strategies.torch_optim import TorchOptim, TorchState
+from toolkit.strategies.parallelize import parallelize
+from toolkit.strategies.optim.torch_optim import TorchOptim, TorchState
+
+@strategy_options
+class TpOptions:
+    """The strategy.<option> keys tp reads (their defaults and trade-offs: docs/recipe-keys.md)."""
+
+    tp_degree: int | None  # unset, or the world size: tp always splits over every rank
+    sequence_parallel: bool
+
+
+OPTIONS = TpOptions  # the registry reads it by this name
+
 
 INFO = StrategyInfo(
     name="tp", averages_gradients=True, lora=False, compiles=False, holds_gradients=False, tied_gradients=2,
-    options=("tp_degree", "sequence_parallel"),
+    options=option_names(TpOptions),
     summary="tensor parallel: attention heads and MLP columns split over the ranks, one activation all-reduce "
             "per block; every rank reads the same batch",
     arms={"tp": ("strategy.name=tp",), "tp-sp": ("strategy.name=tp", "strategy.sequence_parallel=true")})
@@ -45,7 +58,7 @@ class TpRules:
         return INFO
 
     def validate(self, recipe: Recipe, *, world_size: int) -> None:
-        degree = recipe.strategy.tp_degree
+        degree = options_of(TpOptions, recipe).tp_degree
         if degree is not None and degree != world_size:
             # fsdp's tp_degree is the other reading only for a group size it can make of these ranks
             groups = 1 < degree < world_size and world_size % degree == 0
@@ -94,11 +107,12 @@ class TpStrategy:
         return source.whole()
 
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
-        self.env, self.sequence_parallel = args.env, args.recipe.strategy.sequence_parallel
+        self.env, self.sequence_parallel = args.env, options_of(TpOptions, args.recipe).sequence_parallel
         ensure_process_group(args.env, strategy=self.info.name)
         self.mesh = world_mesh(args.env, degrees(args.recipe, world_size=args.env.world_size), keep=("tp",))
-        self._model = model.to(args.env.device)
-        tensor_parallel.parallelize(self._model, self.mesh, sequence_parallel=args.recipe.strategy.sequence_parallel)
+        # tp alone: no data-parallel wrap (every rank computes the whole batch, no gradient to reduce)
+        self._model = parallelize(model.to(args.env.device), mesh=self.mesh, env=args.env, units=[],
+                                  data_parallel=None, sequence_parallel=self.sequence_parallel)
         self.partial = tensor_parallel.partial_gradient_params(self._model)  # Qwen3's q_norm, k_norm, ...
         self.amp = Amp(args.recipe.precision, args.env.device)
         # auto: fused, as elsewhere; the split layers (DTensors) and the replicated rest (plain) in groups of their

@@ -44,7 +44,7 @@ from toolkit.process.dist import DistEnv, all_reduce_max, all_reduce_sum
 from toolkit.process.stopping import NonFinite, SkippedSteps, StopSignals, Stopped
 from toolkit.strategies import import_runtime_modules
 from toolkit.strategies.base import Replicas, SetupArgs, Strategy
-from toolkit.strategies.optim import build_adamw, build_scheduler
+from toolkit.strategies.optim.adamw import build_adamw, build_scheduler
 from toolkit.train import runinfo
 from toolkit.train.evaluate import evaluate
 from toolkit.train.prepare import prepare

@@ -7,7 +7,7 @@ from toolkit.config.recipe import EVAL_EVERY_DEFAULT, Recipe
 
 
 def warmup_note(warmup_steps: int, total_steps: int) -> str:
-    """Optimizer step k of a warm-up of w steps runs at (k+1)/(w+1) of optim.lr (toolkit.strategies.optim.lr_factor): a
+    """Optimizer step k of a warm-up of w steps runs at (k+1)/(w+1) of optim.lr (toolkit.strategies.optim.adamw.lr_factor): a
     warm-up as long as the run never reaches optim.lr nor follows optim.schedule."""
     return (f"[toolkit] optim.warmup_steps {warmup_steps} is not below the run's {total_steps} optimizer steps: "
             f"the lr ends at {total_steps / (warmup_steps + 1):.0%} of optim.lr and never follows optim.schedule")

@@ -30,7 +30,7 @@ from toolkit.process.dist import DistEnv, all_reduce_max, gather_objects
 from toolkit.process.stopping import NonFinite, SkippedSteps, Stopped
 from toolkit.strategies import layout_line, strategy_degrees
 from toolkit.strategies.base import storage_bytes
-from toolkit.strategies.optim import schedule_label
+from toolkit.strategies.optim.adamw import schedule_label
 
 
 @dataclass(eq=False)

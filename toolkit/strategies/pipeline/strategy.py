@@ -24,25 +24,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 
 from toolkit.checkpoint.loading import ModelSource
 from toolkit.checkpoint.state import Read
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
-from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
+from toolkit.config.strategy_options import options_of
+from toolkit.model.precision import Amp, StepResult, dtype_name
 from toolkit.model.stages import Stage, family_of, tied_embedding_names
 from toolkit.process.dist import DistEnv, gather_objects, tensors_on_main, world_mesh
 from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport, StrategyState,
                                      first_dtype)
+from toolkit.strategies.parallelize import DdpWrap, FsdpWrap, parallelize
 from toolkit.strategies.pipeline.batches import filler, stacked
 from toolkit.strategies.pipeline.layout import (SCHEDULES, Grid, count_busy_time, grid_of, stage_of_blocks,
                                                 theoretical_bubble, uncount_shape_inference)
-from toolkit.strategies.pipeline.rules import INFO, RULES  # noqa: F401 (RULES: the registry reads it here)
-from toolkit.strategies.torch_optim import TorchOptim, live_state_tensors
+from toolkit.strategies.pipeline.rules import INFO, OPTIONS, RULES, PipelineOptions  # noqa: F401 (the registry reads OPTIONS, RULES here)
+from toolkit.strategies.optim.torch_optim import TorchOptim, live_state_tensors
 
 
 class PipelineStrategy:
@@ -57,7 +58,7 @@ class PipelineStrategy:
         return source.whole()
 
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
-        env, options, self.recipe = args.env, args.recipe.strategy, args.recipe
+        env, options, self.recipe = args.env, options_of(PipelineOptions, args.recipe), args.recipe
         self.env, self.grid = env, grid_of(args.recipe, env.world_size)
         self.pp_rank, self.dp_rank = self.grid.coords(env.rank)
         # the stages' replicas: DDP's over dp_replicate, FSDP's over dp_shard (pp outermost, as in the one layout)
@@ -110,22 +111,16 @@ class PipelineStrategy:
         return ShardedGradScaler(device_type, process_group=dist.group.WORLD)
 
     def _replicate(self, stage: Stage, recipe: Recipe) -> nn.Module:
-        """A stage's replicas over the dp dimension: DDP (all-reduce) or FSDP2 (shards); as is without any."""
+        """A stage's replicas over the dp dimension: FSDP2 (shards) or DDP (all-reduce); as is without any."""
+        wrap: FsdpWrap | DdpWrap | None = None
         if self.grid.sharded:
-            compute = None if recipe.precision == "fp32" else DTYPES[recipe.precision]
-            policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
-            for block in stage.blocks():
-                fully_shard(block, mesh=self.mesh[self.dp_dim], mp_policy=policy)
-            fully_shard(stage, mesh=self.mesh[self.dp_dim], mp_policy=policy)
-            return stage
-        if self.grid.dp > 1:
-            ids = [self.env.device.index] if self.env.device.type == "cuda" else None
+            wrap = FsdpWrap(precision=recipe.precision)
+        elif self.grid.dp > 1:
             # find_unused_parameters: DDP's first-iteration bucket rebuild counts each parameter once per
             # micro-batch under a pipeline schedule (its forwards run outside no_sync) and fails an internal
             # check; with this flag DDP does not rebuild its buckets
-            return DistributedDataParallel(stage, process_group=self.mesh.get_group(self.dp_dim), device_ids=ids,
-                                           find_unused_parameters=True, gradient_as_bucket_view=True)
-        return stage
+            wrap = DdpWrap(find_unused_parameters=True)
+        return parallelize(stage, mesh=self.mesh, env=self.env, units=list(stage.blocks()), data_parallel=wrap)
 
     def _tied_group(self):
         """Per replica, the group of the ranks holding the first and the last stage (every rank creates
@@ -309,7 +304,7 @@ class PipelineStrategy:
         }
 
     def _layout(self) -> str:
-        options = self.recipe.strategy
+        options = options_of(PipelineOptions, self.recipe)
         replicas = f" × {self.grid.dp} replicas ({self.grid.dp_kind})" if self.grid.dp > 1 else ""
         return (f"{self.num_stages} stages over {self.grid.pp} ranks{replicas}, schedule {options.schedule} with "
                 f"{self.micro_batches} micro-batches; {self.grid.stages_by_rank(self.parts, options.stages_per_rank)}")

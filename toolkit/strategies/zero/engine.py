@@ -32,12 +32,12 @@ from toolkit.process.dist import DistEnv, ensure_process_group
 from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, StrategyReport, StrategyState,
                                      each_micro_batch, first_dtype, forward_once, local_abs_max, no_context,
                                      optimizer_state_tensors)
-from toolkit.strategies.optim import param_groups, schedule_label
+from toolkit.strategies.optim.adamw import param_groups, schedule_label
 from toolkit.strategies.zero import checkpoint as zero_checkpoint, init as zero_init
 from toolkit.strategies.zero.comm import init_deepspeed_comm
 from toolkit.strategies.zero.config import configured_stage, hidden_size_of, offloads, resolve_ds_config, stage_of
 from toolkit.strategies.zero.optim import cpu_adam_like, optimizer_label_of
-from toolkit.strategies.zero.rules import INFO, RULES, partitioned_at_creation
+from toolkit.strategies.zero.rules import INFO, OPTIONS, RULES, partitioned_at_creation  # noqa: F401 (OPTIONS: the registry reads it here)
 
 
 class ZeroStrategy:

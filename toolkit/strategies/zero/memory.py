@@ -24,7 +24,7 @@ from torch import nn
 from toolkit.config.recipe import Recipe, plan_batch
 from toolkit.memory.state_bytes import ADAM_MOMENTS, StateBytes, element_bytes, largest_block_bytes
 from toolkit.model.precision import DTYPES
-from toolkit.strategies.optim import param_groups
+from toolkit.strategies.optim.adamw import param_groups
 from toolkit.strategies.zero.config import hidden_size_of, offloads, resolve_ds_config, stage_of
 
 FP32 = 4
