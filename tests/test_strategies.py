@@ -1,8 +1,12 @@
 """The strategy registry: every strategy's own checks run before any rank starts, by name only here."""
 
+import dataclasses
+import re
+
 import pytest
 
 from toolkit.config.files import recipe_from_dict
+from toolkit.config.strategy_options import option_names
 from toolkit.errors import RecipeError
 from toolkit.strategies import arm_aliases, make_strategy, strategy_info, strategy_names, validate_strategy
 
@@ -75,6 +79,45 @@ def test_every_strategy_module_exposes_what_the_registry_reads():
         module = _module(name)
         assert isinstance(module.INFO, StrategyInfo) and module.INFO.name == name, name
         assert callable(module.build) and callable(module.degrees), name
+        assert dataclasses.is_dataclass(module.OPTIONS) and module.INFO.options == option_names(module.OPTIONS), name
         assert all(callable(getattr(module.RULES, member)) for member in (
             "info", "validate", "data_layout", "predict_state_bytes", "predict_load_bytes", "predict_step_bytes",
             "predict_gathered_bytes", "predict_activation_bytes")), name
+
+
+def test_every_strategy_key_belongs_to_a_strategy_options_dataclass():
+    # each strategy declares the keys it reads as a dataclass of its own; the recipe's one strategy section holds
+    # each key's type and default. A key no strategy declares could be set and never read: nothing would refuse it
+    from toolkit.config.recipe import StrategyConfig
+    from toolkit.strategies import _module
+
+    declared = {option for name in strategy_names() for option in option_names(_module(name).OPTIONS)}
+    keys = {f.name for f in dataclasses.fields(StrategyConfig)} - {"name"}
+    assert declared == keys
+
+
+def test_an_options_dataclass_refuses_a_key_of_another_type_or_a_default_of_its_own():
+    # the options dataclasses are views of the recipe's section: a field typed apart from it, or with a second
+    # default, would let a strategy read something the recipe never holds
+    from toolkit.config.strategy_options import strategy_options
+
+    with pytest.raises(AssertionError, match=re.escape("tp_degree: int, but the recipe's is int | None")):
+        @strategy_options
+        class Retyped:
+            tp_degree: int
+    with pytest.raises(AssertionError, match="the default lives in StrategyConfig only"):
+        @strategy_options
+        class Defaulted:
+            cpu_offload: bool = True
+    with pytest.raises(AssertionError, match="not a strategy.<option> key"):
+        @strategy_options
+        class Unknown:
+            no_such_key: bool
+
+
+def test_a_strategy_reads_its_options_from_the_recipe():
+    from toolkit.config.strategy_options import options_of
+    from toolkit.strategies.fsdp import FsdpOptions
+
+    options = options_of(FsdpOptions, recipe(name="fsdp", cpu_offload=True))
+    assert options.cpu_offload is True and options.reshard_after_forward is True and options.tp_degree is None

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from toolkit.config.parallel import Degrees, resolve
 from toolkit.config.recipe import BatchPlan, Recipe, plan_batch
 from toolkit.errors import RecipeError
+from toolkit.config.strategy_options import option_names
 from toolkit.strategies.base import DataLayout, Strategy, StrategyInfo, StrategyRules
 
 _MODULES = {
@@ -121,7 +122,7 @@ def _check_options(recipe: Recipe) -> None:
     config = recipe.strategy
     owners: dict[str, list[str]] = {}
     for name in _MODULES:
-        for option in strategy_info(name).options:
+        for option in option_names(_module(name).OPTIONS):
             owners.setdefault(option, []).append(name)
     for f in dataclasses.fields(config):
         readers = owners.get(f.name)

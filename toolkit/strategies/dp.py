@@ -13,11 +13,14 @@ from torch import nn
 
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
+from toolkit.config.strategy_options import NoOptions, option_names
 from toolkit.strategies.base import SetupArgs, StrategyInfo
 from toolkit.strategies.replicated import ReplicatedRules, ReplicatedStrategy, Replication
 
+OPTIONS = NoOptions  # reads no strategy.<option> key
+
 INFO = StrategyInfo(
-    name="dp", one_process=True, holds_gradients=False, tied_gradients=2, exports_in_place=True,
+    name="dp", one_process=True, holds_gradients=False, tied_gradients=2, exports_in_place=True, options=option_names(OPTIONS),
     summary="torch.nn.DataParallel: one process splits each batch over the visible GPUs; full model on GPU 0",
     arms={"dp": ("strategy.name=dp",)})
 

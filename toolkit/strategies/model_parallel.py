@@ -14,14 +14,27 @@ from torch import nn
 
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
+from toolkit.config.strategy_options import option_names, options_of, strategy_options
 from toolkit.model.blocks import count_blocks
 from toolkit.model.placement import check_split, parse_devices, place_over_devices
 from toolkit.strategies.base import SetupArgs, StrategyInfo
 from toolkit.strategies.replicated import ReplicatedRules, ReplicatedStrategy, Replication
 
+@strategy_options
+class ModelParallelOptions:
+    """The strategy.<option> keys model_parallel reads (their defaults and trade-offs: docs/recipe-keys.md)."""
+
+    devices: tuple[str, ...] | None
+    split: tuple[int, ...] | None
+    blocks: tuple[str, ...] | None
+
+
+OPTIONS = ModelParallelOptions  # the registry reads it by this name
+
+
 INFO = StrategyInfo(
     name="model_parallel", one_process=True, lora=False, holds_gradients=False, tied_gradients=2, exports_in_place=True,
-    options=("devices", "split", "blocks"),
+    options=option_names(ModelParallelOptions),
     summary="one process, the model split by blocks over strategy.devices; fits a model no single device holds, "
             "one device busy at a time",
     arms={"mp": ("strategy.name=model_parallel",)})
@@ -29,13 +42,14 @@ INFO = StrategyInfo(
 
 def check_model_split(recipe: Recipe, world_size: int) -> None:
     """The device list and the split against the model's blocks, before any rank starts."""
-    devices = parse_devices(recipe.strategy.devices, local_rank=max(0, world_size - 1))
-    check_split(recipe.strategy.split, num_blocks=count_blocks(recipe.model, recipe.strategy.blocks),
+    options = options_of(ModelParallelOptions, recipe)
+    devices = parse_devices(options.devices, local_rank=max(0, world_size - 1))
+    check_split(options.split, num_blocks=count_blocks(recipe.model, options.blocks),
                 num_parts=len(devices), what="devices")
 
 
 def place_model(model: nn.Module, args: SetupArgs) -> tuple[nn.Module, torch.device, str]:
-    options = args.recipe.strategy
+    options = options_of(ModelParallelOptions, args.recipe)
     devices = parse_devices(options.devices, local_rank=args.env.local_rank)
     placement = place_over_devices(model, devices=devices, split=options.split, block_names=options.blocks)
     return model, placement.input_device, placement.describe()
@@ -44,7 +58,7 @@ def place_model(model: nn.Module, args: SetupArgs) -> tuple[nn.Module, torch.dev
 def one_device(args: SetupArgs) -> str | None:
     """Why a split whose parts all share one device (the CPU's default: two `cpu` parts) is no split, in one line;
     None where the parts are on devices of their own."""
-    devices = parse_devices(args.recipe.strategy.devices, local_rank=args.env.local_rank)
+    devices = parse_devices(options_of(ModelParallelOptions, args.recipe).devices, local_rank=args.env.local_rank)
     if len(set(devices)) > 1:
         return None
     return (f"strategy {args.recipe.strategy.name} put all {len(devices)} parts of the model on {devices[0]}: the "

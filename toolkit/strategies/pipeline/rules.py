@@ -9,14 +9,29 @@ from torch import nn
 
 from toolkit.checkpoint.loading import whole_model_bytes
 from toolkit.config.recipe import Recipe
+from toolkit.config.strategy_options import option_names, strategy_options
 from toolkit.memory.state_bytes import StateBytes, largest_block_bytes
 from toolkit.strategies.base import DataLayout, StrategyInfo
 from toolkit.strategies.pipeline.layout import check_recipe, grid_of
 
-OPTIONS = ("schedule", "stages_per_rank", "split", "blocks")  # hybrid adds pipeline_degree and data_parallel
+
+
+@strategy_options
+class PipelineOptions:
+    """The strategy.<option> keys pipeline reads (their defaults and trade-offs: docs/recipe-keys.md); hybrid's
+    pipeline form adds pipeline_degree and data_parallel (hybrid.HybridOptions)."""
+
+    schedule: str
+    stages_per_rank: int
+    split: tuple[int, ...] | None
+    blocks: tuple[str, ...] | None
+
+
+OPTIONS = PipelineOptions  # the registry reads it by this name
+
 
 INFO = StrategyInfo(
-    name="pipeline", averages_gradients=True, lora=False, options=OPTIONS, tied_gradients=0,
+    name="pipeline", averages_gradients=True, lora=False, options=option_names(PipelineOptions), tied_gradients=0,
     summary="one stage of consecutive blocks per rank, micro-batches pipelined (torch.distributed.pipelining); "
             "1/N of the model per rank, an idle bubble of (N-1)/(m+N-1)",
     arms={"pp-gpipe": ("strategy.name=pipeline", "strategy.schedule=gpipe"),

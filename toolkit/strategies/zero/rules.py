@@ -12,6 +12,7 @@ from torch import nn
 
 from toolkit.checkpoint.loading import whole_model_bytes
 from toolkit.config.recipe import Recipe, plan_batch
+from toolkit.config.strategy_options import option_names, options_of, strategy_options
 from toolkit.errors import RecipeError
 from toolkit.memory.state_bytes import StateBytes
 from toolkit.strategies.base import DataLayout, StrategyInfo, every_rank_a_shard, whole_stack_activations
@@ -19,11 +20,24 @@ from toolkit.strategies.zero import memory as zero_state
 from toolkit.strategies.zero.config import (check_deepspeed_precision, check_with_deepspeed, configured_stage,
                                             frees_gradients, offloads, resolve_ds_config, stage_of)
 
+@strategy_options
+class ZeroOptions:
+    """The strategy.<option> keys zero reads (their defaults and trade-offs: docs/recipe-keys.md)."""
+
+    stage: int | None
+    offload_optimizer: bool
+    offload_param: bool
+    ds_config: str | None
+
+
+OPTIONS = ZeroOptions  # the registry reads it by this name
+
+
 INFO = StrategyInfo(
     name="zero", averages_gradients=True, accelerate_plugin="deepspeed", casts_parameters=True,
     runtime_modules=("deepspeed",),
     holds_gradients=False,  # the default stage 2 gives them back after each step; build() says it per recipe
-    options=("stage", "offload_optimizer", "offload_param", "ds_config"),
+    options=option_names(ZeroOptions),
     summary="DeepSpeed ZeRO: stage 1 shards optimizer state, 2 + gradients, 3 + parameters; optional CPU offload",
     arms={"zero0": ("strategy.name=zero", "strategy.stage=0"),
           "zero1": ("strategy.name=zero", "strategy.stage=1"),
@@ -43,7 +57,7 @@ class ZeroRules:
                        whole_gradients_in_backward=configured_stage(recipe) == 1)
 
     def validate(self, recipe: Recipe, *, world_size: int) -> None:
-        options = recipe.strategy
+        options = options_of(ZeroOptions, recipe)
         if options.stage is not None and options.stage not in (0, 1, 2, 3):
             raise RecipeError(f"strategy.stage must be 0, 1, 2 or 3, got {options.stage}")
         if options.offload_param and options.stage not in (3, None):
