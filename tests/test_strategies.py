@@ -88,7 +88,7 @@ def test_every_strategy_module_exposes_what_the_registry_reads():
 def test_every_strategy_key_belongs_to_a_strategy_options_dataclass():
     # each strategy declares the keys it reads as a dataclass of its own; the recipe's one strategy section holds
     # each key's type and default. A key no strategy declares could be set and never read: nothing would refuse it
-    from toolkit.config.recipe import StrategyConfig
+    from toolkit.config.strategy_options import StrategyConfig
     from toolkit.strategies import _module
 
     declared = {option for name in strategy_names() for option in option_names(_module(name).OPTIONS)}

@@ -250,7 +250,7 @@ def cmd_plan(args) -> int:
 
 def cmd_strategies(args) -> int:
     from toolkit.config.parallel import presets
-    from toolkit.config.recipe import StrategyConfig
+    from toolkit.config.strategy_options import StrategyConfig
     from toolkit.strategies import arm_aliases, strategy_info, strategy_names
 
     defaults = StrategyConfig()

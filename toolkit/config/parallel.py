@@ -19,7 +19,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from toolkit.config.recipe import Recipe, StrategyConfig
+from toolkit.config.recipe import Recipe
+from toolkit.config.strategy_options import StrategyConfig
 from toolkit.errors import RecipeError
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first: how the ranks are laid out

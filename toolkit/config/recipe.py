@@ -11,9 +11,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from toolkit.config.strategy_options import StrategyConfig
+from toolkit.config.typed import PATH
 from toolkit.errors import RecipeError
 
-PATH = {"path": True}  # a key naming a file or folder: `~` expanded, empty refused (toolkit.config.typed)
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 TASKS = ("sequence-classification", "causal-lm")
@@ -158,47 +159,6 @@ class BatchConfig:
             _positive("batch.grad_accum_steps", self.grad_accum_steps)
         if self.global_batch_size is not None:
             _positive("batch.global_batch_size", self.global_batch_size)
-
-
-@dataclass(frozen=True, kw_only=True)
-class StrategyConfig:
-    name: str = "single"  # see `toolkit strategies`
-    # ddp
-    find_unused_parameters: bool = False  # ddp: needed when some parameters get no gradient
-    bucket_cap_mb: float = 25.0  # ddp: gradient bucket size; bigger buckets, fewer all-reduces
-    # fsdp
-    reshard_after_forward: bool = True  # fsdp: True frees gathered params after forward (ZeRO-3-like, less memory, one more all-gather)
-    cpu_offload: bool = False  # fsdp: keep sharded params/grads/optimizer on CPU (much less device memory, slower)
-    replicate_degree: int = 1  # fsdp: >1 = HSDP, replicate over this many groups, shard within each
-    blocks: tuple[str, ...] | None = None  # fsdp: class names to shard one by one; default: model._no_split_modules
-    # tp, fsdp
-    tp_degree: int | None = None  # fsdp: >1 = tensor parallel inside groups of this many ranks, FSDP across the
-    #   groups (a 2-D mesh dp × tp); tp: every rank (leave unset). Less memory per rank than fsdp alone for big
-    #   layers, but an activation all-reduce per attention and MLP block: keep a group inside one node
-    sequence_parallel: bool = False  # tp, fsdp with tp_degree: norms and residuals on sequence shards between the
-    #   split layers (Llama-style decoders): less activation memory, the same bytes moved
-    # zero
-    stage: int | None = None  # zero: 0 = plain DP, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters (default 2)
-    offload_optimizer: bool = False  # zero: optimizer state and step on CPU (DeepSpeed CPU Adam)
-    offload_param: bool = False  # zero: stage 3 only, parameters on CPU between uses
-    # zero: an existing DeepSpeed JSON used as it is; "auto" values come from this recipe
-    ds_config: str | None = field(default=None, metadata=PATH)
-    # model_parallel, pipeline, hybrid
-    devices: tuple[str, ...] | None = None  # model_parallel/hybrid: the devices one process splits its model over
-    #   (e.g. [cuda:0, cuda:1]; `cpu` may repeat: same code path and boundaries). hybrid: local rank r uses
-    #   the next len(devices) GPUs (cuda:r·n + i)
-    split: tuple[int, ...] | None = None  # block index where each later device / stage starts; default: balanced
-    #   by parameter count (embeddings count with the first part, the final norm and head with the last)
-    schedule: str = "1f1b"  # pipeline: gpipe (all forwards, then all backwards: most activation memory) |
-    #   1f1b (one forward, one backward: at most `stages` micro-batches in flight) | interleaved-1f1b
-    #   (stages_per_rank virtual stages per rank: a smaller bubble, more point-to-point traffic)
-    stages_per_rank: int = 1  # pipeline: 2 or more for interleaved-1f1b
-    pipeline_degree: int | None = None  # hybrid: pipeline stages; the other ranks are data-parallel replicas
-    #   (world = pipeline_degree × replicas); unset: a model split inside each process (devices) × ddp.
-    #   pipeline: every rank is a stage
-    data_parallel: str = "ddp"  # hybrid: ddp (full stage replicas, all-reduce) | fsdp (each stage sharded over
-    #   its replicas)
-    # the name and the options are checked by the strategy registry (toolkit.strategies.validate_strategy)
 
 
 @dataclass(frozen=True, kw_only=True)

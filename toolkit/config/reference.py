@@ -1,4 +1,5 @@
-"""The reference of every recipe key (docs/recipe-keys.md), made from toolkit/config/recipe.py's own declarations: each
+"""The reference of every recipe key (docs/recipe-keys.md), made from the sections' own declarations
+(toolkit/config/recipe.py; the strategy section in toolkit/config/strategy_options.py): each
 field's key, type, default and the comments written beside it, so that it cannot go stale
 (tests/test_recipe_reference.py compares the file with what this makes).
 
@@ -56,7 +57,7 @@ def field_comments(cls: type) -> dict[str, str]:
 
 def _type_name(hint) -> str:
     text = str(hint).replace("typing.", "").replace("NoneType", "None").replace("<class '", "").replace("'>", "")
-    return text.replace("toolkit.config.recipe.", "")
+    return text.replace("toolkit.config.recipe.", "").replace("toolkit.config.strategy_options.", "")
 
 
 def _default(f: dataclasses.Field) -> str:
@@ -99,7 +100,8 @@ def rows(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
 def render() -> str:
     lines = ["# Recipe keys", "",
              "Every key a recipe takes, with its type, default and what it trades: made from the declarations in",
-             "`toolkit/config/recipe.py` by `python -m toolkit.config.reference > docs/recipe-keys.md` (a test fails when",
+             "`toolkit/config/recipe.py` (the strategy section: `toolkit/config/strategy_options.py`) by",
+             "`python -m toolkit.config.reference > docs/recipe-keys.md` (a test fails when",
              "this file and the declarations differ). Give a key in the YAML file or as `--set key=value`.", "",
              "| key | type | default | what it is, what it trades |", "|---|---|---|---|"]
     for key, kind, default, text in rows(recipe_module.Recipe):

@@ -13,6 +13,8 @@ from typing import Any
 
 from toolkit.errors import RecipeError
 
+PATH = {"path": True}  # a recipe key's field metadata: the key names a file or folder (`~` expanded, empty refused)
+
 
 def recipe_key(f: dataclasses.Field) -> str:
     """A field's recipe key: its name, or the key in its metadata where the name is a Python keyword."""

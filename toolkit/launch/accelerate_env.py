@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterator
 
-from toolkit.config.recipe import StrategyConfig
+from toolkit.config.strategy_options import StrategyConfig
 from toolkit.config.typed import yaml_number
 from toolkit.errors import RecipeError
 from toolkit.strategies import strategy_for_plugin
