@@ -14,7 +14,7 @@ from toolkit.config.strategy_options import option_names, options_of, strategy_o
 from toolkit.errors import RecipeError
 from toolkit.process.dist import ensure_process_group, world_mesh
 from toolkit.strategies.base import SetupArgs, StrategyInfo
-from toolkit.strategies.parallelize import DdpWrap, parallelize
+from toolkit.strategies.dims.parallelize import DdpWrap, parallelize
 from toolkit.strategies.replicated import ReplicatedRules, ReplicatedStrategy, Replication
 
 @strategy_options

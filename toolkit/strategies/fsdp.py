@@ -37,7 +37,7 @@ from toolkit.process.dist import DistEnv, ensure_process_group, world_mesh
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport,
                                      each_micro_batch, every_rank_a_shard, first_dtype, forward_once, no_context,
                                      sharded_abs_max, whole_stack_activations)
-from toolkit.strategies.parallelize import FsdpWrap, parallelize
+from toolkit.strategies.dims.parallelize import FsdpWrap, parallelize
 from toolkit.strategies.optim.torch_optim import TorchOptim, TorchState
 
 @strategy_options

@@ -25,7 +25,7 @@ from toolkit.memory.state_bytes import StateBytes
 from toolkit.process.dist import ensure_process_group, world_mesh
 from toolkit.strategies.base import DataLayout, SetupArgs, Strategy, StrategyInfo, StrategyRules
 from toolkit.strategies.model_parallel import check_model_split, one_device, place_model
-from toolkit.strategies.parallelize import DdpWrap, parallelize
+from toolkit.strategies.dims.parallelize import DdpWrap, parallelize
 from toolkit.strategies.pipeline.layout import Grid
 from toolkit.strategies.pipeline.rules import PipelineRules
 from toolkit.strategies.pipeline.strategy import PipelineStrategy

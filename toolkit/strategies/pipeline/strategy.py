@@ -38,7 +38,7 @@ from toolkit.model.stages import Stage, family_of, tied_embedding_names
 from toolkit.process.dist import DistEnv, gather_objects, tensors_on_main, world_mesh
 from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport, StrategyState,
                                      first_dtype)
-from toolkit.strategies.parallelize import DdpWrap, FsdpWrap, parallelize
+from toolkit.strategies.dims.parallelize import DdpWrap, FsdpWrap, parallelize
 from toolkit.strategies.pipeline.batches import filler, stacked
 from toolkit.strategies.pipeline.layout import (SCHEDULES, Grid, count_busy_time, grid_of, stage_of_blocks,
                                                 theoretical_bubble, uncount_shape_inference)

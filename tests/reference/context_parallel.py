@@ -1,0 +1,75 @@
+"""Run under torchrun by tests/test_context_parallel.py: context parallel's all-gather attention
+(toolkit.strategies.dims.context) against plain transformers on the whole sequence, in every rank's process.
+
+Each rank builds the same tiny Llama (grouped-query attention) from a config with one seed; a batch with padding
+and a length that 2·cp does not divide. The reference: the plain model (sdpa) on the whole batch, the loss summed
+over its tokens (logits[:, :-1] against labels[:, 1:]), backward. The cp arm: a copy under the cp attention, each
+rank on its share (split_batch), its loss summed over its tokens, backward; the loss sums and every parameter's
+gradient summed over the ranks (what data parallel over the cp ranks would reduce). Rank 0 writes
+{"loss": [cp, reference], "max_grad_diff": ..., "max_grad": ..., "worst": name} as JSON to argv[1]."""
+
+import copy
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    import transformers
+
+    from toolkit.strategies.dims import context
+
+    dist.init_process_group("gloo")
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config)
+    model = copy.deepcopy(reference)
+    context.register()
+    model.set_attn_implementation(context.ATTENTION)
+
+    generator = torch.Generator().manual_seed(1)
+    length, lengths = 13, [13, 9, 4]  # 13 is not a multiple of 2·cp
+    input_ids = torch.randint(1, 64, (len(lengths), length), generator=generator)
+    attention_mask = (torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]).long()
+    attention_mask[2] = attention_mask[2].flip(0)  # rows 1 padded on the right, 2 on the left: its padding keys
+    #   come before its tokens, where only the padding mask (not causality) keeps them out
+    input_ids = input_ids * attention_mask
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[2, length - lengths[2]] = -100  # the left-padded row's first token: predicted from a padding position,
+    #   whose output each attention makes its own way (a query with no key to attend to)
+
+    logits = reference(input_ids=input_ids, attention_mask=attention_mask).logits
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                                                 ignore_index=-100, reduction="sum")
+    expected.backward()
+
+    share = context.split_batch(input_ids, attention_mask, labels, cp=cp, rank=rank, group=dist.group.WORLD)
+    with context.sequence(share.sequence):
+        local = model(input_ids=share.input_ids, position_ids=share.position_ids).logits
+        loss = torch.nn.functional.cross_entropy(local.flatten(0, 1), share.shifted_labels.flatten(),
+                                                 ignore_index=-100, reduction="sum")
+        loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    worst, max_diff, max_grad = "", 0.0, 0.0
+    for (name, mine), (_, plain) in zip(model.named_parameters(), reference.named_parameters()):
+        grad = mine.grad.clone()
+        dist.all_reduce(grad)
+        diff = (grad - plain.grad).abs().max().item()
+        max_grad = max(max_grad, plain.grad.abs().max().item())
+        if diff > max_diff:
+            worst, max_diff = name, diff
+    if rank == 0:
+        with open(sys.argv[1], "w") as out:
+            json.dump({"loss": [total.item(), expected.item()], "max_grad_diff": max_diff, "max_grad": max_grad,
+                       "worst": worst, "local_length": share.input_ids.shape[1]}, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Context parallel, the all-gather method (Llama 3's): each sample's sequence is split over the cp ranks; each rank
+attends with its own queries to the keys and values of the whole sequence, all-gathered from every rank (their
+gradients come back through the gather as a reduce-scatter). Any attention kernel, any cp.
+
+Load balance (causal models): the padded sequence is cut into 2·cp chunks and rank r holds chunks r and 2·cp-1-r,
+so that every rank has the same attention work (a causal query's work grows with its position).
+
+A rank's batch (`split_batch`):
+- the sequence is padded to a multiple of 2·cp (padding masked, its labels ignored);
+- the labels are shifted once over the whole sequence (the label of position p is the token at p+1), so that the
+  last token of a chunk keeps its label, the next chunk's first token; the loss of a rank's tokens is then taken
+  without a shift (`shifted_labels`);
+- `position_ids` are each token's place in the whole sequence (RoPE);
+- the padding mask of the whole sequence reaches the attention, which builds its own mask from the positions:
+  causal by place in the whole sequence, padding keys masked.
+
+The attention runs inside `sequence(...)`, the context that tells it the rank's positions and the whole sequence's
+padding; `register()` names it to transformers (AttentionInterface) as ATTENTION, with no mask of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+ATTENTION = "toolkit_cp_allgather"  # the model's config._attn_implementation under cp
+IGNORE_INDEX = -100  # the labels' "no loss here", as transformers' losses take it
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sequence:
+    """What the attention of one forward needs beyond its own tensors."""
+
+    group: Any  # the cp ranks' process group
+    cp: int
+    query_positions: torch.Tensor  # [local length]: each of this rank's tokens' place in the whole sequence
+    key_positions: torch.Tensor  # [cp × local length]: the same for the gathered keys, in the gather's order
+    key_valid: torch.Tensor  # [batch, cp × local length] bool: the gathered keys that are not padding
+
+
+_current: Sequence | None = None
+
+
+def padded_length(length: int, *, cp: int) -> int:
+    """The sequence length rounded up to a multiple of 2·cp (two chunks per rank)."""
+    return -(-length // (2 * cp)) * (2 * cp)
+
+
+def rank_positions(length: int, *, cp: int, rank: int) -> torch.Tensor:
+    """The places in a sequence of `length` (a multiple of 2·cp) that cp rank `rank` holds: chunks rank and
+    2·cp-1-rank."""
+    assert length % (2 * cp) == 0, (length, cp)
+    chunk = length // (2 * cp)
+    first, second = rank * chunk, (2 * cp - 1 - rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankBatch:
+    """One cp rank's share of a batch, and the context its forward runs in."""
+
+    input_ids: torch.Tensor  # [batch, local length]
+    position_ids: torch.Tensor  # [batch, local length]
+    shifted_labels: torch.Tensor  # [batch, local length]: the next token's label (IGNORE_INDEX: no loss)
+    sequence: Sequence
+
+
+def split_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor, *, cp: int,
+                rank: int, group: Any, pad_token_id: int = 0) -> RankBatch:
+    """Rank `rank`'s share of a [batch, length] batch (see the module's docstring)."""
+    length = input_ids.shape[1]
+    pad = padded_length(length, cp=cp) - length
+    if pad:
+        input_ids = torch.nn.functional.pad(input_ids, (0, pad), value=pad_token_id)
+        attention_mask = torch.nn.functional.pad(attention_mask, (0, pad), value=0)
+        labels = torch.nn.functional.pad(labels, (0, pad), value=IGNORE_INDEX)
+    ignored = torch.full_like(labels[:, :1], IGNORE_INDEX)
+    shifted = torch.cat([labels[:, 1:], ignored], dim=1)
+    mine = rank_positions(input_ids.shape[1], cp=cp, rank=rank).to(input_ids.device)
+    every = torch.cat([rank_positions(input_ids.shape[1], cp=cp, rank=r) for r in range(cp)]).to(input_ids.device)
+    batch = input_ids.shape[0]
+    return RankBatch(input_ids=input_ids[:, mine], position_ids=mine.expand(batch, -1), shifted_labels=shifted[:, mine],
+                     sequence=Sequence(group=group, cp=cp, query_positions=mine, key_positions=every,
+                                       key_valid=attention_mask[:, every].bool()))
+
+
+@contextlib.contextmanager
+def sequence(context: Sequence) -> Iterator[None]:
+    """Run a forward (and its backward's recompute) with `context` as what the attention reads."""
+    global _current
+    before, _current = _current, context
+    try:
+        yield
+    finally:
+        _current = before
+
+
+def _gathered(tensor: torch.Tensor, context: Sequence) -> torch.Tensor:
+    """[batch, heads, local, dim] from every cp rank -> [batch, heads, cp × local, dim], rank after rank."""
+    from torch.distributed._functional_collectives import all_gather_single_autograd
+
+    batch, heads, local, dim = tensor.shape
+    # gathers along dim 0 (the only dimension it gathers along); its backward reduce-scatters the gradients
+    every = all_gather_single_autograd(tensor.contiguous(), 0, context.group)
+    return every.view(context.cp, batch, heads, local, dim).permute(1, 2, 0, 3, 4).reshape(
+        batch, heads, context.cp * local, dim)
+
+
+def allgather_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                        **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: this rank's queries against every rank's keys and values, through
+    transformers' own sdpa function with the mask the positions give (`attention_mask`, built for the rank's
+    tokens alone, is not it)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    context = _current
+    assert context is not None, "context-parallel attention outside strategies.dims.context.sequence()"
+    keys, values = _gathered(key, context), _gathered(value, context)
+    queries, places = context.query_positions[:, None], context.key_positions[None, :]
+    # a padding query attends to itself too: no row is empty (its output reaches no loss and no other token)
+    allowed = ((places <= queries)[None] & context.key_valid[:, None, :]) | (places == queries)[None]
+    kwargs.pop("is_causal", None)
+    return sdpa_attention_forward(module, query, keys, values, allowed[:, None], dropout=dropout, scaling=scaling,
+                                  is_causal=False, **kwargs)
+
+
+def register() -> None:
+    """Name the attention to transformers; the mask it would build for a rank's tokens alone is not wanted."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION, allgather_attention)
+    AttentionMaskInterface.register(ATTENTION, _no_mask)
+
+
+def _no_mask(*args, **kwargs) -> None:
+    return None
