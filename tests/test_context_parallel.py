@@ -1,6 +1,7 @@
-"""Context parallel's all-gather attention (toolkit/strategies/dims/context.py): the split of a sequence over cp
-ranks, and the loss and gradients of a model computed on that split against plain transformers on the whole
-sequence (tests/reference/context_parallel.py, real processes under torchrun on gloo)."""
+"""Context parallel (`parallel.cp`, toolkit/strategies/dims/context.py): the split of a sequence over cp ranks; the
+loss and gradients of a model computed on that split against plain transformers on the whole sequence
+(tests/reference/context_parallel.py, real processes under torchrun on gloo); whole runs against a single process;
+and what it cannot run, refused in one line."""
 
 import json
 import subprocess
@@ -8,8 +9,11 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, toolkit_env
+from conftest import REPO, assert_matches_single, metrics, run_cli, toolkit_env, write_recipe
 
+from toolkit.config.files import recipe_from_dict
+from toolkit.errors import RecipeError
+from toolkit.strategies import validate_strategy
 from toolkit.strategies.dims.context import padded_length, rank_positions, split_batch
 
 
@@ -48,3 +52,64 @@ def test_allgather_attention_gives_the_whole_sequence_s_loss_and_gradients(tmp_p
     assert split == pytest.approx(whole, rel=1e-5)
     # fp32, a sum in another order: the compare verdict's fp32 bound, against the largest gradient
     assert result["max_grad_diff"] <= 1e-5 + 1e-5 * result["max_grad"], result
+
+
+# 2 ranks of one sequence each, micro 4 × accum 2 (one data shard), activation checkpointing: the recompute in
+# backward runs the attention again inside the sequence's context
+CP2 = ("parallel.cp=2", "batch.micro_batch_size=4", "batch.grad_accum_steps=2", "train.activation_checkpointing=true")
+CP2_DP2 = ("parallel.cp=2", "parallel.dp_shard=2", "batch.micro_batch_size=4")  # 4 ranks: 2 shards × 2 cp ranks
+
+
+@pytest.mark.parametrize("name, nproc, overrides", [("cp2", 2, CP2), ("cp2-dp2", 4, CP2_DP2)])
+def test_context_parallel_trains_as_one_process(llama_runs, name, nproc, overrides):
+    # tiny-llama's samples pad to lengths 4 does not divide: the split pads them further, masked
+    reference = llama_runs.get("single-m8")
+    run = llama_runs.get(name, nproc=nproc, overrides=overrides)
+    assert_matches_single(run, reference)
+    # the final evaluation counts each token once: the cp group's first rank counts, every rank adds its loss
+    assert metrics(run)[-1]["eval_loss"] == pytest.approx(metrics(reference)[-1]["eval_loss"], rel=1e-5)
+    info = json.loads((run / "run.json").read_text())
+    assert info["strategy"] == "fsdp" and info["parallel"]["cp"] == 2
+    assert "each sequence split over the 2 ranks of cp" in info["layout"]
+
+
+def recipe(parallel, **sections):
+    return recipe_from_dict({"model": {"path": "/m", "task": "causal-lm"}, "data": {"train": "t.jsonl"},
+                             "parallel": parallel, "batch": {"global_batch_size": 8, "micro_batch_size": 1},
+                             **sections})
+
+
+@pytest.mark.parametrize("parallel, sections, world_size, words", [
+    ({"cp": 2}, {"model": {"path": "/m", "task": "sequence-classification", "num_labels": 2}}, 2,
+     "context parallel splits a causal LM's sequences; model.task is sequence-classification"),
+    ({"cp": 2, "tp": 2}, {}, 4, "parallel: cp × tp together is not tested yet"),
+    ({"cp": 2, "dp_replicate": 2}, {}, 4, "parallel: dp_replicate × cp together is not tested yet"),
+    ({}, {"strategy": {"name": "fsdp", "cp_degree": 2, "replicate_degree": 2}}, 4,
+     "strategy.cp_degree (context parallel) is tested with dp_shard alone"),
+    ({}, {"strategy": {"name": "fsdp", "cp_degree": 0}}, 2, "strategy.cp_degree must be >= 1, got 0"),
+    ({"cp": 3}, {}, 4, "parallel: cp 3 = 3 does not divide the 4 ranks"),
+    ({"cp": 2}, {"train": {"compile": True}}, 2, "train.compile is not available with context parallel yet"),
+])
+def test_what_context_parallel_cannot_run_is_refused_in_one_line(parallel, sections, world_size, words):
+    with pytest.raises(RecipeError) as refused:
+        validate_strategy(recipe(parallel, **sections), world_size=world_size)
+    assert str(refused.value).startswith(words) and "\n" not in str(refused.value), str(refused.value)
+
+
+@pytest.mark.parametrize("method, words", [
+    ("ulysses", "parallel.cp_method ulysses is not built yet; use allgather"),
+    ("ring", "parallel.cp_method ring is not built yet; use allgather"),
+    ("flash", "parallel.cp_method: unknown value"),
+])
+def test_a_method_not_built_is_refused(method, words):
+    with pytest.raises(RecipeError, match=words):
+        recipe({"cp": 2, "cp_method": method})
+
+
+def test_a_context_parallel_mistake_exits_2_before_any_rank_starts(tmp_path, tiny_llama_dir):
+    path = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out")
+    done = run_cli("validate", str(path), "--nproc", "4", "--set", "parallel.cp=2", "--set", "parallel.tp=2")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not (tmp_path / "out").exists()
+    done = run_cli("validate", str(path), "--nproc", "2", "--set", "parallel.cp=2")
+    assert done.returncode == 0 and "# parallel: fsdp (cp 2)" in done.stdout.splitlines(), done.stdout

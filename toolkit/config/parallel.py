@@ -7,7 +7,7 @@ The degrees compose on one device mesh, in torchtitan's order (`ParallelDims`, o
 so that tensor parallel takes neighbouring ranks (one node's fast links), the sharding of dp_shard the next ones,
 and the pipeline's point-to-point sends the slowest links. An unset dp_shard takes the ranks the others leave
 (torchtitan's -1); expert parallel's ranks come out of dp_shard × cp, as transformers' DistributedConfig defines
-`ep_size` (a multiple of tp dividing fsdp × tp). cp and ep are reserved here: the recipe refuses them until built.
+`ep_size` (a multiple of tp dividing fsdp × tp). ep is reserved here: the recipe refuses it until built.
 
 A recipe gives either `parallel:` degrees or a `strategy.name` with its options (the presets, and the names compare
 arms keep); `resolve` turns degrees into the preset that runs them, so every later part of a run reads one form.
@@ -61,6 +61,8 @@ PRESETS: dict[frozenset[str], tuple[str, Any]] = {
     frozenset({"dp_replicate", "dp_shard"}): ("fsdp", lambda d: {"replicate_degree": d.dp_replicate}),
     frozenset({"tp"}): ("tp", lambda d: {}),
     frozenset({"dp_shard", "tp"}): ("fsdp", lambda d: {"tp_degree": d.tp}),
+    frozenset({"cp"}): ("fsdp", lambda d: {"cp_degree": d.cp}),  # FSDP over the cp ranks, as over dp_shard × cp
+    frozenset({"dp_shard", "cp"}): ("fsdp", lambda d: {"cp_degree": d.cp}),
     frozenset({"pp"}): ("pipeline", lambda d: {}),
     frozenset({"pp", "dp_replicate"}): ("hybrid", lambda d: {"pipeline_degree": d.pp, "data_parallel": "ddp"}),
     frozenset({"pp", "dp_shard"}): ("hybrid", lambda d: {"pipeline_degree": d.pp, "data_parallel": "fsdp"}),

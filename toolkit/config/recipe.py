@@ -161,6 +161,10 @@ class BatchConfig:
             _positive("batch.global_batch_size", self.global_batch_size)
 
 
+DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
+CP_METHODS = ("allgather", "ulysses", "ring")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """The run's parallel degrees on one device mesh (toolkit/config/parallel.py). Set, they choose the layout
@@ -174,22 +178,28 @@ class ParallelConfig:
     #   block: keep a group inside one node); strategy.sequence_parallel for the norms
     pp: int | None = None  # pipeline stages, a contiguous run of blocks each (strategy.schedule, strategy.split,
     #   strategy.stages_per_rank)
-    cp: int | None = None  # reserved: context parallel (sequence shards), not built yet
+    cp: int | None = None  # context parallel: each sequence split over this many ranks (2 mirrored chunks each),
+    #   keys and values gathered for attention: 1/cp of the activations per rank, an all-gather per attention
+    #   block; causal LMs (strategy.cp_degree)
+    cp_method: str = "allgather"  # allgather (Llama 3's: K and V all-gathered, any attention kernel, any cp);
+    #   ulysses and ring are not built yet
     ep: int | None = None  # reserved: expert parallel (borrows its ranks from dp_shard × cp), not built yet
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"):
+        for name in DEGREES:
             value = getattr(self, name)
             if value is not None:
                 _require(value >= 1, f"parallel.{name}", value, "at least 1 (or unset)")
-        for name, what in (("cp", "context parallel"), ("ep", "expert parallel")):
-            if (getattr(self, name) or 1) > 1:
-                raise RecipeError(f"parallel.{name}: {what} is not built yet; leave parallel.{name} unset")
+        if (self.ep or 1) > 1:
+            raise RecipeError("parallel.ep: expert parallel is not built yet; leave parallel.ep unset")
+        _choice("parallel.cp_method", self.cp_method, CP_METHODS)
+        if self.cp_method != "allgather":  # ring: torch's context_parallel, CUDA's attention kernels only
+            raise RecipeError(f"parallel.cp_method {self.cp_method} is not built yet; use allgather")
 
     @property
     def given(self) -> bool:
         """Whether any degree is set: then the degrees choose the layout."""
-        return any(getattr(self, f.name) is not None for f in dataclasses.fields(self))
+        return any(getattr(self, name) is not None for name in DEGREES)
 
 
 EVAL_EVERY_DEFAULT = 50

@@ -36,6 +36,8 @@ class StrategyConfig:
     tp_degree: int | None = None  # fsdp: >1 = tensor parallel inside groups of this many ranks, FSDP across the
     #   groups (a 2-D mesh dp × tp); tp: every rank (leave unset). Less memory per rank than fsdp alone for big
     #   layers, but an activation all-reduce per attention and MLP block: keep a group inside one node
+    cp_degree: int | None = None  # fsdp: > 1 = context parallel, each sequence split over groups of this many
+    #   neighbouring ranks, FSDP over all of them (torchtitan's dp_shard × cp); parallel.cp_method says how
     sequence_parallel: bool = False  # tp, fsdp with tp_degree: norms and residuals on sequence shards between the
     #   split layers (Llama-style decoders): less activation memory, the same bytes moved
     # zero

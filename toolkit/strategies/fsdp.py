@@ -37,6 +37,7 @@ from toolkit.process.dist import DistEnv, ensure_process_group, world_mesh
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport,
                                      each_micro_batch, every_rank_a_shard, first_dtype, forward_once, no_context,
                                      sharded_abs_max, whole_stack_activations)
+from toolkit.strategies.dims import context
 from toolkit.strategies.dims.parallelize import FsdpWrap, parallelize
 from toolkit.strategies.optim.torch_optim import TorchOptim, TorchState
 
@@ -49,6 +50,7 @@ class FsdpOptions:
     replicate_degree: int  # > 1: HSDP (parallel.dp_replicate)
     blocks: tuple[str, ...] | None
     tp_degree: int | None  # > 1: fsdp × tp (parallel.tp)
+    cp_degree: int | None  # > 1: context parallel, FSDP over dp_shard × cp (parallel.cp)
     sequence_parallel: bool
 
 
@@ -62,7 +64,8 @@ INFO = StrategyInfo(
     arms={"fsdp": ("strategy.name=fsdp",),
           "fsdp-noreshard": ("strategy.name=fsdp", "strategy.reshard_after_forward=false"),
           "fsdp-offload": ("strategy.name=fsdp", "strategy.cpu_offload=true"),
-          "fsdp-tp2": ("strategy.name=fsdp", "strategy.tp_degree=2")})
+          "fsdp-tp2": ("strategy.name=fsdp", "strategy.tp_degree=2"),
+          "fsdp-cp2": ("strategy.name=fsdp", "strategy.cp_degree=2")})
 
 
 class FsdpRules:
@@ -96,13 +99,22 @@ class FsdpRules:
                                   "DTensor-split blocks with a RecursionError); set train.compile: false or drop tp_degree")
         elif options.sequence_parallel:
             raise RecipeError("strategy.sequence_parallel needs tensor parallelism: set strategy.tp_degree (2 or more)")
+        cp = options.cp_degree
+        if cp is not None and cp < 1:
+            raise RecipeError(f"strategy.cp_degree must be >= 1, got {cp}; leave it unset for FSDP alone")
+        if cp is not None and cp > 1:
+            if replicate > 1 or (tp or 1) > 1:  # dp_replicate × cp, tp × cp: not tested together yet
+                raise RecipeError("strategy.cp_degree (context parallel) is tested with dp_shard alone, not with "
+                                  "strategy.replicate_degree or strategy.tp_degree yet; choose one")
+            context.check_recipe(recipe, cp=cp, world_size=world_size)
         if recipe.precision == "fp16" and recipe.optim.implementation == "fused":
             raise RecipeError("optim.implementation fused cannot run under fsdp in fp16 (torch's ShardedGradScaler "
                               "hands the fused AdamW kernel a found-inf tensor of the wrong shape); use auto or loop")
 
     def data_layout(self, recipe: Recipe, *, world_size: int, rank: int) -> DataLayout:
-        tp = options_of(FsdpOptions, recipe).tp_degree or 1  # the ranks of a TP group (consecutive) read one shard
-        return every_rank_a_shard(world_size=world_size // tp, rank=rank // tp)
+        options = options_of(FsdpOptions, recipe)
+        group = (options.tp_degree or 1) * (options.cp_degree or 1)  # a TP or CP group (neighbours) reads one shard
+        return every_rank_a_shard(world_size=world_size // group, rank=rank // group)
 
     def predict_state_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
         # parameters stay in their load dtype (MixedPrecisionPolicy casts a block's copy for compute only);
@@ -142,20 +154,28 @@ class FsdpRules:
 
     def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
                                  how: dict[str, Any]) -> list[int]:
+        options = options_of(FsdpOptions, recipe)
+        if (options.cp_degree or 1) > 1:  # gathered keys and values, a 1/cp sequence: not traced yet
+            raise RecipeError("toolkit plan does not predict context parallel's activations yet")
         return whole_stack_activations(model, recipe, world_size=world_size, how=how,
-                                       tp_degree=options_of(FsdpOptions, recipe).tp_degree or 1)
+                                       tp_degree=options.tp_degree or 1)
 
 
 class FsdpStrategy:
     info = INFO
 
     def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
+        if self.cp is not None:  # each rank its share of every sequence (strategies/dims/context.py)
+            return context.each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share,
+                                            device=self.env.device, group=self.cp)
         total = each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share, device=self.env.device)
         if self.partial:  # after FSDP's reduce-scatter over dp (the sums commute): Qwen3's q_norm, k_norm, ...
             tensor_parallel.sum_partial_gradients(self.partial, self.mesh.get_group("tp"), device=self.env.device)
         return tensor_parallel.first_of_group(total, tp_rank=self.env.rank % self.tp_degree)
 
     def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
+        if self.cp is not None:
+            return context.forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device, group=self.cp)
         total, count = forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device)
         return (total, count) if self.env.rank % self.tp_degree == 0 else (torch.zeros_like(total), 0)
 
@@ -169,15 +189,20 @@ class FsdpStrategy:
         self.env, self.precision = env, args.recipe.precision
         ensure_process_group(env, strategy=self.info.name)  # the device mesh needs one, even for one rank
         self.tp_degree, self.sequence_parallel = options.tp_degree or 1, options.sequence_parallel
-        # one mesh in the layout's order: dp_shard (its groups' ranks the furthest apart), then tp (neighbours)
+        # one mesh in the layout's order: dp_shard (its groups' ranks the furthest apart), then cp, then tp
         self.mesh = world_mesh(env, degrees(args.recipe, world_size=env.world_size), keep=("dp_shard",))
+        self.cp: context.Group | None = None
+        if (options.cp_degree or 1) > 1:  # the model attends through context parallel's attention
+            self.cp = context.Group(group=self.mesh.get_group("cp"), size=self.mesh["cp"].size(),
+                                    rank=self.mesh["cp"].get_local_rank())
+            context.use_on(model)
         wrap = FsdpWrap(precision=self.precision, reshard_after_forward=options.reshard_after_forward,
                         cpu_offload=options.cpu_offload)
         self.mp_policy = wrap.mp_policy
         empty = any(p.is_meta for p in model.parameters())  # build_model left it empty: shard first, then load
         if not options.cpu_offload and not empty:
             model.to(env.device)
-        # tp (when the mesh has it), then FSDP over dp_shard, or HSDP over (dp_replicate, dp_shard)
+        # tp (when the mesh has it), then FSDP over dp_shard (× cp), or HSDP over (dp_replicate, dp_shard)
         parallelize(model, mesh=self.mesh, env=env, units=transformer_blocks(model, options.blocks),
                     data_parallel=wrap, sequence_parallel=options.sequence_parallel)
         self.loading = "every rank built the whole model, then kept its shards"
@@ -254,13 +279,15 @@ class FsdpStrategy:
         if self.tp_degree > 1:
             layout += " (attention heads and MLP columns split over tp"
             layout += ", norms on sequence shards)" if self.sequence_parallel else ")"
+        if self.cp is not None:
+            layout += f" (each sequence split over the {self.cp.size} ranks of cp, keys and values all-gathered)"
         return f"{layout}; weights: {self.loading}"
 
     def _fallback(self) -> str | None:
         return None  # runs as itself on any machine
 
     def close(self) -> None:
-        del self._model, self.optim, self.state, self.mesh, self.partial  # their groups, for destroy_process_group
+        del self._model, self.optim, self.state, self.mesh, self.partial, self.cp  # their groups, for destroy_process_group
 
     def _precision_audit(self) -> dict[str, str]:
         params = list(self._model.parameters())
@@ -294,5 +321,5 @@ def build(recipe: Recipe) -> FsdpStrategy:
 
 def degrees(recipe: Recipe, *, world_size: int) -> Degrees:
     options = options_of(FsdpOptions, recipe)
-    replicate, tp = options.replicate_degree, options.tp_degree or 1
-    return Degrees(dp_replicate=replicate, dp_shard=world_size // (replicate * tp), tp=tp)
+    replicate, tp, cp = options.replicate_degree, options.tp_degree or 1, options.cp_degree or 1
+    return Degrees(dp_replicate=replicate, dp_shard=world_size // (replicate * tp * cp), cp=cp, tp=tp)

@@ -26,7 +26,7 @@ def evaluate(strategy: Strategy, dataset, *, collator, recipe: Recipe, env: Dist
     def loss_sum(logits: torch.Tensor, batch: dict) -> torch.Tensor:
         if classify:  # a filler batch's labels are IGNORE_INDEX: never a class, never counted
             correct.add_((logits.argmax(-1).cpu() == batch["labels"]).sum())
-        return micro_batch_loss_sum(logits, batch["labels"], recipe.model.task)
+        return micro_batch_loss_sum(logits, batch["labels"], recipe.model.task, shifted="labels_shifted" in batch)
 
     strategy.model.eval()
     sums = torch.zeros(3, dtype=torch.float64)  # loss sum, loss terms, correct predictions

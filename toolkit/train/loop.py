@@ -71,7 +71,7 @@ def run_microbatches(strategy: Strategy, micro_batches: list[dict], *, task: str
     scale = layout.size if strategy.info.averages_gradients else 1
 
     def loss_sum(logits: torch.Tensor, batch: dict) -> torch.Tensor:
-        return micro_batch_loss_sum(logits, batch["labels"], task)
+        return micro_batch_loss_sum(logits, batch["labels"], task, shifted="labels_shifted" in batch)
 
     local = strategy.forward_backward(micro_batches, loss_sum=loss_sum, share=lambda s: s / num_items * scale)
     total = all_reduce_sum(local.to(env.device), env).item()  # device sync: once per step, for the logged loss

@@ -16,6 +16,12 @@ A rank's batch (`split_batch`):
 
 The attention runs inside `sequence(...)`, the context that tells it the rank's positions and the whole sequence's
 padding; `register()` names it to transformers (AttentionInterface) as ATTENTION, with no mask of its own.
+
+In a run (fsdp with cp_degree; `parallel.cp`): the ranks of a cp group are neighbours and read the same data shard;
+FSDP shards over dp_shard × cp, so its reduction averages over cp times the data shards the loop scales for: each
+rank's share of the loss is multiplied by cp (`each_micro_batch`). A rank's loss sum is that of its own tokens (the
+logged loss, summed over the ranks, counts each token once); its evaluation counts a sequence's tokens on the cp
+group's first rank only.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+
+from toolkit.config.recipe import Recipe
+from toolkit.errors import RecipeError
+from toolkit.strategies.base import LossSum, MicroBatchStrategy, Share
 
 ATTENTION = "toolkit_cp_allgather"  # the model's config._attn_implementation under cp
 IGNORE_INDEX = -100  # the labels' "no loss here", as transformers' losses take it
@@ -139,3 +149,74 @@ def register() -> None:
 
 def _no_mask(*args, **kwargs) -> None:
     return None
+
+
+def check_recipe(recipe: Recipe, *, cp: int, world_size: int) -> None:
+    """What context parallel cannot run, before any rank starts (cp > 1)."""
+    if world_size % cp:
+        raise RecipeError(f"context parallel over {cp} ranks does not divide the {world_size} ranks; use a world size "
+                          f"that is a multiple of {cp}")
+    if recipe.model.task != "causal-lm":
+        raise RecipeError(f"context parallel splits a causal LM's sequences; model.task is {recipe.model.task} (its "
+                          "sequences are pooled whole); drop parallel.cp")
+    if recipe.model.lora is not None:
+        raise RecipeError("model.lora is not available with context parallel yet (not tested together); drop "
+                          "model.lora or parallel.cp")
+    if recipe.train.compile:
+        raise RecipeError("train.compile is not available with context parallel yet (its attention is not checked "
+                          "compiled); set train.compile: false or drop parallel.cp")
+
+
+def use_on(model: torch.nn.Module) -> None:
+    """The model attends through ATTENTION; a model whose attention transformers' AttentionInterface does not
+    choose is refused in one line."""
+    if not getattr(model, "_supports_attention_backend", False):
+        raise RecipeError(f"context parallel needs a model whose attention transformers lets the toolkit replace "
+                          f"(AttentionInterface); {type(model).__name__} does not; drop parallel.cp")
+    register()
+    model.set_attn_implementation(ATTENTION)  # type: ignore[operator]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Group:
+    """This rank's place in its cp group."""
+
+    group: Any
+    size: int
+    rank: int
+
+
+def _share(batch: dict, group: Group, device: torch.device) -> RankBatch:
+    return split_batch(batch["input_ids"].to(device), batch["attention_mask"].to(device), batch["labels"].to(device),
+                       cp=group.size, rank=group.rank, group=group.group)
+
+
+def _local_loss(strategy: MicroBatchStrategy, share: RankBatch, loss_sum: LossSum) -> torch.Tensor:
+    with strategy.forward_context():
+        logits = strategy.model(input_ids=share.input_ids, position_ids=share.position_ids).logits
+    return loss_sum(logits, {"labels": share.shifted_labels, "labels_shifted": True})
+
+
+def each_micro_batch(strategy: MicroBatchStrategy, micro_batches: list[dict], *, loss_sum: LossSum, share: Share,
+                     device: torch.device, group: Group) -> torch.Tensor:
+    """base.each_micro_batch on this rank's share of each micro-batch: forward and backward inside its sequence
+    context (activation checkpointing recomputes the attention in backward), the share × cp (see the module)."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for index, batch in enumerate(micro_batches):
+        mine = _share(batch, group, device)
+        with strategy.accumulate(sync=index == len(micro_batches) - 1), sequence(mine.sequence):
+            micro_sum = _local_loss(strategy, mine, loss_sum)
+            strategy.backward(share(micro_sum) * group.size)
+        total += micro_sum.detach().double()
+    return total
+
+
+def forward_once(strategy: MicroBatchStrategy, micro_batches: list[dict], *, loss_sum: LossSum,
+                 device: torch.device, group: Group) -> tuple[torch.Tensor, int]:
+    """base.forward_once on this rank's shares: its tokens' loss; the count on the group's first rank only."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for batch in micro_batches:
+        mine = _share(batch, group, device)
+        with sequence(mine.sequence):
+            total += _local_loss(strategy, mine, loss_sum).detach().double()
+    return total, sum(int(batch["num_items"]) for batch in micro_batches) if group.rank == 0 else 0

@@ -5,8 +5,11 @@ replicas) builds its model through `parallelize`; none wraps a module by hand.
     1. pipeline split   pipeline/strategy.py cuts the model into stages, then calls `parallelize` on each stage
     2. tensor parallel  `apply_tp` over the mesh's tp dimension: attention heads and MLP columns become DTensor
                         slices (model/tp_plan.py); first, so that FSDP then shards the slices, not whole weights
-    3. data parallel    `apply_fsdp` over dp_shard (HSDP: the 2-D dp_replicate × dp_shard), or `apply_ddp` over
-                        dp_replicate; last, because their gradient hooks must see the final parameters
+    3. data parallel    `apply_fsdp` over dp_shard (HSDP: the 2-D dp_replicate × dp_shard; with context parallel,
+                        over dp_shard × cp flattened, as torchtitan's dp_shard_cp: the cp ranks hold different
+                        tokens of the same samples, so their gradients are summed like those of data shards), or
+                        `apply_ddp` over dp_replicate; last, because their gradient hooks must see the final
+                        parameters. Context parallel's attention (dims/context.py) is the model's, set beside this.
 
 The mesh is the run's one DeviceMesh (process.dist.world_mesh); each step takes the dimensions it spans by name.
 """
@@ -24,7 +27,7 @@ from toolkit.model import tp_plan
 from toolkit.model.precision import DTYPES
 from toolkit.process.dist import DistEnv
 
-DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")  # in mesh order
+DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard", "cp")  # in mesh order: the dimensions gradients are reduced over
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +88,14 @@ def dimensions(mesh, names: tuple[str, ...]):
     return mesh if tuple(mesh.mesh_dim_names) == names else mesh[names if len(names) > 1 else names[0]]
 
 
+def _shard_mesh(mesh, dp_dims: tuple[str, ...]):
+    """What FSDP shards over: dp_shard, dp_replicate × dp_shard (HSDP), or dp_shard × cp as one dimension."""
+    if "cp" not in dp_dims:
+        return dimensions(mesh, dp_dims)
+    assert "dp_replicate" not in dp_dims, "HSDP × cp is not a tested layout"
+    return dimensions(mesh, dp_dims)._flatten("dp_shard_cp")
+
+
 def parallelize(model: nn.Module, *, mesh, env: DistEnv, units: list[nn.Module],
                 data_parallel: FsdpWrap | DdpWrap | None, sequence_parallel: bool = False) -> nn.Module:
     """Apply the mesh's dimensions to `model` (a whole model, or one pipeline stage) in the fixed order: tp, then
@@ -96,7 +107,7 @@ def parallelize(model: nn.Module, *, mesh, env: DistEnv, units: list[nn.Module],
         apply_tp(model, dimensions(mesh, ("tp",)), sequence_parallel=sequence_parallel)
     dp_dims = tuple(name for name in DATA_PARALLEL_DIMS if name in names)
     if isinstance(data_parallel, FsdpWrap):
-        apply_fsdp(model, dimensions(mesh, dp_dims), units=units, wrap=data_parallel, device=env.device)
+        apply_fsdp(model, _shard_mesh(mesh, dp_dims), units=units, wrap=data_parallel, device=env.device)
     elif isinstance(data_parallel, DdpWrap):
         assert dp_dims == ("dp_replicate",), f"DDP replicates over dp_replicate alone, not {dp_dims}"
         return apply_ddp(model, group=mesh.get_group("dp_replicate"), wrap=data_parallel, env=env)
