@@ -39,12 +39,13 @@ def test_a_rank_keeps_the_label_of_its_chunk_s_last_token():
     assert other.input_ids.tolist() == [[6, 7]] and other.shifted_labels.tolist() == [[7, 8]]
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_allgather_attention_gives_the_whole_sequence_s_loss_and_gradients(tmp_path, cp):
+# the tiny Llama has 2 KV heads: ulysses splits them, so at most over 2 ranks
+@pytest.mark.parametrize("method, cp", [("allgather", 2), ("allgather", 4), ("ulysses", 2)])
+def test_each_method_gives_the_whole_sequence_s_loss_and_gradients(tmp_path, method, cp):
     out = tmp_path / "cp.json"
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(cp),
                            "--log-dir", str(tmp_path / "logs"), str(REPO / "tests" / "reference" / "context_parallel.py"),
-                           str(out)], cwd=REPO, env=toolkit_env(), capture_output=True, text=True, timeout=600)
+                           str(out), method], cwd=REPO, env=toolkit_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-6000:]
     result = json.loads(out.read_text())
     split, whole = result["loss"]
@@ -58,9 +59,11 @@ def test_allgather_attention_gives_the_whole_sequence_s_loss_and_gradients(tmp_p
 # backward runs the attention again inside the sequence's context
 CP2 = ("parallel.cp=2", "batch.micro_batch_size=4", "batch.grad_accum_steps=2", "train.activation_checkpointing=true")
 CP2_DP2 = ("parallel.cp=2", "parallel.dp_shard=2", "batch.micro_batch_size=4")  # 4 ranks: 2 shards × 2 cp ranks
+CP2_ULYSSES = ("parallel.cp=2", "parallel.cp_method=ulysses")
 
 
-@pytest.mark.parametrize("name, nproc, overrides", [("cp2", 2, CP2), ("cp2-dp2", 4, CP2_DP2)])
+@pytest.mark.parametrize("name, nproc, overrides", [("cp2", 2, CP2), ("cp2-dp2", 4, CP2_DP2),
+                                                    ("cp2-ulysses", 2, CP2_ULYSSES)])
 def test_context_parallel_trains_as_one_process(llama_runs, name, nproc, overrides):
     # tiny-llama's samples pad to lengths 4 does not divide: the split pads them further, masked
     reference = llama_runs.get("single-m8")
@@ -70,7 +73,8 @@ def test_context_parallel_trains_as_one_process(llama_runs, name, nproc, overrid
     assert metrics(run)[-1]["eval_loss"] == pytest.approx(metrics(reference)[-1]["eval_loss"], rel=1e-5)
     info = json.loads((run / "run.json").read_text())
     assert info["strategy"] == "fsdp" and info["parallel"]["cp"] == 2
-    assert "each sequence split over the 2 ranks of cp" in info["layout"]
+    method = "ulysses" if "ulysses" in name else "allgather"
+    assert f"each sequence split over the 2 ranks of cp, attention by {method}" in info["layout"]
 
 
 def recipe(parallel, **sections):
@@ -97,8 +101,7 @@ def test_what_context_parallel_cannot_run_is_refused_in_one_line(parallel, secti
 
 
 @pytest.mark.parametrize("method, words", [
-    ("ulysses", "parallel.cp_method ulysses is not built yet; use allgather"),
-    ("ring", "parallel.cp_method ring is not built yet; use allgather"),
+    ("ring", "parallel.cp_method ring is not built yet; use allgather or ulysses"),
     ("flash", "parallel.cp_method: unknown value"),
 ])
 def test_a_method_not_built_is_refused(method, words):
@@ -113,3 +116,9 @@ def test_a_context_parallel_mistake_exits_2_before_any_rank_starts(tmp_path, tin
     assert not (tmp_path / "out").exists()
     done = run_cli("validate", str(path), "--nproc", "2", "--set", "parallel.cp=2")
     assert done.returncode == 0 and "# parallel: fsdp (cp 2)" in done.stdout.splitlines(), done.stdout
+    # ulysses splits the heads: the tiny Llama's 2 KV heads over 4 ranks cannot be
+    done = run_cli("validate", str(path), "--nproc", "4", "--set", "parallel.cp=4", "--set",
+                   "parallel.cp_method=ulysses")
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "toolkit: error: parallel.cp_method ulysses splits the attention heads over the 4 cp ranks, but the model "
+        "has 4 attention and 2 key/value heads; use a cp that divides 2, or parallel.cp_method allgather"]

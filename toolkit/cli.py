@@ -250,6 +250,7 @@ def cmd_plan(args) -> int:
 
 def cmd_strategies(args) -> int:
     from toolkit.config.parallel import presets
+    from toolkit.config.recipe import CP_BUILT, CP_METHODS
     from toolkit.config.strategy_options import StrategyConfig
     from toolkit.strategies import arm_aliases, strategy_info, strategy_names
 
@@ -264,6 +265,8 @@ def cmd_strategies(args) -> int:
     print("\ncompare arms (toolkit compare --strategies a,b,...; add overrides as arm@key=value):")
     for alias, overrides in arm_aliases().items():
         print(f"  {alias:<14} {' '.join(overrides)}")
+    print(f"\ncontext parallel methods (parallel.cp_method): {', '.join(CP_BUILT)}; not built yet: "
+          f"{', '.join(m for m in CP_METHODS if m not in CP_BUILT)}")
     print("\nparallel degrees (a recipe's parallel: section; world = their product) and the preset that runs them:")
     for combination, name, options in presets():
         print(f"  {' × '.join(combination) or '(none)':<24} {name}" + (f" ({', '.join(options)})" if options else ""))

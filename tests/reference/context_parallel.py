@@ -3,7 +3,7 @@
 
 Each rank builds the same tiny Llama (grouped-query attention) from a config with one seed; a batch with padding
 and a length that 2·cp does not divide. The reference: the plain model (sdpa) on the whole batch, the loss summed
-over its tokens (logits[:, :-1] against labels[:, 1:]), backward. The cp arm: a copy under the cp attention, each
+over its tokens (logits[:, :-1] against labels[:, 1:]), backward. The cp arm: a copy under the cp attention of the method argv[2] names, each
 rank on its share (split_batch), its loss summed over its tokens, backward; the loss sums and every parameter's
 gradient summed over the ranks (what data parallel over the cp ranks would reduce). Rank 0 writes
 {"loss": [cp, reference], "max_grad_diff": ..., "max_grad": ..., "worst": name} as JSON to argv[1]."""
@@ -30,7 +30,7 @@ def main() -> None:
     reference = transformers.LlamaForCausalLM(config)
     model = copy.deepcopy(reference)
     context.register()
-    model.set_attn_implementation(context.ATTENTION)
+    model.set_attn_implementation(context.ATTENTIONS[sys.argv[2]])
 
     generator = torch.Generator().manual_seed(1)
     length, lengths = 13, [13, 9, 4]  # 13 is not a multiple of 2·cp

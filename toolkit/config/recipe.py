@@ -163,6 +163,7 @@ class BatchConfig:
 
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
 CP_METHODS = ("allgather", "ulysses", "ring")
+CP_BUILT = ("allgather", "ulysses")  # ring: torch's context_parallel, CUDA's attention kernels only
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,8 +182,9 @@ class ParallelConfig:
     cp: int | None = None  # context parallel: each sequence split over this many ranks (2 mirrored chunks each),
     #   keys and values gathered for attention: 1/cp of the activations per rank, an all-gather per attention
     #   block; causal LMs (strategy.cp_degree)
-    cp_method: str = "allgather"  # allgather (Llama 3's: K and V all-gathered, any attention kernel, any cp);
-    #   ulysses and ring are not built yet
+    cp_method: str = "allgather"  # allgather (Llama 3's: K and V all-gathered, any cp) | ulysses (DeepSpeed's:
+    #   all-to-alls trade the sequence split for a head split; cp must divide the KV heads; moves 1/cp of q, k, v
+    #   and the output per rank); ring (torch's, CUDA attention kernels only) is not built yet
     ep: int | None = None  # reserved: expert parallel (borrows its ranks from dp_shard × cp), not built yet
 
     def __post_init__(self) -> None:
@@ -193,8 +195,8 @@ class ParallelConfig:
         if (self.ep or 1) > 1:
             raise RecipeError("parallel.ep: expert parallel is not built yet; leave parallel.ep unset")
         _choice("parallel.cp_method", self.cp_method, CP_METHODS)
-        if self.cp_method != "allgather":  # ring: torch's context_parallel, CUDA's attention kernels only
-            raise RecipeError(f"parallel.cp_method {self.cp_method} is not built yet; use allgather")
+        if self.cp_method not in CP_BUILT:
+            raise RecipeError(f"parallel.cp_method {self.cp_method} is not built yet; use {' or '.join(CP_BUILT)}")
 
     @property
     def given(self) -> bool:

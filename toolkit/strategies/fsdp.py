@@ -195,7 +195,8 @@ class FsdpStrategy:
         if (options.cp_degree or 1) > 1:  # the model attends through context parallel's attention
             self.cp = context.Group(group=self.mesh.get_group("cp"), size=self.mesh["cp"].size(),
                                     rank=self.mesh["cp"].get_local_rank())
-            context.use_on(model)
+            self.cp_method = args.recipe.parallel.cp_method
+            context.use_on(model, method=self.cp_method)
         wrap = FsdpWrap(precision=self.precision, reshard_after_forward=options.reshard_after_forward,
                         cpu_offload=options.cpu_offload)
         self.mp_policy = wrap.mp_policy
@@ -280,7 +281,7 @@ class FsdpStrategy:
             layout += " (attention heads and MLP columns split over tp"
             layout += ", norms on sequence shards)" if self.sequence_parallel else ")"
         if self.cp is not None:
-            layout += f" (each sequence split over the {self.cp.size} ranks of cp, keys and values all-gathered)"
+            layout += f" (each sequence split over the {self.cp.size} ranks of cp, attention by {self.cp_method})"
         return f"{layout}; weights: {self.loading}"
 
     def _fallback(self) -> str | None:

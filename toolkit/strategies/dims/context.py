@@ -1,6 +1,11 @@
-"""Context parallel, the all-gather method (Llama 3's): each sample's sequence is split over the cp ranks; each rank
-attends with its own queries to the keys and values of the whole sequence, all-gathered from every rank (their
-gradients come back through the gather as a reduce-scatter). Any attention kernel, any cp.
+"""Context parallel: each sample's sequence is split over the cp ranks, and attention sees the whole sequence by one
+of two methods (`parallel.cp_method`):
+- allgather (Llama 3's): each rank attends with its own queries to the keys and values of the whole sequence,
+  all-gathered from every rank (their gradients come back through the gather as a reduce-scatter). Any cp;
+- ulysses (DeepSpeed-Ulysses): an all-to-all trades the split of the sequence for a split of the heads, each rank
+  attends with 1/cp of the heads over the whole sequence, and a second all-to-all trades back (gradients come back
+  through both). cp must divide the KV heads; each rank moves 1/cp of q, k, v and the output, where allgather
+  moves every rank's keys and values.
 
 Load balance (causal models): the padded sequence is cut into 2·cp chunks and rank r holds chunks r and 2·cp-1-r,
 so that every rank has the same attention work (a causal query's work grows with its position).
@@ -15,7 +20,7 @@ A rank's batch (`split_batch`):
   causal by place in the whole sequence, padding keys masked.
 
 The attention runs inside `sequence(...)`, the context that tells it the rank's positions and the whole sequence's
-padding; `register()` names it to transformers (AttentionInterface) as ATTENTION, with no mask of its own.
+padding; `register()` names each method to transformers (AttentionInterface, ATTENTIONS), with no mask of its own.
 
 In a run (fsdp with cp_degree; `parallel.cp`): the ranks of a cp group are neighbours and read the same data shard;
 FSDP shards over dp_shard × cp, so its reduction averages over cp times the data shards the loop scales for: each
@@ -36,7 +41,7 @@ from toolkit.config.recipe import Recipe
 from toolkit.errors import RecipeError
 from toolkit.strategies.base import LossSum, MicroBatchStrategy, Share
 
-ATTENTION = "toolkit_cp_allgather"  # the model's config._attn_implementation under cp
+ATTENTIONS = {"allgather": "toolkit_cp_allgather", "ulysses": "toolkit_cp_ulysses"}  # config._attn_implementation
 IGNORE_INDEX = -100  # the labels' "no loss here", as transformers' losses take it
 
 
@@ -125,26 +130,77 @@ def allgather_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     """transformers' attention signature: this rank's queries against every rank's keys and values, through
     transformers' own sdpa function with the mask the positions give (`attention_mask`, built for the rank's
     tokens alone, is not it)."""
+    context = _context()
+    keys, values = _gathered(key, context), _gathered(value, context)
+    return _sdpa(module, query, keys, values, _allowed(context, context.query_positions), dropout=dropout,
+                 scaling=scaling, **kwargs)
+
+
+def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: 1/cp of the heads over the whole sequence (see the module)."""
+    context = _context()
+    queries, keys, values = (_heads_to_sequence(t, context) for t in (query, key, value))
+    out, _ = _sdpa(module, queries, keys, values, _allowed(context, context.key_positions), dropout=dropout,
+                   scaling=scaling, **kwargs)
+    return _sequence_to_heads(out, context), None
+
+
+def _context() -> Sequence:
+    assert _current is not None, "context-parallel attention outside strategies.dims.context.sequence()"
+    return _current
+
+
+def _allowed(context: Sequence, queries: torch.Tensor) -> torch.Tensor:
+    """[batch, 1, queries, keys] bool: causal by place in the whole sequence, padding keys out; a padding query
+    attends to itself too, so that no row is empty (its output reaches no loss and no other token)."""
+    places, rows = context.key_positions[None, :], queries[:, None]
+    return (((places <= rows)[None] & context.key_valid[:, None, :]) | (places == rows)[None])[:, None]
+
+
+def _sdpa(module, query, key, value, allowed, *, dropout, scaling, **kwargs) -> tuple[torch.Tensor, None]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    context = _current
-    assert context is not None, "context-parallel attention outside strategies.dims.context.sequence()"
-    keys, values = _gathered(key, context), _gathered(value, context)
-    queries, places = context.query_positions[:, None], context.key_positions[None, :]
-    # a padding query attends to itself too: no row is empty (its output reaches no loss and no other token)
-    allowed = ((places <= queries)[None] & context.key_valid[:, None, :]) | (places == queries)[None]
     kwargs.pop("is_causal", None)
-    return sdpa_attention_forward(module, query, keys, values, allowed[:, None], dropout=dropout, scaling=scaling,
+    return sdpa_attention_forward(module, query, key, value, allowed, dropout=dropout, scaling=scaling,
                                   is_causal=False, **kwargs)
 
 
+def _all_to_all(tensor: torch.Tensor, context: Sequence) -> torch.Tensor:
+    """Dimension 0 (cp parts) exchanged: part j goes to cp rank j, part i of the result came from rank i."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    return all_to_all_single_autograd(tensor.contiguous(), None, None, context.group)
+
+
+def _heads_to_sequence(tensor: torch.Tensor, context: Sequence) -> torch.Tensor:
+    """[batch, heads, local, dim] -> [batch, heads/cp, cp × local, dim]: this rank's head group over every rank's
+    tokens, rank after rank (the order of key_positions)."""
+    batch, heads, local, dim = tensor.shape
+    parts = tensor.view(batch, context.cp, heads // context.cp, local, dim).transpose(0, 1)
+    every = _all_to_all(parts, context)  # [cp: the rank the tokens are from, batch, heads/cp, local, dim]
+    return every.permute(1, 2, 0, 3, 4).reshape(batch, heads // context.cp, context.cp * local, dim)
+
+
+def _sequence_to_heads(out: torch.Tensor, context: Sequence) -> torch.Tensor:
+    """sdpa's output [batch, cp × local, heads/cp, dim] -> [batch, local, heads, dim]: this rank's tokens, every
+    head group, in head order."""
+    batch, length, group, dim = out.shape
+    local = length // context.cp
+    parts = out.view(batch, context.cp, local, group, dim).transpose(0, 1)
+    every = _all_to_all(parts, context)  # [cp: the head group, batch, local, heads/cp, dim]
+    return every.permute(1, 2, 0, 3, 4).reshape(batch, local, context.cp * group, dim)
+
+
 def register() -> None:
-    """Name the attention to transformers; the mask it would build for a rank's tokens alone is not wanted."""
+    """Name the methods to transformers; the mask it would build for a rank's tokens alone is not wanted."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(ATTENTION, allgather_attention)
-    AttentionMaskInterface.register(ATTENTION, _no_mask)
+    for method, attention in (("allgather", allgather_attention), ("ulysses", ulysses_attention)):
+        AttentionInterface.register(ATTENTIONS[method], attention)
+        AttentionMaskInterface.register(ATTENTIONS[method], _no_mask)
 
 
 def _no_mask(*args, **kwargs) -> None:
@@ -165,16 +221,26 @@ def check_recipe(recipe: Recipe, *, cp: int, world_size: int) -> None:
     if recipe.train.compile:
         raise RecipeError("train.compile is not available with context parallel yet (its attention is not checked "
                           "compiled); set train.compile: false or drop parallel.cp")
+    if recipe.parallel.cp_method == "ulysses":
+        from toolkit.model.build import hf_config
+
+        config = hf_config(recipe.model)
+        heads = int(getattr(config, "num_attention_heads", None) or 0)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        if not heads or heads % cp or kv_heads % cp:
+            raise RecipeError(f"parallel.cp_method ulysses splits the attention heads over the {cp} cp ranks, but the "
+                              f"model has {heads} attention and {kv_heads} key/value heads; use a cp that divides "
+                              f"{kv_heads}, or parallel.cp_method allgather")
 
 
-def use_on(model: torch.nn.Module) -> None:
-    """The model attends through ATTENTION; a model whose attention transformers' AttentionInterface does not
+def use_on(model: torch.nn.Module, *, method: str) -> None:
+    """The model attends through `method`; a model whose attention transformers' AttentionInterface does not
     choose is refused in one line."""
     if not getattr(model, "_supports_attention_backend", False):
         raise RecipeError(f"context parallel needs a model whose attention transformers lets the toolkit replace "
                           f"(AttentionInterface); {type(model).__name__} does not; drop parallel.cp")
     register()
-    model.set_attn_implementation(ATTENTION)  # type: ignore[operator]
+    model.set_attn_implementation(ATTENTIONS[method])  # type: ignore[operator]
 
 
 @dataclass(frozen=True, kw_only=True)
