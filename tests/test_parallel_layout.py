@@ -37,6 +37,7 @@ def recipe(parallel=None, model="/m", **strategy):
     ({"cp": 2}, 2, "fsdp", {"cp_degree": 2}),
     ({"dp_shard": 2, "cp": 2}, 4, "fsdp", {"cp_degree": 2}),
     ({"cp": 2}, 4, "fsdp", {"cp_degree": 2}),  # dp_shard takes the other 2
+    ({"cp": 2, "tp": 2}, 4, "fsdp", {"cp_degree": 2, "tp_degree": 2}),
 ])
 def test_degrees_resolve_to_the_preset_that_runs_them(parallel, world_size, name, options, tiny_llama_dir):
     resolved = resolve(recipe(parallel, model=tiny_llama_dir), world_size=world_size)
@@ -92,7 +93,7 @@ def test_an_untested_pair_exits_2_with_one_line(tmp_path, tiny_llama_dir):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "toolkit: error: parallel: pp × tp together is not tested yet (tested pairs: dp_replicate × dp_shard; "
-        "dp_shard × tp; cp × dp_shard; dp_replicate × pp; dp_shard × pp); drop one of them"]
+        "dp_shard × tp; cp × dp_shard; cp × tp; dp_replicate × pp; dp_shard × pp); drop one of them"]
     assert not (tmp_path / "out").exists()
     done = run_cli("validate", str(path), "--nproc", "2", "--set", "parallel.dp_shard=2")
     assert done.returncode == 0 and "# parallel: fsdp (dp_shard 2)" in done.stdout.splitlines()

@@ -63,6 +63,7 @@ PRESETS: dict[frozenset[str], tuple[str, Any]] = {
     frozenset({"dp_shard", "tp"}): ("fsdp", lambda d: {"tp_degree": d.tp}),
     frozenset({"cp"}): ("fsdp", lambda d: {"cp_degree": d.cp}),  # FSDP over the cp ranks, as over dp_shard × cp
     frozenset({"dp_shard", "cp"}): ("fsdp", lambda d: {"cp_degree": d.cp}),
+    frozenset({"cp", "tp"}): ("fsdp", lambda d: {"cp_degree": d.cp, "tp_degree": d.tp}),
     frozenset({"pp"}): ("pipeline", lambda d: {}),
     frozenset({"pp", "dp_replicate"}): ("hybrid", lambda d: {"pipeline_degree": d.pp, "data_parallel": "ddp"}),
     frozenset({"pp", "dp_shard"}): ("hybrid", lambda d: {"pipeline_degree": d.pp, "data_parallel": "fsdp"}),

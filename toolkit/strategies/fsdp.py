@@ -82,6 +82,14 @@ class FsdpRules:
         if world_size % replicate:
             raise RecipeError(f"strategy.replicate_degree {replicate} does not divide world size {world_size}")
         tp = options.tp_degree
+        cp = options.cp_degree
+        if cp is not None and cp < 1:
+            raise RecipeError(f"strategy.cp_degree must be >= 1, got {cp}; leave it unset for FSDP alone")
+        if cp is not None and cp > 1:
+            if replicate > 1 or options.sequence_parallel:  # not tested together yet
+                raise RecipeError("strategy.cp_degree (context parallel) is tested with dp_shard and tp_degree, not "
+                                  "with strategy.replicate_degree or strategy.sequence_parallel yet; choose one")
+            context.check_recipe(recipe, cp=cp, tp=tp or 1, world_size=world_size)
         if tp is not None and tp < 1:  # 0 would silently mean fsdp alone, a negative one a negative mesh
             raise RecipeError(f"strategy.tp_degree must be >= 1, got {tp}; leave it unset for FSDP alone")
         if tp is not None and tp > 1:
@@ -99,14 +107,6 @@ class FsdpRules:
                                   "DTensor-split blocks with a RecursionError); set train.compile: false or drop tp_degree")
         elif options.sequence_parallel:
             raise RecipeError("strategy.sequence_parallel needs tensor parallelism: set strategy.tp_degree (2 or more)")
-        cp = options.cp_degree
-        if cp is not None and cp < 1:
-            raise RecipeError(f"strategy.cp_degree must be >= 1, got {cp}; leave it unset for FSDP alone")
-        if cp is not None and cp > 1:
-            if replicate > 1 or (tp or 1) > 1:  # dp_replicate × cp, tp × cp: not tested together yet
-                raise RecipeError("strategy.cp_degree (context parallel) is tested with dp_shard alone, not with "
-                                  "strategy.replicate_degree or strategy.tp_degree yet; choose one")
-            context.check_recipe(recipe, cp=cp, world_size=world_size)
         if recipe.precision == "fp16" and recipe.optim.implementation == "fused":
             raise RecipeError("optim.implementation fused cannot run under fsdp in fp16 (torch's ShardedGradScaler "
                               "hands the fused AdamW kernel a found-inf tensor of the wrong shape); use auto or loop")
@@ -166,17 +166,20 @@ class FsdpStrategy:
 
     def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
         if self.cp is not None:  # each rank its share of every sequence (strategies/dims/context.py)
-            return context.each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share,
-                                            device=self.env.device, group=self.cp)
-        total = each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share, device=self.env.device)
+            total = context.each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share,
+                                             device=self.env.device, group=self.cp)
+        else:
+            total = each_micro_batch(self, micro_batches, loss_sum=loss_sum, share=share, device=self.env.device)
         if self.partial:  # after FSDP's reduce-scatter over dp (the sums commute): Qwen3's q_norm, k_norm, ...
             tensor_parallel.sum_partial_gradients(self.partial, self.mesh.get_group("tp"), device=self.env.device)
         return tensor_parallel.first_of_group(total, tp_rank=self.env.rank % self.tp_degree)
 
     def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
         if self.cp is not None:
-            return context.forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device, group=self.cp)
-        total, count = forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device)
+            total, count = context.forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device,
+                                                group=self.cp)
+        else:
+            total, count = forward_once(self, micro_batches, loss_sum=loss_sum, device=self.env.device)
         return (total, count) if self.env.rank % self.tp_degree == 0 else (torch.zeros_like(total), 0)
 
 

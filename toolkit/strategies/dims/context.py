@@ -207,11 +207,12 @@ def _no_mask(*args, **kwargs) -> None:
     return None
 
 
-def check_recipe(recipe: Recipe, *, cp: int, world_size: int) -> None:
-    """What context parallel cannot run, before any rank starts (cp > 1)."""
-    if world_size % cp:
-        raise RecipeError(f"context parallel over {cp} ranks does not divide the {world_size} ranks; use a world size "
-                          f"that is a multiple of {cp}")
+def check_recipe(recipe: Recipe, *, cp: int, tp: int, world_size: int) -> None:
+    """What context parallel cannot run, before any rank starts (cp > 1; `tp`: the heads are split over that many
+    ranks first)."""
+    if world_size % (cp * tp):
+        raise RecipeError(f"context parallel over {cp} ranks × tp {tp} does not divide the {world_size} ranks; use a "
+                          f"world size that is a multiple of {cp * tp}")
     if recipe.model.task != "causal-lm":
         raise RecipeError(f"context parallel splits a causal LM's sequences; model.task is {recipe.model.task} (its "
                           "sequences are pooled whole); drop parallel.cp")
@@ -225,11 +226,12 @@ def check_recipe(recipe: Recipe, *, cp: int, world_size: int) -> None:
         from toolkit.model.build import hf_config
 
         config = hf_config(recipe.model)
-        heads = int(getattr(config, "num_attention_heads", None) or 0)
-        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        heads = int(getattr(config, "num_attention_heads", None) or 0) // tp  # a tp rank's
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads * tp) // tp
+        holder = "the model has" if tp == 1 else f"each of the {tp} tp ranks holds"
         if not heads or heads % cp or kv_heads % cp:
-            raise RecipeError(f"parallel.cp_method ulysses splits the attention heads over the {cp} cp ranks, but the "
-                              f"model has {heads} attention and {kv_heads} key/value heads; use a cp that divides "
+            raise RecipeError(f"parallel.cp_method ulysses splits the attention heads over the {cp} cp ranks, but "
+                              f"{holder} {heads} attention and {kv_heads} key/value heads; use a cp that divides "
                               f"{kv_heads}, or parallel.cp_method allgather")
 
 
