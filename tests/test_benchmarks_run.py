@@ -16,6 +16,8 @@ RUNS = {
     "compare_overhead": (["--strategies", "ddp", "--steps", "3"], "overhead %"),
     "checkpoint_cost": (["--strategies", "ddp", "--steps", "2", "--every", "1"], "async/sync"),
     "memory_scaling": (["--arms", "ddp", "--layers", "1", "--steps", "1", "--from-config"], "peak RSS MiB/rank"),
+    "long_context": (["--arms", "single,cp2-ulysses", "--start", "64", "--max", "64", "--steps", "1"],
+                     "longest sequence"),
     "gpu_throughput": (["--arms", "single", "--steps", "2", "--seq", "32", "--micro-batch", "1", *TINY_LLAMA],
                        "tokens/s"),
 }

@@ -32,7 +32,7 @@ group's first rank only.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
@@ -54,6 +54,9 @@ class Sequence:
     query_positions: torch.Tensor  # [local length]: each of this rank's tokens' place in the whole sequence
     key_positions: torch.Tensor  # [cp × local length]: the same for the gathered keys, in the gather's order
     key_valid: torch.Tensor  # [batch, cp × local length] bool: the gathered keys that are not padding
+    # the attention mask, made at the first layer and shared by every layer (and by the recompute of activation
+    # checkpointing): one [batch, 1, queries, keys] bool, not one per layer saved for backward
+    masks: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
 
 _current: Sequence | None = None
@@ -132,8 +135,7 @@ def allgather_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     tokens alone, is not it)."""
     context = _context()
     keys, values = _gathered(key, context), _gathered(value, context)
-    return _sdpa(module, query, keys, values, _allowed(context, context.query_positions), dropout=dropout,
-                 scaling=scaling, **kwargs)
+    return _sdpa(module, query, keys, values, _allowed(context, "local"), dropout=dropout, scaling=scaling, **kwargs)
 
 
 def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -142,8 +144,8 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """transformers' attention signature: 1/cp of the heads over the whole sequence (see the module)."""
     context = _context()
     queries, keys, values = (_heads_to_sequence(t, context) for t in (query, key, value))
-    out, _ = _sdpa(module, queries, keys, values, _allowed(context, context.key_positions), dropout=dropout,
-                   scaling=scaling, **kwargs)
+    out, _ = _sdpa(module, queries, keys, values, _allowed(context, "whole"), dropout=dropout, scaling=scaling,
+                   **kwargs)
     return _sequence_to_heads(out, context), None
 
 
@@ -152,11 +154,16 @@ def _context() -> Sequence:
     return _current
 
 
-def _allowed(context: Sequence, queries: torch.Tensor) -> torch.Tensor:
-    """[batch, 1, queries, keys] bool: causal by place in the whole sequence, padding keys out; a padding query
-    attends to itself too, so that no row is empty (its output reaches no loss and no other token)."""
-    places, rows = context.key_positions[None, :], queries[:, None]
-    return (((places <= rows)[None] & context.key_valid[:, None, :]) | (places == rows)[None])[:, None]
+def _allowed(context: Sequence, queries: str) -> torch.Tensor:
+    """[batch, 1, queries, keys] bool for the rank's own queries (`local`, allgather) or the whole sequence's
+    (`whole`, ulysses): causal by place in the whole sequence, padding keys out; a padding query attends to itself
+    too, so that no row is empty (its output reaches no loss and no other token)."""
+    if queries not in context.masks:
+        places = context.key_positions[None, :]
+        rows = (context.query_positions if queries == "local" else context.key_positions)[:, None]
+        context.masks[queries] = (((places <= rows)[None] & context.key_valid[:, None, :]) | (places == rows)[None]
+                                  )[:, None]
+    return context.masks[queries]
 
 
 def _sdpa(module, query, key, value, allowed, *, dropout, scaling, **kwargs) -> tuple[torch.Tensor, None]:
