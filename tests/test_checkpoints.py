@@ -19,10 +19,11 @@ from conftest import (REPO, exported_weights, launch, losses, metrics, run_cli, 
 from toolkit.errors import RecipeError
 from toolkit.process import faults
 
-SOURCES = {"ddp": 2, "fsdp": 2, "zero2-offload": 2, "zero3": 2, "fsdp-async": 2, "pp": 2}
+SOURCES = {"ddp": 2, "fsdp": 2, "zero2-offload": 2, "zero3": 2, "fsdp-async": 2, "pp": 2, "cp2": 2}
 CROSS = [("zero3", 2, "fsdp", 2), ("fsdp", 2, "ddp", 1), ("ddp", 2, "zero3", 2), ("zero2-offload", 2, "single", 1),
          ("fsdp", 2, "fsdp", 1), ("ddp", 2, "pp", 2), ("pp", 2, "single", 1),
-         ("ddp", 2, "tp", 2)]  # tp: the split weights and their Adam state are DTensors
+         ("ddp", 2, "tp", 2),  # tp: the split weights and their Adam state are DTensors
+         ("cp2", 2, "single", 1), ("fsdp", 2, "cp2", 2)]  # cp2: FSDP's shards over the flattened dp_shard × cp mesh
 
 
 def strategy_overrides(name: str) -> tuple[str, ...]:
@@ -34,6 +35,8 @@ def strategy_overrides(name: str) -> tuple[str, ...]:
         return ("strategy.name=zero", "strategy.stage=2", "strategy.offload_optimizer=true")
     if name == "pp":  # two stages, each rank holds half the blocks (the tied embedding on both ends)
         return ("strategy.name=pipeline", "strategy.schedule=1f1b")
+    if name == "cp2":  # context parallel: each sequence split over the 2 ranks
+        return ("parallel.cp=2",)
     return (f"strategy.name={name}",)
 
 
