@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import cast
-
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.config.strategy_options import option_names, options_of, strategy_options
 from toolkit.errors import RecipeError
-from toolkit.process.dist import ensure_process_group, world_mesh
 from toolkit.strategies.base import SetupArgs, StrategyInfo
-from toolkit.strategies.dims.parallelize import DdpWrap, parallelize
+from toolkit.strategies.dims.parallelize import DdpWrap, ddp_no_sync, replicate_over_world
 from toolkit.strategies.replicated import ReplicatedRules, ReplicatedStrategy, Replication
 
 @strategy_options
@@ -36,12 +32,9 @@ INFO = StrategyInfo(
 
 
 def wrap_ddp(module: nn.Module, args: SetupArgs) -> nn.Module:
-    options, env = options_of(DdpOptions, args.recipe), args.env
-    ensure_process_group(env, strategy=INFO.name)  # DDP needs a group, even of one rank
-    # a 1-D mesh over the world: its group is the default one (no new group is made)
-    mesh = world_mesh(env, degrees(args.recipe, world_size=env.world_size), keep=("dp_replicate",))
+    options = options_of(DdpOptions, args.recipe)
     wrap = DdpWrap(bucket_cap_mb=options.bucket_cap_mb, find_unused_parameters=options.find_unused_parameters)
-    return parallelize(module, mesh=mesh, env=env, units=[], data_parallel=wrap)
+    return replicate_over_world(module, env=args.env, strategy=INFO.name, wrap=wrap)
 
 
 def check_buckets(recipe: Recipe, world_size: int) -> None:
@@ -53,8 +46,7 @@ def check_buckets(recipe: Recipe, world_size: int) -> None:
 
 DDP = Replication(
     info=INFO, wrap=wrap_ddp, reduce_desc="all-reduce mean ({dtype})", check=check_buckets,
-    # no_sync: keep gradients local on non-final micro-batches; the last backward all-reduces the sum
-    skip_sync=lambda wrapped: cast(DistributedDataParallel, wrapped).no_sync())
+    skip_sync=ddp_no_sync)
 
 
 RULES = ReplicatedRules(DDP)

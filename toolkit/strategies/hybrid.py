@@ -12,20 +12,18 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any
 
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.config.strategy_options import option_names, options_of, strategy_options
 from toolkit.errors import RecipeError, ranks_option
 from toolkit.memory.state_bytes import StateBytes
-from toolkit.process.dist import ensure_process_group, world_mesh
 from toolkit.strategies.base import DataLayout, SetupArgs, Strategy, StrategyInfo, StrategyRules
 from toolkit.strategies.model_parallel import check_model_split, one_device, place_model
-from toolkit.strategies.dims.parallelize import DdpWrap, parallelize
+from toolkit.strategies.dims.parallelize import DdpWrap, ddp_no_sync, replicate_over_world
 from toolkit.strategies.pipeline.layout import Grid
 from toolkit.strategies.pipeline.rules import PipelineRules
 from toolkit.strategies.pipeline.strategy import PipelineStrategy
@@ -69,15 +67,13 @@ def check_model_split_ddp(recipe: Recipe, world_size: int) -> None:
 
 
 def wrap_ddp(module: nn.Module, args: SetupArgs) -> nn.Module:
-    ensure_process_group(args.env, strategy=INFO.name)  # DDP needs a group, even of one rank
-    mesh = world_mesh(args.env, degrees(args.recipe, world_size=args.env.world_size), keep=("dp_replicate",))
     # a module over several devices: DDP takes no device_ids and reduces each parameter where it lives
-    return parallelize(module, mesh=mesh, env=args.env, units=[], data_parallel=DdpWrap(one_device=False))
+    return replicate_over_world(module, env=args.env, strategy=INFO.name, wrap=DdpWrap(one_device=False))
 
 
 MODEL_SPLIT_DDP = Replication(
     info=INFO, place=place_model, wrap=wrap_ddp, reduce_desc="all-reduce mean ({dtype})",
-    skip_sync=lambda wrapped: cast(DistributedDataParallel, wrapped).no_sync(), check=check_model_split_ddp,
+    skip_sync=ddp_no_sync, check=check_model_split_ddp,
     one_device=one_device)
 
 

@@ -38,11 +38,11 @@ from typing import Any, Iterator
 import torch
 
 from toolkit.config.recipe import Recipe
+from toolkit.data.losses import IGNORE_INDEX
 from toolkit.errors import RecipeError
 from toolkit.strategies.base import LossSum, MicroBatchStrategy, Share
 
 ATTENTIONS = {"allgather": "toolkit_cp_allgather", "ulysses": "toolkit_cp_ulysses"}  # config._attn_implementation
-IGNORE_INDEX = -100  # the labels' "no loss here", as transformers' losses take it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,8 +97,9 @@ def split_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: t
         labels = torch.nn.functional.pad(labels, (0, pad), value=IGNORE_INDEX)
     ignored = torch.full_like(labels[:, :1], IGNORE_INDEX)
     shifted = torch.cat([labels[:, 1:], ignored], dim=1)
-    mine = rank_positions(input_ids.shape[1], cp=cp, rank=rank).to(input_ids.device)
     every = torch.cat([rank_positions(input_ids.shape[1], cp=cp, rank=r) for r in range(cp)]).to(input_ids.device)
+    local = input_ids.shape[1] // cp
+    mine = every[rank * local:(rank + 1) * local]
     batch = input_ids.shape[0]
     return RankBatch(input_ids=input_ids[:, mine], position_ids=mine.expand(batch, -1), shifted_labels=shifted[:, mine],
                      sequence=Sequence(group=group, cp=cp, query_positions=mine, key_positions=every,

@@ -16,7 +16,9 @@ The mesh is the run's one DeviceMesh (process.dist.world_mesh); each step takes 
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -25,7 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from toolkit.model import tp_plan
 from toolkit.model.precision import DTYPES
-from toolkit.process.dist import DistEnv
+from toolkit.config.parallel import Degrees
+from toolkit.process.dist import DistEnv, ensure_process_group, world_mesh
 
 DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard", "cp")  # in mesh order: the dimensions gradients are reduced over
 
@@ -81,6 +84,19 @@ def apply_ddp(model: nn.Module, *, group, wrap: DdpWrap, env: DistEnv) -> Distri
     return DistributedDataParallel(model, process_group=group, device_ids=device_ids,
                                    bucket_cap_mb=wrap.bucket_cap_mb,
                                    find_unused_parameters=wrap.find_unused_parameters, gradient_as_bucket_view=True)
+
+
+def replicate_over_world(model: nn.Module, *, env: DistEnv, strategy: str, wrap: DdpWrap) -> nn.Module:
+    """DDP over every rank (dp_replicate = the world): the layout of ddp and of a model split × ddp. The 1-D mesh
+    over the world reuses the default process group (no new group is made); DDP needs one even for one rank."""
+    ensure_process_group(env, strategy=strategy)
+    mesh = world_mesh(env, Degrees(dp_replicate=env.world_size), keep=("dp_replicate",))
+    return parallelize(model, mesh=mesh, env=env, units=[], data_parallel=wrap)
+
+
+def ddp_no_sync(wrapped: nn.Module) -> AbstractContextManager:
+    """Gradients kept local on a non-final micro-batch; the last backward all-reduces their sum."""
+    return cast(DistributedDataParallel, wrapped).no_sync()
 
 
 def dimensions(mesh, names: tuple[str, ...]):
