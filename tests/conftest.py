@@ -60,6 +60,36 @@ def tiny_tied_llama_dir(tmp_path_factory) -> Path:
     return _save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-tied-llama", tie_word_embeddings=True)
 
 
+def _save_tiny_moe(path: Path, model_type: str) -> Path:
+    """A 2-layer mixture-of-experts decoder, 4 experts per layer, each token routed to 2 (qwen3_moe, mixtral)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = _minilm_tokenizer()
+    torch.manual_seed(0)
+    sizes = {"qwen3_moe": {"moe_intermediate_size": 32, "head_dim": 8}, "mixtral": {}}[model_type]
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id,
+                                  num_experts_per_tok=2, tie_word_embeddings=False,
+                                  **{"num_experts" if model_type == "qwen3_moe" else "num_local_experts": 4}, **sizes)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen3-MoE (4 experts, top-2) written by save_pretrained."""
+    return _save_tiny_moe(tmp_path_factory.mktemp("models") / "tiny-qwen3-moe", "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory) -> Path:
+    """A tiny Mixtral (4 experts, top-2) written by save_pretrained."""
+    return _save_tiny_moe(tmp_path_factory.mktemp("models") / "tiny-mixtral", "mixtral")
+
+
 @pytest.fixture(scope="session")
 def tiny_bert_dir(tmp_path_factory) -> Path:
     """A 2-layer BERT classifier written by save_pretrained."""
@@ -246,6 +276,18 @@ class Runs:
 def llama_runs(tmp_path_factory, tiny_llama_dir) -> Runs:
     root = tmp_path_factory.mktemp("llama-runs")
     return Runs(root, write_recipe(root / "recipe.yaml", model_dir=tiny_llama_dir, output_dir=root / "unused"))
+
+
+@pytest.fixture(scope="session")
+def moe_runs(tmp_path_factory, tiny_moe_dir) -> Runs:
+    root = tmp_path_factory.mktemp("moe-runs")
+    return Runs(root, write_recipe(root / "recipe.yaml", model_dir=tiny_moe_dir, output_dir=root / "unused"))
+
+
+@pytest.fixture(scope="session")
+def mixtral_runs(tmp_path_factory, tiny_mixtral_dir) -> Runs:
+    root = tmp_path_factory.mktemp("mixtral-runs")
+    return Runs(root, write_recipe(root / "recipe.yaml", model_dir=tiny_mixtral_dir, output_dir=root / "unused"))
 
 
 @pytest.fixture(scope="session")

@@ -79,12 +79,6 @@ def test_what_the_degrees_cannot_run_is_refused_in_one_line(parallel, strategy, 
     assert str(refused.value).startswith(words) and "\n" not in str(refused.value)
 
 
-@pytest.mark.parametrize("key", ["ep"])  # cp is built (tests/test_context_parallel.py)
-def test_reserved_degrees_are_refused_until_built(key):
-    with pytest.raises(RecipeError, match=f"parallel.{key}: .* is not built yet; leave parallel.{key} unset"):
-        recipe({key: 2})
-
-
 def test_an_untested_pair_exits_2_with_one_line(tmp_path, tiny_llama_dir):
     from conftest import write_recipe
 

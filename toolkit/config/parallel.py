@@ -7,7 +7,7 @@ The degrees compose on one device mesh, in torchtitan's order (`ParallelDims`, o
 so that tensor parallel takes neighbouring ranks (one node's fast links), the sharding of dp_shard the next ones,
 and the pipeline's point-to-point sends the slowest links. An unset dp_shard takes the ranks the others leave
 (torchtitan's -1); expert parallel's ranks come out of dp_shard × cp, as transformers' DistributedConfig defines
-`ep_size` (a multiple of tp dividing fsdp × tp). ep is reserved here: the recipe refuses it until built.
+`ep_size` (a multiple of tp dividing fsdp × tp). ep is tested with dp_shard alone (fsdp's ep_degree).
 
 A recipe gives either `parallel:` degrees or a `strategy.name` with its options (the presets, and the names compare
 arms keep); `resolve` turns degrees into the preset that runs them, so every later part of a run reads one form.
@@ -46,8 +46,9 @@ class Degrees:
         return tuple(name for name in MESH_ORDER if getattr(self, name) > 1)
 
     def describe(self) -> str:
-        """`dp_replicate 2 × dp_shard 2`, or `all degrees 1` where nothing is parallel."""
-        return " × ".join(f"{name} {getattr(self, name)}" for name in self.active()) or "all degrees 1"
+        """`dp_replicate 2 × dp_shard 2`, `dp_shard 4 (ep 2 of them)`, or `all degrees 1` where nothing is parallel."""
+        line = " × ".join(f"{name} {getattr(self, name)}" for name in self.active()) or "all degrees 1"
+        return f"{line} (ep {self.ep} of them)" if self.ep > 1 else line
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -109,6 +110,11 @@ def resolve(recipe: Recipe, *, world_size: int) -> Recipe:
                           f"{tested}); drop one of them")
     name, options_of = PRESETS[active]
     options = options_of(degrees)
+    if degrees.ep > 1:  # borrowed from dp_shard: tested with FSDP over the whole world, nothing else
+        if active != frozenset({"dp_shard"}):
+            raise RecipeError(f"parallel.ep is tested with dp_shard alone, not with {degrees.describe()} yet; drop "
+                              "the other degrees or parallel.ep")
+        options = {**options, "ep_degree": degrees.ep}
     current = recipe.strategy
     if current.name not in (StrategyConfig.name, name):
         raise RecipeError(f"strategy.name {current.name} and parallel ({degrees.describe()}, which runs as {name}) "

@@ -185,15 +185,15 @@ class ParallelConfig:
     cp_method: str = "allgather"  # allgather (Llama 3's: K and V all-gathered, any cp) | ulysses (DeepSpeed's:
     #   all-to-alls trade the sequence split for a head split; cp must divide the KV heads; moves 1/cp of q, k, v
     #   and the output per rank); ring (torch's, CUDA attention kernels only) is not built yet
-    ep: int | None = None  # reserved: expert parallel (borrows its ranks from dp_shard × cp), not built yet
+    ep: int | None = None  # expert parallel: each MoE layer's experts split over this many neighbouring ranks,
+    #   tokens sent to their experts and back by all-to-all; borrows its ranks from dp_shard (not a factor of the
+    #   world): the ranks holding the same experts FSDP-shard them (strategy.ep_degree)
 
     def __post_init__(self) -> None:
         for name in DEGREES:
             value = getattr(self, name)
             if value is not None:
                 _require(value >= 1, f"parallel.{name}", value, "at least 1 (or unset)")
-        if (self.ep or 1) > 1:
-            raise RecipeError("parallel.ep: expert parallel is not built yet; leave parallel.ep unset")
         _choice("parallel.cp_method", self.cp_method, CP_METHODS)
         if self.cp_method not in CP_BUILT:
             raise RecipeError(f"parallel.cp_method {self.cp_method} is not built yet; use {' or '.join(CP_BUILT)}")

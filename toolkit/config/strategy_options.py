@@ -38,6 +38,8 @@ class StrategyConfig:
     #   layers, but an activation all-reduce per attention and MLP block: keep a group inside one node
     cp_degree: int | None = None  # fsdp: > 1 = context parallel, each sequence split over groups of this many
     #   neighbouring ranks, FSDP over all of them (torchtitan's dp_shard × cp); parallel.cp_method says how
+    ep_degree: int | None = None  # fsdp: > 1 = expert parallel, each MoE layer's experts split over groups of this
+    #   many neighbouring ranks (tokens reach them by all-to-all), FSDP-sharded over the ranks holding the same ones
     sequence_parallel: bool = False  # tp, fsdp with tp_degree: norms and residuals on sequence shards between the
     #   split layers (Llama-style decoders): less activation memory, the same bytes moved
     # zero

@@ -5,6 +5,7 @@ a bug is its traceback; a rank that fails because another rank left says only th
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -167,3 +168,6 @@ def quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
+    # DTensor's hint that a 2-D mesh's reduction or gather runs as 2 collectives (an expert-parallel or fsdp × tp
+    # weight's norm at clipping, its gather at export): a few scalars or one export, said on every rank each time
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)

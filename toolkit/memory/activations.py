@@ -217,6 +217,19 @@ def _traced(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, auto
         getattr(getattr(logging.Logger, "warning_once", None), "cache_clear", lambda: None)()
 
 
+def _fake_grouped_mm() -> contextlib.AbstractContextManager:
+    """A mixture-of-experts model's grouped matmul on fake tensors: torch's fake kernel of _grouped_mm accepts
+    bf16 only (its CPU kernel any dtype), so the trace takes transformers' own fallback, which registers a fake
+    kernel for every dtype and saves the same tensors for backward (the input and the weight)."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return contextlib.nullcontext()
+    if not hasattr(moe, "_can_use_grouped_mm"):
+        return contextlib.nullcontext()
+    return _replaced(moe, "_can_use_grouped_mm", lambda *args: False)
+
+
 def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
               checkpointing: bool, stage: tuple[bool, bool] | None) -> Traced:
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -237,6 +250,7 @@ def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, au
         mask = None if recipe.data.packing else torch.ones(tokens, dtype=torch.long)
         module, inputs, grad = model, [ids], None
         positions: contextlib.AbstractContextManager = contextlib.nullcontext()
+        experts = _fake_grouped_mm()
         if stage is not None:  # the received activations and the output's gradient: receive buffers, not counted
             from transformers import masking_utils
 
@@ -263,7 +277,7 @@ def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, au
         for param in module.parameters():
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(drop)
-        with live, positions:
+        with live, positions, experts:
             with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
                 if stage is None:
                     out = model(input_ids=ids, **({} if mask is None else {"attention_mask": mask})).logits

@@ -30,6 +30,7 @@ from toolkit.checkpoint.loading import ModelSource
 from toolkit.checkpoint.state import Read
 from toolkit.config.recipe import Recipe
 from toolkit.data.splits import DataLayout
+from toolkit.errors import RecipeError
 from toolkit.memory.state_bytes import StateBytes
 from toolkit.model.precision import StepResult
 from toolkit.model.tied import tied_aliases
@@ -263,6 +264,16 @@ class MicroBatchStrategy(Protocol):
     def accumulate(self, *, sync: bool) -> ContextManager: ...
 
     def backward(self, loss_share: torch.Tensor) -> None: ...
+
+
+def refuse_untested(recipe: Recipe, *, layout: str, drop: str, lora_why: str, compile_why: str) -> None:
+    """model.lora and train.compile under a layout no test has run them with: one line each, saying why and what to
+    drop (`layout`: "context parallel"; `drop`: the recipe key that turns the layout off)."""
+    if recipe.model.lora is not None:
+        raise RecipeError(f"model.lora is not available with {layout} yet ({lora_why}); drop model.lora or {drop}")
+    if recipe.train.compile:
+        raise RecipeError(f"train.compile is not available with {layout} yet ({compile_why}); set train.compile: "
+                          f"false or drop {drop}")
 
 
 def every_rank_a_shard(*, world_size: int, rank: int) -> DataLayout:

@@ -28,16 +28,16 @@ from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.config.strategy_options import option_names, options_of, strategy_options
 from toolkit.errors import RecipeError
-from toolkit.memory.state_bytes import StateBytes, adam_state, dim0_shard, dim0_shard_of, element_bytes
+from toolkit.memory.state_bytes import StateBytes, adam_state, dim0_held, dim0_shard, dim0_shard_of, element_bytes
 from toolkit.model import tp_plan as tensor_parallel
 from toolkit.model.blocks import transformer_blocks
 from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.model.tied import first_names
 from toolkit.process.dist import DistEnv, ensure_process_group, world_mesh
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport,
-                                     each_micro_batch, every_rank_a_shard, first_dtype, forward_once, no_context,
+                                     each_micro_batch, every_rank_a_shard, first_dtype, refuse_untested, forward_once, no_context,
                                      sharded_abs_max, whole_stack_activations)
-from toolkit.strategies.dims import context
+from toolkit.strategies.dims import context, expert
 from toolkit.strategies.dims.parallelize import FsdpWrap, parallelize
 from toolkit.strategies.optim.torch_optim import TorchOptim, TorchState
 
@@ -51,6 +51,7 @@ class FsdpOptions:
     blocks: tuple[str, ...] | None
     tp_degree: int | None  # > 1: fsdp × tp (parallel.tp)
     cp_degree: int | None  # > 1: context parallel, FSDP over dp_shard × cp (parallel.cp)
+    ep_degree: int | None  # > 1: expert parallel, the experts split over ep ranks, FSDP over the rest (parallel.ep)
     sequence_parallel: bool
 
 
@@ -65,7 +66,8 @@ INFO = StrategyInfo(
           "fsdp-noreshard": ("strategy.name=fsdp", "strategy.reshard_after_forward=false"),
           "fsdp-offload": ("strategy.name=fsdp", "strategy.cpu_offload=true"),
           "fsdp-tp2": ("strategy.name=fsdp", "strategy.tp_degree=2"),
-          "fsdp-cp2": ("strategy.name=fsdp", "strategy.cp_degree=2")})
+          "fsdp-cp2": ("strategy.name=fsdp", "strategy.cp_degree=2"),
+          "fsdp-ep2": ("strategy.name=fsdp", "strategy.ep_degree=2")})
 
 
 class FsdpRules:
@@ -90,6 +92,14 @@ class FsdpRules:
                 raise RecipeError("strategy.cp_degree (context parallel) is tested with dp_shard and tp_degree, not "
                                   "with strategy.replicate_degree or strategy.sequence_parallel yet; choose one")
             context.check_recipe(recipe, cp=cp, tp=tp or 1, world_size=world_size)
+        ep = options.ep_degree
+        if ep is not None and ep < 1:
+            raise RecipeError(f"strategy.ep_degree must be >= 1, got {ep}; leave it unset for FSDP alone")
+        if ep is not None and ep > 1:
+            if replicate > 1 or (tp or 1) > 1 or (cp or 1) > 1:  # not tested together yet
+                raise RecipeError("strategy.ep_degree (expert parallel) is tested with dp_shard alone, not with "
+                                  "strategy.replicate_degree, tp_degree or cp_degree yet; choose one")
+            expert.check_recipe(recipe, ep=ep, world_size=world_size)
         if tp is not None and tp < 1:  # 0 would silently mean fsdp alone, a negative one a negative mesh
             raise RecipeError(f"strategy.tp_degree must be >= 1, got {tp}; leave it unset for FSDP alone")
         if tp is not None and tp > 1:
@@ -99,12 +109,9 @@ class FsdpRules:
                 raise RecipeError(f"strategy.tp_degree {tp} does not divide world size {world_size}; use a world "
                                   f"size that is a multiple of {tp}")
             tensor_parallel.check_recipe(recipe, degree=tp)
-            if recipe.model.lora is not None:
-                raise RecipeError("model.lora is not available with strategy.tp_degree yet (peft wraps the linear "
-                                  "layers the tensor-parallel plan splits); drop model.lora or strategy.tp_degree")
-            if recipe.train.compile:
-                raise RecipeError("train.compile is not available with strategy.tp_degree yet (torch.compile fails on "
-                                  "DTensor-split blocks with a RecursionError); set train.compile: false or drop tp_degree")
+            refuse_untested(recipe, layout="strategy.tp_degree", drop="strategy.tp_degree",
+                            lora_why="peft wraps the linear layers the tensor-parallel plan splits",
+                            compile_why="torch.compile fails on DTensor-split blocks with a RecursionError")
         elif options.sequence_parallel:
             raise RecipeError("strategy.sequence_parallel needs tensor parallelism: set strategy.tp_degree (2 or more)")
         if recipe.precision == "fp16" and recipe.optim.implementation == "fused":
@@ -119,13 +126,23 @@ class FsdpRules:
     def predict_state_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
         # parameters stay in their load dtype (MixedPrecisionPolicy casts a block's copy for compute only);
         # gradients are reduced into that dtype; AdamW state alike. CPU offload moves the bytes, not their count.
+        # Each rank's optimizer moments are made like its unpadded shard (dim0_held): where a dim 0 does not divide,
+        # the last shards' moments are smaller than their padded parameter and gradient storage.
         options, dtype = options_of(FsdpOptions, recipe), DTYPES[recipe.model.load_dtype]
-        tp = options.tp_degree or 1
-        if tp > 1:
-            local = dim0_shard_of(tensor_parallel.local_shapes(model, tp), world_size // tp)
-        else:
-            local = dim0_shard(world_size // options.replicate_degree)
-        return [adam_state(model.named_parameters(), dtype=dtype, local=local)] * world_size
+        tp, ep = options.tp_degree or 1, options.ep_degree or 1
+        per_rank = []
+        for rank in range(world_size):
+            if tp > 1:  # mesh (dp_shard, tp): the tp ranks of a shard are neighbours
+                shapes = tensor_parallel.local_shapes(model, tp)
+                local, held = dim0_shard_of(shapes, world_size // tp), dim0_held(world_size // tp, rank // tp, shapes)
+            elif ep > 1:  # each rank's experts, FSDP-sharded over the ranks holding the same ones
+                local = expert.local_numel(model, ep=ep, world_size=world_size)
+                held = expert.local_numel(model, ep=ep, world_size=world_size, rank=rank)
+            else:  # HSDP's mesh (dp_replicate, dp_shard): a rank's shard is its place within its replica group
+                shard = world_size // options.replicate_degree
+                local, held = dim0_shard(shard), dim0_held(shard, rank % shard)
+            per_rank.append(adam_state(model.named_parameters(), dtype=dtype, local=local, moments=held))
+        return per_rank
 
     def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         whole = whole_model_bytes(model, recipe)
@@ -200,6 +217,8 @@ class FsdpStrategy:
                                     rank=self.mesh["cp"].get_local_rank())
             self.cp_method = args.recipe.parallel.cp_method
             context.use_on(model, method=self.cp_method)
+        self.ep_degree = options.ep_degree or 1
+        experts = expert.expert_mesh(env, self.ep_degree) if self.ep_degree > 1 else None
         wrap = FsdpWrap(precision=self.precision, reshard_after_forward=options.reshard_after_forward,
                         cpu_offload=options.cpu_offload)
         self.mp_policy = wrap.mp_policy
@@ -208,7 +227,7 @@ class FsdpStrategy:
             model.to(env.device)
         # tp (when the mesh has it), then FSDP over dp_shard (× cp), or HSDP over (dp_replicate, dp_shard)
         parallelize(model, mesh=self.mesh, env=env, units=transformer_blocks(model, options.blocks),
-                    data_parallel=wrap, sequence_parallel=options.sequence_parallel)
+                    data_parallel=wrap, sequence_parallel=options.sequence_parallel, expert_mesh=experts)
         self.loading = "every rank built the whole model, then kept its shards"
         if empty:  # offloaded shards live on the CPU
             assert args.source is not None  # build_model left the model empty: the source fills it
@@ -223,7 +242,8 @@ class FsdpStrategy:
         self.amp = Amp(self.precision, env.device, scaler_class=ShardedGradScaler)
         self.optim = TorchOptim(optimizer, args.build_scheduler(optimizer), amp=self.amp,
                                 names=lambda: first_names(self._model),
-                                clip=tensor_parallel.clip_global_norm if self.tp_degree > 1 else clip_sharded)
+                                clip=(tensor_parallel.clip_global_norm  # DTensors on several meshes
+                                      if self.tp_degree > 1 or self.ep_degree > 1 else clip_sharded))
         self.state = TorchState(self._model, self.optim, env=args.env, gathered=True,
                                 replicas=self._replicas, gradient_abs_max=self._gradient_abs_max,
                                 audit=self._precision_audit)
@@ -283,6 +303,9 @@ class FsdpStrategy:
         if self.tp_degree > 1:
             layout += " (attention heads and MLP columns split over tp"
             layout += ", norms on sequence shards)" if self.sequence_parallel else ")"
+        if self.ep_degree > 1:
+            layout += (f" (each MoE layer's experts split over {self.ep_degree} ranks, tokens sent to them by "
+                       f"all-to-all; the ranks holding the same experts shard them)")
         if self.cp is not None:
             layout += f" (each sequence split over the {self.cp.size} ranks of cp, attention by {self.cp_method})"
         return f"{layout}; weights: {self.loading}"
@@ -326,4 +349,5 @@ def build(recipe: Recipe) -> FsdpStrategy:
 def degrees(recipe: Recipe, *, world_size: int) -> Degrees:
     options = options_of(FsdpOptions, recipe)
     replicate, tp, cp = options.replicate_degree, options.tp_degree or 1, options.cp_degree or 1
-    return Degrees(dp_replicate=replicate, dp_shard=world_size // (replicate * tp * cp), cp=cp, tp=tp)
+    return Degrees(dp_replicate=replicate, dp_shard=world_size // (replicate * tp * cp), cp=cp, tp=tp,
+                   ep=options.ep_degree or 1)

@@ -40,7 +40,7 @@ import torch
 from toolkit.config.recipe import Recipe
 from toolkit.data.losses import IGNORE_INDEX
 from toolkit.errors import RecipeError
-from toolkit.strategies.base import LossSum, MicroBatchStrategy, Share
+from toolkit.strategies.base import LossSum, MicroBatchStrategy, Share, refuse_untested
 
 ATTENTIONS = {"allgather": "toolkit_cp_allgather", "ulysses": "toolkit_cp_ulysses"}  # config._attn_implementation
 
@@ -224,12 +224,8 @@ def check_recipe(recipe: Recipe, *, cp: int, tp: int, world_size: int) -> None:
     if recipe.model.task != "causal-lm":
         raise RecipeError(f"context parallel splits a causal LM's sequences; model.task is {recipe.model.task} (its "
                           "sequences are pooled whole); drop parallel.cp")
-    if recipe.model.lora is not None:
-        raise RecipeError("model.lora is not available with context parallel yet (not tested together); drop "
-                          "model.lora or parallel.cp")
-    if recipe.train.compile:
-        raise RecipeError("train.compile is not available with context parallel yet (its attention is not checked "
-                          "compiled); set train.compile: false or drop parallel.cp")
+    refuse_untested(recipe, layout="context parallel", drop="parallel.cp", lora_why="not tested together",
+                    compile_why="its attention is not checked compiled")
     if recipe.parallel.cp_method == "ulysses":
         from toolkit.model.build import hf_config
 

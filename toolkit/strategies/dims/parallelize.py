@@ -5,7 +5,10 @@ replicas) builds its model through `parallelize`; none wraps a module by hand.
     1. pipeline split   pipeline/strategy.py cuts the model into stages, then calls `parallelize` on each stage
     2. tensor parallel  `apply_tp` over the mesh's tp dimension: attention heads and MLP columns become DTensor
                         slices (model/tp_plan.py); first, so that FSDP then shards the slices, not whole weights
-    3. data parallel    `apply_fsdp` over dp_shard (HSDP: the 2-D dp_replicate × dp_shard; with context parallel,
+    3. expert parallel  `apply_ep` over the expert mesh's ep dimension (dims/expert.py): each rank keeps 1/ep of
+                        every MoE layer's experts, tokens reach them by all-to-all; FSDP then shards the experts
+                        over efsdp (the ranks holding the same ones) before it shards the rest over dp_shard
+    4. data parallel    `apply_fsdp` over dp_shard (HSDP: the 2-D dp_replicate × dp_shard; with context parallel,
                         over dp_shard × cp flattened, as torchtitan's dp_shard_cp: the cp ranks hold different
                         tokens of the same samples, so their gradients are summed like those of data shards), or
                         `apply_ddp` over dp_replicate; last, because their gradient hooks must see the final
@@ -29,6 +32,7 @@ from toolkit.model import tp_plan
 from toolkit.model.precision import DTYPES
 from toolkit.config.parallel import Degrees
 from toolkit.process.dist import DistEnv, ensure_process_group, world_mesh
+from toolkit.strategies.dims import expert
 
 DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard", "cp")  # in mesh order: the dimensions gradients are reduced over
 
@@ -65,12 +69,16 @@ def apply_tp(model: nn.Module, mesh, *, sequence_parallel: bool) -> None:
     tp_plan.parallelize(model, mesh, sequence_parallel=sequence_parallel)
 
 
-def apply_fsdp(model: nn.Module, mesh, *, units: list[nn.Module], wrap: FsdpWrap, device: torch.device) -> None:
+def apply_fsdp(model: nn.Module, mesh, *, units: list[nn.Module], wrap: FsdpWrap, device: torch.device,
+               experts: list[nn.Module] | None = None, expert_mesh=None) -> None:
     """fully_shard each unit, then the root (what no unit holds: embeddings, final norm, an untied head), in
-    place. A 2-D mesh (dp_replicate, dp_shard) is HSDP: shards within a replica group, all-reduce across."""
+    place. A 2-D mesh (dp_replicate, dp_shard) is HSDP: shards within a replica group, all-reduce across.
+    `experts` (expert parallel's experts modules) go first, over `expert_mesh`'s efsdp dimension."""
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if wrap.cpu_offload else OffloadPolicy()
-    shard = dict(mesh=mesh, mp_policy=wrap.mp_policy, reshard_after_forward=wrap.reshard_after_forward,
-                 offload_policy=offload)
+    policy = dict(mp_policy=wrap.mp_policy, reshard_after_forward=wrap.reshard_after_forward, offload_policy=offload)
+    if experts:
+        expert.shard_experts(experts, expert_mesh, world_size=mesh.size(), **policy)
+    shard = dict(mesh=mesh, **policy)
     for unit in units:
         fully_shard(unit, **shard)
     fully_shard(model, **shard)
@@ -113,18 +121,23 @@ def _shard_mesh(mesh, dp_dims: tuple[str, ...]):
 
 
 def parallelize(model: nn.Module, *, mesh, env: DistEnv, units: list[nn.Module],
-                data_parallel: FsdpWrap | DdpWrap | None, sequence_parallel: bool = False) -> nn.Module:
+                data_parallel: FsdpWrap | DdpWrap | None, sequence_parallel: bool = False,
+                expert_mesh=None) -> nn.Module:
     """Apply the mesh's dimensions to `model` (a whole model, or one pipeline stage) in the fixed order: tp, then
     the data-parallel wrap. Returns what forward calls: the model itself (tp, FSDP2 work in place) or its DDP
     wrapper. `units`: the shard units (transformer blocks) FSDP2 wraps one by one. pp is not applied here: the
-    pipeline has split the model already, and `model` is one of its stages."""
+    pipeline has split the model already, and `model` is one of its stages. `expert_mesh`: expert parallel's
+    (efsdp, ep, batch) view of the same ranks (dims/expert.py), or None."""
     names = tuple(mesh.mesh_dim_names or ())
     if "tp" in names:
         apply_tp(model, dimensions(mesh, ("tp",)), sequence_parallel=sequence_parallel)
+    experts = expert.apply_ep(model, expert_mesh) if expert_mesh is not None else []
     dp_dims = tuple(name for name in DATA_PARALLEL_DIMS if name in names)
     if isinstance(data_parallel, FsdpWrap):
-        apply_fsdp(model, _shard_mesh(mesh, dp_dims), units=units, wrap=data_parallel, device=env.device)
+        apply_fsdp(model, _shard_mesh(mesh, dp_dims), units=units, wrap=data_parallel, device=env.device,
+                   experts=experts, expert_mesh=expert_mesh)
     elif isinstance(data_parallel, DdpWrap):
+        assert not experts, "expert parallel's experts are FSDP-sharded; DDP would all-reduce different experts"
         assert dp_dims == ("dp_replicate",), f"DDP replicates over dp_replicate alone, not {dp_dims}"
         return apply_ddp(model, group=mesh.get_group("dp_replicate"), wrap=data_parallel, env=env)
     return model

@@ -1,0 +1,78 @@
+"""Expert parallel (`parallel.ep`, toolkit/strategies/dims/expert.py): tiny mixture-of-experts models (Qwen3-MoE
+and Mixtral, 4 experts, top-2) trained with their experts split over ranks, against a single process (real processes
+under torchrun on gloo); the memory plan's state bytes against what the ranks measured; and what it cannot run,
+refused in one line before any rank starts."""
+
+import json
+
+import pytest
+from conftest import assert_matches_single, metrics, run_cli, write_recipe
+
+from toolkit.config.files import recipe_from_dict
+from toolkit.errors import RecipeError
+from toolkit.strategies import validate_strategy
+
+# the global batch of 8 over the data shards: 2 ranks × micro 4, 4 ranks × micro 2 (each its own shard)
+EP2 = ("parallel.ep=2", "batch.micro_batch_size=4")
+EP2_4 = ("parallel.ep=2", "batch.micro_batch_size=2")  # 4 ranks: 2 hold experts 0-1, 2 hold 2-3, each pair shards them
+
+
+@pytest.mark.parametrize("fixture, name, nproc, overrides", [
+    ("moe_runs", "ep2", 2, EP2), ("moe_runs", "ep2-4ranks", 4, EP2_4), ("mixtral_runs", "ep2", 2, EP2)])
+def test_expert_parallel_trains_as_one_process(request, fixture, name, nproc, overrides):
+    runs = request.getfixturevalue(fixture)
+    reference = runs.get("single-m8")
+    run = runs.get(name, nproc=nproc, overrides=overrides)
+    assert_matches_single(run, reference)
+    assert metrics(run)[-1]["eval_loss"] == pytest.approx(metrics(reference)[-1]["eval_loss"], rel=1e-5)
+    info = json.loads((run / "run.json").read_text())
+    assert info["strategy"] == "fsdp" and info["parallel"]["ep"] == 2 and info["parallel"]["dp_shard"] == nproc
+    assert "each MoE layer's experts split over 2 ranks" in info["layout"]
+    # the plan's bytes per rank (each rank's half of the experts, sharded over the ranks holding the same ones;
+    # the dense weights over all) against the distinct storages the ranks measured after their first step
+    assert info["memory_prediction"]["model_state_bytes"] == info["model_state_bytes"]
+
+
+def test_each_rank_holds_half_the_experts(moe_runs):
+    # independent of the plan: the whole model's parameter bytes (single) and its experts' share, from the exported
+    # weights' names; with ep 2 over 2 ranks each rank holds half of every experts weight (efsdp 1: no further
+    # sharding) and half of every dense weight (FSDP over both; every dense dim 0 here is even)
+    from conftest import exported_weights
+
+    weights = exported_weights(moe_runs.get("single-m8"))
+    experts = sum(t.numel() * 4 for n, t in weights.items() if ".experts." in n)
+    dense = sum(t.numel() * 4 for n, t in weights.items() if ".experts." not in n)
+    assert experts > 0 and dense > 0
+    info = json.loads((moe_runs.get("ep2", nproc=2, overrides=EP2) / "run.json").read_text())
+    assert [rank["params_bytes"] for rank in info["model_state_bytes"]] == [(experts + dense) // 2] * 2
+
+
+def recipe(parallel, model_dir, **sections):
+    return recipe_from_dict({"model": {"path": str(model_dir), "task": "causal-lm"}, "data": {"train": "t.jsonl"},
+                             "parallel": parallel, "batch": {"global_batch_size": 8, "micro_batch_size": 1},
+                             **sections})
+
+
+@pytest.mark.parametrize("parallel, sections, world_size, words", [
+    ({"ep": 3}, {}, 3, "parallel.ep 3 does not divide the model's 4 experts per layer; use an ep that divides 4"),
+    ({"ep": 2}, {}, 3, "parallel.ep 2 does not divide the 3 ranks"),
+    ({"ep": 2, "tp": 2}, {}, 4, "parallel.ep is tested with dp_shard alone, not with dp_shard 2 × tp 2 (ep 2 of "
+                                "them) yet"),
+    ({"ep": 2}, {"train": {"compile": True}}, 2, "train.compile is not available with expert parallel yet"),
+    ({}, {"strategy": {"name": "fsdp", "ep_degree": 2, "replicate_degree": 2}}, 4,
+     "strategy.ep_degree (expert parallel) is tested with dp_shard alone"),
+    ({}, {"strategy": {"name": "fsdp", "ep_degree": 0}}, 2, "strategy.ep_degree must be >= 1, got 0"),
+])
+def test_what_expert_parallel_cannot_run_is_refused_in_one_line(tiny_moe_dir, parallel, sections, world_size, words):
+    with pytest.raises(RecipeError) as refused:
+        validate_strategy(recipe(parallel, tiny_moe_dir, **sections), world_size=world_size)
+    assert str(refused.value).startswith(words) and "\n" not in str(refused.value), str(refused.value)
+
+
+def test_expert_parallel_on_a_dense_model_exits_2_before_any_rank_starts(tmp_path, tiny_llama_dir):
+    path = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out")
+    done = run_cli("validate", str(path), "--nproc", "2", "--set", "parallel.ep=2")
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "toolkit: error: parallel.ep shards a mixture-of-experts model's experts; llama is dense (no experts, no "
+        "expert-parallel plan); drop parallel.ep"], done.stderr
+    assert not (tmp_path / "out").exists()
