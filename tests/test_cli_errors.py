@@ -94,8 +94,9 @@ def test_strategies_lists_every_strategy_with_its_options():
     from toolkit.config.parallel import PRESETS
 
     table = result.stdout.split("\nparallel degrees", 1)[1].splitlines()[1:]
-    assert len(table) == len(PRESETS) and ["dp_shard", "×", "tp", "fsdp", "(strategy.tp_degree)"] in [
+    assert len(table) == len(PRESETS) + 1 and ["dp_shard", "×", "tp", "fsdp", "(strategy.tp_degree)"] in [
         line.split() for line in table]
+    assert table[-1].split()[:6] == ["ep", "(borrows", "from", "dp_shard)", "fsdp", "(strategy.ep_degree):"]
 
 
 def test_zero_refuses_a_precision_its_accelerator_lacks(tmp_path, tiny_llama_dir, capsys, monkeypatch):

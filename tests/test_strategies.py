@@ -20,7 +20,7 @@ def recipe(**strategy):
 @pytest.mark.parametrize("strategy, world_size, words", [
     ({"name": "megatron"}, 1, "strategy.name: unknown value 'megatron'; choose one of single, dp, ddp, fsdp, zero"),
     ({"name": "ddp", "stage": 3}, 2, "strategy.stage applies to zero only, but strategy.name is ddp"),
-    ({"name": "single", "replicate_degree": 2}, 1, "strategy.replicate_degree applies to fsdp only"),
+    ({"name": "single", "replicate_degree": 2}, 1, "strategy.replicate_degree applies to fsdp/hf_native only"),
     ({"name": "zero", "stage": 2, "offload_param": True}, 2, "needs strategy.stage=3"),
     ({"name": "zero", "stage": 5}, 2, "strategy.stage must be 0, 1, 2 or 3, got 5"),
     ({"name": "zero", "stage": 0, "offload_optimizer": True}, 2, "offload_optimizer needs strategy.stage >= 1"),

@@ -96,7 +96,7 @@ BAD = {
     "world not divisible by tp_degree": (6, ("strategy.name=fsdp", "strategy.tp_degree=4"),
                                          "strategy.tp_degree 4 does not divide world size 6"),
     "tp_degree with another strategy": (2, ("strategy.name=ddp", "strategy.tp_degree=2"),
-                                        "strategy.tp_degree applies to fsdp/tp only, but strategy.name is ddp"),
+                                        "strategy.tp_degree applies to fsdp/tp/hf_native only, but strategy.name is ddp"),
     "tp_degree other than the world under tp": (4, ("strategy.name=tp", "strategy.tp_degree=2"),
                                                 "use strategy.name=fsdp with tp_degree 2"),
     "fp16 (a loss scaler over mixed DTensor/plain gradients)": (2, ("strategy.name=tp", "precision=fp16"),

@@ -270,6 +270,8 @@ def cmd_strategies(args) -> int:
     print("\nparallel degrees (a recipe's parallel: section; world = their product) and the preset that runs them:")
     for combination, name, options in presets():
         print(f"  {' × '.join(combination) or '(none)':<24} {name}" + (f" ({', '.join(options)})" if options else ""))
+    print("  ep (borrows from dp_shard)  fsdp (strategy.ep_degree): each MoE layer's experts split over ep ranks, "
+          "tokens by all-to-all; tested with dp_shard alone")
     return 0
 
 

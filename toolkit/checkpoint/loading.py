@@ -244,9 +244,12 @@ def _mapped_files() -> dict[str, list[tuple[int, int]]]:
 
 
 def whole_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The parameters this process holds whole (not on the meta device, not a ZeRO-3 partition)."""
+    """The parameters this process holds whole (not on the meta device, not a ZeRO-3 partition, not a DTensor
+    shard: a model laid out as it loads, hf_native's)."""
+    from torch.distributed.tensor import DTensor
+
     for name, param in model.named_parameters():
-        if not param.is_meta and not hasattr(param, "ds_id"):
+        if not param.is_meta and not hasattr(param, "ds_id") and not isinstance(param, DTensor):
             yield name, param
 
 

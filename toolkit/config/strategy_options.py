@@ -30,16 +30,19 @@ class StrategyConfig:
     # fsdp
     reshard_after_forward: bool = True  # fsdp: True frees gathered params after forward (ZeRO-3-like, less memory, one more all-gather)
     cpu_offload: bool = False  # fsdp: keep sharded params/grads/optimizer on CPU (much less device memory, slower)
-    replicate_degree: int = 1  # fsdp: >1 = HSDP, replicate over this many groups, shard within each
+    replicate_degree: int = 1  # fsdp: >1 = HSDP, replicate over this many groups, shard within each (hf_native:
+    #   transformers' dp_replicate_size)
     blocks: tuple[str, ...] | None = None  # fsdp: class names to shard one by one; default: model._no_split_modules
     # tp, fsdp
     tp_degree: int | None = None  # fsdp: >1 = tensor parallel inside groups of this many ranks, FSDP across the
     #   groups (a 2-D mesh dp × tp); tp: every rank (leave unset). Less memory per rank than fsdp alone for big
-    #   layers, but an activation all-reduce per attention and MLP block: keep a group inside one node
+    #   layers, but an activation all-reduce per attention and MLP block: keep a group inside one node (hf_native:
+    #   transformers' tp_size)
     cp_degree: int | None = None  # fsdp: > 1 = context parallel, each sequence split over groups of this many
     #   neighbouring ranks, FSDP over all of them (torchtitan's dp_shard × cp); parallel.cp_method says how
     ep_degree: int | None = None  # fsdp: > 1 = expert parallel, each MoE layer's experts split over groups of this
     #   many neighbouring ranks (tokens reach them by all-to-all), FSDP-sharded over the ranks holding the same ones
+    #   (hf_native: transformers' ep_size)
     sequence_parallel: bool = False  # tp, fsdp with tp_degree: norms and residuals on sequence shards between the
     #   split layers (Llama-style decoders): less activation memory, the same bytes moved
     # zero

@@ -256,6 +256,9 @@ def own_rates(config) -> dict[str, Any] | None:
     return entry[1] if entry is not None and entry[0]() is config else None  # an id reused by a later config: not it
 
 
+DISTRIBUTED = "distributed_config"  # where transformers keeps a model's DistributedConfig, on its config
+
+
 def with_own_dropout(config):
     """A copy of the config with the model's own dropout rates, for a save that may run beside training (an
     async checkpoint's thread): the training model's config is left as it is."""
@@ -264,6 +267,7 @@ def with_own_dropout(config):
     saved = copy.deepcopy(config)
     for key, value in (own_rates(config) or {}).items():
         setattr(saved, key, value)
+    saved.__dict__.pop(DISTRIBUTED, None)  # the run's layout (hf_native): a saved model loads whole
     return saved
 
 
@@ -275,11 +279,16 @@ def own_dropout(config) -> Iterator[None]:
     used = {key: getattr(config, key) for key in own}
     for key, value in own.items():
         setattr(config, key, value)
+    # transformers' layout of this run (hf_native), hidden too: with it, save_pretrained would gather the shards
+    # itself, a collective on rank 0 alone (the export has gathered them already), and config.json would carry it
+    layout = config.__dict__.pop(DISTRIBUTED, None)
     try:
         yield
     finally:
         for key, value in used.items():
             setattr(config, key, value)
+        if layout is not None:
+            config.__dict__[DISTRIBUTED] = layout
 
 
 def meta_model(config: ModelConfig) -> nn.Module:

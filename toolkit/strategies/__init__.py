@@ -26,10 +26,12 @@ _MODULES = {
     "pipeline": "toolkit.strategies.pipeline.strategy",
     "hybrid": "toolkit.strategies.hybrid",
     "tp": "toolkit.strategies.tp",
+    "hf_native": "toolkit.strategies.hf_native",
 }
 
 if TYPE_CHECKING:  # the type checker holds every strategy class to the protocol
     from toolkit.strategies.fsdp import FsdpRules, FsdpStrategy
+    from toolkit.strategies.hf_native import HfNativeRules, HfNativeStrategy
     from toolkit.strategies.hybrid import HybridRules
     from toolkit.strategies.pipeline.rules import PipelineRules
     from toolkit.strategies.pipeline.strategy import PipelineStrategy
@@ -39,9 +41,9 @@ if TYPE_CHECKING:  # the type checker holds every strategy class to the protocol
     from toolkit.strategies.zero.rules import ZeroRules
 
     _PROTOCOL_CHECK: tuple[type[Strategy], ...] = (ReplicatedStrategy, FsdpStrategy, ZeroStrategy, PipelineStrategy,
-                                                   TpStrategy)
+                                                   TpStrategy, HfNativeStrategy)
     _RULES_CHECK: tuple[type[StrategyRules], ...] = (ReplicatedRules, FsdpRules, ZeroRules, PipelineRules, TpRules,
-                                                     HybridRules)
+                                                     HybridRules, HfNativeRules)
 
 
 def strategy_names() -> tuple[str, ...]:

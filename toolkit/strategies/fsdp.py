@@ -31,7 +31,7 @@ from toolkit.errors import RecipeError
 from toolkit.memory.state_bytes import StateBytes, adam_state, dim0_held, dim0_shard, dim0_shard_of, element_bytes
 from toolkit.model import tp_plan as tensor_parallel
 from toolkit.model.blocks import transformer_blocks
-from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
+from toolkit.model.precision import DTYPES, Amp, dtype_name
 from toolkit.model.tied import first_names
 from toolkit.process.dist import DistEnv, ensure_process_group, world_mesh
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport,
@@ -39,7 +39,7 @@ from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, S
                                      sharded_abs_max, whole_stack_activations)
 from toolkit.strategies.dims import context, expert
 from toolkit.strategies.dims.parallelize import FsdpWrap, parallelize
-from toolkit.strategies.optim.torch_optim import TorchOptim, TorchState
+from toolkit.strategies.optim.torch_optim import TorchOptim, TorchState, TrainsOneModule
 
 @strategy_options
 class FsdpOptions:
@@ -99,7 +99,8 @@ class FsdpRules:
             if replicate > 1 or (tp or 1) > 1 or (cp or 1) > 1:  # not tested together yet
                 raise RecipeError("strategy.ep_degree (expert parallel) is tested with dp_shard alone, not with "
                                   "strategy.replicate_degree, tp_degree or cp_degree yet; choose one")
-            expert.check_recipe(recipe, ep=ep, world_size=world_size)
+            expert.check_recipe(recipe, ep=ep, world_size=world_size,
+                                key="parallel.ep" if recipe.parallel.ep else "strategy.ep_degree")
         if tp is not None and tp < 1:  # 0 would silently mean fsdp alone, a negative one a negative mesh
             raise RecipeError(f"strategy.tp_degree must be >= 1, got {tp}; leave it unset for FSDP alone")
         if tp is not None and tp > 1:
@@ -178,7 +179,7 @@ class FsdpRules:
                                        tp_degree=options.tp_degree or 1)
 
 
-class FsdpStrategy:
+class FsdpStrategy(TrainsOneModule):
     info = INFO
 
     def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
@@ -262,19 +263,6 @@ class FsdpStrategy:
         # no reduce-scatter on non-final micro-batches: unsharded grads accumulate locally
         cast(FSDPModule, self._model).set_requires_gradient_sync(sync)
         return no_context()
-
-    def backward(self, loss_share: torch.Tensor) -> None:
-        self.amp.backward(loss_share)
-
-    def step(self, *, max_grad_norm: float | None) -> StepResult:
-        params = [p for p in self._model.parameters() if p.grad is not None]
-        return self.optim.step(params, max_grad_norm=max_grad_norm)
-
-    def discard_step(self) -> None:
-        self.optim.discard_step()
-
-    def lr(self) -> float:
-        return self.optim.lr()
 
     def _replicas(self) -> list[Replicas]:
         if self.tp_degree > 1:  # the ranks of a TP group hold the same shards of what TP does not split

@@ -23,14 +23,14 @@ from toolkit.config.strategy_options import option_names, options_of, strategy_o
 from toolkit.errors import RecipeError
 from toolkit.memory.state_bytes import StateBytes, adam_state, of_shapes
 from toolkit.model import tp_plan as tensor_parallel
-from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
+from toolkit.model.precision import DTYPES, Amp, dtype_name
 from toolkit.model.tied import first_names
 from toolkit.process.dist import DistEnv, ensure_process_group, world_mesh
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport,
                                      each_micro_batch, first_dtype, forward_once, no_context, sharded_abs_max,
                                      whole_stack_activations)
 from toolkit.strategies.dims.parallelize import parallelize
-from toolkit.strategies.optim.torch_optim import TorchOptim, TorchState
+from toolkit.strategies.optim.torch_optim import TorchOptim, TorchState, TrainsOneModule
 
 @strategy_options
 class TpOptions:
@@ -90,7 +90,7 @@ class TpRules:
         return whole_stack_activations(model, recipe, world_size=world_size, how=how, tp_degree=world_size)
 
 
-class TpStrategy:
+class TpStrategy(TrainsOneModule):
     info = INFO
 
     def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
@@ -137,19 +137,6 @@ class TpStrategy:
     def accumulate(self, *, sync: bool) -> ContextManager:
         return no_context()  # no gradient is reduced per micro-batch: nothing to skip (the per-head norms' are
         # summed once, after the last; forward_backward)
-
-    def backward(self, loss_share: torch.Tensor) -> None:
-        self.amp.backward(loss_share)
-
-    def step(self, *, max_grad_norm: float | None) -> StepResult:
-        params = [p for p in self._model.parameters() if p.grad is not None]
-        return self.optim.step(params, max_grad_norm=max_grad_norm)
-
-    def discard_step(self) -> None:
-        self.optim.discard_step()
-
-    def lr(self) -> float:
-        return self.optim.lr()
 
     def _replicas(self) -> list[Replicas]:
         named: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in self._model.named_parameters()

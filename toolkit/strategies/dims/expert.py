@@ -43,22 +43,22 @@ def num_experts(config) -> int:
     return 0
 
 
-def check_recipe(recipe: Recipe, *, ep: int, world_size: int) -> None:
-    """What expert parallel cannot run, before any rank starts (ep > 1)."""
+def check_recipe(recipe: Recipe, *, ep: int, world_size: int, key: str = "parallel.ep") -> None:
+    """What expert parallel cannot run, before any rank starts (ep > 1; `key`: the recipe key that set it)."""
     from toolkit.model.build import hf_config
 
     if world_size % ep:
-        raise RecipeError(f"parallel.ep {ep} does not divide the {world_size} ranks (expert parallel takes its ranks "
+        raise RecipeError(f"{key} {ep} does not divide the {world_size} ranks (expert parallel takes its ranks "
                           f"from dp_shard); use a world size that is a multiple of {ep}")
     config = hf_config(recipe.model)
     experts = num_experts(config)
     if not experts or not getattr(config, "base_model_ep_plan", None):
-        raise RecipeError(f"parallel.ep shards a mixture-of-experts model's experts; {config.model_type} is dense "
-                          "(no experts, no expert-parallel plan); drop parallel.ep")
+        raise RecipeError(f"{key} shards a mixture-of-experts model's experts; {config.model_type} is dense "
+                          f"(no experts, no expert-parallel plan); drop {key}")
     if experts % ep:
-        raise RecipeError(f"parallel.ep {ep} does not divide the model's {experts} experts per layer; use an ep that "
+        raise RecipeError(f"{key} {ep} does not divide the model's {experts} experts per layer; use an ep that "
                           f"divides {experts}")
-    refuse_untested(recipe, layout="expert parallel", drop="parallel.ep", lora_why="not tested together",
+    refuse_untested(recipe, layout="expert parallel", drop=key, lora_why="not tested together",
                     compile_why="its all-to-all reads split sizes back every layer")
 
 

@@ -73,6 +73,31 @@ class TorchOptim:
         }
 
 
+class TrainsOneModule:
+    """backward, step, discard_step and lr of a strategy whose one module (`model`) trains with a TorchOptim
+    (`optim`) and an Amp (`amp`): every parameter that got a gradient steps (fsdp, tp, hf_native)."""
+
+    optim: TorchOptim
+    amp: Amp
+
+    @property
+    def model(self) -> nn.Module:
+        raise NotImplementedError
+
+    def backward(self, loss_share: torch.Tensor) -> None:
+        self.amp.backward(loss_share)
+
+    def step(self, *, max_grad_norm: float | None) -> StepResult:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        return self.optim.step(params, max_grad_norm=max_grad_norm)
+
+    def discard_step(self) -> None:
+        self.optim.discard_step()
+
+    def lr(self) -> float:
+        return self.optim.lr()
+
+
 class TorchState:
     """Checkpoint and export state of a torch-native strategy whose one module holds this rank's parameters
     (single, dp, ddp, model parallel, fsdp, tp): the module's state dict in the shared layout and its TorchOptim's.
