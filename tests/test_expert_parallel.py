@@ -31,6 +31,28 @@ def test_expert_parallel_trains_as_one_process(request, fixture, name, nproc, ov
     # the plan's bytes per rank (each rank's half of the experts, sharded over the ranks holding the same ones;
     # the dense weights over all) against the distinct storages the ranks measured after their first step
     assert info["memory_prediction"]["model_state_bytes"] == info["model_state_bytes"]
+    # the routing: each rank counts the choices of its own tokens, the sum over ranks is the single process's count
+    assert [m["expert_tokens"] for m in metrics(run)] == [m["expert_tokens"] for m in metrics(reference)]
+    assert info["experts"] == json.loads((reference / "run.json").read_text())["experts"]
+    # each layer routes every token that is not padding to 2 experts: the data's own count, from the loop
+    assert all(sum(layer) == 2 * m["tokens"] for m in metrics(run) for layer in m["expert_tokens"])
+
+
+def test_the_collective_counter_counts_the_token_all_to_alls(moe_runs):
+    # per MoE layer and micro-batch, rank 0 hands four all-to-alls hidden-size fp32 rows: its own (token, expert)
+    # pairs out and, in backward, their gradients back; the rows its experts 0-1 received back and, in backward,
+    # theirs out. Its pairs are at most all of the step's, its experts' rows exactly the global counts of 0 and 1.
+    run = moe_runs.get("ep2", nproc=2, overrides=EP2)
+    info = json.loads((run / "run.json").read_text())
+    comm = info["comm_per_step"]
+    counts = next(m for m in metrics(run) if m["step"] == comm["step"])["expert_tokens"]
+    row = 32 * 4  # the tiny model's hidden size, fp32
+    received = sum(layer[0] + layer[1] for layer in counts)
+    every_pair = sum(sum(layer) for layer in counts)
+    assert 2 * row * received < comm["bytes_by_op"]["all_to_all_single"] <= 2 * row * (received + every_pair)
+    assert comm["calls_by_op"]["all_to_all_single"] == 4 * len(counts)  # one micro-batch: 4 per layer
+    single = json.loads((moe_runs.get("single-m8") / "run.json").read_text())["comm_per_step"]
+    assert "all_to_all_single" not in single["bytes_by_op"]
 
 
 def test_each_rank_holds_half_the_experts(moe_runs):

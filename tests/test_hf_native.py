@@ -29,6 +29,9 @@ def test_transformers_layouts_train_as_one_process(request, fixture, name, nproc
     # the starting weights' folder from_pretrained read is gone; the exported config carries no layout
     assert not (run / ".hf_native-start").exists()
     assert "distributed_config" not in json.loads((run / "model" / "config.json").read_text())
+    if fixture == "moe_runs":  # its experts were routed the tokens single's were
+        reference = json.loads((runs.get("single-m8") / "run.json").read_text())
+        assert info["experts"] == reference["experts"]
 
 
 def recipe(strategy, model_dir, **sections):

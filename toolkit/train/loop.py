@@ -31,6 +31,7 @@ from toolkit.data.losses import micro_batch_loss_sum
 from toolkit.data.splits import Collator, DataLayout, train_loader
 from toolkit.model.blocks import BlockForwards, layer_stack
 from toolkit.model.build import padding_id
+from toolkit.model.experts import RoutingCounter, spread
 from toolkit.model.export import export_model
 from toolkit.model.precision import StepResult
 from toolkit.observe import profiling, tracking
@@ -42,7 +43,7 @@ from toolkit.observe.metrics import (Progress, compile_graph_breaks, compile_sec
 from toolkit.process import faults
 from toolkit.process.dist import DistEnv, all_reduce_max, all_reduce_sum
 from toolkit.process.stopping import NonFinite, SkippedSteps, StopSignals, Stopped
-from toolkit.strategies import import_runtime_modules
+from toolkit.strategies import import_runtime_modules, strategy_degrees
 from toolkit.strategies.base import Replicas, SetupArgs, Strategy
 from toolkit.strategies.optim.adamw import build_adamw, build_scheduler
 from toolkit.train import runinfo
@@ -184,7 +185,9 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
                 parts = StepParts(recipe=recipe, env=env, plan=plan, layout=layout, total_steps=total_steps, info=info,
                                   eval_ds=prepared.eval_ds, collator=collator, saver=saver, writer=writer,
                                   progress=progress, scale=scale, replicas=replicas, signals=signals,
-                                  profiler=profiler, skips=skips)
+                                  profiler=profiler, skips=skips, routing=RoutingCounter.among(
+                                      strategy.state.export_module(), copies=strategy_degrees(
+                                          recipe, world_size=env.world_size).tp))
                 losses = run_steps(strategy, loader, parts, done=done)
                 saver.close()  # an async checkpoint still being written is committed before the run ends
                 if saver.final_skipped:  # checkpoint.final null on a quick run: the done line says it
@@ -228,6 +231,7 @@ class StepParts:
     signals: StopSignals
     profiler: profiling.StepProfiler
     skips: SkippedSteps
+    routing: RoutingCounter | None  # a mixture-of-experts model's tokens per expert, None for a dense one
 
 
 def run_steps(strategy: Strategy, loader, parts: StepParts, *, done: int) -> list[float]:
@@ -240,9 +244,15 @@ def run_steps(strategy: Strategy, loader, parts: StepParts, *, done: int) -> lis
     for step in range(done + 1, parts.total_steps + 1):
         micro_batches = [next(loader) for _ in range(parts.plan.grad_accum_steps)]
         profiler.before(step)
+        if parts.routing is not None:
+            parts.routing.reset()  # the step's own forwards, not the last evaluation's
         record = train_step(strategy, micro_batches, recipe=recipe, env=env, layout=parts.layout, step=step,
                             info=info, count_comm=step == comm_step, gradient_scale=parts.scale,
                             first=step == done + 1, before_update=saver.before_update)
+        if parts.routing is not None:  # collective: every rank, every step
+            record["expert_tokens"] = parts.routing.take(env)
+            record["expert_spread"] = spread(record["expert_tokens"])
+            info["experts"] = parts.routing.summary()
         if profiler.covers(step):
             record["profiled"] = True
         profiler.after(step)

@@ -20,27 +20,16 @@ divide factor, with the reduction forced to a sum: gloo has no PREMUL_SUM).
 
 from __future__ import annotations
 
-import re
-
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from toolkit.config.recipe import Recipe
 from toolkit.errors import RecipeError
+from toolkit.model.experts import DISPATCH, STACKED, num_experts, plan_of
 from toolkit.process.dist import DistEnv
 from toolkit.strategies.base import refuse_untested
 
-DISPATCH = "ep_dispatch_experts"  # the plan's style for a module whose forward the tokens reach by all-to-all
 IMPLEMENTATION = "all_to_all"  # transformers' EPImplementation: each (token, expert) pair to the expert's rank
-
-
-def num_experts(config) -> int:
-    """The experts per MoE layer a transformers config declares (0: a dense model)."""
-    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 0
 
 
 def check_recipe(recipe: Recipe, *, ep: int, world_size: int, key: str = "parallel.ep") -> None:
@@ -70,7 +59,7 @@ def local_numel(model: nn.Module, *, ep: int, world_size: int, rank: int | None 
 
     from toolkit.memory.state_bytes import dim0_rows
 
-    sharded = {name for name, style in plan_of(model).items() if style == "grouped_gemm"}
+    sharded = {name for name, style in plan_of(model).items() if style == STACKED}
     efsdp = world_size // ep
 
     def local(name: str, param: nn.Parameter) -> int:
@@ -90,17 +79,6 @@ def expert_mesh(env: DistEnv, ep: int):
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(env.device.type, (env.world_size // ep, ep, 1), mesh_dim_names=("efsdp", "ep", "batch"))
-
-
-def plan_of(model: nn.Module) -> dict[str, str]:
-    """The model's expert-parallel plan, its `*` expanded to the layers it has: module or parameter name -> style."""
-    plan = dict(getattr(model, "ep_plan", None) or {})
-    names = [name for name, _ in model.named_modules()] + [name for name, _ in model.named_parameters()]
-    expanded: dict[str, str] = {}
-    for pattern, style in plan.items():
-        match = re.compile(re.escape(pattern).replace(r"\*", r"\d+")).fullmatch
-        expanded.update({name: style for name in names if match(name)})
-    return expanded
 
 
 def apply_ep(model: nn.Module, mesh) -> list[nn.Module]:
