@@ -90,7 +90,9 @@ class RoutingCounter:
                 rows = local.reshape(-1, local.shape[-1])
                 if self.mask is not None and self.mask.numel() == rows.shape[0]:  # one row per position
                     rows = rows[self.mask.reshape(-1).to(rows.device).bool()]
-                self.counts[layer] += torch.bincount(rows.reshape(-1).cpu(), minlength=self.experts).double()
+                if self.counts.device != rows.device:  # counted where the routing is: no device sync per layer
+                    self.counts = self.counts.to(rows.device)
+                self.counts[layer] += torch.bincount(rows.reshape(-1), minlength=self.experts).double()
         return count
 
     def reset(self) -> None:
@@ -98,7 +100,7 @@ class RoutingCounter:
 
     def take(self, env: DistEnv) -> list[list[int]]:
         """Collective: the step's counts over every rank, per layer and expert, then reset."""
-        total = all_reduce_sum(self.counts.clone(), env) / self.copies
+        total = all_reduce_sum(self.counts.clone(), env).cpu() / self.copies
         self.reset()
         counts = [[int(round(v)) for v in row] for row in total.tolist()]
         self.totals = [[a + b for a, b in zip(old, new)] for old, new in zip(self.totals, counts)]
