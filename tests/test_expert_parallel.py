@@ -98,3 +98,47 @@ def test_expert_parallel_on_a_dense_model_exits_2_before_any_rank_starts(tmp_pat
         "toolkit: error: parallel.ep shards a mixture-of-experts model's experts; llama is dense (no experts, no "
         "expert-parallel plan); drop parallel.ep"], done.stderr
     assert not (tmp_path / "out").exists()
+
+
+# a checkpoint written with the experts split over the ranks resumes whole, and one written whole resumes split:
+# the checkpoint holds every expert's weights and Adam state under the model's own names (DCP reshards them)
+CHECKPOINTED = {"ep2": ("parallel.ep=2",), "fsdp": ("strategy.name=fsdp",), "single": (),
+                "hf-native-ep2": ("strategy.name=hf_native", "strategy.ep_degree=2")}
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory, tiny_moe_dir):
+    from conftest import launch
+
+    root = tmp_path_factory.mktemp("moe-checkpoints")
+    recipe = write_recipe(root / "recipe.yaml", model_dir=tiny_moe_dir, output_dir=root / "unused",
+                          batch={"global_batch_size": 8, "micro_batch_size": 4, "grad_accum_steps": None},
+                          train={"max_steps": 6, "eval_every": None, "consistency_check_every": None,
+                                 "progress": False},
+                          checkpoint={"every_steps": 3, "keep_last": 2, "final": False})
+    full = {}
+
+    def run(name: str, nproc: int, *, resume_from: str | None = None):
+        if not resume_from and name in full:  # an uninterrupted run is made once and shared
+            return full[name]
+        out = root / (f"{resume_from}-to-{name}" if resume_from else f"full-{name}")
+        if resume_from:
+            from test_checkpoints import crashed
+
+            crashed(full[resume_from], out)
+        launch(recipe, nproc=nproc, overrides=(*CHECKPOINTED[name], f"output_dir={out}"),
+               extra=("--resume",) if resume_from else ())
+        if not resume_from:
+            full[name] = out
+        return out
+    return run
+
+
+@pytest.mark.parametrize("source, target, target_ranks", [("ep2", "single", 1), ("fsdp", "ep2", 2),
+                                                          ("ep2", "hf-native-ep2", 2)])
+def test_expert_parallel_checkpoints_resume_across_layouts(moe_checkpoints, source, target, target_ranks):
+    from test_checkpoints import assert_continues
+
+    reference = moe_checkpoints(source, 2)
+    resumed = moe_checkpoints(target, target_ranks, resume_from=source)
+    assert_continues(resumed, reference, rtol=1e-5)
