@@ -60,7 +60,7 @@ def tiny_tied_llama_dir(tmp_path_factory) -> Path:
     return _save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-tied-llama", tie_word_embeddings=True)
 
 
-def _save_tiny_moe(path: Path, model_type: str) -> Path:
+def _save_tiny_moe(path: Path, model_type: str, **fields) -> Path:
     """A 2-layer mixture-of-experts decoder, 4 experts per layer, each token routed to 2 (qwen3_moe, mixtral)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -72,7 +72,8 @@ def _save_tiny_moe(path: Path, model_type: str) -> Path:
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                   max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id,
                                   num_experts_per_tok=2, tie_word_embeddings=False,
-                                  **{"num_experts" if model_type == "qwen3_moe" else "num_local_experts": 4}, **sizes)
+                                  **{"num_experts" if model_type == "qwen3_moe" else "num_local_experts": 4}, **sizes,
+                                  **fields)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -82,6 +83,14 @@ def _save_tiny_moe(path: Path, model_type: str) -> Path:
 def tiny_moe_dir(tmp_path_factory) -> Path:
     """A tiny Qwen3-MoE (4 experts, top-2) written by save_pretrained."""
     return _save_tiny_moe(tmp_path_factory.mktemp("models") / "tiny-qwen3-moe", "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_aux_dir(tmp_path_factory) -> Path:
+    """The tiny Qwen3-MoE with its router's auxiliary loss on (output_router_logits), weighted 0.1 (the default
+    0.001 would move the loss by less than the tests' tolerance)."""
+    return _save_tiny_moe(tmp_path_factory.mktemp("models") / "tiny-qwen3-moe-aux", "qwen3_moe",
+                          output_router_logits=True, router_aux_loss_coef=0.1)
 
 
 @pytest.fixture(scope="session")

@@ -91,6 +91,63 @@ def test_what_expert_parallel_cannot_run_is_refused_in_one_line(tiny_moe_dir, pa
     assert str(refused.value).startswith(words) and "\n" not in str(refused.value), str(refused.value)
 
 
+def test_the_router_loss_is_transformers_own_on_each_batch(tmp_path, tiny_moe_aux_dir):
+    # independent of the loop: transformers' loss with labels is the token mean plus router_aux_loss_coef times its
+    # load-balancing loss on the same batch (padding masked); the toolkit takes a whole batch of 8 as one
+    # micro-batch and adds the router's loss it returns
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conftest import TRAIN, launch, losses
+    from toolkit.config.recipe import BatchPlan
+    from toolkit.data.splits import GlobalBatchSampler
+
+    out = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_moe_aux_dir, output_dir=out,
+                          optim={"warmup_steps": 0, "schedule": "constant", "max_grad_norm": None,
+                                 "weight_decay": 0.0}, train={"max_steps": 3, "consistency_check_every": None})
+    launch(recipe, nproc=1)
+    texts = [json.loads(line)["text"] for line in open(TRAIN)]
+    sampler = GlobalBatchSampler(num_samples=len(texts), plan=BatchPlan(world_size=1, micro_batch_size=8,
+                                 grad_accum_steps=1, global_batch_size=8), rank=0, seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_moe_aux_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_aux_dir)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    reference, routers = [], []
+    for step in range(3):
+        batch = tokenizer([texts[i] for i in sampler.global_batch(step)], truncation=True, max_length=32,
+                          padding=True, return_tensors="pt")
+        out_ = model(**batch, labels=batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100))
+        out_.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reference.append(out_.loss.item())
+        routers.append(0.1 * out_.aux_loss.item())
+    assert min(routers) > 1e-4  # the router's share is well above the tolerance below: a dropped one would show
+    assert losses(out) == pytest.approx(reference, rel=1e-5)
+
+
+# with the router loss on, the layouts that cut the global batch into the same micro-batches (4 + 4) agree
+AUX_SINGLE = ("batch.micro_batch_size=4", "batch.grad_accum_steps=2")
+
+
+@pytest.mark.parametrize("name, nproc, overrides", [("ddp", 2, ("strategy.name=ddp", "batch.micro_batch_size=4")),
+                                                    ("ep2", 2, EP2), ("hf-native-ep2", 2, (
+                                                        "strategy.name=hf_native", "strategy.ep_degree=2",
+                                                        "batch.micro_batch_size=4"))])
+def test_the_router_loss_is_the_same_under_every_layout(aux_runs, name, nproc, overrides):
+    assert_matches_single(aux_runs.get(name, nproc=nproc, overrides=overrides),
+                          aux_runs.get("single-m4a2", overrides=AUX_SINGLE))
+
+
+@pytest.fixture(scope="module")
+def aux_runs(tmp_path_factory, tiny_moe_aux_dir):
+    from conftest import Runs
+
+    root = tmp_path_factory.mktemp("moe-aux-runs")
+    return Runs(root, write_recipe(root / "recipe.yaml", model_dir=tiny_moe_aux_dir, output_dir=root / "unused"))
+
+
 def test_expert_parallel_on_a_dense_model_exits_2_before_any_rank_starts(tmp_path, tiny_llama_dir):
     path = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out")
     done = run_cli("validate", str(path), "--nproc", "2", "--set", "parallel.ep=2")

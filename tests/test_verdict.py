@@ -371,3 +371,38 @@ def test_an_arm_without_a_steady_step_has_its_speed_and_set_up_traffic_marked():
     assert not any("(no steady step)" in cell or "(incl. set-up)" in cell for row in rows for cell in row), rows
     assert not any(n.startswith(("(no steady step)", "(incl. set-up)")) for n in table_notes(arms(1, 3, False)))
     assert _comm_lines(arms(1, 3, False)) == ["pp-gpipe (step 3, rank 0): send 1.00 MiB in 5 call(s)"]
+
+
+def _routed(losses, routes):
+    return [{**s, "expert_tokens": r} for s, r in zip(steps(losses), routes)]
+
+
+SAME = [[50, 50, 50, 50]]  # one MoE layer, 4 experts, 200 (token, expert) pairs a step
+
+
+@pytest.mark.parametrize("arm_losses, arm_routes, words", [
+    # one pair moved at step 2 (0.5 % of 200), the loss leaves the bound at step 3: rounding decided a tie
+    ([2.0, 1.9, 1.8 * (1 + 1e-4)], [SAME, [[51, 49, 50, 50]], [[60, 40, 50, 50]]],
+     "equivalent until a route flip at step 2"),
+    # the flip and the divergence at one step: nothing shows the trajectories agreed past the flip
+    ([2.0, 1.9 * (1 + 1e-4), 1.8], [SAME, [[51, 49, 50, 50]], SAME], "diverged at step 2"),
+    # 10 pairs moved at once (5 %): more than a near-tie explains, a misrouting, not a rounding
+    ([2.0, 1.9, 1.8 * (1 + 1e-4)], [SAME, [[60, 40, 50, 50]], SAME], "diverged at step 3"),
+    # no flip: the ordinary verdict
+    ([2.0, 1.9, 1.8 * (1 + 1e-4)], [SAME, SAME, SAME], "diverged at step 3"),
+])
+def test_a_route_flip_before_the_divergence_is_named_as_such(tmp_path, arm_losses, arm_routes, words):
+    import torch
+
+    weights = {"w": torch.ones(4, 4)}
+    ref = {"dir": _export(tmp_path / "ref", weights), "metrics": _routed([2.0, 1.9, 1.8], [SAME] * 3),
+           "recipe": {}, "audit": {}, "num_params": 16, "run": {}}
+    arm = {"dir": _export(tmp_path / "arm", weights), "metrics": _routed(arm_losses, arm_routes), "recipe": {},
+           "audit": {}, "num_params": 16}
+    result = verdict.judge(arm, ref, envelope=None)
+    assert result["verdict"] == words
+    if words.startswith("equivalent until"):
+        assert result["differences"][0].startswith("step 2: 1 of 200 (token, expert) pairs went to another expert")
+        from toolkit.compare.recommend import equivalent
+
+        assert equivalent(result["verdict"])

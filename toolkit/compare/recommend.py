@@ -6,7 +6,14 @@ from __future__ import annotations
 from toolkit.compare import measure
 
 # the verdicts of an arm that computed what the reference did
+from toolkit.compare.verdict import ROUTE_FLIP
+
 EQUIVALENT = ("reference", "equivalent", "equivalent within precision noise")
+
+
+def equivalent(verdict: str) -> bool:
+    """Whether a verdict says the arm computed what the reference did (compare/verdict.py), up to a route flip."""
+    return verdict in EQUIVALENT or verdict.startswith(ROUTE_FLIP)
 
 
 def _state_mib(r: dict) -> float:
@@ -18,7 +25,7 @@ def recommendations(results: dict) -> list[str]:
     measure.speed_doubt), the one with the least memory per rank, and what each arm buys and costs next to a
     baseline, named in a line of its own with why it (see _baseline)."""
     done = [r for r in results["arms"] if r["status"] == "completed" and "verdict" in r]
-    ok = [r for r in done if r["verdict"] in EQUIVALENT and not r.get("fallback")]  # fallback: another's numbers
+    ok = [r for r in done if equivalent(r["verdict"]) and not r.get("fallback")]  # fallback: another's numbers
     if not ok:
         return ["no arm finished with an equivalent result: nothing to recommend"]
     leanest = min(ok, key=_state_mib)

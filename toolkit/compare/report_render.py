@@ -12,7 +12,7 @@ import yaml
 
 from toolkit.compare import measure, verdict
 from toolkit.compare.memory_report import MEMORY_NOTE, memory_lines
-from toolkit.compare.recommend import EQUIVALENT, recommendations
+from toolkit.compare.recommend import equivalent, recommendations
 from toolkit.compare.report_sections import (NOT_JUDGED_HEADING, RECIPES_NOTE, arm_recipe_lines, not_judged_section,
                                              reference_recipe)
 
@@ -173,7 +173,7 @@ def _explanations(results: dict) -> list[str]:
         if r["verdict"] == "reference":
             continue
         details = r.get("differences") or []
-        if r["verdict"] in EQUIVALENT:
+        if equivalent(r["verdict"]):
             if details:
                 out.append(f"**{r['arm']}** ({r['verdict']}) vs {results['reference']}, although these differ: "
                            + "; ".join(details))

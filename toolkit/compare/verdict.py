@@ -23,9 +23,18 @@ Rounding reference: fp32 bounds alone can be flipped by rounding: single vs tp o
   fp32 one and 4 × the largest relative difference the perturbed run showed up to that step; per tensor, the
   element bound is the larger of the fp32 one and 4 × the largest |Δ| the perturbation moved that tensor by
   (one perturbed run is one sample of rounding's effect; ×4 covers its spread, as for calibration).
+Route flips (mixture-of-experts models): a router sends each token to its top-k experts, a choice that jumps where two
+  experts' scores tie, so an arm whose sums run in another order can send a near-tied token elsewhere, and from then
+  on the two runs train on different gradients and drift apart past any rounding bound (measured: recipes/moe-tiny.yaml,
+  fsdp, fsdp ep 2 and hf_native ep 2 against single, 60 steps: the first token moved expert at step 38, 44 pairs
+  had by step 46, where the loss left the 1e-5 bound; ddp kept single's routing exactly). Each step's tokens per
+  expert (metrics.jsonl expert_tokens) show where: when the first step whose routing differs from the reference's
+  comes before the first step outside the bound, and at most ROUTE_FLIP_SHARE of that step's (token, expert) pairs
+  moved (a misrouting bug moves many at once, and the loss with them), the verdict is "equivalent until a route flip
+  at step k": the arm computed the same thing until rounding decided a tie.
 Verdicts: "equivalent" (fp32 tolerance, or the rounding reference's where larger), "equivalent within precision noise" (calibrated bound),
-"diverged at step k" (first step outside the bound), "diverged in final weights" (the trajectories
-agree, some judged tensor does not), each naming what differs between the two arms.
+"equivalent until a route flip at step k" (above), "diverged at step k" (first step outside the bound), "diverged in
+final weights" (the trajectories agree, some judged tensor does not), each naming what differs between the two arms.
 """
 
 from __future__ import annotations
@@ -40,6 +49,8 @@ UNIT_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "fp32": 2.0 ** -24}
 NOISE_FACTOR = 4.0
 ROUNDING_PERTURBATION = 1e-7  # the rounding reference's train.init_perturbation
 ROUNDING_FACTOR = 4.0
+ROUTE_FLIP = "equivalent until a route flip at step"
+ROUTE_FLIP_SHARE = 0.01  # at most this share of a step's routed pairs moved: a flip rounding can explain
 NOISE_GRADIENT_RATIO = UNIT_ROUNDOFF["fp32"]  # max|g| / ‖g‖ at or below this in every step: noise-driven
 WEIGHT_TOLERANCE = f"|Δ| ≤ {FP32_RTOL:g} + {FP32_RTOL:g}·|w|"
 # keys expected to differ between arms of one experiment, or that cannot change what is computed: not a cause
@@ -95,6 +106,20 @@ def first_difference(arm: list[dict], ref: list[dict], *, loss_tol, norm_tol) ->
                          f"{relative(a['grad_norm'], r['grad_norm']):.2g} > {nt:.2g})")
         if parts:
             return {"step": a["step"], "what": f"step {a['step']}: " + ", ".join(parts)}
+    return None
+
+
+def first_route_flip(arm: list[dict], ref: list[dict]) -> dict | None:
+    """The first step whose tokens per expert differ from the reference's: {"step", "moved": (token, expert) pairs
+    routed to another expert, "pairs": the step's routed pairs}; None where they never differ or a run has no
+    routing counts (a dense model)."""
+    for a, r in zip(arm, ref):
+        mine, theirs = a.get("expert_tokens"), r.get("expert_tokens")
+        if mine is None or theirs is None:
+            return None
+        if mine != theirs:
+            moved = sum(abs(x - y) for row_a, row_r in zip(mine, theirs) for x, y in zip(row_a, row_r)) // 2
+            return {"step": a["step"], "moved": moved, "pairs": sum(sum(row) for row in theirs)}
     return None
 
 
@@ -222,6 +247,13 @@ def judge(arm: dict, ref: dict, *, envelope: list[float] | None, rounding: dict 
     judged_weights_ok = weights["same_names"] and not weights["outside"]
     if first is None and judged_weights_ok:
         return {**out, "verdict": "equivalent", "step": None, "differences": settings}
+    flip = first_route_flip(arm["metrics"], ref["metrics"])
+    if flip is not None and (first is None or first["step"] > flip["step"]) and \
+            flip["moved"] <= ROUTE_FLIP_SHARE * flip["pairs"]:
+        after = f"; {first['what']}" if first is not None else "; the final weights differ"
+        return {**out, "verdict": f"{ROUTE_FLIP} {flip['step']}", "step": flip["step"], "differences": [
+            f"step {flip['step']}: {flip['moved']} of {flip['pairs']} (token, expert) pairs went to another expert "
+            f"(a router near-tie rounding decides), every step before it within the bound{after}", *settings]}
     if envelope is not None:
         noisy = first_difference(arm["metrics"], ref["metrics"], loss_tol=envelope,
                                  norm_tol=[max(e, norm_tol) for e in envelope])

@@ -281,10 +281,20 @@ def every_rank_a_shard(*, world_size: int, rank: int) -> DataLayout:
     return DataLayout(rank=rank, size=world_size)
 
 
+ROUTER_LOSS = "router_loss"  # a micro-batch's key for its weighted router auxiliary loss (logits_of puts it there)
+
+
 def logits_of(strategy: MicroBatchStrategy, batch: dict, device: torch.device) -> torch.Tensor:
+    """The micro-batch's logits. A mixture-of-experts model whose config sets output_router_logits returns its
+    router's auxiliary (load-balancing) loss too, computed by transformers on this micro-batch's tokens (padding
+    masked): weighted by the model's router_aux_loss_coef, it goes into batch[ROUTER_LOSS] for the loop's loss."""
     with strategy.forward_context():
         out = strategy.model(input_ids=batch["input_ids"].to(device, non_blocking=True),
                              attention_mask=batch["attention_mask"].to(device, non_blocking=True))
+    aux = getattr(out, "aux_loss", None)
+    if aux is not None:
+        model: Any = getattr(strategy.model, "module", strategy.model)  # DDP's or DeepSpeed's wrapper: the model
+        batch[ROUTER_LOSS] = aux.float() * float(model.config.router_aux_loss_coef)
     return out.logits
 
 

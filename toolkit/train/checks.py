@@ -37,6 +37,7 @@ def check_position_limit(recipe: Recipe) -> None:
                           f"(max_position_embeddings); set data.max_length <= {limit}")
 
 
+
 def check_data(recipe: Recipe, *, global_batch_size: int | None = None):
     """Reads the data files (not tokenized): they have rows, and the named columns hold what training needs; the
     train rows fill one global batch where a row is a sample (without packing: one that `train` may still leave

@@ -44,7 +44,7 @@ from toolkit.process import faults
 from toolkit.process.dist import DistEnv, all_reduce_max, all_reduce_sum
 from toolkit.process.stopping import NonFinite, SkippedSteps, StopSignals, Stopped
 from toolkit.strategies import import_runtime_modules, strategy_degrees
-from toolkit.strategies.base import Replicas, SetupArgs, Strategy
+from toolkit.strategies.base import ROUTER_LOSS, Replicas, SetupArgs, Strategy
 from toolkit.strategies.optim.adamw import build_adamw, build_scheduler
 from toolkit.train import runinfo
 from toolkit.train.evaluate import evaluate
@@ -72,7 +72,11 @@ def run_microbatches(strategy: Strategy, micro_batches: list[dict], *, task: str
     scale = layout.size if strategy.info.averages_gradients else 1
 
     def loss_sum(logits: torch.Tensor, batch: dict) -> torch.Tensor:
-        return micro_batch_loss_sum(logits, batch["labels"], task, shifted="labels_shifted" in batch)
+        total = micro_batch_loss_sum(logits, batch["labels"], task, shifted="labels_shifted" in batch)
+        router = batch.pop(ROUTER_LOSS, None)
+        if router is not None:  # a MoE router's loss, weighted like its micro-batch's share of the global mean
+            total = total + router.to(total.device) * batch["num_items"]
+        return total
 
     local = strategy.forward_backward(micro_batches, loss_sum=loss_sum, share=lambda s: s / num_items * scale)
     total = all_reduce_sum(local.to(env.device), env).item()  # device sync: once per step, for the logged loss

@@ -226,10 +226,13 @@ def check_recipe(recipe: Recipe, *, cp: int, tp: int, world_size: int) -> None:
                           "sequences are pooled whole); drop parallel.cp")
     refuse_untested(recipe, layout="context parallel", drop="parallel.cp", lora_why="not tested together",
                     compile_why="its attention is not checked compiled")
-    if recipe.parallel.cp_method == "ulysses":
-        from toolkit.model.build import hf_config
+    from toolkit.model.build import hf_config
 
-        config = hf_config(recipe.model)
+    config = hf_config(recipe.model)
+    if getattr(config, "output_router_logits", False):  # transformers' router loss over a rank's part of a sequence
+        raise RecipeError("context parallel does not add a mixture-of-experts router's auxiliary loss yet (each rank "
+                          "routes part of each sequence); set output_router_logits: false or drop parallel.cp")
+    if recipe.parallel.cp_method == "ulysses":
         heads = int(getattr(config, "num_attention_heads", None) or 0) // tp  # a tp rank's
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads * tp) // tp
         holder = "the model has" if tp == 1 else f"each of the {tp} tp ranks holds"
