@@ -18,6 +18,7 @@ RUNS = {
     "memory_scaling": (["--arms", "ddp", "--layers", "1", "--steps", "1", "--from-config"], "peak RSS MiB/rank"),
     "long_context": (["--arms", "single,cp2-ulysses", "--start", "64", "--max", "64", "--steps", "1"],
                      "longest sequence"),
+    "expert_parallel": (["--arms", "ep2", "--steps", "1"], "load spread"),
     "gpu_throughput": (["--arms", "single", "--steps", "2", "--seq", "32", "--micro-batch", "1", *TINY_LLAMA],
                        "tokens/s"),
 }

@@ -162,13 +162,19 @@ class FsdpRules:
         # forward to backward: it does not reshard the root after forward (measured: +119 MiB, a 30522 x 1024 fp32
         # embedding, for the whole step). reshard_after_forward false keeps every unit gathered until its
         # backward: the whole model
+        # Expert parallel: the experts are units of their own inside the blocks; a rank gathers only its 1/ep of
+        # them, from the ranks holding the same ones (none where efsdp is 1: each holds its experts whole).
         options, compute = options_of(FsdpOptions, recipe), element_bytes(DTYPES[recipe.precision])
-        units = [sum(p.numel() for p in block.parameters()) for block in transformer_blocks(model, options.blocks)]
-        everything = sum(p.numel() for p in model.parameters())  # a tied weight once
+        ep = options.ep_degree or 1
+        experts, expert_sizes = expert.expert_units(model) if ep > 1 else (set(), [])
+        blocks = transformer_blocks(model, options.blocks)
+        units = [sum(p.numel() for p in block.parameters() if id(p) not in experts) for block in blocks]
+        everything = sum(p.numel() for p in model.parameters()) - sum(expert_sizes)  # a tied weight once
         tp = options.tp_degree or 1  # a block's split layers hold 1/tp of it on each rank
+        gathered_experts = max(expert_sizes, default=0) // ep if world_size > ep else 0
         if not options.reshard_after_forward:
-            return (everything - sum(units) + sum(units) // tp) * compute
-        return (everything - sum(units) + 2 * max(units, default=0) // tp) * compute
+            return (everything - sum(units) + sum(units) // tp + len(blocks) * gathered_experts) * compute
+        return (everything - sum(units) + 2 * max(units, default=0) // tp + 2 * gathered_experts) * compute
 
     def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
                                  how: dict[str, Any]) -> list[int]:

@@ -73,6 +73,18 @@ def local_numel(model: nn.Module, *, ep: int, world_size: int, rank: int | None 
     return local
 
 
+def expert_units(model: nn.Module) -> tuple[set[int], list[int]]:
+    """The ids of the experts weights the plan shards by expert, and each experts module's elements (its FSDP unit
+    under expert parallel): toolkit plan's gathered bytes."""
+    params = dict(model.named_parameters())
+    stacked = [name for name, style in plan_of(model).items() if style == STACKED and name in params]
+    per_module: dict[str, int] = {}
+    for name in stacked:
+        owner = name.rpartition(".")[0]
+        per_module[owner] = per_module.get(owner, 0) + params[name].numel()
+    return {id(params[name]) for name in stacked}, list(per_module.values())
+
+
 def expert_mesh(env: DistEnv, ep: int):
     """The expert view of the world: (efsdp, ep, batch), ep the neighbouring ranks. `batch` (size 1) is the group
     of ranks holding the same batch, what transformers' dispatch slices a shared batch over (its tp); one rank here."""
