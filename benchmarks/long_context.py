@@ -1,5 +1,6 @@
-"""The longest sequence each layout trains within one per-rank memory budget: single (one process) against context
-parallel over 2 ranks (`parallel.cp=2`, the allgather and ulysses methods), with tokens/s.
+"""The longest sequence each layout trains within one per-rank memory budget: single (one process), single with its
+loss in tiles (`train.tiled_loss`), and context parallel over 2 ranks (`parallel.cp=2`, the allgather and ulysses
+methods), with tokens/s.
 
     python benchmarks/long_context.py [--budget-mib 1500] [--start 512] [--max 32768] [--arms single,cp2-allgather,...]
                                       [--layers 4] [--hidden 256] [--steps 2]
@@ -27,6 +28,7 @@ from toolkit_runs import REPO, launch, print_table
 MiB = 2 ** 20
 ARMS = {
     "single": (1, []),
+    "single-tiled": (1, ["train.tiled_loss=true"]),  # the loss in tiles: the logits never whole
     "cp2-allgather": (2, ["parallel.cp=2", "parallel.cp_method=allgather"]),
     "cp2-ulysses": (2, ["parallel.cp=2", "parallel.cp_method=ulysses"]),
 }

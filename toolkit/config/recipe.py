@@ -231,6 +231,11 @@ class TrainConfig:
     # true: each transformer block keeps only its input in forward and recomputes the rest in backward
     # (activations ~1/layers of their size, about one more forward of compute); same losses
     activation_checkpointing: bool = False
+    # true (causal LMs): the loss computed from the last hidden states in tiles of tokens whose logits hold at most
+    # 2^25 elements (1,099 tokens of a 30,522-token vocabulary), each tile's logits made again in backward: the
+    # micro-batch's [tokens × vocab] logits, their fp32 copy and gradient never exist whole (for long sequences,
+    # most of the memory), for one more head matmul per tile; the same loss
+    tiled_loss: bool = False
     # true: torch.compile each transformer block's forward (names and the strategy's hooks unchanged): the first
     # steps pay the compile time (metrics.jsonl compile_s, left out of step_time_s), later steps fuse kernels
     compile: bool = False

@@ -29,3 +29,37 @@ def micro_batch_loss_sum(logits: torch.Tensor, labels: torch.Tensor, task: str, 
         labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
     return F.cross_entropy(logits, labels, reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+TILED = "tiled_loss"  # a micro-batch's key: its loss is computed in tiles (train.tiled_loss), set by the loop
+TILED_SUM = "tiled_loss_sum"  # where the forward leaves that loss sum (strategies/base.py logits_of)
+TILE_LOGITS = 2 ** 25  # elements of one tile's logits under train.tiled_loss (128 MiB in fp32)
+
+
+def tile_tokens(vocab: int) -> int:
+    """Tokens per tile under train.tiled_loss: a tile's logits hold at most TILE_LOGITS elements."""
+    return max(1, TILE_LOGITS // max(1, vocab))
+
+
+def tiled_loss_sum(hidden: torch.Tensor, head, labels: torch.Tensor, *, shifted: bool = False,
+                   tile: int | None = None) -> torch.Tensor:
+    """micro_batch_loss_sum of a causal LM from its last hidden states [B, T, H] and its output layer `head`,
+    computed in tiles of `tile` tokens: each tile's logits are made, reduced to its loss sum and let go, and made
+    again in backward (activation checkpointing of the tile), so the micro-batch's whole [B·T, vocab] logits and
+    their fp32 copy and gradient never exist at once, only one tile's. The same sum and gradients as the full
+    logits' (the terms are summed in another order)."""
+    from torch.utils.checkpoint import checkpoint
+
+    labels = labels.to(hidden.device, non_blocking=True)
+    if not shifted:  # predict token t+1 from tokens <= t, as micro_batch_loss_sum
+        labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    flat, targets = hidden.flatten(0, -2), labels.flatten()
+    step = tile or tile_tokens(int(getattr(head, "out_features", 0) or head.weight.shape[0]))
+
+    def piece(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(head(h).float(), y, reduction="sum", ignore_index=IGNORE_INDEX)
+
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, flat.shape[0], step):
+        total = total + checkpoint(piece, flat[start:start + step], targets[start:start + step], use_reentrant=False)
+    return total

@@ -114,6 +114,9 @@ def validate_strategy(recipe: Recipe, *, world_size: int) -> BatchPlan:
     if recipe.train.compile and not info.compiles:
         raise RecipeError(f"train.compile is not available with strategy {recipe.strategy.name} yet (its compiled "
                           "blocks are not checked against eager ones); set train.compile: false")
+    if recipe.train.tiled_loss and not info.tiles_loss:
+        raise RecipeError(f"train.tiled_loss is not available with strategy {recipe.strategy.name} yet (not checked "
+                          "against the full loss there); use single or ddp, or set train.tiled_loss: false")
     rules.validate(recipe, world_size=world_size)
     layout = rules.data_layout(recipe, world_size=world_size, rank=0)
     return plan_batch(recipe.batch, world_size=layout.size)  # the global batch is split over data shards

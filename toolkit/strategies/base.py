@@ -29,6 +29,7 @@ from toolkit.checkpoint.fragments import Fragments
 from toolkit.checkpoint.loading import ModelSource
 from toolkit.checkpoint.state import Read
 from toolkit.config.recipe import Recipe
+from toolkit.data.losses import TILED, TILED_SUM, tiled_loss_sum
 from toolkit.data.splits import DataLayout
 from toolkit.errors import RecipeError
 from toolkit.memory.state_bytes import StateBytes
@@ -66,6 +67,10 @@ class StrategyInfo:
     accelerate_plugin: str | None = None  # the `accelerate launch` plugin it runs (fsdp, deepspeed)
     lora: bool = True  # trains model.lora adapters (checked: single, ddp, fsdp, zero; not yet split models)
     compiles: bool = True  # runs train.compile's blocks (tp: torch 2.13's dynamo fails on DTensor-split blocks)
+    # computes train.tiled_loss: its micro-batches go through logits_of with the output layer whole on the rank
+    # outside the model's forward (single, ddp; FSDP2 holds the head's parameter sharded there: its tiles would
+    # have to call it as a shard unit of its own, with a tied embedding in the same unit)
+    tiles_loss: bool = False
     # computes with its parameters cast to the 16-bit precision (FSDP2's MixedPrecisionPolicy, DeepSpeed's 16-bit
     # weights), not under autocast: what its forward saves for backward differs (toolkit/memory/activations.py)
     casts_parameters: bool = False
@@ -287,15 +292,32 @@ ROUTER_LOSS = "router_loss"  # a micro-batch's key for its weighted router auxil
 def logits_of(strategy: MicroBatchStrategy, batch: dict, device: torch.device) -> torch.Tensor:
     """The micro-batch's logits. A mixture-of-experts model whose config sets output_router_logits returns its
     router's auxiliary (load-balancing) loss too, computed by transformers on this micro-batch's tokens (padding
-    masked): weighted by the model's router_aux_loss_coef, it goes into batch[ROUTER_LOSS] for the loop's loss."""
-    with strategy.forward_context():
+    masked): weighted by the model's router_aux_loss_coef, it goes into batch[ROUTER_LOSS] for the loop's loss.
+    A micro-batch marked TILED (train.tiled_loss) runs the model with its output layer passed through, so that
+    the forward ends at the last hidden states, and its loss sum is computed in tiles (data/losses.py) under the
+    same autocast, into batch[TILED_SUM]; what is returned then is those hidden states, not logits."""
+    model: Any = getattr(strategy.model, "module", strategy.model)  # DDP's or DeepSpeed's wrapper: the model
+    head = model.get_output_embeddings() if batch.get(TILED) else None
+    with strategy.forward_context(), (_passed_through(head) if head is not None else contextlib.nullcontext()):
         out = strategy.model(input_ids=batch["input_ids"].to(device, non_blocking=True),
                              attention_mask=batch["attention_mask"].to(device, non_blocking=True))
     aux = getattr(out, "aux_loss", None)
     if aux is not None:
-        model: Any = getattr(strategy.model, "module", strategy.model)  # DDP's or DeepSpeed's wrapper: the model
         batch[ROUTER_LOSS] = aux.float() * float(model.config.router_aux_loss_coef)
+    if head is not None:
+        with strategy.forward_context():
+            batch[TILED_SUM] = tiled_loss_sum(out.logits, head, batch["labels"], shifted="labels_shifted" in batch)
     return out.logits
+
+
+@contextlib.contextmanager
+def _passed_through(head: nn.Module) -> Iterator[None]:
+    """`head` returns its input inside (the model's forward then ends at its last hidden states)."""
+    head.forward = lambda hidden: hidden  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del head.forward  # the class's forward again
 
 
 def whole_stack_activations(model: nn.Module, recipe: Recipe, *, world_size: int, how: dict[str, Any],

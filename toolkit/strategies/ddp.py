@@ -25,7 +25,7 @@ OPTIONS = DdpOptions  # the registry reads it by this name
 
 
 INFO = StrategyInfo(
-    name="ddp", averages_gradients=True, exports_in_place=True, plain_data_parallel=True,
+    name="ddp", averages_gradients=True, tiles_loss=True, exports_in_place=True, plain_data_parallel=True,
     options=option_names(DdpOptions),
     summary="DistributedDataParallel: a full replica per rank, gradients all-reduced; fastest when the model fits",
     arms={"ddp": ("strategy.name=ddp",)})

@@ -38,6 +38,27 @@ def check_position_limit(recipe: Recipe) -> None:
 
 
 
+# config fields of models whose forward changes the head's output before the loss (Gemma 2's soft cap, Cohere's
+# and Granite's scales): under train.tiled_loss the head is applied outside the forward, without them
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def check_tiled_loss(recipe: Recipe) -> None:
+    """train.tiled_loss: a causal LM whose logits are its output layer's, nothing applied after it."""
+    if not recipe.train.tiled_loss:
+        return
+    if recipe.model.task != "causal-lm":
+        raise RecipeError(f"train.tiled_loss tiles a causal LM's per-token loss; model.task is {recipe.model.task}; "
+                          "set train.tiled_loss: false")
+    from toolkit.model.build import hf_config
+
+    config = hf_config(recipe.model)
+    found = [name for name in LOGIT_TRANSFORMS if getattr(config, name, None) not in (None, 1, 1.0)]
+    if found:
+        raise RecipeError(f"train.tiled_loss applies the output layer outside the model's forward, but this model "
+                          f"changes its logits after it ({found[0]}); set train.tiled_loss: false")
+
+
 def check_data(recipe: Recipe, *, global_batch_size: int | None = None):
     """Reads the data files (not tokenized): they have rows, and the named columns hold what training needs; the
     train rows fill one global batch where a row is a sample (without packing: one that `train` may still leave
@@ -92,6 +113,7 @@ def check_recipe(recipe: Recipe, *, world_size: int) -> BatchPlan:
     check_trackers(recipe)  # train.report_to's packages, and where they write
     check_paths(recipe)
     check_position_limit(recipe)
+    check_tiled_loss(recipe)
     tokenizer = check_data(recipe, global_batch_size=plan.global_batch_size)
     check_model(recipe, tokenizer)
     return plan

@@ -9,7 +9,7 @@ import math
 import torch
 
 from toolkit.config.recipe import Recipe
-from toolkit.data.losses import IGNORE_INDEX, micro_batch_loss_sum
+from toolkit.data.losses import IGNORE_INDEX, TILED, TILED_SUM, micro_batch_loss_sum
 from toolkit.data.splits import DataLayout, eval_index_batches
 from toolkit.process.dist import DistEnv, all_reduce_sum
 from toolkit.strategies.base import Strategy
@@ -26,6 +26,8 @@ def evaluate(strategy: Strategy, dataset, *, collator, recipe: Recipe, env: Dist
     def loss_sum(logits: torch.Tensor, batch: dict) -> torch.Tensor:
         if classify:  # a filler batch's labels are IGNORE_INDEX: never a class, never counted
             correct.add_((logits.argmax(-1).cpu() == batch["labels"]).sum())
+        if TILED_SUM in batch:  # train.tiled_loss: the forward computed it in tiles (strategies/base.py)
+            return batch.pop(TILED_SUM)
         return micro_batch_loss_sum(logits, batch["labels"], recipe.model.task, shifted="labels_shifted" in batch)
 
     strategy.model.eval()
@@ -37,6 +39,8 @@ def evaluate(strategy: Strategy, dataset, *, collator, recipe: Recipe, env: Dist
         if not counted:  # a filler that keeps every rank's forward count equal: no loss, no items
             batch["labels"].fill_(IGNORE_INDEX)
             batch["num_items"] = 0
+        if recipe.train.tiled_loss:
+            batch[TILED] = True
         batches.append(batch)
     for start in range(0, len(batches), group):
         correct.zero_()
