@@ -41,8 +41,9 @@ def test_a_tile_holds_at_most_two_to_the_25_logits():
 # tile_tokens' size is a memory setting, the unit test above covers several tiles
 @pytest.mark.parametrize("name, nproc, overrides", [
     ("single-tiled", 1, ("train.tiled_loss=true",)),
-    ("ddp-tiled", 2, ("strategy.name=ddp", "batch.micro_batch_size=4", "train.tiled_loss=true",
-                      "train.activation_checkpointing=true"))])
+    ("ddp-tiled", 2, ("strategy.name=ddp", "batch.micro_batch_size=4", "train.tiled_loss=true")),
+    ("fsdp-tiled", 2, ("strategy.name=fsdp", "batch.micro_batch_size=4", "train.tiled_loss=true",
+                       "train.activation_checkpointing=true"))])
 def test_tiled_loss_runs_train_as_the_full_loss_does(llama_runs, name, nproc, overrides):
     run, reference = llama_runs.get(name, nproc=nproc, overrides=overrides), llama_runs.get("single-m8")
     assert_matches_single(run, reference)
@@ -59,7 +60,7 @@ def recipe(**sections):
 @pytest.mark.parametrize("sections, world_size, words", [
     ({"strategy": {"name": "tp"}}, 2, "train.tiled_loss is not available with strategy tp yet"),
     ({"strategy": {"name": "zero"}}, 2, "train.tiled_loss is not available with strategy zero yet"),
-    ({"strategy": {"name": "fsdp"}}, 2, "train.tiled_loss is not available with strategy fsdp yet"),
+    ({"strategy": {"name": "fsdp", "tp_degree": 2}}, 4, "train.tiled_loss is not available with strategy.tp_degree"),
 ])
 def test_where_tiled_loss_is_not_checked_it_is_refused(sections, world_size, words):
     with pytest.raises(RecipeError) as refused:

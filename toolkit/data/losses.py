@@ -42,8 +42,9 @@ def tile_tokens(vocab: int) -> int:
 
 
 def tiled_loss_sum(hidden: torch.Tensor, head, labels: torch.Tensor, *, shifted: bool = False,
-                   tile: int | None = None) -> torch.Tensor:
-    """micro_batch_loss_sum of a causal LM from its last hidden states [B, T, H] and its output layer `head`,
+                   tile: int | None = None, vocab: int | None = None) -> torch.Tensor:
+    """micro_batch_loss_sum of a causal LM from its last hidden states [B, T, H] and its output layer `head` (a
+    callable: hidden -> logits over `vocab` tokens; tiles of tile_tokens(vocab) unless `tile` is given),
     computed in tiles of `tile` tokens: each tile's logits are made, reduced to its loss sum and let go, and made
     again in backward (activation checkpointing of the tile), so the micro-batch's whole [B·T, vocab] logits and
     their fp32 copy and gradient never exist at once, only one tile's. The same sum and gradients as the full
@@ -54,7 +55,7 @@ def tiled_loss_sum(hidden: torch.Tensor, head, labels: torch.Tensor, *, shifted:
     if not shifted:  # predict token t+1 from tokens <= t, as micro_batch_loss_sum
         labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     flat, targets = hidden.flatten(0, -2), labels.flatten()
-    step = tile or tile_tokens(int(getattr(head, "out_features", 0) or head.weight.shape[0]))
+    step = tile or tile_tokens(vocab or int(head.weight.shape[0]))
 
     def piece(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(head(h).float(), y, reduction="sum", ignore_index=IGNORE_INDEX)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Protocol
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Protocol, cast
 
 import torch
 from torch import nn
@@ -67,9 +67,8 @@ class StrategyInfo:
     accelerate_plugin: str | None = None  # the `accelerate launch` plugin it runs (fsdp, deepspeed)
     lora: bool = True  # trains model.lora adapters (checked: single, ddp, fsdp, zero; not yet split models)
     compiles: bool = True  # runs train.compile's blocks (tp: torch 2.13's dynamo fails on DTensor-split blocks)
-    # computes train.tiled_loss: its micro-batches go through logits_of with the output layer whole on the rank
-    # outside the model's forward (single, ddp; FSDP2 holds the head's parameter sharded there: its tiles would
-    # have to call it as a shard unit of its own, with a tied embedding in the same unit)
+    # computes train.tiled_loss: its micro-batches go through logits_of, the output layer's weight whole inside the
+    # model's forward and again in backward (checked: single, ddp, fsdp without tp or cp)
     tiles_loss: bool = False
     # computes with its parameters cast to the 16-bit precision (FSDP2's MixedPrecisionPolicy, DeepSpeed's 16-bit
     # weights), not under autocast: what its forward saves for backward differs (toolkit/memory/activations.py)
@@ -293,27 +292,32 @@ def logits_of(strategy: MicroBatchStrategy, batch: dict, device: torch.device) -
     """The micro-batch's logits. A mixture-of-experts model whose config sets output_router_logits returns its
     router's auxiliary (load-balancing) loss too, computed by transformers on this micro-batch's tokens (padding
     masked): weighted by the model's router_aux_loss_coef, it goes into batch[ROUTER_LOSS] for the loop's loss.
-    A micro-batch marked TILED (train.tiled_loss) runs the model with its output layer passed through, so that
-    the forward ends at the last hidden states, and its loss sum is computed in tiles (data/losses.py) under the
-    same autocast, into batch[TILED_SUM]; what is returned then is those hidden states, not logits."""
+    A micro-batch marked TILED (train.tiled_loss) runs the model with its output layer computing the loss sum in
+    tiles (data/losses.py) where it would compute the logits: inside the model's forward, where a wrapper holds the
+    layer's weight whole (FSDP's root unit, gathered until its backward) and under its autocast; that sum is what
+    the forward returns as logits and goes into batch[TILED_SUM]."""
     model: Any = getattr(strategy.model, "module", strategy.model)  # DDP's or DeepSpeed's wrapper: the model
     head = model.get_output_embeddings() if batch.get(TILED) else None
-    with strategy.forward_context(), (_passed_through(head) if head is not None else contextlib.nullcontext()):
+    tiled = _tiled_head(head, batch, device) if head is not None else contextlib.nullcontext()
+    with strategy.forward_context(), tiled:
         out = strategy.model(input_ids=batch["input_ids"].to(device, non_blocking=True),
                              attention_mask=batch["attention_mask"].to(device, non_blocking=True))
     aux = getattr(out, "aux_loss", None)
     if aux is not None:
         batch[ROUTER_LOSS] = aux.float() * float(model.config.router_aux_loss_coef)
     if head is not None:
-        with strategy.forward_context():
-            batch[TILED_SUM] = tiled_loss_sum(out.logits, head, batch["labels"], shifted="labels_shifted" in batch)
+        batch[TILED_SUM] = out.logits
     return out.logits
 
 
 @contextlib.contextmanager
-def _passed_through(head: nn.Module) -> Iterator[None]:
-    """`head` returns its input inside (the model's forward then ends at its last hidden states)."""
-    head.forward = lambda hidden: hidden  # type: ignore[method-assign]
+def _tiled_head(head: nn.Module, batch: dict, device: torch.device) -> Iterator[None]:
+    """Inside, `head` turns the last hidden states into the micro-batch's loss sum, tile by tile (each tile through
+    the layer's own forward, again in backward), instead of the logits."""
+    own, vocab = head.forward, int(cast(torch.Tensor, head.weight).shape[0])
+    labels, shifted = batch["labels"].to(device, non_blocking=True), "labels_shifted" in batch
+    head.forward = lambda hidden: tiled_loss_sum(hidden, own, labels, shifted=shifted,  # type: ignore[method-assign]
+                                                 vocab=vocab)
     try:
         yield
     finally:

@@ -59,7 +59,7 @@ OPTIONS = FsdpOptions  # the registry reads it by this name
 
 
 INFO = StrategyInfo(
-    name="fsdp", averages_gradients=True, accelerate_plugin="fsdp", casts_parameters=True, holds_gradients=False,
+    name="fsdp", averages_gradients=True, tiles_loss=True, accelerate_plugin="fsdp", casts_parameters=True, holds_gradients=False,
     options=option_names(FsdpOptions),
     summary="FSDP2 fully_shard per block: params, grads, optimizer state sharded 1/N; all-gathers per block",
     arms={"fsdp": ("strategy.name=fsdp",),
@@ -85,6 +85,9 @@ class FsdpRules:
             raise RecipeError(f"strategy.replicate_degree {replicate} does not divide world size {world_size}")
         tp = options.tp_degree
         cp = options.cp_degree
+        if recipe.train.tiled_loss and ((tp or 1) > 1 or (cp or 1) > 1):  # the head split, or its own forward
+            raise RecipeError("train.tiled_loss is not available with strategy.tp_degree or cp_degree yet (not "
+                              "checked there); set train.tiled_loss: false or drop them")
         if cp is not None and cp < 1:
             raise RecipeError(f"strategy.cp_degree must be >= 1, got {cp}; leave it unset for FSDP alone")
         if cp is not None and cp > 1:
