@@ -40,7 +40,7 @@ def expert_bytes(overrides: list[str], *, nproc: int) -> int:
     from toolkit.config.parallel import resolve
     from toolkit.memory.state_bytes import adam_state
     from toolkit.model.build import meta_model
-    from toolkit.model.experts import STACKED, plan_of
+    from toolkit.observe.routing import STACKED, plan_of
     from toolkit.strategies import strategy_degrees
     from toolkit.strategies.dims.expert import local_numel
 

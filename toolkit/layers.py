@@ -12,7 +12,7 @@ this table). Within a layer, a package imports only from itself or from a packag
     checkpoint     toolkit/checkpoint/                one DCP layout; where a run's starting weights come from
     model          toolkit/model/                     build/load, blocks, LoRA, export, cuts, tied names
     data           toolkit/data/                      files -> datasets -> tokenized splits, the loss
-    observe        toolkit/observe/                   metrics, trackers, profiling, collective counter
+    observe        toolkit/observe/                   metrics, trackers, profiling, collective counter, routing
     process        toolkit/process/                   process group and device, signals, faults, console
     config         toolkit/config/                    typed recipes from YAML and overrides
     base           toolkit/errors.py, atomic.py       user errors, whole-file writes

@@ -31,7 +31,7 @@ from toolkit.data.losses import TILED, TILED_SUM, micro_batch_loss_sum
 from toolkit.data.splits import Collator, DataLayout, train_loader
 from toolkit.model.blocks import BlockForwards, layer_stack
 from toolkit.model.build import padding_id
-from toolkit.model.experts import RoutingCounter, spread
+from toolkit.observe.routing import RoutingCounter, spread
 from toolkit.model.export import export_model
 from toolkit.model.precision import StepResult
 from toolkit.observe import profiling, tracking

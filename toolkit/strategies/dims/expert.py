@@ -25,7 +25,7 @@ from torch.distributed.fsdp import fully_shard
 
 from toolkit.config.recipe import Recipe
 from toolkit.errors import RecipeError
-from toolkit.model.experts import DISPATCH, STACKED, num_experts, plan_of
+from toolkit.observe.routing import DISPATCH, STACKED, num_experts, plan_of
 from toolkit.process.dist import DistEnv
 from toolkit.strategies.base import refuse_untested
 
