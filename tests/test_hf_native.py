@@ -13,12 +13,14 @@ from toolkit.strategies import validate_strategy
 
 HF = ("strategy.name=hf_native", "batch.micro_batch_size=4")  # fsdp 2
 HF_TP2 = ("strategy.name=hf_native", "strategy.tp_degree=2")  # tp 2: both ranks read the one data shard
+HF_HSDP = ("strategy.name=hf_native", "strategy.replicate_degree=2", "batch.micro_batch_size=2")  # 2 × fsdp 2
 HF_EP2 = ("strategy.name=hf_native", "strategy.ep_degree=2", "batch.micro_batch_size=4")  # fsdp 2, ep 2
 HF_EP2_4 = ("strategy.name=hf_native", "strategy.ep_degree=2", "batch.micro_batch_size=2")  # fsdp 4, ep 2: efsdp 2
 
 
 @pytest.mark.parametrize("fixture, name, nproc, overrides", [
     ("llama_runs", "hf-native", 2, HF), ("llama_runs", "hf-native-tp2", 2, HF_TP2),
+    ("llama_runs", "hf-native-hsdp", 4, HF_HSDP),
     ("moe_runs", "hf-native-ep2", 2, HF_EP2), ("moe_runs", "hf-native-ep2-4ranks", 4, HF_EP2_4)])
 def test_transformers_layouts_train_as_one_process(request, fixture, name, nproc, overrides):
     runs = request.getfixturevalue(fixture)
