@@ -142,3 +142,23 @@ def test_a_diverged_arm_is_why_arms_differ_and_nothing_says_every_arm_matches():
                           "optim.lr: 0.002 vs 0.001"
     assert "every arm matches" not in markdown and "every arm matches" not in page
     assert html.escape(f"{KEY_BIAS}: single@optim.lr=0.002 |Δ| 0.0001") in page
+
+
+def test_a_mixture_of_experts_arm_shows_its_routing_and_token_traffic():
+    experts = {"layers": 2, "experts": 4, "tokens_per_expert": [[30, 10, 10, 10], [15, 15, 15, 15]],
+               "spread_mean": 1.7, "spread_max": 2.5, "steps": 5}
+    comm = {"step": 3, "includes_setup": False, "total_bytes": 3 * 2 ** 20, "calls_by_op": {"all_to_all_single": 8},
+            "bytes_by_op": {"all_to_all_single": 2 ** 20}}
+    results = _results(_row("single", verdict_="reference", world_size=1, experts=experts),
+                       _row("fsdp-ep2", experts=experts, comm=comm), _row("ddp"))
+    markdown, page = render_markdown(results, []), render_html(results, [])
+    section = markdown.split("## Mixture of experts\n", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("- ")]
+    # layer 0: 30 of 60 tokens on one expert, twice an even 15; layer 1 even; ddp (a dense arm here) not listed
+    assert lines == [
+        "- single: load spread 1.70 mean over 5 steps (largest 2.50); over the run, the busiest expert per layer took "
+        "2.00×, 1.00× an even share; token all-to-all none (every rank runs every expert)",
+        "- fsdp-ep2: load spread 1.70 mean over 5 steps (largest 2.50); over the run, the busiest expert per layer took "
+        "2.00×, 1.00× an even share; token all-to-all 1.00 MiB/step at rank 0"]
+    assert "id='experts'" in page and "fsdp-ep2: load spread 1.70" in page
+    assert "## Mixture of experts" not in render_markdown(_results(_row("single", verdict_="reference")), [])

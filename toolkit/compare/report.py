@@ -60,7 +60,8 @@ def build_results(experiment: Experiment) -> dict:
                    final_eval_metric=_last_metric(metrics),
                    comm=_comm(run), flops=run["flops"], audit=arm["audit"], batch=run["batch"],
                    losses=[m["loss"] for m in metrics], grad_norms=[m["grad_norm"] for m in metrics],
-                   recipe=arm["recipe"], pipeline=_pipeline(run), fallback=run.get("fallback"),
+                   recipe=arm["recipe"], pipeline=_pipeline(run), experts=run.get("experts"),
+                   fallback=run.get("fallback"),
                    plain_data_parallel=strategy_info(run["strategy"]).plain_data_parallel)
         if reference["status"] == "completed":
             row["speedup_vs_reference"] = speed["tokens_per_s"] / measure.throughput(reference["metrics"])["tokens_per_s"]

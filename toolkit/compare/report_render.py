@@ -196,6 +196,27 @@ def _comm_lines(results: dict) -> list[str]:
     return out
 
 
+EXPERTS_NOTE = ("A mixture-of-experts model's routing per arm (run.json `experts`, each step in metrics.jsonl "
+                "`expert_tokens`): the tokens each expert of each layer was routed over the run, padding left out, "
+                "and the load-balance spread (per step the worst layer's busiest expert over an even share; 1.0 is "
+                "even), beside the bytes the arm's token all-to-alls handed over at rank 0 in the counted step.")
+
+
+def _experts_lines(results: dict) -> list[str]:
+    out = []
+    for r in results["arms"]:
+        e = r.get("experts")
+        if not e or e.get("spread_mean") is None:
+            continue
+        moved = ((r.get("comm") or {}).get("bytes_by_op") or {}).get("all_to_all_single")
+        busiest = [max(layer) / (sum(layer) / len(layer)) if sum(layer) else 1.0 for layer in e["tokens_per_expert"]]
+        out.append(f"{r['arm']}: load spread {e['spread_mean']:.2f} mean over {e['steps']} steps (largest "
+                   f"{e['spread_max']:.2f}); over the run, the busiest expert per layer took "
+                   + ", ".join(f"{b:.2f}×" for b in busiest) + " an even share; token all-to-all "
+                   + (f"{moved / 2 ** 20:.2f} MiB/step at rank 0" if moved else "none (every rank runs every expert)"))
+    return out
+
+
 def _pipeline_lines(results: dict) -> list[str]:
     out = []
     for r in results["arms"]:
@@ -278,6 +299,9 @@ def render_markdown(results: dict, plots: list[Path]) -> str:
     lines += [f"- {m}" for m in memory_lines(results)] or ["- n/a"]
     lines += ["", "## Communication per step", "", COMM_NOTE, ""]
     lines += [f"- {c}" for c in _comm_lines(results)] or ["- n/a"]
+    experts = _experts_lines(results)
+    if experts:
+        lines += ["", "## Mixture of experts", "", EXPERTS_NOTE, ""] + [f"- {e}" for e in experts]
     pipeline = _pipeline_lines(results)
     if pipeline:
         lines += ["", "## Pipeline stages", "", PIPELINE_NOTE, ""] + [f"- {p}" for p in pipeline]
@@ -327,6 +351,9 @@ def render_html(results: dict, plots: list[Path]) -> str:
     judged_note, judged_lines = not_judged_section(results)
     not_judged = (f"<h2>{esc(NOT_JUDGED_HEADING)}</h2>" + (f"<p>{esc(judged_note)}</p>" if judged_note else "")
                   + f"<ul id='not-judged'>{_items(judged_lines)}</ul>") if judged_lines else ""
+    experts = _items(_experts_lines(results))
+    if experts:
+        experts = f"<h2>Mixture of experts</h2><p>{esc(EXPERTS_NOTE)}</p><ul id='experts'>{experts}</ul>"
     pipeline = _items(_pipeline_lines(results))
     if pipeline:
         pipeline = f"<h2>Pipeline stages</h2><p>{esc(PIPELINE_NOTE)}</p><ul id='pipeline'>{pipeline}</ul>"
@@ -349,7 +376,7 @@ pre{{background:#f6f6f6;padding:8px}}</style></head><body>
 <h2>Why arms differ</h2>{rounding}<ul>{why}</ul>{not_judged}
 <h2>Precision audit</h2><p>Read from the live objects after setup; highlighted cells differ from the reference.</p>
 {audit}<h2>Memory: predicted and measured</h2><p>{esc(MEMORY_NOTE)}</p><ul id='memory'>{_items(memory_lines(results), "n/a")}</ul>
-<h2>Communication per step</h2><p>{esc(COMM_NOTE)}</p><ul>{_items(_comm_lines(results), "n/a")}</ul>{pipeline}
+<h2>Communication per step</h2><p>{esc(COMM_NOTE)}</p><ul>{_items(_comm_lines(results), "n/a")}</ul>{experts}{pipeline}
 <h2>Plots</h2>{images}<h2>Tolerances</h2><pre>{esc(results['tolerances'])}</pre>
 <h2>Recipes: what each arm changes from the reference</h2><p>{esc(RECIPES_NOTE)}</p><ul id='recipe-changes'>{changes}</ul>
 {appendix}</body></html>
