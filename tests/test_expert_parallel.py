@@ -55,6 +55,14 @@ def test_the_collective_counter_counts_the_token_all_to_alls(moe_runs):
     assert "all_to_all_single" not in single["bytes_by_op"]
 
 
+def test_context_parallel_on_a_moe_model_counts_the_tokens_single_does(moe_runs):
+    # cp splits each sequence (padded further to a multiple of 4) and passes the model no attention mask: the
+    # counter takes each rank's tokens from its share of the batch, so the padding stays out of the counts
+    reference, run = moe_runs.get("single-m8"), moe_runs.get("cp2", nproc=2, overrides=("parallel.cp=2",))
+    assert_matches_single(run, reference)
+    assert [m["expert_tokens"] for m in metrics(run)] == [m["expert_tokens"] for m in metrics(reference)]
+
+
 def test_each_rank_holds_half_the_experts(moe_runs):
     # independent of the plan: the whole model's parameter bytes (single) and its experts' share, from the exported
     # weights' names; with ep 2 over 2 ranks each rank holds half of every experts weight (efsdp 1: no further

@@ -9,8 +9,10 @@ layout (expert parallel dispatches the tokens inside that call), so its input is
 
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Any
+from contextvars import ContextVar
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -39,6 +41,21 @@ def plan_of(model: nn.Module) -> dict[str, str]:
         match = re.compile(re.escape(pattern).replace(r"\*", r"\d+")).fullmatch
         expanded.update({name: style for name in names if match(name)})
     return expanded
+
+
+# the tokens (1) and padding (0) of a forward that passes the model no attention mask: context parallel's share of
+# each sequence, whose attention reads the mask another way (strategies/dims/context.py)
+_TOKENS: ContextVar[torch.Tensor | None] = ContextVar("routing_tokens", default=None)
+
+
+@contextlib.contextmanager
+def counted_tokens(mask: torch.Tensor) -> Iterator[None]:
+    """Inside, a forward without an attention mask counts the tokens `mask` marks ([batch, length])."""
+    token = _TOKENS.set(mask)
+    try:
+        yield
+    finally:
+        _TOKENS.reset(token)
 
 
 class RoutingCounter:
@@ -78,6 +95,8 @@ class RoutingCounter:
 
     def _keep_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         mask = kwargs.get("attention_mask")
+        if mask is None:
+            mask = _TOKENS.get()
         self.mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 
     def _hook(self, layer: int):

@@ -40,6 +40,7 @@ import torch
 from toolkit.config.recipe import Recipe
 from toolkit.data.losses import IGNORE_INDEX
 from toolkit.errors import RecipeError
+from toolkit.observe.routing import counted_tokens
 from toolkit.strategies.base import LossSum, MicroBatchStrategy, Share, refuse_untested
 
 ATTENTIONS = {"allgather": "toolkit_cp_allgather", "ulysses": "toolkit_cp_ulysses"}  # config._attn_implementation
@@ -83,6 +84,8 @@ class RankBatch:
     input_ids: torch.Tensor  # [batch, local length]
     position_ids: torch.Tensor  # [batch, local length]
     shifted_labels: torch.Tensor  # [batch, local length]: the next token's label (IGNORE_INDEX: no loss)
+    token_mask: torch.Tensor  # [batch, local length]: 1 a token, 0 padding (the routing counter's; attention reads
+    #   every rank's through `sequence`)
     sequence: Sequence
 
 
@@ -102,7 +105,7 @@ def split_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: t
     mine = every[rank * local:(rank + 1) * local]
     batch = input_ids.shape[0]
     return RankBatch(input_ids=input_ids[:, mine], position_ids=mine.expand(batch, -1), shifted_labels=shifted[:, mine],
-                     sequence=Sequence(group=group, cp=cp, query_positions=mine, key_positions=every,
+                     token_mask=attention_mask[:, mine], sequence=Sequence(group=group, cp=cp, query_positions=mine, key_positions=every,
                                        key_valid=attention_mask[:, every].bool()))
 
 
@@ -267,7 +270,7 @@ def _share(batch: dict, group: Group, device: torch.device) -> RankBatch:
 
 
 def _local_loss(strategy: MicroBatchStrategy, share: RankBatch, loss_sum: LossSum) -> torch.Tensor:
-    with strategy.forward_context():
+    with strategy.forward_context(), counted_tokens(share.token_mask):
         logits = strategy.model(input_ids=share.input_ids, position_ids=share.position_ids).logits
     return loss_sum(logits, {"labels": share.shifted_labels, "labels_shifted": True})
 
