@@ -75,6 +75,30 @@ def test_compare_takes_a_saved_tilde_path_for_the_same_setting(tmp_path, tiny_ll
     assert settings_difference(experiment, experiment.arms[0], arm_dir) is None
 
 
+def test_compare_takes_an_arm_saved_before_a_key_existed_at_its_default(tmp_path, tiny_llama_dir):
+    """A run saved by a toolkit without a recipe key (train.tiled_loss, here) computed what its default computes; the
+    same key set away from its default is a difference."""
+    import yaml
+
+    from toolkit.compare.experiment import Arm, Experiment
+    from toolkit.compare.runner import settings_difference
+    from toolkit.config.files import dump_recipe, load_recipe
+
+    recipe, _ = _recipe(tmp_path, tiny_llama_dir)
+    arm_dir = tmp_path / "arm"
+    arm_dir.mkdir()
+    saved = yaml.safe_load(dump_recipe(load_recipe(recipe)))
+    del saved["train"]["tiled_loss"]
+    (arm_dir / "recipe.yaml").write_text(yaml.safe_dump(saved))
+    (arm_dir / "run.json").write_text('{"world_size": 1, "status": "completed"}')
+    experiment = Experiment(recipe=str(recipe), out_dir=tmp_path, arms=[Arm(name="arm", overrides=(), nproc=1)],
+                            common=[])
+    assert settings_difference(experiment, experiment.arms[0], arm_dir) is None
+    tiled = Experiment(recipe=str(recipe), out_dir=tmp_path, arms=[Arm(name="arm", overrides=(), nproc=1)],
+                       common=["train.tiled_loss=true"])
+    assert settings_difference(tiled, tiled.arms[0], arm_dir) == "train.tiled_loss: None then, True now"
+
+
 # --- trackers --------------------------------------------------------------------------------------------------
 
 def test_mlflow_file_store_is_one_line_before_ranks_start(tmp_path, tiny_llama_dir, monkeypatch, capsys):

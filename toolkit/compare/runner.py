@@ -89,6 +89,8 @@ def settings_difference(experiment: Experiment, arm: Arm, path: Path) -> str | N
     # the home folder's path: the same file
     ran.update({key: os.path.expanduser(ran[key]) for key in path_keys() if isinstance(ran.get(key), str)})
     wanted = flatten(recipe_to_dict(load_recipe(experiment.recipe, [*experiment.common, *arm.overrides])))
+    # a key the toolkit did not have when the arm ran: its default now is what that run computed
+    ran.update({key: value for key, value in wanted.items() if key not in ran and _is_default(key, value)})
     changed = [_difference(experiment, key, ran.get(key), wanted.get(key)) for key in sorted(set(ran) | set(wanted))
                if key not in WHERE_KEYS and ran.get(key) != wanted.get(key)]
     world_size = (read_run_info(path) or {}).get("world_size")
@@ -97,6 +99,23 @@ def settings_difference(experiment: Experiment, arm: Arm, path: Path) -> str | N
     if not changed:
         return None
     return ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+
+
+def _is_default(key: str, value) -> bool:
+    """Whether a recipe's `section.key` holds the value a recipe that leaves it out gets (its dataclass default)."""
+    import dataclasses
+    import typing
+
+    from toolkit.config.recipe import Recipe
+
+    section, _, name = key.partition(".")
+    kind = typing.get_type_hints(Recipe).get(section)
+    fields = {f.name: f for f in dataclasses.fields(kind)} if dataclasses.is_dataclass(kind) else {}
+    field = fields.get(name)
+    if field is None or field.default is dataclasses.MISSING:
+        return False
+    default = field.default
+    return value == (list(default) if isinstance(default, tuple) else default)
 
 
 def _difference(experiment: Experiment, key: str, then, now) -> str:
