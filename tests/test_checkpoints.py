@@ -69,15 +69,18 @@ def crashed(full_run, out):
     shutil.copytree(full_run / "checkpoints" / "step-00000003", out / "checkpoints" / "step-00000003")
 
 
+def checkpointed_recipe(root, model_dir, *, final: bool):
+    """6 steps of global batch 8, a checkpoint every 3: what the resume tests crash after step 5 and continue."""
+    return write_recipe(root / "recipe.yaml", model_dir=model_dir, output_dir=root / "unused",
+                        batch={"global_batch_size": 8, "micro_batch_size": 4, "grad_accum_steps": None},
+                        train={"max_steps": 6, "eval_every": None, "consistency_check_every": None, "progress": False},
+                        checkpoint={"every_steps": 3, "keep_last": 2, "final": final})
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_tied_llama_dir):
     root = tmp_path_factory.mktemp("checkpoints")
-    recipe = write_recipe(root / "recipe.yaml", model_dir=tiny_tied_llama_dir, output_dir=root / "unused",
-                          batch={"global_batch_size": 8, "micro_batch_size": 4, "grad_accum_steps": None},
-                          train={"max_steps": 6, "eval_every": None, "consistency_check_every": None,
-                                 "progress": False},
-                          checkpoint={"every_steps": 3, "keep_last": 2, "final": True})
-    return CheckpointRuns(root, recipe)
+    return CheckpointRuns(root, checkpointed_recipe(root, tiny_tied_llama_dir, final=True))
 
 
 def assert_continues(resumed, reference, *, rtol: float):

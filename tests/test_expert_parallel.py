@@ -174,13 +174,10 @@ CHECKPOINTED = {"ep2": ("parallel.ep=2",), "fsdp": ("strategy.name=fsdp",), "sin
 @pytest.fixture(scope="module")
 def moe_checkpoints(tmp_path_factory, tiny_moe_dir):
     from conftest import launch
+    from test_checkpoints import checkpointed_recipe
 
     root = tmp_path_factory.mktemp("moe-checkpoints")
-    recipe = write_recipe(root / "recipe.yaml", model_dir=tiny_moe_dir, output_dir=root / "unused",
-                          batch={"global_batch_size": 8, "micro_batch_size": 4, "grad_accum_steps": None},
-                          train={"max_steps": 6, "eval_every": None, "consistency_check_every": None,
-                                 "progress": False},
-                          checkpoint={"every_steps": 3, "keep_last": 2, "final": False})
+    recipe = checkpointed_recipe(root, tiny_moe_dir, final=False)
     full = {}
 
     def run(name: str, nproc: int, *, resume_from: str | None = None):

@@ -15,6 +15,7 @@ from toolkit.compare.memory_report import MEMORY_NOTE, memory_lines
 from toolkit.compare.recommend import equivalent, recommendations
 from toolkit.compare.report_sections import (NOT_JUDGED_HEADING, RECIPES_NOTE, arm_recipe_lines, not_judged_section,
                                              reference_recipe)
+from toolkit.observe.routing import busiest_share
 
 AUDIT_ROWS = ("forward_params", "master_weights", "gradients", "grad_reduction", "optimizer_state",
               "loss_scaling", "optimizer")
@@ -209,7 +210,7 @@ def _experts_lines(results: dict) -> list[str]:
         if not e or e.get("spread_mean") is None:
             continue
         moved = ((r.get("comm") or {}).get("bytes_by_op") or {}).get("all_to_all_single")
-        busiest = [max(layer) / (sum(layer) / len(layer)) if sum(layer) else 1.0 for layer in e["tokens_per_expert"]]
+        busiest = [busiest_share(layer) for layer in e["tokens_per_expert"]]
         out.append(f"{r['arm']}: load spread {e['spread_mean']:.2f} mean over {e['steps']} steps (largest "
                    f"{e['spread_max']:.2f}); over the run, the busiest expert per layer took "
                    + ", ".join(f"{b:.2f}×" for b in busiest) + " an even share; token all-to-all "

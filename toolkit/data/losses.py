@@ -31,8 +31,15 @@ def micro_batch_loss_sum(logits: torch.Tensor, labels: torch.Tensor, task: str, 
     return F.cross_entropy(logits, labels, reduction="sum", ignore_index=IGNORE_INDEX)
 
 
+def forward_loss_sum(output: torch.Tensor, batch: dict, task: str) -> torch.Tensor:
+    """A micro-batch's loss sum from what its forward returned: under train.tiled_loss (batch[TILED]) the forward
+    computed the sum itself, in tiles (strategies/base.py logits_of); else `output` is its logits."""
+    if batch.get(TILED):
+        return output
+    return micro_batch_loss_sum(output, batch["labels"], task, shifted="labels_shifted" in batch)
+
+
 TILED = "tiled_loss"  # a micro-batch's key: its loss is computed in tiles (train.tiled_loss), set by the loop
-TILED_SUM = "tiled_loss_sum"  # where the forward leaves that loss sum (strategies/base.py logits_of)
 TILE_LOGITS = 2 ** 25  # elements of one tile's logits under train.tiled_loss (128 MiB in fp32)
 
 

@@ -73,9 +73,9 @@ class RoutingCounter:
         self.totals = [[0] * experts for _ in range(layers)]  # over the run's steps so far
         self.spreads: list[float] = []
         self.mask: torch.Tensor | None = None  # the running forward's attention mask
-        self.handles = [module.register_forward_pre_hook(self._hook(layer), with_kwargs=True)
-                        for layer, module in modules.items()]
-        self.handles.append(model.register_forward_pre_hook(self._keep_mask, with_kwargs=True))
+        for layer, module in modules.items():  # for the process's life: the run's model is counted to its end
+            module.register_forward_pre_hook(self._hook(layer), with_kwargs=True)
+        model.register_forward_pre_hook(self._keep_mask, with_kwargs=True)
 
     @classmethod
     def among(cls, model: nn.Module, *, copies: int = 1) -> RoutingCounter | None:
@@ -133,13 +133,13 @@ class RoutingCounter:
                 "spread_mean": sum(self.spreads) / len(self.spreads) if self.spreads else None,
                 "spread_max": max(self.spreads, default=None), "steps": len(self.spreads)}
 
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+
+def busiest_share(row: list[int]) -> float:
+    """One layer's busiest expert's tokens over an even share (1.0: balanced, or no tokens; the number of experts:
+    one expert took everything)."""
+    return max(row) / (sum(row) / len(row)) if sum(row) else 1.0
 
 
 def spread(counts: list[list[int]]) -> float:
-    """The load-balance spread of one step: over the MoE layers, the largest ratio of the busiest expert's tokens
-    to an even share (1.0: perfectly balanced; the number of experts: one expert took everything)."""
-    ratios = [max(row) / (sum(row) / len(row)) for row in counts if sum(row)]
-    return max(ratios) if ratios else 1.0
+    """The load-balance spread of one step: busiest_share of its worst MoE layer."""
+    return max(map(busiest_share, counts), default=1.0)

@@ -29,7 +29,7 @@ from toolkit.checkpoint.fragments import Fragments
 from toolkit.checkpoint.loading import ModelSource
 from toolkit.checkpoint.state import Read
 from toolkit.config.recipe import Recipe
-from toolkit.data.losses import TILED, TILED_SUM, tiled_loss_sum
+from toolkit.data.losses import TILED, tiled_loss_sum
 from toolkit.data.splits import DataLayout
 from toolkit.errors import RecipeError
 from toolkit.memory.state_bytes import StateBytes
@@ -295,7 +295,7 @@ def logits_of(strategy: MicroBatchStrategy, batch: dict, device: torch.device) -
     A micro-batch marked TILED (train.tiled_loss) runs the model with its output layer computing the loss sum in
     tiles (data/losses.py) where it would compute the logits: inside the model's forward, where a wrapper holds the
     layer's weight whole (FSDP's root unit, gathered until its backward) and under its autocast; that sum is what
-    the forward returns as logits and goes into batch[TILED_SUM]."""
+    the forward returns, and what is returned here in place of the logits (data/losses.py forward_loss_sum)."""
     model: Any = getattr(strategy.model, "module", strategy.model)  # DDP's or DeepSpeed's wrapper: the model
     head = model.get_output_embeddings() if batch.get(TILED) else None
     tiled = _tiled_head(head, batch, device) if head is not None else contextlib.nullcontext()
@@ -305,8 +305,6 @@ def logits_of(strategy: MicroBatchStrategy, batch: dict, device: torch.device) -
     aux = getattr(out, "aux_loss", None)
     if aux is not None:
         batch[ROUTER_LOSS] = aux.float() * float(model.config.router_aux_loss_coef)
-    if head is not None:
-        batch[TILED_SUM] = out.logits
     return out.logits
 
 

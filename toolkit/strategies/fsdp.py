@@ -28,14 +28,16 @@ from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.config.strategy_options import option_names, options_of, strategy_options
 from toolkit.errors import RecipeError
-from toolkit.memory.state_bytes import StateBytes, adam_state, dim0_held, dim0_shard, dim0_shard_of, element_bytes
+from toolkit.memory.state_bytes import (LocalNumel, StateBytes, adam_state, dim0_held, dim0_shard, dim0_shard_of,
+                                        element_bytes)
 from toolkit.model import tp_plan as tensor_parallel
 from toolkit.model.blocks import transformer_blocks
 from toolkit.model.precision import DTYPES, Amp, dtype_name
 from toolkit.model.tied import first_names
 from toolkit.process.dist import DistEnv, ensure_process_group, world_mesh
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport,
-                                     each_micro_batch, every_rank_a_shard, first_dtype, refuse_untested, forward_once, no_context,
+                                     each_micro_batch, every_rank_a_shard, first_dtype, forward_once, no_context,
+                                     refuse_untested,
                                      sharded_abs_max, whole_stack_activations)
 from toolkit.strategies.dims import context, expert
 from toolkit.strategies.dims.parallelize import FsdpWrap, parallelize
@@ -59,7 +61,8 @@ OPTIONS = FsdpOptions  # the registry reads it by this name
 
 
 INFO = StrategyInfo(
-    name="fsdp", averages_gradients=True, tiles_loss=True, accelerate_plugin="fsdp", casts_parameters=True, holds_gradients=False,
+    name="fsdp", averages_gradients=True, tiles_loss=True, accelerate_plugin="fsdp", casts_parameters=True,
+    holds_gradients=False,
     options=option_names(FsdpOptions),
     summary="FSDP2 fully_shard per block: params, grads, optimizer state sharded 1/N; all-gathers per block",
     arms={"fsdp": ("strategy.name=fsdp",),
@@ -134,19 +137,23 @@ class FsdpRules:
         # the last shards' moments are smaller than their padded parameter and gradient storage.
         options, dtype = options_of(FsdpOptions, recipe), DTYPES[recipe.model.load_dtype]
         tp, ep = options.tp_degree or 1, options.ep_degree or 1
-        per_rank = []
-        for rank in range(world_size):
-            if tp > 1:  # mesh (dp_shard, tp): the tp ranks of a shard are neighbours
-                shapes = tensor_parallel.local_shapes(model, tp)
-                local, held = dim0_shard_of(shapes, world_size // tp), dim0_held(world_size // tp, rank // tp, shapes)
-            elif ep > 1:  # each rank's experts, FSDP-sharded over the ranks holding the same ones
-                local = expert.local_numel(model, ep=ep, world_size=world_size)
-                held = expert.local_numel(model, ep=ep, world_size=world_size, rank=rank)
-            else:  # HSDP's mesh (dp_replicate, dp_shard): a rank's shard is its place within its replica group
-                shard = world_size // options.replicate_degree
-                local, held = dim0_shard(shard), dim0_held(shard, rank % shard)
-            per_rank.append(adam_state(model.named_parameters(), dtype=dtype, local=local, moments=held))
-        return per_rank
+        shard = world_size // (tp * options.replicate_degree)  # FSDP's dim-0 parts of each (tp-split) weight
+        shapes = tensor_parallel.local_shapes(model, tp) if tp > 1 else None
+        if tp > 1:
+            local = dim0_shard_of(cast(dict, shapes), shard)
+        elif ep > 1:  # each rank's experts, FSDP-sharded over the ranks holding the same ones
+            local = expert.local_numel(model, ep=ep, world_size=world_size)
+        else:
+            local = dim0_shard(shard)
+
+        def held(rank: int) -> LocalNumel:
+            if ep > 1:
+                return expert.local_numel(model, ep=ep, world_size=world_size, rank=rank)
+            # mesh (dp_shard, tp): the tp ranks of a shard are neighbours; HSDP's (dp_replicate, dp_shard): a
+            # rank's shard is its place within its replica group
+            return dim0_held(shard, rank // tp % shard, shapes)
+        return [adam_state(model.named_parameters(), dtype=dtype, local=local, moments=held(rank))
+                for rank in range(world_size)]
 
     def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         whole = whole_model_bytes(model, recipe)

@@ -69,10 +69,9 @@ def distributed_config(recipe: Recipe, *, world_size: int):
     """transformers' DistributedConfig for the recipe's degrees at `world_size`."""
     from transformers.distributed import DistributedConfig
 
-    options = options_of(HfNativeOptions, recipe)
-    tp, replicate, ep = options.tp_degree or 1, options.replicate_degree, options.ep_degree or 1
-    return DistributedConfig(tp_size=tp, dp_replicate_size=replicate, fsdp_size=world_size // (tp * replicate),
-                             ep_size=ep, ep_implementation=expert.IMPLEMENTATION,
+    layout = degrees(recipe, world_size=world_size)
+    return DistributedConfig(tp_size=layout.tp, dp_replicate_size=layout.dp_replicate, fsdp_size=layout.dp_shard,
+                             ep_size=layout.ep, ep_implementation=expert.IMPLEMENTATION,
                              fsdp_mixed_precision=recipe.precision == "bf16")
 
 

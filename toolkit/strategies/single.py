@@ -11,7 +11,8 @@ from toolkit.strategies.replicated import ReplicatedRules, ReplicatedStrategy, R
 OPTIONS = NoOptions  # reads no strategy.<option> key
 
 INFO = StrategyInfo(
-    name="single", one_process=True, tiles_loss=True, holds_gradients=False, tied_gradients=2, exports_in_place=True, options=option_names(OPTIONS),
+    name="single", one_process=True, tiles_loss=True, holds_gradients=False, tied_gradients=2, exports_in_place=True,
+    options=option_names(OPTIONS),
     summary="one process, full model; the reference every other strategy is checked against",
     arms={"single": ("strategy.name=single",)})
 

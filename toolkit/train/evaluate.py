@@ -9,7 +9,7 @@ import math
 import torch
 
 from toolkit.config.recipe import Recipe
-from toolkit.data.losses import IGNORE_INDEX, TILED, TILED_SUM, micro_batch_loss_sum
+from toolkit.data.losses import IGNORE_INDEX, TILED, forward_loss_sum
 from toolkit.data.splits import DataLayout, eval_index_batches
 from toolkit.process.dist import DistEnv, all_reduce_sum
 from toolkit.strategies.base import Strategy
@@ -26,9 +26,7 @@ def evaluate(strategy: Strategy, dataset, *, collator, recipe: Recipe, env: Dist
     def loss_sum(logits: torch.Tensor, batch: dict) -> torch.Tensor:
         if classify:  # a filler batch's labels are IGNORE_INDEX: never a class, never counted
             correct.add_((logits.argmax(-1).cpu() == batch["labels"]).sum())
-        if TILED_SUM in batch:  # train.tiled_loss: the forward computed it in tiles (strategies/base.py)
-            return batch.pop(TILED_SUM)
-        return micro_batch_loss_sum(logits, batch["labels"], recipe.model.task, shifted="labels_shifted" in batch)
+        return forward_loss_sum(logits, batch, recipe.model.task)
 
     strategy.model.eval()
     sums = torch.zeros(3, dtype=torch.float64)  # loss sum, loss terms, correct predictions

@@ -27,7 +27,7 @@ from toolkit.checkpoint.run import Resume
 from toolkit.checkpoint.schedule import schedule_changes
 from toolkit.config.parallel import resolve
 from toolkit.config.recipe import BatchPlan, Recipe
-from toolkit.data.losses import TILED, TILED_SUM, micro_batch_loss_sum
+from toolkit.data.losses import TILED, forward_loss_sum
 from toolkit.data.splits import Collator, DataLayout, train_loader
 from toolkit.model.blocks import BlockForwards, layer_stack
 from toolkit.model.build import padding_id
@@ -72,10 +72,7 @@ def run_microbatches(strategy: Strategy, micro_batches: list[dict], *, task: str
     scale = layout.size if strategy.info.averages_gradients else 1
 
     def loss_sum(logits: torch.Tensor, batch: dict) -> torch.Tensor:
-        if TILED_SUM in batch:  # train.tiled_loss: the forward computed it in tiles (strategies/base.py)
-            total = batch.pop(TILED_SUM)
-        else:
-            total = micro_batch_loss_sum(logits, batch["labels"], task, shifted="labels_shifted" in batch)
+        total = forward_loss_sum(logits, batch, task)
         router = batch.pop(ROUTER_LOSS, None)
         if router is not None:  # a MoE router's loss, weighted like its micro-batch's share of the global mean
             total = total + router.to(total.device) * batch["num_items"]

@@ -105,7 +105,8 @@ def split_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: t
     mine = every[rank * local:(rank + 1) * local]
     batch = input_ids.shape[0]
     return RankBatch(input_ids=input_ids[:, mine], position_ids=mine.expand(batch, -1), shifted_labels=shifted[:, mine],
-                     token_mask=attention_mask[:, mine], sequence=Sequence(group=group, cp=cp, query_positions=mine, key_positions=every,
+                     token_mask=attention_mask[:, mine],
+                     sequence=Sequence(group=group, cp=cp, query_positions=mine, key_positions=every,
                                        key_valid=attention_mask[:, every].bool()))
 
 
