@@ -8,7 +8,8 @@ this table). Within a layer, a package imports only from itself or from a packag
     train          toolkit/train/                     the one loop, its checks, evaluation, run.json
     plan           toolkit/plan/                      `toolkit plan`: memory per rank before a run
     strategies     toolkit/strategies/                the parallel strategies (zero/, pipeline/ inside)
-    memory         toolkit/memory/                    model-state bytes from shapes, traced activations
+    memory         toolkit/memory/, toolkit/cost/     model-state bytes from shapes, traced activations; hardware
+                                                      profiles, collectives and the step-time model
     checkpoint     toolkit/checkpoint/                one DCP layout; where a run's starting weights come from
     model          toolkit/model/                     build/load, blocks, LoRA, export, cuts, tied names
     data           toolkit/data/                      files -> datasets -> tokenized splits, the loss
@@ -26,7 +27,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("train", ("train",)),
     ("plan", ("plan",)),
     ("strategies", ("strategies",)),
-    ("memory", ("memory",)),
+    ("memory", ("memory", "cost")),
     ("checkpoint", ("checkpoint",)),
     ("model", ("model",)),
     ("data", ("data",)),

@@ -29,6 +29,7 @@ from toolkit.checkpoint.fragments import Fragments
 from toolkit.checkpoint.loading import ModelSource
 from toolkit.checkpoint.state import Read
 from toolkit.config.recipe import Recipe
+from toolkit.cost.collectives import Collective
 from toolkit.data.losses import TILED, tiled_loss_sum
 from toolkit.data.splits import DataLayout
 from toolkit.errors import RecipeError
@@ -149,6 +150,14 @@ class StrategyRules(Protocol):
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         """The most parameter bytes a rank gathers from the others and holds at once during a step, beyond
         its own shard (`model`: on the meta device; toolkit plan, no process group)."""
+
+    def predict_collectives(self, model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
+                            shapes: list[tuple[int, int]]) -> list[Collective]:
+        """What `rank` hands to collectives in one optimizer step, beside the loop's own
+        (cost.collectives.loop_collectives), in the collective counter's terms: a run counts the same bytes
+        (run.json's `comm_per_step` beside its `comm_prediction`). `shapes`: (samples, padded length) of each
+        micro-batch the rank computes in the step (`model`: on the meta device; toolkit plan, no process group).
+        A RecipeError where the layout's collectives are not modelled yet."""
 
     def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
                                  how: dict[str, Any]) -> list[int]:

@@ -8,8 +8,11 @@ from torch import nn
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.config.strategy_options import option_names, options_of, strategy_options
+from toolkit.cost.collectives import Collective
 from toolkit.errors import RecipeError
+from toolkit.model.precision import DTYPES
 from toolkit.strategies.base import SetupArgs, StrategyInfo
+from toolkit.strategies.dims.comm import ddp_collectives
 from toolkit.strategies.dims.parallelize import DdpWrap, ddp_no_sync, replicate_over_world
 from toolkit.strategies.replicated import ReplicatedRules, ReplicatedStrategy, Replication
 
@@ -44,9 +47,16 @@ def check_buckets(recipe: Recipe, world_size: int) -> None:
                           f"{size_mb}; DDP's default is 25")
 
 
+def ddp_reduction(model: nn.Module, recipe: Recipe, world_size: int) -> list[Collective]:
+    """Its gradients (in the load dtype: autocast leaves the parameters alone) all-reduced over every rank."""
+    return ddp_collectives(model, group_size=world_size, group="dp_replicate",
+                           bucket_cap_mb=options_of(DdpOptions, recipe).bucket_cap_mb,
+                           grad_dtype=DTYPES[recipe.model.load_dtype])
+
+
 DDP = Replication(
     info=INFO, wrap=wrap_ddp, reduce_desc="all-reduce mean ({dtype})", check=check_buckets,
-    skip_sync=ddp_no_sync)
+    skip_sync=ddp_no_sync, collectives=ddp_reduction)
 
 
 RULES = ReplicatedRules(DDP)

@@ -27,6 +27,7 @@ from toolkit.checkpoint.loading import ModelSource, load_sharded, materialize, w
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.config.strategy_options import option_names, options_of, strategy_options
+from toolkit.cost.collectives import Collective
 from toolkit.errors import RecipeError
 from toolkit.memory.state_bytes import (LocalNumel, StateBytes, adam_state, dim0_held, dim0_shard, dim0_shard_of,
                                         element_bytes)
@@ -39,7 +40,7 @@ from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, S
                                      each_micro_batch, every_rank_a_shard, first_dtype, forward_once, no_context,
                                      refuse_untested,
                                      sharded_abs_max, whole_stack_activations)
-from toolkit.strategies.dims import context, expert
+from toolkit.strategies.dims import comm, context, expert
 from toolkit.strategies.dims.parallelize import FsdpWrap, parallelize
 from toolkit.strategies.optim.torch_optim import TorchOptim, TorchState, TrainsOneModule
 
@@ -185,6 +186,33 @@ class FsdpRules:
         if not options.reshard_after_forward:
             return (everything - sum(units) + sum(units) // tp + len(blocks) * gathered_experts) * compute
         return (everything - sum(units) + 2 * max(units, default=0) // tp + 2 * gathered_experts) * compute
+
+    def predict_collectives(self, model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
+                            shapes: list[tuple[int, int]]) -> list[Collective]:
+        # FSDP over dp_shard (× cp: one dimension), after tp's and cp's own (dims/comm.py)
+        options = options_of(FsdpOptions, recipe)
+        tp, cp, ep, replicate = (options.tp_degree or 1, options.cp_degree or 1, options.ep_degree or 1,
+                                 options.replicate_degree)
+        if ep > 1:
+            raise RecipeError("toolkit plan does not predict expert parallel's collectives yet")
+        if cp > 1 and recipe.parallel.cp_method != "allgather":
+            raise RecipeError(f"toolkit plan does not predict context parallel's {recipe.parallel.cp_method} "
+                              "collectives yet (allgather only)")
+        stored = DTYPES[recipe.model.load_dtype]
+        compute = stored if recipe.precision == "fp32" else DTYPES[recipe.precision]  # MixedPrecisionPolicy
+        reduce = stored if recipe.precision == "fp32" else torch.float32
+        shapes_tp = tensor_parallel.local_shapes(model, tp) if tp > 1 else None
+        units = comm.fsdp_units(model, transformer_blocks(model, options.blocks))
+        gathers = len(shapes) * (2 if options.reshard_after_forward else 1)
+        recompute = recipe.train.activation_checkpointing
+        shard = world_size // (tp * replicate)
+        return [*comm.tp_collectives(model, tp=tp, shapes=shapes, activation_dtype=compute,
+                                     sequence_parallel=options.sequence_parallel, recompute=recompute, shard=shard),
+                *comm.cp_collectives(model, cp=cp, tp=tp, shapes=shapes, activation_dtype=compute,
+                                     recompute=recompute),
+                *comm.fsdp_collectives(units, shard=shard, replicate=replicate,
+                                       compute_dtype=compute, reduce_dtype=reduce, gathers_per_unit=gathers,
+                                       local_shape=(lambda name, p: shapes_tp[name]) if shapes_tp else None)]
 
     def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
                                  how: dict[str, Any]) -> list[int]:

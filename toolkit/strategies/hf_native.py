@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from toolkit.cost.collectives import Collective
 from toolkit.checkpoint.loading import ModelSource, whole_model_bytes
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
@@ -124,6 +125,10 @@ class HfNativeRules:
 
     def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return 0
+
+    def predict_collectives(self, model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
+                            shapes: list[tuple[int, int]]) -> list[Collective]:
+        raise RecipeError("toolkit plan does not predict hf_native's collectives (transformers' own layout) yet")
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         raise RecipeError("toolkit plan does not predict hf_native (transformers' own plans decide its layout)")

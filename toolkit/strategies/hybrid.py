@@ -19,10 +19,13 @@ from torch import nn
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.config.strategy_options import option_names, options_of, strategy_options
+from toolkit.cost.collectives import Collective
 from toolkit.errors import RecipeError, ranks_option
 from toolkit.memory.state_bytes import StateBytes
+from toolkit.model.precision import DTYPES
 from toolkit.strategies.base import DataLayout, SetupArgs, Strategy, StrategyInfo, StrategyRules
 from toolkit.strategies.model_parallel import check_model_split, one_device, place_model
+from toolkit.strategies.dims.comm import ddp_collectives
 from toolkit.strategies.dims.parallelize import DdpWrap, ddp_no_sync, replicate_over_world
 from toolkit.strategies.pipeline.layout import Grid
 from toolkit.strategies.pipeline.rules import PipelineRules
@@ -71,10 +74,16 @@ def wrap_ddp(module: nn.Module, args: SetupArgs) -> nn.Module:
     return replicate_over_world(module, env=args.env, strategy=INFO.name, wrap=DdpWrap(one_device=False))
 
 
+def split_ddp_reduction(model: nn.Module, recipe: Recipe, world_size: int) -> list[Collective]:
+    """DDP's all-reduce of every gradient over the world, DDP's default buckets (DdpWrap)."""
+    return ddp_collectives(model, group_size=world_size, group="dp_replicate", bucket_cap_mb=DdpWrap().bucket_cap_mb,
+                           grad_dtype=DTYPES[recipe.model.load_dtype])
+
+
 MODEL_SPLIT_DDP = Replication(
     info=INFO, place=place_model, wrap=wrap_ddp, reduce_desc="all-reduce mean ({dtype})",
     skip_sync=ddp_no_sync, check=check_model_split_ddp,
-    one_device=one_device)
+    one_device=one_device, collectives=split_ddp_reduction)
 
 
 # the pipeline form: a tied weight has a copy per end stage, and rank 0 gathers the whole model to export it
@@ -108,6 +117,10 @@ class HybridRules:
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return self._form(recipe).predict_gathered_bytes(model, recipe, world_size=world_size)
+
+    def predict_collectives(self, model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
+                            shapes: list[tuple[int, int]]) -> list[Collective]:
+        return self._form(recipe).predict_collectives(model, recipe, world_size=world_size, rank=rank, shapes=shapes)
 
     def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
                                  how: dict[str, Any]) -> list[int]:

@@ -14,6 +14,7 @@ from torch import nn
 
 from toolkit.checkpoint.loading import ModelSource
 from toolkit.config.recipe import Recipe
+from toolkit.cost.collectives import Collective
 from toolkit.errors import RecipeError, ranks_option
 from toolkit.memory.state_bytes import StateBytes, adam_state
 from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
@@ -47,6 +48,9 @@ class Replication:
     # (setup's args) -> why what ran is not what the strategy is for, though its code ran as written (a model split
     # whose parts all share one device), or None: run.json's `fallback` too
     one_device: Callable[[SetupArgs], str | None] | None = None
+    # (the model on the meta device, the recipe, world size) -> the gradient reduction's collectives in one step
+    # (toolkit plan; none in one process)
+    collectives: Callable[[nn.Module, Recipe, int], list[Collective]] | None = None
 
 
 class ReplicatedRules:
@@ -85,6 +89,11 @@ class ReplicatedRules:
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return 0  # every rank holds every parameter
+
+    def predict_collectives(self, model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
+                            shapes: list[tuple[int, int]]) -> list[Collective]:
+        reduce = self.replication.collectives
+        return reduce(model, recipe, world_size) if reduce is not None and world_size > 1 else []
 
     def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
                                  how: dict[str, Any]) -> list[int]:

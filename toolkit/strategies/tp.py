@@ -20,6 +20,7 @@ from toolkit.checkpoint.loading import ModelSource, whole_model_bytes
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.config.strategy_options import option_names, options_of, strategy_options
+from toolkit.cost.collectives import Collective
 from toolkit.errors import RecipeError
 from toolkit.memory.state_bytes import StateBytes, adam_state, of_shapes
 from toolkit.model import tp_plan as tensor_parallel
@@ -29,6 +30,7 @@ from toolkit.process.dist import DistEnv, ensure_process_group, world_mesh
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport,
                                      each_micro_batch, first_dtype, forward_once, no_context, sharded_abs_max,
                                      whole_stack_activations)
+from toolkit.strategies.dims.comm import tp_collectives
 from toolkit.strategies.dims.parallelize import parallelize
 from toolkit.strategies.optim.torch_optim import TorchOptim, TorchState, TrainsOneModule
 
@@ -84,6 +86,13 @@ class TpRules:
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return 0  # each rank computes with its own slices (sequence parallelism gathers activations, not weights)
+
+    def predict_collectives(self, model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
+                            shapes: list[tuple[int, int]]) -> list[Collective]:
+        # autocast: the split layers' outputs (what the all-reduces move) are in the compute precision
+        return tp_collectives(model, tp=world_size, shapes=shapes, activation_dtype=DTYPES[recipe.precision],
+                              sequence_parallel=options_of(TpOptions, recipe).sequence_parallel,
+                              recompute=recipe.train.activation_checkpointing)
 
     def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
                                  how: dict[str, Any]) -> list[int]:

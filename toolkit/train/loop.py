@@ -384,8 +384,9 @@ def train_step(strategy: Strategy, micro_batches: list[dict], *, recipe: Recipe,
         raise NonFinite("gradient norm", result.grad_norm, step)
     if gradient_scale is not None and abs_max is not None and not result.skipped:
         gradient_scale.update(abs_max, grad_norm=result.grad_norm)
-    if comm is not None:
-        runinfo.record_comm(info, comm.summary(), step=step, env=env)
+    if comm is not None:  # with each micro-batch's (samples, padded length): what the prediction is taken for
+        shapes = [tuple(b["input_ids"].shape[:2]) for b in micro_batches]
+        runinfo.record_comm(info, comm.summary(), step=step, env=env, shapes=shapes)
     if first:
         runinfo.record_after_first_step(info, strategy, env=env)
     synchronize(env.device)

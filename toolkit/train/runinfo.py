@@ -206,13 +206,15 @@ def record_after_first_step(info: RunRecord, strategy, *, env: DistEnv) -> None:
         info.write()
 
 
-def record_comm(info: RunRecord, summary: dict, *, step: int, env: DistEnv) -> None:
+def record_comm(info: RunRecord, summary: dict, *, step: int, env: DistEnv, shapes: list[tuple[int, ...]]) -> None:
     """Collective input bytes of one step: rank 0's by op, and every rank's total and point-to-point sends
-    (a pipeline's stages send different things: activations forward, gradients back). Collective."""
-    ranks = gather_objects({"total_bytes": summary["total_bytes"],
+    (a pipeline's stages send different things: activations forward, gradients back), with each rank's
+    micro-batch shapes (samples, padded length) in that step. Collective."""
+    ranks = gather_objects({"total_bytes": summary["total_bytes"], "shapes": [list(s) for s in shapes],
                             "send_bytes": summary["bytes_by_op"].get("send", 0)}, env)
     info["comm_per_step"] = {"step": step, **summary,
                              "total_bytes_per_rank": [r["total_bytes"] for r in ranks],
+                             "micro_batch_shapes_per_rank": [r["shapes"] for r in ranks],
                              "p2p_send_bytes_all_ranks": sum(r["send_bytes"] for r in ranks),
                              "counts": "input bytes handed to c10d collectives and sends (not wire bytes)"}
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from toolkit.cost.collectives import Collective
 from toolkit.checkpoint.loading import whole_model_bytes
 from toolkit.config.recipe import Recipe
 from toolkit.config.strategy_options import option_names, strategy_options
@@ -71,6 +72,12 @@ class PipelineRules:
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         # a stage's blocks are whole under ddp; fully_shard over dp gathers one block at a time
         return largest_block_bytes(model, recipe) if grid_of(recipe, world_size).sharded else 0
+
+    def predict_collectives(self, model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
+                            shapes: list[tuple[int, int]]) -> list[Collective]:
+        from toolkit.strategies.pipeline import collectives
+
+        return collectives.predict(model, recipe, world_size=world_size, rank=rank, shapes=shapes)
 
     def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
                                  how: dict[str, Any]) -> list[int]:

@@ -63,7 +63,7 @@ def _stage12(groups: list[list[int]], rank: int, *, size: int, everything: int, 
              world_size: int) -> StateBytes:
     partition_total = grads = 0
     for numels in groups:
-        partition = _partition(numels, world_size)
+        partition = partition_numel(numels, world_size)
         partition_total += partition
         start, end, offset = partition * rank, partition * (rank + 1), 0
         for numel in numels:  # DeepSpeed's get_partition_info: whole parameters overlapping [start, end)
@@ -76,7 +76,7 @@ def _stage12(groups: list[list[int]], rank: int, *, size: int, everything: int, 
                       optim_bytes=(1 + ADAM_MOMENTS) * FP32 * partition_total)  # fp32 master + moments
 
 
-def _partition(numels: list[int], world_size: int) -> int:
+def partition_numel(numels: list[int], world_size: int) -> int:
     """Elements of one rank's partition of a param group, flattened and padded to a multiple of 2 × world."""
     align = ALIGNMENT * world_size
     return math.ceil(sum(numels) / align) * align // world_size
@@ -121,7 +121,7 @@ def step_bytes(model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return max(largest_allreduce_bucket(trainable) * size, cast)
     if stage_of(config) not in (1, 2) or offloads(config)[0]:
         return 0
-    partition = max((_partition([p.numel() for p in g["params"]], world_size)
+    partition = max((partition_numel([p.numel() for p in g["params"]], world_size)
                      for g in param_groups(model, recipe.optim) if g["params"]), default=0)
     return partition * (FP32 + (size if size != FP32 else 0))
 
@@ -150,9 +150,16 @@ def gathered_bytes(model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
                                hidden_size=hidden_size_of(model.config))
     if stage_of(config) != 3:
         return 0
+    kept = kept_gathered_numel(model, recipe, world_size=world_size)
+    return max(kept * element_bytes(param_dtype(recipe)), largest_block_bytes(model, recipe))
+
+
+def kept_gathered_numel(model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+    """Stage 3: the elements DeepSpeed keeps gathered from the end of the forward to their backward use (see
+    gathered_bytes); the rest it gathers again in backward."""
+    config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=world_size),
+                               hidden_size=hidden_size_of(model.config))
     zero = config.get("zero_optimization", {})
-    dtype = param_dtype(recipe)
-    kept = min(sum(p.numel() for p in model.parameters()),
+    return min(sum(p.numel() for p in model.parameters()),
                int(zero.get("stage3_max_reuse_distance", DEFAULT_REUSE_DISTANCE)) // 2,
                int(zero.get("stage3_max_live_parameters", DEFAULT_MAX_LIVE)))
-    return max(kept * element_bytes(dtype), largest_block_bytes(model, recipe))

@@ -13,9 +13,11 @@ from torch import nn
 from toolkit.checkpoint.loading import whole_model_bytes
 from toolkit.config.recipe import Recipe, plan_batch
 from toolkit.config.strategy_options import option_names, options_of, strategy_options
+from toolkit.cost.collectives import Collective
 from toolkit.errors import RecipeError
 from toolkit.memory.state_bytes import StateBytes
 from toolkit.strategies.base import DataLayout, StrategyInfo, every_rank_a_shard, whole_stack_activations
+from toolkit.strategies.zero import collectives as zero_collectives
 from toolkit.strategies.zero import memory as zero_state
 from toolkit.strategies.zero.config import (check_deepspeed_precision, check_with_deepspeed, configured_stage,
                                             frees_gradients, offloads, resolve_ds_config, stage_of)
@@ -92,6 +94,10 @@ class ZeroRules:
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return zero_state.gathered_bytes(model, recipe, world_size=world_size)
+
+    def predict_collectives(self, model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
+                            shapes: list[tuple[int, int]]) -> list[Collective]:
+        return zero_collectives.predict(model, recipe, world_size=world_size, num_micro_batches=len(shapes))
 
     def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
                                  how: dict[str, Any]) -> list[int]:

@@ -1,0 +1,86 @@
+"""toolkit plan's collectives per layout equal what the collective counter measures in real multi-process runs,
+byte for byte: every rank's total, rank 0's bytes per op. The runs are those the equivalence tests share (their
+names and settings are theirs); each records its counted step's micro-batch shapes, which the activation
+collectives (tensor and context parallel) depend on under dynamic padding."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import test_context_parallel
+import test_model_parallel
+import test_sharded
+import test_tensor_parallel
+from conftest import run_cli
+
+from toolkit.config.files import load_recipe
+from toolkit.config.parallel import resolve
+from toolkit.cost.collectives import bytes_by_op, loop_collectives
+from toolkit.errors import RecipeError
+from toolkit.plan.predict import planned_model
+from toolkit.strategies import strategy_rules
+
+M4 = ("batch.micro_batch_size=4",)
+LLAMA = {**{arm: (2, overrides) for arm, overrides in test_sharded.ARMS.items()},
+         "ddp-m4": (2, ("strategy.name=ddp", *M4)),
+         "zero3-offload": (2, ("strategy.name=zero", "strategy.stage=3", "strategy.offload_optimizer=true",
+                               "strategy.offload_param=true", *M4)),
+         "cp2": (2, test_context_parallel.CP2), "cp2-dp2": (4, test_context_parallel.CP2_DP2),
+         "cp2-tp2": (4, test_context_parallel.CP2_TP2)}
+LLAMA4 = {**test_tensor_parallel.ARMS, **{arm: value for arm, value in test_model_parallel.ARMS.items() if arm != "mp"}}
+
+
+def predicted(run_dir: Path) -> tuple[dict, list[int]]:
+    """(rank 0's bytes per op, every rank's total) as toolkit plan's rules give them for the run's recipe, world
+    size and counted step's micro-batch shapes, with the loop's own collectives."""
+    info = json.loads((run_dir / "run.json").read_text())
+    world = info["world_size"]
+    recipe = resolve(load_recipe(run_dir / "recipe.yaml"), world_size=world)
+    model, rules = planned_model(recipe), strategy_rules(recipe)
+    shapes = info["comm_per_step"]["micro_batch_shapes_per_rank"]
+    per_rank = [bytes_by_op(rules.predict_collectives(model, recipe, world_size=world, rank=rank,
+                                                      shapes=[tuple(s) for s in shapes[rank]])
+                            + loop_collectives(world_size=world)) for rank in range(world)]
+    return per_rank[0], [sum(ops.values()) for ops in per_rank]
+
+
+def assert_predicted(run_dir: Path) -> None:
+    measured = json.loads((run_dir / "run.json").read_text())["comm_per_step"]
+    by_op, totals = predicted(run_dir)
+    assert by_op == measured["bytes_by_op"], (by_op, measured["bytes_by_op"])
+    assert totals == measured["total_bytes_per_rank"], (totals, measured["total_bytes_per_rank"])
+
+
+@pytest.mark.parametrize("arm", list(LLAMA))
+def test_collective_bytes_equal_the_counter_ddp_fsdp_zero_cp(llama_runs, arm):
+    nproc, overrides = LLAMA[arm]
+    assert_predicted(llama_runs.get(arm, nproc=nproc, overrides=overrides))
+
+
+@pytest.mark.parametrize("arm", ["ddp", "fsdp", "zero2", "zero3"])
+def test_collective_bytes_equal_the_counter_in_bf16(llama_runs, arm):
+    assert_predicted(test_sharded.bf16_run(llama_runs, arm))
+
+
+@pytest.mark.parametrize("arm", list(LLAMA4))
+def test_collective_bytes_equal_the_counter_tp_and_pipelines(llama4_runs, arm):
+    nproc, overrides = LLAMA4[arm]
+    assert_predicted(llama4_runs.get(arm, nproc=nproc, overrides=overrides))
+
+
+def test_collective_bytes_equal_the_counter_tp_sequence_parallel_bf16(llama4_runs):
+    arm = "fsdp-tp2"
+    assert_predicted(llama4_runs.get(f"{arm}-bf16", nproc=2,
+                                     overrides=(*test_tensor_parallel.BF16_ARMS[arm], *test_tensor_parallel.BF16)))
+
+
+def test_collective_bytes_equal_the_counter_on_a_bert_classifier(minilm_runs):
+    ranks, overrides = test_tensor_parallel.ARMS["tp"]
+    assert_predicted(minilm_runs.get("tp", nproc=ranks, overrides=overrides))
+
+
+def test_a_layout_not_modelled_says_so(llama_runs):
+    run = llama_runs.get("cp2-ulysses", nproc=2, overrides=test_context_parallel.CP2_ULYSSES)
+    with pytest.raises(RecipeError, match="does not predict context parallel's ulysses"):
+        predicted(run)

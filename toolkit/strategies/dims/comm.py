@@ -1,0 +1,167 @@
+"""The collectives each dimension of a layout calls in one optimizer step, from the model's shapes and the step's
+micro-batch shapes: the rules every strategy's `predict_collectives` composes (toolkit/cost/collectives.py holds
+what one entry is).
+
+Each rule states what the library does, read from the collective counter on CPU (gloo) and held to it byte for
+byte by tests/test_comm_prediction.py:
+- DDP: one all-reduce of every trainable gradient per step (no_sync on the other micro-batches), in buckets of
+  `bucket_cap_mb`; and one broadcast of the module's buffers, in the step's synced forward (broadcast_buffers).
+- FSDP2: each unit all-gathers its shards (in the compute dtype) before its forward on every micro-batch and,
+  with reshard_after_forward, again before its backward (the root too); it reduce-scatters its gradients (in fp32
+  under a 16-bit precision) once per step (set_requires_gradient_sync(False) before the last micro-batch); HSDP
+  all-reduces the reduced shards over the replicas once per step. One rank's shard of a parameter is dim 0 in
+  chunks of ceil(d0 / shard), padded.
+- Tensor parallel (DTensor, model/tp_plan.py), each micro-batch: every row-wise layer all-reduces its output in
+  forward, every column-wise layer its input's gradient in backward (q, k and v each: DTensor reduces each
+  layer's partial gradient on its own). With sequence parallelism a row-wise layer's output is reduce-scattered
+  over the sequence instead (its backward: an all-gather), the norm's sequence shard is all-gathered before each
+  column-wise group (its backward: the column-wise layers' all-reduces, as without it), and the final norm's
+  output is all-gathered for the replicated head, the embedding's output shard's gradient gathered in backward.
+- Context parallel, allgather method (dims/context.py): each attention layer all-gathers the rank's keys and
+  values (forward) and reduce-scatters their gradients (backward), each micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, cast
+
+from torch import nn
+
+from toolkit.cost.collectives import Collective
+from toolkit.memory.state_bytes import element_bytes
+
+Shapes = list[tuple[int, int]]  # (samples, padded length) of each micro-batch a rank computes in a step
+Named = list[tuple[str, nn.Parameter]]
+
+
+def tokens(shapes: Shapes) -> int:
+    return sum(rows * length for rows, length in shapes)
+
+
+def trainable_numel(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def ddp_collectives(model: nn.Module, *, group_size: int, group: str, bucket_cap_mb: float,
+                    grad_dtype) -> list[Collective]:
+    """DDP over `group_size` replicas: the step's gradient all-reduce, and the buffer broadcast of its synced
+    forward (no_sync's forwards broadcast none)."""
+    if group_size <= 1:
+        return []
+    grad_bytes = trainable_numel(model) * element_bytes(grad_dtype)
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    out = [Collective(op="allreduce_", payload_bytes=grad_bytes,
+                      calls=max(1, math.ceil(grad_bytes / (bucket_cap_mb * 2 ** 20))), group=group,
+                      group_size=group_size, phase="backward", what="gradients")]
+    if buffer_bytes:
+        out.append(Collective(op="broadcast_", payload_bytes=buffer_bytes, calls=1, group=group,
+                              group_size=group_size, phase="forward", what="buffers"))
+    return out
+
+
+def fsdp_units(model: nn.Module, blocks: list[nn.Module]) -> list[Named]:
+    """FSDP2's units: each block's parameters, then the root's (what no block holds), a tied weight once."""
+    inside = {id(p) for block in blocks for p in block.parameters()}
+    named = dict((id(p), n) for n, p in model.named_parameters())
+    units = [[(named[id(p)], p) for p in block.parameters()] for block in blocks]
+    return units + [[(n, p) for n, p in model.named_parameters() if id(p) not in inside]]
+
+
+def fsdp_collectives(units: list[Named], *, shard: int, replicate: int, compute_dtype, reduce_dtype,
+                     gathers_per_unit: int, local_shape: Callable[[str, nn.Parameter], tuple[int, ...]] | None = None
+                     ) -> list[Collective]:
+    """FSDP2 over `shard` ranks (× `replicate` replicas: HSDP). `gathers_per_unit`: each unit's all-gathers in the
+    step (micro-batches × 2 under reshard_after_forward, × 1 without; a pipeline stage's schedule decides its own).
+    `local_shape(name, param)`: the parameter as this rank holds it before FSDP (a tensor-parallel rank's part)."""
+    shape_of = local_shape or (lambda name, p: tuple(p.shape))
+
+    def padded(name: str, param: nn.Parameter) -> int:
+        shape = shape_of(name, param)
+        if not shape:
+            return 1
+        return math.ceil(shape[0] / shard) * math.prod(shape[1:])
+
+    stored = [sum(padded(n, p) for n, p in unit) for unit in units]
+    reduced = [sum(padded(n, p) for n, p in unit if p.requires_grad) for unit in units]
+    out = []
+    if shard > 1:
+        out += [Collective(op="_allgather_base_",
+                           payload_bytes=gathers_per_unit * sum(stored) * element_bytes(compute_dtype),
+                           calls=gathers_per_unit * sum(1 for s in stored if s), group="dp_shard", group_size=shard,
+                           phase="forward", what="parameters"),
+                Collective(op="_reduce_scatter_base_",
+                           payload_bytes=shard * sum(reduced) * element_bytes(reduce_dtype),
+                           calls=sum(1 for r in reduced if r), group="dp_shard", group_size=shard,
+                           phase="backward", what="gradients")]
+    if replicate > 1:
+        out.append(Collective(op="allreduce_", payload_bytes=sum(reduced) * element_bytes(reduce_dtype),
+                              calls=sum(1 for r in reduced if r), group="dp_replicate", group_size=replicate,
+                              phase="backward", what="gradient shards"))
+    return out
+
+
+def tp_collectives(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtype, sequence_parallel: bool,
+                   recompute: bool, shard: int = 1) -> list[Collective]:
+    """Tensor parallel over `tp` ranks, this rank's micro-batches `shapes` (the TP group's ranks compute the same);
+    `recompute`: activation checkpointing runs each block's forward, and its collectives, again in backward. The
+    gradients of modules each rank computes in part (Qwen3's q_norm, k_norm) are summed once a step in fp32
+    (tp_plan.sum_partial_gradients), FSDP's shard of them where FSDP shards over `shard` ranks."""
+    from toolkit.model import tp_plan
+
+    if tp <= 1:
+        return []
+    partial = _partial_gradients(model, tp_plan.partial_gradient_modules(model), tp=tp, shard=shard)
+    styles = list(tp_plan.resolve(model).values())
+    rowwise, colwise = styles.count("rowwise"), styles.count("colwise")
+    size, hidden = element_bytes(activation_dtype), cast(Any, model).config.hidden_size
+    whole = tokens(shapes) * hidden * size  # one activation of every micro-batch, full sequence
+    micro, forwards = len(shapes), 2 if recompute else 1
+
+    def entry(op: str, count: int, payload: int, phase: str, what: str) -> Collective:
+        return Collective(op=op, payload_bytes=count * payload, calls=count * micro, group="tp", group_size=tp,
+                          phase=phase, what=what)
+
+    if not sequence_parallel:
+        return partial + [entry("all_reduce", forwards * rowwise + colwise, whole, "forward", "activations")]
+    # a sequence shard: ceil(length / tp) positions (DTensor pads an uneven shard to the largest)
+    part = sum(rows * math.ceil(length / tp) for rows, length in shapes) * hidden * size
+    # all-gathers: each column-wise group's entry (forward), each row-wise exit's gradient (backward), the final
+    # norm's output for the head (forward, outside the blocks) and the embedding output's gradient (backward)
+    return partial + [entry("all_gather_into_tensor", forwards * rowwise + rowwise + 2, part, "forward",
+                            "activation shards"),
+                      entry("reduce_scatter_tensor", forwards * rowwise, whole, "forward", "activations"),
+                      entry("all_reduce", colwise, whole, "backward", "activation gradients")]
+
+
+def _partial_gradients(model: nn.Module, modules: list[str], *, tp: int, shard: int) -> list[Collective]:
+    if not modules:
+        return []
+    named = dict(model.named_modules())
+    params = [p for name in modules for p in named[name].parameters() if p.requires_grad]
+    numel = sum(math.ceil(p.shape[0] / shard) * math.prod(p.shape[1:]) if p.dim() else 1 for p in params)
+    return [Collective(op="allreduce_", payload_bytes=numel * 4, calls=1, group="tp", group_size=tp,
+                       phase="step", what="partial gradients")] if numel else []
+
+
+def cp_collectives(model: nn.Module, *, cp: int, tp: int, shapes: Shapes, activation_dtype, recompute: bool
+                   ) -> list[Collective]:
+    """Context parallel (allgather method) over `cp` ranks: `shapes` are the micro-batches before the split (each
+    padded to a multiple of 2·cp, a rank holding 1/cp); keys and values of each attention layer, this rank's heads
+    (1/tp of the KV heads under tensor parallel); `recompute`: activation checkpointing gathers them again in
+    backward."""
+    if cp <= 1:
+        return []
+    config: Any = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    layers = config.num_hidden_layers
+    local = sum(rows * math.ceil(length / (2 * cp)) * 2 for rows, length in shapes)  # this rank's tokens
+    one = local * (kv_heads // tp) * head_dim * element_bytes(activation_dtype)  # a key (or a value) shard
+    micro = len(shapes)
+    forwards = 2 if recompute else 1
+    return [Collective(op="all_gather_into_tensor", payload_bytes=forwards * 2 * layers * one,
+                       calls=forwards * 2 * layers * micro,
+                       group="cp", group_size=cp, phase="forward", what="keys and values"),
+            Collective(op="reduce_scatter_tensor", payload_bytes=2 * layers * one * cp, calls=2 * layers * micro,
+                       group="cp", group_size=cp, phase="backward", what="key and value gradients")]

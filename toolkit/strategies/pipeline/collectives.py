@@ -1,0 +1,84 @@
+"""What a pipeline rank hands to collectives in one optimizer step (torch.distributed.pipelining), read from the
+collective counter on CPU and held to it byte for byte (tests/test_comm_prediction.py):
+- each stage sends its output to the next stage's rank every micro-batch (all but the last stage), and the
+  gradient of its input back (all but the first): micro × max_length × hidden each (batches.stacked pads every
+  micro-batch to that shape), in the dtype the residual stream has there;
+- a tied embedding's two copies (first and last stage) sum their gradients, once a step (strategy._sync_tied);
+- the clip's sum of squares over the stages, one fp32 number (strategy._sync_and_clip);
+- the stages' data-parallel replicas: DDP's all-reduce of the stage's gradients, with find_unused_parameters'
+  used-map (4 bytes a parameter) beside it; or FSDP2 over the replicas, each unit gathered before every
+  micro-batch's forward and once more for the step's backwards (the stage keeps it gathered between them:
+  torch's schedule does not reshard after a backward but the last), reduce-scattered once a step.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from toolkit.config.recipe import Recipe
+from toolkit.cost.collectives import Collective
+from toolkit.memory.state_bytes import element_bytes
+from toolkit.model.precision import DTYPES
+from toolkit.model.stages import Stage
+from toolkit.model.tied import tied_aliases
+from toolkit.strategies.dims.comm import fsdp_collectives, fsdp_units
+from toolkit.strategies.pipeline.layout import grid_of, stage_of_blocks
+
+
+def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
+            shapes: list[tuple[int, int]]) -> list[Collective]:
+    grid, options = grid_of(recipe, world_size), recipe.strategy
+    parts, num_stages = stage_of_blocks(model, recipe, grid)
+    pp_rank, _ = grid.coords(rank)
+    ids = grid.stage_ids(pp_rank, options.stages_per_rank)
+    stored = DTYPES[recipe.model.load_dtype]
+    # FSDP's replicas compute in the 16-bit precision (MixedPrecisionPolicy); autocast keeps an fp32 residual
+    flowing = DTYPES[recipe.precision] if grid.sharded else stored
+    micro = len(shapes)
+    one = recipe.batch.micro_batch_size * recipe.data.max_length * cast(Any, model).config.hidden_size * \
+        element_bytes(flowing)
+    sends = sum((stage != num_stages - 1) + (stage != 0) for stage in ids)
+    out = [Collective(op="send", payload_bytes=sends * micro * one, calls=sends * micro, group="pp",
+                      group_size=grid.pp, phase="forward", what="activations and their gradients")]
+    stages = [Stage(copy.deepcopy(model), layer_ids=[i for i, p in enumerate(parts) if p == s], first=s == 0,
+                    last=s == num_stages - 1) for s in ids]
+    tied = any(name != first for name, first in tied_aliases(model).items())
+    for stage in stages:
+        if tied and (stage.first or stage.last):
+            weight = _tied_weight(stage)
+            numel = -(-weight.shape[0] // grid.dp) * weight.shape[1] if grid.sharded and grid.dp > 1 \
+                else weight.numel()
+            out.append(Collective(op="allreduce_", payload_bytes=numel * element_bytes(stored), calls=1, group="pp",
+                                  group_size=2, phase="step", what="the tied embedding's gradient"))
+    if recipe.optim.max_grad_norm is not None:
+        out.append(Collective(op="allreduce_", payload_bytes=4, calls=1, group="world" if grid.sharded else "pp",
+                              group_size=world_size if grid.sharded else grid.pp, phase="step",
+                              what="the clip's sum of squares"))
+    if grid.dp > 1:
+        out += _replicas(stages, recipe, dp=grid.dp, sharded=grid.sharded, micro=micro)
+    return out
+
+
+def _tied_weight(stage: Stage) -> nn.Parameter:
+    if stage.first:
+        return cast(nn.Parameter, stage.model.embed_tokens.weight)
+    return cast(nn.Parameter, stage.lm_head.weight)
+
+
+def _replicas(stages: list[Stage], recipe: Recipe, *, dp: int, sharded: bool, micro: int) -> list[Collective]:
+    stored = DTYPES[recipe.model.load_dtype]
+    if sharded:
+        compute = stored if recipe.precision == "fp32" else DTYPES[recipe.precision]
+        reduce = stored if recipe.precision == "fp32" else torch.float32
+        units = [unit for stage in stages for unit in fsdp_units(stage, stage.blocks())]
+        return fsdp_collectives(units, shard=dp, replicate=1, compute_dtype=compute, reduce_dtype=reduce,
+                                gathers_per_unit=micro + 1)
+    params = [p for stage in stages for p in stage.parameters() if p.requires_grad]
+    grads = sum(p.numel() for p in params) * element_bytes(stored)
+    return [Collective(op="allreduce_", payload_bytes=grads + 4 * len(params), calls=2 * len(stages),
+                       group="dp_replicate", group_size=dp, phase="backward",
+                       what="gradients, and DDP's used-parameter map")]
