@@ -114,6 +114,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="comma-separated compare arms (toolkit strategies lists them); default: the recipe's")
     plan.add_argument("--memory-per-rank", default=None, metavar="SIZE",
                       help="e.g. 40GiB or 80GB (default: the GPU's memory, or host memory ÷ nproc)")
+    plan.add_argument("--hardware", default=None, metavar="NAME|FILE",
+                      help="predict step time and tokens/s per layout on this hardware (a profile name, e.g. "
+                           "h100-sxm, or a profile file toolkit calibrate wrote) instead of this machine's memory")
+    plan.add_argument("--nodes", type=int, default=1, help="with --hardware: machines in the cluster (default 1)")
+    plan.add_argument("--gpus-per-node", type=int, default=None, help="with --hardware: default the profile's")
+    plan.add_argument("--layouts", default="auto", metavar="auto|ARMS",
+                      help="with --hardware: comma-separated compare arms, or auto (the sensible ones for the "
+                           "cluster)")
+    plan.add_argument("--json", action="store_true", help="with --hardware: one JSON object per layout")
     _add_overrides(plan)
 
     from toolkit.compare.cli import add_compare_commands
@@ -186,7 +195,55 @@ def cmd_validate(args) -> int:
     return 0
 
 
+def cmd_scale_plan(args) -> int:
+    """Step time, tokens/s per GPU, MFU and memory per layout on a cluster of --nodes × --gpus-per-node."""
+    from toolkit.compare.experiment import split_arms
+    from toolkit.config.files import load_recipe
+    from toolkit.plan import scale
+    from toolkit.plan.predict import planned_model
+    from toolkit.strategies import arm_aliases
+
+    if args.strategies is not None or args.memory_per_rank is not None:
+        raise RecipeError("--strategies and --memory-per-rank plan this machine; with --hardware use --layouts "
+                          "(the hardware profile gives the memory)")
+    cluster = scale.cluster_of(args.hardware, nodes=args.nodes, gpus_per_node=args.gpus_per_node)
+    quiet_libraries()
+    base = load_recipe(args.recipe, args.overrides)
+    scale.check_degrees(base, cluster)
+    model = planned_model(base)
+    aliases = arm_aliases()
+    if args.layouts == "auto":
+        layouts, explicit = scale.auto_layouts(base, model, cluster), False
+    else:
+        names = split_arms(args.layouts)
+        unknown = [n for n in names if n not in aliases]
+        if unknown:
+            raise RecipeError(f"--layouts: unknown arm {unknown[0]!r}; choose from auto or {', '.join(aliases)}")
+        layouts, explicit = {n: aliases[n] for n in names}, True
+    planned = []
+    for number, (name, overrides) in enumerate(layouts.items(), 1):
+        if not args.json:
+            print(f"[toolkit] planning {name} ({number}/{len(layouts)})", file=sys.stderr, flush=True)
+        done = scale.plan_layout(name, load_recipe(args.recipe, [*args.overrides, *overrides]), model, cluster)
+        if explicit and done.refused is not None:  # asked for by name: a mistake in the command
+            raise RecipeError(f"--layouts {name} at {cluster.world_size} GPUs: {done.refused}")
+        planned.append(done)
+    order = scale.ranked(planned)
+    if args.json:
+        print(scale.as_json(order))
+    else:
+        print(scale.render(order, cluster))
+        print("\n".join(scale.reasons(order)))
+    return 0 if any(p.fits for p in order) else 1
+
+
 def cmd_plan(args) -> int:
+    if args.hardware is not None:
+        return cmd_scale_plan(args)
+    for flag, given in (("--json", args.json), ("--layouts", args.layouts != "auto"), ("--nodes", args.nodes != 1),
+                        ("--gpus-per-node", args.gpus_per_node is not None)):
+        if given:
+            raise RecipeError(f"{flag} goes with --hardware NAME (a cluster to predict step time on)")
     import torch
 
     from toolkit.plan import predict as plan

@@ -22,8 +22,15 @@ KINDS = {
     "alltoall_base_": "all_to_all", "alltoall_": "all_to_all", "all_to_all_single": "all_to_all",
     "broadcast_": "broadcast", "broadcast": "broadcast", "send": "send",
 }
-# when a collective runs, which decides what it can hide behind (toolkit/cost/step_time.py)
+# when a collective runs
 PHASES = ("forward", "backward", "step", "loop")
+# what compute it can run beside (toolkit/cost/step_time.py, where each rule is written once):
+#   compute   a sharded layout's parameter gathers and gradient reductions, prefetched one unit ahead through
+#             forward and backward (FSDP2's implicit prefetch, ZeRO-3's prefetch bucket)
+#   backward  gradient buckets reduced while backward goes on (DDP's reducer, ZeRO-1/2's overlap_comm)
+#   nothing   on the critical path: activations a next layer waits for (tp, cp, a pipeline's sends), and what
+#             runs after backward (the optimizer's partition gathers, the loop's counts, the clip's norm)
+OVERLAPS = ("compute", "backward", "nothing")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,9 +43,10 @@ class Collective:
     group_size: int
     phase: str  # PHASES: forward / backward (beside compute), step (after backward), loop (the loop's own)
     what: str = ""  # what moves: "gradients", "parameters", "activations", ...
+    overlap: str = "nothing"  # OVERLAPS
 
     def __post_init__(self) -> None:
-        assert self.op in KINDS and self.phase in PHASES, (self.op, self.phase)
+        assert self.op in KINDS and self.phase in PHASES and self.overlap in OVERLAPS, (self.op, self.phase)
 
     @property
     def kind(self) -> str:

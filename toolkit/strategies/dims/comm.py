@@ -53,7 +53,7 @@ def ddp_collectives(model: nn.Module, *, group_size: int, group: str, bucket_cap
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     out = [Collective(op="allreduce_", payload_bytes=grad_bytes,
                       calls=max(1, math.ceil(grad_bytes / (bucket_cap_mb * 2 ** 20))), group=group,
-                      group_size=group_size, phase="backward", what="gradients")]
+                      group_size=group_size, phase="backward", what="gradients", overlap="backward")]
     if buffer_bytes:
         out.append(Collective(op="broadcast_", payload_bytes=buffer_bytes, calls=1, group=group,
                               group_size=group_size, phase="forward", what="buffers"))
@@ -89,15 +89,15 @@ def fsdp_collectives(units: list[Named], *, shard: int, replicate: int, compute_
         out += [Collective(op="_allgather_base_",
                            payload_bytes=gathers_per_unit * sum(stored) * element_bytes(compute_dtype),
                            calls=gathers_per_unit * sum(1 for s in stored if s), group="dp_shard", group_size=shard,
-                           phase="forward", what="parameters"),
+                           phase="forward", what="parameters", overlap="compute"),
                 Collective(op="_reduce_scatter_base_",
                            payload_bytes=shard * sum(reduced) * element_bytes(reduce_dtype),
                            calls=sum(1 for r in reduced if r), group="dp_shard", group_size=shard,
-                           phase="backward", what="gradients")]
+                           phase="backward", what="gradients", overlap="compute")]
     if replicate > 1:
         out.append(Collective(op="allreduce_", payload_bytes=sum(reduced) * element_bytes(reduce_dtype),
                               calls=sum(1 for r in reduced if r), group="dp_replicate", group_size=replicate,
-                              phase="backward", what="gradient shards"))
+                              phase="backward", what="gradient shards", overlap="compute"))
     return out
 
 
@@ -124,14 +124,34 @@ def tp_collectives(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtyp
 
     if not sequence_parallel:
         return partial + [entry("all_reduce", forwards * rowwise + colwise, whole, "forward", "activations")]
-    # a sequence shard: ceil(length / tp) positions (DTensor pads an uneven shard to the largest)
+    # a sequence shard: ceil(length / tp) positions (DTensor pads an uneven shard to the largest), and what a
+    # reduce-scatter takes: the sequence padded to tp such shards
     part = sum(rows * math.ceil(length / tp) for rows, length in shapes) * hidden * size
+    padded = part * tp
     # all-gathers: each column-wise group's entry (forward), each row-wise exit's gradient (backward), the final
     # norm's output for the head (forward, outside the blocks) and the embedding output's gradient (backward)
     return partial + [entry("all_gather_into_tensor", forwards * rowwise + rowwise + 2, part, "forward",
                             "activation shards"),
-                      entry("reduce_scatter_tensor", forwards * rowwise, whole, "forward", "activations"),
+                      entry("reduce_scatter_tensor", forwards * rowwise, padded, "forward", "activations"),
                       entry("all_reduce", colwise, whole, "backward", "activation gradients")]
+
+
+def sequence_parallel_norms(model: nn.Module, *, tp: int, shard: int, reduce_dtype) -> list[Collective]:
+    """Under FSDP × tp with sequence parallelism: the norms that compute on sequence shards (tp_plan's
+    SequenceParallel modules) hold partial gradients over tp, which FSDP all-reduces once a step, its shard of
+    them, in its reduce dtype (measured: fsdp × tp alone has none; tp with sequence parallelism alone neither)."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    from toolkit.model import tp_plan
+
+    named = dict(model.named_modules())
+    norms = [name for name, style in tp_plan.sequence_parallel_plan(model).items()
+             if isinstance(style, SequenceParallel)]
+    params = [p for name in norms for p in named[name].parameters() if p.requires_grad]
+    numel = sum(math.ceil(p.shape[0] / shard) * math.prod(p.shape[1:]) for p in params)
+    return [Collective(op="all_reduce", payload_bytes=numel * element_bytes(reduce_dtype), calls=len(params),
+                       group="tp", group_size=tp, phase="backward", what="sequence-parallel norms' gradients",
+                       overlap="compute")] if numel else []
 
 
 def _partial_gradients(model: nn.Module, modules: list[str], *, tp: int, shard: int) -> list[Collective]:

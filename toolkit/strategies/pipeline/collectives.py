@@ -81,4 +81,4 @@ def _replicas(stages: list[Stage], recipe: Recipe, *, dp: int, sharded: bool, mi
     grads = sum(p.numel() for p in params) * element_bytes(stored)
     return [Collective(op="allreduce_", payload_bytes=grads + 4 * len(params), calls=2 * len(stages),
                        group="dp_replicate", group_size=dp, phase="backward",
-                       what="gradients, and DDP's used-parameter map")]
+                       what="gradients, and DDP's used-parameter map", overlap="backward")]

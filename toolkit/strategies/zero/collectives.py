@@ -8,8 +8,9 @@ read from the collective counter on CPU and held to it byte for byte (tests/test
   micro-batch; one that stays whole (fewer elements than stage3_param_persistence_threshold) only once a step;
   gathered again before backward where DeepSpeed released it (the model beyond what its reuse distance and live
   limit keep: memory.gathered_bytes); every gradient reduce-scattered after every micro-batch's backward;
-- the engine's own small all-reduces (overflow and norm checks): 4, 8 or 16 bytes a step for stage 0, 1-2, 3, and
-  at stages 1-2 in a 16-bit precision one byte more (the overflow flag; measured in bf16).
+- the engine's own small all-reduces (overflow and norm checks): 4, 8 or 16 bytes a step for stage 0, 1-2, 3 (8
+  with stage 3's optimizer offloaded: the CPU optimizer's norm), and at stages 1-2 in a 16-bit precision one
+  byte more (the overflow flag; measured in bf16).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from toolkit.cost.collectives import Collective
 from toolkit.memory.state_bytes import element_bytes
 from toolkit.strategies.optim.adamw import param_groups
 from toolkit.strategies.zero import memory
-from toolkit.strategies.zero.config import hidden_size_of, resolve_ds_config, stage_of
+from toolkit.strategies.zero.config import hidden_size_of, offloads, resolve_ds_config, stage_of
 
 ENGINE_CHECK_BYTES = {0: 4, 1: 8, 2: 8, 3: 16}  # measured: the engine's own small all-reduces per step
 
@@ -39,12 +40,13 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, num_micro_batc
     grads = sum(p.numel() for p in trainable) * size
     bucket = int(zero.get("reduce_bucket_size", memory.DEFAULT_REDUCE_BUCKET)) * size
 
-    def entry(op: str, payload: int, calls: int, phase: str, what: str) -> Collective:
+    def entry(op: str, payload: int, calls: int, phase: str, what: str, overlap: str = "nothing") -> Collective:
         return Collective(op=op, payload_bytes=payload, calls=calls, group="dp_shard", group_size=world_size,
-                          phase=phase, what=what)
+                          phase=phase, what=what, overlap=overlap)
 
     flag = 1 if stage in (1, 2) and recipe.precision != "fp32" else 0
-    checks = entry("allreduce_", ENGINE_CHECK_BYTES[stage] + flag, 1 if stage < 3 else 2, "step",
+    check_bytes = 8 if stage == 3 and offloads(config)[0] else ENGINE_CHECK_BYTES[stage] + flag
+    checks = entry("allreduce_", check_bytes, 1 if stage < 3 else 2, "step",
                    "overflow and norm checks")
     if stage == 0:
         return [entry("allreduce_", grads, max(1, math.ceil(grads / (memory.ALLREDUCE_BUCKET * size))), "step",
@@ -54,7 +56,7 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, num_micro_batc
         groups = [[p.numel() for p in g["params"]] for g in param_groups(model, recipe.optim) if g["params"]]
         partitions = sum(memory.partition_numel(numels, world_size) for numels in groups)
         return [entry("allreduce_", reductions * grads, reductions * max(1, math.ceil(grads / bucket)), "backward",
-                      "gradients"),
+                      "gradients", "backward"),
                 entry("_allgather_base_", partitions * size, len(groups), "step", "updated partitions"), checks]
     threshold = int(zero.get("stage3_param_persistence_threshold", 0))
     shards = [math.ceil(p.numel() / world_size) for p in model.parameters()]
@@ -65,6 +67,6 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, num_micro_batc
     gathers = num_micro_batches * (sum(parted) + regathered) + sum(whole)
     padded_grads = sum(math.ceil(p.numel() / world_size) * world_size for p in trainable) * size
     return [entry("_allgather_base_", gathers * size, num_micro_batches * len(parted) + len(whole), "forward",
-                  "parameters"),
+                  "parameters", "compute"),
             entry("_reduce_scatter_base_", num_micro_batches * padded_grads,
-                  num_micro_batches * len(trainable), "backward", "gradients"), checks]
+                  num_micro_batches * len(trainable), "backward", "gradients", "compute"), checks]

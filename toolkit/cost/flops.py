@@ -1,0 +1,66 @@
+"""Training FLOPs of one step from a model's shapes (no weights): matmuls, attention, the head, and the recompute of
+activation checkpointing, per token and per rank of a layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+from torch import nn
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFlops:
+    """Per token, forward + backward (3 × the forward: backward computes the gradients of inputs and weights)."""
+    block_matmul: float  # the transformer blocks' matmuls: 6 × their weight elements (active experts only)
+    head_matmul: float  # the output layer: 6 × hidden × vocab (an embedding lookup is not a matmul)
+    attention: float  # scores and values: 12 × layers × hidden × sequence length (PaLM, appendix B)
+    recompute: float  # activation checkpointing's second forward of the blocks: a third of their total
+    num_layers: int
+
+    @property
+    def total(self) -> float:
+        return self.block_matmul + self.head_matmul + self.attention + self.recompute
+
+    @property
+    def model_flops(self) -> float:
+        """What MFU counts: the model's FLOPs, without the recompute (PaLM's definition)."""
+        return self.block_matmul + self.head_matmul + self.attention
+
+
+def model_flops(model: nn.Module, *, seq_len: int, checkpointing: bool) -> ModelFlops:
+    """Per-token training FLOPs of `model` (on the meta device) at `seq_len`; a mixture of experts counts the
+    experts a token is routed to (top-k of them), not all."""
+    config: Any = model.config
+    layers, hidden = config.num_hidden_layers, config.hidden_size
+    blocks = _block_elements(model, config)
+    head = _head_elements(model)
+    block_matmul, attention = 6.0 * blocks, 12.0 * layers * hidden * seq_len
+    recompute = (block_matmul + attention) / 3 if checkpointing else 0.0
+    return ModelFlops(block_matmul=block_matmul, head_matmul=6.0 * head, attention=attention, recompute=recompute,
+                      num_layers=layers)
+
+
+def _block_elements(model: nn.Module, config: Any) -> float:
+    """Weight elements of the blocks' matrices a token passes through: every 2-D+ weight in a block, the experts'
+    scaled by top-k / experts."""
+    from toolkit.model.blocks import layer_stack
+
+    experts: int = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+    top_k: int = getattr(config, "num_experts_per_tok", None) or 0
+    total = 0.0
+    for block in layer_stack(model):
+        for name, param in block.named_parameters():
+            if param.dim() < 2:
+                continue
+            routed = bool(experts and top_k and ".experts." in f".{name}." and param.shape[0] == experts)
+            total += param.numel() * (top_k / experts if routed else 1.0)
+    return total
+
+
+def _head_elements(model: nn.Module) -> int:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is not None:
+        return cast(Any, head).weight.numel()
+    return 0  # a classifier's head is a few numbers per token's class

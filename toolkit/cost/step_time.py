@@ -1,0 +1,166 @@
+"""Step time of a layout on a cluster, predicted from the model's shapes, the layout's collectives and a hardware
+profile: compute, communication and what hides it, a pipeline's bubble, the optimizer step, offload traffic.
+
+Each rule is written once, here, with its source:
+- compute: a step's FLOPs (toolkit/cost/flops.py) at MATMUL_EFFICIENCY of the profile's dense peak in the
+  recipe's precision, or at the matmul FLOP/s `toolkit calibrate` measured;
+- a collective: the ring algorithm's bytes and steps over the link its group crosses (collectives.wire_time_s):
+  within a node if the group's ranks fit in one (the mesh's dimensions in MESH_ORDER, tp innermost), else the
+  network, at BUS_EFFICIENCY of the link's datasheet bandwidth (or the bus bandwidth calibrate measured);
+- overlap (Collective.overlap):
+    compute   FSDP2 and ZeRO-3 gather the next unit while one computes and reduce its gradients while the next
+              one's backward runs (FSDP2's implicit prefetch, torchtitan; ZeRO-3's prefetch bucket): all of it
+              hidden behind forward and backward compute except the first gather and the last reduction;
+    backward  DDP's buckets (Li et al., "PyTorch Distributed", VLDB 2020) and ZeRO-1/2's overlap_comm reduce
+              while backward runs: hidden behind backward compute except the last bucket;
+    nothing   exposed in full;
+- pipeline: each rank computes its stages; idle (p-1)/(v·m+p-1) of the step (pipeline/layout.theoretical_bubble);
+- optimizer step: memory-bound, AdamW reads a parameter, its gradient and two moments and writes three;
+- offload: gradients to the host and parameters back over PCIe each step, the update at HOST_ADAM_BYTES_PER_S.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from toolkit.config.parallel import MESH_ORDER, Degrees
+from toolkit.cost.collectives import Collective, wire_time_s
+from toolkit.cost.flops import model_flops
+from toolkit.cost.hardware import Hardware
+
+# fitted on published runs by benchmarks/scale_prediction.py (its leave-one-source-out error beside the fit)
+MATMUL_EFFICIENCY = 0.6  # achieved / dense peak FLOP/s of a training step's compute, uncalibrated
+BUS_EFFICIENCY = 0.8  # achieved / datasheet bandwidth of a collective's link, uncalibrated
+HOST_ADAM_BYTES_PER_S = 20e9  # a GPU's share of its host's memory bandwidth for an offloaded AdamW (estimate)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    hardware: Hardware
+    num_nodes: int
+    gpus_per_node: int
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cost:
+    what: str  # "compute", "all-gather parameters over dp_shard (network)", "pipeline bubble", ...
+    seconds: float  # its whole time
+    exposed_s: float  # what it adds to the step
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTime:
+    step_time_s: float
+    tokens_per_step: int  # the global batch's tokens
+    tokens_per_s_per_gpu: float
+    mfu: float  # the model's FLOPs (no recompute) per second per GPU over the dense peak
+    costs: list[Cost] = field(default_factory=list)
+
+    def largest(self, count: int = 3) -> list[str]:
+        """The `count` largest exposed costs as 'what 31 %' of the step."""
+        ranked = sorted(self.costs, key=lambda c: c.exposed_s, reverse=True)[:count]
+        return [f"{c.what} {100 * c.exposed_s / self.step_time_s:.0f} %" for c in ranked if c.exposed_s > 0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Work:
+    """What one rank does in a step, from the layout (toolkit/plan/step.py builds it)."""
+    degrees: Degrees
+    global_tokens: int  # the global batch's tokens (samples × sequence length)
+    seq_len: int
+    precision: str  # bf16 | fp16 | fp32
+    checkpointing: bool
+    num_micro_batches: int  # per rank per step (a pipeline's schedule runs them)
+    stages_per_rank: int  # a pipeline's virtual stages (interleaved)
+    collectives: list[Collective]  # the rank's, with the loop's
+    optimizer_bytes: int  # what the rank's optimizer step reads and writes
+    offloaded_bytes: int  # parameters and gradients crossing PCIe each step (0 without offload)
+
+
+def predict(model: nn.Module, work: Work, cluster: Cluster) -> StepTime:
+    """The step time of the rank `work` describes (the busiest: a pipeline's last stage carries the head)."""
+    d, hw = work.degrees, cluster.hardware
+    flops = model_flops(model, seq_len=work.seq_len, checkpointing=work.checkpointing)
+    shard_tokens = work.global_tokens / (d.world_size / (d.tp * d.cp * d.pp))  # one data shard's tokens
+    # a rank computes its share of the blocks (1/tp of each split layer, 1/cp of the sequence, 1/pp of the
+    # stack) and, on the last stage, the head: replicated over tp (every TP rank computes the full logits)
+    rank_flops = shard_tokens / d.cp * ((flops.block_matmul + flops.attention + flops.recompute) / (d.tp * d.pp)
+                                        + flops.head_matmul)
+    compute_s = rank_flops / _flops_per_s(hw, work.precision)
+    forward_s = compute_s * (1 / 3) * (flops.total - flops.recompute) / flops.total
+    backward_s = compute_s - forward_s
+    costs = [Cost(what="compute", seconds=compute_s, exposed_s=compute_s)]
+    if d.pp > 1:
+        bubble = (d.pp - 1) / (work.stages_per_rank * work.num_micro_batches + d.pp - 1)
+        idle = compute_s * bubble / (1 - bubble)
+        costs.append(Cost(what="pipeline bubble", seconds=idle, exposed_s=idle))
+    costs += _communication(work.collectives, d, cluster, forward_s=forward_s, backward_s=backward_s)
+    step_s = work.optimizer_bytes / (hw.measured.memory_bandwidth_bytes_per_s or hw.memory_bandwidth_bytes_per_s)
+    costs.append(Cost(what="optimizer step", seconds=step_s, exposed_s=step_s))
+    if work.offloaded_bytes:
+        pcie = work.offloaded_bytes / hw.host_link.bandwidth_bytes_per_s
+        host = work.optimizer_bytes / HOST_ADAM_BYTES_PER_S
+        costs.append(Cost(what="offload over PCIe and host AdamW", seconds=pcie + host, exposed_s=pcie + host))
+    total = sum(c.exposed_s for c in costs)
+    per_gpu = work.global_tokens / total / d.world_size
+    mfu = per_gpu * flops.model_flops / hw.peak(work.precision)
+    return StepTime(step_time_s=total, tokens_per_step=work.global_tokens, tokens_per_s_per_gpu=per_gpu, mfu=mfu,
+                    costs=costs)
+
+
+def _flops_per_s(hw: Hardware, precision: str) -> float:
+    measured = hw.measured
+    if measured.matmul_flops_per_s and measured.matmul_dtype == precision:
+        return measured.matmul_flops_per_s
+    return hw.peak(precision) * MATMUL_EFFICIENCY
+
+
+def crosses_nodes(group: str, size: int, degrees: Degrees, gpus_per_node: int) -> bool:
+    """Whether a group of `size` ranks along `group` spans more than one node: the ranks lie in MESH_ORDER (tp
+    innermost), so a group's ranks are `stride` apart, stride the product of the dimensions inside it."""
+    if group == "world":
+        return size > gpus_per_node
+    inner = MESH_ORDER[MESH_ORDER.index(group) + 1:] if group in MESH_ORDER else ()
+    stride = 1
+    for name in inner:
+        stride *= getattr(degrees, name)
+    if group == "dp_shard":  # FSDP shards over dp_shard × cp as one dimension (its group size says so)
+        stride = degrees.tp
+    return stride * size > gpus_per_node
+
+
+def _communication(collectives: list[Collective], degrees: Degrees, cluster: Cluster, *, forward_s: float,
+                   backward_s: float) -> list[Cost]:
+    hw = cluster.hardware
+    timed: list[tuple[Collective, float, str]] = []
+    for c in collectives:
+        network = crosses_nodes(c.group, c.group_size, degrees, cluster.gpus_per_node)
+        link = hw.inter_node if network else hw.intra_node
+        bandwidth = link.bandwidth_bytes_per_s * BUS_EFFICIENCY
+        if not network and hw.measured.bus_bandwidth_bytes_per_s:
+            bandwidth = hw.measured.bus_bandwidth_bytes_per_s
+        seconds = wire_time_s(c, bandwidth_bytes_per_s=bandwidth, latency_s=link.latency_s)
+        timed.append((c, seconds, "network" if network else "in node"))
+    costs = []
+    window = {"compute": forward_s + backward_s, "backward": backward_s}
+    for overlap, hidden_by in window.items():
+        group = [(c, s, where) for c, s, where in timed if c.overlap == overlap]
+        total = sum(s for _, s, _ in group)
+        # the first gather (the last bucket) of each has nothing to hide behind
+        edges = sum(s / max(c.calls, 1) for c, s, _ in group)
+        exposed = max(0.0, total - hidden_by) + min(edges, total)
+        for c, s, where in group:
+            share = exposed * s / total if total else 0.0
+            costs.append(Cost(what=_name(c, where), seconds=s, exposed_s=share))
+    costs += [Cost(what=_name(c, where), seconds=s, exposed_s=s) for c, s, where in timed if c.overlap == "nothing"]
+    return costs
+
+
+def _name(c: Collective, where: str) -> str:
+    return f"{c.kind.replace('_', '-')} {c.what} over {c.group} ({where})"

@@ -1,0 +1,186 @@
+"""`toolkit plan RECIPE --hardware NAME --nodes N`: which layout for this model on that cluster, and how fast.
+
+Each layout is a compare arm (toolkit strategies) at the cluster's world size: its collectives
+(StrategyRules.predict_collectives, the rules the counter holds them to on CPU), memory per GPU (toolkit/plan/
+predict.py on a GPU: no host memory in it) and step time (toolkit/cost/step_time.py) for the rank that works most.
+`auto` enumerates the sensible ones: ddp, fsdp, HSDP with a replica per node, zero 1-3, fsdp × tp inside a node,
+a pipeline across nodes, context parallel for long sequences.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, cast
+
+from torch import nn
+
+from toolkit.config.parallel import resolve
+from toolkit.config.recipe import Recipe, plan_batch
+from toolkit.cost import hardware as profiles
+from toolkit.cost import step_time
+from toolkit.cost.collectives import loop_collectives
+from toolkit.errors import RecipeError
+from toolkit.plan.predict import GiB, predict
+from toolkit.strategies import data_layout, strategy_degrees, strategy_rules, validate_strategy
+
+LONG_SEQUENCE = 8192  # from this length on, auto also tries context parallel
+
+
+@dataclass(frozen=True, kw_only=True)
+class Planned:
+    layout: str
+    world_size: int
+    step: step_time.StepTime | None
+    peak_bytes_per_gpu: int | None
+    fits: bool
+    refused: str | None = None  # why the layout cannot run, where it cannot
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"layout": self.layout, "world_size": self.world_size, "fits": self.fits}
+        if self.refused is not None:
+            return {**out, "refused": self.refused}
+        step = cast(step_time.StepTime, self.step)
+        return {**out, "step_time_s": step.step_time_s, "tokens_per_s_per_gpu": step.tokens_per_s_per_gpu,
+                "mfu": step.mfu, "peak_bytes_per_gpu": self.peak_bytes_per_gpu,
+                "largest_costs": step.largest(),
+                "costs": [{"what": c.what, "seconds": c.seconds, "exposed_s": c.exposed_s} for c in step.costs]}
+
+
+def auto_layouts(recipe: Recipe, model: nn.Module, cluster: step_time.Cluster) -> dict[str, tuple[str, ...]]:
+    """Layout name -> its recipe overrides, for this world size; a recipe that sets its parallel degrees is its own
+    one layout."""
+    if any(vars(recipe.parallel).get(k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")):
+        return {"the recipe's parallel:": ()}
+    nodes, per_node = cluster.num_nodes, cluster.gpus_per_node
+    out: dict[str, tuple[str, ...]] = {"ddp": ("strategy.name=ddp",), "fsdp": ("strategy.name=fsdp",)}
+    if nodes > 1:
+        out[f"hsdp-{nodes}x{per_node}"] = ("strategy.name=fsdp", f"strategy.replicate_degree={nodes}")
+    for stage in (1, 2, 3):
+        out[f"zero{stage}"] = ("strategy.name=zero", f"strategy.stage={stage}")
+    tp = 2
+    while tp <= per_node:
+        out[f"fsdp-tp{tp}"] = ("strategy.name=fsdp", f"strategy.tp_degree={tp}")
+        tp *= 2
+    if nodes > 1:
+        out[f"pp{nodes}-fsdp"] = ("strategy.name=hybrid", f"strategy.pipeline_degree={nodes}",
+                                  "strategy.data_parallel=fsdp")
+    if recipe.data.max_length >= LONG_SEQUENCE:
+        out["fsdp-cp2"] = ("strategy.name=fsdp", "strategy.cp_degree=2")
+    return out
+
+
+def plan_layout(name: str, recipe: Recipe, model: nn.Module, cluster: step_time.Cluster) -> Planned:
+    """One layout's prediction, or why it cannot run."""
+    world = cluster.world_size
+    try:
+        recipe = resolve(recipe, world_size=world)
+        batch = validate_strategy(recipe, world_size=world)
+        work, rank = _work(recipe, model, world_size=world)
+        memory = predict(recipe, world_size=world, runtime_bytes=0, device_type="cuda", model=model, both=False)
+    except RecipeError as exc:
+        return Planned(layout=name, world_size=world, step=None, peak_bytes_per_gpu=None, fits=False,
+                       refused=str(exc))
+    del batch, rank
+    step = step_time.predict(model, work, cluster)
+    peak = memory.peak_bytes
+    return Planned(layout=name, world_size=world, step=step, peak_bytes_per_gpu=peak,
+                   fits=peak <= cluster.hardware.memory_bytes)
+
+
+def _work(recipe: Recipe, model: nn.Module, *, world_size: int) -> tuple[step_time.Work, int]:
+    """What the busiest rank does: the last (a pipeline's last stage carries the head and the loss)."""
+    rules = strategy_rules(recipe)
+    rank = world_size - 1
+    shards = data_layout(recipe, world_size=world_size, rank=rank).size
+    batch = plan_batch(recipe.batch, world_size=shards)
+    length = recipe.data.max_length
+    shapes = [(batch.micro_batch_size, length)] * batch.grad_accum_steps
+    collectives = rules.predict_collectives(model, recipe, world_size=world_size, rank=rank, shapes=shapes) + \
+        loop_collectives(world_size=world_size)
+    state = rules.predict_state_bytes(model, recipe, world_size=world_size)[rank]
+    # AdamW reads a parameter, its gradient and both moments, and writes the parameter and the moments
+    moved = 2 * state.params_bytes + state.grads_bytes + 2 * state.optim_bytes
+    options = recipe.strategy
+    offloaded = state.params_bytes + state.grads_bytes if (getattr(options, "offload_optimizer", False) or
+                                                           getattr(options, "cpu_offload", False)) else 0
+    work = step_time.Work(degrees=strategy_degrees(recipe, world_size=world_size),
+                          global_tokens=batch.global_batch_size * length, seq_len=length,
+                          precision=recipe.precision, checkpointing=recipe.train.activation_checkpointing,
+                          num_micro_batches=batch.grad_accum_steps,
+                          stages_per_rank=getattr(options, "stages_per_rank", 1) or 1,
+                          collectives=collectives, optimizer_bytes=moved, offloaded_bytes=offloaded)
+    return work, rank
+
+
+def ranked(planned: list[Planned]) -> list[Planned]:
+    """Those that fit first, fastest first; then those that do not fit; then those that cannot run."""
+    def key(p: Planned):
+        speed = p.step.tokens_per_s_per_gpu if p.step is not None else 0.0
+        return (p.refused is not None, not p.fits, -speed)
+    return sorted(planned, key=key)
+
+
+def reasons(order: list[Planned]) -> list[str]:
+    """Why each layout that fits wins over the next, in one line: the exposed cost that differs most."""
+    lines = []
+    fitting = [p for p in order if p.fits and p.step is not None]
+    for first, second in zip(fitting, fitting[1:]):
+        a, b = cast(step_time.StepTime, first.step), cast(step_time.StepTime, second.step)
+        exposed_a = {c.what: c.exposed_s for c in a.costs}
+        exposed_b = {c.what: c.exposed_s for c in b.costs}
+        what = max(set(exposed_a) | set(exposed_b),
+                   key=lambda w: exposed_b.get(w, 0.0) - exposed_a.get(w, 0.0))
+        lines.append(f"{first.layout} over {second.layout}: {a.tokens_per_s_per_gpu / b.tokens_per_s_per_gpu:.2f}x "
+                     f"the tokens/s; {second.layout} spends {exposed_b.get(what, 0.0) * 1e3:,.0f} ms a step on "
+                     f"{what}, {first.layout} {exposed_a.get(what, 0.0) * 1e3:,.0f} ms")
+    return lines
+
+
+def render(planned: list[Planned], cluster: step_time.Cluster) -> str:
+    hw = cluster.hardware
+    head = ["layout", "GPUs", "step s", "tokens/s/GPU", "MFU", "peak GB/GPU", f"fits {hw.memory_bytes / 1e9:.0f} GB",
+            "largest exposed costs"]
+    rows = []
+    for p in planned:
+        if p.refused is not None:
+            rows.append([p.layout, str(p.world_size), "-", "-", "-", "-", "cannot run", p.refused])
+            continue
+        step = cast(step_time.StepTime, p.step)
+        rows.append([p.layout, str(p.world_size), f"{step.step_time_s:.3f}", f"{step.tokens_per_s_per_gpu:,.0f}",
+                     f"{100 * step.mfu:.1f} %", f"{cast(int, p.peak_bytes_per_gpu) / 1e9:.1f}",
+                     "yes" if p.fits else "NO", "; ".join(step.largest())])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head[:-1])]
+    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths)) + "  " + head[-1]]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+    out.append(f"{cluster.num_nodes} node(s) × {cluster.gpus_per_node} {hw.name}; predicted, not measured: "
+               "toolkit/cost/step_time.py says how")
+    return "\n".join(out)
+
+
+def as_json(planned: list[Planned]) -> str:
+    return json.dumps([p.as_dict() for p in planned], indent=1)
+
+
+def check_degrees(recipe: Recipe, cluster: step_time.Cluster) -> None:
+    """A recipe whose parallel: section sets degrees must multiply to the cluster's GPUs."""
+    degrees = {k: v for k, v in vars(recipe.parallel).items() if k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+               and v}
+    product = 1
+    for value in degrees.values():
+        product *= value
+    if degrees and (product != cluster.world_size if "dp_shard" in degrees else cluster.world_size % product):
+        shown = " × ".join(f"{k} {v}" for k, v in degrees.items())
+        raise RecipeError(f"parallel: {shown} = {product} ranks, but --nodes {cluster.num_nodes} × --gpus-per-node "
+                          f"{cluster.gpus_per_node} = {cluster.world_size}; make them equal (or leave dp_shard unset "
+                          "to take the rest)")
+
+
+def cluster_of(name: str, *, nodes: int, gpus_per_node: int | None) -> step_time.Cluster:
+    hw = profiles.load(name)
+    if nodes < 1:
+        raise RecipeError(f"--nodes {nodes}: give 1 or more")
+    per_node = gpus_per_node if gpus_per_node is not None else hw.gpus_per_node
+    if per_node < 1:
+        raise RecipeError(f"--gpus-per-node {per_node}: give 1 or more")
+    return step_time.Cluster(hardware=hw, num_nodes=nodes, gpus_per_node=per_node)
