@@ -59,6 +59,9 @@ class Hardware:
     inter_node: Link  # the network between nodes, per GPU
     host_link: Link  # PCIe to host memory (optimizer or parameter offload)
     gpus_per_node: int
+    # achieved / dense peak FLOP/s of a training step's compute on this device, where no calibration measured it:
+    # fitted on published runs by benchmarks/scale_prediction.py (unset: step_time.MATMUL_EFFICIENCY)
+    compute_efficiency: float | None = None
     measured: Measured = field(default_factory=Measured)
 
     def peak(self, dtype: str) -> float:

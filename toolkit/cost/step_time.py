@@ -4,9 +4,9 @@ profile: compute, communication and what hides it, a pipeline's bubble, the opti
 Each rule is written once, here, with its source:
 - compute: a step's FLOPs (toolkit/cost/flops.py) at MATMUL_EFFICIENCY of the profile's dense peak in the
   recipe's precision, or at the matmul FLOP/s `toolkit calibrate` measured;
-- a collective: the ring algorithm's bytes and steps over the link its group crosses (collectives.wire_time_s):
-  within a node if the group's ranks fit in one (the mesh's dimensions in MESH_ORDER, tp innermost), else the
-  network, at BUS_EFFICIENCY of the link's datasheet bandwidth (or the bus bandwidth calibrate measured);
+- a collective: the ring algorithm's bytes and steps (collectives.wire_time_s) at the bandwidth of the links its
+  group crosses (link_bandwidth: NVLink within a node; across nodes one NIC per rank of the group in a node),
+  at BUS_EFFICIENCY of their datasheet bandwidth (or the bus bandwidth calibrate measured);
 - overlap (Collective.overlap):
     compute   FSDP2 and ZeRO-3 gather the next unit while one computes and reduce its gradients while the next
               one's backward runs (FSDP2's implicit prefetch, torchtitan; ZeRO-3's prefetch bucket): all of it
@@ -31,7 +31,7 @@ from toolkit.cost.flops import model_flops
 from toolkit.cost.hardware import Hardware
 
 # fitted on published runs by benchmarks/scale_prediction.py (its leave-one-source-out error beside the fit)
-MATMUL_EFFICIENCY = 0.6  # achieved / dense peak FLOP/s of a training step's compute, uncalibrated
+MATMUL_EFFICIENCY = 0.5  # achieved / dense peak FLOP/s of a training step, where neither calibration nor a fit says
 BUS_EFFICIENCY = 0.8  # achieved / datasheet bandwidth of a collective's link, uncalibrated
 HOST_ADAM_BYTES_PER_S = 20e9  # a GPU's share of its host's memory bandwidth for an offloaded AdamW (estimate)
 
@@ -83,16 +83,20 @@ class Work:
     offloaded_bytes: int  # parameters and gradients crossing PCIe each step (0 without offload)
 
 
-def predict(model: nn.Module, work: Work, cluster: Cluster) -> StepTime:
-    """The step time of the rank `work` describes (the busiest: a pipeline's last stage carries the head)."""
+def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficiency: float | None = None,
+            bus_efficiency: float = BUS_EFFICIENCY) -> StepTime:
+    """The step time of the rank `work` describes (the busiest: a pipeline's last stage carries the head).
+    `compute_efficiency`: default the profile's fitted one, else MATMUL_EFFICIENCY (a calibrated profile's measured
+    matmul FLOP/s win over both)."""
     d, hw = work.degrees, cluster.hardware
+    efficiency = compute_efficiency or hw.compute_efficiency or MATMUL_EFFICIENCY
     flops = model_flops(model, seq_len=work.seq_len, checkpointing=work.checkpointing)
     shard_tokens = work.global_tokens / (d.world_size / (d.tp * d.cp * d.pp))  # one data shard's tokens
     # a rank computes its share of the blocks (1/tp of each split layer, 1/cp of the sequence, 1/pp of the
     # stack) and, on the last stage, the head: replicated over tp (every TP rank computes the full logits)
     rank_flops = shard_tokens / d.cp * ((flops.block_matmul + flops.attention + flops.recompute) / (d.tp * d.pp)
                                         + flops.head_matmul)
-    compute_s = rank_flops / _flops_per_s(hw, work.precision)
+    compute_s = rank_flops / _flops_per_s(hw, work.precision, efficiency)
     forward_s = compute_s * (1 / 3) * (flops.total - flops.recompute) / flops.total
     backward_s = compute_s - forward_s
     costs = [Cost(what="compute", seconds=compute_s, exposed_s=compute_s)]
@@ -100,7 +104,8 @@ def predict(model: nn.Module, work: Work, cluster: Cluster) -> StepTime:
         bubble = (d.pp - 1) / (work.stages_per_rank * work.num_micro_batches + d.pp - 1)
         idle = compute_s * bubble / (1 - bubble)
         costs.append(Cost(what="pipeline bubble", seconds=idle, exposed_s=idle))
-    costs += _communication(work.collectives, d, cluster, forward_s=forward_s, backward_s=backward_s)
+    costs += _communication(work.collectives, d, cluster, forward_s=forward_s, backward_s=backward_s,
+                            bus_efficiency=bus_efficiency)
     step_s = work.optimizer_bytes / (hw.measured.memory_bandwidth_bytes_per_s or hw.memory_bandwidth_bytes_per_s)
     costs.append(Cost(what="optimizer step", seconds=step_s, exposed_s=step_s))
     if work.offloaded_bytes:
@@ -114,39 +119,51 @@ def predict(model: nn.Module, work: Work, cluster: Cluster) -> StepTime:
                     costs=costs)
 
 
-def _flops_per_s(hw: Hardware, precision: str) -> float:
+def _flops_per_s(hw: Hardware, precision: str, efficiency: float) -> float:
     measured = hw.measured
     if measured.matmul_flops_per_s and measured.matmul_dtype == precision:
         return measured.matmul_flops_per_s
-    return hw.peak(precision) * MATMUL_EFFICIENCY
+    return hw.peak(precision) * efficiency
 
 
-def crosses_nodes(group: str, size: int, degrees: Degrees, gpus_per_node: int) -> bool:
-    """Whether a group of `size` ranks along `group` spans more than one node: the ranks lie in MESH_ORDER (tp
-    innermost), so a group's ranks are `stride` apart, stride the product of the dimensions inside it."""
+def ranks_per_node(group: str, size: int, degrees: Degrees, gpus_per_node: int) -> int:
+    """How many of a group's `size` ranks share a node: all of them where the group fits in one (the ranks lie in
+    MESH_ORDER, tp innermost, so a group's ranks are `stride` apart, stride the product of the dimensions inside
+    it), else the node's GPUs over the stride."""
     if group == "world":
-        return size > gpus_per_node
-    inner = MESH_ORDER[MESH_ORDER.index(group) + 1:] if group in MESH_ORDER else ()
-    stride = 1
-    for name in inner:
-        stride *= getattr(degrees, name)
-    if group == "dp_shard":  # FSDP shards over dp_shard × cp as one dimension (its group size says so)
+        stride = 1
+    elif group == "dp_shard":  # FSDP shards over dp_shard × cp as one dimension (its group size says so)
         stride = degrees.tp
-    return stride * size > gpus_per_node
+    else:
+        stride = 1
+        for name in MESH_ORDER[MESH_ORDER.index(group) + 1:] if group in MESH_ORDER else ():
+            stride *= getattr(degrees, name)
+    if stride * size <= gpus_per_node:
+        return size
+    return max(1, gpus_per_node // stride)
+
+
+def link_bandwidth(hw: Hardware, *, size: int, per_node: int, bus_efficiency: float) -> tuple[float, float, str]:
+    """(bytes/s, latency, where) of a collective's ring over `size` ranks, `per_node` of them in each node. Within
+    a node: the GPU's NVLink share (or the bus bandwidth calibrate measured). Across nodes NCCL runs one ring per
+    NIC (its channels), so a node's `per_node` ranks send through as many NICs at once: the ring moves at the
+    lesser of the in-node link and per_node × one NIC (a replica group of one rank per node: one NIC)."""
+    inside = hw.measured.bus_bandwidth_bytes_per_s or hw.intra_node.bandwidth_bytes_per_s * bus_efficiency
+    if per_node >= size:
+        return inside, hw.intra_node.latency_s, "in node"
+    across = per_node * hw.inter_node.bandwidth_bytes_per_s * bus_efficiency
+    return min(inside, across), hw.inter_node.latency_s, "network"
 
 
 def _communication(collectives: list[Collective], degrees: Degrees, cluster: Cluster, *, forward_s: float,
-                   backward_s: float) -> list[Cost]:
+                   backward_s: float, bus_efficiency: float) -> list[Cost]:
     hw = cluster.hardware
     timed: list[tuple[Collective, float, str]] = []
     for c in collectives:
-        network = crosses_nodes(c.group, c.group_size, degrees, cluster.gpus_per_node)
-        link = hw.inter_node if network else hw.intra_node
-        bandwidth = link.bandwidth_bytes_per_s * BUS_EFFICIENCY
-        if not network and hw.measured.bus_bandwidth_bytes_per_s:
-            bandwidth = hw.measured.bus_bandwidth_bytes_per_s
-        seconds = wire_time_s(c, bandwidth_bytes_per_s=bandwidth, latency_s=link.latency_s)
-        timed.append((c, seconds, "network" if network else "in node"))
+        per_node = ranks_per_node(c.group, c.group_size, degrees, cluster.gpus_per_node)
+        bandwidth, latency, where = link_bandwidth(hw, size=c.group_size, per_node=per_node,
+                                                   bus_efficiency=bus_efficiency)
+        timed.append((c, wire_time_s(c, bandwidth_bytes_per_s=bandwidth, latency_s=latency), where))
     costs = []
     window = {"compute": forward_s + backward_s, "backward": backward_s}
     for overlap, hidden_by in window.items():
