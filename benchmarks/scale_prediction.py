@@ -235,7 +235,7 @@ def report(rows: list[Row], fitted: dict[str, float], held_out: dict[str, float]
     close = [r for r in with_memory if abs(r.peak_bytes / 2 ** 30 / r.data["published"]["memory_gib"] - 1) <= 0.10]
     if with_memory:
         print(f"memory: {len(close)} of {len(with_memory)} published within ±10 % (target: all); activation "
-              "checkpointing 'selective' (torchtitan's per-op policy) is planned as none, which the toolkit has")
+              "checkpointing 'selective' (torchtitan's per-op policy) is planned as none (the toolkit has no per-op policy)")
     order_checks(rows, fitted)
     print(f"\nleft out ({len(skipped)}):")
     for row_id, reason in skipped:
@@ -271,6 +271,8 @@ def cli_check(row: Row, folder: Path) -> None:
     same = math.isclose(ours, in_process, rel_tol=1e-9)
     print(f"cli check {row.data['id']}: toolkit plan {ours:,.1f} tokens/s/GPU, in process {in_process:,.1f}: "
           f"{'same' if same else 'DIFFERENT'}")
+    if not same:
+        raise SystemExit("the benchmark's prediction is not the toolkit plan command's")
 
 
 if __name__ == "__main__":

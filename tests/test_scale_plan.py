@@ -1,0 +1,134 @@
+"""`toolkit plan --hardware NAME --nodes N`: step time and memory per layout on a cluster, ranked; hardware profiles
+as data; bad input in one line. The collective bytes each layout's prediction stands on are held to the counter
+in test_comm_prediction.py; how close the step time comes to published runs is benchmarks/scale_prediction.py's."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, run_cli
+
+from toolkit.config.parallel import Degrees
+from toolkit.cost import hardware
+from toolkit.cost.collectives import Collective, wire_time_s
+from toolkit.cost.step_time import link_bandwidth, ranks_per_node
+
+RECIPE = str(REPO / "recipes" / "llama3-8b.yaml")
+NAMES = ("h100-sxm", "h100-pcie", "h200", "a100-40gb", "a100-80gb", "b200", "l40s", "mi300x")
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    done = run_cli("plan", RECIPE, "--hardware", "h100-sxm", "--nodes", "2", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def llama3_8b_params() -> int:
+    """Llama 3 8B's parameters from its shape, by hand: embedding, head, and per block q, k, v, o, the gated MLP
+    and two norms, then the final norm."""
+    hidden, inter, layers, vocab, kv = 4096, 14336, 32, 128256, 8 * 128
+    block = hidden * hidden * 2 + hidden * kv * 2 + 3 * hidden * inter + 2 * hidden
+    return 2 * vocab * hidden + layers * block + hidden
+
+
+def test_every_layout_of_two_h100_nodes_has_its_step_time_and_memory(two_nodes):
+    keys = {"layout", "world_size", "step_time_s", "tokens_per_s_per_gpu", "mfu", "peak_bytes_per_gpu", "fits"}
+    planned = [p for p in two_nodes if "refused" not in p]
+    assert {"ddp", "fsdp", "hsdp-2x8", "zero1", "zero2", "zero3", "fsdp-tp2", "pp2-fsdp"} <= {p["layout"] for p in planned}
+    for p in planned:
+        assert keys <= set(p) and p["world_size"] == 16, p
+        # tokens per step = 64 sequences of 8,192: what the step time and the tokens/s per GPU must multiply to
+        assert p["tokens_per_s_per_gpu"] * p["step_time_s"] * 16 == pytest.approx(64 * 8192, rel=1e-9)
+        assert 0 < p["mfu"] < 1
+    by_name = {p["layout"]: p for p in planned}
+    # ddp holds the whole model per GPU: fp32 weights, gradients and both moments alone are 16 bytes a parameter
+    assert by_name["ddp"]["peak_bytes_per_gpu"] > 16 * llama3_8b_params() > 80e9 and not by_name["ddp"]["fits"]
+    assert by_name["fsdp"]["fits"] and by_name["fsdp"]["peak_bytes_per_gpu"] < 16 * llama3_8b_params() / 16 + 20e9
+
+
+def test_the_layouts_that_fit_come_first_fastest_first(two_nodes):
+    fits = [p["fits"] for p in two_nodes]
+    assert fits == sorted(fits, reverse=True)  # every layout that fits before any that does not
+    speeds = [p["tokens_per_s_per_gpu"] for p in two_nodes if p["fits"]]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+def test_the_table_ranks_and_says_why_the_first_wins():
+    done = run_cli("plan", RECIPE, "--hardware", "a100-80gb", "--nodes", "1", "--layouts", "fsdp,zero3,fsdp-tp2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].split()[:3] == ["layout", "GPUs", "step"]
+    winner = lines[1].split()[0]
+    assert any(line.startswith(f"{winner} over ") and "x the tokens/s" in line for line in lines), done.stdout
+
+
+def test_a_ring_moves_what_the_algorithm_says():
+    # 4 ranks all-reduce 1 GB: each rank's link carries 2 (n-1)/n of it, in 2 (n-1) latency steps
+    reduce = Collective(op="allreduce_", payload_bytes=10 ** 9, calls=1, group="dp_shard", group_size=4,
+                        phase="backward")
+    assert wire_time_s(reduce, bandwidth_bytes_per_s=1e11, latency_s=1e-5) == pytest.approx(1.5e9 / 1e11 + 6e-5)
+    gather = Collective(op="_allgather_base_", payload_bytes=10 ** 8, calls=2, group="dp_shard", group_size=4,
+                        phase="forward")
+    assert wire_time_s(gather, bandwidth_bytes_per_s=1e11, latency_s=0.0) == pytest.approx(3e8 / 1e11)
+
+
+def test_a_replica_group_across_nodes_moves_through_one_nic_a_full_node_through_all():
+    h100 = hardware.load("h100-sxm")
+    hsdp = Degrees(dp_replicate=4, dp_shard=8)  # 4 nodes of 8: a shard group per node, replicas across
+    assert ranks_per_node("dp_shard", 8, hsdp, 8) == 8 and ranks_per_node("dp_replicate", 4, hsdp, 8) == 1
+    inside, _, where = link_bandwidth(h100, size=8, per_node=8, bus_efficiency=1.0)
+    one_nic, _, across = link_bandwidth(h100, size=4, per_node=1, bus_efficiency=1.0)
+    every_nic, _, _ = link_bandwidth(h100, size=32, per_node=8, bus_efficiency=1.0)
+    assert (where, across) == ("in node", "network")
+    assert inside == 450e9 and one_nic == 50e9 and every_nic == min(450e9, 8 * 50e9)
+
+
+def test_the_shipped_profiles_are_the_datasheets_named():
+    assert set(NAMES) <= set(hardware.known())
+    for name in NAMES:
+        profile = hardware.load(name)
+        assert profile.peak("bf16") >= profile.peak("fp32") > 0 and profile.memory_bytes >= 40e9
+
+
+def write_profile(path: Path, **changes) -> Path:
+    raw = yaml.safe_load((REPO / "toolkit" / "cost" / "profiles" / "h100-sxm.yaml").read_text())
+    for key, value in changes.items():
+        section, _, field = key.partition(".")
+        if value is None:
+            (raw[section].pop(field) if field else raw.pop(section))
+        elif field:
+            raw[section][field] = value
+        else:
+            raw[section] = value
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--hardware", "h900"), "no such profile; known: a100-40gb, a100-80gb"),
+    (("--hardware", "h100-sxm", "--nodes", "0"), "--nodes 0: give 1 or more"),
+    (("--hardware", "h100-sxm", "--layouts", "fsdp,warp"), "--layouts: unknown arm 'warp'"),
+    (("--json",), "--json goes with --hardware"),
+    (("--hardware", "h100-sxm", "--set", "parallel.dp_shard=4", "--set", "parallel.tp=2"),
+     "parallel: dp_shard 4 × tp 2 = 8 ranks, but --nodes 2 × --gpus-per-node 8 = 16"),
+])
+def test_a_plan_mistake_is_one_line_exit_2(args, words):
+    more = ("--nodes", "2") if "parallel.tp=2" in args else ()
+    done = run_cli("plan", RECIPE, *args, *more)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert words in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"memory_bandwidth_bytes_per_s": None}, "key 'memory_bandwidth_bytes_per_s' is required"),
+    ({"intra_node.bandwidth_bytes_per_s": 0}, "intra_node.bandwidth_bytes_per_s is 0.0; give a positive number"),
+    ({"peak_flops_per_s.bf16": -1.0}, "peak_flops_per_s.bf16 is -1.0; give a positive number"),
+])
+def test_a_bad_profile_file_is_one_line_exit_2(tmp_path, changes, words):
+    profile = write_profile(tmp_path / "mine.yaml", **changes)
+    done = run_cli("plan", RECIPE, "--hardware", str(profile))
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert words in done.stderr and str(profile) in done.stderr and len(done.stderr.strip().splitlines()) == 1
