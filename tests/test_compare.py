@@ -6,6 +6,7 @@ import shutil
 import subprocess
 
 import pytest
+import yaml
 
 from conftest import run_cli, write_recipe
 
@@ -311,3 +312,28 @@ def test_report_opens_with_the_verdicts_and_a_recommendation(experiment):
     assert "- **fsdp**\n  - `strategy.name: single → fsdp`\n" in changes and "model.config" not in changes
     assert report.count("```yaml\nmodel:\n") == 1  # one whole recipe, the reference's, in the appendix
     assert report.index("```yaml\nmodel:\n") > report.index("\n## Appendix")
+
+
+def test_each_arm_shows_its_predicted_step_time_from_this_machines_profile(experiment, tmp_path):
+    out, results, stdout = experiment
+    profile = yaml.safe_load((out / "hardware-cpu.yaml").read_text())  # measured once the arms were done
+    assert profile["measured"]["num_ranks"] == 2 and profile["overlaps_communication"] is False
+    for arm in results["arms"]:
+        assert arm["predicted_step_time_s"] > 0, arm["arm"]
+        assert arm["prediction_error"] == pytest.approx(arm["predicted_step_time_s"] / arm["step_time_s"] - 1)
+    section = (out / "report.md").read_text().split("## Step time: predicted and measured", 1)[1].split("##", 1)[0]
+    assert re.search(r"- fsdp: measured [\d,]+ ms, predicted [\d,]+ ms \([+-]\d+ %\); predicted: compute \d+ %",
+                     section), section
+    assert "step time, measured and as toolkit plan predicts it" in stdout
+    # the prediction reads the profile: a machine whose matmuls and attention run 4x faster predicts less compute
+    copy = tmp_path / "exp"
+    shutil.copytree(out, copy)
+    faster = yaml.safe_load((copy / "hardware-cpu.yaml").read_text())
+    faster["measured"]["matmul_flops_per_s"] *= 4
+    faster["measured"]["attention_flops_per_s"] = {k: v * 4 for k, v in
+                                                   faster["measured"]["attention_flops_per_s"].items()}
+    (copy / "hardware-cpu.yaml").write_text(yaml.safe_dump(faster))
+    assert run_cli("report", str(copy)).returncode == 0
+    again = {a["arm"]: a for a in json.loads((copy / "results.json").read_text())["arms"]}
+    for arm in results["arms"]:
+        assert again[arm["arm"]]["predicted_step_time_s"] < arm["predicted_step_time_s"], arm["arm"]

@@ -135,3 +135,24 @@ def test_a_bad_profile_file_is_one_line_exit_2(tmp_path, changes, words):
     done = run_cli("plan", RECIPE, "--hardware", str(profile))
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert words in done.stderr and str(profile) in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_calibrate_measures_this_cpu_into_a_profile_the_plan_reads(tmp_path):
+    out = tmp_path / "cpu.yaml"
+    done = run_cli("calibrate", str(REPO / "recipes" / "llama-tiny.yaml"), "--hardware", "cpu", "--nproc", "2",
+                   "--output", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    profile = hardware.load(str(out))
+    measured = profile.measured
+    assert measured.num_ranks == 2 and measured.threads >= 1 and not profile.overlaps_communication
+    assert measured.matmul_flops_per_s > 1e8 and measured.memory_bandwidth_bytes_per_s > 1e8
+    assert measured.bus_bandwidth_bytes_per_s > 1e6 and set(measured.attention_flops_per_s) == {"64", "256", "1024"}
+    planned = run_cli("plan", str(REPO / "recipes" / "llama-tiny.yaml"), "--hardware", str(out), "--gpus-per-node", "2",
+                      "--layouts", "ddp,fsdp", "--json")
+    assert planned.returncode in (0, 1), planned.stderr[-2000:]
+    assert {p["layout"] for p in json.loads(planned.stdout)} == {"ddp", "fsdp"}
+
+
+def test_calibrating_a_gpu_profile_without_a_gpu_is_one_line_exit_2():
+    done = run_cli("calibrate", "--hardware", "h100-sxm")
+    assert done.returncode == 2 and "no GPU here to measure; use --hardware cpu" in done.stderr, done.stderr

@@ -125,6 +125,17 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="with --hardware: one JSON object per layout")
     _add_overrides(plan)
 
+    calibrate = sub.add_parser("calibrate", help="measure this machine for toolkit plan --hardware: a profile file",
+                               description="Measure what a hardware profile can only estimate (matmul and attention "
+                               "FLOP/s on the recipe's shapes, memory bandwidth, the all-reduce bus between local "
+                               "ranks) and write a profile file for toolkit plan --hardware FILE.")
+    calibrate.add_argument("recipe", nargs="?", default=None, help="the model whose shapes to measure (optional)")
+    calibrate.add_argument("--hardware", required=True, metavar="NAME",
+                           help="cpu (this machine's CPU and gloo), or the profile of this machine's GPU (e.g. h100-sxm)")
+    calibrate.add_argument("--nproc", type=int, default=2, help="local ranks the bus and the threads are measured for")
+    calibrate.add_argument("--output", default=None, metavar="FILE", help="default: hardware-NAME.yaml here")
+    _add_overrides(calibrate)
+
     from toolkit.compare.cli import add_compare_commands
 
     add_compare_commands(sub, _add_overrides)
@@ -193,6 +204,50 @@ def cmd_validate(args) -> int:
                  *filter(None, [dropout_note(recipe, tokenizer)])]:
         print(note, file=sys.stderr)
     return 0
+
+
+def cmd_calibrate(args) -> int:
+    """Measure this machine and write its profile (toolkit/cost/calibrate.py)."""
+    from pathlib import Path
+
+    from toolkit.config.files import load_recipe
+    from toolkit.cost import calibrate, hardware
+    from toolkit.model.precision import DTYPES
+    from toolkit.plan.predict import planned_model
+
+    _check_nproc(args.nproc)
+    recipe = load_recipe(args.recipe, args.overrides) if args.recipe is not None else None
+    if recipe is None and args.overrides:
+        raise RecipeError("--set changes a recipe: give the recipe too (toolkit calibrate RECIPE --hardware ...)")
+    quiet_libraries()
+    model = planned_model(recipe) if recipe is not None else None
+    tokens = recipe.batch.micro_batch_size * recipe.data.max_length if recipe is not None else 2048
+    dtype = DTYPES[recipe.precision] if recipe is not None else torch_dtype_default()
+    out = Path(args.output or f"hardware-{args.hardware}.yaml")
+    if args.hardware == "cpu":
+        print(f"[toolkit] calibrating the CPU for {args.nproc} rank(s): matmul, attention, memory, gloo...",
+              file=sys.stderr, flush=True)
+        profile = calibrate.cpu_profile(nproc=args.nproc, model=model, tokens=tokens, dtype=dtype)
+    else:
+        base = hardware.load(args.hardware)
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RecipeError(f"--hardware {args.hardware}: no GPU here to measure; use --hardware cpu on this machine")
+        profile = calibrate.gpu_profile(base, nproc=args.nproc, model=model, tokens=tokens, dtype=dtype)
+    hardware.write(profile, out, header=f"written by toolkit calibrate --hardware {args.hardware} "
+                   f"--nproc {args.nproc}{' ' + args.recipe if args.recipe else ''}")
+    m = profile.measured
+    print(f"[toolkit] {out}: matmul {(m.matmul_flops_per_s or 0) / 1e12:.3f} TFLOP/s ({m.matmul_dtype}), memory "
+          f"{(m.memory_bandwidth_bytes_per_s or 0) / 1e9:.1f} GB/s" +
+          (f", all-reduce bus {m.bus_bandwidth_bytes_per_s / 1e9:.2f} GB/s" if m.bus_bandwidth_bytes_per_s else ""))
+    return 0
+
+
+def torch_dtype_default():
+    import torch
+
+    return torch.float32
 
 
 def cmd_scale_plan(args) -> int:
@@ -349,7 +404,7 @@ def cmd_convert(args) -> int:
 
 
 COMMANDS = {"train": cmd_train, "launch": cmd_launch, "validate": cmd_validate, "strategies": cmd_strategies,
-            "convert": cmd_convert, "plan": cmd_plan}
+            "convert": cmd_convert, "plan": cmd_plan, "calibrate": cmd_calibrate}
 
 
 def run() -> None:

@@ -19,6 +19,9 @@ def add_compare_commands(sub, add_overrides) -> None:
                          help=f"comma-separated arms, first = reference (default {DEFAULT_ARMS})")
     compare.add_argument("--nproc", type=int, default=None, help="ranks per multi-process arm (default 2)")
     compare.add_argument("--steps", type=int, default=None, help="optimizer steps per arm")
+    compare.add_argument("--hardware", default=None, metavar="FILE",
+                         help="the profile each arm's step time is predicted on (toolkit calibrate writes one); "
+                              "default on a CPU: this machine, measured after the arms")
     compare.add_argument("--output", default=None, metavar="DIR",
                          help="the experiment folder (default runs/<date>-compare); run again with the same "
                               "DIR to finish the arms not completed")
@@ -103,6 +106,10 @@ def experiment_of(args):
         experiment = build_experiment(args.recipe, strategies=strategies, precisions=[None], accums=[None],
                                       nproc=args.nproc or 2, steps=args.steps, overrides=overrides)
     experiment.arms += calibration_arms(experiment)
+    if args.hardware is not None:  # a mistake found now, not after every arm ran
+        from toolkit.cost import hardware
+
+        hardware.load(args.hardware)
     return experiment
 
 
@@ -129,6 +136,7 @@ def cmd_compare(args) -> int:
         print(f"toolkit: compare interrupted during arm {stop.arm}; arms completed and kept in "
               f"{experiment.out_dir}: {kept}; run the rest with: toolkit {again}", file=sys.stderr, flush=True)
         return INTERRUPTED
+    measure_machine(experiment, args)
     results = build_results(experiment)
     write_report(results, experiment.out_dir)
     print("\n".join(summary_lines(results)))  # the full table: report.md and report.html
@@ -137,6 +145,28 @@ def cmd_compare(args) -> int:
     if (experiment.out_dir / "tensorboard").is_dir():  # train.report_to tensorboard: one run per arm
         print(f"[compare] curves: tensorboard --logdir {experiment.out_dir / 'tensorboard'}")
     return 1 if "failed" in statuses.values() else 0
+
+
+def measure_machine(experiment, args) -> None:
+    """The profile each arm's step time is predicted on: --hardware's, or on a CPU this machine's, measured once per
+    experiment folder now that the arms are done (the machine idle; toolkit calibrate --hardware cpu's way)."""
+    import torch
+
+    from toolkit.compare import predictions as predicted
+    from toolkit.config.files import load_recipe
+    from toolkit.cost import hardware
+
+    target = experiment.out_dir / predicted.PROFILE
+    if args.hardware is not None:  # checked before any arm ran (experiment_of)
+        hardware.write(hardware.load(args.hardware), target, header=f"toolkit compare --hardware {args.hardware}")
+        return
+    if torch.cuda.is_available() or target.is_file():
+        return
+    print("[compare] measuring this machine for the predicted step times (toolkit calibrate --hardware cpu)...",
+          flush=True)
+    recipe = load_recipe(experiment.recipe, experiment.common) if isinstance(experiment.recipe, str) else None
+    if recipe is not None:
+        predicted.measure_profile(experiment.out_dir, recipe, nproc=max(a.nproc for a in experiment.arms))
 
 
 def cmd_report(args) -> int:

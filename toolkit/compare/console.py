@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import textwrap
 
+from toolkit.compare.predictions import step_lines
 from toolkit.compare.recommend import recommendations
 from toolkit.compare.report_render import below_verdicts, verdict_rows
 
@@ -46,4 +47,9 @@ def summary_lines(results: dict) -> list[str]:
     lines.append("recommendation:")
     for text in recommendations(results):
         lines += wrapped(text.replace("**", ""), bullet="- ")
+    steps = step_lines(results)
+    if steps:
+        lines.append("step time, measured and as toolkit plan predicts it on this machine's measured profile:")
+        for text in steps:
+            lines += wrapped(text, bullet="- ")
     return lines

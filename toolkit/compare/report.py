@@ -10,6 +10,7 @@ import yaml
 
 from toolkit.checkpoint.store import read_run_info
 from toolkit.compare import measure, verdict
+from toolkit.compare import predictions as predicted
 from toolkit.compare.experiment import CALIBRATION_PREFIX, ROUNDING_ARM, Experiment, dropout_note
 from toolkit.compare.report_render import render_html, render_markdown
 from toolkit.compare.runner import arm_dir, arm_status, read_metrics
@@ -61,7 +62,7 @@ def build_results(experiment: Experiment) -> dict:
                    comm=_comm(run), flops=run["flops"], audit=arm["audit"], batch=run["batch"],
                    losses=[m["loss"] for m in metrics], grad_norms=[m["grad_norm"] for m in metrics],
                    recipe=arm["recipe"], pipeline=_pipeline(run), experts=run.get("experts"),
-                   fallback=run.get("fallback"),
+                   fallback=run.get("fallback"), run=run,
                    plain_data_parallel=strategy_info(run["strategy"]).plain_data_parallel)
         if reference["status"] == "completed":
             row["speedup_vs_reference"] = speed["tokens_per_s"] / measure.throughput(reference["metrics"])["tokens_per_s"]
@@ -73,13 +74,16 @@ def build_results(experiment: Experiment) -> dict:
         else:
             row["verdict"] = f"no reference (reference arm {reference['status']})"
         rows.append(row)
+    profile = predicted.add_predictions(rows, experiment.out_dir)  # each row's run is read and let go there
+    for row in rows:
+        row.pop("run", None)
     first: dict = next((a["run"] for a in arms if a["status"] == "completed"), {})
     return {"experiment": str(experiment.out_dir), "recipe": experiment.recipe, "reference": reference["name"],
             "arms": rows, "machine": {k: first.get(k) for k in ("device", "device_type", "versions")},
             # the recommendation's baseline, named where no arm ran it
             "plain_data_parallel": [name for name in strategy_names() if strategy_info(name).plain_data_parallel],
             "tolerances": verdict.__doc__.strip(), "dropout_note": dropout_note(experiment.common),
-            "rounding_note": rounding_note, "rounding": rounding}
+            "rounding_note": rounding_note, "rounding": rounding, "hardware_profile": profile}
 
 
 def _by(relative_diff: float) -> str:

@@ -11,7 +11,8 @@ from pathlib import Path
 import yaml
 
 from toolkit.compare import measure, verdict
-from toolkit.compare.memory_report import MEMORY_NOTE, memory_lines
+from toolkit.compare import predictions as predicted
+from toolkit.compare.predictions import MEMORY_NOTE, memory_lines
 from toolkit.compare.recommend import equivalent, recommendations
 from toolkit.compare.report_sections import (NOT_JUDGED_HEADING, RECIPES_NOTE, arm_recipe_lines, not_judged_section,
                                              reference_recipe)
@@ -298,6 +299,9 @@ def render_markdown(results: dict, plots: list[Path]) -> str:
     lines += ["| " + " | ".join(f"**{t}**" if d else t for t, d in row) + " |" for row in a_rows]
     lines += ["", "## Memory: predicted and measured", "", MEMORY_NOTE, ""]
     lines += [f"- {m}" for m in memory_lines(results)] or ["- n/a"]
+    steps = predicted.step_lines(results)
+    if steps:
+        lines += ["", "## Step time: predicted and measured", "", predicted.STEP_NOTE, ""] + [f"- {t}" for t in steps]
     lines += ["", "## Communication per step", "", COMM_NOTE, ""]
     lines += [f"- {c}" for c in _comm_lines(results)] or ["- n/a"]
     experts = _experts_lines(results)
@@ -355,6 +359,9 @@ def render_html(results: dict, plots: list[Path]) -> str:
     experts = _items(_experts_lines(results))
     if experts:
         experts = f"<h2>Mixture of experts</h2><p>{esc(EXPERTS_NOTE)}</p><ul id='experts'>{experts}</ul>"
+    step_items = predicted.step_lines(results)
+    steps = (f"<h2>Step time: predicted and measured</h2><p>{esc(predicted.STEP_NOTE)}</p><ul id='steps'>"
+             f"{_items(step_items)}</ul>") if step_items else ""
     pipeline = _items(_pipeline_lines(results))
     if pipeline:
         pipeline = f"<h2>Pipeline stages</h2><p>{esc(PIPELINE_NOTE)}</p><ul id='pipeline'>{pipeline}</ul>"
@@ -377,7 +384,7 @@ pre{{background:#f6f6f6;padding:8px}}</style></head><body>
 <h2>Why arms differ</h2>{rounding}<ul>{why}</ul>{not_judged}
 <h2>Precision audit</h2><p>Read from the live objects after setup; highlighted cells differ from the reference.</p>
 {audit}<h2>Memory: predicted and measured</h2><p>{esc(MEMORY_NOTE)}</p><ul id='memory'>{_items(memory_lines(results), "n/a")}</ul>
-<h2>Communication per step</h2><p>{esc(COMM_NOTE)}</p><ul>{_items(_comm_lines(results), "n/a")}</ul>{experts}{pipeline}
+{steps}<h2>Communication per step</h2><p>{esc(COMM_NOTE)}</p><ul>{_items(_comm_lines(results), "n/a")}</ul>{experts}{pipeline}
 <h2>Plots</h2>{images}<h2>Tolerances</h2><pre>{esc(results['tolerances'])}</pre>
 <h2>Recipes: what each arm changes from the reference</h2><p>{esc(RECIPES_NOTE)}</p><ul id='recipe-changes'>{changes}</ul>
 {appendix}</body></html>

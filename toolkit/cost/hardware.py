@@ -46,6 +46,7 @@ class Measured:
     bus_bandwidth_bytes_per_s: float | None = None  # all-reduce bus bandwidth over the local ranks (nccl-tests' busbw)
     bus_latency_s: float | None = None  # a small all-reduce's time
     num_ranks: int | None = None  # the ranks the bus was measured with
+    threads: int | None = None  # CPU: the threads each rank computed with (cores / ranks)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +63,9 @@ class Hardware:
     # achieved / dense peak FLOP/s of a training step's compute on this device, where no calibration measured it:
     # fitted on published runs by benchmarks/scale_prediction.py (unset: step_time.MATMUL_EFFICIENCY)
     compute_efficiency: float | None = None
+    # whether collectives run beside compute: a GPU's have engines and SMs of their own; gloo on a CPU reduces on the
+    # same cores the ranks compute on, so on it nothing hides (calibrate's cpu profile says false)
+    overlaps_communication: bool = True
     measured: Measured = field(default_factory=Measured)
 
     def peak(self, dtype: str) -> float:

@@ -2,8 +2,9 @@
 profile: compute, communication and what hides it, a pipeline's bubble, the optimizer step, offload traffic.
 
 Each rule is written once, here, with its source:
-- compute: a step's FLOPs (toolkit/cost/flops.py) at MATMUL_EFFICIENCY of the profile's dense peak in the
-  recipe's precision, or at the matmul FLOP/s `toolkit calibrate` measured;
+- compute: a step's FLOPs (toolkit/cost/flops.py) at the profile's fitted efficiency (else MATMUL_EFFICIENCY) of
+  its dense peak in the recipe's precision, or at the matmul FLOP/s `toolkit calibrate` measured, attention at
+  the rate it measured for the sequence length;
 - a collective: the ring algorithm's bytes and steps (collectives.wire_time_s) at the bandwidth of the links its
   group crosses (link_bandwidth: NVLink within a node; across nodes one NIC per rank of the group in a node),
   at BUS_EFFICIENCY of their datasheet bandwidth (or the bus bandwidth calibrate measured);
@@ -13,7 +14,8 @@ Each rule is written once, here, with its source:
               hidden behind forward and backward compute except the first gather and the last reduction;
     backward  DDP's buckets (Li et al., "PyTorch Distributed", VLDB 2020) and ZeRO-1/2's overlap_comm reduce
               while backward runs: hidden behind backward compute except the last bucket;
-    nothing   exposed in full;
+    nothing   exposed in full; and so is everything on a profile whose collectives share the compute's cores
+              (Hardware.overlaps_communication: calibrate's cpu profile, gloo);
 - pipeline: each rank computes its stages; idle (p-1)/(v·m+p-1) of the step (pipeline/layout.theoretical_bubble);
 - optimizer step: memory-bound, AdamW reads a parameter, its gradient and two moments and writes three;
 - offload: gradients to the host and parameters back over PCIe each step, the update at HOST_ADAM_BYTES_PER_S.
@@ -21,6 +23,7 @@ Each rule is written once, here, with its source:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -96,7 +99,14 @@ def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficienc
     # stack) and, on the last stage, the head: replicated over tp (every TP rank computes the full logits)
     rank_flops = shard_tokens / d.cp * ((flops.block_matmul + flops.attention + flops.recompute) / (d.tp * d.pp)
                                         + flops.head_matmul)
-    compute_s = rank_flops / _flops_per_s(hw, work.precision, efficiency)
+    # attention at the rate calibrate measured for this sequence length, where it did; the rest as matmuls
+    attention = shard_tokens / d.cp * flops.attention / (d.tp * d.pp) * (4 / 3 if work.checkpointing else 1)
+    attention_rate = _attention_flops_per_s(hw, work.seq_len)
+    if attention_rate is None:
+        compute_s = rank_flops / _flops_per_s(hw, work.precision, efficiency)
+    else:
+        compute_s = (rank_flops - attention) / _flops_per_s(hw, work.precision, efficiency) + \
+            attention / attention_rate
     forward_s = compute_s * (1 / 3) * (flops.total - flops.recompute) / flops.total
     backward_s = compute_s - forward_s
     costs = [Cost(what="compute", seconds=compute_s, exposed_s=compute_s)]
@@ -117,6 +127,22 @@ def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficienc
     mfu = per_gpu * flops.model_flops / hw.peak(work.precision)
     return StepTime(step_time_s=total, tokens_per_step=work.global_tokens, tokens_per_s_per_gpu=per_gpu, mfu=mfu,
                     costs=costs)
+
+
+def _attention_flops_per_s(hw: Hardware, length: int) -> float | None:
+    """The measured attention rate at `length`: the nearest measured lengths' rates, interpolated on log length
+    (the nearest one outside their range); None where calibrate measured none."""
+    rates = hw.measured.attention_flops_per_s
+    if not rates:
+        return None
+    points = sorted((int(k), v) for k, v in rates.items())
+    if length <= points[0][0]:
+        return points[0][1]
+    for (a, rate_a), (b, rate_b) in zip(points, points[1:]):
+        if length <= b:
+            t = (math.log(length) - math.log(a)) / (math.log(b) - math.log(a))
+            return rate_a + t * (rate_b - rate_a)
+    return points[-1][1]
 
 
 def _flops_per_s(hw: Hardware, precision: str, efficiency: float) -> float:
@@ -166,6 +192,8 @@ def _communication(collectives: list[Collective], degrees: Degrees, cluster: Clu
         timed.append((c, wire_time_s(c, bandwidth_bytes_per_s=bandwidth, latency_s=latency), where))
     costs = []
     window = {"compute": forward_s + backward_s, "backward": backward_s}
+    if not hw.overlaps_communication:  # gloo on CPU cores: nothing hides behind compute
+        window = {"compute": 0.0, "backward": 0.0}
     for overlap, hidden_by in window.items():
         group = [(c, s, where) for c, s, where in timed if c.overlap == overlap]
         total = sum(s for _, s, _ in group)

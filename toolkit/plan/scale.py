@@ -91,12 +91,22 @@ def plan_layout(name: str, recipe: Recipe, model: nn.Module, cluster: step_time.
 
 def _work(recipe: Recipe, model: nn.Module, *, world_size: int) -> tuple[step_time.Work, int]:
     """What the busiest rank does: the last (a pipeline's last stage carries the head and the loss)."""
-    rules = strategy_rules(recipe)
     rank = world_size - 1
+    return work_for_shapes(recipe, model, world_size=world_size, rank=rank, shapes=None), rank
+
+
+def work_for_shapes(recipe: Recipe, model: nn.Module, *, world_size: int, rank: int,
+                    shapes: list[tuple[int, int]] | None) -> step_time.Work:
+    """What `rank` does in a step of micro-batches `shapes` (samples, padded length; None: the recipe's micro
+    batch at data.max_length, every one)."""
+    rules = strategy_rules(recipe)
     shards = data_layout(recipe, world_size=world_size, rank=rank).size
     batch = plan_batch(recipe.batch, world_size=shards)
     length = recipe.data.max_length
-    shapes = [(batch.micro_batch_size, length)] * batch.grad_accum_steps
+    if shapes is None:
+        shapes = [(batch.micro_batch_size, length)] * batch.grad_accum_steps
+    else:
+        length = round(sum(r * n for r, n in shapes) / sum(r for r, _ in shapes))  # their mean padded length
     collectives = rules.predict_collectives(model, recipe, world_size=world_size, rank=rank, shapes=shapes) + \
         loop_collectives(world_size=world_size)
     state = rules.predict_state_bytes(model, recipe, world_size=world_size)[rank]
@@ -111,7 +121,7 @@ def _work(recipe: Recipe, model: nn.Module, *, world_size: int) -> tuple[step_ti
                           num_micro_batches=batch.grad_accum_steps,
                           stages_per_rank=getattr(options, "stages_per_rank", 1) or 1,
                           collectives=collectives, optimizer_bytes=moved, offloaded_bytes=offloaded)
-    return work, rank
+    return work
 
 
 def ranked(planned: list[Planned]) -> list[Planned]:

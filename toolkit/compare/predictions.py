@@ -1,0 +1,140 @@
+"""The report's predicted-and-measured sections: toolkit plan's memory prediction beside what each arm measured,
+and its step-time prediction beside the step time each arm measured.
+
+Each arm's step time as toolkit plan predicts it, beside the one it measured: the one place where prediction and
+measurement stand side by side on this machine. The profile is this machine's, measured once the arms are done
+(the machine idle; toolkit calibrate --hardware cpu's measurements, kept in the experiment folder as
+hardware-cpu.yaml), or the one --hardware names; each arm's prediction takes its own recipe, world size and the micro-batch shapes of its
+counted step."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from toolkit.config.parallel import resolve
+from toolkit.config.recipe import Recipe
+from toolkit.config.typed import from_plain
+from toolkit.cost import hardware as profiles
+from toolkit.cost import step_time
+from toolkit.errors import RecipeError
+
+MEMORY_NOTE = ("Model states (parameters, gradients, optimizer state) are predicted exactly from the model's "
+               "shapes and each strategy's sharding rules, before the run (`toolkit plan`); the peak is an "
+               "estimate (runtime + activations + model states; see toolkit/plan/predict.py). Other live tensors: a census "
+               "of every tensor the process holds after the first backward, less the counted model states "
+               "(a strategy's buckets and buffers, the batch). On CPU the peak is predicted for "
+               "train.host_memory=predictable; an arm that ran `fast` reuses freed memory and keeps its high-water "
+               "mark, above the prediction (toolkit/process/host_memory.py).")
+
+
+def memory_lines(results: dict) -> list[str]:
+    lines = []
+    for r in results["arms"]:
+        if r["status"] != "completed" or not r.get("model_state_bytes_per_rank"):
+            continue
+        measured = "/".join(f"{b / 2 ** 20:.1f}" for b in r["model_state_bytes_per_rank"])
+        other = "/".join(f"{b / 2 ** 20:.1f}" for b in r.get("other_live_bytes_per_rank") or []) or "n/a"
+        if "predicted_model_state_bytes_per_rank" not in r:
+            lines.append(f"{r['arm']}: model states {measured} MiB/rank; other live tensors {other} MiB/rank; "
+                         f"no prediction ({r.get('prediction')})")
+            continue
+        predicted = "/".join(f"{b / 2 ** 20:.1f}" for b in r["predicted_model_state_bytes_per_rank"])
+        peak = "/".join(f"{b / 2 ** 20:.0f}" for b in r["peak_mem_bytes_per_rank"])
+        peak_want = "/".join(f"{b / 2 ** 20:.0f}" for b in
+                             r.get("predicted_peak_bytes_per_rank") or [r["predicted_peak_bytes"]])
+        peak_error = r.get("peak_prediction_error")
+        lines.append(f"{r['arm']}: model states measured {measured} vs predicted {predicted} MiB/rank (error "
+                     f"{r['model_state_prediction_error'] * 100:.2f} %); peak measured {peak} vs predicted "
+                     f"{peak_want} MiB/rank (largest error "
+                     f"{'n/a' if peak_error is None else f'{peak_error * 100:+.1f} %'}); other live tensors "
+                     f"{other} MiB/rank{host_memory_note(r)}")
+    return lines
+
+
+def host_memory_note(arm: dict) -> str:
+    """'; host memory fast' where a CPU arm's peak is not the one the plan predicts."""
+    return f"; host memory {arm['host_memory']}" if arm.get("host_memory") == "fast" else ""
+
+
+PROFILE = "hardware-cpu.yaml"  # in the experiment folder
+
+
+def measure_profile(out_dir: Path, recipe: Recipe, *, nproc: int) -> Path:
+    """This machine's CPU profile for ranks of `nproc`, measured once per experiment folder."""
+    from toolkit.cost import calibrate
+    from toolkit.model.precision import DTYPES
+    from toolkit.plan.predict import planned_model
+
+    path = out_dir / PROFILE
+    if not path.is_file():
+        tokens = recipe.batch.micro_batch_size * recipe.data.max_length
+        profile = calibrate.cpu_profile(nproc=max(nproc, 2), model=planned_model(recipe), tokens=tokens,
+                                        dtype=DTYPES[recipe.precision])
+        profiles.write(profile, path, header="measured by toolkit compare at its start (toolkit calibrate --hardware cpu)")
+    return path
+
+
+def predicted_step(run: dict, recipe_raw: dict, profile: profiles.Hardware) -> dict[str, Any] | None:
+    """{"predicted_step_time_s", "prediction_error"} for a completed arm (None where its layout is not modelled)."""
+    from toolkit.config.recipe import Recipe as RecipeType
+    from toolkit.plan.predict import planned_model
+    from toolkit.plan.scale import work_for_shapes
+
+    comm = run.get("comm_per_step") or {}
+    shapes = comm.get("micro_batch_shapes_per_rank")
+    world = run["world_size"]
+    try:
+        recipe = resolve(from_plain(RecipeType, recipe_raw), world_size=world)
+        model = planned_model(recipe)
+        rank = world - 1
+        work = work_for_shapes(recipe, model, world_size=world, rank=rank,
+                               shapes=[tuple(s) for s in shapes[rank]] if shapes else None)
+    except (RecipeError, KeyError, IndexError):
+        return None
+    threads = run.get("threads_per_rank")
+    measured = profile.measured
+    if threads and measured.threads and threads != measured.threads:  # a rank computes with its own threads
+        scale = threads / measured.threads
+        rates = {k: v * scale for k, v in (measured.attention_flops_per_s or {}).items()}
+        matmul = (measured.matmul_flops_per_s or 0.0) * scale
+        profile = dataclasses.replace(profile, measured=dataclasses.replace(
+            measured, matmul_flops_per_s=matmul, attention_flops_per_s=rates or None))
+    cluster = step_time.Cluster(hardware=profile, num_nodes=1, gpus_per_node=max(world, profile.gpus_per_node))
+    predicted = step_time.predict(model, work, cluster)
+    return {"predicted_step_time_s": predicted.step_time_s, "predicted_largest": predicted.largest()}
+
+
+STEP_NOTE = ("Each arm's step time as `toolkit plan --hardware` predicts it (toolkit/cost/step_time.py) from this "
+             "machine's measured profile (hardware-cpu.yaml: matmul and attention FLOP/s at a rank's threads, memory "
+             "bandwidth, gloo's all-reduce bus), its recipe, world size and the micro-batch shapes of its counted "
+             "step, beside the median it measured.")
+
+
+def add_predictions(rows: list[dict], out_dir: Path) -> str | None:
+    """Each completed row's predicted step time and its error against the measured median, from the experiment
+    folder's profile; the profile's path, or None where there is none (a compare on a GPU without --hardware)."""
+    path = out_dir / PROFILE
+    if not path.is_file():
+        return None
+    profile = profiles.load(str(path))
+    for row in rows:
+        if row.get("status") != "completed" or "run" not in row:
+            continue
+        done = predicted_step(row.pop("run"), row["recipe"], profile)
+        if done is not None and row.get("step_time_s"):
+            row.update(done, prediction_error=done["predicted_step_time_s"] / row["step_time_s"] - 1)
+    return str(path)
+
+
+def step_lines(results: dict) -> list[str]:
+    """One line per arm: measured and predicted step time, the error, the prediction's largest costs."""
+    out = []
+    for row in results["arms"]:
+        if "predicted_step_time_s" not in row:
+            continue
+        out.append(f"{row['arm']}: measured {row['step_time_s'] * 1e3:,.0f} ms, predicted "
+                   f"{row['predicted_step_time_s'] * 1e3:,.0f} ms ({100 * row['prediction_error']:+.0f} %); "
+                   f"predicted: {', '.join(row['predicted_largest'])}")
+    return out

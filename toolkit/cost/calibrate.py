@@ -1,0 +1,168 @@
+"""`toolkit calibrate --hardware NAME`: measure on this machine what a profile can only estimate, and write a profile
+whose `measured:` section the step-time model prefers: matmul FLOP/s on the model's GEMM shapes, attention FLOP/s
+per sequence length, memory bandwidth and, over several local ranks, the all-reduce bus bandwidth (nccl-tests'
+busbw: 2(n-1)/n of the payload per rank over the time). `--hardware cpu` measures the CPU and gloo; on a GPU
+machine, the named profile's datasheet values stay beside what was measured.
+
+Each rank of a multi-process CPU run gets cores / ranks threads (the launcher's OMP_NUM_THREADS), so the matmul and
+attention rates are measured at the threads a rank of `--nproc` ranks has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from toolkit.cost.hardware import Hardware, Link, Measured, PeakFlops
+
+ATTENTION_LENGTHS = (64, 256, 1024)
+
+
+def _best_seconds(run, *, repeats: int = 3) -> float:
+    run()  # warm-up: allocation, kernel selection
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def gemm_shapes(model: nn.Module | None, tokens: int) -> list[tuple[int, int, int]]:
+    """(m, k, n) of the model's linear layers for `tokens` rows (distinct shapes), or square ones without a model."""
+    if model is None:
+        return [(tokens, 1024, 1024), (tokens, 4096, 1024)]
+    shapes = {(tokens, m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)}
+    return sorted(shapes)[:8]
+
+
+def matmul_flops_per_s(shapes: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device) -> float:
+    """Forward and backward of x @ w.T over the shapes, FLOP-weighted: 6·m·k·n per shape over their total time."""
+    flops = seconds = 0.0
+    for m, k, n in shapes:
+        x = torch.randn(m, k, dtype=dtype, device=device, requires_grad=True)
+        w = torch.randn(n, k, dtype=dtype, device=device, requires_grad=True)
+
+        def step() -> None:
+            torch.nn.functional.linear(x, w).sum().backward()
+            _sync(device)
+        seconds += _best_seconds(step)
+        flops += 6 * m * k * n
+    return flops / seconds
+
+
+def attention_flops_per_s(*, heads: int, head_dim: int, batch: int, dtype: torch.dtype,
+                          device: torch.device) -> dict[str, float]:
+    """Causal scaled-dot-product attention, forward and backward, at each of ATTENTION_LENGTHS: FLOPs counted as the
+    model's (12 · batch · length² · heads · head_dim, PaLM's, no causal halving) over the time."""
+    out = {}
+    for length in ATTENTION_LENGTHS:
+        q, k, v = (torch.randn(batch, heads, length, head_dim, dtype=dtype, device=device, requires_grad=True)
+                   for _ in range(3))
+
+        def step() -> None:
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+            _sync(device)
+        out[str(length)] = 12 * batch * length ** 2 * heads * head_dim / _best_seconds(step)
+    return out
+
+
+def memory_bandwidth(device: torch.device, *, size_bytes: int = 256 * 2 ** 20) -> float:
+    """A large copy: bytes read and written per second."""
+    source = torch.empty(size_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    target = torch.empty_like(source)
+
+    def copy() -> None:
+        target.copy_(source)
+        _sync(device)
+    return 2 * size_bytes / _best_seconds(copy)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bus_bandwidth(nproc: int, *, size_bytes: int = 64 * 2 ** 20) -> tuple[float, float]:
+    """(bus bytes/s of a large all-reduce, seconds of a small one) over `nproc` local CPU ranks on gloo."""
+    import torch.multiprocessing as mp
+
+    results = mp.get_context("spawn").Manager().dict()
+    port = _free_port()
+    mp.spawn(_bus_rank, args=(nproc, port, size_bytes, results), nprocs=nproc, join=True)
+    return results["busbw"], results["latency"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bus_rank(rank: int, nproc: int, port: int, size_bytes: int, results: Any) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc)
+    try:
+        big, small = torch.ones(size_bytes // 4), torch.ones(8)
+        seconds = _best_seconds(lambda: dist.all_reduce(big))
+        latency = _best_seconds(lambda: dist.all_reduce(small), repeats=20)
+        if rank == 0:
+            results["busbw"] = 2 * (nproc - 1) / nproc * size_bytes / seconds
+            results["latency"] = latency / (2 * (nproc - 1))  # a step of the ring
+    finally:
+        dist.destroy_process_group()
+
+
+def cpu_profile(*, nproc: int, model: nn.Module | None, tokens: int, dtype: torch.dtype) -> Hardware:
+    """This machine's CPU as a profile, every value measured: its matmul rate as the peak (a rank of `nproc`
+    ranks' threads), host memory and its bandwidth, gloo's bus between local ranks (one node)."""
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // nproc)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        device = torch.device("cpu")
+        matmul = matmul_flops_per_s(gemm_shapes(model, tokens), dtype, device)
+        config: Any = getattr(model, "config", None)
+        heads = getattr(config, "num_attention_heads", 8) if config is not None else 8
+        head_dim = (getattr(config, "hidden_size", 512) // heads) if config is not None else 64
+        attention = attention_flops_per_s(heads=heads, head_dim=head_dim, batch=max(1, tokens // 1024),
+                                          dtype=dtype, device=device)
+        memory = memory_bandwidth(device)
+    finally:
+        torch.set_num_threads(before)
+    busbw, latency = bus_bandwidth(nproc) if nproc > 1 else (memory, 1e-6)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    link = Link(bandwidth_bytes_per_s=busbw, latency_s=latency)
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    return Hardware(name="cpu", description=f"this machine's CPU: {cores} cores, {threads} thread(s) a rank of {nproc}",
+                    peak_flops_per_s=PeakFlops(bf16=matmul, fp16=matmul, fp32=matmul),
+                    memory_bytes=total / nproc, memory_bandwidth_bytes_per_s=memory, intra_node=link, inter_node=link,
+                    host_link=Link(bandwidth_bytes_per_s=memory, latency_s=1e-6), gpus_per_node=nproc,
+                    compute_efficiency=1.0, overlaps_communication=False,
+                    measured=Measured(matmul_flops_per_s=matmul, matmul_dtype=name, attention_flops_per_s=attention,
+                                      memory_bandwidth_bytes_per_s=memory, bus_bandwidth_bytes_per_s=busbw,
+                                      bus_latency_s=latency, num_ranks=nproc, threads=threads))
+
+
+def gpu_profile(base: Hardware, *, nproc: int, model: nn.Module | None, tokens: int, dtype: torch.dtype) -> Hardware:
+    """`base` (a datasheet profile) with what this GPU machine measured."""
+    device = torch.device("cuda")
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    config: Any = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", 32) if config is not None else 32
+    head_dim = (getattr(config, "hidden_size", 4096) // heads) if config is not None else 128
+    measured = Measured(matmul_flops_per_s=matmul_flops_per_s(gemm_shapes(model, tokens), dtype, device),
+                        matmul_dtype=name,
+                        attention_flops_per_s=attention_flops_per_s(heads=heads, head_dim=head_dim, batch=1,
+                                                                    dtype=dtype, device=device),
+                        memory_bandwidth_bytes_per_s=memory_bandwidth(device, size_bytes=2 ** 30))
+    return dataclasses.replace(base, measured=measured)
