@@ -59,6 +59,8 @@ NOT_RUN = {  # parsed and their files checked only
     "--set train.report_to=tensorboard": "tests/test_compare.py runs a compare with train.report_to=tensorboard",
     "toolkit plan recipes/llama-tiny.yaml --nproc 2 --strategies ddp,fsdp,zero1,zero2,zero3,tp,pp-1f1b "
     "--memory-per-rank 40GiB": "tests/test_plan.py runs `toolkit plan` on this recipe (and checks its numbers)",
+    "toolkit calibrate recipes/minilm-sst.yaml --hardware cpu --nproc 2":
+        "tests/test_scale_plan.py calibrates this CPU and plans with the profile it wrote",
     "toolkit plan recipes/llama3-8b.yaml --hardware h100-sxm --nodes 2":
         "tests/test_scale_plan.py runs this plan (--json) and checks its numbers",
     "toolkit launch --nproc 2 recipes/llama-tiny.yaml --set parallel.dp_shard=2":
