@@ -88,14 +88,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bus_bandwidth(nproc: int, *, size_bytes: int = 64 * 2 ** 20) -> tuple[float, float]:
-    """(bus bytes/s of a large all-reduce, seconds of a small one) over `nproc` local CPU ranks on gloo."""
+BUS_SIZES = (2 ** 20, 64 * 2 ** 20)  # the message sizes each collective's bus bandwidth is measured at
+
+
+def bus_bandwidth(nproc: int) -> tuple[dict[str, dict[str, float]], float]:
+    """({collective kind: {bytes per call: bus bytes/s}}, seconds of a small all-reduce's ring step) over `nproc`
+    local CPU ranks on gloo. Bus bandwidth as nccl-tests defines it, so that the ring model's bytes over it give the
+    time: an all-reduce moves 2(n-1)/n of its payload, a reduce-scatter and an all-gather (n-1)/n of the whole."""
     import torch.multiprocessing as mp
 
     results = mp.get_context("spawn").Manager().dict()
     port = _free_port()
-    mp.spawn(_bus_rank, args=(nproc, port, size_bytes, results), nprocs=nproc, join=True)
-    return results["busbw"], results["latency"]
+    mp.spawn(_bus_rank, args=(nproc, port, results), nprocs=nproc, join=True)
+    return dict(results["busbw"]), results["latency"]
 
 
 def _free_port() -> int:
@@ -106,16 +111,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _bus_rank(rank: int, nproc: int, port: int, size_bytes: int, results: Any) -> None:
+def _bus_rank(rank: int, nproc: int, port: int, results: Any) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc)
     try:
-        big, small = torch.ones(size_bytes // 4), torch.ones(8)
-        seconds = _best_seconds(lambda: dist.all_reduce(big))
-        latency = _best_seconds(lambda: dist.all_reduce(small), repeats=20)
+        busbw: dict[str, dict[str, float]] = {"all_reduce": {}, "reduce_scatter": {}, "all_gather": {}}
+        for size_bytes in BUS_SIZES:
+            numel = size_bytes // 4 // nproc * nproc
+            big, part = torch.ones(numel), torch.empty(numel // nproc)
+            moved = (nproc - 1) / nproc * numel * 4
+            key = str(numel * 4)  # an all-reduce's and a reduce-scatter's payload; an all-gather's is its shard's
+            busbw["all_reduce"][key] = 2 * moved / _best_seconds(lambda: dist.all_reduce(big))
+            busbw["reduce_scatter"][key] = moved / _best_seconds(lambda: dist.reduce_scatter_tensor(part, big))
+            busbw["all_gather"][str(numel // nproc * 4)] = \
+                moved / _best_seconds(lambda: dist.all_gather_into_tensor(big, part))
+        latency = _best_seconds(lambda: dist.all_reduce(torch.ones(8)), repeats=20)
         if rank == 0:
-            results["busbw"] = 2 * (nproc - 1) / nproc * size_bytes / seconds
+            results["busbw"] = busbw
             results["latency"] = latency / (2 * (nproc - 1))  # a step of the ring
     finally:
         dist.destroy_process_group()
@@ -139,7 +152,8 @@ def cpu_profile(*, nproc: int, model: nn.Module | None, tokens: int, dtype: torc
         memory = memory_bandwidth(device)
     finally:
         torch.set_num_threads(before)
-    busbw, latency = bus_bandwidth(nproc) if nproc > 1 else (memory, 1e-6)
+    by_kind, latency = bus_bandwidth(nproc) if nproc > 1 else ({"all_reduce": {str(BUS_SIZES[-1]): memory}}, 1e-6)
+    busbw = max(by_kind["all_reduce"].values())
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     link = Link(bandwidth_bytes_per_s=busbw, latency_s=latency)
     name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
@@ -150,6 +164,7 @@ def cpu_profile(*, nproc: int, model: nn.Module | None, tokens: int, dtype: torc
                     compute_efficiency=1.0, overlaps_communication=False,
                     measured=Measured(matmul_flops_per_s=matmul, matmul_dtype=name, attention_flops_per_s=attention,
                                       memory_bandwidth_bytes_per_s=memory, bus_bandwidth_bytes_per_s=busbw,
+                                      bus_bandwidth_by_kind=by_kind,
                                       bus_latency_s=latency, num_ranks=nproc, threads=threads))
 
 

@@ -44,6 +44,9 @@ class Measured:
     attention_flops_per_s: dict[str, float] | None = None  # sequence length (as text) -> FLOP/s, forward + backward
     memory_bandwidth_bytes_per_s: float | None = None  # a large copy: read + write bytes / s
     bus_bandwidth_bytes_per_s: float | None = None  # all-reduce bus bandwidth over the local ranks (nccl-tests' busbw)
+    # each collective's own bus bandwidth by message size, where they differ (gloo: a reduce-scatter costs about two
+    # all-reduces, and a 1 MiB bucket moves at a fraction of a 64 MiB one's rate): {kind: {bytes per call: bytes/s}}
+    bus_bandwidth_by_kind: dict[str, dict[str, float]] | None = None
     bus_latency_s: float | None = None  # a small all-reduce's time
     num_ranks: int | None = None  # the ranks the bus was measured with
     threads: int | None = None  # CPU: the threads each rank computed with (cores / ranks)

@@ -130,17 +130,20 @@ def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficienc
 
 
 def _attention_flops_per_s(hw: Hardware, length: int) -> float | None:
-    """The measured attention rate at `length`: the nearest measured lengths' rates, interpolated on log length
-    (the nearest one outside their range); None where calibrate measured none."""
+    """The measured attention rate at `length` (interpolated on log length), None where calibrate measured none."""
     rates = hw.measured.attention_flops_per_s
-    if not rates:
-        return None
-    points = sorted((int(k), v) for k, v in rates.items())
-    if length <= points[0][0]:
+    return _interpolated(rates, length) if rates else None
+
+
+def _interpolated(points_by_key: dict[str, float], at: float) -> float:
+    """A measured rate at `at`, from rates measured at some sizes (or lengths): linear in log size between the
+    nearest two, the nearest one outside their range."""
+    points = sorted((float(k), v) for k, v in points_by_key.items())
+    if at <= points[0][0]:
         return points[0][1]
     for (a, rate_a), (b, rate_b) in zip(points, points[1:]):
-        if length <= b:
-            t = (math.log(length) - math.log(a)) / (math.log(b) - math.log(a))
+        if at <= b:
+            t = (math.log(at) - math.log(a)) / (math.log(b) - math.log(a))
             return rate_a + t * (rate_b - rate_a)
     return points[-1][1]
 
@@ -189,6 +192,9 @@ def _communication(collectives: list[Collective], degrees: Degrees, cluster: Clu
         per_node = ranks_per_node(c.group, c.group_size, degrees, cluster.gpus_per_node)
         bandwidth, latency, where = link_bandwidth(hw, size=c.group_size, per_node=per_node,
                                                    bus_efficiency=bus_efficiency)
+        measured = (hw.measured.bus_bandwidth_by_kind or {}).get(c.kind)
+        if measured and where == "in node":  # the collective's own rate at its message size, where measured
+            bandwidth = _interpolated(measured, c.payload_bytes / max(c.calls, 1))
         timed.append((c, wire_time_s(c, bandwidth_bytes_per_s=bandwidth, latency_s=latency), where))
     costs = []
     window = {"compute": forward_s + backward_s, "backward": backward_s}
