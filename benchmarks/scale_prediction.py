@@ -102,6 +102,13 @@ def layout_of(row: dict) -> tuple[str, ...]:
     return tuple(out)
 
 
+def short_layout(overrides: tuple[str, ...]) -> str:
+    """'fsdp replicate=16', 'hybrid pipeline=4 ...': the strategy, then its options without their prefix."""
+    name, *options = [o.split("=", 1)[1] if o.startswith("strategy.name=") else
+                      o.removeprefix("strategy.").replace("_degree", "") for o in overrides]
+    return " ".join([name, *options])
+
+
 def recipe_text(row: dict) -> str:
     world = row["num_nodes"] * row["gpus_per_node"]
     layout = row["layout"]
@@ -217,7 +224,7 @@ def report(rows: list[Row], fitted: dict[str, float], held_out: dict[str, float]
         loso.append(abs(left_out))
         memory = r.data["published"].get("memory_gib")
         mem = f"{memory:.1f}/{r.peak_bytes / 2 ** 30:.1f}" if memory else "-"
-        layout = " ".join(o.split("=", 1)[1] for o in layout_of(r.data)) + (" c" if r.data.get("compile") else "")
+        layout = short_layout(layout_of(r.data)) + (" c" if r.data.get("compile") else "")
         print(f"{r.data['id'][:46]:46} {r.cluster.world_size:>5} {layout[:24]:24} {published:>9,.0f} "
               f"{predicted:>9,.0f} {100 * error:>+6.1f}% {100 * left_out:>+6.1f}% {mem:>20}")
     if rows:

@@ -156,3 +156,15 @@ def test_calibrate_measures_this_cpu_into_a_profile_the_plan_reads(tmp_path):
 def test_calibrating_a_gpu_profile_without_a_gpu_is_one_line_exit_2():
     done = run_cli("calibrate", "--hardware", "h100-sxm")
     assert done.returncode == 2 and "no GPU here to measure; use --hardware cpu" in done.stderr, done.stderr
+
+
+def test_context_parallel_holds_a_long_sequence_fsdp_alone_cannot():
+    done = run_cli("plan", RECIPE, "--hardware", "h100-sxm", "--layouts", "fsdp,fsdp-cp2", "--json",
+                   "--set", "data.max_length=32768", "--set", "model.config.max_position_embeddings=32768")
+    assert done.returncode == 0, done.stderr[-3000:]
+    planned = {p["layout"]: p for p in json.loads(done.stdout)}
+    # each cp rank traces its half of every 32k sequence, beside the gathered keys and values it keeps
+    assert planned["fsdp-cp2"]["fits"] and not planned["fsdp"]["fits"]
+    assert planned["fsdp-cp2"]["peak_bytes_per_gpu"] < 0.75 * planned["fsdp"]["peak_bytes_per_gpu"]
+    costs = {c["what"] for c in planned["fsdp-cp2"]["costs"]}
+    assert "all-gather keys and values over cp (in node)" in costs

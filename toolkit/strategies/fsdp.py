@@ -222,10 +222,10 @@ class FsdpRules:
     def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
                                  how: dict[str, Any]) -> list[int]:
         options = options_of(FsdpOptions, recipe)
-        if (options.cp_degree or 1) > 1:  # gathered keys and values, a 1/cp sequence: not traced yet
-            raise RecipeError("toolkit plan does not predict context parallel's activations yet")
-        return whole_stack_activations(model, recipe, world_size=world_size, how=how,
-                                       tp_degree=options.tp_degree or 1)
+        cp, tp = options.cp_degree or 1, options.tp_degree or 1
+        if cp > 1:
+            return context.activation_bytes(model, recipe, world_size=world_size, how=how, cp=cp, tp=tp)
+        return whole_stack_activations(model, recipe, world_size=world_size, how=how, tp_degree=tp)
 
 
 class FsdpStrategy(TrainsOneModule):

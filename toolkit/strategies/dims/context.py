@@ -299,3 +299,29 @@ def forward_once(strategy: MicroBatchStrategy, micro_batches: list[dict], *, los
         with sequence(mine.sequence):
             total += _local_loss(strategy, mine, loss_sum).detach().double()
     return total, sum(int(batch["num_items"]) for batch in micro_batches) if group.rank == 0 else 0
+
+
+def activation_bytes(model, recipe: Recipe, *, world_size: int, how: dict[str, Any], cp: int, tp: int) -> list[int]:
+    """A cp rank's activations, estimated (toolkit plan): its part of each sequence (2 chunks of ceil(L / 2cp))
+    traced through the whole stack as a rank computes it, plus what the trace of that part does not hold: every
+    layer's gathered keys and values, saved for backward at the whole sequence's length (the layer being recomputed
+    alone under activation checkpointing; its own chunk counted twice, a 1/cp over-count), and the attention mask of
+    the rank's queries over every key, made once and shared by the layers (`Sequence.masks`: one byte a pair)."""
+    import dataclasses
+    import math
+
+    from toolkit.memory.state_bytes import element_bytes
+    from toolkit.strategies.base import whole_stack_activations
+
+    length, micro = recipe.data.max_length, recipe.batch.micro_batch_size
+    local_length = 2 * math.ceil(length / (2 * cp))
+    local = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, max_length=local_length))
+    traced = whole_stack_activations(model, local, world_size=world_size, how=how, tp_degree=tp)
+    config: Any = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // tp
+    dtype = how.get("autocast_dtype") or how["params_dtype"]
+    layers = 1 if how.get("checkpointing") else config.num_hidden_layers
+    gathered = layers * 2 * micro * cp * local_length * kv_heads * head_dim * element_bytes(dtype)
+    mask = micro * local_length * cp * local_length
+    return [t + gathered + mask for t in traced]
