@@ -158,7 +158,9 @@ def build(row: dict, folder: Path) -> Row | str:
         return planned.refused
     from toolkit.config.parallel import resolve
 
-    work, _ = scale._work(resolve(recipe, world_size=cluster.world_size), model, world_size=cluster.world_size)
+    world = cluster.world_size
+    work = scale.work_for_shapes(resolve(recipe, world_size=world), model, world_size=world, rank=world - 1,
+                                 shapes=None)
     return Row(data=row, model=model, work=work, cluster=cluster, peak_bytes=planned.peak_bytes_per_gpu or 0)
 
 

@@ -222,7 +222,7 @@ def cmd_calibrate(args) -> int:
     quiet_libraries()
     model = planned_model(recipe) if recipe is not None else None
     tokens = recipe.batch.micro_batch_size * recipe.data.max_length if recipe is not None else 2048
-    dtype = DTYPES[recipe.precision] if recipe is not None else torch_dtype_default()
+    dtype = DTYPES[recipe.precision if recipe is not None else "fp32"]
     out = Path(args.output or f"hardware-{args.hardware}.yaml")
     if args.hardware == "cpu":
         print(f"[toolkit] calibrating the CPU for {args.nproc} rank(s): matmul, attention, memory, gloo...",
@@ -242,12 +242,6 @@ def cmd_calibrate(args) -> int:
           f"{(m.memory_bandwidth_bytes_per_s or 0) / 1e9:.1f} GB/s" +
           (f", all-reduce bus {m.bus_bandwidth_bytes_per_s / 1e9:.2f} GB/s" if m.bus_bandwidth_bytes_per_s else ""))
     return 0
-
-
-def torch_dtype_default():
-    import torch
-
-    return torch.float32
 
 
 def cmd_scale_plan(args) -> int:

@@ -16,9 +16,12 @@ from typing import Any
 from toolkit.config.parallel import resolve
 from toolkit.config.recipe import Recipe
 from toolkit.config.typed import from_plain
+from toolkit.cost import calibrate, step_time
 from toolkit.cost import hardware as profiles
-from toolkit.cost import step_time
 from toolkit.errors import RecipeError
+from toolkit.model.precision import DTYPES
+from toolkit.plan.predict import planned_model
+from toolkit.plan.scale import work_for_shapes
 
 MEMORY_NOTE = ("Model states (parameters, gradients, optimizer state) are predicted exactly from the model's "
                "shapes and each strategy's sharding rules, before the run (`toolkit plan`); the peak is an "
@@ -63,10 +66,6 @@ PROFILE = "hardware-cpu.yaml"  # in the experiment folder
 
 def measure_profile(out_dir: Path, recipe: Recipe, *, nproc: int) -> Path:
     """This machine's CPU profile for ranks of `nproc`, measured once per experiment folder."""
-    from toolkit.cost import calibrate
-    from toolkit.model.precision import DTYPES
-    from toolkit.plan.predict import planned_model
-
     path = out_dir / PROFILE
     if not path.is_file():
         tokens = recipe.batch.micro_batch_size * recipe.data.max_length
@@ -78,15 +77,11 @@ def measure_profile(out_dir: Path, recipe: Recipe, *, nproc: int) -> Path:
 
 def predicted_step(run: dict, recipe_raw: dict, profile: profiles.Hardware) -> dict[str, Any] | None:
     """{"predicted_step_time_s", "prediction_error"} for a completed arm (None where its layout is not modelled)."""
-    from toolkit.config.recipe import Recipe as RecipeType
-    from toolkit.plan.predict import planned_model
-    from toolkit.plan.scale import work_for_shapes
-
     comm = run.get("comm_per_step") or {}
     shapes = comm.get("micro_batch_shapes_per_rank")
     world = run["world_size"]
     try:
-        recipe = resolve(from_plain(RecipeType, recipe_raw), world_size=world)
+        recipe = resolve(from_plain(Recipe, recipe_raw), world_size=world)
         model = planned_model(recipe)
         rank = world - 1
         work = work_for_shapes(recipe, model, world_size=world, rank=rank,

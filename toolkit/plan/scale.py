@@ -76,23 +76,17 @@ def plan_layout(name: str, recipe: Recipe, model: nn.Module, cluster: step_time.
     world = cluster.world_size
     try:
         recipe = resolve(recipe, world_size=world)
-        batch = validate_strategy(recipe, world_size=world)
-        work, rank = _work(recipe, model, world_size=world)
+        validate_strategy(recipe, world_size=world)
+        work = work_for_shapes(recipe, model, world_size=world, rank=world - 1, shapes=None)  # the busiest rank: a
+        # pipeline's last stage carries the head and the loss
         memory = predict(recipe, world_size=world, runtime_bytes=0, device_type="cuda", model=model, both=False)
     except RecipeError as exc:
         return Planned(layout=name, world_size=world, step=None, peak_bytes_per_gpu=None, fits=False,
                        refused=str(exc))
-    del batch, rank
     step = step_time.predict(model, work, cluster)
     peak = memory.peak_bytes
     return Planned(layout=name, world_size=world, step=step, peak_bytes_per_gpu=peak,
                    fits=peak <= cluster.hardware.memory_bytes)
-
-
-def _work(recipe: Recipe, model: nn.Module, *, world_size: int) -> tuple[step_time.Work, int]:
-    """What the busiest rank does: the last (a pipeline's last stage carries the head and the loss)."""
-    rank = world_size - 1
-    return work_for_shapes(recipe, model, world_size=world_size, rank=rank, shapes=None), rank
 
 
 def work_for_shapes(recipe: Recipe, model: nn.Module, *, world_size: int, rank: int,
