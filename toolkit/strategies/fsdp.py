@@ -194,10 +194,9 @@ class FsdpRules:
         tp, cp, ep, replicate = (options.tp_degree or 1, options.cp_degree or 1, options.ep_degree or 1,
                                  options.replicate_degree)
         if ep > 1:
-            raise RecipeError("toolkit plan does not predict expert parallel's collectives yet")
-        if cp > 1 and recipe.parallel.cp_method != "allgather":
-            raise RecipeError(f"toolkit plan does not predict context parallel's {recipe.parallel.cp_method} "
-                              "collectives yet (allgather only)")
+            raise RecipeError("toolkit plan does not predict expert parallel's collectives yet: its all-to-alls carry "
+                              "what the router sends each rank, which the shapes alone do not tell")
+
         stored = DTYPES[recipe.model.load_dtype]
         compute = stored if recipe.precision == "fp32" else DTYPES[recipe.precision]  # MixedPrecisionPolicy
         reduce = stored if recipe.precision == "fp32" else torch.float32
@@ -213,8 +212,8 @@ class FsdpRules:
         return [*comm.tp_collectives(model, tp=tp, shapes=local, activation_dtype=compute,
                                      sequence_parallel=options.sequence_parallel, recompute=recompute, shard=shard),
                 *sp_norms,
-                *comm.cp_collectives(model, cp=cp, tp=tp, shapes=shapes, activation_dtype=compute,
-                                     recompute=recompute),
+                *(comm.ulysses_collectives if recipe.parallel.cp_method == "ulysses" else comm.cp_collectives)(
+                    model, cp=cp, tp=tp, shapes=shapes, activation_dtype=compute, recompute=recompute),
                 *comm.fsdp_collectives(units, shard=shard, replicate=replicate,
                                        compute_dtype=compute, reduce_dtype=reduce, gathers_per_unit=gathers,
                                        local_shape=(lambda name, p: shapes_tp[name]) if shapes_tp else None)]

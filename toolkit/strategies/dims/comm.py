@@ -17,8 +17,9 @@ byte by tests/test_comm_prediction.py:
   over the sequence instead (its backward: an all-gather), the norm's sequence shard is all-gathered before each
   column-wise group (its backward: the column-wise layers' all-reduces, as without it), and the final norm's
   output is all-gathered for the replicated head, the embedding's output shard's gradient gathered in backward.
-- Context parallel, allgather method (dims/context.py): each attention layer all-gathers the rank's keys and
-  values (forward) and reduce-scatters their gradients (backward), each micro-batch.
+- Context parallel (dims/context.py), allgather method: each attention layer all-gathers the rank's keys and
+  values (forward) and reduce-scatters their gradients (backward), each micro-batch; ulysses: its queries, keys,
+  values and output pass an all-to-all each, forward and backward.
 """
 
 from __future__ import annotations
@@ -162,6 +163,26 @@ def _partial_gradients(model: nn.Module, modules: list[str], *, tp: int, shard: 
     numel = sum(math.ceil(p.shape[0] / shard) * math.prod(p.shape[1:]) if p.dim() else 1 for p in params)
     return [Collective(op="allreduce_", payload_bytes=numel * 4, calls=1, group="tp", group_size=tp,
                        phase="step", what="partial gradients")] if numel else []
+
+
+def ulysses_collectives(model: nn.Module, *, cp: int, tp: int, shapes: Shapes, activation_dtype, recompute: bool
+                        ) -> list[Collective]:
+    """Context parallel, ulysses method, over `cp` ranks: each attention layer's queries, keys, values and output
+    pass one all-to-all each (heads for sequence and back), forward and again in backward, each micro-batch; each
+    hands over the whole local tensor (the rank's 2·ceil(L / 2cp) tokens, its heads: 1/tp of them under tensor
+    parallel)."""
+    if cp <= 1:
+        return []
+    config: Any = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads = config.num_attention_heads // tp
+    kv_heads = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // tp
+    local = sum(rows * math.ceil(length / (2 * cp)) * 2 for rows, length in shapes)
+    one_pass = local * head_dim * (2 * heads + 2 * kv_heads) * element_bytes(activation_dtype)
+    passes = 3 if recompute else 2  # forward, backward, and the recompute's forward
+    layers, micro = config.num_hidden_layers, len(shapes)
+    return [Collective(op="all_to_all_single", payload_bytes=passes * layers * one_pass, calls=4 * passes * layers * micro,
+                       group="cp", group_size=cp, phase="forward", what="heads for sequence")]
 
 
 def cp_collectives(model: nn.Module, *, cp: int, tp: int, shapes: Shapes, activation_dtype, recompute: bool
