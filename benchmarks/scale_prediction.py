@@ -244,7 +244,8 @@ def report(rows: list[Row], fitted: dict[str, float], held_out: dict[str, float]
     close = [r for r in with_memory if abs(r.peak_bytes / 2 ** 30 / r.data["published"]["memory_gib"] - 1) <= 0.10]
     if with_memory:
         print(f"memory: {len(close)} of {len(with_memory)} published within ±10 % (target: all); activation "
-              "checkpointing 'selective' (torchtitan's per-op policy) is planned as none (the toolkit has no per-op policy)")
+              "checkpointing 'selective' (torchtitan's per-op policy) is planned as none (the toolkit has no "
+              "per-op policy)")
     order_checks(rows, fitted)
     print(f"\nleft out ({len(skipped)}):")
     for row_id, reason in skipped:

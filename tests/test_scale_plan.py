@@ -37,7 +37,8 @@ def llama3_8b_params() -> int:
 def test_every_layout_of_two_h100_nodes_has_its_step_time_and_memory(two_nodes):
     keys = {"layout", "world_size", "step_time_s", "tokens_per_s_per_gpu", "mfu", "peak_bytes_per_gpu", "fits"}
     planned = [p for p in two_nodes if "refused" not in p]
-    assert {"ddp", "fsdp", "hsdp-2x8", "zero1", "zero2", "zero3", "fsdp-tp2", "pp2-fsdp"} <= {p["layout"] for p in planned}
+    names = {p["layout"] for p in planned}
+    assert {"ddp", "fsdp", "hsdp-2x8", "zero1", "zero2", "zero3", "fsdp-tp2", "pp2-fsdp", "fsdp-cp2"} <= names
     for p in planned:
         assert keys <= set(p) and p["world_size"] == 16, p
         # tokens per step = 64 sequences of 8,192: what the step time and the tokens/s per GPU must multiply to

@@ -4,8 +4,8 @@ and its step-time prediction beside the step time each arm measured.
 Each arm's step time as toolkit plan predicts it, beside the one it measured: the one place where prediction and
 measurement stand side by side on this machine. The profile is this machine's, measured once the arms are done
 (the machine idle; toolkit calibrate --hardware cpu's measurements, kept in the experiment folder as
-hardware-cpu.yaml), or the one --hardware names; each arm's prediction takes its own recipe, world size and the micro-batch shapes of its
-counted step."""
+hardware-cpu.yaml), or the one --hardware names; each arm's prediction takes its own recipe, world size and the
+micro-batch shapes of its counted step."""
 
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ def measure_profile(out_dir: Path, recipe: Recipe, *, nproc: int) -> Path:
         tokens = recipe.batch.micro_batch_size * recipe.data.max_length
         profile = calibrate.cpu_profile(nproc=max(nproc, 2), model=planned_model(recipe), tokens=tokens,
                                         dtype=DTYPES[recipe.precision])
-        profiles.write(profile, path, header="measured by toolkit compare at its start (toolkit calibrate --hardware cpu)")
+        profiles.write(profile, path,
+                       header="measured by toolkit compare once its arms were done (toolkit calibrate --hardware cpu)")
     return path
 
 

@@ -181,8 +181,8 @@ def ulysses_collectives(model: nn.Module, *, cp: int, tp: int, shapes: Shapes, a
     one_pass = local * head_dim * (2 * heads + 2 * kv_heads) * element_bytes(activation_dtype)
     passes = 3 if recompute else 2  # forward, backward, and the recompute's forward
     layers, micro = config.num_hidden_layers, len(shapes)
-    return [Collective(op="all_to_all_single", payload_bytes=passes * layers * one_pass, calls=4 * passes * layers * micro,
-                       group="cp", group_size=cp, phase="forward", what="heads for sequence")]
+    return [Collective(op="all_to_all_single", payload_bytes=passes * layers * one_pass,
+                       calls=4 * passes * layers * micro, group="cp", group_size=cp, phase="forward", what="heads for sequence")]
 
 
 def cp_collectives(model: nn.Module, *, cp: int, tp: int, shapes: Shapes, activation_dtype, recompute: bool
