@@ -316,7 +316,7 @@ def test_report_opens_with_the_verdicts_and_a_recommendation(experiment):
 
 def test_each_arm_shows_its_predicted_step_time_from_this_machines_profile(experiment, tmp_path):
     out, results, stdout = experiment
-    profile = yaml.safe_load((out / "hardware-cpu.yaml").read_text())  # measured once the arms were done
+    profile = yaml.safe_load((out / "hardware.yaml").read_text())  # measured once the arms were done
     assert profile["measured"]["num_ranks"] == 2 and profile["overlaps_communication"] is False
     for arm in results["arms"]:
         assert arm["predicted_step_time_s"] > 0, arm["arm"]
@@ -324,15 +324,15 @@ def test_each_arm_shows_its_predicted_step_time_from_this_machines_profile(exper
     section = (out / "report.md").read_text().split("## Step time: predicted and measured", 1)[1].split("##", 1)[0]
     assert re.search(r"- fsdp: measured [\d,]+ ms, predicted [\d,]+ ms \([+-]\d+ %\); predicted: compute \d+ %",
                      section), section
-    assert "step time, measured and as toolkit plan predicts it" in stdout
+    assert "step time, measured and as toolkit plan predicts it on cpu: this machine's CPU" in stdout
     # the prediction reads the profile: a machine whose matmuls and attention run 4x faster predicts less compute
     copy = tmp_path / "exp"
     shutil.copytree(out, copy)
-    faster = yaml.safe_load((copy / "hardware-cpu.yaml").read_text())
+    faster = yaml.safe_load((copy / "hardware.yaml").read_text())
     faster["measured"]["matmul_flops_per_s"] *= 4
     faster["measured"]["attention_flops_per_s"] = {k: v * 4 for k, v in
                                                    faster["measured"]["attention_flops_per_s"].items()}
-    (copy / "hardware-cpu.yaml").write_text(yaml.safe_dump(faster))
+    (copy / "hardware.yaml").write_text(yaml.safe_dump(faster))
     assert run_cli("report", str(copy)).returncode == 0
     again = {a["arm"]: a for a in json.loads((copy / "results.json").read_text())["arms"]}
     for arm in results["arms"]:

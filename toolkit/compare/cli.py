@@ -6,7 +6,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from toolkit.errors import RecipeError
+from toolkit.errors import RecipeError, first_line
 
 DEFAULT_ARMS = "single,ddp,fsdp,zero2,zero3"  # the first is the reference
 
@@ -19,7 +19,7 @@ def add_compare_commands(sub, add_overrides) -> None:
                          help=f"comma-separated arms, first = reference (default {DEFAULT_ARMS})")
     compare.add_argument("--nproc", type=int, default=None, help="ranks per multi-process arm (default 2)")
     compare.add_argument("--steps", type=int, default=None, help="optimizer steps per arm")
-    compare.add_argument("--hardware", default=None, metavar="FILE",
+    compare.add_argument("--hardware", default=None, metavar="NAME|FILE",
                          help="the profile each arm's step time is predicted on (toolkit calibrate writes one); "
                               "default on a CPU: this machine, measured after the arms")
     compare.add_argument("--output", default=None, metavar="DIR",
@@ -136,7 +136,12 @@ def cmd_compare(args) -> int:
         print(f"toolkit: compare interrupted during arm {stop.arm}; arms completed and kept in "
               f"{experiment.out_dir}: {kept}; run the rest with: toolkit {again}", file=sys.stderr, flush=True)
         return INTERRUPTED
-    measure_machine(experiment, args)
+    try:
+        measure_machine(experiment, args)
+    except RecipeError:
+        raise
+    except Exception as exc:  # the arms' results come first: a failed measurement costs the predictions only
+        print(f"[compare] no predicted step times: measuring this machine failed ({first_line(exc)})", flush=True)
     results = build_results(experiment)
     write_report(results, experiment.out_dir)
     print("\n".join(summary_lines(results)))  # the full table: report.md and report.html

@@ -49,7 +49,7 @@ def summary_lines(results: dict) -> list[str]:
         lines += wrapped(text.replace("**", ""), bullet="- ")
     steps = step_lines(results)
     if steps:
-        lines.append("step time, measured and as toolkit plan predicts it on this machine's measured profile:")
+        lines += wrapped(f"step time, measured and as toolkit plan predicts it on {results.get('hardware_profile')}:")
         for text in steps:
             lines += wrapped(text, bullet="- ")
     return lines

@@ -4,7 +4,7 @@ and its step-time prediction beside the step time each arm measured.
 Each arm's step time as toolkit plan predicts it, beside the one it measured: the one place where prediction and
 measurement stand side by side on this machine. The profile is this machine's, measured once the arms are done
 (the machine idle; toolkit calibrate --hardware cpu's measurements, kept in the experiment folder as
-hardware-cpu.yaml), or the one --hardware names; each arm's prediction takes its own recipe, world size and the
+hardware.yaml), or the one --hardware names; each arm's prediction takes its own recipe, world size and the
 micro-batch shapes of its counted step."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def host_memory_note(arm: dict) -> str:
     return f"; host memory {arm['host_memory']}" if arm.get("host_memory") == "fast" else ""
 
 
-PROFILE = "hardware-cpu.yaml"  # in the experiment folder
+PROFILE = "hardware.yaml"  # in the experiment folder: the profile the predictions are made on
 
 
 def measure_profile(out_dir: Path, recipe: Recipe, *, nproc: int) -> Path:
@@ -103,25 +103,28 @@ def predicted_step(run: dict, recipe_raw: dict, profile: profiles.Hardware) -> d
 
 
 STEP_NOTE = ("Each arm's step time as `toolkit plan --hardware` predicts it (toolkit/cost/step_time.py) from this "
-             "machine's measured profile (hardware-cpu.yaml: matmul and attention FLOP/s at a rank's threads, memory "
+             "machine's measured profile, or the one --hardware named (hardware.yaml in the experiment folder: on a "
+             "CPU, matmul and attention FLOP/s at a rank's threads, memory "
              "bandwidth, gloo's all-reduce bus), its recipe, world size and the micro-batch shapes of its counted "
              "step, beside the median it measured.")
 
 
 def add_predictions(rows: list[dict], out_dir: Path) -> str | None:
     """Each completed row's predicted step time and its error against the measured median, from the experiment
-    folder's profile; the profile's path, or None where there is none (a compare on a GPU without --hardware)."""
+    folder's profile; which profile that is (its name and description), or None where there is none (a compare on
+    a GPU without --hardware)."""
     path = out_dir / PROFILE
     if not path.is_file():
         return None
     profile = profiles.load(str(path))
+    rows_profile = f"{profile.name}: {profile.description}" if profile.description else profile.name
     for row in rows:
         if row.get("status") != "completed" or "run" not in row:
             continue
         done = predicted_step(row.pop("run"), row["recipe"], profile)
         if done is not None and row.get("step_time_s"):
             row.update(done, prediction_error=done["predicted_step_time_s"] / row["step_time_s"] - 1)
-    return str(path)
+    return rows_profile
 
 
 def step_lines(results: dict) -> list[str]:

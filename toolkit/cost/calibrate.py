@@ -1,8 +1,8 @@
 """`toolkit calibrate --hardware NAME`: measure on this machine what a profile can only estimate, and write a profile
 whose `measured:` section the step-time model prefers: matmul FLOP/s on the model's GEMM shapes, attention FLOP/s
-per sequence length, memory bandwidth and, over several local ranks, the all-reduce bus bandwidth (nccl-tests'
-busbw: 2(n-1)/n of the payload per rank over the time). `--hardware cpu` measures the CPU and gloo; on a GPU
-machine, the named profile's datasheet values stay beside what was measured.
+per sequence length, memory bandwidth and, for `--hardware cpu`, each collective's bus bandwidth between local gloo
+ranks (nccl-tests' busbw). On a GPU machine the named profile's datasheet values stay beside what was measured
+(matmul, attention, memory; its links stay the datasheet's: one lent GPU has no bus to measure).
 
 Each rank of a multi-process CPU run gets cores / ranks threads (the launcher's OMP_NUM_THREADS), so the matmul and
 attention rates are measured at the threads a rank of `--nproc` ranks has.
@@ -33,12 +33,34 @@ def _best_seconds(run, *, repeats: int = 3) -> float:
     return best
 
 
-def gemm_shapes(model: nn.Module | None, tokens: int) -> list[tuple[int, int, int]]:
-    """(m, k, n) of the model's linear layers for `tokens` rows (distinct shapes), or square ones without a model."""
+MAX_ROWS = 2048  # a GEMM's rows measured: a longer micro-batch runs at the same rate, and takes minutes on a CPU
+CPU_SHAPE_FLOPS = 2e11  # on a CPU, shapes of more FLOPs a pass are left out (a large head: seconds each)
+
+
+def _median_seconds(run, *, repeats: int = 9) -> float:
+    """A collective's typical time: gloo's small messages vary several-fold from call to call, and a step pays
+    the typical one, not the best."""
+    import statistics
+
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def gemm_shapes(model: nn.Module | None, tokens: int, *, device: torch.device) -> list[tuple[int, int, int]]:
+    """(m, k, n) of the model's distinct linear layers for `tokens` rows (at most MAX_ROWS), the 6 of most FLOPs (on
+    a CPU those under CPU_SHAPE_FLOPS), or two square ones without a model."""
+    rows = min(tokens, MAX_ROWS)
     if model is None:
-        return [(tokens, 1024, 1024), (tokens, 4096, 1024)]
-    shapes = {(tokens, m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)}
-    return sorted(shapes)[:8]
+        return [(rows, 1024, 1024), (rows, 4096, 1024)]
+    shapes = {(rows, m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)}
+    kept = [s for s in shapes if device.type != "cpu" or 6 * s[0] * s[1] * s[2] <= CPU_SHAPE_FLOPS] or \
+        [min(shapes, key=lambda s: s[1] * s[2])]
+    return sorted(kept, key=lambda s: s[1] * s[2], reverse=True)[:6]
 
 
 def matmul_flops_per_s(shapes: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device) -> float:
@@ -88,7 +110,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-BUS_SIZES = (2 ** 20, 64 * 2 ** 20)  # the message sizes each collective's bus bandwidth is measured at
+BUS_SIZES = (128 * 2 ** 10, 2 ** 20, 64 * 2 ** 20)  # the message sizes each collective's bus bandwidth is measured at
 
 
 def bus_bandwidth(nproc: int) -> tuple[dict[str, dict[str, float]], float]:
@@ -97,10 +119,10 @@ def bus_bandwidth(nproc: int) -> tuple[dict[str, dict[str, float]], float]:
     time: an all-reduce moves 2(n-1)/n of its payload, a reduce-scatter and an all-gather (n-1)/n of the whole."""
     import torch.multiprocessing as mp
 
-    results = mp.get_context("spawn").Manager().dict()
-    port = _free_port()
-    mp.spawn(_bus_rank, args=(nproc, port, results), nprocs=nproc, join=True)
-    return dict(results["busbw"]), results["latency"]
+    with mp.get_context("spawn").Manager() as manager:  # the ranks' results, back to this process
+        results = manager.dict()
+        mp.spawn(_bus_rank, args=(nproc, _free_port(), results), nprocs=nproc, join=True)
+        return dict(results["busbw"]), results["latency"]
 
 
 def _free_port() -> int:
@@ -122,10 +144,10 @@ def _bus_rank(rank: int, nproc: int, port: int, results: Any) -> None:
             big, part = torch.ones(numel), torch.empty(numel // nproc)
             moved = (nproc - 1) / nproc * numel * 4
             key = str(numel * 4)  # an all-reduce's and a reduce-scatter's payload; an all-gather's is its shard's
-            busbw["all_reduce"][key] = 2 * moved / _best_seconds(lambda: dist.all_reduce(big))
-            busbw["reduce_scatter"][key] = moved / _best_seconds(lambda: dist.reduce_scatter_tensor(part, big))
+            busbw["all_reduce"][key] = 2 * moved / _median_seconds(lambda: dist.all_reduce(big))
+            busbw["reduce_scatter"][key] = moved / _median_seconds(lambda: dist.reduce_scatter_tensor(part, big))
             busbw["all_gather"][str(numel // nproc * 4)] = \
-                moved / _best_seconds(lambda: dist.all_gather_into_tensor(big, part))
+                moved / _median_seconds(lambda: dist.all_gather_into_tensor(big, part))
         latency = _best_seconds(lambda: dist.all_reduce(torch.ones(8)), repeats=20)
         if rank == 0:
             results["busbw"] = busbw
@@ -143,7 +165,7 @@ def cpu_profile(*, nproc: int, model: nn.Module | None, tokens: int, dtype: torc
     torch.set_num_threads(threads)
     try:
         device = torch.device("cpu")
-        matmul = matmul_flops_per_s(gemm_shapes(model, tokens), dtype, device)
+        matmul = matmul_flops_per_s(gemm_shapes(model, tokens, device=device), dtype, device)
         config: Any = getattr(model, "config", None)
         heads = getattr(config, "num_attention_heads", 8) if config is not None else 8
         head_dim = (getattr(config, "hidden_size", 512) // heads) if config is not None else 64
@@ -175,7 +197,8 @@ def gpu_profile(base: Hardware, *, nproc: int, model: nn.Module | None, tokens: 
     config: Any = getattr(model, "config", None)
     heads = getattr(config, "num_attention_heads", 32) if config is not None else 32
     head_dim = (getattr(config, "hidden_size", 4096) // heads) if config is not None else 128
-    measured = Measured(matmul_flops_per_s=matmul_flops_per_s(gemm_shapes(model, tokens), dtype, device),
+    measured = Measured(matmul_flops_per_s=matmul_flops_per_s(gemm_shapes(model, tokens, device=device), dtype,
+                                                                      device),
                         matmul_dtype=name,
                         attention_flops_per_s=attention_flops_per_s(heads=heads, head_dim=head_dim, batch=1,
                                                                     dtype=dtype, device=device),

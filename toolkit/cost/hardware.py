@@ -39,7 +39,7 @@ class Link:
 @dataclass(frozen=True, kw_only=True)
 class Measured:
     """What `toolkit calibrate` measured on the machine (absent fields: not measured)."""
-    matmul_flops_per_s: float | None = None  # best of the model's GEMM shapes, in the calibrated dtype
+    matmul_flops_per_s: float | None = None  # forward + backward over the model's GEMM shapes, FLOP-weighted
     matmul_dtype: str | None = None
     attention_flops_per_s: dict[str, float] | None = None  # sequence length (as text) -> FLOP/s, forward + backward
     memory_bandwidth_bytes_per_s: float | None = None  # a large copy: read + write bytes / s

@@ -116,9 +116,10 @@ def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficienc
         costs.append(Cost(what="pipeline bubble", seconds=idle, exposed_s=idle))
     costs += _communication(work.collectives, d, cluster, forward_s=forward_s, backward_s=backward_s,
                             bus_efficiency=bus_efficiency)
-    step_s = work.optimizer_bytes / (hw.measured.memory_bandwidth_bytes_per_s or hw.memory_bandwidth_bytes_per_s)
-    costs.append(Cost(what="optimizer step", seconds=step_s, exposed_s=step_s))
-    if work.offloaded_bytes:
+    if not work.offloaded_bytes:  # on the device, at its memory bandwidth
+        step_s = work.optimizer_bytes / (hw.measured.memory_bandwidth_bytes_per_s or hw.memory_bandwidth_bytes_per_s)
+        costs.append(Cost(what="optimizer step", seconds=step_s, exposed_s=step_s))
+    else:
         pcie = work.offloaded_bytes / hw.host_link.bandwidth_bytes_per_s
         host = work.optimizer_bytes / HOST_ADAM_BYTES_PER_S
         costs.append(Cost(what="offload over PCIe and host AdamW", seconds=pcie + host, exposed_s=pcie + host))
@@ -149,10 +150,13 @@ def _interpolated(points_by_key: dict[str, float], at: float) -> float:
 
 
 def _flops_per_s(hw: Hardware, precision: str, efficiency: float) -> float:
+    """The step's compute rate: the fitted efficiency of the peak (it covers the step's non-GEMM work too), capped
+    by the GEMM rate calibrate measured, an upper bound (a CPU profile's peak is that rate, its efficiency 1)."""
+    fitted = hw.peak(precision) * efficiency
     measured = hw.measured
     if measured.matmul_flops_per_s and measured.matmul_dtype == precision:
-        return measured.matmul_flops_per_s
-    return hw.peak(precision) * efficiency
+        return min(measured.matmul_flops_per_s, fitted)
+    return fitted
 
 
 def ranks_per_node(group: str, size: int, degrees: Degrees, gpus_per_node: int) -> int:
@@ -197,15 +201,18 @@ def _communication(collectives: list[Collective], degrees: Degrees, cluster: Clu
             bandwidth = _interpolated(measured, c.payload_bytes / max(c.calls, 1))
         timed.append((c, wire_time_s(c, bandwidth_bytes_per_s=bandwidth, latency_s=latency), where))
     costs = []
+    # each kind hides behind the compute it runs beside; the two windows share backward's time, since a layout has
+    # one kind or the other (FSDP2 and ZeRO-3 prefetch through both passes; DDP and ZeRO-1/2 reduce in backward)
     window = {"compute": forward_s + backward_s, "backward": backward_s}
     if not hw.overlaps_communication:  # gloo on CPU cores: nothing hides behind compute
         window = {"compute": 0.0, "backward": 0.0}
     for overlap, hidden_by in window.items():
         group = [(c, s, where) for c, s, where in timed if c.overlap == overlap]
         total = sum(s for _, s, _ in group)
-        # the first gather (the last bucket) of each has nothing to hide behind
+        # what the window cannot hold, and at least the first gather (the last bucket) of each, which has nothing
+        # to hide behind
         edges = sum(s / max(c.calls, 1) for c, s, _ in group)
-        exposed = max(0.0, total - hidden_by) + min(edges, total)
+        exposed = min(total, max(total - hidden_by, edges))
         for c, s, where in group:
             share = exposed * s / total if total else 0.0
             costs.append(Cost(what=_name(c, where), seconds=s, exposed_s=share))

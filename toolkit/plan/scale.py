@@ -51,7 +51,7 @@ class Planned:
 def auto_layouts(recipe: Recipe, model: nn.Module, cluster: step_time.Cluster) -> dict[str, tuple[str, ...]]:
     """Layout name -> its recipe overrides, for this world size; a recipe that sets its parallel degrees is its own
     one layout."""
-    if any(vars(recipe.parallel).get(k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")):
+    if any(vars(recipe.parallel).get(k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")):
         return {"the recipe's parallel:": ()}
     nodes, per_node = cluster.num_nodes, cluster.gpus_per_node
     out: dict[str, tuple[str, ...]] = {"ddp": ("strategy.name=ddp",), "fsdp": ("strategy.name=fsdp",)}
@@ -107,8 +107,9 @@ def work_for_shapes(recipe: Recipe, model: nn.Module, *, world_size: int, rank: 
     # AdamW reads a parameter, its gradient and both moments, and writes the parameter and the moments
     moved = 2 * state.params_bytes + state.grads_bytes + 2 * state.optim_bytes
     options = recipe.strategy
-    offloaded = state.params_bytes + state.grads_bytes if (getattr(options, "offload_optimizer", False) or
-                                                           getattr(options, "cpu_offload", False)) else 0
+    # offloaded: the rank's gradient partition goes to the host and its updated parameters come back, each step
+    offloaded = 2 * state.grads_bytes if (getattr(options, "offload_optimizer", False) or
+                                          getattr(options, "cpu_offload", False)) else 0
     work = step_time.Work(degrees=strategy_degrees(recipe, world_size=world_size),
                           global_tokens=batch.global_batch_size * length, seq_len=length,
                           precision=recipe.precision, checkpointing=recipe.train.activation_checkpointing,
@@ -137,14 +138,18 @@ def reasons(order: list[Planned]) -> list[str]:
         what = max(set(exposed_a) | set(exposed_b),
                    key=lambda w: exposed_b.get(w, 0.0) - exposed_a.get(w, 0.0))
         ratio = a.tokens_per_s_per_gpu / b.tokens_per_s_per_gpu
-        why = (f"{second.layout} spends {exposed_b.get(what, 0.0) * 1e3:,.0f} ms a step on {what}, {first.layout} "
-               f"{exposed_a.get(what, 0.0) * 1e3:,.0f} ms")
+        why = (f"{second.layout} spends {_ms(exposed_b.get(what, 0.0))} a step on {what}, {first.layout} "
+               f"{_ms(exposed_a.get(what, 0.0))}")
         if ratio < 1 + TIE:
             lines.append(f"{first.layout} and {second.layout} tie (within {100 * TIE:.0f} %, below what this model "
                          f"tells apart): {why}")
         else:
             lines.append(f"{first.layout} over {second.layout}: {ratio:.2f}x the tokens/s; {why}")
     return lines
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.3g} ms"
 
 
 def render(planned: list[Planned], cluster: step_time.Cluster) -> str:

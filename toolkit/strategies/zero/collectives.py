@@ -55,8 +55,10 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, num_micro_batc
         reductions = num_micro_batches if stage == 2 else 1
         groups = [[p.numel() for p in g["params"]] for g in param_groups(model, recipe.optim) if g["params"]]
         partitions = sum(memory.partition_numel(numels, world_size) for numels in groups)
+        # beside backward only with overlap_comm (DeepSpeed's default: on for stage 3 alone)
+        overlapped = "backward" if zero.get("overlap_comm", False) else "nothing"
         return [entry("allreduce_", reductions * grads, reductions * max(1, math.ceil(grads / bucket)), "backward",
-                      "gradients", "backward"),
+                      "gradients", overlapped),
                 entry("_allgather_base_", partitions * size, len(groups), "step", "updated partitions"), checks]
     threshold = int(zero.get("stage3_param_persistence_threshold", 0))
     shards = [math.ceil(p.numel() / world_size) for p in model.parameters()]
