@@ -207,83 +207,18 @@ def cmd_validate(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    """Measure this machine and write its profile (toolkit/cost/calibrate.py)."""
-    from pathlib import Path
-
-    from toolkit.config.files import load_recipe
-    from toolkit.cost import calibrate, hardware
-    from toolkit.model.precision import DTYPES
-    from toolkit.plan.predict import planned_model
+    from toolkit.plan.commands import calibrate
 
     _check_nproc(args.nproc)
-    recipe = load_recipe(args.recipe, args.overrides) if args.recipe is not None else None
-    if recipe is None and args.overrides:
-        raise RecipeError("--set changes a recipe: give the recipe too (toolkit calibrate RECIPE --hardware ...)")
     quiet_libraries()
-    model = planned_model(recipe) if recipe is not None else None
-    tokens = recipe.batch.micro_batch_size * recipe.data.max_length if recipe is not None else 2048
-    dtype = DTYPES[recipe.precision if recipe is not None else "fp32"]
-    out = Path(args.output or f"hardware-{args.hardware}.yaml")
-    if args.hardware == "cpu":
-        print(f"[toolkit] calibrating the CPU for {args.nproc} rank(s): matmul, attention, memory, gloo...",
-              file=sys.stderr, flush=True)
-        profile = calibrate.cpu_profile(nproc=args.nproc, model=model, tokens=tokens, dtype=dtype)
-    else:
-        base = hardware.load(args.hardware)
-        import torch
-
-        if not torch.cuda.is_available():
-            raise RecipeError(f"--hardware {args.hardware}: no GPU here to measure; use --hardware cpu on this machine")
-        profile = calibrate.gpu_profile(base, nproc=args.nproc, model=model, tokens=tokens, dtype=dtype)
-    hardware.write(profile, out, header=f"written by toolkit calibrate --hardware {args.hardware} "
-                   f"--nproc {args.nproc}{' ' + args.recipe if args.recipe else ''}")
-    m = profile.measured
-    print(f"[toolkit] {out}: matmul {(m.matmul_flops_per_s or 0) / 1e12:.3f} TFLOP/s ({m.matmul_dtype}), memory "
-          f"{(m.memory_bandwidth_bytes_per_s or 0) / 1e9:.1f} GB/s" +
-          (f", all-reduce bus {m.bus_bandwidth_bytes_per_s / 1e9:.2f} GB/s" if m.bus_bandwidth_bytes_per_s else ""))
-    return 0
+    return calibrate(args)
 
 
 def cmd_scale_plan(args) -> int:
-    """Step time, tokens/s per GPU, MFU and memory per layout on a cluster of --nodes × --gpus-per-node."""
-    from toolkit.compare.experiment import split_arms
-    from toolkit.config.files import load_recipe
-    from toolkit.plan import scale
-    from toolkit.plan.predict import planned_model
-    from toolkit.strategies import arm_aliases
+    from toolkit.plan.commands import scale_plan
 
-    if args.strategies is not None or args.memory_per_rank is not None:
-        raise RecipeError("--strategies and --memory-per-rank plan this machine; with --hardware use --layouts "
-                          "(the hardware profile gives the memory)")
-    cluster = scale.cluster_of(args.hardware, nodes=args.nodes, gpus_per_node=args.gpus_per_node)
     quiet_libraries()
-    base = load_recipe(args.recipe, args.overrides)
-    scale.check_degrees(base, cluster)
-    model = planned_model(base)
-    aliases = arm_aliases()
-    if args.layouts == "auto":
-        layouts, explicit = scale.auto_layouts(base, model, cluster), False
-    else:
-        names = split_arms(args.layouts)
-        unknown = [n for n in names if n not in aliases]
-        if unknown:
-            raise RecipeError(f"--layouts: unknown arm {unknown[0]!r}; choose from auto or {', '.join(aliases)}")
-        layouts, explicit = {n: aliases[n] for n in names}, True
-    planned = []
-    for number, (name, overrides) in enumerate(layouts.items(), 1):
-        if not args.json:
-            print(f"[toolkit] planning {name} ({number}/{len(layouts)})", file=sys.stderr, flush=True)
-        done = scale.plan_layout(name, load_recipe(args.recipe, [*args.overrides, *overrides]), model, cluster)
-        if explicit and done.refused is not None:  # asked for by name: a mistake in the command
-            raise RecipeError(f"--layouts {name} at {cluster.world_size} GPUs: {done.refused}")
-        planned.append(done)
-    order = scale.ranked(planned)
-    if args.json:
-        print(scale.as_json(order))
-    else:
-        print(scale.render(order, cluster))
-        print("\n".join(scale.reasons(order)))
-    return 0 if any(p.fits for p in order) else 1
+    return scale_plan(args)
 
 
 def cmd_plan(args) -> int:
