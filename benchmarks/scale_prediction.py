@@ -162,13 +162,9 @@ def build(row: dict, folder: Path) -> Row | str:
     model = planned_model(recipe)
     cluster = scale.cluster_of(row["hardware"], nodes=row["num_nodes"], gpus_per_node=row["gpus_per_node"])
     planned = scale.plan_layout(row["id"], recipe, model, cluster)
-    if planned.refused is not None:
-        return planned.refused
-    from toolkit.config.parallel import resolve
-
-    world = cluster.world_size
-    work = scale.work_for_shapes(resolve(recipe, world_size=world), model, world_size=world, rank=world - 1,
-                                 shapes=None)
+    if planned.refused is not None or planned.work is None:
+        return planned.refused or "not planned"
+    work = planned.work
     if row["precision"] == "fp8":  # the layout's rules in bf16, its matmuls at the fp8 peak
         work = dataclasses.replace(work, precision="fp8")
     return Row(data=row, model=model, work=work, cluster=cluster, peak_bytes=planned.peak_bytes_per_gpu or 0)

@@ -12,43 +12,43 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 import time
 from typing import Any
 
 import torch
 from torch import nn
 
+from toolkit.cost.flops import attention_heads
 from toolkit.cost.hardware import Hardware, Link, Measured, PeakFlops
+from toolkit.model.precision import dtype_name
 
 ATTENTION_LENGTHS = (64, 256, 1024)
 
 
 def _best_seconds(run, *, repeats: int = 3) -> float:
-    run()  # warm-up: allocation, kernel selection
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-MAX_ROWS = 2048  # a GEMM's rows measured: a longer micro-batch runs at the same rate, and takes minutes on a CPU
-CPU_SHAPE_FLOPS = 2e11  # on a CPU, shapes of more FLOPs a pass are left out (a large head: seconds each)
+    """A kernel's time: the best of `repeats` after a warm-up (allocation, kernel selection)."""
+    return min(_timings(run, repeats))
 
 
 def _median_seconds(run, *, repeats: int = 9) -> float:
     """A collective's typical time: gloo's small messages vary several-fold from call to call, and a step pays
     the typical one, not the best."""
-    import statistics
+    return statistics.median(_timings(run, repeats))
 
-    run()
+
+def _timings(run, repeats: int) -> list[float]:
+    run()  # warm-up
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+MAX_ROWS = 2048  # a GEMM's rows measured: a longer micro-batch runs at the same rate, and takes minutes on a CPU
+CPU_SHAPE_FLOPS = 2e11  # on a CPU, shapes of more FLOPs a pass are left out (a large head: seconds each)
 
 
 def gemm_shapes(model: nn.Module | None, tokens: int, *, device: torch.device) -> list[tuple[int, int, int]]:
@@ -156,6 +156,14 @@ def _bus_rank(rank: int, nproc: int, port: int, results: Any) -> None:
         dist.destroy_process_group()
 
 
+def _attention_shape(model: nn.Module | None, *, default: tuple[int, int]) -> tuple[int, int]:
+    """(heads, head dim) of the model's attention, or `default` without a model."""
+    if model is None:
+        return default
+    heads, _, head_dim = attention_heads(model.config)
+    return heads, head_dim
+
+
 def cpu_profile(*, nproc: int, model: nn.Module | None, tokens: int, dtype: torch.dtype) -> Hardware:
     """This machine's CPU as a profile, every value measured: its matmul rate as the peak (a rank of `nproc`
     ranks' threads), host memory and its bandwidth, gloo's bus between local ranks (one node)."""
@@ -166,9 +174,7 @@ def cpu_profile(*, nproc: int, model: nn.Module | None, tokens: int, dtype: torc
     try:
         device = torch.device("cpu")
         matmul = matmul_flops_per_s(gemm_shapes(model, tokens, device=device), dtype, device)
-        config: Any = getattr(model, "config", None)
-        heads = getattr(config, "num_attention_heads", 8) if config is not None else 8
-        head_dim = (getattr(config, "hidden_size", 512) // heads) if config is not None else 64
+        heads, head_dim = _attention_shape(model, default=(8, 64))
         attention = attention_flops_per_s(heads=heads, head_dim=head_dim, batch=max(1, tokens // 1024),
                                           dtype=dtype, device=device)
         memory = memory_bandwidth(device)
@@ -178,7 +184,7 @@ def cpu_profile(*, nproc: int, model: nn.Module | None, tokens: int, dtype: torc
     busbw = max(by_kind["all_reduce"].values())
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     link = Link(bandwidth_bytes_per_s=busbw, latency_s=latency)
-    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    name = dtype_name(dtype)
     return Hardware(name="cpu", description=f"this machine's CPU: {cores} cores, {threads} thread(s) a rank of {nproc}",
                     peak_flops_per_s=PeakFlops(bf16=matmul, fp16=matmul, fp32=matmul),
                     memory_bytes=total / nproc, memory_bandwidth_bytes_per_s=memory, intra_node=link, inter_node=link,
@@ -193,13 +199,10 @@ def cpu_profile(*, nproc: int, model: nn.Module | None, tokens: int, dtype: torc
 def gpu_profile(base: Hardware, *, nproc: int, model: nn.Module | None, tokens: int, dtype: torch.dtype) -> Hardware:
     """`base` (a datasheet profile) with what this GPU machine measured."""
     device = torch.device("cuda")
-    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    config: Any = getattr(model, "config", None)
-    heads = getattr(config, "num_attention_heads", 32) if config is not None else 32
-    head_dim = (getattr(config, "hidden_size", 4096) // heads) if config is not None else 128
+    heads, head_dim = _attention_shape(model, default=(32, 128))
     measured = Measured(matmul_flops_per_s=matmul_flops_per_s(gemm_shapes(model, tokens, device=device), dtype,
                                                                       device),
-                        matmul_dtype=name,
+                        matmul_dtype=dtype_name(dtype),
                         attention_flops_per_s=attention_flops_per_s(heads=heads, head_dim=head_dim, batch=1,
                                                                     dtype=dtype, device=device),
                         memory_bandwidth_bytes_per_s=memory_bandwidth(device, size_bytes=2 ** 30))

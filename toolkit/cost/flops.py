@@ -64,3 +64,11 @@ def _head_elements(model: nn.Module) -> int:
     if head is not None:
         return cast(Any, head).weight.numel()
     return 0  # a classifier's head is a few numbers per token's class
+
+
+def attention_heads(config: Any, *, tp: int = 1) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head dim) of one attention layer as a tensor-parallel rank of `tp` holds it."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return heads // tp, kv_heads // tp, head_dim

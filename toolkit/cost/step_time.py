@@ -73,7 +73,7 @@ class StepTime:
 
 @dataclass(frozen=True, kw_only=True)
 class Work:
-    """What one rank does in a step, from the layout (toolkit/plan/step.py builds it)."""
+    """What one rank does in a step, from the layout (toolkit/plan/scale.py work_for_shapes builds it)."""
     degrees: Degrees
     global_tokens: int  # the global batch's tokens (samples × sequence length)
     seq_len: int

@@ -36,6 +36,7 @@ class Planned:
     peak_bytes_per_gpu: int | None
     fits: bool
     refused: str | None = None  # why the layout cannot run, where it cannot
+    work: step_time.Work | None = None  # what the busiest rank does, the step time's input
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"layout": self.layout, "world_size": self.world_size, "fits": self.fits}
@@ -86,7 +87,7 @@ def plan_layout(name: str, recipe: Recipe, model: nn.Module, cluster: step_time.
     step = step_time.predict(model, work, cluster)
     peak = memory.peak_bytes
     return Planned(layout=name, world_size=world, step=step, peak_bytes_per_gpu=peak,
-                   fits=peak <= cluster.hardware.memory_bytes)
+                   fits=peak <= cluster.hardware.memory_bytes, work=work)
 
 
 def work_for_shapes(recipe: Recipe, model: nn.Module, *, world_size: int, rank: int,

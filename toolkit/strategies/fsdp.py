@@ -205,8 +205,8 @@ class FsdpRules:
         gathers = len(shapes) * (2 if options.reshard_after_forward else 1)
         recompute = recipe.train.activation_checkpointing
         shard = world_size // (tp * replicate)
-        # a cp rank's blocks see its part of each sequence: 2 chunks of ceil(length / 2cp) (dims/context.py)
-        local = [(rows, 2 * -(-length // (2 * cp))) for rows, length in shapes] if cp > 1 else shapes
+        # a cp rank's blocks see its part of each sequence (dims/context.py)
+        local = [(rows, context.local_length(length, cp=cp)) for rows, length in shapes] if cp > 1 else shapes
         sp_norms = comm.sequence_parallel_norms(model, tp=tp, shard=shard, reduce_dtype=reduce) \
             if tp > 1 and options.sequence_parallel else []
         return [*comm.tp_collectives(model, tp=tp, shapes=local, activation_dtype=compute,

@@ -30,7 +30,9 @@ from typing import Any, Callable, cast
 from torch import nn
 
 from toolkit.cost.collectives import Collective
+from toolkit.cost.flops import attention_heads
 from toolkit.memory.state_bytes import element_bytes
+from toolkit.strategies.dims.context import local_length
 
 Shapes = list[tuple[int, int]]  # (samples, padded length) of each micro-batch a rank computes in a step
 Named = list[tuple[str, nn.Parameter]]
@@ -174,15 +176,14 @@ def ulysses_collectives(model: nn.Module, *, cp: int, tp: int, shapes: Shapes, a
     if cp <= 1:
         return []
     config: Any = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    heads = config.num_attention_heads // tp
-    kv_heads = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // tp
-    local = sum(rows * math.ceil(length / (2 * cp)) * 2 for rows, length in shapes)
+    heads, kv_heads, head_dim = attention_heads(config, tp=tp)
+    local = sum(rows * local_length(length, cp=cp) for rows, length in shapes)
     one_pass = local * head_dim * (2 * heads + 2 * kv_heads) * element_bytes(activation_dtype)
     passes = 3 if recompute else 2  # forward, backward, and the recompute's forward
     layers, micro = config.num_hidden_layers, len(shapes)
     return [Collective(op="all_to_all_single", payload_bytes=passes * layers * one_pass,
-                       calls=4 * passes * layers * micro, group="cp", group_size=cp, phase="forward", what="heads for sequence")]
+                       calls=4 * passes * layers * micro, group="cp", group_size=cp, phase="forward",
+                       what="heads for sequence")]
 
 
 def cp_collectives(model: nn.Module, *, cp: int, tp: int, shapes: Shapes, activation_dtype, recompute: bool
@@ -194,11 +195,10 @@ def cp_collectives(model: nn.Module, *, cp: int, tp: int, shapes: Shapes, activa
     if cp <= 1:
         return []
     config: Any = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    _, kv_heads, head_dim = attention_heads(config, tp=tp)
     layers = config.num_hidden_layers
-    local = sum(rows * math.ceil(length / (2 * cp)) * 2 for rows, length in shapes)  # this rank's tokens
-    one = local * (kv_heads // tp) * head_dim * element_bytes(activation_dtype)  # a key (or a value) shard
+    local = sum(rows * local_length(length, cp=cp) for rows, length in shapes)  # this rank's tokens
+    one = local * kv_heads * head_dim * element_bytes(activation_dtype)  # a key (or a value) shard
     micro = len(shapes)
     forwards = 2 if recompute else 1
     return [Collective(op="all_gather_into_tensor", payload_bytes=forwards * 2 * layers * one,

@@ -38,6 +38,7 @@ from typing import Any, Iterator
 import torch
 
 from toolkit.config.recipe import Recipe
+from toolkit.cost.flops import attention_heads
 from toolkit.data.losses import IGNORE_INDEX
 from toolkit.errors import RecipeError
 from toolkit.observe.routing import counted_tokens
@@ -66,6 +67,12 @@ _current: Sequence | None = None
 def padded_length(length: int, *, cp: int) -> int:
     """The sequence length rounded up to a multiple of 2·cp (two chunks per rank)."""
     return -(-length // (2 * cp)) * (2 * cp)
+
+
+def local_length(length: int, *, cp: int) -> int:
+    """A cp rank's part of a sequence of `length`: its two chunks of the padded sequence."""
+    return padded_length(length, cp=cp) // cp
+
 
 
 def rank_positions(length: int, *, cp: int, rank: int) -> torch.Tensor:
@@ -308,20 +315,17 @@ def activation_bytes(model, recipe: Recipe, *, world_size: int, how: dict[str, A
     alone under activation checkpointing; its own chunk counted twice, a 1/cp over-count), and the attention mask of
     the rank's queries over every key, made once and shared by the layers (`Sequence.masks`: one byte a pair)."""
     import dataclasses
-    import math
 
     from toolkit.memory.state_bytes import element_bytes
     from toolkit.strategies.base import whole_stack_activations
 
-    length, micro = recipe.data.max_length, recipe.batch.micro_batch_size
-    local_length = 2 * math.ceil(length / (2 * cp))
-    local = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, max_length=local_length))
+    micro, part = recipe.batch.micro_batch_size, local_length(recipe.data.max_length, cp=cp)
+    local = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, max_length=part))
     traced = whole_stack_activations(model, local, world_size=world_size, how=how, tp_degree=tp)
     config: Any = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // tp
+    _, kv_heads, head_dim = attention_heads(config, tp=tp)
     dtype = how.get("autocast_dtype") or how["params_dtype"]
     layers = 1 if how.get("checkpointing") else config.num_hidden_layers
-    gathered = layers * 2 * micro * cp * local_length * kv_heads * head_dim * element_bytes(dtype)
-    mask = micro * local_length * cp * local_length
+    gathered = layers * 2 * micro * cp * part * kv_heads * head_dim * element_bytes(dtype)
+    mask = micro * part * cp * part
     return [t + gathered + mask for t in traced]

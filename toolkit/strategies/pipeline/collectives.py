@@ -13,7 +13,6 @@ collective counter on CPU and held to it byte for byte (tests/test_comm_predicti
 
 from __future__ import annotations
 
-import copy
 from typing import Any, cast
 
 import torch
@@ -26,26 +25,22 @@ from toolkit.model.precision import DTYPES
 from toolkit.model.stages import Stage
 from toolkit.model.tied import tied_aliases
 from toolkit.strategies.dims.comm import fsdp_collectives, fsdp_units
-from toolkit.strategies.pipeline.layout import grid_of, stage_of_blocks
+from toolkit.strategies.pipeline.layout import grid_of, rank_stages
 
 
 def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
             shapes: list[tuple[int, int]]) -> list[Collective]:
-    grid, options = grid_of(recipe, world_size), recipe.strategy
-    parts, num_stages = stage_of_blocks(model, recipe, grid)
-    pp_rank, _ = grid.coords(rank)
-    ids = grid.stage_ids(pp_rank, options.stages_per_rank)
+    grid = grid_of(recipe, world_size)
+    stages = rank_stages(model, recipe, grid, grid.coords(rank)[0])
     stored = DTYPES[recipe.model.load_dtype]
     # FSDP's replicas compute in the 16-bit precision (MixedPrecisionPolicy); autocast keeps an fp32 residual
     flowing = DTYPES[recipe.precision] if grid.sharded else stored
     micro = len(shapes)
     one = recipe.batch.micro_batch_size * recipe.data.max_length * cast(Any, model).config.hidden_size * \
         element_bytes(flowing)
-    sends = sum((stage != num_stages - 1) + (stage != 0) for stage in ids)
+    sends = sum((not stage.last) + (not stage.first) for stage in stages)
     out = [Collective(op="send", payload_bytes=sends * micro * one, calls=sends * micro, group="pp",
                       group_size=grid.pp, phase="forward", what="activations and their gradients")]
-    stages = [Stage(copy.deepcopy(model), layer_ids=[i for i, p in enumerate(parts) if p == s], first=s == 0,
-                    last=s == num_stages - 1) for s in ids]
     tied = any(name != first for name, first in tied_aliases(model).items())
     for stage in stages:
         if tied and (stage.first or stage.last):

@@ -15,7 +15,7 @@ from toolkit.errors import RecipeError, ranks_option
 from toolkit.model.blocks import layer_stack, uncounted
 from toolkit.model.build import meta_model
 from toolkit.model.placement import blocks_of, check_split, part_of_blocks
-from toolkit.model.stages import check_window, family_of, layer_list
+from toolkit.model.stages import Stage, check_window, family_of, layer_list
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
@@ -89,6 +89,15 @@ def stage_of_blocks(model: nn.Module, recipe: Recipe, grid: Grid) -> tuple[list[
     parts = part_of_blocks(model, blocks=layer_stack(model, options.blocks), num_parts=num_stages,
                            split=options.split)
     return parts, num_stages
+
+
+def rank_stages(model: nn.Module, recipe: Recipe, grid: Grid, pp_rank: int) -> list[Stage]:
+    """The stages pipeline rank `pp_rank` runs, each cut from its own copy of `model` (the meta model: a plan's)."""
+    import copy
+
+    parts, num_stages = stage_of_blocks(model, recipe, grid)
+    return [Stage(copy.deepcopy(model), layer_ids=[i for i, p in enumerate(parts) if p == s], first=s == 0,
+                  last=s == num_stages - 1) for s in grid.stage_ids(pp_rank, recipe.strategy.stages_per_rank)]
 
 
 def theoretical_bubble(*, stages: int, micro_batches: int, per_rank: int) -> float:

@@ -14,7 +14,6 @@ output (all but the last), micro × max_length × hidden each.
 
 from __future__ import annotations
 
-import copy
 import sys
 from collections import defaultdict
 from typing import Any, cast
@@ -25,8 +24,7 @@ from toolkit.config.recipe import Recipe, plan_batch
 from toolkit.memory.activations import Traced, traced_stage
 from toolkit.memory.state_bytes import StateBytes, adam_state, dim0_shard, element_bytes, whole
 from toolkit.model.precision import DTYPES
-from toolkit.model.stages import Stage
-from toolkit.strategies.pipeline.layout import Grid, grid_of, stage_of_blocks
+from toolkit.strategies.pipeline.layout import Grid, grid_of, rank_stages, stage_of_blocks
 
 Action = tuple[str, int]  # ("F" forward | "B" backward, stage index)
 
@@ -34,15 +32,12 @@ Action = tuple[str, int]  # ("F" forward | "B" backward, stage index)
 def state_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
     """Each rank's stages cut from the meta model as setup cuts them (a tied embedding is held by the
     first and the last stage, once each), whole under ddp, dim-0 shards under fsdp."""
-    options, grid, dtype = recipe.strategy, grid_of(recipe, world_size), DTYPES[recipe.model.load_dtype]
-    parts, num_stages = stage_of_blocks(model, recipe, grid)
+    grid, dtype = grid_of(recipe, world_size), DTYPES[recipe.model.load_dtype]
     local = dim0_shard(grid.dp) if grid.sharded and grid.dp > 1 else whole
     per_pp_rank = []
     for pp_rank in range(grid.pp):
         total = StateBytes(params_bytes=0, grads_bytes=0, optim_bytes=0)
-        for stage_id in grid.stage_ids(pp_rank, options.stages_per_rank):
-            stage = Stage(copy.deepcopy(model), layer_ids=[i for i, p in enumerate(parts) if p == stage_id],
-                          first=stage_id == 0, last=stage_id == num_stages - 1)
+        for stage in rank_stages(model, recipe, grid, pp_rank):
             total += adam_state(stage.named_parameters(), dtype=dtype, local=local)
         per_pp_rank.append(total)
     return [per_pp_rank[grid.coords(rank)[0]] for rank in range(world_size)]
