@@ -214,6 +214,9 @@ def save(strategy, *, step: int, out_dir: Path, env: DistEnv, recipe, manifest: 
         planner = PiecesSavePlanner(pieces if background is None else None)
         tensors = pieces.state() if background is None else {"model": {}, "optim": {}}
     state = {"model": tensors["model"], "optim": tensors["optim"], "rng": {str(env.rank): torch.get_rng_state()}}
+    communication = strategy.state.communication_state()  # each rank its own (PowerSGD's error)
+    if communication is not None:
+        state["comm"] = {str(env.rank): torch.frombuffer(bytearray(communication), dtype=torch.uint8)}
     extra = strategy.state.checkpoint_extra()  # now: training moves the schedule on while the files are written
 
     def finish() -> None:
@@ -370,6 +373,23 @@ def optimizer_reader(path: Path) -> Read:
         _load(template, path, pieces=pieces)
         return template
     return read
+
+
+def load_communication(path: Path, *, env: DistEnv, saved_world: int) -> bytes | None:
+    """This rank's saved communication state (TorchState.communication_state), or None, said in one line, where the
+    checkpoint holds none for it (saved without the hook, or by another number of ranks: each rank's is its own)."""
+    key = f"comm.{env.rank}"
+    held = verify.read_metadata(path).state_dict_metadata.get(key)
+    if saved_world != env.world_size or held is None:
+        if env.is_main:
+            why = f"saved by {saved_world} ranks, now {env.world_size}" if saved_world != env.world_size else \
+                "the checkpoint holds none"
+            print(f"[toolkit] resume: gradient compression state starts afresh ({why}): PowerSGD's error feedback "
+                  "and factors restart as at its first compressed step", file=sys.stderr, flush=True)
+        return None
+    state = {"comm": {str(env.rank): torch.empty(tuple(held.size), dtype=torch.uint8)}}  # type: ignore[union-attr]
+    _load(state, path)
+    return state["comm"][str(env.rank)].numpy().tobytes()
 
 
 def load_rng(path: Path, *, env: DistEnv, saved_world: int) -> None:

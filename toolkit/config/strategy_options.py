@@ -27,11 +27,21 @@ class StrategyConfig:
     # ddp
     find_unused_parameters: bool = False  # ddp: needed when some parameters get no gradient
     bucket_cap_mb: float = 25.0  # ddp: gradient bucket size; bigger buckets, fewer all-reduces
+    gradient_compression: str = "none"  # ddp (and a pipeline's ddp replicas): none | fp16 | bf16 (each bucket
+    #   cast to 16 bits for its all-reduce: half the bytes, ~3 significant digits for bf16) | powersgd (each
+    #   gradient matrix sent as a rank-powersgd_rank factor pair, the error kept and added back next step): changes
+    #   the maths on purpose; compare judges it "differs by design" within a loss budget
+    powersgd_rank: int = 4  # ddp with gradient_compression=powersgd: the factors' rank; (n + m)·r numbers per n×m
+    #   matrix instead of n·m; a matrix for which that saves less than half is sent whole
+    powersgd_start_step: int = 10  # ddp with gradient_compression=powersgd: optimizer steps with plain all-reduce
+    #   before compression starts (at least 2: DDP fixes its buckets after the first); torch advises ~10 % of the run
     # fsdp
     reshard_after_forward: bool = True  # fsdp: True frees gathered params after forward (ZeRO-3-like, less memory, one more all-gather)
     cpu_offload: bool = False  # fsdp: keep sharded params/grads/optimizer on CPU (much less device memory, slower)
     replicate_degree: int = 1  # fsdp: >1 = HSDP, replicate over this many groups, shard within each (hf_native:
     #   transformers' dp_replicate_size)
+    reduce_dtype: str = "fp32"  # fsdp, zero: the dtype gradients are reduced in: fp32 | bf16 (half the bytes, the
+    #   sum kept to ~3 significant digits: changes the maths on purpose; compare judges it "differs by design")
     blocks: tuple[str, ...] | None = None  # fsdp: class names to shard one by one; default: model._no_split_modules
     # tp, fsdp
     tp_degree: int | None = None  # fsdp: >1 = tensor parallel inside groups of this many ranks, FSDP across the

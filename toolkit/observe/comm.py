@@ -12,8 +12,10 @@ that step is left out of throughput medians.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # the step whose collectives are counted (count_step): past DDP's bucket rebuild and ZeRO-3's
@@ -65,6 +67,35 @@ class CollectiveCounter(TorchDispatchMode):
         super().__init__()
         self.bytes_by_op: dict[str, int] = {}
         self.calls_by_op: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._counting_threads: list[int] = []  # a thread's id once per time it entered (it may enter again)
+        self._plain_all_reduce = None
+
+    def __enter__(self):
+        # a DDP communication hook's chained callbacks (PowerSGD's P and Q all-reduces) run on the backend's thread,
+        # where this mode, thread-local, is not active: torch.distributed.all_reduce called from such a thread is
+        # counted by a wrapper, set while the counter is (a call from a counting thread reaches the mode instead)
+        if not self._counting_threads:
+            self._plain_all_reduce = dist.all_reduce
+            dist.all_reduce = self._all_reduce_elsewhere  # type: ignore[assignment]
+        self._counting_threads.append(threading.get_ident())
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._counting_threads.remove(threading.get_ident())
+        if not self._counting_threads:
+            dist.all_reduce = self._plain_all_reduce  # type: ignore[assignment]
+        return super().__exit__(*exc)
+
+    def _all_reduce_elsewhere(self, tensor, *args, **kwargs):
+        if threading.get_ident() not in self._counting_threads:
+            self._count("allreduce_", [tensor])
+        return self._plain_all_reduce(tensor, *args, **kwargs)  # type: ignore[misc]
+
+    def _count(self, name: str, tensors: list[torch.Tensor]) -> None:
+        with self._lock:
+            self.bytes_by_op[name] = self.bytes_by_op.get(name, 0) + _payload_bytes(tensors)
+            self.calls_by_op[name] = self.calls_by_op.get(name, 0) + 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         namespace, name = func.namespace, func.__name__.split(".")[0]
@@ -74,8 +105,7 @@ class CollectiveCounter(TorchDispatchMode):
         elif namespace == "_c10d_functional" and name in _FUNCTIONAL:
             index = 0
         if index is not None and len(args) > index:
-            self.bytes_by_op[name] = self.bytes_by_op.get(name, 0) + _payload_bytes(_tensors(args[index]))
-            self.calls_by_op[name] = self.calls_by_op.get(name, 0) + 1
+            self._count(name, _tensors(args[index]))
         return func(*args, **(kwargs or {}))
 
     @property

@@ -185,6 +185,13 @@ class StrategyState(Protocol):
 
     def load_checkpoint_extra(self, extra: dict[str, Any]) -> None: ...
 
+    def communication_state(self) -> bytes | None:
+        """This rank's own state of its gradient communication (PowerSGD's error and factors), serialized; None where
+        it keeps none."""
+
+    def load_communication_state(self, blob: bytes) -> None:
+        """What communication_state returned on this rank of the run that saved."""
+
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Collective: the full model weights on CPU on rank 0 (fp32 masters where kept), None elsewhere."""
 

@@ -13,6 +13,7 @@ from toolkit.errors import RecipeError
 from toolkit.model.precision import DTYPES
 from toolkit.strategies.base import SetupArgs, StrategyInfo
 from toolkit.strategies.dims.comm import ddp_collectives
+from toolkit.strategies.dims.compression import Compression
 from toolkit.strategies.dims.parallelize import DdpWrap, ddp_no_sync, replicate_over_world
 from toolkit.strategies.replicated import ReplicatedRules, ReplicatedStrategy, Replication
 
@@ -22,6 +23,9 @@ class DdpOptions:
 
     find_unused_parameters: bool
     bucket_cap_mb: float
+    gradient_compression: str
+    powersgd_rank: int
+    powersgd_start_step: int
 
 
 OPTIONS = DdpOptions  # the registry reads it by this name
@@ -31,7 +35,10 @@ INFO = StrategyInfo(
     name="ddp", averages_gradients=True, tiles_loss=True, exports_in_place=True, plain_data_parallel=True,
     options=option_names(DdpOptions),
     summary="DistributedDataParallel: a full replica per rank, gradients all-reduced; fastest when the model fits",
-    arms={"ddp": ("strategy.name=ddp",)})
+    arms={"ddp": ("strategy.name=ddp",),
+          "ddp-fp16c": ("strategy.name=ddp", "strategy.gradient_compression=fp16"),
+          "ddp-bf16c": ("strategy.name=ddp", "strategy.gradient_compression=bf16"),
+          "ddp-powersgd": ("strategy.name=ddp", "strategy.gradient_compression=powersgd")})
 
 
 def wrap_ddp(module: nn.Module, args: SetupArgs) -> nn.Module:
@@ -40,23 +47,30 @@ def wrap_ddp(module: nn.Module, args: SetupArgs) -> nn.Module:
     return replicate_over_world(module, env=args.env, strategy=INFO.name, wrap=wrap)
 
 
-def check_buckets(recipe: Recipe, world_size: int) -> None:
+def compression_of(recipe: Recipe) -> Compression:
+    options = options_of(DdpOptions, recipe)
+    return Compression(kind=options.gradient_compression, rank=options.powersgd_rank,
+                       start_step=options.powersgd_start_step)
+
+
+def check_options(recipe: Recipe, world_size: int) -> None:
     size_mb = options_of(DdpOptions, recipe).bucket_cap_mb  # DDP takes 0 or less without a word, and inf as an overflow
     if not 0 < size_mb < math.inf:
         raise RecipeError(f"strategy.bucket_cap_mb must be a finite number > 0 (MiB per gradient bucket), got "
                           f"{size_mb}; DDP's default is 25")
+    compression_of(recipe).check()
 
 
 def ddp_reduction(model: nn.Module, recipe: Recipe, world_size: int) -> list[Collective]:
     """Its gradients (in the load dtype: autocast leaves the parameters alone) all-reduced over every rank."""
     return ddp_collectives(model, group_size=world_size, group="dp_replicate",
                            bucket_cap_mb=options_of(DdpOptions, recipe).bucket_cap_mb,
-                           grad_dtype=DTYPES[recipe.model.load_dtype])
+                           grad_dtype=DTYPES[recipe.model.load_dtype], compression=compression_of(recipe))
 
 
 DDP = Replication(
-    info=INFO, wrap=wrap_ddp, reduce_desc="all-reduce mean ({dtype})", check=check_buckets,
-    skip_sync=ddp_no_sync, collectives=ddp_reduction)
+    info=INFO, wrap=wrap_ddp, reduce_desc="all-reduce mean ({dtype})", check=check_options,
+    skip_sync=ddp_no_sync, collectives=ddp_reduction, compression=compression_of)
 
 
 RULES = ReplicatedRules(DDP)

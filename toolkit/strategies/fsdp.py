@@ -44,6 +44,9 @@ from toolkit.strategies.dims import comm, context, expert
 from toolkit.strategies.dims.parallelize import FsdpWrap, parallelize
 from toolkit.strategies.optim.torch_optim import TorchOptim, TorchState, TrainsOneModule
 
+REDUCE_DTYPES = ("fp32", "bf16")  # strategy.reduce_dtype
+
+
 @strategy_options
 class FsdpOptions:
     """The strategy.<option> keys fsdp reads (their defaults and trade-offs: docs/recipe-keys.md)."""
@@ -56,6 +59,7 @@ class FsdpOptions:
     cp_degree: int | None  # > 1: context parallel, FSDP over dp_shard × cp (parallel.cp)
     ep_degree: int | None  # > 1: expert parallel, the experts split over ep ranks, FSDP over the rest (parallel.ep)
     sequence_parallel: bool
+    reduce_dtype: str  # fp32 | bf16 (MixedPrecisionPolicy.reduce_dtype)
 
 
 OPTIONS = FsdpOptions  # the registry reads it by this name
@@ -69,6 +73,7 @@ INFO = StrategyInfo(
     arms={"fsdp": ("strategy.name=fsdp",),
           "fsdp-noreshard": ("strategy.name=fsdp", "strategy.reshard_after_forward=false"),
           "fsdp-offload": ("strategy.name=fsdp", "strategy.cpu_offload=true"),
+          "fsdp-bf16reduce": ("strategy.name=fsdp", "strategy.reduce_dtype=bf16"),
           "fsdp-tp2": ("strategy.name=fsdp", "strategy.tp_degree=2"),
           "fsdp-cp2": ("strategy.name=fsdp", "strategy.cp_degree=2"),
           "fsdp-ep2": ("strategy.name=fsdp", "strategy.ep_degree=2")})
@@ -85,6 +90,9 @@ class FsdpRules:
         replicate = options.replicate_degree
         if replicate < 1:
             raise RecipeError("strategy.replicate_degree must be >= 1")
+        if options.reduce_dtype not in REDUCE_DTYPES:
+            raise RecipeError(f"strategy.reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}, got "
+                              f"{options.reduce_dtype!r}")
         if world_size % replicate:
             raise RecipeError(f"strategy.replicate_degree {replicate} does not divide world size {world_size}")
         tp = options.tp_degree
@@ -199,7 +207,8 @@ class FsdpRules:
 
         stored = DTYPES[recipe.model.load_dtype]
         compute = stored if recipe.precision == "fp32" else DTYPES[recipe.precision]  # MixedPrecisionPolicy
-        reduce = stored if recipe.precision == "fp32" else torch.float32
+        reduce = DTYPES[options.reduce_dtype] if options.reduce_dtype != "fp32" or recipe.precision != "fp32" \
+            else stored
         shapes_tp = tensor_parallel.local_shapes(model, tp) if tp > 1 else None
         units = comm.fsdp_units(model, transformer_blocks(model, options.blocks))
         gathers = len(shapes) * (2 if options.reshard_after_forward else 1)
@@ -269,7 +278,7 @@ class FsdpStrategy(TrainsOneModule):
         self.ep_degree = options.ep_degree or 1
         experts = expert.expert_mesh(env, self.ep_degree) if self.ep_degree > 1 else None
         wrap = FsdpWrap(precision=self.precision, reshard_after_forward=options.reshard_after_forward,
-                        cpu_offload=options.cpu_offload)
+                        cpu_offload=options.cpu_offload, reduce_dtype=options.reduce_dtype)
         self.mp_policy = wrap.mp_policy
         empty = any(p.is_meta for p in model.parameters())  # build_model left it empty: shard first, then load
         if not options.cpu_offload and not empty:

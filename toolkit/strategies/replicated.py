@@ -23,6 +23,8 @@ from toolkit.process.dist import DistEnv
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport,
                                      each_micro_batch, every_rank_a_shard, first_dtype, forward_once, local_abs_max,
                                      no_context, whole_stack_activations)
+from toolkit.strategies.dims import compression
+from toolkit.strategies.dims.compression import Compression
 from toolkit.strategies.optim.torch_optim import TorchOptim, TorchState
 
 
@@ -51,6 +53,8 @@ class Replication:
     # (the model on the meta device, the recipe, world size) -> the gradient reduction's collectives in one step
     # (toolkit plan; none in one process)
     collectives: Callable[[nn.Module, Recipe, int], list[Collective]] | None = None
+    # the recipe -> the gradient compression its all-reduce runs under (a hook on the wrapped DDP module)
+    compression: Callable[[Recipe], Compression] | None = None
 
 
 class ReplicatedRules:
@@ -121,13 +125,19 @@ class ReplicatedStrategy:
         self.as_single = self.replication.runs_as_single() if self.replication.runs_as_single else None
         self.one_device = self.replication.one_device(args) if self.replication.one_device else None
         self._model = self.replication.wrap(self.module, args)
+        self.compression = self.replication.compression(args.recipe) if self.replication.compression else None
+        hook = None
+        if self.compression is not None and self.compression.on and not self.as_single:
+            compression.register(self._model, self.compression,
+                                 names={id(p): n for n, p in self.module.named_parameters()})
+            hook = compression.hook_state(self._model)
         self.amp = Amp(args.recipe.precision, args.env.device)
         optimizer = args.build_optimizer(self.module)
         self.optim = TorchOptim(optimizer, args.build_scheduler(optimizer), amp=self.amp,
                                 names=lambda: first_names(self.module))
         self.state = TorchState(self.module, self.optim, env=args.env, gathered=False,
                                 replicas=self._replicas, gradient_abs_max=self._gradient_abs_max,
-                                audit=self._precision_audit)
+                                audit=self._precision_audit, communication=hook)
 
     @property
     def model(self) -> nn.Module:
@@ -178,6 +188,9 @@ class ReplicatedStrategy:
     def _fallback(self) -> str | None:
         return self.as_single or self.one_device
 
+    def _sent_as(self) -> str:
+        return f", {self.compression.describe()}" if self.compression is not None and self.compression.on else ""
+
     def close(self) -> None:
         del self._model, self.module, self.optim, self.state  # DDP's reducer holds the process group
 
@@ -192,7 +205,7 @@ class ReplicatedStrategy:
             "master_weights": master,
             "gradients": grad_dtype,
             "grad_reduction": (self.replication.single_reduce_desc if self.as_single else
-                               self.replication.reduce_desc.format(dtype=grad_dtype)),
+                               self.replication.reduce_desc.format(dtype=grad_dtype + self._sent_as())),
             **self.optim.audit(),
         }
 

@@ -6,6 +6,7 @@ Each rule states what the library does, read from the collective counter on CPU 
 byte by tests/test_comm_prediction.py:
 - DDP: one all-reduce of every trainable gradient per step (no_sync on the other micro-batches), in buckets of
   `bucket_cap_mb`; and one broadcast of the module's buffers, in the step's synced forward (broadcast_buffers).
+  Under gradient compression, what its hook sends instead (dims/compression.py).
 - FSDP2: each unit all-gathers its shards (in the compute dtype) before its forward on every micro-batch and,
   with reshard_after_forward, again before its backward (the root too); it reduce-scatters its gradients (in fp32
   under a 16-bit precision) once per step (set_requires_gradient_sync(False) before the last micro-batch); HSDP
@@ -32,6 +33,7 @@ from torch import nn
 from toolkit.cost.collectives import Collective
 from toolkit.cost.flops import attention_heads
 from toolkit.memory.state_bytes import element_bytes
+from toolkit.strategies.dims.compression import Compression, compression_collectives
 from toolkit.strategies.dims.context import local_length
 
 Shapes = list[tuple[int, int]]  # (samples, padded length) of each micro-batch a rank computes in a step
@@ -47,16 +49,21 @@ def trainable_numel(model: nn.Module) -> int:
 
 
 def ddp_collectives(model: nn.Module, *, group_size: int, group: str, bucket_cap_mb: float,
-                    grad_dtype) -> list[Collective]:
-    """DDP over `group_size` replicas: the step's gradient all-reduce, and the buffer broadcast of its synced
-    forward (no_sync's forwards broadcast none)."""
+                    grad_dtype, compression: Compression | None = None) -> list[Collective]:
+    """DDP over `group_size` replicas: the step's gradient all-reduce (as `compression` sends it), and the buffer
+    broadcast of its synced forward (no_sync's forwards broadcast none)."""
     if group_size <= 1:
         return []
     grad_bytes = trainable_numel(model) * element_bytes(grad_dtype)
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
-    out = [Collective(op="allreduce_", payload_bytes=grad_bytes,
-                      calls=max(1, math.ceil(grad_bytes / (bucket_cap_mb * 2 ** 20))), group=group,
-                      group_size=group_size, phase="backward", what="gradients", overlap="backward")]
+    buckets = max(1, math.ceil(grad_bytes / (bucket_cap_mb * 2 ** 20)))
+    if compression is not None and compression.on:
+        shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+        out = compression_collectives(shapes, compression, group_size=group_size, group=group, buckets=buckets,
+                                      grad_bytes_per_number=element_bytes(grad_dtype))
+    else:
+        out = [Collective(op="allreduce_", payload_bytes=grad_bytes, calls=buckets, group=group,
+                          group_size=group_size, phase="backward", what="gradients", overlap="backward")]
     if buffer_bytes:
         out.append(Collective(op="broadcast_", payload_bytes=buffer_bytes, calls=1, group=group,
                               group_size=group_size, phase="forward", what="buffers"))

@@ -45,12 +45,16 @@ class FsdpWrap:
     reshard_after_forward: bool = True  # True frees gathered parameters after forward (one more all-gather in
     #   backward, less memory); False keeps them until backward
     cpu_offload: bool = False  # sharded parameters, gradients and the optimizer step on the CPU
+    reduce_dtype: str = "fp32"  # fp32 | bf16: what gradients are reduce-scattered in (strategy.reduce_dtype)
 
     @property
     def mp_policy(self) -> MixedPrecisionPolicy:
         compute = None if self.precision == "fp32" else DTYPES[self.precision]
-        # reduce in fp32: a bf16 reduce-scatter keeps ~3 significant digits of the summed gradient
-        return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
+        # fp32 by default: a bf16 reduce-scatter keeps ~3 significant digits of the summed gradient (the
+        # reduce_dtype lever asks for it knowingly); None where it would equal the compute dtype (no cast)
+        reduce = DTYPES[self.reduce_dtype]
+        return MixedPrecisionPolicy(param_dtype=compute,
+                                    reduce_dtype=None if compute is None and reduce == torch.float32 else reduce)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,7 +8,7 @@ DeepSpeed ZeRO owns its optimizer and uses neither."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -98,6 +98,14 @@ class TrainsOneModule:
         return self.optim.lr()
 
 
+class CommunicationState(Protocol):
+    """State a gradient communication hook keeps across steps (dims/compression.PowerSgd)."""
+
+    def state_bytes(self) -> bytes: ...
+
+    def load_bytes(self, blob: bytes) -> None: ...
+
+
 class TorchState:
     """Checkpoint and export state of a torch-native strategy whose one module holds this rank's parameters
     (single, dp, ddp, model parallel, fsdp, tp): the module's state dict in the shared layout and its TorchOptim's.
@@ -106,8 +114,9 @@ class TorchState:
 
     def __init__(self, module: nn.Module, optim: TorchOptim, *, env: DistEnv, gathered: bool,
                  replicas: Callable[[], list[Replicas]], gradient_abs_max: Callable[[], dict[str, float] | None],
-                 audit: Callable[[], dict[str, str]]) -> None:
+                 audit: Callable[[], dict[str, str]], communication: CommunicationState | None = None) -> None:
         self.module, self.optim, self.env, self.gathered = module, optim, env, gathered
+        self.communication = communication
         self.replicas, self.gradient_abs_max, self.precision_audit = replicas, gradient_abs_max, audit
 
     def checkpoint_tensors(self) -> dict[str, dict[str, Any]]:
@@ -121,6 +130,13 @@ class TorchState:
 
     def load_checkpoint_extra(self, extra: dict[str, Any]) -> None:
         self.optim.load_checkpoint_extra(extra)
+
+    def communication_state(self) -> bytes | None:
+        return self.communication.state_bytes() if self.communication is not None else None
+
+    def load_communication_state(self, blob: bytes) -> None:
+        if self.communication is not None:
+            self.communication.load_bytes(blob)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         if self.gathered:

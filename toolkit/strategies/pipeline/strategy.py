@@ -337,6 +337,12 @@ class PipelineStrategy:
     def checkpoint_extra(self) -> dict[str, Any]:
         return self.optim.checkpoint_extra()
 
+    def communication_state(self) -> bytes | None:
+        return None  # no communication hook keeps state here
+
+    def load_communication_state(self, blob: bytes) -> None:
+        pass
+
     def load_checkpoint_extra(self, extra: dict[str, Any]) -> None:
         self.optim.load_checkpoint_extra(extra)
 

@@ -237,6 +237,12 @@ class ZeroStrategy:
             extra["scaler"] = {k: _number(getattr(scaler, k)) for k in DS_SCALER_FIELDS if hasattr(scaler, k)}
         return extra
 
+    def communication_state(self) -> bytes | None:
+        return None  # no communication hook keeps state here
+
+    def load_communication_state(self, blob: bytes) -> None:
+        pass
+
     def load_checkpoint_extra(self, extra: dict[str, Any]) -> None:
         load_schedule_state(self.scheduler, None, extra)
         scaler = getattr(self.optimizer, "loss_scaler", None)
