@@ -406,3 +406,57 @@ def test_a_route_flip_before_the_divergence_is_named_as_such(tmp_path, arm_losse
         from toolkit.compare.recommend import equivalent
 
         assert equivalent(result["verdict"])
+
+
+def _judged(tmp_path, arm_losses, ref_losses, *, arm_strategy, ref_strategy=None, arm_optim=None):
+    """judge() on synthetic trajectories and identical final weights (a lever's verdict reads the losses)."""
+    import torch
+    from safetensors.torch import save_file
+
+    runs = {}
+    for name, losses_, strategy, optim in (("arm", arm_losses, arm_strategy, arm_optim or {"lr": 0.001}),
+                                           ("ref", ref_losses, ref_strategy or {"name": "ddp"}, {"lr": 0.001})):
+        (tmp_path / name / "model").mkdir(parents=True, exist_ok=True)
+        save_file({"w": torch.ones(3)}, str(tmp_path / name / "model" / "model.safetensors"))
+        runs[name] = {"name": name, "dir": tmp_path / name, "metrics": steps(losses_), "num_params": 3,
+                      "recipe": {"strategy": strategy, "optim": optim}, "audit": {}, "run": None}
+    return verdict.judge(runs["arm"], runs["ref"], envelope=None)
+
+
+REF = [10.0 - 0.1 * i for i in range(20)]  # drops 1.8: the mean of its first 2 steps, 9.95, minus its last 2's, 8.15
+
+
+def test_a_lever_within_its_budget_differs_by_design(tmp_path):
+    """Budget: 2 % of the reference's loss drop, 0.02 × 1.8 = 0.036; the arm ends 0.03 above the reference."""
+    arm = [x + 0.03 * i / 19 for i, x in enumerate(REF)]
+    judged = _judged(tmp_path, arm, REF, arm_strategy={"name": "ddp", "gradient_compression": "bf16"})
+    assert judged["verdict"] == "differs by design (gradient_compression=bf16)", judged
+    assert judged["distance"]["budget"] == pytest.approx(0.02 * 1.8)
+    assert judged["distance"]["final_difference"] == pytest.approx((0.03 * 18 / 19 + 0.03) / 2)
+
+
+def test_a_lever_beyond_its_budget_diverged_naming_the_lever(tmp_path):
+    arm = [x + 0.1 * i / 19 for i, x in enumerate(REF)]
+    judged = _judged(tmp_path, arm, REF, arm_strategy={"name": "ddp", "gradient_compression": "powersgd",
+                                                       "powersgd_rank": 2, "powersgd_start_step": 4})
+    assert judged["verdict"] == "diverged at step 2", judged
+    assert judged["differences"][0].startswith("gradient_compression=powersgd (r=2, from step 5) costs more loss "
+                                               "than its budget")
+
+
+def test_a_fault_beside_a_lever_is_not_by_design(tmp_path):
+    """A planted weight decay within the lever's loss budget is still a fault: only the lever's keys may differ."""
+    arm = [x + 0.03 * i / 19 for i, x in enumerate(REF)]
+    judged = _judged(tmp_path, arm, REF, arm_strategy={"name": "ddp", "gradient_compression": "bf16"},
+                     arm_optim={"lr": 0.001, "weight_decay": 0.5})
+    assert judged["verdict"] == "diverged at step 2", judged
+    assert "optim.weight_decay: 0.5 vs None" in judged["differences"]
+    assert any("besides the lever gradient_compression=bf16" in d for d in judged["differences"])
+
+
+def test_without_a_lever_any_difference_diverged(tmp_path):
+    arm = [x + 0.03 * i / 19 for i, x in enumerate(REF)]
+    assert _judged(tmp_path, arm, REF, arm_strategy={"name": "fsdp"})["verdict"] == "diverged at step 2"
+    # the lever at its no-op setting is no lever
+    assert _judged(tmp_path, arm, REF, arm_strategy={"name": "fsdp", "reduce_dtype": "fp32"})["verdict"] == \
+        "diverged at step 2"

@@ -32,8 +32,17 @@ Route flips (mixture-of-experts models): a router sends each token to its top-k 
   comes before the first step outside the bound, and at most ROUTE_FLIP_SHARE of that step's (token, expert) pairs
   moved (a misrouting bug moves many at once, and the loss with them), the verdict is "equivalent until a route flip
   at step k": the arm computed the same thing until rounding decided a tie.
+Levers (strategy.gradient_compression, strategy.reduce_dtype): an arm whose recipe turns one on changes the maths on
+  purpose, and outside the bounds above is judged by what the lever costs instead: the loss curve's distance to the
+  reference (mean and max relative difference per step), the final loss (the mean of the last tenth of the steps,
+  the same batches in both runs) and the final eval loss. The budget: LEVER_BUDGET (2 %) of the reference's loss
+  drop over the run (the mean of its first tenth minus that of its last), never below ROUNDING_FACTOR × the final
+  loss difference the rounding reference showed (what rounding alone moves). Two hundredths of what training
+  achieved is a cost a user does not notice in the curve, and one the report names in numbers; beyond it the lever
+  costs accuracy and the verdict is "diverged", naming the lever. Only the lever's own keys may differ: any other
+  setting that differs (a planted weight decay) is judged as without the lever, "diverged", naming that setting.
 Verdicts: "equivalent" (fp32 tolerance, or the rounding reference's where larger), "equivalent within precision noise" (calibrated bound),
-"equivalent until a route flip at step k" (above), "diverged at step k" (first step outside the bound), "diverged in
+"equivalent until a route flip at step k" (above), "differs by design (LEVER)" (within the lever's budget), "diverged at step k" (first step outside the bound), "diverged in
 final weights" (the trajectories agree, some judged tensor does not), each naming what differs between the two arms.
 """
 
@@ -53,6 +62,10 @@ ROUTE_FLIP = "equivalent until a route flip at step"
 ROUTE_FLIP_SHARE = 0.01  # at most this share of a step's routed pairs moved: a flip rounding can explain
 NOISE_GRADIENT_RATIO = UNIT_ROUNDOFF["fp32"]  # max|g| / ‖g‖ at or below this in every step: noise-driven
 WEIGHT_TOLERANCE = f"|Δ| ≤ {FP32_RTOL:g} + {FP32_RTOL:g}·|w|"
+BY_DESIGN = "differs by design"
+LEVER_BUDGET = 0.02  # of the reference's loss drop (see the module's doc)
+# a lever's recipe key -> its setting that changes nothing
+LEVERS = {"strategy.gradient_compression": "none", "strategy.reduce_dtype": "fp32"}
 # keys expected to differ between arms of one experiment, or that cannot change what is computed: not a cause
 EXPECTED_DIFFERENT = ("output_dir", "strategy.", "batch.micro_batch_size", "batch.grad_accum_steps",
                       "train.record_gradient_scale", "checkpoint.")
@@ -260,11 +273,76 @@ def judge(arm: dict, ref: dict, *, envelope: list[float] | None, rounding: dict 
         if noisy is None:
             return {**out, "verdict": "equivalent within precision noise", "step": None, "differences": settings}
         first = noisy
+    on = levers(arm["recipe"], ref["recipe"])
+    if on:
+        return {**out, **_judge_lever(arm, ref, on=on, first=first, settings=settings, rounding=rounding)}
     if first is not None:
         return {**out, "verdict": f"diverged at step {first['step']}", "step": first["step"],
                 "differences": [first["what"], *settings]}
     return {**out, "verdict": "diverged in final weights", "step": None,
             "differences": [*weight_lines(weights), *settings]}
+
+
+def levers(arm_recipe: dict, ref_recipe: dict) -> str | None:
+    """The levers the arm turns on and the reference does not, in words ("gradient_compression=powersgd (r=4, from
+    step 11)"), or None."""
+    arm, ref = flatten(arm_recipe), flatten(ref_recipe)
+    out = []
+    for key, noop in LEVERS.items():
+        value = arm.get(key, noop)
+        if value != noop and value != ref.get(key, noop):
+            words = f"{key.split('.', 1)[1]}={value}"
+            if value == "powersgd":
+                words += f" (r={arm.get('strategy.powersgd_rank')}, from step {arm.get('strategy.powersgd_start_step', 0) + 1})"
+            out.append(words)
+    return ", ".join(out) or None
+
+
+def loss_distance(arm: list[dict], ref: list[dict], *, rounding: dict | None = None) -> dict:
+    """What a lever cost against the reference (see the module's doc): per-step relative loss difference (mean,
+    max), the final loss difference (mean of the last tenth of the steps) and eval loss difference, and the budget."""
+    pairs = [(a["loss"], r["loss"]) for a, r in zip(arm, ref)]
+    per_step = [relative(a, r) for a, r in pairs] or [math.inf]
+    window = max(1, len(pairs) // 10)
+    first_ref = sum(r for _, r in pairs[:window]) / window
+    last_ref = sum(r for _, r in pairs[-window:]) / window
+    last_arm = sum(a for a, _ in pairs[-window:]) / window
+    drop = first_ref - last_ref
+    floor = ROUNDING_FACTOR * _finite(rounding["loss"][-1]) * abs(last_ref) if rounding and rounding["loss"] else 0.0
+    evals = [next((m["eval_loss"] for m in reversed(run) if "eval_loss" in m), None) for run in (arm, ref)]
+    return {"mean_relative": sum(per_step) / len(per_step), "max_relative": max(per_step),
+            "final_difference": last_arm - last_ref, "final_relative": (last_arm - last_ref) / max(abs(last_ref), 1e-30),
+            "window": window, "drop": drop,
+            "eval_difference": evals[0] - evals[1] if None not in evals else None,  # type: ignore[operator]
+            "budget": max(LEVER_BUDGET * max(drop, 0.0), floor)}
+
+
+def _distance_line(lever: str, d: dict) -> str:
+    evals = f", eval loss {d['eval_difference']:+.3g}" if d["eval_difference"] is not None else ""
+    return (f"{lever}: loss curve {d['mean_relative']:.2%} from the reference on average (at most "
+            f"{d['max_relative']:.2%}), final loss {d['final_difference']:+.3g} (last {d['window']} step(s)){evals}; "
+            f"budget ±{d['budget']:.3g}: {LEVER_BUDGET:.0%} of the reference's loss drop {d['drop']:.3g}")
+
+
+def _judge_lever(arm: dict, ref: dict, *, on: str, first: dict | None, settings: list[str],
+                 rounding: dict | None) -> dict:
+    """The verdict of an arm outside the exact bounds that turns a lever on (see the module's doc)."""
+    # the precision audit's reduction row names the lever itself (its dtype on the wire): not another setting
+    others = [s for s in settings if not s.startswith("audit grad_reduction")]
+    step = first["step"] if first is not None else None
+    where = f"diverged at step {step}" if step is not None else "diverged in final weights"
+    if others:
+        return {"verdict": where, "step": step, "differences": [
+            *([first["what"]] if first else []), *others,
+            f"besides the lever {on}, these settings differ: judged as without it"]}
+    distance = loss_distance(arm["metrics"], ref["metrics"], rounding=rounding)
+    costs = [abs(distance["final_difference"])] + ([abs(distance["eval_difference"])]
+                                                   if distance["eval_difference"] is not None else [])
+    line = _distance_line(on, distance)
+    if max(costs) <= distance["budget"]:
+        return {"verdict": f"{BY_DESIGN} ({on})", "step": None, "distance": distance, "differences": [line]}
+    return {"verdict": where, "step": step, "distance": distance,
+            "differences": [f"{on} costs more loss than its budget: {line}", *([first["what"]] if first else [])]}
 
 
 def audit_key(row: str, value) -> str | None:
