@@ -6,7 +6,7 @@ from __future__ import annotations
 from toolkit.compare import measure
 
 # the verdicts of an arm that computed what the reference did
-from toolkit.compare.verdict import BY_DESIGN, ROUTE_FLIP
+from toolkit.compare.verdict import BY_DESIGN, ROUTE_FLIP, levers
 
 EQUIVALENT = ("reference", "equivalent", "equivalent within precision noise")
 
@@ -38,7 +38,7 @@ def recommendations(results: dict) -> list[str]:
         if r is base:
             continue
         if r["verdict"].startswith(BY_DESIGN) and not r.get("fallback"):
-            lines.append(_lever_line(r, base))
+            lines.append(_lever_line(r, done, base))
             continue
         if r not in ok:
             lines.append(f"{r['arm']}: not recommended: {r['verdict']}")
@@ -51,19 +51,22 @@ def recommendations(results: dict) -> list[str]:
     return lines
 
 
-def _lever_line(r: dict, base: dict) -> str:
-    """What a lever that changes the maths on purpose bought and cost: bytes per step and step time against the
-    baseline, loss against the reference (its verdict's distance)."""
-    lever = r["verdict"][len(BY_DESIGN):].strip(" ()")
-    bytes_change = ((r["comm"]["total_bytes"] / base["comm"]["total_bytes"] - 1) * 100
-                    if r.get("comm") and base.get("comm") and base["comm"]["total_bytes"] else float("nan"))
-    time_change = (base["tokens_per_s"] / r["tokens_per_s"] - 1) * 100  # the same tokens per step
+def _lever_line(r: dict, done: list[dict], base: dict) -> str:
+    """What a lever that changes the maths on purpose bought and cost: bytes per step and step time against the same
+    strategy without a lever (else the baseline), loss against the reference (its verdict's distance)."""
+    lever = r["verdict"][len(BY_DESIGN):].strip()
+    lever = lever[1:-1] if lever.startswith("(") and lever.endswith(")") else lever
+    plain = next((o for o in done if o is not r and o.get("strategy") == r.get("strategy")
+                  and not levers(o.get("recipe") or {}, {}) and not o.get("fallback")), base)
+    bytes_change = ((r["comm"]["total_bytes"] / plain["comm"]["total_bytes"] - 1) * 100
+                    if r.get("comm") and plain.get("comm") and plain["comm"]["total_bytes"] else float("nan"))
+    time_change = (plain["tokens_per_s"] / r["tokens_per_s"] - 1) * 100  # the same tokens per step
     loss = (r.get("distance") or {}).get("final_relative", float("nan"))
-    doubt = measure.speed_doubt(r, base)
+    doubt = measure.speed_doubt(r, plain)
     return (f"{r['arm']}: {lever}: {bytes_change:+.0f} % bytes per step and {time_change:+.0f} % step time vs "
-            f"{base['arm']} here" + (f" ({doubt[0]})" if doubt else "") + f", final loss {loss:+.2%} vs the reference "
-            "(within its budget): accuracy traded for communication, worth it where the network is the bottleneck "
-            "(`toolkit plan --hardware` predicts the step time there)")
+            f"{plain['arm']} here" + (f" ({doubt[0]})" if doubt else "") + f", final loss {loss:+.2%} vs the "
+            "reference (within its budget): accuracy traded for communication, worth it where the network is the "
+            "bottleneck (`toolkit plan --hardware` predicts the step time there)")
 
 
 def _baseline(results: dict, *, done: list[dict], ok: list[dict]) -> tuple[dict, str]:

@@ -45,6 +45,7 @@ from toolkit.process.dist import DistEnv, all_reduce_max, all_reduce_sum
 from toolkit.process.stopping import NonFinite, SkippedSteps, StopSignals, Stopped
 from toolkit.strategies import import_runtime_modules, strategy_degrees
 from toolkit.strategies.base import ROUTER_LOSS, Replicas, SetupArgs, Strategy
+from toolkit.strategies.dims import compression
 from toolkit.strategies.optim.adamw import build_adamw, build_scheduler
 from toolkit.train import runinfo
 from toolkit.train.evaluate import evaluate
@@ -244,7 +245,8 @@ def run_steps(strategy: Strategy, loader, parts: StepParts, *, done: int) -> lis
     skipped in a row (once it is logged)."""
     recipe, env, info, saver, profiler = parts.recipe, parts.env, parts.info, parts.saver, parts.profiler
     losses = []
-    comm_step = count_step(done=done, total_steps=parts.total_steps, profiled=recipe.train.profile_steps)
+    comm_step = count_step(done=done, total_steps=parts.total_steps, profiled=recipe.train.profile_steps,
+                           first=compression.first_steady_step(recipe))
     for step in range(done + 1, parts.total_steps + 1):
         micro_batches = [next(loader) for _ in range(parts.plan.grad_accum_steps)]
         if recipe.train.tiled_loss:  # each micro-batch's loss in tiles of its tokens (strategies/base.py logits_of)

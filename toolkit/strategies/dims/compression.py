@@ -65,6 +65,13 @@ class Compression:
         return f"sent as {self.kind}" if self.on else "none"
 
 
+def first_steady_step(recipe) -> int:
+    """The first step whose gradient all-reduce is what every later step sends: PowerSGD's first compressed step (the
+    step the collectives are counted in, where later than the usual one); 1 otherwise."""
+    strategy = recipe.strategy
+    return strategy.powersgd_start_step + 1 if strategy.gradient_compression == "powersgd" else 1
+
+
 _HOOKS: WeakKeyDictionary[nn.Module, "PowerSgd"] = WeakKeyDictionary()
 
 
