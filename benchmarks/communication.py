@@ -30,21 +30,22 @@ def main() -> None:
     parser.add_argument("--arms", default=ARMS, help=f"comma-separated compare arms, first = reference ({ARMS})")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--set", action="append", default=[], dest="sets", help="a recipe override (repeatable)")
+    parser.add_argument("--output", help="keep the experiment folder here (default: a temporary one)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="communication-") as tmp:
-        out = Path(tmp) / "exp"
+        out = Path(args.output) if args.output else Path(tmp) / "exp"
         cmd = [sys.executable, "-m", "toolkit", "compare", RECIPE, "--strategies", args.arms, "--nproc", "2",
                "--steps", str(args.steps), "--output", str(out), *[a for s in args.sets for a in ("--set", s)]]
         print(f"[benchmark] {' '.join(cmd[1:])} ...", file=sys.stderr, flush=True)
         done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"toolkit compare failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        if done.returncode not in (0, 1) or not (out / "results.json").is_file():  # 1: an arm failed (its row says)
+            raise SystemExit(f"toolkit compare failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
         results = json.loads((out / "results.json").read_text())
     rows = []
     plain = {r["strategy"]: r for r in results["arms"] if r["status"] == "completed" and "-" not in r["arm"]}
     for r in results["arms"]:
         if r["status"] != "completed":
-            rows.append([r["arm"], "failed", "", "", "", "", ""])
+            rows.append([r["arm"], "failed", "", "", "", "", r.get("error", "")[:100]])
             continue
         sent = r["comm"]["total_bytes"] if r.get("comm") else 0
         base = plain.get(r["strategy"])

@@ -74,7 +74,7 @@ def _baseline(results: dict, *, done: list[dict], ok: list[dict]) -> tuple[dict,
     equivalent arm), what every other strategy is a trade against; without one, the reference arm (else the first
     equivalent arm). It was the multi-rank arm with the most model-state memory: with no ddp arm that was tp or a
     pipeline, neither of them data parallelism, and nothing said why."""
-    plain = [r for r in done if r.get("plain_data_parallel")]
+    plain = [r for r in done if r.get("plain_data_parallel") and not levers(r.get("recipe") or {}, {})]
     base = next((r for r in plain if r in ok), None)
     if base is not None:
         return base, (f"plain data parallelism (a full replica on each of its {base['world_size']} rank(s), the batch "

@@ -64,8 +64,8 @@ NOISE_GRADIENT_RATIO = UNIT_ROUNDOFF["fp32"]  # max|g| / ‖g‖ at or below thi
 WEIGHT_TOLERANCE = f"|Δ| ≤ {FP32_RTOL:g} + {FP32_RTOL:g}·|w|"
 BY_DESIGN = "differs by design"
 LEVER_BUDGET = 0.02  # of the reference's loss drop (see the module's doc)
-# a lever's recipe key -> its setting that changes nothing
-LEVERS = {"strategy.gradient_compression": "none", "strategy.reduce_dtype": "fp32"}
+# a lever's recipe key -> its settings that change nothing (the first: its default)
+LEVERS = {"strategy.gradient_compression": ("none",), "strategy.reduce_dtype": (None, "fp32")}
 # keys expected to differ between arms of one experiment, or that cannot change what is computed: not a cause
 EXPECTED_DIFFERENT = ("output_dir", "strategy.", "batch.micro_batch_size", "batch.grad_accum_steps",
                       "train.record_gradient_scale", "checkpoint.")
@@ -288,9 +288,9 @@ def levers(arm_recipe: dict, ref_recipe: dict) -> str | None:
     step 11)"), or None."""
     arm, ref = flatten(arm_recipe), flatten(ref_recipe)
     out = []
-    for key, noop in LEVERS.items():
-        value = arm.get(key, noop)
-        if value != noop and value != ref.get(key, noop):
+    for key, noops in LEVERS.items():
+        value = arm.get(key, noops[0])
+        if value not in noops and value != ref.get(key, noops[0]):
             words = f"{key.split('.', 1)[1]}={value}"
             if value == "powersgd":
                 words += f" (r={arm.get('strategy.powersgd_rank')}, from step {arm.get('strategy.powersgd_start_step', 0) + 1})"

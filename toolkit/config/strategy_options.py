@@ -40,8 +40,9 @@ class StrategyConfig:
     cpu_offload: bool = False  # fsdp: keep sharded params/grads/optimizer on CPU (much less device memory, slower)
     replicate_degree: int = 1  # fsdp: >1 = HSDP, replicate over this many groups, shard within each (hf_native:
     #   transformers' dp_replicate_size)
-    reduce_dtype: str = "fp32"  # fsdp, zero: the dtype gradients are reduced in: fp32 | bf16 (half the bytes, the
-    #   sum kept to ~3 significant digits: changes the maths on purpose; compare judges it "differs by design")
+    reduce_dtype: str | None = None  # fsdp, zero: the dtype gradients are reduced in: fp32 | bf16 (half the bytes,
+    #   the sum kept to ~3 significant digits: changes the maths on purpose; compare judges it "differs by design").
+    #   Unset: fsdp fp32, zero DeepSpeed's default (the compute dtype: bf16 under precision bf16)
     blocks: tuple[str, ...] | None = None  # fsdp: class names to shard one by one; default: model._no_split_modules
     # tp, fsdp
     tp_degree: int | None = None  # fsdp: >1 = tensor parallel inside groups of this many ranks, FSDP across the

@@ -41,11 +41,9 @@ from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, S
                                      refuse_untested,
                                      sharded_abs_max, whole_stack_activations)
 from toolkit.strategies.dims import comm, context, expert
+from toolkit.strategies.dims.compression import check_reduce_dtype
 from toolkit.strategies.dims.parallelize import FsdpWrap, parallelize
 from toolkit.strategies.optim.torch_optim import TorchOptim, TorchState, TrainsOneModule
-
-REDUCE_DTYPES = ("fp32", "bf16")  # strategy.reduce_dtype
-
 
 @strategy_options
 class FsdpOptions:
@@ -59,7 +57,7 @@ class FsdpOptions:
     cp_degree: int | None  # > 1: context parallel, FSDP over dp_shard × cp (parallel.cp)
     ep_degree: int | None  # > 1: expert parallel, the experts split over ep ranks, FSDP over the rest (parallel.ep)
     sequence_parallel: bool
-    reduce_dtype: str  # fp32 | bf16 (MixedPrecisionPolicy.reduce_dtype)
+    reduce_dtype: str | None  # fp32 | bf16 (MixedPrecisionPolicy.reduce_dtype); None: fp32
 
 
 OPTIONS = FsdpOptions  # the registry reads it by this name
@@ -90,9 +88,7 @@ class FsdpRules:
         replicate = options.replicate_degree
         if replicate < 1:
             raise RecipeError("strategy.replicate_degree must be >= 1")
-        if options.reduce_dtype not in REDUCE_DTYPES:
-            raise RecipeError(f"strategy.reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}, got "
-                              f"{options.reduce_dtype!r}")
+        check_reduce_dtype(options.reduce_dtype)
         if world_size % replicate:
             raise RecipeError(f"strategy.replicate_degree {replicate} does not divide world size {world_size}")
         tp = options.tp_degree
@@ -207,7 +203,7 @@ class FsdpRules:
 
         stored = DTYPES[recipe.model.load_dtype]
         compute = stored if recipe.precision == "fp32" else DTYPES[recipe.precision]  # MixedPrecisionPolicy
-        reduce = DTYPES[options.reduce_dtype] if options.reduce_dtype != "fp32" or recipe.precision != "fp32" \
+        reduce = DTYPES[options.reduce_dtype or "fp32"] if options.reduce_dtype or recipe.precision != "fp32" \
             else stored
         shapes_tp = tensor_parallel.local_shapes(model, tp) if tp > 1 else None
         units = comm.fsdp_units(model, transformer_blocks(model, options.blocks))
@@ -278,7 +274,7 @@ class FsdpStrategy(TrainsOneModule):
         self.ep_degree = options.ep_degree or 1
         experts = expert.expert_mesh(env, self.ep_degree) if self.ep_degree > 1 else None
         wrap = FsdpWrap(precision=self.precision, reshard_after_forward=options.reshard_after_forward,
-                        cpu_offload=options.cpu_offload, reduce_dtype=options.reduce_dtype)
+                        cpu_offload=options.cpu_offload, reduce_dtype=options.reduce_dtype or "fp32")
         self.mp_policy = wrap.mp_policy
         empty = any(p.is_meta for p in model.parameters())  # build_model left it empty: shard first, then load
         if not options.cpu_offload and not empty:

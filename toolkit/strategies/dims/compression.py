@@ -27,9 +27,15 @@ from toolkit.cost.collectives import Collective
 from toolkit.errors import RecipeError
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+REDUCE_DTYPES = ("fp32", "bf16")  # strategy.reduce_dtype (fsdp, zero)
 WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 MIN_START_STEP = 2  # torch's: with error feedback, PowerSGD may start only once DDP has fixed its buckets
 MIN_COMPRESSION_RATE = 2  # torch's default: a matrix is compressed only where that sends under half its numbers
+
+
+def check_reduce_dtype(value: str | None) -> None:
+    if value is not None and value not in REDUCE_DTYPES:
+        raise RecipeError(f"strategy.reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

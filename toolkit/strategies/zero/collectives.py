@@ -3,7 +3,8 @@ read from the collective counter on CPU and held to it byte for byte (tests/test
 - stage 0: one all-reduce of every gradient at the step's end;
 - stages 1 and 2: an all-reduce of every gradient, in buckets of reduce_bucket_size: stage 1 once per step (at
   the accumulation boundary), stage 2 after every micro-batch's backward; after the update, each param group's
-  partition (flattened, padded to a multiple of 2 × world) all-gathered in the parameters' dtype;
+  partition (flattened, padded to a multiple of 2 × world) all-gathered in the parameters' dtype; gradients go
+  in communication_data_type where the config sets it (strategy.reduce_dtype);
 - stage 3: each parameter's partition (ceil(numel / world) elements) all-gathered before its forward, every
   micro-batch; one that stays whole (fewer elements than stage3_param_persistence_threshold) only once a step;
   gathered again before backward where DeepSpeed released it (the model beyond what its reuse distance and live
@@ -36,9 +37,10 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, num_micro_batc
                                hidden_size=hidden_size_of(model.config))
     stage, zero = stage_of(config), config.get("zero_optimization", {})
     size = element_bytes(memory.param_dtype(recipe))
+    sent = {"fp32": 4, "bf16": 2, "fp16": 2}.get(config.get("communication_data_type"), size)  # type: ignore[arg-type]
     trainable = [p for p in model.parameters() if p.requires_grad]
-    grads = sum(p.numel() for p in trainable) * size
-    bucket = int(zero.get("reduce_bucket_size", memory.DEFAULT_REDUCE_BUCKET)) * size
+    grads = sum(p.numel() for p in trainable) * sent
+    bucket = int(zero.get("reduce_bucket_size", memory.DEFAULT_REDUCE_BUCKET)) * sent
 
     def entry(op: str, payload: int, calls: int, phase: str, what: str, overlap: str = "nothing") -> Collective:
         return Collective(op=op, payload_bytes=payload, calls=calls, group="dp_shard", group_size=world_size,
@@ -67,7 +69,7 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, num_micro_batc
     kept = memory.kept_gathered_numel(model, recipe, world_size=world_size)
     regathered = max(0, sum(parted) * world_size - kept) // world_size  # released after forward: again in backward
     gathers = num_micro_batches * (sum(parted) + regathered) + sum(whole)
-    padded_grads = sum(math.ceil(p.numel() / world_size) * world_size for p in trainable) * size
+    padded_grads = sum(math.ceil(p.numel() / world_size) * world_size for p in trainable) * sent
     return [entry("_allgather_base_", gathers * size, num_micro_batches * len(parted) + len(whole), "forward",
                   "parameters", "compute"),
             entry("_reduce_scatter_base_", num_micro_batches * padded_grads,

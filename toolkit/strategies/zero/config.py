@@ -29,6 +29,8 @@ def recipe_values(recipe: Recipe, plan: BatchPlan) -> dict[str, object]:
         "gradient_clipping": clip,
         "bf16.enabled": recipe.precision == "bf16",
         "fp16.enabled": recipe.precision == "fp16",
+        # strategy.reduce_dtype: DeepSpeed's dtype names are the recipe's (fp32, bf16)
+        **({"communication_data_type": recipe.strategy.reduce_dtype} if recipe.strategy.reduce_dtype else {}),
     }
 
 
@@ -67,6 +69,8 @@ def generated_config(recipe: Recipe, plan: BatchPlan, *, hidden_size: int | None
         "gradient_clipping": values["gradient_clipping"],
         "bf16": {"enabled": values["bf16.enabled"]},
         "fp16": {"enabled": values["fp16.enabled"], "loss_scale": 0, "initial_scale_power": 16},  # 0: dynamic
+        **({"communication_data_type": values["communication_data_type"]} if "communication_data_type" in values
+           else {}),
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,  # the client optimizer is torch AdamW
         "steps_per_print": 10 ** 9,

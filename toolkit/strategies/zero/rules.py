@@ -17,6 +17,7 @@ from toolkit.cost.collectives import Collective
 from toolkit.errors import RecipeError
 from toolkit.memory.state_bytes import StateBytes
 from toolkit.strategies.base import DataLayout, StrategyInfo, every_rank_a_shard, whole_stack_activations
+from toolkit.strategies.dims.compression import check_reduce_dtype
 from toolkit.strategies.zero import collectives as zero_collectives
 from toolkit.strategies.zero import memory as zero_state
 from toolkit.strategies.zero.config import (check_deepspeed_precision, check_with_deepspeed, configured_stage,
@@ -30,6 +31,7 @@ class ZeroOptions:
     offload_optimizer: bool
     offload_param: bool
     ds_config: str | None
+    reduce_dtype: str | None  # DeepSpeed's communication_data_type; None: its default
 
 
 OPTIONS = ZeroOptions  # the registry reads it by this name
@@ -46,6 +48,7 @@ INFO = StrategyInfo(
           "zero2": ("strategy.name=zero", "strategy.stage=2"),
           "zero3": ("strategy.name=zero", "strategy.stage=3"),
           "zero2-offload": ("strategy.name=zero", "strategy.stage=2", "strategy.offload_optimizer=true"),
+          "zero2-bf16reduce": ("strategy.name=zero", "strategy.stage=2", "strategy.reduce_dtype=bf16"),
           "zero3-offload": ("strategy.name=zero", "strategy.stage=3", "strategy.offload_optimizer=true",
                             "strategy.offload_param=true")})
 
@@ -60,6 +63,7 @@ class ZeroRules:
 
     def validate(self, recipe: Recipe, *, world_size: int) -> None:
         options = options_of(ZeroOptions, recipe)
+        check_reduce_dtype(options.reduce_dtype)
         if options.stage is not None and options.stage not in (0, 1, 2, 3):
             raise RecipeError(f"strategy.stage must be 0, 1, 2 or 3, got {options.stage}")
         if options.offload_param and options.stage not in (3, None):
