@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import test_sharded
 from conftest import assert_same_run, launch, losses, metrics, write_recipe
 from test_cli_errors import _assert_one_line_exit_2, _bad_recipe
 from test_comm_prediction import assert_predicted
@@ -24,7 +25,8 @@ POWERSGD = ("strategy.gradient_compression=powersgd", "strategy.powersgd_rank=2"
 ARMS = {"ddp-fp16c": (*DDP, "strategy.gradient_compression=fp16"),
         "ddp-bf16c": (*DDP, "strategy.gradient_compression=bf16"),
         "ddp-powersgd": (*DDP, *POWERSGD),
-        "fsdp-bf16reduce": (*FSDP, "strategy.reduce_dtype=bf16")}
+        "fsdp-bf16reduce": (*FSDP, "strategy.reduce_dtype=bf16"),
+        "zero2-bf16reduce": ("strategy.name=zero", "strategy.stage=2", "strategy.reduce_dtype=bf16", *M4)}
 
 
 def _counted(run) -> dict:
@@ -54,6 +56,16 @@ def test_bf16_reduce_scatter_sends_half_the_gradient_bytes(llama_runs):
     halved = _counted(llama_runs.get("fsdp-bf16reduce", nproc=2, overrides=ARMS["fsdp-bf16reduce"]))["bytes_by_op"]
     assert halved["_reduce_scatter_base_"] * 2 == exact["_reduce_scatter_base_"]
     assert halved["_allgather_base_"] == exact["_allgather_base_"]  # parameters are gathered as before
+
+
+def test_zero_bf16_communication_sends_half_the_gradient_bytes(llama_runs):
+    """DeepSpeed's communication_data_type: ZeRO-2's gradient all-reduce (one micro-batch a step here) in 2 bytes a
+    number instead of 4; the updated partitions are gathered in the parameters' fp32 as before."""
+    exact = _counted(llama_runs.get("zero2-json", nproc=2, overrides=test_sharded.ARMS["zero2-json"]))
+    run = llama_runs.get("zero2-bf16reduce", nproc=2, overrides=ARMS["zero2-bf16reduce"])
+    numel = sum(math.prod(s) for s in _shapes(run))
+    assert exact["bytes_by_op"]["allreduce_"] - _counted(run)["bytes_by_op"]["allreduce_"] == numel * 2
+    assert exact["bytes_by_op"]["_allgather_base_"] == _counted(run)["bytes_by_op"]["_allgather_base_"]
 
 
 def test_powersgd_sends_n_plus_m_times_r_per_matrix(llama_runs):
@@ -92,17 +104,22 @@ def test_levers_keep_the_replicas_identical(llama_runs):
 
 
 def test_a_resumed_powersgd_run_equals_the_uninterrupted_one(tmp_path, tiny_llama_dir):
-    """The checkpoint after step 4 (compressed since step 3) holds each rank's error and the Q factors: the run
+    """The checkpoint after step 4 (compressed from step 4) holds each rank's error and the Q factors: the run
     resumed from it (whose DDP buckets are numbered as a new process numbers them) equals the run that went on, to
     1e-6 relative. Without that state its step 5 gradient norm differs at the 4th digit (measured: 1.2502 vs 1.2964
     on this model when the state was left out)."""
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "unused",
                           train={"max_steps": 6, "consistency_check_every": None})
-    sets = (*DDP, *POWERSGD, "checkpoint.every_steps=2", "checkpoint.keep_last=5")
+    sets = (*DDP, "strategy.gradient_compression=powersgd", "strategy.powersgd_rank=2",
+            "strategy.powersgd_start_step=3", "checkpoint.every_steps=2", "checkpoint.keep_last=5")
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     launch(recipe, nproc=2, overrides=(*sets, f"output_dir={whole}"))
     launch(recipe, nproc=2, overrides=(*sets, f"output_dir={resumed}"),
            extra=("--resume", str(whole / "checkpoints" / "step-00000004")))
+    # the collectives were counted in the first compressed step, step 4 (not the usual step 3)
+    counted = _counted(whole)
+    assert counted["step"] == 4 and counted["bytes_by_op"]["allreduce_"] < sum(
+        math.prod(s) for s in _shapes(whole)) * 4 / 4
     tail = {m["step"]: m for m in metrics(whole)}
     for m in metrics(resumed):
         assert m["loss"] == pytest.approx(tail[m["step"]]["loss"], rel=1e-6)

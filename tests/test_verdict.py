@@ -444,6 +444,18 @@ def test_a_lever_beyond_its_budget_diverged_naming_the_lever(tmp_path):
                                                "than its budget")
 
 
+def test_a_lever_budget_is_capped_by_a_final_loss_near_zero(tmp_path):
+    """A loss from 0.7 to 0.01: 2 % of the drop (0.0136) would exceed what is left of the loss; the budget is 2 % of
+    the final loss, so an arm ending 15 % above it diverged."""
+    ref = [0.7 * 0.8 ** i + 0.01 for i in range(40)]
+    arm = [x * (1.15 if i >= 20 else 1.0) for i, x in enumerate(ref)]
+    judged = _judged(tmp_path, arm, ref, arm_strategy={"name": "ddp", "gradient_compression": "powersgd",
+                                                       "powersgd_rank": 4, "powersgd_start_step": 10})
+    last = sum(ref[-4:]) / 4
+    assert judged["distance"]["budget"] == pytest.approx(0.02 * last)
+    assert judged["verdict"].startswith("diverged"), judged
+
+
 def test_a_fault_beside_a_lever_is_not_by_design(tmp_path):
     """A planted weight decay within the lever's loss budget is still a fault: only the lever's keys may differ."""
     arm = [x + 0.03 * i / 19 for i, x in enumerate(REF)]

@@ -36,10 +36,13 @@ Levers (strategy.gradient_compression, strategy.reduce_dtype): an arm whose reci
   purpose, and outside the bounds above is judged by what the lever costs instead: the loss curve's distance to the
   reference (mean and max relative difference per step), the final loss (the mean of the last tenth of the steps,
   the same batches in both runs) and the final eval loss. The budget: LEVER_BUDGET (2 %) of the reference's loss
-  drop over the run (the mean of its first tenth minus that of its last), never below ROUNDING_FACTOR × the final
-  loss difference the rounding reference showed (what rounding alone moves). Two hundredths of what training
-  achieved is a cost a user does not notice in the curve, and one the report names in numbers; beyond it the lever
-  costs accuracy and the verdict is "diverged", naming the lever. Only the lever's own keys may differ: any other
+  drop over the run (the mean of its first tenth minus that of its last) or of its final loss, whichever is smaller,
+  never below ROUNDING_FACTOR × the final loss difference the rounding reference showed (what rounding alone
+  moves). Two hundredths of what training achieved is a cost a user does not notice in the curve, and one the
+  report names in numbers; the final loss caps it where the loss ends near zero, where 2 % of the drop can exceed
+  the final loss itself (measured: MiniLM-SST, 60 steps, drop 0.68 to a final 0.009: PowerSGD r=4 ended 16 % above
+  the reference, within 2 % of the drop). Beyond the budget the lever costs accuracy and the verdict is "diverged",
+  naming the lever. Only the lever's own keys may differ: any other
   setting that differs (a planted weight decay) is judged as without the lever, "diverged", naming that setting.
 Verdicts: "equivalent" (fp32 tolerance, or the rounding reference's where larger), "equivalent within precision noise" (calibrated bound),
 "equivalent until a route flip at step k" (above), "differs by design (LEVER)" (within the lever's budget), "diverged at step k" (first step outside the bound), "diverged in
@@ -314,14 +317,15 @@ def loss_distance(arm: list[dict], ref: list[dict], *, rounding: dict | None = N
             "final_difference": last_arm - last_ref, "final_relative": (last_arm - last_ref) / max(abs(last_ref), 1e-30),
             "window": window, "drop": drop,
             "eval_difference": evals[0] - evals[1] if None not in evals else None,  # type: ignore[operator]
-            "budget": max(LEVER_BUDGET * max(drop, 0.0), floor)}
+            "budget": max(LEVER_BUDGET * max(min(drop, abs(last_ref)), 0.0), floor)}
 
 
 def _distance_line(lever: str, d: dict) -> str:
     evals = f", eval loss {d['eval_difference']:+.3g}" if d["eval_difference"] is not None else ""
     return (f"{lever}: loss curve {d['mean_relative']:.2%} from the reference on average (at most "
             f"{d['max_relative']:.2%}), final loss {d['final_difference']:+.3g} (last {d['window']} step(s)){evals}; "
-            f"budget ±{d['budget']:.3g}: {LEVER_BUDGET:.0%} of the reference's loss drop {d['drop']:.3g}")
+            f"budget ±{d['budget']:.3g}: {LEVER_BUDGET:.0%} of the reference's loss drop {d['drop']:.3g} or of its "
+            f"final loss, the smaller")
 
 
 def _judge_lever(arm: dict, ref: dict, *, on: str, first: dict | None, settings: list[str],

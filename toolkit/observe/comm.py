@@ -24,14 +24,14 @@ COMM_COUNT_STEP = 3
 
 
 def count_step(*, done: int, total_steps: int, profiled: tuple[int, int] | None,
-               first: int = COMM_COUNT_STEP) -> int | None:
-    """The step whose collectives are counted: COMM_COUNT_STEP, or `first` where later (the first step a
+               steady_from: int = COMM_COUNT_STEP) -> int | None:
+    """The step whose collectives are counted: COMM_COUNT_STEP, or `steady_from` where later (the first step a
     communication lever is steady: PowerSGD's first compressed one), or the nearest the run has, moved out of the
     train.profile_steps window, whose profile would otherwise show the counting dispatch mode on top of ops.txt
     and every op twice: the first step after the window, else the last before it; None where the window covers
     every step the run has left (nothing is counted then)."""
     first, last = profiled if profiled is not None else (0, -1)
-    wanted = min(max(COMM_COUNT_STEP, first, done + 1), total_steps)
+    wanted = min(max(COMM_COUNT_STEP, steady_from, done + 1), total_steps)
     if not first <= wanted <= last:
         return wanted
     after, before = last + 1, first - 1

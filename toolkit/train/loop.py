@@ -246,7 +246,7 @@ def run_steps(strategy: Strategy, loader, parts: StepParts, *, done: int) -> lis
     recipe, env, info, saver, profiler = parts.recipe, parts.env, parts.info, parts.saver, parts.profiler
     losses = []
     comm_step = count_step(done=done, total_steps=parts.total_steps, profiled=recipe.train.profile_steps,
-                           first=compression.first_steady_step(recipe))
+                           steady_from=compression.first_steady_step(recipe))
     for step in range(done + 1, parts.total_steps + 1):
         micro_batches = [next(loader) for _ in range(parts.plan.grad_accum_steps)]
         if recipe.train.tiled_loss:  # each micro-batch's loss in tiles of its tokens (strategies/base.py logits_of)
