@@ -22,7 +22,7 @@ from pathlib import Path
 from toolkit_runs import REPO, print_table
 
 RECIPE = "recipes/minilm-sst.yaml"
-ARMS = "ddp,ddp-fp16c,ddp-bf16c,ddp-powersgd,fsdp,fsdp-bf16reduce"
+ARMS = "ddp,ddp-fp16c,ddp-bf16c,ddp-powersgd,fsdp,fsdp-bf16reduce,zero2,zero2-bf16reduce"
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ RUNS = {
     "long_context": (["--arms", "single,cp2-ulysses", "--start", "64", "--max", "64", "--steps", "1"],
                      "longest sequence"),
     "expert_parallel": (["--arms", "ep2", "--steps", "1"], "load spread"),
+    "communication": (["--arms", "ddp,ddp-bf16c", "--steps", "2"], "bytes/step"),
     "scale_prediction": (["--rows", "4", "--cli-check"], "published"),
     "gpu_throughput": (["--arms", "single", "--steps", "2", "--seq", "32", "--micro-batch", "1", *TINY_LLAMA],
                        "tokens/s"),

@@ -53,6 +53,9 @@ NOT_RUN = {  # parsed and their files checked only
     "--steps 30 --output runs/sst-compare": "six arms of MiniLM: minutes; tests/test_compare.py runs these arms",
     "toolkit compare experiments/fsdp-vs-zero.yaml": "a 16-arm matrix; tests/test_compare.py runs a matrix file",
     "toolkit report runs/sst-compare": "needs the compare above; tests/test_compare.py re-renders a report",
+    "toolkit compare recipes/minilm-sst.yaml --strategies ddp,ddp-bf16c,ddp-powersgd,fsdp,fsdp-bf16reduce --steps 60":
+        "five arms of MiniLM: minutes (benchmarks/communication.py runs them); tests/test_communication_levers.py runs "
+        "a compare of levers (tiny model)",
     "toolkit train recipes/llama-tiny.yaml --set 'train.report_to=[tensorboard,mlflow]'":
         "tests/test_tracking.py reads both trackers back from a 2-rank run (tiny model)",
     "toolkit compare recipes/llama-tiny.yaml --strategies single,ddp,fsdp --steps 20 --output runs/tiny-compare "

@@ -41,7 +41,9 @@ def recommendations(results: dict) -> list[str]:
             lines.append(_lever_line(r, done, base))
             continue
         if r not in ok:
-            lines.append(f"{r['arm']}: not recommended: {r['verdict']}")
+            cost = r.get("distance")  # a lever beyond its loss budget
+            lines.append(f"{r['arm']}: not recommended: {r['verdict']}" + (
+                f" (its lever costs {cost['final_relative']:+.1%} final loss, beyond its budget)" if cost else ""))
             continue
         memory = (_state_mib(r) / _state_mib(base) - 1) * 100 if _state_mib(base) else float("nan")
         doubt = measure.speed_doubt(r, base)

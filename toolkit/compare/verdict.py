@@ -320,9 +320,9 @@ def loss_distance(arm: list[dict], ref: list[dict], *, rounding: dict | None = N
             "budget": max(LEVER_BUDGET * max(min(drop, abs(last_ref)), 0.0), floor)}
 
 
-def _distance_line(lever: str, d: dict) -> str:
+def _distance_line(d: dict) -> str:
     evals = f", eval loss {d['eval_difference']:+.3g}" if d["eval_difference"] is not None else ""
-    return (f"{lever}: loss curve {d['mean_relative']:.2%} from the reference on average (at most "
+    return (f"loss curve {d['mean_relative']:.2%} from the reference on average (at most "
             f"{d['max_relative']:.2%}), final loss {d['final_difference']:+.3g} (last {d['window']} step(s)){evals}; "
             f"budget ±{d['budget']:.3g}: {LEVER_BUDGET:.0%} of the reference's loss drop {d['drop']:.3g} or of its "
             f"final loss, the smaller")
@@ -342,9 +342,10 @@ def _judge_lever(arm: dict, ref: dict, *, on: str, first: dict | None, settings:
     distance = loss_distance(arm["metrics"], ref["metrics"], rounding=rounding)
     costs = [abs(distance["final_difference"])] + ([abs(distance["eval_difference"])]
                                                    if distance["eval_difference"] is not None else [])
-    line = _distance_line(on, distance)
+    line = _distance_line(distance)
     if max(costs) <= distance["budget"]:
-        return {"verdict": f"{BY_DESIGN} ({on})", "step": None, "distance": distance, "differences": [line]}
+        return {"verdict": f"{BY_DESIGN} ({on})", "step": None, "distance": distance,
+                "differences": [f"{on}: {line}"]}
     return {"verdict": where, "step": step, "distance": distance,
             "differences": [f"{on} costs more loss than its budget: {line}", *([first["what"]] if first else [])]}
 
