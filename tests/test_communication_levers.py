@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import test_sharded
-from conftest import assert_same_run, launch, losses, metrics, write_recipe
+from conftest import assert_same_run, launch, losses, metrics, run_cli, write_recipe
 from test_cli_errors import _assert_one_line_exit_2, _bad_recipe
 from test_comm_prediction import assert_predicted
 from toolkit.cli import main
@@ -150,3 +150,29 @@ def test_a_bad_lever_setting_is_one_line_exit_2(case, tmp_path, tiny_llama_dir, 
     recipe, out = _bad_recipe(tmp_path, tiny_llama_dir)
     _assert_one_line_exit_2(main(["validate", str(recipe), *[a for o in overrides for a in ("--set", o)]]), capsys,
                             words, out)
+
+
+def test_compare_judges_a_lever_by_design_and_a_fault_beside_it_diverged(tmp_path, tiny_llama_dir):
+    """A real 2-rank compare (lr 1e-2, 10 steps: the loss falls from 10.3 to 7.7): PowerSGD from step 6 moves the
+    loss curve (outside the exact bounds) by far less than its budget, "differs by design"; the same arm with a
+    planted weight decay "diverged", naming the setting; the recommendation states the lever's bytes and loss."""
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "unused",
+                          optim={"lr": 1e-2}, data={"eval": None},
+                          train={"max_steps": 10, "consistency_check_every": None})
+    lever = "ddp-powersgd@strategy.powersgd_start_step=5"
+    fault = f"{lever}@optim.weight_decay=0.5"
+    out = tmp_path / "exp"
+    done = run_cli("compare", str(recipe), "--strategies", f"ddp,{lever},{fault}", "--steps", "10",
+                   "--output", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {r["arm"]: r for r in json.loads((out / "results.json").read_text())["arms"]}
+    by_design = rows[lever]
+    assert by_design["verdict"] == "differs by design (gradient_compression=powersgd (r=4, from step 6))"
+    assert by_design["step"] is None and 0 < abs(by_design["distance"]["final_difference"]) < \
+        by_design["distance"]["budget"]
+    assert by_design["max_weight_diff"] > 1e-4  # it did move the weights: not an exact arm
+    planted = rows[fault]
+    assert planted["verdict"].startswith("diverged"), planted["verdict"]
+    assert "optim.weight_decay: 0.5 vs 0.01" in planted["differences"]
+    report = (out / "report.md").read_text()
+    assert f"- {lever}: gradient_compression=powersgd (r=4, from step 6): -" in report  # fewer bytes per step
