@@ -45,11 +45,12 @@ def main() -> None:
     plain = {r["strategy"]: r for r in results["arms"] if r["status"] == "completed" and "-" not in r["arm"]}
     for r in results["arms"]:
         if r["status"] != "completed":
-            rows.append([r["arm"], "failed", "", "", "", "", r.get("error", "")[:100]])
+            rows.append([r["arm"], "failed", "", "", "", "", (r.get("error") or "")[:100]])
             continue
         sent = r["comm"]["total_bytes"] if r.get("comm") else 0
         base = plain.get(r["strategy"])
-        versus = f"{(sent / base['comm']['total_bytes'] - 1) * 100:+.0f} %" if base and base is not r else ""
+        versus = f"{(sent / base['comm']['total_bytes'] - 1) * 100:+.0f} %" if base and base is not r and \
+            (base.get("comm") or {}).get("total_bytes") else ""
         distance = r.get("distance")
         loss = f"{distance['final_relative']:+.3%}" if distance else ""
         eval_loss = f"{r['final_eval_loss']:.4f}" if r.get("final_eval_loss") is not None else "n/a"

@@ -110,8 +110,11 @@ def test_a_resumed_powersgd_run_equals_the_uninterrupted_one(tmp_path, tiny_llam
     on this model when the state was left out)."""
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "unused",
                           train={"max_steps": 6, "consistency_check_every": None})
+    # small buckets: the resumed process's first step has DDP's initial buckets, other than the rebuilt ones the
+    # state was saved from, so the state is put together anew for them (PowerSgd._pack)
     sets = (*DDP, "strategy.gradient_compression=powersgd", "strategy.powersgd_rank=2",
-            "strategy.powersgd_start_step=3", "checkpoint.every_steps=2", "checkpoint.keep_last=5")
+            "strategy.powersgd_start_step=3", "strategy.bucket_cap_mb=0.5", "checkpoint.every_steps=2",
+            "checkpoint.keep_last=5")
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     launch(recipe, nproc=2, overrides=(*sets, f"output_dir={whole}"))
     launch(recipe, nproc=2, overrides=(*sets, f"output_dir={resumed}"),
@@ -119,7 +122,7 @@ def test_a_resumed_powersgd_run_equals_the_uninterrupted_one(tmp_path, tiny_llam
     # the collectives were counted in the first compressed step, step 4 (not the usual step 3)
     counted = _counted(whole)
     assert counted["step"] == 4 and counted["bytes_by_op"]["allreduce_"] < sum(
-        math.prod(s) for s in _shapes(whole)) * 4 / 4
+        math.prod(s) for s in _shapes(whole)) * 4 // 10  # compressed: under a tenth of the fp32 gradients
     tail = {m["step"]: m for m in metrics(whole)}
     for m in metrics(resumed):
         assert m["loss"] == pytest.approx(tail[m["step"]]["loss"], rel=1e-6)
@@ -136,6 +139,8 @@ BAD = {
                         "strategy.powersgd_rank must be >= 1"),
     "powersgd from the first step": (("strategy.name=ddp", "strategy.gradient_compression=powersgd",
                                       "strategy.powersgd_start_step=1"), "strategy.powersgd_start_step must be >= 2"),
+    "powersgd under fp16": (("strategy.name=ddp", "strategy.gradient_compression=powersgd", "precision=fp16"),
+                            "not available with precision fp16"),
     "unknown compression": (("strategy.name=ddp", "strategy.gradient_compression=int8"),
                             "strategy.gradient_compression must be one of none, fp16, bf16, powersgd"),
     "reduce dtype under ddp": (("strategy.name=ddp", "strategy.reduce_dtype=bf16"), "reduce_dtype"),

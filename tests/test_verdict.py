@@ -466,6 +466,19 @@ def test_a_fault_beside_a_lever_is_not_by_design(tmp_path):
     assert any("besides the lever gradient_compression=bf16" in d for d in judged["differences"])
 
 
+def test_a_lever_arm_that_logged_fewer_steps_or_a_nan_eval_loss_diverged(tmp_path):
+    arm = [x + 0.03 * i / 19 for i, x in enumerate(REF)]
+    bf16c = {"name": "ddp", "gradient_compression": "bf16"}
+    assert _judged(tmp_path, arm[:12], REF, arm_strategy=bf16c)["verdict"] == "diverged at step 13"
+    nan_eval = steps(arm)
+    nan_eval[-1]["eval_loss"] = float("nan")
+    ref = steps(REF)
+    ref[-1]["eval_loss"] = 1.0
+    judged = verdict._judge_lever({"metrics": nan_eval}, {"metrics": ref}, on="gradient_compression=bf16",
+                                  first={"step": 2, "what": "step 2: loss"}, settings=[], rounding=None)
+    assert judged["verdict"] == "diverged at step 2"
+
+
 def test_without_a_lever_any_difference_diverged(tmp_path):
     arm = [x + 0.03 * i / 19 for i, x in enumerate(REF)]
     assert _judged(tmp_path, arm, REF, arm_strategy={"name": "fsdp"})["verdict"] == "diverged at step 2"

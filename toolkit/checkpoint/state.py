@@ -384,8 +384,9 @@ def load_communication(path: Path, *, env: DistEnv, saved_world: int) -> bytes |
         if env.is_main:
             why = f"saved by {saved_world} ranks, now {env.world_size}" if saved_world != env.world_size else \
                 "the checkpoint holds none"
-            print(f"[toolkit] resume: gradient compression state starts afresh ({why}): PowerSGD's error feedback "
-                  "and factors restart as at its first compressed step", file=sys.stderr, flush=True)
+            print(f"[toolkit] resume: gradient compression state starts afresh ({why}): PowerSGD reduces "
+                  "plainly for its powersgd_start_step steps again, then compresses with a zero error and new "
+                  "factors", file=sys.stderr, flush=True)
         return None
     state = {"comm": {str(env.rank): torch.empty(tuple(held.size), dtype=torch.uint8)}}  # type: ignore[union-attr]
     _load(state, path)

@@ -27,7 +27,7 @@ class StrategyConfig:
     # ddp
     find_unused_parameters: bool = False  # ddp: needed when some parameters get no gradient
     bucket_cap_mb: float = 25.0  # ddp: gradient bucket size; bigger buckets, fewer all-reduces
-    gradient_compression: str = "none"  # ddp (and a pipeline's ddp replicas): none | fp16 | bf16 (each bucket
+    gradient_compression: str = "none"  # ddp: none | fp16 | bf16 (each bucket
     #   cast to 16 bits for its all-reduce: half the bytes, ~3 significant digits for bf16) | powersgd (each
     #   gradient matrix sent as a rank-powersgd_rank factor pair, the error kept and added back next step): changes
     #   the maths on purpose; compare judges it "differs by design" within a loss budget

@@ -16,7 +16,7 @@ import threading
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 # the step whose collectives are counted (count_step): past DDP's bucket rebuild and ZeRO-3's
 # first-step parameter fetches, so it shows a steady step; it is left out of throughput medians
@@ -76,7 +76,7 @@ class CollectiveCounter(TorchDispatchMode):
     def __enter__(self):
         # a DDP communication hook's chained callbacks (PowerSGD's P and Q all-reduces) run on the backend's thread,
         # where this mode, thread-local, is not active: torch.distributed.all_reduce called from such a thread is
-        # counted by a wrapper, set while the counter is (a call from a counting thread reaches the mode instead)
+        # counted by a wrapper, set while the counter is (a call where this mode is active reaches the mode instead)
         if not self._counting_threads:
             self._plain_all_reduce = dist.all_reduce
             dist.all_reduce = self._all_reduce_elsewhere  # type: ignore[assignment]
@@ -90,7 +90,9 @@ class CollectiveCounter(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def _all_reduce_elsewhere(self, tensor, *args, **kwargs):
-        if threading.get_ident() not in self._counting_threads:
+        # by the mode, not the thread: a CUDA backward runs the hook on the autograd engine's thread, which carries
+        # the caller's dispatch modes (this one counts it there), as NCCL's callbacks, run inline, do
+        if self not in _get_current_dispatch_mode_stack():
             self._count("allreduce_", [tensor])
         return self._plain_all_reduce(tensor, *args, **kwargs)  # type: ignore[misc]
 

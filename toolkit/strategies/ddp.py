@@ -58,7 +58,7 @@ def check_options(recipe: Recipe, world_size: int) -> None:
     if not 0 < size_mb < math.inf:
         raise RecipeError(f"strategy.bucket_cap_mb must be a finite number > 0 (MiB per gradient bucket), got "
                           f"{size_mb}; DDP's default is 25")
-    compression_of(recipe).check()
+    compression_of(recipe).check(precision=recipe.precision)
 
 
 def ddp_reduction(model: nn.Module, recipe: Recipe, world_size: int) -> list[Collective]:

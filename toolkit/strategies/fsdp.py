@@ -203,8 +203,8 @@ class FsdpRules:
 
         stored = DTYPES[recipe.model.load_dtype]
         compute = stored if recipe.precision == "fp32" else DTYPES[recipe.precision]  # MixedPrecisionPolicy
-        reduce = DTYPES[options.reduce_dtype or "fp32"] if options.reduce_dtype or recipe.precision != "fp32" \
-            else stored
+        reduce = DTYPES[options.reduce_dtype] if options.reduce_dtype else \
+            torch.float32 if recipe.precision != "fp32" else stored  # MixedPrecisionPolicy (FsdpWrap.mp_policy)
         shapes_tp = tensor_parallel.local_shapes(model, tp) if tp > 1 else None
         units = comm.fsdp_units(model, transformer_blocks(model, options.blocks))
         gathers = len(shapes) * (2 if options.reshard_after_forward else 1)
@@ -274,7 +274,7 @@ class FsdpStrategy(TrainsOneModule):
         self.ep_degree = options.ep_degree or 1
         experts = expert.expert_mesh(env, self.ep_degree) if self.ep_degree > 1 else None
         wrap = FsdpWrap(precision=self.precision, reshard_after_forward=options.reshard_after_forward,
-                        cpu_offload=options.cpu_offload, reduce_dtype=options.reduce_dtype or "fp32")
+                        cpu_offload=options.cpu_offload, reduce_dtype=options.reduce_dtype)
         self.mp_policy = wrap.mp_policy
         empty = any(p.is_meta for p in model.parameters())  # build_model left it empty: shard first, then load
         if not options.cpu_offload and not empty:

@@ -19,6 +19,7 @@ from typing import Any
 from weakref import WeakKeyDictionary
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
@@ -46,12 +47,16 @@ class Compression:
     rank: int = 4  # powersgd: the factors' rank
     start_step: int = 10  # powersgd: optimizer steps reduced whole before compression starts
 
-    def check(self) -> None:
+    def check(self, *, precision: str) -> None:
         if self.kind not in COMPRESSIONS:
             raise RecipeError(f"strategy.gradient_compression must be one of {', '.join(COMPRESSIONS)}, got "
                               f"{self.kind!r}")
         if self.kind != "powersgd":
             return
+        if precision == "fp16":  # the error it keeps would hold scaled gradients, and an overflow's NaN for good
+            raise RecipeError("strategy.gradient_compression=powersgd is not available with precision fp16: its "
+                              "error feedback would carry the loss scaler's scaled (and overflowed) gradients from "
+                              "step to step; use precision bf16 or fp32")
         if self.rank <= 0:
             raise RecipeError(f"strategy.powersgd_rank must be >= 1 (the rank of each gradient matrix's factors), "
                               f"got {self.rank}")
@@ -93,9 +98,11 @@ def register(ddp: nn.Module, compression: Compression, *, names: dict[int, str])
         on_nccl = next(ddp.parameters()).device.type == "cuda"
         ddp.register_comm_hook(group, default_hooks.bf16_compress_hook if on_nccl else bf16_hook)  # type: ignore[operator]
         return
+    # orthogonalization_epsilon: torch's default 0 divides a zero gradient matrix's factor by its zero norm (NaN,
+    # then every gradient through clipping); 1e-8, as torch's docs suggest, against norms of order 1 and more
     state = PowerSGDState(process_group=group, matrix_approximation_rank=compression.rank,
                           start_powerSGD_iter=compression.start_step, min_compression_rate=MIN_COMPRESSION_RATE,
-                          use_error_feedback=True, warm_start=True)
+                          use_error_feedback=True, warm_start=True, orthogonalization_epsilon=1e-8)
     wrapped = PowerSgd(state, names=names, shapes={names[id(p)]: tuple(p.shape) for p in ddp.parameters()})
     ddp.register_comm_hook(state, wrapped.hook)  # type: ignore[operator]
     _HOOKS[ddp] = wrapped
@@ -145,6 +152,7 @@ class PowerSgd:
         self.pending: dict[str, dict[str, torch.Tensor]] = {}  # name -> {"error", "q"}, for a bucket to take
         self.current: set[int] = set()  # the buckets reduced in this step so far
         self.step_done = False
+        self.serial = dist.get_backend(state.process_group) != "nccl"
 
     def hook(self, state: PowerSGDState, bucket):
         """What DDP calls per bucket (as torch's hook, a bound method: DDP reads a hook's name)."""
@@ -160,7 +168,14 @@ class PowerSgd:
             self._pack(index, names, length=bucket.buffer().numel(), like=bucket.buffer())
         self.current.add(index)
         self.step_done = bucket.is_last()
-        return powerSGD_hook(state, bucket)
+        reduced = powerSGD_hook(state, bucket)
+        if self.serial:
+            # gloo runs a bucket's chained all-reduces (P, then Q) in its own threads as the previous ones finish,
+            # so two buckets' chains can call their collectives in another order on each rank: a mismatch gloo
+            # aborts on (measured: llama-tiny, 0.5 MiB buckets, step 5). One bucket's chain ends before the next
+            # bucket starts; NCCL runs callbacks inline, in the order they were made
+            reduced.wait()
+        return reduced
 
     def _q_order(self, names: tuple[str, ...]) -> list[tuple[str, int]]:
         """The compressed tensors' Q factors in the order the hook lays them out (grouped by matrix shape, each

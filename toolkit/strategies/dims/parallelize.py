@@ -45,16 +45,15 @@ class FsdpWrap:
     reshard_after_forward: bool = True  # True frees gathered parameters after forward (one more all-gather in
     #   backward, less memory); False keeps them until backward
     cpu_offload: bool = False  # sharded parameters, gradients and the optimizer step on the CPU
-    reduce_dtype: str = "fp32"  # fp32 | bf16: what gradients are reduce-scattered in (strategy.reduce_dtype)
+    reduce_dtype: str | None = None  # fp32 | bf16: what gradients are reduce-scattered in (strategy.reduce_dtype)
 
     @property
     def mp_policy(self) -> MixedPrecisionPolicy:
         compute = None if self.precision == "fp32" else DTYPES[self.precision]
-        # fp32 by default: a bf16 reduce-scatter keeps ~3 significant digits of the summed gradient (the
-        # reduce_dtype lever asks for it knowingly); None where it would equal the compute dtype (no cast)
-        reduce = DTYPES[self.reduce_dtype]
-        return MixedPrecisionPolicy(param_dtype=compute,
-                                    reduce_dtype=None if compute is None and reduce == torch.float32 else reduce)
+        # unset: fp32 under a 16-bit precision (a bf16 reduce-scatter keeps ~3 significant digits of the summed
+        # gradient; the reduce_dtype lever asks for it knowingly), else the parameters' own dtype (no cast)
+        reduce = DTYPES[self.reduce_dtype] if self.reduce_dtype else (torch.float32 if compute else None)
+        return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce)
 
 
 @dataclass(frozen=True, kw_only=True)
