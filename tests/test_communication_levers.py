@@ -26,7 +26,9 @@ ARMS = {"ddp-fp16c": (*DDP, "strategy.gradient_compression=fp16"),
         "ddp-bf16c": (*DDP, "strategy.gradient_compression=bf16"),
         "ddp-powersgd": (*DDP, *POWERSGD),
         "fsdp-bf16reduce": (*FSDP, "strategy.reduce_dtype=bf16"),
-        "zero2-bf16reduce": ("strategy.name=zero", "strategy.stage=2", "strategy.reduce_dtype=bf16", *M4)}
+        "zero2-bf16reduce": ("strategy.name=zero", "strategy.stage=2", "strategy.reduce_dtype=bf16", *M4),
+        "ddp-localsgd4": (*DDP, "strategy.sync_every=4"),  # syncs after steps 4 and 5 (the last)
+        "ddp-diloco2": (*DDP, "strategy.sync_every=2", "strategy.outer_optimizer=nesterov")}
 
 
 def _counted(run) -> dict:
@@ -95,6 +97,65 @@ def test_powersgd_at_full_rank_equals_the_exact_run(llama_runs):
     assert _counted(run)["bytes_by_op"] == _counted(exact)["bytes_by_op"]
 
 
+def test_local_sgd_drift_rises_between_syncs_and_is_zero_at_each(llama_runs):
+    """The replica check (every step) measures the drift between syncs and, at a sync, demands identical parameters
+    by checksum (a drift there stops the run)."""
+    for arm, syncs in (("ddp-localsgd4", {4, 5}), ("ddp-diloco2", {2, 4, 5})):
+        drift = {m["step"]: m["replica_drift"] for m in metrics(llama_runs.get(arm, nproc=2, overrides=ARMS[arm]))}
+        assert set(drift) == {1, 2, 3, 4, 5}
+        for step, measured in drift.items():
+            if step in syncs:
+                assert measured == {"max_abs": 0.0, "relative_norm": 0.0}, (arm, step)
+            else:
+                assert measured["max_abs"] > 0 and measured["relative_norm"] > 0, (arm, step)
+        before = {m["step"]: m["replica_drift_before_sync"]
+                  for m in metrics(llama_runs.get(arm, nproc=2, overrides=ARMS[arm])) if "replica_drift_before_sync" in m}
+        assert set(before) == syncs  # measured at each sync, from the norms, whatever the check's cadence
+        if arm == "ddp-localsgd4":
+            assert drift[1]["max_abs"] < drift[2]["max_abs"] < drift[3]["max_abs"]  # apart further each step
+            # the rms distance the check measured after step 3, one step further just before the sync at step 4
+            assert drift[3]["relative_norm"] < before[4] < 2 * drift[3]["relative_norm"]
+
+
+def test_local_sgd_sends_at_its_syncs_what_ddp_sends_every_step(llama_runs):
+    """Counted at the first sync (step 4): one all-reduce of the parameters, as many bytes as DDP's gradients each
+    step; the steps between reduce nothing (the replicas drift apart: above), so over a window of 4 steps 1/4."""
+    exact = _counted(llama_runs.get("ddp-m4", nproc=2, overrides=DDP))
+    local = _counted(llama_runs.get("ddp-localsgd4", nproc=2, overrides=ARMS["ddp-localsgd4"]))
+    # + 8: the float64 sum of the replicas' squared norms, their drift before the sync
+    assert local["step"] == 4 and local["bytes_by_op"]["allreduce_"] == exact["bytes_by_op"]["allreduce_"] + 8
+
+
+def test_sync_every_1_is_plain_ddp(llama_runs):
+    run = llama_runs.get("ddp-sync1", nproc=2, overrides=(*DDP, "strategy.sync_every=1"))
+    exact = llama_runs.get("ddp-m4", nproc=2, overrides=DDP)
+    assert_same_run(run, exact, rtol=1e-5)
+    assert _counted(run)["bytes_by_op"] == _counted(exact)["bytes_by_op"]
+
+
+def test_a_local_sgd_run_resumed_mid_window_equals_the_uninterrupted_one(tmp_path, tiny_llama_dir):
+    """DiLoCo every 4 steps, resumed from step 6 (two steps into a window, the replicas apart): each rank's own
+    parameters, AdamW state and the outer step's anchor and momentum are in the checkpoint, so steps 7-10 equal the
+    run that went on, to 1e-6 (measured: exactly)."""
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "unused",
+                          train={"max_steps": 10, "consistency_check_every": 1})
+    sets = (*DDP, "strategy.sync_every=4", "strategy.outer_optimizer=nesterov", "checkpoint.every_steps=3",
+            "checkpoint.keep_last=5")
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    launch(recipe, nproc=2, overrides=(*sets, f"output_dir={whole}"))
+    launch(recipe, nproc=2, overrides=(*sets, f"output_dir={resumed}"),
+           extra=("--resume", str(whole / "checkpoints" / "step-00000006")))
+    tail = {m["step"]: m for m in metrics(whole)}
+    assert tail[6]["replica_drift"]["max_abs"] > 0  # the checkpoint was written with the replicas apart
+    for m in metrics(resumed):
+        assert m["loss"] == pytest.approx(tail[m["step"]]["loss"], rel=1e-6)
+        assert m["grad_norm"] == pytest.approx(tail[m["step"]]["grad_norm"], rel=1e-6)
+        assert m["replica_drift"]["max_abs"] == pytest.approx(tail[m["step"]]["replica_drift"]["max_abs"], rel=1e-6)
+    a, b = load_file(str(whole / "model" / "model.safetensors")), load_file(str(resumed / "model" / "model.safetensors"))
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-6, atol=1e-7)
+
+
 def test_levers_keep_the_replicas_identical(llama_runs):
     """Every rank applies the same decompressed mean: the replica check ran after every step (a drift stops the run
     with ReplicaDriftError) and the runs completed."""
@@ -143,6 +204,17 @@ BAD = {
                             "not available with precision fp16"),
     "unknown compression": (("strategy.name=ddp", "strategy.gradient_compression=int8"),
                             "strategy.gradient_compression must be one of none, fp16, bf16, powersgd"),
+    "sync_every under fsdp": (("strategy.name=fsdp", "strategy.sync_every=4"), "sync_every"),
+    "sync_every under zero": (("strategy.name=zero", "strategy.sync_every=4"), "sync_every"),
+    "sync_every 0": (("strategy.name=ddp", "strategy.sync_every=0"), "strategy.sync_every must be >= 1"),
+    "outer_lr without nesterov": (("strategy.name=ddp", "strategy.sync_every=4", "strategy.outer_lr=0.5"),
+                                  "set strategy.outer_optimizer=nesterov"),
+    "unknown outer optimizer": (("strategy.name=ddp", "strategy.sync_every=4", "strategy.outer_optimizer=adam"),
+                                "strategy.outer_optimizer must be one of average, nesterov"),
+    "local sgd with compression": (("strategy.name=ddp", "strategy.sync_every=4",
+                                    "strategy.gradient_compression=bf16"), "nothing to compress"),
+    "local sgd under fp16": (("strategy.name=ddp", "strategy.sync_every=4", "precision=fp16"),
+                             "not available with precision fp16"),
     "reduce dtype under ddp": (("strategy.name=ddp", "strategy.reduce_dtype=bf16"), "reduce_dtype"),
     "unknown reduce dtype": (("strategy.name=fsdp", "strategy.reduce_dtype=fp8"),
                              "strategy.reduce_dtype must be one of fp32, bf16"),

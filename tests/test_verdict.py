@@ -440,8 +440,8 @@ def test_a_lever_beyond_its_budget_diverged_naming_the_lever(tmp_path):
     judged = _judged(tmp_path, arm, REF, arm_strategy={"name": "ddp", "gradient_compression": "powersgd",
                                                        "powersgd_rank": 2, "powersgd_start_step": 4})
     assert judged["verdict"] == "diverged at step 2", judged
-    assert judged["differences"][0].startswith("gradient_compression=powersgd (r=2, from step 5) costs more loss "
-                                               "than its budget")
+    assert judged["differences"][0].startswith("gradient_compression=powersgd (r=2, from step 5) moves the loss by "
+                                               "more than its budget")
 
 
 def test_a_lever_budget_is_capped_by_a_final_loss_near_zero(tmp_path):

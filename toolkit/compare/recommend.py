@@ -43,7 +43,7 @@ def recommendations(results: dict) -> list[str]:
         if r not in ok:
             cost = r.get("distance")  # a lever beyond its loss budget
             lines.append(f"{r['arm']}: not recommended: {r['verdict']}" + (
-                f" (its lever costs {cost['final_relative']:+.1%} final loss, beyond its budget)" if cost else ""))
+                f" (its lever moves the final loss by {cost['final_relative']:+.1%}, beyond its budget)" if cost else ""))
             continue
         memory = (_state_mib(r) / _state_mib(base) - 1) * 100 if _state_mib(base) else float("nan")
         doubt = measure.speed_doubt(r, base)

@@ -61,6 +61,10 @@ def build_results(experiment: Experiment) -> dict:
                    final_eval_metric=_last_metric(metrics),
                    comm=_comm(run), flops=run["flops"], audit=arm["audit"], batch=run["batch"],
                    losses=[m["loss"] for m in metrics], grad_norms=[m["grad_norm"] for m in metrics],
+                   # local SGD: the replicas' distance between syncs (step, relative norm), where measured
+                   drift=[(m["step"], m["replica_drift"]["relative_norm"]) for m in metrics if "replica_drift" in m],
+                   sync_drift=[(m["step"], m["replica_drift_before_sync"]) for m in metrics
+                               if "replica_drift_before_sync" in m],
                    recipe=arm["recipe"], pipeline=_pipeline(run), experts=run.get("experts"),
                    fallback=run.get("fallback"), run=run,
                    plain_data_parallel=strategy_info(run["strategy"]).plain_data_parallel)
@@ -167,13 +171,26 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     done = [r for r in results["arms"] if r["status"] == "completed"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    drifting = [r for r in done if r.get("drift") or r.get("sync_drift")]  # local SGD: a third panel, the drift
+    fig, axes = plt.subplots(1, 3 if drifting else 2, figsize=(16 if drifting else 11, 4))
+    ax1, ax2 = axes[0], axes[1]
+    colour = {r["arm"]: f"C{i % 10}" for i, r in enumerate(done)}  # one arm, one colour in every panel
     for r in done:
         steps = range(1, len(r["losses"]) + 1)
-        ax1.plot(steps, r["losses"], label=r["arm"], marker=".")
-        ax2.plot(steps, r["grad_norms"], label=r["arm"], marker=".")
+        ax1.plot(steps, r["losses"], label=r["arm"], marker=".", color=colour[r["arm"]])
+        ax2.plot(steps, r["grad_norms"], label=r["arm"], marker=".", color=colour[r["arm"]])
     ax1.set(title="training loss (global-batch mean)", xlabel="optimizer step", ylabel="loss")
     ax2.set(title="gradient norm (before clipping)", xlabel="optimizer step", ylabel="L2 norm")
+    for r in drifting:
+        if r.get("drift"):  # each step the replica check ran (train.consistency_check_every): 0 after a sync
+            axes[2].plot([s for s, _ in r["drift"]], [d for _, d in r["drift"]], label=r["arm"], marker=".",
+                         color=colour[r["arm"]])
+        axes[2].scatter([s for s, _ in r["sync_drift"]], [d for _, d in r["sync_drift"]], marker="x",
+                        color=colour[r["arm"]], label=f"{r['arm']}: just before each sync")
+    if drifting:
+        axes[2].set(title="replica drift: rms ‖replica − mean‖ / ‖mean‖", xlabel="optimizer step",
+                    ylabel="relative norm")
+        axes[2].legend(fontsize=8)
     ax1.legend(fontsize=8)
     fig.tight_layout()
     curves = out_dir / "curves.png"

@@ -32,7 +32,7 @@ Route flips (mixture-of-experts models): a router sends each token to its top-k 
   comes before the first step outside the bound, and at most ROUTE_FLIP_SHARE of that step's (token, expert) pairs
   moved (a misrouting bug moves many at once, and the loss with them), the verdict is "equivalent until a route flip
   at step k": the arm computed the same thing until rounding decided a tie.
-Levers (strategy.gradient_compression, strategy.reduce_dtype): an arm whose recipe turns one on changes the maths on
+Levers (strategy.gradient_compression, strategy.reduce_dtype, strategy.sync_every): an arm whose recipe turns one on changes the maths on
   purpose, and outside the bounds above is judged by what the lever costs instead: the loss curve's distance to the
   reference (mean and max relative difference per step), the final loss (the mean of the last tenth of the steps,
   the same batches in both runs) and the final eval loss. The budget: LEVER_BUDGET (2 %) of the reference's loss
@@ -68,7 +68,8 @@ WEIGHT_TOLERANCE = f"|Δ| ≤ {FP32_RTOL:g} + {FP32_RTOL:g}·|w|"
 BY_DESIGN = "differs by design"
 LEVER_BUDGET = 0.02  # of the reference's loss drop (see the module's doc)
 # a lever's recipe key -> its settings that change nothing (the first: its default)
-LEVERS = {"strategy.gradient_compression": ("none",), "strategy.reduce_dtype": (None, "fp32")}
+LEVERS = {"strategy.gradient_compression": ("none",), "strategy.reduce_dtype": (None, "fp32"),
+          "strategy.sync_every": (1,)}
 # keys expected to differ between arms of one experiment, or that cannot change what is computed: not a cause
 EXPECTED_DIFFERENT = ("output_dir", "strategy.", "batch.micro_batch_size", "batch.grad_accum_steps",
                       "train.record_gradient_scale", "checkpoint.")
@@ -297,6 +298,8 @@ def levers(arm_recipe: dict, ref_recipe: dict) -> str | None:
             words = f"{key.split('.', 1)[1]}={value}"
             if value == "powersgd":
                 words += f" (r={arm.get('strategy.powersgd_rank')}, from step {arm.get('strategy.powersgd_start_step', 0) + 1})"
+            if key == "strategy.sync_every" and arm.get("strategy.outer_optimizer") == "nesterov":
+                words += " (DiLoCo)"
             out.append(words)
     return ", ".join(out) or None
 
@@ -350,7 +353,7 @@ def _judge_lever(arm: dict, ref: dict, *, on: str, first: dict | None, settings:
         return {"verdict": f"{BY_DESIGN} ({on})", "step": None, "distance": distance,
                 "differences": [f"{on}: {line}"]}
     return {"verdict": where, "step": step, "distance": distance,
-            "differences": [f"{on} costs more loss than its budget: {line}", *([first["what"]] if first else [])]}
+            "differences": [f"{on} moves the loss by more than its budget: {line}", *([first["what"]] if first else [])]}
 
 
 def audit_key(row: str, value) -> str | None:

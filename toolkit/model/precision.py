@@ -44,6 +44,8 @@ class StepResult:
     loss_scale: float | None  # fp16 loss scale after this step
     # gradients were inf/nan without fp16 loss scaling to handle it (the torch strategies skip the update)
     nonfinite: bool = False
+    # local SGD at a sync: how far the replicas had drifted apart just before it (rms ‖replica − mean‖ / ‖mean‖)
+    drift_before_sync: float | None = None
 
     @property
     def advances_schedule(self) -> bool:

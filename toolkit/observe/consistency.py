@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.process.dist import DistEnv, all_gather_tensor, global_rank
+from toolkit.process.dist import DistEnv, all_gather_tensor, all_reduce_max, all_reduce_sum, global_rank
 
 
 class ReplicaDriftError(RuntimeError):
@@ -66,3 +66,21 @@ def check_groups(entries: list[tuple[list, object | None]], env: DistEnv, *, whe
                                     "names the tensor); this rank's own replicas agree")
     if found is not None:
         raise found
+
+
+def drift(named_params, env: DistEnv) -> dict[str, float]:
+    """Collective over every rank: how far replicas that are allowed to differ (local SGD between syncs) are apart:
+    the largest |difference| of one element between any two ranks, and the ranks' root-mean-square distance from
+    their mean relative to the mean's norm. Three all-reduces of the parameters (float64): the replica check's
+    cadence (train.consistency_check_every) sets what it costs."""
+    flat = torch.cat([p.detach().flatten().to("cpu", torch.float64) for _, p in named_params])
+    high, low, mean = flat.clone(), -flat, flat.clone()
+    all_reduce_max(high, env)
+    all_reduce_max(low, env)
+    all_reduce_sum(mean, env)
+    mean /= env.world_size
+    spread = torch.tensor([float(((flat - mean) ** 2).sum())], dtype=torch.float64)
+    all_reduce_sum(spread, env)
+    norm = float(mean.norm())
+    return {"max_abs": float((high + low).max()) if flat.numel() else 0.0,
+            "relative_norm": (float(spread[0]) / env.world_size) ** 0.5 / norm if norm else 0.0}

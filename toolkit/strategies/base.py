@@ -114,6 +114,9 @@ class Replicas:
     named: list[tuple[str, torch.Tensor]]
     group: object | None  # a torch.distributed ProcessGroup; None = every rank
     description: str  # e.g. "2 ranks hold full replicas"
+    # local SGD: () -> whether the replicas were made equal after the last step; between syncs they differ by
+    # design, and the replica check measures their drift instead of stopping the run. None: equal after every step
+    synced: Callable[[], bool] | None = None
 
 
 class StrategyRules(Protocol):

@@ -14,6 +14,8 @@ from toolkit.model.precision import DTYPES
 from toolkit.strategies.base import SetupArgs, StrategyInfo
 from toolkit.strategies.dims.comm import ddp_collectives
 from toolkit.strategies.dims.compression import Compression
+from toolkit.strategies.dims.local_sgd import LocalSgdConfig
+from toolkit.memory.state_bytes import element_bytes
 from toolkit.strategies.dims.parallelize import DdpWrap, ddp_no_sync, replicate_over_world
 from toolkit.strategies.replicated import ReplicatedRules, ReplicatedStrategy, Replication
 
@@ -26,6 +28,10 @@ class DdpOptions:
     gradient_compression: str
     powersgd_rank: int
     powersgd_start_step: int
+    sync_every: int
+    outer_optimizer: str
+    outer_lr: float | None
+    outer_momentum: float
 
 
 OPTIONS = DdpOptions  # the registry reads it by this name
@@ -38,7 +44,9 @@ INFO = StrategyInfo(
     arms={"ddp": ("strategy.name=ddp",),
           "ddp-fp16c": ("strategy.name=ddp", "strategy.gradient_compression=fp16"),
           "ddp-bf16c": ("strategy.name=ddp", "strategy.gradient_compression=bf16"),
-          "ddp-powersgd": ("strategy.name=ddp", "strategy.gradient_compression=powersgd")})
+          "ddp-powersgd": ("strategy.name=ddp", "strategy.gradient_compression=powersgd"),
+          "ddp-localsgd4": ("strategy.name=ddp", "strategy.sync_every=4"),
+          "ddp-diloco8": ("strategy.name=ddp", "strategy.sync_every=8", "strategy.outer_optimizer=nesterov")})
 
 
 def wrap_ddp(module: nn.Module, args: SetupArgs) -> nn.Module:
@@ -53,16 +61,35 @@ def compression_of(recipe: Recipe) -> Compression:
                        start_step=options.powersgd_start_step)
 
 
+def local_sgd_of(recipe: Recipe) -> LocalSgdConfig:
+    options = options_of(DdpOptions, recipe)
+    return LocalSgdConfig(every=options.sync_every, outer=options.outer_optimizer, outer_lr=options.outer_lr,
+                          outer_momentum=options.outer_momentum)
+
+
 def check_options(recipe: Recipe, world_size: int) -> None:
     size_mb = options_of(DdpOptions, recipe).bucket_cap_mb  # DDP takes 0 or less without a word, and inf as an overflow
     if not 0 < size_mb < math.inf:
         raise RecipeError(f"strategy.bucket_cap_mb must be a finite number > 0 (MiB per gradient bucket), got "
                           f"{size_mb}; DDP's default is 25")
     compression_of(recipe).check(precision=recipe.precision)
+    local = local_sgd_of(recipe)
+    local.check(compression=options_of(DdpOptions, recipe).gradient_compression)
+    if local.on and recipe.precision == "fp16":  # each rank's scaler would skip its own steps: syncs out of step
+        raise RecipeError("strategy.sync_every > 1 is not available with precision fp16: each replica's loss scaler "
+                          "would skip other steps; use precision bf16 or fp32")
 
 
 def ddp_reduction(model: nn.Module, recipe: Recipe, world_size: int) -> list[Collective]:
-    """Its gradients (in the load dtype: autocast leaves the parameters alone) all-reduced over every rank."""
+    """Its gradients (in the load dtype: autocast leaves the parameters alone) all-reduced over every rank; under
+    local SGD none, and at a sync step (what the counter counts) the parameters averaged in one all-reduce."""
+    if local_sgd_of(recipe).on:
+        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        return [Collective(op="allreduce_", payload_bytes=numel * element_bytes(DTYPES[recipe.model.load_dtype]),
+                           calls=1, group="dp_replicate", group_size=world_size, phase="step",
+                           what=f"parameters averaged (every {local_sgd_of(recipe).every} steps)"),
+                Collective(op="allreduce_", payload_bytes=8, calls=1, group="dp_replicate", group_size=world_size,
+                           phase="step", what="the replicas' squared norms (their drift before the sync)")]
     return ddp_collectives(model, group_size=world_size, group="dp_replicate",
                            bucket_cap_mb=options_of(DdpOptions, recipe).bucket_cap_mb,
                            grad_dtype=DTYPES[recipe.model.load_dtype], compression=compression_of(recipe))
@@ -70,7 +97,7 @@ def ddp_reduction(model: nn.Module, recipe: Recipe, world_size: int) -> list[Col
 
 DDP = Replication(
     info=INFO, wrap=wrap_ddp, reduce_desc="all-reduce mean ({dtype})", check=check_options,
-    skip_sync=ddp_no_sync, collectives=ddp_reduction, compression=compression_of)
+    skip_sync=ddp_no_sync, collectives=ddp_reduction, compression=compression_of, local_sgd=local_sgd_of)
 
 
 RULES = ReplicatedRules(DDP)

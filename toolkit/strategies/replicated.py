@@ -6,6 +6,7 @@ how it reduces gradients): composition, not a base class, so each strategy's mod
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
@@ -26,7 +27,8 @@ from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, S
                                      no_context, whole_stack_activations)
 from toolkit.strategies.dims import compression
 from toolkit.strategies.dims.compression import Compression
-from toolkit.strategies.optim.torch_optim import TorchOptim, TorchState
+from toolkit.strategies.dims.local_sgd import LocalSgd, LocalSgdConfig
+from toolkit.strategies.optim.torch_optim import CommunicationState, TorchOptim, TorchState
 
 
 def on_rank_device(module: nn.Module, args: SetupArgs) -> tuple[nn.Module, torch.device, str]:
@@ -56,6 +58,8 @@ class Replication:
     collectives: Callable[[nn.Module, Recipe, int], list[Collective]] | None = None
     # the recipe -> the gradient compression its all-reduce runs under (a hook on the wrapped DDP module)
     compression: Callable[[Recipe], Compression] | None = None
+    # the recipe -> its local SGD (strategy.sync_every): replicas step alone, parameters averaged every H steps
+    local_sgd: Callable[[Recipe], LocalSgdConfig] | None = None
 
 
 class ReplicatedRules:
@@ -127,7 +131,7 @@ class ReplicatedStrategy:
         self.one_device = self.replication.one_device(args) if self.replication.one_device else None
         self._model = self.replication.wrap(self.module, args)
         self.compression = self.replication.compression(args.recipe) if self.replication.compression else None
-        hook = None
+        hook: CommunicationState | None = None
         if self.compression is not None and self.compression.on and not self.as_single:
             compression.register(self._model, self.compression,
                                  names={id(p): n for n, p in self.module.named_parameters()})
@@ -141,6 +145,11 @@ class ReplicatedStrategy:
         optimizer = args.build_optimizer(self.module)
         self.optim = TorchOptim(optimizer, args.build_scheduler(optimizer), amp=self.amp,
                                 names=lambda: first_names(self.module))
+        local = self.replication.local_sgd(args.recipe) if self.replication.local_sgd else None
+        self.local = LocalSgd(self.module, local, optimizer=optimizer, total_steps=args.total_steps) \
+            if local is not None and local.on and args.env.world_size > 1 else None
+        if self.local is not None:
+            hook = self.local
         self.state = TorchState(self.module, self.optim, env=args.env, gathered=False,
                                 replicas=self._replicas, gradient_abs_max=self._gradient_abs_max,
                                 audit=self._precision_audit, communication=hook)
@@ -156,6 +165,8 @@ class ReplicatedStrategy:
         return self.amp.autocast()
 
     def accumulate(self, *, sync: bool) -> ContextManager:
+        if self.local is not None and self.replication.skip_sync is not None:
+            return self.replication.skip_sync(self._model)  # local SGD: no gradient is reduced, ever
         if sync or self.replication.skip_sync is None:
             return no_context()
         return self.replication.skip_sync(self._model)
@@ -164,7 +175,11 @@ class ReplicatedStrategy:
         self.amp.backward(loss_share)
 
     def step(self, *, max_grad_norm: float | None) -> StepResult:
-        return self.optim.step(list(self.module.parameters()), max_grad_norm=max_grad_norm)
+        result = self.optim.step(list(self.module.parameters()), max_grad_norm=max_grad_norm)
+        if self.local is not None:
+            drift = self.local.after_step()
+            return dataclasses.replace(result, drift_before_sync=drift) if drift is not None else result
+        return result
 
     def discard_step(self) -> None:
         self.optim.discard_step()
@@ -175,8 +190,11 @@ class ReplicatedStrategy:
     def _replicas(self) -> list[Replicas]:
         if self.env.world_size == 1:
             return []
+        local = self.local
         return [Replicas(named=list(self.module.named_parameters()), group=None,
-                         description=f"{self.env.world_size} ranks hold full replicas")]
+                         description=f"{self.env.world_size} ranks hold full replicas"
+                         + (f", equal after each sync (every {local.config.every} steps)" if local else ""),
+                         synced=(lambda: local.synced) if local is not None else None)]
 
     def _gradient_abs_max(self) -> dict[str, float] | None:
         # after the synced backward every rank holds the full reduced gradient; fp16 grads are still scaled
@@ -195,6 +213,8 @@ class ReplicatedStrategy:
         return self.as_single or self.one_device
 
     def _sent_as(self) -> str:
+        if self.local is not None:
+            return f", {self.local.config.describe()}"
         return f", {self.compression.describe()}" if self.compression is not None and self.compression.on else ""
 
     def close(self) -> None:

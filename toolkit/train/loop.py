@@ -36,7 +36,7 @@ from toolkit.model.export import export_model
 from toolkit.model.precision import StepResult
 from toolkit.observe import profiling, tracking
 from toolkit.observe.comm import CollectiveCounter, count_step, counting
-from toolkit.observe.consistency import check_groups, check_replicas
+from toolkit.observe.consistency import check_groups, check_replicas, drift
 from toolkit.observe.gradient_scale import GradientScale
 from toolkit.observe.metrics import (Progress, compile_graph_breaks, compile_seconds, peak_memory_bytes, process_bytes,
                                      synchronize)
@@ -278,8 +278,15 @@ def run_steps(strategy: Strategy, loader, parts: StepParts, *, done: int) -> lis
         if parts.replicas and check_every and step % check_every == 0:
             fresh = strategy.state.replicas()  # the live tensors of this step
             assert len(fresh) == len(parts.replicas)  # what a strategy had replicated at start it has now
+            # local SGD between syncs: replicas apart by design, by how much is measured (every rank alike)
+            apart = [each for each in fresh if each.synced is not None and not each.synced()]
+            if apart:
+                record["replica_drift"] = drift(apart[0].named, env)
             # one collective per group, in the same order on the ranks of each group; a drift stops every rank
-            check_groups([(each.named, each.group) for each in fresh], env, when=f"at step {step}")
+            check_groups([(each.named, each.group) for each in fresh if not any(each is a for a in apart)], env,
+                         when=f"at step {step}")
+            if any(each.synced is not None for each in fresh) and not apart:
+                record["replica_drift"] = {"max_abs": 0.0, "relative_norm": 0.0}  # a sync: checked equal above
         losses.append(record["loss"])
         unrecoverable = parts.skips.count(record)  # every rank alike: the loss and the norm are global
         if saver.due(step):
@@ -402,4 +409,6 @@ def train_step(strategy: Strategy, micro_batches: list[dict], *, recipe: Recipe,
             # dropped by train.on_nonfinite skip (fp16 loss scaling's own skips are not)
             **({"skipped_nonfinite": True} if result.skipped and result.nonfinite else {}),
             **({"comm_bytes": comm.total_bytes} if comm is not None else {}),
+            **({"replica_drift_before_sync": result.drift_before_sync} if result.drift_before_sync is not None
+               else {}),
             **({"checkpoint_wait_s": held_s} if held_s else {}), **({"compile_s": compile_s} if compile_s else {})}

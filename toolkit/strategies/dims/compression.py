@@ -77,9 +77,11 @@ class Compression:
 
 
 def first_steady_step(recipe) -> int:
-    """The first step whose gradient all-reduce is what every later step sends: PowerSGD's first compressed step (the
-    step the collectives are counted in, where later than the usual one); 1 otherwise."""
+    """The first step whose gradient all-reduce is what every later step sends: PowerSGD's first compressed step, local
+    SGD's first sync (the step the collectives are counted in, where later than the usual one); 1 otherwise."""
     strategy = recipe.strategy
+    if strategy.sync_every > 1:  # local SGD: its first sync from step 3 on (the steps between send nothing)
+        return strategy.sync_every * -(-3 // strategy.sync_every)
     return strategy.powersgd_start_step + 1 if strategy.gradient_compression == "powersgd" else 1
 
 

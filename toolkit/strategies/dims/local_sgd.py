@@ -1,0 +1,134 @@
+"""Local SGD and DiLoCo for DDP (strategy.sync_every): the replicas step alone on their own gradients (DDP's reduction
+off) and average their parameters every `sync_every` steps and at the run's last step, with torch's
+`model_averaging.utils.average_parameters` (what its PeriodicModelAverager calls). `outer_optimizer: nesterov` is
+DiLoCo's outer step: the average's distance from the parameters of the last sync is an outer gradient, which SGD
+with Nesterov momentum (`outer_lr`, `outer_momentum`) applies to those parameters; every replica then starts from
+the result.
+
+Between syncs the replicas differ by design: the replica check measures how far (observe/consistency.drift) instead
+of stopping the run, and at a sync step it still demands identical parameters. Each rank's own parameters and
+optimizer state differ too, so they go into the checkpoint per rank (CommunicationState): a run resumed mid-window
+continues as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.model_averaging.utils import average_parameters
+
+from toolkit.errors import RecipeError
+
+OUTER_OPTIMIZERS = ("average", "nesterov")
+DILOCO_OUTER_LR = 0.7  # DiLoCo's (Douillard et al. 2023) outer learning rate, with momentum 0.9
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalSgdConfig:
+    every: int = 1
+    outer: str = "average"
+    outer_lr: float | None = None
+    outer_momentum: float = 0.9
+
+    @property
+    def on(self) -> bool:
+        return self.every > 1
+
+    def check(self, *, compression: str) -> None:
+        if self.every < 1:
+            raise RecipeError(f"strategy.sync_every must be >= 1 (1: every step, plain DDP), got {self.every}")
+        if self.outer not in OUTER_OPTIMIZERS:
+            raise RecipeError(f"strategy.outer_optimizer must be one of {', '.join(OUTER_OPTIMIZERS)}, got "
+                              f"{self.outer!r}")
+        if self.outer_lr is not None and self.outer != "nesterov":
+            raise RecipeError("strategy.outer_lr is the Nesterov outer step's rate: set "
+                              "strategy.outer_optimizer=nesterov, or drop strategy.outer_lr")
+        if self.outer != "average" and not self.on:
+            raise RecipeError(f"strategy.outer_optimizer={self.outer} needs strategy.sync_every > 1 (the outer step "
+                              "runs at each sync)")
+        if self.on and compression != "none":
+            raise RecipeError("strategy.sync_every > 1 reduces no gradients, so strategy.gradient_compression has "
+                              "nothing to compress; drop one of them")
+
+    def describe(self) -> str:
+        if self.outer == "nesterov":
+            return (f"local SGD, parameters synced every {self.every} steps by DiLoCo's Nesterov outer step (lr "
+                    f"{self.outer_lr or DILOCO_OUTER_LR:g}, momentum {self.outer_momentum:g})")
+        return f"local SGD, parameters averaged every {self.every} steps"
+
+
+class LocalSgd:
+    """A rank's side of local SGD (see the module's doc). `optimizer`: the inner one, whose state is per rank."""
+
+    def __init__(self, module: nn.Module, config: LocalSgdConfig, *, optimizer: torch.optim.Optimizer,
+                 total_steps: int, group=None) -> None:
+        self.config, self.optimizer, self.total_steps, self.group = config, optimizer, total_steps, group
+        self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.steps = 0  # optimizer steps taken
+        self.synced = True  # whether the replicas were made equal after the last step
+        self.anchor: list[torch.Tensor] = []
+        self.outer: torch.optim.SGD | None = None
+        if config.outer == "nesterov":
+            self.anchor = [p.detach().clone() for _, p in self.named]
+            self.outer = torch.optim.SGD(self.anchor, lr=config.outer_lr or DILOCO_OUTER_LR,
+                                         momentum=config.outer_momentum, nesterov=True)
+
+    def sync_due(self, step: int) -> bool:
+        return step % self.config.every == 0 or step == self.total_steps
+
+    def after_step(self) -> float | None:
+        """After the inner optimizer's step: average (and the outer step) where a sync is due. Returns, at a sync,
+        how far the replicas were apart just before it: rms over ranks of ‖replica − mean‖ / ‖mean‖, from
+        Σ_ranks ‖replica‖² − W·‖mean‖² (one float64 all-reduce beside the average's, no copy of the model)."""
+        self.steps += 1
+        self.synced = self.sync_due(self.steps)
+        if not self.synced:
+            return None
+        params = [p for _, p in self.named]
+        squares = torch.zeros(1, dtype=torch.float64, device=params[0].device)
+        for p in params:
+            squares += p.detach().double().pow(2).sum()
+        average_parameters(iter(params), self.group)
+        dist.all_reduce(squares, group=self.group)
+        world = dist.get_world_size(self.group)
+        mean_squared = sum(float(p.detach().double().pow(2).sum()) for p in params)
+        drift = max(float(squares[0]) / world - mean_squared, 0.0) ** 0.5 / mean_squared ** 0.5 \
+            if mean_squared else 0.0
+        if self.outer is not None:
+            self._outer_step(params)
+        return drift
+
+    def _outer_step(self, params: list[nn.Parameter]) -> None:
+        assert self.outer is not None
+        with torch.no_grad():
+            for anchor, param in zip(self.anchor, params):
+                anchor.grad = anchor - param  # the outer gradient: where the average went, reversed
+            self.outer.step()
+            for anchor, param in zip(self.anchor, params):
+                param.copy_(anchor)
+
+    def state_bytes(self) -> bytes:
+        buffer = io.BytesIO()
+        torch.save({"steps": self.steps, "synced": self.synced,
+                    "params": {n: p.detach().cpu() for n, p in self.named},
+                    "optimizer": self.optimizer.state_dict(),
+                    "anchor": [a.cpu() for a in self.anchor],
+                    "outer": self.outer.state_dict() if self.outer is not None else None}, buffer)
+        return buffer.getvalue()
+
+    def load_bytes(self, blob: bytes) -> None:
+        saved: dict[str, Any] = torch.load(io.BytesIO(blob), weights_only=False)  # written by state_bytes
+        self.steps, self.synced = saved["steps"], saved["synced"]
+        with torch.no_grad():
+            for name, param in self.named:
+                param.copy_(saved["params"][name])
+            for anchor, value in zip(self.anchor, saved["anchor"]):
+                anchor.copy_(value)
+        self.optimizer.load_state_dict(saved["optimizer"])
+        if self.outer is not None and saved["outer"] is not None:
+            self.outer.load_state_dict(saved["outer"])
