@@ -137,23 +137,34 @@ def test_a_local_sgd_run_resumed_mid_window_equals_the_uninterrupted_one(tmp_pat
     """DiLoCo every 4 steps, resumed from step 6 (two steps into a window, the replicas apart): each rank's own
     parameters, AdamW state and the outer step's anchor and momentum are in the checkpoint, so steps 7-10 equal the
     run that went on, to 1e-6 (measured: exactly)."""
-    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "unused",
-                          train={"max_steps": 10, "consistency_check_every": 1})
-    sets = (*DDP, "strategy.sync_every=4", "strategy.outer_optimizer=nesterov", "checkpoint.every_steps=3",
-            "checkpoint.keep_last=5")
-    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    launch(recipe, nproc=2, overrides=(*sets, f"output_dir={whole}"))
-    launch(recipe, nproc=2, overrides=(*sets, f"output_dir={resumed}"),
-           extra=("--resume", str(whole / "checkpoints" / "step-00000006")))
+    whole, resumed = _resumed_equals_whole(
+        tmp_path, tiny_llama_dir, steps=10, resume_from=6, check_every=1,
+        sets=(*DDP, "strategy.sync_every=4", "strategy.outer_optimizer=nesterov", "checkpoint.every_steps=3"))
     tail = {m["step"]: m for m in metrics(whole)}
     assert tail[6]["replica_drift"]["max_abs"] > 0  # the checkpoint was written with the replicas apart
     for m in metrics(resumed):
+        assert m["replica_drift"]["max_abs"] == pytest.approx(tail[m["step"]]["replica_drift"]["max_abs"], rel=1e-6)
+
+
+def _resumed_equals_whole(tmp_path, model_dir, *, steps: int, resume_from: int, sets: tuple[str, ...],
+                          check_every: int | None = None):
+    """A 2-rank run of `steps` steps, and the same resumed from its checkpoint after `resume_from`: the resumed
+    steps' losses, grad norms and the final weights equal the uninterrupted run's to 1e-6. (whole, resumed)"""
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=model_dir, output_dir=tmp_path / "unused",
+                          train={"max_steps": steps, "consistency_check_every": check_every})
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    launch(recipe, nproc=2, overrides=(*sets, "checkpoint.keep_last=5", f"output_dir={whole}"))
+    launch(recipe, nproc=2, overrides=(*sets, "checkpoint.keep_last=5", f"output_dir={resumed}"),
+           extra=("--resume", str(whole / "checkpoints" / f"step-{resume_from:08d}")))
+    tail = {m["step"]: m for m in metrics(whole)}
+    assert [m["step"] for m in metrics(resumed)] == list(range(resume_from + 1, steps + 1))
+    for m in metrics(resumed):
         assert m["loss"] == pytest.approx(tail[m["step"]]["loss"], rel=1e-6)
         assert m["grad_norm"] == pytest.approx(tail[m["step"]]["grad_norm"], rel=1e-6)
-        assert m["replica_drift"]["max_abs"] == pytest.approx(tail[m["step"]]["replica_drift"]["max_abs"], rel=1e-6)
     a, b = load_file(str(whole / "model" / "model.safetensors")), load_file(str(resumed / "model" / "model.safetensors"))
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-6, atol=1e-7)
+    return whole, resumed
 
 
 def test_levers_keep_the_replicas_identical(llama_runs):
@@ -169,28 +180,16 @@ def test_a_resumed_powersgd_run_equals_the_uninterrupted_one(tmp_path, tiny_llam
     resumed from it (whose DDP buckets are numbered as a new process numbers them) equals the run that went on, to
     1e-6 relative. Without that state its step 5 gradient norm differs at the 4th digit (measured: 1.2502 vs 1.2964
     on this model when the state was left out)."""
-    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "unused",
-                          train={"max_steps": 6, "consistency_check_every": None})
     # small buckets: the resumed process's first step has DDP's initial buckets, other than the rebuilt ones the
     # state was saved from, so the state is put together anew for them (PowerSgd._pack)
-    sets = (*DDP, "strategy.gradient_compression=powersgd", "strategy.powersgd_rank=2",
-            "strategy.powersgd_start_step=3", "strategy.bucket_cap_mb=0.5", "checkpoint.every_steps=2",
-            "checkpoint.keep_last=5")
-    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    launch(recipe, nproc=2, overrides=(*sets, f"output_dir={whole}"))
-    launch(recipe, nproc=2, overrides=(*sets, f"output_dir={resumed}"),
-           extra=("--resume", str(whole / "checkpoints" / "step-00000004")))
+    whole, _ = _resumed_equals_whole(
+        tmp_path, tiny_llama_dir, steps=6, resume_from=4,
+        sets=(*DDP, "strategy.gradient_compression=powersgd", "strategy.powersgd_rank=2",
+              "strategy.powersgd_start_step=3", "strategy.bucket_cap_mb=0.5", "checkpoint.every_steps=2"))
     # the collectives were counted in the first compressed step, step 4 (not the usual step 3)
     counted = _counted(whole)
     assert counted["step"] == 4 and counted["bytes_by_op"]["allreduce_"] < sum(
         math.prod(s) for s in _shapes(whole)) * 4 // 10  # compressed: under a tenth of the fp32 gradients
-    tail = {m["step"]: m for m in metrics(whole)}
-    for m in metrics(resumed):
-        assert m["loss"] == pytest.approx(tail[m["step"]]["loss"], rel=1e-6)
-        assert m["grad_norm"] == pytest.approx(tail[m["step"]]["grad_norm"], rel=1e-6)
-    a, b = load_file(str(whole / "model" / "model.safetensors")), load_file(str(resumed / "model" / "model.safetensors"))
-    for key in a:
-        torch.testing.assert_close(b[key], a[key], rtol=1e-6, atol=1e-7)
 
 
 BAD = {
