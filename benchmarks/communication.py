@@ -5,7 +5,8 @@ ends and the compare's verdict, exact DDP and FSDP beside them.
 
 One real `toolkit compare` of recipes/minilm-sst.yaml (the first arm the reference) on 2 ranks, as a user runs it, in
 a subprocess; the table is read from its results.json. bytes/step: the collective counter's input bytes on rank 0 in
-one steady step (PowerSGD's: its first compressed step, the recipe's powersgd_start_step + 1). step ms: the median
+one steady step (PowerSGD's: its first compressed step, the recipe's powersgd_start_step + 1; local SGD's: its first
+sync, divided by sync_every, as the steps between send nothing: the mean over a window). step ms: the median
 of the timed steps. final eval loss: the recipe's eval split after the last step. loss vs ref: the mean of the last
 tenth of the steps' losses against the reference's (the verdict's distance; the same batches in both).
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 from toolkit_runs import REPO, print_table
 
 RECIPE = "recipes/minilm-sst.yaml"
-ARMS = "ddp,ddp-fp16c,ddp-bf16c,ddp-powersgd,fsdp,fsdp-bf16reduce,zero2,zero2-bf16reduce"
+ARMS = "ddp,ddp-fp16c,ddp-bf16c,ddp-powersgd,ddp-localsgd4,ddp-diloco8,fsdp,fsdp-bf16reduce,zero2,zero2-bf16reduce"
 
 
 def main() -> None:
@@ -47,7 +48,8 @@ def main() -> None:
         if r["status"] != "completed":
             rows.append([r["arm"], "failed", "", "", "", "", (r.get("error") or "")[:100]])
             continue
-        sent = r["comm"]["total_bytes"] if r.get("comm") else 0
+        every = ((r.get("recipe") or {}).get("strategy") or {}).get("sync_every") or 1
+        sent = (r["comm"]["total_bytes"] if r.get("comm") else 0) / every
         base = plain.get(r["strategy"])
         versus = f"{(sent / base['comm']['total_bytes'] - 1) * 100:+.0f} %" if base and base is not r and \
             (base.get("comm") or {}).get("total_bytes") else ""

@@ -60,7 +60,8 @@ def _lever_line(r: dict, done: list[dict], base: dict) -> str:
     lever = lever[1:-1] if lever.startswith("(") and lever.endswith(")") else lever
     plain = next((o for o in done if o is not r and o.get("strategy") == r.get("strategy")
                   and not levers(o.get("recipe") or {}, {}) and not o.get("fallback")), base)
-    bytes_change = ((r["comm"]["total_bytes"] / plain["comm"]["total_bytes"] - 1) * 100
+    every = ((r.get("recipe") or {}).get("strategy") or {}).get("sync_every") or 1  # counted at a sync: 1/H a step
+    bytes_change = ((r["comm"]["total_bytes"] / every / plain["comm"]["total_bytes"] - 1) * 100
                     if r.get("comm") and plain.get("comm") and plain["comm"]["total_bytes"] else float("nan"))
     time_change = (plain["tokens_per_s"] / r["tokens_per_s"] - 1) * 100  # the same tokens per step
     loss = (r.get("distance") or {}).get("final_relative", float("nan"))
