@@ -108,9 +108,14 @@ def test_local_sgd_drift_rises_between_syncs_and_is_zero_at_each(llama_runs):
                 assert measured == {"max_abs": 0.0, "relative_norm": 0.0}, (arm, step)
             else:
                 assert measured["max_abs"] > 0 and measured["relative_norm"] > 0, (arm, step)
-        before = {m["step"]: m["replica_drift_before_sync"]
-                  for m in metrics(llama_runs.get(arm, nproc=2, overrides=ARMS[arm])) if "replica_drift_before_sync" in m}
+        run = llama_runs.get(arm, nproc=2, overrides=ARMS[arm])
+        before = {m["step"]: m["replica_drift_before_sync"] for m in metrics(run) if "replica_drift_before_sync" in m}
         assert set(before) == syncs  # measured at each sync, from the norms, whatever the check's cadence
+        summary = json.loads((run / "run.json").read_text())["replica_drift"]  # run.json's summary of the same
+        assert summary == {"largest_max_abs": max(d["max_abs"] for d in drift.values()),
+                           "largest_relative_norm": max(d["relative_norm"] for d in drift.values()),
+                           "largest_before_sync": max(before.values()), "syncs": len(syncs),
+                           "checked_equal": len(syncs)}
         if arm == "ddp-localsgd4":
             assert drift[1]["max_abs"] < drift[2]["max_abs"] < drift[3]["max_abs"]  # apart further each step
             # the rms distance the check measured after step 3, one step further just before the sync at step 4

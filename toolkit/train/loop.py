@@ -289,6 +289,8 @@ def run_steps(strategy: Strategy, loader, parts: StepParts, *, done: int) -> lis
                 record["replica_drift"] = {"max_abs": 0.0, "relative_norm": 0.0}  # a sync: checked equal above
         losses.append(record["loss"])
         unrecoverable = parts.skips.count(record)  # every rank alike: the loss and the norm are global
+        if "replica_drift" in record or "replica_drift_before_sync" in record:
+            runinfo.note_drift(info, record)
         if saver.due(step):
             record["checkpoint_s"] = saver.save(strategy, step=step)  # outside step_time_s
         if parts.writer:

@@ -219,6 +219,24 @@ def record_comm(info: RunRecord, summary: dict, *, step: int, env: DistEnv, shap
                              "counts": "input bytes handed to c10d collectives and sends (not wire bytes)"}
 
 
+def note_drift(info: RunRecord, record: dict) -> None:
+    """run.json's summary of local SGD's replica drift (each step's is in metrics.jsonl): the largest the replica
+    check measured between syncs, the largest just before a sync, and how many syncs were checked equal."""
+    if "replica_drift" not in info.fields:
+        info["replica_drift"] = {"largest_max_abs": 0.0, "largest_relative_norm": 0.0, "largest_before_sync": 0.0,
+                                 "syncs": 0, "checked_equal": 0}
+    seen = info["replica_drift"]
+    measured = record.get("replica_drift")
+    if measured is not None:
+        seen["largest_max_abs"] = max(seen["largest_max_abs"], measured["max_abs"])
+        seen["largest_relative_norm"] = max(seen["largest_relative_norm"], measured["relative_norm"])
+    before = record.get("replica_drift_before_sync")
+    if before is not None:
+        seen["syncs"] += 1
+        seen["largest_before_sync"] = max(seen["largest_before_sync"], before)
+        seen["checked_equal"] += measured is not None  # the replica check ran after it, and found them equal
+
+
 def finish(info: RunRecord, *, env: DistEnv, out_dir: Path, losses: list[float], strategy, skips: SkippedSteps) -> None:
     mine = {"peak_mem_bytes": peak_memory_bytes(env.device), "peak_reserved_bytes": peak_reserved_bytes(env.device)}
     info["peak_memory"] = gather_objects(mine, env)
