@@ -166,7 +166,8 @@ def _resumed_equals_whole(tmp_path, model_dir, *, steps: int, resume_from: int, 
     for m in metrics(resumed):
         assert m["loss"] == pytest.approx(tail[m["step"]]["loss"], rel=1e-6)
         assert m["grad_norm"] == pytest.approx(tail[m["step"]]["grad_norm"], rel=1e-6)
-    a, b = load_file(str(whole / "model" / "model.safetensors")), load_file(str(resumed / "model" / "model.safetensors"))
+    a = load_file(str(whole / "model" / "model.safetensors"))
+    b = load_file(str(resumed / "model" / "model.safetensors"))
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-6, atol=1e-7)
     return whole, resumed

@@ -89,10 +89,9 @@ def restore(strategy, checkpoint: store.Checkpoint, *, weights_only: bool, env: 
     if not weights_only:
         strategy.state.load_optimizer_state(state.optimizer_reader(checkpoint.path))
     strategy.state.load_checkpoint_extra(checkpoint.manifest["extra"])
-    if not weights_only and strategy.state.communication_state() is not None:  # collective: every rank has one
-        blob = state.load_communication(checkpoint.path, env=env, saved_world=int(checkpoint.manifest["world_size"]))
-        if blob is not None:
-            strategy.state.load_communication_state(blob)
+    if not weights_only:  # read only by a strategy that keeps such state (collective: every rank alike)
+        strategy.state.load_communication_state(lambda: state.load_communication(
+            checkpoint.path, env=env, saved_world=int(checkpoint.manifest["world_size"])))
     if env.is_main:
         m = checkpoint.manifest
         what = "weights (fresh optimizer state)" if weights_only else "weights and optimizer state"

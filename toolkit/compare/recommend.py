@@ -43,7 +43,8 @@ def recommendations(results: dict) -> list[str]:
         if r not in ok:
             cost = r.get("distance")  # a lever beyond its loss budget
             lines.append(f"{r['arm']}: not recommended: {r['verdict']}" + (
-                f" (its lever moves the final loss by {cost['final_relative']:+.1%}, beyond its budget)" if cost else ""))
+                f" (its lever moves the final loss by {cost['final_relative']:+.1%}, beyond its budget)"
+                if cost else ""))
             continue
         memory = (_state_mib(r) / _state_mib(base) - 1) * 100 if _state_mib(base) else float("nan")
         doubt = measure.speed_doubt(r, base)
@@ -56,8 +57,6 @@ def recommendations(results: dict) -> list[str]:
 def _lever_line(r: dict, done: list[dict], base: dict) -> str:
     """What a lever that changes the maths on purpose bought and cost: bytes per step and step time against the same
     strategy without a lever (else the baseline), loss against the reference (its verdict's distance)."""
-    lever = r["verdict"][len(BY_DESIGN):].strip()
-    lever = lever[1:-1] if lever.startswith("(") and lever.endswith(")") else lever
     plain = next((o for o in done if o is not r and o.get("strategy") == r.get("strategy")
                   and not levers(o.get("recipe") or {}, {}) and not o.get("fallback")), base)
     every = ((r.get("recipe") or {}).get("strategy") or {}).get("sync_every") or 1  # counted at a sync: 1/H a step
@@ -66,7 +65,7 @@ def _lever_line(r: dict, done: list[dict], base: dict) -> str:
     time_change = (plain["tokens_per_s"] / r["tokens_per_s"] - 1) * 100  # the same tokens per step
     loss = (r.get("distance") or {}).get("final_relative", float("nan"))
     doubt = measure.speed_doubt(r, plain)
-    return (f"{r['arm']}: {lever}: {bytes_change:+.0f} % bytes per step and {time_change:+.0f} % step time vs "
+    return (f"{r['arm']}: {r['lever']}: {bytes_change:+.0f} % bytes per step and {time_change:+.0f} % step time vs "
             f"{plain['arm']} here" + (f" ({doubt[0]})" if doubt else "") + f", final loss {loss:+.2%} vs the "
             "reference (within its budget): accuracy traded for communication, worth it where the network is the "
             "bottleneck (`toolkit plan --hardware` predicts the step time there)")

@@ -62,7 +62,8 @@ def build_results(experiment: Experiment) -> dict:
                    comm=_comm(run), flops=run["flops"], audit=arm["audit"], batch=run["batch"],
                    losses=[m["loss"] for m in metrics], grad_norms=[m["grad_norm"] for m in metrics],
                    # local SGD: the replicas' distance between syncs (step, relative norm), where measured
-                   drift=[(m["step"], m["replica_drift"]["relative_norm"]) for m in metrics if "replica_drift" in m],
+                   drift=[(m["step"], m["replica_drift"]["relative_norm"]) for m in metrics
+                          if "replica_drift" in m],
                    sync_drift=[(m["step"], m["replica_drift_before_sync"]) for m in metrics
                                if "replica_drift_before_sync" in m],
                    recipe=arm["recipe"], pipeline=_pipeline(run), experts=run.get("experts"),

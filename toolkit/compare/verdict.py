@@ -32,21 +32,22 @@ Route flips (mixture-of-experts models): a router sends each token to its top-k 
   comes before the first step outside the bound, and at most ROUTE_FLIP_SHARE of that step's (token, expert) pairs
   moved (a misrouting bug moves many at once, and the loss with them), the verdict is "equivalent until a route flip
   at step k": the arm computed the same thing until rounding decided a tie.
-Levers (strategy.gradient_compression, strategy.reduce_dtype, strategy.sync_every): an arm whose recipe turns one on changes the maths on
-  purpose, and outside the bounds above is judged by what the lever costs instead: the loss curve's distance to the
+Levers (strategy.gradient_compression, strategy.reduce_dtype, strategy.sync_every): an arm whose recipe turns one
+  on changes the maths on purpose, and outside the bounds above is judged by what the lever costs instead: the loss
+  curve's distance to the
   reference (mean and max relative difference per step), the final loss (the mean of the last tenth of the steps,
   the same batches in both runs) and the final eval loss. The budget: LEVER_BUDGET (2 %) of the reference's loss
   drop over the run (the mean of its first tenth minus that of its last) or of its final loss, whichever is smaller,
   never below ROUNDING_FACTOR × the largest relative loss difference the rounding reference showed, times the
-  final loss (what rounding alone moves). Two hundredths of what training achieved is a cost a user does not notice in the curve, and one the
-  report names in numbers; the final loss caps it where the loss ends near zero, where 2 % of the drop can exceed
+  final loss (what rounding alone moves). Two hundredths of what training achieved is a cost a user does not notice
+  in the curve, and one the report names in numbers; the final loss caps it where the loss ends near zero, where 2 % of the drop can exceed
   the final loss itself (measured: MiniLM-SST, 60 steps, drop 0.68 to a final 0.009: PowerSGD r=4 ended 16 % above
   the reference, within 2 % of the drop). Beyond the budget the lever costs accuracy and the verdict is "diverged",
   naming the lever. Only the lever's own keys may differ: any other
   setting that differs (a planted weight decay) is judged as without the lever, "diverged", naming that setting.
 Verdicts: "equivalent" (fp32 tolerance, or the rounding reference's where larger), "equivalent within precision noise" (calibrated bound),
-"equivalent until a route flip at step k" (above), "differs by design (LEVER)" (within the lever's budget), "diverged at step k" (first step outside the bound), "diverged in
-final weights" (the trajectories agree, some judged tensor does not), each naming what differs between the two arms.
+"equivalent until a route flip at step k" (above), "differs by design (LEVER)" (within the lever's budget), "diverged
+at step k" (first step outside the bound), "diverged in final weights" (the trajectories agree, some judged tensor does not), each naming what differs between the two arms.
 """
 
 from __future__ import annotations
@@ -297,7 +298,8 @@ def levers(arm_recipe: dict, ref_recipe: dict) -> str | None:
         if value not in noops and value != ref.get(key, noops[0]):
             words = f"{key.split('.', 1)[1]}={value}"
             if value == "powersgd":
-                words += f" (r={arm.get('strategy.powersgd_rank')}, from step {arm.get('strategy.powersgd_start_step', 0) + 1})"
+                start = arm.get("strategy.powersgd_start_step", 0) + 1
+                words += f" (r={arm.get('strategy.powersgd_rank')}, from step {start})"
             if key == "strategy.sync_every" and arm.get("strategy.outer_optimizer") == "nesterov":
                 words += " (DiLoCo)"
             out.append(words)
@@ -317,7 +319,8 @@ def loss_distance(arm: list[dict], ref: list[dict], *, rounding: dict | None = N
     floor = ROUNDING_FACTOR * _finite(rounding["loss"][-1]) * abs(last_ref) if rounding and rounding["loss"] else 0.0
     evals = [next((m["eval_loss"] for m in reversed(run) if "eval_loss" in m), None) for run in (arm, ref)]
     return {"mean_relative": sum(per_step) / len(per_step), "max_relative": max(per_step),
-            "final_difference": last_arm - last_ref, "final_relative": (last_arm - last_ref) / max(abs(last_ref), 1e-30),
+            "final_difference": last_arm - last_ref,
+            "final_relative": (last_arm - last_ref) / max(abs(last_ref), 1e-30),
             "window": window, "drop": drop,
             "eval_difference": evals[0] - evals[1] if None not in evals else None,  # type: ignore[operator]
             "budget": max(LEVER_BUDGET * max(min(drop, abs(last_ref)), 0.0), floor)}
@@ -350,10 +353,11 @@ def _judge_lever(arm: dict, ref: dict, *, on: str, first: dict | None, settings:
                                                    if distance["eval_difference"] is not None else [])
     line = _distance_line(distance)
     if all(math.isfinite(cost) and cost <= distance["budget"] for cost in costs):  # a NaN loss is no small cost
-        return {"verdict": f"{BY_DESIGN} ({on})", "step": None, "distance": distance,
+        return {"verdict": f"{BY_DESIGN} ({on})", "step": None, "distance": distance, "lever": on,
                 "differences": [f"{on}: {line}"]}
-    return {"verdict": where, "step": step, "distance": distance,
-            "differences": [f"{on} moves the loss by more than its budget: {line}", *([first["what"]] if first else [])]}
+    return {"verdict": where, "step": step, "distance": distance, "lever": on,
+            "differences": [f"{on} moves the loss by more than its budget: {line}",
+                            *([first["what"]] if first else [])]}
 
 
 def audit_key(row: str, value) -> str | None:

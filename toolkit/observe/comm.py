@@ -69,23 +69,23 @@ class CollectiveCounter(TorchDispatchMode):
         super().__init__()
         self.bytes_by_op: dict[str, int] = {}
         self.calls_by_op: dict[str, int] = {}
-        self._lock = threading.Lock()
-        self._counting_threads: list[int] = []  # a thread's id once per time it entered (it may enter again)
+        self._lock = threading.Lock()  # _count may run on the backend's threads too
+        self._entered = 0  # how deep the counter is entered (it may be entered again)
         self._plain_all_reduce = None
 
     def __enter__(self):
         # a DDP communication hook's chained callbacks (PowerSGD's P and Q all-reduces) run on the backend's thread,
         # where this mode, thread-local, is not active: torch.distributed.all_reduce called from such a thread is
         # counted by a wrapper, set while the counter is (a call where this mode is active reaches the mode instead)
-        if not self._counting_threads:
+        if not self._entered:
             self._plain_all_reduce = dist.all_reduce
             dist.all_reduce = self._all_reduce_elsewhere  # type: ignore[assignment]
-        self._counting_threads.append(threading.get_ident())
+        self._entered += 1
         return super().__enter__()
 
     def __exit__(self, *exc):
-        self._counting_threads.remove(threading.get_ident())
-        if not self._counting_threads:
+        self._entered -= 1
+        if not self._entered:
             dist.all_reduce = self._plain_all_reduce  # type: ignore[assignment]
         return super().__exit__(*exc)
 

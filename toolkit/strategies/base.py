@@ -192,8 +192,9 @@ class StrategyState(Protocol):
         """This rank's own state of its gradient communication (PowerSGD's error and factors), serialized; None where
         it keeps none."""
 
-    def load_communication_state(self, blob: bytes) -> None:
-        """What communication_state returned on this rank of the run that saved."""
+    def load_communication_state(self, read: Callable[[], bytes | None]) -> None:
+        """Where this rank keeps such state: what `read()` gives, which communication_state returned on this rank of
+        the run that saved (None: the checkpoint holds none for it); `read` is not called otherwise."""
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Collective: the full model weights on CPU on rank 0 (fp32 masters where kept), None elsewhere."""

@@ -10,12 +10,12 @@ from toolkit.config.recipe import Recipe
 from toolkit.config.strategy_options import option_names, options_of, strategy_options
 from toolkit.cost.collectives import Collective
 from toolkit.errors import RecipeError
+from toolkit.memory.state_bytes import element_bytes
 from toolkit.model.precision import DTYPES
 from toolkit.strategies.base import SetupArgs, StrategyInfo
 from toolkit.strategies.dims.comm import ddp_collectives
 from toolkit.strategies.dims.compression import Compression
 from toolkit.strategies.dims.local_sgd import LocalSgdConfig
-from toolkit.memory.state_bytes import element_bytes
 from toolkit.strategies.dims.parallelize import DdpWrap, ddp_no_sync, replicate_over_world
 from toolkit.strategies.replicated import ReplicatedRules, ReplicatedStrategy, Replication
 
@@ -72,22 +72,20 @@ def check_options(recipe: Recipe, world_size: int) -> None:
     if not 0 < size_mb < math.inf:
         raise RecipeError(f"strategy.bucket_cap_mb must be a finite number > 0 (MiB per gradient bucket), got "
                           f"{size_mb}; DDP's default is 25")
-    compression_of(recipe).check(precision=recipe.precision)
-    local = local_sgd_of(recipe)
-    local.check(compression=options_of(DdpOptions, recipe).gradient_compression)
-    if local.on and recipe.precision == "fp16":  # each rank's scaler would skip its own steps: syncs out of step
-        raise RecipeError("strategy.sync_every > 1 is not available with precision fp16: each replica's loss scaler "
-                          "would skip other steps; use precision bf16 or fp32")
+    compression = compression_of(recipe)
+    compression.check(precision=recipe.precision)
+    local_sgd_of(recipe).check(compression=compression.kind, precision=recipe.precision)
 
 
 def ddp_reduction(model: nn.Module, recipe: Recipe, world_size: int) -> list[Collective]:
     """Its gradients (in the load dtype: autocast leaves the parameters alone) all-reduced over every rank; under
     local SGD none, and at a sync step (what the counter counts) the parameters averaged in one all-reduce."""
-    if local_sgd_of(recipe).on:
+    local = local_sgd_of(recipe)
+    if local.on:
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         return [Collective(op="allreduce_", payload_bytes=numel * element_bytes(DTYPES[recipe.model.load_dtype]),
                            calls=1, group="dp_replicate", group_size=world_size, phase="step",
-                           what=f"parameters averaged (every {local_sgd_of(recipe).every} steps)"),
+                           what=f"parameters averaged (every {local.every} steps)"),
                 Collective(op="allreduce_", payload_bytes=8, calls=1, group="dp_replicate", group_size=world_size,
                            phase="step", what="the replicas' squared norms (their drift before the sync)")]
     return ddp_collectives(model, group_size=world_size, group="dp_replicate",

@@ -203,8 +203,8 @@ class FsdpRules:
 
         stored = DTYPES[recipe.model.load_dtype]
         compute = stored if recipe.precision == "fp32" else DTYPES[recipe.precision]  # MixedPrecisionPolicy
-        reduce = DTYPES[options.reduce_dtype] if options.reduce_dtype else \
-            torch.float32 if recipe.precision != "fp32" else stored  # MixedPrecisionPolicy (FsdpWrap.mp_policy)
+        reduce = FsdpWrap(precision=recipe.precision, reduce_dtype=options.reduce_dtype).mp_policy.reduce_dtype \
+            or stored  # what MixedPrecisionPolicy reduces in (None: the parameters' own dtype)
         shapes_tp = tensor_parallel.local_shapes(model, tp) if tp > 1 else None
         units = comm.fsdp_units(model, transformer_blocks(model, options.blocks))
         gathers = len(shapes) * (2 if options.reshard_after_forward else 1)

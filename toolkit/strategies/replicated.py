@@ -133,9 +133,8 @@ class ReplicatedStrategy:
         self.compression = self.replication.compression(args.recipe) if self.replication.compression else None
         hook: CommunicationState | None = None
         if self.compression is not None and self.compression.on and not self.as_single:
-            compression.register(self._model, self.compression,
-                                 names={id(p): n for n, p in self.module.named_parameters()})
-            hook = compression.hook_state(self._model)
+            hook = compression.register(self._model, self.compression,
+                                        names={id(p): n for n, p in self.module.named_parameters()})
             if self.compression.kind == "powersgd" and args.total_steps <= self.compression.start_step \
                     and args.env.is_main:
                 print(f"[toolkit] warning: strategy.powersgd_start_step {self.compression.start_step} ≥ the run's "

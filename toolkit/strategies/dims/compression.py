@@ -16,7 +16,6 @@ import io
 import math
 from dataclasses import dataclass
 from typing import Any
-from weakref import WeakKeyDictionary
 
 import torch
 import torch.distributed as dist
@@ -73,7 +72,7 @@ class Compression:
         """The lever in words (the precision audit, the verdict)."""
         if self.kind == "powersgd":
             return f"powersgd r={self.rank} from step {self.start_step + 1}"
-        return f"sent as {self.kind}" if self.on else "none"
+        return f"sent as {self.kind}"
 
 
 def first_steady_step(recipe) -> int:
@@ -85,21 +84,20 @@ def first_steady_step(recipe) -> int:
     return strategy.powersgd_start_step + 1 if strategy.gradient_compression == "powersgd" else 1
 
 
-_HOOKS: WeakKeyDictionary[nn.Module, "PowerSgd"] = WeakKeyDictionary()
-
-
-def register(ddp: nn.Module, compression: Compression, *, names: dict[int, str]) -> None:
-    """The compression's hook on `ddp` (a DistributedDataParallel module); `names`: id(parameter) -> its name."""
+def register(ddp: nn.Module, compression: Compression, *, names: dict[int, str]) -> "PowerSgd | None":
+    """The compression's hook on `ddp` (a DistributedDataParallel module); `names`: id(parameter) -> its name.
+    Returns the state the hook keeps across steps (PowerSGD's), for the checkpoint; None for the others."""
     if not compression.on:
-        return
+        return None
     group = ddp.process_group  # type: ignore[attr-defined]
     if compression.kind == "fp16":
         ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)  # type: ignore[operator]
-        return
+        return None
     if compression.kind == "bf16":
         on_nccl = next(ddp.parameters()).device.type == "cuda"
-        ddp.register_comm_hook(group, default_hooks.bf16_compress_hook if on_nccl else bf16_hook)  # type: ignore[operator]
-        return
+        hook = default_hooks.bf16_compress_hook if on_nccl else bf16_hook
+        ddp.register_comm_hook(group, hook)  # type: ignore[operator]
+        return None
     # orthogonalization_epsilon: torch's default 0 divides a zero gradient matrix's factor by its zero norm (NaN,
     # then every gradient through clipping); 1e-8, as torch's docs suggest, against norms of order 1 and more
     state = PowerSGDState(process_group=group, matrix_approximation_rank=compression.rank,
@@ -107,18 +105,13 @@ def register(ddp: nn.Module, compression: Compression, *, names: dict[int, str])
                           use_error_feedback=True, warm_start=True, orthogonalization_epsilon=1e-8)
     wrapped = PowerSgd(state, names=names, shapes={names[id(p)]: tuple(p.shape) for p in ddp.parameters()})
     ddp.register_comm_hook(state, wrapped.hook)  # type: ignore[operator]
-    _HOOKS[ddp] = wrapped
+    return wrapped
 
 
 def bf16_hook(process_group, bucket):
     """torch's bf16_compress_hook under another name: DDP refuses that one by its name unless CUDA and NCCL ≥ 2.10
     are present (NCCL's bf16 support), also on gloo, which all-reduces bf16 (checked: 2 ranks, CPU)."""
     return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
-
-
-def hook_state(ddp: nn.Module) -> "PowerSgd | None":
-    """The state a registered compression keeps across steps (PowerSGD's), for the checkpoint; None for the others."""
-    return _HOOKS.get(ddp)
 
 
 def compressed(shape: tuple[int, ...], rank: int) -> tuple[int, int] | None:

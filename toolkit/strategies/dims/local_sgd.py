@@ -39,7 +39,7 @@ class LocalSgdConfig:
     def on(self) -> bool:
         return self.every > 1
 
-    def check(self, *, compression: str) -> None:
+    def check(self, *, compression: str, precision: str) -> None:
         if self.every < 1:
             raise RecipeError(f"strategy.sync_every must be >= 1 (1: every step, plain DDP), got {self.every}")
         if self.outer not in OUTER_OPTIMIZERS:
@@ -51,6 +51,9 @@ class LocalSgdConfig:
         if self.outer != "average" and not self.on:
             raise RecipeError(f"strategy.outer_optimizer={self.outer} needs strategy.sync_every > 1 (the outer step "
                               "runs at each sync)")
+        if self.on and precision == "fp16":  # each rank's scaler would skip its own steps: syncs out of step
+            raise RecipeError("strategy.sync_every > 1 is not available with precision fp16: each replica's loss "
+                              "scaler would skip other steps; use precision bf16 or fp32")
         if self.on and compression != "none":
             raise RecipeError("strategy.sync_every > 1 reduces no gradients, so strategy.gradient_compression has "
                               "nothing to compress; drop one of them")
@@ -84,7 +87,8 @@ class LocalSgd:
     def after_step(self) -> float | None:
         """After the inner optimizer's step: average (and the outer step) where a sync is due. Returns, at a sync,
         how far the replicas were apart just before it: rms over ranks of ‖replica − mean‖ / ‖mean‖, from
-        Σ_ranks ‖replica‖² − W·‖mean‖² (one float64 all-reduce beside the average's, no copy of the model)."""
+        Σ_ranks ‖replica‖² − W·‖mean‖² (one float64 all-reduce beside the average's, no copy of the
+        model)."""
         self.steps += 1
         self.synced = self.sync_due(self.steps)
         if not self.synced:

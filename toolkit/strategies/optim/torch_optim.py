@@ -134,8 +134,9 @@ class TorchState:
     def communication_state(self) -> bytes | None:
         return self.communication.state_bytes() if self.communication is not None else None
 
-    def load_communication_state(self, blob: bytes) -> None:
-        if self.communication is not None:
+    def load_communication_state(self, read: Callable[[], bytes | None]) -> None:
+        blob = read() if self.communication is not None else None
+        if self.communication is not None and blob is not None:
             self.communication.load_bytes(blob)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:

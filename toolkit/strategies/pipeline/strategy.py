@@ -340,7 +340,7 @@ class PipelineStrategy:
     def communication_state(self) -> bytes | None:
         return None  # no communication hook keeps state here
 
-    def load_communication_state(self, blob: bytes) -> None:
+    def load_communication_state(self, read: Callable[[], bytes | None]) -> None:
         pass
 
     def load_checkpoint_extra(self, extra: dict[str, Any]) -> None:

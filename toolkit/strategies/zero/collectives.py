@@ -23,6 +23,7 @@ from torch import nn
 from toolkit.config.recipe import Recipe, plan_batch
 from toolkit.cost.collectives import Collective
 from toolkit.memory.state_bytes import element_bytes
+from toolkit.model.precision import DTYPES
 from toolkit.strategies.optim.adamw import param_groups
 from toolkit.strategies.zero import memory
 from toolkit.strategies.zero.config import hidden_size_of, offloads, resolve_ds_config, stage_of
@@ -37,7 +38,8 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, num_micro_batc
                                hidden_size=hidden_size_of(model.config))
     stage, zero = stage_of(config), config.get("zero_optimization", {})
     size = element_bytes(memory.param_dtype(recipe))
-    sent = {"fp32": 4, "bf16": 2, "fp16": 2}.get(config.get("communication_data_type"), size)  # type: ignore[arg-type]
+    wire = config.get("communication_data_type")  # strategy.reduce_dtype, or a ds_config's
+    sent = element_bytes(DTYPES[wire]) if wire else size
     trainable = [p for p in model.parameters() if p.requires_grad]
     grads = sum(p.numel() for p in trainable) * sent
     bucket = int(zero.get("reduce_bucket_size", memory.DEFAULT_REDUCE_BUCKET)) * sent

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
@@ -240,7 +240,7 @@ class ZeroStrategy:
     def communication_state(self) -> bytes | None:
         return None  # no communication hook keeps state here
 
-    def load_communication_state(self, blob: bytes) -> None:
+    def load_communication_state(self, read: Callable[[], bytes | None]) -> None:
         pass
 
     def load_checkpoint_extra(self, extra: dict[str, Any]) -> None:
