@@ -77,8 +77,13 @@ class StrategyConfig:
     #   by parameter count (embeddings count with the first part, the final norm and head with the last)
     schedule: str = "1f1b"  # pipeline: gpipe (all forwards, then all backwards: most activation memory) |
     #   1f1b (one forward, one backward: at most `stages` micro-batches in flight) | interleaved-1f1b
-    #   (stages_per_rank virtual stages per rank: a smaller bubble, more point-to-point traffic)
-    stages_per_rank: int = 1  # pipeline: 2 or more for interleaved-1f1b
+    #   (stages_per_rank virtual stages per rank: a smaller bubble, more point-to-point traffic) |
+    #   interleaved-zb (zero bubble, ZB1P: each backward split into its input gradient, on the critical path, and
+    #   its weight gradient, which fills the bubble; 1 or more stages per rank) | zbv (zero bubble, V-shaped: rank
+    #   r holds stages r and 2p-1-r, so rank 0 holds the first and the last) | dualpipev (DeepSeek's DualPipe,
+    #   V-shaped, a forward overlapped with a backward; at least 2p micro-batches)
+    stages_per_rank: int = 1  # pipeline: 2 or more for interleaved-1f1b; 1 or more for interleaved-zb; exactly
+    #   2 for zbv and dualpipev
     pipeline_degree: int | None = None  # hybrid: pipeline stages; the other ranks are data-parallel replicas
     #   (world = pipeline_degree × replicas); unset: a model split inside each process (devices) × ddp.
     #   pipeline: every rank is a stage

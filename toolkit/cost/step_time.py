@@ -16,7 +16,7 @@ Each rule is written once, here, with its source:
               while backward runs: hidden behind backward compute except the last bucket;
     nothing   exposed in full; and so is everything on a profile whose collectives share the compute's cores
               (Hardware.overlaps_communication: calibrate's cpu profile, gloo);
-- pipeline: each rank computes its stages; idle (p-1)/(v·m+p-1) of the step (pipeline/layout.theoretical_bubble);
+- pipeline: each rank computes its stages; idle its schedule's bubble (pipeline/schedules.theoretical_bubble);
 - optimizer step: memory-bound, AdamW reads a parameter, its gradient and two moments and writes three;
 - offload: gradients to the host and parameters back over PCIe each step, the update at HOST_ADAM_BYTES_PER_S.
 """
@@ -80,7 +80,7 @@ class Work:
     precision: str  # bf16 | fp16 | fp32
     checkpointing: bool
     num_micro_batches: int  # per rank per step (a pipeline's schedule runs them)
-    stages_per_rank: int  # a pipeline's virtual stages (interleaved)
+    bubble: float = 0.0  # a pipeline's idle fraction of the step, its schedule's (pipeline/schedules.py)
     collectives: list[Collective]  # the rank's, with the loop's
     optimizer_bytes: int  # what the rank's optimizer step reads and writes
     offloaded_bytes: int  # parameters and gradients crossing PCIe each step (0 without offload)
@@ -111,8 +111,7 @@ def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficienc
     backward_s = compute_s - forward_s
     costs = [Cost(what="compute", seconds=compute_s, exposed_s=compute_s)]
     if d.pp > 1:
-        bubble = (d.pp - 1) / (work.stages_per_rank * work.num_micro_batches + d.pp - 1)
-        idle = compute_s * bubble / (1 - bubble)
+        idle = compute_s * work.bubble / (1 - work.bubble)
         costs.append(Cost(what="pipeline bubble", seconds=idle, exposed_s=idle))
     costs += _communication(work.collectives, d, cluster, forward_s=forward_s, backward_s=backward_s,
                             bus_efficiency=bus_efficiency)

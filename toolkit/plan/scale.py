@@ -111,11 +111,18 @@ def work_for_shapes(recipe: Recipe, model: nn.Module, *, world_size: int, rank: 
     # offloaded: the rank's gradient partition goes to the host and its updated parameters come back, each step
     offloaded = 2 * state.grads_bytes if (getattr(options, "offload_optimizer", False) or
                                           getattr(options, "cpu_offload", False)) else 0
-    work = step_time.Work(degrees=strategy_degrees(recipe, world_size=world_size),
+    degrees = strategy_degrees(recipe, world_size=world_size)
+    bubble = 0.0
+    if degrees.pp > 1:
+        from toolkit.strategies.pipeline.schedules import theoretical_bubble
+
+        bubble = theoretical_bubble(options.schedule, pp=degrees.pp, stages_per_rank=options.stages_per_rank,
+                                    micro_batches=batch.grad_accum_steps)
+    work = step_time.Work(degrees=degrees,
                           global_tokens=batch.global_batch_size * length, seq_len=length,
                           precision=recipe.precision, checkpointing=recipe.train.activation_checkpointing,
                           num_micro_batches=batch.grad_accum_steps,
-                          stages_per_rank=getattr(options, "stages_per_rank", 1) or 1,
+                          bubble=bubble,
                           collectives=collectives, optimizer_bytes=moved, offloaded_bytes=offloaded)
     return work
 

@@ -16,13 +16,12 @@ from toolkit.model.blocks import layer_stack, uncounted
 from toolkit.model.build import meta_model
 from toolkit.model.placement import blocks_of, check_split, part_of_blocks
 from toolkit.model.stages import Stage, check_window, family_of, layer_list
+from toolkit.strategies.pipeline.schedules import (LOOPED, SCHEDULES, SPLIT_BACKWARD, V_SHAPED, micro_batches_error, stage_ids,
+                                                   stages_per_rank_error)
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
 
-# schedule name -> torch.distributed.pipelining class, imported at setup (the import costs ~1.3 s, which
-# every process that only reads the strategy's INFO would pay)
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
 
 
 @dataclass(frozen=True)
@@ -32,6 +31,7 @@ class Grid:
     pp: int
     dp: int
     sharded: bool = False  # a stage's dp replicas shard it (FSDP2, the layout's dp_shard) or hold it whole (DDP)
+    schedule: str = "1f1b"  # a V-shaped one places the stages otherwise (schedules.stage_ids)
 
     @property
     def dp_dim(self) -> str:
@@ -49,8 +49,8 @@ class Grid:
         return pp_rank * self.dp + dp_rank
 
     def stage_ids(self, pp_rank: int, stages_per_rank: int) -> list[int]:
-        """The stages a pipeline rank runs: its own and, interleaved, every pp-th after it."""
-        return [pp_rank + k * self.pp for k in range(stages_per_rank)]
+        """The stages a pipeline rank runs: its own and, looped, every pp-th after it; V-shaped, its mirror."""
+        return stage_ids(self.schedule, pp_rank=pp_rank, pp=self.pp, stages_per_rank=stages_per_rank)
 
     def stages_by_rank(self, block_parts: list[int], stages_per_rank: int) -> str:
         """Which blocks each rank runs, for the layout line: 'rank 0: stage 0: blocks 0-1; rank 1: stage 1: ...'
@@ -79,7 +79,8 @@ def grid_of(recipe: Recipe, world_size: int) -> Grid:
     if world_size % pp:
         raise RecipeError(f"world size {world_size} is not divisible by strategy.pipeline_degree {pp}; use a "
                           "multiple of it")
-    return Grid(pp=pp, dp=world_size // pp, sharded=recipe.strategy.data_parallel == "fsdp")
+    return Grid(pp=pp, dp=world_size // pp, sharded=recipe.strategy.data_parallel == "fsdp",
+                schedule=recipe.strategy.schedule)
 
 
 def stage_of_blocks(model: nn.Module, recipe: Recipe, grid: Grid) -> tuple[list[int], int]:
@@ -100,15 +101,10 @@ def rank_stages(model: nn.Module, recipe: Recipe, grid: Grid, pp_rank: int) -> l
                   last=s == num_stages - 1) for s in grid.stage_ids(pp_rank, recipe.strategy.stages_per_rank)]
 
 
-def theoretical_bubble(*, stages: int, micro_batches: int, per_rank: int) -> float:
-    """Idle fraction of a rank: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v·m+p-1) interleaved over v."""
-    return (stages - 1) / (per_rank * micro_batches + stages - 1)
-
-
 def count_busy_time(stage: PipelineStage, owner: Any) -> None:
-    """Add the time a stage computes (its forward and backward chunks) to `owner.busy_s`: the rest of a step is
+    """Add the time a stage computes (its forward and backward chunks, a split backward's weight part too) to `owner.busy_s`: the rest of a step is
     waiting, the measured bubble."""
-    for name in ("forward_one_chunk", "backward_one_chunk"):
+    for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
         inner = getattr(stage, name)
 
         def timed(*args, _inner=inner, **kwargs):
@@ -157,19 +153,25 @@ def check_recipe(recipe: Recipe, *, world_size: int) -> None:
                           f"{', '.join(SCHEDULES)}")
     if options.stages_per_rank < 1:
         raise RecipeError(f"strategy.stages_per_rank must be >= 1, got {options.stages_per_rank}; 2 or more "
-                          "with strategy.schedule interleaved-1f1b")
+                          f"with strategy.schedule {' or '.join(LOOPED)}, exactly 2 with {' or '.join(V_SHAPED)}")
     if options.devices is not None:  # hybrid: each rank runs its stages on its own device (toolkit.process.dist)
         raise RecipeError("strategy.devices applies to hybrid without strategy.pipeline_degree (a model split "
                           "inside each process); a pipeline stage runs on its rank's device: remove it")
-    interleaved = options.schedule == "interleaved-1f1b"
-    if interleaved and options.stages_per_rank < 2:
-        raise RecipeError("strategy.schedule interleaved-1f1b needs strategy.stages_per_rank of 2 or more")
-    if not interleaved and options.stages_per_rank != 1:
-        raise RecipeError(f"strategy.stages_per_rank {options.stages_per_rank} needs strategy.schedule "
-                          "interleaved-1f1b")
+    wrong = stages_per_rank_error(options.schedule, options.stages_per_rank)
+    if wrong:
+        raise RecipeError(wrong)
     if options.data_parallel not in ("ddp", "fsdp"):
         raise RecipeError(f"strategy.data_parallel: unknown value {options.data_parallel!r}; choose ddp or fsdp")
     grid = grid_of(recipe, world_size)
+    if options.schedule in SPLIT_BACKWARD and grid.dp > 1:
+        # measured (torch 2.13, gloo): under DDP the replicas differ after step 1 (the weight gradients, taken by
+        # autograd.grad outside DDP's hooks, are never all-reduced); under FSDP2 every stage but the first is left
+        # without gradients (the first runs a plain backward) and the tied-embedding sum waits forever
+        raise RecipeError(f"strategy.schedule {options.schedule} splits each backward into input and weight "
+                          f"gradients, which torch's pipelining does not reduce over stage replicas ({grid.dp} here, "
+                          f"strategy.data_parallel {options.data_parallel}); run it with every rank a stage "
+                          "(strategy.name pipeline, or strategy.pipeline_degree equal to the world size), or use "
+                          "schedule 1f1b or interleaved-1f1b with replicas")
     stages = grid.pp * options.stages_per_rank
     skeleton = meta_model(recipe.model)
     family_of(skeleton)  # a model without a stage layout
@@ -178,9 +180,9 @@ def check_recipe(recipe: Recipe, *, world_size: int) -> None:
     check_split(options.split, num_blocks=len(layer_stack(skeleton, options.blocks)), num_parts=stages,
                 what="stages")
     plan = plan_batch(recipe.batch, world_size=grid.dp)
-    if options.schedule == "1f1b" and plan.grad_accum_steps < grid.pp:
-        raise RecipeError(f"schedule 1f1b needs at least as many micro-batches per step as stages ({grid.pp}), "
-                          f"but batch.grad_accum_steps is {plan.grad_accum_steps}; raise it or use gpipe")
+    wrong = micro_batches_error(options.schedule, pp=grid.pp, micro_batches=plan.grad_accum_steps)
+    if wrong:
+        raise RecipeError(f"{wrong}, but batch.grad_accum_steps is {plan.grad_accum_steps}; change it or use gpipe")
     if recipe.precision == "fp16" and recipe.optim.implementation == "fused":
         raise RecipeError("optim.implementation fused cannot run a pipeline in fp16 (torch's ShardedGradScaler "
                           "hands the fused AdamW kernel a found-inf tensor of the wrong shape); use auto or loop")

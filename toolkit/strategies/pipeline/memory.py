@@ -6,7 +6,9 @@ for every micro-batch it has in flight; how many that is comes from the schedule
   gpipe             every micro-batch of the step: all forwards run before the first backward
   1f1b              stage s of S: min(M, S - s) (torch's Schedule1F1B warms up with that many forwards, then
                     alternates one backward, one forward)
-  interleaved-1f1b  the order torch's ScheduleInterleaved1F1B computes for the rank, over its virtual stages
+  interleaved-1f1b, interleaved-zb, zbv, dualpipev
+                    the order torch's class computes for the rank, over its stages (a split backward's
+                    weight gradient frees the micro-batch)
 On top, torch's PipelineStage allocates receive buffers for every micro-batch of the step at its first step
 and keeps them: the activations a stage receives (all but the first stage) and the gradients of its
 output (all but the last), micro × max_length × hidden each.
@@ -66,43 +68,18 @@ def activation_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: i
 
 
 def schedule_actions(schedule: str, *, rank: int, pp: int, stages_per_rank: int, micro_batches: int) -> list[Action]:
-    """This rank's forwards and backwards, in the order its schedule runs them (one micro-batch each)."""
-    m = micro_batches
-    if schedule == "gpipe":
-        return [("F", rank)] * m + [("B", rank)] * m
-    if schedule == "1f1b":
-        warmup = min(m, pp - rank)
-        steady = [action for _ in range(m - warmup) for action in (("B", rank), ("F", rank))]
-        return [("F", rank)] * warmup + steady + [("B", rank)] * warmup
-    return _interleaved(rank=rank, pp=pp, stages_per_rank=stages_per_rank, micro_batches=m)
-
-
-def _interleaved(*, rank: int, pp: int, stages_per_rank: int, micro_batches: int) -> list[Action]:
-    """torch's own order for the rank (ScheduleInterleaved1F1B computes it from these four numbers; its
-    constructor also needs live stages, so the order is asked of the class directly). A torch without that
-    method: every forward of every local stage before any backward, the most a rank could hold."""
-    from torch.distributed.pipelining import schedules
+    """This rank's forwards and backwards, in the order its schedule runs them (one micro-batch each). A split
+    backward frees a micro-batch's activations at its weight gradient, the last to read them."""
+    from toolkit.strategies.pipeline.schedules import actions
 
     try:
-        plan: Any = object.__new__(schedules.ScheduleInterleaved1F1B)
-        plan.pp_group_size, plan.n_local_stages, plan._n_microbatches = pp, stages_per_rank, micro_batches
-        plan.number_of_rounds = max(1, micro_batches // pp)
-        plan.microbatches_per_round = micro_batches // plan.number_of_rounds
-        actions = []
-        for action in plan._calculate_single_rank_operations(rank):
-            kind = getattr(getattr(action, "computation_type", None), "name", "")
-            if kind == "FORWARD":
-                actions.append(("F", action.stage_index))
-            elif kind in ("FULL_BACKWARD", "BACKWARD_INPUT"):
-                actions.append(("B", action.stage_index))
-        if actions:
-            return actions
+        order = actions(schedule, rank=rank, pp=pp, stages_per_rank=stages_per_rank, micro_batches=micro_batches)
     except (AttributeError, TypeError, ValueError):
-        pass
-    print("[toolkit] plan: this torch does not give ScheduleInterleaved1F1B's order; the rank is planned with every "
-          "micro-batch in flight (an upper bound)", file=sys.stderr, flush=True)
-    local = Grid(pp=pp, dp=1).stage_ids(rank, stages_per_rank)
-    return [("F", s) for s in local] * micro_batches + [("B", s) for s in reversed(local)] * micro_batches
+        print(f"[toolkit] plan: this torch does not give {schedule}'s order; the rank is planned with every "
+              "micro-batch in flight (an upper bound)", file=sys.stderr, flush=True)
+        local = Grid(pp=pp, dp=1, schedule=schedule).stage_ids(rank, stages_per_rank)
+        return [("F", s) for s in local] * micro_batches + [("B", s) for s in reversed(local)] * micro_batches
+    return [("F" if a.kind == "F" else "B", a.stage) for a in order if a.kind in ("F", "B", "W")]
 
 
 def in_flight_peak(actions: list[Action], traces: dict[int, Traced]) -> int:

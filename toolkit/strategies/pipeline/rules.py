@@ -38,7 +38,11 @@ INFO = StrategyInfo(
     arms={"pp-gpipe": ("strategy.name=pipeline", "strategy.schedule=gpipe"),
           "pp-1f1b": ("strategy.name=pipeline", "strategy.schedule=1f1b"),
           "pp-interleaved": ("strategy.name=pipeline", "strategy.schedule=interleaved-1f1b",
-                             "strategy.stages_per_rank=2")})
+                             "strategy.stages_per_rank=2"),
+          "pp-interleaved-zb": ("strategy.name=pipeline", "strategy.schedule=interleaved-zb",
+                                "strategy.stages_per_rank=2"),
+          "pp-zbv": ("strategy.name=pipeline", "strategy.schedule=zbv", "strategy.stages_per_rank=2"),
+          "pp-dualpipev": ("strategy.name=pipeline", "strategy.schedule=dualpipev", "strategy.stages_per_rank=2")})
 
 
 class PipelineRules:

@@ -40,8 +40,8 @@ from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, Strate
                                      first_dtype)
 from toolkit.strategies.dims.parallelize import DdpWrap, FsdpWrap, parallelize
 from toolkit.strategies.pipeline.batches import filler, stacked
-from toolkit.strategies.pipeline.layout import (SCHEDULES, Grid, count_busy_time, grid_of, stage_of_blocks,
-                                                theoretical_bubble, uncount_shape_inference)
+from toolkit.strategies.pipeline.layout import Grid, count_busy_time, grid_of, stage_of_blocks, uncount_shape_inference
+from toolkit.strategies.pipeline.schedules import SCHEDULES, V_SHAPED, simulated_bubbles
 from toolkit.strategies.pipeline.rules import INFO, OPTIONS, RULES, PipelineOptions  # noqa: F401 (the registry reads OPTIONS, RULES here)
 from toolkit.strategies.optim.torch_optim import TorchOptim, live_state_tensors
 
@@ -94,7 +94,8 @@ class PipelineStrategy:
             uncount_shape_inference(pipeline_stage)
         schedule = getattr(pipelining, SCHEDULES[options.schedule])
         self.micro_batches = args.grad_accum_steps
-        self.schedule = schedule(self.stages if len(self.stages) > 1 else self.stages[0],  # type: ignore[arg-type]
+        single = issubclass(schedule, pipelining.schedules.PipelineScheduleSingle)  # one stage; the others a list
+        self.schedule = schedule(self.stages[0] if single else self.stages,  # type: ignore[arg-type]
                                  n_microbatches=self.micro_batches, loss_fn=self._loss, scale_grads=False)
         # ShardedGradScaler's found-inf tensor has a shape torch's fused AdamW kernel rejects (torch 2.13)
         optimizer = args.build_optimizer(self._model, fused_ok=args.recipe.precision != "fp16")
@@ -124,8 +125,8 @@ class PipelineStrategy:
 
     def _tied_group(self):
         """Per replica, the group of the ranks holding the first and the last stage (every rank creates
-        every group: new_group is collective)."""
-        if self.tied is None:
+        every group: new_group is collective). None where one rank holds both (V-shaped schedules)."""
+        if self.tied is None or self.grid.schedule in V_SHAPED:
             return None
         mine = None
         for dp_rank in range(self.grid.dp):
@@ -216,12 +217,16 @@ class PipelineStrategy:
         return total
 
     def _sync_tied(self) -> torch.Tensor | None:
-        if self.tied_group is None:
+        if self.tied is None:
             return None
         copies = [w for w in (s.tied_weight() for s in self.stage_modules) if w is not None]
-        for weight in copies:
-            if weight.grad is not None:
-                dist.all_reduce(_local(weight.grad), group=self.tied_group)
+        grads = [_local(w.grad) for w in copies if w.grad is not None]
+        if len(grads) == 2:  # V-shaped: this rank holds both copies (identically sharded under fsdp)
+            grads[0].add_(grads[1])
+            grads[1].copy_(grads[0])
+        elif self.tied_group is not None:
+            for grad in grads:
+                dist.all_reduce(grad, group=self.tied_group)
         last = [s for s in self.stage_modules if s.last]
         return last[0].tied_weight() if last else None
 
@@ -234,7 +239,8 @@ class PipelineStrategy:
     # --- what the run reports -------------------------------------------------------------------
     def replicas(self) -> list[Replicas]:
         """A stage's DDP replicas over dp, then the tied embedding's two copies (first and last stage: two
-        optimizers update them, kept equal only by the gradient sum in _sync_tied) over the tied group."""
+        optimizers update them, kept equal only by the gradient sum in _sync_tied) over the tied group. V-shaped
+        schedules hold both copies on one rank, which gives both the summed gradient: no group to check them over."""
         found = []
         if self.grid.dp > 1 and not self.grid.sharded:
             named: list[tuple[str, torch.Tensor]] = [(n, p) for s in self.stage_modules
@@ -351,8 +357,9 @@ class PipelineStrategy:
         # the median: one step run otherwise (step 3 counts collectives in a dispatch mode) does not move it
         return {"stages": self.stage_ids,
                 "bubble_measured": statistics.median(steady) if steady else None,
-                "bubble_theory": theoretical_bubble(stages=self.grid.pp, micro_batches=self.micro_batches,
-                                                    per_rank=len(self.stage_ids))}
+                "bubble_theory": simulated_bubbles(self.grid.schedule, pp=self.grid.pp,
+                                                   stages_per_rank=len(self.stage_ids),
+                                                   micro_batches=self.micro_batches)[self.pp_rank]}
 
     def close(self) -> None:
         del self.schedule, self.stages, self._model, self.stage_modules, self.optim
