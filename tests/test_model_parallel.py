@@ -62,8 +62,9 @@ def test_replica_check_compares_the_tied_embeddings_two_stage_copies(llama4_runs
 
     tied = "the tied model.embed_tokens.weight and lm_head.weight on {} first and last stage, 1 tensor"
     assert said("pp-1f1b") == said("pp-interleaved") == "every 1 step(s): " + tied.format("the")
-    # rank 0's stage: the embedding and blocks 0-1 (9 tensors each)
-    assert said("pp-ddp") == "every 1 step(s): 2 replicas of each stage (DDP), 19 tensors; " + \
+    # rank 0's stage: the embedding and blocks 0-2 (9 tensors each; the split by FLOPs leaves the last stage
+    # one block beside the head)
+    assert said("pp-ddp") == "every 1 step(s): 2 replicas of each stage (DDP), 28 tensors; " + \
         tied.format("each pipeline's")
     assert said("pp-fsdp") == "every 1 step(s): " + tied.format("each pipeline's")  # shards: tied copies only
 
@@ -102,9 +103,19 @@ def test_layout_and_bubble_are_reported(llama4_runs):
     assert [r["stages"] for r in zbv["strategy_measurements"]] == [[0, 3], [1, 2]]
     assert all(0.0 <= r["bubble_theory"] < 1 / 9 for r in zbv["strategy_measurements"])
     comm = run["comm_per_step"]
-    # every micro-batch's activations cross 3 stage boundaries forward and 3 back: 2 × 32 × 32 fp32 each,
-    # and nothing else is sent (the tied embedding's gradient is an all-reduce)
-    assert comm["p2p_send_bytes_all_ranks"] == 4 * 6 * 2 * 32 * 32 * 4
+    # every micro-batch's activations cross 3 stage boundaries forward and 3 back: 2 × length × 32 fp32 each,
+    # and nothing else is sent (the tied embedding's gradient is an all-reduce); length: the counted step's
+    # longest sample rounded up to 8, not max_length 32
+    longest = max(n for rank in comm["micro_batch_shapes_per_rank"] for _, n in rank)
+    length = -(-longest // 8) * 8
+    assert length < 32 and comm["p2p_send_bytes_all_ranks"] == 4 * 6 * 2 * length * 32 * 4
+    # the lengths whose stages were built (training's, evaluation's): few, each a multiple of 8 up to 32
+    built = per_rank[0]["padded_lengths_built"]
+    assert built == per_rank[1]["padded_lengths_built"] and length in built
+    assert len(set(built)) == len(built) and all(n % 8 == 0 and n <= 32 for n in built)
+    # the shape changed mid-run (these 5 steps: 24, then 16), and every arm still equals single
+    # (test_split_strategies_match_single_on_a_tied_llama reads the same runs)
+    assert len(built) >= 2
     mp = json.loads((llama4_runs.get("mp", overrides=ARMS["mp"][1]) / "run.json").read_text())
     assert mp["layout"].startswith("blocks 0-1 on cpu, blocks 2-3 on cpu")
     # both parts on the one CPU: the split's code ran, but its memory and speed are no split's, and run.json says

@@ -236,7 +236,8 @@ def cmd_plan(args) -> int:
     from toolkit.compare.experiment import split_arms
     from toolkit.observe.metrics import process_bytes
     from toolkit.config.files import load_recipe
-    from toolkit.strategies import arm_aliases, strategy_info, validate_strategy
+    from toolkit.strategies import arm_aliases, strategy_degrees, strategy_info, validate_strategy
+    from toolkit.strategies.pipeline.split import stage_lines
 
     _check_nproc(args.nproc)
     aliases = arm_aliases()
@@ -259,8 +260,10 @@ def cmd_plan(args) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     planned: list[plan_advice.Planned] = []
     changes: dict[str, str] = {}
+    recipes_by_name = {}
     for arm, recipe in recipes.items():
         name = arm or recipe.strategy.name
+        recipes_by_name[name] = recipe
         one_process = strategy_info(recipe.strategy.name).one_process
         world = 1 if one_process else args.nproc
         try:
@@ -283,6 +286,12 @@ def cmd_plan(args) -> int:
             if change is not None:
                 changes[name] = change
     print(plan.render([(p.arm, p.prediction) for p in planned], memory_per_rank=memory_per_rank))
+    for p in planned:  # a pipeline's stages: the table shows their memory, this their compute
+        if isinstance(p.prediction, str):
+            continue
+        chosen, world = recipes_by_name[p.arm], p.prediction.world_size
+        if strategy_degrees(chosen, world_size=world).pp > 1:
+            print("\n".join(f"{p.arm} {line}" for line in stage_lines(model, chosen, world_size=world)))
     if all(isinstance(p.prediction, str) for p in planned):
         return 1  # a script that plans before it launches stops here: no arm can run, so no launch of one can either
     print("\n".join(plan_advice.summary(planned, changes, num_params=sum(p.numel() for p in model.parameters()))))

@@ -34,7 +34,7 @@ def model_flops(model: nn.Module, *, seq_len: int, checkpointing: bool) -> Model
     config: Any = model.config
     layers, hidden = config.num_hidden_layers, config.hidden_size
     blocks = _block_elements(model, config)
-    head = _head_elements(model)
+    head = head_elements(model)
     block_matmul, attention = 6.0 * blocks, 12.0 * layers * hidden * seq_len
     recompute = (block_matmul + attention) / 3 if checkpointing else 0.0
     return ModelFlops(block_matmul=block_matmul, head_matmul=6.0 * head, attention=attention, recompute=recompute,
@@ -46,19 +46,23 @@ def _block_elements(model: nn.Module, config: Any) -> float:
     scaled by top-k / experts."""
     from toolkit.model.blocks import layer_stack
 
+    return sum(block_elements(block, config) for block in layer_stack(model))
+
+
+def block_elements(block: nn.Module, config: Any) -> float:
+    """One block's share of _block_elements."""
     experts: int = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
     top_k: int = getattr(config, "num_experts_per_tok", None) or 0
     total = 0.0
-    for block in layer_stack(model):
-        for name, param in block.named_parameters():
-            if param.dim() < 2:
-                continue
-            routed = bool(experts and top_k and ".experts." in f".{name}." and param.shape[0] == experts)
-            total += param.numel() * (top_k / experts if routed else 1.0)
+    for name, param in block.named_parameters():
+        if param.dim() < 2:
+            continue
+        routed = bool(experts and top_k and ".experts." in f".{name}." and param.shape[0] == experts)
+        total += param.numel() * (top_k / experts if routed else 1.0)
     return total
 
 
-def _head_elements(model: nn.Module) -> int:
+def head_elements(model: nn.Module) -> int:
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
     if head is not None:

@@ -1,10 +1,12 @@
 """What a pipeline rank hands to collectives in one optimizer step (torch.distributed.pipelining), read from the
 collective counter on CPU and held to it byte for byte (tests/test_comm_prediction.py):
 - each stage sends its output to the next stage's rank every micro-batch (all but the last stage), and the
-  gradient of its input back (all but the first): micro × max_length × hidden each (batches.stacked pads every
-  micro-batch to that shape), in the dtype the residual stream has there;
-- a tied embedding's two copies (first and last stage) sum their gradients, once a step (strategy._sync_tied);
+  gradient of its input back (all but the first), where that stage is on another rank: micro × the step's padded length × hidden each
+  (batches.padded_length: the longest sample rounded up to 8), in the dtype the residual stream has there;
+- a tied embedding's two copies (first and last stage) sum their gradients, once a step (strategy._sync_tied),
+  over the two ranks holding them (V-shaped schedules hold both on one rank and add them there);
 - the clip's sum of squares over the stages, one fp32 number (strategy._sync_and_clip);
+- with replicas, the step's padded length: one int64, its maximum over the replicas (strategy._run);
 - the stages' data-parallel replicas: DDP's all-reduce of the stage's gradients, with find_unused_parameters'
   used-map (4 bytes a parameter) beside it; or FSDP2 over the replicas, each unit gathered before every
   micro-batch's forward and once more for the step's backwards (the stage keeps it gathered between them:
@@ -25,7 +27,9 @@ from toolkit.model.precision import DTYPES
 from toolkit.model.stages import Stage
 from toolkit.model.tied import tied_aliases
 from toolkit.strategies.dims.comm import fsdp_collectives, fsdp_units
+from toolkit.strategies.pipeline.batches import padded_length
 from toolkit.strategies.pipeline.layout import grid_of, rank_stages
+from toolkit.strategies.pipeline.schedules import V_SHAPED
 
 
 def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
@@ -36,14 +40,20 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
     # FSDP's replicas compute in the 16-bit precision (MixedPrecisionPolicy); autocast keeps an fp32 residual
     flowing = DTYPES[recipe.precision] if grid.sharded else stored
     micro = len(shapes)
-    one = recipe.batch.micro_batch_size * recipe.data.max_length * cast(Any, model).config.hidden_size * \
-        element_bytes(flowing)
-    sends = sum((not stage.last) + (not stage.first) for stage in stages)
+    length = padded_length([n for _, n in shapes], max_length=recipe.data.max_length)
+    one = recipe.batch.micro_batch_size * length * cast(Any, model).config.hidden_size * element_bytes(flowing)
+    pp_rank = grid.coords(rank)[0]
+    owner = {s: r for r in range(grid.pp) for s in grid.stage_ids(r, recipe.strategy.stages_per_rank)}
+    mine = grid.stage_ids(pp_rank, recipe.strategy.stages_per_rank)
+    # to the next stage and back to the previous one, where that stage is on another rank (V-shaped schedules
+    # keep the middle boundary on one rank: handed over in memory)
+    sends = sum((not stage.last and owner[s + 1] != pp_rank) + (not stage.first and owner[s - 1] != pp_rank)
+                for s, stage in zip(mine, stages))
     out = [Collective(op="send", payload_bytes=sends * micro * one, calls=sends * micro, group="pp",
                       group_size=grid.pp, phase="forward", what="activations and their gradients")]
     tied = any(name != first for name, first in tied_aliases(model).items())
     for stage in stages:
-        if tied and (stage.first or stage.last):
+        if tied and (stage.first or stage.last) and grid.schedule not in V_SHAPED:  # V: both on one rank
             weight = _tied_weight(stage)
             numel = -(-weight.shape[0] // grid.dp) * weight.shape[1] if grid.sharded and grid.dp > 1 \
                 else weight.numel()
@@ -54,6 +64,8 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
                               group_size=world_size if grid.sharded else grid.pp, phase="step",
                               what="the clip's sum of squares"))
     if grid.dp > 1:
+        out.append(Collective(op="allreduce_", payload_bytes=8, calls=1, group=grid.dp_dim, group_size=grid.dp,
+                              phase="forward", what="the replicas' padded length (their longest)"))
         out += _replicas(stages, recipe, dp=grid.dp, sharded=grid.sharded, micro=micro)
     return out
 

@@ -16,8 +16,9 @@ from toolkit.model.blocks import layer_stack, uncounted
 from toolkit.model.build import meta_model
 from toolkit.model.placement import blocks_of, check_split, part_of_blocks
 from toolkit.model.stages import Stage, check_window, family_of, layer_list
-from toolkit.strategies.pipeline.schedules import (LOOPED, SCHEDULES, SPLIT_BACKWARD, V_SHAPED, micro_batches_error, stage_ids,
-                                                   stages_per_rank_error)
+from toolkit.strategies.pipeline.schedules import (LOOPED, SCHEDULES, SPLIT_BACKWARD, V_SHAPED, micro_batches_error,
+                                                   stage_ids, stages_per_rank_error)
+from toolkit.strategies.pipeline.split import block_costs, cost_balanced_starts
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
@@ -84,12 +85,16 @@ def grid_of(recipe: Recipe, world_size: int) -> Grid:
 
 
 def stage_of_blocks(model: nn.Module, recipe: Recipe, grid: Grid) -> tuple[list[int], int]:
-    """The stage of every block (strategy.split, or balanced by parameters), and the number of stages."""
+    """The stage of every block (strategy.split, or balanced by FLOPs: pipeline/split.py), and the number of
+    stages."""
     options = recipe.strategy
     num_stages = grid.pp * options.stages_per_rank
-    parts = part_of_blocks(model, blocks=layer_stack(model, options.blocks), num_parts=num_stages,
-                           split=options.split)
-    return parts, num_stages
+    blocks = layer_stack(model, options.blocks)
+    if options.split is not None:
+        return part_of_blocks(model, blocks=blocks, num_parts=num_stages, split=options.split), num_stages
+    costs, head = block_costs(model, blocks, recipe)
+    starts = cost_balanced_starts(costs, last_extra=head, num_parts=num_stages)
+    return [sum(1 for s in starts if index >= s) for index in range(len(blocks))], num_stages
 
 
 def rank_stages(model: nn.Module, recipe: Recipe, grid: Grid, pp_rank: int) -> list[Stage]:

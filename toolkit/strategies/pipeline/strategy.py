@@ -18,6 +18,7 @@ import copy
 import functools
 import statistics
 import time
+from collections import OrderedDict
 from typing import Any, Callable, cast
 
 import torch
@@ -39,11 +40,16 @@ from toolkit.process.dist import DistEnv, gather_objects, tensors_on_main, world
 from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport, StrategyState,
                                      first_dtype)
 from toolkit.strategies.dims.parallelize import DdpWrap, FsdpWrap, parallelize
-from toolkit.strategies.pipeline.batches import filler, stacked
+from toolkit.strategies.pipeline.batches import filler, padded_length, stacked
 from toolkit.strategies.pipeline.layout import Grid, count_busy_time, grid_of, stage_of_blocks, uncount_shape_inference
 from toolkit.strategies.pipeline.schedules import SCHEDULES, V_SHAPED, simulated_bubbles
 from toolkit.strategies.pipeline.rules import INFO, OPTIONS, RULES, PipelineOptions  # noqa: F401 (the registry reads OPTIONS, RULES here)
 from toolkit.strategies.optim.torch_optim import TorchOptim, live_state_tensors
+
+
+# padded lengths whose stages and schedule a rank keeps (their receive buffers: micro-batches × micro × length ×
+# hidden each way); a multiple of 8 up to max_length 64 gives at most 8, the reviews use 2
+KEPT_SHAPES = 8
 
 
 class PipelineStrategy:
@@ -83,20 +89,13 @@ class PipelineStrategy:
             self.stage_modules.append(stage)
             wrapped.append(self._replicate(stage, args.recipe))
         self._model = nn.ModuleList(wrapped)
-        pp_group = self.mesh.get_group("pp")
-        from torch.distributed import pipelining
-
-        self.stages = [pipelining.PipelineStage(m, stage_id, num_stages, env.device, group=pp_group)
-                       for m, stage_id in zip(wrapped, self.stage_ids)]
         self.busy_s = 0.0
-        for pipeline_stage in self.stages:
-            count_busy_time(pipeline_stage, self)
-            uncount_shape_inference(pipeline_stage)
-        schedule = getattr(pipelining, SCHEDULES[options.schedule])
         self.micro_batches = args.grad_accum_steps
-        single = issubclass(schedule, pipelining.schedules.PipelineScheduleSingle)  # one stage; the others a list
-        self.schedule = schedule(self.stages[0] if single else self.stages,  # type: ignore[arg-type]
-                                 n_microbatches=self.micro_batches, loss_fn=self._loss, scale_grads=False)
+        # one (stages, schedule) per padded length, built at its first step (batches.padded_length): torch's stages
+        # size their receive buffers at their first step and keep them
+        self._schedules: OrderedDict[int, tuple[list[Any], Any]] = OrderedDict()
+        self.lengths_built: list[int] = []
+        self._fresh = False  # this step built its schedule (its shape inference is no steady step's)
         # ShardedGradScaler's found-inf tensor has a shape torch's fused AdamW kernel rejects (torch 2.13)
         optimizer = args.build_optimizer(self._model, fused_ok=args.recipe.precision != "fp16")
         self.optim = TorchOptim(optimizer, args.build_scheduler(optimizer), amp=self.amp, names=self._first_names,
@@ -158,18 +157,52 @@ class PipelineStrategy:
         share = self._share(micro_sum)
         return self.amp.scaler.scale(share) if self.amp.scaler else share  # fp16: the scale flows back to every stage
 
+    def _schedule(self, length: int) -> tuple[list[Any], Any]:
+        """The stages and the schedule that run micro-batches padded to `length`: built at the length's first
+        step on every pipeline rank alike (a pipeline's ranks read the same samples), the least recently used
+        dropped beyond KEPT_SHAPES (and its buffers with it)."""
+        self._fresh = length not in self._schedules
+        if not self._fresh:
+            self._schedules.move_to_end(length)
+            return self._schedules[length]
+        from torch.distributed import pipelining
+
+        group = self.mesh.get_group("pp")
+        stages = [pipelining.PipelineStage(m, stage_id, self.num_stages, self.env.device, group=group)
+                  for m, stage_id in zip(self._model, self.stage_ids)]
+        for pipeline_stage in stages:
+            count_busy_time(pipeline_stage, self)
+            uncount_shape_inference(pipeline_stage)
+        kind = getattr(pipelining, SCHEDULES[self.grid.schedule])
+        single = issubclass(kind, pipelining.schedules.PipelineScheduleSingle)  # one stage; the others a list
+        schedule = kind(stages[0] if single else stages, n_microbatches=self.micro_batches, loss_fn=self._loss,
+                        scale_grads=False)
+        self._schedules[length] = (stages, schedule)
+        self.lengths_built.append(length)
+        if len(self._schedules) > KEPT_SHAPES:
+            self._schedules.popitem(last=False)
+        return stages, schedule
+
     def _run(self, micro_batches: list[dict], *, train: bool) -> None:
-        ids, mask, labels = stacked(micro_batches, length=self.recipe.data.max_length,
-                                    rows=self.recipe.batch.micro_batch_size, device=self.env.device)
-        first = any(s.is_first for s in self.stages)
-        last = any(s.is_last for s in self.stages)
+        length = padded_length([int(b["input_ids"].shape[1]) for b in micro_batches],
+                               max_length=self.recipe.data.max_length)
+        if self.grid.dp > 1:  # replicas read other samples: they agree on one length, so that they build their
+            # stages at the same steps (a DDP-wrapped stage's shape inference runs a forward its replicas join)
+            agreed = torch.tensor([length], dtype=torch.int64, device=self.env.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.mesh.get_group(self.dp_dim))
+            length = int(agreed[0])
+        stages, schedule = self._schedule(length)
+        ids, mask, labels = stacked(micro_batches, length=length, rows=self.recipe.batch.micro_batch_size,
+                                    device=self.env.device)
+        first = any(s.is_first for s in stages)
+        last = any(s.is_last for s in stages)
         # return_outputs=False: the loss is taken per micro-batch (loss_fn); otherwise the last stage keeps every
         # micro-batch's logits for a merged output nobody reads (measured: 240 MiB on llama-tiny's last stage,
         # held through the step and until the next one)
-        call = functools.partial(self.schedule.step, return_outputs=False) if train else self.schedule.eval
+        call = functools.partial(schedule.step, return_outputs=False) if train else schedule.eval
         self.busy_s, start = 0.0, time.perf_counter()
         call(*((ids,) if first else ()), target=labels if last else None, attention_mask=mask)
-        if train:
+        if train and not self._fresh:
             wall = time.perf_counter() - start
             self.bubbles.append(max(0.0, 1.0 - self.busy_s / wall) if wall > 0 else 0.0)
 
@@ -189,7 +222,7 @@ class PipelineStrategy:
         group = micro_batches + [filler(micro_batches[0]) for _ in range(fillers)]
         self._loss_sum, self._share, self._sums = loss_sum, None, []
         self._run(group, train=False)
-        if not any(s.is_last for s in self.stages):
+        if not any(s.last for s in self.stage_modules):
             return torch.zeros((), dtype=torch.float64), 0
         return self._recorded(len(group)), sum(int(b["num_items"]) for b in micro_batches)
 
@@ -353,16 +386,19 @@ class PipelineStrategy:
         self.optim.load_checkpoint_extra(extra)
 
     def _measurements(self) -> dict[str, Any]:
-        steady = self.bubbles[1:] or self.bubbles  # step 1 also infers the stages' shapes
+        steady = self.bubbles  # steps that built their length's stages (shape inference) are left out
         # the median: one step run otherwise (step 3 counts collectives in a dispatch mode) does not move it
         return {"stages": self.stage_ids,
+                # the lengths micro-batches were padded to, each the first time it was built (training and
+                # evaluation alike): how often the stages' buffers were made anew
+                "padded_lengths_built": self.lengths_built,
                 "bubble_measured": statistics.median(steady) if steady else None,
                 "bubble_theory": simulated_bubbles(self.grid.schedule, pp=self.grid.pp,
                                                    stages_per_rank=len(self.stage_ids),
                                                    micro_batches=self.micro_batches)[self.pp_rank]}
 
     def close(self) -> None:
-        del self.schedule, self.stages, self._model, self.stage_modules, self.optim
+        del self._schedules, self._model, self.stage_modules, self.optim
         del self.mesh, self.tied_group
 
 

@@ -1,0 +1,89 @@
+"""The default pipeline split: consecutive blocks per stage, chosen so that the costliest stage costs as little as
+it can, counted in forward + backward FLOPs from the model's shapes (toolkit/cost/flops.py):
+  a block     6 × its matrix elements (a mixture of experts: the routed top-k) + 12 × hidden × sequence length
+              (attention's scores and values), 4/3 of that under activation checkpointing (the recomputation)
+  the head    6 × hidden × vocabulary on the last stage (its matmul; the loss over the logits is ~1/hidden of it)
+  embeddings  nothing: a lookup is not a matmul
+Among splits whose costliest stage is equal, the one with the fewest blocks on its fullest stage wins (activation
+memory grows with the blocks a stage keeps). A parameter count is the wrong measure: a tied embedding counts on the
+first stage, where its lookup is nearly free, and the head's FLOPs on the last stage, which a parameter split
+leaves with as many blocks as the first."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from toolkit.config.recipe import Recipe
+from toolkit.cost.flops import block_elements, head_elements
+
+
+def block_costs(model: nn.Module, blocks: list[nn.Module], recipe: Recipe) -> tuple[list[float], float]:
+    """Per token, each block's forward + backward FLOPs, and the head's (on the last stage)."""
+    config: Any = getattr(model, "config", None)
+    hidden = getattr(config, "hidden_size", 0) or 0
+    recompute = 4 / 3 if recipe.train.activation_checkpointing else 1.0
+    attention = 12.0 * hidden * recipe.data.max_length
+    costs = [float(round((6.0 * block_elements(block, config) + attention) * recompute)) for block in blocks]
+    return costs, 6.0 * head_elements(model)
+
+
+def cost_balanced_starts(costs: list[float], *, last_extra: float, num_parts: int) -> list[int]:
+    """Block index where each later part starts: the split whose costliest part (the last one carrying
+    `last_extra`) costs least, then whose fullest part holds the fewest blocks. Exact (dynamic programming over
+    where the parts end), not greedy."""
+    n = len(costs)
+    prefix = [0.0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    # best[j][i]: (costliest part, most blocks in a part) of i blocks cut into j parts; ends[j][i]: where the
+    # j-th part starts in that split
+    worst = (float("inf"), n + 1)
+    best = [[worst] * (n + 1) for _ in range(num_parts + 1)]
+    starts = [[0] * (n + 1) for _ in range(num_parts + 1)]
+    best[0][0] = (0.0, 0)
+    for j in range(1, num_parts + 1):
+        for i in range(j, n - (num_parts - j) + 1):
+            extra = last_extra if j == num_parts else 0.0
+            for t in range(j - 1, i):
+                before = best[j - 1][t]
+                part = (prefix[i] - prefix[t] + extra, i - t)
+                key = (max(before[0], part[0]), max(before[1], part[1]))
+                if key < best[j][i]:
+                    best[j][i], starts[j][i] = key, t
+    out, end = [], n
+    for j in range(num_parts, 1, -1):
+        end = starts[j][end]
+        out.append(end)
+    return sorted(out)
+
+
+def stage_flops(costs: list[float], head: float, parts: list[int], num_stages: int) -> list[float]:
+    """Per token, each stage's forward + backward FLOPs under the split `parts` (the stage of every block)."""
+    out = [0.0] * num_stages
+    for cost, stage in zip(costs, parts):
+        out[stage] += cost
+    out[-1] += head
+    return out
+
+
+def stage_lines(model: nn.Module, recipe: Recipe, *, world_size: int) -> list[str]:
+    """`toolkit plan`'s line for a pipeline: each stage's blocks and predicted FLOPs per step (its replica's
+    micro-batches at data.max_length), and its share of the pipeline's."""
+    from toolkit.config.recipe import plan_batch
+    from toolkit.model.blocks import layer_stack
+    from toolkit.model.placement import blocks_of
+    from toolkit.strategies.pipeline.layout import grid_of, stage_of_blocks
+
+    grid = grid_of(recipe, world_size)
+    parts, num_stages = stage_of_blocks(model, recipe, grid)
+    costs, head = block_costs(model, layer_stack(model, recipe.strategy.blocks), recipe)
+    batch = plan_batch(recipe.batch, world_size=grid.dp)
+    tokens = batch.micro_batch_size * batch.grad_accum_steps * recipe.data.max_length
+    flops = stage_flops(costs, head, parts, num_stages)
+    total = sum(flops) or 1.0
+    how = "strategy.split" if recipe.strategy.split is not None else "split by FLOPs"
+    stages = "; ".join(f"stage {s}: blocks {blocks_of(parts, s)}{' + head' if s == num_stages - 1 and head else ''} "
+                       f"{f * tokens / 1e9:.2f} GFLOP ({100 * f / total:.0f} %)" for s, f in enumerate(flops))
+    return [f"stages ({how}; forward + backward per step): {stages}"]
