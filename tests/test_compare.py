@@ -126,13 +126,15 @@ def test_pipeline_arm_shows_its_bubble_and_stage_traffic(experiment):
     assert pipeline["bubble_theory"] == pytest.approx((2 - 1) / (2 + 2 - 1))
     assert all(0.0 <= b < 1.0 for b in pipeline["bubble_measured_per_rank"])
     assert len(pipeline["peak_mem_bytes_per_rank"]) == 2 and all(b > 0 for b in pipeline["peak_mem_bytes_per_rank"])
-    # one stage boundary: each micro-batch's hidden states (4 × 32 tokens × 32 fp32) go forward, their
-    # gradient comes back; nothing else crosses it
-    assert pipeline["p2p_send_bytes_per_step"] == 2 * 2 * (4 * 32 * 32 * 4)
+    # one stage boundary: each micro-batch's hidden states (4 × length × 32 fp32) go forward, their gradient
+    # comes back; nothing else crosses it. length: the counted step's longest sample rounded up to 8
+    shapes = json.loads((out / "pp-1f1b" / "run.json").read_text())["comm_per_step"]["micro_batch_shapes_per_rank"][0]
+    length = -(-max(n for _, n in shapes) // 8) * 8
+    assert pipeline["p2p_send_bytes_per_step"] == 2 * 2 * (4 * length * 32 * 4)
     report = (out / "report.md").read_text()
     section = report.split("## Pipeline stages", 1)[1].split("##", 1)[0]
     assert "pp-1f1b: rank 0 stage 0: idle " in section and "theoretical bubble 0.33" in section
-    assert "0.06 MiB sent between stages per step" in section
+    assert f"{2 * 2 * 4 * length * 32 * 4 / 2 ** 20:.2f} MiB sent between stages per step" in section
     measurements = report.split("## All measurements", 1)[1].split("\n## ", 1)[0]  # the full table: not the console's
     assert re.search(r"\| pp-1f1b \|.*\| \d\.\d\d \(theory 0\.33\) \|", measurements), measurements
     assert "(theory 0.33)" not in stdout and "id='pipeline'" in (out / "report.html").read_text()

@@ -83,13 +83,14 @@ def test_a_users_split_still_wins():
 
 
 def test_the_plan_line_gives_each_stages_flops_per_step():
-    from toolkit.strategies.pipeline.split import stage_lines
+    from toolkit.strategies.pipeline.rules import stage_lines
 
     model, recipe = tied_llama()
     costs, head = block_costs(model, layer_stack(model), recipe)
-    (line,) = stage_lines(model, recipe, world_size=2)
+    lines = stage_lines(model, recipe, world_size=2)
     batch_tokens = recipe.batch.global_batch_size * recipe.data.max_length  # one pipeline runs the whole batch
     first, last = 3 * costs[0] * batch_tokens / 1e9, (costs[0] + head) * batch_tokens / 1e9
     share = round(100 * first / (first + last))
-    assert line == (f"stages (split by FLOPs; forward + backward per step): stage 0: blocks 0-2 {first:.2f} GFLOP "
-                    f"({share} %); stage 1: blocks 3 + head {last:.2f} GFLOP ({100 - share} %)")
+    assert lines == ["stages (split by FLOPs; forward + backward FLOPs per step):",
+                     f"  stage 0: blocks 0-2, {first:.2f} GFLOP ({share} %)",
+                     f"  stage 1: blocks 3 + head, {last:.2f} GFLOP ({100 - share} %)"]

@@ -190,7 +190,11 @@ def test_plan_command_prints_every_arm_and_what_does_not_fit():
     assert "17.7" in ddp and "70.7" in ddp and ddp.rstrip().endswith("NO")
     assert any(line.startswith("zero3 ") for line in lines) and any(line.startswith("tp ") for line in lines)
     # a 4-block model split in 2 stages over 2 ranks: one line per rank, they differ
-    assert sum(line.startswith("pp-1f1b ") for line in lines) == 2
+    assert sum(line.startswith("pp-1f1b ") and "stages" not in line for line in lines) == 2
+    # and the stages' FLOPs under it: the head (6 × 128 × 30522 a token) leaves the last stage one block
+    stages = lines.index("pp-1f1b stages (split by FLOPs; forward + backward FLOPs per step):")
+    assert lines[stages + 1].startswith("  stage 0: blocks 0-2, ") and \
+        lines[stages + 2].startswith("  stage 1: blocks 3 + head, ")
     assert "model: 4.6M parameters" in lines and "fits as asked: none" in lines
     assert all(len(line) <= 120 for line in lines), max(lines, key=len)
 

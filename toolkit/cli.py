@@ -237,7 +237,7 @@ def cmd_plan(args) -> int:
     from toolkit.observe.metrics import process_bytes
     from toolkit.config.files import load_recipe
     from toolkit.strategies import arm_aliases, strategy_degrees, strategy_info, validate_strategy
-    from toolkit.strategies.pipeline.split import stage_lines
+    from toolkit.strategies.pipeline.rules import stage_lines
 
     _check_nproc(args.nproc)
     aliases = arm_aliases()
@@ -291,7 +291,8 @@ def cmd_plan(args) -> int:
             continue
         chosen, world = recipes_by_name[p.arm], p.prediction.world_size
         if strategy_degrees(chosen, world_size=world).pp > 1:
-            print("\n".join(f"{p.arm} {line}" for line in stage_lines(model, chosen, world_size=world)))
+            lines = stage_lines(model, chosen, world_size=world)
+            print("\n".join([f"{p.arm} {lines[0]}", *lines[1:]]))
     if all(isinstance(p.prediction, str) for p in planned):
         return 1  # a script that plans before it launches stops here: no arm can run, so no launch of one can either
     print("\n".join(plan_advice.summary(planned, changes, num_params=sum(p.numel() for p in model.parameters()))))

@@ -148,8 +148,15 @@ def _pipeline(run: dict) -> dict | None:
     return {"stages_per_rank": [r.get("stages") for r in ranks],
             "bubble_measured_per_rank": [r.get("bubble_measured") for r in ranks],
             "bubble_measured": sum(measured) / len(measured) if measured else None,
-            "bubble_theory": ranks[0].get("bubble_theory"), "peak_mem_bytes_per_rank": peaks,
+            # the schedule's theory per rank (a zero-bubble order leaves ranks unequal idle), and their mean
+            "bubble_theory_per_rank": [r.get("bubble_theory") for r in ranks],
+            "bubble_theory": _mean([r.get("bubble_theory") for r in ranks]), "peak_mem_bytes_per_rank": peaks,
             "p2p_send_bytes_per_step": (run.get("comm_per_step") or {}).get("p2p_send_bytes_all_ranks")}
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
 
 
 def _last_eval(metrics: list[dict], key: str) -> float | None:

@@ -91,3 +91,25 @@ class PipelineRules:
 
 
 RULES = PipelineRules()
+
+
+def stage_lines(model: nn.Module, recipe: Recipe, *, world_size: int) -> list[str]:
+    """`toolkit plan`'s lines for a pipeline: each stage's blocks and predicted FLOPs per step (its replica's
+    micro-batches at data.max_length), and its share of the pipeline's (the table above gives their memory)."""
+    from toolkit.config.recipe import plan_batch
+    from toolkit.model.blocks import layer_stack
+    from toolkit.model.placement import blocks_of
+    from toolkit.strategies.pipeline.layout import stage_of_blocks
+    from toolkit.strategies.pipeline.split import block_costs, stage_flops
+
+    grid = grid_of(recipe, world_size)
+    parts, num_stages = stage_of_blocks(model, recipe, grid)
+    costs, head = block_costs(model, layer_stack(model, recipe.strategy.blocks), recipe)
+    batch = plan_batch(recipe.batch, world_size=grid.dp)
+    tokens = batch.micro_batch_size * batch.grad_accum_steps * recipe.data.max_length
+    flops = stage_flops(costs, head, parts, num_stages)
+    total = sum(flops) or 1.0
+    how = "strategy.split" if recipe.strategy.split is not None else "split by FLOPs"
+    return [f"stages ({how}; forward + backward FLOPs per step):"] + [
+        f"  stage {s}: blocks {blocks_of(parts, s)}{' + head' if s == num_stages - 1 and head else ''}, "
+        f"{f * tokens / 1e9:.2f} GFLOP ({100 * f / total:.0f} %)" for s, f in enumerate(flops)]

@@ -1,0 +1,66 @@
+"""The pipeline schedules side by side: tokens/s against one process, each rank's measured idle fraction against its
+schedule's theory, and what the split gives each stage.
+
+    python benchmarks/pipeline_efficiency.py [--model tiny|302m] [--arms single,pp-gpipe,...] [--steps 12]
+
+One real `toolkit compare` of recipes/llama-tiny.yaml (or the same recipe with the 302M Llama of memory_scaling.py
+built from its config) on 2 ranks with 8 micro-batches a step (micro 4 × 8 = the recipe's global batch 32), as a
+user runs it, in a subprocess; the table is read from its results.json. tokens/s: the median of the timed steps.
+idle: 1 − (time a rank spent in its stages' forward and backward chunks) ÷ (the schedule's wall time), the median
+over steady steps (steps that built a padded length's stages left out); theory: the schedule's own order simulated
+(toolkit/strategies/pipeline/schedules.py). stage FLOPs: each stage's share as `toolkit plan` predicts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from memory_scaling import MODEL
+from toolkit_runs import REPO, print_table
+
+RECIPE = "recipes/llama-tiny.yaml"
+ARMS = "single,pp-gpipe,pp-1f1b,pp-interleaved,pp-interleaved-zb,pp-zbv,pp-dualpipev"
+BIG = [f"model.config.{key}={value}" for key, value in MODEL.items() if key != "model_type"] + \
+    ["model.config.num_hidden_layers=16"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("tiny", "302m"), default="tiny")
+    parser.add_argument("--arms", default=ARMS, help=f"comma-separated compare arms, first = reference ({ARMS})")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--set", action="append", default=[], dest="sets", help="a recipe override (repeatable)")
+    parser.add_argument("--output", help="keep the experiment folder here (default: a temporary one)")
+    args = parser.parse_args()
+    sets = ["batch.micro_batch_size=4", "data.eval=null", *(BIG if args.model == "302m" else []), *args.sets]
+    with tempfile.TemporaryDirectory(prefix="pipeline-") as tmp:
+        out = Path(args.output) if args.output else Path(tmp) / "exp"
+        cmd = [sys.executable, "-m", "toolkit", "compare", RECIPE, "--strategies", args.arms, "--nproc", "2",
+               "--steps", str(args.steps), "--output", str(out), *[a for s in sets for a in ("--set", s)]]
+        print(f"[benchmark] {' '.join(cmd[1:])} ...", file=sys.stderr, flush=True)
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        if done.returncode not in (0, 1) or not (out / "results.json").is_file():  # 1: an arm failed (its row says)
+            raise SystemExit(f"toolkit compare failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+        results = json.loads((out / "results.json").read_text())
+    rows = []
+    single = next((r for r in results["arms"] if r["arm"] == "single" and r["status"] == "completed"), None)
+    for r in results["arms"]:
+        if r["status"] != "completed":
+            rows.append([r["arm"], "failed", "", "", "", (r.get("error") or "")[:100]])
+            continue
+        speed = r["tokens_per_s"]
+        versus = f"{speed / single['tokens_per_s']:.2f}x" if single else ""
+        p = r.get("pipeline") or {}
+        idle = ", ".join(f"{x:.2f}" if x is not None else "n/a" for x in p.get("bubble_measured_per_rank", []))
+        theory = ", ".join(f"{x:.2f}" for x in p.get("bubble_theory_per_rank", []) if x is not None)
+        rows.append([r["arm"], f"{speed:,.0f}", versus, idle, theory, r["verdict"]])
+    print_table(["arm", "tokens/s", "vs single", "idle per rank", "theory per rank", "verdict"], rows)
+
+
+if __name__ == "__main__":
+    main()
