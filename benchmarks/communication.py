@@ -14,13 +14,8 @@ tenth of the steps' losses against the reference's (the verdict's distance; the 
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
-from toolkit_runs import REPO, print_table
+from toolkit_runs import compare, print_table
 
 RECIPE = "recipes/minilm-sst.yaml"
 ARMS = "ddp,ddp-fp16c,ddp-bf16c,ddp-powersgd,ddp-localsgd4,ddp-diloco8,fsdp,fsdp-bf16reduce,zero2,zero2-bf16reduce"
@@ -33,15 +28,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], dest="sets", help="a recipe override (repeatable)")
     parser.add_argument("--output", help="keep the experiment folder here (default: a temporary one)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="communication-") as tmp:
-        out = Path(args.output) if args.output else Path(tmp) / "exp"
-        cmd = [sys.executable, "-m", "toolkit", "compare", RECIPE, "--strategies", args.arms, "--nproc", "2",
-               "--steps", str(args.steps), "--output", str(out), *[a for s in args.sets for a in ("--set", s)]]
-        print(f"[benchmark] {' '.join(cmd[1:])} ...", file=sys.stderr, flush=True)
-        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-        if done.returncode not in (0, 1) or not (out / "results.json").is_file():  # 1: an arm failed (its row says)
-            raise SystemExit(f"toolkit compare failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-        results = json.loads((out / "results.json").read_text())
+    results = compare(RECIPE, arms=args.arms, nproc=2, steps=args.steps, sets=args.sets, output=args.output)
     rows = []
     plain = {r["strategy"]: r for r in results["arms"] if r["status"] == "completed" and "-" not in r["arm"]}
     for r in results["arms"]:

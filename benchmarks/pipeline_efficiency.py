@@ -14,19 +14,14 @@ over steady steps (steps that built a padded length's stages left out); theory: 
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 from memory_scaling import MODEL
-from toolkit_runs import REPO, print_table
+from toolkit_runs import compare, print_table
 
 RECIPE = "recipes/llama-tiny.yaml"
 ARMS = "single,pp-gpipe,pp-1f1b,pp-interleaved,pp-interleaved-zb,pp-zbv,pp-dualpipev"
 BIG = [f"model.config.{key}={value}" for key, value in MODEL.items() if key != "model_type"] + \
-    ["model.config.num_hidden_layers=16"]
+    ["model.config.num_hidden_layers=24"]  # the 302M Llama of memory_scaling.py
 
 
 def main() -> None:
@@ -38,15 +33,7 @@ def main() -> None:
     parser.add_argument("--output", help="keep the experiment folder here (default: a temporary one)")
     args = parser.parse_args()
     sets = ["batch.micro_batch_size=4", "data.eval=null", *(BIG if args.model == "302m" else []), *args.sets]
-    with tempfile.TemporaryDirectory(prefix="pipeline-") as tmp:
-        out = Path(args.output) if args.output else Path(tmp) / "exp"
-        cmd = [sys.executable, "-m", "toolkit", "compare", RECIPE, "--strategies", args.arms, "--nproc", "2",
-               "--steps", str(args.steps), "--output", str(out), *[a for s in sets for a in ("--set", s)]]
-        print(f"[benchmark] {' '.join(cmd[1:])} ...", file=sys.stderr, flush=True)
-        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-        if done.returncode not in (0, 1) or not (out / "results.json").is_file():  # 1: an arm failed (its row says)
-            raise SystemExit(f"toolkit compare failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-        results = json.loads((out / "results.json").read_text())
+    results = compare(RECIPE, arms=args.arms, nproc=2, steps=args.steps, sets=sets, output=args.output)
     rows = []
     single = next((r for r in results["arms"] if r["arm"] == "single" and r["status"] == "completed"), None)
     for r in results["arms"]:
