@@ -5,16 +5,19 @@ are one line, exit 2."""
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import test_sharded
-from conftest import assert_same_run, launch, losses, metrics, run_cli, write_recipe
+from conftest import REPO, assert_same_run, launch, losses, metrics, run_cli, toolkit_env, write_recipe
 from test_cli_errors import _assert_one_line_exit_2, _bad_recipe
 from test_comm_prediction import assert_predicted
 from toolkit.cli import main
+from toolkit.process import faults
 
 M4 = ("batch.micro_batch_size=4",)
 DDP = ("strategy.name=ddp", *M4)  # the run test_comm_prediction shares as "ddp-m4"
@@ -120,6 +123,25 @@ def test_local_sgd_drift_rises_between_syncs_and_is_zero_at_each(llama_runs):
             assert drift[1]["max_abs"] < drift[2]["max_abs"] < drift[3]["max_abs"]  # apart further each step
             # the rms distance the check measured after step 3, one step further just before the sync at step 4
             assert drift[3]["relative_norm"] < before[4] < 2 * drift[3]["relative_norm"]
+
+
+def test_a_dropped_step_still_counts_toward_local_sgds_syncs(tmp_path, tiny_llama_dir):
+    """train.on_nonfinite skip drops a step whose loss is not finite (here step 2's); it counts toward local SGD's
+    syncs as it counts toward the schedule, so the syncs come after steps 3 and 5, the last (before: the dropped
+    step was not counted, the syncs came after steps 4 and none at the end, and the export was rank 0's replica)."""
+    out = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out, data={"eval": None},
+                          train={"max_steps": 5, "on_nonfinite": "skip", "consistency_check_every": 1})
+    env = {**toolkit_env(), faults.NAN_LOSS_AT_STEP: "2"}
+    sets = [a for s in (*DDP, "strategy.sync_every=3") for a in ("--set", s)]
+    result = subprocess.run([sys.executable, "-m", "toolkit", "launch", "--nproc", "2", str(recipe), *sets], cwd=REPO,
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = metrics(out)
+    assert [m["skipped"] for m in steps] == [False, True, False, False, False]
+    assert [m["step"] for m in steps if "replica_drift_before_sync" in m] == [3, 5]
+    # the replica check after each sync demanded identical replicas by checksum, and measured no drift there
+    assert [m["replica_drift"]["max_abs"] == 0.0 for m in steps] == [False, False, True, False, True]
 
 
 def test_local_sgd_sends_at_its_syncs_what_ddp_sends_every_step(llama_runs):

@@ -14,6 +14,7 @@ KILL_RANK_AT_STEP = "TOOLKIT_FAULT_KILL_RANK_AT_STEP"  # "RANK:STEP": SIGKILL th
 SIGTERM_LAUNCHER_AT_STEP = "TOOLKIT_FAULT_SIGTERM_LAUNCHER_AT_STEP"  # rank 0 sends its launcher SIGTERM
 KILL_BEFORE_COMMIT_STEP = "TOOLKIT_FAULT_KILL_BEFORE_COMMIT_STEP"  # SIGKILL before a checkpoint is committed
 INF_GRADIENT_AT_STEP = "TOOLKIT_FAULT_INF_GRADIENT_AT_STEP"  # an inf gradient before that step's update
+NAN_LOSS_AT_STEP = "TOOLKIT_FAULT_NAN_LOSS_AT_STEP"  # that step's loss, as every rank sees it, is NaN
 DELAY_FAILURE_LINE = "TOOLKIT_FAULT_DELAY_FAILURE_LINE"  # seconds rank 0 waits before a failed save's line
 
 
@@ -42,3 +43,10 @@ def before_failure_line() -> None:
     """Rank 0 slower to say why the run failed than the other ranks are to exit (as a loaded machine makes it)."""
     if not restarted() and os.environ.get(DELAY_FAILURE_LINE):
         time.sleep(float(os.environ[DELAY_FAILURE_LINE]))
+
+
+def step_loss(step: int, loss: float) -> float:
+    """The step's loss, or NaN where a test asks for a non-finite loss at this step (train.on_nonfinite's path)."""
+    if not restarted() and os.environ.get(NAN_LOSS_AT_STEP) == str(step):
+        return float("nan")
+    return loss

@@ -182,6 +182,8 @@ class ReplicatedStrategy:
 
     def discard_step(self) -> None:
         self.optim.discard_step()
+        if self.local is not None:  # a dropped step still counts toward local SGD's syncs: the last step's is
+            self.local.after_step()  # the one that leaves the replicas equal for the export
 
     def lr(self) -> float:
         return self.optim.lr()

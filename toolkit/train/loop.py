@@ -380,6 +380,7 @@ def train_step(strategy: Strategy, micro_batches: list[dict], *, recipe: Recipe,
         probe_s = time.perf_counter() - probe_start
     stop_on_nonfinite = recipe.train.on_nonfinite == "stop"
     held_s = before_update()
+    loss = faults.step_loss(step, loss)  # tests only: a non-finite loss
     if math.isfinite(loss):
         faults.before_update(step, strategy.model)  # tests only: an fp16 overflow
         with counting(comm):
