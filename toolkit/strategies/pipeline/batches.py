@@ -2,7 +2,7 @@
 receive buffers take the shape of the step that built them: micro × the step's longest sample rounded up to a
 multiple of PAD_MULTIPLE (at most data.max_length). Padding every step to max_length cost short texts most of
 their compute (the reviews: 16 tokens a sample on average, a step's longest ~23, padded to 64); a multiple of 8
-leaves few shapes (two on the reviews: 24 and 32), each built once and kept (strategy.PipelineStrategy)."""
+leaves few shapes (two on the reviews: 24 and 32), the last KEPT_SHAPES built kept (strategy.PipelineStrategy)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,20 @@ from toolkit.data.losses import IGNORE_INDEX
 
 
 PAD_MULTIPLE = 8
+# padded lengths whose stages a rank keeps at once, the least recently used dropped beyond (each keeps receive
+# buffers: micro-batches × micro × length × hidden each way); the reviews use 2 lengths, 24 and 32
+KEPT_SHAPES = 2
 
 
 def padded_length(lengths: list[int], *, max_length: int) -> int:
     """The length a step's micro-batches are padded to: their longest, rounded up to PAD_MULTIPLE."""
     return min(max_length, -(-max(lengths) // PAD_MULTIPLE) * PAD_MULTIPLE)
+
+
+def longest_kept(max_length: int) -> list[int]:
+    """The padded lengths whose buffers can be held at once at most: the KEPT_SHAPES longest (toolkit plan)."""
+    top = -(-max_length // PAD_MULTIPLE) * PAD_MULTIPLE
+    return [min(max_length, top - k * PAD_MULTIPLE) for k in range(KEPT_SHAPES) if top - k * PAD_MULTIPLE > 0]
 
 
 def stacked(micro_batches: list[dict], *, length: int, rows: int,

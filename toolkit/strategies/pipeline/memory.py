@@ -11,7 +11,8 @@ for every micro-batch it has in flight; how many that is comes from the schedule
                     weight gradient frees the micro-batch)
 On top, torch's PipelineStage allocates receive buffers for every micro-batch of the step at its first step
 and keeps them: the activations a stage receives (all but the first stage) and the gradients of its
-output (all but the last), micro × max_length × hidden each.
+output (all but the last), micro × padded length × hidden each, for each padded length whose stages the rank
+keeps (batches.KEPT_SHAPES: planned at the longest, max_length and 8 below).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from toolkit.config.recipe import Recipe, plan_batch
 from toolkit.memory.activations import Traced, traced_stage
 from toolkit.memory.state_bytes import StateBytes, adam_state, dim0_shard, element_bytes, whole
 from toolkit.model.precision import DTYPES
+from toolkit.strategies.pipeline.batches import longest_kept
 from toolkit.strategies.pipeline.layout import Grid, grid_of, rank_stages, stage_of_blocks
 
 Action = tuple[str, int]  # ("F" forward | "B" backward, stage index)
@@ -54,7 +56,9 @@ def activation_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: i
     parts, num_stages = stage_of_blocks(model, recipe, grid)
     micro_batches = plan_batch(recipe.batch, world_size=grid.dp).grad_accum_steps
     hidden = cast(Any, model).config.hidden_size
-    buffer = recipe.batch.micro_batch_size * recipe.data.max_length * hidden * element_bytes(how["params_dtype"])
+    # the stages of the KEPT_SHAPES longest padded lengths (batches.longest_kept), each with its own buffers
+    kept = sum(longest_kept(recipe.data.max_length))
+    buffer = recipe.batch.micro_batch_size * kept * hidden * element_bytes(how["params_dtype"])
     per_pp_rank = []
     for pp_rank in range(grid.pp):
         stage_ids = grid.stage_ids(pp_rank, options.stages_per_rank)

@@ -1,15 +1,17 @@
-"""`pipeline`: the model cut into stages by its blocks, one stage per rank (or `stages_per_rank` for the
-interleaved schedule), run by `torch.distributed.pipelining` (PipelineStage + a schedule). With
-`pipeline_degree` below the world size (strategy `hybrid`), the ranks form a (pp × dp) mesh and each
-stage's replicas are kept in step by DDP or sharded by FSDP2 over the dp dimension.
+"""`pipeline`: the model cut into stages by its blocks (split by FLOPs: pipeline/split.py), one stage per rank
+(or `stages_per_rank` for the interleaved and V-shaped schedules: pipeline/schedules.py), run by
+`torch.distributed.pipelining` (PipelineStage + a schedule). With `pipeline_degree` below the world size
+(strategy `hybrid`), the ranks form a (pp × dp) mesh and each stage's replicas are kept in step by DDP or
+sharded by FSDP2 over the dp dimension.
 
-The step's accumulation micro-batches are the schedule's micro-batches, padded to one fixed shape
-(micro × data.max_length: the stages exchange activations of a shape fixed at the first step). The
-loss is computed on the last stage with the loop's normalisation (sum / the global count, no schedule
-rescaling: scale_grads=False). Tied input/output embeddings live twice, on the first and the last
-stage: their gradients are summed over those two ranks before clipping, so both copies take the same
-update (the replica check compares them over the same group). Clipping uses the norm over every stage
-(and shard); fp16 skips a step on every stage alike.
+The step's accumulation micro-batches are the schedule's micro-batches, padded to one shape per step (micro ×
+the step's longest sample rounded up to 8: pipeline/batches.py); the stages and schedule of each padded length are
+built at its first step (torch sizes a stage's buffers then) and the last KEPT_SHAPES kept. The loss is computed on
+the last stage with the loop's normalisation (sum / the global count, no schedule rescaling: scale_grads=False).
+Tied input/output embeddings live twice, on the first and the last stage: their gradients are summed over those
+two ranks before clipping (on one rank under a V-shaped schedule), so both copies take the same update (the replica
+check compares them over the same group). Clipping uses the norm over every stage (and shard); fp16 skips a step on
+every stage alike.
 """
 
 from __future__ import annotations
@@ -40,16 +42,11 @@ from toolkit.process.dist import DistEnv, gather_objects, tensors_on_main, world
 from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport, StrategyState,
                                      first_dtype)
 from toolkit.strategies.dims.parallelize import DdpWrap, FsdpWrap, parallelize
-from toolkit.strategies.pipeline.batches import filler, padded_length, stacked
+from toolkit.strategies.pipeline.batches import KEPT_SHAPES, filler, padded_length, stacked
 from toolkit.strategies.pipeline.layout import Grid, count_busy_time, grid_of, stage_of_blocks, uncount_shape_inference
 from toolkit.strategies.pipeline.schedules import SCHEDULES, V_SHAPED, simulated_bubbles
 from toolkit.strategies.pipeline.rules import INFO, OPTIONS, RULES, PipelineOptions  # noqa: F401 (the registry reads OPTIONS, RULES here)
 from toolkit.strategies.optim.torch_optim import TorchOptim, live_state_tensors
-
-
-# padded lengths whose stages and schedule a rank keeps (their receive buffers: micro-batches × micro × length ×
-# hidden each way); a multiple of 8 up to max_length 64 gives at most 8, the reviews use 2
-KEPT_SHAPES = 8
 
 
 class PipelineStrategy:
