@@ -91,6 +91,9 @@ def test_layout_and_bubble_are_reported(llama4_runs):
                       "run.json").read_text())
     assert run["layout"].startswith("4 stages over 2 ranks, schedule interleaved-1f1b with 4 micro-batches; "
                                     "rank 0: stage 0: blocks 0; stage 2: blocks 2")
+    # the saved Llama's files hold every tensor: each rank read its stages' alone (tests/test_pipeline_loading.py)
+    assert run["layout"].endswith("; weights: each rank read only its stages' tensors from the pretrained "
+                                  "safetensors files")
     per_rank = run["strategy_measurements"]
     assert [r["stages"] for r in per_rank] == [[0, 2], [1, 3]]
     # (p-1)/(v·m+p-1) with p = 2 ranks, v = 2 stages per rank, m = 4 micro-batches

@@ -12,8 +12,10 @@ sharded while empty, then `load_sharded` fills each rank's shards, in the first 
   rank 0           otherwise (a model from a config, LoRA adapters, pretrained files whose names from_pretrained
                    maps or completes with a new head): rank 0 builds the whole model as `whole()` does and
                    broadcasts it (torch's set_model_state_dict, broadcast_from_rank0), one tensor at a time.
-ZeRO-3 builds its model inside DeepSpeed's zero.Init through transformers' own integration
-(strategies/zero/init.py).
+A pipeline stage holds whole tensors of part of the model: it is cut from the empty model, materialized, and
+`load_part` reads its tensors alone from the safetensors files (the other stages' are never read); where the files
+cannot fill it, every rank builds the whole model and each stage keeps its part. ZeRO-3 builds its model inside
+DeepSpeed's zero.Init through transformers' own integration (strategies/zero/init.py).
 """
 
 from __future__ import annotations
@@ -160,6 +162,21 @@ def load_sharded(model: nn.Module, source: ModelSource, *, env: DistEnv) -> str:
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     del full
     return "rank 0 built the whole model and broadcast it tensor by tensor"
+
+
+def load_part(part: nn.Module, files: dict[str, Path], *, aliases: dict[str, str]) -> None:
+    """Fill a materialized part of a model (a pipeline stage: whole tensors under the whole model's names) from
+    the pretrained files `files` (ModelSource.weight_files of the whole model); `aliases`: a tied weight's names ->
+    the one the files hold it under (a last stage's lm_head.weight is the file's model.embed_tokens.weight)."""
+    tensors = {name: tensor for name, tensor in part.state_dict(keep_vars=True).items()
+               if aliases.get(name, name) in files or name in files}
+    missing = sorted(set(part.state_dict()) - set(tensors) - {n for n, _ in part.named_buffers()})
+    if missing:
+        raise RuntimeError(f"the pretrained files hold no tensor for {missing[:3]} of this part of the model")
+    with torch.no_grad():
+        for name, target in tensors.items():
+            stored = name if name in files else aliases[name]
+            _read_slices({stored: target.detach()}, {stored: files[stored]})
 
 
 def _read_slices(tensors: dict[str, torch.Tensor], files: dict[str, Path]) -> None:

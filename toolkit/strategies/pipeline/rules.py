@@ -67,7 +67,13 @@ class PipelineRules:
         return state_bytes_per_rank(model, recipe, world_size=world_size)
 
     def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
-        return [whole_model_bytes(model, recipe)] * world_size  # every rank builds the whole model: each then keeps its stages
+        """Nothing beyond the stages where each rank reads only its stages' tensors from the pretrained files
+        (PipelineStrategy.build_model); else every rank builds the whole model, then keeps its stages."""
+        from toolkit.checkpoint.loading import ModelSource
+
+        if recipe.model.low_memory_loading and ModelSource(recipe=recipe, tokenizer=None).weight_files(model):
+            return [0] * world_size
+        return [whole_model_bytes(model, recipe)] * world_size
 
     def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return 0  # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's

@@ -31,13 +31,14 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
-from toolkit.checkpoint.loading import ModelSource
+from toolkit.checkpoint.loading import ModelSource, load_part, materialize
 from toolkit.checkpoint.state import Read
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.config.strategy_options import options_of
 from toolkit.model.precision import Amp, StepResult, dtype_name
 from toolkit.model.stages import Stage, family_of, tied_embedding_names
+from toolkit.model.tied import tied_aliases
 from toolkit.process.dist import DistEnv, gather_objects, tensors_on_main, world_mesh
 from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport, StrategyState,
                                      first_dtype)
@@ -58,6 +59,12 @@ class PipelineStrategy:
     # --- setup ----------------------------------------------------------------------------------
 
     def build_model(self, source: ModelSource, *, env: DistEnv) -> nn.Module:
+        """Empty where the pretrained files can fill each stage on its own (setup reads only the rank's stages'
+        tensors), else whole: a model from a config (its seeded init is the whole model's), a checkpoint, LoRA."""
+        if source.recipe.model.low_memory_loading:
+            empty = source.empty()
+            if source.weight_files(empty) is not None:
+                return empty
         return source.whole()
 
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
@@ -79,10 +86,21 @@ class PipelineStrategy:
             self.amp.scaler.scale(torch.zeros((), device=env.device))
         self.stage_modules: list[Stage] = []
         wrapped = []
+        # build_model left the model empty where the pretrained files fill each stage on its own
+        files = args.source.weight_files(model) if args.source is not None and \
+            any(p.is_meta for p in model.parameters()) else None
+        aliases = {name: first for name, first in tied_aliases(model).items() if name != first}
+        self.loading = ("each rank read only its stages' tensors from the pretrained safetensors files" if files else
+                        "every rank built the whole model, then kept its stages")
         for k, stage_id in enumerate(self.stage_ids):
             source = model if k == len(self.stage_ids) - 1 else copy.deepcopy(model)  # each stage prunes a copy
             stage = Stage(source, layer_ids=[i for i, p in enumerate(parts) if p == stage_id], first=stage_id == 0,
-                          last=stage_id == num_stages - 1, autocast=self.amp.autocast).to(env.device)
+                          last=stage_id == num_stages - 1, autocast=self.amp.autocast)
+            if files is not None:
+                materialize(stage, device=env.device)
+                load_part(stage, files, aliases=aliases)
+            else:
+                stage.to(env.device)
             self.stage_modules.append(stage)
             wrapped.append(self._replicate(stage, args.recipe))
         self._model = nn.ModuleList(wrapped)
@@ -343,7 +361,8 @@ class PipelineStrategy:
         options = options_of(PipelineOptions, self.recipe)
         replicas = f" × {self.grid.dp} replicas ({self.grid.dp_kind})" if self.grid.dp > 1 else ""
         return (f"{self.num_stages} stages over {self.grid.pp} ranks{replicas}, schedule {options.schedule} with "
-                f"{self.micro_batches} micro-batches; {self.grid.stages_by_rank(self.parts, options.stages_per_rank)}")
+                f"{self.micro_batches} micro-batches; {self.grid.stages_by_rank(self.parts, options.stages_per_rank)}"
+                f"; weights: {self.loading}")
 
     def _fallback(self) -> str | None:
         return self.fallback_of(self.grid, self.env.world_size) if self.fallback_of is not None else None
