@@ -8,7 +8,8 @@ built from its config) on 2 ranks with 8 micro-batches a step (micro 4 × 8 = th
 user runs it, in a subprocess; the table is read from its results.json. tokens/s: the median of the timed steps.
 idle: 1 − (time a rank spent in its stages' forward and backward chunks) ÷ (the schedule's wall time), the median
 over steady steps (steps that built a padded length's stages left out); theory: the schedule's own order simulated
-(toolkit/strategies/pipeline/schedules.py). stage FLOPs: each stage's share as `toolkit plan` predicts it.
+(toolkit/strategies/pipeline/schedules.py), equal stages; this split's: the same order with each stage's actions as
+long as its FLOPs (toolkit/strategies/pipeline/split.py), the idle the split itself leaves.
 """
 
 from __future__ import annotations
@@ -38,15 +39,16 @@ def main() -> None:
     single = next((r for r in results["arms"] if r["arm"] == "single" and r["status"] == "completed"), None)
     for r in results["arms"]:
         if r["status"] != "completed":
-            rows.append([r["arm"], "failed", "", "", "", (r.get("error") or "")[:100]])
+            rows.append([r["arm"], "failed", "", "", "", "", (r.get("error") or "")[:100]])
             continue
         speed = r["tokens_per_s"]
         versus = f"{speed / single['tokens_per_s']:.2f}x" if single else ""
         p = r.get("pipeline") or {}
         idle = ", ".join(f"{x:.2f}" if x is not None else "n/a" for x in p.get("bubble_measured_per_rank", []))
         theory = ", ".join(f"{x:.2f}" for x in p.get("bubble_theory_per_rank", []) if x is not None)
-        rows.append([r["arm"], f"{speed:,.0f}", versus, idle, theory, r["verdict"]])
-    print_table(["arm", "tokens/s", "vs single", "idle per rank", "theory per rank", "verdict"], rows)
+        split = ", ".join(f"{x:.2f}" for x in p.get("bubble_predicted_per_rank", []) if x is not None)
+        rows.append([r["arm"], f"{speed:,.0f}", versus, idle, theory, split, r["verdict"]])
+    print_table(["arm", "tokens/s", "vs single", "idle per rank", "theory per rank", "this split's", "verdict"], rows)
 
 
 if __name__ == "__main__":

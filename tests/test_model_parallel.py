@@ -105,6 +105,10 @@ def test_layout_and_bubble_are_reported(llama4_runs):
         zbv["layout"]
     assert [r["stages"] for r in zbv["strategy_measurements"]] == [[0, 3], [1, 2]]
     assert all(0.0 <= r["bubble_theory"] < 1 / 9 for r in zbv["strategy_measurements"])
+    # with each stage as long as its FLOPs: the head (6 × 32 × 30522 a token, over 10 blocks' worth) sits on rank 0
+    # beside stage 0, so rank 1 waits for it most of the step
+    rank0, rank1 = (r["bubble_predicted"] for r in zbv["strategy_measurements"])
+    assert rank0 < 0.1 < 0.5 < rank1
     comm = run["comm_per_step"]
     # every micro-batch's activations cross 3 stage boundaries forward and 3 back: 2 × length × 32 fp32 each,
     # and nothing else is sent (the tied embedding's gradient is an all-reduce); length: the counted step's

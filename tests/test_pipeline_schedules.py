@@ -39,3 +39,14 @@ def test_v_shaped_schedules_hold_the_first_and_the_last_stage_on_rank_0():
     assert [stage_ids("zbv", pp_rank=r, pp=4, stages_per_rank=2) for r in range(4)] == \
         [[0, 7], [1, 6], [2, 5], [3, 4]]
     assert [stage_ids("interleaved-zb", pp_rank=r, pp=2, stages_per_rank=2) for r in range(2)] == [[0, 2], [1, 3]]
+
+
+def test_stage_costs_lengthen_each_stages_actions():
+    """GPipe over 2 stages, the second twice the first's cost, 8 micro-batches: rank 1 starts after one forward of
+    rank 0 (1), runs 8 forwards (2 each) and 8 backwards (4 each), done at 49; rank 0's last backward waits for it
+    and ends at 51. Busy: rank 0 8 × 3 = 24, rank 1 8 × 6 = 48."""
+    assert simulated_bubbles("gpipe", pp=2, stages_per_rank=1, micro_batches=8, stage_costs=[1.0, 2.0]) == \
+        pytest.approx([1 - 24 / 51, 1 - 48 / 51])
+    for schedule, v in (("1f1b", 1), ("zbv", 2)):  # equal costs: the schedule's own bubble
+        assert simulated_bubbles(schedule, pp=2, stages_per_rank=v, micro_batches=8, stage_costs=[3.0] * 2 * v) == \
+            pytest.approx(simulated_bubbles(schedule, pp=2, stages_per_rank=v, micro_batches=8))

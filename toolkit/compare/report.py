@@ -150,6 +150,8 @@ def _pipeline(run: dict) -> dict | None:
             "bubble_measured": sum(measured) / len(measured) if measured else None,
             # the schedule's theory per rank (a zero-bubble order leaves ranks unequal idle), and their mean
             "bubble_theory_per_rank": [r.get("bubble_theory") for r in ranks],
+            # the same with each stage as long as its FLOPs: the idle this split leaves, predicted
+            "bubble_predicted_per_rank": [r.get("bubble_predicted") for r in ranks],
             "bubble_theory": _mean([r.get("bubble_theory") for r in ranks]), "peak_mem_bytes_per_rank": peaks,
             "p2p_send_bytes_per_step": (run.get("comm_per_step") or {}).get("p2p_send_bytes_all_ranks")}
 

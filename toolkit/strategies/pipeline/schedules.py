@@ -6,7 +6,9 @@ of the class), an action starting once the rank is free and the action it depend
 the previous stage's forward, a backward on the next stage's backward, a weight gradient on its input gradient).
 A forward, an input gradient and a weight gradient each take one unit, a full backward two (input and weight),
 sends take none. For GPipe and 1F1B that gives exactly (p-1)/(m+p-1), the formula the schedules are known by; the
-zero-bubble schedules fill the bubble with weight gradients, which only this order shows."""
+zero-bubble schedules fill the bubble with weight gradients, which only this order shows. Scaled by each stage's
+FLOPs (split.stage_flops), the same simulation predicts the idle a given split leaves: a stage that costs more than
+the others makes every other rank wait for it, which no schedule removes."""
 
 from __future__ import annotations
 
@@ -106,11 +108,19 @@ def _torch_order(schedule: str, *, rank: int, pp: int, stages_per_rank: int, mic
     return out
 
 
-def simulated_bubbles(schedule: str, *, pp: int, stages_per_rank: int, micro_batches: int) -> list[float]:
-    """Each pipeline rank's idle fraction of the step in theory (the module's docstring says how)."""
+def simulated_bubbles(schedule: str, *, pp: int, stages_per_rank: int, micro_batches: int,
+                      stage_costs: list[float] | None = None) -> list[float]:
+    """Each pipeline rank's idle fraction of the step in theory (the module's docstring says how). `stage_costs`:
+    each stage's relative cost (its FLOPs: split.stage_flops), which scales its actions' units; without them the
+    stages are equal, the schedule's own bubble."""
     orders = [actions(schedule, rank=r, pp=pp, stages_per_rank=stages_per_rank, micro_batches=micro_batches)
               for r in range(pp)]
     num_stages = pp * (2 if schedule in V_SHAPED else stages_per_rank)
+    scale = stage_costs or [1.0] * num_stages
+
+    def cost(act: Act) -> float:
+        return UNIT[act.kind] * scale[act.stage]
+
     done: dict[tuple[str, int, int], float] = {}
     free = [0.0] * pp
     position = [0] * pp
@@ -124,7 +134,7 @@ def simulated_bubbles(schedule: str, *, pp: int, stages_per_rank: int, micro_bat
                 if ready is None:
                     break
                 start = max(free[r], ready)
-                free[r] = start + UNIT[act.kind]
+                free[r] = start + cost(act)
                 key = "B" if act.kind in ("B", "I") else act.kind  # what a neighbour's backward waits on
                 done[(key, act.stage, act.micro_batch)] = free[r]
                 if act.kind == "B":
@@ -136,7 +146,7 @@ def simulated_bubbles(schedule: str, *, pp: int, stages_per_rank: int, micro_bat
             raise RuntimeError(f"schedule {schedule}: its order deadlocks in the simulation at ranks' positions "
                                f"{position}")
     span = max(free)
-    return [1.0 - sum(UNIT[a.kind] for a in order) / span for order in orders]
+    return [1.0 - sum(cost(a) for a in order) / span for order in orders]
 
 
 def _ready(act: Act, done: dict[tuple[str, int, int], float], *, last_stage: int) -> float | None:

@@ -37,6 +37,7 @@ from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.config.strategy_options import options_of
 from toolkit.model.precision import Amp, StepResult, dtype_name
+from toolkit.model.blocks import layer_stack
 from toolkit.model.stages import Stage, family_of, tied_embedding_names
 from toolkit.model.tied import tied_aliases
 from toolkit.process.dist import DistEnv, gather_objects, tensors_on_main, world_mesh
@@ -46,6 +47,7 @@ from toolkit.strategies.dims.parallelize import DdpWrap, FsdpWrap, parallelize
 from toolkit.strategies.pipeline.batches import KEPT_SHAPES, filler, padded_length, stacked
 from toolkit.strategies.pipeline.layout import Grid, count_busy_time, grid_of, stage_of_blocks, uncount_shape_inference
 from toolkit.strategies.pipeline.schedules import SCHEDULES, V_SHAPED, simulated_bubbles
+from toolkit.strategies.pipeline.split import block_costs, stage_flops
 from toolkit.strategies.pipeline.rules import INFO, OPTIONS, RULES, PipelineOptions  # noqa: F401 (the registry reads OPTIONS, RULES here)
 from toolkit.strategies.optim.torch_optim import TorchOptim, live_state_tensors
 
@@ -77,6 +79,8 @@ class PipelineStrategy:
         family_of(model)  # a RecipeError for a model without a stage layout
         parts, num_stages = stage_of_blocks(model, args.recipe, self.grid)
         self.parts, self.num_stages = parts, num_stages
+        costs, head = block_costs(model, layer_stack(model, options.blocks), args.recipe)
+        self.stage_flops = stage_flops(costs, head, parts, num_stages)  # per token: the predicted idle's weights
         self.stage_ids = self.grid.stage_ids(self.pp_rank, options.stages_per_rank)
         self.tied = tied_embedding_names(model)
         with torch.device("meta"):  # config, class and tied names for the export, without memory
@@ -411,7 +415,12 @@ class PipelineStrategy:
                 "bubble_measured": statistics.median(steady) if steady else None,
                 "bubble_theory": simulated_bubbles(self.grid.schedule, pp=self.grid.pp,
                                                    stages_per_rank=len(self.stage_ids),
-                                                   micro_batches=self.micro_batches)[self.pp_rank]}
+                                                   micro_batches=self.micro_batches)[self.pp_rank],
+                # the same order with each stage's actions as long as its FLOPs: the idle this split leaves
+                "bubble_predicted": simulated_bubbles(self.grid.schedule, pp=self.grid.pp,
+                                                      stages_per_rank=len(self.stage_ids),
+                                                      micro_batches=self.micro_batches,
+                                                      stage_costs=self.stage_flops)[self.pp_rank]}
 
     def close(self) -> None:
         del self._schedules, self._model, self.stage_modules, self.optim
