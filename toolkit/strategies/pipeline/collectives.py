@@ -8,7 +8,8 @@ collective counter on CPU and held to it byte for byte (tests/test_comm_predicti
 - the clip's sum of squares over the stages, one fp32 number (strategy._sync_and_clip);
 - with replicas, the step's padded length: one int64, its maximum over the replicas (strategy._run);
 - the stages' data-parallel replicas: DDP's all-reduce of the stage's gradients, with find_unused_parameters'
-  used-map (4 bytes a parameter) beside it; or FSDP2 over the replicas, each unit gathered before every
+  used-map (4 bytes a parameter) beside it (a zero-bubble schedule: one all-reduce of each stage's gradients after
+  the schedule, by hand); or FSDP2 over the replicas, each unit gathered before every
   micro-batch's forward and once more for the step's backwards (the stage keeps it gathered between them:
   torch's schedule does not reshard after a backward but the last), reduce-scattered once a step.
 """
@@ -29,7 +30,7 @@ from toolkit.model.tied import tied_aliases
 from toolkit.strategies.dims.comm import fsdp_collectives, fsdp_units
 from toolkit.strategies.pipeline.batches import padded_length
 from toolkit.strategies.pipeline.layout import grid_of, rank_stages
-from toolkit.strategies.pipeline.schedules import V_SHAPED
+from toolkit.strategies.pipeline.schedules import SPLIT_BACKWARD, V_SHAPED
 
 
 def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
@@ -66,7 +67,8 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
     if grid.dp > 1:
         out.append(Collective(op="allreduce_", payload_bytes=8, calls=1, group=grid.dp_dim, group_size=grid.dp,
                               phase="forward", what="the replicas' padded length (their longest)"))
-        out += _replicas(stages, recipe, dp=grid.dp, sharded=grid.sharded, micro=micro)
+        out += _replicas(stages, recipe, dp=grid.dp, sharded=grid.sharded, micro=micro,
+                         by_hand=grid.schedule in SPLIT_BACKWARD)
     return out
 
 
@@ -76,7 +78,8 @@ def _tied_weight(stage: Stage) -> nn.Parameter:
     return cast(nn.Parameter, stage.lm_head.weight)
 
 
-def _replicas(stages: list[Stage], recipe: Recipe, *, dp: int, sharded: bool, micro: int) -> list[Collective]:
+def _replicas(stages: list[Stage], recipe: Recipe, *, dp: int, sharded: bool, micro: int,
+              by_hand: bool) -> list[Collective]:
     stored = DTYPES[recipe.model.load_dtype]
     if sharded:
         compute = stored if recipe.precision == "fp32" else DTYPES[recipe.precision]
@@ -86,6 +89,9 @@ def _replicas(stages: list[Stage], recipe: Recipe, *, dp: int, sharded: bool, mi
                                 gathers_per_unit=micro + 1)
     params = [p for stage in stages for p in stage.parameters() if p.requires_grad]
     grads = sum(p.numel() for p in params) * element_bytes(stored)
+    if by_hand:  # a split backward: each stage's gradients in one all-reduce (strategy._average_replicas)
+        return [Collective(op="allreduce_", payload_bytes=grads, calls=len(stages), group="dp_replicate",
+                           group_size=dp, phase="step", what="gradients, averaged after the schedule")]
     return [Collective(op="allreduce_", payload_bytes=grads + 4 * len(params), calls=2 * len(stages),
                        group="dp_replicate", group_size=dp, phase="backward",
                        what="gradients, and DDP's used-parameter map", overlap="backward")]

@@ -168,15 +168,13 @@ def check_recipe(recipe: Recipe, *, world_size: int) -> None:
     if options.data_parallel not in ("ddp", "fsdp"):
         raise RecipeError(f"strategy.data_parallel: unknown value {options.data_parallel!r}; choose ddp or fsdp")
     grid = grid_of(recipe, world_size)
-    if options.schedule in SPLIT_BACKWARD and grid.dp > 1:
-        # measured (torch 2.13, gloo): under DDP the replicas differ after step 1 (the weight gradients, taken by
-        # autograd.grad outside DDP's hooks, are never all-reduced); under FSDP2 every stage but the first is left
-        # without gradients (the first runs a plain backward) and the tied-embedding sum waits forever
+    if options.schedule in SPLIT_BACKWARD and grid.sharded and grid.dp > 1:
+        # measured (torch 2.13, gloo): under FSDP2 every stage but the first is left without gradients (the first
+        # runs a plain backward) and the tied-embedding sum waits forever. DDP's replicas are averaged by hand
+        # (strategy._average_replicas), as torch takes the weight gradients outside DDP's hooks
         raise RecipeError(f"strategy.schedule {options.schedule} splits each backward into input and weight "
-                          f"gradients, which torch's pipelining does not reduce over stage replicas ({grid.dp} here, "
-                          f"strategy.data_parallel {options.data_parallel}); run it with every rank a stage "
-                          "(strategy.name pipeline, or strategy.pipeline_degree equal to the world size), or use "
-                          "schedule 1f1b or interleaved-1f1b with replicas")
+                          "gradients, which torch's pipelining leaves unset on FSDP2's sharded stages; use "
+                          "strategy.data_parallel ddp, or schedule 1f1b or interleaved-1f1b with fsdp")
     stages = grid.pp * options.stages_per_rank
     skeleton = meta_model(recipe.model)
     family_of(skeleton)  # a model without a stage layout

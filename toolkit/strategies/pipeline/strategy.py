@@ -46,7 +46,7 @@ from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, Strate
 from toolkit.strategies.dims.parallelize import DdpWrap, FsdpWrap, parallelize
 from toolkit.strategies.pipeline.batches import KEPT_SHAPES, filler, padded_length, stacked
 from toolkit.strategies.pipeline.layout import Grid, count_busy_time, grid_of, stage_of_blocks, uncount_shape_inference
-from toolkit.strategies.pipeline.schedules import SCHEDULES, V_SHAPED, simulated_bubbles
+from toolkit.strategies.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, V_SHAPED, simulated_bubbles
 from toolkit.strategies.pipeline.split import block_costs, stage_flops
 from toolkit.strategies.pipeline.rules import INFO, OPTIONS, RULES, PipelineOptions  # noqa: F401 (the registry reads OPTIONS, RULES here)
 from toolkit.strategies.optim.torch_optim import TorchOptim, live_state_tensors
@@ -134,6 +134,8 @@ class PipelineStrategy:
         wrap: FsdpWrap | DdpWrap | None = None
         if self.grid.sharded:
             wrap = FsdpWrap(precision=recipe.precision)
+        elif self.grid.dp > 1 and self.grid.schedule in SPLIT_BACKWARD:
+            pass  # a split backward takes weight gradients outside DDP's hooks: _average_replicas reduces them
         elif self.grid.dp > 1:
             # find_unused_parameters: DDP's first-iteration bucket rebuild counts each parameter once per
             # micro-batch under a pipeline schedule (its forwards run outside no_sync) and fails an internal
@@ -234,7 +236,27 @@ class PipelineStrategy:
     def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
         self._loss_sum, self._share, self._sums = loss_sum, share, []
         self._run(micro_batches, train=True)
+        if self.grid.dp > 1 and not self.grid.sharded and self.grid.schedule in SPLIT_BACKWARD:
+            self._average_replicas()
         return self._recorded(len(micro_batches))
+
+    def _average_replicas(self) -> None:
+        """The mean of each stage's gradients over its replicas, one all-reduce per stage, where DDP cannot take
+        them: torch's split backward computes the weight gradients with autograd.grad, outside DDP's hooks
+        (measured: DDP-wrapped replicas differed after step 1). Every parameter of a stage has a gradient after a
+        step (a stage's blocks all run), in the same order on every replica."""
+        group = self.mesh.get_group(self.dp_dim)
+        for stage in self.stage_modules:
+            grads = [p.grad for p in stage.parameters() if p.grad is not None]
+            if not grads:
+                continue
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            flat.div_(self.grid.dp)
+            offset = 0
+            for grad in grads:
+                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
 
     def forward_only(self, micro_batches: list[dict], *, loss_sum: LossSum) -> tuple[torch.Tensor, int]:
         fillers = self.micro_batches - len(micro_batches)  # a short last group: micro-batches without loss
@@ -297,8 +319,9 @@ class PipelineStrategy:
         if self.grid.dp > 1 and not self.grid.sharded:
             named: list[tuple[str, torch.Tensor]] = [(n, p) for s in self.stage_modules
                                                      for n, p in s.named_parameters()]
+            how = "gradients averaged after the schedule" if self.grid.schedule in SPLIT_BACKWARD else "DDP"
             found.append(Replicas(named=named, group=self.mesh.get_group(self.dp_dim),
-                                  description=f"{self.grid.dp} replicas of each stage (DDP)"))
+                                  description=f"{self.grid.dp} replicas of each stage ({how})"))
         copies = [w for w in (s.tied_weight() for s in self.stage_modules) if w is not None]
         if self.tied is not None and self.tied_group is not None:
             assert len(copies) == 1  # the first and the last stage are on different pipeline ranks
