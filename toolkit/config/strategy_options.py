@@ -73,8 +73,9 @@ class StrategyConfig:
     devices: tuple[str, ...] | None = None  # model_parallel/hybrid: the devices one process splits its model over
     #   (e.g. [cuda:0, cuda:1]; `cpu` may repeat: same code path and boundaries). hybrid: local rank r uses
     #   the next len(devices) GPUs (cuda:r·n + i)
-    split: tuple[int, ...] | None = None  # block index where each later device / stage starts; default: balanced
-    #   by parameter count (embeddings count with the first part, the final norm and head with the last)
+    split: tuple[int, ...] | None = None  # block index where each later device / stage starts; default: devices
+    #   (model_parallel) balanced by parameter count (embeddings count with the first part, the final norm and head
+    #   with the last); pipeline stages balanced by forward + backward FLOPs (the head's on the last stage)
     schedule: str = "1f1b"  # pipeline: gpipe (all forwards, then all backwards: most activation memory) |
     #   1f1b (one forward, one backward: at most `stages` micro-batches in flight) | interleaved-1f1b
     #   (stages_per_rank virtual stages per rank: a smaller bubble, more point-to-point traffic) |
