@@ -90,11 +90,11 @@ def stage_of_blocks(model: nn.Module, recipe: Recipe, grid: Grid) -> tuple[list[
     options = recipe.strategy
     num_stages = grid.pp * options.stages_per_rank
     blocks = layer_stack(model, options.blocks)
-    if options.split is not None:
-        return part_of_blocks(model, blocks=blocks, num_parts=num_stages, split=options.split), num_stages
-    costs, head = block_costs(model, blocks, recipe)
-    starts = cost_balanced_starts(costs, last_extra=head, num_parts=num_stages)
-    return [sum(1 for s in starts if index >= s) for index in range(len(blocks))], num_stages
+    split = options.split
+    if split is None:
+        costs, head = block_costs(model, blocks, recipe)
+        split = tuple(cost_balanced_starts(costs, last_extra=head, num_parts=num_stages))
+    return part_of_blocks(model, blocks=blocks, num_parts=num_stages, split=split), num_stages
 
 
 def rank_stages(model: nn.Module, recipe: Recipe, grid: Grid, pp_rank: int) -> list[Stage]:

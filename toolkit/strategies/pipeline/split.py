@@ -37,7 +37,7 @@ def cost_balanced_starts(costs: list[float], *, last_extra: float, num_parts: in
     prefix = [0.0]
     for cost in costs:
         prefix.append(prefix[-1] + cost)
-    # best[j][i]: (costliest part, most blocks in a part) of i blocks cut into j parts; ends[j][i]: where the
+    # best[j][i]: (costliest part, most blocks in a part) of i blocks cut into j parts; starts[j][i]: where the
     # j-th part starts in that split
     worst = (float("inf"), n + 1)
     best = [[worst] * (n + 1) for _ in range(num_parts + 1)]
