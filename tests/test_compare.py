@@ -324,7 +324,9 @@ def test_each_arm_shows_its_predicted_step_time_from_this_machines_profile(exper
         assert arm["predicted_step_time_s"] > 0, arm["arm"]
         assert arm["prediction_error"] == pytest.approx(arm["predicted_step_time_s"] / arm["step_time_s"] - 1)
     section = (out / "report.md").read_text().split("## Step time: predicted and measured", 1)[1].split("##", 1)[0]
-    assert re.search(r"- fsdp: measured [\d,]+ ms, predicted [\d,]+ ms \([+-]\d+ %\); predicted: compute \d+ %",
+    # the parts are listed largest first, and which is largest depends on this machine's measured matmul and
+    # gloo speeds (fsdp's all-gather can outweigh its compute), so compute may stand anywhere in the list
+    assert re.search(r"- fsdp: measured [\d,]+ ms, predicted [\d,]+ ms \([+-]\d+ %\); predicted: (.+, )?compute \d+ %",
                      section), section
     assert "step time, measured and as toolkit plan predicts it on cpu: this machine's CPU" in stdout
     # the prediction reads the profile: a machine whose matmuls and attention run 4x faster predicts less compute
