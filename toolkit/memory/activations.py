@@ -262,7 +262,9 @@ def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, au
             # (it finds none). The trace tells it what it would find.
             if hasattr(masking_utils, "find_packed_sequence_indices"):
                 positions = _replaced(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
-            module = Stage(model, layer_ids=list(range(len(layer_list(model)))), first=first, last=last)
+            blocks = recipe.strategy.blocks
+            module = Stage(model, layer_ids=list(range(len(layer_list(model, blocks)))), first=first, last=last,
+                           blocks=blocks)
             hidden = (*tokens, cast(Any, model).config.hidden_size)  # the residual stream, in the weights' dtype
             inputs = [ids if first else torch.zeros(hidden, dtype=params_dtype, requires_grad=True)]
             grad = None if last else torch.zeros(hidden, dtype=params_dtype)

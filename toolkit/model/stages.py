@@ -1,175 +1,273 @@
-"""A transformers model cut into pipeline stages by hand (not traced: rotary embeddings, mask building
-and caches do not survive tracing). Each stage keeps the model's own modules under their own names
-(`model.layers.2…`), so its parameters save and load under the whole model's names.
+"""A transformers model cut into pipeline stages, for any model whose blocks sit in one list. Not traced: torch's
+tracer frontend (torch.distributed.pipelining.pipeline with a split spec) cannot capture Llama or GPT-2 as one
+graph (measured, torch 2.13 and transformers 5.24: mask building and caches break it). Not written per family: a
+hand-written stage forward drops what a family's own forward adds, such as Cohere's logit scale or Gemma 2's soft
+cap.
 
-Two families, the ones the toolkit's tasks use:
-  decoder    a causal LM laid out as model.{embed_tokens, layers, norm, rotary_emb} + lm_head whose own
-             forward is exactly that (STAGED_DECODERS: Llama, Mistral, Qwen2/3, Gemma, OLMo): every stage
-             rebuilds positions, rotary cos/sin and the causal mask from the padding mask it is given
-  encoder    a BERT-style classifier: bert.{embeddings, encoder.layer, pooler} + dropout + classifier;
-             every stage rebuilds the bidirectional mask
+Each stage runs the model's own forward, with the blocks of other stages left out of its block list, so
+positions, masks (sliding windows included), rotary tables and whatever the model does before its first
+block and after its last are the model's own code:
+  first stage    the model's forward from its input ids, stopped at the output of its last block
+  other stages   the same forward given the received hidden states as `inputs_embeds`; a hook hands them to
+                 the stage's first block in place of what the model computed from them before the blocks
+                 (embeddings scaled, positions added: the previous stage did that)
+  last stage     runs on to the model's own output (final norm, head, logit scale or soft cap)
+
+Which modules run before the blocks and which after is read from the model itself (`layout_of`): its block
+list (transformer blocks by `_no_split_modules` or strategy.blocks, as fsdp finds them), and for each module
+with weights outside it, where the owning module's `forward` names it, before or after the block list. A
+stage keeps only its own: the others are swapped for modules without weights, so that a stage's parameters,
+checkpoint and loaded tensors are its own, under the whole model's names (`model.layers.2…`).
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
-from typing import Any, Callable, ContextManager
+import inspect
+import textwrap
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, NoReturn, cast
 
 import torch
 from torch import nn
 
 from toolkit.errors import RecipeError
-
-FAMILIES = ("decoder", "encoder")
-# causal LMs (config.model_type) whose own forward is what Stage._decoder runs: embeddings, each block with the
-# causal mask and one rotary cos/sin, the norm, the head (tests/test_stages.py checks each against the model's own
-# logits). Others laid out alike compute more, which a stage would drop without a word: Cohere scales its logits,
-# Granite its embeddings and logits, Gemma 2/3 soft-cap the logits, Gemma 3 and OLMo 3 keep a rotary table per
-# layer type
-STAGED_DECODERS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo", "olmo2")
+from toolkit.model.blocks import layer_stack
 
 
-def family_of(model: Any) -> str:
-    base = getattr(model, "model", None)
-    if base is not None and all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) \
-            and hasattr(model, "lm_head"):
-        if model.config.model_type not in STAGED_DECODERS:
-            raise RecipeError(f"pipeline: no stage layout for {type(model).__name__}: stages run embeddings, blocks, "
-                              f"norm and head, which only these decoders' own forward is checked to be "
-                              f"({', '.join(STAGED_DECODERS)}; others scale or cap what they compute, and a stage "
-                              f"would train another model); fsdp, zero or ddp run it whole")
-        return "decoder"
-    bert = getattr(model, "bert", None)
-    if bert is not None and hasattr(bert, "encoder") and hasattr(model, "classifier"):
-        return "encoder"
-    raise RecipeError(f"pipeline: no stage layout for {type(model).__name__}; supported: the causal LMs "
-                      f"{', '.join(STAGED_DECODERS)} and BERT-style classifiers (bert.encoder.layer + classifier)")
+@dataclass(frozen=True)
+class Layout:
+    """Where a model's parts sit, by module name: its block list, and the modules with weights outside it
+    that its forward runs before the blocks (embeddings) and after them (final norm, head)."""
+
+    stack: str
+    before: tuple[str, ...]
+    after: tuple[str, ...]
 
 
-def sliding_window(config: Any) -> int | None:
-    """The window of sliding-window attention where some layer uses it (Mistral's sliding_window; Qwen2/3's
-    sliding_attention layers), else None."""
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
-        return None
-    return int(window)
+def layout_of(model: nn.Module, class_names: tuple[str, ...] | None = None) -> Layout:
+    """The model's stage layout, read from its modules and its forward's code; a RecipeError where they do
+    not tell (blocks not in one list, a module with weights its forward names on both sides of the blocks,
+    or not at all)."""
+    blocks = layer_stack(model, class_names)
+    kind = type(blocks[0]).__name__
+    stack = next((name for name, m in model.named_modules() if isinstance(m, nn.ModuleList)
+                  and any(child is blocks[0] for child in m.children())), None)
+    if stack is None or [id(b) for b in model.get_submodule(stack).children()] != [id(b) for b in blocks]:
+        raise RecipeError(f"pipeline: the {len(blocks)} blocks {kind} of {type(model).__name__} are not one list "
+                          "of the model (a ModuleList of all of them, in order), which pipeline stages cut; set "
+                          "strategy.blocks to the class of the model's repeated block, or run fsdp, zero or ddp")
+    before: list[str] = []
+    after: list[str] = []
+    parts = stack.split(".")
+    for depth, toward in enumerate(parts):
+        owner_name = ".".join(parts[:depth])
+        owner = model.get_submodule(owner_name)
+        uses = _uses(owner)
+        if toward not in uses:
+            _unclear(model, f"{type(owner).__name__}.forward does not name self.{toward}, the way to its blocks")
+        where = uses[toward]
+        for name, child in owner.named_children():
+            if name == toward or next(child.parameters(), None) is None:
+                continue  # modules without weights (rotary tables, dropout) stay on every stage
+            path = f"{owner_name}.{name}" if owner_name else name
+            if name not in uses:
+                _unclear(model, f"{path} has weights that {type(owner).__name__}.forward does not name")
+            used = uses[name]
+            if used[1] < where[0]:
+                before.append(path)
+            elif used[0] > where[1]:
+                after.append(path)
+            else:
+                _unclear(model, f"{type(owner).__name__}.forward uses {path} where it runs the blocks")
+    return Layout(stack=stack, before=tuple(before), after=tuple(after))
 
 
-def check_window(config: Any, *, max_length: int) -> None:
-    """Stages build the plain causal mask, which a window at least as long as every sample equals (a token sees
-    the window's keys up to itself); a shorter window would be another model's attention."""
-    window = sliding_window(config)
-    if window is not None and window < max_length:
-        raise RecipeError(f"pipeline: the model's sliding-window attention (sliding_window {window}) is not built by "
-                          f"pipeline stages, and data.max_length {max_length} is longer, so stages would attend "
-                          f"past the window; set data.max_length <= {window}, or run fsdp, zero or ddp")
+def _unclear(model: nn.Module, why: str) -> NoReturn:
+    raise RecipeError(f"pipeline: cannot cut {type(model).__name__} into stages: {why}; set strategy.blocks to "
+                      "the class of the model's repeated block if another list holds it, or run fsdp, zero or ddp")
 
 
-def layer_list(model: Any) -> nn.ModuleList:
-    """The model's stack of transformer blocks."""
-    return model.model.layers if family_of(model) == "decoder" else model.bert.encoder.layer
+def _uses(owner: nn.Module) -> dict[str, tuple[int, int]]:
+    """The first and last line of `owner.forward` that names each `self.<attribute>` (the input and output
+    embeddings also where it calls get_input_embeddings / get_output_embeddings)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(type(owner).forward))
+    except (OSError, TypeError):
+        return {}
+    getters = {"get_input_embeddings": "get_input_embeddings", "get_output_embeddings": "get_output_embeddings"}
+    children = {id(m): n for n, m in owner.named_children()}
+    uses: dict[str, tuple[int, int]] = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            name = node.attr
+            if name in getters:
+                module = getattr(owner, name)()
+                name = children.get(id(module), name) if module is not None else name
+            first, last = uses.get(name, (node.lineno, node.lineno))
+            uses[name] = (min(first, node.lineno), max(last, node.lineno))
+    return uses
+
+
+def layer_list(model: nn.Module, class_names: tuple[str, ...] | None = None) -> nn.ModuleList:
+    """The model's list of transformer blocks, the one stages cut."""
+    return cast(nn.ModuleList, model.get_submodule(layout_of(model, class_names).stack))
+
+
+class _Reached(BaseException):
+    """Raised at a stage's last block, to end the model's forward there (a BaseException: no `except
+    Exception` on the way catches it)."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+
+
+class _Passed(torch.Tensor):
+    """What a left-out block before a stage's own hands on: indexed [0], as the models whose blocks return a
+    tuple index it, it is itself. The stage's first block is given the received hidden states instead."""
+
+    def __getitem__(self, index):
+        if isinstance(index, int) and index == 0:
+            return self
+        return super().__getitem__(index)
+
+
+class _Before(nn.Module):
+    """A block of an earlier stage: hands its input on (the stage's first block replaces it)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        hidden = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+        return hidden if isinstance(hidden, _Passed) else hidden.as_subclass(_Passed)
+
+
+class _After(nn.Module):
+    """A block or module of a later stage: never run (the forward stops at the stage's last block)."""
+
+    def __init__(self, what: str):
+        super().__init__()
+        self.what = what
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise RuntimeError(f"a pipeline stage ran {self.what}, which a later stage holds")
+
+
+class _Embedded(nn.Module):
+    """A module that runs before the blocks, on a stage other than the first: its output only feeds what the
+    stage's first block is given instead, so it hands on a floating-point input (inputs_embeds, the received
+    hidden states) or, for an embedding of ids or positions, zeros of its width."""
+
+    def __init__(self, original: nn.Module):
+        super().__init__()
+        self.width = getattr(original, "embedding_dim", None)
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+        floats = [t for t in tensors if t.is_floating_point()]
+        if floats:
+            return floats[0]
+        if self.width is not None and tensors:
+            return torch.zeros(*tensors[0].shape, self.width, device=tensors[0].device)
+        raise RuntimeError("a pipeline stage ran an embedding of the first stage without an input it can pass on")
+
+
+def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
+    owner, _, name = path.rpartition(".")
+    setattr(model.get_submodule(owner), name, module)
+
+
+def _first_argument(block: nn.Module) -> str:
+    """The name a block's forward gives its hidden states (its first argument)."""
+    return next(iter(inspect.signature(block.forward).parameters), "hidden_states")
 
 
 class Stage(nn.Module):
-    """One stage: blocks `layer_ids` of `model`, plus the embeddings (first) and the head (last)."""
+    """One stage: blocks `layer_ids` of `model`, plus what runs before the blocks (first) and after them
+    (last). The model's own children are this module's children, under their own names."""
 
-    # the transformers model's own children, adopted under their own names (typed loosely: any family)
-    model: Any
-    lm_head: Any
-    bert: Any
-    dropout: Any
-    classifier: Any
+    whole: Any  # the transformers model whose forward the stage runs
 
     def __init__(self, model: Any, *, layer_ids: list[int], first: bool, last: bool,
-                 autocast: Callable[[], ContextManager] = contextlib.nullcontext):
+                 autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+                 blocks: tuple[str, ...] | None = None):
         super().__init__()
-        self.family, self.first, self.last, self.autocast = family_of(model), first, last, autocast
+        self.layout = layout_of(model, blocks)
+        self.first, self.last, self.autocast = first, last, autocast
         self.config = model.config
-        layers = layer_list(model)
-        kept = nn.ModuleDict({str(i): layers[i] for i in layer_ids})  # keys = the original indices: same names
-        if self.family == "decoder":
-            base = model.model
-            base.layers = kept
-            if not first:
-                base.embed_tokens = None
-            if not last:
-                base.norm = None
-            self.model = base
-            self.lm_head = model.lm_head if last else None
-        else:
-            bert = model.bert
-            bert.encoder.layer = kept
-            if not first:
-                bert.embeddings = None
-            if not last:
-                bert.pooler = None
-            self.bert = bert
-            self.dropout = model.dropout if last else None
-            self.classifier = model.classifier if last else None
+        self.layer_ids = sorted(layer_ids)
+        self.tied = tied_embedding_names(model)
+        stack: Any = model.get_submodule(self.layout.stack)
+        for i in range(len(stack)):
+            if i not in layer_ids:
+                stack[i] = _Before() if i < self.layer_ids[0] else _After(f"block {i}")
+        if not first:
+            for path in self.layout.before:
+                _replace(model, path, _Embedded(model.get_submodule(path)))
+        if not last:
+            for path in self.layout.after:
+                _replace(model, path, _After(path))
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        object.__setattr__(self, "whole", model)  # not a child: its children are this module's
+        signature = inspect.signature(type(model).forward).parameters
+        self.options = {"use_cache": False} if "use_cache" in signature else {}
+        self.hidden_name = _first_argument(stack[self.layer_ids[0]])
+
+    def train(self, mode: bool = True) -> Stage:
+        super().train(mode)
+        self.whole.training = mode
+        return self
 
     def blocks(self) -> list[nn.Module]:
-        layers = self.model.layers if self.family == "decoder" else self.bert.encoder.layer
-        return list(layers.values())
+        stack: Any = self.whole.get_submodule(self.layout.stack)
+        return [stack[i] for i in self.layer_ids]
 
     def tied_weight(self) -> torch.Tensor | None:
         """This stage's copy of a tied input/output embedding: the input one (first) or the head (last)."""
-        if self.first and self.family == "decoder":
-            return self.model.embed_tokens.weight
-        if self.last and self.family == "decoder":
-            return self.lm_head.weight
+        if self.tied is None:
+            return None
+        if self.first:
+            return self.get_parameter(self.tied[0])
+        if self.last:
+            return self.get_parameter(self.tied[1])
         return None
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        with self.autocast():
-            if self.family == "decoder":
-                return self._decoder(x, attention_mask)
-            return self._encoder(x, attention_mask)
+        start, end = self.blocks()[0], self.blocks()[-1]
+        handles = []
+        if not self.first:  # prepended: before FSDP2's own pre-forward hook, which casts the block's inputs
+            handles.append(start.register_forward_pre_hook(functools.partial(self._given, x), with_kwargs=True,
+                                                           prepend=True))
+        if not self.last:  # appended: after FSDP2's post-forward hook (reshard, the backward hooks)
+            handles.append(end.register_forward_hook(_stop))
+        inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        try:
+            with self.autocast():
+                out = self.whole(**inputs, attention_mask=attention_mask, **self.options)
+        except _Reached as reached:
+            return reached.hidden
+        finally:
+            for handle in handles:
+                handle.remove()
+        return out.logits if hasattr(out, "logits") else out[0]
 
-    def _decoder(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
-        base = self.model
-        hidden = base.embed_tokens(x) if self.first else x
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        # an explicit mask on every stage: eager attention without one is not causal
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                                  position_ids=position_ids, **{_cache_arg(): None})
-        cos_sin = base.rotary_emb(hidden, position_ids=position_ids)
-        for layer in base.layers.values():
-            hidden = layer(hidden, attention_mask=mask, position_embeddings=cos_sin, position_ids=position_ids)
-        if self.last:
-            return self.lm_head(base.norm(hidden))
-        return hidden
-
-    def _encoder(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_bidirectional_mask
-
-        bert = self.bert
-        hidden = bert.embeddings(input_ids=x) if self.first else x
-        mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask)
-        for layer in bert.encoder.layer.values():
-            hidden = layer(hidden, mask)
-        if self.last:
-            return self.classifier(self.dropout(bert.pooler(hidden)))
-        return hidden
+    def _given(self, hidden: torch.Tensor, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (hidden, *args[1:]), kwargs
+        return args, {**kwargs, self.hidden_name: hidden}
 
 
-@functools.cache
-def _cache_arg() -> str:
-    """What create_causal_mask calls its (here absent) KV cache: `cache` in transformers 5.x, `past_key_values`
-    before (5.x still takes that name, with a FutureWarning on every call). Read at the first stage forward, not
-    at import: a process that builds no pipeline does not import transformers' masking code for it."""
-    import inspect
-
-    from transformers.masking_utils import create_causal_mask
-
-    return "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+def _stop(module: nn.Module, args: tuple, output: Any) -> None:
+    raise _Reached(output[0] if isinstance(output, (tuple, list)) else output)
 
 
 def tied_embedding_names(model: Any) -> tuple[str, str] | None:
     """(input embedding, output head) parameter names when the two are one tied weight."""
-    if family_of(model) != "decoder" or model.lm_head.weight is not model.model.embed_tokens.weight:
+    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    outputs = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if inputs is None or outputs is None or getattr(outputs, "weight", None) is not inputs.weight:
         return None
-    return "model.embed_tokens.weight", "lm_head.weight"
+    names = {id(m): n for n, m in model.named_modules()}
+    return f"{names[id(inputs)]}.weight", f"{names[id(outputs)]}.weight"

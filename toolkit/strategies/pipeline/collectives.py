@@ -55,7 +55,8 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
     tied = any(name != first for name, first in tied_aliases(model).items())
     for stage in stages:
         if tied and (stage.first or stage.last) and grid.schedule not in V_SHAPED:  # V: both on one rank
-            weight = _tied_weight(stage)
+            weight = stage.tied_weight()
+            assert weight is not None
             numel = -(-weight.shape[0] // grid.dp) * weight.shape[1] if grid.sharded and grid.dp > 1 \
                 else weight.numel()
             out.append(Collective(op="allreduce_", payload_bytes=numel * element_bytes(stored), calls=1, group="pp",
@@ -70,12 +71,6 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
         out += _replicas(stages, recipe, dp=grid.dp, sharded=grid.sharded, micro=micro,
                          by_hand=grid.schedule in SPLIT_BACKWARD)
     return out
-
-
-def _tied_weight(stage: Stage) -> nn.Parameter:
-    if stage.first:
-        return cast(nn.Parameter, stage.model.embed_tokens.weight)
-    return cast(nn.Parameter, stage.lm_head.weight)
 
 
 def _replicas(stages: list[Stage], recipe: Recipe, *, dp: int, sharded: bool, micro: int,

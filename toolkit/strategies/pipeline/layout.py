@@ -15,7 +15,7 @@ from toolkit.errors import RecipeError, ranks_option
 from toolkit.model.blocks import layer_stack, uncounted
 from toolkit.model.build import meta_model
 from toolkit.model.placement import blocks_of, check_split, part_of_blocks
-from toolkit.model.stages import Stage, check_window, family_of, layer_list
+from toolkit.model.stages import Stage, layout_of
 from toolkit.strategies.pipeline.schedules import (LOOPED, SCHEDULES, SPLIT_BACKWARD, V_SHAPED, micro_batches_error,
                                                    stage_ids, stages_per_rank_error)
 from toolkit.strategies.pipeline.split import block_costs, cost_balanced_starts
@@ -103,7 +103,7 @@ def rank_stages(model: nn.Module, recipe: Recipe, grid: Grid, pp_rank: int) -> l
 
     parts, num_stages = stage_of_blocks(model, recipe, grid)
     return [Stage(copy.deepcopy(model), layer_ids=[i for i, p in enumerate(parts) if p == s], first=s == 0,
-                  last=s == num_stages - 1) for s in grid.stage_ids(pp_rank, recipe.strategy.stages_per_rank)]
+                  last=s == num_stages - 1, blocks=recipe.strategy.blocks) for s in grid.stage_ids(pp_rank, recipe.strategy.stages_per_rank)]
 
 
 def count_busy_time(stage: PipelineStage, owner: Any) -> None:
@@ -137,11 +137,14 @@ def uncount_shape_inference(stage: PipelineStage) -> None:
 
 def check_stage_blocks(skeleton: nn.Module, names: tuple[str, ...] | None) -> None:
     """strategy.blocks under a pipeline may only name the blocks of the model's layer stack: a stage holds a run
-    of them (stages.Stage slices layer_list), so other modules (LlamaRMSNorm, LlamaMLP) were counted as blocks by
+    of them (stages.Stage cuts its block list), so other modules (LlamaRMSNorm, LlamaMLP) were counted as blocks by
     the split check and then cut nothing, or cut past the stack's end (an IndexError in every rank)."""
     if names is None:
         return
-    stack = list(layer_list(skeleton))
+    try:
+        stack = layer_stack(skeleton)
+    except RecipeError:  # the model names no blocks of its own: the recipe's are the only ones (layout_of)
+        return
     named = layer_stack(skeleton, names)
     if [id(b) for b in named] != [id(b) for b in stack]:
         kind = type(stack[0]).__name__
@@ -177,9 +180,8 @@ def check_recipe(recipe: Recipe, *, world_size: int) -> None:
                           "strategy.data_parallel ddp, or schedule 1f1b or interleaved-1f1b with fsdp")
     stages = grid.pp * options.stages_per_rank
     skeleton = meta_model(recipe.model)
-    family_of(skeleton)  # a model without a stage layout
-    check_window(skeleton.config, max_length=recipe.data.max_length)
     check_stage_blocks(skeleton, options.blocks)
+    layout_of(skeleton, options.blocks)  # a model its own modules and forward do not show how to cut
     check_split(options.split, num_blocks=len(layer_stack(skeleton, options.blocks)), num_parts=stages,
                 what="stages")
     plan = plan_batch(recipe.batch, world_size=grid.dp)

@@ -38,7 +38,7 @@ from toolkit.config.recipe import Recipe
 from toolkit.config.strategy_options import options_of
 from toolkit.model.precision import Amp, StepResult, dtype_name
 from toolkit.model.blocks import layer_stack
-from toolkit.model.stages import Stage, family_of, tied_embedding_names
+from toolkit.model.stages import Stage, layout_of, tied_embedding_names
 from toolkit.model.tied import tied_aliases
 from toolkit.process.dist import DistEnv, gather_objects, tensors_on_main, world_mesh
 from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport, StrategyState,
@@ -76,7 +76,7 @@ class PipelineStrategy:
         # the stages' replicas: DDP's over dp_replicate, FSDP's over dp_shard (pp outermost, as in the one layout)
         self.dp_dim = self.grid.dp_dim
         self.mesh = world_mesh(env, Degrees(pp=self.grid.pp, **{self.dp_dim: self.grid.dp}), keep=("pp", self.dp_dim))
-        family_of(model)  # a RecipeError for a model without a stage layout
+        layout_of(model, options.blocks)  # a RecipeError for a model that does not show how to cut it
         parts, num_stages = stage_of_blocks(model, args.recipe, self.grid)
         self.parts, self.num_stages = parts, num_stages
         costs, head = block_costs(model, layer_stack(model, options.blocks), args.recipe)
@@ -99,7 +99,7 @@ class PipelineStrategy:
         for k, stage_id in enumerate(self.stage_ids):
             source = model if k == len(self.stage_ids) - 1 else copy.deepcopy(model)  # each stage prunes a copy
             stage = Stage(source, layer_ids=[i for i, p in enumerate(parts) if p == stage_id], first=stage_id == 0,
-                          last=stage_id == num_stages - 1, autocast=self.amp.autocast)
+                          last=stage_id == num_stages - 1, autocast=self.amp.autocast, blocks=options.blocks)
             if files is not None:
                 materialize(stage, device=env.device)
                 load_part(stage, files, aliases=aliases)
