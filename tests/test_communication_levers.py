@@ -126,20 +126,22 @@ def test_local_sgd_drift_rises_between_syncs_and_is_zero_at_each(llama_runs):
 
 
 def test_a_dropped_step_still_counts_toward_local_sgds_syncs(tmp_path, tiny_llama_dir):
-    """train.on_nonfinite skip drops a step whose loss is not finite (here step 2's); it counts toward local SGD's
+    """train.on_nonfinite skip drops a step whose loss is not finite (here step 3's); it counts toward local SGD's
     syncs as it counts toward the schedule, so the syncs come after steps 3 and 5, the last (before: the dropped
-    step was not counted, the syncs came after steps 4 and none at the end, and the export was rank 0's replica)."""
+    step was not counted, the syncs came after steps 4 and none at the end, and the export was rank 0's replica).
+    The sync on the dropped step measures the drift it ends, as every sync does (before: its record had none)."""
     out = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out, data={"eval": None},
                           train={"max_steps": 5, "on_nonfinite": "skip", "consistency_check_every": 1})
-    env = {**toolkit_env(), faults.NAN_LOSS_AT_STEP: "2"}
+    env = {**toolkit_env(), faults.NAN_LOSS_AT_STEP: "3"}
     sets = [a for s in (*DDP, "strategy.sync_every=3") for a in ("--set", s)]
     result = subprocess.run([sys.executable, "-m", "toolkit", "launch", "--nproc", "2", str(recipe), *sets], cwd=REPO,
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     steps = metrics(out)
-    assert [m["skipped"] for m in steps] == [False, True, False, False, False]
+    assert [m["skipped"] for m in steps] == [False, False, True, False, False]
     assert [m["step"] for m in steps if "replica_drift_before_sync" in m] == [3, 5]
+    assert all(m["replica_drift_before_sync"] > 0 for m in steps if m["step"] in (3, 5))
     # the replica check after each sync demanded identical replicas by checksum, and measured no drift there
     assert [m["replica_drift"]["max_abs"] == 0.0 for m in steps] == [False, False, True, False, True]
 

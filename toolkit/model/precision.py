@@ -47,6 +47,12 @@ class StepResult:
     # local SGD at a sync: how far the replicas had drifted apart just before it (rms ‖replica − mean‖ / ‖mean‖)
     drift_before_sync: float | None = None
 
+    @classmethod
+    def dropped(cls, *, drift_before_sync: float | None = None) -> StepResult:
+        """A step whose loss was not finite, dropped without an update (train.on_nonfinite skip)."""
+        return cls(grad_norm=float("nan"), skipped=True, loss_scale=None, nonfinite=True,
+                   drift_before_sync=drift_before_sync)
+
     @property
     def advances_schedule(self) -> bool:
         """Whether the lr schedule steps after this step: not after an fp16 overflow the loss scaler skipped, as

@@ -259,9 +259,9 @@ class Strategy(Protocol):
     def step(self, *, max_grad_norm: float | None) -> StepResult:
         """Clip, optimizer step, schedule step, zero grads."""
 
-    def discard_step(self) -> None:
+    def discard_step(self) -> StepResult:
         """Drop this step's gradients without an update (a non-finite loss); the LR schedule advances, as
-        it does for a step fp16 loss scaling skips."""
+        it does for a step fp16 loss scaling skips. Returns the step's result (StepResult.dropped)."""
 
     def lr(self) -> float: ...
 

@@ -180,10 +180,12 @@ class ReplicatedStrategy:
             return dataclasses.replace(result, drift_before_sync=drift) if drift is not None else result
         return result
 
-    def discard_step(self) -> None:
+    def discard_step(self) -> StepResult:
         self.optim.discard_step()
-        if self.local is not None:  # a dropped step still counts toward local SGD's syncs: the last step's is
-            self.local.after_step()  # the one that leaves the replicas equal for the export
+        # a dropped step still counts toward local SGD's syncs (the last step's is the one that leaves the replicas
+        # equal for the export), and a sync on it measures the drift it ended, as any sync does
+        drift = self.local.after_step() if self.local is not None else None
+        return StepResult.dropped(drift_before_sync=drift)
 
     def lr(self) -> float:
         return self.optim.lr()

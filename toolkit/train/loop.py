@@ -33,7 +33,6 @@ from toolkit.model.blocks import BlockForwards, layer_stack
 from toolkit.model.build import padding_id
 from toolkit.observe.routing import RoutingCounter, spread
 from toolkit.model.export import export_model
-from toolkit.model.precision import StepResult
 from toolkit.observe import profiling, tracking
 from toolkit.observe.comm import CollectiveCounter, count_step, counting
 from toolkit.observe.consistency import check_groups, check_replicas, drift
@@ -388,8 +387,7 @@ def train_step(strategy: Strategy, micro_batches: list[dict], *, recipe: Recipe,
     elif stop_on_nonfinite:  # before the update: no weight, no checkpoint holds it
         raise NonFinite("loss", loss, step)
     else:
-        strategy.discard_step()
-        result = StepResult(grad_norm=float("nan"), skipped=True, loss_scale=None, nonfinite=True)
+        result = strategy.discard_step()
     # a finite loss with non-finite gradients (fp16 loss scaling handles its own overflows): the torch
     # strategies skipped the update (precision.Amp); stop before any checkpoint can hold it
     if stop_on_nonfinite and result.nonfinite:

@@ -91,8 +91,9 @@ class TrainsOneModule:
         params = [p for p in self.model.parameters() if p.grad is not None]
         return self.optim.step(params, max_grad_norm=max_grad_norm)
 
-    def discard_step(self) -> None:
+    def discard_step(self) -> StepResult:
         self.optim.discard_step()
+        return StepResult.dropped()
 
     def lr(self) -> float:
         return self.optim.lr()

@@ -304,8 +304,9 @@ class PipelineStrategy:
         last = [s for s in self.stage_modules if s.last]
         return last[0].tied_weight() if last else None
 
-    def discard_step(self) -> None:
+    def discard_step(self) -> StepResult:
         self.optim.discard_step()
+        return StepResult.dropped()
 
     def lr(self) -> float:
         return self.optim.lr()

@@ -140,7 +140,7 @@ class ZeroStrategy:
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
 
-    def discard_step(self) -> None:
+    def discard_step(self) -> StepResult:
         raise RecipeError("train.on_nonfinite=skip is not available under zero")  # validate() refuses it first
 
     def lr(self) -> float:
