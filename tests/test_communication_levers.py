@@ -176,14 +176,14 @@ def test_a_local_sgd_run_resumed_mid_window_equals_the_uninterrupted_one(tmp_pat
 
 
 def _resumed_equals_whole(tmp_path, model_dir, *, steps: int, resume_from: int, sets: tuple[str, ...],
-                          check_every: int | None = None):
-    """A 2-rank run of `steps` steps, and the same resumed from its checkpoint after `resume_from`: the resumed
+                          check_every: int | None = None, nproc: int = 2):
+    """A `nproc`-rank run of `steps` steps, and the same resumed from its checkpoint after `resume_from`: the resumed
     steps' losses, grad norms and the final weights equal the uninterrupted run's to 1e-6. (whole, resumed)"""
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=model_dir, output_dir=tmp_path / "unused",
                           train={"max_steps": steps, "consistency_check_every": check_every})
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    launch(recipe, nproc=2, overrides=(*sets, "checkpoint.keep_last=5", f"output_dir={whole}"))
-    launch(recipe, nproc=2, overrides=(*sets, "checkpoint.keep_last=5", f"output_dir={resumed}"),
+    launch(recipe, nproc=nproc, overrides=(*sets, "checkpoint.keep_last=5", f"output_dir={whole}"))
+    launch(recipe, nproc=nproc, overrides=(*sets, "checkpoint.keep_last=5", f"output_dir={resumed}"),
            extra=("--resume", str(whole / "checkpoints" / f"step-{resume_from:08d}")))
     tail = {m["step"]: m for m in metrics(whole)}
     assert [m["step"] for m in metrics(resumed)] == list(range(resume_from + 1, steps + 1))
@@ -222,6 +222,30 @@ def test_a_resumed_powersgd_run_equals_the_uninterrupted_one(tmp_path, tiny_llam
         math.prod(s) for s in _shapes(whole)) * 4 // 10  # compressed: under a tenth of the fp32 gradients
 
 
+def test_a_resumed_powersgd_pipeline_equals_the_uninterrupted_one(tmp_path, tiny_llama_dir):
+    """2 stages × 2 ddp replicas, each stage's DDP module with its own PowerSGD state: the checkpoint after step 4
+    holds every stage's error and Q factors on every rank, and the resumed run equals the one that went on."""
+    whole, _ = _resumed_equals_whole(
+        tmp_path, tiny_llama_dir, steps=6, resume_from=4, nproc=4,
+        sets=("strategy.name=hybrid", "strategy.pipeline_degree=2", "batch.micro_batch_size=2",
+              "batch.grad_accum_steps=2", "strategy.gradient_compression=powersgd", "strategy.powersgd_rank=2",
+              "strategy.powersgd_start_step=3", "checkpoint.every_steps=2"))
+    assert _counted(whole)["step"] == 4  # the first compressed step
+
+
+PIPELINE = ("strategy.name=hybrid", "strategy.pipeline_degree=2", "batch.micro_batch_size=2",
+            "batch.grad_accum_steps=2")
+
+
+def test_a_local_sgd_pipeline_resumed_mid_window_equals_the_uninterrupted_one(tmp_path, tiny_llama_dir):
+    """DiLoCo every 3 steps over 2 replicas of a 2-stage pipeline, resumed from step 4 (one step into a window: the
+    replicas apart): each rank's stage parameters, AdamW state and the outer step's anchor and momentum are in its
+    checkpoint, so steps 5-6 equal the run that went on."""
+    whole, resumed = _resumed_equals_whole(
+        tmp_path, tiny_llama_dir, steps=6, resume_from=4, nproc=4, check_every=1,
+        sets=(*PIPELINE, "strategy.sync_every=3", "strategy.outer_optimizer=nesterov", "checkpoint.every_steps=2"))
+    assert metrics(whole)[3]["replica_drift"]["max_abs"] > 0  # step 4: apart, as the resumed run started
+    assert [m["step"] for m in metrics(resumed) if "replica_drift_before_sync" in m] == [6]
 BAD = {
     "compression under fsdp": (("strategy.name=fsdp", "strategy.gradient_compression=bf16"),
                                "gradient_compression"),
@@ -282,3 +306,32 @@ def test_compare_judges_a_lever_by_design_and_a_fault_beside_it_diverged(tmp_pat
     assert "optim.weight_decay: 0.5 vs 0.01" in planted["differences"]
     report = (out / "report.md").read_text()
     assert f"- {lever}: gradient_compression=powersgd (r=4, from step 6): -" in report  # fewer bytes per step
+
+
+PIPELINE_BAD = {  # validated for 4 ranks: 2 stages × 2 replicas
+    "compression over fsdp stage replicas": ((*PIPELINE, "strategy.data_parallel=fsdp",
+                                              "strategy.gradient_compression=fp16"),
+                                             "strategy.data_parallel fsdp shards them instead"),
+    "compression under a split backward": ((*PIPELINE, "strategy.schedule=zbv", "strategy.stages_per_rank=2",
+                                            "strategy.gradient_compression=bf16"), "bypasses"),
+    "compression of a model split × ddp": (("strategy.name=hybrid", "strategy.gradient_compression=fp16"),
+                                           "strategy.gradient_compression under hybrid applies to a pipeline's ddp "
+                                           "replicas"),
+    "compression under pipeline": (("strategy.name=pipeline", "strategy.gradient_compression=fp16", *PIPELINE[2:]),
+                                   "gradient_compression"),
+    "local sgd over fsdp stage replicas": ((*PIPELINE, "strategy.data_parallel=fsdp", "strategy.sync_every=2"),
+                                           "strategy.sync_every=2 averages the parameters of a stage's ddp replicas; "
+                                           "strategy.data_parallel fsdp shards them instead"),
+    "local sgd of a model split × ddp": (("strategy.name=hybrid", "strategy.sync_every=2"),
+                                         "strategy.sync_every under hybrid applies to a pipeline's ddp replicas"),
+    "local sgd with compression on stage replicas": ((*PIPELINE, "strategy.sync_every=2",
+                                                      "strategy.gradient_compression=fp16"), "nothing to compress"),
+}
+
+
+@pytest.mark.parametrize("case", list(PIPELINE_BAD))
+def test_a_bad_lever_setting_on_a_pipeline_is_one_line_exit_2(case, tmp_path, tiny_llama_dir, capsys):
+    overrides, words = PIPELINE_BAD[case]
+    recipe, out = _bad_recipe(tmp_path, tiny_llama_dir)
+    _assert_one_line_exit_2(main(["validate", str(recipe), "--nproc", "4",
+                                  *[a for o in overrides for a in ("--set", o)]]), capsys, words, out)

@@ -27,21 +27,25 @@ class StrategyConfig:
     # ddp
     find_unused_parameters: bool = False  # ddp: needed when some parameters get no gradient
     bucket_cap_mb: float = 25.0  # ddp: gradient bucket size; bigger buckets, fewer all-reduces
-    gradient_compression: str = "none"  # ddp: none | fp16 | bf16 (each bucket
-    #   cast to 16 bits for its all-reduce: half the bytes, ~3 significant digits for bf16) | powersgd (each
-    #   gradient matrix sent as a rank-powersgd_rank factor pair, the error kept and added back next step): changes
-    #   the maths on purpose; compare judges it "differs by design" within a loss budget
-    powersgd_rank: int = 4  # ddp with gradient_compression=powersgd: the factors' rank; (n + m)·r numbers per n×m
-    #   matrix instead of n·m; a matrix for which that saves less than half is sent whole
-    powersgd_start_step: int = 10  # ddp with gradient_compression=powersgd: optimizer steps with plain all-reduce
-    #   before compression starts (at least 2: DDP fixes its buckets after the first); torch advises ~10 % of the run
-    sync_every: int = 1  # ddp: > 1 = local SGD: the replicas step alone on their own gradients (none is
-    #   all-reduced) and average their parameters every sync_every steps and at the last: 1/sync_every of the
-    #   bytes, the replicas drifting apart in between (the replica check reports by how much); changes the maths
-    outer_optimizer: str = "average"  # ddp with sync_every > 1: average (local SGD) | nesterov (DiLoCo: the
-    #   average's move since the last sync taken as an outer gradient, SGD with Nesterov momentum)
-    outer_lr: float | None = None  # ddp with outer_optimizer=nesterov: the outer step's rate (default 0.7, DiLoCo's)
-    outer_momentum: float = 0.9  # ddp with outer_optimizer=nesterov: the outer step's momentum
+    gradient_compression: str = "none"  # ddp, and hybrid's pipeline stages' ddp replicas (one hook per stage):
+    #   none | fp16 | bf16 (each bucket cast to 16 bits for its all-reduce: half the bytes, ~3 significant digits
+    #   for bf16) | powersgd (each gradient matrix sent as a rank-powersgd_rank factor pair, the error kept and
+    #   added back next step): changes the maths on purpose; compare judges it "differs by design" within a loss
+    #   budget
+    powersgd_rank: int = 4  # ddp, hybrid with gradient_compression=powersgd: the factors' rank; (n + m)·r numbers
+    #   per n×m matrix instead of n·m; a matrix for which that saves less than half is sent whole
+    powersgd_start_step: int = 10  # ddp, hybrid with gradient_compression=powersgd: optimizer steps with plain
+    #   all-reduce before compression starts (at least 2: DDP fixes its buckets after the first); torch advises
+    #   ~10 % of the run
+    sync_every: int = 1  # ddp, hybrid's pipeline stages' ddp replicas: > 1 = local SGD: the replicas step alone on
+    #   their own gradients (none is all-reduced) and average their parameters every sync_every steps and at the
+    #   last: 1/sync_every of the bytes, the replicas drifting apart in between (the replica check reports by how
+    #   much); changes the maths
+    outer_optimizer: str = "average"  # ddp, hybrid with sync_every > 1: average (local SGD) | nesterov (DiLoCo:
+    #   the average's move since the last sync taken as an outer gradient, SGD with Nesterov momentum)
+    outer_lr: float | None = None  # ddp, hybrid with outer_optimizer=nesterov: the outer step's rate (default 0.7,
+    #   DiLoCo's)
+    outer_momentum: float = 0.9  # ddp, hybrid with outer_optimizer=nesterov: the outer step's momentum
     # fsdp
     reshard_after_forward: bool = True  # fsdp: True frees gathered params after forward (ZeRO-3-like, less memory, one more all-gather)
     cpu_offload: bool = False  # fsdp: keep sharded params/grads/optimizer on CPU (much less device memory, slower)

@@ -9,6 +9,7 @@ all-gather of a flag stops every rank with it, not only the drifted group's (che
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from toolkit.process.dist import DistEnv, all_gather_tensor, all_reduce_max, all_reduce_sum, global_rank
 
@@ -68,19 +69,28 @@ def check_groups(entries: list[tuple[list, object | None]], env: DistEnv, *, whe
         raise found
 
 
-def drift(named_params, env: DistEnv) -> dict[str, float]:
+def drift(named_params, env: DistEnv, group=None) -> dict[str, float]:
     """Collective over every rank: how far replicas that are allowed to differ (local SGD between syncs) are apart:
-    the largest |difference| of one element between any two ranks, and the ranks' root-mean-square distance from
-    their mean relative to the mean's norm. Three all-reduces of the parameters (float64): the replica check's
-    cadence (train.consistency_check_every) sets what it costs."""
+    the largest |difference| of one element between any two replicas, and the replicas' root-mean-square distance
+    from their mean relative to the mean's norm. `group`: the replicas of this rank's part of the model (a pipeline
+    stage's over dp; default every rank holds a whole replica); the parts' distances and norms are then added up
+    over the model. Three all-reduces of the parameters (float64): the replica check's cadence
+    (train.consistency_check_every) sets what it costs."""
     flat = torch.cat([p.detach().flatten().to("cpu", torch.float64) for _, p in named_params])
+    replicas = dist.get_world_size(group) if env.distributed else 1
     high, low, mean = flat.clone(), -flat, flat.clone()
-    all_reduce_max(high, env)
-    all_reduce_max(low, env)
-    all_reduce_sum(mean, env)
-    mean /= env.world_size
-    spread = torch.tensor([float(((flat - mean) ** 2).sum())], dtype=torch.float64)
-    all_reduce_sum(spread, env)
-    norm = float(mean.norm())
-    return {"max_abs": float((high + low).max()) if flat.numel() else 0.0,
-            "relative_norm": (float(spread[0]) / env.world_size) ** 0.5 / norm if norm else 0.0}
+    all_reduce_max(high, env, group=group)
+    all_reduce_max(low, env, group=group)
+    all_reduce_sum(mean, env, group=group)
+    mean /= replicas
+    # per part: Σ over its replicas of ‖replica − mean‖², and ‖mean‖² (the same on each of its replicas)
+    sums = torch.tensor([float(((flat - mean) ** 2).sum()), float(mean.norm() ** 2)], dtype=torch.float64)
+    all_reduce_sum(sums, env, group=group)
+    sums[1] /= replicas
+    largest = torch.tensor([float((high + low).max()) if flat.numel() else 0.0], dtype=torch.float64)
+    if group is not None:  # the other parts: every replica of a part adds its part's sums once more
+        all_reduce_sum(sums, env)
+        sums /= replicas
+        all_reduce_max(largest, env)
+    spread, norm = float(sums[0]), float(sums[1]) ** 0.5
+    return {"max_abs": float(largest[0]), "relative_norm": (spread / replicas) ** 0.5 / norm if norm else 0.0}

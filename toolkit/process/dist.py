@@ -261,23 +261,23 @@ def _to_backend(tensor: torch.Tensor, env: DistEnv) -> torch.Tensor:
     return tensor.to(env.device)  # no copy on CPU/gloo
 
 
-def _all_reduce(tensor: torch.Tensor, env: DistEnv, op) -> torch.Tensor:
+def _all_reduce(tensor: torch.Tensor, env: DistEnv, op, group=None) -> torch.Tensor:
     if env.distributed:
         moved = _to_backend(tensor, env)
-        dist.all_reduce(moved, op=op)
+        dist.all_reduce(moved, op=op, group=group)
         if moved is not tensor:
             tensor.copy_(moved)  # device sync on GPU: callers read the result on the host
     return tensor
 
 
-def all_reduce_sum(tensor: torch.Tensor, env: DistEnv) -> torch.Tensor:
-    """Sum a small tensor over ranks in place (float64 sums stay exact for counts)."""
-    return _all_reduce(tensor, env, dist.ReduceOp.SUM)
+def all_reduce_sum(tensor: torch.Tensor, env: DistEnv, *, group=None) -> torch.Tensor:
+    """Sum a small tensor over ranks (of `group`; default all) in place (float64 sums stay exact for counts)."""
+    return _all_reduce(tensor, env, dist.ReduceOp.SUM, group)
 
 
-def all_reduce_max(tensor: torch.Tensor, env: DistEnv) -> torch.Tensor:
-    """Element-wise maximum of a small tensor over ranks, in place."""
-    return _all_reduce(tensor, env, dist.ReduceOp.MAX)
+def all_reduce_max(tensor: torch.Tensor, env: DistEnv, *, group=None) -> torch.Tensor:
+    """Element-wise maximum of a small tensor over ranks (of `group`; default all), in place."""
+    return _all_reduce(tensor, env, dist.ReduceOp.MAX, group)
 
 
 def all_gather_tensor(tensor: torch.Tensor, env: DistEnv, *, group=None) -> list[torch.Tensor]:

@@ -14,24 +14,17 @@ from toolkit.memory.state_bytes import element_bytes
 from toolkit.model.precision import DTYPES
 from toolkit.strategies.base import SetupArgs, StrategyInfo
 from toolkit.strategies.dims.comm import ddp_collectives
-from toolkit.strategies.dims.compression import Compression
-from toolkit.strategies.dims.local_sgd import LocalSgdConfig
+from toolkit.strategies.dims.levers import LeverOptions, compression_of, local_sgd_of
 from toolkit.strategies.dims.parallelize import DdpWrap, ddp_no_sync, replicate_over_world
 from toolkit.strategies.replicated import ReplicatedRules, ReplicatedStrategy, Replication
 
 @strategy_options
-class DdpOptions:
-    """The strategy.<option> keys ddp reads (their defaults and trade-offs: docs/recipe-keys.md)."""
+class DdpOptions(LeverOptions):
+    """The strategy.<option> keys ddp reads (their defaults and trade-offs: docs/recipe-keys.md): the replica levers
+    (dims/levers.py) and DDP's own."""
 
     find_unused_parameters: bool
     bucket_cap_mb: float
-    gradient_compression: str
-    powersgd_rank: int
-    powersgd_start_step: int
-    sync_every: int
-    outer_optimizer: str
-    outer_lr: float | None
-    outer_momentum: float
 
 
 OPTIONS = DdpOptions  # the registry reads it by this name
@@ -53,18 +46,6 @@ def wrap_ddp(module: nn.Module, args: SetupArgs) -> nn.Module:
     options = options_of(DdpOptions, args.recipe)
     wrap = DdpWrap(bucket_cap_mb=options.bucket_cap_mb, find_unused_parameters=options.find_unused_parameters)
     return replicate_over_world(module, env=args.env, strategy=INFO.name, wrap=wrap)
-
-
-def compression_of(recipe: Recipe) -> Compression:
-    options = options_of(DdpOptions, recipe)
-    return Compression(kind=options.gradient_compression, rank=options.powersgd_rank,
-                       start_step=options.powersgd_start_step)
-
-
-def local_sgd_of(recipe: Recipe) -> LocalSgdConfig:
-    options = options_of(DdpOptions, recipe)
-    return LocalSgdConfig(every=options.sync_every, outer=options.outer_optimizer, outer_lr=options.outer_lr,
-                          outer_momentum=options.outer_momentum)
 
 
 def check_options(recipe: Recipe, world_size: int) -> None:

@@ -26,6 +26,7 @@ from toolkit.model.precision import DTYPES
 from toolkit.strategies.base import DataLayout, SetupArgs, Strategy, StrategyInfo, StrategyRules
 from toolkit.strategies.model_parallel import check_model_split, one_device, place_model
 from toolkit.strategies.dims.comm import ddp_collectives
+from toolkit.strategies.dims.levers import LeverOptions
 from toolkit.strategies.dims.parallelize import DdpWrap, ddp_no_sync, replicate_over_world
 from toolkit.strategies.pipeline.layout import Grid
 from toolkit.strategies.pipeline.rules import PipelineRules
@@ -33,7 +34,7 @@ from toolkit.strategies.pipeline.strategy import PipelineStrategy
 from toolkit.strategies.replicated import ReplicatedRules, ReplicatedStrategy, Replication
 
 @strategy_options
-class HybridOptions:
+class HybridOptions(LeverOptions):
     """The strategy.<option> keys hybrid reads (their defaults and trade-offs: docs/recipe-keys.md): the pipeline's,
     and how its stages are replicated; or, without pipeline_degree, a model split over devices × ddp."""
 
@@ -66,6 +67,11 @@ def check_model_split_ddp(recipe: Recipe, world_size: int) -> None:
                           "replicates it with ddp; set strategy.data_parallel=ddp, or a pipeline_degree for fsdp")
     if options.schedule != "1f1b" or options.stages_per_rank != 1:
         raise RecipeError("strategy.schedule / stages_per_rank need strategy.pipeline_degree (a pipeline)")
+    for key, off in (("gradient_compression", "none"), ("sync_every", 1)):
+        if getattr(options, key) != off:
+            raise RecipeError(f"strategy.{key} under hybrid applies to a pipeline's ddp replicas (set "
+                              "strategy.pipeline_degree); a model split over devices × ddp runs without it, or use "
+                              "strategy ddp")
     check_model_split(recipe, world_size)
 
 

@@ -7,7 +7,6 @@ how it reduces gradients): composition, not a base class, so each strategy's mod
 from __future__ import annotations
 
 import dataclasses
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
@@ -135,11 +134,7 @@ class ReplicatedStrategy:
         if self.compression is not None and self.compression.on and not self.as_single:
             hook = compression.register(self._model, self.compression,
                                         names={id(p): n for n, p in self.module.named_parameters()})
-            if self.compression.kind == "powersgd" and args.total_steps <= self.compression.start_step \
-                    and args.env.is_main:
-                print(f"[toolkit] warning: strategy.powersgd_start_step {self.compression.start_step} ≥ the run's "
-                      f"{args.total_steps} steps: every step is reduced whole, nothing is compressed",
-                      file=sys.stderr, flush=True)
+            compression.warn_if_never(self.compression, total_steps=args.total_steps, is_main=args.env.is_main)
         self.amp = Amp(args.recipe.precision, args.env.device)
         optimizer = args.build_optimizer(self.module)
         self.optim = TorchOptim(optimizer, args.build_scheduler(optimizer), amp=self.amp,

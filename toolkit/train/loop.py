@@ -280,7 +280,7 @@ def run_steps(strategy: Strategy, loader, parts: StepParts, *, done: int) -> lis
             # local SGD between syncs: replicas apart by design, by how much is measured (every rank alike)
             apart = [each for each in fresh if each.synced is not None and not each.synced()]
             if apart:
-                record["replica_drift"] = drift(apart[0].named, env)
+                record["replica_drift"] = drift(apart[0].named, env, apart[0].group)
             # one collective per group, in the same order on the ranks of each group; a drift stops every rank
             check_groups([(each.named, each.group) for each in fresh if not any(each is a for a in apart)], env,
                          when=f"at step {step}")

@@ -108,6 +108,36 @@ def register(ddp: nn.Module, compression: Compression, *, names: dict[int, str])
     return wrapped
 
 
+def warn_if_never(compression: Compression, *, total_steps: int, is_main: bool) -> None:
+    """A PowerSGD start at or past the run's last step compresses nothing: said once, on stderr."""
+    if compression.kind == "powersgd" and total_steps <= compression.start_step and is_main:
+        import sys
+
+        print(f"[toolkit] warning: strategy.powersgd_start_step {compression.start_step} ≥ the run's {total_steps} "
+              "steps: every step is reduced whole, nothing is compressed", file=sys.stderr, flush=True)
+
+
+class HookStates:
+    """The PowerSGD states of several DDP modules on one rank (a pipeline rank's stages, one DDP module each),
+    checkpointed as one blob: each rank its own (CommState)."""
+
+    def __init__(self, hooks: list[PowerSgd]) -> None:
+        self.hooks = hooks
+
+    def state_bytes(self) -> bytes:
+        buffer = io.BytesIO()
+        torch.save([hook.state_bytes() for hook in self.hooks], buffer)
+        return buffer.getvalue()
+
+    def load_bytes(self, blob: bytes) -> None:
+        blobs: list[bytes] = torch.load(io.BytesIO(blob), weights_only=False)  # written by state_bytes
+        if len(blobs) != len(self.hooks):
+            raise RuntimeError(f"the checkpoint holds the PowerSGD state of {len(blobs)} stages, this rank runs "
+                               f"{len(self.hooks)}")
+        for hook, one in zip(self.hooks, blobs):
+            hook.load_bytes(one)
+
+
 def bf16_hook(process_group, bucket):
     """torch's bf16_compress_hook under another name: DDP refuses that one by its name unless CUDA and NCCL ≥ 2.10
     are present (NCCL's bf16 support), also on gloo, which all-reduces bf16 (checked: 2 ranks, CPU)."""

@@ -8,14 +8,17 @@ collective counter on CPU and held to it byte for byte (tests/test_comm_predicti
 - the clip's sum of squares over the stages, one fp32 number (strategy._sync_and_clip);
 - with replicas, the step's padded length: one int64, its maximum over the replicas (strategy._run);
 - the stages' data-parallel replicas: DDP's all-reduce of the stage's gradients, with find_unused_parameters'
-  used-map (4 bytes a parameter) beside it (a zero-bubble schedule: one all-reduce of each stage's gradients after
-  the schedule, by hand); or FSDP2 over the replicas, each unit gathered before every
-  micro-batch's forward and once more for the step's backwards (the stage keeps it gathered between them:
+  used-map (4 bytes a parameter) beside it, or what strategy.gradient_compression's hook sends instead of the
+  gradients (dims/compression.compression_collectives, per stage: each stage is its own DDP module); a zero-bubble
+  schedule: one all-reduce of each stage's gradients after the schedule, by hand; under local SGD none, and at a
+  sync this rank's parameters averaged in one all-reduce; or FSDP2 over the replicas, each unit gathered before
+  every micro-batch's forward and once more for the step's backwards (the stage keeps it gathered between them:
   torch's schedule does not reshard after a backward but the last), reduce-scattered once a step.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, cast
 
 import torch
@@ -28,7 +31,10 @@ from toolkit.model.precision import DTYPES
 from toolkit.model.stages import Stage
 from toolkit.model.tied import tied_aliases
 from toolkit.strategies.dims.comm import fsdp_collectives, fsdp_units
+from toolkit.strategies.dims.compression import compression_collectives
+from toolkit.strategies.dims.parallelize import DdpWrap
 from toolkit.strategies.pipeline.batches import padded_length
+from toolkit.strategies.dims.levers import compression_of, local_sgd_of
 from toolkit.strategies.pipeline.layout import grid_of, rank_stages
 from toolkit.strategies.pipeline.schedules import SPLIT_BACKWARD, V_SHAPED
 
@@ -84,9 +90,27 @@ def _replicas(stages: list[Stage], recipe: Recipe, *, dp: int, sharded: bool, mi
                                 gathers_per_unit=micro + 1)
     params = [p for stage in stages for p in stage.parameters() if p.requires_grad]
     grads = sum(p.numel() for p in params) * element_bytes(stored)
+    local = local_sgd_of(recipe)
+    if local.on:  # no gradient reduced; at a sync (the step counted) this rank's parameters averaged in one call
+        return [Collective(op="allreduce_", payload_bytes=grads, calls=1, group="dp_replicate", group_size=dp,
+                           phase="step", what=f"parameters averaged (every {local.every} steps)"),
+                Collective(op="allreduce_", payload_bytes=8, calls=1, group="dp_replicate", group_size=dp,
+                           phase="step", what="the replicas' squared norms (their drift before the sync)")]
     if by_hand:  # a split backward: each stage's gradients in one all-reduce (strategy._average_replicas)
         return [Collective(op="allreduce_", payload_bytes=grads, calls=len(stages), group="dp_replicate",
                            group_size=dp, phase="step", what="gradients, averaged after the schedule")]
+    compression = compression_of(recipe)
+    if compression.on:  # each stage's DDP module runs the compression's hook on its buckets
+        out = []
+        for stage in stages:
+            shapes = [tuple(p.shape) for p in stage.parameters() if p.requires_grad]
+            grad_bytes = sum(math.prod(s) for s in shapes) * element_bytes(stored)
+            buckets = max(1, math.ceil(grad_bytes / (DdpWrap().bucket_cap_mb * 2 ** 20)))
+            out += compression_collectives(shapes, compression, group_size=dp, group="dp_replicate",
+                                           buckets=buckets, grad_bytes_per_number=element_bytes(stored))
+        return out + [Collective(op="allreduce_", payload_bytes=4 * len(params), calls=len(stages),
+                                 group="dp_replicate", group_size=dp, phase="backward",
+                                 what="DDP's used-parameter map", overlap="backward")]
     return [Collective(op="allreduce_", payload_bytes=grads + 4 * len(params), calls=2 * len(stages),
                        group="dp_replicate", group_size=dp, phase="backward",
                        what="gradients, and DDP's used-parameter map", overlap="backward")]

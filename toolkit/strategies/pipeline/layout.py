@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from toolkit.config.recipe import Recipe, plan_batch
 from toolkit.errors import RecipeError, ranks_option
@@ -16,6 +17,7 @@ from toolkit.model.blocks import layer_stack, uncounted
 from toolkit.model.build import meta_model
 from toolkit.model.placement import blocks_of, check_split, part_of_blocks
 from toolkit.model.stages import Stage, layout_of
+from toolkit.strategies.dims.levers import compression_of, local_sgd_of
 from toolkit.strategies.pipeline.schedules import (LOOPED, SCHEDULES, SPLIT_BACKWARD, V_SHAPED, micro_batches_error,
                                                    stage_ids, stages_per_rank_error)
 from toolkit.strategies.pipeline.split import block_costs, cost_balanced_starts
@@ -64,6 +66,36 @@ class Grid:
                                for s in self.stage_ids(pp_rank, stages_per_rank))
             out.append(f"{ranks}: {stages}")
         return "; ".join(out)
+
+
+def check_levers(recipe: Recipe, grid: Grid) -> None:
+    """A compression needs ddp replicas whose gradients DDP reduces (its hooks): not FSDP's shards, not the by-hand
+    average of a split backward, not a grid without replicas. Local SGD needs whole replicas (ddp) to average."""
+    compression = compression_of(recipe)
+    compression.check(precision=recipe.precision)
+    local = local_sgd_of(recipe)
+    local.check(compression=compression.kind, precision=recipe.precision)
+    if local.on:
+        what = f"strategy.sync_every={local.every} averages the parameters of a stage's ddp replicas"
+        if grid.sharded:
+            raise RecipeError(f"{what}; strategy.data_parallel fsdp shards them instead: set "
+                              "strategy.data_parallel=ddp")
+        if grid.dp < 2:
+            raise RecipeError(f"{what}, and {grid.pp} stages on {grid.pp * grid.dp} ranks leave no replicas; use "
+                              f"{ranks_option(2 * grid.pp)} or more")
+    if not compression.on:
+        return
+    what = (f"strategy.gradient_compression={compression.kind} compresses the gradient all-reduce of a stage's ddp "
+            "replicas")
+    if grid.sharded:
+        raise RecipeError(f"{what}; strategy.data_parallel fsdp shards them instead: set strategy.data_parallel=ddp")
+    if grid.dp < 2:
+        raise RecipeError(f"{what}, and {grid.pp} stages on {grid.pp * grid.dp} ranks leave no replicas; use "
+                          f"{ranks_option(2 * grid.pp)} or more")
+    if grid.schedule in SPLIT_BACKWARD:
+        raise RecipeError(f"{what} through DDP's communication hook, which strategy.schedule {grid.schedule} "
+                          "bypasses (its weight gradients are averaged after the schedule); use schedule 1f1b, "
+                          "gpipe or interleaved-1f1b")
 
 
 def grid_of(recipe: Recipe, world_size: int) -> Grid:
@@ -133,6 +165,15 @@ def uncount_shape_inference(stage: PipelineStage) -> None:
     for name in SHAPE_INFERENCE:
         if hasattr(stage, name):
             setattr(stage, name, uncounted(getattr(stage, name)))
+    submod = stage.submod
+    if isinstance(submod, DistributedDataParallel) and hasattr(stage, SHAPE_INFERENCE[0]):
+        inference = getattr(stage, SHAPE_INFERENCE[0])
+
+        def outside_ddp(*args, **kwargs):
+            with submod.no_sync():
+                return inference(*args, **kwargs)
+
+        setattr(stage, SHAPE_INFERENCE[0], outside_ddp)
 
 
 def check_stage_blocks(skeleton: nn.Module, names: tuple[str, ...] | None) -> None:
@@ -171,6 +212,7 @@ def check_recipe(recipe: Recipe, *, world_size: int) -> None:
     if options.data_parallel not in ("ddp", "fsdp"):
         raise RecipeError(f"strategy.data_parallel: unknown value {options.data_parallel!r}; choose ddp or fsdp")
     grid = grid_of(recipe, world_size)
+    check_levers(recipe, grid)
     if options.schedule in SPLIT_BACKWARD and grid.sharded and grid.dp > 1:
         # measured (torch 2.13, gloo): under FSDP2 every stage but the first is left without gradients (the first
         # runs a plain backward) and the tied-embedding sum waits forever. DDP's replicas are averaged by hand

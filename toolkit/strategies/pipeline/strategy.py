@@ -17,6 +17,7 @@ every stage alike.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import statistics
 import time
@@ -43,9 +44,13 @@ from toolkit.model.tied import tied_aliases
 from toolkit.process.dist import DistEnv, gather_objects, tensors_on_main, world_mesh
 from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport, StrategyState,
                                      first_dtype)
+from toolkit.strategies.dims import compression
 from toolkit.strategies.dims.parallelize import DdpWrap, FsdpWrap, parallelize
 from toolkit.strategies.pipeline.batches import KEPT_SHAPES, filler, padded_length, stacked
-from toolkit.strategies.pipeline.layout import Grid, count_busy_time, grid_of, stage_of_blocks, uncount_shape_inference
+from toolkit.strategies.dims.local_sgd import LocalSgd
+from toolkit.strategies.dims.levers import compression_of, local_sgd_of
+from toolkit.strategies.pipeline.layout import (Grid, count_busy_time, grid_of, stage_of_blocks,
+                                                uncount_shape_inference)
 from toolkit.strategies.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, V_SHAPED, simulated_bubbles
 from toolkit.strategies.pipeline.split import block_costs, stage_flops
 from toolkit.strategies.pipeline.rules import INFO, OPTIONS, RULES, PipelineOptions  # noqa: F401 (the registry reads OPTIONS, RULES here)
@@ -89,6 +94,10 @@ class PipelineStrategy:
         if self.amp.scaler:  # its scale tensor is made on first use; stages without the loss never scale one
             self.amp.scaler.scale(torch.zeros((), device=env.device))
         self.stage_modules: list[Stage] = []
+        self.compression = compression_of(args.recipe)
+        local = local_sgd_of(args.recipe)
+        self.local_config = local if local.on and self.grid.dp > 1 else None
+        self.hooks: list[compression.PowerSgd] = []  # PowerSGD's state, one per DDP-wrapped stage
         wrapped = []
         # build_model left the model empty where the pretrained files fill each stage on its own
         files = args.source.weight_files(model) if args.source is not None and \
@@ -108,6 +117,8 @@ class PipelineStrategy:
             self.stage_modules.append(stage)
             wrapped.append(self._replicate(stage, args.recipe))
         self._model = nn.ModuleList(wrapped)
+        if self.compression.on:
+            compression.warn_if_never(self.compression, total_steps=args.total_steps, is_main=env.is_main)
         self.busy_s = 0.0
         self.micro_batches = args.grad_accum_steps
         # one (stages, schedule) per padded length, built at its first step (batches.padded_length): torch's stages
@@ -120,6 +131,10 @@ class PipelineStrategy:
         self.optim = TorchOptim(optimizer, args.build_scheduler(optimizer), amp=self.amp, names=self._first_names,
                                 clip=self._sync_and_clip)
         self.tied_group = self._tied_group()
+        # local SGD: each replica of the pipeline steps alone (no stage is DDP-wrapped), the replicas' parameters
+        # averaged over dp every sync_every steps
+        self.local = LocalSgd(self._model, self.local_config, optimizer=optimizer, total_steps=args.total_steps,
+                              group=self.mesh.get_group(self.dp_dim)) if self.local_config is not None else None
         self.bubbles: list[float] = []
         self._loss_sum: LossSum | None = None
         self._share: Share | None = None
@@ -134,6 +149,8 @@ class PipelineStrategy:
         wrap: FsdpWrap | DdpWrap | None = None
         if self.grid.sharded:
             wrap = FsdpWrap(precision=recipe.precision)
+        elif self.grid.dp > 1 and self.local_config is not None:
+            pass  # local SGD: no gradient is reduced; LocalSgd averages the parameters at its syncs
         elif self.grid.dp > 1 and self.grid.schedule in SPLIT_BACKWARD:
             pass  # a split backward takes weight gradients outside DDP's hooks: _average_replicas reduces them
         elif self.grid.dp > 1:
@@ -141,7 +158,13 @@ class PipelineStrategy:
             # micro-batch under a pipeline schedule (its forwards run outside no_sync) and fails an internal
             # check; with this flag DDP does not rebuild its buckets
             wrap = DdpWrap(find_unused_parameters=True)
-        return parallelize(stage, mesh=self.mesh, env=self.env, units=list(stage.blocks()), data_parallel=wrap)
+        module = parallelize(stage, mesh=self.mesh, env=self.env, units=list(stage.blocks()), data_parallel=wrap)
+        if isinstance(wrap, DdpWrap) and self.compression.on:  # checked: ddp replicas, DDP's own hooks reduce them
+            hook = compression.register(module, self.compression,
+                                        names={id(p): n for n, p in stage.named_parameters()})
+            if hook is not None:
+                self.hooks.append(hook)
+        return module
 
     def _tied_group(self):
         """Per replica, the group of the ranks holding the first and the last stage (every rank creates
@@ -236,7 +259,8 @@ class PipelineStrategy:
     def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
         self._loss_sum, self._share, self._sums = loss_sum, share, []
         self._run(micro_batches, train=True)
-        if self.grid.dp > 1 and not self.grid.sharded and self.grid.schedule in SPLIT_BACKWARD:
+        if self.grid.dp > 1 and not self.grid.sharded and self.grid.schedule in SPLIT_BACKWARD \
+                and self.local is None:
             self._average_replicas()
         return self._recorded(len(micro_batches))
 
@@ -269,7 +293,9 @@ class PipelineStrategy:
 
     def step(self, *, max_grad_norm: float | None) -> StepResult:
         params = [p for p in self._model.parameters() if p.grad is not None]
-        return self.optim.step(params, max_grad_norm=max_grad_norm)
+        result = self.optim.step(params, max_grad_norm=max_grad_norm)
+        drift = self.local.after_step() if self.local is not None else None
+        return dataclasses.replace(result, drift_before_sync=drift) if drift is not None else result
 
     def _sync_and_clip(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Sum the tied embedding's two gradients, then clip every gradient by the norm over all stages
@@ -306,7 +332,8 @@ class PipelineStrategy:
 
     def discard_step(self) -> StepResult:
         self.optim.discard_step()
-        return StepResult.dropped()
+        # a dropped step counts toward local SGD's syncs (replicated.ReplicatedStrategy.discard_step)
+        return StepResult.dropped(drift_before_sync=self.local.after_step() if self.local is not None else None)
 
     def lr(self) -> float:
         return self.optim.lr()
@@ -320,9 +347,12 @@ class PipelineStrategy:
         if self.grid.dp > 1 and not self.grid.sharded:
             named: list[tuple[str, torch.Tensor]] = [(n, p) for s in self.stage_modules
                                                      for n, p in s.named_parameters()]
-            how = "gradients averaged after the schedule" if self.grid.schedule in SPLIT_BACKWARD else "DDP"
+            local = self.local
+            how = (f"local SGD, equal after each sync (every {local.config.every} steps)" if local is not None else
+                   "gradients averaged after the schedule" if self.grid.schedule in SPLIT_BACKWARD else "DDP")
             found.append(Replicas(named=named, group=self.mesh.get_group(self.dp_dim),
-                                  description=f"{self.grid.dp} replicas of each stage ({how})"))
+                                  description=f"{self.grid.dp} replicas of each stage ({how})",
+                                  synced=(lambda: local.synced) if local is not None else None))
         copies = [w for w in (s.tied_weight() for s in self.stage_modules) if w is not None]
         if self.tied is not None and self.tied_group is not None:
             assert len(copies) == 1  # the first and the last stage are on different pipeline ranks
@@ -377,11 +407,15 @@ class PipelineStrategy:
         compute = dtype_name(stored) if self.amp.precision == "fp32" else f"{self.amp.precision} (autocast)"
         reduce = ("reduce-scatter mean" if self.grid.sharded else f"all-reduce mean over {self.grid.dp} replicas") \
             if self.grid.dp > 1 else "none: one replica per stage"
+        if self.local is not None:
+            reduce = f"none: {self.local.config.describe()}"
         return {
             "forward_params": compute,
             "master_weights": dtype_name(stored),
             "gradients": dtype_name(first_dtype(grads)) if grads else dtype_name(stored),
-            "grad_reduction": f"{reduce} ({dtype_name(first_dtype(grads) or stored)})" if self.grid.dp > 1 else reduce,
+            "grad_reduction": f"{reduce} ({dtype_name(first_dtype(grads) or stored)}"
+                              f"{', ' + self.compression.describe() if self.compression.on else ''})"
+                              if self.grid.dp > 1 and self.local is None else reduce,
             **self.optim.audit(before_state=stored, scaler="ShardedGradScaler over all stages"),
         }
 
@@ -420,11 +454,22 @@ class PipelineStrategy:
     def checkpoint_extra(self) -> dict[str, Any]:
         return self.optim.checkpoint_extra()
 
+    def _communication(self) -> compression.HookStates | LocalSgd | None:
+        """What this rank's replicas keep across steps: PowerSGD's state of each stage (its error and Q factors),
+        or local SGD's (this rank's own parameters and optimizer state between syncs)."""
+        if self.local is not None:
+            return self.local
+        return compression.HookStates(self.hooks) if self.hooks else None
+
     def communication_state(self) -> bytes | None:
-        return None  # no communication hook keeps state here
+        kept = self._communication()
+        return kept.state_bytes() if kept is not None else None
 
     def load_communication_state(self, read: Callable[[], bytes | None]) -> None:
-        pass
+        kept = self._communication()
+        blob = read() if kept is not None else None
+        if kept is not None and blob is not None:  # a checkpoint of a run without it starts it afresh
+            kept.load_bytes(blob)
 
     def load_checkpoint_extra(self, extra: dict[str, Any]) -> None:
         self.optim.load_checkpoint_extra(extra)
