@@ -178,3 +178,41 @@ def test_validate_refuses_a_pipeline_of_a_model_it_cannot_cut_in_one_line(monkey
     code = main(["validate", str(recipe), "--nproc", "2", "--set", "strategy.name=pipeline"])
     _assert_one_line_exit_2(code, capsys, "pipeline: cannot cut LlamaForCausalLM into stages: "
                                           "LlamaForCausalLM.forward does not name self.model", out)
+
+
+@pytest.mark.parametrize("model_type,fields", [("gpt2", GPT2_SHAPES), ("llama", {}), ("gpt_neox", {})])
+def test_a_decoder_classifier_that_pools_its_last_token_is_refused(model_type, fields):
+    """A decoder's sequence classifier finds each sample's last real token from the input ids after its blocks;
+    the last stage is given hidden states only, and transformers then pools position -1, the padding of every
+    shorter sample (a review measured 0.1-0.2 apart on the padded rows of GPT-2, OPT, BLOOM and GPT-NeoX)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    settings = {k: v for k, v in {**SHAPES, **fields}.items() if v is not None}
+    model = AutoModelForSequenceClassification.from_config(AutoConfig.for_model(model_type, **settings))
+    with pytest.raises(RecipeError, match=r"^pipeline: \w+ForSequenceClassification.forward reads the input ids "
+                                          r"after its blocks"):
+        layout_of(model)
+
+
+def test_a_modernbert_classifier_whose_forward_reads_each_layers_attention_type_is_cut():
+    """ModernBERT alternates local and global attention and reads each layer's attention_type in its forward: the
+    stand-ins for other stages' blocks carry their blocks' plain settings (before: AttributeError on every rank)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("modernbert", vocab_size=128, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=3, num_attention_heads=4, pad_token_id=0, cls_token_id=1,
+                                  sep_token_id=2, bos_token_id=1, eos_token_id=2, global_attn_every_n_layers=2,
+                                  local_attention=8)
+    model = AutoModelForSequenceClassification.from_config(config, attn_implementation="eager").eval()
+    ids, mask = _inputs(12)
+    want = model(input_ids=ids, attention_mask=mask).logits
+    got, _, _ = _chained(model, [[0], [1], [2]], ids, mask)
+    torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_layerdrop_is_refused():
+    model = _model("opt", **FAMILIES["opt"], layerdrop=0.1)
+    with pytest.raises(RecipeError, match=r"^pipeline: OPTForCausalLM skips blocks at random in training "
+                                          r"\(config.layerdrop 0.1\)"):
+        layout_of(model)

@@ -70,7 +70,7 @@ class BlockForwards:
         `model` holds: a pipeline rank's stages hold a few of them, in copies of the model."""
         kinds = tuple(classes)  # isinstance: FSDP2 subclasses each block it shards
         blocks = [module for module in model.modules() if isinstance(module, kinds)]  # none for no classes
-        # a pipeline stage keeps its blocks in a ModuleDict
+        # a pipeline stage keeps its blocks in the model's ModuleList, beside stand-ins for other stages' blocks
         return cls(_stacked(model, blocks, containers=(nn.ModuleList, nn.ModuleDict)))
 
     def __init__(self, blocks: list[nn.Module]):

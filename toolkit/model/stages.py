@@ -37,6 +37,9 @@ from toolkit.errors import RecipeError
 from toolkit.model.blocks import layer_stack
 
 
+INPUT_IDS = "input_ids"  # a forward reading these itself after the blocks: only the first stage has them
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where a model's parts sit, by module name: its block list, and the modules with weights outside it
@@ -53,6 +56,11 @@ def layout_of(model: nn.Module, class_names: tuple[str, ...] | None = None) -> L
     or not at all)."""
     blocks = layer_stack(model, class_names)
     kind = type(blocks[0]).__name__
+    layerdrop = getattr(getattr(model, "config", None), "layerdrop", 0.0) or 0.0
+    if layerdrop > 0:
+        raise RecipeError(f"pipeline: {type(model).__name__} skips blocks at random in training (config.layerdrop "
+                          f"{layerdrop}), which a stage cut at its blocks cannot follow; set layerdrop 0 in "
+                          "model.config, or run fsdp, zero or ddp")
     stack = next((name for name, m in model.named_modules() if isinstance(m, nn.ModuleList)
                   and any(child is blocks[0] for child in m.children())), None)
     if stack is None or [id(b) for b in model.get_submodule(stack).children()] != [id(b) for b in blocks]:
@@ -82,6 +90,11 @@ def layout_of(model: nn.Module, class_names: tuple[str, ...] | None = None) -> L
                 after.append(path)
             else:
                 _unclear(model, f"{type(owner).__name__}.forward uses {path} where it runs the blocks")
+        read = uses.get(INPUT_IDS)
+        if read is not None and read[1] > where[1]:  # a classifier finding each sample's last token
+            raise RecipeError(f"pipeline: {type(owner).__name__}.forward reads the input ids after its blocks (to "
+                              "find each sample's last token), which only the first stage has; run fsdp, zero or "
+                              "ddp")
     return Layout(stack=stack, before=tuple(before), after=tuple(after))
 
 
@@ -100,7 +113,18 @@ def _uses(owner: nn.Module) -> dict[str, tuple[int, int]]:
     getters = {"get_input_embeddings": "get_input_embeddings", "get_output_embeddings": "get_output_embeddings"}
     children = {id(m): n for n, m in owner.named_children()}
     uses: dict[str, tuple[int, int]] = {}
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    handed = {id(inner) for call in ast.walk(tree)
+              if isinstance(call, ast.Call) and (_on_self(call.func) or _base_getattr(call.func))
+              for argument in (*call.args, *call.keywords) for inner in ast.walk(argument)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id == INPUT_IDS and id(node) not in handed:
+            first, last = uses.get(INPUT_IDS, (node.lineno, node.lineno))  # read by the forward itself
+            uses[INPUT_IDS] = (min(first, node.lineno), max(last, node.lineno))
+        if isinstance(node, ast.Call) and _base_getattr(node):  # the base model, by its prefix
+            name = str(getattr(owner, "base_model_prefix", ""))
+            first, last = uses.get(name, (node.lineno, node.lineno))
+            uses[name] = (min(first, node.lineno), max(last, node.lineno))
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
             name = node.attr
             if name in getters:
@@ -109,6 +133,22 @@ def _uses(owner: nn.Module) -> dict[str, tuple[int, int]]:
             first, last = uses.get(name, (node.lineno, node.lineno))
             uses[name] = (min(first, node.lineno), max(last, node.lineno))
     return uses
+
+
+def _base_getattr(node: ast.AST) -> bool:
+    """`getattr(self, self.base_model_prefix)`, as transformers' generic heads reach their base model."""
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" \
+        and len(node.args) == 2 and ast.unparse(node.args[0]) == "self" \
+        and ast.unparse(node.args[1]) == "self.base_model_prefix"
+
+
+def _on_self(func: ast.expr) -> bool:
+    """A call of one of the module's own children or methods (`self.model(...)`, `self.model.decoder(...)`)."""
+    if not isinstance(func, ast.Attribute):
+        return False
+    while isinstance(func, ast.Attribute):
+        func = func.value
+    return isinstance(func, ast.Name) and func.id == "self"
 
 
 def layer_list(model: nn.Module, class_names: tuple[str, ...] | None = None) -> nn.ModuleList:
@@ -173,6 +213,15 @@ class _Embedded(nn.Module):
         raise RuntimeError("a pipeline stage ran an embedding of the first stage without an input it can pass on")
 
 
+def _plain_attributes(block: nn.Module, stand_in: nn.Module) -> nn.Module:
+    """`stand_in` with the plain settings of the block it replaces (ModernBERT's forward reads each layer's
+    attention_type, Gemma 3's its sliding window)."""
+    for key, value in vars(block).items():
+        if not key.startswith("_") and key != "training" and isinstance(value, (str, int, float, bool, type(None))):
+            setattr(stand_in, key, value)
+    return stand_in
+
+
 def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
     owner, _, name = path.rpartition(".")
     setattr(model.get_submodule(owner), name, module)
@@ -201,7 +250,7 @@ class Stage(nn.Module):
         stack: Any = model.get_submodule(self.layout.stack)
         for i in range(len(stack)):
             if i not in layer_ids:
-                stack[i] = _Before() if i < self.layer_ids[0] else _After(f"block {i}")
+                stack[i] = _plain_attributes(stack[i], _Before() if i < self.layer_ids[0] else _After(f"block {i}"))
         if not first:
             for path in self.layout.before:
                 _replace(model, path, _Embedded(model.get_submodule(path)))

@@ -74,8 +74,8 @@ def drift(named_params, env: DistEnv, group=None) -> dict[str, float]:
     the largest |difference| of one element between any two replicas, and the replicas' root-mean-square distance
     from their mean relative to the mean's norm. `group`: the replicas of this rank's part of the model (a pipeline
     stage's over dp; default every rank holds a whole replica); the parts' distances and norms are then added up
-    over the model. Three all-reduces of the parameters (float64): the replica check's cadence
-    (train.consistency_check_every) sets what it costs."""
+    over the model. Three all-reduces of the parameters (float64) and two of a few numbers: the replica check's
+    cadence (train.consistency_check_every) sets what it costs."""
     flat = torch.cat([p.detach().flatten().to("cpu", torch.float64) for _, p in named_params])
     replicas = dist.get_world_size(group) if env.distributed else 1
     high, low, mean = flat.clone(), -flat, flat.clone()

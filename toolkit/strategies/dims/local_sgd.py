@@ -69,8 +69,11 @@ class LocalSgd:
     """A rank's side of local SGD (see the module's doc). `optimizer`: the inner one, whose state is per rank."""
 
     def __init__(self, module: nn.Module, config: LocalSgdConfig, *, optimizer: torch.optim.Optimizer,
-                 total_steps: int, group=None) -> None:
+                 total_steps: int, group=None, across=None) -> None:
+        """`group`: the replicas of `module` (default every rank); `across`: the ranks holding the model's other
+        parts (a pipeline replica's stages), over which the drift is added up, or None where `module` is whole."""
         self.config, self.optimizer, self.total_steps, self.group = config, optimizer, total_steps, group
+        self.across = across
         self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.steps = 0  # optimizer steps taken
         self.synced = True  # whether the replicas were made equal after the last step
@@ -101,8 +104,12 @@ class LocalSgd:
         dist.all_reduce(squares, group=self.group)
         world = dist.get_world_size(self.group)
         mean_squared = sum(float(p.detach().double().pow(2).sum()) for p in params)
-        drift = max(float(squares[0]) / world - mean_squared, 0.0) ** 0.5 / mean_squared ** 0.5 \
-            if mean_squared else 0.0
+        parts = torch.tensor([max(float(squares[0]) / world - mean_squared, 0.0), mean_squared], dtype=torch.float64,
+                             device=squares.device)
+        if self.across is not None:  # the whole model's: every part's sums added up
+            dist.all_reduce(parts, group=self.across)
+        spread, mean_squared = float(parts[0]), float(parts[1])
+        drift = spread ** 0.5 / mean_squared ** 0.5 if mean_squared else 0.0
         if self.outer is not None:
             self._outer_step(params)
         return drift

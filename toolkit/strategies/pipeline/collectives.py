@@ -71,6 +71,17 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
         out.append(Collective(op="allreduce_", payload_bytes=4, calls=1, group="world" if grid.sharded else "pp",
                               group_size=world_size if grid.sharded else grid.pp, phase="step",
                               what="the clip's sum of squares"))
+    if grid.dp > 1 and local_sgd_of(recipe).on:  # counted at a sync: the drift's sums over the stages, and the
+        # tied embedding's copies averaged (strategy._local_step)
+        out.append(Collective(op="allreduce_", payload_bytes=16, calls=1, group="pp", group_size=grid.pp,
+                              phase="step", what="the stages' drift sums at the sync"))
+        for stage in stages:
+            if tied and (stage.first or stage.last) and grid.schedule not in V_SHAPED:
+                weight = stage.tied_weight()
+                assert weight is not None
+                out.append(Collective(op="allreduce_", payload_bytes=weight.numel() * element_bytes(stored),
+                                      calls=1, group="pp", group_size=2, phase="step",
+                                      what="the tied embedding's copies evened after the sync"))
     if grid.dp > 1:
         out.append(Collective(op="allreduce_", payload_bytes=8, calls=1, group=grid.dp_dim, group_size=grid.dp,
                               phase="forward", what="the replicas' padded length (their longest)"))

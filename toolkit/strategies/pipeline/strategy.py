@@ -134,7 +134,8 @@ class PipelineStrategy:
         # local SGD: each replica of the pipeline steps alone (no stage is DDP-wrapped), the replicas' parameters
         # averaged over dp every sync_every steps
         self.local = LocalSgd(self._model, self.local_config, optimizer=optimizer, total_steps=args.total_steps,
-                              group=self.mesh.get_group(self.dp_dim)) if self.local_config is not None else None
+                              group=self.mesh.get_group(self.dp_dim), across=self.mesh.get_group("pp")) \
+            if self.local_config is not None else None
         self.bubbles: list[float] = []
         self._loss_sum: LossSum | None = None
         self._share: Share | None = None
@@ -294,8 +295,23 @@ class PipelineStrategy:
     def step(self, *, max_grad_norm: float | None) -> StepResult:
         params = [p for p in self._model.parameters() if p.grad is not None]
         result = self.optim.step(params, max_grad_norm=max_grad_norm)
-        drift = self.local.after_step() if self.local is not None else None
+        drift = self._local_step()
         return dataclasses.replace(result, drift_before_sync=drift) if drift is not None else result
+
+    def _local_step(self) -> float | None:
+        """Local SGD's side of a step (a sync where one is due: its drift, else None). After a sync the tied
+        embedding's two copies are averaged over the tied group: each was averaged over its own stage's replicas,
+        whose sums can round apart in the last bit with 3 replicas or more."""
+        if self.local is None:
+            return None
+        drift = self.local.after_step()
+        if self.local.synced and self.tied_group is not None:
+            copies = [w for w in (s.tied_weight() for s in self.stage_modules) if w is not None]
+            with torch.no_grad():
+                for weight in copies:
+                    dist.all_reduce(weight.data, group=self.tied_group)
+                    weight.data.div_(2)
+        return drift
 
     def _sync_and_clip(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Sum the tied embedding's two gradients, then clip every gradient by the norm over all stages
@@ -333,7 +349,7 @@ class PipelineStrategy:
     def discard_step(self) -> StepResult:
         self.optim.discard_step()
         # a dropped step counts toward local SGD's syncs (replicated.ReplicatedStrategy.discard_step)
-        return StepResult.dropped(drift_before_sync=self.local.after_step() if self.local is not None else None)
+        return StepResult.dropped(drift_before_sync=self._local_step())
 
     def lr(self) -> float:
         return self.optim.lr()
