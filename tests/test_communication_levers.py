@@ -312,8 +312,8 @@ PIPELINE_BAD = {  # validated for 4 ranks: 2 stages × 2 replicas
     "compression over fsdp stage replicas": ((*PIPELINE, "strategy.data_parallel=fsdp",
                                               "strategy.gradient_compression=fp16"),
                                              "strategy.data_parallel fsdp shards them instead"),
-    "compression under a split backward": ((*PIPELINE, "strategy.schedule=zbv", "strategy.stages_per_rank=2",
-                                            "strategy.gradient_compression=bf16"), "bypasses"),
+    "powersgd under a split backward": ((*PIPELINE, "strategy.schedule=zbv", "strategy.stages_per_rank=2",
+                                         "strategy.gradient_compression=powersgd"), "bypasses"),
     "compression of a model split × ddp": (("strategy.name=hybrid", "strategy.gradient_compression=fp16"),
                                            "strategy.gradient_compression under hybrid applies to a pipeline's ddp "
                                            "replicas"),

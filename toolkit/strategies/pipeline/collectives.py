@@ -31,7 +31,7 @@ from toolkit.model.precision import DTYPES
 from toolkit.model.stages import Stage
 from toolkit.model.tied import tied_aliases
 from toolkit.strategies.dims.comm import fsdp_collectives, fsdp_units
-from toolkit.strategies.dims.compression import compression_collectives
+from toolkit.strategies.dims.compression import WIRE_DTYPES, compression_collectives
 from toolkit.strategies.dims.parallelize import DdpWrap
 from toolkit.strategies.pipeline.batches import padded_length
 from toolkit.strategies.dims.levers import compression_of, local_sgd_of
@@ -107,10 +107,11 @@ def _replicas(stages: list[Stage], recipe: Recipe, *, dp: int, sharded: bool, mi
                            phase="step", what=f"parameters averaged (every {local.every} steps)"),
                 Collective(op="allreduce_", payload_bytes=8, calls=1, group="dp_replicate", group_size=dp,
                            phase="step", what="the replicas' squared norms (their drift before the sync)")]
-    if by_hand:  # a split backward: each stage's gradients in one all-reduce (strategy._average_replicas)
-        return [Collective(op="allreduce_", payload_bytes=grads, calls=len(stages), group="dp_replicate",
-                           group_size=dp, phase="step", what="gradients, averaged after the schedule")]
     compression = compression_of(recipe)
+    if by_hand:  # a split backward: each stage's gradients in one all-reduce (strategy._average_replicas)
+        sent = sum(p.numel() for p in params) * 2 if compression.kind in WIRE_DTYPES else grads
+        return [Collective(op="allreduce_", payload_bytes=sent, calls=len(stages), group="dp_replicate",
+                           group_size=dp, phase="step", what="gradients, averaged after the schedule")]
     if compression.on:  # each stage's DDP module runs the compression's hook on its buckets
         out = []
         for stage in stages:

@@ -17,6 +17,7 @@ from toolkit.model.blocks import layer_stack, uncounted
 from toolkit.model.build import meta_model
 from toolkit.model.placement import blocks_of, check_split, part_of_blocks
 from toolkit.model.stages import Stage, layout_of
+from toolkit.strategies.dims.compression import WIRE_DTYPES
 from toolkit.strategies.dims.levers import compression_of, local_sgd_of
 from toolkit.strategies.pipeline.schedules import (LOOPED, SCHEDULES, SPLIT_BACKWARD, V_SHAPED, micro_batches_error,
                                                    stage_ids, stages_per_rank_error)
@@ -92,10 +93,11 @@ def check_levers(recipe: Recipe, grid: Grid) -> None:
     if grid.dp < 2:
         raise RecipeError(f"{what}, and {grid.pp} stages on {grid.pp * grid.dp} ranks leave no replicas; use "
                           f"{ranks_option(2 * grid.pp)} or more")
-    if grid.schedule in SPLIT_BACKWARD:
+    if grid.schedule in SPLIT_BACKWARD and compression.kind not in WIRE_DTYPES:
         raise RecipeError(f"{what} through DDP's communication hook, which strategy.schedule {grid.schedule} "
-                          "bypasses (its weight gradients are averaged after the schedule); use schedule 1f1b, "
-                          "gpipe or interleaved-1f1b")
+                          "bypasses (its weight gradients are averaged after the schedule, cast to fp16 or bf16 "
+                          "at most); use schedule 1f1b, gpipe or interleaved-1f1b, or gradient_compression fp16 or "
+                          "bf16")
 
 
 def grid_of(recipe: Recipe, world_size: int) -> Grid:
