@@ -110,28 +110,29 @@ def _uses(owner: nn.Module) -> dict[str, tuple[int, int]]:
         source = textwrap.dedent(inspect.getsource(type(owner).forward))
     except (OSError, TypeError):
         return {}
-    getters = {"get_input_embeddings": "get_input_embeddings", "get_output_embeddings": "get_output_embeddings"}
+    getters = ("get_input_embeddings", "get_output_embeddings")
     children = {id(m): n for n, m in owner.named_children()}
     uses: dict[str, tuple[int, int]] = {}
+
+    def note(name: str, line: int) -> None:
+        first, last = uses.get(name, (line, line))
+        uses[name] = (min(first, line), max(last, line))
+
     tree = ast.parse(source)
     handed = {id(inner) for call in ast.walk(tree)
               if isinstance(call, ast.Call) and (_on_self(call.func) or _base_getattr(call.func))
               for argument in (*call.args, *call.keywords) for inner in ast.walk(argument)}
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and node.id == INPUT_IDS and id(node) not in handed:
-            first, last = uses.get(INPUT_IDS, (node.lineno, node.lineno))  # read by the forward itself
-            uses[INPUT_IDS] = (min(first, node.lineno), max(last, node.lineno))
+            note(INPUT_IDS, node.lineno)  # read by the forward itself
         if isinstance(node, ast.Call) and _base_getattr(node):  # the base model, by its prefix
-            name = str(getattr(owner, "base_model_prefix", ""))
-            first, last = uses.get(name, (node.lineno, node.lineno))
-            uses[name] = (min(first, node.lineno), max(last, node.lineno))
+            note(str(getattr(owner, "base_model_prefix", "")), node.lineno)
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
             name = node.attr
             if name in getters:
                 module = getattr(owner, name)()
                 name = children.get(id(module), name) if module is not None else name
-            first, last = uses.get(name, (node.lineno, node.lineno))
-            uses[name] = (min(first, node.lineno), max(last, node.lineno))
+            note(name, node.lineno)
     return uses
 
 
@@ -284,7 +285,8 @@ class Stage(nn.Module):
         return None
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        start, end = self.blocks()[0], self.blocks()[-1]
+        blocks = self.blocks()
+        start, end = blocks[0], blocks[-1]
         handles = []
         if not self.first:  # prepended: before FSDP2's own pre-forward hook, which casts the block's inputs
             handles.append(start.register_forward_pre_hook(functools.partial(self._given, x), with_kwargs=True,

@@ -15,6 +15,7 @@ from toolkit.model.precision import DTYPES
 from toolkit.strategies.base import SetupArgs, StrategyInfo
 from toolkit.strategies.dims.comm import ddp_collectives
 from toolkit.strategies.dims.levers import LeverOptions, compression_of, local_sgd_of
+from toolkit.strategies.dims.local_sgd import local_sgd_collectives
 from toolkit.strategies.dims.parallelize import DdpWrap, ddp_no_sync, replicate_over_world
 from toolkit.strategies.replicated import ReplicatedRules, ReplicatedStrategy, Replication
 
@@ -64,11 +65,8 @@ def ddp_reduction(model: nn.Module, recipe: Recipe, world_size: int) -> list[Col
     local = local_sgd_of(recipe)
     if local.on:
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        return [Collective(op="allreduce_", payload_bytes=numel * element_bytes(DTYPES[recipe.model.load_dtype]),
-                           calls=1, group="dp_replicate", group_size=world_size, phase="step",
-                           what=f"parameters averaged (every {local.every} steps)"),
-                Collective(op="allreduce_", payload_bytes=8, calls=1, group="dp_replicate", group_size=world_size,
-                           phase="step", what="the replicas' squared norms (their drift before the sync)")]
+        return local_sgd_collectives(numel * element_bytes(DTYPES[recipe.model.load_dtype]), local,
+                                     group_size=world_size)
     return ddp_collectives(model, group_size=world_size, group="dp_replicate",
                            bucket_cap_mb=options_of(DdpOptions, recipe).bucket_cap_mb,
                            grad_dtype=DTYPES[recipe.model.load_dtype], compression=compression_of(recipe))

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
+from toolkit.cost.collectives import Collective
 from toolkit.errors import RecipeError
 
 OUTER_OPTIMIZERS = ("average", "nesterov")
@@ -63,6 +64,15 @@ class LocalSgdConfig:
             return (f"local SGD, parameters synced every {self.every} steps by DiLoCo's Nesterov outer step (lr "
                     f"{self.outer_lr or DILOCO_OUTER_LR:g}, momentum {self.outer_momentum:g})")
         return f"local SGD, parameters averaged every {self.every} steps"
+
+
+def local_sgd_collectives(param_bytes: int, config: LocalSgdConfig, *, group_size: int) -> list[Collective]:
+    """What a rank's replicas send at a sync (the step the counter counts; none between syncs): its `param_bytes`
+    of parameters averaged in one all-reduce, and the float64 sum of their squared norms (the drift before it)."""
+    return [Collective(op="allreduce_", payload_bytes=param_bytes, calls=1, group="dp_replicate",
+                       group_size=group_size, phase="step", what=f"parameters averaged (every {config.every} steps)"),
+            Collective(op="allreduce_", payload_bytes=8, calls=1, group="dp_replicate", group_size=group_size,
+                       phase="step", what="the replicas' squared norms (their drift before the sync)")]
 
 
 class LocalSgd:

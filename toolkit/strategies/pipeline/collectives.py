@@ -35,6 +35,7 @@ from toolkit.strategies.dims.compression import WIRE_DTYPES, compression_collect
 from toolkit.strategies.dims.parallelize import DdpWrap
 from toolkit.strategies.pipeline.batches import padded_length
 from toolkit.strategies.dims.levers import compression_of, local_sgd_of
+from toolkit.strategies.dims.local_sgd import local_sgd_collectives
 from toolkit.strategies.pipeline.layout import grid_of, rank_stages
 from toolkit.strategies.pipeline.schedules import SPLIT_BACKWARD, V_SHAPED
 
@@ -59,6 +60,7 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
     out = [Collective(op="send", payload_bytes=sends * micro * one, calls=sends * micro, group="pp",
                       group_size=grid.pp, phase="forward", what="activations and their gradients")]
     tied = any(name != first for name, first in tied_aliases(model).items())
+    synced = grid.dp > 1 and local_sgd_of(recipe).on  # counted at a local SGD sync (strategy._local_step)
     for stage in stages:
         if tied and (stage.first or stage.last) and grid.schedule not in V_SHAPED:  # V: both on one rank
             weight = stage.tied_weight()
@@ -67,21 +69,17 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
                 else weight.numel()
             out.append(Collective(op="allreduce_", payload_bytes=numel * element_bytes(stored), calls=1, group="pp",
                                   group_size=2, phase="step", what="the tied embedding's gradient"))
+            if synced:  # its two copies evened after the sync
+                out.append(Collective(op="allreduce_", payload_bytes=numel * element_bytes(stored), calls=1,
+                                      group="pp", group_size=2, phase="step",
+                                      what="the tied embedding's copies evened after the sync"))
     if recipe.optim.max_grad_norm is not None:
         out.append(Collective(op="allreduce_", payload_bytes=4, calls=1, group="world" if grid.sharded else "pp",
                               group_size=world_size if grid.sharded else grid.pp, phase="step",
                               what="the clip's sum of squares"))
-    if grid.dp > 1 and local_sgd_of(recipe).on:  # counted at a sync: the drift's sums over the stages, and the
-        # tied embedding's copies averaged (strategy._local_step)
+    if synced:  # the drift's sums added up over the stages
         out.append(Collective(op="allreduce_", payload_bytes=16, calls=1, group="pp", group_size=grid.pp,
                               phase="step", what="the stages' drift sums at the sync"))
-        for stage in stages:
-            if tied and (stage.first or stage.last) and grid.schedule not in V_SHAPED:
-                weight = stage.tied_weight()
-                assert weight is not None
-                out.append(Collective(op="allreduce_", payload_bytes=weight.numel() * element_bytes(stored),
-                                      calls=1, group="pp", group_size=2, phase="step",
-                                      what="the tied embedding's copies evened after the sync"))
     if grid.dp > 1:
         out.append(Collective(op="allreduce_", payload_bytes=8, calls=1, group=grid.dp_dim, group_size=grid.dp,
                               phase="forward", what="the replicas' padded length (their longest)"))
@@ -103,10 +101,7 @@ def _replicas(stages: list[Stage], recipe: Recipe, *, dp: int, sharded: bool, mi
     grads = sum(p.numel() for p in params) * element_bytes(stored)
     local = local_sgd_of(recipe)
     if local.on:  # no gradient reduced; at a sync (the step counted) this rank's parameters averaged in one call
-        return [Collective(op="allreduce_", payload_bytes=grads, calls=1, group="dp_replicate", group_size=dp,
-                           phase="step", what=f"parameters averaged (every {local.every} steps)"),
-                Collective(op="allreduce_", payload_bytes=8, calls=1, group="dp_replicate", group_size=dp,
-                           phase="step", what="the replicas' squared norms (their drift before the sync)")]
+        return local_sgd_collectives(grads, local, group_size=dp)
     compression = compression_of(recipe)
     if by_hand:  # a split backward: each stage's gradients in one all-reduce (strategy._average_replicas)
         sent = sum(p.numel() for p in params) * 2 if compression.kind in WIRE_DTYPES else grads

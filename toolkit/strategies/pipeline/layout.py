@@ -76,25 +76,19 @@ def check_levers(recipe: Recipe, grid: Grid) -> None:
     compression.check(precision=recipe.precision)
     local = local_sgd_of(recipe)
     local.check(compression=compression.kind, precision=recipe.precision)
-    if local.on:
-        what = f"strategy.sync_every={local.every} averages the parameters of a stage's ddp replicas"
+    compressing = (f"strategy.gradient_compression={compression.kind} compresses the gradient all-reduce of a "
+                   "stage's ddp replicas")
+    levers = {f"strategy.sync_every={local.every} averages the parameters of a stage's ddp replicas": local.on,
+              compressing: compression.on}
+    for what in (what for what, on in levers.items() if on):
         if grid.sharded:
             raise RecipeError(f"{what}; strategy.data_parallel fsdp shards them instead: set "
                               "strategy.data_parallel=ddp")
         if grid.dp < 2:
             raise RecipeError(f"{what}, and {grid.pp} stages on {grid.pp * grid.dp} ranks leave no replicas; use "
                               f"{ranks_option(2 * grid.pp)} or more")
-    if not compression.on:
-        return
-    what = (f"strategy.gradient_compression={compression.kind} compresses the gradient all-reduce of a stage's ddp "
-            "replicas")
-    if grid.sharded:
-        raise RecipeError(f"{what}; strategy.data_parallel fsdp shards them instead: set strategy.data_parallel=ddp")
-    if grid.dp < 2:
-        raise RecipeError(f"{what}, and {grid.pp} stages on {grid.pp * grid.dp} ranks leave no replicas; use "
-                          f"{ranks_option(2 * grid.pp)} or more")
-    if grid.schedule in SPLIT_BACKWARD and compression.kind not in WIRE_DTYPES:
-        raise RecipeError(f"{what} through DDP's communication hook, which strategy.schedule {grid.schedule} "
+    if compression.on and grid.schedule in SPLIT_BACKWARD and compression.kind not in WIRE_DTYPES:
+        raise RecipeError(f"{compressing} through DDP's communication hook, which strategy.schedule {grid.schedule} "
                           "bypasses (its weight gradients are averaged after the schedule, cast to fp16 or bf16 "
                           "at most); use schedule 1f1b, gpipe or interleaved-1f1b, or gradient_compression fp16 or "
                           "bf16")
@@ -137,7 +131,8 @@ def rank_stages(model: nn.Module, recipe: Recipe, grid: Grid, pp_rank: int) -> l
 
     parts, num_stages = stage_of_blocks(model, recipe, grid)
     return [Stage(copy.deepcopy(model), layer_ids=[i for i, p in enumerate(parts) if p == s], first=s == 0,
-                  last=s == num_stages - 1, blocks=recipe.strategy.blocks) for s in grid.stage_ids(pp_rank, recipe.strategy.stages_per_rank)]
+                  last=s == num_stages - 1, blocks=recipe.strategy.blocks)
+            for s in grid.stage_ids(pp_rank, recipe.strategy.stages_per_rank)]
 
 
 def count_busy_time(stage: PipelineStage, owner: Any) -> None:

@@ -117,8 +117,7 @@ class PipelineStrategy:
             self.stage_modules.append(stage)
             wrapped.append(self._replicate(stage, args.recipe))
         self._model = nn.ModuleList(wrapped)
-        if self.compression.on:
-            compression.warn_if_never(self.compression, total_steps=args.total_steps, is_main=env.is_main)
+        compression.warn_if_never(self.compression, total_steps=args.total_steps, is_main=env.is_main)
         self.busy_s = 0.0
         self.micro_batches = args.grad_accum_steps
         # one (stages, schedule) per padded length, built at its first step (batches.padded_length): torch's stages
