@@ -22,6 +22,7 @@ RUNS = {
     "communication": (["--arms", "ddp,ddp-bf16c", "--steps", "2"], "bytes/step"),
     "pipeline_efficiency": (["--arms", "single,pp-zbv", "--steps", "2"], "idle per rank"),
     "scale_prediction": (["--rows", "4", "--cli-check"], "published"),
+    "startup": (["--runs", "1"], "median s"),
     "gpu_throughput": (["--arms", "single", "--steps", "2", "--seq", "32", "--micro-batch", "1", *TINY_LLAMA],
                        "tokens/s"),
 }

@@ -46,7 +46,7 @@ def _files(folder: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("command", ["train", "launch", "convert"])
-def test_a_checkpoint_missing_a_data_file_is_one_line_naming_it(command, recipe, checkpoint, tmp_path, capsys):
+def test_a_checkpoint_missing_a_data_file_is_one_line_naming_it(command, recipe, checkpoint, tmp_path, capfd):
     copy = tmp_path / "copy"
     shutil.copytree(checkpoint, copy)
     (copy / "__0_0.distcp").unlink()
@@ -54,7 +54,7 @@ def test_a_checkpoint_missing_a_data_file_is_one_line_naming_it(command, recipe,
     args = {"train": ["train", str(recipe), "--set", f"output_dir={out}", "--resume", str(copy)],
             "launch": ["launch", "--nproc", "1", str(recipe), "--set", f"output_dir={out}", "--resume", str(copy)],
             "convert": ["convert", str(copy), str(out)]}[command]
-    _assert_one_line_exit_2(main(args), capsys, "is incomplete", "__0_0.distcp")
+    _assert_one_line_exit_2(main(args), capfd, "is incomplete", "__0_0.distcp")  # a launch's rank says it
     assert not out.exists()
 
 
@@ -106,10 +106,10 @@ def test_convert_into_a_folder_it_cannot_or_must_not_make_is_one_line(where, rec
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="no /proc here")
 @pytest.mark.parametrize("command", ["train", "launch"])
-def test_an_output_dir_that_cannot_be_made_is_one_line(command, recipe, capsys):
+def test_an_output_dir_that_cannot_be_made_is_one_line(command, recipe, capfd):
     out = "/proc/toolkit-run"
     args = ["train", str(recipe)] if command == "train" else ["launch", "--nproc", "1", str(recipe)]
-    _assert_one_line_exit_2(main([*args, "--set", f"output_dir={out}"]), capsys,
+    _assert_one_line_exit_2(main([*args, "--set", f"output_dir={out}"]), capfd,
                             f"output_dir {out}: no folder can be made in /proc", "choose another output_dir")
     assert not Path(out).exists()
 

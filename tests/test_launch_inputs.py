@@ -1,6 +1,8 @@
 """What a user gives `toolkit validate` / `toolkit launch` beside the recipe's own keys (paths with `~`, trackers'
 stores, the rendezvous endpoint, checks only the ranks used to make): exit code 2, one line naming the fix, before
-any rank starts and with nothing written."""
+anything is written. `toolkit launch` on one machine leaves these checks to its ranks (they import what the checks
+need anyway), which say the line themselves: those tests read the file descriptors (capfd), as a terminal shows
+them, not only what the launcher's Python printed."""
 
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ def _recipe(tmp_path, model_dir, **sections):
     return write_recipe(tmp_path / "r.yaml", model_dir=model_dir, output_dir=out, **sections), out
 
 
-def _one_line_exit_2(code, capsys, words, out=None):
-    err = capsys.readouterr().err.strip().splitlines()
+def _one_line_exit_2(code, captured, words, out=None):
+    """`captured`: capsys, or capfd where the ranks of a launch say the line."""
+    err = captured.readouterr().err.strip().splitlines()
     assert code == 2
     assert len(err) == 1 and err[0].startswith("toolkit: error:") and words in err[0], err
     assert out is None or not out.exists()
@@ -101,11 +104,11 @@ def test_compare_takes_an_arm_saved_before_a_key_existed_at_its_default(tmp_path
 
 # --- trackers --------------------------------------------------------------------------------------------------
 
-def test_mlflow_file_store_is_one_line_before_ranks_start(tmp_path, tiny_llama_dir, monkeypatch, capsys):
+def test_mlflow_file_store_is_one_line_before_anything_is_written(tmp_path, tiny_llama_dir, monkeypatch, capfd):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path}/mlruns")
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     recipe, out = _recipe(tmp_path, tiny_llama_dir, train={"report_to": ["mlflow"]})
-    _one_line_exit_2(main(["launch", str(recipe)]), capsys, "MLFLOW_ALLOW_FILE_STORE=true", out)
+    _one_line_exit_2(main(["launch", str(recipe)]), capfd, "MLFLOW_ALLOW_FILE_STORE=true", out)
     assert not (tmp_path / "mlruns").exists()
 
 
@@ -123,11 +126,11 @@ def test_mlflow_sqlite_store_mlflow_cannot_open_is_one_line_before_ranks_start(s
     assert (tmp_path / "notadb.db").read_text() == "garbage, not a database\n"  # the user's file, untouched
 
 
-def test_tracking_dir_that_is_a_file_is_one_line(tmp_path, tiny_llama_dir, capsys):
+def test_tracking_dir_that_is_a_file_is_one_line(tmp_path, tiny_llama_dir, capfd):
     (tmp_path / "afile").write_text("")
     recipe, out = _recipe(tmp_path, tiny_llama_dir,
                           train={"report_to": ["tensorboard"], "tracking_dir": str(tmp_path / "afile")})
-    _one_line_exit_2(main(["launch", str(recipe)]), capsys, "is a file, not a folder; choose another "
+    _one_line_exit_2(main(["launch", str(recipe)]), capfd, "is a file, not a folder; choose another "
                      "train.tracking_dir", out)
 
 
@@ -255,7 +258,7 @@ def test_accelerates_own_switch_spellings_are_read_as_it_reads_them():
                              "TransformerBlock: [TransformerBlock])"),
 ])
 @pytest.mark.parametrize("command", ["validate", "launch", "compare"])
-def test_what_the_ranks_found_is_checked_before_they_start(command, sets, words, tmp_path, tiny_llama_dir, capsys):
+def test_what_the_ranks_found_is_checked_before_they_write(command, sets, words, tmp_path, tiny_llama_dir, capfd):
     recipe, out = _recipe(tmp_path, tiny_llama_dir)
     sets = [s.replace("{model}", str(tiny_llama_dir)) for s in sets]
     arms = []
@@ -263,7 +266,7 @@ def test_what_the_ranks_found_is_checked_before_they_start(command, sets, words,
         fsdp = [s for s in sets if s.startswith("strategy.") and s != "strategy.name=fsdp"]
         sets = [s for s in sets if not s.startswith("strategy.")]
         arms = ["--strategies", "@".join(["single,fsdp", *fsdp]), "--nproc", "2"]
-    _one_line_exit_2(main([command, str(recipe), *arms, *[a for s in sets for a in ("--set", s)]]), capsys, words,
+    _one_line_exit_2(main([command, str(recipe), *arms, *[a for s in sets for a in ("--set", s)]]), capfd, words,
                      out)
 
 

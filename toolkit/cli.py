@@ -36,12 +36,12 @@ def _add_resume(parser: argparse.ArgumentParser) -> None:
 
 
 def _resume_of(args):
-    from toolkit.checkpoint.run import Resume
-
     if args.resume is None:
         if args.resume_weights_only:
             raise RecipeError("--resume-weights-only goes with --resume [CHECKPOINT]")
         return None
+    from toolkit.checkpoint.run import Resume  # torch.distributed.checkpoint: ~0.4 s a launcher without --resume skips
+
     # `--resume=~/run/...` reaches us unexpanded (a shell expands `~` only at a word's start): as the recipe's paths
     return Resume(path=os.path.expanduser(args.resume) if args.resume else None, weights_only=args.resume_weights_only)
 

@@ -99,6 +99,7 @@ def _check_port_free(form: str, port: int, addresses: list) -> None:
 
 
 NODES_ENV = "TOOLKIT_NODES"  # Nodes.shared_launch_args, for the ranks (resume_hint)
+RANKS_CHECK_ENV = "TOOLKIT_RANKS_CHECK"  # "1": the ranks run the recipe's checks, not the launcher (launch_recipe)
 
 
 def resume_hint(world_size: int) -> str:
@@ -153,32 +154,43 @@ def prepare_environment() -> None:
 
 def launch_recipe(recipe_path: str, overrides: list[str], *, nproc: int, nodes: Nodes = Nodes(),
                   max_restarts: int = 0, resume=None) -> int:
-    """`toolkit launch`: the recipe's checks on this machine, before any rank starts (a mistake: RecipeError), then
-    its ranks (launch); returns the exit code. `resume`: a checkpoint.run.Resume, or None to start afresh."""
+    """`toolkit launch`: the recipe's checks (a mistake: RecipeError, one line), then its ranks (launch); returns
+    the exit code. `resume`: a checkpoint.run.Resume, or None to start afresh.
+
+    Where the checks run. On one machine, in the ranks (RANKS_CHECK_ENV), first thing after they join the group:
+    they import torch, transformers and datasets anyway, so the checks cost them ~0.15 s, where the launcher paid
+    ~2 s of the same imports before any rank started (a 2-rank, 1-step llama-tiny launch: 9.3 s -> see the
+    README's start-up line). Every rank finds the same mistake; the first says its line (say_user_error), every rank
+    exits 2 before writing anything, and so does the launch. With more machines, each machine's launcher checks
+    before it joins the rendezvous, so that a machine whose files differ is refused there, not in a group that
+    waits for it."""
     from pathlib import Path
 
     from toolkit.checkpoint import store
-    from toolkit.checkpoint.run import NothingToResume, starting_point
     from toolkit.config.parallel import resolve
-    from toolkit.train.checks import check_recipe
     from toolkit.config.files import load_recipe
 
     recipe = resolve(load_recipe(recipe_path, overrides), world_size=nproc * nodes.count)  # degrees -> preset
-    plan = check_recipe(recipe, world_size=nproc * nodes.count)  # on every node, before its ranks start
+    in_ranks = nodes.count == 1
+    if not in_ranks:
+        from toolkit.checkpoint.run import NothingToResume, starting_point
+        from toolkit.train.checks import check_recipe
+
+        plan = check_recipe(recipe, world_size=nproc * nodes.count)  # on every node, before its ranks start
+        try:  # an existing run without --resume, or nothing to resume: one line
+            starting_point(recipe, resume, plan=plan)
+        except NothingToResume as done:
+            print(done, file=sys.stderr, flush=True)
+            return 0
     if max_restarts and recipe.checkpoint.every_steps is None:
         print(f"[toolkit] warning: --max-restarts {max_restarts} restarts the ranks from the run's newest "
               "checkpoint, and checkpoint.every_steps is not set (only a final checkpoint): a restart trains again "
               "from step 1; set checkpoint.every_steps to lose at most that many steps", file=sys.stderr, flush=True)
-    try:  # an existing run without --resume, or nothing to resume: one line
-        starting_point(recipe, resume, plan=plan)
-    except NothingToResume as done:
-        print(done, file=sys.stderr, flush=True)
-        return 0
     extra = [] if resume is None else ["--resume", *([resume.path] if resume.path else [])] + \
         (["--resume-weights-only"] if resume.weights_only else [])
     started, failures = time.time(), list[Failure]()
     code = launch(recipe_path, nproc=nproc, overrides=overrides, extra=extra, max_restarts=max_restarts,
-                  nodes=nodes, failures=failures)
+                  nodes=nodes, failures=failures, check_in_ranks=in_ranks)
     out_dir = Path(recipe.output_dir)
     run_info = out_dir / "run.json"
     if code == 0 or not run_info.is_file() or run_info.stat().st_mtime < started:
@@ -202,9 +214,11 @@ AGENT_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")  # the handlers torch
 
 
 def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[str] | None = None,
-           max_restarts: int = 0, nodes: Nodes = Nodes(), failures: list[Failure] | None = None) -> int:
+           max_restarts: int = 0, nodes: Nodes = Nodes(), failures: list[Failure] | None = None,
+           check_in_ranks: bool = False) -> int:
     """Run the recipe on `nproc` local ranks (of `nodes`) through torch.distributed.run; returns the exit code.
-    `failures` gets which ranks failed and how, where the launch failed ("rank 0 killed by SIGKILL; ...")."""
+    `failures` gets which ranks failed and how, where the launch failed ("rank 0 killed by SIGKILL; ...").
+    `check_in_ranks`: the ranks run the launcher's checks of the recipe (launch_recipe) before they train."""
     import signal
 
     from torch.distributed.run import get_args_parser, run
@@ -226,8 +240,12 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
     handlers = {signum: signal.getsignal(signum) for signum in
                 (getattr(signal, name) for name in AGENT_SIGNALS if hasattr(signal, name))}
     # the ranks inherit these; this process gets its own back
-    before = {name: os.environ.get(name) for name in (NODES_ENV, SAID_DIR_ENV, LAUNCHER_PID_ENV)}
+    before = {name: os.environ.get(name) for name in (NODES_ENV, SAID_DIR_ENV, LAUNCHER_PID_ENV, RANKS_CHECK_ENV)}
     os.environ.update({NODES_ENV: nodes.shared_launch_args(), SAID_DIR_ENV: said})
+    if check_in_ranks:
+        os.environ[RANKS_CHECK_ENV] = "1"
+    else:
+        os.environ.pop(RANKS_CHECK_ENV, None)
     if threading.current_thread() is threading.main_thread():
         # the ranks end with this process (toolkit.process.orphans): torch's agent starts them from the thread that
         # calls run(), and a rank's death signal fires when that thread ends, which for the main thread is

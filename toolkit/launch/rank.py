@@ -43,7 +43,7 @@ def run_rank(recipe_path: str, overrides: list[str], resume: Resume | None) -> i
     quiet_libraries()
     from toolkit.process.dist import exit_process, init_distributed, shutdown
 
-    env = init_distributed()
+    env = init_distributed(deepspeed=_may_import_deepspeed(recipe.strategy.name))
     code, strategy = 1, None
     try:
         code, strategy = train_rank(recipe, env, resume)
@@ -59,6 +59,14 @@ def run_rank(recipe_path: str, overrides: list[str], resume: Resume | None) -> i
         release = strategy.close if strategy is not None else None
         left_cleanly = shutdown(completed=code == 0, release=release)
     return exit_process(code if left_cleanly else 1)
+
+
+def _may_import_deepspeed(name: str) -> bool:
+    """Whether a rank of strategy `name` may import DeepSpeed: one that runs on it (StrategyInfo.runtime_modules),
+    or a name the toolkit does not know (its error comes later, from the strategy's checks)."""
+    from toolkit.strategies import strategy_info, strategy_names
+
+    return name not in strategy_names() or "deepspeed" in strategy_info(name).runtime_modules
 
 
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed",
@@ -79,12 +87,16 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
     from toolkit.checkpoint.store import CheckpointWriteError
     from toolkit.observe.consistency import ReplicaDriftError
     from toolkit.train.loop import train
-    from toolkit.launch.launcher import resume_hint
+    from toolkit.launch.launcher import RANKS_CHECK_ENV, resume_hint
     from toolkit.process.stopping import NonFinite, Stopped
 
     out_dir = Path(recipe.output_dir)
     before = entries(out_dir)
     try:
+        if os.environ.get(RANKS_CHECK_ENV) == "1":  # `toolkit launch` on one machine left its checks to the ranks
+            from toolkit.train.checks import check_recipe
+
+            check_recipe(recipe, world_size=env.world_size)
         result = train(recipe, env, resume=resume)
     except RecipeError as exc:
         if env.is_main:

@@ -103,8 +103,8 @@ def uncounted(method: Callable) -> Callable:
 
 
 def count_blocks(config: ModelConfig, names: tuple[str, ...] | None) -> int:
-    """How many transformer blocks the recipe's model has (lets the launcher check a split before any rank
-    starts)."""
+    """How many transformer blocks the recipe's model has (lets the recipe's checks refuse a split before
+    training starts)."""
     return len(layer_stack(meta_model(config), names))
 
 

@@ -223,7 +223,7 @@ def _finish(model: Any, config: ModelConfig, *, tokenizer) -> nn.Module:
 
 def check_vocabulary(model: nn.Module, tokenizer) -> None:
     """Every token id the tokenizer gives has a row in the model's input embedding (also on the meta device: the
-    launcher's check before any rank starts)."""
+    recipe's checks before training starts)."""
     vocab = cast(nn.Embedding, cast(Any, model).get_input_embeddings()).num_embeddings
     if len(tokenizer) > vocab:
         raise RecipeError(f"model: tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "

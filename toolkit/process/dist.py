@@ -60,8 +60,10 @@ def machines_of(world_size: int) -> tuple[int, int]:
         return 1, world_size
 
 
-def init_distributed() -> DistEnv:
-    """Join the process group the launcher described (if any) and pick this rank's device."""
+def init_distributed(*, deepspeed: bool = True) -> DistEnv:
+    """Join the process group the launcher described (if any) and pick this rank's device. `deepspeed`: the run
+    may import DeepSpeed (its strategy runs on it), whose comm module is then imported first (_import_before_group);
+    a strategy that never imports it does not pay its ~0.3 s of CPU per rank."""
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = env_world_size()
@@ -73,7 +75,7 @@ def init_distributed() -> DistEnv:
         device = torch.device("cpu")
         backend = "gloo"
     if world_size > 1 and not dist.is_initialized():
-        _import_before_group()
+        _import_before_group(deepspeed=deepspeed)
         timeout = datetime.timedelta(minutes=30)
         dist.init_process_group(backend=backend, timeout=timeout,
                                 **_attempt_store(rank=rank, world_size=world_size, timeout=timeout))
@@ -117,15 +119,18 @@ def ensure_process_group(env: DistEnv, *, strategy: str) -> None:
 # module is imported. Imported after init_process_group they hold the default group for the life of the
 # process, so destroy_process_group cannot free it and its native threads outlive interpreter teardown
 # (see exit_process). Who imports them late: DDP (torch._dynamo imports torch.distributed.nn.functional),
-# the fsdp strategy (ShardedGradScaler), and save_pretrained on rank 0 (accelerate's unwrap imports
-# DeepSpeed, whose comm backend's barrier() holds GroupMember.WORLD). Imported first, the defaults are None.
+# the fsdp strategy (ShardedGradScaler), and a DeepSpeed strategy (its comm backend's barrier() holds
+# GroupMember.WORLD). Imported first, the defaults are None. DeepSpeed's only where the strategy runs on it
+# (init_distributed): with transformers 5.24 a ddp rank never imports it (checked by sys.modules at exit).
 _DEFAULT_GROUP_CAPTURERS = ("torch.distributed.nn.functional", "torch.distributed.fsdp.sharded_grad_scaler",
                             "deepspeed.comm.torch")
 
 
-def _import_before_group() -> None:
+def _import_before_group(*, deepspeed: bool = True) -> None:
     cache_cpu_info()
     for name in _DEFAULT_GROUP_CAPTURERS:
+        if name.startswith("deepspeed.") and not deepspeed:
+            continue
         if importlib.util.find_spec(name.split(".")[0]) is None:
             continue  # DeepSpeed is optional on a machine that runs no zero strategy
         try:

@@ -128,8 +128,9 @@ class StrategyRules(Protocol):
         """What the strategy is under this recipe (ZeRO's stage decides whether it holds gradients)."""
 
     def validate(self, recipe: Recipe, *, world_size: int) -> None:
-        """Raise RecipeError for a recipe this strategy cannot run at this world size. No process group
-        exists yet: the launcher runs it before any rank starts, and every rank again before setup."""
+        """Raise RecipeError for a recipe this strategy cannot run at this world size. It may run where no
+        process group exists: `validate`, a launcher of several machines before its ranks start; a rank runs it
+        before setup (and, under `toolkit launch` on one machine, with the recipe's checks before that)."""
 
     def data_layout(self, recipe: Recipe, *, world_size: int, rank: int) -> DataLayout:
         """Which shard of each global batch `rank` reads (no process group needed)."""

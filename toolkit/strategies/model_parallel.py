@@ -41,7 +41,7 @@ INFO = StrategyInfo(
 
 
 def check_model_split(recipe: Recipe, world_size: int) -> None:
-    """The device list and the split against the model's blocks, before any rank starts."""
+    """The device list and the split against the model's blocks, before training starts."""
     options = options_of(ModelParallelOptions, recipe)
     devices = parse_devices(options.devices, local_rank=max(0, world_size - 1))
     check_split(options.split, num_blocks=count_blocks(recipe.model, options.blocks),

@@ -1,5 +1,7 @@
-"""Checks of a recipe that need no process group: run by `validate` and by `launch` before any rank starts,
-so a user's mistake is one line from the launcher, not a failure inside every rank."""
+"""Checks of a recipe that need no process group, run before anything is written: by `validate`, by the ranks of
+`toolkit launch` on one machine as their first step (each says the same mistake; say_user_error prints it once),
+and by each machine's launcher of a job over several before it joins the rendezvous. A user's mistake is one line,
+not a failure somewhere inside training."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A pipeline's layout, before any rank starts: the recipe's checks, the (pp × dp) rank grid, which stage
+"""A pipeline's layout, before training starts: the recipe's checks, the (pp × dp) rank grid, which stage
 each block goes to, and the idle bubble its schedule leaves (in theory; measured by count_busy_time). Shared by the strategy's setup and
 its memory plan (toolkit/strategies/pipeline/memory.py)."""
 
@@ -192,7 +192,7 @@ def check_stage_blocks(skeleton: nn.Module, names: tuple[str, ...] | None) -> No
 
 
 def check_recipe(recipe: Recipe, *, world_size: int) -> None:
-    """The pipeline's recipe errors, one RecipeError each, before any rank starts."""
+    """The pipeline's recipe errors, one RecipeError each, before training starts."""
     options = recipe.strategy
     if options.schedule not in SCHEDULES:
         raise RecipeError(f"strategy.schedule: unknown value {options.schedule!r}; choose one of "

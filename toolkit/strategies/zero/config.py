@@ -1,6 +1,6 @@
 """The DeepSpeed config of a recipe: generated from it, or an existing JSON with its "auto" values filled
 from it the way Accelerate/HF do. Where the JSON and the recipe disagree it is a RecipeError naming both.
-The launcher checks this before any rank starts. DeepSpeed is imported there only for a precision other than
+The recipe's checks (train/checks.py) check this before training starts. DeepSpeed is imported there only for a precision other than
 fp32 (its accelerator) and for a JSON (its own config model checks the JSON's settings): importing any part of
 DeepSpeed runs its package __init__, ~0.9 s on top of torch and transformers (measured, CPU)."""
 
@@ -171,7 +171,7 @@ def resolve_ds_config(recipe: Recipe, plan: BatchPlan, *, hidden_size: int | Non
 
 
 def check_with_deepspeed(config: dict, path: Path) -> None:
-    """What deepspeed.initialize would refuse in a JSON, found before any rank starts: DeepSpeed's own model of
+    """What deepspeed.initialize would refuse in a JSON, found before training starts: DeepSpeed's own model of
     zero_optimization (a stage outside 0-3, a size that is no number, a key it does not know), an nvme offload
     without its nvme_path (a TypeError in a path join otherwise), an optimizer or scheduler type that its
     engine does not build (an AssertionError otherwise), and what zero_json finds: a top-level key that is a typo

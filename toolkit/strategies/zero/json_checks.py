@@ -1,4 +1,4 @@
-"""What DeepSpeed would ignore or fail on in a JSON, found before any rank starts: a top-level key it does not read
+"""What DeepSpeed would ignore or fail on in a JSON, found before training starts: a top-level key it does not read
 (a typo of one it does), one it has removed, and an optimizer type its accelerator has no op for. Imports DeepSpeed
 (zero_config.check_with_deepspeed calls these for a JSON only)."""
 
