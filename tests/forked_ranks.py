@@ -53,6 +53,9 @@ RUNTIME_NAMES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
                  # read by Intel's OpenMP as it loads (torch's CPU build links GNU's) and by inductor's C++
                  # builder when it compiles; scikit-learn sets it as it is imported (in the tests' process)
                  "KMP_DUPLICATE_LIB_OK",
+                 # set by `import deepspeed` (in the tests' process once a test imported it; the server does not),
+                 # read by torch.cuda.is_available at each call, not as torch loads
+                 "PYTORCH_NVML_BASED_CUDA_CHECK",
                  "PYTHONUNBUFFERED", "PWD", "OLDPWD", "SHLVL", "_"}
 _SERVER_ENV: dict[str, str] = {}  # the server's environment once it imported: what a client's is set against
 _DEFAULTS: dict[str, str] = {}  # what the toolkit's settings and the imports added to it (a rank adds the same)
