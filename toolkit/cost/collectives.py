@@ -44,9 +44,17 @@ class Collective:
     phase: str  # PHASES: forward / backward (beside compute), step (after backward), loop (the loop's own)
     what: str = ""  # what moves: "gradients", "parameters", "activations", ...
     overlap: str = "nothing"  # OVERLAPS
+    # runs at one optimizer step in `every` (local SGD's sync): the counter counts it at such a step, and the time
+    # model charges each step 1/every of it, the mean over a window
+    every: int = 1
+    # what the rank computes to encode and decode what it sends, on the critical path (PowerSGD's matrix products
+    # and error feedback, which its DDP hook runs between backward's buckets): FLOPs, and bytes read and written
+    codec_flops: float = 0.0
+    codec_bytes: int = 0
 
     def __post_init__(self) -> None:
         assert self.op in KINDS and self.phase in PHASES and self.overlap in OVERLAPS, (self.op, self.phase)
+        assert self.every >= 1, self.every
 
     @property
     def kind(self) -> str:

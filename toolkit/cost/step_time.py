@@ -17,6 +17,9 @@ Each rule is written once, here, with its source:
     nothing   exposed in full; and so is everything on a profile whose collectives share the compute's cores
               (Hardware.overlaps_communication: calibrate's cpu profile, gloo);
 - pipeline: each rank computes its stages; idle its schedule's bubble (pipeline/schedules.theoretical_bubble);
+- a collective that runs one step in `every` (local SGD's sync): 1/every of its time in each step;
+- encoding (Collective.codec_flops, codec_bytes: PowerSGD's products and error feedback): its FLOPs at the fp32
+  matmul rate and its bytes at the memory bandwidth, all exposed (DDP runs the hook between backward's buckets);
 - optimizer step: memory-bound, AdamW reads a parameter, its gradient and two moments and writes three;
 - offload: gradients to the host and parameters back over PCIe each step, the update at HOST_ADAM_BYTES_PER_S.
 """
@@ -115,6 +118,11 @@ def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficienc
         costs.append(Cost(what="pipeline bubble", seconds=idle, exposed_s=idle))
     costs += _communication(work.collectives, d, cluster, forward_s=forward_s, backward_s=backward_s,
                             bus_efficiency=bus_efficiency)
+    bandwidth = hw.measured.memory_bandwidth_bytes_per_s or hw.memory_bandwidth_bytes_per_s
+    for c in work.collectives:  # encoding what a collective sends: on the critical path, its compute and memory
+        if c.codec_flops or c.codec_bytes:
+            codec_s = (c.codec_flops / _flops_per_s(hw, "fp32", efficiency) + c.codec_bytes / bandwidth) / c.every
+            costs.append(Cost(what=f"encoding {c.what}", seconds=codec_s, exposed_s=codec_s))
     if not work.offloaded_bytes:  # on the device, at its memory bandwidth
         step_s = work.optimizer_bytes / (hw.measured.memory_bandwidth_bytes_per_s or hw.memory_bandwidth_bytes_per_s)
         costs.append(Cost(what="optimizer step", seconds=step_s, exposed_s=step_s))
@@ -198,7 +206,8 @@ def _communication(collectives: list[Collective], degrees: Degrees, cluster: Clu
         measured = (hw.measured.bus_bandwidth_by_kind or {}).get(c.kind)
         if measured and where == "in node":  # the collective's own rate at its message size, where measured
             bandwidth = _interpolated(measured, c.payload_bytes / max(c.calls, 1))
-        timed.append((c, wire_time_s(c, bandwidth_bytes_per_s=bandwidth, latency_s=latency), where))
+        # one step in `every` (local SGD's sync): a step's mean share
+        timed.append((c, wire_time_s(c, bandwidth_bytes_per_s=bandwidth, latency_s=latency) / c.every, where))
     costs = []
     # each kind hides behind the compute it runs beside; the two windows share backward's time, since a layout has
     # one kind or the other (FSDP2 and ZeRO-3 prefetch through both passes; DDP and ZeRO-1/2 reduce in backward)

@@ -168,6 +168,30 @@ def powersgd_numbers(shapes: list[tuple[int, ...]], rank: int) -> tuple[int, int
     return whole, p, q
 
 
+# numbers read or written per gradient number of a bucket by powerSGD_hook's error feedback, whatever is compressed:
+# the error added (read both, write), the copy kept (read, write), the new error (read both, write)
+ERROR_FEEDBACK_PASSES = 8
+# and per number of a compressed matrix M: read by P = M·Q and by Q = Mᵀ·P, written by the decompression P·Qᵀ
+MATRIX_PASSES = 3
+
+
+def powersgd_codec(shapes: list[tuple[int, ...]], rank: int) -> tuple[float, int]:
+    """What powerSGD_hook computes per steady step over gradients of `shapes` (torch 2.13's, read from its source):
+    (FLOPs, numbers read and written). Each compressed n×m matrix with r = min(n, m, rank): 2·n·m·r FLOPs for each of
+    P = M·Q, Q = Mᵀ·P and the decompression P·Qᵀ, and 2·n·r² to orthogonalize P (Gram-Schmidt, or QR for r > 2)."""
+    flops = 0.0
+    numbers = compressed_numbers = 0
+    for shape in shapes:
+        numbers += math.prod(shape)
+        matrix = compressed(shape, rank)
+        if matrix is not None:
+            n, m = matrix
+            r = min(n, m, rank)
+            flops += 3 * 2 * n * m * r + 2 * n * r * r
+            compressed_numbers += n * m
+    return flops, ERROR_FEEDBACK_PASSES * numbers + MATRIX_PASSES * compressed_numbers
+
+
 class PowerSgd:
     """torch's powerSGD_hook, its state carried over where DDP's buckets change (see the module's doc)."""
 
@@ -292,10 +316,12 @@ def compression_collectives(shapes: list[tuple[int, ...]], compression: Compress
                            group_size=group_size, phase="backward", what="gradients (16-bit)", overlap="backward")]
     whole, p, q = powersgd_numbers(shapes, compression.rank)
     each = grad_bytes_per_number
+    flops, passes = powersgd_codec(shapes, compression.rank)
     return [Collective(op="allreduce_", payload_bytes=whole * each, calls=buckets, group=group, group_size=group_size,
                        phase="backward", what="gradients sent whole", overlap="backward"),
             Collective(op="allreduce_", payload_bytes=p * each, calls=buckets, group=group, group_size=group_size,
-                       phase="backward", what="PowerSGD P factors", overlap="backward"),
+                       phase="backward", what="PowerSGD P factors", overlap="backward", codec_flops=flops,
+                       codec_bytes=passes * each),
             Collective(op="allreduce_", payload_bytes=q * each, calls=buckets, group=group, group_size=group_size,
                        phase="backward", what="PowerSGD Q factors", overlap="backward")]
 

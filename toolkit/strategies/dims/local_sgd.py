@@ -68,11 +68,14 @@ class LocalSgdConfig:
 
 def local_sgd_collectives(param_bytes: int, config: LocalSgdConfig, *, group_size: int) -> list[Collective]:
     """What a rank's replicas send at a sync (the step the counter counts; none between syncs): its `param_bytes`
-    of parameters averaged in one all-reduce, and the float64 sum of their squared norms (the drift before it)."""
+    of parameters averaged in one all-reduce, and the float64 sum of their squared norms (the drift before it).
+    Each runs every `config.every` steps: the step-time model charges a step 1/every of them."""
     return [Collective(op="allreduce_", payload_bytes=param_bytes, calls=1, group="dp_replicate",
-                       group_size=group_size, phase="step", what=f"parameters averaged (every {config.every} steps)"),
+                       group_size=group_size, phase="step", what=f"parameters averaged (every {config.every} steps)",
+                       every=config.every),
             Collective(op="allreduce_", payload_bytes=8, calls=1, group="dp_replicate", group_size=group_size,
-                       phase="step", what="the replicas' squared norms (their drift before the sync)")]
+                       phase="step", what="the replicas' squared norms (their drift before the sync)",
+                       every=config.every)]
 
 
 class LocalSgd:

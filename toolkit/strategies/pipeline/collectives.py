@@ -60,7 +60,8 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
     out = [Collective(op="send", payload_bytes=sends * micro * one, calls=sends * micro, group="pp",
                       group_size=grid.pp, phase="forward", what="activations and their gradients")]
     tied = any(name != first for name, first in tied_aliases(model).items())
-    synced = grid.dp > 1 and local_sgd_of(recipe).on  # counted at a local SGD sync (strategy._local_step)
+    local = local_sgd_of(recipe)
+    synced = grid.dp > 1 and local.on  # counted at a local SGD sync (strategy._local_step), one step in local.every
     for stage in stages:
         if tied and (stage.first or stage.last) and grid.schedule not in V_SHAPED:  # V: both on one rank
             weight = stage.tied_weight()
@@ -72,14 +73,14 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
             if synced:  # its two copies evened after the sync
                 out.append(Collective(op="allreduce_", payload_bytes=numel * element_bytes(stored), calls=1,
                                       group="pp", group_size=2, phase="step",
-                                      what="the tied embedding's copies evened after the sync"))
+                                      what="the tied embedding's copies evened after the sync", every=local.every))
     if recipe.optim.max_grad_norm is not None:
         out.append(Collective(op="allreduce_", payload_bytes=4, calls=1, group="world" if grid.sharded else "pp",
                               group_size=world_size if grid.sharded else grid.pp, phase="step",
                               what="the clip's sum of squares"))
     if synced:  # the drift's sums added up over the stages
         out.append(Collective(op="allreduce_", payload_bytes=16, calls=1, group="pp", group_size=grid.pp,
-                              phase="step", what="the stages' drift sums at the sync"))
+                              phase="step", what="the stages' drift sums at the sync", every=local.every))
     if grid.dp > 1:
         out.append(Collective(op="allreduce_", payload_bytes=8, calls=1, group=grid.dp_dim, group_size=grid.dp,
                               phase="forward", what="the replicas' padded length (their longest)"))
