@@ -116,7 +116,7 @@ def validate_strategy(recipe: Recipe, *, world_size: int) -> BatchPlan:
                           "blocks are not checked against eager ones); set train.compile: false")
     if recipe.train.tiled_loss and not info.tiles_loss:
         raise RecipeError(f"train.tiled_loss is not available with strategy {recipe.strategy.name} yet (not checked "
-                          "against the full loss there); use single, ddp or fsdp, or set train.tiled_loss: false")
+                          "against the full loss there); use single, ddp, fsdp or zero, or set train.tiled_loss: false")
     rules.validate(recipe, world_size=world_size)
     layout = rules.data_layout(recipe, world_size=world_size, rank=0)
     return plan_batch(recipe.batch, world_size=layout.size)  # the global batch is split over data shards

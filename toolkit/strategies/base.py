@@ -69,7 +69,7 @@ class StrategyInfo:
     lora: bool = True  # trains model.lora adapters (checked: single, ddp, fsdp, zero; not yet split models)
     compiles: bool = True  # runs train.compile's blocks (tp: torch 2.13's dynamo fails on DTensor-split blocks)
     # computes train.tiled_loss: its micro-batches go through logits_of, the output layer's weight whole inside the
-    # model's forward and again in backward (checked: single, ddp, fsdp without tp or cp)
+    # model's forward and again in backward (checked: single, ddp, fsdp without tp or cp, zero 0-3)
     tiles_loss: bool = False
     # computes with its parameters cast to the 16-bit precision (FSDP2's MixedPrecisionPolicy, DeepSpeed's 16-bit
     # weights), not under autocast: what its forward saves for backward differs (toolkit/memory/activations.py)
@@ -333,7 +333,8 @@ def logits_of(strategy: MicroBatchStrategy, batch: dict, device: torch.device) -
 def _tiled_head(head: nn.Module, batch: dict, device: torch.device) -> Iterator[None]:
     """Inside, `head` turns the last hidden states into the micro-batch's loss sum, tile by tile (each tile through
     the layer's own forward, again in backward), instead of the logits."""
-    own, vocab = head.forward, int(cast(torch.Tensor, head.weight).shape[0])
+    # the layer's declared width: ZeRO-3 leaves its weight a 0-element partition outside its forward
+    own, vocab = head.forward, int(getattr(head, "out_features", 0) or cast(torch.Tensor, head.weight).shape[0])
     labels, shifted = batch["labels"].to(device, non_blocking=True), "labels_shifted" in batch
     head.forward = lambda hidden: tiled_loss_sum(hidden, own, labels, shifted=shifted,  # type: ignore[method-assign]
                                                  vocab=vocab)

@@ -38,7 +38,7 @@ OPTIONS = ZeroOptions  # the registry reads it by this name
 
 
 INFO = StrategyInfo(
-    name="zero", averages_gradients=True, accelerate_plugin="deepspeed", casts_parameters=True,
+    name="zero", averages_gradients=True, accelerate_plugin="deepspeed", casts_parameters=True, tiles_loss=True,
     runtime_modules=("deepspeed",),
     holds_gradients=False,  # the default stage 2 gives them back after each step; build() says it per recipe
     options=option_names(ZeroOptions),
