@@ -258,16 +258,16 @@ def test_convert_given_a_run_takes_its_newest_complete_checkpoint_and_says_which
     assert (tmp_path / "hf" / "config.json").is_file()
 
 
-def test_an_output_dir_holding_a_run_is_refused_without_resume(runs, capsys):
+def test_an_output_dir_holding_a_run_is_refused_without_resume(runs, capfd):
     from toolkit.cli import main
 
     full = runs.full("ddp")
     before = (full / "run.json").stat().st_mtime_ns
     code = main(["launch", "--nproc", "2", str(runs.recipe), "--set", "strategy.name=ddp", "--set",
-                 f"output_dir={full}"])  # refused before any rank starts: in this process
+                 f"output_dir={full}"])  # refused by the ranks before they write: what the terminal shows (capfd)
     assert code == 2
     # a completed run: --resume at the same max_steps has nothing left to do, so it is not offered alone
-    assert capsys.readouterr().err.strip().splitlines() == [
+    assert capfd.readouterr().err.strip().splitlines() == [
         f"toolkit: error: output_dir {full} holds a completed run (6 steps); write this one elsewhere with --set "
         "output_dir=OTHER, or train that one further with a larger train.max_steps and --resume"]
     assert (full / "run.json").stat().st_mtime_ns == before
@@ -287,7 +287,7 @@ def test_an_output_dir_holding_a_stopped_run_offers_resume(runs, tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["no checkpoint", "garbage metadata", "foreign folder", "other model"])
-def test_a_missing_corrupted_or_foreign_checkpoint_is_one_line(runs, tmp_path, tiny_bert_dir, damage, capsys):
+def test_a_missing_corrupted_or_foreign_checkpoint_is_one_line(runs, tmp_path, tiny_bert_dir, damage, capfd):
     from toolkit.cli import main
 
     given = tmp_path / "given"
@@ -311,7 +311,7 @@ def test_a_missing_corrupted_or_foreign_checkpoint_is_one_line(runs, tmp_path, t
     out = tmp_path / "out"
     code = main(["launch", "--nproc", "2", str(recipe), "--set", "strategy.name=ddp", "--set", f"output_dir={out}",
                  *args]) if damage != "other model" else main(["train", str(recipe), "--set", f"output_dir={out}", *args])
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err  # a launch's ranks say the line: the file descriptors, as a terminal shows them
     assert code == 2, err[-3000:]
     lines = [l for l in err.splitlines() if l.startswith("toolkit:")]
     assert len(lines) == 1 and expected in lines[0] and "Traceback" not in err, err[-3000:]
@@ -328,20 +328,35 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_run_finishes_as_if_never_kil
     assert_continues(out, runs.full("ddp"), rtol=1e-6)
 
 
+def test_every_minutes_checkpoints_on_every_rank_alike(runs, tmp_path):
+    """checkpoint.every_minutes (30 by default): a checkpoint once that much training passed since the last one,
+    the ranks agreeing after each step (their clocks differ; one rank's yes is every rank's). At a millionth of a
+    minute every step is due, but the last, which is checkpoint.final's; both ranks write each one (a DCP save
+    is collective: a rank that disagreed would hang or leave it uncommitted)."""
+    out = tmp_path / "clock"
+    launch(runs.recipe, nproc=2, overrides=("strategy.name=ddp", "batch.micro_batch_size=4", "train.max_steps=4",
+                                            "checkpoint.every_steps=null", "checkpoint.every_minutes=0.000001",
+                                            "checkpoint.keep_last=10", "checkpoint.final=false", f"output_dir={out}"))
+    written = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert written == ["step-00000001", "step-00000002", "step-00000003"], written
+    for step in written:
+        assert json.loads((out / "checkpoints" / step / "manifest.json").read_text())["step"] == int(step[5:])
+
+
 def test_a_restart_without_a_checkpoint_says_it_trains_again_from_step_one(tiny_llama_dir, tmp_path):
-    """--max-restarts resumes from the run's newest checkpoint; with checkpoint.every_steps unset there is none
-    before the end, and a restart trains every step again: the launch says so before the ranks start, and the
-    restart where it happens (it retrained in silence)."""
+    """--max-restarts resumes from the run's newest checkpoint; with checkpoint.every_steps and every_minutes unset
+    there is none before the end, and a restart trains every step again: the launch says so before the ranks
+    start, and the restart where it happens (it retrained in silence)."""
     out = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out, data={"eval": None},
-                          train={"max_steps": 3})
+                          train={"max_steps": 3}, checkpoint={"every_minutes": None})
     result = run_with_fault(faults.KILL_RANK_AT_STEP, "0:2", "launch", "--nproc", "1", "--max-restarts", "1",
                             str(recipe))
     assert result.returncode == 0, result.stderr[-3000:]
     assert [line for line in result.stderr.splitlines() if "warning" in line] == [
-        "[toolkit] warning: --max-restarts 1 restarts the ranks from the run's newest checkpoint, and "
-        "checkpoint.every_steps is not set (only a final checkpoint): a restart trains again from step 1; set "
-        "checkpoint.every_steps to lose at most that many steps",
+        "[toolkit] warning: --max-restarts 1 restarts the ranks from the run's newest checkpoint, and neither "
+        "checkpoint.every_steps nor every_minutes is set (only a final checkpoint): a restart trains again from "
+        "step 1; set one of them to lose at most that many steps or minutes",
         f"[toolkit] warning: restarted with no complete checkpoint in {out / 'checkpoints'}: training again from "
         "step 1"]
     assert [m["step"] for m in metrics(out)] == [1, 2, 3]

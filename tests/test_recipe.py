@@ -41,6 +41,8 @@ def test_defaults_resolve():
     ({"model": {"path": "/m", "num_labels": 2**31}}, "model.num_labels: got 2147483648"),
     ({"train": {"max_steps": None, "epochs": float("nan")}}, "train.epochs: got nan"),
     ({"train": {"eval_every": 0}}, "train.eval_every must be > 0, got 0"),
+    ({"checkpoint": {"every_minutes": 0}}, "checkpoint.every_minutes must be > 0, got 0"),
+    ({"checkpoint": {"every_minutes": float("nan")}}, "checkpoint.every_minutes must be > 0, got nan"),
     ({"data": {"train": "t.jsonl", "max_length": 2**31}}, "data.max_length: got 2147483648"),
     ({"seed": 2**63}, "seed: got 9223372036854775808; it must be in 0..2**32-1"),
     ({"optim": {1: 0, "lr": 1.0}}, "unknown recipe key 'optim.1'"),  # YAML keys need not be strings

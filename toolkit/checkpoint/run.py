@@ -136,7 +136,8 @@ FINAL_AUTO_MIN_S = 600.0
 
 
 class Saver:
-    """Writes the recipe's checkpoints: every `every_steps` and after the last step."""
+    """Writes the recipe's checkpoints: every `every_steps`, once `every_minutes` passed since the last (clock_due),
+    and after the last step."""
 
     def __init__(self, recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, tokenizer,
                  done_steps: int, tokens_seen: int):
@@ -151,6 +152,7 @@ class Saver:
         self._writer: state.AsyncWriter | None = None
         self._manifest: dict | None = None
         self.started_s = time.perf_counter()
+        self.saved_s = self.started_s  # when this run last wrote a checkpoint (or started)
         self.final_skipped: str | None = None  # why checkpoint.final null wrote no final checkpoint
         if env.is_main:  # (a stop signal saves even when the recipe asks for no checkpoint)
             store.remove_partials(Path(recipe.output_dir))
@@ -161,6 +163,14 @@ class Saver:
             return False
         every = self.config.every_steps
         return bool(every and step % every == 0) or (step == self.total_steps and self._final())
+
+    def clock_due(self, step: int) -> bool:
+        """Whether this rank's clock says checkpoint.every_minutes has passed since the last checkpoint after `step`
+        (the ranks' clocks differ: StopSignals.agree makes one rank's yes every rank's). Not after the last step,
+        whose checkpoint is checkpoint.final's."""
+        minutes = self.config.every_minutes
+        return minutes is not None and self.done_steps < step < self.total_steps and \
+            time.perf_counter() - self.saved_s >= 60 * minutes
 
     def _final(self) -> bool:
         """checkpoint.final; null: where this run trained FINAL_AUTO_MIN_S or more, or continues a checkpoint.
@@ -201,7 +211,8 @@ class Saver:
                                   keep_last=self.config.keep_last, background=self._writer)
         if wait:
             self.finish()
-        seconds = time.perf_counter() - start
+        self.saved_s = time.perf_counter()
+        seconds = self.saved_s - start
         self.last_step, self.last_path = step, store.final_path(Path(self.recipe.output_dir), step)
         if self.env.is_main:
             how = "writing in the background" if self.pending is not None else "written"

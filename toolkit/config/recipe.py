@@ -299,7 +299,11 @@ class CheckpointConfig:
     """Training checkpoints under output_dir/checkpoints (see toolkit/checkpoint): model, optimizer, schedule,
     loss scale, data position and RNG, readable by every strategy at any world size."""
 
-    every_steps: int | None = None  # a checkpoint every N optimizer steps; null: only the final one
+    every_steps: int | None = None  # a checkpoint every N optimizer steps; null: by every_minutes and the final one
+    # a checkpoint once this many minutes of training passed since the last one (or the run's start), so that a hard
+    # crash (a lost node, the OOM killer) loses at most that much of a long run; the ranks agree after each step (in
+    # the all-reduce that agrees on stop signals). null: only every_steps, a stop signal and the final one write
+    every_minutes: float | None = 30.0
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted once a newer one is complete
     # a checkpoint after the last step (what a later --resume with more steps or `toolkit convert` reads); null:
     # where this run trained 10 minutes or more, or continues a checkpoint. A quick run is cheaper to run again than
@@ -315,6 +319,8 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if self.every_steps is not None:
             _positive("checkpoint.every_steps", self.every_steps)
+        if self.every_minutes is not None:
+            _positive("checkpoint.every_minutes", self.every_minutes)
         _positive("checkpoint.keep_last", self.keep_last)
 
 
@@ -415,8 +421,8 @@ def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
         raise RecipeError(f"{key}: unknown value {value!r}; choose one of {', '.join(choices)}")
 
 
-def _positive(key: str, value: int) -> None:
-    if value <= 0:
+def _positive(key: str, value: float) -> None:
+    if not value > 0:  # nan too
         raise RecipeError(f"{key} must be > 0, got {value}")
 
 

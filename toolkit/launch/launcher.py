@@ -182,10 +182,11 @@ def launch_recipe(recipe_path: str, overrides: list[str], *, nproc: int, nodes: 
         except NothingToResume as done:
             print(done, file=sys.stderr, flush=True)
             return 0
-    if max_restarts and recipe.checkpoint.every_steps is None:
+    if max_restarts and recipe.checkpoint.every_steps is None and recipe.checkpoint.every_minutes is None:
         print(f"[toolkit] warning: --max-restarts {max_restarts} restarts the ranks from the run's newest "
-              "checkpoint, and checkpoint.every_steps is not set (only a final checkpoint): a restart trains again "
-              "from step 1; set checkpoint.every_steps to lose at most that many steps", file=sys.stderr, flush=True)
+              "checkpoint, and neither checkpoint.every_steps nor every_minutes is set (only a final checkpoint): a "
+              "restart trains again from step 1; set one of them to lose at most that many steps or minutes",
+              file=sys.stderr, flush=True)
     extra = [] if resume is None else ["--resume", *([resume.path] if resume.path else [])] + \
         (["--resume-weights-only"] if resume.weights_only else [])
     started, failures = time.time(), list[Failure]()

@@ -111,10 +111,13 @@ class StopSignals:
             raise KeyboardInterrupt
         self.received = self.received or signum
 
-    def requested(self, env: DistEnv) -> int:
-        """Collective: the signal any rank received (0: none)."""
-        flag = torch.tensor([float(self.received)], dtype=torch.float64)
-        return int(all_reduce_max(flag, env).item()) if env.distributed else self.received
+    def agree(self, env: DistEnv, *, checkpoint_due: bool = False) -> tuple[int, bool]:
+        """Collective, every rank alike: the signal any rank received (0: none), and whether any rank's clock says a
+        checkpoint is due (checkpoint.every_minutes): one all-reduce for both."""
+        flags = torch.tensor([float(self.received), float(checkpoint_due)], dtype=torch.float64)
+        if env.distributed:
+            flags = all_reduce_max(flags, env)
+        return int(flags[0].item()), bool(flags[1].item())
 
     def restore(self) -> None:
         for signum, handler in self._previous.items():

@@ -299,11 +299,14 @@ def run_steps(strategy: Strategy, loader, parts: StepParts, *, done: int) -> lis
         if unrecoverable is not None:
             raise unrecoverable
         faults.after_step(step, env)  # tests only: a killed rank, a preempted launcher
-        signum = parts.signals.requested(env)  # every rank alike: all stop after this same step
+        # every rank alike: all stop after this same step, or all write checkpoint.every_minutes' checkpoint
+        signum, clock_due = parts.signals.agree(env, checkpoint_due=saver.clock_due(step))
         if signum and step < parts.total_steps:
             if saver.last_step != step:
                 saver.save(strategy, step=step, wait=True)
             raise Stopped(signum, step, parts.total_steps, saver.last_path)
+        if clock_due and saver.last_step != step:
+            saver.save(strategy, step=step)
     return losses
 
 
