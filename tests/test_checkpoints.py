@@ -341,6 +341,8 @@ def test_every_minutes_checkpoints_on_every_rank_alike(runs, tmp_path):
     assert written == ["step-00000001", "step-00000002", "step-00000003"], written
     for step in written:
         assert json.loads((out / "checkpoints" / step / "manifest.json").read_text())["step"] == int(step[5:])
+    clock = json.loads((out / "run.json").read_text())["clock_checkpoints"]  # what they held training up
+    assert clock["count"] == 3 and clock["held_s"] > 0
 
 
 def test_a_restart_without_a_checkpoint_says_it_trains_again_from_step_one(tiny_llama_dir, tmp_path):

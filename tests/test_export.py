@@ -1,5 +1,6 @@
 """The exported folder loads with plain transformers and gives the trained model's logits."""
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -199,3 +200,29 @@ def test_model_dropout_is_the_runs_alone_the_export_and_checkpoint_keep_the_mode
     for folder in (out / "model", out / "checkpoints" / "step-00000001" / "hf", converted):
         saved = json.loads((folder / "config.json").read_text())
         assert {key: saved.get(key) for key in own} == own, folder
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "hf_native"])
+def test_a_rank_whose_strategy_runs_without_deepspeed_never_imports_it(strategy, tmp_path, tiny_llama_dir):
+    """A rank imports DeepSpeed's comm module before its process group only where its strategy runs on DeepSpeed
+    (process/dist.py init_distributed): imported later, its functions' default group would keep the group alive
+    past destroy_process_group. So nothing else in such a rank may import it: not the export, not hf_native's
+    save of its starting weights (both through accelerate's unwrap). Plain ranks (torchrun, not the tests' forked
+    ones), each printing what it imports (PYTHONPROFILEIMPORTTIME)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, toolkit_env
+
+    out = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out, data={"eval": None},
+                          batch={"micro_batch_size": 4}, train={"max_steps": 1})
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "toolkit", "train", str(recipe), "--set", f"strategy.name={strategy}"],
+                          cwd=REPO, env={**toolkit_env(), "PYTHONPROFILEIMPORTTIME": "1"}, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    imported = [line for line in done.stderr.splitlines() if line.startswith("import time:")]
+    assert any(line.endswith("| transformers") for line in imported)  # the ranks' imports are there to see
+    assert not [line for line in imported if line.rsplit("|", 1)[-1].strip().startswith("deepspeed")]
+    assert (out / "model" / "config.json").is_file()

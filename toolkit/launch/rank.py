@@ -94,9 +94,13 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
     before = entries(out_dir)
     try:
         if os.environ.get(RANKS_CHECK_ENV) == "1":  # `toolkit launch` on one machine left its checks to the ranks
+            from toolkit.checkpoint.run import starting_point
             from toolkit.train.checks import check_recipe
 
-            check_recipe(recipe, world_size=env.world_size)
+            plan = check_recipe(recipe, world_size=env.world_size)
+            # an existing run without --resume, or nothing to resume: said before the data is tokenized and a
+            # checkpoint's bytes are hashed (train's own call, which follows, hashes them)
+            starting_point(recipe, resume, plan=plan)
         result = train(recipe, env, resume=resume)
     except RecipeError as exc:
         if env.is_main:

@@ -152,8 +152,11 @@ class HfNativeStrategy(TrainsOneModule):
         whole = source.whole()  # collective on resume (DCP reads the checkpoint)
         try:
             if env.is_main:
+                from toolkit.model.export import unwrapped_without_deepspeed
+
                 shutil.rmtree(start, ignore_errors=True)
-                cast(Any, whole).save_pretrained(str(start))
+                with unwrapped_without_deepspeed():  # no DeepSpeed import after the group (process/dist.py)
+                    cast(Any, whole).save_pretrained(str(start))
             del whole
             barrier(env)
             with warnings.catch_warnings():

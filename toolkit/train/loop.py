@@ -305,8 +305,10 @@ def run_steps(strategy: Strategy, loader, parts: StepParts, *, done: int) -> lis
             if saver.last_step != step:
                 saver.save(strategy, step=step, wait=True)
             raise Stopped(signum, step, parts.total_steps, saver.last_path)
-        if clock_due and saver.last_step != step:
-            saver.save(strategy, step=step)
+        if clock_due and saver.last_step != step:  # after this step's metrics line: what it held goes in run.json
+            held = saver.save(strategy, step=step)
+            clock = info.get("clock_checkpoints") or {"count": 0, "held_s": 0.0}
+            info["clock_checkpoints"] = {"count": clock["count"] + 1, "held_s": clock["held_s"] + held}
     return losses
 
 

@@ -173,12 +173,15 @@ def powersgd_numbers(shapes: list[tuple[int, ...]], rank: int) -> tuple[int, int
 ERROR_FEEDBACK_PASSES = 8
 # and per number of a compressed matrix M: read by P = M·Q and by Q = Mᵀ·P, written by the decompression P·Qᵀ
 MATRIX_PASSES = 3
+# and per number sent whole: packed into one buffer (read, write), divided by the world size (read, write), copied back
+WHOLE_PASSES = 6
 
 
 def powersgd_codec(shapes: list[tuple[int, ...]], rank: int) -> tuple[float, int]:
     """What powerSGD_hook computes per steady step over gradients of `shapes` (torch 2.13's, read from its source):
     (FLOPs, numbers read and written). Each compressed n×m matrix with r = min(n, m, rank): 2·n·m·r FLOPs for each of
-    P = M·Q, Q = Mᵀ·P and the decompression P·Qᵀ, and 2·n·r² to orthogonalize P (Gram-Schmidt, or QR for r > 2)."""
+    P = M·Q, Q = Mᵀ·P and the decompression P·Qᵀ, and 2·(n + m)·r² to orthogonalize P and the warm-started Q
+    (Gram-Schmidt, or QR for r > 2)."""
     flops = 0.0
     numbers = compressed_numbers = 0
     for shape in shapes:
@@ -187,9 +190,10 @@ def powersgd_codec(shapes: list[tuple[int, ...]], rank: int) -> tuple[float, int
         if matrix is not None:
             n, m = matrix
             r = min(n, m, rank)
-            flops += 3 * 2 * n * m * r + 2 * n * r * r
+            flops += 3 * 2 * n * m * r + 2 * (n + m) * r * r
             compressed_numbers += n * m
-    return flops, ERROR_FEEDBACK_PASSES * numbers + MATRIX_PASSES * compressed_numbers
+    whole = numbers - compressed_numbers
+    return flops, ERROR_FEEDBACK_PASSES * numbers + MATRIX_PASSES * compressed_numbers + WHOLE_PASSES * whole
 
 
 class PowerSgd:
