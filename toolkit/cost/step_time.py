@@ -118,13 +118,13 @@ def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficienc
         costs.append(Cost(what="pipeline bubble", seconds=idle, exposed_s=idle))
     costs += _communication(work.collectives, d, cluster, forward_s=forward_s, backward_s=backward_s,
                             bus_efficiency=bus_efficiency)
-    bandwidth = hw.measured.memory_bandwidth_bytes_per_s or hw.memory_bandwidth_bytes_per_s
+    bandwidth = hw.measured.memory_bandwidth_bytes_per_s or hw.memory_bandwidth_bytes_per_s  # device memory
     for c in work.collectives:  # encoding what a collective sends: on the critical path, its compute and memory
         if c.codec_flops or c.codec_bytes:
             codec_s = (c.codec_flops / _flops_per_s(hw, "fp32", efficiency) + c.codec_bytes / bandwidth) / c.every
             costs.append(Cost(what=f"encoding {c.what}", seconds=codec_s, exposed_s=codec_s))
     if not work.offloaded_bytes:  # on the device, at its memory bandwidth
-        step_s = work.optimizer_bytes / (hw.measured.memory_bandwidth_bytes_per_s or hw.memory_bandwidth_bytes_per_s)
+        step_s = work.optimizer_bytes / bandwidth
         costs.append(Cost(what="optimizer step", seconds=step_s, exposed_s=step_s))
     else:
         pcie = work.offloaded_bytes / hw.host_link.bandwidth_bytes_per_s
