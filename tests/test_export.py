@@ -202,13 +202,14 @@ def test_model_dropout_is_the_runs_alone_the_export_and_checkpoint_keep_the_mode
         assert {key: saved.get(key) for key in own} == own, folder
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "hf_native"])
-def test_a_rank_whose_strategy_runs_without_deepspeed_never_imports_it(strategy, tmp_path, tiny_llama_dir):
+@pytest.mark.parametrize("strategy,ranks", [("ddp", 2), ("hf_native", 2), ("ddp", 1)])
+def test_a_rank_whose_strategy_runs_without_deepspeed_never_imports_it(strategy, ranks, tmp_path, tiny_llama_dir):
     """A rank imports DeepSpeed's comm module before its process group only where its strategy runs on DeepSpeed
     (process/dist.py init_distributed): imported later, its functions' default group would keep the group alive
     past destroy_process_group. So nothing else in such a rank may import it: not the export, not hf_native's
-    save of its starting weights (both through accelerate's unwrap). Plain ranks (torchrun, not the tests' forked
-    ones), each printing what it imports (PYTHONPROFILEIMPORTTIME)."""
+    save of its starting weights (both through accelerate's unwrap), not the group of one a `toolkit train` without
+    a launcher makes for itself (ensure_process_group). Plain ranks (torchrun, not the tests' forked ones), or the
+    one process, each printing what it imports (PYTHONPROFILEIMPORTTIME)."""
     import subprocess
     import sys
 
@@ -217,8 +218,9 @@ def test_a_rank_whose_strategy_runs_without_deepspeed_never_imports_it(strategy,
     out = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out, data={"eval": None},
                           batch={"micro_batch_size": 4}, train={"max_steps": 1})
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "toolkit", "train", str(recipe), "--set", f"strategy.name={strategy}"],
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"] if ranks == 2 else []
+    done = subprocess.run([sys.executable, *launcher, "-m", "toolkit", "train", str(recipe),
+                           "--set", f"strategy.name={strategy}"],
                           cwd=REPO, env={**toolkit_env(), "PYTHONPROFILEIMPORTTIME": "1"}, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -41,18 +41,21 @@ class SplitCounts:
 
 
 def load_split(key: str, *, data: DataConfig, task: str, num_labels: int, tokenizer, env: DistEnv,
-               names: list[str] | None = None,
-               model_names: list[str] | None = None) -> tuple[Any, list[str] | None, SplitCounts]:
+               names: list[str] | None = None, model_names: list[str] | None = None,
+               identity: str | None = None) -> tuple[Any, list[str] | None, SplitCounts]:
     """The tokenized `datasets.Dataset` of recipe key `key` (data.train / data.eval) with input_ids (+ label, or
     labels for instruction data), the class names its labels were mapped from (None: class ids), and what was
     left out or cut (see data_note). Rank 0 tokenizes; the others read its cache. `names`: data.train's (an eval
-    split's labels must be among them); `model_names`: model.path's id2label (see check_rows)."""
+    split's labels must be among them); `model_names`: model.path's id2label (see check_rows); `identity`: the
+    tokenizer's tokenizer_identity where the caller has it (0.15-0.3 s each for MiniLM's: once per run, not per
+    split)."""
     source = data_source(key, getattr(data, key.split(".")[-1]))
+    identity = identity or tokenizer_identity(tokenizer)
     error = None
     if env.is_main:
         try:
             split = _tokenized(source, data=data, task=task, num_labels=num_labels, tokenizer=tokenizer, names=names,
-                               model_names=model_names)
+                               model_names=model_names, identity=identity)
         except RecipeError as exc:
             error = str(exc)
     error = broadcast_object(error, env)  # the other ranks fail with rank 0's message instead of hanging
@@ -60,7 +63,7 @@ def load_split(key: str, *, data: DataConfig, task: str, num_labels: int, tokeni
         raise RecipeError(error)
     if not env.is_main:  # reads rank 0's cache
         split = _tokenized(source, data=data, task=task, num_labels=num_labels, tokenizer=tokenizer, names=names,
-                           model_names=model_names)
+                           model_names=model_names, identity=identity)
     return split
 
 
@@ -153,7 +156,8 @@ def check_room(data: DataConfig, tokenizer) -> None:
 
 
 def _tokenized(source: DataSource, *, data: DataConfig, task: str, num_labels: int, tokenizer,
-               names: list[str] | None, model_names: list[str] | None) -> tuple[Any, list[str] | None, SplitCounts]:
+               names: list[str] | None, model_names: list[str] | None,
+               identity: str) -> tuple[Any, list[str] | None, SplitCounts]:
     """The tokenized split, its class names, and what was left out or cut. Without packing each sample is cut at
     data.max_length; with it, samples are tokenized whole and their stream cut into blocks (as transformers'
     run_clm does): a long document becomes many blocks, none of it lost."""
@@ -162,7 +166,7 @@ def _tokenized(source: DataSource, *, data: DataConfig, task: str, num_labels: i
                        model_names=model_names)
     check_room(data, tokenizer)
     data = chat_template_text(data)  # a path to a template file: its text (what the cache keys, too)
-    cache = _cache_key(source, data=data, task=task, tokenizer=tokenizer, names=names)
+    cache = _cache_key(source, data=data, task=task, tokenizer=tokenizer, names=names, identity=identity)
     text, label = data.text_column, data.label_column
     if data.format != "text":
         check_tokenizer(data, tokenizer)
@@ -225,12 +229,13 @@ def _learnable(batch) -> list[bool]:
 TOKENIZED_VERSION = "tokenized-v3"
 
 
-def _cache_key(source: DataSource, *, data: DataConfig, task: str, tokenizer, names: list[str] | None) -> str:
+def _cache_key(source: DataSource, *, data: DataConfig, task: str, tokenizer, names: list[str] | None,
+               identity: str) -> str:
     """Cache identity: the source's files + how the tokenizer tokenizes + every setting that changes the tokens
     or labels."""
     digest = hashlib.sha256(source.fingerprint().encode())
     digest.update(TOKENIZED_VERSION.encode())
-    digest.update(tokenizer_identity(tokenizer).encode())
+    digest.update(identity.encode())  # tokenizer_identity(tokenizer)
     digest.update(json.dumps([data.text_column, data.label_column, data.max_length, data.packing, task, data.format,
                               data.messages_column, data.prompt_column, data.response_column,
                               data.chat_template or getattr(tokenizer, "chat_template", None), names]).encode())

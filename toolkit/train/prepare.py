@@ -12,7 +12,7 @@ from toolkit.config.recipe import BatchPlan, Recipe, check_profile_window
 from toolkit.data.instruct import adopt_chat_template
 from toolkit.data.labels import label_note
 from toolkit.data.splits import (DataLayout, GlobalBatchSampler, SplitCounts, check_one_batch, data_note, data_record,
-                                 load_split)
+                                 load_split, tokenizer_identity)
 from toolkit.model.build import load_tokenizer, saved_label_names
 from toolkit.model.precision import check_precision_supported
 from toolkit.process.dist import DistEnv
@@ -55,7 +55,7 @@ def prepare(recipe: Recipe, env: DistEnv) -> Prepared:
     tokenizer = load_tokenizer(recipe.model)
     adopt_chat_template(tokenizer, recipe.data)  # the template trained with is the one saved with the model
     kwargs = dict(data=recipe.data, task=recipe.model.task, num_labels=recipe.model.num_labels, tokenizer=tokenizer,
-                  env=env)
+                  env=env, identity=tokenizer_identity(tokenizer))  # one digest of the tokenizer for both splits
     model_names = saved_label_names(recipe.model)  # a pretrained head's own mapping, kept where the data fits it
     train_ds, names, train_counts = load_split("data.train", **kwargs, model_names=model_names)
     eval_ds, _, eval_counts = load_split("data.eval", **kwargs, names=names) if recipe.data.eval else \

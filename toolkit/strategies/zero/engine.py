@@ -54,7 +54,7 @@ class ZeroStrategy:
     def build_model(self, source: ModelSource, *, env: DistEnv) -> nn.Module:
         if not partitioned_at_creation(source.recipe):
             return source.whole()
-        ensure_process_group(env, strategy=self.info.name)  # zero.Init partitions over the group
+        ensure_process_group(env, strategy=self.info.name, deepspeed=True)  # zero.Init partitions over the group
         init_deepspeed_comm()
         recipe = source.recipe
         config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=env.world_size),
@@ -66,7 +66,7 @@ class ZeroStrategy:
         import deepspeed
 
         self.env, recipe = args.env, args.recipe
-        ensure_process_group(args.env, strategy=self.info.name)  # DeepSpeed needs one, even for one rank
+        ensure_process_group(args.env, strategy=self.info.name, deepspeed=True)  # DeepSpeed needs one, even for one rank
         init_deepspeed_comm()
         self.config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=args.env.world_size),
                                         hidden_size=hidden_size_of(model.config), total_steps=args.total_steps)
