@@ -257,7 +257,8 @@ BAD = {
                             "not available with precision fp16"),
     "unknown compression": (("strategy.name=ddp", "strategy.gradient_compression=int8"),
                             "strategy.gradient_compression must be one of none, fp16, bf16, powersgd"),
-    "sync_every under fsdp": (("strategy.name=fsdp", "strategy.sync_every=4"), "sync_every"),
+    "sync_every under fsdp without replicas": (("strategy.name=fsdp", "strategy.sync_every=4"),
+                                               "set strategy.replicate_degree to 2 or more"),
     "sync_every under zero": (("strategy.name=zero", "strategy.sync_every=4"), "sync_every"),
     "sync_every 0": (("strategy.name=ddp", "strategy.sync_every=0"), "strategy.sync_every must be >= 1"),
     "outer_lr without nesterov": (("strategy.name=ddp", "strategy.sync_every=4", "strategy.outer_lr=0.5"),
@@ -280,6 +281,25 @@ def test_a_bad_lever_setting_is_one_line_exit_2(case, tmp_path, tiny_llama_dir, 
     recipe, out = _bad_recipe(tmp_path, tiny_llama_dir)
     _assert_one_line_exit_2(main(["validate", str(recipe), *[a for o in overrides for a in ("--set", o)]]), capsys,
                             words, out)
+
+
+HSDP_BAD = {  # validated for 2 ranks
+    "sync_every over parallel.dp_shard alone": (("parallel.dp_shard=2", "strategy.sync_every=4"),
+                                                "set parallel.dp_replicate to 2 or more (HSDP"),
+    "sync_every over hsdp with cpu offload": (("strategy.name=fsdp", "strategy.replicate_degree=2",
+                                              "strategy.sync_every=4", "strategy.cpu_offload=true"),
+                                             "not checked with strategy.cpu_offload"),
+    "diloco over hsdp without a window": (("strategy.name=fsdp", "strategy.replicate_degree=2",
+                                          "strategy.outer_optimizer=nesterov"), "needs strategy.sync_every > 1"),
+}
+
+
+@pytest.mark.parametrize("case", list(HSDP_BAD))
+def test_a_bad_local_sgd_setting_over_hsdp_is_one_line_exit_2(case, tmp_path, tiny_llama_dir, capsys):
+    overrides, words = HSDP_BAD[case]
+    recipe, out = _bad_recipe(tmp_path, tiny_llama_dir)
+    code = main(["validate", str(recipe), "--nproc", "2", *[a for o in overrides for a in ("--set", o)]])
+    _assert_one_line_exit_2(code, capsys, words, out)
 
 
 def test_compare_judges_a_lever_by_design_and_a_fault_beside_it_diverged(tmp_path, tiny_llama_dir):

@@ -37,15 +37,15 @@ class StrategyConfig:
     powersgd_start_step: int = 10  # ddp, hybrid with gradient_compression=powersgd: optimizer steps with plain
     #   all-reduce before compression starts (at least 2: DDP fixes its buckets after the first); torch advises
     #   ~10 % of the run
-    sync_every: int = 1  # ddp, hybrid's pipeline stages' ddp replicas: > 1 = local SGD: the replicas step alone on
-    #   their own gradients (none is all-reduced) and average their parameters every sync_every steps and at the
-    #   last: 1/sync_every of the bytes, the replicas drifting apart in between (the replica check reports by how
-    #   much); changes the maths
-    outer_optimizer: str = "average"  # ddp, hybrid with sync_every > 1: average (local SGD) | nesterov (DiLoCo:
-    #   the average's move since the last sync taken as an outer gradient, SGD with Nesterov momentum)
-    outer_lr: float | None = None  # ddp, hybrid with outer_optimizer=nesterov: the outer step's rate (default 0.7,
-    #   DiLoCo's)
-    outer_momentum: float = 0.9  # ddp, hybrid with outer_optimizer=nesterov: the outer step's momentum
+    sync_every: int = 1  # ddp, hybrid's pipeline stages' ddp replicas, fsdp's HSDP replica groups (replicate_degree
+    #   >= 2): > 1 = local SGD: the replicas step alone on their own gradients (none is all-reduced across them)
+    #   and average their parameters every sync_every steps and at the last: 1/sync_every of the bytes, the
+    #   replicas drifting apart in between (the replica check reports by how much); changes the maths
+    outer_optimizer: str = "average"  # ddp, hybrid, fsdp with sync_every > 1: average (local SGD) | nesterov
+    #   (DiLoCo: the average's move since the last sync taken as an outer gradient, SGD with Nesterov momentum)
+    outer_lr: float | None = None  # ddp, hybrid, fsdp with outer_optimizer=nesterov: the outer step's rate (default
+    #   0.7, DiLoCo's)
+    outer_momentum: float = 0.9  # ddp, hybrid, fsdp with outer_optimizer=nesterov: the outer step's momentum
     # fsdp
     reshard_after_forward: bool = True  # fsdp: True frees gathered params after forward (ZeRO-3-like, less memory, one more all-gather)
     cpu_offload: bool = False  # fsdp: keep sharded params/grads/optimizer on CPU (much less device memory, slower)

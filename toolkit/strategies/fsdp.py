@@ -5,6 +5,9 @@ Memory vs speed knobs (recipe `strategy.*`):
                          (ZeRO-3-like); False: keep them until backward (ZeRO-2-like, more memory)
   cpu_offload            sharded params, grads and optimizer step on CPU
   replicate_degree       >1: HSDP, a 2-D mesh (replicate × shard): shard within a group, all-reduce across
+  sync_every             >1 with replicate_degree: local SGD over the replica groups (dims/local_sgd.py): each
+                         group an FSDP of its own over dp_shard (no all-reduce across groups), each rank's shards
+                         averaged with the same shards of the other groups every sync_every steps
   tp_degree              >1: tensor parallel inside groups of that many ranks (model/tp_plan.py), FSDP over
                          the groups: a 2-D mesh (dp × tp) composed as torchtitan does (TP first, then
                          fully_shard over dp); the ranks of a TP group read the same batch
@@ -15,6 +18,7 @@ MixedPrecisionPolicy.param_dtype for compute and reduces gradients in fp32.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ContextManager, cast
 
 import torch
@@ -33,7 +37,7 @@ from toolkit.memory.state_bytes import (LocalNumel, StateBytes, adam_state, dim0
                                         element_bytes)
 from toolkit.model import tp_plan as tensor_parallel
 from toolkit.model.blocks import transformer_blocks
-from toolkit.model.precision import DTYPES, Amp, dtype_name
+from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.model.tied import first_names
 from toolkit.process.dist import DistEnv, ensure_process_group, world_mesh
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport,
@@ -42,12 +46,15 @@ from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, S
                                      sharded_abs_max, whole_stack_activations)
 from toolkit.strategies.dims import comm, context, expert
 from toolkit.strategies.dims.compression import check_reduce_dtype
+from toolkit.strategies.dims.levers import LocalSgdOptions, local_sgd_of
+from toolkit.strategies.dims.local_sgd import LocalSgd, local_sgd_collectives
 from toolkit.strategies.dims.parallelize import FsdpWrap, parallelize
 from toolkit.strategies.optim.torch_optim import TorchOptim, TorchState, TrainsOneModule
 
 @strategy_options
-class FsdpOptions:
-    """The strategy.<option> keys fsdp reads (their defaults and trade-offs: docs/recipe-keys.md)."""
+class FsdpOptions(LocalSgdOptions):
+    """The strategy.<option> keys fsdp reads (their defaults and trade-offs: docs/recipe-keys.md): local SGD's over
+    HSDP's replica groups (dims/levers.py) and FSDP's own."""
 
     reshard_after_forward: bool
     cpu_offload: bool
@@ -72,6 +79,7 @@ INFO = StrategyInfo(
           "fsdp-noreshard": ("strategy.name=fsdp", "strategy.reshard_after_forward=false"),
           "fsdp-offload": ("strategy.name=fsdp", "strategy.cpu_offload=true"),
           "fsdp-bf16reduce": ("strategy.name=fsdp", "strategy.reduce_dtype=bf16"),
+          "hsdp-localsgd4": ("strategy.name=fsdp", "strategy.replicate_degree=2", "strategy.sync_every=4"),
           "fsdp-tp2": ("strategy.name=fsdp", "strategy.tp_degree=2"),
           "fsdp-cp2": ("strategy.name=fsdp", "strategy.cp_degree=2"),
           "fsdp-ep2": ("strategy.name=fsdp", "strategy.ep_degree=2")})
@@ -91,6 +99,7 @@ class FsdpRules:
         check_reduce_dtype(options.reduce_dtype)
         if world_size % replicate:
             raise RecipeError(f"strategy.replicate_degree {replicate} does not divide world size {world_size}")
+        check_local_sgd(recipe, options)
         tp = options.tp_degree
         cp = options.cp_degree
         if recipe.train.tiled_loss and ((tp or 1) > 1 or (cp or 1) > 1):  # the head split, or its own forward
@@ -210,6 +219,7 @@ class FsdpRules:
         gathers = len(shapes) * (2 if options.reshard_after_forward else 1)
         recompute = recipe.train.activation_checkpointing
         shard = world_size // (tp * replicate)
+        local_sgd = local_sgd_of(recipe)  # the replica groups' all-reduce replaced by their syncs
         # a cp rank's blocks see its part of each sequence (dims/context.py)
         local = [(rows, context.local_length(length, cp=cp)) for rows, length in shapes] if cp > 1 else shapes
         sp_norms = comm.sequence_parallel_norms(model, tp=tp, shard=shard, reduce_dtype=reduce) \
@@ -219,9 +229,11 @@ class FsdpRules:
                 *sp_norms,
                 *(comm.ulysses_collectives if recipe.parallel.cp_method == "ulysses" else comm.cp_collectives)(
                     model, cp=cp, tp=tp, shapes=shapes, activation_dtype=compute, recompute=recompute),
-                *comm.fsdp_collectives(units, shard=shard, replicate=replicate,
+                *comm.fsdp_collectives(units, shard=shard, replicate=1 if local_sgd.on else replicate,
                                        compute_dtype=compute, reduce_dtype=reduce, gathers_per_unit=gathers,
-                                       local_shape=(lambda name, p: shapes_tp[name]) if shapes_tp else None)]
+                                       local_shape=(lambda name, p: shapes_tp[name]) if shapes_tp else None),
+                *(hsdp_local_sgd_collectives(model, recipe, shard=shard, replicate=replicate, rank=rank)
+                  if local_sgd.on else [])]
 
     def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
                                  how: dict[str, Any]) -> list[int]:
@@ -273,8 +285,9 @@ class FsdpStrategy(TrainsOneModule):
             context.use_on(model, method=self.cp_method)
         self.ep_degree = options.ep_degree or 1
         experts = expert.expert_mesh(env, self.ep_degree) if self.ep_degree > 1 else None
+        local = local_sgd_of(args.recipe)  # local SGD over HSDP's replica groups: each group an FSDP of its own
         wrap = FsdpWrap(precision=self.precision, reshard_after_forward=options.reshard_after_forward,
-                        cpu_offload=options.cpu_offload, reduce_dtype=options.reduce_dtype)
+                        cpu_offload=options.cpu_offload, reduce_dtype=options.reduce_dtype, replicas_apart=local.on)
         self.mp_policy = wrap.mp_policy
         empty = any(p.is_meta for p in model.parameters())  # build_model left it empty: shard first, then load
         if not options.cpu_offload and not empty:
@@ -298,9 +311,15 @@ class FsdpStrategy(TrainsOneModule):
                                 names=lambda: first_names(self._model),
                                 clip=(tensor_parallel.clip_global_norm  # DTensors on several meshes
                                       if self.tp_degree > 1 or self.ep_degree > 1 else clip_sharded))
+        # local SGD over HSDP's replica groups: each rank's shards averaged with the same shards of the other
+        # groups every sync_every steps; the drift is the whole replica's, its shards' sums added up
+        self.local = LocalSgd(model, local, optimizer=optimizer, total_steps=args.total_steps,
+                              group=self.mesh.get_group("dp_replicate"),
+                              across=self.mesh.get_group("dp_shard") if self.mesh["dp_shard"].size() > 1 else None,
+                              local=lambda tensor: cast(DTensor, tensor).to_local()) if local.on else None
         self.state = TorchState(self._model, self.optim, env=args.env, gathered=True,
                                 replicas=self._replicas, gradient_abs_max=self._gradient_abs_max,
-                                audit=self._precision_audit)
+                                audit=self._precision_audit, communication=self.local)
 
     @property
     def model(self) -> nn.Module:
@@ -317,6 +336,16 @@ class FsdpStrategy(TrainsOneModule):
         cast(FSDPModule, self._model).set_requires_gradient_sync(sync)
         return no_context()
 
+    def step(self, *, max_grad_norm: float | None) -> StepResult:
+        result = super().step(max_grad_norm=max_grad_norm)
+        drift = self.local.after_step() if self.local is not None else None
+        return dataclasses.replace(result, drift_before_sync=drift) if drift is not None else result
+
+    def discard_step(self) -> StepResult:
+        result = super().discard_step()
+        drift = self.local.after_step() if self.local is not None else None  # a dropped step counts (replicated.py)
+        return dataclasses.replace(result, drift_before_sync=drift) if drift is not None else result
+
     def _replicas(self) -> list[Replicas]:
         if self.tp_degree > 1:  # the ranks of a TP group hold the same shards of what TP does not split
             named = [(n, cast(DTensor, p).to_local()) for n, p in self._model.named_parameters()
@@ -328,9 +357,11 @@ class FsdpStrategy(TrainsOneModule):
             return []  # every rank holds a different shard
         # HSDP: the ranks at one position of the shard dimension hold the same shards, one per replica group
         named = [(n, p.to_local() if hasattr(p, "to_local") else p) for n, p in self._model.named_parameters()]
-        size = self.mesh["dp_replicate"].size()
+        size, local = self.mesh["dp_replicate"].size(), self.local
         return [Replicas(named=named, group=self.mesh.get_group("dp_replicate"),
-                         description=f"{size} replica groups hold identical shards")]
+                         description=f"{size} replica groups hold identical shards"
+                         + (f" after each sync (local SGD every {local.config.every} steps)" if local else ""),
+                         synced=(lambda: local.synced) if local is not None else None)]
 
     def _gradient_abs_max(self) -> dict[str, float] | None:
         return sharded_abs_max(self._model, self.env, scale=self.amp.scaler.get_scale() if self.amp.scaler else 1.0)
@@ -349,13 +380,16 @@ class FsdpStrategy(TrainsOneModule):
                        f"all-to-all; the ranks holding the same experts shard them)")
         if self.cp is not None:
             layout += f" (each sequence split over the {self.cp.size} ranks of cp, attention by {self.cp_method})"
+        if self.local is not None:
+            layout += f" ({self.local.config.describe()} over the replica groups)"
         return f"{layout}; weights: {self.loading}"
 
     def _fallback(self) -> str | None:
         return None  # runs as itself on any machine
 
     def close(self) -> None:
-        del self._model, self.optim, self.state, self.mesh, self.partial, self.cp  # their groups, for destroy_process_group
+        # their groups, for destroy_process_group
+        del self._model, self.optim, self.state, self.mesh, self.partial, self.cp, self.local
 
     def _precision_audit(self) -> dict[str, str]:
         params = list(self._model.parameters())
@@ -367,6 +401,8 @@ class FsdpStrategy(TrainsOneModule):
             "master_weights": dtype_name(stored) + " (sharded, = load dtype)",
             "gradients": dtype_name(first_dtype(grads)) if grads else dtype_name(stored),
             "grad_reduction": f"reduce-scatter mean ({dtype_name(reduce)})" + (
+                f" within each replica group, none across them: {self.local.config.describe()}"
+                if self.local is not None else "") + (
                 "; " + tensor_parallel.activation_reduction(
                     sequence_parallel=self.sequence_parallel, dtype=dtype_name(self.mp_policy.param_dtype or stored),
                     over=" over tp") if self.tp_degree > 1 else ""),
@@ -378,6 +414,37 @@ def clip_sharded(params, max_norm: float) -> torch.Tensor:
     """clip_grad_norm_ over DTensor gradient shards; the norm comes back replicated (a collective)."""
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def check_local_sgd(recipe: Recipe, options: FsdpOptions) -> None:
+    """Local SGD averages whole replicas: HSDP's replica groups (each shards a whole model), never the shards of one."""
+    local = local_sgd_of(recipe)
+    local.check(compression="none", precision=recipe.precision)
+    if not local.on:
+        return
+    key = "parallel.dp_replicate" if recipe.parallel.given else "strategy.replicate_degree"
+    if options.replicate_degree < 2:
+        raise RecipeError(f"strategy.sync_every {local.every} averages replicas, and fsdp without {key} holds none "
+                          f"(every rank a different shard of one model); set {key} to 2 or more (HSDP: local SGD "
+                          "over its replica groups), or use strategy ddp")
+    if options.cpu_offload:
+        raise RecipeError("strategy.sync_every over HSDP is not checked with strategy.cpu_offload yet; drop one of "
+                          "them")
+
+
+def hsdp_local_sgd_collectives(model: nn.Module, recipe: Recipe, *, shard: int, replicate: int,
+                               rank: int) -> list[Collective]:
+    """At a sync (the step counted): `rank`'s own shards (unpadded: what to_local holds) averaged over the replica
+    groups with the drift's norms; the drift's sums added up over the replica's shards."""
+    local = local_sgd_of(recipe)
+    held = dim0_held(shard, rank % shard)  # mesh (dp_replicate, dp_shard): the place within its replica group
+    numel = sum(held(name, p) for name, p in model.named_parameters() if p.requires_grad)
+    out = local_sgd_collectives(numel * element_bytes(DTYPES[recipe.model.load_dtype]), local, group_size=replicate)
+    if shard > 1:
+        out.append(Collective(op="allreduce_", payload_bytes=16, calls=1, group="dp_shard", group_size=shard,
+                              phase="step", what="the drift's two float64 sums, over the replica's shards",
+                              every=local.every))
+    return out
 
 
 RULES = FsdpRules()

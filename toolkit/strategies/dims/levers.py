@@ -1,6 +1,6 @@
-"""The replica levers' strategy.<option> keys, read by ddp and by hybrid's pipeline replicas: gradient compression
-(dims/compression.py) and local SGD (dims/local_sgd.py); each strategy's options dataclass holds them by inheriting
-LeverOptions."""
+"""The replica levers' strategy.<option> keys: gradient compression (dims/compression.py), read by ddp and by hybrid's
+pipeline replicas, and local SGD (dims/local_sgd.py), read by those and by fsdp's HSDP replica groups; each
+strategy's options dataclass holds them by inheriting LeverOptions (both) or LocalSgdOptions."""
 
 from __future__ import annotations
 
@@ -11,17 +11,23 @@ from toolkit.strategies.dims.local_sgd import LocalSgdConfig
 
 
 @strategy_options
-class LeverOptions:
-    """The strategy.<option> keys of the levers on data-parallel replicas (their defaults and trade-offs:
-    docs/recipe-keys.md)."""
+class LocalSgdOptions:
+    """The strategy.<option> keys of local SGD and DiLoCo (their defaults and trade-offs: docs/recipe-keys.md)."""
 
-    gradient_compression: str
-    powersgd_rank: int
-    powersgd_start_step: int
     sync_every: int
     outer_optimizer: str
     outer_lr: float | None
     outer_momentum: float
+
+
+@strategy_options
+class LeverOptions(LocalSgdOptions):
+    """The strategy.<option> keys of the levers on data-parallel replicas whose gradients DDP reduces: compression's
+    and local SGD's."""
+
+    gradient_compression: str
+    powersgd_rank: int
+    powersgd_start_step: int
 
 
 def compression_of(recipe: Recipe) -> Compression:
@@ -31,6 +37,6 @@ def compression_of(recipe: Recipe) -> Compression:
 
 
 def local_sgd_of(recipe: Recipe) -> LocalSgdConfig:
-    options = options_of(LeverOptions, recipe)
+    options = options_of(LocalSgdOptions, recipe)
     return LocalSgdConfig(every=options.sync_every, outer=options.outer_optimizer, outer_lr=options.outer_lr,
                           outer_momentum=options.outer_momentum)

@@ -1,6 +1,8 @@
-"""Local SGD and DiLoCo for DDP (strategy.sync_every): the replicas step alone on their own gradients (DDP's reduction
-off) and average their parameters every `sync_every` steps and at the run's last step, with torch's
-`model_averaging.utils.average_parameters` (what its PeriodicModelAverager calls). `outer_optimizer: nesterov` is
+"""Local SGD and DiLoCo (strategy.sync_every) for DDP's replicas, a pipeline's stage replicas and HSDP's replica
+groups: the replicas step alone on their own gradients (DDP's reduction off; HSDP: the reduce-scatter within a
+replica group, no all-reduce across them) and average their parameters every `sync_every` steps and at the run's
+last step, as torch's `model_averaging.utils.average_parameters` (what its PeriodicModelAverager calls) does it;
+HSDP's ranks average their own shards with the ranks holding the same shards in the other replica groups. `outer_optimizer: nesterov` is
 DiLoCo's outer step: the average's distance from the parameters of the last sync is an outer gradient, which SGD
 with Nesterov momentum (`outer_lr`, `outer_momentum`) applies to those parameters; every replica then starts from
 the result.
@@ -15,12 +17,12 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.model_averaging.utils import average_parameters
+from torch.distributed.tensor import DTensor
 
 from toolkit.cost.collectives import Collective
 from toolkit.errors import RecipeError
@@ -78,24 +80,47 @@ def local_sgd_collectives(param_bytes: int, config: LocalSgdConfig, *, group_siz
                        every=config.every)]
 
 
+def average(tensors: list[torch.Tensor], group) -> None:
+    """The tensors averaged over `group` in one all-reduce, in place: torch's average_parameters' arithmetic (one flat
+    buffer divided by the group's size, then summed), copied back into each tensor. torch's rebinds each one's
+    .data instead, which leaves a DTensor's parameter as it was where the tensor is its local part (HSDP: measured,
+    the replica groups apart after a sync)."""
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    flat /= dist.get_world_size(group)
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
 class LocalSgd:
     """A rank's side of local SGD (see the module's doc). `optimizer`: the inner one, whose state is per rank."""
 
     def __init__(self, module: nn.Module, config: LocalSgdConfig, *, optimizer: torch.optim.Optimizer,
-                 total_steps: int, group=None, across=None) -> None:
+                 total_steps: int, group=None, across=None,
+                 local: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """`group`: the replicas of `module` (default every rank); `across`: the ranks holding the model's other
-        parts (a pipeline replica's stages), over which the drift is added up, or None where `module` is whole."""
+        parts (a pipeline replica's stages, an HSDP replica group's other shards), over which the drift is added
+        up, or None where `module` is whole. `local`: a parameter (and an optimizer state tensor) -> the part this
+        rank holds, which is averaged, saved and loaded (HSDP's DTensor -> its shard, taken afresh each time:
+        FSDP2 may re-point a parameter's shard at its first forward); None: the tensor itself."""
         self.config, self.optimizer, self.total_steps, self.group = config, optimizer, total_steps, group
-        self.across = across
+        self.across, self.local = across, local
         self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.steps = 0  # optimizer steps taken
         self.synced = True  # whether the replicas were made equal after the last step
         self.anchor: list[torch.Tensor] = []
         self.outer: torch.optim.SGD | None = None
         if config.outer == "nesterov":
-            self.anchor = [p.detach().clone() for _, p in self.named]
+            self.anchor = [p.detach().clone() for p in self._params()]
             self.outer = torch.optim.SGD(self.anchor, lr=config.outer_lr or DILOCO_OUTER_LR,
                                          momentum=config.outer_momentum, nesterov=True)
+
+    def _params(self) -> list[torch.Tensor]:
+        """What this rank holds of each trained parameter (the parameter itself, or its local part)."""
+        return [self._held(p) for _, p in self.named]
 
     def sync_due(self, step: int) -> bool:
         return step % self.config.every == 0 or step == self.total_steps
@@ -109,11 +134,11 @@ class LocalSgd:
         self.synced = self.sync_due(self.steps)
         if not self.synced:
             return None
-        params = [p for _, p in self.named]
+        params = self._params()
         squares = torch.zeros(1, dtype=torch.float64, device=params[0].device)
         for p in params:
             squares += p.detach().double().pow(2).sum()
-        average_parameters(iter(params), self.group)
+        average(params, self.group)
         dist.all_reduce(squares, group=self.group)
         world = dist.get_world_size(self.group)
         mean_squared = sum(float(p.detach().double().pow(2).sum()) for p in params)
@@ -127,7 +152,7 @@ class LocalSgd:
             self._outer_step(params)
         return drift
 
-    def _outer_step(self, params: list[nn.Parameter]) -> None:
+    def _outer_step(self, params: list[torch.Tensor]) -> None:
         assert self.outer is not None
         with torch.no_grad():
             for anchor, param in zip(self.anchor, params):
@@ -139,8 +164,8 @@ class LocalSgd:
     def state_bytes(self) -> bytes:
         buffer = io.BytesIO()
         torch.save({"steps": self.steps, "synced": self.synced,
-                    "params": {n: p.detach().cpu() for n, p in self.named},
-                    "optimizer": self.optimizer.state_dict(),
+                    "params": {n: p.detach().cpu() for (n, _), p in zip(self.named, self._params())},
+                    "optimizer": self._optimizer_state(),
                     "anchor": [a.cpu() for a in self.anchor],
                     "outer": self.outer.state_dict() if self.outer is not None else None}, buffer)
         return buffer.getvalue()
@@ -149,10 +174,40 @@ class LocalSgd:
         saved: dict[str, Any] = torch.load(io.BytesIO(blob), weights_only=False)  # written by state_bytes
         self.steps, self.synced = saved["steps"], saved["synced"]
         with torch.no_grad():
-            for name, param in self.named:
+            for (name, _), param in zip(self.named, self._params()):
                 param.copy_(saved["params"][name])
             for anchor, value in zip(self.anchor, saved["anchor"]):
                 anchor.copy_(value)
-        self.optimizer.load_state_dict(saved["optimizer"])
+        self._load_optimizer_state(saved["optimizer"])
         if self.outer is not None and saved["outer"] is not None:
             self.outer.load_state_dict(saved["outer"])
+
+    def _optimizer_state(self) -> dict:
+        """The inner optimizer's state, this rank's own: its state dict, or where parameters have a local part (HSDP)
+        each trained parameter's state tensors as this rank holds them (a DTensor state dict would name the mesh)."""
+        if self.local is None:
+            return self.optimizer.state_dict()
+        return {"local": [{key: self._held(value).detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+                           for key, value in self.optimizer.state.get(p, {}).items()} for _, p in self.named]}
+
+    def _load_optimizer_state(self, saved: dict) -> None:
+        if self.local is None:
+            self.optimizer.load_state_dict(saved)
+            return
+        # the checkpoint's optimizer state was loaded first (DCP: one replica group's, the others' shards deduplicated
+        # away): each state tensor is there to be overwritten with this rank's own
+        for (name, p), held in zip(self.named, saved["local"]):
+            state = self.optimizer.state[p]
+            if set(state) != set(held):
+                raise RuntimeError(f"local SGD's saved optimizer state of {name} holds {sorted(held)}, the loaded "
+                                   f"one {sorted(state)}")
+            for key, value in held.items():
+                if isinstance(value, torch.Tensor):
+                    with torch.no_grad():
+                        self._held(state[key]).copy_(value)
+                else:
+                    state[key] = value
+
+    def _held(self, value: torch.Tensor) -> torch.Tensor:
+        """What this rank holds of `value`: a DTensor's local part where the parameters have one, else itself."""
+        return self.local(value) if self.local is not None and isinstance(value, DTensor) else value

@@ -46,6 +46,10 @@ class FsdpWrap:
     #   backward, less memory); False keeps them until backward
     cpu_offload: bool = False  # sharded parameters, gradients and the optimizer step on the CPU
     reduce_dtype: str | None = None  # fp32 | bf16: what gradients are reduce-scattered in (strategy.reduce_dtype)
+    replicas_apart: bool = False  # True: each of HSDP's replica groups is an FSDP of its own over dp_shard, no
+    #   gradient all-reduced across the groups (local SGD averages their parameters: dims/local_sgd.py).
+    #   FSDP2's set_requires_all_reduce(False) would not serve: it holds the reduced shards back for a later
+    #   all-reduce and leaves .grad unset (torch 2.13, _fsdp_collectives.foreach_reduce)
 
     @property
     def mp_policy(self) -> MixedPrecisionPolicy:
@@ -136,6 +140,8 @@ def parallelize(model: nn.Module, *, mesh, env: DistEnv, units: list[nn.Module],
         apply_tp(model, dimensions(mesh, ("tp",)), sequence_parallel=sequence_parallel)
     experts = expert.apply_ep(model, expert_mesh) if expert_mesh is not None else []
     dp_dims = tuple(name for name in DATA_PARALLEL_DIMS if name in names)
+    if isinstance(data_parallel, FsdpWrap) and data_parallel.replicas_apart:
+        dp_dims = tuple(name for name in dp_dims if name != "dp_replicate")
     if isinstance(data_parallel, FsdpWrap):
         apply_fsdp(model, _shard_mesh(mesh, dp_dims), units=units, wrap=data_parallel, device=env.device,
                    experts=experts, expert_mesh=expert_mesh)
