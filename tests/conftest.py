@@ -309,6 +309,18 @@ def bert_runs(tmp_path_factory, tiny_bert_dir) -> Runs:
                                    output_dir=root / "unused", optim={"lr": 1.0e-4}))
 
 
+def assert_same_drift(run: Path, reference: Path) -> None:
+    """Local SGD: `run` synced at the steps `reference` did, and its replicas drifted apart by as much between (the
+    replica check's max |Δ| and relative norm) and just before each sync, to 1e-3 relative."""
+    import pytest
+
+    for ours, theirs in zip(metrics(run), metrics(reference), strict=True):
+        assert ("replica_drift_before_sync" in ours) == ("replica_drift_before_sync" in theirs), ours["step"]
+        if "replica_drift_before_sync" in ours:
+            assert ours["replica_drift_before_sync"] == pytest.approx(theirs["replica_drift_before_sync"], rel=1e-3)
+        assert ours["replica_drift"] == pytest.approx(theirs["replica_drift"], rel=1e-3), ours["step"]
+
+
 def assert_same_run(run: Path, reference: Path, *, rtol: float = 1e-5, atol: float = 0.0) -> None:
     """Per-step losses and the exported final parameters of `run` equal those of `reference`."""
     import torch
