@@ -171,8 +171,31 @@ def test_a_local_sgd_run_resumed_mid_window_equals_the_uninterrupted_one(tmp_pat
         sets=(*DDP, "strategy.sync_every=4", "strategy.outer_optimizer=nesterov", "checkpoint.every_steps=3"))
     tail = {m["step"]: m for m in metrics(whole)}
     assert tail[6]["replica_drift"]["max_abs"] > 0  # the checkpoint was written with the replicas apart
+    assert_checkpoint_holds_the_first_replica(whole / "checkpoints" / "step-00000006", tmp_path, groups=[[0], [1]])
     for m in metrics(resumed):
         assert m["replica_drift"]["max_abs"] == pytest.approx(tail[m["step"]]["replica_drift"]["max_abs"], rel=1e-6)
+
+
+def assert_checkpoint_holds_the_first_replica(checkpoint, tmp_path, *, groups: list[list[int]]) -> None:
+    """A checkpoint written with local SGD's replicas apart holds one replica whole in its model state (what `toolkit
+    convert` and a resume on another number of ranks read): the first's, `groups[0]`'s ranks, each rank's own
+    parameters (its "comm" entry) in rank order along dim 0 (HSDP's shards; a DDP rank's whole tensors) — not a
+    tensor from one replica and the next from another, as DCP's write balancing would pick them."""
+    import io
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(checkpoint), str(tmp_path / "checkpoint.pt"))
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    own = {int(rank): torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=False)["params"]
+           for rank, blob in state["comm"].items()}
+
+    def replica(ranks: list[int]) -> dict[str, torch.Tensor]:
+        return {name: torch.cat([own[rank][name] for rank in ranks]) for name in own[ranks[0]]}
+
+    first, other = replica(groups[0]), replica(groups[1])
+    assert all(torch.equal(state["model"][name], value) for name, value in first.items())
+    assert not all(torch.equal(first[name], other[name]) for name in first)  # the replicas were apart
 
 
 def _resumed_equals_whole(tmp_path, model_dir, *, steps: int, resume_from: int, sets: tuple[str, ...],

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import assert_same_drift, assert_same_run, metrics
 from test_comm_prediction import assert_predicted
-from test_communication_levers import _resumed_equals_whole
+from test_communication_levers import _resumed_equals_whole, assert_checkpoint_holds_the_first_replica
 
 # global batch 8 both: the HSDP ranks 0, 1 (replica group 0) read samples 0-3 of each step as DDP's rank 0 does in
 # its two micro-batches; the loss of a replica's samples is what each replica steps on
@@ -50,5 +50,7 @@ def test_an_hsdp_local_sgd_run_resumed_mid_window_equals_the_uninterrupted_one(t
               "checkpoint.every_steps=3"))
     tail = {m["step"]: m for m in metrics(whole)}
     assert tail[3]["replica_drift"]["max_abs"] > 0  # the checkpoint was written with the groups apart
+    assert_checkpoint_holds_the_first_replica(whole / "checkpoints" / "step-00000003", tmp_path,
+                                              groups=[[0, 1], [2, 3]])
     for m in metrics(resumed):
         assert m["replica_drift"]["max_abs"] == pytest.approx(tail[m["step"]]["replica_drift"]["max_abs"], rel=1e-6)

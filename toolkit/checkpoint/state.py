@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
 from toolkit.checkpoint import schedule, store, verify
@@ -209,10 +210,16 @@ def save(strategy, *, step: int, out_dir: Path, env: DistEnv, recipe, manifest: 
     partial = store.partial_path(out_dir, step)  # DCP creates it; Saver removed stale ones at the start
     tensors = strategy.state.checkpoint_tensors()
     pieces = tensors if isinstance(tensors, Fragments) else None  # each rank writes its own (fragments.py)
-    planner = None  # DCP's default, except for pieces: async, the planner is given the copy when it is made
+    planner: DefaultSavePlanner | None = None  # DCP's default, except for pieces (async: given the copy once made)
     if pieces is not None:
         planner = PiecesSavePlanner(pieces if background is None else None)
         tensors = pieces.state() if background is None else {"model": {}, "optim": {}}
+    elif replicas_apart(strategy):
+        # DCP writes one copy of what several ranks hold alike, each from whichever rank has written least so far:
+        # with local SGD's replicas apart, a tensor from one replica, the next from another. The lowest rank
+        # holding each is the first replica's (rank 0's, HSDP's first group): one replica, whole, for `toolkit
+        # convert` and a resume on another number of ranks (each rank's own state is in its "comm" entry)
+        planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     state = {"model": tensors["model"], "optim": tensors["optim"], "rng": {str(env.rank): torch.get_rng_state()}}
     communication = strategy.state.communication_state()  # each rank its own (PowerSGD's error)
     if communication is not None:
@@ -234,8 +241,13 @@ def save(strategy, *, step: int, out_dir: Path, env: DistEnv, recipe, manifest: 
     response = dcp.async_save(state, checkpoint_id=str(partial), storage_writer=OsErrorWriter(partial),
                               planner=planner, process_group=background.group,
                               async_stager=background.stager)  # type: ignore[arg-type]  # AsyncStager protocol
-    copied = background.stager.start(pieces=pieces, planner=planner)
+    copied = background.stager.start(pieces=pieces, planner=planner if pieces is not None else None)
     return PendingSave(step=step, out_dir=out_dir, env=env, response=response, copied=copied, finish=finish)
+
+
+def replicas_apart(strategy) -> bool:
+    """Whether this rank's replicas differ now by design (local SGD between syncs): every rank alike."""
+    return any(each.synced is not None and not each.synced() for each in strategy.state.replicas())
 
 
 class DeferredStager:
