@@ -77,3 +77,24 @@ def test_replica_groups_are_checked_within_the_group(tmp_path):
     for rank in (0, 2):
         assert together[rank] == ("at step 4: replicas on rank(s) 1, 3 drifted (their line names the tensor); this "
                                   "rank's own replicas agree")
+
+
+def test_a_tensor_longer_than_a_chunk_is_summed_whole_and_a_swap_past_the_first_chunk_is_seen():
+    """checksums reads a tensor CHUNK elements at a time: the sums equal one float64 pass over the whole tensor
+    (to float64 rounding), and two elements swapped in a later chunk still change the position-weighted sum (its
+    weights repeat every 7 positions, and a chunk is a multiple of 7 long)."""
+    from toolkit.observe.consistency import CHUNK, checksums
+
+    torch.manual_seed(0)
+    tensor = torch.randn(2 * CHUNK + 5)
+    whole = tensor.double()
+    weights = torch.arange(whole.numel(), dtype=torch.float64) % 7 + 1
+    expected = torch.stack([whole.sum(), (whole * whole).sum(), (whole * weights).sum()])
+    got = checksums([("w", tensor)])[0]
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-9)
+    swapped = tensor.clone()
+    swapped[[CHUNK + 1, CHUNK + 3]] = swapped[[CHUNK + 3, CHUNK + 1]]  # weights 2 and 4 there
+    moved = checksums([("w", swapped)])[0]
+    torch.testing.assert_close(moved[:2], got[:2], rtol=1e-12, atol=1e-9)  # the same elements, summed in another order
+    a, b = float(tensor[CHUNK + 1]), float(tensor[CHUNK + 3])
+    assert float(moved[2] - got[2]) == pytest.approx((4 - 2) * (a - b), rel=1e-6)  # weights 2 and 4 swapped
