@@ -228,6 +228,18 @@ def test_levers_keep_the_replicas_identical(llama_runs):
         assert info["status"] == "completed" and info["replica_check"].startswith("every 1 step(s): 2 ranks hold")
 
 
+def test_diloco_keeps_two_more_copies_of_the_parameters_and_the_plan_counts_them(llama_runs):
+    """DiLoCo's outer step keeps the parameters at the last sync (its anchor) and a momentum buffer beside the inner
+    AdamW's two moments: measured, twice the optimizer state plain DDP holds on the same model; toolkit plan's
+    prediction is the measured bytes exactly (before, it left both out: 2 × the model's parameters per rank)."""
+    diloco = json.loads((llama_runs.get("ddp-diloco2", nproc=2, overrides=ARMS["ddp-diloco2"]) / "run.json"
+                         ).read_text())
+    plain = json.loads((llama_runs.get("ddp-m4", nproc=2, overrides=DDP) / "run.json").read_text())
+    for ours, theirs in zip(diloco["model_state_bytes"], plain["model_state_bytes"], strict=True):
+        assert ours["optim_bytes"] == 2 * theirs["optim_bytes"] == 4 * theirs["params_bytes"]
+    assert diloco["memory_prediction"]["model_state_bytes"] == diloco["model_state_bytes"]
+
+
 def test_a_resumed_powersgd_run_equals_the_uninterrupted_one(tmp_path, tiny_llama_dir):
     """The checkpoint after step 4 (compressed from step 4) holds each rank's error and the Q factors: the run
     resumed from it (whose DDP buckets are numbered as a new process numbers them) equals the run that went on, to

@@ -52,5 +52,9 @@ def test_an_hsdp_local_sgd_run_resumed_mid_window_equals_the_uninterrupted_one(t
     assert tail[3]["replica_drift"]["max_abs"] > 0  # the checkpoint was written with the groups apart
     assert_checkpoint_holds_the_first_replica(whole / "checkpoints" / "step-00000003", tmp_path,
                                               groups=[[0, 1], [2, 3]])
+    # each rank's shards of the anchor and the outer momentum, besides AdamW's: as toolkit plan predicts them
+    info = json.loads((whole / "run.json").read_text())
+    assert info["memory_prediction"]["model_state_bytes"] == info["model_state_bytes"]
+    assert all(rank["optim_bytes"] == 4 * rank["grads_bytes"] for rank in info["model_state_bytes"])
     for m in metrics(resumed):
         assert m["replica_drift"]["max_abs"] == pytest.approx(tail[m["step"]]["replica_drift"]["max_abs"], rel=1e-6)

@@ -47,7 +47,7 @@ from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, S
 from toolkit.strategies.dims import comm, context, expert
 from toolkit.strategies.dims.compression import check_reduce_dtype
 from toolkit.strategies.dims.levers import LocalSgdOptions, local_sgd_of
-from toolkit.strategies.dims.local_sgd import LocalSgd, local_sgd_collectives
+from toolkit.strategies.dims.local_sgd import LocalSgd, local_sgd_collectives, outer_state
 from toolkit.strategies.dims.parallelize import FsdpWrap, parallelize
 from toolkit.strategies.optim.torch_optim import TorchOptim, TorchState, TrainsOneModule
 
@@ -166,8 +166,8 @@ class FsdpRules:
             # mesh (dp_shard, tp): the tp ranks of a shard are neighbours; HSDP's (dp_replicate, dp_shard): a
             # rank's shard is its place within its replica group
             return dim0_held(shard, rank // tp % shard, shapes)
-        return [adam_state(model.named_parameters(), dtype=dtype, local=local, moments=held(rank))
-                for rank in range(world_size)]
+        return outer_state([adam_state(model.named_parameters(), dtype=dtype, local=local, moments=held(rank))
+                            for rank in range(world_size)], local_sgd_of(recipe))  # HSDP's DiLoCo: its shards
 
     def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         whole = whole_model_bytes(model, recipe)

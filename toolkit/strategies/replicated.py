@@ -26,7 +26,7 @@ from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, S
                                      no_context, whole_stack_activations)
 from toolkit.strategies.dims import compression
 from toolkit.strategies.dims.compression import Compression
-from toolkit.strategies.dims.local_sgd import LocalSgd, LocalSgdConfig
+from toolkit.strategies.dims.local_sgd import LocalSgd, LocalSgdConfig, outer_state
 from toolkit.strategies.optim.torch_optim import CommunicationState, TorchOptim, TorchState
 
 
@@ -84,7 +84,9 @@ class ReplicatedRules:
 
     def predict_state_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
         # every process holds the whole model in its load dtype (autocast computes in 16-bit on the side)
-        return [adam_state(model.named_parameters(), dtype=DTYPES[recipe.model.load_dtype])] * world_size
+        states = [adam_state(model.named_parameters(), dtype=DTYPES[recipe.model.load_dtype])] * world_size
+        local = self.replication.local_sgd(recipe) if self.replication.local_sgd and world_size > 1 else None
+        return outer_state(states, local) if local is not None else states  # DiLoCo's anchor and momentum
 
     def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         # every rank builds the whole model, and the weights it built are its parameters (in the load dtype,

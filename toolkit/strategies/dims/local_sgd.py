@@ -15,6 +15,7 @@ continues as the uninterrupted one.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -25,6 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from toolkit.cost.collectives import Collective
+from toolkit.memory.state_bytes import ADAM_MOMENTS, StateBytes
 from toolkit.errors import RecipeError
 
 OUTER_OPTIMIZERS = ("average", "nesterov")
@@ -66,6 +68,20 @@ class LocalSgdConfig:
             return (f"local SGD, parameters synced every {self.every} steps by DiLoCo's Nesterov outer step (lr "
                     f"{self.outer_lr or DILOCO_OUTER_LR:g}, momentum {self.outer_momentum:g})")
         return f"local SGD, parameters averaged every {self.every} steps"
+
+
+OUTER_COPIES = 2  # DiLoCo's anchor (the parameters at the last sync) and its outer momentum buffer
+
+
+def outer_state(states: list[StateBytes], config: LocalSgdConfig) -> list[StateBytes]:
+    """Each rank's model states with what DiLoCo's outer step keeps beside the inner AdamW: the anchor and the
+    momentum buffer, each as big as the rank's trained parameters, which AdamW's moments are too (ADAM_MOMENTS of
+    them, in the same dtype and layout: HSDP's unpadded shards, a pipeline rank's stages). Nothing for plain
+    averaging."""
+    if not (config.on and config.outer == "nesterov"):
+        return states
+    return [dataclasses.replace(s, optim_bytes=s.optim_bytes + OUTER_COPIES * s.optim_bytes // ADAM_MOMENTS)
+            for s in states]
 
 
 def local_sgd_collectives(param_bytes: int, config: LocalSgdConfig, *, group_size: int) -> list[Collective]:
@@ -117,10 +133,22 @@ class LocalSgd:
             self.anchor = [p.detach().clone() for p in self._params()]
             self.outer = torch.optim.SGD(self.anchor, lr=config.outer_lr or DILOCO_OUTER_LR,
                                          momentum=config.outer_momentum, nesterov=True)
+            # made now, not at the first sync: the memory the run holds from its start (as toolkit plan counts it).
+            # SGD's first step then makes it 0·momentum + gradient, the gradient itself: what it would have cloned
+            for anchor in self.anchor:
+                self.outer.state[anchor]["momentum_buffer"] = torch.zeros_like(anchor)
 
     def _params(self) -> list[torch.Tensor]:
         """What this rank holds of each trained parameter (the parameter itself, or its local part)."""
         return [self._held(p) for _, p in self.named]
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """What this lever keeps beside the inner optimizer: DiLoCo's anchor and outer momentum (outer_state)."""
+        if self.outer is None:
+            return []
+        buffers = [self.outer.state.get(a, {}).get("momentum_buffer") for a in self.anchor]
+        return self.anchor + [b for b in buffers if b is not None]  # (a checkpoint from before the first sync of
+        # an older toolkit has none: SGD then makes each at the first sync)
 
     def sync_due(self, step: int) -> bool:
         return step % self.config.every == 0 or step == self.total_steps

@@ -100,11 +100,18 @@ class TrainsOneModule:
 
 
 class CommunicationState(Protocol):
-    """State a gradient communication hook keeps across steps (dims/compression.PowerSgd)."""
+    """State a communication lever keeps across steps (dims/compression.PowerSgd, dims/local_sgd.LocalSgd)."""
 
     def state_bytes(self) -> bytes: ...
 
     def load_bytes(self, blob: bytes) -> None: ...
+
+
+def lever_state_tensors(communication: CommunicationState | None) -> list[torch.Tensor]:
+    """The tensors a lever keeps beside the optimizer's state, which the memory plan counts with it (DiLoCo's anchor
+    and outer momentum: LocalSgd.state_tensors); none from a lever that declares none."""
+    tensors = getattr(communication, "state_tensors", None)
+    return list(tensors()) if tensors is not None else []
 
 
 class TorchState:
@@ -149,11 +156,13 @@ class TorchState:
         return self.module
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return live_state_tensors(self.module, self.optim)
+        return live_state_tensors(self.module, self.optim, communication=self.communication)
 
 
-def live_state_tensors(module: nn.Module, optim: TorchOptim) -> dict[str, list[torch.Tensor]]:
+def live_state_tensors(module: nn.Module, optim: TorchOptim, *,
+                       communication: CommunicationState | None = None) -> dict[str, list[torch.Tensor]]:
     """A rank's parameters, gradients and optimizer state (StrategyState.state_tensors) where `module` holds
-    every parameter `optim` steps."""
+    every parameter `optim` steps; the optimizer's state with what a lever keeps beside it (lever_state_tensors)."""
     params: list[torch.Tensor] = list(module.parameters())
-    return {"params": params, "grads": [p.grad for p in params if p.grad is not None], "optim": optim.state_tensors()}
+    return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
+            "optim": optim.state_tensors() + lever_state_tensors(communication)}

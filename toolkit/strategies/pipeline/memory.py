@@ -27,6 +27,8 @@ from toolkit.config.recipe import Recipe, plan_batch
 from toolkit.memory.activations import Traced, traced_stage
 from toolkit.memory.state_bytes import StateBytes, adam_state, dim0_shard, element_bytes, whole
 from toolkit.model.precision import DTYPES
+from toolkit.strategies.dims.levers import local_sgd_of
+from toolkit.strategies.dims.local_sgd import outer_state
 from toolkit.strategies.pipeline.batches import longest_kept
 from toolkit.strategies.pipeline.layout import Grid, grid_of, rank_stages, stage_of_blocks
 
@@ -44,7 +46,8 @@ def state_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: int) -
         for stage in rank_stages(model, recipe, grid, pp_rank):
             total += adam_state(stage.named_parameters(), dtype=dtype, local=local)
         per_pp_rank.append(total)
-    return [per_pp_rank[grid.coords(rank)[0]] for rank in range(world_size)]
+    # a stage's ddp replicas under DiLoCo: the outer step's anchor and momentum of its stages
+    return outer_state([per_pp_rank[grid.coords(rank)[0]] for rank in range(world_size)], local_sgd_of(recipe))
 
 
 def activation_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: int, how: dict[str, Any]) -> list[int]:
