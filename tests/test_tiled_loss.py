@@ -57,6 +57,66 @@ def test_tiled_loss_runs_train_as_the_full_loss_does(llama_runs, name, nproc, ov
     assert metrics(run)[-1]["eval_loss"] == pytest.approx(metrics(reference)[-1]["eval_loss"], rel=1e-6)
 
 
+def test_tiled_loss_under_context_parallel_trains_as_the_full_loss_does(llama_runs):
+    """Each cp rank's loss in tiles of its own tokens (their labels shifted over the whole sequence before the
+    split), the output layer inside FSDP's root unit as without cp: as the single process trains, and its
+    final evaluation (tiled too) within context parallel's own bound (test_context_parallel)."""
+    from test_context_parallel import CP2
+
+    run, reference = llama_runs.get("cp2-tiled", nproc=2, overrides=(*CP2, "train.tiled_loss=true")), \
+        llama_runs.get("single-m8")
+    assert_matches_single(run, reference)
+    assert metrics(run)[-1]["eval_loss"] == pytest.approx(metrics(reference)[-1]["eval_loss"], rel=1e-5)
+    untiled = llama_runs.get("cp2", nproc=2, overrides=CP2)  # test_context_parallel's
+    assert [m["loss"] for m in metrics(run)] == pytest.approx([m["loss"] for m in metrics(untiled)], rel=1e-6)
+
+
+def test_a_context_parallel_ranks_tiled_loss_goes_through_the_tiles(monkeypatch):
+    """What the whole run above cannot tell apart from a loss computed whole: a cp rank's forward under
+    train.tiled_loss hands its output layer to tiled_loss_sum (here in tiles of 3 of its 8 tokens), whose sum and
+    gradients equal the full logits' loss over the rank's shifted labels, computed in plain PyTorch."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.data.losses import forward_loss_sum
+    from toolkit.strategies import base
+    from toolkit.strategies.dims import context
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    calls = []
+
+    def in_tiles(hidden, head, labels, **kwargs):
+        calls.append(labels.clone())
+        return tiled_loss_sum(hidden, head, labels, **{**kwargs, "tile": 3})
+
+    monkeypatch.setattr(base, "tiled_loss_sum", in_tiles)
+    ids = torch.randint(0, 40, (2, 4))
+    labels = torch.randint(0, 40, (2, 4))
+    labels[1, 3] = IGNORE_INDEX
+    share = context.RankBatch(input_ids=ids, position_ids=torch.arange(4, 8).expand(2, 4), shifted_labels=labels,
+                              token_mask=torch.ones(2, 4), sequence=None)  # type: ignore[arg-type]
+
+    class Rank:  # what _local_loss asks of a strategy
+        def __init__(self):
+            self.model = model
+
+        def forward_context(self):
+            return torch.autocast("cpu", enabled=False)
+
+    def loss_sum(output, batch):
+        return forward_loss_sum(output, batch, "causal-lm")
+
+    tiled = context._local_loss(Rank(), share, loss_sum, tiled=True)
+    assert len(calls) == 1 and torch.equal(calls[0], labels)
+    tiled_grads = torch.autograd.grad(tiled, list(model.parameters()))
+    logits = model(input_ids=ids, position_ids=share.position_ids).logits
+    full = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+    assert tiled.item() == pytest.approx(full.item(), rel=1e-6)
+    for got, want in zip(tiled_grads, torch.autograd.grad(full, list(model.parameters()))):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def recipe(**sections):
     return recipe_from_dict({"model": {"path": "/m", "task": "causal-lm"}, "data": {"train": "t.jsonl"},
                              "batch": {"global_batch_size": 8, "micro_batch_size": 1},

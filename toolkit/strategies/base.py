@@ -319,7 +319,7 @@ def logits_of(strategy: MicroBatchStrategy, batch: dict, device: torch.device) -
     the forward returns, and what is returned here in place of the logits (data/losses.py forward_loss_sum)."""
     model: Any = getattr(strategy.model, "module", strategy.model)  # DDP's or DeepSpeed's wrapper: the model
     head = model.get_output_embeddings() if batch.get(TILED) else None
-    tiled = _tiled_head(head, batch, device) if head is not None else contextlib.nullcontext()
+    tiled = tiled_head(head, batch, device) if head is not None else contextlib.nullcontext()
     with strategy.forward_context(), tiled:
         out = strategy.model(input_ids=batch["input_ids"].to(device, non_blocking=True),
                              attention_mask=batch["attention_mask"].to(device, non_blocking=True))
@@ -330,9 +330,10 @@ def logits_of(strategy: MicroBatchStrategy, batch: dict, device: torch.device) -
 
 
 @contextlib.contextmanager
-def _tiled_head(head: nn.Module, batch: dict, device: torch.device) -> Iterator[None]:
+def tiled_head(head: nn.Module, batch: dict, device: torch.device) -> Iterator[None]:
     """Inside, `head` turns the last hidden states into the micro-batch's loss sum, tile by tile (each tile through
-    the layer's own forward, again in backward), instead of the logits."""
+    the layer's own forward, again in backward), instead of the logits; `batch`: its labels (and labels_shifted
+    where each already names the next token, as a context-parallel rank's do)."""
     # the layer's declared width: ZeRO-3 leaves its weight a 0-element partition outside its forward
     own, vocab = head.forward, int(getattr(head, "out_features", 0) or cast(torch.Tensor, head.weight).shape[0])
     labels, shifted = batch["labels"].to(device, non_blocking=True), "labels_shifted" in batch

@@ -39,10 +39,10 @@ import torch
 
 from toolkit.config.recipe import Recipe
 from toolkit.cost.flops import attention_heads
-from toolkit.data.losses import IGNORE_INDEX
+from toolkit.data.losses import IGNORE_INDEX, TILED
 from toolkit.errors import RecipeError
 from toolkit.observe.routing import counted_tokens
-from toolkit.strategies.base import LossSum, MicroBatchStrategy, Share, refuse_untested
+from toolkit.strategies.base import LossSum, MicroBatchStrategy, Share, refuse_untested, tiled_head
 
 ATTENTIONS = {"allgather": "toolkit_cp_allgather", "ulysses": "toolkit_cp_ulysses"}  # config._attn_implementation
 
@@ -277,10 +277,16 @@ def _share(batch: dict, group: Group, device: torch.device) -> RankBatch:
                        cp=group.size, rank=group.rank, group=group.group)
 
 
-def _local_loss(strategy: MicroBatchStrategy, share: RankBatch, loss_sum: LossSum) -> torch.Tensor:
-    with strategy.forward_context(), counted_tokens(share.token_mask):
-        logits = strategy.model(input_ids=share.input_ids, position_ids=share.position_ids).logits
-    return loss_sum(logits, {"labels": share.shifted_labels, "labels_shifted": True})
+def _local_loss(strategy: MicroBatchStrategy, share: RankBatch, loss_sum: LossSum, *, tiled: bool) -> torch.Tensor:
+    """The loss sum of this rank's tokens; `tiled` (train.tiled_loss): computed in tiles of its tokens by the
+    output layer inside the model's forward (base.tiled_head), whose output is then that sum, not the logits."""
+    mine: dict[str, Any] = {"labels": share.shifted_labels, "labels_shifted": True, **({TILED: True} if tiled else {})}
+    model: Any = strategy.model  # FSDP2 works in place: the model itself
+    head = model.get_output_embeddings() if tiled else None
+    with strategy.forward_context(), counted_tokens(share.token_mask), \
+            tiled_head(head, mine, share.input_ids.device) if head is not None else contextlib.nullcontext():
+        output = strategy.model(input_ids=share.input_ids, position_ids=share.position_ids).logits
+    return loss_sum(output, mine)
 
 
 def each_micro_batch(strategy: MicroBatchStrategy, micro_batches: list[dict], *, loss_sum: LossSum, share: Share,
@@ -291,7 +297,7 @@ def each_micro_batch(strategy: MicroBatchStrategy, micro_batches: list[dict], *,
     for index, batch in enumerate(micro_batches):
         mine = _share(batch, group, device)
         with strategy.accumulate(sync=index == len(micro_batches) - 1), sequence(mine.sequence):
-            micro_sum = _local_loss(strategy, mine, loss_sum)
+            micro_sum = _local_loss(strategy, mine, loss_sum, tiled=bool(batch.get(TILED)))
             strategy.backward(share(micro_sum) * group.size)
         total += micro_sum.detach().double()
     return total
@@ -304,7 +310,7 @@ def forward_once(strategy: MicroBatchStrategy, micro_batches: list[dict], *, los
     for batch in micro_batches:
         mine = _share(batch, group, device)
         with sequence(mine.sequence):
-            total += _local_loss(strategy, mine, loss_sum).detach().double()
+            total += _local_loss(strategy, mine, loss_sum, tiled=bool(batch.get(TILED))).detach().double()
     return total, sum(int(batch["num_items"]) for batch in micro_batches) if group.rank == 0 else 0
 
 
