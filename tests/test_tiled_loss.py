@@ -117,6 +117,21 @@ def test_a_context_parallel_ranks_tiled_loss_goes_through_the_tiles(monkeypatch)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("arm", ["tp-sp", "fsdp-tp2"])
+def test_tiled_loss_under_tensor_parallel_trains_as_the_full_loss_does(llama4_runs, arm):
+    """The tensor-parallel plans split the blocks' layers, not the output layer: each rank holds it whole (the tied
+    Llama's embedding, replicated over tp; under fsdp × tp, gathered with FSDP's root unit) and tiles its loss as
+    one process does; under sequence parallelism the layer's input is gathered over the sequence before the tiles.
+    As the single process trains, and as the untiled arm (test_tensor_parallel's) to 1e-6."""
+    from test_tensor_parallel import ARMS as TP_ARMS
+
+    ranks, overrides = TP_ARMS[arm]
+    run = llama4_runs.get(f"{arm}-tiled", nproc=ranks, overrides=(*overrides, "train.tiled_loss=true"))
+    assert_matches_single(run, llama4_runs.get("single"))
+    untiled = llama4_runs.get(arm, nproc=ranks, overrides=overrides)
+    assert [m["loss"] for m in metrics(run)] == pytest.approx([m["loss"] for m in metrics(untiled)], rel=1e-6)
+
+
 def recipe(**sections):
     return recipe_from_dict({"model": {"path": "/m", "task": "causal-lm"}, "data": {"train": "t.jsonl"},
                              "batch": {"global_batch_size": 8, "micro_batch_size": 1},
@@ -124,9 +139,9 @@ def recipe(**sections):
 
 
 @pytest.mark.parametrize("sections, world_size, words", [
-    ({"strategy": {"name": "tp"}}, 2, "train.tiled_loss is not available with strategy tp yet"),
     ({"strategy": {"name": "dp"}}, 2, "train.tiled_loss is not available with strategy dp yet"),
-    ({"strategy": {"name": "fsdp", "tp_degree": 2}}, 4, "train.tiled_loss is not available with strategy.tp_degree"),
+    ({"strategy": {"name": "hybrid", "pipeline_degree": 2}}, 2,
+     "train.tiled_loss is not available with strategy hybrid yet"),
 ])
 def test_where_tiled_loss_is_not_checked_it_is_refused(sections, world_size, words):
     with pytest.raises(RecipeError) as refused:

@@ -102,9 +102,6 @@ class FsdpRules:
         check_local_sgd(recipe, options)
         tp = options.tp_degree
         cp = options.cp_degree
-        if recipe.train.tiled_loss and (tp or 1) > 1:  # the head split over tp: its logits are the vocabulary's parts
-            raise RecipeError("train.tiled_loss is not available with strategy.tp_degree yet (not checked there); set "
-                              "train.tiled_loss: false or drop it")
         if cp is not None and cp < 1:
             raise RecipeError(f"strategy.cp_degree must be >= 1, got {cp}; leave it unset for FSDP alone")
         if cp is not None and cp > 1:

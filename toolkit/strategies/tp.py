@@ -47,6 +47,7 @@ OPTIONS = TpOptions  # the registry reads it by this name
 
 INFO = StrategyInfo(
     name="tp", averages_gradients=True, lora=False, compiles=False, holds_gradients=False, tied_gradients=2,
+    tiles_loss=True,  # the plans split the blocks' layers only: the output layer is whole on every rank
     options=option_names(TpOptions),
     summary="tensor parallel: attention heads and MLP columns split over the ranks, one activation all-reduce "
             "per block; every rank reads the same batch",
