@@ -203,9 +203,6 @@ class FsdpRules:
         options = options_of(FsdpOptions, recipe)
         tp, cp, ep, replicate = (options.tp_degree or 1, options.cp_degree or 1, options.ep_degree or 1,
                                  options.replicate_degree)
-        if ep > 1:
-            raise RecipeError("toolkit plan does not predict expert parallel's collectives yet: its all-to-alls carry "
-                              "what the router sends each rank, which the shapes alone do not tell")
 
         stored = DTYPES[recipe.model.load_dtype]
         compute = stored if recipe.precision == "fp32" else DTYPES[recipe.precision]  # MixedPrecisionPolicy
@@ -213,6 +210,10 @@ class FsdpRules:
             or stored  # what MixedPrecisionPolicy reduces in (None: the parameters' own dtype)
         shapes_tp = tensor_parallel.local_shapes(model, tp) if tp > 1 else None
         units = comm.fsdp_units(model, transformer_blocks(model, options.blocks))
+        if ep > 1:  # the experts modules are FSDP units of their own over efsdp, the blocks shard what is left
+            return expert_parallel_collectives(model, units, recipe, world_size=world_size, ep=ep, shapes=shapes,
+                                               compute=compute, reduce=reduce,
+                                               gathers=len(shapes) * (2 if options.reshard_after_forward else 1))
         gathers = len(shapes) * (2 if options.reshard_after_forward else 1)
         recompute = recipe.train.activation_checkpointing
         shard = world_size // (tp * replicate)
@@ -427,6 +428,33 @@ def check_local_sgd(recipe: Recipe, options: FsdpOptions) -> None:
     if options.cpu_offload:
         raise RecipeError("strategy.sync_every over HSDP is not checked with strategy.cpu_offload yet; drop one of "
                           "them")
+
+
+def expert_parallel_collectives(model: nn.Module, units: list, recipe: Recipe, *, world_size: int, ep: int,
+                                shapes: list[tuple[int, int]], compute, reduce, gathers: int) -> list[Collective]:
+    """FSDP over the world for the dense units (each block without its experts, the root), over efsdp for each
+    experts module (its 1/ep of the experts on dim 0), and the token all-to-alls (comm.ep_collectives)."""
+    from toolkit.observe.routing import DISPATCH, STACKED, plan_of
+
+    plan = plan_of(model)
+    modules = dict(model.named_modules())
+    expert_units = [list(modules[name].named_parameters(prefix=name)) for name, style in plan.items()
+                    if style == DISPATCH]
+    inside = {id(p) for unit in expert_units for _, p in unit}
+    dense = [[(n, p) for n, p in unit if id(p) not in inside] for unit in units]
+    efsdp = world_size // ep
+
+    def held(name: str, param: nn.Parameter) -> tuple[int, ...]:  # an experts weight: this rank's experts
+        return (param.shape[0] // ep, *param.shape[1:]) if plan.get(name) == STACKED else tuple(param.shape)
+
+    experts = [dataclasses.replace(c, group="efsdp") for c in comm.fsdp_collectives(
+        expert_units, shard=efsdp, replicate=1, compute_dtype=compute, reduce_dtype=reduce,
+        gathers_per_unit=gathers, local_shape=held)]
+    return [*comm.fsdp_collectives(dense, shard=world_size, replicate=1, compute_dtype=compute, reduce_dtype=reduce,
+                                   gathers_per_unit=gathers),
+            *experts,
+            *comm.ep_collectives(model, ep=ep, shapes=shapes, activation_dtype=compute,
+                                 recompute=recipe.train.activation_checkpointing)]
 
 
 def hsdp_local_sgd_collectives(model: nn.Module, recipe: Recipe, *, shard: int, replicate: int,

@@ -21,6 +21,11 @@ byte by tests/test_comm_prediction.py:
 - Context parallel (dims/context.py), allgather method: each attention layer all-gathers the rank's keys and
   values (forward) and reduce-scatters their gradients (backward), each micro-batch; ulysses: its queries, keys,
   values and output pass an all-to-all each, forward and backward.
+- Expert parallel (dims/expert.py, transformers' all_to_all dispatch), each MoE layer and micro-batch: the tokens
+  per expert (int64, one per expert) in one all-to-all, then every (token, expert) pair's hidden row out to its
+  expert's rank and the expert's output back, forward; in backward their gradients the other way. A rank sends all
+  its rows (padding too) × top-k; what it receives is the router's choice: balanced routing is assumed (exact for
+  the sum over ranks, not for one rank).
 """
 
 from __future__ import annotations
@@ -213,3 +218,26 @@ def cp_collectives(model: nn.Module, *, cp: int, tp: int, shapes: Shapes, activa
                        group="cp", group_size=cp, phase="forward", what="keys and values"),
             Collective(op="reduce_scatter_tensor", payload_bytes=2 * layers * one * cp, calls=2 * layers * micro,
                        group="cp", group_size=cp, phase="backward", what="key and value gradients")]
+
+
+def ep_collectives(model: nn.Module, *, ep: int, shapes: Shapes, activation_dtype, recompute: bool
+                   ) -> list[Collective]:
+    """Expert parallel over `ep` ranks: per MoE layer and micro-batch, the counts all-to-all and four row
+    all-to-alls (the pairs out and the outputs back, forward; their gradients, backward), each pair a hidden-size
+    row in the compute dtype; `recompute`: activation checkpointing runs the forward's three again in backward. The
+    rows a rank receives are taken as what it sends (balanced routing): the ranks' sum is exact."""
+    if ep <= 1:
+        return []
+    from toolkit.observe.routing import DISPATCH, num_experts, plan_of
+
+    config: Any = model.config
+    layers = sum(1 for style in plan_of(model).values() if style == DISPATCH)
+    pairs = sum(rows * length for rows, length in shapes) * int(config.num_experts_per_tok)
+    row = config.hidden_size * element_bytes(activation_dtype)
+    forwards, micro = (2 if recompute else 1), len(shapes)
+    return [Collective(op="alltoall_base_", payload_bytes=forwards * layers * micro * num_experts(config) * 8,
+                       calls=forwards * layers * micro, group="ep", group_size=ep, phase="forward",
+                       what="tokens per expert"),
+            Collective(op="all_to_all_single", payload_bytes=(2 * forwards + 2) * layers * pairs * row,
+                       calls=(2 * forwards + 2) * layers * micro, group="ep", group_size=ep, phase="forward",
+                       what="(token, expert) pairs to their experts and back (balanced routing)")]
