@@ -264,6 +264,13 @@ def test_layout_and_bubble_are_reported(llama4_runs):
     # the saved Llama's files hold every tensor: each rank read its stages' alone (tests/test_pipeline_loading.py)
     assert run["layout"].endswith("; weights: each rank read only its stages' tensors from the pretrained "
                                   "safetensors files")
+    # each rank's peak by the end of setup is on record, before and below the run's, and the plan predicts it
+    # from what the rank built beside its parameters (nothing here: its stages' tensors read alone)
+    for peak in run["peak_memory"]:
+        assert 0 < peak["setup_peak_bytes"] <= peak["peak_mem_bytes"]
+    predicted = run["memory_prediction"]
+    assert predicted["setup_peak_bytes_per_rank"] == [predicted["runtime_bytes"] + r["params_bytes"]
+                                                      for r in predicted["model_state_bytes"]]
     per_rank = run["strategy_measurements"]
     assert [r["stages"] for r in per_rank] == [[0, 2], [1, 3]]
     # (p-1)/(v·m+p-1) with p = 2 ranks, v = 2 stages per rank, m = 4 micro-batches

@@ -31,7 +31,7 @@ import functools
 import re
 from typing import Callable
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -62,6 +62,9 @@ class Prediction:
     # parameters, or under low-memory loading)
     runtime_bytes: int  # the process itself (interpreter, torch, transformers), before any model
     peak_bytes_per_rank: list[int]
+    # per rank, the peak by the end of setup (before the first step): its build beside the parameters it keeps
+    # (run.json's peak_memory setup_peak_bytes measures it)
+    setup_peak_bytes_per_rank: list[int] = field(default_factory=list)
 
     @property
     def peak_bytes(self) -> int:
@@ -74,7 +77,8 @@ class Prediction:
                 "activation_bytes": self.activation_bytes,
                 "activation_bytes_checkpointed": self.activation_bytes_checkpointed,
                 "load_bytes": self.load_bytes, "built_bytes": self.built_bytes, "runtime_bytes": self.runtime_bytes,
-                "peak_bytes": self.peak_bytes, "peak_bytes_per_rank": self.peak_bytes_per_rank}
+                "peak_bytes": self.peak_bytes, "peak_bytes_per_rank": self.peak_bytes_per_rank,
+                "setup_peak_bytes_per_rank": self.setup_peak_bytes_per_rank}
 
 
 def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type: str = "cpu",
@@ -131,6 +135,7 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     # is a loading peak of its own, not part of training's. Under low-memory loading a rank builds no more than
     # its own part. Rank 0 also exports: the whole model gathered or copied to write it, except where its
     # parameters are the weights it built (the export reads them). A GPU sees only what is moved to it.
+    setup = [b + r.params_bytes + (0 if device_type == "cuda" else runtime_bytes) for r, b in zip(per_rank, built)]
     if device_type == "cuda":
         peaks = [training(r, a) + gathered for r, a in zip(per_rank, activations)]
     else:
@@ -141,7 +146,8 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
             peaks[0] = max(peaks[0], runtime_bytes + kept + load)
     return Prediction(strategy=recipe.strategy.name, world_size=world_size, per_rank=per_rank,
                       activation_bytes=activations, activation_bytes_checkpointed=checkpointed, load_bytes=load,
-                      built_bytes=built, runtime_bytes=runtime_bytes, peak_bytes_per_rank=peaks)
+                      built_bytes=built, runtime_bytes=runtime_bytes, peak_bytes_per_rank=peaks,
+                      setup_peak_bytes_per_rank=setup)
 
 
 _IMPORTED_BYTES: dict[str, int] = {}

@@ -134,6 +134,7 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     # as loaded lets go of the weight file, whose pages of the dropped weights would otherwise stay resident
     del model
     own_memory(strategy.model)
+    setup_peak = peak_memory_bytes(env.device)  # the build, load and setup: what the plan's setup peak predicts
     # transformers returns models in eval mode: dropout and activation checkpointing act in train mode only
     # (before this, training ran without dropout until the first evaluation switched the model back)
     strategy.model.train()
@@ -147,6 +148,7 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     info = runinfo.start(recipe, env=env, plan=plan, total_steps=total_steps, model=strategy.state.export_module(),
                          num_params=num_params, out_dir=out_dir, prediction=prediction, data=prepared.data_info)
     info["host_memory"] = host_memory
+    info.setup_peak = setup_peak
     info.last_step = done
     skips = SkippedSteps(recipe.train.max_consecutive_skips, done=done)
     # rank 0: run.json's status stopped or failed when the run ends otherwise than completing
