@@ -20,7 +20,7 @@ RUNS = {
                      "longest sequence"),
     "expert_parallel": (["--arms", "ep2", "--steps", "1"], "load spread"),
     "communication": (["--arms", "ddp,ddp-bf16c", "--steps", "2"], "bytes/step"),
-    "pipeline_efficiency": (["--arms", "single,pp-zbv", "--steps", "2"], "idle per rank"),
+    "pipeline_efficiency": (["--arms", "single,pp-zbv", "--steps", "2", "--from-files"], "setup peak above"),
     "scale_prediction": (["--rows", "4", "--cli-check"], "published"),
     "startup": (["--runs", "1"], "median s"),
     "gpu_throughput": (["--arms", "single", "--steps", "2", "--seq", "32", "--micro-batch", "1", *TINY_LLAMA],
