@@ -174,7 +174,7 @@ def load_part(part: nn.Module, files: dict[str, Path], *, aliases: dict[str, str
     if missing:
         raise RuntimeError(f"the pretrained files hold no tensor for {missing[:3]} of this part of the model")
     with torch.no_grad():
-        for name, target in tensors.items():
+        for name, target in sorted(tensors.items(), key=lambda item: -item[1].numel()):  # see _read_slices
             stored = name if name in files else aliases[name]
             _read_slices({stored: target.detach()}, {stored: files[stored]})
 
@@ -183,10 +183,13 @@ def _read_slices(tensors: dict[str, torch.Tensor], files: dict[str, Path]) -> No
     """Copy into each local shard the slice of its tensor that this rank holds, read from the file alone. One
     tensor per opening: safe_open maps the whole file, and the pages a read touches stay in this process's
     resident set until the file is closed (measured: 1.3 GB more peak RSS per rank, on a 1.2 GB file, when one
-    opening read every tensor)."""
+    opening read every tensor). The largest first: a read holds the file's pages of its tensor beside the tensors
+    already filled (an empty tensor holds no page until written), so read last, a 119 MiB tied head (the 302M
+    Llama's last pipeline stage) had put its whole size on top of the stage's setup peak (measured: +22 % over the
+    stage's parameters, against +4 % on the first stage, which reads its embedding first)."""
     from safetensors import safe_open
 
-    for name, target in tensors.items():
+    for name, target in sorted(tensors.items(), key=lambda item: -item[1].numel()):
         with safe_open(str(files[name]), framework="pt") as f, torch.no_grad():
             _read_slice(f, name, target)
 
