@@ -309,6 +309,17 @@ def bert_runs(tmp_path_factory, tiny_bert_dir) -> Runs:
                                    output_dir=root / "unused", optim={"lr": 1.0e-4}))
 
 
+def assert_local_sgd_every_2_as_ddp(run: Path, ddp: Path) -> None:
+    """A 5-step local SGD run syncing every 2 steps against local SGD over DDP replicas of the same samples: the same
+    losses and final weights to fp32's 1e-5, the syncs after steps 2, 4 and 5 (the last), the same drift
+    (assert_same_drift), measured apart between syncs and found equal by the replica check after each."""
+    assert_same_run(run, ddp, rtol=1e-5, atol=1e-6)
+    steps = metrics(run)
+    assert [m["step"] for m in steps if "replica_drift_before_sync" in m] == [2, 4, 5]
+    assert_same_drift(run, ddp)
+    assert [m["replica_drift"]["max_abs"] == 0.0 for m in steps] == [False, True, False, True, True]
+
+
 def assert_same_drift(run: Path, reference: Path) -> None:
     """Local SGD: `run` synced at the steps `reference` did, and its replicas drifted apart by as much between (the
     replica check's max |Δ| and relative norm) and just before each sync, to 1e-3 relative."""

@@ -210,11 +210,10 @@ class FsdpRules:
             or stored  # what MixedPrecisionPolicy reduces in (None: the parameters' own dtype)
         shapes_tp = tensor_parallel.local_shapes(model, tp) if tp > 1 else None
         units = comm.fsdp_units(model, transformer_blocks(model, options.blocks))
+        gathers = len(shapes) * (2 if options.reshard_after_forward else 1)
         if ep > 1:  # the experts modules are FSDP units of their own over efsdp, the blocks shard what is left
             return expert_parallel_collectives(model, units, recipe, world_size=world_size, ep=ep, shapes=shapes,
-                                               compute=compute, reduce=reduce,
-                                               gathers=len(shapes) * (2 if options.reshard_after_forward else 1))
-        gathers = len(shapes) * (2 if options.reshard_after_forward else 1)
+                                               compute=compute, reduce=reduce, gathers=gathers)
         recompute = recipe.train.activation_checkpointing
         shard = world_size // (tp * replicate)
         local_sgd = local_sgd_of(recipe)  # the replica groups' all-reduce replaced by their syncs
