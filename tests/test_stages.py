@@ -148,6 +148,60 @@ class _Reused(nn.Module):
         return self.proj(hidden)
 
 
+class _Handing(nn.Module):
+    """A model whose blocks hand a second value (a position bias) from each block to the next."""
+
+    _no_split_modules = ["_BiasedBlock"]
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_BiasedBlock(), _BiasedBlock()])
+
+    def forward(self, hidden):
+        bias = None
+        for i, layer in enumerate(self.layers):
+            hidden, bias = layer(hidden, bias=bias)
+        return hidden
+
+
+class _BiasedBlock(_Block):
+    def forward(self, hidden, bias=None):
+        bias = torch.ones_like(hidden) if bias is None else bias
+        return self.linear(hidden) + bias, bias
+
+
+def test_a_classifier_unpacking_each_blocks_output_is_cut_like_a_decoder():
+    """DeBERTa's encoder unpacks each block's output (`hidden_states, att_m = layer_module(...)`): a block of an
+    earlier stage hands on the hidden states and None for the attention it does not return (before: the first
+    step failed, "too many values to unpack")."""
+    from transformers import DebertaConfig, DebertaForSequenceClassification
+
+    torch.manual_seed(0)
+    model = DebertaForSequenceClassification(DebertaConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64)).eval()
+    blocks = ("DebertaLayer",)  # DeBERTa declares no _no_split_modules: strategy.blocks names its block
+    assert layout_of(model, blocks).outputs == 2
+    ids, mask = _inputs(12)
+    want = model(input_ids=ids, attention_mask=mask).logits
+    want.float().square().mean().backward()
+    stages = [Stage(copy.deepcopy(model), layer_ids=[i], first=i == 0, last=i == 2, blocks=blocks) for i in range(3)]
+    hidden = ids
+    for stage in stages:
+        hidden = stage(hidden, mask)
+    hidden.float().square().mean().backward()
+    torch.testing.assert_close(hidden.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+    for i, stage in enumerate(stages):
+        for name, param in stage.named_parameters():
+            torch.testing.assert_close(param.grad, model.get_parameter(name).grad, rtol=1e-4, atol=1e-7,
+                                       msg=lambda m, n=name: f"stage {i} {n}: {m}")
+
+
+def test_a_model_handing_a_second_value_from_block_to_block_is_refused():
+    with pytest.raises(RecipeError, match=r"^pipeline: _Handing.forward hands bias from each block to the next "
+                                          r"beside the hidden states"):
+        layout_of(_Handing())
+
+
 def test_a_model_that_does_not_show_where_to_cut_is_refused_in_one_line():
     with pytest.raises(RecipeError, match=r"^pipeline: cannot cut _Reused into stages: _Reused.forward uses proj "
                                           r"where it runs the blocks; set strategy.blocks"):

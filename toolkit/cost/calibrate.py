@@ -145,9 +145,9 @@ def _bus_rank(rank: int, nproc: int, port: int, results: Any) -> None:
             moved = (nproc - 1) / nproc * numel * 4
             key = str(numel * 4)  # an all-reduce's and a reduce-scatter's payload; an all-gather's is its shard's
             busbw["all_reduce"][key] = 2 * moved / _median_seconds(lambda: dist.all_reduce(big))
-            busbw["reduce_scatter"][key] = moved / _median_seconds(lambda: dist.reduce_scatter_tensor(part, big))
+            busbw["reduce_scatter"][key] = moved / _median_seconds(lambda: dist.reduce_scatter_single(part, big))
             busbw["all_gather"][str(numel // nproc * 4)] = \
-                moved / _median_seconds(lambda: dist.all_gather_into_tensor(big, part))
+                moved / _median_seconds(lambda: dist.all_gather_single(big, part))
         latency = _best_seconds(lambda: dist.all_reduce(torch.ones(8)), repeats=20)
         if rank == 0:
             results["busbw"] = busbw

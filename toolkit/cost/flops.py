@@ -46,7 +46,7 @@ def _block_elements(model: nn.Module, config: Any) -> float:
     scaled by top-k / experts."""
     from toolkit.model.blocks import layer_stack
 
-    return sum(block_elements(block, config) for block in layer_stack(model))
+    return sum(block_elements(block, config) for block in layer_stack(model, guess=True))
 
 
 def block_elements(block: nn.Module, config: Any) -> float:

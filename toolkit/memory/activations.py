@@ -91,7 +91,7 @@ def traced_stage(model: nn.Module, recipe: Recipe, *, blocks: int, first: bool, 
     how = _how(model, params_dtype=params_dtype, autocast_dtype=autocast_dtype, checkpointing=checkpointing)
 
     def trace() -> dict:
-        return dataclasses.asdict(_over_blocks(model, recipe, layer_stack(model), blocks, stage=(first, last), **how))
+        return dataclasses.asdict(_over_blocks(model, recipe, layer_stack(model, guess=True), blocks, stage=(first, last), **how))
 
     fields = tuple(f.name for f in dataclasses.fields(Traced))
     return Traced(**_cached(model, recipe, how, ["stage", blocks, first, last], fields, trace))
@@ -139,7 +139,7 @@ def _stack_peak(model: nn.Module, recipe: Recipe, **how) -> int:
     """Traced with one block and with two, extrapolated to the whole stack; a model without a block list that
     sits in a ModuleList is traced whole. One stack: an encoder-decoder's second stack is not extrapolated."""
     try:
-        stack = layer_stack(model)
+        stack = layer_stack(model, guess=True)
         _cut(model, stack, 0)  # a RecipeError if the blocks sit in no ModuleList
     except RecipeError:
         return _traced(copy.deepcopy(model), recipe, **how).peak

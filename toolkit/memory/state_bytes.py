@@ -27,7 +27,7 @@ def largest_block_bytes(model: nn.Module, recipe) -> int:
     from toolkit.model.precision import DTYPES
 
     try:
-        blocks = layer_stack(model)
+        blocks = layer_stack(model, guess=True)
     except RecipeError:
         return 0
     return max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0) * element_bytes(DTYPES[recipe.precision])

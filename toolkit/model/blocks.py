@@ -39,7 +39,7 @@ def compile_blocks(model: nn.Module) -> None:
     transformers 5.17 checkpoints a layer's `__call__`, around the compiled forward, and on CUDA the compiled
     graph then saves other tensors on recomputation than in forward (flash attention's RNG state among them):
     torch's CheckpointError at the first backward (measured on an H100, torch 2.11)."""
-    for block in layer_stack(model):
+    for block in layer_stack(model, guess=True):
         forward = block.forward
         if getattr(block, "gradient_checkpointing", False):
             setattr(block, "gradient_checkpointing", False)  # transformers' own checkpoint: off for this block
@@ -130,9 +130,15 @@ def _stack_class(model: nn.Module) -> str | None:
     return type(largest[0]).__name__
 
 
-def layer_stack(model: nn.Module, class_names: tuple[str, ...] | None = None) -> list[nn.Module]:
+def layer_stack(model: nn.Module, class_names: tuple[str, ...] | None = None, *,
+                guess: bool = False) -> list[nn.Module]:
     """The blocks a model is split at: the transformer blocks that sit in a ModuleList (the layer stack),
-    in order; _no_split_modules also names one-off modules such as BertEmbeddings, which are not split."""
+    in order; _no_split_modules also names one-off modules such as BertEmbeddings, which are not split.
+    `guess`: for what counts blocks rather than shards them (FLOPs, memory, compile, block forwards), a model
+    that names none (DistilBERT, DeBERTa) and a recipe without strategy.blocks (single has none) take the class
+    of the model's largest list of one class; sharding strategies ask for strategy.blocks instead."""
+    if guess and not class_names and not getattr(model, "_no_split_modules", None):
+        class_names = (_stack_class(model) or "",)
     return _stacked(model, transformer_blocks(model, class_names), containers=(nn.ModuleList,))
 
 

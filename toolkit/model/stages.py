@@ -48,6 +48,7 @@ class Layout:
     stack: str
     before: tuple[str, ...]
     after: tuple[str, ...]
+    outputs: int = 1  # the values the forward unpacks a block's output into (DeBERTa's hidden states, attention)
 
 
 def layout_of(model: nn.Module, class_names: tuple[str, ...] | None = None) -> Layout:
@@ -95,7 +96,8 @@ def layout_of(model: nn.Module, class_names: tuple[str, ...] | None = None) -> L
             raise RecipeError(f"pipeline: {type(owner).__name__}.forward reads the input ids after its blocks (to "
                               "find each sample's last token), which only the first stage has; run fsdp, zero or "
                               "ddp")
-    return Layout(stack=stack, before=tuple(before), after=tuple(after))
+    owner = model.get_submodule(".".join(parts[:-1]))
+    return Layout(stack=stack, before=tuple(before), after=tuple(after), outputs=_unpacked(owner, parts[-1]))
 
 
 def _unclear(model: nn.Module, why: str) -> NoReturn:
@@ -134,6 +136,38 @@ def _uses(owner: nn.Module) -> dict[str, tuple[int, int]]:
                 name = children.get(id(module), name) if module is not None else name
             note(name, node.lineno)
     return uses
+
+
+def _unpacked(owner: nn.Module, stack: str) -> int:
+    """How many values `owner.forward` unpacks each block's output into (`hidden, attn = layer(...)`: 2), 1 where
+    it keeps the output whole. A RecipeError where a value besides the hidden states goes on to the next block
+    (T5's position bias, GLM's top-k indices): a stage receives the hidden states alone."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(owner).forward)))
+    except (OSError, TypeError):
+        return 1
+    count = 1
+    for loop in ast.walk(tree):
+        if not (isinstance(loop, ast.For) and any(isinstance(n, ast.Attribute) and n.attr == stack
+                                                  and isinstance(n.value, ast.Name) and n.value.id == "self"
+                                                  for n in ast.walk(loop.iter))):
+            continue
+        targets = loop.target.elts if isinstance(loop.target, ast.Tuple) else [loop.target]
+        block = targets[-1].id if isinstance(targets[-1], ast.Name) else None
+        calls = [c for c in ast.walk(loop) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)
+                 and c.func.id == block]
+        handed = {n.id for c in calls for a in (*c.args, *c.keywords) for n in ast.walk(a) if isinstance(n, ast.Name)}
+        for assign in ast.walk(loop):
+            if isinstance(assign, ast.Assign) and any(assign.value is c for c in calls) \
+                    and isinstance(assign.targets[0], ast.Tuple):
+                names = [ast.unparse(t) for t in assign.targets[0].elts]
+                onward = [n for n in names[1:] if n in handed]
+                if onward:
+                    raise RecipeError(f"pipeline: {type(owner).__name__}.forward hands {onward[0]} from each block "
+                                      "to the next beside the hidden states, which a stage does not receive; run "
+                                      "fsdp, zero or ddp")
+                count = max(count, len(names))
+    return count
 
 
 def _base_getattr(node: ast.AST) -> bool:
@@ -177,11 +211,17 @@ class _Passed(torch.Tensor):
 
 
 class _Before(nn.Module):
-    """A block of an earlier stage: hands its input on (the stage's first block replaces it)."""
+    """A block of an earlier stage: hands its input on (the stage's first block replaces it), with Nones for the
+    other values a forward unpacking several from each block takes (only what it returns or discards)."""
 
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def __init__(self, outputs: int = 1):
+        super().__init__()
+        self.outputs = outputs
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         hidden = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
-        return hidden if isinstance(hidden, _Passed) else hidden.as_subclass(_Passed)
+        passed = hidden if isinstance(hidden, _Passed) else hidden.as_subclass(_Passed)
+        return passed if self.outputs == 1 else (passed, *[None] * (self.outputs - 1))
 
 
 class _After(nn.Module):
@@ -251,7 +291,7 @@ class Stage(nn.Module):
         stack: Any = model.get_submodule(self.layout.stack)
         for i in range(len(stack)):
             if i not in layer_ids:
-                stack[i] = _plain_attributes(stack[i], _Before() if i < self.layer_ids[0] else _After(f"block {i}"))
+                stack[i] = _plain_attributes(stack[i], _Before(self.layout.outputs) if i < self.layer_ids[0] else _After(f"block {i}"))
         if not first:
             for path in self.layout.before:
                 _replace(model, path, _Embedded(model.get_submodule(path)))

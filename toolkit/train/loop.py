@@ -126,7 +126,7 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     # train.compile: the counting hooks would run inside the compiled checkpoint, where dynamo refuses a side
     # effect and falls back to eager for the whole block (measured: no compile at all, step as slow as eager)
     counted = recipe.train.activation_checkpointing and not recipe.train.compile
-    block_classes = {type(block) for block in layer_stack(model)} if counted else set()
+    block_classes = {type(block) for block in layer_stack(model, guess=True)} if counted else set()
     setup_strategy(strategy, model, source=source, env=env, plan=plan, total_steps=total_steps)
     # the blocks this rank holds once set up (a pipeline stage's own, in its copy of the model)
     forwards = BlockForwards.among(strategy.model, block_classes) if counted else None
