@@ -240,6 +240,25 @@ def test_diloco_keeps_two_more_copies_of_the_parameters_and_the_plan_counts_them
     assert diloco["memory_prediction"]["model_state_bytes"] == diloco["model_state_bytes"]
 
 
+def test_powersgd_keeps_its_error_and_factors_and_the_plan_counts_them(llama_runs):
+    """From its first compressed step on, PowerSGD keeps on each rank the error feedback (one number per gradient
+    number) and each compressed matrix's factors P (n×r) and Q (m×r): measured at that step, plain DDP's optimizer
+    state plus those numbers in fp32; toolkit plan's prediction is the measured bytes exactly (before, it left them
+    out: on a 7B model about a whole fp32 gradient per rank)."""
+    run = llama_runs.get("ddp-powersgd", nproc=2, overrides=ARMS["ddp-powersgd"])
+    rank = 2
+    numbers = 0
+    for shape in _shapes(run):
+        n, m = shape[0], math.prod(shape[1:])
+        r = min(n, m, rank)
+        numbers += n * m + ((n + m) * r if 2 * (n + m) * r < n * m else 0)
+    info = json.loads((run / "run.json").read_text())
+    plain = json.loads((llama_runs.get("ddp-m4", nproc=2, overrides=DDP) / "run.json").read_text())
+    for ours, theirs in zip(info["model_state_bytes"], plain["model_state_bytes"], strict=True):
+        assert ours["optim_bytes"] == theirs["optim_bytes"] + numbers * 4
+    assert info["memory_prediction"]["model_state_bytes"] == info["model_state_bytes"]
+
+
 def test_a_resumed_powersgd_run_equals_the_uninterrupted_one(tmp_path, tiny_llama_dir):
     """The checkpoint after step 4 (compressed from step 4) holds each rank's error and the Q factors: the run
     resumed from it (whose DDP buckets are numbered as a new process numbers them) equals the run that went on, to
@@ -260,12 +279,17 @@ def test_a_resumed_powersgd_run_equals_the_uninterrupted_one(tmp_path, tiny_llam
 def test_a_resumed_powersgd_pipeline_equals_the_uninterrupted_one(tmp_path, tiny_llama_dir):
     """2 stages × 2 ddp replicas, each stage's DDP module with its own PowerSGD state: the checkpoint after step 4
     holds every stage's error and Q factors on every rank, and the resumed run equals the one that went on."""
-    whole, _ = _resumed_equals_whole(
+    whole, resumed = _resumed_equals_whole(
         tmp_path, tiny_llama_dir, steps=6, resume_from=4, nproc=4,
         sets=("strategy.name=hybrid", "strategy.pipeline_degree=2", "batch.micro_batch_size=2",
               "batch.grad_accum_steps=2", "strategy.gradient_compression=powersgd", "strategy.powersgd_rank=2",
               "strategy.powersgd_start_step=3", "checkpoint.every_steps=2"))
     assert _counted(whole)["step"] == 4  # the first compressed step
+    # each rank's stage with its PowerSGD error and factors, measured at step 4 (made then) and after a resume at
+    # step 5 (the state loaded for the buckets), as toolkit plan predicts them
+    for run in (whole, resumed):
+        info = json.loads((run / "run.json").read_text())
+        assert info["memory_prediction"]["model_state_bytes"] == info["model_state_bytes"]
 
 
 PIPELINE = ("strategy.name=hybrid", "strategy.pipeline_degree=2", "batch.micro_batch_size=2",

@@ -17,7 +17,7 @@ from toolkit.checkpoint.loading import ModelSource
 from toolkit.config.recipe import Recipe
 from toolkit.cost.collectives import Collective
 from toolkit.errors import RecipeError, ranks_option
-from toolkit.memory.state_bytes import StateBytes, adam_state
+from toolkit.memory.state_bytes import StateBytes, adam_state, element_bytes
 from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.model.tied import first_names
 from toolkit.process.dist import DistEnv
@@ -25,7 +25,7 @@ from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, S
                                      each_micro_batch, every_rank_a_shard, first_dtype, forward_once, local_abs_max,
                                      no_context, whole_stack_activations)
 from toolkit.strategies.dims import compression
-from toolkit.strategies.dims.compression import Compression
+from toolkit.strategies.dims.compression import Compression, powersgd_state_bytes
 from toolkit.strategies.dims.local_sgd import LocalSgd, LocalSgdConfig, outer_state
 from toolkit.strategies.optim.torch_optim import CommunicationState, TorchOptim, TorchState
 
@@ -86,6 +86,11 @@ class ReplicatedRules:
         # every process holds the whole model in its load dtype (autocast computes in 16-bit on the side)
         states = [adam_state(model.named_parameters(), dtype=DTYPES[recipe.model.load_dtype])] * world_size
         local = self.replication.local_sgd(recipe) if self.replication.local_sgd and world_size > 1 else None
+        if self.replication.compression is not None and world_size > 1:  # PowerSGD's error and factors
+            kept = powersgd_state_bytes([tuple(p.shape) for p in model.parameters() if p.requires_grad],
+                                        self.replication.compression(recipe),
+                                        number_bytes=element_bytes(DTYPES[recipe.model.load_dtype]))
+            states = [dataclasses.replace(s, optim_bytes=s.optim_bytes + kept) for s in states]
         return outer_state(states, local) if local is not None else states  # DiLoCo's anchor and momentum
 
     def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:

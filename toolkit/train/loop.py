@@ -246,8 +246,9 @@ def run_steps(strategy: Strategy, loader, parts: StepParts, *, done: int) -> lis
     skipped in a row (once it is logged)."""
     recipe, env, info, saver, profiler = parts.recipe, parts.env, parts.info, parts.saver, parts.profiler
     losses = []
+    steady = compression.first_steady_step(recipe)
     comm_step = count_step(done=done, total_steps=parts.total_steps, profiled=recipe.train.profile_steps,
-                           steady_from=compression.first_steady_step(recipe))
+                           steady_from=steady)
     for step in range(done + 1, parts.total_steps + 1):
         micro_batches = [next(loader) for _ in range(parts.plan.grad_accum_steps)]
         if recipe.train.tiled_loss:  # each micro-batch's loss in tiles of its tokens (strategies/base.py logits_of)
@@ -259,6 +260,8 @@ def run_steps(strategy: Strategy, loader, parts: StepParts, *, done: int) -> lis
         record = train_step(strategy, micro_batches, recipe=recipe, env=env, layout=parts.layout, step=step,
                             info=info, count_comm=step == comm_step, gradient_scale=parts.scale,
                             first=step == done + 1, before_update=saver.before_update)
+        if step == comm_step and steady > 1 and step > done + 1:  # a lever's state made after the first step
+            runinfo.record_lever_state(info, strategy, env=env)
         if parts.routing is not None:  # collective: every rank, every step
             record["expert_tokens"] = parts.routing.take(env)
             record["expert_spread"] = spread(record["expert_tokens"])

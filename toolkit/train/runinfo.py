@@ -207,6 +207,17 @@ def record_after_first_step(info: RunRecord, strategy, *, env: DistEnv) -> None:
         info.write()
 
 
+def record_lever_state(info: RunRecord, strategy, *, env: DistEnv) -> None:
+    """The optimizer's state measured again at the step a communication lever is steady, with what the lever keeps
+    beside it: PowerSGD makes its error and factors at its first compressed step, after the first step's count.
+    Collective."""
+    optim = gather_objects(storage_bytes(strategy.state.state_tensors()["optim"]), env)
+    for entry, now in zip(info["model_state_bytes"], optim, strict=True):
+        entry["optim_bytes"] = max(entry["optim_bytes"], now)
+    if env.is_main:
+        info.write()
+
+
 def record_comm(info: RunRecord, summary: dict, *, step: int, env: DistEnv, shapes: list[tuple[int, ...]]) -> None:
     """Collective input bytes of one step: rank 0's by op, and every rank's total and point-to-point sends
     (a pipeline's stages send different things: activations forward, gradients back), with each rank's

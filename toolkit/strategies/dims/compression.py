@@ -137,6 +137,9 @@ class HookStates:
         for hook, one in zip(self.hooks, blobs):
             hook.load_bytes(one)
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [t for hook in self.hooks for t in hook.state_tensors()]
+
 
 def bf16_hook(process_group, bucket):
     """torch's bf16_compress_hook under another name: DDP refuses that one by its name unless CUDA and NCCL ≥ 2.10
@@ -166,6 +169,17 @@ def powersgd_numbers(shapes: list[tuple[int, ...]], rank: int) -> tuple[int, int
             r = min(n, m, rank)
             p, q = p + n * r, q + m * r
     return whole, p, q
+
+
+def powersgd_state_bytes(shapes: list[tuple[int, ...]], compression: Compression, *, number_bytes: int) -> int:
+    """What PowerSGD keeps on each rank from its first compressed step on (torch's powerSGD_hook): the error
+    feedback, one number per gradient number (each bucket whole, also what it sends whole), and the P and Q factors
+    of the matrices it compresses (kept per bucket: Q for the next step's warm start, P beside it). 0 for the
+    16-bit casts, which keep nothing."""
+    if compression.kind != "powersgd":
+        return 0
+    _, p, q = powersgd_numbers(shapes, compression.rank)
+    return (sum(math.prod(s) for s in shapes) + p + q) * number_bytes
 
 
 # numbers read or written per gradient number of a bucket by powerSGD_hook's error feedback, whatever is compressed:
@@ -291,6 +305,13 @@ class PowerSgd:
         for index in self.layouts:
             out.update(self._unpack(index))
         return out
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """What the memory plan counts beside the optimizer's state (powersgd_state_bytes): each bucket's error and
+        P and Q factors, made at the first compressed step, and state loaded for a bucket not yet reduced."""
+        tables = (self.state.error_dict, self.state.p_memory_dict, self.state.q_memory_dict)
+        return [t for table in tables for t in table.values()] + \
+            [t for parts in self.pending.values() for t in parts.values()]
 
     def state_bytes(self) -> bytes:
         buffer = io.BytesIO()

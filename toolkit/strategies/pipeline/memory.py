@@ -27,7 +27,8 @@ from toolkit.config.recipe import Recipe, plan_batch
 from toolkit.memory.activations import Traced, traced_stage
 from toolkit.memory.state_bytes import StateBytes, adam_state, dim0_shard, element_bytes, whole
 from toolkit.model.precision import DTYPES
-from toolkit.strategies.dims.levers import local_sgd_of
+from toolkit.strategies.dims.compression import powersgd_state_bytes
+from toolkit.strategies.dims.levers import compression_of, local_sgd_of
 from toolkit.strategies.dims.local_sgd import outer_state
 from toolkit.strategies.pipeline.batches import longest_kept
 from toolkit.strategies.pipeline.layout import Grid, grid_of, rank_stages, stage_of_blocks
@@ -40,11 +41,17 @@ def state_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: int) -
     first and the last stage, once each), whole under ddp, dim-0 shards under fsdp."""
     grid, dtype = grid_of(recipe, world_size), DTYPES[recipe.model.load_dtype]
     local = dim0_shard(grid.dp) if grid.sharded and grid.dp > 1 else whole
+    # a stage's ddp replicas under PowerSGD: each stage's DDP module keeps its own error and factors
+    compression = compression_of(recipe) if grid.dp > 1 and not grid.sharded else None
     per_pp_rank = []
     for pp_rank in range(grid.pp):
         total = StateBytes(params_bytes=0, grads_bytes=0, optim_bytes=0)
         for stage in rank_stages(model, recipe, grid, pp_rank):
             total += adam_state(stage.named_parameters(), dtype=dtype, local=local)
+            if compression is not None:
+                shapes = [tuple(p.shape) for p in stage.parameters() if p.requires_grad]
+                kept = powersgd_state_bytes(shapes, compression, number_bytes=element_bytes(dtype))
+                total += StateBytes(params_bytes=0, grads_bytes=0, optim_bytes=kept)
         per_pp_rank.append(total)
     # a stage's ddp replicas under DiLoCo: the outer step's anchor and momentum of its stages
     return outer_state([per_pp_rank[grid.coords(rank)[0]] for rank in range(world_size)], local_sgd_of(recipe))

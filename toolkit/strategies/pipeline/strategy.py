@@ -420,7 +420,7 @@ class PipelineStrategy:
         return self.skeleton
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return live_state_tensors(self._model, self.optim, communication=self.local)
+        return live_state_tensors(self._model, self.optim, communication=self._communication())
 
     def precision_audit(self) -> dict[str, str]:
         params = list(self._model.parameters())
