@@ -199,6 +199,22 @@ def test_plan_command_prints_every_arm_and_what_does_not_fit():
     assert all(len(line) <= 120 for line in lines), max(lines, key=len)
 
 
+def test_plan_takes_per_arm_overrides_as_compare_does():
+    """`--strategies single,pp-1f1b@strategy.split=[1]` as `toolkit compare` takes it: the arm is planned with its
+    own overrides (before: "unknown arm", so a compare's arm list could not be planned first)."""
+    done = run_cli("plan", "recipes/llama-tiny.yaml", "--nproc", "2", "--strategies",
+                   "pp-1f1b,pp-1f1b@strategy.split=[1]")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    given = lines.index("pp-1f1b@strategy.split=[1] stages (strategy.split; forward + backward FLOPs per step):")
+    assert lines[given + 1].startswith("  stage 0: blocks 0, ") and \
+        lines[given + 2].startswith("  stage 1: blocks 1-3 + head, ")
+    assert "  stage 0: blocks 0-2, " in lines[lines.index("pp-1f1b stages (split by FLOPs; forward + backward FLOPs "
+                                                          "per step):") + 1]
+    done = run_cli("plan", "recipes/llama-tiny.yaml", "--strategies", "ddp@strategy.sharding=full")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "strategy.sharding" in done.stderr
+
+
 def test_plan_names_the_first_single_change_under_which_an_arm_fits():
     """What the plan's summary offers for an arm that does not fit: the first change (activation checkpointing,
     then offload, then twice the ranks) whose own prediction is within the limit; a change the strategy refuses

@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("recipe")
     plan.add_argument("--nproc", type=int, default=2, help="ranks per multi-process strategy (default 2)")
     plan.add_argument("--strategies", default=None, metavar="ARMS",
-                      help="comma-separated compare arms (toolkit strategies lists them); default: the recipe's")
+                      help="comma-separated compare arms (toolkit strategies lists them), each with per-arm overrides "
+                           "as in toolkit compare (pp-1f1b@strategy.split=[2]); default: the recipe's")
     plan.add_argument("--memory-per-rank", default=None, metavar="SIZE",
                       help="e.g. 40GiB or 80GB (default: the GPU's memory, or host memory ÷ nproc)")
     plan.add_argument("--hardware", default=None, metavar="NAME|FILE",
@@ -233,18 +234,18 @@ def cmd_plan(args) -> int:
     from toolkit.plan import predict as plan
     from toolkit.plan import advice as plan_advice
     from toolkit.train.checks import check_recipe
-    from toolkit.compare.experiment import split_arms
+    from toolkit.compare.experiment import arm_overrides, split_arms
     from toolkit.observe.metrics import process_bytes
     from toolkit.config.files import load_recipe
-    from toolkit.strategies import arm_aliases, strategy_degrees, strategy_info, validate_strategy
+    from toolkit.strategies import strategy_degrees, strategy_info, validate_strategy
     from toolkit.strategies.pipeline.rules import stage_lines
 
     _check_nproc(args.nproc)
-    aliases = arm_aliases()
     arms = split_arms(args.strategies) if args.strategies is not None else [None]
-    unknown = [a for a in arms if a is not None and a not in aliases]
-    if unknown:
-        raise RecipeError(f"--strategies: unknown arm {unknown[0]!r}; choose from {', '.join(aliases)}")
+    try:  # as compare takes them: a named arm, with per-arm overrides as name@key=value
+        sets = {arm: arm_overrides(arm) if arm else () for arm in arms}
+    except RecipeError as exc:
+        raise RecipeError(f"--strategies: {exc}") from None
     given = plan.parse_bytes(args.memory_per_rank) if args.memory_per_rank is not None else None
 
     def memory_per_rank(world: int) -> tuple[int, str]:  # a one-process arm has the host to itself
@@ -253,7 +254,7 @@ def cmd_plan(args) -> int:
     base = load_recipe(args.recipe, args.overrides)
     model = plan.planned_model(base)  # one skeleton for every arm: the arms change the strategy, not the model
     runtime = process_bytes()  # this process with torch and transformers loaded: what a rank starts from
-    recipes = {arm: load_recipe(args.recipe, [*args.overrides, *(aliases[arm] if arm else ())]) for arm in arms}
+    recipes = {arm: load_recipe(args.recipe, [*args.overrides, *sets[arm]]) for arm in arms}
     # and what a rank imports beyond them (DeepSpeed), measured before anything else here imports it
     extra = {arm: plan.runtime_module_bytes(strategy_info(r.strategy.name).runtime_modules)
              for arm, r in recipes.items()}
@@ -276,7 +277,7 @@ def cmd_plan(args) -> int:
         planned.append(plan_advice.Planned(name, prediction, memory_per_rank(world)[0]))
 
         def predict_with(more: tuple[str, ...], world: int, arm=arm):
-            changed = load_recipe(args.recipe, [*args.overrides, *(aliases[arm] if arm else ()), *more])
+            changed = load_recipe(args.recipe, [*args.overrides, *sets[arm], *more])
             validate_strategy(changed, world_size=world)  # an option the strategy does not take: refused
             return plan.predict(changed, world_size=world, runtime_bytes=runtime + extra[arm], device_type=device,
                                 model=model, both=False)
