@@ -5,7 +5,8 @@ Each rank builds the same tiny Llama (grouped-query attention) from a config wit
 and a length that 2·cp does not divide. The reference: the plain model (sdpa) on the whole batch, the loss summed
 over its tokens (logits[:, :-1] against labels[:, 1:]), backward. The cp arm: a copy under the cp attention of the method argv[2] names, each
 rank on its share (split_batch), its loss summed over its tokens, backward; the loss sums and every parameter's
-gradient summed over the ranks (what data parallel over the cp ranks would reduce). Rank 0 writes
+gradient summed over the ranks (what data parallel over the cp ranks would reduce). argv[3] `window`: a Mistral whose
+sliding window (4) is shorter than the sequence, in place of the Llama. Rank 0 writes
 {"loss": [cp, reference], "max_grad_diff": ..., "max_grad": ..., "worst": name} as JSON to argv[1]."""
 
 import copy
@@ -23,11 +24,13 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     rank, cp = dist.get_rank(), dist.get_world_size()
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      attn_implementation="sdpa")
+    shapes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa")
     torch.manual_seed(0)
-    reference = transformers.LlamaForCausalLM(config)
+    if sys.argv[3:] == ["window"]:  # Mistral's sliding window, shorter than the sequence: a query sees its last 4 keys
+        reference = transformers.MistralForCausalLM(transformers.MistralConfig(**shapes, sliding_window=4))
+    else:
+        reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shapes))
     model = copy.deepcopy(reference)
     context.register()
     model.set_attn_implementation(context.ATTENTIONS[sys.argv[2]])

@@ -57,8 +57,8 @@ class Sequence:
     key_positions: torch.Tensor  # [cp × local length]: the same for the gathered keys, in the gather's order
     key_valid: torch.Tensor  # [batch, cp × local length] bool: the gathered keys that are not padding
     # the attention mask, made at the first layer and shared by every layer (and by the recompute of activation
-    # checkpointing): one [batch, 1, queries, keys] bool, not one per layer saved for backward
-    masks: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    # checkpointing): one [batch, 1, queries, keys] bool per sliding window, not one per layer saved for backward
+    masks: dict[tuple[str, int | None], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
 
 _current: Sequence | None = None
@@ -147,7 +147,8 @@ def allgather_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     tokens alone, is not it)."""
     context = _context()
     keys, values = _gathered(key, context), _gathered(value, context)
-    return _sdpa(module, query, keys, values, _allowed(context, "local"), dropout=dropout, scaling=scaling, **kwargs)
+    allowed = _allowed(context, "local", kwargs.pop("sliding_window", None))
+    return _sdpa(module, query, keys, values, allowed, dropout=dropout, scaling=scaling, **kwargs)
 
 
 def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -156,8 +157,8 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """transformers' attention signature: 1/cp of the heads over the whole sequence (see the module)."""
     context = _context()
     queries, keys, values = (_heads_to_sequence(t, context) for t in (query, key, value))
-    out, _ = _sdpa(module, queries, keys, values, _allowed(context, "whole"), dropout=dropout, scaling=scaling,
-                   **kwargs)
+    allowed = _allowed(context, "whole", kwargs.pop("sliding_window", None))
+    out, _ = _sdpa(module, queries, keys, values, allowed, dropout=dropout, scaling=scaling, **kwargs)
     return _sequence_to_heads(out, context), None
 
 
@@ -166,16 +167,20 @@ def _context() -> Sequence:
     return _current
 
 
-def _allowed(context: Sequence, queries: str) -> torch.Tensor:
+def _allowed(context: Sequence, queries: str, window: int | None = None) -> torch.Tensor:
     """[batch, 1, queries, keys] bool for the rank's own queries (`local`, allgather) or the whole sequence's
-    (`whole`, ulysses): causal by place in the whole sequence, padding keys out; a padding query attends to itself
-    too, so that no row is empty (its output reaches no loss and no other token)."""
-    if queries not in context.masks:
+    (`whole`, ulysses): causal by place in the whole sequence, within the layer's sliding `window` where it has one
+    (a key fewer than `window` places back, as transformers' sliding_window_overlay), padding keys out; a padding
+    query attends to itself too, so that no row is empty (its output reaches no loss and no other token)."""
+    if (queries, window) not in context.masks:
         places = context.key_positions[None, :]
         rows = (context.query_positions if queries == "local" else context.key_positions)[:, None]
-        context.masks[queries] = (((places <= rows)[None] & context.key_valid[:, None, :]) | (places == rows)[None]
-                                  )[:, None]
-    return context.masks[queries]
+        seen = places <= rows
+        if window is not None:
+            seen = seen & (places > rows - window)
+        context.masks[queries, window] = ((seen[None] & context.key_valid[:, None, :]) | (places == rows)[None]
+                                          )[:, None]
+    return context.masks[queries, window]
 
 
 def _sdpa(module, query, key, value, allowed, *, dropout, scaling, **kwargs) -> tuple[torch.Tensor, None]:
@@ -240,6 +245,12 @@ def check_recipe(recipe: Recipe, *, cp: int, tp: int, world_size: int) -> None:
     from toolkit.model.build import hf_config
 
     config = hf_config(recipe.model)
+    if getattr(config, "attn_logit_softcapping", None):  # Gemma 2's: sdpa, which the methods attend with, has none
+        raise RecipeError(f"context parallel attends with sdpa, which has no attention logit soft-capping "
+                          f"(config.attn_logit_softcapping {config.attn_logit_softcapping}); drop parallel.cp")
+    from toolkit.model.build import meta_model
+
+    attends(meta_model(recipe.model))
     if getattr(config, "output_router_logits", False):  # transformers' router loss over a rank's part of a sequence
         raise RecipeError("context parallel does not add a mixture-of-experts router's auxiliary loss yet (each rank "
                           "routes part of each sequence); set output_router_logits: false or drop parallel.cp")
@@ -253,12 +264,18 @@ def check_recipe(recipe: Recipe, *, cp: int, tp: int, world_size: int) -> None:
                               f"{kv_heads}, or parallel.cp_method allgather")
 
 
-def use_on(model: torch.nn.Module, *, method: str) -> None:
-    """The model attends through `method`; a model whose attention transformers' AttentionInterface does not
-    choose is refused in one line."""
+def attends(model: torch.nn.Module) -> None:
+    """A RecipeError for a model whose attention transformers' AttentionInterface does not choose (BLOOM's ALiBi,
+    Falcon, MPT): the cp methods could not take its place."""
     if not getattr(model, "_supports_attention_backend", False):
         raise RecipeError(f"context parallel needs a model whose attention transformers lets the toolkit replace "
                           f"(AttentionInterface); {type(model).__name__} does not; drop parallel.cp")
+
+
+def use_on(model: torch.nn.Module, *, method: str) -> None:
+    """The model attends through `method`; a model whose attention transformers' AttentionInterface does not
+    choose is refused in one line."""
+    attends(model)
     register()
     model.set_attn_implementation(ATTENTIONS[method])  # type: ignore[operator]
 
