@@ -138,6 +138,20 @@ def test_a_model_whose_attention_context_parallel_cannot_take_is_refused_in_one_
     _assert_one_line_exit_2(code, capsys, words, tmp_path / "out")
 
 
+def test_attention_sinks_are_refused_not_left_out():
+    """sdpa, which the cp methods attend with, takes no attention sinks (GPT-OSS's s_aux): refused where they reach
+    it, the first step (a RecipeError: one line), where sdpa would have attended without them."""
+    from toolkit.strategies.dims import context
+
+    query = torch.zeros(1, 2, 3, 4)
+    allowed = torch.ones(1, 1, 3, 3, dtype=torch.bool)
+    with pytest.raises(RecipeError, match=r"^context parallel attends with sdpa, which has no attention sinks"):
+        context._sdpa(torch.nn.Module(), query, query, query, allowed, dropout=0.0, scaling=None,
+                      s_aux=torch.zeros(2))
+    out, _ = context._sdpa(torch.nn.Module(), query, query, query, allowed, dropout=0.0, scaling=None, s_aux=None)
+    assert out.shape == (1, 3, 2, 4)
+
+
 def test_a_context_parallel_mistake_exits_2_before_any_rank_starts(tmp_path, tiny_llama_dir):
     path = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out")
     done = run_cli("validate", str(path), "--nproc", "4", "--set", "parallel.cp=2", "--set", "parallel.dp_replicate=2")

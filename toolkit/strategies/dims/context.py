@@ -187,6 +187,9 @@ def _sdpa(module, query, key, value, allowed, *, dropout, scaling, **kwargs) -> 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     kwargs.pop("is_causal", None)
+    if kwargs.get("s_aux") is not None:  # GPT-OSS's attention sinks, which sdpa would leave out without a word
+        raise RecipeError(f"context parallel attends with sdpa, which has no attention sinks ({type(module).__name__} "
+                          "adds them, s_aux); drop parallel.cp")
     return sdpa_attention_forward(module, query, key, value, allowed, dropout=dropout, scaling=scaling,
                                   is_causal=False, **kwargs)
 
