@@ -138,6 +138,21 @@ def test_a_model_whose_attention_context_parallel_cannot_take_is_refused_in_one_
     _assert_one_line_exit_2(code, capsys, words, tmp_path / "out")
 
 
+def test_a_window_in_the_mask_but_not_in_the_attention_is_refused(tmp_path):
+    """Qwen2-MoE builds a sliding-window mask but never hands its attention function the window: the cp attention,
+    which builds its own mask, would attend over the whole causal past. The forward's masks say the window
+    (transformers' local_size), its attention calls do not: refused after the first forward, in one line."""
+    out = tmp_path / "cp.json"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "--log-dir", str(tmp_path / "logs"), str(REPO / "tests" / "reference" / "context_parallel.py"),
+                           str(out), "allgather", "untold"], cwd=REPO, env=toolkit_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-6000:]
+    refused = json.loads(out.read_text())["refused"]
+    assert refused.startswith("context parallel: the model masks its attention to 4 positions (a sliding window or "
+                              "attention chunks) without telling the attention function") and "\n" not in refused
+
+
 def test_attention_sinks_are_refused_not_left_out():
     """sdpa, which the cp methods attend with, takes no attention sinks (GPT-OSS's s_aux): refused where they reach
     it, the first step (a RecipeError: one line), where sdpa would have attended without them."""

@@ -6,7 +6,8 @@ and a length that 2·cp does not divide. The reference: the plain model (sdpa) o
 over its tokens (logits[:, :-1] against labels[:, 1:]), backward. The cp arm: a copy under the cp attention of the method argv[2] names, each
 rank on its share (split_batch), its loss summed over its tokens, backward; the loss sums and every parameter's
 gradient summed over the ranks (what data parallel over the cp ranks would reduce). argv[3] `window`: a Mistral whose
-sliding window (4) is shorter than the sequence, in place of the Llama. Rank 0 writes
+sliding window (4) is shorter than the sequence, in place of the Llama; `untold`: a Qwen2-MoE whose window its attention
+function is never given (rank 0 writes {"refused": the one line} when the cp arm refuses it). Rank 0 writes
 {"loss": [cp, reference], "max_grad_diff": ..., "max_grad": ..., "worst": name} as JSON to argv[1]."""
 
 import copy
@@ -20,6 +21,7 @@ import torch.distributed as dist
 def main() -> None:
     import transformers
 
+    from toolkit.errors import RecipeError
     from toolkit.strategies.dims import context
 
     dist.init_process_group("gloo")
@@ -29,6 +31,10 @@ def main() -> None:
     torch.manual_seed(0)
     if sys.argv[3:] == ["window"]:  # Mistral's sliding window, shorter than the sequence: a query sees its last 4 keys
         reference = transformers.MistralForCausalLM(transformers.MistralConfig(**shapes, sliding_window=4))
+    elif sys.argv[3:] == ["untold"]:  # Qwen2-MoE's window is in its mask, never handed to its attention function
+        reference = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **shapes, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+            num_experts_per_tok=2, use_sliding_window=True, sliding_window=4, max_window_layers=0))
     else:
         reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shapes))
     model = copy.deepcopy(reference)
@@ -52,11 +58,18 @@ def main() -> None:
     expected.backward()
 
     share = context.split_batch(input_ids, attention_mask, labels, cp=cp, rank=rank, group=dist.group.WORLD)
-    with context.sequence(share.sequence):
-        local = model(input_ids=share.input_ids, position_ids=share.position_ids).logits
-        loss = torch.nn.functional.cross_entropy(local.flatten(0, 1), share.shifted_labels.flatten(),
-                                                 ignore_index=-100, reduction="sum")
-        loss.backward()
+    try:
+        with context.sequence(share.sequence):
+            local = model(input_ids=share.input_ids, position_ids=share.position_ids).logits
+            loss = torch.nn.functional.cross_entropy(local.flatten(0, 1), share.shifted_labels.flatten(),
+                                                     ignore_index=-100, reduction="sum")
+            loss.backward()
+    except RecipeError as refused:  # what a rank says in one line
+        if rank == 0:
+            with open(sys.argv[1], "w") as out:
+                json.dump({"refused": str(refused)}, out)
+        dist.destroy_process_group()
+        return
     total = loss.detach().clone()
     dist.all_reduce(total)
     worst, max_diff, max_grad = "", 0.0, 0.0

@@ -59,6 +59,10 @@ class Sequence:
     # the attention mask, made at the first layer and shared by every layer (and by the recompute of activation
     # checkpointing): one [batch, 1, queries, keys] bool per sliding window, not one per layer saved for backward
     masks: dict[tuple[str, int | None], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    # the local extents (sliding windows, attention chunks) the model's masks asked for, and the windows its
+    # attention was told of: one asked for and never told is a mask the cp attention cannot follow (`sequence`)
+    asked: set[int] = field(default_factory=set, compare=False, repr=False)
+    told: set[int] = field(default_factory=set, compare=False, repr=False)
 
 
 _current: Sequence | None = None
@@ -126,6 +130,11 @@ def sequence(context: Sequence) -> Iterator[None]:
         yield
     finally:
         _current = before
+    untold = sorted(context.asked - context.told)
+    if untold:  # Qwen2-MoE's window, Llama 4's chunks: in the mask transformers would build, not in the attention
+        raise RecipeError(f"context parallel: the model masks its attention to {untold[0]} positions (a sliding "
+                          "window or attention chunks) without telling the attention function, which the cp methods "
+                          "replace; they would attend over the whole causal past; drop parallel.cp")
 
 
 def _gathered(tensor: torch.Tensor, context: Sequence) -> torch.Tensor:
@@ -147,7 +156,7 @@ def allgather_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     tokens alone, is not it)."""
     context = _context()
     keys, values = _gathered(key, context), _gathered(value, context)
-    allowed = _allowed(context, "local", kwargs.pop("sliding_window", None))
+    allowed = _allowed(context, "local", _told(context, kwargs.pop("sliding_window", None)))
     return _sdpa(module, query, keys, values, allowed, dropout=dropout, scaling=scaling, **kwargs)
 
 
@@ -157,7 +166,7 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """transformers' attention signature: 1/cp of the heads over the whole sequence (see the module)."""
     context = _context()
     queries, keys, values = (_heads_to_sequence(t, context) for t in (query, key, value))
-    allowed = _allowed(context, "whole", kwargs.pop("sliding_window", None))
+    allowed = _allowed(context, "whole", _told(context, kwargs.pop("sliding_window", None)))
     out, _ = _sdpa(module, queries, keys, values, allowed, dropout=dropout, scaling=scaling, **kwargs)
     return _sequence_to_heads(out, context), None
 
@@ -165,6 +174,12 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 def _context() -> Sequence:
     assert _current is not None, "context-parallel attention outside strategies.dims.context.sequence()"
     return _current
+
+
+def _told(context: Sequence, window: int | None) -> int | None:
+    if window is not None:
+        context.told.add(window)
+    return window
 
 
 def _allowed(context: Sequence, queries: str, window: int | None = None) -> torch.Tensor:
@@ -231,6 +246,10 @@ def register() -> None:
 
 
 def _no_mask(*args, **kwargs) -> None:
+    """transformers' mask function for the cp methods: no mask (the attention builds its own from the places);
+    a sliding window's or chunks' extent (`local_size`) is noted, for `sequence` to check the attention got it."""
+    if _current is not None and kwargs.get("local_size") is not None:
+        _current.asked.add(int(kwargs["local_size"]))
     return None
 
 
@@ -339,7 +358,8 @@ def activation_bytes(model, recipe: Recipe, *, world_size: int, how: dict[str, A
     traced through the whole stack as a rank computes it, plus what the trace of that part does not hold: every
     layer's gathered keys and values, saved for backward at the whole sequence's length (the layer being recomputed
     alone under activation checkpointing; its own chunk counted twice, a 1/cp over-count), and the attention mask of
-    the rank's queries over every key, made once and shared by the layers (`Sequence.masks`: one byte a pair)."""
+    the rank's queries (ulysses: the whole sequence's) over every key, made once per sliding window and shared by the
+    layers (`Sequence.masks`: one byte a pair)."""
     import dataclasses
 
     from toolkit.memory.state_bytes import element_bytes
@@ -353,5 +373,15 @@ def activation_bytes(model, recipe: Recipe, *, world_size: int, how: dict[str, A
     dtype = how.get("autocast_dtype") or how["params_dtype"]
     layers = 1 if how.get("checkpointing") else config.num_hidden_layers
     gathered = layers * 2 * micro * cp * part * kv_heads * head_dim * element_bytes(dtype)
-    mask = micro * part * cp * part
+    queries = cp * part if recipe.parallel.cp_method == "ulysses" else part
+    mask = micro * queries * cp * part * len(layer_windows(config))
     return [t + gathered + mask for t in traced]
+
+
+def layer_windows(config: Any) -> set[int | None]:
+    """The sliding windows the model's layers attend within (None: the whole causal past), one mask each."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types:
+        return {window if kind == "sliding_attention" else None for kind in types}
+    return {window}
