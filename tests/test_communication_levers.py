@@ -259,6 +259,23 @@ def test_powersgd_keeps_its_error_and_factors_and_the_plan_counts_them(llama_run
     assert info["memory_prediction"]["model_state_bytes"] == info["model_state_bytes"]
 
 
+def test_a_run_that_ends_before_powersgd_starts_plans_no_powersgd_state():
+    """PowerSGD makes its error and factors at its first compressed step (powersgd_start_step + 1): a run with no
+    such step holds none, and toolkit plan counts none; one step more, and it counts them."""
+    from toolkit.config.files import load_recipe
+    from toolkit.plan.predict import predict
+
+    def optim(steps: int) -> int:
+        recipe = load_recipe(REPO / "recipes" / "llama-tiny.yaml", [*DDP, "strategy.gradient_compression=powersgd",
+                                                                     "strategy.powersgd_start_step=4",
+                                                                     f"train.max_steps={steps}"])
+        return predict(recipe, world_size=2, runtime_bytes=0, both=False).per_rank[0].optim_bytes
+
+    plain = predict(load_recipe(REPO / "recipes" / "llama-tiny.yaml", list(DDP)), world_size=2, runtime_bytes=0,
+                    both=False).per_rank[0].optim_bytes
+    assert optim(4) == plain < optim(5)
+
+
 def test_a_resumed_powersgd_run_equals_the_uninterrupted_one(tmp_path, tiny_llama_dir):
     """The checkpoint after step 4 (compressed from step 4) holds each rank's error and the Q factors: the run
     resumed from it (whose DDP buckets are numbered as a new process numbers them) equals the run that went on, to

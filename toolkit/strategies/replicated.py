@@ -89,7 +89,8 @@ class ReplicatedRules:
         if self.replication.compression is not None and world_size > 1:  # PowerSGD's error and factors
             kept = powersgd_state_bytes([tuple(p.shape) for p in model.parameters() if p.requires_grad],
                                         self.replication.compression(recipe),
-                                        number_bytes=element_bytes(DTYPES[recipe.model.load_dtype]))
+                                        number_bytes=element_bytes(DTYPES[recipe.model.load_dtype]),
+                                        steps=recipe.train.max_steps)
             states = [dataclasses.replace(s, optim_bytes=s.optim_bytes + kept) for s in states]
         return outer_state(states, local) if local is not None else states  # DiLoCo's anchor and momentum
 

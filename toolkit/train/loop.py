@@ -260,7 +260,7 @@ def run_steps(strategy: Strategy, loader, parts: StepParts, *, done: int) -> lis
         record = train_step(strategy, micro_batches, recipe=recipe, env=env, layout=parts.layout, step=step,
                             info=info, count_comm=step == comm_step, gradient_scale=parts.scale,
                             first=step == done + 1, before_update=saver.before_update)
-        if step == comm_step and steady > 1 and step > done + 1:  # a lever's state made after the first step
+        if step == steady > done + 1:  # a lever's state made after the first step (PowerSGD's first compressed)
             runinfo.record_lever_state(info, strategy, env=env)
         if parts.routing is not None:  # collective: every rank, every step
             record["expert_tokens"] = parts.routing.take(env)

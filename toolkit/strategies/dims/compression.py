@@ -171,12 +171,13 @@ def powersgd_numbers(shapes: list[tuple[int, ...]], rank: int) -> tuple[int, int
     return whole, p, q
 
 
-def powersgd_state_bytes(shapes: list[tuple[int, ...]], compression: Compression, *, number_bytes: int) -> int:
+def powersgd_state_bytes(shapes: list[tuple[int, ...]], compression: Compression, *, number_bytes: int,
+                         steps: int | None) -> int:
     """What PowerSGD keeps on each rank from its first compressed step on (torch's powerSGD_hook): the error
     feedback, one number per gradient number (each bucket whole, also what it sends whole), and the P and Q factors
     of the matrices it compresses (kept per bucket: Q for the next step's warm start, P beside it). 0 for the
-    16-bit casts, which keep nothing."""
-    if compression.kind != "powersgd":
+    16-bit casts, which keep nothing, and for a run of `steps` (train.max_steps) that ends before it compresses."""
+    if compression.kind != "powersgd" or (steps is not None and steps <= compression.start_step):
         return 0
     _, p, q = powersgd_numbers(shapes, compression.rank)
     return (sum(math.prod(s) for s in shapes) + p + q) * number_bytes
