@@ -211,6 +211,12 @@ def test_plan_takes_per_arm_overrides_as_compare_does():
         lines[given + 2].startswith("  stage 1: blocks 1-3 + head, ")
     assert "  stage 0: blocks 0-2, " in lines[lines.index("pp-1f1b stages (split by FLOPs; forward + backward FLOPs "
                                                           "per step):") + 1]
+    # an arm that changes the model is planned on its own model: LoRA's adapters alone train (before: every arm was
+    # planned on the recipe's model, its gradients and optimizer state those of every weight)
+    done = run_cli("plan", "recipes/llama-tiny.yaml", "--nproc", "2", "--strategies", "ddp,ddp@model.lora={r: 8}")
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines() if line.startswith("ddp")}
+    assert float(rows["ddp@model.lora={r:"][5]) < float(rows["ddp"][4]) / 10, rows  # grads MiB
     done = run_cli("plan", "recipes/llama-tiny.yaml", "--strategies", "ddp@strategy.sharding=full")
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "strategy.sharding" in done.stderr
 

@@ -252,7 +252,14 @@ def cmd_plan(args) -> int:
         return (given, "--memory-per-rank") if given is not None else plan.default_memory_per_rank(world)
     quiet_libraries()
     base = load_recipe(args.recipe, args.overrides)
-    model = plan.planned_model(base)  # one skeleton for every arm: the arms change the strategy, not the model
+    model = plan.planned_model(base)
+    skeletons = {repr(base.model): model}  # one per model the arms ask for (`name@model.lora=...` changes it)
+
+    def skeleton(recipe):
+        key = repr(recipe.model)
+        if key not in skeletons:
+            skeletons[key] = plan.planned_model(recipe)
+        return skeletons[key]
     runtime = process_bytes()  # this process with torch and transformers loaded: what a rank starts from
     recipes = {arm: load_recipe(args.recipe, [*args.overrides, *sets[arm]]) for arm in arms}
     # and what a rank imports beyond them (DeepSpeed), measured before anything else here imports it
@@ -270,7 +277,7 @@ def cmd_plan(args) -> int:
         try:
             check_recipe(recipe, world_size=world)
             prediction = plan.predict(recipe, world_size=world, runtime_bytes=runtime + extra[arm], device_type=device,
-                                      model=model)
+                                      model=skeleton(recipe))
         except RecipeError as exc:
             planned.append(plan_advice.Planned(name, str(exc)))
             continue
@@ -280,7 +287,7 @@ def cmd_plan(args) -> int:
             changed = load_recipe(args.recipe, [*args.overrides, *sets[arm], *more])
             validate_strategy(changed, world_size=world)  # an option the strategy does not take: refused
             return plan.predict(changed, world_size=world, runtime_bytes=runtime + extra[arm], device_type=device,
-                                model=model, both=False)
+                                model=skeleton(changed), both=False)
         if not plan_advice.fits(planned[-1]):
             change = plan_advice.one_change(planned[-1], predict=predict_with, one_process=one_process,
                                             limit_at=lambda world: memory_per_rank(world)[0])
@@ -292,7 +299,7 @@ def cmd_plan(args) -> int:
             continue
         chosen, world = recipes_by_name[p.arm], p.prediction.world_size
         if strategy_degrees(chosen, world_size=world).pp > 1:
-            lines = stage_lines(model, chosen, world_size=world)
+            lines = stage_lines(skeleton(chosen), chosen, world_size=world)
             print("\n".join([f"{p.arm} {lines[0]}", *lines[1:]]))
     if all(isinstance(p.prediction, str) for p in planned):
         return 1  # a script that plans before it launches stops here: no arm can run, so no launch of one can either
