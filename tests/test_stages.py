@@ -196,10 +196,31 @@ def test_a_classifier_unpacking_each_blocks_output_is_cut_like_a_decoder():
                                        msg=lambda m, n=name: f"stage {i} {n}: {m}")
 
 
+class _Renaming(_Handing):
+    """As _Handing, with the second value renamed before it goes on (T5's position_bias)."""
+
+    def forward(self, hidden):
+        bias = None
+        for layer in self.layers:
+            hidden, new_bias = layer(hidden, bias=bias)
+            bias = new_bias
+        return hidden
+
+
 def test_a_model_handing_a_second_value_from_block_to_block_is_refused():
     with pytest.raises(RecipeError, match=r"^pipeline: _Handing.forward hands bias from each block to the next "
                                           r"beside the hidden states"):
         layout_of(_Handing())
+    with pytest.raises(RecipeError, match=r"^pipeline: _Renaming.forward hands bias from each block"):
+        layout_of(_Renaming())
+    # LiLT: `layout_inputs = layer_outputs[1]`, handed to the next block (before: accepted, and the first stage's
+    # forward failed on the batch's second row, which a left-out block's [1] indexes)
+    from transformers import LiltConfig, LiltForSequenceClassification
+
+    lilt = LiltForSequenceClassification(LiltConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                                                    num_attention_heads=4, intermediate_size=64))
+    with pytest.raises(RecipeError, match=r"^pipeline: LiltEncoder.forward hands layout_inputs from each block"):
+        layout_of(lilt, ("LiltLayer",))
 
 
 def test_a_model_that_does_not_show_where_to_cut_is_refused_in_one_line():

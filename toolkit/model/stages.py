@@ -140,8 +140,9 @@ def _uses(owner: nn.Module) -> dict[str, tuple[int, int]]:
 
 def _unpacked(owner: nn.Module, stack: str) -> int:
     """How many values `owner.forward` unpacks each block's output into (`hidden, attn = layer(...)`: 2), 1 where
-    it keeps the output whole. A RecipeError where a value besides the hidden states goes on to the next block
-    (T5's position bias, GLM's top-k indices): a stage receives the hidden states alone."""
+    it keeps the output whole. A RecipeError where a value besides the hidden states goes on to the next block, as
+    unpacked, indexed (`layout = outputs[1]`: LiLT) or renamed (`position_bias = self_attention_position_bias`:
+    T5): a stage receives the hidden states alone."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(type(owner).forward)))
     except (OSError, TypeError):
@@ -157,17 +158,35 @@ def _unpacked(owner: nn.Module, stack: str) -> int:
         calls = [c for c in ast.walk(loop) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)
                  and c.func.id == block]
         handed = {n.id for c in calls for a in (*c.args, *c.keywords) for n in ast.walk(a) if isinstance(n, ast.Name)}
-        for assign in ast.walk(loop):
-            if isinstance(assign, ast.Assign) and any(assign.value is c for c in calls) \
-                    and isinstance(assign.targets[0], ast.Tuple):
-                names = [ast.unparse(t) for t in assign.targets[0].elts]
-                onward = [n for n in names[1:] if n in handed]
-                if onward:
-                    raise RecipeError(f"pipeline: {type(owner).__name__}.forward hands {onward[0]} from each block "
-                                      "to the next beside the hidden states, which a stage does not receive; run "
-                                      "fsdp, zero or ddp")
-                count = max(count, len(names))
+        assigns = [a for a in ast.walk(loop) if isinstance(a, ast.Assign) and len(a.targets) == 1]
+        whole: set[str] = set()  # names holding a block's whole output
+        others: set[str] = set()  # names holding a value of it besides the hidden states
+        for assign in assigns:
+            if any(assign.value is c for c in calls):
+                if isinstance(assign.targets[0], ast.Tuple):
+                    names = [ast.unparse(t) for t in assign.targets[0].elts]
+                    others.update(names[1:])
+                    count = max(count, len(names))
+                elif isinstance(assign.targets[0], ast.Name):
+                    whole.add(assign.targets[0].id)
+        while True:  # what is indexed past [0] out of a whole output, or renamed from such a value
+            more = {assign.targets[0].id for assign in assigns if isinstance(assign.targets[0], ast.Name)
+                    and (_indexed_past_first(assign.value, whole)
+                         or isinstance(assign.value, ast.Name) and assign.value.id in others)} - others
+            if not more:
+                break
+            others |= more
+        onward = sorted(others & handed)
+        if onward:
+            raise RecipeError(f"pipeline: {type(owner).__name__}.forward hands {onward[0]} from each block to the "
+                              "next beside the hidden states, which a stage does not receive; run fsdp, zero or ddp")
     return count
+
+
+def _indexed_past_first(node: ast.expr, names: set[str]) -> bool:
+    """`outputs[k]` with k >= 1, `outputs` one of `names`."""
+    return isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in names \
+        and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, int) and node.slice.value != 0
 
 
 def _base_getattr(node: ast.AST) -> bool:
