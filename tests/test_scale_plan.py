@@ -179,11 +179,12 @@ def test_a_model_that_names_no_blocks_is_counted_by_its_layer_stack():
 
     from toolkit.cost.flops import model_flops
 
-    config = AutoConfig.for_model("distilbert", vocab_size=100, dim=32, hidden_dim=64, n_layers=2, n_heads=2)
-    model = AutoModelForSequenceClassification.from_config(config)
-    assert not getattr(model, "_no_split_modules", None)
-    # by hand, per block: q, k, v and the output projection (32 x 32 each), the MLP's two 32 x 64 matrices
-    block = 4 * 32 * 32 + 2 * 32 * 64
-    flops = model_flops(model, seq_len=16, checkpointing=False)
-    assert flops.block_matmul == 6.0 * 2 * block
-    assert flops.attention == 12.0 * 2 * 32 * 16
+    for layers in (1, 2):  # a list of one block is a stack too
+        config = AutoConfig.for_model("distilbert", vocab_size=100, dim=32, hidden_dim=64, n_layers=layers, n_heads=2)
+        model = AutoModelForSequenceClassification.from_config(config)
+        assert not getattr(model, "_no_split_modules", None)
+        # by hand, per block: q, k, v and the output projection (32 x 32 each), the MLP's two 32 x 64 matrices
+        block = 4 * 32 * 32 + 2 * 32 * 64
+        flops = model_flops(model, seq_len=16, checkpointing=False)
+        assert flops.block_matmul == 6.0 * layers * block
+        assert flops.attention == 12.0 * layers * 32 * 16

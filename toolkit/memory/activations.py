@@ -91,7 +91,8 @@ def traced_stage(model: nn.Module, recipe: Recipe, *, blocks: int, first: bool, 
     how = _how(model, params_dtype=params_dtype, autocast_dtype=autocast_dtype, checkpointing=checkpointing)
 
     def trace() -> dict:
-        return dataclasses.asdict(_over_blocks(model, recipe, layer_stack(model, guess=True), blocks, stage=(first, last), **how))
+        stack = layer_stack(model, guess=True)
+        return dataclasses.asdict(_over_blocks(model, recipe, stack, blocks, stage=(first, last), **how))
 
     fields = tuple(f.name for f in dataclasses.fields(Traced))
     return Traced(**_cached(model, recipe, how, ["stage", blocks, first, last], fields, trace))

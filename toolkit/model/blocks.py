@@ -122,7 +122,7 @@ def transformer_blocks(model: nn.Module, class_names: tuple[str, ...] | None = N
 
 def _stack_class(model: nn.Module) -> str | None:
     """The class of the largest ModuleList of one class (a model's stack of blocks), if it has one."""
-    stacks = [stack for stack in model.modules() if isinstance(stack, nn.ModuleList) and len(stack) > 1
+    stacks = [stack for stack in model.modules() if isinstance(stack, nn.ModuleList) and len(stack) >= 1
               and len({type(block) for block in stack}) == 1]
     if not stacks:
         return None

@@ -310,7 +310,8 @@ class Stage(nn.Module):
         stack: Any = model.get_submodule(self.layout.stack)
         for i in range(len(stack)):
             if i not in layer_ids:
-                stack[i] = _plain_attributes(stack[i], _Before(self.layout.outputs) if i < self.layer_ids[0] else _After(f"block {i}"))
+                stand_in = _Before(self.layout.outputs) if i < self.layer_ids[0] else _After(f"block {i}")
+                stack[i] = _plain_attributes(stack[i], stand_in)
         if not first:
             for path in self.layout.before:
                 _replace(model, path, _Embedded(model.get_submodule(path)))

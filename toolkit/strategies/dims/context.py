@@ -264,14 +264,12 @@ def check_recipe(recipe: Recipe, *, cp: int, tp: int, world_size: int) -> None:
                           "sequences are pooled whole); drop parallel.cp")
     refuse_untested(recipe, layout="context parallel", drop="parallel.cp", lora_why="not tested together",
                     compile_why="its attention is not checked compiled")
-    from toolkit.model.build import hf_config
+    from toolkit.model.build import hf_config, meta_model  # transformers: only where cp is asked for
 
     config = hf_config(recipe.model)
     if getattr(config, "attn_logit_softcapping", None):  # Gemma 2's: sdpa, which the methods attend with, has none
         raise RecipeError(f"context parallel attends with sdpa, which has no attention logit soft-capping "
                           f"(config.attn_logit_softcapping {config.attn_logit_softcapping}); drop parallel.cp")
-    from toolkit.model.build import meta_model
-
     attends(meta_model(recipe.model))
     if getattr(config, "output_router_logits", False):  # transformers' router loss over a rank's part of a sequence
         raise RecipeError("context parallel does not add a mixture-of-experts router's auxiliary loss yet (each rank "

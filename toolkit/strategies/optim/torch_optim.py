@@ -100,18 +100,21 @@ class TrainsOneModule:
 
 
 class CommunicationState(Protocol):
-    """State a communication lever keeps across steps (dims/compression.PowerSgd, dims/local_sgd.LocalSgd)."""
+    """State a communication lever keeps across steps (dims/compression.PowerSgd and HookStates,
+    dims/local_sgd.LocalSgd): its checkpoint blob, and the tensors the memory plan counts with the optimizer's state
+    (PowerSGD's error and factors, DiLoCo's anchor and outer momentum)."""
 
     def state_bytes(self) -> bytes: ...
 
     def load_bytes(self, blob: bytes) -> None: ...
 
+    def state_tensors(self) -> list[torch.Tensor]: ...
+
 
 def lever_state_tensors(communication: CommunicationState | None) -> list[torch.Tensor]:
-    """The tensors a lever keeps beside the optimizer's state, which the memory plan counts with it (DiLoCo's anchor
-    and outer momentum: LocalSgd.state_tensors); none from a lever that declares none."""
-    tensors = getattr(communication, "state_tensors", None)
-    return list(tensors()) if tensors is not None else []
+    """The tensors a lever keeps beside the optimizer's state, which the memory plan counts with it; none without
+    a lever."""
+    return list(communication.state_tensors()) if communication is not None else []
 
 
 class TorchState:
