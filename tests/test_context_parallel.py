@@ -160,7 +160,8 @@ def test_attention_sinks_are_refused_not_left_out():
 
     query = torch.zeros(1, 2, 3, 4)
     allowed = torch.ones(1, 1, 3, 3, dtype=torch.bool)
-    with pytest.raises(RecipeError, match=r"^context parallel attends with sdpa, which has no attention sinks"):
+    with pytest.raises(RecipeError, match=r"^context parallel attends with sdpa, which leaves out what Module hands "
+                                          r"its attention as s_aux \(attention sinks: GPT-OSS\)"):
         context._sdpa(torch.nn.Module(), query, query, query, allowed, dropout=0.0, scaling=None,
                       s_aux=torch.zeros(2))
     out, _ = context._sdpa(torch.nn.Module(), query, query, query, allowed, dropout=0.0, scaling=None, s_aux=None)

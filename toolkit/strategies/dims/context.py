@@ -198,13 +198,21 @@ def _allowed(context: Sequence, queries: str, window: int | None = None) -> torc
     return context.masks[queries, window]
 
 
+# what an attention function is handed that transformers' sdpa_attention_forward does not read, without a word: the
+# model's attention would differ from what it computes
+UNREAD_BY_SDPA = {"s_aux": "attention sinks: GPT-OSS", "sinks": "attention sinks",
+                  "indices": "sparse attention's selected keys: DeepSeek-V3.2, GLM-MoE-DSA",
+                  "block_indices": "block-sparse attention's selected blocks"}
+
+
 def _sdpa(module, query, key, value, allowed, *, dropout, scaling, **kwargs) -> tuple[torch.Tensor, None]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     kwargs.pop("is_causal", None)
-    if kwargs.get("s_aux") is not None:  # GPT-OSS's attention sinks, which sdpa would leave out without a word
-        raise RecipeError(f"context parallel attends with sdpa, which has no attention sinks ({type(module).__name__} "
-                          "adds them, s_aux); drop parallel.cp")
+    unread = next((key for key in UNREAD_BY_SDPA if kwargs.get(key) is not None), None)
+    if unread is not None:
+        raise RecipeError(f"context parallel attends with sdpa, which leaves out what {type(module).__name__} hands "
+                          f"its attention as {unread} ({UNREAD_BY_SDPA[unread]}); drop parallel.cp")
     return sdpa_attention_forward(module, query, key, value, allowed, dropout=dropout, scaling=scaling,
                                   is_causal=False, **kwargs)
 
