@@ -420,3 +420,30 @@ def test_a_hybrid_with_one_replica_per_stage_says_it_runs_as_a_pipeline(llama4_r
     ranks, overrides = ARMS["pp-ddp"]
     assert "fallback" not in json.loads((llama4_runs.get("pp-ddp", nproc=ranks, overrides=overrides) /
                                          "run.json").read_text())
+
+
+def test_a_v_shaped_pipeline_evaluates_the_default_recipe_as_one_process(tmp_path):
+    """The llama-tiny recipe under zbv, evaluated after its step: torch 2.13's eval of a V-shaped schedule ran its
+    whole training order, backwards included, and the ranks failed at the first evaluation ("can't steal_bwd_input
+    if this stage doesn't have backward"). Forwards only now (schedules.forward_only): the evaluation loss is a
+    single process's, as the training loss is."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, toolkit_env
+
+    def run(name: str, *command: str, sets: tuple[str, ...] = ()) -> dict:
+        out = tmp_path / name
+        done = subprocess.run([sys.executable, "-m", "toolkit", *command, "recipes/llama-tiny.yaml",
+                               "--set", "train.max_steps=1", "--set", f"output_dir={out}",
+                               "--set", "data.eval=tests/data/reviews-eval-64.jsonl",
+                               *[a for s in sets for a in ("--set", s)]],
+                              cwd=REPO, env=toolkit_env(), capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return metrics(out)[-1]
+
+    single = run("single", "train")
+    zbv = run("zbv", "launch", "--nproc", "2", sets=("strategy.name=pipeline", "strategy.schedule=zbv",
+                                                     "strategy.stages_per_rank=2"))
+    assert zbv["loss"] == pytest.approx(single["loss"], rel=1e-5)
+    assert zbv["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5)

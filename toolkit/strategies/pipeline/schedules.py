@@ -12,7 +12,8 @@ the others makes every other rank wait for it, which no schedule removes."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import contextlib
+from typing import Any, Iterator, NamedTuple
 
 # schedule name -> torch.distributed.pipelining class, imported at setup (the import costs ~1.3 s, which
 # every process that only reads the strategy's INFO would pay)
@@ -169,3 +170,29 @@ def theoretical_bubble(schedule: str, *, pp: int, stages_per_rank: int, micro_ba
     """The mean idle fraction over the pipeline's ranks, in theory."""
     bubbles = simulated_bubbles(schedule, pp=pp, stages_per_rank=stages_per_rank, micro_batches=micro_batches)
     return sum(bubbles) / len(bubbles)
+
+
+# what a forward-only run keeps of a schedule's actions: the forwards, their sends and receives, FSDP's gathers
+FORWARD_ONLY = ("F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD")
+
+
+@contextlib.contextmanager
+def forward_only(schedule: Any) -> Iterator[None]:
+    """`schedule.eval(...)` runs only its forwards (and their sends and receives) inside: torch 2.13's eval of a
+    schedule of several stages per rank runs its whole training order, backwards included with no backward to
+    run, and the V-shaped ones (zbv, dualpipev) then fail where a rank hands an input gradient to its other stage
+    ("can't steal_bwd_input if this stage doesn't have backward": measured, every evaluation). The forwards keep
+    their order, so the ranks' sends and receives still pair up. Schedules of one stage per rank run as they are."""
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    if not order:
+        yield
+        return
+    kept = {rank: [part for action in actions if action is not None
+                   for part in (action.sub_actions or (action,))  # DualPipeV overlaps a forward with a backward
+                   if part.computation_type.value in FORWARD_ONLY]
+            for rank, actions in order.items()}
+    schedule.pipeline_order_with_comms = kept
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = order

@@ -16,6 +16,7 @@ every stage alike.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -51,7 +52,8 @@ from toolkit.strategies.dims.local_sgd import LocalSgd
 from toolkit.strategies.dims.levers import compression_of, local_sgd_of
 from toolkit.strategies.pipeline.layout import (Grid, count_busy_time, grid_of, stage_of_blocks,
                                                 uncount_shape_inference)
-from toolkit.strategies.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, V_SHAPED, simulated_bubbles
+from toolkit.strategies.pipeline.schedules import (SCHEDULES, SPLIT_BACKWARD, V_SHAPED, forward_only,
+                                                   simulated_bubbles)
 from toolkit.strategies.pipeline.split import block_costs, stage_flops
 from toolkit.strategies.pipeline.rules import INFO, OPTIONS, RULES, PipelineOptions  # noqa: F401 (the registry reads OPTIONS, RULES here)
 from toolkit.strategies.optim.torch_optim import TorchOptim, live_state_tensors
@@ -245,7 +247,8 @@ class PipelineStrategy:
         # held through the step and until the next one)
         call = functools.partial(schedule.step, return_outputs=False) if train else schedule.eval
         self.busy_s, start = 0.0, time.perf_counter()
-        call(*((ids,) if first else ()), target=labels if last else None, attention_mask=mask)
+        with contextlib.nullcontext() if train else forward_only(schedule):
+            call(*((ids,) if first else ()), target=labels if last else None, attention_mask=mask)
         if train and not self._fresh:
             wall = time.perf_counter() - start
             self.bubbles.append(max(0.0, 1.0 - self.busy_s / wall) if wall > 0 else 0.0)
