@@ -408,18 +408,21 @@ def test_a_route_flip_before_the_divergence_is_named_as_such(tmp_path, arm_losse
         assert equivalent(result["verdict"])
 
 
-def _judged(tmp_path, arm_losses, ref_losses, *, arm_strategy, ref_strategy=None, arm_optim=None):
+def _judged(tmp_path, arm_losses, ref_losses, *, arm_strategy, ref_strategy=None, arm_optim=None, precision=None,
+            arm_audit=None):
     """judge() on synthetic trajectories and identical final weights (a lever's verdict reads the losses)."""
     import torch
     from safetensors.torch import save_file
 
     runs = {}
-    for name, losses_, strategy, optim in (("arm", arm_losses, arm_strategy, arm_optim or {"lr": 0.001}),
-                                           ("ref", ref_losses, ref_strategy or {"name": "ddp"}, {"lr": 0.001})):
+    for name, losses_, strategy, optim, audit in (
+            ("arm", arm_losses, arm_strategy, arm_optim or {"lr": 0.001}, arm_audit or {}),
+            ("ref", ref_losses, ref_strategy or {"name": "ddp"}, {"lr": 0.001}, {})):
         (tmp_path / name / "model").mkdir(parents=True, exist_ok=True)
         save_file({"w": torch.ones(3)}, str(tmp_path / name / "model" / "model.safetensors"))
+        recipe = {"strategy": strategy, "optim": optim, **({"precision": precision} if precision else {})}
         runs[name] = {"name": name, "dir": tmp_path / name, "metrics": steps(losses_), "num_params": 3,
-                      "recipe": {"strategy": strategy, "optim": optim}, "audit": {}, "run": None}
+                      "recipe": recipe, "audit": audit, "run": None}
     return verdict.judge(runs["arm"], runs["ref"], envelope=None)
 
 
@@ -433,6 +436,25 @@ def test_a_lever_within_its_budget_differs_by_design(tmp_path):
     assert judged["verdict"] == "differs by design (gradient_compression=bf16)", judged
     assert judged["distance"]["budget"] == pytest.approx(0.02 * 1.8)
     assert judged["distance"]["final_difference"] == pytest.approx((0.03 * 18 / 19 + 0.03) / 2)
+
+
+def test_zero_under_bf16_is_judged_as_the_bf16_reduction_deepspeed_defaults_to(tmp_path):
+    """zero without strategy.reduce_dtype keeps and reduces its gradients in bf16 under precision bf16 (DeepSpeed's
+    default): the lever reduce_dtype=bf16 by another name, judged by its loss budget, its audit rows (gradients,
+    reduction in bf16) part of it. Before: "diverged" whatever the cost, as a fault would be."""
+    arm = [x + 0.03 * i / 19 for i, x in enumerate(REF)]
+    audit = {"gradients": "bf16", "grad_reduction": "reduce-scatter mean (bf16)"}
+    judged = _judged(tmp_path, arm, REF, arm_strategy={"name": "zero", "stage": 2}, precision="bf16",
+                     arm_audit=audit)
+    assert judged["verdict"] == "differs by design (reduce_dtype=bf16 (DeepSpeed's default under bf16))", judged
+    # an explicit fp32 reduction is no lever; under fp32 zero reduces in fp32 by itself
+    for strategy, precision in (({"name": "zero", "stage": 2, "reduce_dtype": "fp32"}, "bf16"),
+                                ({"name": "zero", "stage": 2}, "fp32")):
+        assert verdict.levers({"strategy": strategy, "precision": precision},
+                              {"strategy": {"name": "ddp"}, "precision": precision}) is None
+    # and a zero reference under bf16 holds the same reduction as a zero arm: no lever between them
+    zero_bf16 = {"strategy": {"name": "zero", "stage": 3}, "precision": "bf16"}
+    assert verdict.levers(zero_bf16, {"strategy": {"name": "zero", "stage": 2}, "precision": "bf16"}) is None
 
 
 def test_a_lever_beyond_its_budget_diverged_naming_the_lever(tmp_path):

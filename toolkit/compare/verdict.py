@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Any
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -67,6 +68,7 @@ ROUTE_FLIP_SHARE = 0.01  # at most this share of a step's routed pairs moved: a 
 NOISE_GRADIENT_RATIO = UNIT_ROUNDOFF["fp32"]  # max|g| / ‖g‖ at or below this in every step: noise-driven
 WEIGHT_TOLERANCE = f"|Δ| ≤ {FP32_RTOL:g} + {FP32_RTOL:g}·|w|"
 BY_DESIGN = "differs by design"
+DEEPSPEED_DEFAULT = "DeepSpeed's default"  # a lever zero turns on by itself (verdict._effective)
 LEVER_BUDGET = 0.02  # of the reference's loss drop (see the module's doc)
 # a lever's recipe key -> its settings that change nothing (the first: its default)
 LEVERS = {"strategy.gradient_compression": ("none",), "strategy.reduce_dtype": (None, "fp32"),
@@ -294,9 +296,11 @@ def levers(arm_recipe: dict, ref_recipe: dict) -> str | None:
     arm, ref = flatten(arm_recipe), flatten(ref_recipe)
     out = []
     for key, noops in LEVERS.items():
-        value = arm.get(key, noops[0])
-        if value not in noops and value != ref.get(key, noops[0]):
+        value = _effective(arm, key, noops[0])
+        if value not in noops and value != _effective(ref, key, noops[0]):
             words = f"{key.split('.', 1)[1]}={value}"
+            if arm.get(key, noops[0]) in noops:
+                words += f" ({DEEPSPEED_DEFAULT} under {value})"
             if value == "powersgd":
                 start = arm.get("strategy.powersgd_start_step", 0) + 1
                 words += f" (r={arm.get('strategy.powersgd_rank')}, from step {start})"
@@ -304,6 +308,17 @@ def levers(arm_recipe: dict, ref_recipe: dict) -> str | None:
                 words += " (DiLoCo)"
             out.append(words)
     return ", ".join(out) or None
+
+
+def _effective(flat: dict, key: str, default: Any) -> Any:
+    """A lever's setting as the arm runs it: zero without strategy.reduce_dtype keeps and reduces its gradients in
+    the compute dtype under bf16 and fp16 (DeepSpeed's default; the precision audit's "gradients bf16"), which is
+    reduce_dtype=bf16 by another name: judged as that lever, not as a fault."""
+    value = flat.get(key, default)
+    if key == "strategy.reduce_dtype" and value is None and flat.get("strategy.name") == "zero" \
+            and flat.get("precision") in ("bf16", "fp16"):
+        return flat["precision"]
+    return value
 
 
 def loss_distance(arm: list[dict], ref: list[dict], *, rounding: dict | None = None) -> dict:
@@ -337,8 +352,10 @@ def _distance_line(d: dict) -> str:
 def _judge_lever(arm: dict, ref: dict, *, on: str, first: dict | None, settings: list[str],
                  rounding: dict | None) -> dict:
     """The verdict of an arm outside the exact bounds that turns a lever on (see the module's doc)."""
-    # the precision audit's reduction row names the lever itself (its dtype on the wire): not another setting
-    others = [s for s in settings if not s.startswith("audit grad_reduction")]
+    # the precision audit's reduction row names the lever itself (its dtype on the wire): not another setting; nor,
+    # where the lever is DeepSpeed's default under 16-bit precision, the gradients' row (it keeps them in that dtype)
+    lever_rows = ("audit grad_reduction", "audit gradients") if DEEPSPEED_DEFAULT in on else ("audit grad_reduction",)
+    others = [s for s in settings if not s.startswith(lever_rows)]
     step = first["step"] if first is not None else None
     where = f"diverged at step {step}" if step is not None else "diverged in final weights"
     if others:
