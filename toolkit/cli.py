@@ -252,14 +252,14 @@ def cmd_plan(args) -> int:
         return (given, "--memory-per-rank") if given is not None else plan.default_memory_per_rank(world)
     quiet_libraries()
     base = load_recipe(args.recipe, args.overrides)
-    model = plan.planned_model(base)
-    skeletons = {repr(base.model): model}  # one per model the arms ask for (`name@model.lora=...` changes it)
+    skeletons: dict = {}  # one per model the arms ask for (`name@model.lora=...` changes it)
 
     def skeleton(recipe):
         key = repr(recipe.model)
         if key not in skeletons:
             skeletons[key] = plan.planned_model(recipe)
         return skeletons[key]
+    model = skeleton(base)
     runtime = process_bytes()  # this process with torch and transformers loaded: what a rank starts from
     recipes = {arm: load_recipe(args.recipe, [*args.overrides, *sets[arm]]) for arm in arms}
     # and what a rank imports beyond them (DeepSpeed), measured before anything else here imports it

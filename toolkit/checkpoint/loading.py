@@ -173,10 +173,9 @@ def load_part(part: nn.Module, files: dict[str, Path], *, aliases: dict[str, str
     missing = sorted(set(part.state_dict()) - set(tensors) - {n for n, _ in part.named_buffers()})
     if missing:
         raise RuntimeError(f"the pretrained files hold no tensor for {missing[:3]} of this part of the model")
-    with torch.no_grad():
-        for name, target in sorted(tensors.items(), key=lambda item: -item[1].numel()):  # see _read_slices
-            stored = name if name in files else aliases[name]
-            _read_slices({stored: target.detach()}, {stored: files[stored]})
+    # by the name the files hold each under (a tied weight's two names: one tensor, read once)
+    stored = {name if name in files else aliases[name]: target.detach() for name, target in tensors.items()}
+    _read_slices(stored, {name: files[name] for name in stored})
 
 
 def _read_slices(tensors: dict[str, torch.Tensor], files: dict[str, Path]) -> None:

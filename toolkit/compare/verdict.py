@@ -54,9 +54,9 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 FP32_RTOL = 1e-5
 UNIT_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "fp32": 2.0 ** -24}

@@ -203,19 +203,17 @@ def empty_model(config: ModelConfig, *, tokenizer) -> nn.Module:
     # the context makes every parameter registered in it a new meta tensor, also the output layer that
     # tie_weights pointed at the input embedding: tie them again outside it
     model.tie_weights()
-    folder = resolve_path(config.path) if config.path is not None else None
-    if folder is not None and any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+    if config.path is not None:  # exported under the files' names, as from_pretrained's model is
         from transformers.conversion_mapping import get_model_conversion_mapping
 
-        # exported under the files' names, as from_pretrained's model is (keep_used_renamings)
-        model._weight_conversions = get_model_conversion_mapping(model)
-        keep_used_renamings(model, folder)
+        keep_used_renamings(model, resolve_path(config.path), renamings=get_model_conversion_mapping(model))
     return _finish(model, config, tokenizer=tokenizer)
 
 
-def keep_used_renamings(model: Any, folder: Path) -> None:
-    """The weight renamings (`_weight_conversions`) save_pretrained reverts, as from_pretrained keeps them: those
-    some name in the model's safetensors files matches (a .bin checkpoint's names are not read: its renamings stay).
+def keep_used_renamings(model: Any, folder: Path, *, renamings: list | None = None) -> None:
+    """The weight renamings (`_weight_conversions`) save_pretrained reverts, as from_pretrained keeps them: those of
+    `renamings` (default: the model's own) some name in the model's safetensors files matches (a .bin checkpoint's
+    names are not read: the model's renamings stay as they are).
     transformers' ZeRO-3 load keeps every renaming its model type knows, used or not: a BERT whose files say
     LayerNorm.weight was exported as LayerNorm.gamma, and compare judged the zero3 arm "diverged in final weights"
     (other tensor names) on the default recipe. A model built empty (fsdp, tp, pipeline stages) has none, and
@@ -225,7 +223,7 @@ def keep_used_renamings(model: Any, folder: Path) -> None:
 
     from safetensors import safe_open
 
-    renamings = getattr(model, "_weight_conversions", None)
+    renamings = renamings if renamings is not None else getattr(model, "_weight_conversions", None)
     files = sorted(folder.glob("*.safetensors"))
     if not renamings or not files or any(folder.glob("*.bin")):
         return
