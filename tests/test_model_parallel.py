@@ -206,6 +206,13 @@ def test_powersgd_on_stage_replicas_at_full_rank_equals_the_exact_run(llama4_run
     # reduced whole up to its start step, then rank 2 factors: steps 1-3 as the exact run (step 3's update is the
     # first from compressed gradients), then apart
     assert got[:3] == pytest.approx(exact[:3], rel=1e-6) and got[3:] != pytest.approx(exact[3:], rel=1e-6)
+    # each stage's DDP module keeps its own error and factors: measured on every rank from the first compressed
+    # step on, and the plan (pipeline.memory, per stage) predicts the measured bytes exactly
+    info = json.loads((low / "run.json").read_text())
+    plain = json.loads((llama4_runs.get("pp-ddp", nproc=4, overrides=PP_DDP) / "run.json").read_text())
+    assert all(ours["optim_bytes"] > theirs["optim_bytes"]
+               for ours, theirs in zip(info["model_state_bytes"], plain["model_state_bytes"], strict=True))
+    assert info["memory_prediction"]["model_state_bytes"] == info["model_state_bytes"]
 
 
 def test_tied_embedding_is_exported_once_and_reloads_tied(llama4_runs):

@@ -17,7 +17,7 @@ from toolkit.checkpoint.loading import ModelSource
 from toolkit.config.recipe import Recipe
 from toolkit.cost.collectives import Collective
 from toolkit.errors import RecipeError, ranks_option
-from toolkit.memory.state_bytes import StateBytes, adam_state, element_bytes
+from toolkit.memory.state_bytes import StateBytes, adam_state
 from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
 from toolkit.model.tied import first_names
 from toolkit.process.dist import DistEnv
@@ -87,10 +87,8 @@ class ReplicatedRules:
         states = [adam_state(model.named_parameters(), dtype=DTYPES[recipe.model.load_dtype])] * world_size
         local = self.replication.local_sgd(recipe) if self.replication.local_sgd and world_size > 1 else None
         if self.replication.compression is not None and world_size > 1:  # PowerSGD's error and factors
-            kept = powersgd_state_bytes([tuple(p.shape) for p in model.parameters() if p.requires_grad],
-                                        self.replication.compression(recipe),
-                                        number_bytes=element_bytes(DTYPES[recipe.model.load_dtype]),
-                                        steps=recipe.train.max_steps)
+            kept = powersgd_state_bytes(model.parameters(), self.replication.compression(recipe),
+                                        dtype=DTYPES[recipe.model.load_dtype], steps=recipe.train.max_steps)
             states = [dataclasses.replace(s, optim_bytes=s.optim_bytes + kept) for s in states]
         return outer_state(states, local) if local is not None else states  # DiLoCo's anchor and momentum
 

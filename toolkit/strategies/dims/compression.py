@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,16 +172,18 @@ def powersgd_numbers(shapes: list[tuple[int, ...]], rank: int) -> tuple[int, int
     return whole, p, q
 
 
-def powersgd_state_bytes(shapes: list[tuple[int, ...]], compression: Compression, *, number_bytes: int,
+def powersgd_state_bytes(parameters: Iterable[nn.Parameter], compression: Compression, *, dtype: torch.dtype,
                          steps: int | None) -> int:
-    """What PowerSGD keeps on each rank from its first compressed step on (torch's powerSGD_hook): the error
-    feedback, one number per gradient number (each bucket whole, also what it sends whole), and the P and Q factors
-    of the matrices it compresses (kept per bucket: Q for the next step's warm start, P beside it). 0 for the
-    16-bit casts, which keep nothing, and for a run of `steps` (train.max_steps) that ends before it compresses."""
+    """What PowerSGD keeps on each rank from its first compressed step on (torch's powerSGD_hook) for the trainable
+    `parameters` of one DDP module, whose gradients are `dtype`: the error feedback, one number per gradient number
+    (each bucket whole, also what it sends whole), and the P and Q factors of the matrices it compresses (kept per
+    bucket: Q for the next step's warm start, P beside it). 0 for the 16-bit casts, which keep nothing, and for a
+    run of `steps` (train.max_steps) that ends before it compresses."""
     if compression.kind != "powersgd" or (steps is not None and steps <= compression.start_step):
         return 0
+    shapes = [tuple(p.shape) for p in parameters if p.requires_grad]
     _, p, q = powersgd_numbers(shapes, compression.rank)
-    return (sum(math.prod(s) for s in shapes) + p + q) * number_bytes
+    return (sum(math.prod(s) for s in shapes) + p + q) * dtype.itemsize
 
 
 # numbers read or written per gradient number of a bucket by powerSGD_hook's error feedback, whatever is compressed:

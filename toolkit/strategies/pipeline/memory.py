@@ -49,8 +49,7 @@ def state_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: int) -
         for stage in rank_stages(model, recipe, grid, pp_rank):
             total += adam_state(stage.named_parameters(), dtype=dtype, local=local)
             if compression is not None:
-                shapes = [tuple(p.shape) for p in stage.parameters() if p.requires_grad]
-                kept = powersgd_state_bytes(shapes, compression, number_bytes=element_bytes(dtype),
+                kept = powersgd_state_bytes(stage.parameters(), compression, dtype=dtype,
                                             steps=recipe.train.max_steps)
                 total += StateBytes(params_bytes=0, grads_bytes=0, optim_bytes=kept)
         per_pp_rank.append(total)
