@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from conftest import (Runs, _minilm_tokenizer, assert_local_sgd_every_2_as_ddp, assert_matches_single,
-                      assert_same_run, exported_weights, losses, metrics, write_recipe)
+from conftest import (Runs, assert_local_sgd_every_2_as_ddp, assert_matches_single, assert_same_run, exported_weights,
+                      losses, metrics, tiny_family_runs)
 
 ARMS = {
     # name: (ranks, overrides); global batch 8 = data shards × micro 2 × accumulation
@@ -82,24 +82,9 @@ FAMILY_ARMS = (("gpt2", "pp-1f1b"), ("gpt_neox", "pp-1f1b"))
 
 @pytest.fixture(scope="module")
 def family_runs(tmp_path_factory) -> dict[str, Runs]:
-    """A tiny 4-block model of each family in FAMILIES, written by save_pretrained, micro-batch 2 × 4."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    tokenizer = _minilm_tokenizer()
-    runs = {}
-    for family, fields in FAMILIES.items():
-        root = tmp_path_factory.mktemp(f"mp-{family}")
-        torch.manual_seed(0)
-        config = AutoConfig.for_model(family, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                                      **fields)
-        AutoModelForCausalLM.from_config(config).save_pretrained(root / "model")
-        tokenizer.save_pretrained(root / "model")
-        runs[family] = Runs(root, write_recipe(root / "recipe.yaml", model_dir=root / "model",
-                                               output_dir=root / "unused", data={"eval": None},
-                                               optim={"lr": FAMILY_LR[family]},
-                                               batch={"micro_batch_size": 2, "grad_accum_steps": 4}))
-    return runs
+    """A tiny 4-block model of each family in FAMILIES."""
+    return {family: tiny_family_runs(tmp_path_factory, "mp", family, fields, data={"eval": None},
+                                     optim={"lr": FAMILY_LR[family]}) for family, fields in FAMILIES.items()}
 
 
 @pytest.mark.parametrize("family,arm", FAMILY_ARMS)

@@ -139,13 +139,13 @@ def test_mlp_columns_not_divisible_and_a_model_without_plan_are_one_line(tmp_pat
     with pytest.raises(RecipeError, match=re.escape("gpt2 declares no tensor-parallel plan")) as error:
         validate_strategy(gpt2, world_size=2)
     assert "modules found: c_attn, c_fc, c_proj, lm_head" in str(error.value)  # what a plan would name
-    # OLMo 2 normalizes q and k over all heads at once: its plan gathers the projections' outputs
-    # (colwise_gather_output), a style the toolkit does not build
-    olmo2 = recipe_for({"model_type": "olmo2", "vocab_size": 30522, "hidden_size": 32, "intermediate_size": 64,
-                        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2})
-    with pytest.raises(RecipeError, match=re.escape("the model's plan asks for 'colwise_gather_output' at "
-                                                    "layers.*.self_attn.q_proj")) as error:
-        validate_strategy(olmo2, world_size=2)
+    # Mixtral's experts are one packed gate_up_proj tensor (packed_colwise), a style the toolkit does not build
+    mixtral = recipe_for({"model_type": "mixtral", "vocab_size": 30522, "hidden_size": 32, "intermediate_size": 64,
+                          "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+                          "num_local_experts": 4, "num_experts_per_tok": 2})
+    with pytest.raises(RecipeError, match=re.escape("the model's plan asks for 'packed_colwise' at "
+                                                    "layers.*.mlp.experts.gate_up_proj")) as error:
+        validate_strategy(mixtral, world_size=2)
     assert str(error.value).endswith("use fsdp or zero for this model")
     qwen3 = recipe_for({"model_type": "qwen3", "vocab_size": 30522, "hidden_size": 32, "intermediate_size": 64,
                         "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8})
@@ -246,3 +246,50 @@ def test_qwen3_per_head_norms_sum_their_gradients_over_the_tp_ranks(qwen3_runs, 
     llama = json.loads((llama4_runs.get("tp", nproc=2, overrides=ARMS["tp"][1]) / "run.json").read_text())
     assert comm["calls_by_op"]["allreduce_"] == llama["comm_per_step"]["calls_by_op"]["allreduce_"] + 1
     assert comm["bytes_by_op"]["allreduce_"] == llama["comm_per_step"]["bytes_by_op"]["allreduce_"] + 2 * 2 * 8 * 4
+
+
+# plans that gather a column-wise layer's output and split a row-wise layer's input on every rank
+# (transformers' 'colwise_gather_output' and 'rowwise_split_input'): OLMo 2 normalises q and k over all heads
+# (q_norm, k_norm of the whole projection), so its q, k, v outputs are gathered; Phi-3's fused qkv_proj and
+# gate_up_proj are gathered, as each is then cut into its parts
+GATHERING = {
+    "olmo2": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "max_position_embeddings": 64},
+    "phi3": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "max_position_embeddings": 64},
+}
+
+
+@pytest.fixture(scope="module")
+def gathering_runs(tmp_path_factory):
+    """A tiny 2-block model of each family in GATHERING."""
+    from conftest import tiny_family_runs
+
+    return {family: tiny_family_runs(tmp_path_factory, "tp", family, fields) for family, fields in GATHERING.items()}
+
+
+@pytest.mark.parametrize("family", list(GATHERING))
+def test_tp_with_gathered_outputs_and_split_inputs_matches_single(gathering_runs, family):
+    """Before, both families were refused under tp ('colwise_gather_output' is not a style the toolkit splits).
+    Each now equals single (losses, grad norms, exported weights, eval loss); its collectives are those the plan
+    predicts, byte for byte (a gathered output's all-gather forward, a split input's gradient all-gather backward,
+    beside the all-reduces of plain column- and row-wise layers); and the plan predicts each rank's model states
+    exactly."""
+    from test_comm_prediction import assert_predicted
+
+    from toolkit.config.files import load_recipe
+    from toolkit.plan import predict as plan
+
+    ranks, overrides = ARMS["tp"]
+    runs = gathering_runs[family]
+    run_dir = runs.get("tp", nproc=ranks, overrides=overrides)
+    assert_matches_single(run_dir, runs.get("single"))
+    assert_predicted(run_dir)
+    ops = json.loads((run_dir / "run.json").read_text())["comm_per_step"]["calls_by_op"]
+    blocks, micro_batches = 2, 4
+    # per block and micro-batch: olmo2 gathers q, k, v (forward) and o_proj's input gradient (backward); phi3
+    # gathers qkv_proj and gate_up_proj (forward) and the input gradients of o_proj and down_proj (backward)
+    assert ops["all_gather_into_tensor"] == {"olmo2": 4, "phi3": 4}[family] * blocks * micro_batches, ops
+    run = json.loads((run_dir / "run.json").read_text())
+    predicted = plan.predict(load_recipe(run_dir / "recipe.yaml"), world_size=ranks, runtime_bytes=0)
+    assert [r.as_dict() for r in predicted.per_rank] == run["model_state_bytes"]

@@ -12,6 +12,12 @@ full logits, so the loop's loss is unchanged (a vocabulary-sharded head would sa
 loss that reduces over ranks). Attention needs no change: HF attention reshapes with `view(..., -1,
 head_dim)`, so each rank infers its local head count.
 
+Some plans gather a column-wise layer's output on every rank ("colwise_gather_output": OLMo 2's q, k and v, whose
+norms span all heads; Phi-3's fused qkv_proj and gate_up_proj, cut into their parts after) and let the row-wise
+layer after it take its own slice of the whole input ("rowwise_split_input"): the same split weights, one
+all-gather more per gathered layer (its output, forward; the split input's gradient, backward), and the attention
+or MLP between them computed whole on every rank.
+
 A plan may also name modules "replicated_with_grad_allreduce" (Qwen3's, Gemma 3's per-head q_norm and k_norm,
 between a column-wise projection and attention): they stay whole on every rank, but each rank normalizes only
 its own heads, so its gradient is a partial sum over heads. The strategies sum those gradients over the TP
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 import torch
 from torch import nn
@@ -48,10 +54,14 @@ DIVIDED_FIELDS = {"num_attention_heads": "attention heads", "num_key_value_heads
 
 # a module the plan keeps whole whose gradient each TP rank computes only in part (see the docstring)
 PARTIAL_GRADIENT = "replicated_with_grad_allreduce"
+# column-wise styles (the weight split by output features) and row-wise ones (by input features); the second of
+# each gathers the output / splits the whole input on every rank (see the docstring)
+GATHERED, SPLIT_INPUT = "colwise_gather_output", "rowwise_split_input"
+COLUMN_WISE, ROW_WISE = ("colwise", GATHERED), ("rowwise", SPLIT_INPUT)
 
 
 def resolve(model: nn.Module) -> dict[str, str]:
-    """Full module name -> "colwise" | "rowwise" for every linear layer the plan splits."""
+    """Full module name -> its style (COLUMN_WISE or ROW_WISE) for every linear layer the plan splits."""
     return {name: style for name, style in _entries(model).items() if style != PARTIAL_GRADIENT}
 
 
@@ -75,10 +85,10 @@ def _entries(model: nn.Module) -> dict[str, str]:
     modules = dict(model.named_modules())
     plan: dict[str, str] = {}
     for pattern, style in declared.items():
-        if style not in ("colwise", "rowwise", PARTIAL_GRADIENT):
+        if style not in (*COLUMN_WISE, *ROW_WISE, PARTIAL_GRADIENT):
             raise RecipeError(f"tensor parallelism: the model's plan asks for {style!r} at {pattern}; the toolkit "
-                              f"splits linear layers colwise and rowwise and sums {PARTIAL_GRADIENT} gradients "
-                              "only; use fsdp or zero for this model")
+                              f"splits linear layers {', '.join((*COLUMN_WISE, *ROW_WISE))} and sums "
+                              f"{PARTIAL_GRADIENT} gradients only; use fsdp or zero for this model")
         partial = style == PARTIAL_GRADIENT  # a module with parameters of its own; else a linear layer to split
         found = [name for name, m in modules.items() if fnmatch.fnmatchcase(name, prefix + pattern)
                  and (any(True for _ in m.parameters(recurse=False)) if partial else isinstance(m, nn.Linear))]
@@ -137,9 +147,9 @@ def check_degree(model: nn.Module, degree: int) -> None:
     modules = dict(model.named_modules())
     for name, style in resolve(model).items():
         linear = cast(nn.Linear, modules[name])
-        features = linear.out_features if style == "colwise" else linear.in_features
+        features = linear.out_features if style in COLUMN_WISE else linear.in_features
         if features % degree:
-            side = "output" if style == "colwise" else "input"
+            side = "output" if style in COLUMN_WISE else "input"
             raise RecipeError(f"tensor parallelism: {name} has {features} {side} features, not divisible by the "
                               f"tensor-parallel degree {degree}")
 
@@ -153,9 +163,9 @@ def local_shapes(model: nn.Module, degree: int) -> dict[str, tuple[int, ...]]:
         module, _, kind = name.rpartition(".")
         shape = list(param.shape)
         style = styles.get(module)
-        if style == "colwise":
+        if style in COLUMN_WISE:
             shape[0] //= degree
-        elif style == "rowwise" and kind == "weight":
+        elif style in ROW_WISE and kind == "weight":
             shape[1] //= degree
         shapes[name] = tuple(shape)
     return shapes
@@ -166,7 +176,8 @@ def local_model(model: nn.Module, degree: int) -> nn.Module:
     one of the local shape (column-wise: 1/N of the output features, row-wise: 1/N of the input features),
     the rest whole. Attention infers its head count from q/k/v's outputs (`view(..., -1, head_dim)`), so the
     copy runs 1/N of the heads and MLP columns on the full residual stream, as a rank does: what the activation
-    trace of a TP rank runs. Sequence parallelism is not modelled (it shards the norms' and residual adds'
+    trace of a TP rank runs. A gathered layer and the split-input layer after it stay whole, as a rank computes
+    what lies between them whole (their split outputs and inputs, 1/N of a whole one, are not counted apart). Sequence parallelism is not modelled (it shards the norms' and residual adds'
     tokens too): its trace is this one, an upper bound by 1 - 1/N of each norm's saved input. Traces of it are
     cached (toolkit/memory/activations.py): a change to what it builds raises activations.TRACE_VERSION."""
     import copy
@@ -174,6 +185,8 @@ def local_model(model: nn.Module, degree: int) -> nn.Module:
     local = copy.deepcopy(model)
     modules = dict(local.named_modules())
     for name, style in resolve(local).items():
+        if style not in ("colwise", "rowwise"):
+            continue
         old = cast(nn.Linear, modules[name])
         features = ((old.in_features, old.out_features // degree) if style == "colwise"
                     else (old.in_features // degree, old.out_features))
@@ -188,12 +201,16 @@ def local_model(model: nn.Module, degree: int) -> nn.Module:
 
 def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False) -> None:
     """Split the plan's linear layers over `mesh` (1-D) in place: their weights become DTensors."""
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     if sequence_parallel:
         parallelize_module(model, mesh, sequence_parallel_plan(model))  # type: ignore[arg-type]
         return
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    styles: dict[str, Callable[[], Any]] = {
+              "colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+              GATHERED: lambda: ColwiseParallel(output_layouts=Replicate()),
+              SPLIT_INPUT: lambda: RowwiseParallel(input_layouts=Replicate())}
     plan = {name: styles[style]() for name, style in resolve(model).items()}
     parallelize_module(model, mesh, plan)  # type: ignore[arg-type]
 
@@ -219,6 +236,10 @@ def sequence_parallel_plan(model: nn.Module) -> dict[str, Any]:
         raise RecipeError(f"strategy.sequence_parallel: supported for Llama-style decoders (blocks of exactly "
                           f"{', '.join(DECODER_PARTS)}), not {config.model_type}; set it to false")
     stack, count = layers
+    gathered = sorted({style for style in resolve(model).values() if style not in ("colwise", "rowwise")})
+    if gathered:
+        raise RecipeError(f"strategy.sequence_parallel: the model's tensor-parallel plan has {', '.join(gathered)} "
+                          "layers, which compute on the whole sequence between them; set it to false")
     seq, full = Shard(1), Replicate()
     gather = dict(input_layouts=(seq,), desired_input_layouts=(full,), use_local_output=True)
     plan: dict[str, Any] = {}

@@ -18,6 +18,9 @@ byte by tests/test_comm_prediction.py:
   over the sequence instead (its backward: an all-gather), the norm's sequence shard is all-gathered before each
   column-wise group (its backward: the column-wise layers' all-reduces, as without it), and the final norm's
   output is all-gathered for the replicated head, the embedding's output shard's gradient gathered in backward.
+  A gathered column-wise layer (colwise_gather_output) all-gathers its output shard in forward; a row-wise layer
+  that splits its whole input (rowwise_split_input) all-gathers its input's gradient shard in backward; each
+  reduces as its plain kind does.
 - Context parallel (dims/context.py), allgather method: each attention layer all-gathers the rank's keys and
   values (forward) and reduce-scatters their gradients (backward), each micro-batch; ulysses: its queries, keys,
   values and output pass an all-to-all each, forward and backward.
@@ -127,8 +130,9 @@ def tp_collectives(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtyp
     if tp <= 1:
         return []
     partial = _partial_gradients(model, tp_plan.partial_gradient_modules(model), tp=tp, shard=shard)
-    styles = list(tp_plan.resolve(model).values())
-    rowwise, colwise = styles.count("rowwise"), styles.count("colwise")
+    styles = tp_plan.resolve(model)
+    rowwise = sum(style in tp_plan.ROW_WISE for style in styles.values())
+    colwise = sum(style in tp_plan.COLUMN_WISE for style in styles.values())
     size, hidden = element_bytes(activation_dtype), cast(Any, model).config.hidden_size
     whole = tokens(shapes) * hidden * size  # one activation of every micro-batch, full sequence
     micro, forwards = len(shapes), 2 if recompute else 1
@@ -138,7 +142,8 @@ def tp_collectives(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtyp
                           phase=phase, what=what)
 
     if not sequence_parallel:
-        return partial + [entry("all_reduce", forwards * rowwise + colwise, whole, "forward", "activations")]
+        return partial + _whole_sequence_tp(model, styles, tp=tp, per_feature=tokens(shapes) * size, micro=micro,
+                                            forwards=forwards)
     # a sequence shard: ceil(length / tp) positions (DTensor pads an uneven shard to the largest), and what a
     # reduce-scatter takes: the sequence padded to tp such shards
     part = sum(rows * math.ceil(length / tp) for rows, length in shapes) * hidden * size
@@ -149,6 +154,34 @@ def tp_collectives(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtyp
                             "activation shards"),
                       entry("reduce_scatter_tensor", forwards * rowwise, padded, "forward", "activations"),
                       entry("all_reduce", colwise, whole, "backward", "activation gradients")]
+
+
+def _whole_sequence_tp(model: nn.Module, styles: dict[str, str], *, tp: int, per_feature: int, micro: int,
+                       forwards: int) -> list[Collective]:
+    """Tensor parallel without sequence parallelism, each layer by its own features (`per_feature`: the bytes of one
+    feature over every micro-batch's tokens): a row-wise layer's output all-reduced in forward, a column-wise layer's
+    input gradient in backward; a gathered output's shard all-gathered in forward, a split input's gradient shard
+    in backward."""
+    from toolkit.model import tp_plan
+
+    modules = dict(model.named_modules())
+    reduced = gathered = reduces = gathers = 0
+    for name, style in styles.items():
+        linear = cast(nn.Linear, modules[name])
+        times = forwards if style in tp_plan.ROW_WISE else 1
+        reduced += times * (linear.out_features if style in tp_plan.ROW_WISE else linear.in_features)
+        reduces += times
+        if style == tp_plan.GATHERED:
+            gathered, gathers = gathered + forwards * linear.out_features // tp, gathers + forwards
+        elif style == tp_plan.SPLIT_INPUT:
+            gathered, gathers = gathered + linear.in_features // tp, gathers + 1
+    out = [Collective(op="all_reduce", payload_bytes=reduced * per_feature, calls=reduces * micro, group="tp",
+                      group_size=tp, phase="forward", what="activations")]
+    if gathers:
+        out.append(Collective(op="all_gather_into_tensor", payload_bytes=gathered * per_feature,
+                              calls=gathers * micro, group="tp", group_size=tp, phase="forward",
+                              what="gathered activations"))
+    return out
 
 
 def sequence_parallel_norms(model: nn.Module, *, tp: int, shard: int, reduce_dtype) -> list[Collective]:
