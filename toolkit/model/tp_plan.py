@@ -7,7 +7,8 @@ all-reduce of activations forward, one backward.
 
 The plan comes from the model where transformers declares one (`config.base_model_tp_plan`, keys relative to
 the base model, e.g. "layers.*.self_attn.q_proj": "colwise"), else from a small table per architecture
-(BERT-style encoders declare none). Embeddings, norms and the head stay replicated: every rank computes the
+(BERT-style encoders declare none). Embeddings, norms and the head stay replicated, an embedding the model's plan
+splits too (GPT-NeoX's "embedding_rowwise": the same maths, its memory not saved): every rank computes the
 full logits, so the loop's loss is unchanged (a vocabulary-sharded head would save its memory but needs a
 loss that reduces over ranks). Attention needs no change: HF attention reshapes with `view(..., -1,
 head_dim)`, so each rank infers its local head count.
@@ -58,6 +59,8 @@ PARTIAL_GRADIENT = "replicated_with_grad_allreduce"
 # each gathers the output / splits the whole input on every rank (see the docstring)
 GATHERED, SPLIT_INPUT = "colwise_gather_output", "rowwise_split_input"
 COLUMN_WISE, ROW_WISE = ("colwise", GATHERED), ("rowwise", SPLIT_INPUT)
+# embeddings a plan splits, which the toolkit keeps whole on every rank (see the docstring)
+KEPT_WHOLE = ("embedding_rowwise", "embedding_colwise")
 
 
 def resolve(model: nn.Module) -> dict[str, str]:
@@ -85,6 +88,8 @@ def _entries(model: nn.Module) -> dict[str, str]:
     modules = dict(model.named_modules())
     plan: dict[str, str] = {}
     for pattern, style in declared.items():
+        if style in KEPT_WHOLE:
+            continue
         if style not in (*COLUMN_WISE, *ROW_WISE, PARTIAL_GRADIENT):
             raise RecipeError(f"tensor parallelism: the model's plan asks for {style!r} at {pattern}; the toolkit "
                               f"splits linear layers {', '.join((*COLUMN_WISE, *ROW_WISE))} and sums "
@@ -96,6 +101,10 @@ def _entries(model: nn.Module) -> dict[str, str]:
             what = "module with parameters" if partial else "linear layer"
             raise RecipeError(f"tensor parallelism: the plan entry {pattern} matches no {what} of this model")
         plan.update(dict.fromkeys(found, style))
+    if not any(style in (*COLUMN_WISE, *ROW_WISE) for style in plan.values()):
+        raise RecipeError(f"tensor parallelism: {config.model_type}'s tensor-parallel plan splits no linear layer "
+                          f"(it names {', '.join(sorted(set(declared.values())))} only); use fsdp or zero for this "
+                          "model")
     return plan
 
 
