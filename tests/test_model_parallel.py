@@ -30,6 +30,10 @@ ARMS = {
                    "batch.grad_accum_steps=2")),
     "pp-fsdp": (4, ("strategy.name=hybrid", "strategy.pipeline_degree=2", "strategy.data_parallel=fsdp",
                     "batch.grad_accum_steps=2")),
+    # a split backward under FSDP2's shards: torch's schedule reduce-scatters each stage's gradients after its last
+    # weight-gradient action (PipelineStage.perform_reduce_grad)
+    "pp-fsdp-zbv": (4, ("strategy.name=hybrid", "strategy.pipeline_degree=2", "strategy.data_parallel=fsdp",
+                        "strategy.schedule=zbv", "strategy.stages_per_rank=2", "batch.grad_accum_steps=2")),
     "mp-ddp": (2, ("strategy.name=hybrid", "batch.grad_accum_steps=2")),
     # a split backward under DDP's replicas: torch takes the weight gradients outside DDP's hooks, so the strategy
     # averages each stage's gradients itself (before: the replicas differed after step 1)
@@ -330,12 +334,6 @@ BAD = {
         2, ("strategy.name=pipeline", "strategy.schedule=interleaved-zb", "strategy.stages_per_rank=2",
             "batch.grad_accum_steps=5", "batch.micro_batch_size=1"),
         "must be a multiple of 2 (or at most 2), but batch.grad_accum_steps is 5"),
-    # torch's pipelining takes weight gradients outside FSDP2's post-backward (measured: later stages are left
-    # without gradients, and the tied sum hangs)
-    "zero bubble over fsdp replicas": (4, ("strategy.name=hybrid", "strategy.pipeline_degree=2",
-                                           "strategy.data_parallel=fsdp", "strategy.schedule=interleaved-zb"),
-                                       "which torch's pipelining leaves unset on FSDP2's sharded stages; use "
-                                       "strategy.data_parallel ddp"),
     "world not divisible": (4, ("strategy.name=hybrid", "strategy.pipeline_degree=3"),
                             "world size 4 is not divisible by strategy.pipeline_degree 3"),
     "too few micro-batches": (2, ("strategy.name=pipeline", "strategy.schedule=1f1b", "batch.grad_accum_steps=1"),

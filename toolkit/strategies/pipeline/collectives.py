@@ -13,7 +13,8 @@ collective counter on CPU and held to it byte for byte (tests/test_comm_predicti
   schedule: one all-reduce of each stage's gradients after the schedule, by hand; under local SGD none, and at a
   sync this rank's parameters averaged in one all-reduce; or FSDP2 over the replicas, each unit gathered before
   every micro-batch's forward and once more for the step's backwards (the stage keeps it gathered between them:
-  torch's schedule does not reshard after a backward but the last), reduce-scattered once a step.
+  torch's schedule does not reshard after a backward but the last), reduce-scattered once a step; under a
+  zero-bubble schedule gathered once a step, at its first forward (it is not resharded after a forward).
 """
 
 from __future__ import annotations
@@ -96,8 +97,9 @@ def _replicas(stages: list[Stage], recipe: Recipe, *, dp: int, sharded: bool, mi
         compute = stored if recipe.precision == "fp32" else DTYPES[recipe.precision]
         reduce = stored if recipe.precision == "fp32" else torch.float32
         units = [unit for stage in stages for unit in fsdp_units(stage, stage.blocks())]
+        # a split backward keeps each unit gathered from its first forward to the step's end (strategy._replicate)
         return fsdp_collectives(units, shard=dp, replicate=1, compute_dtype=compute, reduce_dtype=reduce,
-                                gathers_per_unit=micro + 1)
+                                gathers_per_unit=1 if by_hand else micro + 1)
     params = [p for stage in stages for p in stage.parameters() if p.requires_grad]
     grads = sum(p.numel() for p in params) * element_bytes(stored)
     local = local_sgd_of(recipe)

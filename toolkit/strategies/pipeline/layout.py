@@ -210,13 +210,6 @@ def check_recipe(recipe: Recipe, *, world_size: int) -> None:
         raise RecipeError(f"strategy.data_parallel: unknown value {options.data_parallel!r}; choose ddp or fsdp")
     grid = grid_of(recipe, world_size)
     check_levers(recipe, grid)
-    if options.schedule in SPLIT_BACKWARD and grid.sharded and grid.dp > 1:
-        # measured (torch 2.13, gloo): under FSDP2 every stage but the first is left without gradients (the first
-        # runs a plain backward) and the tied-embedding sum waits forever. DDP's replicas are averaged by hand
-        # (strategy._average_replicas), as torch takes the weight gradients outside DDP's hooks
-        raise RecipeError(f"strategy.schedule {options.schedule} splits each backward into input and weight "
-                          "gradients, which torch's pipelining leaves unset on FSDP2's sharded stages; use "
-                          "strategy.data_parallel ddp, or schedule 1f1b or interleaved-1f1b with fsdp")
     stages = grid.pp * options.stages_per_rank
     skeleton = meta_model(recipe.model)
     check_stage_blocks(skeleton, options.blocks)

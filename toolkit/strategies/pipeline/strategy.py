@@ -150,7 +150,11 @@ class PipelineStrategy:
         """A stage's replicas over the dp dimension: FSDP2 (shards) or DDP (all-reduce); as is without any."""
         wrap: FsdpWrap | DdpWrap | None = None
         if self.grid.sharded:
-            wrap = FsdpWrap(precision=recipe.precision)
+            # a split backward: a unit resharded after a forward, between a micro-batch's input-gradient and its
+            # weight-gradient actions, loses weight gradients (measured, torch 2.13: of 4 stages only the first,
+            # whose weight action is a full backward, was exact; the last got none). Kept gathered for the step
+            wrap = FsdpWrap(precision=recipe.precision,
+                            reshard_after_forward=self.grid.schedule not in SPLIT_BACKWARD)
         elif self.grid.dp > 1 and self.local_config is not None:
             pass  # local SGD: no gradient is reduced; LocalSgd averages the parameters at its syncs
         elif self.grid.dp > 1 and self.grid.schedule in SPLIT_BACKWARD:
