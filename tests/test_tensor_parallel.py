@@ -311,3 +311,31 @@ def test_tp_with_gathered_outputs_and_split_inputs_matches_single(gathering_runs
     run = json.loads((run_dir / "run.json").read_text())
     predicted = plan.predict(load_recipe(run_dir / "recipe.yaml"), world_size=ranks, runtime_bytes=0)
     assert [r.as_dict() for r in predicted.per_rank] == run["model_state_bytes"]
+
+
+def test_tp_on_a_modernbert_classifier_matches_single(tmp_path_factory):
+    """ModernBERT declares no plan; the toolkit's gathers its fused Wqkv and Wi (cut into q, k, v and input, gate
+    by position after them) and splits the inputs of both Wo. Before, it was refused ('declares no tensor-parallel
+    plan'). Equal to single, and its collectives byte for byte as the plan predicts."""
+    import torch
+    from test_comm_prediction import assert_predicted
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from conftest import Runs, _minilm_tokenizer, write_recipe
+
+    tokenizer = _minilm_tokenizer()
+    root = tmp_path_factory.mktemp("tp-modernbert")
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("modernbert", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, num_labels=2,
+                                  pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.cls_token_id,
+                                  eos_token_id=tokenizer.sep_token_id, cls_token_id=tokenizer.cls_token_id,
+                                  sep_token_id=tokenizer.sep_token_id)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    runs = Runs(root, write_recipe(root / "recipe.yaml", model_dir=root / "model", task="sequence-classification",
+                                   output_dir=root / "unused", batch={"micro_batch_size": 2, "grad_accum_steps": 4}))
+    ranks, overrides = ARMS["tp"]
+    run_dir = runs.get("tp", nproc=ranks, overrides=overrides)
+    assert_matches_single(run_dir, runs.get("single"))
+    assert_predicted(run_dir)

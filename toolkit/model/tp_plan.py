@@ -47,6 +47,12 @@ FALLBACK_PLANS: dict[str, dict[str, str]] = {
                  "encoder.layer.*.intermediate.dense": "colwise",
                  "encoder.layer.*.output.dense": "rowwise"}
     for model_type in ("bert", "roberta", "xlm-roberta", "electra")}
+# ModernBERT's fused projections are cut after them by position (Wqkv into q, k, v of all heads; Wi into input and
+# gate), so their outputs are gathered on every rank (see the docstring)
+FALLBACK_PLANS["modernbert"] = {"layers.*.attn.Wqkv": "colwise_gather_output",
+                                "layers.*.attn.Wo": "rowwise_split_input",
+                                "layers.*.mlp.Wi": "colwise_gather_output",
+                                "layers.*.mlp.Wo": "rowwise_split_input"}
 
 # the config fields a TP degree must divide: split heads and MLP columns
 DIVIDED_FIELDS = {"num_attention_heads": "attention heads", "num_key_value_heads": "KV heads",
@@ -186,9 +192,10 @@ def local_model(model: nn.Module, degree: int) -> nn.Module:
     the rest whole. Attention infers its head count from q/k/v's outputs (`view(..., -1, head_dim)`), so the
     copy runs 1/N of the heads and MLP columns on the full residual stream, as a rank does: what the activation
     trace of a TP rank runs. A gathered layer and the split-input layer after it stay whole, as a rank computes
-    what lies between them whole (their split outputs and inputs, 1/N of a whole one, are not counted apart). Sequence parallelism is not modelled (it shards the norms' and residual adds'
-    tokens too): its trace is this one, an upper bound by 1 - 1/N of each norm's saved input. Traces of it are
-    cached (toolkit/memory/activations.py): a change to what it builds raises activations.TRACE_VERSION."""
+    what lies between them whole (their split outputs and inputs, 1/N of a whole one, are not counted apart).
+    Sequence parallelism is not modelled (it shards the norms' and residual adds' tokens too): its trace is this
+    one, an upper bound by 1 - 1/N of each norm's saved input. Traces of it are cached
+    (toolkit/memory/activations.py): a change to what it builds raises activations.TRACE_VERSION."""
     import copy
 
     local = copy.deepcopy(model)
