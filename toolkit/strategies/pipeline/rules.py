@@ -5,17 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from toolkit.cost.collectives import Collective
 from toolkit.checkpoint.loading import whole_model_bytes
 from toolkit.config.recipe import Recipe
 from toolkit.config.strategy_options import option_names, strategy_options
-from toolkit.memory.state_bytes import StateBytes, element_bytes, largest_block_bytes
+from toolkit.memory.state_bytes import StateBytes, element_bytes
 from toolkit.model.precision import DTYPES
 from toolkit.strategies.base import DataLayout, StrategyInfo
 from toolkit.strategies.pipeline.layout import check_recipe, grid_of, rank_stages
-from toolkit.strategies.pipeline.schedules import SPLIT_BACKWARD
 
 
 
@@ -82,17 +82,19 @@ class PipelineRules:
         # temporaries (about 2 x the largest parameter) are not counted
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
-        # a stage's blocks are whole under ddp; fully_shard over dp gathers one block at a time, and under a split
-        # backward keeps every unit of the rank's stages gathered for the step (strategy._replicate): the whole
-        # stages of the busiest rank, in the compute dtype
+        # a stage's blocks are whole under ddp. Under fsdp, torch's schedule sets reshard_after_backward(False) for
+        # every backward but the step's reduction (PipelineStage.backward_maybe_with_nosync), so from a unit's first
+        # backward to the step's end it holds its gathered parameters (compute dtype) and its whole gradient
+        # (accumulated over the micro-batches in fp32 under a 16-bit precision, as FSDP2 reduces it): the busiest
+        # rank's whole stages, twice over
         grid = grid_of(recipe, world_size)
         if not grid.sharded:
             return 0
-        if grid.schedule not in SPLIT_BACKWARD:
-            return largest_block_bytes(model, recipe)
-        size = element_bytes(DTYPES[recipe.precision])
+        compute = DTYPES[recipe.precision]
+        grads = compute if recipe.precision == "fp32" else torch.float32
+        per_param = element_bytes(compute) + element_bytes(grads)
         return max(sum(p.numel() for stage in rank_stages(model, recipe, grid, pp_rank) for p in stage.parameters())
-                   for pp_rank in range(grid.pp)) * size
+                   for pp_rank in range(grid.pp)) * per_param
 
     def predict_collectives(self, model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
                             shapes: list[tuple[int, int]]) -> list[Collective]:
