@@ -281,12 +281,13 @@ class Runs:
         return out
 
 
-def tiny_family_runs(tmp_path_factory, prefix: str, family: str, fields: dict, **recipe) -> Runs:
-    """Runs of a tiny causal LM of `family` (transformers' model_type) with config `fields`, written by
+def tiny_family_runs(tmp_path_factory, prefix: str, family: str, fields: dict, *, task: str = "causal-lm",
+                     **recipe) -> Runs:
+    """Runs of a tiny model of `family` (transformers' model_type) for `task` with config `fields`, written by
     save_pretrained with the MiniLM tokenizer (its pad, CLS and SEP ids as pad, bos and eos), micro-batch 2 × 4;
     `recipe`: write_recipe's overrides."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     tokenizer = _minilm_tokenizer()
     root = tmp_path_factory.mktemp(f"{prefix}-{family}")
@@ -294,10 +295,12 @@ def tiny_family_runs(tmp_path_factory, prefix: str, family: str, fields: dict, *
     config = AutoConfig.for_model(family, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                                   bos_token_id=tokenizer.cls_token_id, eos_token_id=tokenizer.sep_token_id,
                                   **fields)
-    AutoModelForCausalLM.from_config(config).save_pretrained(root / "model")
+    auto = AutoModelForSequenceClassification if task == "sequence-classification" else AutoModelForCausalLM
+    auto.from_config(config).save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
-    return Runs(root, write_recipe(root / "recipe.yaml", model_dir=root / "model", output_dir=root / "unused",
-                                   batch={"micro_batch_size": 2, "grad_accum_steps": 4}, **recipe))
+    return Runs(root, write_recipe(root / "recipe.yaml", model_dir=root / "model", task=task,
+                                   output_dir=root / "unused", batch={"micro_batch_size": 2, "grad_accum_steps": 4},
+                                   **recipe))
 
 
 @pytest.fixture(scope="session")

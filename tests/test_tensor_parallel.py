@@ -287,10 +287,10 @@ def gathering_runs(tmp_path_factory):
 @pytest.mark.parametrize("family", list(GATHERING))
 def test_tp_with_gathered_outputs_and_split_inputs_matches_single(gathering_runs, family):
     """Before, these families were refused under tp ('colwise_gather_output', 'embedding_rowwise' were not styles
-    the toolkit builds). Each now equals single (losses, grad norms, exported weights, eval loss); its collectives are those the plan
-    predicts, byte for byte (a gathered output's all-gather forward, a split input's gradient all-gather backward,
-    beside the all-reduces of plain column- and row-wise layers); and the plan predicts each rank's model states
-    exactly."""
+    the toolkit builds). Each now equals single (losses, grad norms, exported weights, eval loss); its collectives
+    are those the plan predicts, byte for byte (a gathered output's all-gather forward, a split input's gradient
+    all-gather backward, beside the all-reduces of plain column- and row-wise layers); and the plan predicts each
+    rank's model states exactly."""
     from test_comm_prediction import assert_predicted
 
     from toolkit.config.files import load_recipe
@@ -301,14 +301,14 @@ def test_tp_with_gathered_outputs_and_split_inputs_matches_single(gathering_runs
     run_dir = runs.get("tp", nproc=ranks, overrides=overrides)
     assert_matches_single(run_dir, runs.get("single"))
     assert_predicted(run_dir)
-    ops = json.loads((run_dir / "run.json").read_text())["comm_per_step"]["calls_by_op"]
+    run = json.loads((run_dir / "run.json").read_text())
+    ops = run["comm_per_step"]["calls_by_op"]
     blocks, micro_batches = 2, 4
     # per block and micro-batch: olmo2 gathers q, k, v (forward) and o_proj's input gradient (backward); phi3
     # gathers qkv_proj and gate_up_proj (forward) and the input gradients of o_proj and down_proj (backward);
     # gpt_neox gathers nothing
     gathers = {"olmo2": 4, "phi3": 4, "gpt_neox": 0}[family]
     assert ops.get("all_gather_into_tensor", 0) == gathers * blocks * micro_batches, ops
-    run = json.loads((run_dir / "run.json").read_text())
     predicted = plan.predict(load_recipe(run_dir / "recipe.yaml"), world_size=ranks, runtime_bytes=0)
     assert [r.as_dict() for r in predicted.per_rank] == run["model_state_bytes"]
 
@@ -317,24 +317,14 @@ def test_tp_on_a_modernbert_classifier_matches_single(tmp_path_factory):
     """ModernBERT declares no plan; the toolkit's gathers its fused Wqkv and Wi (cut into q, k, v and input, gate
     by position after them) and splits the inputs of both Wo. Before, it was refused ('declares no tensor-parallel
     plan'). Equal to single, and its collectives byte for byte as the plan predicts."""
-    import torch
     from test_comm_prediction import assert_predicted
-    from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from conftest import Runs, _minilm_tokenizer, write_recipe
+    from conftest import _minilm_tokenizer, tiny_family_runs
 
     tokenizer = _minilm_tokenizer()
-    root = tmp_path_factory.mktemp("tp-modernbert")
-    torch.manual_seed(0)
-    config = AutoConfig.for_model("modernbert", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                  num_hidden_layers=2, num_attention_heads=4, num_labels=2,
-                                  pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.cls_token_id,
-                                  eos_token_id=tokenizer.sep_token_id, cls_token_id=tokenizer.cls_token_id,
-                                  sep_token_id=tokenizer.sep_token_id)
-    AutoModelForSequenceClassification.from_config(config).save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    runs = Runs(root, write_recipe(root / "recipe.yaml", model_dir=root / "model", task="sequence-classification",
-                                   output_dir=root / "unused", batch={"micro_batch_size": 2, "grad_accum_steps": 4}))
+    fields = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_labels": 2, "cls_token_id": tokenizer.cls_token_id, "sep_token_id": tokenizer.sep_token_id}
+    runs = tiny_family_runs(tmp_path_factory, "tp", "modernbert", fields, task="sequence-classification")
     ranks, overrides = ARMS["tp"]
     run_dir = runs.get("tp", nproc=ranks, overrides=overrides)
     assert_matches_single(run_dir, runs.get("single"))

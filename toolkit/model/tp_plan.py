@@ -65,6 +65,7 @@ PARTIAL_GRADIENT = "replicated_with_grad_allreduce"
 # each gathers the output / splits the whole input on every rank (see the docstring)
 GATHERED, SPLIT_INPUT = "colwise_gather_output", "rowwise_split_input"
 COLUMN_WISE, ROW_WISE = ("colwise", GATHERED), ("rowwise", SPLIT_INPUT)
+PLAIN = ("colwise", "rowwise")  # the styles whose split output or input stays split between the layers
 # embeddings a plan splits, which the toolkit keeps whole on every rank (see the docstring)
 KEPT_WHOLE = ("embedding_rowwise", "embedding_colwise")
 
@@ -201,7 +202,7 @@ def local_model(model: nn.Module, degree: int) -> nn.Module:
     local = copy.deepcopy(model)
     modules = dict(local.named_modules())
     for name, style in resolve(local).items():
-        if style not in ("colwise", "rowwise"):
+        if style not in PLAIN:
             continue
         old = cast(nn.Linear, modules[name])
         features = ((old.in_features, old.out_features // degree) if style == "colwise"
@@ -223,10 +224,9 @@ def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False) -> N
     if sequence_parallel:
         parallelize_module(model, mesh, sequence_parallel_plan(model))  # type: ignore[arg-type]
         return
-    styles: dict[str, Callable[[], Any]] = {
-              "colwise": ColwiseParallel, "rowwise": RowwiseParallel,
-              GATHERED: lambda: ColwiseParallel(output_layouts=Replicate()),
-              SPLIT_INPUT: lambda: RowwiseParallel(input_layouts=Replicate())}
+    styles: dict[str, Callable[[], Any]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+                                            GATHERED: lambda: ColwiseParallel(output_layouts=Replicate()),
+                                            SPLIT_INPUT: lambda: RowwiseParallel(input_layouts=Replicate())}
     plan = {name: styles[style]() for name, style in resolve(model).items()}
     parallelize_module(model, mesh, plan)  # type: ignore[arg-type]
 
@@ -252,7 +252,7 @@ def sequence_parallel_plan(model: nn.Module) -> dict[str, Any]:
         raise RecipeError(f"strategy.sequence_parallel: supported for Llama-style decoders (blocks of exactly "
                           f"{', '.join(DECODER_PARTS)}), not {config.model_type}; set it to false")
     stack, count = layers
-    gathered = sorted({style for style in resolve(model).values() if style not in ("colwise", "rowwise")})
+    gathered = sorted({style for style in resolve(model).values() if style not in PLAIN})
     if gathered:
         raise RecipeError(f"strategy.sequence_parallel: the model's tensor-parallel plan has {', '.join(gathered)} "
                           "layers, which compute on the whole sequence between them; set it to false")
