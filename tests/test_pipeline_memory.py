@@ -103,3 +103,30 @@ def test_gpipe_plans_more_activation_memory_than_1f1b_and_only_where_it_runs_mor
     whole = predict(tiny_recipe("batch.grad_accum_steps=4"), world_size=1, runtime_bytes=0,
                     device_type="cuda").activation_bytes[0]
     assert one_f_one_b[1] < whole < gpipe[1]
+
+
+@pytest.mark.parametrize("precision, per_param", [("fp32", 4 + 4), ("bf16", 2 + 4)])
+def test_a_pipelines_fsdp_replicas_each_plan_their_own_stages_gathered(tmp_path, monkeypatch, precision, per_param):
+    """Under pipeline x fsdp, torch's schedule keeps each unit gathered with its whole gradient from its first
+    backward to the step's reduction: a rank holds its own stages whole (compute dtype) beside their gradients
+    (fp32 under bf16, as FSDP2 reduces). Counted here from the plain model, stage by stage as strategy.split cuts
+    it: the first stage's ranks hold the embedding and block 0, the last stage's ranks blocks 1-3, the norm and
+    the untied head; each rank its own, not the larger stage's."""
+    from toolkit.config.parallel import resolve
+    from toolkit.strategies import strategy_rules
+
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
+    recipe = resolve(tiny_recipe("strategy.name=hybrid", "strategy.pipeline_degree=2", "strategy.data_parallel=fsdp",
+                                 "strategy.split=[1]", f"precision={precision}", "batch.grad_accum_steps=2",
+                                 'model.config.tie_word_embeddings=false'), world_size=4)
+    model = planned_model(recipe)
+    inner = model.model
+
+    def numel(*modules):
+        return sum(p.numel() for m in modules for p in m.parameters())
+
+    first = numel(inner.embed_tokens, inner.layers[0])
+    last = numel(*inner.layers[1:], inner.norm, model.lm_head)
+    assert first != last
+    gathered = strategy_rules(recipe).predict_gathered_bytes(model, recipe, world_size=4)
+    assert gathered == [first * per_param] * 2 + [last * per_param] * 2

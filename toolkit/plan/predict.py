@@ -16,13 +16,14 @@ first micro-batch holds its activations: with one micro-batch per step its train
 embedding's gradients being summed: `tied_gradient_bytes` × `StrategyInfo.tied_gradients`; under ZeRO-1 every
 gradient, not yet reduced: `StrategyInfo.whole_gradients_in_backward`) and (all model states in the optimizer
 step, with what it copies: `StrategyRules.predict_step_bytes`).
-The peak adds what is not model state: the runtime (the Python process with torch and transformers loaded:
-measured here), the parameters a rank gathers from the others (`StrategyRules.predict_gathered_bytes`: one block
-under FSDP2, under ZeRO-3 what DeepSpeed's reuse distance keeps), and on CPU two peaks of their own: loading,
-where a strategy copies the weights it built into its own tensors (`StrategyRules.predict_load_bytes`; none where the
-built tensors are its parameters, only its part under low-memory loading), and the export, for which rank 0
-gathers or copies the whole model. Not counted: what the process itself grows by once training runs (code
-pages, the allocator's small blocks: measured 50-330 MiB on CPU over 3 steps, more for a larger model).
+The peak adds what is not model state: the runtime (the Python process with torch and transformers loaded: measured
+here), the parameters a rank gathers from the others (`StrategyRules.predict_gathered_bytes`, per rank: one block under
+FSDP2, under ZeRO-3 what DeepSpeed's reuse distance keeps, a pipeline's fsdp replica its own stages), and on CPU two
+peaks of their own: loading, where a strategy copies the weights it built into its own tensors
+(`StrategyRules.predict_load_bytes`; none where the built tensors are its parameters, only its part under low-memory
+loading), and the export, for which rank 0 gathers or copies the whole model. Not counted: what the process itself grows
+by once training runs (code pages, the allocator's small blocks: measured 50-330 MiB on CPU over 3 steps, more for a
+larger model).
 """
 
 from __future__ import annotations
@@ -137,10 +138,10 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     # parameters are the weights it built (the export reads them). A GPU sees only what is moved to it.
     setup = [b + r.params_bytes + (0 if device_type == "cuda" else runtime_bytes) for r, b in zip(per_rank, built)]
     if device_type == "cuda":
-        peaks = [training(r, a) + gathered for r, a in zip(per_rank, activations)]
+        peaks = [training(r, a) + g for r, a, g in zip(per_rank, activations, gathered)]
     else:
-        peaks = [runtime_bytes + max(training(r, a) + gathered, b + r.params_bytes)
-                 for r, a, b in zip(per_rank, activations, built)]
+        peaks = [runtime_bytes + max(training(r, a) + g, b + r.params_bytes)
+                 for r, a, g, b in zip(per_rank, activations, gathered, built)]
         if not info.exports_in_place:  # at the end: gradients only if held
             kept = per_rank[0].total_bytes - (0 if info.holds_gradients else per_rank[0].grads_bytes)
             peaks[0] = max(peaks[0], runtime_bytes + kept + load)

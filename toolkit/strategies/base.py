@@ -151,8 +151,8 @@ class StrategyRules(Protocol):
         flatten a rank's gradients into one fp32 partition); 0 where the step works in place (`model`: on the
         meta device; toolkit plan, no process group)."""
 
-    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
-        """The most parameter bytes a rank gathers from the others and holds at once during a step, beyond
+    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+        """Per rank, the most parameter bytes it gathers from the others and holds at once during a step, beyond
         its own shard (`model`: on the meta device; toolkit plan, no process group)."""
 
     def predict_collectives(self, model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,

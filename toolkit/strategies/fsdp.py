@@ -177,7 +177,7 @@ class FsdpRules:
         return 0  # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's
         # temporaries (about 2 x the largest parameter) are not counted
 
-    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         # FSDP2 computes with one unit (block) gathered while it gathers the next (its implicit prefetch), and
         # keeps the root's parameters (those in no block: the embedding, final norm, an untied head) gathered from
         # forward to backward: it does not reshard the root after forward (measured: +119 MiB, a 30522 x 1024 fp32
@@ -194,8 +194,10 @@ class FsdpRules:
         tp = options.tp_degree or 1  # a block's split layers hold 1/tp of it on each rank
         gathered_experts = max(expert_sizes, default=0) // ep if world_size > ep else 0
         if not options.reshard_after_forward:
-            return (everything - sum(units) + sum(units) // tp + len(blocks) * gathered_experts) * compute
-        return (everything - sum(units) + 2 * max(units, default=0) // tp + 2 * gathered_experts) * compute
+            held = everything - sum(units) + sum(units) // tp + len(blocks) * gathered_experts
+        else:
+            held = everything - sum(units) + 2 * max(units, default=0) // tp + 2 * gathered_experts
+        return [held * compute] * world_size
 
     def predict_collectives(self, model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
                             shapes: list[tuple[int, int]]) -> list[Collective]:

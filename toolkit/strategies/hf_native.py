@@ -130,7 +130,7 @@ class HfNativeRules:
                             shapes: list[tuple[int, int]]) -> list[Collective]:
         raise RecipeError("toolkit plan does not predict hf_native's collectives (transformers' own layout) yet")
 
-    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         raise RecipeError("toolkit plan does not predict hf_native (transformers' own plans decide its layout)")
 
     def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,

@@ -121,7 +121,7 @@ class HybridRules:
     def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return self._form(recipe).predict_step_bytes(model, recipe, world_size=world_size)
 
-    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         return self._form(recipe).predict_gathered_bytes(model, recipe, world_size=world_size)
 
     def predict_collectives(self, model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,

@@ -101,8 +101,8 @@ class ReplicatedRules:
         return 0  # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's
         # temporaries (about 2 x the largest parameter) are not counted
 
-    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
-        return 0  # every rank holds every parameter
+    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+        return [0] * world_size  # every rank holds every parameter
 
     def predict_collectives(self, model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
                             shapes: list[tuple[int, int]]) -> list[Collective]:

@@ -85,8 +85,9 @@ class TpRules:
         return 0  # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's
         # temporaries (about 2 x the largest parameter) are not counted
 
-    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
-        return 0  # each rank computes with its own slices (sequence parallelism gathers activations, not weights)
+    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+        # each rank computes with its own slices (sequence parallelism gathers activations, not weights)
+        return [0] * world_size
 
     def predict_collectives(self, model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
                             shapes: list[tuple[int, int]]) -> list[Collective]:

@@ -81,20 +81,21 @@ class PipelineRules:
         return 0  # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's
         # temporaries (about 2 x the largest parameter) are not counted
 
-    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         # a stage's blocks are whole under ddp. Under fsdp, torch's schedule sets reshard_after_backward(False) for
         # every backward but the step's reduction (PipelineStage.backward_maybe_with_nosync), so from a unit's first
         # backward to the step's end it holds its gathered parameters (compute dtype) and its whole gradient
-        # (accumulated over the micro-batches in fp32 under a 16-bit precision, as FSDP2 reduces it): the busiest
-        # rank's whole stages, twice over
+        # (accumulated over the micro-batches in fp32 under a 16-bit precision, as FSDP2 reduces it): each rank's
+        # own stages whole, twice over
         grid = grid_of(recipe, world_size)
         if not grid.sharded:
-            return 0
+            return [0] * world_size
         compute = DTYPES[recipe.precision]
         grads = compute if recipe.precision == "fp32" else torch.float32
         per_param = element_bytes(compute) + element_bytes(grads)
-        return max(sum(p.numel() for stage in rank_stages(model, recipe, grid, pp_rank) for p in stage.parameters())
-                   for pp_rank in range(grid.pp)) * per_param
+        numel = [sum(p.numel() for stage in rank_stages(model, recipe, grid, pp_rank) for p in stage.parameters())
+                 for pp_rank in range(grid.pp)]
+        return [numel[grid.coords(rank)[0]] * per_param for rank in range(world_size)]
 
     def predict_collectives(self, model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
                             shapes: list[tuple[int, int]]) -> list[Collective]:

@@ -96,8 +96,8 @@ class ZeroRules:
     def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return zero_state.step_bytes(model, recipe, world_size=world_size)
 
-    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
-        return zero_state.gathered_bytes(model, recipe, world_size=world_size)
+    def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+        return [zero_state.gathered_bytes(model, recipe, world_size=world_size)] * world_size
 
     def predict_collectives(self, model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
                             shapes: list[tuple[int, int]]) -> list[Collective]:
