@@ -38,7 +38,7 @@ from toolkit.strategies.pipeline.batches import padded_length
 from toolkit.strategies.dims.levers import compression_of, local_sgd_of
 from toolkit.strategies.dims.local_sgd import local_sgd_collectives
 from toolkit.strategies.pipeline.layout import grid_of, rank_stages
-from toolkit.strategies.pipeline.schedules import SPLIT_BACKWARD, V_SHAPED
+from toolkit.strategies.pipeline.schedules import V_SHAPED
 
 
 def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
@@ -86,7 +86,7 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
         out.append(Collective(op="allreduce_", payload_bytes=8, calls=1, group=grid.dp_dim, group_size=grid.dp,
                               phase="forward", what="the replicas' padded length (their longest)"))
         out += _replicas(stages, recipe, dp=grid.dp, sharded=grid.sharded, micro=micro,
-                         by_hand=grid.schedule in SPLIT_BACKWARD)
+                         by_hand=grid.split_backward)
     return out
 
 

@@ -46,6 +46,13 @@ class Grid:
     def dp_kind(self) -> str:
         return "fsdp" if self.sharded else "ddp"
 
+    @property
+    def split_backward(self) -> bool:
+        """The schedule splits each backward into an input-gradient and a weight-gradient action: fsdp replicas
+        keep their units gathered for the whole step (a unit resharded in between loses weight gradients), and
+        ddp replicas average their gradients after the schedule (DDP's hooks see no weight gradient)."""
+        return self.schedule in SPLIT_BACKWARD
+
     def coords(self, rank: int) -> tuple[int, int]:
         return divmod(rank, self.dp)
 
@@ -87,7 +94,7 @@ def check_levers(recipe: Recipe, grid: Grid) -> None:
         if grid.dp < 2:
             raise RecipeError(f"{what}, and {grid.pp} stages on {grid.pp * grid.dp} ranks leave no replicas; use "
                               f"{ranks_option(2 * grid.pp)} or more")
-    if compression.on and grid.schedule in SPLIT_BACKWARD and compression.kind not in WIRE_DTYPES:
+    if compression.on and grid.split_backward and compression.kind not in WIRE_DTYPES:
         raise RecipeError(f"{compressing} through DDP's communication hook, which strategy.schedule {grid.schedule} "
                           "bypasses (its weight gradients are averaged after the schedule, cast to fp16 or bf16 "
                           "at most); use schedule 1f1b, gpipe or interleaved-1f1b, or gradient_compression fp16 or "

@@ -52,7 +52,7 @@ from toolkit.strategies.dims.local_sgd import LocalSgd
 from toolkit.strategies.dims.levers import compression_of, local_sgd_of
 from toolkit.strategies.pipeline.layout import (Grid, count_busy_time, grid_of, stage_of_blocks,
                                                 uncount_shape_inference)
-from toolkit.strategies.pipeline.schedules import (SCHEDULES, SPLIT_BACKWARD, V_SHAPED, forward_only,
+from toolkit.strategies.pipeline.schedules import (SCHEDULES, V_SHAPED, forward_only,
                                                    simulated_bubbles)
 from toolkit.strategies.pipeline.split import block_costs, stage_flops
 from toolkit.strategies.pipeline.rules import INFO, OPTIONS, RULES, PipelineOptions  # noqa: F401 (the registry reads OPTIONS, RULES here)
@@ -154,10 +154,10 @@ class PipelineStrategy:
             # weight-gradient actions, loses weight gradients (measured, torch 2.13: of 4 stages only the first,
             # whose weight action is a full backward, was exact; the last got none). Kept gathered for the step
             wrap = FsdpWrap(precision=recipe.precision,
-                            reshard_after_forward=self.grid.schedule not in SPLIT_BACKWARD)
+                            reshard_after_forward=not self.grid.split_backward)
         elif self.grid.dp > 1 and self.local_config is not None:
             pass  # local SGD: no gradient is reduced; LocalSgd averages the parameters at its syncs
-        elif self.grid.dp > 1 and self.grid.schedule in SPLIT_BACKWARD:
+        elif self.grid.dp > 1 and self.grid.split_backward:
             pass  # a split backward takes weight gradients outside DDP's hooks: _average_replicas reduces them
         elif self.grid.dp > 1:
             # find_unused_parameters: DDP's first-iteration bucket rebuild counts each parameter once per
@@ -266,8 +266,7 @@ class PipelineStrategy:
     def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
         self._loss_sum, self._share, self._sums = loss_sum, share, []
         self._run(micro_batches, train=True)
-        if self.grid.dp > 1 and not self.grid.sharded and self.grid.schedule in SPLIT_BACKWARD \
-                and self.local is None:
+        if self.grid.dp > 1 and not self.grid.sharded and self.grid.split_backward and self.local is None:
             self._average_replicas()
         return self._recorded(len(micro_batches))
 
@@ -378,7 +377,7 @@ class PipelineStrategy:
                                                      for n, p in s.named_parameters()]
             local = self.local
             how = (f"local SGD, equal after each sync (every {local.config.every} steps)" if local is not None else
-                   "gradients averaged after the schedule" if self.grid.schedule in SPLIT_BACKWARD else "DDP")
+                   "gradients averaged after the schedule" if self.grid.split_backward else "DDP")
             found.append(Replicas(named=named, group=self.mesh.get_group(self.dp_dim),
                                   description=f"{self.grid.dp} replicas of each stage ({how})",
                                   synced=(lambda: local.synced) if local is not None else None))
