@@ -131,19 +131,20 @@ def tp_collectives(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtyp
         return []
     partial = _partial_gradients(model, tp_plan.partial_gradient_modules(model), tp=tp, shard=shard)
     styles = tp_plan.resolve(model)
+    size, micro, forwards = element_bytes(activation_dtype), len(shapes), 2 if recompute else 1
+    if not sequence_parallel:
+        return partial + _whole_sequence_tp(model, styles, tp=tp, per_feature=tokens(shapes) * size, micro=micro,
+                                            forwards=forwards)
+    # sequence parallelism: Llama-style blocks of column- and row-wise layers only (tp_plan refuses the rest)
     rowwise = sum(style in tp_plan.ROW_WISE for style in styles.values())
     colwise = sum(style in tp_plan.COLUMN_WISE for style in styles.values())
-    size, hidden = element_bytes(activation_dtype), cast(Any, model).config.hidden_size
+    hidden = cast(Any, model).config.hidden_size
     whole = tokens(shapes) * hidden * size  # one activation of every micro-batch, full sequence
-    micro, forwards = len(shapes), 2 if recompute else 1
 
     def entry(op: str, count: int, payload: int, phase: str, what: str) -> Collective:
         return Collective(op=op, payload_bytes=count * payload, calls=count * micro, group="tp", group_size=tp,
                           phase=phase, what=what)
 
-    if not sequence_parallel:
-        return partial + _whole_sequence_tp(model, styles, tp=tp, per_feature=tokens(shapes) * size, micro=micro,
-                                            forwards=forwards)
     # a sequence shard: ceil(length / tp) positions (DTensor pads an uneven shard to the largest), and what a
     # reduce-scatter takes: the sequence padded to tp such shards
     part = sum(rows * math.ceil(length / tp) for rows, length in shapes) * hidden * size
