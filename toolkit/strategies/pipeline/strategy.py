@@ -52,8 +52,7 @@ from toolkit.strategies.dims.local_sgd import LocalSgd
 from toolkit.strategies.dims.levers import compression_of, local_sgd_of
 from toolkit.strategies.pipeline.layout import (Grid, count_busy_time, grid_of, stage_of_blocks,
                                                 uncount_shape_inference)
-from toolkit.strategies.pipeline.schedules import (SCHEDULES, V_SHAPED, forward_only,
-                                                   simulated_bubbles)
+from toolkit.strategies.pipeline.schedules import SCHEDULES, V_SHAPED, forward_only, simulated_bubbles
 from toolkit.strategies.pipeline.split import block_costs, stage_flops
 from toolkit.strategies.pipeline.rules import INFO, OPTIONS, RULES, PipelineOptions  # noqa: F401 (the registry reads OPTIONS, RULES here)
 from toolkit.strategies.optim.torch_optim import TorchOptim, live_state_tensors
