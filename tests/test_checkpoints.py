@@ -112,6 +112,9 @@ def test_resume_equals_uninterrupted(runs, name):
     run = json.loads((resumed / "run.json").read_text())
     assert run["resumed_from"]["step"] == 3 and run["status"] == "completed"
     assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["step-00000003", "step-00000006"]
+    if name == "pp":  # each stage filled from the checkpoint alone: no rank built the whole model to resume
+        assert f"weights: each rank read only its stages' tensors from {resumed / 'checkpoints' / 'step-00000003'}" \
+            in run["layout"]
 
 
 @pytest.mark.parametrize("source,source_ranks,target,target_ranks", CROSS,

@@ -362,6 +362,17 @@ def load_weights(model: nn.Module, path: Path) -> None:
     _load({"model": target}, path)
 
 
+def load_part_weights(part: nn.Module, path: Path, *, aliases: dict[str, str]) -> None:
+    """Into a materialized part of the model (a pipeline stage: whole tensors under the whole model's names), its
+    tensors only: DCP reads no other (collective: every rank calls it as many times). `aliases`: a tied weight's
+    names -> the one the checkpoint holds it under (a last stage's lm_head.weight is model.embed_tokens.weight)."""
+    target: dict[str, Any] = {}
+    for name, tensor in part.state_dict().items():
+        target.setdefault(aliases.get(name, name), tensor)  # a tied weight's two names: one tensor, read once
+    verify.check_model_fits(path, verify.read_metadata(path), {k: v.shape for k, v in target.items()}, whole=False)
+    _load({"model": target}, path)
+
+
 def read_model_tensors(path: Path, shapes: dict[str, Any],
                        metadata: Metadata | None = None) -> dict[str, torch.Tensor]:
     """Collective: the named weights of a checkpoint as full fp32 tensors, on every rank. `metadata`: its

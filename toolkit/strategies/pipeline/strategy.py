@@ -34,7 +34,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
 from toolkit.checkpoint.loading import ModelSource, load_part, materialize
-from toolkit.checkpoint.state import Read
+from toolkit.checkpoint.state import Read, load_part_weights
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.config.strategy_options import options_of
@@ -67,11 +67,12 @@ class PipelineStrategy:
     # --- setup ----------------------------------------------------------------------------------
 
     def build_model(self, source: ModelSource, *, env: DistEnv) -> nn.Module:
-        """Empty where the pretrained files can fill each stage on its own (setup reads only the rank's stages'
-        tensors), else whole: a model from a config (its seeded init is the whole model's), a checkpoint, LoRA."""
+        """Empty where the pretrained files or the checkpoint a run resumes from can fill each stage on its own
+        (setup reads only the rank's stages' tensors), else whole: a model from a config (its seeded init is the
+        whole model's), files transformers would rename or complete."""
         if source.recipe.model.low_memory_loading:
             empty = source.empty()
-            if source.weight_files(empty) is not None:
+            if source.checkpoint is not None or source.weight_files(empty) is not None:
                 return empty
         return source.whole()
 
@@ -100,17 +101,22 @@ class PipelineStrategy:
         self.local_config = local if local.on and self.grid.dp > 1 else None
         self.hooks: list[compression.PowerSgd] = []  # PowerSGD's state, one per DDP-wrapped stage
         wrapped = []
-        # build_model left the model empty where the pretrained files fill each stage on its own
-        files = args.source.weight_files(model) if args.source is not None and \
-            any(p.is_meta for p in model.parameters()) else None
+        # build_model left the model empty where the checkpoint or the pretrained files fill each stage on its own
+        empty = args.source is not None and any(p.is_meta for p in model.parameters())
+        checkpoint = args.source.checkpoint if empty and args.source is not None else None
+        files = args.source.weight_files(model) if empty and args.source is not None else None
         aliases = {name: first for name, first in tied_aliases(model).items() if name != first}
-        self.loading = ("each rank read only its stages' tensors from the pretrained safetensors files" if files else
+        self.loading = (f"each rank read only its stages' tensors from {checkpoint}" if checkpoint else
+                        "each rank read only its stages' tensors from the pretrained safetensors files" if files else
                         "every rank built the whole model, then kept its stages")
         for k, stage_id in enumerate(self.stage_ids):
             source = model if k == len(self.stage_ids) - 1 else copy.deepcopy(model)  # each stage prunes a copy
             stage = Stage(source, layer_ids=[i for i, p in enumerate(parts) if p == stage_id], first=stage_id == 0,
                           last=stage_id == num_stages - 1, autocast=self.amp.autocast, blocks=options.blocks)
-            if files is not None:
+            if checkpoint is not None:  # DCP: each rank calls it once per stage, as many stages on every rank
+                materialize(stage, device=env.device)
+                load_part_weights(stage, checkpoint, aliases=aliases)
+            elif files is not None:
                 materialize(stage, device=env.device)
                 load_part(stage, files, aliases=aliases)
             else:
