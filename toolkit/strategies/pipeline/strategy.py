@@ -102,9 +102,9 @@ class PipelineStrategy:
         self.hooks: list[compression.PowerSgd] = []  # PowerSGD's state, one per DDP-wrapped stage
         wrapped = []
         # build_model left the model empty where the checkpoint or the pretrained files fill each stage on its own
-        empty = args.source is not None and any(p.is_meta for p in model.parameters())
-        checkpoint = args.source.checkpoint if empty and args.source is not None else None
-        files = args.source.weight_files(model) if empty and args.source is not None else None
+        filler = args.source if args.source is not None and any(p.is_meta for p in model.parameters()) else None
+        checkpoint = filler.checkpoint if filler is not None else None
+        files = filler.weight_files(model) if filler is not None else None
         aliases = {name: first for name, first in tied_aliases(model).items() if name != first}
         self.loading = (f"each rank read only its stages' tensors from {checkpoint}" if checkpoint else
                         "each rank read only its stages' tensors from the pretrained safetensors files" if files else
@@ -113,12 +113,13 @@ class PipelineStrategy:
             source = model if k == len(self.stage_ids) - 1 else copy.deepcopy(model)  # each stage prunes a copy
             stage = Stage(source, layer_ids=[i for i, p in enumerate(parts) if p == stage_id], first=stage_id == 0,
                           last=stage_id == num_stages - 1, autocast=self.amp.autocast, blocks=options.blocks)
-            if checkpoint is not None:  # DCP: each rank calls it once per stage, as many stages on every rank
+            if filler is not None:
                 materialize(stage, device=env.device)
-                load_part_weights(stage, checkpoint, aliases=aliases)
-            elif files is not None:
-                materialize(stage, device=env.device)
-                load_part(stage, files, aliases=aliases)
+                if checkpoint is not None:  # DCP: each rank calls it once per stage, as many stages on every rank
+                    load_part_weights(stage, checkpoint, aliases=aliases)
+                else:
+                    assert files is not None  # build_model left it empty only where one of the two fills it
+                    load_part(stage, files, aliases=aliases)
             else:
                 stage.to(env.device)
             self.stage_modules.append(stage)
