@@ -229,6 +229,46 @@ def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False) -> N
                                             SPLIT_INPUT: lambda: RowwiseParallel(input_layouts=Replicate())}
     plan = {name: styles[style]() for name, style in resolve(model).items()}
     parallelize_module(model, mesh, plan)  # type: ignore[arg-type]
+    for parent in shared_input_groups(model):
+        _enter_replicated(model.get_submodule(parent), mesh)
+
+
+def shared_input_groups(model: nn.Module) -> dict[str, list[str]]:
+    """Module name -> its column-wise layers, for every module that holds two or more (attention's q, k and v,
+    an MLP's gate and up): they read the module's input, so its gradient is the sum of theirs. Each column-wise
+    layer all-reduces its own input gradient (the from_local of a plain input, per layer); entered once as a
+    replicated DTensor, the layers' partial gradients add up first and are all-reduced once, where the input
+    entered (as torchtitan's plans do): 2 all-reduces per Llama block in backward instead of 5, the same sum."""
+    groups: dict[str, list[str]] = {}
+    for name, style in resolve(model).items():
+        if style in COLUMN_WISE:
+            groups.setdefault(name.rpartition(".")[0], []).append(name)
+    return {parent: names for parent, names in groups.items() if len(names) > 1}
+
+
+def _enter_replicated(module: nn.Module, mesh) -> None:
+    """The module's input (its first positional tensor, else `hidden_states`) enters as a replicated DTensor; a
+    DTensor it returns leaves as the local tensor (a residual inside the module: the same on every rank)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def enter(_module, args, kwargs):
+        if args and isinstance(args[0], torch.Tensor) and not isinstance(args[0], DTensor):
+            return (DTensor.from_local(args[0], mesh, (Replicate(),), run_check=False), *args[1:]), kwargs
+        states = kwargs.get("hidden_states")
+        if not args and isinstance(states, torch.Tensor) and not isinstance(states, DTensor):
+            return args, {**kwargs, "hidden_states": DTensor.from_local(states, mesh, (Replicate(),),
+                                                                        run_check=False)}
+        return None
+
+    def leave(_module, _args, output):
+        if isinstance(output, DTensor):
+            return output.to_local()
+        if isinstance(output, tuple) and any(isinstance(o, DTensor) for o in output):
+            return tuple(o.to_local() if isinstance(o, DTensor) else o for o in output)
+        return None
+
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+    module.register_forward_hook(leave)
 
 
 # what sequence parallelism needs of a decoder block (Llama, Qwen2, Mistral name them alike)
@@ -266,10 +306,12 @@ def sequence_parallel_plan(model: nn.Module) -> dict[str, Any]:
         block = f"{stack}.{index}"
         plan[f"{block}.input_layernorm"] = SequenceParallel()
         plan[f"{block}.post_attention_layernorm"] = SequenceParallel()
+        # attention's and the MLP's column-wise layers read the gathered input as a DTensor: their partial input
+        # gradients add up, then one reduce-scatter (see shared_input_groups)
         plan[f"{block}.self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
                                                         desired_input_kwarg_layouts={"hidden_states": full},
-                                                        use_local_output=True)
-        plan[f"{block}.mlp"] = PrepareModuleInput(**gather)  # type: ignore[arg-type]
+                                                        use_local_output=False)
+        plan[f"{block}.mlp"] = PrepareModuleInput(**{**gather, "use_local_output": False})  # type: ignore[arg-type]
     plan[f"{stack}.0"] = PrepareModuleInput(input_layouts=(full,), desired_input_layouts=(seq,))
     base = stack.rsplit(".", 1)[0]
     plan[f"{base}.norm"] = SequenceParallel()

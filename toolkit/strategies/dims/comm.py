@@ -137,9 +137,7 @@ def tp_collectives(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtyp
                                             forwards=forwards)
     # sequence parallelism: Llama-style blocks of column- and row-wise layers only (tp_plan refuses the rest)
     rowwise = sum(style in tp_plan.ROW_WISE for style in styles.values())
-    colwise = sum(style in tp_plan.COLUMN_WISE for style in styles.values())
     hidden = cast(Any, model).config.hidden_size
-    whole = tokens(shapes) * hidden * size  # one activation of every micro-batch, full sequence
 
     def entry(op: str, count: int, payload: int, phase: str, what: str) -> Collective:
         return Collective(op=op, payload_bytes=count * payload, calls=count * micro, group="tp", group_size=tp,
@@ -150,26 +148,29 @@ def tp_collectives(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtyp
     part = sum(rows * math.ceil(length / tp) for rows, length in shapes) * hidden * size
     padded = part * tp
     # all-gathers: each column-wise group's entry (forward), each row-wise exit's gradient (backward), the final
-    # norm's output for the head (forward, outside the blocks) and the embedding output's gradient (backward)
+    # norm's output for the head (forward, outside the blocks) and the embedding output's gradient (backward);
+    # reduce-scatters: each row-wise exit (forward), each group's entry gradient, its layers' partial gradients
+    # summed (backward)
     return partial + [entry("all_gather_into_tensor", forwards * rowwise + rowwise + 2, part, "forward",
                             "activation shards"),
-                      entry("reduce_scatter_tensor", forwards * rowwise, padded, "forward", "activations"),
-                      entry("all_reduce", colwise, whole, "backward", "activation gradients")]
+                      entry("reduce_scatter_tensor", forwards * rowwise + rowwise, padded, "forward", "activations")]
 
 
 def _whole_sequence_tp(model: nn.Module, styles: dict[str, str], *, tp: int, per_feature: int, micro: int,
                        forwards: int) -> list[Collective]:
     """Tensor parallel without sequence parallelism, each layer by its own features (`per_feature`: the bytes of one
     feature over every micro-batch's tokens): a row-wise layer's output all-reduced in forward, a column-wise layer's
-    input gradient in backward; a gathered output's shard all-gathered in forward, a split input's gradient shard
-    in backward."""
+    input gradient in backward (once for the layers of a module that read its input); a gathered output's shard
+    all-gathered in forward, a split input's gradient shard in backward."""
     from toolkit.model import tp_plan
 
     modules = dict(model.named_modules())
     reduced = gathered = reduces = gathers = 0
+    # a group of column-wise layers that read one input all-reduce its gradient once (tp_plan.shared_input_groups)
+    followers = {name for names in tp_plan.shared_input_groups(model).values() for name in names[1:]}
     for name, style in styles.items():
         linear = cast(nn.Linear, modules[name])
-        times = forwards if style in tp_plan.ROW_WISE else 1
+        times = forwards if style in tp_plan.ROW_WISE else 0 if name in followers else 1
         reduced += times * (linear.out_features if style in tp_plan.ROW_WISE else linear.in_features)
         reduces += times
         if style == tp_plan.GATHERED:
