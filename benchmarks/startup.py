@@ -1,6 +1,8 @@
 """How long a short job takes from the command to its exit, as a user starts it: `toolkit launch` of 2 ranks and
 `toolkit train` of one process, each a 1-step run of the tiny Llama (ddp, no evaluation during the run), beside
-`python -c "import torch"`, the floor every process pays. A compare of short arms spends most of its time here.
+`python -c "import torch"`, the floor every process pays, and the imports alone of such a launch (a launcher's
+torch.distributed.run, then two processes importing torch and transformers' Llama side by side): what the toolkit
+adds is the launch minus that floor. A compare of short arms spends most of its time here.
 
     python benchmarks/startup.py [--runs 3]
 
@@ -21,10 +23,18 @@ from toolkit_runs import REPO, print_table
 
 JOB = ["recipes/llama-tiny.yaml", "--set", "strategy.name=ddp", "--set", "train.max_steps=1",
        "--set", "train.eval_every=null"]
+FLOOR = ("import subprocess, sys, torch.distributed.run; "
+         "rank = 'import torch, transformers.models.llama.modeling_llama'; "
+         "ranks = [subprocess.Popen([sys.executable, '-c', rank]) for _ in range(2)]; "
+         "sys.exit(max(r.wait() for r in ranks))")
+LAUNCH_NAME, FLOOR_NAME = "toolkit launch --nproc 2 (ddp, 1 step)", "imports alone: launcher + 2 ranks (floor)"
 COMMANDS = {
-    "toolkit launch --nproc 2 (ddp, 1 step)": ["-m", "toolkit", "launch", "--nproc", "2", *JOB],
+    LAUNCH_NAME: ["-m", "toolkit", "launch", "--nproc", "2", *JOB],
     "toolkit train (1 process, 1 step)": ["-m", "toolkit", "train", *JOB],
     "python -c 'import torch'": ["-c", "import torch"],
+    # what any 2-rank launch of this model pays before its job: the launcher's torch.distributed.run, then two
+    # processes side by side importing torch and transformers' Llama (which imports torch's DTensor and dynamo)
+    FLOOR_NAME: ["-c", FLOOR],
 }
 
 
@@ -52,6 +62,8 @@ def main() -> None:
     print_table(["command", "runs", "median s", "fastest s", "slowest s"],
                 [[name, str(len(ts)), f"{statistics.median(ts):.2f}", f"{min(ts):.2f}", f"{max(ts):.2f}"]
                  for name, ts in times.items()])
+    above = statistics.median(times[LAUNCH_NAME]) - statistics.median(times[FLOOR_NAME])
+    print(f"the launch above its imports alone (medians): {above:.2f} s")
 
 
 if __name__ == "__main__":
