@@ -117,6 +117,27 @@ def test_resume_equals_uninterrupted(runs, name):
             in run["layout"]
 
 
+def test_a_resumed_fsdp_run_of_a_model_from_a_config_plans_no_whole_build(tmp_path):
+    """A model from a config (its seeded init is the whole model's): a fresh fsdp run builds it whole on rank 0 and
+    broadcasts it, a loading peak the plan charges rank 0. Resumed, each rank reads its shards of the checkpoint
+    into the empty model and nothing is built whole: the plan the run records (run.json memory_prediction) says so
+    too, where it charged rank 0 the whole model before."""
+    recipe = REPO / "recipes" / "llama-tiny.yaml"
+    common = ("strategy.name=fsdp", "train.eval_every=null", "data.eval=null", "checkpoint.final=true",
+              "train.log_every=1")
+    fresh, resumed = tmp_path / "fresh", tmp_path / "resumed"
+    launch(recipe, nproc=2, overrides=(*common, "train.max_steps=2", f"output_dir={fresh}"))
+    shutil.copytree(fresh, resumed)
+    launch(recipe, nproc=2, overrides=(*common, "train.max_steps=3", f"output_dir={resumed}"), extra=("--resume",))
+    before, after = (json.loads((run / "run.json").read_text()) for run in (fresh, resumed))
+    assert "rank 0 built the whole model and broadcast it" in before["layout"]
+    assert f"each rank read its shards of {resumed / 'checkpoints' / 'step-00000002'}" in after["layout"]
+    # the whole model in fp32, its tied embedding once: the exported weights' bytes
+    whole = sum(w.numel() * 4 for w in exported_weights(fresh).values())
+    assert before["memory_prediction"]["built_bytes"] == [whole, 0]
+    assert after["memory_prediction"]["built_bytes"] == [0, 0]
+
+
 @pytest.mark.parametrize("source,source_ranks,target,target_ranks", CROSS,
                          ids=[f"{s}{a}-to-{t}{b}" for s, a, t, b in CROSS])
 def test_resume_across_strategies_and_world_sizes(runs, source, source_ranks, target, target_ranks):

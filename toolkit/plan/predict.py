@@ -83,18 +83,19 @@ class Prediction:
 
 
 def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type: str = "cpu",
-            model: nn.Module | None = None, both: bool = True) -> Prediction:
+            model: nn.Module | None = None, both: bool = True, resuming: bool = False) -> Prediction:
     """The recipe's memory per rank at `world_size`; `model`: the recipe's model on the meta device, if built.
     On a GPU the peak is the allocator's (no runtime, no host-side load); on CPU the process's resident set.
     both=False: activations traced for the recipe's own activation checkpointing setting only (a run's record).
-    From the strategy's rules (its module's RULES): no strategy object is made."""
+    From the strategy's rules (its module's RULES): no strategy object is made. `resuming`: the weights come from
+    a checkpoint (StrategyRules.predict_load_bytes)."""
 
     recipe = resolve(recipe, world_size=world_size)  # parallel degrees -> their preset
     model = model if model is not None else planned_model(recipe)
     rules = strategy_rules(recipe)
     info = rules.info(recipe)
     per_rank = rules.predict_state_bytes(model, recipe, world_size=world_size)
-    built = rules.predict_load_bytes(model, recipe, world_size=world_size)
+    built = rules.predict_load_bytes(model, recipe, world_size=world_size, resuming=resuming)
     stored, compute = DTYPES[recipe.model.load_dtype], DTYPES[recipe.precision]
     load = sum(p.numel() for p in model.parameters()) * element_bytes(stored)
     casts = info.casts_parameters

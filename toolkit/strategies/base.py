@@ -139,12 +139,14 @@ class StrategyRules(Protocol):
         """Per rank, the parameter, gradient and optimizer-state bytes a run will measure, from `model` built
         on the meta device and this strategy's sharding and precision rules (toolkit plan; no process group)."""
 
-    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
+                           resuming: bool = False) -> list[int]:
         """Per rank, the bytes of weights it builds beyond its model states while the model is loaded: the whole
         model where every rank builds it and then copies what it keeps into tensors of its own (freed after
         setup: a loading peak), nothing where the built tensors are its parameters (single, dp, ddp) or under
         low-memory loading, the whole model on rank 0 only where it builds it for the others (`model`: on the
-        meta device; toolkit plan, no process group)."""
+        meta device; toolkit plan, no process group). `resuming`: the run's weights come from a checkpoint (DCP),
+        from which a rank that builds only its part reads only that part: no whole model on any rank."""
 
     def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         """What its optimizer step holds beyond the model states at once: a copy the step makes (ZeRO-1/2

@@ -166,10 +166,13 @@ class FsdpRules:
         return outer_state([adam_state(model.named_parameters(), dtype=dtype, local=local, moments=held(rank))
                             for rank in range(world_size)], local_sgd_of(recipe))  # HSDP's DiLoCo: its shards
 
-    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
+                           resuming: bool = False) -> list[int]:
         whole = whole_model_bytes(model, recipe)
         if not recipe.model.low_memory_loading:
             return [whole] * world_size
+        if resuming:  # each rank reads its shards of the checkpoint into the empty model (load_sharded)
+            return [0] * world_size
         rank0 = ModelSource(recipe=recipe, tokenizer=None).weight_files(model) is None
         return [whole if rank0 else 0] + [0] * (world_size - 1)  # see load_sharded
 

@@ -120,7 +120,8 @@ class HfNativeRules:
     def predict_state_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
         raise RecipeError("toolkit plan does not predict hf_native (transformers' own plans decide its layout)")
 
-    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
+                           resuming: bool = False) -> list[int]:
         return [whole_model_bytes(model, recipe)] * world_size  # every rank builds the whole model, then shards it
 
     def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:

@@ -115,8 +115,9 @@ class HybridRules:
     def predict_state_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
         return self._form(recipe).predict_state_bytes(model, recipe, world_size=world_size)
 
-    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
-        return self._form(recipe).predict_load_bytes(model, recipe, world_size=world_size)
+    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
+                           resuming: bool = False) -> list[int]:
+        return self._form(recipe).predict_load_bytes(model, recipe, world_size=world_size, resuming=resuming)
 
     def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return self._form(recipe).predict_step_bytes(model, recipe, world_size=world_size)

@@ -92,7 +92,8 @@ class ReplicatedRules:
             states = [dataclasses.replace(s, optim_bytes=s.optim_bytes + kept) for s in states]
         return outer_state(states, local) if local is not None else states  # DiLoCo's anchor and momentum
 
-    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
+                           resuming: bool = False) -> list[int]:
         # every rank builds the whole model, and the weights it built are its parameters (in the load dtype,
         # where they stay): nothing beyond its model states
         return [0] * world_size

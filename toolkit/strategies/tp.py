@@ -78,7 +78,8 @@ class TpRules:
         local = of_shapes(tensor_parallel.local_shapes(model, world_size))  # split layers 1/N, the rest whole
         return [adam_state(model.named_parameters(), dtype=DTYPES[recipe.model.load_dtype], local=local)] * world_size
 
-    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
+                           resuming: bool = False) -> list[int]:
         return [whole_model_bytes(model, recipe)] * world_size  # every rank builds the whole model: each then keeps its slices of the split layers
 
     def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:

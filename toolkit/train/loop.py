@@ -112,12 +112,12 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     total_steps, notes = prepared.total_steps, prepared.notes
     import_runtime_modules(recipe)  # DeepSpeed's 51-105 MiB: part of the runtime, as toolkit plan counts it
     runtime_bytes = process_bytes()  # what the process holds before any model: the base a memory prediction starts from
-    # warns before setup if too big
-    prediction = runinfo.predict_memory(recipe, env, runtime_bytes=runtime_bytes)
+    # before anything below, so no rank can have written into output_dir yet (collective)
+    checkpoint = checkpoints.starting_point(recipe, resume, plan=plan, total_steps=total_steps, env=env)
+    # warns before setup if too big; a resumed run's weights come from its checkpoint
+    prediction = runinfo.predict_memory(recipe, env, runtime_bytes=runtime_bytes, resuming=checkpoint is not None)
     host_memory, host_note = runinfo.set_host_memory(recipe, env, prediction=prediction)  # CPU: fast or predictable
     notes += [host_note] if host_note else []
-    # before the collective below, so no rank can have written into output_dir yet
-    checkpoint = checkpoints.starting_point(recipe, resume, plan=plan, total_steps=total_steps, env=env)
     source = ModelSource(recipe=recipe, tokenizer=tokenizer, checkpoint=checkpoint.path if checkpoint else None)
     model = strategy.build_model(source, env=env)  # whole, or empty / partitioned under low-memory loading
     check_replicas(whole_parameters(model), env, when="at start (before setup)")

@@ -90,7 +90,7 @@ def _cpu_peak(recipe: Recipe, env: DistEnv, model) -> dict | None:
             "dtype": recipe.precision if recipe.precision == "bf16" else "fp32", "threads": torch.get_num_threads()}
 
 
-def predict_memory(recipe: Recipe, env: DistEnv, *, runtime_bytes: int) -> dict | None:
+def predict_memory(recipe: Recipe, env: DistEnv, *, runtime_bytes: int, resuming: bool = False) -> dict | None:
     """Rank 0, before setup: toolkit plan's prediction for this run (kept beside what the run measures), and a
     warning when its peak exceeds what the device has."""
     if not env.is_main:
@@ -99,7 +99,7 @@ def predict_memory(recipe: Recipe, env: DistEnv, *, runtime_bytes: int) -> dict 
 
     try:
         prediction = predict(recipe, world_size=env.world_size, runtime_bytes=runtime_bytes,
-                             device_type=env.device.type, both=False)
+                             device_type=env.device.type, both=False, resuming=resuming)
     except RecipeError as exc:  # a model the planner cannot read (the run itself may still work)
         return {"error": str(exc)}
     limit, what = default_memory_per_rank(env.world_size if env.device.type == "cpu" else 1)

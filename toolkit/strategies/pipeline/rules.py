@@ -68,12 +68,15 @@ class PipelineRules:
 
         return state_bytes_per_rank(model, recipe, world_size=world_size)
 
-    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
-        """Nothing beyond the stages where each rank reads only its stages' tensors from the pretrained files
-        (PipelineStrategy.build_model); else every rank builds the whole model, then keeps its stages."""
+    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
+                           resuming: bool = False) -> list[int]:
+        """Nothing beyond the stages where each rank reads only its stages' tensors from the pretrained files or
+        the checkpoint it resumes from (PipelineStrategy.build_model); else every rank builds the whole model, then
+        keeps its stages."""
         from toolkit.checkpoint.loading import ModelSource
 
-        if recipe.model.low_memory_loading and ModelSource(recipe=recipe, tokenizer=None).weight_files(model):
+        if recipe.model.low_memory_loading and (resuming or ModelSource(recipe=recipe,
+                                                                        tokenizer=None).weight_files(model)):
             return [0] * world_size
         return [whole_model_bytes(model, recipe)] * world_size
 

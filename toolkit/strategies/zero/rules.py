@@ -87,10 +87,13 @@ class ZeroRules:
     def predict_state_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
         return zero_state.predict(model, recipe, world_size=world_size)
 
-    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+    def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
+                           resuming: bool = False) -> list[int]:
         whole = whole_model_bytes(model, recipe)
         if not partitioned_at_creation(recipe):
             return [whole] * world_size
+        if resuming:  # every rank fills its partitions from the checkpoint, module by module (zero/init.py)
+            return [0] * world_size
         return [whole if recipe.model.path is None else 0] + [0] * (world_size - 1)  # see zero/init.py
 
     def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
