@@ -117,24 +117,34 @@ def test_resume_equals_uninterrupted(runs, name):
             in run["layout"]
 
 
-def test_a_resumed_fsdp_run_of_a_model_from_a_config_plans_no_whole_build(tmp_path):
+# a model from a config: how a fresh run of each strategy builds it, and which ranks the plan charges the whole
+# model for it; resumed, each rank reads only its part of the checkpoint
+FROM_CONFIG = {"fsdp": (("strategy.name=fsdp",), "rank 0 built the whole model and broadcast it",
+                        "each rank read its shards of", [1, 0]),
+               "pp": (("strategy.name=pipeline",), "every rank built the whole model, then kept its stages",
+                      "each rank read only its stages' tensors from", [1, 1])}
+
+
+@pytest.mark.parametrize("name", list(FROM_CONFIG))
+def test_a_resumed_run_of_a_model_from_a_config_plans_no_whole_build(tmp_path, name):
     """A model from a config (its seeded init is the whole model's): a fresh fsdp run builds it whole on rank 0 and
-    broadcasts it, a loading peak the plan charges rank 0. Resumed, each rank reads its shards of the checkpoint
-    into the empty model and nothing is built whole: the plan the run records (run.json memory_prediction) says so
-    too, where it charged rank 0 the whole model before."""
+    broadcasts it, a fresh pipeline run builds it whole on every rank and keeps its stages: loading peaks the plan
+    charges those ranks. Resumed, each rank reads only its part of the checkpoint into the empty model and nothing
+    is built whole: the plan the run records (run.json memory_prediction) says so too, where it charged the whole
+    model before."""
+    overrides, fresh_loading, resumed_loading, whole_on = FROM_CONFIG[name]
     recipe = REPO / "recipes" / "llama-tiny.yaml"
-    common = ("strategy.name=fsdp", "train.eval_every=null", "data.eval=null", "checkpoint.final=true",
-              "train.log_every=1")
+    common = (*overrides, "train.eval_every=null", "data.eval=null", "checkpoint.final=true", "train.log_every=1")
     fresh, resumed = tmp_path / "fresh", tmp_path / "resumed"
     launch(recipe, nproc=2, overrides=(*common, "train.max_steps=2", f"output_dir={fresh}"))
     shutil.copytree(fresh, resumed)
     launch(recipe, nproc=2, overrides=(*common, "train.max_steps=3", f"output_dir={resumed}"), extra=("--resume",))
     before, after = (json.loads((run / "run.json").read_text()) for run in (fresh, resumed))
-    assert "rank 0 built the whole model and broadcast it" in before["layout"]
-    assert f"each rank read its shards of {resumed / 'checkpoints' / 'step-00000002'}" in after["layout"]
+    assert fresh_loading in before["layout"], before["layout"]
+    assert f"{resumed_loading} {resumed / 'checkpoints' / 'step-00000002'}" in after["layout"], after["layout"]
     # the whole model in fp32, its tied embedding once: the exported weights' bytes
     whole = sum(w.numel() * 4 for w in exported_weights(fresh).values())
-    assert before["memory_prediction"]["built_bytes"] == [whole, 0]
+    assert before["memory_prediction"]["built_bytes"] == [whole * k for k in whole_on]
     assert after["memory_prediction"]["built_bytes"] == [0, 0]
 
 

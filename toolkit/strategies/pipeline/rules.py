@@ -75,8 +75,8 @@ class PipelineRules:
         keeps its stages."""
         from toolkit.checkpoint.loading import ModelSource
 
-        if recipe.model.low_memory_loading and (resuming or ModelSource(recipe=recipe,
-                                                                        tokenizer=None).weight_files(model)):
+        reads_stages = resuming or bool(ModelSource(recipe=recipe, tokenizer=None).weight_files(model))
+        if recipe.model.low_memory_loading and reads_stages:
             return [0] * world_size
         return [whole_model_bytes(model, recipe)] * world_size
 
