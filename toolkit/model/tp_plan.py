@@ -229,46 +229,53 @@ def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False) -> N
                                             SPLIT_INPUT: lambda: RowwiseParallel(input_layouts=Replicate())}
     plan = {name: styles[style]() for name, style in resolve(model).items()}
     parallelize_module(model, mesh, plan)  # type: ignore[arg-type]
-    for parent in shared_input_groups(model):
-        _enter_replicated(model.get_submodule(parent), mesh)
+    for parent, members in shared_input_groups(model).items():
+        _share_input(model.get_submodule(parent), [model.get_submodule(m) for m in members], mesh)
+
+
+# column-wise layers that read their module's input, by the names transformers' decoders and BERT give them
+# (attention's q, k, v; an MLP's gate and up); a layer named otherwise may read something the module made
+SHARED_INPUT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "query", "key", "value")
 
 
 def shared_input_groups(model: nn.Module) -> dict[str, list[str]]:
-    """Module name -> its column-wise layers, for every module that holds two or more (attention's q, k and v,
-    an MLP's gate and up): they read the module's input, so its gradient is the sum of theirs. Each column-wise
-    layer all-reduces its own input gradient (the from_local of a plain input, per layer); entered once as a
-    replicated DTensor, the layers' partial gradients add up first and are all-reduced once, where the input
-    entered (as torchtitan's plans do): 2 all-reduces per Llama block in backward instead of 5, the same sum."""
+    """Module name -> its column-wise SHARED_INPUT layers, for every module that holds two or more: they read the
+    module's input, so its gradient is the sum of theirs. Each column-wise layer all-reduces its own input gradient
+    (the from_local of a plain input, per layer); given one replicated DTensor of it, the layers' partial
+    gradients add up first and are all-reduced once (as torchtitan's plans do): 2 all-reduces per Llama block in
+    backward instead of 5, the same sum."""
     groups: dict[str, list[str]] = {}
     for name, style in resolve(model).items():
-        if style in COLUMN_WISE:
-            groups.setdefault(name.rpartition(".")[0], []).append(name)
+        parent, _, leaf = name.rpartition(".")
+        if style in COLUMN_WISE and leaf in SHARED_INPUT:
+            groups.setdefault(parent, []).append(name)
     return {parent: names for parent, names in groups.items() if len(names) > 1}
 
 
-def _enter_replicated(module: nn.Module, mesh) -> None:
-    """The module's input (its first positional tensor, else `hidden_states`) enters as a replicated DTensor; a
-    DTensor it returns leaves as the local tensor (a residual inside the module: the same on every rank)."""
+def _share_input(parent: nn.Module, members: list[nn.Module], mesh) -> None:
+    """Within one forward of `parent`, a plain input that a member reads after another member read it enters as
+    that member's replicated DTensor, before the layer's own input hook (which passes a DTensor through): the
+    members' input gradients meet there and are reduced once. A member that reads another tensor gets its own
+    (as without the group); the module's other uses of its input stay plain."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    def enter(_module, args, kwargs):
-        if args and isinstance(args[0], torch.Tensor) and not isinstance(args[0], DTensor):
-            return (DTensor.from_local(args[0], mesh, (Replicate(),), run_check=False), *args[1:]), kwargs
-        states = kwargs.get("hidden_states")
-        if not args and isinstance(states, torch.Tensor) and not isinstance(states, DTensor):
-            return args, {**kwargs, "hidden_states": DTensor.from_local(states, mesh, (Replicate(),),
-                                                                        run_check=False)}
-        return None
+    seen: list[tuple[torch.Tensor, Any]] = []  # (the input, its DTensor) of this forward of the parent
 
-    def leave(_module, _args, output):
-        if isinstance(output, DTensor):
-            return output.to_local()
-        if isinstance(output, tuple) and any(isinstance(o, DTensor) for o in output):
-            return tuple(o.to_local() if isinstance(o, DTensor) else o for o in output)
-        return None
+    def enter(_module, args):
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+            return None
+        if not (seen and seen[0][0] is x):
+            seen[:] = [(x, DTensor.from_local(x, mesh, (Replicate(),), run_check=False))]
+        return (seen[0][1], *args[1:])
 
-    module.register_forward_pre_hook(enter, with_kwargs=True)
-    module.register_forward_hook(leave)
+    def forget(*_):
+        seen.clear()
+
+    parent.register_forward_pre_hook(forget)
+    parent.register_forward_hook(forget)
+    for member in members:
+        member.register_forward_pre_hook(enter, prepend=True)
 
 
 # what sequence parallelism needs of a decoder block (Llama, Qwen2, Mistral name them alike)
@@ -297,6 +304,7 @@ def sequence_parallel_plan(model: nn.Module) -> dict[str, Any]:
         raise RecipeError(f"strategy.sequence_parallel: the model's tensor-parallel plan has {', '.join(gathered)} "
                           "layers, which compute on the whole sequence between them; set it to false")
     seq, full = Shard(1), Replicate()
+    shared = shared_input_groups(model)
     gather = dict(input_layouts=(seq,), desired_input_layouts=(full,), use_local_output=True)
     plan: dict[str, Any] = {}
     for name, style in resolve(model).items():
@@ -306,12 +314,13 @@ def sequence_parallel_plan(model: nn.Module) -> dict[str, Any]:
         block = f"{stack}.{index}"
         plan[f"{block}.input_layernorm"] = SequenceParallel()
         plan[f"{block}.post_attention_layernorm"] = SequenceParallel()
-        # attention's and the MLP's column-wise layers read the gathered input as a DTensor: their partial input
-        # gradients add up, then one reduce-scatter (see shared_input_groups)
+        # attention's and the MLP's column-wise layers read the gathered input as a DTensor where they share it:
+        # their partial input gradients add up, then one reduce-scatter (see shared_input_groups)
         plan[f"{block}.self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
                                                         desired_input_kwarg_layouts={"hidden_states": full},
-                                                        use_local_output=False)
-        plan[f"{block}.mlp"] = PrepareModuleInput(**{**gather, "use_local_output": False})  # type: ignore[arg-type]
+                                                        use_local_output=f"{block}.self_attn" not in shared)
+        plan[f"{block}.mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(full,),
+                                                  use_local_output=f"{block}.mlp" not in shared)
     plan[f"{stack}.0"] = PrepareModuleInput(input_layouts=(full,), desired_input_layouts=(seq,))
     base = stack.rsplit(".", 1)[0]
     plan[f"{base}.norm"] = SequenceParallel()

@@ -137,7 +137,10 @@ def tp_collectives(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtyp
                                             forwards=forwards)
     # sequence parallelism: Llama-style blocks of column- and row-wise layers only (tp_plan refuses the rest)
     rowwise = sum(style in tp_plan.ROW_WISE for style in styles.values())
+    groups = tp_plan.shared_input_groups(model)  # attention's and MLPs' that read one gathered input
+    alone = sum(style in tp_plan.COLUMN_WISE for style in styles.values()) - sum(len(g) for g in groups.values())
     hidden = cast(Any, model).config.hidden_size
+    whole = tokens(shapes) * hidden * size  # one activation of every micro-batch, full sequence
 
     def entry(op: str, count: int, payload: int, phase: str, what: str) -> Collective:
         return Collective(op=op, payload_bytes=count * payload, calls=count * micro, group="tp", group_size=tp,
@@ -150,10 +153,12 @@ def tp_collectives(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtyp
     # all-gathers: each column-wise group's entry (forward), each row-wise exit's gradient (backward), the final
     # norm's output for the head (forward, outside the blocks) and the embedding output's gradient (backward);
     # reduce-scatters: each row-wise exit (forward), each group's entry gradient, its layers' partial gradients
-    # summed (backward)
-    return partial + [entry("all_gather_into_tensor", forwards * rowwise + rowwise + 2, part, "forward",
-                            "activation shards"),
-                      entry("reduce_scatter_tensor", forwards * rowwise + rowwise, padded, "forward", "activations")]
+    # summed (backward); a column-wise layer outside a group all-reduces its own input gradient (backward)
+    out = [entry("all_gather_into_tensor", forwards * rowwise + rowwise + 2, part, "forward", "activation shards"),
+           entry("reduce_scatter_tensor", forwards * rowwise + len(groups), padded, "forward", "activations")]
+    if alone:
+        out.append(entry("all_reduce", alone, whole, "backward", "activation gradients"))
+    return partial + out
 
 
 def _whole_sequence_tp(model: nn.Module, styles: dict[str, str], *, tp: int, per_feature: int, micro: int,

@@ -75,10 +75,10 @@ class PipelineRules:
         keeps its stages."""
         from toolkit.checkpoint.loading import ModelSource
 
-        reads_stages = resuming or bool(ModelSource(recipe=recipe, tokenizer=None).weight_files(model))
-        if recipe.model.low_memory_loading and reads_stages:
-            return [0] * world_size
-        return [whole_model_bytes(model, recipe)] * world_size
+        whole = [whole_model_bytes(model, recipe)] * world_size
+        if not recipe.model.low_memory_loading:
+            return whole
+        return [0] * world_size if resuming or ModelSource(recipe=recipe, tokenizer=None).weight_files(model) else whole
 
     def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return 0  # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's
