@@ -227,9 +227,10 @@ def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False) -> N
     styles: dict[str, Callable[[], Any]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
                                             GATHERED: lambda: ColwiseParallel(output_layouts=Replicate()),
                                             SPLIT_INPUT: lambda: RowwiseParallel(input_layouts=Replicate())}
-    plan = {name: styles[style]() for name, style in resolve(model).items()}
+    resolved = resolve(model)
+    plan = {name: styles[style]() for name, style in resolved.items()}
     parallelize_module(model, mesh, plan)  # type: ignore[arg-type]
-    for parent, members in shared_input_groups(model).items():
+    for parent, members in shared_input_groups(resolved).items():
         _share_input(model.get_submodule(parent), [model.get_submodule(m) for m in members], mesh)
 
 
@@ -238,14 +239,14 @@ def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False) -> N
 SHARED_INPUT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "query", "key", "value")
 
 
-def shared_input_groups(model: nn.Module) -> dict[str, list[str]]:
-    """Module name -> its column-wise SHARED_INPUT layers, for every module that holds two or more: they read the
-    module's input, so its gradient is the sum of theirs. Each column-wise layer all-reduces its own input gradient
-    (the from_local of a plain input, per layer); given one replicated DTensor of it, the layers' partial
-    gradients add up first and are all-reduced once (as torchtitan's plans do): 2 all-reduces per Llama block in
-    backward instead of 5, the same sum."""
+def shared_input_groups(styles: dict[str, str]) -> dict[str, list[str]]:
+    """From the plan's styles (`resolve`): module name -> its column-wise SHARED_INPUT layers, for every module
+    that holds two or more: they read the module's input, so its gradient is the sum of theirs. Each column-wise
+    layer all-reduces its own input gradient (the from_local of a plain input, per layer); given one replicated
+    DTensor of it, the layers' partial gradients add up first and are all-reduced once (as torchtitan's plans do):
+    2 all-reduces per Llama block in backward instead of 5, the same sum."""
     groups: dict[str, list[str]] = {}
-    for name, style in resolve(model).items():
+    for name, style in styles.items():
         parent, _, leaf = name.rpartition(".")
         if style in COLUMN_WISE and leaf in SHARED_INPUT:
             groups.setdefault(parent, []).append(name)
@@ -304,7 +305,7 @@ def sequence_parallel_plan(model: nn.Module) -> dict[str, Any]:
         raise RecipeError(f"strategy.sequence_parallel: the model's tensor-parallel plan has {', '.join(gathered)} "
                           "layers, which compute on the whole sequence between them; set it to false")
     seq, full = Shard(1), Replicate()
-    shared = shared_input_groups(model)
+    shared = shared_input_groups(resolve(model))
     gather = dict(input_layouts=(seq,), desired_input_layouts=(full,), use_local_output=True)
     plan: dict[str, Any] = {}
     for name, style in resolve(model).items():

@@ -137,7 +137,7 @@ def tp_collectives(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtyp
                                             forwards=forwards)
     # sequence parallelism: Llama-style blocks of column- and row-wise layers only (tp_plan refuses the rest)
     rowwise = sum(style in tp_plan.ROW_WISE for style in styles.values())
-    groups = tp_plan.shared_input_groups(model)  # attention's and MLPs' that read one gathered input
+    groups = tp_plan.shared_input_groups(styles)  # attention's and MLPs' that read one gathered input
     alone = sum(style in tp_plan.COLUMN_WISE for style in styles.values()) - sum(len(g) for g in groups.values())
     hidden = cast(Any, model).config.hidden_size
     whole = tokens(shapes) * hidden * size  # one activation of every micro-batch, full sequence
@@ -172,7 +172,7 @@ def _whole_sequence_tp(model: nn.Module, styles: dict[str, str], *, tp: int, per
     modules = dict(model.named_modules())
     reduced = gathered = reduces = gathers = 0
     # a group of column-wise layers that read one input all-reduce its gradient once (tp_plan.shared_input_groups)
-    followers = {name for names in tp_plan.shared_input_groups(model).values() for name in names[1:]}
+    followers = {name for names in tp_plan.shared_input_groups(styles).values() for name in names[1:]}
     for name, style in styles.items():
         linear = cast(nn.Linear, modules[name])
         times = forwards if style in tp_plan.ROW_WISE else 0 if name in followers else 1

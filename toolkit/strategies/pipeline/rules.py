@@ -78,7 +78,9 @@ class PipelineRules:
         whole = [whole_model_bytes(model, recipe)] * world_size
         if not recipe.model.low_memory_loading:
             return whole
-        return [0] * world_size if resuming or ModelSource(recipe=recipe, tokenizer=None).weight_files(model) else whole
+        if resuming or ModelSource(recipe=recipe, tokenizer=None).weight_files(model):
+            return [0] * world_size
+        return whole
 
     def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
         return 0  # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's
