@@ -1,4 +1,4 @@
-"""train.activation_checkpointing: the same fp32 training as without it, under single, ddp, fsdp and zero3,
+"""train.activation_checkpointing: the same fp32 training as without it, under single, ddp, fsdp, zero3 and tp,
 and each block really recomputed (its forward runs twice per micro-batch in the first step)."""
 
 import json
@@ -8,7 +8,8 @@ import torch
 
 import test_model_parallel
 import test_sharded
-from conftest import MINILM, exported_weights, losses, write_recipe
+import test_tensor_parallel
+from conftest import MINILM, assert_matches_single, exported_weights, losses, write_recipe
 from toolkit.cli import main
 
 AC = ("train.activation_checkpointing=true",)
@@ -35,6 +36,28 @@ def test_activation_checkpointing_gives_the_same_fp32_training(llama_runs, arm):
     # 2 blocks, each run in forward and again in backward, per micro-batch
     assert recorded == {"blocks": 2, "block_forwards_first_step": 2 * 2 * micro_batches}
     assert "activation_checkpointing" not in json.loads((plain / "run.json").read_text())
+
+
+# under tensor parallel: tp alone (2 ranks) and fsdp × tp with sequence parallelism (2 dp × 2 tp); the runs
+# test_comm_prediction holds to the plan's collectives
+TP_AC = {"tp-ac": (*test_tensor_parallel.ARMS["tp"], 4),
+         "fsdp-tp2-sp-ac": (4, (*test_tensor_parallel.ARMS["fsdp-tp2"][1], "strategy.sequence_parallel=true"), 2)}
+
+
+@pytest.mark.parametrize("arm", list(TP_AC))
+def test_activation_checkpointing_under_tensor_parallel_trains_as_one_process(llama4_runs, arm):
+    """A block's recompute under tensor parallel reruns its collectives (its row-wise exits up to the last tensor
+    the block saves: torch's checkpoint stops there) on the same inputs: as the single process trains, and tp's
+    losses those of tp without it."""
+    ranks, overrides, micro_batches = TP_AC[arm]
+    checkpointed = llama4_runs.get(arm, nproc=ranks, overrides=(*overrides, *AC))
+    assert_matches_single(checkpointed, llama4_runs.get("single"))
+    if arm == "tp-ac":
+        plain = llama4_runs.get("tp", nproc=ranks, overrides=overrides)
+        torch.testing.assert_close(torch.tensor(losses(checkpointed), dtype=torch.float64),
+                                   torch.tensor(losses(plain), dtype=torch.float64), rtol=1e-6, atol=0)
+    recorded = json.loads((checkpointed / "run.json").read_text())["activation_checkpointing"]
+    assert recorded == {"blocks": 4, "block_forwards_first_step": 4 * 2 * micro_batches}
 
 
 def test_a_pipeline_rank_counts_its_own_blocks_and_no_shape_inference(llama4_runs):

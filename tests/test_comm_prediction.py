@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import test_activation_checkpointing
 import test_context_parallel
 import test_expert_parallel
 import test_model_parallel
@@ -68,6 +69,15 @@ def test_collective_bytes_equal_the_counter_in_bf16(llama_runs, arm):
 def test_collective_bytes_equal_the_counter_tp_and_pipelines(llama4_runs, arm):
     nproc, overrides = LLAMA4[arm]
     assert_predicted(llama4_runs.get(arm, nproc=nproc, overrides=overrides))
+
+
+@pytest.mark.parametrize("arm", list(test_activation_checkpointing.TP_AC))
+def test_collective_bytes_equal_the_counter_tp_under_activation_checkpointing(llama4_runs, arm):
+    """A block's recompute reruns its row-wise exits but the last, after which a Llama block saves nothing
+    (dims/recompute.py); under fsdp × tp with sequence parallelism at 2 × 2 ranks, FSDP all-reduces the norms'
+    gradients whole, before it shards them."""
+    nproc, overrides, _ = test_activation_checkpointing.TP_AC[arm]
+    assert_predicted(llama4_runs.get(arm, nproc=nproc, overrides=(*overrides, *test_activation_checkpointing.AC)))
 
 
 def test_collective_bytes_equal_the_counter_tp_sequence_parallel_bf16(llama4_runs):

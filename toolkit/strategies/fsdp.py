@@ -224,7 +224,7 @@ class FsdpRules:
         local_sgd = local_sgd_of(recipe)  # the replica groups' all-reduce replaced by their syncs
         # a cp rank's blocks see its part of each sequence (dims/context.py)
         local = [(rows, context.local_length(length, cp=cp)) for rows, length in shapes] if cp > 1 else shapes
-        sp_norms = comm.sequence_parallel_norms(model, tp=tp, shard=shard, reduce_dtype=reduce) \
+        sp_norms = comm.sequence_parallel_norms(model, tp=tp, reduce_dtype=reduce) \
             if tp > 1 and options.sequence_parallel else []
         return [*comm.tp_collectives(model, tp=tp, shapes=local, activation_dtype=compute,
                                      sequence_parallel=options.sequence_parallel, recompute=recompute, shard=shard),

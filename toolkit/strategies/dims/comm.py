@@ -13,11 +13,13 @@ byte by tests/test_comm_prediction.py:
   all-reduces the reduced shards over the replicas once per step. One rank's shard of a parameter is dim 0 in
   chunks of ceil(d0 / shard), padded.
 - Tensor parallel (DTensor, model/tp_plan.py), each micro-batch: every row-wise layer all-reduces its output in
-  forward, every column-wise layer its input's gradient in backward (q, k and v each: DTensor reduces each
-  layer's partial gradient on its own). With sequence parallelism a row-wise layer's output is reduce-scattered
-  over the sequence instead (its backward: an all-gather), the norm's sequence shard is all-gathered before each
-  column-wise group (its backward: the column-wise layers' all-reduces, as without it), and the final norm's
-  output is all-gathered for the replicated head, the embedding's output shard's gradient gathered in backward.
+  forward (again where activation checkpointing's recompute reaches it: dims/recompute.py), every column-wise
+  layer its input's gradient in backward (once for q, k and v, once for gate and up: the layers that read one
+  module's input share one DTensor, tp_plan.shared_input_groups). With sequence parallelism a row-wise layer's
+  output is reduce-scattered over the sequence instead (its backward: an all-gather), the norm's sequence shard is
+  all-gathered before each column-wise group (its backward: one reduce-scatter of the group's summed input
+  gradients), and the final norm's output is all-gathered for the replicated head, the embedding's output shard's
+  gradient gathered in backward.
   A gathered column-wise layer (colwise_gather_output) all-gathers its output shard in forward; a row-wise layer
   that splits its whole input (rowwise_split_input) all-gathers its input's gradient shard in backward; each
   reduces as its plain kind does.
@@ -43,6 +45,7 @@ from toolkit.cost.flops import attention_heads
 from toolkit.memory.state_bytes import element_bytes
 from toolkit.strategies.dims.compression import Compression, compression_collectives
 from toolkit.strategies.dims.context import local_length
+from toolkit.strategies.dims.recompute import forward_runs
 
 Shapes = list[tuple[int, int]]  # (samples, padded length) of each micro-batch a rank computes in a step
 Named = list[tuple[str, nn.Parameter]]
@@ -122,7 +125,8 @@ def fsdp_collectives(units: list[Named], *, shard: int, replicate: int, compute_
 def tp_collectives(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtype, sequence_parallel: bool,
                    recompute: bool, shard: int = 1) -> list[Collective]:
     """Tensor parallel over `tp` ranks, this rank's micro-batches `shapes` (the TP group's ranks compute the same);
-    `recompute`: activation checkpointing runs each block's forward, and its collectives, again in backward. The
+    `recompute`: activation checkpointing runs each block's forward, and its collectives, again in backward, up to
+    the last tensor the block saves (dims/recompute.py: not a Llama block's last row-wise exit). The
     gradients of modules each rank computes in part (Qwen3's q_norm, k_norm) are summed once a step in fp32
     (tp_plan.sum_partial_gradients), FSDP's shard of them where FSDP shards over `shard` ranks."""
     from toolkit.model import tp_plan
@@ -132,11 +136,13 @@ def tp_collectives(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtyp
     partial = _partial_gradients(model, tp_plan.partial_gradient_modules(model), tp=tp, shard=shard)
     styles = tp_plan.resolve(model)
     size, micro, forwards = element_bytes(activation_dtype), len(shapes), 2 if recompute else 1
+    runs = forward_runs(model, styles, recompute=recompute)  # each split layer's forwards per micro-batch
     if not sequence_parallel:
         return partial + _whole_sequence_tp(model, styles, tp=tp, per_feature=tokens(shapes) * size, micro=micro,
-                                            forwards=forwards)
+                                            runs=runs)
     # sequence parallelism: Llama-style blocks of column- and row-wise layers only (tp_plan refuses the rest)
     rowwise = sum(style in tp_plan.ROW_WISE for style in styles.values())
+    exits = sum(runs[name] for name, style in styles.items() if style in tp_plan.ROW_WISE)
     groups = tp_plan.shared_input_groups(styles)  # attention's and MLPs' that read one gathered input
     alone = sum(style in tp_plan.COLUMN_WISE for style in styles.values()) - sum(len(g) for g in groups.values())
     hidden = cast(Any, model).config.hidden_size
@@ -150,23 +156,24 @@ def tp_collectives(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtyp
     # reduce-scatter takes: the sequence padded to tp such shards
     part = sum(rows * math.ceil(length / tp) for rows, length in shapes) * hidden * size
     padded = part * tp
-    # all-gathers: each column-wise group's entry (forward), each row-wise exit's gradient (backward), the final
-    # norm's output for the head (forward, outside the blocks) and the embedding output's gradient (backward);
-    # reduce-scatters: each row-wise exit (forward), each group's entry gradient, its layers' partial gradients
-    # summed (backward); a column-wise layer outside a group all-reduces its own input gradient (backward)
+    # all-gathers: each column-wise group's entry (forward, and a recompute's), each row-wise exit's gradient
+    # (backward), the final norm's output for the head (forward, outside the blocks) and the embedding output's
+    # gradient (backward); reduce-scatters: each row-wise exit (forward, and where a recompute reaches it), each
+    # group's entry gradient, its layers' partial gradients summed (backward); a column-wise layer outside a group
+    # all-reduces its own input gradient (backward)
     out = [entry("all_gather_into_tensor", forwards * rowwise + rowwise + 2, part, "forward", "activation shards"),
-           entry("reduce_scatter_tensor", forwards * rowwise + len(groups), padded, "forward", "activations")]
+           entry("reduce_scatter_tensor", exits + len(groups), padded, "forward", "activations")]
     if alone:
         out.append(entry("all_reduce", alone, whole, "backward", "activation gradients"))
     return partial + out
 
 
 def _whole_sequence_tp(model: nn.Module, styles: dict[str, str], *, tp: int, per_feature: int, micro: int,
-                       forwards: int) -> list[Collective]:
+                       runs: dict[str, int]) -> list[Collective]:
     """Tensor parallel without sequence parallelism, each layer by its own features (`per_feature`: the bytes of one
-    feature over every micro-batch's tokens): a row-wise layer's output all-reduced in forward, a column-wise layer's
-    input gradient in backward (once for the layers of a module that read its input); a gathered output's shard
-    all-gathered in forward, a split input's gradient shard in backward."""
+    feature over every micro-batch's tokens): a row-wise layer's output all-reduced in each of its forwards (`runs`
+    per micro-batch), a column-wise layer's input gradient in backward (once for the layers of a module that read its
+    input); a gathered output's shard all-gathered in each forward, a split input's gradient shard in backward."""
     from toolkit.model import tp_plan
 
     modules = dict(model.named_modules())
@@ -175,11 +182,11 @@ def _whole_sequence_tp(model: nn.Module, styles: dict[str, str], *, tp: int, per
     followers = {name for names in tp_plan.shared_input_groups(styles).values() for name in names[1:]}
     for name, style in styles.items():
         linear = cast(nn.Linear, modules[name])
-        times = forwards if style in tp_plan.ROW_WISE else 0 if name in followers else 1
+        times = runs[name] if style in tp_plan.ROW_WISE else 0 if name in followers else 1
         reduced += times * (linear.out_features if style in tp_plan.ROW_WISE else linear.in_features)
         reduces += times
         if style == tp_plan.GATHERED:
-            gathered, gathers = gathered + forwards * linear.out_features // tp, gathers + forwards
+            gathered, gathers = gathered + runs[name] * linear.out_features // tp, gathers + runs[name]
         elif style == tp_plan.SPLIT_INPUT:
             gathered, gathers = gathered + linear.in_features // tp, gathers + 1
     out = [Collective(op="all_reduce", payload_bytes=reduced * per_feature, calls=reduces * micro, group="tp",
@@ -191,10 +198,11 @@ def _whole_sequence_tp(model: nn.Module, styles: dict[str, str], *, tp: int, per
     return out
 
 
-def sequence_parallel_norms(model: nn.Module, *, tp: int, shard: int, reduce_dtype) -> list[Collective]:
+def sequence_parallel_norms(model: nn.Module, *, tp: int, reduce_dtype) -> list[Collective]:
     """Under FSDP × tp with sequence parallelism: the norms that compute on sequence shards (tp_plan's
-    SequenceParallel modules) hold partial gradients over tp, which FSDP all-reduces once a step, its shard of
-    them, in its reduce dtype (measured: fsdp × tp alone has none; tp with sequence parallelism alone neither)."""
+    SequenceParallel modules) hold partial gradients over tp, which FSDP all-reduces once a step, each whole (FSDP2
+    replicates a gradient partial over tp before it reduce-scatters it over its shards; measured at 2 × 2 ranks),
+    in its reduce dtype (measured: fsdp × tp alone has none; tp with sequence parallelism alone neither)."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
     from toolkit.model import tp_plan
@@ -203,7 +211,7 @@ def sequence_parallel_norms(model: nn.Module, *, tp: int, shard: int, reduce_dty
     norms = [name for name, style in tp_plan.sequence_parallel_plan(model).items()
              if isinstance(style, SequenceParallel)]
     params = [p for name in norms for p in named[name].parameters() if p.requires_grad]
-    numel = sum(math.ceil(p.shape[0] / shard) * math.prod(p.shape[1:]) for p in params)
+    numel = sum(p.numel() for p in params)
     return [Collective(op="all_reduce", payload_bytes=numel * element_bytes(reduce_dtype), calls=len(params),
                        group="tp", group_size=tp, phase="backward", what="sequence-parallel norms' gradients",
                        overlap="compute")] if numel else []
