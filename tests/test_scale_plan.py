@@ -148,6 +148,8 @@ def test_calibrate_measures_this_cpu_into_a_profile_the_plan_reads(tmp_path):
     assert measured.num_ranks == 2 and measured.threads >= 1 and not profile.overlaps_communication
     assert measured.matmul_flops_per_s > 1e8 and measured.memory_bandwidth_bytes_per_s > 1e8
     assert measured.bus_bandwidth_bytes_per_s > 1e6 and set(measured.attention_flops_per_s) == {"64", "256", "1024"}
+    # the loss over llama-tiny's 30,522 logits a token: at least one fp32 read and write of each, at most 1 µs
+    assert 8 / measured.memory_bandwidth_bytes_per_s < measured.loss_seconds_per_logit < 1e-6
     planned = run_cli("plan", str(REPO / "recipes" / "llama-tiny.yaml"), "--hardware", str(out), "--gpus-per-node", "2",
                       "--layouts", "ddp,fsdp", "--json")
     assert planned.returncode in (0, 1), planned.stderr[-2000:]
@@ -188,3 +190,38 @@ def test_a_model_that_names_no_blocks_is_counted_by_its_layer_stack():
         flops = model_flops(model, seq_len=16, checkpointing=False)
         assert flops.block_matmul == 6.0 * layers * block
         assert flops.attention == 12.0 * layers * 32 * 16
+
+
+@pytest.mark.parametrize("layout, sets, data_shards", [
+    ("ddp", ("strategy.name=ddp",), 16),
+    # each TP rank computes every logit of its data shard's tokens (the head is not split)
+    ("fsdp-tp2", ("strategy.name=fsdp", "strategy.tp_degree=2"), 8)])
+def test_a_measured_loss_rate_costs_every_logit_a_rank_computes(layout, sets, data_shards):
+    """A causal LM's loss passes over its logits (the fp32 copy, log-softmax and their gradients), memory-bound
+    work a GEMM rate does not count: where calibrate measured seconds per logit (the CPU profile), each rank pays
+    its tokens × the vocabulary of them; a datasheet profile (its fitted efficiency covers such work) and a
+    classifier (no vocabulary of logits) pay none."""
+    import dataclasses
+
+    from toolkit.config.files import load_recipe
+    from toolkit.config.parallel import resolve
+    from toolkit.cost import step_time
+    from toolkit.plan.predict import planned_model
+    from toolkit.plan.scale import work_for_shapes
+
+    recipe = resolve(load_recipe(RECIPE, list(sets)), world_size=16)
+    model = planned_model(recipe)
+    work = work_for_shapes(recipe, model, world_size=16, rank=15, shapes=None)
+    h100 = hardware.load("h100-sxm")
+    measured = dataclasses.replace(h100, measured=dataclasses.replace(h100.measured, loss_seconds_per_logit=2e-12))
+    costs = {c.what: c for c in step_time.predict(model, work, step_time.Cluster(hardware=measured, num_nodes=2,
+                                                                                  gpus_per_node=8)).costs}
+    tokens = 64 * 8192 // data_shards  # the recipe's global batch of 64 sequences of 8,192 tokens, one shard's
+    assert costs["loss over the logits"].exposed_s == pytest.approx(tokens * 128256 * 2e-12, rel=1e-12)
+    plain = step_time.predict(model, work, step_time.Cluster(hardware=h100, num_nodes=2, gpus_per_node=8))
+    assert "loss over the logits" not in {c.what for c in plain.costs}
+    minilm = resolve(load_recipe(str(REPO / "recipes" / "minilm-sst.yaml"), []), world_size=2)
+    classifier = planned_model(minilm)
+    cpu = step_time.Cluster(hardware=measured, num_nodes=1, gpus_per_node=2)
+    work = work_for_shapes(minilm, classifier, world_size=2, rank=1, shapes=None)
+    assert "loss over the logits" not in {c.what for c in step_time.predict(classifier, work, cpu).costs}

@@ -95,8 +95,10 @@ def predicted_step(run: dict, recipe_raw: dict, profile: profiles.Hardware) -> d
         scale = threads / measured.threads
         rates = {k: v * scale for k, v in (measured.attention_flops_per_s or {}).items()}
         matmul = (measured.matmul_flops_per_s or 0.0) * scale
+        loss = (measured.loss_seconds_per_logit or 0.0) / scale
         profile = dataclasses.replace(profile, measured=dataclasses.replace(
-            measured, matmul_flops_per_s=matmul, attention_flops_per_s=rates or None))
+            measured, matmul_flops_per_s=matmul, attention_flops_per_s=rates or None,
+            loss_seconds_per_logit=loss or None))
     cluster = step_time.Cluster(hardware=profile, num_nodes=1, gpus_per_node=max(world, profile.gpus_per_node))
     predicted = step_time.predict(model, work, cluster)
     return {"predicted_step_time_s": predicted.step_time_s, "predicted_largest": predicted.largest()}
@@ -104,9 +106,9 @@ def predicted_step(run: dict, recipe_raw: dict, profile: profiles.Hardware) -> d
 
 STEP_NOTE = ("Each arm's step time as `toolkit plan --hardware` predicts it (toolkit/cost/step_time.py) from this "
              "machine's measured profile, or the one --hardware named (hardware.yaml in the experiment folder: on a "
-             "CPU, matmul and attention FLOP/s at a rank's threads, memory "
-             "bandwidth, gloo's all-reduce bus), its recipe, world size and the micro-batch shapes of its counted "
-             "step, beside the median it measured.")
+             "CPU, matmul and attention FLOP/s at a rank's threads, memory bandwidth, a causal LM's loss per logit, "
+             "gloo's all-reduce bus), its recipe, world size and the micro-batch shapes of its counted step, beside "
+             "the median it measured.")
 
 
 def add_predictions(rows: list[dict], out_dir: Path) -> str | None:

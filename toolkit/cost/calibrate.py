@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from toolkit.cost.flops import attention_heads
+from toolkit.cost.flops import attention_heads, logits_per_token
 from toolkit.cost.hardware import Hardware, Link, Measured, PeakFlops
 from toolkit.model.precision import dtype_name
 
@@ -103,6 +103,22 @@ def attention_flops_per_s(*, heads: int, head_dim: int, batch: int, dtype: torch
     return out
 
 
+LOSS_LOGITS = 2 ** 24  # logits of the loss timed (64 MiB in fp32): a micro-batch's head at CPU speed
+
+
+def loss_seconds_per_logit(vocab: int, dtype: torch.dtype, device: torch.device) -> float:
+    """A causal LM's loss as the loop computes it (data/losses.py: logits in the compute dtype, made fp32, summed
+    cross-entropy), forward and backward, per logit: the rows of LOSS_LOGITS logits over `vocab` tokens."""
+    rows = max(1, LOSS_LOGITS // vocab)
+    logits = torch.randn(rows, vocab, dtype=dtype, device=device, requires_grad=True)
+    labels = torch.randint(0, vocab, (rows,), device=device)
+
+    def step() -> None:
+        torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum").backward()
+        _sync(device)
+    return _best_seconds(step) / (rows * vocab)
+
+
 def memory_bandwidth(device: torch.device, *, size_bytes: int = 256 * 2 ** 20) -> float:
     """A large copy: bytes read and written per second."""
     source = torch.empty(size_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
@@ -173,9 +189,15 @@ def _attention_shape(model: nn.Module | None, *, default: tuple[int, int]) -> tu
     return heads, head_dim
 
 
+def _vocab(model: nn.Module | None) -> int:
+    """The logits per token of the model's output layer; a Llama 3 vocabulary without a model or one."""
+    return (logits_per_token(model) if model is not None else 0) or 128256
+
+
 def cpu_profile(*, nproc: int, model: nn.Module | None, tokens: int, dtype: torch.dtype) -> Hardware:
     """This machine's CPU as a profile, every value measured: its matmul rate as the peak (a rank of `nproc`
-    ranks' threads), host memory and its bandwidth, gloo's bus between local ranks (one node)."""
+    ranks' threads), host memory and its bandwidth, a causal LM's loss per logit, gloo's bus between local ranks
+    (one node). A GPU profile measures no loss: its fitted efficiency covers a step's work outside the GEMMs."""
     cores = os.cpu_count() or 1
     threads = max(1, cores // nproc)
     before = torch.get_num_threads()
@@ -187,6 +209,7 @@ def cpu_profile(*, nproc: int, model: nn.Module | None, tokens: int, dtype: torc
         attention = attention_flops_per_s(heads=heads, head_dim=head_dim, batch=max(1, tokens // 1024),
                                           dtype=dtype, device=device)
         memory = memory_bandwidth(device)
+        loss = loss_seconds_per_logit(_vocab(model), dtype, device)
     finally:
         torch.set_num_threads(before)
     by_kind, latency = bus_bandwidth(nproc) if nproc > 1 else ({"all_reduce": {str(BUS_SIZES[-1]): memory}}, 1e-6)
@@ -202,7 +225,8 @@ def cpu_profile(*, nproc: int, model: nn.Module | None, tokens: int, dtype: torc
                     measured=Measured(matmul_flops_per_s=matmul, matmul_dtype=name, attention_flops_per_s=attention,
                                       memory_bandwidth_bytes_per_s=memory, bus_bandwidth_bytes_per_s=busbw,
                                       bus_bandwidth_by_kind=by_kind,
-                                      bus_latency_s=latency, num_ranks=nproc, threads=threads))
+                                      bus_latency_s=latency, num_ranks=nproc, threads=threads,
+                                      loss_seconds_per_logit=loss))
 
 
 def gpu_profile(base: Hardware, *, nproc: int, model: nn.Module | None, tokens: int, dtype: torch.dtype) -> Hardware:

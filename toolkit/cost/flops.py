@@ -17,6 +17,7 @@ class ModelFlops:
     attention: float  # scores and values: 12 × layers × hidden × sequence length (PaLM, appendix B)
     recompute: float  # activation checkpointing's second forward of the blocks: a third of their total
     num_layers: int
+    logits: int = 0  # what the loss reads per token: the output layer's vocabulary (a classifier's: none counted)
 
     @property
     def total(self) -> float:
@@ -38,7 +39,7 @@ def model_flops(model: nn.Module, *, seq_len: int, checkpointing: bool) -> Model
     block_matmul, attention = 6.0 * blocks, 12.0 * layers * hidden * seq_len
     recompute = (block_matmul + attention) / 3 if checkpointing else 0.0
     return ModelFlops(block_matmul=block_matmul, head_matmul=6.0 * head, attention=attention, recompute=recompute,
-                      num_layers=layers)
+                      num_layers=layers, logits=logits_per_token(model))
 
 
 def _block_elements(model: nn.Module, config: Any) -> float:
@@ -63,11 +64,21 @@ def block_elements(block: nn.Module, config: Any) -> float:
 
 
 def head_elements(model: nn.Module) -> int:
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
+    head = _output_layer(model)
     if head is not None:
         return cast(Any, head).weight.numel()
     return 0  # a classifier's head is a few numbers per token's class
+
+
+def logits_per_token(model: nn.Module) -> int:
+    """The rows of the model's output layer (a causal LM's vocabulary); 0 without one (a classifier)."""
+    head = _output_layer(model)
+    return int(cast(Any, head).weight.shape[0]) if head is not None else 0
+
+
+def _output_layer(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)
+    return get() if callable(get) else None
 
 
 def attention_heads(config: Any, *, tp: int = 1) -> tuple[int, int, int]:

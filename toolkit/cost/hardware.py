@@ -48,6 +48,9 @@ class Measured:
     # all-reduces, and a 1 MiB bucket moves at a fraction of a 64 MiB one's rate): {kind: {bytes per call: bytes/s}}
     bus_bandwidth_by_kind: dict[str, dict[str, float]] | None = None
     bus_latency_s: float | None = None  # a small all-reduce's time
+    # a causal LM's loss over its logits, forward + backward (the fp32 copy, log-softmax, its gradient), per logit:
+    # memory-bound passes that a GEMM rate does not count (on a CPU about as long as the head's matmuls)
+    loss_seconds_per_logit: float | None = None
     num_ranks: int | None = None  # the ranks the bus was measured with
     threads: int | None = None  # CPU: the threads each rank computed with (cores / ranks)
 

@@ -20,6 +20,9 @@ Each rule is written once, here, with its source:
 - a collective that runs one step in `every` (local SGD's sync): 1/every of its time in each step;
 - encoding (Collective.codec_flops, codec_bytes: PowerSGD's products and error feedback): its FLOPs at the fp32
   matmul rate and its bytes at the memory bandwidth, all exposed (DDP runs the hook between backward's buckets);
+- the loss (a causal LM's cross-entropy over its logits, forward and backward): memory-bound passes a GEMM rate
+  does not count, at the seconds per logit calibrate measured (a CPU profile; on a GPU the fitted efficiency
+  covers them), on every rank that computes the logits (each TP rank computes them all);
 - optimizer step: memory-bound, AdamW reads a parameter, its gradient and two moments and writes three;
 - offload: gradients to the host and parameters back over PCIe each step, the update at HOST_ADAM_BYTES_PER_S.
 """
@@ -113,6 +116,10 @@ def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficienc
     forward_s = compute_s * (1 / 3) * (flops.total - flops.recompute) / flops.total
     backward_s = compute_s - forward_s
     costs = [Cost(what="compute", seconds=compute_s, exposed_s=compute_s)]
+    loss_rate = hw.measured.loss_seconds_per_logit
+    if loss_rate and flops.logits:  # measured: the loss's passes over the head's logits (a pipeline's last stage)
+        loss_s = shard_tokens / d.cp * flops.logits * loss_rate
+        costs.append(Cost(what="loss over the logits", seconds=loss_s, exposed_s=loss_s))
     if d.pp > 1:
         idle = compute_s * work.bubble / (1 - work.bubble)
         costs.append(Cost(what="pipeline bubble", seconds=idle, exposed_s=idle))
