@@ -128,8 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     calibrate = sub.add_parser("calibrate", help="measure this machine for toolkit plan --hardware: a profile file",
                                description="Measure what a hardware profile can only estimate (matmul and attention "
-                               "FLOP/s on the recipe's shapes, memory bandwidth, the all-reduce bus between local "
-                               "ranks) and write a profile file for toolkit plan --hardware FILE.")
+                               "FLOP/s on the recipe's shapes, memory bandwidth, on a CPU a causal LM's loss per "
+                               "logit, the all-reduce bus between local ranks) and write a profile file for toolkit "
+                               "plan --hardware FILE.")
     calibrate.add_argument("recipe", nargs="?", default=None, help="the model whose shapes to measure (optional)")
     calibrate.add_argument("--hardware", required=True, metavar="NAME",
                            help="cpu (this machine's CPU and gloo), or the profile of this machine's GPU (e.g. h100-sxm)")
