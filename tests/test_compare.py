@@ -91,6 +91,31 @@ def test_measurements_are_present(experiment):
            f"{predicted[0] / 2 ** 20:.0f}/{predicted[1] / 2 ** 20:.0f} MiB/rank" in memory
 
 
+def test_the_peak_is_also_predicted_at_the_longest_micro_batch_a_run_trained_on(experiment):
+    """Each micro-batch is padded to its longest sample, so a run of short samples never reaches the plan's peak at
+    data.max_length: each run records the longest padded length it trained on (at least its counted step's, at most
+    max_length), and compare predicts the peak again at it, below the plan's, beside what the run measured."""
+    out, results, _ = experiment
+    shorter = 0
+    for arm in results["arms"]:
+        run = json.loads((out / arm["arm"] / "run.json").read_text())
+        max_length = yaml.safe_load((out / arm["arm"] / "recipe.yaml").read_text())["data"]["max_length"]
+        counted = run["comm_per_step"]["micro_batch_shapes_per_rank"]
+        for rank, peak in enumerate(run["peak_memory"]):
+            assert max(length for _, length in counted[rank]) <= peak["longest_micro_batch_length"] <= max_length
+        longest = max(peak["longest_micro_batch_length"] for peak in run["peak_memory"])
+        if longest == max_length:
+            assert "predicted_peak_bytes_per_rank_at_longest" not in arm
+            continue
+        shorter += 1
+        at_longest = arm["predicted_peak_bytes_per_rank_at_longest"]
+        assert all(a < p for a, p in zip(at_longest, arm["predicted_peak_bytes_per_rank"], strict=True)), arm["arm"]
+        memory = (out / "report.md").read_text().split("## Memory: predicted and measured", 1)[1]
+        assert (f"at the run's longest micro-batch, {longest} tokens padded, "
+                f"{'/'.join(f'{b / 2 ** 20:.0f}' for b in at_longest)} MiB/rank") in memory
+    assert shorter  # the review texts are shorter than the recipe's max_length
+
+
 def test_communication_per_step_is_counted_from_the_collectives(experiment):
     out, results, _ = experiment
     arms = _arms(results)

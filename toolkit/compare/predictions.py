@@ -20,7 +20,7 @@ from toolkit.cost import calibrate, step_time
 from toolkit.cost import hardware as profiles
 from toolkit.errors import RecipeError
 from toolkit.model.precision import DTYPES
-from toolkit.plan.predict import planned_model
+from toolkit.plan.predict import planned_model, predict
 from toolkit.plan.scale import work_for_shapes
 
 MEMORY_NOTE = ("Model states (parameters, gradients, optimizer state) are predicted exactly from the model's "
@@ -30,6 +30,42 @@ MEMORY_NOTE = ("Model states (parameters, gradients, optimizer state) are predic
                "(a strategy's buckets and buffers, the batch). On CPU the peak is predicted for "
                "train.host_memory=predictable; an arm that ran `fast` reuses freed memory and keeps its high-water "
                "mark, above the prediction (toolkit/process/host_memory.py).")
+
+
+def peak_at_longest(run: dict, recipe_raw: dict) -> dict[str, Any]:
+    """Where every micro-batch the run trained on was shorter than data.max_length (each padded to its longest
+    sample), toolkit plan's peak again at the longest of them: the like-for-like prediction of what the run
+    measured (the plan's own, at max_length, is what a batch of full-length samples would reach). {} where a
+    micro-batch reached max_length, or the run recorded no prediction."""
+    predicted = run.get("memory_prediction") or {}
+    longest = max((p.get("longest_micro_batch_length") or 0 for p in run.get("peak_memory") or []), default=0)
+    if "peak_bytes" not in predicted or not longest:
+        return {}
+    try:
+        recipe = from_plain(Recipe, recipe_raw)
+        if longest >= recipe.data.max_length:
+            return {}
+        recipe = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, max_length=longest))
+        prediction = predict(recipe, world_size=run["world_size"], runtime_bytes=predicted["runtime_bytes"],
+                             device_type=run.get("device_type", "cpu"), both=False)
+    except (RecipeError, KeyError):
+        return {}
+    want = prediction.peak_bytes_per_rank
+    errors = [(p["peak_mem_bytes"] - w) / w for p, w in zip(run["peak_memory"], want) if w]
+    return {"longest_micro_batch_length": longest, "max_length": recipe_raw["data"]["max_length"],
+            "predicted_peak_bytes_per_rank_at_longest": want,
+            "peak_prediction_error_at_longest": max(errors, key=abs) if errors else None}
+
+
+def _at_longest(row: dict) -> str:
+    """'; at the run's longest micro-batch ...' where its batches were shorter than data.max_length."""
+    if "predicted_peak_bytes_per_rank_at_longest" not in row:
+        return ""
+    want = "/".join(f"{b / 2 ** 20:.0f}" for b in row["predicted_peak_bytes_per_rank_at_longest"])
+    error = row["peak_prediction_error_at_longest"]
+    return (f", predicted at data.max_length {row['max_length']}; at the run's longest micro-batch, "
+            f"{row['longest_micro_batch_length']} tokens padded, {want} MiB/rank (largest error "
+            f"{'n/a' if error is None else f'{error * 100:+.1f} %'})")
 
 
 def memory_lines(results: dict) -> list[str]:
@@ -51,8 +87,8 @@ def memory_lines(results: dict) -> list[str]:
         lines.append(f"{r['arm']}: model states measured {measured} vs predicted {predicted} MiB/rank (error "
                      f"{r['model_state_prediction_error'] * 100:.2f} %); peak measured {peak} vs predicted "
                      f"{peak_want} MiB/rank (largest error "
-                     f"{'n/a' if peak_error is None else f'{peak_error * 100:+.1f} %'}); other live tensors "
-                     f"{other} MiB/rank{host_memory_note(r)}")
+                     f"{'n/a' if peak_error is None else f'{peak_error * 100:+.1f} %'}){_at_longest(r)}; other "
+                     f"live tensors {other} MiB/rank{host_memory_note(r)}")
     return lines
 
 

@@ -67,7 +67,7 @@ def build_results(experiment: Experiment) -> dict:
                    sync_drift=[(m["step"], m["replica_drift_before_sync"]) for m in metrics
                                if "replica_drift_before_sync" in m],
                    recipe=arm["recipe"], pipeline=_pipeline(run), experts=run.get("experts"),
-                   fallback=run.get("fallback"), run=run,
+                   fallback=run.get("fallback"), run=run, **predicted.peak_at_longest(run, arm["recipe"]),
                    plain_data_parallel=strategy_info(run["strategy"]).plain_data_parallel)
         if reference["status"] == "completed":
             row["speedup_vs_reference"] = speed["tokens_per_s"] / measure.throughput(reference["metrics"])["tokens_per_s"]

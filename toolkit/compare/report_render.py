@@ -70,13 +70,24 @@ def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
             f"{unsteady}",
             str(r["num_timed_steps"]) if r["num_timed_steps"] else f"0 (all {len(r['losses'])}, warm-up included)",
             _mib(r["peak_mem_bytes_per_rank"]),
-            f"{r['peak_prediction_error'] * 100:+.0f}%" if r.get("peak_prediction_error") is not None else "n/a",
+            _peak_vs_plan(r),
             _mib(r["model_state_bytes_per_rank"]),
             f"{r['comm']['total_bytes'] / 2 ** 20:.2f}{_setup(r['comm'])}" if r.get("comm") else "n/a", _bubble(r),
             f"{r['mfu'] * 100:.2f}%{unsteady}" if r.get("mfu") is not None else "n/a",
             f"{r['final_loss']:.4f}", f"{r['final_eval_loss']:.4f}" if r["final_eval_loss"] is not None else "n/a",
             r.get("final_eval_metric") or "n/a", r["verdict"]])
     return head, rows
+
+
+def _peak_vs_plan(row: dict) -> str:
+    """The measured peak against the plan's at data.max_length, and against its prediction at the run's longest
+    micro-batch where every batch was shorter (the memory section says more)."""
+    if row.get("peak_prediction_error") is None:
+        return "n/a"
+    cell = f"{row['peak_prediction_error'] * 100:+.0f}%"
+    if row.get("peak_prediction_error_at_longest") is not None:
+        cell += f"; {row['peak_prediction_error_at_longest'] * 100:+.0f}% at length {row['longest_micro_batch_length']}"
+    return cell
 
 
 def table_notes(results: dict, *, compact: bool = False) -> list[str]:
