@@ -86,7 +86,8 @@ def _peak_vs_plan(row: dict) -> str:
         return "n/a"
     cell = f"{row['peak_prediction_error'] * 100:+.0f}%"
     if row.get("peak_prediction_error_at_longest") is not None:
-        cell += f"; {row['peak_prediction_error_at_longest'] * 100:+.0f}% at length {row['longest_micro_batch_length']}"
+        lengths = "/".join(str(t) for t in row["longest_micro_batch_tokens_per_rank"])
+        cell += f"; {row['peak_prediction_error_at_longest'] * 100:+.0f}% at length {lengths}"
     return cell
 
 

@@ -106,7 +106,7 @@ def attention_flops_per_s(*, heads: int, head_dim: int, batch: int, dtype: torch
 LOSS_LOGITS = 2 ** 24  # logits of the loss timed (64 MiB in fp32): a micro-batch's head at CPU speed
 
 
-def loss_seconds_per_logit(vocab: int, dtype: torch.dtype, device: torch.device) -> float:
+def loss_seconds_per_logit(vocab: int, *, dtype: torch.dtype, device: torch.device) -> float:
     """A causal LM's loss as the loop computes it (data/losses.py: logits in the compute dtype, made fp32, summed
     cross-entropy), forward and backward, per logit: the rows of LOSS_LOGITS logits over `vocab` tokens."""
     rows = max(1, LOSS_LOGITS // vocab)
@@ -114,6 +114,7 @@ def loss_seconds_per_logit(vocab: int, dtype: torch.dtype, device: torch.device)
     labels = torch.randint(0, vocab, (rows,), device=device)
 
     def step() -> None:
+        logits.grad = None  # the loop's logits get one gradient, not one added to another's
         torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum").backward()
         _sync(device)
     return _best_seconds(step) / (rows * vocab)
@@ -209,7 +210,7 @@ def cpu_profile(*, nproc: int, model: nn.Module | None, tokens: int, dtype: torc
         attention = attention_flops_per_s(heads=heads, head_dim=head_dim, batch=max(1, tokens // 1024),
                                           dtype=dtype, device=device)
         memory = memory_bandwidth(device)
-        loss = loss_seconds_per_logit(_vocab(model), dtype, device)
+        loss = loss_seconds_per_logit(_vocab(model), dtype=dtype, device=device)
     finally:
         torch.set_num_threads(before)
     by_kind, latency = bus_bandwidth(nproc) if nproc > 1 else ({"all_reduce": {str(BUS_SIZES[-1]): memory}}, 1e-6)

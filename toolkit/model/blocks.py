@@ -26,8 +26,9 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         raise RecipeError(f"train.activation_checkpointing: {type(model).__name__} has no transformer block list "
                           "that transformers can checkpoint (supports_gradient_checkpointing is false); set "
                           "train.activation_checkpointing: false")
-    enable = getattr(model, "activation_checkpointing_enable", None)  # its name since transformers 5.x, where the
-    if enable is not None:  # older one is a deprecated alias that warns
+    # activation_checkpointing_enable: its name since transformers 5.x, where the older one is an alias that warns
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
         enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         cast(Any, model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

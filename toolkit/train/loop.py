@@ -382,8 +382,8 @@ def train_step(strategy: Strategy, micro_batches: list[dict], *, recipe: Recipe,
         loss, counts = run_microbatches(strategy, micro_batches, task=recipe.model.task, env=env, layout=layout)
         if first:
             runinfo.record_before_first_step(info, strategy, env=env)  # local reads only, no collective
-    # padded to each micro-batch's longest sample: the peak the plan predicts at data.max_length comes from these
-    info.longest_length = max(info.longest_length, *(int(b["input_ids"].shape[1]) for b in micro_batches))
+    # each padded to its longest sample: compare predicts the peak again at the longest (toolkit/compare/predictions)
+    info.longest_tokens = max(info.longest_tokens, *(int(b["input_ids"].shape[1]) for b in micro_batches))
     probe_s, abs_max = 0.0, None
     if gradient_scale is not None:  # outside the collective count and the step time: a measurement aid
         probe_start = time.perf_counter()

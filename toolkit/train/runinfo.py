@@ -45,7 +45,7 @@ class RunRecord:
     block_forwards: BlockForwards | None = None  # counts the first step's block forwards (activation checkpointing)
     first_backward: dict[str, Any] | None = None  # this rank's reads after the first backward, until that step ends
     setup_peak: int | None = None  # this rank's peak memory by the end of setup, before the first step
-    longest_length: int = 0  # the longest padded length of this rank's training micro-batches so far
+    longest_tokens: int = 0  # the longest padded length of this rank's training micro-batches so far, in tokens
 
     def __getitem__(self, key: str) -> Any:
         return self.fields[key]
@@ -252,7 +252,7 @@ def note_drift(info: RunRecord, record: dict) -> None:
 
 def finish(info: RunRecord, *, env: DistEnv, out_dir: Path, losses: list[float], strategy, skips: SkippedSteps) -> None:
     mine = {"peak_mem_bytes": peak_memory_bytes(env.device), "peak_reserved_bytes": peak_reserved_bytes(env.device),
-            "setup_peak_bytes": info.setup_peak, "longest_micro_batch_length": info.longest_length}
+            "setup_peak_bytes": info.setup_peak, "longest_micro_batch_tokens": info.longest_tokens}
     info["peak_memory"] = gather_objects(mine, env)
     measured = gather_objects(strategy.report().measurements, env)
     if any(measured):

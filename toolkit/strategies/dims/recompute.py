@@ -15,7 +15,7 @@ families, and a model's own order of execution, whatever order it registers its 
 from __future__ import annotations
 
 import weakref
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -38,10 +38,15 @@ def forward_runs(model: nn.Module, names: Iterable[str], *, recompute: bool) -> 
 
 def _recomputed(model: nn.Module, names: tuple[str, ...]) -> set[str]:
     """Those of `names` inside a checkpointed block with a tensor saved for backward after their output."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
+    from transformers.modeling_layers import GradientCheckpointingLayer  # here: a plan without tp imports none
+
+    from toolkit.model.blocks import layer_stack
 
     modules = dict(model.named_modules())
-    blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    # what transformers checkpoints: its per-layer blocks, or (a model of the older form, which checkpoints each
+    # layer of its stack through a flag) the layer stack
+    blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)] or \
+        layer_stack(model, guess=True)
     block_of = {id(m): block for block in blocks for m in block.modules()}
     saved = 0  # tensors saved for backward so far in the forward
     at_output: dict[str, int] = {}  # a module's count at its (last) output
@@ -61,8 +66,9 @@ def _recomputed(model: nn.Module, names: tuple[str, ...]) -> set[str]:
         model.train()
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             model(input_ids=torch.zeros(1, 8, dtype=torch.long, device=device))
-    except (RuntimeError, NotImplementedError):  # a forward that reads values, which the meta device has none of
-        return {name for name in names if id(modules[name]) in block_of}  # all of a block's, run again: at most
+    except Exception:  # noqa: BLE001 - a forward the meta device cannot run (one that reads values, or needs
+        # other inputs): every layer of a block counted as run again, at most what the recompute issues
+        return {name for name in names if id(modules[name]) in block_of}
     finally:
         for hook in hooks:
             hook.remove()
