@@ -185,9 +185,14 @@ def prediction_error(predicted: dict, *, states: list[int], peaks: list[int]) ->
         return {"prediction": predicted.get("error", "no prediction in run.json")}
     want = [sum(r.values()) for r in predicted["model_state_bytes"]]
     want_peaks = predicted.get("peak_bytes_per_rank") or [predicted["peak_bytes"]] * len(peaks)
-    errors = [(m - p) / p for m, p in zip(peaks, want_peaks) if p]
     return {"predicted_model_state_bytes_per_rank": want,
             "model_state_prediction_error": max((abs(m - p) / p for m, p in zip(states, want) if p), default=0.0),
             "predicted_peak_bytes": predicted["peak_bytes"], "predicted_peak_bytes_per_rank": want_peaks,
-            "peak_prediction_error": max(errors, key=abs) if errors else None,
-            "prediction": "toolkit plan"}
+            "peak_prediction_error": largest_error(peaks, want_peaks), "prediction": "toolkit plan"}
+
+
+def largest_error(measured: list[int], predicted: list[int]) -> float | None:
+    """The relative error (measured − predicted) / predicted of the rank it is largest for, with its sign; None
+    where no rank has a prediction."""
+    errors = [(m - p) / p for m, p in zip(measured, predicted) if p]
+    return max(errors, key=abs) if errors else None

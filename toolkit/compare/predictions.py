@@ -13,6 +13,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from toolkit.compare.measure import largest_error
 from toolkit.config.parallel import resolve
 from toolkit.config.recipe import Recipe
 from toolkit.config.typed import from_plain
@@ -53,19 +54,19 @@ def peak_at_longest(run: dict, recipe_raw: dict) -> dict[str, Any]:
             tokens = [padded_length([t], max_length=max_length) for t in tokens]
         if min(tokens) >= max_length:
             return {}
+        model = planned_model(recipe)  # one meta model for every length
         by_length = {}  # each length's peak per rank
         for length in set(tokens):
             shorter = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, max_length=length))
             by_length[length] = full if length >= max_length else predict(
                 shorter, world_size=world, runtime_bytes=predicted["runtime_bytes"],
-                device_type=run.get("device_type", "cpu"), both=False).peak_bytes_per_rank
+                device_type=run.get("device_type", "cpu"), model=model, both=False).peak_bytes_per_rank
     except (RecipeError, KeyError):
         return {}
     want = [by_length[length][rank] for rank, length in enumerate(tokens)]
-    errors = [(p["peak_mem_bytes"] - w) / w for p, w in zip(peaks, want) if w]
     return {"longest_micro_batch_tokens_per_rank": tokens, "max_length": max_length,
             "predicted_peak_bytes_per_rank_at_longest": want,
-            "peak_prediction_error_at_longest": max(errors, key=abs) if errors else None}
+            "peak_prediction_error_at_longest": largest_error([p["peak_mem_bytes"] for p in peaks], want)}
 
 
 def _at_longest(row: dict) -> str:

@@ -300,15 +300,16 @@ def sequence_parallel_plan(model: nn.Module) -> dict[str, Any]:
         raise RecipeError(f"strategy.sequence_parallel: supported for Llama-style decoders (blocks of exactly "
                           f"{', '.join(DECODER_PARTS)}), not {config.model_type}; set it to false")
     stack, count = layers
-    gathered = sorted({style for style in resolve(model).values() if style not in PLAIN})
+    styles = resolve(model)
+    gathered = sorted({style for style in styles.values() if style not in PLAIN})
     if gathered:
         raise RecipeError(f"strategy.sequence_parallel: the model's tensor-parallel plan has {', '.join(gathered)} "
                           "layers, which compute on the whole sequence between them; set it to false")
     seq, full = Shard(1), Replicate()
-    shared = shared_input_groups(resolve(model))
+    shared = shared_input_groups(styles)
     gather = dict(input_layouts=(seq,), desired_input_layouts=(full,), use_local_output=True)
     plan: dict[str, Any] = {}
-    for name, style in resolve(model).items():
+    for name, style in styles.items():
         plan[name] = ColwiseParallel() if style == "colwise" else RowwiseParallel(output_layouts=seq,
                                                                                   use_local_output=False)
     for index in range(count):
