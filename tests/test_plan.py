@@ -83,7 +83,7 @@ def test_zero1_and_zero2_steps_are_planned_with_a_copy_of_the_measured_gradient_
     run, recipe = _run(request, "llama_runs", name)
     from toolkit.strategies import strategy_rules
 
-    step = strategy_rules(recipe).predict_step_bytes(plan.planned_model(recipe), recipe, world_size=2)
+    step = zero_state.flat_gradient_bytes(plan.planned_model(recipe), recipe, world_size=2)
     fp32_partition = step if recipe.precision == "fp32" else step * 4 // 6
     for rank in run["model_state_bytes"]:
         assert 0.999 * rank["optim_bytes"] // 3 < fp32_partition < rank["optim_bytes"] // 3
@@ -116,14 +116,40 @@ def unreduced(self, *args, **kwargs):  # the end of backward, before the engine 
     say("unreduced", sum(g.numel() * g.element_size() for g in grads))
     return allreduce_gradients(self, *args, **kwargs)
 DeepSpeedEngine.allreduce_gradients = unreduced
+import torch
+from deepspeed.runtime.zero.utils import get_norm_dtype
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+def norm_copies(optimizer):  # the start of the step: each gradient piece is taken to the norm dtype in turn
+    original = optimizer.get_grad_norm_direct
+    def norm(self, gradients, params, *args, **kwargs):
+        gradients = list(gradients)
+        pieces = [g.numel() for g in gradients if not getattr(g, "_zero_padding", False)]
+        say("norm copy", max(pieces, default=0) * torch.empty((), dtype=get_norm_dtype()).element_size())
+        return original(self, gradients, params, *args, **kwargs)
+    optimizer.get_grad_norm_direct = norm
+norm_copies(DeepSpeedZeroOptimizer)
+norm_copies(DeepSpeedZeroOptimizer_Stage3)
+full_state_dict = zero.ZeroStrategy.full_state_dict
+def exported(self):  # ZeRO-3: the parameters it keeps gathered from the last forward, before and after
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    def available():
+        return sum(p.numel() for p in self.module.parameters()
+                   if getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE)
+    before = available()
+    state = full_state_dict(self)
+    say("gathered before export", before)
+    say("gathered after export", available())
+    return state
+zero.ZeroStrategy.full_state_dict = exported
 from toolkit.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
 
 @pytest.mark.parametrize("stage,precision,nproc", [(0, "fp32", 1), (0, "bf16", 1), (1, "fp32", 2), (2, "fp32", 2),
-                                                   (3, "fp32", 1)])
-def test_the_plan_knows_which_zero_stages_give_their_gradients_back_after_a_step(tiny_llama_dir, tmp_path, stage,
+                                                   (3, "fp32", 2)])
+def test_the_plan_knows_what_each_zero_stage_holds_around_its_step(tiny_llama_dir, tmp_path, stage,
                                                                                   precision, nproc):
     # rank 0's export and a step's forward run without gradients where the strategy gives them back: measured
     # here after each optimizer step of a real run (stages 0-2: none left; stage 3: its flat gradient buffer).
@@ -168,8 +194,18 @@ def test_the_plan_knows_which_zero_stages_give_their_gradients_back_after_a_step
         flat = max(printed("flattened"))
         assert flat == zero_state.largest_allreduce_bucket([p.numel() for p in model.parameters()]) * \
             (4 if precision == "fp32" else 2)
-        step = strategy_rules(load_recipe(recipe)).predict_step_bytes(model, load_recipe(recipe), world_size=1)
+        [step] = strategy_rules(load_recipe(recipe)).predict_step_bytes(model, load_recipe(recipe), world_size=1)
         assert step == flat if precision == "fp32" else step == 2 * flat  # bf16: the step's fp32 copy is larger
+    # stages 1-3 take each gradient piece of a rank's partition to float64 for the norm, one at a time: the plan
+    # counts the largest per rank (stages 1, 2 at 2 ranks: each rank's piece lies inside the 30522-row embedding
+    # or head, whichever its partition starts or ends in; stage 3: the largest parameter's share)
+    norms = [printed("norm copy", rank) for rank in range(nproc)]
+    planned = zero_state.norm_bytes(model, load_recipe(recipe), world_size=nproc)
+    assert [max(n, default=0) for n in norms] == planned, (norms, planned)
+    assert (stage == 0) == (planned == [0] * nproc)
+    if stage == 3:  # the parameters kept gathered from the last forward go before the export gathers the masters
+        before, after = printed("gathered before export"), printed("gathered after export")
+        assert len(before) == nproc and all(b > 0 for b in before) and after == [0] * nproc, (before, after)
 
 
 def test_the_stage_0_all_reduce_is_planned_bucket_by_bucket():

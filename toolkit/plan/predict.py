@@ -108,7 +108,7 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     other = trace(how={**how, "checkpointing": not checkpointing}) if both else None
     checkpointed = activations if checkpointing else other
     gathered = rules.predict_gathered_bytes(model, recipe, world_size=world_size)
-    step = rules.predict_step_bytes(model, recipe, world_size=world_size)
+    steps = rules.predict_step_bytes(model, recipe, world_size=world_size)
     shards = rules.data_layout(recipe, world_size=world_size, rank=0).size
     accumulates = plan_batch(recipe.batch, world_size=shards).grad_accum_steps > 1
 
@@ -121,7 +121,7 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     unreduced = sum(p.numel() for p in model.parameters() if p.requires_grad) * \
         element_bytes(params_dtype) if info.whole_gradients_in_backward else 0
 
-    def training(state: StateBytes, activations: int) -> int:
+    def training(state: StateBytes, activations: int, step: int) -> int:
         """Model states and the rank's activations at their peak (gradients there only if held), the end of
         backward (all model states, and a tied weight's gradients being summed: StrategyInfo.tied_gradients), or
         the optimizer step (all model states, and what the step copies: StrategyRules.predict_step_bytes)."""
@@ -139,10 +139,10 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     # parameters are the weights it built (the export reads them). A GPU sees only what is moved to it.
     setup = [b + r.params_bytes + (0 if device_type == "cuda" else runtime_bytes) for r, b in zip(per_rank, built)]
     if device_type == "cuda":
-        peaks = [training(r, a) + g for r, a, g in zip(per_rank, activations, gathered)]
+        peaks = [training(r, a, s) + g for r, a, s, g in zip(per_rank, activations, steps, gathered)]
     else:
-        peaks = [runtime_bytes + max(training(r, a) + g, b + r.params_bytes)
-                 for r, a, g, b in zip(per_rank, activations, gathered, built)]
+        peaks = [runtime_bytes + max(training(r, a, s) + g, b + r.params_bytes)
+                 for r, a, s, g, b in zip(per_rank, activations, steps, gathered, built)]
         if not info.exports_in_place:  # at the end: gradients only if held
             kept = per_rank[0].total_bytes - (0 if info.holds_gradients else per_rank[0].grads_bytes)
             peaks[0] = max(peaks[0], runtime_bytes + kept + load)

@@ -176,9 +176,10 @@ class FsdpRules:
         rank0 = ModelSource(recipe=recipe, tokenizer=None).weight_files(model) is None
         return [whole if rank0 else 0] + [0] * (world_size - 1)  # see load_sharded
 
-    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
-        return 0  # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's
-        # temporaries (about 2 x the largest parameter) are not counted
+    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+        # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's temporaries
+        # (about 2 x the largest parameter) are not counted
+        return [0] * world_size
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         # FSDP2 computes with one unit (block) gathered while it gathers the next (its implicit prefetch), and

@@ -119,7 +119,7 @@ class HybridRules:
                            resuming: bool = False) -> list[int]:
         return self._form(recipe).predict_load_bytes(model, recipe, world_size=world_size, resuming=resuming)
 
-    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         return self._form(recipe).predict_step_bytes(model, recipe, world_size=world_size)
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:

@@ -98,9 +98,10 @@ class ReplicatedRules:
         # where they stay): nothing beyond its model states
         return [0] * world_size
 
-    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
-        return 0  # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's
-        # temporaries (about 2 x the largest parameter) are not counted
+    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+        # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's temporaries
+        # (about 2 x the largest parameter) are not counted
+        return [0] * world_size
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         return [0] * world_size  # every rank holds every parameter

@@ -82,9 +82,10 @@ class PipelineRules:
             return [0] * world_size
         return whole
 
-    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
-        return 0  # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's
-        # temporaries (about 2 x the largest parameter) are not counted
+    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+        # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's temporaries
+        # (about 2 x the largest parameter) are not counted
+        return [0] * world_size
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         # a stage's blocks are whole under ddp. Under fsdp, torch's schedule sets reshard_after_backward(False) for

@@ -32,6 +32,8 @@ ALIGNMENT = 2  # DeepSpeed's nccl_start_alignment_factor: partitions start 4-byt
 DEFAULT_REDUCE_BUCKET = 500_000_000
 ALLREDUCE_BUCKET = 500_000_000  # stage 0's all-reduce buckets (engine.py, MEMORY_OPT_ALLREDUCE_SIZE; no setting)
 DEFAULT_MAX_LIVE = DEFAULT_REUSE_DISTANCE = 1_000_000_000  # stage3_max_live_parameters, stage3_max_reuse_distance
+DEFAULT_SUB_GROUP = 1_000_000_000  # stage 3's sub_group_size
+NORM = 8  # the gradient norm's float64 copy (zero/utils.py, get_norm_dtype)
 
 
 def param_dtype(recipe: Recipe) -> torch.dtype:
@@ -97,33 +99,92 @@ def _stage3(model: nn.Module, groups: list[list[int]], config: dict, *, size: in
                       optim_bytes=(1 + ADAM_MOMENTS) * FP32 * trainable)
 
 
-def step_bytes(model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
-    """What the end of a step copies beside the model states.
+def step_bytes(model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+    """Per rank, what the end of a step copies beside the model states: the larger of the gradient norm's copies
+    (`norm_bytes`) and the flat gradient partition the update reads (`flat_gradient_bytes`); the step takes the
+    norm first, then flattens, one after the other."""
+    flat = flat_gradient_bytes(model, recipe, world_size=world_size)
+    return [max(flat, norm) for norm in norm_bytes(model, recipe, world_size=world_size)]
+
+
+def flat_gradient_bytes(model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
+    """What the step flattens its gradients into.
 
     Stages 1 and 2 (optimizer not offloaded): the step flattens the rank's averaged gradients of one param group
     at a time into one tensor of its partition, cast to fp32 (a second one where the gradients are 16-bit),
     before freeing them (stage_1_and_2.py, step()): the largest group's. Measured: zero2 302M, 2 ranks, fp32: the
     step's peak 576 MiB (the partition) above the model states, beside the process's own growth.
+    Stage 3 (optimizer not offloaded) does the same per sub-group of at most `sub_group_size` partition elements
+    (stage3.py, _prepare_fp32_grad_for_sub_group), beside the flat gradient buffer it keeps.
     Stage 0: the engine's all-reduce at the end of backward flattens the gradients into buckets of 5e8 elements
     (engine.py, buffered_allreduce_fallback / allreduce_no_retain: a bucket is sent once it passes that), the
     largest bucket a copy beside every gradient; in 16-bit, the step then gives every gradient an fp32 copy on
     its master (FP16_UnfusedOptimizer) before the update. Measured: zero0 302M, 2 ranks, fp32: +16.3 % peak
     without the bucket, +1.5 % with it (benchmarks/memory_scaling.py --arms zero0).
-    Not counted (read in DeepSpeed's source, not measured): stage 3 flattens each sub-group's gradients the same
-    way (stage3.py, on top of its gradient buffer). Offloaded, the gradients go to the CPU partition's own .grad:
-    nothing."""
+    Offloaded, the gradients go to the CPU partition's own .grad: nothing."""
     config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=world_size),
                                hidden_size=hidden_size_of(model.config))
     size = element_bytes(param_dtype(recipe))
+    cast = FP32 + (size if size != FP32 else 0)  # the flat 16-bit gradients and their fp32 copy
+    groups = [g["params"] for g in param_groups(model, recipe.optim) if g["params"]]
     if stage_of(config) == 0:
         trainable = [p.numel() for p in model.parameters() if p.requires_grad]
-        cast = sum(trainable) * FP32 if size != FP32 else 0
-        return max(largest_allreduce_bucket(trainable) * size, cast)
-    if stage_of(config) not in (1, 2) or offloads(config)[0]:
+        whole = sum(trainable) * FP32 if size != FP32 else 0
+        return max(largest_allreduce_bucket(trainable) * size, whole)
+    if offloads(config)[0]:
         return 0
-    partition = max((partition_numel([p.numel() for p in g["params"]], world_size)
-                     for g in param_groups(model, recipe.optim) if g["params"]), default=0)
-    return partition * (FP32 + (size if size != FP32 else 0))
+    if stage_of(config) == 3:
+        limit = int(config.get("zero_optimization", {}).get("sub_group_size", DEFAULT_SUB_GROUP))
+        shares = [[math.ceil(p.numel() / world_size) for p in params] for params in groups]
+        return max((max(sub_group_numels(numels, limit)) for numels in shares), default=0) * cast
+    return max((partition_numel([p.numel() for p in params], world_size) for params in groups), default=0) * cast
+
+
+def sub_group_numels(shares: list[int], limit: int) -> list[int]:
+    """Stage 3's optimizer sub-groups of one param group: partition elements in parameter order, a sub-group
+    closed once it holds `limit` (stage3.py, _create_fp16_sub_groups); one sub-group where the group is smaller."""
+    if sum(shares) <= limit:
+        return [sum(shares)]
+    sizes: list[int] = []
+    current = 0
+    for share in shares:
+        current += share
+        if current >= limit:
+            sizes, current = sizes + [current], 0
+    return sizes + [current] if current else sizes
+
+
+def norm_bytes(model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+    """Per rank, the gradient norm's copy at the start of the step (stages 1-3, optimizer not offloaded): DeepSpeed
+    takes each gradient piece of the rank's partition to the norm dtype (float64 where the device has it, CPU and
+    CUDA: zero/utils.py get_norm_dtype) one at a time before its norm (stage_1_and_2.py and stage3.py,
+    get_grad_norm_direct), beside every model state: the largest piece's 8 bytes an element. A piece is the part of
+    a parameter inside the rank's partition of its flattened group (stages 1, 2: a 30522-row embedding larger
+    than the partition is all of rank 0's), or the parameter's own share (stage 3). Measured: minilm-sst zero2 at 2
+    ranks, rank 0's piece 11,341,440 elements (its whole partition, inside the embedding), 87 MiB above the
+    model states at the norm; rank 1's largest 589,824."""
+    config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=world_size),
+                               hidden_size=hidden_size_of(model.config))
+    stage = stage_of(config)
+    if stage == 0 or offloads(config)[0]:  # offloaded: the CPU partition's norm, in place
+        return [0] * world_size
+    groups = [[p.numel() for p in g["params"]] for g in param_groups(model, recipe.optim) if g["params"]]
+    if stage == 3:
+        return [max((math.ceil(n / world_size) for numels in groups for n in numels), default=0) * NORM] * world_size
+    return [max((piece for numels in groups for piece in partition_pieces(numels, rank, world_size)), default=0)
+            * NORM for rank in range(world_size)]
+
+
+def partition_pieces(numels: list[int], rank: int, world_size: int) -> list[int]:
+    """Elements of each parameter inside `rank`'s partition of a flattened group (stages 1, 2)."""
+    partition = partition_numel(numels, world_size)
+    start, end, offset, pieces = partition * rank, partition * (rank + 1), 0, []
+    for numel in numels:
+        inside = min(end, offset + numel) - max(start, offset)
+        if inside > 0:
+            pieces.append(inside)
+        offset += numel
+    return pieces
 
 
 def largest_allreduce_bucket(numels: list[int], limit: int = ALLREDUCE_BUCKET) -> int:
