@@ -130,6 +130,12 @@ def norm_copies(optimizer):  # the start of the step: each gradient piece is tak
     optimizer.get_grad_norm_direct = norm
 norm_copies(DeepSpeedZeroOptimizer)
 norm_copies(DeepSpeedZeroOptimizer_Stage3)
+from deepspeed.runtime.zero import stage3
+reduce_scatter_coalesced = stage3.reduce_scatter_coalesced
+def reduced(tensors, *args, **kwargs):  # stage 3's gradients as its hook reduces them: the largest whole
+    say("reduced whole", max(t.numel() * t.element_size() for t in tensors))
+    return reduce_scatter_coalesced(tensors, *args, **kwargs)
+stage3.reduce_scatter_coalesced = reduced
 full_state_dict = zero.ZeroStrategy.full_state_dict
 def exported(self):  # ZeRO-3: the parameters it keeps gathered from the last forward, before and after
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
@@ -203,7 +209,15 @@ def test_the_plan_knows_what_each_zero_stage_holds_around_its_step(tiny_llama_di
     planned = zero_state.norm_bytes(model, load_recipe(recipe), world_size=nproc)
     assert [max(n, default=0) for n in norms] == planned, (norms, planned)
     assert (stage == 0) == (planned == [0] * nproc)
-    if stage == 3:  # the parameters kept gathered from the last forward go before the export gathers the masters
+    if stage == 3:
+        # the end of backward: the largest parameter's whole gradient, reduce-scattered alone (llama-tiny's
+        # 30522-row embedding or head, divisible by 2: in place; gloo copies it once more on CPU)
+        largest = max(p.numel() for p in model.parameters()) * 4
+        assert max(printed("reduced whole")) == largest, result.stdout[-3000:]
+        step = strategy_rules(load_recipe(recipe)).predict_step_bytes(model, load_recipe(recipe), world_size=nproc)
+        assert step == [2 * largest] * nproc and zero_state.reduce_bytes(
+            model, load_recipe(recipe), world_size=nproc, device_type="cuda") == largest, step
+        # the parameters kept gathered from the last forward go before the export gathers the masters
         before, after = printed("gathered before export"), printed("gathered after export")
         assert len(before) == nproc and all(b > 0 for b in before) and after == [0] * nproc, (before, after)
 

@@ -14,8 +14,10 @@ strategy that gives them back between steps (`StrategyInfo.holds_gradients` fals
 first micro-batch holds its activations: with one micro-batch per step its training peak is the larger of
 (parameters + optimizer state + activations), (all model states at the end of backward, with a tied
 embedding's gradients being summed: `tied_gradient_bytes` × `StrategyInfo.tied_gradients`; under ZeRO-1 every
-gradient, not yet reduced: `StrategyInfo.whole_gradients_in_backward`) and (all model states in the optimizer
-step, with what it copies: `StrategyRules.predict_step_bytes`).
+gradient, not yet reduced: `StrategyInfo.whole_gradients_in_backward`) and (all model states at the end of
+backward and in the optimizer step, once the activations are gone, with what each rank copies there: ZeRO's
+float64 norm pieces, its flat gradient partition, ZeRO-3's largest gradient being reduced:
+`StrategyRules.predict_step_bytes`, per rank).
 The peak adds what is not model state: the runtime (the Python process with torch and transformers loaded: measured
 here), the parameters a rank gathers from the others (`StrategyRules.predict_gathered_bytes`, per rank: one block under
 FSDP2, under ZeRO-3 what DeepSpeed's reuse distance keeps, a pipeline's fsdp replica its own stages), and on CPU two
@@ -108,7 +110,7 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     other = trace(how={**how, "checkpointing": not checkpointing}) if both else None
     checkpointed = activations if checkpointing else other
     gathered = rules.predict_gathered_bytes(model, recipe, world_size=world_size)
-    steps = rules.predict_step_bytes(model, recipe, world_size=world_size)
+    steps = rules.predict_step_bytes(model, recipe, world_size=world_size, device_type=device_type)
     shards = rules.data_layout(recipe, world_size=world_size, rank=0).size
     accumulates = plan_batch(recipe.batch, world_size=shards).grad_accum_steps > 1
 
@@ -124,7 +126,8 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     def training(state: StateBytes, activations: int, step: int) -> int:
         """Model states and the rank's activations at their peak (gradients there only if held), the end of
         backward (all model states, and a tied weight's gradients being summed: StrategyInfo.tied_gradients), or
-        the optimizer step (all model states, and what the step copies: StrategyRules.predict_step_bytes)."""
+        the end of backward and the optimizer step (all model states, and what the rank copies there:
+        StrategyRules.predict_step_bytes)."""
         held = state.total_bytes if info.holds_gradients or accumulates else \
             state.total_bytes - state.grads_bytes
         end_of_backward = state.total_bytes - state.grads_bytes + max(state.grads_bytes, unreduced) + tied

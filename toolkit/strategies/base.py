@@ -148,10 +148,13 @@ class StrategyRules(Protocol):
         meta device; toolkit plan, no process group). `resuming`: the run's weights come from a checkpoint (DCP),
         from which a rank that builds only its part reads only that part: no whole model on any rank."""
 
-    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
-        """Per rank, what its optimizer step holds beyond the model states at once: a copy the step makes (ZeRO
-        flattens a rank's gradients into one fp32 partition and takes each gradient to float64 for the norm); 0
-        where the step works in place (`model`: on the meta device; toolkit plan, no process group)."""
+    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
+                           device_type: str = "cpu") -> list[int]:
+        """Per rank, what the end of backward and the optimizer step hold beyond the model states at once, when
+        the activations are gone: a copy the step makes (ZeRO flattens a rank's gradients into one fp32 partition
+        and takes each gradient to float64 for the norm), a whole gradient being reduced (ZeRO-3's largest
+        parameter); 0 where the step works in place (`model`: on the meta device; toolkit plan, no process group;
+        `device_type`: cuda or cpu, whose gloo collectives copy their unsharded side)."""
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         """Per rank, the most parameter bytes it gathers from the others and holds at once during a step, beyond

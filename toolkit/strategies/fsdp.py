@@ -176,7 +176,8 @@ class FsdpRules:
         rank0 = ModelSource(recipe=recipe, tokenizer=None).weight_files(model) is None
         return [whole if rank0 else 0] + [0] * (world_size - 1)  # see load_sharded
 
-    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
+                           device_type: str = "cpu") -> list[int]:
         # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's temporaries
         # (about 2 x the largest parameter) are not counted
         return [0] * world_size

@@ -98,7 +98,8 @@ class ReplicatedRules:
         # where they stay): nothing beyond its model states
         return [0] * world_size
 
-    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
+                           device_type: str = "cpu") -> list[int]:
         # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's temporaries
         # (about 2 x the largest parameter) are not counted
         return [0] * world_size

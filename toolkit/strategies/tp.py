@@ -82,7 +82,8 @@ class TpRules:
                            resuming: bool = False) -> list[int]:
         return [whole_model_bytes(model, recipe)] * world_size  # every rank builds the whole model: each then keeps its slices of the split layers
 
-    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
+                           device_type: str = "cpu") -> list[int]:
         # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's temporaries
         # (about 2 x the largest parameter) are not counted
         return [0] * world_size

@@ -82,7 +82,8 @@ class PipelineRules:
             return [0] * world_size
         return whole
 
-    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
+    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
+                           device_type: str = "cpu") -> list[int]:
         # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's temporaries
         # (about 2 x the largest parameter) are not counted
         return [0] * world_size

@@ -96,8 +96,9 @@ class ZeroRules:
             return [0] * world_size
         return [whole if recipe.model.path is None else 0] + [0] * (world_size - 1)  # see zero/init.py
 
-    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
-        return zero_state.step_bytes(model, recipe, world_size=world_size)
+    def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
+                           device_type: str = "cpu") -> list[int]:
+        return zero_state.step_bytes(model, recipe, world_size=world_size, device_type=device_type)
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
         return [zero_state.gathered_bytes(model, recipe, world_size=world_size)] * world_size
