@@ -149,7 +149,7 @@ class StrategyRules(Protocol):
         from which a rank that builds only its part reads only that part: no whole model on any rank."""
 
     def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
-                           device_type: str = "cpu") -> list[int]:
+                           device_type: str) -> list[int]:
         """Per rank, what the end of backward and the optimizer step hold beyond the model states at once, when
         the activations are gone: a copy the step makes (ZeRO flattens a rank's gradients into one fp32 partition
         and takes each gradient to float64 for the norm), a whole gradient being reduced (ZeRO-3's largest

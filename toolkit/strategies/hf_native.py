@@ -125,7 +125,7 @@ class HfNativeRules:
         return [whole_model_bytes(model, recipe)] * world_size  # every rank builds the whole model, then shards it
 
     def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
-                           device_type: str = "cpu") -> list[int]:
+                           device_type: str) -> list[int]:
         return [0] * world_size
 
     def predict_collectives(self, model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,

@@ -120,7 +120,7 @@ class HybridRules:
         return self._form(recipe).predict_load_bytes(model, recipe, world_size=world_size, resuming=resuming)
 
     def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
-                           device_type: str = "cpu") -> list[int]:
+                           device_type: str) -> list[int]:
         return self._form(recipe).predict_step_bytes(model, recipe, world_size=world_size, device_type=device_type)
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:

@@ -83,7 +83,7 @@ class TpRules:
         return [whole_model_bytes(model, recipe)] * world_size  # every rank builds the whole model: each then keeps its slices of the split layers
 
     def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
-                           device_type: str = "cpu") -> list[int]:
+                           device_type: str) -> list[int]:
         # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's temporaries
         # (about 2 x the largest parameter) are not counted
         return [0] * world_size

@@ -83,7 +83,7 @@ class PipelineRules:
         return whole
 
     def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
-                           device_type: str = "cpu") -> list[int]:
+                           device_type: str) -> list[int]:
         # the recipe's AdamW; fused (what auto resolves to) makes no copy, the per-tensor loop's temporaries
         # (about 2 x the largest parameter) are not counted
         return [0] * world_size

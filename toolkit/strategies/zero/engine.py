@@ -166,10 +166,12 @@ class ZeroStrategy:
         from deepspeed.utils import safe_get_full_fp32_param
 
         if self.stage == 3:
-            # ZeRO-3 keeps the parameters it gathered for the last forward (every parameter of a model under its
-            # reuse distance, 500M by default: the whole model, in the compute dtype, on every rank) until they
-            # are used again; none is, so they go before each rank gathers the fp32 masters one at a time
-            # (measured: minilm-sst at 2 ranks, 87 MiB per rank held through the export without this)
+            # ZeRO-3 keeps the parameters a forward after the last step gathered (the final evaluation's: every
+            # parameter of a model under its reuse distance, 500M by default, the whole model in the compute
+            # dtype on every rank) until they are used again, which at the export they are not: they go before
+            # each rank gathers the fp32 masters one at a time (measured: minilm-sst at 2 ranks, 87 MiB per rank
+            # held through the export without this). DeepSpeed's step releases them the same way; a mid-run
+            # checkpoint through _gathered_checkpoint_tensors pays a gc.collect() for it.
             self.engine.empty_partition_cache()
         state: dict[str, torch.Tensor] = {}
         gathered: dict[int, torch.Tensor | None] = {}
@@ -182,11 +184,13 @@ class ZeroStrategy:
                 gathered[id(param)] = kept.to("cpu", torch.float32, copy=True) if self.env.is_main else None
             if (tensor := gathered[id(param)]) is not None:
                 state[name] = tensor
+        if not self.env.is_main:
+            return None
         persistent = set(self.module.state_dict().keys())  # non-persistent buffers are not saved
         for name, buffer in self.module.named_buffers():
             if name in persistent:
                 state[name] = buffer.detach().to("cpu", copy=True)
-        return state if self.env.is_main else None
+        return state
 
     def export_module(self) -> nn.Module:
         return self.module

@@ -99,7 +99,7 @@ def _stage3(model: nn.Module, groups: list[list[int]], config: dict, *, size: in
                       optim_bytes=(1 + ADAM_MOMENTS) * FP32 * trainable)
 
 
-def step_bytes(model: nn.Module, recipe: Recipe, *, world_size: int, device_type: str = "cpu") -> list[int]:
+def step_bytes(model: nn.Module, recipe: Recipe, *, world_size: int, device_type: str) -> list[int]:
     """Per rank, what the end of backward and the step copy beside the model states, one after the other: the
     largest gradient being reduced whole (`reduce_bytes`, stage 3), the gradient norm's copies (`norm_bytes`),
     then the flat gradient partition the update reads (`flat_gradient_bytes`)."""
@@ -108,23 +108,27 @@ def step_bytes(model: nn.Module, recipe: Recipe, *, world_size: int, device_type
     return [max(flat, norm, reduced) for norm in norm_bytes(model, recipe, world_size=world_size)]
 
 
-def reduce_bytes(model: nn.Module, recipe: Recipe, *, world_size: int, device_type: str = "cpu") -> int:
-    """Stage 3: the reduce-scatter of the largest parameter's gradient. Autograd gives a gathered parameter its
-    whole gradient, in the parameters' dtype; DeepSpeed reduce-scatters it once ready, alone where it is larger
-    than the reduce bucket, in place where the ranks divide its elements, else through a padded flat copy
-    (comm/coalesced_collectives.py, reduce_scatter_coalesced), and on CPU gloo's reduce-scatter copies its input
-    once more (measured: +46 MiB beside a 44.7 MiB input, at 2 ranks). The largest parameter is most often the
-    first layer's embedding, reduced last, once the activations are gone (minilm-sst zero3 at 2 ranks: its
-    11,720,448-element word embedding, 89 MiB beyond the model states and the parameters kept gathered, at the
-    end of backward). Not counted: an untied head larger than every other parameter is reduced first, beside
-    the activations."""
+def reduce_bytes(model: nn.Module, recipe: Recipe, *, world_size: int, device_type: str) -> int:
+    """Stage 3: the reduce-scatter of the largest gradient at once. Autograd gives a gathered parameter its whole
+    gradient, in the parameters' dtype; DeepSpeed reduce-scatters a gradient larger than the reduce bucket alone,
+    in place where the ranks divide its elements, else through a padded flat copy, and a bucket of smaller ones
+    through a flat copy of the bucket (comm/coalesced_collectives.py, reduce_scatter_coalesced); on CPU gloo's
+    reduce-scatter copies its input once more (measured: +46 MiB beside a 44.7 MiB input, at 2 ranks). The largest
+    parameter is most often the first layer's embedding, reduced last, once the activations are gone (minilm-sst
+    zero3 at 2 ranks: its 11,720,448-element word embedding, 89 MiB beyond the model states and the parameters
+    kept gathered, at the end of backward). Not counted: an untied head at least as large as every other
+    parameter is reduced first, beside the activations; strategy.reduce_dtype's cast copy of a gradient
+    (stage3.py, __avg_scatter_grads)."""
     config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=world_size),
                                hidden_size=hidden_size_of(model.config))
     if stage_of(config) != 3:
         return 0
-    largest = max((p.numel() for p in model.parameters() if p.requires_grad), default=0)
-    copies = 1 + (largest % world_size != 0) + (device_type != "cuda")
-    return largest * element_bytes(param_dtype(recipe)) * copies
+    bucket = int(config.get("zero_optimization", {}).get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET))
+    trainable = [p.numel() for p in model.parameters() if p.requires_grad]
+    largest, size, gloo = max(trainable, default=0), element_bytes(param_dtype(recipe)), device_type != "cuda"
+    if largest > bucket:  # alone
+        return largest * size * (1 + (largest % world_size != 0) + gloo)
+    return min(bucket, sum(trainable)) * size * (1 + gloo)  # a bucket of them, flattened
 
 
 def flat_gradient_bytes(model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
@@ -182,11 +186,13 @@ def norm_bytes(model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int
     a parameter inside the rank's partition of its flattened group (stages 1, 2: a 30522-row embedding larger
     than the partition is all of rank 0's), or the parameter's own share (stage 3). Measured: minilm-sst zero2 at 2
     ranks, rank 0's piece 11,341,440 elements (its whole partition, inside the embedding), 87 MiB above the
-    model states at the norm; rank 1's largest 589,824."""
+    model states at the norm; rank 1's largest 589,824. Not counted: with the optimizer offloaded DeepSpeed takes
+    the same pieces to float64 in its reduce hook during backward instead (stage_1_and_2.py,
+    set_norm_for_param_grad_in_gpu; stage3.py, _constant_buffered_norm2, in chunks), beside the activations."""
     config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=world_size),
                                hidden_size=hidden_size_of(model.config))
     stage = stage_of(config)
-    if stage == 0 or offloads(config)[0]:  # offloaded: the CPU partition's norm, in place
+    if stage == 0 or offloads(config)[0]:
         return [0] * world_size
     groups = [[p.numel() for p in g["params"]] for g in param_groups(model, recipe.optim) if g["params"]]
     if stage == 3:

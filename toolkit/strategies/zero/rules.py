@@ -97,7 +97,7 @@ class ZeroRules:
         return [whole if recipe.model.path is None else 0] + [0] * (world_size - 1)  # see zero/init.py
 
     def predict_step_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
-                           device_type: str = "cpu") -> list[int]:
+                           device_type: str) -> list[int]:
         return zero_state.step_bytes(model, recipe, world_size=world_size, device_type=device_type)
 
     def predict_gathered_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int]:
