@@ -20,13 +20,13 @@ import math
 
 from torch import nn
 
-from toolkit.config.recipe import Recipe, plan_batch
+from toolkit.config.recipe import Recipe
 from toolkit.cost.collectives import Collective
 from toolkit.memory.state_bytes import element_bytes
 from toolkit.model.precision import DTYPES
 from toolkit.strategies.optim.adamw import param_groups
 from toolkit.strategies.zero import memory
-from toolkit.strategies.zero.config import hidden_size_of, offloads, resolve_ds_config, stage_of
+from toolkit.strategies.zero.config import offloads, stage_of
 
 ENGINE_CHECK_BYTES = {0: 4, 1: 8, 2: 8, 3: 16}  # measured: the engine's own small all-reduces per step
 
@@ -34,8 +34,7 @@ ENGINE_CHECK_BYTES = {0: 4, 1: 8, 2: 8, 3: 16}  # measured: the engine's own sma
 def predict(model: nn.Module, recipe: Recipe, *, world_size: int, num_micro_batches: int) -> list[Collective]:
     if world_size == 1:
         return []
-    config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=world_size),
-                               hidden_size=hidden_size_of(model.config))
+    config = memory.planned_config(model, recipe, world_size=world_size)
     stage, zero = stage_of(config), config.get("zero_optimization", {})
     size = element_bytes(memory.param_dtype(recipe))
     wire = config.get("communication_data_type")  # strategy.reduce_dtype, or a ds_config's

@@ -41,9 +41,14 @@ def param_dtype(recipe: Recipe) -> torch.dtype:
     return DTYPES[recipe.precision] if recipe.precision != "fp32" else DTYPES[recipe.model.load_dtype]
 
 
+def planned_config(model: nn.Module, recipe: Recipe, *, world_size: int) -> dict:
+    """The DeepSpeed config a run of `recipe` at `world_size` would get (its buckets sized to the model)."""
+    return resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=world_size),
+                             hidden_size=hidden_size_of(model.config))
+
+
 def predict(model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
-    config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=world_size),
-                               hidden_size=hidden_size_of(model.config))
+    config = planned_config(model, recipe, world_size=world_size)
     stage, (offload_optimizer, _) = stage_of(config), offloads(config)
     dtype = param_dtype(recipe)
     size = element_bytes(dtype)
@@ -67,11 +72,7 @@ def _stage12(groups: list[list[int]], rank: int, *, size: int, everything: int, 
     for numels in groups:
         partition = partition_numel(numels, world_size)
         partition_total += partition
-        start, end, offset = partition * rank, partition * (rank + 1), 0
-        for numel in numels:  # DeepSpeed's get_partition_info: whole parameters overlapping [start, end)
-            if start <= offset < end or offset < start < offset + numel:
-                grads += numel
-            offset += numel
+        grads += sum(whole for whole, _ in partition_overlaps(numels, rank, world_size))
     # with the optimizer offloaded, gradients go straight into the fp32 partition's .grad on the CPU
     grads_bytes = partition_total * FP32 if offload else grads * size
     return StateBytes(params_bytes=everything * size, grads_bytes=grads_bytes,
@@ -119,8 +120,7 @@ def reduce_bytes(model: nn.Module, recipe: Recipe, *, world_size: int, device_ty
     kept gathered, at the end of backward). Not counted: an untied head at least as large as every other
     parameter is reduced first, beside the activations; strategy.reduce_dtype's cast copy of a gradient
     (stage3.py, __avg_scatter_grads)."""
-    config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=world_size),
-                               hidden_size=hidden_size_of(model.config))
+    config = planned_config(model, recipe, world_size=world_size)
     if stage_of(config) != 3:
         return 0
     bucket = int(config.get("zero_optimization", {}).get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET))
@@ -146,8 +146,7 @@ def flat_gradient_bytes(model: nn.Module, recipe: Recipe, *, world_size: int) ->
     its master (FP16_UnfusedOptimizer) before the update. Measured: zero0 302M, 2 ranks, fp32: +16.3 % peak
     without the bucket, +1.5 % with it (benchmarks/memory_scaling.py --arms zero0).
     Offloaded, the gradients go to the CPU partition's own .grad: nothing."""
-    config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=world_size),
-                               hidden_size=hidden_size_of(model.config))
+    config = planned_config(model, recipe, world_size=world_size)
     size = element_bytes(param_dtype(recipe))
     cast = FP32 + (size if size != FP32 else 0)  # the flat 16-bit gradients and their fp32 copy
     groups = [g["params"] for g in param_groups(model, recipe.optim) if g["params"]]
@@ -189,28 +188,29 @@ def norm_bytes(model: nn.Module, recipe: Recipe, *, world_size: int) -> list[int
     model states at the norm; rank 1's largest 589,824. Not counted: with the optimizer offloaded DeepSpeed takes
     the same pieces to float64 in its reduce hook during backward instead (stage_1_and_2.py,
     set_norm_for_param_grad_in_gpu; stage3.py, _constant_buffered_norm2, in chunks), beside the activations."""
-    config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=world_size),
-                               hidden_size=hidden_size_of(model.config))
+    config = planned_config(model, recipe, world_size=world_size)
     stage = stage_of(config)
     if stage == 0 or offloads(config)[0]:
         return [0] * world_size
     groups = [[p.numel() for p in g["params"]] for g in param_groups(model, recipe.optim) if g["params"]]
     if stage == 3:
         return [max((math.ceil(n / world_size) for numels in groups for n in numels), default=0) * NORM] * world_size
-    return [max((piece for numels in groups for piece in partition_pieces(numels, rank, world_size)), default=0)
-            * NORM for rank in range(world_size)]
+    return [max((inside for numels in groups for _, inside in partition_overlaps(numels, rank, world_size)),
+                default=0) * NORM for rank in range(world_size)]
 
 
-def partition_pieces(numels: list[int], rank: int, world_size: int) -> list[int]:
-    """Elements of each parameter inside `rank`'s partition of a flattened group (stages 1, 2)."""
+def partition_overlaps(numels: list[int], rank: int, world_size: int) -> list[tuple[int, int]]:
+    """(elements, elements inside the partition) of each parameter overlapping `rank`'s partition of a flattened
+    group, stages 1 and 2 (DeepSpeed's get_partition_info): the rank keeps such a gradient whole, and its norm
+    reads the part inside."""
     partition = partition_numel(numels, world_size)
-    start, end, offset, pieces = partition * rank, partition * (rank + 1), 0, []
+    start, end, offset, overlaps = partition * rank, partition * (rank + 1), 0, []
     for numel in numels:
         inside = min(end, offset + numel) - max(start, offset)
         if inside > 0:
-            pieces.append(inside)
+            overlaps.append((numel, inside))
         offset += numel
-    return pieces
+    return overlaps
 
 
 def largest_allreduce_bucket(numels: list[int], limit: int = ALLREDUCE_BUCKET) -> int:
@@ -233,8 +233,7 @@ def gathered_bytes(model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
     DeepSpeed's defaults (1e9 each; transformers' documented configs set the same) keep every parameter of a
     model under 500M gathered from the end of the forward (measured on the 302M benchmark: RSS rose by the
     whole model's fp32 bytes from the second step on, not by one block). Stages 1 and 2 gather nothing."""
-    config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=world_size),
-                               hidden_size=hidden_size_of(model.config))
+    config = planned_config(model, recipe, world_size=world_size)
     if stage_of(config) != 3:
         return 0
     kept = kept_gathered_numel(model, recipe, world_size=world_size)
@@ -244,8 +243,7 @@ def gathered_bytes(model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
 def kept_gathered_numel(model: nn.Module, recipe: Recipe, *, world_size: int) -> int:
     """Stage 3: the elements DeepSpeed keeps gathered from the end of the forward to their backward use (see
     gathered_bytes); the rest it gathers again in backward."""
-    config = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=world_size),
-                               hidden_size=hidden_size_of(model.config))
+    config = planned_config(model, recipe, world_size=world_size)
     zero = config.get("zero_optimization", {})
     return min(sum(p.numel() for p in model.parameters()),
                int(zero.get("stage3_max_reuse_distance", DEFAULT_REUSE_DISTANCE)) // 2,
