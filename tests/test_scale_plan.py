@@ -225,3 +225,37 @@ def test_a_measured_loss_rate_costs_every_logit_a_rank_computes(layout, sets, da
     cpu = step_time.Cluster(hardware=measured, num_nodes=1, gpus_per_node=2)
     work = work_for_shapes(minilm, classifier, world_size=2, rank=1, shapes=None)
     assert "loss over the logits" not in {c.what for c in step_time.predict(classifier, work, cpu).costs}
+
+
+def test_zero3s_host_time_per_call_is_charged_where_the_host_computes():
+    """ZeRO-3's hooks spend host time around each gather and reduce-scatter (fetch, release, re-partition in
+    Python): on a profile whose host also computes (a CPU: overlaps_communication false), each call costs
+    HOST_S_PER_CALL; ZeRO-2 and a GPU profile (the host runs ahead of the device) pay none."""
+    import dataclasses
+
+    from toolkit.config.files import load_recipe
+    from toolkit.config.parallel import resolve
+    from toolkit.cost import step_time
+    from toolkit.plan.predict import planned_model
+    from toolkit.plan.scale import work_for_shapes
+    from toolkit.strategies.zero.collectives import HOST_S_PER_CALL
+
+    h100 = hardware.load("h100-sxm")
+    host_computes = dataclasses.replace(h100, overlaps_communication=False)
+
+    def host_cost(stage: int, profile) -> float | None:
+        recipe = resolve(load_recipe(str(REPO / "recipes" / "minilm-sst.yaml"),
+                                     ["strategy.name=zero", f"strategy.stage={stage}"]), world_size=2)
+        model = planned_model(recipe)
+        work = work_for_shapes(recipe, model, world_size=2, rank=0, shapes=None)
+        costs = step_time.predict(model, work, step_time.Cluster(hardware=profile, num_nodes=1,
+                                                                  gpus_per_node=2)).costs
+        return next((c.exposed_s for c in costs if c.what == "host time around the collectives"), None)
+
+    recipe = load_recipe(str(REPO / "recipes" / "minilm-sst.yaml"), [])
+    params = len(list(planned_model(recipe).parameters()))
+    # one micro-batch of 16 a rank: each parameter gathered in one call (before its forward, or once a step where
+    # it stays whole) and each gradient reduce-scattered in one
+    assert host_cost(3, host_computes) == pytest.approx(2 * params * HOST_S_PER_CALL, rel=1e-12)
+    assert host_cost(3, h100) is None
+    assert host_cost(2, host_computes) is None

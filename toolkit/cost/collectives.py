@@ -51,6 +51,9 @@ class Collective:
     # and error feedback, which its DDP hook runs between backward's buckets): FLOPs, and bytes read and written
     codec_flops: float = 0.0
     codec_bytes: int = 0
+    # the framework's host time around each call (ZeRO-3's hooks fetch, release and partition in Python), on the
+    # critical path where the host also computes (toolkit/cost/step_time.py)
+    host_s_per_call: float = 0.0
 
     def __post_init__(self) -> None:
         assert self.op in KINDS and self.phase in PHASES and self.overlap in OVERLAPS, (self.op, self.phase)
