@@ -32,10 +32,12 @@ from toolkit.strategies.zero.config import offloads, stage_of
 ENGINE_CHECK_BYTES = {0: 4, 1: 8, 2: 8, 3: 16}  # measured: the engine's own small all-reduces per step
 # ZeRO-3's host time per gather or reduce-scatter call beyond the collective itself: the Python of its module hooks
 # (fetch, release, re-partition), its gradient bucket copies and its step's per-parameter flatten, unscale and
-# gathers of the parameters kept whole. Fitted on this project's 2-core CPU at 2 ranks (1 thread each), from
-# each step's measured time less its compute and collectives (timed around the calls, 20 steps): minilm-sst
-# 0.69 ms a predicted call, llama-tiny 0.49. Charged only where the host also computes (a CPU profile); on a GPU
-# the host runs ahead of the device's kernels and the time is not charged (not measured there).
+# gathers of the parameters kept whole. Measured by benchmarks/zero3_host_time.py on this project's 2-core CPU at
+# 2 ranks (1 thread each; 2026-12-01): a step's forward-backward less its compute (one process at 1 thread on the
+# rank's batch) and the time inside its collectives, plus its optimizer step less AdamW's, over the calls the
+# rules predict: minilm-sst 0.62 ms (micro 16) and 0.55 (micro 8), llama-tiny 0.52, moe-tiny 0.60. Charged only
+# where the host also computes (a CPU profile); on a GPU the host runs ahead of the device's kernels and the time
+# is not charged (not measured there).
 HOST_S_PER_CALL = 0.6e-3
 
 

@@ -1,0 +1,104 @@
+"""ZeRO-3's host time per collective call on this CPU: what toolkit/strategies/zero/collectives.py HOST_S_PER_CALL
+stands for, measured.
+
+    python benchmarks/zero3_host_time.py [--cases minilm,minilm-micro8,llama,moe] [--steps 20] [--nproc 2]
+
+Per case, two runs of `toolkit train` as ranks of torch.distributed.run: ZeRO-3 at `--nproc` ranks, and one
+process at one thread on one rank's batch (the compute alone, the threads a rank has). A step's host time is
+ZeRO-3's forward-backward less that compute and less the time inside its collectives, plus its optimizer step
+less AdamW's own; over the gather and reduce-scatter calls the rules predict, it is the seconds a call.
+
+Why an in-process hook, not `toolkit launch` alone: the collectives' own time is inside the step, and only timing
+around each call (benchmarks/host_time_worker.py) separates it from the Python around it. The ranks start as
+`toolkit launch` starts them (torch.distributed.run, the toolkit's environment, the recipe's checks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from benchmarks.toolkit_runs import print_table  # noqa: E402
+
+CASES = {
+    "minilm": ("recipes/minilm-sst.yaml", []),
+    "minilm-micro8": ("recipes/minilm-sst.yaml", ["batch.micro_batch_size=8"]),
+    "llama": ("recipes/llama-tiny.yaml", []),
+    "moe": ("recipes/moe-tiny.yaml", []),
+}
+ZERO3 = ["strategy.name=zero", "strategy.stage=3"]
+
+
+def run(recipe: str, sets: list[str], *, nproc: int, steps: int, threads: int | None, label: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="host-time-") as tmp:
+        out = Path(tmp) / "times.json"
+        common = [f"train.max_steps={steps}", "train.eval_every=100000", "model.dropout=0.0",
+                  f"output_dir={tmp}/run"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(REPO / "benchmarks" / "host_time_worker.py"), "train", recipe,
+               *[a for s in [*common, *sets] for a in ("--set", s)]]
+        env = {**os.environ, "HOST_TIME_OUT": str(out), "HOST_TIME_SKIP": str(min(3, steps - 1))}
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        print(f"[benchmark] {label} ...", file=sys.stderr, flush=True)
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        if done.returncode or not out.is_file():
+            raise SystemExit(f"{label} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+
+def predicted_calls(recipe_path: str, sets: list[str], *, nproc: int) -> tuple[int, int]:
+    """(gather and reduce-scatter calls a step, per-rank samples a step), as the plan's rules count them."""
+    from toolkit.config.files import load_recipe
+    from toolkit.config.parallel import resolve
+    from toolkit.config.recipe import plan_batch
+    from toolkit.plan.predict import planned_model
+    from toolkit.strategies.zero import collectives
+
+    recipe = resolve(load_recipe(recipe_path, [*ZERO3, *sets]), world_size=nproc)
+    plan = plan_batch(recipe.batch, world_size=nproc)
+    rules = collectives.predict(planned_model(recipe), recipe, world_size=nproc,
+                                num_micro_batches=plan.grad_accum_steps)
+    calls = sum(c.calls for c in rules if c.host_s_per_call)
+    return calls, plan.micro_batch_size * plan.grad_accum_steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--nproc", type=int, default=2)
+    args = parser.parse_args()
+    from toolkit.launch.launcher import prepare_environment
+    from toolkit.strategies.zero.collectives import HOST_S_PER_CALL
+
+    prepare_environment()
+    rows = []
+    for name in args.cases.split(","):
+        recipe, sets = CASES[name]
+        calls, samples = predicted_calls(recipe, sets, nproc=args.nproc)
+        zero3 = run(recipe, [*ZERO3, *sets], nproc=args.nproc, steps=args.steps, threads=None,
+                    label=f"{name}: zero3 at {args.nproc} ranks")
+        micro = next((s.split("=")[1] for s in sets if s.startswith("batch.micro_batch_size=")), None)
+        alone = run(recipe, [f"batch.global_batch_size={samples}", *([f"batch.micro_batch_size={micro}"] if micro
+                                                                     else [])],
+                    nproc=1, steps=args.steps, threads=1, label=f"{name}: one process at 1 thread, {samples} samples")
+        host = (zero3["forward-backward"] - alone["forward-backward"] - zero3.get("collectives", 0.0)) + \
+            (zero3["optimizer step"] - zero3.get("adamw", 0.0))
+        rows.append([name, f"{zero3['step'] * 1e3:.0f}", f"{alone['forward-backward'] * 1e3:.0f}",
+                     f"{zero3.get('collectives', 0.0) * 1e3:.0f}", f"{host * 1e3:.0f}", str(calls),
+                     f"{host / calls * 1e3:.2f}"])
+    print_table(["case", "zero3 step ms", "compute ms", "in collectives ms", "host ms", "calls", "host ms/call"],
+                rows)
+    print(f"the plan charges {HOST_S_PER_CALL * 1e3:.2f} ms a call (HOST_S_PER_CALL)")
+
+
+if __name__ == "__main__":
+    main()
