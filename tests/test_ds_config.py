@@ -134,3 +134,26 @@ def test_a_compare_names_the_optimizer_and_scheduler_that_differ():
     assert setting_differences(ours, reference) == [
         "audit optimizer: DeepSpeed fused CPU Adam (AdamW), offloaded vs torch AdamW (fused)",
         "audit scheduler: DeepSpeed WarmupLR vs toolkit: 2 warm-up steps, then cosine (LambdaLR)"]
+
+
+@pytest.mark.parametrize("launched, count", [({"LOCAL_WORLD_SIZE": "3"}, 3), ({}, 1)])
+def test_deepspeeds_cpu_accelerator_counts_the_ranks_without_a_subprocess(monkeypatch, launched, count):
+    """Without LOCAL_SIZE (DeepSpeed's own launcher sets it), the CPU accelerator's device_count runs `numactl` in a
+    subprocess, and ZeRO-3 asks it once per gradient bucket it reduces: a ZeRO process tells it this machine's ranks
+    (torch.distributed.run's LOCAL_WORLD_SIZE, or 1 without a launcher), so that no step forks a subprocess."""
+    import os
+    import subprocess
+
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    from toolkit.strategies.zero.comm import tell_local_size
+
+    environ = {k: v for k, v in os.environ.items() if k not in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE")}
+    monkeypatch.setattr(os, "environ", {**environ, **launched})
+
+    def no_subprocess(*args, **kwargs):
+        raise AssertionError(f"a subprocess was started: {args}")
+
+    monkeypatch.setattr(subprocess, "check_output", no_subprocess)
+    tell_local_size()
+    assert CPU_Accelerator().device_count() == count

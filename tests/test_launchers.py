@@ -158,27 +158,3 @@ def test_a_launch_leaves_nothing_in_the_temporary_folder(llama_runs, tmp_path):
     assert "[toolkit] strategy ddp (dp_replicate 2) · world 2 · " in result.stderr
     info = json.loads((tmp_path / "out" / "run.json").read_text())
     assert info["strategy"] == "ddp" and info["parallel"]["dp_replicate"] == 2
-
-
-def test_a_rank_tells_deepspeeds_cpu_accelerator_its_device_count(monkeypatch):
-    """Without LOCAL_SIZE (DeepSpeed's own launcher sets it), the CPU accelerator's device_count runs `numactl` in a
-    subprocess, and ZeRO-3 asks it once per gradient bucket it reduces: a rank's settings give it the rank's local
-    world size, so that no step forks a subprocess."""
-    import os
-
-    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
-
-    from toolkit.launch.launcher import prepare_environment
-
-    environ = {k: v for k, v in os.environ.items() if k != "LOCAL_SIZE"}
-    monkeypatch.setattr(os, "environ", {**environ, "LOCAL_WORLD_SIZE": "3"})
-
-    def no_subprocess(*args, **kwargs):
-        raise AssertionError(f"a subprocess was started: {args}")
-
-    monkeypatch.setattr(subprocess, "check_output", no_subprocess)
-    prepare_environment()
-    assert CPU_Accelerator().device_count() == 3
-    monkeypatch.setattr(os, "environ", dict(environ))  # a process torch's launcher did not start: left unset
-    prepare_environment()
-    assert "LOCAL_SIZE" not in os.environ

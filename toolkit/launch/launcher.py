@@ -150,11 +150,6 @@ def prepare_environment() -> None:
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores; torchrun would set it too
-        # DeepSpeed's CPU accelerator counts its devices from LOCAL_SIZE, which its own launcher sets; without it,
-        # each count runs `numactl --hardware` in a subprocess, and ZeRO-3 counts once per gradient bucket it
-        # reduces (stage3.py __avg_scatter_grads): a fork of the rank per bucket, 7 % of a minilm-sst zero3 step
-        if "LOCAL_WORLD_SIZE" in os.environ:  # a rank that torch.distributed.run (or accelerate) started
-            os.environ.setdefault("LOCAL_SIZE", os.environ["LOCAL_WORLD_SIZE"])
 
 
 def launch_recipe(recipe_path: str, overrides: list[str], *, nproc: int, nodes: Nodes = Nodes(),

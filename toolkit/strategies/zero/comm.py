@@ -7,13 +7,23 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 import sys
 
 BUILT = re.compile(r"DeepSpeed \S+ built successfully")
 
 
+def tell_local_size() -> None:
+    """DeepSpeed's CPU accelerator counts its devices from LOCAL_SIZE, which DeepSpeed's own launcher sets; without
+    it each count runs `numactl --hardware` in a subprocess, and ZeRO-3 counts once per gradient bucket it reduces
+    (stage3.py __avg_scatter_grads): a fork of the rank per bucket, 7 % of a minilm-sst zero3 step at 2 ranks. It
+    is this machine's ranks: torch.distributed.run's LOCAL_WORLD_SIZE, 1 in a process no launcher started."""
+    os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def init_deepspeed_comm() -> None:
+    tell_local_size()  # in the process that trains, never in a launcher whose ranks would inherit it
     import deepspeed.comm
     from deepspeed.accelerator import get_accelerator  # DS_ACCELERATOR: see toolkit.launch.launcher.prepare_environment
 
