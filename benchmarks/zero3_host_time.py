@@ -86,10 +86,8 @@ def main() -> None:
         calls, samples = predicted_calls(recipe, sets, nproc=args.nproc)
         zero3 = run(recipe, [*ZERO3, *sets], nproc=args.nproc, steps=args.steps, threads=None,
                     label=f"{name}: zero3 at {args.nproc} ranks")
-        micro = next((s.split("=")[1] for s in sets if s.startswith("batch.micro_batch_size=")), None)
-        alone = run(recipe, [f"batch.global_batch_size={samples}", *([f"batch.micro_batch_size={micro}"] if micro
-                                                                     else [])],
-                    nproc=1, steps=args.steps, threads=1, label=f"{name}: one process at 1 thread, {samples} samples")
+        alone = run(recipe, [*sets, f"batch.global_batch_size={samples}"], nproc=1, steps=args.steps, threads=1,
+                    label=f"{name}: one process at 1 thread, {samples} samples")
         host = (zero3["forward-backward"] - alone["forward-backward"] - zero3.get("collectives", 0.0)) + \
             (zero3["optimizer step"] - zero3.get("adamw", 0.0))
         rows.append([name, f"{zero3['step'] * 1e3:.0f}", f"{alone['forward-backward'] * 1e3:.0f}",

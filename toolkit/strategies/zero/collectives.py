@@ -16,7 +16,6 @@ read from the collective counter on CPU and held to it byte for byte (tests/test
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from torch import nn
@@ -53,9 +52,10 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, num_micro_batc
     grads = sum(p.numel() for p in trainable) * sent
     bucket = int(zero.get("reduce_bucket_size", memory.DEFAULT_REDUCE_BUCKET)) * sent
 
-    def entry(op: str, payload: int, calls: int, phase: str, what: str, overlap: str = "nothing") -> Collective:
+    def entry(op: str, payload: int, calls: int, phase: str, what: str, overlap: str = "nothing",
+              host_s_per_call: float = 0.0) -> Collective:
         return Collective(op=op, payload_bytes=payload, calls=calls, group="dp_shard", group_size=world_size,
-                          phase=phase, what=what, overlap=overlap)
+                          phase=phase, what=what, overlap=overlap, host_s_per_call=host_s_per_call)
 
     flag = 1 if stage in (1, 2) and recipe.precision != "fp32" else 0
     check_bytes = 8 if stage == 3 and offloads(config)[0] else ENGINE_CHECK_BYTES[stage] + flag
@@ -81,8 +81,7 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, num_micro_batc
     regathered = max(0, sum(parted) * world_size - kept) // world_size  # released after forward: again in backward
     gathers = num_micro_batches * (sum(parted) + regathered) + sum(whole)
     padded_grads = sum(math.ceil(p.numel() / world_size) * world_size for p in trainable) * sent
-    hooked = [entry("_allgather_base_", gathers * size, num_micro_batches * len(parted) + len(whole), "forward",
-                    "parameters", "compute"),
-              entry("_reduce_scatter_base_", num_micro_batches * padded_grads,
-                    num_micro_batches * len(trainable), "backward", "gradients", "compute")]
-    return [dataclasses.replace(c, host_s_per_call=HOST_S_PER_CALL) for c in hooked] + [checks]
+    return [entry("_allgather_base_", gathers * size, num_micro_batches * len(parted) + len(whole), "forward",
+                  "parameters", "compute", HOST_S_PER_CALL),
+            entry("_reduce_scatter_base_", num_micro_batches * padded_grads,
+                  num_micro_batches * len(trainable), "backward", "gradients", "compute", HOST_S_PER_CALL), checks]

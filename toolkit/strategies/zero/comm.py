@@ -18,8 +18,10 @@ def tell_local_size() -> None:
     """DeepSpeed's CPU accelerator counts its devices from LOCAL_SIZE, which DeepSpeed's own launcher sets; without
     it each count runs `numactl --hardware` in a subprocess, and ZeRO-3 counts once per gradient bucket it reduces
     (stage3.py __avg_scatter_grads): a fork of the rank per bucket, 7 % of a minilm-sst zero3 step at 2 ranks. It
-    is this machine's ranks: torch.distributed.run's LOCAL_WORLD_SIZE, 1 in a process no launcher started."""
-    os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    is this machine's ranks as the launcher set them (1 in a process no launcher started)."""
+    from toolkit.process.dist import env_world_size, machines_of
+
+    os.environ.setdefault("LOCAL_SIZE", str(machines_of(env_world_size())[1]))
 
 
 def init_deepspeed_comm() -> None:
