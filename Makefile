@@ -22,9 +22,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	# beside the set-up below, DeepSpeed's JIT ops the tests load (~1 min of compiling, once per machine);
-	# the report test renders report.html in headless Chromium (Debian package); mypy: settings in pyproject.toml
-	$(BIN)/python tests/prepare_deepspeed_ops.py > $(VENV)/deepspeed-ops.log 2>&1 & ops=$$!; \
-	  (command -v chromium >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)) \
+	# the report test renders report.html in headless Chromium (Debian package); mypy: settings in pyproject.toml.
+	# Each preparation has a time limit: one that hangs leaves the tests that need it to say so, not the whole run
+	timeout 900 $(BIN)/python tests/prepare_deepspeed_ops.py > $(VENV)/deepspeed-ops.log 2>&1 & ops=$$!; \
+	  (command -v chromium >/dev/null 2>&1 || (timeout 900 apt-get update -qq \
+	    && DEBIAN_FRONTEND=noninteractive timeout 900 apt-get install -y -qq chromium >/dev/null)) \
 	  && $(BIN)/python -m mypy; status=$$?; wait $$ops; grep -v WARNING $(VENV)/deepspeed-ops.log; exit $$status
 	$(BIN)/python -m pytest -q --durations=60 tests  # the slowest tests listed: the suite must stay under 30 min
 

@@ -23,6 +23,9 @@ def main() -> int:
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.op_builder import CPUAdamBuilder
 
+    from toolkit.process.build_locks import clear_stale_build_locks
+
+    clear_stale_build_locks()  # a lock left by a load that was killed would make each build below wait forever
     builders = [get_accelerator().create_op_builder("ShareMemCommBuilder"), CPUAdamBuilder()]
     for builder in builders:
         if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):

@@ -25,7 +25,10 @@ def tell_local_size() -> None:
 
 
 def init_deepspeed_comm() -> None:
+    from toolkit.process.build_locks import clear_stale_build_locks
+
     tell_local_size()  # in the process that trains, never in a launcher whose ranks would inherit it
+    clear_stale_build_locks()  # before DeepSpeed loads its first JIT-built op: a stale lock would hang it
     import deepspeed.comm
     from deepspeed.accelerator import get_accelerator  # DS_ACCELERATOR: see toolkit.launch.launcher.prepare_environment
 
