@@ -23,9 +23,9 @@ def main() -> int:
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.op_builder import CPUAdamBuilder
 
-    from toolkit.process.build_locks import clear_stale_build_locks
+    from toolkit.process.leftovers import clear_deepspeed_leftovers
 
-    clear_stale_build_locks()  # a lock left by a load that was killed would make each build below wait forever
+    clear_deepspeed_leftovers()  # a build lock a killed load left would make each build below wait forever
     builders = [get_accelerator().create_op_builder("ShareMemCommBuilder"), CPUAdamBuilder()]
     for builder in builders:
         if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):

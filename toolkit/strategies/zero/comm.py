@@ -1,7 +1,9 @@
 """DeepSpeed's communication backend, made once per process by the toolkit before DeepSpeed's first use of it
 (zero.Init, deepspeed.initialize), over the process group the toolkit made. DeepSpeed makes it itself otherwise,
 and its shared-memory op's 'DeepSpeed ... built successfully' line (deepspeed/comm/torch.py, a print) came from
-every rank of every ZeRO run; that line is left out, anything else printed passes through."""
+every rank of every ZeRO run; that line is left out, anything else printed passes through. Before it, what ended
+DeepSpeed processes left behind is cleared (toolkit.process.leftovers); after it, this rank's shared-memory segment
+is unlinked, which DeepSpeed never does."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import io
 import os
 import re
 import sys
+from pathlib import Path
 
 BUILT = re.compile(r"DeepSpeed \S+ built successfully")
 
@@ -25,10 +28,10 @@ def tell_local_size() -> None:
 
 
 def init_deepspeed_comm() -> None:
-    from toolkit.process.build_locks import clear_stale_build_locks
+    from toolkit.process.leftovers import clear_deepspeed_leftovers
 
     tell_local_size()  # in the process that trains, never in a launcher whose ranks would inherit it
-    clear_stale_build_locks()  # before DeepSpeed loads its first JIT-built op: a stale lock would hang it
+    clear_deepspeed_leftovers()  # before DeepSpeed loads its first op: a stale build lock would hang it
     import deepspeed.comm
     from deepspeed.accelerator import get_accelerator  # DS_ACCELERATOR: see toolkit.launch.launcher.prepare_environment
 
@@ -39,3 +42,25 @@ def init_deepspeed_comm() -> None:
     for line in said.getvalue().splitlines():
         if not BUILT.fullmatch(line.strip()):
             print(line, file=sys.stdout, flush=True)
+    unlink_shm_segment()
+
+
+def shm_segment(rank: int) -> Path:
+    """The shared-memory segment DeepSpeed's CPU collectives made for `rank` (shm.cpp shm_initialize: its uid,
+    MASTER_ADDR, MASTER_PORT, rank), when every rank is on this machine (LOCAL_SIZE = the world size)."""
+    from toolkit.process.leftovers import SHM, SHM_PREFIX
+
+    address, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return SHM / f"{SHM_PREFIX}_{os.getuid()}_{address}_{port}_{rank}"
+
+
+def unlink_shm_segment() -> None:
+    """DeepSpeed never unlinks its segment: 66 MB per rank stayed in /dev/shm after each run, until the machine
+    restarted. Each rank maps its peers' segments by name while it starts its collectives; once every rank is past
+    that (a barrier), this rank's name is removed. The memory stays mapped for as long as a rank uses it and goes
+    with the last of them, however the run ends."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    shm_segment(dist.get_rank() if dist.is_initialized() else 0).unlink(missing_ok=True)

@@ -1,8 +1,10 @@
-"""A build lock left by a process killed while it loaded a JIT-built op no longer hangs the next DeepSpeed run.
+"""What ended DeepSpeed processes leave behind no longer hangs the next run or holds the machine's memory.
 
-torch takes a lock file for every load of a JIT extension (torch.utils.file_baton.FileBaton) and any other process
-waits for it to go, with no time limit. A test run killed during a ZeRO rank's start once left one in the
-extensions cache, and the next `make test` on that machine waited in its op preparation until CI's time limit."""
+- torch takes a lock file for every load of a JIT extension (torch.utils.file_baton.FileBaton) and any other process
+  waits for it to go, with no time limit. A test run killed during a ZeRO rank's start once left one in the
+  extensions cache, and the next `make test` on that machine waited in its op preparation until CI's time limit.
+- DeepSpeed's CPU collectives make a 66 MB shared-memory segment per rank and never unlink it: a day of test runs
+  left 290 of them in /dev/shm, 19 GB of the machine's 24 GiB."""
 
 import json
 import os
@@ -11,11 +13,20 @@ import sys
 from pathlib import Path
 
 from conftest import REPO, toolkit_env, write_recipe
-from toolkit.process import build_locks
-from toolkit.process.build_locks import clear_stale_build_locks
+from toolkit.process import leftovers
+from toolkit.process.leftovers import SHM, SHM_PREFIX, clear_stale_build_locks, clear_stale_shm_segments
 
 HOLD = "import sys, os, time; fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); print('held', flush=True); " \
        "time.sleep(60)"
+# a segment's user as DeepSpeed's peers are after shm_open + mmap, here with the descriptor closed: mapped only
+MAP = "import sys, mmap, os, time; fd = os.open(sys.argv[1], os.O_RDWR); m = mmap.mmap(fd, 4096); os.close(fd); " \
+      "print('held', flush=True); time.sleep(60)"
+
+
+def _holding(script: str, path: Path) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, "-c", script, str(path)], stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "held"
+    return process
 
 
 def _stale(path: Path) -> Path:
@@ -32,9 +43,8 @@ def test_a_lock_no_process_holds_is_removed_and_a_held_one_is_kept(tmp_path):
     held = root / "py311_cpu" / "fused_op" / "lock"
     held.parent.mkdir(parents=True)
     other = _stale(root / "py311_cpu" / "fused_op" / "build.ninja")
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(held)], stdout=subprocess.PIPE, text=True)
+    holder = _holding(HOLD, held)
     try:
-        assert holder.stdout.readline().strip() == "held"
         removed = clear_stale_build_locks([root], settle_s=0.05)
         assert sorted(removed) == sorted([stale_default, stale_chosen])
         assert not stale_default.exists() and not stale_chosen.exists()
@@ -49,7 +59,7 @@ def test_a_lock_taken_again_between_the_two_looks_is_kept(tmp_path, monkeypatch)
     # at again; here a process takes it (holds it open) in between, as a sibling rank's load would
     lock = _stale(tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock")
     opened: list[int] = []
-    monkeypatch.setattr(build_locks.time, "sleep", lambda s: opened.append(os.open(lock, os.O_RDONLY)))
+    monkeypatch.setattr(leftovers.time, "sleep", lambda s: opened.append(os.open(lock, os.O_RDONLY)))
     try:
         assert clear_stale_build_locks([tmp_path], settle_s=0.05) == []
         assert opened and lock.exists()
@@ -58,9 +68,31 @@ def test_a_lock_taken_again_between_the_two_looks_is_kept(tmp_path, monkeypatch)
             os.close(fd)
 
 
+def test_a_shared_memory_segment_no_process_uses_is_removed(tmp_path, capsys):
+    mine = f"{SHM_PREFIX}_{os.getuid()}_127.0.0.1"
+    stale = [tmp_path / f"{mine}_29500_0", tmp_path / f"{mine}_29500_1"]
+    opened, mapped = tmp_path / f"{mine}_29501_0", tmp_path / f"{mine}_29501_1"
+    theirs, other = tmp_path / f"{SHM_PREFIX}_{os.getuid() + 1}_127.0.0.1_29502_0", tmp_path / "psm_1234"
+    for path in (*stale, opened, mapped, theirs, other):
+        path.write_bytes(b"\0" * 8192)
+    users = [_holding(HOLD.replace("os.O_CREAT | os.O_EXCL", "os.O_RDWR"), opened), _holding(MAP, mapped)]
+    try:
+        assert sorted(clear_stale_shm_segments(tmp_path, settle_s=0.05)) == stale
+        assert [p.exists() for p in (*stale, opened, mapped, theirs, other)] == [False, False, True, True, True, True]
+        assert "removed 2 DeepSpeed shared-memory segment(s)" in capsys.readouterr().err
+    finally:
+        for user in users:
+            user.kill()
+            user.wait()
+
+
+def _segments() -> set[Path]:
+    return set(SHM.glob(f"{SHM_PREFIX}_{os.getuid()}_*"))
+
+
 def test_a_zero_run_starts_past_a_stale_lock_on_its_op(tmp_path, tiny_llama_dir):
     """The user's path: a ZeRO run whose shared-memory op's lock a killed run left behind. Without the clearing
-    it waits forever (here: until the timeout) before its first step."""
+    it waits forever (here: until the timeout) before its first step. It leaves no shared-memory segment."""
     from torch.utils.cpp_extension import _get_build_directory  # where torch itself looks for that op's lock
 
     lock = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "lock"
@@ -70,6 +102,7 @@ def test_a_zero_run_starts_past_a_stale_lock_on_its_op(tmp_path, tiny_llama_dir)
                                  "progress": False})
     assert not lock.exists(), f"{lock} is there before the test: a killed load left it (remove it)"
     _stale(lock)
+    before = _segments()
     try:
         result = subprocess.run([sys.executable, "-m", "toolkit", "train", str(recipe)], cwd=REPO,
                                 env=toolkit_env(), capture_output=True, text=True, timeout=240)
@@ -77,5 +110,6 @@ def test_a_zero_run_starts_past_a_stale_lock_on_its_op(tmp_path, tiny_llama_dir)
         assert result.returncode == 0, output[-4000:]
         assert f"removed {lock}: a build lock no process holds" in output
         assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "completed"
+        assert _segments() - before == set()
     finally:
         lock.unlink(missing_ok=True)
