@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(BIN)/toolkit train recipes/minilm-sst.yaml --set output_dir=runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP)
-	# beside the set-up below, DeepSpeed's JIT ops the tests load (~1 min of compiling, once per machine);
+	# beside the set-up below, the DeepSpeed JIT op the tests load (CPU Adam, ~40 s of compiling once per machine);
 	# the report test renders report.html in headless Chromium (Debian package); mypy: settings in pyproject.toml.
 	# Each preparation has a time limit: one that hangs leaves the tests that need it to say so, not the whole run
 	timeout 900 $(BIN)/python tests/prepare_deepspeed_ops.py > $(VENV)/deepspeed-ops.log 2>&1 & ops=$$!; \

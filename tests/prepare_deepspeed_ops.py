@@ -1,11 +1,11 @@
 """Build the DeepSpeed ops the test suite loads, before it runs: `make test` starts this beside the type check.
 
 DeepSpeed compiles some ops with ninja the first time a process loads them, into torch's extensions cache
-(~/.cache/torch_extensions): the shared-memory collectives every DeepSpeed run initializes on the CPU (~25 s)
-and CPU Adam for optimizer offload (~40 s). Without this, the first test that needs each pays its build. Here
-both are built the way DeepSpeed itself loads them (deepspeed.comm.torch.build_shm_op, deepspeed.ops.adam), so
-the tests find them built. Nothing to do where DeepSpeed is not installed or an op does not apply to the
-machine's accelerator; a failed build is said in one line and left to the tests that need the op to report.
+(~/.cache/torch_extensions): of those the toolkit loads, CPU Adam for optimizer offload (~40 s; its ZeRO runs skip
+DeepSpeed's shared-memory collectives, see toolkit.strategies.zero.comm). Without this, the first test that needs
+it pays its build. Here it is built the way DeepSpeed itself loads it (deepspeed.ops.adam), so the tests find it
+built. Nothing to do where DeepSpeed is not installed or the op does not apply to the machine's accelerator; a
+failed build is said in one line and left to the tests that need the op to report.
 """
 
 from __future__ import annotations
@@ -20,16 +20,14 @@ def main() -> int:
         print("deepspeed is not installed: no ops to build")
         return 0
     import deepspeed
-    from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.op_builder import CPUAdamBuilder
 
     from toolkit.process.leftovers import clear_deepspeed_leftovers
 
     clear_deepspeed_leftovers()  # a build lock a killed load left would make each build below wait forever
-    builders = [get_accelerator().create_op_builder("ShareMemCommBuilder"), CPUAdamBuilder()]
-    for builder in builders:
-        if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-            continue  # as deepspeed.comm.torch.build_shm_op: not an op of this machine
+    for builder in [CPUAdamBuilder()]:
+        if not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+            continue  # not an op of this machine
         start = time.perf_counter()
         try:
             builder.load(verbose=False)

@@ -51,8 +51,8 @@ def test_two_rank_runs_exit_0_every_time(short_recipe, strategy, tmp_path):
         assert result.returncode == 0, f"{strategy} attempt {attempt} exited {result.returncode}:\n{output[-4000:]}"
         assert "terminate called" not in output, f"{strategy} attempt {attempt}:\n{output[-4000:]}"
         assert json.loads((out / "run.json").read_text())["status"] == "completed"
-    # and nothing left in memory: DeepSpeed's CPU collectives leave a 66 MB /dev/shm segment per rank that the
-    # toolkit unlinks once every rank has mapped them (tests/test_leftovers.py has the rest)
+    # and nothing left in memory: DeepSpeed's CPU shared-memory collectives, which the toolkit does not start, make a
+    # 66 MB /dev/shm segment per rank and never unlink it (toolkit/strategies/zero/comm.py skip_shm_collectives)
     assert set(SHM.glob(f"{SHM_PREFIX}_{os.getuid()}_*")) - before == set()
 
 

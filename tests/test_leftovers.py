@@ -91,13 +91,14 @@ def _segments() -> set[Path]:
 
 
 def test_a_zero_run_starts_past_a_stale_lock_on_its_op(tmp_path, tiny_llama_dir):
-    """The user's path: a ZeRO run whose shared-memory op's lock a killed run left behind. Without the clearing
-    it waits forever (here: until the timeout) before its first step. It leaves no shared-memory segment."""
+    """The user's path: a ZeRO run with optimizer offload, whose CPU Adam op's lock a killed run left behind.
+    Without the clearing it waits forever (here: until the timeout) before its first step. It leaves no
+    shared-memory segment: DeepSpeed's shared-memory collectives are not started (toolkit.strategies.zero.comm)."""
     from torch.utils.cpp_extension import _get_build_directory  # where torch itself looks for that op's lock
 
-    lock = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "lock"
+    lock = Path(_get_build_directory("cpu_adam", verbose=False)) / "lock"
     recipe = write_recipe(tmp_path / "recipe.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "run",
-                          strategy={"name": "zero", "stage": 2}, data={"eval": None},
+                          strategy={"name": "zero", "stage": 2, "offload_optimizer": True}, data={"eval": None},
                           train={"max_steps": 1, "eval_every": None, "consistency_check_every": None,
                                  "progress": False})
     assert not lock.exists(), f"{lock} is there before the test: a killed load left it (remove it)"
@@ -109,7 +110,8 @@ def test_a_zero_run_starts_past_a_stale_lock_on_its_op(tmp_path, tiny_llama_dir)
         output = result.stdout + result.stderr
         assert result.returncode == 0, output[-4000:]
         assert f"removed {lock}: a build lock no process holds" in output
-        assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "completed"
+        run = json.loads((tmp_path / "run" / "run.json").read_text())
+        assert run["status"] == "completed"
         assert _segments() - before == set()
     finally:
         lock.unlink(missing_ok=True)

@@ -9,9 +9,9 @@
 - **Shared-memory segments.** DeepSpeed's CPU collectives (deepspeed/ops/csrc/cpu/comm/shm.cpp) create one
   segment per rank, `/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`, 66 MB each, when all ranks
   are on one machine, and never unlink it: each such run kept 66 MB of memory per rank until the machine restarted
-  (290 of them, 19 GB of a 24 GiB machine, after a day of test runs). A ZeRO rank now unlinks its own name as soon
-  as every rank has opened it (toolkit.strategies.zero.comm); what runs before that, or other DeepSpeed programs,
-  left stays until this finds it.
+  (290 of them, 19 GB of a 24 GiB machine, after a day of test runs). The toolkit's ZeRO runs no longer start
+  those collectives (toolkit.strategies.zero.comm); what earlier runs or other DeepSpeed programs left stays until
+  this finds it.
 
 A file is stale when no process has it open or mapped, at two looks a moment apart (a process that releases a lock
 closes it an instant before it removes it), the same file both times: it is removed, and said in a line. Only the
