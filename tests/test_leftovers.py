@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from conftest import REPO, toolkit_env, write_recipe
@@ -52,6 +53,29 @@ def test_a_lock_no_process_holds_is_removed_and_a_held_one_is_kept(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_the_filesystem_of_a_path_is_its_longest_mount_point():
+    mounts = ("/dev/vda / ext4 rw 0 0\nsrv:/home /home nfs4 rw 0 0\n"
+              "srv:/scratch\\040a /home/x\\040y lustre rw 0 0\n")
+    assert leftovers.filesystem_type(Path("/home/u/.cache/torch_extensions"), mounts) == "nfs4"
+    assert leftovers.filesystem_type(Path("/home/x y/ops/lock"), mounts) == "lustre"  # a mount point with a space
+    assert leftovers.filesystem_type(Path("/homer/lock"), mounts) == "ext4"  # /home is no folder above /homer
+    assert leftovers.filesystem_type(Path("/home"), mounts) == "nfs4"
+
+
+def test_on_a_shared_filesystem_only_a_lock_older_than_any_build_is_removed(tmp_path, monkeypatch, capsys):
+    # another machine's build holds its lock where /proc here cannot see: a young lock is said, with its command
+    monkeypatch.setattr(leftovers, "filesystem_type", lambda path, mounts=None: "nfs4")
+    young = _stale(tmp_path / "py311_cpu" / "cpu_adam" / "lock")
+    old = _stale(tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock")
+    an_hour_ago = time.time() - 3600
+    os.utime(old, (an_hour_ago, an_hour_ago))
+    assert clear_stale_build_locks([tmp_path], settle_s=0.05) == [old]
+    assert young.exists() and not old.exists()
+    said = capsys.readouterr().err
+    assert f"{young}: a build lock no process on this machine holds, on a nfs4 filesystem" in said
+    assert f"rm {young}" in said and f"removed {old}" in said
 
 
 def test_a_lock_taken_again_between_the_two_looks_is_kept(tmp_path, monkeypatch):

@@ -15,7 +15,9 @@
 
 A file is stale when no process has it open or mapped, at two looks a moment apart (a process that releases a lock
 closes it an instant before it removes it), the same file both times: it is removed, and said in a line. Only the
-user's own files are judged, as only their processes' open files can be read here (Linux's /proc)."""
+user's own files are judged, as only their processes' open files can be read here (Linux's /proc). A build lock on a
+filesystem other machines may share (a cluster's home over NFS) may be held by a build on another machine, which
+/proc here cannot see: it is removed only once older than any build, and a younger one is said with its command."""
 
 from __future__ import annotations
 
@@ -27,6 +29,10 @@ from pathlib import Path
 SETTLE_S = 0.5  # between the two looks: far longer than a release's close-then-remove
 SHM = Path("/dev/shm")
 SHM_PREFIX = "deepspeed_allreduce_buffer"  # shm.cpp's SHM_BUFFER_NAME
+# filesystems only this machine writes: a build lock there that no process here holds is stale
+LOCAL_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "jfs", "reiserfs", "tmpfs",
+                               "ramfs", "overlay", "apfs"})
+SHARED_LOCK_AGE_S = 600  # on any other: a lock this old is no build's (DeepSpeed's CPU ops build in about a minute)
 
 
 def extension_roots() -> list[Path]:
@@ -109,12 +115,48 @@ def _remove(paths: list[Path]) -> list[tuple[Path, int]]:
     return removed
 
 
+def filesystem_type(path: Path, mounts: str | None = None) -> str:
+    """The type of the filesystem `path` lies on: the mount point above it that is longest, in /proc/self/mounts."""
+    if mounts is None:
+        try:
+            mounts = Path("/proc/self/mounts").read_text()
+        except OSError:
+            return "unknown"
+    target = os.path.realpath(path)
+    best, kind = "", "unknown"
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind
+
+
 def clear_stale_build_locks(roots: list[Path] | None = None, settle_s: float = SETTLE_S) -> list[Path]:
-    """Remove the stale build locks under the extension folders; each removal is said on stderr."""
+    """Remove the stale build locks under the extension folders; each removal is said on stderr. On a filesystem
+    other machines may share (a cluster's home over NFS, Lustre, ...) a process here cannot see another machine's
+    holder: a lock there is removed only once older than SHARED_LOCK_AGE_S (a build takes about a minute), and a
+    younger one is said in a line, with the command that removes it."""
     if not Path("/proc/self/fd").is_dir():  # no way to tell a held lock from a stale one
         return []
     locks = [lock for root in (roots if roots is not None else extension_roots()) for lock in locks_under(root)]
-    removed = [path for path, _ in _remove(stale(locks, settle_s))]
+    candidates: list[Path] = []
+    shared: list[Path] = []
+    for lock in stale(locks, settle_s):
+        local = filesystem_type(lock) in LOCAL_FILESYSTEMS
+        try:
+            old = time.time() - lock.stat().st_mtime > SHARED_LOCK_AGE_S
+        except FileNotFoundError:
+            continue
+        (candidates if local or old else shared).append(lock)
+    for lock in shared:
+        print(f"{lock}: a build lock no process on this machine holds, on a {filesystem_type(lock)} filesystem "
+              "other machines may share; torch waits until it goes. If no machine is building that op, remove it: "
+              f"rm {lock}", file=sys.stderr, flush=True)
+    removed = [path for path, _ in _remove(candidates)]
     for lock in removed:
         print(f"removed {lock}: a build lock no process holds, left by a process killed while it loaded that op "
               "(every later load would have waited for it forever)", file=sys.stderr, flush=True)
