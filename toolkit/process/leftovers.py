@@ -1,7 +1,7 @@
 """Files that ended DeepSpeed processes left behind and later runs would trip on: found and removed before a run.
 
-- **Build locks.** torch builds a C++ extension (DeepSpeed's CPU ops: the shared-memory collectives every ZeRO run
-  starts, CPU Adam for offload) in its extensions folder under a lock file (torch.utils.file_baton.FileBaton): the
+- **Build locks.** torch builds a C++ extension (DeepSpeed's CPU ops: CPU Adam for optimizer offload, the
+  shared-memory collectives ZeRO runs started before) in its extensions folder under a lock file (FileBaton): the
   process that creates the file holds it open and removes it when done; any other waits, with no time limit and no
   word, for as long as the file is there. Every load takes the lock, of an op long built too, so a rank killed
   during a load (Ctrl-C, a timeout, the OOM killer) leaves a file that makes every later DeepSpeed run of that user
