@@ -144,18 +144,18 @@ def clear_stale_build_locks(roots: list[Path] | None = None, settle_s: float = S
         return []
     locks = [lock for root in (roots if roots is not None else extension_roots()) for lock in locks_under(root)]
     candidates: list[Path] = []
-    shared: list[Path] = []
     for lock in stale(locks, settle_s):
-        local = filesystem_type(lock) in LOCAL_FILESYSTEMS
+        kind = filesystem_type(lock)
         try:
             old = time.time() - lock.stat().st_mtime > SHARED_LOCK_AGE_S
         except FileNotFoundError:
             continue
-        (candidates if local or old else shared).append(lock)
-    for lock in shared:
-        print(f"{lock}: a build lock no process on this machine holds, on a {filesystem_type(lock)} filesystem "
-              "other machines may share; torch waits until it goes. If no machine is building that op, remove it: "
-              f"rm {lock}", file=sys.stderr, flush=True)
+        if kind in LOCAL_FILESYSTEMS or old:
+            candidates.append(lock)
+        else:
+            print(f"{lock}: a build lock no process on this machine holds, on a {kind} filesystem other machines "
+                  "may share; torch waits until it goes. If no machine is building that op, remove it: "
+                  f"rm {lock}", file=sys.stderr, flush=True)
     removed = [path for path, _ in _remove(candidates)]
     for lock in removed:
         print(f"removed {lock}: a build lock no process holds, left by a process killed while it loaded that op "

@@ -38,11 +38,11 @@ def init_deepspeed_comm() -> None:
     from toolkit.process.leftovers import clear_deepspeed_leftovers
 
     tell_local_size()  # in the process that trains, never in a launcher whose ranks would inherit it
-    clear_deepspeed_leftovers()  # before DeepSpeed loads an op: a stale build lock would hang it
     import deepspeed.comm
     from deepspeed.accelerator import get_accelerator  # DS_ACCELERATOR: see toolkit.launch.launcher.prepare_environment
 
-    if deepspeed.comm.is_initialized():
+    if deepspeed.comm.is_initialized():  # a ZeRO-3 process comes here twice: building its model, then in setup
         return
+    clear_deepspeed_leftovers()  # before DeepSpeed loads an op: a stale build lock would hang it
     skip_shm_collectives()
     deepspeed.comm.init_distributed(dist_backend=get_accelerator().communication_backend_name())
