@@ -34,7 +34,7 @@ def test_activation_checkpointing_gives_the_same_fp32_training(llama_runs, arm):
         torch.testing.assert_close(ours[name], tensor, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
     recorded = json.loads((checkpointed / "run.json").read_text())["activation_checkpointing"]
     # 2 blocks, each run in forward and again in backward, per micro-batch
-    assert recorded == {"blocks": 2, "block_forwards_first_step": 2 * 2 * micro_batches}
+    assert recorded == {"recompute": "full", "blocks": 2, "block_forwards_first_step": 2 * 2 * micro_batches}
     assert "activation_checkpointing" not in json.loads((plain / "run.json").read_text())
 
 
@@ -57,7 +57,7 @@ def test_activation_checkpointing_under_tensor_parallel_trains_as_one_process(ll
         torch.testing.assert_close(torch.tensor(losses(checkpointed), dtype=torch.float64),
                                    torch.tensor(losses(plain), dtype=torch.float64), rtol=1e-6, atol=0)
     recorded = json.loads((checkpointed / "run.json").read_text())["activation_checkpointing"]
-    assert recorded == {"blocks": 4, "block_forwards_first_step": 4 * 2 * micro_batches}
+    assert recorded == {"recompute": "full", "blocks": 4, "block_forwards_first_step": 4 * 2 * micro_batches}
 
 
 def test_a_pipeline_rank_counts_its_own_blocks_and_no_shape_inference(llama4_runs):
@@ -71,7 +71,7 @@ def test_a_pipeline_rank_counts_its_own_blocks_and_no_shape_inference(llama4_run
                                torch.tensor(losses(plain), dtype=torch.float64), rtol=1e-6, atol=0)
     recorded = json.loads((checkpointed / "run.json").read_text())["activation_checkpointing"]
     micro_batches = 4  # micro 2 × accumulation 4 = global batch 8
-    assert recorded == {"blocks": 2, "block_forwards_first_step": 2 * 2 * micro_batches}
+    assert recorded == {"recompute": "full", "blocks": 2, "block_forwards_first_step": 2 * 2 * micro_batches}
 
 
 @pytest.mark.parametrize("command", ["train", "validate"])

@@ -73,9 +73,9 @@ class ModelSource:
         if self.recipe.model.lora is not None:  # adapters in place, base frozen: every strategy wraps what it gets
             apply_lora(model, self.recipe.model.lora, task=self.recipe.model.task)
         if self.recipe.train.activation_checkpointing:
-            enable_activation_checkpointing(model)
+            enable_activation_checkpointing(model, self.recipe.train.recompute)
         if self.recipe.train.compile:
-            compile_blocks(model)
+            compile_blocks(model, self.recipe.train.recompute)
 
     def weight_files(self, model: nn.Module) -> dict[str, Path] | None:
         """tensor name -> the safetensors file holding it, when the pretrained files hold exactly `model`'s

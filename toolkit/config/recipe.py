@@ -20,6 +20,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 TASKS = ("sequence-classification", "causal-lm")
 SCHEDULES = ("cosine", "linear", "constant")
 TRACKERS = ("tensorboard", "mlflow")
+CHECKPOINTING = ("full", "selective")  # train.activation_checkpointing's names beside true and false
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,9 +229,12 @@ class TrainConfig:
     # themselves overflow and every later step would be skipped too. 10: a bad batch or two in a row (the
     # spikes skip is for) stays far below it, and a run that cannot recover loses 10 steps, not the rest
     max_consecutive_skips: int | None = 10
-    # true: each transformer block keeps only its input in forward and recomputes the rest in backward
-    # (activations ~1/layers of their size, about one more forward of compute); same losses
-    activation_checkpointing: bool = False
+    # true (or full): each transformer block keeps only its input in forward and recomputes the rest in backward
+    # (activations ~1/layers of their size, about one more forward of compute) | selective: each block also keeps
+    # its attention's output and every other matmul's (the 1st, 3rd, ... in the order they run), the rest
+    # recomputed (torchtitan's per-op policy: about half the activations for a third of the recompute) | false.
+    # Same losses either way
+    activation_checkpointing: bool | str = False
     # true (causal LMs): the loss computed from the last hidden states in tiles of tokens whose logits hold at most
     # 2^25 elements (1,099 tokens of a 30,522-token vocabulary), each tile's logits made again in backward: the
     # micro-batch's [tokens × vocab] logits, their fp32 copy and gradient never exist whole (for long sequences,
@@ -261,7 +265,20 @@ class TrainConfig:
     # what that moves is what rounding alone moves, the verdict's bound (toolkit/compare/verdict.py). 0: as loaded
     init_perturbation: float = 0.0
 
+    @property
+    def recompute(self) -> str:
+        """train.activation_checkpointing as one name: none | full | selective."""
+        if isinstance(self.activation_checkpointing, str):
+            return self.activation_checkpointing
+        return "full" if self.activation_checkpointing else "none"
+
     def __post_init__(self) -> None:
+        if isinstance(self.activation_checkpointing, str):
+            if self.activation_checkpointing not in CHECKPOINTING:
+                raise RecipeError(f"train.activation_checkpointing: unknown value {self.activation_checkpointing!r}; "
+                                  "choose one of false, true (the same as full), selective")
+            if self.activation_checkpointing == "full":  # the same as true: one spelling in the saved recipe
+                object.__setattr__(self, "activation_checkpointing", True)
         _choice("train.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         _choice("train.host_memory", self.host_memory, ("auto", "fast", "predictable"))
         _require(0.0 <= self.init_perturbation <= 1e-3, "train.init_perturbation", self.init_perturbation,

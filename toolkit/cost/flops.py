@@ -15,7 +15,8 @@ class ModelFlops:
     block_matmul: float  # the transformer blocks' matmuls: 6 × their weight elements (active experts only)
     head_matmul: float  # the output layer: 6 × hidden × vocab (an embedding lookup is not a matmul)
     attention: float  # scores and values: 12 × layers × hidden × sequence length (PaLM, appendix B)
-    recompute: float  # activation checkpointing's second forward of the blocks: a third of their total
+    recompute: float  # activation checkpointing's forward of the blocks again: full, a third of their total;
+    # selective, the forward of the matmuls it does not keep (toolkit/model/blocks.py selective_context)
     num_layers: int
     logits: int = 0  # what the loss reads per token: the output layer's vocabulary (a classifier's: none counted)
 
@@ -29,34 +30,46 @@ class ModelFlops:
         return self.block_matmul + self.head_matmul + self.attention
 
 
-def model_flops(model: nn.Module, *, seq_len: int, checkpointing: bool) -> ModelFlops:
+def model_flops(model: nn.Module, *, seq_len: int, checkpointing: bool | str) -> ModelFlops:
     """Per-token training FLOPs of `model` (on the meta device) at `seq_len`; a mixture of experts counts the
-    experts a token is routed to (top-k of them), not all."""
+    experts a token is routed to (top-k of them), not all. `checkpointing`: none | full | selective (a bool: full
+    or none)."""
     config: Any = model.config
     layers, hidden = config.num_hidden_layers, config.hidden_size
     blocks = _block_elements(model, config)
     head = head_elements(model)
     block_matmul, attention = 6.0 * blocks, 12.0 * layers * hidden * seq_len
-    recompute = (block_matmul + attention) / 3 if checkpointing else 0.0
+    recompute = 0.0
+    if checkpointing == "selective":
+        recompute = 2.0 * _block_elements(model, config, recomputed=True)
+    elif checkpointing and checkpointing != "none":
+        recompute = (block_matmul + attention) / 3
     return ModelFlops(block_matmul=block_matmul, head_matmul=6.0 * head, attention=attention, recompute=recompute,
                       num_layers=layers, logits=logits_per_token(model))
 
 
-def _block_elements(model: nn.Module, config: Any) -> float:
+def _block_elements(model: nn.Module, config: Any, *, recomputed: bool = False) -> float:
     """Weight elements of the blocks' matrices a token passes through: every 2-D+ weight in a block, the experts'
-    scaled by top-k / experts."""
+    scaled by top-k / experts (`recomputed`: those selective checkpointing recomputes)."""
     from toolkit.model.blocks import layer_stack
 
-    return sum(block_elements(block, config) for block in layer_stack(model, guess=True))
+    return sum(block_elements(block, config, recomputed=recomputed) for block in layer_stack(model, guess=True))
 
 
-def block_elements(block: nn.Module, config: Any) -> float:
-    """One block's share of _block_elements."""
+def block_elements(block: nn.Module, config: Any, *, recomputed: bool = False) -> float:
+    """One block's share of _block_elements. `recomputed`: only the matrices selective checkpointing does not keep
+    the output of, the 2nd, 4th, ... in the order the block holds them: the order its forward runs them in for
+    transformers' blocks (a Llama block: k, o, up of q k v o gate up down), checked against the FLOPs torch
+    counts in a real backward (tests/test_selective_checkpointing.py); an estimate for experts, whose matmuls
+    depend on the routing."""
     experts: int = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
     top_k: int = getattr(config, "num_experts_per_tok", None) or 0
-    total = 0.0
+    total, matrices = 0.0, 0
     for name, param in block.named_parameters():
         if param.dim() < 2:
+            continue
+        matrices += 1
+        if recomputed and matrices % 2:
             continue
         routed = bool(experts and top_k and ".experts." in f".{name}." and param.shape[0] == experts)
         total += param.numel() * (top_k / experts if routed else 1.0)

@@ -86,7 +86,7 @@ class Work:
     global_tokens: int  # the global batch's tokens (samples × sequence length)
     seq_len: int
     precision: str  # bf16 | fp16 | fp32
-    checkpointing: bool
+    checkpointing: str  # none | full | selective (train.activation_checkpointing)
     num_micro_batches: int  # per rank per step (a pipeline's schedule runs them)
     bubble: float = 0.0  # a pipeline's idle fraction of the step, its schedule's (pipeline/schedules.py)
     collectives: list[Collective]  # the rank's, with the loop's
@@ -108,7 +108,7 @@ def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficienc
     rank_flops = shard_tokens / d.cp * ((flops.block_matmul + flops.attention + flops.recompute) / (d.tp * d.pp)
                                         + flops.head_matmul)
     # attention at the rate calibrate measured for this sequence length, where it did; the rest as matmuls
-    attention = shard_tokens / d.cp * flops.attention / (d.tp * d.pp) * (4 / 3 if work.checkpointing else 1)
+    attention = shard_tokens / d.cp * flops.attention / (d.tp * d.pp) * (4 / 3 if work.checkpointing == "full" else 1)
     attention_rate = _attention_flops_per_s(hw, work.seq_len)
     if attention_rate is None:
         compute_s = rank_flops / _flops_per_s(hw, work.precision, efficiency)

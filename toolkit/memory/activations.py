@@ -65,11 +65,11 @@ class Traced:
 
 
 def traced_activations(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype,
-                       autocast_dtype: torch.dtype | None, checkpointing: bool, tp_degree: int = 1) -> int:
+                       autocast_dtype: torch.dtype | None, checkpointing: bool | str, tp_degree: int = 1) -> int:
     """Bytes of one micro-batch's activations at their peak (forward + loss + backward). `model`: the recipe's
     model on the meta device. Its parameters are cast to `params_dtype`, the forward runs under autocast to
-    `autocast_dtype` (None: no autocast), with or without activation checkpointing (a model that cannot
-    checkpoint is traced without). `tp_degree` > 1: as one tensor-parallel rank of that many computes it, its
+    `autocast_dtype` (None: no autocast), with or without activation checkpointing (`checkpointing`: False,
+    True or "full", or "selective"; a model that cannot checkpoint is traced without). `tp_degree` > 1: as one tensor-parallel rank of that many computes it, its
     split layers 1/N wide (tensor_parallel.local_model). A trace is kept in the user's cache: the same model,
     batch and dtypes are traced once."""
     how = _how(model, params_dtype=params_dtype, autocast_dtype=autocast_dtype, checkpointing=checkpointing)
@@ -83,7 +83,7 @@ def traced_activations(model: nn.Module, recipe: Recipe, *, params_dtype: torch.
 
 
 def traced_stage(model: nn.Module, recipe: Recipe, *, blocks: int, first: bool, last: bool,
-                 params_dtype: torch.dtype, autocast_dtype: torch.dtype | None, checkpointing: bool) -> Traced:
+                 params_dtype: torch.dtype, autocast_dtype: torch.dtype | None, checkpointing: bool | str) -> Traced:
     """One micro-batch through a pipeline stage of `blocks` blocks (toolkit.model.stages.Stage: the
     embeddings when `first`, the head and the loss when `last`), traced like `traced_activations`. A stage's
     input (the activations it receives) and, unless last, the gradient of its output are the pipeline's
@@ -99,9 +99,12 @@ def traced_stage(model: nn.Module, recipe: Recipe, *, blocks: int, first: bool, 
 
 
 def _how(model: nn.Module, *, params_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
-         checkpointing: bool) -> dict[str, Any]:
+         checkpointing: bool | str) -> dict[str, Any]:
     """How a trace computes (a model that cannot checkpoint is traced without)."""
-    checkpointing = checkpointing and getattr(model, "supports_gradient_checkpointing", False)
+    checkpointing = checkpointing and checkpointing != "none" and getattr(model, "supports_gradient_checkpointing",
+                                                                           False)
+    if checkpointing == "full":  # the spelling earlier traces were cached under
+        checkpointing = True
     return {"params_dtype": params_dtype, "autocast_dtype": autocast_dtype, "checkpointing": checkpointing}
 
 
@@ -165,7 +168,7 @@ def _cache_dir() -> Path:
 
 
 def _cache_key(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
-               checkpointing: bool, what: list) -> str:
+               checkpointing: bool | str, what: list) -> str:
     """Everything a trace depends on: the model (config, adapters), the micro-batch, the dtypes, the versions,
     and `what` is traced (a pipeline stage: its blocks, first, last)."""
     import transformers
@@ -193,7 +196,7 @@ def _cut(model: nn.Module, blocks: list[nn.Module], keep: int) -> nn.Module:
 
 
 def _traced(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
-            checkpointing: bool, stage: tuple[bool, bool] | None = None) -> Traced:
+            checkpointing: bool | str, stage: tuple[bool, bool] | None = None) -> Traced:
     """`model` (a meta copy it may change) traced whole, or as a pipeline stage: `stage` = (first, last)."""
     model.to(params_dtype)  # on the meta device: the dtype only
     if recipe.model.dropout is not None:
@@ -232,7 +235,7 @@ def _fake_grouped_mm() -> contextlib.AbstractContextManager:
 
 
 def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
-              checkpointing: bool, stage: tuple[bool, bool] | None) -> Traced:
+              checkpointing: bool | str, stage: tuple[bool, bool] | None) -> Traced:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from toolkit.data.losses import micro_batch_loss_sum
@@ -242,7 +245,7 @@ def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, au
         model.to_empty(device="cpu")
         model.train()
         if checkpointing:
-            enable_activation_checkpointing(model)
+            enable_activation_checkpointing(model, "selective" if checkpointing == "selective" else "full")
         tokens = (recipe.batch.micro_batch_size, recipe.data.max_length)
         ids = torch.zeros(tokens, dtype=torch.long)
         labels = ids if recipe.model.task == "causal-lm" else torch.zeros(tokens[0], dtype=torch.long)

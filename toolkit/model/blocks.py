@@ -14,9 +14,10 @@ from toolkit.errors import RecipeError
 from toolkit.model.build import meta_model
 
 
-def enable_activation_checkpointing(model: nn.Module) -> None:
+def enable_activation_checkpointing(model: nn.Module, recompute: str = "full") -> None:
     """Recompute each transformer block in backward, through transformers' own per-layer checkpointing,
-    non-reentrant. Chosen over wrapping blocks in torch's checkpoint_wrapper because it leaves module and
+    non-reentrant; `recompute` full (all but the block's input) or selective (selective_context: what it keeps).
+    Chosen over wrapping blocks in torch's checkpoint_wrapper because it leaves module and
     parameter names as they are (checkpoints, exports, TP plans and FSDP units all go by name), and because
     it composes with every strategy: it checkpoints a block's `forward`, so hooks on the block (FSDP2's
     all-gather, which its pre-backward hook repeats before the recomputation needs the weights) stay outside
@@ -26,15 +27,59 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         raise RecipeError(f"train.activation_checkpointing: {type(model).__name__} has no transformer block list "
                           "that transformers can checkpoint (supports_gradient_checkpointing is false); set "
                           "train.activation_checkpointing: false")
+    kwargs = checkpoint_kwargs(recompute)
     # activation_checkpointing_enable: its name since transformers 5.x, where the older one is an alias that warns
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable(activation_checkpointing_kwargs=kwargs)
     else:
-        cast(Any, model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        cast(Any, model).gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def compile_blocks(model: nn.Module) -> None:
+def checkpoint_kwargs(recompute: str) -> dict[str, Any]:
+    """torch.utils.checkpoint.checkpoint's arguments for a block under `recompute` (full | selective)."""
+    if recompute == "selective":
+        return {"use_reentrant": False, "context_fn": selective_context}
+    return {"use_reentrant": False}
+
+
+# torch's matmuls of a linear layer: mm (no bias, or a 3-D input it does not fold), addmm (a bias)
+MATMULS = ("mm", "addmm")
+# every kernel torch's scaled_dot_product_attention dispatches to (CPU, CUDA's flash, memory-efficient, cuDNN)
+ATTENTION_KERNELS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                     "_scaled_dot_product_attention_math", "_scaled_dot_product_fused_attention_overrideable")
+
+
+def selective_context() -> tuple[Any, Any]:
+    """torch's selective-checkpoint contexts for one forward of one block (a fresh count each call): its
+    forward keeps the output of every attention kernel and of its 1st, 3rd, 5th, ... matmul in the order they
+    run; backward recomputes the rest from the block's input. torchtitan's per-op policy (its op list, saving
+    every other mm: the one its published Llama runs used), the matmuls counted with addmm as well, since
+    transformers' linear layers with a bias (BERT's) run addmm where torchtitan's models run mm."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    matmuls, attention = _overloads(MATMULS), _overloads(ATTENTION_KERNELS)
+    count = 0
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        nonlocal count
+        if ctx.is_recompute:  # torch consults the policy in forward; its recomputation reads what forward stored
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if func in matmuls:
+            count += 1
+            return CheckpointPolicy.MUST_SAVE if count % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in attention else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _overloads(names: tuple[str, ...]) -> set[Any]:
+    """The default overloads of the aten ops of these names that this torch build has."""
+    return {getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name)}
+
+
+def compile_blocks(model: nn.Module, recompute: str = "full") -> None:
     """torch.compile each transformer block's `forward` (compiled lazily, at its first call). The forward, not
     the module: hooks on the block (FSDP2's all-gather, the strategy's own) stay outside the compiled code, and
     module and parameter names stay as they are.
@@ -48,17 +93,17 @@ def compile_blocks(model: nn.Module) -> None:
         forward = block.forward
         if getattr(block, "gradient_checkpointing", False):
             setattr(block, "gradient_checkpointing", False)  # transformers' own checkpoint: off for this block
-            forward = _checkpointed(block, forward)
+            forward = _checkpointed(block, forward, checkpoint_kwargs(recompute))
         block.forward = torch.compile(forward)  # type: ignore[method-assign]
 
 
-def _checkpointed(block: nn.Module, forward: Callable) -> Callable:
+def _checkpointed(block: nn.Module, forward: Callable, how: dict[str, Any]) -> Callable:
     """`forward` recomputed in backward while training: torch's non-reentrant checkpoint, as transformers'
     own is set up (evaluation runs the plain forward)."""
     def run(*args, **kwargs):
         if not (block.training and torch.is_grad_enabled()):
             return forward(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=False)
+        return torch.utils.checkpoint.checkpoint(functools.partial(forward, **kwargs), *args, **how)
     return run
 
 

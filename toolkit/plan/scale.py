@@ -120,7 +120,7 @@ def work_for_shapes(recipe: Recipe, model: nn.Module, *, world_size: int, rank: 
                                     micro_batches=batch.grad_accum_steps)
     work = step_time.Work(degrees=degrees,
                           global_tokens=batch.global_batch_size * length, seq_len=length,
-                          precision=recipe.precision, checkpointing=recipe.train.activation_checkpointing,
+                          precision=recipe.precision, checkpointing=recipe.train.recompute,
                           num_micro_batches=batch.grad_accum_steps,
                           bubble=bubble,
                           collectives=collectives, optimizer_bytes=moved, offloaded_bytes=offloaded)

@@ -297,13 +297,23 @@ class MicroBatchStrategy(Protocol):
 
 
 def refuse_untested(recipe: Recipe, *, layout: str, drop: str, lora_why: str, compile_why: str) -> None:
-    """model.lora and train.compile under a layout no test has run them with: one line each, saying why and what to
-    drop (`layout`: "context parallel"; `drop`: the recipe key that turns the layout off)."""
+    """model.lora, train.compile and selective checkpointing under a layout no test has run them with: one line
+    each, saying why and what to drop (`layout`: "context parallel"; `drop`: the recipe key that turns the layout
+    off)."""
+    refuse_selective_checkpointing(recipe, layout=layout, fix=f"set it to true or drop {drop}")
     if recipe.model.lora is not None:
         raise RecipeError(f"model.lora is not available with {layout} yet ({lora_why}); drop model.lora or {drop}")
     if recipe.train.compile:
         raise RecipeError(f"train.compile is not available with {layout} yet ({compile_why}); set train.compile: "
                           f"false or drop {drop}")
+
+
+def refuse_selective_checkpointing(recipe: Recipe, *, layout: str, fix: str) -> None:
+    """Selective checkpointing where a recompute runs collectives again (tensor, context, expert parallel): their
+    count is written for full checkpointing, which recomputes every op up to the block's last saved tensor."""
+    if recipe.train.recompute == "selective":
+        raise RecipeError(f"train.activation_checkpointing: selective is not available with {layout} yet (the "
+                          f"collectives its recompute runs again are counted for full checkpointing only); {fix}")
 
 
 def every_rank_a_shard(*, world_size: int, rank: int) -> DataLayout:

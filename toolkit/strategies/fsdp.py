@@ -221,7 +221,7 @@ class FsdpRules:
         if ep > 1:  # the experts modules are FSDP units of their own over efsdp, the blocks shard what is left
             return expert_parallel_collectives(model, units, recipe, world_size=world_size, ep=ep, shapes=shapes,
                                                compute=compute, reduce=reduce, gathers=gathers)
-        recompute = recipe.train.activation_checkpointing
+        recompute = recipe.train.recompute != "none"  # selective: refused with tp, cp, ep
         shard = world_size // (tp * replicate)
         local_sgd = local_sgd_of(recipe)  # the replica groups' all-reduce replaced by their syncs
         # a cp rank's blocks see its part of each sequence (dims/context.py)
@@ -460,7 +460,7 @@ def expert_parallel_collectives(model: nn.Module, units: list, recipe: Recipe, *
                                    gathers_per_unit=gathers),
             *experts,
             *comm.ep_collectives(model, ep=ep, shapes=shapes, activation_dtype=compute,
-                                 recompute=recipe.train.activation_checkpointing)]
+                                 recompute=recipe.train.recompute != "none")]
 
 
 def hsdp_local_sgd_collectives(model: nn.Module, recipe: Recipe, *, shard: int, replicate: int,

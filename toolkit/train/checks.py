@@ -106,7 +106,7 @@ def check_model(recipe: Recipe, tokenizer) -> None:
     check_vocabulary(model, tokenizer)
     check_blocks(recipe, model)
     if recipe.train.activation_checkpointing:
-        enable_activation_checkpointing(model)  # a model without blocks: its one-line error
+        enable_activation_checkpointing(model, recipe.train.recompute)  # a model without blocks: its one-line error
 
 
 def check_recipe(recipe: Recipe, *, world_size: int) -> BatchPlan:

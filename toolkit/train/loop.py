@@ -153,7 +153,7 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     skips = SkippedSteps(recipe.train.max_consecutive_skips, done=done)
     # rank 0: run.json's status stopped or failed when the run ends otherwise than completing
     with runinfo.ending(info, env=env, out_dir=out_dir, skips=skips):
-        info.block_forwards = forwards
+        info.block_forwards, info.recompute = forwards, recipe.train.recompute
         if checkpoint is not None:
             info["resumed_from"] = {"checkpoint": str(checkpoint.path), "step": done,
                                     "weights_only": weights_only}

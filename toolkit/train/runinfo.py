@@ -43,6 +43,7 @@ class RunRecord:
     schedule: str = ""  # the recipe's lr schedule in words: the audit's scheduler row, unless the strategy has its own
     last_step: int = 0  # the last step metrics.jsonl holds (run.json's ended, where the run does not complete)
     block_forwards: BlockForwards | None = None  # counts the first step's block forwards (activation checkpointing)
+    recompute: str = "none"  # train.activation_checkpointing in one name (none | full | selective)
     first_backward: dict[str, Any] | None = None  # this rank's reads after the first backward, until that step ends
     setup_peak: int | None = None  # this rank's peak memory by the end of setup, before the first step
     longest_tokens: int = 0  # the longest padded length of this rank's training micro-batches so far, in tokens
@@ -172,7 +173,7 @@ def record_before_first_step(info: RunRecord, strategy, *, env: DistEnv) -> None
     """Gradients exist now (after the first backward) and the optimizer has not stepped."""
     forwards, info.block_forwards = info.block_forwards, None
     if forwards is not None:  # this rank's blocks (a pipeline stage's own), every micro-batch of the step
-        info["activation_checkpointing"] = forwards.stop()
+        info["activation_checkpointing"] = {"recompute": info.recompute, **forwards.stop()}
     tensors = strategy.state.state_tensors()
     info.first_backward = {"grads_bytes": storage_bytes(tensors["grads"]), "audit": strategy.state.precision_audit(),
                            "other_live": _other_live(tensors)}

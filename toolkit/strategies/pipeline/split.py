@@ -1,7 +1,8 @@
 """The default pipeline split: consecutive blocks per stage, chosen so that the costliest stage costs as little as
 it can, counted in forward + backward FLOPs from the model's shapes (toolkit/cost/flops.py):
   a block     6 × its matrix elements (a mixture of experts: the routed top-k) + 12 × hidden × sequence length
-              (attention's scores and values), 4/3 of that under activation checkpointing (the recomputation)
+              (attention's scores and values), 4/3 of that under full activation checkpointing (the
+              recomputation); under selective, 2 × the elements of the matrices it recomputes more
   the head    6 × hidden × vocabulary on the last stage (its matmul; the loss over the logits is ~1/hidden of it)
   embeddings  nothing: a lookup is not a matmul
 Among splits whose costliest stage is equal, the one with the fewest blocks on its fullest stage wins (activation
@@ -23,9 +24,15 @@ def block_costs(model: nn.Module, blocks: list[nn.Module], recipe: Recipe) -> tu
     """Per token, each block's forward + backward FLOPs, and the head's (on the last stage)."""
     config: Any = getattr(model, "config", None)
     hidden = getattr(config, "hidden_size", 0) or 0
-    recompute = 4 / 3 if recipe.train.activation_checkpointing else 1.0
+    full = 4 / 3 if recipe.train.recompute == "full" else 1.0
     attention = 12.0 * hidden * recipe.data.max_length
-    costs = [float(round((6.0 * block_elements(block, config) + attention) * recompute)) for block in blocks]
+
+    def cost(block: nn.Module) -> float:
+        selective = 2.0 * block_elements(block, config, recomputed=True) if recipe.train.recompute == "selective" \
+            else 0.0
+        return float(round((6.0 * block_elements(block, config) + attention) * full + selective))
+
+    costs = [cost(block) for block in blocks]
     return costs, 6.0 * head_elements(model)
 
 
