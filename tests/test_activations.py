@@ -23,7 +23,9 @@ CASES = {"fp32": 0.02, "autocast": 0.02, "cast": 0.02,
          # measured +4.7 % (+2.9 MB): the peak is inside a recomputed block's backward, where memory the trace does
          # not see adds, likely the CPU kernels' scratch buffers (no tensors): the gap does not grow with the
          # batch (micro 2: +5.5 MB). Without checkpointing the peak is in the head's backward, within 0.1 %
-         "fp32+checkpointing": 0.08}
+         "fp32+checkpointing": 0.08,
+         # selective checkpointing: measured -0.4 % (the reference applies the policy from its definition)
+         "fp32+selective": 0.02}
 
 
 def small_recipe(*overrides: str, precision: str = "fp32"):
@@ -50,7 +52,8 @@ def test_traced_activations_equal_the_measured_resident_memory_of_one_micro_batc
     dtypes = {"params_dtype": torch.bfloat16 if mode == "cast" else torch.float32,
               "autocast_dtype": torch.bfloat16 if mode == "autocast" else None}
     model = planned_model(recipe)
-    predicted = traced_activations(model, recipe, **dtypes, checkpointing=bool(checkpointing))
+    predicted = traced_activations(model, recipe, **dtypes,
+                                   checkpointing="selective" if checkpointing == "selective" else bool(checkpointing))
     assert abs(measured[case] - predicted) <= CASES[case] * predicted, (measured[case], predicted)
 
 

@@ -31,10 +31,12 @@ def test_compiled_blocks_train_as_eager_ones_under_fsdp_and_compile_time_is_apar
     assert run["compile_graph_breaks"]["total"] == 0, run["compile_graph_breaks"]  # each block one graph
 
 
-def test_checkpointed_blocks_compile_without_graph_breaks_and_train_as_eager_ones(llama_runs):
-    ac = ("train.activation_checkpointing=true",)
-    eager = llama_runs.get("single-m8-ac", nproc=1, overrides=ac)
-    compiled = llama_runs.get("single-m8-ac-compile", nproc=1, overrides=(*ac, "train.compile=true"))
+@pytest.mark.parametrize("name, value", [("ac", "true"), ("selective", "selective")])
+def test_checkpointed_blocks_compile_without_graph_breaks_and_train_as_eager_ones(llama_runs, name, value):
+    """Full and selective checkpointing (selective's policy traced by dynamo with the block)."""
+    ac = (f"train.activation_checkpointing={value}",)
+    eager = llama_runs.get(f"single-m8-{name}", nproc=1, overrides=ac)
+    compiled = llama_runs.get(f"single-m8-{name}-compile", nproc=1, overrides=(*ac, "train.compile=true"))
     # the checkpoint is traced inside each compiled forward (one graph per block, recomputed in backward): a
     # side effect inside it, such as the first step's block-forward counting hooks, made dynamo give up on
     # the whole block (2 breaks here, measured; on an H100 the step was exactly as slow as eager)

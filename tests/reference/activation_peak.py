@@ -1,6 +1,7 @@
 """The resident-memory cost of one micro-batch's forward + loss + backward, measured without any toolkit code.
 
     python activation_peak.py --config JSON --micro 4 --seq 256 --cases fp32,autocast,cast,fp32+checkpointing
+    (fp32+selective: selective checkpointing)
 
 Big tensors are given their own mappings (M_MMAP_THRESHOLD 64 KiB), so memory freed is memory returned and the
 peak resident set tracks the live tensors. One warm-up pass loads kernels and thread pools; the peak resident
@@ -35,14 +36,37 @@ def main() -> None:
     print(json.dumps({case: measure(case, args) for case in args.cases.split(",")}))
 
 
+def keep_every_other_matmul():
+    """Selective checkpointing from its definition: a block's forward keeps the output of its attention kernel and
+    of its 1st, 3rd, ... matmul (mm or addmm), everything else is recomputed in backward."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    matmuls = {aten.mm.default, aten.addmm.default}
+    attention = {aten._scaled_dot_product_flash_attention_for_cpu.default,
+                 aten._scaled_dot_product_attention_math.default}
+    seen = [0]
+
+    def policy(ctx, func, *args, **kwargs):
+        if func in matmuls and not ctx.is_recompute:
+            seen[0] += 1
+            return CheckpointPolicy.MUST_SAVE if seen[0] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in attention else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 def measure(case: str, args) -> int:
     mode, _, checkpointing = case.partition("+")
     torch.manual_seed(0)
     config = AutoConfig.for_model(**json.loads(args.config))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if mode == "cast" else torch.float32)
     model.train()
-    if checkpointing:
+    if checkpointing == "checkpointing":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif checkpointing == "selective":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                           "context_fn": keep_every_other_matmul})
     for param in model.parameters():
         param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     ids = torch.randint(0, config.vocab_size, (args.micro, args.seq))

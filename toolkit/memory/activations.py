@@ -69,9 +69,9 @@ def traced_activations(model: nn.Module, recipe: Recipe, *, params_dtype: torch.
     """Bytes of one micro-batch's activations at their peak (forward + loss + backward). `model`: the recipe's
     model on the meta device. Its parameters are cast to `params_dtype`, the forward runs under autocast to
     `autocast_dtype` (None: no autocast), with or without activation checkpointing (`checkpointing`: False,
-    True or "full", or "selective"; a model that cannot checkpoint is traced without). `tp_degree` > 1: as one tensor-parallel rank of that many computes it, its
-    split layers 1/N wide (tensor_parallel.local_model). A trace is kept in the user's cache: the same model,
-    batch and dtypes are traced once."""
+    True or "full", or "selective"; a model that cannot checkpoint is traced without). `tp_degree` > 1: as one
+    tensor-parallel rank of that many computes it, its split layers 1/N wide (tensor_parallel.local_model). A trace
+    is kept in the user's cache: the same model, batch and dtypes are traced once."""
     how = _how(model, params_dtype=params_dtype, autocast_dtype=autocast_dtype, checkpointing=checkpointing)
 
     def trace() -> dict:
@@ -101,10 +101,10 @@ def traced_stage(model: nn.Module, recipe: Recipe, *, blocks: int, first: bool, 
 def _how(model: nn.Module, *, params_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
          checkpointing: bool | str) -> dict[str, Any]:
     """How a trace computes (a model that cannot checkpoint is traced without)."""
-    checkpointing = checkpointing and checkpointing != "none" and getattr(model, "supports_gradient_checkpointing",
-                                                                           False)
-    if checkpointing == "full":  # the spelling earlier traces were cached under
-        checkpointing = True
+    if checkpointing in ("none", "full"):  # the spellings earlier traces were cached under
+        checkpointing = checkpointing == "full"
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        checkpointing = False
     return {"params_dtype": params_dtype, "autocast_dtype": autocast_dtype, "checkpointing": checkpointing}
 
 
