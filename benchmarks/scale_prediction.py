@@ -123,9 +123,18 @@ def recipe_text(row: dict) -> str:
               "batch": {"micro_batch_size": micro,
                         "global_batch_size": row["global_batch_size"] or micro * shards},
               "precision": "bf16", "strategy": {"name": "fsdp"},
-              "train": {"activation_checkpointing": row.get("activation_checkpointing") == "full"},
+              "train": {"activation_checkpointing": checkpointing(row)},
               "output_dir": "/tmp/unused"}
     return yaml.safe_dump(recipe)
+
+
+def checkpointing(row: dict) -> bool | str:
+    """The row's activation checkpointing as a recipe value. torchtitan's 'selective' is its per-op policy, the
+    toolkit's `selective` (toolkit/model/blocks.py); fms-fsdp's checkpoints a fraction of the blocks that the
+    source does not state, planned as none."""
+    if row.get("activation_checkpointing") == "selective":
+        return "selective" if row["source"].get("repo") == "pytorch/torchtitan" else False
+    return row.get("activation_checkpointing") == "full"
 
 
 @dataclasses.dataclass
@@ -242,9 +251,10 @@ def report(rows: list[Row], fitted: dict[str, float], held_out: dict[str, float]
     with_memory = [r for r in rows if r.data["published"].get("memory_gib")]
     close = [r for r in with_memory if abs(r.peak_bytes / 2 ** 30 / r.data["published"]["memory_gib"] - 1) <= 0.10]
     if with_memory:
-        print(f"memory: {len(close)} of {len(with_memory)} published within ±10 % (target: all); activation "
-              "checkpointing 'selective' (torchtitan's per-op policy) is planned as none (the toolkit has no "
-              "per-op policy), and float8 keeps other tensors than bf16 does")
+        print(f"memory: {len(close)} of {len(with_memory)} published within ±10 % (target: all); torchtitan "
+              "publishes the caching allocator's peak reserved (its logger's max_reserved_gib), the plan the "
+              "tensors' peak; float8 keeps other tensors than bf16 does; the toolkit's tp keeps a rank's logits "
+              "whole (no vocabulary-parallel head, torchtitan's loss_parallel)")
     order_checks(rows, fitted)
     print(f"\nleft out ({len(skipped)}):")
     for row_id, reason in skipped:
