@@ -42,6 +42,7 @@ ARMS = {
     "zero3-offload": ["strategy.name=zero", "strategy.stage=3", "strategy.offload_optimizer=true",
                       "strategy.offload_param=true"],
     "fsdp+ac": ["strategy.name=fsdp", "train.activation_checkpointing=true"],
+    "fsdp+sac": ["strategy.name=fsdp", "train.activation_checkpointing=selective"],
     "fsdp+lora": ["strategy.name=fsdp", 'model.lora={"r": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj"]}'],
     "fsdp-whole": ["strategy.name=fsdp", "model.low_memory_loading=false"],
     "zero3-whole": ["strategy.name=zero", "strategy.stage=3", "model.low_memory_loading=false"],

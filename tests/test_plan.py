@@ -274,9 +274,9 @@ def test_plan_takes_per_arm_overrides_as_compare_does():
 
 
 def test_plan_names_the_first_single_change_under_which_an_arm_fits():
-    """What the plan's summary offers for an arm that does not fit: the first change (activation checkpointing,
-    then offload, then twice the ranks) whose own prediction is within the limit; a change the strategy refuses
-    is passed over. The predictions are given here: plan.predict has its own tests."""
+    """What the plan's summary offers for an arm that does not fit: the first change (selective, then full
+    activation checkpointing, then offload, then twice the ranks) whose own prediction is within the limit; a
+    change the strategy refuses is passed over. The predictions are given here: plan.predict has its own tests."""
     from toolkit.plan.predict import Prediction
     from toolkit.plan.advice import Planned, one_change
 
@@ -285,7 +285,8 @@ def test_plan_names_the_first_single_change_under_which_an_arm_fits():
                           activation_bytes_checkpointed=None, load_bytes=0, built_bytes=[], runtime_bytes=0,
                           peak_bytes_per_rank=[peak] * world)
 
-    peaks = {("train.activation_checkpointing=true",): 90, ("strategy.offload_optimizer=true",): 50,
+    peaks = {("train.activation_checkpointing=selective",): 96, ("train.activation_checkpointing=true",): 90,
+             ("strategy.offload_optimizer=true",): 50,
              ("strategy.offload_optimizer=true", "strategy.offload_param=true"): 45}
 
     def predict(overrides, world):
@@ -296,6 +297,7 @@ def test_plan_names_the_first_single_change_under_which_an_arm_fits():
     def offered(limit: int, *, one_process: bool = False):
         return one_change(Planned("x", prediction(100), limit), predict=predict, one_process=one_process)
 
+    assert offered(97) == "train.activation_checkpointing=selective"  # less recompute than full, tried first
     assert offered(95) == "train.activation_checkpointing=true"
     assert offered(60) == "strategy.offload_optimizer=true"  # cpu_offload refused, passed over
     assert offered(47) == "strategy.offload_optimizer=true, strategy.offload_param=true"

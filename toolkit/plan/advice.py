@@ -1,5 +1,6 @@
-"""What `toolkit plan` says under its table: which arms fit as asked, and which would with one change (activation
-checkpointing, offload, twice the ranks), each change predicted like the arm itself, not inferred from a column."""
+"""What `toolkit plan` says under its table: which arms fit as asked, and which would with one change (selective,
+then full activation checkpointing, offload, twice the ranks), each change predicted like the arm itself, not
+inferred from a column."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from toolkit.errors import RecipeError
 from toolkit.plan.predict import Prediction
 
 # one change at a time, by what it trades; a strategy that does not take an option refuses it (check_recipe)
+# (selective checkpointing first: it recomputes less than full does, for more memory)
 CHANGES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("train.activation_checkpointing=selective", ("train.activation_checkpointing=selective",)),
     ("train.activation_checkpointing=true", ("train.activation_checkpointing=true",)),
     ("strategy.cpu_offload=true", ("strategy.cpu_offload=true",)),
     ("strategy.offload_optimizer=true", ("strategy.offload_optimizer=true",)),
