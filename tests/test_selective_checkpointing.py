@@ -100,3 +100,18 @@ def test_selective_checkpointing_where_it_is_not_built_is_one_line(llama_runs, o
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and says in err[0], err
     assert not out.exists()
+
+
+def test_the_plan_puts_selective_between_none_and_full_and_full_in_its_checkpointed_column(tmp_path, monkeypatch):
+    """`toolkit plan`'s activations under the recipe's own setting, and in its (AC) column under full checkpointing
+    whatever that setting is (the reference's measurements of each: tests/test_activations.py)."""
+    from test_activations import small_recipe
+    from toolkit.plan.predict import predict
+
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
+    plans = {value: predict(small_recipe(f"train.activation_checkpointing={value}"), world_size=1, runtime_bytes=0)
+             for value in ("false", "selective", "true")}
+    none, selective, full = (plans[value].activation_bytes[0] for value in ("false", "selective", "true"))
+    assert full < selective < none
+    for value in ("false", "selective", "true"):
+        assert plans[value].activation_bytes_checkpointed == [full], value

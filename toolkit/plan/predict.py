@@ -104,11 +104,12 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     params_dtype = compute if casts else stored  # what a rank computes with, and so its gradients' dtype
     how = {"params_dtype": params_dtype,
            "autocast_dtype": None if casts or compute == stored else compute}
-    checkpointing = recipe.train.activation_checkpointing
+    checkpointing = recipe.train.activation_checkpointing  # False, True (full) or "selective"
     trace = functools.partial(rules.predict_activation_bytes, model, recipe, world_size=world_size)
     activations = trace(how={**how, "checkpointing": checkpointing})
-    other = trace(how={**how, "checkpointing": not checkpointing}) if both else None
-    checkpointed = activations if checkpointing else other
+    # the table's (AC) column: under full checkpointing, whatever the recipe's own setting
+    checkpointed = activations if checkpointing is True else trace(how={**how, "checkpointing": True}) if both \
+        else None
     gathered = rules.predict_gathered_bytes(model, recipe, world_size=world_size)
     steps = rules.predict_step_bytes(model, recipe, world_size=world_size, device_type=device_type)
     shards = rules.data_layout(recipe, world_size=world_size, rank=0).size
