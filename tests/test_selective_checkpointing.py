@@ -1,6 +1,7 @@
 """train.activation_checkpointing: selective (toolkit/model/blocks.py selective_context): the same fp32 training
-as without checkpointing under single, fsdp, zero3 and a pipeline; the FLOPs it recomputes, as the step-time
-model counts them, equal what torch counts in a real backward; refused in one line where it is not built."""
+as without checkpointing under single, fsdp, zero3, a pipeline, tp and fsdp × tp, with the collectives the layouts'
+rules count; the FLOPs it recomputes, as the step-time model counts them, equal what torch counts in a real
+backward; refused in one line where it is not tested (cp, ep)."""
 
 import copy
 import json
@@ -10,9 +11,11 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
+import test_activation_checkpointing
 import test_model_parallel
 import test_sharded
-from conftest import exported_weights, losses
+from conftest import assert_matches_single, exported_weights, losses
+from test_comm_prediction import assert_predicted
 from toolkit.cli import main
 from toolkit.cost.flops import model_flops
 from toolkit.model.blocks import enable_activation_checkpointing
@@ -88,9 +91,6 @@ def test_the_flops_selective_checkpointing_recomputes_are_those_torch_counts(kin
 
 @pytest.mark.parametrize("overrides, says", [
     (("train.activation_checkpointing=sometimes",), "choose one of false, true (the same as full), selective"),
-    (("strategy.name=fsdp", "strategy.tp_degree=2", *SELECTIVE), "selective is not available with "
-                                                                  "strategy.tp_degree"),
-    (("strategy.name=tp", *SELECTIVE), "selective is not available with strategy tp"),
     (("parallel.cp=2", "batch.micro_batch_size=4", *SELECTIVE), "selective is not available with context parallel"),
 ])
 def test_selective_checkpointing_where_it_is_not_built_is_one_line(llama_runs, overrides, says, tmp_path, capsys):
@@ -115,3 +115,29 @@ def test_the_plan_puts_selective_between_none_and_full_and_full_in_its_checkpoin
     assert full < selective < none
     for value in ("false", "selective", "true"):
         assert plans[value].activation_bytes_checkpointed == [full], value
+
+
+@pytest.mark.parametrize("arm", ["fsdp", "zero3-accum", "pp-interleaved"])
+def test_collective_bytes_equal_the_counter_under_selective_checkpointing(request, arm):
+    """The layouts' collective rules, unchanged under selective checkpointing (FSDP2 gathers outside the block's
+    checkpoint, ZeRO-3 again inside its recompute as under full checkpointing, a pipeline sends activations),
+    against the counter of the runs above."""
+    fixture, ranks, overrides, _, _ = ARMS[arm]
+    assert_predicted(request.getfixturevalue(fixture).get(f"{arm}-selective", nproc=ranks,
+                                                          overrides=(*overrides, *SELECTIVE)))
+
+
+@pytest.mark.parametrize("arm", list(test_activation_checkpointing.TP_AC))
+def test_selective_checkpointing_under_tensor_parallel_trains_as_full_with_the_same_collectives(llama4_runs, arm):
+    """tp alone (2 ranks) and fsdp × tp with sequence parallelism (2 × 2): the policy keeps no collective's output,
+    so a block's recompute reruns the collectives full checkpointing's does (dims/recompute.py), counted by the
+    same rule; the losses are full checkpointing's and the single process's."""
+    ranks, overrides, micro_batches = test_activation_checkpointing.TP_AC[arm]
+    full = llama4_runs.get(arm, nproc=ranks, overrides=(*overrides, *test_activation_checkpointing.AC))
+    selective = llama4_runs.get(arm.replace("-ac", "-selective"), nproc=ranks, overrides=(*overrides, *SELECTIVE))
+    assert_matches_single(selective, llama4_runs.get("single"))
+    torch.testing.assert_close(torch.tensor(losses(selective), dtype=torch.float64),
+                               torch.tensor(losses(full), dtype=torch.float64), rtol=1e-6, atol=0)
+    recorded = json.loads((selective / "run.json").read_text())["activation_checkpointing"]
+    assert recorded == {"recompute": "selective", "blocks": 4, "block_forwards_first_step": 4 * 2 * micro_batches}
+    assert_predicted(selective)

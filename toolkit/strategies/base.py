@@ -296,11 +296,13 @@ class MicroBatchStrategy(Protocol):
     def backward(self, loss_share: torch.Tensor) -> None: ...
 
 
-def refuse_untested(recipe: Recipe, *, layout: str, drop: str, lora_why: str, compile_why: str) -> None:
-    """model.lora, train.compile and selective checkpointing under a layout no test has run them with: one line
-    each, saying why and what to drop (`layout`: "context parallel"; `drop`: the recipe key that turns the layout
-    off)."""
-    refuse_selective_checkpointing(recipe, layout=layout, fix=f"set it to true or drop {drop}")
+def refuse_untested(recipe: Recipe, *, layout: str, drop: str, lora_why: str, compile_why: str,
+                    selective_tested: bool = False) -> None:
+    """model.lora, train.compile and (unless `selective_tested`) selective checkpointing under a layout no test has
+    run them with: one line each, saying why and what to drop (`layout`: "context parallel"; `drop`: the recipe key
+    that turns the layout off)."""
+    if not selective_tested:
+        refuse_selective_checkpointing(recipe, layout=layout, fix=f"set it to true or drop {drop}")
     if recipe.model.lora is not None:
         raise RecipeError(f"model.lora is not available with {layout} yet ({lora_why}); drop model.lora or {drop}")
     if recipe.train.compile:
@@ -309,11 +311,12 @@ def refuse_untested(recipe: Recipe, *, layout: str, drop: str, lora_why: str, co
 
 
 def refuse_selective_checkpointing(recipe: Recipe, *, layout: str, fix: str) -> None:
-    """Selective checkpointing where a recompute runs collectives again (tensor, context, expert parallel): their
-    count is written for full checkpointing, which recomputes every op up to the block's last saved tensor."""
+    """Selective checkpointing where no test has run it: under context and expert parallel a block's recompute
+    runs collectives again (all-to-all, key and value gathers) whose count is checked under full checkpointing only.
+    (Tensor parallel's equal full's, counted and tested: its policy keeps no collective's output.)"""
     if recipe.train.recompute == "selective":
-        raise RecipeError(f"train.activation_checkpointing: selective is not available with {layout} yet (the "
-                          f"collectives its recompute runs again are counted for full checkpointing only); {fix}")
+        raise RecipeError(f"train.activation_checkpointing: selective is not available with {layout} yet (not "
+                          f"tested with it; full checkpointing is); {fix}")
 
 
 def every_rank_a_shard(*, world_size: int, rank: int) -> DataLayout:

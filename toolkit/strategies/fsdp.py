@@ -129,7 +129,8 @@ class FsdpRules:
             tensor_parallel.check_recipe(recipe, degree=tp)
             refuse_untested(recipe, layout="strategy.tp_degree", drop="strategy.tp_degree",
                             lora_why="peft wraps the linear layers the tensor-parallel plan splits",
-                            compile_why="torch.compile fails on DTensor-split blocks with a RecursionError")
+                            compile_why="torch.compile fails on DTensor-split blocks with a RecursionError",
+                            selective_tested=True)
         elif options.sequence_parallel:
             raise RecipeError("strategy.sequence_parallel needs tensor parallelism: set strategy.tp_degree (2 or more)")
         if recipe.precision == "fp16" and recipe.optim.implementation == "fused":

@@ -28,8 +28,8 @@ from toolkit.model.precision import DTYPES, Amp, dtype_name
 from toolkit.model.tied import first_names
 from toolkit.process.dist import DistEnv, ensure_process_group, world_mesh
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport,
-                                     each_micro_batch, first_dtype, forward_once, no_context,
-                                     refuse_selective_checkpointing, sharded_abs_max, whole_stack_activations)
+                                     each_micro_batch, first_dtype, forward_once, no_context, sharded_abs_max,
+                                     whole_stack_activations)
 from toolkit.strategies.dims.comm import tp_collectives
 from toolkit.strategies.dims.parallelize import parallelize
 from toolkit.strategies.optim.torch_optim import TorchOptim, TorchState, TrainsOneModule
@@ -61,7 +61,6 @@ class TpRules:
         return INFO
 
     def validate(self, recipe: Recipe, *, world_size: int) -> None:
-        refuse_selective_checkpointing(recipe, layout="strategy tp", fix="set it to true")
         degree = options_of(TpOptions, recipe).tp_degree
         if degree is not None and degree != world_size:
             # fsdp's tp_degree is the other reading only for a group size it can make of these ranks
