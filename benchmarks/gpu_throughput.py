@@ -38,7 +38,9 @@ MODEL = {"model_type": "llama", "vocab_size": 30522, "hidden_size": 2048, "inter
 STRATEGIES = {"single": ["strategy.name=single"], "fsdp": ["strategy.name=fsdp"],
               "zero3": ["strategy.name=zero", "strategy.stage=3"]}
 VARIANTS = {"": [], "+ac": ["train.activation_checkpointing=true"], "+compile": ["train.compile=true"],
-            "+ac+compile": ["train.activation_checkpointing=true", "train.compile=true"]}
+            "+ac+compile": ["train.activation_checkpointing=true", "train.compile=true"],
+            "+sac": ["train.activation_checkpointing=selective"],
+            "+sac+compile": ["train.activation_checkpointing=selective", "train.compile=true"]}
 ARMS = {s + v: STRATEGIES[s] + VARIANTS[v] for s in STRATEGIES for v in VARIANTS}
 DEFAULT_ARMS = [s + v for s in STRATEGIES for v in ("", "+ac", "+compile")]
 GiB = 2 ** 30
