@@ -69,6 +69,33 @@ def test_the_table_ranks_and_says_why_the_first_wins():
     assert "ms a step on" in done.stdout
 
 
+def test_under_the_table_the_first_layout_under_each_activation_checkpointing_and_the_fastest_that_fits():
+    """Each setting planned as its own --set plans it: none the fastest and the largest, full the slowest and the
+    smallest; on 8 40 GB A100s only full fits, on 16 80 GB H100s none does, within the allocator's reserve, and
+    selective with 10 % free."""
+    import re
+
+    lines = {}
+    for hw, nodes in (("a100-40gb", "1"), ("h100-sxm", "2")):  # 8 and 16 GPUs
+        done = run_cli("plan", RECIPE, "--hardware", hw, "--nodes", nodes, "--layouts", "zero3")
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines[hw] = next(line for line in done.stdout.splitlines() if line.startswith("activation checkpointing for"))
+    found = {mode: (int(speed.replace(",", "")), float(gb)) for mode, speed, gb in
+             re.findall(r"(none|selective|full) ([\d,]+) tokens/s/GPU at ([\d.]+) GB", lines["a100-40gb"])}
+    assert list(found) == ["none", "selective", "full"], lines["a100-40gb"]
+    assert found["none"][0] > found["selective"][0] > found["full"][0]
+    assert found["none"][1] > found["selective"][1] > found["full"][1]
+    alone = run_cli("plan", RECIPE, "--hardware", "a100-40gb", "--nodes", "1", "--layouts", "zero3", "--json",
+                    "--set", "train.activation_checkpointing=selective")
+    [selective] = json.loads(alone.stdout)
+    assert found["selective"] == (round(selective["tokens_per_s_per_gpu"]),
+                                  round(selective["peak_bytes_per_gpu"] / 1e9, 1))
+    assert "full 2," in lines["a100-40gb"] and "(the recipe's)" in lines["a100-40gb"]  # llama3-8b.yaml: true
+    assert lines["a100-40gb"].endswith("the fastest that fits: full")
+    assert "the fastest that fits: none (--set train.activation_checkpointing=false), within 10 %" in lines["h100-sxm"]
+    assert lines["h100-sxm"].endswith("10 % free: selective (--set train.activation_checkpointing=selective)")
+
+
 def test_a_ring_moves_what_the_algorithm_says():
     # 4 ranks all-reduce 1 GB: each rank's link carries 2 (n-1)/n of it, in 2 (n-1) latency steps
     reduce = Collective(op="allreduce_", payload_bytes=10 ** 9, calls=1, group="dp_shard", group_size=4,

@@ -85,4 +85,13 @@ def scale_plan(args) -> int:
     else:
         print(scale.render(order, cluster))
         print("\n".join(scale.reasons(order)))
+
+        def plan_with(name: str, value: str) -> scale.Planned:
+            changed = load_recipe(args.recipe, [*args.overrides, *layouts[name],
+                                                f"train.activation_checkpointing={value}"])
+            return scale.plan_layout(name, changed, model, cluster)
+        line = scale.checkpointing_line(order, recompute=base.train.recompute, memory=cluster.hardware.memory_bytes,
+                                        plan_with=plan_with)
+        if line is not None:
+            print(line)
     return 0 if any(p.fits for p in order) else 1

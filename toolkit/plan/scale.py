@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 from torch import nn
 
@@ -25,6 +25,9 @@ from toolkit.plan.predict import GiB, predict
 from toolkit.strategies import data_layout, strategy_degrees, strategy_rules, validate_strategy
 
 LONG_SEQUENCE = 8192  # from this length on, auto also tries context parallel
+# the share of a GPU's memory the plan's fastest checkpointing setting is warned to leave free: the CUDA caching
+# allocator reserves more than the tensors' peak (benchmarks/scale_prediction.py: torchtitan's runs, +6 to +19 %)
+RESERVE = 0.10
 TIE = 0.02  # two layouts predicted this close are called a tie: the published runs' errors are larger
 
 
@@ -154,6 +157,46 @@ def reasons(order: list[Planned]) -> list[str]:
         else:
             lines.append(f"{first.layout} over {second.layout}: {ratio:.2f}x the tokens/s; {why}")
     return lines
+
+
+# train.activation_checkpointing's settings, each as a --set value
+CHECKPOINTING = {"none": "false", "selective": "selective", "full": "true"}
+
+
+def checkpointing_line(order: list[Planned], *, recompute: str, memory: float,
+                       plan_with: Callable[[str, str], Planned]) -> str | None:
+    """One line: the first layout of `order` that runs, under each activation checkpointing setting (`recompute`:
+    the recipe's, already planned; `plan_with(layout, value)` plans another), and the fastest of them that fits
+    (`memory`: a GPU's bytes), with the --set that chooses it where it is not the recipe's. The trade each setting makes: memory for a
+    recompute, none of which the table's layouts vary."""
+    first = next((p for p in order if p.refused is None), None)
+    if first is None:
+        return None
+    done = {mode: first if mode == recompute else plan_with(first.layout, value)
+            for mode, value in CHECKPOINTING.items()}
+    parts = []
+    for mode, planned in done.items():
+        own = " (the recipe's)" if mode == recompute else ""
+        if planned.refused is not None or planned.step is None:
+            parts.append(f"{mode} cannot run{own}")
+            continue
+        parts.append(f"{mode} {planned.step.tokens_per_s_per_gpu:,.0f} tokens/s/GPU at "
+                     f"{cast(int, planned.peak_bytes_per_gpu) / 1e9:.1f} GB{'' if planned.fits else ' (NO fit)'}{own}")
+    def fastest(limit: float) -> str | None:
+        within = [(mode, p) for mode, p in done.items()
+                  if p.step is not None and p.peak_bytes_per_gpu is not None and p.peak_bytes_per_gpu <= limit]
+        if not within:
+            return None
+        mode, _ = max(within, key=lambda item: cast(step_time.StepTime, item[1].step).tokens_per_s_per_gpu)
+        return mode + ("" if mode == recompute else f" (--set train.activation_checkpointing={CHECKPOINTING[mode]})")
+
+    fits, roomy = fastest(memory), fastest((1 - RESERVE) * memory)
+    best = f"the fastest that fits: {fits}" if fits else "none of them fits"
+    if fits and roomy != fits:  # the fastest fits within the reserve only
+        best += (f", within {100 * RESERVE:.0f} % of the {memory / 1e9:.0f} GB, which the CUDA allocator's reserve "
+                 "can take (torchtitan's published runs reserved 6-19 % above the plan's peak); the fastest with "
+                 f"{100 * RESERVE:.0f} % free: {roomy or 'none'}")
+    return f"activation checkpointing for {first.layout}: " + "; ".join(parts) + f"; {best}"
 
 
 def _ms(seconds: float) -> str:
