@@ -1,7 +1,7 @@
 """train.activation_checkpointing: selective (toolkit/model/blocks.py selective_context): the same fp32 training
 as without checkpointing under single, fsdp, zero3, a pipeline, tp and fsdp × tp, with the collectives the layouts'
 rules count; the FLOPs it recomputes, as the step-time model counts them, equal what torch counts in a real
-backward; refused in one line where it is not tested (cp, ep)."""
+backward; refused in one line where it is not tested (cp, ep) and for a value it does not take."""
 
 import copy
 import json
@@ -89,14 +89,20 @@ def test_the_flops_selective_checkpointing_recomputes_are_those_torch_counts(kin
         assert torch.equal(selective_grads[name], grad), name
 
 
-@pytest.mark.parametrize("overrides, says", [
-    (("train.activation_checkpointing=sometimes",), "choose one of false, true (the same as full), selective"),
-    (("parallel.cp=2", "batch.micro_batch_size=4", *SELECTIVE), "selective is not available with context parallel"),
+@pytest.mark.parametrize("runs, overrides, says", [
+    ("llama_runs", ("train.activation_checkpointing=sometimes",), "choose false, true (the same as full) or selective"),
+    ("llama_runs", ("train.activation_checkpointing=1",), "expected false, true (the same as full) or selective"),
+    ("llama_runs", ("parallel.cp=2", "batch.micro_batch_size=4", *SELECTIVE),
+     "selective is not available with context parallel"),
+    ("moe_runs", ("parallel.ep=2", "batch.micro_batch_size=4", *SELECTIVE),
+     "selective is not available with expert parallel"),
 ])
-def test_selective_checkpointing_where_it_is_not_built_is_one_line(llama_runs, overrides, says, tmp_path, capsys):
+def test_selective_checkpointing_where_it_is_not_built_is_one_line(request, runs, overrides, says, tmp_path, capsys):
+    recipe = request.getfixturevalue(runs).recipe
+    capsys.readouterr()  # what building the fixture's model printed
     out = tmp_path / "out"
     sets = [arg for override in (*overrides, f"output_dir={out}") for arg in ("--set", override)]
-    code = main(["validate", str(llama_runs.recipe), "--nproc", "2", *sets])
+    code = main(["validate", str(recipe), "--nproc", "2", *sets])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and says in err[0], err
     assert not out.exists()
@@ -106,15 +112,20 @@ def test_the_plan_puts_selective_between_none_and_full_and_full_in_its_checkpoin
     """`toolkit plan`'s activations under the recipe's own setting, and in its (AC) column under full checkpointing
     whatever that setting is (the reference's measurements of each: tests/test_activations.py)."""
     from test_activations import small_recipe
-    from toolkit.plan.predict import predict
+    from toolkit.memory.activations import traced_activations
+    from toolkit.plan.predict import planned_model, predict
 
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
     plans = {value: predict(small_recipe(f"train.activation_checkpointing={value}"), world_size=1, runtime_bytes=0)
              for value in ("false", "selective", "true")}
     none, selective, full = (plans[value].activation_bytes[0] for value in ("false", "selective", "true"))
     assert full < selective < none
-    for value in ("false", "selective", "true"):
-        assert plans[value].activation_bytes_checkpointed == [full], value
+    plain = small_recipe()  # traced on its own under full checkpointing (single: the recipe's fp32 weights)
+    traced = traced_activations(planned_model(plain), plain, params_dtype=torch.float32, autocast_dtype=None,
+                                checkpointing=True)
+    assert full == traced
+    for value in ("false", "selective"):
+        assert plans[value].activation_bytes_checkpointed == [traced], value
 
 
 @pytest.mark.parametrize("arm", ["fsdp", "zero3-accum", "pp-interleaved"])

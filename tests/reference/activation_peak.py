@@ -45,12 +45,12 @@ def keep_every_other_matmul():
     matmuls = {aten.mm.default, aten.addmm.default}
     attention = {aten._scaled_dot_product_flash_attention_for_cpu.default,
                  aten._scaled_dot_product_attention_math.default}
-    seen = [0]
+    seen = {False: 0, True: 0}  # forward's matmuls, and a recomputation's (torch before 2.13 asks again there)
 
     def policy(ctx, func, *args, **kwargs):
-        if func in matmuls and not ctx.is_recompute:
-            seen[0] += 1
-            return CheckpointPolicy.MUST_SAVE if seen[0] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
+        if func in matmuls:
+            seen[ctx.is_recompute] += 1
+            return CheckpointPolicy.MUST_SAVE if seen[ctx.is_recompute] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if func in attention else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)

@@ -21,6 +21,7 @@ TASKS = ("sequence-classification", "causal-lm")
 SCHEDULES = ("cosine", "linear", "constant")
 TRACKERS = ("tensorboard", "mlflow")
 CHECKPOINTING = ("full", "selective")  # train.activation_checkpointing's names beside true and false
+CHECKPOINTING_WORDS = "false, true (the same as full) or selective"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -234,7 +235,7 @@ class TrainConfig:
     # its attention's output and every other matmul's (the 1st, 3rd, ... in the order they run), the rest
     # recomputed (torchtitan's per-op policy: about half the activations for a third of the recompute) | false.
     # Same losses either way
-    activation_checkpointing: bool | str = False
+    activation_checkpointing: bool | str = field(default=False, metadata={"expected": CHECKPOINTING_WORDS})
     # true (causal LMs): the loss computed from the last hidden states in tiles of tokens whose logits hold at most
     # 2^25 elements (1,099 tokens of a 30,522-token vocabulary), each tile's logits made again in backward: the
     # micro-batch's [tokens × vocab] logits, their fp32 copy and gradient never exist whole (for long sequences,
@@ -276,7 +277,7 @@ class TrainConfig:
         if isinstance(self.activation_checkpointing, str):
             if self.activation_checkpointing not in CHECKPOINTING:
                 raise RecipeError(f"train.activation_checkpointing: unknown value {self.activation_checkpointing!r}; "
-                                  "choose one of false, true (the same as full), selective")
+                                  f"choose {CHECKPOINTING_WORDS}")
             if self.activation_checkpointing == "full":  # the same as true: one spelling in the saved recipe
                 object.__setattr__(self, "activation_checkpointing", True)
         _choice("train.on_nonfinite", self.on_nonfinite, ("stop", "skip"))

@@ -14,6 +14,7 @@ from typing import Any
 from toolkit.errors import RecipeError
 
 PATH = {"path": True}  # a recipe key's field metadata: the key names a file or folder (`~` expanded, empty refused)
+# {"expected": words}: a field's metadata, what its wrong-type error says the key takes
 
 
 def recipe_key(f: dataclasses.Field) -> str:
@@ -37,7 +38,13 @@ def from_plain(cls: type, raw: Any, where: str = "") -> Any:
     values = {}
     for name, value in raw.items():
         key = f"{where}.{name}" if where else name
-        values[fields[name].name] = _coerce(hints[fields[name].name], value, key)
+        try:
+            values[fields[name].name] = _coerce(hints[fields[name].name], value, key)
+        except RecipeError:  # a field that takes values of several types says them all (its metadata's words)
+            expected = fields[name].metadata.get("expected")
+            if expected is None:
+                raise
+            raise RecipeError(f"{key}: expected {expected}, got {value!r}") from None
         if fields[name].metadata.get("path") and values[fields[name].name] is not None:
             values[fields[name].name] = _path(values[fields[name].name], key)
     missing = [n for n, f in fields.items() if f.name not in values and f.default is dataclasses.MISSING

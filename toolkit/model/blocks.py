@@ -54,21 +54,22 @@ ATTENTION_KERNELS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot
 def selective_context() -> tuple[Any, Any]:
     """torch's selective-checkpoint contexts for one forward of one block (a fresh count each call): its
     forward keeps the output of every attention kernel and of its 1st, 3rd, 5th, ... matmul in the order they
-    run; backward recomputes the rest from the block's input. torchtitan's per-op policy (its op list, saving
-    every other mm: the one its published Llama runs used), the matmuls counted with addmm as well, since
-    transformers' linear layers with a bias (BERT's) run addmm where torchtitan's models run mm."""
+    run; backward recomputes the rest from the block's input. torchtitan's per-op policy as its published Llama
+    runs used it (attention kernels and every other mm), without its entries for a reduce-scatter's output and
+    float8's max (no collective's output is kept: under tensor parallel a recompute reruns what full
+    checkpointing's does); the matmuls counted with addmm as well, since transformers' linear layers with a bias
+    (BERT's) run addmm where torchtitan's models run mm."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     matmuls, attention = _overloads(MATMULS), _overloads(ATTENTION_KERNELS)
-    count = 0
+    counts = {False: 0, True: 0}  # the forward's matmuls, and the recomputation's
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        nonlocal count
-        if ctx.is_recompute:  # torch consults the policy in forward; its recomputation reads what forward stored
-            return CheckpointPolicy.PREFER_RECOMPUTE
+        # torch 2.13 asks in forward only (its recomputation reads what forward stored); earlier releases ask again
+        # while recomputing and read the stored output only where the answer is the forward's: the same answer
         if func in matmuls:
-            count += 1
-            return CheckpointPolicy.MUST_SAVE if count % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+            counts[ctx.is_recompute] += 1
+            return CheckpointPolicy.MUST_SAVE if counts[ctx.is_recompute] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if func in attention else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)

@@ -167,8 +167,8 @@ def checkpointing_line(order: list[Planned], *, recompute: str, memory: float,
                        plan_with: Callable[[str, str], Planned]) -> str | None:
     """One line: the first layout of `order` that runs, under each activation checkpointing setting (`recompute`:
     the recipe's, already planned; `plan_with(layout, value)` plans another), and the fastest of them that fits
-    (`memory`: a GPU's bytes), with the --set that chooses it where it is not the recipe's. The trade each setting makes: memory for a
-    recompute, none of which the table's layouts vary."""
+    (`memory`: a GPU's bytes), with the --set that chooses it where it is not the recipe's. The trade each setting
+    makes, memory for a recompute, is one no layout of the table varies."""
     first = next((p for p in order if p.refused is None), None)
     if first is None:
         return None
@@ -182,6 +182,7 @@ def checkpointing_line(order: list[Planned], *, recompute: str, memory: float,
             continue
         parts.append(f"{mode} {planned.step.tokens_per_s_per_gpu:,.0f} tokens/s/GPU at "
                      f"{cast(int, planned.peak_bytes_per_gpu) / 1e9:.1f} GB{'' if planned.fits else ' (NO fit)'}{own}")
+
     def fastest(limit: float) -> str | None:
         within = [(mode, p) for mode, p in done.items()
                   if p.step is not None and p.peak_bytes_per_gpu is not None and p.peak_bytes_per_gpu <= limit]
@@ -195,7 +196,7 @@ def checkpointing_line(order: list[Planned], *, recompute: str, memory: float,
     if fits and roomy != fits:  # the fastest fits within the reserve only
         best += (f", within {100 * RESERVE:.0f} % of the {memory / 1e9:.0f} GB, which the CUDA allocator's reserve "
                  "can take (torchtitan's published runs reserved 6-19 % above the plan's peak); the fastest with "
-                 f"{100 * RESERVE:.0f} % free: {roomy or 'none'}")
+                 f"{100 * RESERVE:.0f} % free: {roomy or 'no setting'}")
     return f"activation checkpointing for {first.layout}: " + "; ".join(parts) + f"; {best}"
 
 

@@ -222,7 +222,7 @@ class FsdpRules:
         if ep > 1:  # the experts modules are FSDP units of their own over efsdp, the blocks shard what is left
             return expert_parallel_collectives(model, units, recipe, world_size=world_size, ep=ep, shapes=shapes,
                                                compute=compute, reduce=reduce, gathers=gathers)
-        recompute = recipe.train.recompute != "none"  # selective: refused with tp, cp, ep
+        recompute = recipe.train.recompute != "none"  # selective: refused with cp, ep
         shard = world_size // (tp * replicate)
         local_sgd = local_sgd_of(recipe)  # the replica groups' all-reduce replaced by their syncs
         # a cp rank's blocks see its part of each sequence (dims/context.py)

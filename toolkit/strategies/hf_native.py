@@ -97,6 +97,9 @@ class HfNativeRules:
         if recipe.model.task != "causal-lm":
             raise RecipeError(f"hf_native lays out causal LMs (transformers' plans are written for them); model.task "
                               f"is {recipe.model.task}; use another strategy")
+        if recipe.train.activation_checkpointing:
+            raise RecipeError("train.activation_checkpointing is not available with hf_native yet (not tested with "
+                              "transformers' plans); set it false or use another strategy")
         if ep > 1:
             fsdp = world_size // (tp * replicate)
             if ep % tp or (fsdp * tp) % ep:  # DistributedConfig's own rule, said before any rank starts
@@ -107,9 +110,6 @@ class HfNativeRules:
             tensor_parallel.check_recipe(recipe, degree=tp)
         if world_size < 2:
             raise RecipeError("hf_native needs 2 or more ranks (transformers lays out nothing on one); use single")
-        if recipe.train.activation_checkpointing:
-            raise RecipeError("train.activation_checkpointing is not available with hf_native yet (not tested with "
-                              "transformers' plans); set it false or use another strategy")
         refuse_untested(recipe, layout="hf_native", drop="strategy.name=hf_native",
                         lora_why="its plans name the layers peft wraps", compile_why="not tested compiled")
 
