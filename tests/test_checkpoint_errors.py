@@ -3,7 +3,9 @@ exit code 2, one line naming the problem and the fix, nothing written. One tiny 
 config, so that a test can change its shapes) writes the checkpoint every test shares; no test trains."""
 
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -112,6 +114,27 @@ def test_an_output_dir_that_cannot_be_made_is_one_line(command, recipe, capfd):
     _assert_one_line_exit_2(main([*args, "--set", f"output_dir={out}"]), capfd,
                             f"output_dir {out}: no folder can be made in /proc", "choose another output_dir")
     assert not Path(out).exists()
+
+
+def test_an_output_dir_whose_probe_another_rank_removed_can_still_be_made(tmp_path, monkeypatch):
+    """check_creatable's probe folder, removed before this process removes it: by another rank that refused the run
+    for a mistake of its own and took what appeared in output_dir since it started (process/cleanup.py
+    remove_made). The folder was made, so output_dir can be; this rank said "no folder can be made ... (No such
+    file or directory)" beside the other rank's line (seen once in a full test run)."""
+    from toolkit.checkpoint import store
+
+    made = []
+    real = tempfile.mkdtemp
+
+    def made_then_taken(*args, **kwargs):
+        path = real(*args, **kwargs)
+        os.rmdir(path)  # the other rank's cleanup, between this process's mkdir and its rmdir
+        made.append(path)
+        return path
+
+    monkeypatch.setattr(store.tempfile, "mkdtemp", made_then_taken)
+    store.check_creatable(tmp_path / "out")
+    assert made and not any(Path(path).exists() for path in made)
 
 
 @pytest.mark.parametrize("source, words", [

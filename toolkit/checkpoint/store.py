@@ -5,6 +5,7 @@ Nothing here touches tensors: see toolkit/checkpoint/state.py for what goes into
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -224,9 +225,13 @@ def check_creatable(out_dir: Path, *, what: str = "output_dir") -> None:
     if not nearest.is_dir():
         raise RecipeError(f"{what} {out_dir}: {nearest} is a file, not a folder; {fix}")
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=".toolkit-probe-", dir=nearest))  # made and gone: nothing left behind
+        probe = tempfile.mkdtemp(prefix=".toolkit-probe-", dir=nearest)
     except OSError as exc:
         raise RecipeError(f"{what} {out_dir}: no folder can be made in {nearest} ({exc.strerror}); {fix}") from None
+    # made: the answer. Then gone, nothing left behind; already gone where another rank, refusing the run for a
+    # mistake of its own, removed what appeared in output_dir since it started (process/cleanup.py remove_made)
+    with contextlib.suppress(FileNotFoundError):
+        os.rmdir(probe)
 
 
 def remove_partials(out_dir: Path) -> None:
