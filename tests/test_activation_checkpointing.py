@@ -2,6 +2,7 @@
 and each block really recomputed (its forward runs twice per micro-batch in the first step)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,20 +22,35 @@ ARMS = {  # name of the run without it, in llama_runs -> (ranks, overrides, micr
 }
 
 
+def assert_same_losses(run: Path, other: Path) -> None:
+    """Recomputing a block runs the same kernels on the same inputs: bit-for-bit the same activations, and losses
+    equal to fp32's rounding of their sums."""
+    torch.testing.assert_close(torch.tensor(losses(run), dtype=torch.float64),
+                               torch.tensor(losses(other), dtype=torch.float64), rtol=1e-6, atol=0)
+
+
+def assert_same_training(run: Path, other: Path) -> None:
+    """The same losses and the same exported weights."""
+    assert_same_losses(run, other)
+    ours, theirs = exported_weights(run), exported_weights(other)
+    for name, tensor in theirs.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def recorded(run: Path) -> dict:
+    """run.json's record of the checkpointing and of the blocks' forwards in the first step."""
+    return json.loads((run / "run.json").read_text())["activation_checkpointing"]
+
+
 @pytest.mark.parametrize("arm", list(ARMS))
 def test_activation_checkpointing_gives_the_same_fp32_training(llama_runs, arm):
     ranks, overrides, micro_batches = ARMS[arm]
     plain = llama_runs.get(arm, nproc=ranks, overrides=overrides)
     checkpointed = llama_runs.get(f"{arm}-ac", nproc=ranks, overrides=(*overrides, *AC))
-    # recomputing a block runs the same kernels on the same inputs: bit-for-bit the same activations
-    torch.testing.assert_close(torch.tensor(losses(checkpointed), dtype=torch.float64),
-                               torch.tensor(losses(plain), dtype=torch.float64), rtol=1e-6, atol=0)
-    ours, theirs = exported_weights(checkpointed), exported_weights(plain)
-    for name, tensor in theirs.items():
-        torch.testing.assert_close(ours[name], tensor, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
-    recorded = json.loads((checkpointed / "run.json").read_text())["activation_checkpointing"]
+    assert_same_training(checkpointed, plain)
     # 2 blocks, each run in forward and again in backward, per micro-batch
-    assert recorded == {"recompute": "full", "blocks": 2, "block_forwards_first_step": 2 * 2 * micro_batches}
+    assert recorded(checkpointed) == {"recompute": "full", "blocks": 2,
+                                      "block_forwards_first_step": 2 * 2 * micro_batches}
     assert "activation_checkpointing" not in json.loads((plain / "run.json").read_text())
 
 
@@ -53,11 +69,9 @@ def test_activation_checkpointing_under_tensor_parallel_trains_as_one_process(ll
     checkpointed = llama4_runs.get(arm, nproc=ranks, overrides=(*overrides, *AC))
     assert_matches_single(checkpointed, llama4_runs.get("single"))
     if arm == "tp-ac":
-        plain = llama4_runs.get("tp", nproc=ranks, overrides=overrides)
-        torch.testing.assert_close(torch.tensor(losses(checkpointed), dtype=torch.float64),
-                                   torch.tensor(losses(plain), dtype=torch.float64), rtol=1e-6, atol=0)
-    recorded = json.loads((checkpointed / "run.json").read_text())["activation_checkpointing"]
-    assert recorded == {"recompute": "full", "blocks": 4, "block_forwards_first_step": 4 * 2 * micro_batches}
+        assert_same_losses(checkpointed, llama4_runs.get("tp", nproc=ranks, overrides=overrides))
+    assert recorded(checkpointed) == {"recompute": "full", "blocks": 4,
+                                      "block_forwards_first_step": 4 * 2 * micro_batches}
 
 
 def test_a_pipeline_rank_counts_its_own_blocks_and_no_shape_inference(llama4_runs):
@@ -67,11 +81,10 @@ def test_a_pipeline_rank_counts_its_own_blocks_and_no_shape_inference(llama4_run
     ranks, overrides = test_model_parallel.ARMS["pp-interleaved"]
     plain = llama4_runs.get("pp-interleaved", nproc=ranks, overrides=overrides)
     checkpointed = llama4_runs.get("pp-interleaved-ac", nproc=ranks, overrides=(*overrides, *AC))
-    torch.testing.assert_close(torch.tensor(losses(checkpointed), dtype=torch.float64),
-                               torch.tensor(losses(plain), dtype=torch.float64), rtol=1e-6, atol=0)
-    recorded = json.loads((checkpointed / "run.json").read_text())["activation_checkpointing"]
+    assert_same_losses(checkpointed, plain)
     micro_batches = 4  # micro 2 × accumulation 4 = global batch 8
-    assert recorded == {"recompute": "full", "blocks": 2, "block_forwards_first_step": 2 * 2 * micro_batches}
+    assert recorded(checkpointed) == {"recompute": "full", "blocks": 2,
+                                      "block_forwards_first_step": 2 * 2 * micro_batches}
 
 
 @pytest.mark.parametrize("command", ["train", "validate"])

@@ -214,7 +214,7 @@ def test_a_model_that_names_no_blocks_is_counted_by_its_layer_stack():
         assert not getattr(model, "_no_split_modules", None)
         # by hand, per block: q, k, v and the output projection (32 x 32 each), the MLP's two 32 x 64 matrices
         block = 4 * 32 * 32 + 2 * 32 * 64
-        flops = model_flops(model, seq_len=16, checkpointing=False)
+        flops = model_flops(model, seq_len=16, checkpointing="none")
         assert flops.block_matmul == 6.0 * layers * block
         assert flops.attention == 12.0 * layers * 32 * 16
 

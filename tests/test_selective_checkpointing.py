@@ -4,7 +4,6 @@ rules count; the FLOPs it recomputes, as the step-time model counts them, equal 
 backward; refused in one line where it is not tested (cp, ep) and for a value it does not take."""
 
 import copy
-import json
 
 import pytest
 import torch
@@ -14,7 +13,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 import test_activation_checkpointing
 import test_model_parallel
 import test_sharded
-from conftest import assert_matches_single, exported_weights, losses
+from conftest import assert_matches_single
+from test_activation_checkpointing import assert_same_losses, assert_same_training, recorded
 from test_comm_prediction import assert_predicted
 from toolkit.cli import main
 from toolkit.cost.flops import model_flops
@@ -38,15 +38,10 @@ def test_selective_checkpointing_gives_the_same_fp32_training(request, arm):
     plain = runs.get(arm, nproc=ranks, overrides=overrides)
     selective = runs.get(f"{arm}-selective", nproc=ranks, overrides=(*overrides, *SELECTIVE))
     # what it keeps is what forward computed, what it recomputes the same kernels on the same inputs: bit-for-bit
-    torch.testing.assert_close(torch.tensor(losses(selective), dtype=torch.float64),
-                               torch.tensor(losses(plain), dtype=torch.float64), rtol=1e-6, atol=0)
-    ours, theirs = exported_weights(selective), exported_weights(plain)
-    for name, tensor in theirs.items():
-        torch.testing.assert_close(ours[name], tensor, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
-    recorded = json.loads((selective / "run.json").read_text())["activation_checkpointing"]
+    assert_same_training(selective, plain)
     # the block's forward runs again in backward (its kept outputs read from what forward stored)
-    assert recorded == {"recompute": "selective", "blocks": blocks,
-                        "block_forwards_first_step": blocks * 2 * micro_batches}
+    assert recorded(selective) == {"recompute": "selective", "blocks": blocks,
+                                   "block_forwards_first_step": blocks * 2 * micro_batches}
 
 
 def tiny(kind: str) -> torch.nn.Module:
@@ -147,8 +142,7 @@ def test_selective_checkpointing_under_tensor_parallel_trains_as_full_with_the_s
     full = llama4_runs.get(arm, nproc=ranks, overrides=(*overrides, *test_activation_checkpointing.AC))
     selective = llama4_runs.get(arm.replace("-ac", "-selective"), nproc=ranks, overrides=(*overrides, *SELECTIVE))
     assert_matches_single(selective, llama4_runs.get("single"))
-    torch.testing.assert_close(torch.tensor(losses(selective), dtype=torch.float64),
-                               torch.tensor(losses(full), dtype=torch.float64), rtol=1e-6, atol=0)
-    recorded = json.loads((selective / "run.json").read_text())["activation_checkpointing"]
-    assert recorded == {"recompute": "selective", "blocks": 4, "block_forwards_first_step": 4 * 2 * micro_batches}
+    assert_same_losses(selective, full)
+    assert recorded(selective) == {"recompute": "selective", "blocks": 4,
+                                   "block_forwards_first_step": 4 * 2 * micro_batches}
     assert_predicted(selective)

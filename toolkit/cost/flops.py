@@ -30,10 +30,10 @@ class ModelFlops:
         return self.block_matmul + self.head_matmul + self.attention
 
 
-def model_flops(model: nn.Module, *, seq_len: int, checkpointing: bool | str) -> ModelFlops:
+def model_flops(model: nn.Module, *, seq_len: int, checkpointing: str) -> ModelFlops:
     """Per-token training FLOPs of `model` (on the meta device) at `seq_len`; a mixture of experts counts the
-    experts a token is routed to (top-k of them), not all. `checkpointing`: none | full | selective (a bool: full
-    or none)."""
+    experts a token is routed to (top-k of them), not all. `checkpointing`: none | full | selective
+    (TrainConfig.recompute)."""
     config: Any = model.config
     layers, hidden = config.num_hidden_layers, config.hidden_size
     blocks = _block_elements(model, config)
@@ -42,7 +42,7 @@ def model_flops(model: nn.Module, *, seq_len: int, checkpointing: bool | str) ->
     recompute = 0.0
     if checkpointing == "selective":
         recompute = 2.0 * _block_elements(model, config, recomputed=True)
-    elif checkpointing and checkpointing != "none":
+    elif checkpointing == "full":
         recompute = (block_matmul + attention) / 3
     return ModelFlops(block_matmul=block_matmul, head_matmul=6.0 * head, attention=attention, recompute=recompute,
                       num_layers=layers, logits=logits_per_token(model))

@@ -159,8 +159,8 @@ def reasons(order: list[Planned]) -> list[str]:
     return lines
 
 
-# train.activation_checkpointing's settings, each as a --set value
-CHECKPOINTING = {"none": "false", "selective": "selective", "full": "true"}
+# train.activation_checkpointing's settings (TrainConfig.recompute's names), each as its --set value
+CHECKPOINTING_VALUES = {"none": "false", "selective": "selective", "full": "true"}
 
 
 def checkpointing_line(order: list[Planned], *, recompute: str, memory: float,
@@ -173,7 +173,7 @@ def checkpointing_line(order: list[Planned], *, recompute: str, memory: float,
     if first is None:
         return None
     done = {mode: first if mode == recompute else plan_with(first.layout, value)
-            for mode, value in CHECKPOINTING.items()}
+            for mode, value in CHECKPOINTING_VALUES.items()}
     parts = []
     for mode, planned in done.items():
         own = " (the recipe's)" if mode == recompute else ""
@@ -189,7 +189,8 @@ def checkpointing_line(order: list[Planned], *, recompute: str, memory: float,
         if not within:
             return None
         mode, _ = max(within, key=lambda item: cast(step_time.StepTime, item[1].step).tokens_per_s_per_gpu)
-        return mode + ("" if mode == recompute else f" (--set train.activation_checkpointing={CHECKPOINTING[mode]})")
+        chosen = f" (--set train.activation_checkpointing={CHECKPOINTING_VALUES[mode]})"
+        return mode + ("" if mode == recompute else chosen)
 
     fits, roomy = fastest(memory), fastest((1 - RESERVE) * memory)
     best = f"the fastest that fits: {fits}" if fits else "none of them fits"

@@ -24,16 +24,15 @@ def block_costs(model: nn.Module, blocks: list[nn.Module], recipe: Recipe) -> tu
     """Per token, each block's forward + backward FLOPs, and the head's (on the last stage)."""
     config: Any = getattr(model, "config", None)
     hidden = getattr(config, "hidden_size", 0) or 0
-    full = 4 / 3 if recipe.train.recompute == "full" else 1.0
+    recompute = recipe.train.recompute
+    full = 4 / 3 if recompute == "full" else 1.0
     attention = 12.0 * hidden * recipe.data.max_length
 
     def cost(block: nn.Module) -> float:
-        selective = 2.0 * block_elements(block, config, recomputed=True) if recipe.train.recompute == "selective" \
-            else 0.0
+        selective = 2.0 * block_elements(block, config, recomputed=True) if recompute == "selective" else 0.0
         return float(round((6.0 * block_elements(block, config) + attention) * full + selective))
 
-    costs = [cost(block) for block in blocks]
-    return costs, 6.0 * head_elements(model)
+    return [cost(block) for block in blocks], 6.0 * head_elements(model)
 
 
 def cost_balanced_starts(costs: list[float], *, last_extra: float, num_parts: int) -> list[int]:
