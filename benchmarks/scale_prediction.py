@@ -99,6 +99,9 @@ def layout_of(row: dict) -> tuple[str, ...]:
         out.append(f"strategy.replicate_degree={replicate}")
     if tp > 1:  # torchtitan's and Megatron's tensor parallel keeps the norms on sequence shards
         out += [f"strategy.tp_degree={tp}", "strategy.sequence_parallel=true"]
+    if tp > 1 and cp == 1:  # and splits the output layer and the loss over the vocabulary (torchtitan's
+        out.append("strategy.loss_parallel=true")  # loss_parallel, Megatron's vocab-parallel cross-entropy);
+        # the toolkit's is not tested with cp, and refused there: such rows keep a rank's logits whole
     if cp > 1:
         out.append(f"strategy.cp_degree={cp}")
     return tuple(out)

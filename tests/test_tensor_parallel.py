@@ -61,15 +61,19 @@ def test_communication_per_step_is_activation_all_reduces_beside_fsdp_traffic(ll
     runs = {arm: json.loads((llama4_runs.get(arm, nproc=ranks, overrides=overrides) / "run.json").read_text())
             for arm, (ranks, overrides) in ARMS.items() if arm != "tp-sp"}
     blocks, micro_batches = 4, {"tp": 4, "fsdp-tp2": 2}  # micro-batches per rank per step
+    # the gradient norm (every step, DTensor gradients): per group of gradients split alike, one fp32 per gradient,
+    # all-reduced over each mesh dimension that splits them. tp: q k v gate up (5 a block) on dim 0, o down (2) on
+    # dim 1, over tp; fsdp × tp: those two over dp and tp, the embedding and the 9 norms over dp
+    norms = {"tp": (2, (20 + 8) * 4), "fsdp-tp2": (5, (2 * 20 + 2 * 8 + 10) * 4)}
     for arm, run in runs.items():
         ops = run["comm_per_step"]
         # per block and micro-batch: forward, the row-wise o_proj and down_proj outputs are summed; backward,
         # the input gradients of attention (the sum of q's, k's and v's) and of the MLP (gate's + up's): 4
         # all-reduces (one per column-wise layer, as before, made it 7: the same sum, 5/2 the bytes backward)
-        assert ops["calls_by_op"]["all_reduce"] == 4 * blocks * micro_batches[arm], (arm, ops)
+        assert ops["calls_by_op"]["all_reduce"] == 4 * blocks * micro_batches[arm] + norms[arm][0], (arm, ops)
         # each of them a full activation: hidden 32 floats (conftest.llama4_runs) per token of the micro-batches
         tokens = sum(rows * length for rows, length in ops["micro_batch_shapes_per_rank"][0])
-        assert ops["bytes_by_op"]["all_reduce"] == 4 * blocks * tokens * 32 * 4, (arm, ops)
+        assert ops["bytes_by_op"]["all_reduce"] == 4 * blocks * tokens * 32 * 4 + norms[arm][1], (arm, ops)
     tp_params_bytes = runs["tp"]["model_state_bytes"][0]["params_bytes"]  # one TP rank's share of the model
     fsdp_tp = runs["fsdp-tp2"]["comm_per_step"]["bytes_by_op"]
     # FSDP over the 2 data-parallel groups: each rank reduce-scatters the full gradient of its TP share
@@ -250,8 +254,9 @@ def test_qwen3_per_head_norms_sum_their_gradients_over_the_tp_ranks(qwen3_runs, 
     run = qwen3_runs.get(arm, nproc=2, overrides=overrides)
     assert_matches_single(run, qwen3_runs.get("single"))
     comm = json.loads((run / "run.json").read_text())["comm_per_step"]
-    if arm == "tp":  # the activations' (DTensor's), as on Llama; sequence parallelism reduce-scatters instead
-        assert comm["calls_by_op"]["all_reduce"] == 4 * 2 * 4
+    if arm == "tp":  # the activations' (DTensor's), as on Llama; sequence parallelism reduce-scatters instead;
+        # and the gradient norm's two over the split weights (dim 0 and dim 1), as on Llama
+        assert comm["calls_by_op"]["all_reduce"] == 4 * 2 * 4 + 2
     # beside the loop's own small all-reduces (a Llama tp run's): one more, the 2 blocks' q_norm and k_norm
     # gradients, head_dim 8 each, in fp32
     llama = json.loads((llama4_runs.get("tp", nproc=2, overrides=ARMS["tp"][1]) / "run.json").read_text())

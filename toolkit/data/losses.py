@@ -7,6 +7,9 @@ batch into ranks and micro-batches gives the same mean.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -21,14 +24,52 @@ def micro_batch_loss_sum(logits: torch.Tensor, labels: torch.Tensor, task: str, 
     before it splits it: strategies/dims/context.py)."""
     logits, labels = logits.float(), labels.to(logits.device, non_blocking=True)
     if task == "causal-lm" and shifted:
-        return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+        return _cross_entropy_sum(logits.flatten(0, -2), labels.flatten())
     if task == "causal-lm":  # predict token t+1 from tokens <= t
         # The labels move, not the logits: the last position gets IGNORE_INDEX (no loss), so the logits are
         # flattened as a view. Slicing them instead copies them in fp32 (T × vocab × 4 bytes) and fills a
         # zero gradient of that size in backward: 14 -> 12 bytes per token × vocab at the head's peak in bf16.
         labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-        return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+        return _cross_entropy_sum(logits.flatten(0, -2), labels.flatten())
     return F.cross_entropy(logits, labels, reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed over [tokens, vocab] logits. Logits that are a DTensor sharded over the vocabulary
+    (strategy.loss_parallel: model/tp_plan.py vocab_plan) reduce across the ranks inside it (torch's loss_parallel);
+    the sum, replicated on every rank, returns as a plain tensor."""
+    if type(logits) is torch.Tensor or not _is_dtensor(logits):  # a plain tensor, or the plan's fake one
+        return F.cross_entropy(logits, labels, reduction="sum", ignore_index=IGNORE_INDEX)
+    with vocab_parallel(True):
+        loss = F.cross_entropy(logits, labels, reduction="sum", ignore_index=IGNORE_INDEX)
+    return loss.to_local()  # type: ignore[attr-defined]
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor  # only where a tensor is of a subclass
+
+    return isinstance(tensor, DTensor)
+
+
+_VOCAB_PARALLEL = [0]  # how many vocab_parallel(True) contexts are open
+
+
+@contextlib.contextmanager
+def vocab_parallel(on: bool) -> Iterator[None]:
+    """Where `on`, torch's loss_parallel: cross-entropy over vocabulary-sharded DTensor logits, forward and backward
+    (the strategy's backward opens it too). Nested ones are one: torch's context removes its handlers when it
+    exits, which an inner one would do under an outer one."""
+    if not on or _VOCAB_PARALLEL[0]:
+        yield
+        return
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    _VOCAB_PARALLEL[0] += 1
+    try:
+        with loss_parallel():
+            yield
+    finally:
+        _VOCAB_PARALLEL[0] -= 1
 
 
 def forward_loss_sum(output: torch.Tensor, batch: dict, task: str) -> torch.Tensor:

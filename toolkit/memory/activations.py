@@ -70,16 +70,20 @@ def traced_activations(model: nn.Module, recipe: Recipe, *, params_dtype: torch.
     model on the meta device. Its parameters are cast to `params_dtype`, the forward runs under autocast to
     `autocast_dtype` (None: no autocast), with or without activation checkpointing (`checkpointing`: False,
     True or "full", or "selective"; a model that cannot checkpoint is traced without). `tp_degree` > 1: as one
-    tensor-parallel rank of that many computes it, its split layers 1/N wide (tensor_parallel.local_model). A trace
-    is kept in the user's cache: the same model, batch and dtypes are traced once."""
+    tensor-parallel rank of that many computes it, its split layers 1/N wide (tensor_parallel.local_model), and its
+    1/N of the vocabulary's logits under strategy.loss_parallel. A trace is kept in the user's cache: the same
+    model, batch and dtypes are traced once."""
     how = _how(model, params_dtype=params_dtype, autocast_dtype=autocast_dtype, checkpointing=checkpointing)
+    vocab = tp_degree > 1 and recipe.strategy.loss_parallel
 
     def trace() -> dict:
         from toolkit.model.tp_plan import local_model
 
-        return {"bytes": _stack_peak(local_model(model, tp_degree) if tp_degree > 1 else model, recipe, **how)}
+        local = local_model(model, tp_degree, loss_parallel=vocab) if tp_degree > 1 else model
+        return {"bytes": _stack_peak(local, recipe, **how)}
 
-    return _cached(model, recipe, how, ["tp", tp_degree] if tp_degree > 1 else [], ("bytes",), trace)["bytes"]
+    key = ["tp", tp_degree, *(["vocab"] if vocab else [])] if tp_degree > 1 else []
+    return _cached(model, recipe, how, key, ("bytes",), trace)["bytes"]
 
 
 def traced_stage(model: nn.Module, recipe: Recipe, *, blocks: int, first: bool, last: bool,

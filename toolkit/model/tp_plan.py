@@ -150,6 +150,14 @@ def check_recipe(recipe: Recipe, *, degree: int) -> None:
     check_degree(model, degree)
     if recipe.strategy.sequence_parallel:
         sequence_parallel_plan(model)  # the model has the blocks it needs
+    if recipe.strategy.loss_parallel:
+        if recipe.model.task != "causal-lm":
+            raise RecipeError(f"strategy.loss_parallel splits a causal LM's output layer over its vocabulary; a "
+                              f"{recipe.model.task} model's head is small: set it to false")
+        if recipe.train.tiled_loss:
+            raise RecipeError("strategy.loss_parallel and train.tiled_loss both keep a rank from holding the whole "
+                              "logits (split over the vocabulary, or in sequence tiles); set one of them to false")
+        vocab_modules(model, degree=degree)
 
 
 def check_degree(model: nn.Module, degree: int) -> None:
@@ -170,16 +178,18 @@ def check_degree(model: nn.Module, degree: int) -> None:
                               f"tensor-parallel degree {degree}")
 
 
-def local_shapes(model: nn.Module, degree: int) -> dict[str, tuple[int, ...]]:
+def local_shapes(model: nn.Module, degree: int, *, loss_parallel: bool = False) -> dict[str, tuple[int, ...]]:
     """Parameter name -> the shape one TP rank stores: column-wise layers split weight and bias by output
-    features, row-wise layers split the weight by input features and keep the bias whole; the rest is whole."""
+    features, row-wise layers split the weight by input features and keep the bias whole; the rest is whole but,
+    under `loss_parallel`, the embedding and output layer, split over the vocabulary (vocab_modules)."""
     styles = resolve(model)
+    vocab = set(vocab_modules(model, degree=degree)) if loss_parallel else set()
     shapes = {}
     for name, param in model.named_parameters():
         module, _, kind = name.rpartition(".")
         shape = list(param.shape)
         style = styles.get(module)
-        if style in COLUMN_WISE:
+        if style in COLUMN_WISE or module in vocab:
             shape[0] //= degree
         elif style in ROW_WISE and kind == "weight":
             shape[1] //= degree
@@ -187,7 +197,7 @@ def local_shapes(model: nn.Module, degree: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def local_model(model: nn.Module, degree: int) -> nn.Module:
+def local_model(model: nn.Module, degree: int, *, loss_parallel: bool = False) -> nn.Module:
     """A copy of the meta `model` as one TP rank computes it: every linear layer the plan splits replaced by
     one of the local shape (column-wise: 1/N of the output features, row-wise: 1/N of the input features),
     the rest whole. Attention infers its head count from q/k/v's outputs (`view(..., -1, head_dim)`), so the
@@ -195,11 +205,15 @@ def local_model(model: nn.Module, degree: int) -> nn.Module:
     trace of a TP rank runs. A gathered layer and the split-input layer after it stay whole, as a rank computes
     what lies between them whole (their split outputs and inputs, 1/N of a whole one, are not counted apart).
     Sequence parallelism is not modelled (it shards the norms' and residual adds' tokens too): its trace is this
-    one, an upper bound by 1 - 1/N of each norm's saved input. Traces of it are cached
+    one, an upper bound by 1 - 1/N of each norm's saved input. Under `loss_parallel` the embedding and the output
+    layer hold 1/N of the vocabulary: the logits and the loss's copies of them are a rank's share (the loss's
+    all-reduced statistics, [tokens] each, are not counted). Traces of it are cached
     (toolkit/memory/activations.py): a change to what it builds raises activations.TRACE_VERSION."""
     import copy
 
     local = copy.deepcopy(model)
+    if loss_parallel:
+        _split_vocabulary(local, degree)
     modules = dict(local.named_modules())
     for name, style in resolve(local).items():
         if style not in PLAIN:
@@ -216,22 +230,79 @@ def local_model(model: nn.Module, degree: int) -> nn.Module:
     return local
 
 
-def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False) -> None:
-    """Split the plan's linear layers over `mesh` (1-D) in place: their weights become DTensors."""
+def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> None:
+    """Split the plan's linear layers over `mesh` (1-D) in place: their weights become DTensors; under
+    `loss_parallel` the embedding and the output layer too (vocab_plan)."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    if sequence_parallel:
-        parallelize_module(model, mesh, sequence_parallel_plan(model))  # type: ignore[arg-type]
-        return
+    tied = loss_parallel and _tied(model)
     styles: dict[str, Callable[[], Any]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
                                             GATHERED: lambda: ColwiseParallel(output_layouts=Replicate()),
                                             SPLIT_INPUT: lambda: RowwiseParallel(input_layouts=Replicate())}
     resolved = resolve(model)
-    plan = {name: styles[style]() for name, style in resolved.items()}
+    plan = sequence_parallel_plan(model) if sequence_parallel else {n: styles[s]() for n, s in resolved.items()}
+    if loss_parallel:
+        plan.update(vocab_plan(model, mesh.size(), sequence_parallel=sequence_parallel))
     parallelize_module(model, mesh, plan)  # type: ignore[arg-type]
+    if tied:  # each layer's style made a DTensor of its own from the one weight: the same shard, one parameter again
+        cast(Any, model).get_output_embeddings().weight = cast(Any, model).get_input_embeddings().weight
+    if sequence_parallel:
+        return
     for parent, members in shared_input_groups(resolved).items():
         _share_input(model.get_submodule(parent), [model.get_submodule(m) for m in members], mesh)
+
+
+# strategy.loss_parallel: the vocabulary split over the TP ranks (torchtitan's loss_parallel, Megatron's
+# vocab-parallel embedding and cross-entropy). The output layer is column-wise with its output left sharded: each
+# rank computes the logits of its 1/N of the vocabulary, and the loss reduces over ranks inside cross_entropy
+# (torch's loss_parallel: max, sum of exponentials and the target's logit all-reduced, [tokens] each; its backward
+# needs no collective; data/losses.py). The embedding is row-wise (each rank looks up the ids in its rows, the
+# partial outputs summed by one all-reduce): a tied embedding and head stay one parameter, split alike.
+def vocab_modules(model: nn.Module, *, degree: int) -> tuple[str, str]:
+    """(the input embedding's name, the output layer's name) of a model whose vocabulary `degree` ranks split."""
+    names = {id(module): name for name, module in model.named_modules()}
+    embedding, head = cast(Any, model).get_input_embeddings(), cast(Any, model).get_output_embeddings()
+    if not isinstance(embedding, nn.Embedding) or not isinstance(head, nn.Linear):
+        raise RecipeError(f"strategy.loss_parallel: {type(model).__name__} has no embedding and linear output layer "
+                          "to split over the vocabulary; set it to false")
+    if head.out_features % degree or embedding.num_embeddings % degree:
+        raise RecipeError(f"strategy.loss_parallel: the vocabulary ({head.out_features} tokens) is not divisible by "
+                          f"the tensor-parallel degree {degree}; pad model.config vocab_size to a multiple of "
+                          f"{degree}, or set strategy.loss_parallel to false")
+    return names[id(embedding)], names[id(head)]
+
+
+def vocab_plan(model: nn.Module, degree: int, *, sequence_parallel: bool) -> dict[str, Any]:
+    """The embedding row-wise (its output all-reduced, whole on every rank, where the first block's input is cut
+    under sequence parallelism), the output layer column-wise with its logits left a DTensor sharded over the
+    vocabulary; under sequence parallelism it all-gathers its input from sequence shards (the final norm's)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    embedding, head = vocab_modules(model, degree=degree)
+    return {embedding: RowwiseParallel(input_layouts=Replicate()),
+            head: ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(),
+                                  output_layouts=Shard(-1), use_local_output=False)}
+
+
+def _tied(model: nn.Module) -> bool:
+    head, embedding = cast(Any, model).get_output_embeddings(), cast(Any, model).get_input_embeddings()
+    return head is not None and embedding is not None and head.weight is embedding.weight
+
+
+def _split_vocabulary(model: nn.Module, degree: int) -> None:
+    """local_model under loss_parallel: the embedding and output layer of a rank's 1/`degree` of the vocabulary."""
+    tied = _tied(model)
+    old_embedding, old_head = cast(Any, model).get_input_embeddings(), cast(Any, model).get_output_embeddings()
+    vocab, hidden = old_embedding.weight.shape
+    like = dict(device=old_embedding.weight.device, dtype=old_embedding.weight.dtype)
+    cast(Any, model).set_input_embeddings(nn.Embedding(vocab // degree, hidden, **like))
+    head = nn.Linear(hidden, old_head.out_features // degree, bias=old_head.bias is not None,
+                     device=old_head.weight.device, dtype=old_head.weight.dtype)
+    if tied:
+        head.weight = cast(Any, model).get_input_embeddings().weight
+    cast(Any, model).set_output_embeddings(head)
 
 
 # column-wise layers that read their module's input, by the names transformers' decoders and BERT give them

@@ -16,6 +16,7 @@ import threading
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 # the step whose collectives are counted (count_step): past DDP's bucket rebuild and ZeRO-3's
@@ -102,6 +103,12 @@ class CollectiveCounter(TorchDispatchMode):
             self.calls_by_op[name] = self.calls_by_op.get(name, 0) + 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            # an op on DTensors: modes see it before the subclass does. NotImplemented lets DTensor run it with
+            # this mode still active, so the collectives it issues inside the op (loss_parallel's all-reduces in
+            # cross_entropy, a redistribution its sharding rules ask for) reach the mode as plain ops and are
+            # counted, as torch's CommDebugMode does; the op itself moves nothing
+            return NotImplemented
         namespace, name = func.namespace, func.__name__.split(".")[0]
         index = None
         if namespace == "c10d":

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from toolkit.data.losses import vocab_parallel
 from toolkit.checkpoint.loading import ModelSource, load_sharded, materialize, whole_model_bytes
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
@@ -44,7 +45,7 @@ from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, S
                                      each_micro_batch, every_rank_a_shard, first_dtype, forward_once, no_context,
                                      refuse_untested,
                                      sharded_abs_max, whole_stack_activations)
-from toolkit.strategies.dims import comm, context, expert
+from toolkit.strategies.dims import norm_comm, comm, context, expert
 from toolkit.strategies.dims.compression import check_reduce_dtype
 from toolkit.strategies.dims.levers import LocalSgdOptions, local_sgd_of
 from toolkit.strategies.dims.local_sgd import LocalSgd, local_sgd_collectives, outer_state
@@ -64,6 +65,7 @@ class FsdpOptions(LocalSgdOptions):
     cp_degree: int | None  # > 1: context parallel, FSDP over dp_shard × cp (parallel.cp)
     ep_degree: int | None  # > 1: expert parallel, the experts split over ep ranks, FSDP over the rest (parallel.ep)
     sequence_parallel: bool
+    loss_parallel: bool
     reduce_dtype: str | None  # fp32 | bf16 (MixedPrecisionPolicy.reduce_dtype); None: fp32
 
 
@@ -105,9 +107,10 @@ class FsdpRules:
         if cp is not None and cp < 1:
             raise RecipeError(f"strategy.cp_degree must be >= 1, got {cp}; leave it unset for FSDP alone")
         if cp is not None and cp > 1:
-            if replicate > 1 or options.sequence_parallel:  # not tested together yet
+            if replicate > 1 or options.sequence_parallel or options.loss_parallel:  # not tested together yet
                 raise RecipeError("strategy.cp_degree (context parallel) is tested with dp_shard and tp_degree, not "
-                                  "with strategy.replicate_degree or strategy.sequence_parallel yet; choose one")
+                                  "with strategy.replicate_degree, strategy.sequence_parallel or "
+                                  "strategy.loss_parallel yet; choose one")
             context.check_recipe(recipe, cp=cp, tp=tp or 1, world_size=world_size)
         ep = options.ep_degree
         if ep is not None and ep < 1:
@@ -131,8 +134,9 @@ class FsdpRules:
                             lora_why="peft wraps the linear layers the tensor-parallel plan splits",
                             compile_why="torch.compile fails on DTensor-split blocks with a RecursionError",
                             selective_tested=True)
-        elif options.sequence_parallel:
-            raise RecipeError("strategy.sequence_parallel needs tensor parallelism: set strategy.tp_degree (2 or more)")
+        elif options.sequence_parallel or options.loss_parallel:
+            key = "sequence_parallel" if options.sequence_parallel else "loss_parallel"
+            raise RecipeError(f"strategy.{key} needs tensor parallelism: set strategy.tp_degree (2 or more)")
         if recipe.precision == "fp16" and recipe.optim.implementation == "fused":
             raise RecipeError("optim.implementation fused cannot run under fsdp in fp16 (torch's ShardedGradScaler "
                               "hands the fused AdamW kernel a found-inf tensor of the wrong shape); use auto or loop")
@@ -150,7 +154,7 @@ class FsdpRules:
         options, dtype = options_of(FsdpOptions, recipe), DTYPES[recipe.model.load_dtype]
         tp, ep = options.tp_degree or 1, options.ep_degree or 1
         shard = world_size // (tp * options.replicate_degree)  # FSDP's dim-0 parts of each (tp-split) weight
-        shapes = tensor_parallel.local_shapes(model, tp) if tp > 1 else None
+        shapes = tensor_parallel.local_shapes(model, tp, loss_parallel=options.loss_parallel) if tp > 1 else None
         if tp > 1:
             local = dim0_shard_of(cast(dict, shapes), shard)
         elif ep > 1:  # each rank's experts, FSDP-sharded over the ranks holding the same ones
@@ -199,6 +203,10 @@ class FsdpRules:
         everything = sum(p.numel() for p in model.parameters()) - sum(expert_sizes)  # a tied weight once
         tp = options.tp_degree or 1  # a block's split layers hold 1/tp of it on each rank
         gathered_experts = max(expert_sizes, default=0) // ep if world_size > ep else 0
+        if tp > 1 and options.loss_parallel:  # the root's embedding and head hold 1/tp of the vocabulary
+            vocab = {id(p): p.numel() for p in (cast(Any, model).get_input_embeddings().weight,
+                                                cast(Any, model).get_output_embeddings().weight)}
+            everything -= sum(vocab.values()) - sum(vocab.values()) // tp
         if not options.reshard_after_forward:
             held = everything - sum(units) + sum(units) // tp + len(blocks) * gathered_experts
         else:
@@ -216,7 +224,7 @@ class FsdpRules:
         compute = stored if recipe.precision == "fp32" else DTYPES[recipe.precision]  # MixedPrecisionPolicy
         reduce = FsdpWrap(precision=recipe.precision, reduce_dtype=options.reduce_dtype).mp_policy.reduce_dtype \
             or stored  # what MixedPrecisionPolicy reduces in (None: the parameters' own dtype)
-        shapes_tp = tensor_parallel.local_shapes(model, tp) if tp > 1 else None
+        shapes_tp = tensor_parallel.local_shapes(model, tp, loss_parallel=options.loss_parallel) if tp > 1 else None
         units = comm.fsdp_units(model, transformer_blocks(model, options.blocks))
         gathers = len(shapes) * (2 if options.reshard_after_forward else 1)
         if ep > 1:  # the experts modules are FSDP units of their own over efsdp, the blocks shard what is left
@@ -229,8 +237,14 @@ class FsdpRules:
         local = [(rows, context.local_length(length, cp=cp)) for rows, length in shapes] if cp > 1 else shapes
         sp_norms = comm.sequence_parallel_norms(model, tp=tp, reduce_dtype=reduce) \
             if tp > 1 and options.sequence_parallel else []
+        # the gradient norm: every gradient a DTensor sharded over FSDP's ranks, the split ones over tp too
+        norms = norm_comm.norm_collectives(norm_comm.by_layout(
+            model, shard=shard, tp=tp, loss_parallel=options.loss_parallel,
+            shard_dim="dp_shard_cp" if cp > 1 else "dp_shard"), dtype=stored)
         return [*comm.tp_collectives(model, tp=tp, shapes=local, activation_dtype=compute,
-                                     sequence_parallel=options.sequence_parallel, recompute=recompute, shard=shard),
+                                     sequence_parallel=options.sequence_parallel, recompute=recompute, shard=shard,
+                                     loss_parallel=options.loss_parallel, embedding_dtype=compute),
+                *norms,
                 *sp_norms,
                 *(comm.ulysses_collectives if recipe.parallel.cp_method == "ulysses" else comm.cp_collectives)(
                     model, cp=cp, tp=tp, shapes=shapes, activation_dtype=compute, recompute=recompute),
@@ -280,6 +294,7 @@ class FsdpStrategy(TrainsOneModule):
         self.env, self.precision = env, args.recipe.precision
         ensure_process_group(env, strategy=self.info.name)  # the device mesh needs one, even for one rank
         self.tp_degree, self.sequence_parallel = options.tp_degree or 1, options.sequence_parallel
+        self.loss_parallel = options.loss_parallel
         # one mesh in the layout's order: dp_shard (its groups' ranks the furthest apart), then cp, then tp
         self.mesh = world_mesh(env, degrees(args.recipe, world_size=env.world_size), keep=("dp_shard",))
         self.cp: context.Group | None = None
@@ -299,7 +314,8 @@ class FsdpStrategy(TrainsOneModule):
             model.to(env.device)
         # tp (when the mesh has it), then FSDP over dp_shard (× cp), or HSDP over (dp_replicate, dp_shard)
         parallelize(model, mesh=self.mesh, env=env, units=transformer_blocks(model, options.blocks),
-                    data_parallel=wrap, sequence_parallel=options.sequence_parallel, expert_mesh=experts)
+                    data_parallel=wrap, sequence_parallel=options.sequence_parallel,
+                    loss_parallel=options.loss_parallel, expert_mesh=experts)
         self.loading = "every rank built the whole model, then kept its shards"
         if empty:  # offloaded shards live on the CPU
             assert args.source is not None  # build_model left the model empty: the source fills it
@@ -335,6 +351,10 @@ class FsdpStrategy(TrainsOneModule):
 
     def forward_context(self) -> ContextManager:
         return no_context()  # MixedPrecisionPolicy casts parameters inside each shard unit
+
+    def backward(self, loss_share: torch.Tensor) -> None:
+        with vocab_parallel(self.loss_parallel):  # the loss's backward over vocabulary-sharded logits (tp_degree)
+            self.amp.backward(loss_share)
 
     def accumulate(self, *, sync: bool) -> ContextManager:
         # no reduce-scatter on non-final micro-batches: unsharded grads accumulate locally
@@ -379,6 +399,7 @@ class FsdpStrategy(TrainsOneModule):
         layout = f"every block and the root sharded over a mesh of {shape}"
         if self.tp_degree > 1:
             layout += " (attention heads and MLP columns split over tp"
+            layout += ", embeddings and head over the vocabulary" if self.loss_parallel else ""
             layout += ", norms on sequence shards)" if self.sequence_parallel else ")"
         if self.ep_degree > 1:
             layout += (f" (each MoE layer's experts split over {self.ep_degree} ranks, tokens sent to them by "
@@ -454,6 +475,13 @@ def expert_parallel_collectives(model: nn.Module, units: list, recipe: Recipe, *
     def held(name: str, param: nn.Parameter) -> tuple[int, ...]:  # an experts weight: this rank's experts
         return (param.shape[0] // ep, *param.shape[1:]) if plan.get(name) == STACKED else tuple(param.shape)
 
+    stored = DTYPES[recipe.model.load_dtype]
+    # the gradient norm: the dense gradients sharded over the world, the experts' over efsdp and ep (norm_comm)
+    stacked = expert.expert_units(model)[0]  # the experts weights; the routers are dense
+    expert_count = sum(1 for p in model.parameters() if p.requires_grad and id(p) in stacked)
+    dense_count = sum(1 for p in model.parameters() if p.requires_grad) - expert_count
+    norms = norm_comm.norm_collectives({"dense": (dense_count, (("dp_shard", world_size),)),
+                                        "experts": (expert_count, (("efsdp", efsdp), ("ep", ep)))}, dtype=stored)
     experts = [dataclasses.replace(c, group="efsdp") for c in comm.fsdp_collectives(
         expert_units, shard=efsdp, replicate=1, compute_dtype=compute, reduce_dtype=reduce,
         gathers_per_unit=gathers, local_shape=held)]
@@ -461,7 +489,8 @@ def expert_parallel_collectives(model: nn.Module, units: list, recipe: Recipe, *
                                    gathers_per_unit=gathers),
             *experts,
             *comm.ep_collectives(model, ep=ep, shapes=shapes, activation_dtype=compute,
-                                 recompute=recipe.train.recompute != "none")]
+                                 recompute=recipe.train.recompute != "none"),
+            *norms]
 
 
 def hsdp_local_sgd_collectives(model: nn.Module, recipe: Recipe, *, shard: int, replicate: int,

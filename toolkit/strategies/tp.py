@@ -21,6 +21,7 @@ from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.config.strategy_options import option_names, options_of, strategy_options
 from toolkit.cost.collectives import Collective
+from toolkit.data.losses import vocab_parallel
 from toolkit.errors import RecipeError
 from toolkit.memory.state_bytes import StateBytes, adam_state, of_shapes
 from toolkit.model import tp_plan as tensor_parallel
@@ -30,7 +31,8 @@ from toolkit.process.dist import DistEnv, ensure_process_group, world_mesh
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport,
                                      each_micro_batch, first_dtype, forward_once, no_context, sharded_abs_max,
                                      whole_stack_activations)
-from toolkit.strategies.dims.comm import tp_collectives
+from toolkit.strategies.dims import norm_comm
+from toolkit.strategies.dims.comm import sequence_parallel_params, tp_collectives
 from toolkit.strategies.dims.parallelize import parallelize
 from toolkit.strategies.optim.torch_optim import TorchOptim, TorchState, TrainsOneModule
 
@@ -40,6 +42,7 @@ class TpOptions:
 
     tp_degree: int | None  # unset, or the world size: tp always splits over every rank
     sequence_parallel: bool
+    loss_parallel: bool
 
 
 OPTIONS = TpOptions  # the registry reads it by this name
@@ -51,7 +54,8 @@ INFO = StrategyInfo(
     options=option_names(TpOptions),
     summary="tensor parallel: attention heads and MLP columns split over the ranks, one activation all-reduce "
             "per block; every rank reads the same batch",
-    arms={"tp": ("strategy.name=tp",), "tp-sp": ("strategy.name=tp", "strategy.sequence_parallel=true")})
+    arms={"tp": ("strategy.name=tp",), "tp-sp": ("strategy.name=tp", "strategy.sequence_parallel=true"),
+          "tp-lossp": ("strategy.name=tp", "strategy.loss_parallel=true")})
 
 
 class TpRules:
@@ -75,7 +79,8 @@ class TpRules:
         return DataLayout(rank=0, size=1)  # every rank computes on the whole global batch
 
     def predict_state_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
-        local = of_shapes(tensor_parallel.local_shapes(model, world_size))  # split layers 1/N, the rest whole
+        local = of_shapes(tensor_parallel.local_shapes(  # split layers 1/N, the rest whole
+            model, world_size, loss_parallel=options_of(TpOptions, recipe).loss_parallel))
         return [adam_state(model.named_parameters(), dtype=DTYPES[recipe.model.load_dtype], local=local)] * world_size
 
     def predict_load_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
@@ -95,9 +100,16 @@ class TpRules:
     def predict_collectives(self, model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
                             shapes: list[tuple[int, int]]) -> list[Collective]:
         # autocast: the split layers' outputs (what the all-reduces move) are in the compute precision
-        return tp_collectives(model, tp=world_size, shapes=shapes, activation_dtype=DTYPES[recipe.precision],
-                              sequence_parallel=options_of(TpOptions, recipe).sequence_parallel,
-                              recompute=recipe.train.recompute != "none")
+        options, stored = options_of(TpOptions, recipe), DTYPES[recipe.model.load_dtype]
+        # the gradient norm over the split weights' DTensor gradients; the sequence-parallel norms' partial ones
+        norms = norm_comm.norm_collectives(norm_comm.by_layout(model, shard=1, tp=world_size,
+                                                               loss_parallel=options.loss_parallel), dtype=stored)
+        partial = norm_comm.partial_gradient_norms(sequence_parallel_params(model), tp=world_size, dtype=stored) \
+            if options.sequence_parallel else []
+        return [*tp_collectives(model, tp=world_size, shapes=shapes, activation_dtype=DTYPES[recipe.precision],
+                                sequence_parallel=options.sequence_parallel, recompute=recipe.train.recompute != "none",
+                                loss_parallel=options.loss_parallel, embedding_dtype=stored),
+                *norms, *partial]
 
     def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
                                  how: dict[str, Any]) -> list[int]:
@@ -121,12 +133,14 @@ class TpStrategy(TrainsOneModule):
         return source.whole()
 
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
-        self.env, self.sequence_parallel = args.env, options_of(TpOptions, args.recipe).sequence_parallel
+        options = options_of(TpOptions, args.recipe)
+        self.env, self.sequence_parallel, self.loss_parallel = args.env, options.sequence_parallel, options.loss_parallel
         ensure_process_group(args.env, strategy=self.info.name)
         self.mesh = world_mesh(args.env, degrees(args.recipe, world_size=args.env.world_size), keep=("tp",))
         # tp alone: no data-parallel wrap (every rank computes the whole batch, no gradient to reduce)
         self._model = parallelize(model.to(args.env.device), mesh=self.mesh, env=args.env, units=[],
-                                  data_parallel=None, sequence_parallel=self.sequence_parallel)
+                                  data_parallel=None, sequence_parallel=self.sequence_parallel,
+                                  loss_parallel=self.loss_parallel)
         self.partial = tensor_parallel.partial_gradient_params(self._model)  # Qwen3's q_norm, k_norm, ...
         self.amp = Amp(args.recipe.precision, args.env.device)
         # auto: fused, as elsewhere; the split layers (DTensors) and the replicated rest (plain) in groups of their
@@ -148,6 +162,10 @@ class TpStrategy(TrainsOneModule):
     def forward_context(self) -> ContextManager:
         return self.amp.autocast()
 
+    def backward(self, loss_share: torch.Tensor) -> None:
+        with vocab_parallel(self.loss_parallel):  # the loss's backward over vocabulary-sharded logits
+            self.amp.backward(loss_share)
+
     def accumulate(self, *, sync: bool) -> ContextManager:
         return no_context()  # no gradient is reduced per micro-batch: nothing to skip (the per-head norms' are
         # summed once, after the last; forward_backward)
@@ -167,8 +185,10 @@ class TpStrategy(TrainsOneModule):
         return {}
 
     def _layout(self) -> str:
-        return (f"attention heads and MLP columns split over {self.env.world_size} ranks; embeddings, norms and "
-                "head replicated" + ("; norms computed on sequence shards" if self.sequence_parallel else ""))
+        rest = ("embeddings and head split over the vocabulary (loss_parallel), norms replicated" if self.loss_parallel
+                else "embeddings, norms and head replicated")
+        return (f"attention heads and MLP columns split over {self.env.world_size} ranks; {rest}"
+                + ("; norms computed on sequence shards" if self.sequence_parallel else ""))
 
     def _fallback(self) -> str | None:
         return None  # runs as itself on any machine

@@ -123,7 +123,8 @@ def fsdp_collectives(units: list[Named], *, shard: int, replicate: int, compute_
 
 
 def tp_collectives(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtype, sequence_parallel: bool,
-                   recompute: bool, shard: int = 1) -> list[Collective]:
+                   recompute: bool, shard: int = 1, loss_parallel: bool = False, embedding_dtype=None
+                   ) -> list[Collective]:
     """Tensor parallel over `tp` ranks, this rank's micro-batches `shapes` (the TP group's ranks compute the same);
     `recompute`: activation checkpointing runs each block's forward, and its collectives, again in backward, up to
     the last tensor the block saves (dims/recompute.py: not a Llama block's last row-wise exit). The
@@ -134,6 +135,10 @@ def tp_collectives(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtyp
     if tp <= 1:
         return []
     partial = _partial_gradients(model, tp_plan.partial_gradient_modules(model), tp=tp, shard=shard)
+    if loss_parallel:
+        partial += _vocab_parallel(model, tp=tp, shapes=shapes, activation_dtype=activation_dtype,
+                                   embedding_dtype=embedding_dtype or activation_dtype,
+                                   sequence_parallel=sequence_parallel)
     styles = tp_plan.resolve(model)
     size, micro, forwards = element_bytes(activation_dtype), len(shapes), 2 if recompute else 1
     runs = forward_runs(model, styles, recompute=recompute)  # each split layer's forwards per micro-batch
@@ -166,6 +171,27 @@ def tp_collectives(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtyp
     if alone:
         out.append(entry("all_reduce", alone, whole, "backward", "activation gradients"))
     return partial + out
+
+
+def _vocab_parallel(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtype, embedding_dtype,
+                    sequence_parallel: bool) -> list[Collective]:
+    """strategy.loss_parallel (model/tp_plan.py vocab_plan), per micro-batch: the row-wise embedding's output
+    all-reduced (forward, in its weight's dtype); the output layer's input gradient all-reduced (backward; under
+    sequence parallelism reduce-scattered to sequence shards, its input's all-gather counted with the final norm's);
+    the loss's max, sum of exponentials and target logit, one fp32 value per token each, all-reduced (forward)."""
+    hidden, micro, count = cast(Any, model).config.hidden_size, len(shapes), tokens(shapes)
+    embedding = count * hidden * element_bytes(embedding_dtype)
+    head = count * hidden * element_bytes(activation_dtype)
+    reduced = [Collective(op="all_reduce", payload_bytes=embedding, calls=micro, group="tp", group_size=tp,
+                          phase="forward", what="the embedding's partial outputs"),
+               Collective(op="all_reduce", payload_bytes=3 * count * 4, calls=3 * micro, group="tp", group_size=tp,
+                          phase="forward", what="the loss's per-token max, sum and target logit")]
+    if not sequence_parallel:
+        return [*reduced, Collective(op="all_reduce", payload_bytes=head, calls=micro, group="tp", group_size=tp,
+                                     phase="backward", what="the output layer's input gradient")]
+    padded = sum(rows * math.ceil(length / tp) for rows, length in shapes) * hidden * element_bytes(activation_dtype)
+    return [*reduced, Collective(op="reduce_scatter_tensor", payload_bytes=padded * tp, calls=micro, group="tp",
+                                 group_size=tp, phase="backward", what="the output layer's input gradient")]
 
 
 def _whole_sequence_tp(model: nn.Module, styles: dict[str, str], *, tp: int, per_feature: int, micro: int,
@@ -203,6 +229,16 @@ def sequence_parallel_norms(model: nn.Module, *, tp: int, reduce_dtype) -> list[
     SequenceParallel modules) hold partial gradients over tp, which FSDP all-reduces once a step, each whole (FSDP2
     replicates a gradient partial over tp before it reduce-scatters it over its shards; measured at 2 × 2 ranks),
     in its reduce dtype (measured: fsdp × tp alone has none; tp with sequence parallelism alone neither)."""
+    params = sequence_parallel_params(model)
+    numel = sum(p.numel() for p in params)
+    return [Collective(op="all_reduce", payload_bytes=numel * element_bytes(reduce_dtype), calls=len(params),
+                       group="tp", group_size=tp, phase="backward", what="sequence-parallel norms' gradients",
+                       overlap="compute")] if numel else []
+
+
+def sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
+    """The trainable parameters of the norms sequence parallelism computes on sequence shards (tp_plan's
+    SequenceParallel modules): their gradients are partial sums over tp."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
     from toolkit.model import tp_plan
@@ -210,11 +246,7 @@ def sequence_parallel_norms(model: nn.Module, *, tp: int, reduce_dtype) -> list[
     named = dict(model.named_modules())
     norms = [name for name, style in tp_plan.sequence_parallel_plan(model).items()
              if isinstance(style, SequenceParallel)]
-    params = [p for name in norms for p in named[name].parameters() if p.requires_grad]
-    numel = sum(p.numel() for p in params)
-    return [Collective(op="all_reduce", payload_bytes=numel * element_bytes(reduce_dtype), calls=len(params),
-                       group="tp", group_size=tp, phase="backward", what="sequence-parallel norms' gradients",
-                       overlap="compute")] if numel else []
+    return [p for name in norms for p in named[name].parameters() if p.requires_grad]
 
 
 def _partial_gradients(model: nn.Module, modules: list[str], *, tp: int, shard: int) -> list[Collective]:

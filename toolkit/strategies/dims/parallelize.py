@@ -71,9 +71,10 @@ class DdpWrap:
     #   device_ids and reduces each parameter where it lives
 
 
-def apply_tp(model: nn.Module, mesh, *, sequence_parallel: bool) -> None:
-    """Tensor parallel over the 1-D `mesh`, in place (the plan: model/tp_plan.py)."""
-    tp_plan.parallelize(model, mesh, sequence_parallel=sequence_parallel)
+def apply_tp(model: nn.Module, mesh, *, sequence_parallel: bool, loss_parallel: bool = False) -> None:
+    """Tensor parallel over the 1-D `mesh`, in place (the plan: model/tp_plan.py; `loss_parallel`: the vocabulary
+    split too)."""
+    tp_plan.parallelize(model, mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
 
 def apply_fsdp(model: nn.Module, mesh, *, units: list[nn.Module], wrap: FsdpWrap, device: torch.device,
@@ -129,7 +130,7 @@ def _shard_mesh(mesh, dp_dims: tuple[str, ...]):
 
 def parallelize(model: nn.Module, *, mesh, env: DistEnv, units: list[nn.Module],
                 data_parallel: FsdpWrap | DdpWrap | None, sequence_parallel: bool = False,
-                expert_mesh=None) -> nn.Module:
+                loss_parallel: bool = False, expert_mesh=None) -> nn.Module:
     """Apply the mesh's dimensions to `model` (a whole model, or one pipeline stage) in the fixed order: tp, then
     the data-parallel wrap. Returns what forward calls: the model itself (tp, FSDP2 work in place) or its DDP
     wrapper. `units`: the shard units (transformer blocks) FSDP2 wraps one by one. pp is not applied here: the
@@ -137,7 +138,7 @@ def parallelize(model: nn.Module, *, mesh, env: DistEnv, units: list[nn.Module],
     (efsdp, ep, batch) view of the same ranks (dims/expert.py), or None."""
     names = tuple(mesh.mesh_dim_names or ())
     if "tp" in names:
-        apply_tp(model, dimensions(mesh, ("tp",)), sequence_parallel=sequence_parallel)
+        apply_tp(model, dimensions(mesh, ("tp",)), sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     experts = expert.apply_ep(model, expert_mesh) if expert_mesh is not None else []
     dp_dims = tuple(name for name in DATA_PARALLEL_DIMS if name in names)
     if isinstance(data_parallel, FsdpWrap) and data_parallel.replicas_apart:

@@ -1,0 +1,113 @@
+"""strategy.loss_parallel (model/tp_plan.py vocab_plan): the embedding and the output layer split over the
+vocabulary on the tensor-parallel ranks, the loss reduced across them inside cross_entropy (torch's loss_parallel).
+The same fp32 training as one process under tp and under fsdp × tp with sequence parallelism (4 ranks), its
+collectives as the plan counts them, each rank storing its share of the tied embedding, a rank's activations traced
+as a model with its share of the vocabulary; refused in one line where it does not apply."""
+
+import json
+
+import pytest
+
+import test_tensor_parallel
+from conftest import assert_matches_single, exported_weights
+from test_comm_prediction import assert_predicted
+from test_tp_memory import CONFIG, HOW, recipe_of
+from toolkit.cli import main
+from toolkit.memory.activations import traced_activations
+from toolkit.plan.predict import planned_model, predict
+
+LOSS_PARALLEL = ("strategy.loss_parallel=true",)
+ARMS = {  # the llama4 runs' tied Llama, its vocabulary (the MiniLM tokenizer's 30,522 tokens) split in two
+    "tp-lossp": (2, (*test_tensor_parallel.ARMS["tp"][1], *LOSS_PARALLEL)),
+    "fsdp-tp2-sp-lossp": (4, (*test_tensor_parallel.ARMS["fsdp-tp2"][1], "strategy.sequence_parallel=true",
+                              *LOSS_PARALLEL)),
+}
+
+
+@pytest.mark.parametrize("arm", list(ARMS))
+def test_loss_parallel_matches_single_and_its_collectives_equal_the_counter(llama4_runs, arm):
+    ranks, overrides = ARMS[arm]
+    run = llama4_runs.get(arm, nproc=ranks, overrides=overrides)
+    assert_matches_single(run, llama4_runs.get("single"))
+    # the loss's three [tokens] all-reduces run inside cross_entropy's DTensor op: the counter sees them there
+    assert_predicted(run)
+
+
+def test_loss_parallel_adds_five_all_reduces_per_micro_batch(llama4_runs):
+    ranks, overrides = ARMS["tp-lossp"]
+    split = json.loads((llama4_runs.get("tp-lossp", nproc=ranks, overrides=overrides) / "run.json").read_text())
+    ranks, overrides = test_tensor_parallel.ARMS["tp"]
+    plain = json.loads((llama4_runs.get("tp", nproc=ranks, overrides=overrides) / "run.json").read_text())
+    comm, before = split["comm_per_step"], plain["comm_per_step"]
+    assert comm["micro_batch_shapes_per_rank"] == before["micro_batch_shapes_per_rank"]
+    tokens = sum(rows * length for rows, length in comm["micro_batch_shapes_per_rank"][0])
+    # per micro-batch (4 a step): the embedding's partial outputs and the head's input gradient (hidden 32 fp32 per
+    # token each), the loss's max, sum of exponentials and target logit (one fp32 per token each) ...
+    assert comm["calls_by_op"]["all_reduce"] - before["calls_by_op"]["all_reduce"] == 5 * 4
+    # ... and the gradient norm's vector of the split weights' partial norms holds one more: the tied embedding's
+    assert comm["bytes_by_op"]["all_reduce"] - before["bytes_by_op"]["all_reduce"] == \
+        2 * tokens * 32 * 4 + 3 * tokens * 4 + 4
+
+
+def test_each_tp_rank_stores_half_the_tied_embedding(llama4_runs):
+    ranks, overrides = ARMS["tp-lossp"]
+    run_dir = llama4_runs.get("tp-lossp", nproc=ranks, overrides=overrides)
+    run = json.loads((run_dir / "run.json").read_text())
+    assert "embeddings and head split over the vocabulary (loss_parallel)" in run["layout"]
+    weights = exported_weights(run_dir)
+    weights.pop("lm_head.weight", None)  # tied: the embedding's
+    split = (*test_tensor_parallel.SPLIT, "embed_tokens")
+    expected = sum(w.numel() // 2 if w.dim() == 2 and name.split(".")[-2] in split else w.numel()
+                   for name, w in weights.items()) * 4
+    for detail in run["model_state_bytes"]:
+        assert detail["params_bytes"] == expected
+        assert detail["grads_bytes"] == expected and detail["optim_bytes"] == 2 * expected
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+def test_a_loss_parallel_rank_is_traced_as_a_model_with_its_share_of_the_vocabulary(tmp_path, monkeypatch, degree):
+    """The reference is built by transformers from a config with heads, KV heads, MLP width and vocabulary divided
+    by the degree: what a rank computes, its logits and their loss included, reached without the toolkit's surgery."""
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
+    recipe = recipe_of(CONFIG, *LOSS_PARALLEL)
+    rank = traced_activations(planned_model(recipe), recipe, **HOW, tp_degree=degree)
+    divided = {**CONFIG, "num_attention_heads": 8 // degree, "num_key_value_heads": 4 // degree,
+               "intermediate_size": 128 // degree, "vocab_size": 1000 // degree}
+    reference = recipe_of(divided)
+    assert rank == traced_activations(planned_model(reference), reference, **HOW)
+    plain = recipe_of(CONFIG)
+    assert rank < traced_activations(planned_model(plain), plain, **HOW, tp_degree=degree)  # its logits 1/N
+    plan = predict(recipe_of(CONFIG, "strategy.name=tp", *LOSS_PARALLEL), world_size=degree, runtime_bytes=0,
+                   device_type="cuda")
+    assert plan.activation_bytes == [rank] * degree
+
+
+def test_loss_parallel_lowers_the_measured_peak(llama4_runs):
+    """The logits of 30,522 tokens dominate this tiny model's activations: half of them per rank shows."""
+    ranks, overrides = test_tensor_parallel.ARMS["tp"]
+    plain = json.loads((llama4_runs.get("tp", nproc=ranks, overrides=overrides) / "run.json").read_text())
+    ranks, overrides = ARMS["tp-lossp"]
+    split = json.loads((llama4_runs.get("tp-lossp", nproc=ranks, overrides=overrides) / "run.json").read_text())
+    for before, after in zip(plain["peak_memory"], split["peak_memory"]):
+        assert after["peak_mem_bytes"] < before["peak_mem_bytes"]
+
+
+@pytest.mark.parametrize("runs, nproc, overrides, says", [
+    ("minilm_runs", 2, ("strategy.name=tp", *LOSS_PARALLEL), "a sequence-classification model's head is small"),
+    ("llama4_runs", 2, ("strategy.name=tp", "train.tiled_loss=true", *LOSS_PARALLEL), "set one of them to false"),
+    ("recipes/llama-tiny.yaml", 2, ("strategy.name=tp", "batch.grad_accum_steps=4",
+                                    f"model.config={json.dumps({**CONFIG, 'vocab_size': 30523})}", *LOSS_PARALLEL),
+     "the vocabulary (30523 tokens) is not divisible by the tensor-parallel degree 2"),
+    ("llama4_runs", 2, ("strategy.name=fsdp", *LOSS_PARALLEL), "strategy.loss_parallel needs tensor parallelism"),
+    ("llama4_runs", 4, ("strategy.name=fsdp", "strategy.tp_degree=2", "strategy.cp_degree=2", *LOSS_PARALLEL),
+     "not with strategy.replicate_degree, strategy.sequence_parallel or strategy.loss_parallel yet"),
+])
+def test_loss_parallel_where_it_does_not_apply_is_one_line(request, runs, nproc, overrides, says, tmp_path, capsys):
+    recipe = request.getfixturevalue(runs).recipe if runs.endswith("_runs") else runs
+    capsys.readouterr()  # what building the fixture's model printed
+    out = tmp_path / "out"
+    sets = [arg for override in (*overrides, f"output_dir={out}") for arg in ("--set", override)]
+    code = main(["validate", str(recipe), "--nproc", str(nproc), *sets])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and says in err[0], err
+    assert not out.exists()
