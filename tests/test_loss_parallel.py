@@ -13,8 +13,11 @@ from conftest import assert_matches_single, exported_weights
 from test_comm_prediction import assert_predicted
 from test_tp_memory import CONFIG, HOW, recipe_of
 from toolkit.cli import main
+from toolkit.config.files import load_recipe
+from toolkit.config.parallel import resolve
 from toolkit.memory.activations import traced_activations
 from toolkit.plan.predict import planned_model, predict
+from toolkit.strategies import strategy_rules
 
 LOSS_PARALLEL = ("strategy.loss_parallel=true",)
 ARMS = {  # the llama4 runs' tied Llama, its vocabulary (the MiniLM tokenizer's 30,522 tokens) split in two
@@ -24,13 +27,34 @@ ARMS = {  # the llama4 runs' tied Llama, its vocabulary (the MiniLM tokenizer's 
 }
 
 
-@pytest.mark.parametrize("arm", list(ARMS))
-def test_loss_parallel_matches_single_and_its_collectives_equal_the_counter(llama4_runs, arm):
-    ranks, overrides = ARMS[arm]
-    run = llama4_runs.get(arm, nproc=ranks, overrides=overrides)
-    assert_matches_single(run, llama4_runs.get("single"))
+# an untied Llama (conftest's llama_runs): its input embedding stays whole on every rank, the head alone is split
+UNTIED = (2, ("strategy.name=tp", *LOSS_PARALLEL))
+
+
+def all_reduce_calls(run_dir) -> tuple[int, int]:
+    """(the plan's all-reduce calls on rank 0, the counter's) for the run's counted step."""
+    info = json.loads((run_dir / "run.json").read_text())
+    world, comm = info["world_size"], info["comm_per_step"]
+    recipe = resolve(load_recipe(run_dir / "recipe.yaml"), world_size=world)
+    shapes = [tuple(s) for s in comm["micro_batch_shapes_per_rank"][0]]
+    planned = strategy_rules(recipe).predict_collectives(planned_model(recipe), recipe, world_size=world, rank=0,
+                                                         shapes=shapes)
+    return sum(c.calls for c in planned if c.op == "all_reduce"), comm["calls_by_op"]["all_reduce"]
+
+
+@pytest.mark.parametrize("arm", [*ARMS, "tp-lossp-untied"])
+def test_loss_parallel_matches_single_and_its_collectives_equal_the_counter(llama4_runs, llama_runs, arm):
+    if arm == "tp-lossp-untied":
+        run, single = llama_runs.get(arm, nproc=UNTIED[0], overrides=UNTIED[1]), llama_runs.get("single-m8")
+    else:
+        run, single = llama4_runs.get(arm, nproc=ARMS[arm][0], overrides=ARMS[arm][1]), llama4_runs.get("single")
+    assert_matches_single(run, single)
     # the loss's three [tokens] all-reduces run inside cross_entropy's DTensor op: the counter sees them there
     assert_predicted(run)
+    # and the calls: the gradient norm's groups (fsdp × tp + sequence parallelism: FSDP's 1-D shards and the norms'
+    # 2-D ones apart) move few bytes in calls of their own
+    planned, counted = all_reduce_calls(run)
+    assert planned == counted
 
 
 def test_loss_parallel_adds_five_all_reduces_per_micro_batch(llama4_runs):

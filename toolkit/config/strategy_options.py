@@ -67,9 +67,10 @@ class StrategyConfig:
     #   (hf_native: transformers' ep_size)
     sequence_parallel: bool = False  # tp, fsdp with tp_degree: norms and residuals on sequence shards between the
     #   split layers (Llama-style decoders): less activation memory, the same bytes moved
-    loss_parallel: bool = False  # tp, fsdp with tp_degree: a causal LM's embedding and output layer split over the
-    #   vocabulary, the loss reduced across the ranks (torchtitan's loss_parallel): a rank holds 1/N of the logits and
-    #   of those layers' weights, for one all-reduce of the embedding output and three [tokens] ones in the loss
+    loss_parallel: bool = False  # tp, fsdp with tp_degree: a causal LM's output layer (and a tied embedding) split
+    #   over the vocabulary, the loss reduced across the ranks (torchtitan's loss_parallel): a rank holds 1/N of the
+    #   logits and of those weights, for three [tokens] all-reduces in the loss, one of the head's input gradient
+    #   (a reduce-scatter under sequence_parallel) and, where tied, one of the embedding's output
     # zero
     stage: int | None = None  # zero: 0 = plain DP, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters (default 2)
     offload_optimizer: bool = False  # zero: optimizer state and step on CPU (DeepSpeed CPU Adam)

@@ -22,7 +22,8 @@ Each rule is written once, here, with its source:
   matmul rate and its bytes at the memory bandwidth, all exposed (DDP runs the hook between backward's buckets);
 - the loss (a causal LM's cross-entropy over its logits, forward and backward): memory-bound passes a GEMM rate
   does not count, at the seconds per logit calibrate measured (a CPU profile; on a GPU the fitted efficiency
-  covers them), on every rank that computes the logits (each TP rank computes them all);
+  covers them), on every rank that computes the logits (each TP rank computes them all, or its 1/tp of the
+  vocabulary's under strategy.loss_parallel);
 - host time around a collective's calls (Collective.host_s_per_call: ZeRO-3's hooks), exposed where the host also
   computes (a profile without overlaps_communication: a CPU); on a GPU the host runs ahead of the device, uncharged;
 - optimizer step: memory-bound, AdamW reads a parameter, its gradient and two moments and writes three;
@@ -92,6 +93,7 @@ class Work:
     collectives: list[Collective]  # the rank's, with the loop's
     optimizer_bytes: int  # what the rank's optimizer step reads and writes
     offloaded_bytes: int  # parameters and gradients crossing PCIe each step (0 without offload)
+    vocab_split: bool = False  # the output layer and the loss split over the tp ranks (strategy.loss_parallel)
 
 
 def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficiency: float | None = None,
@@ -104,9 +106,11 @@ def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficienc
     flops = model_flops(model, seq_len=work.seq_len, checkpointing=work.checkpointing)
     shard_tokens = work.global_tokens / (d.world_size / (d.tp * d.cp * d.pp))  # one data shard's tokens
     # a rank computes its share of the blocks (1/tp of each split layer, 1/cp of the sequence, 1/pp of the
-    # stack) and, on the last stage, the head: replicated over tp (every TP rank computes the full logits)
+    # stack) and, on the last stage, the head: replicated over tp (every TP rank computes the full logits), or its
+    # 1/tp of the vocabulary's under strategy.loss_parallel
+    head_share = d.tp if work.vocab_split else 1
     rank_flops = shard_tokens / d.cp * ((flops.block_matmul + flops.attention + flops.recompute) / (d.tp * d.pp)
-                                        + flops.head_matmul)
+                                        + flops.head_matmul / head_share)
     # attention at the rate calibrate measured for this sequence length, where it did; the rest as matmuls
     attention = shard_tokens / d.cp * flops.attention / (d.tp * d.pp) * (4 / 3 if work.checkpointing == "full" else 1)
     attention_rate = _attention_flops_per_s(hw, work.seq_len)
@@ -120,7 +124,7 @@ def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficienc
     costs = [Cost(what="compute", seconds=compute_s, exposed_s=compute_s)]
     loss_rate = hw.measured.loss_seconds_per_logit
     if loss_rate and flops.logits:  # measured: the loss's passes over the head's logits (a pipeline's last stage)
-        loss_s = shard_tokens / d.cp * flops.logits * loss_rate
+        loss_s = shard_tokens / d.cp * flops.logits / head_share * loss_rate
         costs.append(Cost(what="loss over the logits", seconds=loss_s, exposed_s=loss_s))
     if d.pp > 1:
         idle = compute_s * work.bubble / (1 - work.bubble)

@@ -8,7 +8,7 @@ batch into ranks and micro-batches gives the same mean.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -58,18 +58,21 @@ _VOCAB_PARALLEL = [0]  # how many vocab_parallel(True) contexts are open
 def vocab_parallel(on: bool) -> Iterator[None]:
     """Where `on`, torch's loss_parallel: cross-entropy over vocabulary-sharded DTensor logits, forward and backward
     (the strategy's backward opens it too). Nested ones are one: torch's context removes its handlers when it
-    exits, which an inner one would do under an outer one."""
+    exits, which an inner one would do under an outer one. Its handlers are removed on an exception too (torch
+    2.13's context does so only when the block ends normally: it is resumed as if it had)."""
     if not on or _VOCAB_PARALLEL[0]:
         yield
         return
     from torch.distributed.tensor.parallel import loss_parallel
 
+    context = loss_parallel()
+    context.__enter__()
     _VOCAB_PARALLEL[0] += 1
     try:
-        with loss_parallel():
-            yield
+        yield
     finally:
         _VOCAB_PARALLEL[0] -= 1
+        context.__exit__(None, None, None)
 
 
 def forward_loss_sum(output: torch.Tensor, batch: dict, task: str) -> torch.Tensor:

@@ -9,8 +9,8 @@ The plan comes from the model where transformers declares one (`config.base_mode
 the base model, e.g. "layers.*.self_attn.q_proj": "colwise"), else from a small table per architecture
 (BERT-style encoders declare none). Embeddings, norms and the head stay replicated, an embedding the model's plan
 splits too (GPT-NeoX's "embedding_rowwise": the same maths, its memory not saved): every rank computes the
-full logits, so the loop's loss is unchanged (a vocabulary-sharded head would save its memory but needs a
-loss that reduces over ranks). Attention needs no change: HF attention reshapes with `view(..., -1,
+full logits, so the loop's loss is unchanged; strategy.loss_parallel splits the head (and a tied embedding) over
+the vocabulary instead, the loss reduced over the ranks (vocab_plan, below). Attention needs no change: HF attention reshapes with `view(..., -1,
 head_dim)`, so each rank infers its local head count.
 
 Some plans gather a column-wise layer's output on every rank ("colwise_gather_output": OLMo 2's q, k and v, whose
@@ -66,7 +66,8 @@ PARTIAL_GRADIENT = "replicated_with_grad_allreduce"
 GATHERED, SPLIT_INPUT = "colwise_gather_output", "rowwise_split_input"
 COLUMN_WISE, ROW_WISE = ("colwise", GATHERED), ("rowwise", SPLIT_INPUT)
 PLAIN = ("colwise", "rowwise")  # the styles whose split output or input stays split between the layers
-# embeddings a plan splits, which the toolkit keeps whole on every rank (see the docstring)
+# embeddings a plan splits, which the toolkit keeps whole on every rank (see the docstring; loss_parallel splits a
+# tied one by its own rule, vocab_plan)
 KEPT_WHOLE = ("embedding_rowwise", "embedding_colwise")
 
 
@@ -181,7 +182,7 @@ def check_degree(model: nn.Module, degree: int) -> None:
 def local_shapes(model: nn.Module, degree: int, *, loss_parallel: bool = False) -> dict[str, tuple[int, ...]]:
     """Parameter name -> the shape one TP rank stores: column-wise layers split weight and bias by output
     features, row-wise layers split the weight by input features and keep the bias whole; the rest is whole but,
-    under `loss_parallel`, the embedding and output layer, split over the vocabulary (vocab_modules)."""
+    under `loss_parallel`, the output layer (and a tied embedding), split over the vocabulary (vocab_modules)."""
     styles = resolve(model)
     vocab = set(vocab_modules(model, degree=degree)) if loss_parallel else set()
     shapes = {}
@@ -205,15 +206,15 @@ def local_model(model: nn.Module, degree: int, *, loss_parallel: bool = False) -
     trace of a TP rank runs. A gathered layer and the split-input layer after it stay whole, as a rank computes
     what lies between them whole (their split outputs and inputs, 1/N of a whole one, are not counted apart).
     Sequence parallelism is not modelled (it shards the norms' and residual adds' tokens too): its trace is this
-    one, an upper bound by 1 - 1/N of each norm's saved input. Under `loss_parallel` the embedding and the output
-    layer hold 1/N of the vocabulary: the logits and the loss's copies of them are a rank's share (the loss's
+    one, an upper bound by 1 - 1/N of each norm's saved input. Under `loss_parallel` the output layer (and a tied
+    embedding) hold 1/N of the vocabulary: the logits and the loss's copies of them are a rank's share (the loss's
     all-reduced statistics, [tokens] each, are not counted). Traces of it are cached
     (toolkit/memory/activations.py): a change to what it builds raises activations.TRACE_VERSION."""
     import copy
 
     local = copy.deepcopy(model)
     if loss_parallel:
-        _split_vocabulary(local, degree)
+        _split_vocabulary(local, degree=degree)
     modules = dict(local.named_modules())
     for name, style in resolve(local).items():
         if style not in PLAIN:
@@ -232,7 +233,7 @@ def local_model(model: nn.Module, degree: int, *, loss_parallel: bool = False) -
 
 def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> None:
     """Split the plan's linear layers over `mesh` (1-D) in place: their weights become DTensors; under
-    `loss_parallel` the embedding and the output layer too (vocab_plan)."""
+    `loss_parallel` the output layer (and a tied embedding) too (vocab_plan)."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -243,7 +244,7 @@ def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False, loss
     resolved = resolve(model)
     plan = sequence_parallel_plan(model) if sequence_parallel else {n: styles[s]() for n, s in resolved.items()}
     if loss_parallel:
-        plan.update(vocab_plan(model, mesh.size(), sequence_parallel=sequence_parallel))
+        plan.update(vocab_plan(model, degree=mesh.size(), sequence_parallel=sequence_parallel))
     parallelize_module(model, mesh, plan)  # type: ignore[arg-type]
     if tied:  # each layer's style made a DTensor of its own from the one weight: the same shard, one parameter again
         cast(Any, model).get_output_embeddings().weight = cast(Any, model).get_input_embeddings().weight
@@ -254,36 +255,44 @@ def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False, loss
 
 
 # strategy.loss_parallel: the vocabulary split over the TP ranks (torchtitan's loss_parallel, Megatron's
-# vocab-parallel embedding and cross-entropy). The output layer is column-wise with its output left sharded: each
-# rank computes the logits of its 1/N of the vocabulary, and the loss reduces over ranks inside cross_entropy
-# (torch's loss_parallel: max, sum of exponentials and the target's logit all-reduced, [tokens] each; its backward
-# needs no collective; data/losses.py). The embedding is row-wise (each rank looks up the ids in its rows, the
-# partial outputs summed by one all-reduce): a tied embedding and head stay one parameter, split alike.
-def vocab_modules(model: nn.Module, *, degree: int) -> tuple[str, str]:
-    """(the input embedding's name, the output layer's name) of a model whose vocabulary `degree` ranks split."""
+# vocab-parallel cross-entropy). The output layer is column-wise with its output left sharded: each rank computes
+# the logits of its 1/N of the vocabulary, and the loss reduces over ranks inside cross_entropy (torch's
+# loss_parallel: max, sum of exponentials and the target's logit all-reduced, [tokens] each; its backward needs no
+# collective; data/losses.py). A tied input embedding (the head's weight) is row-wise with it: each rank looks up
+# the ids in its rows, the partial outputs summed by one all-reduce, and embedding and head stay one parameter,
+# split alike. An untied embedding stays whole on every rank: torch 2.13's DTensor rules have no row-wise
+# embedding backward, so a row-wise embedding's gradient is computed whole, the vocabulary's [V, hidden], on every
+# rank (seen in a 2-rank probe); a tied one's is added into the head's split gradient, whole only while backward
+# adds it.
+def vocab_modules(model: nn.Module, *, degree: int) -> tuple[str, ...]:
+    """The names of the modules a model's vocabulary split over `degree` ranks splits: its output layer, and its
+    input embedding where the two are tied (one weight)."""
     names = {id(module): name for name, module in model.named_modules()}
     embedding, head = cast(Any, model).get_input_embeddings(), cast(Any, model).get_output_embeddings()
     if not isinstance(embedding, nn.Embedding) or not isinstance(head, nn.Linear):
         raise RecipeError(f"strategy.loss_parallel: {type(model).__name__} has no embedding and linear output layer "
                           "to split over the vocabulary; set it to false")
-    if head.out_features % degree or embedding.num_embeddings % degree:
-        raise RecipeError(f"strategy.loss_parallel: the vocabulary ({head.out_features} tokens) is not divisible by "
-                          f"the tensor-parallel degree {degree}; pad model.config vocab_size to a multiple of "
-                          f"{degree}, or set strategy.loss_parallel to false")
-    return names[id(embedding)], names[id(head)]
+    if head.out_features % degree:
+        raise RecipeError(f"strategy.loss_parallel: the output layer's vocabulary ({head.out_features} tokens) is not "
+                          f"divisible by the tensor-parallel degree {degree}; use a degree that divides it (a model "
+                          f"built from model.config can pad vocab_size to a multiple of {degree}), or set "
+                          "strategy.loss_parallel to false")
+    return (names[id(embedding)], names[id(head)]) if _tied(model) else (names[id(head)],)
 
 
-def vocab_plan(model: nn.Module, degree: int, *, sequence_parallel: bool) -> dict[str, Any]:
-    """The embedding row-wise (its output all-reduced, whole on every rank, where the first block's input is cut
-    under sequence parallelism), the output layer column-wise with its logits left a DTensor sharded over the
-    vocabulary; under sequence parallelism it all-gathers its input from sequence shards (the final norm's)."""
+def vocab_plan(model: nn.Module, *, degree: int, sequence_parallel: bool) -> dict[str, Any]:
+    """The output layer column-wise with its logits left a DTensor sharded over the vocabulary (under sequence
+    parallelism it all-gathers its input from the final norm's sequence shards, and reduce-scatters its gradient);
+    a tied embedding row-wise (its output all-reduced, whole on every rank, where the first block's input is cut
+    under sequence parallelism)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    embedding, head = vocab_modules(model, degree=degree)
-    return {embedding: RowwiseParallel(input_layouts=Replicate()),
-            head: ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(),
-                                  output_layouts=Shard(-1), use_local_output=False)}
+    *embedding, head = vocab_modules(model, degree=degree)
+    plan: dict[str, Any] = {name: RowwiseParallel(input_layouts=Replicate()) for name in embedding}
+    plan[head] = ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(),
+                                 output_layouts=Shard(-1), use_local_output=False)
+    return plan
 
 
 def _tied(model: nn.Module) -> bool:
@@ -291,16 +300,17 @@ def _tied(model: nn.Module) -> bool:
     return head is not None and embedding is not None and head.weight is embedding.weight
 
 
-def _split_vocabulary(model: nn.Module, degree: int) -> None:
-    """local_model under loss_parallel: the embedding and output layer of a rank's 1/`degree` of the vocabulary."""
-    tied = _tied(model)
-    old_embedding, old_head = cast(Any, model).get_input_embeddings(), cast(Any, model).get_output_embeddings()
-    vocab, hidden = old_embedding.weight.shape
-    like = dict(device=old_embedding.weight.device, dtype=old_embedding.weight.dtype)
-    cast(Any, model).set_input_embeddings(nn.Embedding(vocab // degree, hidden, **like))
-    head = nn.Linear(hidden, old_head.out_features // degree, bias=old_head.bias is not None,
+def _split_vocabulary(model: nn.Module, *, degree: int) -> None:
+    """local_model under loss_parallel: the output layer (and a tied embedding) of a rank's 1/`degree` of the
+    vocabulary."""
+    old_head = cast(Any, model).get_output_embeddings()
+    head = nn.Linear(old_head.in_features, old_head.out_features // degree, bias=old_head.bias is not None,
                      device=old_head.weight.device, dtype=old_head.weight.dtype)
-    if tied:
+    if _tied(model):
+        old_embedding = cast(Any, model).get_input_embeddings()
+        like = dict(device=old_embedding.weight.device, dtype=old_embedding.weight.dtype)
+        cast(Any, model).set_input_embeddings(nn.Embedding(old_embedding.num_embeddings // degree,
+                                                           old_embedding.embedding_dim, **like))
         head.weight = cast(Any, model).get_input_embeddings().weight
     cast(Any, model).set_output_embeddings(head)
 

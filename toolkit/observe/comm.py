@@ -59,7 +59,8 @@ def _tensors(value) -> list[torch.Tensor]:
 
 
 def _payload_bytes(tensors: list[torch.Tensor]) -> int:
-    # a DTensor reaching the dispatcher here is unwrapped later; its local shard is what moves
+    # DTensors are let through to DTensor's own dispatch (__torch_dispatch__), whose collectives then reach the mode
+    # as plain tensors; a DTensor handed to torch.distributed directly (_all_reduce_elsewhere) sends its local shard
     return sum(getattr(t, "_local_tensor", t).numel() * t.element_size() for t in tensors)
 
 

@@ -126,7 +126,8 @@ def work_for_shapes(recipe: Recipe, model: nn.Module, *, world_size: int, rank: 
                           precision=recipe.precision, checkpointing=recipe.train.recompute,
                           num_micro_batches=batch.grad_accum_steps,
                           bubble=bubble,
-                          collectives=collectives, optimizer_bytes=moved, offloaded_bytes=offloaded)
+                          collectives=collectives, optimizer_bytes=moved, offloaded_bytes=offloaded,
+                          vocab_split=degrees.tp > 1 and recipe.strategy.loss_parallel)
     return work
 
 

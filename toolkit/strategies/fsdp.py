@@ -27,12 +27,12 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from toolkit.data.losses import vocab_parallel
 from toolkit.checkpoint.loading import ModelSource, load_sharded, materialize, whole_model_bytes
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.config.strategy_options import option_names, options_of, strategy_options
 from toolkit.cost.collectives import Collective
+from toolkit.data.losses import vocab_parallel
 from toolkit.errors import RecipeError
 from toolkit.memory.state_bytes import (LocalNumel, StateBytes, adam_state, dim0_held, dim0_shard, dim0_shard_of,
                                         element_bytes)
@@ -45,7 +45,7 @@ from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, S
                                      each_micro_batch, every_rank_a_shard, first_dtype, forward_once, no_context,
                                      refuse_untested,
                                      sharded_abs_max, whole_stack_activations)
-from toolkit.strategies.dims import norm_comm, comm, context, expert
+from toolkit.strategies.dims import comm, context, expert, norm_comm
 from toolkit.strategies.dims.compression import check_reduce_dtype
 from toolkit.strategies.dims.levers import LocalSgdOptions, local_sgd_of
 from toolkit.strategies.dims.local_sgd import LocalSgd, local_sgd_collectives, outer_state
@@ -203,10 +203,9 @@ class FsdpRules:
         everything = sum(p.numel() for p in model.parameters()) - sum(expert_sizes)  # a tied weight once
         tp = options.tp_degree or 1  # a block's split layers hold 1/tp of it on each rank
         gathered_experts = max(expert_sizes, default=0) // ep if world_size > ep else 0
-        if tp > 1 and options.loss_parallel:  # the root's embedding and head hold 1/tp of the vocabulary
-            vocab = {id(p): p.numel() for p in (cast(Any, model).get_input_embeddings().weight,
-                                                cast(Any, model).get_output_embeddings().weight)}
-            everything -= sum(vocab.values()) - sum(vocab.values()) // tp
+        if tp > 1 and options.loss_parallel:  # the root's head (and a tied embedding) hold 1/tp of the vocabulary
+            head = cast(Any, model).get_output_embeddings().weight.numel()
+            everything -= head - head // tp
         if not options.reshard_after_forward:
             held = everything - sum(units) + sum(units) // tp + len(blocks) * gathered_experts
         else:
@@ -239,7 +238,7 @@ class FsdpRules:
             if tp > 1 and options.sequence_parallel else []
         # the gradient norm: every gradient a DTensor sharded over FSDP's ranks, the split ones over tp too
         norms = norm_comm.norm_collectives(norm_comm.by_layout(
-            model, shard=shard, tp=tp, loss_parallel=options.loss_parallel,
+            model, shard=shard, tp=tp, loss_parallel=options.loss_parallel, sequence_parallel=options.sequence_parallel,
             shard_dim="dp_shard_cp" if cp > 1 else "dp_shard"), dtype=stored)
         return [*comm.tp_collectives(model, tp=tp, shapes=local, activation_dtype=compute,
                                      sequence_parallel=options.sequence_parallel, recompute=recompute, shard=shard,
@@ -375,9 +374,13 @@ class FsdpStrategy(TrainsOneModule):
         if self.tp_degree > 1:  # the ranks of a TP group hold the same shards of what TP does not split
             named = [(n, cast(DTensor, p).to_local()) for n, p in self._model.named_parameters()
                      if "tp" not in (cast(DTensor, p).device_mesh.mesh_dim_names or ())]
+            what = "norm and embedding"
+            if self.loss_parallel:  # the head split over tp; the input embedding with it where tied
+                tied = len(tensor_parallel.vocab_modules(self._model, degree=self.tp_degree)) > 1
+                what = "norm" if tied else "norm and input embedding"
             return [Replicas(named=named, group=self.mesh.get_group("tp"),
-                             description=f"the {self.tp_degree} ranks of each TP group hold the same norm and "
-                                         "embedding shards")]
+                             description=f"the {self.tp_degree} ranks of each TP group hold the same {what} "
+                                         "shards")] if named else []
         if "dp_replicate" not in (self.mesh.mesh_dim_names or ()):
             return []  # every rank holds a different shard
         # HSDP: the ranks at one position of the shard dimension hold the same shards, one per replica group
@@ -399,7 +402,7 @@ class FsdpStrategy(TrainsOneModule):
         layout = f"every block and the root sharded over a mesh of {shape}"
         if self.tp_degree > 1:
             layout += " (attention heads and MLP columns split over tp"
-            layout += ", embeddings and head over the vocabulary" if self.loss_parallel else ""
+            layout += ", the head (and a tied embedding) over the vocabulary" if self.loss_parallel else ""
             layout += ", norms on sequence shards)" if self.sequence_parallel else ")"
         if self.ep_degree > 1:
             layout += (f" (each MoE layer's experts split over {self.ep_degree} ranks, tokens sent to them by "

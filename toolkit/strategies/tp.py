@@ -4,7 +4,8 @@ Every rank reads the same micro-batches (one data shard) and holds 1/N of each a
 embeddings, norms and the head are replicated and get identical full gradients on every rank, so no
 gradient is reduced: the activations are (one all-reduce per attention and per MLP block, each way). The
 exception: norms inside attention that see only a rank's heads (Qwen3's q_norm, k_norm), whose gradients
-are summed over the ranks once per step (tensor_parallel.sum_partial_gradients).
+are summed over the ranks once per step (tensor_parallel.sum_partial_gradients). strategy.loss_parallel splits the
+head (and a tied embedding) over the vocabulary too, the loss reduced across the ranks (tp_plan.vocab_plan).
 For TP inside groups with data parallel across them, use fsdp with strategy.tp_degree.
 """
 
@@ -50,7 +51,8 @@ OPTIONS = TpOptions  # the registry reads it by this name
 
 INFO = StrategyInfo(
     name="tp", averages_gradients=True, lora=False, compiles=False, holds_gradients=False, tied_gradients=2,
-    tiles_loss=True,  # the plans split the blocks' layers only: the output layer is whole on every rank
+    tiles_loss=True,  # the plans split the blocks' layers only: the output layer is whole on every rank (unless
+    #   loss_parallel splits it, which refuses tiled_loss)
     options=option_names(TpOptions),
     summary="tensor parallel: attention heads and MLP columns split over the ranks, one activation all-reduce "
             "per block; every rank reads the same batch",
@@ -134,7 +136,8 @@ class TpStrategy(TrainsOneModule):
 
     def setup(self, model: nn.Module, args: SetupArgs) -> None:
         options = options_of(TpOptions, args.recipe)
-        self.env, self.sequence_parallel, self.loss_parallel = args.env, options.sequence_parallel, options.loss_parallel
+        self.env, self.sequence_parallel = args.env, options.sequence_parallel
+        self.loss_parallel = options.loss_parallel
         ensure_process_group(args.env, strategy=self.info.name)
         self.mesh = world_mesh(args.env, degrees(args.recipe, world_size=args.env.world_size), keep=("tp",))
         # tp alone: no data-parallel wrap (every rank computes the whole batch, no gradient to reduce)
@@ -175,8 +178,12 @@ class TpStrategy(TrainsOneModule):
                                                  if not isinstance(p, DTensor)]
         if not named or self.env.world_size == 1:
             return []
-        return [Replicas(named=named, group=None, description=f"{self.env.world_size} ranks hold the embeddings, "
-                         "norms and head in full")]
+        whole = "embeddings, norms and head"
+        if self.loss_parallel:  # the head split; the input embedding with it where tied
+            tied = len(tensor_parallel.vocab_modules(self._model, degree=self.env.world_size)) > 1
+            whole = "norms" if tied else "input embedding and norms"
+        return [Replicas(named=named, group=None, description=f"{self.env.world_size} ranks hold the {whole} "
+                         "in full")]
 
     def _gradient_abs_max(self) -> dict[str, float] | None:
         return sharded_abs_max(self._model, self.env)  # each rank saw its shards of the split weights
@@ -185,8 +192,8 @@ class TpStrategy(TrainsOneModule):
         return {}
 
     def _layout(self) -> str:
-        rest = ("embeddings and head split over the vocabulary (loss_parallel), norms replicated" if self.loss_parallel
-                else "embeddings, norms and head replicated")
+        rest = ("head split over the vocabulary (loss_parallel), with a tied embedding; the rest replicated"
+                if self.loss_parallel else "embeddings, norms and head replicated")
         return (f"attention heads and MLP columns split over {self.env.world_size} ranks; {rest}"
                 + ("; norms computed on sequence shards" if self.sequence_parallel else ""))
 

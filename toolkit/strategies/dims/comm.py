@@ -175,17 +175,20 @@ def tp_collectives(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtyp
 
 def _vocab_parallel(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtype, embedding_dtype,
                     sequence_parallel: bool) -> list[Collective]:
-    """strategy.loss_parallel (model/tp_plan.py vocab_plan), per micro-batch: the row-wise embedding's output
+    """strategy.loss_parallel (model/tp_plan.py vocab_plan), per micro-batch: a tied (row-wise) embedding's output
     all-reduced (forward, in its weight's dtype); the output layer's input gradient all-reduced (backward; under
     sequence parallelism reduce-scattered to sequence shards, its input's all-gather counted with the final norm's);
     the loss's max, sum of exponentials and target logit, one fp32 value per token each, all-reduced (forward)."""
+    from toolkit.model import tp_plan
+
     hidden, micro, count = cast(Any, model).config.hidden_size, len(shapes), tokens(shapes)
-    embedding = count * hidden * element_bytes(embedding_dtype)
     head = count * hidden * element_bytes(activation_dtype)
-    reduced = [Collective(op="all_reduce", payload_bytes=embedding, calls=micro, group="tp", group_size=tp,
-                          phase="forward", what="the embedding's partial outputs"),
-               Collective(op="all_reduce", payload_bytes=3 * count * 4, calls=3 * micro, group="tp", group_size=tp,
+    reduced = [Collective(op="all_reduce", payload_bytes=3 * count * 4, calls=3 * micro, group="tp", group_size=tp,
                           phase="forward", what="the loss's per-token max, sum and target logit")]
+    if len(tp_plan.vocab_modules(model, degree=tp)) > 1:  # the embedding split with the head it is tied to
+        reduced.append(Collective(op="all_reduce", payload_bytes=count * hidden * element_bytes(embedding_dtype),
+                                  calls=micro, group="tp", group_size=tp, phase="forward",
+                                  what="the embedding's partial outputs"))
     if not sequence_parallel:
         return [*reduced, Collective(op="all_reduce", payload_bytes=head, calls=micro, group="tp", group_size=tp,
                                      phase="backward", what="the output layer's input gradient")]

@@ -16,9 +16,13 @@ from torch import nn
 
 from toolkit.cost.collectives import Collective
 from toolkit.memory.state_bytes import element_bytes
+from toolkit.model import tp_plan
+from toolkit.strategies.dims.comm import sequence_parallel_params
+
+Dims = tuple[tuple[str, int], ...]  # the mesh dimensions a group of gradients is sharded over: names and sizes
 
 
-def norm_collectives(groups: dict[str, tuple[int, tuple[tuple[str, int], ...]]], *, dtype) -> list[Collective]:
+def norm_collectives(groups: dict[str, tuple[int, Dims]], *, dtype) -> list[Collective]:
     """`groups`: a group's name -> (how many gradients it holds, the mesh dimensions it is sharded over: their
     names and sizes); `dtype`: the gradients' (their norms keep it)."""
     return [Collective(op="all_reduce", payload_bytes=count * element_bytes(dtype), calls=1, group=dim,
@@ -35,28 +39,31 @@ def partial_gradient_norms(params: list[nn.Parameter], *, tp: int, dtype) -> lis
                        what="partial gradients, for the norm and the step")] if numel and tp > 1 else []
 
 
-def by_layout(model: nn.Module, *, shard: int, tp: int = 1, loss_parallel: bool = False, shard_dim: str = "dp_shard"
-              ) -> dict[str, tuple[int, tuple[tuple[str, int], ...]]]:
+def by_layout(model: nn.Module, *, shard: int, tp: int = 1, loss_parallel: bool = False,
+              sequence_parallel: bool = False, shard_dim: str = "dp_shard") -> dict[str, tuple[int, Dims]]:
     """Groups of a model whose trainable gradients FSDP shards over `shard` ranks (1: none) and tensor parallel
-    splits over `tp`: the split layers' weights by their split dimension (a column-wise bias with its weight, a
-    row-wise bias replicated), under `loss_parallel` the embedding and output layer with the column-wise ones;
-    the rest sharded over FSDP's ranks alone."""
-    from toolkit.model import tp_plan
-
+    splits over `tp`: the split layers' weights by their split dimension (a column-wise bias with its weight), under
+    `loss_parallel` the output layer (and a tied embedding) with the column-wise ones; what tensor parallel keeps
+    whole but holds as DTensors of its mesh (a row-wise bias, sequence-parallel norms), whose FSDP shards are 2-D
+    DTensors, a group apart from the rest, FSDP's 1-D ones (clip_global_norm groups them by mesh and placements)."""
     styles = tp_plan.resolve(model) if tp > 1 else {}
     vocab = set(tp_plan.vocab_modules(model, degree=tp)) if tp > 1 and loss_parallel else set()
-    groups: dict[str, tuple[int, tuple[tuple[str, int], ...]]] = {}
-    whole, split = ((shard_dim, shard),), ((shard_dim, shard), ("tp", tp))
+    sp_norms = {id(p) for p in sequence_parallel_params(model)} if tp > 1 and sequence_parallel else set()
+    groups: dict[str, tuple[int, Dims]] = {}
+    whole: Dims = ((shard_dim, shard),)
+    split: Dims = ((shard_dim, shard), ("tp", tp))
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         module, _, kind = name.rpartition(".")
         style = styles.get(module)
-        sizes: tuple[tuple[str, int], ...]
+        sizes: Dims
         if style in tp_plan.COLUMN_WISE or module in vocab:
             key, sizes = "split on dim 0 over tp", split
         elif style in tp_plan.ROW_WISE and kind == "weight":
             key, sizes = "split on dim 1 over tp", split
+        elif style in tp_plan.ROW_WISE or id(param) in sp_norms:
+            key, sizes = "whole over tp, on its mesh", whole
         else:
             key, sizes = "whole over tp" if tp > 1 else "every gradient", whole
         groups[key] = (groups.get(key, (0, sizes))[0] + 1, sizes)
