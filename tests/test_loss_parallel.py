@@ -77,7 +77,7 @@ def test_each_tp_rank_stores_half_the_tied_embedding(llama4_runs):
     ranks, overrides = ARMS["tp-lossp"]
     run_dir = llama4_runs.get("tp-lossp", nproc=ranks, overrides=overrides)
     run = json.loads((run_dir / "run.json").read_text())
-    assert "embeddings and head split over the vocabulary (loss_parallel)" in run["layout"]
+    assert "head and its tied embedding split over the vocabulary (loss_parallel)" in run["layout"]
     weights = exported_weights(run_dir)
     weights.pop("lm_head.weight", None)  # tied: the embedding's
     split = (*test_tensor_parallel.SPLIT, "embed_tokens")
@@ -121,7 +121,7 @@ def test_loss_parallel_lowers_the_measured_peak(llama4_runs):
     ("llama4_runs", 2, ("strategy.name=tp", "train.tiled_loss=true", *LOSS_PARALLEL), "set one of them to false"),
     ("recipes/llama-tiny.yaml", 2, ("strategy.name=tp", "batch.grad_accum_steps=4",
                                     f"model.config={json.dumps({**CONFIG, 'vocab_size': 30523})}", *LOSS_PARALLEL),
-     "the vocabulary (30523 tokens) is not divisible by the tensor-parallel degree 2"),
+     "the output layer's vocabulary (30523 tokens) is not divisible by the tensor-parallel degree 2"),
     ("llama4_runs", 2, ("strategy.name=fsdp", *LOSS_PARALLEL), "strategy.loss_parallel needs tensor parallelism"),
     ("llama4_runs", 4, ("strategy.name=fsdp", "strategy.tp_degree=2", "strategy.cp_degree=2", *LOSS_PARALLEL),
      "not with strategy.replicate_degree, strategy.sequence_parallel or strategy.loss_parallel yet"),

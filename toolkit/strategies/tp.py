@@ -192,8 +192,11 @@ class TpStrategy(TrainsOneModule):
         return {}
 
     def _layout(self) -> str:
-        rest = ("head split over the vocabulary (loss_parallel), with a tied embedding; the rest replicated"
-                if self.loss_parallel else "embeddings, norms and head replicated")
+        rest = "embeddings, norms and head replicated"
+        if self.loss_parallel:
+            tied = len(tensor_parallel.vocab_modules(self._model, degree=self.env.world_size)) > 1
+            rest = ("head and its tied embedding split over the vocabulary (loss_parallel), norms replicated" if tied
+                    else "head split over the vocabulary (loss_parallel), embeddings and norms replicated")
         return (f"attention heads and MLP columns split over {self.env.world_size} ranks; {rest}"
                 + ("; norms computed on sequence shards" if self.sequence_parallel else ""))
 
