@@ -10,8 +10,8 @@ the base model, e.g. "layers.*.self_attn.q_proj": "colwise"), else from a small 
 (BERT-style encoders declare none). Embeddings, norms and the head stay replicated, an embedding the model's plan
 splits too (GPT-NeoX's "embedding_rowwise": the same maths, its memory not saved): every rank computes the
 full logits, so the loop's loss is unchanged; strategy.loss_parallel splits the head (and a tied embedding) over
-the vocabulary instead, the loss reduced over the ranks (vocab_plan, below). Attention needs no change: HF attention reshapes with `view(..., -1,
-head_dim)`, so each rank infers its local head count.
+the vocabulary instead, the loss reduced over the ranks (vocab_plan, below). Attention needs no change: HF
+attention reshapes with `view(..., -1, head_dim)`, so each rank infers its local head count.
 
 Some plans gather a column-wise layer's output on every rank ("colwise_gather_output": OLMo 2's q, k and v, whose
 norms span all heads; Phi-3's fused qkv_proj and gate_up_proj, cut into their parts after) and let the row-wise
