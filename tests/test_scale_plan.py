@@ -219,11 +219,13 @@ def test_a_model_that_names_no_blocks_is_counted_by_its_layer_stack():
         assert flops.attention == 12.0 * layers * 32 * 16
 
 
-@pytest.mark.parametrize("layout, sets, data_shards", [
-    ("ddp", ("strategy.name=ddp",), 16),
+@pytest.mark.parametrize("layout, sets, data_shards, vocab_share", [
+    ("ddp", ("strategy.name=ddp",), 16, 1),
     # each TP rank computes every logit of its data shard's tokens (the head is not split)
-    ("fsdp-tp2", ("strategy.name=fsdp", "strategy.tp_degree=2"), 8)])
-def test_a_measured_loss_rate_costs_every_logit_a_rank_computes(layout, sets, data_shards):
+    ("fsdp-tp2", ("strategy.name=fsdp", "strategy.tp_degree=2"), 8, 1),
+    # ... or its half of the vocabulary's, where loss_parallel splits the head
+    ("fsdp-tp2-lossp", ("strategy.name=fsdp", "strategy.tp_degree=2", "strategy.loss_parallel=true"), 8, 2)])
+def test_a_measured_loss_rate_costs_every_logit_a_rank_computes(layout, sets, data_shards, vocab_share):
     """A causal LM's loss passes over its logits (the fp32 copy, log-softmax and their gradients), memory-bound
     work a GEMM rate does not count: where calibrate measured seconds per logit (the CPU profile), each rank pays
     its tokens × the vocabulary of them; a datasheet profile (its fitted efficiency covers such work) and a
@@ -244,7 +246,7 @@ def test_a_measured_loss_rate_costs_every_logit_a_rank_computes(layout, sets, da
     costs = {c.what: c for c in step_time.predict(model, work, step_time.Cluster(hardware=measured, num_nodes=2,
                                                                                   gpus_per_node=8)).costs}
     tokens = 64 * 8192 // data_shards  # the recipe's global batch of 64 sequences of 8,192 tokens, one shard's
-    assert costs["loss over the logits"].exposed_s == pytest.approx(tokens * 128256 * 2e-12, rel=1e-12)
+    assert costs["loss over the logits"].exposed_s == pytest.approx(tokens * 128256 / vocab_share * 2e-12, rel=1e-12)
     plain = step_time.predict(model, work, step_time.Cluster(hardware=h100, num_nodes=2, gpus_per_node=8))
     assert "loss over the logits" not in {c.what for c in plain.costs}
     minilm = resolve(load_recipe(str(REPO / "recipes" / "minilm-sst.yaml"), []), world_size=2)
