@@ -4,12 +4,21 @@ optimizer state, exports and gathers all use that one, so every strategy writes 
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 
 def first_names(module: nn.Module) -> dict[int, str]:
     """id(parameter) -> its first name (a tied weight's canonical name, as named_parameters() gives it)."""
     return {id(p): n for n, p in module.named_parameters()}
+
+
+def head_tied_to_embedding(model: nn.Module) -> bool:
+    """Whether a model's output layer holds its input embedding's weight (one tensor, two modules)."""
+    transformers_model: Any = model  # a PreTrainedModel: it names its embeddings
+    head, embedding = transformers_model.get_output_embeddings(), transformers_model.get_input_embeddings()
+    return head is not None and embedding is not None and head.weight is embedding.weight
 
 
 def tied_aliases(model: nn.Module) -> dict[str, str]:

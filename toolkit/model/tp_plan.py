@@ -37,6 +37,7 @@ from torch import nn
 
 from toolkit.config.recipe import Recipe
 from toolkit.errors import RecipeError
+from toolkit.model.tied import head_tied_to_embedding
 
 # architectures whose config declares no plan: module paths relative to the base model
 FALLBACK_PLANS: dict[str, dict[str, str]] = {
@@ -237,7 +238,7 @@ def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False, loss
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    tied = loss_parallel and _tied(model)
+    tied = loss_parallel and head_tied_to_embedding(model)
     styles: dict[str, Callable[[], Any]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
                                             GATHERED: lambda: ColwiseParallel(output_layouts=Replicate()),
                                             SPLIT_INPUT: lambda: RowwiseParallel(input_layouts=Replicate())}
@@ -277,7 +278,7 @@ def vocab_modules(model: nn.Module, *, degree: int) -> tuple[str, ...]:
                           f"divisible by the tensor-parallel degree {degree}; use a degree that divides it (a model "
                           f"built from model.config can pad vocab_size to a multiple of {degree}), or set "
                           "strategy.loss_parallel to false")
-    return (names[id(embedding)], names[id(head)]) if _tied(model) else (names[id(head)],)
+    return (names[id(embedding)], names[id(head)]) if head_tied_to_embedding(model) else (names[id(head)],)
 
 
 def vocab_plan(model: nn.Module, *, degree: int, sequence_parallel: bool) -> dict[str, Any]:
@@ -295,18 +296,13 @@ def vocab_plan(model: nn.Module, *, degree: int, sequence_parallel: bool) -> dic
     return plan
 
 
-def _tied(model: nn.Module) -> bool:
-    head, embedding = cast(Any, model).get_output_embeddings(), cast(Any, model).get_input_embeddings()
-    return head is not None and embedding is not None and head.weight is embedding.weight
-
-
 def _split_vocabulary(model: nn.Module, *, degree: int) -> None:
     """local_model under loss_parallel: the output layer (and a tied embedding) of a rank's 1/`degree` of the
     vocabulary."""
     old_head = cast(Any, model).get_output_embeddings()
     head = nn.Linear(old_head.in_features, old_head.out_features // degree, bias=old_head.bias is not None,
                      device=old_head.weight.device, dtype=old_head.weight.dtype)
-    if _tied(model):
+    if head_tied_to_embedding(model):
         old_embedding = cast(Any, model).get_input_embeddings()
         like = dict(device=old_embedding.weight.device, dtype=old_embedding.weight.dtype)
         cast(Any, model).set_input_embeddings(nn.Embedding(old_embedding.num_embeddings // degree,

@@ -32,14 +32,13 @@ from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.config.strategy_options import option_names, options_of, strategy_options
 from toolkit.cost.collectives import Collective
-from toolkit.data.losses import vocab_parallel
 from toolkit.errors import RecipeError
 from toolkit.memory.state_bytes import (LocalNumel, StateBytes, adam_state, dim0_held, dim0_shard, dim0_shard_of,
                                         element_bytes)
 from toolkit.model import tp_plan as tensor_parallel
 from toolkit.model.blocks import transformer_blocks
 from toolkit.model.precision import DTYPES, Amp, StepResult, dtype_name
-from toolkit.model.tied import first_names
+from toolkit.model.tied import first_names, head_tied_to_embedding
 from toolkit.process.dist import DistEnv, ensure_process_group, world_mesh
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport,
                                      each_micro_batch, every_rank_a_shard, first_dtype, forward_once, no_context,
@@ -351,10 +350,6 @@ class FsdpStrategy(TrainsOneModule):
     def forward_context(self) -> ContextManager:
         return no_context()  # MixedPrecisionPolicy casts parameters inside each shard unit
 
-    def backward(self, loss_share: torch.Tensor) -> None:
-        with vocab_parallel(self.loss_parallel):  # the loss's backward over vocabulary-sharded logits (tp_degree)
-            self.amp.backward(loss_share)
-
     def accumulate(self, *, sync: bool) -> ContextManager:
         # no reduce-scatter on non-final micro-batches: unsharded grads accumulate locally
         cast(FSDPModule, self._model).set_requires_gradient_sync(sync)
@@ -376,8 +371,7 @@ class FsdpStrategy(TrainsOneModule):
                      if "tp" not in (cast(DTensor, p).device_mesh.mesh_dim_names or ())]
             what = "norm and embedding"
             if self.loss_parallel:  # the head split over tp; the input embedding with it where tied
-                tied = len(tensor_parallel.vocab_modules(self._model, degree=self.tp_degree)) > 1
-                what = "norm" if tied else "norm and input embedding"
+                what = "norm" if head_tied_to_embedding(self._model) else "norm and input embedding"
             return [Replicas(named=named, group=self.mesh.get_group("tp"),
                              description=f"the {self.tp_degree} ranks of each TP group hold the same {what} "
                                          "shards")] if named else []

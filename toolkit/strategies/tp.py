@@ -22,12 +22,11 @@ from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.config.strategy_options import option_names, options_of, strategy_options
 from toolkit.cost.collectives import Collective
-from toolkit.data.losses import vocab_parallel
 from toolkit.errors import RecipeError
 from toolkit.memory.state_bytes import StateBytes, adam_state, of_shapes
 from toolkit.model import tp_plan as tensor_parallel
 from toolkit.model.precision import DTYPES, Amp, dtype_name
-from toolkit.model.tied import first_names
+from toolkit.model.tied import first_names, head_tied_to_embedding
 from toolkit.process.dist import DistEnv, ensure_process_group, world_mesh
 from toolkit.strategies.base import (DataLayout, LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport,
                                      each_micro_batch, first_dtype, forward_once, no_context, sharded_abs_max,
@@ -165,10 +164,6 @@ class TpStrategy(TrainsOneModule):
     def forward_context(self) -> ContextManager:
         return self.amp.autocast()
 
-    def backward(self, loss_share: torch.Tensor) -> None:
-        with vocab_parallel(self.loss_parallel):  # the loss's backward over vocabulary-sharded logits
-            self.amp.backward(loss_share)
-
     def accumulate(self, *, sync: bool) -> ContextManager:
         return no_context()  # no gradient is reduced per micro-batch: nothing to skip (the per-head norms' are
         # summed once, after the last; forward_backward)
@@ -180,8 +175,7 @@ class TpStrategy(TrainsOneModule):
             return []
         whole = "embeddings, norms and head"
         if self.loss_parallel:  # the head split; the input embedding with it where tied
-            tied = len(tensor_parallel.vocab_modules(self._model, degree=self.env.world_size)) > 1
-            whole = "norms" if tied else "input embedding and norms"
+            whole = "norms" if head_tied_to_embedding(self._model) else "input embedding and norms"
         return [Replicas(named=named, group=None, description=f"{self.env.world_size} ranks hold the {whole} "
                          "in full")]
 
@@ -194,8 +188,8 @@ class TpStrategy(TrainsOneModule):
     def _layout(self) -> str:
         rest = "embeddings, norms and head replicated"
         if self.loss_parallel:
-            tied = len(tensor_parallel.vocab_modules(self._model, degree=self.env.world_size)) > 1
-            rest = ("head and its tied embedding split over the vocabulary (loss_parallel), norms replicated" if tied
+            rest = ("head and its tied embedding split over the vocabulary (loss_parallel), norms replicated"
+                    if head_tied_to_embedding(self._model)
                     else "head split over the vocabulary (loss_parallel), embeddings and norms replicated")
         return (f"attention heads and MLP columns split over {self.env.world_size} ranks; {rest}"
                 + ("; norms computed on sequence shards" if self.sequence_parallel else ""))

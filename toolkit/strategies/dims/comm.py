@@ -43,6 +43,7 @@ from torch import nn
 from toolkit.cost.collectives import Collective
 from toolkit.cost.flops import attention_heads
 from toolkit.memory.state_bytes import element_bytes
+from toolkit.model.tied import head_tied_to_embedding
 from toolkit.strategies.dims.compression import Compression, compression_collectives
 from toolkit.strategies.dims.context import local_length
 from toolkit.strategies.dims.recompute import forward_runs
@@ -179,13 +180,11 @@ def _vocab_parallel(model: nn.Module, *, tp: int, shapes: Shapes, activation_dty
     all-reduced (forward, in its weight's dtype); the output layer's input gradient all-reduced (backward; under
     sequence parallelism reduce-scattered to sequence shards, its input's all-gather counted with the final norm's);
     the loss's max, sum of exponentials and target logit, one fp32 value per token each, all-reduced (forward)."""
-    from toolkit.model import tp_plan
-
     hidden, micro, count = cast(Any, model).config.hidden_size, len(shapes), tokens(shapes)
     head = count * hidden * element_bytes(activation_dtype)
     reduced = [Collective(op="all_reduce", payload_bytes=3 * count * 4, calls=3 * micro, group="tp", group_size=tp,
                           phase="forward", what="the loss's per-token max, sum and target logit")]
-    if len(tp_plan.vocab_modules(model, degree=tp)) > 1:  # the embedding split with the head it is tied to
+    if head_tied_to_embedding(model):  # the embedding split with the head it is tied to
         reduced.append(Collective(op="all_reduce", payload_bytes=count * hidden * element_bytes(embedding_dtype),
                                   calls=micro, group="tp", group_size=tp, phase="forward",
                                   what="the embedding's partial outputs"))

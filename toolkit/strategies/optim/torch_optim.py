@@ -15,6 +15,7 @@ from torch import nn
 
 from toolkit.checkpoint.state import (Read, load_optimizer_tensors, load_schedule_state, model_tensors,
                                       optimizer_tensors, schedule_state)
+from toolkit.data.losses import vocab_parallel
 from toolkit.model.precision import Amp, StepResult, dtype_name
 from toolkit.process.dist import DistEnv
 from toolkit.strategies.base import (Replicas, cpu_state_dict, first_dtype, gathered_state_dict, optimizer_label,
@@ -79,13 +80,15 @@ class TrainsOneModule:
 
     optim: TorchOptim
     amp: Amp
+    loss_parallel: bool = False  # the logits a DTensor split over the vocabulary (strategy.loss_parallel: tp, fsdp)
 
     @property
     def model(self) -> nn.Module:
         raise NotImplementedError
 
     def backward(self, loss_share: torch.Tensor) -> None:
-        self.amp.backward(loss_share)
+        with vocab_parallel(self.loss_parallel):  # the loss's backward over vocabulary-sharded logits
+            self.amp.backward(loss_share)
 
     def step(self, *, max_grad_norm: float | None) -> StepResult:
         params = [p for p in self.model.parameters() if p.grad is not None]
