@@ -16,7 +16,7 @@ low-memory loading (the recipe's default); `fsdp-whole` and `zero3-whole` build 
 first, for comparison. `pp-gpipe` and `pp-1f1b` run a 2-stage pipeline of 4 micro-batches a step and get a row
 per rank (their stages differ); their activations show at a longer sequence (`--seq 512 --micro-batch 2`).
 `tp` splits heads and MLP over the ranks (planned with each rank's share of them), `tp-sp` adds sequence
-parallelism (planned as `tp`, an upper bound).
+parallelism (planned with each rank's share of the tokens between its split layers).
 Targets (issue 11): model states within ±1 % of the prediction (they are exact); peak within ±15 % on CPU.
 """
 

@@ -256,8 +256,7 @@ def report(rows: list[Row], fitted: dict[str, float], held_out: dict[str, float]
     if with_memory:
         print(f"memory: {len(close)} of {len(with_memory)} published within ±10 % (target: all); torchtitan "
               "publishes the caching allocator's peak reserved (its logger's max_reserved_gib), the plan the "
-              "tensors' peak; float8 keeps other tensors than bf16 does; the plan's trace of a tp rank keeps its "
-              "sequence whole between blocks, where sequence parallelism keeps 1/tp of it (an upper bound)")
+              "tensors' peak; float8 keeps other tensors than bf16 does")
     order_checks(rows, fitted)
     print(f"\nleft out ({len(skipped)}):")
     for row_id, reason in skipped:

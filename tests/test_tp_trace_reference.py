@@ -1,0 +1,161 @@
+"""A tensor-parallel rank's activation trace (toolkit/memory/activations.py over tp_plan.local_model: a plain copy
+with its share of heads, MLP columns, tokens under sequence parallelism and vocabulary under loss_parallel) against
+the plan itself: the model parallelized by tp_plan.parallelize on DTensors over a fake process group (torch's
+"fake" backend: collectives that move nothing), traced on fake tensors with torch's own redistributions, sequence
+parallel styles and loss_parallel handlers. The two must keep the same bytes alive, byte for byte, at the peak and
+between forward and backward."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from toolkit.config.files import load_recipe
+from toolkit.data.losses import vocab_parallel
+from toolkit.memory import activations
+from toolkit.memory.activations import traced_activations
+from toolkit.model import tp_plan
+from toolkit.plan.predict import planned_model, predict
+
+CONFIG = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8,
+          "max_position_embeddings": 256, "tie_word_embeddings": False}
+
+
+def recipe_of(*, tied=False, length=128, micro=2, sequence=True, vocabulary=False):
+    config = {**CONFIG, "tie_word_embeddings": tied}
+    return load_recipe("recipes/llama-tiny.yaml", [
+        f"model.config={json.dumps(config)}", f"data.max_length={length}", "data.packing=true",
+        f"batch.micro_batch_size={micro}", "batch.global_batch_size=null", "batch.grad_accum_steps=1",
+        "strategy.name=tp", f"strategy.sequence_parallel={str(sequence).lower()}",
+        f"strategy.loss_parallel={str(vocabulary).lower()}"])
+
+
+class _Propagating:
+    """Counts the calls inside DTensor's sharding propagation: it runs each op once more on tensors of the global
+    shape to learn the output's (fake ones here, meta ones on a device), which hold no memory of a rank's."""
+
+    depth = 0
+
+    def __enter__(self):
+        kept = ShardingPropagator._propagate_tensor_meta_non_cached
+
+        def propagate(propagator, schema):
+            _Propagating.depth += 1
+            try:
+                return kept(propagator, schema)
+            finally:
+                _Propagating.depth -= 1
+
+        self.kept = kept
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
+
+    def __exit__(self, *exc):
+        ShardingPropagator._propagate_tensor_meta_non_cached = self.kept  # type: ignore[method-assign]
+
+
+def _local(tensor):
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+class RankBytes(activations.LiveBytes):
+    """LiveBytes of one rank's local tensors: ops on DTensors are left to DTensor (NotImplemented, as torch's
+    CommDebugMode does), which then runs the rank's local ops with this mode on; a DTensor parameter's and
+    gradient's storage is its local tensor's."""
+
+    def __init__(self, existing):
+        super().__init__([_local(t) for t in existing])
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        if _Propagating.depth:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def release(self, tensor):
+        super().release(_local(tensor))
+
+
+def traced_on_dtensors(recipe, degree, how):
+    """The recipe's model (two blocks) parallelized on a fake process group of `degree` ranks and traced as rank 0."""
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=degree)
+    try:
+        model = planned_model(recipe)
+        tp_plan.parallelize(model, init_device_mesh("cpu", (degree,)),
+                            sequence_parallel=recipe.strategy.sequence_parallel,
+                            loss_parallel=recipe.strategy.loss_parallel)
+        kept = activations.LiveBytes
+        activations.LiveBytes = RankBytes  # type: ignore[misc]
+        try:
+            with _Propagating(), vocab_parallel(recipe.strategy.loss_parallel):
+                return activations._traced(model, recipe, **how)
+        finally:
+            activations.LiveBytes = kept  # type: ignore[misc]
+    finally:
+        dist.destroy_process_group()
+
+
+FP32 = {"params_dtype": torch.float32, "autocast_dtype": None}
+BF16 = {"params_dtype": torch.float32, "autocast_dtype": torch.bfloat16}
+CASES = {  # (degree, recipe_of's arguments, dtypes, activation checkpointing)
+    "tp2": (2, dict(sequence=False), FP32, False),
+    "tp2-ac": (2, dict(sequence=False), FP32, True),
+    "sp2": (2, {}, FP32, False),
+    "sp2-ac": (2, {}, FP32, True),
+    "sp4-selective-bf16": (4, {}, BF16, "selective"),
+    "sp4-micro1": (4, dict(micro=1), FP32, False),  # the first block's cut of one sample: its own tensor
+    "sp4-uneven": (4, dict(length=126), FP32, False),  # 126 tokens over 4 ranks: 32 on rank 0
+    "lossp2-untied": (2, dict(sequence=False, vocabulary=True), FP32, False),
+    "lossp2-tied-ac-bf16": (2, dict(sequence=False, vocabulary=True, tied=True), BF16, True),
+    "sp2-lossp-tied": (2, dict(vocabulary=True, tied=True), FP32, False),
+    "sp4-lossp-micro1-ac-bf16": (4, dict(vocabulary=True, tied=True, micro=1), BF16, True),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_tp_rank_is_traced_as_the_plan_on_dtensors_keeps_it(tmp_path, monkeypatch, case):
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
+    degree, shape, dtypes, checkpointing = CASES[case]
+    recipe = recipe_of(**shape)
+    how = {**dtypes, "checkpointing": checkpointing}
+    reference = traced_on_dtensors(recipe, degree, how)
+    # the plan's trace: the same model cut to one block and to two, extrapolated to its two blocks
+    assert traced_activations(planned_model(recipe), recipe, **how, tp_degree=degree) == reference.peak
+    local = tp_plan.local_model(planned_model(recipe), degree, loss_parallel=recipe.strategy.loss_parallel,
+                                sequence_parallel=recipe.strategy.sequence_parallel)
+    assert activations._traced(local, recipe, **how) == reference
+
+
+def test_sequence_parallelism_keeps_a_block_input_of_1_over_n_under_full_checkpointing(tmp_path, monkeypatch):
+    """Under full activation checkpointing a block keeps only its input until backward: the whole sequence
+    ([micro, tokens, hidden] in the weights' dtype) without sequence parallelism, 1/N of it with. Each block
+    beyond the first adds that much less, a plain product of the shapes."""
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
+    how = {**FP32, "checkpointing": True}
+    deeper = {**CONFIG, "num_hidden_layers": 6}
+    base = ["data.max_length=128", "data.packing=true", "batch.micro_batch_size=2", "batch.global_batch_size=null",
+            "batch.grad_accum_steps=1", "strategy.name=tp"]
+
+    def traced(layers, sequence):
+        recipe = load_recipe("recipes/llama-tiny.yaml", [
+            *base, f"model.config={json.dumps({**deeper, 'num_hidden_layers': layers})}",
+            f"strategy.sequence_parallel={str(sequence).lower()}"])
+        return traced_activations(planned_model(recipe), recipe, **how, tp_degree=4)
+
+    block_input = 2 * 128 * 64 * 4
+    plain_per_block = traced(6, False) - traced(5, False)
+    sharded_per_block = traced(6, True) - traced(5, True)
+    assert plain_per_block - sharded_per_block == block_input - block_input // 4
+    # and the plan charges it to every rank
+    recipe = load_recipe("recipes/llama-tiny.yaml", [*base, f"model.config={json.dumps(deeper)}",
+                                                     "strategy.sequence_parallel=true",
+                                                     "train.activation_checkpointing=true"])
+    plan = predict(recipe, world_size=4, runtime_bytes=0, device_type="cuda")
+    assert plan.activation_bytes == [traced(6, True)] * 4
