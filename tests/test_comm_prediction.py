@@ -109,3 +109,14 @@ def test_expert_parallel_collectives_equal_the_counter_over_the_ranks(moe_runs, 
     assert others(by_op) == others(measured["bytes_by_op"]) and "alltoall_base_" in by_op
     assert sum(totals) == sum(measured["total_bytes_per_rank"])
     assert by_op[rows] != measured["bytes_by_op"][rows]  # a rank's own share is the router's
+
+
+@pytest.mark.parametrize("arm", ["tp", "tp-sp"])
+def test_collective_bytes_equal_the_counter_tp_under_autocast(llama4_runs, arm):
+    """tp keeps fp32 weights and computes under bf16 autocast: a row-wise layer's output (a bf16 matmul's) and its
+    gradient move in bf16; a column-wise layer's input (a norm's fp32 output, which autocast casts inside the
+    layer) and its gradient in fp32: all-reduced without sequence parallelism, gathered and reduce-scattered with
+    it (the final norm's output and the embedding output's gradient too). Before, the plan counted all in bf16."""
+    nproc, overrides = test_tensor_parallel.ARMS[arm]
+    assert_predicted(llama4_runs.get(f"{arm}-autocast", nproc=nproc,
+                                     overrides=(*overrides, "precision=bf16", "train.max_steps=2")))

@@ -241,7 +241,7 @@ class FsdpRules:
             shard_dim="dp_shard_cp" if cp > 1 else "dp_shard"), dtype=stored)
         return [*comm.tp_collectives(model, tp=tp, shapes=local, activation_dtype=compute,
                                      sequence_parallel=options.sequence_parallel, recompute=recompute, shard=shard,
-                                     loss_parallel=options.loss_parallel, embedding_dtype=compute),
+                                     loss_parallel=options.loss_parallel, stream_dtype=compute),
                 *norms,
                 *sp_norms,
                 *(comm.ulysses_collectives if recipe.parallel.cp_method == "ulysses" else comm.cp_collectives)(

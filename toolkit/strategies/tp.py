@@ -109,7 +109,7 @@ class TpRules:
             if options.sequence_parallel else []
         return [*tp_collectives(model, tp=world_size, shapes=shapes, activation_dtype=DTYPES[recipe.precision],
                                 sequence_parallel=options.sequence_parallel, recompute=recipe.train.recompute != "none",
-                                loss_parallel=options.loss_parallel, embedding_dtype=stored),
+                                loss_parallel=options.loss_parallel, stream_dtype=stored),
                 *norms, *partial]
 
     def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,

@@ -124,101 +124,112 @@ def fsdp_collectives(units: list[Named], *, shard: int, replicate: int, compute_
 
 
 def tp_collectives(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtype, sequence_parallel: bool,
-                   recompute: bool, shard: int = 1, loss_parallel: bool = False, embedding_dtype=None
+                   recompute: bool, shard: int = 1, loss_parallel: bool = False, stream_dtype=None
                    ) -> list[Collective]:
     """Tensor parallel over `tp` ranks, this rank's micro-batches `shapes` (the TP group's ranks compute the same);
     `recompute`: activation checkpointing runs each block's forward, and its collectives, again in backward, up to
     the last tensor the block saves (dims/recompute.py: not a Llama block's last row-wise exit). The
     gradients of modules each rank computes in part (Qwen3's q_norm, k_norm) are summed once a step in fp32
-    (tp_plan.sum_partial_gradients), FSDP's shard of them where FSDP shards over `shard` ranks."""
+    (tp_plan.sum_partial_gradients), FSDP's shard of them where FSDP shards over `shard` ranks.
+    Two dtypes: the split layers' matmuls output `activation_dtype` (what a row-wise layer's output and its
+    gradient move); what lies between them (the residual stream, the norms' outputs: a column-wise layer's input
+    and its gradient, the embedding's output) is in `stream_dtype`, the weights' own under autocast (tp: fp32
+    weights, bf16 matmuls; measured by the counter), the compute dtype where the weights are cast (fsdp × tp)."""
     from toolkit.model import tp_plan
 
     if tp <= 1:
         return []
+    stream_dtype = stream_dtype or activation_dtype
     partial = _partial_gradients(model, tp_plan.partial_gradient_modules(model), tp=tp, shard=shard)
     if loss_parallel:
-        partial += _vocab_parallel(model, tp=tp, shapes=shapes, activation_dtype=activation_dtype,
-                                   embedding_dtype=embedding_dtype or activation_dtype,
+        partial += _vocab_parallel(model, tp=tp, shapes=shapes, stream_dtype=stream_dtype,
                                    sequence_parallel=sequence_parallel)
     styles = tp_plan.resolve(model)
-    size, micro, forwards = element_bytes(activation_dtype), len(shapes), 2 if recompute else 1
+    size, stream, micro = element_bytes(activation_dtype), element_bytes(stream_dtype), len(shapes)
+    forwards = 2 if recompute else 1
     runs = forward_runs(model, styles, recompute=recompute)  # each split layer's forwards per micro-batch
     if not sequence_parallel:
-        return partial + _whole_sequence_tp(model, styles, tp=tp, per_feature=tokens(shapes) * size, micro=micro,
-                                            runs=runs)
+        return partial + _whole_sequence_tp(model, styles, tp=tp, per_feature=tokens(shapes) * size,
+                                            per_stream_feature=tokens(shapes) * stream, micro=micro, runs=runs)
     # sequence parallelism: Llama-style blocks of column- and row-wise layers only (tp_plan refuses the rest)
     rowwise = sum(style in tp_plan.ROW_WISE for style in styles.values())
     exits = sum(runs[name] for name, style in styles.items() if style in tp_plan.ROW_WISE)
     groups = tp_plan.shared_input_groups(styles)  # attention's and MLPs' that read one gathered input
     alone = sum(style in tp_plan.COLUMN_WISE for style in styles.values()) - sum(len(g) for g in groups.values())
     hidden = cast(Any, model).config.hidden_size
-    whole = tokens(shapes) * hidden * size  # one activation of every micro-batch, full sequence
 
     def entry(op: str, count: int, payload: int, phase: str, what: str) -> Collective:
         return Collective(op=op, payload_bytes=count * payload, calls=count * micro, group="tp", group_size=tp,
                           phase=phase, what=what)
 
     # a sequence shard: ceil(length / tp) positions (DTensor pads an uneven shard to the largest), and what a
-    # reduce-scatter takes: the sequence padded to tp such shards
-    part = sum(rows * math.ceil(length / tp) for rows, length in shapes) * hidden * size
-    padded = part * tp
-    # all-gathers: each column-wise group's entry (forward, and a recompute's), each row-wise exit's gradient
-    # (backward), the final norm's output for the head (forward, outside the blocks) and the embedding output's
-    # gradient (backward); reduce-scatters: each row-wise exit (forward, and where a recompute reaches it), each
-    # group's entry gradient, its layers' partial gradients summed (backward); a column-wise layer outside a group
-    # all-reduces its own input gradient (backward)
-    out = [entry("all_gather_into_tensor", forwards * rowwise + rowwise + 2, part, "forward", "activation shards"),
-           entry("reduce_scatter_tensor", exits + len(groups), padded, "forward", "activations")]
+    # reduce-scatter takes: the sequence padded to tp such shards; per element
+    part = sum(rows * math.ceil(length / tp) for rows, length in shapes) * hidden
+    # all-gathers: each column-wise group's entry (forward, and a recompute's), the final norm's output for the head
+    # (forward, outside the blocks) and the embedding output's gradient (backward), in the stream's dtype; each
+    # row-wise exit's gradient (backward), in the matmuls'. Reduce-scatters: each row-wise exit (forward, and where
+    # a recompute reaches it), in the matmuls' dtype; each group's entry gradient, its layers' partial gradients
+    # summed (backward), in the stream's. A column-wise layer outside a group all-reduces its own input gradient.
+    out = [entry("all_gather_into_tensor", forwards * rowwise + 2, part * stream, "forward", "activation shards"),
+           entry("all_gather_into_tensor", rowwise, part * size, "backward", "row-wise outputs' gradient shards"),
+           entry("reduce_scatter_tensor", exits, part * tp * size, "forward", "row-wise outputs"),
+           entry("reduce_scatter_tensor", len(groups), part * tp * stream, "backward", "activation gradients")]
     if alone:
-        out.append(entry("all_reduce", alone, whole, "backward", "activation gradients"))
-    return partial + out
+        out.append(entry("all_reduce", alone, tokens(shapes) * hidden * stream, "backward", "activation gradients"))
+    return partial + [c for c in out if c.calls]
 
 
-def _vocab_parallel(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtype, embedding_dtype,
-                    sequence_parallel: bool) -> list[Collective]:
+def _vocab_parallel(model: nn.Module, *, tp: int, shapes: Shapes, stream_dtype, sequence_parallel: bool
+                    ) -> list[Collective]:
     """strategy.loss_parallel (model/tp_plan.py vocab_plan), per micro-batch: a tied (row-wise) embedding's output
     all-reduced (forward, in its weight's dtype); the output layer's input gradient all-reduced (backward; under
-    sequence parallelism reduce-scattered to sequence shards, its input's all-gather counted with the final norm's);
-    the loss's max, sum of exponentials and target logit, one fp32 value per token each, all-reduced (forward)."""
+    sequence parallelism reduce-scattered to sequence shards, its input's all-gather counted with the final norm's),
+    in the final norm's output dtype, the stream's; the loss's max, sum of exponentials and target logit, one fp32
+    value per token each, all-reduced (forward)."""
     hidden, micro, count = cast(Any, model).config.hidden_size, len(shapes), tokens(shapes)
-    head = count * hidden * element_bytes(activation_dtype)
+    head = count * hidden * element_bytes(stream_dtype)
     reduced = [Collective(op="all_reduce", payload_bytes=3 * count * 4, calls=3 * micro, group="tp", group_size=tp,
                           phase="forward", what="the loss's per-token max, sum and target logit")]
     if head_tied_to_embedding(model):  # the embedding split with the head it is tied to
-        reduced.append(Collective(op="all_reduce", payload_bytes=count * hidden * element_bytes(embedding_dtype),
+        reduced.append(Collective(op="all_reduce", payload_bytes=count * hidden * element_bytes(stream_dtype),
                                   calls=micro, group="tp", group_size=tp, phase="forward",
                                   what="the embedding's partial outputs"))
     if not sequence_parallel:
         return [*reduced, Collective(op="all_reduce", payload_bytes=head, calls=micro, group="tp", group_size=tp,
                                      phase="backward", what="the output layer's input gradient")]
-    padded = sum(rows * math.ceil(length / tp) for rows, length in shapes) * hidden * element_bytes(activation_dtype)
+    padded = sum(rows * math.ceil(length / tp) for rows, length in shapes) * hidden * element_bytes(stream_dtype)
     return [*reduced, Collective(op="reduce_scatter_tensor", payload_bytes=padded * tp, calls=micro, group="tp",
                                  group_size=tp, phase="backward", what="the output layer's input gradient")]
 
 
-def _whole_sequence_tp(model: nn.Module, styles: dict[str, str], *, tp: int, per_feature: int, micro: int,
-                       runs: dict[str, int]) -> list[Collective]:
+def _whole_sequence_tp(model: nn.Module, styles: dict[str, str], *, tp: int, per_feature: int,
+                       per_stream_feature: int, micro: int, runs: dict[str, int]) -> list[Collective]:
     """Tensor parallel without sequence parallelism, each layer by its own features (`per_feature`: the bytes of one
-    feature over every micro-batch's tokens): a row-wise layer's output all-reduced in each of its forwards (`runs`
-    per micro-batch), a column-wise layer's input gradient in backward (once for the layers of a module that read its
-    input); a gathered output's shard all-gathered in each forward, a split input's gradient shard in backward."""
+    feature over every micro-batch's tokens in the matmuls' dtype, `per_stream_feature` in the stream's): a row-wise
+    layer's output all-reduced in each of its forwards (`runs` per micro-batch), a column-wise layer's input
+    gradient in backward (once for the layers of a module that read its input; the input's dtype, the stream's); a
+    gathered output's shard all-gathered in each forward, a split input's gradient shard in backward."""
     from toolkit.model import tp_plan
 
     modules = dict(model.named_modules())
-    reduced = gathered = reduces = gathers = 0
+    outputs = inputs = gathered = out_reduces = in_reduces = gathers = 0
     # a group of column-wise layers that read one input all-reduce its gradient once (tp_plan.shared_input_groups)
     followers = {name for names in tp_plan.shared_input_groups(styles).values() for name in names[1:]}
     for name, style in styles.items():
         linear = cast(nn.Linear, modules[name])
-        times = runs[name] if style in tp_plan.ROW_WISE else 0 if name in followers else 1
-        reduced += times * (linear.out_features if style in tp_plan.ROW_WISE else linear.in_features)
-        reduces += times
+        if style in tp_plan.ROW_WISE:
+            outputs, out_reduces = outputs + runs[name] * linear.out_features, out_reduces + runs[name]
+        elif name not in followers:
+            inputs, in_reduces = inputs + linear.in_features, in_reduces + 1
         if style == tp_plan.GATHERED:
             gathered, gathers = gathered + runs[name] * linear.out_features // tp, gathers + runs[name]
         elif style == tp_plan.SPLIT_INPUT:
             gathered, gathers = gathered + linear.in_features // tp, gathers + 1
-    out = [Collective(op="all_reduce", payload_bytes=reduced * per_feature, calls=reduces * micro, group="tp",
-                      group_size=tp, phase="forward", what="activations")]
+    out = [Collective(op="all_reduce", payload_bytes=outputs * per_feature, calls=out_reduces * micro, group="tp",
+                      group_size=tp, phase="forward", what="activations"),
+           Collective(op="all_reduce", payload_bytes=inputs * per_stream_feature, calls=in_reduces * micro,
+                      group="tp", group_size=tp, phase="backward", what="activation gradients")]
+    out = [c for c in out if c.calls]
     if gathers:
         out.append(Collective(op="all_gather_into_tensor", payload_bytes=gathered * per_feature,
                               calls=gathers * micro, group="tp", group_size=tp, phase="forward",
