@@ -118,5 +118,8 @@ def test_collective_bytes_equal_the_counter_tp_under_autocast(llama4_runs, arm):
     layer) and its gradient in fp32: all-reduced without sequence parallelism, gathered and reduce-scattered with
     it (the final norm's output and the embedding output's gradient too). Before, the plan counted all in bf16."""
     nproc, overrides = test_tensor_parallel.ARMS[arm]
-    assert_predicted(llama4_runs.get(f"{arm}-autocast", nproc=nproc,
-                                     overrides=(*overrides, "precision=bf16", "train.max_steps=2")))
+    run_dir = llama4_runs.get(f"{arm}-autocast", nproc=nproc, overrides=(*overrides, "precision=bf16",
+                                                                          "train.max_steps=2"))
+    assert_predicted(run_dir)
+    audit = json.loads((run_dir / "run.json").read_text())["precision_audit"]["grad_reduction"]
+    assert "(row-wise outputs bf16, column-wise inputs fp32)" in audit

@@ -496,10 +496,13 @@ def clip_global_norm(params, max_norm: float) -> torch.Tensor:
     return total
 
 
-def activation_reduction(*, sequence_parallel: bool, dtype: str, over: str = "") -> str:
-    """The precision audit's words for what TP reduces: activations, in the compute dtype."""
+def activation_reduction(*, sequence_parallel: bool, dtype: str, over: str = "", stream: str | None = None) -> str:
+    """The precision audit's words for what TP reduces: activations, in the compute dtype; under autocast a
+    column-wise layer's input and its gradient in the `stream`'s (the weights' dtype, which autocast casts inside
+    the layer: comm.tp_collectives)."""
     how = "reduce-scattered and all-gathered along the sequence" if sequence_parallel else "all-reduced"
-    return f"activations {how} per block{over} ({dtype})"
+    dtypes = dtype if stream in (None, dtype) else f"row-wise outputs {dtype}, column-wise inputs {stream}"
+    return f"activations {how} per block{over} ({dtypes})"
 
 
 def first_of_group(total: torch.Tensor, *, tp_rank: int) -> torch.Tensor:

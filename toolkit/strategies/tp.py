@@ -210,7 +210,7 @@ class TpStrategy(TrainsOneModule):
             "master_weights": master + " (split weights sharded)",
             "gradients": dtype_name(first_dtype(grads)) if grads else master,
             "grad_reduction": "none (every rank computes the whole batch); " + tensor_parallel.activation_reduction(
-                sequence_parallel=self.sequence_parallel, dtype=compute),
+                sequence_parallel=self.sequence_parallel, dtype=compute, stream=master),
             **self.optim.audit(),
         }
 
