@@ -65,7 +65,8 @@ def auto_layouts(recipe: Recipe, model: nn.Module, cluster: step_time.Cluster) -
         out[f"zero{stage}"] = ("strategy.name=zero", f"strategy.stage={stage}")
     tp = 2
     while tp <= per_node:
-        out[f"fsdp-tp{tp}"] = ("strategy.name=fsdp", f"strategy.tp_degree={tp}")
+        suffix, options = tp_options(recipe, model, tp)
+        out[f"fsdp-tp{tp}{suffix}"] = ("strategy.name=fsdp", f"strategy.tp_degree={tp}", *options)
         tp *= 2
     if nodes > 1:
         out[f"pp{nodes}-fsdp"] = ("strategy.name=hybrid", f"strategy.pipeline_degree={nodes}",
@@ -73,6 +74,27 @@ def auto_layouts(recipe: Recipe, model: nn.Module, cluster: step_time.Cluster) -
     if recipe.data.max_length >= LONG_SEQUENCE:
         out["fsdp-cp2"] = ("strategy.name=fsdp", "strategy.cp_degree=2")
     return out
+
+
+def tp_options(recipe: Recipe, model: nn.Module, tp: int) -> tuple[str, tuple[str, ...]]:
+    """TP as torchtitan runs it by default, where the model takes it: sequence parallelism (Llama-style blocks:
+    the same bytes moved, the norms' activations 1/tp) and the loss over the vocabulary split (a causal LM whose
+    vocabulary tp divides: the head and its logits 1/tp). The layout name's suffix and the overrides."""
+    from toolkit.model import tp_plan
+
+    suffix, options = "", []
+    try:
+        tp_plan.sequence_parallel_plan(model)
+        suffix, options = "-sp", ["strategy.sequence_parallel=true"]
+    except RecipeError:
+        pass
+    if recipe.model.task == "causal-lm" and not recipe.train.tiled_loss:
+        try:
+            tp_plan.vocab_modules(model, degree=tp)
+            suffix, options = f"{suffix}-lossp", [*options, "strategy.loss_parallel=true"]
+        except RecipeError:
+            pass
+    return suffix, tuple(options)
 
 
 def plan_layout(name: str, recipe: Recipe, model: nn.Module, cluster: step_time.Cluster) -> Planned:
