@@ -49,7 +49,7 @@ ARMS = {
     # a pipeline's ranks differ (one row each): gpipe keeps every micro-batch of the step in flight, 1f1b fewer
     "pp-gpipe": ["strategy.name=pipeline", "strategy.schedule=gpipe", "batch.grad_accum_steps=4"],
     "pp-1f1b": ["strategy.name=pipeline", "strategy.schedule=1f1b", "batch.grad_accum_steps=4"],
-    # a TP rank is planned with its share of heads and MLP columns; sequence parallelism as plain TP (its bound)
+    # a TP rank is planned with its share of heads and MLP columns; under sequence parallelism of the tokens too
     "tp": ["strategy.name=tp"],
     "tp-sp": ["strategy.name=tp", "strategy.sequence_parallel=true"],
 }

@@ -38,41 +38,44 @@ def test_every_layout_of_two_h100_nodes_has_its_step_time_and_memory(two_nodes):
     keys = {"layout", "world_size", "step_time_s", "tokens_per_s_per_gpu", "mfu", "peak_bytes_per_gpu", "fits"}
     planned = [p for p in two_nodes if "refused" not in p]
     names = {p["layout"] for p in planned}
-    assert {"ddp", "fsdp", "hsdp-2x8", "zero1", "zero2", "zero3", "fsdp-tp2-sp-lossp", "fsdp-tp8-sp-lossp", "pp2-fsdp",
+    assert {"ddp", "fsdp", "hsdp-2x8", "zero1", "zero2", "zero3", "fsdp-tp2-lossp", "fsdp-tp8-sp-lossp", "pp2-fsdp",
             "fsdp-cp2"} <= names
+    by_name = {p["layout"]: p for p in planned}
+    # sequence parallelism holds less than the same TP without it
+    assert by_name["fsdp-tp8-sp-lossp"]["peak_bytes_per_gpu"] < by_name["fsdp-tp8-lossp"]["peak_bytes_per_gpu"]
     for p in planned:
         assert keys <= set(p) and p["world_size"] == 16, p
         # tokens per step = 64 sequences of 8,192: what the step time and the tokens/s per GPU must multiply to
         assert p["tokens_per_s_per_gpu"] * p["step_time_s"] * 16 == pytest.approx(64 * 8192, rel=1e-9)
         assert 0 < p["mfu"] < 1
-    by_name = {p["layout"]: p for p in planned}
     # ddp holds the whole model per GPU: fp32 weights, gradients and both moments alone are 16 bytes a parameter
     assert by_name["ddp"]["peak_bytes_per_gpu"] > 16 * llama3_8b_params() > 80e9 and not by_name["ddp"]["fits"]
     assert by_name["fsdp"]["fits"] and by_name["fsdp"]["peak_bytes_per_gpu"] < 16 * llama3_8b_params() / 16 + 20e9
 
 
-@pytest.mark.parametrize("recipe, overrides, degree, suffix", [
-    (RECIPE, (), 8, "-sp-lossp"),  # Llama 3 8B: Llama blocks, a causal LM, 128,256 tokens of vocabulary
-    (RECIPE, ("train.tiled_loss=true",), 8, "-sp"),  # the tiles are the other answer to the logits' memory
+@pytest.mark.parametrize("recipe, overrides, degree, suffixes", [
+    (RECIPE, (), 8, ["-lossp", "-sp-lossp"]),  # Llama 3 8B: Llama blocks, a causal LM, 128,256 tokens of vocabulary
+    (RECIPE, ("train.tiled_loss=true",), 8, ["", "-sp"]),  # the tiles are the other answer to the logits' memory
     (RECIPE, ('model.config={"model_type": "llama", "vocab_size": 1001, "hidden_size": 64, "num_hidden_layers": 2, '
-              '"num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 128}',), 2, "-sp"),
-    (str(REPO / "recipes" / "minilm-sst.yaml"), (), 2, ""),  # an encoder classifier: neither
+              '"num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 128}',), 2, ["", "-sp"]),
+    (str(REPO / "recipes" / "minilm-sst.yaml"), (), 2, [""]),  # an encoder classifier: neither
 ])
-def test_auto_tp_layouts_take_what_the_model_takes(recipe, overrides, degree, suffix):
-    """torchtitan's defaults, sequence parallelism and the loss over the split vocabulary, where the model takes
-    them: each layout planned is one the run accepts."""
+def test_auto_tp_layouts_take_what_the_model_takes(recipe, overrides, degree, suffixes):
+    """The loss over the split vocabulary where the model takes it; sequence parallelism beside plain TP where it
+    takes that: each layout planned is one the run accepts."""
     from toolkit.config.files import load_recipe
     from toolkit.plan.predict import planned_model
     from toolkit.plan.scale import tp_options
     from toolkit.strategies import validate_strategy
 
     loaded = load_recipe(recipe, list(overrides))
-    found, options = tp_options(loaded, planned_model(loaded), degree)
-    assert found == suffix
-    assert ("strategy.sequence_parallel=true" in options) == ("-sp" in suffix)
-    assert ("strategy.loss_parallel=true" in options) == ("lossp" in suffix)
-    layout = load_recipe(recipe, [*overrides, "strategy.name=fsdp", f"strategy.tp_degree={degree}", *options])
-    validate_strategy(layout, world_size=2 * degree)
+    variants = tp_options(loaded, planned_model(loaded), tp=degree)
+    assert [suffix for suffix, _ in variants] == suffixes
+    for suffix, options in variants:
+        assert ("strategy.sequence_parallel=true" in options) == ("-sp" in suffix)
+        assert ("strategy.loss_parallel=true" in options) == ("lossp" in suffix)
+        layout = load_recipe(recipe, [*overrides, "strategy.name=fsdp", f"strategy.tp_degree={degree}", *options])
+        validate_strategy(layout, world_size=2 * degree)
 
 
 def test_the_layouts_that_fit_come_first_fastest_first(two_nodes):

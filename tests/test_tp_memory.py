@@ -10,6 +10,7 @@ import torch
 from toolkit.checkpoint.loading import own_memory
 from toolkit.config.files import load_recipe
 from toolkit.errors import RecipeError
+from toolkit.memory import tp_rank
 from toolkit.memory.activations import traced_activations
 from toolkit.model import tp_plan as tensor_parallel
 from toolkit.plan.predict import planned_model, predict
@@ -61,7 +62,7 @@ def test_the_traced_tp_rank_holds_the_shapes_a_tp_rank_stores(config):
     task = ["model.task=sequence-classification", "data.label_column=label", "data.packing=false"] \
         if config["model_type"] == "bert" else []  # packing is a causal-lm setting
     model = planned_model(recipe_of(config, *task))
-    local = tensor_parallel.local_model(model, 2)
+    local = tp_rank.local_model(model, 2)
     expected = tensor_parallel.local_shapes(model, 2)
     assert {n: tuple(p.shape) for n, p in local.named_parameters()} == expected
     assert expected != {n: tuple(p.shape) for n, p in model.named_parameters()}  # something is split

@@ -1,4 +1,4 @@
-"""A tensor-parallel rank's activation trace (toolkit/memory/activations.py over tp_plan.local_model: a plain copy
+"""A tensor-parallel rank's activation trace (toolkit/memory/activations.py over tp_rank.local_model: a plain copy
 with its share of heads, MLP columns, tokens under sequence parallelism and vocabulary under loss_parallel) against
 the plan itself: the model parallelized by tp_plan.parallelize on DTensors over a fake process group (torch's
 "fake" backend: collectives that move nothing), traced on fake tensors with torch's own redistributions, sequence
@@ -18,6 +18,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from toolkit.config.files import load_recipe
 from toolkit.data.losses import vocab_parallel
 from toolkit.memory import activations
+from toolkit.memory import tp_rank
 from toolkit.memory.activations import traced_activations
 from toolkit.model import tp_plan
 from toolkit.plan.predict import planned_model, predict
@@ -27,8 +28,8 @@ CONFIG = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "interme
           "max_position_embeddings": 256, "tie_word_embeddings": False}
 
 
-def recipe_of(*, tied=False, length=128, micro=2, sequence=True, vocabulary=False):
-    config = {**CONFIG, "tie_word_embeddings": tied}
+def recipe_of(*, tied=False, length=128, micro=2, sequence=True, vocabulary=False, vocab=1000):
+    config = {**CONFIG, "tie_word_embeddings": tied, "vocab_size": vocab}
     return load_recipe("recipes/llama-tiny.yaml", [
         f"model.config={json.dumps(config)}", f"data.max_length={length}", "data.packing=true",
         f"batch.micro_batch_size={micro}", "batch.global_batch_size=null", "batch.grad_accum_steps=1",
@@ -66,7 +67,7 @@ def _local(tensor):
 class RankBytes(activations.LiveBytes):
     """LiveBytes of one rank's local tensors: ops on DTensors are left to DTensor (NotImplemented, as torch's
     CommDebugMode does), which then runs the rank's local ops with this mode on; a DTensor parameter's and
-    gradient's storage is its local tensor's."""
+    gradient's storage is its local tensor's; a collective's wait is its input (on fake tensors it is a copy)."""
 
     def __init__(self, existing):
         super().__init__([_local(t) for t in existing])
@@ -76,6 +77,8 @@ class RankBytes(activations.LiveBytes):
             return NotImplemented
         if _Propagating.depth:
             return func(*args, **(kwargs or {}))
+        if func is torch.ops._c10d_functional.wait_tensor.default:  # a real one returns its input; a fake one a copy
+            return args[0]
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def release(self, tensor):
@@ -112,6 +115,13 @@ CASES = {  # (degree, recipe_of's arguments, dtypes, activation checkpointing)
     "sp4-selective-bf16": (4, {}, BF16, "selective"),
     "sp4-micro1": (4, dict(micro=1), FP32, False),  # the first block's cut of one sample: its own tensor
     "sp4-uneven": (4, dict(length=126), FP32, False),  # 126 tokens over 4 ranks: 32 on rank 0
+    # a vocabulary of 32: the peak inside the blocks (the collectives' own tensors), not at the loss
+    "sp2-blocks": (2, dict(vocab=32), FP32, False),
+    "sp2-blocks-ac": (2, dict(vocab=32), FP32, True),
+    "sp4-blocks-micro1-ac": (4, dict(vocab=32, micro=1), FP32, True),
+    "sp4-blocks-uneven": (4, dict(vocab=32, length=126), FP32, False),
+    "sp4-blocks-uneven-ac-bf16": (4, dict(vocab=32, length=126), BF16, True),
+    "tp2-blocks": (2, dict(vocab=32, sequence=False), FP32, False),
     "lossp2-untied": (2, dict(sequence=False, vocabulary=True), FP32, False),
     "lossp2-tied-ac-bf16": (2, dict(sequence=False, vocabulary=True, tied=True), BF16, True),
     "sp2-lossp-tied": (2, dict(vocabulary=True, tied=True), FP32, False),
@@ -128,7 +138,7 @@ def test_a_tp_rank_is_traced_as_the_plan_on_dtensors_keeps_it(tmp_path, monkeypa
     reference = traced_on_dtensors(recipe, degree, how)
     # the plan's trace: the same model cut to one block and to two, extrapolated to its two blocks
     assert traced_activations(planned_model(recipe), recipe, **how, tp_degree=degree) == reference.peak
-    local = tp_plan.local_model(planned_model(recipe), degree, loss_parallel=recipe.strategy.loss_parallel,
+    local = tp_rank.local_model(planned_model(recipe), degree, loss_parallel=recipe.strategy.loss_parallel,
                                 sequence_parallel=recipe.strategy.sequence_parallel)
     assert activations._traced(local, recipe, **how) == reference
 

@@ -66,7 +66,8 @@ class StrategyConfig:
     #   many neighbouring ranks (tokens reach them by all-to-all), FSDP-sharded over the ranks holding the same ones
     #   (hf_native: transformers' ep_size)
     sequence_parallel: bool = False  # tp, fsdp with tp_degree: norms and residuals on sequence shards between the
-    #   split layers (Llama-style decoders): less activation memory, the same bytes moved
+    #   split layers (Llama-style decoders): less activation memory, the blocks' bytes moved as before (two
+    #   gathers a micro-batch more: the final norm's output, the embedding output's gradient)
     loss_parallel: bool = False  # tp, fsdp with tp_degree: a causal LM's output layer (and a tied embedding) split
     #   over the vocabulary, the loss reduced across the ranks (torchtitan's loss_parallel): a rank holds 1/N of the
     #   logits and of those weights, for three [tokens] all-reduces in the loss, one of the head's input gradient

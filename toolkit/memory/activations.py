@@ -70,7 +70,7 @@ def traced_activations(model: nn.Module, recipe: Recipe, *, params_dtype: torch.
     model on the meta device. Its parameters are cast to `params_dtype`, the forward runs under autocast to
     `autocast_dtype` (None: no autocast), with or without activation checkpointing (`checkpointing`: False,
     True or "full", or "selective"; a model that cannot checkpoint is traced without). `tp_degree` > 1: as one
-    tensor-parallel rank of that many computes it, its split layers 1/N wide (tensor_parallel.local_model), and its
+    tensor-parallel rank of that many computes it, its split layers 1/N wide (tp_rank.local_model), and its
     1/N of the vocabulary's logits under strategy.loss_parallel, 1/N of the tokens between its split layers under
     strategy.sequence_parallel. A trace is kept in the user's cache: the same
     model, batch and dtypes are traced once."""
@@ -79,7 +79,7 @@ def traced_activations(model: nn.Module, recipe: Recipe, *, params_dtype: torch.
     sequence = tp_degree > 1 and recipe.strategy.sequence_parallel
 
     def trace() -> dict:
-        from toolkit.model.tp_plan import local_model
+        from toolkit.memory.tp_rank import local_model
 
         local = local_model(model, tp_degree, loss_parallel=vocab, sequence_parallel=sequence) \
             if tp_degree > 1 else model
@@ -247,6 +247,7 @@ def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, au
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from toolkit.data.losses import micro_batch_loss_sum
+    from toolkit.memory import tp_rank
 
     with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():  # the meta weights
         warnings.simplefilter("ignore")
@@ -300,7 +301,7 @@ def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, au
             if grad is None:  # the whole model, or the last stage: the loss
                 share = getattr(cast(Any, model).get_output_embeddings(), "vocabulary_share", False) \
                     if hasattr(model, "get_output_embeddings") else False
-                with VocabularyShareLoss() if share else contextlib.nullcontext():
+                with tp_rank.VocabularyShareLoss() if share else contextlib.nullcontext():
                     loss = micro_batch_loss_sum(out, labels, recipe.model.task)
                     if stage is None:
                         del out  # the loop lets the logits go; a pipeline keeps a stage's output until its backward
@@ -323,49 +324,6 @@ def _replaced(owner: Any, name: str, value: Any):
         yield
     finally:
         setattr(owner, name, kept)
-
-
-class VocabularyShareLoss(TorchDispatchMode):
-    """Cross-entropy over a rank's share of the vocabulary's logits as torch's loss_parallel computes it
-    (torch.distributed.tensor.parallel.loss: its handlers of these ops), with its collectives left out (they
-    keep [tokens] each): the trace of a local_model under strategy.loss_parallel, whose head computes plain
-    logits of that share. Its backward is not the fused kernel's: it builds the gradient as
-    (one-hot - 1 + exp(log-softmax)) × grad, three tensors of tokens × share at once where the kernel needs two.
-    The ops mirror torch's (rank 0's share); tests/test_sequence_parallel_memory.py checks the trace against
-    torch's own handlers on DTensors."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.ops.aten._log_softmax.default:
-            return self._log_softmax(*args, **kwargs)
-        if func is torch.ops.aten._log_softmax_backward_data.default:
-            grad, _, _, dtype = args
-            return grad.to(dtype)  # the gradient came whole from the loss's backward
-        if func is torch.ops.aten.nll_loss_backward.default:
-            return self._nll_loss_backward(*args, **kwargs)
-        return func(*args, **kwargs)
-
-    @staticmethod
-    def _log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
-        x = x.to(dtype=torch.float32 if half_to_float else x.dtype, memory_format=torch.contiguous_format)
-        shifted = x - torch.amax(x, dim, keepdim=True)
-        return shifted - torch.log(torch.sum(torch.exp(shifted), dim, keepdim=True))
-
-    @staticmethod
-    def _nll_loss_backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight: Any, reduction: int,
-                           ignore_index: int, total_weight: torch.Tensor) -> torch.Tensor:
-        if reduction == 1:  # mean
-            grad = grad / total_weight
-        target = target.unsqueeze(1)
-        safe = torch.where(target != ignore_index, target, 0).squeeze(1).flatten()
-        gradient = torch.zeros_like(x)
-        mask = (safe < 0) | (safe >= x.shape[1])  # a target outside the share: its rank's offset is 0 here
-        masked = safe.clone() - 0
-        masked[mask] = 0
-        update, rows = mask.to(gradient.dtype) - 1.0, torch.arange(masked.shape[0])  # alive to the end, as torch's
-        gradient[rows, masked] = update
-        grad = torch.where(target != ignore_index, grad.unsqueeze(1) if grad.dim() else grad, 0)
-        return (gradient + torch.exp(x)) * grad
 
 
 class LiveBytes(TorchDispatchMode):

@@ -199,88 +199,6 @@ def local_shapes(model: nn.Module, degree: int, *, loss_parallel: bool = False) 
     return shapes
 
 
-def local_model(model: nn.Module, degree: int, *, loss_parallel: bool = False,
-                sequence_parallel: bool = False) -> nn.Module:
-    """A copy of the meta `model` as one TP rank computes it: every linear layer the plan splits replaced by
-    one of the local shape (column-wise: 1/N of the output features, row-wise: 1/N of the input features),
-    the rest whole. Attention infers its head count from q/k/v's outputs (`view(..., -1, head_dim)`), so the
-    copy runs 1/N of the heads and MLP columns on the full residual stream, as a rank does: what the activation
-    trace of a TP rank runs. A gathered layer and the split-input layer after it stay whole, as a rank computes
-    what lies between them whole (their split outputs and inputs, 1/N of a whole one, are not counted apart).
-    Under `sequence_parallel` the norms and residual adds between the split layers hold the rank's 1/N of the
-    tokens (`_shard_sequence`). Under `loss_parallel` the output layer (and a tied embedding) hold 1/N of the
-    vocabulary: the logits and the loss's copies of them are a rank's share (the loss's all-reduced statistics,
-    [tokens] each, are not counted). Traces of it are cached (toolkit/memory/activations.py): a change to what it
-    builds raises activations.TRACE_VERSION."""
-    import copy
-
-    local = copy.deepcopy(model)
-    if loss_parallel:
-        _split_vocabulary(local, degree=degree)
-    modules = dict(local.named_modules())
-    for name, style in resolve(local).items():
-        if style not in PLAIN:
-            continue
-        old = cast(nn.Linear, modules[name])
-        features = ((old.in_features, old.out_features // degree) if style == "colwise"
-                    else (old.in_features // degree, old.out_features))
-        new = nn.Linear(*features, bias=old.bias is not None, device=old.weight.device, dtype=old.weight.dtype)
-        for kind in ("weight", "bias"):
-            if getattr(old, kind) is not None:
-                getattr(new, kind).requires_grad_(getattr(old, kind).requires_grad)
-        parent, _, child = name.rpartition(".")
-        setattr(local.get_submodule(parent) if parent else local, child, new)
-    if sequence_parallel:
-        _shard_sequence(local, degree=degree)
-    return local
-
-
-def _shard_sequence(model: nn.Module, *, degree: int) -> None:
-    """local_model under sequence parallelism: hooks that keep a plain copy's tokens where sequence_parallel_plan's
-    DTensors keep a rank's. The first block's input is cut to the rank's share of the sequence (a tensor of its own,
-    as a Replicate -> Shard(1) redistribution makes); attention's and the MLP's inputs are gathered whole (an
-    all-gather: one new tensor of the whole sequence), their outputs cut again (a reduce-scatter: a new tensor of
-    the share), and the head's input gathered. The norms and residual adds between run on the share. Checked
-    against the plan itself on DTensors over a fake process group (tests/test_sequence_parallel_memory.py)."""
-    stack, count = cast(tuple[str, int], _decoder_layers(model))
-    tokens: dict[str, int] = {}
-
-    def cut(hidden: torch.Tensor) -> torch.Tensor:
-        return torch.chunk(hidden, degree, dim=1)[0]
-
-    def gather(hidden: torch.Tensor) -> torch.Tensor:
-        whole = torch.cat([hidden] * degree, dim=1)
-        # an uneven split (the sequence not a multiple of the degree) is padded, gathered and cut back whole
-        return whole if whole.shape[1] == tokens["whole"] else whole.narrow(1, 0, tokens["whole"]).contiguous()
-
-    def on_hidden(change: Callable[[torch.Tensor], torch.Tensor]):
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            if args:
-                return (change(args[0]), *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": change(kwargs["hidden_states"])}
-        return hook
-
-    def first(hidden: torch.Tensor) -> torch.Tensor:
-        tokens["whole"] = hidden.shape[1]
-        return cut(hidden).clone()  # a tensor of its own, whatever the batch: the whole one can go
-
-    def scattered(module: nn.Module, args: tuple, output: Any) -> Any:
-        if isinstance(output, tuple):
-            return (cut(output[0]).clone(), *output[1:])
-        return cut(output).clone()
-
-    model.get_submodule(f"{stack}.0").register_forward_pre_hook(on_hidden(first), with_kwargs=True)
-    for index in range(count):
-        for part in ("self_attn", "mlp"):
-            module = model.get_submodule(f"{stack}.{index}.{part}")
-            module.register_forward_pre_hook(on_hidden(gather), with_kwargs=True)
-            module.register_forward_hook(scattered)
-    base = stack.rsplit(".", 1)[0]
-    for name, child in model.named_children():  # the head reads the gathered sequence
-        if name != base:
-            child.register_forward_pre_hook(on_hidden(gather), with_kwargs=True)
-
-
 def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> None:
     """Split the plan's linear layers over `mesh` (1-D) in place: their weights become DTensors; under
     `loss_parallel` the output layer (and a tied embedding) too (vocab_plan)."""
@@ -345,22 +263,6 @@ def vocab_plan(model: nn.Module, *, degree: int, sequence_parallel: bool) -> dic
     return plan
 
 
-def _split_vocabulary(model: nn.Module, *, degree: int) -> None:
-    """local_model under loss_parallel: the output layer (and a tied embedding) of a rank's 1/`degree` of the
-    vocabulary."""
-    old_head = cast(Any, model).get_output_embeddings()
-    head = nn.Linear(old_head.in_features, old_head.out_features // degree, bias=old_head.bias is not None,
-                     device=old_head.weight.device, dtype=old_head.weight.dtype)
-    cast(Any, head).vocabulary_share = True  # its loss traced as torch's loss_parallel computes it (memory.activations)
-    if head_tied_to_embedding(model):
-        old_embedding = cast(Any, model).get_input_embeddings()
-        like = dict(device=old_embedding.weight.device, dtype=old_embedding.weight.dtype)
-        cast(Any, model).set_input_embeddings(nn.Embedding(old_embedding.num_embeddings // degree,
-                                                           old_embedding.embedding_dim, **like))
-        head.weight = cast(Any, model).get_input_embeddings().weight
-    cast(Any, model).set_output_embeddings(head)
-
-
 # column-wise layers that read their module's input, by the names transformers' decoders and BERT give them
 # (attention's q, k, v; an MLP's gate and up); a layer named otherwise may read something the module made
 SHARED_INPUT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "query", "key", "value")
@@ -422,7 +324,7 @@ def sequence_parallel_plan(model: nn.Module) -> dict[str, Any]:
                                                    SequenceParallel)
 
     config: Any = model.config
-    layers = _decoder_layers(model)
+    layers = decoder_layers(model)
     if layers is None:
         raise RecipeError(f"strategy.sequence_parallel: supported for Llama-style decoders (blocks of exactly "
                           f"{', '.join(DECODER_PARTS)}), not {config.model_type}; set it to false")
@@ -459,7 +361,7 @@ def sequence_parallel_plan(model: nn.Module) -> dict[str, Any]:
     return plan
 
 
-def _decoder_layers(model: nn.Module) -> tuple[str, int] | None:
+def decoder_layers(model: nn.Module) -> tuple[str, int] | None:
     """(the layer stack's name, its length) when every block has exactly DECODER_PARTS and a final `norm` follows.
     A block with more norms (Gemma 2's around its MLP, which it also applies to the attention output, not the
     residual) would mix sequence shards and whole tensors: refused, not guessed."""

@@ -9,7 +9,7 @@ fake tensors, in the dtypes the strategy computes in, with and without activatio
 (T = micro_batch_size × max_length tokens) beside the model states; a pipeline rank traces its own stages and
 holds as many micro-batches as its schedule keeps in flight (`StrategyRules.predict_activation_bytes`,
 toolkit/strategies/pipeline/memory.py); a tensor-parallel rank (tp, fsdp's tp_degree) traces the model with
-its share of heads and MLP columns (`tensor_parallel.local_model`). Gradients are model states, but a
+its share of heads and MLP columns (`memory.tp_rank.local_model`). Gradients are model states, but a
 strategy that gives them back between steps (`StrategyInfo.holds_gradients` false) has none while a step's
 first micro-batch holds its activations: with one micro-batch per step its training peak is the larger of
 (parameters + optimizer state + activations), (all model states at the end of backward, with a tied

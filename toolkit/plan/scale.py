@@ -21,6 +21,7 @@ from toolkit.cost import hardware as profiles
 from toolkit.cost import step_time
 from toolkit.cost.collectives import loop_collectives
 from toolkit.errors import RecipeError
+from toolkit.model import tp_plan
 from toolkit.plan.predict import GiB, predict
 from toolkit.strategies import data_layout, strategy_degrees, strategy_rules, validate_strategy
 
@@ -65,8 +66,8 @@ def auto_layouts(recipe: Recipe, model: nn.Module, cluster: step_time.Cluster) -
         out[f"zero{stage}"] = ("strategy.name=zero", f"strategy.stage={stage}")
     tp = 2
     while tp <= per_node:
-        suffix, options = tp_options(recipe, model, tp)
-        out[f"fsdp-tp{tp}{suffix}"] = ("strategy.name=fsdp", f"strategy.tp_degree={tp}", *options)
+        for suffix, options in tp_options(recipe, model, tp=tp):
+            out[f"fsdp-tp{tp}{suffix}"] = ("strategy.name=fsdp", f"strategy.tp_degree={tp}", *options)
         tp *= 2
     if nodes > 1:
         out[f"pp{nodes}-fsdp"] = ("strategy.name=hybrid", f"strategy.pipeline_degree={nodes}",
@@ -76,25 +77,28 @@ def auto_layouts(recipe: Recipe, model: nn.Module, cluster: step_time.Cluster) -
     return out
 
 
-def tp_options(recipe: Recipe, model: nn.Module, tp: int) -> tuple[str, tuple[str, ...]]:
-    """TP as torchtitan runs it by default, where the model takes it: sequence parallelism (Llama-style blocks:
-    the same bytes moved, the norms' activations 1/tp) and the loss over the vocabulary split (a causal LM whose
-    vocabulary tp divides: the head and its logits 1/tp). The layout name's suffix and the overrides."""
-    from toolkit.model import tp_plan
-
-    suffix, options = "", []
-    try:
-        tp_plan.sequence_parallel_plan(model)
-        suffix, options = "-sp", ["strategy.sequence_parallel=true"]
-    except RecipeError:
-        pass
+def tp_options(recipe: Recipe, model: nn.Module, *, tp: int) -> list[tuple[str, tuple[str, ...]]]:
+    """How auto runs TP over `tp` ranks: (the layout name's suffix, its overrides) for each variant worth planning.
+    The loss over the vocabulary split (`-lossp`: a causal LM whose vocabulary tp divides, without tiled loss) where
+    the model takes it, for a rank holds and computes 1/tp of the head and logits; with and without sequence
+    parallelism (`-sp`: Llama-style blocks) where it takes that, for it holds less (the norms' activations 1/tp) and
+    moves two gathers a micro-batch more, whose time the plan counts and the norms' saved time not: the table shows
+    both. torchtitan runs both by default."""
+    vocabulary: tuple[str, ...] = ()
     if recipe.model.task == "causal-lm" and not recipe.train.tiled_loss:
         try:
             tp_plan.vocab_modules(model, degree=tp)
-            suffix, options = f"{suffix}-lossp", [*options, "strategy.loss_parallel=true"]
+            vocabulary = ("strategy.loss_parallel=true",)
         except RecipeError:
             pass
-    return suffix, tuple(options)
+    suffix = "-lossp" if vocabulary else ""
+    variants = [(suffix, vocabulary)]
+    try:
+        tp_plan.sequence_parallel_plan(model)
+        variants.append((f"-sp{suffix}", ("strategy.sequence_parallel=true", *vocabulary)))
+    except RecipeError:
+        pass
+    return variants
 
 
 def plan_layout(name: str, recipe: Recipe, model: nn.Module, cluster: step_time.Cluster) -> Planned:

@@ -100,7 +100,8 @@ class TpRules:
 
     def predict_collectives(self, model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
                             shapes: list[tuple[int, int]]) -> list[Collective]:
-        # autocast: the split layers' outputs (what the all-reduces move) are in the compute precision
+        # autocast: the split layers' outputs are in the compute precision, their inputs (norms' outputs) in the
+        # weights' (the stream's dtype: comm.tp_collectives)
         options, stored = options_of(TpOptions, recipe), DTYPES[recipe.model.load_dtype]
         # the gradient norm over the split weights' DTensor gradients; the sequence-parallel norms' partial ones
         norms = norm_comm.norm_collectives(norm_comm.by_layout(model, shard=1, tp=world_size,

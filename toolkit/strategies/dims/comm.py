@@ -134,7 +134,9 @@ def tp_collectives(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtyp
     Two dtypes: the split layers' matmuls output `activation_dtype` (what a row-wise layer's output and its
     gradient move); what lies between them (the residual stream, the norms' outputs: a column-wise layer's input
     and its gradient, the embedding's output) is in `stream_dtype`, the weights' own under autocast (tp: fp32
-    weights, bf16 matmuls; measured by the counter), the compute dtype where the weights are cast (fsdp × tp)."""
+    weights, bf16 matmuls; measured by the counter), the compute dtype where the weights are cast (fsdp × tp).
+    A LayerNorm under autocast outputs fp32 whatever its weights (an autocast fp32 op): an encoder with 16-bit
+    weights under autocast moves fp32 column-wise inputs, counted here in its weights' dtype (untested)."""
     from toolkit.model import tp_plan
 
     if tp <= 1:
@@ -170,6 +172,7 @@ def tp_collectives(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtyp
     # row-wise exit's gradient (backward), in the matmuls'. Reduce-scatters: each row-wise exit (forward, and where
     # a recompute reaches it), in the matmuls' dtype; each group's entry gradient, its layers' partial gradients
     # summed (backward), in the stream's. A column-wise layer outside a group all-reduces its own input gradient.
+    # (the embedding output's gradient and a recompute's gathers run in backward: one entry, phase by majority)
     out = [entry("all_gather_into_tensor", forwards * rowwise + 2, part * stream, "forward", "activation shards"),
            entry("all_gather_into_tensor", rowwise, part * size, "backward", "row-wise outputs' gradient shards"),
            entry("reduce_scatter_tensor", exits, part * tp * size, "forward", "row-wise outputs"),
