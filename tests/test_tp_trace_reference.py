@@ -28,13 +28,14 @@ CONFIG = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "interme
           "max_position_embeddings": 256, "tie_word_embeddings": False}
 
 
-def recipe_of(*, tied=False, length=128, micro=2, sequence=True, vocabulary=False, vocab=1000):
-    config = {**CONFIG, "tie_word_embeddings": tied, "vocab_size": vocab}
+def recipe_of(*, tied=False, length=128, micro=2, sequence=True, vocabulary=False, vocab=1000, layers=2,
+              overrides=()):
+    config = {**CONFIG, "tie_word_embeddings": tied, "vocab_size": vocab, "num_hidden_layers": layers}
     return load_recipe("recipes/llama-tiny.yaml", [
         f"model.config={json.dumps(config)}", f"data.max_length={length}", "data.packing=true",
         f"batch.micro_batch_size={micro}", "batch.global_batch_size=null", "batch.grad_accum_steps=1",
         "strategy.name=tp", f"strategy.sequence_parallel={str(sequence).lower()}",
-        f"strategy.loss_parallel={str(vocabulary).lower()}"])
+        f"strategy.loss_parallel={str(vocabulary).lower()}", *overrides])
 
 
 class _Propagating:
@@ -149,14 +150,9 @@ def test_sequence_parallelism_keeps_a_block_input_of_1_over_n_under_full_checkpo
     beyond the first adds that much less, a plain product of the shapes."""
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
     how = {**FP32, "checkpointing": True}
-    deeper = {**CONFIG, "num_hidden_layers": 6}
-    base = ["data.max_length=128", "data.packing=true", "batch.micro_batch_size=2", "batch.global_batch_size=null",
-            "batch.grad_accum_steps=1", "strategy.name=tp"]
 
     def traced(layers, sequence):
-        recipe = load_recipe("recipes/llama-tiny.yaml", [
-            *base, f"model.config={json.dumps({**deeper, 'num_hidden_layers': layers})}",
-            f"strategy.sequence_parallel={str(sequence).lower()}"])
+        recipe = recipe_of(layers=layers, sequence=sequence)
         return traced_activations(planned_model(recipe), recipe, **how, tp_degree=4)
 
     block_input = 2 * 128 * 64 * 4
@@ -164,8 +160,6 @@ def test_sequence_parallelism_keeps_a_block_input_of_1_over_n_under_full_checkpo
     sharded_per_block = traced(6, True) - traced(5, True)
     assert plain_per_block - sharded_per_block == block_input - block_input // 4
     # and the plan charges it to every rank
-    recipe = load_recipe("recipes/llama-tiny.yaml", [*base, f"model.config={json.dumps(deeper)}",
-                                                     "strategy.sequence_parallel=true",
-                                                     "train.activation_checkpointing=true"])
+    recipe = recipe_of(layers=6, overrides=("train.activation_checkpointing=true",))
     plan = predict(recipe, world_size=4, runtime_bytes=0, device_type="cuda")
     assert plan.activation_bytes == [traced(6, True)] * 4

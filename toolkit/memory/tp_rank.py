@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from toolkit.errors import RecipeError
 from toolkit.model import tp_plan
+from toolkit.model.tied import head_tied_to_embedding
 
 
 def local_model(model: nn.Module, degree: int, *, loss_parallel: bool = False,
@@ -174,7 +175,7 @@ def _split_vocabulary(model: nn.Module, *, degree: int) -> None:
     head = nn.Linear(old_head.in_features, old_head.out_features // degree, bias=old_head.bias is not None,
                      device=old_head.weight.device, dtype=old_head.weight.dtype)
     cast(Any, head).vocabulary_share = True  # its loss traced as torch's loss_parallel computes it (VocabularyShareLoss)
-    if tp_plan.head_tied_to_embedding(model):
+    if head_tied_to_embedding(model):
         old_embedding = cast(Any, model).get_input_embeddings()
         like = dict(device=old_embedding.weight.device, dtype=old_embedding.weight.dtype)
         cast(Any, model).set_input_embeddings(nn.Embedding(old_embedding.num_embeddings // degree,
