@@ -73,6 +73,27 @@ def test_loss_parallel_adds_five_all_reduces_per_micro_batch(llama4_runs):
         2 * tokens * 32 * 4 + 3 * tokens * 4 + 4
 
 
+def test_under_autocast_the_loss_parallel_collectives_move_in_fp32_and_equal_the_counter(llama4_runs):
+    """tp keeps fp32 weights and computes under bf16 autocast: the row-wise embedding's partial outputs (a lookup in
+    the fp32 weight), the head's input gradient (the final norm's fp32 output is the DTensor autocast casts inside
+    the layer) and the loss's max, sum of exponentials and target logit (log-softmax runs in fp32 under autocast)
+    all-reduce in fp32, as without autocast: the same bytes over plain tp's under autocast as in fp32. The plan's
+    collectives equal the counter's."""
+    autocast = ("precision=bf16", "train.max_steps=2")
+    ranks, overrides = ARMS["tp-lossp"]
+    run_dir = llama4_runs.get("tp-lossp-autocast", nproc=ranks, overrides=(*overrides, *autocast))
+    assert_predicted(run_dir)
+    comm = json.loads((run_dir / "run.json").read_text())["comm_per_step"]
+    ranks, overrides = test_tensor_parallel.ARMS["tp"]
+    plain = json.loads((llama4_runs.get("tp-autocast", nproc=ranks, overrides=(*overrides, *autocast))
+                        / "run.json").read_text())["comm_per_step"]
+    assert comm["micro_batch_shapes_per_rank"] == plain["micro_batch_shapes_per_rank"]
+    tokens = sum(rows * length for rows, length in comm["micro_batch_shapes_per_rank"][0])
+    assert comm["calls_by_op"]["all_reduce"] - plain["calls_by_op"]["all_reduce"] == 5 * 4
+    assert comm["bytes_by_op"]["all_reduce"] - plain["bytes_by_op"]["all_reduce"] == \
+        2 * tokens * 32 * 4 + 3 * tokens * 4 + 4
+
+
 def test_each_tp_rank_stores_half_the_tied_embedding(llama4_runs):
     ranks, overrides = ARMS["tp-lossp"]
     run_dir = llama4_runs.get("tp-lossp", nproc=ranks, overrides=overrides)

@@ -73,6 +73,7 @@ def test_auto_tp_layouts_take_what_the_model_takes(recipe, overrides, degree, su
     assert [suffix for suffix, _ in variants] == suffixes
     for suffix, options in variants:
         assert ("strategy.sequence_parallel=true" in options) == ("-sp" in suffix)
+        assert ("strategy.sequence_parallel=false" in options) == ("-sp" not in suffix)
         assert ("strategy.loss_parallel=true" in options) == ("lossp" in suffix)
         layout = load_recipe(recipe, [*overrides, "strategy.name=fsdp", f"strategy.tp_degree={degree}", *options])
         validate_strategy(layout, world_size=2 * degree)
@@ -95,6 +96,22 @@ def test_the_table_ranks_and_says_why_the_first_wins():
     assert any(line.startswith(f"{winner} over ") and "x the tokens/s; " in line or
                line.startswith(f"{winner} and ") and " tie (within 2 %" in line for line in lines), done.stdout
     assert "ms a step on" in done.stdout
+
+
+def test_layouts_names_what_auto_plans_and_each_tp_row_sets_sequence_parallelism_itself():
+    """--layouts takes auto's names (fsdp-tp8-lossp, fsdp-tp8-sp-lossp), not only the compare arms'; a recipe that
+    turns sequence parallelism on leaves the plain row plain: it holds more than the -sp row (a rank keeps every
+    token of its norms' activations), where before it was planned as a second SP row."""
+    done = run_cli("plan", RECIPE, "--hardware", "h100-sxm", "--nodes", "1", "--json", "--layouts",
+                   "fsdp-tp8-lossp,fsdp-tp8-sp-lossp", "--set", "strategy.sequence_parallel=true")
+    assert done.returncode == 0, done.stderr[-3000:]
+    by_name = {p["layout"]: p for p in json.loads(done.stdout)}
+    assert set(by_name) == {"fsdp-tp8-lossp", "fsdp-tp8-sp-lossp"}
+    plain, sequence = by_name["fsdp-tp8-lossp"], by_name["fsdp-tp8-sp-lossp"]
+    assert sequence["peak_bytes_per_gpu"] < plain["peak_bytes_per_gpu"], (sequence, plain)
+    def gathers(p):  # seconds on SP's gathers and scatters of the sequence's shards
+        return sum(c["seconds"] for c in p["costs"] if "activation shards" in c["what"])
+    assert gathers(plain) == 0 < gathers(sequence)
 
 
 def test_under_the_table_the_first_layout_under_each_activation_checkpointing_and_the_fastest_that_fits():
@@ -169,7 +186,8 @@ def write_profile(path: Path, **changes) -> Path:
 @pytest.mark.parametrize("args, words", [
     (("--hardware", "h900"), "no such profile; known: a100-40gb, a100-80gb"),
     (("--hardware", "h100-sxm", "--nodes", "0"), "--nodes 0: give 1 or more"),
-    (("--hardware", "h100-sxm", "--layouts", "fsdp,warp"), "--layouts: unknown arm 'warp'"),
+    (("--hardware", "h100-sxm", "--layouts", "fsdp,warp"), "--layouts: unknown layout 'warp'; choose from auto, "
+     "the layouts auto plans here (fsdp-tp2-lossp, fsdp-tp2-sp-lossp,"),
     (("--json",), "--json goes with --hardware"),
     (("--hardware", "h100-sxm", "--set", "parallel.dp_shard=4", "--set", "parallel.tp=2"),
      "parallel: dp_shard 4 × tp 2 = 8 ranks, but --nodes 2 × --gpus-per-node 8 = 16"),

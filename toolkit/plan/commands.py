@@ -67,10 +67,15 @@ def scale_plan(args) -> int:
         if not all(names) or len(set(names)) < len(names):
             raise RecipeError(f"--layouts {args.layouts!r}: give comma-separated arm names, each once (e.g. "
                               "fsdp,zero3,fsdp-tp2), or auto")
-        unknown = [n for n in names if n not in aliases]
+        auto = scale.auto_layouts(base, model, cluster)  # auto's own names too (fsdp-tp8-sp-lossp, hsdp-2x8)
+        auto.pop(scale.RECIPE_LAYOUT, None)
+        known = {**auto, **aliases}
+        unknown = [n for n in names if n not in known]
         if unknown:
-            raise RecipeError(f"--layouts: unknown arm {unknown[0]!r}; choose from auto or {', '.join(aliases)}")
-        layouts, explicit = {n: aliases[n] for n in names}, True
+            raise RecipeError(f"--layouts: unknown layout {unknown[0]!r}; choose from auto, the layouts auto plans "
+                              f"here ({', '.join(n for n in known if n not in aliases)}) or the arms "
+                              f"{', '.join(aliases)}")
+        layouts, explicit = {n: known[n] for n in names}, True
     planned = []
     for number, (name, overrides) in enumerate(layouts.items(), 1):
         if not args.json:

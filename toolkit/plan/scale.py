@@ -29,6 +29,7 @@ LONG_SEQUENCE = 8192  # from this length on, auto also tries context parallel
 # the share of a GPU's memory the plan's fastest checkpointing setting is warned to leave free: the CUDA caching
 # allocator reserves more than the tensors' peak (benchmarks/scale_prediction.py: torchtitan's runs, +6 to +19 %)
 RESERVE = 0.10
+RECIPE_LAYOUT = "the recipe's parallel:"  # auto's one layout where the recipe sets its parallel degrees
 TIE = 0.02  # two layouts predicted this close are called a tie: the published runs' errors are larger
 
 
@@ -57,7 +58,7 @@ def auto_layouts(recipe: Recipe, model: nn.Module, cluster: step_time.Cluster) -
     """Layout name -> its recipe overrides, for this world size; a recipe that sets its parallel degrees is its own
     one layout."""
     if any(vars(recipe.parallel).get(k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")):
-        return {"the recipe's parallel:": ()}
+        return {RECIPE_LAYOUT: ()}
     nodes, per_node = cluster.num_nodes, cluster.gpus_per_node
     out: dict[str, tuple[str, ...]] = {"ddp": ("strategy.name=ddp",), "fsdp": ("strategy.name=fsdp",)}
     if nodes > 1:
@@ -83,7 +84,8 @@ def tp_options(recipe: Recipe, model: nn.Module, *, tp: int) -> list[tuple[str, 
     the model takes it, for a rank holds and computes 1/tp of the head and logits; with and without sequence
     parallelism (`-sp`: Llama-style blocks) where it takes that, for it holds less (the norms' activations 1/tp) and
     moves two gathers a micro-batch more, whose time the plan counts and the norms' saved time not: the table shows
-    both. torchtitan runs both by default."""
+    both. torchtitan runs both by default. Each variant sets sequence parallelism on or off itself: a recipe that
+    turns it on must not make the plain row a second SP one."""
     vocabulary: tuple[str, ...] = ()
     if recipe.model.task == "causal-lm" and not recipe.train.tiled_loss:
         try:
@@ -92,7 +94,7 @@ def tp_options(recipe: Recipe, model: nn.Module, *, tp: int) -> list[tuple[str, 
         except RecipeError:
             pass
     suffix = "-lossp" if vocabulary else ""
-    variants = [(suffix, vocabulary)]
+    variants = [(suffix, ("strategy.sequence_parallel=false", *vocabulary))]
     try:
         tp_plan.sequence_parallel_plan(model)
         variants.append((f"-sp{suffix}", ("strategy.sequence_parallel=true", *vocabulary)))
