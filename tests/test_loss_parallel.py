@@ -5,8 +5,14 @@ collectives as the plan counts them, each rank storing its share of the tied emb
 with its share of the vocabulary; refused in one line where it does not apply."""
 
 import json
+import weakref
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import test_tensor_parallel
 from conftest import assert_matches_single, exported_weights
@@ -92,6 +98,72 @@ def test_under_autocast_the_loss_parallel_collectives_move_in_fp32_and_equal_the
     assert comm["calls_by_op"]["all_reduce"] - plain["calls_by_op"]["all_reduce"] == 5 * 4
     assert comm["bytes_by_op"]["all_reduce"] - plain["bytes_by_op"]["all_reduce"] == \
         2 * tokens * 32 * 4 + 3 * tokens * 4 + 4
+
+
+class TiedShaped(TorchDispatchMode):
+    """The peak bytes of the live tensors a rank's local ops make in the shape of a tied weight or of its share of
+    the vocabulary's rows (the gradients of the head, of the embedding and their sum)."""
+
+    def __init__(self, vocab: int, hidden: int, degree: int):
+        super().__init__()
+        self.shapes, self.live, self.now, self.peak = {(vocab, hidden), (vocab // degree, hidden)}, {}, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor runs the rank's local ops under this mode
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            # FakeTensors: DTensor's sharding propagation running the op again on the global shapes, no memory
+            if isinstance(tensor, torch.Tensor) and not isinstance(tensor, FakeTensor) and \
+                    tuple(tensor.shape) in self.shapes:
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in self.live:
+                    self.live[storage.data_ptr()] = storage.nbytes()
+                    self.now += storage.nbytes()
+                    self.peak = max(self.peak, self.now)
+                    weakref.finalize(storage, self.live_ends, storage.data_ptr())
+        return out
+
+    def live_ends(self, key):
+        self.now -= self.live.pop(key, 0)
+
+
+@pytest.mark.parametrize("degree, vocabulary", [(2, False), (2, True), (4, True)])
+def test_a_tied_weights_gradients_beyond_its_state_are_one_whole_and_the_rest_shares(degree, vocabulary):
+    """At the end of backward a tied weight's gradients beyond its state: without the vocabulary split two whole
+    ones (the head's and the embedding's; their sum is the state); with it the head's share and the embedding's
+    gradient, which DTensor computes over every row before taking its rows (1 + 1/tp). Measured on the model
+    parallelized by tp_plan on DTensors over torch's fake process group (real local tensors), against the plan's
+    term for tp (StrategyInfo.tied_gradients 2)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from test_tp_trace_reference import recipe_of as traced_recipe
+    from toolkit.data.losses import vocab_parallel
+    from toolkit.model import tp_plan
+    from toolkit.plan.predict import tied_gradient_bytes, tied_gradients_beyond_states, vocabulary_share
+
+    vocab, hidden = 4096, 64
+    recipe = traced_recipe(tied=True, vocabulary=vocabulary, sequence=False, vocab=vocab, length=8, micro=1)
+    assert vocabulary_share(recipe, world_size=degree) == (degree if vocabulary else 1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=degree)
+    try:
+        model = planned_model(recipe).to_empty(device="cpu")
+        tp_plan.parallelize(model, init_device_mesh("cpu", (degree,)), sequence_parallel=False,
+                            loss_parallel=vocabulary)
+        ids = torch.randint(0, vocab, (1, 8), generator=torch.Generator().manual_seed(0))
+        with vocab_parallel(vocabulary):
+            loss = model(input_ids=ids, labels=ids).loss
+            mode = TiedShaped(vocab, hidden, degree)
+            with mode:
+                loss.backward()
+        gradient = model.lm_head.weight.grad
+        state = getattr(gradient, "_local_tensor", gradient).nbytes
+    finally:
+        dist.destroy_process_group()
+    whole = tied_gradient_bytes(planned_model(recipe), torch.float32)
+    assert whole == vocab * hidden * 4 and state == whole // vocabulary_share(recipe, world_size=degree)
+    assert mode.peak - state == tied_gradients_beyond_states(whole, 2, vocabulary_share=degree if vocabulary else 1)
 
 
 def test_each_tp_rank_stores_half_the_tied_embedding(llama4_runs):

@@ -45,7 +45,7 @@ from toolkit.errors import RecipeError
 from toolkit.memory.state_bytes import StateBytes, element_bytes
 from toolkit.model.build import meta_model
 from toolkit.model.precision import DTYPES
-from toolkit.strategies import strategy_rules
+from toolkit.strategies import strategy_degrees, strategy_rules
 
 MiB = 2 ** 20
 GiB = 2 ** 30
@@ -119,7 +119,8 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     # the sum is then a tensor of its own, added into it (3)
     copies = 3 if accumulates and info.tied_gradients == 2 else info.tied_gradients
     # in the gradients' dtype: the parameters' a rank computes with
-    tied = tied_gradient_bytes(model, params_dtype) * copies
+    tied = tied_gradients_beyond_states(tied_gradient_bytes(model, params_dtype), copies,
+                                        vocabulary_share=vocabulary_share(recipe, world_size=world_size))
     # ZeRO-1: every gradient, unreduced, until backward ends (its model states count its partition's)
     unreduced = sum(p.numel() for p in model.parameters() if p.requires_grad) * \
         element_bytes(params_dtype) if info.whole_gradients_in_backward else 0
@@ -186,6 +187,25 @@ def tied_gradient_bytes(model: nn.Module, dtype: torch.dtype) -> int:
     sum being its gradient; ddp +3 × 119, copying the sum into its bucket)."""
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     return sum(p.numel() for p in model.parameters() if uses[id(p)] > 1 and p.requires_grad) * element_bytes(dtype)
+
+
+def vocabulary_share(recipe: Recipe, *, world_size: int) -> int:
+    """Over how many ranks strategy.loss_parallel splits the vocabulary (its TP degree); 1 without it."""
+    if not getattr(recipe.strategy, "loss_parallel", False):
+        return 1
+    return strategy_degrees(recipe, world_size=world_size).tp
+
+
+def tied_gradients_beyond_states(whole: int, copies: int, *, vocabulary_share: int = 1) -> int:
+    """What a tied weight's gradients hold beyond the model states at the end of backward (`whole`: one gradient
+    of it, tied_gradient_bytes; `copies`: StrategyInfo.tied_gradients). Where loss_parallel splits the vocabulary
+    over `vocabulary_share` ranks, the head's gradient and the sum are a rank's rows, but DTensor computes the
+    row-wise embedding's gradient whole (embedding_dense_backward over every row) and then takes its rows: one
+    whole gradient and copies - 1 shares (measured on DTensors over a fake process group, tp 2 and 4: 1.5 and
+    1.25 gradients beyond the state's share, tests/test_loss_parallel.py)."""
+    if vocabulary_share == 1 or copies == 0:
+        return whole * copies
+    return whole + (copies - 1) * whole // vocabulary_share
 
 
 def planned_model(recipe: Recipe) -> nn.Module:
