@@ -163,7 +163,12 @@ def test_a_tied_weights_gradients_beyond_its_state_are_one_whole_and_the_rest_sh
         dist.destroy_process_group()
     whole = tied_gradient_bytes(planned_model(recipe), torch.float32)
     assert whole == vocab * hidden * 4 and state == whole // vocabulary_share(recipe, world_size=degree)
-    assert mode.peak - state == tied_gradients_beyond_states(whole, 2, vocabulary_share=degree if vocabulary else 1)
+    copies = strategy_rules(recipe).info(recipe).tied_gradients
+    beyond = tied_gradients_beyond_states(whole, copies, vocabulary_share=degree if vocabulary else 1)
+    assert copies == 2 and mode.peak - state == beyond
+    # and the plan's peak carries it: with 8 tokens the end of backward (every state and these) is the peak
+    planned = predict(recipe, world_size=degree, runtime_bytes=0, device_type="cuda")
+    assert planned.peak_bytes == planned.per_rank[0].total_bytes + beyond
 
 
 def test_each_tp_rank_stores_half_the_tied_embedding(llama4_runs):

@@ -74,6 +74,7 @@ def test_auto_tp_layouts_take_what_the_model_takes(recipe, overrides, degree, su
     for suffix, options in variants:
         assert ("strategy.sequence_parallel=true" in options) == ("-sp" in suffix)
         assert ("strategy.sequence_parallel=false" in options) == ("-sp" not in suffix)
+        assert ("strategy.loss_parallel=false" in options) == ("lossp" not in suffix)
         assert ("strategy.loss_parallel=true" in options) == ("lossp" in suffix)
         layout = load_recipe(recipe, [*overrides, "strategy.name=fsdp", f"strategy.tp_degree={degree}", *options])
         validate_strategy(layout, world_size=2 * degree)
@@ -112,6 +113,13 @@ def test_layouts_names_what_auto_plans_and_each_tp_row_sets_sequence_parallelism
     def gathers(p):  # seconds on SP's gathers and scatters of the sequence's shards
         return sum(c["seconds"] for c in p["costs"] if "activation shards" in c["what"])
     assert gathers(plain) == 0 < gathers(sequence)
+    # fsdp-tp2, also a compare arm's name, is auto's row here: plain, where the arm would keep the recipe's SP
+    tiled = ("--set", "train.tiled_loss=true")  # no -lossp rows: auto's plain row is named fsdp-tp2
+    done = run_cli("plan", RECIPE, "--hardware", "h100-sxm", "--nodes", "1", "--json", "--layouts",
+                   "fsdp-tp2,fsdp-tp2-sp", "--set", "strategy.sequence_parallel=true", *tiled)
+    assert done.returncode == 0, done.stderr[-3000:]
+    by_name = {p["layout"]: p for p in json.loads(done.stdout)}
+    assert gathers(by_name["fsdp-tp2"]) == 0 < gathers(by_name["fsdp-tp2-sp"])
 
 
 def test_under_the_table_the_first_layout_under_each_activation_checkpointing_and_the_fastest_that_fits():

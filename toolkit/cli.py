@@ -120,9 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "h100-sxm, or a profile file toolkit calibrate wrote) instead of this machine's memory")
     plan.add_argument("--nodes", type=int, default=1, help="with --hardware: machines in the cluster (default 1)")
     plan.add_argument("--gpus-per-node", type=int, default=None, help="with --hardware: default the profile's")
-    plan.add_argument("--layouts", default="auto", metavar="auto|ARMS",
-                      help="with --hardware: comma-separated compare arms, or auto (the sensible ones for the "
-                           "cluster)")
+    plan.add_argument("--layouts", default="auto", metavar="auto|LAYOUTS",
+                      help="with --hardware: auto (the sensible ones for the cluster), or comma-separated names of "
+                           "auto's layouts (fsdp-tp8-sp-lossp, hsdp-2x8) or of compare arms")
     plan.add_argument("--json", action="store_true", help="with --hardware: one JSON object per layout")
     _add_overrides(plan)
 

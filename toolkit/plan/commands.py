@@ -65,16 +65,18 @@ def scale_plan(args) -> int:
     else:
         names = [name.strip() for name in args.layouts.split(",")]
         if not all(names) or len(set(names)) < len(names):
-            raise RecipeError(f"--layouts {args.layouts!r}: give comma-separated arm names, each once (e.g. "
-                              "fsdp,zero3,fsdp-tp2), or auto")
+            raise RecipeError(f"--layouts {args.layouts!r}: give comma-separated layout or arm names, each once "
+                              "(e.g. fsdp,zero3,fsdp-tp8-lossp), or auto")
         auto = scale.auto_layouts(base, model, cluster)  # auto's own names too (fsdp-tp8-sp-lossp, hsdp-2x8)
         auto.pop(scale.RECIPE_LAYOUT, None)
-        known = {**auto, **aliases}
+        # auto's row where both name one: its TP rows set sequence parallelism themselves (fsdp-tp2 too)
+        known = {**aliases, **auto}
         unknown = [n for n in names if n not in known]
         if unknown:
-            raise RecipeError(f"--layouts: unknown layout {unknown[0]!r}; choose from auto, the layouts auto plans "
-                              f"here ({', '.join(n for n in known if n not in aliases)}) or the arms "
-                              f"{', '.join(aliases)}")
+            own = [n for n in known if n not in aliases]
+            raise RecipeError(f"--layouts: unknown layout {unknown[0]!r}; choose from auto, "
+                              + (f"the layouts auto plans here ({', '.join(own)}) " if own else "")
+                              + f"or the arms {', '.join(aliases)}")
         layouts, explicit = {n: known[n] for n in names}, True
     planned = []
     for number, (name, overrides) in enumerate(layouts.items(), 1):

@@ -13,10 +13,10 @@ its share of heads and MLP columns (`memory.tp_rank.local_model`). Gradients are
 strategy that gives them back between steps (`StrategyInfo.holds_gradients` false) has none while a step's
 first micro-batch holds its activations: with one micro-batch per step its training peak is the larger of
 (parameters + optimizer state + activations), (all model states at the end of backward, with a tied
-embedding's gradients being summed: `tied_gradient_bytes` × `StrategyInfo.tied_gradients`; under ZeRO-1 every
-gradient, not yet reduced: `StrategyInfo.whole_gradients_in_backward`) and (all model states at the end of
-backward and in the optimizer step, once the activations are gone, with what each rank copies there: ZeRO's
-float64 norm pieces, its flat gradient partition, ZeRO-3's largest gradient being reduced:
+embedding's gradients being summed: `tied_gradients_beyond_states`, from `StrategyInfo.tied_gradients`; under
+ZeRO-1 every gradient, not yet reduced: `StrategyInfo.whole_gradients_in_backward`) and (all model states at the
+end of backward and in the optimizer step, once the activations are gone, with what each rank copies there:
+ZeRO's float64 norm pieces, its flat gradient partition, ZeRO-3's largest gradient being reduced:
 `StrategyRules.predict_step_bytes`, per rank).
 The peak adds what is not model state: the runtime (the Python process with torch and transformers loaded: measured
 here), the parameters a rank gathers from the others (`StrategyRules.predict_gathered_bytes`, per rank: one block under
@@ -201,8 +201,9 @@ def tied_gradients_beyond_states(whole: int, copies: int, *, vocabulary_share: i
     of it, tied_gradient_bytes; `copies`: StrategyInfo.tied_gradients). Where loss_parallel splits the vocabulary
     over `vocabulary_share` ranks, the head's gradient and the sum are a rank's rows, but DTensor computes the
     row-wise embedding's gradient whole (embedding_dense_backward over every row) and then takes its rows: one
-    whole gradient and copies - 1 shares (measured on DTensors over a fake process group, tp 2 and 4: 1.5 and
-    1.25 gradients beyond the state's share, tests/test_loss_parallel.py)."""
+    whole gradient and copies - 1 shares (measured for tp's 2 copies on DTensors over a fake process group, tp 2
+    and 4: 1.5 and 1.25 gradients beyond the state's share, tests/test_loss_parallel.py; fsdp × tp's 3 and an
+    accumulating step's follow the same rule, not measured)."""
     if vocabulary_share == 1 or copies == 0:
         return whole * copies
     return whole + (copies - 1) * whole // vocabulary_share

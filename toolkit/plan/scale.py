@@ -84,8 +84,8 @@ def tp_options(recipe: Recipe, model: nn.Module, *, tp: int) -> list[tuple[str, 
     the model takes it, for a rank holds and computes 1/tp of the head and logits; with and without sequence
     parallelism (`-sp`: Llama-style blocks) where it takes that, for it holds less (the norms' activations 1/tp) and
     moves two gathers a micro-batch more, whose time the plan counts and the norms' saved time not: the table shows
-    both. torchtitan runs both by default. Each variant sets sequence parallelism on or off itself: a recipe that
-    turns it on must not make the plain row a second SP one."""
+    both. torchtitan runs both by default. Each variant sets both on or off itself: a recipe that turns one on must
+    not make a row named without it a second row with it."""
     vocabulary: tuple[str, ...] = ()
     if recipe.model.task == "causal-lm" and not recipe.train.tiled_loss:
         try:
@@ -94,6 +94,7 @@ def tp_options(recipe: Recipe, model: nn.Module, *, tp: int) -> list[tuple[str, 
         except RecipeError:
             pass
     suffix = "-lossp" if vocabulary else ""
+    vocabulary = vocabulary or ("strategy.loss_parallel=false",)
     variants = [(suffix, ("strategy.sequence_parallel=false", *vocabulary))]
     try:
         tp_plan.sequence_parallel_plan(model)
