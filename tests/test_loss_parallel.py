@@ -5,14 +5,13 @@ collectives as the plan counts them, each rank storing its share of the tied emb
 with its share of the vocabulary; refused in one line where it does not apply."""
 
 import json
-import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import test_tensor_parallel
 from conftest import assert_matches_single, exported_weights
@@ -21,6 +20,7 @@ from test_tp_memory import CONFIG, HOW, recipe_of
 from toolkit.cli import main
 from toolkit.config.files import load_recipe
 from toolkit.config.parallel import resolve
+from toolkit.memory import activations
 from toolkit.memory.activations import traced_activations
 from toolkit.plan.predict import planned_model, predict
 from toolkit.strategies import strategy_rules
@@ -68,7 +68,11 @@ def test_loss_parallel_adds_five_all_reduces_per_micro_batch(llama4_runs):
     split = json.loads((llama4_runs.get("tp-lossp", nproc=ranks, overrides=overrides) / "run.json").read_text())
     ranks, overrides = test_tensor_parallel.ARMS["tp"]
     plain = json.loads((llama4_runs.get("tp", nproc=ranks, overrides=overrides) / "run.json").read_text())
-    comm, before = split["comm_per_step"], plain["comm_per_step"]
+    assert_loss_parallel_adds_five_fp32_all_reduces(split["comm_per_step"], plain["comm_per_step"])
+
+
+def assert_loss_parallel_adds_five_fp32_all_reduces(comm: dict, before: dict) -> None:
+    """`comm` (tp-lossp's comm_per_step) over `before` (plain tp's, the same batches)."""
     assert comm["micro_batch_shapes_per_rank"] == before["micro_batch_shapes_per_rank"]
     tokens = sum(rows * length for rows, length in comm["micro_batch_shapes_per_rank"][0])
     # per micro-batch (4 a step): the embedding's partial outputs and the head's input gradient (hidden 32 fp32 per
@@ -93,39 +97,27 @@ def test_under_autocast_the_loss_parallel_collectives_move_in_fp32_and_equal_the
     ranks, overrides = test_tensor_parallel.ARMS["tp"]
     plain = json.loads((llama4_runs.get("tp-autocast", nproc=ranks, overrides=(*overrides, *autocast))
                         / "run.json").read_text())["comm_per_step"]
-    assert comm["micro_batch_shapes_per_rank"] == plain["micro_batch_shapes_per_rank"]
-    tokens = sum(rows * length for rows, length in comm["micro_batch_shapes_per_rank"][0])
-    assert comm["calls_by_op"]["all_reduce"] - plain["calls_by_op"]["all_reduce"] == 5 * 4
-    assert comm["bytes_by_op"]["all_reduce"] - plain["bytes_by_op"]["all_reduce"] == \
-        2 * tokens * 32 * 4 + 3 * tokens * 4 + 4
+    assert_loss_parallel_adds_five_fp32_all_reduces(comm, plain)
 
 
-class TiedShaped(TorchDispatchMode):
-    """The peak bytes of the live tensors a rank's local ops make in the shape of a tied weight or of its share of
-    the vocabulary's rows (the gradients of the head, of the embedding and their sum)."""
+class TiedShaped(activations.LiveBytes):
+    """LiveBytes of the tensors a rank's local ops make in the shape of a tied weight or of its share of the
+    vocabulary's rows (the gradients of the head, of the embedding and their sum)."""
 
     def __init__(self, vocab: int, hidden: int, degree: int):
-        super().__init__()
-        self.shapes, self.live, self.now, self.peak = {(vocab, hidden), (vocab // degree, hidden)}, {}, 0, 0
+        super().__init__([])
+        self.shapes = {(vocab, hidden), (vocab // degree, hidden)}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor runs the rank's local ops under this mode
         out = func(*args, **(kwargs or {}))
-        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+        for tensor in tree_leaves(out):
             # FakeTensors: DTensor's sharding propagation running the op again on the global shapes, no memory
             if isinstance(tensor, torch.Tensor) and not isinstance(tensor, FakeTensor) and \
                     tuple(tensor.shape) in self.shapes:
-                storage = tensor.untyped_storage()
-                if storage.data_ptr() not in self.live:
-                    self.live[storage.data_ptr()] = storage.nbytes()
-                    self.now += storage.nbytes()
-                    self.peak = max(self.peak, self.now)
-                    weakref.finalize(storage, self.live_ends, storage.data_ptr())
+                self._count(tensor.untyped_storage())
         return out
-
-    def live_ends(self, key):
-        self.now -= self.live.pop(key, 0)
 
 
 @pytest.mark.parametrize("degree, vocabulary", [(2, False), (2, True), (4, True)])

@@ -191,7 +191,7 @@ def tied_gradient_bytes(model: nn.Module, dtype: torch.dtype) -> int:
 
 def vocabulary_share(recipe: Recipe, *, world_size: int) -> int:
     """Over how many ranks strategy.loss_parallel splits the vocabulary (its TP degree); 1 without it."""
-    if not getattr(recipe.strategy, "loss_parallel", False):
+    if not recipe.strategy.loss_parallel:
         return 1
     return strategy_degrees(recipe, world_size=world_size).tp
 
