@@ -122,6 +122,39 @@ def test_layouts_names_what_auto_plans_and_each_tp_row_sets_sequence_parallelism
     assert gathers(by_name["fsdp-tp2"]) == 0 < gathers(by_name["fsdp-tp2-sp"])
 
 
+def test_options_set_for_one_strategy_leave_auto_s_other_layouts_planned_as_without_them(two_nodes):
+    """A recipe set up for zero with offload, or for fsdp x tp with sequence parallelism, still gets every layout
+    of auto planned: the rows of another strategy plan without the recipe's options for it (and say so), and
+    equal the rows a recipe without them gets; the recipe's own layout (its parallel: degrees) is refused with
+    them, as its run is."""
+    plain = {p["layout"]: p for p in two_nodes}
+    done = run_cli("plan", RECIPE, "--hardware", "h100-sxm", "--nodes", "2", "--json", "--set", "strategy.name=zero",
+                   "--set", "strategy.offload_optimizer=true")
+    assert done.returncode == 0, done.stderr[-3000:]
+    zero = {p["layout"]: p for p in json.loads(done.stdout)}
+    assert set(zero) == set(plain) and not [p for p in zero.values() if "refused" in p]
+    for name, row in zero.items():
+        if name.startswith("zero"):  # offloaded: the host's AdamW and the PCIe traffic cost time
+            assert "without" not in row and row["step_time_s"] > plain[name]["step_time_s"], (row, plain[name])
+        else:
+            assert row["without"] == ["strategy.offload_optimizer=true"], row
+            assert {k: v for k, v in row.items() if k != "without"} == plain[name]
+    done = run_cli("plan", RECIPE, "--hardware", "h100-sxm", "--nodes", "2", "--set", "strategy.name=zero",
+                   "--set", "strategy.offload_optimizer=true")
+    assert "every layout but zero" in done.stdout and "without the recipe's strategy.offload_optimizer=true" \
+        in done.stdout, done.stdout
+    done = run_cli("plan", RECIPE, "--hardware", "h100-sxm", "--nodes", "2", "--json", "--set",
+                   "strategy.sequence_parallel=true")
+    assert done.returncode == 0, done.stderr[-3000:]
+    sequence = {p["layout"]: p for p in json.loads(done.stdout)}
+    for name in ("ddp", "fsdp", "hsdp-2x8", "zero1", "zero2", "zero3", "pp2-fsdp", "fsdp-cp2"):
+        assert sequence[name] == plain[name], name  # the rows without TP set it off themselves: nothing dropped
+    done = run_cli("plan", RECIPE, "--hardware", "h100-sxm", "--nodes", "2", "--json", "--set", "parallel.dp_shard=16",
+                   "--set", "strategy.offload_optimizer=true")
+    [own] = json.loads(done.stdout)
+    assert done.returncode == 1 and "strategy.offload_optimizer applies to zero only" in own["refused"], own
+
+
 def test_under_the_table_the_first_layout_under_each_activation_checkpointing_and_the_fastest_that_fits():
     """Each setting planned as its own --set plans it: none the fastest and the largest, full the slowest and the
     smallest; on 8 40 GB A100s only full fits, on 16 80 GB H100s none does, within the allocator's reserve, and

@@ -23,7 +23,8 @@ from toolkit.cost.collectives import loop_collectives
 from toolkit.errors import RecipeError
 from toolkit.model import tp_plan
 from toolkit.plan.predict import GiB, predict
-from toolkit.strategies import data_layout, strategy_degrees, strategy_rules, validate_strategy
+from toolkit.strategies import (data_layout, strategy_degrees, strategy_rules, validate_strategy,
+                                 without_foreign_options)
 
 LONG_SEQUENCE = 8192  # from this length on, auto also tries context parallel
 # the share of a GPU's memory the plan's fastest checkpointing setting is warned to leave free: the CUDA caching
@@ -42,9 +43,12 @@ class Planned:
     fits: bool
     refused: str | None = None  # why the layout cannot run, where it cannot
     work: step_time.Work | None = None  # what the busiest rank does, the step time's input
+    without: tuple[str, ...] = ()  # the recipe's options for another strategy this layout's does not read
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"layout": self.layout, "world_size": self.world_size, "fits": self.fits}
+        if self.without:
+            out["without"] = list(self.without)
         if self.refused is not None:
             return {**out, "refused": self.refused}
         step = cast(step_time.StepTime, self.step)
@@ -60,11 +64,14 @@ def auto_layouts(recipe: Recipe, model: nn.Module, cluster: step_time.Cluster) -
     if any(vars(recipe.parallel).get(k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")):
         return {RECIPE_LAYOUT: ()}
     nodes, per_node = cluster.num_nodes, cluster.gpus_per_node
-    out: dict[str, tuple[str, ...]] = {"ddp": ("strategy.name=ddp",), "fsdp": ("strategy.name=fsdp",)}
+    # the rows without TP set its options off: a recipe that turns them on (for its own fsdp x tp) does not make
+    # them refused; ddp's and zero's, at their defaults, pass the check of options set for another strategy
+    plain = ("strategy.sequence_parallel=false", "strategy.loss_parallel=false")
+    out: dict[str, tuple[str, ...]] = {"ddp": ("strategy.name=ddp", *plain), "fsdp": ("strategy.name=fsdp", *plain)}
     if nodes > 1:
-        out[f"hsdp-{nodes}x{per_node}"] = ("strategy.name=fsdp", f"strategy.replicate_degree={nodes}")
+        out[f"hsdp-{nodes}x{per_node}"] = ("strategy.name=fsdp", f"strategy.replicate_degree={nodes}", *plain)
     for stage in (1, 2, 3):
-        out[f"zero{stage}"] = ("strategy.name=zero", f"strategy.stage={stage}")
+        out[f"zero{stage}"] = ("strategy.name=zero", f"strategy.stage={stage}", *plain)
     tp = 2
     while tp <= per_node:
         for suffix, options in tp_options(recipe, model, tp=tp):
@@ -72,9 +79,9 @@ def auto_layouts(recipe: Recipe, model: nn.Module, cluster: step_time.Cluster) -
         tp *= 2
     if nodes > 1:
         out[f"pp{nodes}-fsdp"] = ("strategy.name=hybrid", f"strategy.pipeline_degree={nodes}",
-                                  "strategy.data_parallel=fsdp")
+                                  "strategy.data_parallel=fsdp", *plain)
     if recipe.data.max_length >= LONG_SEQUENCE:
-        out["fsdp-cp2"] = ("strategy.name=fsdp", "strategy.cp_degree=2")
+        out["fsdp-cp2"] = ("strategy.name=fsdp", "strategy.cp_degree=2", *plain)
     return out
 
 
@@ -105,21 +112,26 @@ def tp_options(recipe: Recipe, model: nn.Module, *, tp: int) -> list[tuple[str, 
 
 
 def plan_layout(name: str, recipe: Recipe, model: nn.Module, cluster: step_time.Cluster) -> Planned:
-    """One layout's prediction, or why it cannot run."""
+    """One layout's prediction, or why it cannot run. A layout of auto or an arm plans without the recipe's options
+    for a strategy other than its own (zero's offload_optimizer on the fsdp row): the recipe's own layout is
+    refused with them, as its run is."""
     world = cluster.world_size
+    without: tuple[str, ...] = ()
     try:
         recipe = resolve(recipe, world_size=world)
+        if name != RECIPE_LAYOUT:
+            recipe, without = without_foreign_options(recipe)
         validate_strategy(recipe, world_size=world)
         work = work_for_shapes(recipe, model, world_size=world, rank=world - 1, shapes=None)  # the busiest rank: a
         # pipeline's last stage carries the head and the loss
         memory = predict(recipe, world_size=world, runtime_bytes=0, device_type="cuda", model=model, both=False)
     except RecipeError as exc:
         return Planned(layout=name, world_size=world, step=None, peak_bytes_per_gpu=None, fits=False,
-                       refused=str(exc))
+                       refused=str(exc), without=without)
     step = step_time.predict(model, work, cluster)
     peak = memory.peak_bytes
     return Planned(layout=name, world_size=world, step=step, peak_bytes_per_gpu=peak,
-                   fits=peak <= cluster.hardware.memory_bytes, work=work)
+                   fits=peak <= cluster.hardware.memory_bytes, work=work, without=without)
 
 
 def work_for_shapes(recipe: Recipe, model: nn.Module, *, world_size: int, rank: int,
@@ -251,9 +263,24 @@ def render(planned: list[Planned], cluster: step_time.Cluster) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head[:-1])]
     out = ["  ".join(h.ljust(w) for h, w in zip(head, widths)) + "  " + head[-1]]
     out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+    out += without_lines(planned)
     out.append(f"{cluster.num_nodes} node(s) × {cluster.gpus_per_node} {hw.name}; predicted, not measured: "
                "toolkit/cost/step_time.py says how")
     return "\n".join(out)
+
+
+def without_lines(planned: list[Planned]) -> list[str]:
+    """Which rows planned without which of the recipe's options for another strategy: one line per set of rows."""
+    rows_of: dict[str, tuple[str, ...]] = {}
+    for option in dict.fromkeys(option for p in planned for option in p.without):
+        rows_of[option] = tuple(p.layout for p in planned if option in p.without)
+    lines = []
+    for rows in dict.fromkeys(rows_of.values()):
+        options = " and ".join(option for option, its in rows_of.items() if its == rows)
+        others = [p.layout for p in planned if p.layout not in rows]
+        who = f"every layout but {', '.join(others)}" if others and len(others) < len(rows) else ", ".join(rows)
+        lines.append(f"{who}: planned without the recipe's {options} (read by another strategy only)")
+    return lines
 
 
 def as_json(planned: list[Planned]) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from toolkit.config.parallel import Degrees, resolve
 from toolkit.config.recipe import BatchPlan, Recipe, plan_batch
@@ -124,17 +124,44 @@ def validate_strategy(recipe: Recipe, *, world_size: int) -> BatchPlan:
 
 def _check_options(recipe: Recipe) -> None:
     """An option set away from its default for a strategy that ignores it is a mistake, not a no-op."""
-    config = recipe.strategy
+    foreign = foreign_options(recipe)
+    if foreign:
+        option, readers = next(iter(foreign.items()))
+        raise RecipeError(f"strategy.{option} applies to {'/'.join(readers)} only, but strategy.name is "
+                          f"{recipe.strategy.name}; remove it or set strategy.name={readers[0]}")
+
+
+def foreign_options(recipe: Recipe) -> dict[str, tuple[str, ...]]:
+    """The strategy options the recipe sets away from their defaults that its own strategy does not read: each
+    option -> the strategies that read it, in registry order."""
     owners: dict[str, list[str]] = {}
     for name in _MODULES:
         for option in option_names(_module(name).OPTIONS):
             owners.setdefault(option, []).append(name)
-    for f in dataclasses.fields(config):
-        readers = owners.get(f.name)
-        if readers is None or config.name in readers or getattr(config, f.name) == f.default:
-            continue
-        raise RecipeError(f"strategy.{f.name} applies to {'/'.join(readers)} only, but strategy.name is "
-                          f"{config.name}; remove it or set strategy.name={readers[0]}")
+    config = recipe.strategy
+    return {f.name: tuple(owners[f.name]) for f in dataclasses.fields(config)
+            if f.name in owners and config.name not in owners[f.name] and getattr(config, f.name) != f.default}
+
+
+def without_foreign_options(recipe: Recipe) -> tuple[Recipe, tuple[str, ...]]:
+    """The recipe with the options `foreign_options` names set back to their defaults, and those options as the
+    recipe set them (`strategy.offload_optimizer=true`): a layout of another strategy than the recipe's, planned
+    beside it, runs without them, where a run of the recipe itself is refused."""
+    foreign = foreign_options(recipe)
+    if not foreign:
+        return recipe, ()
+    defaults: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(recipe.strategy) if f.name in foreign}
+    dropped = tuple(f"strategy.{name}={_shown(getattr(recipe.strategy, name))}" for name in foreign)
+    return dataclasses.replace(recipe, strategy=dataclasses.replace(recipe.strategy, **defaults)), dropped
+
+
+def _shown(value: object) -> str:
+    """A recipe value as a --set override writes it."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple):
+        return "[" + ",".join(map(str, value)) + "]"
+    return str(value)
 
 
 def _module(name: str):
