@@ -102,7 +102,8 @@ def test_under_autocast_the_loss_parallel_collectives_move_in_fp32_and_equal_the
 
 class TiedShaped(activations.LiveBytes):
     """LiveBytes of the tensors a rank's local ops make in the shape of a tied weight or of its share of the
-    vocabulary's rows (the gradients of the head, of the embedding and their sum)."""
+    vocabulary's rows (the gradients of the head, of the embedding and their sum); not views (the weight's
+    transposes in backward, FSDP's gradient shards in its reduce-scatter buffer)."""
 
     def __init__(self, vocab: int, hidden: int, degree: int):
         super().__init__([])
@@ -112,41 +113,55 @@ class TiedShaped(activations.LiveBytes):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor runs the rank's local ops under this mode
         out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for tensor in tree_leaves(out):
-            # FakeTensors: DTensor's sharding propagation running the op again on the global shapes, no memory
+            # FakeTensors: DTensor's sharding propagation running the op again on the global shapes, no memory;
+            # an output on an input's storage is a view of it (below autograd, _is_view() does not tell)
             if isinstance(tensor, torch.Tensor) and not isinstance(tensor, FakeTensor) and \
-                    tuple(tensor.shape) in self.shapes:
+                    tensor.untyped_storage()._cdata not in inputs and tuple(tensor.shape) in self.shapes:
                 self._count(tensor.untyped_storage())
         return out
 
 
-@pytest.mark.parametrize("degree, vocabulary", [(2, False), (2, True), (4, True)])
-def test_a_tied_weights_gradients_beyond_its_state_are_one_whole_and_the_rest_shares(degree, vocabulary):
-    """At the end of backward a tied weight's gradients beyond its state: without the vocabulary split two whole
-    ones (the head's and the embedding's; their sum is the state); with it the head's share and the embedding's
-    gradient, which DTensor computes over every row before taking its rows (1 + 1/tp). Measured on the model
-    parallelized by tp_plan on DTensors over torch's fake process group (real local tensors), against the plan's
-    term for tp (StrategyInfo.tied_gradients 2)."""
+@pytest.mark.parametrize("dp, tp, vocabulary", [(1, 2, False), (1, 2, True), (1, 4, True),
+                                                (2, 2, False), (2, 2, True), (2, 4, True)])
+def test_a_tied_weights_gradients_beyond_its_state_are_the_strategy_s_copies_and_one_whole(dp, tp, vocabulary):
+    """At the end of backward a tied weight's gradients beyond its state: the head's, the embedding's and their
+    sum (autograd adds them out of place), less the sum where it is the state (tp: 2 more; fsdp x tp, whose state
+    is FSDP's shard: 3). With the vocabulary split each is the rank's rows, and DTensor first computes the
+    row-wise embedding's gradient over every row, then copies its rows out: one whole more (1 + 2/tp, 1 + 3/tp).
+    Measured on the tied model parallelized as the tp and fsdp strategies do (dims.parallelize: tp_plan, then
+    fully_shard over dp_shard) on DTensors over torch's fake process group (real local tensors), against the
+    plan's term (StrategyInfo.tied_gradients)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from test_tp_trace_reference import recipe_of as traced_recipe
     from toolkit.data.losses import vocab_parallel
-    from toolkit.model import tp_plan
+    from toolkit.model.blocks import transformer_blocks
     from toolkit.plan.predict import tied_gradient_bytes, tied_gradients_beyond_states, vocabulary_share
+    from toolkit.process.dist import DistEnv
+    from toolkit.strategies.dims.parallelize import FsdpWrap, parallelize
 
-    vocab, hidden = 4096, 64
-    recipe = traced_recipe(tied=True, vocabulary=vocabulary, sequence=False, vocab=vocab, length=8, micro=1)
-    assert vocabulary_share(recipe, world_size=degree) == (degree if vocabulary else 1)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=degree)
+    vocab, hidden, world = 4096, 64, dp * tp
+    fsdp = ("strategy.name=fsdp", f"strategy.tp_degree={tp}") if dp > 1 else ()
+    recipe = traced_recipe(tied=True, vocabulary=vocabulary, sequence=False, vocab=vocab, length=8, micro=1,
+                           overrides=fsdp)
+    assert vocabulary_share(recipe, world_size=world) == (tp if vocabulary else 1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         model = planned_model(recipe).to_empty(device="cpu")
-        tp_plan.parallelize(model, init_device_mesh("cpu", (degree,)), sequence_parallel=False,
-                            loss_parallel=vocabulary)
+        model.tie_weights()  # to_empty gives the head a weight of its own; the strategies' models are tied
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        mesh = (init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp")) if fsdp else
+                init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",)))
+        parallelize(model, mesh=mesh, env=DistEnv(rank=0, local_rank=0, world_size=world, device=torch.device("cpu")),
+                    units=transformer_blocks(model), data_parallel=FsdpWrap(precision="fp32") if fsdp else None,
+                    loss_parallel=vocabulary)
         ids = torch.randint(0, vocab, (1, 8), generator=torch.Generator().manual_seed(0))
         with vocab_parallel(vocabulary):
             loss = model(input_ids=ids, labels=ids).loss
-            mode = TiedShaped(vocab, hidden, degree)
+            mode = TiedShaped(vocab, hidden, tp)
             with mode:
                 loss.backward()
         gradient = model.lm_head.weight.grad
@@ -154,13 +169,14 @@ def test_a_tied_weights_gradients_beyond_its_state_are_one_whole_and_the_rest_sh
     finally:
         dist.destroy_process_group()
     whole = tied_gradient_bytes(planned_model(recipe), torch.float32)
-    assert whole == vocab * hidden * 4 and state == whole // vocabulary_share(recipe, world_size=degree)
+    assert whole == vocab * hidden * 4 and state == whole // (tp if vocabulary else 1) // dp
     copies = strategy_rules(recipe).info(recipe).tied_gradients
-    beyond = tied_gradients_beyond_states(whole, copies, vocabulary_share=degree if vocabulary else 1)
-    assert copies == 2 and mode.peak - state == beyond
-    # and the plan's peak carries it: with 8 tokens the end of backward (every state and these) is the peak
-    planned = predict(recipe, world_size=degree, runtime_bytes=0, device_type="cuda")
-    assert planned.peak_bytes == planned.per_rank[0].total_bytes + beyond
+    beyond = tied_gradients_beyond_states(whole, copies, vocabulary_share=vocabulary_share(recipe, world_size=world))
+    held = mode.peak - (0 if fsdp else state)  # tp's state is autograd's sum, one of the tensors counted
+    assert copies == (3 if fsdp else 2) and held == beyond == whole * (1 + copies / tp if vocabulary else copies)
+    if not fsdp:  # and the plan's peak carries it: with 8 tokens the end of backward (every state and these) is
+        planned = predict(recipe, world_size=world, runtime_bytes=0, device_type="cuda")  # the peak
+        assert planned.peak_bytes == planned.per_rank[0].total_bytes + beyond
 
 
 def test_each_tp_rank_stores_half_the_tied_embedding(llama4_runs):

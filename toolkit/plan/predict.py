@@ -199,14 +199,15 @@ def vocabulary_share(recipe: Recipe, *, world_size: int) -> int:
 def tied_gradients_beyond_states(whole: int, copies: int, *, vocabulary_share: int = 1) -> int:
     """What a tied weight's gradients hold beyond the model states at the end of backward (`whole`: one gradient
     of it, tied_gradient_bytes; `copies`: StrategyInfo.tied_gradients). Where loss_parallel splits the vocabulary
-    over `vocabulary_share` ranks, the head's gradient and the sum are a rank's rows, but DTensor computes the
-    row-wise embedding's gradient whole (embedding_dense_backward over every row) and then takes its rows: one
-    whole gradient and copies - 1 shares (measured for tp's 2 copies on DTensors over a fake process group, tp 2
-    and 4: 1.5 and 1.25 gradients beyond the state's share, tests/test_loss_parallel.py; fsdp × tp's 3 and an
-    accumulating step's follow the same rule, not measured)."""
+    over `vocabulary_share` ranks, the head's gradient, the embedding's and their sum are a rank's rows, but
+    DTensor first computes the row-wise embedding's gradient whole (embedding_dense_backward over every row), then
+    copies its rows out, the whole alive until the sum: one whole gradient more than the copies, each a share
+    (measured on the tied model over torch's fake process group, tests/test_loss_parallel.py: tp 2 and 4 hold
+    2 and 1.5 gradients beyond the state's share, fsdp x tp 2.5 and 1.75; an accumulating step's follows the same
+    rule, not measured)."""
     if vocabulary_share == 1 or copies == 0:
         return whole * copies
-    return whole + (copies - 1) * whole // vocabulary_share
+    return whole + copies * whole // vocabulary_share
 
 
 def planned_model(recipe: Recipe) -> nn.Module:

@@ -83,7 +83,8 @@ class StrategyInfo:
     # so both and their sum exist at once. The sum is the gradient a strategy that keeps autograd's gradients
     # holds (single, dp, tp): 2 more; one whose gradient states are buffers of its own (DDP's buckets, FSDP's
     # shards, ZeRO's partitions) copies the sum into them: 3; a pipeline's end stages hold a copy each: 0. Under
-    # loss_parallel all but the embedding's are a rank's rows (toolkit plan's tied_gradients_beyond_states)
+    # loss_parallel each is a rank's rows, and the embedding's whole gradient, from which DTensor copies its rows,
+    # is one more (toolkit plan's tied_gradients_beyond_states)
     tied_gradients: int = 3
     # every rank holds every trainable parameter's gradient, unreduced, at the end of backward, beyond those its
     # model states count: ZeRO-1 reduces them only once backward is done (zero's build sets it; toolkit plan)
