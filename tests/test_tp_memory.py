@@ -92,6 +92,10 @@ def test_a_model_that_keeps_part_of_its_weight_file_lets_go_of_it_and_keeps_its_
     everything = {name: param.detach().clone() for name, param in model.named_parameters()}
     # the whole file kept: nothing to give back, nothing copied (no transient copy, ranks' pages stay shared)
     assert own_memory(model) == 0 and weights in mapped_files()
+    other = AutoModelForCausalLM.from_pretrained(tiny_tied_llama_dir)  # the file mapped twice, both kept whole:
+    assert own_memory(model) == 0 and own_memory(other) == 0  # each model holds all of its own mapping
+    del other
+    gc.collect()
     model.model.layers = model.model.layers[:1]  # a part dropped, as a strategy's setup does
     fresh = torch.nn.Linear(4, 4)  # memory of its own already: left where it is
     model.add_module("extra", fresh)

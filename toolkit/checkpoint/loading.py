@@ -220,21 +220,23 @@ def own_memory(model: nn.Module) -> int:
     would otherwise hold the file's pages of what it dropped for the whole run (measured on a 291 MiB model at TP
     2: 172 MiB per rank, the split layers' full size). A model that keeps the whole file is left as it is:
     copying would only add a transient copy, and N ranks' unwritten pages (frozen LoRA weights) are shared."""
-    files = _mapped_files()
-    by_file: dict[str, list[torch.Tensor]] = {}
+    # per mapping, not per file: a file mapped twice (another live model loaded from it) is kept whole by a model
+    # that holds all of its own mapping
+    mappings = [(start, end) for ranges in _mapped_files().values() for start, end in ranges]
+    by_mapping: dict[tuple[int, int], list[torch.Tensor]] = {}
     for tensor in [*model.parameters(), *model.buffers()]:
         local = getattr(tensor, "_local_tensor", tensor)  # a DTensor: this rank's part
         if local.device.type != "cpu" or local.is_meta or not local.numel():
             continue
         address = local.untyped_storage().data_ptr()
-        path = next((path for path, ranges in files.items() if any(a <= address < b for a, b in ranges)), None)
-        if path is not None:
-            by_file.setdefault(path, []).append(local)
+        mapping = next(((a, b) for a, b in mappings if a <= address < b), None)
+        if mapping is not None:
+            by_mapping.setdefault(mapping, []).append(local)
     moved = 0
     with torch.no_grad():
-        for path, kept in by_file.items():
+        for (start, end), kept in by_mapping.items():
             storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
-            if sum(storages.values()) >= 0.99 * sum(b - a for a, b in files[path]):  # all of it (a header aside)
+            if sum(storages.values()) >= 0.99 * (end - start):  # all of it (a header aside)
                 continue
             for local in kept:
                 local.data = local.data.clone()
@@ -243,9 +245,11 @@ def own_memory(model: nn.Module) -> int:
 
 
 def _mapped_files() -> dict[str, list[tuple[int, int]]]:
-    """This process's mappings of regular files: path -> address ranges (Linux /proc; none where it cannot be
+    """This process's mappings of regular files: path -> the address range of each mapping of it (the kernel's
+    lines of one mapping, consecutive in address and file offset, joined; Linux /proc; none where it cannot be
     read). Devices, shared memory and anonymous files are not weight files."""
     files: dict[str, list[tuple[int, int]]] = {}
+    ends: dict[str, tuple[int, int]] = {}  # path -> where its last line ended: address, file offset
     try:
         with open("/proc/self/maps") as handle:
             for line in handle:
@@ -255,8 +259,14 @@ def _mapped_files() -> dict[str, list[tuple[int, int]]]:
                 path = fields[5].strip()
                 if not path.startswith("/") or path.startswith("/dev/") or path.endswith("(deleted)"):
                     continue
-                start, _, end = fields[0].partition("-")
-                files.setdefault(path, []).append((int(start, 16), int(end, 16)))
+                start, end = (int(address, 16) for address in fields[0].split("-"))
+                offset = int(fields[2], 16)
+                ranges = files.setdefault(path, [])
+                if ranges and ends[path] == (start, offset):  # the same mapping, its next line
+                    ranges[-1] = (ranges[-1][0], end)
+                else:
+                    ranges.append((start, end))
+                ends[path] = (end, offset + end - start)
     except OSError:
         pass
     return files
