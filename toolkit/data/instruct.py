@@ -135,8 +135,8 @@ def chat_template_text(data: DataConfig) -> DataConfig:
     if template is None or data.format != "chat" or "{{" in template or "{%" in template:
         return data
     path = Path(template).expanduser()
-    if not path.is_file():
-        raise RecipeError(f"data.chat_template {template[:80]!r} is neither a Jinja template (it has no {{{{ }}}} "
+    if not path.is_file():  # a path is shown whole (a test's folder is over 100 characters), long text cut
+        raise RecipeError(f"data.chat_template {template[:240]!r} is neither a Jinja template (it has no {{{{ }}}} "
                           "or {% %}) nor a file; give the template's text or the path of a file holding it")
     try:
         text = path.read_text()
