@@ -43,7 +43,7 @@ class Planned:
     fits: bool
     refused: str | None = None  # why the layout cannot run, where it cannot
     work: step_time.Work | None = None  # what the busiest rank does, the step time's input
-    without: tuple[str, ...] = ()  # the recipe's options for another strategy this layout's does not read
+    without: tuple[str, ...] = ()  # the recipe's options for another strategy, which this layout's does not read
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"layout": self.layout, "world_size": self.world_size, "fits": self.fits}
@@ -278,7 +278,8 @@ def without_lines(planned: list[Planned]) -> list[str]:
     for rows in dict.fromkeys(rows_of.values()):
         options = " and ".join(option for option, its in rows_of.items() if its == rows)
         others = [p.layout for p in planned if p.layout not in rows]
-        who = f"every layout but {', '.join(others)}" if others and len(others) < len(rows) else ", ".join(rows)
+        who = ("every layout" if not others else f"every layout but {', '.join(others)}"
+               if len(others) < len(rows) else ", ".join(rows))
         lines.append(f"{who}: planned without the recipe's {options} (read by another strategy only)")
     return lines
 
