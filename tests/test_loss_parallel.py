@@ -105,8 +105,8 @@ class TiedShaped(activations.LiveBytes):
     vocabulary's rows (the gradients of the head, of the embedding and their sum); not views (the weight's
     transposes in backward, FSDP's gradient shards in its reduce-scatter buffer)."""
 
-    def __init__(self, vocab: int, hidden: int, degree: int):
-        super().__init__([])
+    def __init__(self, vocab: int, hidden: int, degree: int, existing: list[torch.Tensor]):
+        super().__init__(existing)
         self.shapes = {(vocab, hidden), (vocab // degree, hidden)}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -123,16 +123,19 @@ class TiedShaped(activations.LiveBytes):
         return out
 
 
-@pytest.mark.parametrize("dp, tp, vocabulary", [(1, 2, False), (1, 2, True), (1, 4, True),
-                                                (2, 2, False), (2, 2, True), (2, 4, True)])
-def test_a_tied_weights_gradients_beyond_its_state_are_the_strategy_s_copies_and_one_whole(dp, tp, vocabulary):
+@pytest.mark.parametrize("dp, tp, vocabulary, accumulates", [
+    (1, 2, False, False), (1, 2, True, False), (1, 4, True, False), (2, 2, False, False), (2, 2, True, False),
+    (2, 4, True, False), (1, 2, False, True), (1, 4, True, True)])
+def test_a_tied_weights_gradients_beyond_its_state_are_the_strategy_s_copies_and_one_whole(dp, tp, vocabulary,
+                                                                                           accumulates):
     """At the end of backward a tied weight's gradients beyond its state: the head's, the embedding's and their
     sum (autograd adds them out of place), less the sum where it is the state (tp: 2 more; fsdp x tp, whose state
     is FSDP's shard: 3). With the vocabulary split each is the rank's rows, and DTensor first computes the
     row-wise embedding's gradient over every row, then copies its rows out: one whole more (1 + 2/tp, 1 + 3/tp).
-    Measured on the tied model parallelized as the tp and fsdp strategies do (dims.parallelize: tp_plan, then
-    fully_shard over dp_shard) on DTensors over torch's fake process group (real local tensors), against the
-    plan's term (StrategyInfo.tied_gradients)."""
+    A micro-batch after the first under tp holds the sum as a tensor of its own, added into the gradient: 3
+    copies. Measured on the tied model parallelized as the tp and fsdp strategies do (dims.parallelize: tp_plan,
+    then fully_shard over dp_shard) on DTensors over torch's fake process group (real local tensors), against
+    the plan's term (StrategyInfo.tied_gradients) and its peak."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -146,7 +149,7 @@ def test_a_tied_weights_gradients_beyond_its_state_are_the_strategy_s_copies_and
     vocab, hidden, world = 4096, 64, dp * tp
     fsdp = ("strategy.name=fsdp", f"strategy.tp_degree={tp}") if dp > 1 else ()
     recipe = traced_recipe(tied=True, vocabulary=vocabulary, sequence=False, vocab=vocab, length=8, micro=1,
-                           overrides=fsdp)
+                           overrides=(*fsdp, f"batch.grad_accum_steps={2 if accumulates else 1}"))
     assert vocabulary_share(recipe, world_size=world) == (tp if vocabulary else 1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
@@ -160,8 +163,11 @@ def test_a_tied_weights_gradients_beyond_its_state_are_the_strategy_s_copies_and
                     loss_parallel=vocabulary)
         ids = torch.randint(0, vocab, (1, 8), generator=torch.Generator().manual_seed(0))
         with vocab_parallel(vocabulary):
+            if accumulates:  # the step's first micro-batch: the gradient exists before the one measured
+                model(input_ids=ids, labels=ids).loss.backward()
             loss = model(input_ids=ids, labels=ids).loss
-            mode = TiedShaped(vocab, hidden, tp)
+            before = [getattr(p.grad, "_local_tensor", p.grad) for p in model.parameters() if p.grad is not None]
+            mode = TiedShaped(vocab, hidden, tp, before)
             with mode:
                 loss.backward()
         gradient = model.lm_head.weight.grad
@@ -170,10 +176,12 @@ def test_a_tied_weights_gradients_beyond_its_state_are_the_strategy_s_copies_and
         dist.destroy_process_group()
     whole = tied_gradient_bytes(planned_model(recipe), torch.float32)
     assert whole == vocab * hidden * 4 and state == whole // (tp if vocabulary else 1) // dp
-    copies = strategy_rules(recipe).info(recipe).tied_gradients
+    copies = strategy_rules(recipe).info(recipe).tied_gradients + accumulates  # predict()'s rule for tp's 2
     beyond = tied_gradients_beyond_states(whole, copies, vocabulary_share=vocabulary_share(recipe, world_size=world))
-    held = mode.peak - (0 if fsdp else state)  # tp's state is autograd's sum, one of the tensors counted
-    assert copies == (3 if fsdp else 2) and held == beyond == whole * (1 + copies / tp if vocabulary else copies)
+    # tp's state is autograd's sum, one of the tensors counted, on a step's first micro-batch
+    held = mode.peak - (0 if fsdp or accumulates else state)
+    assert copies == (3 if fsdp or accumulates else 2)
+    assert held == beyond == whole * (1 + copies / tp if vocabulary else copies)
     if not fsdp:  # and the plan's peak carries it: with 8 tokens the end of backward (every state and these) is
         planned = predict(recipe, world_size=world, runtime_bytes=0, device_type="cuda")  # the peak
         assert planned.peak_bytes == planned.per_rank[0].total_bytes + beyond

@@ -203,8 +203,8 @@ def tied_gradients_beyond_states(whole: int, copies: int, *, vocabulary_share: i
     DTensor first computes the row-wise embedding's gradient whole (embedding_dense_backward over every row), then
     copies its rows out, the whole alive until the sum: one whole gradient more than the copies, each a share
     (measured on the tied model over torch's fake process group, tests/test_loss_parallel.py: tp 2 and 4 hold
-    2 and 1.5 gradients beyond the state's share, fsdp x tp 2.5 and 1.75; an accumulating step's follows the same
-    rule, not measured)."""
+    2 and 1.5 gradients beyond the state's share, fsdp x tp 2.5 and 1.75; tp 4 on a micro-batch after the first,
+    its 3 copies, 1.75)."""
     if vocabulary_share == 1 or copies == 0:
         return whole * copies
     return whole + copies * whole // vocabulary_share
