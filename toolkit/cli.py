@@ -309,6 +309,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_strategies(args) -> int:
+    from toolkit.config.files import override_value
     from toolkit.config.parallel import presets
     from toolkit.config.recipe import CP_BUILT, CP_METHODS
     from toolkit.config.strategy_options import StrategyConfig
@@ -320,7 +321,7 @@ def cmd_strategies(args) -> int:
         info = strategy_info(name)
         print(f"{name:<{width}}  {info.summary}")
         if info.options:  # each with its default (see the StrategyConfig comments in toolkit/config/recipe.py)
-            shown = ", ".join(f"strategy.{key}={_yaml_value(getattr(defaults, key))}" for key in info.options)
+            shown = ", ".join(f"strategy.{key}={override_value(getattr(defaults, key))}" for key in info.options)
             print(f"{'':<{width}}  options: {shown}")
     print("\ncompare arms (toolkit compare --strategies a,b,...; add overrides as arm@key=value):")
     for alias, overrides in arm_aliases().items():
@@ -333,14 +334,6 @@ def cmd_strategies(args) -> int:
     print("  ep (borrows from dp_shard)  fsdp (strategy.ep_degree): each MoE layer's experts split over ep ranks, "
           "tokens by all-to-all; tested with dp_shard alone")
     return 0
-
-
-def _yaml_value(value) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return str(list(value)) if isinstance(value, tuple) else str(value)
 
 
 def cmd_convert(args) -> int:

@@ -58,6 +58,15 @@ def apply_override(raw: dict, item: str) -> None:
     node[parts[-1]] = value
 
 
+def override_value(value: Any) -> str:
+    """A recipe value as `--set key=value` writes it (null, true, ['a', 'b'], 0.001)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(list(value)) if isinstance(value, tuple) else str(value)
+
+
 def recipe_from_dict(raw: dict) -> Recipe:
     return from_plain(Recipe, raw)
 

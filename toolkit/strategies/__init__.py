@@ -147,21 +147,14 @@ def without_foreign_options(recipe: Recipe) -> tuple[Recipe, tuple[str, ...]]:
     """The recipe with the options `foreign_options` names set back to their defaults, and those options as the
     recipe set them (`strategy.offload_optimizer=true`): a layout of another strategy than the recipe's, planned
     beside it, runs without them, where a run of the recipe itself is refused."""
+    from toolkit.config.files import override_value
+
     foreign = foreign_options(recipe)
     if not foreign:
         return recipe, ()
     defaults: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(recipe.strategy) if f.name in foreign}
-    dropped = tuple(f"strategy.{name}={_shown(getattr(recipe.strategy, name))}" for name in foreign)
+    dropped = tuple(f"strategy.{name}={override_value(getattr(recipe.strategy, name))}" for name in foreign)
     return dataclasses.replace(recipe, strategy=dataclasses.replace(recipe.strategy, **defaults)), dropped
-
-
-def _shown(value: object) -> str:
-    """A recipe value as a --set override writes it."""
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, tuple):
-        return "[" + ",".join(map(str, value)) + "]"
-    return str(value)
 
 
 def _module(name: str):
