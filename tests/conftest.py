@@ -4,6 +4,8 @@ writers, and launch helpers that run the CLI in real processes, as a user would.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -24,6 +26,36 @@ TRAIN = str(REPO / "data" / "reviews-train.jsonl")
 # the first 64 rows of data/reviews-eval.jsonl: every test run evaluates at its end, and 64 rows say as much
 # about a strategy's eval path as 256 (four times the forwards, over a hundred runs)
 EVAL = str(REPO / "tests" / "data" / "reviews-eval-64.jsonl")
+
+
+def shared_path(tmp_path_factory, name: str) -> Path:
+    """A path every pytest-xdist worker of this test session finds alike (their basetemps' parent; one process:
+    its basetemp), for what test files on several workers read: a tiny model, a run. Made once (made_once), not
+    once per worker: ~40 runs were made twice when two workers shared the suite."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared" / name
+
+
+@contextlib.contextmanager
+def held(path: Path):
+    """`path`.lock held by this process alone, whichever worker asks (flock: let go when its holder exits)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{path}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def made_once(path: Path, make) -> Path:
+    """`make(path)` unless a worker made it already (its marker, written once make returned); what a maker that
+    failed left is removed first. Returns `path`."""
+    done = Path(f"{path}.done")
+    with held(path):
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir(parents=True)
+            make(path)
+            done.touch()
+    return path
 
 
 def _minilm_tokenizer():
@@ -51,13 +83,15 @@ def _save_tiny_llama(path: Path, *, tie_word_embeddings: bool) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """A 2-layer Llama written by save_pretrained; recipes load it back with from_pretrained."""
-    return _save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", tie_word_embeddings=False)
+    return made_once(shared_path(tmp_path_factory, "tiny-llama"),
+                     lambda path: _save_tiny_llama(path, tie_word_embeddings=False))
 
 
 @pytest.fixture(scope="session")
 def tiny_tied_llama_dir(tmp_path_factory) -> Path:
     """The same Llama with its output layer tied to the input embedding (like recipes/llama-tiny.yaml)."""
-    return _save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-tied-llama", tie_word_embeddings=True)
+    return made_once(shared_path(tmp_path_factory, "tiny-tied-llama"),
+                     lambda path: _save_tiny_llama(path, tie_word_embeddings=True))
 
 
 def _save_tiny_moe(path: Path, model_type: str, **fields) -> Path:
@@ -82,37 +116,38 @@ def _save_tiny_moe(path: Path, model_type: str, **fields) -> Path:
 @pytest.fixture(scope="session")
 def tiny_moe_dir(tmp_path_factory) -> Path:
     """A tiny Qwen3-MoE (4 experts, top-2) written by save_pretrained."""
-    return _save_tiny_moe(tmp_path_factory.mktemp("models") / "tiny-qwen3-moe", "qwen3_moe")
+    return made_once(shared_path(tmp_path_factory, "tiny-qwen3-moe"), lambda path: _save_tiny_moe(path, "qwen3_moe"))
 
 
 @pytest.fixture(scope="session")
 def tiny_moe_aux_dir(tmp_path_factory) -> Path:
     """The tiny Qwen3-MoE with its router's auxiliary loss on (output_router_logits), weighted 0.1 (the default
     0.001 would move the loss by less than the tests' tolerance)."""
-    return _save_tiny_moe(tmp_path_factory.mktemp("models") / "tiny-qwen3-moe-aux", "qwen3_moe",
-                          output_router_logits=True, router_aux_loss_coef=0.1)
+    return made_once(shared_path(tmp_path_factory, "tiny-qwen3-moe-aux"),
+                     lambda path: _save_tiny_moe(path, "qwen3_moe", output_router_logits=True,
+                                                 router_aux_loss_coef=0.1))
 
 
 @pytest.fixture(scope="session")
 def tiny_mixtral_dir(tmp_path_factory) -> Path:
     """A tiny Mixtral (4 experts, top-2) written by save_pretrained."""
-    return _save_tiny_moe(tmp_path_factory.mktemp("models") / "tiny-mixtral", "mixtral")
+    return made_once(shared_path(tmp_path_factory, "tiny-mixtral"), lambda path: _save_tiny_moe(path, "mixtral"))
 
 
 @pytest.fixture(scope="session")
 def tiny_bert_dir(tmp_path_factory) -> Path:
     """A 2-layer BERT classifier written by save_pretrained."""
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification
+    def make(path: Path) -> None:
+        import torch
+        from transformers import BertConfig, BertForSequenceClassification
 
-    path = tmp_path_factory.mktemp("models") / "tiny-bert"
-    tokenizer = _minilm_tokenizer()
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=2, max_position_embeddings=64, num_labels=2)
-    BertForSequenceClassification(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+        tokenizer = _minilm_tokenizer()
+        torch.manual_seed(0)
+        config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=2, max_position_embeddings=64, num_labels=2)
+        BertForSequenceClassification(config).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    return made_once(shared_path(tmp_path_factory, "tiny-bert"), make)
 
 
 def write_recipe(path: Path, *, model_dir: Path, task: str = "causal-lm", output_dir: Path, **sections) -> Path:
@@ -221,13 +256,18 @@ def launch(recipe: Path, *, nproc: int, overrides: tuple[str, ...] = (), extra: 
     return result
 
 
+def _compare_of(root: Path, strategies: str) -> tuple[Path, Path, list[str]]:
+    """finished_compare's recipe, folder and arguments in `root`."""
+    recipe, out = root / "r.yaml", root / "exp"
+    return recipe, out, ["compare", str(recipe), "--strategies", strategies, "--steps", "1", "--output", str(out)]
+
+
 def finished_compare(root: Path, *, model_dir: Path, strategies: str) -> tuple[Path, Path, list[str]]:
     """A finished 1-step compare of `strategies` on a tiny model, without evaluation: (its recipe, its folder,
     the arguments that made it)."""
-    recipe = write_recipe(root / "r.yaml", model_dir=model_dir, output_dir=root / "unused",
-                          data={"eval": None}, train={"max_steps": 5, "consistency_check_every": None})
-    out = root / "exp"
-    args = ["compare", str(recipe), "--strategies", strategies, "--steps", "1", "--output", str(out)]
+    recipe, out, args = _compare_of(root, strategies)
+    write_recipe(recipe, model_dir=model_dir, output_dir=root / "unused", data={"eval": None},
+                 train={"max_steps": 5, "consistency_check_every": None})
     done = run_cli(*args)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return recipe, out, args
@@ -238,8 +278,10 @@ def two_arm_compare(tmp_path_factory, tiny_llama_dir) -> tuple[Path, Path, list[
     """One finished 1-step compare of two single-process arms (`single`, the reference, and
     `single@optim.lr=2e-3`), shared by the tests about re-running and reporting a finished experiment: each
     copies its folder before changing anything in it. (its recipe, its folder, the arguments that made it)"""
-    return finished_compare(tmp_path_factory.mktemp("two-arm-compare"), model_dir=tiny_llama_dir,
-                            strategies="single,single@optim.lr=2e-3")
+    strategies = "single,single@optim.lr=2e-3"
+    root = made_once(shared_path(tmp_path_factory, "two-arm-compare"),
+                     lambda path: finished_compare(path, model_dir=tiny_llama_dir, strategies=strategies))
+    return _compare_of(root, strategies)
 
 
 def strict_loads(text: str):
@@ -263,21 +305,24 @@ def exported_weights(run_dir: Path) -> dict:
 
 
 class Runs:
-    """Real runs of one base recipe, each done once per test session and shared by every test that reads it."""
+    """Real runs of one base recipe, each done once per test session and shared by every test that reads it (on
+    every worker, where `root` is a shared_path: the first to ask runs it, the others wait for it)."""
 
     def __init__(self, root: Path, recipe: Path):
         self.root, self.recipe = root, recipe
-        self.done: dict[str, tuple[Path, int, tuple[str, ...]]] = {}
 
     def get(self, name: str, *, nproc: int = 1, overrides: tuple[str, ...] = ()) -> Path:
-        if name not in self.done:
-            out = self.root / name
-            launch(self.recipe, nproc=nproc, overrides=(*overrides, f"output_dir={out}"))
-            self.done[name] = (out, nproc, tuple(overrides))
-        out, done_nproc, done_overrides = self.done[name]
+        out = self.root / name
+        asked = {"nproc": nproc, "overrides": list(overrides)}
+        made = Path(f"{out}.asked.json")  # written once the run finished
+        with held(out):
+            if not made.exists():
+                shutil.rmtree(out, ignore_errors=True)  # what a failed try left
+                launch(self.recipe, nproc=nproc, overrides=(*overrides, f"output_dir={out}"))
+                made.write_text(json.dumps(asked))
+        done = json.loads(made.read_text())
         # one name, one run: a test asking for other settings under a taken name would read a run it did not ask for
-        assert (done_nproc, done_overrides) == (nproc, tuple(overrides)), \
-            f"run {name!r} was made with nproc={done_nproc} {done_overrides}, asked again with nproc={nproc} {overrides}"
+        assert done == asked, f"run {name!r} was made with {done}, asked again with {asked}"
         return out
 
 
@@ -303,32 +348,35 @@ def tiny_family_runs(tmp_path_factory, prefix: str, family: str, fields: dict, *
                                    **recipe))
 
 
+def _shared_runs(tmp_path_factory, name: str, model_dir: Path | str, **recipe) -> Runs:
+    """Runs of write_recipe(model_dir, **recipe), shared by the session's workers."""
+    root = made_once(shared_path(tmp_path_factory, name), lambda path: write_recipe(
+        path / "recipe.yaml", model_dir=model_dir, output_dir=path / "unused", **recipe))
+    return Runs(root, root / "recipe.yaml")
+
+
 @pytest.fixture(scope="session")
 def llama_runs(tmp_path_factory, tiny_llama_dir) -> Runs:
-    root = tmp_path_factory.mktemp("llama-runs")
-    return Runs(root, write_recipe(root / "recipe.yaml", model_dir=tiny_llama_dir, output_dir=root / "unused"))
+    return _shared_runs(tmp_path_factory, "llama-runs", tiny_llama_dir)
 
 
 @pytest.fixture(scope="session")
 def moe_runs(tmp_path_factory, tiny_moe_dir) -> Runs:
-    root = tmp_path_factory.mktemp("moe-runs")
-    return Runs(root, write_recipe(root / "recipe.yaml", model_dir=tiny_moe_dir, output_dir=root / "unused"))
+    return _shared_runs(tmp_path_factory, "moe-runs", tiny_moe_dir)
 
 
 @pytest.fixture(scope="session")
 def mixtral_runs(tmp_path_factory, tiny_mixtral_dir) -> Runs:
-    root = tmp_path_factory.mktemp("mixtral-runs")
-    return Runs(root, write_recipe(root / "recipe.yaml", model_dir=tiny_mixtral_dir, output_dir=root / "unused"))
+    return _shared_runs(tmp_path_factory, "mixtral-runs", tiny_mixtral_dir)
 
 
 @pytest.fixture(scope="session")
 def bert_runs(tmp_path_factory, tiny_bert_dir) -> Runs:
-    root = tmp_path_factory.mktemp("bert-runs")
     # lr 1e-4, not 1e-3: Adam moves every coordinate by ~lr whatever its gradient's size, so a coordinate
     # whose gradient is at rounding level (the summation order differs between 1 and 2 ranks) can move by
     # up to ±lr per step; at 1e-3 one of BERT's 2048-element matrices drifted 1.07e-5 in 5 steps
-    return Runs(root, write_recipe(root / "recipe.yaml", model_dir=tiny_bert_dir, task="sequence-classification",
-                                   output_dir=root / "unused", optim={"lr": 1.0e-4}))
+    return _shared_runs(tmp_path_factory, "bert-runs", tiny_bert_dir, task="sequence-classification",
+                        optim={"lr": 1.0e-4})
 
 
 def assert_local_sgd_every_2_as_ddp(run: Path, ddp: Path) -> None:
@@ -398,19 +446,22 @@ def llama4_runs(tmp_path_factory):
     split strategies (model parallel, pipeline, tensor parallel) are checked on. Runs shared by their tests. Each
     evaluates at its end: a pipeline's evaluation runs other code than its training (its schedule's forwards only),
     and the V-shaped schedules once crashed there while training was exact."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    def make(root: Path) -> None:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
 
-    root = tmp_path_factory.mktemp("mp-llama")
-    tokenizer = _minilm_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
-    LlamaForCausalLM(config).save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    return Runs(root, write_recipe(root / "recipe.yaml", model_dir=root / "model", output_dir=root / "unused",
-                                   batch={"micro_batch_size": 2, "grad_accum_steps": 4}))
+        tokenizer = _minilm_tokenizer()
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id,
+                             tie_word_embeddings=True)
+        LlamaForCausalLM(config).save_pretrained(root / "model")
+        tokenizer.save_pretrained(root / "model")
+        write_recipe(root / "recipe.yaml", model_dir=root / "model", output_dir=root / "unused",
+                     batch={"micro_batch_size": 2, "grad_accum_steps": 4})
+    root = made_once(shared_path(tmp_path_factory, "mp-llama"), make)
+    return Runs(root, root / "recipe.yaml")
 
 
 @pytest.fixture(scope="session")
@@ -421,9 +472,7 @@ def minilm_runs(tmp_path_factory):
     # changes. Measured between single and pp-gpipe: bert.pooler.dense.weight[30, 357] differs by 2.36e-6
     # at lr 1e-4 and by 2.36e-7 at lr 1e-5 (the attention key biases, whose exact gradient is zero, alike):
     # the difference scales with lr, i.e. it is rounding that Adam amplifies, not the computation.
-    root = tmp_path_factory.mktemp("mp-minilm")
-    recipe = write_recipe(root / "recipe.yaml", model_dir=MINILM, task="sequence-classification",
-                          output_dir=root / "unused", batch={"micro_batch_size": 2, "grad_accum_steps": 4},
-                          optim={"lr": 1.0e-5}, data={"eval": None},
-                          train={"max_steps": 5, "eval_every": None, "consistency_check_every": None})
-    return Runs(root, recipe)
+    return _shared_runs(tmp_path_factory, "mp-minilm", MINILM, task="sequence-classification",
+                        batch={"micro_batch_size": 2, "grad_accum_steps": 4}, optim={"lr": 1.0e-5},
+                        data={"eval": None}, train={"max_steps": 5, "eval_every": None,
+                                                    "consistency_check_every": None})
