@@ -134,9 +134,10 @@ def test_a_tied_weights_gradients_beyond_its_state_are_the_strategy_s_copies_and
     row-wise embedding's gradient over every row, then copies its rows out: one whole more (1 + 2/tp, 1 + 3/tp).
     A micro-batch after the first under tp holds the sum as a tensor of its own, added into the gradient: 3
     copies; fsdp x tp's, as the loop runs it (no reduce-scatter before the last micro-batch: FSDP adds each
-    micro-batch's gradient into its unsharded one in place), the same 3 as without accumulation. Measured on the tied model parallelized as the tp and fsdp strategies do (dims.parallelize: tp_plan,
-    then fully_shard over dp_shard) on DTensors over torch's fake process group (real local tensors), against
-    the plan's term (StrategyInfo.tied_gradients) and its peak."""
+    micro-batch's gradient into its unsharded one in place), the same 3 as without accumulation. Measured on
+    the tied model parallelized as the tp and fsdp strategies do (dims.parallelize: tp_plan, then fully_shard
+    over dp_shard) on DTensors over torch's fake process group (real local tensors), against the plan's term
+    (StrategyInfo.tied_gradients) and its peak."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
