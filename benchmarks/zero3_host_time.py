@@ -1,12 +1,13 @@
-"""ZeRO-3's host time per collective call on this CPU: what toolkit/strategies/zero/collectives.py HOST_S_PER_CALL
-stands for, measured.
+"""ZeRO-3's host time per tensor it gathers or reduce-scatters on this CPU: what
+toolkit/strategies/zero/collectives.py HOST_S_PER_TENSOR stands for, measured.
 
     python benchmarks/zero3_host_time.py [--cases minilm,minilm-micro8,llama,moe] [--steps 20] [--nproc 2]
 
 Per case, two runs of `toolkit train` as ranks of torch.distributed.run: ZeRO-3 at `--nproc` ranks, and one
 process at one thread on one rank's batch (the compute alone, the threads a rank has). A step's host time is
 ZeRO-3's forward-backward less that compute and less the time inside its collectives, plus its optimizer step
-less AdamW's own; over the gather and reduce-scatter calls the rules predict, it is the seconds a call.
+less AdamW's own; over the tensors the rules' gathers and reduce-scatters carry (a parameter's partition each
+micro-batch, or once a step where it stays whole; a gradient each micro-batch), it is the seconds a tensor.
 
 Why an in-process hook, not `toolkit launch` alone: the collectives' own time is inside the step, and only timing
 around each call (benchmarks/host_time_worker.py) separates it from the Python around it. The ranks start as
@@ -54,8 +55,9 @@ def run(recipe: str, sets: list[str], *, nproc: int, steps: int, threads: int | 
         return json.loads(out.read_text())
 
 
-def predicted_calls(recipe_path: str, sets: list[str], *, nproc: int) -> tuple[int, int]:
-    """(gather and reduce-scatter calls a step, per-rank samples a step), as the plan's rules count them."""
+def predicted_tensors(recipe_path: str, sets: list[str], *, nproc: int) -> tuple[int, int]:
+    """(tensors a step's gathers and reduce-scatters carry, per-rank samples a step), as the plan's rules count
+    them."""
     from toolkit.config.files import load_recipe
     from toolkit.config.parallel import resolve
     from toolkit.config.recipe import plan_batch
@@ -66,8 +68,8 @@ def predicted_calls(recipe_path: str, sets: list[str], *, nproc: int) -> tuple[i
     plan = plan_batch(recipe.batch, world_size=nproc)
     rules = collectives.predict(planned_model(recipe), recipe, world_size=nproc,
                                 num_micro_batches=plan.grad_accum_steps)
-    calls = sum(c.calls for c in rules if c.host_s_per_call)
-    return calls, plan.micro_batch_size * plan.grad_accum_steps
+    tensors = round(sum(c.host_s for c in rules) / collectives.HOST_S_PER_TENSOR)
+    return tensors, plan.micro_batch_size * plan.grad_accum_steps
 
 
 def main() -> None:
@@ -77,13 +79,13 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args()
     from toolkit.launch.launcher import prepare_environment
-    from toolkit.strategies.zero.collectives import HOST_S_PER_CALL
+    from toolkit.strategies.zero.collectives import HOST_S_PER_TENSOR
 
     prepare_environment()
     rows = []
     for name in args.cases.split(","):
         recipe, sets = CASES[name]
-        calls, samples = predicted_calls(recipe, sets, nproc=args.nproc)
+        tensors, samples = predicted_tensors(recipe, sets, nproc=args.nproc)
         zero3 = run(recipe, [*ZERO3, *sets], nproc=args.nproc, steps=args.steps, threads=None,
                     label=f"{name}: zero3 at {args.nproc} ranks")
         alone = run(recipe, [*sets, f"batch.global_batch_size={samples}"], nproc=1, steps=args.steps, threads=1,
@@ -91,11 +93,11 @@ def main() -> None:
         host = (zero3["forward-backward"] - alone["forward-backward"] - zero3.get("collectives", 0.0)) + \
             (zero3["optimizer step"] - zero3.get("adamw", 0.0))
         rows.append([name, f"{zero3['step'] * 1e3:.0f}", f"{alone['forward-backward'] * 1e3:.0f}",
-                     f"{zero3.get('collectives', 0.0) * 1e3:.0f}", f"{host * 1e3:.0f}", str(calls),
-                     f"{host / calls * 1e3:.2f}"])
-    print_table(["case", "zero3 step ms", "compute ms", "in collectives ms", "host ms", "calls", "host ms/call"],
+                     f"{zero3.get('collectives', 0.0) * 1e3:.0f}", f"{host * 1e3:.0f}", str(tensors),
+                     f"{host / tensors * 1e3:.2f}"])
+    print_table(["case", "zero3 step ms", "compute ms", "in collectives ms", "host ms", "tensors", "host ms/tensor"],
                 rows)
-    print(f"the plan charges {HOST_S_PER_CALL * 1e3:.2f} ms a call (HOST_S_PER_CALL)")
+    print(f"the plan charges {HOST_S_PER_TENSOR * 1e3:.2f} ms a tensor (HOST_S_PER_TENSOR)")
 
 
 if __name__ == "__main__":

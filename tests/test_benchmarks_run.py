@@ -23,7 +23,7 @@ RUNS = {
     "pipeline_efficiency": (["--arms", "single,pp-zbv", "--steps", "2", "--from-files"], "setup peak above"),
     "scale_prediction": (["--rows", "4", "--cli-check"], "published"),
     "startup": (["--runs", "1"], "median s"),
-    "zero3_host_time": (["--cases", "llama", "--steps", "2"], "host ms/call"),
+    "zero3_host_time": (["--cases", "llama", "--steps", "2"], "host ms/tensor"),
     "gpu_throughput": (["--arms", "single", "--steps", "2", "--seq", "32", "--micro-batch", "1", *TINY_LLAMA],
                        "tokens/s"),
 }

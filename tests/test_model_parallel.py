@@ -304,9 +304,14 @@ def test_layout_and_bubble_are_reported(llama4_runs):
                                    "strategy.devices (e.g. [cuda:0, cuda:1])")
 
 
-def test_fp16_pipeline_stages_agree_on_skipped_steps(llama4_runs):
-    run = llama4_runs.get("pp-1f1b-fp16", nproc=2, overrides=(*ARMS["pp-1f1b"][1], "precision=fp16",
+def fp16_pipeline_run(llama4_runs):
+    """pp-1f1b in fp16 (its ShardedGradScaler over both stages), 8 steps at a learning rate that moves the loss."""
+    return llama4_runs.get("pp-1f1b-fp16", nproc=2, overrides=(*ARMS["pp-1f1b"][1], "precision=fp16",
                                                                 "train.max_steps=8", "optim.lr=0.003"))
+
+
+def test_fp16_pipeline_stages_agree_on_skipped_steps(llama4_runs):
+    run = fp16_pipeline_run(llama4_runs)
     steps = metrics(run)
     assert steps[0]["loss_scale"] == 65536.0 and all(isinstance(m["skipped"], bool) for m in steps)
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.5

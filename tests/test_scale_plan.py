@@ -345,8 +345,8 @@ def test_a_measured_loss_rate_costs_every_logit_a_rank_computes(layout, sets, da
 
 def test_zero3s_host_time_per_call_is_charged_where_the_host_computes():
     """ZeRO-3's hooks spend host time around each gather and reduce-scatter (fetch, release, re-partition in
-    Python): on a profile whose host also computes (a CPU: overlaps_communication false), each call costs
-    HOST_S_PER_CALL; ZeRO-2 and a GPU profile (the host runs ahead of the device) pay none."""
+    Python): on a profile whose host also computes (a CPU: overlaps_communication false), each tensor its
+    calls carry costs HOST_S_PER_TENSOR; ZeRO-2 and a GPU profile (the host runs ahead of the device) pay none."""
     import dataclasses
 
     from toolkit.config.files import load_recipe
@@ -354,7 +354,7 @@ def test_zero3s_host_time_per_call_is_charged_where_the_host_computes():
     from toolkit.cost import step_time
     from toolkit.plan.predict import planned_model
     from toolkit.plan.scale import work_for_shapes
-    from toolkit.strategies.zero.collectives import HOST_S_PER_CALL
+    from toolkit.strategies.zero.collectives import HOST_S_PER_TENSOR
 
     h100 = hardware.load("h100-sxm")
     host_computes = dataclasses.replace(h100, overlaps_communication=False)
@@ -370,8 +370,8 @@ def test_zero3s_host_time_per_call_is_charged_where_the_host_computes():
 
     recipe = load_recipe(str(REPO / "recipes" / "minilm-sst.yaml"), [])
     params = len(list(planned_model(recipe).parameters()))
-    # one micro-batch of 16 a rank: each parameter gathered in one call (before its forward, or once a step where
-    # it stays whole) and each gradient reduce-scattered in one
-    assert host_cost(3, host_computes) == pytest.approx(2 * params * HOST_S_PER_CALL, rel=1e-12)
+    # one micro-batch of 16 a rank: each parameter gathered (before its forward, or once a step where it stays
+    # whole) and each gradient reduce-scattered, whatever calls DeepSpeed's prefetch and buckets group them in
+    assert host_cost(3, host_computes) == pytest.approx(2 * params * HOST_S_PER_TENSOR, rel=1e-12)
     assert host_cost(3, h100) is None
     assert host_cost(2, host_computes) is None

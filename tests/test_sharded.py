@@ -70,9 +70,14 @@ def test_precision_audit_shows_fsdp_vs_deepspeed_master_weights(llama_runs):
     assert "fp32" in fsdp["grad_reduction"] and "bf16" in zero["grad_reduction"]
 
 
-def test_fsdp_fp16_scales_losses_on_every_rank_alike(llama_runs):
-    run = llama_runs.get("fsdp-fp16", nproc=2, overrides=(
+def fp16_run(llama_runs):
+    """fsdp in fp16 (its ShardedGradScaler) at 2 ranks, 8 steps at a learning rate that moves the loss."""
+    return llama_runs.get("fsdp-fp16", nproc=2, overrides=(
         "strategy.name=fsdp", "precision=fp16", *M4, "train.max_steps=8", "optim.lr=0.003", "optim.warmup_steps=0"))
+
+
+def test_fsdp_fp16_scales_losses_on_every_rank_alike(llama_runs):
+    run = fp16_run(llama_runs)
     steps = metrics(run)
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.5
     assert steps[0]["loss_scale"] == 65536.0 and all(isinstance(m["skipped"], bool) for m in steps)

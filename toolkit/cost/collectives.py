@@ -9,6 +9,7 @@ byte. The time model reads the same list: each entry's bytes, the group it runs 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 # the counter's op names -> what the op does (the cost model's kinds)
 KINDS = {
@@ -51,9 +52,9 @@ class Collective:
     # and error feedback, which its DDP hook runs between backward's buckets): FLOPs, and bytes read and written
     codec_flops: float = 0.0
     codec_bytes: int = 0
-    # the framework's host time around each call (ZeRO-3's hooks fetch, release and partition in Python), on the
-    # critical path where the host also computes (toolkit/cost/step_time.py)
-    host_s_per_call: float = 0.0
+    # the framework's host time around its calls in a step (ZeRO-3's hooks fetch, release and partition in Python,
+    # a tensor at a time), on the critical path where the host also computes (toolkit/cost/step_time.py)
+    host_s: float = 0.0
 
     def __post_init__(self) -> None:
         assert self.op in KINDS and self.phase in PHASES and self.overlap in OVERLAPS, (self.op, self.phase)
@@ -75,10 +76,20 @@ def loop_collectives(*, world_size: int) -> list[Collective]:
 
 def bytes_by_op(collectives: list[Collective]) -> dict[str, int]:
     """Payload bytes per op name: what the counter's `bytes_by_op` holds for the same step."""
+    return _by_op(collectives, lambda c: c.payload_bytes)
+
+
+def calls_by_op(collectives: list[Collective]) -> dict[str, int]:
+    """Calls per op name: what the counter's `calls_by_op` holds for the same step (a call of no bytes too:
+    PowerSGD all-reduces its empty factors where it compresses no matrix)."""
+    return _by_op(collectives, lambda c: c.calls)
+
+
+def _by_op(collectives: list[Collective], value: Callable[[Collective], int]) -> dict[str, int]:
     out: dict[str, int] = {}
     for c in collectives:
-        if c.payload_bytes:
-            out[c.op] = out.get(c.op, 0) + c.payload_bytes
+        if value(c):
+            out[c.op] = out.get(c.op, 0) + value(c)
     return dict(sorted(out.items()))
 
 

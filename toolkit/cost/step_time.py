@@ -24,7 +24,7 @@ Each rule is written once, here, with its source:
   does not count, at the seconds per logit calibrate measured (a CPU profile; on a GPU the fitted efficiency
   covers them), on every rank that computes the logits (each TP rank computes them all, or its 1/tp of the
   vocabulary's under strategy.loss_parallel);
-- host time around a collective's calls (Collective.host_s_per_call: ZeRO-3's hooks), exposed where the host also
+- host time around a collective's calls (Collective.host_s: ZeRO-3's hooks), exposed where the host also
   computes (a profile without overlaps_communication: a CPU); on a GPU the host runs ahead of the device, uncharged;
 - optimizer step: memory-bound, AdamW reads a parameter, its gradient and two moments and writes three;
 - offload: gradients to the host and parameters back over PCIe each step, the update at HOST_ADAM_BYTES_PER_S.
@@ -131,7 +131,7 @@ def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficienc
         costs.append(Cost(what="pipeline bubble", seconds=idle, exposed_s=idle))
     costs += _communication(work.collectives, d, cluster, forward_s=forward_s, backward_s=backward_s,
                             bus_efficiency=bus_efficiency)
-    host_s = sum(c.calls * c.host_s_per_call / c.every for c in work.collectives)
+    host_s = sum(c.host_s / c.every for c in work.collectives)
     if host_s and not hw.overlaps_communication:
         costs.append(Cost(what="host time around the collectives", seconds=host_s, exposed_s=host_s))
     bandwidth = hw.measured.memory_bandwidth_bytes_per_s or hw.memory_bandwidth_bytes_per_s  # device memory

@@ -250,7 +250,9 @@ class FsdpRules:
                                        compute_dtype=compute, reduce_dtype=reduce, gathers_per_unit=gathers,
                                        local_shape=(lambda name, p: shapes_tp[name]) if shapes_tp else None),
                 *(hsdp_local_sgd_collectives(model, recipe, shard=shard, replicate=replicate, rank=rank)
-                  if local_sgd.on else [])]
+                  if local_sgd.on else []),
+                *(comm.fp16_scaler_collectives(world_size=world_size, dtensors=True)
+                  if recipe.precision == "fp16" else [])]
 
     def predict_activation_bytes(self, model: nn.Module, recipe: Recipe, *, world_size: int,
                                  how: dict[str, Any]) -> list[int]:

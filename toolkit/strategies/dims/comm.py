@@ -337,3 +337,15 @@ def ep_collectives(model: nn.Module, *, ep: int, shapes: Shapes, activation_dtyp
             Collective(op="all_to_all_single", payload_bytes=(2 * forwards + 2) * layers * pairs * row,
                        calls=(2 * forwards + 2) * layers * micro, group="ep", group_size=ep, phase="forward",
                        what="(token, expert) pairs to their experts and back (balanced routing)")]
+
+
+def fp16_scaler_collectives(*, world_size: int, dtensors: bool) -> list[Collective]:
+    """fp16's ShardedGradScaler (fsdp, pipeline), once a step as it unscales: its found-inf flag (one fp32)
+    all-reduced over every rank, and where the gradients are DTensors (FSDP's shards) DTensor's reduction of it
+    over their mesh before (its found_inf_reduce_handler). Measured on CPU at 2 ranks: fsdp over dp_shard, and a
+    pipeline of plain stages; on a mesh of more dimensions (HSDP, fsdp x tp) the DTensor's one is not measured."""
+    return [*([Collective(op="all_reduce", payload_bytes=4, calls=1, group="dp_shard", group_size=world_size,
+                          phase="step", what="the fp16 scaler's found-inf over the gradients' mesh")]
+              if dtensors else []),
+            Collective(op="allreduce_", payload_bytes=4, calls=1, group="world", group_size=world_size,
+                       phase="step", what="the fp16 scaler's found-inf")]

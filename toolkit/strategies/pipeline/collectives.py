@@ -5,7 +5,8 @@ collective counter on CPU and held to it byte for byte (tests/test_comm_predicti
   (batches.padded_length: the longest sample rounded up to 8), in the dtype the residual stream has there;
 - a tied embedding's two copies (first and last stage) sum their gradients, once a step (strategy._sync_tied),
   over the two ranks holding them (V-shaped schedules hold both on one rank and add them there);
-- the clip's sum of squares over the stages, one fp32 number (strategy._sync_and_clip);
+- the clip's sum of squares over the stages, one fp32 number (strategy._sync_and_clip); in fp16 the scaler's
+  found-inf over every rank (dims/comm.fp16_scaler_collectives);
 - with replicas, the step's padded length: one int64, its maximum over the replicas (strategy._run);
 - the stages' data-parallel replicas: DDP's all-reduce of the stage's gradients, with find_unused_parameters'
   used-map (4 bytes a parameter) beside it, or what strategy.gradient_compression's hook sends instead of the
@@ -31,7 +32,7 @@ from toolkit.memory.state_bytes import element_bytes
 from toolkit.model.precision import DTYPES
 from toolkit.model.stages import Stage
 from toolkit.model.tied import tied_aliases
-from toolkit.strategies.dims.comm import fsdp_collectives, fsdp_units
+from toolkit.strategies.dims.comm import fp16_scaler_collectives, fsdp_collectives, fsdp_units
 from toolkit.strategies.dims.compression import WIRE_DTYPES, compression_collectives
 from toolkit.strategies.dims.parallelize import DdpWrap
 from toolkit.strategies.pipeline.batches import padded_length
@@ -75,6 +76,8 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
                 out.append(Collective(op="allreduce_", payload_bytes=numel * element_bytes(stored), calls=1,
                                       group="pp", group_size=2, phase="step",
                                       what="the tied embedding's copies evened after the sync", every=local.every))
+    if recipe.precision == "fp16":  # its ShardedGradScaler over every rank (strategy.py)
+        out += fp16_scaler_collectives(world_size=world_size, dtensors=grid.sharded and grid.dp > 1)
     if recipe.optim.max_grad_norm is not None:
         out.append(Collective(op="allreduce_", payload_bytes=4, calls=1, group="world" if grid.sharded else "pp",
                               group_size=world_size if grid.sharded else grid.pp, phase="step",

@@ -1,0 +1,81 @@
+"""The order DeepSpeed meets a model's parameters in a step, which sets how many collective calls its buckets make:
+the forward's first use of each parameter (ZeRO-3's prefetch queue, traced in the first step and replayed after)
+and the order backward finishes their gradients (the gradient buckets of stages 2 and 3). Read from one forward
+and backward of the planned (meta) model on fake tensors: no memory, a fraction of a second for a small model.
+Neither is the parameters' registration order: a Llama block registers its norms after its attention and MLP but
+runs the first before them, and its MLP's gradients finish down, up, gate."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from toolkit.config.recipe import Recipe
+
+
+@dataclass(frozen=True)
+class ParamOrder:
+    """Indices into the model's parameters(): `forward` grouped by the module whose forward first uses them (a
+    group per module, in the order those modules run; parameters no forward uses last, one group); `backward`
+    the trainable ones in the order backward finishes their gradients (those it leaves without one last)."""
+    forward: tuple[tuple[int, ...], ...]
+    backward: tuple[int, ...]
+
+
+def param_order(model: nn.Module, recipe: Recipe) -> ParamOrder:
+    """The model's ParamOrder, traced once per model config, task and trainable set in this process."""
+    key = (type(model).__name__, cast(Any, model).config.to_json_string(use_diff=False), recipe.model.task,
+           tuple(p.requires_grad for p in model.parameters()))
+    if key not in _TRACED:
+        _TRACED[key] = _traced(model)
+    return _TRACED[key]
+
+
+_TRACED: dict[tuple, ParamOrder] = {}
+
+
+def _traced(model: nn.Module) -> ParamOrder:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    copied = copy.deepcopy(model)
+    config = cast(Any, copied).config
+    if getattr(config, "pad_token_id", 0) is None:  # a run sets the tokenizer's; classification heads need one
+        config.pad_token_id = 0
+    forward: list[tuple[int, ...]] = []
+    backward: list[int] = []
+    index: dict[int, int] = {}
+
+    def used(module: nn.Module, *args: Any) -> None:
+        first = tuple(i for i in (index[id(p)] for p in module.parameters(recurse=False)) if i not in seen)
+        seen.update(first)
+        if first:
+            forward.append(first)
+
+    seen: set[int] = set()
+    with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        copied.to_empty(device="cpu")  # the meta weights, as fake tensors
+        tie = getattr(copied, "tie_weights", None)
+        if callable(tie):
+            tie()  # to_empty gives a tied head a weight of its own
+        params = list(copied.parameters())
+        assert len(params) == len(list(model.parameters())), "the traced copy holds other parameters"
+        index.update((id(p), i) for i, p in enumerate(params))
+        for module in copied.modules():
+            if any(True for _ in module.parameters(recurse=False)):
+                module.register_forward_pre_hook(used)
+        for param in params:
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(lambda p: backward.append(index[id(p)]))
+        copied.train()
+        ids = torch.zeros((1, 8), dtype=torch.long)
+        copied(input_ids=ids, attention_mask=torch.ones((1, 8), dtype=torch.long)).logits.float().sum().backward()
+    unused = tuple(i for i in range(len(params)) if i not in seen)
+    finished = set(backward)
+    left = [i for i, p in enumerate(params) if p.requires_grad and i not in finished]
+    return ParamOrder(forward=(*forward, *((unused,) if unused else ())), backward=(*backward, *left))
