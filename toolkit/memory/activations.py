@@ -229,7 +229,7 @@ def _traced(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, auto
         getattr(getattr(logging.Logger, "warning_once", None), "cache_clear", lambda: None)()
 
 
-def _fake_grouped_mm() -> contextlib.AbstractContextManager:
+def fake_grouped_mm() -> contextlib.AbstractContextManager:
     """A mixture-of-experts model's grouped matmul on fake tensors: torch's fake kernel of _grouped_mm accepts
     bf16 only (its CPU kernel any dtype), so the trace takes transformers' own fallback, which registers a fake
     kernel for every dtype and saves the same tensors for backward (the input and the weight)."""
@@ -263,7 +263,7 @@ def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, au
         mask = None if recipe.data.packing else torch.ones(tokens, dtype=torch.long)
         module, inputs, grad = model, [ids], None
         positions: contextlib.AbstractContextManager = contextlib.nullcontext()
-        experts = _fake_grouped_mm()
+        experts = fake_grouped_mm()
         if stage is not None:  # the received activations and the output's gradient: receive buffers, not counted
             from transformers import masking_utils
 

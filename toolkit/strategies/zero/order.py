@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from toolkit.config.recipe import Recipe
+from toolkit.memory.activations import fake_grouped_mm
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,26 @@ def param_order(model: nn.Module, recipe: Recipe) -> ParamOrder:
     key = (type(model).__name__, cast(Any, model).config.to_json_string(use_diff=False), recipe.model.task,
            tuple(p.requires_grad for p in model.parameters()))
     if key not in _TRACED:
-        _TRACED[key] = _traced(model)
+        try:
+            _TRACED[key] = _traced(model)
+        except Exception:  # an op fake tensors cannot run: the calls as registered, an estimate (not a failed plan)
+            _TRACED[key] = _registered(model)
     return _TRACED[key]
+
+
+def _registered(model: nn.Module) -> ParamOrder:
+    """The parameters in the order the model registers them, grouped by module; backward the reverse."""
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    groups: list[tuple[int, ...]] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        own = tuple(i for i in (index[id(p)] for p in module.parameters(recurse=False)) if i not in seen)
+        seen.update(own)
+        if own:
+            groups.append(own)
+    params = list(model.parameters())
+    backward = tuple(i for group in reversed(groups) for i in reversed(group) if params[i].requires_grad)
+    return ParamOrder(forward=tuple(groups), backward=backward)
 
 
 _TRACED: dict[tuple, ParamOrder] = {}
@@ -57,7 +76,7 @@ def _traced(model: nn.Module) -> ParamOrder:
             forward.append(first)
 
     seen: set[int] = set()
-    with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
+    with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings(), fake_grouped_mm():
         warnings.simplefilter("ignore")
         copied.to_empty(device="cpu")  # the meta weights, as fake tensors
         tie = getattr(copied, "tie_weights", None)
