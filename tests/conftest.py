@@ -45,16 +45,17 @@ def held(path: Path):
         yield
 
 
-def made_once(path: Path, make) -> Path:
-    """`make(path)` unless a worker made it already (its marker, written once make returned); what a maker that
-    failed left is removed first. Returns `path`."""
+def made_once(path: Path, make, *, record: str = "") -> Path:
+    """`make(path)` unless a worker made it already (its marker `path`.done, written once make returned, holding
+    `record`: what it was made with, for a later asker to check); what a maker that failed left is removed
+    first. Returns `path`."""
     done = Path(f"{path}.done")
     with held(path):
         if not done.exists():
             shutil.rmtree(path, ignore_errors=True)
             path.mkdir(parents=True)
             make(path)
-            done.touch()
+            done.write_text(record)
     return path
 
 
@@ -312,15 +313,10 @@ class Runs:
         self.root, self.recipe = root, recipe
 
     def get(self, name: str, *, nproc: int = 1, overrides: tuple[str, ...] = ()) -> Path:
-        out = self.root / name
         asked = {"nproc": nproc, "overrides": list(overrides)}
-        made = Path(f"{out}.asked.json")  # written once the run finished
-        with held(out):
-            if not made.exists():
-                shutil.rmtree(out, ignore_errors=True)  # what a failed try left
-                launch(self.recipe, nproc=nproc, overrides=(*overrides, f"output_dir={out}"))
-                made.write_text(json.dumps(asked))
-        done = json.loads(made.read_text())
+        out = made_once(self.root / name, lambda path: launch(self.recipe, nproc=nproc, overrides=(
+            *overrides, f"output_dir={path}")), record=json.dumps(asked))
+        done = json.loads(Path(f"{out}.done").read_text())
         # one name, one run: a test asking for other settings under a taken name would read a run it did not ask for
         assert done == asked, f"run {name!r} was made with {done}, asked again with {asked}"
         return out

@@ -209,9 +209,7 @@ def _traced(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, auto
     model.to(params_dtype)  # on the meta device: the dtype only
     if recipe.model.dropout is not None:
         set_dropout(model, recipe.model.dropout)
-    config = cast(Any, model).config
-    if getattr(config, "pad_token_id", 0) is None:  # a run sets the tokenizer's; classification heads need one
-        config.pad_token_id = 0
+    give_pad_token(model)
     verbosity = transformers_logging.get_verbosity()
     transformers_logging.set_verbosity_error()  # its notes on a cache during checkpointing: not the user's
     # an op fake tensors cannot run is logged with its traceback by torch before it raises; the caller gets
@@ -227,6 +225,14 @@ def _traced(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, auto
         fake_log.setLevel(level)
         # warnings silenced here were still marked shown: the run's own first one must reach the user
         getattr(getattr(logging.Logger, "warning_once", None), "cache_clear", lambda: None)()
+
+
+def give_pad_token(model: nn.Module) -> None:
+    """A pad token id where the model's config has none: a run sets the tokenizer's; classification heads need
+    one to find each sequence's last token."""
+    config = cast(Any, model).config
+    if getattr(config, "pad_token_id", 0) is None:
+        config.pad_token_id = 0
 
 
 def fake_grouped_mm() -> contextlib.AbstractContextManager:

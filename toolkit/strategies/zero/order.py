@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from toolkit.config.recipe import Recipe
-from toolkit.memory.activations import fake_grouped_mm
+from toolkit.memory.activations import fake_grouped_mm, give_pad_token
 
 
 @dataclass(frozen=True)
@@ -43,13 +43,8 @@ def param_order(model: nn.Module, recipe: Recipe) -> ParamOrder:
 def _registered(model: nn.Module) -> ParamOrder:
     """The parameters in the order the model registers them, grouped by module; backward the reverse."""
     index = {id(p): i for i, p in enumerate(model.parameters())}
-    groups: list[tuple[int, ...]] = []
     seen: set[int] = set()
-    for module in model.modules():
-        own = tuple(i for i in (index[id(p)] for p in module.parameters(recurse=False)) if i not in seen)
-        seen.update(own)
-        if own:
-            groups.append(own)
+    groups = [own for own in (_first_met(module, index, seen) for module in model.modules()) if own]
     params = list(model.parameters())
     backward = tuple(i for group in reversed(groups) for i in reversed(group) if params[i].requires_grad)
     return ParamOrder(forward=tuple(groups), backward=backward)
@@ -58,24 +53,29 @@ def _registered(model: nn.Module) -> ParamOrder:
 _TRACED: dict[tuple, ParamOrder] = {}
 
 
+def _first_met(module: nn.Module, index: dict[int, int], seen: set[int]) -> tuple[int, ...]:
+    """The indices of `module`'s own parameters not in `seen`, now added to it."""
+    own = tuple(i for i in (index[id(p)] for p in module.parameters(recurse=False)) if i not in seen)
+    seen.update(own)
+    return own
+
+
 def _traced(model: nn.Module) -> ParamOrder:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     copied = copy.deepcopy(model)
-    config = cast(Any, copied).config
-    if getattr(config, "pad_token_id", 0) is None:  # a run sets the tokenizer's; classification heads need one
-        config.pad_token_id = 0
+    give_pad_token(copied)
     forward: list[tuple[int, ...]] = []
     backward: list[int] = []
     index: dict[int, int] = {}
 
+    seen: set[int] = set()
+
     def used(module: nn.Module, *args: Any) -> None:
-        first = tuple(i for i in (index[id(p)] for p in module.parameters(recurse=False)) if i not in seen)
-        seen.update(first)
+        first = _first_met(module, index, seen)
         if first:
             forward.append(first)
 
-    seen: set[int] = set()
     with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings(), fake_grouped_mm():
         warnings.simplefilter("ignore")
         copied.to_empty(device="cpu")  # the meta weights, as fake tensors
