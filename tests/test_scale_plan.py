@@ -375,3 +375,15 @@ def test_zero3s_host_time_per_call_is_charged_where_the_host_computes():
     assert host_cost(3, host_computes) == pytest.approx(2 * params * HOST_S_PER_TENSOR, rel=1e-12)
     assert host_cost(3, h100) is None
     assert host_cost(2, host_computes) is None
+
+
+def test_a_precision_this_machines_accelerator_lacks_is_planned_for_the_cluster_s():
+    """fp16 ZeRO-3 on H100s is a plan, although DeepSpeed's CPU accelerator here has no fp16: the accelerator check
+    belongs to a run on this machine (train.checks.check_accelerator; test_cli_errors holds `validate` to it), not to
+    the strategy's rules the cluster's plan applies (before: "--layouts zero3 at 16 GPUs: precision fp16 is not
+    supported by DeepSpeed's cpu accelerator")."""
+    done = run_cli("plan", RECIPE, "--hardware", "h100-sxm", "--nodes", "2", "--layouts", "zero3", "--json",
+                   "--set", "precision=fp16")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (zero3,) = json.loads(done.stdout)
+    assert "refused" not in zero3 and zero3["layout"] == "zero3" and zero3["step_time_s"] > 0, zero3

@@ -28,6 +28,16 @@ def check_paths(recipe: Recipe) -> None:
             data_source(f"data.{key}", value)
 
 
+def check_accelerator(recipe: Recipe) -> None:
+    """The precision against this machine's DeepSpeed accelerator, for a strategy that runs on DeepSpeed: a check of
+    a run here, not of the strategy's rules, which `toolkit plan --hardware` applies to devices this machine lacks
+    (fp16 ZeRO-3 on H100s is a plan, although this CPU's accelerator has no fp16)."""
+    if "deepspeed" in strategy_info(recipe.strategy.name).runtime_modules:
+        from toolkit.strategies.zero.config import check_deepspeed_precision
+
+        check_deepspeed_precision(recipe.precision)
+
+
 def check_position_limit(recipe: Recipe) -> None:
     """The model's config is one transformers accepts for the task (model_config's checks; a folder's files are
     complete), and data.max_length is within its position embeddings (reads config.json and weight headers only)."""
@@ -112,6 +122,7 @@ def check_model(recipe: Recipe, tokenizer) -> None:
 def check_recipe(recipe: Recipe, *, world_size: int) -> BatchPlan:
     recipe = resolve(recipe, world_size=world_size)  # parallel degrees -> their preset
     plan = validate_strategy(recipe, world_size=world_size)
+    check_accelerator(recipe)
     check_trackers(recipe)  # train.report_to's packages, and where they write
     check_paths(recipe)
     check_position_limit(recipe)

@@ -20,8 +20,8 @@ from toolkit.strategies.base import DataLayout, StrategyInfo, every_rank_a_shard
 from toolkit.strategies.dims.compression import check_reduce_dtype
 from toolkit.strategies.zero import collectives as zero_collectives
 from toolkit.strategies.zero import memory as zero_state
-from toolkit.strategies.zero.config import (check_deepspeed_precision, check_with_deepspeed, configured_stage,
-                                            frees_gradients, offloads, resolve_ds_config, stage_of)
+from toolkit.strategies.zero.config import (check_with_deepspeed, configured_stage, frees_gradients, offloads,
+                                            resolve_ds_config, stage_of)
 
 @strategy_options
 class ZeroOptions:
@@ -76,7 +76,6 @@ class ZeroRules:
             check_with_deepspeed(config, Path(options.ds_config))
         if offloads(config)[1] and stage_of(config) != 3:
             raise RecipeError(f"{options.ds_config}: zero_optimization.offload_param needs stage 3")
-        check_deepspeed_precision(recipe.precision)
         if recipe.train.on_nonfinite == "skip":  # the engine owns the step; it has no "drop these gradients"
             raise RecipeError("train.on_nonfinite=skip is not available under zero (DeepSpeed's engine steps on "
                               "every boundary); use stop, or fp16, whose loss scaling skips overflowing steps")
