@@ -152,7 +152,7 @@ def _stack_peak(model: nn.Module, recipe: Recipe, **how) -> int:
     sits in a ModuleList is traced whole. One stack: an encoder-decoder's second stack is not extrapolated."""
     try:
         stack = layer_stack(model, guess=True)
-        _cut(model, stack, 0)  # a RecipeError if the blocks sit in no ModuleList
+        cut_blocks(model, stack, 0)  # a RecipeError if the blocks sit in no ModuleList
     except RecipeError:
         return _traced(copy.deepcopy(model), recipe, **how).peak
     return _over_blocks(model, recipe, stack, len(stack), **how).peak
@@ -161,10 +161,10 @@ def _stack_peak(model: nn.Module, recipe: Recipe, **how) -> int:
 def _over_blocks(model: nn.Module, recipe: Recipe, stack: list[nn.Module], blocks: int, **how) -> Traced:
     """`model` with `blocks` blocks of its `stack`: traced with one and with two, each further block adding
     what the second added."""
-    one = _traced(_cut(model, stack, min(blocks, 1)), recipe, **how)
+    one = _traced(cut_blocks(model, stack, min(blocks, 1)), recipe, **how)
     if blocks <= 1:
         return one
-    return one.extend(_traced(_cut(model, stack, 2), recipe, **how), blocks - 1)
+    return one.extend(_traced(cut_blocks(model, stack, 2), recipe, **how), blocks - 1)
 
 
 def _cache_dir() -> Path:
@@ -189,7 +189,7 @@ def _cache_key(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, a
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def _cut(model: nn.Module, blocks: list[nn.Module], keep: int) -> nn.Module:
+def cut_blocks(model: nn.Module, blocks: list[nn.Module], keep: int) -> nn.Module:
     """A copy of the meta `model` whose layer stack holds its first `keep` blocks."""
     first = id(blocks[0])
     for module in model.modules():

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from toolkit.config.recipe import Recipe
-from toolkit.memory.activations import fake_grouped_mm, give_pad_token
+from toolkit.memory.activations import cut_blocks, fake_grouped_mm, give_pad_token
 
 
 @dataclass(frozen=True)
@@ -46,24 +46,21 @@ def param_order(model: nn.Module, recipe: Recipe) -> ParamOrder:
 
 def repeated_order(model: nn.Module, blocks: tuple[str, ...] | None = None) -> ParamOrder | None:
     """The ParamOrder of a model whose stack repeats one block, from a trace of its first two blocks alone (the
-    others cut from a copy): their order, which must be one, renamed for each block of the stack. A trace costs
-    time per op (llama3-8b's 32 blocks: 2 s; 405B's 126 would take 8), two blocks a fraction of it. None where the
-    stack's blocks differ (their parameters' names, shapes or trainability), the two traced blocks do not run as
-    one pattern (a module outside the stack used between them), or the cut model does not run: trace it whole."""
+    others cut from a copy, as the activation trace cuts it): their order, which must be one, renamed for each block
+    of the stack. A trace costs time per op (llama3-8b's 32 blocks: 2 s; 405B's 126 would take 8), two blocks a
+    fraction of it. None where the stack's blocks differ (their parameters' names, shapes or trainability), the two
+    traced blocks do not run as one pattern (a module outside the stack used between them), or the cut model does
+    not run: trace it whole."""
     stack = _stack(model, blocks)
     if stack is None or len(stack[1]) <= TRACED_BLOCKS:
         return None
     prefix, layers = stack
-    parent, _, attribute = prefix[:-1].rpartition(".")
-    holder = model.get_submodule(parent)
     try:
-        setattr(holder, attribute, layers[:TRACED_BLOCKS])  # the copy traced holds the first blocks alone
-        names = [name for name, _ in model.named_parameters()]
-        short = _trace(model)
+        short = cut_blocks(model, list(layers), TRACED_BLOCKS)  # a copy holding the first blocks alone
+        names = [name for name, _ in short.named_parameters()]
+        traced = _trace(short)
     except Exception:
         return None
-    finally:
-        setattr(holder, attribute, layers)
     full = {name: i for i, (name, _) in enumerate(model.named_parameters())}
 
     def block_of(index: int) -> int | None:
@@ -82,8 +79,8 @@ def repeated_order(model: nn.Module, blocks: tuple[str, ...] | None = None) -> P
         return found.pop()
 
     try:
-        forward = _repeat(short[0], group_block, lambda g, b: tuple(renamed(i, b) for i in g), len(layers))
-        backward = _repeat(short[1], block_of, renamed, len(layers))
+        forward = _repeat(traced[0], group_block, lambda g, b: tuple(renamed(i, b) for i in g), len(layers))
+        backward = _repeat(traced[1], block_of, renamed, len(layers))
     except _Irregular:
         return None
     return _completed(model, forward, backward)
