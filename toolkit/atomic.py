@@ -1,5 +1,6 @@
 """Files written whole: into a temporary name beside the target, renamed into place. A reader (a resumed
-run, `toolkit compare`, a concurrent planner) finds the old file or the new one, never a part of one."""
+run, `toolkit compare`, a concurrent planner) finds the old file or the new one, never a part of one. And the
+user's cache folder such files are kept in between commands (cache_dir)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,12 @@ def write_whole(path: Path, writer: Callable[[Path], object], *, durable: bool =
 
 def write_text_whole(path: Path, text: str, *, durable: bool = False) -> None:
     write_whole(path, lambda tmp: tmp.write_text(text), durable=durable)
+
+
+def cache_dir(kind: str) -> Path:
+    """$TOOLKIT_CACHE/<kind>, else the user's cache folder (XDG_CACHE_HOME or ~/.cache)/toolkit/<kind>; a
+    RuntimeError where no home is to be found (an arbitrary container user), which a cache treats as no cache."""
+    root = os.environ.get("TOOLKIT_CACHE")
+    if root:
+        return Path(root) / kind
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "toolkit" / kind

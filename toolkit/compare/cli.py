@@ -167,11 +167,10 @@ def measure_machine(experiment, args) -> None:
         return
     if torch.cuda.is_available() or target.is_file():
         return
-    print("[compare] measuring this machine for the predicted step times (toolkit calibrate --hardware cpu)...",
-          flush=True)
     recipe = load_recipe(experiment.recipe, experiment.common) if isinstance(experiment.recipe, str) else None
     if recipe is not None:
-        predicted.measure_profile(experiment.out_dir, recipe, nproc=max(a.nproc for a in experiment.arms))
+        predicted.measure_profile(experiment.out_dir, recipe, nproc=max(a.nproc for a in experiment.arms),
+                                  say=lambda line: print(f"[compare] {line}", flush=True))
 
 
 def cmd_report(args) -> int:

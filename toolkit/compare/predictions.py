@@ -10,9 +10,11 @@ micro-batch shapes of its counted step."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from toolkit.atomic import cache_dir
 from toolkit.compare.measure import largest_error
 from toolkit.config.parallel import resolve
 from toolkit.config.recipe import Recipe
@@ -114,15 +116,26 @@ def host_memory_note(arm: dict) -> str:
 PROFILE = "hardware.yaml"  # in the experiment folder: the profile the predictions are made on
 
 
-def measure_profile(out_dir: Path, recipe: Recipe, *, nproc: int) -> Path:
-    """This machine's CPU profile for ranks of `nproc`, measured once per experiment folder."""
+def measure_profile(out_dir: Path, recipe: Recipe, *, nproc: int, say: Callable[[str], None]) -> Path:
+    """This machine's CPU profile for ranks of `nproc`, once per experiment folder: the one an earlier compare
+    measured for the same shapes within a day (calibrate.cached_cpu_profile), else measured now; `say` tells which."""
     path = out_dir / PROFILE
-    if not path.is_file():
-        tokens = recipe.batch.micro_batch_size * recipe.data.max_length
-        profile = calibrate.cpu_profile(nproc=max(nproc, 2), model=planned_model(recipe), tokens=tokens,
-                                        dtype=DTYPES[recipe.precision])
-        profiles.write(profile, path,
-                       header="measured by toolkit compare once its arms were done (toolkit calibrate --hardware cpu)")
+    if path.is_file():
+        return path
+    shapes: dict[str, Any] = {"nproc": max(nproc, 2), "model": planned_model(recipe), "dtype": DTYPES[recipe.precision],
+                              "tokens": recipe.batch.micro_batch_size * recipe.data.max_length}
+    cached = calibrate.cached_cpu_profile(**shapes)
+    if cached is not None:
+        profile, measured_at = cached
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(measured_at))
+        say(f"this machine's profile for the predicted step times: measured by an earlier compare at {when}, kept "
+            f"a day (delete {cache_dir('calibration')} to measure anew)")
+        header = f"measured by an earlier toolkit compare at {when}, on this machine for the same shapes"
+    else:
+        say("measuring this machine for the predicted step times (toolkit calibrate --hardware cpu)...")
+        profile = calibrate.kept_cpu_profile(**shapes)
+        header = "measured by toolkit compare once its arms were done (toolkit calibrate --hardware cpu)"
+    profiles.write(profile, path, header=header)
     return path
 
 

@@ -15,13 +15,14 @@ import functools
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from toolkit.cost.flops import attention_heads, logits_per_token
-from toolkit.cost.hardware import Hardware, Link, Measured, PeakFlops
+from toolkit.cost.hardware import Hardware, Link, Measured, PeakFlops, load, write
 from toolkit.model.precision import dtype_name
 
 ATTENTION_LENGTHS = (64, 256, 1024)
@@ -228,6 +229,65 @@ def cpu_profile(*, nproc: int, model: nn.Module | None, tokens: int, dtype: torc
                                       bus_bandwidth_by_kind=by_kind,
                                       bus_latency_s=latency, num_ranks=nproc, threads=threads,
                                       loss_seconds_per_logit=loss))
+
+
+PROFILE_CACHE_VERSION = 1  # raise when what cpu_profile measures changes: older cached profiles are not read
+PROFILE_CACHE_MAX_AGE_S = 24 * 3600  # a profile measured longer ago is measured again
+
+
+def cached_cpu_profile(*, nproc: int, model: nn.Module | None, tokens: int,
+                       dtype: torch.dtype) -> tuple[Hardware, float] | None:
+    """(the profile, when it was measured) this machine measured for the same shapes, ranks, threads and dtype
+    within PROFILE_CACHE_MAX_AGE_S (the user's cache, calibration/; the CPU's model, flags, cores and memory and
+    torch's version in the key), or None: measure it (kept_cpu_profile). Measuring costs a compare ~10 s at its
+    end (gloo's bus between spawned ranks, mostly starting them), every time."""
+    from toolkit.errors import RecipeError
+
+    try:  # no home to find, none cached yet, or a file that is not a whole profile: measure
+        path = _profile_path(nproc=nproc, model=model, tokens=tokens, dtype=dtype)
+        measured_at = path.stat().st_mtime
+        if 0 <= time.time() - measured_at < PROFILE_CACHE_MAX_AGE_S:
+            return load(str(path)), measured_at
+    except (OSError, RuntimeError, RecipeError):
+        pass
+    return None
+
+
+def kept_cpu_profile(*, nproc: int, model: nn.Module | None, tokens: int, dtype: torch.dtype) -> Hardware:
+    """cpu_profile's, measured now and kept in the user's cache for cached_cpu_profile (where it can be)."""
+    profile = cpu_profile(nproc=nproc, model=model, tokens=tokens, dtype=dtype)
+    try:
+        path = _profile_path(nproc=nproc, model=model, tokens=tokens, dtype=dtype)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(profile, path, header="measured by toolkit compare (toolkit calibrate --hardware cpu's way), kept for "
+                                    "later compares of the same shapes on this machine")
+    except (OSError, RuntimeError):
+        pass
+    return profile
+
+
+def _profile_path(*, nproc: int, model: nn.Module | None, tokens: int, dtype: torch.dtype) -> Path:
+    from toolkit.atomic import cache_dir
+
+    return cache_dir("calibration") / f"{_profile_key(nproc=nproc, model=model, tokens=tokens, dtype=dtype)}.yaml"
+
+
+def _profile_key(*, nproc: int, model: nn.Module | None, tokens: int, dtype: torch.dtype) -> str:
+    """Everything cpu_profile's numbers depend on: this machine (its CPU's model and flags, cores, memory), torch's
+    version, the ranks and so threads a rank, the dtype, and the shapes measured (GEMMs, attention, vocabulary)."""
+    import hashlib
+    import json
+
+    try:
+        with open("/proc/cpuinfo") as handle:
+            cpu = sorted({line.strip() for line in handle if line.startswith(("model name", "flags"))})
+    except OSError:
+        cpu = []
+    device = torch.device("cpu")
+    parts = [PROFILE_CACHE_VERSION, cpu, os.cpu_count(), os.sysconf("SC_PHYS_PAGES"), torch.__version__, nproc,
+             str(dtype), tokens, gemm_shapes(model, tokens, device=device), _attention_shape(model, default=(8, 64)),
+             _vocab(model)]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
 
 
 def gpu_profile(base: Hardware, *, nproc: int, model: nn.Module | None, tokens: int, dtype: torch.dtype) -> Hardware:

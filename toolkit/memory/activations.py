@@ -28,7 +28,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import warnings
 import weakref
 from pathlib import Path
@@ -40,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers.utils import logging as transformers_logging
 
-from toolkit.atomic import write_text_whole
+from toolkit.atomic import cache_dir, write_text_whole
 from toolkit.config.recipe import Recipe
 from toolkit.errors import RecipeError
 from toolkit.model.blocks import enable_activation_checkpointing, layer_stack
@@ -124,7 +123,7 @@ def _cached(model: nn.Module, recipe: Recipe, how: dict[str, Any], what: list, k
     key = _cache_key(model, recipe, **how, what=what)
     path: Path | None = None
     try:  # no home to find (an arbitrary container user) is no cache, not a failed run
-        path = _cache_dir() / f"{key}.json"
+        path = cache_dir("activations") / f"{key}.json"
         cached = {k: int(v) for k, v in json.loads(path.read_text()).items()}
     except (OSError, RuntimeError, ValueError, KeyError, TypeError, AttributeError):
         cached = {}
@@ -165,14 +164,6 @@ def _over_blocks(model: nn.Module, recipe: Recipe, stack: list[nn.Module], block
     if blocks <= 1:
         return one
     return one.extend(_traced(cut_blocks(model, stack, 2), recipe, **how), blocks - 1)
-
-
-def _cache_dir() -> Path:
-    """$TOOLKIT_CACHE/activations, else the user's cache folder (XDG_CACHE_HOME or ~/.cache)/toolkit/memory/activations."""
-    root = os.environ.get("TOOLKIT_CACHE")
-    if root:
-        return Path(root) / "activations"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "toolkit" / "activations"
 
 
 def _cache_key(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
