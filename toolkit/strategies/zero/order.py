@@ -28,7 +28,7 @@ class ParamOrder:
     backward: tuple[int, ...]
 
 
-TRACED_BLOCKS = 2  # the blocks of a stack that are traced: the first two, the second repeated for the rest
+TRACED_BLOCKS = 2  # the blocks of a stack that are traced: the first two, their one order repeated for the rest
 
 
 def param_order(model: nn.Module, recipe: Recipe) -> ParamOrder:
@@ -98,9 +98,7 @@ def _repeat(units: list, block_of: Callable[[Any], int | None], renamed: Callabl
     (unused, unfinished) are left out, for the caller to add."""
     runs: list[tuple[int | None, list]] = []
     for unit in units:
-        block = block_of(unit)
-        if block is not None and block >= TRACED_BLOCKS:
-            raise _Irregular
+        block = block_of(unit)  # 0, 1 or None: the traced copy holds two blocks
         if runs and runs[-1][0] == block:
             runs[-1][1].append(unit)
         else:
