@@ -13,9 +13,11 @@ read from the collective counter on CPU and held to it byte for byte (tests/test
   the update; gathered again before backward where DeepSpeed released it (the model beyond what its reuse
   distance and live limit keep: memory.gathered_bytes); every gradient reduce-scattered after every
   micro-batch's backward, in buckets as stage 2's;
-- the engine's own small all-reduces (overflow and norm checks): 4, 8 or 16 bytes a step for stage 0, 1-2, 3 (8
-  with stage 3's optimizer offloaded: the CPU optimizer's norm), in 1, 2 and 2 calls, and at stages 1-2 in a
-  16-bit precision one byte more in a call of its own (the overflow flag; measured in bf16).
+- the engine's own small all-reduces (overflow and norm checks): stage 0 one gradient norm of 4 bytes a step;
+  stages 1-3 one per optimizer parameter group that holds parameters (decay and no-decay: 2; LoRA's adapters,
+  all decayed: 1) of 4 bytes at stages 1-2 and 8 at stage 3 (4 with its optimizer offloaded: the CPU
+  optimizer's norm), and at stages 1-2 in a 16-bit precision one byte more in a call of its own (the overflow
+  flag; measured in bf16).
 Calls are held to the counter too: the tiny Llama's stage 1 makes 15 gradient all-reduces a step where a bucket
 count (its gradients' bytes over the bucket's) said 1,929.
 """
@@ -37,7 +39,7 @@ from toolkit.strategies.zero.order import param_order
 
 DEFAULT_PREFETCH_BUCKET = 50_000_000  # stage3_prefetch_bucket_size's default (elements)
 
-ENGINE_CHECK_BYTES = {0: 4, 1: 8, 2: 8, 3: 16}  # measured: the engine's own small all-reduces per step
+NORM_BYTES = {0: 4, 1: 4, 2: 4, 3: 8}  # measured: each gradient norm's all-reduce (stage 3 offloaded: 4)
 # ZeRO-3's host time per tensor it gathers or reduce-scatters (a parameter's partition each micro-batch, or once a
 # step where it stays whole; a gradient each micro-batch), beyond the collective itself: the Python of its module
 # hooks (fetch, release, re-partition), its gradient bucket copies and its step's per-parameter flatten, unscale
@@ -68,8 +70,10 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, num_micro_batc
                           phase=phase, what=what, overlap=overlap, host_s=tensors * HOST_S_PER_TENSOR)
 
     flag = 1 if stage in (1, 2) and recipe.precision != "fp32" else 0
-    check_bytes = 8 if stage == 3 and offloads(config)[0] else ENGINE_CHECK_BYTES[stage] + flag
-    checks = entry("allreduce_", check_bytes, 1 if stage == 0 else 2 + flag, "step", "overflow and norm checks")
+    # a gradient norm per optimizer parameter group holding parameters (stages 1-3), the engine's one (stage 0)
+    norms = 1 if stage == 0 else sum(1 for g in param_groups(model, recipe.optim) if g["params"])
+    norm_bytes = 4 if stage == 3 and offloads(config)[0] else NORM_BYTES[stage]
+    checks = entry("allreduce_", norms * norm_bytes + flag, norms + flag, "step", "overflow and norm checks")
     if stage == 0:
         return [entry("allreduce_", grads, max(1, math.ceil(grads / (memory.ALLREDUCE_BUCKET * size))), "step",
                       "gradients"), checks]
