@@ -191,6 +191,17 @@ def _preload() -> None:
 
     import toolkit.cli  # noqa: F401
     import toolkit.train.loop  # noqa: F401
+    # and what a rank imports before it measures its runtime (toolkit.train.loop: the base of its memory
+    # prediction), a plain rank's as much as a forked one's: the data library (with pandas and pyarrow) it reads
+    # rows with, and every strategy's module (the recipe checks ask each for its options); ~1.2 s a process
+    import datasets  # noqa: F401
+
+    import toolkit.compare.cli  # noqa: F401
+    import toolkit.launch.accelerate_env  # noqa: F401
+    from toolkit.strategies import strategy_info, strategy_names
+
+    for name in strategy_names():
+        strategy_info(name)
 
 
 def _supervise(conn: socket.socket) -> None:
