@@ -378,16 +378,13 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     outlive_reader()  # a console whose reader left (`| head`, a closed session) does not end the run
     args = build_parser().parse_args(argv)
-    from toolkit.compare.cli import COMPARE_COMMANDS, require_compare_file
-    from toolkit.config.files import require_recipe_file
+    from toolkit.compare.cli import COMPARE_COMMANDS
+    from toolkit.launch.launcher import prepare_environment
+
+    prepare_environment()  # before any library import that reads it (DeepSpeed's accelerator, the hubs)
 
     handler = {**COMMANDS, **COMPARE_COMMANDS}[args.command]
     try:
-        if getattr(args, "recipe", None) is not None:  # a missing file said before torch loads (0.4 s, not 4-8 s)
-            (require_compare_file if args.command == "compare" else require_recipe_file)(args.recipe)
-        from toolkit.launch.launcher import prepare_environment
-
-        prepare_environment()  # before any library import that reads it (DeepSpeed's accelerator, the hubs)
         return handler(args) or 0
     except RecipeError as exc:
         say_user_error(exc)  # every rank of a launch finds the same mistake: one line

@@ -83,17 +83,13 @@ def rounding_arm(experiment):
                                  f"train.init_perturbation={ROUNDING_PERTURBATION}", UNTRACKED))
 
 
-def require_compare_file(path: str) -> None:
-    if not Path(path).is_file():
-        raise RecipeError(f"{path} not found; pass a recipe or a matrix file")
-
-
 def experiment_of(args):
     """The experiment `toolkit compare` was asked for: from a matrix file, or a recipe and --strategies."""
     from toolkit.compare.experiment import build_experiment, load_matrix, split_arms
     from toolkit.config.yaml_files import read_yaml_mapping
 
-    require_compare_file(args.recipe)
+    if not Path(args.recipe).is_file():
+        raise RecipeError(f"{args.recipe} not found; pass a recipe or a matrix file")
     if args.nproc is not None and args.nproc < 1:  # None: the matrix file's nproc, else 2
         raise RecipeError(f"--nproc {args.nproc}: give the number of ranks per multi-process arm, 1 or more")
     data = read_yaml_mapping(Path(args.recipe), what="compare file",

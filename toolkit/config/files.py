@@ -22,17 +22,11 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
     return recipe_from_dict(read_recipe_dict(path, overrides))
 
 
-def require_recipe_file(path: str | os.PathLike) -> Path:
-    """`path` as a Path, or RecipeError where no file is there."""
+def read_recipe_dict(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> dict:
+    """The recipe file as a plain dict with the overrides applied, not yet validated."""
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe {path} not found; pass a YAML file (see `toolkit --help` for the shipped recipes)")
-    return path
-
-
-def read_recipe_dict(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> dict:
-    """The recipe file as a plain dict with the overrides applied, not yet validated."""
-    path = require_recipe_file(path)
     raw = read_yaml_mapping(path, what="recipe", holds="sections (model, data, ...)")
     if not raw and not overrides:  # else "recipe key 'model' is required", as if one section were missing
         raise RecipeError(f"recipe {path} is empty; it needs at least a model and a data section (see recipes/)")
