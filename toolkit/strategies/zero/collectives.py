@@ -70,8 +70,9 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, num_micro_batc
                           phase=phase, what=what, overlap=overlap, host_s=tensors * HOST_S_PER_TENSOR)
 
     flag = 1 if stage in (1, 2) and recipe.precision != "fp32" else 0
+    groups = [[p.numel() for p in g["params"]] for g in param_groups(model, recipe.optim) if g["params"]]
     # a gradient norm per optimizer parameter group holding parameters (stages 1-3), the engine's one (stage 0)
-    norms = 1 if stage == 0 else sum(1 for g in param_groups(model, recipe.optim) if g["params"])
+    norms = 1 if stage == 0 else len(groups)
     norm_bytes = 4 if stage == 3 and offloads(config)[0] else NORM_BYTES[stage]
     checks = entry("allreduce_", norms * norm_bytes + flag, norms + flag, "step", "overflow and norm checks")
     if stage == 0:
@@ -80,7 +81,6 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, num_micro_batc
     params = list(model.parameters())
     if stage in (1, 2):
         reductions = num_micro_batches if stage == 2 else 1
-        groups = [[p.numel() for p in g["params"]] for g in param_groups(model, recipe.optim) if g["params"]]
         partitions = sum(memory.partition_numel(numels, world_size) for numels in groups)
         # stage 1 reduces at the step's end, group by group; stage 2 as backward finishes each gradient
         numels = [n for numels in groups for n in numels] if stage == 1 else \
