@@ -185,9 +185,17 @@ def toolkit_env() -> dict:
 
 
 FORKED_RANKS = REPO / "tests" / "forked_ranks.py"
+FORKING = REPO / "tests" / "forking"  # sitecustomize: the toolkit processes a forked one starts are forked too
 
 
-def _forked_env() -> dict:
+def _forking_env() -> dict:
+    """toolkit_env() with tests/forking first on PYTHONPATH: the server's environment, and its clients'."""
+    env = toolkit_env()
+    env["PYTHONPATH"] = str(FORKING) + os.pathsep + env["PYTHONPATH"]
+    return env
+
+
+def forked_env() -> dict:
     """toolkit_env() for a process that `python tests/forked_ranks.py ARGS` starts as `python -m toolkit ARGS`,
     forked from a server that imported the toolkit once (started at the first call; ~3 s of imports less per
     process); where this environment differs from the server's in what a fork cannot give, it is exec'd."""
@@ -199,7 +207,7 @@ def _forked_env() -> dict:
         socket_path = os.path.join(folder, "socket")
         with open(os.path.join(folder, "server-stderr"), "w") as stderr:
             server = subprocess.Popen([sys.executable, str(FORKED_RANKS), "serve", socket_path], cwd=REPO,
-                                      env=toolkit_env(), stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                      env=_forking_env(), stdout=subprocess.PIPE, stderr=stderr, text=True,
                                       start_new_session=True)
         atexit.register(shutil.rmtree, folder, True)
         atexit.register(server.kill)
@@ -211,7 +219,7 @@ def _forked_env() -> dict:
         if not _RANK_SERVER:
             server.kill()
             _NOT_FORKED.append(f"the server {'printed: ' + said[-300:] if said else 'did not start'}")
-    return {**toolkit_env(), forked_ranks.FORKED_RANKS_ENV: _RANK_SERVER} if _RANK_SERVER else toolkit_env()
+    return {**_forking_env(), forked_ranks.FORKED_RANKS_ENV: _RANK_SERVER} if _RANK_SERVER else toolkit_env()
 
 
 _RANK_SERVER: str | None = None
@@ -231,7 +239,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
 
 def run_cli(*args: str, cwd: Path = REPO, timeout: int = 600) -> subprocess.CompletedProcess:
     """`python -m toolkit ARGS` in a real process (forked from the tests' server of imported ranks)."""
-    return subprocess.run([sys.executable, str(FORKED_RANKS), *args], cwd=cwd, env=_forked_env(),
+    return subprocess.run([sys.executable, str(FORKED_RANKS), *args], cwd=cwd, env=forked_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -242,7 +250,7 @@ def run_torchrun(nproc: int, *args: str, timeout: int = 600) -> subprocess.Compl
     from torchrun_fork import run_torchrun as forked
 
     return forked(["--standalone", "--nproc_per_node", str(nproc), str(FORKED_RANKS), *args], cwd=REPO,
-                  env=_forked_env(), timeout=timeout)
+                  env=forked_env(), timeout=timeout)
 
 
 def launch(recipe: Path, *, nproc: int, overrides: tuple[str, ...] = (), extra: tuple[str, ...] = ()

@@ -100,15 +100,19 @@ class _Messages:
 # ---------------------------------------------------------------------------------------------------- client
 
 
-def client(args: list[str]) -> None:
-    """A rank as torchrun sees it: its fork in the server, or `python [-u] -m toolkit ARGS` exec'd."""
+def client(args: list[str], *, started: bool = False) -> None:
+    """A rank as torchrun sees it: its fork in the server, or `python [-u] -m toolkit ARGS` exec'd. `started`:
+    this process is that command already (tests/forking/sitecustomize.py, before the toolkit runs), which goes on
+    as it is instead of the exec. A forked process keeps FORKED_RANKS_ENV, so that the toolkit processes it starts
+    in turn (the ranks of a `toolkit launch` or of a compare's arms, a benchmark's runs) are forked too; one that
+    is not forked clears it for itself and what it starts (they would be refused the same)."""
     unbuffered = bool(getattr(sys.stdout, "write_through", False))  # what -u gives
     # a signal that comes before the rank exists waits for it (forwarded below) instead of ending this process
     signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     messages = _Messages(conn)
     try:
-        conn.connect(os.environ.pop(FORKED_RANKS_ENV))
+        conn.connect(os.environ[FORKED_RANKS_ENV])
         _send(conn, {"args": args, "cwd": os.getcwd(), "env": dict(os.environ), "unbuffered": unbuffered,
                      "client": os.getpid()}, (0, 1, 2))
         reply = messages.next()
@@ -116,7 +120,10 @@ def client(args: list[str]) -> None:
         reply = None
     if not reply or "pid" not in reply:  # no server, or an environment a fork cannot give
         conn.close()
+        os.environ[FORKED_RANKS_ENV] = ""
         signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # the mask would outlive the exec
+        if started:
+            return
         os.execv(sys.executable, [sys.executable, *(["-u"] if unbuffered else []), "-m", "toolkit", *args])
     rank = reply["pid"]
     for forwarded in SIGNALS:

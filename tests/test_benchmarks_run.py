@@ -1,14 +1,16 @@
 """Every benchmark runs for one tiny step on CPU and prints its table: each starts the toolkit as its user does
 (`toolkit train`/`launch` in a subprocess; compare_overhead's worker as a rank of the recipe), so a change to
 the toolkit that breaks a benchmark fails here, not on the day someone measures (compare_overhead's worker had
-unpacked 8 of prepare()'s 10 values, unnoticed while its test ran --help only)."""
+unpacked 8 of prepare()'s 10 values, unnoticed while its test ran --help only). Their `toolkit` processes are
+forked from the tests' server as every other test's are (tests/forking), apart from the start-up benchmark's,
+whose table is the time a plain process takes to start."""
 
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, toolkit_env
+from conftest import REPO, forked_env, toolkit_env
 
 TINY_LLAMA = ["--layers", "1", "--hidden", "64", "--intermediate", "128", "--heads", "4"]
 RUNS = {
@@ -32,7 +34,8 @@ RUNS = {
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_benchmark_prints_its_table(name):
     args, column = RUNS[name]
-    result = subprocess.run([sys.executable, f"benchmarks/{name}.py", *args], cwd=REPO, env=toolkit_env(),
+    result = subprocess.run([sys.executable, f"benchmarks/{name}.py", *args], cwd=REPO,
+                            env=toolkit_env() if name == "startup" else forked_env(),
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     table = result.stdout.splitlines()

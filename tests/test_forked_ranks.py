@@ -1,7 +1,10 @@
 """The tests' forked toolkit processes (tests/forked_ranks.py): what the server forks and what it execs, and
-its messages."""
+its messages, and the hook (tests/forking) that forks the toolkit processes a forked one starts."""
 
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import forked_ranks
 
@@ -25,3 +28,38 @@ def test_an_environment_differing_in_what_libraries_read_at_import_is_execd(monk
     assert forked_ranks._differences({"PATH": "/bin", "HF_HUB_OFFLINE": "0"}) == ["HF_HUB_OFFLINE"]
     assert forked_ranks._differences({"PATH": "/bin", "MALLOC_ARENA_MAX": "2"}) == ["MALLOC_ARENA_MAX"]
     assert forked_ranks._differences({}) == ["PATH"]
+
+
+def _hook_args(monkeypatch, argv: list[str]) -> list[str] | None:
+    import importlib.util
+
+    from conftest import FORKING
+
+    spec = importlib.util.spec_from_file_location("forking_hook", FORKING / "sitecustomize.py")
+    hook = importlib.util.module_from_spec(spec)
+    monkeypatch.delenv(forked_ranks.FORKED_RANKS_ENV, raising=False)  # loading it here must not make a client
+    spec.loader.exec_module(hook)
+    monkeypatch.setattr(sys, "orig_argv", argv)
+    return hook._toolkit_args()
+
+
+def test_the_hook_takes_toolkit_commands_only(monkeypatch):
+    assert _hook_args(monkeypatch, ["python", "-m", "toolkit", "train", "r.yaml"]) == ["train", "r.yaml"]
+    assert _hook_args(monkeypatch, ["python", "-u", "-m", "toolkit", "launch"]) == ["launch"]  # as torchrun starts it
+    assert _hook_args(monkeypatch, ["python", "-X", "importtime", "-m", "toolkit", "train"]) is None
+    assert _hook_args(monkeypatch, ["python", "-m", "torch.distributed.run", "-m", "toolkit"]) is None
+    assert _hook_args(monkeypatch, ["python", "benchmarks/startup.py"]) is None
+
+
+def test_a_toolkit_process_started_by_a_forked_one_asks_the_server_and_runs_plain_when_refused():
+    # what a forked `toolkit launch` or compare starts: `python -m toolkit ...` with the server's variable; here
+    # with a variable a fork cannot give, so the server logs it as exec'd and the process runs as it is
+    import conftest
+
+    env = {**conftest.forked_env(), "MALLOC_ARENA_MAX": "2"}
+    log = Path(f"{conftest._RANK_SERVER}.exec-log")
+    before = log.read_text().splitlines() if log.is_file() else []
+    done = subprocess.run([sys.executable, "-m", "toolkit", "--help"], cwd=conftest.REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-2000:]
+    assert log.read_text().splitlines()[len(before):] == ["exec'd: --help: MALLOC_ARENA_MAX"]
