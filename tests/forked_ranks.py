@@ -28,8 +28,10 @@ process starts (anything but the launch's per-rank variables, the toolkit's TOOL
 read when used) runs `python -m toolkit ARGS` itself, as does one that finds no server; the server lists each
 in SOCKET.exec-log and the test session's summary counts them. The tests of how ranks start, stop, exit or
 die start theirs themselves (Popen of `python -m toolkit`, plain torchrun: test_clean_exit,
-test_launch_robustness, test_first_hour, test_multinode), and `toolkit launch` under run_cli starts plain
-ranks: only its launcher is forked.
+test_launch_robustness, test_first_hour, test_multinode). What a forked process starts in turn is forked too:
+a `python [-u] -m toolkit ARGS` that inherits FORKED_RANKS_ENV (the ranks of `toolkit launch` and of a compare's
+arms, a benchmark's runs) becomes a client as it starts, through tests/forking/sitecustomize.py, and runs plain
+where the server refuses it.
 """
 
 from __future__ import annotations
