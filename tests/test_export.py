@@ -241,7 +241,7 @@ def test_a_model_built_empty_exports_the_tensor_names_of_its_files(tmp_path):
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    from conftest import REPO, _minilm_tokenizer, toolkit_env
+    from conftest import REPO, _minilm_tokenizer, forked_env
 
     model_dir = tmp_path / "neox"
     tokenizer = _minilm_tokenizer()
@@ -259,6 +259,6 @@ def test_a_model_built_empty_exports_the_tensor_names_of_its_files(tmp_path):
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=model_dir, output_dir=out, data={"eval": None},
                           batch={"micro_batch_size": 4}, train={"max_steps": 1})
     done = subprocess.run([sys.executable, "-m", "toolkit", "train", str(recipe), "--set", "strategy.name=fsdp"],
-                          cwd=REPO, env=toolkit_env(), capture_output=True, text=True, timeout=600)
+                          cwd=REPO, env=forked_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert names(out / "model") == names(model_dir)

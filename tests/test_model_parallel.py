@@ -425,7 +425,7 @@ def test_a_v_shaped_pipeline_evaluates_the_default_recipe_as_one_process(tmp_pat
     import subprocess
     import sys
 
-    from conftest import REPO, toolkit_env
+    from conftest import REPO, forked_env
 
     def run(name: str, *command: str, sets: tuple[str, ...] = ()) -> dict:
         out = tmp_path / name
@@ -433,7 +433,7 @@ def test_a_v_shaped_pipeline_evaluates_the_default_recipe_as_one_process(tmp_pat
                                "--set", "train.max_steps=1", "--set", f"output_dir={out}",
                                "--set", "data.eval=tests/data/reviews-eval-64.jsonl",
                                *[a for s in sets for a in ("--set", s)]],
-                              cwd=REPO, env=toolkit_env(), capture_output=True, text=True, timeout=600)
+                              cwd=REPO, env=forked_env(), capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         return metrics(out)[-1]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, toolkit_env
+from conftest import REPO, forked_env
 
 PREFIXES = ("make ", "toolkit ", "torchrun ", "accelerate launch ", "python ")
 FEWER_STEPS = ("--set", "train.max_steps=2")
@@ -103,7 +103,7 @@ def fresh_copy(root: Path) -> Path:
 def run(command: str, cwd: Path, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     args = shlex.split(command)
     assert args[0] == "toolkit"
-    result = subprocess.run([sys.executable, "-m", "toolkit", *args[1:], *extra], cwd=cwd, env=toolkit_env(),
+    result = subprocess.run([sys.executable, "-m", "toolkit", *args[1:], *extra], cwd=cwd, env=forked_env(),
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "Traceback" not in result.stderr, \
         f"{command} exited {result.returncode}:\n{result.stderr[-4000:]}"
