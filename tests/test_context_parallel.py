@@ -65,10 +65,13 @@ CP2 = ("parallel.cp=2", "batch.micro_batch_size=4", "batch.grad_accum_steps=2", 
 CP2_DP2 = ("parallel.cp=2", "parallel.dp_shard=2", "batch.micro_batch_size=4")  # 4 ranks: 2 shards × 2 cp ranks
 CP2_ULYSSES = ("parallel.cp=2", "parallel.cp_method=ulysses")
 CP2_TP2 = ("parallel.cp=2", "parallel.tp=2")  # 4 ranks: heads split over tp, each tp rank's sequences over cp
+# 4 ranks: HSDP, 2 replica groups (each reads its own data shard), each an FSDP over its 2 cp ranks
+CP2_REP2 = ("parallel.cp=2", "parallel.dp_replicate=2", "batch.micro_batch_size=4")
 
 
 @pytest.mark.parametrize("name, nproc, overrides", [("cp2", 2, CP2), ("cp2-dp2", 4, CP2_DP2),
-                                                    ("cp2-ulysses", 2, CP2_ULYSSES), ("cp2-tp2", 4, CP2_TP2)])
+                                                    ("cp2-ulysses", 2, CP2_ULYSSES), ("cp2-tp2", 4, CP2_TP2),
+                                                    ("cp2-rep2", 4, CP2_REP2)])
 def test_context_parallel_trains_as_one_process(llama_runs, name, nproc, overrides):
     # tiny-llama's samples pad to lengths 4 does not divide: the split pads them further, masked
     reference = llama_runs.get("single-m8")
@@ -93,10 +96,12 @@ def recipe(parallel, **sections):
      "context parallel splits a causal LM's sequences; model.task is sequence-classification"),
     ({"cp": 2, "tp": 2, "dp_shard": 2}, {}, 8, "parallel: dp_shard × cp × tp together is not tested yet"),
     ({"cp": 2, "tp": 2}, {"strategy": {"sequence_parallel": True}}, 4,
-     "strategy.cp_degree (context parallel) is tested with dp_shard and tp_degree, not with"),
-    ({"cp": 2, "dp_replicate": 2}, {}, 4, "parallel: dp_replicate × cp together is not tested yet"),
-    ({}, {"strategy": {"name": "fsdp", "cp_degree": 2, "replicate_degree": 2}}, 4,
-     "strategy.cp_degree (context parallel) is tested with dp_shard and tp_degree, not with"),
+     "strategy.cp_degree (context parallel) is tested with dp_shard, tp_degree and replicate_degree, not with"),
+    ({"cp": 2, "dp_replicate": 2, "tp": 2}, {}, 8, "parallel: dp_replicate × cp × tp together is not tested yet"),
+    ({}, {"strategy": {"name": "fsdp", "cp_degree": 2, "replicate_degree": 2, "tp_degree": 2}}, 8,
+     "strategy.cp_degree with both strategy.replicate_degree and tp_degree is not tested yet"),
+    ({}, {"strategy": {"name": "fsdp", "cp_degree": 2, "replicate_degree": 2, "sync_every": 2}}, 4,
+     "strategy.cp_degree with local SGD over HSDP's replica groups is not tested yet"),
     ({}, {"strategy": {"name": "fsdp", "cp_degree": 0}}, 2, "strategy.cp_degree must be >= 1, got 0"),
     ({"cp": 3}, {}, 4, "parallel: cp 3 = 3 does not divide the 4 ranks"),
     ({"cp": 2}, {"train": {"compile": True}}, 2, "train.compile is not available with context parallel yet"),
@@ -170,7 +175,7 @@ def test_attention_sinks_are_refused_not_left_out():
 
 def test_a_context_parallel_mistake_exits_2_before_any_rank_starts(tmp_path, tiny_llama_dir):
     path = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out")
-    done = run_cli("validate", str(path), "--nproc", "4", "--set", "parallel.cp=2", "--set", "parallel.dp_replicate=2")
+    done = run_cli("validate", str(path), "--nproc", "8", "--set", "parallel.cp=2", "--set", "parallel.tp=2")
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not (tmp_path / "out").exists()
     done = run_cli("validate", str(path), "--nproc", "2", "--set", "parallel.cp=2")

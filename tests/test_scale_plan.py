@@ -39,8 +39,11 @@ def test_every_layout_of_two_h100_nodes_has_its_step_time_and_memory(two_nodes):
     planned = [p for p in two_nodes if "refused" not in p]
     names = {p["layout"] for p in planned}
     assert {"ddp", "fsdp", "hsdp-2x8", "zero1", "zero2", "zero3", "fsdp-tp2-lossp", "fsdp-tp8-sp-lossp", "pp2-fsdp",
-            "fsdp-cp2"} <= names
+            "fsdp-cp2", "hsdp-2x8-cp2"} <= names
     by_name = {p["layout"]: p for p in planned}
+    # HSDP × cp: each rank traces half of every sequence, so it holds less than HSDP alone
+    assert by_name["hsdp-2x8-cp2"]["peak_bytes_per_gpu"] < by_name["hsdp-2x8"]["peak_bytes_per_gpu"]
+    assert "all-gather keys and values over cp (in node)" in {c["what"] for c in by_name["hsdp-2x8-cp2"]["costs"]}
     # sequence parallelism holds less than the same TP without it
     assert by_name["fsdp-tp8-sp-lossp"]["peak_bytes_per_gpu"] < by_name["fsdp-tp8-lossp"]["peak_bytes_per_gpu"]
     for p in planned:

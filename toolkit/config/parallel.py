@@ -65,6 +65,10 @@ PRESETS: dict[frozenset[str], tuple[str, Any]] = {
     frozenset({"cp"}): ("fsdp", lambda d: {"cp_degree": d.cp}),  # FSDP over the cp ranks, as over dp_shard × cp
     frozenset({"dp_shard", "cp"}): ("fsdp", lambda d: {"cp_degree": d.cp}),
     frozenset({"cp", "tp"}): ("fsdp", lambda d: {"cp_degree": d.cp, "tp_degree": d.tp}),
+    # HSDP × cp: FSDP over dp_shard × cp within a replica group, gradients all-reduced across the groups
+    frozenset({"dp_replicate", "cp"}): ("fsdp", lambda d: {"replicate_degree": d.dp_replicate, "cp_degree": d.cp}),
+    frozenset({"dp_replicate", "dp_shard", "cp"}): ("fsdp", lambda d: {"replicate_degree": d.dp_replicate,
+                                                                         "cp_degree": d.cp}),
     frozenset({"pp"}): ("pipeline", lambda d: {}),
     frozenset({"pp", "dp_replicate"}): ("hybrid", lambda d: {"pipeline_degree": d.pp, "data_parallel": "ddp"}),
     frozenset({"pp", "dp_shard"}): ("hybrid", lambda d: {"pipeline_degree": d.pp, "data_parallel": "fsdp"}),
@@ -105,8 +109,9 @@ def resolve(recipe: Recipe, *, world_size: int) -> Recipe:
     degrees = degrees_of(recipe, world_size=world_size)
     active = frozenset(degrees.active())
     if active not in PRESETS:
-        tested = "; ".join(" × ".join(sorted(combo)) for combo in PRESETS if len(combo) > 1)
-        raise RecipeError(f"parallel: {' × '.join(degrees.active())} together is not tested yet (tested pairs: "
+        tested = "; ".join(" × ".join(name for name in MESH_ORDER if name in combo) for combo in PRESETS
+                           if len(combo) > 1)
+        raise RecipeError(f"parallel: {' × '.join(degrees.active())} together is not tested yet (tested: "
                           f"{tested}); drop one of them")
     name, options_of = PRESETS[active]
     options = options_of(degrees)

@@ -82,6 +82,9 @@ def auto_layouts(recipe: Recipe, model: nn.Module, cluster: step_time.Cluster) -
                                   "strategy.data_parallel=fsdp", *plain)
     if recipe.data.max_length >= LONG_SEQUENCE:
         out["fsdp-cp2"] = ("strategy.name=fsdp", "strategy.cp_degree=2", *plain)
+        if nodes > 1:  # HSDP's replica groups across the nodes, each sequence split inside one
+            out[f"hsdp-{nodes}x{per_node}-cp2"] = ("strategy.name=fsdp", f"strategy.replicate_degree={nodes}",
+                                                    "strategy.cp_degree=2", *plain)
     return out
 
 

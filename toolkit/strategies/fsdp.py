@@ -106,10 +106,16 @@ class FsdpRules:
         if cp is not None and cp < 1:
             raise RecipeError(f"strategy.cp_degree must be >= 1, got {cp}; leave it unset for FSDP alone")
         if cp is not None and cp > 1:
-            if replicate > 1 or options.sequence_parallel or options.loss_parallel:  # not tested together yet
-                raise RecipeError("strategy.cp_degree (context parallel) is tested with dp_shard and tp_degree, not "
-                                  "with strategy.replicate_degree, strategy.sequence_parallel or "
-                                  "strategy.loss_parallel yet; choose one")
+            if options.sequence_parallel or options.loss_parallel:  # not tested together yet
+                raise RecipeError("strategy.cp_degree (context parallel) is tested with dp_shard, tp_degree and "
+                                  "replicate_degree, not with strategy.sequence_parallel or strategy.loss_parallel "
+                                  "yet; choose one")
+            if replicate > 1 and (tp or 1) > 1:
+                raise RecipeError("strategy.cp_degree with both strategy.replicate_degree and tp_degree is not tested "
+                                  "yet; drop one of them")
+            if replicate > 1 and local_sgd_of(recipe).on:
+                raise RecipeError("strategy.cp_degree with local SGD over HSDP's replica groups is not tested yet; "
+                                  "drop strategy.sync_every or strategy.cp_degree")
             context.check_recipe(recipe, cp=cp, tp=tp or 1, world_size=world_size)
         ep = options.ep_degree
         if ep is not None and ep < 1:

@@ -121,11 +121,13 @@ def dimensions(mesh, names: tuple[str, ...]):
 
 
 def _shard_mesh(mesh, dp_dims: tuple[str, ...]):
-    """What FSDP shards over: dp_shard, dp_replicate × dp_shard (HSDP), or dp_shard × cp as one dimension."""
+    """What FSDP shards over: dp_shard, dp_replicate × dp_shard (HSDP), dp_shard × cp flattened into one dimension
+    (dp_shard_cp), or HSDP over dp_replicate × dp_shard_cp (torchtitan's layout of the same degrees)."""
     if "cp" not in dp_dims:
         return dimensions(mesh, dp_dims)
-    assert "dp_replicate" not in dp_dims, "HSDP × cp is not a tested layout"
-    return dimensions(mesh, dp_dims)._flatten("dp_shard_cp")
+    sharded = tuple(name for name in dp_dims if name != "dp_replicate")
+    flat = dimensions(mesh, sharded)._flatten("dp_shard_cp")
+    return mesh["dp_replicate", "dp_shard_cp"] if "dp_replicate" in dp_dims else flat
 
 
 def parallelize(model: nn.Module, *, mesh, env: DistEnv, units: list[nn.Module],
