@@ -66,7 +66,7 @@ def test_every_preset_is_its_degrees(name, options, world_size):
 
 @pytest.mark.parametrize("parallel, strategy, world_size, words", [
     ({"tp": 2, "pp": 2}, {}, 4, "parallel: pp × tp together is not tested yet"),
-    ({"dp_replicate": 2, "tp": 2}, {}, 4, "parallel: dp_replicate × tp together is not tested yet"),
+    ({"pp": 2, "dp_replicate": 2, "tp": 2}, {}, 8, "parallel: pp × dp_replicate × tp together is not tested yet"),
     ({"dp_shard": 3}, {}, 4, "parallel: dp_shard 3 = 3 ranks, but the run has 4; make the product 4"),
     ({"tp": 3}, {}, 4, "parallel: tp 3 = 3 does not divide the 4 ranks"),
     ({"dp_shard": 2}, {"name": "ddp"}, 2, "strategy.name ddp and parallel (dp_shard 2, which runs as fsdp) disagree"),
@@ -87,8 +87,8 @@ def test_an_untested_pair_exits_2_with_one_line(tmp_path, tiny_llama_dir):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "toolkit: error: parallel: pp × tp together is not tested yet (tested: dp_replicate × dp_shard; "
-        "dp_shard × tp; dp_shard × cp; cp × tp; dp_replicate × cp; dp_replicate × dp_shard × cp; pp × dp_replicate; "
-        "pp × dp_shard); drop one of them"]
+        "dp_shard × tp; dp_replicate × tp; dp_replicate × dp_shard × tp; dp_shard × cp; cp × tp; dp_replicate × cp; "
+        "dp_replicate × dp_shard × cp; pp × dp_replicate; pp × dp_shard); drop one of them"]
     assert not (tmp_path / "out").exists()
     done = run_cli("validate", str(path), "--nproc", "2", "--set", "parallel.dp_shard=2")
     assert done.returncode == 0 and "# parallel: fsdp (dp_shard 2)" in done.stdout.splitlines()

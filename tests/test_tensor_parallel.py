@@ -13,6 +13,9 @@ ARMS = {
     # name: (ranks, overrides); global batch 8 = data shards × micro 2 × accumulation
     "tp": (2, ("strategy.name=tp", "batch.grad_accum_steps=4")),  # one data shard: both ranks read it
     "fsdp-tp2": (4, ("strategy.name=fsdp", "strategy.tp_degree=2", "batch.grad_accum_steps=2")),  # 2 dp × 2 tp
+    # HSDP × tp: 2 replica groups (each its own data shard) × 2 tp, FSDP over a group's one dp_shard rank
+    "hsdp-tp2": (4, ("strategy.name=fsdp", "strategy.tp_degree=2", "strategy.replicate_degree=2",
+                     "batch.grad_accum_steps=2")),
     # norms and residuals on sequence shards between the split layers (uneven shards: padded lengths are odd too)
     "tp-sp": (2, ("strategy.name=tp", "strategy.sequence_parallel=true", "batch.grad_accum_steps=4")),
 }
@@ -59,7 +62,7 @@ def test_tp_layout_model_states_and_audit_are_read_from_the_split_weights(llama4
 
 def test_communication_per_step_is_activation_all_reduces_beside_fsdp_traffic(llama4_runs):
     runs = {arm: json.loads((llama4_runs.get(arm, nproc=ranks, overrides=overrides) / "run.json").read_text())
-            for arm, (ranks, overrides) in ARMS.items() if arm != "tp-sp"}
+            for arm, (ranks, overrides) in ARMS.items() if arm in ("tp", "fsdp-tp2")}
     blocks, micro_batches = 4, {"tp": 4, "fsdp-tp2": 2}  # micro-batches per rank per step
     # the gradient norm (every step, DTensor gradients): per group of gradients split alike, one fp32 per gradient,
     # all-reduced over each mesh dimension that splits them. tp: q k v gate up (5 a block) on dim 0, o down (2) on

@@ -62,6 +62,10 @@ PRESETS: dict[frozenset[str], tuple[str, Any]] = {
     frozenset({"dp_replicate", "dp_shard"}): ("fsdp", lambda d: {"replicate_degree": d.dp_replicate}),
     frozenset({"tp"}): ("tp", lambda d: {}),
     frozenset({"dp_shard", "tp"}): ("fsdp", lambda d: {"tp_degree": d.tp}),
+    # HSDP × tp: FSDP over each replica group's dp_shard ranks, every weight split over tp first
+    frozenset({"dp_replicate", "tp"}): ("fsdp", lambda d: {"replicate_degree": d.dp_replicate, "tp_degree": d.tp}),
+    frozenset({"dp_replicate", "dp_shard", "tp"}): ("fsdp", lambda d: {"replicate_degree": d.dp_replicate,
+                                                                         "tp_degree": d.tp}),
     frozenset({"cp"}): ("fsdp", lambda d: {"cp_degree": d.cp}),  # FSDP over the cp ranks, as over dp_shard × cp
     frozenset({"dp_shard", "cp"}): ("fsdp", lambda d: {"cp_degree": d.cp}),
     frozenset({"cp", "tp"}): ("fsdp", lambda d: {"cp_degree": d.cp, "tp_degree": d.tp}),

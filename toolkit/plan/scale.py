@@ -76,6 +76,9 @@ def auto_layouts(recipe: Recipe, model: nn.Module, cluster: step_time.Cluster) -
     while tp <= per_node:
         for suffix, options in tp_options(recipe, model, tp=tp):
             out[f"fsdp-tp{tp}{suffix}"] = ("strategy.name=fsdp", f"strategy.tp_degree={tp}", *options)
+            if nodes > 1:  # HSDP's replica groups across the nodes, tp inside one
+                out[f"hsdp-{nodes}x{per_node}-tp{tp}{suffix}"] = (
+                    "strategy.name=fsdp", f"strategy.replicate_degree={nodes}", f"strategy.tp_degree={tp}", *options)
         tp *= 2
     if nodes > 1:
         out[f"pp{nodes}-fsdp"] = ("strategy.name=hybrid", f"strategy.pipeline_degree={nodes}",

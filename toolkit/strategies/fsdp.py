@@ -129,11 +129,14 @@ class FsdpRules:
         if tp is not None and tp < 1:  # 0 would silently mean fsdp alone, a negative one a negative mesh
             raise RecipeError(f"strategy.tp_degree must be >= 1, got {tp}; leave it unset for FSDP alone")
         if tp is not None and tp > 1:
-            if replicate > 1:
-                raise RecipeError("strategy.tp_degree and strategy.replicate_degree cannot be combined; choose one")
-            if world_size % tp:
-                raise RecipeError(f"strategy.tp_degree {tp} does not divide world size {world_size}; use a world "
-                                  f"size that is a multiple of {tp}")
+            if replicate > 1 and local_sgd_of(recipe).on:
+                raise RecipeError("strategy.tp_degree with local SGD over HSDP's replica groups is not tested yet; "
+                                  "drop strategy.sync_every or strategy.tp_degree")
+            if world_size % (tp * replicate):
+                raise RecipeError(f"strategy.tp_degree {tp} × replicate_degree {replicate} does not divide world size "
+                                  f"{world_size}; use a world size that is a multiple of {tp * replicate}"
+                                  if replicate > 1 else f"strategy.tp_degree {tp} does not divide world size "
+                                  f"{world_size}; use a world size that is a multiple of {tp}")
             tensor_parallel.check_recipe(recipe, degree=tp)
             refuse_untested(recipe, layout="strategy.tp_degree", drop="strategy.tp_degree",
                             lora_why="peft wraps the linear layers the tensor-parallel plan splits",
