@@ -19,11 +19,12 @@ from conftest import (REPO, exported_weights, launch, losses, metrics, run_cli, 
 from toolkit.errors import RecipeError
 from toolkit.process import faults
 
-SOURCES = {"ddp": 2, "fsdp": 2, "zero2-offload": 2, "zero3": 2, "fsdp-async": 2, "pp": 2, "cp2": 2}
+SOURCES = {"ddp": 2, "fsdp": 2, "zero2-offload": 2, "zero3": 2, "fsdp-async": 2, "pp": 2, "cp2": 2, "hsdp-tp2": 4}
 CROSS = [("zero3", 2, "fsdp", 2), ("fsdp", 2, "ddp", 1), ("ddp", 2, "zero3", 2), ("zero2-offload", 2, "single", 1),
          ("fsdp", 2, "fsdp", 1), ("ddp", 2, "pp", 2), ("pp", 2, "single", 1),
          ("ddp", 2, "tp", 2),  # tp: the split weights and their Adam state are DTensors
-         ("cp2", 2, "single", 1), ("fsdp", 2, "cp2", 2)]  # cp2: FSDP's shards over the flattened dp_shard × cp mesh
+         ("cp2", 2, "single", 1), ("fsdp", 2, "cp2", 2),  # cp2: FSDP's shards over the flattened dp_shard × cp mesh
+         ("hsdp-tp2", 4, "single", 1)]  # HSDP × tp: DTensors over a 3-D mesh (dp_replicate, dp_shard, tp)
 
 
 def strategy_overrides(name: str) -> tuple[str, ...]:
@@ -37,6 +38,8 @@ def strategy_overrides(name: str) -> tuple[str, ...]:
         return ("strategy.name=pipeline", "strategy.schedule=1f1b")
     if name == "cp2":  # context parallel: each sequence split over the 2 ranks
         return ("parallel.cp=2",)
+    if name == "hsdp-tp2":  # 2 replica groups × 2 tp ranks
+        return ("parallel.dp_replicate=2", "parallel.tp=2")
     return (f"strategy.name={name}",)
 
 
