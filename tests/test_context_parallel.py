@@ -100,6 +100,8 @@ def recipe(parallel, **sections):
     ({"cp": 2, "dp_replicate": 2, "tp": 2}, {}, 8, "parallel: dp_replicate × cp × tp together is not tested yet"),
     ({}, {"strategy": {"name": "fsdp", "cp_degree": 2, "replicate_degree": 2, "tp_degree": 2}}, 8,
      "strategy.cp_degree with both strategy.replicate_degree and tp_degree is not tested yet"),
+    ({}, {"strategy": {"name": "fsdp", "cp_degree": 2, "replicate_degree": 2}}, 2,
+     "strategy.cp_degree 2 × replicate_degree 2 does not divide world size 2; use a world size that is a multiple of 4"),
     ({}, {"strategy": {"name": "fsdp", "cp_degree": 2, "replicate_degree": 2, "sync_every": 2}}, 4,
      "strategy.cp_degree with local SGD over HSDP's replica groups is not tested yet"),
     ({}, {"strategy": {"name": "fsdp", "cp_degree": 0}}, 2, "strategy.cp_degree must be >= 1, got 0"),

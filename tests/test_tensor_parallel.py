@@ -106,6 +106,10 @@ BAD = {
                                "tensor-parallel degree 4"),
     "world not divisible by tp_degree": (6, ("strategy.name=fsdp", "strategy.tp_degree=4"),
                                          "strategy.tp_degree 4 does not divide world size 6"),
+    "tp_degree × replicate_degree not dividing the world": (2, ("strategy.name=fsdp", "strategy.tp_degree=2",
+                                                               "strategy.replicate_degree=2"),
+                                                           "strategy.tp_degree 2 × replicate_degree 2 does not divide "
+                                                           "world size 2; use a world size that is a multiple of 4"),
     "tp_degree with another strategy": (2, ("strategy.name=ddp", "strategy.tp_degree=2"),
                                         "strategy.tp_degree applies to fsdp/tp/hf_native only, but strategy.name is ddp"),
     "tp_degree other than the world under tp": (4, ("strategy.name=tp", "strategy.tp_degree=2"),

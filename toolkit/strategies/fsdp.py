@@ -83,6 +83,9 @@ INFO = StrategyInfo(
           "hsdp-localsgd4": ("strategy.name=fsdp", "strategy.replicate_degree=2", "strategy.sync_every=4"),
           "fsdp-tp2": ("strategy.name=fsdp", "strategy.tp_degree=2"),
           "fsdp-cp2": ("strategy.name=fsdp", "strategy.cp_degree=2"),
+          # HSDP's 2 replica groups, each FSDP over its ranks with tp (cp) inside: 4 ranks or more
+          "hsdp-tp2": ("strategy.name=fsdp", "strategy.replicate_degree=2", "strategy.tp_degree=2"),
+          "hsdp-cp2": ("strategy.name=fsdp", "strategy.replicate_degree=2", "strategy.cp_degree=2"),
           "fsdp-ep2": ("strategy.name=fsdp", "strategy.ep_degree=2")})
 
 
@@ -116,6 +119,9 @@ class FsdpRules:
             if replicate > 1 and local_sgd_of(recipe).on:
                 raise RecipeError("strategy.cp_degree with local SGD over HSDP's replica groups is not tested yet; "
                                   "drop strategy.sync_every or strategy.cp_degree")
+            if replicate > 1 and world_size % (cp * replicate):
+                raise RecipeError(f"strategy.cp_degree {cp} × replicate_degree {replicate} does not divide world size "
+                                  f"{world_size}; use a world size that is a multiple of {cp * replicate}")
             context.check_recipe(recipe, cp=cp, tp=tp or 1, world_size=world_size)
         ep = options.ep_degree
         if ep is not None and ep < 1:
