@@ -7,6 +7,7 @@
   left 290 of them in /dev/shm, 19 GB of the machine's 24 GiB."""
 
 import json
+import shutil
 import os
 import subprocess
 import sys
@@ -120,7 +121,14 @@ def test_a_zero_run_starts_past_a_stale_lock_on_its_op(tmp_path, tiny_llama_dir)
     shared-memory segment: DeepSpeed's shared-memory collectives are not started (toolkit.strategies.zero.comm)."""
     from torch.utils.cpp_extension import _get_build_directory  # where torch itself looks for that op's lock
 
-    lock = Path(_get_build_directory("cpu_adam", verbose=False)) / "lock"
+    # the op as the suite built it, copied (mtimes kept: ninja finds it up to date) into a folder of this test's
+    # own: a ZeRO run of another test, in the other pytest worker, clears every stale lock under the shared cache,
+    # this one's too, and says so in its own output
+    built = Path(_get_build_directory("cpu_adam", verbose=False))
+    extensions = tmp_path / "extensions"
+    shutil.copytree(built, extensions / "cpu_adam", ignore=shutil.ignore_patterns("lock"))
+    env = {**toolkit_env(), "TORCH_EXTENSIONS_DIR": str(extensions)}
+    lock = extensions / "cpu_adam" / "lock"
     recipe = write_recipe(tmp_path / "recipe.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "run",
                           strategy={"name": "zero", "stage": 2, "offload_optimizer": True}, data={"eval": None},
                           train={"max_steps": 1, "eval_every": None, "consistency_check_every": None,
@@ -130,7 +138,7 @@ def test_a_zero_run_starts_past_a_stale_lock_on_its_op(tmp_path, tiny_llama_dir)
     before = _segments()
     try:
         result = subprocess.run([sys.executable, "-m", "toolkit", "train", str(recipe)], cwd=REPO,
-                                env=toolkit_env(), capture_output=True, text=True, timeout=240)
+                                env=env, capture_output=True, text=True, timeout=240)
         output = result.stdout + result.stderr
         assert result.returncode == 0, output[-4000:]
         assert f"removed {lock}: a build lock no process holds" in output

@@ -28,6 +28,9 @@ from toolkit.strategies import strategy_rules
 LOSS_PARALLEL = ("strategy.loss_parallel=true",)
 ARMS = {  # the llama4 runs' tied Llama, its vocabulary (the MiniLM tokenizer's 30,522 tokens) split in two
     "tp-lossp": (2, (*test_tensor_parallel.ARMS["tp"][1], *LOSS_PARALLEL)),
+    # HSDP × tp with both: 2 replica groups of 2 tp ranks, the replica checks (tp groups, replica groups) every step
+    "hsdp-tp2-sp-lossp": (4, (*test_tensor_parallel.ARMS["hsdp-tp2"][1], "strategy.sequence_parallel=true",
+                              *LOSS_PARALLEL, "train.consistency_check_every=1")),
     "fsdp-tp2-sp-lossp": (4, (*test_tensor_parallel.ARMS["fsdp-tp2"][1], "strategy.sequence_parallel=true",
                               *LOSS_PARALLEL)),
 }
@@ -245,7 +248,7 @@ def test_loss_parallel_lowers_the_measured_peak(llama4_runs):
      "the output layer's vocabulary (30523 tokens) is not divisible by the tensor-parallel degree 2"),
     ("llama4_runs", 2, ("strategy.name=fsdp", *LOSS_PARALLEL), "strategy.loss_parallel needs tensor parallelism"),
     ("llama4_runs", 4, ("strategy.name=fsdp", "strategy.tp_degree=2", "strategy.cp_degree=2", *LOSS_PARALLEL),
-     "not with strategy.replicate_degree, strategy.sequence_parallel or strategy.loss_parallel yet"),
+     "not with strategy.sequence_parallel or strategy.loss_parallel yet"),
 ])
 def test_loss_parallel_where_it_does_not_apply_is_one_line(request, runs, nproc, overrides, says, tmp_path, capsys):
     recipe = request.getfixturevalue(runs).recipe if runs.endswith("_runs") else runs

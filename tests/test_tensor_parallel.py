@@ -86,6 +86,16 @@ def test_communication_per_step_is_activation_all_reduces_beside_fsdp_traffic(ll
     assert "_allgather_base_" not in runs["tp"]["comm_per_step"]["bytes_by_op"]  # tp alone moves activations only
 
 
+def test_hsdp_tp_checks_its_tp_groups_and_its_replica_groups_and_audits_both_reductions(llama4_runs):
+    ranks, overrides = ARMS["hsdp-tp2"]
+    run = json.loads((llama4_runs.get("hsdp-tp2", nproc=ranks, overrides=overrides) / "run.json").read_text())
+    # what tp does not split is the same on a TP group's 2 ranks; every shard the same in both replica groups
+    assert "the 2 ranks of each TP group hold the same norm and embedding shards" in run["replica_check"], run
+    assert "2 replica groups hold identical shards" in run["replica_check"], run
+    assert "then all-reduced across the 2 groups" in run["precision_audit"]["grad_reduction"], run
+    assert "2 dp_replicate × 1 dp_shard × 2 tp" in run["layout"], run
+
+
 @pytest.mark.parametrize("arm", list(BF16_ARMS))
 def test_bf16_tensor_parallel_trains_and_audits_the_activation_reduction(llama4_runs, arm):
     run_dir = llama4_runs.get(f"{arm}-bf16", nproc=2, overrides=(*BF16_ARMS[arm], *BF16))

@@ -329,10 +329,12 @@ def cmd_strategies(args) -> int:
     print(f"\ncontext parallel methods (parallel.cp_method): {', '.join(CP_BUILT)}; not built yet: "
           f"{', '.join(m for m in CP_METHODS if m not in CP_BUILT)}")
     print("\nparallel degrees (a recipe's parallel: section; world = their product) and the preset that runs them:")
-    for combination, name, options in presets():
-        print(f"  {' × '.join(combination) or '(none)':<24} {name}" + (f" ({', '.join(options)})" if options else ""))
-    print("  ep (borrows from dp_shard)  fsdp (strategy.ep_degree): each MoE layer's experts split over ep ranks, "
-          "tokens by all-to-all; tested with dp_shard alone")
+    rows = [(" × ".join(combination) or "(none)", name, options) for combination, name, options in presets()]
+    width = max(24, *(len(degrees) for degrees, _, _ in rows))
+    for degrees, name, options in rows:
+        print(f"  {degrees:<{width}} {name}" + (f" ({', '.join(options)})" if options else ""))
+    print(f"  {'ep (borrows from dp_shard)':<{width}} fsdp (strategy.ep_degree): each MoE layer's experts split over "
+          "ep ranks, tokens by all-to-all; tested with dp_shard alone")
     return 0
 
 

@@ -57,11 +57,12 @@ class StrategyConfig:
     blocks: tuple[str, ...] | None = None  # fsdp: class names to shard one by one; default: model._no_split_modules
     # tp, fsdp
     tp_degree: int | None = None  # fsdp: >1 = tensor parallel inside groups of this many ranks, FSDP across the
-    #   groups (a 2-D mesh dp × tp); tp: every rank (leave unset). Less memory per rank than fsdp alone for big
-    #   layers, but an activation all-reduce per attention and MLP block: keep a group inside one node (hf_native:
-    #   transformers' tp_size)
+    #   groups (a 2-D mesh dp × tp; HSDP across them with replicate_degree); tp: every rank (leave unset). Less
+    #   memory per rank than fsdp alone for big layers, but an activation all-reduce per attention and MLP block:
+    #   keep a group inside one node (hf_native: transformers' tp_size)
     cp_degree: int | None = None  # fsdp: > 1 = context parallel, each sequence split over groups of this many
-    #   neighbouring ranks, FSDP over all of them (torchtitan's dp_shard × cp); parallel.cp_method says how
+    #   neighbouring ranks, FSDP over all of them (torchtitan's dp_shard × cp; with replicate_degree, over those of
+    #   each replica group); parallel.cp_method says how
     ep_degree: int | None = None  # fsdp: > 1 = expert parallel, each MoE layer's experts split over groups of this
     #   many neighbouring ranks (tokens reach them by all-to-all), FSDP-sharded over the ranks holding the same ones
     #   (hf_native: transformers' ep_size)

@@ -188,7 +188,7 @@ def ranks_per_node(group: str, size: int, degrees: Degrees, gpus_per_node: int) 
     it), else the node's GPUs over the stride."""
     if group == "world":
         stride = 1
-    elif group == "dp_shard":  # FSDP shards over dp_shard × cp as one dimension (its group size says so)
+    elif group in ("dp_shard", "dp_shard_cp"):  # FSDP shards over dp_shard × cp as one dimension (its size says so)
         stride = degrees.tp
     else:
         stride = 1

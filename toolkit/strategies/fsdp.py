@@ -4,13 +4,15 @@ Memory vs speed knobs (recipe `strategy.*`):
   reshard_after_forward  True: free gathered block params after forward, gather again in backward
                          (ZeRO-3-like); False: keep them until backward (ZeRO-2-like, more memory)
   cpu_offload            sharded params, grads and optimizer step on CPU
-  replicate_degree       >1: HSDP, a 2-D mesh (replicate × shard): shard within a group, all-reduce across
+  replicate_degree       >1: HSDP, a 2-D mesh (replicate × shard): shard within a group, all-reduce across;
+                         with tp_degree or cp_degree too, each group is the FSDP (× tp, or over dp_shard × cp)
+                         below, the mesh dp_replicate × dp_shard × tp or dp_replicate × dp_shard_cp
   sync_every             >1 with replicate_degree: local SGD over the replica groups (dims/local_sgd.py): each
                          group an FSDP of its own over dp_shard (no all-reduce across groups), each rank's shards
                          averaged with the same shards of the other groups every sync_every steps
   tp_degree              >1: tensor parallel inside groups of that many ranks (model/tp_plan.py), FSDP over
-                         the groups: a 2-D mesh (dp × tp) composed as torchtitan does (TP first, then
-                         fully_shard over dp); the ranks of a TP group read the same batch
+                         the groups (HSDP with replicate_degree): a 2-D mesh (dp × tp) composed as torchtitan
+                         does (TP first, then fully_shard over dp); the ranks of a TP group read the same batch
 
 Precision: parameters are stored (and updated) in the load dtype; `precision: bf16|fp16` sets
 MixedPrecisionPolicy.param_dtype for compute and reduces gradients in fp32.
@@ -310,7 +312,7 @@ class FsdpStrategy(TrainsOneModule):
         ensure_process_group(env, strategy=self.info.name)  # the device mesh needs one, even for one rank
         self.tp_degree, self.sequence_parallel = options.tp_degree or 1, options.sequence_parallel
         self.loss_parallel = options.loss_parallel
-        # one mesh in the layout's order: dp_shard (its groups' ranks the furthest apart), then cp, then tp
+        # one mesh in the layout's order: dp_replicate, dp_shard (its groups' ranks the furthest apart), cp, tp
         self.mesh = world_mesh(env, degrees(args.recipe, world_size=env.world_size), keep=("dp_shard",))
         self.cp: context.Group | None = None
         if (options.cp_degree or 1) > 1:  # the model attends through context parallel's attention
@@ -383,24 +385,26 @@ class FsdpStrategy(TrainsOneModule):
         return dataclasses.replace(result, drift_before_sync=drift) if drift is not None else result
 
     def _replicas(self) -> list[Replicas]:
+        out: list[Replicas] = []
         if self.tp_degree > 1:  # the ranks of a TP group hold the same shards of what TP does not split
             named = [(n, cast(DTensor, p).to_local()) for n, p in self._model.named_parameters()
                      if "tp" not in (cast(DTensor, p).device_mesh.mesh_dim_names or ())]
             what = "norm and embedding"
             if self.loss_parallel:  # the head split over tp; the input embedding with it where tied
                 what = "norm" if head_tied_to_embedding(self._model) else "norm and input embedding"
-            return [Replicas(named=named, group=self.mesh.get_group("tp"),
-                             description=f"the {self.tp_degree} ranks of each TP group hold the same {what} "
-                                         "shards")] if named else []
+            if named:
+                out.append(Replicas(named=named, group=self.mesh.get_group("tp"),
+                                    description=f"the {self.tp_degree} ranks of each TP group hold the same {what} "
+                                                "shards"))
         if "dp_replicate" not in (self.mesh.mesh_dim_names or ()):
-            return []  # every rank holds a different shard
-        # HSDP: the ranks at one position of the shard dimension hold the same shards, one per replica group
+            return out  # every rank holds a different shard (or only its TP group's copies)
+        # HSDP: the ranks at one position of the shard (and tp) dimensions hold the same shards, one per replica group
         named = [(n, p.to_local() if hasattr(p, "to_local") else p) for n, p in self._model.named_parameters()]
         size, local = self.mesh["dp_replicate"].size(), self.local
-        return [Replicas(named=named, group=self.mesh.get_group("dp_replicate"),
-                         description=f"{size} replica groups hold identical shards"
-                         + (f" after each sync (local SGD every {local.config.every} steps)" if local else ""),
-                         synced=(lambda: local.synced) if local is not None else None)]
+        return [*out, Replicas(named=named, group=self.mesh.get_group("dp_replicate"),
+                               description=f"{size} replica groups hold identical shards"
+                               + (f" after each sync (local SGD every {local.config.every} steps)" if local else ""),
+                               synced=(lambda: local.synced) if local is not None else None)]
 
     def _gradient_abs_max(self) -> dict[str, float] | None:
         return sharded_abs_max(self._model, self.env, scale=self.amp.scaler.get_scale() if self.amp.scaler else 1.0)
@@ -443,6 +447,8 @@ class FsdpStrategy(TrainsOneModule):
             "grad_reduction": f"reduce-scatter mean ({dtype_name(reduce)})" + (
                 f" within each replica group, none across them: {self.local.config.describe()}"
                 if self.local is not None else "") + (
+                f" within each replica group, then all-reduced across the {self.mesh['dp_replicate'].size()} groups"
+                if self.local is None and "dp_replicate" in (self.mesh.mesh_dim_names or ()) else "") + (
                 "; " + tensor_parallel.activation_reduction(
                     sequence_parallel=self.sequence_parallel, dtype=dtype_name(self.mp_policy.param_dtype or stored),
                     over=" over tp") if self.tp_degree > 1 else ""),
