@@ -10,6 +10,7 @@ micro-batch shapes of its counted step."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -154,8 +155,9 @@ def predicted_step(run: dict, recipe_raw: dict, profile: profiles.Hardware) -> d
         return None
     threads = run.get("threads_per_rank")
     measured = profile.measured
-    if threads and measured.threads and threads != measured.threads:  # a rank computes with its own threads
-        scale = threads / measured.threads
+    cores = rank_cores(threads, world=world, cores=os.cpu_count() or 1) if threads else None
+    if cores and measured.threads and cores != measured.threads:  # a rank computes with its own threads
+        scale = cores / measured.threads
         rates = {k: v * scale for k, v in (measured.attention_flops_per_s or {}).items()}
         matmul = (measured.matmul_flops_per_s or 0.0) * scale
         # with the threads too: 7.1 ns a logit at 1 thread, 3.9 at 2 (measured here; a large copy 16 -> 32 GB/s)
@@ -166,6 +168,13 @@ def predicted_step(run: dict, recipe_raw: dict, profile: profiles.Hardware) -> d
     cluster = step_time.Cluster(hardware=profile, num_nodes=1, gpus_per_node=max(world, profile.gpus_per_node))
     predicted = step_time.predict(model, work, cluster)
     return {"predicted_step_time_s": predicted.step_time_s, "predicted_largest": predicted.largest()}
+
+
+def rank_cores(threads: int, *, world: int, cores: int) -> float:
+    """The cores one rank of `world` computes on: its threads, or its share of the cores where the ranks' threads
+    outnumber them (4 ranks of 1 thread on 2 cores time-share them: half a core each). The profile's rates were
+    measured at its threads in one process alone, on whole cores (calibrate.cpu_profile)."""
+    return min(float(threads), cores / world)
 
 
 STEP_NOTE = ("Each arm's step time as `toolkit plan --hardware` predicts it (toolkit/cost/step_time.py) from this "
