@@ -155,9 +155,9 @@ def predicted_step(run: dict, recipe_raw: dict, profile: profiles.Hardware) -> d
         return None
     threads = run.get("threads_per_rank")
     measured = profile.measured
-    cores = rank_cores(threads, world=world, cores=os.cpu_count() or 1) if threads else None
-    if cores and measured.threads and cores != measured.threads:  # a rank computes with its own threads
-        scale = cores / measured.threads
+    share = rank_cores(threads, world=world, cores=os.cpu_count() or 1) if threads else None
+    if share and measured.threads and share != measured.threads:  # a rank computes on its own cores' share
+        scale = share / measured.threads
         rates = {k: v * scale for k, v in (measured.attention_flops_per_s or {}).items()}
         matmul = (measured.matmul_flops_per_s or 0.0) * scale
         # with the threads too: 7.1 ns a logit at 1 thread, 3.9 at 2 (measured here; a large copy 16 -> 32 GB/s)

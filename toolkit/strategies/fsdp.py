@@ -21,6 +21,7 @@ MixedPrecisionPolicy.param_dtype for compute and reduces gradients in fp32.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, ContextManager, cast
 
 import torch
@@ -121,9 +122,8 @@ class FsdpRules:
             if replicate > 1 and local_sgd_of(recipe).on:
                 raise RecipeError("strategy.cp_degree with local SGD over HSDP's replica groups is not tested yet; "
                                   "drop strategy.sync_every or strategy.cp_degree")
-            if replicate > 1 and world_size % (cp * replicate):
-                raise RecipeError(f"strategy.cp_degree {cp} × replicate_degree {replicate} does not divide world size "
-                                  f"{world_size}; use a world size that is a multiple of {cp * replicate}")
+            if replicate > 1:  # cp alone: context.check_recipe's line
+                check_divides(world_size, ("cp_degree", cp), ("replicate_degree", replicate))
             context.check_recipe(recipe, cp=cp, tp=tp or 1, world_size=world_size)
         ep = options.ep_degree
         if ep is not None and ep < 1:
@@ -140,11 +140,7 @@ class FsdpRules:
             if replicate > 1 and local_sgd_of(recipe).on:
                 raise RecipeError("strategy.tp_degree with local SGD over HSDP's replica groups is not tested yet; "
                                   "drop strategy.sync_every or strategy.tp_degree")
-            if world_size % (tp * replicate):
-                raise RecipeError(f"strategy.tp_degree {tp} × replicate_degree {replicate} does not divide world size "
-                                  f"{world_size}; use a world size that is a multiple of {tp * replicate}"
-                                  if replicate > 1 else f"strategy.tp_degree {tp} does not divide world size "
-                                  f"{world_size}; use a world size that is a multiple of {tp}")
+            check_divides(world_size, ("tp_degree", tp), ("replicate_degree", replicate))
             tensor_parallel.check_recipe(recipe, degree=tp)
             refuse_untested(recipe, layout="strategy.tp_degree", drop="strategy.tp_degree",
                             lora_why="peft wraps the linear layers the tensor-parallel plan splits",
@@ -460,6 +456,17 @@ def clip_sharded(params, max_norm: float) -> torch.Tensor:
     """clip_grad_norm_ over DTensor gradient shards; the norm comes back replicated (a collective)."""
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def check_divides(world_size: int, *degrees: tuple[str, int]) -> None:
+    """The product of the strategy options' degrees (those above 1; the first always) divides the world, or one line
+    naming them: 'strategy.tp_degree 2 × replicate_degree 2 does not divide world size 2; use ... a multiple of 4'."""
+    given = [degrees[0], *(d for d in degrees[1:] if d[1] > 1)]
+    product = math.prod(value for _, value in given)
+    if world_size % product:
+        named = " × ".join(f"{key} {value}" for key, value in given)
+        raise RecipeError(f"strategy.{named} does not divide world size {world_size}; use a world size that is a "
+                          f"multiple of {product}")
 
 
 def check_local_sgd(recipe: Recipe, options: FsdpOptions) -> None:

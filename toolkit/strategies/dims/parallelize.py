@@ -126,8 +126,10 @@ def _shard_mesh(mesh, dp_dims: tuple[str, ...]):
     if "cp" not in dp_dims:
         return dimensions(mesh, dp_dims)
     sharded = tuple(name for name in dp_dims if name != "dp_replicate")
-    flat = dimensions(mesh, sharded)._flatten("dp_shard_cp")
-    return mesh["dp_replicate", "dp_shard_cp"] if "dp_replicate" in dp_dims else flat
+    flat = dimensions(mesh, sharded)._flatten("dp_shard_cp")  # also a dimension the whole mesh can be sliced by
+    if "dp_replicate" not in dp_dims:
+        return flat
+    return mesh["dp_replicate", "dp_shard_cp"]
 
 
 def parallelize(model: nn.Module, *, mesh, env: DistEnv, units: list[nn.Module],
