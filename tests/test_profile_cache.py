@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO
 
-from toolkit.compare.predictions import measure_profile, rank_cores
+from toolkit.compare.predictions import measure_profile
 from toolkit.config.files import load_recipe
 from toolkit.cost import calibrate, hardware
 
@@ -72,16 +72,3 @@ def test_a_profile_a_day_old_or_damaged_is_measured_anew(tmp_path, measured):
     assert measured == [2, 2, 2]
     profile_of(tmp_path, "d")  # and kept again whole
     assert measured == [2, 2, 2]
-
-
-@pytest.mark.parametrize("threads, world, cores, want", [
-    (1, 2, 2, 1.0),  # 2 ranks of 1 thread on 2 cores: a core each, as the profile measured
-    (2, 1, 2, 2.0),  # one rank of 2 threads: both cores
-    (1, 4, 2, 0.5),  # 4 ranks of 1 thread on 2 cores: they time-share, half a core each
-    (4, 2, 16, 4.0),  # fewer threads than cores: the threads
-])
-def test_a_rank_computes_on_its_threads_or_its_share_of_the_cores(threads, world, cores, want):
-    """The compare's predicted step time scales the profile's rates (measured in one process alone, at its threads)
-    to the cores a rank has: at 4 ranks on this machine's 2 cores the arms were predicted -42 to -48 % of their
-    measured step times while each rank was charged a whole core, -6 to -15 % with half of one."""
-    assert rank_cores(threads, world=world, cores=cores) == want

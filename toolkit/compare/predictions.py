@@ -154,27 +154,11 @@ def predicted_step(run: dict, recipe_raw: dict, profile: profiles.Hardware) -> d
     except (RecipeError, KeyError, IndexError):
         return None
     threads = run.get("threads_per_rank")
-    measured = profile.measured
-    share = rank_cores(threads, world=world, cores=os.cpu_count() or 1) if threads else None
-    if share and measured.threads and share != measured.threads:  # a rank computes on its own cores' share
-        scale = share / measured.threads
-        rates = {k: v * scale for k, v in (measured.attention_flops_per_s or {}).items()}
-        matmul = (measured.matmul_flops_per_s or 0.0) * scale
-        # with the threads too: 7.1 ns a logit at 1 thread, 3.9 at 2 (measured here; a large copy 16 -> 32 GB/s)
-        loss = (measured.loss_seconds_per_logit or 0.0) / scale
-        profile = dataclasses.replace(profile, measured=dataclasses.replace(
-            measured, matmul_flops_per_s=matmul, attention_flops_per_s=rates or None,
-            loss_seconds_per_logit=loss or None))
+    if threads:  # a rank computes on its own share of the cores, whatever the profile was measured at
+        profile = calibrate.at_cores(profile, calibrate.rank_cores(threads, world=world, cores=os.cpu_count() or 1))
     cluster = step_time.Cluster(hardware=profile, num_nodes=1, gpus_per_node=max(world, profile.gpus_per_node))
     predicted = step_time.predict(model, work, cluster)
     return {"predicted_step_time_s": predicted.step_time_s, "predicted_largest": predicted.largest()}
-
-
-def rank_cores(threads: int, *, world: int, cores: int) -> float:
-    """The cores one rank of `world` computes on: its threads, or its share of the cores where the ranks' threads
-    outnumber them (4 ranks of 1 thread on 2 cores time-share them: half a core each). The profile's rates were
-    measured at its threads in one process alone, on whole cores (calibrate.cpu_profile)."""
-    return min(float(threads), cores / world)
 
 
 STEP_NOTE = ("Each arm's step time as `toolkit plan --hardware` predicts it (toolkit/cost/step_time.py) from this "

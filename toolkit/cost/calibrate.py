@@ -5,7 +5,8 @@ ranks (nccl-tests' busbw). On a GPU machine the named profile's datasheet values
 (matmul, attention, memory; its links stay the datasheet's: one lent GPU has no bus to measure).
 
 Each rank of a multi-process CPU run gets cores / ranks threads (the launcher's OMP_NUM_THREADS), so the matmul and
-attention rates are measured at the threads a rank of `--nproc` ranks has.
+attention rates are measured at the threads a rank of `--nproc` ranks has; where the ranks outnumber the cores (4
+ranks of 1 thread on 2 cores) they time-share them, and the rates are those of the rank's share (at_cores).
 """
 
 from __future__ import annotations
@@ -219,7 +220,10 @@ def cpu_profile(*, nproc: int, model: nn.Module | None, tokens: int, dtype: torc
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     link = Link(bandwidth_bytes_per_s=busbw, latency_s=latency)
     name = dtype_name(dtype)
-    return Hardware(name="cpu", description=f"this machine's CPU: {cores} cores, {threads} thread(s) a rank of {nproc}",
+    share = rank_cores(threads, world=nproc, cores=cores)
+    shared = f" (the ranks share the cores: {share:g} of one each)" if share < threads else ""
+    profile = Hardware(name="cpu", description=f"this machine's CPU: {cores} cores, {threads} thread(s) a rank of {nproc}"
+                       f"{shared}",
                     peak_flops_per_s=PeakFlops(bf16=matmul, fp16=matmul, fp32=matmul),
                     memory_bytes=total / nproc, memory_bandwidth_bytes_per_s=memory, intra_node=link, inter_node=link,
                     host_link=Link(bandwidth_bytes_per_s=memory, latency_s=1e-6), gpus_per_node=nproc,
@@ -229,9 +233,39 @@ def cpu_profile(*, nproc: int, model: nn.Module | None, tokens: int, dtype: torc
                                       bus_bandwidth_by_kind=by_kind,
                                       bus_latency_s=latency, num_ranks=nproc, threads=threads,
                                       loss_seconds_per_logit=loss))
+    return at_cores(profile, share)
 
 
-PROFILE_CACHE_VERSION = 1  # raise when what cpu_profile measures changes: older cached profiles are not read
+def rank_cores(threads: int, *, world: int, cores: int) -> float:
+    """The cores one rank of `world` computes on: its threads, or its share of the cores where the ranks' threads
+    outnumber them (4 ranks of 1 thread on 2 cores time-share them: half a core each)."""
+    return min(float(threads), cores / world)
+
+
+def at_cores(profile: Hardware, cores: float) -> Hardware:
+    """A CPU profile's compute rates for a rank on `cores` cores, from those measured at the profile's own (its
+    `measured.cores`, else its threads: measured in one process alone, on whole cores): the matmul rate (the peak
+    too, which caps it in step_time) and attention's in proportion, the loss's time per logit inversely (7.1 ns a
+    logit at 1 thread, 3.9 at 2, measured here). Memory bandwidth and the bus stay as measured."""
+    measured = profile.measured
+    now = measured.cores or measured.threads
+    if not now or cores == now:
+        return profile
+    scale = cores / now
+    peak = profile.peak_flops_per_s
+    rates = {k: v * scale for k, v in (measured.attention_flops_per_s or {}).items()} or None
+    return dataclasses.replace(
+        profile,
+        peak_flops_per_s=dataclasses.replace(peak, bf16=peak.bf16 * scale, fp16=peak.fp16 * scale,
+                                             fp32=peak.fp32 * scale,
+                                             fp8=peak.fp8 * scale if peak.fp8 is not None else None),
+        measured=dataclasses.replace(
+            measured, cores=cores, attention_flops_per_s=rates,
+            matmul_flops_per_s=measured.matmul_flops_per_s * scale if measured.matmul_flops_per_s else None,
+            loss_seconds_per_logit=measured.loss_seconds_per_logit / scale if measured.loss_seconds_per_logit else None))
+
+
+PROFILE_CACHE_VERSION = 2  # raise when what cpu_profile measures changes: older cached profiles are not read
 PROFILE_CACHE_MAX_AGE_S = 24 * 3600  # a profile measured longer ago is measured again
 
 

@@ -53,6 +53,9 @@ class Measured:
     loss_seconds_per_logit: float | None = None
     num_ranks: int | None = None  # the ranks the bus was measured with
     threads: int | None = None  # CPU: the threads each rank computed with (cores / ranks)
+    # CPU: the cores the compute rates above are a rank's on (calibrate.at_cores): its threads, or less where the
+    # ranks' threads outnumber the machine's cores and time-share them (unset: the threads)
+    cores: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
