@@ -164,13 +164,21 @@ def test_mlp_columns_not_divisible_and_a_model_without_plan_are_one_line(tmp_pat
     with pytest.raises(RecipeError, match=re.escape("gpt2 declares no tensor-parallel plan")) as error:
         validate_strategy(gpt2, world_size=2)
     assert "modules found: c_attn, c_fc, c_proj, lm_head" in str(error.value)  # what a plan would name
-    # Mixtral's experts are one packed gate_up_proj tensor (packed_colwise), a style the toolkit does not build
-    mixtral = recipe_for({"model_type": "mixtral", "vocab_size": 30522, "hidden_size": 32, "intermediate_size": 64,
-                          "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-                          "num_local_experts": 4, "num_experts_per_tok": 2})
-    with pytest.raises(RecipeError, match=re.escape("the model's plan asks for 'packed_colwise' at "
-                                                    "layers.*.mlp.experts.gate_up_proj")) as error:
-        validate_strategy(mixtral, world_size=2)
+    # Llama 4's experts are packed tensors its plan splits in styles the toolkit does not build (packed_rowwise,
+    # moe_tp_experts); its causal-LM head declares base_model_prefix "language_model" and holds the base model as
+    # `model`, so the plan's names resolve under `model` (they once matched nothing: "matches no linear layer").
+    # The first such entry is named, whichever transformers release lists which (Mixtral's split its packed
+    # experts up to transformers 5.24 and names its attention only since 5.25)
+    llama4 = recipe_for({"model_type": "llama4_text", "vocab_size": 30522, "hidden_size": 32,
+                         "intermediate_size": 64, "intermediate_size_mlp": 64, "num_hidden_layers": 1,
+                         "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 2, "head_dim": 8})
+    from transformers import AutoConfig
+    declared = AutoConfig.for_model("llama4_text").base_model_tp_plan
+    pattern, style = next((p, s) for p, s in declared.items()
+                          if s not in ("colwise", "rowwise", "embedding_rowwise", "replicated_with_grad_allreduce"))
+    assert style.startswith(("packed", "moe"))
+    with pytest.raises(RecipeError, match=re.escape(f"the model's plan asks for {style!r} at {pattern}")) as error:
+        validate_strategy(llama4, world_size=2)
     assert str(error.value).endswith("use fsdp or zero for this model")
     # DiffLlama's plan names its embedding only, which the toolkit keeps whole: nothing would be split
     diffllama = recipe_for({"model_type": "diffllama", "vocab_size": 30522, "hidden_size": 32,

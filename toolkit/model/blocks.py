@@ -89,10 +89,17 @@ def compile_blocks(model: nn.Module, recompute: str = "full") -> None:
     a region to recompute. Left where transformers puts it, it depends on the version whether it is inside:
     transformers 5.17 checkpoints a layer's `__call__`, around the compiled forward, and on CUDA the compiled
     graph then saves other tensors on recomputation than in forward (flash attention's RNG state among them):
-    torch's CheckpointError at the first backward (measured on an H100, torch 2.11)."""
+    torch's CheckpointError at the first backward (measured on an H100, torch 2.11).
+
+    transformers 5.25's attention sets a module-level routing variable for the hub kernels it may call (the
+    `kernels` package's use_kernelized_func) and sets it back in a `finally` as it returns: under compile, a
+    mutation of state outside the checkpointed region, which dynamo does not trace (a graph break per block)
+    unless told that backward's recomputation need not replay forward's side effects. Set and reset within
+    the one forward, that variable ends the same either way."""
     for block in layer_stack(model, guess=True):
         forward = block.forward
         if getattr(block, "gradient_checkpointing", False):
+            torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
             setattr(block, "gradient_checkpointing", False)  # transformers' own checkpoint: off for this block
             forward = _checkpointed(block, forward, checkpoint_kwargs(recompute))
         block.forward = torch.compile(forward)  # type: ignore[method-assign]

@@ -92,8 +92,7 @@ def _entries(model: nn.Module) -> dict[str, str]:
         raise RecipeError(f"tensor parallelism: {config.model_type} declares no tensor-parallel plan "
                           f"(config.base_model_tp_plan) and the toolkit has none for it (modules found: "
                           f"{', '.join(found) or 'none'}); use fsdp or zero for this model")
-    base: Any = getattr(model, "base_model_prefix", "")
-    prefix = f"{base}." if base and hasattr(model, base) else ""
+    prefix = _base_model_prefix(model)
     modules = dict(model.named_modules())
     plan: dict[str, str] = {}
     for pattern, style in declared.items():
@@ -115,6 +114,19 @@ def _entries(model: nn.Module) -> dict[str, str]:
                           f"(it names {', '.join(sorted(set(declared.values())))} only); use fsdp or zero for this "
                           "model")
     return plan
+
+
+def _base_model_prefix(model: nn.Module) -> str:
+    """The name (with its dot) under which a head model holds the base model its config's plan names modules of:
+    `base_model_prefix`, or else the one pretrained model among its children (Llama4ForCausalLM declares
+    "language_model" and holds its Llama4TextModel as `model`); "" for a base model itself."""
+    from transformers import PreTrainedModel
+
+    base: Any = getattr(model, "base_model_prefix", "")
+    if base and hasattr(model, base):
+        return f"{base}."
+    inner = [name for name, child in model.named_children() if isinstance(child, PreTrainedModel)]
+    return f"{inner[0]}." if len(inner) == 1 else ""
 
 
 def partial_gradient_params(model: nn.Module) -> list[nn.Parameter]:
