@@ -289,6 +289,31 @@ def test_qwen3_per_head_norms_sum_their_gradients_over_the_tp_ranks(qwen3_runs, 
     assert comm["bytes_by_op"]["allreduce_"] == llama["comm_per_step"]["bytes_by_op"]["allreduce_"] + 2 * 2 * 8 * 4
 
 
+
+@pytest.mark.parametrize("fixture, arm", [("moe_runs", "tp"), ("mixtral_runs", "fsdp-tp2")])
+def test_moe_experts_stay_whole_on_each_tp_rank_and_train_as_single(request, fixture, arm):
+    """Mixtral's and Qwen3-MoE's plans split attention (and dense MLPs) only; their experts are named by the
+    expert-parallel plan. Qwen3-MoE's plan also names the dense MLP of mlp_only_layers, which this model has none
+    of: that entry matches no module and is passed over (before, the run was refused: "the plan entry
+    layers.*.mlp.gate_proj matches no linear layer"). Each layer's router and experts are whole on every TP rank:
+    equal to single (the experts tests' micro-8 reference, the same global batch of 8), every expert routed the
+    same tokens, the plan's state bytes and collectives exact, and the layout says so."""
+    from test_comm_prediction import assert_predicted
+
+    runs = request.getfixturevalue(fixture)
+    ranks, overrides = ARMS[arm]
+    # fsdp-tp2: the ranks of each TP group checked every step to hold the same replicated weights, experts included
+    run = runs.get(arm, nproc=ranks, overrides=(*overrides, "batch.micro_batch_size=2",
+                                                "train.consistency_check_every=1"))
+    reference = runs.get("single-m8")
+    assert_matches_single(run, reference)
+    assert [m["expert_tokens"] for m in metrics(run)] == [m["expert_tokens"] for m in metrics(reference)]
+    info = json.loads((run / "run.json").read_text())
+    assert info["memory_prediction"]["model_state_bytes"] == info["model_state_bytes"]
+    assert_predicted(run)
+    assert "MoE experts whole on each tp rank" in info["layout"] if arm == "fsdp-tp2" else (
+        "(each MoE layer's experts whole on every rank)" in info["layout"])
+
 # plans that gather a column-wise layer's output and split a row-wise layer's input on every rank
 # (transformers' 'colwise_gather_output' and 'rowwise_split_input'): OLMo 2 normalises q and k over all heads
 # (q_norm, k_norm of the whole projection), so its q, k, v outputs are gathered; Phi-3's fused qkv_proj and

@@ -77,6 +77,16 @@ def resolve(model: nn.Module) -> dict[str, str]:
     return {name: style for name, style in _entries(model).items() if style != PARTIAL_GRADIENT}
 
 
+def whole_experts(model: nn.Module) -> bool:
+    """Whether the model has mixture-of-experts layers its plan leaves whole on every TP rank (Mixtral's and
+    Qwen3-MoE's plans split attention, and dense MLPs, only: their experts are named by the expert-parallel plan)."""
+    from toolkit.observe.routing import DISPATCH, plan_of
+
+    split = resolve(model)
+    return any(not any(name == experts or name.startswith(f"{experts}.") for name in split)
+               for experts, style in plan_of(model).items() if style == DISPATCH)
+
+
 def partial_gradient_modules(model: nn.Module) -> list[str]:
     """Full names of the modules whose gradients the TP ranks must sum (PARTIAL_GRADIENT entries)."""
     return [name for name, style in _entries(model).items() if style == PARTIAL_GRADIENT]
@@ -95,6 +105,7 @@ def _entries(model: nn.Module) -> dict[str, str]:
     prefix = _base_model_prefix(model)
     modules = dict(model.named_modules())
     plan: dict[str, str] = {}
+    unmatched: list[str] = []
     for pattern, style in declared.items():
         if style in KEPT_WHOLE:
             continue
@@ -103,12 +114,19 @@ def _entries(model: nn.Module) -> dict[str, str]:
                               f"splits linear layers {', '.join((*COLUMN_WISE, *ROW_WISE))} and sums "
                               f"{PARTIAL_GRADIENT} gradients only; use fsdp or zero for this model")
         partial = style == PARTIAL_GRADIENT  # a module with parameters of its own; else a linear layer to split
-        found = [name for name, m in modules.items() if fnmatch.fnmatchcase(name, prefix + pattern)
-                 and (any(True for _ in m.parameters(recurse=False)) if partial else isinstance(m, nn.Linear))]
+        matched = [name for name in modules if fnmatch.fnmatchcase(name, prefix + pattern)]
+        if not matched:  # an entry for a kind of layer this model has none of (Qwen3-MoE's plan names the dense
+            unmatched.append(pattern)  # MLP of its mlp_only_layers beside the experts of its sparse ones)
+            continue
+        found = [name for name in matched if (any(True for _ in modules[name].parameters(recurse=False)) if partial
+                                              else isinstance(modules[name], nn.Linear))]
         if not found:
             what = "module with parameters" if partial else "linear layer"
             raise RecipeError(f"tensor parallelism: the plan entry {pattern} matches no {what} of this model")
         plan.update(dict.fromkeys(found, style))
+    if not any(style in (*COLUMN_WISE, *ROW_WISE) for style in plan.values()) and unmatched:
+        raise RecipeError(f"tensor parallelism: {config.model_type}'s tensor-parallel plan matches no module of this "
+                          f"model ({', '.join(unmatched)}); use fsdp or zero for this model")
     if not any(style in (*COLUMN_WISE, *ROW_WISE) for style in plan.values()):
         raise RecipeError(f"tensor parallelism: {config.model_type}'s tensor-parallel plan splits no linear layer "
                           f"(it names {', '.join(sorted(set(declared.values())))} only); use fsdp or zero for this "

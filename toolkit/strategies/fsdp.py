@@ -413,6 +413,7 @@ class FsdpStrategy(TrainsOneModule):
         layout = f"every block and the root sharded over a mesh of {shape}"
         if self.tp_degree > 1:
             layout += " (attention heads and MLP columns split over tp"
+            layout += ", MoE experts whole on each tp rank" if tensor_parallel.whole_experts(self._model) else ""
             layout += ", the head (and a tied embedding) over the vocabulary" if self.loss_parallel else ""
             layout += ", norms on sequence shards)" if self.sequence_parallel else ")"
         if self.ep_degree > 1:

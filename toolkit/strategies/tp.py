@@ -177,6 +177,8 @@ class TpStrategy(TrainsOneModule):
         whole = "embeddings, norms and head"
         if self.loss_parallel:  # the head split; the input embedding with it where tied
             whole = "norms" if head_tied_to_embedding(self._model) else "input embedding and norms"
+        if tensor_parallel.whole_experts(self._model):
+            whole = whole.replace(" and ", ", ") + " and MoE experts"
         return [Replicas(named=named, group=None, description=f"{self.env.world_size} ranks hold the {whole} "
                          "in full")]
 
@@ -192,7 +194,8 @@ class TpStrategy(TrainsOneModule):
             rest = ("head and its tied embedding split over the vocabulary (loss_parallel), norms replicated"
                     if head_tied_to_embedding(self._model)
                     else "head split over the vocabulary (loss_parallel), embeddings and norms replicated")
-        return (f"attention heads and MLP columns split over {self.env.world_size} ranks; {rest}"
+        experts = " (each MoE layer's experts whole on every rank)" if tensor_parallel.whole_experts(self._model) else ""
+        return (f"attention heads and MLP columns split over {self.env.world_size} ranks{experts}; {rest}"
                 + ("; norms computed on sequence shards" if self.sequence_parallel else ""))
 
     def _fallback(self) -> str | None:
