@@ -356,8 +356,14 @@ def test_each_arm_shows_its_predicted_step_time_from_this_machines_profile(exper
     section = (out / "report.md").read_text().split("## Step time: predicted and measured", 1)[1].split("##", 1)[0]
     # the parts are listed largest first, and which is largest depends on this machine's measured matmul and
     # gloo speeds (fsdp's all-gather can outweigh its compute), so compute may stand anywhere in the list
-    assert re.search(r"- fsdp: measured [\d,]+ ms, predicted [\d,]+ ms \([+-]\d+ %\); predicted: (.+, )?compute \d+ %",
+    assert re.search(r"- fsdp: measured [\d,]+ ms \(p10-p90 [\d,]+-[\d,]+\), predicted [\d,]+ ms \([+-]\d+ %, "
+                     r"(below its p10|above its p90|within its p10-p90)\); predicted: (.+, )?compute \d+ %",
                      section), section
+    # where each prediction falls against its arm's own spread of timed steps, as the numbers say
+    for arm in results["arms"]:
+        low, high, predicted = arm["step_time_p10_s"], arm["step_time_p90_s"], arm["predicted_step_time_s"]
+        where = "below its p10" if predicted < low else "above its p90" if predicted > high else "within its p10-p90"
+        assert re.search(rf"- {re.escape(arm['arm'])}: measured .*%, {where}\); predicted", section), (arm, section)
     assert "step time, measured and as toolkit plan predicts it on cpu: this machine's CPU" in stdout
     # the prediction reads the profile: a machine whose matmuls and attention run 4x faster predicts less compute
     copy = tmp_path / "exp"

@@ -187,12 +187,20 @@ def add_predictions(rows: list[dict], out_dir: Path) -> str | None:
 
 
 def step_lines(results: dict) -> list[str]:
-    """One line per arm: measured and predicted step time, the error, the prediction's largest costs."""
+    """One line per arm: measured step time (its median, and the spread of its timed steps, p10-p90), predicted, the
+    error and where the prediction falls against that spread (an error inside it is within the run's own noise),
+    the prediction's largest costs."""
     out = []
     for row in results["arms"]:
         if "predicted_step_time_s" not in row:
             continue
-        out.append(f"{row['arm']}: measured {row['step_time_s'] * 1e3:,.0f} ms, predicted "
-                   f"{row['predicted_step_time_s'] * 1e3:,.0f} ms ({100 * row['prediction_error']:+.0f} %); "
+        predicted, spread, where = row["predicted_step_time_s"], "", ""
+        low, high = row.get("step_time_p10_s"), row.get("step_time_p90_s")
+        if low is not None and high is not None:
+            spread = f" (p10-p90 {low * 1e3:,.0f}-{high * 1e3:,.0f})"
+            where = (", below its p10" if predicted < low else ", above its p90" if predicted > high
+                     else ", within its p10-p90")
+        out.append(f"{row['arm']}: measured {row['step_time_s'] * 1e3:,.0f} ms{spread}, predicted "
+                   f"{predicted * 1e3:,.0f} ms ({100 * row['prediction_error']:+.0f} %{where}); "
                    f"predicted: {', '.join(row['predicted_largest'])}")
     return out
