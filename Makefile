@@ -3,6 +3,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# the dependency versions make setup installs (constraints.txt: those the suite last passed with); CONSTRAINTS= for
+# the newest releases pyproject.toml's lower bounds allow
+CONSTRAINTS ?= constraints.txt
 # pytest processes for make test (each starts 2-4 ranks at a time): TEST_WORKERS=1 runs one file at a time
 TEST_WORKERS ?= 2
 
@@ -10,12 +13,12 @@ TEST_WORKERS ?= 2
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# no CUDA here: take the CPU build of torch first, so the unpinned lower bound does not pull CUDA wheels
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/python -m pip install -q torch==2.13.0; fi
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	touch $(STAMP)
 
 demo: $(STAMP)
