@@ -64,16 +64,15 @@ def test_calibrating_more_ranks_than_cores_gives_each_its_share(monkeypatch):
     """`toolkit calibrate --hardware cpu --nproc 4` on 2 cores: each rank's rates are half a core's, as 4 ranks of
     1 thread time-share 2 cores, not a whole core's (what one process alone measured at 1 thread)."""
     monkeypatch.setattr(calibrate.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(calibrate, "matmul_flops_per_s", lambda shapes, dtype, device: 8e10)
-    monkeypatch.setattr(calibrate, "attention_flops_per_s", lambda **_: {"64": 1e10})
-    monkeypatch.setattr(calibrate, "memory_bandwidth", lambda device: 2e10)
-    monkeypatch.setattr(calibrate, "loss_seconds_per_logit", lambda vocab, **_: 6e-9)
+    asked = []
+    monkeypatch.setattr(calibrate, "measure_cpu_rates", lambda **kw: asked.append(kw["threads"]) or calibrate.CpuRates(
+        matmul=8e10, attention={"64": 1e10}, memory=2e10, loss=6e-9, fast=True))
     monkeypatch.setattr(calibrate, "bus_bandwidth", lambda nproc: ({"all_reduce": {"1024": 1e9}}, 1e-5))
     import torch
 
     shared = calibrate.cpu_profile(nproc=4, model=None, tokens=256, dtype=torch.float32)
     alone = calibrate.cpu_profile(nproc=2, model=None, tokens=256, dtype=torch.float32)
-    assert shared.measured.threads == alone.measured.threads == 1
+    assert shared.measured.threads == alone.measured.threads == 1 and asked == [1, 1]
     assert alone.measured.matmul_flops_per_s == 8e10 and alone.measured.cores in (None, 1.0)
     assert shared.measured.cores == 0.5 and shared.measured.matmul_flops_per_s == 4e10
     assert shared.peak_flops_per_s.fp32 == 4e10 and shared.measured.attention_flops_per_s == {"64": 5e9}

@@ -29,9 +29,10 @@ from toolkit.model.precision import dtype_name
 ATTENTION_LENGTHS = (64, 256, 1024)
 
 
-def _best_seconds(run, *, repeats: int = 3) -> float:
-    """A kernel's time: the best of `repeats` after a warm-up (allocation, kernel selection)."""
-    return min(_timings(run, repeats))
+def _best_seconds(run, *, repeats: int = 5) -> float:
+    """A kernel's time: the median of `repeats` after a warm-up (allocation, kernel selection), as a step's time is
+    its run's median: on a shared machine the best of a few catches a quiet moment the steps do not have."""
+    return statistics.median(_timings(run, repeats))
 
 
 def _burst_seconds(run, *, size_bytes: int, bursts: int = 3) -> float:
@@ -75,14 +76,19 @@ def gemm_shapes(model: nn.Module | None, tokens: int, *, device: torch.device) -
 
 
 def matmul_flops_per_s(shapes: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device) -> float:
-    """Forward and backward of x @ w.T over the shapes, FLOP-weighted: 6·m·k·n per shape over their total time."""
+    """Forward and backward of x @ w.T over the shapes, FLOP-weighted: 6·m·k·n per shape over their total time. The
+    output's gradient is a dense tensor, as a layer's is in training (a `.sum()`'s is one value broadcast with
+    stride 0, which the weight-gradient GEMM reads more slowly: llama-tiny's 168-row MLP shapes measured at 58
+    against 62-74 GFLOP/s on one thread here)."""
     flops = seconds = 0.0
     for m, k, n in shapes:
         x = torch.randn(m, k, dtype=dtype, device=device, requires_grad=True)
         w = torch.randn(n, k, dtype=dtype, device=device, requires_grad=True)
+        grad = torch.randn(m, n, dtype=dtype, device=device)
 
         def step() -> None:
-            torch.nn.functional.linear(x, w).sum().backward()
+            x.grad = w.grad = None  # one gradient each, as in a step, not one added to another's
+            torch.nn.functional.linear(x, w).backward(grad)
             _sync(device)
         seconds += _best_seconds(step)
         flops += 6 * m * k * n
@@ -200,21 +206,16 @@ def _vocab(model: nn.Module | None) -> int:
 def cpu_profile(*, nproc: int, model: nn.Module | None, tokens: int, dtype: torch.dtype) -> Hardware:
     """This machine's CPU as a profile, every value measured: its matmul rate as the peak (a rank of `nproc`
     ranks' threads), host memory and its bandwidth, a causal LM's loss per logit, gloo's bus between local ranks
-    (one node). A GPU profile measures no loss: its fitted efficiency covers a step's work outside the GEMMs."""
+    (one node). A GPU profile measures no loss: its fitted efficiency covers a step's work outside the GEMMs.
+
+    The compute rates are measured in a process of their own (measure_cpu_rates), as a rank's are."""
     cores = os.cpu_count() or 1
     threads = max(1, cores // nproc)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        device = torch.device("cpu")
-        matmul = matmul_flops_per_s(gemm_shapes(model, tokens, device=device), dtype, device)
-        heads, head_dim = _attention_shape(model, default=(8, 64))
-        attention = attention_flops_per_s(heads=heads, head_dim=head_dim, batch=max(1, tokens // 1024),
-                                          dtype=dtype, device=device)
-        memory = memory_bandwidth(device)
-        loss = loss_seconds_per_logit(_vocab(model), dtype=dtype, device=device)
-    finally:
-        torch.set_num_threads(before)
+    heads, head_dim = _attention_shape(model, default=(8, 64))
+    rates = measure_cpu_rates(threads=threads, shapes=gemm_shapes(model, tokens, device=torch.device("cpu")),
+                              heads=heads, head_dim=head_dim, batch=max(1, tokens // 1024), vocab=_vocab(model),
+                              dtype=dtype)
+    matmul, attention, memory, loss = rates.matmul, rates.attention, rates.memory, rates.loss
     by_kind, latency = bus_bandwidth(nproc) if nproc > 1 else ({"all_reduce": {str(BUS_SIZES[-1]): memory}}, 1e-6)
     busbw = max(by_kind["all_reduce"].values())
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -222,8 +223,9 @@ def cpu_profile(*, nproc: int, model: nn.Module | None, tokens: int, dtype: torc
     name = dtype_name(dtype)
     share = rank_cores(threads, world=nproc, cores=cores)
     shared = f" (the ranks share the cores: {share:g} of one each)" if share < threads else ""
-    profile = Hardware(name="cpu", description=f"this machine's CPU: {cores} cores, {threads} thread(s) a rank of {nproc}"
-                       f"{shared}",
+    allocator = ", measured with host memory fast" if rates.fast else ""
+    description = f"this machine's CPU: {cores} cores, {threads} thread(s) a rank of {nproc}{shared}{allocator}"
+    profile = Hardware(name="cpu", description=description,
                     peak_flops_per_s=PeakFlops(bf16=matmul, fp16=matmul, fp32=matmul),
                     memory_bytes=total / nproc, memory_bandwidth_bytes_per_s=memory, intra_node=link, inter_node=link,
                     host_link=Link(bandwidth_bytes_per_s=memory, latency_s=1e-6), gpus_per_node=nproc,
@@ -236,6 +238,46 @@ def cpu_profile(*, nproc: int, model: nn.Module | None, tokens: int, dtype: torc
     return at_cores(profile, share)
 
 
+@dataclasses.dataclass(frozen=True)
+class CpuRates:
+    """What one CPU process measured at a rank's threads (cpu_profile's compute side)."""
+    matmul: float  # FLOP/s over the model's GEMM shapes, forward and backward
+    attention: dict[str, float]  # FLOP/s per sequence length (ATTENTION_LENGTHS)
+    memory: float  # bytes/s of a large copy
+    loss: float  # seconds per logit of a causal LM's loss, forward and backward
+    fast: bool  # measured with train.host_memory fast's allocator (False: the user's MALLOC_ settings ruled)
+
+
+def measure_cpu_rates(*, threads: int, shapes: list[tuple[int, int, int]], heads: int, head_dim: int, batch: int,
+                      vocab: int, dtype: torch.dtype) -> CpuRates:
+    """The compute rates of a CPU rank of `threads` threads, measured in a spawned process with the allocator a
+    rank runs with (train.host_memory fast, what auto takes where the plan fits: toolkit/process/host_memory.py).
+    In the calling process's glibc default every tensor above the mmap threshold (the loss's 64 MiB of logits) is
+    faulted in and zeroed page by page, which no rank pays: the loss measured 6.6-8.4 ns a logit on one thread here
+    against 1.8-2.3 in fast, and a compare's single arm was predicted +58 % over its measured step with the former.
+    A process of its own leaves the caller's allocator as it was."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_cpu_rates, threads=threads, shapes=shapes, heads=heads, head_dim=head_dim, batch=batch,
+                           vocab=vocab, dtype=dtype).result()
+
+
+def _cpu_rates(*, threads: int, shapes: list[tuple[int, int, int]], heads: int, head_dim: int, batch: int,
+               vocab: int, dtype: torch.dtype) -> CpuRates:
+    from toolkit.process import host_memory
+
+    fast = host_memory.apply("fast")
+    torch.set_num_threads(threads)
+    device = torch.device("cpu")
+    return CpuRates(matmul=matmul_flops_per_s(shapes, dtype, device),
+                    attention=attention_flops_per_s(heads=heads, head_dim=head_dim, batch=batch, dtype=dtype,
+                                                    device=device),
+                    memory=memory_bandwidth(device), loss=loss_seconds_per_logit(vocab, dtype=dtype, device=device),
+                    fast=fast)
+
+
 def rank_cores(threads: int, *, world: int, cores: int) -> float:
     """The cores one rank of `world` computes on: its threads, or its share of the cores where the ranks' threads
     outnumber them (4 ranks of 1 thread on 2 cores time-share them: half a core each)."""
@@ -245,8 +287,8 @@ def rank_cores(threads: int, *, world: int, cores: int) -> float:
 def at_cores(profile: Hardware, cores: float) -> Hardware:
     """A CPU profile's compute rates for a rank on `cores` cores, from those measured at the profile's own (its
     `measured.cores`, else its threads: measured in one process alone, on whole cores): the matmul rate (the peak
-    too, which caps it in step_time) and attention's in proportion, the loss's time per logit inversely (7.1 ns a
-    logit at 1 thread, 3.9 at 2, measured here). Memory bandwidth and the bus stay as measured."""
+    too, which caps it in step_time) and attention's in proportion, the loss's time per logit inversely. Memory
+    bandwidth and the bus stay as measured."""
     measured = profile.measured
     now = measured.cores or measured.threads
     if not now or cores == now:
@@ -262,10 +304,11 @@ def at_cores(profile: Hardware, cores: float) -> Hardware:
         measured=dataclasses.replace(
             measured, cores=cores, attention_flops_per_s=rates,
             matmul_flops_per_s=measured.matmul_flops_per_s * scale if measured.matmul_flops_per_s else None,
-            loss_seconds_per_logit=measured.loss_seconds_per_logit / scale if measured.loss_seconds_per_logit else None))
+            loss_seconds_per_logit=(measured.loss_seconds_per_logit / scale if measured.loss_seconds_per_logit
+                                    else None)))
 
 
-PROFILE_CACHE_VERSION = 2  # raise when what cpu_profile measures changes: older cached profiles are not read
+PROFILE_CACHE_VERSION = 4  # raise when what cpu_profile measures changes: older cached profiles are not read
 PROFILE_CACHE_MAX_AGE_S = 24 * 3600  # a profile measured longer ago is measured again
 
 

@@ -49,7 +49,7 @@ class Measured:
     bus_bandwidth_by_kind: dict[str, dict[str, float]] | None = None
     bus_latency_s: float | None = None  # a small all-reduce's time
     # a causal LM's loss over its logits, forward + backward (the fp32 copy, log-softmax, its gradient), per logit:
-    # memory-bound passes that a GEMM rate does not count (on a CPU about as long as the head's matmuls)
+    # memory-bound passes that a GEMM rate does not count (llama-tiny on one CPU thread: a tenth of its step)
     loss_seconds_per_logit: float | None = None
     num_ranks: int | None = None  # the ranks the bus was measured with
     threads: int | None = None  # CPU: the threads each rank computed with (cores / ranks)
