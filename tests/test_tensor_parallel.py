@@ -187,6 +187,25 @@ def test_mlp_columns_not_divisible_and_a_model_without_plan_are_one_line(tmp_pat
     with pytest.raises(RecipeError, match=re.escape("diffllama's tensor-parallel plan splits no linear layer (it "
                                                     "names embedding_rowwise only)")):
         validate_strategy(diffllama, world_size=2)
+    # an entry that matches no module is passed over only with the entries beside it (Qwen3-MoE's dense MLP on a
+    # model of sparse layers): one renamed beside its matched partners would split half a pair; none matched at all
+    # is named as such
+    small = {"model_type": "llama", "vocab_size": 30522, "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}
+    attention = {f"layers.*.self_attn.{n}_proj": "colwise" for n in "qkv"} | {"layers.*.self_attn.o_proj": "rowwise"}
+    half = recipe_for({**small, "base_model_tp_plan": {**attention, "layers.*.mlp.gate_proj": "colwise",
+                                                       "layers.*.mlp.up_proj": "colwise",
+                                                       "layers.*.mlp.down_projection": "rowwise"}})
+    with pytest.raises(RecipeError, match=re.escape("the plan entry layers.*.mlp.down_projection matches no module "
+                                                    "of this model while layers.*.mlp.gate_proj beside it does")):
+        validate_strategy(half, world_size=2)
+    nothing = recipe_for({**small, "base_model_tp_plan": {"blocks.*.attn.q": "colwise", "blocks.*.attn.o": "rowwise"}})
+    with pytest.raises(RecipeError, match=re.escape("llama's tensor-parallel plan matches no module of this model "
+                                                    "(blocks.*.attn.q, blocks.*.attn.o)")):
+        validate_strategy(nothing, world_size=2)
+    validate_strategy(recipe_for({**small, "base_model_tp_plan": {**attention, "layers.*.moe.gate_proj": "colwise",
+                                                                  "layers.*.moe.down_proj": "rowwise"}}),
+                      world_size=2)  # a whole group of entries for layers this model has none of
     qwen3 = recipe_for({"model_type": "qwen3", "vocab_size": 30522, "hidden_size": 32, "intermediate_size": 64,
                         "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8})
     validate_strategy(qwen3, world_size=2)  # its per-head norms' gradients are summed (the Qwen3 test below)
@@ -289,7 +308,6 @@ def test_qwen3_per_head_norms_sum_their_gradients_over_the_tp_ranks(qwen3_runs, 
     assert comm["bytes_by_op"]["allreduce_"] == llama["comm_per_step"]["bytes_by_op"]["allreduce_"] + 2 * 2 * 8 * 4
 
 
-
 @pytest.mark.parametrize("fixture, arm", [("moe_runs", "tp"), ("mixtral_runs", "fsdp-tp2")])
 def test_moe_experts_stay_whole_on_each_tp_rank_and_train_as_single(request, fixture, arm):
     """Mixtral's and Qwen3-MoE's plans split attention (and dense MLPs) only; their experts are named by the
@@ -313,6 +331,7 @@ def test_moe_experts_stay_whole_on_each_tp_rank_and_train_as_single(request, fix
     assert_predicted(run)
     assert "MoE experts whole on each tp rank" in info["layout"] if arm == "fsdp-tp2" else (
         "(each MoE layer's experts whole on every rank)" in info["layout"])
+
 
 # plans that gather a column-wise layer's output and split a row-wise layer's input on every rank
 # (transformers' 'colwise_gather_output' and 'rowwise_split_input'): OLMo 2 normalises q and k over all heads

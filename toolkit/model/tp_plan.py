@@ -79,12 +79,15 @@ def resolve(model: nn.Module) -> dict[str, str]:
 
 def whole_experts(model: nn.Module) -> bool:
     """Whether the model has mixture-of-experts layers its plan leaves whole on every TP rank (Mixtral's and
-    Qwen3-MoE's plans split attention, and dense MLPs, only: their experts are named by the expert-parallel plan)."""
-    from toolkit.observe.routing import DISPATCH, plan_of
+    Qwen3-MoE's plans split attention, and dense MLPs, only: their experts are named by the expert-parallel plan;
+    a MoE model without one: no split layer under an `experts` module)."""
+    from toolkit.observe.routing import DISPATCH, num_experts, plan_of
 
     split = resolve(model)
-    return any(not any(name == experts or name.startswith(f"{experts}.") for name in split)
-               for experts, style in plan_of(model).items() if style == DISPATCH)
+    named = [experts for experts, style in plan_of(model).items() if style == DISPATCH]
+    if not named:
+        return bool(num_experts(model.config)) and not any(".experts." in f".{name}." for name in split)
+    return any(not any(name == experts or name.startswith(f"{experts}.") for name in split) for experts in named)
 
 
 def partial_gradient_modules(model: nn.Module) -> list[str]:
@@ -106,6 +109,7 @@ def _entries(model: nn.Module) -> dict[str, str]:
     modules = dict(model.named_modules())
     plan: dict[str, str] = {}
     unmatched: list[str] = []
+    matched_patterns: list[str] = []
     for pattern, style in declared.items():
         if style in KEPT_WHOLE:
             continue
@@ -124,6 +128,13 @@ def _entries(model: nn.Module) -> dict[str, str]:
             what = "module with parameters" if partial else "linear layer"
             raise RecipeError(f"tensor parallelism: the plan entry {pattern} matches no {what} of this model")
         plan.update(dict.fromkeys(found, style))
+        matched_patterns.append(pattern)
+    for pattern in unmatched:  # passed over only with the entries beside it: a column-wise layer split without its
+        parent = pattern.rpartition(".")[0]  # row-wise partner (or the reverse) would meet whole activations
+        beside = [other for other in matched_patterns if other.rpartition(".")[0] == parent]
+        if beside:
+            raise RecipeError(f"tensor parallelism: the plan entry {pattern} matches no module of this model while "
+                              f"{beside[0]} beside it does; use fsdp or zero for this model")
     if not any(style in (*COLUMN_WISE, *ROW_WISE) for style in plan.values()) and unmatched:
         raise RecipeError(f"tensor parallelism: {config.model_type}'s tensor-parallel plan matches no module of this "
                           f"model ({', '.join(unmatched)}); use fsdp or zero for this model")

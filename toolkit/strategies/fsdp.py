@@ -388,6 +388,8 @@ class FsdpStrategy(TrainsOneModule):
             what = "norm and embedding"
             if self.loss_parallel:  # the head split over tp; the input embedding with it where tied
                 what = "norm" if head_tied_to_embedding(self._model) else "norm and input embedding"
+            if tensor_parallel.whole_experts(self._model):
+                what = what.replace(" and ", ", ") + " and MoE expert"
             if named:
                 out.append(Replicas(named=named, group=self.mesh.get_group("tp"),
                                     description=f"the {self.tp_degree} ranks of each TP group hold the same {what} "

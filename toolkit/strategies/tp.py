@@ -194,7 +194,8 @@ class TpStrategy(TrainsOneModule):
             rest = ("head and its tied embedding split over the vocabulary (loss_parallel), norms replicated"
                     if head_tied_to_embedding(self._model)
                     else "head split over the vocabulary (loss_parallel), embeddings and norms replicated")
-        experts = " (each MoE layer's experts whole on every rank)" if tensor_parallel.whole_experts(self._model) else ""
+        whole = tensor_parallel.whole_experts(self._model)
+        experts = " (each MoE layer's experts whole on every rank)" if whole else ""
         return (f"attention heads and MLP columns split over {self.env.world_size} ranks{experts}; {rest}"
                 + ("; norms computed on sequence shards" if self.sequence_parallel else ""))
 
