@@ -29,7 +29,7 @@ from toolkit.model.precision import dtype_name
 ATTENTION_LENGTHS = (64, 256, 1024)
 
 
-def _best_seconds(run, *, repeats: int = 5) -> float:
+def _median_seconds(run, *, repeats: int = 5) -> float:
     """A kernel's time: the median of `repeats` after a warm-up (allocation, kernel selection), as a step's time is
     its run's median: on a shared machine the best of a few catches a quiet moment the steps do not have."""
     return statistics.median(_timings(run, repeats))
@@ -90,7 +90,7 @@ def matmul_flops_per_s(shapes: list[tuple[int, int, int]], dtype: torch.dtype, d
             x.grad = w.grad = None  # one gradient each, as in a step, not one added to another's
             torch.nn.functional.linear(x, w).backward(grad)
             _sync(device)
-        seconds += _best_seconds(step)
+        seconds += _median_seconds(step)
         flops += 6 * m * k * n
     return flops / seconds
 
@@ -107,7 +107,7 @@ def attention_flops_per_s(*, heads: int, head_dim: int, batch: int, dtype: torch
         def step() -> None:
             torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
             _sync(device)
-        out[str(length)] = 12 * batch * length ** 2 * heads * head_dim / _best_seconds(step)
+        out[str(length)] = 12 * batch * length ** 2 * heads * head_dim / _median_seconds(step)
     return out
 
 
@@ -125,7 +125,7 @@ def loss_seconds_per_logit(vocab: int, *, dtype: torch.dtype, device: torch.devi
         logits.grad = None  # the loop's logits get one gradient, not one added to another's
         torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum").backward()
         _sync(device)
-    return _best_seconds(step) / (rows * vocab)
+    return _median_seconds(step) / (rows * vocab)
 
 
 def memory_bandwidth(device: torch.device, *, size_bytes: int = 256 * 2 ** 20) -> float:
@@ -136,7 +136,7 @@ def memory_bandwidth(device: torch.device, *, size_bytes: int = 256 * 2 ** 20) -
     def copy() -> None:
         target.copy_(source)
         _sync(device)
-    return 2 * size_bytes / _best_seconds(copy)
+    return 2 * size_bytes / _median_seconds(copy)
 
 
 def _sync(device: torch.device) -> None:
@@ -182,7 +182,7 @@ def _bus_rank(rank: int, nproc: int, port: int, results: Any) -> None:
             busbw["all_reduce"][key] = 2 * moved / timed(lambda: dist.all_reduce(big))
             busbw["reduce_scatter"][key] = moved / timed(lambda: dist.reduce_scatter_single(part, big))
             busbw["all_gather"][str(numel // nproc * 4)] = moved / timed(lambda: dist.all_gather_single(big, part))
-        latency = _best_seconds(lambda: dist.all_reduce(torch.ones(8)), repeats=20)
+        latency = _median_seconds(lambda: dist.all_reduce(torch.ones(8)), repeats=20)
         if rank == 0:
             results["busbw"] = busbw
             results["latency"] = latency / (2 * (nproc - 1))  # a step of the ring
