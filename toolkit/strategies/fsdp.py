@@ -336,6 +336,8 @@ class FsdpStrategy(TrainsOneModule):
             self.loading = load_sharded(model, args.source, env=env)
         self._model = model
         self.partial = tensor_parallel.partial_gradient_params(model) if self.tp_degree > 1 else []
+        # MoE experts the tp plan leaves whole on each tp rank (the layout and the replica check say so)
+        self.whole_experts = self.tp_degree > 1 and tensor_parallel.whole_experts(model)
         # ShardedGradScaler's found-inf tensor has a shape torch's fused AdamW kernel rejects (torch 2.13)
         optimizer = args.build_optimizer(model, fused_ok=self.precision != "fp16")
         # fp16: ShardedGradScaler all-reduces found-inf, so every rank (each seeing only its gradient
@@ -388,7 +390,7 @@ class FsdpStrategy(TrainsOneModule):
             what = "norm and embedding"
             if self.loss_parallel:  # the head split over tp; the input embedding with it where tied
                 what = "norm" if head_tied_to_embedding(self._model) else "norm and input embedding"
-            if tensor_parallel.whole_experts(self._model):
+            if self.whole_experts:
                 what = what.replace(" and ", ", ") + " and MoE expert"
             if named:
                 out.append(Replicas(named=named, group=self.mesh.get_group("tp"),
@@ -415,7 +417,7 @@ class FsdpStrategy(TrainsOneModule):
         layout = f"every block and the root sharded over a mesh of {shape}"
         if self.tp_degree > 1:
             layout += " (attention heads and MLP columns split over tp"
-            layout += ", MoE experts whole on each tp rank" if tensor_parallel.whole_experts(self._model) else ""
+            layout += ", MoE experts whole on each tp rank" if self.whole_experts else ""
             layout += ", the head (and a tied embedding) over the vocabulary" if self.loss_parallel else ""
             layout += ", norms on sequence shards)" if self.sequence_parallel else ")"
         if self.ep_degree > 1:

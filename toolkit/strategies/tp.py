@@ -145,6 +145,7 @@ class TpStrategy(TrainsOneModule):
                                   data_parallel=None, sequence_parallel=self.sequence_parallel,
                                   loss_parallel=self.loss_parallel)
         self.partial = tensor_parallel.partial_gradient_params(self._model)  # Qwen3's q_norm, k_norm, ...
+        self.whole_experts = tensor_parallel.whole_experts(self._model)  # MoE experts the plan does not split
         self.amp = Amp(args.recipe.precision, args.env.device)
         # auto: fused, as elsewhere; the split layers (DTensors) and the replicated rest (plain) in groups of their
         # own, since one fused call refuses the mix
@@ -177,7 +178,7 @@ class TpStrategy(TrainsOneModule):
         whole = "embeddings, norms and head"
         if self.loss_parallel:  # the head split; the input embedding with it where tied
             whole = "norms" if head_tied_to_embedding(self._model) else "input embedding and norms"
-        if tensor_parallel.whole_experts(self._model):
+        if self.whole_experts:
             whole = whole.replace(" and ", ", ") + " and MoE experts"
         return [Replicas(named=named, group=None, description=f"{self.env.world_size} ranks hold the {whole} "
                          "in full")]
@@ -194,8 +195,7 @@ class TpStrategy(TrainsOneModule):
             rest = ("head and its tied embedding split over the vocabulary (loss_parallel), norms replicated"
                     if head_tied_to_embedding(self._model)
                     else "head split over the vocabulary (loss_parallel), embeddings and norms replicated")
-        whole = tensor_parallel.whole_experts(self._model)
-        experts = " (each MoE layer's experts whole on every rank)" if whole else ""
+        experts = " (each MoE layer's experts whole on every rank)" if self.whole_experts else ""
         return (f"attention heads and MLP columns split over {self.env.world_size} ranks{experts}; {rest}"
                 + ("; norms computed on sequence shards" if self.sequence_parallel else ""))
 
