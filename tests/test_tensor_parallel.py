@@ -209,6 +209,16 @@ def test_mlp_columns_not_divisible_and_a_model_without_plan_are_one_line(tmp_pat
     qwen3 = recipe_for({"model_type": "qwen3", "vocab_size": 30522, "hidden_size": 32, "intermediate_size": 64,
                         "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8})
     validate_strategy(qwen3, world_size=2)  # its per-head norms' gradients are summed (the Qwen3 test below)
+    # Mixtral's intermediate_size is its experts' width, and its experts stay whole on every TP rank: no degree need
+    # divide it. Qwen3-MoE's dense MLP (mlp_only_layers) is split: its columns are refused by the layer they are in
+    moe = {"vocab_size": 30522, "hidden_size": 32, "intermediate_size": 63, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts_per_tok": 2}
+    validate_strategy(recipe_for({**moe, "model_type": "mixtral", "num_local_experts": 4}), world_size=2)
+    qwen3_moe = {**moe, "model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32, "head_dim": 8}
+    validate_strategy(recipe_for(qwen3_moe), world_size=2)  # every layer sparse: no MLP of 63 columns
+    with pytest.raises(RecipeError, match=re.escape("layers.1.mlp.gate_proj has 63 output features, not divisible by "
+                                                    "the tensor-parallel degree 2")):
+        validate_strategy(recipe_for({**qwen3_moe, "mlp_only_layers": [1]}), world_size=2)
 
 
 def test_sequence_parallel_on_an_encoder_is_one_line(minilm_runs):

@@ -204,11 +204,14 @@ def check_recipe(recipe: Recipe, *, degree: int) -> None:
 
 
 def check_degree(model: nn.Module, degree: int) -> None:
-    """Heads, KV heads, intermediate size and every split layer's features divisible by `degree`."""
+    """Heads, KV heads, intermediate size and every split layer's features divisible by `degree`. A MoE model whose
+    experts stay whole (whole_experts) splits no MLP of `intermediate_size` columns by it: Mixtral's is its experts'
+    width; a dense MLP it has beside them (Qwen3-MoE's mlp_only_layers) is a split layer, checked as such."""
     config: Any = model.config
+    skipped = {"intermediate_size"} if whole_experts(model) else set()
     for field, what in DIVIDED_FIELDS.items():
         value = getattr(config, field, None)
-        if isinstance(value, int) and value % degree:
+        if field not in skipped and isinstance(value, int) and value % degree:
             raise RecipeError(f"tensor parallelism: the model's {what} ({field} = {value}) are not divisible by the "
                               f"tensor-parallel degree {degree}; use a degree that divides {value}")
     modules = dict(model.named_modules())
