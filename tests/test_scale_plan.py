@@ -275,6 +275,41 @@ def test_calibrate_measures_this_cpu_into_a_profile_the_plan_reads(tmp_path):
     assert {p["layout"] for p in json.loads(planned.stdout)} == {"ddp", "fsdp"}
 
 
+def test_a_measuring_process_killed_is_one_line_exit_1_and_writes_no_profile(tmp_path):
+    """The process measuring the compute rates killed, as the kernel's OOM killer would: one line naming what
+    failed, no traceback, no profile file. A plain `python -m toolkit` (not the tests' forked ones), so that the
+    measuring process is a child of the command's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "cpu.yaml"
+    command = subprocess.Popen([sys.executable, "-m", "toolkit", "calibrate", "--hardware", "cpu", "--nproc", "2",
+                                "--output", str(out)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    killed, deadline = None, time.monotonic() + 120
+    while killed is None and command.poll() is None and time.monotonic() < deadline:
+        children = Path(f"/proc/{command.pid}/task/{command.pid}/children").read_text().split()
+        for pid in children:
+            try:
+                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(int(pid), signal.SIGKILL)
+                    killed = pid
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+        time.sleep(0.05)
+    _, stderr = command.communicate(timeout=300)
+    assert killed is not None, f"no measuring process was seen: {stderr[-2000:]}"
+    assert command.returncode == 1, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == (
+        "toolkit: calibrate: measuring the CPU's compute rates failed: the process measuring them ended without a "
+        "result (killed: out of memory?); nothing written"), stderr[-3000:]
+    assert not out.exists()
+
+
 def test_calibrating_a_gpu_profile_without_a_gpu_is_one_line_exit_2():
     done = run_cli("calibrate", "--hardware", "h100-sxm")
     assert done.returncode == 2 and "no GPU here to measure; use --hardware cpu" in done.stderr, done.stderr

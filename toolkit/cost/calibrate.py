@@ -29,6 +29,11 @@ from toolkit.model.precision import dtype_name
 ATTENTION_LENGTHS = (64, 256, 1024)
 
 
+class MeasurementFailed(RuntimeError):
+    """A process measuring this machine ended without its result (killed: out of memory; or an error in it): the
+    message names which measurement and how it ended, in one line."""
+
+
 def _median_seconds(run, *, repeats: int = 5) -> float:
     """A kernel's time: the median of `repeats` after a warm-up (allocation, kernel selection), as a step's time is
     its run's median: on a shared machine the best of a few catches a quiet moment the steps do not have."""
@@ -152,11 +157,22 @@ def bus_bandwidth(nproc: int) -> tuple[dict[str, dict[str, float]], float]:
     local CPU ranks on gloo. Bus bandwidth as nccl-tests defines it, so that the ring model's bytes over it give the
     time: an all-reduce moves 2(n-1)/n of its payload, a reduce-scatter and an all-gather (n-1)/n of the whole."""
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
 
     with mp.get_context("spawn").Manager() as manager:  # the ranks' results, back to this process
         results = manager.dict()
-        mp.spawn(_bus_rank, args=(nproc, _free_port(), results), nprocs=nproc, join=True)
+        try:
+            mp.spawn(_bus_rank, args=(nproc, _free_port(), results), nprocs=nproc, join=True)
+        except ProcessException as exc:  # a rank killed or raising: its first line, not its traceback
+            cause = _last_line(str(exc)) if isinstance(exc, mp.ProcessRaisedException) else str(exc)
+            raise MeasurementFailed(f"measuring gloo's bus between {nproc} ranks failed: {cause}") from exc
         return dict(results["busbw"]), results["latency"]
+
+
+def _last_line(text: str) -> str:
+    """A traceback's last line: the error it ended in."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "no message"
 
 
 def _free_port() -> int:
@@ -258,10 +274,18 @@ def measure_cpu_rates(*, threads: int, shapes: list[tuple[int, int, int]], heads
     A process of its own leaves the caller's allocator as it was."""
     import concurrent.futures
     import multiprocessing
+    from concurrent.futures.process import BrokenProcessPool
 
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_cpu_rates, threads=threads, shapes=shapes, heads=heads, head_dim=head_dim, batch=batch,
-                           vocab=vocab, dtype=dtype).result()
+    try:
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(_cpu_rates, threads=threads, shapes=shapes, heads=heads, head_dim=head_dim,
+                               batch=batch, vocab=vocab, dtype=dtype).result()
+    except BrokenProcessPool as exc:
+        raise MeasurementFailed("measuring the CPU's compute rates failed: the process measuring them ended "
+                                "without a result (killed: out of memory?)") from exc
+    except (RuntimeError, MemoryError, OSError) as exc:  # raised in that process: its message, not its traceback
+        raise MeasurementFailed(f"measuring the CPU's compute rates failed: {type(exc).__name__}: "
+                                f"{_last_line(str(exc))}") from exc
 
 
 def _cpu_rates(*, threads: int, shapes: list[tuple[int, int, int]], heads: int, head_dim: int, batch: int,

@@ -27,7 +27,11 @@ def calibrate(args) -> int:
     if args.hardware == "cpu":
         print(f"[toolkit] calibrating the CPU for {args.nproc} rank(s): matmul, attention, memory, gloo...",
               file=sys.stderr, flush=True)
-        profile = calibrate.cpu_profile(nproc=args.nproc, model=model, tokens=tokens, dtype=dtype)
+        try:
+            profile = calibrate.cpu_profile(nproc=args.nproc, model=model, tokens=tokens, dtype=dtype)
+        except calibrate.MeasurementFailed as exc:  # not the user's mistake (exit 1), but one line all the same
+            print(f"toolkit: calibrate: {exc}; nothing written", file=sys.stderr, flush=True)
+            return 1
     else:
         base = hardware.load(args.hardware)
         import torch
