@@ -114,9 +114,44 @@ def check_model(recipe: Recipe, tokenizer) -> None:
 
     model = planned_model(recipe)  # applies the adapters: targets that match nothing are peft's one-line error
     check_vocabulary(model, tokenizer)
+    check_expert_widths(recipe, model)
     check_blocks(recipe, model)
     if recipe.train.activation_checkpointing:
         enable_activation_checkpointing(model, recipe.train.recompute)  # a model without blocks: its one-line error
+
+
+GROUPED_GEMM_ROW_BYTES = 16  # torch's grouped GEMM refuses operands whose rows are not a multiple of it
+
+
+def check_expert_widths(recipe: Recipe, model=None) -> None:
+    """A mixture-of-experts model whose experts run transformers' default implementation, torch's grouped GEMM:
+    its operands' rows must be multiples of 16 bytes, else every rank stops in its first forward ("strides should
+    be multiple of 16 bytes": a from-config Mixtral with experts 66 wide, fp32; 68 wide ran in fp32 and stopped
+    under fsdp in bf16). So each expert weight's widths must be multiples of 4 elements, of 8 under bf16 or fp16
+    (fsdp and zero compute with 2-byte weights there; single and ddp keep fp32 weights under autocast, where 4
+    would do: the check asks for what every strategy runs with). `model`: its meta-device copy, built here for a
+    model that has experts if not given."""
+    if model is None:
+        from toolkit.model.build import hf_config
+        from toolkit.observe.routing import num_experts
+        from toolkit.plan.predict import planned_model
+
+        if not num_experts(hf_config(recipe.model)):
+            return
+        model = planned_model(recipe)
+    if getattr(model.config, "_experts_implementation", None) != "grouped_mm":
+        return
+    elements = GROUPED_GEMM_ROW_BYTES // (2 if recipe.precision in ("bf16", "fp16") else 4)
+    for name, module in model.named_modules():
+        if not (hasattr(module, "has_gate") and hasattr(module, "is_transposed")):  # transformers' experts modules
+            continue
+        for weight, param in module.named_parameters(recurse=False):
+            odd = [size for size in param.shape[1:] if size % elements] if param.dim() == 3 else []
+            if odd:
+                raise RecipeError(f"model.config: the experts' {weight} of {name} is {odd[0]} wide, which torch's "
+                                  f"grouped GEMM (transformers' experts) cannot run in {recipe.precision}; make the "
+                                  f"model's hidden and expert intermediate sizes multiples of {elements}")
+        return  # every layer's experts have the same widths
 
 
 def check_recipe(recipe: Recipe, *, world_size: int) -> BatchPlan:
