@@ -42,6 +42,18 @@ def test_a_size_below_one_in_the_model_config_is_one_line(field, value, tmp_path
                             ("model.config", f"{field} is {value}", "1 or more"), out)
 
 
+@pytest.mark.parametrize("field, value", [("attention_dropout", 2), ("attention_dropout", -0.1)])
+def test_a_dropout_probability_outside_0_1_in_the_model_config_is_one_line(field, value, tmp_path, tiny_llama_dir,
+                                                                           capsys):
+    """Llama's config takes attention_dropout 2; the run stopped in its first forward with torch's traceback
+    ("dropout probability has to be between 0 and 1"), its output folder written."""
+    recipe, out = _from_config(tmp_path, tiny_llama_dir, **{field: value})
+    _assert_one_line_exit_2(main(["train", str(recipe)]), capsys,
+                            ("model.config", f"{field} is {value}", "a dropout probability must be in [0, 1]"), out)
+    recipe, out = _from_config(tmp_path, tiny_llama_dir, attention_dropout=1.0)
+    assert main(["validate", str(recipe)]) == 0
+
+
 def test_a_size_below_one_in_a_model_folders_config_is_one_line(tmp_path, tiny_llama_dir, capsys):
     import json
     import shutil

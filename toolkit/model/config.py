@@ -28,10 +28,22 @@ SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
 
 
 def check_sizes(fields: dict, config: ModelConfig) -> None:
+    """Sizes of 1 or more, and dropout probabilities within [0, 1]: a config class takes attention_dropout 2,
+    and the run stopped in its first forward with torch's traceback, its output folder written."""
     for name in SIZE_FIELDS:
         value = fields.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 1:
             raise RecipeError(f"{config_key(config)}: {name} is {value}; a size must be 1 or more")
+    for name, value in fields.items():
+        if _is_dropout(name) and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and not 0 <= value <= 1:
+            raise RecipeError(f"{config_key(config)}: {name} is {value}; a dropout probability must be in [0, 1]")
+
+
+def _is_dropout(name: str) -> bool:
+    """A config field holding a dropout probability, by the names transformers' families give them:
+    attention_dropout, hidden_dropout_prob, classifier_dropout, resid_pdrop, ..."""
+    return "dropout" in name or name.endswith("pdrop")
 
 
 def check_unknown_fields(built, fields: dict, config: ModelConfig) -> None:
