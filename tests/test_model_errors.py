@@ -54,6 +54,21 @@ def test_a_dropout_probability_outside_0_1_in_the_model_config_is_one_line(field
     assert main(["validate", str(recipe)]) == 0
 
 
+@pytest.mark.parametrize("top_k, experts, words", [(9, 8, "9 with 8 experts a layer"), (0, 4, "0 with 4 experts"),
+                                                    (2, 1, "2 with 1 expert a layer")])
+def test_a_token_routed_to_more_experts_than_a_layer_has_is_one_line(top_k, experts, words, tmp_path, tiny_llama_dir,
+                                                                     capsys):
+    """Qwen3-MoE's config takes any num_experts_per_tok; the run stopped in its first forward with torch's
+    traceback ("selected index k out of range"; 0: "cannot reshape tensor of 0 elements"), its folder written."""
+    moe = {"model_type": "qwen3_moe", "num_experts": experts, "num_experts_per_tok": top_k,
+           "moe_intermediate_size": 32, "head_dim": 8}
+    recipe, out = _from_config(tmp_path, tiny_llama_dir, **moe)
+    _assert_one_line_exit_2(main(["train", str(recipe)]), capsys,
+                            ("model.config: num_experts_per_tok is", words, f"routed to 1 to {experts} of them"), out)
+    recipe, out = _from_config(tmp_path, tiny_llama_dir, **{**moe, "num_experts_per_tok": experts})
+    assert main(["validate", str(recipe)]) == 0
+
+
 def test_a_size_below_one_in_a_model_folders_config_is_one_line(tmp_path, tiny_llama_dir, capsys):
     import json
     import shutil

@@ -15,8 +15,8 @@ from torch import nn
 
 from toolkit.config.recipe import ModelConfig
 from toolkit.errors import RecipeError
-from toolkit.model.config import (auto_class, build_errors, check_architecture, check_saved_head, check_sizes,
-                                  check_unknown_fields, config_errors)
+from toolkit.model.config import (auto_class, build_errors, check_architecture, check_routing, check_saved_head,
+                                  check_sizes, check_unknown_fields, config_errors)
 from toolkit.model.files import check_model_dir
 from toolkit.model.precision import DTYPES
 
@@ -146,6 +146,7 @@ def hf_config(config: ModelConfig, *, tokenizer=None):
             built = transformers.AutoConfig.from_pretrained(str(path), **_label_fields(config))
         check_sizes(built.to_dict(), config)
         check_architecture(built, config)
+        check_routing(built, config)
         if config.task == "sequence-classification":
             check_saved_head(fields, config,
                              saved_num_labels=lambda: transformers.AutoConfig.from_pretrained(str(path)).num_labels)
@@ -157,6 +158,7 @@ def hf_config(config: ModelConfig, *, tokenizer=None):
         built = transformers.AutoConfig.for_model(model_type, **fields, **_label_fields(config))
     check_architecture(built, config)  # first: a model type without the task's head is the bigger mistake
     check_unknown_fields(built, fields, config)
+    check_routing(built, config)
     pad, vocab = getattr(built, "pad_token_id", None), getattr(built, "vocab_size", None)
     if "pad_token_id" not in fields and isinstance(pad, int) and isinstance(vocab, int) and not 0 <= pad < vocab:
         # a config class's default for its own vocabulary (Phi-3's 32000), outside the recipe's: the embedding

@@ -46,6 +46,19 @@ def _is_dropout(name: str) -> bool:
     return "dropout" in name or name.endswith("pdrop")
 
 
+def check_routing(built, config: ModelConfig) -> None:
+    """A mixture-of-experts config routes each token to num_experts_per_tok of its experts: from 1 to as many as
+    there are. Config classes take any number, and the run stopped in its first forward with torch's traceback
+    ("selected index k out of range" for 9 of 8 experts), its output folder written."""
+    from toolkit.observe.routing import num_experts
+
+    experts, top_k = num_experts(built), getattr(built, "num_experts_per_tok", None)
+    if experts and isinstance(top_k, int) and not 1 <= top_k <= experts:
+        many = f"{experts} experts a layer" if experts > 1 else "1 expert a layer"
+        raise RecipeError(f"{config_key(config)}: num_experts_per_tok is {top_k} with {many}; each token is routed "
+                          f"to 1 to {experts} of them")
+
+
 def check_unknown_fields(built, fields: dict, config: ModelConfig) -> None:
     """A model.config key that is a near miss of one of the config class's fields (num_hidden_layer for
     num_hidden_layers): transformers keeps it as an attribute no model reads, so the run would silently use the
