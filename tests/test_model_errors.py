@@ -54,6 +54,17 @@ def test_a_dropout_probability_outside_0_1_in_the_model_config_is_one_line(field
     assert main(["validate", str(recipe)]) == 0
 
 
+@pytest.mark.parametrize("fields", [{"rope_theta": -1.0}, {"rope_theta": 0},
+                                    {"rope_parameters": {"rope_type": "default", "rope_theta": -10000.0}}])
+def test_a_rotary_base_of_0_or_below_is_one_line(fields, tmp_path, tiny_llama_dir, capsys):
+    """Llama's config takes rope_theta -1: the positions were NaN and the run went until its first step's
+    non-finite loss stopped it (exit 4), its output folder written."""
+    recipe, out = _from_config(tmp_path, tiny_llama_dir, **fields)
+    theta = fields.get("rope_theta", fields.get("rope_parameters", {}).get("rope_theta"))
+    _assert_one_line_exit_2(main(["train", str(recipe)]), capsys,
+                            ("model.config", f"rope_theta is {theta}", "base must be above 0"), out)
+
+
 @pytest.mark.parametrize("top_k, experts, words", [(9, 8, "9 with 8 experts a layer"), (0, 4, "0 with 4 experts"),
                                                     (2, 1, "2 with 1 expert a layer")])
 def test_a_token_routed_to_more_experts_than_a_layer_has_is_one_line(top_k, experts, words, tmp_path, tiny_llama_dir,

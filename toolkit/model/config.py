@@ -28,12 +28,18 @@ SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
 
 
 def check_sizes(fields: dict, config: ModelConfig) -> None:
-    """Sizes of 1 or more, and dropout probabilities within [0, 1]: a config class takes attention_dropout 2,
-    and the run stopped in its first forward with torch's traceback, its output folder written."""
+    """Sizes of 1 or more, a rotary base above 0, and dropout probabilities within [0, 1]: a config class takes
+    attention_dropout 2, and the run stopped in its first forward with torch's traceback, its output folder
+    written; rope_theta -1, at its first step's non-finite loss."""
     for name in SIZE_FIELDS:
         value = fields.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 1:
             raise RecipeError(f"{config_key(config)}: {name} is {value}; a size must be 1 or more")
+    rope = fields.get("rope_parameters")
+    theta = fields.get("rope_theta", rope.get("rope_theta") if isinstance(rope, dict) else None)
+    if isinstance(theta, (int, float)) and not isinstance(theta, bool) and not theta > 0:
+        raise RecipeError(f"{config_key(config)}: rope_theta is {theta}; the rotary embedding's base must be above 0 "
+                          f"(a base of 0 or below gives NaN positions: the run stops at its first step)")
     for name, value in fields.items():
         if _is_dropout(name) and isinstance(value, (int, float)) and not isinstance(value, bool) \
                 and not 0 <= value <= 1:
