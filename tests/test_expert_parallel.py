@@ -207,33 +207,38 @@ def test_expert_parallel_checkpoints_resume_across_layouts(moe_checkpoints, sour
 
 
 def test_experts_too_narrow_for_the_grouped_gemm_are_one_line_before_anything_is_written(tmp_path):
-    """transformers runs a MoE model's experts with torch's grouped GEMM, which refuses rows that are not a multiple
-    of 16 bytes: experts 66 wide stopped every rank in its first forward with a traceback, after the output folder
-    was written. Now one line, exit 2, before anything is: in `toolkit train` (the rank's own checks) and `toolkit
-    validate`. 68 wide runs in fp32 (4-byte rows of 272 bytes), and is refused in bf16, where fsdp and zero compute
-    with 2-byte weights (136 bytes: fsdp's ranks stopped there, measured)."""
+    """transformers runs a MoE model's experts with torch's grouped GEMM (its input cast to the weights' dtype),
+    which refuses rows that are not a multiple of 16 bytes: experts 66 wide stopped every rank in its first forward
+    with a traceback, after the output folder was written. Now one line, exit 2, before anything is: in `toolkit
+    train` (the rank's own checks) and `toolkit validate`. 68 wide runs with fp32 weights (272-byte rows: fp32, and
+    bf16 in one process, whose weights stay fp32 under autocast), and is refused where the weights are 2 bytes:
+    fsdp in bf16 (136 bytes: its ranks stopped there, measured) and model.load_dtype bf16."""
     from conftest import MINILM
 
-    def recipe(width: int, precision: str):
+    def recipe(width: int, precision: str, **more):
         config = {"model_type": "mixtral", "vocab_size": 30522, "hidden_size": 32, "intermediate_size": width,
                   "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
                   "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 64}
-        path = tmp_path / f"mixtral-{width}-{precision}.yaml"
+        name = f"mixtral-{width}-{precision}-{len(list(tmp_path.iterdir()))}"
+        path = tmp_path / f"{name}.yaml"
         path.write_text(json.dumps({
-            "model": {"config": config, "tokenizer": MINILM, "task": "causal-lm"},
+            "model": {"config": config, "tokenizer": MINILM, "task": "causal-lm", **more.pop("model", {})},
             "data": {"train": str(TRAIN), "eval": None, "text_column": "text", "max_length": 32},
             "batch": {"micro_batch_size": 4}, "precision": precision, "train": {"max_steps": 1},
-            "output_dir": str(tmp_path / f"out-{width}-{precision}")}))
+            "output_dir": str(tmp_path / f"out-{name}"), **more}))
         return str(path)
 
     done = run_cli("train", recipe(66, "fp32"))
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.strip() == (
         "toolkit: error: model.config: the experts' down_proj of model.layers.0.mlp.experts is 66 wide, which torch's "
-        "grouped GEMM (transformers' experts) cannot run in fp32; make the model's hidden and expert intermediate "
-        "sizes multiples of 4")
-    assert not (tmp_path / "out-66-fp32").exists()
-    refused = run_cli("validate", recipe(68, "bf16"))
-    assert refused.returncode == 2 and "is 68 wide" in refused.stderr and "multiples of 8" in refused.stderr, \
-        refused.stderr[-3000:]
-    assert run_cli("validate", recipe(68, "fp32")).returncode == 0
+        "grouped GEMM (transformers' experts) cannot run with float32 weights; make the model's hidden and expert "
+        "intermediate sizes multiples of 4")
+    assert not any(path.name.startswith("out-") for path in tmp_path.iterdir())
+    for refused in (recipe(68, "bf16", strategy={"name": "fsdp"}), recipe(68, "fp32", model={"load_dtype": "bf16"})):
+        done = run_cli("validate", refused)
+        assert done.returncode == 2 and "is 68 wide" in done.stderr and "bfloat16 weights" in done.stderr \
+            and "multiples of 8" in done.stderr, done.stderr[-3000:]
+    for runs in (recipe(68, "fp32"), recipe(68, "bf16"), recipe(72, "bf16", strategy={"name": "fsdp"})):
+        done = run_cli("validate", runs)
+        assert done.returncode == 0, done.stderr[-3000:]

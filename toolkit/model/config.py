@@ -59,10 +59,11 @@ def check_routing(built, config: ModelConfig) -> None:
     from toolkit.observe.routing import num_experts
 
     experts, top_k = num_experts(built), getattr(built, "num_experts_per_tok", None)
-    if experts and isinstance(top_k, int) and not 1 <= top_k <= experts:
-        many = f"{experts} experts a layer" if experts > 1 else "1 expert a layer"
-        raise RecipeError(f"{config_key(config)}: num_experts_per_tok is {top_k} with {many}; each token is routed "
-                          f"to 1 to {experts} of them")
+    # one expert: a dense model in some families (Jamba's num_experts 1 builds plain MLPs, its top-k unused), so
+    # only more than one is checked
+    if experts > 1 and isinstance(top_k, int) and not 1 <= top_k <= experts:
+        raise RecipeError(f"{config_key(config)}: num_experts_per_tok is {top_k} with {experts} experts a layer; each "
+                          f"token is routed to 1 to {experts} of them")
 
 
 def check_unknown_fields(built, fields: dict, config: ModelConfig) -> None:

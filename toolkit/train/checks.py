@@ -121,16 +121,18 @@ def check_model(recipe: Recipe, tokenizer) -> None:
 
 
 GROUPED_GEMM_ROW_BYTES = 16  # torch's grouped GEMM refuses operands whose rows are not a multiple of it
+# the strategies whose forward computes with the weights in a 16-bit precision (FSDP2's MixedPrecisionPolicy, ZeRO's
+# bf16/fp16 parameters; a hybrid's and transformers' layouts may shard with FSDP): the others keep model.load_dtype's
+# weights, under autocast
+SIXTEEN_BIT_WEIGHTS = ("fsdp", "zero", "hybrid", "hf_native")
 
 
 def check_expert_widths(recipe: Recipe, model=None) -> None:
-    """A mixture-of-experts model whose experts run transformers' default implementation, torch's grouped GEMM:
-    its operands' rows must be multiples of 16 bytes, else every rank stops in its first forward ("strides should
-    be multiple of 16 bytes": a from-config Mixtral with experts 66 wide, fp32; 68 wide ran in fp32 and stopped
-    under fsdp in bf16). So each expert weight's widths must be multiples of 4 elements, of 8 under bf16 or fp16
-    (fsdp and zero compute with 2-byte weights there; single and ddp keep fp32 weights under autocast, where 4
-    would do: the check asks for what every strategy runs with). `model`: its meta-device copy, built here for a
-    model that has experts if not given."""
+    """A mixture-of-experts model whose experts run transformers' default implementation, torch's grouped GEMM
+    (its input cast to the weights' dtype): the weights' rows must be multiples of 16 bytes, else every rank stops
+    in its first forward ("strides should be multiple of 16 bytes": a from-config Mixtral with experts 66 wide,
+    fp32; 68 wide ran in fp32 and in bf16 as one process, and stopped under fsdp in bf16, whose weights are 2 bytes
+    there). `model`: its meta-device copy, built here for a model that has experts if not given."""
     if model is None:
         from toolkit.model.build import hf_config
         from toolkit.observe.routing import num_experts
@@ -141,16 +143,27 @@ def check_expert_widths(recipe: Recipe, model=None) -> None:
         model = planned_model(recipe)
     if getattr(model.config, "_experts_implementation", None) != "grouped_mm":
         return
-    elements = GROUPED_GEMM_ROW_BYTES // (2 if recipe.precision in ("bf16", "fp16") else 4)
+    from toolkit.model.config import config_key
+    from toolkit.model.precision import DTYPES
+
+    weights = DTYPES[recipe.model.load_dtype]
+    if recipe.precision != "fp32" and recipe.strategy.name in SIXTEEN_BIT_WEIGHTS:
+        weights = DTYPES[recipe.precision]
+    elements = GROUPED_GEMM_ROW_BYTES // weights.itemsize
     for name, module in model.named_modules():
         if not (hasattr(module, "has_gate") and hasattr(module, "is_transposed")):  # transformers' experts modules
             continue
         for weight, param in module.named_parameters(recurse=False):
             odd = [size for size in param.shape[1:] if size % elements] if param.dim() == 3 else []
-            if odd:
-                raise RecipeError(f"model.config: the experts' {weight} of {name} is {odd[0]} wide, which torch's "
-                                  f"grouped GEMM (transformers' experts) cannot run in {recipe.precision}; make the "
-                                  f"model's hidden and expert intermediate sizes multiples of {elements}")
+            if not odd:
+                continue
+            fix = (f"make the model's hidden and expert intermediate sizes multiples of {elements}"
+                   if recipe.model.config is not None else
+                   "train its weights in fp32 (precision fp32, model.load_dtype fp32)" if elements == 8
+                   and all(size % 4 == 0 for size in param.shape[1:]) else "this model's experts cannot run it")
+            raise RecipeError(f"{config_key(recipe.model)}: the experts' {weight} of {name} is {odd[0]} wide, which "
+                              f"torch's grouped GEMM (transformers' experts) cannot run with "
+                              f"{str(weights).removeprefix('torch.')} weights; {fix}")
         return  # every layer's experts have the same widths
 
 
