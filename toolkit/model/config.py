@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TypeGuard
 
 from toolkit.config.recipe import ModelConfig
 from toolkit.errors import RecipeError
@@ -33,17 +33,21 @@ def check_sizes(fields: dict, config: ModelConfig) -> None:
     written; rope_theta -1, at its first step's non-finite loss."""
     for name in SIZE_FIELDS:
         value = fields.get(name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 1:
+        if _number(value) and value < 1:
             raise RecipeError(f"{config_key(config)}: {name} is {value}; a size must be 1 or more")
     rope = fields.get("rope_parameters")
     theta = fields.get("rope_theta", rope.get("rope_theta") if isinstance(rope, dict) else None)
-    if isinstance(theta, (int, float)) and not isinstance(theta, bool) and not theta > 0:
+    if _number(theta) and not theta > 0:
         raise RecipeError(f"{config_key(config)}: rope_theta is {theta}; the rotary embedding's base must be above 0 "
                           f"(a base of 0 or below gives NaN positions: the run stops at its first step)")
     for name, value in fields.items():
-        if _is_dropout(name) and isinstance(value, (int, float)) and not isinstance(value, bool) \
-                and not 0 <= value <= 1:
+        if _is_dropout(name) and _number(value) and not 0 <= value <= 1:
             raise RecipeError(f"{config_key(config)}: {name} is {value}; a dropout probability must be in [0, 1]")
+
+
+def _number(value) -> TypeGuard[int | float]:
+    """An int or float a config holds (a bool is neither here: use_cache, tie_word_embeddings)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _is_dropout(name: str) -> bool:
