@@ -87,6 +87,22 @@ def test_a_token_routed_to_more_experts_than_a_layer_has_is_one_line(top_k, expe
     assert hf_config(ModelConfig(config=jamba, tokenizer=str(tiny_llama_dir), task="causal-lm")).num_experts == 1
 
 
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_one_expert_routed_to_two_is_one_line_where_the_family_builds_routers(command, tmp_path, tiny_llama_dir,
+                                                                              capsys):
+    """A Qwen3-MoE of one expert still builds a router per layer (every layer sparse), which picked 2 of its 1
+    expert and stopped the first forward ("selected index k out of range"); the config check leaves one expert
+    alone (Jamba's is a dense model), so the routers built on the meta device are what tell."""
+    moe = {"model_type": "qwen3_moe", "num_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+           "head_dim": 8}
+    recipe, out = _from_config(tmp_path, tiny_llama_dir, **moe)
+    _assert_one_line_exit_2(main([command, str(recipe)]), capsys,
+                            ("model.config: the router model.layers.0.mlp.gate picks 2 of 1",
+                             "num_experts_per_tok from 1 to 1"), out)
+    recipe, out = _from_config(tmp_path, tiny_llama_dir, **{**moe, "num_experts_per_tok": 1})
+    assert main(["validate", str(recipe)]) == 0, capsys.readouterr().err
+
+
 def test_a_size_below_one_in_a_model_folders_config_is_one_line(tmp_path, tiny_llama_dir, capsys):
     import json
     import shutil

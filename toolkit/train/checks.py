@@ -114,7 +114,7 @@ def check_model(recipe: Recipe, tokenizer) -> None:
 
     model = planned_model(recipe)  # applies the adapters: targets that match nothing are peft's one-line error
     check_vocabulary(model, tokenizer)
-    check_expert_widths(recipe, model)
+    check_experts(recipe, model)
     check_blocks(recipe, model)
     if recipe.train.activation_checkpointing:
         enable_activation_checkpointing(model, recipe.train.recompute)  # a model without blocks: its one-line error
@@ -127,12 +127,9 @@ GROUPED_GEMM_ROW_BYTES = 16  # torch's grouped GEMM refuses operands whose rows 
 SIXTEEN_BIT_WEIGHTS = ("fsdp", "zero", "hybrid", "hf_native")
 
 
-def check_expert_widths(recipe: Recipe, model=None) -> None:
-    """A mixture-of-experts model whose experts run transformers' default implementation, torch's grouped GEMM
-    (its input cast to the weights' dtype): the weights' rows must be multiples of 16 bytes, else every rank stops
-    in its first forward ("strides should be multiple of 16 bytes": a from-config Mixtral with experts 66 wide,
-    fp32; 68 wide ran in fp32 and in bf16 as one process, and stopped under fsdp in bf16, whose weights are 2 bytes
-    there). `model`: its meta-device copy, built here for a model that has experts if not given."""
+def check_experts(recipe: Recipe, model=None) -> None:
+    """A mixture-of-experts model's routers and experts, on its meta-device copy (`model`; built here for a model
+    that has experts if not given): what would otherwise stop every rank in its first forward."""
     if model is None:
         from toolkit.model.build import hf_config
         from toolkit.observe.routing import num_experts
@@ -141,6 +138,30 @@ def check_expert_widths(recipe: Recipe, model=None) -> None:
         if not num_experts(hf_config(recipe.model)):
             return
         model = planned_model(recipe)
+    check_routers(recipe, model)
+    check_expert_widths(recipe, model)
+
+
+def check_routers(recipe: Recipe, model) -> None:
+    """Each router picks top_k of its num_experts experts, so 1 <= top_k <= num_experts. The config check
+    (model.config.check_routing) judges only configs of more than one expert, as one expert is a dense model in
+    some families (Jamba's builds plain MLPs, its top-k unused); the modules built tell: a Qwen3-MoE or Qwen2-MoE of
+    one expert and top-k 2 builds routers that stopped in the first forward ("selected index k out of range")."""
+    from toolkit.model.config import config_key
+
+    for name, module in model.named_modules():
+        top_k, experts = getattr(module, "top_k", None), getattr(module, "num_experts", None)
+        if isinstance(top_k, int) and isinstance(experts, int) and not 1 <= top_k <= experts:
+            raise RecipeError(f"{config_key(recipe.model)}: the router {name} picks {top_k} of {experts} "
+                              f"expert(s) a token; set num_experts_per_tok from 1 to {experts}")
+
+
+def check_expert_widths(recipe: Recipe, model) -> None:
+    """A mixture-of-experts model whose experts run transformers' default implementation, torch's grouped GEMM
+    (its input cast to the weights' dtype): the weights' rows must be multiples of 16 bytes, else every rank stops
+    in its first forward ("strides should be multiple of 16 bytes": a from-config Mixtral with experts 66 wide,
+    fp32; 68 wide ran in fp32 and in bf16 as one process, and stopped under fsdp in bf16, whose weights are 2 bytes
+    there)."""
     if getattr(model.config, "_experts_implementation", None) != "grouped_mm":
         return
     from toolkit.model.config import config_key

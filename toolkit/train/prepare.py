@@ -19,7 +19,7 @@ from toolkit.process.dist import DistEnv
 from toolkit.strategies import data_layout, make_strategy, validate_strategy
 from toolkit.strategies.base import Strategy
 from toolkit.train import tracking_checks
-from toolkit.train.checks import check_expert_widths, check_position_limit, check_tiled_loss
+from toolkit.train.checks import check_experts, check_position_limit, check_tiled_loss
 from toolkit.train.notes import recipe_notes
 
 
@@ -51,7 +51,7 @@ def prepare(recipe: Recipe, env: DistEnv) -> Prepared:
     check_precision_supported(recipe.precision, env.device)
     check_position_limit(recipe)
     check_tiled_loss(recipe)
-    check_expert_widths(recipe)
+    check_experts(recipe)
     tracking_checks.check_trackers(recipe)
     tokenizer = load_tokenizer(recipe.model)
     adopt_chat_template(tokenizer, recipe.data)  # the template trained with is the one saved with the model
