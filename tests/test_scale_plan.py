@@ -83,6 +83,27 @@ def test_auto_tp_layouts_take_what_the_model_takes(recipe, overrides, degree, su
         validate_strategy(layout, world_size=2 * degree)
 
 
+@pytest.mark.parametrize("recipe, per_node, degrees", [
+    (RECIPE, 6, [2]),  # Llama 3 8B's 32 heads: 3 and 6 do not split them, 4 does not tile a node of 6
+    (RECIPE, 8, [2, 4, 8]),
+    (str(REPO / "recipes" / "minilm-sst.yaml"), 6, [2, 3, 6]),  # 12 heads, 384 wide, MLP 1536
+])
+def test_auto_tries_tp_inside_a_node_at_each_degree_that_tiles_it_and_the_model_takes(recipe, per_node, degrees):
+    """TP inside a node: the degrees that divide its GPUs (tp 2 on nodes of 3 planned a layout that could not
+    run, 3 was never tried), and only those the model's heads and widths split by."""
+    import re
+
+    from toolkit.config.files import load_recipe
+    from toolkit.cost.step_time import Cluster
+    from toolkit.plan.predict import planned_model
+    from toolkit.plan.scale import auto_layouts
+
+    loaded = load_recipe(recipe, [])
+    cluster = Cluster(hardware=hardware.load("h100-sxm"), num_nodes=2, gpus_per_node=per_node)
+    names = auto_layouts(loaded, planned_model(loaded), cluster)
+    assert sorted({int(m.group(1)) for name in names if (m := re.search(r"-tp(\d+)", name))}) == degrees
+
+
 def test_the_layouts_that_fit_come_first_fastest_first(two_nodes):
     fits = [p["fits"] for p in two_nodes]
     assert fits == sorted(fits, reverse=True)  # every layout that fits before any that does not
@@ -100,6 +121,30 @@ def test_the_table_ranks_and_says_why_the_first_wins():
     assert any(line.startswith(f"{winner} over ") and "x the tokens/s; " in line or
                line.startswith(f"{winner} and ") and " tie (within 2 %" in line for line in lines), done.stdout
     assert "ms a step on" in done.stdout
+
+
+def test_a_tie_names_what_each_side_pays_that_the_other_does_not(two_nodes):
+    """zero2 beside pp2-fsdp: the line named pp2-fsdp's bubble only ("zero2 0 ms"), as if zero2 paid nothing;
+    zero2's exposed all-reduce of the gradients is in the line too, and a second is written as seconds."""
+    from toolkit.cost.step_time import Cost, StepTime
+    from toolkit.plan.scale import Planned, reasons
+
+    def planned(row):
+        costs = [Cost(what=c["what"], seconds=c["seconds"], exposed_s=c["exposed_s"]) for c in row["costs"]]
+        step = StepTime(step_time_s=row["step_time_s"], tokens_per_step=1, costs=costs, mfu=row["mfu"],
+                        tokens_per_s_per_gpu=row["tokens_per_s_per_gpu"])
+        return Planned(layout=row["layout"], world_size=16, step=step, peak_bytes_per_gpu=1, fits=True)
+
+    rows = {row["layout"]: row for row in two_nodes}
+    exposed = {name: {c["what"]: c["exposed_s"] for c in rows[name]["costs"]} for name in ("zero2", "pp2-fsdp")}
+    gradients = "all-reduce gradients over dp_shard (network)"
+    assert exposed["zero2"][gradients] > 0.1 and exposed["pp2-fsdp"]["pipeline bubble"] > 0.1  # each pays its own
+    first, second = sorted(("zero2", "pp2-fsdp"), key=lambda n: -rows[n]["tokens_per_s_per_gpu"])
+    [line] = reasons([planned(rows[first]), planned(rows[second])])
+    assert "pipeline bubble" in line and gradients in line, line
+    assert [ms for ms in line.split() if ms == "ms"] and " 0 ms" in line
+    slow = planned({**rows["zero2"], "costs": [{"what": "x", "seconds": 1.5, "exposed_s": 1.5}]})
+    assert "spends 1.5 s a step on x" in reasons([planned(rows["zero3"]), slow])[0]
 
 
 def test_layouts_names_what_auto_plans_and_each_tp_row_sets_sequence_parallelism_itself():

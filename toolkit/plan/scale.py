@@ -3,8 +3,8 @@
 Each layout is a compare arm (toolkit strategies) at the cluster's world size: its collectives
 (StrategyRules.predict_collectives, the rules the counter holds them to on CPU), memory per GPU (toolkit/plan/
 predict.py on a GPU: no host memory in it) and step time (toolkit/cost/step_time.py) for the rank that works most.
-`auto` enumerates the sensible ones: ddp, fsdp, HSDP with a replica per node, zero 1-3, fsdp × tp inside a node,
-a pipeline across nodes, context parallel for long sequences.
+`auto` enumerates the sensible ones: ddp, fsdp, HSDP with a replica per node, zero 1-3, fsdp × tp inside a node (at
+each degree that divides its GPUs and the model takes), a pipeline across nodes, context parallel for long sequences.
 """
 
 from __future__ import annotations
@@ -72,18 +72,20 @@ def auto_layouts(recipe: Recipe, model: nn.Module, cluster: step_time.Cluster) -
         out[f"hsdp-{nodes}x{per_node}"] = ("strategy.name=fsdp", f"strategy.replicate_degree={nodes}", *plain)
     for stage in (1, 2, 3):
         out[f"zero{stage}"] = ("strategy.name=zero", f"strategy.stage={stage}", *plain)
-    tp = 2
-    while tp <= per_node:
+    for tp in (d for d in range(2, per_node + 1) if per_node % d == 0):  # inside a node: degrees that tile it
+        try:
+            tp_plan.check_degree(model, tp)  # and the model's heads and widths split by it
+        except RecipeError:
+            continue
         for suffix, options in tp_options(recipe, model, tp=tp):
             out[f"fsdp-tp{tp}{suffix}"] = ("strategy.name=fsdp", f"strategy.tp_degree={tp}", *options)
             if nodes > 1:  # HSDP's replica groups across the nodes, tp inside one
                 out[f"hsdp-{nodes}x{per_node}-tp{tp}{suffix}"] = (
                     "strategy.name=fsdp", f"strategy.replicate_degree={nodes}", f"strategy.tp_degree={tp}", *options)
-        tp *= 2
     if nodes > 1:
         out[f"pp{nodes}-fsdp"] = ("strategy.name=hybrid", f"strategy.pipeline_degree={nodes}",
                                   "strategy.data_parallel=fsdp", *plain)
-    if recipe.data.max_length >= LONG_SEQUENCE:
+    if recipe.data.max_length >= LONG_SEQUENCE and per_node % 2 == 0:  # a sequence split over 2 GPUs of a node
         out["fsdp-cp2"] = ("strategy.name=fsdp", "strategy.cp_degree=2", *plain)
         if nodes > 1:  # HSDP's replica groups across the nodes, each sequence split inside one
             out[f"hsdp-{nodes}x{per_node}-cp2"] = ("strategy.name=fsdp", f"strategy.replicate_degree={nodes}",
@@ -194,11 +196,17 @@ def reasons(order: list[Planned]) -> list[str]:
         a, b = cast(step_time.StepTime, first.step), cast(step_time.StepTime, second.step)
         exposed_a = {c.what: c.exposed_s for c in a.costs}
         exposed_b = {c.what: c.exposed_s for c in b.costs}
-        what = max(set(exposed_a) | set(exposed_b),
-                   key=lambda w: exposed_b.get(w, 0.0) - exposed_a.get(w, 0.0))
+        costs = set(exposed_a) | set(exposed_b)
+        what = max(costs, key=lambda w: exposed_b.get(w, 0.0) - exposed_a.get(w, 0.0))
         ratio = a.tokens_per_s_per_gpu / b.tokens_per_s_per_gpu
         why = (f"{second.layout} spends {_ms(exposed_b.get(what, 0.0))} a step on {what}, {first.layout} "
                f"{_ms(exposed_a.get(what, 0.0))}")
+        # and what the first pays that the second does not (zero2 beside pp2-fsdp: its gradients' all-reduce
+        # against the other's bubble), so that a tie or a narrow win does not read as a cost on one side only
+        back = max(costs, key=lambda w: exposed_a.get(w, 0.0) - exposed_b.get(w, 0.0))
+        if exposed_a.get(back, 0.0) > exposed_b.get(back, 0.0):
+            why += (f"; {first.layout} spends {_ms(exposed_a.get(back, 0.0))} on {back}, {second.layout} "
+                    f"{_ms(exposed_b.get(back, 0.0))}")
         if ratio < 1 + TIE:
             lines.append(f"{first.layout} and {second.layout} tie (within {100 * TIE:.0f} %, below what this model "
                          f"tells apart): {why}")
@@ -250,7 +258,7 @@ def checkpointing_line(order: list[Planned], *, recompute: str, memory: float,
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:,.3g} ms"
+    return f"{seconds:.3g} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
 
 
 def render(planned: list[Planned], cluster: step_time.Cluster) -> str:
