@@ -318,8 +318,12 @@ def test_qwen3_per_head_norms_sum_their_gradients_over_the_tp_ranks(qwen3_runs, 
     assert comm["bytes_by_op"]["allreduce_"] == llama["comm_per_step"]["bytes_by_op"]["allreduce_"] + 2 * 2 * 8 * 4
 
 
-@pytest.mark.parametrize("fixture, arm", [("moe_runs", "tp"), ("mixtral_runs", "fsdp-tp2")])
-def test_moe_experts_stay_whole_on_each_tp_rank_and_train_as_single(request, fixture, arm):
+@pytest.mark.parametrize("fixture, arm, extra", [
+    ("moe_runs", "tp", ()), ("mixtral_runs", "fsdp-tp2", ()),
+    # sequence parallelism: a whole MoE layer gathers the sequence shards, computes the whole sequence and cuts its
+    # output back to the shard (before: "aten.add.Tensor got mixed torch.Tensor and DTensor" at its residual add)
+    ("moe_runs", "tp-sp", ()), ("mixtral_runs", "fsdp-tp2", ("strategy.sequence_parallel=true",))])
+def test_moe_experts_stay_whole_on_each_tp_rank_and_train_as_single(request, fixture, arm, extra):
     """Mixtral's and Qwen3-MoE's plans split attention (and dense MLPs) only; their experts are named by the
     expert-parallel plan. Qwen3-MoE's plan also names the dense MLP of mlp_only_layers, which this model has none
     of: that entry matches no module and is passed over (before, the run was refused: "the plan entry
@@ -331,8 +335,8 @@ def test_moe_experts_stay_whole_on_each_tp_rank_and_train_as_single(request, fix
     runs = request.getfixturevalue(fixture)
     ranks, overrides = ARMS[arm]
     # fsdp-tp2: the ranks of each TP group checked every step to hold the same replicated weights, experts included
-    run = runs.get(arm, nproc=ranks, overrides=(*overrides, "batch.micro_batch_size=2",
-                                                "train.consistency_check_every=1"))
+    run = runs.get(arm + "-sp" * bool(extra), nproc=ranks, overrides=(*overrides, *extra, "batch.micro_batch_size=2",
+                                                                  "train.consistency_check_every=1"))
     reference = runs.get("single-m8")
     assert_matches_single(run, reference)
     assert [m["expert_tokens"] for m in metrics(run)] == [m["expert_tokens"] for m in metrics(reference)]

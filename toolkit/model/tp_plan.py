@@ -364,8 +364,8 @@ def sequence_parallel_plan(model: nn.Module) -> dict[str, Any]:
     the head's input gathered back, so the model's mask, positions and the loss are those of the full
     sequence. Llama-style decoders only: their blocks hold exactly DECODER_PARTS."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                                                   RowwiseParallel, SequenceParallel)
 
     config: Any = model.config
     layers = decoder_layers(model)
@@ -379,7 +379,7 @@ def sequence_parallel_plan(model: nn.Module) -> dict[str, Any]:
         raise RecipeError(f"strategy.sequence_parallel: the model's tensor-parallel plan has {', '.join(gathered)} "
                           "layers, which compute on the whole sequence between them; set it to false")
     seq, full = Shard(1), Replicate()
-    shared = shared_input_groups(styles)
+    shared, whole = shared_input_groups(styles), set(whole_mlps(model, styles))
     gather = dict(input_layouts=(seq,), desired_input_layouts=(full,), use_local_output=True)
     plan: dict[str, Any] = {}
     for name, style in styles.items():
@@ -394,8 +394,14 @@ def sequence_parallel_plan(model: nn.Module) -> dict[str, Any]:
         plan[f"{block}.self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
                                                         desired_input_kwarg_layouts={"hidden_states": full},
                                                         use_local_output=f"{block}.self_attn" not in shared)
-        plan[f"{block}.mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(full,),
-                                                  use_local_output=f"{block}.mlp" not in shared)
+        if f"{block}.mlp" not in whole:
+            plan[f"{block}.mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(full,),
+                                                      use_local_output=f"{block}.mlp" not in shared)
+        else:  # a MoE block whose experts stay whole (whole_experts): it computes the gathered sequence on every
+            # rank, its output cut back to this rank's shard (its gradient gathered in backward) for the residual
+            plan[f"{block}.mlp"] = PrepareModuleInputOutput(
+                input_layouts=(seq,), desired_input_layouts=(full,), use_local_input=True, output_layouts=(full,),
+                desired_output_layouts=(seq,), use_local_output=False)
     plan[f"{stack}.0"] = PrepareModuleInput(input_layouts=(full,), desired_input_layouts=(seq,))
     base = stack.rsplit(".", 1)[0]
     plan[f"{base}.norm"] = SequenceParallel()
@@ -403,6 +409,18 @@ def sequence_parallel_plan(model: nn.Module) -> dict[str, Any]:
         if head != base:
             plan[head] = PrepareModuleInput(**gather)  # type: ignore[arg-type]
     return plan
+
+
+def whole_mlps(model: nn.Module, styles: dict[str, str]) -> list[str]:
+    """The decoder blocks' `mlp` modules no split layer lies in, under a plan of `styles` (resolve): a MoE layer
+    whose experts stay whole on every rank (whole_experts). Under sequence parallelism each gathers its input and
+    cuts its output back to the rank's sequence shard (sequence_parallel_plan)."""
+    layers = decoder_layers(model)
+    if layers is None:
+        return []
+    stack, count = layers
+    mlps = [f"{stack}.{index}.mlp" for index in range(count)]
+    return [mlp for mlp in mlps if not any(name.startswith(f"{mlp}.") for name in styles)]
 
 
 def decoder_layers(model: nn.Module) -> tuple[str, int] | None:

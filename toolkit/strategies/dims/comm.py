@@ -159,6 +159,10 @@ def tp_collectives(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtyp
     groups = tp_plan.shared_input_groups(styles)  # attention's and MLPs' that read one gathered input
     alone = sum(style in tp_plan.COLUMN_WISE for style in styles.values()) - sum(len(g) for g in groups.values())
     hidden = cast(Any, model).config.hidden_size
+    # MoE layers whose experts stay whole: each gathers its input (forward, and a recompute's) and its output's
+    # gradient (backward; in the stream's dtype: tp's experts output fp32 under autocast, measured), and cuts its
+    # output and its input's gradient to the shard, which moves nothing
+    whole = len(tp_plan.whole_mlps(model, styles))
 
     def entry(op: str, count: int, payload: int, phase: str, what: str) -> Collective:
         return Collective(op=op, payload_bytes=count * payload, calls=count * micro, group="tp", group_size=tp,
@@ -173,8 +177,10 @@ def tp_collectives(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtyp
     # a recompute reaches it), in the matmuls' dtype; each group's entry gradient, its layers' partial gradients
     # summed (backward), in the stream's. A column-wise layer outside a group all-reduces its own input gradient.
     # (the embedding output's gradient and a recompute's gathers run in backward: one entry, phase by majority)
-    out = [entry("all_gather_into_tensor", forwards * rowwise + 2, part * stream, "forward", "activation shards"),
+    out = [entry("all_gather_into_tensor", forwards * (rowwise + whole) + 2, part * stream, "forward",
+                 "activation shards"),
            entry("all_gather_into_tensor", rowwise, part * size, "backward", "row-wise outputs' gradient shards"),
+           entry("all_gather_into_tensor", whole, part * stream, "backward", "whole MoE layers' output gradients"),
            entry("reduce_scatter_tensor", exits, part * tp * size, "forward", "row-wise outputs"),
            entry("reduce_scatter_tensor", len(groups), part * tp * stream, "backward", "activation gradients")]
     if alone:
