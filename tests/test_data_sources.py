@@ -156,6 +156,24 @@ def _named_labels(tmp_path, eval_rows):
     return train, evaluation
 
 
+@pytest.mark.parametrize("suffix", ["csv", "parquet"])
+def test_label_names_in_a_csv_or_parquet_file_map_to_integer_ids(suffix, tmp_path, tiny_bert_dir):
+    """A CSV's or parquet file's text column is read as large_string, and the tokenizing map kept its label column's
+    type for the ids it mapped the names to: '0', '1' as text, and the first micro-batch stopped every rank with
+    "too many dimensions 'str'". The ids are ints, the collated labels those of the names' sorted order."""
+    import pandas
+
+    path = tmp_path / f"train.{suffix}"
+    frame = pandas.DataFrame({"text": [r["text"] for r in ROWS], "label": [["neg", "pos"][r["label"]] for r in ROWS]})
+    frame.to_csv(path, index=False) if suffix == "csv" else frame.to_parquet(path)
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_bert_dir, task="sequence-classification",
+                          output_dir=tmp_path / "run", data={"train": str(path), "eval": None, "max_length": 16})
+    dataset, names = _split(recipe)
+    assert names == ["neg", "pos"] and dataset["label"] == [r["label"] for r in ROWS]
+    batch = Collator(pad_token_id=0, task="sequence-classification")([dataset[i] for i in range(4)])
+    assert batch["labels"].tolist() == [r["label"] for r in ROWS[:4]]
+
+
 def test_label_names_map_to_sorted_ids_and_into_the_exported_config(tmp_path, tiny_bert_dir):
     eval_rows = [{"text": json.loads(line)["text"], "label": ["neg", "pos"][json.loads(line)["label"]]}
                  for line in open(EVAL)][:40]

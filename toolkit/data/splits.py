@@ -182,8 +182,9 @@ def _tokenized(source: DataSource, *, data: DataConfig, task: str, num_labels: i
         out = tokenizer(batch[text], truncation=not packing, max_length=max_length)
         result = {"input_ids": out["input_ids"],
                   "num_cut": num_cut_tokens(batch[text], out["input_ids"], tokenizer, max_length=max_length)}
-        if task == "sequence-classification":
-            result["label"] = label_ids(batch[label], label_feature, names)
+        if task == "sequence-classification":  # renamed to label below: a map's output column named as an input
+            # column of large_string type (a CSV's or parquet's names) kept that type, the ids '0', '1' as text
+            result[CLASS_ID] = label_ids(batch[label], label_feature, names)
         return result
 
     encoded = raw.map(encode, batched=True, with_indices=True, remove_columns=raw.column_names,
@@ -193,6 +194,8 @@ def _tokenized(source: DataSource, *, data: DataConfig, task: str, num_labels: i
     counts = SplitCounts(num_blank=num_blank, num_cut=_sum(pc.greater(cut, 0)), num_tokens_cut=_sum(cut),
                          num_tokens=num_tokens + _sum(cut))
     dataset = encoded.remove_columns("num_cut")
+    if task == "sequence-classification":
+        dataset = dataset.rename_column(CLASS_ID, "label")
     if packing:
         dataset = dataset.map(_packer(data.max_length), batched=True, batch_size=PACK_ROWS,
                               remove_columns=dataset.column_names, new_fingerprint=cache + "-packed")
@@ -225,8 +228,10 @@ def _learnable(batch) -> list[bool]:
 
 # what the cached columns mean: a change to how samples are tokenized gives them a new name, so that a cache an
 # older toolkit wrote is not read as this one's (v2: packing tokenizes whole documents; blank text lines dropped;
-# v3: an instruction token that overlaps a response is trained, where v2 trained one that starts in it)
-TOKENIZED_VERSION = "tokenized-v3"
+# v3: an instruction token that overlaps a response is trained, where v2 trained one that starts in it; v4: class
+# ids mapped from names are ints, where a large_string label column kept them as text)
+TOKENIZED_VERSION = "tokenized-v4"
+CLASS_ID = "class_id"  # the tokenizing map's name for a sample's class id, `label` once mapped
 
 
 def _cache_key(source: DataSource, *, data: DataConfig, task: str, tokenizer, names: list[str] | None,
