@@ -156,6 +156,31 @@ def _named_labels(tmp_path, eval_rows):
     return train, evaluation
 
 
+def test_tokenizing_says_how_far_it_is_and_a_cached_split_says_nothing(tmp_path, tiny_bert_dir, capsys,
+                                                                       monkeypatch):
+    """Rank 0 tokenized a large split before the run's first line without a word (300,000 reviews: 30 s here).
+    A split that takes longer than FIRST_S says how far it is, every EVERY_S, then how long it took; here both are
+    0 s, so every batch of the map says it: the counts rise to the split's rows. The cached split says nothing."""
+    from toolkit.data import progress
+
+    monkeypatch.setattr(progress, "FIRST_S", 0.0)
+    monkeypatch.setattr(progress, "EVERY_S", 0.0)
+    train = tmp_path / "train.jsonl"
+    rows = ROWS * 40  # 2,560 rows: three batches of datasets' map (1,000 rows each)
+    train.write_text("".join(json.dumps({"text": f"{r['text']} {i}", "label": r["label"]}) + "\n"
+                             for i, r in enumerate(rows)))
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_bert_dir, task="sequence-classification",
+                          output_dir=tmp_path / "run", data={"train": str(train), "eval": None})
+    capsys.readouterr()
+    _split(recipe)
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" of ")[0] for line in lines[:-1]] == [
+        f"[toolkit] data.train: tokenizing {n:,}" for n in (1000, 2000, 2560)], lines
+    assert lines[-1].startswith("[toolkit] data.train: tokenizing done: 2,560 rows in "), lines
+    _split(recipe)
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("suffix", ["csv", "parquet"])
 def test_label_names_in_a_csv_or_parquet_file_map_to_integer_ids(suffix, tmp_path, tiny_bert_dir):
     """A CSV's or parquet file's text column is read as large_string, and the tokenizing map kept its label column's

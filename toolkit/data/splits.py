@@ -24,6 +24,7 @@ from toolkit.data.files import (DataSource, check_records, check_text_column, co
 from toolkit.data.instruct import chat_template_text, check_messages, check_tokenizer, encode_batch, num_cut_tokens
 from toolkit.data.labels import check_label_kind, check_labels, class_names, in_model_order, label_ids
 from toolkit.data.losses import IGNORE_INDEX
+from toolkit.data.progress import Progress
 from toolkit.errors import RecipeError
 from toolkit.process.dist import DistEnv, broadcast_object
 
@@ -176,7 +177,10 @@ def _tokenized(source: DataSource, *, data: DataConfig, task: str, num_labels: i
     label_feature = raw.features[label] if task == "sequence-classification" else None
     max_length = None if packing else data.max_length
 
+    progress = Progress(source.key, total=len(raw))
+
     def encode(batch, indices):
+        progress.advance(len(indices))
         if data.format != "text":
             return encode_batch(batch, data, tokenizer, indices=indices, where=f"{source.key}: {source.path}")
         out = tokenizer(batch[text], truncation=not packing, max_length=max_length)
@@ -189,6 +193,7 @@ def _tokenized(source: DataSource, *, data: DataConfig, task: str, num_labels: i
 
     encoded = raw.map(encode, batched=True, with_indices=True, remove_columns=raw.column_names,
                       new_fingerprint=cache)
+    progress.finish()
     num_tokens = _sum(pc.list_value_length(encoded.data.column("input_ids")))
     cut = encoded.data.column("num_cut")
     counts = SplitCounts(num_blank=num_blank, num_cut=_sum(pc.greater(cut, 0)), num_tokens_cut=_sum(cut),
