@@ -15,7 +15,8 @@ from toolkit.data.losses import IGNORE_INDEX
 from toolkit.data.splits import Collator, _packer, load_split
 from toolkit.process.dist import DistEnv
 
-ROWS = [json.loads(line) for line in open(TRAIN)][:64]
+ROWS_ALL = [json.loads(line) for line in open(TRAIN)]
+ROWS = ROWS_ALL[:64]
 ONE_RANK = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
 
@@ -154,6 +155,46 @@ def _named_labels(tmp_path, eval_rows):
     train.write_text("".join(json.dumps({"text": r["text"], "label": names[r["label"]]}) + "\n" for r in ROWS))
     evaluation.write_text("".join(json.dumps(r) + "\n" for r in eval_rows))
     return train, evaluation
+
+
+def _wait_for_slow_tokenizing(rank: int, recipe_path: str, init: str, lengths) -> None:
+    """One of two gloo ranks whose process group times out after 2 s; rank 0's tokenizing takes 4 s."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from toolkit.data import splits
+    from toolkit.process.dist import shutdown
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=2))
+    if rank == 0:
+        tokenized = splits._tokenized
+
+        def slow(*args, **kwargs):
+            time.sleep(4)
+            return tokenized(*args, **kwargs)
+        splits._tokenized = slow
+    recipe = load_recipe(recipe_path)
+    dataset, _, _ = load_split("data.train", data=recipe.data, task=recipe.model.task, num_labels=2,
+                               tokenizer=_tokenizer(), env=DistEnv(rank=rank, local_rank=rank, world_size=2,
+                                                                   device=torch.device("cpu")))
+    lengths[rank] = len(dataset)
+    shutdown(completed=True)
+
+
+def test_the_other_ranks_wait_for_rank_0_tokenizing_past_the_groups_timeout(tmp_path, tiny_bert_dir):
+    """Rank 0 tokenizes alone while the others wait on its word: they waited in a collective of the process
+    group, whose 30-minute timeout ended every run whose corpus took longer to tokenize, the tokenizing with it
+    (never cached: no later run got further). They wait on a group of their own now (hours); here the group's
+    timeout is 2 s and the tokenizing takes 4 s."""
+    import torch.multiprocessing as mp
+
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_bert_dir, task="sequence-classification",
+                          output_dir=tmp_path / "run", data={"eval": None})
+    lengths = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_wait_for_slow_tokenizing, args=(str(recipe), f"file://{tmp_path / 'store'}", lengths), nprocs=2)
+    assert dict(lengths) == {0: len(ROWS_ALL), 1: len(ROWS_ALL)}
 
 
 def test_tokenizing_says_how_far_it_is_and_a_cached_split_says_nothing(tmp_path, tiny_bert_dir, capsys,

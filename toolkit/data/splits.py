@@ -59,7 +59,8 @@ def load_split(key: str, *, data: DataConfig, task: str, num_labels: int, tokeni
                                model_names=model_names, identity=identity)
         except RecipeError as exc:
             error = str(exc)
-    error = broadcast_object(error, env)  # the other ranks fail with rank 0's message instead of hanging
+    # the other ranks fail with rank 0's message instead of hanging, and wait as long as its tokenizing takes
+    error = broadcast_object(error, env, after_rank_0_work=True)
     if error is not None:
         raise RecipeError(error)
     if not env.is_main:  # reads rank 0's cache

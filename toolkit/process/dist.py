@@ -76,7 +76,7 @@ def init_distributed(*, deepspeed: bool = True) -> DistEnv:
         backend = "gloo"
     if world_size > 1 and not dist.is_initialized():
         _import_before_group(deepspeed=deepspeed)
-        timeout = datetime.timedelta(minutes=30)
+        timeout = COLLECTIVE_TIMEOUT
         dist.init_process_group(backend=backend, timeout=timeout,
                                 **_attempt_store(rank=rank, world_size=world_size, timeout=timeout))
     return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
@@ -195,6 +195,7 @@ def shutdown(*, completed: bool, release: Callable[[], None] | None = None) -> b
             ok = False
     if release is not None:
         release()
+    _held_groups.clear()  # a group still referenced is not freed by destroy_process_group (see exit_process)
     if not dist.is_initialized():
         return ok
     dist.destroy_process_group()
@@ -330,9 +331,27 @@ def tensors_on_main(mine: dict[str, torch.Tensor], env: DistEnv) -> dict[str, to
     return merged
 
 
-def broadcast_object(obj, env: DistEnv):
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)  # the process group's: a rank silent this long has failed
+# how long the other ranks wait for rank 0's own work before the run (tokenizing a corpus): hours, where the
+# group's 30 minutes ended every run whose data took longer, and its tokenizing with it, so that no run got further
+RANK_0_WORK_TIMEOUT = datetime.timedelta(hours=24)
+
+
+def broadcast_object(obj, env: DistEnv, *, after_rank_0_work: bool = False):
+    """Rank 0's `obj` on every rank. `after_rank_0_work`: rank 0 sends it after work of its own that may take
+    longer than the process group's timeout; the others wait up to RANK_0_WORK_TIMEOUT, over a gloo group of
+    that timeout (made once, by every rank, at the first such call)."""
     if not env.distributed:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=_rank_0_work_group() if after_rank_0_work else None)
     return box[0]
+
+
+_held_groups: dict[str, object] = {}  # groups of the toolkit's own, dropped by shutdown() before it destroys them
+
+
+def _rank_0_work_group():
+    if "rank 0 work" not in _held_groups:
+        _held_groups["rank 0 work"] = dist.new_group(backend="gloo", timeout=RANK_0_WORK_TIMEOUT)
+    return _held_groups["rank 0 work"]
