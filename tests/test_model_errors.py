@@ -188,6 +188,25 @@ def test_a_model_folder_missing_files_is_one_line(files, words, tmp_path, tiny_b
     _assert_one_line_exit_2(main(["validate", str(recipe)]), capsys, (f"model.path: {folder}", words), out)
 
 
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_a_lora_adapter_as_model_path_names_its_base(command, tmp_path, tiny_bert_dir, capsys):
+    """A LoRA run's output_dir/model holds the adapter (peft's adapter_config.json and weights, the tokenizer), no
+    config.json: "has no config.json" named no way on. The line names the base the adapter was trained on."""
+    import json
+    import shutil
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_bert_dir),
+                                                            "peft_type": "LORA", "r": 4}))
+    shutil.copy(tiny_bert_dir / "tokenizer.json", folder / "tokenizer.json")
+    out = tmp_path / "out"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=folder, task="sequence-classification", output_dir=out)
+    _assert_one_line_exit_2(main([command, str(recipe)]), capsys,
+                            (f"model.path: {folder} holds a LoRA adapter", f"its base model ({tiny_bert_dir})",
+                             "model.lora.merge_on_export: true"), out)
+
+
 def test_a_sharded_model_missing_a_shard_is_one_line(tmp_path, tiny_bert_dir, capsys):
     import json
     import shutil

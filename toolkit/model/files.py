@@ -19,9 +19,25 @@ def check_model_dir(path: Path, key: str) -> None:
                               f"`hf download {path} --local-dir DIR` and point {key} at DIR")
         raise RecipeError(f"{key}: {path} does not exist; point it at a folder written by save_pretrained")
     if key == "model.path" and not (path / "config.json").is_file():
+        adapter = _adapter_base(path)
+        if adapter is not None:
+            raise RecipeError(f"{key}: {path} holds a LoRA adapter (adapter_config.json), not a model; point {key} "
+                              f"at its base model{adapter}, or export a whole model from the run that trains the "
+                              "adapter (model.lora.merge_on_export: true)")
         raise RecipeError(f"{key}: {path} has no config.json; point it at a folder written by save_pretrained")
     if key == "model.path":
         _check_weight_files(path)
+
+
+def _adapter_base(path: Path) -> str | None:
+    """For a peft adapter's folder (a LoRA run's output_dir/model): ' (BASE)', its base model's path or id as the
+    adapter names it, or '' where it names none; None for any other folder."""
+    try:
+        config = json.loads((path / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    return f" ({base})" if isinstance(base, str) and base else ""
 
 
 def _check_weight_files(path: Path) -> None:
