@@ -125,3 +125,25 @@ def test_two_zero_ranks_with_a_warmup_decay_block_resume_a_single_checkpoint(bas
     assert lrs(out) == pytest.approx({s: warmup_decay_lr(s, lr=LR, total_steps=5) for s in (3, 4, 5)},
                                      rel=1e-12, abs=0)
     assert f"{NOTICE} (total steps 5, was 4; scheduler ds_config WarmupDecayLR, was the recipe's)" in result.stderr
+
+
+def test_a_resume_on_another_train_split_says_its_order_is_not_the_checkpoints(base):
+    """Step k reads positions of a seeded permutation of the train split: another split (rows added or removed)
+    gives another permutation, and the resumed steps read the samples in another order than the interrupted run
+    would have. That was silent; the checkpoint records the split's samples and tokens, and a resume on another
+    says so in one line. The same split says nothing."""
+    from conftest import TRAIN
+
+    root, recipe = base
+    part = root / "part.jsonl"
+    rows = open(TRAIN).read().splitlines(keepends=True)[:300]
+    part.write_text("".join(rows))
+    manifest = json.loads((root / "base" / "checkpoints" / "step-00000002" / "manifest.json").read_text())
+    assert manifest["train_data"]["samples"] == len(open(TRAIN).read().splitlines())
+    changed = launch(recipe, nproc=1, overrides=(f"output_dir={root / 'other-data'}", f"data.train={part}"),
+                     extra=("--resume", checkpoint(root / "base", 2)))
+    said = [line for line in changed.stderr.splitlines() if "data.train is not the split" in line]
+    assert len(said) == 1 and f"samples 300, was {manifest['train_data']['samples']:,}" in said[0], said
+    same = launch(recipe, nproc=1, overrides=(f"output_dir={root / 'same-data'}",),
+                  extra=("--resume", checkpoint(root / "base", 2)))
+    assert "data.train is not the split" not in same.stderr

@@ -140,8 +140,9 @@ class Saver:
     and after the last step."""
 
     def __init__(self, recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, tokenizer,
-                 done_steps: int, tokens_seen: int):
+                 done_steps: int, tokens_seen: int, train_data: dict | None = None):
         self.recipe, self.env, self.plan, self.total_steps = recipe, env, plan, total_steps
+        self.train_data = train_data  # the train split's samples and tokens (data_changes compares a resume's)
         self.tokenizer = tokenizer
         self.config = recipe.checkpoint
         self.done_steps = done_steps  # the step the run started from already has its checkpoint
@@ -204,7 +205,7 @@ class Saver:
             self._manifest = {"strategy": self.recipe.strategy.name, "precision": self.recipe.precision,
                               "global_batch_size": self.plan.global_batch_size, "total_steps": self.total_steps,
                               "recipe_hash": store.recipe_hash(self.recipe), "task": self.recipe.model.task,
-                              "versions": versions()}
+                              "versions": versions(), **({"train_data": self.train_data} if self.train_data else {})}
         manifest = {**self._manifest, "tokens_seen": self.tokens_seen, "time": time.time()}
         self.pending = state.save(strategy, step=step, out_dir=Path(self.recipe.output_dir), env=self.env,
                                   recipe=self.recipe, manifest=manifest, hf_files=hf_files,

@@ -91,3 +91,17 @@ def _dotted(raw: dict, key: str) -> Any:
 
 def _shown(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def data_changes(manifest: dict, train_data: dict) -> str | None:
+    """How the train split differs from the one the checkpoint's run read (its samples and tokens), or None. Step
+    k reads positions [k·G, (k+1)·G) of a seeded permutation of the split's samples: another split (rows added
+    or removed, another max_length or file) gives another permutation, so the steps from the checkpoint on read
+    samples in another order than the interrupted run would have, some again and some not at all this epoch."""
+    saved = manifest.get("train_data")
+    if not isinstance(saved, dict):  # a checkpoint of an older toolkit: nothing to compare
+        return None
+    changed = [f"{key} {train_data.get(key):,}, was {saved.get(key):,}" for key in ("samples", "tokens")
+               if isinstance(saved.get(key), int) and saved.get(key) != train_data.get(key)]
+    return "; ".join(changed) or None
+

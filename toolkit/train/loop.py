@@ -24,7 +24,7 @@ import torch
 from toolkit.checkpoint import run as checkpoints
 from toolkit.checkpoint.loading import ModelSource, num_parameters, own_memory, whole_parameters
 from toolkit.checkpoint.run import Resume
-from toolkit.checkpoint.schedule import schedule_changes
+from toolkit.checkpoint.schedule import data_changes, schedule_changes
 from toolkit.config.parallel import resolve
 from toolkit.config.recipe import BatchPlan, Recipe
 from toolkit.data.losses import TILED, forward_loss_sum
@@ -92,8 +92,10 @@ def setup_strategy(strategy: Strategy, model, *, source: ModelSource, env: DistE
         build_scheduler=lambda o: build_scheduler(o, config=recipe.optim, total_steps=total_steps), source=source))
 
 
-def announce_schedule_changes(recipe: Recipe, checkpoint, *, env: DistEnv, total_steps: int) -> None:
-    """Rank 0: one line where the resumed schedule (always this recipe's) differs from the checkpoint's run."""
+def announce_schedule_changes(recipe: Recipe, checkpoint, *, env: DistEnv, total_steps: int,
+                              train_data: dict) -> None:
+    """Rank 0: one line where the resumed schedule (always this recipe's) differs from the checkpoint's run, and
+    one where the train split does (`train_data`: its samples and tokens)."""
     if not env.is_main:
         return
     manifest = checkpoint.manifest
@@ -103,6 +105,11 @@ def announce_schedule_changes(recipe: Recipe, checkpoint, *, env: DistEnv, total
     if changes:
         print(f"[toolkit] resume: the lr schedule follows this recipe ({'; '.join(changes)})",
               file=sys.stderr, flush=True)
+    data = data_changes(manifest, train_data)
+    if data:
+        print(f"[toolkit] resume: data.train is not the split the checkpoint's run read ({data}): the steps from "
+              "here read its samples in another order than that run would have, some again and some not at all "
+              "this epoch; resume with the same data to continue that order", file=sys.stderr, flush=True)
 
 
 def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> TrainResult:
@@ -139,10 +146,11 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     # (before this, training ran without dropout until the first evaluation switched the model back)
     strategy.model.train()
     done, tokens_seen = 0, 0
+    train_data = {key: prepared.data_info["train"][key] for key in ("samples", "tokens")}
     weights_only = bool(resume and resume.weights_only)
     if checkpoint is not None:
         done = checkpoints.restore(strategy, checkpoint, weights_only=weights_only, env=env, total_steps=total_steps)
-        announce_schedule_changes(recipe, checkpoint, env=env, total_steps=total_steps)
+        announce_schedule_changes(recipe, checkpoint, env=env, total_steps=total_steps, train_data=train_data)
         tokens_seen = int(checkpoint.manifest.get("tokens_seen", 0))
     out_dir = Path(recipe.output_dir)
     info = runinfo.start(recipe, env=env, plan=plan, total_steps=total_steps, model=strategy.state.export_module(),
@@ -182,7 +190,7 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
                                 log_every=recipe.train.log_every)
             scale = GradientScale() if recipe.train.record_gradient_scale else None
             saver = checkpoints.Saver(recipe, env=env, plan=plan, total_steps=total_steps, tokenizer=tokenizer,
-                                      done_steps=done, tokens_seen=tokens_seen)
+                                      done_steps=done, tokens_seen=tokens_seen, train_data=train_data)
             signals = StopSignals().install()
             profiler = profiling.StepProfiler(recipe, env=env, out_dir=out_dir, done=done)
             if checkpoint is not None:  # last before the first step: nothing draws from the restored generator
