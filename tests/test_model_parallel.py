@@ -341,6 +341,13 @@ BAD = {
         "must be a multiple of 2 (or at most 2), but batch.grad_accum_steps is 5"),
     "world not divisible": (4, ("strategy.name=hybrid", "strategy.pipeline_degree=3"),
                             "world size 4 is not divisible by strategy.pipeline_degree 3"),
+    # a schedule that splits backward in two ran the first part, then every rank stopped in the second ("Trying to
+    # backward an extra time ... selective activation checkpoint"); full checkpointing runs with them
+    **{f"selective checkpointing under {schedule}": (
+        2, ("strategy.name=pipeline", f"strategy.schedule={schedule}", "strategy.stages_per_rank=2",
+            "train.activation_checkpointing=selective", "batch.micro_batch_size=4"),
+        f"selective cannot run with strategy.schedule {schedule}, which runs each backward in two parts")
+       for schedule in ("interleaved-zb", "zbv", "dualpipev")},
     "too few micro-batches": (2, ("strategy.name=pipeline", "strategy.schedule=1f1b", "batch.grad_accum_steps=1"),
                               "schedule 1f1b needs at least as many micro-batches per step as stages (2)"),
     "no blocks found": (2, ("strategy.name=pipeline", "strategy.blocks=[NoSuchBlock]"),

@@ -213,6 +213,11 @@ def check_recipe(recipe: Recipe, *, world_size: int) -> None:
     wrong = stages_per_rank_error(options.schedule, options.stages_per_rank)
     if wrong:
         raise RecipeError(wrong)
+    if options.schedule in SPLIT_BACKWARD and recipe.train.recompute == "selective":
+        raise RecipeError(f"train.activation_checkpointing: selective cannot run with strategy.schedule "
+                          f"{options.schedule}, which runs each backward in two parts (input gradients, then weight "
+                          "gradients) where torch's selective checkpointing allows one backward per block; set it to "
+                          "true (full checkpointing runs with it) or use schedule 1f1b or interleaved-1f1b")
     if options.data_parallel not in ("ddp", "fsdp"):
         raise RecipeError(f"strategy.data_parallel: unknown value {options.data_parallel!r}; choose ddp or fsdp")
     grid = grid_of(recipe, world_size)
