@@ -44,6 +44,8 @@ from toolkit.errors import RecipeError
 from toolkit.observe.routing import counted_tokens
 from toolkit.strategies.base import LossSum, MicroBatchStrategy, Share, refuse_untested, tiled_head
 
+# how a refusal names its fix: a recipe's parallel.cp, or the fsdp option a compare arm (fsdp-cp2) sets
+DROP_CP = "drop parallel.cp (strategy.cp_degree)"
 ATTENTIONS = {"allgather": "toolkit_cp_allgather", "ulysses": "toolkit_cp_ulysses"}  # config._attn_implementation
 
 
@@ -134,7 +136,7 @@ def sequence(context: Sequence) -> Iterator[None]:
     if untold:  # Qwen2-MoE's window, Llama 4's chunks: in the mask transformers would build, not in the attention
         raise RecipeError(f"context parallel: the model masks its attention to {untold[0]} positions (a sliding "
                           "window or attention chunks) without telling the attention function, which the cp methods "
-                          "replace; they would attend over the whole causal past; drop parallel.cp")
+                          f"replace; they would attend over the whole causal past; {DROP_CP}")
 
 
 def _gathered(tensor: torch.Tensor, context: Sequence) -> torch.Tensor:
@@ -212,7 +214,7 @@ def _sdpa(module, query, key, value, allowed, *, dropout, scaling, **kwargs) -> 
     unread = next((key for key in UNREAD_BY_SDPA if kwargs.get(key) is not None), None)
     if unread is not None:
         raise RecipeError(f"context parallel attends with sdpa, which leaves out what {type(module).__name__} hands "
-                          f"its attention as {unread} ({UNREAD_BY_SDPA[unread]}); drop parallel.cp")
+                          f"its attention as {unread} ({UNREAD_BY_SDPA[unread]}); {DROP_CP}")
     return sdpa_attention_forward(module, query, key, value, allowed, dropout=dropout, scaling=scaling,
                                   is_causal=False, **kwargs)
 
@@ -269,7 +271,7 @@ def check_recipe(recipe: Recipe, *, cp: int, tp: int, world_size: int) -> None:
                           f"world size that is a multiple of {cp * tp}")
     if recipe.model.task != "causal-lm":
         raise RecipeError(f"context parallel splits a causal LM's sequences; model.task is {recipe.model.task} (its "
-                          "sequences are pooled whole); drop parallel.cp")
+                          f"sequences are pooled whole); {DROP_CP}")
     refuse_untested(recipe, layout="context parallel", drop="parallel.cp", lora_why="not tested together",
                     compile_why="its attention is not checked compiled")
     from toolkit.model.build import hf_config, meta_model  # transformers: only where cp is asked for
@@ -277,11 +279,11 @@ def check_recipe(recipe: Recipe, *, cp: int, tp: int, world_size: int) -> None:
     config = hf_config(recipe.model)
     if getattr(config, "attn_logit_softcapping", None):  # Gemma 2's: sdpa, which the methods attend with, has none
         raise RecipeError(f"context parallel attends with sdpa, which has no attention logit soft-capping "
-                          f"(config.attn_logit_softcapping {config.attn_logit_softcapping}); drop parallel.cp")
+                          f"(config.attn_logit_softcapping {config.attn_logit_softcapping}); {DROP_CP}")
     attends(meta_model(recipe.model))
     if getattr(config, "output_router_logits", False):  # transformers' router loss over a rank's part of a sequence
         raise RecipeError("context parallel does not add a mixture-of-experts router's auxiliary loss yet (each rank "
-                          "routes part of each sequence); set output_router_logits: false or drop parallel.cp")
+                          f"routes part of each sequence); set output_router_logits: false or {DROP_CP}")
     if recipe.parallel.cp_method == "ulysses":
         heads = int(getattr(config, "num_attention_heads", None) or 0) // tp  # a tp rank's
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads * tp) // tp
@@ -297,7 +299,7 @@ def attends(model: torch.nn.Module) -> None:
     Falcon, MPT): the cp methods could not take its place."""
     if not getattr(model, "_supports_attention_backend", False):
         raise RecipeError(f"context parallel needs a model whose attention transformers lets the toolkit replace "
-                          f"(AttentionInterface); {type(model).__name__} does not; drop parallel.cp")
+                          f"(AttentionInterface); {type(model).__name__} does not; {DROP_CP}")
 
 
 def use_on(model: torch.nn.Module, *, method: str) -> None:
