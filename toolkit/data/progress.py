@@ -13,8 +13,8 @@ EVERY_S = 15.0  # then one every this long
 
 
 class Progress:
-    def __init__(self, key: str, *, total: int, what: str = "tokenizing") -> None:
-        self.key, self.total, self.what = key, total, what
+    def __init__(self, key: str, *, total: int) -> None:
+        self.key, self.total = key, total
         self.done = 0
         self.start: float | None = None
         self.said: float | None = None  # when the last line was printed
@@ -31,13 +31,13 @@ class Progress:
         elapsed = now - self.start
         left = elapsed * (self.total - self.done) / self.done if self.done else 0.0
         share = 100 * self.done / self.total if self.total else 100.0
-        self._say(f"{self.what} {self.done:,} of {self.total:,} rows ({share:.0f} %, {elapsed:.0f} s; about "
+        self._say(f"tokenizing {self.done:,} of {self.total:,} rows ({share:.0f} %, {elapsed:.0f} s; about "
                   f"{left:.0f} s left; cached for later runs)")
 
     def finish(self) -> None:
         """The closing line, where a line was said (a long tokenizing)."""
         if self.said is not None and self.start is not None:
-            self._say(f"{self.what} done: {self.done:,} rows in {time.monotonic() - self.start:.0f} s")
+            self._say(f"tokenizing done: {self.done:,} rows in {time.monotonic() - self.start:.0f} s")
 
     def _say(self, text: str) -> None:
         print(f"[toolkit] {self.key}: {text}", file=sys.stderr, flush=True)

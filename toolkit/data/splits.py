@@ -60,7 +60,7 @@ def load_split(key: str, *, data: DataConfig, task: str, num_labels: int, tokeni
         except RecipeError as exc:
             error = str(exc)
     # the other ranks fail with rank 0's message instead of hanging, and wait as long as its tokenizing takes
-    error = broadcast_object(error, env, after_rank_0_work=True)
+    error = broadcast_object(error, env)
     if error is not None:
         raise RecipeError(error)
     if not env.is_main:  # reads rank 0's cache

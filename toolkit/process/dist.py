@@ -337,14 +337,14 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)  # the process group's: a ra
 RANK_0_WORK_TIMEOUT = datetime.timedelta(hours=24)
 
 
-def broadcast_object(obj, env: DistEnv, *, after_rank_0_work: bool = False):
-    """Rank 0's `obj` on every rank. `after_rank_0_work`: rank 0 sends it after work of its own that may take
-    longer than the process group's timeout; the others wait up to RANK_0_WORK_TIMEOUT, over a gloo group of
-    that timeout (made once, by every rank, at the first such call)."""
+def broadcast_object(obj, env: DistEnv):
+    """Rank 0's `obj` on every rank, sent after work of its own that may take longer than the process group's
+    timeout (tokenizing): the others wait up to RANK_0_WORK_TIMEOUT, over a gloo group of that timeout (made once,
+    by every rank, at the first call)."""
     if not env.distributed:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0, group=_rank_0_work_group() if after_rank_0_work else None)
+    dist.broadcast_object_list(box, src=0, group=_rank_0_work_group())
     return box[0]
 
 
