@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The GPU checks of the open issues in one script, for one short lease of a one-GPU machine without internet
+# (the device tool): the wheels and tokenizer that benchmarks/offline_wheels.sh gathers into .whl/ travel with it.
+#
+#     bash benchmarks/gpu_checks.sh [calibrate,ring,throughput,more] [DEADLINE_S]    # results under $OUT
+#
+# calibrate   toolkit calibrate --hardware h200 on gpu_throughput.py's 1B model (issue 48): hardware-h200-measured.yaml
+# ring        torch's context_parallel (the ring method) over a HF Llama's SDPA at cp=1 on CUDA, against the plain
+#             forward and backward (issue 47): ring.txt (the probe lives in .whl/, it is not the toolkit's)
+# throughput  gpu_throughput.py's single, fsdp, zero3, single+ac, single+compile with a profile of two late steps
+#             each (issues 44 and 48): throughput.json, ops.txt
+# more        the remaining arms and micro-batch 8 of the best arm: more.json
+# Each step stops by DEADLINE_S seconds after the start (default 420), so that the lease's time is known ahead.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-checks}
+steps=${1:-calibrate,ring,throughput}
+deadline=$((SECONDS + ${2:-420}))
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 TOKENIZERS_PARALLELISM=false
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >"$OUT/install.txt" 2>&1 || { tail -5 "$OUT/install.txt"; exit 1; }
+export PYTHONPATH=/tmp/site
+left() { echo $((deadline - SECONDS)); }
+model='{"model_type":"llama","vocab_size":30522,"hidden_size":2048,"intermediate_size":5632,"num_hidden_layers":22,'
+model+='"num_attention_heads":32,"num_key_value_heads":4,"max_position_embeddings":4096,"tie_word_embeddings":true}'
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+    python3 -c "import torch, transformers, deepspeed, datasets, accelerate, toolkit.cli
+print('torch', torch.__version__, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__,
+      'datasets', datasets.__version__, 'accelerate', accelerate.__version__, torch.cuda.get_device_name())"
+} 2>&1 | tee "$OUT/versions.txt"
+if [[ ,$steps, == *,calibrate,* ]]; then
+    echo "== calibrate ($(left) s left)"
+    timeout $(( $(left) < 120 ? $(left) : 120 )) python3 -m toolkit calibrate recipes/llama-tiny.yaml --hardware h200 \
+        --nproc 1 --output "$OUT/hardware-h200-measured.yaml" --set "model.config=$model" --set precision=bf16 \
+        --set data.max_length=2048 --set batch.micro_batch_size=4 --set model.tokenizer=.whl/tokenizer
+    echo "calibrate rc $?"
+fi
+if [[ ,$steps, == *,ring,* ]]; then
+    echo "== ring ($(left) s left)"
+    timeout 90 python3 .whl/ring_probe.py 2>&1 | tee "$OUT/ring.txt" | tail -30
+fi
+throughput() {  # ARMS JSON [more gpu_throughput.py options]
+    local arms=$1 json=$2; shift 2
+    echo "== throughput $arms $* ($(left) s left)"
+    timeout $(left) python3 benchmarks/gpu_throughput.py --tokenizer .whl/tokenizer --arms "$arms" --steps 10 \
+        --arm-timeout 200 --json "$OUT/$json" "$@"
+    echo "throughput rc $?"
+}
+if [[ ,$steps, == *,throughput,* ]]; then
+    throughput single,zero3,single+compile,fsdp,single+ac throughput.json --profile-dir /tmp/profile
+    for f in /tmp/profile/*/ops.txt; do echo "== $f"; head -45 "$f"; done >"$OUT/ops.txt" 2>&1
+fi
+if [[ ,$steps, == *,more,* ]]; then
+    throughput single+compile more-micro8.json --micro-batch 8
+    throughput fsdp+compile,zero3+ac,fsdp+ac,zero3+compile more.json
+fi
+echo "done, $(left) s to the deadline"
