@@ -1,8 +1,9 @@
 """Tokens/s, MFU and peak GPU memory of single, fsdp and zero3 on one GPU, each plain, with activation
-checkpointing and with `train.compile`, with `toolkit plan`'s peak prediction beside each measurement.
+checkpointing and with `train.compile`, with `toolkit plan`'s predictions beside each measurement: the peak, and the
+step time `toolkit plan --hardware` gives for the arm's layout on one such GPU (a subprocess per arm).
 
     python benchmarks/gpu_throughput.py [--arms single,fsdp+ac,...] [--steps 12] [--micro-batch 4] [--seq 2048]
-                                        [--profile-dir DIR]
+                                        [--profile-dir DIR] [--hardware NAME|FILE]
 
 The model is a Llama-style decoder of ~1B parameters built from a config (no download): hidden 2048, MLP 5632,
 32 heads (4 KV), 22 blocks, the MiniLM tokenizer's 30522-token vocabulary, tied embeddings. Each arm is one real
@@ -46,16 +47,52 @@ DEFAULT_ARMS = [s + v for s in STRATEGIES for v in ("", "+ac", "+compile")]
 GiB = 2 ** 30
 
 
-def run(arm: str, *, args, out: Path) -> dict:
-    """One arm; the run's numbers, or {"error": the last line it printed}."""
+def job(arm: str, args) -> list[str]:
+    """The recipe changes an arm's run and its plan share: the model, the batch, the arm's variant."""
     model = {**MODEL, "num_hidden_layers": args.layers, "hidden_size": args.hidden,
              "intermediate_size": args.intermediate, "num_attention_heads": args.heads}
     sets = [*ARMS[arm], f"model.config={json.dumps(model)}", "precision=bf16", f"train.max_steps={args.steps}",
-            "train.eval_every=null", "data.eval=null", f"data.max_length={args.seq}", "data.packing=true",
-            f"batch.micro_batch_size={args.micro_batch}", "batch.grad_accum_steps=1", "batch.global_batch_size=null",
-            "train.progress=false", "checkpoint.final=false", f"output_dir={out}"]
-    if args.tokenizer:
-        sets.append(f"model.tokenizer={args.tokenizer}")
+            f"data.max_length={args.seq}", "data.packing=true", f"batch.micro_batch_size={args.micro_batch}",
+            "batch.grad_accum_steps=1", "batch.global_batch_size=null"]
+    return sets + ([f"model.tokenizer={args.tokenizer}"] if args.tokenizer else [])
+
+
+def predicted_step_s(arm: str, *, args) -> float | None:
+    """`toolkit plan --hardware` of the arm's layout on one GPU of `args.hardware`: the step time it predicts (a
+    compiled arm predicted as eager, as the plan does), or None where the plan fails (its last line printed)."""
+    if not args.hardware:
+        return None
+    layout = arm.split("+")[0]
+    cmd = [sys.executable, "-m", "toolkit", "plan", "recipes/llama-tiny.yaml", "--hardware", args.hardware,
+           "--nodes", "1", "--gpus-per-node", "1", "--layouts", layout, "--json"]
+    for item in job(arm, args):
+        if not item.startswith("strategy."):
+            cmd += ["--set", item]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if result.returncode != 0:
+        print(f"[benchmark] {arm}: toolkit plan failed: {result.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        return None
+    return json.loads(result.stdout)[0]["step_time_s"]
+
+
+def gpu_profile_name() -> str | None:
+    """The shipped profile of this machine's GPU, by its name (an H100 is taken as SXM), or None."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name().lower()
+    for key, profile in (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("b200", "b200"),
+                         ("a100-sxm4-40", "a100-40gb"), ("a100", "a100-80gb"), ("l40s", "l40s"), ("mi300x", "mi300x")):
+        if key in name:
+            return profile
+    return None
+
+
+def run(arm: str, *, args, out: Path) -> dict:
+    """One arm; the run's numbers, or {"error": the last line it printed}."""
+    sets = [*job(arm, args), "train.eval_every=null", "data.eval=null", "train.progress=false",
+            "checkpoint.final=false", f"output_dir={out}"]
     if args.profile_dir:  # two late steps, past the first (the compile); they are left out of tokens/s
         last = max(3, args.steps - 2)
         sets.append(f"train.profile_steps=[{last - 1}, {min(last, args.steps)}]")
@@ -78,18 +115,22 @@ def run(arm: str, *, args, out: Path) -> dict:
         shutil.copytree(out / "profile", kept)
         print("\n".join((kept / "ops.txt").read_text().splitlines()[:20]), file=sys.stderr, flush=True)
     speed = measure.throughput(read_jsonl(out / "metrics.jsonl"))
-    return {"run": run_info, **speed, **measure.mfu(run_info, speed["tokens_per_s"]), **measure.memory(run_info)}
+    return {"run": run_info, **speed, **measure.mfu(run_info, speed["tokens_per_s"]), **measure.memory(run_info),
+            "predicted_step_s": predicted_step_s(arm, args=args)}
 
 
 def row(arm: str, r: dict) -> list[str]:
     if "error" in r:
-        return [arm, "failed: " + r["error"][:90], *[""] * 8]
+        return [arm, "failed: " + r["error"][:90], *[""] * 10]
     run_info = r["run"]
     peak = max(r["peak_mem_bytes_per_rank"])
     reserved = max(x or 0 for x in r["peak_reserved_bytes_per_rank"])
     predicted = r.get("predicted_peak_bytes")
+    step, step_predicted = r["step_time_s"], r.get("predicted_step_s")
     return [arm, f"{run_info['num_params'] / 1e6:,.0f}M", f"{r['tokens_per_s']:,.0f}",
-            f"{r['mfu'] * 100:.1f} %" if r["mfu"] is not None else "n/a", f"{r['step_time_s'] * 1000:.0f}",
+            f"{r['mfu'] * 100:.1f} %" if r["mfu"] is not None else "n/a", f"{step * 1000:.0f}",
+            f"{step_predicted * 1000:.3g}" if step_predicted else "n/a",
+            f"{(step_predicted - step) / step * 100:+.1f} %" if step_predicted else "n/a",
             f"{run_info.get('compile_s') or 0:.0f}", f"{peak / GiB:.1f}", f"{reserved / GiB:.1f}",
             f"{predicted / GiB:.1f}" if predicted else "n/a",
             f"{(peak - predicted) / predicted * 100:+.1f} %" if predicted else "n/a"]
@@ -108,12 +149,16 @@ def main() -> None:
                         help="attention heads (head dim = hidden / heads: 16 gives 128, flash attention's best)")
     parser.add_argument("--tokenizer", help="a tokenizer folder instead of the recipe's (the MiniLM package's)")
     parser.add_argument("--arm-timeout", type=int, default=600, help="seconds before an arm counts as failed")
+    parser.add_argument("--hardware", default=None, metavar="NAME|FILE",
+                        help="the profile toolkit plan predicts each arm's step time with (default: the shipped "
+                             "profile of this GPU's name, e.g. h200; a file toolkit calibrate wrote)")
     parser.add_argument("--json", type=Path, help="also write every arm's numbers here")
     parser.add_argument("--profile-dir", type=Path, help="profile two late steps of each arm (train.profile_steps) "
                         "and keep each arm's trace and op table in DIR/<arm>")
     args = parser.parse_args()
-    head = ["arm", "params", "tokens/s", "MFU", "step ms", "compile s", "peak GiB", "reserved GiB",
-            "predicted GiB", "error"]
+    args.hardware = args.hardware or gpu_profile_name()
+    head = ["arm", "params", "tokens/s", "MFU", "step ms", "predicted ms", "error", "compile s", "peak GiB",
+            "reserved GiB", "predicted GiB", "error"]
     rows, results = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for arm in args.arms.split(","):

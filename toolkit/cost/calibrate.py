@@ -27,6 +27,8 @@ from toolkit.cost.hardware import Hardware, Link, Measured, PeakFlops, load, wri
 from toolkit.model.precision import dtype_name
 
 ATTENTION_LENGTHS = (64, 256, 1024)
+GPU_ATTENTION_LENGTHS = (512, 1024, 2048, 4096, 8192)  # on a GPU, each at the micro-batch's tokens (batch × length)
+GPU_BURST = 10  # on a GPU, calls timed back to back between two synchronisations, as a step queues its kernels
 
 
 class MeasurementFailed(RuntimeError):
@@ -80,39 +82,71 @@ def gemm_shapes(model: nn.Module | None, tokens: int, *, device: torch.device) -
     return sorted(kept, key=lambda s: s[1] * s[2], reverse=True)[:6]
 
 
-def matmul_flops_per_s(shapes: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device) -> float:
-    """Forward and backward of x @ w.T over the shapes, FLOP-weighted: 6·m·k·n per shape over their total time. The
-    output's gradient is a dense tensor, as a layer's is in training (a `.sum()`'s is one value broadcast with
-    stride 0, which the weight-gradient GEMM reads more slowly: llama-tiny's 168-row MLP shapes measured at 58
-    against 62-74 GFLOP/s on one thread here)."""
+def gemm_counts(model: nn.Module | None, tokens: int) -> dict[tuple[int, int, int], int]:
+    """(m, k, n) of each of the model's linear layers for `tokens` rows, with how many layers have it: on a GPU every
+    shape is measured at the micro-batch's rows and weighted as a step spends its FLOPs. Distinct shapes weighted
+    alike (gemm_shapes) let a 1B Llama's one head outweigh its 154 block GEMMs: its 30,522-token vocabulary, no
+    multiple of 8, runs an older, slower kernel (3.7 ms a call on an H200, about 270 TFLOP/s, against about 700 for
+    the blocks' GEMMs in the same profile), and calibrate wrote 271 TFLOP/s for a model whose GEMMs ran at ~640."""
+    if model is None:
+        return {(tokens, 4096, 4096): 1, (tokens, 4096, 14336): 1}
+    counts: dict[tuple[int, int, int], int] = {}
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            shape = (tokens, module.in_features, module.out_features)
+            counts[shape] = counts.get(shape, 0) + 1
+    return counts
+
+
+def matmul_flops_per_s(shapes: list[tuple[int, int, int]] | dict[tuple[int, int, int], int], dtype: torch.dtype,
+                       device: torch.device) -> float:
+    """Forward and backward of x @ w.T over the shapes, FLOP-weighted: 6·m·k·n per shape over their total time, each
+    shape counted as often as `shapes` says where it is a dict of counts (gemm_counts). The output's gradient is a
+    dense tensor, as a layer's is in training (a `.sum()`'s is one value broadcast with stride 0, which the
+    weight-gradient GEMM reads more slowly: llama-tiny's 168-row MLP shapes measured at 58 against 62-74 GFLOP/s on
+    one thread here). On a GPU the calls are timed GPU_BURST at a time, back to back as a step issues them: one
+    synchronisation each costs more than a block's small GEMMs (a 12 µs one at 8,192 rows on an H200)."""
+    counts = shapes if isinstance(shapes, dict) else {shape: 1 for shape in shapes}
+    calls = GPU_BURST if device.type == "cuda" else 1
     flops = seconds = 0.0
-    for m, k, n in shapes:
+    for (m, k, n), count in counts.items():
         x = torch.randn(m, k, dtype=dtype, device=device, requires_grad=True)
         w = torch.randn(n, k, dtype=dtype, device=device, requires_grad=True)
         grad = torch.randn(m, n, dtype=dtype, device=device)
 
         def step() -> None:
-            x.grad = w.grad = None  # one gradient each, as in a step, not one added to another's
-            torch.nn.functional.linear(x, w).backward(grad)
+            for _ in range(calls):
+                x.grad = w.grad = None  # one gradient each, as in a step, not one added to another's
+                torch.nn.functional.linear(x, w).backward(grad)
             _sync(device)
-        seconds += _median_seconds(step)
-        flops += 6 * m * k * n
+        seconds += count * _median_seconds(step) / calls
+        flops += count * 6 * m * k * n
     return flops / seconds
 
 
 def attention_flops_per_s(*, heads: int, head_dim: int, batch: int, dtype: torch.dtype,
-                          device: torch.device) -> dict[str, float]:
+                          device: torch.device, tokens: int | None = None) -> dict[str, float]:
     """Causal scaled-dot-product attention, forward and backward, at each of ATTENTION_LENGTHS: FLOPs counted as the
-    model's (12 · batch · length² · heads · head_dim, PaLM's, no causal halving) over the time."""
+    model's (12 · batch · length² · heads · head_dim, PaLM's, no causal halving) over the time. With `tokens` (a
+    GPU's micro-batch), at each of GPU_ATTENTION_LENGTHS up to it with that many tokens (batch = tokens / length),
+    timed GPU_BURST calls at a time: one sequence of 1,024 tokens or fewer, synchronised each call, measured the
+    launches (36 TFLOP/s at 1,024 on an H200, whose step ran its attention at ~190)."""
     out = {}
-    for length in ATTENTION_LENGTHS:
-        q, k, v = (torch.randn(batch, heads, length, head_dim, dtype=dtype, device=device, requires_grad=True)
+    calls = GPU_BURST if tokens is not None else 1
+    lengths = ATTENTION_LENGTHS if tokens is None else \
+        [n for n in GPU_ATTENTION_LENGTHS if n <= tokens] or GPU_ATTENTION_LENGTHS[:1]
+    for length in lengths:
+        rows = max(1, tokens // length) if tokens is not None else batch
+        q, k, v = (torch.randn(rows, heads, length, head_dim, dtype=dtype, device=device, requires_grad=True)
                    for _ in range(3))
 
         def step() -> None:
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+            for _ in range(calls):
+                if tokens is not None:  # one gradient each, as in a step (a CPU profile's rates keep their sums)
+                    q.grad = k.grad = v.grad = None
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
             _sync(device)
-        out[str(length)] = 12 * batch * length ** 2 * heads * head_dim / _median_seconds(step)
+        out[str(length)] = 12 * rows * length ** 2 * heads * head_dim * calls / _median_seconds(step)
     return out
 
 
@@ -395,10 +429,9 @@ def gpu_profile(base: Hardware, *, nproc: int, model: nn.Module | None, tokens: 
     """`base` (a datasheet profile) with what this GPU machine measured."""
     device = torch.device("cuda")
     heads, head_dim = _attention_shape(model, default=(32, 128))
-    measured = Measured(matmul_flops_per_s=matmul_flops_per_s(gemm_shapes(model, tokens, device=device), dtype,
-                                                                      device),
+    measured = Measured(matmul_flops_per_s=matmul_flops_per_s(gemm_counts(model, tokens), dtype, device),
                         matmul_dtype=dtype_name(dtype),
                         attention_flops_per_s=attention_flops_per_s(heads=heads, head_dim=head_dim, batch=1,
-                                                                    dtype=dtype, device=device),
+                                                                    dtype=dtype, device=device, tokens=tokens),
                         memory_bandwidth_bytes_per_s=memory_bandwidth(device, size_bytes=2 ** 30))
     return dataclasses.replace(base, measured=measured)

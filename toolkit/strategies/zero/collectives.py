@@ -47,8 +47,11 @@ NORM_BYTES = {0: 4, 1: 4, 2: 4, 3: 8}  # measured: each gradient norm's all-redu
 # benchmarks/zero3_host_time.py on this project's 2-core CPU at 2 ranks (1 thread each; 2026-12-01): a step's
 # forward-backward less its compute (one process at 1 thread on the rank's batch) and the time inside its
 # collectives, plus its optimizer step less AdamW's, over those tensors: minilm-sst 0.62 ms (micro 16) and 0.55
-# (micro 8), llama-tiny 0.52, moe-tiny 0.60. Charged only where the host also computes (a CPU profile); on a GPU
-# the host runs ahead of the device's kernels and the time is not charged (not measured there).
+# (micro 8), llama-tiny 0.52, moe-tiny 0.60. Charged only where the host also computes (a CPU profile). On a GPU
+# it is not charged yet, although the host does not run ahead there: one H200 at world size 1 (docs/benchmarks.md,
+# 2026-12-04) ran a 1B Llama's ZeRO-3 step in 584 ms of which its kernels took 180 (single's: 195 ms a step), about
+# the 0.6 ms of ~600 tensor visits; at world size 1 these rules count no collectives, and no multi-GPU step has
+# been measured to tell how the host time adds to the device's there.
 HOST_S_PER_TENSOR = 0.6e-3
 
 
