@@ -171,3 +171,20 @@ def test_validate_says_where_dropout_makes_other_rank_splits_log_other_losses(tm
             assert "dropout" not in err, err
         else:
             assert err.count(said) == 1 and "model.dropout: 0.0 makes them log the same numbers" in err, err
+
+
+def test_zero_on_one_rank_without_offload_is_said_to_shard_nothing(tmp_path, tiny_llama_dir, capsys):
+    """One H200 ran a 1B Llama's ZeRO-3 step at 3.0× single's (docs/benchmarks.md): on one rank ZeRO shards nothing
+    and pays DeepSpeed's hooks. validate (and the run, through the same notes) says so where nothing is offloaded,
+    and is silent at 2 ranks, with offload, and for stage 0."""
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out")
+    note = "on one rank shards nothing"
+    cases = {("1", "strategy.stage=3"): "zero stage 3 on one rank shards nothing",
+             ("1", "strategy.stage=null"): "zero stage 2 on one rank shards nothing",
+             ("2", "strategy.stage=3"): None, ("1", "strategy.stage=0"): None,
+             ("1", "strategy.offload_optimizer=true"): None}
+    for (nproc, option), said in cases.items():
+        code = main(["validate", str(recipe), "--nproc", nproc, "--set", "strategy.name=zero", "--set", option])
+        err = capsys.readouterr().err
+        assert code == 0, err
+        assert (said in err) if said else (note not in err), (nproc, option, err)

@@ -202,7 +202,7 @@ def cmd_validate(args) -> int:
     # what the run would say at start (those that need no tokenized data): a run of train.epochs counts its
     # steps once its data is tokenized, so its warm-up is checked by the run alone
     tokenizer = load_tokenizer(recipe.model)
-    for note in [*recipe_notes(recipe, tokenizer, total_steps=recipe.train.max_steps),
+    for note in [*recipe_notes(recipe, tokenizer, total_steps=recipe.train.max_steps, world_size=plan.world_size),
                  *filter(None, [dropout_note(recipe, tokenizer)])]:
         print(note, file=sys.stderr)
     return 0

@@ -77,7 +77,7 @@ def prepare(recipe: Recipe, env: DistEnv) -> Prepared:
     if eval_ds is not None:
         data_info["eval"] = data_record(eval_counts, num_samples=len(eval_ds), data=recipe.data)
     check_profile_window(recipe.train.profile_steps, last_step=total_steps)
-    notes += recipe_notes(recipe, tokenizer, total_steps=total_steps)
+    notes += recipe_notes(recipe, tokenizer, total_steps=total_steps, world_size=plan.world_size)
     return Prepared(plan=plan, layout=layout, strategy=strategy, tokenizer=tokenizer, train_ds=train_ds,
                     eval_ds=eval_ds, sampler=sampler, total_steps=total_steps, label_names=names, notes=notes,
                     data_info=data_info)
