@@ -10,7 +10,9 @@
 #             equal to the plain step (cuDNN bit-equal, flash 3e-5 of 1.2e-2 in bf16); the memory-efficient kernel
 #             refuses GQA's unequal head counts in the plain step too
 # throughput  gpu_throughput.py's single, fsdp, zero3, single+ac, single+compile with a profile of two late steps
-#             each (issues 44 and 48): throughput.json, ops.txt
+#             each (issues 44 and 48): throughput.json, ops.txt, and host.txt: single's and zero3's host view of
+#             those steps (the span, the device's busy time, the host's waits at synchronisations, the ops of most
+#             host time): zero3 at world size 1 ran 584 ms a step with 180 ms of kernels on an H200 (2026-12-04)
 # more        the remaining arms and micro-batch 8 of the best arm: more.json
 # Each step stops by DEADLINE_S seconds after the start (default 420), so that the lease's time is known ahead.
 set -u
@@ -102,6 +104,40 @@ throughput() {  # ARMS JSON [more gpu_throughput.py options]
 if [[ ,$steps, == *,throughput,* ]]; then
     throughput single,zero3,single+compile,fsdp,single+ac throughput.json --profile-dir /tmp/profile
     for f in /tmp/profile/*/ops.txt; do echo "== $f"; head -45 "$f"; done >"$OUT/ops.txt" 2>&1
+    cat >/tmp/host_view.py <<'VIEW'
+"""Where a profiled step's host time goes, from a torch.profiler chrome trace: the wall span of the profiled steps,
+the host's synchronisations with the device (their count and the time they waited), the device's busy time, and
+the user annotations and CPU ops of most total time. Issue 44: zero3 at world size 1 ran 584 ms a step on an H200
+with 180 ms of kernels; a host that waits at each sync runs in series with the device."""
+import json
+import sys
+from collections import defaultdict
+
+events = json.load(open(sys.argv[1]))
+events = events["traceEvents"] if isinstance(events, dict) else events
+timed = [e for e in events if e.get("ph") == "X" and "dur" in e]
+start = min(e["ts"] for e in timed)
+end = max(e["ts"] + e["dur"] for e in timed)
+print(f"profiled span {(end - start) / 1e3:.1f} ms")
+by = defaultdict(lambda: [0, 0.0])
+for e in timed:
+    key = (e.get("cat"), e["name"])
+    by[key][0] += 1
+    by[key][1] += e["dur"] / 1e3
+kernels = sum(v[1] for (cat, _), v in by.items() if cat in ("kernel", "gpu_memcpy", "gpu_memset"))
+print(f"device busy {kernels:.1f} ms (kernels, copies, sets; overlaps not removed)")
+syncs = [(k, v) for k, v in by.items() if k[0] == "cuda_runtime" and "ynchronize" in k[1]]
+for (cat, name), (n, ms) in syncs:
+    print(f"sync {name}: {n} calls, {ms:.1f} ms waited")
+for cat in ("user_annotation", "cpu_op", "cuda_runtime"):
+    top = sorted(((v[1], v[0], k[1]) for k, v in by.items() if k[0] == cat), reverse=True)[:15]
+    print(f"-- {cat}: total ms, calls, name")
+    for ms, n, name in top:
+        print(f"{ms:10.1f} {n:7d}  {name[:100]}")
+VIEW
+    for arm in single zero3; do
+        echo "== $arm"; python3 /tmp/host_view.py /tmp/profile/$arm/rank0.trace.json
+    done >"$OUT/host.txt" 2>&1
 fi
 if [[ ,$steps, == *,more,* ]]; then
     throughput single+compile more-micro8.json --micro-batch 8
