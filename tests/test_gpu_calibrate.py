@@ -1,6 +1,6 @@
 """`toolkit calibrate --hardware GPU` measures a model's GEMMs as a step spends them (toolkit/cost/calibrate.py:
 gemm_counts, matmul_flops_per_s, gpu_profile). Run on an H200, it wrote 271 TFLOP/s for a 1B Llama whose GEMMs ran
-at ~640 in the same run's profile: each distinct shape weighed alike, so the one head (its 30,522-token vocabulary
+at ~700 in the same run's profile: each distinct shape weighed alike, so the one head (its 30,522-token vocabulary
 on a slow kernel) outweighed the 154 block GEMMs. These run on the CPU, the device standing in for the GPU."""
 
 from __future__ import annotations

@@ -86,8 +86,8 @@ def gemm_counts(model: nn.Module | None, tokens: int) -> dict[tuple[int, int, in
     """(m, k, n) of each of the model's linear layers for `tokens` rows, with how many layers have it: on a GPU every
     shape is measured at the micro-batch's rows and weighted as a step spends its FLOPs. Distinct shapes weighted
     alike (gemm_shapes) let a 1B Llama's one head outweigh its 154 block GEMMs: its 30,522-token vocabulary, no
-    multiple of 8, runs an older, slower kernel (3.7 ms a call on an H200, about 270 TFLOP/s, against about 700 for
-    the blocks' GEMMs in the same profile), and calibrate wrote 271 TFLOP/s for a model whose GEMMs ran at ~640."""
+    multiple of 8, runs an older, slower kernel (3.7 ms a call on an H200, about 270 TFLOP/s, against about 780 for
+    the blocks' GEMMs in the same profile), and calibrate wrote 271 TFLOP/s for a model whose GEMMs ran at ~700."""
     if model is None:
         return {(tokens, 4096, 4096): 1, (tokens, 4096, 14336): 1}
     counts: dict[tuple[int, int, int], int] = {}
