@@ -81,12 +81,12 @@ def gpu_profile_name() -> str | None:
 
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name().lower()
+    name = torch.cuda.get_device_name().lower()  # e.g. "nvidia h100 pcie", "nvidia a100-pcie-40gb"
     for key, profile in (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("b200", "b200"),
-                         ("a100-sxm4-40", "a100-40gb"), ("a100", "a100-80gb"), ("l40s", "l40s"), ("mi300x", "mi300x")):
+                         ("l40s", "l40s"), ("mi300x", "mi300x")):
         if key in name:
             return profile
-    return None
+    return ("a100-40gb" if "40gb" in name else "a100-80gb") if "a100" in name else None
 
 
 def run(arm: str, *, args, out: Path) -> dict:
