@@ -26,8 +26,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     >"$OUT/install.txt" 2>&1 || { tail -5 "$OUT/install.txt"; exit 1; }
 export PYTHONPATH=/tmp/site
 left() { echo $((deadline - SECONDS)); }
-model='{"model_type":"llama","vocab_size":30522,"hidden_size":2048,"intermediate_size":5632,"num_hidden_layers":22,'
-model+='"num_attention_heads":32,"num_key_value_heads":4,"max_position_embeddings":4096,"tie_word_embeddings":true}'
+# gpu_throughput.py's 1B Llama, for calibrate's GEMM shapes
+model=$(cd benchmarks && python3 -c "import json, gpu_throughput; print(json.dumps(gpu_throughput.MODEL))")
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
     python3 -c "import torch, transformers, deepspeed, datasets, accelerate, toolkit.cli

@@ -16,7 +16,9 @@ def warmup_note(warmup_steps: int, total_steps: int) -> str:
 def recipe_notes(recipe: Recipe, tokenizer, *, total_steps: int | None, world_size: int) -> list[str]:
     """The notes on `recipe` at `world_size` ranks that need no tokenized data; `total_steps` None where it is not
     known yet (a run of train.epochs, before the data is read), which leaves the warm-up unchecked."""
-    notes = [note for note in (lone_zero_note(recipe, world_size),) if note]
+    notes = []
+    if zero := lone_zero_note(recipe, world_size):
+        notes.append(zero)
     if recipe.data.eval is None and recipe.train.eval_every not in (None, EVAL_EVERY_DEFAULT):
         # said, not refused: a recipe's eval_every stays when a run drops its eval data (--set data.eval=null)
         notes.append(f"[toolkit] train.eval_every {recipe.train.eval_every} is ignored: data.eval is null, so "
