@@ -1,6 +1,6 @@
 """The longest sequence each layout trains within one per-rank memory budget: single (one process), single with its
-loss in tiles (`train.tiled_loss`), and context parallel over 2 ranks (`parallel.cp=2`, the allgather and ulysses
-methods, and allgather with its loss in tiles), with tokens/s.
+loss in tiles (`train.tiled_loss`), and context parallel over 2 ranks (`parallel.cp=2`, the allgather, ulysses and
+ring methods, and allgather with its loss in tiles), with tokens/s.
 
     python benchmarks/long_context.py [--budget-mib 1500] [--start 512] [--max 32768] [--arms single,cp2-allgather,...]
                                       [--layers 4] [--hidden 256] [--steps 2]
@@ -31,6 +31,7 @@ ARMS = {
     "single-tiled": (1, ["train.tiled_loss=true"]),  # the loss in tiles: the logits never whole
     "cp2-allgather": (2, ["parallel.cp=2", "parallel.cp_method=allgather"]),
     "cp2-ulysses": (2, ["parallel.cp=2", "parallel.cp_method=ulysses"]),
+    "cp2-ring": (2, ["parallel.cp=2", "parallel.cp_method=ring"]),  # two blocks of keys and values at a time
     "cp2-tiled": (2, ["parallel.cp=2", "parallel.cp_method=allgather", "train.tiled_loss=true"]),  # both at once
 }
 

@@ -43,7 +43,8 @@ def test_a_rank_keeps_the_label_of_its_chunk_s_last_token():
 # window (4 keys) is shorter than the sequence (13): each layer's window reaches the cp attention's mask (before: the
 # whole causal past, silently: the loss sum 95.440 against 95.467, a gradient 1.26 off where the largest is 4.01)
 @pytest.mark.parametrize("method, cp, model", [("allgather", 2, ""), ("allgather", 4, ""), ("ulysses", 2, ""),
-                                               ("allgather", 2, "window"), ("ulysses", 2, "window")])
+                                               ("allgather", 2, "window"), ("ulysses", 2, "window"), ("ring", 2, ""),
+                                               ("ring", 4, "")])
 def test_each_method_gives_the_whole_sequence_s_loss_and_gradients(tmp_path, method, cp, model):
     out = tmp_path / "cp.json"
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(cp),
@@ -67,11 +68,14 @@ CP2_ULYSSES = ("parallel.cp=2", "parallel.cp_method=ulysses")
 CP2_TP2 = ("parallel.cp=2", "parallel.tp=2")  # 4 ranks: heads split over tp, each tp rank's sequences over cp
 # 4 ranks: HSDP, 2 replica groups (each reads its own data shard), each an FSDP over its 2 cp ranks
 CP2_REP2 = ("parallel.cp=2", "parallel.dp_replicate=2", "batch.micro_batch_size=4")
+CP2_RING = (*CP2, "parallel.cp_method=ring")  # the recompute runs the ring again in backward
+CP2_DP2_RING = (*CP2_DP2, "parallel.cp_method=ring")
 
 
 @pytest.mark.parametrize("name, nproc, overrides", [("cp2", 2, CP2), ("cp2-dp2", 4, CP2_DP2),
                                                     ("cp2-ulysses", 2, CP2_ULYSSES), ("cp2-tp2", 4, CP2_TP2),
-                                                    ("cp2-rep2", 4, CP2_REP2)])
+                                                    ("cp2-rep2", 4, CP2_REP2), ("cp2-ring", 2, CP2_RING),
+                                                    ("cp2-dp2-ring", 4, CP2_DP2_RING)])
 def test_context_parallel_trains_as_one_process(llama_runs, name, nproc, overrides):
     # tiny-llama's samples pad to lengths 4 does not divide: the split pads them further, masked
     reference = llama_runs.get("single-m8")
@@ -81,7 +85,7 @@ def test_context_parallel_trains_as_one_process(llama_runs, name, nproc, overrid
     assert metrics(run)[-1]["eval_loss"] == pytest.approx(metrics(reference)[-1]["eval_loss"], rel=1e-5)
     info = json.loads((run / "run.json").read_text())
     assert info["strategy"] == "fsdp" and info["parallel"]["cp"] == 2
-    method = "ulysses" if "ulysses" in name else "allgather"
+    method = next((m for m in ("ulysses", "ring") if m in name), "allgather")
     assert f"each sequence split over the 2 ranks of cp, attention by {method}" in info["layout"]
 
 
@@ -114,13 +118,70 @@ def test_what_context_parallel_cannot_run_is_refused_in_one_line(parallel, secti
     assert str(refused.value).startswith(words) and "\n" not in str(refused.value), str(refused.value)
 
 
-@pytest.mark.parametrize("method, words", [
-    ("ring", "parallel.cp_method ring is not built yet; use allgather or ulysses"),
-    ("flash", "parallel.cp_method: unknown value"),
+def test_an_unknown_method_is_refused():
+    with pytest.raises(RecipeError, match="parallel.cp_method: unknown value"):
+        recipe({"cp": 2, "cp_method": "flash"})
+
+
+def _ring_sequence(valid: list[list[int]]):
+    """The cp context of rank 0 of 2 over a [batch, 4] batch whose padding mask is `valid` (no process group: the
+    refusals come before any collective)."""
+    ids = torch.ones(len(valid), 4, dtype=torch.long)
+    return split_batch(ids, torch.tensor(valid), ids.clone(), cp=2, rank=0, group=None).sequence
+
+
+@pytest.mark.parametrize("valid, kwargs, words", [
+    ([[0, 1, 1, 1]], {}, "parallel.cp_method ring attends without a padding mask, which needs each sample's padding "
+                         "after its tokens; a batch here has padding before them; use parallel.cp_method allgather"),
+    ([[1, 1, 1, 0]], {"sliding_window": 4}, "parallel.cp_method ring attends over the whole causal past, and Module "
+                                            "attends within a sliding window of 4 positions"),
+    ([[1, 1, 1, 0]], {"dropout": 0.1}, "parallel.cp_method ring attends without dropout, and Module drops attention "
+                                       "weights at 0.1; set model.dropout 0.0"),
+    ([[1, 1, 1, 0]], {"s_aux": torch.zeros(2)}, "context parallel attends with the flash kernel, which leaves out "
+                                                "what Module hands its attention as s_aux"),
 ])
-def test_a_method_not_built_is_refused(method, words):
-    with pytest.raises(RecipeError, match=words):
-        recipe({"cp": 2, "cp_method": method})
+def test_what_ring_cannot_follow_is_refused_in_one_line(valid, kwargs, words):
+    from toolkit.strategies.dims import context
+
+    query = torch.zeros(len(valid), 2, 2, 4)
+    with context.sequence(_ring_sequence(valid)), pytest.raises(RecipeError) as refused:
+        context.ring_attention(torch.nn.Module(), query, query, query, None, **kwargs)
+    assert str(refused.value).startswith(words) and "\n" not in str(refused.value), str(refused.value)
+
+
+def test_ring_s_kernel_repeats_grouped_heads_as_the_kernel_that_takes_them():
+    """CUDA's flash kernel is handed keys and values repeated to the query heads (Kernel.expand), their gradients
+    summed back: the same wrapper over the CPU's kernel, which takes grouped heads itself, gives its results."""
+    from toolkit.strategies.dims.ring import Kernel
+
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(2, heads, 6, 8, generator=generator, dtype=torch.float64) for heads in (4, 2, 2))
+    native, expanded = Kernel(name="cpu-flash", expand=False), Kernel(name="cpu-flash", expand=True)
+    out, lse = native.forward(query, key, value, is_causal=True, scale=None)
+    out_x, lse_x = expanded.forward(query, key, value, is_causal=True, scale=None)
+    assert torch.allclose(out, out_x, rtol=0, atol=1e-12) and torch.allclose(lse, lse_x, rtol=0, atol=1e-12)
+    grad = torch.randn(out.shape, generator=generator, dtype=torch.float64)
+    grads = native.backward(grad_out=grad, query=query, key=key, value=value, out=out, logsumexp=lse,
+                            is_causal=True, scale=None)
+    grads_x = expanded.backward(grad_out=grad, query=query, key=key, value=value, out=out, logsumexp=lse,
+                                is_causal=True, scale=None)
+    assert [g.shape for g in grads_x] == [query.shape, key.shape, value.shape]
+    for mine, theirs in zip(grads_x, grads):
+        assert torch.allclose(mine, theirs, rtol=0, atol=1e-12)
+    # and both against plain autograd of the math
+    leaves = [t.clone().requires_grad_() for t in (query, key, value)]
+    plain = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+    plain.backward(grad)
+    for mine, leaf in zip(grads_x, leaves):
+        assert torch.allclose(mine, leaf.grad, rtol=0, atol=1e-10)
+
+
+def test_ring_refuses_a_device_without_its_kernel():
+    from toolkit.strategies.dims.ring import kernel_for
+
+    with pytest.raises(RecipeError, match=r"^parallel.cp_method ring attends with the flash kernel, which meta has "
+                                          r"for bf16 and fp16 only, not float32: set precision bf16"):
+        kernel_for(torch.zeros(1, device="meta"))
 
 
 @pytest.mark.parametrize("config, words", [

@@ -273,6 +273,17 @@ def test_plan_takes_per_arm_overrides_as_compare_does():
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "strategy.sharding" in done.stderr
 
 
+def test_plan_takes_a_recipe_s_parallel_degrees_as_launch_does():
+    """A recipe whose parallel degrees choose its layout, with the default strategy.name (single) beside them: the
+    plan runs them at --nproc ranks as `toolkit launch` does (before: planned as single on one rank, "cp 2 does
+    not divide the 1 ranks", exit 1)."""
+    done = run_cli("plan", "recipes/llama-tiny.yaml", "--nproc", "2", "--set", "parallel.cp=2", "--set",
+                   "parallel.cp_method=ring")
+    assert done.returncode == 0, done.stdout + done.stderr
+    row = next(line.split() for line in done.stdout.splitlines() if line.startswith("fsdp "))
+    assert row[1:3] == ["all", "2"] and row[-1] == "yes", row
+
+
 def test_plan_names_the_first_single_change_under_which_an_arm_fits():
     """What the plan's summary offers for an arm that does not fit: the first change (selective, then full
     activation checkpointing, then offload, then twice the ranks) whose own prediction is within the limit; a

@@ -238,6 +238,7 @@ def cmd_plan(args) -> int:
     from toolkit.compare.experiment import arm_overrides, split_arms
     from toolkit.observe.metrics import process_bytes
     from toolkit.config.files import load_recipe
+    from toolkit.config.parallel import resolve
     from toolkit.strategies import strategy_degrees, strategy_info, validate_strategy
     from toolkit.strategies.pipeline.rules import stage_lines
 
@@ -263,17 +264,23 @@ def cmd_plan(args) -> int:
     model = skeleton(base)
     runtime = process_bytes()  # this process with torch and transformers loaded: what a rank starts from
     recipes = {arm: load_recipe(args.recipe, [*args.overrides, *sets[arm]]) for arm in arms}
+
+    def runs_as(recipe) -> str:  # the strategy a recipe's parallel degrees choose at --nproc ranks, as launch's
+        try:
+            return resolve(recipe, world_size=args.nproc).strategy.name
+        except RecipeError:  # check_recipe says why, on the arm's line
+            return recipe.strategy.name
     # and what a rank imports beyond them (DeepSpeed), measured before anything else here imports it
-    extra = {arm: plan.runtime_module_bytes(strategy_info(r.strategy.name).runtime_modules)
+    extra = {arm: plan.runtime_module_bytes(strategy_info(runs_as(r)).runtime_modules)
              for arm, r in recipes.items()}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     planned: list[plan_advice.Planned] = []
     changes: dict[str, str] = {}
     recipes_by_name = {}
     for arm, recipe in recipes.items():
-        name = arm or recipe.strategy.name
+        name = arm or runs_as(recipe)
         recipes_by_name[name] = recipe
-        one_process = strategy_info(recipe.strategy.name).one_process
+        one_process = strategy_info(runs_as(recipe)).one_process
         world = 1 if one_process else args.nproc
         try:
             check_recipe(recipe, world_size=world)
@@ -311,7 +318,7 @@ def cmd_plan(args) -> int:
 def cmd_strategies(args) -> int:
     from toolkit.config.files import override_value
     from toolkit.config.parallel import presets
-    from toolkit.config.recipe import CP_BUILT, CP_METHODS
+    from toolkit.config.recipe import CP_METHODS
     from toolkit.config.strategy_options import StrategyConfig
     from toolkit.strategies import arm_aliases, strategy_info, strategy_names
 
@@ -326,8 +333,7 @@ def cmd_strategies(args) -> int:
     print("\ncompare arms (toolkit compare --strategies a,b,...; add overrides as arm@key=value):")
     for alias, overrides in arm_aliases().items():
         print(f"  {alias:<14} {' '.join(overrides)}")
-    print(f"\ncontext parallel methods (parallel.cp_method): {', '.join(CP_BUILT)}; not built yet: "
-          f"{', '.join(m for m in CP_METHODS if m not in CP_BUILT)}")
+    print(f"\ncontext parallel methods (parallel.cp_method): {', '.join(CP_METHODS)}")
     print("\nparallel degrees (a recipe's parallel: section; world = their product) and the preset that runs them:")
     rows = [(" × ".join(combination) or "(none)", name, options) for combination, name, options in presets()]
     width = max(24, *(len(degrees) for degrees, _, _ in rows))

@@ -7,7 +7,9 @@ over its tokens (logits[:, :-1] against labels[:, 1:]), backward. The cp arm: a 
 rank on its share (split_batch), its loss summed over its tokens, backward; the loss sums and every parameter's
 gradient summed over the ranks (what data parallel over the cp ranks would reduce). argv[3] `window`: a Mistral whose
 sliding window (4) is shorter than the sequence, in place of the Llama; `untold`: a Qwen2-MoE whose window its attention
-function is never given (rank 0 writes {"refused": the one line} when the cp arm refuses it). Rank 0 writes
+function is never given; `left` (ring): a row padded on the left, which ring, attending without a mask, refuses (rank
+0 writes {"refused": the one line} when the cp arm refuses it). The ring method's batch pads every row on the right,
+as the toolkit's collator does. Rank 0 writes
 {"loss": [cp, reference], "max_grad_diff": ..., "max_grad": ..., "worst": name} as JSON to argv[1]."""
 
 import copy
@@ -45,12 +47,13 @@ def main() -> None:
     length, lengths = 13, [13, 9, 4]  # 13 is not a multiple of 2·cp
     input_ids = torch.randint(1, 64, (len(lengths), length), generator=generator)
     attention_mask = (torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]).long()
-    attention_mask[2] = attention_mask[2].flip(0)  # rows 1 padded on the right, 2 on the left: its padding keys
+    if sys.argv[2] != "ring" or sys.argv[3:] == ["left"]:  # ring: padded on the right, as the toolkit's batches
+        attention_mask[2] = attention_mask[2].flip(0)  # rows 1 padded on the right, 2 on the left: its padding keys
     #   come before its tokens, where only the padding mask (not causality) keeps them out
     input_ids = input_ids * attention_mask
     labels = input_ids.masked_fill(attention_mask == 0, -100)
-    labels[2, length - lengths[2]] = -100  # the left-padded row's first token: predicted from a padding position,
-    #   whose output each attention makes its own way (a query with no key to attend to)
+    labels[2, int(attention_mask[2].argmax())] = -100  # the left-padded row's first token: predicted from a padding
+    #   position, whose output each attention makes its own way (a query with no key to attend to)
 
     logits = reference(input_ids=input_ids, attention_mask=attention_mask).logits
     expected = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),

@@ -165,7 +165,6 @@ class BatchConfig:
 
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
 CP_METHODS = ("allgather", "ulysses", "ring")
-CP_BUILT = ("allgather", "ulysses")  # ring: torch's context_parallel, CUDA's attention kernels only
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,7 +185,8 @@ class ParallelConfig:
     #   block; causal LMs (strategy.cp_degree)
     cp_method: str = "allgather"  # allgather (Llama 3's: K and V all-gathered, any cp) | ulysses (DeepSpeed's:
     #   all-to-alls trade the sequence split for a head split; cp must divide the KV heads; moves 1/cp of q, k, v
-    #   and the output per rank); ring (torch's, CUDA attention kernels only) is not built yet
+    #   and the output per rank) | ring (torch's ring attention: K and V passed rank to rank, two blocks held at a
+    #   time; causal attention without a sliding window or dropout; flash kernels: CPU, or CUDA in bf16/fp16)
     ep: int | None = None  # expert parallel: each MoE layer's experts split over this many neighbouring ranks,
     #   tokens sent to their experts and back by all-to-all; borrows its ranks from dp_shard (not a factor of the
     #   world): the ranks holding the same experts FSDP-shard them (strategy.ep_degree)
@@ -197,8 +197,6 @@ class ParallelConfig:
             if value is not None:
                 _require(value >= 1, f"parallel.{name}", value, "at least 1 (or unset)")
         _choice("parallel.cp_method", self.cp_method, CP_METHODS)
-        if self.cp_method not in CP_BUILT:
-            raise RecipeError(f"parallel.cp_method {self.cp_method} is not built yet; use {' or '.join(CP_BUILT)}")
 
     @property
     def given(self) -> bool:

@@ -257,7 +257,7 @@ class FsdpRules:
                                      loss_parallel=options.loss_parallel, stream_dtype=compute),
                 *norms,
                 *sp_norms,
-                *(comm.ulysses_collectives if recipe.parallel.cp_method == "ulysses" else comm.cp_collectives)(
+                *comm.CP_COLLECTIVES[recipe.parallel.cp_method](
                     model, cp=cp, tp=tp, shapes=shapes, activation_dtype=compute, recompute=recompute),
                 *comm.fsdp_collectives(units, shard=shard, replicate=1 if local_sgd.on else replicate,
                                        compute_dtype=compute, reduce_dtype=reduce, gathers_per_unit=gathers,

@@ -322,6 +322,31 @@ def cp_collectives(model: nn.Module, *, cp: int, tp: int, shapes: Shapes, activa
                        group="cp", group_size=cp, phase="backward", what="key and value gradients")]
 
 
+def ring_collectives(model: nn.Module, *, cp: int, tp: int, shapes: Shapes, activation_dtype, recompute: bool
+                     ) -> list[Collective]:
+    """Context parallel, ring method, over `cp` ranks (dims/ring.py): per attention layer and micro-batch, the rank's
+    keys and values (one buffer) pass to the next rank cp-1 times in forward (the recompute's forward again), and
+    cp-1 times in backward, where the key and value gradients (fp32, torch's accumulation) pass cp times; each pass
+    an all-to-all of the whole buffer (torch's permute)."""
+    if cp <= 1:
+        return []
+    config: Any = model.config
+    _, kv_heads, head_dim = attention_heads(config, tp=tp)
+    layers, micro = config.num_hidden_layers, len(shapes)
+    local = sum(rows * local_length(length, cp=cp) for rows, length in shapes)
+    elements = 2 * local * kv_heads * head_dim  # keys and values, every micro-batch
+    forwards = 2 if recompute else 1
+    return [Collective(op="all_to_all_single", payload_bytes=(forwards + 1) * (cp - 1) * layers * elements
+                       * element_bytes(activation_dtype), calls=(forwards + 1) * (cp - 1) * layers * micro,
+                       group="cp", group_size=cp, phase="forward", what="keys and values to the next rank"),
+            Collective(op="all_to_all_single", payload_bytes=cp * layers * elements * 4, calls=cp * layers * micro,
+                       group="cp", group_size=cp, phase="backward", what="key and value gradients to the next rank")]
+
+
+# parallel.cp_method -> its collectives
+CP_COLLECTIVES = {"allgather": cp_collectives, "ulysses": ulysses_collectives, "ring": ring_collectives}
+
+
 def ep_collectives(model: nn.Module, *, ep: int, shapes: Shapes, activation_dtype, recompute: bool
                    ) -> list[Collective]:
     """Expert parallel over `ep` ranks: per MoE layer and micro-batch, the counts all-to-all and four row

@@ -1,11 +1,14 @@
 """Context parallel: each sample's sequence is split over the cp ranks, and attention sees the whole sequence by one
-of two methods (`parallel.cp_method`):
+of three methods (`parallel.cp_method`):
 - allgather (Llama 3's): each rank attends with its own queries to the keys and values of the whole sequence,
   all-gathered from every rank (their gradients come back through the gather as a reduce-scatter). Any cp;
 - ulysses (DeepSpeed-Ulysses): an all-to-all trades the split of the sequence for a split of the heads, each rank
   attends with 1/cp of the heads over the whole sequence, and a second all-to-all trades back (gradients come back
   through both). cp must divide the KV heads; each rank moves 1/cp of q, k, v and the output, where allgather
-  moves every rank's keys and values.
+  moves every rank's keys and values;
+- ring (torch's ring attention, dims/ring.py): the keys and values pass from rank to rank, each rank attending to one
+  block at a time with the device's fused kernel; causal attention only (no padding mask: the batches are padded on
+  the right; no sliding window), any cp. A rank holds two blocks of keys and values, not the whole sequence's.
 
 Load balance (causal models): the padded sequence is cut into 2·cp chunks and rank r holds chunks r and 2·cp-1-r,
 so that every rank has the same attention work (a causal query's work grows with its position).
@@ -46,7 +49,8 @@ from toolkit.strategies.base import LossSum, MicroBatchStrategy, Share, refuse_u
 
 # how a refusal names its fix: a recipe's parallel.cp, or the fsdp option a compare arm (fsdp-cp2) sets
 DROP_CP = "drop parallel.cp (strategy.cp_degree)"
-ATTENTIONS = {"allgather": "toolkit_cp_allgather", "ulysses": "toolkit_cp_ulysses"}  # config._attn_implementation
+# each method's name to transformers (config._attn_implementation)
+ATTENTIONS = {"allgather": "toolkit_cp_allgather", "ulysses": "toolkit_cp_ulysses", "ring": "toolkit_cp_ring"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,6 +177,32 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return _sequence_to_heads(out, context), None
 
 
+def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                   **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: this rank's queries over the whole sequence by torch's ring (dims/ring.py),
+    causal by place, without a mask; what it cannot follow is refused in one line."""
+    from toolkit.strategies.dims import ring
+
+    context = _context()
+    window = _told(context, kwargs.pop("sliding_window", None))
+    if window is not None:
+        raise RecipeError(f"parallel.cp_method ring attends over the whole causal past, and "
+                          f"{type(module).__name__} attends within a sliding window of {window} positions; {ring.FIX}")
+    if dropout:
+        raise RecipeError(f"parallel.cp_method ring attends without dropout, and {type(module).__name__} drops "
+                          f"attention weights at {dropout}; set model.dropout 0.0 or {ring.FIX}")
+    _refuse_unread(module, kwargs, kernel="the flash kernel")
+    if ("right-padded", None) not in context.masks:
+        context.masks["right-padded", None] = torch.tensor(
+            ring.padded_on_the_right(context.key_positions, context.key_valid))
+    if not context.masks["right-padded", None]:
+        raise RecipeError(f"parallel.cp_method ring attends without a padding mask, which needs each sample's padding "
+                          f"after its tokens; a batch here has padding before them; {ring.FIX}")
+    out = ring.ring_attention(query, key, value, group=context.group, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _context() -> Sequence:
     assert _current is not None, "context-parallel attention outside strategies.dims.context.sequence()"
     return _current
@@ -207,14 +237,18 @@ UNREAD_BY_SDPA = {"s_aux": "attention sinks: GPT-OSS", "sinks": "attention sinks
                   "block_indices": "block-sparse attention's selected blocks"}
 
 
+def _refuse_unread(module: torch.nn.Module, kwargs: dict, *, kernel: str) -> None:
+    unread = next((key for key in UNREAD_BY_SDPA if kwargs.get(key) is not None), None)
+    if unread is not None:
+        raise RecipeError(f"context parallel attends with {kernel}, which leaves out what {type(module).__name__} "
+                          f"hands its attention as {unread} ({UNREAD_BY_SDPA[unread]}); {DROP_CP}")
+
+
 def _sdpa(module, query, key, value, allowed, *, dropout, scaling, **kwargs) -> tuple[torch.Tensor, None]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     kwargs.pop("is_causal", None)
-    unread = next((key for key in UNREAD_BY_SDPA if kwargs.get(key) is not None), None)
-    if unread is not None:
-        raise RecipeError(f"context parallel attends with sdpa, which leaves out what {type(module).__name__} hands "
-                          f"its attention as {unread} ({UNREAD_BY_SDPA[unread]}); {DROP_CP}")
+    _refuse_unread(module, kwargs, kernel="sdpa")
     return sdpa_attention_forward(module, query, key, value, allowed, dropout=dropout, scaling=scaling,
                                   is_causal=False, **kwargs)
 
@@ -250,7 +284,8 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    for method, attention in (("allgather", allgather_attention), ("ulysses", ulysses_attention)):
+    for method, attention in (("allgather", allgather_attention), ("ulysses", ulysses_attention),
+                              ("ring", ring_attention)):
         AttentionInterface.register(ATTENTIONS[method], attention)
         AttentionMaskInterface.register(ATTENTIONS[method], _no_mask)
 
@@ -277,9 +312,12 @@ def check_recipe(recipe: Recipe, *, cp: int, tp: int, world_size: int) -> None:
     from toolkit.model.build import hf_config, meta_model  # transformers: only where cp is asked for
 
     config = hf_config(recipe.model)
-    if getattr(config, "attn_logit_softcapping", None):  # Gemma 2's: sdpa, which the methods attend with, has none
-        raise RecipeError(f"context parallel attends with sdpa, which has no attention logit soft-capping "
+    kernel = "the flash kernel" if recipe.parallel.cp_method == "ring" else "sdpa"
+    if getattr(config, "attn_logit_softcapping", None):  # Gemma 2's: the methods' kernels have none
+        raise RecipeError(f"context parallel attends with {kernel}, which has no attention logit soft-capping "
                           f"(config.attn_logit_softcapping {config.attn_logit_softcapping}); {DROP_CP}")
+    if recipe.parallel.cp_method == "ring":
+        check_ring(config)
     attends(meta_model(recipe.model))
     if getattr(config, "output_router_logits", False):  # transformers' router loss over a rank's part of a sequence
         raise RecipeError("context parallel does not add a mixture-of-experts router's auxiliary loss yet (each rank "
@@ -292,6 +330,18 @@ def check_recipe(recipe: Recipe, *, cp: int, tp: int, world_size: int) -> None:
             raise RecipeError(f"parallel.cp_method ulysses splits the attention heads over the {cp} cp ranks, but "
                               f"{holder} {heads} attention and {kv_heads} key/value heads; use a cp that divides "
                               f"{kv_heads}, or parallel.cp_method allgather")
+
+
+def check_ring(config: Any) -> None:
+    """What the ring method cannot follow, from the model's config (dims/ring.py): a sliding window, attention
+    dropout; or a torch without ring attention."""
+    from toolkit.strategies.dims import ring
+
+    ring.check_available()
+    windows = sorted(w for w in layer_windows(config) if w is not None)
+    if windows:
+        raise RecipeError(f"parallel.cp_method ring attends over the whole causal past, and the model's layers attend "
+                          f"within a sliding window of {windows[0]} positions; {ring.FIX}")
 
 
 def attends(model: torch.nn.Module) -> None:
@@ -367,7 +417,8 @@ def activation_bytes(model, recipe: Recipe, *, world_size: int, how: dict[str, A
     layer's gathered keys and values, saved for backward at the whole sequence's length (the layer being recomputed
     alone under activation checkpointing; its own chunk counted twice, a 1/cp over-count), and the attention mask of
     the rank's queries (ulysses: the whole sequence's) over every key, made once per sliding window and shared by the
-    layers (`Sequence.masks`: one byte a pair)."""
+    layers (`Sequence.masks`: one byte a pair). The ring method saves only the rank's own keys and values, no mask:
+    the trace alone."""
     import dataclasses
 
     from toolkit.memory.state_bytes import element_bytes
@@ -381,6 +432,8 @@ def activation_bytes(model, recipe: Recipe, *, world_size: int, how: dict[str, A
     dtype = how.get("autocast_dtype") or how["params_dtype"]
     layers = 1 if how.get("checkpointing") else config.num_hidden_layers
     gathered = layers * 2 * micro * cp * part * kv_heads * head_dim * element_bytes(dtype)
+    if recipe.parallel.cp_method == "ring":  # saves only the rank's own keys and values: in the trace
+        return traced
     queries = cp * part if recipe.parallel.cp_method == "ulysses" else part
     mask = micro * queries * cp * part * len(layer_windows(config))
     return [t + gathered + mask for t in traced]
