@@ -331,8 +331,9 @@ def cmd_strategies(args) -> int:
             shown = ", ".join(f"strategy.{key}={override_value(getattr(defaults, key))}" for key in info.options)
             print(f"{'':<{width}}  options: {shown}")
     print("\ncompare arms (toolkit compare --strategies a,b,...; add overrides as arm@key=value):")
-    for alias, overrides in arm_aliases().items():
-        print(f"  {alias:<14} {' '.join(overrides)}")
+    aliases = arm_aliases()
+    for alias, overrides in aliases.items():
+        print(f"  {alias:<{max(map(len, aliases))}} {' '.join(overrides)}")
     print(f"\ncontext parallel methods (parallel.cp_method): {', '.join(CP_METHODS)}")
     print("\nparallel degrees (a recipe's parallel: section; world = their product) and the preset that runs them:")
     rows = [(" × ".join(combination) or "(none)", name, options) for combination, name, options in presets()]

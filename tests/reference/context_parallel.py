@@ -1,16 +1,18 @@
-"""Run under torchrun by tests/test_context_parallel.py: context parallel's all-gather attention
+"""Run under torchrun by tests/test_context_parallel.py: context parallel's attention methods
 (toolkit.strategies.dims.context) against plain transformers on the whole sequence, in every rank's process.
 
 Each rank builds the same tiny Llama (grouped-query attention) from a config with one seed; a batch with padding
 and a length that 2·cp does not divide. The reference: the plain model (sdpa) on the whole batch, the loss summed
-over its tokens (logits[:, :-1] against labels[:, 1:]), backward. The cp arm: a copy under the cp attention of the method argv[2] names, each
-rank on its share (split_batch), its loss summed over its tokens, backward; the loss sums and every parameter's
-gradient summed over the ranks (what data parallel over the cp ranks would reduce). argv[3] `window`: a Mistral whose
-sliding window (4) is shorter than the sequence, in place of the Llama; `untold`: a Qwen2-MoE whose window its attention
-function is never given; `left` (ring): a row padded on the left, which ring, attending without a mask, refuses (rank
-0 writes {"refused": the one line} when the cp arm refuses it). The ring method's batch pads every row on the right,
-as the toolkit's collator does. Rank 0 writes
-{"loss": [cp, reference], "max_grad_diff": ..., "max_grad": ..., "worst": name} as JSON to argv[1]."""
+over its tokens (logits[:, :-1] against labels[:, 1:]), backward. The cp arm: a copy under the cp attention of the
+method argv[2] names, each rank on its share (split_batch), its loss summed over its tokens, backward; the loss sums
+and every parameter's gradient summed over the ranks (what data parallel over the cp ranks would reduce). The ring
+method's batch pads every row on the right, as the toolkit's collator does; the others have a row padded on the left.
+
+Options after the method: `window`: a Mistral whose sliding window (4) is shorter than the sequence, in place of the
+Llama; `untold`: a Qwen2-MoE whose window its attention function is never given; `left` (ring): a row padded on the
+left, which ring, attending without a mask, refuses (rank 0 writes {"refused": the one line} when the cp arm refuses
+it); `bf16`: both models in bf16; `cuda`: every rank on the one GPU, in bf16 (benchmarks/gpu_checks.sh).
+Rank 0 writes {"loss": [cp, reference], "max_grad_diff": ..., "max_grad": ..., "worst": name} as JSON to argv[1]."""
 
 import copy
 import json
@@ -28,17 +30,22 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     rank, cp = dist.get_rank(), dist.get_world_size()
+    options = set(sys.argv[3:])
+    # `cuda`: every rank on the one GPU (gloo moves CUDA tensors; NCCL takes one rank a GPU), the models in bf16
+    device = torch.device("cuda" if "cuda" in options else "cpu")
+    dtype = torch.bfloat16 if "cuda" in options or "bf16" in options else torch.float32
     shapes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa")
     torch.manual_seed(0)
-    if sys.argv[3:] == ["window"]:  # Mistral's sliding window, shorter than the sequence: a query sees its last 4 keys
+    if "window" in options:  # Mistral's sliding window, shorter than the sequence: a query sees its last 4 keys
         reference = transformers.MistralForCausalLM(transformers.MistralConfig(**shapes, sliding_window=4))
-    elif sys.argv[3:] == ["untold"]:  # Qwen2-MoE's window is in its mask, never handed to its attention function
+    elif "untold" in options:  # Qwen2-MoE's window is in its mask, never handed to its attention function
         reference = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
             **shapes, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
             num_experts_per_tok=2, use_sliding_window=True, sliding_window=4, max_window_layers=0))
     else:
         reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shapes))
+    reference = reference.to(device, dtype)
     model = copy.deepcopy(reference)
     context.register()
     model.set_attn_implementation(context.ATTENTIONS[sys.argv[2]])
@@ -47,7 +54,7 @@ def main() -> None:
     length, lengths = 13, [13, 9, 4]  # 13 is not a multiple of 2·cp
     input_ids = torch.randint(1, 64, (len(lengths), length), generator=generator)
     attention_mask = (torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]).long()
-    if sys.argv[2] != "ring" or sys.argv[3:] == ["left"]:  # ring: padded on the right, as the toolkit's batches
+    if sys.argv[2] != "ring" or "left" in options:  # ring: padded on the right, as the toolkit's batches
         attention_mask[2] = attention_mask[2].flip(0)  # rows 1 padded on the right, 2 on the left: its padding keys
     #   come before its tokens, where only the padding mask (not causality) keeps them out
     input_ids = input_ids * attention_mask
@@ -55,7 +62,8 @@ def main() -> None:
     labels[2, int(attention_mask[2].argmax())] = -100  # the left-padded row's first token: predicted from a padding
     #   position, whose output each attention makes its own way (a query with no key to attend to)
 
-    logits = reference(input_ids=input_ids, attention_mask=attention_mask).logits
+    input_ids, attention_mask, labels = input_ids.to(device), attention_mask.to(device), labels.to(device)
+    logits = reference(input_ids=input_ids, attention_mask=attention_mask).logits.float()
     expected = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
                                                  ignore_index=-100, reduction="sum")
     expected.backward()
@@ -63,7 +71,7 @@ def main() -> None:
     share = context.split_batch(input_ids, attention_mask, labels, cp=cp, rank=rank, group=dist.group.WORLD)
     try:
         with context.sequence(share.sequence):
-            local = model(input_ids=share.input_ids, position_ids=share.position_ids).logits
+            local = model(input_ids=share.input_ids, position_ids=share.position_ids).logits.float()
             loss = torch.nn.functional.cross_entropy(local.flatten(0, 1), share.shifted_labels.flatten(),
                                                      ignore_index=-100, reduction="sum")
             loss.backward()
@@ -77,10 +85,10 @@ def main() -> None:
     dist.all_reduce(total)
     worst, max_diff, max_grad = "", 0.0, 0.0
     for (name, mine), (_, plain) in zip(model.named_parameters(), reference.named_parameters()):
-        grad = mine.grad.clone()
+        grad = mine.grad.float()
         dist.all_reduce(grad)
-        diff = (grad - plain.grad).abs().max().item()
-        max_grad = max(max_grad, plain.grad.abs().max().item())
+        diff = (grad - plain.grad.float()).abs().max().item()
+        max_grad = max(max_grad, plain.grad.float().abs().max().item())
         if diff > max_diff:
             worst, max_diff = name, diff
     if rank == 0:

@@ -85,7 +85,9 @@ INFO = StrategyInfo(
           "fsdp-bf16reduce": ("strategy.name=fsdp", "strategy.reduce_dtype=bf16"),
           "hsdp-localsgd4": ("strategy.name=fsdp", "strategy.replicate_degree=2", "strategy.sync_every=4"),
           "fsdp-tp2": ("strategy.name=fsdp", "strategy.tp_degree=2"),
-          "fsdp-cp2": ("strategy.name=fsdp", "strategy.cp_degree=2"),
+          "fsdp-cp2": ("strategy.name=fsdp", "strategy.cp_degree=2"),  # parallel.cp_method's, allgather by default
+          "fsdp-cp2-ulysses": ("strategy.name=fsdp", "strategy.cp_degree=2", "parallel.cp_method=ulysses"),
+          "fsdp-cp2-ring": ("strategy.name=fsdp", "strategy.cp_degree=2", "parallel.cp_method=ring"),
           # HSDP's 2 replica groups, each FSDP over its ranks with tp (cp) inside: 4 ranks or more
           "hsdp-tp2": ("strategy.name=fsdp", "strategy.replicate_degree=2", "strategy.tp_degree=2"),
           "hsdp-cp2": ("strategy.name=fsdp", "strategy.replicate_degree=2", "strategy.cp_degree=2"),
