@@ -33,6 +33,7 @@ ARMS = {
     "cp2-ulysses": (2, ["parallel.cp=2", "parallel.cp_method=ulysses"]),
     "cp2-ring": (2, ["parallel.cp=2", "parallel.cp_method=ring"]),  # two blocks of keys and values at a time
     "cp2-tiled": (2, ["parallel.cp=2", "parallel.cp_method=allgather", "train.tiled_loss=true"]),  # both at once
+    "cp2-ring-tiled": (2, ["parallel.cp=2", "parallel.cp_method=ring", "train.tiled_loss=true"]),
 }
 
 

@@ -28,6 +28,18 @@ def test_the_ranks_hold_every_place_once_with_the_same_causal_work(cp):
     assert len(work) == 1, work
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_chunks_are_those_torch_s_ring_attention_is_written_for(cp):
+    """The ring method runs torch's ring attention on the toolkit's split (dims/ring.py): which blocks a step skips
+    or halves assumes torch's head-tail layout, rank r holding chunks r and 2·cp-1-r in that order."""
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+
+    length = padded_length(13, cp=cp)
+    ours = torch.cat([rank_positions(length, cp=cp, rank=r) for r in range(cp)])
+    torch_s = _HeadTailLoadBalancer(length, cp, "cpu")._generate_indices().flatten()
+    assert ours.tolist() == torch_s.tolist()
+
+
 def test_a_rank_keeps_the_label_of_its_chunk_s_last_token():
     # the label of place p is the token at p + 1: shifted over the whole sequence before the split, so the last
     # token of rank 0's first chunk (place 1 of 4, cp 2) keeps the first token of rank 1's chunk as its label

@@ -197,6 +197,53 @@ def test_the_other_ranks_wait_for_rank_0_tokenizing_past_the_groups_timeout(tmp_
     assert dict(lengths) == {0: len(ROWS_ALL), 1: len(ROWS_ALL)}
 
 
+def _two_nodes_without_a_shared_cache(rank: int, recipe_path: str, init: str, caches: str, rows) -> None:
+    """One of 3 gloo ranks: rank 0 on node 0, ranks 1 and 2 on node 1 (local ranks 0 and 1), each node with a cache
+    folder of its own; the process group times out after 2 s and node 1's tokenizing takes 4 s; `rows[rank]`: the
+    rows this rank tokenized itself."""
+    import datetime
+    import os
+    import time
+
+    os.environ["HF_DATASETS_CACHE"] = f"{caches}/node{min(rank, 1)}"
+    import torch.distributed as dist
+
+    from toolkit.data import splits
+    from toolkit.process.dist import shutdown
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=3, timeout=datetime.timedelta(seconds=2))
+    rows[rank] = 0
+    advance = splits.Progress.advance
+
+    def counted(self, n):
+        if rank and not rows[rank]:  # node 1 tokenizes slowly
+            time.sleep(4)
+        rows[rank] += n
+        return advance(self, n)
+    splits.Progress.advance = counted
+    recipe = load_recipe(recipe_path)
+    load_split("data.train", data=recipe.data, task=recipe.model.task, num_labels=2, tokenizer=_tokenizer(),
+               env=DistEnv(rank=rank, local_rank=[0, 0, 1][rank], world_size=3, device=torch.device("cpu")))
+    dist.barrier()  # the run's first collective, on the process group: every rank is there within its 2 s
+    shutdown(completed=True)
+
+
+def test_a_node_without_rank_0_s_filesystem_tokenizes_once_and_the_others_wait_for_it(tmp_path, tiny_bert_dir):
+    """Nodes that do not share rank 0's filesystem do not find its cache. Every rank there tokenized the split
+    itself, at once, and rank 0, done before them, went on to the run's first collective, whose group timeout (30
+    min) a long tokenizing outlasted. Now a node's first rank tokenizes for its node, the node's other ranks read its
+    cache, and every rank waits for it on the long-timeout group (here the process group's timeout is 2 s and node
+    1's tokenizing 4 s)."""
+    import torch.multiprocessing as mp
+
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_bert_dir, task="sequence-classification",
+                          output_dir=tmp_path / "run", data={"eval": None})
+    rows = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_two_nodes_without_a_shared_cache, args=(str(recipe), f"file://{tmp_path / 'store'}",
+                                                     str(tmp_path / "caches"), rows), nprocs=3)
+    assert dict(rows) == {0: len(ROWS_ALL), 1: len(ROWS_ALL), 2: 0}
+
+
 def test_tokenizing_says_how_far_it_is_and_a_cached_split_says_nothing(tmp_path, tiny_bert_dir, capsys,
                                                                        monkeypatch):
     """Rank 0 tokenized a large split before the run's first line without a word (300,000 reviews: 30 s here).

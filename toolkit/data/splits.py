@@ -26,7 +26,7 @@ from toolkit.data.labels import check_label_kind, check_labels, class_names, in_
 from toolkit.data.losses import IGNORE_INDEX
 from toolkit.data.progress import Progress
 from toolkit.errors import RecipeError
-from toolkit.process.dist import DistEnv, broadcast_object
+from toolkit.process.dist import DistEnv, broadcast_object, first_error
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,10 @@ def load_split(key: str, *, data: DataConfig, task: str, num_labels: int, tokeni
                identity: str | None = None) -> tuple[Any, list[str] | None, SplitCounts]:
     """The tokenized `datasets.Dataset` of recipe key `key` (data.train / data.eval) with input_ids (+ label, or
     labels for instruction data), the class names its labels were mapped from (None: class ids), and what was
-    left out or cut (see data_note). Rank 0 tokenizes; the others read its cache. `names`: data.train's (an eval
+    left out or cut (see data_note). Rank 0 tokenizes; then the first rank of every other node reads its cache (the
+    nodes share a filesystem) or tokenizes for its node (they do not: a node's own cache folder); then the node's
+    other ranks read that cache. Every rank waits for each stage over a group of long timeout, so that a node
+    tokenizing long is not a rank timing out in the run's first collective. `names`: data.train's (an eval
     split's labels must be among them); `model_names`: model.path's id2label (see check_rows); `identity`: the
     tokenizer's tokenizer_identity where the caller has it (0.15-0.3 s each for MiniLM's: once per run, not per
     split)."""
@@ -63,9 +66,20 @@ def load_split(key: str, *, data: DataConfig, task: str, num_labels: int, tokeni
     error = broadcast_object(error, env)
     if error is not None:
         raise RecipeError(error)
-    if not env.is_main:  # reads rank 0's cache
-        split = _tokenized(source, data=data, task=task, num_labels=num_labels, tokenizer=tokenizer, names=names,
-                           model_names=model_names, identity=identity)
+
+    def read() -> Any:
+        return _tokenized(source, data=data, task=task, num_labels=num_labels, tokenizer=tokenizer, names=names,
+                          model_names=model_names, identity=identity)
+    if env.local_rank == 0 and not env.is_main:  # a node's first rank: rank 0's cache, or its node's tokenizing
+        try:
+            split = read()
+        except RecipeError as exc:  # what another node's files say (one missing there)
+            error = f"rank {env.rank}: {exc}"
+    error = first_error(error, env)
+    if error is not None:
+        raise RecipeError(error)
+    if env.local_rank != 0:  # reads its node's cache
+        split = read()
     return split
 
 

@@ -348,6 +348,17 @@ def broadcast_object(obj, env: DistEnv):
     return box[0]
 
 
+def first_error(error: str | None, env: DistEnv) -> str | None:
+    """The first of the ranks' errors (in rank order; None: none had one), on every rank, each sent after work of
+    its own that may take longer than the process group's timeout (a node's tokenizing): every rank waits for the
+    slowest up to RANK_0_WORK_TIMEOUT (broadcast_object's group)."""
+    if not env.distributed:
+        return error
+    every: list[str | None] = [None] * env.world_size
+    dist.all_gather_object(every, error, group=_rank_0_work_group())
+    return next((e for e in every if e is not None), None)
+
+
 _held_groups: dict[str, object] = {}  # groups of the toolkit's own, dropped by shutdown() before it destroys them
 
 
