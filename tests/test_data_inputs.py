@@ -65,6 +65,27 @@ def test_packing_keeps_every_token_of_long_documents(tmp_path, tiny_llama_dir):
     assert counts.num_tokens_unpacked == len(stream) - blocks * 32 < 32  # one partial block: 64 rows, one batch
 
 
+def test_a_block_longer_than_a_packing_batch_s_tokens_still_packs(tmp_path, tiny_llama_dir, monkeypatch):
+    """Each packing batch's last partial block is left out. Its size was fixed in samples (1,000), so a block longer
+    than 1,000 short samples' tokens left out every token: 1,000 reviews hold ~15,000 tokens, and packing them into
+    blocks of 16,384 was refused as "fewer than one packed block" for a file of 158,610 tokens. A batch now holds
+    PACK_BLOCKS blocks' worth of samples at least; here PACK_ROWS is 8 samples (~100 tokens) and a block 128."""
+    from toolkit.data import splits
+
+    monkeypatch.setattr(splits, "PACK_ROWS", 8)
+    texts = [r["text"] for r in ROWS]
+    path = tmp_path / "short.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
+                          data={"train": str(path), "eval": None, "packing": True, "max_length": 128})
+    dataset, _, counts = _split(recipe)
+    stream = [t for ids in _tokenizer()(texts)["input_ids"] for t in ids]
+    assert sum(len(ids) for ids in _tokenizer()(texts[:8])["input_ids"]) < 128  # 8 samples: not one block
+    blocks = len(stream) // 128
+    assert blocks >= 4 and dataset["input_ids"] == [stream[i * 128:(i + 1) * 128] for i in range(blocks)]
+    assert counts.num_tokens_unpacked == len(stream) - blocks * 128 and counts.pack_rows == len(texts)
+
+
 def test_truncation_without_packing_is_one_note_with_the_share_of_tokens_lost(tmp_path, tiny_llama_dir):
     path, texts = _long_documents(tmp_path)
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
@@ -335,7 +356,7 @@ def test_packed_instruction_blocks_without_a_response_token_are_counted_as_block
                     "long; "
                     f"{counts.num_tokens_unpacked:,} of {counts.num_tokens:,} tokens "
                     f"({counts.num_tokens_unpacked / counts.num_tokens:.1%}) are left out of packing: the partial "
-                    "block at the end of every 1000 samples")
+                    "block at the end of every 32 samples")  # the split's 32: one packing batch
 
 
 def _cased_tokenizer(path):

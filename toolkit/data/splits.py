@@ -39,6 +39,7 @@ class SplitCounts:
     num_tokens_cut: int = 0  # the tokens those lost
     num_tokens: int = 0  # in the split as tokenized whole (before any cut, or before packing)
     num_tokens_unpacked: int = 0  # packing: the tokens of each map batch's last, partial block
+    pack_rows: int = 0  # packing: the samples of each map batch (pack_rows)
 
 
 def load_split(key: str, *, data: DataConfig, task: str, num_labels: int, tokenizer, env: DistEnv,
@@ -107,7 +108,7 @@ def data_note(key: str, counts: SplitCounts, data: DataConfig) -> str | None:
     if counts.num_tokens_unpacked:
         parts.append(f"{counts.num_tokens_unpacked:,} of {counts.num_tokens:,} tokens "
                      f"({_share(counts.num_tokens_unpacked, counts.num_tokens)}) are left out of packing: the "
-                     f"partial block at the end of every {PACK_ROWS} samples")
+                     f"partial block at the end of every {counts.pack_rows} samples")
     return f"[toolkit] {key}: {'; '.join(parts)}" if parts else None
 
 
@@ -217,12 +218,13 @@ def _tokenized(source: DataSource, *, data: DataConfig, task: str, num_labels: i
     if task == "sequence-classification":
         dataset = dataset.rename_column(CLASS_ID, "label")
     if packing:
-        dataset = dataset.map(_packer(data.max_length), batched=True, batch_size=PACK_ROWS,
-                              remove_columns=dataset.column_names, new_fingerprint=cache + "-packed")
+        rows = pack_rows(data.max_length, rows=len(dataset), tokens=num_tokens)
+        dataset = dataset.map(_packer(data.max_length), batched=True, batch_size=rows,
+                              remove_columns=dataset.column_names, new_fingerprint=f"{cache}-packed-{rows}")
         if len(dataset) == 0:
             raise RecipeError(f"{source.key}: {source.path} has {num_tokens} tokens, fewer than one packed block of "
                               f"data.max_length {data.max_length}; lower data.max_length or add data")
-        counts = replace(counts, num_tokens_unpacked=num_tokens - len(dataset) * data.max_length)
+        counts = replace(counts, num_tokens_unpacked=num_tokens - len(dataset) * data.max_length, pack_rows=rows)
     if task == "sequence-classification":
         return dataset, names, counts
     kept = dataset.filter(_learnable, batched=True, new_fingerprint=cache + "-learnable")
@@ -300,7 +302,16 @@ def _described(value: Any, key: str = "") -> Any:
     return repr(value)
 
 
-PACK_ROWS = 1000  # samples per packing batch: its stream's last partial block is left out (run_clm's group_texts)
+PACK_ROWS = 1000  # samples per packing batch at least: its stream's last partial block is left out (run_clm's
+PACK_BLOCKS = 32  # group_texts); and enough samples for this many blocks on average, so that at most about 1/32 of
+#   the tokens is left out however long a block is (1,000 short reviews did not fill one block of 16,384 tokens)
+
+
+def pack_rows(block: int, *, rows: int, tokens: int) -> int:
+    """Samples per packing batch for blocks of `block` tokens, of a split of `rows` samples and `tokens` tokens:
+    PACK_ROWS, or more where that many hold fewer than PACK_BLOCKS blocks; at most the whole split."""
+    wanted = -(-PACK_BLOCKS * block * rows // max(tokens, 1))
+    return max(1, min(rows, max(PACK_ROWS, wanted)))
 
 
 def _packer(block: int):
