@@ -31,7 +31,8 @@ LLAMA = {**{arm: (2, overrides) for arm, overrides in test_sharded.ARMS.items()}
          "cp2": (2, test_context_parallel.CP2), "cp2-dp2": (4, test_context_parallel.CP2_DP2),
          "cp2-tp2": (4, test_context_parallel.CP2_TP2), "cp2-ulysses": (2, test_context_parallel.CP2_ULYSSES),
          "cp2-rep2": (4, test_context_parallel.CP2_REP2), "cp2-ring": (2, test_context_parallel.CP2_RING),
-         "cp2-dp2-ring": (4, test_context_parallel.CP2_DP2_RING)}
+         "cp2-dp2-ring": (4, test_context_parallel.CP2_DP2_RING),
+         "cp2-tp2-ring": (4, test_context_parallel.CP2_TP2_RING)}
 LLAMA4 = {**test_tensor_parallel.ARMS, **{arm: value for arm, value in test_model_parallel.ARMS.items() if arm != "mp"},
           **test_model_parallel.LEVER_ARMS}
 

@@ -82,12 +82,14 @@ CP2_TP2 = ("parallel.cp=2", "parallel.tp=2")  # 4 ranks: heads split over tp, ea
 CP2_REP2 = ("parallel.cp=2", "parallel.dp_replicate=2", "batch.micro_batch_size=4")
 CP2_RING = (*CP2, "parallel.cp_method=ring")  # the recompute runs the ring again in backward
 CP2_DP2_RING = (*CP2_DP2, "parallel.cp_method=ring")
+CP2_TP2_RING = (*CP2_TP2, "parallel.cp_method=ring")  # each tp rank's heads passed round its cp group
 
 
 @pytest.mark.parametrize("name, nproc, overrides", [("cp2", 2, CP2), ("cp2-dp2", 4, CP2_DP2),
                                                     ("cp2-ulysses", 2, CP2_ULYSSES), ("cp2-tp2", 4, CP2_TP2),
                                                     ("cp2-rep2", 4, CP2_REP2), ("cp2-ring", 2, CP2_RING),
-                                                    ("cp2-dp2-ring", 4, CP2_DP2_RING)])
+                                                    ("cp2-dp2-ring", 4, CP2_DP2_RING),
+                                                    ("cp2-tp2-ring", 4, CP2_TP2_RING)])
 def test_context_parallel_trains_as_one_process(llama_runs, name, nproc, overrides):
     # tiny-llama's samples pad to lengths 4 does not divide: the split pads them further, masked
     reference = llama_runs.get("single-m8")
