@@ -147,8 +147,9 @@ def _ring_sequence(valid: list[list[int]]):
 @pytest.mark.parametrize("valid, kwargs, words", [
     ([[0, 1, 1, 1]], {}, "parallel.cp_method ring attends without a padding mask, which needs each sample's padding "
                          "after its tokens; a batch here has padding before them; use parallel.cp_method allgather"),
-    ([[1, 1, 1, 0]], {"sliding_window": 4}, "parallel.cp_method ring attends over the whole causal past, and Module "
-                                            "attends within a sliding window of 4 positions"),
+    ([[1, 1, 1, 1]], {"sliding_window": 3}, "parallel.cp_method ring attends over the whole causal past, and Module "
+                                            "attends within a sliding window of 3 positions, fewer than a "
+                                            "sample's 4 tokens"),
     ([[1, 1, 1, 0]], {"dropout": 0.1}, "parallel.cp_method ring attends without dropout, and Module drops attention "
                                        "weights at 0.1; set model.dropout 0.0"),
     ([[1, 1, 1, 0]], {"s_aux": torch.zeros(2)}, "context parallel attends with the flash kernel, which leaves out "
@@ -218,6 +219,28 @@ def test_a_model_whose_attention_context_parallel_cannot_take_is_refused_in_one_
     code = main(["validate", str(path), "--nproc", "2", "--set", "parallel.cp=2", "--set", "model.path=null",
                  "--set", f"model.config={config}", "--set", f"model.tokenizer={tiny_llama_dir}"])
     _assert_one_line_exit_2(code, capsys, words, tmp_path / "out")
+
+
+@pytest.mark.parametrize("window, refused", [(4, True), (64, False)])
+def test_ring_refuses_a_sliding_window_shorter_than_the_sequences(window, refused, tmp_path, tiny_llama_dir, capsys):
+    """Ring attends over the whole causal past: a Mistral whose window (4) is shorter than data.max_length (64) is
+    refused before launch; one whose window the sequences fit in (Mistral 7B v0.1's 4,096 under 4,096 tokens) is
+    no window, and runs."""
+    from test_cli_errors import _assert_one_line_exit_2
+    from toolkit.cli import main
+
+    path = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out")
+    config = ("{model_type: mistral, vocab_size: 30522, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, "
+              f"num_key_value_heads: 2, intermediate_size: 64, sliding_window: {window}}}")
+    code = main(["validate", str(path), "--nproc", "2", "--set", "parallel.cp=2", "--set", "parallel.cp_method=ring",
+                 "--set", "data.max_length=64", "--set", "model.path=null", "--set", f"model.config={config}",
+                 "--set", f"model.tokenizer={tiny_llama_dir}"])
+    if refused:
+        _assert_one_line_exit_2(code, capsys, "parallel.cp_method ring attends over the whole causal past, and the "
+                                "model's layers attend within a sliding window of 4 positions, fewer than "
+                                "data.max_length 64; use parallel.cp_method allgather", tmp_path / "out")
+    else:
+        assert code == 0, capsys.readouterr()
 
 
 def test_a_window_in_the_mask_but_not_in_the_attention_is_refused(tmp_path):

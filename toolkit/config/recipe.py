@@ -186,7 +186,8 @@ class ParallelConfig:
     cp_method: str = "allgather"  # allgather (Llama 3's: K and V all-gathered, any cp) | ulysses (DeepSpeed's:
     #   all-to-alls trade the sequence split for a head split; cp must divide the KV heads; moves 1/cp of q, k, v
     #   and the output per rank) | ring (torch's ring attention: K and V passed rank to rank, two blocks held at a
-    #   time; causal attention without a sliding window or dropout; flash kernels: CPU, or CUDA in bf16/fp16)
+    #   time; causal attention, no sliding window shorter than the sequence, no dropout; flash kernels: CPU, or CUDA
+    #   in bf16/fp16)
     ep: int | None = None  # expert parallel: each MoE layer's experts split over this many neighbouring ranks,
     #   tokens sent to their experts and back by all-to-all; borrows its ranks from dp_shard (not a factor of the
     #   world): the ranks holding the same experts FSDP-shard them (strategy.ep_degree)

@@ -8,7 +8,8 @@ of three methods (`parallel.cp_method`):
   moves every rank's keys and values;
 - ring (torch's ring attention, dims/ring.py): the keys and values pass from rank to rank, each rank attending to one
   block at a time with the device's fused kernel; causal attention only (no padding mask: the batches are padded on
-  the right; no sliding window), any cp. A rank holds two blocks of keys and values, not the whole sequence's.
+  the right; no sliding window shorter than the samples), any cp. A rank holds two blocks of keys and values, not
+  the whole sequence's.
 
 Load balance (causal models): the padded sequence is cut into 2·cp chunks and rank r holds chunks r and 2·cp-1-r,
 so that every rank has the same attention work (a causal query's work grows with its position).
@@ -186,19 +187,23 @@ def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
 
     context = _context()
     window = _told(context, kwargs.pop("sliding_window", None))
-    if window is not None:
-        raise RecipeError(f"parallel.cp_method ring attends over the whole causal past, and "
-                          f"{type(module).__name__} attends within a sliding window of {window} positions; {ring.FIX}")
     if dropout:
         raise RecipeError(f"parallel.cp_method ring attends without dropout, and {type(module).__name__} drops "
                           f"attention weights at {dropout}; set model.dropout 0.0 or {ring.FIX}")
     _refuse_unread(module, kwargs, kernel="the flash kernel")
-    if ("right-padded", None) not in context.masks:
-        context.masks["right-padded", None] = torch.tensor(
-            ring.padded_on_the_right(context.key_positions, context.key_valid))
-    if not context.masks["right-padded", None]:
+    if ("ring", None) not in context.masks:  # once a micro-batch (a host sync), on the host: [padded on the right,
+        #   the longest sample's tokens]
+        context.masks["ring", None] = torch.tensor([
+            ring.padded_on_the_right(context.key_positions, context.key_valid),
+            int(context.key_valid.sum(1).max())])
+    right_padded, longest = context.masks["ring", None].tolist()
+    if not right_padded:
         raise RecipeError(f"parallel.cp_method ring attends without a padding mask, which needs each sample's padding "
                           f"after its tokens; a batch here has padding before them; {ring.FIX}")
+    if window is not None and window < longest:  # a window the tokens fit in is no window (padding is after them)
+        raise RecipeError(f"parallel.cp_method ring attends over the whole causal past, and "
+                          f"{type(module).__name__} attends within a sliding window of {window} positions, fewer "
+                          f"than a sample's {longest} tokens; {ring.FIX}")
     out = ring.ring_attention(query, key, value, group=context.group, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
@@ -317,7 +322,7 @@ def check_recipe(recipe: Recipe, *, cp: int, tp: int, world_size: int) -> None:
         raise RecipeError(f"context parallel attends with {kernel}, which has no attention logit soft-capping "
                           f"(config.attn_logit_softcapping {config.attn_logit_softcapping}); {DROP_CP}")
     if recipe.parallel.cp_method == "ring":
-        check_ring(config)
+        check_ring(config, max_length=recipe.data.max_length)
     attends(meta_model(recipe.model))
     if getattr(config, "output_router_logits", False):  # transformers' router loss over a rank's part of a sequence
         raise RecipeError("context parallel does not add a mixture-of-experts router's auxiliary loss yet (each rank "
@@ -332,16 +337,17 @@ def check_recipe(recipe: Recipe, *, cp: int, tp: int, world_size: int) -> None:
                               f"{kv_heads}, or parallel.cp_method allgather")
 
 
-def check_ring(config: Any) -> None:
-    """What the ring method cannot follow, from the model's config (dims/ring.py): a sliding window, attention
-    dropout; or a torch without ring attention."""
+def check_ring(config: Any, *, max_length: int) -> None:
+    """What the ring method cannot follow, from the model's config (dims/ring.py): a sliding window shorter than
+    the sequences (`max_length`: a window they fit in changes nothing); or a torch without ring attention."""
     from toolkit.strategies.dims import ring
 
     ring.check_available()
-    windows = sorted(w for w in layer_windows(config) if w is not None)
+    windows = sorted(w for w in layer_windows(config) if w is not None and w < max_length)
     if windows:
         raise RecipeError(f"parallel.cp_method ring attends over the whole causal past, and the model's layers attend "
-                          f"within a sliding window of {windows[0]} positions; {ring.FIX}")
+                          f"within a sliding window of {windows[0]} positions, fewer than data.max_length "
+                          f"{max_length}; {ring.FIX}")
 
 
 def attends(model: torch.nn.Module) -> None:

@@ -11,8 +11,8 @@ for each call: the keys and values pass to the next rank by an all-to-all each s
 once), the blocks merge in fp32.
 
 What ring attends with is causal attention and nothing else: no padding mask (the toolkit pads on the right, where a
-causal query never reaches a padding key; a row padded elsewhere is refused), no sliding window, no dropout, no
-logit soft-capping; each is refused in one line where a model or batch asks for it.
+causal query never reaches a padding key; a row padded elsewhere is refused), no sliding window shorter than the
+samples, no dropout, no logit soft-capping; each is refused in one line where a model or batch asks for it.
 
 Kernels: the CPU's flash kernel (any float dtype, grouped-query heads natively); CUDA's flash kernel (bf16, fp16),
 handed each block's keys and values repeated to the query heads, their gradients summed back. Under autocast the
