@@ -86,6 +86,29 @@ def test_a_block_longer_than_a_packing_batch_s_tokens_still_packs(tmp_path, tiny
     assert counts.num_tokens_unpacked == len(stream) - blocks * 128 and counts.pack_rows == len(texts)
 
 
+def test_a_split_packed_again_in_other_batches_reads_none_of_the_first_packing_s_cache(tmp_path, tiny_llama_dir,
+                                                                                       monkeypatch):
+    """The blocks depend on the packing batches' size, which its cache key carries; the filter after it (blocks
+    with a token to learn from) was keyed without it, so a second packing in other batches read the first one's
+    index list: other rows, or rows past the end. Each packing here equals one made by hand from its batches."""
+    from toolkit.data import splits
+
+    texts = [f"{r['text']} {i}" for i, r in enumerate(ROWS * 40)]  # 2,560 samples
+    path = tmp_path / "short.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
+                          data={"train": str(path), "eval": None, "packing": True, "max_length": 32})
+    ids = _tokenizer()(texts)["input_ids"]
+    for rows in (1000, 100):
+        monkeypatch.setattr(splits, "PACK_ROWS", rows)
+        dataset, _, counts = _split(recipe)
+        expected = []
+        for start in range(0, len(ids), counts.pack_rows):
+            stream = [t for sample in ids[start:start + counts.pack_rows] for t in sample]
+            expected += [stream[i:i + 32] for i in range(0, len(stream) // 32 * 32, 32)]
+        assert counts.pack_rows == rows and dataset["input_ids"] == expected, rows
+
+
 def test_truncation_without_packing_is_one_note_with_the_share_of_tokens_lost(tmp_path, tiny_llama_dir):
     path, texts = _long_documents(tmp_path)
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",

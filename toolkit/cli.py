@@ -268,7 +268,7 @@ def cmd_plan(args) -> int:
     def runs_as(recipe) -> str:  # the strategy a recipe's parallel degrees choose at --nproc ranks, as launch's
         try:
             return resolve(recipe, world_size=args.nproc).strategy.name
-        except RecipeError:  # check_recipe says why, on the arm's line
+        except RecipeError:  # check_recipe says why, on the arm's line, at --nproc ranks (one_process below)
             return recipe.strategy.name
     # and what a rank imports beyond them (DeepSpeed), measured before anything else here imports it
     extra = {arm: plan.runtime_module_bytes(strategy_info(runs_as(r)).runtime_modules)
@@ -280,7 +280,7 @@ def cmd_plan(args) -> int:
     for arm, recipe in recipes.items():
         name = arm or runs_as(recipe)
         recipes_by_name[name] = recipe
-        one_process = strategy_info(runs_as(recipe)).one_process
+        one_process = strategy_info(runs_as(recipe)).one_process and not recipe.parallel.given
         world = 1 if one_process else args.nproc
         try:
             check_recipe(recipe, world_size=world)

@@ -227,7 +227,10 @@ def _tokenized(source: DataSource, *, data: DataConfig, task: str, num_labels: i
         counts = replace(counts, num_tokens_unpacked=num_tokens - len(dataset) * data.max_length, pack_rows=rows)
     if task == "sequence-classification":
         return dataset, names, counts
-    kept = dataset.filter(_learnable, batched=True, new_fingerprint=cache + "-learnable")
+    # keyed by what it filters: a packed split's index list read for another packing's blocks is other rows
+    kept = dataset.filter(_learnable, batched=True,
+                          new_fingerprint=f"{cache}-packed-{counts.pack_rows}-learnable" if packing
+                          else cache + "-learnable")
     if len(kept) == 0:
         raise RecipeError(f"{source.key}: {source.path}: no sample has a token to learn from within data.max_length "
                           f"{data.max_length} (prompts that fill it, empty responses, one-token texts); raise "

@@ -193,9 +193,7 @@ def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     _refuse_unread(module, kwargs, kernel="the flash kernel")
     if ("ring", None) not in context.masks:  # once a micro-batch (a host sync), on the host: [padded on the right,
         #   the longest sample's tokens]
-        context.masks["ring", None] = torch.tensor([
-            ring.padded_on_the_right(context.key_positions, context.key_valid),
-            int(context.key_valid.sum(1).max())])
+        context.masks["ring", None] = torch.tensor(ring.batch_facts(context.key_positions, context.key_valid))
     right_padded, longest = context.masks["ring", None].tolist()
     if not right_padded:
         raise RecipeError(f"parallel.cp_method ring attends without a padding mask, which needs each sample's padding "

@@ -113,10 +113,11 @@ class Kernel:
                 grad_out, query, key, value, out, logsumexp, cum_q, cum_k, query.shape[2], key.shape[2], 0.0,
                 is_causal, seed, offset, scale=scale)
         grad_query, grad_key, grad_value = grads[:3]
-        if grad_key.shape[1] != kv_heads:
+        if grad_key.shape[1] != kv_heads:  # summed in fp32 at least, as the ring accumulates them
             batch, heads, tokens, dim = grad_key.shape
-            grad_key = grad_key.view(batch, kv_heads, heads // kv_heads, tokens, dim).sum(2)
-            grad_value = grad_value.view(batch, kv_heads, heads // kv_heads, tokens, dim).sum(2)
+            wide = torch.promote_types(grad_key.dtype, torch.float32)
+            grad_key = grad_key.to(wide).view(batch, kv_heads, heads // kv_heads, tokens, dim).sum(2)
+            grad_value = grad_value.to(wide).view(batch, kv_heads, heads // kv_heads, tokens, dim).sum(2)
         return grad_query, grad_key, grad_value
 
 
@@ -125,6 +126,13 @@ def kernel_for(query: torch.Tensor) -> Kernel:
     if query.device.type == "cpu":
         return Kernel(name="cpu-flash", expand=False)
     if query.device.type == "cuda" and query.dtype in (torch.bfloat16, torch.float16):
+        capability, dim = torch.cuda.get_device_capability(query.device), query.shape[-1]
+        if capability < (8, 0):
+            raise RecipeError(f"parallel.cp_method ring attends with CUDA's flash kernel, which needs compute "
+                              f"capability 8.0 or newer (Ampere); this GPU has {capability[0]}.{capability[1]}; {FIX}")
+        if dim % 8 or dim > 256:
+            raise RecipeError(f"parallel.cp_method ring attends with CUDA's flash kernel, which takes a head "
+                              f"dimension that is a multiple of 8 up to 256; the model's is {dim}; {FIX}")
         return Kernel(name="cuda-flash", expand=True)
     raise RecipeError(f"parallel.cp_method ring attends with the flash kernel, which {query.device.type} has for "
                       f"bf16 and fp16 only, not {str(query.dtype).removeprefix('torch.')}: set precision bf16, or "
@@ -159,6 +167,9 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                    scale: float | None) -> torch.Tensor:
     """[batch, heads, local, dim] queries and [batch, kv heads, local, dim] keys and values of this rank's tokens
     (its two chunks) -> the output for its queries, [batch, heads, local, dim]."""
+    if value.shape[-1] != query.shape[-1]:  # MLA (DeepSeek): the flash kernels take one head dimension
+        raise RecipeError(f"parallel.cp_method ring attends with the flash kernel, which takes values of the queries' "
+                          f"head dimension ({query.shape[-1]}); the model's values have {value.shape[-1]}; {FIX}")
     device = query.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
@@ -166,10 +177,13 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     return _RingAttention.apply(query, key, value, group, scale)
 
 
-def padded_on_the_right(key_positions: torch.Tensor, key_valid: torch.Tensor) -> bool:
-    """Whether every row's tokens come before its padding: `key_valid` [batch, tokens] in the order of
-    `key_positions` (each key's place in the whole sequence)."""
+def batch_facts(key_positions: torch.Tensor, key_valid: torch.Tensor) -> tuple[bool, int]:
+    """(whether every row's tokens come before its padding, the longest row's tokens) of a batch whose padding mask
+    is `key_valid` [batch, tokens] in the order of `key_positions` (each key's place in the whole sequence): one
+    host sync."""
     valid = torch.zeros_like(key_valid)
     valid[:, key_positions] = key_valid
-    return not bool((valid[:, 1:] & ~valid[:, :-1]).any())
+    padded_before = (valid[:, 1:] & ~valid[:, :-1]).any()
+    before, longest = torch.stack([padded_before.long(), key_valid.sum(1).max()]).tolist()
+    return not before, int(longest)
 
