@@ -191,6 +191,26 @@ def test_ring_s_kernel_repeats_grouped_heads_as_the_kernel_that_takes_them():
         assert torch.allclose(mine, leaf.grad, rtol=0, atol=1e-10)
 
 
+def test_ring_takes_torch_s_ring_attention_only_in_the_form_it_calls():
+    """torch's ring templates took a device mesh first in earlier versions (torch 2.6's `_templated_ring_attention(
+    mesh, seq_dim, op, ...)`, and before that `(mesh, op, ...)`): such a torch is refused before launch, not a
+    TypeError at the first step."""
+    import types
+
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    from toolkit.strategies.dims.ring import usable
+
+    assert usable(_attention)
+
+    def mesh_first(mesh, seq_dim, op, query, key, value, is_causal=False, **kwargs):
+        return ()
+    older = types.SimpleNamespace(**{name: getattr(_attention, name) for name in ("_cp_options", "_RotateMethod",
+                                                                                   "_templated_ring_attention")},
+                                  _templated_ring_attention_backward=mesh_first)
+    assert not usable(older)
+
+
 def test_ring_refuses_a_device_without_its_kernel():
     from toolkit.strategies.dims.ring import kernel_for
 

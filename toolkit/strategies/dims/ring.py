@@ -44,11 +44,24 @@ def _torch_ring() -> Any:
             break
         except ImportError:
             continue
-    if ring is None or not all(hasattr(ring, name) for name in (
-            "_templated_ring_attention", "_templated_ring_attention_backward", "_cp_options", "_RotateMethod")):
+    if ring is None or not usable(ring):
         raise RecipeError(f"parallel.cp_method ring runs torch's ring attention, which torch {torch.__version__} "
-                          f"does not have where the toolkit looks for it; {FIX}")
+                          f"does not have in the form the toolkit calls; {FIX}")
     return ring
+
+
+def usable(ring: Any) -> bool:
+    """Whether torch's ring module has what the toolkit calls, in the form it calls it: the templates taking a
+    process group and the sequence dimension first (earlier torch versions took a device mesh), and the options."""
+    import inspect
+
+    for name in ("_templated_ring_attention", "_templated_ring_attention_backward"):
+        function = getattr(ring, name, None)
+        if function is None or list(inspect.signature(function).parameters)[:2] != ["group", "seq_dim"]:
+            return False
+    options = getattr(ring, "_cp_options", None)
+    return hasattr(ring, "_RotateMethod") and all(
+        hasattr(options, name) for name in ("enable_load_balance", "rotate_method", "convert_to_f32"))
 
 
 def check_available() -> None:
