@@ -21,6 +21,7 @@ queries, keys and values are cast to its dtype first, as autocast casts them for
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -32,19 +33,26 @@ SEQ_DIM = 2  # [batch, heads, tokens, head dim]
 FIX = "use parallel.cp_method allgather"
 
 
-def _torch_ring() -> Any:
-    """torch's ring attention module (its place moved in torch 2.9), or a RecipeError."""
+@functools.cache
+def _found() -> Any:
+    """torch's ring attention module (its place moved in torch 2.9) where `usable`, else None; looked for once a
+    process."""
     import importlib
 
-    ring: Any = None
     for place in ("torch.distributed.tensor.experimental._context_parallel._attention",
                   "torch.distributed.tensor.experimental._attention"):
         try:
             ring = importlib.import_module(place)
-            break
         except ImportError:
             continue
-    if ring is None or not usable(ring):
+        return ring if usable(ring) else None
+    return None
+
+
+def _torch_ring() -> Any:
+    """torch's ring attention module, or a RecipeError."""
+    ring = _found()
+    if ring is None:
         raise RecipeError(f"parallel.cp_method ring runs torch's ring attention, which torch {torch.__version__} "
                           f"does not have in the form the toolkit calls; {FIX}")
     return ring
