@@ -46,11 +46,10 @@ if [[ ,$steps, == *,ring,* ]]; then
     echo "== ring ($(left) s left)"
     # the toolkit's ring method on CUDA's flash kernel (bf16), 2 and 4 ranks sharing the one GPU over gloo, against
     # plain transformers on the whole sequence; allgather beside it, as the size of bf16's noise here
-    for run in "2 ring" "4 ring" "2 allgather"; do
-        set -- $run
-        PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m torch.distributed.run --standalone --nproc_per_node "$1" \
-            tests/reference/context_parallel.py "$OUT/cp$1-$2.json" "$2" cuda >"$OUT/cp$1-$2.log" 2>&1
-        echo "cp $1 $2 (rc $?): $(cat "$OUT/cp$1-$2.json" 2>/dev/null || grep -m3 -E "Error|error" "$OUT/cp$1-$2.log")"
+    for cp in 2 4; do
+        PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m torch.distributed.run --standalone --nproc_per_node $cp \
+            tests/reference/context_parallel.py "$OUT/cp$cp.json" ring,allgather cuda >"$OUT/cp$cp.log" 2>&1
+        echo "cp $cp (rc $?): $(cat "$OUT/cp$cp.json" 2>/dev/null || grep -m3 -E "Error|error" "$OUT/cp$cp.log")"
     done 2>&1 | tee "$OUT/ring.txt"
 fi
 throughput() {  # ARMS JSON [more gpu_throughput.py options]

@@ -51,20 +51,38 @@ def test_a_rank_keeps_the_label_of_its_chunk_s_last_token():
     assert other.input_ids.tolist() == [[6, 7]] and other.shifted_labels.tolist() == [[7, 8]]
 
 
+# every case of tests/reference/context_parallel.py at each cp, one torchrun each (a process start is most of a case)
+REFERENCE_CASES = {2: "allgather,ulysses,ring,allgather+window,ulysses+window,allgather+untold", 4: "allgather,ring"}
+
+
+@pytest.fixture(scope="module")
+def reference_cases(tmp_path_factory):
+    """cp -> {case: its result}, each cp's cases run once under torchrun on gloo."""
+    done_by_cp: dict[int, dict] = {}
+
+    def get(cp: int) -> dict:
+        if cp not in done_by_cp:
+            folder = tmp_path_factory.mktemp(f"cp{cp}")
+            out = folder / "cp.json"
+            done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                   str(cp), "--log-dir", str(folder / "logs"),
+                                   str(REPO / "tests" / "reference" / "context_parallel.py"), str(out),
+                                   REFERENCE_CASES[cp]], cwd=REPO, env=toolkit_env(), capture_output=True, text=True,
+                                  timeout=600)
+            assert done.returncode == 0, done.stderr[-6000:]
+            done_by_cp[cp] = json.loads(out.read_text())
+        return done_by_cp[cp]
+    return get
+
+
 # the tiny Llama has 2 KV heads: ulysses splits them, so at most over 2 ranks. `window`: a Mistral whose sliding
 # window (4 keys) is shorter than the sequence (13): each layer's window reaches the cp attention's mask (before: the
 # whole causal past, silently: the loss sum 95.440 against 95.467, a gradient 1.26 off where the largest is 4.01)
 @pytest.mark.parametrize("method, cp, model", [("allgather", 2, ""), ("allgather", 4, ""), ("ulysses", 2, ""),
                                                ("allgather", 2, "window"), ("ulysses", 2, "window"), ("ring", 2, ""),
                                                ("ring", 4, "")])
-def test_each_method_gives_the_whole_sequence_s_loss_and_gradients(tmp_path, method, cp, model):
-    out = tmp_path / "cp.json"
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(cp),
-                           "--log-dir", str(tmp_path / "logs"), str(REPO / "tests" / "reference" / "context_parallel.py"),
-                           str(out), method, *([model] if model else [])], cwd=REPO, env=toolkit_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-6000:]
-    result = json.loads(out.read_text())
+def test_each_method_gives_the_whole_sequence_s_loss_and_gradients(reference_cases, method, cp, model):
+    result = reference_cases(cp)[method + (f"+{model}" if model else "")]
     split, whole = result["loss"]
     assert result["local_length"] == padded_length(13, cp=cp) // cp
     assert split == pytest.approx(whole, rel=1e-5)
@@ -263,17 +281,11 @@ def test_ring_refuses_a_sliding_window_shorter_than_the_sequences(window, refuse
         assert code == 0, capsys.readouterr()
 
 
-def test_a_window_in_the_mask_but_not_in_the_attention_is_refused(tmp_path):
+def test_a_window_in_the_mask_but_not_in_the_attention_is_refused(reference_cases):
     """Qwen2-MoE builds a sliding-window mask but never hands its attention function the window: the cp attention,
     which builds its own mask, would attend over the whole causal past. The forward's masks say the window
     (transformers' local_size), its attention calls do not: refused after the first forward, in one line."""
-    out = tmp_path / "cp.json"
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "--log-dir", str(tmp_path / "logs"), str(REPO / "tests" / "reference" / "context_parallel.py"),
-                           str(out), "allgather", "untold"], cwd=REPO, env=toolkit_env(), capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-6000:]
-    refused = json.loads(out.read_text())["refused"]
+    refused = reference_cases(2)["allgather+untold"]["refused"]
     assert refused.startswith("context parallel: the model masks its attention to 4 positions (a sliding window or "
                               "attention chunks) without telling the attention function") and "\n" not in refused
 
