@@ -270,17 +270,17 @@ def cmd_plan(args) -> int:
             return resolve(recipe, world_size=args.nproc).strategy.name
         except RecipeError:  # check_recipe says why, on the arm's line, at --nproc ranks (one_process below)
             return recipe.strategy.name
+    strategies = {arm: runs_as(r) for arm, r in recipes.items()}
     # and what a rank imports beyond them (DeepSpeed), measured before anything else here imports it
-    extra = {arm: plan.runtime_module_bytes(strategy_info(runs_as(r)).runtime_modules)
-             for arm, r in recipes.items()}
+    extra = {arm: plan.runtime_module_bytes(strategy_info(strategies[arm]).runtime_modules) for arm in recipes}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     planned: list[plan_advice.Planned] = []
     changes: dict[str, str] = {}
     recipes_by_name = {}
     for arm, recipe in recipes.items():
-        name = arm or runs_as(recipe)
+        name = arm or strategies[arm]
         recipes_by_name[name] = recipe
-        one_process = strategy_info(runs_as(recipe)).one_process and not recipe.parallel.given
+        one_process = strategy_info(strategies[arm]).one_process and not recipe.parallel.given
         world = 1 if one_process else args.nproc
         try:
             check_recipe(recipe, world_size=world)

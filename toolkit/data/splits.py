@@ -56,26 +56,26 @@ def load_split(key: str, *, data: DataConfig, task: str, num_labels: int, tokeni
     split)."""
     source = data_source(key, getattr(data, key.split(".")[-1]))
     identity = identity or tokenizer_identity(tokenizer)
-    error = None
-    if env.is_main:
-        try:
-            split = _tokenized(source, data=data, task=task, num_labels=num_labels, tokenizer=tokenizer, names=names,
-                               model_names=model_names, identity=identity)
-        except RecipeError as exc:
-            error = str(exc)
-    # the other ranks fail with rank 0's message instead of hanging, and wait as long as its tokenizing takes
-    error = broadcast_object(error, env)
-    if error is not None:
-        raise RecipeError(error)
 
     def read() -> Any:
         return _tokenized(source, data=data, task=task, num_labels=num_labels, tokenizer=tokenizer, names=names,
                           model_names=model_names, identity=identity)
-    if env.local_rank == 0 and not env.is_main:  # a node's first rank: rank 0's cache, or its node's tokenizing
+
+    def read_or_error(who: str) -> tuple[Any, str | None]:
         try:
-            split = read()
-        except RecipeError as exc:  # what another node's files say (one missing there)
-            error = f"rank {env.rank}: {exc}"
+            return read(), None
+        except RecipeError as exc:
+            return None, f"{who}{exc}"
+    split: Any = None
+    error: str | None = None
+    if env.is_main:
+        split, error = read_or_error("")
+    # the other ranks fail with rank 0's message instead of hanging, and wait as long as its tokenizing takes
+    error = broadcast_object(error, env)
+    if error is not None:
+        raise RecipeError(error)
+    if env.local_rank == 0 and not env.is_main:  # a node's first rank: rank 0's cache, or its node's tokenizing
+        split, error = read_or_error(f"rank {env.rank}: ")  # what another node's files say (one missing there)
     error = first_error(error, env)
     if error is not None:
         raise RecipeError(error)
@@ -219,18 +219,17 @@ def _tokenized(source: DataSource, *, data: DataConfig, task: str, num_labels: i
         dataset = dataset.rename_column(CLASS_ID, "label")
     if packing:
         rows = pack_rows(data.max_length, rows=len(dataset), tokens=num_tokens)
+        cache = f"{cache}-packed-{rows}"  # what follows is keyed by the packing batches too
         dataset = dataset.map(_packer(data.max_length), batched=True, batch_size=rows,
-                              remove_columns=dataset.column_names, new_fingerprint=f"{cache}-packed-{rows}")
+                              remove_columns=dataset.column_names, new_fingerprint=cache)
         if len(dataset) == 0:
             raise RecipeError(f"{source.key}: {source.path} has {num_tokens} tokens, fewer than one packed block of "
                               f"data.max_length {data.max_length}; lower data.max_length or add data")
         counts = replace(counts, num_tokens_unpacked=num_tokens - len(dataset) * data.max_length, pack_rows=rows)
     if task == "sequence-classification":
         return dataset, names, counts
-    # keyed by what it filters: a packed split's index list read for another packing's blocks is other rows
-    kept = dataset.filter(_learnable, batched=True,
-                          new_fingerprint=f"{cache}-packed-{counts.pack_rows}-learnable" if packing
-                          else cache + "-learnable")
+    # keyed by what it filters (cache: the packed blocks' under packing): another packing's index list is other rows
+    kept = dataset.filter(_learnable, batched=True, new_fingerprint=cache + "-learnable")
     if len(kept) == 0:
         raise RecipeError(f"{source.key}: {source.path}: no sample has a token to learn from within data.max_length "
                           f"{data.max_length} (prompts that fill it, empty responses, one-token texts); raise "

@@ -36,6 +36,7 @@ group's first rank only.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -70,6 +71,16 @@ class Sequence:
     # attention was told of: one asked for and never told is a mask the cp attention cannot follow (`sequence`)
     asked: set[int] = field(default_factory=set, compare=False, repr=False)
     told: set[int] = field(default_factory=set, compare=False, repr=False)
+
+    @functools.cached_property
+    def padding(self) -> tuple[bool, int]:
+        """(whether every row's tokens come before its padding, the longest row's tokens), on the host: one sync, at
+        the first layer that asks (ring, which attends without a mask)."""
+        valid = torch.zeros_like(self.key_valid)
+        valid[:, self.key_positions] = self.key_valid
+        padded_before = (valid[:, 1:] & ~valid[:, :-1]).any()
+        before, longest = torch.stack([padded_before.long(), self.key_valid.sum(1).max()]).tolist()
+        return not before, int(longest)
 
 
 _current: Sequence | None = None
@@ -191,10 +202,7 @@ def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         raise RecipeError(f"parallel.cp_method ring attends without dropout, and {type(module).__name__} drops "
                           f"attention weights at {dropout}; set model.dropout 0.0 or {ring.FIX}")
     _refuse_unread(module, kwargs, kernel="the flash kernel")
-    if ("ring", None) not in context.masks:  # once a micro-batch (a host sync), on the host: [padded on the right,
-        #   the longest sample's tokens]
-        context.masks["ring", None] = torch.tensor(ring.batch_facts(context.key_positions, context.key_valid))
-    right_padded, longest = context.masks["ring", None].tolist()
+    right_padded, longest = context.padding
     if not right_padded:
         raise RecipeError(f"parallel.cp_method ring attends without a padding mask, which needs each sample's padding "
                           f"after its tokens; a batch here has padding before them; {ring.FIX}")

@@ -197,14 +197,3 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         query, key, value = (t.to(dtype) for t in (query, key, value))
     return _RingAttention.apply(query, key, value, group, scale)
 
-
-def batch_facts(key_positions: torch.Tensor, key_valid: torch.Tensor) -> tuple[bool, int]:
-    """(whether every row's tokens come before its padding, the longest row's tokens) of a batch whose padding mask
-    is `key_valid` [batch, tokens] in the order of `key_positions` (each key's place in the whole sequence): one
-    host sync."""
-    valid = torch.zeros_like(key_valid)
-    valid[:, key_positions] = key_valid
-    padded_before = (valid[:, 1:] & ~valid[:, :-1]).any()
-    before, longest = torch.stack([padded_before.long(), key_valid.sum(1).max()]).tolist()
-    return not before, int(longest)
-
