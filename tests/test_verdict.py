@@ -203,6 +203,23 @@ def test_cpu_arms_of_one_kind_divide_by_the_best_peak_any_of_them_measured():
     assert measure.mfu(runs["gpu"], 1000, shared_peak=shared.get("gpu"))["peak_used"] == "H100 datasheet bf16 dense"
 
 
+def test_a_shared_cpu_peak_counts_the_arms_shown_apart_from_the_rounding_reference_s_run():
+    """The report shows the arms; compare's own rounding reference (a run named calibration-…) measures a peak too
+    and may hold the best. Counted among the arms, a 2-arm report said "the highest per-rank peak of the 3 arms"."""
+    from toolkit.compare import measure
+    from toolkit.compare.experiment import ROUNDING_ARM
+
+    runs = {"single": _cpu_run(peak=1e9), "ddp": _cpu_run(peak=1.2e9), ROUNDING_ARM: _cpu_run(peak=1.5e9)}
+    shared = measure.shared_cpu_peaks(runs)
+    assert (shared["ddp"]["num_arms"], shared["ddp"]["num_checks"]) == (2, 1)
+    assert shared["ddp"]["arm"] == ROUNDING_ARM
+    line = measure.mfu(runs["ddp"], 100, shared_peak=shared["ddp"])["peak_used"]
+    assert "the highest per-rank peak of the 2 arms and the rounding reference's run that measured so" in line
+    alone = measure.shared_cpu_peaks({"single": _cpu_run(peak=1e9), ROUNDING_ARM: _cpu_run(peak=1.5e9)})
+    line = measure.mfu(runs["single"], 100, shared_peak=alone["single"])["peak_used"]
+    assert "the highest per-rank peak of the 1 arm and the rounding reference's run that measured so" in line
+
+
 def test_the_report_names_each_peak_used_once_in_one_line():
     from toolkit.compare.report_render import flops_note
 

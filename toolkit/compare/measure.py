@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 
+from toolkit.compare.experiment import CALIBRATION_PREFIX
 from toolkit.observe.comm import count_step
 
 # Dense peak FLOP/s per GPU by compute precision (vendor datasheets; SXM parts; fp32 = non-tensor-core)
@@ -105,11 +106,13 @@ def cpu_peak_group(run: dict) -> tuple | None:
 
 def shared_cpu_peaks(runs: dict[str, dict]) -> dict[str, dict]:
     """Per arm, the CPU peak its MFU divides by: of the arms whose peaks are peaks of the same thing
-    (cpu_peak_group), the highest per-rank peak any of them measured, with the arm that measured it ("arm") and
-    how many arms share it ("num_arms"). Each arm measures at its own start, under whatever else the machine runs
-    then: on a loaded machine two arms of one experiment measured 1.8× apart, and divided each by its own, tp at 265
-    tokens/s showed 0.91 % MFU and fsdp-tp2 at 271 (same world, same FLOPs per token) 0.53 %. A peak is an upper
-    bound: the highest measurement is the closest to it, and with one peak arms of one world size rank by MFU as
+    (cpu_peak_group), the highest per-rank peak any of them measured, with the arm that measured it ("arm"), how
+    many of the experiment's arms share it ("num_arms") and how many of its own runs besides them ("num_checks":
+    the rounding reference, a run named with CALIBRATION_PREFIX, which the report does not show as an arm). Each
+    arm measures at its own start, under whatever else the machine runs then: on a loaded machine two arms of one
+    experiment measured 1.8× apart, and divided each by its own, tp at 265 tokens/s showed 0.91 % MFU and fsdp-tp2
+    at 271 (same world, same FLOPs per token) 0.53 %. A peak is an upper bound: the highest measurement is the
+    closest to it, and with one peak arms of one world size rank by MFU as
     they do by tokens/s."""
     groups: dict[tuple, list[str]] = {}
     for name, run in runs.items():
@@ -119,7 +122,9 @@ def shared_cpu_peaks(runs: dict[str, dict]) -> dict[str, dict]:
     shared: dict[str, dict] = {}
     for names in groups.values():
         best = max(names, key=lambda name: runs[name]["cpu_matmul_peak"]["flops_per_s"])
-        shared.update(dict.fromkeys(names, {**runs[best]["cpu_matmul_peak"], "arm": best, "num_arms": len(names)}))
+        checks = sum(name.startswith(CALIBRATION_PREFIX) for name in names)
+        shared.update(dict.fromkeys(names, {**runs[best]["cpu_matmul_peak"], "arm": best,
+                                            "num_arms": len(names) - checks, "num_checks": checks}))
     return shared
 
 
@@ -138,8 +143,11 @@ def peak_flops_per_device(run: dict, *, shared: dict | None = None) -> tuple[flo
     shape = "×".join(map(str, measured.get("shape") or ()))
     source = (f"measured {measured['dtype']} matmuls on each rank at start (best: {shape or 'square'}), "
               f"{measured['threads']} thread(s)/rank, ranks concurrently")
-    if shared and shared["num_arms"] > 1:
-        source += (f"; the highest per-rank peak of the {shared['num_arms']} arms that measured so, "
+    if shared and shared["num_arms"] + shared.get("num_checks", 0) > 1:
+        checks = shared.get("num_checks", 0)
+        arms = f"{shared['num_arms']} arm{'s' if shared['num_arms'] > 1 else ''}"
+        besides = {0: "", 1: " and the rounding reference's run"}.get(checks, f" and {checks} runs of its own")
+        source += (f"; the highest per-rank peak of the {arms}{besides} that measured so, "
                    f"{shared['arm']}'s {shared['flops_per_s'] / 1e9:.2f} GFLOP/s, used for each of them")
     return measured["flops_per_s"], source
 
