@@ -462,6 +462,50 @@ def test_zero3s_host_time_per_call_is_charged_where_the_host_computes():
     assert host_cost(2, host_computes) is None
 
 
+@pytest.mark.parametrize("gpus_per_node", [8, 1])  # the cp pair on NVLink, and on one NIC each
+def test_a_ring_s_passes_hide_behind_the_attention_it_computes_but_each_layer_s_last_gradient_pass(gpus_per_node):
+    """torch's ring (_templated_ring_attention and its backward) starts each pass of keys and values, and of their
+    gradients, before it attends to the block the rank holds, and waits for it after; only the gradient pass after a
+    layer's last block is waited for at once. Before, every pass was charged as exposed, as allgather's are."""
+    import dataclasses
+
+    from toolkit.config.files import load_recipe
+    from toolkit.config.parallel import resolve
+    from toolkit.cost import step_time
+    from toolkit.plan.predict import planned_model
+    from toolkit.plan.scale import work_for_shapes
+
+    length = 32768
+    recipe = resolve(load_recipe(RECIPE, ["strategy.name=fsdp", "strategy.cp_degree=2", "parallel.cp_method=ring",
+                                          f"data.max_length={length}",
+                                          f"model.config.max_position_embeddings={length}"]), world_size=8)
+    model = planned_model(recipe)
+    work = work_for_shapes(recipe, model, world_size=8, rank=0, shapes=None)
+    h100 = hardware.load("h100-sxm")
+    cluster = step_time.Cluster(hardware=h100, num_nodes=8 // gpus_per_node, gpus_per_node=gpus_per_node)
+    costs = {c.what.split(" over ")[0]: c for c in step_time.predict(model, work, cluster).costs}
+    ring = {c.what: c for c in work.collectives if c.what.endswith("to the next rank")}
+    assert len(ring) == 3 and {c.overlap for c in ring.values()} == {"attention", "nothing"}
+    # by hand: the rank's attention, fwd + bwd (12 · layers · hidden · length a token) and the recompute's forward
+    # (activation checkpointing: 4/3), over its half of a data shard's tokens (64 sequences over 4 shards), at the
+    # profile's fitted share of the bf16 peak
+    attention_s = 64 * length / 4 / 2 * 12 * 32 * 4096 * length * 4 / 3 / (h100.peak("bf16") * h100.compute_efficiency)
+    hidden = [costs[f"all-to-all {what}"] for what, c in ring.items() if c.overlap == "attention"]
+    total = sum(c.seconds for c in hidden)
+    first = sum(costs[f"all-to-all {what}"].seconds / c.calls for what, c in ring.items() if c.overlap == "attention")
+    assert sum(c.exposed_s for c in hidden) == pytest.approx(min(total, max(total - attention_s, first)), rel=1e-9)
+    last = costs["all-to-all each layer's last key and value gradients to the next rank"]
+    assert last.exposed_s == last.seconds > 0
+    if gpus_per_node == 8:  # NVLink: every pass but the first of each kind hides
+        assert sum(c.exposed_s for c in hidden) == pytest.approx(first, rel=1e-9) and first < total
+    # where the host's cores also compute (a CPU profile) nothing hides, as before
+    cpu_like = step_time.Cluster(hardware=dataclasses.replace(h100, overlaps_communication=False),
+                                 num_nodes=cluster.num_nodes, gpus_per_node=gpus_per_node)
+    for cost in step_time.predict(model, work, cpu_like).costs:
+        if cost.what.split(" over ")[0].endswith("to the next rank"):
+            assert cost.exposed_s == cost.seconds
+
+
 def test_a_precision_this_machines_accelerator_lacks_is_planned_for_the_cluster_s():
     """fp16 ZeRO-3 on H100s is a plan, although DeepSpeed's CPU accelerator here has no fp16: the accelerator check
     belongs to a run on this machine (train.checks.check_accelerator; test_cli_errors holds `validate` to it), not to

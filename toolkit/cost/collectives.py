@@ -29,9 +29,12 @@ PHASES = ("forward", "backward", "step", "loop")
 #   compute   a sharded layout's parameter gathers and gradient reductions, prefetched one unit ahead through
 #             forward and backward (FSDP2's implicit prefetch, ZeRO-3's prefetch bucket)
 #   backward  gradient buckets reduced while backward goes on (DDP's reducer, ZeRO-1/2's overlap_comm)
+#   attention a ring's passes of keys and values (and their gradients) to the next rank, sent while the rank
+#             attends to the block it holds (torch's _templated_ring_attention starts the next exchange before it
+#             computes the current block and waits for it after)
 #   nothing   on the critical path: activations a next layer waits for (tp, cp, a pipeline's sends), and what
 #             runs after backward (the optimizer's partition gathers, the loop's counts, the clip's norm)
-OVERLAPS = ("compute", "backward", "nothing")
+OVERLAPS = ("compute", "backward", "attention", "nothing")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,6 +14,9 @@ Each rule is written once, here, with its source:
               hidden behind forward and backward compute except the first gather and the last reduction;
     backward  DDP's buckets (Li et al., "PyTorch Distributed", VLDB 2020) and ZeRO-1/2's overlap_comm reduce
               while backward runs: hidden behind backward compute except the last bucket;
+    attention context parallel's ring passes keys and values on while the rank attends to the block it holds
+              (torch's _templated_ring_attention): hidden behind the attention's compute (forward, backward and a
+              recompute's forward), the first pass of each kind as exposed as the first gather above;
     nothing   exposed in full; and so is everything on a profile whose collectives share the compute's cores
               (Hardware.overlaps_communication: calibrate's cpu profile, gloo);
 - pipeline: each rank computes its stages; idle its schedule's bubble (pipeline/schedules.theoretical_bubble);
@@ -116,9 +119,10 @@ def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficienc
     attention_rate = _attention_flops_per_s(hw, work.seq_len)
     if attention_rate is None:
         compute_s = rank_flops / _flops_per_s(hw, work.precision, efficiency)
+        attention_s = attention / _flops_per_s(hw, work.precision, efficiency)
     else:
-        compute_s = (rank_flops - attention) / _flops_per_s(hw, work.precision, efficiency) + \
-            attention / attention_rate
+        attention_s = attention / attention_rate
+        compute_s = (rank_flops - attention) / _flops_per_s(hw, work.precision, efficiency) + attention_s
     forward_s = compute_s * (1 / 3) * (flops.total - flops.recompute) / flops.total
     backward_s = compute_s - forward_s
     costs = [Cost(what="compute", seconds=compute_s, exposed_s=compute_s)]
@@ -130,7 +134,7 @@ def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficienc
         idle = compute_s * work.bubble / (1 - work.bubble)
         costs.append(Cost(what="pipeline bubble", seconds=idle, exposed_s=idle))
     costs += _communication(work.collectives, d, cluster, forward_s=forward_s, backward_s=backward_s,
-                            bus_efficiency=bus_efficiency)
+                            attention_s=attention_s, bus_efficiency=bus_efficiency)
     host_s = sum(c.host_s / c.every for c in work.collectives)
     if host_s and not hw.overlaps_communication:
         costs.append(Cost(what="host time around the collectives", seconds=host_s, exposed_s=host_s))
@@ -212,7 +216,7 @@ def link_bandwidth(hw: Hardware, *, size: int, per_node: int, bus_efficiency: fl
 
 
 def _communication(collectives: list[Collective], degrees: Degrees, cluster: Cluster, *, forward_s: float,
-                   backward_s: float, bus_efficiency: float) -> list[Cost]:
+                   backward_s: float, attention_s: float, bus_efficiency: float) -> list[Cost]:
     hw = cluster.hardware
     timed: list[tuple[Collective, float, str]] = []
     for c in collectives:
@@ -226,10 +230,12 @@ def _communication(collectives: list[Collective], degrees: Degrees, cluster: Clu
         timed.append((c, wire_time_s(c, bandwidth_bytes_per_s=bandwidth, latency_s=latency) / c.every, where))
     costs = []
     # each kind hides behind the compute it runs beside; the two windows share backward's time, since a layout has
-    # one kind or the other (FSDP2 and ZeRO-3 prefetch through both passes; DDP and ZeRO-1/2 reduce in backward)
-    window = {"compute": forward_s + backward_s, "backward": backward_s}
+    # one kind or the other (FSDP2 and ZeRO-3 prefetch through both passes; DDP and ZeRO-1/2 reduce in backward); a
+    # ring's passes hide behind the attention alone, which the gathers' window also holds: both counted there, as
+    # two streams of transfers, each beside the compute
+    window = {"compute": forward_s + backward_s, "backward": backward_s, "attention": attention_s}
     if not hw.overlaps_communication:  # gloo on CPU cores: nothing hides behind compute
-        window = {"compute": 0.0, "backward": 0.0}
+        window = dict.fromkeys(window, 0.0)
     for overlap, hidden_by in window.items():
         group = [(c, s, where) for c, s, where in timed if c.overlap == overlap]
         total = sum(s for _, s, _ in group)

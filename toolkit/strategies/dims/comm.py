@@ -327,7 +327,9 @@ def ring_collectives(model: nn.Module, *, cp: int, tp: int, shapes: Shapes, acti
     """Context parallel, ring method, over `cp` ranks (dims/ring.py): per attention layer and micro-batch, the rank's
     keys and values (one buffer) pass to the next rank cp-1 times in forward (the recompute's forward again), and
     cp-1 times in backward, where the key and value gradients (fp32, torch's accumulation) pass cp times; each pass
-    an all-to-all of the whole buffer (torch's permute)."""
+    an all-to-all of the whole buffer (torch's permute). torch starts each pass before it attends to the block the
+    rank holds and waits for it after (overlap "attention"), except a layer's last gradient pass, which backward
+    waits for as soon as it is sent (_templated_ring_attention_backward: after its loop)."""
     if cp <= 1:
         return []
     config: Any = model.config
@@ -338,9 +340,14 @@ def ring_collectives(model: nn.Module, *, cp: int, tp: int, shapes: Shapes, acti
     forwards = 2 if recompute else 1
     return [Collective(op="all_to_all_single", payload_bytes=(forwards + 1) * (cp - 1) * layers * elements
                        * element_bytes(activation_dtype), calls=(forwards + 1) * (cp - 1) * layers * micro,
-                       group="cp", group_size=cp, phase="forward", what="keys and values to the next rank"),
-            Collective(op="all_to_all_single", payload_bytes=cp * layers * elements * 4, calls=cp * layers * micro,
-                       group="cp", group_size=cp, phase="backward", what="key and value gradients to the next rank")]
+                       group="cp", group_size=cp, phase="forward", what="keys and values to the next rank",
+                       overlap="attention"),
+            Collective(op="all_to_all_single", payload_bytes=(cp - 1) * layers * elements * 4,
+                       calls=(cp - 1) * layers * micro, group="cp", group_size=cp, phase="backward",
+                       what="key and value gradients to the next rank", overlap="attention"),
+            Collective(op="all_to_all_single", payload_bytes=layers * elements * 4, calls=layers * micro,
+                       group="cp", group_size=cp, phase="backward",
+                       what="each layer's last key and value gradients to the next rank")]
 
 
 # parallel.cp_method -> its collectives
