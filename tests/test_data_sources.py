@@ -244,6 +244,53 @@ def test_a_node_without_rank_0_s_filesystem_tokenizes_once_and_the_others_wait_f
     assert dict(rows) == {0: len(ROWS_ALL), 1: len(ROWS_ALL), 2: 0}
 
 
+def _a_node_without_the_data_file(rank: int, recipe_path: str, init: str, caches: str, errors) -> None:
+    """One of 3 gloo ranks as in _two_nodes_without_a_shared_cache; node 1 (ranks 1 and 2) lacks data.train's file;
+    `errors[rank]`: (the line this rank stopped with, seconds after it entered load_split)."""
+    import dataclasses
+    import datetime
+    import os
+    import time
+
+    os.environ["HF_DATASETS_CACHE"] = f"{caches}/node{min(rank, 1)}"
+    import torch.distributed as dist
+
+    from toolkit.errors import RecipeError
+    from toolkit.process import dist as toolkit_dist
+    from toolkit.process.dist import shutdown
+
+    toolkit_dist.RANK_0_WORK_TIMEOUT = datetime.timedelta(seconds=30)  # a rank left waiting fails, not hangs 24 h
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=3, timeout=datetime.timedelta(seconds=2))
+    recipe = load_recipe(recipe_path)
+    data = dataclasses.replace(recipe.data, train=f"{caches}/not-on-node-1.jsonl") if rank else recipe.data
+    start = time.perf_counter()
+    try:
+        load_split("data.train", data=data, task=recipe.model.task, num_labels=2, tokenizer=_tokenizer(),
+                   env=DistEnv(rank=rank, local_rank=[0, 0, 1][rank], world_size=3, device=torch.device("cpu")))
+        errors[rank] = (None, time.perf_counter() - start)
+    except (RecipeError, RuntimeError) as exc:  # RuntimeError: gloo's wait timing out
+        errors[rank] = (str(exc), time.perf_counter() - start)
+    shutdown(completed=False)
+
+
+def test_a_node_without_the_data_file_stops_every_rank_with_its_line(tmp_path, tiny_bert_dir):
+    """The file was looked for on every rank before the stages that pass a node's error on: the node without it
+    stopped at once, and rank 0, done tokenizing, waited for it on the long-timeout group (24 h) with no word of
+    why. Now the node's first rank says it, and every rank stops with that line."""
+    import torch.multiprocessing as mp
+
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_bert_dir, task="sequence-classification",
+                          output_dir=tmp_path / "run", data={"eval": None})
+    errors = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_a_node_without_the_data_file, args=(str(recipe), f"file://{tmp_path / 'store'}",
+                                                  str(tmp_path / "caches"), errors), nprocs=3)
+    missing = f"{tmp_path / 'caches'}/not-on-node-1.jsonl"
+    for rank in range(3):
+        line, seconds = errors[rank]
+        assert line is not None and line.startswith("rank 1: data.train: ") and missing in line, (rank, line)
+        assert seconds < 60, (rank, seconds)
+
+
 def test_tokenizing_says_how_far_it_is_and_a_cached_split_says_nothing(tmp_path, tiny_bert_dir, capsys,
                                                                        monkeypatch):
     """Rank 0 tokenized a large split before the run's first line without a word (300,000 reviews: 30 s here).

@@ -54,10 +54,10 @@ def load_split(key: str, *, data: DataConfig, task: str, num_labels: int, tokeni
     split's labels must be among them); `model_names`: model.path's id2label (see check_rows); `identity`: the
     tokenizer's tokenizer_identity where the caller has it (0.15-0.3 s each for MiniLM's: once per run, not per
     split)."""
-    source = data_source(key, getattr(data, key.split(".")[-1]))
     identity = identity or tokenizer_identity(tokenizer)
 
-    def read() -> Any:
+    def read() -> Any:  # the file found there too: a node without it says so through the stages below
+        source = data_source(key, getattr(data, key.split(".")[-1]))
         return _tokenized(source, data=data, task=task, num_labels=num_labels, tokenizer=tokenizer, names=names,
                           model_names=model_names, identity=identity)
 
@@ -66,6 +66,8 @@ def load_split(key: str, *, data: DataConfig, task: str, num_labels: int, tokeni
             return read(), None
         except RecipeError as exc:
             return None, f"{who}{exc}"
+        except OSError as exc:  # a node's disk: its cache folder read-only or full, a file unreadable there
+            return None, f"{who}{key}: {exc}"
     split: Any = None
     error: str | None = None
     if env.is_main:
