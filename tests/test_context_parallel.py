@@ -229,12 +229,14 @@ def test_ring_takes_torch_s_ring_attention_only_in_the_form_it_calls():
     assert not usable(older)
 
 
-def test_ring_refuses_a_device_without_its_kernel():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ring_refuses_a_device_without_its_kernel(dtype):
+    """Off the CPU and CUDA (an xpu, mps) the line said the device had the kernel for bf16 only, also in bf16."""
     from toolkit.strategies.dims.ring import kernel_for
 
-    with pytest.raises(RecipeError, match=r"^parallel.cp_method ring attends with the flash kernel, which meta has "
-                                          r"for bf16 and fp16 only, not float32: set precision bf16"):
-        kernel_for(torch.zeros(1, device="meta"))
+    with pytest.raises(RecipeError, match=r"^parallel.cp_method ring attends with the flash kernels of the CPU and of "
+                                          r"CUDA, and this run's device is meta; "):
+        kernel_for(torch.zeros(1, device="meta", dtype=dtype))
 
 
 @pytest.mark.parametrize("config, words", [

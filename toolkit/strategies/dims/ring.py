@@ -155,9 +155,11 @@ def kernel_for(query: torch.Tensor) -> Kernel:
             raise RecipeError(f"parallel.cp_method ring attends with CUDA's flash kernel, which takes a head "
                               f"dimension that is a multiple of 8 up to 256; the model's is {dim}; {FIX}")
         return Kernel(name="cuda-flash", expand=True)
-    raise RecipeError(f"parallel.cp_method ring attends with the flash kernel, which {query.device.type} has for "
-                      f"bf16 and fp16 only, not {str(query.dtype).removeprefix('torch.')}: set precision bf16, or "
-                      f"{FIX}")
+    if query.device.type == "cuda":
+        raise RecipeError(f"parallel.cp_method ring attends with CUDA's flash kernel, which takes bf16 and fp16 only, "
+                          f"not {str(query.dtype).removeprefix('torch.')}: set precision bf16, or {FIX}")
+    raise RecipeError(f"parallel.cp_method ring attends with the flash kernels of the CPU and of CUDA, and this run's "
+                      f"device is {query.device.type}; {FIX}")
 
 
 class _RingAttention(torch.autograd.Function):
