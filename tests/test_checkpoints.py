@@ -19,12 +19,16 @@ from conftest import (REPO, exported_weights, launch, losses, metrics, run_cli, 
 from toolkit.errors import RecipeError
 from toolkit.process import faults
 
-SOURCES = {"ddp": 2, "fsdp": 2, "zero2-offload": 2, "zero3": 2, "fsdp-async": 2, "pp": 2, "cp2": 2, "hsdp-tp2": 4}
+SOURCES = {"ddp": 2, "fsdp": 2, "zero2-offload": 2, "zero3": 2, "fsdp-async": 2, "pp": 2, "cp2": 2, "hsdp-tp2": 4,
+           "pp-tp2": 4}
 CROSS = [("zero3", 2, "fsdp", 2), ("fsdp", 2, "ddp", 1), ("ddp", 2, "zero3", 2), ("zero2-offload", 2, "single", 1),
          ("fsdp", 2, "fsdp", 1), ("ddp", 2, "pp", 2), ("pp", 2, "single", 1),
          ("ddp", 2, "tp", 2),  # tp: the split weights and their Adam state are DTensors
          ("cp2", 2, "single", 1), ("fsdp", 2, "cp2", 2),  # cp2: FSDP's shards over the flattened dp_shard × cp mesh
-         ("hsdp-tp2", 4, "single", 1)]  # HSDP × tp: DTensors over a 3-D mesh (dp_replicate, dp_shard, tp)
+         ("hsdp-tp2", 4, "single", 1),  # HSDP × tp: DTensors over a 3-D mesh (dp_replicate, dp_shard, tp)
+         # tensor-parallel pipeline stages: each stage's split weights DTensors over its tp ranks, the rest whole on
+         # each (saved once); read back into one process, and from ddp's whole tensors into the stages' slices
+         ("pp-tp2", 4, "single", 1), ("ddp", 2, "pp-tp2", 4)]
 
 
 def strategy_overrides(name: str) -> tuple[str, ...]:
@@ -40,6 +44,8 @@ def strategy_overrides(name: str) -> tuple[str, ...]:
         return ("parallel.cp=2",)
     if name == "hsdp-tp2":  # 2 replica groups × 2 tp ranks
         return ("parallel.dp_replicate=2", "parallel.tp=2")
+    if name == "pp-tp2":  # 2 stages, each over 2 tp ranks
+        return ("parallel.pp=2", "parallel.tp=2")
     return (f"strategy.name={name}",)
 
 

@@ -39,6 +39,11 @@ ARMS = {
     # averages each stage's gradients itself (before: the replicas differed after step 1)
     "pp-ddp-zbv": (4, ("strategy.name=hybrid", "strategy.pipeline_degree=2", "strategy.schedule=zbv",
                        "strategy.stages_per_rank=2", "batch.grad_accum_steps=2")),
+    # each stage tensor-parallel over 2 ranks (the layout's degrees: pipeline with tp_degree 2), its tied embedding
+    # whole on each tp rank, summed over the first and the last stage's ranks of the same tp position
+    "pp-tp2": (4, ("parallel.pp=2", "parallel.tp=2", "batch.grad_accum_steps=4")),
+    "pp-tp2-interleaved": (4, ("parallel.pp=2", "parallel.tp=2", "strategy.schedule=interleaved-1f1b",
+                               "strategy.stages_per_rank=2", "batch.grad_accum_steps=4")),
 }
 # gradient compression on the stages' ddp replicas (hybrid, 2 stages × 2 replicas): DDP's own hooks, one per stage;
 # they change the maths on purpose, so they are held to other references than single (below)
@@ -65,6 +70,21 @@ def test_split_strategies_match_single_on_a_tied_llama(llama4_runs, arm):
     ranks, overrides = ARMS[arm]
     run = llama4_runs.get(arm, nproc=ranks, overrides=overrides)
     assert_matches_single(run, llama4_runs.get("single"))
+
+
+def test_tensor_parallel_stages_recompute_as_one_process_with_the_collectives_planned(llama4_runs):
+    """Activation checkpointing on tensor-parallel stages: a block's recompute reruns its row-wise exits' all-reduces
+    up to the last tensor it saves (dims/recompute.py, read from each stage's own blocks); the same losses as
+    without it, the single process's training, and the counter's collectives."""
+    from test_activation_checkpointing import AC, assert_same_losses, recorded
+    from test_comm_prediction import assert_predicted
+
+    ranks, overrides = ARMS["pp-tp2"]
+    run = llama4_runs.get("pp-tp2-ac", nproc=ranks, overrides=(*overrides, *AC))
+    assert_matches_single(run, llama4_runs.get("single"))
+    assert_same_losses(run, llama4_runs.get("pp-tp2", nproc=ranks, overrides=overrides))
+    assert recorded(run)["recompute"] == "full"
+    assert_predicted(run)
 
 
 # other families than the Llama, cut by what each model declares (toolkit.model.stages): GPT-2 with learned
@@ -229,6 +249,10 @@ def test_replica_check_compares_the_tied_embeddings_two_stage_copies(llama4_runs
     assert said("pp-ddp") == "every 1 step(s): 2 replicas of each stage (DDP), 28 tensors; " + \
         tied.format("each pipeline's")
     assert said("pp-fsdp") == "every 1 step(s): " + tied.format("each pipeline's")  # shards: tied copies only
+    # tensor-parallel stages: what tp keeps whole (rank 0: the embedding and blocks 0-2's two norms each) over the
+    # stage's tp ranks, and the tied copies over the first and last stage's ranks of the same tp position
+    assert said("pp-tp2") == "every 1 step(s): 2 tensor-parallel ranks of each stage hold its embeddings, norms " \
+        "and head in full, 7 tensors; " + tied.format("the")
 
 
 @pytest.mark.parametrize("arm", MINILM_ARMS)
@@ -361,6 +385,16 @@ BAD = {
                                   "strategy.blocks=[LlamaMLP]"), "set it to [LlamaDecoderLayer]"),
     "device that does not exist": (1, ("strategy.name=model_parallel", "strategy.devices=[cuda:0,cuda:1]"),
                                    "strategy.devices: cuda:0 does not exist"),
+    # tensor-parallel stages: what tp refuses, and the schedules not tested with them
+    "tp stages under a split backward": (4, ("strategy.name=pipeline", "strategy.tp_degree=2",
+                                             "strategy.schedule=zbv", "strategy.stages_per_rank=2"),
+                                         "strategy.schedule zbv with tensor-parallel stages is not tested yet"),
+    "tp stages of heads the degree does not divide": (
+        6, ("strategy.name=pipeline", "strategy.tp_degree=3"),
+        "the model's attention heads (num_attention_heads = 4) are not divisible by the tensor-parallel degree 3"),
+    "tp stages with one stage": (2, ("strategy.name=pipeline", "strategy.tp_degree=2"),
+                                 "a pipeline needs at least 2 ranks, one per stage, but the world size is 2 with "
+                                 "tp_degree 2"),
 }
 
 

@@ -38,6 +38,7 @@ def recipe(parallel=None, model="/m", **strategy):
     ({"dp_shard": 2, "cp": 2}, 4, "fsdp", {"cp_degree": 2}),
     ({"cp": 2}, 4, "fsdp", {"cp_degree": 2}),  # dp_shard takes the other 2
     ({"cp": 2, "tp": 2}, 4, "fsdp", {"cp_degree": 2, "tp_degree": 2}),
+    ({"pp": 2, "tp": 2}, 4, "pipeline", {"tp_degree": 2}),  # each stage tensor-parallel
 ])
 def test_degrees_resolve_to_the_preset_that_runs_them(parallel, world_size, name, options, tiny_llama_dir):
     resolved = resolve(recipe(parallel, model=tiny_llama_dir), world_size=world_size)
@@ -52,6 +53,7 @@ def test_degrees_resolve_to_the_preset_that_runs_them(parallel, world_size, name
 @pytest.mark.parametrize("name, options, world_size", [
     ("single", {}, 1), ("ddp", {}, 2), ("fsdp", {}, 2), ("fsdp", {"replicate_degree": 2}, 4),
     ("fsdp", {"tp_degree": 2}, 4), ("tp", {}, 2), ("pipeline", {}, 2), ("fsdp", {"cp_degree": 2}, 4),
+    ("pipeline", {"tp_degree": 2}, 4),
     ("hybrid", {"pipeline_degree": 2, "data_parallel": "ddp"}, 4),
     ("hybrid", {"pipeline_degree": 2, "data_parallel": "fsdp"}, 4),
 ])
@@ -65,7 +67,8 @@ def test_every_preset_is_its_degrees(name, options, world_size):
 
 
 @pytest.mark.parametrize("parallel, strategy, world_size, words", [
-    ({"tp": 2, "pp": 2}, {}, 4, "parallel: pp × tp together is not tested yet"),
+    ({"cp": 2, "pp": 2}, {}, 4, "parallel: pp × cp together is not tested yet"),
+    ({"tp": 2, "pp": 2}, {}, 8, "parallel: pp × dp_shard × tp together is not tested yet"),
     ({"pp": 2, "dp_replicate": 2, "tp": 2}, {}, 8, "parallel: pp × dp_replicate × tp together is not tested yet"),
     ({"dp_shard": 3}, {}, 4, "parallel: dp_shard 3 = 3 ranks, but the run has 4; make the product 4"),
     ({"tp": 3}, {}, 4, "parallel: tp 3 = 3 does not divide the 4 ranks"),
@@ -83,12 +86,12 @@ def test_an_untested_pair_exits_2_with_one_line(tmp_path, tiny_llama_dir):
     from conftest import write_recipe
 
     path = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out")
-    done = run_cli("validate", str(path), "--nproc", "4", "--set", "parallel.tp=2", "--set", "parallel.pp=2")
+    done = run_cli("validate", str(path), "--nproc", "4", "--set", "parallel.cp=2", "--set", "parallel.pp=2")
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "toolkit: error: parallel: pp × tp together is not tested yet (tested: dp_replicate × dp_shard; "
+        "toolkit: error: parallel: pp × cp together is not tested yet (tested: dp_replicate × dp_shard; "
         "dp_shard × tp; dp_replicate × tp; dp_replicate × dp_shard × tp; dp_shard × cp; cp × tp; dp_replicate × cp; "
-        "dp_replicate × dp_shard × cp; pp × dp_replicate; pp × dp_shard); drop one of them"]
+        "dp_replicate × dp_shard × cp; pp × tp; pp × dp_replicate; pp × dp_shard); drop one of them"]
     assert not (tmp_path / "out").exists()
     done = run_cli("validate", str(path), "--nproc", "2", "--set", "parallel.dp_shard=2")
     assert done.returncode == 0 and "# parallel: fsdp (dp_shard 2)" in done.stdout.splitlines()

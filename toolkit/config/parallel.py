@@ -74,6 +74,8 @@ PRESETS: dict[frozenset[str], tuple[str, Any]] = {
     frozenset({"dp_replicate", "dp_shard", "cp"}): ("fsdp", lambda d: {"replicate_degree": d.dp_replicate,
                                                                          "cp_degree": d.cp}),
     frozenset({"pp"}): ("pipeline", lambda d: {}),
+    # each stage tensor-parallel: its blocks' attention heads and MLP columns split over the stage's tp ranks
+    frozenset({"pp", "tp"}): ("pipeline", lambda d: {"tp_degree": d.tp}),
     frozenset({"pp", "dp_replicate"}): ("hybrid", lambda d: {"pipeline_degree": d.pp, "data_parallel": "ddp"}),
     frozenset({"pp", "dp_shard"}): ("hybrid", lambda d: {"pipeline_degree": d.pp, "data_parallel": "fsdp"}),
 }

@@ -59,7 +59,8 @@ class StrategyConfig:
     tp_degree: int | None = None  # fsdp: >1 = tensor parallel inside groups of this many ranks, FSDP across the
     #   groups (a 2-D mesh dp × tp; HSDP across them with replicate_degree); tp: every rank (leave unset). Less
     #   memory per rank than fsdp alone for big layers, but an activation all-reduce per attention and MLP block:
-    #   keep a group inside one node (hf_native: transformers' tp_size)
+    #   keep a group inside one node (hf_native: transformers' tp_size; pipeline: each stage over this many ranks,
+    #   world / tp_degree stages)
     cp_degree: int | None = None  # fsdp: > 1 = context parallel, each sequence split over groups of this many
     #   neighbouring ranks, FSDP over all of them (torchtitan's dp_shard × cp; with replicate_degree, over those of
     #   each replica group); parallel.cp_method says how

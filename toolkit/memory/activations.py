@@ -90,19 +90,26 @@ def traced_activations(model: nn.Module, recipe: Recipe, *, params_dtype: torch.
 
 
 def traced_stage(model: nn.Module, recipe: Recipe, *, blocks: int, first: bool, last: bool,
-                 params_dtype: torch.dtype, autocast_dtype: torch.dtype | None, checkpointing: bool | str) -> Traced:
+                 params_dtype: torch.dtype, autocast_dtype: torch.dtype | None, checkpointing: bool | str,
+                 tp_degree: int = 1) -> Traced:
     """One micro-batch through a pipeline stage of `blocks` blocks (toolkit.model.stages.Stage: the
     embeddings when `first`, the head and the loss when `last`), traced like `traced_activations`. A stage's
     input (the activations it receives) and, unless last, the gradient of its output are the pipeline's
-    receive buffers, made before the trace and not counted. Traced with one block and two, extrapolated."""
+    receive buffers, made before the trace and not counted. Traced with one block and two, extrapolated.
+    `tp_degree` > 1: as one tensor-parallel rank of the stage computes it (its split layers 1/N wide)."""
     how = _how(model, params_dtype=params_dtype, autocast_dtype=autocast_dtype, checkpointing=checkpointing)
 
     def trace() -> dict:
-        stack = layer_stack(model, guess=True)
-        return dataclasses.asdict(_over_blocks(model, recipe, stack, blocks, stage=(first, last), **how))
+        from toolkit.memory.tp_rank import local_model
+
+        local = local_model(model, tp_degree, loss_parallel=False, sequence_parallel=False) \
+            if tp_degree > 1 else model
+        stack = layer_stack(local, guess=True)
+        return dataclasses.asdict(_over_blocks(local, recipe, stack, blocks, stage=(first, last), **how))
 
     fields = tuple(f.name for f in dataclasses.fields(Traced))
-    return Traced(**_cached(model, recipe, how, ["stage", blocks, first, last], fields, trace))
+    key = ["stage", blocks, first, last, *(["tp", tp_degree] if tp_degree > 1 else [])]
+    return Traced(**_cached(model, recipe, how, key, fields, trace))
 
 
 def _how(model: nn.Module, *, params_dtype: torch.dtype, autocast_dtype: torch.dtype | None,

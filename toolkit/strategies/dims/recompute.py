@@ -65,7 +65,7 @@ def _recomputed(model: nn.Module, names: tuple[str, ...]) -> set[str]:
     try:
         model.train()
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            model(input_ids=torch.zeros(1, 8, dtype=torch.long, device=device))
+            _forward(model, device)
     except Exception:  # noqa: BLE001 - a forward the meta device cannot run (one that reads values, or needs
         # other inputs): every layer of a block counted as run again, at most what the recompute issues
         return {name for name in names if id(modules[name]) in block_of}
@@ -80,3 +80,22 @@ def _recomputed(model: nn.Module, names: tuple[str, ...]) -> set[str]:
         if block is not None and name in at_output and at_output[name] < at_end.get(id(block), 0):
             again.add(name)
     return again
+
+
+def _forward(model: nn.Module, device: torch.device) -> None:
+    """One 8-token sample through `model`: a whole model from its ids; a pipeline stage (toolkit.model.stages.Stage)
+    from what it receives, ids on the first stage, hidden states on the others."""
+    from toolkit.model.stages import Stage
+
+    ids = torch.zeros(1, 8, dtype=torch.long, device=device)
+    if not isinstance(model, Stage):
+        model(input_ids=ids)
+        return
+    hidden = ids if model.first else torch.zeros(1, 8, model.config.hidden_size, device=device, requires_grad=True)
+    # no mask, and the model's own cache setting: without either transformers reads values (a mask's, or the
+    # positions' to find packed samples), which the meta device has none of; as the whole model is traced above
+    options, model.options = model.options, {}
+    try:
+        model(hidden, None)
+    finally:
+        model.options = options

@@ -7,6 +7,8 @@ collective counter on CPU and held to it byte for byte (tests/test_comm_predicti
   over the two ranks holding them (V-shaped schedules hold both on one rank and add them there);
 - the clip's sum of squares over the stages, one fp32 number (strategy._sync_and_clip); in fp16 the scaler's
   found-inf over every rank (dims/comm.fp16_scaler_collectives);
+- tensor-parallel stages: each stage's split layers' activations over its tp ranks, as tp's (dims/comm.tp_collectives,
+  the stage's blocks only), and the clip's sum over every rank;
 - with replicas, the step's padded length: one int64, its maximum over the replicas (strategy._run);
 - the stages' data-parallel replicas: DDP's all-reduce of the stage's gradients, with find_unused_parameters'
   used-map (4 bytes a parameter) beside it, or what strategy.gradient_compression's hook sends instead of the
@@ -32,7 +34,7 @@ from toolkit.memory.state_bytes import element_bytes
 from toolkit.model.precision import DTYPES
 from toolkit.model.stages import Stage
 from toolkit.model.tied import tied_aliases
-from toolkit.strategies.dims.comm import fp16_scaler_collectives, fsdp_collectives, fsdp_units
+from toolkit.strategies.dims.comm import fp16_scaler_collectives, fsdp_collectives, fsdp_units, tp_collectives
 from toolkit.strategies.dims.compression import WIRE_DTYPES, compression_collectives
 from toolkit.strategies.dims.parallelize import DdpWrap
 from toolkit.strategies.pipeline.batches import padded_length
@@ -78,9 +80,16 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
                                       what="the tied embedding's copies evened after the sync", every=local.every))
     if recipe.precision == "fp16":  # its ShardedGradScaler over every rank (strategy.py)
         out += fp16_scaler_collectives(world_size=world_size, dtensors=grid.sharded and grid.dp > 1)
+    if grid.tp > 1:  # each stage's split layers: their activations (and the partial gradients) over its tp ranks,
+        padded = [(recipe.batch.micro_batch_size, length)] * micro  # every micro-batch padded, as sent (above)
+        for stage in stages:
+            out += tp_collectives(stage, tp=grid.tp, shapes=padded, activation_dtype=DTYPES[recipe.precision],
+                                  sequence_parallel=False, recompute=recipe.train.recompute != "none",
+                                  stream_dtype=stored)
     if recipe.optim.max_grad_norm is not None:
-        out.append(Collective(op="allreduce_", payload_bytes=4, calls=1, group="world" if grid.sharded else "pp",
-                              group_size=world_size if grid.sharded else grid.pp, phase="step",
+        everyone = grid.sharded or grid.tp > 1  # the split weights' squares too (tested without replicas)
+        out.append(Collective(op="allreduce_", payload_bytes=4, calls=1, group="world" if everyone else "pp",
+                              group_size=world_size if everyone else grid.pp, phase="step",
                               what="the clip's sum of squares"))
     if synced:  # the drift's sums added up over the stages
         out.append(Collective(op="allreduce_", payload_bytes=16, calls=1, group="pp", group_size=grid.pp,

@@ -30,12 +30,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Grid:
-    """The (pp × dp) rank grid: rank = pp_rank · dp + dp_rank (a replica's stages are dp ranks apart)."""
+    """The (pp × dp × tp) rank grid, tp innermost as in the one layout: rank = (pp_rank · dp + dp_rank) · tp +
+    tp_rank (a stage's tensor-parallel ranks are neighbours, a replica's stages dp · tp ranks apart)."""
 
     pp: int
     dp: int
     sharded: bool = False  # a stage's dp replicas shard it (FSDP2, the layout's dp_shard) or hold it whole (DDP)
     schedule: str = "1f1b"  # a V-shaped one places the stages otherwise (schedules.stage_ids)
+    tp: int = 1  # each stage's attention heads and MLP columns split over tp ranks (strategy.tp_degree)
 
     @property
     def dp_dim(self) -> str:
@@ -54,10 +56,14 @@ class Grid:
         return self.schedule in SPLIT_BACKWARD
 
     def coords(self, rank: int) -> tuple[int, int]:
-        return divmod(rank, self.dp)
+        """(pp_rank, dp_rank) of a global rank: the stage it runs and the replica it is part of."""
+        return divmod(rank // self.tp, self.dp)
 
-    def rank(self, pp_rank: int, dp_rank: int) -> int:
-        return pp_rank * self.dp + dp_rank
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp
+
+    def rank(self, pp_rank: int, dp_rank: int, tp_rank: int = 0) -> int:
+        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
 
     def stage_ids(self, pp_rank: int, stages_per_rank: int) -> list[int]:
         """The stages a pipeline rank runs: its own and, looped, every pp-th after it; V-shaped, its mirror."""
@@ -68,7 +74,7 @@ class Grid:
         (with replicas, 'ranks 0-1: ...': a pipeline rank's dp replicas are consecutive ranks)."""
         out = []
         for pp_rank in range(self.pp):
-            first, last = self.rank(pp_rank, 0), self.rank(pp_rank, self.dp - 1)
+            first, last = self.rank(pp_rank, 0), self.rank(pp_rank, self.dp - 1, self.tp - 1)
             ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
             stages = "; ".join(f"stage {s}: blocks {blocks_of(block_parts, s)}"
                                for s in self.stage_ids(pp_rank, stages_per_rank))
@@ -103,20 +109,25 @@ def check_levers(recipe: Recipe, grid: Grid) -> None:
 
 def grid_of(recipe: Recipe, world_size: int) -> Grid:
     """The rank grid of a pipeline, from the options of the preset that runs it (the only place that reads them):
-    strategy.pipeline_degree stages (unset: every rank is one) × replicas by strategy.data_parallel."""
+    strategy.pipeline_degree stages (unset: every rank, or every group of strategy.tp_degree ranks, is one) ×
+    replicas by strategy.data_parallel, each stage tensor-parallel over strategy.tp_degree ranks."""
     degree = recipe.strategy.pipeline_degree  # unset: every rank is a stage (strategy pipeline)
     if degree is not None and degree < 2:  # 0 once meant "every rank" without a word
         raise RecipeError(f"strategy.pipeline_degree must be >= 2 (pipeline stages), got {degree}; leave it unset "
                           "for a model split over strategy.devices inside each process")
-    pp = world_size if degree is None else degree
+    tp = recipe.strategy.tp_degree or 1
+    if tp < 1 or world_size % tp:
+        raise RecipeError(f"strategy.tp_degree {tp} does not divide the {world_size} ranks; use a degree that "
+                          "divides them")
+    pp = world_size // tp if degree is None else degree
     if pp < 2:
-        raise RecipeError(f"a pipeline needs at least 2 ranks, one per stage, but the world size is {world_size}; "
-                          f"use {ranks_option(2)} or more")
-    if world_size % pp:
-        raise RecipeError(f"world size {world_size} is not divisible by strategy.pipeline_degree {pp}; use a "
-                          "multiple of it")
-    return Grid(pp=pp, dp=world_size // pp, sharded=recipe.strategy.data_parallel == "fsdp",
-                schedule=recipe.strategy.schedule)
+        raise RecipeError(f"a pipeline needs at least 2 ranks, one per stage, but the world size is {world_size}"
+                          f"{f' with tp_degree {tp}' if tp > 1 else ''}; use {ranks_option(2 * tp)} or more")
+    if world_size % (pp * tp):
+        raise RecipeError(f"world size {world_size} is not divisible by strategy.pipeline_degree {pp}"
+                          f"{f' × tp_degree {tp}' if tp > 1 else ''}; use a multiple of it")
+    return Grid(pp=pp, dp=world_size // (pp * tp), sharded=recipe.strategy.data_parallel == "fsdp",
+                schedule=recipe.strategy.schedule, tp=tp)
 
 
 def stage_of_blocks(model: nn.Module, recipe: Recipe, grid: Grid) -> tuple[list[int], int]:
@@ -180,6 +191,18 @@ def uncount_shape_inference(stage: PipelineStage) -> None:
         setattr(stage, SHAPE_INFERENCE[0], outside_ddp)
 
 
+def check_tensor_parallel(recipe: Recipe, grid: Grid) -> None:
+    """Stages split over tp ranks: the model's plan, and the degree dividing what it splits (tp_plan.check_recipe);
+    tested with the schedules that run a backward whole. (Without replicas: hybrid, which has them, takes no
+    tp_degree, and parallel's pp × dp × tp is refused as untested.)"""
+    from toolkit.model import tp_plan
+
+    if grid.split_backward:
+        raise RecipeError(f"strategy.schedule {grid.schedule} with tensor-parallel stages is not tested yet; use "
+                          "schedule 1f1b, gpipe or interleaved-1f1b")
+    tp_plan.check_recipe(recipe, degree=grid.tp)
+
+
 def check_stage_blocks(skeleton: nn.Module, names: tuple[str, ...] | None) -> None:
     """strategy.blocks under a pipeline may only name the blocks of the model's layer stack: a stage holds a run
     of them (stages.Stage cuts its block list), so other modules (LlamaRMSNorm, LlamaMLP) were counted as blocks by
@@ -222,6 +245,8 @@ def check_recipe(recipe: Recipe, *, world_size: int) -> None:
         raise RecipeError(f"strategy.data_parallel: unknown value {options.data_parallel!r}; choose ddp or fsdp")
     grid = grid_of(recipe, world_size)
     check_levers(recipe, grid)
+    if grid.tp > 1:
+        check_tensor_parallel(recipe, grid)
     stages = grid.pp * options.stages_per_rank
     skeleton = meta_model(recipe.model)
     check_stage_blocks(skeleton, options.blocks)

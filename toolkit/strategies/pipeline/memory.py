@@ -25,7 +25,8 @@ from torch import nn
 
 from toolkit.config.recipe import Recipe, plan_batch
 from toolkit.memory.activations import Traced, traced_stage
-from toolkit.memory.state_bytes import StateBytes, adam_state, dim0_shard, element_bytes, whole
+from toolkit.memory.state_bytes import StateBytes, adam_state, dim0_shard, element_bytes, of_shapes, whole
+from toolkit.model import tp_plan
 from toolkit.model.precision import DTYPES
 from toolkit.strategies.dims.compression import powersgd_state_bytes
 from toolkit.strategies.dims.levers import compression_of, local_sgd_of
@@ -47,7 +48,9 @@ def state_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: int) -
     for pp_rank in range(grid.pp):
         total = StateBytes(params_bytes=0, grads_bytes=0, optim_bytes=0)
         for stage in rank_stages(model, recipe, grid, pp_rank):
-            total += adam_state(stage.named_parameters(), dtype=dtype, local=local)
+            # tensor-parallel stages: a tp rank's slices of the split layers, the rest whole (tp_plan)
+            held = of_shapes(tp_plan.local_shapes(stage, grid.tp)) if grid.tp > 1 else local
+            total += adam_state(stage.named_parameters(), dtype=dtype, local=held)
             if compression is not None:
                 kept = powersgd_state_bytes(stage.parameters(), compression, dtype=dtype,
                                             steps=recipe.train.max_steps)
@@ -73,7 +76,7 @@ def activation_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: i
     for pp_rank in range(grid.pp):
         stage_ids = grid.stage_ids(pp_rank, options.stages_per_rank)
         traces = {s: traced_stage(model, recipe, blocks=parts.count(s), first=s == 0, last=s == num_stages - 1,
-                                  **how) for s in stage_ids}
+                                  tp_degree=grid.tp, **how) for s in stage_ids}
         buffers = sum(micro_batches * buffer * ((s != 0) + (s != num_stages - 1)) for s in stage_ids)
         actions = schedule_actions(options.schedule, rank=pp_rank, pp=grid.pp,
                                    stages_per_rank=options.stages_per_rank, micro_batches=micro_batches)

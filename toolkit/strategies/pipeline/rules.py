@@ -28,6 +28,7 @@ class PipelineOptions:
     stages_per_rank: int
     split: tuple[int, ...] | None
     blocks: tuple[str, ...] | None
+    tp_degree: int | None  # each stage's blocks tensor-parallel over this many ranks (parallel.tp)
 
 
 OPTIONS = PipelineOptions  # the registry reads it by this name
@@ -36,7 +37,8 @@ OPTIONS = PipelineOptions  # the registry reads it by this name
 INFO = StrategyInfo(
     name="pipeline", averages_gradients=True, lora=False, options=option_names(PipelineOptions), tied_gradients=0,
     summary="one stage of consecutive blocks per rank, micro-batches pipelined (torch.distributed.pipelining); "
-            "1/N of the model per rank, an idle bubble of (N-1)/(m+N-1)",
+            "1/N of the model per rank, an idle bubble of (N-1)/(m+N-1); with tp_degree, each stage tensor-parallel "
+            "over that many ranks",
     arms={"pp-gpipe": ("strategy.name=pipeline", "strategy.schedule=gpipe"),
           "pp-1f1b": ("strategy.name=pipeline", "strategy.schedule=1f1b"),
           "pp-interleaved": ("strategy.name=pipeline", "strategy.schedule=interleaved-1f1b",
@@ -44,7 +46,9 @@ INFO = StrategyInfo(
           "pp-interleaved-zb": ("strategy.name=pipeline", "strategy.schedule=interleaved-zb",
                                 "strategy.stages_per_rank=2"),
           "pp-zbv": ("strategy.name=pipeline", "strategy.schedule=zbv", "strategy.stages_per_rank=2"),
-          "pp-dualpipev": ("strategy.name=pipeline", "strategy.schedule=dualpipev", "strategy.stages_per_rank=2")})
+          "pp-dualpipev": ("strategy.name=pipeline", "strategy.schedule=dualpipev", "strategy.stages_per_rank=2"),
+          # each stage tensor-parallel over 2 ranks: --nproc 4 or more
+          "pp-tp2": ("strategy.name=pipeline", "strategy.tp_degree=2")})
 
 
 class PipelineRules:

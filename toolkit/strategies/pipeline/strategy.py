@@ -38,6 +38,7 @@ from toolkit.checkpoint.state import Read, load_part_weights
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe
 from toolkit.config.strategy_options import options_of
+from toolkit.model import tp_plan as tensor_parallel
 from toolkit.model.precision import Amp, StepResult, dtype_name
 from toolkit.model.blocks import layer_stack
 from toolkit.model.stages import Stage, layout_of, tied_embedding_names
@@ -80,9 +81,13 @@ class PipelineStrategy:
         env, options, self.recipe = args.env, options_of(PipelineOptions, args.recipe), args.recipe
         self.env, self.grid = env, grid_of(args.recipe, env.world_size)
         self.pp_rank, self.dp_rank = self.grid.coords(env.rank)
-        # the stages' replicas: DDP's over dp_replicate, FSDP's over dp_shard (pp outermost, as in the one layout)
+        self.tp_rank = self.grid.tp_rank(env.rank)
+        # the stages' replicas: DDP's over dp_replicate, FSDP's over dp_shard (pp outermost, tp innermost, as in the
+        # one layout)
         self.dp_dim = self.grid.dp_dim
-        self.mesh = world_mesh(env, Degrees(pp=self.grid.pp, **{self.dp_dim: self.grid.dp}), keep=("pp", self.dp_dim))
+        self.mesh = world_mesh(env, Degrees(pp=self.grid.pp, tp=self.grid.tp, **{self.dp_dim: self.grid.dp}),
+                               keep=("pp", self.dp_dim))
+        self.partial: list[nn.Parameter] = []  # the stages' modules each tp rank computes in part (tp_plan)
         layout_of(model, options.blocks)  # a RecipeError for a model that does not show how to cut it
         parts, num_stages = stage_of_blocks(model, args.recipe, self.grid)
         self.parts, self.num_stages = parts, num_stages
@@ -171,6 +176,8 @@ class PipelineStrategy:
             # check; with this flag DDP does not rebuild its buckets
             wrap = DdpWrap(find_unused_parameters=True)
         module = parallelize(stage, mesh=self.mesh, env=self.env, units=list(stage.blocks()), data_parallel=wrap)
+        if self.grid.tp > 1:
+            self.partial += tensor_parallel.partial_gradient_params(stage)
         if isinstance(wrap, DdpWrap) and self.compression.on:  # checked: ddp replicas, DDP's own hooks reduce them
             hook = compression.register(module, self.compression,
                                         names={id(p): n for n, p in stage.named_parameters()})
@@ -185,10 +192,11 @@ class PipelineStrategy:
             return None
         mine = None
         for dp_rank in range(self.grid.dp):
-            ranks = sorted({self.grid.rank(0, dp_rank), self.grid.rank(self.grid.pp - 1, dp_rank)})
-            group = dist.new_group(ranks)
-            if self.env.rank in ranks:
-                mine = group
+            for tp_rank in range(self.grid.tp):  # tensor parallel keeps embeddings and head whole on each tp rank
+                ranks = sorted({self.grid.rank(pp_rank, dp_rank, tp_rank) for pp_rank in (0, self.grid.pp - 1)})
+                group = dist.new_group(ranks)
+                if self.env.rank in ranks:
+                    mine = group
         return mine
 
     # --- the step -------------------------------------------------------------------------------
@@ -274,7 +282,10 @@ class PipelineStrategy:
         self._run(micro_batches, train=True)
         if self.grid.dp > 1 and not self.grid.sharded and self.grid.split_backward and self.local is None:
             self._average_replicas()
-        return self._recorded(len(micro_batches))
+        if self.grid.tp > 1:
+            tensor_parallel.sum_partial_gradients(self.partial, self.mesh.get_group("tp"), device=self.env.device)
+        # a stage's tp ranks compute the same loss: its first reports it
+        return tensor_parallel.first_of_group(self._recorded(len(micro_batches)), tp_rank=self.tp_rank)
 
     def _average_replicas(self) -> None:
         """The mean of each stage's gradients over its replicas, one all-reduce per stage, where DDP cannot take
@@ -306,7 +317,7 @@ class PipelineStrategy:
         group = micro_batches + [filler(micro_batches[0]) for _ in range(fillers)]
         self._loss_sum, self._share, self._sums = loss_sum, None, []
         self._run(group, train=False)
-        if not any(s.last for s in self.stage_modules):
+        if not any(s.last for s in self.stage_modules) or self.tp_rank:  # a last stage's first tp rank reports it
             return torch.zeros((), dtype=torch.float64), 0
         return self._recorded(len(group)), sum(int(b["num_items"]) for b in micro_batches)
 
@@ -336,12 +347,15 @@ class PipelineStrategy:
         (each tensor counted once: the tied copy on the last stage is left out of the norm), as
         clip_grad_norm_ does on one process: coefficient max_norm / (norm + 1e-6), at most 1."""
         duplicate = self._sync_tied()
-        local = [_local(p.grad) for p in params if p.grad is not None and p is not duplicate]
+        # a stage's tp ranks hold shards of the split weights and the same whole rest: the rest counted once
+        local = [_local(p.grad) for p in params if p.grad is not None and p is not duplicate
+                 and (self.tp_rank == 0 or _split(p.grad))]
         squares = torch.zeros((), dtype=torch.float32, device=self.env.device)
         if local:
             squares = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in local])) ** 2
-        # stages hold different tensors; fsdp shards them further over dp, ddp replicas hold the same
-        group = None if self.grid.sharded else self.mesh.get_group("pp")
+        # stages hold different tensors; fsdp shards them further over dp, ddp replicas hold the same; tp ranks
+        # (tested without replicas) shards of the split ones
+        group = None if self.grid.sharded or self.grid.tp > 1 else self.mesh.get_group("pp")
         dist.all_reduce(squares, group=group)
         total = squares.sqrt()
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -387,6 +401,12 @@ class PipelineStrategy:
             found.append(Replicas(named=named, group=self.mesh.get_group(self.dp_dim),
                                   description=f"{self.grid.dp} replicas of each stage ({how})",
                                   synced=(lambda: local.synced) if local is not None else None))
+        if self.grid.tp > 1:  # what tensor parallel keeps whole: the same on each of a stage's tp ranks
+            whole: list[tuple[str, torch.Tensor]] = [(n, p) for s in self.stage_modules for n, p in s.named_parameters()
+                                                     if not isinstance(p, DTensor)]
+            found.append(Replicas(named=whole, group=self.mesh.get_group("tp"),
+                                  description=f"{self.grid.tp} tensor-parallel ranks of each stage hold its "
+                                              "embeddings, norms and head in full"))
         copies = [w for w in (s.tied_weight() for s in self.stage_modules) if w is not None]
         if self.tied is not None and self.tied_group is not None:
             assert len(copies) == 1  # the first and the last stage are on different pipeline ranks
@@ -422,9 +442,9 @@ class PipelineStrategy:
                 # every dp rank gathers the stage (cpu_offload=True would keep it on global rank 0 only)
                 options = StateDictOptions(full_state_dict=True)  # collective over dp
                 state = cast(dict[str, torch.Tensor], get_model_state_dict(wrapped, options=options))
-            else:
-                state = stage.state_dict()
-            if self.dp_rank == 0:
+            else:  # tensor-parallel stages: the split weights gathered over the stage's tp ranks (collective)
+                state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in stage.state_dict().items()}
+            if self.dp_rank == 0 and self.tp_rank == 0:
                 mine.update({k: v.detach() for k, v in state.items()})
         return tensors_on_main(mine, self.env)  # a tied weight: the first stage's copy (rank 0's)
 
@@ -451,11 +471,17 @@ class PipelineStrategy:
                               f"{', ' + self.compression.describe() if self.compression.on else ''})"
                               if self.grid.dp > 1 and self.local is None else reduce,
             **self.optim.audit(before_state=stored, scaler="ShardedGradScaler over all stages"),
+            **({"tensor_parallel": tensor_parallel.activation_reduction(sequence_parallel=False, dtype=compute,
+                                                                        stream=dtype_name(stored))}
+               if self.grid.tp > 1 else {}),
         }
 
     def _layout(self) -> str:
         options = options_of(PipelineOptions, self.recipe)
         replicas = f" × {self.grid.dp} replicas ({self.grid.dp_kind})" if self.grid.dp > 1 else ""
+        if self.grid.tp > 1:
+            replicas += (f" × {self.grid.tp} tensor-parallel ranks each (attention heads and MLP columns split; "
+                         "embeddings, norms and head whole)")
         return (f"{self.num_stages} stages over {self.grid.pp} ranks{replicas}, schedule {options.schedule} with "
                 f"{self.micro_batches} micro-batches; {self.grid.stages_by_rank(self.parts, options.stages_per_rank)}"
                 f"; weights: {self.loading}")
@@ -527,11 +553,18 @@ class PipelineStrategy:
 
     def close(self) -> None:
         del self._schedules, self._model, self.stage_modules, self.optim
-        del self.mesh, self.tied_group
+        del self.mesh, self.tied_group, self.partial
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _split(tensor: torch.Tensor) -> bool:
+    """A DTensor sharded over a dimension of its mesh (a tp-split weight, an FSDP shard): each rank holds a part."""
+    from torch.distributed.tensor import Shard
+
+    return isinstance(tensor, DTensor) and any(isinstance(p, Shard) for p in tensor.placements)
 
 
 def build(recipe: Recipe) -> PipelineStrategy:
@@ -539,4 +572,5 @@ def build(recipe: Recipe) -> PipelineStrategy:
 
 
 def degrees(recipe: Recipe, *, world_size: int) -> Degrees:
-    return Degrees(pp=world_size)
+    tp = recipe.strategy.tp_degree or 1
+    return Degrees(pp=world_size // tp, tp=tp)
