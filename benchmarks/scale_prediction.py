@@ -14,7 +14,7 @@ collectives, memory and FLOPs are built once per row); --cli-check runs the firs
 fp8 rows (torchtitan's float8, Megatron's FP8: no toolkit precision) are predicted with the toolkit's layout rules and
 collectives in bf16 and the compute at the fp8 peak, with an efficiency fitted on fp8 rows alone, and reported apart
 from the bf16 rows the targets are for. Rows the toolkit cannot state are listed with the reason and left out: tp × pp
-(no toolkit layout), a mixture of experts whose expert layout is not stated, no published tokens/s, unknown
+with data parallel (no toolkit layout yet), a mixture of experts whose expert layout is not stated, no published tokens/s, unknown
 hardware. torch.compile and async TP are not modelled: a compiled run (marked `c`) or one with async TP (`a`) is
 predicted as eager, plain TP, so its speed-up lands in the fitted efficiency.
 Targets (the issue's): median |error| <= 15 %, no row worse than 35 %, memory within ±10 % where published,
@@ -55,8 +55,9 @@ def skip_reason(row: dict) -> str | None:
         return "hardware not stated"
     if row["precision"] not in ("bf16", "fp8"):
         return f"{row['precision']} compute: not modelled"
-    if (layout.get("tp") or 1) > 1 and (layout.get("pp") or 1) > 1:
-        return "tp × pp: not a toolkit layout"
+    if (layout.get("tp") or 1) > 1 and (layout.get("pp") or 1) > 1 and \
+            (layout.get("dp_shard") or 1) * (layout.get("dp_replicate") or 1) > 1:
+        return "tp × pp with data parallel: not a toolkit layout yet (pp × tp alone is)"
     if row["model"].get("num_experts") and layout.get("ep") is None:
         return "experts' layout (ep) not stated"
     return None
@@ -87,6 +88,9 @@ def layout_of(row: dict) -> tuple[str, ...]:
     tp, pp, cp = layout.get("tp") or 1, layout.get("pp") or 1, layout.get("cp") or 1
     if layout["engine"] == "deepspeed":
         return ("strategy.name=zero", f"strategy.stage={layout.get('zero_stage') or 3}")
+    if pp > 1 and tp > 1:  # each stage tensor-parallel, no replicas (skip_reason leaves out the rest)
+        return ("strategy.name=pipeline", f"strategy.tp_degree={tp}",
+                f"strategy.schedule={row['pipeline'].get('schedule') or '1f1b'}")
     if pp > 1:
         kind = "fsdp" if dp_shard > 1 else "ddp"
         schedule = row["pipeline"].get("schedule") or "1f1b"
