@@ -55,8 +55,7 @@ def skip_reason(row: dict) -> str | None:
         return "hardware not stated"
     if row["precision"] not in ("bf16", "fp8"):
         return f"{row['precision']} compute: not modelled"
-    if (layout.get("tp") or 1) > 1 and (layout.get("pp") or 1) > 1 and \
-            (layout.get("dp_shard") or 1) * (layout.get("dp_replicate") or 1) > 1:
+    if (layout.get("tp") or 1) > 1 and (layout.get("pp") or 1) > 1:  # the toolkit's pp × tp has no replicas
         return "tp × pp with data parallel: not a toolkit layout yet (pp × tp alone is)"
     if row["model"].get("num_experts") and layout.get("ep") is None:
         return "experts' layout (ep) not stated"
@@ -88,9 +87,6 @@ def layout_of(row: dict) -> tuple[str, ...]:
     tp, pp, cp = layout.get("tp") or 1, layout.get("pp") or 1, layout.get("cp") or 1
     if layout["engine"] == "deepspeed":
         return ("strategy.name=zero", f"strategy.stage={layout.get('zero_stage') or 3}")
-    if pp > 1 and tp > 1:  # each stage tensor-parallel, no replicas (skip_reason leaves out the rest)
-        return ("strategy.name=pipeline", f"strategy.tp_degree={tp}",
-                f"strategy.schedule={row['pipeline'].get('schedule') or '1f1b'}")
     if pp > 1:
         kind = "fsdp" if dp_shard > 1 else "ddp"
         schedule = row["pipeline"].get("schedule") or "1f1b"

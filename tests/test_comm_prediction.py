@@ -15,7 +15,7 @@ import test_lora
 import test_model_parallel
 import test_sharded
 import test_tensor_parallel
-from conftest import run_cli
+from conftest import REPO, run_cli
 
 from toolkit.config.files import load_recipe
 from toolkit.config.parallel import resolve
@@ -107,6 +107,22 @@ def test_collective_bytes_equal_the_counter_in_fp16(llama_runs, llama4_runs):
     reduction of it over the gradients' mesh before): one fp32 each, a call each, which the plan left out."""
     for run in (test_sharded.fp16_run(llama_runs), test_model_parallel.fp16_pipeline_run(llama4_runs)):
         assert_predicted(run)
+
+
+def test_a_rank_of_tensor_parallel_stages_sums_its_stages_partial_gradients_in_one_call():
+    """Qwen3's per-head q_norm and k_norm: each tp rank computes their gradients in part, and a pipeline rank sums
+    those of all its stages in one all-reduce after the schedule (strategy.forward_backward). The plan counted one
+    call per stage: 2 under interleaved-1f1b, where the run makes 1 (the bytes were right)."""
+    recipe = resolve(load_recipe(REPO / "recipes" / "llama-tiny.yaml", [
+        "model.config.model_type=qwen3", "parallel.pp=2", "parallel.tp=2", "strategy.schedule=interleaved-1f1b",
+        "strategy.stages_per_rank=2", "batch.grad_accum_steps=4"]), world_size=4)
+    model = planned_model(recipe)
+    head_dim = model.config.head_dim
+    for rank in range(4):  # 4 blocks in 4 stages, 2 a rank: 2 blocks' two norms of head_dim weights, fp32
+        partial = [c for c in strategy_rules(recipe).predict_collectives(model, recipe, world_size=4, rank=rank,
+                                                                       shapes=[(16, 24)] * 4)
+                   if c.group == "tp" and c.phase == "step"]
+        assert [(c.op, c.payload_bytes, c.calls) for c in partial] == [("allreduce_", 2 * 2 * head_dim * 4, 1)]
 
 
 def test_collective_bytes_equal_the_counter_on_a_bert_classifier(minilm_runs):

@@ -392,6 +392,8 @@ BAD = {
     "tp stages of heads the degree does not divide": (
         6, ("strategy.name=pipeline", "strategy.tp_degree=3"),
         "the model's attention heads (num_attention_heads = 4) are not divisible by the tensor-parallel degree 3"),
+    "tp stages over no ranks": (4, ("strategy.name=pipeline", "strategy.tp_degree=0"),
+                                "strategy.tp_degree must be >= 1, got 0"),  # was taken as 1 without a word
     "tp stages with one stage": (2, ("strategy.name=pipeline", "strategy.tp_degree=2"),
                                  "a pipeline needs at least 2 ranks, one per stage, but the world size is 2 with "
                                  "tp_degree 2"),

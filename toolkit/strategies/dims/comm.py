@@ -271,6 +271,9 @@ def sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for name in norms for p in named[name].parameters() if p.requires_grad]
 
 
+PARTIAL_GRADIENTS = "partial gradients"  # tp_plan.sum_partial_gradients: one all-reduce of them a step
+
+
 def _partial_gradients(model: nn.Module, modules: list[str], *, tp: int, shard: int) -> list[Collective]:
     if not modules:
         return []
@@ -278,7 +281,7 @@ def _partial_gradients(model: nn.Module, modules: list[str], *, tp: int, shard: 
     params = [p for name in modules for p in named[name].parameters() if p.requires_grad]
     numel = sum(math.ceil(p.shape[0] / shard) * math.prod(p.shape[1:]) if p.dim() else 1 for p in params)
     return [Collective(op="allreduce_", payload_bytes=numel * 4, calls=1, group="tp", group_size=tp,
-                       phase="step", what="partial gradients")] if numel else []
+                       phase="step", what=PARTIAL_GRADIENTS)] if numel else []
 
 
 def ulysses_collectives(model: nn.Module, *, cp: int, tp: int, shapes: Shapes, activation_dtype, recompute: bool

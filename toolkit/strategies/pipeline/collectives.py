@@ -22,6 +22,7 @@ collective counter on CPU and held to it byte for byte (tests/test_comm_predicti
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, cast
 
@@ -34,7 +35,8 @@ from toolkit.memory.state_bytes import element_bytes
 from toolkit.model.precision import DTYPES
 from toolkit.model.stages import Stage
 from toolkit.model.tied import tied_aliases
-from toolkit.strategies.dims.comm import fp16_scaler_collectives, fsdp_collectives, fsdp_units, tp_collectives
+from toolkit.strategies.dims.comm import (PARTIAL_GRADIENTS, fp16_scaler_collectives, fsdp_collectives, fsdp_units,
+                                          tp_collectives)
 from toolkit.strategies.dims.compression import WIRE_DTYPES, compression_collectives
 from toolkit.strategies.dims.parallelize import DdpWrap
 from toolkit.strategies.pipeline.batches import padded_length
@@ -82,10 +84,14 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
         out += fp16_scaler_collectives(world_size=world_size, dtensors=grid.sharded and grid.dp > 1)
     if grid.tp > 1:  # each stage's split layers: their activations (and the partial gradients) over its tp ranks,
         padded = [(recipe.batch.micro_batch_size, length)] * micro  # every micro-batch padded, as sent (above)
-        for stage in stages:
-            out += tp_collectives(stage, tp=grid.tp, shapes=padded, activation_dtype=DTYPES[recipe.precision],
-                                  sequence_parallel=False, recompute=recipe.train.recompute != "none",
-                                  stream_dtype=stored)
+        split = [c for stage in stages for c in tp_collectives(
+            stage, tp=grid.tp, shapes=padded, activation_dtype=DTYPES[recipe.precision], sequence_parallel=False,
+            recompute=recipe.train.recompute != "none", stream_dtype=stored)]
+        # the partial gradients of all the rank's stages are summed in one call (strategy.forward_backward)
+        partial = [c for c in split if c.what == PARTIAL_GRADIENTS]
+        out += [c for c in split if c.what != PARTIAL_GRADIENTS]
+        if partial:
+            out.append(dataclasses.replace(partial[0], payload_bytes=sum(c.payload_bytes for c in partial)))
     if recipe.optim.max_grad_norm is not None:
         everyone = grid.sharded or grid.tp > 1  # the split weights' squares too (tested without replicas)
         out.append(Collective(op="allreduce_", payload_bytes=4, calls=1, group="world" if everyone else "pp",

@@ -115,8 +115,11 @@ def grid_of(recipe: Recipe, world_size: int) -> Grid:
     if degree is not None and degree < 2:  # 0 once meant "every rank" without a word
         raise RecipeError(f"strategy.pipeline_degree must be >= 2 (pipeline stages), got {degree}; leave it unset "
                           "for a model split over strategy.devices inside each process")
-    tp = recipe.strategy.tp_degree or 1
-    if tp < 1 or world_size % tp:
+    tp = 1 if recipe.strategy.tp_degree is None else recipe.strategy.tp_degree
+    if tp < 1:
+        raise RecipeError(f"strategy.tp_degree must be >= 1, got {tp}; leave it unset for stages without tensor "
+                          "parallel")
+    if world_size % tp:
         raise RecipeError(f"strategy.tp_degree {tp} does not divide the {world_size} ranks; use a degree that "
                           "divides them")
     pp = world_size // tp if degree is None else degree

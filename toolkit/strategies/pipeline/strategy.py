@@ -401,9 +401,9 @@ class PipelineStrategy:
             found.append(Replicas(named=named, group=self.mesh.get_group(self.dp_dim),
                                   description=f"{self.grid.dp} replicas of each stage ({how})",
                                   synced=(lambda: local.synced) if local is not None else None))
-        if self.grid.tp > 1:  # what tensor parallel keeps whole: the same on each of a stage's tp ranks
-            whole: list[tuple[str, torch.Tensor]] = [(n, p) for s in self.stage_modules for n, p in s.named_parameters()
-                                                     if not isinstance(p, DTensor)]
+        if self.grid.tp > 1:  # what tensor parallel keeps whole (a row-wise layer's Replicate bias too): the same
+            # on each of a stage's tp ranks
+            whole = [(n, _local(p)) for s in self.stage_modules for n, p in s.named_parameters() if not _split(p)]
             found.append(Replicas(named=whole, group=self.mesh.get_group("tp"),
                                   description=f"{self.grid.tp} tensor-parallel ranks of each stage hold its "
                                               "embeddings, norms and head in full"))
@@ -442,8 +442,13 @@ class PipelineStrategy:
                 # every dp rank gathers the stage (cpu_offload=True would keep it on global rank 0 only)
                 options = StateDictOptions(full_state_dict=True)  # collective over dp
                 state = cast(dict[str, torch.Tensor], get_model_state_dict(wrapped, options=options))
-            else:  # tensor-parallel stages: the split weights gathered over the stage's tp ranks (collective)
-                state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in stage.state_dict().items()}
+            else:  # tensor-parallel stages: the split weights gathered over the stage's tp ranks (a collective
+                # each, in one order on every rank), kept by the first tp rank alone, one tensor at a time
+                state = {}
+                for k, v in stage.state_dict().items():
+                    whole = v.full_tensor() if isinstance(v, DTensor) else v
+                    if self.tp_rank == 0:
+                        state[k] = whole
             if self.dp_rank == 0 and self.tp_rank == 0:
                 mine.update({k: v.detach() for k, v in state.items()})
         return tensors_on_main(mine, self.env)  # a tied weight: the first stage's copy (rank 0's)
@@ -471,8 +476,9 @@ class PipelineStrategy:
                               f"{', ' + self.compression.describe() if self.compression.on else ''})"
                               if self.grid.dp > 1 and self.local is None else reduce,
             **self.optim.audit(before_state=stored, scaler="ShardedGradScaler over all stages"),
-            **({"tensor_parallel": tensor_parallel.activation_reduction(sequence_parallel=False, dtype=compute,
-                                                                        stream=dtype_name(stored))}
+            **({"tensor_parallel": tensor_parallel.activation_reduction(
+                sequence_parallel=False, stream=dtype_name(stored),
+                dtype=dtype_name(stored) if self.amp.precision == "fp32" else self.amp.precision)}
                if self.grid.tp > 1 else {}),
         }
 
