@@ -143,8 +143,8 @@ def peak_flops_per_device(run: dict, *, shared: dict | None = None) -> tuple[flo
     shape = "×".join(map(str, measured.get("shape") or ()))
     source = (f"measured {measured['dtype']} matmuls on each rank at start (best: {shape or 'square'}), "
               f"{measured['threads']} thread(s)/rank, ranks concurrently")
-    if shared and shared["num_arms"] + shared.get("num_checks", 0) > 1:
-        checks = shared.get("num_checks", 0)
+    if shared and shared["num_arms"] + shared["num_checks"] > 1:
+        checks = shared["num_checks"]
         arms = f"{shared['num_arms']} arm{'s' if shared['num_arms'] > 1 else ''}"
         besides = {0: "", 1: " and the rounding reference's run"}.get(checks, f" and {checks} runs of its own")
         source += (f"; the highest per-rank peak of the {arms}{besides} that measured so, "

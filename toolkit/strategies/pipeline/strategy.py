@@ -578,5 +578,5 @@ def build(recipe: Recipe) -> PipelineStrategy:
 
 
 def degrees(recipe: Recipe, *, world_size: int) -> Degrees:
-    tp = recipe.strategy.tp_degree or 1
-    return Degrees(pp=world_size // tp, tp=tp)
+    grid = grid_of(recipe, world_size)  # the one reading of the stages and their tp ranks
+    return Degrees(pp=grid.pp, tp=grid.tp)
