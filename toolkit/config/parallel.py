@@ -78,6 +78,11 @@ PRESETS: dict[frozenset[str], tuple[str, Any]] = {
     frozenset({"pp", "tp"}): ("pipeline", lambda d: {"tp_degree": d.tp}),
     frozenset({"pp", "dp_replicate"}): ("hybrid", lambda d: {"pipeline_degree": d.pp, "data_parallel": "ddp"}),
     frozenset({"pp", "dp_shard"}): ("hybrid", lambda d: {"pipeline_degree": d.pp, "data_parallel": "fsdp"}),
+    # tensor-parallel stages, replicated by DDP or sharded by FSDP2 over the dp ranks of the same (stage, tp rank)
+    frozenset({"pp", "dp_replicate", "tp"}): ("hybrid", lambda d: {"pipeline_degree": d.pp, "data_parallel": "ddp",
+                                                                   "tp_degree": d.tp}),
+    frozenset({"pp", "dp_shard", "tp"}): ("hybrid", lambda d: {"pipeline_degree": d.pp, "data_parallel": "fsdp",
+                                                               "tp_degree": d.tp}),
 }
 
 

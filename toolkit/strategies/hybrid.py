@@ -28,7 +28,7 @@ from toolkit.strategies.model_parallel import check_model_split, one_device, pla
 from toolkit.strategies.dims.comm import ddp_collectives
 from toolkit.strategies.dims.levers import LeverOptions
 from toolkit.strategies.dims.parallelize import DdpWrap, ddp_no_sync, replicate_over_world
-from toolkit.strategies.pipeline.layout import Grid
+from toolkit.strategies.pipeline.layout import Grid, grid_of
 from toolkit.strategies.pipeline.rules import PipelineRules
 from toolkit.strategies.pipeline.strategy import PipelineStrategy
 from toolkit.strategies.replicated import ReplicatedRules, ReplicatedStrategy, Replication
@@ -45,6 +45,7 @@ class HybridOptions(LeverOptions):
     pipeline_degree: int | None
     data_parallel: str
     devices: tuple[str, ...] | None
+    tp_degree: int | None  # with pipeline_degree: each stage tensor-parallel over this many ranks (parallel.tp)
 
 
 OPTIONS = HybridOptions  # the registry reads it by this name
@@ -144,7 +145,8 @@ def one_replica_per_stage(grid: Grid, world_size: int) -> str | None:
         return None
     pp = grid.pp
     return (f"strategy hybrid with {pp} stages on {world_size} ranks has one replica per stage, so it runs as "
-            f"strategy pipeline, without data parallelism; use {ranks_option(2 * pp)} for {pp} stages × 2 replicas")
+            f"strategy pipeline, without data parallelism; use {ranks_option(2 * pp * grid.tp)} for {pp} stages × 2 "
+            f"replicas{f' of {grid.tp} tensor-parallel ranks' if grid.tp > 1 else ''}")
 
 
 def pipeline_form() -> PipelineStrategy:
@@ -159,10 +161,7 @@ def build(recipe: Recipe) -> Strategy:
 
 def degrees(recipe: Recipe, *, world_size: int) -> Degrees:
     options = options_of(HybridOptions, recipe)
-    stages = options.pipeline_degree
-    if stages is None:  # a model split over one process's devices, × ddp over the ranks
+    if options.pipeline_degree is None:  # a model split over one process's devices, × ddp over the ranks
         return Degrees(dp_replicate=world_size)
-    replicas = world_size // stages
-    if options.data_parallel == "fsdp":
-        return Degrees(pp=stages, dp_shard=replicas)
-    return Degrees(pp=stages, dp_replicate=replicas)
+    grid = grid_of(recipe, world_size)  # the one reading of the stages, their replicas and tp ranks
+    return Degrees(pp=grid.pp, tp=grid.tp, **{grid.dp_dim: grid.dp})

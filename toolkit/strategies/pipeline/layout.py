@@ -196,10 +196,14 @@ def uncount_shape_inference(stage: PipelineStage) -> None:
 
 def check_tensor_parallel(recipe: Recipe, grid: Grid) -> None:
     """Stages split over tp ranks: the model's plan, and the degree dividing what it splits (tp_plan.check_recipe);
-    tested with the schedules that run a backward whole. (Without replicas: hybrid, which has them, takes no
-    tp_degree, and parallel's pp × dp × tp is refused as untested.)"""
+    tested with the schedules that run a backward whole, and with replicas that FSDP2 shards (DDP takes no DTensor
+    weights: torch 2.13 refuses them, and its own DDP × TP workaround swaps the parameters at every forward)."""
     from toolkit.model import tp_plan
 
+    if grid.dp > 1 and not grid.sharded:
+        raise RecipeError(f"tensor-parallel stages with {grid.dp} ddp replicas each: DDP cannot hold tensor-parallel "
+                          "(DTensor) weights; shard the replicas with FSDP instead (parallel.dp_shard, or "
+                          "strategy.data_parallel=fsdp)")
     if grid.split_backward:
         raise RecipeError(f"strategy.schedule {grid.schedule} with tensor-parallel stages is not tested yet; use "
                           "schedule 1f1b, gpipe or interleaved-1f1b")

@@ -347,14 +347,16 @@ class PipelineStrategy:
         (each tensor counted once: the tied copy on the last stage is left out of the norm), as
         clip_grad_norm_ does on one process: coefficient max_norm / (norm + 1e-6), at most 1."""
         duplicate = self._sync_tied()
-        # a stage's tp ranks hold shards of the split weights and the same whole rest: the rest counted once
+        # each element counted once: stages hold different tensors; along tp (and along dp where fsdp shards the
+        # replicas) a rank counts what it holds a shard of, and what it holds whole where it is that dimension's
+        # first rank (the embeddings, norms and head every tp rank holds)
+        along = [("tp", self.tp_rank)] + ([(self.dp_dim, self.dp_rank)] if self.grid.sharded else [])
         local = [_local(p.grad) for p in params if p.grad is not None and p is not duplicate
-                 and (self.tp_rank == 0 or _split(p.grad))]
+                 and all(_spans(p.grad, dim) or index == 0 for dim, index in along)]
         squares = torch.zeros((), dtype=torch.float32, device=self.env.device)
         if local:
             squares = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in local])) ** 2
-        # stages hold different tensors; fsdp shards them further over dp, ddp replicas hold the same; tp ranks
-        # (tested without replicas) shards of the split ones
+        # ddp replicas hold the same whole stages: each replica's pipeline sums its own over pp
         group = None if self.grid.sharded or self.grid.tp > 1 else self.mesh.get_group("pp")
         dist.all_reduce(squares, group=group)
         total = squares.sqrt()
@@ -403,7 +405,8 @@ class PipelineStrategy:
                                   synced=(lambda: local.synced) if local is not None else None))
         if self.grid.tp > 1:  # what tensor parallel keeps whole (a row-wise layer's Replicate bias too): the same
             # on each of a stage's tp ranks
-            whole = [(n, _local(p)) for s in self.stage_modules for n, p in s.named_parameters() if not _split(p)]
+            whole = [(n, _local(p)) for s in self.stage_modules for n, p in s.named_parameters()
+                     if not _spans(p, "tp")]  # under fsdp a rank's shard of it: the same at each tp position
             found.append(Replicas(named=whole, group=self.mesh.get_group("tp"),
                                   description=f"{self.grid.tp} tensor-parallel ranks of each stage hold its "
                                               "embeddings, norms and head in full"))
@@ -566,11 +569,17 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _split(tensor: torch.Tensor) -> bool:
-    """A DTensor sharded over a dimension of its mesh (a tp-split weight, an FSDP shard): each rank holds a part."""
+def _spans(tensor: torch.Tensor, dim: str) -> bool:
+    """A DTensor sharded along the mesh dimension `dim` (tp: a split weight; dp_shard: an FSDP shard): the ranks
+    along it hold different parts. FSDP2 over a tp-split dim 0 places a _StridedShard, which is no Shard (and whose
+    is_shard() is False, torch 2.13)."""
     from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    return isinstance(tensor, DTensor) and any(isinstance(p, Shard) for p in tensor.placements)
+    if not isinstance(tensor, DTensor):
+        return False
+    names = tensor.device_mesh.mesh_dim_names or ()
+    return dim in names and isinstance(tensor.placements[names.index(dim)], (Shard, _StridedShard))
 
 
 def build(recipe: Recipe) -> PipelineStrategy:
