@@ -44,6 +44,8 @@ ARMS = {
     "pp-tp2": (4, ("parallel.pp=2", "parallel.tp=2", "batch.grad_accum_steps=4")),
     "pp-tp2-interleaved": (4, ("parallel.pp=2", "parallel.tp=2", "strategy.schedule=interleaved-1f1b",
                                "strategy.stages_per_rank=2", "batch.grad_accum_steps=4")),
+    # all three: 2 stages × 2 replicas sharded by FSDP2 (of a tp rank's slices) × 2 tp ranks each
+    "pp-fsdp-tp2": (8, ("parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2", "batch.grad_accum_steps=2")),
 }
 # gradient compression on the stages' ddp replicas (hybrid, 2 stages × 2 replicas): DDP's own hooks, one per stage;
 # they change the maths on purpose, so they are held to other references than single (below)
@@ -253,6 +255,22 @@ def test_replica_check_compares_the_tied_embeddings_two_stage_copies(llama4_runs
     # stage's tp ranks, and the tied copies over the first and last stage's ranks of the same tp position
     assert said("pp-tp2") == "every 1 step(s): 2 tensor-parallel ranks of each stage hold its embeddings, norms " \
         "and head in full, 7 tensors; " + tied.format("the")
+    # with fsdp replicas, the same tensors' shards: the tp ranks of a replica hold the same shard of each
+    assert said("pp-fsdp-tp2") == "every 1 step(s): 2 tensor-parallel ranks of each stage hold its embeddings, " \
+        "norms and head in full, 7 tensors; " + tied.format("each pipeline's")
+
+
+def test_tensor_parallel_stages_sharded_over_replicas_hold_the_planned_model_states(llama4_runs):
+    """pp × dp_shard × tp: each rank's parameters, gradients and AdamW moments are FSDP's dim-0 shard of its tp
+    slices (memory.state_bytes_per_rank), byte for byte as the run measured them; before, the plan held the tp
+    slices whole (2× what a rank holds)."""
+    ranks, overrides = ARMS["pp-fsdp-tp2"]
+    info = json.loads((llama4_runs.get("pp-fsdp-tp2", nproc=ranks, overrides=overrides) / "run.json").read_text())
+    assert info["memory_prediction"]["model_state_bytes"] == info["model_state_bytes"]
+    whole = json.loads((llama4_runs.get("pp-tp2", nproc=4, overrides=ARMS["pp-tp2"][1]) / "run.json").read_text())
+    # the replicas halve what a tp rank of a stage holds (every dim 0 here divides by 2)
+    assert [r["params_bytes"] * 2 for r in info["model_state_bytes"][::2]] == \
+        [r["params_bytes"] for r in whole["model_state_bytes"]]
 
 
 @pytest.mark.parametrize("arm", MINILM_ARMS)
@@ -394,6 +412,10 @@ BAD = {
         "the model's attention heads (num_attention_heads = 4) are not divisible by the tensor-parallel degree 3"),
     "tp stages over no ranks": (4, ("strategy.name=pipeline", "strategy.tp_degree=0"),
                                 "strategy.tp_degree must be >= 1, got 0"),  # was taken as 1 without a word
+    "tp stages with ddp replicas": (8, ("strategy.name=hybrid", "strategy.pipeline_degree=2",
+                                        "strategy.data_parallel=ddp", "strategy.tp_degree=2"),
+                                    "tensor-parallel stages with 2 ddp replicas each: DDP cannot hold "
+                                    "tensor-parallel (DTensor) weights"),
     "tp stages with one stage": (2, ("strategy.name=pipeline", "strategy.tp_degree=2"),
                                  "a pipeline needs at least 2 ranks, one per stage, but the world size is 2 with "
                                  "tp_degree 2"),

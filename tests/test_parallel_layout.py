@@ -39,6 +39,9 @@ def recipe(parallel=None, model="/m", **strategy):
     ({"cp": 2}, 4, "fsdp", {"cp_degree": 2}),  # dp_shard takes the other 2
     ({"cp": 2, "tp": 2}, 4, "fsdp", {"cp_degree": 2, "tp_degree": 2}),
     ({"pp": 2, "tp": 2}, 4, "pipeline", {"tp_degree": 2}),  # each stage tensor-parallel
+    # tensor-parallel stages sharded over their replicas: dp_shard given, or the ranks the others leave
+    ({"pp": 2, "dp_shard": 2, "tp": 2}, 8, "hybrid", {"pipeline_degree": 2, "data_parallel": "fsdp", "tp_degree": 2}),
+    ({"pp": 2, "tp": 2}, 8, "hybrid", {"pipeline_degree": 2, "data_parallel": "fsdp", "tp_degree": 2}),
 ])
 def test_degrees_resolve_to_the_preset_that_runs_them(parallel, world_size, name, options, tiny_llama_dir):
     resolved = resolve(recipe(parallel, model=tiny_llama_dir), world_size=world_size)
@@ -56,6 +59,7 @@ def test_degrees_resolve_to_the_preset_that_runs_them(parallel, world_size, name
     ("pipeline", {"tp_degree": 2}, 4),
     ("hybrid", {"pipeline_degree": 2, "data_parallel": "ddp"}, 4),
     ("hybrid", {"pipeline_degree": 2, "data_parallel": "fsdp"}, 4),
+    ("hybrid", {"pipeline_degree": 2, "data_parallel": "fsdp", "tp_degree": 2}, 8),
 ])
 def test_every_preset_is_its_degrees(name, options, world_size):
     # the preset's degrees, given as `parallel:` alone, run the same preset with the same options
@@ -68,8 +72,10 @@ def test_every_preset_is_its_degrees(name, options, world_size):
 
 @pytest.mark.parametrize("parallel, strategy, world_size, words", [
     ({"cp": 2, "pp": 2}, {}, 4, "parallel: pp × cp together is not tested yet"),
-    ({"tp": 2, "pp": 2}, {}, 8, "parallel: pp × dp_shard × tp together is not tested yet"),
-    ({"pp": 2, "dp_replicate": 2, "tp": 2}, {}, 8, "parallel: pp × dp_replicate × tp together is not tested yet"),
+    # DDP replicas of tensor-parallel stages: torch's DDP refuses DTensor parameters
+    ({"pp": 2, "dp_replicate": 2, "tp": 2}, {}, 8, "parallel: pp × dp_replicate × tp: DDP cannot hold the stages' "
+     "tensor-parallel (DTensor) weights; give the replicas as parallel.dp_shard"),
+    ({"cp": 2, "pp": 2, "tp": 2}, {}, 8, "parallel: pp × cp × tp together is not tested yet"),
     ({"dp_shard": 3}, {}, 4, "parallel: dp_shard 3 = 3 ranks, but the run has 4; make the product 4"),
     ({"tp": 3}, {}, 4, "parallel: tp 3 = 3 does not divide the 4 ranks"),
     ({"dp_shard": 2}, {"name": "ddp"}, 2, "strategy.name ddp and parallel (dp_shard 2, which runs as fsdp) disagree"),
@@ -91,7 +97,8 @@ def test_an_untested_pair_exits_2_with_one_line(tmp_path, tiny_llama_dir):
     assert done.stderr.strip().splitlines() == [
         "toolkit: error: parallel: pp × cp together is not tested yet (tested: dp_replicate × dp_shard; "
         "dp_shard × tp; dp_replicate × tp; dp_replicate × dp_shard × tp; dp_shard × cp; cp × tp; dp_replicate × cp; "
-        "dp_replicate × dp_shard × cp; pp × tp; pp × dp_replicate; pp × dp_shard); drop one of them"]
+        "dp_replicate × dp_shard × cp; pp × tp; pp × dp_replicate; pp × dp_shard; pp × dp_shard × tp); drop one of "
+        "them"]
     assert not (tmp_path / "out").exists()
     done = run_cli("validate", str(path), "--nproc", "2", "--set", "parallel.dp_shard=2")
     assert done.returncode == 0 and "# parallel: fsdp (dp_shard 2)" in done.stdout.splitlines()

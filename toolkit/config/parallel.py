@@ -78,11 +78,14 @@ PRESETS: dict[frozenset[str], tuple[str, Any]] = {
     frozenset({"pp", "tp"}): ("pipeline", lambda d: {"tp_degree": d.tp}),
     frozenset({"pp", "dp_replicate"}): ("hybrid", lambda d: {"pipeline_degree": d.pp, "data_parallel": "ddp"}),
     frozenset({"pp", "dp_shard"}): ("hybrid", lambda d: {"pipeline_degree": d.pp, "data_parallel": "fsdp"}),
-    # tensor-parallel stages, replicated by DDP or sharded by FSDP2 over the dp ranks of the same (stage, tp rank)
-    frozenset({"pp", "dp_replicate", "tp"}): ("hybrid", lambda d: {"pipeline_degree": d.pp, "data_parallel": "ddp",
-                                                                   "tp_degree": d.tp}),
+    # tensor-parallel stages, sharded by FSDP2 over the dp ranks of the same (stage, tp rank)
     frozenset({"pp", "dp_shard", "tp"}): ("hybrid", lambda d: {"pipeline_degree": d.pp, "data_parallel": "fsdp",
                                                                "tp_degree": d.tp}),
+}
+# combinations that cannot run as asked, with what runs instead
+REFUSED: dict[frozenset[str], str] = {
+    frozenset({"pp", "dp_replicate", "tp"}): "DDP cannot hold the stages' tensor-parallel (DTensor) weights; give "
+                                             "the replicas as parallel.dp_shard (FSDP shards them)",
 }
 
 
@@ -119,6 +122,8 @@ def resolve(recipe: Recipe, *, world_size: int) -> Recipe:
         return recipe
     degrees = degrees_of(recipe, world_size=world_size)
     active = frozenset(degrees.active())
+    if active in REFUSED:
+        raise RecipeError(f"parallel: {' × '.join(degrees.active())}: {REFUSED[active]}")
     if active not in PRESETS:
         tested = "; ".join(" × ".join(name for name in MESH_ORDER if name in combo) for combo in PRESETS
                            if len(combo) > 1)

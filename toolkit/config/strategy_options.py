@@ -60,7 +60,8 @@ class StrategyConfig:
     #   groups (a 2-D mesh dp × tp; HSDP across them with replicate_degree); tp: every rank (leave unset). Less
     #   memory per rank than fsdp alone for big layers, but an activation all-reduce per attention and MLP block:
     #   keep a group inside one node (hf_native: transformers' tp_size; pipeline: each stage over this many ranks,
-    #   world / tp_degree stages)
+    #   world / tp_degree stages; hybrid with data_parallel fsdp: each stage over this many ranks, their slices
+    #   FSDP-sharded over the stage's replicas)
     cp_degree: int | None = None  # fsdp: > 1 = context parallel, each sequence split over groups of this many
     #   neighbouring ranks, FSDP over all of them (torchtitan's dp_shard × cp; with replicate_degree, over those of
     #   each replica group); parallel.cp_method says how

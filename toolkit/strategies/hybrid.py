@@ -58,6 +58,9 @@ INFO = StrategyInfo(
             "(pp × dp) mesh, or a model split over devices in each process × DDP",
     arms={"pp-ddp": ("strategy.name=hybrid", "strategy.pipeline_degree=2", "strategy.data_parallel=ddp"),
           "pp-fsdp": ("strategy.name=hybrid", "strategy.pipeline_degree=2", "strategy.data_parallel=fsdp"),
+          # tensor-parallel stages sharded over their replicas: --nproc 8 or more
+          "pp-fsdp-tp2": ("strategy.name=hybrid", "strategy.pipeline_degree=2", "strategy.data_parallel=fsdp",
+                          "strategy.tp_degree=2"),
           "mp-ddp": ("strategy.name=hybrid", "strategy.data_parallel=ddp")})
 
 

@@ -17,7 +17,8 @@ collective counter on CPU and held to it byte for byte (tests/test_comm_predicti
   sync this rank's parameters averaged in one all-reduce; or FSDP2 over the replicas, each unit gathered before
   every micro-batch's forward and once more for the step's backwards (the stage keeps it gathered between them:
   torch's schedule does not reshard after a backward but the last), reduce-scattered once a step; under a
-  zero-bubble schedule gathered once a step, at its first forward (it is not resharded after a forward).
+  zero-bubble schedule gathered once a step, at its first forward (it is not resharded after a forward); with
+  tensor-parallel stages, FSDP2 gathers and reduce-scatters a tp rank's slices of the split layers.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch import nn
 from toolkit.config.recipe import Recipe
 from toolkit.cost.collectives import Collective
 from toolkit.memory.state_bytes import element_bytes
+from toolkit.model import tp_plan
 from toolkit.model.precision import DTYPES
 from toolkit.model.stages import Stage
 from toolkit.model.tied import tied_aliases
@@ -86,7 +88,8 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
         padded = [(recipe.batch.micro_batch_size, length)] * micro  # every micro-batch padded, as sent (above)
         split = [c for stage in stages for c in tp_collectives(
             stage, tp=grid.tp, shapes=padded, activation_dtype=DTYPES[recipe.precision], sequence_parallel=False,
-            recompute=recipe.train.recompute != "none", stream_dtype=stored)]
+            recompute=recipe.train.recompute != "none", stream_dtype=flowing,
+            shard=grid.dp if grid.sharded else 1)]
         # the partial gradients of all the rank's stages are summed in one call (strategy.forward_backward)
         partial = [c for c in split if c.what == PARTIAL_GRADIENTS]
         out += [c for c in split if c.what != PARTIAL_GRADIENTS]
@@ -104,20 +107,24 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
         out.append(Collective(op="allreduce_", payload_bytes=8, calls=1, group=grid.dp_dim, group_size=grid.dp,
                               phase="forward", what="the replicas' padded length (their longest)"))
         out += _replicas(stages, recipe, dp=grid.dp, sharded=grid.sharded, micro=micro,
-                         by_hand=grid.split_backward)
+                         by_hand=grid.split_backward, tp=grid.tp)
     return out
 
 
 def _replicas(stages: list[Stage], recipe: Recipe, *, dp: int, sharded: bool, micro: int,
-              by_hand: bool) -> list[Collective]:
+              by_hand: bool, tp: int) -> list[Collective]:
     stored = DTYPES[recipe.model.load_dtype]
     if sharded:
         compute = stored if recipe.precision == "fp32" else DTYPES[recipe.precision]
         reduce = stored if recipe.precision == "fp32" else torch.float32
         units = [unit for stage in stages for unit in fsdp_units(stage, stage.blocks())]
+        # tensor-parallel stages: FSDP shards a tp rank's slices of the split layers
+        split = {name: shape for stage in stages for name, shape in tp_plan.local_shapes(stage, tp).items()} \
+            if tp > 1 else None
         # a split backward keeps each unit gathered from its first forward to the step's end (strategy._replicate)
         return fsdp_collectives(units, shard=dp, replicate=1, compute_dtype=compute, reduce_dtype=reduce,
-                                gathers_per_unit=1 if by_hand else micro + 1)
+                                gathers_per_unit=1 if by_hand else micro + 1,
+                                local_shape=(lambda name, p: split[name]) if split else None)
     params = [p for stage in stages for p in stage.parameters() if p.requires_grad]
     grads = sum(p.numel() for p in params) * element_bytes(stored)
     local = local_sgd_of(recipe)

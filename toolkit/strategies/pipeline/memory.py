@@ -25,7 +25,8 @@ from torch import nn
 
 from toolkit.config.recipe import Recipe, plan_batch
 from toolkit.memory.activations import Traced, traced_stage
-from toolkit.memory.state_bytes import StateBytes, adam_state, dim0_shard, element_bytes, of_shapes, whole
+from toolkit.memory.state_bytes import (StateBytes, adam_state, dim0_shard, dim0_shard_of, element_bytes, of_shapes,
+                                        whole)
 from toolkit.model import tp_plan
 from toolkit.model.precision import DTYPES
 from toolkit.strategies.dims.compression import powersgd_state_bytes
@@ -39,7 +40,8 @@ Action = tuple[str, int]  # ("F" forward | "B" backward, stage index)
 
 def state_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: int) -> list[StateBytes]:
     """Each rank's stages cut from the meta model as setup cuts them (a tied embedding is held by the
-    first and the last stage, once each), whole under ddp, dim-0 shards under fsdp."""
+    first and the last stage, once each), whole under ddp, dim-0 shards under fsdp (of a tp rank's slices, with
+    tensor-parallel stages)."""
     grid, dtype = grid_of(recipe, world_size), DTYPES[recipe.model.load_dtype]
     local = dim0_shard(grid.dp) if grid.sharded and grid.dp > 1 else whole
     # a stage's ddp replicas under PowerSGD: each stage's DDP module keeps its own error and factors
@@ -48,8 +50,12 @@ def state_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: int) -
     for pp_rank in range(grid.pp):
         total = StateBytes(params_bytes=0, grads_bytes=0, optim_bytes=0)
         for stage in rank_stages(model, recipe, grid, pp_rank):
-            # tensor-parallel stages: a tp rank's slices of the split layers, the rest whole (tp_plan)
-            held = of_shapes(tp_plan.local_shapes(stage, grid.tp)) if grid.tp > 1 else local
+            # tensor-parallel stages: a tp rank's slices of the split layers, the rest whole (tp_plan); fsdp shards
+            # those over the replicas
+            held = local
+            if grid.tp > 1:
+                shapes = tp_plan.local_shapes(stage, grid.tp)
+                held = dim0_shard_of(shapes, grid.dp) if grid.sharded and grid.dp > 1 else of_shapes(shapes)
             total += adam_state(stage.named_parameters(), dtype=dtype, local=held)
             if compression is not None:
                 kept = powersgd_state_bytes(stage.parameters(), compression, dtype=dtype,
