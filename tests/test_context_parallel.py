@@ -320,3 +320,46 @@ def test_a_context_parallel_mistake_exits_2_before_any_rank_starts(tmp_path, tin
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         "toolkit: error: parallel.cp_method ulysses splits the attention heads over the 4 cp ranks, but the model "
         "has 4 attention and 2 key/value heads; use a cp that divides 2, or parallel.cp_method allgather"]
+
+
+@pytest.mark.parametrize("dropout, words", [
+    ("null", "parallel.cp_method ring attends without dropout, and the model drops attention weights at 0.1 "
+           "(config.attention_dropout); set model.dropout 0.0 or use parallel.cp_method allgather"),
+    ("0.0", None),  # the run's dropout off: ring runs
+])
+def test_ring_refuses_attention_dropout_before_any_rank_starts(dropout, words, tmp_path, tiny_llama_dir, capsys):
+    """A Llama whose config drops attention weights: refused by validate, where it was refused only at the first
+    step of every rank (the attention call's own check, which stays)."""
+    from test_cli_errors import _assert_one_line_exit_2
+    from toolkit.cli import main
+
+    path = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out")
+    config = ("{model_type: llama, vocab_size: 30522, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, "
+              "num_key_value_heads: 2, intermediate_size: 64, attention_dropout: 0.1}")
+    args = ["validate", str(path), "--nproc", "2", "--set", "parallel.cp=2", "--set", "parallel.cp_method=ring",
+            "--set", "model.path=null", "--set", f"model.config={config}", "--set", f"model.tokenizer={tiny_llama_dir}",
+            "--set", f"model.dropout={dropout}"]  # null: the model's own rates
+    code = main(args)
+    if words:
+        _assert_one_line_exit_2(code, capsys, words, tmp_path / "out")
+    else:
+        assert code == 0, capsys.readouterr()
+
+
+@pytest.mark.parametrize("precision, refused", [("fp32", True), ("bf16", False)])
+def test_ring_refuses_fp32_where_the_run_is_on_cuda_before_any_rank_starts(precision, refused, monkeypatch):
+    """CUDA's flash kernel takes 16-bit inputs: an fp32 run on a machine with a GPU is refused by the recipe check
+    (it was refused at the first step, by kernel_for). A CPU machine runs ring in fp32 (its flash kernel takes it)."""
+    from transformers import LlamaConfig
+
+    from toolkit.strategies.dims.context import check_ring
+
+    config = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    check_ring(config, max_length=64, precision=precision)  # this machine: no GPU, fp32 is the CPU kernel's too
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    if not refused:
+        check_ring(config, max_length=64, precision=precision)
+        return
+    with pytest.raises(RecipeError, match=r"^parallel.cp_method ring attends with CUDA's flash kernel, which takes "
+                                          r"bf16 and fp16 only, not fp32: set precision bf16, or use parallel"):
+        check_ring(config, max_length=64, precision=precision)

@@ -328,7 +328,8 @@ def check_recipe(recipe: Recipe, *, cp: int, tp: int, world_size: int) -> None:
         raise RecipeError(f"context parallel attends with {kernel}, which has no attention logit soft-capping "
                           f"(config.attn_logit_softcapping {config.attn_logit_softcapping}); {DROP_CP}")
     if recipe.parallel.cp_method == "ring":
-        check_ring(config, max_length=recipe.data.max_length)
+        check_ring(config, max_length=recipe.data.max_length, dropout=recipe.model.dropout,
+                   precision=recipe.precision)
     attends(meta_model(recipe.model))
     if getattr(config, "output_router_logits", False):  # transformers' router loss over a rank's part of a sequence
         raise RecipeError("context parallel does not add a mixture-of-experts router's auxiliary loss yet (each rank "
@@ -343,12 +344,23 @@ def check_recipe(recipe: Recipe, *, cp: int, tp: int, world_size: int) -> None:
                               f"{kv_heads}, or parallel.cp_method allgather")
 
 
-def check_ring(config: Any, *, max_length: int) -> None:
-    """What the ring method cannot follow, from the model's config (dims/ring.py): a sliding window shorter than
-    the sequences (`max_length`: a window they fit in changes nothing); or a torch without ring attention."""
+def check_ring(config: Any, *, max_length: int, dropout: float | None = None, precision: str = "bf16") -> None:
+    """What the ring method cannot follow, from the model's config and the recipe (dims/ring.py), before any rank
+    starts: attention dropout (`dropout`: model.dropout, None for the config's own); fp32 where the run is on CUDA,
+    whose flash kernel takes 16-bit inputs only; a sliding window shorter than the sequences (`max_length`: a window
+    they fit in changes nothing); a torch without ring attention. (Each was refused at the first step alone.)"""
+    import torch
+
     from toolkit.strategies.dims import ring
 
     ring.check_available()
+    rate = float(getattr(config, "attention_dropout", 0.0) or 0.0) if dropout is None else dropout
+    if rate:
+        raise RecipeError(f"parallel.cp_method ring attends without dropout, and the model drops attention weights at "
+                          f"{rate} (config.attention_dropout); set model.dropout 0.0 or {ring.FIX}")
+    if precision == "fp32" and torch.cuda.is_available():  # the run's device (process.dist): CUDA where there is one
+        raise RecipeError(f"parallel.cp_method ring attends with CUDA's flash kernel, which takes bf16 and fp16 only, "
+                          f"not fp32: set precision bf16, or {ring.FIX}")
     windows = sorted(w for w in layer_windows(config) if w is not None and w < max_length)
     if windows:
         raise RecipeError(f"parallel.cp_method ring attends over the whole causal past, and the model's layers attend "
