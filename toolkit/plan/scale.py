@@ -4,7 +4,8 @@ Each layout is a compare arm (toolkit strategies) at the cluster's world size: i
 (StrategyRules.predict_collectives, the rules the counter holds them to on CPU), memory per GPU (toolkit/plan/
 predict.py on a GPU: no host memory in it) and step time (toolkit/cost/step_time.py) for the rank that works most.
 `auto` enumerates the sensible ones: ddp, fsdp, HSDP with a replica per node, zero 1-3, fsdp × tp inside a node (at
-each degree that divides its GPUs and the model takes), a pipeline across nodes, context parallel for long sequences.
+each degree that divides its GPUs and the model takes), a pipeline across nodes (its stages tensor-parallel inside
+a node too), context parallel for long sequences.
 """
 
 from __future__ import annotations
@@ -85,11 +86,31 @@ def auto_layouts(recipe: Recipe, model: nn.Module, cluster: step_time.Cluster) -
     if nodes > 1:
         out[f"pp{nodes}-fsdp"] = ("strategy.name=hybrid", f"strategy.pipeline_degree={nodes}",
                                   "strategy.data_parallel=fsdp", *plain)
+        out.update(pipeline_tp_layouts(model, nodes=nodes, per_node=per_node, plain=plain))
     if recipe.data.max_length >= LONG_SEQUENCE and per_node % 2 == 0:  # a sequence split over 2 GPUs of a node
         out["fsdp-cp2"] = ("strategy.name=fsdp", "strategy.cp_degree=2", *plain)
         if nodes > 1:  # HSDP's replica groups across the nodes, each sequence split inside one
             out[f"hsdp-{nodes}x{per_node}-cp2"] = ("strategy.name=fsdp", f"strategy.replicate_degree={nodes}",
                                                     "strategy.cp_degree=2", *plain)
+    return out
+
+
+def pipeline_tp_layouts(model: nn.Module, *, nodes: int, per_node: int,
+                        plain: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """A stage per node, tensor-parallel inside it (Megatron's and torchtitan's 3-D layout): tp over a degree that
+    tiles the node, FSDP over the node's other GPUs (`pp{nodes}-fsdp-tp{tp}`), or over none where tp takes the whole
+    node (`pp{nodes}-tp{per_node}`: the pipeline with tp_degree). The stages take no sequence or loss parallelism."""
+    out: dict[str, tuple[str, ...]] = {}
+    for tp in (d for d in range(2, per_node + 1) if per_node % d == 0):
+        try:
+            tp_plan.check_degree(model, tp)
+        except RecipeError:
+            continue
+        if tp == per_node:
+            out[f"pp{nodes}-tp{tp}"] = ("strategy.name=pipeline", f"strategy.tp_degree={tp}", *plain)
+        else:
+            out[f"pp{nodes}-fsdp-tp{tp}"] = ("strategy.name=hybrid", f"strategy.pipeline_degree={nodes}",
+                                             "strategy.data_parallel=fsdp", f"strategy.tp_degree={tp}", *plain)
     return out
 
 
