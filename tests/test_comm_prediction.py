@@ -102,6 +102,17 @@ def test_collective_bytes_equal_the_counter_tp_sequence_parallel_bf16(llama4_run
                                      overrides=(*test_tensor_parallel.BF16_ARMS[arm], *test_tensor_parallel.BF16)))
 
 
+def test_tensor_parallel_stages_sharded_over_replicas_in_bf16_move_and_audit_the_compute_dtype(llama4_runs):
+    """pp × dp_shard × tp in bf16: FSDP's MixedPrecisionPolicy casts the stages' weights, so the residual stream
+    between the split layers is bf16 as well as their outputs (collectives.predict's `flowing`); the precision
+    audit names one dtype for both (it said column-wise inputs fp32, which the counter's bytes contradict)."""
+    ranks, overrides = test_model_parallel.ARMS["pp-fsdp-tp2"]
+    run = llama4_runs.get("pp-fsdp-tp2-bf16", nproc=ranks, overrides=(*overrides, "precision=bf16"))
+    assert_predicted(run)
+    audit = json.loads((run / "run.json").read_text())["precision_audit"]
+    assert audit["tensor_parallel"] == "activations all-reduced per block (bf16)", audit
+
+
 def test_collective_bytes_equal_the_counter_in_fp16(llama_runs, llama4_runs):
     """fp16's ShardedGradScaler all-reduces its found-inf flag over every rank as it unscales (fsdp: DTensor's
     reduction of it over the gradients' mesh before): one fp32 each, a call each, which the plan left out."""

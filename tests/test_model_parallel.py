@@ -260,6 +260,18 @@ def test_replica_check_compares_the_tied_embeddings_two_stage_copies(llama4_runs
         "norms and head in full, 7 tensors; " + tied.format("each pipeline's")
 
 
+def test_fsdp_replicas_of_rows_they_do_not_divide_hold_the_planned_model_states(llama4_runs):
+    """pp 2 × dp_shard 3: hidden 32 over 3 replicas is shards of 11, 11 and 10 rows. FSDP2 pads each shard's
+    parameter and gradient to 11 rows, while AdamW's moments take the unpadded shard (memory.state_bytes_per_rank
+    plans dim0_held per replica; before, every replica was planned the padded moments: 6 ranks, 2 of them right)."""
+    info = json.loads((llama4_runs.get("pp-fsdp-dp3", nproc=6, overrides=(
+        "parallel.pp=2", "parallel.dp_shard=3", "batch.global_batch_size=12", "batch.grad_accum_steps=2",
+        "train.max_steps=2")) / "run.json").read_text())
+    measured = info["model_state_bytes"]
+    assert measured[0]["optim_bytes"] != measured[2]["optim_bytes"]  # the last replica holds fewer rows
+    assert info["memory_prediction"]["model_state_bytes"] == measured
+
+
 def test_tensor_parallel_stages_sharded_over_replicas_hold_the_planned_model_states(llama4_runs):
     """pp × dp_shard × tp: each rank's parameters, gradients and AdamW moments are FSDP's dim-0 shard of its tp
     slices (memory.state_bytes_per_rank), byte for byte as the run measured them; before, the plan held the tp
@@ -416,6 +428,11 @@ BAD = {
                                         "strategy.data_parallel=ddp", "strategy.tp_degree=2"),
                                     "tensor-parallel stages with 2 ddp replicas each: DDP cannot hold "
                                     "tensor-parallel (DTensor) weights"),
+    # a model split × ddp (no pipeline_degree) splits no layer over ranks: tp_degree was taken and ignored
+    "tp without a pipeline under hybrid": (4, ("strategy.name=hybrid", "strategy.data_parallel=ddp",
+                                               "strategy.tp_degree=2"),
+                                           "strategy.tp_degree under hybrid makes each pipeline stage tensor-parallel: "
+                                           "it needs strategy.pipeline_degree and strategy.data_parallel=fsdp"),
     "tp stages with one stage": (2, ("strategy.name=pipeline", "strategy.tp_degree=2"),
                                  "a pipeline needs at least 2 ranks, one per stage, but the world size is 2 with "
                                  "tp_degree 2"),
@@ -467,14 +484,19 @@ def test_a_hybrid_with_one_replica_per_stage_says_it_runs_as_a_pipeline(llama4_r
 
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)  # the fix names toolkit launch's --nproc
 
-    def fallback(strategy, pp, dp):
+    def fallback(strategy, pp, dp, tp=1):
         # what setup() sets, for the grid of a launch
-        strategy.grid, strategy.env = Grid(pp=pp, dp=dp), DistEnv(0, 0, pp * dp, torch.device("cpu"))
+        strategy.grid, strategy.env = Grid(pp=pp, dp=dp, tp=tp), DistEnv(0, 0, pp * dp * tp, torch.device("cpu"))
         return strategy._fallback()  # report()'s fallback, without the rest of a set-up pipeline
 
     assert fallback(pipeline_form(), 2, 1) == (
         "strategy hybrid with 2 stages on 2 ranks has one replica per stage, so it runs "
         "as strategy pipeline, without data parallelism; use --nproc 4 for 2 stages × 2 replicas")
+    # tensor-parallel stages: twice the ranks, and the replicas fsdp's (ddp ones are refused with them)
+    assert fallback(pipeline_form(), 2, 1, tp=2) == (
+        "strategy hybrid with 2 stages on 4 ranks has one replica per stage, so it runs as strategy pipeline, "
+        "without data parallelism; use --nproc 8 and strategy.data_parallel=fsdp for 2 stages × 2 replicas of 2 "
+        "tensor-parallel ranks")
     assert fallback(pipeline_form(), 2, 2) is None
     assert fallback(PipelineStrategy(), 2, 1) is None  # strategy pipeline runs as itself
     ranks, overrides = ARMS["pp-ddp"]

@@ -105,8 +105,12 @@ def test_gpipe_plans_more_activation_memory_than_1f1b_and_only_where_it_runs_mor
     assert one_f_one_b[1] < whole < gpipe[1]
 
 
-@pytest.mark.parametrize("precision, per_param", [("fp32", 4 + 4), ("bf16", 2 + 4)])
-def test_a_pipelines_fsdp_replicas_each_plan_their_own_stages_gathered(tmp_path, monkeypatch, precision, per_param):
+# bf16 weights in fp32 precision: MixedPrecisionPolicy casts nothing, the gathered parameters and the gradients are
+# the weights' bf16 (the plan said fp32 for both)
+@pytest.mark.parametrize("precision, load_dtype, per_param", [("fp32", "fp32", 4 + 4), ("bf16", "fp32", 2 + 4),
+                                                              ("fp32", "bf16", 2 + 2)])
+def test_a_pipelines_fsdp_replicas_each_plan_their_own_stages_gathered(tmp_path, monkeypatch, precision, load_dtype,
+                                                                       per_param):
     """Under pipeline x fsdp, torch's schedule keeps each unit gathered with its whole gradient from its first
     backward to the step's reduction: a rank holds its own stages whole (compute dtype) beside their gradients
     (fp32 under bf16, as FSDP2 reduces). Counted here from the plain model, stage by stage as strategy.split cuts
@@ -118,6 +122,7 @@ def test_a_pipelines_fsdp_replicas_each_plan_their_own_stages_gathered(tmp_path,
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
     recipe = resolve(tiny_recipe("strategy.name=hybrid", "strategy.pipeline_degree=2", "strategy.data_parallel=fsdp",
                                  "strategy.split=[1]", f"precision={precision}", "batch.grad_accum_steps=2",
+                                 f"model.load_dtype={load_dtype}",
                                  'model.config.tie_word_embeddings=false'), world_size=4)
     model = planned_model(recipe)
     inner = model.model

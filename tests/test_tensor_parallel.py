@@ -121,7 +121,8 @@ BAD = {
                                                            "strategy.tp_degree 2 × replicate_degree 2 does not divide "
                                                            "world size 2; use a world size that is a multiple of 4"),
     "tp_degree with another strategy": (2, ("strategy.name=ddp", "strategy.tp_degree=2"),
-                                        "strategy.tp_degree applies to fsdp/pipeline/tp/hf_native only, but strategy.name is ddp"),
+                                        "strategy.tp_degree applies to fsdp/pipeline/hybrid/tp/hf_native only, but strategy.name is "
+                                        "ddp"),
     "tp_degree other than the world under tp": (4, ("strategy.name=tp", "strategy.tp_degree=2"),
                                                 "use strategy.name=fsdp with tp_degree 2"),
     "fp16 (a loss scaler over mixed DTensor/plain gradients)": (2, ("strategy.name=tp", "precision=fp16"),

@@ -71,6 +71,10 @@ def check_model_split_ddp(recipe: Recipe, world_size: int) -> None:
                           "replicates it with ddp; set strategy.data_parallel=ddp, or a pipeline_degree for fsdp")
     if options.schedule != "1f1b" or options.stages_per_rank != 1:
         raise RecipeError("strategy.schedule / stages_per_rank need strategy.pipeline_degree (a pipeline)")
+    if options.tp_degree is not None:  # a model split inside each process splits no layer over ranks
+        raise RecipeError("strategy.tp_degree under hybrid makes each pipeline stage tensor-parallel: it needs "
+                          "strategy.pipeline_degree and strategy.data_parallel=fsdp; a model split over devices × ddp "
+                          "takes none")
     for key, off in (("gradient_compression", "none"), ("sync_every", 1)):
         if getattr(options, key) != off:
             raise RecipeError(f"strategy.{key} under hybrid applies to a pipeline's ddp replicas (set "
@@ -147,9 +151,11 @@ def one_replica_per_stage(grid: Grid, world_size: int) -> str | None:
     if grid.dp > 1:
         return None
     pp = grid.pp
+    # tensor-parallel stages take fsdp replicas only (layout.check_tensor_parallel)
+    fsdp = " and strategy.data_parallel=fsdp" if grid.tp > 1 and not grid.sharded else ""
     return (f"strategy hybrid with {pp} stages on {world_size} ranks has one replica per stage, so it runs as "
-            f"strategy pipeline, without data parallelism; use {ranks_option(2 * pp * grid.tp)} for {pp} stages × 2 "
-            f"replicas{f' of {grid.tp} tensor-parallel ranks' if grid.tp > 1 else ''}")
+            f"strategy pipeline, without data parallelism; use {ranks_option(2 * pp * grid.tp)}{fsdp} for {pp} "
+            f"stages × 2 replicas{f' of {grid.tp} tensor-parallel ranks' if grid.tp > 1 else ''}")
 
 
 def pipeline_form() -> PipelineStrategy:

@@ -25,8 +25,8 @@ from torch import nn
 
 from toolkit.config.recipe import Recipe, plan_batch
 from toolkit.memory.activations import Traced, traced_stage
-from toolkit.memory.state_bytes import (StateBytes, adam_state, dim0_shard, dim0_shard_of, element_bytes, of_shapes,
-                                        whole)
+from toolkit.memory.state_bytes import (StateBytes, adam_state, dim0_held, dim0_shard, dim0_shard_of, element_bytes,
+                                        of_shapes, whole)
 from toolkit.model import tp_plan
 from toolkit.model.precision import DTYPES
 from toolkit.strategies.dims.compression import powersgd_state_bytes
@@ -43,27 +43,37 @@ def state_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: int) -
     first and the last stage, once each), whole under ddp, dim-0 shards under fsdp (of a tp rank's slices, with
     tensor-parallel stages)."""
     grid, dtype = grid_of(recipe, world_size), DTYPES[recipe.model.load_dtype]
-    local = dim0_shard(grid.dp) if grid.sharded and grid.dp > 1 else whole
+    sharded = grid.sharded and grid.dp > 1
     # a stage's ddp replicas under PowerSGD: each stage's DDP module keeps its own error and factors
     compression = compression_of(recipe) if grid.dp > 1 and not grid.sharded else None
-    per_pp_rank = []
+    # fsdp: a replica's AdamW moments are made like its unpadded shard (dim0_held), so where a dim 0 does not divide
+    # the replicas, the last ones hold less than their padded parameters and gradients
+    per_coords: dict[tuple[int, int], StateBytes] = {}
     for pp_rank in range(grid.pp):
-        total = StateBytes(params_bytes=0, grads_bytes=0, optim_bytes=0)
-        for stage in rank_stages(model, recipe, grid, pp_rank):
-            # tensor-parallel stages: a tp rank's slices of the split layers, the rest whole (tp_plan); fsdp shards
-            # those over the replicas
-            held = local
-            if grid.tp > 1:
-                shapes = tp_plan.local_shapes(stage, grid.tp)
-                held = dim0_shard_of(shapes, grid.dp) if grid.sharded and grid.dp > 1 else of_shapes(shapes)
-            total += adam_state(stage.named_parameters(), dtype=dtype, local=held)
-            if compression is not None:
-                kept = powersgd_state_bytes(stage.parameters(), compression, dtype=dtype,
-                                            steps=recipe.train.max_steps)
-                total += StateBytes(params_bytes=0, grads_bytes=0, optim_bytes=kept)
-        per_pp_rank.append(total)
+        stages = rank_stages(model, recipe, grid, pp_rank)
+        for dp_rank in range(grid.dp if sharded else 1):
+            total = StateBytes(params_bytes=0, grads_bytes=0, optim_bytes=0)
+            for stage in stages:
+                # tensor-parallel stages: a tp rank's slices of the split layers, the rest whole (tp_plan); fsdp
+                # shards those over the replicas
+                shapes = tp_plan.local_shapes(stage, grid.tp) if grid.tp > 1 else None
+                if sharded:
+                    held = dim0_shard_of(shapes, grid.dp) if shapes is not None else dim0_shard(grid.dp)
+                    moments = dim0_held(grid.dp, dp_rank, shapes)
+                else:
+                    held, moments = (of_shapes(shapes) if shapes is not None else whole), None
+                total += adam_state(stage.named_parameters(), dtype=dtype, local=held, moments=moments)
+                if compression is not None:
+                    kept = powersgd_state_bytes(stage.parameters(), compression, dtype=dtype,
+                                                steps=recipe.train.max_steps)
+                    total += StateBytes(params_bytes=0, grads_bytes=0, optim_bytes=kept)
+            per_coords[pp_rank, dp_rank] = total
+    per_rank = []
+    for rank in range(world_size):
+        pp_rank, dp_rank = grid.coords(rank)
+        per_rank.append(per_coords[pp_rank, dp_rank if sharded else 0])
     # a stage's ddp replicas under DiLoCo: the outer step's anchor and momentum of its stages
-    return outer_state([per_pp_rank[grid.coords(rank)[0]] for rank in range(world_size)], local_sgd_of(recipe))
+    return outer_state(per_rank, local_sgd_of(recipe))
 
 
 def activation_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: int, how: dict[str, Any]) -> list[int]:

@@ -105,7 +105,8 @@ class PipelineRules:
         grid = grid_of(recipe, world_size)
         if not grid.sharded:
             return [0] * world_size
-        compute = DTYPES[recipe.precision]
+        stored = DTYPES[recipe.model.load_dtype]  # fp32: MixedPrecisionPolicy casts nothing
+        compute = stored if recipe.precision == "fp32" else DTYPES[recipe.precision]
         grads = compute if recipe.precision == "fp32" else torch.float32
         per_param = element_bytes(compute) + element_bytes(grads)
 

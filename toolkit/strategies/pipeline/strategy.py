@@ -355,7 +355,9 @@ class PipelineStrategy:
                  and all(_spans(p.grad, dim) or index == 0 for dim, index in along)]
         squares = torch.zeros((), dtype=torch.float32, device=self.env.device)
         if local:
-            squares = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in local])) ** 2
+            # in fp32 whatever the gradients' dtype (bf16 weights): summed over up to every rank, as planned (4 bytes)
+            squares = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in local])) ** 2
         # ddp replicas hold the same whole stages: each replica's pipeline sums its own over pp
         group = None if self.grid.sharded or self.grid.tp > 1 else self.mesh.get_group("pp")
         dist.all_reduce(squares, group=group)
@@ -467,6 +469,7 @@ class PipelineStrategy:
         stored = first_dtype(_local(p) for p in params)
         grads = [p.grad for p in params if p.grad is not None]
         compute = dtype_name(stored) if self.amp.precision == "fp32" else f"{self.amp.precision} (autocast)"
+        compute_dtype = dtype_name(stored) if self.amp.precision == "fp32" else self.amp.precision
         reduce = ("reduce-scatter mean" if self.grid.sharded else f"all-reduce mean over {self.grid.dp} replicas") \
             if self.grid.dp > 1 else "none: one replica per stage"
         if self.local is not None:
@@ -479,10 +482,11 @@ class PipelineStrategy:
                               f"{', ' + self.compression.describe() if self.compression.on else ''})"
                               if self.grid.dp > 1 and self.local is None else reduce,
             **self.optim.audit(before_state=stored, scaler="ShardedGradScaler over all stages"),
+            # fsdp replicas compute on their MixedPrecisionPolicy's cast: the stream is in the compute dtype too
+            # (collectives.predict's `flowing`), autocast's keeps the weights' dtype
             **({"tensor_parallel": tensor_parallel.activation_reduction(
-                sequence_parallel=False, stream=dtype_name(stored),
-                dtype=dtype_name(stored) if self.amp.precision == "fp32" else self.amp.precision)}
-               if self.grid.tp > 1 else {}),
+                sequence_parallel=False, stream=compute_dtype if self.grid.sharded else dtype_name(stored),
+                dtype=compute_dtype)} if self.grid.tp > 1 else {}),
         }
 
     def _layout(self) -> str:
