@@ -46,6 +46,10 @@ ARMS = {
                                "strategy.stages_per_rank=2", "batch.grad_accum_steps=4")),
     # all three: 2 stages × 2 replicas sharded by FSDP2 (of a tp rank's slices) × 2 tp ranks each
     "pp-fsdp-tp2": (8, ("parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2", "batch.grad_accum_steps=2")),
+    # two stages a rank: FSDP2 units of both, gathered and reduced per stage, the tp slices' names unique per stage
+    "pp-fsdp-tp2-interleaved": (8, ("parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2",
+                                    "strategy.schedule=interleaved-1f1b", "strategy.stages_per_rank=2",
+                                    "batch.grad_accum_steps=2")),
 }
 # gradient compression on the stages' ddp replicas (hybrid, 2 stages × 2 replicas): DDP's own hooks, one per stage;
 # they change the maths on purpose, so they are held to other references than single (below)
