@@ -173,3 +173,25 @@ def test_collective_bytes_equal_the_counter_tp_under_autocast(llama4_runs, arm):
     assert_predicted(run_dir)
     audit = json.loads((run_dir / "run.json").read_text())["precision_audit"]["grad_reduction"]
     assert "(row-wise outputs bf16, column-wise inputs fp32)" in audit
+
+
+@pytest.mark.parametrize("layout, world", [(("parallel.dp_shard=3", "parallel.tp=2"), 6),
+                                           (("parallel.pp=2", "parallel.dp_shard=3", "parallel.tp=2"), 12)])
+def test_partial_gradients_are_planned_as_each_fsdp_shard_sends_them_unpadded(layout, world):
+    """Qwen3's q_norm and k_norm (head_dim 128, Qwen3's default) over 3 FSDP shards: torch.chunk's rows 43, 43 and
+    42, and tp_plan.sum_partial_gradients sends each gradient's to_local(), the unpadded rows. The plan gave every
+    shard 43 rows (ceil), 8 bytes a block too many on the last replica's ranks."""
+    recipe = resolve(load_recipe(REPO / "recipes" / "llama-tiny.yaml", [
+        "model.config.model_type=qwen3", *layout, "batch.micro_batch_size=4", "batch.grad_accum_steps=2"]),
+        world_size=world)
+    model = planned_model(recipe)
+    assert model.config.head_dim == 128
+    rows = [43, 43, 42]  # torch.chunk(range(128), 3): FSDP2's dim-0 shards
+    blocks = {6: [4] * 6, 12: [3] * 6 + [1] * 6}[world]  # the pipeline's stages: blocks 0-2 and 3 (split by FLOPs)
+    for rank in range(world):
+        dp_rank = rank // 2 % 3  # tp innermost, then the replicas
+        partial = [c for c in strategy_rules(recipe).predict_collectives(model, recipe, world_size=world, rank=rank,
+                                                                       shapes=[(4, 24)] * 2)
+                   if c.what == "partial gradients"]
+        # each block's two norms, fp32
+        assert [(c.payload_bytes, c.calls) for c in partial] == [(blocks[rank] * 2 * rows[dp_rank] * 4, 1)], rank

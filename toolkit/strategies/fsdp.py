@@ -256,7 +256,8 @@ class FsdpRules:
             shard_dim="dp_shard_cp" if cp > 1 else "dp_shard"), dtype=stored)
         return [*comm.tp_collectives(model, tp=tp, shapes=local, activation_dtype=compute,
                                      sequence_parallel=options.sequence_parallel, recompute=recompute, shard=shard,
-                                     loss_parallel=options.loss_parallel, stream_dtype=compute),
+                                     loss_parallel=options.loss_parallel, stream_dtype=compute,
+                                     shard_index=rank // tp % shard),  # as predict_state_bytes' held()
                 *norms,
                 *sp_norms,
                 *comm.CP_COLLECTIVES[recipe.parallel.cp_method](

@@ -42,7 +42,7 @@ from torch import nn
 
 from toolkit.cost.collectives import Collective
 from toolkit.cost.flops import attention_heads
-from toolkit.memory.state_bytes import element_bytes
+from toolkit.memory.state_bytes import dim0_rows, element_bytes
 from toolkit.model.tied import head_tied_to_embedding
 from toolkit.strategies.dims.compression import Compression, compression_collectives
 from toolkit.strategies.dims.context import local_length
@@ -124,13 +124,14 @@ def fsdp_collectives(units: list[Named], *, shard: int, replicate: int, compute_
 
 
 def tp_collectives(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtype, sequence_parallel: bool,
-                   recompute: bool, shard: int = 1, loss_parallel: bool = False, stream_dtype=None
-                   ) -> list[Collective]:
+                   recompute: bool, shard: int = 1, loss_parallel: bool = False, stream_dtype=None,
+                   shard_index: int = 0) -> list[Collective]:
     """Tensor parallel over `tp` ranks, this rank's micro-batches `shapes` (the TP group's ranks compute the same);
     `recompute`: activation checkpointing runs each block's forward, and its collectives, again in backward, up to
     the last tensor the block saves (dims/recompute.py: not a Llama block's last row-wise exit). The
     gradients of modules each rank computes in part (Qwen3's q_norm, k_norm) are summed once a step in fp32
-    (tp_plan.sum_partial_gradients), FSDP's shard of them where FSDP shards over `shard` ranks.
+    (tp_plan.sum_partial_gradients), FSDP's shard of them where FSDP shards over `shard` ranks (this rank's:
+    `shard_index`, whose rows are fewer where a dim 0 does not divide).
     Two dtypes: the split layers' matmuls output `activation_dtype` (what a row-wise layer's output and its
     gradient move); what lies between them (the residual stream, the norms' outputs: a column-wise layer's input
     and its gradient, the embedding's output) is in `stream_dtype`, the weights' own under autocast (tp: fp32
@@ -142,7 +143,8 @@ def tp_collectives(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtyp
     if tp <= 1:
         return []
     stream_dtype = stream_dtype or activation_dtype
-    partial = _partial_gradients(model, tp_plan.partial_gradient_modules(model), tp=tp, shard=shard)
+    partial = _partial_gradients(model, tp_plan.partial_gradient_modules(model), tp=tp, shard=shard,
+                                 index=shard_index)
     if loss_parallel:
         partial += _vocab_parallel(model, tp=tp, shapes=shapes, stream_dtype=stream_dtype,
                                    sequence_parallel=sequence_parallel)
@@ -274,12 +276,14 @@ def sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
 PARTIAL_GRADIENTS = "partial gradients"  # tp_plan.sum_partial_gradients: one all-reduce of them a step
 
 
-def _partial_gradients(model: nn.Module, modules: list[str], *, tp: int, shard: int) -> list[Collective]:
+def _partial_gradients(model: nn.Module, modules: list[str], *, tp: int, shard: int, index: int) -> list[Collective]:
+    """The one all-reduce of the gradients tp ranks compute in part: of FSDP shard `index`'s unpadded rows where
+    FSDP shards them over `shard` ranks (tp_plan.sum_partial_gradients sends each gradient's to_local())."""
     if not modules:
         return []
     named = dict(model.named_modules())
     params = [p for name in modules for p in named[name].parameters() if p.requires_grad]
-    numel = sum(math.ceil(p.shape[0] / shard) * math.prod(p.shape[1:]) if p.dim() else 1 for p in params)
+    numel = sum(dim0_rows(p.shape[0], shard, index) * math.prod(p.shape[1:]) if p.dim() else 1 for p in params)
     return [Collective(op="allreduce_", payload_bytes=numel * 4, calls=1, group="tp", group_size=tp,
                        phase="step", what=PARTIAL_GRADIENTS)] if numel else []
 

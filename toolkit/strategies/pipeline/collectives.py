@@ -89,7 +89,7 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
         split = [c for stage in stages for c in tp_collectives(
             stage, tp=grid.tp, shapes=padded, activation_dtype=DTYPES[recipe.precision], sequence_parallel=False,
             recompute=recipe.train.recompute != "none", stream_dtype=flowing,
-            shard=grid.dp if grid.sharded else 1)]
+            shard=grid.dp if grid.sharded else 1, shard_index=grid.coords(rank)[1] if grid.sharded else 0)]
         # the partial gradients of all the rank's stages are summed in one call (strategy.forward_backward)
         partial = [c for c in split if c.what == PARTIAL_GRADIENTS]
         out += [c for c in split if c.what != PARTIAL_GRADIENTS]
