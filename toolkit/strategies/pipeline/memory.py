@@ -50,13 +50,13 @@ def state_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: int) -
     # the replicas, the last ones hold less than their padded parameters and gradients
     per_coords: dict[tuple[int, int], StateBytes] = {}
     for pp_rank in range(grid.pp):
-        stages = rank_stages(model, recipe, grid, pp_rank)
+        # tensor-parallel stages: a tp rank's slices of the split layers, the rest whole (tp_plan); fsdp shards
+        # those over the replicas
+        stages = [(stage, tp_plan.local_shapes(stage, grid.tp) if grid.tp > 1 else None)
+                  for stage in rank_stages(model, recipe, grid, pp_rank)]
         for dp_rank in range(grid.dp if sharded else 1):
             total = StateBytes(params_bytes=0, grads_bytes=0, optim_bytes=0)
-            for stage in stages:
-                # tensor-parallel stages: a tp rank's slices of the split layers, the rest whole (tp_plan); fsdp
-                # shards those over the replicas
-                shapes = tp_plan.local_shapes(stage, grid.tp) if grid.tp > 1 else None
+            for stage, shapes in stages:
                 if sharded:
                     held = dim0_shard_of(shapes, grid.dp) if shapes is not None else dim0_shard(grid.dp)
                     moments = dim0_held(grid.dp, dp_rank, shapes)

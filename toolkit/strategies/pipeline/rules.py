@@ -3,6 +3,7 @@ data shard a rank reads (its replica's) and the memory rules `toolkit plan` pred
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -98,8 +99,6 @@ class PipelineRules:
         # backward to the step's end it holds its gathered parameters (compute dtype) and its whole gradient
         # (accumulated over the micro-batches in fp32 under a 16-bit precision, as FSDP2 reduces it): each rank's
         # own stages whole (with tensor-parallel stages, its tp slices whole), twice over
-        import math
-
         from toolkit.model import tp_plan
 
         grid = grid_of(recipe, world_size)

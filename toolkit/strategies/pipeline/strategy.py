@@ -468,8 +468,8 @@ class PipelineStrategy:
         params = list(self._model.parameters())
         stored = first_dtype(_local(p) for p in params)
         grads = [p.grad for p in params if p.grad is not None]
-        compute = dtype_name(stored) if self.amp.precision == "fp32" else f"{self.amp.precision} (autocast)"
         compute_dtype = dtype_name(stored) if self.amp.precision == "fp32" else self.amp.precision
+        compute = compute_dtype if self.amp.precision == "fp32" else f"{compute_dtype} (autocast)"
         reduce = ("reduce-scatter mean" if self.grid.sharded else f"all-reduce mean over {self.grid.dp} replicas") \
             if self.grid.dp > 1 else "none: one replica per stage"
         if self.local is not None:
