@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 
 from toolkit.config.files import load_recipe  # noqa: E402
 from toolkit.cost import step_time  # noqa: E402
+from toolkit.errors import RecipeError  # noqa: E402
 from toolkit.plan import scale  # noqa: E402
 from toolkit.plan.predict import planned_model  # noqa: E402
 
@@ -58,8 +59,6 @@ def skip_reason(row: dict) -> str | None:
     if (layout.get("tp") or 1) > 1 and (layout.get("pp") or 1) > 1:  # pp × tp, and pp × dp_shard × tp
         if (layout.get("cp") or 1) > 1:
             return "tp × pp × cp: not a toolkit layout yet (pp × dp_shard × tp is)"
-        if (layout.get("dp_replicate") or 1) > 1:
-            return "tp × pp with replicated data parallel: not a toolkit layout (DDP takes no DTensor weights)"
     if row["model"].get("num_experts") and layout.get("ep") is None:
         return "experts' layout (ep) not stated"
     return None
@@ -106,7 +105,9 @@ def layout_of(row: dict) -> tuple[str, ...]:
         return ("strategy.name=zero", f"strategy.stage={layout.get('zero_stage') or 3}")
     if pp > 1:
         kind = "fsdp" if dp_shard > 1 else "ddp"
-        stages = (*schedule_of(row["pipeline"]), *((f"strategy.tp_degree={tp}",) if tp > 1 else ()))
+        # tensor-parallel stages on sequence shards, as torchtitan's and Megatron's tensor parallel keeps them
+        stages = (*schedule_of(row["pipeline"]),
+                  *((f"strategy.tp_degree={tp}", "strategy.sequence_parallel=true") if tp > 1 else ()))
         if dp_shard == 1 and replicate == 1:  # no replicas: the pipeline strategy itself (tensor-parallel stages)
             return ("strategy.name=pipeline", *stages)
         return ("strategy.name=hybrid", f"strategy.pipeline_degree={pp}", f"strategy.data_parallel={kind}", *stages)
@@ -190,10 +191,15 @@ class Row:
 
 
 def build(row: dict, folder: Path) -> Row | str:
+    """The row's run planned, or why the toolkit cannot plan it (its refusal of the recipe or the layout, in its
+    own words: tp × pp over DDP replicas, a model the row describes too little to build)."""
     path = folder / f"{row['id']}.yaml"
     path.write_text(recipe_text(row))
-    recipe = load_recipe(path, list(layout_of(row)))
-    model = planned_model(recipe)
+    try:
+        recipe = load_recipe(path, list(layout_of(row)))
+        model = planned_model(recipe)
+    except RecipeError as exc:
+        return f"refused: {exc}"
     cluster = scale.cluster_of(row["hardware"], nodes=row["num_nodes"], gpus_per_node=row["gpus_per_node"])
     planned = scale.plan_layout(row["id"], recipe, model, cluster)
     if planned.refused is not None or planned.work is None:

@@ -46,6 +46,13 @@ ARMS = {
                                "strategy.stages_per_rank=2", "batch.grad_accum_steps=4")),
     # all three: 2 stages × 2 replicas sharded by FSDP2 (of a tp rank's slices) × 2 tp ranks each
     "pp-fsdp-tp2": (8, ("parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2", "batch.grad_accum_steps=2")),
+    # sequence parallelism inside the stages: each stage cuts what it receives to its tp rank's share of the tokens
+    # and gathers its last block's output whole to send it on; without FSDP the norms' partial gradients are summed
+    # with the rest once a step, under FSDP each by FSDP
+    "pp-tp2-sp": (4, ("parallel.pp=2", "parallel.tp=2", "strategy.sequence_parallel=true",
+                      "batch.grad_accum_steps=4")),
+    "pp-fsdp-tp2-sp": (8, ("parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2", "strategy.sequence_parallel=true",
+                           "batch.grad_accum_steps=2")),
     # two stages a rank: FSDP2 units of both, gathered and reduced per stage, the tp slices' names unique per stage
     "pp-fsdp-tp2-interleaved": (8, ("parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2",
                                     "strategy.schedule=interleaved-1f1b", "strategy.stages_per_rank=2",
@@ -437,6 +444,13 @@ BAD = {
                                                "strategy.tp_degree=2"),
                                            "strategy.tp_degree under hybrid makes each pipeline stage tensor-parallel: "
                                            "it needs strategy.pipeline_degree and strategy.data_parallel=fsdp"),
+    "sequence parallel without tp stages": (2, ("strategy.name=pipeline", "strategy.sequence_parallel=true"),
+                                            "strategy.sequence_parallel needs tensor-parallel stages: set "
+                                            "strategy.tp_degree (2 or more)"),
+    "sequence parallel under a model split": (4, ("strategy.name=hybrid", "strategy.data_parallel=ddp",
+                                                  "strategy.sequence_parallel=true"),
+                                              "strategy.sequence_parallel under hybrid applies to tensor-parallel "
+                                              "pipeline stages"),
     "tp stages with one stage": (2, ("strategy.name=pipeline", "strategy.tp_degree=2"),
                                  "a pipeline needs at least 2 ranks, one per stage, but the world size is 2 with "
                                  "tp_degree 2"),

@@ -163,3 +163,57 @@ def test_sequence_parallelism_keeps_a_block_input_of_1_over_n_under_full_checkpo
     recipe = recipe_of(layers=6, overrides=("train.activation_checkpointing=true",))
     plan = predict(recipe, world_size=4, runtime_bytes=0, device_type="cuda")
     assert plan.activation_bytes == [traced(6, True)] * 4
+
+
+def stage_on_dtensors(recipe, degree, how, *, first, last):
+    """A pipeline stage of the recipe's model (its two blocks) as a run builds it: cut first (model/stages.py), then
+    parallelized over a fake process group of `degree` ranks, traced as rank 0."""
+    from toolkit.model import stages
+
+    made = stages.Stage
+
+    def parallel_stage(*args, **kwargs):
+        stage = made(*args, **kwargs)
+        tp_plan.parallelize(stage, mesh, sequence_parallel=recipe.strategy.sequence_parallel)
+        return stage
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=degree)
+    kept = activations.LiveBytes
+    try:
+        mesh = init_device_mesh("cpu", (degree,))  # outside the trace's fake tensor mode
+        stages.Stage = parallel_stage  # type: ignore[misc]
+        activations.LiveBytes = RankBytes  # type: ignore[misc]
+        with _Propagating():
+            return activations._traced(planned_model(recipe), recipe, **how, stage=(first, last))
+    finally:
+        stages.Stage = made  # type: ignore[misc]
+        activations.LiveBytes = kept  # type: ignore[misc]
+        dist.destroy_process_group()
+
+
+STAGE_CASES = {  # (degree, recipe_of's arguments, dtypes, activation checkpointing, (first, last))
+    "sp2-middle": (2, {}, FP32, False, (False, False)),
+    "sp2-first": (2, {}, FP32, False, (True, False)),
+    "sp2-last": (2, {}, FP32, False, (False, True)),
+    "sp4-middle-uneven": (4, dict(length=126), FP32, False, (False, False)),
+    "sp2-middle-ac-bf16": (2, {}, BF16, True, (False, False)),
+    "sp4-first-micro1-selective-bf16": (4, dict(micro=1), BF16, "selective", (True, False)),
+    "tp2-middle": (2, dict(sequence=False), FP32, False, (False, False)),
+}
+
+
+@pytest.mark.parametrize("case", STAGE_CASES)
+def test_a_tensor_parallel_pipeline_stage_is_traced_as_the_plan_on_dtensors_keeps_it(tmp_path, monkeypatch, case):
+    """pp × tp (× sequence parallelism): a stage's tp rank. A stage before the last gathers its last block's output
+    whole to send it on (under sequence parallelism, the share's all-gather the trace adds: tp_rank.stage_output);
+    a stage after the first cuts what it receives to its share."""
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
+    degree, shape, dtypes, checkpointing, (first, last) = STAGE_CASES[case]
+    recipe = recipe_of(**shape)
+    how = {**dtypes, "checkpointing": checkpointing}
+    reference = stage_on_dtensors(recipe, degree, how, first=first, last=last)
+    traced = activations.traced_stage(planned_model(recipe), recipe, blocks=2, first=first, last=last,
+                                      tp_degree=degree, sequence_parallel=recipe.strategy.sequence_parallel,
+                                      **how)
+    assert traced == reference

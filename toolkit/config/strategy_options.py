@@ -68,9 +68,10 @@ class StrategyConfig:
     ep_degree: int | None = None  # fsdp: > 1 = expert parallel, each MoE layer's experts split over groups of this
     #   many neighbouring ranks (tokens reach them by all-to-all), FSDP-sharded over the ranks holding the same ones
     #   (hf_native: transformers' ep_size)
-    sequence_parallel: bool = False  # tp, fsdp with tp_degree: norms and residuals on sequence shards between the
-    #   split layers (Llama-style decoders): less activation memory, the blocks' bytes moved as before (two
-    #   gathers a micro-batch more: the final norm's output, the embedding output's gradient)
+    sequence_parallel: bool = False  # tp, fsdp with tp_degree, pipeline/hybrid with tp_degree (each stage): norms and
+    #   residuals on sequence shards between the split layers (Llama-style decoders): less activation memory, the
+    #   blocks' bytes moved as before (two gathers a micro-batch more: the final norm's output, or a stage's output
+    #   it sends on, and the embedding output's, or a stage's received input's, gradient)
     loss_parallel: bool = False  # tp, fsdp with tp_degree: a causal LM's output layer (and a tied embedding) split
     #   over the vocabulary, the loss reduced across the ranks (torchtitan's loss_parallel): a rank holds 1/N of the
     #   logits and of those weights, for three [tokens] all-reduces in the loss, one of the head's input gradient

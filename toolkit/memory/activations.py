@@ -91,24 +91,26 @@ def traced_activations(model: nn.Module, recipe: Recipe, *, params_dtype: torch.
 
 def traced_stage(model: nn.Module, recipe: Recipe, *, blocks: int, first: bool, last: bool,
                  params_dtype: torch.dtype, autocast_dtype: torch.dtype | None, checkpointing: bool | str,
-                 tp_degree: int = 1) -> Traced:
+                 tp_degree: int = 1, sequence_parallel: bool = False) -> Traced:
     """One micro-batch through a pipeline stage of `blocks` blocks (toolkit.model.stages.Stage: the
     embeddings when `first`, the head and the loss when `last`), traced like `traced_activations`. A stage's
     input (the activations it receives) and, unless last, the gradient of its output are the pipeline's
     receive buffers, made before the trace and not counted. Traced with one block and two, extrapolated.
-    `tp_degree` > 1: as one tensor-parallel rank of the stage computes it (its split layers 1/N wide)."""
+    `tp_degree` > 1: as one tensor-parallel rank of the stage computes it (its split layers 1/N wide; under
+    `sequence_parallel` its norms on 1/N of the tokens, the output gathered whole to be sent on)."""
     how = _how(model, params_dtype=params_dtype, autocast_dtype=autocast_dtype, checkpointing=checkpointing)
 
     def trace() -> dict:
         from toolkit.memory.tp_rank import local_model
 
-        local = local_model(model, tp_degree, loss_parallel=False, sequence_parallel=False) \
+        local = local_model(model, tp_degree, loss_parallel=False, sequence_parallel=sequence_parallel) \
             if tp_degree > 1 else model
         stack = layer_stack(local, guess=True)
         return dataclasses.asdict(_over_blocks(local, recipe, stack, blocks, stage=(first, last), **how))
 
     fields = tuple(f.name for f in dataclasses.fields(Traced))
-    key = ["stage", blocks, first, last, *(["tp", tp_degree] if tp_degree > 1 else [])]
+    key = ["stage", blocks, first, last, *(["tp", tp_degree] if tp_degree > 1 else []),
+           *(["sp"] if tp_degree > 1 and sequence_parallel else [])]
     return Traced(**_cached(model, recipe, how, key, fields, trace))
 
 
@@ -302,6 +304,8 @@ def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, au
                     out = model(input_ids=ids, **({} if mask is None else {"attention_mask": mask})).logits
                 else:
                     out = module(inputs[0], mask)
+                    if grad is not None:  # a stage before the last: what it sends on
+                        out = tp_rank.stage_output(model, out, tokens=tokens[1])
             if grad is None:  # the whole model, or the last stage: the loss
                 share = getattr(cast(Any, model).get_output_embeddings(), "vocabulary_share", False) \
                     if hasattr(model, "get_output_embeddings") else False

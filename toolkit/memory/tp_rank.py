@@ -64,7 +64,7 @@ def _shard_sequence(model: nn.Module, *, degree: int) -> None:
     if layers is None:  # the run refuses it first (tp_plan.sequence_parallel_plan): the plan says the same
         tp_plan.sequence_parallel_plan(model)
         raise RecipeError(f"strategy.sequence_parallel: {type(model).__name__} has no Llama-style decoder blocks")
-    stack, count = layers
+    stack, held = layers
     tokens: dict[str, int] = {}
 
     def on_hidden(change: Callable[[torch.Tensor], torch.Tensor]):
@@ -86,8 +86,8 @@ def _shard_sequence(model: nn.Module, *, degree: int) -> None:
             return (_Scattered.apply(output[0], degree), *output[1:])
         return _Scattered.apply(output, degree)
 
-    model.get_submodule(f"{stack}.0").register_forward_pre_hook(on_hidden(first), with_kwargs=True)
-    for index in range(count):
+    model.get_submodule(f"{stack}.{held[0]}").register_forward_pre_hook(on_hidden(first), with_kwargs=True)
+    for index in held:
         for part in ("self_attn", "mlp"):
             module = model.get_submodule(f"{stack}.{index}.{part}")
             module.register_forward_pre_hook(on_hidden(gather), with_kwargs=True)
@@ -96,6 +96,18 @@ def _shard_sequence(model: nn.Module, *, degree: int) -> None:
     for name, child in model.named_children():  # the head reads the gathered sequence
         if name != base:
             child.register_forward_pre_hook(on_hidden(gather), with_kwargs=True)
+    setattr(model, SEQUENCE_SHARDS, degree)  # a pipeline stage's trace gathers its output (stage_output)
+
+
+SEQUENCE_SHARDS = "toolkit_sequence_shards"  # on a local_model under sequence parallelism: its tp degree
+
+
+def stage_output(model: nn.Module, output: torch.Tensor, *, tokens: int) -> torch.Tensor:
+    """What a pipeline stage before the last sends on, from its last block's `output`: under sequence parallelism
+    (a local_model with SEQUENCE_SHARDS) the rank's share gathered whole, as sequence_parallel_plan gathers it,
+    a tensor of `tokens` positions; else the output itself."""
+    degree = getattr(model, SEQUENCE_SHARDS, 0)
+    return cast(torch.Tensor, _Sent.apply(output, degree, tokens)) if degree else output
 
 
 # What torch 2.13's sequence-dim collectives allocate on a rank (DTensor's Shard(1) <-> Replicate / Partial
@@ -152,6 +164,20 @@ class _Gathered(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _reduce_scatter(grad, ctx.degree), None, None
+
+
+class _Sent(torch.autograd.Function):
+    """A stage's output share gathered whole (forward: a Shard(1) -> Replicate redistribution); its gradient, whole
+    on every tp rank, cut to the share (backward: Replicate -> Shard(1) clones the rank's chunk, no collective)."""
+
+    @staticmethod
+    def forward(ctx: Any, share: torch.Tensor, degree: int, whole: int) -> torch.Tensor:
+        ctx.share = share.shape[1]
+        return _all_gather(share, degree, whole)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad.narrow(1, 0, ctx.share).clone(), None, None
 
 
 class _Scattered(torch.autograd.Function):

@@ -169,17 +169,24 @@ def partial_gradient_params(model: nn.Module) -> list[nn.Parameter]:
 def sum_partial_gradients(params: list[nn.Parameter], group, *, device: torch.device) -> None:
     """Sum the gradients of `params` (partial_gradient_params) over the TP `group` in place: one all-reduce of
     their concatenation, in fp32 (a handful of head-size vectors per block). A gradient that is a DTensor
-    (FSDP's shard over the data-parallel ranks) sums its local shard: a TP group's ranks hold the same shard."""
-    from torch.distributed.tensor import DTensor
+    (FSDP's shard over the data-parallel ranks) sums its local shard: a TP group's ranks hold the same shard. One
+    that DTensor marks a partial sum (a sequence-parallel norm's, where no FSDP replicates it) is marked whole once
+    summed: the optimizer would sum it again."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
 
-    grads = [cast(torch.Tensor, p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
-             for p in params if p.grad is not None]
+    held = [p for p in params if p.grad is not None]
+    grads = [cast(torch.Tensor, p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for p in held]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1).to(device=device, dtype=torch.float32) for g in grads])
     torch.distributed.all_reduce(flat, group=group)
-    for grad, summed in zip(grads, flat.split([g.numel() for g in grads])):
+    for param, grad, summed in zip(held, grads, flat.split([g.numel() for g in grads])):
         grad.copy_(summed.view_as(grad))
+        whole = param.grad
+        if isinstance(whole, DTensor) and any(isinstance(p, Partial) for p in whole.placements):
+            param.grad = DTensor.from_local(grad, whole.device_mesh, [Replicate() if isinstance(p, Partial) else p
+                                                                      for p in whole.placements],
+                                            run_check=False, shape=whole.shape, stride=whole.stride())
 
 
 def check_recipe(recipe: Recipe, *, degree: int) -> None:
@@ -362,17 +369,20 @@ def sequence_parallel_plan(model: nn.Module) -> dict[str, Any]:
     layers reduce-scatter instead of all-reduce, the inputs of attention and MLP are all-gathered: the same
     bytes, less activation memory. The first block's input is cut from the (replicated) embedding output and
     the head's input gathered back, so the model's mask, positions and the loss are those of the full
-    sequence. Llama-style decoders only: their blocks hold exactly DECODER_PARTS."""
+    sequence. A pipeline stage (model/stages.py) cuts its first block's input, the received activations, and
+    before the last stage gathers its last block's output: stages send and receive the whole sequence, and each
+    computes its mask and positions as the model does. Llama-style decoders only: their blocks hold exactly
+    DECODER_PARTS."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
-                                                   RowwiseParallel, SequenceParallel)
+                                                   PrepareModuleOutput, RowwiseParallel, SequenceParallel)
 
     config: Any = model.config
     layers = decoder_layers(model)
     if layers is None:
         raise RecipeError(f"strategy.sequence_parallel: supported for Llama-style decoders (blocks of exactly "
                           f"{', '.join(DECODER_PARTS)}), not {config.model_type}; set it to false")
-    stack, count = layers
+    stack, held = layers
     styles = resolve(model)
     gathered = sorted({style for style in styles.values() if style not in PLAIN})
     if gathered:
@@ -385,7 +395,7 @@ def sequence_parallel_plan(model: nn.Module) -> dict[str, Any]:
     for name, style in styles.items():
         plan[name] = ColwiseParallel() if style == "colwise" else RowwiseParallel(output_layouts=seq,
                                                                                   use_local_output=False)
-    for index in range(count):
+    for index in held:
         block = f"{stack}.{index}"
         plan[f"{block}.input_layernorm"] = SequenceParallel()
         plan[f"{block}.post_attention_layernorm"] = SequenceParallel()
@@ -402,11 +412,20 @@ def sequence_parallel_plan(model: nn.Module) -> dict[str, Any]:
             plan[f"{block}.mlp"] = PrepareModuleInputOutput(
                 input_layouts=(seq,), desired_input_layouts=(full,), use_local_input=True, output_layouts=(full,),
                 desired_output_layouts=(seq,), use_local_output=False)
-    plan[f"{stack}.0"] = PrepareModuleInput(input_layouts=(full,), desired_input_layouts=(seq,))
+    # the first block's input (the embeddings' output, or a pipeline stage's received activations) is cut
+    cut: dict[str, Any] = dict(input_layouts=(full,), desired_input_layouts=(seq,))
+    plan[f"{stack}.{held[0]}"] = PrepareModuleInput(**cut)
     base = stack.rsplit(".", 1)[0]
+    if next(model.get_submodule(f"{base}.norm").parameters(), None) is None:
+        # a pipeline stage before the last (its final norm a later stage's stand-in): its last block's output
+        # gathered whole, a plain tensor, what the stage sends on (the next stage cuts it again)
+        out: dict[str, Any] = dict(output_layouts=(seq,), desired_output_layouts=(full,), use_local_output=True)
+        plan[f"{stack}.{held[-1]}"] = PrepareModuleInputOutput(**cut, **out) if len(held) == 1 \
+            else PrepareModuleOutput(**out)
+        return plan
     plan[f"{base}.norm"] = SequenceParallel()
-    for head, _ in model.named_children():  # the head (lm_head, score) reads the gathered sequence
-        if head != base:
+    for head, child in model.named_children():  # the head (lm_head, score) reads the gathered sequence
+        if head != base and next(child.parameters(), None) is not None:
             plan[head] = PrepareModuleInput(**gather)  # type: ignore[arg-type]
     return plan
 
@@ -418,21 +437,24 @@ def whole_mlps(model: nn.Module, styles: dict[str, str]) -> list[str]:
     layers = decoder_layers(model)
     if layers is None:
         return []
-    stack, count = layers
-    mlps = [f"{stack}.{index}.mlp" for index in range(count)]
+    stack, held = layers
+    mlps = [f"{stack}.{index}.mlp" for index in held]
     return [mlp for mlp in mlps if not any(name.startswith(f"{mlp}.") for name in styles)]
 
 
-def decoder_layers(model: nn.Module) -> tuple[str, int] | None:
-    """(the layer stack's name, its length) when every block has exactly DECODER_PARTS and a final `norm` follows.
-    A block with more norms (Gemma 2's around its MLP, which it also applies to the attention output, not the
-    residual) would mix sequence shards and whole tensors: refused, not guessed."""
+def decoder_layers(model: nn.Module) -> tuple[str, list[int]] | None:
+    """(the layer stack's name, the indices of the blocks it holds) when every block with weights has exactly
+    DECODER_PARTS and a final `norm` follows. A pipeline stage holds some of the blocks: the others are stand-ins
+    without weights (model/stages.py), left out. A block with more norms (Gemma 2's around its MLP, which it also
+    applies to the attention output, not the residual) would mix sequence shards and whole tensors: refused, not
+    guessed."""
     modules = dict(model.named_modules())
     for name, module in modules.items():
         if isinstance(module, nn.ModuleList) and len(module) and "." in name:
-            parts = {child for child, _ in module[0].named_children()}
-            if set(DECODER_PARTS) == parts and f"{name.rsplit('.', 1)[0]}.norm" in modules:
-                return name, len(module)
+            held = [i for i, block in enumerate(module) if next(block.parameters(), None) is not None]
+            parts = [{child for child, _ in module[i].named_children()} for i in held]
+            if held and all(set(DECODER_PARTS) == p for p in parts) and f"{name.rsplit('.', 1)[0]}.norm" in modules:
+                return name, held
     return None
 
 

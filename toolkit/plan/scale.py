@@ -99,18 +99,27 @@ def pipeline_tp_layouts(model: nn.Module, *, nodes: int, per_node: int,
                         plain: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
     """A stage per node, tensor-parallel inside it (Megatron's and torchtitan's 3-D layout): tp over a degree that
     tiles the node, FSDP over the node's other GPUs (`pp{nodes}-fsdp-tp{tp}`), or over none where tp takes the whole
-    node (`pp{nodes}-tp{per_node}`: the pipeline with tp_degree). The stages take no sequence or loss parallelism."""
+    node (`pp{nodes}-tp{per_node}`: the pipeline with tp_degree). Each with and without sequence parallelism (`-sp`,
+    Llama-style blocks: less activation memory, as tp_options says); the stages take no loss parallelism (each tp
+    rank computes the whole head and loss)."""
+    try:
+        tp_plan.sequence_parallel_plan(model)
+        variants = [("", plain), ("-sp", ("strategy.sequence_parallel=true", "strategy.loss_parallel=false"))]
+    except RecipeError:
+        variants = [("", plain)]
     out: dict[str, tuple[str, ...]] = {}
     for tp in (d for d in range(2, per_node + 1) if per_node % d == 0):
         try:
             tp_plan.check_degree(model, tp)
         except RecipeError:
             continue
-        if tp == per_node:
-            out[f"pp{nodes}-tp{tp}"] = ("strategy.name=pipeline", f"strategy.tp_degree={tp}", *plain)
-        else:
-            out[f"pp{nodes}-fsdp-tp{tp}"] = ("strategy.name=hybrid", f"strategy.pipeline_degree={nodes}",
-                                             "strategy.data_parallel=fsdp", f"strategy.tp_degree={tp}", *plain)
+        for suffix, options in variants:
+            if tp == per_node:
+                out[f"pp{nodes}-tp{tp}{suffix}"] = ("strategy.name=pipeline", f"strategy.tp_degree={tp}", *options)
+            else:
+                out[f"pp{nodes}-fsdp-tp{tp}{suffix}"] = ("strategy.name=hybrid", f"strategy.pipeline_degree={nodes}",
+                                                         "strategy.data_parallel=fsdp", f"strategy.tp_degree={tp}",
+                                                         *options)
     return out
 
 

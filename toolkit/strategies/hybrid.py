@@ -46,6 +46,7 @@ class HybridOptions(LeverOptions):
     data_parallel: str
     devices: tuple[str, ...] | None
     tp_degree: int | None  # with pipeline_degree: each stage tensor-parallel over this many ranks (parallel.tp)
+    sequence_parallel: bool  # with tp_degree: each stage's norms and residual adds on sequence shards
 
 
 OPTIONS = HybridOptions  # the registry reads it by this name
@@ -61,6 +62,8 @@ INFO = StrategyInfo(
           # tensor-parallel stages sharded over their replicas: --nproc 8 or more
           "pp-fsdp-tp2": ("strategy.name=hybrid", "strategy.pipeline_degree=2", "strategy.data_parallel=fsdp",
                           "strategy.tp_degree=2"),
+          "pp-fsdp-tp2-sp": ("strategy.name=hybrid", "strategy.pipeline_degree=2", "strategy.data_parallel=fsdp",
+                             "strategy.tp_degree=2", "strategy.sequence_parallel=true"),
           "mp-ddp": ("strategy.name=hybrid", "strategy.data_parallel=ddp")})
 
 
@@ -75,6 +78,9 @@ def check_model_split_ddp(recipe: Recipe, world_size: int) -> None:
         raise RecipeError("strategy.tp_degree under hybrid makes each pipeline stage tensor-parallel: it needs "
                           "strategy.pipeline_degree and strategy.data_parallel=fsdp; a model split over devices × ddp "
                           "takes none")
+    if options.sequence_parallel:
+        raise RecipeError("strategy.sequence_parallel under hybrid applies to tensor-parallel pipeline stages: it "
+                          "needs strategy.pipeline_degree and strategy.tp_degree")
     for key, off in (("gradient_compression", "none"), ("sync_every", 1)):
         if getattr(options, key) != off:
             raise RecipeError(f"strategy.{key} under hybrid applies to a pipeline's ddp replicas (set "

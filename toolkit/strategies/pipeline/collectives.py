@@ -38,7 +38,7 @@ from toolkit.model.precision import DTYPES
 from toolkit.model.stages import Stage
 from toolkit.model.tied import tied_aliases
 from toolkit.strategies.dims.comm import (PARTIAL_GRADIENTS, fp16_scaler_collectives, fsdp_collectives, fsdp_units,
-                                          tp_collectives)
+                                          sequence_parallel_norms, sequence_parallel_params, tp_collectives)
 from toolkit.strategies.dims.compression import WIRE_DTYPES, compression_collectives
 from toolkit.strategies.dims.parallelize import DdpWrap
 from toolkit.strategies.pipeline.batches import padded_length
@@ -87,12 +87,22 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
     if grid.tp > 1:  # each stage's split layers: their activations (and the partial gradients) over its tp ranks,
         padded = [(recipe.batch.micro_batch_size, length)] * micro  # every micro-batch padded, as sent (above)
         split = [c for stage in stages for c in tp_collectives(
-            stage, tp=grid.tp, shapes=padded, activation_dtype=DTYPES[recipe.precision], sequence_parallel=False,
+            stage, tp=grid.tp, shapes=padded, activation_dtype=DTYPES[recipe.precision],
+            sequence_parallel=grid.sequence_parallel,
             recompute=recipe.train.recompute != "none", stream_dtype=flowing,
             shard=grid.dp if grid.sharded else 1, shard_index=grid.coords(rank)[1] if grid.sharded else 0)]
-        # the partial gradients of all the rank's stages are summed in one call (strategy.forward_backward)
+        # the partial gradients of all the rank's stages are summed in one call (strategy.forward_backward), with
+        # the sequence-parallel norms' where no FSDP shards the replicas (FSDP all-reduces each of those itself)
         partial = [c for c in split if c.what == PARTIAL_GRADIENTS]
         out += [c for c in split if c.what != PARTIAL_GRADIENTS]
+        norms = sum(p.numel() for stage in stages for p in sequence_parallel_params(stage)) \
+            if grid.sequence_parallel else 0
+        if grid.sequence_parallel and grid.sharded:
+            reduce = stored if recipe.precision == "fp32" else torch.float32
+            out += [c for stage in stages for c in sequence_parallel_norms(stage, tp=grid.tp, reduce_dtype=reduce)]
+        elif norms:
+            partial.append(Collective(op="allreduce_", payload_bytes=norms * 4, calls=1, group="tp",
+                                      group_size=grid.tp, phase="step", what=PARTIAL_GRADIENTS))
         if partial:
             out.append(dataclasses.replace(partial[0], payload_bytes=sum(c.payload_bytes for c in partial)))
     if recipe.optim.max_grad_norm is not None:

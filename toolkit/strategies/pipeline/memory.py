@@ -92,7 +92,8 @@ def activation_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: i
     for pp_rank in range(grid.pp):
         stage_ids = grid.stage_ids(pp_rank, options.stages_per_rank)
         traces = {s: traced_stage(model, recipe, blocks=parts.count(s), first=s == 0, last=s == num_stages - 1,
-                                  tp_degree=grid.tp, **how) for s in stage_ids}
+                                  tp_degree=grid.tp, sequence_parallel=grid.sequence_parallel, **how)
+                  for s in stage_ids}
         buffers = sum(micro_batches * buffer * ((s != 0) + (s != num_stages - 1)) for s in stage_ids)
         actions = schedule_actions(options.schedule, rank=pp_rank, pp=grid.pp,
                                    stages_per_rank=options.stages_per_rank, micro_batches=micro_batches)

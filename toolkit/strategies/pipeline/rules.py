@@ -30,6 +30,7 @@ class PipelineOptions:
     split: tuple[int, ...] | None
     blocks: tuple[str, ...] | None
     tp_degree: int | None  # each stage's blocks tensor-parallel over this many ranks (parallel.tp)
+    sequence_parallel: bool  # with tp_degree: each stage's norms and residual adds on sequence shards
 
 
 OPTIONS = PipelineOptions  # the registry reads it by this name
@@ -49,7 +50,8 @@ INFO = StrategyInfo(
           "pp-zbv": ("strategy.name=pipeline", "strategy.schedule=zbv", "strategy.stages_per_rank=2"),
           "pp-dualpipev": ("strategy.name=pipeline", "strategy.schedule=dualpipev", "strategy.stages_per_rank=2"),
           # each stage tensor-parallel over 2 ranks: --nproc 4 or more
-          "pp-tp2": ("strategy.name=pipeline", "strategy.tp_degree=2")})
+          "pp-tp2": ("strategy.name=pipeline", "strategy.tp_degree=2"),
+          "pp-tp2-sp": ("strategy.name=pipeline", "strategy.tp_degree=2", "strategy.sequence_parallel=true")})
 
 
 class PipelineRules:

@@ -47,6 +47,7 @@ from toolkit.process.dist import DistEnv, gather_objects, tensors_on_main, world
 from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport, StrategyState,
                                      first_dtype)
 from toolkit.strategies.dims import compression
+from toolkit.strategies.dims.comm import sequence_parallel_params
 from toolkit.strategies.dims.parallelize import DdpWrap, FsdpWrap, parallelize
 from toolkit.strategies.pipeline.batches import KEPT_SHAPES, filler, padded_length, stacked
 from toolkit.strategies.dims.local_sgd import LocalSgd
@@ -175,9 +176,14 @@ class PipelineStrategy:
             # micro-batch under a pipeline schedule (its forwards run outside no_sync) and fails an internal
             # check; with this flag DDP does not rebuild its buckets
             wrap = DdpWrap(find_unused_parameters=True)
-        module = parallelize(stage, mesh=self.mesh, env=self.env, units=list(stage.blocks()), data_parallel=wrap)
+        module = parallelize(stage, mesh=self.mesh, env=self.env, units=list(stage.blocks()), data_parallel=wrap,
+                             sequence_parallel=self.grid.sequence_parallel)
         if self.grid.tp > 1:
             self.partial += tensor_parallel.partial_gradient_params(stage)
+        if self.grid.sequence_parallel and not self.grid.sharded:
+            # the norms on sequence shards hold partial gradients, summed with the rest once a step (where FSDP
+            # shards the replicas, it all-reduces each itself before its reduce-scatter)
+            self.partial += sequence_parallel_params(stage)
         if isinstance(wrap, DdpWrap) and self.compression.on:  # checked: ddp replicas, DDP's own hooks reduce them
             hook = compression.register(module, self.compression,
                                         names={id(p): n for n, p in stage.named_parameters()})
@@ -485,7 +491,8 @@ class PipelineStrategy:
             # fsdp replicas compute on their MixedPrecisionPolicy's cast: the stream is in the compute dtype too
             # (collectives.predict's `flowing`), autocast's keeps the weights' dtype
             **({"tensor_parallel": tensor_parallel.activation_reduction(
-                sequence_parallel=False, stream=compute_dtype if self.grid.sharded else dtype_name(stored),
+                sequence_parallel=self.grid.sequence_parallel,
+                stream=compute_dtype if self.grid.sharded else dtype_name(stored),
                 dtype=compute_dtype)} if self.grid.tp > 1 else {}),
         }
 
@@ -494,7 +501,8 @@ class PipelineStrategy:
         replicas = f" × {self.grid.dp} replicas ({self.grid.dp_kind})" if self.grid.dp > 1 else ""
         if self.grid.tp > 1:
             replicas += (f" × {self.grid.tp} tensor-parallel ranks each (attention heads and MLP columns split; "
-                         "embeddings, norms and head whole)")
+                         "embeddings, norms and head whole"
+                         f"{'; norms computed on sequence shards' if self.grid.sequence_parallel else ''})")
         return (f"{self.num_stages} stages over {self.grid.pp} ranks{replicas}, schedule {options.schedule} with "
                 f"{self.micro_batches} micro-batches; {self.grid.stages_by_rank(self.parts, options.stages_per_rank)}"
                 f"; weights: {self.loading}")
