@@ -51,6 +51,12 @@ ARMS = {
     # with the rest once a step, under FSDP each by FSDP
     "pp-tp2-sp": (4, ("parallel.pp=2", "parallel.tp=2", "strategy.sequence_parallel=true",
                       "batch.grad_accum_steps=4")),
+    # two stages a rank of one block each: a block both cuts its input and gathers its output
+    "pp-tp2-sp-interleaved": (4, ("parallel.pp=2", "parallel.tp=2", "strategy.sequence_parallel=true",
+                                  "strategy.schedule=interleaved-1f1b", "strategy.stages_per_rank=2",
+                                  "batch.grad_accum_steps=4")),
+    # every forward before the first backward: the stages' tp collectives in another order than 1f1b's
+    "pp-tp2-gpipe": (4, ("parallel.pp=2", "parallel.tp=2", "strategy.schedule=gpipe", "batch.grad_accum_steps=4")),
     "pp-fsdp-tp2-sp": (8, ("parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2", "strategy.sequence_parallel=true",
                            "batch.grad_accum_steps=2")),
     # two stages a rank: FSDP2 units of both, gathered and reduced per stage, the tp slices' names unique per stage
