@@ -179,9 +179,7 @@ class FsdpRules:
         def held(rank: int) -> LocalNumel:
             if ep > 1:
                 return expert.local_numel(model, ep=ep, world_size=world_size, rank=rank)
-            # mesh (dp_shard, tp): the tp ranks of a shard are neighbours; HSDP's (dp_replicate, dp_shard): a
-            # rank's shard is its place within its replica group
-            return dim0_held(shard, rank // tp % shard, shapes)
+            return dim0_held(shard, shard_index(rank, tp=tp, shard=shard), shapes)
         return outer_state([adam_state(model.named_parameters(), dtype=dtype, local=local, moments=held(rank))
                             for rank in range(world_size)], local_sgd_of(recipe))  # HSDP's DiLoCo: its shards
 
@@ -257,7 +255,7 @@ class FsdpRules:
         return [*comm.tp_collectives(model, tp=tp, shapes=local, activation_dtype=compute,
                                      sequence_parallel=options.sequence_parallel, recompute=recompute, shard=shard,
                                      loss_parallel=options.loss_parallel, stream_dtype=compute,
-                                     shard_index=rank // tp % shard),  # as predict_state_bytes' held()
+                                     shard_index=shard_index(rank, tp=tp, shard=shard)),
                 *norms,
                 *sp_norms,
                 *comm.CP_COLLECTIVES[recipe.parallel.cp_method](
@@ -555,3 +553,9 @@ def degrees(recipe: Recipe, *, world_size: int) -> Degrees:
     replicate, tp, cp = options.replicate_degree, options.tp_degree or 1, options.cp_degree or 1
     return Degrees(dp_replicate=replicate, dp_shard=world_size // (replicate * tp * cp), cp=cp, tp=tp,
                    ep=options.ep_degree or 1)
+
+
+def shard_index(rank: int, *, tp: int, shard: int) -> int:
+    """Which of FSDP's `shard` dim-0 parts a rank holds. Mesh (dp_shard, tp): the tp ranks of a shard are
+    neighbours; HSDP's (dp_replicate, dp_shard): a rank's shard is its place within its replica group."""
+    return rank // tp % shard
