@@ -105,9 +105,11 @@ def layout_of(row: dict) -> tuple[str, ...]:
         return ("strategy.name=zero", f"strategy.stage={layout.get('zero_stage') or 3}")
     if pp > 1:
         kind = "fsdp" if dp_shard > 1 else "ddp"
-        # tensor-parallel stages on sequence shards, as torchtitan's and Megatron's tensor parallel keeps them
+        # tensor-parallel stages on sequence shards, the head and loss over the vocabulary, as torchtitan's and
+        # Megatron's tensor parallel runs them
         stages = (*schedule_of(row["pipeline"]),
-                  *((f"strategy.tp_degree={tp}", "strategy.sequence_parallel=true") if tp > 1 else ()))
+                  *((f"strategy.tp_degree={tp}", "strategy.sequence_parallel=true", "strategy.loss_parallel=true")
+                    if tp > 1 else ()))
         if dp_shard == 1 and replicate == 1:  # no replicas: the pipeline strategy itself (tensor-parallel stages)
             return ("strategy.name=pipeline", *stages)
         return ("strategy.name=hybrid", f"strategy.pipeline_degree={pp}", f"strategy.data_parallel={kind}", *stages)

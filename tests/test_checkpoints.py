@@ -20,7 +20,7 @@ from toolkit.errors import RecipeError
 from toolkit.process import faults
 
 SOURCES = {"ddp": 2, "fsdp": 2, "zero2-offload": 2, "zero3": 2, "fsdp-async": 2, "pp": 2, "cp2": 2, "hsdp-tp2": 4,
-           "pp-tp2": 4, "pp-fsdp-tp2": 8, "pp-tp2-sp": 4}
+           "pp-tp2": 4, "pp-fsdp-tp2": 8, "pp-tp2-sp-lossp": 4}
 CROSS = [("zero3", 2, "fsdp", 2), ("fsdp", 2, "ddp", 1), ("ddp", 2, "zero3", 2), ("zero2-offload", 2, "single", 1),
          ("fsdp", 2, "fsdp", 1), ("ddp", 2, "pp", 2), ("pp", 2, "single", 1),
          ("ddp", 2, "tp", 2),  # tp: the split weights and their Adam state are DTensors
@@ -31,8 +31,9 @@ CROSS = [("zero3", 2, "fsdp", 2), ("fsdp", 2, "ddp", 1), ("ddp", 2, "zero3", 2),
          ("pp-tp2", 4, "single", 1), ("ddp", 2, "pp-tp2", 4),
          # and FSDP2-sharded over their replicas: each tp slice's dim-0 shards, DTensors over (dp_shard, tp)
          ("ddp", 2, "pp-fsdp-tp2", 8), ("pp-fsdp-tp2", 8, "single", 1),
-         # under sequence parallelism the stages' norms are DTensors too (replicated over tp)
-         ("pp-tp2-sp", 4, "single", 1)]
+         # under sequence parallelism the stages' norms are DTensors too (replicated over tp); under loss_parallel the
+         # last stage's head and the first's tied embedding hold a tp rank's rows of the vocabulary
+         ("pp-tp2-sp-lossp", 4, "single", 1)]
 
 
 def strategy_overrides(name: str) -> tuple[str, ...]:
@@ -50,8 +51,8 @@ def strategy_overrides(name: str) -> tuple[str, ...]:
         return ("parallel.dp_replicate=2", "parallel.tp=2")
     if name == "pp-tp2":  # 2 stages, each over 2 tp ranks
         return ("parallel.pp=2", "parallel.tp=2")
-    if name == "pp-tp2-sp":  # and their norms on sequence shards
-        return ("parallel.pp=2", "parallel.tp=2", "strategy.sequence_parallel=true")
+    if name == "pp-tp2-sp-lossp":  # and their norms on sequence shards, their vocabulary split
+        return ("parallel.pp=2", "parallel.tp=2", "strategy.sequence_parallel=true", "strategy.loss_parallel=true")
     if name == "pp-fsdp-tp2":  # 2 stages × 2 fsdp replicas × 2 tp ranks; 1f1b needs 2 micro-batches a replica
         return ("parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2", "batch.micro_batch_size=2")
     return (f"strategy.name={name}",)

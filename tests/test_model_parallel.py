@@ -51,14 +51,19 @@ ARMS = {
     # with the rest once a step, under FSDP each by FSDP
     "pp-tp2-sp": (4, ("parallel.pp=2", "parallel.tp=2", "strategy.sequence_parallel=true",
                       "batch.grad_accum_steps=4")),
+    # loss_parallel: the last stage's head and the loss over a tp rank's 1/2 of the vocabulary, the first stage's
+    # tied embedding split alike (its gradient, computed whole, cut to the rank's rows: tp_plan.keep_gradients_split)
+    "pp-tp2-lossp": (4, ("parallel.pp=2", "parallel.tp=2", "strategy.loss_parallel=true", "batch.grad_accum_steps=4")),
     # two stages a rank of one block each: a block both cuts its input and gathers its output
     "pp-tp2-sp-interleaved": (4, ("parallel.pp=2", "parallel.tp=2", "strategy.sequence_parallel=true",
                                   "strategy.schedule=interleaved-1f1b", "strategy.stages_per_rank=2",
                                   "batch.grad_accum_steps=4")),
     # every forward before the first backward: the stages' tp collectives in another order than 1f1b's
     "pp-tp2-gpipe": (4, ("parallel.pp=2", "parallel.tp=2", "strategy.schedule=gpipe", "batch.grad_accum_steps=4")),
-    "pp-fsdp-tp2-sp": (8, ("parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2", "strategy.sequence_parallel=true",
-                           "batch.grad_accum_steps=2")),
+    # the tied embedding's rows of the vocabulary (15,261: odd) FSDP-sharded unevenly over the 2 replicas
+    "pp-fsdp-tp2-sp-lossp": (8, ("parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2",
+                                 "strategy.sequence_parallel=true", "strategy.loss_parallel=true",
+                                 "batch.grad_accum_steps=2")),
     # two stages a rank: FSDP2 units of both, gathered and reduced per stage, the tp slices' names unique per stage
     "pp-fsdp-tp2-interleaved": (8, ("parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2",
                                     "strategy.schedule=interleaved-1f1b", "strategy.stages_per_rank=2",
@@ -453,6 +458,12 @@ BAD = {
     "sequence parallel without tp stages": (2, ("strategy.name=pipeline", "strategy.sequence_parallel=true"),
                                             "strategy.sequence_parallel needs tensor-parallel stages: set "
                                             "strategy.tp_degree (2 or more)"),
+    "loss parallel without tp stages": (2, ("strategy.name=pipeline", "strategy.loss_parallel=true"),
+                                        "strategy.loss_parallel needs tensor-parallel stages: set strategy.tp_degree "
+                                        "(2 or more)"),
+    "loss parallel with tiled loss": (4, ("strategy.name=pipeline", "strategy.tp_degree=2",
+                                          "strategy.loss_parallel=true", "train.tiled_loss=true"),
+                                      "train.tiled_loss is not available with strategy pipeline"),
     "sequence parallel under a model split": (4, ("strategy.name=hybrid", "strategy.data_parallel=ddp",
                                                   "strategy.sequence_parallel=true"),
                                               "strategy.sequence_parallel under hybrid applies to tensor-parallel "

@@ -39,18 +39,18 @@ def test_every_layout_of_two_h100_nodes_has_its_step_time_and_memory(two_nodes):
     planned = [p for p in two_nodes if "refused" not in p]
     names = {p["layout"] for p in planned}
     assert {"ddp", "fsdp", "hsdp-2x8", "zero1", "zero2", "zero3", "fsdp-tp2-lossp", "fsdp-tp8-sp-lossp", "pp2-fsdp",
-            "fsdp-cp2", "hsdp-2x8-cp2", "pp2-fsdp-tp2", "pp2-fsdp-tp4", "pp2-tp8", "pp2-fsdp-tp2-sp",
-            "pp2-tp8-sp"} <= names
+            "fsdp-cp2", "hsdp-2x8-cp2", "pp2-fsdp-tp2-lossp", "pp2-fsdp-tp4-lossp", "pp2-tp8-lossp",
+            "pp2-fsdp-tp2-sp-lossp", "pp2-tp8-sp-lossp"} <= names
     by_name = {p["layout"]: p for p in planned}
     # a stage per node, tensor-parallel inside it: tp splits the stage's blocks, so a GPU holds less than the
     # pipeline's fsdp replicas of whole blocks; tp pays its activations' all-reduces inside the node
-    assert by_name["pp2-fsdp-tp2"]["peak_bytes_per_gpu"] < by_name["pp2-fsdp"]["peak_bytes_per_gpu"]
-    assert "all-reduce activations over tp (in node)" in {c["what"] for c in by_name["pp2-fsdp-tp2"]["costs"]}
+    assert by_name["pp2-fsdp-tp2-lossp"]["peak_bytes_per_gpu"] < by_name["pp2-fsdp"]["peak_bytes_per_gpu"]
+    assert "all-reduce activations over tp (in node)" in {c["what"] for c in by_name["pp2-fsdp-tp2-lossp"]["costs"]}
     # and on sequence shards inside the stages: less held (the checkpointed block inputs 1/tp), the activations
     # reduce-scattered and gathered instead of all-reduced
     for tp in ("fsdp-tp2", "fsdp-tp4", "tp8"):
-        assert by_name[f"pp2-{tp}-sp"]["peak_bytes_per_gpu"] < by_name[f"pp2-{tp}"]["peak_bytes_per_gpu"]
-    assert "all-gather activation shards over tp (in node)" in {c["what"] for c in by_name["pp2-tp8-sp"]["costs"]}
+        assert by_name[f"pp2-{tp}-sp-lossp"]["peak_bytes_per_gpu"] < by_name[f"pp2-{tp}-lossp"]["peak_bytes_per_gpu"]
+    assert "all-gather activation shards over tp (in node)" in {c["what"] for c in by_name["pp2-tp8-sp-lossp"]["costs"]}
     # HSDP × cp: each rank traces half of every sequence, so it holds less than HSDP alone
     assert by_name["hsdp-2x8-cp2"]["peak_bytes_per_gpu"] < by_name["hsdp-2x8"]["peak_bytes_per_gpu"]
     assert "all-gather keys and values over cp (in node)" in {c["what"] for c in by_name["hsdp-2x8-cp2"]["costs"]}

@@ -172,9 +172,14 @@ def stage_on_dtensors(recipe, degree, how, *, first, last):
 
     made = stages.Stage
 
-    def parallel_stage(*args, **kwargs):
-        stage = made(*args, **kwargs)
-        tp_plan.parallelize(stage, mesh, sequence_parallel=recipe.strategy.sequence_parallel)
+    def parallel_stage(model, **kwargs):
+        if model.config.tie_word_embeddings:  # as a run cuts its stages: the trace's to_empty untied them
+            model.tie_weights()
+        stage = made(model, **kwargs)
+        tp_plan.parallelize(stage, mesh, sequence_parallel=recipe.strategy.sequence_parallel,
+                            loss_parallel=recipe.strategy.loss_parallel)
+        if recipe.strategy.loss_parallel:  # as the pipeline strategy sets its stages up
+            tp_plan.keep_gradients_split(stage)
         return stage
 
     assert not dist.is_initialized()
@@ -184,7 +189,7 @@ def stage_on_dtensors(recipe, degree, how, *, first, last):
         mesh = init_device_mesh("cpu", (degree,))  # outside the trace's fake tensor mode
         stages.Stage = parallel_stage  # type: ignore[misc]
         activations.LiveBytes = RankBytes  # type: ignore[misc]
-        with _Propagating():
+        with _Propagating(), vocab_parallel(recipe.strategy.loss_parallel):
             return activations._traced(planned_model(recipe), recipe, **how, stage=(first, last))
     finally:
         stages.Stage = made  # type: ignore[misc]
@@ -200,6 +205,14 @@ STAGE_CASES = {  # (degree, recipe_of's arguments, dtypes, activation checkpoint
     "sp2-middle-ac-bf16": (2, {}, BF16, True, (False, False)),
     "sp4-first-micro1-selective-bf16": (4, dict(micro=1), BF16, "selective", (True, False)),
     "tp2-middle": (2, dict(sequence=False), FP32, False, (False, False)),
+    # loss_parallel: the last stage's head and loss over 1/N of the vocabulary, the first stage's tied embedding
+    # split with it (its gradient computed whole, then cut: tp_plan.keep_gradients_split)
+    "lossp2-last": (2, dict(sequence=False, vocabulary=True), FP32, False, (False, True)),
+    "lossp2-first-tied": (2, dict(sequence=False, vocabulary=True, tied=True), FP32, False, (True, False)),
+    "sp2-lossp-last-tied-ac-bf16": (2, dict(vocabulary=True, tied=True), BF16, True, (False, True)),
+    "sp4-lossp-first-tied-micro1": (4, dict(vocabulary=True, tied=True, micro=1), FP32, False, (True, False)),
+    "lossp2-first-tied-vocab16k": (2, dict(sequence=False, vocabulary=True, tied=True, vocab=16000, micro=1), FP32,
+                                   False, (True, False)),
 }
 
 
@@ -215,5 +228,5 @@ def test_a_tensor_parallel_pipeline_stage_is_traced_as_the_plan_on_dtensors_keep
     reference = stage_on_dtensors(recipe, degree, how, first=first, last=last)
     traced = activations.traced_stage(planned_model(recipe), recipe, blocks=2, first=first, last=last,
                                       tp_degree=degree, sequence_parallel=recipe.strategy.sequence_parallel,
-                                      **how)
+                                      loss_parallel=recipe.strategy.loss_parallel, **how)
     assert traced == reference

@@ -45,7 +45,7 @@ from toolkit.errors import RecipeError
 from toolkit.model.blocks import enable_activation_checkpointing, layer_stack
 from toolkit.model.build import set_dropout
 
-TRACE_VERSION = 5  # raise when what a trace measures changes: cached traces of older versions are not read
+TRACE_VERSION = 6  # raise when what a trace measures changes: cached traces of older versions are not read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,26 +91,28 @@ def traced_activations(model: nn.Module, recipe: Recipe, *, params_dtype: torch.
 
 def traced_stage(model: nn.Module, recipe: Recipe, *, blocks: int, first: bool, last: bool,
                  params_dtype: torch.dtype, autocast_dtype: torch.dtype | None, checkpointing: bool | str,
-                 tp_degree: int = 1, sequence_parallel: bool = False) -> Traced:
+                 tp_degree: int = 1, sequence_parallel: bool = False, loss_parallel: bool = False) -> Traced:
     """One micro-batch through a pipeline stage of `blocks` blocks (toolkit.model.stages.Stage: the
     embeddings when `first`, the head and the loss when `last`), traced like `traced_activations`. A stage's
     input (the activations it receives) and, unless last, the gradient of its output are the pipeline's
     receive buffers, made before the trace and not counted. Traced with one block and two, extrapolated.
     `tp_degree` > 1: as one tensor-parallel rank of the stage computes it (its split layers 1/N wide; under
-    `sequence_parallel` its norms on 1/N of the tokens, the output gathered whole to be sent on)."""
+    `sequence_parallel` its norms on 1/N of the tokens, the output gathered whole to be sent on; under
+    `loss_parallel` the last stage's head, and a first stage's tied embedding, 1/N of the vocabulary)."""
     how = _how(model, params_dtype=params_dtype, autocast_dtype=autocast_dtype, checkpointing=checkpointing)
 
     def trace() -> dict:
         from toolkit.memory.tp_rank import local_model
 
-        local = local_model(model, tp_degree, loss_parallel=False, sequence_parallel=sequence_parallel) \
+        local = local_model(model, tp_degree, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel) \
             if tp_degree > 1 else model
         stack = layer_stack(local, guess=True)
         return dataclasses.asdict(_over_blocks(local, recipe, stack, blocks, stage=(first, last), **how))
 
     fields = tuple(f.name for f in dataclasses.fields(Traced))
     key = ["stage", blocks, first, last, *(["tp", tp_degree] if tp_degree > 1 else []),
-           *(["sp"] if tp_degree > 1 and sequence_parallel else [])]
+           *(["sp"] if tp_degree > 1 and sequence_parallel else []),
+           *(["lossp"] if tp_degree > 1 and loss_parallel else [])]
     return Traced(**_cached(model, recipe, how, key, fields, trace))
 
 
@@ -291,6 +293,7 @@ def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, au
                           *(t for t in (grad, mask) if t is not None)])
 
         def drop(param: torch.Tensor) -> None:  # gradients are model states, counted on their own
+            tp_rank.copy_rows_of_whole(param)  # the strategy's own hook on a tied embedding's rows, first
             if param.grad is not None:
                 live.release(param.grad)
             param.grad = None

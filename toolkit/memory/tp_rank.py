@@ -204,10 +204,48 @@ def _split_vocabulary(model: nn.Module, *, degree: int) -> None:
     if head_tied_to_embedding(model):
         old_embedding = cast(Any, model).get_input_embeddings()
         like = dict(device=old_embedding.weight.device, dtype=old_embedding.weight.dtype)
-        cast(Any, model).set_input_embeddings(nn.Embedding(old_embedding.num_embeddings // degree,
-                                                           old_embedding.embedding_dim, **like))
+        cast(Any, model).set_input_embeddings(_RowsOfWhole(old_embedding.num_embeddings // degree,
+                                                           old_embedding.embedding_dim,
+                                                           whole=old_embedding.num_embeddings, **like))
         head.weight = cast(Any, model).get_input_embeddings().weight
     cast(Any, model).set_output_embeddings(head)
+
+
+class _RowsOfWhole(nn.Embedding):
+    """A tied embedding's rows of the vocabulary, its gradient made as torch 2.13's DTensor makes a row-wise
+    embedding's: whole ([`whole`, hidden], no row-wise backward rule), then cut to the rank's rows (the tied head's
+    split gradient it is added to; a pipeline's first stage: tp_plan.keep_gradients_split)."""
+
+    def __init__(self, *args: Any, whole: int, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.whole = whole
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        weight: Any = self.weight  # the trace's own (to_empty swaps the tensors: a mark made earlier is not kept)
+        weight.toolkit_rows_of_whole = True
+        return cast(torch.Tensor, _WholeGradient.apply(ids, weight, self.whole))
+
+
+def copy_rows_of_whole(param: torch.Tensor) -> None:
+    """Where `param` is a _RowsOfWhole weight, its accumulated gradient (a view of the whole one) copied out, as
+    DTensor's Replicate -> Shard does and the strategy's hook runs it (tp_plan.keep_gradients_split), before the
+    trace lets the gradient go (activations._run_fake: its hooks run in the order the strategy's would)."""
+    if getattr(param, "toolkit_rows_of_whole", False) and param.grad is not None:
+        param.grad = param.grad.clone()
+
+
+class _WholeGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, ids: torch.Tensor, weight: torch.Tensor, whole: int) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.whole, ctx.rows = whole, weight.shape[0]
+        return torch.nn.functional.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None]:
+        (ids,) = ctx.saved_tensors
+        gathered = torch.ops.aten.embedding_dense_backward(grad, ids, ctx.whole, -1, False)
+        return None, gathered.narrow(0, 0, ctx.rows), None  # the rows copied once accumulated (copy_rows_of_whole)
 
 
 class VocabularyShareLoss(TorchDispatchMode):

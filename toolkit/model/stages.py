@@ -297,6 +297,7 @@ class Stage(nn.Module):
     (last). The model's own children are this module's children, under their own names."""
 
     whole: Any  # the transformers model whose forward the stage runs
+    pipeline_stage = True  # what the tensor-parallel plan asks to tell a stage from a model (tp_plan.vocab_modules)
 
     def __init__(self, model: Any, *, layer_ids: list[int], first: bool, last: bool,
                  autocast: Callable[[], ContextManager] = contextlib.nullcontext,

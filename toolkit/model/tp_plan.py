@@ -256,7 +256,8 @@ def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False, loss
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    tied = loss_parallel and head_tied_to_embedding(model)
+    # a pipeline stage holds at most one of a tied pair's two copies (model/stages.py): nothing to tie again
+    tied = loss_parallel and not getattr(model, "pipeline_stage", False) and head_tied_to_embedding(model)
     styles: dict[str, Callable[[], Any]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
                                             GATHERED: lambda: ColwiseParallel(output_layouts=Replicate()),
                                             SPLIT_INPUT: lambda: RowwiseParallel(input_layouts=Replicate())}
@@ -285,9 +286,15 @@ def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False, loss
 # adds it.
 def vocab_modules(model: nn.Module, *, degree: int) -> tuple[str, ...]:
     """The names of the modules a model's vocabulary split over `degree` ranks splits: its output layer, and its
-    input embedding where the two are tied (one weight)."""
+    input embedding where the two are tied (one weight). A pipeline stage (model/stages.py, `pipeline_stage`) holds
+    the output layer if it is the last, the embedding if it is the first and the model ties them (two copies, one
+    on each end, split alike); a middle stage none. Its model was checked whole before it was cut."""
     names = {id(module): name for name, module in model.named_modules()}
-    embedding, head = cast(Any, model).get_input_embeddings(), cast(Any, model).get_output_embeddings()
+    embedding, head = _embeddings(model)
+    if getattr(model, "pipeline_stage", False):  # its model's embeddings, a later or earlier stage's stand-ins
+        tied = cast(Any, model).tied is not None
+        return tuple([names[id(embedding)]] if tied and isinstance(embedding, nn.Embedding) else []) \
+            + tuple([names[id(head)]] if isinstance(head, nn.Linear) else [])
     if not isinstance(embedding, nn.Embedding) or not isinstance(head, nn.Linear):
         raise RecipeError(f"strategy.loss_parallel: {type(model).__name__} has no embedding and linear output layer "
                           "to split over the vocabulary; set it to false")
@@ -307,11 +314,51 @@ def vocab_plan(model: nn.Module, *, degree: int, sequence_parallel: bool) -> dic
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    *embedding, head = vocab_modules(model, degree=degree)
-    plan: dict[str, Any] = {name: RowwiseParallel(input_layouts=Replicate()) for name in embedding}
-    plan[head] = ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(),
-                                 output_layouts=Shard(-1), use_local_output=False)
+    head = _embeddings(model)[1]
+    head_name = next((name for name, module in model.named_modules() if module is head), None)
+    plan: dict[str, Any] = {}
+    for name in vocab_modules(model, degree=degree):
+        plan[name] = ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(),
+                                     output_layouts=Shard(-1), use_local_output=False) if name == head_name \
+            else RowwiseParallel(input_layouts=Replicate())
     return plan
+
+
+def vocab_parts(model: nn.Module, *, degree: int) -> tuple[bool, bool]:
+    """(the input embedding split, the output layer split) over the vocabulary under loss_parallel: both or the head
+    alone for a model (vocab_modules); for a pipeline stage what it holds of them."""
+    split = vocab_modules(model, degree=degree)
+    head = _embeddings(model)[1]
+    names = {name for name, module in model.named_modules() if module is head}
+    holds_head = any(name in names for name in split)
+    return len(split) > int(holds_head), holds_head
+
+
+def keep_gradients_split(model: nn.Module) -> None:
+    """A first pipeline stage's tied embedding, split row-wise over the vocabulary (vocab_modules): torch 2.13's
+    DTensor rules have no row-wise embedding backward, so each micro-batch's gradient arrives whole ([V, hidden],
+    Replicate, the same on every tp rank). It is cut to the rank's rows as it is accumulated (a local slice, no
+    collective), as the last stage's head holds its gradient: the two copies' rows are then summed between them.
+    DTensor's cut copies the rows out (Replicate -> Shard clones the rank's chunk), so the whole gradient is freed;
+    the activation trace keeps both for that moment (memory/tp_rank.py _RowsOfWhole)."""
+    from torch.distributed.tensor import DTensor
+
+    def cut(param: torch.Tensor) -> None:
+        grad = param.grad
+        if isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.placements != param.placements:
+            param.grad = grad.redistribute(placements=param.placements)
+
+    for name in vocab_modules(model, degree=1):
+        for param in model.get_submodule(name).parameters():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(cut)
+
+
+def _embeddings(model: nn.Module) -> tuple[Any, Any]:
+    """(input embedding, output layer) of a transformers model, or of a pipeline stage's (its `whole` model's, where
+    another stage's are stand-ins)."""
+    owner: Any = cast(Any, model).whole if getattr(model, "pipeline_stage", False) else model
+    return owner.get_input_embeddings(), owner.get_output_embeddings()
 
 
 # column-wise layers that read their module's input, by the names transformers' decoders and BERT give them

@@ -86,7 +86,7 @@ def auto_layouts(recipe: Recipe, model: nn.Module, cluster: step_time.Cluster) -
     if nodes > 1:
         out[f"pp{nodes}-fsdp"] = ("strategy.name=hybrid", f"strategy.pipeline_degree={nodes}",
                                   "strategy.data_parallel=fsdp", *plain)
-        out.update(pipeline_tp_layouts(model, nodes=nodes, per_node=per_node, plain=plain))
+        out.update(pipeline_tp_layouts(recipe, model, nodes=nodes, per_node=per_node))
     if recipe.data.max_length >= LONG_SEQUENCE and per_node % 2 == 0:  # a sequence split over 2 GPUs of a node
         out["fsdp-cp2"] = ("strategy.name=fsdp", "strategy.cp_degree=2", *plain)
         if nodes > 1:  # HSDP's replica groups across the nodes, each sequence split inside one
@@ -95,25 +95,20 @@ def auto_layouts(recipe: Recipe, model: nn.Module, cluster: step_time.Cluster) -
     return out
 
 
-def pipeline_tp_layouts(model: nn.Module, *, nodes: int, per_node: int,
-                        plain: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+def pipeline_tp_layouts(recipe: Recipe, model: nn.Module, *, nodes: int,
+                        per_node: int) -> dict[str, tuple[str, ...]]:
     """A stage per node, tensor-parallel inside it (Megatron's and torchtitan's 3-D layout): tp over a degree that
     tiles the node, FSDP over the node's other GPUs (`pp{nodes}-fsdp-tp{tp}`), or over none where tp takes the whole
-    node (`pp{nodes}-tp{per_node}`: the pipeline with tp_degree). Each with and without sequence parallelism (`-sp`,
-    Llama-style blocks: less activation memory, as tp_options says); the stages take no loss parallelism (each tp
-    rank computes the whole head and loss)."""
-    try:
-        tp_plan.sequence_parallel_plan(model)
-        variants = [("", plain), ("-sp", ("strategy.sequence_parallel=true", "strategy.loss_parallel=false"))]
-    except RecipeError:
-        variants = [("", plain)]
+    node (`pp{nodes}-tp{per_node}`: the pipeline with tp_degree). Each in the variants tp_options plans for FSDP × TP:
+    the last stage's head and loss split over the vocabulary (`-lossp`) where the model takes it, with and without
+    sequence parallelism (`-sp`)."""
     out: dict[str, tuple[str, ...]] = {}
     for tp in (d for d in range(2, per_node + 1) if per_node % d == 0):
         try:
             tp_plan.check_degree(model, tp)
         except RecipeError:
             continue
-        for suffix, options in variants:
+        for suffix, options in tp_options(recipe, model, tp=tp):
             if tp == per_node:
                 out[f"pp{nodes}-tp{tp}{suffix}"] = ("strategy.name=pipeline", f"strategy.tp_degree={tp}", *options)
             else:

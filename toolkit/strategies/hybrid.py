@@ -47,6 +47,8 @@ class HybridOptions(LeverOptions):
     devices: tuple[str, ...] | None
     tp_degree: int | None  # with pipeline_degree: each stage tensor-parallel over this many ranks (parallel.tp)
     sequence_parallel: bool  # with tp_degree: each stage's norms and residual adds on sequence shards
+    loss_parallel: bool  # with tp_degree: the last stage's output layer (a tied embedding on the first) and the loss
+    #   split over the vocabulary
 
 
 OPTIONS = HybridOptions  # the registry reads it by this name
@@ -78,9 +80,10 @@ def check_model_split_ddp(recipe: Recipe, world_size: int) -> None:
         raise RecipeError("strategy.tp_degree under hybrid makes each pipeline stage tensor-parallel: it needs "
                           "strategy.pipeline_degree and strategy.data_parallel=fsdp; a model split over devices × ddp "
                           "takes none")
-    if options.sequence_parallel:
-        raise RecipeError("strategy.sequence_parallel under hybrid applies to tensor-parallel pipeline stages: it "
-                          "needs strategy.pipeline_degree and strategy.tp_degree")
+    for key in ("sequence_parallel", "loss_parallel"):
+        if getattr(options, key):
+            raise RecipeError(f"strategy.{key} under hybrid applies to tensor-parallel pipeline stages: it needs "
+                              "strategy.pipeline_degree and strategy.tp_degree")
     for key, off in (("gradient_compression", "none"), ("sync_every", 1)):
         if getattr(options, key) != off:
             raise RecipeError(f"strategy.{key} under hybrid applies to a pipeline's ddp replicas (set "

@@ -43,7 +43,6 @@ from torch import nn
 from toolkit.cost.collectives import Collective
 from toolkit.cost.flops import attention_heads
 from toolkit.memory.state_bytes import dim0_rows, element_bytes
-from toolkit.model.tied import head_tied_to_embedding
 from toolkit.strategies.dims.compression import Compression, compression_collectives
 from toolkit.strategies.dims.context import local_length
 from toolkit.strategies.dims.recompute import forward_runs
@@ -197,14 +196,20 @@ def _vocab_parallel(model: nn.Module, *, tp: int, shapes: Shapes, stream_dtype, 
     sequence parallelism reduce-scattered to sequence shards, its input's all-gather counted with the final norm's),
     in the final norm's output dtype, the stream's; the loss's max, sum of exponentials and target logit, one fp32
     value per token each, all-reduced (forward)."""
+    from toolkit.model import tp_plan
+
     hidden, micro, count = cast(Any, model).config.hidden_size, len(shapes), tokens(shapes)
     head = count * hidden * element_bytes(stream_dtype)
+    # a pipeline stage splits the embedding where it is the first (and tied), the head where it is the last
+    split_embedding, split_head = tp_plan.vocab_parts(model, degree=tp)
     reduced = [Collective(op="all_reduce", payload_bytes=3 * count * 4, calls=3 * micro, group="tp", group_size=tp,
-                          phase="forward", what="the loss's per-token max, sum and target logit")]
-    if head_tied_to_embedding(model):  # the embedding split with the head it is tied to
+                          phase="forward", what="the loss's per-token max, sum and target logit")] if split_head else []
+    if split_embedding:  # the embedding split with the head it is tied to
         reduced.append(Collective(op="all_reduce", payload_bytes=count * hidden * element_bytes(stream_dtype),
                                   calls=micro, group="tp", group_size=tp, phase="forward",
                                   what="the embedding's partial outputs"))
+    if not split_head:
+        return reduced
     if not sequence_parallel:
         return [*reduced, Collective(op="all_reduce", payload_bytes=head, calls=micro, group="tp", group_size=tp,
                                      phase="backward", what="the output layer's input gradient")]

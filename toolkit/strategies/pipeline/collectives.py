@@ -32,7 +32,7 @@ from torch import nn
 
 from toolkit.config.recipe import Recipe
 from toolkit.cost.collectives import Collective
-from toolkit.memory.state_bytes import element_bytes
+from toolkit.memory.state_bytes import dim0_rows, element_bytes
 from toolkit.model import tp_plan
 from toolkit.model.precision import DTYPES
 from toolkit.model.stages import Stage
@@ -74,8 +74,11 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
         if tied and (stage.first or stage.last) and grid.schedule not in V_SHAPED:  # V: both on one rank
             weight = stage.tied_weight()
             assert weight is not None
-            numel = -(-weight.shape[0] // grid.dp) * weight.shape[1] if grid.sharded and grid.dp > 1 \
-                else weight.numel()
+            # loss_parallel: a tp rank's rows of the vocabulary; fsdp: its replica's dim-0 shard of them, unpadded
+            # (the sync sends the local shard: where the replicas do not divide the rows, the last hold fewer)
+            rows = weight.shape[0] // grid.tp if grid.loss_parallel else weight.shape[0]
+            held = dim0_rows(rows, grid.dp, grid.coords(rank)[1]) if grid.sharded and grid.dp > 1 else rows
+            numel = held * weight.shape[1]
             out.append(Collective(op="allreduce_", payload_bytes=numel * element_bytes(stored), calls=1, group="pp",
                                   group_size=2, phase="step", what="the tied embedding's gradient"))
             if synced:  # its two copies evened after the sync
@@ -88,7 +91,7 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
         padded = [(recipe.batch.micro_batch_size, length)] * micro  # every micro-batch padded, as sent (above)
         split = [c for stage in stages for c in tp_collectives(
             stage, tp=grid.tp, shapes=padded, activation_dtype=DTYPES[recipe.precision],
-            sequence_parallel=grid.sequence_parallel,
+            sequence_parallel=grid.sequence_parallel, loss_parallel=grid.loss_parallel,
             recompute=recipe.train.recompute != "none", stream_dtype=flowing,
             shard=grid.dp if grid.sharded else 1, shard_index=grid.coords(rank)[1] if grid.sharded else 0)]
         # the partial gradients of all the rank's stages are summed in one call (strategy.forward_backward), with
@@ -129,7 +132,9 @@ def _replicas(stages: list[Stage], recipe: Recipe, *, dp: int, sharded: bool, mi
         reduce = stored if recipe.precision == "fp32" else torch.float32
         units = [unit for stage in stages for unit in fsdp_units(stage, stage.blocks())]
         # tensor-parallel stages: FSDP shards a tp rank's slices of the split layers
-        split = {name: shape for stage in stages for name, shape in tp_plan.local_shapes(stage, tp).items()} \
+        lossp = recipe.strategy.loss_parallel
+        split = {name: shape for stage in stages
+                 for name, shape in tp_plan.local_shapes(stage, tp, loss_parallel=lossp).items()} \
             if tp > 1 else None
         # a split backward keeps each unit gathered from its first forward to the step's end (strategy._replicate)
         return fsdp_collectives(units, shard=dp, replicate=1, compute_dtype=compute, reduce_dtype=reduce,

@@ -39,6 +39,7 @@ class Grid:
     schedule: str = "1f1b"  # a V-shaped one places the stages otherwise (schedules.stage_ids)
     tp: int = 1  # each stage's attention heads and MLP columns split over tp ranks (strategy.tp_degree)
     sequence_parallel: bool = False  # and its norms and residual adds over 1/tp of the tokens each
+    loss_parallel: bool = False  # and its output layer (and a tied embedding) over 1/tp of the vocabulary each
 
     @property
     def dp_dim(self) -> str:
@@ -130,11 +131,12 @@ def grid_of(recipe: Recipe, world_size: int) -> Grid:
     if world_size % (pp * tp):
         raise RecipeError(f"world size {world_size} is not divisible by strategy.pipeline_degree {pp}"
                           f"{f' × tp_degree {tp}' if tp > 1 else ''}; use a multiple of it")
-    if recipe.strategy.sequence_parallel and tp == 1:
-        raise RecipeError("strategy.sequence_parallel needs tensor-parallel stages: set strategy.tp_degree (2 or "
-                          "more)")
+    for key in ("sequence_parallel", "loss_parallel"):
+        if getattr(recipe.strategy, key) and tp == 1:
+            raise RecipeError(f"strategy.{key} needs tensor-parallel stages: set strategy.tp_degree (2 or more)")
     return Grid(pp=pp, dp=world_size // (pp * tp), sharded=recipe.strategy.data_parallel == "fsdp",
-                schedule=recipe.strategy.schedule, tp=tp, sequence_parallel=recipe.strategy.sequence_parallel)
+                schedule=recipe.strategy.schedule, tp=tp, sequence_parallel=recipe.strategy.sequence_parallel,
+                loss_parallel=recipe.strategy.loss_parallel)
 
 
 def stage_of_blocks(model: nn.Module, recipe: Recipe, grid: Grid) -> tuple[list[int], int]:

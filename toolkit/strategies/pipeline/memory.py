@@ -52,7 +52,8 @@ def state_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: int) -
     for pp_rank in range(grid.pp):
         # tensor-parallel stages: a tp rank's slices of the split layers, the rest whole (tp_plan); fsdp shards
         # those over the replicas
-        stages = [(stage, tp_plan.local_shapes(stage, grid.tp) if grid.tp > 1 else None)
+        stages = [(stage, tp_plan.local_shapes(stage, grid.tp, loss_parallel=grid.loss_parallel)
+                   if grid.tp > 1 else None)
                   for stage in rank_stages(model, recipe, grid, pp_rank)]
         for dp_rank in range(grid.dp if sharded else 1):
             total = StateBytes(params_bytes=0, grads_bytes=0, optim_bytes=0)
@@ -92,7 +93,8 @@ def activation_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: i
     for pp_rank in range(grid.pp):
         stage_ids = grid.stage_ids(pp_rank, options.stages_per_rank)
         traces = {s: traced_stage(model, recipe, blocks=parts.count(s), first=s == 0, last=s == num_stages - 1,
-                                  tp_degree=grid.tp, sequence_parallel=grid.sequence_parallel, **how)
+                                  tp_degree=grid.tp, sequence_parallel=grid.sequence_parallel,
+                                  loss_parallel=grid.loss_parallel, **how)
                   for s in stage_ids}
         buffers = sum(micro_batches * buffer * ((s != 0) + (s != num_stages - 1)) for s in stage_ids)
         actions = schedule_actions(options.schedule, rank=pp_rank, pp=grid.pp,

@@ -31,6 +31,8 @@ class PipelineOptions:
     blocks: tuple[str, ...] | None
     tp_degree: int | None  # each stage's blocks tensor-parallel over this many ranks (parallel.tp)
     sequence_parallel: bool  # with tp_degree: each stage's norms and residual adds on sequence shards
+    loss_parallel: bool  # with tp_degree: the last stage's output layer (a tied embedding on the first) and the loss
+    #   split over the vocabulary
 
 
 OPTIONS = PipelineOptions  # the registry reads it by this name
@@ -51,7 +53,10 @@ INFO = StrategyInfo(
           "pp-dualpipev": ("strategy.name=pipeline", "strategy.schedule=dualpipev", "strategy.stages_per_rank=2"),
           # each stage tensor-parallel over 2 ranks: --nproc 4 or more
           "pp-tp2": ("strategy.name=pipeline", "strategy.tp_degree=2"),
-          "pp-tp2-sp": ("strategy.name=pipeline", "strategy.tp_degree=2", "strategy.sequence_parallel=true")})
+          "pp-tp2-sp": ("strategy.name=pipeline", "strategy.tp_degree=2", "strategy.sequence_parallel=true"),
+          "pp-tp2-lossp": ("strategy.name=pipeline", "strategy.tp_degree=2", "strategy.loss_parallel=true"),
+          "pp-tp2-sp-lossp": ("strategy.name=pipeline", "strategy.tp_degree=2", "strategy.sequence_parallel=true",
+                              "strategy.loss_parallel=true")})
 
 
 class PipelineRules:
@@ -114,7 +119,8 @@ class PipelineRules:
         def held(stage: nn.Module) -> int:
             if grid.tp == 1:
                 return sum(p.numel() for p in stage.parameters())
-            return sum(math.prod(shape) for shape in tp_plan.local_shapes(stage, grid.tp).values())
+            shapes = tp_plan.local_shapes(stage, grid.tp, loss_parallel=grid.loss_parallel)
+            return sum(math.prod(shape) for shape in shapes.values())
         numel = [sum(held(stage) for stage in rank_stages(model, recipe, grid, pp_rank)) for pp_rank in range(grid.pp)]
         return [numel[grid.coords(rank)[0]] * per_param for rank in range(world_size)]
 

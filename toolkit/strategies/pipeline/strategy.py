@@ -33,6 +33,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
+from toolkit.data.losses import vocab_parallel
 from toolkit.checkpoint.loading import ModelSource, load_part, materialize
 from toolkit.checkpoint.state import Read, load_part_weights
 from toolkit.config.parallel import Degrees
@@ -177,13 +178,15 @@ class PipelineStrategy:
             # check; with this flag DDP does not rebuild its buckets
             wrap = DdpWrap(find_unused_parameters=True)
         module = parallelize(stage, mesh=self.mesh, env=self.env, units=list(stage.blocks()), data_parallel=wrap,
-                             sequence_parallel=self.grid.sequence_parallel)
+                             sequence_parallel=self.grid.sequence_parallel, loss_parallel=self.grid.loss_parallel)
         if self.grid.tp > 1:
             self.partial += tensor_parallel.partial_gradient_params(stage)
         if self.grid.sequence_parallel and not self.grid.sharded:
             # the norms on sequence shards hold partial gradients, summed with the rest once a step (where FSDP
             # shards the replicas, it all-reduces each itself before its reduce-scatter)
             self.partial += sequence_parallel_params(stage)
+        if self.grid.loss_parallel:
+            tensor_parallel.keep_gradients_split(stage)
         if isinstance(wrap, DdpWrap) and self.compression.on:  # checked: ddp replicas, DDP's own hooks reduce them
             hook = compression.register(module, self.compression,
                                         names={id(p): n for n, p in stage.named_parameters()})
@@ -271,7 +274,9 @@ class PipelineStrategy:
         # held through the step and until the next one)
         call = functools.partial(schedule.step, return_outputs=False) if train else schedule.eval
         self.busy_s, start = 0.0, time.perf_counter()
-        with contextlib.nullcontext() if train else forward_only(schedule):
+        # loss_parallel: the last stage's logits are split over the vocabulary; the loss's backward, which the
+        # schedule runs inside its step, needs torch's loss_parallel too
+        with contextlib.nullcontext() if train else forward_only(schedule), vocab_parallel(self.grid.loss_parallel):
             call(*((ids,) if first else ()), target=labels if last else None, attention_mask=mask)
         if train and not self._fresh:
             wall = time.perf_counter() - start
@@ -417,7 +422,7 @@ class PipelineStrategy:
                      if not _spans(p, "tp")]  # under fsdp a rank's shard of it: the same at each tp position
             found.append(Replicas(named=whole, group=self.mesh.get_group("tp"),
                                   description=f"{self.grid.tp} tensor-parallel ranks of each stage hold its "
-                                              "embeddings, norms and head in full"))
+                                              f"{self._held_whole()} in full"))
         copies = [w for w in (s.tied_weight() for s in self.stage_modules) if w is not None]
         if self.tied is not None and self.tied_group is not None:
             assert len(copies) == 1  # the first and the last stage are on different pipeline ranks
@@ -496,13 +501,22 @@ class PipelineStrategy:
                 dtype=compute_dtype)} if self.grid.tp > 1 else {}),
         }
 
+    def _held_whole(self) -> str:
+        """What every tp rank of a stage holds whole besides the norms (loss_parallel splits the head, and a tied
+        embedding with it)."""
+        if not self.grid.loss_parallel:
+            return "embeddings, norms and head"
+        return "norms" if self.tied is not None else "input embedding and norms"
+
     def _layout(self) -> str:
         options = options_of(PipelineOptions, self.recipe)
         replicas = f" × {self.grid.dp} replicas ({self.grid.dp_kind})" if self.grid.dp > 1 else ""
         if self.grid.tp > 1:
+            split = "the head and its tied embedding" if self.tied is not None else "the head"
+            whole = f"{self._held_whole()} whole" + (f", {split} split over the vocabulary (loss_parallel)"
+                                                     if self.grid.loss_parallel else "")
             replicas += (f" × {self.grid.tp} tensor-parallel ranks each (attention heads and MLP columns split; "
-                         "embeddings, norms and head whole"
-                         f"{'; norms computed on sequence shards' if self.grid.sequence_parallel else ''})")
+                         f"{whole}{'; norms computed on sequence shards' if self.grid.sequence_parallel else ''})")
         return (f"{self.num_stages} stages over {self.grid.pp} ranks{replicas}, schedule {options.schedule} with "
                 f"{self.micro_batches} micro-batches; {self.grid.stages_by_rank(self.parts, options.stages_per_rank)}"
                 f"; weights: {self.loading}")
