@@ -72,10 +72,11 @@ class StrategyConfig:
     #   residuals on sequence shards between the split layers (Llama-style decoders): less activation memory, the
     #   blocks' bytes moved as before (two gathers a micro-batch more: the final norm's output, or a stage's output
     #   it sends on, and the embedding output's, or a stage's received input's, gradient)
-    loss_parallel: bool = False  # tp, fsdp with tp_degree: a causal LM's output layer (and a tied embedding) split
-    #   over the vocabulary, the loss reduced across the ranks (torchtitan's loss_parallel): a rank holds 1/N of the
-    #   logits and of those weights, for three [tokens] all-reduces in the loss, one of the head's input gradient
-    #   (a reduce-scatter under sequence_parallel) and, where tied, one of the embedding's output
+    loss_parallel: bool = False  # tp, fsdp with tp_degree, pipeline/hybrid with tp_degree (the last stage's head, a
+    #   first stage's tied embedding): a causal LM's output layer (and a tied embedding) split over the vocabulary,
+    #   the loss reduced across the ranks (torchtitan's loss_parallel): a rank holds 1/N of the logits and of those
+    #   weights, for three [tokens] all-reduces in the loss, one of the head's input gradient (a reduce-scatter
+    #   under sequence_parallel) and, where tied, one of the embedding's output
     # zero
     stage: int | None = None  # zero: 0 = plain DP, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters (default 2)
     offload_optimizer: bool = False  # zero: optimizer state and step on CPU (DeepSpeed CPU Adam)
