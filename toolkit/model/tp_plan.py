@@ -463,7 +463,7 @@ def sequence_parallel_plan(model: nn.Module) -> dict[str, Any]:
     cut: dict[str, Any] = dict(input_layouts=(full,), desired_input_layouts=(seq,))
     plan[f"{stack}.{held[0]}"] = PrepareModuleInput(**cut)
     base = stack.rsplit(".", 1)[0]
-    if next(model.get_submodule(f"{base}.norm").parameters(), None) is None:
+    if getattr(model, "pipeline_stage", False) and not cast(Any, model).last:
         # a pipeline stage before the last (its final norm a later stage's stand-in): its last block's output
         # gathered whole, a plain tensor, what the stage sends on (the next stage cuts it again)
         out: dict[str, Any] = dict(output_layouts=(seq,), desired_output_layouts=(full,), use_local_output=True)
@@ -471,8 +471,8 @@ def sequence_parallel_plan(model: nn.Module) -> dict[str, Any]:
             else PrepareModuleOutput(**out)
         return plan
     plan[f"{base}.norm"] = SequenceParallel()
-    for head, child in model.named_children():  # the head (lm_head, score) reads the gathered sequence
-        if head != base and next(child.parameters(), None) is not None:
+    for head, _ in model.named_children():  # the head (lm_head, score) reads the gathered sequence
+        if head != base:
             plan[head] = PrepareModuleInput(**gather)  # type: ignore[arg-type]
     return plan
 
