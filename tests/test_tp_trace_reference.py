@@ -29,8 +29,9 @@ CONFIG = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "interme
 
 
 def recipe_of(*, tied=False, length=128, micro=2, sequence=True, vocabulary=False, vocab=1000, layers=2,
-              overrides=()):
-    config = {**CONFIG, "tie_word_embeddings": tied, "vocab_size": vocab, "num_hidden_layers": layers}
+              family="llama", overrides=()):
+    config = {**CONFIG, "tie_word_embeddings": tied, "vocab_size": vocab, "num_hidden_layers": layers,
+              "model_type": family}
     return load_recipe("recipes/llama-tiny.yaml", [
         f"model.config={json.dumps(config)}", f"data.max_length={length}", "data.packing=true",
         f"batch.micro_batch_size={micro}", "batch.global_batch_size=null", "batch.grad_accum_steps=1",
@@ -127,6 +128,8 @@ CASES = {  # (degree, recipe_of's arguments, dtypes, activation checkpointing)
     "lossp2-tied-ac-bf16": (2, dict(sequence=False, vocabulary=True, tied=True), BF16, True),
     "sp2-lossp-tied": (2, dict(vocabulary=True, tied=True), FP32, False),
     "sp4-lossp-micro1-ac-bf16": (4, dict(vocabulary=True, tied=True, micro=1), BF16, True),
+    # OLMo's LayerNorms hold no weights, its final norm's included: a whole model is not a stage before the last
+    "olmo-sp2-lossp": (2, dict(family="olmo", vocabulary=True), FP32, False),
 }
 
 
@@ -213,6 +216,10 @@ STAGE_CASES = {  # (degree, recipe_of's arguments, dtypes, activation checkpoint
     "sp4-lossp-first-tied-micro1": (4, dict(vocabulary=True, tied=True, micro=1), FP32, False, (True, False)),
     "lossp2-first-tied-vocab16k": (2, dict(sequence=False, vocabulary=True, tied=True, vocab=16000, micro=1), FP32,
                                    False, (True, False)),
+    # OLMo: LayerNorms without weights (the final norm too): the stage's own place, not a norm's weights, tells a
+    # stage before the last (it gathers its output) from the last (the head's input stays cut)
+    "olmo-sp2-first": (2, dict(family="olmo"), FP32, False, (True, False)),
+    "olmo-sp2-lossp-last": (2, dict(family="olmo", vocabulary=True), FP32, False, (False, True)),
 }
 
 
@@ -230,3 +237,38 @@ def test_a_tensor_parallel_pipeline_stage_is_traced_as_the_plan_on_dtensors_keep
                                       tp_degree=degree, sequence_parallel=recipe.strategy.sequence_parallel,
                                       loss_parallel=recipe.strategy.loss_parallel, **how)
     assert traced == reference
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_tied_first_stage_sharded_by_fsdp_accumulates_its_embedding_gradient_cut(precision):
+    """pp × dp_shard × tp under loss_parallel: FSDP2 swaps its unsharded parameter onto the embedding for the
+    forward, and with gradient sync off (a step's micro-batches before the last) the gradient accumulates there
+    (in reduce_dtype under bf16: FSDP's accumulated copy) until the reduce-scatter. It must be held cut to the tp
+    rank's rows as the plan holds it, not whole ([V, hidden] on every tp rank): a hook on the sharded parameter
+    alone never fires. Two micro-batches, as a step of two runs them; fake process group of 2 replicas × 2 tp."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.model.stages import Stage
+    from toolkit.process.dist import DistEnv
+    from toolkit.strategies.dims.parallelize import FsdpWrap, parallelize
+
+    config = LlamaConfig(**{**CONFIG, "tie_word_embeddings": True})
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        stage = Stage(LlamaForCausalLM(config), layer_ids=[0], first=True, last=False)
+        parallelize(stage, mesh=mesh, env=DistEnv(rank=0, local_rank=0, world_size=4, device=torch.device("cpu")),
+                    units=list(stage.blocks()), data_parallel=FsdpWrap(precision=precision), loss_parallel=True)
+        tp_plan.keep_gradients_split(stage)
+        stage.set_requires_gradient_sync(False)
+        ids, mask = torch.randint(0, CONFIG["vocab_size"], (2, 16)), torch.ones(2, 16, dtype=torch.long)
+        for _ in range(2):
+            stage(ids, mask).sum().backward()
+        embedding = next(p for p in stage._get_fsdp_state()._fsdp_param_group.fsdp_params
+                         if p._module_info.module is stage.whole.get_input_embeddings())
+        held = embedding.unsharded_accumulated_grad if precision == "bf16" else embedding._unsharded_param.grad
+        assert isinstance(held, DTensor) and held.placements == embedding._unsharded_param.placements
+        assert held.to_local().shape == (CONFIG["vocab_size"] // 2, CONFIG["hidden_size"])
+    finally:
+        dist.destroy_process_group()

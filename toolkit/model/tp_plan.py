@@ -340,7 +340,12 @@ def keep_gradients_split(model: nn.Module) -> None:
     Replicate, the same on every tp rank). It is cut to the rank's rows as it is accumulated (a local slice, no
     collective), as the last stage's head holds its gradient: the two copies' rows are then summed between them.
     DTensor's cut copies the rows out (Replicate -> Shard clones the rank's chunk), so the whole gradient is freed;
-    the activation trace keeps both for that moment (memory/tp_rank.py _RowsOfWhole)."""
+    the activation trace keeps both for that moment (memory/tp_rank.py _RowsOfWhole).
+
+    Under FSDP the parameter the forward reads, and autograd accumulates into, is FSDP's unsharded one, swapped
+    onto the module at its all-gather (and kept across steps): a hook on the sharded parameter would never fire,
+    and the unsharded gradient would stay whole until the step's reduce-scatter. So each parameter the module
+    holds when its forward starts is hooked, once."""
     from torch.distributed.tensor import DTensor
 
     def cut(param: torch.Tensor) -> None:
@@ -348,10 +353,18 @@ def keep_gradients_split(model: nn.Module) -> None:
         if isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.placements != param.placements:
             param.grad = grad.redistribute(placements=param.placements)
 
-    for name in vocab_modules(model, degree=1):
-        for param in model.get_submodule(name).parameters():
-            if param.requires_grad:
+    hooked: set[int] = set()
+
+    def hook_held(module: nn.Module, _args: Any = None) -> None:
+        for param in module.parameters(recurse=False):
+            if param.requires_grad and id(param) not in hooked:
+                hooked.add(id(param))
                 param.register_post_accumulate_grad_hook(cut)
+
+    for name in vocab_modules(model, degree=1):
+        module = model.get_submodule(name)
+        hook_held(module)  # the parameters as they are now (without FSDP, those the forward reads)
+        module.register_forward_pre_hook(hook_held)  # FSDP's unsharded ones, swapped in before this forward
 
 
 def _embeddings(model: nn.Module) -> tuple[Any, Any]:

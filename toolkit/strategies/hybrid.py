@@ -66,6 +66,9 @@ INFO = StrategyInfo(
                           "strategy.tp_degree=2"),
           "pp-fsdp-tp2-sp": ("strategy.name=hybrid", "strategy.pipeline_degree=2", "strategy.data_parallel=fsdp",
                              "strategy.tp_degree=2", "strategy.sequence_parallel=true"),
+          "pp-fsdp-tp2-sp-lossp": ("strategy.name=hybrid", "strategy.pipeline_degree=2",
+                                   "strategy.data_parallel=fsdp", "strategy.tp_degree=2",
+                                   "strategy.sequence_parallel=true", "strategy.loss_parallel=true"),
           "mp-ddp": ("strategy.name=hybrid", "strategy.data_parallel=ddp")})
 
 
@@ -83,7 +86,7 @@ def check_model_split_ddp(recipe: Recipe, world_size: int) -> None:
     for key in ("sequence_parallel", "loss_parallel"):
         if getattr(options, key):
             raise RecipeError(f"strategy.{key} under hybrid applies to tensor-parallel pipeline stages: it needs "
-                              "strategy.pipeline_degree and strategy.tp_degree")
+                              "strategy.pipeline_degree, strategy.tp_degree and strategy.data_parallel=fsdp")
     for key, off in (("gradient_compression", "none"), ("sync_every", 1)):
         if getattr(options, key) != off:
             raise RecipeError(f"strategy.{key} under hybrid applies to a pipeline's ddp replicas (set "

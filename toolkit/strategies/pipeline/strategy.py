@@ -201,7 +201,7 @@ class PipelineStrategy:
             return None
         mine = None
         for dp_rank in range(self.grid.dp):
-            for tp_rank in range(self.grid.tp):  # tensor parallel keeps embeddings and head whole on each tp rank
+            for tp_rank in range(self.grid.tp):  # the tied copies' whole tensors, or under loss_parallel their rows
                 ranks = sorted({self.grid.rank(pp_rank, dp_rank, tp_rank) for pp_rank in (0, self.grid.pp - 1)})
                 group = dist.new_group(ranks)
                 if self.env.rank in ranks:
