@@ -94,3 +94,33 @@ def test_the_plan_line_gives_each_stages_flops_per_step():
     assert lines == ["stages (split by FLOPs; forward + backward FLOPs per step):",
                      f"  stage 0: blocks 0-2, {first:.2f} GFLOP ({share} %)",
                      f"  stage 1: blocks 3 + head, {last:.2f} GFLOP ({100 - share} %)"]
+
+
+def test_tensor_parallel_stages_are_split_by_a_tp_ranks_flops():
+    """On tp stages a rank computes 1/tp of each block but, without loss_parallel, the whole head: the head weighs
+    tp times more against the blocks, and the balanced split gives the last stage fewer blocks than one rank's
+    pipeline would. Under loss_parallel the head is split too, and the split is one process's again."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _, recipe = tied_llama()
+    block = 6.0 * (2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64) + 12 * 32 * recipe.data.max_length
+    vocab = round(2 * block / (6 * 32))  # the head costs about two blocks
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+
+    def split(*overrides):
+        recipe = load_recipe(Path(__file__).parents[1] / "recipes" / "llama-tiny.yaml",
+                             ["strategy.name=pipeline", *overrides])
+        return stage_of_blocks(model, recipe, grid_of(recipe, 4 if overrides else 2))[0]
+
+    def best(costs, head):
+        starts = cost_balanced_starts(costs, last_extra=head, num_parts=2)
+        assert key_of(costs, starts, last_extra=head) == brute_force(costs, last_extra=head, num_parts=2)
+        return [0] * starts[0] + [1] * (8 - starts[0])
+
+    head = 6.0 * 32 * vocab
+    assert split() == best([block] * 8, head) == [0] * 5 + [1] * 3
+    assert split("strategy.tp_degree=2") == best([block / 2] * 8, head) == [0] * 6 + [1] * 2
+    assert split("strategy.tp_degree=2", "strategy.loss_parallel=true") == split()

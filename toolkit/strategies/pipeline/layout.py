@@ -147,7 +147,7 @@ def stage_of_blocks(model: nn.Module, recipe: Recipe, grid: Grid) -> tuple[list[
     blocks = layer_stack(model, options.blocks)
     split = options.split
     if split is None:
-        costs, head = block_costs(model, blocks, recipe)
+        costs, head = block_costs(model, blocks, recipe, tp=grid.tp, loss_parallel=grid.loss_parallel)
         split = tuple(cost_balanced_starts(costs, last_extra=head, num_parts=num_stages))
     return part_of_blocks(model, blocks=blocks, num_parts=num_stages, split=split), num_stages
 

@@ -151,12 +151,14 @@ def stage_lines(model: nn.Module, recipe: Recipe, *, world_size: int) -> list[st
 
     grid = grid_of(recipe, world_size)
     parts, num_stages = stage_of_blocks(model, recipe, grid)
-    costs, head = block_costs(model, layer_stack(model, recipe.strategy.blocks), recipe)
+    costs, head = block_costs(model, layer_stack(model, recipe.strategy.blocks), recipe, tp=grid.tp,
+                              loss_parallel=grid.loss_parallel)
     batch = plan_batch(recipe.batch, world_size=grid.dp)
     tokens = batch.micro_batch_size * batch.grad_accum_steps * recipe.data.max_length
     flops = stage_flops(costs, head, parts, num_stages)
     total = sum(flops) or 1.0
     how = "strategy.split" if recipe.strategy.split is not None else "split by FLOPs"
-    return [f"stages ({how}; forward + backward FLOPs per step):"] + [
+    per = f" of a tp rank of {grid.tp}" if grid.tp > 1 else ""
+    return [f"stages ({how}; forward + backward FLOPs per step{per}):"] + [
         f"  stage {s}: blocks {blocks_of(parts, s)}{' + head' if s == num_stages - 1 and head else ''}, "
         f"{f * tokens / 1e9:.2f} GFLOP ({100 * f / total:.0f} %)" for s, f in enumerate(flops)]

@@ -5,6 +5,9 @@ it can, counted in forward + backward FLOPs from the model's shapes (toolkit/cos
               recomputation); under selective, 2 × the elements of the matrices it recomputes more
   the head    6 × hidden × vocabulary on the last stage (its matmul; the loss over the logits is ~1/hidden of it)
   embeddings  nothing: a lookup is not a matmul
+On tensor-parallel stages the costs are a tp rank's: a block's matmuls and attention heads are split over the tp
+ranks, the head only under loss_parallel (without it every tp rank computes the whole head), so there the head
+weighs tp times more against the blocks.
 Among splits whose costliest stage is equal, the one with the fewest blocks on its fullest stage wins (activation
 memory grows with the blocks a stage keeps). A parameter count is the wrong measure: a tied embedding counts on the
 first stage, where its lookup is nearly free, and the head's FLOPs on the last stage, which a parameter split
@@ -20,8 +23,10 @@ from toolkit.config.recipe import Recipe
 from toolkit.cost.flops import block_elements, head_elements
 
 
-def block_costs(model: nn.Module, blocks: list[nn.Module], recipe: Recipe) -> tuple[list[float], float]:
-    """Per token, each block's forward + backward FLOPs, and the head's (on the last stage)."""
+def block_costs(model: nn.Module, blocks: list[nn.Module], recipe: Recipe, *, tp: int = 1,
+                loss_parallel: bool = False) -> tuple[list[float], float]:
+    """Per token, each block's forward + backward FLOPs, and the head's (on the last stage), on one tp rank of
+    `tp` (the head split with them under `loss_parallel` only)."""
     config: Any = getattr(model, "config", None)
     hidden = getattr(config, "hidden_size", 0) or 0
     recompute = recipe.train.recompute
@@ -32,7 +37,8 @@ def block_costs(model: nn.Module, blocks: list[nn.Module], recipe: Recipe) -> tu
         selective = 2.0 * block_elements(block, config, recomputed=True) if recompute == "selective" else 0.0
         return float(round((6.0 * block_elements(block, config) + attention) * full + selective))
 
-    return [cost(block) for block in blocks], 6.0 * head_elements(model)
+    head = 6.0 * head_elements(model)
+    return [cost(block) / tp for block in blocks], head / tp if loss_parallel else head
 
 
 def cost_balanced_starts(costs: list[float], *, last_extra: float, num_parts: int) -> list[int]:

@@ -93,7 +93,8 @@ class PipelineStrategy:
         layout_of(model, options.blocks)  # a RecipeError for a model that does not show how to cut it
         parts, num_stages = stage_of_blocks(model, args.recipe, self.grid)
         self.parts, self.num_stages = parts, num_stages
-        costs, head = block_costs(model, layer_stack(model, options.blocks), args.recipe)
+        costs, head = block_costs(model, layer_stack(model, options.blocks), args.recipe, tp=self.grid.tp,
+                                  loss_parallel=self.grid.loss_parallel)
         self.stage_flops = stage_flops(costs, head, parts, num_stages)  # per token: the predicted idle's weights
         self.stage_ids = self.grid.stage_ids(self.pp_rank, options.stages_per_rank)
         self.tied = tied_embedding_names(model)
