@@ -161,3 +161,23 @@ def test_tensor_parallel_stages_sharded_over_replicas_plan_their_tp_slices_gathe
     last = halved(*inner.layers[1:]) + numel(inner.norm, model.lm_head)
     gathered = strategy_rules(recipe).predict_gathered_bytes(model, recipe, world_size=8)
     assert gathered == [first * 8] * 4 + [last * 8] * 4  # fp32: gathered parameter and whole gradient, 4 + 4
+
+
+def test_packed_data_plans_the_receive_buffers_of_its_one_length(tmp_path, monkeypatch):
+    """A stage keeps receive buffers per padded length it has built (batches.KEPT_SHAPES of them). Packed data has
+    one length, max_length (every block full): the plan adds no buffers of a second. Planned as if a second, 8
+    tokens shorter, could be built, a middle stage of 4 micro-batches adds its input's and its output gradient's,
+    micro 2 × 56 tokens × hidden 64 in fp32 each, an end stage one of the two."""
+    from toolkit.strategies.pipeline import memory
+
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
+    recipe = tiny_recipe("strategy.name=pipeline", "batch.grad_accum_steps=4")
+    assert recipe.data.packing
+
+    def activations():
+        return predict(recipe, world_size=4, runtime_bytes=0, device_type="cuda").activation_bytes
+
+    packed = activations()
+    monkeypatch.setattr(memory, "longest_kept", lambda length, packing: [length, length - 8])
+    two_lengths = activations()
+    assert [t - p for t, p in zip(two_lengths, packed)] == [4 * 2 * 56 * 64 * 4 * sides for sides in (1, 2, 2, 1)]

@@ -12,7 +12,7 @@ for every micro-batch it has in flight; how many that is comes from the schedule
 On top, torch's PipelineStage allocates receive buffers for every micro-batch of the step at its first step
 and keeps them: the activations a stage receives (all but the first stage) and the gradients of its
 output (all but the last), micro × padded length × hidden each, for each padded length whose stages the rank
-keeps (batches.KEPT_SHAPES: planned at the longest, max_length and 8 below).
+keeps (batches.KEPT_SHAPES: planned at the longest, max_length and 8 below; packed data has max_length alone).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def activation_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: i
     micro_batches = plan_batch(recipe.batch, world_size=grid.dp).grad_accum_steps
     hidden = cast(Any, model).config.hidden_size
     # the stages of the KEPT_SHAPES longest padded lengths (batches.longest_kept), each with its own buffers
-    kept = sum(longest_kept(recipe.data.max_length))
+    kept = sum(longest_kept(recipe.data.max_length, packing=recipe.data.packing))
     buffer = recipe.batch.micro_batch_size * kept * hidden * element_bytes(how["params_dtype"])
     per_pp_rank = []
     for pp_rank in range(grid.pp):
