@@ -14,7 +14,7 @@ collectives, memory and FLOPs are built once per row); --cli-check runs the firs
 fp8 rows (torchtitan's float8, Megatron's FP8: no toolkit precision) are predicted with the toolkit's layout rules and
 collectives in bf16 and the compute at the fp8 peak, with an efficiency fitted on fp8 rows alone, and reported apart
 from the bf16 rows the targets are for. Rows the toolkit cannot state are listed with the reason and left out: tp × pp
-× cp and tp × pp with replicated data parallel (no toolkit layout), a mixture of experts whose expert layout is not stated, no published tokens/s, unknown
+× cp, tp × pp with replicated data parallel and pp × HSDP (no toolkit layout), a mixture of experts whose expert layout is not stated, no published tokens/s, unknown
 hardware. torch.compile and async TP are not modelled: a compiled run (marked `c`) or one with async TP (`a`) is
 predicted as eager, plain TP, so its speed-up lands in the fitted efficiency.
 Targets (the issue's): median |error| <= 15 %, no row worse than 35 %, memory within ±10 % where published,
@@ -59,6 +59,9 @@ def skip_reason(row: dict) -> str | None:
     if (layout.get("tp") or 1) > 1 and (layout.get("pp") or 1) > 1:  # pp × tp, and pp × dp_shard × tp
         if (layout.get("cp") or 1) > 1:
             return "tp × pp × cp: not a toolkit layout yet (pp × dp_shard × tp is)"
+    if (layout.get("pp") or 1) > 1 and (layout.get("dp_replicate") or 1) > 1 and (layout.get("dp_shard") or 1) > 1:
+        # a stage's replicas are one FSDP or one DDP group: layout_of would plan HSDP's as one FSDP group
+        return "pp × dp_replicate × dp_shard: not a toolkit layout yet (pp × dp_shard is)"
     if row["model"].get("num_experts") and layout.get("ep") is None:
         return "experts' layout (ep) not stated"
     return None

@@ -45,3 +45,27 @@ def test_benchmark_prints_its_table(name):
     if name == "gpu_throughput":  # toolkit plan's step time beside the measured one: a number, not n/a
         cells = dict(zip(table[header].split("|"), rows[0].split("|")))
         assert float(cells[" predicted ms "]) > 0, result.stdout
+
+
+def test_scale_prediction_leaves_out_a_pipeline_over_hsdp_replicas_as_the_toolkit_refuses_it(monkeypatch):
+    """A published pp × dp_replicate × dp_shard row would otherwise be planned as one FSDP group over both (the
+    hybrid strategy's stage replicas are one FSDP or one DDP group): left out with the reason, as the toolkit's
+    layout check refuses those degrees together."""
+    import importlib.util
+
+    from toolkit.config.files import load_recipe
+    from toolkit.config.parallel import resolve
+    from toolkit.errors import RecipeError
+
+    spec = importlib.util.spec_from_file_location("scale_prediction", REPO / "benchmarks" / "scale_prediction.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "scale_prediction", module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    layout = {"dp_shard": 2, "dp_replicate": 2, "tp": 1, "pp": 2, "cp": 1, "ep": 1, "engine": "fsdp2"}
+    row = {"layout": layout, "published": {"tokens_per_s_per_gpu": 1000}, "hardware": "h100-sxm",
+           "precision": "bf16", "model": {"num_experts": None}}
+    assert "pp × dp_replicate × dp_shard" in module.skip_reason(row)
+    assert module.skip_reason({**row, "layout": {**layout, "dp_replicate": 1}}) is None
+    with pytest.raises(RecipeError, match="pp × dp_replicate × dp_shard"):
+        resolve(load_recipe(REPO / "recipes" / "llama-tiny.yaml",
+                            ["parallel.pp=2", "parallel.dp_shard=2", "parallel.dp_replicate=2"]), world_size=8)
