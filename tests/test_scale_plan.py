@@ -157,12 +157,24 @@ def test_a_tie_names_what_each_side_pays_that_the_other_does_not(two_nodes):
     assert "spends 1.5 s a step on x" in reasons([planned(rows["zero3"]), slow])[0]
 
 
-def test_layouts_names_what_auto_plans_and_each_tp_row_sets_sequence_parallelism_itself():
+def sequence_parallel_recipe(tmp_path: Path) -> str:
+    """The 8B recipe with strategy.sequence_parallel: true in its file (not a --set, which a layout that sets it
+    itself refuses: test_a_set_that_a_named_layout_or_arm_would_replace_is_refused)."""
+    raw = yaml.safe_load(Path(RECIPE).read_text())
+    raw["strategy"]["sequence_parallel"] = True
+    raw["data"]["train"] = str(REPO / raw["data"]["train"])
+    path = tmp_path / "llama3-8b-sp.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def test_layouts_names_what_auto_plans_and_each_tp_row_sets_sequence_parallelism_itself(tmp_path):
     """--layouts takes auto's names (fsdp-tp8-lossp, fsdp-tp8-sp-lossp), not only the compare arms'; a recipe that
     turns sequence parallelism on leaves the plain row plain: it holds more than the -sp row (a rank keeps every
     token of its norms' activations), where before it was planned as a second SP row."""
-    done = run_cli("plan", RECIPE, "--hardware", "h100-sxm", "--nodes", "1", "--json", "--layouts",
-                   "fsdp-tp8-lossp,fsdp-tp8-sp-lossp", "--set", "strategy.sequence_parallel=true")
+    recipe = sequence_parallel_recipe(tmp_path)
+    done = run_cli("plan", recipe, "--hardware", "h100-sxm", "--nodes", "1", "--json", "--layouts",
+                   "fsdp-tp8-lossp,fsdp-tp8-sp-lossp")
     assert done.returncode == 0, done.stderr[-3000:]
     by_name = {p["layout"]: p for p in json.loads(done.stdout)}
     assert set(by_name) == {"fsdp-tp8-lossp", "fsdp-tp8-sp-lossp"}
@@ -173,11 +185,57 @@ def test_layouts_names_what_auto_plans_and_each_tp_row_sets_sequence_parallelism
     assert gathers(plain) == 0 < gathers(sequence)
     # fsdp-tp2, also a compare arm's name, is auto's row here: plain, where the arm would keep the recipe's SP
     tiled = ("--set", "train.tiled_loss=true")  # no -lossp rows: auto's plain row is named fsdp-tp2
-    done = run_cli("plan", RECIPE, "--hardware", "h100-sxm", "--nodes", "1", "--json", "--layouts",
-                   "fsdp-tp2,fsdp-tp2-sp", "--set", "strategy.sequence_parallel=true", *tiled)
+    done = run_cli("plan", recipe, "--hardware", "h100-sxm", "--nodes", "1", "--json", "--layouts",
+                   "fsdp-tp2,fsdp-tp2-sp", *tiled)
     assert done.returncode == 0, done.stderr[-3000:]
     by_name = {p["layout"]: p for p in json.loads(done.stdout)}
     assert gathers(by_name["fsdp-tp2"]) == 0 < gathers(by_name["fsdp-tp2-sp"])
+
+
+def test_a_set_that_a_named_layout_or_arm_would_replace_is_refused():
+    """`--layouts pp-tp2-lossp --set strategy.tp_degree=8` planned pp 8 × tp 2 at 16 GPUs under that name (the
+    arm's tp_degree=2 was applied after the --set), so a README line compared the wrong layouts. Now refused in one
+    line naming NAME@KEY=VALUE, which plans the layout asked for: the arm at tp 8 is auto's pp2-tp8-lossp, row for
+    row. A --set equal to the layout's own value is no clash."""
+    done = run_cli("plan", RECIPE, "--hardware", "h100-sxm", "--nodes", "2", "--layouts", "pp-tp2-lossp",
+                   "--set", "strategy.tp_degree=8")
+    assert done.returncode == 2 and done.stdout == "", done
+    [line] = done.stderr.strip().splitlines()
+    assert "sets strategy.tp_degree=2 itself, which would replace --set strategy.tp_degree=8" in line, line
+    assert "pp-tp2-lossp@strategy.tp_degree=8" in line, line
+    done = run_cli("plan", RECIPE, "--hardware", "h100-sxm", "--nodes", "2", "--json", "--layouts",
+                   "pp-tp2-lossp@strategy.tp_degree=8,pp2-tp8-lossp,pp-tp2-lossp")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {p["layout"]: p for p in json.loads(done.stdout)}
+    arm, auto, pp8 = rows["pp-tp2-lossp@strategy.tp_degree=8"], rows["pp2-tp8-lossp"], rows["pp-tp2-lossp"]
+    assert {**arm, "layout": None} == {**auto, "layout": None}
+    assert pp8["step_time_s"] != arm["step_time_s"]  # tp 2: eight stages, not two
+    done = run_cli("plan", RECIPE, "--hardware", "h100-sxm", "--nodes", "2", "--layouts", "fsdp-tp8-lossp",
+                   "--set", "strategy.sequence_parallel=true")
+    assert done.returncode == 2 and "fsdp-tp8-lossp@strategy.sequence_parallel=true" in done.stderr, done.stderr
+    # auto plans the --set on the recipe's own row and says which keys its other rows set themselves
+    done = run_cli("plan", RECIPE, "--hardware", "h100-sxm", "--nodes", "1", "--json", "--set",
+                   "strategy.sequence_parallel=true")
+    assert done.returncode == 0 and "--set strategy.sequence_parallel=true: planned on the recipe's own row" \
+        in done.stderr, done.stderr
+
+
+def test_compare_and_plan_refuse_a_set_an_arm_would_replace(tmp_path):
+    """compare and plan (this machine) take arms the same way: `--strategies pp-tp2 --set strategy.tp_degree=4`
+    would run tp 2 without a word; refused in one line, nothing written; the arm's own override wins over both."""
+    out = tmp_path / "exp"
+    done = run_cli("compare", RECIPE, "--strategies", "single,pp-tp2", "--set", "strategy.tp_degree=4",
+                   "--output", str(out))
+    assert done.returncode == 2 and not out.exists(), done
+    [line] = done.stderr.strip().splitlines()
+    assert "arm 'pp-tp2' sets strategy.tp_degree=2 itself, which would replace strategy.tp_degree=4" in line, line
+    done = run_cli("plan", RECIPE, "--strategies", "ddp,pp-tp2", "--nproc", "4", "--set", "strategy.tp_degree=4")
+    assert done.returncode == 2 and "pp-tp2@strategy.tp_degree=4" in done.stderr, done.stderr
+    from toolkit.compare.experiment import arm_overrides
+    assert arm_overrides("pp-tp2@strategy.tp_degree=4", common=["strategy.tp_degree=8"])[-1] == \
+        "strategy.tp_degree=4"
+    assert arm_overrides("pp-tp2", common=["strategy.tp_degree=2", "strategy.schedule=gpipe"]) == \
+        ("strategy.name=pipeline", "strategy.tp_degree=2")
 
 
 def test_options_set_for_one_strategy_leave_auto_s_other_layouts_planned_as_without_them(two_nodes):

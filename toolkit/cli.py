@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpus-per-node", type=int, default=None, help="with --hardware: default the profile's")
     plan.add_argument("--layouts", default="auto", metavar="auto|LAYOUTS",
                       help="with --hardware: auto (the sensible ones for the cluster), or comma-separated names of "
-                           "auto's layouts (fsdp-tp8-sp-lossp, hsdp-2x8) or of compare arms")
+                           "auto's layouts (fsdp-tp8-sp-lossp, hsdp-2x8) or of compare arms, each with "
+                           "overrides as NAME@KEY=VALUE (pp-tp2@strategy.tp_degree=8)")
     plan.add_argument("--json", action="store_true", help="with --hardware: one JSON object per layout")
     _add_overrides(plan)
 
@@ -245,7 +246,7 @@ def cmd_plan(args) -> int:
     _check_nproc(args.nproc)
     arms = split_arms(args.strategies) if args.strategies is not None else [None]
     try:  # as compare takes them: a named arm, with per-arm overrides as name@key=value
-        sets = {arm: arm_overrides(arm) if arm else () for arm in arms}
+        sets = {arm: arm_overrides(arm, common=args.overrides) if arm else () for arm in arms}
     except RecipeError as exc:
         raise RecipeError(f"--strategies: {exc}") from None
     given = plan.parse_bytes(args.memory_per_rank) if args.memory_per_rank is not None else None

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from toolkit.config.files import load_recipe
+from toolkit.config.files import load_recipe, replaced_overrides
 from toolkit.config.parallel import resolve
 from toolkit.config.recipe import Recipe, plan_batch
 from toolkit.config.yaml_files import read_yaml_mapping
@@ -91,13 +91,21 @@ def split_outside(text: str, sep: str, *, where: str) -> list[str]:
     return [*parts, text[start:]]
 
 
-def arm_overrides(spec: str) -> tuple[str, ...]:
-    """`zero3` or `zero3@optim.lr=2e-4@seed=1`: a named arm plus per-arm recipe overrides."""
+def arm_overrides(spec: str, *, common: list[str] | tuple[str, ...] = ()) -> tuple[str, ...]:
+    """`zero3` or `zero3@optim.lr=2e-4@seed=1`: a named arm plus per-arm recipe overrides. An override for all arms
+    (`common`: --set, a matrix file's set:) that the arm's own definition would replace by another value is refused:
+    `--strategies pp-tp2 --set strategy.tp_degree=8` would run tp 2 without a word. Per-arm overrides win over both."""
     strategy, *extra = split_outside(spec, "@", where=f"arm {spec!r}")
     aliases = arm_aliases()
     if strategy not in aliases:
         raise RecipeError(f"unknown arm {strategy!r}; choose from {', '.join(aliases)} "
                           "(add per-arm overrides as name@key=value)")
+    clash = replaced_overrides(common, aliases[strategy], then=extra)
+    if clash:
+        given, theirs = clash[0]
+        raise RecipeError(f"arm {strategy!r} sets {theirs} itself, which would replace {given} (set for all arms by "
+                          f"--set, or a matrix file's set:); give it to the arm ({strategy}@{given}), or choose an "
+                          "arm that runs it")
     return (*aliases[strategy], *extra)
 
 
@@ -245,7 +253,7 @@ def _spec_arms(recipe_path: str, spec: str, *, overrides: list[str], nproc: int,
               + (f"-accum{accum}" if accum is not None and len(accums) > 1 else ""))
              for precision in precisions for accum in accums]
     names = [name for *_, name in named]
-    strategy = arm_overrides(spec)  # an unknown arm's refusal names it
+    strategy = arm_overrides(spec, common=overrides)  # an unknown arm's refusal names it
     with naming_arms(names):
         arm_recipe = load_recipe(recipe_path, [*overrides, *strategy])
         arm_nproc = 1 if strategy_info(arm_recipe.strategy.name).one_process else nproc

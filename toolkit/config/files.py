@@ -58,6 +58,26 @@ def apply_override(raw: dict, item: str) -> None:
     node[parts[-1]] = value
 
 
+def replaced_overrides(common: list[str] | tuple[str, ...], own: list[str] | tuple[str, ...], *,
+                       then: list[str] | tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    """The items of `common` that `own`, applied after them, would replace by another value: (common's item, own's
+    item) per key (each list's last item of a key; values compared as parsed, so `true` and `True` agree). Keys
+    that `then`, applied after both, sets are left out: it replaces both."""
+    def last(items) -> dict[str, str]:
+        return {item.partition("=")[0].strip(): item for item in items}
+
+    def parsed(item: str) -> Any:
+        text = item.partition("=")[2]
+        try:
+            return load_yaml(text) if text != "" else ""
+        except yaml.YAMLError:
+            return text
+    theirs = last(own)
+    later = last(then)
+    return [(item, theirs[key]) for key, item in last(common).items()
+            if key in theirs and key not in later and parsed(item) != parsed(theirs[key])]
+
+
 def override_value(value: Any) -> str:
     """A recipe value as `--set key=value` writes it (null, true, ['a', 'b'], 0.001)."""
     if value is None:

@@ -51,7 +51,8 @@ def calibrate(args) -> int:
 
 def scale_plan(args) -> int:
     """Step time, tokens/s per GPU, MFU and memory per layout on a cluster of --nodes × --gpus-per-node."""
-    from toolkit.config.files import load_recipe
+    from toolkit.compare.experiment import split_arms, split_outside
+    from toolkit.config.files import load_recipe, replaced_overrides
     from toolkit.plan import scale
     from toolkit.plan.predict import planned_model
     from toolkit.strategies import arm_aliases
@@ -66,22 +67,35 @@ def scale_plan(args) -> int:
     aliases = arm_aliases()
     if args.layouts == "auto":
         layouts, explicit = scale.auto_layouts(base, model, cluster), False
+        replaced = sorted({given for name, own in layouts.items() for given, _ in replaced_overrides(args.overrides,
+                                                                                                      own)})
+        if replaced:  # the recipe's own row keeps them; a row named for its layout is that layout
+            print(f"[toolkit] --set {', '.join(replaced)}: planned on the recipe's own row; auto's other rows set "
+                  "these keys themselves (plan one with it as --layouts NAME@KEY=VALUE)", file=sys.stderr, flush=True)
     else:
-        names = [name.strip() for name in args.layouts.split(",")]
-        if not all(names) or len(set(names)) < len(names):
+        names = split_arms(args.layouts, option="--layouts")
+        if len(set(names)) < len(names):
             raise RecipeError(f"--layouts {args.layouts!r}: give comma-separated layout or arm names, each once "
                               "(e.g. fsdp,zero3,fsdp-tp8-lossp), or auto")
         auto = scale.auto_layouts(base, model, cluster)  # auto's own names too (fsdp-tp8-sp-lossp, hsdp-2x8)
         auto.pop(scale.RECIPE_LAYOUT, None)
         # auto's row where both name one: its TP rows set sequence parallelism themselves (fsdp-tp2 too)
         known = {**aliases, **auto}
-        unknown = [n for n in names if n not in known]
-        if unknown:
-            own = [n for n in known if n not in aliases]
-            raise RecipeError(f"--layouts: unknown layout {unknown[0]!r}; choose from auto, "
-                              + (f"the layouts auto plans here ({', '.join(own)}) " if own else "")
-                              + f"or the arms {', '.join(aliases)}")
-        layouts, explicit = {n: known[n] for n in names}, True
+        layouts = {}
+        for spec in names:  # a name, with per-layout overrides as in compare (pp-tp2@strategy.tp_degree=8)
+            name, *extra = split_outside(spec, "@", where=f"layout {spec!r}")
+            if name not in known:
+                own = [n for n in known if n not in aliases]
+                raise RecipeError(f"--layouts: unknown layout {name!r}; choose from auto, "
+                                  + (f"the layouts auto plans here ({', '.join(own)}) " if own else "")
+                                  + f"or the arms {', '.join(aliases)} (each with overrides as NAME@KEY=VALUE)")
+            clash = replaced_overrides(args.overrides, known[name], then=extra)
+            if clash:
+                given, theirs = clash[0]
+                raise RecipeError(f"--layouts {name} sets {theirs} itself, which would replace --set {given}; give "
+                                  f"it to the layout ({name}@{given}), or choose a layout that runs it")
+            layouts[spec] = (*known[name], *extra)
+        explicit = True
     planned = []
     for number, (name, overrides) in enumerate(layouts.items(), 1):
         if not args.json:
