@@ -46,15 +46,16 @@ ARMS = {
                                "strategy.stages_per_rank=2", "batch.grad_accum_steps=4")),
     # all three: 2 stages × 2 replicas sharded by FSDP2 (of a tp rank's slices) × 2 tp ranks each
     "pp-fsdp-tp2": (8, ("parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2", "batch.grad_accum_steps=2")),
-    # sequence parallelism inside the stages: each stage cuts what it receives to its tp rank's share of the tokens
-    # and gathers its last block's output whole to send it on; without FSDP the norms' partial gradients are summed
-    # with the rest once a step, under FSDP each by FSDP
+    # sequence parallelism inside the stages: each stage sends and receives its tp rank's share of the tokens (no
+    # gather between stages); without FSDP the norms' partial gradients are summed with the rest once a step, under
+    # FSDP each by FSDP
     "pp-tp2-sp": (4, ("parallel.pp=2", "parallel.tp=2", "strategy.sequence_parallel=true",
                       "batch.grad_accum_steps=4")),
     # loss_parallel: the last stage's head and the loss over a tp rank's 1/2 of the vocabulary, the first stage's
     # tied embedding split alike (its gradient, computed whole, cut to the rank's rows: tp_plan.keep_gradients_split)
     "pp-tp2-lossp": (4, ("parallel.pp=2", "parallel.tp=2", "strategy.loss_parallel=true", "batch.grad_accum_steps=4")),
-    # two stages a rank of one block each: a block both cuts its input and gathers its output
+    # two stages a rank of one block each: the first stage's one block both cuts its input and sends its share, the
+    # middle stages' blocks are handed a received share
     "pp-tp2-sp-interleaved": (4, ("parallel.pp=2", "parallel.tp=2", "strategy.sequence_parallel=true",
                                   "strategy.schedule=interleaved-1f1b", "strategy.stages_per_rank=2",
                                   "batch.grad_accum_steps=4")),

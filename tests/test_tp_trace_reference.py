@@ -226,7 +226,7 @@ STAGE_CASES = {  # (degree, recipe_of's arguments, dtypes, activation checkpoint
 @pytest.mark.parametrize("case", STAGE_CASES)
 def test_a_tensor_parallel_pipeline_stage_is_traced_as_the_plan_on_dtensors_keeps_it(tmp_path, monkeypatch, case):
     """pp × tp (× sequence parallelism): a stage's tp rank. A stage before the last gathers its last block's output
-    whole to send it on (under sequence parallelism, the share's all-gather the trace adds: tp_rank.stage_output);
+    whole to send it on (under sequence parallelism, its share as it is: no gather);
     a stage after the first cuts what it receives to its share."""
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
     degree, shape, dtypes, checkpointing, (first, last) = STAGE_CASES[case]

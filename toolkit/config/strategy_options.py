@@ -70,8 +70,8 @@ class StrategyConfig:
     #   (hf_native: transformers' ep_size)
     sequence_parallel: bool = False  # tp, fsdp with tp_degree, pipeline/hybrid with tp_degree (each stage): norms and
     #   residuals on sequence shards between the split layers (Llama-style decoders): less activation memory, the
-    #   blocks' bytes moved as before (two gathers a micro-batch more: the final norm's output, or a stage's output
-    #   it sends on, and the embedding output's, or a stage's received input's, gradient)
+    #   blocks' bytes moved as before (two gathers a micro-batch more: the final norm's output and the embedding
+    #   output's gradient; pipeline stages send and receive 1/tp of the sequence, gathering nothing between them)
     loss_parallel: bool = False  # tp, fsdp with tp_degree, pipeline/hybrid with tp_degree (the last stage's head, a
     #   first stage's tied embedding): a causal LM's output layer (and a tied embedding) split over the vocabulary,
     #   the loss reduced across the ranks (torchtitan's loss_parallel): a rank holds 1/N of the logits and of those

@@ -45,7 +45,7 @@ from toolkit.errors import RecipeError
 from toolkit.model.blocks import enable_activation_checkpointing, layer_stack
 from toolkit.model.build import set_dropout
 
-TRACE_VERSION = 6  # raise when what a trace measures changes: cached traces of older versions are not read
+TRACE_VERSION = 7  # raise when what a trace measures changes: cached traces of older versions are not read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +97,7 @@ def traced_stage(model: nn.Module, recipe: Recipe, *, blocks: int, first: bool, 
     input (the activations it receives) and, unless last, the gradient of its output are the pipeline's
     receive buffers, made before the trace and not counted. Traced with one block and two, extrapolated.
     `tp_degree` > 1: as one tensor-parallel rank of the stage computes it (its split layers 1/N wide; under
-    `sequence_parallel` its norms on 1/N of the tokens, the output gathered whole to be sent on; under
+    `sequence_parallel` its norms on 1/N of the tokens, its input and output the rank's share of them; under
     `loss_parallel` the last stage's head, and a first stage's tied embedding, 1/N of the vocabulary)."""
     how = _how(model, params_dtype=params_dtype, autocast_dtype=autocast_dtype, checkpointing=checkpointing)
 
@@ -286,7 +286,13 @@ def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, au
             blocks = recipe.strategy.blocks
             module = Stage(model, layer_ids=list(range(len(layer_list(model, blocks)))), first=first, last=last,
                            blocks=blocks)
-            hidden = (*tokens, cast(Any, model).config.hidden_size)  # the residual stream, in the weights' dtype
+            if getattr(model, tp_rank.SEQUENCE_SHARDS, 0):  # a local_model under sequence parallelism
+                module.sequence_shards = getattr(model, tp_rank.SEQUENCE_SHARDS)
+                if not first:
+                    setattr(module.blocks()[0], tp_rank.RECEIVED_WHOLE, tokens[1])
+            # the residual stream, in the weights' dtype: a tp rank's share of the sequence under sequence
+            # parallelism (rank 0's, the largest where tp does not divide it), sent and received as it is
+            hidden = (tokens[0], -(-tokens[1] // module.sequence_shards), cast(Any, model).config.hidden_size)
             inputs = [ids if first else torch.zeros(hidden, dtype=params_dtype, requires_grad=True)]
             grad = None if last else torch.zeros(hidden, dtype=params_dtype)
         live = LiveBytes([*module.parameters(), *module.buffers(), *inputs,
@@ -306,9 +312,7 @@ def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, au
                 if stage is None:
                     out = model(input_ids=ids, **({} if mask is None else {"attention_mask": mask})).logits
                 else:
-                    out = module(inputs[0], mask)
-                    if grad is not None:  # a stage before the last: what it sends on
-                        out = tp_rank.stage_output(model, out, tokens=tokens[1])
+                    out = module(inputs[0], mask, tokens[1])
             if grad is None:  # the whole model, or the last stage: the loss
                 share = getattr(cast(Any, model).get_output_embeddings(), "vocabulary_share", False) \
                     if hasattr(model, "get_output_embeddings") else False

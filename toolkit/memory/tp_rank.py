@@ -78,6 +78,16 @@ def _shard_sequence(model: nn.Module, *, degree: int) -> None:
         tokens["whole"] = hidden.shape[1]
         return cast(torch.Tensor, _Cut.apply(hidden, degree))
 
+    def received(share: torch.Tensor) -> torch.Tensor:  # a pipeline stage after the first: its share, a buffer
+        return share
+
+    def cut_or_received(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        whole = getattr(module, RECEIVED_WHOLE, None)  # on the block (the hooks outlive a copy of the model)
+        if whole is None:
+            return on_hidden(first)(module, args, kwargs)
+        tokens["whole"] = whole
+        return on_hidden(received)(module, args, kwargs)
+
     def gather(hidden: torch.Tensor) -> torch.Tensor:
         return cast(torch.Tensor, _Gathered.apply(hidden, degree, tokens["whole"]))
 
@@ -86,7 +96,7 @@ def _shard_sequence(model: nn.Module, *, degree: int) -> None:
             return (_Scattered.apply(output[0], degree), *output[1:])
         return _Scattered.apply(output, degree)
 
-    model.get_submodule(f"{stack}.{held[0]}").register_forward_pre_hook(on_hidden(first), with_kwargs=True)
+    model.get_submodule(f"{stack}.{held[0]}").register_forward_pre_hook(cut_or_received, with_kwargs=True)
     for index in held:
         for part in ("self_attn", "mlp"):
             module = model.get_submodule(f"{stack}.{index}.{part}")
@@ -96,18 +106,13 @@ def _shard_sequence(model: nn.Module, *, degree: int) -> None:
     for name, child in model.named_children():  # the head reads the gathered sequence
         if name != base:
             child.register_forward_pre_hook(on_hidden(gather), with_kwargs=True)
-    setattr(model, SEQUENCE_SHARDS, degree)  # a pipeline stage's trace gathers its output (stage_output)
+    setattr(model, SEQUENCE_SHARDS, degree)  # a pipeline stage's trace sends and receives shares
 
 
 SEQUENCE_SHARDS = "toolkit_sequence_shards"  # on a local_model under sequence parallelism: its tp degree
-
-
-def stage_output(model: nn.Module, output: torch.Tensor, *, tokens: int) -> torch.Tensor:
-    """What a pipeline stage before the last sends on, from its last block's `output`: under sequence parallelism
-    (a local_model with SEQUENCE_SHARDS) the rank's share gathered whole, as sequence_parallel_plan gathers it,
-    a tensor of `tokens` positions; else the output itself."""
-    degree = getattr(model, SEQUENCE_SHARDS, 0)
-    return cast(torch.Tensor, _Sent.apply(output, degree, tokens)) if degree else output
+# on the first block of a local_model traced as a pipeline stage after the first, under sequence parallelism: the
+# whole sequence's length (the block is given the rank's share, as a run's stage receives it)
+RECEIVED_WHOLE = "toolkit_received_whole"
 
 
 # What torch 2.13's sequence-dim collectives allocate on a rank (DTensor's Shard(1) <-> Replicate / Partial
@@ -164,20 +169,6 @@ class _Gathered(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _reduce_scatter(grad, ctx.degree), None, None
-
-
-class _Sent(torch.autograd.Function):
-    """A stage's output share gathered whole (forward: a Shard(1) -> Replicate redistribution); its gradient, whole
-    on every tp rank, cut to the share (backward: Replicate -> Shard(1) clones the rank's chunk, no collective)."""
-
-    @staticmethod
-    def forward(ctx: Any, share: torch.Tensor, degree: int, whole: int) -> torch.Tensor:
-        ctx.share = share.shape[1]
-        return _all_gather(share, degree, whole)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return grad.narrow(1, 0, ctx.share).clone(), None, None
 
 
 class _Scattered(torch.autograd.Function):

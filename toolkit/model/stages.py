@@ -298,6 +298,11 @@ class Stage(nn.Module):
 
     whole: Any  # the transformers model whose forward the stage runs
     pipeline_stage = True  # what the tensor-parallel plan asks to tell a stage from a model (tp_plan.vocab_modules)
+    # under sequence parallelism (tp_plan.parallelize) a stage after the first receives a tp rank's share of the
+    # sequence: the model is given a stand-in of the whole sequence's shape (its mask and positions are the whole
+    # sequence's) and the first block the share, a DTensor of `sequence_mesh` (none in the plan's trace)
+    sequence_shards = 1
+    sequence_mesh: Any = None
 
     def __init__(self, model: Any, *, layer_ids: list[int], first: bool, last: bool,
                  autocast: Callable[[], ContextManager] = contextlib.nullcontext,
@@ -345,16 +350,28 @@ class Stage(nn.Module):
             return self.get_parameter(self.tied[1])
         return None
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None, length: int | None = None
+                ) -> torch.Tensor:
+        """`length`: the whole sequence's, where `attention_mask` is None (the plan's trace of packed data)."""
         blocks = self.blocks()
         start, end = blocks[0], blocks[-1]
         handles = []
+        embeds = x
+        if not self.first and self.sequence_shards > 1:  # x is this tp rank's share of the sequence
+            whole = length if length is not None else cast(torch.Tensor, attention_mask).shape[-1]
+            embeds = x.new_zeros(()).expand(x.shape[0], whole, *x.shape[2:])  # its shape, no memory
+            if self.sequence_mesh is not None:
+                from torch.distributed.tensor import DTensor, Shard
+
+                shape = (x.shape[0], whole, *x.shape[2:])
+                x = DTensor.from_local(x, self.sequence_mesh, [Shard(1)], run_check=False, shape=torch.Size(shape),
+                                       stride=torch.empty(shape, device="meta").stride())
         if not self.first:  # prepended: before FSDP2's own pre-forward hook, which casts the block's inputs
             handles.append(start.register_forward_pre_hook(functools.partial(self._given, x), with_kwargs=True,
                                                            prepend=True))
         if not self.last:  # appended: after FSDP2's post-forward hook (reshard, the backward hooks)
             handles.append(end.register_forward_hook(_stop))
-        inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        inputs = {"input_ids": x} if self.first else {"inputs_embeds": embeds}
         try:
             with self.autocast():
                 out = self.whole(**inputs, attention_mask=attention_mask, **self.options)

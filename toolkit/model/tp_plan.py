@@ -266,6 +266,8 @@ def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False, loss
     if loss_parallel:
         plan.update(vocab_plan(model, degree=mesh.size(), sequence_parallel=sequence_parallel))
     parallelize_module(model, mesh, plan)  # type: ignore[arg-type]
+    if sequence_parallel and getattr(model, "pipeline_stage", False):  # it sends and receives sequence shares
+        cast(Any, model).sequence_shards, cast(Any, model).sequence_mesh = mesh.size(), mesh
     if tied:  # each layer's style made a DTensor of its own from the one weight: the same shard, one parameter again
         cast(Any, model).get_output_embeddings().weight = cast(Any, model).get_input_embeddings().weight
     if sequence_parallel:
@@ -353,12 +355,11 @@ def keep_gradients_split(model: nn.Module) -> None:
         if isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.placements != param.placements:
             param.grad = grad.redistribute(placements=param.placements)
 
-    hooked: set[int] = set()
-
     def hook_held(module: nn.Module, _args: Any = None) -> None:
         for param in module.parameters(recurse=False):
-            if param.requires_grad and id(param) not in hooked:
-                hooked.add(id(param))
+            # marked on the parameter itself: an id could be reused by a new parameter after one is freed
+            if param.requires_grad and not getattr(param, "_toolkit_cut_hooked", False):
+                param._toolkit_cut_hooked = True  # type: ignore[attr-defined]
                 param.register_post_accumulate_grad_hook(cut)
 
     for name in vocab_modules(model, degree=1):
@@ -429,9 +430,10 @@ def sequence_parallel_plan(model: nn.Module) -> dict[str, Any]:
     layers reduce-scatter instead of all-reduce, the inputs of attention and MLP are all-gathered: the same
     bytes, less activation memory. The first block's input is cut from the (replicated) embedding output and
     the head's input gathered back, so the model's mask, positions and the loss are those of the full
-    sequence. A pipeline stage (model/stages.py) cuts its first block's input, the received activations, and
-    before the last stage gathers its last block's output: stages send and receive the whole sequence, and each
-    computes its mask and positions as the model does. Llama-style decoders only: their blocks hold exactly
+    sequence. Pipeline stages (model/stages.py) send and receive a tp rank's share of the sequence, as torchtitan's
+    do: a stage before the last sends its last block's output as it is (no gather), and a stage after the first
+    hands what it receives to its first block as that share (Stage.sequence_mesh), computing mask and positions
+    for the whole sequence as the model does. Llama-style decoders only: their blocks hold exactly
     DECODER_PARTS."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
@@ -472,15 +474,19 @@ def sequence_parallel_plan(model: nn.Module) -> dict[str, Any]:
             plan[f"{block}.mlp"] = PrepareModuleInputOutput(
                 input_layouts=(seq,), desired_input_layouts=(full,), use_local_input=True, output_layouts=(full,),
                 desired_output_layouts=(seq,), use_local_output=False)
-    # the first block's input (the embeddings' output, or a pipeline stage's received activations) is cut
-    cut: dict[str, Any] = dict(input_layouts=(full,), desired_input_layouts=(seq,))
-    plan[f"{stack}.{held[0]}"] = PrepareModuleInput(**cut)
+    # the first block's input: the embeddings' output cut to the rank's share; a later pipeline stage's is the
+    # share it received, which the stage hands its first block as a DTensor already (Stage._given)
+    stage = getattr(model, "pipeline_stage", False)
+    cut: dict[str, Any] = dict(input_layouts=(full,), desired_input_layouts=(seq,)) \
+        if not stage or cast(Any, model).first else {}
+    if cut:
+        plan[f"{stack}.{held[0]}"] = PrepareModuleInput(**cut)
     base = stack.rsplit(".", 1)[0]
-    if getattr(model, "pipeline_stage", False) and not cast(Any, model).last:
+    if stage and not cast(Any, model).last:
         # a pipeline stage before the last (its final norm a later stage's stand-in): its last block's output
-        # gathered whole, a plain tensor, what the stage sends on (the next stage cuts it again)
-        out: dict[str, Any] = dict(output_layouts=(seq,), desired_output_layouts=(full,), use_local_output=True)
-        plan[f"{stack}.{held[-1]}"] = PrepareModuleInputOutput(**cut, **out) if len(held) == 1 \
+        # share, a plain tensor, what the stage sends on (the next stage's same tp rank receives it)
+        out: dict[str, Any] = dict(output_layouts=(seq,), desired_output_layouts=(seq,), use_local_output=True)
+        plan[f"{stack}.{held[-1]}"] = PrepareModuleInputOutput(**cut, **out) if len(held) == 1 and cut \
             else PrepareModuleOutput(**out)
         return plan
     plan[f"{base}.norm"] = SequenceParallel()

@@ -173,12 +173,16 @@ def tp_collectives(model: nn.Module, *, tp: int, shapes: Shapes, activation_dtyp
     # reduce-scatter takes: the sequence padded to tp such shards; per element
     part = sum(rows * math.ceil(length / tp) for rows, length in shapes) * hidden
     # all-gathers: each column-wise group's entry (forward, and a recompute's), the final norm's output for the head
-    # (forward, outside the blocks) and the embedding output's gradient (backward), in the stream's dtype; each
+    # (forward, outside the blocks) and the embedding output's gradient (backward), in the stream's dtype (a
+    # pipeline stage has the first only if it is the last, the second if it is the first: stages send and
+    # receive sequence shares, tp_plan.sequence_parallel_plan); each
     # row-wise exit's gradient (backward), in the matmuls'. Reduce-scatters: each row-wise exit (forward, and where
     # a recompute reaches it), in the matmuls' dtype; each group's entry gradient, its layers' partial gradients
     # summed (backward), in the stream's. A column-wise layer outside a group all-reduces its own input gradient.
     # (the embedding output's gradient and a recompute's gathers run in backward: one entry, phase by majority)
-    out = [entry("all_gather_into_tensor", forwards * (rowwise + whole) + 2, part * stream, "forward",
+    stage = getattr(model, "pipeline_stage", False)
+    ends = 2 if not stage else int(cast(Any, model).first) + int(cast(Any, model).last)
+    out = [entry("all_gather_into_tensor", forwards * (rowwise + whole) + ends, part * stream, "forward",
                  "activation shards"),
            entry("all_gather_into_tensor", rowwise, part * size, "backward", "row-wise outputs' gradient shards"),
            entry("all_gather_into_tensor", whole, part * stream, "backward", "whole MoE layers' output gradients"),

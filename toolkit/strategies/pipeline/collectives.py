@@ -57,7 +57,10 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
     flowing = DTYPES[recipe.precision] if grid.sharded else stored
     micro = len(shapes)
     length = padded_length([n for _, n in shapes], max_length=recipe.data.max_length)
-    one = recipe.batch.micro_batch_size * length * cast(Any, model).config.hidden_size * element_bytes(flowing)
+    # under sequence parallelism a tp rank sends its share of the sequence (rank 0's: the largest, where tp does
+    # not divide the length)
+    sent = -(-length // grid.tp) if grid.sequence_parallel else length
+    one = recipe.batch.micro_batch_size * sent * cast(Any, model).config.hidden_size * element_bytes(flowing)
     pp_rank = grid.coords(rank)[0]
     owner = {s: r for r in range(grid.pp) for s in grid.stage_ids(r, recipe.strategy.stages_per_rank)}
     mine = grid.stage_ids(pp_rank, recipe.strategy.stages_per_rank)

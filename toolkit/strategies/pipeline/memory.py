@@ -86,8 +86,10 @@ def activation_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: i
     parts, num_stages = stage_of_blocks(model, recipe, grid)
     micro_batches = plan_batch(recipe.batch, world_size=grid.dp).grad_accum_steps
     hidden = cast(Any, model).config.hidden_size
-    # the stages of the KEPT_SHAPES longest padded lengths (batches.longest_kept), each with its own buffers
-    kept = sum(longest_kept(recipe.data.max_length, packing=recipe.data.packing))
+    # the stages of the KEPT_SHAPES longest padded lengths (batches.longest_kept), each with its own buffers: of
+    # a tp rank's share of the sequence under sequence parallelism (stages send and receive shares)
+    shares = grid.tp if grid.sequence_parallel else 1
+    kept = sum(-(-length // shares) for length in longest_kept(recipe.data.max_length, packing=recipe.data.packing))
     buffer = recipe.batch.micro_batch_size * kept * hidden * element_bytes(how["params_dtype"])
     per_pp_rank = []
     for pp_rank in range(grid.pp):
