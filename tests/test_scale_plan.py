@@ -584,3 +584,36 @@ def test_a_precision_this_machines_accelerator_lacks_is_planned_for_the_cluster_
     assert done.returncode == 0, done.stderr[-3000:]
     (zero3,) = json.loads(done.stdout)
     assert "refused" not in zero3 and zero3["layout"] == "zero3" and zero3["step_time_s"] > 0, zero3
+
+
+def test_a_pipelines_planned_compute_is_its_busiest_rank_by_the_split():
+    """The step time charges a pipeline's busiest rank as its split cuts it: the default split balances a tp rank's
+    FLOPs, so the head's stage holds fewer blocks; the plan charged an even 1/pp of the blocks beside the whole head
+    (Llama 3 8B at pp 2 × tp 8 without loss parallel: about 23 % too much compute). With the split given, each
+    row's compute is the costlier of its two stages, by the FLOPs of a block and of the head (cost/flops.py): the
+    first stage's blocks where it holds most (28 of 32), else the last stage's with the head."""
+    from toolkit.config.files import load_recipe
+    from toolkit.cost.flops import model_flops
+    from toolkit.plan.predict import planned_model
+
+    splits = (8, 16, 28)
+    layouts = ",".join(f"pp-tp2@strategy.tp_degree=8@strategy.split=[{k}]" for k in splits)
+    done = run_cli("plan", RECIPE, "--hardware", "h100-sxm", "--nodes", "2", "--json", "--layouts",
+                   f"{layouts},pp-tp2@strategy.tp_degree=8")
+    assert done.returncode == 0, done.stderr[-3000:]
+    compute = {p["layout"]: next(c["seconds"] for c in p["costs"] if c["what"] == "compute")
+               for p in json.loads(done.stdout)}
+    flops = model_flops(planned_model(load_recipe(RECIPE)), seq_len=8192, checkpointing="full")
+    block = (flops.block_matmul + flops.attention + flops.recompute) / 32 / 8  # a tp rank's share of one block
+
+    def busiest(first: int) -> float:
+        return max(first * block, (32 - first) * block + flops.head_matmul)
+    seconds = {k: compute[f"pp-tp2@strategy.tp_degree=8@strategy.split=[{k}]"] for k in splits}
+    assert busiest(28) == 28 * block and busiest(8) > busiest(16)  # both stages' sides are checked
+    for k in splits:
+        assert seconds[k] / seconds[16] == pytest.approx(busiest(k) / busiest(16), rel=1e-9), k
+    # the default split is the one of these blocks that minimises the busiest rank
+    default = compute["pp-tp2@strategy.tp_degree=8"]
+    best = min(busiest(k) for k in range(1, 32))
+    assert default / seconds[16] == pytest.approx(best / busiest(16), rel=1e-9)
+    assert default < seconds[16]

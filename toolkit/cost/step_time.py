@@ -97,6 +97,9 @@ class Work:
     optimizer_bytes: int  # what the rank's optimizer step reads and writes
     offloaded_bytes: int  # parameters and gradients crossing PCIe each step (0 without offload)
     vocab_split: bool = False  # the output layer and the loss split over the tp ranks (strategy.loss_parallel)
+    # a pipeline's ranks as its split cuts them: (the rank's share of the blocks, whether it holds the head), each
+    # rank's stages together; None: an even 1/pp of the blocks and the head on the busiest
+    pipeline_ranks: tuple[tuple[float, bool], ...] | None = None
 
 
 def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficiency: float | None = None,
@@ -112,10 +115,14 @@ def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficienc
     # stack) and, on the last stage, the head: replicated over tp (every TP rank computes the full logits), or its
     # 1/tp of the vocabulary's under strategy.loss_parallel
     head_share = d.tp if work.vocab_split else 1
-    rank_flops = shard_tokens / d.cp * ((flops.block_matmul + flops.attention + flops.recompute) / (d.tp * d.pp)
-                                        + flops.head_matmul / head_share)
+    blocks = flops.block_matmul + flops.attention + flops.recompute
+    # a pipeline's busiest rank, by its split (the default balances a tp rank's FLOPs: the head's stage holds fewer
+    # blocks); without one, 1/pp of the blocks beside the head
+    share, head = max((work.pipeline_ranks or ((1 / d.pp, True),)),
+                      key=lambda rank: rank[0] * blocks / d.tp + rank[1] * flops.head_matmul / head_share)
+    rank_flops = shard_tokens / d.cp * (blocks * share / d.tp + head * flops.head_matmul / head_share)
     # attention at the rate calibrate measured for this sequence length, where it did; the rest as matmuls
-    attention = shard_tokens / d.cp * flops.attention / (d.tp * d.pp) * (4 / 3 if work.checkpointing == "full" else 1)
+    attention = shard_tokens / d.cp * flops.attention * share / d.tp * (4 / 3 if work.checkpointing == "full" else 1)
     attention_rate = _attention_flops_per_s(hw, work.seq_len)
     if attention_rate is None:
         compute_s = rank_flops / _flops_per_s(hw, work.precision, efficiency)
@@ -127,7 +134,7 @@ def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficienc
     backward_s = compute_s - forward_s
     costs = [Cost(what="compute", seconds=compute_s, exposed_s=compute_s)]
     loss_rate = hw.measured.loss_seconds_per_logit
-    if loss_rate and flops.logits:  # measured: the loss's passes over the head's logits (a pipeline's last stage)
+    if loss_rate and flops.logits and head:  # measured: the loss's passes over the logits (a pipeline's last stage)
         loss_s = shard_tokens / d.cp * flops.logits / head_share * loss_rate
         costs.append(Cost(what="loss over the logits", seconds=loss_s, exposed_s=loss_s))
     if d.pp > 1:

@@ -190,18 +190,24 @@ def work_for_shapes(recipe: Recipe, model: nn.Module, *, world_size: int, rank: 
                                           getattr(options, "cpu_offload", False)) else 0
     degrees = strategy_degrees(recipe, world_size=world_size)
     bubble = 0.0
+    ranks = None
     if degrees.pp > 1:
+        from toolkit.strategies.pipeline.layout import grid_of, stage_of_blocks
         from toolkit.strategies.pipeline.schedules import theoretical_bubble
 
         bubble = theoretical_bubble(options.schedule, pp=degrees.pp, stages_per_rank=options.stages_per_rank,
                                     micro_batches=batch.grad_accum_steps)
+        grid = grid_of(recipe, world_size)
+        parts, num_stages = stage_of_blocks(model, recipe, grid)  # as the run splits it
+        ranks = tuple((sum(parts.count(s) for s in stages) / len(parts), num_stages - 1 in stages)
+                      for stages in (grid.stage_ids(r, options.stages_per_rank) for r in range(grid.pp)))
     work = step_time.Work(degrees=degrees,
                           global_tokens=batch.global_batch_size * length, seq_len=length,
                           precision=recipe.precision, checkpointing=recipe.train.recompute,
                           num_micro_batches=batch.grad_accum_steps,
                           bubble=bubble,
                           collectives=collectives, optimizer_bytes=moved, offloaded_bytes=offloaded,
-                          vocab_split=degrees.tp > 1 and recipe.strategy.loss_parallel)
+                          vocab_split=degrees.tp > 1 and recipe.strategy.loss_parallel, pipeline_ranks=ranks)
     return work
 
 
