@@ -64,6 +64,8 @@ def skip_reason(row: dict) -> str | None:
         return "pp × dp_replicate × dp_shard: not a toolkit layout yet (pp × dp_shard is)"
     if row["model"].get("num_experts") and layout.get("ep") is None:
         return "experts' layout (ep) not stated"
+    if not row["model"].get("vocab_size"):  # the head's FLOPs and the logits' memory follow from it
+        return "the model's vocabulary size not stated"
     return None
 
 
@@ -99,6 +101,22 @@ def schedule_of(pipeline: dict) -> tuple[str, ...]:
     return (f"strategy.schedule={schedule}",)
 
 
+def published_split(row: dict, stages: int) -> tuple[str, ...]:
+    """The blocks per stage the row's run had, as strategy.split (the toolkit's own default balances FLOPs, the head
+    included, which the published runs did not): Megatron-Core's default gives every stage num_layers / stages;
+    torchtitan's (generate_split_points, no pipeline_parallel_split_points set) gives the first and the last stage
+    num_layers // stages and spreads the rest one a middle stage. The head rides on the last stage in both."""
+    layers = row["model"]["num_layers"]
+    base, extra = divmod(layers, stages)
+    if row["layout"]["engine"] == "megatron" and not extra:
+        sizes = [base] * stages
+    else:
+        middle = [base + 1] * min(extra, stages - 2) + [base] * max(stages - 2 - extra, 0)
+        sizes = [base, *middle, layers - base - sum(middle)]
+    starts = [sum(sizes[:i]) for i in range(1, stages)]
+    return (f"strategy.split=[{','.join(map(str, starts))}]",)
+
+
 def layout_of(row: dict) -> tuple[str, ...]:
     """The toolkit arm's overrides for the row's layout."""
     layout = row["layout"]
@@ -110,7 +128,9 @@ def layout_of(row: dict) -> tuple[str, ...]:
         kind = "fsdp" if dp_shard > 1 else "ddp"
         # tensor-parallel stages on sequence shards, the head and loss over the vocabulary, as torchtitan's and
         # Megatron's tensor parallel runs them
-        stages = (*schedule_of(row["pipeline"]),
+        schedule = schedule_of(row["pipeline"])
+        per_rank = next((int(o.split("=")[1]) for o in schedule if o.startswith("strategy.stages_per_rank=")), 1)
+        stages = (*schedule, *published_split(row, pp * per_rank),
                   *((f"strategy.tp_degree={tp}", "strategy.sequence_parallel=true", "strategy.loss_parallel=true")
                     if tp > 1 else ()))
         if dp_shard == 1 and replicate == 1:  # no replicas: the pipeline strategy itself (tensor-parallel stages)

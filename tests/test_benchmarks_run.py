@@ -63,9 +63,21 @@ def test_scale_prediction_leaves_out_a_pipeline_over_hsdp_replicas_as_the_toolki
     spec.loader.exec_module(module)
     layout = {"dp_shard": 2, "dp_replicate": 2, "tp": 1, "pp": 2, "cp": 1, "ep": 1, "engine": "fsdp2"}
     row = {"layout": layout, "published": {"tokens_per_s_per_gpu": 1000}, "hardware": "h100-sxm",
-           "precision": "bf16", "model": {"num_experts": None}}
+           "precision": "bf16", "model": {"num_experts": None, "vocab_size": 32000}}
     assert "pp × dp_replicate × dp_shard" in module.skip_reason(row)
     assert module.skip_reason({**row, "layout": {**layout, "dp_replicate": 1}}) is None
+    # a row without its vocabulary (NeMo's GPT-3 175B) is left out with that reason, not refused by a traceback
+    assert module.skip_reason({**row, "layout": {**layout, "dp_replicate": 1}, "model": {"vocab_size": None}}) \
+        == "the model's vocabulary size not stated"
+    # a published pipeline is planned with the blocks per stage its run had (torchtitan's generate_split_points:
+    # 126 layers over 8 stages as 15, 16 × 6, 15; Megatron-Core's even split), not the toolkit's FLOP balance
+    def sizes(layers: int, stages: int, engine: str) -> list[int]:
+        [split] = module.published_split({"model": {"num_layers": layers}, "layout": {"engine": engine}}, stages)
+        starts = [0, *map(int, split.split("=")[1].strip("[]").split(",")), layers]
+        return [b - a for a, b in zip(starts, starts[1:])]
+    assert sizes(126, 8, "fsdp2") == [15, 16, 16, 16, 16, 16, 16, 15]
+    assert sizes(126, 16, "fsdp2") == [7] + [8] * 14 + [7]
+    assert sizes(36, 4, "megatron") == [9, 9, 9, 9]
     with pytest.raises(RecipeError, match="pp × dp_replicate × dp_shard"):
         resolve(load_recipe(REPO / "recipes" / "llama-tiny.yaml",
                             ["parallel.pp=2", "parallel.dp_shard=2", "parallel.dp_replicate=2"]), world_size=8)
