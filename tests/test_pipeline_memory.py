@@ -169,7 +169,10 @@ def test_packed_data_plans_the_receive_buffers_of_its_one_length(tmp_path, monke
     tokens shorter, could be built, a middle stage of 4 micro-batches adds its input's and its output gradient's,
     micro 2 × 56 tokens × hidden 64 in fp32 each, an end stage one of the two."""
     from toolkit.strategies.pipeline import memory
+    from toolkit.strategies.pipeline.batches import PAD_MULTIPLE, longest_kept
 
+    assert longest_kept(64, packing=True) == [64]
+    assert longest_kept(64, packing=False) == [64, 64 - PAD_MULTIPLE]
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
     recipe = tiny_recipe("strategy.name=pipeline", "batch.grad_accum_steps=4")
     assert recipe.data.packing

@@ -68,7 +68,7 @@ def test_the_tied_llama_is_split_by_flops_not_parameters():
     by_params = part_of_blocks(model, blocks=blocks, num_parts=2, split=None)
     # the head (6 × 32 × 30522 FLOPs a token) outweighs all four blocks: the last stage keeps one block
     assert parts == [0, 0, 0, 1] and by_params == [0, 0, 1, 1]
-    costs, head = block_costs(model, blocks, recipe)
+    costs, head = block_costs(model, blocks, recipe, tp=1, loss_parallel=False)
     assert head == 6 * 32 * 30522
     # each block: 6 × its matrices (q 32×32, k and v 32×16, o 32×32, three 32×64 MLP) + 12 × hidden × 64 tokens
     assert costs == [6.0 * (2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64) + 12 * 32 * 64] * 4
@@ -86,7 +86,7 @@ def test_the_plan_line_gives_each_stages_flops_per_step():
     from toolkit.strategies.pipeline.rules import stage_lines
 
     model, recipe = tied_llama()
-    costs, head = block_costs(model, layer_stack(model), recipe)
+    costs, head = block_costs(model, layer_stack(model), recipe, tp=1, loss_parallel=False)
     lines = stage_lines(model, recipe, world_size=2)
     batch_tokens = recipe.batch.global_batch_size * recipe.data.max_length  # one pipeline runs the whole batch
     first, last = 3 * costs[0] * batch_tokens / 1e9, (costs[0] + head) * batch_tokens / 1e9

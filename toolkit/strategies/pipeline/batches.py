@@ -22,7 +22,7 @@ def padded_length(lengths: list[int], *, max_length: int) -> int:
     return min(max_length, -(-max(lengths) // PAD_MULTIPLE) * PAD_MULTIPLE)
 
 
-def longest_kept(max_length: int, *, packing: bool = False) -> list[int]:
+def longest_kept(max_length: int, *, packing: bool) -> list[int]:
     """The padded lengths whose buffers can be held at once at most: the KEPT_SHAPES longest (toolkit plan).
     Packed data has one: every block is max_length tokens (a map batch's partial last block is left out)."""
     if packing:

@@ -23,8 +23,8 @@ from toolkit.config.recipe import Recipe
 from toolkit.cost.flops import block_elements, head_elements
 
 
-def block_costs(model: nn.Module, blocks: list[nn.Module], recipe: Recipe, *, tp: int = 1,
-                loss_parallel: bool = False) -> tuple[list[float], float]:
+def block_costs(model: nn.Module, blocks: list[nn.Module], recipe: Recipe, *, tp: int,
+                loss_parallel: bool) -> tuple[list[float], float]:
     """Per token, each block's forward + backward FLOPs, and the head's (on the last stage), on one tp rank of
     `tp` (the head split with them under `loss_parallel` only)."""
     config: Any = getattr(model, "config", None)
