@@ -6,7 +6,8 @@ import pytest
 from conftest import write_recipe
 from toolkit.cli import build_parser, main
 from toolkit.compare.cli import experiment_of
-from toolkit.compare.experiment import arm_overrides, split_arms
+from toolkit.compare.experiment import arm_overrides
+from toolkit.config.arm_specs import split_arms
 from toolkit.config.files import load_recipe
 
 

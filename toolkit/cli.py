@@ -236,7 +236,8 @@ def cmd_plan(args) -> int:
     from toolkit.plan import predict as plan
     from toolkit.plan import advice as plan_advice
     from toolkit.train.checks import check_recipe
-    from toolkit.compare.experiment import arm_overrides, split_arms
+    from toolkit.compare.experiment import arm_overrides
+    from toolkit.config.arm_specs import split_arms
     from toolkit.observe.metrics import process_bytes
     from toolkit.config.files import load_recipe
     from toolkit.config.parallel import resolve

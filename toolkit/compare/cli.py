@@ -85,7 +85,8 @@ def rounding_arm(experiment):
 
 def experiment_of(args):
     """The experiment `toolkit compare` was asked for: from a matrix file, or a recipe and --strategies."""
-    from toolkit.compare.experiment import build_experiment, load_matrix, split_arms
+    from toolkit.compare.experiment import build_experiment, load_matrix
+    from toolkit.config.arm_specs import split_arms
     from toolkit.config.yaml_files import read_yaml_mapping
 
     if not Path(args.recipe).is_file():

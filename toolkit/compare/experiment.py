@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from toolkit.config.arm_specs import refuse_repeats, split_outside
 from toolkit.config.files import load_recipe, replaced_overrides
 from toolkit.config.parallel import resolve
 from toolkit.config.recipe import Recipe, plan_batch
@@ -65,32 +66,6 @@ class Experiment:
                               f"again with a new --output, or pass a folder it wrote") from None
 
 
-CLOSING = {"[": "]", "{": "}"}
-
-
-def split_outside(text: str, sep: str, *, where: str) -> list[str]:
-    """`text` split at each `sep` that is outside [...], {...} and quotes, so that an override's YAML value keeps
-    its own commas and @: `fsdp@strategy.blocks=[A,B],ddp` is two arms. An unclosed one is a RecipeError."""
-    parts, start, closers, quote = [], 0, [], ""
-    for i, char in enumerate(text):
-        if quote:
-            quote = "" if char == quote else quote
-        elif char in "'\"" and (i == 0 or text[i - 1] in "=[{,: "):  # a quote opens a YAML value, as in YAML
-            quote = char
-        elif char in CLOSING:
-            closers.append(CLOSING[char])
-        elif closers and char == closers[-1]:
-            closers.pop()
-        elif char == sep and not closers:
-            parts.append(text[start:i])
-            start = i + 1
-    if quote or closers:
-        unclosed = quote or next(opening for opening, closing in CLOSING.items() if closing == closers[-1])
-        raise RecipeError(f"{where}: {unclosed!r} is not closed; close it, e.g. fsdp@strategy.blocks=[A,B] "
-                          "(commas inside [...], {...} or quotes stay in the arm's override)")
-    return [*parts, text[start:]]
-
-
 def arm_overrides(spec: str, *, common: list[str] | tuple[str, ...] = ()) -> tuple[str, ...]:
     """`zero3` or `zero3@optim.lr=2e-4@seed=1`: a named arm plus per-arm recipe overrides. An override for all arms
     (`common`: --set, a matrix file's set:) that the arm's own definition would replace by another value is refused:
@@ -107,23 +82,6 @@ def arm_overrides(spec: str, *, common: list[str] | tuple[str, ...] = ()) -> tup
                           f"--set, or a matrix file's set:); give it to the arm ({strategy}@{given}), or choose an "
                           "arm that runs it")
     return (*aliases[strategy], *extra)
-
-
-def split_arms(text: str, *, option: str = "--strategies") -> list[str]:
-    """`single,ddp,fsdp@optim.lr=2e-4` -> its arms, in order; an empty or a repeated arm is a RecipeError."""
-    arms = [a.strip() for a in split_outside(text, ",", where=f"{option} {text!r}")]
-    if not all(arms):
-        raise RecipeError(f"{option} {text!r}: an arm name is empty; give comma-separated arms, e.g. {option} "
-                          "single,ddp,fsdp (`toolkit strategies` lists them)")
-    refuse_repeats(arms, where=option)
-    return arms
-
-
-def refuse_repeats(names: list[str], *, where: str) -> None:
-    """Each arm runs once: a repeat would be reported beside itself (the reference judged against itself)."""
-    repeated = next((name for i, name in enumerate(names) if name in names[:i]), None)
-    if repeated is not None:
-        raise RecipeError(f"{where}: arm {repeated!r} is given twice; list each arm once")
 
 
 def check_output_dir(out_dir: Path) -> None:

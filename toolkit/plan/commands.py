@@ -51,7 +51,7 @@ def calibrate(args) -> int:
 
 def scale_plan(args) -> int:
     """Step time, tokens/s per GPU, MFU and memory per layout on a cluster of --nodes × --gpus-per-node."""
-    from toolkit.compare.experiment import split_arms, split_outside
+    from toolkit.config.arm_specs import split_arms, split_outside
     from toolkit.config.files import load_recipe, replaced_overrides
     from toolkit.plan import scale
     from toolkit.plan.predict import planned_model
