@@ -356,11 +356,10 @@ def cli_check(row: Row, folder: Path) -> None:
     """The same row through the user's command: its tokens/s at the default efficiency must equal the in-process
     prediction's."""
     path = folder / f"{row.data['id']}.yaml"
-    layout = layout_of(row.data)
-    sets = [a for o in layout for a in ("--set", o)]
+    layout = "@".join(("fsdp", *layout_of(row.data)))  # the fsdp arm with the row's overrides, which win over its own
     done = subprocess.run([sys.executable, "-m", "toolkit", "plan", str(path), "--hardware", row.data["hardware"],
                            "--nodes", str(row.data["num_nodes"]), "--gpus-per-node", str(row.data["gpus_per_node"]),
-                           "--layouts", "fsdp", *sets, "--json"], capture_output=True, text=True, cwd=REPO)
+                           "--layouts", layout, "--json"], capture_output=True, text=True, cwd=REPO)
     if done.returncode not in (0, 1):
         raise SystemExit(f"toolkit plan failed: {done.stderr[-2000:]}")
     ours = json.loads(done.stdout)[0]["tokens_per_s_per_gpu"]

@@ -213,6 +213,11 @@ def test_a_set_that_a_named_layout_or_arm_would_replace_is_refused():
     done = run_cli("plan", RECIPE, "--hardware", "h100-sxm", "--nodes", "2", "--layouts", "fsdp-tp8-lossp",
                    "--set", "strategy.sequence_parallel=true")
     assert done.returncode == 2 and "fsdp-tp8-lossp@strategy.sequence_parallel=true" in done.stderr, done.stderr
+    # a row whose strategy does not read the key (zero3's loss_parallel=false only lets a recipe's tp option pass
+    # its check) is no clash: it plans without the option, and the tp row with it
+    done = run_cli("plan", RECIPE, "--hardware", "h100-sxm", "--nodes", "1", "--json", "--layouts",
+                   "zero3,fsdp-tp8-sp-lossp", "--set", "strategy.loss_parallel=true")
+    assert done.returncode == 0 and {p["layout"] for p in json.loads(done.stdout)} == {"zero3", "fsdp-tp8-sp-lossp"}
     # auto plans the --set on the recipe's own row and says which keys its other rows set themselves
     done = run_cli("plan", RECIPE, "--hardware", "h100-sxm", "--nodes", "1", "--json", "--set",
                    "strategy.sequence_parallel=true")

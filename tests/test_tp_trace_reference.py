@@ -217,7 +217,8 @@ STAGE_CASES = {  # (degree, recipe_of's arguments, dtypes, activation checkpoint
     "lossp2-first-tied-vocab16k": (2, dict(sequence=False, vocabulary=True, tied=True, vocab=16000, micro=1), FP32,
                                    False, (True, False)),
     # OLMo: LayerNorms without weights (the final norm too): the stage's own place, not a norm's weights, tells a
-    # stage before the last (it gathers its output) from the last (the head's input stays cut)
+    # stage before the last (it sends its output share) from the last (its final norm on the share, the head's
+    # input gathered)
     "olmo-sp2-first": (2, dict(family="olmo"), FP32, False, (True, False)),
     "olmo-sp2-lossp-last": (2, dict(family="olmo", vocabulary=True), FP32, False, (False, True)),
 }
@@ -225,9 +226,9 @@ STAGE_CASES = {  # (degree, recipe_of's arguments, dtypes, activation checkpoint
 
 @pytest.mark.parametrize("case", STAGE_CASES)
 def test_a_tensor_parallel_pipeline_stage_is_traced_as_the_plan_on_dtensors_keeps_it(tmp_path, monkeypatch, case):
-    """pp × tp (× sequence parallelism): a stage's tp rank. A stage before the last gathers its last block's output
-    whole to send it on (under sequence parallelism, its share as it is: no gather);
-    a stage after the first cuts what it receives to its share."""
+    """pp × tp (× sequence parallelism): a stage's tp rank. Under sequence parallelism a stage before the last
+    sends its last block's output share as it is, and a stage after the first receives that share (no gather or
+    cut between stages)."""
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
     degree, shape, dtypes, checkpointing, (first, last) = STAGE_CASES[case]
     recipe = recipe_of(**shape)

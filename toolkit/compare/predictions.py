@@ -25,7 +25,7 @@ from toolkit.cost import hardware as profiles
 from toolkit.errors import RecipeError
 from toolkit.model.precision import DTYPES
 from toolkit.plan.predict import planned_model, predict
-from toolkit.plan.scale import work_for_shapes
+from toolkit.plan.scale import busiest_work
 
 MEMORY_NOTE = ("Model states (parameters, gradients, optimizer state) are predicted exactly from the model's "
                "shapes and each strategy's sharding rules, before the run (`toolkit plan`); the peak is an "
@@ -148,16 +148,15 @@ def predicted_step(run: dict, recipe_raw: dict, profile: profiles.Hardware) -> d
     try:
         recipe = resolve(from_plain(Recipe, recipe_raw), world_size=world)
         model = planned_model(recipe)
-        rank = world - 1
-        work = work_for_shapes(recipe, model, world_size=world, rank=rank,
-                               shapes=[tuple(s) for s in shapes[rank]] if shapes else None)
+        threads = run.get("threads_per_rank")
+        if threads:  # a rank computes on its own share of the cores, whatever the profile was measured at
+            profile = calibrate.at_cores(profile, calibrate.rank_cores(threads, world=world,
+                                                                        cores=os.cpu_count() or 1))
+        cluster = step_time.Cluster(hardware=profile, num_nodes=1, gpus_per_node=max(world, profile.gpus_per_node))
+        _, predicted = busiest_work(recipe, model, cluster, world_size=world,
+                                    shapes=[[tuple(s) for s in mine] for mine in shapes] if shapes else None)
     except (RecipeError, KeyError, IndexError):
         return None
-    threads = run.get("threads_per_rank")
-    if threads:  # a rank computes on its own share of the cores, whatever the profile was measured at
-        profile = calibrate.at_cores(profile, calibrate.rank_cores(threads, world=world, cores=os.cpu_count() or 1))
-    cluster = step_time.Cluster(hardware=profile, num_nodes=1, gpus_per_node=max(world, profile.gpus_per_node))
-    predicted = step_time.predict(model, work, cluster)
     return {"predicted_step_time_s": predicted.step_time_s, "predicted_largest": predicted.largest()}
 
 

@@ -97,14 +97,14 @@ class Work:
     optimizer_bytes: int  # what the rank's optimizer step reads and writes
     offloaded_bytes: int  # parameters and gradients crossing PCIe each step (0 without offload)
     vocab_split: bool = False  # the output layer and the loss split over the tp ranks (strategy.loss_parallel)
-    # a pipeline's ranks as its split cuts them: (the rank's share of the blocks, whether it holds the head), each
-    # rank's stages together; None: an even 1/pp of the blocks and the head on the busiest
-    pipeline_ranks: tuple[tuple[float, bool], ...] | None = None
+    # a pipeline rank as its split cuts it: (its stages' share of the blocks, whether it holds the head); None: an
+    # even 1/pp of the blocks beside the head
+    pipeline_rank: tuple[float, bool] | None = None
 
 
 def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficiency: float | None = None,
             bus_efficiency: float = BUS_EFFICIENCY) -> StepTime:
-    """The step time of the rank `work` describes (the busiest: a pipeline's last stage carries the head).
+    """The step time of the rank `work` describes (plan/scale.py busiest_work: a pipeline's slowest rank).
     `compute_efficiency`: default the profile's fitted one, else MATMUL_EFFICIENCY (a calibrated profile's measured
     matmul FLOP/s win over both)."""
     d, hw = work.degrees, cluster.hardware
@@ -116,10 +116,9 @@ def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficienc
     # 1/tp of the vocabulary's under strategy.loss_parallel
     head_share = d.tp if work.vocab_split else 1
     blocks = flops.block_matmul + flops.attention + flops.recompute
-    # a pipeline's busiest rank, by its split (the default balances a tp rank's FLOPs: the head's stage holds fewer
+    # a pipeline rank's stages, by the split (the default balances a tp rank's FLOPs: the head's stage holds fewer
     # blocks); without one, 1/pp of the blocks beside the head
-    share, head = max((work.pipeline_ranks or ((1 / d.pp, True),)),
-                      key=lambda rank: rank[0] * blocks / d.tp + rank[1] * flops.head_matmul / head_share)
+    share, head = work.pipeline_rank or (1 / d.pp, True)
     rank_flops = shard_tokens / d.cp * (blocks * share / d.tp + head * flops.head_matmul / head_share)
     # attention at the rate calibrate measured for this sequence length, where it did; the rest as matmuls
     attention = shard_tokens / d.cp * flops.attention * share / d.tp * (4 / 3 if work.checkpointing == "full" else 1)

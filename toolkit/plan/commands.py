@@ -55,7 +55,7 @@ def scale_plan(args) -> int:
     from toolkit.config.files import load_recipe, replaced_overrides
     from toolkit.plan import scale
     from toolkit.plan.predict import planned_model
-    from toolkit.strategies import arm_aliases
+    from toolkit.strategies import arm_aliases, strategy_info
 
     if args.strategies is not None or args.memory_per_rank is not None:
         raise RecipeError("--strategies and --memory-per-rank plan this machine; with --hardware use --layouts "
@@ -65,10 +65,21 @@ def scale_plan(args) -> int:
     scale.check_degrees(base, cluster)
     model = planned_model(base)
     aliases = arm_aliases()
+    def reads(own: tuple[str, ...], item: str) -> bool:
+        """Whether a layout of overrides `own` reads the strategy option `item` sets: auto's rows without TP set
+        sequence_parallel and loss_parallel off only so that a recipe's fsdp × tp options pass their check (they
+        plan without them: scale.without_foreign_options), not as a value that would replace a --set."""
+        key = item.partition("=")[0].strip()
+        if not key.startswith("strategy.") or key == "strategy.name":
+            return True
+        name = next((o.partition("=")[2].strip() for o in reversed(own) if o.startswith("strategy.name=")),
+                    base.strategy.name)
+        return key.removeprefix("strategy.") in strategy_info(name).options
+
     if args.layouts == "auto":
         layouts, explicit = scale.auto_layouts(base, model, cluster), False
-        replaced = sorted({given for name, own in layouts.items() for given, _ in replaced_overrides(args.overrides,
-                                                                                                      own)})
+        replaced = sorted({given for name, own in layouts.items()
+                           for given, theirs in replaced_overrides(args.overrides, own) if reads(own, theirs)})
         if replaced:  # the recipe's own row keeps them; a row named for its layout is that layout
             print(f"[toolkit] --set {', '.join(replaced)}: planned on the recipe's own row; auto's other rows set "
                   "these keys themselves (plan one with it as --layouts NAME@KEY=VALUE)", file=sys.stderr, flush=True)
@@ -89,7 +100,8 @@ def scale_plan(args) -> int:
                 raise RecipeError(f"--layouts: unknown layout {name!r}; choose from auto, "
                                   + (f"the layouts auto plans here ({', '.join(own)}) " if own else "")
                                   + f"or the arms {', '.join(aliases)} (each with overrides as NAME@KEY=VALUE)")
-            clash = replaced_overrides(args.overrides, known[name], then=extra)
+            clash = [(given, theirs) for given, theirs in replaced_overrides(args.overrides, known[name], then=extra)
+                     if reads(known[name], theirs)]
             if clash:
                 given, theirs = clash[0]
                 raise RecipeError(f"--layouts {name} sets {theirs} itself, which would replace --set {given}; give "

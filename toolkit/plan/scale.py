@@ -155,16 +155,34 @@ def plan_layout(name: str, recipe: Recipe, model: nn.Module, cluster: step_time.
         if name != RECIPE_LAYOUT:
             recipe, without = without_foreign_options(recipe)
         validate_strategy(recipe, world_size=world)
-        work = work_for_shapes(recipe, model, world_size=world, rank=world - 1, shapes=None)  # the busiest rank: a
-        # pipeline's last stage carries the head and the loss
+        work, step = busiest_work(recipe, model, cluster, world_size=world, shapes=None)
         memory = predict(recipe, world_size=world, runtime_bytes=0, device_type="cuda", model=model, both=False)
     except RecipeError as exc:
         return Planned(layout=name, world_size=world, step=None, peak_bytes_per_gpu=None, fits=False,
                        refused=str(exc), without=without)
-    step = step_time.predict(model, work, cluster)
     peak = memory.peak_bytes
     return Planned(layout=name, world_size=world, step=step, peak_bytes_per_gpu=peak,
                    fits=peak <= cluster.hardware.memory_bytes, work=work, without=without)
+
+
+def busiest_work(recipe: Recipe, model: nn.Module, cluster: step_time.Cluster, *, world_size: int,
+                 shapes: list[list[tuple[int, int]]] | None) -> tuple[step_time.Work, step_time.StepTime]:
+    """The rank whose step is the longest, its work and step time: the last rank, or under a pipeline each
+    pipeline rank's first (its stages' compute, collectives, optimizer step and, holding the head, loss) and the
+    slowest of them. `shapes`: each rank's micro-batches (None: the recipe's, every one at data.max_length)."""
+    world = world_size
+    ranks = [world - 1]
+    if strategy_degrees(recipe, world_size=world).pp > 1:
+        from toolkit.strategies.pipeline.layout import grid_of
+
+        grid = grid_of(recipe, world)
+        ranks = [next(r for r in range(world) if grid.coords(r)[0] == p) for p in range(grid.pp)]
+    planned = []
+    for rank in ranks:
+        work = work_for_shapes(recipe, model, world_size=world, rank=rank,
+                               shapes=shapes[rank] if shapes is not None else None)
+        planned.append((work, step_time.predict(model, work, cluster)))
+    return max(planned, key=lambda done: done[1].step_time_s)
 
 
 def work_for_shapes(recipe: Recipe, model: nn.Module, *, world_size: int, rank: int,
@@ -190,7 +208,7 @@ def work_for_shapes(recipe: Recipe, model: nn.Module, *, world_size: int, rank: 
                                           getattr(options, "cpu_offload", False)) else 0
     degrees = strategy_degrees(recipe, world_size=world_size)
     bubble = 0.0
-    ranks = None
+    pipeline_rank = None
     if degrees.pp > 1:
         from toolkit.strategies.pipeline.layout import grid_of, stage_of_blocks
         from toolkit.strategies.pipeline.schedules import theoretical_bubble
@@ -199,15 +217,15 @@ def work_for_shapes(recipe: Recipe, model: nn.Module, *, world_size: int, rank: 
                                     micro_batches=batch.grad_accum_steps)
         grid = grid_of(recipe, world_size)
         parts, num_stages = stage_of_blocks(model, recipe, grid)  # as the run splits it
-        ranks = tuple((sum(parts.count(s) for s in stages) / len(parts), num_stages - 1 in stages)
-                      for stages in (grid.stage_ids(r, options.stages_per_rank) for r in range(grid.pp)))
+        stages = grid.stage_ids(grid.coords(rank)[0], options.stages_per_rank)
+        pipeline_rank = (sum(parts.count(s) for s in stages) / len(parts), num_stages - 1 in stages)
     work = step_time.Work(degrees=degrees,
                           global_tokens=batch.global_batch_size * length, seq_len=length,
                           precision=recipe.precision, checkpointing=recipe.train.recompute,
                           num_micro_batches=batch.grad_accum_steps,
                           bubble=bubble,
                           collectives=collectives, optimizer_bytes=moved, offloaded_bytes=offloaded,
-                          vocab_split=degrees.tp > 1 and recipe.strategy.loss_parallel, pipeline_ranks=ranks)
+                          vocab_split=degrees.tp > 1 and recipe.strategy.loss_parallel, pipeline_rank=pipeline_rank)
     return work
 
 

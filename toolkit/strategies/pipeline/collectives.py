@@ -2,7 +2,8 @@
 collective counter on CPU and held to it byte for byte (tests/test_comm_prediction.py):
 - each stage sends its output to the next stage's rank every micro-batch (all but the last stage), and the
   gradient of its input back (all but the first), where that stage is on another rank: micro × the step's padded length × hidden each
-  (batches.padded_length: the longest sample rounded up to 8), in the dtype the residual stream has there;
+  (batches.padded_length: the longest sample rounded up to 8; under sequence parallelism a tp rank's share of it,
+  ceil(length / tp)), in the dtype the residual stream has there;
 - a tied embedding's two copies (first and last stage) sum their gradients, once a step (strategy._sync_tied),
   over the two ranks holding them (V-shaped schedules hold both on one rank and add them there);
 - the clip's sum of squares over the stages, one fp32 number (strategy._sync_and_clip); in fp16 the scaler's
