@@ -78,15 +78,12 @@ def _shard_sequence(model: nn.Module, *, degree: int) -> None:
         tokens["whole"] = hidden.shape[1]
         return cast(torch.Tensor, _Cut.apply(hidden, degree))
 
-    def received(share: torch.Tensor) -> torch.Tensor:  # a pipeline stage after the first: its share, a buffer
-        return share
-
-    def cut_or_received(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def cut_or_received(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         whole = getattr(module, RECEIVED_WHOLE, None)  # on the block (the hooks outlive a copy of the model)
         if whole is None:
             return on_hidden(first)(module, args, kwargs)
-        tokens["whole"] = whole
-        return on_hidden(received)(module, args, kwargs)
+        tokens["whole"] = whole  # a pipeline stage after the first: given its share, a receive buffer, as it is
+        return None
 
     def gather(hidden: torch.Tensor) -> torch.Tensor:
         return cast(torch.Tensor, _Gathered.apply(hidden, degree, tokens["whole"]))

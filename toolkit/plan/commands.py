@@ -84,10 +84,7 @@ def scale_plan(args) -> int:
             print(f"[toolkit] --set {', '.join(replaced)}: planned on the recipe's own row; auto's other rows set "
                   "these keys themselves (plan one with it as --layouts NAME@KEY=VALUE)", file=sys.stderr, flush=True)
     else:
-        names = split_arms(args.layouts, option="--layouts")
-        if len(set(names)) < len(names):
-            raise RecipeError(f"--layouts {args.layouts!r}: give comma-separated layout or arm names, each once "
-                              "(e.g. fsdp,zero3,fsdp-tp8-lossp), or auto")
+        names = split_arms(args.layouts, option="--layouts")  # each once, none empty
         auto = scale.auto_layouts(base, model, cluster)  # auto's own names too (fsdp-tp8-sp-lossp, hsdp-2x8)
         auto.pop(scale.RECIPE_LAYOUT, None)
         # auto's row where both name one: its TP rows set sequence parallelism themselves (fsdp-tp2 too)

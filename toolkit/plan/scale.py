@@ -170,16 +170,15 @@ def busiest_work(recipe: Recipe, model: nn.Module, cluster: step_time.Cluster, *
     """The rank whose step is the longest, its work and step time: the last rank, or under a pipeline each
     pipeline rank's first (its stages' compute, collectives, optimizer step and, holding the head, loss) and the
     slowest of them. `shapes`: each rank's micro-batches (None: the recipe's, every one at data.max_length)."""
-    world = world_size
-    ranks = [world - 1]
-    if strategy_degrees(recipe, world_size=world).pp > 1:
+    ranks = [world_size - 1]
+    if strategy_degrees(recipe, world_size=world_size).pp > 1:
         from toolkit.strategies.pipeline.layout import grid_of
 
-        grid = grid_of(recipe, world)
-        ranks = [next(r for r in range(world) if grid.coords(r)[0] == p) for p in range(grid.pp)]
+        grid = grid_of(recipe, world_size)
+        ranks = [next(r for r in range(world_size) if grid.coords(r)[0] == p) for p in range(grid.pp)]
     planned = []
     for rank in ranks:
-        work = work_for_shapes(recipe, model, world_size=world, rank=rank,
+        work = work_for_shapes(recipe, model, world_size=world_size, rank=rank,
                                shapes=shapes[rank] if shapes is not None else None)
         planned.append((work, step_time.predict(model, work, cluster)))
     return max(planned, key=lambda done: done[1].step_time_s)
