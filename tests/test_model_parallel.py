@@ -26,6 +26,15 @@ ARMS = {
                    "batch.grad_accum_steps=4")),
     "pp-dualpipev": (2, ("strategy.name=pipeline", "strategy.schedule=dualpipev", "strategy.stages_per_rank=2",
                          "batch.grad_accum_steps=4")),
+    # split_head: the head's rows of the vocabulary over the stages (this Llama's head outweighs its 4 blocks: the
+    # first stage holds every block and rows, the second rows alone), each token's log-sum-exp and next-token logit
+    # passed on with the final norm's output; the tied embedding's gradient summed over every copy
+    "pp-1f1b-head": (2, ("strategy.name=pipeline", "strategy.split_head=true", "batch.grad_accum_steps=4")),
+    "pp-interleaved-zb-head": (2, ("strategy.name=pipeline", "strategy.schedule=interleaved-zb",
+                                   "strategy.stages_per_rank=2", "strategy.split_head=true",
+                                   "batch.grad_accum_steps=4")),
+    "pp-ddp-head": (4, ("strategy.name=hybrid", "strategy.pipeline_degree=2", "strategy.data_parallel=ddp",
+                        "strategy.split_head=true", "batch.grad_accum_steps=2")),
     "pp-ddp": (4, ("strategy.name=hybrid", "strategy.pipeline_degree=2", "strategy.data_parallel=ddp",
                    "batch.grad_accum_steps=2")),
     "pp-fsdp": (4, ("strategy.name=hybrid", "strategy.pipeline_degree=2", "strategy.data_parallel=fsdp",

@@ -97,6 +97,10 @@ class StrategyConfig:
     #   its weight gradient, which fills the bubble; 1 or more stages per rank) | zbv (zero bubble, V-shaped: rank
     #   r holds stages r and 2p-1-r, so rank 0 holds the first and the last) | dualpipev (DeepSeek's DualPipe,
     #   V-shaped, a forward overlapped with a backward; at least 2p micro-batches)
+    split_head: bool = False  # pipeline/hybrid: the output layer's rows of the vocabulary split over the stage of the
+    #   last block and the stages after it (those hold rows only), so that each stage costs about the same FLOPs
+    #   where the head outweighs a stage's share (a small model with a large vocabulary); each token's log-sum-exp
+    #   and next-token logit pass from stage to stage with the final norm's output (causal LMs; not with tp_degree)
     stages_per_rank: int = 1  # pipeline: 2 or more for interleaved-1f1b; 1 or more for interleaved-zb; exactly
     #   2 for zbv and dualpipev
     pipeline_degree: int | None = None  # hybrid: pipeline stages; the other ranks are data-parallel replicas

@@ -29,9 +29,33 @@ def micro_batch_loss_sum(logits: torch.Tensor, labels: torch.Tensor, task: str, 
         # The labels move, not the logits: the last position gets IGNORE_INDEX (no loss), so the logits are
         # flattened as a view. Slicing them instead copies them in fp32 (T × vocab × 4 bytes) and fills a
         # zero gradient of that size in backward: 14 -> 12 bytes per token × vocab at the head's peak in bf16.
-        labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-        return _cross_entropy_sum(logits.flatten(0, -2), labels.flatten())
+        return _cross_entropy_sum(logits.flatten(0, -2), next_token_labels(labels).flatten())
     return F.cross_entropy(logits, labels, reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+def next_token_labels(labels: torch.Tensor) -> torch.Tensor:
+    """A causal LM's labels moved one left: position t names token t+1 (the last position no loss)."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def row_stats(logits: torch.Tensor, labels: torch.Tensor, *, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, over the logits of vocabulary rows [start, start + logits.shape[-1]) (strategy.split_head: a
+    pipeline stage's share of the head): their log-sum-exp and the next token's logit where it is one of them
+    (else 0), in fp32. `labels` as the loop gives them (not yet moved)."""
+    logits = logits.float()
+    target = next_token_labels(labels.to(logits.device))
+    inside = (target >= start) & (target < start + logits.shape[-1])
+    index = torch.where(inside, target - start, torch.zeros_like(target))
+    picked = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    return torch.logsumexp(logits, dim=-1), torch.where(inside, picked, torch.zeros_like(picked))
+
+
+def split_head_loss_sum(log_sum_exp: torch.Tensor, target_logit: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The causal-LM cross-entropy sum from the stages' combined row stats: log-sum-exp over the whole vocabulary
+    minus the next token's logit, summed over the positions that carry a loss (as micro_batch_loss_sum)."""
+    target = next_token_labels(labels.to(log_sum_exp.device))
+    terms = log_sum_exp - target_logit
+    return torch.where(target != IGNORE_INDEX, terms, torch.zeros_like(terms)).sum()
 
 
 def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -82,6 +82,8 @@ class Placement:
 def blocks_of(block_parts: list[int], part: int) -> str:
     """'2-3': the blocks of one part, as a range."""
     mine = [index for index, p in enumerate(block_parts) if p == part]
+    if not mine:  # a stage of the head's rows alone (strategy.split_head)
+        return "none"
     return f"{mine[0]}-{mine[-1]}" if len(mine) > 1 else str(mine[0])
 
 

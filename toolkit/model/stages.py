@@ -33,6 +33,7 @@ from typing import Any, Callable, ContextManager, NoReturn, cast
 import torch
 from torch import nn
 
+from toolkit.data.losses import row_stats
 from toolkit.errors import RecipeError
 from toolkit.model.blocks import layer_stack
 
@@ -306,22 +307,36 @@ class Stage(nn.Module):
 
     def __init__(self, model: Any, *, layer_ids: list[int], first: bool, last: bool,
                  autocast: Callable[[], ContextManager] = contextlib.nullcontext,
-                 blocks: tuple[str, ...] | None = None):
+                 blocks: tuple[str, ...] | None = None, head_rows: tuple[int, int] | None = None):
+        """`head_rows` (strategy.split_head): this stage computes the head over those rows of the vocabulary, and
+        gives on the final norm's output with each token's log-sum-exp and next-token logit so far (the last
+        stage: those two alone, the loss's). Its blocks, if any, are the model's last; without any, it receives
+        the final norm's output and those two from the stage before."""
         super().__init__()
         self.layout = layout_of(model, blocks)
         self.first, self.last, self.autocast = first, last, autocast
         self.config = model.config
         self.layer_ids = sorted(layer_ids)
         self.tied = tied_embedding_names(model)
+        self.head_rows = head_rows
         stack: Any = model.get_submodule(self.layout.stack)
         for i in range(len(stack)):
             if i not in layer_ids:
-                stand_in = _Before(self.layout.outputs) if i < self.layer_ids[0] else _After(f"block {i}")
+                earlier = not self.layer_ids or i < self.layer_ids[0]
+                stand_in = _Before(self.layout.outputs) if earlier else _After(f"block {i}")
                 stack[i] = _plain_attributes(stack[i], stand_in)
         if not first:
             for path in self.layout.before:
                 _replace(model, path, _Embedded(model.get_submodule(path)))
-        if not last:
+        if head_rows is not None:
+            self.head_path = head_path(model, self.layout)
+            head = model.get_submodule(self.head_path)
+            head.forward = functools.partial(_head_rows, self, head, *head_rows)
+            if not self.layer_ids:  # the final norm ran on the stage before: its output arrives
+                for path in self.layout.after:
+                    if path != self.head_path:
+                        _replace(model, path, _Embedded(model.get_submodule(path)))
+        elif not last:
             for path in self.layout.after:
                 _replace(model, path, _After(path))
         for name, child in model.named_children():
@@ -329,7 +344,9 @@ class Stage(nn.Module):
         object.__setattr__(self, "whole", model)  # not a child: its children are this module's
         signature = inspect.signature(type(model).forward).parameters
         self.options = {"use_cache": False} if "use_cache" in signature else {}
-        self.hidden_name = _first_argument(stack[self.layer_ids[0]])
+        self.hidden_name = _first_argument(stack[self.layer_ids[0]]) if self.layer_ids else "hidden_states"
+        self._head_input: torch.Tensor | None = None  # what the head was given (split_head), read after a forward
+        self._received: torch.Tensor | None = None  # a rows-only stage's final-norm output, for its head
 
     def train(self, mode: bool = True) -> Stage:
         super().train(mode)
@@ -341,20 +358,42 @@ class Stage(nn.Module):
         return [stack[i] for i in self.layer_ids]
 
     def tied_weight(self) -> torch.Tensor | None:
-        """This stage's copy of a tied input/output embedding: the input one (first) or the head (last)."""
+        """This stage's copy of a weight other stages hold too: a tied input/output embedding, the input one
+        (first) or the head (last, or holding rows of it under split_head); under split_head an untied head, on
+        each stage with rows of it."""
         if self.tied is None:
-            return None
+            return self.get_parameter(f"{self.head_path}.weight") if self.head_rows is not None else None
         if self.first:
             return self.get_parameter(self.tied[0])
-        if self.last:
+        if self.last or self.head_rows is not None:
             return self.get_parameter(self.tied[1])
         return None
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None, length: int | None = None
-                ) -> torch.Tensor:
-        """`length`: the whole sequence's, where `attention_mask` is None (the plan's trace of packed data)."""
+    def forward(self, x: torch.Tensor, *stats: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                length: int | None = None, labels: torch.Tensor | None = None) -> Any:
+        """`length`: the whole sequence's, where `attention_mask` is None (the plan's trace of packed data).
+        Under split_head, `stats` are the earlier stages' log-sum-exp and next-token logit per token and `labels`
+        the micro-batch's (every stage is given them)."""
+        if self.head_rows is None:
+            return self._run(x, attention_mask, length)
+        assert labels is not None, "a stage with rows of the head needs the micro-batch's labels"
+        self._received = None if self.layer_ids else x
+        try:
+            logits = self._run(x, attention_mask, length)
+            hidden = cast(torch.Tensor, self._head_input)
+        finally:
+            self._received = self._head_input = None
+        log_sum_exp, target_logit = row_stats(logits, labels, start=self.head_rows[0])
+        if stats:
+            log_sum_exp, target_logit = torch.logaddexp(stats[0], log_sum_exp), stats[1] + target_logit
+        if self.last:
+            return log_sum_exp, target_logit
+        # a copy: a stage's output is neither its input (the received tensor) nor a view (the head's input is one of
+        # the final norm's output): torch's split backward detaches the outputs in place
+        return hidden.clone(), log_sum_exp, target_logit
+
+    def _run(self, x: torch.Tensor, attention_mask: torch.Tensor | None, length: int | None) -> torch.Tensor:
         blocks = self.blocks()
-        start, end = blocks[0], blocks[-1]
         handles = []
         embeds = x
         if not self.first and self.sequence_shards > 1:  # x is this tp rank's share of the sequence
@@ -366,11 +405,13 @@ class Stage(nn.Module):
                 shape = (x.shape[0], whole, *x.shape[2:])
                 x = DTensor.from_local(x, self.sequence_mesh, [Shard(1)], run_check=False, shape=torch.Size(shape),
                                        stride=torch.empty(shape, device="meta").stride())
-        if not self.first:  # prepended: before FSDP2's own pre-forward hook, which casts the block's inputs
-            handles.append(start.register_forward_pre_hook(functools.partial(self._given, x), with_kwargs=True,
-                                                           prepend=True))
-        if not self.last:  # appended: after FSDP2's post-forward hook (reshard, the backward hooks)
-            handles.append(end.register_forward_hook(_stop))
+        if not self.first and blocks:  # prepended: before FSDP2's own pre-forward hook, which casts the block's
+            # inputs
+            handles.append(blocks[0].register_forward_pre_hook(functools.partial(self._given, x), with_kwargs=True,
+                                                               prepend=True))
+        if not self.last and self.head_rows is None:  # appended: after FSDP2's post-forward hook (reshard, the
+            # backward hooks)
+            handles.append(blocks[-1].register_forward_hook(_stop))
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": embeds}
         try:
             with self.autocast():
@@ -386,6 +427,30 @@ class Stage(nn.Module):
         if args:
             return (hidden, *args[1:]), kwargs
         return args, {**kwargs, self.hidden_name: hidden}
+
+
+def _head_rows(stage: Stage, head: nn.Module, start: int, end: int, hidden: torch.Tensor) -> torch.Tensor:
+    """The head over rows [start, end) of the vocabulary (its forward under split_head): a rows-only stage's head
+    is given the final norm's output it received, in place of what its stand-ins passed on."""
+    if stage._received is not None:
+        hidden = stage._received
+    stage._head_input = hidden
+    weight = cast(torch.Tensor, head.weight)
+    bias = cast(torch.Tensor | None, getattr(head, "bias", None))
+    return torch.nn.functional.linear(hidden, weight[start:end], None if bias is None else bias[start:end])
+
+
+def head_path(model: nn.Module, layout: Layout) -> str:
+    """The name of the model's output layer (its get_output_embeddings), a linear layer after the blocks; a
+    RecipeError where there is none such (strategy.split_head)."""
+    head = cast(Any, model).get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {id(m): n for n, m in model.named_modules()}
+    path = names.get(id(head)) if head is not None else None
+    if path is None or path not in layout.after or not isinstance(head, nn.Linear) or head.bias is not None:
+        raise RecipeError(f"strategy.split_head: {type(model).__name__} has no linear output layer without a bias "
+                          "run after its blocks (its get_output_embeddings) to split over the stages; set "
+                          "strategy.split_head=false")
+    return path
 
 
 def _stop(module: nn.Module, args: tuple, output: Any) -> None:

@@ -41,6 +41,7 @@ class HybridOptions(LeverOptions):
     schedule: str
     stages_per_rank: int
     split: tuple[int, ...] | None
+    split_head: bool  # with pipeline_degree: the head's rows of the vocabulary over the last stages too
     blocks: tuple[str, ...] | None
     pipeline_degree: int | None
     data_parallel: str

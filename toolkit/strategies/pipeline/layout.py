@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -16,12 +16,12 @@ from toolkit.errors import RecipeError, ranks_option
 from toolkit.model.blocks import layer_stack, uncounted
 from toolkit.model.build import meta_model
 from toolkit.model.placement import blocks_of, check_split, part_of_blocks
-from toolkit.model.stages import Stage, layout_of
+from toolkit.model.stages import Stage, head_path, layout_of
 from toolkit.strategies.dims.compression import WIRE_DTYPES
 from toolkit.strategies.dims.levers import compression_of, local_sgd_of
 from toolkit.strategies.pipeline.schedules import (LOOPED, SCHEDULES, SPLIT_BACKWARD, V_SHAPED, micro_batches_error,
                                                    stage_ids, stages_per_rank_error)
-from toolkit.strategies.pipeline.split import block_costs, cost_balanced_starts
+from toolkit.strategies.pipeline.split import Rows, block_costs, cost_balanced_starts, head_split
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
@@ -71,14 +71,21 @@ class Grid:
         """The stages a pipeline rank runs: its own and, looped, every pp-th after it; V-shaped, its mirror."""
         return stage_ids(self.schedule, pp_rank=pp_rank, pp=self.pp, stages_per_rank=stages_per_rank)
 
-    def stages_by_rank(self, block_parts: list[int], stages_per_rank: int) -> str:
+    def stages_by_rank(self, block_parts: list[int], stages_per_rank: int, rows: list[Rows | None] | None = None
+                       ) -> str:
         """Which blocks each rank runs, for the layout line: 'rank 0: stage 0: blocks 0-1; rank 1: stage 1: ...'
-        (with replicas, 'ranks 0-1: ...': a pipeline rank's dp replicas are consecutive ranks)."""
+        (with replicas, 'ranks 0-1: ...': a pipeline rank's dp replicas are consecutive ranks), and under
+        split_head each stage's rows of the head ('+ head rows 0-9999')."""
         out = []
+        rows = rows or []
+
+        def head(stage: int) -> str:
+            held = rows[stage] if stage < len(rows) else None
+            return f" + head rows {held[0]}-{held[1] - 1}" if held is not None else ""
         for pp_rank in range(self.pp):
             first, last = self.rank(pp_rank, 0), self.rank(pp_rank, self.dp - 1, self.tp - 1)
             ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
-            stages = "; ".join(f"stage {s}: blocks {blocks_of(block_parts, s)}"
+            stages = "; ".join(f"stage {s}: blocks {blocks_of(block_parts, s)}{head(s)}"
                                for s in self.stage_ids(pp_rank, stages_per_rank))
             out.append(f"{ranks}: {stages}")
         return "; ".join(out)
@@ -140,10 +147,12 @@ def grid_of(recipe: Recipe, world_size: int) -> Grid:
 
 
 def stage_of_blocks(model: nn.Module, recipe: Recipe, grid: Grid) -> tuple[list[int], int]:
-    """The stage of every block (strategy.split, or balanced by FLOPs: pipeline/split.py), and the number of
-    stages."""
+    """The stage of every block (strategy.split, or balanced by FLOPs: pipeline/split.py; under split_head the
+    stages after the last block's hold none), and the number of stages."""
     options = recipe.strategy
     num_stages = grid.pp * options.stages_per_rank
+    if options.split_head:
+        return _head_split(model, recipe, num_stages)[0], num_stages
     blocks = layer_stack(model, options.blocks)
     split = options.split
     if split is None:
@@ -152,13 +161,27 @@ def stage_of_blocks(model: nn.Module, recipe: Recipe, grid: Grid) -> tuple[list[
     return part_of_blocks(model, blocks=blocks, num_parts=num_stages, split=split), num_stages
 
 
+def head_rows_of(model: nn.Module, recipe: Recipe, grid: Grid) -> list[Rows | None]:
+    """Each stage's rows of the head's vocabulary under strategy.split_head (None: none of them; all None
+    without it, the last stage computing the whole head)."""
+    num_stages = grid.pp * recipe.strategy.stages_per_rank
+    return _head_split(model, recipe, num_stages)[1] if recipe.strategy.split_head else [None] * num_stages
+
+
+def _head_split(model: nn.Module, recipe: Recipe, num_stages: int) -> tuple[list[int], list[Rows | None]]:
+    costs, head = block_costs(model, layer_stack(model, recipe.strategy.blocks), recipe, tp=1, loss_parallel=False)
+    vocab = cast(nn.Linear, model.get_submodule(head_path(model, layout_of(model, recipe.strategy.blocks))))
+    return head_split(costs, head=head, num_parts=num_stages, vocab=vocab.out_features)
+
+
 def rank_stages(model: nn.Module, recipe: Recipe, grid: Grid, pp_rank: int) -> list[Stage]:
     """The stages pipeline rank `pp_rank` runs, each cut from its own copy of `model` (the meta model: a plan's)."""
     import copy
 
     parts, num_stages = stage_of_blocks(model, recipe, grid)
+    rows = head_rows_of(model, recipe, grid)
     return [Stage(copy.deepcopy(model), layer_ids=[i for i, p in enumerate(parts) if p == s], first=s == 0,
-                  last=s == num_stages - 1, blocks=recipe.strategy.blocks)
+                  last=s == num_stages - 1, blocks=recipe.strategy.blocks, head_rows=rows[s])
             for s in grid.stage_ids(pp_rank, recipe.strategy.stages_per_rank)]
 
 
@@ -234,6 +257,31 @@ def check_stage_blocks(skeleton: nn.Module, names: tuple[str, ...] | None) -> No
                           f"strategy.blocks out or set it to [{kind}]")
 
 
+def check_split_head(recipe: Recipe, grid: Grid, skeleton: nn.Module) -> None:
+    """strategy.split_head: a causal LM's linear head, the blocks placed by the split itself, and the layouts its
+    tests cover (equal to single: tests/test_model_parallel.py)."""
+    options = recipe.strategy
+    refused = {"strategy.split places the blocks by hand, where split_head places them with the head's rows; "
+               "remove one": options.split is not None,
+               f"model.task {recipe.model.task} has no vocabulary head; set model.task=causal-lm or "
+               "strategy.split_head=false": recipe.model.task != "causal-lm",
+               "tensor-parallel stages split the head over the vocabulary themselves (strategy.loss_parallel); "
+               "remove strategy.tp_degree or split_head": grid.tp > 1,
+               f"strategy.schedule {options.schedule} (V-shaped) is not tested with it yet; use 1f1b, gpipe, "
+               "interleaved-1f1b or interleaved-zb": options.schedule in V_SHAPED,
+               "precision fp16 is not tested with it yet; use bf16 or fp32": recipe.precision == "fp16",
+               "local SGD (strategy.sync_every) averages two copies of a tied weight, not the head's copies on "
+               "several stages; remove one": local_sgd_of(recipe).on}
+    for why, wrong in refused.items():
+        if wrong:
+            raise RecipeError(f"strategy.split_head: {why}")
+    head_path(skeleton, layout_of(skeleton, options.blocks))
+    num_stages = grid.pp * options.stages_per_rank
+    blocks = len(layer_stack(skeleton, options.blocks))
+    if num_stages > blocks + cast(Any, skeleton).config.vocab_size - 1:
+        raise RecipeError(f"strategy.split_head: {num_stages} stages for {blocks} blocks; use fewer stages")
+
+
 def check_recipe(recipe: Recipe, *, world_size: int) -> None:
     """The pipeline's recipe errors, one RecipeError each, before training starts."""
     options = recipe.strategy
@@ -264,8 +312,11 @@ def check_recipe(recipe: Recipe, *, world_size: int) -> None:
     skeleton = meta_model(recipe.model)
     check_stage_blocks(skeleton, options.blocks)
     layout_of(skeleton, options.blocks)  # a model its own modules and forward do not show how to cut
-    check_split(options.split, num_blocks=len(layer_stack(skeleton, options.blocks)), num_parts=stages,
-                what="stages")
+    if options.split_head:
+        check_split_head(recipe, grid, skeleton)
+    else:
+        check_split(options.split, num_blocks=len(layer_stack(skeleton, options.blocks)), num_parts=stages,
+                    what="stages")
     plan = plan_batch(recipe.batch, world_size=grid.dp)
     wrong = micro_batches_error(options.schedule, pp=grid.pp, micro_batches=plan.grad_accum_steps)
     if wrong:

@@ -28,6 +28,7 @@ class PipelineOptions:
     schedule: str
     stages_per_rank: int
     split: tuple[int, ...] | None
+    split_head: bool  # the head's rows of the vocabulary over the last stages too (pipeline/split.py head_split)
     blocks: tuple[str, ...] | None
     tp_degree: int | None  # each stage's blocks tensor-parallel over this many ranks (parallel.tp)
     sequence_parallel: bool  # with tp_degree: each stage's norms and residual adds on sequence shards

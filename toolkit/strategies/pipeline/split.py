@@ -79,3 +79,83 @@ def stage_flops(costs: list[float], head: float, parts: list[int], num_stages: i
     out[-1] += head
     return out
 
+
+
+Rows = tuple[int, int]  # a stage's rows of the vocabulary, [start, end)
+
+
+def head_split(costs: list[float], *, head: float, num_parts: int, vocab: int) -> tuple[list[int], list[Rows | None]]:
+    """strategy.split_head: the stage of every block and each stage's rows of the head (None: none), so that the
+    costliest stage costs least, the head's cost dividing with its rows (head / vocab each). The blocks stay whole
+    and in order; the stage of the last block (it also runs the final norm) and every stage after it take rows,
+    at least one each, the later ones nothing else. Where the costliest stage is least with the whole head on the
+    last stage, no stage splits it (every entry None: the default split)."""
+    n = len(costs)
+    prefix = [0.0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    worst = (float("inf"), n + 1)
+    # best[j][i]: (costliest part, most blocks in a part) of the first i blocks cut into j parts
+    best = [[worst] * (n + 1) for _ in range(num_parts + 1)]
+    starts = [[0] * (n + 1) for _ in range(num_parts + 1)]
+    best[0][0] = (0.0, 0)
+    for j in range(1, num_parts + 1):
+        for i in range(j, n + 1):
+            for t in range(j - 1, i):
+                part = (prefix[i] - prefix[t], i - t)
+                key = (max(best[j - 1][t][0], part[0]), max(best[j - 1][t][1], part[1]))
+                if key < best[j][i]:
+                    best[j][i], starts[j][i] = key, t
+    choice: tuple[tuple[float, int], int, int, float] | None = None  # (key, last block's stage k, its start, level)
+    for k in range(min(num_parts, n)):
+        rows_only = num_parts - 1 - k
+        if rows_only > vocab - 1:
+            continue
+        for t in range(k, n):
+            before = best[k][t]
+            own = prefix[n] - prefix[t]
+            level = max(own, (head + own) / (rows_only + 1)) if rows_only else own + head
+            key = (max(before[0], level), max(before[1], n - t))
+            if choice is None or key < choice[0]:
+                choice = (key, k, t, level)
+    if choice is None:
+        raise ValueError(f"{num_parts} stages for {n} blocks and {vocab} rows of the head")
+    _, k, t, level = choice
+    parts = [k] * n
+    end = t
+    for j in range(k, 0, -1):
+        begin = starts[j][end]
+        parts[begin:end] = [j - 1] * (end - begin)
+        end = begin
+    rows: list[Rows | None] = [None] * num_parts
+    if k == num_parts - 1:
+        return parts, rows
+    own = prefix[n] - prefix[t]
+    shares = [max(0.0, level - own)] + [level] * (num_parts - 1 - k)
+    total = sum(shares) or 1.0
+    bounds, running = [0], 0.0
+    for share in shares[:-1]:
+        running += share
+        bounds.append(round(running / total * vocab))
+    bounds.append(vocab)
+    for index in range(1, len(bounds)):  # at least one row each, in order
+        bounds[index] = max(bounds[index], bounds[index - 1] + 1)
+    for index in range(len(bounds) - 2, 0, -1):
+        bounds[index] = min(bounds[index], bounds[index + 1] - 1)
+    for offset, stage in enumerate(range(k, num_parts)):
+        rows[stage] = (bounds[offset], bounds[offset + 1])
+    return parts, rows
+
+
+def stage_costs(costs: list[float], head: float, parts: list[int], rows: list[Rows | None], *,
+                vocab: int) -> list[float]:
+    """Per token, each stage's forward + backward FLOPs: its blocks, and the head (the last stage's, or under
+    strategy.split_head each stage's rows of it)."""
+    out = stage_flops(costs, 0.0, parts, len(rows))
+    if all(r is None for r in rows):
+        out[-1] += head
+        return out
+    for stage, bounds in enumerate(rows):
+        if bounds is not None:
+            out[stage] += head * (bounds[1] - bounds[0]) / vocab
+    return out

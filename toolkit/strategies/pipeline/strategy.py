@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
-from toolkit.data.losses import vocab_parallel
+from toolkit.data.losses import split_head_loss_sum, vocab_parallel
 from toolkit.checkpoint.loading import ModelSource, load_part, materialize
 from toolkit.checkpoint.state import Read, load_part_weights
 from toolkit.config.parallel import Degrees
@@ -53,10 +53,10 @@ from toolkit.strategies.dims.parallelize import DdpWrap, FsdpWrap, parallelize
 from toolkit.strategies.pipeline.batches import KEPT_SHAPES, filler, padded_length, stacked
 from toolkit.strategies.dims.local_sgd import LocalSgd
 from toolkit.strategies.dims.levers import compression_of, local_sgd_of
-from toolkit.strategies.pipeline.layout import (Grid, count_busy_time, grid_of, stage_of_blocks,
+from toolkit.strategies.pipeline.layout import (Grid, count_busy_time, grid_of, head_rows_of, stage_of_blocks,
                                                 uncount_shape_inference)
 from toolkit.strategies.pipeline.schedules import SCHEDULES, V_SHAPED, forward_only, simulated_bubbles
-from toolkit.strategies.pipeline.split import block_costs, stage_flops
+from toolkit.strategies.pipeline.split import block_costs, stage_costs
 from toolkit.strategies.pipeline.rules import INFO, OPTIONS, RULES, PipelineOptions  # noqa: F401 (the registry reads OPTIONS, RULES here)
 from toolkit.strategies.optim.torch_optim import TorchOptim, live_state_tensors
 
@@ -93,9 +93,12 @@ class PipelineStrategy:
         layout_of(model, options.blocks)  # a RecipeError for a model that does not show how to cut it
         parts, num_stages = stage_of_blocks(model, args.recipe, self.grid)
         self.parts, self.num_stages = parts, num_stages
+        self.head_rows = head_rows_of(model, args.recipe, self.grid)  # split_head: each stage's rows of the head
+        self.split_head = any(r is not None for r in self.head_rows)
         costs, head = block_costs(model, layer_stack(model, options.blocks), args.recipe, tp=self.grid.tp,
                                   loss_parallel=self.grid.loss_parallel)
-        self.stage_flops = stage_flops(costs, head, parts, num_stages)  # per token: the predicted idle's weights
+        # per token: the predicted idle's weights
+        self.stage_flops = stage_costs(costs, head, parts, self.head_rows, vocab=_vocab(model))
         self.stage_ids = self.grid.stage_ids(self.pp_rank, options.stages_per_rank)
         self.tied = tied_embedding_names(model)
         with torch.device("meta"):  # config, class and tied names for the export, without memory
@@ -120,7 +123,8 @@ class PipelineStrategy:
         for k, stage_id in enumerate(self.stage_ids):
             source = model if k == len(self.stage_ids) - 1 else copy.deepcopy(model)  # each stage prunes a copy
             stage = Stage(source, layer_ids=[i for i, p in enumerate(parts) if p == stage_id], first=stage_id == 0,
-                          last=stage_id == num_stages - 1, autocast=self.amp.autocast, blocks=options.blocks)
+                          last=stage_id == num_stages - 1, autocast=self.amp.autocast, blocks=options.blocks,
+                          head_rows=self.head_rows[stage_id])
             if filler is not None:
                 materialize(stage, device=env.device)
                 if checkpoint is not None:  # DCP: each rank calls it once per stage, as many stages on every rank
@@ -195,15 +199,28 @@ class PipelineStrategy:
                 self.hooks.append(hook)
         return module
 
+    def _holders(self) -> list[int]:
+        """The stages holding a copy of a weight shared between stages: a tied embedding's first and last stage
+        (under split_head the first and each stage with rows of the head), or under split_head an untied head's
+        stages with rows of it."""
+        rows = [s for s, r in enumerate(self.head_rows) if r is not None] or [self.num_stages - 1]
+        if self.tied is not None:
+            return sorted({0, *rows})
+        return rows if self.split_head else []
+
     def _tied_group(self):
-        """Per replica, the group of the ranks holding the first and the last stage (every rank creates
-        every group: new_group is collective). None where one rank holds both (V-shaped schedules)."""
-        if self.tied is None or self.grid.schedule in V_SHAPED:
+        """Per replica, the group of the ranks holding a copy of the shared weight (every rank creates every group:
+        new_group is collective). None where one rank holds them all (V-shaped schedules: the first and the last
+        stage)."""
+        stages_per_rank = len(self.stage_ids)
+        pp_ranks = sorted({p for p in range(self.grid.pp) for s in self.grid.stage_ids(p, stages_per_rank)
+                           if s in self._holders()})
+        if len(pp_ranks) < 2:
             return None
         mine = None
         for dp_rank in range(self.grid.dp):
             for tp_rank in range(self.grid.tp):  # the tied copies' whole tensors, or under loss_parallel their rows
-                ranks = sorted({self.grid.rank(pp_rank, dp_rank, tp_rank) for pp_rank in (0, self.grid.pp - 1)})
+                ranks = [self.grid.rank(pp_rank, dp_rank, tp_rank) for pp_rank in pp_ranks]
                 group = dist.new_group(ranks)
                 if self.env.rank in ranks:
                     mine = group
@@ -221,10 +238,14 @@ class PipelineStrategy:
     def report(self) -> StrategyReport:
         return StrategyReport(layout=self._layout(), fallback=self._fallback(), measurements=self._measurements())
 
-    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The schedule's loss_fn on the last stage: the loop's loss sum, returned as its share."""
+    def _loss(self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss_fn on the last stage: the loop's loss sum, returned as its share (under split_head
+        from the stages' log-sum-exp and next-token logit per token, the loop's causal-LM cross-entropy sum)."""
         assert self._loss_sum is not None
-        micro_sum = self._loss_sum(output, {"labels": target})
+        if isinstance(output, tuple):
+            micro_sum = split_head_loss_sum(*output, target)
+        else:
+            micro_sum = self._loss_sum(output, {"labels": target})
         self._sums.append(micro_sum.detach().double())
         if self._share is None:  # evaluation
             return micro_sum
@@ -278,7 +299,8 @@ class PipelineStrategy:
         # loss_parallel: the last stage's logits are split over the vocabulary; the loss's backward, which the
         # schedule runs inside its step, needs torch's loss_parallel too
         with contextlib.nullcontext() if train else forward_only(schedule), vocab_parallel(self.grid.loss_parallel):
-            call(*((ids,) if first else ()), target=labels if last else None, attention_mask=mask)
+            call(*((ids,) if first else ()), target=labels if last else None, attention_mask=mask,
+                 **({"labels": labels} if self.split_head else {}))  # every stage with rows of the head reads them
         if train and not self._fresh:
             wall = time.perf_counter() - start
             self.bubbles.append(max(0.0, 1.0 - self.busy_s / wall) if wall > 0 else 0.0)
@@ -346,7 +368,7 @@ class PipelineStrategy:
         if self.local is None:
             return None
         drift = self.local.after_step()
-        if self.local.synced and self.tied_group is not None:
+        if self.local.synced and self.tied_group is not None:  # two copies (split_head refuses local SGD)
             copies = [w for w in (s.tied_weight() for s in self.stage_modules) if w is not None]
             with torch.no_grad():
                 for weight in copies:
@@ -358,12 +380,12 @@ class PipelineStrategy:
         """Sum the tied embedding's two gradients, then clip every gradient by the norm over all stages
         (each tensor counted once: the tied copy on the last stage is left out of the norm), as
         clip_grad_norm_ does on one process: coefficient max_norm / (norm + 1e-6), at most 1."""
-        duplicate = self._sync_tied()
+        duplicates = {id(p) for p in self._sync_tied()}
         # each element counted once: stages hold different tensors; along tp (and along dp where fsdp shards the
         # replicas) a rank counts what it holds a shard of, and what it holds whole where it is that dimension's
         # first rank (the embeddings, norms and head every tp rank holds)
         along = [("tp", self.tp_rank)] + ([(self.dp_dim, self.dp_rank)] if self.grid.sharded else [])
-        local = [_local(p.grad) for p in params if p.grad is not None and p is not duplicate
+        local = [_local(p.grad) for p in params if p.grad is not None and id(p) not in duplicates
                  and all(_spans(p.grad, dim) or index == 0 for dim, index in along)]
         squares = torch.zeros((), dtype=torch.float32, device=self.env.device)
         if local:
@@ -380,19 +402,23 @@ class PipelineStrategy:
                 _local(p.grad).mul_(coefficient)
         return total
 
-    def _sync_tied(self) -> torch.Tensor | None:
-        if self.tied is None:
-            return None
-        copies = [w for w in (s.tied_weight() for s in self.stage_modules) if w is not None]
-        grads = [_local(w.grad) for w in copies if w.grad is not None]
-        if len(grads) == 2:  # V-shaped: this rank holds both copies (identically sharded under fsdp)
-            grads[0].add_(grads[1])
-            grads[1].copy_(grads[0])
-        elif self.tied_group is not None:
-            for grad in grads:
-                dist.all_reduce(grad, group=self.tied_group)
-        last = [s for s in self.stage_modules if s.last]
-        return last[0].tied_weight() if last else None
+    def _sync_tied(self) -> list[torch.Tensor]:
+        """Sum the gradients of a shared weight's copies (this rank's, then over the tied group), each copy then
+        holding the sum; the copies to leave out of the norm: all but the first holding stage's."""
+        holders = self._holders()
+        if not holders:
+            return []
+        mine = [(stage_id, s.tied_weight()) for stage_id, s in zip(self.stage_ids, self.stage_modules)]
+        copies = [(stage_id, w) for stage_id, w in mine if w is not None]
+        grads = [_local(w.grad) for _, w in copies if w.grad is not None]
+        if grads:  # V-shaped: this rank holds two copies (identically sharded under fsdp)
+            for grad in grads[1:]:
+                grads[0].add_(grad)
+            if self.tied_group is not None:
+                dist.all_reduce(grads[0], group=self.tied_group)
+            for grad in grads[1:]:
+                grad.copy_(grads[0])
+        return [w for stage_id, w in copies if stage_id != holders[0]]
 
     def discard_step(self) -> StepResult:
         self.optim.discard_step()
@@ -426,13 +452,17 @@ class PipelineStrategy:
                                               f"{self._held_whole()} in full"))
         copies = [w for w in (s.tied_weight() for s in self.stage_modules) if w is not None]
         if self.tied is not None and self.tied_group is not None:
-            assert len(copies) == 1  # the first and the last stage are on different pipeline ranks
-            first, last = self.tied
+            first, last = self.tied  # this rank's copies are equal: compared over the group, its first
             # one name on both ranks, so that a drift names the pair alike on each; under fsdp both ranks
             # of a tied group sit at the same dp position and hold the same shard
             whose = "each pipeline's" if self.grid.dp > 1 else "the"
+            where = "first stage and those with rows of the head" if self.split_head else "first and last stage"
             found.append(Replicas(named=[(f"{first} = {last} (tied)", _local(copies[0]))], group=self.tied_group,
-                                  description=f"the tied {first} and {last} on {whose} first and last stage"))
+                                  description=f"the tied {first} and {last} on {whose} {where}"))
+        elif self.tied_group is not None:  # split_head: an untied head's copies
+            name = self.stage_modules[0].head_path if self.stage_modules[0].head_rows is not None else "the head"
+            found.append(Replicas(named=[(f"{name}.weight", _local(copies[0]))], group=self.tied_group,
+                                  description="the head's copies on the stages with rows of it"))
         return found
 
     def gradient_abs_max(self) -> dict[str, float] | None:
@@ -519,7 +549,8 @@ class PipelineStrategy:
             replicas += (f" × {self.grid.tp} tensor-parallel ranks each (attention heads and MLP columns split; "
                          f"{whole}{'; norms computed on sequence shards' if self.grid.sequence_parallel else ''})")
         return (f"{self.num_stages} stages over {self.grid.pp} ranks{replicas}, schedule {options.schedule} with "
-                f"{self.micro_batches} micro-batches; {self.grid.stages_by_rank(self.parts, options.stages_per_rank)}"
+                f"{self.micro_batches} micro-batches; "
+                f"{self.grid.stages_by_rank(self.parts, options.stages_per_rank, self.head_rows)}"
                 f"; weights: {self.loading}")
 
     def _fallback(self) -> str | None:
@@ -607,6 +638,11 @@ def _spans(tensor: torch.Tensor, dim: str) -> bool:
         return False
     names = tensor.device_mesh.mesh_dim_names or ()
     return dim in names and isinstance(tensor.placements[names.index(dim)], (Shard, _StridedShard))
+
+
+def _vocab(model: nn.Module) -> int:
+    head = cast(Any, model).get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return int(getattr(head, "out_features", 0) or 1)
 
 
 def build(recipe: Recipe) -> PipelineStrategy:
