@@ -62,7 +62,7 @@ def _chained(model, cuts: list[list[int]], ids, mask):
               for i, c in enumerate(cuts)]
     hidden = ids
     for stage in stages:
-        hidden = stage(hidden, mask)
+        hidden = stage(hidden, attention_mask=mask)
     hidden.float().square().mean().backward()
     canonical = tied_aliases(model)
     grads: dict[str, torch.Tensor] = {}
@@ -187,7 +187,7 @@ def test_a_classifier_unpacking_each_blocks_output_is_cut_like_a_decoder():
     stages = [Stage(copy.deepcopy(model), layer_ids=[i], first=i == 0, last=i == 2, blocks=blocks) for i in range(3)]
     hidden = ids
     for stage in stages:
-        hidden = stage(hidden, mask)
+        hidden = stage(hidden, attention_mask=mask)
     hidden.float().square().mean().backward()
     torch.testing.assert_close(hidden.detach(), want.detach(), rtol=1e-5, atol=1e-6)
     for i, stage in enumerate(stages):

@@ -265,7 +265,7 @@ def test_a_tied_first_stage_sharded_by_fsdp_accumulates_its_embedding_gradient_c
         stage.set_requires_gradient_sync(False)
         ids, mask = torch.randint(0, CONFIG["vocab_size"], (2, 16)), torch.ones(2, 16, dtype=torch.long)
         for _ in range(2):
-            stage(ids, mask).sum().backward()
+            stage(ids, attention_mask=mask).sum().backward()
         embedding = next(p for p in stage._get_fsdp_state()._fsdp_param_group.fsdp_params
                          if p._module_info.module is stage.whole.get_input_embeddings())
         held = embedding.unsharded_accumulated_grad if precision == "bf16" else embedding._unsharded_param.grad

@@ -97,9 +97,9 @@ class Work:
     optimizer_bytes: int  # what the rank's optimizer step reads and writes
     offloaded_bytes: int  # parameters and gradients crossing PCIe each step (0 without offload)
     vocab_split: bool = False  # the output layer and the loss split over the tp ranks (strategy.loss_parallel)
-    # a pipeline rank as its split cuts it: (its stages' share of the blocks, whether it holds the head); None: an
-    # even 1/pp of the blocks beside the head
-    pipeline_rank: tuple[float, bool] | None = None
+    # a pipeline rank as its split cuts it: (its stages' share of the blocks, its share of the head: 1 or 0, or
+    # under strategy.split_head its rows'); None: an even 1/pp of the blocks beside the head
+    pipeline_rank: tuple[float, float] | None = None
 
 
 def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficiency: float | None = None,
@@ -118,7 +118,7 @@ def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficienc
     blocks = flops.block_matmul + flops.attention + flops.recompute
     # a pipeline rank's stages, by the split (the default balances a tp rank's FLOPs: the head's stage holds fewer
     # blocks); without one, 1/pp of the blocks beside the head
-    share, head = work.pipeline_rank or (1 / d.pp, True)
+    share, head = work.pipeline_rank or (1 / d.pp, 1.0)
     rank_flops = shard_tokens / d.cp * (blocks * share / d.tp + head * flops.head_matmul / head_share)
     # attention at the rate calibrate measured for this sequence length, where it did; the rest as matmuls
     attention = shard_tokens / d.cp * flops.attention * share / d.tp * (4 / 3 if work.checkpointing == "full" else 1)
@@ -134,7 +134,7 @@ def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficienc
     costs = [Cost(what="compute", seconds=compute_s, exposed_s=compute_s)]
     loss_rate = hw.measured.loss_seconds_per_logit
     if loss_rate and flops.logits and head:  # measured: the loss's passes over the logits (a pipeline's last stage)
-        loss_s = shard_tokens / d.cp * flops.logits / head_share * loss_rate
+        loss_s = shard_tokens / d.cp * flops.logits / head_share * loss_rate * head
         costs.append(Cost(what="loss over the logits", seconds=loss_s, exposed_s=loss_s))
     if d.pp > 1:
         idle = compute_s * work.bubble / (1 - work.bubble)

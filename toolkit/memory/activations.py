@@ -91,9 +91,12 @@ def traced_activations(model: nn.Module, recipe: Recipe, *, params_dtype: torch.
 
 def traced_stage(model: nn.Module, recipe: Recipe, *, blocks: int, first: bool, last: bool,
                  params_dtype: torch.dtype, autocast_dtype: torch.dtype | None, checkpointing: bool | str,
-                 tp_degree: int = 1, sequence_parallel: bool = False, loss_parallel: bool = False) -> Traced:
+                 tp_degree: int = 1, sequence_parallel: bool = False, loss_parallel: bool = False,
+                 head_rows: tuple[int, int] | None = None) -> Traced:
     """One micro-batch through a pipeline stage of `blocks` blocks (toolkit.model.stages.Stage: the
-    embeddings when `first`, the head and the loss when `last`), traced like `traced_activations`. A stage's
+    embeddings when `first`, the head and the loss when `last`; under strategy.split_head, `head_rows` of the
+    head, the stage receiving the final norm's output and the row stats where it holds no block), traced like
+    `traced_activations`. A stage's
     input (the activations it receives) and, unless last, the gradient of its output are the pipeline's
     receive buffers, made before the trace and not counted. Traced with one block and two, extrapolated.
     `tp_degree` > 1: as one tensor-parallel rank of the stage computes it (its split layers 1/N wide; under
@@ -107,12 +110,13 @@ def traced_stage(model: nn.Module, recipe: Recipe, *, blocks: int, first: bool, 
         local = local_model(model, tp_degree, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel) \
             if tp_degree > 1 else model
         stack = layer_stack(local, guess=True)
-        return dataclasses.asdict(_over_blocks(local, recipe, stack, blocks, stage=(first, last), **how))
+        return dataclasses.asdict(_over_blocks(local, recipe, stack, blocks,
+                                               stage=(first, last, head_rows, True), **how))
 
     fields = tuple(f.name for f in dataclasses.fields(Traced))
     key = ["stage", blocks, first, last, *(["tp", tp_degree] if tp_degree > 1 else []),
            *(["sp"] if tp_degree > 1 and sequence_parallel else []),
-           *(["lossp"] if tp_degree > 1 and loss_parallel else [])]
+           *(["lossp"] if tp_degree > 1 and loss_parallel else []), *(["rows", *head_rows] if head_rows else [])]
     return Traced(**_cached(model, recipe, how, key, fields, trace))
 
 
@@ -171,6 +175,10 @@ def _stack_peak(model: nn.Module, recipe: Recipe, **how) -> int:
 def _over_blocks(model: nn.Module, recipe: Recipe, stack: list[nn.Module], blocks: int, **how) -> Traced:
     """`model` with `blocks` blocks of its `stack`: traced with one and with two, each further block adding
     what the second added."""
+    stage = how.get("stage")
+    if blocks == 0 and stage is not None and stage[2] is not None:  # split_head: a stage of the head's rows alone,
+        # cut from a model of one block that it leaves out (a model needs blocks to be cut at)
+        return _traced(cut_blocks(model, stack, 1), recipe, **{**how, "stage": (*stage[:3], False)})
     one = _traced(cut_blocks(model, stack, min(blocks, 1)), recipe, **how)
     if blocks <= 1:
         return one
@@ -205,9 +213,13 @@ def cut_blocks(model: nn.Module, blocks: list[nn.Module], keep: int) -> nn.Modul
     raise RecipeError(f"{type(model).__name__}: its blocks sit in no ModuleList; the activation trace cannot cut it")
 
 
+StageTrace = tuple[bool, bool, "tuple[int, int] | None", bool]  # first, last, head rows, holds its blocks
+
+
 def _traced(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
-            checkpointing: bool | str, stage: tuple[bool, bool] | None = None) -> Traced:
-    """`model` (a meta copy it may change) traced whole, or as a pipeline stage: `stage` = (first, last)."""
+            checkpointing: bool | str, stage: StageTrace | None = None) -> Traced:
+    """`model` (a meta copy it may change) traced whole, or as a pipeline stage: `stage` = (first, last, the
+    head's rows it computes under split_head or None, whether it holds the model's blocks or none of them)."""
     model.to(params_dtype)  # on the meta device: the dtype only
     if recipe.model.dropout is not None:
         set_dropout(model, recipe.model.dropout)
@@ -251,10 +263,10 @@ def fake_grouped_mm() -> contextlib.AbstractContextManager:
 
 
 def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
-              checkpointing: bool | str, stage: tuple[bool, bool] | None) -> Traced:
+              checkpointing: bool | str, stage: StageTrace | None) -> Traced:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from toolkit.data.losses import micro_batch_loss_sum
+    from toolkit.data.losses import micro_batch_loss_sum, split_head_loss_sum
     from toolkit.memory import tp_rank
 
     with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():  # the meta weights
@@ -270,6 +282,7 @@ def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, au
         # one (a fake mask's values are unknown, so it would build one). Padded batches carry their mask.
         mask = None if recipe.data.packing else torch.ones(tokens, dtype=torch.long)
         module, inputs, grad = model, [ids], None
+        grads: list[torch.Tensor] | None = None
         positions: contextlib.AbstractContextManager = contextlib.nullcontext()
         experts = fake_grouped_mm()
         if stage is not None:  # the received activations and the output's gradient: receive buffers, not counted
@@ -277,15 +290,15 @@ def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, au
 
             from toolkit.model.stages import Stage, layer_list
 
-            first, last = stage
+            first, last, rows, holds_blocks = stage
             # A stage gives transformers its positions (0, 1, ...): without a mask, transformers reads their values
             # to find packed sequences, which fake tensors do not have, and builds a mask a real run does not
             # (it finds none). The trace tells it what it would find.
             if hasattr(masking_utils, "find_packed_sequence_indices"):
                 positions = _replaced(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
             blocks = recipe.strategy.blocks
-            module = Stage(model, layer_ids=list(range(len(layer_list(model, blocks)))), first=first, last=last,
-                           blocks=blocks)
+            module = Stage(model, layer_ids=list(range(len(layer_list(model, blocks)))) if holds_blocks else [],
+                           first=first, last=last, blocks=blocks, head_rows=rows)
             if getattr(model, tp_rank.SEQUENCE_SHARDS, 0):  # a local_model under sequence parallelism
                 module.sequence_shards = getattr(model, tp_rank.SEQUENCE_SHARDS)
                 if not first:
@@ -295,8 +308,12 @@ def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, au
             hidden = (tokens[0], -(-tokens[1] // module.sequence_shards), cast(Any, model).config.hidden_size)
             inputs = [ids if first else torch.zeros(hidden, dtype=params_dtype, requires_grad=True)]
             grad = None if last else torch.zeros(hidden, dtype=params_dtype)
+            if rows is not None:  # each token's log-sum-exp and next-token logit, in fp32, passed on beside it
+                stats = [torch.zeros(tokens, dtype=torch.float32, requires_grad=True) for _ in range(2)]
+                inputs += stats if not module.layer_ids else []
+                grads = None if last else [cast(torch.Tensor, grad), *(torch.zeros(tokens) for _ in stats)]
         live = LiveBytes([*module.parameters(), *module.buffers(), *inputs,
-                          *(t for t in (grad, mask) if t is not None)])
+                          *(t for t in (grad, mask) if t is not None), *(grads or [])[1:]])
 
         def drop(param: torch.Tensor) -> None:  # gradients are model states, counted on their own
             tp_rank.copy_rows_of_whole(param)  # the strategy's own hook on a tied embedding's rows, first
@@ -311,13 +328,16 @@ def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, au
             with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
                 if stage is None:
                     out = model(input_ids=ids, **({} if mask is None else {"attention_mask": mask})).logits
+                elif rows is not None:
+                    out = module(*inputs, attention_mask=mask, length=tokens[1], labels=labels)
                 else:
-                    out = module(inputs[0], mask, tokens[1])
+                    out = module(inputs[0], attention_mask=mask, length=tokens[1])
             if grad is None:  # the whole model, or the last stage: the loss
                 share = getattr(cast(Any, model).get_output_embeddings(), "vocabulary_share", False) \
                     if hasattr(model, "get_output_embeddings") else False
                 with tp_rank.VocabularyShareLoss() if share else contextlib.nullcontext():
-                    loss = micro_batch_loss_sum(out, labels, recipe.model.task)
+                    loss = split_head_loss_sum(out[0], out[1], labels) if rows is not None else \
+                        micro_batch_loss_sum(out, labels, recipe.model.task)
                     if stage is None:
                         del out  # the loop lets the logits go; a pipeline keeps a stage's output until its backward
                     held = live.live
@@ -325,7 +345,8 @@ def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, au
                     del loss
             else:
                 held = live.live
-                out.backward(grad)
+                torch.autograd.backward(list(out) if rows is not None else [out],
+                                        grads if rows is not None else [grad])
                 del out
     return Traced(peak=live.peak, held=held)
 

@@ -209,7 +209,7 @@ def work_for_shapes(recipe: Recipe, model: nn.Module, *, world_size: int, rank: 
     bubble = 0.0
     pipeline_rank = None
     if degrees.pp > 1:
-        from toolkit.strategies.pipeline.layout import grid_of, stage_of_blocks
+        from toolkit.strategies.pipeline.layout import grid_of, head_rows_of, stage_of_blocks
         from toolkit.strategies.pipeline.schedules import theoretical_bubble
 
         bubble = theoretical_bubble(options.schedule, pp=degrees.pp, stages_per_rank=options.stages_per_rank,
@@ -217,7 +217,11 @@ def work_for_shapes(recipe: Recipe, model: nn.Module, *, world_size: int, rank: 
         grid = grid_of(recipe, world_size)
         parts, num_stages = stage_of_blocks(model, recipe, grid)  # as the run splits it
         stages = grid.stage_ids(grid.coords(rank)[0], options.stages_per_rank)
-        pipeline_rank = (sum(parts.count(s) for s in stages) / len(parts), num_stages - 1 in stages)
+        rows = head_rows_of(model, recipe, grid)  # split_head: the stages' rows of the head, else the last's
+        vocab = max((r[1] for r in rows if r is not None), default=1)
+        head = sum((r[1] - r[0]) / vocab for s, r in enumerate(rows) if r is not None and s in stages) \
+            if any(rows) else float(num_stages - 1 in stages)
+        pipeline_rank = (sum(parts.count(s) for s in stages) / len(parts), head)
     work = step_time.Work(degrees=degrees,
                           global_tokens=batch.global_batch_size * length, seq_len=length,
                           precision=recipe.precision, checkpointing=recipe.train.recompute,

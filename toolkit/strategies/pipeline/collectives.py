@@ -45,8 +45,7 @@ from toolkit.strategies.dims.parallelize import DdpWrap
 from toolkit.strategies.pipeline.batches import padded_length
 from toolkit.strategies.dims.levers import compression_of, local_sgd_of
 from toolkit.strategies.dims.local_sgd import local_sgd_collectives
-from toolkit.strategies.pipeline.layout import grid_of, rank_stages
-from toolkit.strategies.pipeline.schedules import V_SHAPED
+from toolkit.strategies.pipeline.layout import grid_of, head_rows_of, rank_stages
 
 
 def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
@@ -67,28 +66,42 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
     mine = grid.stage_ids(pp_rank, recipe.strategy.stages_per_rank)
     # to the next stage and back to the previous one, where that stage is on another rank (V-shaped schedules
     # keep the middle boundary on one rank: handed over in memory)
-    sends = sum((not stage.last and owner[s + 1] != pp_rank) + (not stage.first and owner[s - 1] != pp_rank)
-                for s, stage in zip(mine, stages))
-    out = [Collective(op="send", payload_bytes=sends * micro * one, calls=sends * micro, group="pp",
+    # split_head: a stage with rows of the head sends each token's two fp32 row stats beside its output (3
+    # tensors), and one that received them sends their gradients back
+    rows = head_rows_of(model, recipe, grid)
+    stats = 2 * recipe.batch.micro_batch_size * sent * 4
+    sends = [(not stage.last and owner[s + 1] != pp_rank, rows[s] is not None) for s, stage in zip(mine, stages)]
+    sends += [(not stage.first and owner[s - 1] != pp_rank, rows[s - 1] is not None)
+              for s, stage in zip(mine, stages)]
+    count = sum(3 if with_stats else 1 for crossing, with_stats in sends if crossing)
+    sent_bytes = sum(one + (stats if with_stats else 0) for crossing, with_stats in sends if crossing)
+    out = [Collective(op="send", payload_bytes=sent_bytes * micro, calls=count * micro, group="pp",
                       group_size=grid.pp, phase="forward", what="activations and their gradients")]
     tied = any(name != first for name, first in tied_aliases(model).items())
     local = local_sgd_of(recipe)
     synced = grid.dp > 1 and local.on  # counted at a local SGD sync (strategy._local_step), one step in local.every
-    for stage in stages:
-        if tied and (stage.first or stage.last) and grid.schedule not in V_SHAPED:  # V: both on one rank
-            weight = stage.tied_weight()
-            assert weight is not None
-            # loss_parallel: a tp rank's rows of the vocabulary; fsdp: its replica's dim-0 shard of them, unpadded
-            # (the sync sends the local shard: where the replicas do not divide the rows, the last hold fewer)
-            rows = weight.shape[0] // grid.tp if grid.loss_parallel else weight.shape[0]
-            held = dim0_rows(rows, grid.dp, grid.coords(rank)[1]) if grid.sharded and grid.dp > 1 else rows
-            numel = held * weight.shape[1]
-            out.append(Collective(op="allreduce_", payload_bytes=numel * element_bytes(stored), calls=1, group="pp",
-                                  group_size=2, phase="step", what="the tied embedding's gradient"))
-            if synced:  # its two copies evened after the sync
-                out.append(Collective(op="allreduce_", payload_bytes=numel * element_bytes(stored), calls=1,
-                                      group="pp", group_size=2, phase="step",
-                                      what="the tied embedding's copies evened after the sync", every=local.every))
+    # the ranks holding a copy of a weight shared between stages: a tied embedding's first and last stage (under
+    # split_head: the first and those with rows of the head), an untied head's stages with rows of it; a rank
+    # adds its own copies up, then all-reduces them once
+    with_rows = [s for s, r in enumerate(rows) if r is not None] or [len(rows) - 1]
+    holders = sorted({0, *with_rows}) if tied else with_rows if any(rows) else []
+    holding = sorted({owner[s] for s in holders})
+    copies = [stage for s, stage in zip(mine, stages) if s in holders][:1] if len(holding) > 1 else []
+    for stage in copies:
+        weight = stage.tied_weight()
+        assert weight is not None
+        # loss_parallel: a tp rank's rows of the vocabulary; fsdp: its replica's dim-0 shard of them, unpadded
+        # (the sync sends the local shard: where the replicas do not divide the rows, the last hold fewer)
+        vocab = weight.shape[0] // grid.tp if grid.loss_parallel else weight.shape[0]
+        held = dim0_rows(vocab, grid.dp, grid.coords(rank)[1]) if grid.sharded and grid.dp > 1 else vocab
+        numel = held * weight.shape[1]
+        out.append(Collective(op="allreduce_", payload_bytes=numel * element_bytes(stored), calls=1, group="pp",
+                              group_size=len(holding), phase="step",
+                              what="the tied embedding's gradient" if tied else "the head's gradient, its copies'"))
+        if synced:  # its two copies evened after the sync
+            out.append(Collective(op="allreduce_", payload_bytes=numel * element_bytes(stored), calls=1,
+                                  group="pp", group_size=2, phase="step",
+                                  what="the tied embedding's copies evened after the sync", every=local.every))
     if recipe.precision == "fp16":  # its ShardedGradScaler over every rank (strategy.py)
         out += fp16_scaler_collectives(world_size=world_size, dtensors=grid.sharded and grid.dp > 1)
     if grid.tp > 1:  # each stage's split layers: their activations (and the partial gradients) over its tp ranks,

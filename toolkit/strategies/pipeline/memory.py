@@ -33,7 +33,7 @@ from toolkit.strategies.dims.compression import powersgd_state_bytes
 from toolkit.strategies.dims.levers import compression_of, local_sgd_of
 from toolkit.strategies.dims.local_sgd import outer_state
 from toolkit.strategies.pipeline.batches import longest_kept
-from toolkit.strategies.pipeline.layout import Grid, grid_of, rank_stages, stage_of_blocks
+from toolkit.strategies.pipeline.layout import Grid, grid_of, head_rows_of, rank_stages, stage_of_blocks
 
 Action = tuple[str, int]  # ("F" forward | "B" backward, stage index)
 
@@ -91,14 +91,20 @@ def activation_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: i
     shares = grid.tp if grid.sequence_parallel else 1
     kept = sum(-(-length // shares) for length in longest_kept(recipe.data.max_length, packing=recipe.data.packing))
     buffer = recipe.batch.micro_batch_size * kept * hidden * element_bytes(how["params_dtype"])
+    rows = head_rows_of(model, recipe, grid)
+    # split_head: a stage after the first with rows of the head receives each token's two fp32 row stats beside
+    # the final norm's output, and one before the last sends them (their gradients come back)
+    stats = 2 * recipe.batch.micro_batch_size * kept * 4
     per_pp_rank = []
     for pp_rank in range(grid.pp):
         stage_ids = grid.stage_ids(pp_rank, options.stages_per_rank)
         traces = {s: traced_stage(model, recipe, blocks=parts.count(s), first=s == 0, last=s == num_stages - 1,
                                   tp_degree=grid.tp, sequence_parallel=grid.sequence_parallel,
-                                  loss_parallel=grid.loss_parallel, **how)
+                                  loss_parallel=grid.loss_parallel, head_rows=rows[s], **how)
                   for s in stage_ids}
         buffers = sum(micro_batches * buffer * ((s != 0) + (s != num_stages - 1)) for s in stage_ids)
+        buffers += sum(micro_batches * stats * ((s > 0 and rows[s - 1] is not None) + (s < num_stages - 1))
+                       for s in stage_ids if rows[s] is not None)
         actions = schedule_actions(options.schedule, rank=pp_rank, pp=grid.pp,
                                    stages_per_rank=options.stages_per_rank, micro_batches=micro_batches)
         per_pp_rank.append(buffers + in_flight_peak(actions, traces))

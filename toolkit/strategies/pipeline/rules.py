@@ -4,7 +4,7 @@ data shard a rank reads (its replica's) and the memory rules `toolkit plan` pred
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -147,19 +147,28 @@ def stage_lines(model: nn.Module, recipe: Recipe, *, world_size: int) -> list[st
     from toolkit.config.recipe import plan_batch
     from toolkit.model.blocks import layer_stack
     from toolkit.model.placement import blocks_of
-    from toolkit.strategies.pipeline.layout import stage_of_blocks
-    from toolkit.strategies.pipeline.split import block_costs, stage_flops
+    from toolkit.strategies.pipeline.layout import head_rows_of, stage_of_blocks
+    from toolkit.strategies.pipeline.split import block_costs, stage_costs
 
     grid = grid_of(recipe, world_size)
     parts, num_stages = stage_of_blocks(model, recipe, grid)
+    rows = head_rows_of(model, recipe, grid)
     costs, head = block_costs(model, layer_stack(model, recipe.strategy.blocks), recipe, tp=grid.tp,
                               loss_parallel=grid.loss_parallel)
     batch = plan_batch(recipe.batch, world_size=grid.dp)
     tokens = batch.micro_batch_size * batch.grad_accum_steps * recipe.data.max_length
-    flops = stage_flops(costs, head, parts, num_stages)
+    vocab = getattr(cast(Any, model).get_output_embeddings(), "out_features", 1) if any(rows) else 1
+    flops = stage_costs(costs, head, parts, rows, vocab=vocab)
     total = sum(flops) or 1.0
     how = "strategy.split" if recipe.strategy.split is not None else "split by FLOPs"
+    how += ", the head's rows too" if any(rows) else ""
     per = f" of a tp rank of {grid.tp}" if grid.tp > 1 else ""
+
+    def head_of(stage: int) -> str:
+        held = rows[stage]
+        if held is not None:
+            return f" + head rows {held[0]}-{held[1] - 1}"
+        return " + head" if stage == num_stages - 1 and head and not any(rows) else ""
     return [f"stages ({how}; forward + backward FLOPs per step{per}):"] + [
-        f"  stage {s}: blocks {blocks_of(parts, s)}{' + head' if s == num_stages - 1 and head else ''}, "
+        f"  stage {s}: blocks {blocks_of(parts, s)}{head_of(s)}, "
         f"{f * tokens / 1e9:.2f} GFLOP ({100 * f / total:.0f} %)" for s, f in enumerate(flops)]

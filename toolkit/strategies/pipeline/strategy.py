@@ -314,6 +314,8 @@ class PipelineStrategy:
     def forward_backward(self, micro_batches: list[dict], *, loss_sum: LossSum, share: Share) -> torch.Tensor:
         self._loss_sum, self._share, self._sums = loss_sum, share, []
         self._run(micro_batches, train=True)
+        for stage in self.stage_modules:  # split_head: the head's gradient buffer lives for a step (stages._Rows)
+            stage._row_gradients.clear()
         if self.grid.dp > 1 and not self.grid.sharded and self.grid.split_backward and self.local is None:
             self._average_replicas()
         if self.grid.tp > 1:
