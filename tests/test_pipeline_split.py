@@ -11,8 +11,8 @@ import torch
 from toolkit.config.files import load_recipe
 from toolkit.model.blocks import layer_stack
 from toolkit.model.placement import part_of_blocks
-from toolkit.strategies.pipeline.layout import grid_of, stage_of_blocks
-from toolkit.strategies.pipeline.split import block_costs, cost_balanced_starts, stage_flops
+from toolkit.strategies.pipeline.layout import grid_of, head_rows_of, stage_of_blocks
+from toolkit.strategies.pipeline.split import block_costs, cost_balanced_starts, head_split, stage_costs, stage_flops
 
 
 def brute_force(costs, *, last_extra, num_parts):
@@ -124,3 +124,84 @@ def test_tensor_parallel_stages_are_split_by_a_tp_ranks_flops():
     assert split() == best([block] * 8, head) == [0] * 5 + [1] * 3
     assert split("strategy.tp_degree=2") == best([block / 2] * 8, head) == [0] * 6 + [1] * 2
     assert split("strategy.tp_degree=2", "strategy.loss_parallel=true") == split()
+
+
+def brute_force_head(costs, *, head, num_parts, vocab):
+    """Every placement of the blocks (runs, in order, on the first k + 1 stages) and every cut of the head's rows
+    over stages k.. (at least one row each): the least costliest stage, a row costing head / vocab."""
+    n, best = len(costs), None
+    for k in range(min(num_parts, n)):
+        for starts in itertools.combinations(range(1, n), k):
+            bounds = [0, *starts, n]
+            loads = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])] + [0.0] * (num_parts - 1 - k)
+            for cuts in itertools.combinations(range(1, vocab), num_parts - 1 - k):
+                rows = [0, *cuts, vocab]
+                held = [loads[i] + (head * (rows[i - k + 1] - rows[i - k]) / vocab if i >= k else 0)
+                        for i in range(num_parts)]
+                best = max(held) if best is None else min(best, max(held))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_head_split_is_within_a_row_of_the_best_of_every_split(seed):
+    """split_head: the blocks whole and in order, the head cut at any row; enumerated on small vocabularies. The
+    split rounds each cut to a row, so its costliest stage is within a row's cost per stage of the best."""
+    rng = random.Random(seed)
+    n = rng.randint(1, 5)
+    costs = [float(rng.choice([1, 2, 3, 5])) for _ in range(n)]
+    num_parts = rng.randint(2, 4)
+    vocab = rng.randint(num_parts, 12)
+    head = float(rng.choice([1, 6, 20, 40]))
+    parts, rows = head_split(costs, head=head, num_parts=num_parts, vocab=vocab)
+    assert parts == sorted(parts) and parts[0] == 0 and len(set(parts)) == max(parts) + 1  # runs, in order
+    if all(r is None for r in rows):  # no stage splits it: the whole head on the last stage, the default split
+        assert max(parts) == num_parts - 1
+        loads = stage_flops(costs, head, parts, num_parts)
+    else:
+        last = max(parts)  # the last block's stage and every later one hold rows, in order, covering the head
+        held = [r for r in rows if r is not None]
+        assert [s for s, r in enumerate(rows) if r is not None] == list(range(last, num_parts))
+        assert held[0][0] == 0 and held[-1][1] == vocab and all(a[1] == b[0] for a, b in zip(held, held[1:]))
+        assert all(r[1] > r[0] for r in held)
+        loads = stage_costs(costs, head, parts, rows, vocab=vocab)
+    assert max(loads) <= brute_force_head(costs, head=head, num_parts=num_parts, vocab=vocab) + \
+        num_parts * head / vocab + 1e-9
+
+
+def test_the_tied_llamas_head_is_split_over_both_stages():
+    """llama-tiny's shape of problem: the head (6 × 32 × 30522 a token) outweighs the four blocks, so without the
+    head's rows the stage that holds it is the pipeline; with them the first stage holds every block and some rows,
+    and both stages cost the same FLOPs to a row."""
+    model, recipe = tied_llama(split_head="true")
+    grid = grid_of(recipe, 2)
+    parts, _ = stage_of_blocks(model, recipe, grid)
+    rows = head_rows_of(model, recipe, grid)
+    costs, head = block_costs(model, layer_stack(model), recipe, tp=1, loss_parallel=False)
+    assert parts == [0, 0, 0, 0]
+    cut = rows[0][1]
+    assert rows == [(0, cut), (cut, 30522)]
+    # sum(costs) + head × cut / vocab == head × (vocab − cut) / vocab, to a row
+    assert abs(sum(costs) + head * cut / 30522 - head * (30522 - cut) / 30522) <= head / 30522
+    loads = stage_costs(costs, head, parts, rows, vocab=30522)
+    assert max(loads) < max(stage_flops(costs, head, stage_of_blocks(*tied_llama(), grid)[0], 2))
+
+
+def test_a_stage_of_the_heads_rows_keeps_one_fp32_tensor_of_its_logits(tmp_path, monkeypatch):
+    """The plan's trace of a stage of rows alone: the row stats keep their rows' exponentials (fp32) for backward
+    and nothing else of the logits' size, so 500 more rows of 128 tokens hold 500 × 128 × 4 bytes more."""
+    from toolkit.memory.activations import traced_stage
+    from toolkit.plan.predict import planned_model
+
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
+    model = ('model.config={"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, '
+             '"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, '
+             '"max_position_embeddings": 256, "tie_word_embeddings": true}')
+    recipe = load_recipe(Path(__file__).parents[1] / "recipes" / "llama-tiny.yaml",
+                         [model, "data.max_length=64", "data.packing=true", "batch.micro_batch_size=2",
+                          "batch.global_batch_size=null", "batch.grad_accum_steps=1", "strategy.name=pipeline",
+                          "strategy.split_head=true"])
+    how = {"params_dtype": torch.float32, "autocast_dtype": None, "checkpointing": False}
+    meta = planned_model(recipe)
+    half, whole = (traced_stage(meta, recipe, blocks=0, first=False, last=True, head_rows=rows, **how)
+                   for rows in ((500, 1000), (0, 1000)))
+    assert whole.held - half.held == 500 * 2 * 64 * 4

@@ -52,6 +52,9 @@ INFO = StrategyInfo(
                                 "strategy.stages_per_rank=2"),
           "pp-zbv": ("strategy.name=pipeline", "strategy.schedule=zbv", "strategy.stages_per_rank=2"),
           "pp-dualpipev": ("strategy.name=pipeline", "strategy.schedule=dualpipev", "strategy.stages_per_rank=2"),
+          # the head's rows of the vocabulary split over the stages too: for a head that outweighs a stage's share
+          "pp-gpipe-head": ("strategy.name=pipeline", "strategy.schedule=gpipe", "strategy.split_head=true"),
+          "pp-1f1b-head": ("strategy.name=pipeline", "strategy.schedule=1f1b", "strategy.split_head=true"),
           # each stage tensor-parallel over 2 ranks: --nproc 4 or more
           "pp-tp2": ("strategy.name=pipeline", "strategy.tp_degree=2"),
           "pp-tp2-sp": ("strategy.name=pipeline", "strategy.tp_degree=2", "strategy.sequence_parallel=true"),
