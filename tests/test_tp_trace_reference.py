@@ -193,7 +193,7 @@ def stage_on_dtensors(recipe, degree, how, *, first, last):
         stages.Stage = parallel_stage  # type: ignore[misc]
         activations.LiveBytes = RankBytes  # type: ignore[misc]
         with _Propagating(), vocab_parallel(recipe.strategy.loss_parallel):
-            return activations._traced(planned_model(recipe), recipe, **how, stage=(first, last))
+            return activations._traced(planned_model(recipe), recipe, **how, stage=(first, last, None, True))
     finally:
         stages.Stage = made  # type: ignore[misc]
         activations.LiveBytes = kept  # type: ignore[misc]

@@ -283,6 +283,7 @@ def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, au
         mask = None if recipe.data.packing else torch.ones(tokens, dtype=torch.long)
         module, inputs, grad = model, [ids], None
         grads: list[torch.Tensor] | None = None
+        rows: tuple[int, int] | None = None  # a pipeline stage's rows of the head (split_head)
         positions: contextlib.AbstractContextManager = contextlib.nullcontext()
         experts = fake_grouped_mm()
         if stage is not None:  # the received activations and the output's gradient: receive buffers, not counted
