@@ -35,6 +35,10 @@ ARMS = {
                                    "batch.grad_accum_steps=4")),
     "pp-ddp-head": (4, ("strategy.name=hybrid", "strategy.pipeline_degree=2", "strategy.data_parallel=ddp",
                         "strategy.split_head=true", "batch.grad_accum_steps=2")),
+    # FSDP2 replicas: each stage's copy of the head sharded, gathered for the rows' forward, its shard summed with
+    # the other holders' at the same dp position
+    "pp-fsdp-head": (4, ("strategy.name=hybrid", "strategy.pipeline_degree=2", "strategy.data_parallel=fsdp",
+                         "strategy.split_head=true", "batch.grad_accum_steps=2")),
     "pp-ddp": (4, ("strategy.name=hybrid", "strategy.pipeline_degree=2", "strategy.data_parallel=ddp",
                    "batch.grad_accum_steps=2")),
     "pp-fsdp": (4, ("strategy.name=hybrid", "strategy.pipeline_degree=2", "strategy.data_parallel=fsdp",
