@@ -20,7 +20,7 @@ from toolkit.errors import RecipeError
 from toolkit.process import faults
 
 SOURCES = {"ddp": 2, "fsdp": 2, "zero2-offload": 2, "zero3": 2, "fsdp-async": 2, "pp": 2, "cp2": 2, "hsdp-tp2": 4,
-           "pp-tp2": 4, "pp-fsdp-tp2": 8, "pp-tp2-sp-lossp": 4}
+           "pp-tp2": 4, "pp-fsdp-tp2": 8, "pp-tp2-sp-lossp": 4, "pp-head-zb": 2}
 CROSS = [("zero3", 2, "fsdp", 2), ("fsdp", 2, "ddp", 1), ("ddp", 2, "zero3", 2), ("zero2-offload", 2, "single", 1),
          ("fsdp", 2, "fsdp", 1), ("ddp", 2, "pp", 2), ("pp", 2, "single", 1),
          ("ddp", 2, "tp", 2),  # tp: the split weights and their Adam state are DTensors
@@ -33,7 +33,9 @@ CROSS = [("zero3", 2, "fsdp", 2), ("fsdp", 2, "ddp", 1), ("ddp", 2, "zero3", 2),
          ("ddp", 2, "pp-fsdp-tp2", 8), ("pp-fsdp-tp2", 8, "single", 1),
          # under sequence parallelism the stages' norms are DTensors too (replicated over tp); under loss_parallel the
          # last stage's head and the first's tied embedding hold a tp rank's rows of the vocabulary
-         ("pp-tp2-sp-lossp", 4, "single", 1)]
+         ("pp-tp2-sp-lossp", 4, "single", 1),
+         # split_head: the tied weight's copies on every stage, two a rank, saved once under the embedding's name
+         ("pp-head-zb", 2, "single", 1)]
 
 
 def strategy_overrides(name: str) -> tuple[str, ...]:
@@ -45,6 +47,10 @@ def strategy_overrides(name: str) -> tuple[str, ...]:
         return ("strategy.name=zero", "strategy.stage=2", "strategy.offload_optimizer=true")
     if name == "pp":  # two stages, each rank holds half the blocks (the tied embedding on both ends)
         return ("strategy.name=pipeline", "strategy.schedule=1f1b")
+    if name == "pp-head-zb":  # 4 stages over 2 ranks, the head's rows on all 4: a rank holds two copies of the tied
+        # weight, whose Adam states a resume fills alike
+        return ("strategy.name=pipeline", "strategy.schedule=interleaved-zb", "strategy.stages_per_rank=2",
+                "strategy.split_head=true")
     if name == "cp2":  # context parallel: each sequence split over the 2 ranks
         return ("parallel.cp=2",)
     if name == "hsdp-tp2":  # 2 replica groups × 2 tp ranks
@@ -116,7 +122,7 @@ def assert_continues(resumed, reference, *, rtol: float):
 
 # ddp's own resume is the one the restart and SIGTERM tests below do, after a real interruption; fsdp's is
 # fsdp-async (the async save changes how the files are written, not what the resumed run reads)
-@pytest.mark.parametrize("name", ["zero2-offload", "zero3", "fsdp-async", "pp"])
+@pytest.mark.parametrize("name", ["zero2-offload", "zero3", "fsdp-async", "pp", "pp-head-zb"])
 def test_resume_equals_uninterrupted(runs, name):
     resumed, result = runs.resumed(name, name, SOURCES[name])
     # the same strategy at the same world size runs the same arithmetic: equal to rounding (1e-6); the async
@@ -130,7 +136,7 @@ def test_resume_equals_uninterrupted(runs, name):
     run = json.loads((resumed / "run.json").read_text())
     assert run["resumed_from"]["step"] == 3 and run["status"] == "completed"
     assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["step-00000003", "step-00000006"]
-    if name == "pp":  # each stage filled from the checkpoint alone: no rank built the whole model to resume
+    if name.startswith("pp"):  # each stage filled from the checkpoint alone: no rank built the whole model to resume
         assert f"weights: each rank read only its stages' tensors from {resumed / 'checkpoints' / 'step-00000003'}" \
             in run["layout"]
 

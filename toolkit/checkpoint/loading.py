@@ -137,7 +137,16 @@ def materialize(model: nn.Module, *, device: torch.device) -> None:
     """Allocate a model sharded on the meta device (its shards, uninitialised) and put back the buffers it was
     built with (to_empty empties them too)."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    holders: dict[int, list[tuple[nn.Module, str]]] = {}  # a tied weight's modules: to_empty gives each its own
+    to_empty_tied(model, device=device)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
+
+
+def to_empty_tied(model: nn.Module, *, device: torch.device | str) -> None:
+    """`model.to_empty(device)`, its tied weights tied again: to_empty gives each module its own new parameter
+    (FSDP2's parameters, swapped in place, stay tied)."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
         for name, param in module._parameters.items():
             if param is not None:
@@ -145,11 +154,8 @@ def materialize(model: nn.Module, *, device: torch.device) -> None:
     model.to_empty(device=device)
     for (owner, name), *others in (found for found in holders.values() if len(found) > 1):
         for module, other in others:
-            if getattr(module, other) is not getattr(owner, name):  # (FSDP2's swapped parameters stay tied)
+            if getattr(module, other) is not getattr(owner, name):
                 setattr(module, other, getattr(owner, name))
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            buffer.copy_(buffers[name])
 
 
 def load_sharded(model: nn.Module, source: ModelSource, *, env: DistEnv) -> str:

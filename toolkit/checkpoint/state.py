@@ -49,13 +49,15 @@ def model_tensors(module: nn.Module) -> dict[str, Any]:
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
-    """The optimizer's per-parameter state in the shared layout (`state.<name>.<key>`)."""
-    out = {}
+    """The optimizer's per-parameter state in the shared layout (`state.<name>.<key>`). Parameters under one name
+    (copies of a shared weight on one rank: a pipeline's tied embedding or split head) are saved and read as the
+    first of them in the optimizer's order; its strategy gives the others that state after a read."""
+    out: dict[str, Any] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
             for key, value in optimizer.state.get(param, {}).items():
                 if torch.is_tensor(value):
-                    out[f"state.{names[id(param)]}.{key}"] = value
+                    out.setdefault(f"state.{names[id(param)]}.{key}", value)
     return out
 
 

@@ -271,7 +271,12 @@ def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, au
 
     with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():  # the meta weights
         warnings.simplefilter("ignore")
-        model.to_empty(device="cpu")
+        if stage is not None and stage[2] is not None:  # split_head: a tied first stage's weight stays one
+            from toolkit.checkpoint.loading import to_empty_tied
+
+            to_empty_tied(model, device="cpu")
+        else:
+            model.to_empty(device="cpu")
         model.train()
         if checkpointing:
             enable_activation_checkpointing(model, "selective" if checkpointing == "selective" else "full")

@@ -392,6 +392,10 @@ class Stage(nn.Module):
             hidden = cast(torch.Tensor, self._head_input)
         finally:
             self._received = self._head_input = None
+        if logits.shape[-1] != self.head_rows[1] - self.head_rows[0]:  # a forward that skips the head module
+            raise RuntimeError(f"strategy.split_head: {type(self.whole).__name__}'s forward gave {logits.shape[-1]} "
+                               f"logits a token, not its stage's {self.head_rows[1] - self.head_rows[0]} rows of "
+                               f"{self.head_path}; set strategy.split_head=false")
         log_sum_exp, target_logit = row_stats(logits, labels, start=self.head_rows[0])
         if stats:
             log_sum_exp, target_logit = torch.logaddexp(stats[0], log_sum_exp), stats[1] + target_logit

@@ -28,6 +28,7 @@ from toolkit.memory.activations import Traced, traced_stage
 from toolkit.memory.state_bytes import (StateBytes, adam_state, dim0_held, dim0_shard, dim0_shard_of, element_bytes,
                                         of_shapes, whole)
 from toolkit.model import tp_plan
+from toolkit.model.stages import tied_embedding_names
 from toolkit.model.precision import DTYPES
 from toolkit.strategies.dims.compression import powersgd_state_bytes
 from toolkit.strategies.dims.levers import compression_of, local_sgd_of
@@ -95,6 +96,14 @@ def activation_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: i
     # split_head: a stage after the first with rows of the head receives each token's two fp32 row stats beside
     # the final norm's output, and one before the last sends them (their gradients come back)
     stats = 2 * recipe.batch.micro_batch_size * kept * 4
+    # split_head: a stage with rows keeps a gradient buffer of the whole head from its first backward to the step's
+    # end (stages._Rows), but the tied first stage (stages._TiedRows)
+    tied = tied_embedding_names(model) is not None
+    head = cast(Any, model).get_output_embeddings() if any(rows) else None
+    head_buffer = head.weight.numel() * element_bytes(how["params_dtype"]) if head is not None else 0
+
+    def uses_row_buffer(stage: int) -> bool:
+        return rows[stage] is not None and not (stage == 0 and tied)
     per_pp_rank = []
     for pp_rank in range(grid.pp):
         stage_ids = grid.stage_ids(pp_rank, options.stages_per_rank)
@@ -107,7 +116,8 @@ def activation_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: i
                        for s in stage_ids if rows[s] is not None)
         actions = schedule_actions(options.schedule, rank=pp_rank, pp=grid.pp,
                                    stages_per_rank=options.stages_per_rank, micro_batches=micro_batches)
-        per_pp_rank.append(buffers + in_flight_peak(actions, traces))
+        per_pp_rank.append(buffers + in_flight_peak(actions, traces, kept={s: head_buffer for s in stage_ids
+                                                                           if uses_row_buffer(s)}))
     return [per_pp_rank[grid.coords(rank)[0]] for rank in range(world_size)]
 
 
@@ -126,18 +136,23 @@ def schedule_actions(schedule: str, *, rank: int, pp: int, stages_per_rank: int,
     return [("F" if a.kind == "F" else "B", a.stage) for a in order if a.kind in ("F", "B", "W")]
 
 
-def in_flight_peak(actions: list[Action], traces: dict[int, Traced]) -> int:
+def in_flight_peak(actions: list[Action], traces: dict[int, Traced], kept: dict[int, int] | None = None) -> int:
     """The most bytes the rank's stages hold at once running `actions`: at a backward, every micro-batch in
-    flight holds its forward's bytes, and the one going backward has reached its own peak."""
+    flight holds its forward's bytes, and the one going backward has reached its own peak. `kept`: bytes a stage
+    makes at its first backward and keeps to the step's end (in its traced peak once)."""
     in_flight: dict[int, int] = defaultdict(int)
+    kept = kept or {}
+    backed: set[int] = set()
     peak = 0
     for kind, stage in actions:
-        held = sum(count * traces[s].held for s, count in in_flight.items())
+        held = sum(count * traces[s].held for s, count in in_flight.items()) + sum(kept.get(s, 0) for s in backed)
         if kind == "F":
             in_flight[stage] += 1
             peak = max(peak, held + traces[stage].held)
         else:
-            peak = max(peak, held - traces[stage].held + traces[stage].peak)
+            again = kept.get(stage, 0) if stage in backed else 0
+            peak = max(peak, held - traces[stage].held + traces[stage].peak - again)
             in_flight[stage] -= 1
+            backed.add(stage)
     return peak
 

@@ -568,6 +568,19 @@ class PipelineStrategy:
 
     def load_optimizer_state(self, read: Read) -> None:
         self.optim.load_state(read)
+        # a rank's copies of a shared weight (V-shaped: the tied embedding's two; split_head: one per stage with
+        # rows) go by one name, read into the first in the optimizer's order (state.optimizer_tensors): the others
+        # take its state, as they take its updates
+        copies = {id(w) for w in (s.tied_weight() for s in self.stage_modules) if w is not None}
+        optimizer = self.optim.optimizer
+        order = [p for group in optimizer.param_groups for p in group["params"] if id(p) in copies]
+        with torch.no_grad():
+            for other in order[1:]:
+                for key, value in optimizer.state[order[0]].items():
+                    if torch.is_tensor(value):
+                        optimizer.state[other][key].copy_(value)
+                    else:
+                        optimizer.state[other][key] = value
 
     def _first_names(self) -> dict[int, str]:
         """Each parameter's name in the whole model; the last stage's copy of a tied embedding goes by the
