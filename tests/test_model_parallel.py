@@ -33,6 +33,11 @@ ARMS = {
     "pp-interleaved-zb-head": (2, ("strategy.name=pipeline", "strategy.schedule=interleaved-zb",
                                    "strategy.stages_per_rank=2", "strategy.split_head=true",
                                    "batch.grad_accum_steps=4")),
+    # V-shaped: rank 0 holds the first stage (every block, rows) and the last (rows), rank 1 the two between
+    "pp-zbv-head": (2, ("strategy.name=pipeline", "strategy.schedule=zbv", "strategy.stages_per_rank=2",
+                        "strategy.split_head=true", "batch.grad_accum_steps=4")),
+    "pp-dualpipev-head": (2, ("strategy.name=pipeline", "strategy.schedule=dualpipev", "strategy.stages_per_rank=2",
+                              "strategy.split_head=true", "batch.grad_accum_steps=4")),
     "pp-ddp-head": (4, ("strategy.name=hybrid", "strategy.pipeline_degree=2", "strategy.data_parallel=ddp",
                         "strategy.split_head=true", "batch.grad_accum_steps=2")),
     # FSDP2 replicas: each stage's copy of the head sharded, gathered for the rows' forward, its shard summed with
@@ -505,9 +510,6 @@ BAD = {
     "split_head with tp stages": (4, ("strategy.name=pipeline", "strategy.split_head=true", "strategy.tp_degree=2"),
                                   "strategy.split_head: tensor-parallel stages split the head over the vocabulary "
                                   "themselves"),
-    "split_head under a V-shaped schedule": (2, ("strategy.name=pipeline", "strategy.split_head=true",
-                                                 "strategy.schedule=zbv", "strategy.stages_per_rank=2"),
-                                             "strategy.split_head: strategy.schedule zbv (V-shaped) is not tested"),
     "split_head in fp16": (2, ("strategy.name=pipeline", "strategy.split_head=true", "precision=fp16"),
                            "strategy.split_head: precision fp16 is not tested with it yet"),
     "split_head with local SGD": (4, ("strategy.name=hybrid", "strategy.pipeline_degree=2", "strategy.split_head=true",

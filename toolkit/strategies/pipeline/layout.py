@@ -267,8 +267,6 @@ def check_split_head(recipe: Recipe, grid: Grid, skeleton: nn.Module) -> None:
                "strategy.split_head=false": recipe.model.task != "causal-lm",
                "tensor-parallel stages split the head over the vocabulary themselves (strategy.loss_parallel); "
                "remove strategy.tp_degree or split_head": grid.tp > 1,
-               f"strategy.schedule {options.schedule} (V-shaped) is not tested with it yet; use 1f1b, gpipe, "
-               "interleaved-1f1b or interleaved-zb": options.schedule in V_SHAPED,
                "precision fp16 is not tested with it yet; use bf16 or fp32": recipe.precision == "fp16",
                "local SGD (strategy.sync_every) averages two copies of a tied weight, not the head's copies on "
                "several stages; remove one": local_sgd_of(recipe).on}
