@@ -163,7 +163,7 @@ def test_the_head_split_is_within_a_row_of_the_best_of_every_split(seed):
         assert [s for s, r in enumerate(rows) if r is not None] == list(range(last, num_parts))
         assert held[0][0] == 0 and held[-1][1] == vocab and all(a[1] == b[0] for a, b in zip(held, held[1:]))
         assert all(r[1] > r[0] for r in held)
-        loads = stage_costs(costs, head, parts, rows, vocab=vocab)
+        loads = stage_costs(costs, head, parts, rows)
     assert max(loads) <= brute_force_head(costs, head=head, num_parts=num_parts, vocab=vocab) + \
         num_parts * head / vocab + 1e-9
 
@@ -182,7 +182,7 @@ def test_the_tied_llamas_head_is_split_over_both_stages():
     assert rows == [(0, cut), (cut, 30522)]
     # sum(costs) + head × cut / vocab == head × (vocab − cut) / vocab, to a row
     assert abs(sum(costs) + head * cut / 30522 - head * (30522 - cut) / 30522) <= head / 30522
-    loads = stage_costs(costs, head, parts, rows, vocab=30522)
+    loads = stage_costs(costs, head, parts, rows)
     assert max(loads) < max(stage_flops(costs, head, stage_of_blocks(*tied_llama(), grid)[0], 2))
 
 

@@ -4,7 +4,7 @@ data shard a rank reads (its replica's) and the memory rules `toolkit plan` pred
 from __future__ import annotations
 
 import math
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -160,8 +160,7 @@ def stage_lines(model: nn.Module, recipe: Recipe, *, world_size: int) -> list[st
                               loss_parallel=grid.loss_parallel)
     batch = plan_batch(recipe.batch, world_size=grid.dp)
     tokens = batch.micro_batch_size * batch.grad_accum_steps * recipe.data.max_length
-    vocab = getattr(cast(Any, model).get_output_embeddings(), "out_features", 1) if any(rows) else 1
-    flops = stage_costs(costs, head, parts, rows, vocab=vocab)
+    flops = stage_costs(costs, head, parts, rows)
     total = sum(flops) or 1.0
     how = "strategy.split" if recipe.strategy.split is not None else "split by FLOPs"
     how += ", the head's rows too" if any(rows) else ""

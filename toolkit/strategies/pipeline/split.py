@@ -45,27 +45,42 @@ def cost_balanced_starts(costs: list[float], *, last_extra: float, num_parts: in
     """Block index where each later part starts: the split whose costliest part (the last one carrying
     `last_extra`) costs least, then whose fullest part holds the fewest blocks. Exact (dynamic programming over
     where the parts end), not greedy."""
+    _, _, starts = _best_splits(costs, num_parts=num_parts, last_extra=last_extra)
+    return _later_starts(starts, parts=num_parts, end=len(costs))
+
+
+Table = list[list[tuple[float, int]]]
+
+
+def _best_splits(costs: list[float], *, num_parts: int, last_extra: float = 0.0) -> tuple[list[float], Table,
+                                                                                           list[list[int]]]:
+    """The blocks' prefix sums and, by dynamic programming over where the parts end: best[j][i], the least
+    (costliest part, most blocks in a part) of the first i blocks cut into j runs (the j-th carrying `last_extra`
+    where j is num_parts), and starts[j][i], where the j-th run starts in that split."""
     n = len(costs)
     prefix = [0.0]
     for cost in costs:
         prefix.append(prefix[-1] + cost)
-    # best[j][i]: (costliest part, most blocks in a part) of i blocks cut into j parts; starts[j][i]: where the
-    # j-th part starts in that split
     worst = (float("inf"), n + 1)
     best = [[worst] * (n + 1) for _ in range(num_parts + 1)]
     starts = [[0] * (n + 1) for _ in range(num_parts + 1)]
     best[0][0] = (0.0, 0)
     for j in range(1, num_parts + 1):
-        for i in range(j, n - (num_parts - j) + 1):
-            extra = last_extra if j == num_parts else 0.0
+        extra = last_extra if j == num_parts else 0.0
+        for i in range(j, n + 1):
             for t in range(j - 1, i):
                 before = best[j - 1][t]
                 part = (prefix[i] - prefix[t] + extra, i - t)
                 key = (max(before[0], part[0]), max(before[1], part[1]))
                 if key < best[j][i]:
                     best[j][i], starts[j][i] = key, t
-    out, end = [], n
-    for j in range(num_parts, 1, -1):
+    return prefix, best, starts
+
+
+def _later_starts(starts: list[list[int]], *, parts: int, end: int) -> list[int]:
+    """Where runs 2..`parts` start in the best split of the first `end` blocks into `parts` runs."""
+    out = []
+    for j in range(parts, 1, -1):
         end = starts[j][end]
         out.append(end)
     return sorted(out)
@@ -91,21 +106,8 @@ def head_split(costs: list[float], *, head: float, num_parts: int, vocab: int) -
     at least one each, the later ones nothing else. Where the costliest stage is least with the whole head on the
     last stage, no stage splits it (every entry None: the default split)."""
     n = len(costs)
-    prefix = [0.0]
-    for cost in costs:
-        prefix.append(prefix[-1] + cost)
-    worst = (float("inf"), n + 1)
-    # best[j][i]: (costliest part, most blocks in a part) of the first i blocks cut into j parts
-    best = [[worst] * (n + 1) for _ in range(num_parts + 1)]
-    starts = [[0] * (n + 1) for _ in range(num_parts + 1)]
-    best[0][0] = (0.0, 0)
-    for j in range(1, num_parts + 1):
-        for i in range(j, n + 1):
-            for t in range(j - 1, i):
-                part = (prefix[i] - prefix[t], i - t)
-                key = (max(best[j - 1][t][0], part[0]), max(best[j - 1][t][1], part[1]))
-                if key < best[j][i]:
-                    best[j][i], starts[j][i] = key, t
+    # the stages before the last block's: the best splits of the blocks before it (no head on any of them)
+    prefix, best, starts = _best_splits(costs, num_parts=num_parts - 1)
     choice: tuple[tuple[float, int], int, int, float] | None = None  # (key, last block's stage k, its start, level)
     for k in range(min(num_parts, n)):
         rows_only = num_parts - 1 - k
@@ -121,12 +123,8 @@ def head_split(costs: list[float], *, head: float, num_parts: int, vocab: int) -
     if choice is None:
         raise ValueError(f"{num_parts} stages for {n} blocks and {vocab} rows of the head")
     _, k, t, level = choice
-    parts = [k] * n
-    end = t
-    for j in range(k, 0, -1):
-        begin = starts[j][end]
-        parts[begin:end] = [j - 1] * (end - begin)
-        end = begin
+    cuts = [*_later_starts(starts, parts=k, end=t), t] if k else []  # where stages 1..k start
+    parts = [sum(1 for cut in cuts if index >= cut) for index in range(n)]
     rows: list[Rows | None] = [None] * num_parts
     if k == num_parts - 1:
         return parts, rows
@@ -147,14 +145,14 @@ def head_split(costs: list[float], *, head: float, num_parts: int, vocab: int) -
     return parts, rows
 
 
-def stage_costs(costs: list[float], head: float, parts: list[int], rows: list[Rows | None], *,
-                vocab: int) -> list[float]:
+def stage_costs(costs: list[float], head: float, parts: list[int], rows: list[Rows | None]) -> list[float]:
     """Per token, each stage's forward + backward FLOPs: its blocks, and the head (the last stage's, or under
-    strategy.split_head each stage's rows of it)."""
+    strategy.split_head each stage's rows of it: the last stage's rows end at the vocabulary's size)."""
     out = stage_flops(costs, 0.0, parts, len(rows))
     if all(r is None for r in rows):
         out[-1] += head
         return out
+    vocab = max(r[1] for r in rows if r is not None)
     for stage, bounds in enumerate(rows):
         if bounds is not None:
             out[stage] += head * (bounds[1] - bounds[0]) / vocab

@@ -98,7 +98,7 @@ class PipelineStrategy:
         costs, head = block_costs(model, layer_stack(model, options.blocks), args.recipe, tp=self.grid.tp,
                                   loss_parallel=self.grid.loss_parallel)
         # per token: the predicted idle's weights
-        self.stage_flops = stage_costs(costs, head, parts, self.head_rows, vocab=_vocab(model))
+        self.stage_flops = stage_costs(costs, head, parts, self.head_rows)
         self.stage_ids = self.grid.stage_ids(self.pp_rank, options.stages_per_rank)
         self.tied = tied_embedding_names(model)
         with torch.device("meta"):  # config, class and tied names for the export, without memory
@@ -653,11 +653,6 @@ def _spans(tensor: torch.Tensor, dim: str) -> bool:
         return False
     names = tensor.device_mesh.mesh_dim_names or ()
     return dim in names and isinstance(tensor.placements[names.index(dim)], (Shard, _StridedShard))
-
-
-def _vocab(model: nn.Module) -> int:
-    head = cast(Any, model).get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return int(getattr(head, "out_features", 0) or 1)
 
 
 def build(recipe: Recipe) -> PipelineStrategy:
