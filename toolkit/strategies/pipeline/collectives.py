@@ -45,7 +45,7 @@ from toolkit.strategies.dims.parallelize import DdpWrap
 from toolkit.strategies.pipeline.batches import padded_length
 from toolkit.strategies.dims.levers import compression_of, local_sgd_of
 from toolkit.strategies.dims.local_sgd import local_sgd_collectives
-from toolkit.strategies.pipeline.layout import grid_of, head_rows_of, rank_stages
+from toolkit.strategies.pipeline.layout import grid_of, head_rows_of, rank_stages, shared_weight_stages
 
 
 def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
@@ -83,8 +83,7 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, rank: int,
     # the ranks holding a copy of a weight shared between stages: a tied embedding's first and last stage (under
     # split_head: the first and those with rows of the head), an untied head's stages with rows of it; a rank
     # adds its own copies up, then all-reduces them once
-    with_rows = [s for s, r in enumerate(rows) if r is not None] or [len(rows) - 1]
-    holders = sorted({0, *with_rows}) if tied else with_rows if any(rows) else []
+    holders = shared_weight_stages(rows, tied=tied)
     holding = sorted({owner[s] for s in holders})
     copies = [stage for s, stage in zip(mine, stages) if s in holders][:1] if len(holding) > 1 else []
     for stage in copies:

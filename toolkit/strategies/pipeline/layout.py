@@ -168,6 +168,16 @@ def head_rows_of(model: nn.Module, recipe: Recipe, grid: Grid) -> list[Rows | No
     return _head_split(model, recipe, num_stages)[1] if recipe.strategy.split_head else [None] * num_stages
 
 
+def shared_weight_stages(rows: list[Rows | None], *, tied: bool) -> list[int]:
+    """The stages holding a copy of a weight shared between stages: a tied embedding's first and last stage (under
+    split_head the first and each stage with rows of the head), or under split_head an untied head's stages with
+    rows of it; none for an untied model without split_head."""
+    with_rows = [s for s, r in enumerate(rows) if r is not None]
+    if tied:
+        return sorted({0, *(with_rows or [len(rows) - 1])})
+    return with_rows
+
+
 def _head_split(model: nn.Module, recipe: Recipe, num_stages: int) -> tuple[list[int], list[Rows | None]]:
     costs, head = block_costs(model, layer_stack(model, recipe.strategy.blocks), recipe, tp=1, loss_parallel=False)
     vocab = cast(nn.Linear, model.get_submodule(head_path(model, layout_of(model, recipe.strategy.blocks))))

@@ -53,8 +53,8 @@ from toolkit.strategies.dims.parallelize import DdpWrap, FsdpWrap, parallelize
 from toolkit.strategies.pipeline.batches import KEPT_SHAPES, filler, padded_length, stacked
 from toolkit.strategies.dims.local_sgd import LocalSgd
 from toolkit.strategies.dims.levers import compression_of, local_sgd_of
-from toolkit.strategies.pipeline.layout import (Grid, count_busy_time, grid_of, head_rows_of, stage_of_blocks,
-                                                uncount_shape_inference)
+from toolkit.strategies.pipeline.layout import (Grid, count_busy_time, grid_of, head_rows_of, shared_weight_stages,
+                                                stage_of_blocks, uncount_shape_inference)
 from toolkit.strategies.pipeline.schedules import SCHEDULES, V_SHAPED, forward_only, simulated_bubbles
 from toolkit.strategies.pipeline.split import block_costs, stage_costs
 from toolkit.strategies.pipeline.rules import INFO, OPTIONS, RULES, PipelineOptions  # noqa: F401 (the registry reads OPTIONS, RULES here)
@@ -101,6 +101,7 @@ class PipelineStrategy:
         self.stage_flops = stage_costs(costs, head, parts, self.head_rows)
         self.stage_ids = self.grid.stage_ids(self.pp_rank, options.stages_per_rank)
         self.tied = tied_embedding_names(model)
+        self.holders = shared_weight_stages(self.head_rows, tied=self.tied is not None)  # copies of a shared weight
         with torch.device("meta"):  # config, class and tied names for the export, without memory
             self.skeleton = type(model)(model.config)
         self.amp = Amp(args.recipe.precision, env.device, scaler_class=self._scaler)
@@ -199,22 +200,13 @@ class PipelineStrategy:
                 self.hooks.append(hook)
         return module
 
-    def _holders(self) -> list[int]:
-        """The stages holding a copy of a weight shared between stages: a tied embedding's first and last stage
-        (under split_head the first and each stage with rows of the head), or under split_head an untied head's
-        stages with rows of it."""
-        rows = [s for s, r in enumerate(self.head_rows) if r is not None] or [self.num_stages - 1]
-        if self.tied is not None:
-            return sorted({0, *rows})
-        return rows if self.split_head else []
-
     def _tied_group(self):
         """Per replica, the group of the ranks holding a copy of the shared weight (every rank creates every group:
         new_group is collective). None where one rank holds them all (V-shaped schedules: the first and the last
         stage)."""
-        stages_per_rank = len(self.stage_ids)
-        pp_ranks = sorted({p for p in range(self.grid.pp) for s in self.grid.stage_ids(p, stages_per_rank)
-                           if s in self._holders()})
+        holders = set(self.holders)
+        pp_ranks = sorted({p for p in range(self.grid.pp) for s in self.grid.stage_ids(p, len(self.stage_ids))
+                           if s in holders})
         if len(pp_ranks) < 2:
             return None
         mine = None
@@ -407,7 +399,7 @@ class PipelineStrategy:
     def _sync_tied(self) -> list[torch.Tensor]:
         """Sum the gradients of a shared weight's copies (this rank's, then over the tied group), each copy then
         holding the sum; the copies to leave out of the norm: all but the first holding stage's."""
-        holders = self._holders()
+        holders = self.holders
         if not holders:
             return []
         mine = [(stage_id, s.tied_weight()) for stage_id, s in zip(self.stage_ids, self.stage_modules)]
