@@ -460,13 +460,69 @@ def _tied_lookup(stage: Stage, start: int, end: int, module: nn.Module, args: tu
     the module's place until it returns) and for the head's rows."""
     weight = module._parameters["weight"]
     assert weight is not None
-    whole, stage._tied_rows = _TiedRows.apply(weight, start, end)
+    if plain_lookup(module) and args and isinstance(args[0], torch.Tensor):
+        # the lookup too in one autograd node that writes its gradient into a kept buffer: torch's embedding
+        # backward makes a zeroed dense tensor of the whole weight per micro-batch (measured with
+        # train.profile_steps: a sixth of llama-tiny's first stage, split_head's rows included, in fills)
+        looked, stage._tied_rows = _TiedLookup.apply(weight, args[0], start, end, module.padding_idx,
+                                                     stage._row_gradients)
+        module.__dict__["_looked"] = looked
+        lookup = weight.detach()  # the module's own lookup, not differentiated: its output is replaced
+    else:
+        lookup, stage._tied_rows = _TiedRows.apply(weight, start, end)
     module.__dict__["_stashed_weight"] = weight  # not a parameter: the module's own stays registered as it was
-    module._parameters["weight"] = whole  # type: ignore[assignment]
+    module._parameters["weight"] = lookup  # type: ignore[assignment]
 
 
-def _tied_lookup_done(module: nn.Module, args: tuple, output: Any) -> None:
+def _tied_lookup_done(module: nn.Module, args: tuple, output: Any) -> torch.Tensor | None:
     module._parameters["weight"] = module.__dict__.pop("_stashed_weight")
+    return module.__dict__.pop("_looked", None)  # None: the module's output as it is
+
+
+def plain_lookup(module: nn.Module) -> bool:
+    """An nn.Embedding whose forward is torch's own, without max_norm, frequency scaling or sparse gradients:
+    its output is F.embedding(ids, weight), which _TiedLookup computes. A subclass's forward (a scaled
+    embedding) keeps the module's lookup (_TiedRows)."""
+    return isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward and \
+        module.max_norm is None and not module.scale_grad_by_freq and not module.sparse
+
+
+class _TiedLookup(torch.autograd.Function):
+    """A tied weight's embedding lookup and rows of the head on one stage, one autograd node whose backward
+    writes the whole weight's gradient into a buffer kept across micro-batches (_kept_buffer): the rows'
+    gradient, and the lookup's added at its tokens' rows (the padding index's left out, as torch's)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, ids: torch.Tensor, start: int, end: int, padding: int | None,
+                buffers: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(ids)
+        ctx.start, ctx.end, ctx.padding, ctx.buffers, ctx.shape, ctx.weight = start, end, padding, buffers, \
+            weight.shape, weight
+        return torch.nn.functional.embedding(ids, weight), weight[start:end]
+
+    @staticmethod
+    def backward(ctx: Any, looked: torch.Tensor | None, rows: torch.Tensor | None) -> tuple[torch.Tensor | None,
+                                                                                           None, None, None, None,
+                                                                                           None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None, None
+        (ids,) = ctx.saved_tensors
+        like = looked if looked is not None else cast(torch.Tensor, rows)
+        whole = _kept_buffer(ctx, like)
+        if rows is not None:
+            whole[ctx.start:ctx.end].copy_(rows)
+        else:
+            whole[ctx.start:ctx.end].zero_()
+        touched = None
+        if looked is not None:
+            touched = ids.reshape(-1)
+            grad = looked.reshape(touched.numel(), -1)
+            if ctx.padding is not None:
+                kept = touched != ctx.padding
+                touched, grad = touched[kept], grad[kept]
+            whole.index_add_(0, touched, grad.to(whole.dtype))
+        _keep(ctx, whole, touched)
+        return whole, None, None, None, None, None
 
 
 class _TiedRows(torch.autograd.Function):
@@ -507,16 +563,30 @@ class _Rows(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
-        key = (grad.dtype, grad.device, tuple(ctx.shape))
-        whole, version = ctx.buffers.get(key, (None, -1))
-        held = ctx.weight.grad
-        # a buffer taken as the weight's gradient itself (torch's split backward assigns what it is handed) or
-        # changed since (accumulated into, zeroed) is no longer this function's: a new one
-        if whole is None or whole._version != version or held is not None and held.data_ptr() == whole.data_ptr():
-            whole = grad.new_zeros(ctx.shape)
+        whole = _kept_buffer(ctx, grad)
         whole[ctx.start:ctx.end].copy_(grad)
-        ctx.buffers[key] = (whole, whole._version)
+        _keep(ctx, whole)
         return whole, None, None, None
+
+
+def _kept_buffer(ctx: Any, like: torch.Tensor) -> torch.Tensor:
+    """The whole weight's gradient buffer a rows backward (_Rows, _TiedLookup) writes, kept across micro-batches:
+    zero but where its last use wrote (the rows, and a lookup's token rows, zeroed here). A buffer taken as the
+    weight's gradient itself (torch's split backward assigns what it is handed) or changed since (accumulated
+    into, zeroed) is no longer this function's: a new one."""
+    key = (like.dtype, like.device, tuple(ctx.shape))
+    whole, version, touched = ctx.buffers.get(key, (None, -1, None))
+    held = ctx.weight.grad
+    if whole is None or whole._version != version or held is not None and held.data_ptr() == whole.data_ptr():
+        return like.new_zeros(ctx.shape)
+    if touched is not None:
+        whole.index_fill_(0, touched, 0)
+    return whole
+
+
+def _keep(ctx: Any, whole: torch.Tensor, touched: torch.Tensor | None = None) -> None:
+    """Keep the buffer for the next micro-batch, with the token rows written beyond the rows (to zero then)."""
+    ctx.buffers[(whole.dtype, whole.device, tuple(ctx.shape))] = (whole, whole._version, touched)
 
 
 def head_path(model: nn.Module, layout: Layout) -> str:

@@ -28,7 +28,7 @@ from toolkit.memory.activations import Traced, traced_stage
 from toolkit.memory.state_bytes import (StateBytes, adam_state, dim0_held, dim0_shard, dim0_shard_of, element_bytes,
                                         of_shapes, whole)
 from toolkit.model import tp_plan
-from toolkit.model.stages import tied_embedding_names
+from toolkit.model.stages import plain_lookup, tied_embedding_names
 from toolkit.model.precision import DTYPES
 from toolkit.strategies.dims.compression import powersgd_state_bytes
 from toolkit.strategies.dims.levers import compression_of, local_sgd_of
@@ -97,8 +97,9 @@ def activation_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: i
     # the final norm's output, and one before the last sends them (their gradients come back)
     stats = 2 * recipe.batch.micro_batch_size * kept * 4
     # split_head: a stage with rows keeps a gradient buffer of the whole head from its first backward to the step's
-    # end (stages._Rows), but the tied first stage (stages._TiedRows)
-    tied = tied_embedding_names(model) is not None
+    # end (stages._Rows, and the tied first stage's stages._TiedLookup), but a tied first stage whose embedding's
+    # own forward runs (stages._TiedRows)
+    tied = tied_embedding_names(model) is not None and not plain_lookup(cast(Any, model).get_input_embeddings())
     head = cast(Any, model).get_output_embeddings() if any(rows) else None
     head_buffer = head.weight.numel() * element_bytes(how["params_dtype"]) if head is not None else 0
 
