@@ -7,10 +7,12 @@ schedule's theory, and what the split gives each stage.
 One real `toolkit compare` of recipes/llama-tiny.yaml (or the same recipe with the 302M Llama of memory_scaling.py
 built from its config) on 2 ranks with 8 micro-batches a step (micro 4 × 8 = the recipe's global batch 32), as a
 user runs it, in a subprocess; the table is read from its results.json. tokens/s: the median of the timed steps.
-idle: 1 − (time a rank spent in its stages' forward and backward chunks) ÷ (the schedule's wall time), the median
-over steady steps (steps that built a padded length's stages left out); theory: the schedule's own order simulated
+idle: 1 − (time a rank spent in its stages' forward and backward chunks and the loss, and posting its sends and
+receives) ÷ (the schedule's wall time): the time it waited on other stages, the median over steady steps (steps
+that built a padded length's stages left out); theory: the schedule's own order simulated
 (toolkit/strategies/pipeline/schedules.py), equal stages; this split's: the same order with each stage's actions as
-long as its FLOPs (toolkit/strategies/pipeline/split.py), the idle the split itself leaves.
+long as its FLOPs (toolkit/strategies/pipeline/split.py), the idle the split itself leaves; p2p: the fraction of
+the step spent posting sends and receives (on gloo the rank's own thread copies into the sockets).
 
 `--from-files` saves the model (seeded from its config) with save_pretrained first and trains it from that folder
 (`model.path`), where each pipeline rank builds and reads only its own stages; a second table gives each rank's
@@ -94,16 +96,18 @@ def speed_table(results: dict) -> None:
     single = next((r for r in results["arms"] if r["arm"] == "single" and r["status"] == "completed"), None)
     for r in results["arms"]:
         if r["status"] != "completed":
-            rows.append([r["arm"], "failed", "", "", "", "", (r.get("error") or "")[:100]])
+            rows.append([r["arm"], "failed", "", "", "", "", "", (r.get("error") or "")[:100]])
             continue
         speed = r["tokens_per_s"]
         versus = f"{speed / single['tokens_per_s']:.2f}x" if single else ""
         p = r.get("pipeline") or {}
         idle = ", ".join(f"{x:.2f}" if x is not None else "n/a" for x in p.get("bubble_measured_per_rank", []))
+        p2p = ", ".join(f"{x:.2f}" if x is not None else "n/a" for x in p.get("p2p_measured_per_rank") or [])
         theory = ", ".join(f"{x:.2f}" for x in p.get("bubble_theory_per_rank", []) if x is not None)
         split = ", ".join(f"{x:.2f}" for x in p.get("bubble_predicted_per_rank", []) if x is not None)
-        rows.append([r["arm"], f"{speed:,.0f}", versus, idle, theory, split, r["verdict"]])
-    print_table(["arm", "tokens/s", "vs single", "idle per rank", "theory per rank", "this split's", "verdict"], rows)
+        rows.append([r["arm"], f"{speed:,.0f}", versus, idle, theory, split, p2p, r["verdict"]])
+    print_table(["arm", "tokens/s", "vs single", "idle per rank", "theory per rank", "this split's", "p2p per rank",
+                 "verdict"], rows)
 
 
 if __name__ == "__main__":

@@ -377,6 +377,8 @@ def test_layout_and_bubble_are_reported(llama4_runs):
     # (p-1)/(v·m+p-1) with p = 2 ranks, v = 2 stages per rank, m = 4 micro-batches
     assert all(r["bubble_theory"] == pytest.approx(1 / 9) for r in per_rank)
     assert all(0.0 <= r["bubble_measured"] < 1.0 for r in per_rank)
+    # posting sends and receives is time a rank spends (gloo copies in its thread): counted apart from the idle
+    assert all(0.0 < r["p2p_measured"] < 1.0 - r["bubble_measured"] for r in per_rank)
     # V-shaped: rank 0 runs the first and the last stage; its theory is the simulated order's (below 1/9)
     zbv = json.loads((llama4_runs.get("pp-zbv", nproc=2, overrides=ARMS["pp-zbv"][1]) / "run.json").read_text())
     assert "rank 0: stage 0: blocks 0; stage 3: blocks 3; rank 1: stage 1: blocks 1; stage 2: blocks 2" in \

@@ -138,7 +138,7 @@ def _envelope(calibration: dict, *precisions: str) -> list[float] | None:
 
 
 def _pipeline(run: dict) -> dict | None:
-    """A pipeline arm's stage numbers: per rank its stages, measured idle fraction and peak memory; the
+    """A pipeline arm's stage numbers: per rank its stages, measured idle and p2p fractions and peak memory; the
     schedule's theoretical bubble; bytes all ranks sent to each other in one step."""
     ranks = run.get("strategy_measurements") or []
     if not any(r and "bubble_measured" in r for r in ranks):
@@ -148,6 +148,8 @@ def _pipeline(run: dict) -> dict | None:
     return {"stages_per_rank": [r.get("stages") for r in ranks],
             "bubble_measured_per_rank": [r.get("bubble_measured") for r in ranks],
             "bubble_measured": sum(measured) / len(measured) if measured else None,
+            # the fraction of the step each rank spent posting its sends and receives (communication, not idle)
+            "p2p_measured_per_rank": [r.get("p2p_measured") for r in ranks],
             # the schedule's theory per rank (a zero-bubble order leaves ranks unequal idle), and their mean
             "bubble_theory_per_rank": [r.get("bubble_theory") for r in ranks],
             # the same with each stage as long as its FLOPs: the idle this split leaves, predicted

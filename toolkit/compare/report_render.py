@@ -240,13 +240,15 @@ def _pipeline_lines(results: dict) -> list[str]:
         count = len(p["stages_per_rank"])
         theory = p.get("bubble_theory_per_rank") or [None] * count
         split = p.get("bubble_predicted_per_rank") or [None] * count
+        p2p = p.get("p2p_measured_per_rank") or [None] * count
         ranks = "; ".join(
             f"rank {i} stage{'s' if len(stages or []) > 1 else ''} {', '.join(map(str, stages or []))}: idle "
             + (f"{idle:.2f}" if idle is not None else "n/a") + (f" (theory {ideal:.2f}" if ideal is not None else "")
             + (f", this split {ahead:.2f}" if ideal is not None and ahead is not None else "")
-            + (")" if ideal is not None else "") + (f", peak {peak / 2 ** 20:.0f} MiB" if peak else "")
-            for i, (stages, idle, ideal, ahead, peak) in enumerate(
-                zip(p["stages_per_rank"], p["bubble_measured_per_rank"], theory, split,
+            + (")" if ideal is not None else "") + (f", p2p {posting:.2f}" if posting is not None else "")
+            + (f", peak {peak / 2 ** 20:.0f} MiB" if peak else "")
+            for i, (stages, idle, ideal, ahead, posting, peak) in enumerate(
+                zip(p["stages_per_rank"], p["bubble_measured_per_rank"], theory, split, p2p,
                     p["peak_mem_bytes_per_rank"] + [None] * count)))
         sent = p["p2p_send_bytes_per_step"]
         out.append(f"{r['arm']}{_unsteady(r)}: {ranks}; schedule's theoretical bubble {p['bubble_theory']:.2f}; "
@@ -256,8 +258,10 @@ def _pipeline_lines(results: dict) -> list[str]:
     return out
 
 
-PIPELINE_NOTE = ("Idle fraction = 1 − (time a rank spent in its stages' forward and backward chunks) ÷ (wall "
-                 "time of the schedule's step), median over steady steps; theory = the schedule's own order "
+PIPELINE_NOTE = ("Idle fraction = 1 − (time a rank spent in its stages' forward and backward chunks and the loss, "
+                 "and posting its sends and receives) ÷ (wall time of the schedule's step), median over steady steps: "
+                 "the time it waited on other stages; p2p = the fraction spent posting sends and receives (on gloo "
+                 "the rank's own thread copies into the sockets there); theory = the schedule's own order "
                  "simulated with a forward, an input gradient and a weight gradient one unit each: (p−1)/(v·m+p−1) "
                  "for p stages, m micro-batches, v stages per rank under gpipe, 1f1b and interleaved-1f1b, less under "
                  "the zero-bubble schedules; this split = the same with each stage's actions as long as its FLOPs "

@@ -1,12 +1,13 @@
 """A pipeline's layout, before training starts: the recipe's checks, the (pp × dp) rank grid, which stage
-each block goes to, and the idle bubble its schedule leaves (in theory; measured by count_busy_time). Shared by the strategy's setup and
-its memory plan (toolkit/strategies/pipeline/memory.py)."""
+each block goes to, and the idle bubble its schedule leaves (in theory; measured by count_busy_time and
+count_p2p_time). Shared by the strategy's setup and its memory plan (toolkit/strategies/pipeline/memory.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Iterator, cast
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -209,6 +210,29 @@ def count_busy_time(stage: PipelineStage, owner: Any) -> None:
                 owner.busy_s += time.perf_counter() - start
 
         setattr(stage, name, timed)
+
+
+@contextlib.contextmanager
+def count_p2p_time(owner: Any) -> Iterator[None]:
+    """Within it, add the time the schedule's sends and receives take to post (torch's schedules._batch_p2p, each
+    schedule's one way to start them) to `owner.p2p_s`: on gloo the calling thread copies into the sockets there,
+    communication the rank does, not a wait for another stage (the time it waits on them stays idle)."""
+    from torch.distributed.pipelining import schedules
+
+    inner = schedules._batch_p2p
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            owner.p2p_s += time.perf_counter() - start
+
+    schedules._batch_p2p = timed
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = inner
 
 
 # torch's stage metadata inference (torch 2.13): at a stage's first step, its module runs once forward and once

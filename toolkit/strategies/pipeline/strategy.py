@@ -53,8 +53,8 @@ from toolkit.strategies.dims.parallelize import DdpWrap, FsdpWrap, parallelize
 from toolkit.strategies.pipeline.batches import KEPT_SHAPES, filler, padded_length, stacked
 from toolkit.strategies.dims.local_sgd import LocalSgd
 from toolkit.strategies.dims.levers import compression_of, local_sgd_of
-from toolkit.strategies.pipeline.layout import (Grid, count_busy_time, grid_of, head_rows_of, shared_weight_stages,
-                                                stage_of_blocks, uncount_shape_inference)
+from toolkit.strategies.pipeline.layout import (Grid, count_busy_time, count_p2p_time, grid_of, head_rows_of,
+                                                shared_weight_stages, stage_of_blocks, uncount_shape_inference)
 from toolkit.strategies.pipeline.schedules import SCHEDULES, V_SHAPED, forward_only, simulated_bubbles
 from toolkit.strategies.pipeline.split import block_costs, stage_costs
 from toolkit.strategies.pipeline.rules import INFO, OPTIONS, RULES, PipelineOptions  # noqa: F401 (the registry reads OPTIONS, RULES here)
@@ -139,7 +139,7 @@ class PipelineStrategy:
             wrapped.append(self._replicate(stage, args.recipe))
         self._model = nn.ModuleList(wrapped)
         compression.warn_if_never(self.compression, total_steps=args.total_steps, is_main=env.is_main)
-        self.busy_s = 0.0
+        self.busy_s = self.p2p_s = 0.0  # a step's time computing (stage chunks, the loss), posting sends and receives
         self.micro_batches = args.grad_accum_steps
         # one (stages, schedule) per padded length, built at its first step (batches.padded_length): torch's stages
         # size their receive buffers at their first step and keep them
@@ -156,7 +156,8 @@ class PipelineStrategy:
         self.local = LocalSgd(self._model, self.local_config, optimizer=optimizer, total_steps=args.total_steps,
                               group=self.mesh.get_group(self.dp_dim), across=self.mesh.get_group("pp")) \
             if self.local_config is not None else None
-        self.bubbles: list[float] = []
+        self.bubbles: list[float] = []  # per steady step: the idle fraction (waiting on other stages)
+        self.p2p_fractions: list[float] = []  # and the fraction spent posting sends and receives
         self._loss_sum: LossSum | None = None
         self._share: Share | None = None
         self._sums: list[torch.Tensor] = []
@@ -234,10 +235,12 @@ class PipelineStrategy:
         """The schedule's loss_fn on the last stage: the loop's loss sum, returned as its share (under split_head
         from the stages' log-sum-exp and next-token logit per token, the loop's causal-LM cross-entropy sum)."""
         assert self._loss_sum is not None
+        start = time.perf_counter()  # the schedule computes it outside the stage's forward: the stage's work too
         if isinstance(output, tuple):
             micro_sum = split_head_loss_sum(*output, target)
         else:
             micro_sum = self._loss_sum(output, {"labels": target})
+        self.busy_s += time.perf_counter() - start
         self._sums.append(micro_sum.detach().double())
         if self._share is None:  # evaluation
             return micro_sum
@@ -287,15 +290,17 @@ class PipelineStrategy:
         # micro-batch's logits for a merged output nobody reads (measured: 240 MiB on llama-tiny's last stage,
         # held through the step and until the next one)
         call = functools.partial(schedule.step, return_outputs=False) if train else schedule.eval
-        self.busy_s, start = 0.0, time.perf_counter()
+        self.busy_s, self.p2p_s, start = 0.0, 0.0, time.perf_counter()
         # loss_parallel: the last stage's logits are split over the vocabulary; the loss's backward, which the
         # schedule runs inside its step, needs torch's loss_parallel too
-        with contextlib.nullcontext() if train else forward_only(schedule), vocab_parallel(self.grid.loss_parallel):
+        with contextlib.nullcontext() if train else forward_only(schedule), vocab_parallel(self.grid.loss_parallel), \
+                count_p2p_time(self):
             call(*((ids,) if first else ()), target=labels if last else None, attention_mask=mask,
                  **({"labels": labels} if self.split_head else {}))  # every stage with rows of the head reads them
         if train and not self._fresh:
             wall = time.perf_counter() - start
-            self.bubbles.append(max(0.0, 1.0 - self.busy_s / wall) if wall > 0 else 0.0)
+            self.bubbles.append(max(0.0, 1.0 - (self.busy_s + self.p2p_s) / wall) if wall > 0 else 0.0)
+            self.p2p_fractions.append(self.p2p_s / wall if wall > 0 else 0.0)
 
     def _recorded(self, count: int) -> torch.Tensor:
         """The loss sums of the last `count` micro-batches: on its first step (and after switching between
@@ -616,6 +621,7 @@ class PipelineStrategy:
                 # evaluation alike): how often the stages' buffers were made anew
                 "padded_lengths_built": self.lengths_built,
                 "bubble_measured": statistics.median(steady) if steady else None,
+                "p2p_measured": statistics.median(self.p2p_fractions) if self.p2p_fractions else None,
                 "bubble_theory": simulated_bubbles(self.grid.schedule, pp=self.grid.pp,
                                                    stages_per_rank=len(self.stage_ids),
                                                    micro_batches=self.micro_batches)[self.pp_rank],
