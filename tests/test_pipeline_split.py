@@ -205,3 +205,29 @@ def test_a_stage_of_the_heads_rows_keeps_one_fp32_tensor_of_its_logits(tmp_path,
     half, whole = (traced_stage(meta, recipe, blocks=0, first=False, last=True, head_rows=rows, **how)
                    for rows in ((500, 1000), (0, 1000)))
     assert whole.held - half.held == 500 * 2 * 64 * 4
+
+
+def test_the_tied_lookup_and_rows_accumulate_the_gradient_torchs_autograd_gives():
+    """split_head's tied first stage (stages._TiedLookup): the lookup and rows of the head as one node writing a
+    buffer kept across micro-batches. Three micro-batches accumulated into the weight's .grad, a padding index among
+    the ids (torch leaves its row without gradient), equal to plain autograd over F.embedding and a slice; the
+    buffer's rows written by the previous micro-batch's tokens must not leak into the next."""
+    from toolkit.model.stages import _TiedLookup
+
+    torch.manual_seed(0)
+    vocab, hidden, start, end, padding = 50, 8, 10, 30, 3
+    weight = torch.randn(vocab, hidden, requires_grad=True)
+    reference = weight.detach().clone().requires_grad_(True)
+    buffers: dict = {}
+    for micro in range(3):
+        ids = torch.randint(0, vocab, (2, 5))
+        ids[0, micro] = padding
+        x = torch.randn(2, 5, hidden)
+        looked, rows = _TiedLookup.apply(weight, ids, start, end, padding, buffers)
+        loss = ((looked * x).sum(-1, keepdim=True) * (looked @ rows.T)).sum()
+        loss.backward()
+        plain_looked = torch.nn.functional.embedding(ids, reference, padding_idx=padding)
+        plain = ((plain_looked * x).sum(-1, keepdim=True) * (plain_looked @ reference[start:end].T)).sum()
+        plain.backward()
+        torch.testing.assert_close(weight.grad, reference.grad, rtol=1e-6, atol=1e-6)
+    assert len(buffers) == 1  # one buffer, reused by every micro-batch
