@@ -8,8 +8,8 @@ One real `toolkit compare` of recipes/llama-tiny.yaml (or the same recipe with t
 built from its config) on 2 ranks with 8 micro-batches a step (micro 4 × 8 = the recipe's global batch 32), as a
 user runs it, in a subprocess; the table is read from its results.json. tokens/s: the median of the timed steps.
 idle: 1 − (time a rank spent in its stages' forward and backward chunks and the loss, and posting its sends and
-receives) ÷ (the schedule's wall time): the time it waited on other stages, the median over steady steps (steps
-that built a padded length's stages left out); theory: the schedule's own order simulated
+receives) ÷ (the span of the pipeline's step, from its first rank's start to its last rank's end): the time it
+waited on other stages, the median over steady steps (steps that built a padded length's stages left out); theory: the schedule's own order simulated
 (toolkit/strategies/pipeline/schedules.py), equal stages; this split's: the same order with each stage's actions as
 long as its FLOPs (toolkit/strategies/pipeline/split.py), the idle the split itself leaves; p2p: the fraction of
 the step spent posting sends and receives (on gloo the rank's own thread copies into the sockets).

@@ -259,8 +259,9 @@ def _pipeline_lines(results: dict) -> list[str]:
 
 
 PIPELINE_NOTE = ("Idle fraction = 1 − (time a rank spent in its stages' forward and backward chunks and the loss, "
-                 "and posting its sends and receives) ÷ (wall time of the schedule's step), median over steady steps: "
-                 "the time it waited on other stages; p2p = the fraction spent posting sends and receives (on gloo "
+                 "and posting its sends and receives) ÷ (span of the pipeline's step: its first rank's start to its "
+                 "last rank's end, on one host's clock; ranks on several hosts: the rank's own schedule call), "
+                 "median over steady steps: the time it waited on other stages; p2p = the fraction spent posting sends and receives (on gloo "
                  "the rank's own thread copies into the sockets there); theory = the schedule's own order "
                  "simulated with a forward, an input gradient and a weight gradient one unit each: (p−1)/(v·m+p−1) "
                  "for p stages, m micro-batches, v stages per rank under gpipe, 1f1b and interleaved-1f1b, less under "

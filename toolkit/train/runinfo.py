@@ -22,6 +22,7 @@ from toolkit.config.recipe import BatchPlan, Recipe
 from toolkit.errors import RecipeError, first_line
 from toolkit.model.blocks import BlockForwards
 from toolkit.model.build import flops_per_token
+from toolkit.observe.idle import idle_over_span
 from toolkit.observe.metrics import (live_tensor_storages, measured_matmul_flops, peak_memory_bytes,
                                      peak_reserved_bytes, storage_key, strict_json)
 from toolkit.observe.versions import versions
@@ -255,7 +256,7 @@ def finish(info: RunRecord, *, env: DistEnv, out_dir: Path, losses: list[float],
     mine = {"peak_mem_bytes": peak_memory_bytes(env.device), "peak_reserved_bytes": peak_reserved_bytes(env.device),
             "setup_peak_bytes": info.setup_peak, "longest_micro_batch_tokens": info.longest_tokens}
     info["peak_memory"] = gather_objects(mine, env)
-    measured = gather_objects(strategy.report().measurements, env)
+    measured = idle_over_span(gather_objects(strategy.report().measurements, env))
     if any(measured):
         info["strategy_measurements"] = measured  # per rank
     info["status"] = "completed"

@@ -21,8 +21,9 @@ import copy
 import dataclasses
 import functools
 import statistics
+import socket
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, Callable, cast
 
 import torch
@@ -59,6 +60,8 @@ from toolkit.strategies.pipeline.schedules import SCHEDULES, V_SHAPED, forward_o
 from toolkit.strategies.pipeline.split import block_costs, stage_costs
 from toolkit.strategies.pipeline.rules import INFO, OPTIONS, RULES, PipelineOptions  # noqa: F401 (the registry reads OPTIONS, RULES here)
 from toolkit.strategies.optim.torch_optim import TorchOptim, live_state_tensors
+
+STEP_WINDOWS = 256  # the steady steps whose spans run.json's idle is the median of (observe/idle.py)
 
 
 class PipelineStrategy:
@@ -158,6 +161,9 @@ class PipelineStrategy:
             if self.local_config is not None else None
         self.bubbles: list[float] = []  # per steady step: the idle fraction (waiting on other stages)
         self.p2p_fractions: list[float] = []  # and the fraction spent posting sends and receives
+        # per steady step (the latest STEP_WINDOWS): (start, end, work, p2p), the host's wall clock; the idle over the
+        # span of the pipeline's step is taken from them at the run's end (observe/idle.py)
+        self.windows: deque[tuple[float, float, float, float]] = deque(maxlen=STEP_WINDOWS)
         self._loss_sum: LossSum | None = None
         self._share: Share | None = None
         self._sums: list[torch.Tensor] = []
@@ -290,7 +296,7 @@ class PipelineStrategy:
         # micro-batch's logits for a merged output nobody reads (measured: 240 MiB on llama-tiny's last stage,
         # held through the step and until the next one)
         call = functools.partial(schedule.step, return_outputs=False) if train else schedule.eval
-        self.busy_s, self.p2p_s, start = 0.0, 0.0, time.perf_counter()
+        self.busy_s, self.p2p_s, start, clock = 0.0, 0.0, time.perf_counter(), time.time()
         # loss_parallel: the last stage's logits are split over the vocabulary; the loss's backward, which the
         # schedule runs inside its step, needs torch's loss_parallel too
         with contextlib.nullcontext() if train else forward_only(schedule), vocab_parallel(self.grid.loss_parallel), \
@@ -301,6 +307,7 @@ class PipelineStrategy:
             wall = time.perf_counter() - start
             self.bubbles.append(max(0.0, 1.0 - (self.busy_s + self.p2p_s) / wall) if wall > 0 else 0.0)
             self.p2p_fractions.append(self.p2p_s / wall if wall > 0 else 0.0)
+            self.windows.append((clock, clock + wall, self.busy_s, self.p2p_s))
 
     def _recorded(self, count: int) -> torch.Tensor:
         """The loss sums of the last `count` micro-batches: on its first step (and after switching between
@@ -622,6 +629,10 @@ class PipelineStrategy:
                 "padded_lengths_built": self.lengths_built,
                 "bubble_measured": statistics.median(steady) if steady else None,
                 "p2p_measured": statistics.median(self.p2p_fractions) if self.p2p_fractions else None,
+                # the above over the rank's own schedule call; at the run's end over the span of the pipeline's step
+                # (observe/idle.py: the ranks that step together, on one host's clock)
+                "step_windows": list(self.windows), "span_group": self.grid.coords(self.env.rank)[1],
+                "host": socket.gethostname(),
                 "bubble_theory": simulated_bubbles(self.grid.schedule, pp=self.grid.pp,
                                                    stages_per_rank=len(self.stage_ids),
                                                    micro_batches=self.micro_batches)[self.pp_rank],
