@@ -33,7 +33,8 @@ from toolkit_runs import compare, print_table
 MiB = 2 ** 20
 
 RECIPE = "recipes/llama-tiny.yaml"
-ARMS = "single,pp-gpipe,pp-1f1b,pp-interleaved,pp-interleaved-zb,pp-zbv,pp-dualpipev,pp-gpipe-head,pp-1f1b-head"
+ARMS = ("single,pp-gpipe,pp-1f1b,pp-interleaved,pp-interleaved-zb,pp-zbv,pp-dualpipev,pp-gpipe-head,pp-1f1b-head,"
+        "pp-zbv@strategy.split_head=true")
 BIG = [f"model.config.{key}={value}" for key, value in MODEL.items() if key != "model_type"] + \
     ["model.config.num_hidden_layers=24"]  # the 302M Llama of memory_scaling.py
 
