@@ -231,3 +231,24 @@ def test_the_tied_lookup_and_rows_accumulate_the_gradient_torchs_autograd_gives(
         plain.backward()
         torch.testing.assert_close(weight.grad, reference.grad, rtol=1e-6, atol=1e-6)
     assert len(buffers) == 1  # one buffer, reused by every micro-batch
+
+
+def test_the_plan_traces_a_tied_first_stage_of_rows_whose_embedding_has_a_padding_index(tmp_path, monkeypatch):
+    """The plan traces _TiedLookup's backward on fake tensors: a padding index among the ids must not give it a
+    shape that hangs on the data (a filter of the padding tokens made the trace fail)."""
+    from toolkit.memory.activations import traced_stage
+    from toolkit.plan.predict import planned_model
+
+    monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
+    model = ('model.config={"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, '
+             '"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0, '
+             '"max_position_embeddings": 256, "tie_word_embeddings": true}')
+    recipe = load_recipe(Path(__file__).parents[1] / "recipes" / "llama-tiny.yaml",
+                         [model, "data.max_length=64", "data.packing=true", "batch.micro_batch_size=2",
+                          "batch.global_batch_size=null", "batch.grad_accum_steps=1", "strategy.name=pipeline",
+                          "strategy.split_head=true"])
+    meta = planned_model(recipe)
+    assert meta.get_input_embeddings().padding_idx == 0
+    traced = traced_stage(meta, recipe, blocks=2, first=True, last=False, head_rows=(0, 500),
+                          params_dtype=torch.float32, autocast_dtype=None, checkpointing=False)
+    assert traced.held > 0

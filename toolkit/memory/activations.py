@@ -45,7 +45,7 @@ from toolkit.errors import RecipeError
 from toolkit.model.blocks import enable_activation_checkpointing, layer_stack
 from toolkit.model.build import set_dropout
 
-TRACE_VERSION = 7  # raise when what a trace measures changes: cached traces of older versions are not read
+TRACE_VERSION = 8  # raise when what a trace measures changes: cached traces of older versions are not read
 
 
 @dataclasses.dataclass(frozen=True)

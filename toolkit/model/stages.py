@@ -517,9 +517,9 @@ class _TiedLookup(torch.autograd.Function):
         if looked is not None:
             touched = ids.reshape(-1)
             grad = looked.reshape(touched.numel(), -1)
-            if ctx.padding is not None:
-                kept = touched != ctx.padding
-                touched, grad = touched[kept], grad[kept]
+            if ctx.padding is not None:  # zeroed, not filtered out: shapes that do not hang on the data (the
+                # plan traces this backward on fake tensors; a GPU would sync on a filter)
+                grad = grad.masked_fill((touched == ctx.padding).unsqueeze(-1), 0)
             whole.index_add_(0, touched, grad.to(whole.dtype))
         _keep(ctx, whole, touched)
         return whole, None, None, None, None, None

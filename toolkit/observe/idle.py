@@ -6,16 +6,18 @@ theory, over the span, is (p-1)/(m+p-1) = 0.11.
 
 A rank's measurements (run.json strategy_measurements) may carry `step_windows`: per steady step, (start, end,
 work, p2p) in seconds of the host's wall clock, where work is the time it computed and p2p the time it posted
-sends and receives; `span_group` names the ranks that step together (a pipeline replica) and `host` the machine
-whose clock the times read. Where every rank of a group is on one host and has the same number of windows, each
+sends and receives; `span_group` names the ranks that step together (a pipeline replica) and `host` the clock the
+times read (the running kernel's boot id: containers on one machine share it, two machines do not). Where every rank of a group is on one host and has the same number of windows, each
 rank's `bubble_measured` and `p2p_measured` become the median over steps of 1 - (work + p2p) / span and p2p / span,
 span = the group's last end - its first start; otherwise (ranks on several hosts: clocks that do not agree) they
-stay the rank's own. The windows themselves are dropped from what is written."""
+stay the rank's own. The windows, groups and hosts themselves are dropped from what is written."""
 
 from __future__ import annotations
 
+import socket
 import statistics
 from collections import defaultdict
+from pathlib import Path
 from typing import Any, cast
 
 Window = tuple[float, float, float, float]  # start, end, work, p2p
@@ -42,5 +44,15 @@ def idle_over_span(per_rank: list[dict[str, Any] | None]) -> list[dict[str, Any]
                     measured["p2p_measured"] = statistics.median(p2p / span for _, p2p, span in steps)
     for measured in out:
         if measured:
-            measured.pop("step_windows", None)
+            for key in ("step_windows", "span_group", "host"):
+                measured.pop(key, None)
     return out
+
+
+def clock_id() -> str:
+    """Which wall clock this process reads: the running kernel's boot id (processes in containers of one machine
+    share it; two machines, even of one hostname, do not), else the hostname."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return socket.gethostname()

@@ -21,7 +21,6 @@ import copy
 import dataclasses
 import functools
 import statistics
-import socket
 import time
 from collections import OrderedDict, deque
 from typing import Any, Callable, cast
@@ -45,6 +44,7 @@ from toolkit.model.precision import Amp, StepResult, dtype_name
 from toolkit.model.blocks import layer_stack
 from toolkit.model.stages import Stage, layout_of, tied_embedding_names
 from toolkit.model.tied import tied_aliases
+from toolkit.observe.idle import clock_id
 from toolkit.process.dist import DistEnv, gather_objects, tensors_on_main, world_mesh
 from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, StrategyInfo, StrategyReport, StrategyState,
                                      first_dtype)
@@ -632,7 +632,7 @@ class PipelineStrategy:
                 # the above over the rank's own schedule call; at the run's end over the span of the pipeline's step
                 # (observe/idle.py: the ranks that step together, on one host's clock)
                 "step_windows": list(self.windows), "span_group": self.grid.coords(self.env.rank)[1],
-                "host": socket.gethostname(),
+                "host": clock_id(),
                 "bubble_theory": simulated_bubbles(self.grid.schedule, pp=self.grid.pp,
                                                    stages_per_rank=len(self.stage_ids),
                                                    micro_batches=self.micro_batches)[self.pp_rank],
