@@ -193,13 +193,7 @@ def test_a_stage_of_the_heads_rows_keeps_one_fp32_tensor_of_its_logits(tmp_path,
     from toolkit.plan.predict import planned_model
 
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
-    model = ('model.config={"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, '
-             '"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, '
-             '"max_position_embeddings": 256, "tie_word_embeddings": true}')
-    recipe = load_recipe(Path(__file__).parents[1] / "recipes" / "llama-tiny.yaml",
-                         [model, "data.max_length=64", "data.packing=true", "batch.micro_batch_size=2",
-                          "batch.global_batch_size=null", "batch.grad_accum_steps=1", "strategy.name=pipeline",
-                          "strategy.split_head=true"])
+    recipe = _split_head_recipe(layers=4)
     how = {"params_dtype": torch.float32, "autocast_dtype": None, "checkpointing": False}
     meta = planned_model(recipe)
     half, whole = (traced_stage(meta, recipe, blocks=0, first=False, last=True, head_rows=rows, **how)
@@ -240,15 +234,20 @@ def test_the_plan_traces_a_tied_first_stage_of_rows_whose_embedding_has_a_paddin
     from toolkit.plan.predict import planned_model
 
     monkeypatch.setenv("TOOLKIT_CACHE", str(tmp_path))
-    model = ('model.config={"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, '
-             '"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0, '
-             '"max_position_embeddings": 256, "tie_word_embeddings": true}')
-    recipe = load_recipe(Path(__file__).parents[1] / "recipes" / "llama-tiny.yaml",
-                         [model, "data.max_length=64", "data.packing=true", "batch.micro_batch_size=2",
-                          "batch.global_batch_size=null", "batch.grad_accum_steps=1", "strategy.name=pipeline",
-                          "strategy.split_head=true"])
+    recipe = _split_head_recipe(layers=2, extra='"pad_token_id": 0, ')
     meta = planned_model(recipe)
     assert meta.get_input_embeddings().padding_idx == 0
     traced = traced_stage(meta, recipe, blocks=2, first=True, last=False, head_rows=(0, 500),
                           params_dtype=torch.float32, autocast_dtype=None, checkpointing=False)
     assert traced.held > 0
+
+
+def _split_head_recipe(*, layers: int, extra: str = ""):
+    """llama-tiny's recipe with a tied Llama of 1,000 tokens' vocabulary, packed 64-token blocks, split_head."""
+    model = ('model.config={"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, '
+             f'"num_hidden_layers": {layers}, "num_attention_heads": 4, "num_key_value_heads": 2, {extra}'
+             '"max_position_embeddings": 256, "tie_word_embeddings": true}')
+    return load_recipe(Path(__file__).parents[1] / "recipes" / "llama-tiny.yaml",
+                       [model, "data.max_length=64", "data.packing=true", "batch.micro_batch_size=2",
+                        "batch.global_batch_size=null", "batch.grad_accum_steps=1", "strategy.name=pipeline",
+                        "strategy.split_head=true"])
