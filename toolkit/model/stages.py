@@ -501,26 +501,20 @@ class _TiedLookup(torch.autograd.Function):
         return torch.nn.functional.embedding(ids, weight), weight[start:end]
 
     @staticmethod
-    def backward(ctx: Any, looked: torch.Tensor | None, rows: torch.Tensor | None) -> tuple[torch.Tensor | None,
-                                                                                           None, None, None, None,
-                                                                                           None]:
+    def backward(ctx: Any, looked: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None,
+                                                                             None, None]:
+        # both gradients are tensors: autograd hands zeros for an output that reached no loss
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None, None
         (ids,) = ctx.saved_tensors
-        like = looked if looked is not None else cast(torch.Tensor, rows)
-        whole = _kept_buffer(ctx, like)
-        if rows is not None:
-            whole[ctx.start:ctx.end].copy_(rows)
-        else:
-            whole[ctx.start:ctx.end].zero_()
-        touched = None
-        if looked is not None:
-            touched = ids.reshape(-1)
-            grad = looked.reshape(touched.numel(), -1)
-            if ctx.padding is not None:  # zeroed, not filtered out: shapes that do not hang on the data (the
-                # plan traces this backward on fake tensors; a GPU would sync on a filter)
-                grad = grad.masked_fill((touched == ctx.padding).unsqueeze(-1), 0)
-            whole.index_add_(0, touched, grad.to(whole.dtype))
+        whole = _kept_buffer(ctx, looked)
+        whole[ctx.start:ctx.end].copy_(rows)
+        touched = ids.reshape(-1)
+        grad = looked.reshape(touched.numel(), -1)
+        if ctx.padding is not None:  # zeroed, not filtered out: shapes that do not hang on the data (the plan
+            # traces this backward on fake tensors; a GPU would sync on a filter)
+            grad = grad.masked_fill((touched == ctx.padding).unsqueeze(-1), 0)
+        whole.index_add_(0, touched, grad.to(whole.dtype))
         _keep(ctx, whole, touched)
         return whole, None, None, None, None, None
 

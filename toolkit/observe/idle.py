@@ -7,8 +7,9 @@ theory, over the span, is (p-1)/(m+p-1) = 0.11.
 A rank's measurements (run.json strategy_measurements) may carry `step_windows`: per steady step, (start, end,
 work, p2p) in seconds of the host's wall clock, where work is the time it computed and p2p the time it posted
 sends and receives; `span_group` names the ranks that step together (a pipeline replica) and `host` the clock the
-times read (the running kernel's boot id: containers on one machine share it, two machines do not). Where every rank of a group is on one host and has the same number of windows, each
-rank's `bubble_measured` and `p2p_measured` become the median over steps of 1 - (work + p2p) / span and p2p / span,
+times read (the running kernel's boot id: containers on one machine share it, two machines do not). Where every
+rank of a group is on one host and has the same number of windows, each rank's `bubble_measured` and
+`p2p_measured` become the median over steps of 1 - (work + p2p) / span and p2p / span,
 span = the group's last end - its first start; otherwise (ranks on several hosts: clocks that do not agree) they
 stay the rank's own. The windows, groups and hosts themselves are dropped from what is written."""
 
