@@ -30,6 +30,10 @@ ARMS = {
     # first stage holds every block and rows, the second rows alone), each token's log-sum-exp and next-token logit
     # passed on with the final norm's output; the tied embedding's gradient summed over every copy
     "pp-1f1b-head": (2, ("strategy.name=pipeline", "strategy.split_head=true", "batch.grad_accum_steps=4")),
+    # split_by time: the blocks' FLOPs weighted by their seconds per FLOP over the head's, measured at start on
+    # both ranks (fewer rows on the first stage where a block runs slower per FLOP than the head)
+    "pp-1f1b-head-time": (2, ("strategy.name=pipeline", "strategy.split_head=true", "strategy.split_by=time",
+                              "batch.grad_accum_steps=4")),
     "pp-interleaved-zb-head": (2, ("strategy.name=pipeline", "strategy.schedule=interleaved-zb",
                                    "strategy.stages_per_rank=2", "strategy.split_head=true",
                                    "batch.grad_accum_steps=4")),
@@ -479,6 +483,24 @@ BAD = {
     "tp stages of heads the degree does not divide": (
         6, ("strategy.name=pipeline", "strategy.tp_degree=3"),
         "the model's attention heads (num_attention_heads = 4) are not divisible by the tensor-parallel degree 3"),
+    # strategy.split_by time (pipeline/timing.py): a measure it knows, a ratio for it alone, positive, a split it
+    # decides, a block it times on one rank
+    "unknown split measure": (2, ("strategy.name=pipeline", "strategy.split_by=params"),
+                              "strategy.split_by: unknown value 'params'; choose flops or time"),
+    "block time ratio of a split by flops": (2, ("strategy.name=pipeline", "strategy.block_time_ratio=1.3"),
+                                             "strategy.block_time_ratio weights the blocks of a split by time: set "
+                                             "strategy.split_by=time"),
+    "block time ratio of zero": (2, ("strategy.name=pipeline", "strategy.split_by=time",
+                                     "strategy.block_time_ratio=0"), "strategy.block_time_ratio must be > 0"),
+    "split by time and by hand": (2, ("strategy.name=pipeline", "strategy.split_by=time", "strategy.split=[2]"),
+                                  "strategy.split places the blocks by hand, where split_by time places them"),
+    "split by time of tp stages": (4, ("strategy.name=pipeline", "strategy.split_by=time", "strategy.tp_degree=2"),
+                                   "strategy.split_by=time times a block on one rank, not split over "
+                                   "strategy.tp_degree ranks; pin strategy.block_time_ratio"),
+    "split by time without a pipeline": (4, ("strategy.name=hybrid", "strategy.data_parallel=ddp",
+                                             "strategy.split_by=time"),
+                                         "strategy.schedule / stages_per_rank / split_head / split_by / "
+                                         "block_time_ratio need strategy.pipeline_degree (a pipeline)"),
     "tp stages over no ranks": (4, ("strategy.name=pipeline", "strategy.tp_degree=0"),
                                 "strategy.tp_degree must be >= 1, got 0"),  # was taken as 1 without a word
     "tp stages with ddp replicas": (8, ("strategy.name=hybrid", "strategy.pipeline_degree=2",

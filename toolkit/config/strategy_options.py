@@ -101,6 +101,12 @@ class StrategyConfig:
     #   last block and the stages after it (those hold rows only), so that each stage costs about the same FLOPs
     #   where the head outweighs a stage's share (a small model with a large vocabulary); each token's log-sum-exp
     #   and next-token logit pass from stage to stage with the final norm's output (causal LMs; not with tp_degree)
+    split_by: str = "flops"  # pipeline/hybrid stages: flops (balance forward + backward FLOPs counted from the
+    #   model's shapes) | time (each rank times one block and rows of the head at the micro-batch's shape at setup;
+    #   the blocks' FLOPs are weighted by how much slower a block runs per FLOP than the head, as its norms,
+    #   softmax and activations are memory-bound: the layout line gives the ratio)
+    block_time_ratio: float | None = None  # split_by time: this ratio instead of a measured one (the same split
+    #   every run, and toolkit plan predicts it; a run's layout line gives the ratio it measured)
     stages_per_rank: int = 1  # pipeline: 2 or more for interleaved-1f1b; 1 or more for interleaved-zb; exactly
     #   2 for zbv and dualpipev
     pipeline_degree: int | None = None  # hybrid: pipeline stages; the other ranks are data-parallel replicas

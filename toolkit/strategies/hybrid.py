@@ -42,6 +42,8 @@ class HybridOptions(LeverOptions):
     stages_per_rank: int
     split: tuple[int, ...] | None
     split_head: bool  # with pipeline_degree: the head's rows of the vocabulary over the last stages too
+    split_by: str  # with pipeline_degree: flops, or time (pipeline/timing.py)
+    block_time_ratio: float | None
     blocks: tuple[str, ...] | None
     pipeline_degree: int | None
     data_parallel: str
@@ -78,9 +80,10 @@ def check_model_split_ddp(recipe: Recipe, world_size: int) -> None:
     if options.data_parallel != "ddp":
         raise RecipeError("hybrid without strategy.pipeline_degree splits the model inside each process and "
                           "replicates it with ddp; set strategy.data_parallel=ddp, or a pipeline_degree for fsdp")
-    if options.schedule != "1f1b" or options.stages_per_rank != 1 or options.split_head:
-        raise RecipeError("strategy.schedule / stages_per_rank / split_head need strategy.pipeline_degree (a "
-                          "pipeline)")
+    if options.schedule != "1f1b" or options.stages_per_rank != 1 or options.split_head or \
+            options.split_by != "flops" or options.block_time_ratio is not None:
+        raise RecipeError("strategy.schedule / stages_per_rank / split_head / split_by / block_time_ratio need "
+                          "strategy.pipeline_degree (a pipeline)")
     if options.tp_degree is not None:  # a model split inside each process splits no layer over ranks
         raise RecipeError("strategy.tp_degree under hybrid makes each pipeline stage tensor-parallel: it needs "
                           "strategy.pipeline_degree and strategy.data_parallel=fsdp; a model split over devices × ddp "

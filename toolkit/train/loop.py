@@ -43,6 +43,7 @@ from toolkit.process import faults
 from toolkit.process.dist import DistEnv, all_reduce_max, all_reduce_sum
 from toolkit.process.stopping import NonFinite, SkippedSteps, StopSignals, Stopped
 from toolkit.strategies import import_runtime_modules, strategy_degrees
+from toolkit.strategies.pipeline.timing import pin_block_time, steps_length
 from toolkit.strategies.base import ROUTER_LOSS, Replicas, SetupArgs, Strategy
 from toolkit.strategies.dims import compression
 from toolkit.strategies.optim.adamw import build_adamw, build_scheduler
@@ -119,6 +120,9 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     total_steps, notes = prepared.total_steps, prepared.notes
     import_runtime_modules(recipe)  # DeepSpeed's 51-105 MiB: part of the runtime, as toolkit plan counts it
     runtime_bytes = process_bytes()  # what the process holds before any model: the base a memory prediction starts from
+    # strategy.split_by time: the ratio the split weights blocks by, measured before the memory prediction uses it
+    recipe = pin_block_time(recipe, device=env.device, world_size=env.world_size, length=lambda: steps_length(
+        prepared.train_ds, prepared.sampler, max_length=recipe.data.max_length))
     # before anything below, so no rank can have written into output_dir yet (collective)
     checkpoint = checkpoints.starting_point(recipe, resume, plan=plan, total_steps=total_steps, env=env)
     # warns before setup if too big; a resumed run's weights come from its checkpoint

@@ -157,7 +157,7 @@ def stage_of_blocks(model: nn.Module, recipe: Recipe, grid: Grid) -> tuple[list[
     blocks = layer_stack(model, options.blocks)
     split = options.split
     if split is None:
-        costs, head = block_costs(model, blocks, recipe, tp=grid.tp, loss_parallel=grid.loss_parallel)
+        costs, head = split_costs(model, recipe, tp=grid.tp, loss_parallel=grid.loss_parallel)
         split = tuple(cost_balanced_starts(costs, last_extra=head, num_parts=num_stages))
     return part_of_blocks(model, blocks=blocks, num_parts=num_stages, split=split), num_stages
 
@@ -179,8 +179,30 @@ def shared_weight_stages(rows: list[Rows | None], *, tied: bool) -> list[int]:
     return with_rows
 
 
+def split_costs(model: nn.Module, recipe: Recipe, *, tp: int, loss_parallel: bool) -> tuple[list[float], float]:
+    """What the split balances, per token: each block's forward + backward FLOPs and the head's (block_costs),
+    under strategy.split_by time the blocks' weighted by strategy.block_time_ratio (their seconds per FLOP over
+    the head's: pipeline/timing.py measures it at setup where the recipe sets none)."""
+    costs, head = block_costs(model, layer_stack(model, recipe.strategy.blocks), recipe, tp=tp,
+                              loss_parallel=loss_parallel)
+    ratio = recipe.strategy.block_time_ratio if recipe.strategy.split_by == "time" else None
+    return ([cost * ratio for cost in costs] if ratio else costs), head
+
+
+def split_how(recipe: Recipe) -> str:
+    """How the stages were cut, for the layout lines of a run and of toolkit plan."""
+    options = recipe.strategy
+    if options.split is not None and not options.split_head:
+        return "strategy.split"
+    if options.split_by != "time":
+        return "split by FLOPs"
+    if options.block_time_ratio is None:
+        return "split by FLOPs here; split_by time measures a block's time per FLOP at setup and may move it"
+    return f"split by time: a block's FLOPs weighted {options.block_time_ratio:g}x the head's"
+
+
 def _head_split(model: nn.Module, recipe: Recipe, num_stages: int) -> tuple[list[int], list[Rows | None]]:
-    costs, head = block_costs(model, layer_stack(model, recipe.strategy.blocks), recipe, tp=1, loss_parallel=False)
+    costs, head = split_costs(model, recipe, tp=1, loss_parallel=False)
     vocab = cast(nn.Linear, model.get_submodule(head_path(model, layout_of(model, recipe.strategy.blocks))))
     return head_split(costs, head=head, num_parts=num_stages, vocab=vocab.out_features)
 
@@ -314,6 +336,27 @@ def check_split_head(recipe: Recipe, grid: Grid, skeleton: nn.Module) -> None:
         raise RecipeError(f"strategy.split_head: {num_stages} stages for {blocks} blocks; use fewer stages")
 
 
+def check_split_by(recipe: Recipe, grid: Grid) -> None:
+    """strategy.split_by and block_time_ratio: a known measure, a positive ratio for a split by time, a split the
+    measure decides, a block it can time alone."""
+    options = recipe.strategy
+    if options.split_by not in ("flops", "time"):
+        raise RecipeError(f"strategy.split_by: unknown value {options.split_by!r}; choose flops or time")
+    ratio = options.block_time_ratio
+    if ratio is not None and options.split_by != "time":
+        raise RecipeError("strategy.block_time_ratio weights the blocks of a split by time: set "
+                          "strategy.split_by=time, or remove it")
+    if ratio is not None and not ratio > 0:
+        raise RecipeError(f"strategy.block_time_ratio must be > 0 (a block's seconds per FLOP over the head's), got "
+                          f"{ratio}; remove it to measure it")
+    if options.split_by == "time" and options.split is not None and not options.split_head:
+        raise RecipeError("strategy.split places the blocks by hand, where split_by time places them; remove one")
+    if options.split_by == "time" and ratio is None and grid.tp > 1:
+        raise RecipeError("strategy.split_by=time times a block on one rank, not split over strategy.tp_degree "
+                          "ranks; pin strategy.block_time_ratio (a run's layout line gives one) or use split_by "
+                          "flops")
+
+
 def check_recipe(recipe: Recipe, *, world_size: int) -> None:
     """The pipeline's recipe errors, one RecipeError each, before training starts."""
     options = recipe.strategy
@@ -337,6 +380,7 @@ def check_recipe(recipe: Recipe, *, world_size: int) -> None:
     if options.data_parallel not in ("ddp", "fsdp"):
         raise RecipeError(f"strategy.data_parallel: unknown value {options.data_parallel!r}; choose ddp or fsdp")
     grid = grid_of(recipe, world_size)
+    check_split_by(recipe, grid)
     check_levers(recipe, grid)
     if grid.tp > 1:
         check_tensor_parallel(recipe, grid)

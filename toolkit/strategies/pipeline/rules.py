@@ -29,6 +29,8 @@ class PipelineOptions:
     stages_per_rank: int
     split: tuple[int, ...] | None
     split_head: bool  # the head's rows of the vocabulary over the last stages too (pipeline/split.py head_split)
+    split_by: str  # flops, or time: block costs weighted by a measured time per FLOP (pipeline/timing.py)
+    block_time_ratio: float | None  # split_by time: a pinned weight instead of the measured one
     blocks: tuple[str, ...] | None
     tp_degree: int | None  # each stage's blocks tensor-parallel over this many ranks (parallel.tp)
     sequence_parallel: bool  # with tp_degree: each stage's norms and residual adds on sequence shards
@@ -150,7 +152,7 @@ def stage_lines(model: nn.Module, recipe: Recipe, *, world_size: int) -> list[st
     from toolkit.config.recipe import plan_batch
     from toolkit.model.blocks import layer_stack
     from toolkit.model.placement import blocks_of
-    from toolkit.strategies.pipeline.layout import head_rows_of, stage_of_blocks
+    from toolkit.strategies.pipeline.layout import head_rows_of, split_how, stage_of_blocks
     from toolkit.strategies.pipeline.split import block_costs, stage_costs
 
     grid = grid_of(recipe, world_size)
@@ -162,7 +164,7 @@ def stage_lines(model: nn.Module, recipe: Recipe, *, world_size: int) -> list[st
     tokens = batch.micro_batch_size * batch.grad_accum_steps * recipe.data.max_length
     flops = stage_costs(costs, head, parts, rows)
     total = sum(flops) or 1.0
-    how = "strategy.split" if recipe.strategy.split is not None else "split by FLOPs"
+    how = split_how(recipe)
     how += ", the head's rows too" if any(rows) else ""
     per = f" of a tp rank of {grid.tp}" if grid.tp > 1 else ""
 

@@ -55,9 +55,11 @@ from toolkit.strategies.pipeline.batches import KEPT_SHAPES, filler, padded_leng
 from toolkit.strategies.dims.local_sgd import LocalSgd
 from toolkit.strategies.dims.levers import compression_of, local_sgd_of
 from toolkit.strategies.pipeline.layout import (Grid, count_busy_time, count_p2p_time, grid_of, head_rows_of,
-                                                shared_weight_stages, stage_of_blocks, uncount_shape_inference)
+                                                shared_weight_stages, split_costs, split_how, stage_of_blocks,
+                                                uncount_shape_inference)
 from toolkit.strategies.pipeline.schedules import SCHEDULES, V_SHAPED, forward_only, simulated_bubbles
-from toolkit.strategies.pipeline.split import block_costs, stage_costs
+from toolkit.strategies.pipeline.split import stage_costs
+from toolkit.strategies.pipeline.timing import pin_block_time
 from toolkit.strategies.pipeline.rules import INFO, OPTIONS, RULES, PipelineOptions  # noqa: F401 (the registry reads OPTIONS, RULES here)
 from toolkit.strategies.optim.torch_optim import TorchOptim, live_state_tensors
 
@@ -94,20 +96,21 @@ class PipelineStrategy:
                                keep=("pp", self.dp_dim))
         self.partial: list[nn.Parameter] = []  # the stages' modules each tp rank computes in part (tp_plan)
         layout_of(model, options.blocks)  # a RecipeError for a model that does not show how to cut it
-        parts, num_stages = stage_of_blocks(model, args.recipe, self.grid)
+        self.amp = Amp(args.recipe.precision, env.device, scaler_class=self._scaler)
+        # split_by time: the loop measured the ratio before it predicted the run's memory; here where it did not
+        self.recipe = pin_block_time(args.recipe, device=env.device, world_size=env.world_size)
+        parts, num_stages = stage_of_blocks(model, self.recipe, self.grid)
         self.parts, self.num_stages = parts, num_stages
-        self.head_rows = head_rows_of(model, args.recipe, self.grid)  # split_head: each stage's rows of the head
+        self.head_rows = head_rows_of(model, self.recipe, self.grid)  # split_head: each stage's rows of the head
         self.split_head = any(r is not None for r in self.head_rows)
-        costs, head = block_costs(model, layer_stack(model, options.blocks), args.recipe, tp=self.grid.tp,
-                                  loss_parallel=self.grid.loss_parallel)
-        # per token: the predicted idle's weights
+        # per token, what the split balanced: the predicted idle's weights
+        costs, head = split_costs(model, self.recipe, tp=self.grid.tp, loss_parallel=self.grid.loss_parallel)
         self.stage_flops = stage_costs(costs, head, parts, self.head_rows)
         self.stage_ids = self.grid.stage_ids(self.pp_rank, options.stages_per_rank)
         self.tied = tied_embedding_names(model)
         self.holders = shared_weight_stages(self.head_rows, tied=self.tied is not None)  # copies of a shared weight
         with torch.device("meta"):  # config, class and tied names for the export, without memory
             self.skeleton = type(model)(model.config)
-        self.amp = Amp(args.recipe.precision, env.device, scaler_class=self._scaler)
         if self.amp.scaler:  # its scale tensor is made on first use; stages without the loss never scale one
             self.amp.scaler.scale(torch.zeros((), device=env.device))
         self.stage_modules: list[Stage] = []
@@ -557,7 +560,7 @@ class PipelineStrategy:
         return (f"{self.num_stages} stages over {self.grid.pp} ranks{replicas}, schedule {options.schedule} with "
                 f"{self.micro_batches} micro-batches; "
                 f"{self.grid.stages_by_rank(self.parts, options.stages_per_rank, self.head_rows)}"
-                f"; weights: {self.loading}")
+                f"; {split_how(self.recipe)}; weights: {self.loading}")
 
     def _fallback(self) -> str | None:
         return self.fallback_of(self.grid, self.env.world_size) if self.fallback_of is not None else None
