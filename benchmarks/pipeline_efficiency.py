@@ -9,10 +9,11 @@ built from its config) on 2 ranks with 8 micro-batches a step (micro 4 × 8 = th
 user runs it, in a subprocess; the table is read from its results.json. tokens/s: the median of the timed steps.
 idle: 1 − (time a rank spent in its stages' forward and backward chunks and the loss, and posting its sends and
 receives) ÷ (the span of the pipeline's step, from its first rank's start to its last rank's end): the time it
-waited on other stages, the median over steady steps (steps that built a padded length's stages left out); theory: the schedule's own order simulated
-(toolkit/strategies/pipeline/schedules.py), equal stages; this split's: the same order with each stage's actions as
-long as its FLOPs (toolkit/strategies/pipeline/split.py), the idle the split itself leaves; p2p: the fraction of
-the step spent posting sends and receives (on gloo the rank's own thread copies into the sockets).
+waited on other stages, the median over steady steps (steps that built a padded length's stages left out); theory:
+the schedule's own order simulated (toolkit/strategies/pipeline/schedules.py), equal stages; this split's: the same
+order with each stage's actions as long as its FLOPs (toolkit/strategies/pipeline/split.py; under
+strategy.split_by=time the blocks' weighted by the measured ratio), the idle the split itself leaves; p2p: the
+fraction of the step spent posting sends and receives (on gloo the rank's own thread copies into the sockets).
 
 `--from-files` saves the model (seeded from its config) with save_pretrained first and trains it from that folder
 (`model.path`), where each pipeline rank builds and reads only its own stages; a second table gives each rank's
@@ -34,7 +35,7 @@ MiB = 2 ** 20
 
 RECIPE = "recipes/llama-tiny.yaml"
 ARMS = ("single,pp-gpipe,pp-1f1b,pp-interleaved,pp-interleaved-zb,pp-zbv,pp-dualpipev,pp-gpipe-head,pp-1f1b-head,"
-        "pp-zbv@strategy.split_head=true")
+        "pp-gpipe-head@strategy.split_by=time,pp-1f1b-head@strategy.split_by=time,pp-zbv@strategy.split_head=true")
 BIG = [f"model.config.{key}={value}" for key, value in MODEL.items() if key != "model_type"] + \
     ["model.config.num_hidden_layers=24"]  # the 302M Llama of memory_scaling.py
 

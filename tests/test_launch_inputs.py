@@ -102,6 +102,31 @@ def test_compare_takes_an_arm_saved_before_a_key_existed_at_its_default(tmp_path
     assert settings_difference(tiled, tiled.arms[0], arm_dir) == "train.tiled_loss: None then, True now"
 
 
+
+def test_compare_takes_a_measured_block_time_ratio_as_the_arm_it_asked_for(tmp_path, tiny_llama_dir):
+    """An arm under strategy.split_by=time records the ratio it measured in its recipe.yaml; rerun into the same
+    --output, that arm is the one asked for (no ratio given), and a ratio asked for that differs is not."""
+    import yaml
+
+    from toolkit.compare.experiment import Arm, Experiment
+    from toolkit.compare.runner import settings_difference
+    from toolkit.config.files import dump_recipe, load_recipe
+
+    recipe, _ = _recipe(tmp_path, tiny_llama_dir)
+    arm_dir = tmp_path / "arm"
+    arm_dir.mkdir()
+    timed = ("strategy.name=pipeline", "strategy.split_by=time")
+    saved = yaml.safe_load(dump_recipe(load_recipe(recipe, list(timed))))
+    saved["strategy"]["block_time_ratio"] = 1.3
+    (arm_dir / "recipe.yaml").write_text(yaml.safe_dump(saved))
+    (arm_dir / "run.json").write_text('{"world_size": 2, "status": "completed"}')
+    experiment = Experiment(recipe=str(recipe), out_dir=tmp_path, arms=[Arm(name="arm", overrides=timed, nproc=2)],
+                            common=[])
+    assert settings_difference(experiment, experiment.arms[0], arm_dir) is None
+    pinned = Experiment(recipe=str(recipe), out_dir=tmp_path, common=[],
+                        arms=[Arm(name="arm", overrides=(*timed, "strategy.block_time_ratio=2"), nproc=2)])
+    assert settings_difference(pinned, pinned.arms[0], arm_dir) == "strategy.block_time_ratio: 1.3 then, 2.0 now"
+
 # --- trackers --------------------------------------------------------------------------------------------------
 
 def test_mlflow_file_store_is_one_line_before_anything_is_written(tmp_path, tiny_llama_dir, monkeypatch, capfd):

@@ -491,7 +491,9 @@ BAD = {
                                              "strategy.block_time_ratio weights the blocks of a split by time: set "
                                              "strategy.split_by=time"),
     "block time ratio of zero": (2, ("strategy.name=pipeline", "strategy.split_by=time",
-                                     "strategy.block_time_ratio=0"), "strategy.block_time_ratio must be > 0"),
+                                     "strategy.block_time_ratio=0"), "strategy.block_time_ratio must be a number > 0"),
+    "infinite block time ratio": (2, ("strategy.name=pipeline", "strategy.split_by=time",
+                                      "strategy.block_time_ratio=.inf"), "strategy.block_time_ratio must be a number"),
     "split by time and by hand": (2, ("strategy.name=pipeline", "strategy.split_by=time", "strategy.split=[2]"),
                                   "strategy.split places the blocks by hand, where split_by time places them"),
     "split by time of tp stages": (4, ("strategy.name=pipeline", "strategy.split_by=time", "strategy.tp_degree=2"),

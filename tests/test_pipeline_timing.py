@@ -105,3 +105,44 @@ def test_a_run_split_by_time_records_the_ratio_it_measured_and_splits_by_it(llam
     rows = head_rows_of(meta_model(recipe.model), recipe, grid_of(recipe, ranks))
     assert f"rank 0: stage 0: blocks 0-3 + head rows 0-{rows[0][1] - 1}; " in layout
     assert f"split by time: a block's FLOPs weighted {ratio:g}x the head's; " in layout
+
+
+def test_split_by_time_is_refused_unpinned_for_a_model_without_a_causal_lms_head():
+    import dataclasses
+
+    from toolkit.errors import RecipeError
+    from toolkit.strategies.pipeline.layout import check_split_by
+
+    _, recipe = tied_llama(split_by="time")
+    classifier = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, task="sequence-classification"),
+                                     data=dataclasses.replace(recipe.data, label_column="label"))
+    with pytest.raises(RecipeError, match="strategy.split_by=time times a block against rows of a causal LM's "
+                                          "output layer, and model.task is sequence-classification"):
+        check_split_by(classifier, grid_of(classifier, 2))
+    pinned = dataclasses.replace(classifier, strategy=dataclasses.replace(classifier.strategy, block_time_ratio=1.5))
+    check_split_by(pinned, grid_of(pinned, 2))  # a pinned ratio weighs its blocks without a probe
+
+
+def test_a_resumed_run_takes_the_ratio_its_checkpoints_run_split_by(tmp_path, monkeypatch):
+    """A run resuming from a checkpoint whose recipe.yaml holds a block_time_ratio splits by it, measuring
+    nothing (a second measurement could cut other stages than the checkpoint's run had); a checkpoint without one
+    (written under split_by flops) leaves the measurement to run."""
+    import yaml
+
+    from toolkit.config.files import dump_recipe
+    from toolkit.strategies.pipeline import timing
+
+    _, recipe = tied_llama(split_head="true", split_by="time")
+    checkpoint = tmp_path / "step-00000004"
+    checkpoint.mkdir()
+    saved = yaml.safe_load(dump_recipe(recipe))
+    saved["strategy"]["block_time_ratio"] = 1.7
+    (checkpoint / "recipe.yaml").write_text(yaml.safe_dump(saved))
+    measured = []
+    monkeypatch.setattr(timing, "measured_ratio", lambda *args, **kwargs: measured.append(1) or 2.5)
+    resumed = timing.pin_block_time(recipe, device=torch.device("cpu"), world_size=2, resumed=checkpoint)
+    assert resumed.strategy.block_time_ratio == 1.7 and not measured
+    saved["strategy"]["block_time_ratio"] = None
+    (checkpoint / "recipe.yaml").write_text(yaml.safe_dump(saved))
+    fresh = timing.pin_block_time(recipe, device=torch.device("cpu"), world_size=2, resumed=checkpoint)
+    assert fresh.strategy.block_time_ratio == 2.5 and measured == [1]

@@ -91,6 +91,8 @@ def settings_difference(experiment: Experiment, arm: Arm, path: Path) -> str | N
     wanted = flatten(recipe_to_dict(load_recipe(experiment.recipe, [*experiment.common, *arm.overrides])))
     # a key the toolkit did not have when the arm ran: its default now is what that run computed
     ran.update({key: value for key, value in wanted.items() if key not in ran and _is_default(key, value)})
+    if wanted.get("strategy.split_by") == "time" and wanted.get("strategy.block_time_ratio") is None:
+        wanted["strategy.block_time_ratio"] = ran.get("strategy.block_time_ratio")  # what the run measured
     changed = [_difference(experiment, key, ran.get(key), wanted.get(key)) for key in sorted(set(ran) | set(wanted))
                if key not in WHERE_KEYS and ran.get(key) != wanted.get(key)]
     world_size = (read_run_info(path) or {}).get("world_size")

@@ -120,11 +120,13 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     total_steps, notes = prepared.total_steps, prepared.notes
     import_runtime_modules(recipe)  # DeepSpeed's 51-105 MiB: part of the runtime, as toolkit plan counts it
     runtime_bytes = process_bytes()  # what the process holds before any model: the base a memory prediction starts from
-    # strategy.split_by time: the ratio the split weights blocks by, measured before the memory prediction uses it
-    recipe = pin_block_time(recipe, device=env.device, world_size=env.world_size, length=lambda: steps_length(
-        prepared.train_ds, prepared.sampler, max_length=recipe.data.max_length))
     # before anything below, so no rank can have written into output_dir yet (collective)
     checkpoint = checkpoints.starting_point(recipe, resume, plan=plan, total_steps=total_steps, env=env)
+    # strategy.split_by time: the ratio the split weights blocks by (a resumed run's, else measured), before the
+    # memory prediction uses it
+    recipe = pin_block_time(recipe, device=env.device, world_size=env.world_size, length=lambda: steps_length(
+        prepared.train_ds, prepared.sampler, max_length=recipe.data.max_length),
+        resumed=checkpoint.path if checkpoint is not None else None)
     # warns before setup if too big; a resumed run's weights come from its checkpoint
     prediction = runinfo.predict_memory(recipe, env, runtime_bytes=runtime_bytes, resuming=checkpoint is not None)
     host_memory, host_note = runinfo.set_host_memory(recipe, env, prediction=prediction)  # CPU: fast or predictable

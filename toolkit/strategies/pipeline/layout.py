@@ -5,6 +5,7 @@ count_p2p_time). Shared by the strategy's setup and its memory plan (toolkit/str
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, cast
@@ -346,9 +347,12 @@ def check_split_by(recipe: Recipe, grid: Grid) -> None:
     if ratio is not None and options.split_by != "time":
         raise RecipeError("strategy.block_time_ratio weights the blocks of a split by time: set "
                           "strategy.split_by=time, or remove it")
-    if ratio is not None and not ratio > 0:
-        raise RecipeError(f"strategy.block_time_ratio must be > 0 (a block's seconds per FLOP over the head's), got "
-                          f"{ratio}; remove it to measure it")
+    if ratio is not None and not (ratio > 0 and math.isfinite(ratio)):
+        raise RecipeError(f"strategy.block_time_ratio must be a number > 0 (a block's seconds per FLOP over the "
+                          f"head's), got {ratio}; remove it to measure it")
+    if options.split_by == "time" and ratio is None and recipe.model.task != "causal-lm":
+        raise RecipeError(f"strategy.split_by=time times a block against rows of a causal LM's output layer, and "
+                          f"model.task is {recipe.model.task}; use split_by flops, or pin strategy.block_time_ratio")
     if options.split_by == "time" and options.split is not None and not options.split_head:
         raise RecipeError("strategy.split places the blocks by hand, where split_by time places them; remove one")
     if options.split_by == "time" and ratio is None and grid.tp > 1:

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -35,11 +37,12 @@ PROBE_BYTES = 256 * 2 ** 20  # the most weight of the head's rows timed
 
 
 def pin_block_time(recipe: Recipe, *, device: torch.device, world_size: int,
-                   length: Callable[[], int] | None = None) -> Recipe:
+                   length: Callable[[], int] | None = None, resumed: Path | None = None) -> Recipe:
     """`recipe` with strategy.block_time_ratio measured (every rank: collective) where split_by time leaves it
     unset, else as it is: before the run predicts its memory and writes its recipe.yaml, so that both, and a
     toolkit plan of that recipe.yaml, see the rows and blocks the stages get. `length()`: the sequence length to
-    time at (steps_length), else data.max_length."""
+    time at (steps_length), else data.max_length. A run resuming from checkpoint `resumed` takes the ratio its run
+    used, the same stages (none measured: every rank reads the same file)."""
     from toolkit.config.recipe import plan_batch
     from toolkit.model.build import meta_model
     from toolkit.model.precision import Amp
@@ -48,6 +51,12 @@ def pin_block_time(recipe: Recipe, *, device: torch.device, world_size: int,
     options = recipe.strategy
     if options.split_by != "time" or options.block_time_ratio is not None:
         return recipe
+    kept = _resumed_ratio(resumed) if resumed is not None else None
+    if kept is not None:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"[toolkit] strategy.split_by time: the checkpoint's run weighted a block {kept:g}x the head's "
+                  "seconds per FLOP; so does this one (the same stages)", file=sys.stderr, flush=True)
+        return dataclasses.replace(recipe, strategy=dataclasses.replace(options, block_time_ratio=kept))
     grid = grid_of(recipe, world_size)
     micro_batch = plan_batch(recipe.batch, world_size=grid.dp).micro_batch_size
     start = time.perf_counter()
@@ -60,6 +69,17 @@ def pin_block_time(recipe: Recipe, *, device: torch.device, world_size: int,
               f"(micro-batches of {micro_batch} × {tokens} tokens, measured in {time.perf_counter() - start:.1f} s, "
               f"the ranks' mean); strategy.block_time_ratio={ratio:g} pins it", file=sys.stderr, flush=True)
     return dataclasses.replace(recipe, strategy=dataclasses.replace(options, block_time_ratio=ratio))
+
+
+def _resumed_ratio(checkpoint: Path) -> float | None:
+    """The block_time_ratio a checkpoint's run split by (its recipe.yaml), None where it holds none."""
+    from toolkit.checkpoint.store import saved_recipe
+
+    strategy = (saved_recipe(checkpoint) or {}).get("strategy")
+    ratio = strategy.get("block_time_ratio") if isinstance(strategy, dict) else None
+    if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and math.isfinite(ratio) and ratio > 0:
+        return float(ratio)
+    return None
 
 
 def probe_rows(model: nn.Module, recipe: Recipe, grid: Any) -> int:
@@ -98,14 +118,21 @@ def measured_ratio(model: nn.Module, recipe: Recipe, *, device: torch.device, mi
     rows)."""
     config: Any = model.config
     hidden = config.hidden_size
-    rows = min(getattr(config, "vocab_size"), rows)
-    block = _probe(model, recipe, device=device, autocast=autocast, layer_ids=[0], last=False, head_rows=None)
-    head = _probe(model, recipe, device=device, autocast=autocast, layer_ids=[], last=True, head_rows=(0, rows))
+    rows = min(int(config.vocab_size), rows)
+    # the whole head, as the stage holding rows of it keeps it (its weight and a gradient buffer of its size): a
+    # row's time depends on it. Measured on llama-tiny at 24 tokens and 18,349 rows: 1.71-1.76 so, 1.5-1.6 with a
+    # head of those rows alone, where the training balanced at about 1.75
+    block = _probe(model, config, recipe, device=device, autocast=autocast, layer_ids=[0], last=False,
+                   head_rows=None)
+    head = _probe(model, config, recipe, device=device, autocast=autocast, layer_ids=[], last=True,
+                  head_rows=(0, rows))
     dtype = next(block.parameters()).dtype
     x = torch.randn(micro_batch, length, hidden, device=device, dtype=dtype)
     mask = torch.ones(micro_batch, length, dtype=torch.long, device=device)
     labels = torch.randint(0, rows, (micro_batch, length), device=device)
-    block_flops = 6.0 * block_elements(block.blocks()[0], config) + 12.0 * hidden * length
+    # a block's FLOPs as the split counts them (split.block_costs, attention at data.max_length, no recomputation),
+    # so that the ratio times the split's cost is the time measured
+    block_flops = 6.0 * block_elements(block.blocks()[0], config) + 12.0 * hidden * recipe.data.max_length
     head_flops = 6.0 * hidden * rows
 
     def run_block() -> None:
@@ -119,22 +146,36 @@ def measured_ratio(model: nn.Module, recipe: Recipe, *, device: torch.device, mi
         (log_sum_exp - target).sum().backward()
 
     ratio = (_seconds(run_block, device) / block_flops) / (_seconds(run_head, device) / head_flops)
+    del block, head, x, mask, labels
+    if device.type == "cuda":  # the probe's memory is not the run's: its peak is the setup's, as the plan counts
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
     if dist.is_available() and dist.is_initialized():
         total = torch.tensor([ratio], dtype=torch.float64, device=device)
         dist.all_reduce(total)
         ratio = total.item() / dist.get_world_size()
-    return round(ratio, 2)
+    if not math.isfinite(ratio) or ratio <= 0:
+        raise RuntimeError(f"strategy.split_by=time measured a block-to-head time ratio of {ratio}; pin "
+                           "strategy.block_time_ratio or use split_by flops")
+    return max(0.01, round(ratio, 2))  # the ranks' noise is larger than the digits left out
 
 
-def _probe(model: nn.Module, recipe: Recipe, *, device: torch.device, autocast: Callable[[], ContextManager],
-           layer_ids: list[int], last: bool, head_rows: tuple[int, int] | None) -> Stage:
-    """A stage of a fresh copy of the model's structure (no weights copied), random weights, on `device`."""
+def _probe(model: nn.Module, config: Any, recipe: Recipe, *, device: torch.device,
+           autocast: Callable[[], ContextManager], layer_ids: list[int], last: bool,
+           head_rows: tuple[int, int] | None) -> Stage:
+    """A stage of a fresh model of `model`'s class built from `config` (no weights copied), random weights, the
+    recipe's dropout, on `device`. Transient, before the run builds its model: the head probe holds the head's
+    weight and a gradient buffer of its size, less than the stage holding the head keeps through the run."""
     from accelerate import init_empty_weights
 
+    from toolkit.model.build import set_dropout
+
     with init_empty_weights(include_buffers=False):  # rotary inv_freq and such: computed, in no weight file
-        copy = type(model)(model.config)
+        fresh = type(model)(config)
+    if recipe.model.dropout is not None:
+        set_dropout(fresh, recipe.model.dropout)
     dtype = DTYPES[recipe.model.load_dtype]
-    stage = Stage(copy, layer_ids=layer_ids, first=False, last=last, autocast=autocast,
+    stage = Stage(fresh, layer_ids=layer_ids, first=False, last=last, autocast=autocast,
                   blocks=recipe.strategy.blocks, head_rows=head_rows)
     materialize(stage, device=device)
     with torch.no_grad():
