@@ -85,8 +85,8 @@ def _resumed_ratio(checkpoint: Path) -> float | None:
 def probe_rows(model: nn.Module, recipe: Recipe, grid: Any) -> int:
     """The rows of the head to time: as many as the stage with the most of them holds under the FLOP split (the
     whole head without split_head), at most PROBE_BYTES of weight. A row's time grows with the rows a stage holds
-    (their weight and gradient leave the caches): llama-tiny, 4 × 24 tokens, read ratios 1.42–1.49 at 8,192 rows,
-    1.71–1.76 at the 18,349 its rows-only stage holds, 1.80–1.88 at all 30,522."""
+    (their weight and gradient leave the caches): llama-tiny, 4 × 24 tokens, read ratios 1.19–1.38 at 8,192 rows,
+    1.54–1.58 at the 18,349 its rows-only stage holds, 1.62–1.65 at all 30,522."""
     from toolkit.strategies.pipeline.layout import head_rows_of
 
     flops = dataclasses.replace(recipe, strategy=dataclasses.replace(recipe.strategy, split_by="flops",
@@ -114,14 +114,15 @@ def measured_ratio(model: nn.Module, recipe: Recipe, *, device: torch.device, mi
                    rows: int, autocast: Callable[[], ContextManager] = contextlib.nullcontext) -> float:
     """The blocks' seconds per FLOP over the head's, on this rank (its first block, `rows` rows of the head, on
     `micro_batch` × `length` tokens), averaged over the world's ranks where a process group runs. At small
-    lengths a block's fixed costs weigh more: llama-tiny read 1.23–1.34 at 64 tokens, 1.48–1.62 at 24 (8,192
-    rows)."""
+    lengths a block's fixed costs weigh more: llama-tiny read 1.16–1.21 at 64 tokens, 1.54–1.58 at 24 (18,349
+    rows). Block 0 stands for every block: a stack of blocks unlike each other (dense and expert layers, local and
+    global attention) is weighted by its first."""
     config: Any = model.config
     hidden = config.hidden_size
     rows = min(int(config.vocab_size), rows)
     # the whole head, as the stage holding rows of it keeps it (its weight and a gradient buffer of its size): a
-    # row's time depends on it. Measured on llama-tiny at 24 tokens and 18,349 rows: 1.71-1.76 so, 1.5-1.6 with a
-    # head of those rows alone, where the training balanced at about 1.75
+    # row's time depends on it (llama-tiny, 24 tokens, 18,349 rows: the ratio read 10 % lower with a head of those
+    # rows alone)
     block = _probe(model, config, recipe, device=device, autocast=autocast, layer_ids=[0], last=False,
                    head_rows=None)
     head = _probe(model, config, recipe, device=device, autocast=autocast, layer_ids=[], last=True,
