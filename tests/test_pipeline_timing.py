@@ -13,7 +13,11 @@ from test_pipeline_split import brute_force, key_of, tied_llama
 from toolkit.config.files import load_recipe
 from toolkit.model.blocks import layer_stack
 from toolkit.strategies.pipeline.layout import grid_of, head_rows_of, stage_of_blocks
+from toolkit.process.dist import DistEnv
 from toolkit.strategies.pipeline.split import block_costs
+
+ONE = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+TWO = DistEnv(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"))  # measured_ratio replaced there
 
 
 def test_a_pinned_ratio_gives_the_first_stage_fewer_rows_and_balances_the_weighted_stages():
@@ -68,7 +72,7 @@ def test_the_measured_ratio_follows_a_blocks_time(monkeypatch):
     from toolkit.strategies.pipeline.timing import measured_ratio
 
     recipe = load_recipe(Path(__file__).parents[1] / "recipes" / "llama-tiny.yaml", ["data.max_length=32"])
-    plain = measured_ratio(_small_llama(), recipe, device=torch.device("cpu"), micro_batch=2, length=32, rows=2000)
+    plain = measured_ratio(_small_llama(), recipe, env=ONE, micro_batch=2, length=32, rows=2000)
     assert 0 < plain < 100
     forward = modeling_llama.LlamaDecoderLayer.forward
 
@@ -77,7 +81,7 @@ def test_the_measured_ratio_follows_a_blocks_time(monkeypatch):
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(modeling_llama.LlamaDecoderLayer, "forward", slower)
-    assert measured_ratio(_small_llama(), recipe, device=torch.device("cpu"), micro_batch=2, length=32, rows=2000) > 3 * plain
+    assert measured_ratio(_small_llama(), recipe, env=ONE, micro_batch=2, length=32, rows=2000) > 3 * plain
 
 
 def test_the_plan_says_a_measured_split_may_move():
@@ -141,9 +145,9 @@ def test_a_resumed_run_takes_the_ratio_its_checkpoints_run_split_by(tmp_path, mo
     (checkpoint / "recipe.yaml").write_text(yaml.safe_dump(saved))
     measured = []
     monkeypatch.setattr(timing, "measured_ratio", lambda *args, **kwargs: measured.append(1) or 2.5)
-    resumed = timing.pin_block_time(recipe, device=torch.device("cpu"), world_size=2, resumed=checkpoint)
+    resumed = timing.pin_block_time(recipe, env=TWO, resumed=checkpoint)
     assert resumed.strategy.block_time_ratio == 1.7 and not measured
     saved["strategy"]["block_time_ratio"] = None
     (checkpoint / "recipe.yaml").write_text(yaml.safe_dump(saved))
-    fresh = timing.pin_block_time(recipe, device=torch.device("cpu"), world_size=2, resumed=checkpoint)
+    fresh = timing.pin_block_time(recipe, env=TWO, resumed=checkpoint)
     assert fresh.strategy.block_time_ratio == 2.5 and measured == [1]

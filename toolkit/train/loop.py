@@ -124,7 +124,7 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
     checkpoint = checkpoints.starting_point(recipe, resume, plan=plan, total_steps=total_steps, env=env)
     # strategy.split_by time: the ratio the split weights blocks by (a resumed run's, else measured), before the
     # memory prediction uses it
-    recipe = pin_block_time(recipe, device=env.device, world_size=env.world_size, length=lambda: steps_length(
+    recipe = pin_block_time(recipe, env=env, length=lambda: steps_length(
         prepared.train_ds, prepared.sampler, max_length=recipe.data.max_length),
         resumed=checkpoint.path if checkpoint is not None else None)
     # warns before setup if too big; a resumed run's weights come from its checkpoint

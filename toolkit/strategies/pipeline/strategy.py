@@ -98,7 +98,7 @@ class PipelineStrategy:
         layout_of(model, options.blocks)  # a RecipeError for a model that does not show how to cut it
         self.amp = Amp(args.recipe.precision, env.device, scaler_class=self._scaler)
         # split_by time: the loop measured the ratio before it predicted the run's memory; here where it did not
-        self.recipe = pin_block_time(args.recipe, device=env.device, world_size=env.world_size)
+        self.recipe = pin_block_time(args.recipe, env=env)
         parts, num_stages = stage_of_blocks(model, self.recipe, self.grid)
         self.parts, self.num_stages = parts, num_stages
         self.head_rows = head_rows_of(model, self.recipe, self.grid)  # split_head: each stage's rows of the head

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from toolkit.config.recipe import Recipe
@@ -29,6 +28,7 @@ from toolkit.cost.flops import block_elements
 from toolkit.checkpoint.loading import materialize
 from toolkit.model.precision import DTYPES
 from toolkit.model.stages import Stage
+from toolkit.process.dist import DistEnv, all_reduce_sum
 
 # timed forward + backward passes of each, after one untimed; the median is kept. At 3 the two ranks of a 2-core
 # machine, timing at once, read ratios 0.97 and 1.26 for llama-tiny; at 10 they agreed within 0.1
@@ -36,8 +36,8 @@ REPEATS, LEAST, BUDGET_S = 10, 3, 2.0  # at least LEAST, then more while under B
 PROBE_BYTES = 256 * 2 ** 20  # the most weight of the head's rows timed
 
 
-def pin_block_time(recipe: Recipe, *, device: torch.device, world_size: int,
-                   length: Callable[[], int] | None = None, resumed: Path | None = None) -> Recipe:
+def pin_block_time(recipe: Recipe, *, env: DistEnv, length: Callable[[], int] | None = None,
+                   resumed: Path | None = None) -> Recipe:
     """`recipe` with strategy.block_time_ratio measured (every rank: collective) where split_by time leaves it
     unset, else as it is: before the run predicts its memory and writes its recipe.yaml, so that both, and a
     toolkit plan of that recipe.yaml, see the rows and blocks the stages get. `length()`: the sequence length to
@@ -53,18 +53,18 @@ def pin_block_time(recipe: Recipe, *, device: torch.device, world_size: int,
         return recipe
     kept = _resumed_ratio(resumed) if resumed is not None else None
     if kept is not None:
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if env.is_main:
             print(f"[toolkit] strategy.split_by time: the checkpoint's run weighted a block {kept:g}x the head's "
                   "seconds per FLOP; so does this one (the same stages)", file=sys.stderr, flush=True)
         return dataclasses.replace(recipe, strategy=dataclasses.replace(options, block_time_ratio=kept))
-    grid = grid_of(recipe, world_size)
+    grid = grid_of(recipe, env.world_size)
     micro_batch = plan_batch(recipe.batch, world_size=grid.dp).micro_batch_size
     start = time.perf_counter()
     tokens = length() if length is not None else recipe.data.max_length
     model = meta_model(recipe.model)
-    ratio = measured_ratio(model, recipe, device=device, micro_batch=micro_batch, length=tokens,
-                           rows=probe_rows(model, recipe, grid), autocast=Amp(recipe.precision, device).autocast)
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    ratio = measured_ratio(model, recipe, env=env, micro_batch=micro_batch, length=tokens,
+                           rows=probe_rows(model, recipe, grid), autocast=Amp(recipe.precision, env.device).autocast)
+    if env.is_main:
         print(f"[toolkit] strategy.split_by time: a block takes {ratio:g}x the head's seconds per FLOP here "
               f"(micro-batches of {micro_batch} × {tokens} tokens, measured in {time.perf_counter() - start:.1f} s, "
               f"the ranks' mean); strategy.block_time_ratio={ratio:g} pins it", file=sys.stderr, flush=True)
@@ -110,7 +110,7 @@ def steps_length(train_ds: Any, sampler: Any, *, max_length: int, steps: int = 6
     return int(statistics.median_low(lengths))
 
 
-def measured_ratio(model: nn.Module, recipe: Recipe, *, device: torch.device, micro_batch: int, length: int,
+def measured_ratio(model: nn.Module, recipe: Recipe, *, env: DistEnv, micro_batch: int, length: int,
                    rows: int, autocast: Callable[[], ContextManager] = contextlib.nullcontext) -> float:
     """The blocks' seconds per FLOP over the head's, on this rank (its first block, `rows` rows of the head, on
     `micro_batch` × `length` tokens), averaged over the world's ranks where a process group runs. At small
@@ -118,7 +118,7 @@ def measured_ratio(model: nn.Module, recipe: Recipe, *, device: torch.device, mi
     rows). Block 0 stands for every block: a stack of blocks unlike each other (dense and expert layers, local and
     global attention) is weighted by its first."""
     config: Any = model.config
-    hidden = config.hidden_size
+    hidden, device = config.hidden_size, env.device
     rows = min(int(config.vocab_size), rows)
     # the whole head, as the stage holding rows of it keeps it (its weight and a gradient buffer of its size): a
     # row's time depends on it (llama-tiny, 24 tokens, 18,349 rows: the ratio read 10 % lower with a head of those
@@ -151,10 +151,7 @@ def measured_ratio(model: nn.Module, recipe: Recipe, *, device: torch.device, mi
     if device.type == "cuda":  # the probe's memory is not the run's: its peak is the setup's, as the plan counts
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    if dist.is_available() and dist.is_initialized():
-        total = torch.tensor([ratio], dtype=torch.float64, device=device)
-        dist.all_reduce(total)
-        ratio = total.item() / dist.get_world_size()
+    ratio = all_reduce_sum(torch.tensor([ratio], dtype=torch.float64), env).item() / env.world_size
     if not math.isfinite(ratio) or ratio <= 0:
         raise RuntimeError(f"strategy.split_by=time measured a block-to-head time ratio of {ratio}; pin "
                            "strategy.block_time_ratio or use split_by flops")
