@@ -28,17 +28,22 @@ def block_costs(model: nn.Module, blocks: list[nn.Module], recipe: Recipe, *, tp
     """Per token, each block's forward + backward FLOPs, and the head's (on the last stage), on one tp rank of
     `tp` (the head split with them under `loss_parallel` only)."""
     config: Any = getattr(model, "config", None)
-    hidden = getattr(config, "hidden_size", 0) or 0
     recompute = recipe.train.recompute
     full = 4 / 3 if recompute == "full" else 1.0
-    attention = 12.0 * hidden * recipe.data.max_length
 
     def cost(block: nn.Module) -> float:
         selective = 2.0 * block_elements(block, config, recomputed=True) if recompute == "selective" else 0.0
-        return float(round((6.0 * block_elements(block, config) + attention) * full + selective))
+        return float(round(block_flops(block, config, length=recipe.data.max_length) * full + selective))
 
     head = 6.0 * head_elements(model)
     return [cost(block) / tp for block in blocks], head / tp if loss_parallel else head
+
+
+def block_flops(block: nn.Module, config: Any, *, length: int) -> float:
+    """Per token, a block's forward + backward FLOPs without recomputation: 6 × its matrix elements and 12 ×
+    hidden × `length` (attention's scores and values)."""
+    hidden = getattr(config, "hidden_size", 0) or 0
+    return 6.0 * block_elements(block, config) + 12.0 * hidden * length
 
 
 def cost_balanced_starts(costs: list[float], *, last_extra: float, num_parts: int) -> list[int]:

@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 from toolkit.config.recipe import Recipe
-from toolkit.cost.flops import block_elements
 from toolkit.checkpoint.loading import materialize
 from toolkit.model.precision import DTYPES
 from toolkit.model.stages import Stage
 from toolkit.process.dist import DistEnv, all_reduce_sum
+from toolkit.strategies.pipeline.split import block_flops
 
 # timed forward + backward passes of each, after one untimed; the median is kept. At 3 the two ranks of a 2-core
 # machine, timing at once, read ratios 0.97 and 1.26 for llama-tiny; at 10 they agreed within 0.1
@@ -133,7 +133,7 @@ def measured_ratio(model: nn.Module, recipe: Recipe, *, env: DistEnv, micro_batc
     labels = torch.randint(0, rows, (micro_batch, length), device=device)
     # a block's FLOPs as the split counts them (split.block_costs, attention at data.max_length, no recomputation),
     # so that the ratio times the split's cost is the time measured
-    block_flops = 6.0 * block_elements(block.blocks()[0], config) + 12.0 * hidden * recipe.data.max_length
+    flops = block_flops(block.blocks()[0], config, length=recipe.data.max_length)
     head_flops = 6.0 * hidden * rows
 
     def run_block() -> None:
@@ -146,7 +146,7 @@ def measured_ratio(model: nn.Module, recipe: Recipe, *, env: DistEnv, micro_batc
         log_sum_exp, target = head(inputs, attention_mask=mask, labels=labels)
         (log_sum_exp - target).sum().backward()
 
-    ratio = (_seconds(run_block, device) / block_flops) / (_seconds(run_head, device) / head_flops)
+    ratio = (_seconds(run_block, device) / flops) / (_seconds(run_head, device) / head_flops)
     del block, head, x, mask, labels
     if device.type == "cuda":  # the probe's memory is not the run's: its peak is the setup's, as the plan counts
         torch.cuda.empty_cache()
