@@ -44,6 +44,26 @@ def test_zero3_offload_matches_single_process(llama_runs):
     assert_same_run(run, reference, rtol=1e-4)
 
 
+ONE_RANK_ZERO3 = ("strategy.name=zero", "strategy.stage=3", "batch.micro_batch_size=2", "batch.grad_accum_steps=4")
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_zero3_on_one_rank_gathers_a_block_at_once_and_trains_as_single(llama_runs, checkpointing):
+    """On one rank ZeRO-3 takes each transformer block as DeepSpeed's unit of gathering (a leaf module): one hook
+    and one fetch a block, not one a linear. The same training as single, with and without a block's recompute
+    (its forward gathers again inside backward); a leaf whose gradients never reached the optimizer would show
+    here as a gradient norm of 0 and a loss that stops falling (as the whole model taken as one leaf did)."""
+    reference = llama_runs.get("single-m8")
+    name, extra = ("zero3-1rank-ac", ("train.activation_checkpointing=true",)) if checkpointing else ("zero3-1rank", ())
+    run = llama_runs.get(name, nproc=1, overrides=(*ONE_RANK_ZERO3, *extra))
+    assert_same_run(run, reference)
+    bound = grad_norm_rtol(json.loads((reference / "run.json").read_text())["num_params"])
+    for got, want in zip(metrics(run), metrics(reference), strict=True):
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=bound), (got["step"], got["grad_norm"])
+    layout = json.loads((run / "run.json").read_text())["layout"]
+    assert "gathers a block's parameters at once (2 LlamaDecoderLayer)" in layout, layout
+
+
 def bf16_run(llama_runs, arm: str):
     _, *stage = arm.split("zero")
     strategy = ("strategy.name=zero", f"strategy.stage={stage[0]}") if stage else (f"strategy.name={arm}",)

@@ -25,6 +25,7 @@ from toolkit.checkpoint.state import Read, load_schedule_state, schedule_state
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe, plan_batch
 from toolkit.errors import RecipeError
+from toolkit.model.blocks import layer_stack
 from toolkit.model.build import hf_config
 from toolkit.model.precision import StepResult, dtype_name
 from toolkit.model.tied import without_tied_aliases
@@ -40,8 +41,39 @@ from toolkit.strategies.zero.optim import cpu_adam_like, optimizer_label_of
 from toolkit.strategies.zero.rules import INFO, OPTIONS, RULES, partitioned_at_creation  # noqa: F401 (OPTIONS: the registry reads it here)
 
 
+def gather_blocks_whole(model: nn.Module, config: dict) -> str:
+    """ZeRO-3 on one rank gathers each transformer block's parameters as one unit (DeepSpeed's leaf modules);
+    returns how it gathers, for the layout line. DeepSpeed's own unit is every module that holds parameters: each
+    pays a Python forward hook, a backward hook, wrappers around its outputs and a fetch and release, ~0.6 ms a
+    module on this CPU and on an H200's host alike (collectives.HOST_S_PER_TENSOR), which made a 1B Llama's step
+    at world size 1 3.0× single's (docs/benchmarks.md). On one rank a block as the unit holds nothing more: a
+    partition is the whole tensor, and what the step keeps gathered (memory.gathered_bytes) is at least a block
+    already. Measured (llama-tiny at 12 blocks, micro 2, accum 4, fp32, this CPU, `toolkit launch --nproc 1`):
+    1,219 -> 851 ms a step (single: 405), losses bit-equal. At 2 ranks it measured 1,078 -> 841 ms too, but
+    changes the calls its gathers and gradient buckets make (a unit's own gather beside its prefetch), which
+    collectives.py holds to the counter call for call: not done there yet. A ds_config that sets
+    stage3_module_granularity_threshold chooses DeepSpeed's units itself; a model without named blocks keeps
+    DeepSpeed's, and so does one with frozen parameters (LoRA's base weights): DeepSpeed 0.19 released a frozen
+    weight inside a leaf after the forward and did not gather it again for the backward ("size of tensor a (0)
+    must match", llama-tiny with model.lora)."""
+    from deepspeed.utils import set_z3_leaf_module
+
+    if "stage3_module_granularity_threshold" in config.get("zero_optimization", {}):
+        return "as the ds_config's stage3_module_granularity_threshold sets"
+    if not all(p.requires_grad for p in model.parameters()):
+        return "module by module (frozen parameters)"
+    try:
+        blocks = layer_stack(model, guess=True)
+    except RecipeError:
+        return "module by module (no transformer blocks named)"
+    for block in blocks:
+        set_z3_leaf_module(block, True)
+    return f"a block's parameters at once ({len(blocks)} {type(blocks[0]).__name__})"
+
+
 class ZeroStrategy:
     info = INFO
+    gather_unit = ""  # stage 3: how its parameters are gathered (gather_blocks_whole)
     schedule_label = ""  # setup: the recipe's schedule, or the DeepSpeed scheduler a JSON block names
     loading = "every rank built the whole model, then kept its partition"  # build_model says otherwise
 
@@ -78,6 +110,8 @@ class ZeroStrategy:
         if optimizer is not None and self.offload_optimizer:
             optimizer = cpu_adam_like(optimizer)
         scheduler = None if "scheduler" in self.config else args.build_scheduler
+        self.gather_unit = gather_blocks_whole(model, self.config) if self.stage == 3 and args.env.world_size == 1 \
+            else ""
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.config,
             model_parameters=param_groups(model, recipe.optim) if optimizer is None else None)
@@ -272,7 +306,9 @@ class ZeroStrategy:
                 "optimizer state", 2: "full parameters, 1/N of gradients and optimizer state",
                 3: "1/N of parameters, gradients and optimizer state"}[self.stage]
         where = " (optimizer on CPU)" if self.offload_optimizer else ""
-        return f"ZeRO-{self.stage}: each of {self.env.world_size} ranks holds {held}{where}; weights: {self.loading}"
+        gathers = f"; gathers {self.gather_unit}" if self.gather_unit else ""
+        return (f"ZeRO-{self.stage}: each of {self.env.world_size} ranks holds {held}{where}{gathers}; "
+                f"weights: {self.loading}")
 
     def _fallback(self) -> str | None:
         return None  # runs as itself on any machine
