@@ -40,13 +40,16 @@ def recipe_notes(recipe: Recipe, tokenizer, *, total_steps: int | None, world_si
 def lone_zero_note(recipe: Recipe, world_size: int) -> str | None:
     """ZeRO on one rank without offload shards nothing and keeps what single keeps, yet pays DeepSpeed's
     per-parameter hooks: stage 3 ran a 1B Llama's step in 584 ms on one H200 against single's 195
-    (docs/benchmarks.md). Said, not refused: the same recipe at more ranks, or a comparison, is what it is for."""
+    (docs/benchmarks.md), before stage 3 on one rank gathered a block at a time (zero/engine.py's
+    gather_blocks_whole: 0.28× single -> 0.49× on this CPU; the GPU not re-measured). Said, not refused: the same
+    recipe at more ranks, or a comparison, is what it is for."""
     s = recipe.strategy
     stage = 2 if s.stage is None else s.stage
     if s.name != "zero" or world_size != 1 or stage == 0 or s.offload_optimizer or s.offload_param or s.ds_config:
         return None
     return (f"[toolkit] zero stage {stage} on one rank shards nothing: it holds what single holds and pays "
-            "DeepSpeed's per-parameter hooks (stage 3 ran 3.0× single's step on one H200, docs/benchmarks.md); "
+            "DeepSpeed's hooks (stage 3 ran 3.0× single's step on one H200 with a hook per module, 2.0× on a CPU "
+            "gathering a block at a time, docs/benchmarks.md); "
             "strategy.name=single runs the same job, strategy.offload_optimizer=true fits a larger model")
 
 
