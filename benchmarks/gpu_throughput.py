@@ -37,13 +37,17 @@ MODEL = {"model_type": "llama", "vocab_size": 30522, "hidden_size": 2048, "inter
          "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4,
          "max_position_embeddings": 4096, "tie_word_embeddings": True}
 STRATEGIES = {"single": ["strategy.name=single"], "fsdp": ["strategy.name=fsdp"],
-              "zero3": ["strategy.name=zero", "strategy.stage=3"]}
+              "zero3": ["strategy.name=zero", "strategy.stage=3"],
+              # ZeRO-3 as DeepSpeed gathers by itself, every module holding parameters a unit (zero3 on one rank
+              # gathers a block at a time: zero/engine.py's gather_blocks_whole); the same buckets
+              "zero3-modules": ["strategy.name=zero",
+                                f"strategy.ds_config={REPO}/benchmarks/data/zero3-module-units.json"]}
 VARIANTS = {"": [], "+ac": ["train.activation_checkpointing=true"], "+compile": ["train.compile=true"],
             "+ac+compile": ["train.activation_checkpointing=true", "train.compile=true"],
             "+sac": ["train.activation_checkpointing=selective"],
             "+sac+compile": ["train.activation_checkpointing=selective", "train.compile=true"]}
 ARMS = {s + v: STRATEGIES[s] + VARIANTS[v] for s in STRATEGIES for v in VARIANTS}
-DEFAULT_ARMS = [s + v for s in STRATEGIES for v in ("", "+ac", "+compile")]
+DEFAULT_ARMS = [s + v for s in STRATEGIES if s != "zero3-modules" for v in ("", "+ac", "+compile")]
 GiB = 2 ** 30
 
 
@@ -63,6 +67,8 @@ def predicted_step_s(arm: str, *, args) -> float | None:
     if not args.hardware:
         return None
     layout = arm.split("+")[0]
+    if layout == "zero3-modules":  # no layout of its own: zero3 with the arm's ds_config
+        layout = "zero3@" + STRATEGIES[layout][1]
     cmd = [sys.executable, "-m", "toolkit", "plan", "recipes/llama-tiny.yaml", "--hardware", args.hardware,
            "--nodes", "1", "--gpus-per-node", "1", "--layouts", layout, "--json"]
     for item in job(arm, args):

@@ -58,8 +58,10 @@ def gather_blocks_whole(model: nn.Module, config: dict) -> str:
     must match", llama-tiny with model.lora)."""
     from deepspeed.utils import set_z3_leaf_module
 
-    if "stage3_module_granularity_threshold" in config.get("zero_optimization", {}):
-        return "as the ds_config's stage3_module_granularity_threshold sets"
+    threshold = config.get("zero_optimization", {}).get("stage3_module_granularity_threshold")
+    if threshold is not None:
+        return "module by module (the ds_config's stage3_module_granularity_threshold 0)" if not threshold else \
+            f"as the ds_config's stage3_module_granularity_threshold {threshold} sets"
     if not all(p.requires_grad for p in model.parameters()):
         return "module by module (frozen parameters)"
     try:
