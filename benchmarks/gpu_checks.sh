@@ -14,7 +14,7 @@
 #             each (issues 44 and 48): throughput.json, ops.txt, and host.txt: single's and zero3's host view of
 #             those steps (the span, the device's busy time, the host's waits at synchronisations, the ops of most
 #             host time): zero3 at world size 1 ran 584 ms a step with 180 ms of kernels on an H200 (2026-12-04),
-#             gathering module by module; zero3 now gathers a block at a time on one rank, zero3-modules as before
+#             gathering module by module; zero3-blocks keeps the model gathered and so gathers a block at a time
 # more        the remaining arms and micro-batch 8 of the best arm: more.json
 # Each step stops by DEADLINE_S seconds after the start (default 420), so that the lease's time is known ahead.
 set -u
@@ -61,7 +61,7 @@ throughput() {  # ARMS JSON [more gpu_throughput.py options]
     echo "throughput rc $?"
 }
 if [[ ,$steps, == *,throughput,* ]]; then
-    throughput single,zero3,zero3-modules,single+compile,fsdp,single+ac throughput.json --profile-dir /tmp/profile
+    throughput single,zero3,zero3-blocks,single+compile,fsdp,single+ac throughput.json --profile-dir /tmp/profile
     for f in /tmp/profile/*/ops.txt; do echo "== $f"; head -45 "$f"; done >"$OUT/ops.txt" 2>&1
     cat >/tmp/host_view.py <<'VIEW'
 """Where a profiled step's host time goes, from a torch.profiler chrome trace: the wall span of the profiled steps,

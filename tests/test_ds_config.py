@@ -157,3 +157,40 @@ def test_deepspeeds_cpu_accelerator_counts_the_ranks_without_a_subprocess(monkey
     monkeypatch.setattr(subprocess, "check_output", no_subprocess)
     tell_local_size()
     assert CPU_Accelerator().device_count() == count
+
+
+def test_zero3_takes_blocks_as_units_only_where_the_step_keeps_the_whole_model_gathered_either_way():
+    """gather_blocks_whole (one rank): each block a DeepSpeed leaf where the plan's gathered bytes hold both ways
+    (the model within half the reuse distance and the live limit); DeepSpeed's own units past that, and where a
+    ds_config sets the granularity, parameters go to NVMe or any is frozen."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.strategies.zero.engine import gather_blocks_whole
+
+    def built():
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                                            num_attention_heads=2, num_key_value_heads=1))
+
+    def leaves(model) -> list[str]:
+        return [name for name, m in model.named_modules() if getattr(m, "_z3_leaf", False)]
+
+    model = built()
+    numel = sum(p.numel() for p in model.parameters())
+    assert gather_blocks_whole(model, {"zero_optimization": {"stage": 3}}) == \
+        "a block's parameters at once (3 LlamaDecoderLayer)"
+    assert leaves(model) == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    # the whole model within half the reuse distance: blocks; one element past it, or past the live limit: not
+    for zero, said in [({"stage3_max_reuse_distance": 2 * numel}, "a block's parameters at once"),
+                       ({"stage3_max_reuse_distance": 2 * numel - 2}, f"module by module ({numel:,} parameters"),
+                       ({"stage3_max_live_parameters": numel - 1}, f"module by module ({numel:,} parameters"),
+                       ({"stage3_module_granularity_threshold": 0}, "module by module (the ds_config's"),
+                       ({"offload_param": {"device": "nvme"}}, "module by module (parameters offloaded to NVMe)")]:
+        model = built()
+        assert gather_blocks_whole(model, {"zero_optimization": {"stage": 3, **zero}}).startswith(said), zero
+        assert bool(leaves(model)) == said.startswith("a block's"), zero
+    model = built()
+    model.model.embed_tokens.weight.requires_grad_(False)
+    assert gather_blocks_whole(model, {"zero_optimization": {"stage": 3}}) == "module by module (frozen parameters)"
+    assert leaves(model) == []

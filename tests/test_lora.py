@@ -19,7 +19,7 @@ ARMS = {  # name -> (ranks, overrides); global batch 8 everywhere
     "fsdp": (2, ("strategy.name=fsdp", *M4)),
     "zero2": (2, ("strategy.name=zero", "strategy.stage=2", *M4)),
     "zero3": (2, ("strategy.name=zero", "strategy.stage=3", *M4)),
-    # one rank: ZeRO-3 keeps DeepSpeed's module-by-module gathers where a block holds frozen weights (engine.py's
+    # one rank: ZeRO-3 keeps DeepSpeed's module-by-module gathers where any weight is frozen (engine.py's
     # gather_blocks_whole; a block gathered whole lost its frozen weights before their backward)
     "zero3-1rank": (1, ("strategy.name=zero", "strategy.stage=3")),
 }

@@ -48,7 +48,7 @@ def lone_zero_note(recipe: Recipe, world_size: int) -> str | None:
     if s.name != "zero" or world_size != 1 or stage == 0 or s.offload_optimizer or s.offload_param or s.ds_config:
         return None
     return (f"[toolkit] zero stage {stage} on one rank shards nothing: it holds what single holds and pays "
-            "DeepSpeed's hooks (stage 3 ran 3.0× single's step on one H200 with a hook per module, 2.0× on a CPU "
+            "DeepSpeed's hooks (stage 3 ran 3.0× single's step on one H200 with a hook per module, 2.1× on a CPU "
             "gathering a block at a time, docs/benchmarks.md); "
             "strategy.name=single runs the same job, strategy.offload_optimizer=true fits a larger model")
 

@@ -34,7 +34,7 @@ from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, Strate
                                      each_micro_batch, first_dtype, forward_once, local_abs_max, no_context,
                                      optimizer_state_tensors)
 from toolkit.strategies.optim.adamw import param_groups, schedule_label
-from toolkit.strategies.zero import checkpoint as zero_checkpoint, init as zero_init
+from toolkit.strategies.zero import checkpoint as zero_checkpoint, init as zero_init, memory as zero_memory
 from toolkit.strategies.zero.comm import init_deepspeed_comm
 from toolkit.strategies.zero.config import configured_stage, hidden_size_of, offloads, resolve_ds_config, stage_of
 from toolkit.strategies.zero.optim import cpu_adam_like, optimizer_label_of
@@ -46,24 +46,38 @@ def gather_blocks_whole(model: nn.Module, config: dict) -> str:
     returns how it gathers, for the layout line. DeepSpeed's own unit is every module that holds parameters: each
     pays a Python forward hook, a backward hook, wrappers around its outputs and a fetch and release, ~0.6 ms a
     module on this CPU and on an H200's host alike (collectives.HOST_S_PER_TENSOR), which made a 1B Llama's step
-    at world size 1 3.0× single's (docs/benchmarks.md). On one rank a block as the unit holds nothing more: a
-    partition is the whole tensor, and what the step keeps gathered (memory.gathered_bytes) is at least a block
-    already. Measured (llama-tiny at 12 blocks, micro 2, accum 4, fp32, this CPU, `toolkit launch --nproc 1`):
-    1,219 -> 851 ms a step (single: 405), losses bit-equal. At 2 ranks it measured 1,078 -> 841 ms too, but
-    changes the calls its gathers and gradient buckets make (a unit's own gather beside its prefetch), which
-    collectives.py holds to the counter call for call: not done there yet. A ds_config that sets
-    stage3_module_granularity_threshold chooses DeepSpeed's units itself; a model without named blocks keeps
-    DeepSpeed's, and so does one with frozen parameters (LoRA's base weights): DeepSpeed 0.19 released a frozen
-    weight inside a leaf after the forward and did not gather it again for the backward ("size of tensor a (0)
-    must match", llama-tiny with model.lora)."""
+    at world size 1 3.0× single's (docs/benchmarks.md). Measured on this CPU (llama-tiny at 12 blocks, micro 2,
+    accum 4, fp32, `toolkit compare --nproc 1`): tokens/s 0.28× single's -> 0.49×, losses bit-equal.
+
+    Only where the step holds what it held before. DeepSpeed releases a unit after its forward unless the trace
+    meets its parameters again within stage3_max_reuse_distance elements, and when it releases a leaf it counts
+    the later modules' parameters recursively, the whole model at the root's backward entry: a block stays
+    gathered when the forward after it is within that distance, not half of it as memory.kept_gathered_numel
+    counts. So blocks are units only where the plan keeps the whole model gathered either way (all its
+    parameters within half the reuse distance and the live limit: DeepSpeed's defaults, models up to 500M).
+    DeepSpeed's units stay where: the model is larger; a ds_config sets stage3_module_granularity_threshold; the
+    parameters are offloaded to NVMe (a block's tensors at once outnumber its swap buffers, 5 by default); any
+    parameter is frozen (LoRA: DeepSpeed 0.19 released a frozen base weight inside a leaf after the forward and
+    did not gather it again for the backward, "size of tensor a (0) must match"); no blocks are found.
+    At 2 ranks blocks measured 1,078 -> 841 ms a step too, but change the calls of the gathers and gradient
+    buckets that collectives.py predicts call for call: not done there yet."""
     from deepspeed.utils import set_z3_leaf_module
 
-    threshold = config.get("zero_optimization", {}).get("stage3_module_granularity_threshold")
+    zero = config.get("zero_optimization", {})
+    threshold = zero.get("stage3_module_granularity_threshold")
     if threshold is not None:
         return "module by module (the ds_config's stage3_module_granularity_threshold 0)" if not threshold else \
             f"as the ds_config's stage3_module_granularity_threshold {threshold} sets"
+    if zero.get("offload_param", {}).get("device") == "nvme":
+        return "module by module (parameters offloaded to NVMe)"
     if not all(p.requires_grad for p in model.parameters()):
         return "module by module (frozen parameters)"
+    numel = sum(p.numel() for p in model.parameters())
+    kept = min(int(zero.get("stage3_max_reuse_distance", zero_memory.DEFAULT_REUSE_DISTANCE)) // 2,
+               int(zero.get("stage3_max_live_parameters", zero_memory.DEFAULT_MAX_LIVE)))
+    if numel > kept:
+        return (f"module by module ({numel:,} parameters, above the {kept:,} the step keeps gathered: blocks as "
+                "units would keep more)")
     try:
         blocks = layer_stack(model, guess=True)
     except RecipeError:
