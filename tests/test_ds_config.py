@@ -191,9 +191,6 @@ def test_zero3_takes_blocks_as_units_only_where_the_step_keeps_the_whole_model_g
         assert gather_blocks_whole(model, {"zero_optimization": {"stage": 3, **zero}}).startswith(said), zero
         assert bool(leaves(model)) == said.startswith("a block's"), zero
     model = built()
-    assert gather_blocks_whole(model, {"zero_optimization": {"stage": 3}}, compiled=True) == \
-        "module by module (compiled blocks)" and leaves(model) == []
-    model = built()
     model.model.embed_tokens.weight.requires_grad_(False)
     assert gather_blocks_whole(model, {"zero_optimization": {"stage": 3}}) == "module by module (frozen parameters)"
     assert leaves(model) == []

@@ -41,7 +41,7 @@ from toolkit.strategies.zero.optim import cpu_adam_like, optimizer_label_of
 from toolkit.strategies.zero.rules import INFO, OPTIONS, RULES, partitioned_at_creation  # noqa: F401 (OPTIONS: the registry reads it here)
 
 
-def gather_blocks_whole(model: nn.Module, config: dict, *, compiled: bool = False) -> str:
+def gather_blocks_whole(model: nn.Module, config: dict) -> str:
     """ZeRO-3 on one rank gathers each transformer block's parameters as one unit (DeepSpeed's leaf modules);
     returns how it gathers, for the layout line. DeepSpeed's own unit is every module that holds parameters: each
     pays a Python forward hook, a backward hook, wrappers around its outputs and a fetch and release, ~0.6 ms a
@@ -58,9 +58,7 @@ def gather_blocks_whole(model: nn.Module, config: dict, *, compiled: bool = Fals
     DeepSpeed's units stay where: the model is larger; a ds_config sets stage3_module_granularity_threshold; the
     parameters are offloaded to NVMe (a block's tensors at once outnumber its swap buffers, 5 by default); any
     parameter is frozen (LoRA: DeepSpeed 0.19 released a frozen base weight inside a leaf after the forward and
-    did not gather it again for the backward, "size of tensor a (0) must match"); the blocks are compiled
-    (train.compile: llama-tiny's first step had not finished after 5 minutes, against 5 s module by module on
-    this CPU); no blocks are found.
+    did not gather it again for the backward, "size of tensor a (0) must match"); no blocks are found.
     At 2 ranks blocks measured 1,078 -> 841 ms a step too, but change the calls of the gathers and gradient
     buckets that collectives.py predicts call for call: not done there yet."""
     from deepspeed.utils import set_z3_leaf_module
@@ -74,8 +72,6 @@ def gather_blocks_whole(model: nn.Module, config: dict, *, compiled: bool = Fals
         return "module by module (parameters offloaded to NVMe)"
     if not all(p.requires_grad for p in model.parameters()):
         return "module by module (frozen parameters)"
-    if compiled:
-        return "module by module (compiled blocks)"
     numel = sum(p.numel() for p in model.parameters())
     kept = min(int(zero.get("stage3_max_reuse_distance", zero_memory.DEFAULT_REUSE_DISTANCE)) // 2,
                int(zero.get("stage3_max_live_parameters", zero_memory.DEFAULT_MAX_LIVE)))
@@ -130,8 +126,7 @@ class ZeroStrategy:
         if optimizer is not None and self.offload_optimizer:
             optimizer = cpu_adam_like(optimizer)
         scheduler = None if "scheduler" in self.config else args.build_scheduler
-        one_rank_zero3 = self.stage == 3 and args.env.world_size == 1
-        self.gather_unit = gather_blocks_whole(model, self.config, compiled=recipe.train.compile) if one_rank_zero3 \
+        self.gather_unit = gather_blocks_whole(model, self.config) if self.stage == 3 and args.env.world_size == 1 \
             else ""
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.config,
