@@ -190,6 +190,13 @@ def test_zero3_takes_blocks_as_units_only_where_the_step_keeps_the_whole_model_g
         model = built()
         assert gather_blocks_whole(model, {"zero_optimization": {"stage": 3, **zero}}).startswith(said), zero
         assert bool(leaves(model)) == said.startswith("a block's"), zero
+    # a model built inside zero.Init holds empty tensors; DeepSpeed keeps each parameter's size in ds_numel
+    model = built()
+    for param in model.parameters():
+        param.ds_numel = param.numel()
+        param.data = torch.empty(0)
+    assert gather_blocks_whole(model, {"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 2 * numel - 2}}
+                               ).startswith(f"module by module ({numel:,} parameters")
     model = built()
     model.model.embed_tokens.weight.requires_grad_(False)
     assert gather_blocks_whole(model, {"zero_optimization": {"stage": 3}}) == "module by module (frozen parameters)"

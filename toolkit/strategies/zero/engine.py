@@ -72,7 +72,7 @@ def gather_blocks_whole(model: nn.Module, config: dict) -> str:
         return "module by module (parameters offloaded to NVMe)"
     if not all(p.requires_grad for p in model.parameters()):
         return "module by module (frozen parameters)"
-    numel = sum(p.numel() for p in model.parameters())
+    numel = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # zero.Init left partitions
     kept = min(int(zero.get("stage3_max_reuse_distance", zero_memory.DEFAULT_REUSE_DISTANCE)) // 2,
                int(zero.get("stage3_max_live_parameters", zero_memory.DEFAULT_MAX_LIVE)))
     if numel > kept:
