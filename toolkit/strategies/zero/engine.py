@@ -73,8 +73,7 @@ def gather_blocks_whole(model: nn.Module, config: dict) -> str:
     if not all(p.requires_grad for p in model.parameters()):
         return "module by module (frozen parameters)"
     numel = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # zero.Init left partitions
-    kept = min(int(zero.get("stage3_max_reuse_distance", zero_memory.DEFAULT_REUSE_DISTANCE)) // 2,
-               int(zero.get("stage3_max_live_parameters", zero_memory.DEFAULT_MAX_LIVE)))
+    kept = zero_memory.kept_gathered_limit(zero)
     if numel > kept:
         return (f"module by module ({numel:,} parameters, above the {kept:,} the step keeps gathered: blocks as "
                 "units would keep more)")

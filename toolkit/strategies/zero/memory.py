@@ -244,7 +244,11 @@ def kept_gathered_numel(model: nn.Module, recipe: Recipe, *, world_size: int) ->
     """Stage 3: the elements DeepSpeed keeps gathered from the end of the forward to their backward use (see
     gathered_bytes); the rest it gathers again in backward."""
     config = planned_config(model, recipe, world_size=world_size)
-    zero = config.get("zero_optimization", {})
-    return min(sum(p.numel() for p in model.parameters()),
-               int(zero.get("stage3_max_reuse_distance", DEFAULT_REUSE_DISTANCE)) // 2,
+    return min(sum(p.numel() for p in model.parameters()), kept_gathered_limit(config.get("zero_optimization", {})))
+
+
+def kept_gathered_limit(zero: dict) -> int:
+    """The most elements a ZeRO-3 step keeps gathered from the end of its forward (`zero`: the config's
+    zero_optimization): half the reuse distance, at most the live limit (see gathered_bytes)."""
+    return min(int(zero.get("stage3_max_reuse_distance", DEFAULT_REUSE_DISTANCE)) // 2,
                int(zero.get("stage3_max_live_parameters", DEFAULT_MAX_LIVE)))
