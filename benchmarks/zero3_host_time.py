@@ -86,7 +86,8 @@ def main() -> None:
     for name in args.cases.split(","):
         recipe, sets = CASES[name]
         tensors, samples = predicted_tensors(recipe, sets, nproc=args.nproc)
-        zero3 = run(recipe, [*ZERO3, *sets], nproc=args.nproc, steps=args.steps, threads=None,
+        # one rank: one thread, as the process it is set against (torch.distributed.run leaves a lone rank every core)
+        zero3 = run(recipe, [*ZERO3, *sets], nproc=args.nproc, steps=args.steps, threads=1 if args.nproc == 1 else None,
                     label=f"{name}: zero3 at {args.nproc} ranks")
         alone = run(recipe, [*sets, f"batch.global_batch_size={samples}"], nproc=1, steps=args.steps, threads=1,
                     label=f"{name}: one process at 1 thread, {samples} samples")

@@ -81,6 +81,32 @@ def test_collective_bytes_equal_the_counter_in_bf16(llama_runs, arm):
     assert_predicted(test_sharded.bf16_run(llama_runs, arm))
 
 
+@pytest.mark.parametrize("name, overrides", [
+    ("zero3-1rank", test_sharded.ONE_RANK_ZERO3),
+    ("zero3-1rank-ac", (*test_sharded.ONE_RANK_ZERO3, "train.activation_checkpointing=true")),
+    ("zero2-1rank", ("strategy.name=zero", "strategy.stage=2", *test_sharded.ONE_RANK_ZERO3[2:]))])
+def test_collective_bytes_equal_the_counter_at_world_size_one(llama_runs, name, overrides):
+    """DeepSpeed reduces every gradient bucket on one rank too (a call on a group of one, which the step-time model
+    prices as local copies and a call's fixed cost), and gathers nothing: a partition is the whole parameter. The
+    plan predicted no collective there. ZeRO-3 on one rank takes each block as a unit (order.block_units): a
+    block's gradients reach the buckets together, in the optimizer's group order, when its backward ends, which
+    sets the calls (the order backward finishes them, as for DeepSpeed's own units, counts more)."""
+    run = llama_runs.get(name, nproc=1, overrides=overrides)
+    assert_predicted(run)
+    if name.startswith("zero3"):
+        from toolkit.strategies.zero.collectives import bucket_calls
+        from toolkit.strategies.zero.memory import planned_config
+        from toolkit.strategies.zero.order import param_order
+
+        recipe = resolve(load_recipe(run / "recipe.yaml"), world_size=1)
+        model = planned_model(recipe)
+        bucket = planned_config(model, recipe, world_size=1)["zero_optimization"]["reduce_bucket_size"]
+        params = list(model.parameters())
+        module_order = bucket_calls([params[i].numel() for i in param_order(model, recipe).backward], int(bucket))
+        counted = json.loads((run / "run.json").read_text())["comm_per_step"]["calls_by_op"]["_reduce_scatter_base_"]
+        assert counted != 4 * module_order, (counted, module_order)
+
+
 @pytest.mark.parametrize("arm", list(LLAMA4))
 def test_collective_bytes_equal_the_counter_tp_and_pipelines(llama4_runs, arm):
     nproc, overrides = LLAMA4[arm]

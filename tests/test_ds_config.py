@@ -160,13 +160,15 @@ def test_deepspeeds_cpu_accelerator_counts_the_ranks_without_a_subprocess(monkey
 
 
 def test_zero3_takes_blocks_as_units_only_where_the_step_keeps_the_whole_model_gathered_either_way():
-    """gather_blocks_whole (one rank): each block a DeepSpeed leaf where the plan's gathered bytes hold both ways
-    (the model within half the reuse distance and the live limit); DeepSpeed's own units past that, and where a
-    ds_config sets the granularity, parameters go to NVMe or any is frozen."""
+    """order.block_units (one rank; engine.gather_blocks_whole marks them, the plan predicts with them): each block
+    a DeepSpeed leaf where the plan's gathered bytes hold both ways (the model within half the reuse distance and
+    the live limit); DeepSpeed's own units past that, where a ds_config sets the granularity, parameters go to
+    NVMe or any is frozen, and at 2+ ranks."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from toolkit.strategies.zero.engine import gather_blocks_whole
+    from toolkit.strategies.zero.order import block_units
 
     def built():
         torch.manual_seed(0)
@@ -176,28 +178,31 @@ def test_zero3_takes_blocks_as_units_only_where_the_step_keeps_the_whole_model_g
     def leaves(model) -> list[str]:
         return [name for name, m in model.named_modules() if getattr(m, "_z3_leaf", False)]
 
+    def said(model, zero: dict, world_size: int = 1) -> str:
+        blocks, text = block_units(model, {"zero_optimization": {"stage": 3, **zero}}, world_size=world_size)
+        assert bool(blocks) == text.startswith("a block's"), text
+        return text
+
     model = built()
     numel = sum(p.numel() for p in model.parameters())
-    assert gather_blocks_whole(model, {"zero_optimization": {"stage": 3}}) == \
+    assert gather_blocks_whole(model, {"zero_optimization": {"stage": 3}}, world_size=1) == \
         "a block's parameters at once (3 LlamaDecoderLayer)"
     assert leaves(model) == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    model = built()
+    assert gather_blocks_whole(model, {"zero_optimization": {"stage": 3}}, world_size=2) == "" and not leaves(model)
     # the whole model within half the reuse distance: blocks; one element past it, or past the live limit: not
-    for zero, said in [({"stage3_max_reuse_distance": 2 * numel}, "a block's parameters at once"),
-                       ({"stage3_max_reuse_distance": 2 * numel - 2}, f"module by module ({numel:,} parameters"),
-                       ({"stage3_max_live_parameters": numel - 1}, f"module by module ({numel:,} parameters"),
-                       ({"stage3_module_granularity_threshold": 0}, "module by module (the ds_config's"),
-                       ({"offload_param": {"device": "nvme"}}, "module by module (parameters offloaded to NVMe)")]:
-        model = built()
-        assert gather_blocks_whole(model, {"zero_optimization": {"stage": 3, **zero}}).startswith(said), zero
-        assert bool(leaves(model)) == said.startswith("a block's"), zero
+    for zero, start in [({"stage3_max_reuse_distance": 2 * numel}, "a block's parameters at once"),
+                        ({"stage3_max_reuse_distance": 2 * numel - 2}, f"module by module ({numel:,} parameters"),
+                        ({"stage3_max_live_parameters": numel - 1}, f"module by module ({numel:,} parameters"),
+                        ({"stage3_module_granularity_threshold": 0}, "module by module (the ds_config's"),
+                        ({"offload_param": {"device": "nvme"}}, "module by module (parameters offloaded to NVMe)")]:
+        assert said(built(), zero).startswith(start), zero
     # a model built inside zero.Init holds empty tensors; DeepSpeed keeps each parameter's size in ds_numel
     model = built()
     for param in model.parameters():
         param.ds_numel = param.numel()
         param.data = torch.empty(0)
-    assert gather_blocks_whole(model, {"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 2 * numel - 2}}
-                               ).startswith(f"module by module ({numel:,} parameters")
+    assert said(model, {"stage3_max_reuse_distance": 2 * numel - 2}).startswith(f"module by module ({numel:,} param")
     model = built()
     model.model.embed_tokens.weight.requires_grad_(False)
-    assert gather_blocks_whole(model, {"zero_optimization": {"stage": 3}}) == "module by module (frozen parameters)"
-    assert leaves(model) == []
+    assert said(model, {}) == "module by module (frozen parameters)"

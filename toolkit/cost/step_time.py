@@ -7,7 +7,9 @@ Each rule is written once, here, with its source:
   the rate it measured for the sequence length;
 - a collective: the ring algorithm's bytes and steps (collectives.wire_time_s) at the bandwidth of the links its
   group crosses (link_bandwidth: NVLink within a node; across nodes one NIC per rank of the group in a node),
-  at BUS_EFFICIENCY of their datasheet bandwidth (or the bus bandwidth calibrate measured);
+  at BUS_EFFICIENCY of their datasheet bandwidth (or the bus bandwidth calibrate measured); on a group of one
+  rank (ZeRO at world size 1 still calls one per gradient bucket) its local copies and, on a CPU, a fixed cost a
+  call (local_call_s);
 - overlap (Collective.overlap):
     compute   FSDP2 and ZeRO-3 gather the next unit while one computes and reduce its gradients while the next
               one's backward runs (FSDP2's implicit prefetch, torchtitan; ZeRO-3's prefetch bucket): all of it
@@ -225,7 +227,12 @@ def _communication(collectives: list[Collective], degrees: Degrees, cluster: Clu
                    backward_s: float, attention_s: float, bus_efficiency: float) -> list[Cost]:
     hw = cluster.hardware
     timed: list[tuple[Collective, float, str]] = []
+    memory = hw.measured.memory_bandwidth_bytes_per_s or hw.memory_bandwidth_bytes_per_s
     for c in collectives:
+        if c.group_size <= 1 and c.kind != "send":  # a call on one rank (ZeRO at world size 1): nothing on a link
+            timed.append((c, local_call_s(c, memory_bytes_per_s=memory, host_computes=not hw.overlaps_communication)
+                          / c.every, "in rank"))
+            continue
         per_node = ranks_per_node(c.group, c.group_size, degrees, cluster.gpus_per_node)
         bandwidth, latency, where = link_bandwidth(hw, size=c.group_size, per_node=per_node,
                                                    bus_efficiency=bus_efficiency)
@@ -254,6 +261,19 @@ def _communication(collectives: list[Collective], degrees: Degrees, cluster: Clu
             costs.append(Cost(what=_name(c, where), seconds=s, exposed_s=share))
     costs += [Cost(what=_name(c, where), seconds=s, exposed_s=s) for c, s, where in timed if c.overlap == "nothing"]
     return costs
+
+
+ONE_RANK_CALL_S = 0.22e-3  # a collective call on a one-rank gloo group, beyond its payload's passes (see below)
+
+
+def local_call_s(c: Collective, *, memory_bytes_per_s: float, host_computes: bool) -> float:
+    """A collective's calls on a group of one rank: nothing crosses a link, but each call still copies and averages
+    its payload, three passes over it at the memory bandwidth, and where the host computes (a CPU) pays the
+    library's fixed cost of a call. Fitted on this CPU (ZeRO-3 at world size 1, `python
+    benchmarks/zero3_host_time.py --nproc 1`, time inside its 1-rank reduce-scatters, 2026-12-06): llama-tiny 23 ms
+    a step for 62 calls of 37 MB, minilm-sst 67 for 96 of 182 MB give 0.22 ms a call and 3.0 passes; the other
+    two cases then come within 10 % (minilm at micro 8: 133 ms predicted, 138 measured; moe-tiny 23, 21)."""
+    return 3 * c.payload_bytes / memory_bytes_per_s + (c.calls * ONE_RANK_CALL_S if host_computes else 0.0)
 
 
 def _name(c: Collective, where: str) -> str:

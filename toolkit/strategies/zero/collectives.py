@@ -18,6 +18,10 @@ read from the collective counter on CPU and held to it byte for byte (tests/test
   all decayed: 1) of 4 bytes at stages 1-2 and 8 at stage 3 (4 with its optimizer offloaded: the CPU
   optimizer's norm), and at stages 1-2 in a 16-bit precision one byte more in a call of its own (the overflow
   flag; measured in bf16).
+At world size 1 DeepSpeed gathers nothing (a partition is the whole parameter; stages 1-2 gather no updated
+partition either) but calls every other collective above on its group of one: held to the counter as well, and
+priced as local copies (cost/step_time.local_call_s). ZeRO-3 there takes each block as a unit (order.block_units),
+which changes the order its gradients reach the buckets (order.leaf_backward).
 Calls are held to the counter too: the tiny Llama's stage 1 makes 15 gradient all-reduces a step where a bucket
 count (its gradients' bytes over the bucket's) said 1,929.
 """
@@ -35,7 +39,7 @@ from toolkit.model.precision import DTYPES
 from toolkit.strategies.optim.adamw import param_groups
 from toolkit.strategies.zero import memory
 from toolkit.strategies.zero.config import offloads, stage_of
-from toolkit.strategies.zero.order import param_order
+from toolkit.strategies.zero.order import block_units, leaf_backward, param_order
 
 DEFAULT_PREFETCH_BUCKET = 50_000_000  # stage3_prefetch_bucket_size's default (elements)
 
@@ -50,14 +54,13 @@ NORM_BYTES = {0: 4, 1: 4, 2: 4, 3: 8}  # measured: each gradient norm's all-redu
 # (micro 8), llama-tiny 0.52, moe-tiny 0.60. Charged only where the host also computes (a CPU profile). On a GPU
 # it is not charged yet, although the host does not run ahead there: one H200 at world size 1 (docs/benchmarks.md,
 # 2026-12-04) ran a 1B Llama's ZeRO-3 step in 584 ms of which its kernels took 180 (single's: 195 ms a step), about
-# the 0.6 ms of ~600 tensor visits; at world size 1 these rules count no collectives, and no multi-GPU step has
-# been measured to tell how the host time adds to the device's there.
+# the 0.6 ms of ~600 tensor visits; no multi-GPU step has been measured to tell how the host time adds to the
+# device's there. At world size 1 (each block a unit: order.block_units) the same benchmark with --nproc 1 measured
+# 0.61-1.28 ms a tensor on this CPU (docs/benchmarks.md), charged at this constant as well.
 HOST_S_PER_TENSOR = 0.6e-3
 
 
 def predict(model: nn.Module, recipe: Recipe, *, world_size: int, num_micro_batches: int) -> list[Collective]:
-    if world_size == 1:
-        return []
     config = memory.planned_config(model, recipe, world_size=world_size)
     stage, zero = stage_of(config), config.get("zero_optimization", {})
     size = element_bytes(memory.param_dtype(recipe))
@@ -90,9 +93,12 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, num_micro_batc
             [params[i].numel() for i in param_order(model, recipe).backward]
         # beside backward only with overlap_comm (DeepSpeed's default: on for stage 3 alone)
         overlapped = "backward" if zero.get("overlap_comm", False) else "nothing"
+        # one rank: a partition is the whole group, which DeepSpeed does not gather
+        gathered = len(groups) if world_size > 1 else 0
         return [entry("allreduce_", reductions * grads, reductions * bucket_calls(numels, bucket), "backward",
                       "gradients", overlapped),
-                entry("_allgather_base_", partitions * size, len(groups), "step", "updated partitions"), checks]
+                entry("_allgather_base_", partitions * size if gathered else 0, gathered, "step",
+                      "updated partitions"), checks]
     threshold = int(zero.get("stage3_param_persistence_threshold", 0))
     shards = [math.ceil(p.numel() / world_size) for p in model.parameters()]
     whole = [s for p, s in zip(model.parameters(), shards) if p.numel() < threshold]
@@ -108,7 +114,13 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, num_micro_batc
     groups = [[params[i].numel() for i in group if params[i].numel() >= threshold] for group in order.forward]
     released = _released(groups, kept=kept)
     calls = prefetch_calls(groups, prefetch) + prefetch_calls(released[::-1], prefetch)
-    reduced = [params[i].numel() for i in order.backward]
+    blocks, _ = block_units(model, config, world_size=world_size)
+    backward = leaf_backward(model, order.backward, blocks, [g["params"] for g in param_groups(model, recipe.optim)]) \
+        if blocks else order.backward
+    reduced = [params[i].numel() for i in backward]
+    if world_size == 1:  # a partition is the whole parameter: no gather is called, the hooks still fetch each
+        gathers = calls = 0
+        whole = []
     return [entry("_allgather_base_", gathers * size, num_micro_batches * calls + len(whole), "forward",
                   "parameters", "compute", tensors=num_micro_batches * len(parted) + len(whole)),
             entry("_reduce_scatter_base_", num_micro_batches * padded_grads,

@@ -25,7 +25,6 @@ from toolkit.checkpoint.state import Read, load_schedule_state, schedule_state
 from toolkit.config.parallel import Degrees
 from toolkit.config.recipe import Recipe, plan_batch
 from toolkit.errors import RecipeError
-from toolkit.model.blocks import layer_stack
 from toolkit.model.build import hf_config
 from toolkit.model.precision import StepResult, dtype_name
 from toolkit.model.tied import without_tied_aliases
@@ -34,56 +33,24 @@ from toolkit.strategies.base import (LossSum, Replicas, SetupArgs, Share, Strate
                                      each_micro_batch, first_dtype, forward_once, local_abs_max, no_context,
                                      optimizer_state_tensors)
 from toolkit.strategies.optim.adamw import param_groups, schedule_label
-from toolkit.strategies.zero import checkpoint as zero_checkpoint, init as zero_init, memory as zero_memory
+from toolkit.strategies.zero import checkpoint as zero_checkpoint, init as zero_init
 from toolkit.strategies.zero.comm import init_deepspeed_comm
 from toolkit.strategies.zero.config import configured_stage, hidden_size_of, offloads, resolve_ds_config, stage_of
 from toolkit.strategies.zero.optim import cpu_adam_like, optimizer_label_of
+from toolkit.strategies.zero.order import block_units
 from toolkit.strategies.zero.rules import INFO, OPTIONS, RULES, partitioned_at_creation  # noqa: F401 (OPTIONS: the registry reads it here)
 
 
-def gather_blocks_whole(model: nn.Module, config: dict) -> str:
-    """ZeRO-3 on one rank gathers each transformer block's parameters as one unit (DeepSpeed's leaf modules);
-    returns how it gathers, for the layout line. DeepSpeed's own unit is every module that holds parameters: each
-    pays a Python forward hook, a backward hook, wrappers around its outputs and a fetch and release, ~0.6 ms a
-    module on this CPU and on an H200's host alike (collectives.HOST_S_PER_TENSOR), which made a 1B Llama's step
-    at world size 1 3.0× single's (docs/benchmarks.md). Measured on this CPU (llama-tiny at 12 blocks, micro 2,
-    accum 4, fp32, `toolkit compare --nproc 1`): tokens/s 0.28× single's -> 0.49×, losses bit-equal.
-
-    Only where the step holds what it held before. DeepSpeed releases a unit after its forward unless the trace
-    meets its parameters again within stage3_max_reuse_distance elements, and when it releases a leaf it counts
-    the later modules' parameters recursively, the whole model at the root's backward entry: a block stays
-    gathered when the forward after it is within that distance, not half of it as memory.kept_gathered_numel
-    counts. So blocks are units only where the plan keeps the whole model gathered either way (all its
-    parameters within half the reuse distance and the live limit: DeepSpeed's defaults, models up to 500M).
-    DeepSpeed's units stay where: the model is larger; a ds_config sets stage3_module_granularity_threshold; the
-    parameters are offloaded to NVMe (a block's tensors at once outnumber its swap buffers, 5 by default); any
-    parameter is frozen (LoRA: DeepSpeed 0.19 released a frozen base weight inside a leaf after the forward and
-    did not gather it again for the backward, "size of tensor a (0) must match"); no blocks are found.
-    At 2 ranks blocks measured 1,078 -> 841 ms a step too, but change the calls of the gathers and gradient
-    buckets that collectives.py predicts call for call: not done there yet."""
+def gather_blocks_whole(model: nn.Module, config: dict, *, world_size: int) -> str:
+    """Marks each transformer block a DeepSpeed leaf module where order.block_units takes blocks as ZeRO-3's
+    units of gathering (the rule and its measurements are there: the plan predicts with the same one); returns
+    how the parameters are gathered, for the layout line ("" at 2+ ranks: DeepSpeed's own units, unsaid)."""
     from deepspeed.utils import set_z3_leaf_module
 
-    zero = config.get("zero_optimization", {})
-    threshold = zero.get("stage3_module_granularity_threshold")
-    if threshold is not None:
-        return "module by module (the ds_config's stage3_module_granularity_threshold 0)" if not threshold else \
-            f"as the ds_config's stage3_module_granularity_threshold {threshold} sets"
-    if zero.get("offload_param", {}).get("device") == "nvme":
-        return "module by module (parameters offloaded to NVMe)"
-    if not all(p.requires_grad for p in model.parameters()):
-        return "module by module (frozen parameters)"
-    numel = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # zero.Init left partitions
-    kept = zero_memory.kept_gathered_limit(zero)
-    if numel > kept:
-        return (f"module by module ({numel:,} parameters, above the {kept:,} the step keeps gathered: blocks as "
-                "units would keep more)")
-    try:
-        blocks = layer_stack(model, guess=True)
-    except RecipeError:
-        return "module by module (no transformer blocks named)"
+    blocks, said = block_units(model, config, world_size=world_size)
     for block in blocks:
         set_z3_leaf_module(block, True)
-    return f"a block's parameters at once ({len(blocks)} {type(blocks[0]).__name__})"
+    return said
 
 
 class ZeroStrategy:
@@ -125,8 +92,8 @@ class ZeroStrategy:
         if optimizer is not None and self.offload_optimizer:
             optimizer = cpu_adam_like(optimizer)
         scheduler = None if "scheduler" in self.config else args.build_scheduler
-        self.gather_unit = gather_blocks_whole(model, self.config) if self.stage == 3 and args.env.world_size == 1 \
-            else ""
+        self.gather_unit = gather_blocks_whole(model, self.config, world_size=args.env.world_size) \
+            if self.stage == 3 else ""
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.config,
             model_parameters=param_groups(model, recipe.optim) if optimizer is None else None)

@@ -17,6 +17,7 @@ from torch import nn
 
 from toolkit.config.recipe import Recipe
 from toolkit.memory.activations import cut_blocks, fake_grouped_mm, give_pad_token
+from toolkit.strategies.zero.memory import kept_gathered_limit
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,76 @@ class ParamOrder:
     the trainable ones in the order backward finishes their gradients (those it leaves without one last)."""
     forward: tuple[tuple[int, ...], ...]
     backward: tuple[int, ...]
+
+
+def block_units(model: nn.Module, config: dict, *, world_size: int) -> tuple[list[nn.Module], str]:
+    """(the blocks ZeRO-3 gathers as one unit each, how it gathers for the layout line): DeepSpeed's leaf modules,
+    set by engine.gather_blocks_whole before deepspeed.initialize, read by the plan's rules (collectives.py: the
+    order their gradients reach the buckets). No blocks: DeepSpeed's own units, each module that holds
+    parameters; the text says why, "" at 2+ ranks.
+
+    DeepSpeed's own unit pays a Python forward hook, a backward hook, wrappers around its outputs and a fetch and
+    release per module, which made a 1B Llama's step at world size 1 3.0x single's on an H200
+    (docs/benchmarks.md). Blocks as units measured on this CPU (llama-tiny at 12 blocks, micro 2, accum 4, fp32,
+    `toolkit compare --nproc 1`): tokens/s 0.28x single's -> 0.49x, losses bit-equal.
+
+    Only where the step holds what it held before. DeepSpeed releases a unit after its forward unless the trace
+    meets its parameters again within stage3_max_reuse_distance elements, and when it releases a leaf it counts
+    the later modules' parameters recursively, the whole model at the root's backward entry: a block stays
+    gathered when the forward after it is within that distance, not half of it as memory.kept_gathered_numel
+    counts. So blocks are units only where the plan keeps the whole model gathered either way (all its
+    parameters within half the reuse distance and the live limit: DeepSpeed's defaults, models up to 500M).
+    DeepSpeed's units stay where: the model is larger; a ds_config sets stage3_module_granularity_threshold; the
+    parameters are offloaded to NVMe (a block's tensors at once outnumber its swap buffers, 5 by default); any
+    parameter is frozen (LoRA: DeepSpeed 0.19 released a frozen base weight inside a leaf after the forward and
+    did not gather it again for the backward, "size of tensor a (0) must match"); no blocks are found; 2+ ranks:
+    there blocks measured 1,078 -> 841 ms a step too, but they change the calls of the gathers that
+    collectives.py predicts call for call (every module of DeepSpeed's trace prefetches, those without
+    parameters too, which order.py's trace does not hook): not done there yet."""
+    from toolkit.errors import RecipeError
+    from toolkit.model.blocks import layer_stack
+
+    if world_size > 1:
+        return [], ""
+    zero = config.get("zero_optimization", {})
+    threshold = zero.get("stage3_module_granularity_threshold")
+    if threshold is not None:
+        return [], ("module by module (the ds_config's stage3_module_granularity_threshold 0)" if not threshold
+                    else f"as the ds_config's stage3_module_granularity_threshold {threshold} sets")
+    if zero.get("offload_param", {}).get("device") == "nvme":
+        return [], "module by module (parameters offloaded to NVMe)"
+    if not all(p.requires_grad for p in model.parameters()):
+        return [], "module by module (frozen parameters)"
+    numel = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # zero.Init left partitions
+    kept = kept_gathered_limit(zero)
+    if numel > kept:
+        return [], (f"module by module ({numel:,} parameters, above the {kept:,} the step keeps gathered: blocks as "
+                    "units would keep more)")
+    try:
+        blocks = list(layer_stack(model, guess=True))
+    except RecipeError:
+        return [], "module by module (no transformer blocks named)"
+    return blocks, f"a block's parameters at once ({len(blocks)} {type(blocks[0]).__name__})"
+
+
+def leaf_backward(model: nn.Module, backward: tuple[int, ...], blocks: list[nn.Module],
+                  groups: list[list[nn.Parameter]]) -> list[int]:
+    """The order gradients reach ZeRO-3's buckets where `blocks` are leaf modules (DeepSpeed 0.19's
+    create_reduce_and_remove_grad_hooks): a parameter outside them as backward finishes it (`backward`, ParamOrder's);
+    a block's, all at once when its backward ends (its full backward hook, which fires after its first op's
+    gradients), in the order of the optimizer's parameter groups (`groups`: decayed matrices, then the norms, each
+    in registration order), where backward finishes its last."""
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    rank = {index[id(p)]: n for n, p in enumerate(p for group in groups for p in group)}
+    block_of = {index[id(p)]: b for b, block in enumerate(blocks) for p in block.parameters()}
+    last = {block_of[i]: at for at, i in enumerate(backward) if i in block_of}
+    out: list[int] = []
+    for at, i in enumerate(backward):
+        if i not in block_of:
+            out.append(i)
+        elif last[block_of[i]] == at:
+            out += sorted((j for j in backward if block_of.get(j) == block_of[i]), key=lambda j: rank[j])
+    return out
 
 
 TRACED_BLOCKS = 2  # the blocks of a stack that are traced: the first two, their one order repeated for the rest
