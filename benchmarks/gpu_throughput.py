@@ -39,7 +39,7 @@ MODEL = {"model_type": "llama", "vocab_size": 30522, "hidden_size": 2048, "inter
 STRATEGIES = {"single": ["strategy.name=single"], "fsdp": ["strategy.name=fsdp"],
               "zero3": ["strategy.name=zero", "strategy.stage=3"],
               # ZeRO-3 keeping the whole 1B model gathered (reuse distance and live limit 4e9, the same buckets), so
-              # that on one rank it gathers a block at a time (zero/engine.py's gather_blocks_whole); zero3 at
+              # that on one rank it gathers a block at a time (zero/order.py's block_units); zero3 at
               # DeepSpeed's defaults (1e9) gathers this model module by module
               "zero3-blocks": ["strategy.name=zero", f"strategy.ds_config={REPO}/benchmarks/data/zero3-blocks.json"]}
 VARIANTS = {"": [], "+ac": ["train.activation_checkpointing=true"], "+compile": ["train.compile=true"],

@@ -206,3 +206,36 @@ def test_zero3_takes_blocks_as_units_only_where_the_step_keeps_the_whole_model_g
     model = built()
     model.model.embed_tokens.weight.requires_grad_(False)
     assert said(model, {}) == "module by module (frozen parameters)"
+
+
+def test_a_leaf_blocks_gradients_reach_the_buckets_together_where_its_backward_ends():
+    """order.leaf_backward (DeepSpeed 0.19's hook on a leaf module's backward): a block's gradients in the
+    optimizer's group order (matrices, then norms), where backward finishes its last, after the next block's and
+    before the embedding's; a block parameter backward never reaches (DeepSpeed zero-fills its gradient) stays
+    with its block, not at the end, where ParamOrder puts what backward left unfinished."""
+    import torch
+    from torch import nn
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.config.recipe import OptimConfig
+    from toolkit.strategies.optim.adamw import param_groups
+    from toolkit.strategies.zero.order import leaf_backward, whole_order
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+    model.model.layers[0].unused = nn.Parameter(torch.zeros(3, 3))
+    names = [name for name, _ in model.named_parameters()]
+    order = whole_order(model)
+    assert names[order.backward[-1]] == "model.layers.0.unused"  # left unfinished: last
+    got = [names[i] for i in leaf_backward(model, order, list(model.model.layers),
+                                           [g["params"] for g in param_groups(model, OptimConfig())])]
+    assert sorted(got) == sorted(names)
+    layer = [[n for n in got if n.startswith(f"model.layers.{b}.")] for b in (0, 1)]
+    start = got.index(layer[1][0])
+    assert got[start:start + len(layer[1]) + len(layer[0])] == layer[1] + layer[0]  # block 1's, then block 0's
+    assert got[-1] == "model.embed_tokens.weight"  # its gradient finishes after the first block's backward
+    # the matrices (the unused one first: a module's own parameters come before its children's), then the norms
+    assert layer[0] == ["model.layers.0.unused", *(f"model.layers.0.{m}.weight" for m in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"))]

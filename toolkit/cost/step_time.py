@@ -229,6 +229,8 @@ def _communication(collectives: list[Collective], degrees: Degrees, cluster: Clu
     timed: list[tuple[Collective, float, str]] = []
     memory = hw.measured.memory_bandwidth_bytes_per_s or hw.memory_bandwidth_bytes_per_s
     for c in collectives:
+        if not c.calls:  # none made (ZeRO-3's gathers on one rank: its host time is still charged, below)
+            continue
         if c.group_size <= 1 and c.kind != "send":  # a call on one rank (ZeRO at world size 1): nothing on a link
             timed.append((c, local_call_s(c, memory_bytes_per_s=memory, host_computes=not hw.overlaps_communication)
                           / c.every, "in rank"))
@@ -272,7 +274,8 @@ def local_call_s(c: Collective, *, memory_bytes_per_s: float, host_computes: boo
     library's fixed cost of a call. Fitted on this CPU (ZeRO-3 at world size 1, `python
     benchmarks/zero3_host_time.py --nproc 1`, time inside its 1-rank reduce-scatters, 2026-12-06): llama-tiny 23 ms
     a step for 62 calls of 37 MB, minilm-sst 67 for 96 of 182 MB give 0.22 ms a call and 3.0 passes; the other
-    two cases then come within 10 % (minilm at micro 8: 133 ms predicted, 138 measured; moe-tiny 23, 21)."""
+    two cases then come within 10 % (minilm at micro 8: 133 ms predicted, 138 measured; moe-tiny 23, 21). On a
+    GPU the passes alone, at its memory bandwidth: NCCL's cost of a call on one GPU has not been measured here."""
     return 3 * c.payload_bytes / memory_bytes_per_s + (c.calls * ONE_RANK_CALL_S if host_computes else 0.0)
 
 

@@ -22,7 +22,7 @@ def enable_activation_checkpointing(model: nn.Module, recompute: str = "full") -
     it composes with every strategy: it checkpoints a block's `forward`, so hooks on the block (FSDP2's
     all-gather, which its pre-backward hook repeats before the recomputation needs the weights) stay outside
     the checkpoint; ZeRO-3 fetches through hooks on every submodule, which run again inside it (on one rank
-    the block itself is its unit, hooked outside as FSDP2's: zero/engine.py's gather_blocks_whole); pipeline
+    the block itself is its unit, hooked outside as FSDP2's: zero/order.py's block_units); pipeline
     stages keep the layers, flag included."""
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise RecipeError(f"train.activation_checkpointing: {type(model).__name__} has no transformer block list "

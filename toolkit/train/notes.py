@@ -40,8 +40,8 @@ def recipe_notes(recipe: Recipe, tokenizer, *, total_steps: int | None, world_si
 def lone_zero_note(recipe: Recipe, world_size: int) -> str | None:
     """ZeRO on one rank without offload shards nothing and keeps what single keeps, yet pays DeepSpeed's
     per-parameter hooks: stage 3 ran a 1B Llama's step in 584 ms on one H200 against single's 195
-    (docs/benchmarks.md), before stage 3 on one rank gathered a block at a time (zero/engine.py's
-    gather_blocks_whole: 0.28× single -> 0.49× on this CPU; the GPU not re-measured). Said, not refused: the same
+    (docs/benchmarks.md), before stage 3 on one rank gathered a block at a time (zero/order.py's
+    block_units: 0.28× single -> 0.49× on this CPU; the GPU not re-measured). Said, not refused: the same
     recipe at more ranks, or a comparison, is what it is for."""
     s = recipe.strategy
     stage = 2 if s.stage is None else s.stage

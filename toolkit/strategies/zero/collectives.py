@@ -115,7 +115,7 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, num_micro_batc
     released = _released(groups, kept=kept)
     calls = prefetch_calls(groups, prefetch) + prefetch_calls(released[::-1], prefetch)
     blocks, _ = block_units(model, config, world_size=world_size)
-    backward = leaf_backward(model, order.backward, blocks, [g["params"] for g in param_groups(model, recipe.optim)]) \
+    backward = leaf_backward(model, order, blocks, [g["params"] for g in param_groups(model, recipe.optim)]) \
         if blocks else order.backward
     reduced = [params[i].numel() for i in backward]
     if world_size == 1:  # a partition is the whole parameter: no gather is called, the hooks still fetch each

@@ -27,6 +27,7 @@ class ParamOrder:
     the trainable ones in the order backward finishes their gradients (those it leaves without one last)."""
     forward: tuple[tuple[int, ...], ...]
     backward: tuple[int, ...]
+    finished: int  # how many of `backward`, from its start, backward finished (the rest: none traced)
 
 
 def block_units(model: nn.Module, config: dict, *, world_size: int) -> tuple[list[nn.Module], str]:
@@ -52,7 +53,10 @@ def block_units(model: nn.Module, config: dict, *, world_size: int) -> tuple[lis
     did not gather it again for the backward, "size of tensor a (0) must match"); no blocks are found; 2+ ranks:
     there blocks measured 1,078 -> 841 ms a step too, but they change the calls of the gathers that
     collectives.py predicts call for call (every module of DeepSpeed's trace prefetches, those without
-    parameters too, which order.py's trace does not hook): not done there yet."""
+    parameters too, which order.py's trace does not hook): not done there yet. Not modelled: the leaves DeepSpeed
+    makes itself (zero_optimization.leaf_module, whose defaults include the Mixtral, Qwen2-MoE and Qwen3-MoE sparse
+    MoE blocks, and stage3_module_granularity_threshold > 0); the plan orders their gradients as backward finishes
+    them."""
     from toolkit.errors import RecipeError
     from toolkit.model.blocks import layer_stack
 
@@ -79,24 +83,30 @@ def block_units(model: nn.Module, config: dict, *, world_size: int) -> tuple[lis
     return blocks, f"a block's parameters at once ({len(blocks)} {type(blocks[0]).__name__})"
 
 
-def leaf_backward(model: nn.Module, backward: tuple[int, ...], blocks: list[nn.Module],
+def leaf_backward(model: nn.Module, order: ParamOrder, blocks: list[nn.Module],
                   groups: list[list[nn.Parameter]]) -> list[int]:
     """The order gradients reach ZeRO-3's buckets where `blocks` are leaf modules (DeepSpeed 0.19's
-    create_reduce_and_remove_grad_hooks): a parameter outside them as backward finishes it (`backward`, ParamOrder's);
-    a block's, all at once when its backward ends (its full backward hook, which fires after its first op's
+    create_reduce_and_remove_grad_hooks): a parameter outside them as backward finishes it (`order.backward`); a
+    block's, all at once when its backward ends (its full backward hook, which fires after its first op's
     gradients), in the order of the optimizer's parameter groups (`groups`: decayed matrices, then the norms, each
-    in registration order), where backward finishes its last."""
+    in registration order), where backward finishes the last of them. A block parameter backward never reaches
+    is reduced with its block (DeepSpeed fills its gradient with zeros); a block none of whose gradients backward
+    finishes, at the end."""
     index = {id(p): i for i, p in enumerate(model.parameters())}
     rank = {index[id(p)]: n for n, p in enumerate(p for group in groups for p in group)}
     block_of = {index[id(p)]: b for b, block in enumerate(blocks) for p in block.parameters()}
-    last = {block_of[i]: at for at, i in enumerate(backward) if i in block_of}
+    own = [sorted({index[id(p)] for p in block.parameters() if index[id(p)] in rank}, key=lambda i: rank[i])
+           for block in blocks]
+    finished = order.backward[:order.finished]
+    last = {block_of[i]: at for at, i in enumerate(finished) if i in block_of}
     out: list[int] = []
-    for at, i in enumerate(backward):
+    for at, i in enumerate(finished):
         if i not in block_of:
             out.append(i)
         elif last[block_of[i]] == at:
-            out += sorted((j for j in backward if block_of.get(j) == block_of[i]), key=lambda j: rank[j])
-    return out
+            out += own[block_of[i]]
+    out += [i for i in order.backward[order.finished:] if i not in block_of]
+    return out + [i for b, params in enumerate(own) if b not in last for i in params]
 
 
 TRACED_BLOCKS = 2  # the blocks of a stack that are traced: the first two, their one order repeated for the rest
@@ -212,7 +222,7 @@ def _registered(model: nn.Module) -> ParamOrder:
     groups = [own for own in (_first_met(module, index, seen) for module in model.modules()) if own]
     params = list(model.parameters())
     backward = tuple(i for group in reversed(groups) for i in reversed(group) if params[i].requires_grad)
-    return ParamOrder(forward=tuple(groups), backward=backward)
+    return ParamOrder(forward=tuple(groups), backward=backward, finished=len(backward))
 
 
 _TRACED: dict[tuple, ParamOrder] = {}
@@ -238,7 +248,8 @@ def _completed(model: nn.Module, forward: list[tuple[int, ...]], backward: list[
     unused = tuple(i for i in range(len(params)) if i not in seen)
     finished = set(backward)
     left = [i for i, p in enumerate(params) if p.requires_grad and i not in finished]
-    return ParamOrder(forward=(*forward, *((unused,) if unused else ())), backward=(*backward, *left))
+    return ParamOrder(forward=(*forward, *((unused,) if unused else ())), backward=(*backward, *left),
+                      finished=len(backward))
 
 
 def _trace(model: nn.Module) -> tuple[list[tuple[int, ...]], list[int]]:
