@@ -76,7 +76,8 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, num_micro_batc
                           phase=phase, what=what, overlap=overlap, host_s=tensors * HOST_S_PER_TENSOR)
 
     flag = 1 if stage in (1, 2) and recipe.precision != "fp32" else 0
-    groups = [[p.numel() for p in g["params"]] for g in param_groups(model, recipe.optim) if g["params"]]
+    optimizer_groups = [g["params"] for g in param_groups(model, recipe.optim) if g["params"]]
+    groups = [[p.numel() for p in params] for params in optimizer_groups]
     # a gradient norm per optimizer parameter group holding parameters (stages 1-3), the engine's one (stage 0)
     norms = 1 if stage == 0 else len(groups)
     norm_bytes = 4 if stage == 3 and offloads(config)[0] else NORM_BYTES[stage]
@@ -115,8 +116,7 @@ def predict(model: nn.Module, recipe: Recipe, *, world_size: int, num_micro_batc
     released = _released(groups, kept=kept)
     calls = prefetch_calls(groups, prefetch) + prefetch_calls(released[::-1], prefetch)
     blocks, _ = block_units(model, config, world_size=world_size)
-    backward = leaf_backward(model, order, blocks, [g["params"] for g in param_groups(model, recipe.optim)]) \
-        if blocks else order.backward
+    backward = leaf_backward(model, order, blocks, optimizer_groups) if blocks else order.backward
     reduced = [params[i].numel() for i in backward]
     if world_size == 1:  # a partition is the whole parameter: no gather is called, the hooks still fetch each
         gathers = calls = 0
