@@ -11,7 +11,7 @@ import torch
 
 from conftest import REPO
 from toolkit.config.files import load_recipe
-from toolkit.memory.activations import traced_activations
+from toolkit.memory.activations import OpCount, traced_activations, traced_ops
 from toolkit.plan.predict import planned_model, predict, tied_gradient_bytes
 
 # big enough that the blocks, not the head, hold most of it: 4 blocks of hidden 512, a 4096-token vocabulary
@@ -63,9 +63,15 @@ def test_a_trace_is_cached_and_a_different_micro_batch_is_traced_anew(tmp_path, 
     model = planned_model(recipe)
     first = traced_activations(model, recipe, params_dtype=torch.float32, autocast_dtype=None, checkpointing=False)
     [entry] = (tmp_path / "activations").iterdir()
-    entry.write_text(json.dumps({"bytes": 12345}))  # what the next identical trace reads instead of tracing
+    # what the next identical trace reads instead of tracing, the op count (traced_ops) from the same entry
+    entry.write_text(json.dumps({"bytes": 12345, "ops": 77, "block_ops": 7}))
     assert traced_activations(model, recipe, params_dtype=torch.float32, autocast_dtype=None,
                               checkpointing=False) == 12345
+    assert traced_ops(model, recipe, params_dtype=torch.float32, autocast_dtype=None,
+                      checkpointing=False) == OpCount(total=77, per_block=7)
+    entry.write_text(json.dumps({"bytes": 12345}))  # an entry written before ops were counted: traced again
+    assert traced_activations(model, recipe, params_dtype=torch.float32, autocast_dtype=None,
+                              checkpointing=False) == first
     longer = small_recipe("batch.micro_batch_size=8")
     assert traced_activations(planned_model(longer), longer, params_dtype=torch.float32, autocast_dtype=None,
                               checkpointing=False) > first

@@ -21,7 +21,8 @@ def profile_at(threads: int, *, matmul: float = 8e10, loss: float = 6e-9) -> Har
                     host_link=LINK, gpus_per_node=2, compute_efficiency=1.0, overlaps_communication=False,
                     measured=Measured(matmul_flops_per_s=matmul, matmul_dtype="fp32", memory_bandwidth_bytes_per_s=2e10,
                                       attention_flops_per_s={"64": 1e10, "1024": 3e10}, bus_bandwidth_bytes_per_s=1e9,
-                                      loss_seconds_per_logit=loss, num_ranks=2, threads=threads))
+                                      loss_seconds_per_logit=loss, num_ranks=2, threads=threads,
+                                      seconds_per_op=2e-5))
 
 
 @pytest.mark.parametrize("threads, world, cores, want", [
@@ -50,6 +51,16 @@ def test_rates_follow_the_cores_from_what_was_measured_not_from_an_earlier_scali
     two = calibrate.at_cores(half, 2.0)
     assert two.measured.matmul_flops_per_s == 1.6e11 and two.measured.loss_seconds_per_logit == pytest.approx(3e-9)
     assert calibrate.at_cores(measured, 1.0) is measured
+
+
+def test_an_ops_host_time_is_one_threads_slower_on_a_shared_core_no_faster_on_more():
+    """An op's dispatch runs on the rank's one Python thread: half a core (4 ranks on 2 cores) doubles it, more
+    threads than one do not shorten it."""
+    one = profile_at(1)
+    assert calibrate.at_cores(one, 0.5).measured.seconds_per_op == pytest.approx(4e-5)
+    assert calibrate.at_cores(one, 2.0).measured.seconds_per_op == pytest.approx(2e-5)
+    assert calibrate.at_cores(calibrate.at_cores(one, 0.5), 2.0).measured.seconds_per_op == pytest.approx(2e-5)
+    assert calibrate.at_cores(profile_at(2), 0.5).measured.seconds_per_op == pytest.approx(4e-5)
 
 
 def test_a_rank_on_more_cores_is_not_capped_at_the_rate_measured_on_fewer():

@@ -69,23 +69,31 @@ def test_the_measured_ratio_follows_a_blocks_time(monkeypatch):
     few milliseconds: under the suite's load a 20 ms sleep read only 2.3x (5.04 then 11.46), against a 3x bound.
     The plain ratio is the least of three probes: a burst of the suite's load on the block's few-millisecond
     timings once read it at 95.77 (~5 unloaded), which the slowed probe need not triple. A ratio that did not time
-    the block reads the same in all four probes, so the least of three cannot let it pass."""
+    the block reads the same in all four probes, so the least of three cannot let it pass. The probes run on one
+    thread: on two, beside other busy processes on the same two cores, torch's threads wait on each other at every
+    op (the suite once read a plain 10.23 and a slowed 15.63; with two busy processes beside it a 4 ms probe took
+    up to 352 ms on two threads, at most 9 ms on one)."""
     from transformers.models.llama import modeling_llama
 
     from toolkit.strategies.pipeline.timing import measured_ratio
 
     recipe = load_recipe(Path(__file__).parents[1] / "recipes" / "llama-tiny.yaml", ["data.max_length=32"])
-    plain = min(measured_ratio(_small_llama(), recipe, env=ONE, micro_batch=2, length=32, rows=2000)
-                for _ in range(3))
-    assert 0 < plain < 100
-    forward = modeling_llama.LlamaDecoderLayer.forward
+    kept = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        plain = min(measured_ratio(_small_llama(), recipe, env=ONE, micro_batch=2, length=32, rows=2000)
+                    for _ in range(3))
+        assert 0 < plain < 100
+        forward = modeling_llama.LlamaDecoderLayer.forward
 
-    def slower(*args, **kwargs):
-        time.sleep(0.2)
-        return forward(*args, **kwargs)
+        def slower(*args, **kwargs):
+            time.sleep(0.2)
+            return forward(*args, **kwargs)
 
-    monkeypatch.setattr(modeling_llama.LlamaDecoderLayer, "forward", slower)
-    assert measured_ratio(_small_llama(), recipe, env=ONE, micro_batch=2, length=32, rows=2000) > 3 * plain
+        monkeypatch.setattr(modeling_llama.LlamaDecoderLayer, "forward", slower)
+        assert measured_ratio(_small_llama(), recipe, env=ONE, micro_batch=2, length=32, rows=2000) > 3 * plain
+    finally:
+        torch.set_num_threads(kept)
 
 
 def test_the_plan_says_a_measured_split_may_move():

@@ -387,6 +387,8 @@ def test_calibrate_measures_this_cpu_into_a_profile_the_plan_reads(tmp_path):
     assert measured.bus_bandwidth_bytes_per_s > 1e6 and set(measured.attention_flops_per_s) == {"64", "256", "1024"}
     # the loss over llama-tiny's 30,522 logits a token: at least one fp32 read and write of each, at most 1 µs
     assert 8 / measured.memory_bandwidth_bytes_per_s < measured.loss_seconds_per_logit < 1e-6
+    # an op's host time beside its arithmetic: microseconds (a llama-tiny block's: 15-19 µs here)
+    assert 1e-6 < measured.seconds_per_op < 1e-3
     planned = run_cli("plan", str(REPO / "recipes" / "llama-tiny.yaml"), "--hardware", str(out), "--gpus-per-node", "2",
                       "--layouts", "ddp,fsdp", "--json")
     assert planned.returncode in (0, 1), planned.stderr[-2000:]

@@ -24,6 +24,7 @@ from torch import nn
 
 from toolkit.cost.flops import attention_heads, logits_per_token
 from toolkit.cost.hardware import Hardware, Link, Measured, PeakFlops, load, write
+from toolkit.cost.op_cost import seconds_per_op
 from toolkit.model.precision import dtype_name
 
 ATTENTION_LENGTHS = (64, 256, 1024)
@@ -255,10 +256,12 @@ def _vocab(model: nn.Module | None) -> int:
 
 def cpu_profile(*, nproc: int, model: nn.Module | None, tokens: int, dtype: torch.dtype) -> Hardware:
     """This machine's CPU as a profile, every value measured: its matmul rate as the peak (a rank of `nproc`
-    ranks' threads), host memory and its bandwidth, a causal LM's loss per logit, gloo's bus between local ranks
-    (one node). A GPU profile measures no loss: its fitted efficiency covers a step's work outside the GEMMs.
+    ranks' threads), host memory and its bandwidth, a causal LM's loss per logit, the host's time per dispatched op
+    (on the model's first block: op_cost.seconds_per_op), gloo's bus between local ranks (one node). A GPU profile
+    measures no loss and no op: its fitted efficiency covers a step's work outside the GEMMs.
 
-    The compute rates are measured in a process of their own (measure_cpu_rates), as a rank's are."""
+    The compute rates are measured in a process of their own (measure_cpu_rates), as a rank's are; the op's time
+    here (a block at a few tokens: no tensor the allocator setting changes)."""
     cores = os.cpu_count() or 1
     threads = max(1, cores // nproc)
     heads, head_dim = _attention_shape(model, default=(8, 64))
@@ -266,6 +269,7 @@ def cpu_profile(*, nproc: int, model: nn.Module | None, tokens: int, dtype: torc
                               heads=heads, head_dim=head_dim, batch=max(1, tokens // 1024), vocab=_vocab(model),
                               dtype=dtype)
     matmul, attention, memory, loss = rates.matmul, rates.attention, rates.memory, rates.loss
+    per_op = seconds_per_op(model, dtype=dtype, threads=threads) if model is not None else None
     by_kind, latency = bus_bandwidth(nproc) if nproc > 1 else ({"all_reduce": {str(BUS_SIZES[-1]): memory}}, 1e-6)
     busbw = max(by_kind["all_reduce"].values())
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -284,7 +288,7 @@ def cpu_profile(*, nproc: int, model: nn.Module | None, tokens: int, dtype: torc
                                       memory_bandwidth_bytes_per_s=memory, bus_bandwidth_bytes_per_s=busbw,
                                       bus_bandwidth_by_kind=by_kind,
                                       bus_latency_s=latency, num_ranks=nproc, threads=threads,
-                                      loss_seconds_per_logit=loss))
+                                      loss_seconds_per_logit=loss, seconds_per_op=per_op))
     return at_cores(profile, share)
 
 
@@ -346,7 +350,8 @@ def at_cores(profile: Hardware, cores: float) -> Hardware:
     """A CPU profile's compute rates for a rank on `cores` cores, from those measured at the profile's own (its
     `measured.cores`, else its threads: measured in one process alone, on whole cores): the matmul rate (the peak
     too, which caps it in step_time) and attention's in proportion, the loss's time per logit inversely. Memory
-    bandwidth and the bus stay as measured."""
+    bandwidth and the bus stay as measured. An op's host time is one thread's: it grows where the rank has less
+    than a core (time-shared), and does not shrink with more."""
     measured = profile.measured
     now = measured.cores or measured.threads
     if not now or cores == now:
@@ -363,10 +368,12 @@ def at_cores(profile: Hardware, cores: float) -> Hardware:
             measured, cores=cores, attention_flops_per_s=rates,
             matmul_flops_per_s=measured.matmul_flops_per_s * scale if measured.matmul_flops_per_s else None,
             loss_seconds_per_logit=(measured.loss_seconds_per_logit / scale if measured.loss_seconds_per_logit
-                                    else None)))
+                                    else None),
+            seconds_per_op=(measured.seconds_per_op * min(now, 1.0) / min(cores, 1.0) if measured.seconds_per_op
+                            else None)))
 
 
-PROFILE_CACHE_VERSION = 4  # raise when what cpu_profile measures changes: older cached profiles are not read
+PROFILE_CACHE_VERSION = 5  # raise when what cpu_profile measures changes: older cached profiles are not read
 PROFILE_CACHE_MAX_AGE_S = 24 * 3600  # a profile measured longer ago is measured again
 
 
@@ -409,7 +416,8 @@ def _profile_path(*, nproc: int, model: nn.Module | None, tokens: int, dtype: to
 
 def _profile_key(*, nproc: int, model: nn.Module | None, tokens: int, dtype: torch.dtype) -> str:
     """Everything cpu_profile's numbers depend on: this machine (its CPU's model and flags, cores, memory), torch's
-    version, the ranks and so threads a rank, the dtype, and the shapes measured (GEMMs, attention, vocabulary)."""
+    version, the ranks and so threads a rank, the dtype, and the shapes measured (GEMMs, attention, vocabulary)
+    and the model's class (its block's ops)."""
     import hashlib
     import json
 
@@ -421,7 +429,7 @@ def _profile_key(*, nproc: int, model: nn.Module | None, tokens: int, dtype: tor
     device = torch.device("cpu")
     parts = [PROFILE_CACHE_VERSION, cpu, os.cpu_count(), os.sysconf("SC_PHYS_PAGES"), torch.__version__, nproc,
              str(dtype), tokens, gemm_shapes(model, tokens, device=device), _attention_shape(model, default=(8, 64)),
-             _vocab(model)]
+             _vocab(model), type(model).__name__ if model is not None else None]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
 
 

@@ -9,6 +9,18 @@ from typing import Any, cast
 from torch import nn
 
 
+# the ops whose time the measured GEMM and attention rates hold, dispatch included (toolkit calibrate times them
+# alone): every other op a step dispatches costs the host a fixed time each (Measured.seconds_per_op, on a CPU)
+TIMED_AS_FLOPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"})
+
+
+def timed_as_flops(op_name: str) -> bool:
+    """Whether an aten op (its overload packet's name: "mm", "_scaled_dot_product_flash_attention_for_cpu") is
+    priced by its FLOPs: the matmuls and attention's fused kernels, forward and backward."""
+    return op_name in TIMED_AS_FLOPS or op_name.startswith(("_scaled_dot_product", "_flash_attention",
+                                                            "_efficient_attention"))
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelFlops:
     """Per token, forward + backward (3 × the forward: backward computes the gradients of inputs and weights)."""

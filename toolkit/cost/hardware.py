@@ -51,6 +51,9 @@ class Measured:
     # a causal LM's loss over its logits, forward + backward (the fp32 copy, log-softmax, its gradient), per logit:
     # memory-bound passes that a GEMM rate does not count (llama-tiny on one CPU thread: a tenth of its step)
     loss_seconds_per_logit: float | None = None
+    # CPU: the host's time for each op a step dispatches outside its matmuls and attention kernels (Python,
+    # autograd, the dispatcher, small kernels), measured on the model's first block (cost/op_cost.py)
+    seconds_per_op: float | None = None
     num_ranks: int | None = None  # the ranks the bus was measured with
     threads: int | None = None  # CPU: the threads each rank computed with (cores / ranks)
     # CPU: the cores the compute rates above are a rank's on (calibrate.at_cores): its threads, or less where the

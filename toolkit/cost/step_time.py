@@ -29,6 +29,9 @@ Each rule is written once, here, with its source:
   does not count, at the seconds per logit calibrate measured (a CPU profile; on a GPU the fitted efficiency
   covers them), on every rank that computes the logits (each TP rank computes them all, or its 1/tp of the
   vocabulary's under strategy.loss_parallel);
+- the other ops (Work.ops_per_micro_batch: norms, activations, views, the optimizer's hooks not included): a fixed
+  host time each, measured by calibrate on the model's own block (cost/op_cost.py; a CPU profile, where at small
+  shapes it is half a step); on a GPU the host runs ahead of the device, uncharged;
 - host time around a collective's calls (Collective.host_s: ZeRO-3's hooks), exposed where the host also
   computes (a profile without overlaps_communication: a CPU); on a GPU the host runs ahead of the device, uncharged;
 - optimizer step: memory-bound, AdamW reads a parameter, its gradient and two moments and writes three;
@@ -102,6 +105,9 @@ class Work:
     # a pipeline rank as its split cuts it: (its stages' share of the blocks, its share of the head: 1 or 0, or
     # under strategy.split_head its rows'); None: an even 1/pp of the blocks beside the head
     pipeline_rank: tuple[float, float] | None = None
+    # the ops each micro-batch dispatches on the rank beside its matmuls and attention kernels
+    # (memory/activations.py traced_ops): a fixed host time each where a profile measured one (a CPU)
+    ops_per_micro_batch: int = 0
 
 
 def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficiency: float | None = None,
@@ -143,6 +149,10 @@ def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficienc
         costs.append(Cost(what="pipeline bubble", seconds=idle, exposed_s=idle))
     costs += _communication(work.collectives, d, cluster, forward_s=forward_s, backward_s=backward_s,
                             attention_s=attention_s, bus_efficiency=bus_efficiency)
+    per_op = hw.measured.seconds_per_op
+    if per_op and work.ops_per_micro_batch:  # a CPU: each op's Python, autograd and dispatch, beside its arithmetic
+        ops_s = work.ops_per_micro_batch * work.num_micro_batches * per_op
+        costs.append(Cost(what="ops outside the matmuls (host time each)", seconds=ops_s, exposed_s=ops_s))
     host_s = sum(c.host_s / c.every for c in work.collectives)
     if host_s and not hw.overlaps_communication:
         costs.append(Cost(what="host time around the collectives", seconds=host_s, exposed_s=host_s))

@@ -41,6 +41,7 @@ from transformers.utils import logging as transformers_logging
 
 from toolkit.atomic import cache_dir, write_text_whole
 from toolkit.config.recipe import Recipe
+from toolkit.cost.flops import timed_as_flops
 from toolkit.errors import RecipeError
 from toolkit.model.blocks import enable_activation_checkpointing, layer_stack
 from toolkit.model.build import set_dropout
@@ -56,11 +57,20 @@ class Traced:
 
     peak: int
     held: int
+    ops: int = 0  # the ops it dispatches that no FLOP rate times (cost/flops.py timed_as_flops): their host time
 
     def extend(self, other: Traced, times: int) -> Traced:
         """`self` (traced with one block) plus `times` more blocks, each adding what `other` (two) adds."""
         return Traced(peak=self.peak + times * max(other.peak - self.peak, 0),
-                      held=self.held + times * max(other.held - self.held, 0))
+                      held=self.held + times * max(other.held - self.held, 0),
+                      ops=self.ops + times * max(other.ops - self.ops, 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCount:
+    """The ops one micro-batch's forward, loss and backward dispatch beside its matmuls and attention kernels."""
+    total: int  # the whole model's
+    per_block: int  # what each block of the layer stack adds (0: a model the trace could not cut into blocks)
 
 
 def traced_activations(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype,
@@ -77,16 +87,33 @@ def traced_activations(model: nn.Module, recipe: Recipe, *, params_dtype: torch.
     vocab = tp_degree > 1 and recipe.strategy.loss_parallel
     sequence = tp_degree > 1 and recipe.strategy.sequence_parallel
 
+    return _whole(model, recipe, how, tp_degree=tp_degree, vocab=vocab, sequence=sequence)["bytes"]
+
+
+def traced_ops(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
+               checkpointing: bool | str) -> OpCount:
+    """The ops one micro-batch dispatches beside its matmuls and attention (a checkpointed block's forward twice),
+    from the same cached trace as `traced_activations`: the host's share of a step where each op costs it a fixed
+    time (a CPU; cost/step_time.py)."""
+    how = _how(model, params_dtype=params_dtype, autocast_dtype=autocast_dtype, checkpointing=checkpointing)
+    found = _whole(model, recipe, how, tp_degree=1, vocab=False, sequence=False)
+    return OpCount(total=found["ops"], per_block=found["block_ops"])
+
+
+def _whole(model: nn.Module, recipe: Recipe, how: dict[str, Any], *, tp_degree: int, vocab: bool,
+           sequence: bool) -> dict:
+    """The whole model's trace: {"bytes": its peak, "ops": its ops, "block_ops": one block's}, cached."""
     def trace() -> dict:
         from toolkit.memory.tp_rank import local_model
 
         local = local_model(model, tp_degree, loss_parallel=vocab, sequence_parallel=sequence) \
             if tp_degree > 1 else model
-        return {"bytes": _stack_peak(local, recipe, **how)}
+        whole, block_ops = _stack(local, recipe, **how)
+        return {"bytes": whole.peak, "ops": whole.ops, "block_ops": block_ops}
 
     key = ["tp", tp_degree, *(["vocab"] if vocab else []), *(["sequence"] if sequence else [])] \
         if tp_degree > 1 else []
-    return _cached(model, recipe, how, key, ("bytes",), trace)["bytes"]
+    return _cached(model, recipe, how, key, ("bytes", "ops", "block_ops"), trace)
 
 
 def traced_stage(model: nn.Module, recipe: Recipe, *, blocks: int, first: bool, last: bool,
@@ -161,15 +188,20 @@ def _cached(model: nn.Module, recipe: Recipe, how: dict[str, Any], what: list, k
     return found
 
 
-def _stack_peak(model: nn.Module, recipe: Recipe, **how) -> int:
-    """Traced with one block and with two, extrapolated to the whole stack; a model without a block list that
-    sits in a ModuleList is traced whole. One stack: an encoder-decoder's second stack is not extrapolated."""
+def _stack(model: nn.Module, recipe: Recipe, **how) -> tuple[Traced, int]:
+    """Traced with one block and with two, extrapolated to the whole stack, and the ops one block adds; a model
+    without a block list that sits in a ModuleList is traced whole (no block's ops told apart). One stack: an
+    encoder-decoder's second stack is not extrapolated."""
     try:
         stack = layer_stack(model, guess=True)
         cut_blocks(model, stack, 0)  # a RecipeError if the blocks sit in no ModuleList
     except RecipeError:
-        return _traced(copy.deepcopy(model), recipe, **how).peak
-    return _over_blocks(model, recipe, stack, len(stack), **how).peak
+        return _traced(copy.deepcopy(model), recipe, **how), 0
+    one = _traced(cut_blocks(model, stack, 1), recipe, **how)
+    if len(stack) <= 1:
+        return one, 0
+    two = _traced(cut_blocks(model, stack, 2), recipe, **how)
+    return one.extend(two, len(stack) - 1), max(two.ops - one.ops, 0)
 
 
 def _over_blocks(model: nn.Module, recipe: Recipe, stack: list[nn.Module], blocks: int, **how) -> Traced:
@@ -354,7 +386,7 @@ def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, au
                 torch.autograd.backward(list(out) if rows is not None else [out],
                                         grads if rows is not None else [grad])
                 del out
-    return Traced(peak=live.peak, held=held)
+    return Traced(peak=live.peak, held=held, ops=live.ops)
 
 
 @contextlib.contextmanager
@@ -379,11 +411,14 @@ class LiveBytes(TorchDispatchMode):
         """`existing`: tensors made before (parameters, buffers); their views are not new memory."""
         super().__init__()
         self.live = self.peak = 0
+        self.ops = 0  # those outside the matmuls and attention kernels (cost/flops.py timed_as_flops)
         self._sizes: dict[int, int] = {}
         self._existing = {t.untyped_storage()._cdata for t in existing}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # aten's ops alone: fake tensors dispatch prim's queries (a tensor's device) that a real run answers inline
+        self.ops += func.namespace == "aten" and not timed_as_flops(func.overloadpacket.__name__)
         for tensor in tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
                 self._count(tensor.untyped_storage())

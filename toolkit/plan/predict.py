@@ -46,6 +46,7 @@ from toolkit.memory.state_bytes import StateBytes, element_bytes
 from toolkit.model.build import meta_model
 from toolkit.model.precision import DTYPES
 from toolkit.strategies import strategy_degrees, strategy_rules
+from toolkit.strategies.base import StrategyInfo
 
 MiB = 2 ** 20
 GiB = 2 ** 30
@@ -98,12 +99,9 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
     info = rules.info(recipe)
     per_rank = rules.predict_state_bytes(model, recipe, world_size=world_size)
     built = rules.predict_load_bytes(model, recipe, world_size=world_size, resuming=resuming)
-    stored, compute = DTYPES[recipe.model.load_dtype], DTYPES[recipe.precision]
-    load = sum(p.numel() for p in model.parameters()) * element_bytes(stored)
-    casts = info.casts_parameters
-    params_dtype = compute if casts else stored  # what a rank computes with, and so its gradients' dtype
-    how = {"params_dtype": params_dtype,
-           "autocast_dtype": None if casts or compute == stored else compute}
+    load = sum(p.numel() for p in model.parameters()) * element_bytes(DTYPES[recipe.model.load_dtype])
+    params_dtype, autocast_dtype = trace_dtypes(recipe, info)
+    how = {"params_dtype": params_dtype, "autocast_dtype": autocast_dtype}
     checkpointing = recipe.train.activation_checkpointing  # False, True (full) or "selective"
     trace = functools.partial(rules.predict_activation_bytes, model, recipe, world_size=world_size)
     activations = trace(how={**how, "checkpointing": checkpointing})
@@ -208,6 +206,15 @@ def tied_gradients_beyond_states(whole: int, copies: int, *, vocabulary_share: i
     if vocabulary_share == 1 or copies == 0:
         return whole * copies
     return whole + copies * whole // vocabulary_share
+
+
+def trace_dtypes(recipe: Recipe, info: StrategyInfo) -> tuple[torch.dtype, torch.dtype | None]:
+    """(params_dtype, autocast_dtype) a rank computes in, as the activation trace takes them: its parameters' (the
+    strategy's cast, else the load dtype; its gradients' too) and autocast's (None where the parameters already are
+    in the precision's)."""
+    stored, compute = DTYPES[recipe.model.load_dtype], DTYPES[recipe.precision]
+    casts = info.casts_parameters
+    return (compute if casts else stored), (None if casts or compute == stored else compute)
 
 
 def planned_model(recipe: Recipe) -> nn.Module:

@@ -10,6 +10,7 @@ a node too), context parallel for long sequences.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Callable, cast
@@ -23,7 +24,7 @@ from toolkit.cost import step_time
 from toolkit.cost.collectives import loop_collectives
 from toolkit.errors import RecipeError
 from toolkit.model import tp_plan
-from toolkit.plan.predict import GiB, predict
+from toolkit.plan.predict import GiB, predict, trace_dtypes
 from toolkit.strategies import (data_layout, strategy_degrees, strategy_rules, validate_strategy,
                                  without_foreign_options)
 
@@ -180,8 +181,27 @@ def busiest_work(recipe: Recipe, model: nn.Module, cluster: step_time.Cluster, *
     for rank in ranks:
         work = work_for_shapes(recipe, model, world_size=world_size, rank=rank,
                                shapes=shapes[rank] if shapes is not None else None)
+        if cluster.hardware.measured.seconds_per_op:  # a CPU profile: each op's host time is a cost
+            work = dataclasses.replace(work, ops_per_micro_batch=rank_ops(recipe, model, work))
         planned.append((work, step_time.predict(model, work, cluster)))
     return max(planned, key=lambda done: done[1].step_time_s)
+
+
+def rank_ops(recipe: Recipe, model: nn.Module, work: step_time.Work) -> int:
+    """The ops a micro-batch dispatches on the rank beside its matmuls and attention (the activation trace's, in
+    the dtypes the strategy computes in): the whole model's, or a pipeline rank's share of the blocks' and, where
+    it holds the head, of the rest (the embeddings, the head and the loss, counted with the head)."""
+    from toolkit.memory.activations import traced_ops
+    from toolkit.model.blocks import layer_stack
+
+    params_dtype, autocast_dtype = trace_dtypes(recipe, strategy_rules(recipe).info(recipe))
+    counted = traced_ops(model, recipe, params_dtype=params_dtype, autocast_dtype=autocast_dtype,
+                         checkpointing=recipe.train.activation_checkpointing)
+    if work.pipeline_rank is None:
+        return counted.total
+    share, head = work.pipeline_rank
+    blocks = len(layer_stack(model, guess=True)) * counted.per_block
+    return round(blocks * share + (counted.total - blocks) * head)
 
 
 def work_for_shapes(recipe: Recipe, model: nn.Module, *, world_size: int, rank: int,

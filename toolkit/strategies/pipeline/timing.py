@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import statistics
 import sys
@@ -24,9 +25,8 @@ import torch
 from torch import nn
 
 from toolkit.config.recipe import Recipe
-from toolkit.checkpoint.loading import materialize
+from toolkit.cost.op_cost import probe_stage
 from toolkit.model.precision import DTYPES
-from toolkit.model.stages import Stage
 from toolkit.process.dist import DistEnv, all_reduce_sum
 from toolkit.strategies.pipeline.split import block_flops
 
@@ -123,10 +123,14 @@ def measured_ratio(model: nn.Module, recipe: Recipe, *, env: DistEnv, micro_batc
     # the whole head, as the stage holding rows of it keeps it (its weight and a gradient buffer of its size): a
     # row's time depends on it (llama-tiny, 24 tokens, 18,349 rows: the ratio read 10 % lower with a head of those
     # rows alone)
-    block = _probe(model, config, recipe, device=device, autocast=autocast, layer_ids=[0], last=False,
-                   head_rows=None)
-    head = _probe(model, config, recipe, device=device, autocast=autocast, layer_ids=[], last=True,
-                  head_rows=(0, rows))
+    # fresh stages of the model's class (no weights copied), random weights, the recipe's dropout, on the device:
+    # transient, before the run builds its model (the head probe holds the head's weight and a gradient buffer of
+    # its size, less than the stage holding the head keeps through the run)
+    probe = functools.partial(probe_stage, model, device=device, autocast=autocast,
+                              dtype=DTYPES[recipe.model.load_dtype], dropout=recipe.model.dropout,
+                              blocks=recipe.strategy.blocks)
+    block = probe(layer_ids=[0], last=False, head_rows=None)
+    head = probe(layer_ids=[], last=True, head_rows=(0, rows))
     dtype = next(block.parameters()).dtype
     x = torch.randn(micro_batch, length, hidden, device=device, dtype=dtype)
     mask = torch.ones(micro_batch, length, dtype=torch.long, device=device)
@@ -156,30 +160,6 @@ def measured_ratio(model: nn.Module, recipe: Recipe, *, env: DistEnv, micro_batc
         raise RuntimeError(f"strategy.split_by=time measured a block-to-head time ratio of {ratio}; pin "
                            "strategy.block_time_ratio or use split_by flops")
     return max(0.01, round(ratio, 2))  # the ranks' noise is larger than the digits left out
-
-
-def _probe(model: nn.Module, config: Any, recipe: Recipe, *, device: torch.device,
-           autocast: Callable[[], ContextManager], layer_ids: list[int], last: bool,
-           head_rows: tuple[int, int] | None) -> Stage:
-    """A stage of a fresh model of `model`'s class built from `config` (no weights copied), random weights, the
-    recipe's dropout, on `device`. Transient, before the run builds its model: the head probe holds the head's
-    weight and a gradient buffer of its size, less than the stage holding the head keeps through the run."""
-    from accelerate import init_empty_weights
-
-    from toolkit.model.build import set_dropout
-
-    with init_empty_weights(include_buffers=False):  # rotary inv_freq and such: computed, in no weight file
-        fresh = type(model)(config)
-    if recipe.model.dropout is not None:
-        set_dropout(fresh, recipe.model.dropout)
-    dtype = DTYPES[recipe.model.load_dtype]
-    stage = Stage(fresh, layer_ids=layer_ids, first=False, last=last, autocast=autocast,
-                  blocks=recipe.strategy.blocks, head_rows=head_rows)
-    materialize(stage, device=device)
-    with torch.no_grad():
-        for param in stage.parameters():
-            param.data = param.data.to(dtype).normal_(0.0, 0.02)
-    return stage.train()
 
 
 def _seconds(step: Callable[[], None], device: torch.device) -> float:
