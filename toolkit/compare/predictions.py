@@ -163,8 +163,8 @@ def predicted_step(run: dict, recipe_raw: dict, profile: profiles.Hardware) -> d
 STEP_NOTE = ("Each arm's step time as `toolkit plan --hardware` predicts it (toolkit/cost/step_time.py) from this "
              "machine's measured profile, or the one --hardware named (hardware.yaml in the experiment folder: on a "
              "CPU, matmul and attention FLOP/s at a rank's threads, memory bandwidth, a causal LM's loss per logit, "
-             "gloo's all-reduce bus), its recipe, world size and the micro-batch shapes of its counted step, beside "
-             "the median it measured.")
+             "the host's time per op beside the matmuls, gloo's all-reduce bus), its recipe, world size and the "
+             "micro-batch shapes of its counted step, beside the median it measured.")
 
 
 def add_predictions(rows: list[dict], out_dir: Path) -> str | None:

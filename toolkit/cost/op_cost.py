@@ -2,12 +2,15 @@
 
 An eager step dispatches every op from Python through autograd and torch's dispatcher: a few microseconds each
 before any arithmetic. At small shapes that is most of a step: llama-tiny at 12 blocks, micro 2 × ~20 tokens,
-spends 55 of a micro-batch's 113 ms outside its matmuls, in ~2,400 ops (23 µs each), which a FLOP rate does not
-see (the plan predicted single at −50 % of its measured step there). `seconds_per_op` measures that cost on the
-model's own first block (its Python, its kernels) at a few tokens, where the arithmetic is a small part of it;
-`toolkit plan` charges it for each op the activation trace counts (memory/activations.py traced_ops) on a CPU
-profile. On a GPU the host runs ahead of the device and this cost hides behind the kernels, until it does not
-(small models, small batches): not measured there.
+spends 55 of a micro-batch's 113 ms outside its matmuls, in ~2,400 ops (23 µs each on average), which a FLOP rate
+does not see (the plan predicted single at −50 % of its measured step there). `seconds_per_op` measures that cost
+on the model's own first block (its Python, its kernels) at a few tokens, where the arithmetic is a small part of
+it: 15-19 µs for llama-tiny's block, below the whole model's average, whose few ops outside the blocks (the
+embedding's dense gradient, a tied weight's two gradients summed) move whole vocabulary-sized tensors. `toolkit
+plan` charges it for each op the activation trace counts (memory/activations.py traced_ops) on a CPU profile. The
+probe's block carries no LoRA adapters (a LoRA run's ops are counted with them, each at the plain block's cost).
+On a GPU the host runs ahead of the device and this cost hides behind the kernels, until it does not (small
+models, small batches): not measured there.
 """
 
 from __future__ import annotations
@@ -84,15 +87,17 @@ class _OpCounter(TorchDispatchMode):
 def seconds_per_op(model: nn.Module, *, dtype: torch.dtype, threads: int) -> float | None:
     """The host's time per op outside the matmuls and attention kernels, on `threads` threads: the model's first
     block, forward and backward on one sample of PROBE_TOKENS, its median time less that of its matmul and
-    attention calls run again alone, over the other ops it dispatched. None for a model
-    with no layer stack to probe, or one whose block the probe cannot run alone."""
+    attention calls run again alone, over the other ops it dispatched. None (no charge: the plan as before) for a
+    model with no layer stack to probe, one whose block the probe cannot run alone, or a block so wide that its
+    matmuls take over half the probe's time (what is left is then too small a difference of two large times to
+    read an op's cost from)."""
     try:
         layer_stack(model, guess=True)
+        hidden = int(getattr(model.config, "hidden_size"))
         stage = probe_stage(model, layer_ids=[0], last=False, head_rows=None, device=torch.device("cpu"),
                             dtype=dtype, dropout=0.0, blocks=None)
-    except Exception:  # a model the pipeline's stages do not cut: no probe, no charge (the plan as before)
+    except Exception:  # a model the pipeline's stages do not cut: no probe, no charge
         return None
-    hidden = int(getattr(model.config, "hidden_size"))
     x = torch.randn(1, PROBE_TOKENS, hidden, dtype=dtype)
     mask = torch.ones(1, PROBE_TOKENS, dtype=torch.long)
 
@@ -117,6 +122,8 @@ def seconds_per_op(model: nn.Module, *, dtype: torch.dtype, threads: int) -> flo
         return None
     finally:
         torch.set_num_threads(kept)
-    spent = statistics.median(times) - flops_s
-    return spent / counter.ops if counter.ops and spent > 0 else None
+    whole_s = statistics.median(times)
+    if not counter.ops or flops_s > whole_s / 2:
+        return None
+    return (whole_s - flops_s) / counter.ops
 

@@ -21,7 +21,8 @@ Each rule is written once, here, with its source:
               recompute's forward), the first pass of each kind as exposed as the first gather above;
     nothing   exposed in full; and so is everything on a profile whose collectives share the compute's cores
               (Hardware.overlaps_communication: calibrate's cpu profile, gloo);
-- pipeline: each rank computes its stages; idle its schedule's bubble (pipeline/schedules.theoretical_bubble);
+- pipeline: each rank computes its stages; idle its schedule's bubble (pipeline/schedules.theoretical_bubble) of
+  its micro-batches' time (compute, and on a CPU profile the loss and the ops' host time);
 - a collective that runs one step in `every` (local SGD's sync): 1/every of its time in each step;
 - encoding (Collective.codec_flops, codec_bytes: PowerSGD's products and error feedback): its FLOPs at the fp32
   matmul rate and its bytes at the memory bandwidth, all exposed (DDP runs the hook between backward's buckets);
@@ -144,15 +145,15 @@ def predict(model: nn.Module, work: Work, cluster: Cluster, *, compute_efficienc
     if loss_rate and flops.logits and head:  # measured: the loss's passes over the logits (a pipeline's last stage)
         loss_s = shard_tokens / d.cp * flops.logits / head_share * loss_rate * head
         costs.append(Cost(what="loss over the logits", seconds=loss_s, exposed_s=loss_s))
-    if d.pp > 1:
-        idle = compute_s * work.bubble / (1 - work.bubble)
-        costs.append(Cost(what="pipeline bubble", seconds=idle, exposed_s=idle))
-    costs += _communication(work.collectives, d, cluster, forward_s=forward_s, backward_s=backward_s,
-                            attention_s=attention_s, bus_efficiency=bus_efficiency)
     per_op = hw.measured.seconds_per_op
     if per_op and work.ops_per_micro_batch:  # a CPU: each op's Python, autograd and dispatch, beside its arithmetic
         ops_s = work.ops_per_micro_batch * work.num_micro_batches * per_op
         costs.append(Cost(what="ops outside the matmuls (host time each)", seconds=ops_s, exposed_s=ops_s))
+    if d.pp > 1:  # idle in proportion to the time its micro-batches take: their compute, loss and ops
+        idle = sum(c.seconds for c in costs) * work.bubble / (1 - work.bubble)
+        costs.append(Cost(what="pipeline bubble", seconds=idle, exposed_s=idle))
+    costs += _communication(work.collectives, d, cluster, forward_s=forward_s, backward_s=backward_s,
+                            attention_s=attention_s, bus_efficiency=bus_efficiency)
     host_s = sum(c.host_s / c.every for c in work.collectives)
     if host_s and not hw.overlaps_communication:
         costs.append(Cost(what="host time around the collectives", seconds=host_s, exposed_s=host_s))

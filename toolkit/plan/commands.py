@@ -45,6 +45,7 @@ def calibrate(args) -> int:
     print(f"[toolkit] {out}: matmul {(m.matmul_flops_per_s or 0) / 1e12:.3f} TFLOP/s ({m.matmul_dtype}), memory "
           f"{(m.memory_bandwidth_bytes_per_s or 0) / 1e9:.1f} GB/s" +
           (f", loss {m.loss_seconds_per_logit * 1e9:.2f} ns a logit" if m.loss_seconds_per_logit else "") +
+          (f", {m.seconds_per_op * 1e6:.1f} µs an op beside the matmuls" if m.seconds_per_op else "") +
           (f", all-reduce bus {m.bus_bandwidth_bytes_per_s / 1e9:.2f} GB/s" if m.bus_bandwidth_bytes_per_s else ""))
     return 0
 

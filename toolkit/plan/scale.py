@@ -182,7 +182,10 @@ def busiest_work(recipe: Recipe, model: nn.Module, cluster: step_time.Cluster, *
         work = work_for_shapes(recipe, model, world_size=world_size, rank=rank,
                                shapes=shapes[rank] if shapes is not None else None)
         if cluster.hardware.measured.seconds_per_op:  # a CPU profile: each op's host time is a cost
-            work = dataclasses.replace(work, ops_per_micro_batch=rank_ops(recipe, model, work))
+            try:
+                work = dataclasses.replace(work, ops_per_micro_batch=rank_ops(recipe, model, work))
+            except RecipeError:  # a model the trace cannot run: its step predicted without them, not refused
+                pass
         planned.append((work, step_time.predict(model, work, cluster)))
     return max(planned, key=lambda done: done[1].step_time_s)
 
@@ -190,7 +193,8 @@ def busiest_work(recipe: Recipe, model: nn.Module, cluster: step_time.Cluster, *
 def rank_ops(recipe: Recipe, model: nn.Module, work: step_time.Work) -> int:
     """The ops a micro-batch dispatches on the rank beside its matmuls and attention (the activation trace's, in
     the dtypes the strategy computes in): the whole model's, or a pipeline rank's share of the blocks' and, where
-    it holds the head, of the rest (the embeddings, the head and the loss, counted with the head)."""
+    it holds the head or rows of it (each such rank runs the head's and the loss's ops whole), the rest: the
+    embeddings' few ops counted there too, not on the first stage."""
     from toolkit.memory.activations import traced_ops
     from toolkit.model.blocks import layer_stack
 
@@ -201,7 +205,7 @@ def rank_ops(recipe: Recipe, model: nn.Module, work: step_time.Work) -> int:
         return counted.total
     share, head = work.pipeline_rank
     blocks = len(layer_stack(model, guess=True)) * counted.per_block
-    return round(blocks * share + (counted.total - blocks) * head)
+    return round(blocks * share) + (counted.total - blocks if head > 0 else 0)
 
 
 def work_for_shapes(recipe: Recipe, model: nn.Module, *, world_size: int, rank: int,
