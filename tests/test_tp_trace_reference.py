@@ -144,7 +144,8 @@ def test_a_tp_rank_is_traced_as_the_plan_on_dtensors_keeps_it(tmp_path, monkeypa
     assert traced_activations(planned_model(recipe), recipe, **how, tp_degree=degree) == reference.peak
     local = tp_rank.local_model(planned_model(recipe), degree, loss_parallel=recipe.strategy.loss_parallel,
                                 sequence_parallel=recipe.strategy.sequence_parallel)
-    assert activations._traced(local, recipe, **how) == reference
+    # the bytes: the ops are not compared (a DTensor's op dispatches its local ops and its redistributions too)
+    assert _bytes(activations._traced(local, recipe, **how)) == _bytes(reference)
 
 
 def test_sequence_parallelism_keeps_a_block_input_of_1_over_n_under_full_checkpointing(tmp_path, monkeypatch):
@@ -237,7 +238,12 @@ def test_a_tensor_parallel_pipeline_stage_is_traced_as_the_plan_on_dtensors_keep
     traced = activations.traced_stage(planned_model(recipe), recipe, blocks=2, first=first, last=last,
                                       tp_degree=degree, sequence_parallel=recipe.strategy.sequence_parallel,
                                       loss_parallel=recipe.strategy.loss_parallel, **how)
-    assert traced == reference
+    assert _bytes(traced) == _bytes(reference)
+
+
+def _bytes(traced: activations.Traced) -> tuple[int, int]:
+    """A trace's bytes (its peak, what it holds between forward and backward), not its op count."""
+    return traced.peak, traced.held
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
