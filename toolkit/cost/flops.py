@@ -21,6 +21,12 @@ def timed_as_flops(op_name: str) -> bool:
                                                             "_efficient_attention"))
 
 
+def counted_op(func: Any) -> bool:
+    """Whether a dispatched op (an OpOverload) costs the host a fixed time of its own: aten's ops that no FLOP rate
+    times (fake tensors also dispatch prim's queries, a tensor's device, that a real run answers inline)."""
+    return func.namespace == "aten" and not timed_as_flops(func.overloadpacket.__name__)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelFlops:
     """Per token, forward + backward (3 × the forward: backward computes the gradients of inputs and weights)."""

@@ -41,7 +41,7 @@ from transformers.utils import logging as transformers_logging
 
 from toolkit.atomic import cache_dir, write_text_whole
 from toolkit.config.recipe import Recipe
-from toolkit.cost.flops import timed_as_flops
+from toolkit.cost.flops import counted_op
 from toolkit.errors import RecipeError
 from toolkit.model.blocks import enable_activation_checkpointing, layer_stack
 from toolkit.model.build import set_dropout
@@ -57,7 +57,7 @@ class Traced:
 
     peak: int
     held: int
-    ops: int = 0  # the ops it dispatches that no FLOP rate times (cost/flops.py timed_as_flops): their host time
+    ops: int = 0  # the ops it dispatches that no FLOP rate times (cost/flops.py counted_op): their host time
 
     def extend(self, other: Traced, times: int) -> Traced:
         """`self` (traced with one block) plus `times` more blocks, each adding what `other` (two) adds."""
@@ -411,14 +411,13 @@ class LiveBytes(TorchDispatchMode):
         """`existing`: tensors made before (parameters, buffers); their views are not new memory."""
         super().__init__()
         self.live = self.peak = 0
-        self.ops = 0  # those outside the matmuls and attention kernels (cost/flops.py timed_as_flops)
+        self.ops = 0  # those outside the matmuls and attention kernels (cost/flops.py counted_op)
         self._sizes: dict[int, int] = {}
         self._existing = {t.untyped_storage()._cdata for t in existing}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        # aten's ops alone: fake tensors dispatch prim's queries (a tensor's device) that a real run answers inline
-        self.ops += func.namespace == "aten" and not timed_as_flops(func.overloadpacket.__name__)
+        self.ops += counted_op(func)
         for tensor in tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
                 self._count(tensor.untyped_storage())
