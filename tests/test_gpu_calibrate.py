@@ -28,7 +28,7 @@ def test_matmul_rate_weighs_each_shape_by_its_count(monkeypatch):
     4 × 1 + 3 seconds, not the shapes' FLOPs over 1 + 3."""
     small, large = (8, 4, 4), (8, 4, 16)
     times = iter([1.0, 3.0])
-    monkeypatch.setattr(calibrate, "_median_seconds", lambda run: (run(), next(times))[1])
+    monkeypatch.setattr(calibrate, "median_seconds", lambda run: (run(), next(times))[1])
     rate = calibrate.matmul_flops_per_s({small: 4, large: 1}, torch.float32, torch.device("cpu"))
     flops = 6 * 8 * 4 * (4 * 4 + 16)
     assert rate == flops / (4 * 1.0 + 3.0)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from torch import nn
 from toolkit.cost.flops import attention_heads, logits_per_token
 from toolkit.cost.hardware import Hardware, Link, Measured, PeakFlops, load, write
 from toolkit.cost.op_cost import seconds_per_op
+from toolkit.cost.timing import median_seconds
 from toolkit.model.precision import dtype_name
 
 ATTENTION_LENGTHS = (64, 256, 1024)
@@ -37,34 +37,17 @@ class MeasurementFailed(RuntimeError):
     message names which measurement and how it ended, in one line."""
 
 
-def _median_seconds(run, *, repeats: int = 5) -> float:
-    """A kernel's time: the median of `repeats` after a warm-up (allocation, kernel selection), as a step's time is
-    its run's median: on a shared machine the best of a few catches a quiet moment the steps do not have."""
-    return statistics.median(_timings(run, repeats))
-
-
 def _burst_seconds(run, *, size_bytes: int, bursts: int = 3) -> float:
     """A collective's time per call as a step pays it: back to back, summed. gloo's calls on a shared CPU vary
     several-fold (measured at 1 MiB: 0.4-3.8 ms medians of 9 single calls, a scheduler tick more or less each), and
     a step issuing 80 of them pays their mean: each burst's mean per call (10 calls up to 1 MiB, fewer above), the
     median of `bursts` bursts."""
     calls = max(2, min(10, 2 ** 24 // size_bytes))
-    run()  # warm-up
 
     def burst() -> None:
         for _ in range(calls):
             run()
-    return statistics.median(_timings(burst, bursts)) / calls
-
-
-def _timings(run, repeats: int) -> list[float]:
-    run()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return times
+    return median_seconds(burst, bursts) / calls  # after a burst's warm-up
 
 
 MAX_ROWS = 2048  # a GEMM's rows measured: a longer micro-batch runs at the same rate, and takes minutes on a CPU
@@ -120,7 +103,7 @@ def matmul_flops_per_s(shapes: list[tuple[int, int, int]] | dict[tuple[int, int,
                 x.grad = w.grad = None  # one gradient each, as in a step, not one added to another's
                 torch.nn.functional.linear(x, w).backward(grad)
             _sync(device)
-        seconds += count * _median_seconds(step) / calls
+        seconds += count * median_seconds(step) / calls
         flops += count * 6 * m * k * n
     return flops / seconds
 
@@ -147,7 +130,7 @@ def attention_flops_per_s(*, heads: int, head_dim: int, batch: int, dtype: torch
                     q.grad = k.grad = v.grad = None
                 torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
             _sync(device)
-        out[str(length)] = 12 * rows * length ** 2 * heads * head_dim * calls / _median_seconds(step)
+        out[str(length)] = 12 * rows * length ** 2 * heads * head_dim * calls / median_seconds(step)
     return out
 
 
@@ -165,7 +148,7 @@ def loss_seconds_per_logit(vocab: int, *, dtype: torch.dtype, device: torch.devi
         logits.grad = None  # the loop's logits get one gradient, not one added to another's
         torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum").backward()
         _sync(device)
-    return _median_seconds(step) / (rows * vocab)
+    return median_seconds(step) / (rows * vocab)
 
 
 def memory_bandwidth(device: torch.device, *, size_bytes: int = 256 * 2 ** 20) -> float:
@@ -176,7 +159,7 @@ def memory_bandwidth(device: torch.device, *, size_bytes: int = 256 * 2 ** 20) -
     def copy() -> None:
         target.copy_(source)
         _sync(device)
-    return 2 * size_bytes / _median_seconds(copy)
+    return 2 * size_bytes / median_seconds(copy)
 
 
 def _sync(device: torch.device) -> None:
@@ -233,7 +216,7 @@ def _bus_rank(rank: int, nproc: int, port: int, results: Any) -> None:
             busbw["all_reduce"][key] = 2 * moved / timed(lambda: dist.all_reduce(big))
             busbw["reduce_scatter"][key] = moved / timed(lambda: dist.reduce_scatter_single(part, big))
             busbw["all_gather"][str(numel // nproc * 4)] = moved / timed(lambda: dist.all_gather_single(big, part))
-        latency = _median_seconds(lambda: dist.all_reduce(torch.ones(8)), repeats=20)
+        latency = median_seconds(lambda: dist.all_reduce(torch.ones(8)), repeats=20)
         if rank == 0:
             results["busbw"] = busbw
             results["latency"] = latency / (2 * (nproc - 1))  # a step of the ring

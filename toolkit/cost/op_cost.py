@@ -16,8 +16,6 @@ models, small batches): not measured there.
 from __future__ import annotations
 
 import contextlib
-import statistics
-import time
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -26,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from toolkit.checkpoint.loading import materialize
 from toolkit.cost.flops import counted_op
+from toolkit.cost.timing import median_seconds
 from toolkit.model.blocks import layer_stack
 from toolkit.model.stages import Stage
 
@@ -75,13 +74,10 @@ class _OpCounter(TorchDispatchMode):
 
     def timed_s(self) -> float:
         """The median time of the kept matmul and attention calls, run again alone (their inputs kept)."""
-        times = []
-        for _ in range(PROBE_REPEATS):
-            start = time.perf_counter()
+        def replay() -> None:
             for func, args, kwargs in self.timed:
                 func(*args, **kwargs)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        return median_seconds(replay, PROBE_REPEATS, warm=False)  # each ran once already, in the probe
 
 
 def seconds_per_op(model: nn.Module, *, dtype: torch.dtype, threads: int) -> float | None:
@@ -112,17 +108,12 @@ def seconds_per_op(model: nn.Module, *, dtype: torch.dtype, threads: int) -> flo
         step()  # warm: the first call builds caches
         with _OpCounter() as counter:
             step()
-        times = []
-        for _ in range(PROBE_REPEATS):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
+        whole_s = median_seconds(step, PROBE_REPEATS, warm=False)  # warmed above
         flops_s = counter.timed_s()
     except Exception:
         return None
     finally:
         torch.set_num_threads(kept)
-    whole_s = statistics.median(times)
     if not counter.ops or flops_s > whole_s / 2:
         return None
     return (whole_s - flops_s) / counter.ops
