@@ -126,32 +126,71 @@ def test_each_op_a_micro_batch_dispatches_costs_the_measured_host_time(sets, wor
     assert "ops outside the matmuls (host time each)" not in {c.what for c in gpu.costs}
 
 
+def _real_stage_ops(recipe, meta, *, layer_ids: list[int], first: bool, last: bool, rows) -> int:
+    """A real pipeline stage (toolkit.model.stages.Stage, random weights) of a fresh model, one micro-batch through
+    it as its rank runs it: the ids or the received activations (and, under split_head, the row stats) in; the
+    loss and backward on the last stage, else backward from its outputs' gradients; counted after a warm step."""
+    from toolkit.data.losses import micro_batch_loss_sum, split_head_loss_sum
+    from toolkit.model.stages import Stage
+
+    torch.manual_seed(0)
+    model = type(meta)(meta.config).train()
+    stage = Stage(model, layer_ids=layer_ids, first=first, last=last, blocks=recipe.strategy.blocks,
+                  head_rows=rows).train()
+    micro, length = recipe.batch.micro_batch_size, recipe.data.max_length
+    ids = torch.randint(1, 1000, (micro, length))
+    mask = torch.ones(micro, length, dtype=torch.long)
+    mask[0, -3:] = 0  # a padded sample, as the run's batches carry
+    inputs = [ids] if first else [torch.randn(micro, length, meta.config.hidden_size, requires_grad=True)]
+    if rows is not None and not layer_ids:  # the stats the stage before passes on beside the norm's output
+        inputs += [torch.randn(micro, length, requires_grad=True) for _ in range(2)]
+
+    def step() -> None:
+        stage.zero_grad(set_to_none=True)
+        if rows is not None:
+            out = stage(*inputs, attention_mask=mask, length=length, labels=ids)
+        else:
+            out = stage(inputs[0], attention_mask=mask, length=length)
+        if last:
+            loss = split_head_loss_sum(out[0], out[1], ids) if rows is not None else \
+                micro_batch_loss_sum(out, ids, recipe.model.task)
+            loss.backward()
+        else:
+            outs = list(out) if rows is not None else [out]
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+    step()
+    with _Counted() as counted:
+        step()
+    return counted.ops
+
+
 @pytest.mark.parametrize("split_head", [False, True])
-def test_a_pipeline_rank_pays_for_the_ops_of_its_own_stages(split_head):
-    """Each pipeline rank's count against its stages traced as the memory plan traces them (the Stage module its
-    run builds): within 20 %. The plan's rule takes the blocks' share and, on a rank holding the head or rows of
-    it, every op outside the blocks, the embeddings' few with them; a stage also sends, receives and builds its
-    own positions (llama-tiny, 2 ranks: 642 / 657 and 301 / 291 ops; under split_head 943 / 937 and 87 / 106)."""
+def test_a_pipeline_rank_pays_for_the_ops_its_stages_dispatch(split_head):
+    """Each pipeline rank's count (its stages' traces) against a real run of its stages, counted by an independent
+    dispatch mode: within 10 % (the trace's mask has no values: transformers builds it with other ops than for a
+    real mask with zeros). Measured, llama-tiny at 2 ranks: 657 / 665 and 291 / 298; under split_head 937 / 947 and
+    106 / 111, where a share of the blocks' count (the rule before) gave rank 1 87."""
     from toolkit.config.parallel import resolve
-    from toolkit.memory.activations import traced_stage
+    from toolkit.model.blocks import layer_stack
     from toolkit.plan.predict import planned_model
-    from toolkit.plan.scale import rank_ops, work_for_shapes
+    from toolkit.plan.scale import rank_ops
     from toolkit.strategies.pipeline.layout import grid_of, head_rows_of, stage_of_blocks
 
     recipe = resolve(load_recipe(str(REPO / "recipes" / "llama-tiny.yaml"),
-                                 ["strategy.name=pipeline", f"strategy.split_head={str(split_head).lower()}"]),
+                                 ["strategy.name=pipeline", f"strategy.split_head={str(split_head).lower()}",
+                                  "batch.micro_batch_size=2", "data.max_length=20", "model.dropout=0.0"]),
                      world_size=2)
     model = planned_model(recipe)
     grid = grid_of(recipe, 2)
     parts, num_stages = stage_of_blocks(model, recipe, grid)
     rows = head_rows_of(model, recipe, grid)
+    blocks = len(layer_stack(model, guess=True))
     for rank in range(2):
-        work = work_for_shapes(recipe, model, world_size=2, rank=rank, shapes=None)
         stages = grid.stage_ids(grid.coords(rank)[0], recipe.strategy.stages_per_rank)
-        traced = sum(traced_stage(model, recipe, blocks=parts.count(s), first=s == 0, last=s == num_stages - 1,
-                                  head_rows=rows[s], params_dtype=torch.float32, autocast_dtype=None,
-                                  checkpointing=False).ops for s in stages)
-        assert rank_ops(recipe, model, work) == pytest.approx(traced, rel=0.2)
+        real = sum(_real_stage_ops(recipe, model, layer_ids=[b for b in range(blocks) if parts[b] == s],
+                                   first=s == 0, last=s == num_stages - 1, rows=rows[s]) for s in stages)
+        assert rank_ops(recipe, model, world_size=2, rank=rank) == pytest.approx(real, rel=0.1), (rank, real)
 
 
 def test_the_probe_times_the_host_around_a_block_not_its_arithmetic(monkeypatch):

@@ -183,29 +183,31 @@ def busiest_work(recipe: Recipe, model: nn.Module, cluster: step_time.Cluster, *
                                shapes=shapes[rank] if shapes is not None else None)
         if cluster.hardware.measured.seconds_per_op:  # a CPU profile: each op's host time is a cost
             try:
-                work = dataclasses.replace(work, ops_per_micro_batch=rank_ops(recipe, model, work))
+                work = dataclasses.replace(work, ops_per_micro_batch=rank_ops(recipe, model, world_size=world_size,
+                                                                              rank=rank))
             except RecipeError:  # a model the trace cannot run: its step predicted without them, not refused
                 pass
         planned.append((work, step_time.predict(model, work, cluster)))
     return max(planned, key=lambda done: done[1].step_time_s)
 
 
-def rank_ops(recipe: Recipe, model: nn.Module, work: step_time.Work) -> int:
-    """The ops a micro-batch dispatches on the rank beside its matmuls and attention (the activation trace's, in
-    the dtypes the strategy computes in): the whole model's, or a pipeline rank's share of the blocks' and, where
-    it holds the head or rows of it (each such rank runs the head's and the loss's ops whole), the rest: the
-    embeddings' few ops counted there too, not on the first stage."""
+def rank_ops(recipe: Recipe, model: nn.Module, *, world_size: int, rank: int) -> int:
+    """The ops a micro-batch dispatches on `rank` beside its matmuls and attention, as the activation trace counts
+    them in the dtypes the strategy computes in: the whole model's, or under a pipeline the sum of the rank's
+    stages' own traces (their blocks, embeddings, head or its rows, as its run cuts them)."""
     from toolkit.memory.activations import traced_ops
-    from toolkit.model.blocks import layer_stack
 
     params_dtype, autocast_dtype = trace_dtypes(recipe, strategy_rules(recipe).info(recipe))
-    counted = traced_ops(model, recipe, params_dtype=params_dtype, autocast_dtype=autocast_dtype,
-                         checkpointing=recipe.train.activation_checkpointing)
-    if work.pipeline_rank is None:
-        return counted.total
-    share, head = work.pipeline_rank
-    blocks = len(layer_stack(model, guess=True)) * counted.per_block
-    return round(blocks * share) + (counted.total - blocks if head > 0 else 0)
+    how: dict[str, Any] = {"params_dtype": params_dtype, "autocast_dtype": autocast_dtype,
+                           "checkpointing": recipe.train.activation_checkpointing}
+    if strategy_degrees(recipe, world_size=world_size).pp == 1:
+        return traced_ops(model, recipe, **how).total
+    from toolkit.strategies.pipeline.layout import grid_of
+    from toolkit.strategies.pipeline.memory import stage_traces
+
+    pp_rank = grid_of(recipe, world_size).coords(rank)[0]
+    return sum(trace.ops for trace in stage_traces(model, recipe, world_size=world_size, pp_rank=pp_rank,
+                                                   how=how).values())
 
 
 def work_for_shapes(recipe: Recipe, model: nn.Module, *, world_size: int, rank: int,

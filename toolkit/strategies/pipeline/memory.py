@@ -82,8 +82,7 @@ def activation_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: i
     """Each rank's stages (cut as setup cuts them) with the micro-batches its schedule keeps in flight, and
     the receive buffers of every micro-batch."""
     options, grid = recipe.strategy, grid_of(recipe, world_size)
-    if grid.sharded and recipe.precision != "fp32":  # the replicas' MixedPrecisionPolicy
-        how = {**how, "params_dtype": DTYPES[recipe.precision]}
+    how = _stage_how(recipe, grid, how)
     parts, num_stages = stage_of_blocks(model, recipe, grid)
     micro_batches = plan_batch(recipe.batch, world_size=grid.dp).grad_accum_steps
     hidden = cast(Any, model).config.hidden_size
@@ -108,10 +107,7 @@ def activation_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: i
     per_pp_rank = []
     for pp_rank in range(grid.pp):
         stage_ids = grid.stage_ids(pp_rank, options.stages_per_rank)
-        traces = {s: traced_stage(model, recipe, blocks=parts.count(s), first=s == 0, last=s == num_stages - 1,
-                                  tp_degree=grid.tp, sequence_parallel=grid.sequence_parallel,
-                                  loss_parallel=grid.loss_parallel, head_rows=rows[s], **how)
-                  for s in stage_ids}
+        traces = _rank_traces(model, recipe, grid, pp_rank, how)
         buffers = sum(micro_batches * buffer * ((s != 0) + (s != num_stages - 1)) for s in stage_ids)
         buffers += sum(micro_batches * stats * ((s > 0 and rows[s - 1] is not None) + (s < num_stages - 1))
                        for s in stage_ids if rows[s] is not None)
@@ -120,6 +116,30 @@ def activation_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: i
         per_pp_rank.append(buffers + in_flight_peak(actions, traces, kept={s: head_buffer for s in stage_ids
                                                                            if uses_row_buffer(s)}))
     return [per_pp_rank[grid.coords(rank)[0]] for rank in range(world_size)]
+
+
+def stage_traces(model: nn.Module, recipe: Recipe, *, world_size: int, pp_rank: int,
+                 how: dict[str, Any]) -> dict[int, Traced]:
+    """One micro-batch through each stage pipeline rank `pp_rank` holds, traced as its run computes it (its blocks,
+    the embeddings or the head where it holds them, its tp share): keyed by stage index."""
+    grid = grid_of(recipe, world_size)
+    return _rank_traces(model, recipe, grid, pp_rank, _stage_how(recipe, grid, how))
+
+
+def _stage_how(recipe: Recipe, grid: Grid, how: dict[str, Any]) -> dict[str, Any]:
+    if grid.sharded and recipe.precision != "fp32":  # the replicas' MixedPrecisionPolicy
+        return {**how, "params_dtype": DTYPES[recipe.precision]}
+    return how
+
+
+def _rank_traces(model: nn.Module, recipe: Recipe, grid: Grid, pp_rank: int,
+                 how: dict[str, Any]) -> dict[int, Traced]:
+    parts, num_stages = stage_of_blocks(model, recipe, grid)
+    rows = head_rows_of(model, recipe, grid)
+    return {s: traced_stage(model, recipe, blocks=parts.count(s), first=s == 0, last=s == num_stages - 1,
+                            tp_degree=grid.tp, sequence_parallel=grid.sequence_parallel,
+                            loss_parallel=grid.loss_parallel, head_rows=rows[s], **how)
+            for s in grid.stage_ids(pp_rank, recipe.strategy.stages_per_rank)}
 
 
 def schedule_actions(schedule: str, *, rank: int, pp: int, stages_per_rank: int, micro_batches: int) -> list[Action]:
