@@ -344,8 +344,10 @@ def numbers_as_text(raw, text: tuple[str, ...], *, fingerprint: str):
             texts = [value if value is None else _json_text(value) for value in stored]
         else:
             texts = [value if value is None else str(value) for value in stored]
-        raw = raw.remove_columns(column).add_column(column, texts, new_fingerprint=f"{fingerprint}-{column}",
-                                                    feature=datasets.Value("string"))
+        # added beside it first: a table whose one column is removed keeps no rows to add one to
+        kept = f"{column}.text"
+        raw = raw.add_column(kept, texts, new_fingerprint=f"{fingerprint}-{column}", feature=datasets.Value("string"))
+        raw = raw.remove_columns(column).rename_column(kept, column)
     return raw
 
 
