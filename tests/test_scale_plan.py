@@ -365,6 +365,14 @@ def test_a_plan_mistake_is_one_line_exit_2(args, words):
     ({"memory_bandwidth_bytes_per_s": None}, "key 'memory_bandwidth_bytes_per_s' is required"),
     ({"intra_node.bandwidth_bytes_per_s": 0}, "intra_node.bandwidth_bytes_per_s is 0.0; give a positive number"),
     ({"peak_flops_per_s.bf16": -1.0}, "peak_flops_per_s.bf16 is -1.0; give a positive number"),
+    # read only where a layout runs (before: a traceback from the step-time model, or after a compare's arms ran)
+    ({"measured": {"attention_flops_per_s": {"abc": 1e12}}},
+     "measured.attention_flops_per_s has the key 'abc'; its keys are sizes, positive numbers"),
+    ({"measured": {"bus_bandwidth_by_kind": {"all_reduce": {"-8": 1e9}}}},
+     "measured.bus_bandwidth_by_kind.all_reduce has the key '-8'; its keys are sizes, positive numbers"),
+    ({"measured": {"bus_bandwidth_by_kind": {"bogus": {"1024": 1e9}}}},
+     "measured.bus_bandwidth_by_kind has 'bogus'; its kinds are all_gather, all_reduce, all_to_all,"),
+    ({"measured": {"matmul_dtype": "int3"}}, "measured.matmul_dtype is 'int3'; give one of bf16, fp16, fp32, fp8"),
 ])
 def test_a_bad_profile_file_is_one_line_exit_2(tmp_path, changes, words):
     profile = write_profile(tmp_path / "mine.yaml", **changes)

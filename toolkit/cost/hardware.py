@@ -110,7 +110,34 @@ def load(name_or_path: str) -> Hardware:
     except RecipeError as exc:  # its wording speaks of recipe keys: a profile's are keys of the file
         raise RecipeError(f"hardware profile {path}: {str(exc).replace('recipe key', 'key')}") from None
     _check_positive(profile, f"hardware profile {path}")
+    _check_measured(profile.measured, f"hardware profile {path}")
     return profile
+
+
+def _check_measured(measured: Measured, where: str) -> None:
+    """The measured section's keys that a plan reads as numbers (sequence lengths, message sizes) are numbers, its
+    collective kinds the cost model's and its matmul dtype a peak's."""
+    from toolkit.cost.collectives import KINDS
+
+    dtypes = [f.name for f in dataclasses.fields(PeakFlops)]
+    if measured.matmul_dtype is not None and measured.matmul_dtype not in dtypes:
+        raise RecipeError(f"{where}: measured.matmul_dtype is {measured.matmul_dtype!r}; give one of "
+                          f"{', '.join(dtypes)}")
+    kinds = sorted(set(KINDS.values()))
+    sized = {"measured.attention_flops_per_s": measured.attention_flops_per_s or {}}
+    for kind, rates in (measured.bus_bandwidth_by_kind or {}).items():
+        if kind not in kinds:
+            raise RecipeError(f"{where}: measured.bus_bandwidth_by_kind has {kind!r}; its kinds are "
+                              f"{', '.join(kinds)}")
+        sized[f"measured.bus_bandwidth_by_kind.{kind}"] = rates
+    for key, rates in sized.items():
+        for size in rates:
+            try:
+                number = float(size)
+            except (TypeError, ValueError):
+                number = math.nan
+            if not (math.isfinite(number) and number > 0):
+                raise RecipeError(f"{where}: {key} has the key {size!r}; its keys are sizes, positive numbers")
 
 
 def _check_positive(value, where: str, key: str = "") -> None:
