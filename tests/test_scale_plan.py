@@ -443,6 +443,20 @@ def test_calibrating_a_gpu_profile_without_a_gpu_is_one_line_exit_2():
     assert done.returncode == 2 and "no GPU here to measure; use --hardware cpu" in done.stderr, done.stderr
 
 
+def test_a_calibrate_output_it_cannot_write_is_one_line_before_measuring(tmp_path):
+    """Checked before the measuring (before: a traceback from the rename, after it had measured for ~20 s)."""
+    folder, file = tmp_path / "profiles", tmp_path / "notes.txt"
+    folder.mkdir()
+    file.write_text("x")
+    for output, words in ((folder, f"--output {folder} is a folder; name the profile file to write"),
+                          (file / "cpu.yaml", f"--output {file / 'cpu.yaml'}: {file} is a file, not a folder")):
+        done = run_cli("calibrate", "--hardware", "cpu", "--output", str(output))
+        assert done.returncode == 2 and words in done.stderr, done.stderr
+        # its one line: not after "[toolkit] calibrating the CPU ..." and the measuring
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "profiles"] and not any(folder.iterdir())
+
+
 def test_context_parallel_holds_a_long_sequence_fsdp_alone_cannot():
     done = run_cli("plan", RECIPE, "--hardware", "h100-sxm", "--layouts", "fsdp,fsdp-cp2", "--json",
                    "--set", "data.max_length=32768", "--set", "model.config.max_position_embeddings=32768")

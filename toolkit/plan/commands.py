@@ -24,6 +24,7 @@ def calibrate(args) -> int:
     tokens = recipe.batch.micro_batch_size * recipe.data.max_length if recipe is not None else 2048
     dtype = DTYPES[recipe.precision if recipe is not None else "fp32"]
     out = Path(args.output or f"hardware-{args.hardware}.yaml")
+    _check_profile_path(out)  # before the minutes of measuring
     if args.hardware == "cpu":
         print(f"[toolkit] calibrating the CPU for {args.nproc} rank(s): matmul, attention, memory, gloo...",
               file=sys.stderr, flush=True)
@@ -39,6 +40,7 @@ def calibrate(args) -> int:
         if not torch.cuda.is_available():
             raise RecipeError(f"--hardware {args.hardware}: no GPU here to measure; use --hardware cpu on this machine")
         profile = calibrate.gpu_profile(base, nproc=args.nproc, model=model, tokens=tokens, dtype=dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
     hardware.write(profile, out, header=f"written by toolkit calibrate --hardware {args.hardware} "
                    f"--nproc {args.nproc}{' ' + args.recipe if args.recipe else ''}")
     m = profile.measured
@@ -48,6 +50,18 @@ def calibrate(args) -> int:
           (f", {m.seconds_per_op * 1e6:.1f} µs an op beside the matmuls" if m.seconds_per_op else "") +
           (f", all-reduce bus {m.bus_bandwidth_bytes_per_s / 1e9:.2f} GB/s" if m.bus_bandwidth_bytes_per_s else ""))
     return 0
+
+
+def _check_profile_path(out) -> None:
+    """--output names a file calibrate can write: not a folder, in a folder that is or can be made."""
+    from toolkit.checkpoint.store import check_creatable
+
+    if out.is_dir():
+        raise RecipeError(f"--output {out} is a folder; name the profile file to write (say {out / 'cpu.yaml'})")
+    try:
+        check_creatable(out.parent, what="--output")
+    except RecipeError as exc:  # it names the folder: the user gave the file
+        raise RecipeError(str(exc).replace(f"--output {out.parent}:", f"--output {out}:", 1)) from None
 
 
 def scale_plan(args) -> int:
