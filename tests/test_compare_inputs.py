@@ -167,30 +167,52 @@ def two_arms(two_arm_compare):
     return out, args
 
 
-def _damage(folder, arm, text):
-    (folder / arm / "metrics.jsonl").write_text(text)
+def _damage(folder, arm, text, file="metrics.jsonl"):
+    (folder / arm / file).write_text(text)
 
 
-@pytest.mark.parametrize("text, words", [("", "holds no step"), ('{"step": 1, "loss": 10.', "line 1 is no JSON"),
-                                         ('{"step": 1}\n', "line 1 is no step record")])
-def test_report_shows_an_arm_whose_metrics_are_damaged_and_the_others(two_arms, tmp_path, capsys, text, words):
+@pytest.mark.parametrize("file, text, words", [
+    ("metrics.jsonl", "", "holds no step"), ("metrics.jsonl", '{"step": 1, "loss": 10.', "line 1 is no JSON"),
+    ("metrics.jsonl", '{"step": 1}\n', "line 1 is no step record"),
+    # the run's resolved recipe, which the report and a re-run's settings check read (before: a YAMLError)
+    ("recipe.yaml", "model: {", "cannot be read"), ("recipe.yaml", "- a list\n", "cannot be read")])
+def test_report_shows_an_arm_whose_files_are_damaged_and_the_others(two_arms, tmp_path, capsys, file, text, words):
     """An emptied metrics.jsonl was a StatisticsError; one cut mid-line a JSONDecodeError, and no report."""
     out, _ = two_arms
     copy = tmp_path / "exp"
     shutil.copytree(out, copy)
-    _damage(copy, "single@optim.lr=2e-3", text)
+    _damage(copy, "single@optim.lr=2e-3", text, file)
     assert main(["report", str(copy)]) == 0
     table = capsys.readouterr().out
     arms = {a["arm"]: a for a in json.loads((copy / "results.json").read_text())["arms"]}
     damaged = arms["single@optim.lr=2e-3"]
     assert damaged["status"] == damaged["verdict"] == "damaged"
-    assert str(copy / "single@optim.lr=2e-3" / "metrics.jsonl") in damaged["error"] and words in damaged["error"]
+    assert str(copy / "single@optim.lr=2e-3" / file) in damaged["error"] and words in damaged["error"]
     assert arms["single"]["verdict"] == "reference" and arms["single"]["tokens_per_s"] > 0
     # the console says it below its verdict table, wrapped at 120 characters; report.md in full
     printed = [line for line in table.splitlines() if not line.startswith("[report]")]
     assert f"single@optim.lr=2e-3 damaged: {damaged['error']}" in " ".join(line.strip() for line in printed)
     assert max(len(line) for line in printed) <= 120, printed
     assert f"**single@optim.lr=2e-3** damaged: {damaged['error']}" in (copy / "report.md").read_text()
+
+
+def test_a_damaged_arm_json_or_failed_json_leaves_the_report_whole(two_arms, tmp_path, capsys):
+    """arm.json holds only the arm's wall time, failed.json its error line: either damaged was a JSONDecodeError
+    in `toolkit report` and in every re-run compare, which skipped the arm as completed and then could not
+    report it."""
+    out, _ = two_arms
+    copy = tmp_path / "exp"
+    shutil.copytree(out, copy)
+    _damage(copy, "single@optim.lr=2e-3", "{", "arm.json")
+    assert main(["report", str(copy)]) == 0
+    arms = {a["arm"]: a for a in json.loads((copy / "results.json").read_text())["arms"]}
+    assert arms["single@optim.lr=2e-3"]["status"] == "completed" and arms["single@optim.lr=2e-3"]["tokens_per_s"] > 0
+    (copy / "single@optim.lr=2e-3" / "run.json").unlink()  # the arm as a failed run leaves it
+    _damage(copy, "single@optim.lr=2e-3", "{", "failed.json")
+    assert main(["report", str(copy)]) == 0
+    failed = {a["arm"]: a for a in json.loads((copy / "results.json").read_text())["arms"]}["single@optim.lr=2e-3"]
+    assert failed["verdict"] == "failed" and "failed.json cannot be read" in failed["error"], failed
+    capsys.readouterr()
 
 
 @pytest.mark.parametrize("status", ["damaged", "pending"])

@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import yaml
-
 from toolkit.checkpoint.store import read_run_info
 from toolkit.compare import measure, verdict
 from toolkit.compare import predictions as predicted
 from toolkit.compare.experiment import CALIBRATION_PREFIX, ROUNDING_ARM, Experiment, dropout_note
 from toolkit.compare.report_render import render_html, render_markdown
-from toolkit.compare.runner import arm_dir, arm_status, read_metrics
+from toolkit.compare.runner import (arm_damage, arm_dir, arm_status, read_arm_recipe, read_json_file,
+                                    read_metrics)
 from toolkit.observe.comm import COMM_COUNT_STEP
 from toolkit.strategies import strategy_info, strategy_names
 
@@ -22,18 +21,18 @@ from toolkit.strategies import strategy_info, strategy_names
 def load_arm(experiment: Experiment, arm) -> dict:
     path = arm_dir(experiment, arm)
     data = {"name": arm.name, "dir": path, "nproc": arm.nproc, "status": arm_status(path)}
-    metrics, damage = read_metrics(path)
     if data["status"] == "damaged":  # the run completed; its numbers are lost
-        data["error"] = f"{damage}; `toolkit compare` with this --output runs the arm again"
+        data["error"] = f"{arm_damage(path)}; `toolkit compare` with this --output runs the arm again"
     if data["status"] != "completed":
         failed = path / "failed.json"
-        data.setdefault("error", json.loads(failed.read_text())["error"] if failed.is_file() else "not run yet")
+        data.setdefault("error", read_json_file(failed).get("error", f"{failed} cannot be read")
+                        if failed.is_file() else "not run yet")
         return data
     run = read_run_info(path) or {}  # completed: its run.json was read just now
-    cost = path / "arm.json"  # its wall time, written by the runner (absent in folders of older versions)
-    data.update(wall_s=json.loads(cost.read_text()).get("wall_s") if cost.is_file() else None)
-    data.update(run=run, metrics=metrics,
-                recipe=yaml.safe_load((path / "recipe.yaml").read_text()), audit=run.get("precision_audit"),
+    # its wall time, written by the runner (absent in folders of older versions; damaged: not shown)
+    data.update(wall_s=read_json_file(path / "arm.json").get("wall_s"))
+    data.update(run=run, metrics=read_metrics(path)[0],
+                recipe=read_arm_recipe(path), audit=run.get("precision_audit"),
                 precision=run["precision"], num_params=run["num_params"])
     return data
 

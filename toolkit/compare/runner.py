@@ -34,10 +34,38 @@ def arm_dir(experiment: Experiment, arm: Arm) -> Path:
 
 def arm_status(path: Path) -> str:
     """completed | damaged | failed | pending, read from what the arm left on disk (a damaged run.json: pending;
-    a completed run whose metrics.jsonl cannot be read: damaged; either runs again in a re-run compare)."""
+    a completed run whose metrics.jsonl or recipe.yaml cannot be read: damaged; either runs again in a re-run
+    compare)."""
     if (read_run_info(path) or {}).get("status") == "completed" and (path / "model").is_dir():
-        return "completed" if read_metrics(path)[1] is None else "damaged"
+        return "completed" if arm_damage(path) is None else "damaged"
     return "failed" if (path / "failed.json").is_file() else "pending"
+
+
+def arm_damage(path: Path) -> str | None:
+    """What is wrong with a completed arm's files the report reads, naming the file; None where nothing is."""
+    damage = read_metrics(path)[1]
+    if damage is None and read_arm_recipe(path) is None:
+        damage = f"{path / 'recipe.yaml'} cannot be read"
+    return damage
+
+
+def read_arm_recipe(path: Path) -> dict | None:
+    """The arm's resolved recipe (recipe.yaml, written by its run), or None where it is missing or not a mapping."""
+    try:
+        recipe = yaml.safe_load((path / "recipe.yaml").read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    return recipe if isinstance(recipe, dict) else None
+
+
+def read_json_file(path: Path) -> dict:
+    """A small JSON file the runner wrote beside an arm (arm.json, failed.json), or {} where it is missing or
+    damaged: what it holds is shown, not needed."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 STEP_KEYS = ("loss", "grad_norm", "step_time_s", "tokens_per_s", "samples_per_s")  # what the report reads per step
@@ -82,9 +110,10 @@ WHERE_KEYS = ("output_dir", "train.tracking_dir")  # where an arm writes (see ru
 
 def settings_difference(experiment: Experiment, arm: Arm, path: Path) -> str | None:
     """How the completed run in `path` differs from `arm` in this experiment, in words; None when it does not."""
-    if not (path / "recipe.yaml").is_file():
+    recipe = read_arm_recipe(path)
+    if recipe is None:
         return "its recipe.yaml is missing"
-    ran = flatten(yaml.safe_load((path / "recipe.yaml").read_text()))
+    ran = flatten(recipe)
     # a run saved before paths were expanded when the recipe is built holds `~/...` where the recipe now gives
     # the home folder's path: the same file
     ran.update({key: os.path.expanduser(ran[key]) for key in path_keys() if isinstance(ran.get(key), str)})
