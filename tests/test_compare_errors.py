@@ -50,6 +50,15 @@ def test_an_empty_arm_name_is_refused(arms, command, recipe, tmp_path, capsys):
                             (f"--strategies {arms!r}: an arm name is empty", "single,ddp,fsdp"), out)
 
 
+@pytest.mark.parametrize("command", ["compare", "plan"])
+def test_an_arm_override_without_a_value_names_the_arm(command, recipe, tmp_path, capsys):
+    """It was said to be a --set the user never gave."""
+    out = tmp_path / "exp"
+    extra = ["--output", str(out)] if command == "compare" else []
+    _assert_one_line_exit_2(main([command, str(recipe), "--strategies", "single,fsdp@seed", *extra]), capsys,
+                            ("arm 'fsdp@seed': 'seed' after @ is no override; write fsdp@key.path=value",), out)
+
+
 @pytest.mark.parametrize("command, arms", [("compare", "single,single"), ("plan", "ddp,ddp")])
 def test_a_repeated_arm_is_refused(command, arms, recipe, tmp_path, capsys):
     out = tmp_path / "exp"
@@ -180,4 +189,5 @@ def test_an_arm_whose_run_json_is_damaged_runs_again(text, tmp_path):
     (tmp_path / "run.json").write_text('{"status": "completed"}')
     step = {"loss": 1.0, "grad_norm": 1.0, "step_time_s": 1.0, "tokens_per_s": 1.0, "samples_per_s": 1.0}
     (tmp_path / "metrics.jsonl").write_text(json.dumps(step) + "\n")
+    (tmp_path / "recipe.yaml").write_text("seed: 1\n")  # the run's resolved recipe, which the report reads
     assert arm_status(tmp_path) == "completed"

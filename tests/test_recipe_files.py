@@ -112,3 +112,12 @@ def test_an_empty_recipe_file_is_said_to_be_empty(tmp_path, capsys, text):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"toolkit: error: recipe {path} is empty; it needs at least a model and a data section "
                    "(see recipes/)"], err
+
+
+def test_a_folder_or_a_missing_file_given_as_the_recipe_is_said_to_be_so(tmp_path, capsys):
+    """A folder was said to be "not found", where the user can see it."""
+    for path, words in ((tmp_path, "is a folder"), (tmp_path / "none.yaml", "not found")):
+        assert main(["validate", str(path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"toolkit: error: recipe {path} {words}; pass a YAML file (see `toolkit --help` for the "
+                       "shipped recipes)"], err

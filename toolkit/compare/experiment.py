@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from toolkit.config.arm_specs import refuse_repeats, split_outside
+from toolkit.config.arm_specs import arm_parts, refuse_repeats
 from toolkit.config.files import load_recipe, replaced_overrides
 from toolkit.config.parallel import resolve
 from toolkit.config.recipe import Recipe, plan_batch
@@ -70,7 +70,7 @@ def arm_overrides(spec: str, *, common: list[str] | tuple[str, ...] = ()) -> tup
     """`zero3` or `zero3@optim.lr=2e-4@seed=1`: a named arm plus per-arm recipe overrides. An override for all arms
     (`common`: --set, a matrix file's set:) that the arm's own definition would replace by another value is refused:
     `--strategies pp-tp2 --set strategy.tp_degree=8` would run tp 2 without a word. Per-arm overrides win over both."""
-    strategy, *extra = split_outside(spec, "@", where=f"arm {spec!r}")
+    strategy, *extra = arm_parts(spec)
     aliases = arm_aliases()
     if strategy not in aliases:
         raise RecipeError(f"unknown arm {strategy!r}; choose from {', '.join(aliases)} "
@@ -125,7 +125,7 @@ def refuse_replaced(strategies: list[str], *, overrides: list[str], precisions: 
     if precisions != [None]:
         replaced["precision"] = "the matrix's precisions: sets each arm's precision; drop one of the two"
     for spec in strategies:
-        key = next((_key(o) for o in split_outside(spec, "@", where=f"arm {spec!r}")[1:] if _key(o) in replaced),
+        key = next((_key(o) for o in arm_parts(spec)[1:] if _key(o) in replaced),
                    None)
         if key is not None:
             raise RecipeError(f"arm {spec!r}: compare sets {key} for every arm itself ({replaced[key]})")

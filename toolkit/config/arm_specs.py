@@ -32,6 +32,17 @@ def split_outside(text: str, sep: str, *, where: str) -> list[str]:
     return [*parts, text[start:]]
 
 
+def arm_parts(spec: str, *, what: str = "arm") -> list[str]:
+    """`fsdp@optim.lr=2e-4@seed=1` -> [its name, its overrides]; an override without `=` is a RecipeError naming
+    the arm (not a --set the user never gave)."""
+    name, *extra = split_outside(spec, "@", where=f"{what} {spec!r}")
+    bad = next((e for e in extra if "=" not in e), None)
+    if bad is not None:
+        raise RecipeError(f"{what} {spec!r}: {bad!r} after @ is no override; write {name}@key.path=value, e.g. "
+                          f"{name}@optim.lr=1e-4")
+    return [name, *extra]
+
+
 def split_arms(text: str, *, option: str = "--strategies") -> list[str]:
     """`single,ddp,fsdp@optim.lr=2e-4` -> its arms, in order; an empty or a repeated arm is a RecipeError."""
     arms = [a.strip() for a in split_outside(text, ",", where=f"{option} {text!r}")]

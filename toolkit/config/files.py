@@ -25,6 +25,8 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
 def read_recipe_dict(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> dict:
     """The recipe file as a plain dict with the overrides applied, not yet validated."""
     path = Path(path)
+    if path.is_dir():
+        raise RecipeError(f"recipe {path} is a folder; pass a YAML file (see `toolkit --help` for the shipped recipes)")
     if not path.is_file():
         raise RecipeError(f"recipe {path} not found; pass a YAML file (see `toolkit --help` for the shipped recipes)")
     raw = read_yaml_mapping(path, what="recipe", holds="sections (model, data, ...)")

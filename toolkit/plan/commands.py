@@ -66,7 +66,7 @@ def _check_profile_path(out) -> None:
 
 def scale_plan(args) -> int:
     """Step time, tokens/s per GPU, MFU and memory per layout on a cluster of --nodes × --gpus-per-node."""
-    from toolkit.config.arm_specs import split_arms, split_outside
+    from toolkit.config.arm_specs import arm_parts, split_arms
     from toolkit.config.files import load_recipe, replaced_overrides
     from toolkit.plan import scale
     from toolkit.plan.predict import planned_model
@@ -106,7 +106,7 @@ def scale_plan(args) -> int:
         known = {**aliases, **auto}
         layouts = {}
         for spec in names:  # a name, with per-layout overrides as in compare (pp-tp2@strategy.tp_degree=8)
-            name, *extra = split_outside(spec, "@", where=f"layout {spec!r}")
+            name, *extra = arm_parts(spec, what="layout")
             if name not in known:
                 own = [n for n in known if n not in aliases]
                 raise RecipeError(f"--layouts: unknown layout {name!r}; choose from auto, "
