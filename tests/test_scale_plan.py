@@ -351,6 +351,7 @@ def write_profile(path: Path, **changes) -> Path:
     (("--hardware", "h100-sxm", "--layouts", "fsdp,warp"), "--layouts: unknown layout 'warp'; choose from auto, "
      "the layouts auto plans here (fsdp-tp2-lossp, fsdp-tp2-sp-lossp,"),
     (("--json",), "--json goes with --hardware"),
+    (("--layouts", "auto"), "--layouts goes with --hardware"),  # its default's name too (before: ignored)
     (("--hardware", "h100-sxm", "--set", "parallel.dp_shard=4", "--set", "parallel.tp=2"),
      "parallel: dp_shard 4 × tp 2 = 8 ranks, but --nodes 2 × --gpus-per-node 8 = 16"),
 ])

@@ -120,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "h100-sxm, or a profile file toolkit calibrate wrote) instead of this machine's memory")
     plan.add_argument("--nodes", type=int, default=1, help="with --hardware: machines in the cluster (default 1)")
     plan.add_argument("--gpus-per-node", type=int, default=None, help="with --hardware: default the profile's")
-    plan.add_argument("--layouts", default="auto", metavar="auto|LAYOUTS",
-                      help="with --hardware: auto (the sensible ones for the cluster), or comma-separated names of "
+    plan.add_argument("--layouts", default=None, metavar="auto|LAYOUTS",
+                      help="with --hardware: auto (the sensible ones for the cluster; the default), or comma-separated names of "
                            "auto's layouts (fsdp-tp8-sp-lossp, hsdp-2x8) or of compare arms, each with "
                            "overrides as NAME@KEY=VALUE (pp-tp2@strategy.tp_degree=8)")
     plan.add_argument("--json", action="store_true", help="with --hardware: one JSON object per layout")
@@ -227,7 +227,7 @@ def cmd_scale_plan(args) -> int:
 def cmd_plan(args) -> int:
     if args.hardware is not None:
         return cmd_scale_plan(args)
-    for flag, given in (("--json", args.json), ("--layouts", args.layouts != "auto"), ("--nodes", args.nodes != 1),
+    for flag, given in (("--json", args.json), ("--layouts", args.layouts is not None), ("--nodes", args.nodes != 1),
                         ("--gpus-per-node", args.gpus_per_node is not None)):
         if given:
             raise RecipeError(f"{flag} goes with --hardware NAME (a cluster to predict step time on)")

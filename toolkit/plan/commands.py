@@ -91,7 +91,7 @@ def scale_plan(args) -> int:
                     base.strategy.name)
         return key.removeprefix("strategy.") in strategy_info(name).options
 
-    if args.layouts == "auto":
+    if args.layouts in (None, "auto"):
         layouts, explicit = scale.auto_layouts(base, model, cluster), False
         replaced = sorted({given for name, own in layouts.items()
                            for given, theirs in replaced_overrides(args.overrides, own) if reads(own, theirs)})
