@@ -2,6 +2,7 @@
 toolkit/strategies/zero/collectives.py HOST_S_PER_TENSOR stands for, measured.
 
     python benchmarks/zero3_host_time.py [--cases minilm,minilm-micro8,llama,moe] [--steps 20] [--nproc 2]
+                                         [--stage 3]
 
 Per case, two runs of `toolkit train` as ranks of torch.distributed.run: ZeRO-3 at `--nproc` ranks, and one
 process at one thread on one rank's batch (the compute alone, the threads a rank has). A step's host time is
@@ -34,7 +35,10 @@ CASES = {
     "llama": ("recipes/llama-tiny.yaml", []),
     "moe": ("recipes/moe-tiny.yaml", []),
 }
-ZERO3 = ["strategy.name=zero", "strategy.stage=3"]
+
+
+def zero(stage: int) -> list[str]:
+    return ["strategy.name=zero", f"strategy.stage={stage}"]
 
 
 def run(recipe: str, sets: list[str], *, nproc: int, steps: int, threads: int | None, label: str) -> dict:
@@ -55,21 +59,24 @@ def run(recipe: str, sets: list[str], *, nproc: int, steps: int, threads: int | 
         return json.loads(out.read_text())
 
 
-def predicted_tensors(recipe_path: str, sets: list[str], *, nproc: int) -> tuple[int, int]:
-    """(tensors a step's gathers and reduce-scatters carry, per-rank samples a step), as the plan's rules count
-    them."""
+def predicted_tensors(recipe_path: str, sets: list[str], *, nproc: int, stage: int) -> tuple[int, int]:
+    """(tensors a step's hooks visit, per-rank samples a step): at stage 3 those the plan's rules charge (the
+    gathers' and reduce-scatters' tensors); at stage 2 each trainable gradient each micro-batch (its hook copies
+    it into the reduce bucket)."""
     from toolkit.config.files import load_recipe
     from toolkit.config.parallel import resolve
     from toolkit.config.recipe import plan_batch
     from toolkit.plan.predict import planned_model
     from toolkit.strategies.zero import collectives
 
-    recipe = resolve(load_recipe(recipe_path, [*ZERO3, *sets]), world_size=nproc)
+    recipe = resolve(load_recipe(recipe_path, [*zero(stage), *sets]), world_size=nproc)
     plan = plan_batch(recipe.batch, world_size=nproc)
-    rules = collectives.predict(planned_model(recipe), recipe, world_size=nproc,
-                                num_micro_batches=plan.grad_accum_steps)
-    tensors = round(sum(c.host_s for c in rules) / collectives.HOST_S_PER_TENSOR)
-    return tensors, plan.micro_batch_size * plan.grad_accum_steps
+    model = planned_model(recipe)
+    samples = plan.micro_batch_size * plan.grad_accum_steps
+    if stage != 3:
+        return plan.grad_accum_steps * sum(1 for p in model.parameters() if p.requires_grad), samples
+    rules = collectives.predict(model, recipe, world_size=nproc, num_micro_batches=plan.grad_accum_steps)
+    return round(sum(c.host_s for c in rules) / collectives.HOST_S_PER_TENSOR), samples
 
 
 def main() -> None:
@@ -77,6 +84,7 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--stage", type=int, default=3, choices=(2, 3))
     args = parser.parse_args()
     from toolkit.launch.launcher import prepare_environment
     from toolkit.strategies.zero.collectives import HOST_S_PER_TENSOR
@@ -85,19 +93,19 @@ def main() -> None:
     rows = []
     for name in args.cases.split(","):
         recipe, sets = CASES[name]
-        tensors, samples = predicted_tensors(recipe, sets, nproc=args.nproc)
+        tensors, samples = predicted_tensors(recipe, sets, nproc=args.nproc, stage=args.stage)
         # one rank: one thread, as the process it is set against (torch.distributed.run leaves a lone rank every core)
-        zero3 = run(recipe, [*ZERO3, *sets], nproc=args.nproc, steps=args.steps, threads=1 if args.nproc == 1 else None,
-                    label=f"{name}: zero3 at {args.nproc} ranks")
+        ran = run(recipe, [*zero(args.stage), *sets], nproc=args.nproc, steps=args.steps,
+                    threads=1 if args.nproc == 1 else None, label=f"{name}: zero{args.stage} at {args.nproc} ranks")
         alone = run(recipe, [*sets, f"batch.global_batch_size={samples}"], nproc=1, steps=args.steps, threads=1,
                     label=f"{name}: one process at 1 thread, {samples} samples")
-        host = (zero3["forward-backward"] - alone["forward-backward"] - zero3.get("collectives", 0.0)) + \
-            (zero3["optimizer step"] - zero3.get("adamw", 0.0))
-        rows.append([name, f"{zero3['step'] * 1e3:.0f}", f"{alone['forward-backward'] * 1e3:.0f}",
-                     f"{zero3.get('collectives', 0.0) * 1e3:.0f}", f"{host * 1e3:.0f}", str(tensors),
+        host = (ran["forward-backward"] - alone["forward-backward"] - ran.get("collectives", 0.0)) + \
+            (ran["optimizer step"] - ran.get("adamw", 0.0))
+        rows.append([name, f"{ran['step'] * 1e3:.0f}", f"{alone['forward-backward'] * 1e3:.0f}",
+                     f"{ran.get('collectives', 0.0) * 1e3:.0f}", f"{host * 1e3:.0f}", str(tensors),
                      f"{host / tensors * 1e3:.2f}"])
-    print_table(["case", "zero3 step ms", "compute ms", "in collectives ms", "host ms", "tensors", "host ms/tensor"],
-                rows)
+    print_table(["case", f"zero{args.stage} step ms", "compute ms", "in collectives ms", "host ms", "tensors",
+                 "host ms/tensor"], rows)
     print(f"the plan charges {HOST_S_PER_TENSOR * 1e3:.2f} ms a tensor (HOST_S_PER_TENSOR)")
 
 
