@@ -190,13 +190,15 @@ def test_responses_that_are_numbers_are_read_as_the_text_written(tmp_path, tiny_
 
 
 def test_a_text_column_of_numbers_alone_is_read_as_their_text(tmp_path, tiny_llama_dir):
-    """The file's one column is the numbers (before: its column was removed first, leaving a table of no rows to
-    add the text to, and every run crashed in datasets' concatenation)."""
+    """The file's text column is the numbers (before: its column was removed first, which left a file of one
+    column a table of no rows to add the text to, and every run crashed in datasets' concatenation)."""
     tokenizer = _tokenizer()
-    for name, values, texts in (("ints", [2, 7, 15, 42], ["2", "7", "15", "42"]),
-                                ("mixed", ["yes", 7, "1.50", 42], ["yes", "7", "1.50", "42"])):
+    for name, values, texts, beside in (("ints", [2, 7, 15, 42], ["2", "7", "15", "42"], {}),
+                                        ("mixed", ["yes", 7, "1.50", 42], ["yes", "7", "1.50", "42"], {}),
+                                        # beside a column named as the conversion's temporary one
+                                        ("named", [2, 7, 15, 42], ["2", "7", "15", "42"], {"text.text": "x"})):
         path = tmp_path / f"{name}.jsonl"
-        path.write_text("".join(json.dumps({"text": v}) + "\n" for v in values))
+        path.write_text("".join(json.dumps({"text": v, **beside}) + "\n" for v in values))
         recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
                               data={"train": str(path), "eval": None})
         dataset, _, _ = _split(recipe)

@@ -450,7 +450,10 @@ def test_a_calibrate_output_it_cannot_write_is_one_line_before_measuring(tmp_pat
     folder.mkdir()
     file.write_text("x")
     for output, words in ((folder, f"--output {folder} is a folder; name the profile file to write"),
-                          (file / "cpu.yaml", f"--output {file / 'cpu.yaml'}: {file} is a file, not a folder")):
+                          (file / "cpu.yaml", f"--output {file / 'cpu.yaml'}: {file} is a file, not a folder"),
+                          # a name the file system refuses: an OSError from is_dir before
+                          (tmp_path / ("a" * 300 + ".yaml"), "its file name is longer than the file system allows"),
+                          (tmp_path / ("a" * 300) / "cpu.yaml", "File name too long; choose another --output")):
         done = run_cli("calibrate", "--hardware", "cpu", "--output", str(output))
         assert done.returncode == 2 and words in done.stderr, done.stderr
         # its one line: not after "[toolkit] calibrating the CPU ..." and the measuring

@@ -25,12 +25,13 @@ def load_arm(experiment: Experiment, arm) -> dict:
         data["error"] = f"{arm_damage(path)}; `toolkit compare` with this --output runs the arm again"
     if data["status"] != "completed":
         failed = path / "failed.json"
-        data.setdefault("error", read_json_file(failed).get("error", f"{failed} cannot be read")
+        data.setdefault("error", str(read_json_file(failed).get("error", f"{failed} holds no error line"))
                         if failed.is_file() else "not run yet")
         return data
     run = read_run_info(path) or {}  # completed: its run.json was read just now
     # its wall time, written by the runner (absent in folders of older versions; damaged: not shown)
-    data.update(wall_s=read_json_file(path / "arm.json").get("wall_s"))
+    wall_s = read_json_file(path / "arm.json").get("wall_s")
+    data.update(wall_s=wall_s if isinstance(wall_s, (int, float)) and not isinstance(wall_s, bool) else None)
     data.update(run=run, metrics=read_metrics(path)[0],
                 recipe=read_arm_recipe(path), audit=run.get("precision_audit"),
                 precision=run["precision"], num_params=run["num_params"])

@@ -39,7 +39,7 @@ def arm_parts(spec: str, *, what: str = "arm") -> list[str]:
     bad = next((e for e in extra if "=" not in e), None)
     if bad is not None:
         raise RecipeError(f"{what} {spec!r}: {bad!r} after @ is no override; write {name}@key.path=value, e.g. "
-                          f"{name}@optim.lr=1e-4")
+                          f"{name}@optim.lr=1e-4 (a value holding @ goes in quotes)")
     return [name, *extra]
 
 

@@ -346,6 +346,8 @@ def numbers_as_text(raw, text: tuple[str, ...], *, fingerprint: str):
             texts = [value if value is None else str(value) for value in stored]
         # added beside it first: a table whose one column is removed keeps no rows to add one to
         kept = f"{column}.text"
+        while kept in raw.column_names:  # a name of the file's own
+            kept += "_"
         raw = raw.add_column(kept, texts, new_fingerprint=f"{fingerprint}-{column}", feature=datasets.Value("string"))
         raw = raw.remove_columns(column).rename_column(kept, column)
     return raw

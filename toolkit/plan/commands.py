@@ -3,6 +3,7 @@ and the scale plan (toolkit/plan/scale.py); the parser is toolkit/cli.py's."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 from toolkit.errors import RecipeError
@@ -56,12 +57,14 @@ def _check_profile_path(out) -> None:
     """--output names a file calibrate can write: not a folder, in a folder that is or can be made."""
     from toolkit.checkpoint.store import check_creatable
 
-    if out.is_dir():
+    if os.path.isdir(out):  # False, not an OSError, for a name the file system refuses (check_creatable says)
         raise RecipeError(f"--output {out} is a folder; name the profile file to write (say {out / 'cpu.yaml'})")
     try:
         check_creatable(out.parent, what="--output")
     except RecipeError as exc:  # it names the folder: the user gave the file
         raise RecipeError(str(exc).replace(f"--output {out.parent}:", f"--output {out}:", 1)) from None
+    if len(os.fsencode(out.name)) > os.pathconf(out.parent if out.parent.exists() else ".", "PC_NAME_MAX"):
+        raise RecipeError(f"--output {out}: its file name is longer than the file system allows; choose a shorter one")
 
 
 def scale_plan(args) -> int:
