@@ -70,7 +70,8 @@ def build_results(experiment: Experiment) -> dict:
                    fallback=run.get("fallback"), run=run, **predicted.peak_at_longest(run, arm["recipe"]),
                    plain_data_parallel=strategy_info(run["strategy"]).plain_data_parallel)
         if reference["status"] == "completed":
-            row["speedup_vs_reference"] = speed["tokens_per_s"] / measure.throughput(reference["metrics"])["tokens_per_s"]
+            reference_speed = measure.throughput(reference["metrics"])["tokens_per_s"]
+            row["speedup_vs_reference"] = speed["tokens_per_s"] / reference_speed
             if arm is reference:
                 row.update(verdict="reference", differences=[])
             else:
