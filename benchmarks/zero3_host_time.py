@@ -96,7 +96,7 @@ def main() -> None:
         tensors, samples = predicted_tensors(recipe, sets, nproc=args.nproc, stage=args.stage)
         # one rank: one thread, as the process it is set against (torch.distributed.run leaves a lone rank every core)
         ran = run(recipe, [*zero(args.stage), *sets], nproc=args.nproc, steps=args.steps,
-                    threads=1 if args.nproc == 1 else None, label=f"{name}: zero{args.stage} at {args.nproc} ranks")
+                  threads=1 if args.nproc == 1 else None, label=f"{name}: zero{args.stage} at {args.nproc} ranks")
         alone = run(recipe, [*sets, f"batch.global_batch_size={samples}"], nproc=1, steps=args.steps, threads=1,
                     label=f"{name}: one process at 1 thread, {samples} samples")
         host = (ran["forward-backward"] - alone["forward-backward"] - ran.get("collectives", 0.0)) + \

@@ -121,9 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--nodes", type=int, default=1, help="with --hardware: machines in the cluster (default 1)")
     plan.add_argument("--gpus-per-node", type=int, default=None, help="with --hardware: default the profile's")
     plan.add_argument("--layouts", default=None, metavar="auto|LAYOUTS",
-                      help="with --hardware: auto (the sensible ones for the cluster; the default), or comma-separated names of "
-                           "auto's layouts (fsdp-tp8-sp-lossp, hsdp-2x8) or of compare arms, each with "
-                           "overrides as NAME@KEY=VALUE (pp-tp2@strategy.tp_degree=8)")
+                      help="with --hardware: auto (the sensible ones for the cluster; the default), or "
+                           "comma-separated names of auto's layouts (fsdp-tp8-sp-lossp, hsdp-2x8) or of compare "
+                           "arms, each with overrides as NAME@KEY=VALUE (pp-tp2@strategy.tp_degree=8)")
     plan.add_argument("--json", action="store_true", help="with --hardware: one JSON object per layout")
     _add_overrides(plan)
 

@@ -125,8 +125,7 @@ def refuse_replaced(strategies: list[str], *, overrides: list[str], precisions: 
     if precisions != [None]:
         replaced["precision"] = "the matrix's precisions: sets each arm's precision; drop one of the two"
     for spec in strategies:
-        key = next((_key(o) for o in arm_parts(spec)[1:] if _key(o) in replaced),
-                   None)
+        key = next((_key(o) for o in arm_parts(spec)[1:] if _key(o) in replaced), None)
         if key is not None:
             raise RecipeError(f"arm {spec!r}: compare sets {key} for every arm itself ({replaced[key]})")
     # for all arms, the batch and output_dir are the experiment's own (the global batch, its folder); the

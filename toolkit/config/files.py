@@ -25,10 +25,9 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
 def read_recipe_dict(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> dict:
     """The recipe file as a plain dict with the overrides applied, not yet validated."""
     path = Path(path)
-    if path.is_dir():
-        raise RecipeError(f"recipe {path} is a folder; pass a YAML file (see `toolkit --help` for the shipped recipes)")
     if not path.is_file():
-        raise RecipeError(f"recipe {path} not found; pass a YAML file (see `toolkit --help` for the shipped recipes)")
+        what = "is a folder" if path.is_dir() else "not found"
+        raise RecipeError(f"recipe {path} {what}; pass a YAML file (see `toolkit --help` for the shipped recipes)")
     raw = read_yaml_mapping(path, what="recipe", holds="sections (model, data, ...)")
     if not raw and not overrides:  # else "recipe key 'model' is required", as if one section were missing
         raise RecipeError(f"recipe {path} is empty; it needs at least a model and a data section (see recipes/)")

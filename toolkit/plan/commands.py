@@ -63,7 +63,8 @@ def _check_profile_path(out) -> None:
         check_creatable(out.parent, what="--output")
     except RecipeError as exc:  # it names the folder: the user gave the file
         raise RecipeError(str(exc).replace(f"--output {out.parent}:", f"--output {out}:", 1)) from None
-    if len(os.fsencode(out.name)) > os.pathconf(out.parent if out.parent.exists() else ".", "PC_NAME_MAX"):
+    existing = next(p for p in out.parents if p.exists())  # the file system the folders made will be on
+    if len(os.fsencode(out.name)) > os.pathconf(existing, "PC_NAME_MAX"):
         raise RecipeError(f"--output {out}: its file name is longer than the file system allows; choose a shorter one")
 
 

@@ -107,7 +107,7 @@ def activation_bytes_per_rank(model: nn.Module, recipe: Recipe, *, world_size: i
     per_pp_rank = []
     for pp_rank in range(grid.pp):
         stage_ids = grid.stage_ids(pp_rank, options.stages_per_rank)
-        traces = _rank_traces(model, recipe, grid, pp_rank, how)
+        traces = _rank_traces(model, recipe, grid, pp_rank, how, parts=parts, rows=rows)
         buffers = sum(micro_batches * buffer * ((s != 0) + (s != num_stages - 1)) for s in stage_ids)
         buffers += sum(micro_batches * stats * ((s > 0 and rows[s - 1] is not None) + (s < num_stages - 1))
                        for s in stage_ids if rows[s] is not None)
@@ -123,7 +123,8 @@ def stage_traces(model: nn.Module, recipe: Recipe, *, world_size: int, pp_rank: 
     """One micro-batch through each stage pipeline rank `pp_rank` holds, traced as its run computes it (its blocks,
     the embeddings or the head where it holds them, its tp share): keyed by stage index."""
     grid = grid_of(recipe, world_size)
-    return _rank_traces(model, recipe, grid, pp_rank, _stage_how(recipe, grid, how))
+    return _rank_traces(model, recipe, grid, pp_rank, _stage_how(recipe, grid, how),
+                        parts=stage_of_blocks(model, recipe, grid)[0], rows=head_rows_of(model, recipe, grid))
 
 
 def _stage_how(recipe: Recipe, grid: Grid, how: dict[str, Any]) -> dict[str, Any]:
@@ -132,10 +133,10 @@ def _stage_how(recipe: Recipe, grid: Grid, how: dict[str, Any]) -> dict[str, Any
     return how
 
 
-def _rank_traces(model: nn.Module, recipe: Recipe, grid: Grid, pp_rank: int,
-                 how: dict[str, Any]) -> dict[int, Traced]:
-    parts, num_stages = stage_of_blocks(model, recipe, grid)
-    rows = head_rows_of(model, recipe, grid)
+def _rank_traces(model: nn.Module, recipe: Recipe, grid: Grid, pp_rank: int, how: dict[str, Any], *,
+                 parts: list[int], rows: list[tuple[int, int] | None]) -> dict[int, Traced]:
+    """`parts`: each block's stage (stage_of_blocks), `rows`: each stage's rows of the head (head_rows_of)."""
+    num_stages = len(rows)
     return {s: traced_stage(model, recipe, blocks=parts.count(s), first=s == 0, last=s == num_stages - 1,
                             tp_degree=grid.tp, sequence_parallel=grid.sequence_parallel,
                             loss_parallel=grid.loss_parallel, head_rows=rows[s], **how)
