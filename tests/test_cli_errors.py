@@ -200,6 +200,11 @@ def test_a_bad_data_file_is_refused_by_launch_before_any_rank_starts(tmp_path, t
     (["train"], "toolkit train: error: the following arguments are required: recipe"),
     (["plan", "r.yaml", "--memory-per-rank"], "toolkit plan: error: argument --memory-per-rank: expected one argument"),
     (["compare", "r.yaml", "--nprocs", "2"], "toolkit compare: error: unrecognized arguments: --nprocs 2"),
+    # argparse reads a value that starts with '-' as an option: the line says how to write it
+    (["plan", "r.yaml", "--memory-per-rank", "-5GiB"], "toolkit plan: error: argument --memory-per-rank: expected "
+     "one argument; a value that starts with '-' is written --memory-per-rank=-5GiB"),
+    (["plan", "r.yaml", "--memory-per-rank", "-h"], "toolkit plan: error: argument --memory-per-rank: expected one "
+     "argument (see"),
 ])
 def test_a_command_line_mistake_is_one_line_without_the_usage_block(args, words, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from toolkit.errors import USER_ERROR_EXIT_CODE, RecipeError, say_once, say_user_error
@@ -53,9 +54,27 @@ class OneLineParser(argparse.ArgumentParser):
 
     commands: Mapping[str, argparse.ArgumentParser] = {}  # the subcommands' parsers, by name (build_parser)
 
+    given: Sequence[str] = ()  # the arguments this parser was handed (parse_known_args), for error's advice
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        self.given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str):  # type: ignore[override]
-        say_once(f"{self.prog}: error: {message} (see {self.prog} --help)")
+        say_once(f"{self.prog}: error: {message}{self._dash_value_advice(message)} (see {self.prog} --help)")
         sys.exit(USER_ERROR_EXIT_CODE)
+
+    def _dash_value_advice(self, message: str) -> str:
+        """argparse takes a value that starts with `-` (`--memory-per-rank -5GiB`) for an option, and says the
+        option has no value: where one was given, say how to write it."""
+        missing = re.fullmatch(r"argument (\S+?)(?:/\S+)?: expected one argument", message)
+        if missing is None or missing.group(1) not in self.given:
+            return ""
+        at = self.given.index(missing.group(1))
+        value = self.given[at + 1] if at + 1 < len(self.given) else ""
+        if not value.startswith("-") or value.startswith("--") or value in self._option_string_actions:
+            return ""
+        return f"; a value that starts with '-' is written {missing.group(1)}={value}"
 
     def parse_args(self, args=None, namespace=None):  # type: ignore[override]
         """As argparse's, but an argument no parser took is reported by the subcommand it was given to, whose
