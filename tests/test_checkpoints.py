@@ -386,6 +386,36 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_run_finishes_as_if_never_kil
     assert_continues(out, runs.full("ddp"), rtol=1e-6)
 
 
+def test_a_restart_of_a_resumed_run_continues_its_own_newest_checkpoint_not_the_one_it_was_given(runs, tmp_path):
+    """torch's agent restarts the ranks with the command line they began with, `--resume PATH` included: a restart
+    resumed PATH again (here another run's, into an output_dir that now holds this one: refused; into its own,
+    every step since trained again). It continues the newest checkpoint this launch wrote, with its optimizer
+    state (not fresh, as --resume-weights-only asked for PATH only): the same losses and weights as the run
+    never killed."""
+    source = tmp_path / "source"
+    crashed(runs.full("ddp"), source)
+    given = source / "checkpoints" / "step-00000003"
+    flags = ("--set", "checkpoint.every_steps=1", "--resume", str(given), "--resume-weights-only")
+    reference = tmp_path / "never-killed"
+    launch(runs.recipe, nproc=1, overrides=("checkpoint.every_steps=1", f"output_dir={reference}"),
+           extra=flags[2:])
+    out = tmp_path / "restarted"
+    # SIGKILL after step 5 and its checkpoint; the restart resumes step-00000005, weights and Adam state
+    result = run_with_fault(faults.KILL_RANK_AT_STEP, "0:5", "launch", "--nproc", "1", "--max-restarts", "1",
+                            str(runs.recipe), "--set", f"output_dir={out}", *flags)
+    assert result.returncode == 0, result.stderr[-4000:]
+    resumed = [line for line in result.stderr.splitlines() if line.startswith("[toolkit] resume: weights")]
+    assert resumed[0].startswith(f"[toolkit] resume: weights (fresh optimizer state) from {given} (step 3"), resumed
+    assert resumed[1].startswith("[toolkit] resume: weights and optimizer state from "
+                                 f"{out / 'checkpoints' / 'step-00000005'} (step 5"), resumed
+    assert [m["step"] for m in metrics(out)] == [4, 5, 6] == [m["step"] for m in metrics(reference)]
+    torch.testing.assert_close(torch.tensor(losses(out), dtype=torch.float64),
+                               torch.tensor(losses(reference), dtype=torch.float64), rtol=1e-6, atol=0.0)
+    got, want = exported_weights(out), exported_weights(reference)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+
+
 def test_every_minutes_checkpoints_on_every_rank_alike(runs, tmp_path):
     """checkpoint.every_minutes (30 by default): a checkpoint once that much training passed since the last one,
     the ranks agreeing after each step (their clocks differ; one rank's yes is every rank's). At a millionth of a

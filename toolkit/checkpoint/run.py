@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 
 from toolkit.atomic import write_text_whole
@@ -17,6 +19,7 @@ from toolkit.errors import RecipeError
 from toolkit.model.build import with_own_dropout
 from toolkit.observe.versions import versions
 from toolkit.process.dist import DistEnv, all_reduce_max, barrier, restarted
+from toolkit.process.orphans import LAUNCHED_AT_ENV
 
 
 @dataclass(frozen=True)
@@ -38,14 +41,11 @@ def starting_point(recipe: Recipe, resume: Resume | None, *, plan: BatchPlan, to
     `total_steps`: the run's last step where known (the loop; the launcher knows train.max_steps only).
     `env`: the ranks' (collective), which also compare the files' bytes with their recorded digests."""
     out_dir = Path(recipe.output_dir)
-    if resume is None and restarted():
-        # torchrun restarted the ranks (--max-restarts): this run's own newest checkpoint, else from scratch
-        if not store.complete_checkpoints(out_dir):
-            if env is not None and env.is_main:
-                print(f"[toolkit] warning: restarted with no complete checkpoint in {out_dir / 'checkpoints'}: "
-                      "training again from step 1", file=sys.stderr, flush=True)
-            return None
-        resume = Resume()
+    if resume is None and restarted():  # after_restart found no checkpoint of this launch: from scratch again
+        if env is not None and env.is_main:
+            print(f"[toolkit] warning: restarted with no complete checkpoint in {out_dir / 'checkpoints'}: "
+                  "training again from step 1", file=sys.stderr, flush=True)
+        return None
     store.check_output_dir(out_dir, resume=resume is not None)  # also where a resumed run writes elsewhere
     if resume is None:
         return None
@@ -59,7 +59,8 @@ def starting_point(recipe: Recipe, resume: Resume | None, *, plan: BatchPlan, to
                           f"{plan.global_batch_size}: the data position would not carry over; set "
                           f"batch.global_batch_size={saved}")
     _check_seed(checkpoint, recipe)
-    if not store.holds_checkpoint(out_dir, checkpoint.path) and store.holds_run(out_dir):
+    if not store.holds_checkpoint(out_dir, checkpoint.path) and store.holds_run(out_dir) and \
+            not _written_by_this_launch(out_dir):  # a restart's: its first attempt's run, which it continues
         raise RecipeError(f"output_dir {out_dir} holds another run than the one checkpoint {checkpoint.path} "
                           "belongs to: their metrics and checkpoints would mix; continue this checkpoint into "
                           "a new folder with --set output_dir=NEW")
@@ -72,6 +73,42 @@ def starting_point(recipe: Recipe, resume: Resume | None, *, plan: BatchPlan, to
         raise NothingToResume(f"[toolkit] nothing to resume: {out_dir} holds the completed run (step {last} of "
                               f"{last}), left as it is; set train.max_steps above {last} to train on")
     return checkpoint
+
+
+def after_restart(recipe: Recipe, resume: Resume | None) -> Resume | None:
+    """What a rank resumes: on the first attempt, what the command line says. torch's agent restarts the ranks
+    (--max-restarts) with the command line they started with, where `--resume PATH` would go back to PATH each
+    time: set aside every checkpoint written since, train those steps again (with --resume-weights-only, from a
+    fresh optimizer again) or, PATH another run's, be refused in an output_dir that now holds this one. So a
+    restart continues from the newest checkpoint this launch wrote, weights and optimizer state; where it wrote
+    none, from what the command line says (without --resume: from step 1, said in starting_point)."""
+    if not restarted():
+        return resume
+    written = store.complete_checkpoints(Path(recipe.output_dir))  # without --resume, all are this launch's
+    if resume is not None:  # an output_dir resumed holds older ones too: those saved since the launch began
+        began = _launch_began()
+        written = [path for path in written
+                   if began is not None and store.read_checkpoint(path).manifest.get("time", 0.0) >= began]
+    return Resume(path=str(written[-1])) if written else resume
+
+
+def _launch_began() -> float | None:
+    """When this launch started its ranks (the first attempt; constant over restarts): `toolkit launch` says so
+    in the environment, else torch's agent is the ranks' parent process (torchrun, accelerate launch) and was
+    started before them. None where neither is known."""
+    if os.environ.get(LAUNCHED_AT_ENV):
+        return float(os.environ[LAUNCHED_AT_ENV])
+    try:
+        return psutil.Process(os.getppid()).create_time()
+    except psutil.Error:
+        return None
+
+
+def _written_by_this_launch(out_dir: Path) -> bool:
+    """A restarted rank's output_dir holds the run its first attempt started (its run.json)."""
+    began = _launch_began()
+    run_info = out_dir / "run.json"
+    return restarted() and began is not None and run_info.is_file() and run_info.stat().st_mtime >= began
 
 
 def _check_seed(checkpoint: store.Checkpoint, recipe: Recipe) -> None:

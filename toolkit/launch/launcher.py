@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from toolkit.errors import (NONFINITE_EXIT_CODE, REPLICA_DRIFT_EXIT_CODE, SAID_DIR_ENV, USER_ERROR_EXIT_CODE,
                             RecipeError, failure_said, first_line, ranks_option, under_accelerate)
 from toolkit.launch.exits import Failure, describe_failures, failed_ranks, nonfinite_elsewhere, stopped_together
-from toolkit.process.orphans import LAUNCHER_PID_ENV
+from toolkit.process.orphans import LAUNCHED_AT_ENV, LAUNCHER_PID_ENV
 
 
 def worker_args(recipe_path: str, overrides: list[str], extra: list[str] | None = None) -> list[str]:
@@ -241,8 +241,10 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
     handlers = {signum: signal.getsignal(signum) for signum in
                 (getattr(signal, name) for name in AGENT_SIGNALS if hasattr(signal, name))}
     # the ranks inherit these; this process gets its own back
-    before = {name: os.environ.get(name) for name in (NODES_ENV, SAID_DIR_ENV, LAUNCHER_PID_ENV, RANKS_CHECK_ENV)}
-    os.environ.update({NODES_ENV: nodes.shared_launch_args(), SAID_DIR_ENV: said})
+    before = {name: os.environ.get(name) for name in (NODES_ENV, SAID_DIR_ENV, LAUNCHER_PID_ENV, RANKS_CHECK_ENV,
+                                                      LAUNCHED_AT_ENV)}
+    # LAUNCHED_AT_ENV: a restarted rank resumes the newest checkpoint saved since (checkpoint.run.after_restart)
+    os.environ.update({NODES_ENV: nodes.shared_launch_args(), SAID_DIR_ENV: said, LAUNCHED_AT_ENV: str(time.time())})
     if check_in_ranks:
         os.environ[RANKS_CHECK_ENV] = "1"
     else:

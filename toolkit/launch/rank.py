@@ -83,7 +83,7 @@ def peer_lost(exc: BaseException, env) -> bool:
 def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
     """Train this rank: (exit code, the strategy to release once every rank is done). A user's mistake or
     replica drift is one line and an exit code, not a traceback."""
-    from toolkit.checkpoint.run import NothingToResume
+    from toolkit.checkpoint.run import NothingToResume, after_restart
     from toolkit.checkpoint.store import CheckpointWriteError
     from toolkit.observe.consistency import ReplicaDriftError
     from toolkit.train.loop import train
@@ -93,6 +93,7 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
     out_dir = Path(recipe.output_dir)
     before = entries(out_dir)
     try:
+        resume = after_restart(recipe, resume)  # a restart continues what this launch saved, not --resume's PATH
         if os.environ.get(RANKS_CHECK_ENV) == "1":  # `toolkit launch` on one machine left its checks to the ranks
             from toolkit.checkpoint.run import starting_point
             from toolkit.train.checks import check_recipe

@@ -31,6 +31,7 @@ import threading
 import time
 
 LAUNCHER_PID_ENV = "TOOLKIT_LAUNCHER_PID"  # set by `toolkit launch` for its ranks: the process that starts them
+LAUNCHED_AT_ENV = "TOOLKIT_LAUNCHED_AT"  # set by `toolkit launch` for its ranks: when it started them (a time.time())
 FOLLOWED_ENV = "TOOLKIT_FOLLOWS_LAUNCHER"  # set in a rank that follows its launcher: not in what the rank starts
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 ORPHAN_GRACE_S = 30.0  # torch's agent: SIGTERM, then SIGKILL after its shutdown timeout of 30 s
