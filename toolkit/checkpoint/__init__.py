@@ -3,7 +3,7 @@
 A checkpoint is a folder `output_dir/checkpoints/step-NNNNNNNN/` holding
   - a `torch.distributed.checkpoint` (DCP) save: `model.<name>` (fp32 master weights under the model's own
     parameter names, a tied weight once), `optim.state.<name>.<exp_avg|exp_avg_sq|step>` (AdamW's state, torch's flattened
-    layout) and `rng.<rank>` (each rank's CPU generator);
+    layout), `rng.<rank>` (each rank's CPU generator) and on a GPU `device_rng.<rank>` (its CUDA generator);
   - `manifest.json`: step, strategy, world size, precision, recipe hash, tokens seen, versions, the LR
     schedule's and the loss scaler's state (small numbers, JSON: nothing is unpickled on load);
   - `recipe.yaml` and `hf/` (the model's config and tokenizer): enough for `toolkit convert` alone;

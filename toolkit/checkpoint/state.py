@@ -4,6 +4,7 @@ The layout every strategy shares (see toolkit/checkpoint/__init__.py):
     model.<name>               every entry of the model's state_dict (a tied weight once), fp32 masters
     optim.state.<name>.<key>   AdamW's exp_avg / exp_avg_sq / step, under the parameter's first name
     rng.<rank>                 that rank's CPU generator
+    device_rng.<rank>          and its GPU's (CUDA runs: dropout on a GPU draws from that one)
 Full tensors (ddp) and DTensor shards (fsdp) go in as they are: DCP stores one copy of a replicated key and
 reshards on load. ZeRO's pieces of its flat partitions go in as the boxes they cover (fragments.py).
 """
@@ -222,7 +223,8 @@ def save(strategy, *, step: int, out_dir: Path, env: DistEnv, recipe, manifest: 
         # holding each is the first replica's (rank 0's, HSDP's first group): one replica, whole, for `toolkit
         # convert` and a resume on another number of ranks (each rank's own state is in its "comm" entry)
         planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
-    state = {"model": tensors["model"], "optim": tensors["optim"], "rng": {str(env.rank): torch.get_rng_state()}}
+    state = {"model": tensors["model"], "optim": tensors["optim"],
+             **{key: {str(env.rank): held} for key, held in _generators(env).items()}}
     communication = strategy.state.communication_state()  # each rank its own (PowerSGD's error)
     if communication is not None:
         state["comm"] = {str(env.rank): torch.frombuffer(bytearray(communication), dtype=torch.uint8)}
@@ -425,6 +427,19 @@ def load_rng(path: Path, *, env: DistEnv, saved_world: int) -> None:
             print(f"[toolkit] resume: random generators not restored (saved by {saved_world} ranks, now "
                   f"{env.world_size}); only dropout masks depend on them", file=sys.stderr, flush=True)
         return
-    state = {"rng": {str(env.rank): torch.get_rng_state()}}
+    saved = saved_keys(path)  # a checkpoint saved on the CPU (or before the toolkit kept it) has no GPU's
+    rank = str(env.rank)
+    state = {key: {rank: held} for key, held in _generators(env).items() if f"{key}.{rank}" in saved}
     _load(state, path)
-    torch.set_rng_state(state["rng"][str(env.rank)])
+    torch.set_rng_state(state["rng"][rank])
+    if "device_rng" in state:
+        torch.cuda.set_rng_state(state["device_rng"][rank], env.device)
+
+
+def _generators(env: DistEnv) -> dict[str, torch.Tensor]:
+    """This rank's random generators' states: the CPU's, and on a GPU its own (model.build's manual_seed reset
+    both: a resumed GPU run drew the first steps' dropout masks again)."""
+    held = {"rng": torch.get_rng_state()}
+    if env.device.type == "cuda":
+        held["device_rng"] = torch.cuda.get_rng_state(env.device)
+    return held
