@@ -16,6 +16,7 @@ import torch
 
 from conftest import (REPO, exported_weights, launch, losses, metrics, run_cli, strict_loads, toolkit_env,
                       write_recipe)
+from toolkit.checkpoint import store
 from toolkit.errors import RecipeError
 from toolkit.process import faults
 
@@ -272,6 +273,64 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_run_in_one_line(runs, tmp_
     assert ended["reason"] == lines[0].removeprefix("toolkit: ")
     assert (ended["error"], ended["step"], ended["checkpoint"]) == ("CheckpointWriteError", 3, None)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [".step-00000003.partial"]  # never resumed
+
+
+@pytest.mark.parametrize("how", ["train", "launch"])
+def test_metrics_that_cannot_be_written_stop_the_run_checkpointed_in_one_line(runs, tmp_path, how):
+    """metrics.jsonl on a disk that fills up mid-run (its file descriptor made /dev/full at step 2: a real
+    ENOSPC from the kernel): before, a 40-line traceback and no checkpoint, every step since the last one lost.
+    Every rank stops after that step, its checkpoint written; one line says why and how to resume, exit 1; the
+    resume ends as the run never stopped (step 2's record, never written, is the one missing)."""
+    out = tmp_path / "full"
+    command = ["train"] if how == "train" else ["launch", "--nproc", "2"]
+    result = run_with_fault(faults.FULL_METRICS_AT_STEP, "2", *command, str(runs.recipe), "--set",
+                            f"strategy.name={'single' if how == 'train' else 'ddp'}", "--set", f"output_dir={out}")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("toolkit: ")]
+    checkpoint = out / "checkpoints" / "step-00000002"
+    assert len(lines) == 1 and lines[0].startswith(
+        f"toolkit: {out / 'metrics.jsonl'} could not be written at step 2 (No space left on device (ENOSPC)); "
+        f"the run stopped after step 2; the newest checkpoint is {checkpoint} (step 2); once the disk has room "
+        f"(or the file can be written), resume with: toolkit {' '.join(command)} "), result.stderr[-3000:]
+    assert lines[0].endswith(" --resume")
+    assert store.is_complete(checkpoint)
+    info = json.loads((out / "run.json").read_text())
+    assert (info["status"], info["ended"]["error"], info["ended"]["step"]) == ("failed", "OutputWriteError", 2)
+    if how == "launch":
+        return
+    reference = tmp_path / "never-stopped"
+    launch(runs.recipe, nproc=1, overrides=(f"output_dir={reference}",))
+    launch(runs.recipe, nproc=1, overrides=(f"output_dir={out}",), extra=("--resume",))
+    assert [m["step"] for m in metrics(out)] == [1, 3, 4, 5, 6]
+    want = [m["loss"] for m in metrics(reference) if m["step"] != 2]
+    torch.testing.assert_close(torch.tensor(losses(out), dtype=torch.float64),
+                               torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=0.0)
+
+
+@pytest.mark.parametrize("how", ["train", "launch"])
+def test_a_model_that_cannot_be_exported_ends_the_run_in_one_line(runs, tmp_path, how):
+    """The export on a full disk (the file size limit, as above: safetensors' own error, not an OSError):
+    before, a traceback and the 89 MB .model.partial left on the full disk. One line naming the folder, the
+    error and what holds the weights (here nothing: no checkpoint at all), exit 1, the partial folder gone."""
+    out = tmp_path / "full"
+
+    def limit_file_size() -> None:  # above run.json and metrics.jsonl, below the weights' ~4 MB file
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2 * 2**20, 2 * 2**20))
+
+    command = ["train"] if how == "train" else ["launch", "--nproc", "2"]
+    sets = [a for item in (f"strategy.name={'single' if how == 'train' else 'ddp'}", "train.max_steps=2",
+                           "checkpoint.every_steps=null", "checkpoint.every_minutes=null", "checkpoint.final=false",
+                           f"output_dir={out}") for a in ("--set", item)]
+    result = subprocess.run([sys.executable, "-m", "toolkit", *command, str(runs.recipe), *sets], cwd=REPO,
+                            env=toolkit_env(), capture_output=True, text=True, timeout=600,
+                            preexec_fn=limit_file_size)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("toolkit: ")]
+    assert lines == [f"toolkit: the model could not be written to {out / 'model'} (File too large (EFBIG)); every "
+                     "step was trained, and no checkpoint holds its weights (checkpoint.final: true keeps one)"], \
+        result.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "recipe.yaml", "run.json"]
+    assert json.loads((out / "run.json").read_text())["ended"]["error"] == "OutputWriteError"
 
 
 def test_a_resumed_run_draws_the_same_dropout_masks_as_the_uninterrupted_one(runs, tmp_path):

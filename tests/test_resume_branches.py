@@ -4,6 +4,7 @@ Each case works on a copy of one 3-step single-process run with a checkpoint aft
 
 import json
 import shutil
+import signal
 
 import pytest
 
@@ -94,6 +95,34 @@ def test_resuming_a_completed_run_leaves_it_as_it_is(command, three_steps, tmp_p
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr.count("nothing to resume") == 1 and "completed run (step 3 of 3)" in done.stderr
     assert _files(out) == before
+
+
+def test_a_run_stopped_at_its_export_is_resumed_into_the_export(three_steps, tmp_path, capsys):
+    """A Ctrl-C (or a full disk) at the export, after the last step's checkpoint: the interrupted line names that
+    checkpoint and the command that continues (it said only 'outputs so far in ...'), and that --resume trains
+    nothing and exports its weights (it said 'continuing at step 4 of 3')."""
+    from toolkit.config.files import load_recipe
+    from toolkit.launch.rank import interrupted
+
+    recipe, run = three_steps
+    out = _copy(run, tmp_path)
+    shutil.rmtree(out / "model")  # what an export cut short leaves: its .model.partial, removed by the next one
+    info = json.loads((out / "run.json").read_text())
+    (out / "run.json").write_text(json.dumps({**info, "status": "stopped"}))
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        assert interrupted(load_recipe(str(recipe), [f"output_dir={out}"])) == 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    said = capsys.readouterr().err.strip()
+    assert said.startswith(f"toolkit: interrupted; outputs so far in {out}; the newest checkpoint is "
+                           f"{out / 'checkpoints' / 'step-00000003'} (step 3); resume with: toolkit "), said
+    assert said.endswith(" --resume"), said
+    done = run_cli("train", str(recipe), *_sets(*SETS, f"output_dir={out}"), "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "(step 3, single on 1 rank(s)); every step of 3 trained: exporting its model" in done.stderr
+    assert _files(out / "model") == _files(run / "model")  # the same weights the run exported
+    assert _steps(out / "metrics.jsonl") == [1, 2, 3]
 
 
 def test_another_runs_checkpoint_into_a_folder_holding_a_run_is_one_line(three_steps, tmp_path):

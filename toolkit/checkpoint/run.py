@@ -132,9 +132,10 @@ def restore(strategy, checkpoint: store.Checkpoint, *, weights_only: bool, env: 
     if env.is_main:
         m = checkpoint.manifest
         what = "weights (fresh optimizer state)" if weights_only else "weights and optimizer state"
+        then = f"continuing at step {m['step'] + 1} of {total_steps}" if m["step"] < total_steps else \
+            f"every step of {total_steps} trained: exporting its model"
         print(f"[toolkit] resume: {what} from {checkpoint.path} (step {m['step']}, {m['strategy']} on "
-              f"{m['world_size']} rank(s)); continuing at step {m['step'] + 1} of {total_steps}",
-              file=sys.stderr, flush=True)
+              f"{m['world_size']} rank(s)); {then}", file=sys.stderr, flush=True)
     return checkpoint.step
 
 

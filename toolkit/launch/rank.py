@@ -88,7 +88,7 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
     from toolkit.observe.consistency import ReplicaDriftError
     from toolkit.train.loop import train
     from toolkit.launch.launcher import RANKS_CHECK_ENV, resume_hint
-    from toolkit.process.stopping import NonFinite, Stopped
+    from toolkit.process.stopping import NonFinite, OutputWriteError, Stopped
 
     out_dir = Path(recipe.output_dir)
     before = entries(out_dir)
@@ -126,20 +126,35 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
             print(f"toolkit: {nonfinite_line(exc, out_dir)}", file=sys.stderr, flush=True)
         mark_final(NONFINITE_EXIT_CODE)  # a restart would resume before the step and reach it again
         return NONFINITE_EXIT_CODE, None
-    except CheckpointWriteError as exc:  # a full disk: not the recipe's fault, a failed run (exit 1) in one line
+    except (CheckpointWriteError, OutputWriteError) as exc:  # a full disk: a failed run (exit 1) in one line
         if env.is_main:  # every rank's failure is in rank 0's line (DCP gathers them)
             from toolkit.process import faults
 
             faults.before_failure_line()
-            say_once(f"toolkit: {exc}")
+            end = f"; {after_write_failure(out_dir, exc, env=env)}" if isinstance(exc, OutputWriteError) else ""
+            say_once(f"toolkit: {exc}{end}")
             mark_failure_said()  # the launcher adds no line of its own
-        if exc.on_every_rank:  # every rank has it (DCP's gathered failure): they leave once rank 0 said it, since
-            from toolkit.process.dist import barrier  # the first rank to exit gets the others stopped by the launcher
+        if isinstance(exc, OutputWriteError) or exc.on_every_rank:  # every rank has it: they leave once rank 0
+            from toolkit.process.dist import barrier  # said it (the first rank to exit gets the others stopped)
 
             with contextlib.suppress(RuntimeError):  # a rank gone already: the launcher's line says which
                 barrier(env)
         return 1, None
     return 0, result.strategy
+
+
+def after_write_failure(out_dir: Path, exc, *, env) -> str:
+    """What an OutputWriteError's line says after it: where the run stopped, the checkpoint that holds it and
+    the command that continues it once the disk has room (or the file can be written)."""
+    from toolkit.checkpoint.store import complete_checkpoints, step_of
+    from toolkit.launch.launcher import resume_hint
+
+    found = complete_checkpoints(out_dir)
+    stopped = f"the run stopped after step {exc.step}" if exc.step is not None else "every step was trained"
+    if not found:
+        return f"{stopped}, and no checkpoint holds its weights (checkpoint.final: true keeps one)"
+    return (f"{stopped}; the newest checkpoint is {found[-1]} (step {step_of(found[-1])}); once the disk has room "
+            f"(or the file can be written), {resume_hint(env.world_size)}")
 
 
 def nonfinite_line(exc, out_dir: Path) -> str:
@@ -172,8 +187,20 @@ def interrupted(recipe=None, env=None) -> int:
             out_dir = Path(recipe.output_dir)
             where = f"; outputs so far in {out_dir}" if out_dir.is_dir() and any(out_dir.iterdir()) else \
                 "; nothing was written"
+            where += _resume_from_newest(out_dir, world_size=env.world_size if env is not None else 1)
         print(f"toolkit: interrupted{where}", file=sys.stderr, flush=True)
     return INTERRUPTED_EXIT_CODE
+
+
+def _resume_from_newest(out_dir: Path, *, world_size: int) -> str:
+    """'; the newest checkpoint is PATH (step N); resume with: COMMAND' where output_dir holds one (a Ctrl-C at
+    the export, after the last step's checkpoint: --resume exports it), else ''."""
+    from toolkit.checkpoint.store import complete_checkpoints, step_of
+    from toolkit.launch.launcher import resume_hint
+
+    found = complete_checkpoints(out_dir)
+    return f"; the newest checkpoint is {found[-1]} (step {step_of(found[-1])}); {resume_hint(world_size)}" \
+        if found else ""
 
 
 def quiet_libraries() -> None:

@@ -15,7 +15,8 @@ from toolkit.config.recipe import LoraOptions
 from toolkit.model.build import own_dropout
 from toolkit.model.lora import adapted
 from toolkit.model.tied import without_tied_aliases
-from toolkit.process.dist import DistEnv, barrier
+from toolkit.process.dist import DistEnv, all_reduce_max
+from toolkit.process.stopping import OutputWriteError, write_error_text
 
 
 @contextlib.contextmanager
@@ -46,14 +47,27 @@ def export_model(strategy, *, tokenizer, out_dir: Path, env: DistEnv, lora: Lora
     plain model."""
     state_dict = strategy.state.full_state_dict()
     final = out_dir / "model"
+    failure = None
     if env.is_main:
         tmp = out_dir / ".model.partial"
         shutil.rmtree(tmp, ignore_errors=True)
         module = strategy.state.export_module()
-        with own_dropout(module.config):  # the model's dropout, not model.dropout's override for this run
-            _write_model(module, state_dict, tokenizer=tokenizer, out_dir=out_dir, tmp=tmp, lora=lora, task=task)
-        replace_folder(tmp, final)
-    barrier(env)
+        try:
+            with own_dropout(module.config):  # the model's dropout, not model.dropout's override for this run
+                _write_model(module, state_dict, tokenizer=tokenizer, out_dir=out_dir, tmp=tmp, lora=lora,
+                             task=task)
+            replace_folder(tmp, final)
+        except Exception as exc:  # noqa: BLE001 - a failed write (write_error_text) ends the run in one line
+            why = write_error_text(exc)
+            if why is None:
+                raise
+            for partial in (tmp, out_dir / ".model-merged.partial"):  # what a full disk needs back
+                shutil.rmtree(partial, ignore_errors=True)
+            failure = f"the model could not be written to {final} ({why})"
+    # every rank alike (and in step: the others wait for rank 0's files, as a barrier would): all end on it
+    failed = all_reduce_max(torch.tensor([float(failure is not None)]), env)
+    if failed.item():
+        raise OutputWriteError(failure or "the model could not be written")
     return final
 
 

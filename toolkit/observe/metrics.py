@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -194,7 +195,10 @@ class JsonlWriter:
         self.file.flush()
 
     def close(self) -> None:
-        self.file.close()
+        # every line was flushed when written: a close that fails is a write that failed already, which the loop
+        # said (it would replace the run's own error with its OSError, in a traceback)
+        with contextlib.suppress(OSError):
+            self.file.close()
 
 
 class Progress:

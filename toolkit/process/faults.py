@@ -16,6 +16,7 @@ KILL_BEFORE_COMMIT_STEP = "TOOLKIT_FAULT_KILL_BEFORE_COMMIT_STEP"  # SIGKILL bef
 INF_GRADIENT_AT_STEP = "TOOLKIT_FAULT_INF_GRADIENT_AT_STEP"  # an inf gradient before that step's update
 NAN_LOSS_AT_STEP = "TOOLKIT_FAULT_NAN_LOSS_AT_STEP"  # that step's loss, as every rank sees it, is NaN
 DELAY_FAILURE_LINE = "TOOLKIT_FAULT_DELAY_FAILURE_LINE"  # seconds rank 0 waits before a failed save's line
+FULL_METRICS_AT_STEP = "TOOLKIT_FAULT_FULL_METRICS_AT_STEP"  # metrics.jsonl's writes go to /dev/full from then
 
 
 def after_step(step: int, env: DistEnv) -> None:
@@ -50,3 +51,11 @@ def step_loss(step: int, loss: float) -> float:
     if not restarted() and os.environ.get(NAN_LOSS_AT_STEP) == str(step):
         return float("nan")
     return loss
+
+
+def before_metrics_write(step: int, file) -> None:
+    """metrics.jsonl's file (rank 0's) becomes /dev/full at `step`: its writes fail as on a full disk (ENOSPC)."""
+    if not restarted() and os.environ.get(FULL_METRICS_AT_STEP) == str(step):
+        full = os.open("/dev/full", os.O_WRONLY)
+        os.dup2(full, file.fileno())
+        os.close(full)

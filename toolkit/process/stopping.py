@@ -1,4 +1,5 @@
-"""Ending a run early without losing it: a stop signal (preemption) and a non-finite loss.
+"""Ending a run early without losing it: a stop signal (preemption), a non-finite loss, an output that could
+not be written.
 
 SIGTERM and SIGUSR1 are what SLURM and Kubernetes send before they kill a job. The handler only notes the
 signal; at the next step boundary every rank learns whether any rank got one (one tiny all-reduce per step)
@@ -9,8 +10,10 @@ is the same stop, said as "interrupted"; a second Ctrl-C without a launcher stop
 
 from __future__ import annotations
 
+import errno
 import math
 import os
+import re
 import signal
 
 import torch
@@ -27,6 +30,33 @@ class Stopped(Exception):
     def __init__(self, signum: int, step: int, total: int, checkpoint):
         super().__init__(f"{signal.Signals(signum).name} at step {step} of {total}")
         self.signum, self.step, self.total, self.checkpoint = signum, step, total, checkpoint
+
+
+class OutputWriteError(Exception):
+    """The run's own outputs could not be written (metrics.jsonl mid-run, the exported model at its end: a full
+    disk, a file made read-only), on every rank alike: mid-run they stopped after `step`, its checkpoint written
+    (where that disk allows); None: at the export, after the last step. The message is the first part of
+    rank.py's one line (which adds the checkpoint to resume); only rank 0, which writes them, knows it."""
+
+    def __init__(self, message: str, *, step: int | None = None) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+def write_error_text(exc: BaseException) -> str | None:
+    """A failed write as a user reads it ('No space left on device (ENOSPC)'), or None where `exc` is not one:
+    an OSError, or safetensors' own error for one (it raises no OSError: 'I/O error: No space left on device')."""
+    if isinstance(exc, OSError):
+        from toolkit.checkpoint.store import os_error_text
+
+        return os_error_text(exc)
+    text = str(exc)
+    if type(exc).__name__ != "SafetensorError" or "I/O error: " not in text:
+        return None
+    text = text.split("I/O error: ", 1)[1].strip()
+    number = re.search(r"\(os error (\d+)\)$", text)  # named as an OSError's: 'File too large (EFBIG)'
+    name = errno.errorcode.get(int(number.group(1))) if number else None
+    return f"{text[:number.start()].strip()} ({name})" if number and name else text
 
 
 class NonFinite(Exception):
@@ -97,6 +127,7 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.received = 0
+        self.write_failure: str | None = None  # rank 0: metrics.jsonl could not be written (why), said by agree
         self._previous: dict[int, object] = {}
 
     def install(self) -> "StopSignals":
@@ -111,13 +142,15 @@ class StopSignals:
             raise KeyboardInterrupt
         self.received = self.received or signum
 
-    def agree(self, env: DistEnv, *, checkpoint_due: bool = False) -> tuple[int, bool]:
-        """Collective, every rank alike: the signal any rank received (0: none), and whether any rank's clock says a
-        checkpoint is due (checkpoint.every_minutes): one all-reduce for both."""
-        flags = torch.tensor([float(self.received), float(checkpoint_due)], dtype=torch.float64)
+    def agree(self, env: DistEnv, *, checkpoint_due: bool = False) -> tuple[int, bool, bool]:
+        """Collective, every rank alike: the signal any rank received (0: none), whether any rank's clock says a
+        checkpoint is due (checkpoint.every_minutes) and whether an output could not be written (write_failure):
+        one all-reduce for the three."""
+        flags = torch.tensor([float(self.received), float(checkpoint_due), float(self.write_failure is not None)],
+                             dtype=torch.float64)
         if env.distributed:
             flags = all_reduce_max(flags, env)
-        return int(flags[0].item()), bool(flags[1].item())
+        return int(flags[0].item()), bool(flags[1].item()), bool(flags[2].item())
 
     def restore(self) -> None:
         for signum, handler in self._previous.items():

@@ -41,7 +41,8 @@ from toolkit.observe.metrics import (Progress, compile_graph_breaks, compile_sec
                                      synchronize)
 from toolkit.process import faults
 from toolkit.process.dist import DistEnv, all_reduce_max, all_reduce_sum
-from toolkit.process.stopping import NonFinite, SkippedSteps, StopSignals, Stopped
+from toolkit.process.stopping import (NonFinite, OutputWriteError, SkippedSteps, StopSignals, Stopped,
+                                      write_error_text)
 from toolkit.strategies import import_runtime_modules, strategy_degrees
 from toolkit.strategies.pipeline.timing import pin_block_time, steps_length
 from toolkit.strategies.base import ROUTER_LOSS, Replicas, SetupArgs, Strategy
@@ -212,7 +213,7 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
                 saver.close()  # an async checkpoint still being written is committed before the run ends
                 if saver.final_skipped:  # checkpoint.final null on a quick run: the done line says it
                     info["final_checkpoint_skipped"] = saver.final_skipped
-            except (Stopped, NonFinite):  # every rank alike: the checkpoint still being written is a good one
+            except (Stopped, NonFinite, OutputWriteError):  # every rank alike: a checkpoint in flight is a good one
                 saver.close()
                 raise
             finally:
@@ -312,14 +313,23 @@ def run_steps(strategy: Strategy, loader, parts: StepParts, *, done: int) -> lis
         if saver.due(step):
             record["checkpoint_s"] = saver.save(strategy, step=step)  # outside step_time_s
         if parts.writer:
-            parts.writer.write(record)
+            try:
+                faults.before_metrics_write(step, parts.writer.jsonl.file)  # tests only: a full disk
+                parts.writer.write(record)
+            except OSError as exc:  # a full disk, a file made read-only: every rank stops after this step (below)
+                parts.signals.write_failure = (f"{parts.writer.jsonl.path} could not be written at step {step} "
+                                               f"({write_error_text(exc)})")
         info.last_step = step  # before anything else can fail: run.json's steps_done is what metrics.jsonl holds
         parts.progress.update(record)
         if unrecoverable is not None:
             raise unrecoverable
         faults.after_step(step, env)  # tests only: a killed rank, a preempted launcher
         # every rank alike: all stop after this same step, or all write checkpoint.every_minutes' checkpoint
-        signum, clock_due = parts.signals.agree(env, checkpoint_due=saver.clock_due(step))
+        signum, clock_due, write_failed = parts.signals.agree(env, checkpoint_due=saver.clock_due(step))
+        if write_failed:  # the steps from here would have no record: stop, the weights kept in a checkpoint
+            if saver.last_step != step:
+                saver.save(strategy, step=step, wait=True)
+            raise OutputWriteError(parts.signals.write_failure or "metrics.jsonl could not be written", step=step)
         if signum and step < parts.total_steps:
             if saver.last_step != step:
                 saver.save(strategy, step=step, wait=True)

@@ -28,7 +28,7 @@ from toolkit.observe.metrics import (live_tensor_storages, measured_matmul_flops
 from toolkit.observe.versions import versions
 from toolkit.process import host_memory
 from toolkit.process.dist import DistEnv, all_reduce_max, gather_objects
-from toolkit.process.stopping import NonFinite, SkippedSteps, Stopped
+from toolkit.process.stopping import NonFinite, OutputWriteError, SkippedSteps, Stopped
 from toolkit.strategies import layout_line, strategy_degrees
 from toolkit.strategies.base import storage_bytes
 from toolkit.strategies.optim.adamw import schedule_label
@@ -317,7 +317,7 @@ def ended_record(info: RunRecord, exc: BaseException, *, out_dir: Path, skips: S
             ended["skipped_from"] = exc.skipped_from
     elif isinstance(exc, KeyboardInterrupt):  # a second Ctrl-C: out at once, without a checkpoint
         ended["reason"] = "interrupted (a second Ctrl-C: no checkpoint written)"
-    elif isinstance(exc, CheckpointWriteError):  # the whole line the run ended with (first_line would cut it)
+    elif isinstance(exc, (CheckpointWriteError, OutputWriteError)):  # the whole line (first_line would cut it)
         status = "failed"
         ended.update(reason=str(exc), error=type(exc).__name__, step=exc.step)
     else:
