@@ -30,14 +30,17 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from toolkit.checkpoint import schedule, store, verify
 from toolkit.checkpoint.fragments import Fragments, PiecesLoadPlanner, PiecesSavePlanner
-from toolkit.errors import RecipeError, first_line
+from toolkit.errors import RecipeError, first_line, say_once
 from toolkit.model.tied import without_tied_aliases
 from toolkit.process.dist import DistEnv, barrier
 
 
 class Read(Protocol):
     """{"optim": {...}} (and "model" where a strategy keeps masters of its own) -> the same, filled in place;
-    with `pieces`, those too (a ZeRO rank's views of its flat partitions: fragments.py)."""
+    with `pieces`, those too (a ZeRO rank's views of its flat partitions: fragments.py). `keys`: every key the
+    checkpoint holds."""
+
+    keys: frozenset[str]
 
     def __call__(self, template: dict[str, Any], *, pieces: Fragments | None = None) -> dict[str, Any]: ...
 
@@ -62,13 +65,33 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str]) -
     return out
 
 
-def load_optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str], read: Read) -> None:
+def load_optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str], read: Read) -> list[str]:
     """Create the optimizer's state (torch's own zero-gradient, zero-lr step), then fill it in place from the
-    checkpoint: DCP copies each saved tensor into the matching local one, resharding DTensors."""
+    checkpoint: DCP copies each saved tensor into the matching local one, resharding DTensors.
+
+    A parameter of which the checkpoint holds no state at all had none when it was saved: AdamW makes it at a
+    parameter's first gradient, which some never had yet (an expert no token was routed to, a layer the loss
+    does not reach; every parameter where each step so far was skipped, an fp16 overflow at the first scale).
+    Such a resume was refused. Its state is dropped again, so it starts as it would have (with the zero-lr step's
+    state it would count one Adam step too many). Returns those parameters' names."""
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
     _init_optim_state(optimizer)
-    read({"optim": optimizer_tensors(optimizer, names)})
+    template = optimizer_tensors(optimizer, names)
+    by_name: dict[str, list[str]] = {}
+    for key in template:
+        by_name.setdefault(key.rsplit(".", 1)[0], []).append(key)  # state.<name>: its keys
+    stateless = {name for name, keys in by_name.items() if not any(f"optim.{key}" in read.keys for key in keys)}
+    read({"optim": {key: value for key, value in template.items() if key.rsplit(".", 1)[0] not in stateless}})
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if f"state.{names[id(param)]}" in stateless:
+                optimizer.state.pop(param, None)
+    if stateless:
+        first = min(stateless).removeprefix("state.")
+        say_once(f"[toolkit] resume: {len(stateless)} parameter(s) had no optimizer state when the checkpoint was "
+                 f"saved (no update had reached them yet: {first}, ...): they start without one, as they would have")
+    return sorted(name.removeprefix("state.") for name in stateless)
 
 
 def schedule_state(scheduler, scaler) -> dict[str, Any]:
@@ -387,19 +410,25 @@ def read_model_tensors(path: Path, shapes: dict[str, Any],
     return target
 
 
-def optimizer_reader(path: Path) -> Read:
-    keys = saved_keys(path)
+class OptimizerReader:
+    """The Read of the checkpoint at `path`: a key it lacks is one line naming --resume-weights-only."""
 
-    def read(template: dict[str, Any], *, pieces: Fragments | None = None) -> dict[str, Any]:
+    def __init__(self, path: Path) -> None:
+        self.path, self.keys = path, frozenset(saved_keys(path))
+
+    def __call__(self, template: dict[str, Any], *, pieces: Fragments | None = None) -> dict[str, Any]:
         wanted = [f"{part}.{k}" for part, entries in template.items() for k in entries]
         wanted += [p.key for p in pieces.pieces] if pieces is not None else []
-        missing = [key for key in wanted if key not in keys]
+        missing = [key for key in wanted if key not in self.keys]
         if missing:
-            raise RecipeError(f"checkpoint {path} holds no {missing[0]!r}; resume with --resume-weights-only to "
-                              "start the optimizer afresh from its weights")
-        _load(template, path, pieces=pieces)
+            raise RecipeError(f"checkpoint {self.path} holds no {missing[0]!r}; resume with --resume-weights-only "
+                              "to start the optimizer afresh from its weights")
+        _load(template, self.path, pieces=pieces)
         return template
-    return read
+
+
+def optimizer_reader(path: Path) -> Read:
+    return OptimizerReader(path)
 
 
 def load_communication(path: Path, *, env: DistEnv, saved_world: int) -> bytes | None:
