@@ -13,10 +13,11 @@ import sys
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from conftest import (REPO, exported_weights, launch, losses, metrics, run_cli, strict_loads, toolkit_env,
                       write_recipe)
-from toolkit.checkpoint import store
+from toolkit.checkpoint import state, store, verify
 from toolkit.errors import RecipeError
 from toolkit.process import faults
 
@@ -331,6 +332,29 @@ def test_a_model_that_cannot_be_exported_ends_the_run_in_one_line(runs, tmp_path
         result.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "recipe.yaml", "run.json"]
     assert json.loads((out / "run.json").read_text())["ended"]["error"] == "OutputWriteError"
+
+
+def test_zero0_in_bf16_checkpoints_its_fp32_masters_and_adam_moments(runs, tmp_path):
+    """ZeRO stage 0 in bf16/fp16 steps through DeepSpeed's FP16 optimizer, whose fp32 masters and Adam state are
+    kept apart from the 16-bit parameters. Read as torch's own state, its checkpoints held the bf16 weights (as
+    fp32) and no moments at all: a resume zeroed them (the next updates ~lr in size, each element's sign) and
+    rounded the masters to bf16. Now both are saved, and the resume continues as the run never stopped."""
+    overrides = ("strategy.name=zero", "strategy.stage=0", "precision=bf16")
+    full = tmp_path / "full"
+    launch(runs.recipe, nproc=2, overrides=(*overrides, f"output_dir={full}"))
+    saved = full / "checkpoints" / "step-00000003"
+    keys = state.saved_keys(saved)
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert {f"optim.state.{name}.exp_avg", f"optim.state.{name}.exp_avg_sq"} <= keys
+    shape = verify.read_metadata(saved).state_dict_metadata[f"model.{name}"].size
+    master = {"model": {name: torch.zeros(tuple(shape))}}
+    dcp.load(master, checkpoint_id=str(saved))
+    weight = master["model"][name]
+    assert not torch.equal(weight, weight.bfloat16().float())  # fp32 masters, not the bf16 weights widened
+    out = tmp_path / "resumed"
+    crashed(full, out)
+    launch(runs.recipe, nproc=2, overrides=(*overrides, f"output_dir={out}"), extra=("--resume",))
+    assert_continues(out, full, rtol=1e-6)
 
 
 def test_a_resumed_run_draws_the_same_dropout_masks_as_the_uninterrupted_one(runs, tmp_path):

@@ -5,9 +5,11 @@ read. Written as chunks of the shared layout's full tensors by toolkit/checkpoin
 Stages 1-2 (and DeepSpeed's bf16 optimizer): `param._hp_mapping` says which slice of the flattened parameter
 this rank's partition holds (None: another rank holds all of it). Stage 3: `grad_position` gives each
 parameter's slice in the rank's flat sub-group partition; rank r holds elements [r·n, r·n + n) of the
-flattened parameter (n = partition_numel; the last rank's padding is left out). Stage 0 in fp32 keeps no
-partitions: rank 0 gives the parameters and torch's Adam state whole. On resume, every rank reads the full
-tensors and keeps its partition of them (load_optimizer_state).
+flattened parameter (n = partition_numel; the last rank's padding is left out). Stage 0 keeps no
+partitions: rank 0 gives the parameters and their Adam state whole, in fp32 from torch's optimizer, in bf16/fp16
+from DeepSpeed's FP16 optimizers, which keep the fp32 masters and Adam state apart from the 16-bit parameters
+(stage0_masters). On resume, every rank reads the full tensors and keeps its partition of them
+(load_optimizer_state).
 """
 
 from __future__ import annotations
@@ -26,10 +28,36 @@ def readable(optimizer) -> bool:
     return not getattr(optimizer, "swap_optimizer", False)
 
 
+def stage0_masters(optimizer, inner) -> dict[int, dict[str, torch.Tensor]]:
+    """Stage 0 in bf16/fp16: id(16-bit parameter) -> its fp32 master ("model") and Adam moments, views into what
+    DeepSpeed's FP16 optimizers step (a resume fills them in place): a master per parameter (FP16_UnfusedOptimizer,
+    the recipe's AdamW as DeepSpeed's client optimizer) or one flat master per group, the parameters' slices in
+    order (FP16_Optimizer, DeepSpeed's FusedAdam). Their Adam state is keyed by the masters, never by the
+    parameter: read as torch's own, a checkpoint held neither moments nor masters (and a resume zeroed the
+    moments). Empty for every other optimizer."""
+    views: dict[int, dict[str, torch.Tensor]] = {}
+    if type(optimizer).__name__ not in ("FP16_Optimizer", "FP16_UnfusedOptimizer"):
+        return views
+    flats = getattr(optimizer, "fp32_groups_flat", None)
+    for group, params in enumerate(optimizer.fp16_groups):
+        offset = 0
+        for index, param in enumerate(params):
+            if flats is not None:
+                master, start = flats[group], offset
+                offset += param.numel()
+            else:
+                master, start = optimizer.fp32_groups[group][index], 0
+            state = inner.state.get(master, {})
+            views[id(param)] = {key: tensor.view(-1).narrow(0, start, param.numel()).view(param.shape)
+                                for key, tensor in (("model", master), *((m, state[m]) for m in MOMENTS if m in state))}
+    return views
+
+
 def fragments(module: nn.Module, *, optimizer, inner, stage: int, is_main: bool, step: float | None) -> Fragments:
     pieces: list[Piece] = []
     shapes: dict[str, tuple[int, ...]] = {}  # every key a piece may belong to
     whole: dict[str, torch.Tensor] = {}
+    masters = stage0_masters(optimizer, inner) if stage == 0 else {}
     for name, param in module.named_parameters():  # a tied weight once, under its first name
         shape = tuple(param.ds_shape if stage == 3 else param.shape)  # type: ignore[attr-defined]  # ZeRO-3 adds it
         keys = {"model": f"model.{name}", **{m: f"optim.state.{name}.{m}" for m in MOMENTS}}
@@ -37,11 +65,12 @@ def fragments(module: nn.Module, *, optimizer, inner, stage: int, is_main: bool,
             found = _stage3_pieces(param, optimizer=optimizer, inner=inner)
         elif hasattr(param, "_hp_mapping"):
             found = _mapped_pieces(param)
-        else:  # no partitions (stage 0, fp32): the parameter and torch's state per parameter, whole on rank 0
+        else:  # no partitions (stage 0): the fp32 master (or parameter) and its Adam state, whole on rank 0
             found = None
             if is_main:
-                whole[keys["model"]] = param.detach().to(torch.float32)
-                for moment, value in inner.state.get(param, {}).items():
+                held = masters.get(id(param)) or {"model": param.detach(), **inner.state.get(param, {})}
+                whole[keys["model"]] = held["model"].detach().to(torch.float32)
+                for moment, value in held.items():
                     if moment in MOMENTS:
                         whole[keys[moment]] = value.to(torch.float32)
         if found is not None:
@@ -102,13 +131,17 @@ def load_optimizer_state(module: nn.Module, *, optimizer, inner, stage: int, dev
     listed = fragments(module, optimizer=optimizer, inner=inner, stage=stage, is_main=False, step=None)
     pieces = Fragments(pieces=[p for p in listed.pieces if p.key not in frozen], shapes=listed.shapes, whole={})
     optim: dict[str, torch.Tensor] = {}
+    masters = stage0_masters(optimizer, inner) if stage == 0 else {}
+    model: dict[str, torch.Tensor] = {}  # stage 0 in bf16/fp16: the fp32 masters (the weights loaded were rounded)
     for name, param in params:
-        if not (hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")):  # torch's own state, whole
-            state = inner.state.get(param, {})  # (.get: a frozen weight has none, and gets no entry)
+        if not (hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")):  # whole on every rank
+            state = masters.get(id(param)) or inner.state.get(param, {})  # (a frozen weight has none: no entry)
             optim.update({f"state.{name}.{key}": state[key] for key in MOMENTS if key in state})
+            if "model" in state:
+                model[name] = state["model"]
         if param.requires_grad:
             optim[f"state.{name}.step"] = torch.zeros(())
-    read({"optim": optim}, pieces=pieces)
+    read({"optim": optim, **({"model": model} if model else {})}, pieces=pieces)
     return _set_step(inner, float(optim[next(k for k in optim if k.endswith(".step"))]))
 
 
