@@ -245,6 +245,10 @@ def write_manifest(partial: Path, manifest: dict, *, recipe: Recipe, hf_files) -
     """Rank 0, after every rank's tensors are written: the small files, then the manifest last."""
     (partial / "recipe.yaml").write_text(dump_recipe(recipe))
     hf_files(partial / "hf")
+    # on disk before the manifest and digests that vouch for them (DCP syncs its own files): after a power
+    # loss a committed checkpoint's small files could be empty, and its digest check would refuse it
+    hf = [*sorted((partial / "hf").rglob("*")), partial / "hf"] if (partial / "hf").is_dir() else []
+    _fsync_files([partial / "recipe.yaml", *hf, partial])
     data = {"format": FORMAT, "version": VERSION, **manifest}
     if recipe.checkpoint.digests:
         data["digests"] = digest.DIGESTS  # recorded by commit(); without the key a reader expects none
@@ -267,12 +271,18 @@ def commit(out_dir: Path, step: int, *, keep_last: int, digests: bool = True) ->
     return final
 
 
+def _fsync_files(paths: list[Path]) -> None:
+    """Each file's bytes, and each folder's entries, on disk."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync_files([path])
 
 
 class CheckpointWriteError(Exception):
