@@ -29,9 +29,14 @@ def error_line(exc: RecipeError) -> str:
 
 
 def first_line(exc: BaseException) -> str:
-    """An exception's first line (at most 200 characters), for a one-line report of a library's error."""
+    """An exception's first line (at most 200 characters, cut after a word and marked '…'), for a one-line
+    report of a library's error."""
     text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:200]
+    line = text[0] if text else type(exc).__name__
+    if len(line) <= 200:
+        return line
+    cut = line[:199]
+    return (cut[:cut.rfind(" ")] if " " in cut[100:] else cut).rstrip(" ,;:") + "…"
 
 
 def under_accelerate() -> bool:
