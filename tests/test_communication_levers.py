@@ -431,3 +431,27 @@ def test_a_bad_lever_setting_on_a_pipeline_is_one_line_exit_2(case, tmp_path, ti
     recipe, out = _bad_recipe(tmp_path, tiny_llama_dir)
     _assert_one_line_exit_2(main(["validate", str(recipe), "--nproc", "4",
                                   *[a for o in overrides for a in ("--set", o)]]), capsys, words, out)
+
+
+def test_a_resumed_local_sgd_optimizer_keeps_this_recipes_settings():
+    """Local SGD keeps each rank's AdamW state in its own blob, read back through torch's load_state_dict, which
+    also takes the saved groups' lr, weight decay and betas: a resume with another optim.weight_decay ran the
+    old one to the end. Now the state is the saved one and the settings this run's."""
+    from toolkit.strategies.dims.local_sgd import load_keeping_settings
+
+    before = torch.nn.Parameter(torch.ones(3))
+    saved_run = torch.optim.AdamW([before], lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
+    before.grad = torch.tensor([1.0, -2.0, 3.0])
+    saved_run.step()
+    saved = saved_run.state_dict()
+    after = torch.nn.Parameter(torch.ones(3))
+    resumed = torch.optim.AdamW([after], lr=5e-4, weight_decay=0.0, betas=(0.8, 0.99))
+    load_keeping_settings(resumed, saved)
+    group = resumed.param_groups[0]
+    assert (group["lr"], group["weight_decay"], group["betas"]) == (5e-4, 0.0, (0.8, 0.99))
+    assert group["params"] == [after]
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(resumed.state[after][key], saved_run.state[before][key])
+    plain = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=5e-4, weight_decay=0.0)
+    plain.load_state_dict(saved)
+    assert plain.param_groups[0]["weight_decay"] == 0.1  # torch's own: what the resume used to run

@@ -208,7 +208,7 @@ class LocalSgd:
                 anchor.copy_(value)
         self._load_optimizer_state(saved["optimizer"])
         if self.outer is not None and saved["outer"] is not None:
-            self.outer.load_state_dict(saved["outer"])
+            load_keeping_settings(self.outer, saved["outer"])
 
     def _optimizer_state(self) -> dict:
         """The inner optimizer's state, this rank's own: its state dict, or where parameters have a local part (HSDP)
@@ -220,7 +220,7 @@ class LocalSgd:
 
     def _load_optimizer_state(self, saved: dict) -> None:
         if self.local is None:
-            self.optimizer.load_state_dict(saved)
+            load_keeping_settings(self.optimizer, saved)
             return
         # the checkpoint's optimizer state was loaded first (DCP: one replica group's, the others' shards deduplicated
         # away): each state tensor is there to be overwritten with this rank's own
@@ -239,3 +239,13 @@ class LocalSgd:
     def _held(self, value: torch.Tensor) -> torch.Tensor:
         """What this rank holds of `value`: a DTensor's local part where the parameters have one, else itself."""
         return self.local(value) if self.local is not None and isinstance(value, DTensor) else value
+
+
+def load_keeping_settings(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """`saved`'s state into `optimizer`, its parameter groups' settings (lr where the resumed schedule set it,
+    weight decay, betas: this recipe's) kept: torch's load_state_dict takes the saved run's, so a resumed local
+    SGD run ignored a changed weight_decay or betas, and its first step ran at the saved lr."""
+    settings = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    optimizer.load_state_dict(saved)
+    for group, kept in zip(optimizer.param_groups, settings):
+        group.update(kept)
