@@ -170,9 +170,12 @@ def _create_state(optimizer, inner) -> None:
 
 
 def _load_through_accessors(params, *, optimizer, inner, stage: int, device: torch.device, read: Read) -> float:
-    """Every rank reads the full tensors and keeps its partition of them (DeepSpeed's `safe_set_full_*`)."""
+    """Every rank reads the full tensors and keeps its partition of them (DeepSpeed's `safe_set_full_*`). Frozen
+    parameters (LoRA's base weights) have no master and no Adam state, and the save wrote no moments for them
+    (every such resume was refused): their weights were loaded before setup."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
+    params = [(name, param) for name, param in params if param.requires_grad]
     model, optim = {}, {}
     for name, param in params:
         shape = param.ds_shape if stage == 3 else param.shape  # type: ignore[attr-defined]  # ZeRO-3 adds it
