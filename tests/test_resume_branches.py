@@ -125,6 +125,20 @@ def test_a_run_stopped_at_its_export_is_resumed_into_the_export(three_steps, tmp
     assert _steps(out / "metrics.jsonl") == [1, 2, 3]
 
 
+def test_a_metrics_line_cut_short_is_left_out_on_resume(three_steps, tmp_path):
+    """A full disk (or a kill) can leave metrics.jsonl's last line cut short: the resume its stop line offers
+    ended in a JSONDecodeError traceback. The cut line is left out, said in one line, and the run goes on."""
+    recipe, run = three_steps
+    out = _copy(run, tmp_path)
+    with (out / "metrics.jsonl").open("a") as metrics_file:
+        metrics_file.write('{"step": 4, "loss": 10.')
+    done = run_cli("train", str(recipe), *_sets(*SETS[:2], "train.max_steps=4", f"output_dir={out}"), "--resume")
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert f"[toolkit] resume: 1 line(s) of {out / 'metrics.jsonl'} cut short (no JSON record of a step) left " \
+        "out" in done.stderr
+    assert _steps(out / "metrics.jsonl") == [1, 2, 3, 4]
+
+
 def test_another_runs_checkpoint_into_a_folder_holding_a_run_is_one_line(three_steps, tmp_path):
     """Before: the two runs' metrics were mixed in one metrics.jsonl, without a word."""
     recipe, run = three_steps

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -28,6 +28,7 @@ class Resume:
 
     path: str | None = None  # None: the newest complete checkpoint in output_dir
     weights_only: bool = False
+    continues_launch: bool = False  # a restart of this launch (after_restart): output_dir holds its own run
 
 
 class NothingToResume(Exception):
@@ -60,7 +61,7 @@ def starting_point(recipe: Recipe, resume: Resume | None, *, plan: BatchPlan, to
                           f"batch.global_batch_size={saved}")
     _check_seed(checkpoint, recipe)
     if not store.holds_checkpoint(out_dir, checkpoint.path) and store.holds_run(out_dir) and \
-            not _written_by_this_launch(out_dir):  # a restart's: its first attempt's run, which it continues
+            not resume.continues_launch:  # a restart's: its first attempt's run, which it continues
         raise RecipeError(f"output_dir {out_dir} holds another run than the one checkpoint {checkpoint.path} "
                           "belongs to: their metrics and checkpoints would mix; continue this checkpoint into "
                           "a new folder with --set output_dir=NEW")
@@ -75,40 +76,45 @@ def starting_point(recipe: Recipe, resume: Resume | None, *, plan: BatchPlan, to
     return checkpoint
 
 
-def after_restart(recipe: Recipe, resume: Resume | None) -> Resume | None:
-    """What a rank resumes: on the first attempt, what the command line says. torch's agent restarts the ranks
-    (--max-restarts) with the command line they started with, where `--resume PATH` would go back to PATH each
-    time: set aside every checkpoint written since, train those steps again (with --resume-weights-only, from a
-    fresh optimizer again) or, PATH another run's, be refused in an output_dir that now holds this one. So a
-    restart continues from the newest checkpoint this launch wrote, weights and optimizer state; where it wrote
-    none, from what the command line says (without --resume: from step 1, said in starting_point)."""
+def after_restart(recipe: Recipe, resume: Resume | None, *, env: DistEnv) -> Resume | None:
+    """Collective: what the ranks resume, alike (rank 0 decides). On the first attempt, what the command line
+    says. torch's agent restarts the ranks (--max-restarts) with the command line they started with, where
+    `--resume PATH` would go back to PATH each time: set aside every checkpoint written since, train those steps
+    again (with --resume-weights-only, from a fresh optimizer again) or, PATH another run's, be refused in an
+    output_dir that now holds this one. So a restart continues from the newest checkpoint this launch wrote
+    (launch_identity in its manifest), weights and optimizer state; where it wrote none, from what the command
+    line says (without --resume: from step 1, said in starting_point)."""
     if not restarted():
         return resume
-    written = store.complete_checkpoints(Path(recipe.output_dir))  # without --resume, all are this launch's
-    if resume is not None:  # an output_dir resumed holds older ones too: those saved since the launch began
-        began = _launch_began()
-        written = [path for path in written
-                   if began is not None and store.read_checkpoint(path).manifest.get("time", 0.0) >= began]
-    return Resume(path=str(written[-1])) if written else resume
+    out_dir = Path(recipe.output_dir)
+    choice = torch.tensor([-1.0, 0.0], dtype=torch.float64)  # the step to resume (-1: none), output_dir's run ours
+    if env.is_main:
+        me = launch_identity()
+        written = store.complete_checkpoints(out_dir)  # without --resume, all are this launch's
+        if resume is not None:  # an output_dir resumed holds older ones too: those this launch wrote
+            written = [path for path in written
+                       if me is not None and store.read_checkpoint(path).manifest.get("launch") == me]
+        choice[0] = store.step_of(written[-1]) if written else -1
+        choice[1] = float(me is not None and (store.read_run_info(out_dir) or {}).get("launch") == me)
+    choice = all_reduce_max(choice, env)  # the other ranks offer (-1, 0): rank 0's choice
+    if choice[0] >= 0:
+        return Resume(path=str(store.final_path(out_dir, int(choice[0]))), continues_launch=True)
+    return replace(resume, continues_launch=bool(choice[1])) if resume is not None else None
 
 
-def _launch_began() -> float | None:
-    """When this launch started its ranks (the first attempt; constant over restarts): `toolkit launch` says so
-    in the environment, else torch's agent is the ranks' parent process (torchrun, accelerate launch) and was
-    started before them. None where neither is known."""
+def launch_identity() -> str | None:
+    """Which launch this rank belongs to, the same over its restarts and in no other launch (checkpoints and
+    run.json record it: after_restart): `toolkit launch`'s start time, which it gives its ranks, else torch's
+    agent (torchrun, accelerate launch: the ranks' parent) by its run id and start time. None outside a
+    launch."""
     if os.environ.get(LAUNCHED_AT_ENV):
-        return float(os.environ[LAUNCHED_AT_ENV])
+        return f"toolkit launch {os.environ[LAUNCHED_AT_ENV]}"
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
     try:
-        return psutil.Process(os.getppid()).create_time()
+        return f"{os.environ['TORCHELASTIC_RUN_ID']} {psutil.Process(os.getppid()).create_time()}"
     except psutil.Error:
         return None
-
-
-def _written_by_this_launch(out_dir: Path) -> bool:
-    """A restarted rank's output_dir holds the run its first attempt started (its run.json)."""
-    began = _launch_began()
-    run_info = out_dir / "run.json"
-    return restarted() and began is not None and run_info.is_file() and run_info.stat().st_mtime >= began
 
 
 def _check_seed(checkpoint: store.Checkpoint, recipe: Recipe) -> None:
@@ -152,8 +158,12 @@ def continue_metrics(out_dir: Path, *, done_steps: int) -> None:
     the later checkpoints and metrics belong to the steps given up, and are set aside in one folder under
     checkpoints/, said in one line, not deleted (nor counted by keep_last, nor taken by a later --resume)."""
     path = out_dir / "metrics.jsonl"
-    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    steps = [json.loads(line).get("step", 0) for line in lines]
+    read = [line for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    lines = [line for line in read if _step_of_line(line) is not None]  # a line cut short (a full disk, a kill)
+    if len(lines) < len(read):
+        print(f"[toolkit] resume: {len(read) - len(lines)} line(s) of {path} cut short (no JSON record of a step) "
+              "left out", file=sys.stderr, flush=True)
+    steps = [_step_of_line(line) or 0 for line in lines]
     kept = [line for line, step in zip(lines, steps) if step <= done_steps]
     later = [line for line, step in zip(lines, steps) if step > done_steps]
     aside = store.set_aside_later(out_dir, done_steps)
@@ -165,8 +175,17 @@ def continue_metrics(out_dir: Path, *, done_steps: int) -> None:
         print(f"[toolkit] resume from step {done_steps}: the run had gone further; its later checkpoints "
               f"({', '.join(name for name in moved if name not in exports)}){also} and the metrics of those "
               f"steps are set aside in {aside}", file=sys.stderr, flush=True)
-    if later:
+    if later or len(lines) < len(read):
         write_text_whole(path, "".join(line + "\n" for line in kept))
+
+
+def _step_of_line(line: str) -> int | None:
+    """A metrics.jsonl line's step (0 for a record without one); None where the line is no JSON object."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record.get("step", 0) if isinstance(record, dict) else None
 
 
 # checkpoint.final null: a final checkpoint where this run trained at least this long (or continues a checkpoint)
@@ -244,7 +263,8 @@ class Saver:
                               "global_batch_size": self.plan.global_batch_size, "total_steps": self.total_steps,
                               "recipe_hash": store.recipe_hash(self.recipe), "task": self.recipe.model.task,
                               "versions": versions(), **({"train_data": self.train_data} if self.train_data else {})}
-        manifest = {**self._manifest, "tokens_seen": self.tokens_seen, "time": time.time()}
+        manifest = {**self._manifest, "tokens_seen": self.tokens_seen, "time": time.time(),
+                    "launch": launch_identity()}
         self.pending = state.save(strategy, step=step, out_dir=Path(self.recipe.output_dir), env=self.env,
                                   recipe=self.recipe, manifest=manifest, hf_files=hf_files,
                                   keep_last=self.config.keep_last, background=self._writer)

@@ -93,7 +93,7 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
     out_dir = Path(recipe.output_dir)
     before = entries(out_dir)
     try:
-        resume = after_restart(recipe, resume)  # a restart continues what this launch saved, not --resume's PATH
+        resume = after_restart(recipe, resume, env=env)  # a restart continues this launch's newest checkpoint
         if os.environ.get(RANKS_CHECK_ENV) == "1":  # `toolkit launch` on one machine left its checks to the ranks
             from toolkit.checkpoint.run import starting_point
             from toolkit.train.checks import check_recipe
@@ -153,8 +153,11 @@ def after_write_failure(out_dir: Path, exc, *, env) -> str:
     stopped = f"the run stopped after step {exc.step}" if exc.step is not None else "every step was trained"
     if not found:
         return f"{stopped}, and no checkpoint holds its weights (checkpoint.final: true keeps one)"
-    return (f"{stopped}; the newest checkpoint is {found[-1]} (step {step_of(found[-1])}); once the disk has room "
-            f"(or the file can be written), {resume_hint(env.world_size)}")
+    step = step_of(found[-1])
+    again = f", from where a resume trains steps {step + 1}-{exc.last_step} again" \
+        if exc.last_step is not None and step < exc.last_step else ""
+    return (f"{stopped}; the newest checkpoint is {found[-1]} (step {step}){again}; once the disk has room (or "
+            f"the file can be written), {resume_hint(env.world_size)}")
 
 
 def nonfinite_line(exc, out_dir: Path) -> str:

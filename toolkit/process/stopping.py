@@ -38,9 +38,9 @@ class OutputWriteError(Exception):
     (where that disk allows); None: at the export, after the last step. The message is the first part of
     rank.py's one line (which adds the checkpoint to resume); only rank 0, which writes them, knows it."""
 
-    def __init__(self, message: str, *, step: int | None = None) -> None:
+    def __init__(self, message: str, *, step: int | None = None, last_step: int | None = None) -> None:
         super().__init__(message)
-        self.step = step
+        self.step, self.last_step = step, last_step  # last_step: the run's, where the export failed
 
 
 def write_error_text(exc: BaseException) -> str | None:

@@ -222,8 +222,12 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
                 if profiler.written:
                     info["profile"] = {"steps": profiler.recorded, "folder": str(out_dir / "profile")}
             progress.close()
-            export_model(strategy, tokenizer=tokenizer, out_dir=out_dir, env=env, lora=recipe.model.lora,
-                         task=recipe.model.task)
+            try:
+                export_model(strategy, tokenizer=tokenizer, out_dir=out_dir, env=env, lora=recipe.model.lora,
+                             task=recipe.model.task)
+            except OutputWriteError as exc:  # its line says which steps a resume trains again
+                exc.last_step = total_steps
+                raise
             if scale is not None:
                 info["gradient_scale"] = scale.summary()
             if writer is not None and writer.switched_off:

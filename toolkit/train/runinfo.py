@@ -17,6 +17,7 @@ import torch
 
 from toolkit.atomic import write_text_whole
 from toolkit.checkpoint.store import CheckpointWriteError, complete_checkpoints, read_run_info
+from toolkit.checkpoint.run import launch_identity
 from toolkit.config.files import dump_recipe
 from toolkit.config.recipe import BatchPlan, Recipe
 from toolkit.errors import RecipeError, first_line
@@ -155,6 +156,7 @@ def start(recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, mo
         "memory_prediction": prediction,
         "data": data,
         "command": " ".join(sys.argv),
+        "launch": launch_identity(),  # a restart of this launch finds its run here (checkpoint.run.after_restart)
     }
     if env.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
