@@ -1,6 +1,7 @@
 """User-facing errors: the CLI prints them as one line and exits 2."""
 
 import contextlib
+import errno
 import hashlib
 import os
 import sys
@@ -37,6 +38,12 @@ def first_line(exc: BaseException) -> str:
         return line
     cut = line[:199]
     return (cut[:cut.rfind(" ")] if " " in cut[100:] else cut).rstrip(" ,;:") + "…"
+
+
+def os_error_text(exc: OSError) -> str:
+    """An OSError as a user reads it: 'No space left on device (ENOSPC)'."""
+    name = errno.errorcode.get(exc.errno, str(exc.errno)) if exc.errno else None
+    return f"{exc.strerror or exc} ({name})" if name else str(exc.strerror or exc)
 
 
 def under_accelerate() -> bool:

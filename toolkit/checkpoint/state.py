@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from toolkit.checkpoint import schedule, store, verify
 from toolkit.checkpoint.fragments import Fragments, PiecesLoadPlanner, PiecesSavePlanner
-from toolkit.errors import RecipeError, first_line, say_once
+from toolkit.errors import RecipeError, first_line, os_error_text, say_once
 from toolkit.model.tied import without_tied_aliases
 from toolkit.process.dist import DistEnv, barrier
 
@@ -186,7 +186,7 @@ def written(out_dir: Path, step: int) -> Iterator[None]:
     except CheckpointException as exc:  # DCP's own (a BaseException): every rank's failure, gathered
         raise store.write_failed(out_dir, step, why=_failures_text(exc), on_every_rank=True) from exc
     except OSError as exc:  # rank 0's small files (manifest, recipe, hf/, digests) or the rename
-        raise store.write_failed(out_dir, step, why=store.os_error_text(exc)) from exc
+        raise store.write_failed(out_dir, step, why=os_error_text(exc)) from exc
 
 
 def _failures_text(exc: CheckpointException) -> str:
@@ -195,7 +195,7 @@ def _failures_text(exc: CheckpointException) -> str:
     for rank, failure in sorted(exc.failures.items()):
         error = failure[0] if isinstance(failure, tuple) else failure
         os_error = _os_error(error)
-        ranks_by_why.setdefault(store.os_error_text(os_error) if os_error else first_line(error), []).append(rank)
+        ranks_by_why.setdefault(os_error_text(os_error) if os_error else first_line(error), []).append(rank)
     return "; ".join(f"{why} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
                      for why, ranks in ranks_by_why.items()) or first_line(exc)
 

@@ -6,7 +6,6 @@ Nothing here touches tensors: see toolkit/checkpoint/state.py for what goes into
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -292,12 +291,6 @@ class CheckpointWriteError(Exception):
     def __init__(self, message: str, *, step: int, on_every_rank: bool = False) -> None:
         super().__init__(message)
         self.step, self.on_every_rank = step, on_every_rank  # DCP's write failed: every rank raises this one
-
-
-def os_error_text(exc: OSError) -> str:
-    """An OSError as a user reads it: 'No space left on device (ENOSPC)'."""
-    name = errno.errorcode.get(exc.errno, str(exc.errno)) if exc.errno else None
-    return f"{exc.strerror or exc} ({name})" if name else str(exc.strerror or exc)
 
 
 def write_failed(out_dir: Path, step: int, *, why: str, on_every_rank: bool = False) -> CheckpointWriteError:

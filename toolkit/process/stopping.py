@@ -18,6 +18,7 @@ import signal
 
 import torch
 
+from toolkit.errors import os_error_text
 from toolkit.process.dist import DistEnv, all_reduce_max
 
 # SIGINT: Ctrl-C in a terminal reaches the launcher and every rank; they stop like on SIGTERM
@@ -47,8 +48,6 @@ def write_error_text(exc: BaseException) -> str | None:
     """A failed write as a user reads it ('No space left on device (ENOSPC)'), or None where `exc` is not one:
     an OSError, or safetensors' own error for one (it raises no OSError: 'I/O error: No space left on device')."""
     if isinstance(exc, OSError):
-        from toolkit.checkpoint.store import os_error_text
-
         return os_error_text(exc)
     text = str(exc)
     if type(exc).__name__ != "SafetensorError" or "I/O error: " not in text:
