@@ -130,7 +130,7 @@ def restore(strategy, checkpoint: store.Checkpoint, *, weights_only: bool, env: 
     """After setup: optimizer state, schedule, loss scale (the RNG: restore_rng). Returns the optimizer steps
     already done."""
     if not weights_only:
-        strategy.state.load_optimizer_state(state.optimizer_reader(checkpoint.path))
+        strategy.state.load_optimizer_state(state.OptimizerReader(checkpoint.path))
     strategy.state.load_checkpoint_extra(checkpoint.manifest["extra"])
     if not weights_only:  # read only by a strategy that keeps such state (collective: every rank alike)
         strategy.state.load_communication_state(lambda: state.load_communication(
@@ -159,13 +159,13 @@ def continue_metrics(out_dir: Path, *, done_steps: int) -> None:
     checkpoints/, said in one line, not deleted (nor counted by keep_last, nor taken by a later --resume)."""
     path = out_dir / "metrics.jsonl"
     read = [line for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    lines = [line for line in read if _step_of_line(line) is not None]  # a line cut short (a full disk, a kill)
-    if len(lines) < len(read):
-        print(f"[toolkit] resume: {len(read) - len(lines)} line(s) of {path} cut short (no JSON record of a step) "
-              "left out", file=sys.stderr, flush=True)
-    steps = [_step_of_line(line) or 0 for line in lines]
-    kept = [line for line, step in zip(lines, steps) if step <= done_steps]
-    later = [line for line, step in zip(lines, steps) if step > done_steps]
+    stepped = [(line, step) for line, step in ((line, _step_of_line(line)) for line in read) if step is not None]
+    cut = len(read) - len(stepped)  # lines cut short (a full disk, a kill)
+    if cut:
+        print(f"[toolkit] resume: {cut} line(s) of {path} cut short (no JSON record of a step) left out",
+              file=sys.stderr, flush=True)
+    kept = [line for line, step in stepped if step <= done_steps]
+    later = [line for line, step in stepped if step > done_steps]
     aside = store.set_aside_later(out_dir, done_steps)
     if aside is not None:
         (aside / "metrics.jsonl").write_text("".join(line + "\n" for line in later))
@@ -175,7 +175,7 @@ def continue_metrics(out_dir: Path, *, done_steps: int) -> None:
         print(f"[toolkit] resume from step {done_steps}: the run had gone further; its later checkpoints "
               f"({', '.join(name for name in moved if name not in exports)}){also} and the metrics of those "
               f"steps are set aside in {aside}", file=sys.stderr, flush=True)
-    if later or len(lines) < len(read):
+    if later or cut:
         write_text_whole(path, "".join(line + "\n" for line in kept))
 
 

@@ -65,7 +65,7 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str]) -
     return out
 
 
-def load_optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str], read: Read) -> list[str]:
+def load_optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str], read: Read) -> None:
     """Create the optimizer's state (torch's own zero-gradient, zero-lr step), then fill it in place from the
     checkpoint: DCP copies each saved tensor into the matching local one, resharding DTensors.
 
@@ -73,7 +73,7 @@ def load_optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[int, st
     parameter's first gradient, which some never had yet (an expert no token was routed to, a layer the loss
     does not reach; every parameter where each step so far was skipped, an fp16 overflow at the first scale).
     Such a resume was refused. Its state is dropped again, so it starts as it would have (with the zero-lr step's
-    state it would count one Adam step too many). Returns those parameters' names."""
+    state it would count one Adam step too many), said in one line."""
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
     _init_optim_state(optimizer)
@@ -91,7 +91,6 @@ def load_optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[int, st
         first = min(stateless).removeprefix("state.")
         say_once(f"[toolkit] resume: {len(stateless)} parameter(s) had no optimizer state when the checkpoint was "
                  f"saved (no update had reached them yet: {first}, ...): they start without one, as they would have")
-    return sorted(name.removeprefix("state.") for name in stateless)
 
 
 def schedule_state(scheduler, scaler) -> dict[str, Any]:
@@ -425,10 +424,6 @@ class OptimizerReader:
                               "to start the optimizer afresh from its weights")
         _load(template, self.path, pieces=pieces)
         return template
-
-
-def optimizer_reader(path: Path) -> Read:
-    return OptimizerReader(path)
 
 
 def load_communication(path: Path, *, env: DistEnv, saved_world: int) -> bytes | None:

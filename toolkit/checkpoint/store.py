@@ -264,7 +264,7 @@ def commit(out_dir: Path, step: int, *, keep_last: int, digests: bool = True) ->
     if final.exists():  # the same step saved again (a resumed run that ends where its checkpoint was)
         shutil.rmtree(final)
     partial_path(out_dir, step).rename(final)
-    _fsync_dir(final.parent)
+    _fsync_files([final.parent])
     for old in complete_checkpoints(out_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -278,10 +278,6 @@ def _fsync_files(paths: list[Path]) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    _fsync_files([path])
 
 
 class CheckpointWriteError(Exception):

@@ -330,13 +330,14 @@ def run_steps(strategy: Strategy, loader, parts: StepParts, *, done: int) -> lis
         faults.after_step(step, env)  # tests only: a killed rank, a preempted launcher
         # every rank alike: all stop after this same step, or all write checkpoint.every_minutes' checkpoint
         signum, clock_due, write_failed = parts.signals.agree(env, checkpoint_due=saver.clock_due(step))
-        if write_failed:  # the steps from here would have no record: stop, the weights kept in a checkpoint
+        # a stop signal, or metrics.jsonl unwritable (the steps from here would have no record): every rank stops,
+        # the weights kept in a checkpoint of this step
+        if write_failed or (signum and step < parts.total_steps):
             if saver.last_step != step:
                 saver.save(strategy, step=step, wait=True)
-            raise OutputWriteError(parts.signals.write_failure or "metrics.jsonl could not be written", step=step)
-        if signum and step < parts.total_steps:
-            if saver.last_step != step:
-                saver.save(strategy, step=step, wait=True)
+            if write_failed:
+                raise OutputWriteError(parts.signals.write_failure or "metrics.jsonl could not be written",
+                                       step=step)
             raise Stopped(signum, step, parts.total_steps, saver.last_path)
         if clock_due and saver.last_step != step:  # after this step's metrics line: what it held goes in run.json
             held = saver.save(strategy, step=step)
