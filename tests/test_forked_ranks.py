@@ -63,3 +63,37 @@ def test_a_toolkit_process_started_by_a_forked_one_asks_the_server_and_runs_plai
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-2000:]
     assert log.read_text().splitlines()[len(before):] == ["exec'd: --help: MALLOC_ARENA_MAX"]
+
+
+def test_the_ranks_of_a_strategy_on_deepspeed_are_forked_from_the_server_that_imported_it(tmp_path, monkeypatch,
+                                                                                           tiny_llama_dir):
+    # the first server sends these to the second (_serve_deepspeed), which imported the zero strategy's
+    # runtime_modules as such a rank does before it measures its runtime; every other process stays with the first
+    from conftest import write_recipe
+
+    monkeypatch.chdir(tmp_path)  # the check reads the recipe from the client's folder, where it goes
+    write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out")
+    (tmp_path / "zero.yaml").write_text((tmp_path / "r.yaml").read_text().replace("name: single", "name: zero"))
+
+    def sent(*args: str, env: dict | None = None) -> bool:
+        return forked_ranks._runs_on_deepspeed({"args": list(args), "cwd": str(tmp_path), "env": env or {}})
+
+    assert sent("train", "r.yaml", "--set", "strategy.name=zero", "--set", "strategy.stage=3")
+    assert sent("train", "zero.yaml")  # the strategy named in the file
+    assert sent("train", "r.yaml", env={"ACCELERATE_USE_DEEPSPEED": "true"})  # as `accelerate launch` sets it
+    assert not sent("train", "r.yaml")
+    assert not sent("train", "zero.yaml", "--set", "strategy.name=fsdp")
+    assert not sent("launch", "zero.yaml", "--nproc", "2")  # the launcher imports no DeepSpeed; its ranks do
+    assert not sent("train", "missing.yaml", "--set", "strategy.name=zero")  # the rank says the mistake
+
+
+def test_a_runtime_module_the_installed_library_lacks_is_skipped_a_missing_library_is_not():
+    import pytest
+
+    from toolkit.strategies.base import import_runtime_module
+
+    import_runtime_module("deepspeed.runtime.zero.no_such_optimizer")  # a version without it: nothing to import
+    with pytest.raises(ModuleNotFoundError):
+        import_runtime_module("no_such_library")
+    with pytest.raises(ModuleNotFoundError):
+        import_runtime_module("no_such_library.submodule")

@@ -162,14 +162,13 @@ def runtime_module_bytes(modules: tuple[str, ...]) -> int:
     """What importing a strategy's runtime modules (StrategyInfo.runtime_modules) adds to this process's resident
     set, measured at their first import here: a rank imports them before it measures its runtime (toolkit.train.loop),
     so a plan made in a process without them adds this to its own runtime."""
-    import importlib
-
     from toolkit.observe.metrics import process_bytes
+    from toolkit.strategies.base import import_runtime_module
 
     for name in modules:
         if name not in _IMPORTED_BYTES:
             before = process_bytes()
-            importlib.import_module(name)
+            import_runtime_module(name)
             _IMPORTED_BYTES[name] = max(0, process_bytes() - before)
     return sum(_IMPORTED_BYTES[name] for name in modules)
 

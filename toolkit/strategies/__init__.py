@@ -14,7 +14,7 @@ from toolkit.config.parallel import Degrees, resolve
 from toolkit.config.recipe import BatchPlan, Recipe, plan_batch
 from toolkit.errors import RecipeError
 from toolkit.config.strategy_options import option_names
-from toolkit.strategies.base import DataLayout, Strategy, StrategyInfo, StrategyRules
+from toolkit.strategies.base import DataLayout, Strategy, StrategyInfo, StrategyRules, import_runtime_module
 
 _MODULES = {
     "single": "toolkit.strategies.single",
@@ -57,10 +57,8 @@ def strategy_info(name: str) -> StrategyInfo:
 def import_runtime_modules(recipe: Recipe) -> None:
     """Import the libraries the recipe's strategy runs on (StrategyInfo.runtime_modules): a rank does it before
     it measures the runtime its memory prediction starts from, so that the runtime holds them, as toolkit plan's."""
-    import importlib
-
     for name in strategy_info(recipe.strategy.name).runtime_modules:
-        importlib.import_module(name)
+        import_runtime_module(name)
 
 
 def make_strategy(recipe: Recipe) -> Strategy:

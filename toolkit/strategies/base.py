@@ -94,8 +94,23 @@ class StrategyInfo:
     exports_in_place: bool = False
     # the libraries its ranks import beyond torch and transformers, part of the runtime a memory prediction
     # starts from (DeepSpeed: +51-105 MiB resident on CPU beyond the toolkit's own imports, measured; toolkit
-    # plan imports them to measure it)
+    # plan imports them to measure it); a submodule the installed version lacks is skipped (import_runtime_module)
     runtime_modules: tuple[str, ...] = ()
+
+
+def import_runtime_module(name: str) -> None:
+    """Import `name`, one of a strategy's runtime_modules. A library that is missing is an error as ever; a submodule
+    that does not import (DeepSpeed's Muon optimizer, new in 0.18) is skipped, as the library's own import of it is
+    (DeepSpeed's is_zero_supported_optimizer)."""
+    import importlib
+
+    library = name.partition(".")[0]
+    importlib.import_module(library)
+    if name != library:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -39,7 +39,10 @@ OPTIONS = ZeroOptions  # the registry reads it by this name
 
 INFO = StrategyInfo(
     name="zero", averages_gradients=True, accelerate_plugin="deepspeed", casts_parameters=True, tiles_loss=True,
-    runtime_modules=("deepspeed",),
+    # and the Muon optimizer's module, which deepspeed.initialize imports on every ZeRO run: torch.compile decorates
+    # its kernels as it loads, which imports torch's inductor (+41 MiB resident on CPU, measured): part of the runtime
+    # too, not growth the plan cannot name; imported before the runtime is measured, as DeepSpeed itself is
+    runtime_modules=("deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer"),
     holds_gradients=False,  # the default stage 2 gives them back after each step; build() says it per recipe
     options=option_names(ZeroOptions),
     summary="DeepSpeed ZeRO: stage 1 shards optimizer state, 2 + gradients, 3 + parameters; optional CPU offload",
