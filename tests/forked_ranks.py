@@ -186,7 +186,8 @@ def serve(path: str) -> None:
     if os.fork() == 0:  # the DeepSpeed server (_serve_deepspeed), in the background; ends with this one
         _serve_deepspeed(f"{path}.deepspeed")
         return  # in a rank it forked
-    _listen(path)
+    _DEEPSPEED_SERVER[0] = f"{path}.deepspeed"
+    _listen(path, say_ready=True)
 
 
 def _serve_deepspeed(path: str) -> None:
@@ -199,7 +200,6 @@ def _serve_deepspeed(path: str) -> None:
     DeepSpeed's ~100 MiB, which the memory tests count. Listening only once ready (a rename), so that until then, or
     where the imports printed something (a rank would not print it again), the first server forks those ranks itself."""
     _set_parent_death_signal(signal.SIGTERM)  # ends with the first server
-    _DEEPSPEED[0] = True
     said = f"{path}.stderr"
     with open(said, "w") as output:  # not the first server's streams, which the tests read
         os.dup2(output.fileno(), 1)
@@ -226,19 +226,19 @@ def _serve_deepspeed(path: str) -> None:
     _listen(path)
 
 
-_DEEPSPEED = [False]  # this process is the DeepSpeed server
+_DEEPSPEED_SERVER = [""]  # in the first server: where the DeepSpeed server listens once it is ready
 _IMPORT_SET: dict[str, str] = {}  # what importing DeepSpeed set in the environment
 
 
-def _listen(path: str) -> None:
+def _listen(path: str, *, say_ready: bool = False) -> None:
     """Serve clients at `path` (bound under another name, then renamed: a client that finds `path` finds it ready)
-    until the tests end."""
+    until the tests end; `say_ready`: print "ready" once listening, for the tests' process that started it."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(f"{path}.binding")
     listener.listen(128)
     os.rename(f"{path}.binding", path)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # supervisors are reaped by the kernel
-    if not _DEEPSPEED[0]:
+    if say_ready:
         print("ready", flush=True)
     while True:
         conn, _ = listener.accept()
@@ -291,8 +291,8 @@ def _supervise(conn: socket.socket) -> None:
             _send(conn, {})
         finally:
             os._exit(0)
-    deepspeed_server = f"{_LOG[0].removesuffix('.exec-log')}.deepspeed"
-    if not _DEEPSPEED[0] and os.path.exists(deepspeed_server) and _runs_on_deepspeed(request):
+    deepspeed_server = _DEEPSPEED_SERVER[0]
+    if deepspeed_server and os.path.exists(deepspeed_server) and _runs_on_deepspeed(request):
         try:
             _send(conn, {"redirect": deepspeed_server})
         finally:
@@ -336,8 +336,8 @@ def _wait(rank: int, conn: socket.socket) -> None:
 
 def _runs_on_deepspeed(request: dict) -> bool:
     """Whether the request is a rank (`train RECIPE ...`) of a strategy that runs on DeepSpeed, as the rank itself
-    decides it (toolkit.launch.rank: the recipe with its overrides and an `accelerate launch` plugin's settings). A
-    recipe that cannot be read says so in the rank, forked here."""
+    decides it (toolkit.launch.rank's rank_recipe and _may_import_deepspeed). A recipe that cannot be read says so
+    in the rank, forked here."""
     import contextlib
     import io
 
@@ -346,15 +346,12 @@ def _runs_on_deepspeed(request: dict) -> bool:
     try:
         with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
             from toolkit.cli import build_parser
-            from toolkit.config.files import read_recipe_dict, recipe_from_dict
-            from toolkit.launch.accelerate_env import apply_launcher_settings, launcher_settings
-            from toolkit.launch.rank import _may_import_deepspeed
+            from toolkit.launch.rank import _may_import_deepspeed, rank_recipe
 
             args = build_parser().parse_args(request["args"])
             os.chdir(request["cwd"])  # a recipe path relative to the client's folder (this process ends soon)
-            raw = read_recipe_dict(args.recipe, args.overrides)
-            apply_launcher_settings(raw, launcher_settings(request["env"]))
-            return _may_import_deepspeed(recipe_from_dict(raw).strategy.name)
+            recipe, _ = rank_recipe(args.recipe, args.overrides, request["env"])
+            return _may_import_deepspeed(recipe.strategy.name)
     except BaseException:  # noqa: BLE001 - a mistake in the recipe: the rank, forked here, says it
         return False
 

@@ -19,26 +19,16 @@ from toolkit.process.cleanup import entries, remove_made
 
 if TYPE_CHECKING:
     from toolkit.checkpoint.run import Resume
+    from toolkit.config.recipe import Recipe
     from toolkit.strategies.base import Strategy
 
 
 def run_rank(recipe_path: str, overrides: list[str], resume: Resume | None) -> int:
     """`toolkit train`: this process's rank of the run, from the recipe (and, under `accelerate launch`, its
     plugin settings) to the exit code; every outcome a user causes is one line."""
-    from toolkit.launch.accelerate_env import apply_launcher_settings, launcher_settings, named_source
-    from toolkit.config.files import read_recipe_dict, recipe_from_dict
-
-    raw = read_recipe_dict(recipe_path, overrides)
-    settings = launcher_settings(os.environ)  # under `accelerate launch`: its plugin settings
-    replaced = apply_launcher_settings(raw, settings)
-    with named_source(settings):
-        recipe = recipe_from_dict(raw)
-        if any(s.key for s in settings):  # the strategy's checks too (train makes them again, cheaply)
-            from toolkit.strategies import validate_strategy
-
-            validate_strategy(recipe, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    recipe, notes = rank_recipe(recipe_path, overrides, os.environ)
     if os.environ.get("RANK", "0") == "0":  # how a version-1 FSDP config runs on FSDP2, a line per key
-        for note in [*replaced, *(s.note for s in settings if s.note)]:
+        for note in notes:
             print(f"[toolkit] accelerate: {note}", file=sys.stderr, flush=True)
     quiet_libraries()
     from toolkit.process.dist import exit_process, init_distributed, shutdown
@@ -59,6 +49,24 @@ def run_rank(recipe_path: str, overrides: list[str], resume: Resume | None) -> i
         release = strategy.close if strategy is not None else None
         left_cleanly = shutdown(completed=code == 0, release=release)
     return exit_process(code if left_cleanly else 1)
+
+
+def rank_recipe(recipe_path: str, overrides: list[str], environ) -> tuple[Recipe, list[str]]:
+    """The recipe a rank of `toolkit train` runs, in the environment `environ`: the file with its overrides and,
+    under `accelerate launch`, its plugin settings; with the lines that say what those settings replaced."""
+    from toolkit.launch.accelerate_env import apply_launcher_settings, launcher_settings, named_source
+    from toolkit.config.files import read_recipe_dict, recipe_from_dict
+
+    raw = read_recipe_dict(recipe_path, overrides)
+    settings = launcher_settings(environ)  # under `accelerate launch`: its plugin settings
+    replaced = apply_launcher_settings(raw, settings)
+    with named_source(settings):
+        recipe = recipe_from_dict(raw)
+        if any(s.key for s in settings):  # the strategy's checks too (train makes them again, cheaply)
+            from toolkit.strategies import validate_strategy
+
+            validate_strategy(recipe, world_size=int(environ.get("WORLD_SIZE", "1")))
+    return recipe, [*replaced, *(s.note for s in settings if s.note)]
 
 
 def _may_import_deepspeed(name: str) -> bool:

@@ -65,8 +65,7 @@ def live_tensor_storages() -> dict[tuple[str, int], tuple[int, str, int]]:
     largest view seen). An independent count of what a strategy holds, read without asking it: tensors only
     C++ references (autograd's saved activations) are not seen, so call it between steps."""
     found: dict[tuple[str, int], tuple[int, str, int]] = {}
-    tensors = _tensors_alive()
-    for obj in tensors:
+    for obj in _tensors_alive():
         local = getattr(obj, "_local_tensor", obj)  # DTensor: this rank's shard
         try:
             storage = local.untyped_storage()
