@@ -222,6 +222,18 @@ def forked_env() -> dict:
     return {**_forking_env(), forked_ranks.FORKED_RANKS_ENV: _RANK_SERVER} if _RANK_SERVER else toolkit_env()
 
 
+@pytest.fixture
+def forked_children(monkeypatch) -> None:
+    """This test's own environment made forked_env(): the toolkit processes that an in-process
+    main(["launch" or "compare", ...]) starts (its ranks, its arms) are forked from the tests' server too."""
+    wanted = forked_env()
+    for name in set(os.environ) - set(wanted):
+        monkeypatch.delenv(name)
+    for name, value in wanted.items():
+        if os.environ.get(name) != value:
+            monkeypatch.setenv(name, value)
+
+
 _RANK_SERVER: str | None = None
 _NOT_FORKED: list[str] = []  # why no process was forked
 
@@ -237,9 +249,11 @@ def pytest_terminal_summary(terminalreporter) -> None:
                                     + "; ".join(sorted(set(r.split(": ", 1)[-1] for r in reasons))))
 
 
-def run_cli(*args: str, cwd: Path = REPO, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`python -m toolkit ARGS` in a real process (forked from the tests' server of imported ranks)."""
-    return subprocess.run([sys.executable, str(FORKED_RANKS), *args], cwd=cwd, env=forked_env(),
+def run_cli(*args: str, cwd: Path = REPO, timeout: int = 600, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
+    """`python -m toolkit ARGS` in a real process (forked from the tests' server of imported ranks); `env`: variables
+    added to its environment (a TOOLKIT_FAULT_* hook of toolkit/process/faults.py, which a fork is given as it is)."""
+    return subprocess.run([sys.executable, str(FORKED_RANKS), *args], cwd=cwd, env={**forked_env(), **(env or {})},
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -80,7 +80,7 @@ def test_a_checkpoint_with_layers_the_model_lacks_is_refused(weights_only, recip
     assert not out.exists()
 
 
-def test_zero3_refuses_a_checkpoint_with_layers_the_model_lacks(recipe, checkpoint, tmp_path, capfd):
+def test_zero3_refuses_a_checkpoint_with_layers_the_model_lacks(recipe, checkpoint, tmp_path, capfd, forked_children):
     """ZeRO-3 reads a checkpoint one module at a time into its partitions (low-memory loading), not as a whole
     state dict: two ranks, through the launcher (a rank of a process group ends without tearing it down), whose
     stderr is the ranks' own (capfd)."""

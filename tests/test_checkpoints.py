@@ -284,8 +284,8 @@ def test_metrics_that_cannot_be_written_stop_the_run_checkpointed_in_one_line(ru
     resume ends as the run never stopped (step 2's record, never written, is the one missing)."""
     out = tmp_path / "full"
     command = ["train"] if how == "train" else ["launch", "--nproc", "2"]
-    result = run_with_fault(faults.FULL_METRICS_AT_STEP, "2", *command, str(runs.recipe), "--set",
-                            f"strategy.name={'single' if how == 'train' else 'ddp'}", "--set", f"output_dir={out}")
+    result = run_cli(*command, str(runs.recipe), "--set", f"strategy.name={'single' if how == 'train' else 'ddp'}",
+                     "--set", f"output_dir={out}", env={faults.FULL_METRICS_AT_STEP: "2"})
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("toolkit: ")]
     checkpoint = out / "checkpoints" / "step-00000002"
@@ -399,7 +399,7 @@ def test_convert_given_a_run_takes_its_newest_complete_checkpoint_and_says_which
     assert (tmp_path / "hf" / "config.json").is_file()
 
 
-def test_an_output_dir_holding_a_run_is_refused_without_resume(runs, capfd):
+def test_an_output_dir_holding_a_run_is_refused_without_resume(runs, capfd, forked_children):
     from toolkit.cli import main
 
     full = runs.full("ddp")
@@ -428,7 +428,8 @@ def test_an_output_dir_holding_a_stopped_run_offers_resume(runs, tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["no checkpoint", "garbage metadata", "foreign folder", "other model"])
-def test_a_missing_corrupted_or_foreign_checkpoint_is_one_line(runs, tmp_path, tiny_bert_dir, damage, capfd):
+def test_a_missing_corrupted_or_foreign_checkpoint_is_one_line(runs, tmp_path, tiny_bert_dir, damage, capfd,
+                                                              forked_children):
     from toolkit.cli import main
 
     given = tmp_path / "given"

@@ -5,15 +5,13 @@ are one line, exit 2."""
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import test_sharded
-from conftest import REPO, assert_same_run, launch, losses, metrics, run_cli, toolkit_env, write_recipe
+from conftest import REPO, assert_same_run, launch, losses, metrics, run_cli, write_recipe
 from test_cli_errors import _assert_one_line_exit_2, _bad_recipe
 from test_comm_prediction import assert_predicted
 from toolkit.cli import main
@@ -133,10 +131,8 @@ def test_a_dropped_step_still_counts_toward_local_sgds_syncs(tmp_path, tiny_llam
     out = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out, data={"eval": None},
                           train={"max_steps": 5, "on_nonfinite": "skip", "consistency_check_every": 1})
-    env = {**toolkit_env(), faults.NAN_LOSS_AT_STEP: "3"}
     sets = [a for s in (*DDP, "strategy.sync_every=3") for a in ("--set", s)]
-    result = subprocess.run([sys.executable, "-m", "toolkit", "launch", "--nproc", "2", str(recipe), *sets], cwd=REPO,
-                            env=env, capture_output=True, text=True, timeout=600)
+    result = run_cli("launch", "--nproc", "2", str(recipe), *sets, env={faults.NAN_LOSS_AT_STEP: "3"})
     assert result.returncode == 0, result.stderr[-3000:]
     steps = metrics(out)
     assert [m["skipped"] for m in steps] == [False, False, True, False, False]

@@ -242,7 +242,7 @@ def test_a_reference_without_numbers_leaves_the_other_arms_unjudged(status, two_
     assert " nan " not in table and "| nan |" not in markdown and "<td>nan</td>" not in page
 
 
-def test_a_rerun_compare_runs_the_damaged_arm_again(two_arms, tmp_path, capsys):
+def test_a_rerun_compare_runs_the_damaged_arm_again(two_arms, tmp_path, capsys, forked_children):
     out, args = two_arms
     copy = tmp_path / "exp"
     shutil.copytree(out, copy)

@@ -1,11 +1,8 @@
 """bf16 and fp16 runs complete with falling loss; fp16 reports its loss scale and skipped steps."""
 
-import subprocess
-import sys
-
 import pytest
 
-from conftest import REPO, metrics, toolkit_env, write_recipe
+from conftest import metrics, run_cli, write_recipe
 from toolkit.process import faults
 
 FAST = ("train.max_steps=8", "optim.lr=0.003", "optim.warmup_steps=0")
@@ -39,9 +36,8 @@ def test_an_fp16_overflow_skips_the_update_and_holds_the_lr_schedule(tiny_llama_
     out = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out, precision="fp16",
                           data={"eval": None}, optim={"warmup_steps": 3}, train={"max_steps": 4})
-    env = {**toolkit_env(), faults.INF_GRADIENT_AT_STEP: "2"}  # an inf gradient before step 2's update
-    result = subprocess.run([sys.executable, "-m", "toolkit", "train", str(recipe)], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=600)
+    # an inf gradient before step 2's update
+    result = run_cli("train", str(recipe), env={faults.INF_GRADIENT_AT_STEP: "2"})
     assert result.returncode == 0, result.stderr[-3000:]
     steps = metrics(out)
     assert [m["skipped"] for m in steps] == [False, True, False, False]
@@ -69,10 +65,9 @@ def test_a_checkpoint_after_only_skipped_steps_resumes(tiny_llama_dir, tmp_path,
                               data={"eval": None}, strategy={"name": strategy}, train={"max_steps": 3},
                               optim={"implementation": "foreach"},
                               checkpoint={"every_steps": 1, "keep_last": 5, "final": False})
-        env = {**toolkit_env(), faults.INF_GRADIENT_AT_STEP: "1"}  # step 1's update skipped, as an overflow's
         command = ["train"] if strategy == "single" else ["launch", "--nproc", "2"]
-        result = subprocess.run([sys.executable, "-m", "toolkit", *command, str(recipe), *extra], cwd=REPO, env=env,
-                                capture_output=True, text=True, timeout=600)
+        # step 1's update skipped, as an overflow's
+        result = run_cli(*command, str(recipe), *extra, env={faults.INF_GRADIENT_AT_STEP: "1"})
         assert result.returncode == 0, result.stderr[-3000:]
         return result
 
