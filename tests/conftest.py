@@ -174,9 +174,14 @@ def write_recipe(path: Path, *, model_dir: Path, task: str = "causal-lm", output
     return path
 
 
+def first_on_path(folder: Path, path: str) -> str:
+    """PYTHONPATH `path` with `folder` first, once (an environment made from one made so stays as it is)."""
+    return os.pathsep.join([str(folder), *(entry for entry in path.split(os.pathsep) if entry != str(folder))])
+
+
 def toolkit_env() -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = first_on_path(REPO, env.get("PYTHONPATH", ""))
     # runs with train.report_to mlflow write into their own output_dir, never to a server the shell points at
     for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
         env.pop(name, None)
@@ -191,7 +196,7 @@ FORKING = REPO / "tests" / "forking"  # sitecustomize: the toolkit processes a f
 def _forking_env() -> dict:
     """toolkit_env() with tests/forking first on PYTHONPATH: the server's environment, and its clients'."""
     env = toolkit_env()
-    env["PYTHONPATH"] = str(FORKING) + os.pathsep + env["PYTHONPATH"]
+    env["PYTHONPATH"] = first_on_path(FORKING, env["PYTHONPATH"])
     return env
 
 
@@ -242,6 +247,16 @@ def pytest_terminal_summary(terminalreporter) -> None:
     """How many toolkit processes the server did not fork, and why (an environment it cannot give)."""
     if _NOT_FORKED:
         terminalreporter.write_line(f"forked_ranks: every toolkit process exec'd, none forked: {_NOT_FORKED[0]}")
+    # forked_ranks.CPU_LOG_ENV: the tests whose processes used most (the file adds up every session that names it)
+    cpu_log = os.environ.get("TOOLKIT_TEST_CPU_LOG")
+    if cpu_log and Path(cpu_log).is_file():
+        by_test: dict[str, float] = {}
+        for line in Path(cpu_log).read_text().splitlines():
+            entry = json.loads(line)
+            by_test[entry["test"]] = by_test.get(entry["test"], 0.0) + entry["cpu_s"]
+        terminalreporter.write_line(f"forked toolkit processes: {sum(by_test.values()) / 60:.1f} CPU min in all; most:")
+        for test, seconds in sorted(by_test.items(), key=lambda item: -item[1])[:25]:
+            terminalreporter.write_line(f"{seconds:8.1f} s  {test}")
     log = Path(f"{_RANK_SERVER}.exec-log") if _RANK_SERVER else None
     if log and log.is_file():
         reasons = log.read_text().splitlines()

@@ -17,7 +17,9 @@ sends (SIGTERM to its process group, SIGINT, ...) to the process, follows the ag
 SIGTERM when it dies, toolkit.process.orphans) and ends as the process ended, with its exit code or by its signal. A
 client killed outright (SIGKILL, a test's timeout) closes its socket, and the supervisor then kills the process
 with SIGKILL. Numbers are those of a plain process: a 2-rank ddp run's losses, peak RSS (662.0 vs 661.8 MB)
-and the plan's runtime bytes (505.2 vs 504.9 MB) alike. What stays the server's: the hash seed of str keys
+and the plan's runtime bytes (505.2 vs 504.9 MB) alike (but for transformers' table of checkpoint key
+conversions, 1.4 MiB, which the server builds and a plain rank builds as its model loads: a forked rank's
+runtime holds it). What stays the server's: the hash seed of str keys
 (every forked process shares one, where plain ones each draw their own: an order of a set of names that
 differed between ranks would not show here; it would in the plain ranks of `toolkit launch` and compare),
 umask, rlimits and CPU affinity, and objects the imports made are never collected (gc.freeze).
@@ -48,6 +50,7 @@ import socket
 import struct
 import sys
 
+from toolkit.errors import SAID_DIR_ENV, _failure_said_mark
 from toolkit.process.orphans import _set_parent_death_signal  # prctl(PR_SET_PDEATHSIG) through libc, as a rank asks
 
 FORKED_RANKS_ENV = "TOOLKIT_TEST_RANK_SERVER"
@@ -167,8 +170,6 @@ def _carry_failure_said(rank: int) -> None:
     """A rank of `toolkit launch` that said its failure in one line marks it under its own pid
     (toolkit.errors.mark_failure_said), where its launcher looks for the pid of the process it started: this
     client's. The mark is renamed to it, as the rank's getppid is the client's parent (_become_rank)."""
-    from toolkit.errors import SAID_DIR_ENV, _failure_said_mark
-
     folder = os.environ.get(SAID_DIR_ENV)
     if folder:
         with contextlib.suppress(OSError):  # no mark (the usual case), or the launch's folder is gone
@@ -330,12 +331,35 @@ def _supervise(conn: socket.socket) -> None:
         _wait(rank, conn)
     except OSError:  # the client is gone (reset, broken pipe): so is its rank, as if it had been killed outright
         os.kill(rank, signal.SIGKILL)
-    _, status = os.waitpid(rank, 0)
+    _, status, usage = os.wait4(rank, 0)
     try:
         _send(conn, {"status": status})
     except OSError:
         pass
+    with contextlib.suppress(Exception):  # a diagnostic: never in the way of the rank's end
+        _log_cpu(request, usage)
     os._exit(0)
+
+
+CPU_LOG_ENV = "TOOLKIT_TEST_CPU_LOG"  # a file: each forked process's CPU seconds are added to it, with its test
+
+
+def _log_cpu(request: dict, usage) -> None:
+    """Where the test session names a CPU log (CPU_LOG_ENV, `TOOLKIT_TEST_CPU_LOG=FILE make test`): one JSON line
+    per forked process, with the test that started it and the CPU seconds it (and what it waited for) used: where
+    a suite's time goes, on a machine whose cores the suite keeps busy. The file adds up every session that names
+    it."""
+    path = request["env"].get(CPU_LOG_ENV)
+    if not path:
+        return
+    line = json.dumps({"test": request["env"].get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0],
+                       "args": request["args"][:1], "rank": request["env"].get("RANK"),
+                       "cpu_s": round(usage.ru_utime + usage.ru_stime, 3)})
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())  # one write of a short line: whole among the other processes'
+    finally:
+        os.close(fd)
 
 
 def _wait(rank: int, conn: socket.socket) -> None:
