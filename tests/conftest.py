@@ -247,8 +247,10 @@ def pytest_terminal_summary(terminalreporter) -> None:
     """How many toolkit processes the server did not fork, and why (an environment it cannot give)."""
     if _NOT_FORKED:
         terminalreporter.write_line(f"forked_ranks: every toolkit process exec'd, none forked: {_NOT_FORKED[0]}")
-    # forked_ranks.CPU_LOG_ENV: the tests whose processes used most (the file adds up every session that names it)
-    cpu_log = os.environ.get("TOOLKIT_TEST_CPU_LOG")
+    from forked_ranks import CPU_LOG_ENV
+
+    # the tests whose processes used most (the file adds up every session that names it)
+    cpu_log = os.environ.get(CPU_LOG_ENV)
     if cpu_log and Path(cpu_log).is_file():
         by_test: dict[str, float] = {}
         for line in Path(cpu_log).read_text().splitlines():

@@ -383,7 +383,6 @@ def _runs_on_deepspeed(request: dict) -> bool:
     """Whether the request is a rank (`train RECIPE ...`) of a strategy that runs on DeepSpeed, as the rank itself
     decides it (toolkit.launch.rank's rank_recipe and _may_import_deepspeed). A recipe that cannot be read says so
     in the rank, forked here."""
-    import contextlib
     import io
 
     if request["args"][:1] != ["train"]:

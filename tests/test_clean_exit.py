@@ -9,7 +9,6 @@ there too, and the suite has to stay within its time budget.) ddp, fsdp and ZeRO
 test_launchers, on the plain launches it makes; ZeRO-3 here."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -17,7 +16,7 @@ import textwrap
 import pytest
 
 from conftest import REPO, toolkit_env, write_recipe
-from toolkit.process.leftovers import SHM, SHM_PREFIX
+from toolkit.process.leftovers import shm_segments
 
 REPEATS = 1
 # ddp (torchrun), fsdp and ZeRO-2 (accelerate launch) end their plain 2-rank runs in test_launchers under the same
@@ -40,7 +39,7 @@ def short_recipe(tmp_path_factory, tiny_llama_dir):
 def test_two_rank_runs_exit_0_every_time(short_recipe, strategy, tmp_path):
     # through torchrun, as a user may launch (`toolkit launch` adds its checks and 3 s per run; the exit
     # of the ranks, which is what failed, is the same)
-    before = set(SHM.glob(f"{SHM_PREFIX}_{os.getuid()}_*"))
+    before = set(shm_segments())
     for attempt in range(1, REPEATS + 1):
         out = tmp_path / f"run-{attempt}"
         sets = [a for o in (*STRATEGIES[strategy], f"output_dir={out}") for a in ("--set", o)]
@@ -53,7 +52,7 @@ def test_two_rank_runs_exit_0_every_time(short_recipe, strategy, tmp_path):
         assert json.loads((out / "run.json").read_text())["status"] == "completed"
     # and nothing left in memory: DeepSpeed's CPU shared-memory collectives, which the toolkit does not start, make a
     # 66 MB /dev/shm segment per rank and never unlink it (toolkit/strategies/zero/comm.py skip_shm_collectives)
-    assert set(SHM.glob(f"{SHM_PREFIX}_{os.getuid()}_*")) - before == set()
+    assert set(shm_segments()) - before == set()
 
 
 PROBE = textwrap.dedent("""
