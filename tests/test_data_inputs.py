@@ -154,6 +154,14 @@ BAD_FILES = {
                               "row 4 has True in column 'text', where other rows have text"),  # a number is text
     "a fraction among ids": ("float.jsonl", [*MIXED[:6], {"text": "meh", "label": 1.5}, *MIXED[6:]],
                              "row 7 has label 1.5 in column 'label'; labels must be class ids (whole numbers)"),
+    # every row's label a list or a mapping: arrow has no kernel to list their distinct values (it raised its own
+    # ArrowNotImplementedError, a traceback)
+    "a list as every label": ("lists.jsonl", [{**r, "label": [r["label"]]} for r in MIXED],
+                              f"column 'label' holds List (row 1: [{MIXED[0]['label']}]); labels must be class ids "
+                              "or names, one a row"),
+    "a mapping as every label": ("maps.jsonl", [{**r, "label": {"id": r["label"]}} for r in MIXED],
+                                 f"column 'label' holds dict (row 1: {{'id': {MIXED[0]['label']}}}); labels must "
+                                 "be class ids or names"),
     "columnar json": ("columns.json", {"text": [r["text"] for r in MIXED], "label": [r["label"] for r in MIXED]},
                       "holds one record whose values are lists (columnar JSON); write one record per line"),
 }
@@ -440,3 +448,29 @@ def test_a_tokenizer_with_the_same_vocabulary_that_tokenizes_otherwise_reads_its
 
     assert ids(plain) == plain(texts, truncation=True, max_length=32)["input_ids"]
     assert ids(other) == other(texts, truncation=True, max_length=32)["input_ids"] != ids(plain)
+
+
+@pytest.mark.parametrize("raised", ["itself", "under datasets' error"])
+def test_a_data_file_this_user_cannot_read_says_so_not_its_format(raised, tmp_path, tiny_llama_dir, capsys,
+                                                                  monkeypatch):
+    """A file without read permission: the line names the permission, not the format (it said "cannot be read as
+    json ...; fix the file or give it the suffix of its format"). The tests run as root, whom the kernel lets read
+    any file, so the reader's EACCES is raised where datasets' reader meets it: as itself, or as the cause of
+    datasets' own DatasetGenerationError."""
+    import datasets
+
+    path = tmp_path / "locked.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    denied = PermissionError(13, "Permission denied", str(path))
+
+    def load_dataset(*args, **kwargs):
+        if raised == "itself":
+            raise denied
+        raise datasets.exceptions.DatasetGenerationError("An error occurred while generating the dataset") \
+            from denied
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "out",
+                          data={"train": str(path), "eval": None})
+    _one_line_exit_2(main(["validate", str(recipe)]), capsys, f"data.train: {path} cannot be read (Permission "
+                     f"denied: {path}); make it readable by this user")

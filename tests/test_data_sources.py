@@ -422,17 +422,42 @@ def test_a_pretrained_head_naming_other_labels_is_replaced_in_one_line():
     assert label_note(["pos", "neg"], ["pos", "neg"]) is None and label_note(["neg", "pos"], None) is None
 
 
-def test_an_eval_label_the_training_data_lacks_is_one_line(tmp_path, tiny_bert_dir, capsys):
-    train, evaluation = _named_labels(tmp_path, [{"text": "so so", "label": "mixed"}])
+@pytest.mark.parametrize("case", ["a label data.train lacks", "no label column"])
+def test_an_eval_split_whose_labels_do_not_fit_is_one_line(case, tmp_path, tiny_bert_dir, capsys):
+    """data.eval's labels are checked as data.train's are: one it lacks is named, and so is a missing label column
+    (that was a KeyError traceback, exit 1)."""
+    if case == "a label data.train lacks":
+        train, evaluation = _named_labels(tmp_path, [{"text": "so so", "label": "mixed"}])
+        words = "has label 'mixed' in column 'label', which data.train does not have (its labels: neg, pos)"
+    else:
+        train, evaluation = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+        train.write_text("".join(json.dumps({"text": r["text"], "label": r["label"]}) + "\n" for r in ROWS))
+        evaluation.write_text("".join(json.dumps({"text": r["text"]}) + "\n" for r in ROWS[:8]))
+        words = f"data.eval: {evaluation} has no column 'label' (it has 'text'); set data.label_column to one of those"
     out = tmp_path / "run"
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_bert_dir, task="sequence-classification",
                           output_dir=out, data={"train": str(train), "eval": str(evaluation)})
     for command in ("validate", "train"):
         assert main([command, str(recipe)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "has label 'mixed' in column 'label', which data.train does not have (its " \
-            "labels: neg, pos)" in err[0], err
+        assert len(err) == 1 and words in err[0], err
     assert not out.exists()
+
+
+def test_epochs_under_one_step_train_one_step_and_say_so(tmp_path, tiny_llama_dir):
+    """train.epochs rounds down to whole steps, but to one at least: 0.5 epochs of 5 rows at a global batch of 4 (one
+    step an epoch) trains a whole epoch, which a line says (before, only run.json's epochs 1.0 did)."""
+    train = tmp_path / "five.jsonl"
+    train.write_text("".join(json.dumps({"text": r["text"]}) + "\n" for r in ROWS[:5]))
+    out = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out,
+                          data={"train": str(train), "eval": None}, batch={"micro_batch_size": 4},
+                          train={"max_steps": None, "epochs": 0.5, "eval_every": None})
+    result = launch(recipe, nproc=1)
+    assert "[toolkit] train.epochs 0.5 is under one step (1 step(s) of 4 samples an epoch): training 1 step, " \
+        "1 epoch(s)" in result.stderr, result.stderr[-2000:]
+    info = json.loads((out / "run.json").read_text())
+    assert (info["total_steps"], info["data"]["train"]["epochs"]) == (1, 1.0)
 
 
 @pytest.mark.parametrize("train_kind", ["names", "class ids"])

@@ -211,7 +211,7 @@ EVAL_EVERY_DEFAULT = 50
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     max_steps: int | None = 100  # optimizer steps; null: use epochs
-    epochs: float | None = None  # passes over the train set (rounded down to whole steps)
+    epochs: float | None = None  # passes over the train set (rounded down to whole steps, at least one)
     log_every: int = 1  # progress-bar/log-line cadence; metrics.jsonl always gets every step
     # eval loss every N steps and at the end; null: only at the end (if data.eval)
     eval_every: int | None = EVAL_EVERY_DEFAULT

@@ -210,6 +210,17 @@ def num_blank_lines(raw, source: DataSource, column: str) -> int:
     return num_blank
 
 
+def _permission_error(exc: BaseException | None) -> PermissionError | None:
+    """The PermissionError `exc` is or was raised from (datasets wraps what its readers raise), None where none."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, PermissionError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def drop_blank_lines(raw, source: DataSource, column: str, *, fingerprint: str):
     """A text file's rows without the lines that are empty or only whitespace (the blank line between
     paragraphs), and how many those were: a tokenizer that adds [CLS] [SEP] makes a sample of each, which would
@@ -223,6 +234,10 @@ def drop_blank_lines(raw, source: DataSource, column: str, *, fingerprint: str):
 
 
 def _unreadable(source: DataSource, exc: BaseException) -> RecipeError:
+    denied = _permission_error(exc)
+    if denied is not None:  # not the file's format: the suffix advice would mislead
+        return RecipeError(f"{source.key}: {source.path} cannot be read ({denied.strerror}: {denied.filename}); make "
+                           "it readable by this user")
     cause = str(exc).strip().splitlines()
     reason = cause[-1][:200] if cause else type(exc).__name__
     if source.format == "json" and "in row " in reason:

@@ -18,9 +18,7 @@ def label_values(raw, source: DataSource, column: str) -> list:
     row)."""
     import datasets
 
-    if column not in raw.column_names:
-        raise RecipeError(f"{source.key}: {source.path} has no column {column!r} (it has {columns(raw)}); set "
-                          "data.label_column to one of those")
+    _check_column(raw, source, column)
     check_filled(raw, source, column)
     if not isinstance(raw.features[column], datasets.Json):
         return raw.unique(column)
@@ -37,6 +35,20 @@ def label_values(raw, source: DataSource, column: str) -> list:
     usual = "names" if odd == "class ids" else "class ids"
     raise RecipeError(f"{source.key}: {source.path} row {number} has label {shown(value)} in column {column!r} where "
                       f"other rows have {usual}; use one kind")
+
+
+def _check_column(raw, source: DataSource, column: str) -> None:
+    """The split has the label column, and it holds one value a row (a list or a mapping in every row is no label:
+    arrow cannot list its distinct values)."""
+    import datasets
+
+    if column not in raw.column_names:
+        raise RecipeError(f"{source.key}: {source.path} has no column {column!r} (it has {columns(raw)}); set "
+                          "data.label_column to one of those")
+    feature = raw.features[column]
+    if not isinstance(feature, (datasets.Value, datasets.ClassLabel, datasets.Json)):
+        raise RecipeError(f"{source.key}: {source.path} column {column!r} holds {describe(feature)} (row 1: "
+                          f"{shown(raw[0][column])}); labels must be class ids or names, one a row")
 
 
 def class_names(raw, source: DataSource, column: str) -> list[str] | None:
@@ -134,6 +146,7 @@ def check_label_kind(raw, source: DataSource, *, column: str, named: bool) -> No
     ClassLabel column is both: its ids stand for its names)."""
     import datasets
 
+    _check_column(raw, source, column)
     if isinstance(raw.features[column], datasets.ClassLabel):
         return
     eval_named = class_names(raw, source, column) is not None

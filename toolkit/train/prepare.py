@@ -68,6 +68,10 @@ def prepare(recipe: Recipe, env: DistEnv) -> Prepared:
                                label_note(names, model_names)) if note]
     epochs = recipe.train.epochs or 0.0  # TrainConfig: exactly one of max_steps and epochs
     total_steps = recipe.train.max_steps or max(1, int(epochs * sampler.steps_per_epoch))
+    if not recipe.train.max_steps and epochs * sampler.steps_per_epoch < 1:
+        notes.append(f"[toolkit] train.epochs {epochs:g} is under one step ({sampler.steps_per_epoch} step(s) of "
+                     f"{plan.global_batch_size} samples an epoch): training 1 step, "
+                     f"{1 / sampler.steps_per_epoch:g} epoch(s)")
     # epochs as train.epochs counts them (each drops its last partial batch): not the samples read over the
     # dataset's size, which falls short of train.epochs wherever an epoch leaves samples unread
     data_info = {"train": {**data_record(train_counts, num_samples=len(train_ds), data=recipe.data),
