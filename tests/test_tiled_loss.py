@@ -147,6 +147,8 @@ def test_where_tiled_loss_is_not_checked_it_is_refused(sections, world_size, wor
     with pytest.raises(RecipeError) as refused:
         validate_strategy(recipe(**sections), world_size=world_size)
     assert str(refused.value).startswith(words) and "\n" not in str(refused.value)
+    # the strategies it names are the ones that tile (tp among them: its tiled loss is checked in this file)
+    assert str(refused.value).endswith("; use single, ddp, fsdp, zero or tp, or set train.tiled_loss: false")
 
 
 def test_tiled_loss_on_a_classifier_exits_2(tmp_path, tiny_bert_dir):

@@ -108,16 +108,22 @@ def validate_strategy(recipe: Recipe, *, world_size: int) -> BatchPlan:
     _check_options(recipe)
     if recipe.model.lora is not None and not info.lora:
         raise RecipeError(f"model.lora is not available with strategy {recipe.strategy.name} yet (its split of the "
-                          "model goes by layer names LoRA changes); use single, ddp, fsdp or zero")
+                          f"model goes by layer names LoRA changes); use {_those('lora')}")
     if recipe.train.compile and not info.compiles:
         raise RecipeError(f"train.compile is not available with strategy {recipe.strategy.name} yet (its compiled "
                           "blocks are not checked against eager ones); set train.compile: false")
     if recipe.train.tiled_loss and not info.tiles_loss:
         raise RecipeError(f"train.tiled_loss is not available with strategy {recipe.strategy.name} yet (not checked "
-                          "against the full loss there); use single, ddp, fsdp or zero, or set train.tiled_loss: false")
+                          f"against the full loss there); use {_those('tiles_loss')}, or set train.tiled_loss: false")
     rules.validate(recipe, world_size=world_size)
     layout = rules.data_layout(recipe, world_size=world_size, rank=0)
     return plan_batch(recipe.batch, world_size=layout.size)  # the global batch is split over data shards
+
+
+def _those(capability: str) -> str:
+    """The strategies whose StrategyInfo has `capability` (a flag such as lora), as "a, b or c"."""
+    names = [name for name in strategy_names() if getattr(strategy_info(name), capability)]
+    return f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
 
 
 def _check_options(recipe: Recipe) -> None:
