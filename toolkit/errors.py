@@ -46,6 +46,18 @@ def os_error_text(exc: OSError) -> str:
     return f"{exc.strerror or exc} ({name})" if name else str(exc.strerror or exc)
 
 
+def os_error_under(error: BaseException | None) -> OSError | None:
+    """The OSError under `error` (a library's own exception raised from it): itself, its cause or its context,
+    and so on; None where none has an errno."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError) and error.errno:
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def under_accelerate() -> bool:
     """Whether `accelerate launch` started this process: it exports ACCELERATE_MIXED_PRECISION to every process
     it starts, whatever its config file says."""

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from toolkit.checkpoint import schedule, store, verify
 from toolkit.checkpoint.fragments import Fragments, PiecesLoadPlanner, PiecesSavePlanner
-from toolkit.errors import RecipeError, first_line, os_error_text, say_once
+from toolkit.errors import RecipeError, first_line, os_error_text, os_error_under, say_once
 from toolkit.model.tied import without_tied_aliases
 from toolkit.process.dist import DistEnv, barrier
 
@@ -193,21 +193,10 @@ def _failures_text(exc: CheckpointException) -> str:
     ranks_by_why: dict[str, list[int]] = {}
     for rank, failure in sorted(exc.failures.items()):
         error = failure[0] if isinstance(failure, tuple) else failure
-        os_error = _os_error(error)
+        os_error = os_error_under(error)
         ranks_by_why.setdefault(os_error_text(os_error) if os_error else first_line(error), []).append(rank)
     return "; ".join(f"{why} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
                      for why, ranks in ranks_by_why.items()) or first_line(exc)
-
-
-def _os_error(error: BaseException | None) -> OSError | None:
-    """The OSError under `error`: itself, its cause or its context, and so on."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, OSError) and error.errno:
-            return error
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return None
 
 
 class OsErrorWriter(FileSystemWriter):
@@ -221,7 +210,7 @@ class OsErrorWriter(FileSystemWriter):
         try:
             return super().write_data(plan, planner)
         except RuntimeError as exc:
-            os_error = _os_error(exc)
+            os_error = os_error_under(exc)
             if os_error is None:
                 raise
             raise os_error from None

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.config.recipe import DataConfig
-from toolkit.errors import RecipeError
+from toolkit.errors import RecipeError, os_error_under
 
 FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet", ".txt": "text"}
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")  # what `datasets` decompresses by the file name
@@ -210,17 +210,6 @@ def num_blank_lines(raw, source: DataSource, column: str) -> int:
     return num_blank
 
 
-def _permission_error(exc: BaseException | None) -> PermissionError | None:
-    """The PermissionError `exc` is or was raised from (datasets wraps what its readers raise), None where none."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, PermissionError):
-            return exc
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return None
-
-
 def drop_blank_lines(raw, source: DataSource, column: str, *, fingerprint: str):
     """A text file's rows without the lines that are empty or only whitespace (the blank line between
     paragraphs), and how many those were: a tokenizer that adds [CLS] [SEP] makes a sample of each, which would
@@ -234,8 +223,8 @@ def drop_blank_lines(raw, source: DataSource, column: str, *, fingerprint: str):
 
 
 def _unreadable(source: DataSource, exc: BaseException) -> RecipeError:
-    denied = _permission_error(exc)
-    if denied is not None:  # not the file's format: the suffix advice would mislead
+    denied = os_error_under(exc)  # datasets' own error raised from the reader's
+    if isinstance(denied, PermissionError):  # not the file's format: the suffix advice would mislead
         return RecipeError(f"{source.key}: {source.path} cannot be read ({denied.strerror}: {denied.filename}); make "
                            "it readable by this user")
     cause = str(exc).strip().splitlines()
