@@ -67,8 +67,9 @@ def prepare(recipe: Recipe, env: DistEnv) -> Prepared:
                                data_note("data.eval", eval_counts, recipe.data),
                                label_note(names, model_names)) if note]
     epochs = recipe.train.epochs or 0.0  # TrainConfig: exactly one of max_steps and epochs
-    total_steps = recipe.train.max_steps or max(1, int(epochs * sampler.steps_per_epoch))
-    if not recipe.train.max_steps and epochs * sampler.steps_per_epoch < 1:
+    wanted_steps = epochs * sampler.steps_per_epoch
+    total_steps = recipe.train.max_steps or max(1, int(wanted_steps))
+    if not recipe.train.max_steps and wanted_steps < 1:
         notes.append(f"[toolkit] train.epochs {epochs:g} is under one step ({sampler.steps_per_epoch} step(s) of "
                      f"{plan.global_batch_size} samples an epoch): training 1 step, "
                      f"{1 / sampler.steps_per_epoch:g} epoch(s)")
