@@ -65,8 +65,7 @@ class DdpWrap:
     """DDP over dp_replicate: a full replica per rank, gradients all-reduced (averaged) in buckets."""
 
     bucket_cap_mb: float = 25.0  # bigger buckets, fewer all-reduces, later overlap
-    find_unused_parameters: bool = False  # needed when some parameters get no gradient (and under a pipeline
-    #   schedule, whose forwards run outside no_sync: DDP's bucket rebuild would count a parameter twice)
+    find_unused_parameters: bool = False  # needed when some parameters get no gradient
     one_device: bool = True  # False: the module spans several devices (a model split), so DDP takes no
     #   device_ids and reduces each parameter where it lives
 

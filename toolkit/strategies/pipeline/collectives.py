@@ -11,9 +11,8 @@ collective counter on CPU and held to it byte for byte (tests/test_comm_predicti
 - tensor-parallel stages: each stage's split layers' activations over its tp ranks, as tp's (dims/comm.tp_collectives,
   the stage's blocks only), and the clip's sum over every rank;
 - with replicas, the step's padded length: one int64, its maximum over the replicas (strategy._run);
-- the stages' data-parallel replicas: DDP's all-reduce of the stage's gradients, with find_unused_parameters'
-  used-map (4 bytes a parameter) beside it, or what strategy.gradient_compression's hook sends instead of the
-  gradients (dims/compression.compression_collectives, per stage: each stage is its own DDP module); a zero-bubble
+- the stages' data-parallel replicas: DDP's all-reduce of each stage's gradients, in its buckets (one a
+  bucket_cap_mb, as plain ddp's), or what strategy.gradient_compression's hook sends instead of the gradients (dims/compression.compression_collectives, per stage: each stage is its own DDP module); a zero-bubble
   schedule: one all-reduce of each stage's gradients after the schedule, by hand; under local SGD none, and at a
   sync this rank's parameters averaged in one all-reduce; or FSDP2 over the replicas, each unit gathered before
   every micro-batch's forward and once more for the step's backwards (the stage keeps it gathered between them:
@@ -174,9 +173,10 @@ def _replicas(stages: list[Stage], recipe: Recipe, *, dp: int, sharded: bool, mi
             buckets = max(1, math.ceil(grad_bytes / (DdpWrap().bucket_cap_mb * 2 ** 20)))
             out += compression_collectives(shapes, compression, group_size=dp, group="dp_replicate",
                                            buckets=buckets, grad_bytes_per_number=element_bytes(stored))
-        return out + [Collective(op="allreduce_", payload_bytes=4 * len(params), calls=len(stages),
-                                 group="dp_replicate", group_size=dp, phase="backward",
-                                 what="DDP's used-parameter map", overlap="backward")]
-    return [Collective(op="allreduce_", payload_bytes=grads + 4 * len(params), calls=2 * len(stages),
-                       group="dp_replicate", group_size=dp, phase="backward",
-                       what="gradients, and DDP's used-parameter map", overlap="backward")]
+        return out
+    # each stage is a DDP module of its own: its buckets, as plain ddp's (dims/comm.ddp_collectives)
+    cap = DdpWrap().bucket_cap_mb * 2 ** 20
+    buckets = sum(max(1, math.ceil(sum(p.numel() for p in stage.parameters() if p.requires_grad)
+                                   * element_bytes(stored) / cap)) for stage in stages)
+    return [Collective(op="allreduce_", payload_bytes=grads, calls=buckets, group="dp_replicate", group_size=dp,
+                       phase="backward", what="gradients", overlap="backward")]
