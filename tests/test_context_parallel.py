@@ -141,7 +141,8 @@ def recipe(parallel, **sections):
     ({}, {"strategy": {"name": "fsdp", "cp_degree": 2, "replicate_degree": 2, "sync_every": 2}}, 4,
      "strategy.cp_degree with local SGD over HSDP's replica groups is not tested yet"),
     ({}, {"strategy": {"name": "fsdp", "cp_degree": 0}}, 2, "strategy.cp_degree must be >= 1, got 0"),
-    ({"cp": 3}, {}, 4, "parallel: cp 3 = 3 does not divide the 4 ranks"),
+    ({"cp": 3}, {}, 4, "parallel: cp 3 does not divide the 4 ranks"),  # one degree: no "cp 3 = 3"
+    ({"cp": 2, "tp": 2}, {}, 6, "parallel: cp 2 × tp 2 = 4 does not divide the 6 ranks"),
     ({"cp": 2}, {"train": {"compile": True}}, 2, "train.compile is not available with context parallel yet"),
 ])
 def test_what_context_parallel_cannot_run_is_refused_in_one_line(parallel, sections, world_size, words):

@@ -86,8 +86,12 @@ def recipe(parallel, model_dir, **sections):
 @pytest.mark.parametrize("parallel, sections, world_size, words", [
     ({"ep": 3}, {}, 3, "parallel.ep 3 does not divide the model's 4 experts per layer; use an ep that divides 4"),
     ({"ep": 2}, {}, 3, "parallel.ep 2 does not divide the 3 ranks"),
-    ({"ep": 2, "tp": 2}, {}, 4, "parallel.ep is tested with dp_shard alone, not with dp_shard 2 × tp 2 (ep 2 of "
-                                "them) yet"),
+    ({"ep": 2, "tp": 2}, {}, 4, "parallel.ep is tested with dp_shard alone, not beside tp 2 yet; drop it or "
+                                "parallel.ep"),
+    ({"ep": 2, "dp_replicate": 2}, {}, 2, "parallel.ep is tested with dp_shard alone, not beside dp_replicate 2 yet"),
+    # one process: no dp_shard ranks to borrow (said as "all degrees 1 (ep 2 of them)" before)
+    ({"ep": 2}, {}, 1, "parallel.ep 2 borrows its ranks from dp_shard, which is 1 in a world of 1 rank(s); run it on "
+                       "a multiple of 2 ranks (toolkit launch --nproc 2) or drop parallel.ep"),
     ({"ep": 2}, {"train": {"compile": True}}, 2, "train.compile is not available with expert parallel yet"),
     ({}, {"strategy": {"name": "fsdp", "ep_degree": 2, "replicate_degree": 2}}, 4,
      "strategy.ep_degree (expert parallel) is tested with dp_shard alone"),

@@ -76,8 +76,9 @@ def test_every_preset_is_its_degrees(name, options, world_size):
     ({"pp": 2, "dp_replicate": 2, "tp": 2}, {}, 8, "parallel: pp × dp_replicate × tp: DDP cannot hold the stages' "
      "tensor-parallel (DTensor) weights; give the replicas as parallel.dp_shard"),
     ({"cp": 2, "pp": 2, "tp": 2}, {}, 8, "parallel: pp × cp × tp together is not tested yet"),
-    ({"dp_shard": 3}, {}, 4, "parallel: dp_shard 3 = 3 ranks, but the run has 4; make the product 4"),
-    ({"tp": 3}, {}, 4, "parallel: tp 3 = 3 does not divide the 4 ranks"),
+    ({"dp_shard": 3}, {}, 4, "parallel: dp_shard 3 ranks, but the run has 4; make the product 4"),
+    ({"dp_shard": 3, "tp": 2}, {}, 4, "parallel: dp_shard 3 × tp 2 = 6 ranks, but the run has 4; make the product 4"),
+    ({"tp": 3}, {}, 4, "parallel: tp 3 does not divide the 4 ranks"),
     ({"dp_shard": 2}, {"name": "ddp"}, 2, "strategy.name ddp and parallel (dp_shard 2, which runs as fsdp) disagree"),
     ({"dp_replicate": 2}, {"name": "fsdp", "replicate_degree": 4}, 4,
      "strategy.replicate_degree=4 disagrees with parallel (dp_replicate 2 × dp_shard 2), which sets 2"),
@@ -102,6 +103,12 @@ def test_an_untested_pair_exits_2_with_one_line(tmp_path, tiny_llama_dir):
     assert not (tmp_path / "out").exists()
     done = run_cli("validate", str(path), "--nproc", "2", "--set", "parallel.dp_shard=2")
     assert done.returncode == 0 and "# parallel: fsdp (dp_shard 2)" in done.stdout.splitlines()
+    # toolkit plan names the arm for what its degrees run as, where they do not fit the world given too (it said
+    # "single cannot run: ...", the recipe's strategy.name, which the degrees replace)
+    done = run_cli("plan", str(path), "--nproc", "3", "--set", "parallel.cp=2")
+    assert done.returncode == 1, done.stderr
+    assert "fsdp cannot run: parallel: cp 2 does not divide the 3 ranks; the rest would be dp_shard; give degrees " \
+           "whose product divides 3" in done.stdout.splitlines(), done.stdout
 
 
 @pytest.mark.parametrize("parallel, preset", [

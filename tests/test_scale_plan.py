@@ -54,6 +54,11 @@ def test_every_layout_of_two_h100_nodes_has_its_step_time_and_memory(two_nodes):
     # HSDP × cp: each rank traces half of every sequence, so it holds less than HSDP alone
     assert by_name["hsdp-2x8-cp2"]["peak_bytes_per_gpu"] < by_name["hsdp-2x8"]["peak_bytes_per_gpu"]
     assert "all-gather keys and values over cp (in node)" in {c["what"] for c in by_name["hsdp-2x8-cp2"]["costs"]}
+    # FSDP shards over dp_shard × cp flattened: its parameters' gathers are named so (they said "over dp_shard",
+    # which fsdp-cp2's 8 × 2 ranks of cp pairs do not have alone)
+    fsdp_cp = {c["what"] for c in by_name["fsdp-cp2"]["costs"]}
+    assert {"all-gather parameters over dp_shard × cp (network)",
+            "reduce-scatter gradients over dp_shard × cp (network)"} <= fsdp_cp, fsdp_cp
     # sequence parallelism holds less than the same TP without it
     assert by_name["fsdp-tp8-sp-lossp"]["peak_bytes_per_gpu"] < by_name["fsdp-tp8-lossp"]["peak_bytes_per_gpu"]
     for p in planned:

@@ -259,7 +259,7 @@ def cmd_plan(args) -> int:
     from toolkit.config.arm_specs import split_arms
     from toolkit.observe.metrics import process_bytes
     from toolkit.config.files import load_recipe
-    from toolkit.config.parallel import resolve
+    from toolkit.config.parallel import preset_of_given, resolve
     from toolkit.strategies import strategy_degrees, strategy_info, validate_strategy
     from toolkit.strategies.pipeline.rules import stage_lines
 
@@ -290,7 +290,7 @@ def cmd_plan(args) -> int:
         try:
             return resolve(recipe, world_size=args.nproc).strategy.name
         except RecipeError:  # check_recipe says why, on the arm's line, at --nproc ranks (one_process below)
-            return recipe.strategy.name
+            return preset_of_given(recipe) or recipe.strategy.name
     strategies = {arm: runs_as(r) for arm, r in recipes.items()}
     # and what a rank imports beyond them (DeepSpeed), measured before anything else here imports it
     extra = {arm: plan.runtime_module_bytes(strategy_info(strategies[arm]).runtime_modules) for arm in recipes}

@@ -105,14 +105,28 @@ def degrees_of(recipe: Recipe, *, world_size: int) -> Degrees:
     shard = given.dp_shard
     if shard is None:
         if world_size % others:
-            raise RecipeError(f"parallel: {_product(fixed)} = {others} does not divide the {world_size} ranks; the "
+            raise RecipeError(f"parallel: {_product(fixed, total=others)} does not divide the {world_size} ranks; the "
                               f"rest would be dp_shard; give degrees whose product divides {world_size}")
         shard = world_size // others
     degrees = Degrees(dp_shard=shard, ep=given.ep or 1, **fixed)
     if degrees.world_size != world_size:
-        raise RecipeError(f"parallel: {_product({**fixed, 'dp_shard': shard})} = {degrees.world_size} ranks, but the "
+        product = _product({**fixed, "dp_shard": shard}, total=degrees.world_size)
+        raise RecipeError(f"parallel: {product} ranks, but the "
                           f"run has {world_size}; make the product {world_size} or leave parallel.dp_shard unset")
     return degrees
+
+
+def preset_of_given(recipe: Recipe) -> str | None:
+    """The preset the recipe's `parallel:` degrees name, whatever the world size (those above 1; an unset dp_shard
+    taken as filling more ranks, where it would): for a plan's line when they do not fit the world it is given.
+    None where no degree is given or their combination is not tested."""
+    if not recipe.parallel.given:
+        return None
+    given = {name for name in MESH_ORDER if (getattr(recipe.parallel, name) or 1) > 1}
+    for combination in (given, given | {"dp_shard"}):
+        if frozenset(combination) in PRESETS:
+            return PRESETS[frozenset(combination)][0]
+    return None
 
 
 def resolve(recipe: Recipe, *, world_size: int) -> Recipe:
@@ -132,9 +146,15 @@ def resolve(recipe: Recipe, *, world_size: int) -> Recipe:
     name, options_of = PRESETS[active]
     options = options_of(degrees)
     if degrees.ep > 1:  # borrowed from dp_shard: tested with FSDP over the whole world, nothing else
-        if active != frozenset({"dp_shard"}):
-            raise RecipeError(f"parallel.ep is tested with dp_shard alone, not with {degrees.describe()} yet; drop "
-                              "the other degrees or parallel.ep")
+        others = " × ".join(f"{d} {getattr(degrees, d)}" for d in degrees.active() if d != "dp_shard")
+        if others:
+            raise RecipeError(f"parallel.ep is tested with dp_shard alone, not beside {others} yet; drop "
+                              f"{'them' if ' × ' in others else 'it'} or parallel.ep")
+        if degrees.dp_shard == 1:
+            raise RecipeError(f"parallel.ep {degrees.ep} borrows its ranks from dp_shard, which is 1 in a world of "
+                              f"{world_size} rank(s); run it on a multiple of {degrees.ep} ranks (toolkit launch --nproc "
+                              f"{degrees.ep}) or "
+                              "drop parallel.ep")
         options = {**options, "ep_degree": degrees.ep}
     current = recipe.strategy
     if current.name not in (StrategyConfig.name, name):
@@ -149,5 +169,7 @@ def resolve(recipe: Recipe, *, world_size: int) -> Recipe:
     return dataclasses.replace(recipe, strategy=dataclasses.replace(current, name=name, **options))
 
 
-def _product(degrees: dict[str, int]) -> str:
-    return " × ".join(f"{name} {value}" for name, value in degrees.items() if value > 1) or "1"
+def _product(degrees: dict[str, int], *, total: int) -> str:
+    """`cp 2 × tp 2 = 4` (in mesh order); one degree alone without its product (`cp 3`)."""
+    factors = [f"{name} {degrees[name]}" for name in MESH_ORDER if degrees.get(name, 1) > 1]
+    return " × ".join(factors) + f" = {total}" if len(factors) > 1 else (factors[0] if factors else str(total))

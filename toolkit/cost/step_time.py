@@ -291,4 +291,5 @@ def local_call_s(c: Collective, *, memory_bytes_per_s: float, host_computes: boo
 
 
 def _name(c: Collective, where: str) -> str:
-    return f"{c.kind.replace('_', '-')} {c.what} over {c.group} ({where})"
+    group = "dp_shard × cp" if c.group == "dp_shard_cp" else c.group  # FSDP's one dimension of the two, under cp
+    return f"{c.kind.replace('_', '-')} {c.what} over {group} ({where})"

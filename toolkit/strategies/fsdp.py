@@ -262,7 +262,8 @@ class FsdpRules:
                     model, cp=cp, tp=tp, shapes=shapes, activation_dtype=compute, recompute=recompute),
                 *comm.fsdp_collectives(units, shard=shard, replicate=1 if local_sgd.on else replicate,
                                        compute_dtype=compute, reduce_dtype=reduce, gathers_per_unit=gathers,
-                                       local_shape=(lambda name, p: shapes_tp[name]) if shapes_tp else None),
+                                       local_shape=(lambda name, p: shapes_tp[name]) if shapes_tp else None,
+                                       shard_group="dp_shard_cp" if cp > 1 else "dp_shard"),
                 *(hsdp_local_sgd_collectives(model, recipe, shard=shard, replicate=replicate, rank=rank)
                   if local_sgd.on else []),
                 *(comm.fp16_scaler_collectives(world_size=world_size, dtensors=True)

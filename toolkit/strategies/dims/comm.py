@@ -90,11 +90,12 @@ def fsdp_units(model: nn.Module, blocks: list[nn.Module]) -> list[Named]:
 
 
 def fsdp_collectives(units: list[Named], *, shard: int, replicate: int, compute_dtype, reduce_dtype,
-                     gathers_per_unit: int, local_shape: Callable[[str, nn.Parameter], tuple[int, ...]] | None = None
-                     ) -> list[Collective]:
+                     gathers_per_unit: int, local_shape: Callable[[str, nn.Parameter], tuple[int, ...]] | None = None,
+                     shard_group: str = "dp_shard") -> list[Collective]:
     """FSDP2 over `shard` ranks (× `replicate` replicas: HSDP). `gathers_per_unit`: each unit's all-gathers in the
     step (micro-batches × 2 under reshard_after_forward, × 1 without; a pipeline stage's schedule decides its own).
-    `local_shape(name, param)`: the parameter as this rank holds it before FSDP (a tensor-parallel rank's part)."""
+    `local_shape(name, param)`: the parameter as this rank holds it before FSDP (a tensor-parallel rank's part).
+    `shard_group`: the mesh dimension FSDP shards over (dp_shard_cp: dp_shard × cp flattened, under cp)."""
     shape_of = local_shape or (lambda name, p: tuple(p.shape))
 
     def padded(name: str, param: nn.Parameter) -> int:
@@ -109,11 +110,11 @@ def fsdp_collectives(units: list[Named], *, shard: int, replicate: int, compute_
     if shard > 1:
         out += [Collective(op="_allgather_base_",
                            payload_bytes=gathers_per_unit * sum(stored) * element_bytes(compute_dtype),
-                           calls=gathers_per_unit * sum(1 for s in stored if s), group="dp_shard", group_size=shard,
+                           calls=gathers_per_unit * sum(1 for s in stored if s), group=shard_group, group_size=shard,
                            phase="forward", what="parameters", overlap="compute"),
                 Collective(op="_reduce_scatter_base_",
                            payload_bytes=shard * sum(reduced) * element_bytes(reduce_dtype),
-                           calls=sum(1 for r in reduced if r), group="dp_shard", group_size=shard,
+                           calls=sum(1 for r in reduced if r), group=shard_group, group_size=shard,
                            phase="backward", what="gradients", overlap="compute")]
     if replicate > 1:
         out.append(Collective(op="allreduce_", payload_bytes=sum(reduced) * element_bytes(reduce_dtype),
