@@ -111,8 +111,8 @@ def degrees_of(recipe: Recipe, *, world_size: int) -> Degrees:
     degrees = Degrees(dp_shard=shard, ep=given.ep or 1, **fixed)
     if degrees.world_size != world_size:
         product = _product({**fixed, "dp_shard": shard}, total=degrees.world_size)
-        raise RecipeError(f"parallel: {product} ranks, but the "
-                          f"run has {world_size}; make the product {world_size} or leave parallel.dp_shard unset")
+        raise RecipeError(f"parallel: {product} ranks, but the run has {world_size}; make the product {world_size} "
+                          "or leave parallel.dp_shard unset")
     return degrees
 
 
@@ -152,9 +152,8 @@ def resolve(recipe: Recipe, *, world_size: int) -> Recipe:
                               f"{'them' if ' × ' in others else 'it'} or parallel.ep")
         if degrees.dp_shard == 1:
             raise RecipeError(f"parallel.ep {degrees.ep} borrows its ranks from dp_shard, which is 1 in a world of "
-                              f"{world_size} rank(s); run it on a multiple of {degrees.ep} ranks (toolkit launch --nproc "
-                              f"{degrees.ep}) or "
-                              "drop parallel.ep")
+                              f"{world_size} rank(s); run it on a multiple of {degrees.ep} ranks (toolkit launch "
+                              f"--nproc {degrees.ep}) or drop parallel.ep")
         options = {**options, "ep_degree": degrees.ep}
     current = recipe.strategy
     if current.name not in (StrategyConfig.name, name):

@@ -11,10 +11,11 @@ collective counter on CPU and held to it byte for byte (tests/test_comm_predicti
 - tensor-parallel stages: each stage's split layers' activations over its tp ranks, as tp's (dims/comm.tp_collectives,
   the stage's blocks only), and the clip's sum over every rank;
 - with replicas, the step's padded length: one int64, its maximum over the replicas (strategy._run);
-- the stages' data-parallel replicas: DDP's all-reduce of each stage's gradients, in its buckets (one a
-  bucket_cap_mb, as plain ddp's), or what strategy.gradient_compression's hook sends instead of the gradients (dims/compression.compression_collectives, per stage: each stage is its own DDP module); a zero-bubble
-  schedule: one all-reduce of each stage's gradients after the schedule, by hand; under local SGD none, and at a
-  sync this rank's parameters averaged in one all-reduce; or FSDP2 over the replicas, each unit gathered before
+- the stages' data-parallel replicas: DDP's all-reduce of each stage's gradients in its buckets (a stage is a DDP
+  module of its own, bucketed as plain ddp's), or what strategy.gradient_compression's hook sends instead of the
+  gradients (dims/compression.compression_collectives, per stage); a zero-bubble schedule: one all-reduce of
+  each stage's gradients after the schedule, by hand; under local SGD none, and at a sync this rank's parameters
+  averaged in one all-reduce; or FSDP2 over the replicas, each unit gathered before
   every micro-batch's forward and once more for the step's backwards (the stage keeps it gathered between them:
   torch's schedule does not reshard after a backward but the last), reduce-scattered once a step; under a
   zero-bubble schedule gathered once a step, at its first forward (it is not resharded after a forward); with
@@ -165,18 +166,13 @@ def _replicas(stages: list[Stage], recipe: Recipe, *, dp: int, sharded: bool, mi
         sent = sum(p.numel() for p in params) * 2 if compression.kind in WIRE_DTYPES else grads
         return [Collective(op="allreduce_", payload_bytes=sent, calls=len(stages), group="dp_replicate",
                            group_size=dp, phase="step", what="gradients, averaged after the schedule")]
-    if compression.on:  # each stage's DDP module runs the compression's hook on its buckets
-        out = []
-        for stage in stages:
-            shapes = [tuple(p.shape) for p in stage.parameters() if p.requires_grad]
-            grad_bytes = sum(math.prod(s) for s in shapes) * element_bytes(stored)
-            buckets = max(1, math.ceil(grad_bytes / (DdpWrap().bucket_cap_mb * 2 ** 20)))
-            out += compression_collectives(shapes, compression, group_size=dp, group="dp_replicate",
-                                           buckets=buckets, grad_bytes_per_number=element_bytes(stored))
-        return out
     # each stage is a DDP module of its own: its buckets, as plain ddp's (dims/comm.ddp_collectives)
-    cap = DdpWrap().bucket_cap_mb * 2 ** 20
-    buckets = sum(max(1, math.ceil(sum(p.numel() for p in stage.parameters() if p.requires_grad)
-                                   * element_bytes(stored) / cap)) for stage in stages)
-    return [Collective(op="allreduce_", payload_bytes=grads, calls=buckets, group="dp_replicate", group_size=dp,
+    shapes = [[tuple(p.shape) for p in stage.parameters() if p.requires_grad] for stage in stages]
+    buckets = [max(1, math.ceil(sum(math.prod(s) for s in each) * element_bytes(stored)
+                                / (DdpWrap().bucket_cap_mb * 2 ** 20))) for each in shapes]
+    if compression.on:  # each stage's DDP module runs the compression's hook on its buckets
+        return [c for each, count in zip(shapes, buckets) for c in compression_collectives(
+            each, compression, group_size=dp, group="dp_replicate", buckets=count,
+            grad_bytes_per_number=element_bytes(stored))]
+    return [Collective(op="allreduce_", payload_bytes=grads, calls=sum(buckets), group="dp_replicate", group_size=dp,
                        phase="backward", what="gradients", overlap="backward")]
