@@ -112,3 +112,25 @@ def test_lion_with_an_offloaded_optimizer_is_deepspeeds_cpu_lion(tmp_path, tiny_
     path, ds_config, out = _recipe(tmp_path, tiny_llama_dir, lamb)
     _one_line_exit_2(main(["validate", "--nproc", "2", str(path)]), capsys,
                      (str(ds_config), "'Lamb'", "with an offloaded optimizer", "adam, adamw, adagrad, lion"), out)
+
+
+def test_a_run_whose_deepspeed_op_is_not_built_yet_says_it_compiles_it(tmp_path, monkeypatch):
+    """DeepSpeed compiles an op with ninja the first time a process loads it (CPU Adam ~40 s on 2 cores, FusedAdam
+    ~80 s): the first ZeRO run on a machine sat silent that long before its first step. engine.setup says so in one
+    line where the optimizer's op is in neither DeepSpeed's installed ops nor torch's extensions cache."""
+    from toolkit.strategies.zero.ops import optimizer_op, to_compile
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # an empty cache
+    assert optimizer_op({}, offload_optimizer=False) is None  # the recipe's AdamW from torch: no op
+    assert optimizer_op({}, offload_optimizer=True) == "CPUAdamBuilder"  # optim.cpu_adam_like
+    assert to_compile("CPUAdamBuilder") == ("cpu_adam", tmp_path / "cpu_adam")
+    (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")  # what a finished build leaves
+    assert to_compile("CPUAdamBuilder") is None
+    # a JSON's optimizer block: its type's op, offloaded or not; torch's Adam (torch_adam) and SGD load none
+    assert optimizer_op({"optimizer": {"type": "AdamW"}}, offload_optimizer=False) == "FusedAdamBuilder"
+    assert optimizer_op({"optimizer": {"type": "Adagrad"}}, offload_optimizer=True) == "CPUAdagradBuilder"
+    assert optimizer_op({"optimizer": {"type": "Adam", "params": {"torch_adam": True}}},
+                        offload_optimizer=False) is None
+    assert optimizer_op({"optimizer": {"type": "SGD"}}, offload_optimizer=False) is None
+    assert to_compile("FusedAdamBuilder") == ("fused_adam", tmp_path / "fused_adam")
+    assert to_compile("FusedLambBuilder") is None  # no op of the CPU accelerator: refused before ranks start

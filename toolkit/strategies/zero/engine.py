@@ -37,6 +37,7 @@ from toolkit.strategies.zero import checkpoint as zero_checkpoint, init as zero_
 from toolkit.strategies.zero.comm import init_deepspeed_comm
 from toolkit.strategies.zero.config import configured_stage, hidden_size_of, offloads, resolve_ds_config, stage_of
 from toolkit.strategies.zero.optim import cpu_adam_like, optimizer_label_of
+from toolkit.strategies.zero.ops import optimizer_op, to_compile
 from toolkit.strategies.zero.order import block_units
 from toolkit.strategies.zero.rules import INFO, OPTIONS, RULES, partitioned_at_creation  # noqa: F401 (OPTIONS: the registry reads it here)
 
@@ -86,6 +87,10 @@ class ZeroStrategy:
                                         hidden_size=hidden_size_of(model.config), total_steps=args.total_steps)
         self.stage = stage_of(self.config)
         self.offload_optimizer, self.offload_param = offloads(self.config)
+        compiled = to_compile(optimizer_op(self.config, offload_optimizer=self.offload_optimizer))
+        if compiled is not None and self.env.is_main:
+            print(f"[toolkit] zero: DeepSpeed compiles its {compiled[0]} op for this machine before the first step "
+                  f"(once: a minute or two; then kept in {compiled[1]})", file=sys.stderr, flush=True)
         # a JSON optimizer / scheduler block is DeepSpeed's to build (its "auto" values are the recipe's); without
         # one, the recipe's AdamW and schedule, built by the factories every strategy uses
         optimizer = None if "optimizer" in self.config else args.build_optimizer(model)

@@ -89,16 +89,16 @@ def check_optimizer_ops(config: dict, path: Path, *, offloaded: bool) -> None:
                           "not installed; install it, or use another type")
     if name not in OPTIMIZER_OPS or config["optimizer"].get("params", {}).get("torch_adam"):
         return
-    missing = _op_missing(OPTIMIZER_OPS[name][offloaded])
+    missing = op_missing(OPTIMIZER_OPS[name][offloaded])
     if missing is None:
         return
-    works = [kind for kind, ops in OPTIMIZER_OPS.items() if _op_missing(ops[offloaded]) is None]
+    works = [kind for kind, ops in OPTIMIZER_OPS.items() if op_missing(ops[offloaded]) is None]
     raise RecipeError(f"{path}: optimizer.type {config['optimizer']['type']!r} has no implementation on DeepSpeed's "
                       f"{missing} accelerator{' with an offloaded optimizer' if offloaded else ''}; use one of "
                       f"{', '.join(works)}, or a class name in torch.optim")
 
 
-def _op_missing(builder_name: str | None) -> str | None:
+def op_missing(builder_name: str | None) -> str | None:
     """The accelerator's name where it has no op `builder_name` (its NotImplementedBuilder stands in), else None."""
     from deepspeed.accelerator import get_accelerator
 
