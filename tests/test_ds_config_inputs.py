@@ -118,7 +118,7 @@ def test_a_run_whose_deepspeed_op_is_not_built_yet_says_it_compiles_it(tmp_path,
     """DeepSpeed compiles an op with ninja the first time a process loads it (CPU Adam ~40 s on 2 cores, FusedAdam
     ~80 s): the first ZeRO run on a machine sat silent that long before its first step. engine.setup says so in one
     line where the optimizer's op is in neither DeepSpeed's installed ops nor torch's extensions cache."""
-    from toolkit.strategies.zero.ops import optimizer_op, to_compile
+    from toolkit.strategies.zero.optim import optimizer_op, to_compile
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # an empty cache
     assert optimizer_op({}, offload_optimizer=False) is None  # the recipe's AdamW from torch: no op

@@ -36,8 +36,7 @@ from toolkit.strategies.optim.adamw import param_groups, schedule_label
 from toolkit.strategies.zero import checkpoint as zero_checkpoint, init as zero_init
 from toolkit.strategies.zero.comm import init_deepspeed_comm
 from toolkit.strategies.zero.config import configured_stage, hidden_size_of, offloads, resolve_ds_config, stage_of
-from toolkit.strategies.zero.optim import cpu_adam_like, optimizer_label_of
-from toolkit.strategies.zero.ops import optimizer_op, to_compile
+from toolkit.strategies.zero.optim import cpu_adam_like, optimizer_label_of, optimizer_op, to_compile
 from toolkit.strategies.zero.order import block_units
 from toolkit.strategies.zero.rules import INFO, OPTIONS, RULES, partitioned_at_creation  # noqa: F401 (OPTIONS: the registry reads it here)
 
