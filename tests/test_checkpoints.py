@@ -276,6 +276,28 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_run_in_one_line(runs, tmp_
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [".step-00000003.partial"]  # never resumed
 
 
+def test_a_run_that_fails_on_a_full_disk_says_so_in_its_run_json(runs, tmp_path):
+    """A disk that fills up mid-run has no room for run.json's new copy either (written whole: a new file, then a
+    rename), so a run whose checkpoint failed there stayed "running" in run.json for good. Here, from step 1 no
+    file may grow past run.json's size (the file size limit set by the fault hook: EFBIG where a full disk gives
+    ENOSPC; what is on disk stays writable, as a full disk's allocated blocks do), so step 2's checkpoint fails.
+    run.json must say the run failed, why, and which checkpoint holds step 1: rewritten over its own bytes."""
+    out = tmp_path / "full"
+    result = run_cli("train", str(runs.recipe), *(a for item in ("train.max_steps=3", "checkpoint.every_steps=1",
+                                                                 f"output_dir={out}") for a in ("--set", item)),
+                     env={faults.FULL_DISK_AFTER_STEP: "1"})
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("toolkit: ")]
+    assert len(lines) == 1 and lines[0].startswith("toolkit: checkpoint of step 2 NOT written"), result.stderr[-3000:]
+    info = json.loads((out / "run.json").read_text())
+    assert info["status"] == "failed", info["status"]
+    assert info["ended"]["reason"] == lines[0].removeprefix("toolkit: ")
+    assert (info["ended"]["error"], info["ended"]["step"], info["ended"]["steps_done"], info["ended"]["checkpoint"]) \
+        == ("CheckpointWriteError", 2, 1, str(out / "checkpoints" / "step-00000001"))
+    assert store.is_complete(out / "checkpoints" / "step-00000001")
+    assert not list(out.glob(".run.json.*"))  # the new copy that could not be written is gone
+
+
 @pytest.mark.parametrize("how", ["train", "launch"])
 def test_metrics_that_cannot_be_written_stop_the_run_checkpointed_in_one_line(runs, tmp_path, how):
     """metrics.jsonl on a disk that fills up mid-run (its file descriptor made /dev/full at step 2: a real

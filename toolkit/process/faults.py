@@ -5,8 +5,10 @@ restarted by `--max-restarts` goes on."""
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import time
+from pathlib import Path
 
 from toolkit.process.dist import DistEnv, restarted
 
@@ -17,11 +19,15 @@ INF_GRADIENT_AT_STEP = "TOOLKIT_FAULT_INF_GRADIENT_AT_STEP"  # an inf gradient b
 NAN_LOSS_AT_STEP = "TOOLKIT_FAULT_NAN_LOSS_AT_STEP"  # that step's loss, as every rank sees it, is NaN
 DELAY_FAILURE_LINE = "TOOLKIT_FAULT_DELAY_FAILURE_LINE"  # seconds rank 0 waits before a failed save's line
 FULL_METRICS_AT_STEP = "TOOLKIT_FAULT_FULL_METRICS_AT_STEP"  # metrics.jsonl's writes go to /dev/full from then
+FULL_DISK_AFTER_STEP = "TOOLKIT_FAULT_FULL_DISK_AFTER_STEP"  # from then no file grows past run.json's size
 
 
-def after_step(step: int, env: DistEnv) -> None:
+def after_step(step: int, env: DistEnv, *, out_dir: Path) -> None:
     if restarted():
         return
+    if os.environ.get(FULL_DISK_AFTER_STEP) == str(step):  # a disk as good as full: what is written stays so,
+        limit = (out_dir / "run.json").stat().st_size  # and no file grows past this (EFBIG; Python ignores SIGXFSZ)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     kill = os.environ.get(KILL_RANK_AT_STEP)
     if kill and kill == f"{env.rank}:{step}":
         os.kill(os.getpid(), signal.SIGKILL)

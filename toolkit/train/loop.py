@@ -327,7 +327,7 @@ def run_steps(strategy: Strategy, loader, parts: StepParts, *, done: int) -> lis
         parts.progress.update(record)
         if unrecoverable is not None:
             raise unrecoverable
-        faults.after_step(step, env)  # tests only: a killed rank, a preempted launcher
+        faults.after_step(step, env, out_dir=Path(parts.recipe.output_dir))  # tests only: a killed rank, a full disk
         # every rank alike: all stop after this same step, or all write checkpoint.every_minutes' checkpoint
         signum, clock_due, write_failed = parts.signals.agree(env, checkpoint_due=saver.clock_due(step))
         # a stop signal, or metrics.jsonl unwritable (the steps from here would have no record): every rank stops,
