@@ -297,7 +297,7 @@ def ending(info: RunRecord, *, env: DistEnv, out_dir: Path, skips: SkippedSteps)
     except BaseException as exc:
         if env.is_main and info.get("status") == "running":
             with contextlib.suppress(Exception):
-                write_last_word({**info.fields, **ended_record(info, exc, out_dir=out_dir, skips=skips)}, out_dir)
+                _write({**info.fields, **ended_record(info, exc, out_dir=out_dir, skips=skips)}, out_dir)
         raise
 
 
@@ -345,31 +345,27 @@ def mark_left_running(out_dir: Path, *, reason: str) -> bool:
     info.update(status="failed", ended={"reason": reason, "steps_done": steps,
                                         "checkpoint": str(found[-1]) if found else None})
     with contextlib.suppress(OSError):  # best effort, as `ending`: the launch's own line is what is reported
-        write_last_word(info, out_dir)
+        _write(info, out_dir)
         return True
     return False
 
 
-def write_last_word(info: dict, out_dir: Path) -> None:
-    """run.json of a run that ended other than completing (ending, mark_left_running), whole as every write of it.
-    Where the disk has no room for a new file (ENOSPC, EDQUOT; EFBIG under a file size limit), which is how a
-    checkpoint or metrics.jsonl often fails: the same record in compact JSON over the old file's own bytes, when it
-    fits in them, so that no new block is needed and a run that failed on a full disk does not stay "running".
-    Not atomic: a reader at that instant may find it cut short, which every reader takes as a run that did not
-    complete (read_run_info), as it is. Else the OSError of the whole write."""
+def _write(info: dict, out_dir: Path) -> None:
+    """run.json, whole (atomic) and strict JSON: a non-finite number is null, named in "nonfinite". Where the disk
+    has no room for a new copy (ENOSPC, EDQUOT; EFBIG under a file size limit), which is how a checkpoint or
+    metrics.jsonl fails there too: the same record in compact JSON over the old file's own bytes, where it fits in
+    them, so that no new block is needed and a run that ends on a full disk does not stay "running". Not atomic:
+    a reader at that instant may find it cut short, which every reader takes as a run that did not complete
+    (read_run_info). Else the OSError of the whole write."""
+    path = out_dir / "run.json"
     try:
-        _write(info, out_dir)
+        write_text_whole(path, json.dumps(strict_json(info), indent=2, allow_nan=False))
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or not path.is_file():
             raise
         data = (json.dumps(strict_json(info), separators=(",", ":"), allow_nan=False) + "\n").encode()
-        with open(out_dir / "run.json", "r+b") as handle:
+        with open(path, "r+b") as handle:
             if len(data) > os.fstat(handle.fileno()).st_size:
                 raise
             handle.write(data)
             handle.truncate()
-
-
-def _write(info: dict, out_dir: Path) -> None:
-    """run.json, whole (atomic) and strict JSON: a non-finite number is null, named in "nonfinite"."""
-    write_text_whole(out_dir / "run.json", json.dumps(strict_json(info), indent=2, allow_nan=False))
