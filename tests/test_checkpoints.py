@@ -276,6 +276,30 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_run_in_one_line(runs, tmp_
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [".step-00000003.partial"]  # never resumed
 
 
+def test_a_disk_full_before_the_first_step_is_one_line_and_leaves_nothing(runs, tmp_path):
+    """No room for output_dir's first files (recipe.yaml, run.json: the file size limit below them, EFBIG where a
+    full disk gives ENOSPC): before, rank 0's traceback from recipe.yaml's write_text, a recipe.yaml cut at the
+    limit left behind, and the other ranks waiting in their first collective. Now every rank ends on it alike (rank
+    0's failure is all-reduced), one line, exit 1, and the folder keeps only what it held before (a job script's
+    `mkdir -p` and its own file)."""
+    out = tmp_path / "made-by-the-user"
+    out.mkdir()
+    (out / "notes.txt").write_text("the user's\n")
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200, 200))
+
+    result = subprocess.run([sys.executable, "-m", "toolkit", "launch", "--nproc", "2", str(runs.recipe), "--set",
+                             "strategy.name=ddp", "--set", f"output_dir={out}"], cwd=REPO, env=toolkit_env(),
+                            capture_output=True, text=True, timeout=600, preexec_fn=limit_file_size)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("toolkit: ")]
+    assert lines == [f"toolkit: {out} could not be written before the first step (File too large (EFBIG)); no step "
+                     "was trained; once the disk has room (or the folder can be written), run the same command "
+                     "again"], result.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
 def test_a_run_that_fails_on_a_full_disk_says_so_in_its_run_json(runs, tmp_path):
     """A disk that fills up mid-run has no room for run.json's new copy either (written whole: a new file, then a
     rename), so a run whose checkpoint failed there stayed "running" in run.json for good. Here, from step 1 no

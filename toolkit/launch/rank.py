@@ -140,6 +140,8 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
 
             faults.before_failure_line()
             end = f"; {after_write_failure(out_dir, exc, env=env)}" if isinstance(exc, OutputWriteError) else ""
+            if isinstance(exc, OutputWriteError) and exc.before_first_step:
+                remove_made(out_dir, before=before)  # nothing trained: nothing of this run kept
             say_once(f"toolkit: {exc}{end}")
             mark_failure_said()  # the launcher adds no line of its own
         if isinstance(exc, OutputWriteError) or exc.on_every_rank:  # every rank has it: they leave once rank 0
@@ -157,6 +159,8 @@ def after_write_failure(out_dir: Path, exc, *, env) -> str:
     from toolkit.checkpoint.store import complete_checkpoints, step_of
     from toolkit.launch.launcher import resume_hint
 
+    if exc.before_first_step:
+        return "no step was trained; once the disk has room (or the folder can be written), run the same command again"
     found = complete_checkpoints(out_dir)
     stopped = f"the run stopped after step {exc.step}" if exc.step is not None else "every step was trained"
     if not found:

@@ -37,11 +37,14 @@ class OutputWriteError(Exception):
     """The run's own outputs could not be written (metrics.jsonl mid-run, the exported model at its end: a full
     disk, a file made read-only), on every rank alike: mid-run they stopped after `step`, its checkpoint written
     (where that disk allows); None: at the export, after the last step. The message is the first part of
-    rank.py's one line (which adds the checkpoint to resume); only rank 0, which writes them, knows it."""
+    rank.py's one line (which adds the checkpoint to resume); only rank 0, which writes them, knows it.
+    before_first_step: output_dir's first files (recipe.yaml, run.json) could not be written: nothing trained."""
 
-    def __init__(self, message: str, *, step: int | None = None, last_step: int | None = None) -> None:
+    def __init__(self, message: str, *, step: int | None = None, last_step: int | None = None,
+                 before_first_step: bool = False) -> None:
         super().__init__(message)
         self.step, self.last_step = step, last_step  # last_step: the run's, where the export failed
+        self.before_first_step = before_first_step
 
 
 def write_error_text(exc: BaseException) -> str | None:

@@ -30,7 +30,7 @@ from toolkit.observe.metrics import (live_tensor_storages, measured_matmul_flops
 from toolkit.observe.versions import versions
 from toolkit.process import host_memory
 from toolkit.process.dist import DistEnv, all_reduce_max, gather_objects
-from toolkit.process.stopping import NonFinite, OutputWriteError, SkippedSteps, Stopped
+from toolkit.process.stopping import NonFinite, OutputWriteError, SkippedSteps, Stopped, write_error_text
 from toolkit.strategies import layout_line, strategy_degrees
 from toolkit.strategies.base import storage_bytes
 from toolkit.strategies.optim.adamw import schedule_label
@@ -159,10 +159,17 @@ def start(recipe: Recipe, *, env: DistEnv, plan: BatchPlan, total_steps: int, mo
         "command": " ".join(sys.argv),
         "launch": launch_identity(),  # a restart of this launch finds its run here (checkpoint.run.after_restart)
     }
+    failure = None
     if env.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "recipe.yaml").write_text(dump_recipe(recipe))
-        _write(info, out_dir)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            write_text_whole(out_dir / "recipe.yaml", dump_recipe(recipe))
+            _write(info, out_dir)
+        except OSError as exc:  # a full disk: one line, and nothing of this run left there (rank.py)
+            failure = f"{out_dir} could not be written before the first step ({write_error_text(exc)})"
+    if all_reduce_max(torch.tensor([float(failure is not None)]), env).item():  # every rank ends on it alike
+        raise OutputWriteError(failure or f"{out_dir} could not be written", before_first_step=True)
+    if env.is_main:
         b = info["batch"]
         print(f"[toolkit] strategy {layout_line(recipe, world_size=env.world_size)} · world {env.world_size} · "
               f"{recipe.precision} · "
