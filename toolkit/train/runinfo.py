@@ -7,6 +7,7 @@ import contextlib
 import errno
 import json
 import os
+import resource
 import signal
 import sys
 from collections.abc import Iterator
@@ -64,7 +65,11 @@ class RunRecord:
         return self.fields.get(key, default)
 
     def write(self) -> None:
-        _write(self.fields, self.out_dir)
+        """Rank 0, mid-run: what is known so far, kept in case the run is killed outright. On a full disk it is
+        passed over: the record stays in memory for the run's last write, and the next checkpoint or metrics line
+        that finds no room ends the run in its own line."""
+        with contextlib.suppress(OSError):
+            _write(self.fields, self.out_dir)
 
 
 def device_name(env: DistEnv) -> str:
@@ -372,7 +377,15 @@ def _write(info: dict, out_dir: Path) -> None:
             raise
         data = (json.dumps(strict_json(info), separators=(",", ":"), allow_nan=False) + "\n").encode()
         with open(path, "r+b") as handle:
-            if len(data) > os.fstat(handle.fileno()).st_size:
+            if len(data) > _room(os.fstat(handle.fileno())):
                 raise
             handle.write(data)
             handle.truncate()
+
+
+def _room(stat: os.stat_result) -> int:
+    """The bytes a file can hold without a new block of its disk: its size, or the blocks it has (a file takes
+    whole blocks), within this process's file size limit (ulimit -f)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    held = stat.st_blocks * 512
+    return max(stat.st_size, held if soft == resource.RLIM_INFINITY else min(held, soft))
