@@ -6,12 +6,15 @@ one 2-arm, 1-step, single-process compare they share."""
 import html
 import json
 import os
+import resource
 import shutil
+import subprocess
+import sys
 
 import pytest
 import yaml
 
-from conftest import write_recipe
+from conftest import REPO, toolkit_env, write_recipe
 from toolkit.cli import build_parser, main
 from toolkit.compare.cli import experiment_of
 from toolkit.compare.report_render import table_rows
@@ -214,6 +217,33 @@ def test_a_damaged_arm_json_or_failed_json_leaves_the_report_whole(two_arms, tmp
     assert main(["report", str(copy)]) == 0
     failed = {a["arm"]: a for a in json.loads((copy / "results.json").read_text())["arms"]}["single@optim.lr=2e-3"]
     assert failed["verdict"] == "failed" and "failed.json holds no error line" in failed["error"], failed
+    capsys.readouterr()
+
+
+def test_a_report_with_no_room_on_the_disk_is_one_line_after_its_table(two_arms, tmp_path, capsys):
+    """`toolkit report` (and compare's own report) on a full disk (the file size limit: EFBIG where a full disk
+    gives ENOSPC): before, matplotlib's traceback from the first plot. Now the verdict table is printed, then one
+    line saying how to write the report once there is room, exit 1, and no file of the report left cut short."""
+    out, _ = two_arms
+    copy = tmp_path / "exp"
+    shutil.copytree(out, copy)
+    report_files = ("results.json", "report.md", "report.html", "curves.png", "memory.png")
+    for name in report_files:
+        (copy / name).unlink()
+
+    def limit_file_size() -> None:  # below results.json (each arm's resolved recipe: several kB)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
+
+    result = subprocess.run([sys.executable, "-m", "toolkit", "report", str(copy)], cwd=REPO, env=toolkit_env(),
+                            capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.splitlines() == [
+        f"toolkit: the report could not be written to {copy} (File too large (EFBIG)); each arm's results are kept "
+        f"in its folder there; once the disk has room, toolkit report {copy} writes it"], result.stderr[-3000:]
+    assert "single@optim.lr=2e-3" in result.stdout and "reference" in result.stdout  # the verdict table
+    assert not [p.name for p in copy.iterdir() if p.name in report_files or p.name.endswith(".partial")]
+    assert main(["report", str(copy)]) == 0  # with room: the report the line promised
+    assert all((copy / name).is_file() for name in report_files)
     capsys.readouterr()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from toolkit.atomic import write_text_whole, write_whole
 from toolkit.checkpoint.store import read_run_info
 from toolkit.compare import measure, verdict
 from toolkit.compare import predictions as predicted
@@ -13,6 +14,7 @@ from toolkit.compare.experiment import CALIBRATION_PREFIX, ROUNDING_ARM, Experim
 from toolkit.compare.report_render import render_html, render_markdown
 from toolkit.compare.runner import (arm_damage, arm_dir, arm_status, read_arm_recipe, read_json_file,
                                     read_metrics)
+from toolkit.errors import os_error_text
 from toolkit.observe.comm import COMM_COUNT_STEP
 from toolkit.strategies import strategy_info, strategy_names
 
@@ -204,10 +206,11 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
         axes[2].set(title="replica drift: rms ‖replica − mean‖ / ‖mean‖", xlabel="optimizer step",
                     ylabel="relative norm")
         axes[2].legend(fontsize=8)
-    ax1.legend(fontsize=8)
+    if done:  # no arm completed: no curve to name
+        ax1.legend(fontsize=8)
     fig.tight_layout()
     curves = out_dir / "curves.png"
-    fig.savefig(curves, dpi=110)
+    write_whole(curves, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(11, 4))
@@ -222,13 +225,22 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     mem = out_dir / "memory.png"
-    fig.savefig(mem, dpi=110)
+    write_whole(mem, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
     return [curves, mem]
 
 
 def write_report(results: dict, out_dir: Path) -> None:
+    """results.json first (the numbers), then the plots, report.md and report.html: each written whole, so that
+    a full disk leaves none of them cut short (the OSError is the caller's to say: report_write_failure)."""
+    write_text_whole(out_dir / "results.json", json.dumps(results, indent=2, default=str))
     plots = write_plots(results, out_dir)
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    (out_dir / "report.md").write_text(render_markdown(results, plots))
-    (out_dir / "report.html").write_text(render_html(results, plots))
+    write_text_whole(out_dir / "report.md", render_markdown(results, plots))
+    write_text_whole(out_dir / "report.html", render_html(results, plots))
+
+
+def report_write_failure(exc: OSError, out_dir: Path) -> str:
+    """The one line of a report that could not be written (a full disk): the arms' own folders are kept, and
+    `toolkit report` writes it from them once there is room."""
+    return (f"toolkit: the report could not be written to {out_dir} ({os_error_text(exc)}); each arm's results are "
+            f"kept in its folder there; once the disk has room, toolkit report {out_dir} writes it")
