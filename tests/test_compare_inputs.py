@@ -247,6 +247,25 @@ def test_a_report_with_no_room_on_the_disk_is_one_line_after_its_table(two_arms,
     capsys.readouterr()
 
 
+def test_a_compare_with_no_room_for_its_first_file_is_one_line(recipe, tmp_path):
+    """experiment.json on a full disk (the file size limit, as above): before, a traceback and an experiment.json
+    cut at the limit, which a re-run read as a damaged experiment. One line naming the file, exit 1, nothing cut
+    short left (the net under every command for a write with no room: cli.py)."""
+    out = tmp_path / "exp"
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (300, 300))
+
+    result = subprocess.run([sys.executable, "-m", "toolkit", "compare", str(recipe), "--strategies", "single,ddp",
+                             "--steps", "1", "--output", str(out)], cwd=REPO, env=toolkit_env(), capture_output=True,
+                            text=True, timeout=300, preexec_fn=limit_file_size)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.splitlines() == [
+        f"toolkit: a file could not be written to {out / 'experiment.json'} (File too large (EFBIG)); once the disk "
+        "has room, run the command again"], result.stderr[-3000:]
+    assert list(out.iterdir()) == []
+
+
 @pytest.mark.parametrize("status", ["damaged", "pending"])
 def test_a_reference_without_numbers_leaves_the_other_arms_unjudged(status, two_arms, tmp_path, capsys):
     """The other arms' `× ref` was nan, in the terminal, report.md and report.html alike."""

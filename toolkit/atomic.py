@@ -20,6 +20,10 @@ def write_whole(path: Path, writer: Callable[[Path], object], *, durable: bool =
             with open(partial, "rb") as handle:
                 os.fsync(handle.fileno())
         partial.replace(path)
+    except OSError as exc:  # a full disk: the error names the file meant, not its temporary name (or none)
+        if exc.filename in (None, str(partial)):
+            exc.filename = str(path)
+        raise
     finally:
         partial.unlink(missing_ok=True)
 

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from toolkit.errors import USER_ERROR_EXIT_CODE, RecipeError, say_once, say_user_error
+from toolkit.errors import NO_ROOM, USER_ERROR_EXIT_CODE, RecipeError, no_room_line, say_once, say_user_error
 from toolkit.launch.rank import interrupted, quiet_libraries
 from toolkit.process.console import outlive_reader
 
@@ -419,6 +419,11 @@ def _main(argv: list[str] | None) -> int:
     except RecipeError as exc:
         say_user_error(exc)  # every rank of a launch finds the same mistake: one line
         return USER_ERROR_EXIT_CODE
+    except OSError as exc:  # a full disk where no step of the command says it in its own words: one line, exit 1
+        if exc.errno not in NO_ROOM:
+            raise
+        print(no_room_line(exc), file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

@@ -46,6 +46,16 @@ def os_error_text(exc: OSError) -> str:
     return f"{exc.strerror or exc} ({name})" if name else str(exc.strerror or exc)
 
 
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)  # a write the disk has no room (or no write) for
+
+
+def no_room_line(exc: OSError) -> str:
+    """The one line of a command that stopped on a full disk where nothing more particular says it (cli.py)."""
+    where = f" to {exc.filename}" if exc.filename else ""
+    return (f"toolkit: a file could not be written{where} ({os_error_text(exc)}); once the disk has room, run the "
+            "command again")
+
+
 def os_error_under(error: BaseException | None) -> OSError | None:
     """The OSError under `error` (a library's own exception raised from it): itself, its cause or its context,
     and so on; None where none has an errno."""

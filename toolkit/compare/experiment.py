@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from toolkit.atomic import write_text_whole
 from toolkit.config.arm_specs import arm_parts, refuse_repeats
 from toolkit.config.files import load_recipe, replaced_overrides
 from toolkit.config.parallel import resolve
@@ -47,7 +48,7 @@ class Experiment:
     def save(self) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         data = {"recipe": self.recipe, "common": self.common, "arms": [asdict(a) for a in self.arms]}
-        (self.out_dir / "experiment.json").write_text(json.dumps(data, indent=2))
+        write_text_whole(self.out_dir / "experiment.json", json.dumps(data, indent=2))
 
     @classmethod
     def load(cls, out_dir: Path) -> "Experiment":
