@@ -299,6 +299,8 @@ def test_a_rerun_compare_runs_the_damaged_arm_again(two_arms, tmp_path, capsys, 
     assert main([*args[:-1], str(copy)]) == 0
     printed = capsys.readouterr().out
     assert "single: already completed, skipped" in printed and "single@optim.lr=2e-3: completed" in printed
+    assert ("single@optim.lr=2e-3: the earlier run here (completed, its files damaged) is replaced: the arm runs "
+            "afresh, so that its numbers come from one uninterrupted run") in printed
     verdicts = [a["verdict"] for a in json.loads((copy / "results.json").read_text())["arms"]]
     assert verdicts[0] == "reference" and verdicts[1] not in ("damaged", "failed")
 

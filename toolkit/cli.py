@@ -125,8 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="memory per rank of a recipe under each strategy, before any process starts",
                           description="Memory per rank of a recipe under each strategy, before any process starts. "
-                          "Exit status: 0 when at least one arm can run (whether it fits is in its line), 1 when no "
-                          "arm can run as given (each line says why), 2 for a mistake in the command or recipe.")
+                          "Exit status: 0 when at least one arm fits as asked, 1 when none does or no arm can run "
+                          "as given (each line says why), 2 for a mistake in the command or recipe.")
     plan.add_argument("recipe")
     plan.add_argument("--nproc", type=int, default=2, help="ranks per multi-process strategy (default 2)")
     plan.add_argument("--strategies", default=None, metavar="ARMS",

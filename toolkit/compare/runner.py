@@ -41,6 +41,22 @@ def arm_status(path: Path) -> str:
     return "failed" if (path / "failed.json").is_file() else "pending"
 
 
+def earlier_attempt(path: Path, status: str) -> str | None:
+    """What an arm's folder holds from an earlier attempt a re-run does not reuse (an arm stopped by Ctrl-C, with
+    its checkpoint; a failed or damaged one), in words; None where it holds no run."""
+    info = read_run_info(path)
+    if info is None:
+        return "the earlier failed attempt here" if status == "failed" else None
+    ended = info.get("ended") or {}
+    if status == "damaged":
+        return "the earlier run here (completed, its files damaged)"
+    if ended.get("steps_done") is not None:
+        kept = f", checkpoint {ended['checkpoint']}" if ended.get("checkpoint") else ""
+        return (f"the earlier attempt here ({info.get('status')} after step {ended['steps_done']} of "
+                f"{info.get('total_steps')}{kept})")
+    return f"the earlier attempt here ({info.get('status')})"
+
+
 def arm_damage(path: Path) -> str | None:
     """What is wrong with a completed arm's files the report reads, naming the file; None where nothing is."""
     damage = read_metrics(path)[1]
@@ -278,6 +294,10 @@ def run_experiment(experiment: Experiment, *, log=print) -> dict[str, str]:
         if status == "completed":
             log(f"[compare] {index}/{len(experiment.arms)} {arm.name}: already completed, skipped")
         else:
+            earlier = earlier_attempt(arm_dir(experiment, arm), status)
+            if earlier:
+                log(f"[compare] {index}/{len(experiment.arms)} {arm.name}: {earlier} is replaced: the arm runs "
+                    "afresh, so that its numbers come from one uninterrupted run")
             log(f"[compare] {index}/{len(experiment.arms)} {arm.name}: running on {arm.nproc} rank(s)...")
             start = time.perf_counter()
             status = run_arm(experiment, arm)
