@@ -398,6 +398,13 @@ def test_compare_judges_a_lever_by_design_and_a_fault_beside_it_diverged(tmp_pat
     assert "optim.weight_decay: 0.5 vs 0.01" in planted["differences"]
     report = (out / "report.md").read_text()
     assert f"- {lever}: gradient_compression=powersgd (r=4, from step 6): -" in report  # fewer bytes per step
+    # the console: the lever's settings below the table, so that its lines stay within 120 characters
+    lines = done.stdout.splitlines()
+    printed = [line for line in lines[lines.index(next(x for x in lines if x.startswith("arm "))):]
+               if not line.startswith("[compare]")]  # the closing table and its texts (the paths' lines aside)
+    assert max(len(line) for line in printed) <= 120, printed
+    assert f"{lever} differs by design (gradient_compression=powersgd (r=4, from step 6))" in \
+        " ".join(line.strip() for line in printed), done.stdout
 
 
 PIPELINE_BAD = {  # validated for 4 ranks: 2 stages × 2 replicas

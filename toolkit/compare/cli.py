@@ -122,8 +122,8 @@ def cmd_compare(args) -> int:
     from toolkit.compare.runner import INTERRUPTED, Interrupted, run_experiment
 
     experiment = experiment_of(args)
-    print(f"[compare] experiment {experiment.out_dir}: {len(experiment.arms)} arms "
-          f"({', '.join(a.name for a in experiment.arms)})", flush=True)
+    print("\n".join(wrapped(f"[compare] experiment {experiment.out_dir}: {len(experiment.arms)} arms "
+                            f"({', '.join(a.name for a in experiment.arms)})")), flush=True)
     note = dropout_note(experiment.common)
     if note:
         print("\n".join(wrapped(f"[compare] {note}")), flush=True)

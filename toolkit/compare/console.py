@@ -8,6 +8,7 @@ import textwrap
 from toolkit.compare.predictions import step_lines
 from toolkit.compare.recommend import recommendations
 from toolkit.compare.report_render import below_verdicts, verdict_rows
+from toolkit.compare.verdict import BY_DESIGN
 
 CONSOLE_WIDTH = 120
 SEPARATOR = "  "
@@ -41,8 +42,14 @@ def wrapped(text: str, *, bullet: str = "", width: int = CONSOLE_WIDTH) -> list[
 def summary_lines(results: dict) -> list[str]:
     """The verdict table, below it each failure, fallback and note, then the recommendation (markdown's bold
     left out)."""
-    lines = fitted_table(*verdict_rows(results))
-    for text in below_verdicts(results):
+    head, rows = verdict_rows(results)
+    column, levers = head.index("verdict"), []
+    for row in rows:  # a lever's name and settings, long as they are, go below the table: the arm names stay whole
+        if row[column].startswith(f"{BY_DESIGN} ("):
+            levers.append(f"{row[0]} {row[column]}")
+            row[column] = BY_DESIGN
+    lines = fitted_table(head, rows)
+    for text in [*levers, *below_verdicts(results)]:
         lines += wrapped(text)
     lines.append("recommendation:")
     for text in recommendations(results):
