@@ -22,7 +22,7 @@ from toolkit.checkpoint.store import CheckpointWriteError, complete_checkpoints,
 from toolkit.checkpoint.run import launch_identity
 from toolkit.config.files import dump_recipe
 from toolkit.config.recipe import BatchPlan, Recipe
-from toolkit.errors import RecipeError, first_line
+from toolkit.errors import NO_ROOM, RecipeError, first_line
 from toolkit.model.blocks import BlockForwards
 from toolkit.model.build import flops_per_token
 from toolkit.observe.idle import idle_over_span
@@ -68,8 +68,11 @@ class RunRecord:
         """Rank 0, mid-run: what is known so far, kept in case the run is killed outright. On a full disk it is
         passed over: the record stays in memory for the run's last write, and the next checkpoint or metrics line
         that finds no room ends the run in its own line."""
-        with contextlib.suppress(OSError):
+        try:
             _write(self.fields, self.out_dir)
+        except OSError as exc:
+            if exc.errno not in NO_ROOM:
+                raise
 
 
 def device_name(env: DistEnv) -> str:
