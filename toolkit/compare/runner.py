@@ -54,6 +54,8 @@ def earlier_attempt(path: Path, status: str) -> str | None:
         kept = f", checkpoint {ended['checkpoint']}" if ended.get("checkpoint") else ""
         return (f"the earlier attempt here ({info.get('status')} after step {ended['steps_done']} of "
                 f"{info.get('total_steps')}{kept})")
+    if info.get("status") == "running":  # its process was killed outright: nothing wrote how it ended
+        return "the earlier attempt here (killed: its run.json still says running)"
     return f"the earlier attempt here ({info.get('status')})"
 
 
