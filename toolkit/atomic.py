@@ -21,7 +21,7 @@ def write_whole(path: Path, writer: Callable[[Path], object], *, durable: bool =
                 os.fsync(handle.fileno())
         partial.replace(path)
     except OSError as exc:  # a full disk: the error names the file meant, not its temporary name (or none)
-        if exc.filename in (None, str(partial)):
+        if exc.errno is not None and exc.filename in (None, str(partial)):  # (a bare OSError("...") keeps its text)
             exc.filename = str(path)
         raise
     finally:
