@@ -117,7 +117,7 @@ def experiment_of(args):
 
 def cmd_compare(args) -> int:
     from toolkit.compare.experiment import dropout_note
-    from toolkit.compare.report import build_results, report_write_failure, write_report
+    from toolkit.compare.report import build_results, report_written
     from toolkit.compare.console import summary_lines, wrapped
     from toolkit.compare.runner import INTERRUPTED, Interrupted, run_experiment
 
@@ -145,10 +145,7 @@ def cmd_compare(args) -> int:
         print(f"[compare] no predicted step times: measuring this machine failed ({first_line(exc)})", flush=True)
     results = build_results(experiment)
     print("\n".join(summary_lines(results)))  # the full table: report.md and report.html
-    try:
-        write_report(results, experiment.out_dir)
-    except OSError as exc:  # a full disk: the table above is what the user has of it
-        print(report_write_failure(exc, experiment.out_dir), file=sys.stderr, flush=True)
+    if not report_written(results, experiment.out_dir):  # a full disk: the table above is what the user has of it
         return 1
     print(f"[compare] report: {experiment.out_dir / 'report.html'}")
     print(f"[compare] also: report.md, results.json (every arm's resolved recipe) in {experiment.out_dir}")
@@ -180,16 +177,13 @@ def measure_machine(experiment, args) -> None:
 
 def cmd_report(args) -> int:
     from toolkit.compare.experiment import Experiment
-    from toolkit.compare.report import build_results, report_write_failure, write_report
+    from toolkit.compare.report import build_results, report_written
     from toolkit.compare.console import summary_lines, wrapped
 
     experiment = Experiment.load(Path(args.experiment_dir))
     results = build_results(experiment)
     print("\n".join(summary_lines(results)))
-    try:
-        write_report(results, experiment.out_dir)
-    except OSError as exc:  # a full disk
-        print(report_write_failure(exc, experiment.out_dir), file=sys.stderr, flush=True)
+    if not report_written(results, experiment.out_dir):  # a full disk
         return 1
     print(f"[report] {experiment.out_dir / 'report.html'}")
     return 0

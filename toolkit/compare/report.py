@@ -4,6 +4,7 @@ a self-contained report.html (plots inlined) and the PNG plots (the tables and t
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from toolkit.atomic import write_text_whole, write_whole
@@ -232,15 +233,21 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
 
 def write_report(results: dict, out_dir: Path) -> None:
     """results.json first (the numbers), then the plots, report.md and report.html: each written whole, so that
-    a full disk leaves none of them cut short (the OSError is the caller's to say: report_write_failure)."""
+    a full disk leaves none of them cut short (the OSError is the caller's to say: report_written)."""
     write_text_whole(out_dir / "results.json", json.dumps(results, indent=2, default=str))
     plots = write_plots(results, out_dir)
     write_text_whole(out_dir / "report.md", render_markdown(results, plots))
     write_text_whole(out_dir / "report.html", render_html(results, plots))
 
 
-def report_write_failure(exc: OSError, out_dir: Path) -> str:
-    """The one line of a report that could not be written (a full disk): the arms' own folders are kept, and
-    `toolkit report` writes it from them once there is room."""
-    return (f"toolkit: the report could not be written to {out_dir} ({os_error_text(exc)}); each arm's results are "
-            f"kept in its folder there; once the disk has room, toolkit report {out_dir} writes it")
+def report_written(results: dict, out_dir: Path) -> bool:
+    """write_report, for compare and report alike: False where it could not be written (a full disk), said in one
+    line on stderr: the arms' own folders are kept, and `toolkit report` writes it from them once there is room."""
+    try:
+        write_report(results, out_dir)
+    except OSError as exc:
+        print(f"toolkit: the report could not be written to {out_dir} ({os_error_text(exc)}); each arm's results "
+              f"are kept in its folder there; once the disk has room, toolkit report {out_dir} writes it",
+              file=sys.stderr, flush=True)
+        return False
+    return True

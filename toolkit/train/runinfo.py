@@ -4,7 +4,6 @@ audit and model-state bytes read from the live objects, and per-rank peak memory
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import resource
@@ -372,13 +371,13 @@ def _write(info: dict, out_dir: Path) -> None:
     them, so that no new block is needed and a run that ends on a full disk does not stay "running". Not atomic:
     a reader at that instant may find it cut short, which every reader takes as a run that did not complete
     (read_run_info). Else the OSError of the whole write."""
-    path = out_dir / "run.json"
+    path, record = out_dir / "run.json", strict_json(info)
     try:
-        write_text_whole(path, json.dumps(strict_json(info), indent=2, allow_nan=False))
+        write_text_whole(path, json.dumps(record, indent=2, allow_nan=False))
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or not path.is_file():
+        if exc.errno not in NO_ROOM or not path.is_file():
             raise
-        data = (json.dumps(strict_json(info), separators=(",", ":"), allow_nan=False) + "\n").encode()
+        data = (json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n").encode()
         with open(path, "r+b") as handle:
             if len(data) > _room(os.fstat(handle.fileno())):
                 raise
