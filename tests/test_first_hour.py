@@ -47,11 +47,12 @@ def test_dp_without_two_gpus_says_what_it_ran_as_and_progress_shows_eval_loss(tm
         assert f" eval_loss {evaluated[step]:.4f} " in line
 
 
-def ctrl_c(args: list[str], *, started, timeout: float = 240,
-           signum: int = signal.SIGINT) -> tuple[subprocess.CompletedProcess, list[int]]:
+def ctrl_c(args: list[str], *, started, timeout: float = 240, signum: int = signal.SIGINT,
+           meanwhile=None) -> tuple[subprocess.CompletedProcess, list[int]]:
     """Run `toolkit ARGS` in a session of its own, wait until `started()` holds, then press Ctrl-C as a terminal
     does: SIGINT to the whole process group (another `signum`: to the toolkit's process alone, as `kill` or a
-    job scheduler sends it). Returns the result and the processes below it at that moment."""
+    job scheduler sends it). Returns the result and the processes below it at that moment. `meanwhile(process)`:
+    checks made while it runs, before the signal."""
     # SIGINT as a terminal's foreground job has it: a shell without job control starts a background job (a CI
     # script run with `&`) with SIGINT ignored, and Python then never raises KeyboardInterrupt
     proc = subprocess.Popen([sys.executable, "-m", "toolkit", *args], cwd=REPO, env=toolkit_env(),
@@ -62,6 +63,12 @@ def ctrl_c(args: list[str], *, started, timeout: float = 240,
         assert proc.poll() is None, f"ended before Ctrl-C: {proc.communicate()}"
         assert time.monotonic() < deadline, "never started"
         time.sleep(0.2)
+    if meanwhile is not None:
+        try:
+            meanwhile(proc)
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
     below = [child.pid for child in psutil.Process(proc.pid).children(recursive=True)]
     if signum == signal.SIGINT:
         os.killpg(proc.pid, signum)
@@ -125,9 +132,10 @@ def test_sigterm_to_compare_stops_the_arm_it_runs_and_says_how_to_go_on(tmp_path
     recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=tmp_path / "unused",
                           data={"eval": None}, batch={"micro_batch_size": 4},
                           train={"consistency_check_every": None})
-    arm = "ddp@train.max_steps=2000"
+    arm = "ddp@train.max_steps=20000"
     result, below = ctrl_c(["compare", str(recipe), "--strategies", arm, "--steps", "2", "--nproc", "2", "--output",
-                            str(exp)], started=lambda: stepped(exp / arm), signum=signal.SIGTERM)
+                            str(exp)], started=lambda: stepped(exp / arm), signum=signal.SIGTERM,
+                           meanwhile=lambda compare: _second_runs_refused(compare, recipe, exp, arm))
     assert result.returncode == 130 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.strip().splitlines() == [
         f"toolkit: compare interrupted during arm {arm}; arms completed and kept in {exp}: none; run the rest with: "
@@ -135,7 +143,38 @@ def test_sigterm_to_compare_stops_the_arm_it_runs_and_says_how_to_go_on(tmp_path
     log = (exp / arm / "launch.log").read_text()
     assert "toolkit: stopped by SIGTERM" in log, log[-2000:]  # the ranks' own line: they stopped after a step
     assert not (exp / arm / "failed.json").exists()
+    # nothing of a second run reached the arm's folder: its steps are the arm's own, once each, up to its stop
+    stopped = json.loads((exp / arm / "run.json").read_text())
+    assert stopped["status"] == "stopped", stopped
+    assert [m["step"] for m in metrics(exp / arm)] == list(range(1, stopped["ended"]["steps_done"] + 1))
     assert_none_left(below)
+
+
+def _second_runs_refused(compare: subprocess.Popen, recipe: Path, exp: Path, arm: str) -> None:
+    """While a compare runs an arm: a second compare into its folder, and a run resumed into the arm's folder
+    (torchrun's ranks, toolkit launch's check before its ranks start), are each refused in one line that names the
+    process holding the folder, and none of them touches it."""
+    from conftest import run_cli, run_torchrun
+
+    ranks = {child.pid: child for child in psutil.Process(compare.pid).children(recursive=True)}
+    entries = sorted(p.name for p in (exp / arm).iterdir())
+    again = run_cli("compare", str(recipe), "--strategies", "single", "--steps", "2", "--output", str(exp))
+    assert again.returncode == 2, again.stderr[-3000:]
+    assert again.stderr.strip().splitlines() == [again.stderr.strip()]
+    assert again.stderr.startswith(f"toolkit: error: experiment folder {exp} is in use by a compare still running "
+                                   f"(pid {compare.pid}: toolkit compare "), again.stderr
+    assert again.stderr.strip().endswith("its completed arms are kept) and run this again; or pass another --output")
+    assert not (exp / "single").exists()
+    for result in (run_torchrun(2, "train", str(recipe), "--set", f"output_dir={exp / arm}", "--resume"),
+                   run_cli("launch", "--nproc", "2", str(recipe), "--set", f"output_dir={exp / arm}", "--resume")):
+        said = [line for line in result.stderr.splitlines() if line.startswith("toolkit:")]
+        assert result.returncode != 0 and len(said) == 1, result.stderr[-3000:]
+        prefix = f"toolkit: error: output_dir {exp / arm} is being written by a run that is still going (pid "
+        assert said[0].startswith(prefix), said
+        holder = int(said[0][len(prefix):].split(":")[0])
+        assert holder in ranks and "train" in ranks[holder].cmdline(), said  # the arm's rank 0
+        assert said[0].endswith("continue it with --resume; or write this one elsewhere with --set output_dir=OTHER")
+    assert entries == sorted(p.name for p in (exp / arm).iterdir() if p.name in entries)  # nothing removed
 
 
 def test_a_mistake_only_the_ranks_can_see_is_one_line_from_the_launcher(tmp_path, tiny_llama_dir):

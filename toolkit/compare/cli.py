@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import sys
 from pathlib import Path
@@ -116,12 +117,32 @@ def experiment_of(args):
 
 
 def cmd_compare(args) -> int:
+    experiment = experiment_of(args)
+    lock = hold_experiment(experiment.out_dir)
+    try:
+        return _compare(experiment, args)
+    finally:
+        lock.release()
+
+
+def hold_experiment(out_dir: Path):
+    """The experiment folder, held while this compare runs (process/folder_lock.py): a second compare into it
+    would replace the arm folder a running arm writes (run_arm). Made here where the compare is to make it."""
+    from toolkit.process import folder_lock
+
+    with contextlib.suppress(OSError):  # a folder that cannot be made: experiment.json's write says so
+        out_dir.mkdir(parents=True, exist_ok=True)
+    return folder_lock.hold(out_dir, message=lambda who: (
+        f"experiment folder {out_dir} is in use by a compare still running ({who}); let it end, or stop it (Ctrl-C "
+        "in its terminal: its completed arms are kept) and run this again; or pass another --output"))
+
+
+def _compare(experiment, args) -> int:
     from toolkit.compare.experiment import dropout_note
     from toolkit.compare.report import build_results, report_written
     from toolkit.compare.console import summary_lines, wrapped
     from toolkit.compare.runner import INTERRUPTED, Interrupted, run_experiment
 
-    experiment = experiment_of(args)
     print("\n".join(wrapped(f"[compare] experiment {experiment.out_dir}: {len(experiment.arms)} arms "
                             f"({', '.join(a.name for a in experiment.arms)})")), flush=True)
     note = dropout_note(experiment.common)

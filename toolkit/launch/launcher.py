@@ -169,8 +169,11 @@ def launch_recipe(recipe_path: str, overrides: list[str], *, nproc: int, nodes: 
     from toolkit.checkpoint import store
     from toolkit.config.parallel import resolve
     from toolkit.config.files import load_recipe
+    from toolkit.process import folder_lock
 
     recipe = resolve(load_recipe(recipe_path, overrides), world_size=nproc * nodes.count)  # degrees -> preset
+    # a live run's output_dir: said before any rank starts (rank 0 then holds it for the run: launch/rank.py)
+    folder_lock.check_free(Path(recipe.output_dir), message=folder_lock.run_in_use(Path(recipe.output_dir)))
     in_ranks = nodes.count == 1
     if not in_ranks:
         from toolkit.checkpoint.run import NothingToResume, starting_point

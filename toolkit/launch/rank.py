@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from toolkit.errors import (INTERRUPTED_EXIT_CODE, NONFINITE_EXIT_CODE, REPLICA_DRIFT_EXIT_CODE, USER_ERROR_EXIT_CODE,
                             RecipeError, first_line, mark_failure_said, mark_final, say_once, say_user_error)
 from toolkit.process.cleanup import entries, remove_made
+from toolkit.process.folder_lock import FolderInUse, FolderLock
 
 if TYPE_CHECKING:
     from toolkit.checkpoint.run import Resume
@@ -99,8 +100,9 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
     from toolkit.process.stopping import NonFinite, OutputWriteError, Stopped
 
     out_dir = Path(recipe.output_dir)
-    before = entries(out_dir)
+    before, lock = entries(out_dir), None
     try:
+        lock = hold_output_dir(out_dir, env)  # first: a live run's folder is neither read as a finished run nor cleaned
         resume = after_restart(recipe, resume, env=env)  # a restart continues this launch's newest checkpoint
         if os.environ.get(RANKS_CHECK_ENV) == "1":  # `toolkit launch` on one machine left its checks to the ranks
             from toolkit.checkpoint.run import starting_point
@@ -111,6 +113,12 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
             # checkpoint's bytes are hashed (train's own call, which follows, hashes them)
             starting_point(recipe, resume, plan=plan)
         result = train(recipe, env, resume=resume)
+    except FolderInUse as exc:  # another run's folder: nothing of it is touched; rank 0 alone knows who holds it
+        if str(exc):
+            say_user_error(exc)
+        else:
+            mark_final(USER_ERROR_EXIT_CODE)
+        return USER_ERROR_EXIT_CODE, None
     except RecipeError as exc:
         if env.is_main:
             remove_made(out_dir, before=before)  # nothing half-written for a user mistake
@@ -150,7 +158,38 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
             with contextlib.suppress(RuntimeError):  # a rank gone already: the launcher's line says which
                 barrier(env)
         return 1, None
+    finally:
+        if lock is not None:  # every write of this rank's run is done
+            lock.release()
+            if before is None:  # a folder made for the lock and left empty (a crash before the first write) goes
+                with contextlib.suppress(OSError):
+                    out_dir.rmdir()
     return 0, result.strategy
+
+
+def hold_output_dir(out_dir: Path, env) -> FolderLock | None:
+    """Rank 0 holds output_dir while it trains (process/folder_lock.py), making the folder if
+    the run is to make it (removed again after a mistake: remove_made); every rank learns whether it could, in one
+    all-reduce. A restarted rank waits up to 30 s for its predecessor to be gone. FolderInUse where another run
+    holds it: rank 0's names that run, the other ranks' is empty (rank 0 says it)."""
+    import torch
+
+    from toolkit.process import folder_lock
+    from toolkit.process.dist import all_reduce_max, restarted
+
+    lock, refused = None, None
+    if env.is_main:
+        with contextlib.suppress(OSError, ValueError):  # a path no folder can take: the recipe's checks say why
+            out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            lock = folder_lock.hold(out_dir, message=folder_lock.run_in_use(out_dir), wait_s=30 if restarted() else 0)
+        except FolderInUse as exc:
+            refused = exc
+    if env.distributed and all_reduce_max(torch.tensor([float(refused is not None)]), env)[0] and refused is None:
+        refused = FolderInUse("")
+    if refused is not None:
+        raise refused
+    return lock
 
 
 def after_write_failure(out_dir: Path, exc, *, env) -> str:

@@ -1,0 +1,109 @@
+"""One run at a time in a folder. A second `toolkit train` into an output_dir whose run is still going (a job
+requeued while the first still runs, a command typed again in another terminal) would interleave metrics.jsonl,
+write the same checkpoint steps twice and, refused for a mistake of its own, remove what it believes it made:
+the live run's new files. So the process that writes a folder (rank 0 of a run, a compare for its experiment
+folder) holds an exclusive flock on the folder itself while it runs: no lock file to leave behind, and the
+kernel lets go when the process ends, however it ends (SIGKILL and the out-of-memory killer included).
+A file system that cannot lock a folder (some network mounts) runs unguarded, as before."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import time
+from pathlib import Path
+
+from toolkit.errors import RecipeError
+
+
+class FolderInUse(RecipeError):
+    """The folder is held by another process: it is that process's, and nothing of it may be touched."""
+
+
+class FolderLock:
+    """An exclusive, non-blocking flock on a folder, held until `release` or the end of the process."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.fd: int | None = None
+
+    def acquire(self) -> bool:
+        """True once held; False where another process holds it. Where the folder cannot be locked (it does not
+        exist, the file system has no flock for folders) nothing is held and True is returned: unguarded."""
+        try:
+            fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            return exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN)
+        self.fd = fd
+        return True
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # the flock goes with the last descriptor of it
+            self.fd = None
+
+    @property
+    def held(self) -> bool:
+        return self.fd is not None
+
+
+def holder(folder: Path) -> str:
+    """Who holds `folder`'s flock, for a user to find it: 'pid N (its command line)', from /proc/locks; 'another
+    process' where that cannot be read (another machine's, a process of another user)."""
+    try:
+        stat = os.stat(folder)
+        wanted = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
+        with open("/proc/locks", encoding="ascii") as locks:
+            pids = [int(fields[4]) for fields in (line.split() for line in locks)
+                    if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == wanted]
+    except (OSError, ValueError):
+        return "another process"
+    if not pids:
+        return "another process"
+    pid = pids[0]
+    try:
+        import psutil
+
+        command = " ".join(_shown(psutil.Process(pid).cmdline()))
+    except Exception:  # gone since, or not ours to read
+        return f"pid {pid}"
+    return f"pid {pid}: {command[:77] + '…' if len(command) > 78 else command}"
+
+
+def _shown(argv: list[str]) -> list[str]:
+    """A rank's command line as a user typed it: `toolkit train ...` for `python -m toolkit train ...` or a
+    path to the console script."""
+    for i, arg in enumerate(argv):
+        if arg == "toolkit" and i > 0 and argv[i - 1] == "-m" or os.path.basename(arg) == "toolkit":
+            return ["toolkit", *argv[i + 1:]]
+    return argv
+
+
+def run_in_use(out_dir: Path):
+    """The message of a run refused because output_dir is another live run's."""
+    return lambda who: (f"output_dir {out_dir} is being written by a run that is still going ({who}); let it end, "
+                        "or stop it (SIGTERM: it saves a checkpoint after its current step) and continue it with "
+                        "--resume; or write this one elsewhere with --set output_dir=OTHER")
+
+
+def hold(folder: Path, *, message, wait_s: float = 0.0) -> FolderLock:
+    """The folder's lock, held; FolderInUse(message(holder)) where another process holds it (after trying for
+    `wait_s`: a restarted rank whose predecessor is still on its way out)."""
+    lock, deadline = FolderLock(folder), time.monotonic() + wait_s
+    while not lock.acquire():
+        if time.monotonic() >= deadline:
+            raise FolderInUse(message(holder(folder)))
+        time.sleep(0.2)
+    return lock
+
+
+def check_free(folder: Path, *, message) -> None:
+    """FolderInUse where another process holds the folder now; nothing held after (a launcher's check before its
+    ranks start, which then take the lock themselves)."""
+    hold(folder, message=message).release()
