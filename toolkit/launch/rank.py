@@ -168,10 +168,10 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
 
 
 def hold_output_dir(out_dir: Path, env) -> FolderLock | None:
-    """Rank 0 holds output_dir while it trains (process/folder_lock.py), making the folder if
-    the run is to make it (removed again after a mistake: remove_made); every rank learns whether it could, in one
-    all-reduce. A restarted rank waits up to 30 s for its predecessor to be gone. FolderInUse where another run
-    holds it: rank 0's names that run, the other ranks' is empty (rank 0 says it)."""
+    """Rank 0 holds output_dir while it trains (process/folder_lock.py), making the folder if the run is to make it
+    (removed again after a mistake: remove_made); every rank learns whether it could, in one all-reduce. A
+    restarted rank waits up to 30 s for its predecessor to be gone. FolderInUse where another run holds it: rank
+    0's names that run, the other ranks' is empty (rank 0 says it)."""
     import torch
 
     from toolkit.process import folder_lock
