@@ -165,6 +165,9 @@ def _second_runs_refused(compare: subprocess.Popen, recipe: Path, exp: Path, arm
                                    f"(pid {compare.pid}: toolkit compare "), again.stderr
     assert again.stderr.strip().endswith("its completed arms are kept) and run this again; or pass another --output")
     assert not (exp / "single").exists()
+    report = run_cli("report", str(exp))  # what a user may run meanwhile: the table so far, and that it is so far
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert f"[report] a compare is still running in {exp} (pid {compare.pid}: toolkit compare " in report.stdout
     for result in (run_torchrun(2, "train", str(recipe), "--set", f"output_dir={exp / arm}", "--resume"),
                    run_cli("launch", "--nproc", "2", str(recipe), "--set", f"output_dir={exp / arm}", "--resume")):
         said = [line for line in result.stderr.splitlines() if line.startswith("toolkit:")]

@@ -201,9 +201,15 @@ def cmd_report(args) -> int:
     from toolkit.compare.report import build_results, report_written
     from toolkit.compare.console import summary_lines, wrapped
 
+    from toolkit.process import folder_lock
+
     experiment = Experiment.load(Path(args.experiment_dir))
     results = build_results(experiment)
     print("\n".join(summary_lines(results)))
+    running = folder_lock.in_use(experiment.out_dir)
+    if running is not None:  # its arms not done yet are pending above; its own report replaces this one at its end
+        print(f"[report] a compare is still running in {experiment.out_dir} ({running}): the arms it has not "
+              "finished show as pending; it writes its own report when it ends")
     if not report_written(results, experiment.out_dir):  # a full disk
         return 1
     print(f"[report] {experiment.out_dir / 'report.html'}")

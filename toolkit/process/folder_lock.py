@@ -44,8 +44,9 @@ class FolderLock:
         return True
 
     def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # the flock goes with the last descriptor of it
+        if self.fd is not None:  # unlocked first: a child forked since (a DataLoader worker) shares the descriptor
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
             self.fd = None
 
     @property
@@ -103,7 +104,18 @@ def hold(folder: Path, *, message, wait_s: float = 0.0) -> FolderLock:
     return lock
 
 
+def in_use(folder: Path) -> str | None:
+    """Who holds `folder` now (holder's words), or None where no other process does; nothing held after."""
+    probe = FolderLock(folder)
+    if probe.acquire():
+        probe.release()
+        return None
+    return holder(folder)
+
+
 def check_free(folder: Path, *, message) -> None:
-    """FolderInUse where another process holds the folder now; nothing held after (a launcher's check before its
-    ranks start, which then take the lock themselves)."""
-    hold(folder, message=message).release()
+    """FolderInUse where another process holds the folder now (a launcher's check before its ranks start, which
+    then take the lock themselves)."""
+    who = in_use(folder)
+    if who is not None:
+        raise FolderInUse(message(who))
