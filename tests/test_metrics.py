@@ -62,7 +62,33 @@ def test_the_progress_line_says_a_step_was_skipped_and_why(capsys):
     lines = capsys.readouterr().err.splitlines()
     assert [line.split()[1] for line in lines] == ["1/20", "3/20", "4/20", "5/20", "10/20"]
     assert lines[0].endswith(" ms · skipped (fp16 overflow, loss scale now 32768)")
-    assert lines[1].endswith(" ms · skipped (fp16 overflow, loss scale 32768 → 16384)")
-    assert lines[2].endswith(" ms · skipped (non-finite loss, train.on_nonfinite skip)")
-    assert lines[3].endswith(" ms · skipped (non-finite gradient norm, train.on_nonfinite skip)")
+    # after the first step, the time (tests/test_metrics.py's clock test) comes between the step time and the skip
+    assert lines[1].endswith(" left · skipped (fp16 overflow, loss scale 32768 → 16384)")
+    assert lines[2].endswith(" left · skipped (non-finite loss, train.on_nonfinite skip)")
+    assert lines[3].endswith(" left · skipped (non-finite gradient norm, train.on_nonfinite skip)")
     assert "skipped" not in lines[4]
+
+
+def test_a_plain_progress_line_says_the_time_trained_and_left(capsys):
+    """A batch job's log (no terminal, so no tqdm bar) had no time left in it. Worked by hand: set-up ends at
+    t=0, the first step (warm-up, 10 s) ends at t=10, then 2 s a step, and an evaluation in step 6 costs 3 s
+    more; the rate is taken over the steps after the first."""
+    ticks = {"now": 0.0}
+
+    def clock() -> float:
+        return ticks["now"]
+
+    progress = Progress(total=10, enabled=True, log_every=2, clock=clock)
+    for step, ends_at in ((1, 10.0), (2, 12.0), (3, 14.0), (4, 16.0), (5, 18.0), (6, 23.0)):
+        ticks["now"] = ends_at
+        progress.update(_step(step))
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split()[1] for line in lines] == ["2/10", "4/10", "6/10"]
+    # step 2 at t=12: 2 s over 1 step after the first, 8 steps left -> 16 s; step 4 at t=16: 6 s / 3 steps, 6 left
+    # -> 12 s; step 6 at t=23 (the evaluation's 3 s): 13 s / 5 steps = 2.6 s, 4 left -> 10.4 s
+    assert lines[0].endswith(" ms · 0:00:12 elapsed, ~0:00:16 left")
+    assert lines[1].endswith(" ms · 0:00:16 elapsed, ~0:00:12 left")
+    assert lines[2].endswith(" ms · 0:00:23 elapsed, ~0:00:10 left")
+    ticks["now"] = 3 * 3600 + 62.4  # the last step: elapsed only
+    progress.update(_step(10))
+    assert capsys.readouterr().err.strip().endswith(" ms · 3:01:02 elapsed")

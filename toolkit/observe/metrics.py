@@ -205,10 +205,15 @@ class JsonlWriter:
 class Progress:
     """A tqdm bar on rank 0 (steps, loss, tokens/s); plain log lines when stderr is not a terminal. A step that
     made no update (an fp16 overflow, a non-finite step under train.on_nonfinite skip) says so, and gets its
-    line whatever train.log_every: its loss and grad_norm are not those of a step that trained."""
+    line whatever train.log_every: its loss and grad_norm are not those of a step that trained. A plain line also
+    gives the time this process has trained and the time left (tqdm's bar shows its own): the rate is the wall
+    clock per step since this process's first step, so evaluations and checkpoints count, the first step's warm-up
+    does not."""
 
-    def __init__(self, *, total: int, enabled: bool, log_every: int):
+    def __init__(self, *, total: int, enabled: bool, log_every: int, clock=time.monotonic):
         self.enabled, self.log_every, self.total = enabled, log_every, total
+        self.clock, self.started = clock, clock()
+        self.first: tuple[int, float] | None = None  # (step, when) of this process's first step
         self.bar = None
         self.evaluation = ""  # the latest evaluation, until the next one
         self.loss_scale: float | None = None  # the fp16 loss scale after the latest step: the next one runs at it
@@ -238,12 +243,27 @@ class Progress:
             evaluation = f" {self.evaluation}" if evaluated else ""
             print(f"step {record['step']}/{self.total} loss {record['loss']:.4f}{evaluation} lr {record['lr']:.2e} "
                   f"grad_norm {record['grad_norm']:.3f} tokens/s {record['tokens_per_s']:.0f} "
-                  f"step {record['step_time_s'] * 1000:.0f} ms" + (f" · skipped ({skipped})" if skipped else ""),
-                  file=sys.stderr, flush=True)
+                  f"step {record['step_time_s'] * 1000:.0f} ms{self._clock(record['step'])}"
+                  + (f" · skipped ({skipped})" if skipped else ""), file=sys.stderr, flush=True)
+        if self.first is None:
+            self.first = (record["step"], self.clock())
+
+    def _clock(self, step: int) -> str:
+        """' · H:MM:SS elapsed, ~H:MM:SS left' after this process's first step ('' at it)."""
+        if self.first is None or step <= self.first[0]:
+            return ""
+        now = self.clock()
+        left = (now - self.first[1]) / (step - self.first[0]) * (self.total - step)
+        return f" · {_hms(now - self.started)} elapsed" + (f", ~{_hms(left)} left" if step < self.total else "")
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _hms(seconds: float) -> str:
+    whole = round(seconds)
+    return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
 
 
 def skip_reason(record: dict, *, scale_before: float | None) -> str:
