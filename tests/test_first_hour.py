@@ -168,6 +168,8 @@ def _second_runs_refused(compare: subprocess.Popen, recipe: Path, exp: Path, arm
     report = run_cli("report", str(exp))  # what a user may run meanwhile: the table so far, and that it is so far
     assert report.returncode == 0, report.stderr[-3000:]
     assert f"[report] a compare is still running in {exp} (pid {compare.pid}: toolkit compare " in report.stdout
+    assert f"{arm} not run: not completed yet" in report.stdout  # the arm it is running
+    assert not list(exp.glob("report.*")) and not (exp / "results.json").exists()  # the running compare's folder
     for result in (run_torchrun(2, "train", str(recipe), "--set", f"output_dir={exp / arm}", "--resume"),
                    run_cli("launch", "--nproc", "2", str(recipe), "--set", f"output_dir={exp / arm}", "--resume")):
         said = [line for line in result.stderr.splitlines() if line.startswith("toolkit:")]

@@ -207,9 +207,10 @@ def cmd_report(args) -> int:
     results = build_results(experiment)
     print("\n".join(summary_lines(results)))
     running = folder_lock.in_use(experiment.out_dir)
-    if running is not None:  # its arms not done yet are pending above; its own report replaces this one at its end
+    if running is not None:  # the table so far; the folder is that compare's, which writes the report at its end
         print(f"[report] a compare is still running in {experiment.out_dir} ({running}): the arms it has not "
-              "finished show as pending; it writes its own report when it ends")
+              "finished show as not run; it writes the report files there when it ends")
+        return 0
     if not report_written(results, experiment.out_dir):  # a full disk
         return 1
     print(f"[report] {experiment.out_dir / 'report.html'}")

@@ -29,7 +29,7 @@ def load_arm(experiment: Experiment, arm) -> dict:
     if data["status"] != "completed":
         failed = path / "failed.json"
         data.setdefault("error", str(read_json_file(failed).get("error", f"{failed} holds no error line"))
-                        if failed.is_file() else "not run yet")
+                        if failed.is_file() else "not completed yet; `toolkit compare` with this --output runs it")
         return data
     run = read_run_info(path) or {}  # completed: its run.json was read just now
     # its wall time, written by the runner (absent in folders of older versions; damaged: not shown)
@@ -53,7 +53,8 @@ def build_results(experiment: Experiment) -> dict:
     for arm in shown:
         row = {"arm": arm["name"], "status": arm["status"], "world_size": arm["nproc"]}
         if arm["status"] != "completed":
-            failed = "damaged" if arm["status"] == "damaged" else "failed"  # damaged: it ran, its numbers are lost
+            # damaged: it ran, its numbers are lost; pending: not run, or stopped before its end (Ctrl-C, running now)
+            failed = {"damaged": "damaged", "pending": "not run"}.get(arm["status"], "failed")
             rows.append({**row, "error": arm["error"], "verdict": failed})
             continue
         run, metrics = arm["run"], arm["metrics"]

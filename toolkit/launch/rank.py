@@ -102,7 +102,8 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
     out_dir = Path(recipe.output_dir)
     before, lock = entries(out_dir), None
     try:
-        lock = hold_output_dir(out_dir, env)  # first: a live run's folder is neither read as a finished run nor cleaned
+        # first: a live run's folder is neither read as a finished run nor cleaned
+        lock, before = hold_output_dir(out_dir, env, before=before)
         resume = after_restart(recipe, resume, env=env)  # a restart continues this launch's newest checkpoint
         if os.environ.get(RANKS_CHECK_ENV) == "1":  # `toolkit launch` on one machine left its checks to the ranks
             from toolkit.checkpoint.run import starting_point
@@ -162,16 +163,17 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
         if lock is not None:  # every write of this rank's run is done
             lock.release()
             if before is None:  # a folder made for the lock and left empty (a crash before the first write) goes
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(OSError, ValueError):  # ValueError: a NUL in the path (refused already)
                     out_dir.rmdir()
     return 0, result.strategy
 
 
-def hold_output_dir(out_dir: Path, env) -> FolderLock | None:
-    """Rank 0 holds output_dir while it trains (process/folder_lock.py), making the folder if the run is to make it
-    (removed again after a mistake: remove_made); every rank learns whether it could, in one all-reduce. A
-    restarted rank waits up to 30 s for its predecessor to be gone. FolderInUse where another run holds it: rank
-    0's names that run, the other ranks' is empty (rank 0 says it)."""
+def hold_output_dir(out_dir: Path, env, *, before: set[str] | None) -> tuple[FolderLock | None, set[str] | None]:
+    """Rank 0 holds output_dir while it trains (process/folder_lock.py), making the folder if the run is to make it;
+    every rank learns whether it could, in one all-reduce. A restarted rank waits up to 30 s for its predecessor to
+    be gone. Returns the lock and what the folder held once it was held (`entries`; None where this run made it,
+    removed again after a mistake: remove_made); on the other ranks `before` as given. FolderInUse where another
+    run holds it: rank 0's names that run, the other ranks' is empty (rank 0 says it)."""
     import torch
 
     from toolkit.process import folder_lock
@@ -179,17 +181,20 @@ def hold_output_dir(out_dir: Path, env) -> FolderLock | None:
 
     lock, refused = None, None
     if env.is_main:
+        made = False
         with contextlib.suppress(OSError, ValueError):  # a path no folder can take: the recipe's checks say why
-            out_dir.mkdir(parents=True, exist_ok=True)
+            out_dir.mkdir(parents=True)
+            made = True
         try:
             lock = folder_lock.hold(out_dir, message=folder_lock.run_in_use(out_dir), wait_s=30 if restarted() else 0)
+            before = None if made else entries(out_dir)  # after any wait: what a predecessor wrote is not this run's
         except FolderInUse as exc:
             refused = exc
     if env.distributed and all_reduce_max(torch.tensor([float(refused is not None)]), env)[0] and refused is None:
         refused = FolderInUse("")
     if refused is not None:
         raise refused
-    return lock
+    return lock, before
 
 
 def after_write_failure(out_dir: Path, exc, *, env) -> str:

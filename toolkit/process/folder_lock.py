@@ -3,7 +3,9 @@ requeued while the first still runs, a command typed again in another terminal) 
 write the same checkpoint steps twice and, refused for a mistake of its own, remove what it believes it made:
 the live run's new files. So the process that writes a folder (rank 0 of a run, a compare for its experiment
 folder) holds an exclusive flock on the folder itself while it runs: no lock file to leave behind, and the
-kernel lets go when the process ends, however it ends (SIGKILL and the out-of-memory killer included).
+kernel lets go when the process ends, however it ends (SIGKILL and the out-of-memory killer included). A child
+forked while it is held (a DataLoader worker) drops its copy of the descriptor as it starts: an orphaned worker
+of a killed rank would keep the folder held for seconds after the rank is gone.
 A file system that cannot lock a folder (some network mounts) runs unguarded, as before."""
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ class FolderLock:
 
     def acquire(self) -> bool:
         """True once held; False where another process holds it. Where the folder cannot be locked (it does not
-        exist, the file system has no flock for folders) nothing is held and True is returned: unguarded."""
+        exist, a name no file can have, a file system with no flock for folders) nothing is held and True is
+        returned: unguarded (the recipe's checks say what is wrong with such a path)."""
         try:
             fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
+        except (OSError, ValueError):  # ValueError: a NUL in the path
             return True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -41,17 +44,34 @@ class FolderLock:
             os.close(fd)
             return exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN)
         self.fd = fd
+        _HELD.add(self)
         return True
 
     def release(self) -> None:
-        if self.fd is not None:  # unlocked first: a child forked since (a DataLoader worker) shares the descriptor
+        if self.fd is not None:
+            _HELD.discard(self)
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
 
-    @property
-    def held(self) -> bool:
-        return self.fd is not None
+    def _forget_in_child(self) -> None:
+        """In a forked child: its copy of the descriptor closed, the parent's lock untouched (no LOCK_UN, which
+        would unlock the description both share)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+_HELD: set[FolderLock] = set()  # this process's held locks, which a forked child lets go of
+
+
+def _after_fork_in_child() -> None:
+    for lock in list(_HELD):
+        lock._forget_in_child()
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def holder(folder: Path) -> str:
