@@ -47,6 +47,14 @@ def test_bad_input_exits_2_with_one_line(case, command, tmp_path, tiny_llama_dir
     _assert_one_line_exit_2(main(args), capsys, words, out)
 
 
+def test_a_nul_in_output_dir_is_one_line(tmp_path, tiny_llama_dir, capsys):
+    """The folder lock (process/folder_lock.py) and its empty-folder cleanup took such a path to os.open and
+    os.rmdir, whose ValueError was a traceback; the recipe's check says it."""
+    recipe, out = _bad_recipe(tmp_path, tiny_llama_dir)
+    code = main(["train", str(recipe), "--set", 'output_dir="out\\0put"'])
+    _assert_one_line_exit_2(code, capsys, "output_dir 'out\\x00put' holds a NUL character", out)
+
+
 def test_fp16_refused_where_the_device_cannot(tmp_path, tiny_llama_dir, capsys, monkeypatch):
     class NoHalf:
         def __init__(self, *args, **kwargs):
