@@ -47,12 +47,23 @@ def test_bad_input_exits_2_with_one_line(case, command, tmp_path, tiny_llama_dir
     _assert_one_line_exit_2(main(args), capsys, words, out)
 
 
-def test_a_nul_in_output_dir_is_one_line(tmp_path, tiny_llama_dir, capsys):
-    """The folder lock (process/folder_lock.py) and its empty-folder cleanup took such a path to os.open and
-    os.rmdir, whose ValueError was a traceback; the recipe's check says it."""
+@pytest.mark.parametrize("command", ["train", "validate"])
+def test_a_nul_in_output_dir_is_one_line(command, tmp_path, tiny_llama_dir, capsys):
+    """train: the folder lock (process/folder_lock.py) and its empty-folder cleanup took such a path to os.open and
+    os.rmdir, whose ValueError was a traceback; the recipe's check says it. validate said ok."""
     recipe, out = _bad_recipe(tmp_path, tiny_llama_dir)
-    code = main(["train", str(recipe), "--set", 'output_dir="out\\0put"'])
+    code = main([command, str(recipe), "--set", 'output_dir="out\\0put"'])
     _assert_one_line_exit_2(code, capsys, "output_dir 'out\\x00put' holds a NUL character", out)
+
+
+def test_validate_says_what_train_will_answer_an_output_dir_that_holds_a_run(llama_runs, tmp_path, capsys):
+    run = llama_runs.get("single")
+    assert main(["validate", str(llama_runs.recipe), "--set", f"output_dir={run}"]) == 0  # a --resume may follow
+    notes = [line for line in capsys.readouterr().err.splitlines() if "output_dir" in line]
+    assert notes == [f"[toolkit] note: output_dir {run} holds a completed run (its model in {run / 'model'}; no "
+                     "checkpoint, so it cannot be trained further); remove that folder to start again there, or "
+                     "write this one elsewhere with --set output_dir=OTHER (what toolkit train answers without "
+                     "--resume)"]
 
 
 def test_fp16_refused_where_the_device_cannot(tmp_path, tiny_llama_dir, capsys, monkeypatch):

@@ -223,9 +223,26 @@ def cmd_validate(args) -> int:
     # steps once its data is tokenized, so its warm-up is checked by the run alone
     tokenizer = load_tokenizer(recipe.model)
     for note in [*recipe_notes(recipe, tokenizer, total_steps=recipe.train.max_steps, world_size=plan.world_size),
-                 *filter(None, [dropout_note(recipe, tokenizer)])]:
+                 *filter(None, [dropout_note(recipe, tokenizer), _output_dir_note(Path(recipe.output_dir))])]:
         print(note, file=sys.stderr)
     return 0
+
+
+def _output_dir_note(out_dir: Path) -> str | None:
+    """validate: an output_dir no run can make is an error (as train's); one that holds a run, or that a live run
+    writes, is a note saying what `toolkit train` will answer (a validate before a --resume is no mistake)."""
+    from toolkit.checkpoint.store import check_creatable, check_output_dir
+    from toolkit.process import folder_lock
+
+    check_creatable(out_dir)
+    running = folder_lock.in_use(out_dir)
+    if running is not None:
+        return f"[toolkit] note: {folder_lock.run_in_use(out_dir)(running)}"
+    try:
+        check_output_dir(out_dir, resume=False)
+    except RecipeError as exc:
+        return f"[toolkit] note: {exc} (what toolkit train answers without --resume)"
+    return None
 
 
 def cmd_calibrate(args) -> int:

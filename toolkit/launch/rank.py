@@ -124,6 +124,8 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
         if env.is_main:
             remove_made(out_dir, before=before)  # nothing half-written for a user mistake
         say_user_error(exc)  # the first rank that finds it prints the one line
+        if not env.is_main:  # the first rank to exit gets the others stopped: rank 0 first removes what it made
+            _let_rank_0_clean(out_dir)
         return USER_ERROR_EXIT_CODE, None
     except NothingToResume as done:  # every rank finds it alike: one line, nothing written
         say_once(str(done))
@@ -195,6 +197,20 @@ def hold_output_dir(out_dir: Path, env, *, before: set[str] | None) -> tuple[Fol
     if refused is not None:
         raise refused
     return lock, before
+
+
+def _let_rank_0_clean(out_dir: Path, *, wait_s: float = 5.0) -> None:
+    """A rank other than 0 that found a user's mistake waits (up to `wait_s`) for rank 0 to let go of output_dir,
+    which it does once it removed what the run made there (the folder its lock made, at the least): an exit now
+    would have torch's agent stop rank 0 before that. Rank 0 on another machine, or busy elsewhere (a mistake only
+    this rank found): the wait ends, or the probe finds the folder free at once."""
+    import time
+
+    from toolkit.process import folder_lock
+
+    deadline = time.monotonic() + wait_s
+    while folder_lock.in_use(out_dir) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def after_write_failure(out_dir: Path, exc, *, env) -> str:
