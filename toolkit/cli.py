@@ -232,14 +232,14 @@ def _output_dir_note(out_dir: Path) -> str | None:
     """validate: an output_dir no run can make is an error (as train's); one that holds a run, or that a live run
     writes, is a note saying what `toolkit train` will answer (a validate before a --resume is no mistake)."""
     from toolkit.checkpoint.store import check_creatable, check_output_dir
-    from toolkit.process import folder_lock
+    from toolkit.process.folder_lock import FolderInUse, check_free, run_in_use
 
     check_creatable(out_dir)
-    running = folder_lock.in_use(out_dir)
-    if running is not None:
-        return f"[toolkit] note: {folder_lock.run_in_use(out_dir)(running)}"
     try:
+        check_free(out_dir, message=run_in_use(out_dir))
         check_output_dir(out_dir, resume=False)
+    except FolderInUse as exc:
+        return f"[toolkit] note: {exc}"
     except RecipeError as exc:
         return f"[toolkit] note: {exc} (what toolkit train answers without --resume)"
     return None

@@ -200,7 +200,6 @@ def cmd_report(args) -> int:
     from toolkit.compare.experiment import Experiment
     from toolkit.compare.report import build_results, report_written
     from toolkit.compare.console import summary_lines, wrapped
-
     from toolkit.process import folder_lock
 
     experiment = Experiment.load(Path(args.experiment_dir))

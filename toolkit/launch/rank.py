@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from toolkit.errors import (INTERRUPTED_EXIT_CODE, NONFINITE_EXIT_CODE, REPLICA_DRIFT_EXIT_CODE, USER_ERROR_EXIT_CODE,
                             RecipeError, first_line, mark_failure_said, mark_final, say_once, say_user_error)
 from toolkit.process.cleanup import entries, remove_made
-from toolkit.process.folder_lock import FolderInUse, FolderLock
+from toolkit.process.folder_lock import FolderInUse, FolderLock, hold, in_use, run_in_use
 
 if TYPE_CHECKING:
     from toolkit.checkpoint.run import Resume
@@ -100,10 +100,10 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
     from toolkit.process.stopping import NonFinite, OutputWriteError, Stopped
 
     out_dir = Path(recipe.output_dir)
-    before, lock = entries(out_dir), None
+    before, lock = None, None
     try:
         # first: a live run's folder is neither read as a finished run nor cleaned
-        lock, before = hold_output_dir(out_dir, env, before=before)
+        lock, before = hold_output_dir(out_dir, env)
         resume = after_restart(recipe, resume, env=env)  # a restart continues this launch's newest checkpoint
         if os.environ.get(RANKS_CHECK_ENV) == "1":  # `toolkit launch` on one machine left its checks to the ranks
             from toolkit.checkpoint.run import starting_point
@@ -170,25 +170,24 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
     return 0, result.strategy
 
 
-def hold_output_dir(out_dir: Path, env, *, before: set[str] | None) -> tuple[FolderLock | None, set[str] | None]:
+def hold_output_dir(out_dir: Path, env) -> tuple[FolderLock | None, set[str] | None]:
     """Rank 0 holds output_dir while it trains (process/folder_lock.py), making the folder if the run is to make it;
     every rank learns whether it could, in one all-reduce. A restarted rank waits up to 30 s for its predecessor to
-    be gone. Returns the lock and what the folder held once it was held (`entries`; None where this run made it,
-    removed again after a mistake: remove_made); on the other ranks `before` as given. FolderInUse where another
-    run holds it: rank 0's names that run, the other ranks' is empty (rank 0 says it)."""
+    be gone. Returns the lock and, on rank 0 (the one rank that removes what the run made: remove_made), what the
+    folder held once it was held (`entries`; None where this run made it); (None, None) on the other ranks.
+    FolderInUse where another run holds it: rank 0's names that run, the other ranks' is empty (rank 0 says it)."""
     import torch
 
-    from toolkit.process import folder_lock
     from toolkit.process.dist import all_reduce_max, restarted
 
-    lock, refused = None, None
+    lock, before, refused = None, None, None
     if env.is_main:
         made = False
         with contextlib.suppress(OSError, ValueError):  # a path no folder can take: the recipe's checks say why
             out_dir.mkdir(parents=True)
             made = True
         try:
-            lock = folder_lock.hold(out_dir, message=folder_lock.run_in_use(out_dir), wait_s=30 if restarted() else 0)
+            lock = hold(out_dir, message=run_in_use(out_dir), wait_s=30 if restarted() else 0)
             before = None if made else entries(out_dir)  # after any wait: what a predecessor wrote is not this run's
         except FolderInUse as exc:
             refused = exc
@@ -206,10 +205,8 @@ def _let_rank_0_clean(out_dir: Path, *, wait_s: float = 5.0) -> None:
     this rank found): the wait ends, or the probe finds the folder free at once."""
     import time
 
-    from toolkit.process import folder_lock
-
     deadline = time.monotonic() + wait_s
-    while folder_lock.in_use(out_dir) is not None and time.monotonic() < deadline:
+    while in_use(out_dir) is not None and time.monotonic() < deadline:
         time.sleep(0.05)
 
 

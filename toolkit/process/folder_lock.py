@@ -75,7 +75,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def holder(folder: Path) -> str:
-    """Who holds `folder`'s flock, for a user to find it: 'pid N (its command line)', from /proc/locks; 'another
+    """Who holds `folder`'s flock, for a user to find it: 'pid N: its command line', from /proc/locks; 'another
     process' where that cannot be read (another machine's, a process of another user)."""
     try:
         stat = os.stat(folder)
