@@ -9,6 +9,7 @@ there too, and the suite has to stay within its time budget.) ddp, fsdp and ZeRO
 test_launchers, on the plain launches it makes; ZeRO-3 here."""
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -122,6 +123,12 @@ def test_rank_dying_after_its_outputs_is_reported_and_outputs_stay(short_recipe,
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stderr[-3000:]
     assert "toolkit: launch failed: rank 1 killed by SIGABRT" in result.stderr
+    # the dying rank said where it was (faulthandler, launch/rank.py say_native_crashes): the signal, then its
+    # thread's Python stack, innermost first: the shim's _die, called from run_rank's last line
+    dump = result.stderr[result.stderr.index("Fatal Python error: Aborted"):]
+    assert re.search(r'File ".*sitecustomize.py", line \d+ in _die\n\s+File ".*toolkit/launch/rank.py", line \d+ '
+                     r'in run_rank', dump), result.stderr[-3000:]
+    assert result.stderr.count("Fatal Python error") == 1  # rank 0 lived: it printed none
     assert f"outputs in {out} are complete" in result.stderr
     assert json.loads((out / "run.json").read_text())["status"] == "completed"
     assert (out / "model" / "model.safetensors").is_file()

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 def run_rank(recipe_path: str, overrides: list[str], resume: Resume | None) -> int:
     """`toolkit train`: this process's rank of the run, from the recipe (and, under `accelerate launch`, its
     plugin settings) to the exit code; every outcome a user causes is one line."""
+    say_native_crashes()
     recipe, notes = rank_recipe(recipe_path, overrides, os.environ)
     if os.environ.get("RANK", "0") == "0":  # how a version-1 FSDP config runs on FSDP2, a line per key
         for note in notes:
@@ -50,6 +51,17 @@ def run_rank(recipe_path: str, overrides: list[str], resume: Resume | None) -> i
         release = strategy.close if strategy is not None else None
         left_cleanly = shutdown(completed=code == 0, release=release)
     return exit_process(code if left_cleanly else 1)
+
+
+def say_native_crashes() -> None:
+    """A rank that dies of a native fault (SIGSEGV, SIGABRT from glibc's heap checks or std::terminate, SIGBUS,
+    SIGFPE, SIGILL) prints where each of its Python threads was, on its stderr, before it dies of the same signal:
+    the launcher's "rank N killed by SIGABRT" alone says neither which step nor which collective or kernel it was in.
+    faulthandler's own handler, a few lines of C that need no GIL; the exit status is unchanged."""
+    import faulthandler
+
+    if not faulthandler.is_enabled():  # PYTHONFAULTHANDLER / -X faulthandler: the user's own setting stays
+        faulthandler.enable(file=sys.stderr, all_threads=True)
 
 
 def rank_recipe(recipe_path: str, overrides: list[str], environ) -> tuple[Recipe, list[str]]:
