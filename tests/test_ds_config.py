@@ -84,6 +84,9 @@ def test_a_json_from_the_transformers_docs_runs_as_it_is(tmp_path, tiny_llama_di
     result = run_cli("train", str(recipe))  # one rank: DeepSpeed gets a process group of one
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"DeepSpeed builds the optimizer AdamW and scheduler WarmupLR of {config}" in result.stderr
+    # WarmupLR's constructor reads its lr before step 1 and logs (DeepSpeed's logger: stdout) that it did, every
+    # rank, every run: left out
+    assert "before it has started" not in result.stdout + result.stderr, result.stdout[-3000:]
     audit = json.loads((out / "run.json").read_text())["precision_audit"]
     assert audit["optimizer"] == "DeepSpeed fused CPU Adam (AdamW), offloaded"
     assert audit["scheduler"] == "DeepSpeed WarmupLR"

@@ -12,9 +12,11 @@ is the last one, and the engine steps once per optimizer step.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import sys
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -52,6 +54,26 @@ def gather_blocks_whole(model: nn.Module, config: dict, *, world_size: int) -> s
         set_z3_leaf_module(block, True)
     return said
 
+
+
+# what DeepSpeed's warm-up schedulers (WarmupLR and its subclasses) log from their own constructor, which reads the
+# learning rate before the first step: on every rank of every run whose JSON names one, about nothing the user did
+CONSTRUCTOR_LR_NOTICE = "Attempting to get learning rate from scheduler before it has started"
+
+
+@contextlib.contextmanager
+def without_constructor_lr_notice() -> Iterator[None]:
+    """Inside, DeepSpeed's logger drops CONSTRUCTOR_LR_NOTICE; its other records pass."""
+    from deepspeed.utils import logger
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(CONSTRUCTOR_LR_NOTICE)
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 class ZeroStrategy:
     info = INFO
@@ -98,9 +120,10 @@ class ZeroStrategy:
         scheduler = None if "scheduler" in self.config else args.build_scheduler
         self.gather_unit = gather_blocks_whole(model, self.config, world_size=args.env.world_size) \
             if self.stage == 3 else ""
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.config,
-            model_parameters=param_groups(model, recipe.optim) if optimizer is None else None)
+        with without_constructor_lr_notice():
+            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.config,
+                model_parameters=param_groups(model, recipe.optim) if optimizer is None else None)
         self.module = self.engine.module
         self.schedule_label = (f"DeepSpeed {self.config['scheduler']['type']}" if scheduler is None
                                else schedule_label(recipe.optim))
