@@ -55,7 +55,6 @@ def gather_blocks_whole(model: nn.Module, config: dict, *, world_size: int) -> s
     return said
 
 
-
 # what DeepSpeed's warm-up schedulers (WarmupLR and its subclasses) log from their own constructor, which reads the
 # learning rate before the first step: on every rank of every run whose JSON names one, about nothing the user did
 CONSTRUCTOR_LR_NOTICE = "Attempting to get learning rate from scheduler before it has started"
@@ -74,6 +73,7 @@ def without_constructor_lr_notice() -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(keep)
+
 
 class ZeroStrategy:
     info = INFO
