@@ -5,10 +5,15 @@ Each case works on a copy of one 3-step single-process run with a checkpoint aft
 import json
 import shutil
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
-from conftest import run_cli, write_recipe
+from conftest import FORKED_RANKS, REPO, forked_env, run_cli, write_recipe
+from toolkit.process.faults import HOLD_CHECKPOINT_UNTIL
 
 SETS = ("checkpoint.every_steps=1", "checkpoint.keep_last=5", "train.max_steps=3")
 
@@ -165,3 +170,46 @@ def test_another_seed_on_resume_is_one_line(three_steps, tmp_path):
     err = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(err) == 1, done.stderr[-3000:]
     assert "was trained with seed 0, this recipe has seed 7" in err[0] and "set seed=0" in err[0]
+
+
+def test_a_checkpoint_another_run_reads_is_kept_by_its_runs_keep_last_until_read(three_steps, tmp_path):
+    """A run resumed from a checkpoint of a run that is still going (`--resume OTHER/checkpoints/step-N` into its
+    own folder) reads it for the whole of its start (digests, weights, optimizer state, generators). Before, the
+    other run's keep_last deleted it whenever that run saved past it, mid-read. Now the reader holds the folder
+    (a shared flock), and keep_last leaves it, in one line, for a later save to remove once it is let go."""
+    recipe, run = three_steps
+    source, fork, gate = _copy(run, tmp_path), tmp_path / "fork", tmp_path / "gate"
+    reader = subprocess.Popen([sys.executable, str(FORKED_RANKS), "train", str(recipe),
+                               *_sets(*SETS, f"output_dir={fork}"), "--resume",
+                               str(source / "checkpoints" / "step-00000001")], cwd=REPO,
+                              env={**forked_env(), HOLD_CHECKPOINT_UNTIL: str(gate)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not Path(f"{gate}.held").exists():  # the reader has read step 1 and still holds it
+            assert reader.poll() is None and time.monotonic() < deadline, reader.communicate()[1][-3000:]
+            time.sleep(0.2)
+        # the source run goes on with keep_last 1: its saves at steps 4 and 5 would delete steps 1-4
+        more = run_cli("train", str(recipe), *_sets("checkpoint.every_steps=1", "checkpoint.keep_last=1",
+                                                    "train.max_steps=5", f"output_dir={source}"), "--resume")
+        assert more.returncode == 0, more.stderr[-3000:]
+        assert _checkpoints(source) == ["step-00000001", "step-00000005"]
+        # (the pid is the forked process that runs the reader's command: not reader.pid, the tests' client)
+        kept = f"checkpoint {source / 'checkpoints' / 'step-00000001'} kept past checkpoint.keep_last for now: " \
+               "another run is reading it (pid "
+        assert more.stderr.count(kept) == 2, more.stderr[-3000:]  # at the saves of steps 4 and 5
+    finally:
+        gate.touch()
+        out, err = reader.communicate(timeout=300)
+    assert reader.returncode == 0, err[-3000:]
+    assert _steps(fork / "metrics.jsonl") == [2, 3]  # the fork trained on from the checkpoint it held
+    assert json.loads((fork / "run.json").read_text())["resumed_from"]["step"] == 1
+    # let go: the source run's next save removes it
+    again = run_cli("train", str(recipe), *_sets("checkpoint.every_steps=1", "checkpoint.keep_last=1",
+                                                 "train.max_steps=6", f"output_dir={source}"), "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert _checkpoints(source) == ["step-00000006"] and "kept past" not in again.stderr
+
+
+def _checkpoints(run) -> list[str]:
+    return sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step-"))

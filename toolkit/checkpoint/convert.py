@@ -20,6 +20,13 @@ from toolkit.model.tied import without_tied_aliases
 
 
 def convert(checkpoint_path: Path, out: Path) -> Path:
+    try:
+        return _convert(checkpoint_path, out)
+    finally:
+        store.done_reading()
+
+
+def _convert(checkpoint_path: Path, out: Path) -> Path:
     import transformers
 
     newest = store.newest_checkpoint_in(checkpoint_path)
@@ -29,6 +36,7 @@ def convert(checkpoint_path: Path, out: Path) -> Path:
         checkpoint_path = newest
     checkpoint = store.read_checkpoint(checkpoint_path, resuming=False)
     check_out(out, checkpoint=checkpoint.path)
+    store.hold_for_reading(checkpoint)  # a live run's: its keep_last leaves it until the model is written
     digest.check(checkpoint.path, expected=checkpoint.records_digests)  # bytes changed since the save: before reading
     hf = checkpoint.path / "hf"
     if not (hf / "config.json").is_file():

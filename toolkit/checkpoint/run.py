@@ -51,6 +51,8 @@ def starting_point(recipe: Recipe, resume: Resume | None, *, plan: BatchPlan, to
     if resume is None:
         return None
     checkpoint = store.find_resume(out_dir, resume.path)
+    if env is not None:  # the ranks read it from here until restore: its run's keep_last leaves it until then
+        checkpoint = store.hold_for_reading(checkpoint)
     state.saved_keys(checkpoint.path)  # its DCP metadata is readable (a one-line error before any rank starts)
     if env is not None:  # the ranks, each hashing its share; not the launcher too: one pass over the bytes
         digest.check(checkpoint.path, expected=checkpoint.records_digests, env=env)
@@ -145,11 +147,16 @@ def restore(strategy, checkpoint: store.Checkpoint, *, weights_only: bool, env: 
     return checkpoint.step
 
 
-def restore_rng(checkpoint: store.Checkpoint, *, env: DistEnv) -> None:
-    """Each rank's CPU generator as the checkpoint left it: the loop's last act before the first step, so nothing
-    in between draws from it (the CPU matmul peak measured at start did, and every dropout mask after a resume
-    differed from the uninterrupted run's)."""
-    state.load_rng(checkpoint.path, env=env, saved_world=int(checkpoint.manifest["world_size"]))
+def read_rng(checkpoint: store.Checkpoint, *, env: DistEnv):
+    """This rank's generators' states as the checkpoint holds them, read while it is held (restore_rng sets them)."""
+    return state.read_rng(checkpoint.path, env=env, saved_world=int(checkpoint.manifest["world_size"]))
+
+
+def restore_rng(states, *, env: DistEnv) -> None:
+    """Each rank's CPU generator as the checkpoint left it (`read_rng`'s states): the loop's last act before the
+    first step, so nothing in between draws from it (the CPU matmul peak measured at start did, and every dropout
+    mask after a resume differed from the uninterrupted run's)."""
+    state.set_rng(states, env=env)
 
 
 def continue_metrics(out_dir: Path, *, done_steps: int) -> None:

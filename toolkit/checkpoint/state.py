@@ -433,20 +433,28 @@ def load_communication(path: Path, *, env: DistEnv, saved_world: int) -> bytes |
     return state["comm"][str(env.rank)].numpy().tobytes()
 
 
-def load_rng(path: Path, *, env: DistEnv, saved_world: int) -> None:
-    """Each rank's generator, when the world size is the one that saved it (it only drives dropout)."""
+def read_rng(path: Path, *, env: DistEnv, saved_world: int) -> dict[str, torch.Tensor] | None:
+    """This rank's generators' states as the checkpoint holds them (set by `set_rng`), when the world size is the
+    one that saved them (they only drive dropout); None otherwise."""
     if saved_world != env.world_size:
         if env.is_main:
             print(f"[toolkit] resume: random generators not restored (saved by {saved_world} ranks, now "
                   f"{env.world_size}); only dropout masks depend on them", file=sys.stderr, flush=True)
-        return
+        return None
     saved = saved_keys(path)  # a checkpoint saved on the CPU (or before the toolkit kept it) has no GPU's
     rank = str(env.rank)
     state = {key: {rank: held} for key, held in _generators(env).items() if f"{key}.{rank}" in saved}
-    _load(state, path)
-    torch.set_rng_state(state["rng"][rank])
-    if "device_rng" in state:
-        torch.cuda.set_rng_state(state["device_rng"][rank], env.device)
+    _load(state, path)  # into the copies _generators made: nothing is set yet
+    return {key: held[rank] for key, held in state.items()}
+
+
+def set_rng(states: dict[str, torch.Tensor] | None, *, env: DistEnv) -> None:
+    """The generators read by `read_rng` set (nothing where it read none)."""
+    if states is None:
+        return
+    torch.set_rng_state(states["rng"])
+    if "device_rng" in states:
+        torch.cuda.set_rng_state(states["device_rng"], env.device)
 
 
 def _generators(env: DistEnv) -> dict[str, torch.Tensor]:

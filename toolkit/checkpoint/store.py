@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from toolkit.checkpoint import digest
 from toolkit.config.files import dump_recipe
 from toolkit.config.recipe import Recipe
 from toolkit.errors import RecipeError
-from toolkit.process import faults
+from toolkit.process import faults, folder_lock
 
 FORMAT = "toolkit-checkpoint"
 VERSION = 1
@@ -266,8 +267,56 @@ def commit(out_dir: Path, step: int, *, keep_last: int, digests: bool = True) ->
     partial_path(out_dir, step).rename(final)
     _fsync_files([final.parent])
     for old in complete_checkpoints(out_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_unless_read(old)
     return final
+
+
+def remove_unless_read(path: Path) -> None:
+    """keep_last's deletion of an older checkpoint, unless another run is reading it now (resuming from it,
+    converting it: it holds the folder's shared lock, hold_for_reading): then it stays, said in one line, for a
+    later save of this run to remove."""
+    lock = folder_lock.FolderLock(path)
+    if not lock.acquire():
+        print(f"[toolkit] checkpoint {path} kept past checkpoint.keep_last for now: another run is reading it "
+              f"({folder_lock.holder(path)}); a later save removes it", file=sys.stderr, flush=True)
+        return
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+    finally:
+        lock.release()
+
+
+_READING: list[folder_lock.FolderLock] = []  # this process's shared locks on the checkpoints it reads
+
+
+def hold_for_reading(checkpoint: Checkpoint) -> Checkpoint:
+    """A checkpoint this process reads (a resume's, a convert's), held from here until `done_reading`: the run
+    that wrote it, if still going, leaves it to this reader past its keep_last. RecipeError (one line) where that
+    run removed it between finding and holding it."""
+    lock, deadline = folder_lock.FolderLock(checkpoint.path, shared=True), time.monotonic() + READ_WAIT_S
+    while not lock.acquire():  # a keep_last deletion holds it: it is going
+        if time.monotonic() >= deadline:
+            raise RecipeError(f"checkpoint {checkpoint.path} is held by {folder_lock.holder(checkpoint.path)}, "
+                              f"which is removing it, and was not let go in {READ_WAIT_S:.0f} s; pass another "
+                              "checkpoint")
+        time.sleep(0.2)
+    if not is_complete(checkpoint.path):  # its run's keep_last got there first
+        lock.release()
+        newer = newest_checkpoint_in(checkpoint.path.parent)
+        then = f"; its run's newest is {newer}" if newer is not None else ""
+        raise RecipeError(f"checkpoint {checkpoint.path} was removed (its run's checkpoint.keep_last) as this run "
+                          f"started{then}: pass a checkpoint that is kept")
+    _READING.append(lock)
+    return checkpoint
+
+
+READ_WAIT_S = 60.0  # a keep_last deletion holds its folder for as long as removing its files takes
+
+
+def done_reading() -> None:
+    """Every checkpoint `hold_for_reading` holds in this process let go (nothing where none is)."""
+    while _READING:
+        _READING.pop().release()
 
 
 def _fsync_files(paths: list[Path]) -> None:

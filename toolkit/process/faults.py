@@ -20,6 +20,8 @@ NAN_LOSS_AT_STEP = "TOOLKIT_FAULT_NAN_LOSS_AT_STEP"  # that step's loss, as ever
 DELAY_FAILURE_LINE = "TOOLKIT_FAULT_DELAY_FAILURE_LINE"  # seconds rank 0 waits before a failed save's line
 FULL_METRICS_AT_STEP = "TOOLKIT_FAULT_FULL_METRICS_AT_STEP"  # metrics.jsonl's writes go to /dev/full from then
 FULL_DISK_AFTER_STEP = "TOOLKIT_FAULT_FULL_DISK_AFTER_STEP"  # from then no file grows past run.json's size
+# "FILE": a resumed run, its checkpoint read, writes FILE.held (rank 0) and lets go of the checkpoint once FILE exists
+HOLD_CHECKPOINT_UNTIL = "TOOLKIT_FAULT_HOLD_CHECKPOINT_UNTIL"
 
 
 def after_step(step: int, env: DistEnv, *, out_dir: Path) -> None:
@@ -65,3 +67,16 @@ def before_metrics_write(step: int, file) -> None:
         full = os.open("/dev/full", os.O_WRONLY)
         os.dup2(full, file.fileno())
         os.close(full)
+
+
+def before_letting_go_of_checkpoint(env: DistEnv) -> None:
+    """A resumed run still holding the checkpoint it read, for as long as a test takes to save past it in the run
+    that wrote it (at most 5 minutes)."""
+    until = os.environ.get(HOLD_CHECKPOINT_UNTIL)
+    if restarted() or not until:
+        return
+    if env.is_main:
+        Path(until + ".held").touch()
+    deadline = time.monotonic() + 300
+    while not Path(until).exists() and time.monotonic() < deadline:
+        time.sleep(0.1)

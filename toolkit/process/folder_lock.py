@@ -24,10 +24,12 @@ class FolderInUse(RecipeError):
 
 
 class FolderLock:
-    """An exclusive, non-blocking flock on a folder, held until `release` or the end of the process."""
+    """An exclusive (or, `shared`, a shared) non-blocking flock on a folder, held until `release` or the end of
+    the process. Shared: the readers of a checkpoint, which its run's keep_last leaves until they let go."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, *, shared: bool = False):
         self.folder = folder
+        self.mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
         self.fd: int | None = None
 
     def acquire(self) -> bool:
@@ -39,7 +41,7 @@ class FolderLock:
         except (OSError, ValueError):  # ValueError: a NUL in the path
             return True
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, self.mode | fcntl.LOCK_NB)
         except OSError as exc:
             os.close(fd)
             return exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN)

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from toolkit.checkpoint import run as checkpoints
+from toolkit.checkpoint import run as checkpoints, store
 from toolkit.checkpoint.loading import ModelSource, num_parameters, own_memory, whole_parameters
 from toolkit.checkpoint.run import Resume
 from toolkit.checkpoint.schedule import data_changes, schedule_changes
@@ -115,6 +115,13 @@ def announce_schedule_changes(recipe: Recipe, checkpoint, *, env: DistEnv, total
 
 
 def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> TrainResult:
+    try:
+        return _train(recipe, env, resume=resume)
+    finally:  # a resumed checkpoint still held where the run ended before it was read (its process may go on)
+        store.done_reading()
+
+
+def _train(recipe: Recipe, env: DistEnv, *, resume: Resume | None) -> TrainResult:
     recipe = resolve(recipe, world_size=env.world_size)  # parallel degrees -> their preset: one form from here on
     prepared = prepare(recipe, env)
     plan, layout, strategy, tokenizer = prepared.plan, prepared.layout, prepared.strategy, prepared.tokenizer
@@ -159,6 +166,9 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
         done = checkpoints.restore(strategy, checkpoint, weights_only=weights_only, env=env, total_steps=total_steps)
         announce_schedule_changes(recipe, checkpoint, env=env, total_steps=total_steps, train_data=train_data)
         tokens_seen = int(checkpoint.manifest.get("tokens_seen", 0))
+        rng = checkpoints.read_rng(checkpoint, env=env)
+        faults.before_letting_go_of_checkpoint(env)
+        store.done_reading()  # every byte it gives is read: its run's keep_last may remove it from here
     out_dir = Path(recipe.output_dir)
     info = runinfo.start(recipe, env=env, plan=plan, total_steps=total_steps, model=strategy.state.export_module(),
                          num_params=num_params, out_dir=out_dir, prediction=prediction, data=prepared.data_info)
@@ -201,7 +211,7 @@ def train(recipe: Recipe, env: DistEnv, *, resume: Resume | None = None) -> Trai
             signals = StopSignals().install()
             profiler = profiling.StepProfiler(recipe, env=env, out_dir=out_dir, done=done)
             if checkpoint is not None:  # last before the first step: nothing draws from the restored generator
-                checkpoints.restore_rng(checkpoint, env=env)
+                checkpoints.restore_rng(rng, env=env)
             try:
                 parts = StepParts(recipe=recipe, env=env, plan=plan, layout=layout, total_steps=total_steps, info=info,
                                   eval_ds=prepared.eval_ds, collator=collator, saver=saver, writer=writer,
