@@ -6,6 +6,7 @@ Nothing here touches tensors: see toolkit/checkpoint/state.py for what goes into
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -179,9 +180,21 @@ def set_aside_later(out_dir: Path, step: int) -> Path | None:
     if not later:
         return None
     aside = checkpoints_dir(out_dir) / f"set-aside-after-step-{step:08d}-{time.strftime('%Y%m%d-%H%M%S')}"
-    aside.mkdir()
-    for path in [*later, *(Path(out_dir) / name for name in EXPORTS if (Path(out_dir) / name).is_dir())]:
-        path.rename(aside / path.name)
+    locks = []
+    try:
+        for path in later:  # a process reading one (a fork resuming from it, a convert) reads it to the end first
+            lock = taken_from_readers(path, doing="this run sets it aside (it branches at an earlier step)")
+            if lock is None:
+                raise RecipeError(f"checkpoint {path}, which resuming from step {step} sets aside, is still being "
+                                  f"read by {folder_lock.holder(path)} after {TAKE_WAIT_S / 60:.0f} min; resume once "
+                                  "that process has ended")
+            locks.append(lock)
+        aside.mkdir()
+        for path in [*later, *(Path(out_dir) / name for name in EXPORTS if (Path(out_dir) / name).is_dir())]:
+            path.rename(aside / path.name)
+    finally:
+        for lock in locks:
+            lock.release()
     return aside
 
 
@@ -263,7 +276,13 @@ def commit(out_dir: Path, step: int, *, keep_last: int, digests: bool = True) ->
         digest.record(partial_path(out_dir, step))  # after the manifest: digests.json covers every other file
     final = final_path(out_dir, step)
     if final.exists():  # the same step saved again (a resumed run that ends where its checkpoint was)
-        shutil.rmtree(final)
+        lock = taken_from_readers(final, doing=f"this run replaces it with its new save of step {step}")
+        if lock is None:  # one line: CheckpointWriteError (state.written)
+            raise OSError(errno.EBUSY, f"{final} is still being read by {folder_lock.holder(final)}")
+        try:
+            shutil.rmtree(final)
+        finally:
+            lock.release()
     partial_path(out_dir, step).rename(final)
     _fsync_files([final.parent])
     for old in complete_checkpoints(out_dir)[:-keep_last]:
@@ -272,18 +291,42 @@ def commit(out_dir: Path, step: int, *, keep_last: int, digests: bool = True) ->
 
 
 def remove_unless_read(path: Path) -> None:
-    """keep_last's deletion of an older checkpoint, unless another run is reading it now (resuming from it,
-    converting it: it holds the folder's shared lock, hold_for_reading): then it stays, said in one line, for a
-    later save of this run to remove."""
+    """keep_last's deletion of an older checkpoint, unless another process is reading it now (a run resuming from
+    it, a convert: it holds the folder's shared lock, hold_for_reading): then it stays, said in one line (once), for
+    a later save of this run to remove."""
     lock = folder_lock.FolderLock(path)
     if not lock.acquire():
-        print(f"[toolkit] checkpoint {path} kept past checkpoint.keep_last for now: another run is reading it "
-              f"({folder_lock.holder(path)}); a later save removes it", file=sys.stderr, flush=True)
+        if path not in _SAID_KEPT:
+            _SAID_KEPT.add(path)
+            print(f"[toolkit] checkpoint {path} kept past checkpoint.keep_last for now: another process is reading "
+                  f"it ({folder_lock.holder(path)}); a later save of this run removes it, or delete it once that "
+                  "process has ended", file=sys.stderr, flush=True)
         return
     try:
         shutil.rmtree(path, ignore_errors=True)
     finally:
         lock.release()
+
+
+_SAID_KEPT: set[Path] = set()  # the checkpoints remove_unless_read said it kept
+
+
+def taken_from_readers(path: Path, *, doing: str) -> folder_lock.FolderLock | None:
+    """The checkpoint folder's lock, held, before this process moves or replaces it: a process reading it
+    (hold_for_reading) is waited for, in one line saying `doing`, for up to TAKE_WAIT_S; None if it still reads."""
+    lock, deadline, said = folder_lock.FolderLock(path), time.monotonic() + TAKE_WAIT_S, False
+    while not lock.acquire():
+        if time.monotonic() >= deadline:
+            return None
+        if not said:
+            said = True
+            print(f"[toolkit] waiting for {folder_lock.holder(path)} to finish reading checkpoint {path}: {doing}",
+                  file=sys.stderr, flush=True)
+        time.sleep(0.5)
+    return lock
+
+
+TAKE_WAIT_S = 600.0  # a reader holds a checkpoint for a run's start (its build, load and setup) or a convert
 
 
 _READING: list[folder_lock.FolderLock] = []  # this process's shared locks on the checkpoints it reads
@@ -304,8 +347,8 @@ def hold_for_reading(checkpoint: Checkpoint) -> Checkpoint:
         lock.release()
         newer = newest_checkpoint_in(checkpoint.path.parent)
         then = f"; its run's newest is {newer}" if newer is not None else ""
-        raise RecipeError(f"checkpoint {checkpoint.path} was removed (its run's checkpoint.keep_last) as this run "
-                          f"started{then}: pass a checkpoint that is kept")
+        raise RecipeError(f"checkpoint {checkpoint.path} was removed by its run (checkpoint.keep_last, or a resume "
+                          f"that set it aside) before it could be held{then}: pass a checkpoint that is kept")
     _READING.append(lock)
     return checkpoint
 
