@@ -2,6 +2,7 @@
 the fix, and nothing written. Only the resume tests train: one 1-step, single-process compare they share."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -9,6 +10,7 @@ import yaml
 
 from conftest import write_recipe
 from toolkit.cli import main
+from toolkit.process.folder_lock import FolderLock
 
 
 def _assert_one_line_exit_2(code, capsys, words, out=None):
@@ -157,6 +159,27 @@ def test_rerun_with_other_settings_refuses_the_folder(one_step, capsys):
                                            "optim.lr: 0.001 then, 0.5 now", "train.max_steps: 1 then, 3 now",
                                            "pass a new --output, or remove"))
     assert _files(out) == before  # experiment.json still describes the runs it holds
+
+
+def test_an_arm_folder_a_run_typed_by_hand_holds_is_not_replaced(one_step, tmp_path, capsys):
+    """A re-run replaces an arm that did not complete (its folder removed, the arm run afresh). Before, that
+    removed the files of a run typed into the arm's folder (`toolkit train --set output_dir=EXP/ARM`) while it ran;
+    now the compare stops in one line naming it, the folder as it was."""
+    recipe, out, args = one_step
+    copy = tmp_path / "exp"
+    shutil.copytree(out, copy)
+    arm = copy / "single@optim.lr=2e-3"
+    (arm / "run.json").unlink()  # not completed: the re-run would replace it
+    before = _files(arm)
+    lock = FolderLock(arm)  # as the hand-typed run's rank 0 holds it (this process: another open file description)
+    assert lock.acquire() and lock.fd is not None
+    try:
+        code = main([*args[:6], "--output", str(copy)])
+    finally:
+        lock.release()
+    _assert_one_line_exit_2(code, capsys, (f"arm single@optim.lr=2e-3's folder {arm} is being written by a run that "
+                                           f"is not this compare's (pid {os.getpid()}", "--output OTHER"))
+    assert _files(arm) == before
 
 
 def test_rerun_after_the_recipe_file_changed_refuses_the_folder(one_step, tmp_path, capsys):

@@ -24,6 +24,7 @@ from toolkit.config.files import load_recipe, path_keys, recipe_to_dict
 from toolkit.errors import INTERRUPTED_EXIT_CODE as INTERRUPTED, USER_ERROR_EXIT_CODE, RecipeError, error_line
 from toolkit.observe.metrics import read_record
 from toolkit.observe.tracking import tensorboard_dir
+from toolkit.process import folder_lock
 
 TAIL_LINES = 15
 
@@ -179,6 +180,16 @@ LAUNCH_FAILED = "toolkit: launch failed"
 SEE_ABOVE = " (see the rank output above)"
 
 
+def check_arm_free(experiment: Experiment, arm: Arm) -> None:
+    """Before an arm's folder is replaced: no process holds it. This compare holds the experiment folder, so a
+    holder is a run typed into the arm's folder by hand, whose files the arm's fresh start would delete."""
+    out = arm_dir(experiment, arm)
+    who = folder_lock.in_use(out)
+    if who is not None:
+        raise RecipeError(f"arm {arm.name}'s folder {out} is being written by a run that is not this compare's "
+                          f"({who}); let it end or stop it, or run the experiment elsewhere with --output OTHER")
+
+
 def run_arm(experiment: Experiment, arm: Arm) -> str:
     out = arm_dir(experiment, arm)
     # trackers (train.report_to) write into the experiment folder, each arm a run named after it: one
@@ -296,6 +307,7 @@ def run_experiment(experiment: Experiment, *, log=print) -> dict[str, str]:
         if status == "completed":
             log(f"[compare] {index}/{len(experiment.arms)} {arm.name}: already completed, skipped")
         else:
+            check_arm_free(experiment, arm)
             earlier = earlier_attempt(arm_dir(experiment, arm), status)
             if earlier:
                 log(f"[compare] {index}/{len(experiment.arms)} {arm.name}: {earlier} is replaced: the arm runs "
