@@ -161,17 +161,20 @@ def test_rerun_with_other_settings_refuses_the_folder(one_step, capsys):
     assert _files(out) == before  # experiment.json still describes the runs it holds
 
 
-def test_an_arm_folder_a_run_typed_by_hand_holds_is_not_replaced(one_step, tmp_path, capsys):
+@pytest.mark.parametrize("inside", ["", "sub"])
+def test_an_arm_folder_a_run_typed_by_hand_holds_is_not_replaced(one_step, tmp_path, capsys, inside):
     """A re-run replaces an arm that did not complete (its folder removed, the arm run afresh). Before, that
-    removed the files of a run typed into the arm's folder (`toolkit train --set output_dir=EXP/ARM`) while it ran;
-    now the compare stops in one line naming it, the folder as it was."""
+    removed the files of a run typed into the arm's folder (`toolkit train --set output_dir=EXP/ARM`, or EXP/ARM/sub)
+    while it ran; now the compare stops in one line naming it, the folder as it was."""
     recipe, out, args = one_step
     copy = tmp_path / "exp"
     shutil.copytree(out, copy)
     arm = copy / "single@optim.lr=2e-3"
     (arm / "run.json").unlink()  # not completed: the re-run would replace it
+    (arm / inside).mkdir(exist_ok=True)
     before = _files(arm)
-    lock = FolderLock(arm)  # as the hand-typed run's rank 0 holds it (this process: another open file description)
+    # as the hand-typed run's rank 0 holds it (this process: another open file description)
+    lock = FolderLock(arm / inside)
     assert lock.acquire() and lock.fd is not None
     try:
         code = main([*args[:6], "--output", str(copy)])

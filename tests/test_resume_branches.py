@@ -251,3 +251,38 @@ def _held_reader(recipe, checkpoint, *, out, gate, sets=()) -> subprocess.Popen:
 
 def _checkpoints(run) -> list[str]:
     return sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step-"))
+
+
+def test_an_output_dir_in_another_runs_folder_is_one_line_and_touches_nothing(three_steps, tmp_path):
+    """Before, each of these trained (exit 0) into a run's folder: a checkpoint's files changed (its digests then
+    refused it), or that run's next save or export deleted or replaced what was written. A compare's experiment
+    folder and a converted model's folder there are refused the same way; a refused run leaves no folder it made
+    above output_dir, and an output_dir that is a link to nowhere is one line, not a failed first write."""
+    recipe, run = three_steps
+    source = _copy(run, tmp_path)
+    before = _files(source)
+    step = source / "checkpoints" / "step-00000001"
+    inside = f"is inside the folder of the run in {source}"
+    for out, said in ((step, "is a checkpoint folder: writing into it would damage it"),
+                      *((path, inside) for path in (source / "checkpoints", source / "model", source / "sub",
+                                                    step / "hf" / "sub"))):
+        done = run_cli("train", str(recipe), *_sets(*SETS, f"output_dir={out}"))
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr[-3000:]
+        assert done.stderr.startswith(f"toolkit: error: output_dir {out} {said}"), done.stderr[-3000:]
+        assert done.stderr.strip().endswith("write this run elsewhere with --set output_dir=OTHER")
+    converted = run_cli("convert", str(step), str(source / "hf-model"))
+    assert converted.returncode == 2 and converted.stderr.startswith(
+        f"toolkit: error: model folder {source / 'hf-model'} {inside}"), converted.stderr[-3000:]
+    compared = run_cli("compare", str(recipe), "--strategies", "single", "--steps", "1", "--output",
+                       str(source / "exp"))
+    assert compared.returncode == 2 and compared.stderr.startswith(
+        f"toolkit: error: experiment folder {source / 'exp'} {inside}"), compared.stderr[-3000:]
+    assert _files(source) == before and not (source / "sub").exists()
+    # a refused run removes the folders it made above output_dir (here: refused for --resume with nothing to resume)
+    refused = run_cli("train", str(recipe), *_sets(*SETS, f"output_dir={tmp_path / 'new' / 'x' / 'y'}"), "--resume")
+    assert refused.returncode == 2 and not (tmp_path / "new").exists(), refused.stderr[-3000:]
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere" / "deep")
+    dangling = run_cli("train", str(recipe), *_sets(*SETS, f"output_dir={tmp_path / 'link'}"))
+    assert dangling.returncode == 2 and dangling.stderr.strip().splitlines() == [
+        f"toolkit: error: output_dir {tmp_path / 'link'} is a link to {tmp_path / 'nowhere' / 'deep'}, which does "
+        "not exist; make that folder, or choose another output_dir"], dangling.stderr[-3000:]

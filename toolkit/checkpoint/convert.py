@@ -87,5 +87,6 @@ def check_out(out: Path, *, checkpoint: Path) -> None:
     if out.resolve().is_relative_to(checkpoint.resolve()):
         raise RecipeError(f"{out} is inside the checkpoint {checkpoint}; write the model to a folder outside it")
     store.check_creatable(out, what="model folder")
+    store.check_not_in_a_run(out, what="model folder", fix="write the model to a folder outside it")
     if out.exists():
         raise RecipeError(f"{out} already exists; pass a new folder to write the model into")

@@ -207,6 +207,7 @@ def check_output_dir(out_dir: Path, *, resume: bool) -> None:
     """Never overwrite a run silently: an output_dir that holds one needs --resume (or another output_dir). A run's
     output_dir is a folder, or one it can make: checked before anything is written."""
     check_creatable(out_dir)
+    check_not_in_a_run(out_dir, what="output_dir", fix="write this run elsewhere with --set output_dir=OTHER")
     if not resume and holds_run(out_dir):
         if not complete_checkpoints(out_dir):  # --resume would find nothing: say what does help
             if (read_run_info(out_dir) or {}).get("status") == "completed":  # checkpoint.final null, a quick run
@@ -225,12 +226,37 @@ def check_output_dir(out_dir: Path, *, resume: bool) -> None:
                           f"one elsewhere with --set output_dir=OTHER")
 
 
+def check_not_in_a_run(path: Path, *, what: str, fix: str) -> None:
+    """`path` (a run's output_dir, an experiment folder, a converted model's folder) is no checkpoint and lies in no
+    run's folder: there that run's keep_last, set-asides and export delete or replace what is written, and what is
+    written changes its checkpoints' files (their digests then refuse them)."""
+    try:
+        resolved = Path(path).resolve()
+    except (OSError, RuntimeError, ValueError):  # a link loop, a NUL: check_creatable says
+        return
+    if (resolved / MANIFEST).is_file():
+        raise RecipeError(f"{what} {path} is a checkpoint folder: writing into it would damage it; {fix}")
+    for above in resolved.parents:
+        if is_run_folder(above):
+            raise RecipeError(f"{what} {path} is inside the folder of the run in {above}: that run's checkpoints "
+                              f"and export would replace or delete it, and its files would change that run's; {fix}")
+
+
+def is_run_folder(path: Path) -> bool:
+    """A run's output_dir: its run.json (status and strategy) or a complete checkpoint."""
+    info = read_run_info(path)
+    return bool(info is not None and "status" in info and "strategy" in info) or bool(complete_checkpoints(path))
+
+
 def check_creatable(out_dir: Path, *, what: str = "output_dir") -> None:
     """`out_dir`, or its nearest parent that exists, is a folder this process can make a folder in. Tried, not
     inferred from permission bits: root passes os.access everywhere, also in /proc, where mkdir still fails."""
     fix = f"choose another {what}"
     if "\0" in str(out_dir):  # exists() says False for it, and mkdir raises ValueError
         raise RecipeError(f"{what} {str(out_dir)!r} holds a NUL character; {fix}")
+    if out_dir.is_symlink() and not out_dir.exists():  # mkdir finds it there (EEXIST), every write fails
+        raise RecipeError(f"{what} {out_dir} is a link to {os.readlink(out_dir)}, which does not exist; make that "
+                          f"folder, or {fix}")
     try:  # exists() is False for a missing path, and raises for a name the file system refuses (too long)
         nearest = next(p for p in (out_dir, *out_dir.parents) if p.exists())
     except OSError as exc:

@@ -15,6 +15,7 @@ from datetime import datetime
 from pathlib import Path
 
 from toolkit.atomic import write_text_whole
+from toolkit.checkpoint.store import check_not_in_a_run
 from toolkit.config.arm_specs import arm_parts, refuse_repeats
 from toolkit.config.files import load_recipe, replaced_overrides
 from toolkit.config.parallel import resolve
@@ -91,6 +92,7 @@ def check_output_dir(out_dir: Path) -> None:
     if not existing.is_dir():
         what = f"{out_dir} is a file" if existing == out_dir else f"{existing}, above {out_dir}, is a file"
         raise RecipeError(f"experiment folder: {what}, not a folder; pass another --output")
+    check_not_in_a_run(out_dir, what="experiment folder", fix="pass another --output")
     # each arm runs afresh in out_dir/<arm>, replacing what is there: only a folder compare made is written into
     if existing == out_dir and any(out_dir.iterdir()) and not (out_dir / "experiment.json").is_file():
         raise RecipeError(f"experiment folder: {out_dir} holds files but no experiment.json (it is no compare "

@@ -184,10 +184,13 @@ def check_arm_free(experiment: Experiment, arm: Arm) -> None:
     """Before an arm's folder is replaced: no process holds it. This compare holds the experiment folder, so a
     holder is a run typed into the arm's folder by hand, whose files the arm's fresh start would delete."""
     out = arm_dir(experiment, arm)
-    who = folder_lock.in_use(out)
-    if who is not None:
-        raise RecipeError(f"arm {arm.name}'s folder {out} is being written by a run that is not this compare's "
-                          f"({who}); let it end or stop it, or run the experiment elsewhere with --output OTHER")
+    folders = [out, *(Path(top) / name for top, names, _ in os.walk(out) for name in names)] if out.is_dir() else []
+    for folder in folders:  # the arm's folder, or one in it (EXP/ARM/sub: a run typed there before the arm ran)
+        who = folder_lock.in_use(folder)
+        if who is not None:
+            raise RecipeError(f"arm {arm.name}'s folder {out} is being written by a run that is not this compare's "
+                              f"({who}{'' if folder == out else f', in {folder}'}); let it end or stop it, or run "
+                              "the experiment elsewhere with --output OTHER")
 
 
 def run_arm(experiment: Experiment, arm: Arm) -> str:

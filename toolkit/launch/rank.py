@@ -112,10 +112,10 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
     from toolkit.process.stopping import NonFinite, OutputWriteError, Stopped
 
     out_dir = Path(recipe.output_dir)
-    before, lock = None, None
+    before, lock, above = None, None, list[Path]()
     try:
         # first: a live run's folder is neither read as a finished run nor cleaned
-        lock, before = hold_output_dir(out_dir, env)
+        lock, before, above = hold_output_dir(out_dir, env)
         resume = after_restart(recipe, resume, env=env)  # a restart continues this launch's newest checkpoint
         if os.environ.get(RANKS_CHECK_ENV) == "1":  # `toolkit launch` on one machine left its checks to the ranks
             from toolkit.checkpoint.run import starting_point
@@ -179,35 +179,55 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
             if before is None:  # a folder made for the lock and left empty (a crash before the first write) goes
                 with contextlib.suppress(OSError, ValueError):  # ValueError: a NUL in the path (refused already)
                     out_dir.rmdir()
+            remove_empty(above)  # and the folders its making made above it, where that left them empty
     return 0, result.strategy
 
 
-def hold_output_dir(out_dir: Path, env) -> tuple[FolderLock | None, set[str] | None]:
+def hold_output_dir(out_dir: Path, env) -> tuple[FolderLock | None, set[str] | None, list[Path]]:
     """Rank 0 holds output_dir while it trains (process/folder_lock.py), making the folder if the run is to make it;
     every rank learns whether it could, in one all-reduce. A restarted rank waits up to 30 s for its predecessor to
     be gone. Returns the lock and, on rank 0 (the one rank that removes what the run made: remove_made), what the
-    folder held once it was held (`entries`; None where this run made it); (None, None) on the other ranks.
+    folder held once it was held (`entries`; None where this run made it), and the folders above it its making
+    made (removed at the end where left empty); (None, None, []) on the other ranks.
     FolderInUse where another run holds it: rank 0's names that run, the other ranks' is empty (rank 0 says it)."""
     import torch
 
+    from toolkit.checkpoint.store import check_not_in_a_run
     from toolkit.process.dist import all_reduce_max, restarted
 
     lock, before, refused = None, None, None
     if env.is_main:
-        made = False
-        with contextlib.suppress(OSError, ValueError):  # a path no folder can take: the recipe's checks say why
-            out_dir.mkdir(parents=True)
-            made = True
-        try:
+        made, above = False, _missing_above(out_dir)
+        try:  # first: such a folder is neither made nor locked (nor, refused, removed as one this run made)
+            check_not_in_a_run(out_dir, what="output_dir", fix="write this run elsewhere with --set output_dir=OTHER")
+            with contextlib.suppress(OSError, ValueError):  # a path no folder can take: the recipe's checks say why
+                out_dir.mkdir(parents=True)
+                made = True
             lock = hold(out_dir, message=run_in_use(out_dir), wait_s=30 if restarted() else 0)
             before = None if made else entries(out_dir)  # after any wait: what a predecessor wrote is not this run's
-        except FolderInUse as exc:
-            refused = exc
+        except RecipeError as exc:  # another run's folder or a part of one: nothing of it is touched
+            refused = exc if isinstance(exc, FolderInUse) else FolderInUse(str(exc))
+            remove_empty(above)  # the folders above output_dir that mkdir made (`x` of x/../b)
     if env.distributed and all_reduce_max(torch.tensor([float(refused is not None)]), env)[0] and refused is None:
         refused = FolderInUse("")
     if refused is not None:
         raise refused
-    return lock, before
+    return lock, before, above if env.is_main else []
+
+
+def _missing_above(out_dir: Path) -> list[Path]:
+    """The folders above output_dir that do not exist yet, deepest first: those its mkdir makes."""
+    try:
+        return [p for p in out_dir.parents if p.name != ".." and not p.exists()]
+    except (OSError, ValueError):
+        return []
+
+
+def remove_empty(folders: list[Path]) -> None:
+    """Each folder, deepest first, where it is empty: what making output_dir made above it."""
+    for folder in folders:
+        with contextlib.suppress(OSError, ValueError):
+            folder.rmdir()
 
 
 def _let_rank_0_clean(out_dir: Path, *, wait_s: float = 5.0) -> None:
