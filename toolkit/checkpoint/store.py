@@ -232,14 +232,15 @@ def check_not_in_a_run(path: Path, *, what: str, fix: str) -> None:
     written changes its checkpoints' files (their digests then refuse them)."""
     try:
         resolved = Path(path).resolve()
-    except (OSError, RuntimeError, ValueError):  # a link loop, a NUL: check_creatable says
+        checkpoint = (resolved / MANIFEST).is_file()
+        run = next((above for above in resolved.parents if is_run_folder(above)), None)
+    except (OSError, RuntimeError, ValueError):  # a link loop, a NUL, a name too long: check_creatable says
         return
-    if (resolved / MANIFEST).is_file():
+    if checkpoint:
         raise RecipeError(f"{what} {path} is a checkpoint folder: writing into it would damage it; {fix}")
-    for above in resolved.parents:
-        if is_run_folder(above):
-            raise RecipeError(f"{what} {path} is inside the folder of the run in {above}: that run's checkpoints "
-                              f"and export would replace or delete it, and its files would change that run's; {fix}")
+    if run is not None:
+        raise RecipeError(f"{what} {path} is inside the folder of the run in {run}: that run's checkpoints and "
+                          f"export would replace or delete it, and its files would change that run's; {fix}")
 
 
 def is_run_folder(path: Path) -> bool:
@@ -254,13 +255,14 @@ def check_creatable(out_dir: Path, *, what: str = "output_dir") -> None:
     fix = f"choose another {what}"
     if "\0" in str(out_dir):  # exists() says False for it, and mkdir raises ValueError
         raise RecipeError(f"{what} {str(out_dir)!r} holds a NUL character; {fix}")
-    if out_dir.is_symlink() and not out_dir.exists():  # mkdir finds it there (EEXIST), every write fails
-        raise RecipeError(f"{what} {out_dir} is a link to {os.readlink(out_dir)}, which does not exist; make that "
-                          f"folder, or {fix}")
     try:  # exists() is False for a missing path, and raises for a name the file system refuses (too long)
         nearest = next(p for p in (out_dir, *out_dir.parents) if p.exists())
+        dangling = out_dir.is_symlink() and nearest != out_dir  # mkdir finds it there (EEXIST), every write fails
     except OSError as exc:
         raise RecipeError(f"{what} {out_dir}: {exc.strerror}; {fix}") from None
+    if dangling:
+        raise RecipeError(f"{what} {out_dir} is a link to {os.readlink(out_dir)}, which does not exist; make that "
+                          f"folder, or {fix}")
     if not nearest.is_dir():
         raise RecipeError(f"{what} {out_dir}: {nearest} is a file, not a folder; {fix}")
     try:
