@@ -3,6 +3,7 @@ branches (its later checkpoints and metrics set aside, not lost), is refused in 
 Each case works on a copy of one 3-step single-process run with a checkpoint after every step."""
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 
 from conftest import FORKED_RANKS, REPO, forked_env, run_cli, write_recipe
 from toolkit.process.faults import HOLD_CHECKPOINT_UNTIL
+from toolkit.process.folder_lock import FolderLock
 
 SETS = ("checkpoint.every_steps=1", "checkpoint.keep_last=5", "train.max_steps=3")
 
@@ -254,30 +256,43 @@ def _checkpoints(run) -> list[str]:
 
 
 def test_an_output_dir_in_another_runs_folder_is_one_line_and_touches_nothing(three_steps, tmp_path):
-    """Before, each of these trained (exit 0) into a run's folder: a checkpoint's files changed (its digests then
-    refused it), or that run's next save or export deleted or replaced what was written. A compare's experiment
-    folder and a converted model's folder there are refused the same way; a refused run leaves no folder it made
-    above output_dir, and an output_dir that is a link to nowhere is one line, not a failed first write."""
+    """Before, each of these trained (exit 0) into another run's folder: a checkpoint's files changed (its digests
+    then refused it), or that run's next save, branch or export deleted or replaced what was written. A compare's
+    experiment folder and a converted model's folder there are refused the same way. Any other folder under a run's
+    is the user's own, unless that run is still going. A refused run leaves no folder it made above output_dir, and
+    an output_dir that is a link to nowhere is one line, not a failed first write."""
     recipe, run = three_steps
     source = _copy(run, tmp_path)
     before = _files(source)
-    step = source / "checkpoints" / "step-00000001"
-    inside = f"is inside the folder of the run in {source}"
-    for out, said in ((step, "is a checkpoint folder: writing into it would damage it"),
-                      *((path, inside) for path in (source / "checkpoints", source / "model", source / "sub",
-                                                    step / "hf" / "sub"))):
+    step, checkpoints = source / "checkpoints" / "step-00000001", source / "checkpoints"
+    theirs = f"the run's in {source}: its keep_last, branches and export delete or replace what is there"
+    cases = [(step, "is a checkpoint folder: writing into it would damage it"),
+             (step / "hf" / "sub", f"is inside the checkpoint {step}: writing there would damage it"),
+             (checkpoints, f"is {theirs}"), (source / "model", f"is {theirs}"),
+             (checkpoints / "new", f"is inside {checkpoints}, which is {theirs}")]
+    for out, said in cases:
         done = run_cli("train", str(recipe), *_sets(*SETS, f"output_dir={out}"))
-        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr[-3000:]
-        assert done.stderr.startswith(f"toolkit: error: output_dir {out} {said}"), done.stderr[-3000:]
-        assert done.stderr.strip().endswith("write this run elsewhere with --set output_dir=OTHER")
-    converted = run_cli("convert", str(step), str(source / "hf-model"))
+        assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+            f"toolkit: error: output_dir {out} {said}; write this run elsewhere with --set output_dir=OTHER"], \
+            done.stderr[-3000:]
+    lock = FolderLock(source)  # as a run still going there holds it (this process: another open file description)
+    assert lock.acquire() and lock.fd is not None
+    try:
+        live = run_cli("train", str(recipe), *_sets(*SETS, f"output_dir={source / 'sub'}"))
+    finally:
+        lock.release()
+    assert live.returncode == 2 and live.stderr.startswith(
+        f"toolkit: error: output_dir {source / 'sub'} is inside the folder of the run in {source}, which is still "
+        f"going (pid {os.getpid()}"), live.stderr[-3000:]
+    converted = run_cli("convert", str(step), str(checkpoints / "hf-model"))
     assert converted.returncode == 2 and converted.stderr.startswith(
-        f"toolkit: error: model folder {source / 'hf-model'} {inside}"), converted.stderr[-3000:]
+        f"toolkit: error: model folder {checkpoints / 'hf-model'} is inside {checkpoints}"), converted.stderr[-3000:]
     compared = run_cli("compare", str(recipe), "--strategies", "single", "--steps", "1", "--output",
-                       str(source / "exp"))
+                       str(source / "model" / "exp"))
     assert compared.returncode == 2 and compared.stderr.startswith(
-        f"toolkit: error: experiment folder {source / 'exp'} {inside}"), compared.stderr[-3000:]
-    assert _files(source) == before and not (source / "sub").exists()
+        f"toolkit: error: experiment folder {source / 'model' / 'exp'} is inside {source / 'model'}"), \
+        compared.stderr[-3000:]
+    assert _files(source) == before
     # a refused run removes the folders it made above output_dir (here: refused for --resume with nothing to resume)
     refused = run_cli("train", str(recipe), *_sets(*SETS, f"output_dir={tmp_path / 'new' / 'x' / 'y'}"), "--resume")
     assert refused.returncode == 2 and not (tmp_path / "new").exists(), refused.stderr[-3000:]
@@ -286,3 +301,6 @@ def test_an_output_dir_in_another_runs_folder_is_one_line_and_touches_nothing(th
     assert dangling.returncode == 2 and dangling.stderr.strip().splitlines() == [
         f"toolkit: error: output_dir {tmp_path / 'link'} is a link to {tmp_path / 'nowhere' / 'deep'}, which does "
         "not exist; make that folder, or choose another output_dir"], dangling.stderr[-3000:]
+    # a folder of the user's own under a finished run's: trained as any
+    own = run_cli("train", str(recipe), *_sets(*SETS, "train.max_steps=1", f"output_dir={source / 'sub'}"))
+    assert own.returncode == 0, own.stderr[-3000:]

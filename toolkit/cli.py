@@ -231,10 +231,11 @@ def cmd_validate(args) -> int:
 def _output_dir_note(out_dir: Path) -> str | None:
     """validate: an output_dir no run can make is an error (as train's); one that holds a run, or that a live run
     writes, is a note saying what `toolkit train` will answer (a validate before a --resume is no mistake)."""
-    from toolkit.checkpoint.store import check_creatable, check_output_dir
+    from toolkit.checkpoint.store import check_creatable, check_not_in_a_run, check_output_dir
     from toolkit.process.folder_lock import FolderInUse, check_free, run_in_use
 
     check_creatable(out_dir)
+    check_not_in_a_run(out_dir, what="output_dir", fix="write this run elsewhere with --set output_dir=OTHER")
     try:
         check_free(out_dir, message=run_in_use(out_dir))
         check_output_dir(out_dir, resume=False)

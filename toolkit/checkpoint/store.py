@@ -227,20 +227,45 @@ def check_output_dir(out_dir: Path, *, resume: bool) -> None:
 
 
 def check_not_in_a_run(path: Path, *, what: str, fix: str) -> None:
-    """`path` (a run's output_dir, an experiment folder, a converted model's folder) is no checkpoint and lies in no
-    run's folder: there that run's keep_last, set-asides and export delete or replace what is written, and what is
-    written changes its checkpoints' files (their digests then refuse them)."""
+    """`path` (a run's output_dir, an experiment folder, a converted model's folder) is no part of another run's:
+    not a checkpoint nor in one (what is written there changes its files, and its digests then refuse it), not in
+    a run's checkpoints/ or model/ (its keep_last, branches and export delete or replace what is there), and not
+    in the folder of a run still going. Any other folder under a run's is the user's own."""
     try:
         resolved = Path(path).resolve()
-        checkpoint = (resolved / MANIFEST).is_file()
-        run = next((above for above in resolved.parents if is_run_folder(above)), None)
-    except (OSError, RuntimeError, ValueError):  # a link loop, a NUL, a name too long: check_creatable says
+    except (OSError, RuntimeError, ValueError):  # a link loop, a NUL: check_creatable says
         return
-    if checkpoint:
-        raise RecipeError(f"{what} {path} is a checkpoint folder: writing into it would damage it; {fix}")
-    if run is not None:
-        raise RecipeError(f"{what} {path} is inside the folder of the run in {run}: that run's checkpoints and "
-                          f"export would replace or delete it, and its files would change that run's; {fix}")
+    for folder in (resolved, *resolved.parents):
+        try:
+            why = _part_of_a_run(folder, leaf=folder == resolved)
+        except (OSError, ValueError):  # a name too long, an unreadable folder: no run of ours there
+            continue
+        if why:
+            raise RecipeError(f"{what} {path} {why}; {fix}")
+
+
+def _part_of_a_run(folder: Path, *, leaf: bool) -> str | None:
+    """Why `folder` (the path itself, `leaf`, or a folder above it) makes the path part of another run's."""
+    if _is_checkpoint(folder):
+        return ("is a checkpoint folder: writing into it would damage it" if leaf else
+                f"is inside the checkpoint {folder}: writing there would damage it")
+    if folder.name in ("checkpoints", *EXPORTS) and is_run_folder(folder.parent):
+        where = "is" if leaf else f"is inside {folder}, which is"
+        return (f"{where} the run's in {folder.parent}: its keep_last, branches and export delete or replace what "
+                "is there")
+    if not leaf and is_run_folder(folder):
+        who = folder_lock.in_use(folder)
+        if who is not None:
+            return f"is inside the folder of the run in {folder}, which is still going ({who})"
+    return None
+
+
+def _is_checkpoint(folder: Path) -> bool:
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT
 
 
 def is_run_folder(path: Path) -> bool:

@@ -184,7 +184,8 @@ def check_arm_free(experiment: Experiment, arm: Arm) -> None:
     """Before an arm's folder is replaced: no process holds it. This compare holds the experiment folder, so a
     holder is a run typed into the arm's folder by hand, whose files the arm's fresh start would delete."""
     out = arm_dir(experiment, arm)
-    folders = [out, *(Path(top) / name for top, names, _ in os.walk(out) for name in names)] if out.is_dir() else []
+    folders = [out, *(Path(top) / name for top, names, _ in os.walk(out) for name in names
+                      if not os.path.islink(Path(top) / name))] if out.is_dir() else []  # a link: only unlinked
     for folder in folders:  # the arm's folder, or one in it (EXP/ARM/sub: a run typed there before the arm ran)
         who = folder_lock.in_use(folder)
         if who is not None:

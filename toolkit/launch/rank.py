@@ -197,17 +197,17 @@ def hold_output_dir(out_dir: Path, env) -> tuple[FolderLock | None, set[str] | N
 
     lock, before, refused = None, None, None
     if env.is_main:
-        made, above = False, _missing_above(out_dir)
+        made: list[Path] = []
         try:  # first: such a folder is neither made nor locked (nor, refused, removed as one this run made)
             check_not_in_a_run(out_dir, what="output_dir", fix="write this run elsewhere with --set output_dir=OTHER")
-            with contextlib.suppress(OSError, ValueError):  # a path no folder can take: the recipe's checks say why
-                out_dir.mkdir(parents=True)
-                made = True
+            made = make_folders(out_dir)
             lock = hold(out_dir, message=run_in_use(out_dir), wait_s=30 if restarted() else 0)
-            before = None if made else entries(out_dir)  # after any wait: what a predecessor wrote is not this run's
+            # after any wait: what a predecessor wrote is not this run's
+            before = None if made and made[-1] == out_dir else entries(out_dir)
         except RecipeError as exc:  # another run's folder or a part of one: nothing of it is touched
             refused = exc if isinstance(exc, FolderInUse) else FolderInUse(str(exc))
-            remove_empty(above)  # the folders above output_dir that mkdir made (`x` of x/../b)
+            remove_empty(made[::-1])  # what it made (`x` of x/../b, output_dir itself where it made it)
+        above = [folder for folder in made[::-1] if folder != out_dir]
     if env.distributed and all_reduce_max(torch.tensor([float(refused is not None)]), env)[0] and refused is None:
         refused = FolderInUse("")
     if refused is not None:
@@ -215,12 +215,20 @@ def hold_output_dir(out_dir: Path, env) -> tuple[FolderLock | None, set[str] | N
     return lock, before, above if env.is_main else []
 
 
-def _missing_above(out_dir: Path) -> list[Path]:
-    """The folders above output_dir that do not exist yet, deepest first: those its mkdir makes."""
-    try:
-        return [p for p in out_dir.parents if p.name != ".." and not p.exists()]
-    except (OSError, ValueError):
-        return []
+def make_folders(out_dir: Path) -> list[Path]:
+    """output_dir made with the folders above it it needs, one at a time: those this process made, outermost
+    first (another process making the same ones at once keeps its own). A path no folder can take stops it: the
+    recipe's checks say why."""
+    made = []
+    for folder in (*reversed(out_dir.parents), out_dir):
+        try:
+            os.mkdir(folder)
+        except FileExistsError:
+            continue
+        except (OSError, ValueError):
+            break
+        made.append(folder)
+    return made
 
 
 def remove_empty(folders: list[Path]) -> None:
