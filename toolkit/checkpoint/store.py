@@ -367,16 +367,10 @@ _SAID_KEPT: set[Path] = set()  # the checkpoints remove_unless_read said it kept
 def taken_from_readers(path: Path, *, doing: str) -> folder_lock.FolderLock | None:
     """The checkpoint folder's lock, held, before this process moves or replaces it: a process reading it
     (hold_for_reading) is waited for, in one line saying `doing`, for up to TAKE_WAIT_S; None if it still reads."""
-    lock, deadline, said = folder_lock.FolderLock(path), time.monotonic() + TAKE_WAIT_S, False
-    while not lock.acquire():
-        if time.monotonic() >= deadline:
-            return None
-        if not said:
-            said = True
-            print(f"[toolkit] waiting for {folder_lock.holder(path)} to finish reading checkpoint {path}: {doing}",
-                  file=sys.stderr, flush=True)
-        time.sleep(0.5)
-    return lock
+    lock = folder_lock.FolderLock(path)
+    return lock if folder_lock.acquire_within(lock, TAKE_WAIT_S, poll_s=0.5, waiting=lambda: print(
+        f"[toolkit] waiting for {folder_lock.holder(path)} to finish reading checkpoint {path}: {doing}",
+        file=sys.stderr, flush=True)) else None
 
 
 TAKE_WAIT_S = 600.0  # a reader holds a checkpoint for a run's start (its build, load and setup) or a convert
@@ -389,13 +383,10 @@ def hold_for_reading(checkpoint: Checkpoint) -> Checkpoint:
     """A checkpoint this process reads (a resume's, a convert's), held from here until `done_reading`: the run
     that wrote it, if still going, leaves it to this reader past its keep_last. RecipeError (one line) where that
     run removed it between finding and holding it."""
-    lock, deadline = folder_lock.FolderLock(checkpoint.path, shared=True), time.monotonic() + READ_WAIT_S
-    while not lock.acquire():  # a keep_last deletion holds it: it is going
-        if time.monotonic() >= deadline:
-            raise RecipeError(f"checkpoint {checkpoint.path} is held by {folder_lock.holder(checkpoint.path)}, "
-                              f"which is removing it, and was not let go in {READ_WAIT_S:.0f} s; pass another "
-                              "checkpoint")
-        time.sleep(0.2)
+    lock = folder_lock.FolderLock(checkpoint.path, shared=True)
+    if not folder_lock.acquire_within(lock, READ_WAIT_S):  # a keep_last deletion holds it: it is going
+        raise RecipeError(f"checkpoint {checkpoint.path} is held by {folder_lock.holder(checkpoint.path)}, which is "
+                          f"removing it, and was not let go in {READ_WAIT_S:.0f} s; pass another checkpoint")
     if not is_complete(checkpoint.path):  # its run's keep_last got there first
         lock.release()
         newer = newest_checkpoint_in(checkpoint.path.parent)

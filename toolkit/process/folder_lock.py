@@ -118,12 +118,24 @@ def run_in_use(out_dir: Path):
 def hold(folder: Path, *, message, wait_s: float = 0.0) -> FolderLock:
     """The folder's lock, held; FolderInUse(message(holder)) where another process holds it (after trying for
     `wait_s`: a restarted rank whose predecessor is still on its way out)."""
-    lock, deadline = FolderLock(folder), time.monotonic() + wait_s
+    lock = FolderLock(folder)
+    if not acquire_within(lock, wait_s):
+        raise FolderInUse(message(holder(folder)))
+    return lock
+
+
+def acquire_within(lock: FolderLock, wait_s: float, *, poll_s: float = 0.2, waiting=None) -> bool:
+    """`lock` acquired, tried every `poll_s` until it holds or `wait_s` have passed (False then); `waiting()` is
+    called once, at the first try that found it held."""
+    deadline = time.monotonic() + wait_s
     while not lock.acquire():
         if time.monotonic() >= deadline:
-            raise FolderInUse(message(holder(folder)))
-        time.sleep(0.2)
-    return lock
+            return False
+        if waiting is not None:
+            waiting()
+            waiting = None
+        time.sleep(poll_s)
+    return True
 
 
 def in_use(folder: Path) -> str | None:
