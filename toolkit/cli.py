@@ -128,7 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "Exit status: 0 when at least one arm fits as asked, 1 when none does or no arm can run "
                           "as given (each line says why), 2 for a mistake in the command or recipe.")
     plan.add_argument("recipe")
-    plan.add_argument("--nproc", type=int, default=2, help="ranks per multi-process strategy (default 2)")
+    plan.add_argument("--nproc", type=int, default=None,
+                      help="ranks per multi-process strategy (default 2); with --hardware: GPUs per node, as "
+                           "--gpus-per-node")
     plan.add_argument("--strategies", default=None, metavar="ARMS",
                       help="comma-separated compare arms (toolkit strategies lists them), each with per-arm overrides "
                            "as in toolkit compare (pp-1f1b@strategy.split=[2]); default: the recipe's")
@@ -263,7 +265,15 @@ def cmd_scale_plan(args) -> int:
 
 def cmd_plan(args) -> int:
     if args.hardware is not None:
+        # the ranks on a node, as toolkit launch --nproc reads it (and as the fixes in the plan's messages name it)
+        if args.nproc is not None and args.gpus_per_node not in (None, args.nproc):
+            raise RecipeError(f"--nproc {args.nproc} and --gpus-per-node {args.gpus_per_node} each give the GPUs "
+                              "per node with --hardware: give one")
+        if args.nproc is not None:
+            _check_nproc(args.nproc)
+            args.gpus_per_node = args.nproc
         return cmd_scale_plan(args)
+    args.nproc = 2 if args.nproc is None else args.nproc
     for flag, given in (("--json", args.json), ("--layouts", args.layouts is not None), ("--nodes", args.nodes != 1),
                         ("--gpus-per-node", args.gpus_per_node is not None)):
         if given:
@@ -301,7 +311,8 @@ def cmd_plan(args) -> int:
             skeletons[key] = plan.planned_model(recipe)
         return skeletons[key]
     model = skeleton(base)
-    runtime = process_bytes()  # this process with torch and transformers loaded: what a rank starts from
+    plan.import_run_code(base)  # what a rank has loaded by its first step (the data reader's code)
+    runtime = process_bytes()  # this process with torch, transformers and datasets loaded: what a rank starts from
     recipes = {arm: load_recipe(args.recipe, [*args.overrides, *sets[arm]]) for arm in arms}
 
     def runs_as(recipe) -> str:  # the strategy a recipe's parallel degrees choose at --nproc ranks, as launch's

@@ -124,11 +124,19 @@ def scale_plan(args) -> int:
                                   f"it to the layout ({name}@{given}), or choose a layout that runs it")
             layouts[spec] = (*known[name], *extra)
         explicit = True
+    runtime = 0
+    if cluster.hardware.measured.threads is not None:  # a CPU profile: a rank's memory holds its process too
+        from toolkit.observe.metrics import process_bytes
+        from toolkit.plan.predict import import_run_code
+
+        import_run_code(base)
+        runtime = process_bytes()
     planned = []
     for number, (name, overrides) in enumerate(layouts.items(), 1):
         if not args.json:
             print(f"[toolkit] planning {name} ({number}/{len(layouts)})", file=sys.stderr, flush=True)
-        done = scale.plan_layout(name, load_recipe(args.recipe, [*args.overrides, *overrides]), model, cluster)
+        done = scale.plan_layout(name, load_recipe(args.recipe, [*args.overrides, *overrides]), model, cluster,
+                                 runtime_bytes=runtime)
         if explicit and done.refused is not None:  # asked for by name: a mistake in the command
             raise RecipeError(f"--layouts {name} at {cluster.world_size} GPUs: {done.refused}")
         planned.append(done)
@@ -142,7 +150,7 @@ def scale_plan(args) -> int:
         def plan_with(name: str, value: str) -> scale.Planned:
             changed = load_recipe(args.recipe, [*args.overrides, *layouts[name],
                                                 f"train.activation_checkpointing={value}"])
-            return scale.plan_layout(name, changed, model, cluster)
+            return scale.plan_layout(name, changed, model, cluster, runtime_bytes=runtime)
         line = scale.checkpointing_line(order, recompute=base.train.recompute, memory=cluster.hardware.memory_bytes,
                                         plan_with=plan_with)
         if line is not None:

@@ -24,8 +24,8 @@ from toolkit.cost import step_time
 from toolkit.cost.collectives import loop_collectives
 from toolkit.errors import RecipeError
 from toolkit.model import tp_plan
-from toolkit.plan.predict import GiB, predict, trace_dtypes
-from toolkit.strategies import (data_layout, strategy_degrees, strategy_rules, validate_strategy,
+from toolkit.plan.predict import GiB, predict, runtime_module_bytes, trace_dtypes
+from toolkit.strategies import (data_layout, strategy_degrees, strategy_info, strategy_rules, validate_strategy,
                                  without_foreign_options)
 
 LONG_SEQUENCE = 8192  # from this length on, auto also tries context parallel
@@ -145,10 +145,13 @@ def tp_options(recipe: Recipe, model: nn.Module, *, tp: int) -> list[tuple[str, 
     return variants
 
 
-def plan_layout(name: str, recipe: Recipe, model: nn.Module, cluster: step_time.Cluster) -> Planned:
+def plan_layout(name: str, recipe: Recipe, model: nn.Module, cluster: step_time.Cluster, *,
+                runtime_bytes: int = 0) -> Planned:
     """One layout's prediction, or why it cannot run. A layout of auto or an arm plans without the recipe's options
     for a strategy other than its own (zero's offload_optimizer on the fsdp row): the recipe's own layout is
-    refused with them, as its run is."""
+    refused with them, as its run is. On a CPU profile (toolkit calibrate --hardware cpu) a rank's memory holds its
+    process as well, `runtime_bytes` (as toolkit plan without --hardware counts it) and its strategy's libraries;
+    a GPU's holds neither."""
     world = cluster.world_size
     without: tuple[str, ...] = ()
     try:
@@ -157,7 +160,11 @@ def plan_layout(name: str, recipe: Recipe, model: nn.Module, cluster: step_time.
             recipe, without = without_foreign_options(recipe)
         validate_strategy(recipe, world_size=world)
         work, step = busiest_work(recipe, model, cluster, world_size=world, shapes=None)
-        memory = predict(recipe, world_size=world, runtime_bytes=0, device_type="cuda", model=model, both=False)
+        cpu = cluster.hardware.measured.threads is not None  # a profile toolkit calibrate measured on a CPU
+        runtime = runtime_bytes + runtime_module_bytes(strategy_info(recipe.strategy.name).runtime_modules) \
+            if cpu else 0
+        memory = predict(recipe, world_size=world, runtime_bytes=runtime, device_type="cpu" if cpu else "cuda",
+                         model=model, both=False)
     except RecipeError as exc:
         return Planned(layout=name, world_size=world, step=None, peak_bytes_per_gpu=None, fits=False,
                        refused=str(exc), without=without)
@@ -341,7 +348,7 @@ def _ms(seconds: float) -> str:
 
 def render(planned: list[Planned], cluster: step_time.Cluster) -> str:
     hw = cluster.hardware
-    head = ["layout", "GPUs", "step s", "tokens/s/GPU", "MFU", "peak GB/GPU", f"fits {hw.memory_bytes / 1e9:.0f} GB",
+    head = ["layout", "GPUs", "step s", "tokens/s/GPU", "MFU", "peak GB/GPU", f"fits {hw.memory_bytes / 1e9:.3g} GB",
             "largest exposed costs"]
     rows = []
     for p in planned:

@@ -43,6 +43,7 @@ from toolkit.process import faults
 from toolkit.process.dist import DistEnv, all_reduce_max, all_reduce_sum
 from toolkit.process.stopping import (NonFinite, OutputWriteError, SkippedSteps, StopSignals, Stopped,
                                       write_error_text)
+from toolkit.plan.predict import import_run_code
 from toolkit.strategies import import_runtime_modules, strategy_degrees
 from toolkit.strategies.pipeline.timing import pin_block_time, steps_length
 from toolkit.strategies.base import ROUTER_LOSS, Replicas, SetupArgs, Strategy
@@ -127,6 +128,7 @@ def _train(recipe: Recipe, env: DistEnv, *, resume: Resume | None) -> TrainResul
     plan, layout, strategy, tokenizer = prepared.plan, prepared.layout, prepared.strategy, prepared.tokenizer
     total_steps, notes = prepared.total_steps, prepared.notes
     import_runtime_modules(recipe)  # DeepSpeed's 51-105 MiB: part of the runtime, as toolkit plan counts it
+    import_run_code(recipe)  # the model's code and the data reader's, loaded here or not yet: as toolkit plan's
     runtime_bytes = process_bytes()  # what the process holds before any model: the base a memory prediction starts from
     # before anything below, so no rank can have written into output_dir yet (collective)
     checkpoint = checkpoints.starting_point(recipe, resume, plan=plan, total_steps=total_steps, env=env)
