@@ -158,3 +158,20 @@ def test_tiled_loss_on_a_classifier_exits_2(tmp_path, tiny_bert_dir):
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         "toolkit: error: train.tiled_loss tiles a causal LM's per-token loss; model.task is sequence-classification; "
         "set train.tiled_loss: false"], done.stderr
+
+
+def test_the_plan_counts_the_logits_tiling_keeps_from_existing_whole():
+    """Under train.tiled_loss a micro-batch's [T, vocab] logits are made a tile at a time and made again in backward:
+    what the full loss holds at once (the fp32 logits, log-softmax and their gradients) never exists whole. The plan
+    traced the full loss all the same (fsdp at max_length 128: 1,381 MiB planned, 1,127 measured; 1,428 untiled).
+    Its activations now fall by at least two T × vocab fp32 tensors (counted here from the config), as a run's do
+    (measured: 301 MiB, 2.5 of them)."""
+    sets = ["--strategies", "fsdp", "--set", "data.max_length=128", "--set", "data.packing=true"]
+    planned = {}
+    for tiled in ("false", "true"):
+        done = run_cli("plan", "recipes/llama-tiny.yaml", *sets, "--set", f"train.tiled_loss={tiled}")
+        assert done.returncode == 0, done.stderr[-2000:]
+        row = next(line for line in done.stdout.splitlines() if line.startswith("fsdp "))
+        planned[tiled] = int(row.split()[-4]) * 2 ** 20  # activations MiB, then (with checkpointing), peak, fits
+    logits = 8 * 128 * 30522 * 4  # micro-batch 8 × 128 tokens × llama-tiny's vocabulary, fp32
+    assert planned["false"] - planned["true"] >= 2 * logits - 2 ** 20, planned

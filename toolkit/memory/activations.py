@@ -227,7 +227,7 @@ def _cache_key(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, a
     parts = [TRACE_VERSION, torch.__version__, transformers.__version__, type(model).__name__,
              cast(Any, model).config.to_json_string(use_diff=False), lora, recipe.model.dropout, recipe.model.task,
              recipe.batch.micro_batch_size, recipe.data.max_length, recipe.data.packing, str(params_dtype),
-             str(autocast_dtype), checkpointing, *what]
+             str(autocast_dtype), checkpointing, *what, *(["tiled"] if recipe.train.tiled_loss else [])]
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
@@ -298,7 +298,7 @@ def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, au
               checkpointing: bool | str, stage: StageTrace | None) -> Traced:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from toolkit.data.losses import micro_batch_loss_sum, split_head_loss_sum
+    from toolkit.data.losses import micro_batch_loss_sum, split_head_loss_sum, tiled_loss_sum
     from toolkit.memory import tp_rank
 
     with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():  # the meta weights
@@ -323,6 +323,14 @@ def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, au
         rows: tuple[int, int] | None = None  # a pipeline stage's rows of the head (split_head)
         positions: contextlib.AbstractContextManager = contextlib.nullcontext()
         experts = fake_grouped_mm()
+        # train.tiled_loss: the output layer returns the loss sum, made tile by tile, as a run's does
+        # (strategies/base.py tiled_head); a pipeline's last stage computes its whole logits (checks refuse it there)
+        tiles = stage is None and recipe.train.tiled_loss and recipe.model.task == "causal-lm"
+        tiled: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if tiles:
+            head = cast(Any, model).get_output_embeddings()
+            own, width = head.forward, int(getattr(head, "out_features", 0) or head.weight.shape[0])
+            tiled = _replaced(head, "forward", lambda hidden: tiled_loss_sum(hidden, own, labels, vocab=width))
         if stage is not None:  # the received activations and the output's gradient: receive buffers, not counted
             from transformers import masking_utils
 
@@ -362,7 +370,7 @@ def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, au
         for param in module.parameters():
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(drop)
-        with live, positions, experts:
+        with live, positions, experts, tiled:
             with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
                 if stage is None:
                     out = model(input_ids=ids, **({} if mask is None else {"attention_mask": mask})).logits
@@ -375,6 +383,7 @@ def _run_fake(model: nn.Module, recipe: Recipe, *, params_dtype: torch.dtype, au
                     if hasattr(model, "get_output_embeddings") else False
                 with tp_rank.VocabularyShareLoss() if share else contextlib.nullcontext():
                     loss = split_head_loss_sum(out[0], out[1], labels) if rows is not None else \
+                        out if tiles else \
                         micro_batch_loss_sum(out, labels, recipe.model.task)
                     if stage is None:
                         del out  # the loop lets the logits go; a pipeline keeps a stage's output until its backward
