@@ -177,6 +177,8 @@ def _damage(folder, arm, text, file="metrics.jsonl"):
 @pytest.mark.parametrize("file, text, words", [
     ("metrics.jsonl", "", "holds no step"), ("metrics.jsonl", '{"step": 1, "loss": 10.', "line 1 is no JSON"),
     ("metrics.jsonl", '{"step": 1}\n', "line 1 is no step record"),
+    # cut at a line's end: its step 1 was read as the arm's final loss, and the arm "diverged"
+    ("metrics.jsonl", "FIRST LINE", "holds 1 of the run's"),
     # the run's resolved recipe, which the report and a re-run's settings check read (before: a YAMLError)
     ("recipe.yaml", "model: {", "cannot be read"), ("recipe.yaml", "- a list\n", "cannot be read")])
 def test_report_shows_an_arm_whose_files_are_damaged_and_the_others(two_arms, tmp_path, capsys, file, text, words):
@@ -184,6 +186,8 @@ def test_report_shows_an_arm_whose_files_are_damaged_and_the_others(two_arms, tm
     out, _ = two_arms
     copy = tmp_path / "exp"
     shutil.copytree(out, copy)
+    if text == "FIRST LINE":
+        text = (copy / "single@optim.lr=2e-3" / file).read_text().splitlines(keepends=True)[0]
     _damage(copy, "single@optim.lr=2e-3", text, file)
     assert main(["report", str(copy)]) == 0
     table = capsys.readouterr().out

@@ -162,3 +162,34 @@ def test_a_mixture_of_experts_arm_shows_its_routing_and_token_traffic():
         "2.00×, 1.00× an even share; token all-to-all 1.00 MiB/step at rank 0"]
     assert "id='experts'" in page and "fsdp-ep2: load spread 1.70" in page
     assert "## Mixture of experts" not in render_markdown(_results(_row("single", verdict_="reference")), [])
+
+
+def test_a_failed_reference_and_a_fallback_arm_leave_the_report_whole_and_say_why():
+    """The reference arm failed and another completed: the verdict table read the failed arm's timed steps (a
+    KeyError in compare and in toolkit report, and no report written). An arm that ran as one process here was
+    "not recommended: equivalent"."""
+    ddp = _row("ddp", verdict_="no reference (reference arm failed)", plain=True, recipe=_with(strategy__name="ddp"))
+    del ddp["speedup_vs_reference"]
+    failed = {"arm": "single", "status": "failed", "world_size": 1, "verdict": "failed",
+              "error": "toolkit: non-finite gradient norm (nan) at step 2"}
+    lines = summary_lines(_results(failed, ddp))
+    assert "single failed: toolkit: non-finite gradient norm (nan) at step 2" in " ".join(lines)
+    assert next(line for line in lines if line.startswith("ddp ")).split()[3:5] == ["no", "reference"]
+    assert "## " in render_markdown(_results(failed, ddp), []) and "<table" in render_html(_results(failed, ddp), [])
+    fallback = _row("dp", world_size=1, fallback="strategy dp needs 2+ CUDA devices; it runs as one process here")
+    text = " ".join(summary_lines(_results(_row("single", verdict_="reference", world_size=1), fallback)))
+    assert "dp: not recommended: it did not run as its strategy on this machine" in text
+    assert "not recommended: equivalent" not in text
+
+
+def test_a_lever_set_against_a_one_process_reference_states_its_bytes_not_a_ratio():
+    """No arm of the lever's strategy ran without it, so its bytes were set against single's none: "+nan %"."""
+    reference = _row("single", verdict_="reference", world_size=1, strategy="single", comm={"total_bytes": 0, "includes_setup": False})
+    lever = _row("ddp-bf16c", verdict_=f"{verdict.BY_DESIGN} (gradient_compression=bf16)", strategy="ddp",
+                 lever="gradient_compression=bf16", comm={"total_bytes": 9 * 2 ** 20, "includes_setup": False},
+                 distance={"final_relative": 0.0},
+                 recipe=_with(strategy__name="ddp", strategy__gradient_compression="bf16"))
+    text = " ".join(" ".join(summary_lines(_results(reference, lever))).split())
+    assert "nan" not in text
+    assert "ddp-bf16c: gradient_compression=bf16: 9.0 MiB per step (no arm of its strategy ran without the lever; " \
+           "single moves none)" in text, text

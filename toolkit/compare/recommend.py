@@ -40,6 +40,10 @@ def recommendations(results: dict) -> list[str]:
         if r["verdict"].startswith(BY_DESIGN) and not r.get("fallback"):
             lines.append(_lever_line(r, done, base))
             continue
+        if r.get("fallback"):  # its verdict is right, its numbers another strategy's: not why it is left out
+            lines.append(f"{r['arm']}: not recommended: it did not run as its strategy on this machine (see the "
+                         "table's notes)")
+            continue
         if r not in ok:
             cost = r.get("distance")  # a lever beyond its loss budget
             lines.append(f"{r['arm']}: not recommended: {r['verdict']}" + (
@@ -60,12 +64,15 @@ def _lever_line(r: dict, done: list[dict], base: dict) -> str:
     plain = next((o for o in done if o is not r and o.get("strategy") == r.get("strategy")
                   and not levers(o.get("recipe") or {}, {}) and not o.get("fallback")), base)
     every = ((r.get("recipe") or {}).get("strategy") or {}).get("sync_every") or 1  # counted at a sync: 1/H a step
-    bytes_change = ((r["comm"]["total_bytes"] / every / plain["comm"]["total_bytes"] - 1) * 100
-                    if r.get("comm") and plain.get("comm") and plain["comm"]["total_bytes"] else float("nan"))
+    if r.get("comm") and plain.get("comm") and plain["comm"]["total_bytes"]:
+        moved = f"{(r['comm']['total_bytes'] / every / plain['comm']['total_bytes'] - 1) * 100:+.0f} % bytes per step"
+    else:  # against a one-process baseline, which moves nothing: no ratio (it printed +nan %)
+        mib = f"{r['comm']['total_bytes'] / every / 2 ** 20:,.1f} MiB" if r.get("comm") else "its bytes"
+        moved = f"{mib} per step (no arm of its strategy ran without the lever; {plain['arm']} moves none)"
     time_change = (plain["tokens_per_s"] / r["tokens_per_s"] - 1) * 100  # the same tokens per step
     loss = (r.get("distance") or {}).get("final_relative", float("nan"))
     doubt = measure.speed_doubt(r, plain)
-    return (f"{r['arm']}: {r['lever']}: {bytes_change:+.0f} % bytes per step and {time_change:+.0f} % step time vs "
+    return (f"{r['arm']}: {r['lever']}: {moved} and {time_change:+.0f} % step time vs "
             f"{plain['arm']} here" + (f" ({doubt[0]})" if doubt else "") + f", final loss {loss:+.2%} vs the "
             "reference (within its budget): accuracy traded for communication, worth it where the network is the "
             "bottleneck (`toolkit plan --hardware` predicts the step time there)")

@@ -143,7 +143,7 @@ def verdict_rows(results: dict) -> tuple[list[str], list[list[str]]]:
             rows.append([r["arm"], str(r["world_size"]), "", r["verdict"], "", "", "", ""])
             continue
         mark = UNSTEADY_MARK if _unsteady(r) else ""
-        ref_mark = mark or (UNSTEADY_MARK if _unsteady(reference) else "")
+        ref_mark = mark or (UNSTEADY_MARK if reference["status"] == "completed" and _unsteady(reference) else "")
         peaks = [b for b in r["peak_mem_bytes_per_rank"] if b is not None]
         rows.append([r["arm"], str(r["world_size"]), r["precision"], r["verdict"], f"{r['tokens_per_s']:.0f}{mark}",
                      f"{r['speedup_vs_reference']:.2f}{ref_mark}" if "speedup_vs_reference" in r else "–",

@@ -62,7 +62,13 @@ def earlier_attempt(path: Path, status: str) -> str | None:
 
 def arm_damage(path: Path) -> str | None:
     """What is wrong with a completed arm's files the report reads, naming the file; None where nothing is."""
-    damage = read_metrics(path)[1]
+    records, damage = read_metrics(path)
+    total = (read_run_info(path) or {}).get("total_steps")
+    steps = {record.get("step") for record in records}
+    if damage is None and isinstance(total, int) and steps != set(range(1, total + 1)):
+        # cut at a line's end (a copy stopped short, a file trimmed by hand): its last loss was read as the run's
+        damage = (f"{path / 'metrics.jsonl'} holds {len(steps & set(range(1, total + 1)))} of the run's {total} "
+                  "steps (cut short?)")
     if damage is None and read_arm_recipe(path) is None:
         damage = f"{path / 'recipe.yaml'} cannot be read"
     return damage
