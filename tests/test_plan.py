@@ -286,7 +286,7 @@ def test_plan_takes_a_recipe_s_parallel_degrees_as_launch_does():
 
 def test_plan_names_the_first_single_change_under_which_an_arm_fits():
     """What the plan's summary offers for an arm that does not fit: the first change (selective, then full
-    activation checkpointing, then offload, then twice the ranks) whose own prediction is within the limit; a
+    activation checkpointing, a smaller micro-batch, then offload, then twice the ranks) whose own prediction is within the limit; a
     change the strategy refuses is passed over. The predictions are given here: plan.predict has its own tests."""
     from toolkit.plan.predict import Prediction
     from toolkit.plan.advice import Planned, one_change
@@ -318,6 +318,21 @@ def test_plan_names_the_first_single_change_under_which_an_arm_fits():
     assert one_change(Planned("x", prediction(100), 42), predict=predict, one_process=False,
                       limit_at=lambda world: 84 // world) is None
     assert one_change(Planned("x", "needs 2 ranks"), predict=predict, one_process=False) is None
+    # where activations dominate: a smaller micro-batch, its accumulation keeping the global batch (after
+    # checkpointing, before offload); with no global batch given, the accumulation is set, else derived from it
+    from toolkit.config.recipe import BatchConfig
+
+    peaks.update({("batch.micro_batch_size=4", "batch.grad_accum_steps=2"): 70,
+                  ("batch.micro_batch_size=2", "batch.grad_accum_steps=4"): 60,
+                  ("batch.micro_batch_size=1", "batch.grad_accum_steps=8"): 55,
+                  ("batch.micro_batch_size=2", "batch.grad_accum_steps=null"): 60})
+    micro = "(accumulation keeps the global batch)"
+    for limit, want in ((75, f"batch.micro_batch_size=4 {micro}"), (62, f"batch.micro_batch_size=2 {micro}"),
+                        (56, f"batch.micro_batch_size=1 {micro}"), (50, "strategy.offload_optimizer=true")):
+        assert one_change(Planned("x", prediction(100), limit), predict=predict, one_process=False,
+                          batch=BatchConfig(micro_batch_size=8)) == want
+    assert one_change(Planned("x", prediction(100), 62), predict=predict, one_process=False,
+                      batch=BatchConfig(micro_batch_size=4, global_batch_size=16)) == f"batch.micro_batch_size=2 {micro}"
 
 
 def test_plan_judges_each_arm_against_its_own_ranks_share_of_the_host():
@@ -354,6 +369,22 @@ def test_plan_bad_input_is_one_line():
     assert plan.parse_bytes("40GiB") == 40 * 2 ** 30 and plan.parse_bytes("80 GB") == 80 * 10 ** 9
     with pytest.raises(RecipeError, match="--memory-per-rank: 40G is ambiguous: write 40GiB or 40GB"):
         plan.parse_bytes("40G")  # 7 % apart: the fit may differ
+
+
+@pytest.mark.parametrize("sets, words", [
+    (("strategy.name=zero", "strategy.stage=4"), "strategy.stage must be 0, 1, 2 or 3, got 4"),
+    (("strategy.name=zero", "strategy.ds_config=/nonexistent.json"), "/nonexistent.json not found")])
+def test_a_mistake_in_the_recipes_own_strategy_is_one_line_exit_2_as_validate_says_it(sets, words, capsys):
+    """Without --strategies the plan is of the recipe as written: its mistake was a table row "cannot run" and exit 1
+    (toolkit validate: one line, exit 2)."""
+    from toolkit.cli import main
+
+    overrides = [part for value in sets for part in ("--set", value)]
+    assert main(["plan", str(REPO / "recipes/llama-tiny.yaml"), *overrides]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and words in captured.err and len(captured.err.strip().splitlines()) == 1
+    assert main(["validate", str(REPO / "recipes/llama-tiny.yaml"), *overrides]) == 2
+    assert words in capsys.readouterr().err
 
 
 def test_plan_exits_1_when_no_arm_can_run(capsys):

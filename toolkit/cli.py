@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --hardware: auto (the sensible ones for the cluster; the default), or "
                            "comma-separated names of auto's layouts (fsdp-tp8-sp-lossp, hsdp-2x8) or of compare "
                            "arms, each with overrides as NAME@KEY=VALUE (pp-tp2@strategy.tp_degree=8)")
-    plan.add_argument("--json", action="store_true", help="with --hardware: one JSON object per layout")
+    plan.add_argument("--json", action="store_true", help="with --hardware: a JSON array, one object per layout")
     _add_overrides(plan)
 
     calibrate = sub.add_parser("calibrate", help="measure this machine for toolkit plan --hardware: a profile file",
@@ -337,6 +337,8 @@ def cmd_plan(args) -> int:
             prediction = plan.predict(recipe, world_size=world, runtime_bytes=runtime + extra[arm], device_type=device,
                                       model=skeleton(recipe))
         except RecipeError as exc:
+            if arm is None:  # the recipe's own strategy, no --strategies: a mistake in it, as validate says it
+                raise
             planned.append(plan_advice.Planned(name, str(exc)))
             continue
         planned.append(plan_advice.Planned(name, prediction, memory_per_rank(world)[0]))
@@ -348,7 +350,7 @@ def cmd_plan(args) -> int:
                                 model=skeleton(changed), both=False)
         if not plan_advice.fits(planned[-1]):
             change = plan_advice.one_change(planned[-1], predict=predict_with, one_process=one_process,
-                                            limit_at=lambda world: memory_per_rank(world)[0])
+                                            limit_at=lambda world: memory_per_rank(world)[0], batch=recipe.batch)
             if change is not None:
                 changes[name] = change
     print(plan.render([(p.arm, p.prediction) for p in planned], memory_per_rank=memory_per_rank))

@@ -175,4 +175,9 @@ def stage_lines(model: nn.Module, recipe: Recipe, *, world_size: int) -> list[st
         return " + head" if stage == num_stages - 1 and head and not any(rows) else ""
     return [f"stages ({how}; forward + backward FLOPs per step{per}):"] + [
         f"  stage {s}: blocks {blocks_of(parts, s)}{head_of(s)}, "
-        f"{f * tokens / 1e9:.2f} GFLOP ({100 * f / total:.0f} %)" for s, f in enumerate(flops)]
+        f"{_flop(f * tokens)} ({100 * f / total:.0f} %)" for s, f in enumerate(flops)]
+
+
+def _flop(count: float) -> str:
+    """FLOPs in the unit that keeps them short: 7.29 GFLOP, 4785.07 TFLOP (not 4785074.60 GFLOP)."""
+    return f"{count / 1e12:,.2f} TFLOP" if count >= 1e12 else f"{count / 1e9:.2f} GFLOP"
