@@ -32,6 +32,19 @@ def test_shipped_json_autos_resolve_to_the_recipe(tmp_path, tiny_llama_dir):
     assert config["zero_optimization"]["offload_param"]["device"] == "cpu"
 
 
+@pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero2-offload", "zero3", "zero3-offload"])
+def test_shipped_jsons_size_their_buckets_as_the_generated_config_does(tmp_path, tiny_llama_dir, name):
+    """Left out, a bucket size is DeepSpeed's 5e8 elements: ZeRO-3 held a 2,009,265,920-byte fp32 gradient bucket
+    per rank for the 4.6M-parameter Llama (the plan: 2,997 MiB a rank, where the generated config's 1,102). The
+    shipped JSONs say "auto", filled from the model's hidden size (here 256) as the config the recipe generates."""
+    _, recipe = _recipe(tmp_path, tiny_llama_dir, REPO / "ds_configs" / f"{name}.json")
+    zero = resolve_ds_config(recipe, plan_batch(recipe.batch, world_size=2), hidden_size=256)["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 256 * 256
+    if zero["stage"] == 3:
+        assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 256 * 256)
+        assert zero["stage3_param_persistence_threshold"] == 10 * 256
+
+
 @pytest.mark.parametrize("key, value, words", [
     ("gradient_accumulation_steps", 4, "gradient_accumulation_steps is 4 but the recipe gives 3"),
     ("train_micro_batch_size_per_gpu", 8, "train_micro_batch_size_per_gpu is 8 but the recipe gives 2"),
