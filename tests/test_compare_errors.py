@@ -126,7 +126,8 @@ def test_compare_refuses_fewer_than_one_rank_up_front(nproc, recipe, tmp_path, c
 
 
 @pytest.mark.parametrize("text, words", [("{bad", "Expecting property name"), ('{"recipe": "x"}', "no 'arms' key"),
-                                         ("[]", "not the layout it writes")])
+                                         ("[]", "not the layout it writes"),
+                                         ('{"recipe": "x", "common": [], "arms": []}', "(no arm)")])
 def test_report_of_a_damaged_experiment_file_is_one_line(text, words, tmp_path, capsys):
     (tmp_path / "experiment.json").write_text(text)
     _assert_one_line_exit_2(main(["report", str(tmp_path)]), capsys,

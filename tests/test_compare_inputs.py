@@ -178,7 +178,8 @@ def _damage(folder, arm, text, file="metrics.jsonl"):
     ("metrics.jsonl", "", "holds no step"), ("metrics.jsonl", '{"step": 1, "loss": 10.', "line 1 is no JSON"),
     ("metrics.jsonl", '{"step": 1}\n', "line 1 is no step record"),
     # cut at a line's end: its step 1 was read as the arm's final loss, and the arm "diverged"
-    ("metrics.jsonl", "FIRST LINE", "holds 1 of the run's"),
+    ("metrics.jsonl", "FIRST LINE", "holds 1 of the run's 3 steps"),
+    ("metrics.jsonl", "LOSS abc", "line 1: loss is 'abc', not a number"),  # was a TypeError in the verdict
     # the run's resolved recipe, which the report and a re-run's settings check read (before: a YAMLError)
     ("recipe.yaml", "model: {", "cannot be read"), ("recipe.yaml", "- a list\n", "cannot be read")])
 def test_report_shows_an_arm_whose_files_are_damaged_and_the_others(two_arms, tmp_path, capsys, file, text, words):
@@ -186,8 +187,13 @@ def test_report_shows_an_arm_whose_files_are_damaged_and_the_others(two_arms, tm
     out, _ = two_arms
     copy = tmp_path / "exp"
     shutil.copytree(out, copy)
-    if text == "FIRST LINE":
+    if text == "FIRST LINE":  # the shared compare ran 1 step: its run.json says 3, as a 3-step run's cut to its first
+        run_json = copy / "single@optim.lr=2e-3" / "run.json"
+        run_json.write_text(json.dumps({**json.loads(run_json.read_text()), "total_steps": 3}))
         text = (copy / "single@optim.lr=2e-3" / file).read_text().splitlines(keepends=True)[0]
+    if text == "LOSS abc":
+        lines = (copy / "single@optim.lr=2e-3" / file).read_text().splitlines(keepends=True)
+        text = "".join([json.dumps({**json.loads(lines[0]), "loss": "abc"}) + "\n", *lines[1:]])
     _damage(copy, "single@optim.lr=2e-3", text, file)
     assert main(["report", str(copy)]) == 0
     table = capsys.readouterr().out

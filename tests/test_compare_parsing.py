@@ -67,6 +67,10 @@ def test_an_unclosed_bracket_or_quote_is_one_line(arms, unclosed, recipe, tmp_pa
       "toolkit: launch failed: rank 1 exit code 1 (see the rank output above)"], "RuntimeError: boom"),
     (["toolkit: launch failed: rank 1 exit code -9 (see the rank output above)"],
      "toolkit: launch failed: rank 1 exit code -9"),
+    # a rank killed outright says nothing: the other's line is its symptom, the launcher's summary names the cause
+    (["toolkit: rank 0: stopped, another rank left the run (Connection closed by peer)",
+      "toolkit: launch failed: rank 0 exit code 1; rank 1 killed by SIGKILL (see the rank output above)"],
+     "rank 1 killed by SIGKILL; then toolkit: rank 0: stopped, another rank left the run (Connection closed by peer)"),
 ])
 def test_an_arms_failure_reason_is_its_ranks_own_line(tail, line):
     """A report holds no "rank output above": the ranks' line says why, not the launcher's exit codes."""

@@ -5,6 +5,8 @@ heading; every console line at most 120 characters."""
 
 import html
 
+import pytest
+
 from toolkit.compare import verdict
 from toolkit.compare.console import summary_lines
 from toolkit.compare.report_render import render_html, render_markdown
@@ -193,3 +195,16 @@ def test_a_lever_set_against_a_one_process_reference_states_its_bytes_not_a_rati
     assert "nan" not in text
     assert "ddp-bf16c: gradient_compression=bf16: 9.0 MiB per step (no arm of its strategy ran without the lever; " \
            "single moves none)" in text, text
+
+
+@pytest.mark.parametrize("start, idle", [(5, True), (9, True), (4, False)])
+def test_a_powersgd_arm_that_starts_past_its_last_step_is_said_to_have_compressed_nothing(start, idle):
+    """PowerSGD from step start + 1: at --steps 5 and start 5 it never ran, and the arm was "equivalent" with no
+    word in the report (its run said so only in its own launch.log)."""
+    recipe = _with(strategy__name="ddp", strategy__gradient_compression="powersgd",
+                   strategy__powersgd_start_step=start)
+    text = " ".join(" ".join(summary_lines(_results(_row("single", verdict_="reference", world_size=1),
+                                                    _row("ddp-powersgd", recipe=recipe)))).split())
+    said = (f"ddp-powersgd compressed nothing: strategy.powersgd_start_step {start} is not below its 5 steps, so it "
+            f"ran as ddp without the lever; run --steps {start + 1} or more to measure it")
+    assert (said in text) == idle, text

@@ -60,6 +60,8 @@ class Experiment:
         try:  # a JSON or layout error (a ValueError, KeyError or TypeError) is a damaged file, not our bug
             data = json.loads(path.read_text(encoding="utf-8"))
             arms = [Arm(a["name"], a["nproc"], tuple(a["overrides"])) for a in data["arms"]]
+            if not arms:  # written by hand: the report has no reference arm (an IndexError)
+                raise ValueError("no arm")
             return cls(recipe=data["recipe"], out_dir=Path(out_dir), arms=arms, common=list(data["common"]))
         except (ValueError, KeyError, TypeError) as exc:
             problem = f"no {exc} key" if isinstance(exc, KeyError) else "not the layout it writes" \

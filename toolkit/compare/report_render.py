@@ -157,7 +157,21 @@ def below_verdicts(results: dict) -> list[str]:
     out = [f"{r['arm']} {r['verdict']}: {r['error']}" for r in results["arms"] if r["status"] != "completed"]
     out += [f"{r['arm']} did not run as its strategy on this machine: {r['fallback']}" for r in results["arms"]
             if r.get("fallback")]
+    out += [line for line in map(_idle_lever, results["arms"]) if line]
     return out + table_notes(results, compact=True)
+
+
+def _idle_lever(r: dict) -> str | None:
+    """An arm whose PowerSGD starts past its last step: it ran without the lever, and its verdict (equivalent) is
+    that of its strategy alone, said here (its run said so only in its own log)."""
+    recipe = r.get("recipe") or {}
+    strategy, steps = recipe.get("strategy") or {}, (recipe.get("train") or {}).get("max_steps")
+    start = strategy.get("powersgd_start_step")
+    if strategy.get("gradient_compression") != "powersgd" or not isinstance(steps, int) or not isinstance(start, int) \
+            or steps > start:
+        return None
+    return (f"{r['arm']} compressed nothing: strategy.powersgd_start_step {start} is not below its {steps} steps, so "
+            f"it ran as {strategy.get('name')} without the lever; run --steps {start + 1} or more to measure it")
 
 
 def audit_table(results: dict) -> tuple[list[str], list[list[tuple[str, bool]]]]:

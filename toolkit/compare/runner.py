@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -112,6 +113,10 @@ def read_metrics(path: Path) -> tuple[list[dict], str | None]:
             return [], f"{file} line {number} is no JSON (cut short?)"
         if not isinstance(record, dict) or not all(key in record for key in STEP_KEYS):
             return [], f"{file} line {number} is no step record ({', '.join(STEP_KEYS)})"
+        wrong = next((key for key in (*STEP_KEYS, "step") if key in record and (
+            isinstance(record[key], bool) or not isinstance(record[key], (int, float)))), None)
+        if wrong is not None:  # written by hand: the verdict's arithmetic was a TypeError
+            return [], f"{file} line {number}: {wrong} is {record[wrong]!r}, not a number"
         records.append(record)
     return (records, None) if records else ([], f"{file} holds no step")
 
@@ -230,6 +235,12 @@ def failure_line(lines: list[str]) -> str:
     loss (nan) at step 2; ...`), not the launcher's summary of their exit codes, which points at output a report
     does not hold; else the last line that says error, else the last line."""
     said = [line.strip() for line in lines if line.startswith("toolkit: ") and not line.startswith(LAUNCH_FAILED)]
+    # a rank killed outright (SIGKILL: the out-of-memory killer) says nothing itself: the others' line is what its
+    # end did to them ("another rank left the run"); the launcher's summary names it, first
+    summary = next((line for line in reversed(lines) if line.startswith(LAUNCH_FAILED)), "")
+    killed = re.findall(r"rank \d+ killed by (?:SIG\w+|signal \d+)", summary)
+    if said and killed:
+        return f"{'; '.join(killed)}; then {said[-1]}"
     if said:
         return said[-1]
     error = next((line for line in reversed(lines) if "error" in line.lower() and line.strip()),
