@@ -347,8 +347,9 @@ def test_plan_judges_each_arm_against_its_own_ranks_share_of_the_host():
     lines = done.stdout.splitlines()
     for arm, ranks in (("single", 1), ("ddp", 4)):
         row = next(line for line in lines if line.startswith(f"{arm} "))
-        assert row.rstrip().endswith(f"yes ({host // ranks / 2 ** 20:.0f} MiB = {host // ranks / 2 ** 30:.1f} GiB)"), row
-    assert f"({host // 4 / 2 ** 20:.0f} MiB" not in next(line for line in lines if line.startswith("single "))
+        assert row.rstrip().endswith(f"yes ({host // ranks / 2 ** 20:.0f})"), row
+    assert lines[0].rstrip().endswith("fits (MiB)")
+    assert f"({host // 4 / 2 ** 20:.0f})" not in next(line for line in lines if line.startswith("single "))
 
 
 def test_the_limit_a_plan_judges_by_is_shown_in_the_peak_columns_unit():
@@ -356,7 +357,7 @@ def test_the_limit_a_plan_judges_by_is_shown_in_the_peak_columns_unit():
     GiB"), under which that row's yes read false; it now gives the MiB the peak column is in."""
     done = run_cli("plan", "recipes/llama-tiny.yaml", "--strategies", "single", "--memory-per-rank", "1.04GiB")
     header, row = done.stdout.splitlines()[:2]
-    assert header.rstrip().endswith(f"fits {1.04 * 2 ** 10:.0f} MiB = 1.0 GiB"), header
+    assert header.rstrip().endswith(f"fits {1.04 * 2 ** 10:.0f} MiB"), header
     peak = int(row.split()[-2])
     assert row.split()[-1] == ("yes" if peak <= 1.04 * 2 ** 10 else "NO"), row
 

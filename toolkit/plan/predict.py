@@ -273,7 +273,11 @@ def default_memory_per_rank(nproc: int) -> tuple[int, str]:
 def _size(size: int) -> str:
     """A memory limit in the peak column's unit and rounding (MiB), so that a row's yes or NO reads true beside it:
     in GiB to one place, 1.04 GiB showed as 1.0 above a peak of 1041 MiB that fits."""
-    return f"{size / MiB:.0f} MiB" + (f" = {size / GiB:.1f} GiB" if size >= GiB else "")
+    return f"{size / MiB:.0f} MiB"
+
+
+def _size_in_both(size: int) -> str:
+    return _size(size) + (f" = {size / GiB:.1f} GiB" if size >= GiB else "")
 
 
 def render(rows: list[tuple[str, Prediction | str]], *,
@@ -285,7 +289,7 @@ def render(rows: list[tuple[str, Prediction | str]], *,
     limits = {world: memory_per_rank(world) for world in worlds}
     one = len({limit for limit, _ in limits.values()}) == 1  # the header states it (every arm failed: none)
     head = ["arm", "rank", "params MiB", "grads MiB", "optim MiB", "model states MiB", "activations MiB (AC)",
-            "peak MiB", f"fits {_size(next(iter(limits.values()))[0])}" if one else "fits"]
+            "peak MiB", f"fits {_size(next(iter(limits.values()))[0])}" if one else "fits (MiB)" if limits else "fits"]
     lines: list[list[str]] = []
     refused: list[str] = []  # under the table: a reason would set its last column's width
     for arm, prediction in rows:
@@ -305,7 +309,7 @@ def render(rows: list[tuple[str, Prediction | str]], *,
             lines.append([arm, label, f"{state.params_bytes / MiB:.1f}", f"{state.grads_bytes / MiB:.1f}",
                           f"{state.optim_bytes / MiB:.1f}", f"{state.total_bytes / MiB:.1f}",
                           f"{activations / MiB:.0f} ({with_ac / MiB:.0f})", f"{peak / MiB:.0f}",
-                          fits if one else f"{fits} ({_size(limit)})"])
+                          fits if one else f"{fits} ({limit / MiB:.0f})"])
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)] if lines else map(len, head)
     out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
     out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
@@ -313,7 +317,7 @@ def render(rows: list[tuple[str, Prediction | str]], *,
     if not limits:
         out.append("no arm can run as given: each line says why.")
         return "\n".join(out)
-    where = "; ".join(f"{_size(limit)} ({source})" for limit, source in sorted(set(limits.values())))
+    where = "; ".join(f"{_size_in_both(limit)} ({source})" for limit, source in sorted(set(limits.values())))
     out.append(f"memory per rank: {where}.")
     out.append("Model states are exact (the run measures the same bytes); activations and peak are estimates: see "
                "toolkit/plan/.")
