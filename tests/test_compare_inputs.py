@@ -537,3 +537,28 @@ def test_compare_says_where_it_turns_dropout_off(tmp_path, tiny_llama_dir):
                "tolerances": "", "plain_data_parallel": ["ddp"]}
     top = render_markdown(results, []).split("| ")[0]  # before the verdict table
     assert f"Note: {note}." in top
+
+
+def test_a_compare_interrupted_while_it_measures_the_machine_says_every_arm_is_kept(two_arms, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """Ctrl-C after the last arm, while the machine was measured for the step-time predictions: only "toolkit:
+    interrupted", and no word that the arms were kept or how to write the report."""
+    from toolkit.compare import predictions
+
+    out, args = two_arms
+    copy = tmp_path / "exp"
+    shutil.copytree(out, copy)
+    (copy / predictions.PROFILE).unlink()
+
+    def interrupted(*_, **__):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(predictions, "measure_profile", interrupted)
+    monkeypatch.setattr("sys.argv", ["toolkit", *args[:-1], str(copy)])
+    assert main([*args[:-1], str(copy)]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"toolkit: compare interrupted while measuring this machine for the step-time predictions; every "
+                   f"arm ran and is kept in {copy}; measure it and write the report with: toolkit "
+                   f"{' '.join([*args[:-1], str(copy)])}"], err
+    arms = sorted(p.name for p in copy.iterdir() if p.is_dir())
+    assert arms == ["calibration-rounding", "single", "single@optim.lr=2e-3"], arms
+    assert all((copy / arm / "model").is_dir() for arm in arms)

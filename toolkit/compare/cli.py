@@ -152,14 +152,17 @@ def _compare(experiment, args) -> int:
         statuses = run_experiment(experiment, log=lambda line: print(line, flush=True))
     except Interrupted as stop:
         kept = ", ".join(stop.completed) or "none"
-        again = " ".join(shlex.quote(a) for a in sys.argv[1:] if a)
-        if "--output" not in sys.argv and not any(o.startswith("output_dir=") for o in args.overrides):
-            again += f" --output {shlex.quote(str(experiment.out_dir))}"
         print(f"toolkit: compare interrupted during arm {stop.arm}; arms completed and kept in "
-              f"{experiment.out_dir}: {kept}; run the rest with: toolkit {again}", file=sys.stderr, flush=True)
+              f"{experiment.out_dir}: {kept}; run the rest with: toolkit {_again(experiment, args)}",
+              file=sys.stderr, flush=True)
         return INTERRUPTED
     try:
         measure_machine(experiment, args)
+    except KeyboardInterrupt:  # every arm is done and kept: only the measurement and the report are left
+        print(f"toolkit: compare interrupted while measuring this machine for the step-time predictions; every arm "
+              f"ran and is kept in {experiment.out_dir}; measure it and write the report with: toolkit "
+              f"{_again(experiment, args)}", file=sys.stderr, flush=True)
+        return INTERRUPTED
     except RecipeError:
         raise
     except Exception as exc:  # the arms' results come first: a failed measurement costs the predictions only
@@ -173,6 +176,14 @@ def _compare(experiment, args) -> int:
     if (experiment.out_dir / "tensorboard").is_dir():  # train.report_to tensorboard: one run per arm
         print(f"[compare] curves: tensorboard --logdir {experiment.out_dir / 'tensorboard'}")
     return 1 if "failed" in statuses.values() else 0
+
+
+def _again(experiment, args) -> str:
+    """The command that goes on with this experiment: this one, with the folder it made."""
+    again = " ".join(shlex.quote(a) for a in sys.argv[1:] if a)
+    if "--output" not in sys.argv and not any(o.startswith("output_dir=") for o in args.overrides):
+        again += f" --output {shlex.quote(str(experiment.out_dir))}"
+    return again
 
 
 def measure_machine(experiment, args) -> None:
