@@ -178,7 +178,7 @@ def _damage(folder, arm, text, file="metrics.jsonl"):
     ("metrics.jsonl", "", "holds no step"), ("metrics.jsonl", '{"step": 1, "loss": 10.', "line 1 is no JSON"),
     ("metrics.jsonl", '{"step": 1}\n', "line 1 is no step record"),
     # cut at a line's end: its step 1 was read as the arm's final loss, and the arm "diverged"
-    ("metrics.jsonl", "FIRST LINE", "holds 1 of the run's 3 steps"),
+    ("metrics.jsonl", "FIRST LINE", "ends at step 1 of the run's 3"),
     ("metrics.jsonl", "LOSS abc", "line 1: loss is 'abc', not a number"),  # was a TypeError in the verdict
     # the run's resolved recipe, which the report and a re-run's settings check read (before: a YAMLError)
     ("recipe.yaml", "model: {", "cannot be read"), ("recipe.yaml", "- a list\n", "cannot be read")])

@@ -326,13 +326,19 @@ def test_plan_names_the_first_single_change_under_which_an_arm_fits():
                   ("batch.micro_batch_size=2", "batch.grad_accum_steps=4"): 60,
                   ("batch.micro_batch_size=1", "batch.grad_accum_steps=8"): 55,
                   ("batch.micro_batch_size=2", "batch.grad_accum_steps=null"): 60})
-    micro = "(accumulation keeps the global batch)"
-    for limit, want in ((75, f"batch.micro_batch_size=4 {micro}"), (62, f"batch.micro_batch_size=2 {micro}"),
-                        (56, f"batch.micro_batch_size=1 {micro}"), (50, "strategy.offload_optimizer=true")):
+    same = "(the same global batch)"  # the label names every override the prediction made, as the user sets it
+    for limit, want in ((75, f"batch.micro_batch_size=4, batch.grad_accum_steps=2 {same}"),
+                        (62, f"batch.micro_batch_size=2, batch.grad_accum_steps=4 {same}"),
+                        (56, f"batch.micro_batch_size=1, batch.grad_accum_steps=8 {same}"),
+                        (50, "strategy.offload_optimizer=true")):
         assert one_change(Planned("x", prediction(100), limit), predict=predict, one_process=False,
                           batch=BatchConfig(micro_batch_size=8)) == want
+    # a global batch given: the accumulation follows it where the recipe leaves it null, else it is set null
     assert one_change(Planned("x", prediction(100), 62), predict=predict, one_process=False,
-                      batch=BatchConfig(micro_batch_size=4, global_batch_size=16)) == f"batch.micro_batch_size=2 {micro}"
+                      batch=BatchConfig(micro_batch_size=4, global_batch_size=16)) == f"batch.micro_batch_size=2 {same}"
+    assert one_change(Planned("x", prediction(100), 62), predict=predict, one_process=False,
+                      batch=BatchConfig(micro_batch_size=4, global_batch_size=16, grad_accum_steps=2)) == \
+        f"batch.micro_batch_size=2, batch.grad_accum_steps=null {same}"
 
 
 def test_plan_judges_each_arm_against_its_own_ranks_share_of_the_host():
@@ -386,6 +392,30 @@ def test_a_mistake_in_the_recipes_own_strategy_is_one_line_exit_2_as_validate_sa
     assert captured.out == "" and words in captured.err and len(captured.err.strip().splitlines()) == 1
     assert main(["validate", str(REPO / "recipes/llama-tiny.yaml"), *overrides]) == 2
     assert words in capsys.readouterr().err
+    # a recipe that runs but that the plan cannot predict is no mistake: its row says why, as before
+    assert main(["plan", str(REPO / "recipes/llama-tiny.yaml"), "--set", "strategy.name=hf_native"]) == 1
+    assert "hf_native cannot run: toolkit plan does not predict hf_native" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("sets, limit", [(("batch.global_batch_size=null", "batch.grad_accum_steps=2",
+                                            "data.max_length=128"), "1000MiB"),
+                                          (("batch.grad_accum_steps=1",), "900MiB")])
+def test_a_smaller_micro_batch_offered_keeps_the_global_batch_as_the_user_sets_it(sets, limit, capsys):
+    """The offer named only batch.micro_batch_size where the prediction had also set the accumulation: set alone it
+    shrank the global batch fourfold, or (with an accumulation given beside a global batch) was refused."""
+    from toolkit.cli import main
+    from toolkit.config.files import load_recipe
+    from toolkit.config.recipe import plan_batch
+
+    overrides = [part for value in sets for part in ("--set", value)]
+    recipe_path = str(REPO / "recipes/llama-tiny.yaml")
+    assert main(["plan", recipe_path, "--strategies", "ddp", *overrides, "--memory-per-rank", limit]) == 1
+    offer = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("  ddp with "))
+    assert offer.endswith(" (the same global batch)"), offer
+    applied = offer.removeprefix("  ddp with ").removesuffix(" (the same global batch)").split(", ")
+    before = plan_batch(load_recipe(recipe_path, list(sets)).batch, world_size=2)
+    after = plan_batch(load_recipe(recipe_path, [*sets, *applied]).batch, world_size=2)
+    assert after.global_batch_size == before.global_batch_size and after.micro_batch_size < before.micro_batch_size
 
 
 def test_plan_exits_1_when_no_arm_can_run(capsys):

@@ -334,11 +334,15 @@ def cmd_plan(args) -> int:
         world = 1 if one_process else args.nproc
         try:
             check_recipe(recipe, world_size=world)
-            prediction = plan.predict(recipe, world_size=world, runtime_bytes=runtime + extra[arm], device_type=device,
-                                      model=skeleton(recipe))
         except RecipeError as exc:
             if arm is None:  # the recipe's own strategy, no --strategies: a mistake in it, as validate says it
                 raise
+            planned.append(plan_advice.Planned(name, str(exc)))
+            continue
+        try:  # a recipe that runs but that the plan cannot predict (hf_native): its row says why
+            prediction = plan.predict(recipe, world_size=world, runtime_bytes=runtime + extra[arm], device_type=device,
+                                      model=skeleton(recipe))
+        except RecipeError as exc:
             planned.append(plan_advice.Planned(name, str(exc)))
             continue
         planned.append(plan_advice.Planned(name, prediction, memory_per_rank(world)[0]))

@@ -65,11 +65,11 @@ def arm_damage(path: Path) -> str | None:
     """What is wrong with a completed arm's files the report reads, naming the file; None where nothing is."""
     records, damage = read_metrics(path)
     total = (read_run_info(path) or {}).get("total_steps")
-    steps = {record.get("step") for record in records}
-    if damage is None and isinstance(total, int) and steps != set(range(1, total + 1)):
-        # cut at a line's end (a copy stopped short, a file trimmed by hand): its last loss was read as the run's
-        damage = (f"{path / 'metrics.jsonl'} holds {len(steps & set(range(1, total + 1)))} of the run's {total} "
-                  "steps (cut short?)")
+    last = max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0)
+    if damage is None and isinstance(total, int) and last < total:
+        # cut at a line's end (a copy stopped short, a file trimmed by hand): its last loss was read as the run's.
+        # A step missing in the middle is not this: a record a full disk kept from being written (docs/checkpoints.md)
+        damage = f"{path / 'metrics.jsonl'} ends at step {last} of the run's {total} (cut short?)"
     if damage is None and read_arm_recipe(path) is None:
         damage = f"{path / 'recipe.yaml'} cannot be read"
     return damage

@@ -74,8 +74,11 @@ def _smaller_micro_batches(batch: BatchConfig | None) -> list[tuple[str, tuple[s
         if micro % smaller == 0:
             accum = "null" if batch.global_batch_size is not None else \
                 str((batch.grad_accum_steps or 1) * (micro // smaller))
-            changes.append((f"batch.micro_batch_size={smaller} (accumulation keeps the global batch)",
-                            (f"batch.micro_batch_size={smaller}", f"batch.grad_accum_steps={accum}")))
+            overrides = (f"batch.micro_batch_size={smaller}", f"batch.grad_accum_steps={accum}")
+            # each override the prediction made, as the user sets it: an accumulation the recipe leaves null already
+            # follows its global batch
+            said = overrides[:1] if accum == "null" and batch.grad_accum_steps is None else overrides
+            changes.append((f"{', '.join(said)} (the same global batch)", overrides))
         smaller //= 2
     return changes
 

@@ -166,7 +166,9 @@ def import_run_code(recipe: Recipe) -> None:
     from toolkit.model.build import hf_config
     from toolkit.model.config import auto_class
 
-    auto_class(recipe.model)._model_mapping[type(hf_config(recipe.model))]  # the lazy mapping imports the class
+    mapping = getattr(auto_class(recipe.model), "_model_mapping", None)  # as check_architecture reads it
+    if mapping is not None:
+        mapping[type(hf_config(recipe.model))]  # the lazy mapping imports the class
 
 
 _IMPORTED_BYTES: dict[str, int] = {}

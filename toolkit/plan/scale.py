@@ -348,7 +348,7 @@ def _ms(seconds: float) -> str:
 
 def render(planned: list[Planned], cluster: step_time.Cluster) -> str:
     hw = cluster.hardware
-    head = ["layout", "GPUs", "step s", "tokens/s/GPU", "MFU", "peak GB/GPU", f"fits {hw.memory_bytes / 1e9:.3g} GB",
+    head = ["layout", "GPUs", "step s", "tokens/s/GPU", "MFU", "peak GB/GPU", f"fits {hw.memory_bytes / 1e9:{',.0f' if hw.memory_bytes >= 1e11 else '.3g'}} GB",
             "largest exposed costs"]
     rows = []
     for p in planned:
