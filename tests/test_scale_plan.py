@@ -662,3 +662,28 @@ def test_a_pipelines_planned_compute_is_its_busiest_rank_by_the_split():
     best = min(busiest(k) for k in range(1, 32))
     assert default / seconds[16] == pytest.approx(best / busiest(16), rel=1e-9)
     assert default < seconds[16]
+
+
+@pytest.mark.parametrize("num_ranks, threads, cores, world, share", [
+    (2, 1, None, 1, 2.0),   # measured at 2 ranks of a thread on 2 cores: one process computes on both
+    (2, 1, None, 2, 1.0),   # as measured
+    (1, 2, None, 2, 0.5),   # measured alone on 2 cores: each of 2 ranks gets one
+    (4, 1, 0.5, 1, 4.0),    # 4 ranks time-shared 2 cores (half a core each): one process gets both
+    (4, 1, 0.5, 4, 1.0)])
+def test_a_cpu_profile_plans_each_rank_on_its_share_of_the_cores_it_was_measured_on(num_ranks, threads, cores,
+                                                                                      world, share):
+    """plan --hardware with a CPU profile planned every layout at the profile's own per-rank rate: single, which
+    computes on all the cores, at one thread's (0.87 s a step against 0.39-0.44 s measured, from a 2-rank profile).
+    `share`: the rank's compute rate over the measured one, counted here from the machine's cores."""
+    import dataclasses
+
+    from toolkit.plan.scale import at_ranks
+
+    h100 = hardware.load("h100-sxm")
+    measured = hardware.Measured(matmul_flops_per_s=1e10, num_ranks=num_ranks, threads=threads, cores=cores,
+                                 loss_seconds_per_logit=1e-9, attention_flops_per_s={"64": 2e9})
+    profile = dataclasses.replace(h100, measured=measured)
+    planned = at_ranks(profile, world)
+    assert planned.measured.matmul_flops_per_s == pytest.approx(1e10 * share)
+    assert planned.measured.attention_flops_per_s["64"] == pytest.approx(2e9 * share)
+    assert planned.measured.loss_seconds_per_logit == pytest.approx(1e-9 / share)

@@ -149,9 +149,9 @@ def plan_layout(name: str, recipe: Recipe, model: nn.Module, cluster: step_time.
                 runtime_bytes: int = 0) -> Planned:
     """One layout's prediction, or why it cannot run. A layout of auto or an arm plans without the recipe's options
     for a strategy other than its own (zero's offload_optimizer on the fsdp row): the recipe's own layout is
-    refused with them, as its run is. On a CPU profile (toolkit calibrate --hardware cpu) a rank's memory holds its
-    process as well, `runtime_bytes` (as toolkit plan without --hardware counts it) and its strategy's libraries;
-    a GPU's holds neither."""
+    refused with them, as its run is. On a CPU profile (toolkit calibrate --hardware cpu) a rank computes on its share
+    of the cores (at_ranks), and its memory holds its process as well, `runtime_bytes` (as toolkit plan without
+    --hardware counts it) and its strategy's libraries; a GPU's holds neither."""
     world = cluster.world_size
     without: tuple[str, ...] = ()
     try:
@@ -159,8 +159,10 @@ def plan_layout(name: str, recipe: Recipe, model: nn.Module, cluster: step_time.
         if name != RECIPE_LAYOUT:
             recipe, without = without_foreign_options(recipe)
         validate_strategy(recipe, world_size=world)
-        work, step = busiest_work(recipe, model, cluster, world_size=world, shapes=None)
         cpu = cluster.hardware.measured.threads is not None  # a profile toolkit calibrate measured on a CPU
+        if cpu:  # a rank computes on its share of the cores
+            cluster = dataclasses.replace(cluster, hardware=at_ranks(cluster.hardware, world))
+        work, step = busiest_work(recipe, model, cluster, world_size=world, shapes=None)
         runtime = runtime_bytes + runtime_module_bytes(strategy_info(recipe.strategy.name).runtime_modules) \
             if cpu else 0
         memory = predict(recipe, world_size=world, runtime_bytes=runtime, device_type="cpu" if cpu else "cuda",
@@ -171,6 +173,17 @@ def plan_layout(name: str, recipe: Recipe, model: nn.Module, cluster: step_time.
     peak = memory.peak_bytes
     return Planned(layout=name, world_size=world, step=step, peak_bytes_per_gpu=peak,
                    fits=peak <= cluster.hardware.memory_bytes, work=work, without=without)
+
+
+def at_ranks(profile: profiles.Hardware, world: int) -> profiles.Hardware:
+    """A CPU profile's compute rates for a rank of `world` on the machine it was measured on: a rank computes on
+    cores ÷ ranks threads (toolkit.launch), a one-process arm on all of them. A profile measured at 2 ranks of one
+    thread planned single at one thread's rate: twice its step time (0.87 s against 0.39-0.44 measured)."""
+    from toolkit.cost.calibrate import at_cores, rank_cores
+
+    measured = profile.measured
+    cores = max(1, round((measured.cores or measured.threads or 1) * (measured.num_ranks or 1)))
+    return at_cores(profile, rank_cores(max(1, cores // world), world=world, cores=cores))
 
 
 def busiest_work(recipe: Recipe, model: nn.Module, cluster: step_time.Cluster, *, world_size: int,
