@@ -103,12 +103,14 @@ def test_an_untested_pair_exits_2_with_one_line(tmp_path, tiny_llama_dir):
     assert not (tmp_path / "out").exists()
     done = run_cli("validate", str(path), "--nproc", "2", "--set", "parallel.dp_shard=2")
     assert done.returncode == 0 and "# parallel: fsdp (dp_shard 2)" in done.stdout.splitlines()
-    # toolkit plan names the arm for what its degrees run as, where they do not fit the world given too (it said
-    # "single cannot run: ...", the recipe's strategy.name, which the degrees replace)
-    done = run_cli("plan", str(path), "--nproc", "3", "--set", "parallel.cp=2")
-    assert done.returncode == 1, done.stderr
-    assert "fsdp cannot run: parallel: cp 2 does not divide the 3 ranks; the rest would be dp_shard; give degrees " \
-           "whose product divides 3" in done.stdout.splitlines(), done.stdout
+    # degrees that do not fit the world given: toolkit plan of the recipe as written says it as validate does, in
+    # one line, exit 2 (it was a row "fsdp cannot run: ...", exit 1; before that "single cannot run", the recipe's
+    # strategy.name, which the degrees replace)
+    line = ("toolkit: error: parallel: cp 2 does not divide the 3 ranks; the rest would be dp_shard; give degrees "
+            "whose product divides 3")
+    for command in ("plan", "validate"):
+        done = run_cli(command, str(path), "--nproc", "3", "--set", "parallel.cp=2")
+        assert done.returncode == 2 and done.stderr.strip().splitlines() == [line], (command, done.stderr)
 
 
 @pytest.mark.parametrize("parallel, preset", [
