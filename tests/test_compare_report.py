@@ -186,7 +186,8 @@ def test_a_failed_reference_and_a_fallback_arm_leave_the_report_whole_and_say_wh
 
 def test_a_lever_set_against_a_one_process_reference_states_its_bytes_not_a_ratio():
     """No arm of the lever's strategy ran without it, so its bytes were set against single's none: "+nan %"."""
-    reference = _row("single", verdict_="reference", world_size=1, strategy="single", comm={"total_bytes": 0, "includes_setup": False})
+    reference = _row("single", verdict_="reference", world_size=1, strategy="single",
+                     comm={"total_bytes": 0, "includes_setup": False})
     lever = _row("ddp-bf16c", verdict_=f"{verdict.BY_DESIGN} (gradient_compression=bf16)", strategy="ddp",
                  lever="gradient_compression=bf16", comm={"total_bytes": 9 * 2 ** 20, "includes_setup": False},
                  distance={"final_relative": 0.0},

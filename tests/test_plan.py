@@ -286,8 +286,9 @@ def test_plan_takes_a_recipe_s_parallel_degrees_as_launch_does():
 
 def test_plan_names_the_first_single_change_under_which_an_arm_fits():
     """What the plan's summary offers for an arm that does not fit: the first change (selective, then full
-    activation checkpointing, a smaller micro-batch, then offload, then twice the ranks) whose own prediction is within the limit; a
-    change the strategy refuses is passed over. The predictions are given here: plan.predict has its own tests."""
+    activation checkpointing, a smaller micro-batch, then offload, then twice the ranks) whose own prediction is within
+    the limit; a change the strategy refuses is passed over. The predictions are given here: plan.predict has its own
+    tests."""
     from toolkit.plan.predict import Prediction
     from toolkit.plan.advice import Planned, one_change
 

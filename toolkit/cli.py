@@ -285,7 +285,6 @@ def cmd_plan(args) -> int:
     from toolkit.train.checks import check_recipe
     from toolkit.compare.experiment import arm_overrides
     from toolkit.config.arm_specs import split_arms
-    from toolkit.observe.metrics import process_bytes
     from toolkit.config.files import load_recipe
     from toolkit.config.parallel import preset_of_given, resolve
     from toolkit.strategies import strategy_degrees, strategy_info, validate_strategy
@@ -311,8 +310,7 @@ def cmd_plan(args) -> int:
             skeletons[key] = plan.planned_model(recipe)
         return skeletons[key]
     model = skeleton(base)
-    plan.import_run_code(base)  # what a rank has loaded by its first step (the data reader's code)
-    runtime = process_bytes()  # this process with torch, transformers and datasets loaded: what a rank starts from
+    runtime = plan.run_base_bytes(base)  # this process with what a rank has loaded by its first step
     recipes = {arm: load_recipe(args.recipe, [*args.overrides, *sets[arm]]) for arm in arms}
 
     def runs_as(recipe) -> str:  # the strategy a recipe's parallel degrees choose at --nproc ranks, as launch's

@@ -37,12 +37,12 @@ def recommendations(results: dict) -> list[str]:
     for r in done:
         if r is base:
             continue
-        if r["verdict"].startswith(BY_DESIGN) and not r.get("fallback"):
-            lines.append(_lever_line(r, done, base))
-            continue
         if r.get("fallback"):  # its verdict is right, its numbers another strategy's: not why it is left out
             lines.append(f"{r['arm']}: not recommended: it did not run as its strategy on this machine (see the "
                          "table's notes)")
+            continue
+        if r["verdict"].startswith(BY_DESIGN):
+            lines.append(_lever_line(r, done, base))
             continue
         if r not in ok:
             cost = r.get("distance")  # a lever beyond its loss budget

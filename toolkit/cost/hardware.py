@@ -80,6 +80,11 @@ class Hardware:
     overlaps_communication: bool = True
     measured: Measured = field(default_factory=Measured)
 
+    @property
+    def on_cpu(self) -> bool:
+        """A profile toolkit calibrate measured on a CPU (its ranks' threads recorded)."""
+        return self.measured.threads is not None
+
     def peak(self, dtype: str) -> float:
         value = getattr(self.peak_flops_per_s, dtype)
         if value is None:

@@ -125,12 +125,10 @@ def scale_plan(args) -> int:
             layouts[spec] = (*known[name], *extra)
         explicit = True
     runtime = 0
-    if cluster.hardware.measured.threads is not None:  # a CPU profile: a rank's memory holds its process too
-        from toolkit.observe.metrics import process_bytes
-        from toolkit.plan.predict import import_run_code
+    if cluster.hardware.on_cpu:  # a rank's memory holds its process too
+        from toolkit.plan.predict import run_base_bytes
 
-        import_run_code(base)
-        runtime = process_bytes()
+        runtime = run_base_bytes(base)
     planned = []
     for number, (name, overrides) in enumerate(layouts.items(), 1):
         if not args.json:

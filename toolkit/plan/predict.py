@@ -155,20 +155,23 @@ def predict(recipe: Recipe, *, world_size: int, runtime_bytes: int, device_type:
                       setup_peak_bytes_per_rank=setup)
 
 
-def import_run_code(recipe: Recipe) -> None:
-    """Import what every rank has imported by its first step, whatever its strategy: the model class's code
+def run_base_bytes(recipe: Recipe) -> int:
+    """This process's resident set once it holds what every rank has imported by its first step, whatever its
+    strategy: the base a memory prediction starts from. Imported first: the model class's code
     (transformers' modeling modules and what they pull in: torch._dynamo, scipy; ~128 MiB here) and the data
-    reader's (datasets with pyarrow and pandas, ~120 MiB). The runtime a memory prediction starts from is measured
-    after it: a single process imported the model's code only when it built the model (its peak came out ~85 MiB over
-    its prediction), and toolkit plan, which reads no data, planned each rank ~84 MiB under what it measured."""
+    reader's (datasets with pyarrow and pandas, ~120 MiB): a single process imported the model's code only when it
+    built the model (its peak came out ~85 MiB over its prediction), and toolkit plan, which reads no data, planned
+    each rank ~84 MiB under what it measured."""
     import datasets  # noqa: F401  (imported for its resident set)
 
     from toolkit.model.build import hf_config
     from toolkit.model.config import auto_class
+    from toolkit.observe.metrics import process_bytes
 
     mapping = getattr(auto_class(recipe.model), "_model_mapping", None)  # as check_architecture reads it
     if mapping is not None:
         mapping[type(hf_config(recipe.model))]  # the lazy mapping imports the class
+    return process_bytes()
 
 
 _IMPORTED_BYTES: dict[str, int] = {}

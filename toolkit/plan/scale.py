@@ -159,7 +159,7 @@ def plan_layout(name: str, recipe: Recipe, model: nn.Module, cluster: step_time.
         if name != RECIPE_LAYOUT:
             recipe, without = without_foreign_options(recipe)
         validate_strategy(recipe, world_size=world)
-        cpu = cluster.hardware.measured.threads is not None  # a profile toolkit calibrate measured on a CPU
+        cpu = cluster.hardware.on_cpu
         if cpu:  # a rank computes on its share of the cores
             cluster = dataclasses.replace(cluster, hardware=at_ranks(cluster.hardware, world))
         work, step = busiest_work(recipe, model, cluster, world_size=world, shapes=None)
@@ -361,7 +361,8 @@ def _ms(seconds: float) -> str:
 
 def render(planned: list[Planned], cluster: step_time.Cluster) -> str:
     hw = cluster.hardware
-    head = ["layout", "GPUs", "step s", "tokens/s/GPU", "MFU", "peak GB/GPU", f"fits {hw.memory_bytes / 1e9:{',.0f' if hw.memory_bytes >= 1e11 else '.3g'}} GB",
+    limit = f"{hw.memory_bytes / 1e9:{',.0f' if hw.memory_bytes >= 1e11 else '.3g'}}"  # a CPU profile's 1 TB: 1,030
+    head = ["layout", "GPUs", "step s", "tokens/s/GPU", "MFU", "peak GB/GPU", f"fits {limit} GB",
             "largest exposed costs"]
     rows = []
     for p in planned:

@@ -37,13 +37,13 @@ from toolkit.observe import profiling, tracking
 from toolkit.observe.comm import CollectiveCounter, count_step, counting
 from toolkit.observe.consistency import check_groups, check_replicas, drift
 from toolkit.observe.gradient_scale import GradientScale
-from toolkit.observe.metrics import (Progress, compile_graph_breaks, compile_seconds, peak_memory_bytes, process_bytes,
+from toolkit.observe.metrics import (Progress, compile_graph_breaks, compile_seconds, peak_memory_bytes,
                                      synchronize)
 from toolkit.process import faults
 from toolkit.process.dist import DistEnv, all_reduce_max, all_reduce_sum
 from toolkit.process.stopping import (NonFinite, OutputWriteError, SkippedSteps, StopSignals, Stopped,
                                       write_error_text)
-from toolkit.plan.predict import import_run_code
+from toolkit.plan.predict import run_base_bytes
 from toolkit.strategies import import_runtime_modules, strategy_degrees
 from toolkit.strategies.pipeline.timing import pin_block_time, steps_length
 from toolkit.strategies.base import ROUTER_LOSS, Replicas, SetupArgs, Strategy
@@ -128,8 +128,8 @@ def _train(recipe: Recipe, env: DistEnv, *, resume: Resume | None) -> TrainResul
     plan, layout, strategy, tokenizer = prepared.plan, prepared.layout, prepared.strategy, prepared.tokenizer
     total_steps, notes = prepared.total_steps, prepared.notes
     import_runtime_modules(recipe)  # DeepSpeed's 51-105 MiB: part of the runtime, as toolkit plan counts it
-    import_run_code(recipe)  # the model's code and the data reader's, loaded here or not yet: as toolkit plan's
-    runtime_bytes = process_bytes()  # what the process holds before any model: the base a memory prediction starts from
+    # what the process holds before any model, with the model's code and the data reader's: as toolkit plan's
+    runtime_bytes = run_base_bytes(recipe)
     # before anything below, so no rank can have written into output_dir yet (collective)
     checkpoint = checkpoints.starting_point(recipe, resume, plan=plan, total_steps=total_steps, env=env)
     # strategy.split_by time: the ratio the split weights blocks by (a resumed run's, else measured), before the
