@@ -513,6 +513,10 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_run_finishes_as_if_never_kil
                             str(runs.recipe), "--set", "strategy.name=ddp", "--set", f"output_dir={out}")
     assert result.returncode == 0, result.stderr[-4000:]
     assert "resume: weights and optimizer state from" in result.stderr and "step-00000003" in result.stderr
+    # the restart is said as it happens (which rank, how), and kept in run.json
+    assert "toolkit: rank 1 killed by SIGKILL; restarting every rank (restart 1 of 1): they resume from the run's " \
+        "newest checkpoint" in result.stderr, result.stderr[-4000:]
+    assert json.loads((out / "run.json").read_text())["restarts"] == 1
     assert_continues(out, runs.full("ddp"), rtol=1e-6)
 
 

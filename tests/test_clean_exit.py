@@ -134,22 +134,55 @@ def test_rank_dying_after_its_outputs_is_reported_and_outputs_stay(short_recipe,
     assert (out / "model" / "model.safetensors").is_file()
 
 
-def test_rank_0_killed_outright_leaves_a_run_json_that_says_the_run_failed(short_recipe, tmp_path):
-    """SIGKILL (the out-of-memory killer's) gives rank 0 no chance to write how the run ended: `toolkit launch`,
-    the last process standing, turns its "running" into "failed", with the launch's line and what was kept."""
+@pytest.mark.parametrize("killed", [0, 1])
+def test_a_rank_killed_outright_leaves_a_run_json_that_names_it(short_recipe, tmp_path, killed):
+    """SIGKILL (the out-of-memory killer's) gives the rank no chance to say anything. Rank 0 killed writes nothing
+    of how the run ended: `toolkit launch`, the last process standing, turns its "running" into "failed", with
+    the launch's line and what was kept. Rank 1 killed: rank 0 records the run failed, but sees only its
+    collective's connection close; the launch, which knows which rank died and how, names it there too."""
     from toolkit.process import faults
 
     env = toolkit_env()
-    env[faults.KILL_RANK_AT_STEP] = "0:1"  # after step 1 and its checkpoint
+    env[faults.KILL_RANK_AT_STEP] = f"{killed}:1"  # after step 1 and its checkpoint
     out = tmp_path / "run"
     result = subprocess.run([sys.executable, "-m", "toolkit", "launch", "--nproc", "2", str(short_recipe),
                              "--set", "strategy.name=ddp", "--set", "checkpoint.every_steps=1",
                              "--set", f"output_dir={out}"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stderr[-3000:]
-    assert "toolkit: launch failed: rank 0 killed by SIGKILL" in result.stderr
+    assert f"toolkit: launch failed: rank {killed} killed by SIGKILL" in result.stderr
     run = json.loads((out / "run.json").read_text())
     assert run["status"] == "failed"
-    assert run["ended"]["reason"].startswith("launch failed: rank 0 killed by SIGKILL"), run["ended"]
+    assert run["ended"]["reason"].startswith(f"launch failed: rank {killed} killed by SIGKILL"), run["ended"]
     assert run["ended"]["steps_done"] == 1
     assert run["ended"]["checkpoint"] == str(out / "checkpoints" / "step-00000001")
+    if killed:  # what rank 0 saw stays beside the launch's words
+        assert run["ended"]["rank_0_saw"].startswith("another rank left the run ("), run["ended"]
+
+
+def test_a_stop_signal_to_ranks_that_cannot_finish_their_step_says_so_and_keeps_a_resumable_record(short_recipe,
+                                                                                                   tmp_path):
+    """A rank hung in a collective (its peer stopped: SIGSTOP) finishes no step, so the stop signal's checkpoint
+    is never written: torch's agent kills the ranks once its shutdown timeout (here 3 s) has passed after the
+    signal. The launch says it waits, then that the ranks were killed, the newest checkpoint and the command that
+    resumes it; run.json says stopped by that signal, resumable from that checkpoint (rank 0 wrote nothing)."""
+    from toolkit.process import faults
+
+    env = {**toolkit_env(), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"}
+    env[faults.KILL_RANK_AT_STEP] = "1:1:SIGSTOP"  # rank 1 stops itself after step 1 (and its checkpoint)
+    env[faults.SIGTERM_LAUNCHER_AT_STEP] = "1"  # rank 0 then has its launcher stopped, as a scheduler does
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "toolkit", "launch", "--nproc", "2", str(short_recipe),
+                             "--set", "strategy.name=ddp", "--set", "checkpoint.every_steps=1",
+                             "--set", "train.max_steps=3", "--set", f"output_dir={out}"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 143, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("toolkit:")]
+    assert lines[0].startswith("toolkit: SIGTERM: waiting for the ranks to finish their step"), lines
+    checkpoint = out / "checkpoints" / "step-00000001"
+    assert lines[-1].startswith("toolkit: stopped by SIGTERM, but the ranks had not finished their step 3 s "), lines
+    assert f"the newest checkpoint is {checkpoint} (step 1); resume with: toolkit launch --nproc 2 " in lines[-1]
+    assert lines[-1].endswith(f"--set output_dir={out} --resume"), lines
+    run = json.loads((out / "run.json").read_text())
+    assert run["status"] == "stopped" and run["ended"]["signal"] == "SIGTERM", run["ended"]
+    assert run["ended"]["resumable"] is True and run["ended"]["checkpoint"] == str(checkpoint), run["ended"]

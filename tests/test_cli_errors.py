@@ -237,3 +237,40 @@ def test_help_still_shows_the_usage(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["launch", "--help"])
     assert exit_.value.code == 0 and capsys.readouterr().out.startswith("usage: toolkit launch")
+
+
+def test_a_ctrl_c_that_a_library_import_turns_into_another_error_is_still_an_interrupt(monkeypatch, capsys):
+    """Ctrl-C raises KeyboardInterrupt wherever Python is; inside a lazy import a library may turn it into another
+    error (transformers' lazy module says "Could not import module 'LlamaConfig'"). After a Ctrl-C that error
+    is the interrupt: one line, exit 130, no traceback, as a Ctrl-C anywhere else before the steps."""
+    import os
+    import signal
+
+    import toolkit.cli
+    import toolkit.errors
+
+    def interrupted_import(args):  # a command whose import is interrupted, as transformers' _LazyModule reports it
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            signal.sigtimedwait([], 0)  # the handler runs at the next bytecode: here
+        except KeyboardInterrupt as exc:
+            raise ModuleNotFoundError("Could not import module 'LlamaConfig'. Are this object's requirements "
+                                      "defined correctly?") from exc
+
+    def broken_import(args):
+        raise ModuleNotFoundError("Could not import module 'LlamaConfig'")
+
+    def run(command):
+        monkeypatch.setitem(toolkit.errors._ctrl_c, "seen", False)  # a fresh process's
+        monkeypatch.setitem(toolkit.cli.COMMANDS, "validate", command)
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as a process starts (pytest's differs)
+        try:
+            return main(["validate", "recipes/llama-tiny.yaml"])
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    code = run(interrupted_import)
+    err = capsys.readouterr().err
+    assert code == 130 and err.strip() == "toolkit: interrupted", err
+    with pytest.raises(ModuleNotFoundError):  # the same error without a Ctrl-C before it is a bug's traceback
+        run(broken_import)

@@ -237,6 +237,9 @@ FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
     ({**DEEPSPEED, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "0"}, "from accelerate launch: "
      "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"),
     ({**DEEPSPEED, "ACCELERATE_GRADIENT_CLIPPING": "inf"}, "from accelerate launch: ACCELERATE_GRADIENT_CLIPPING"),
+    # an accumulation that contradicts the recipe's global batch: the fix is in the accelerate config, not the recipe
+    ({**DEEPSPEED, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "16"}, "the accumulation is accelerate launch's "
+     "(ACCELERATE_GRADIENT_ACCUMULATION_STEPS); remove gradient_accumulation_steps from the accelerate config file"),
 ])
 def test_an_accelerate_value_the_toolkit_cannot_take_is_one_line_naming_it(environ, words, tmp_path, tiny_llama_dir,
                                                                            monkeypatch, capsys):

@@ -3,6 +3,7 @@ found inside the ranks with --max-restarts, a tracker that fails mid-run."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -117,9 +118,13 @@ def killed_run(tmp_path_factory, tiny_llama_dir) -> KilledRun:
 def test_ranks_of_a_killed_launcher_checkpoint_and_end(killed_run):
     assert not killed_run.left, f"ranks {[p.pid for p in killed_run.left]} outlived their launcher:\n" \
         f"{killed_run.log[-3000:]}"
-    # the death signal is SIGTERM: the ranks stopped together after a step and wrote a checkpoint first
-    assert "toolkit: stopped by SIGTERM at step" in killed_run.log, killed_run.log[-3000:]
+    # the death signal is SIGTERM: the ranks stopped together after a step and wrote a checkpoint first; the line
+    # and run.json say where the signal came from
+    assert re.search(r"toolkit: stopped by SIGTERM at step \d+ of 2000 \(the launcher died: the kernel's signal to "
+                     r"its ranks\); checkpoint ", killed_run.log), killed_run.log[-3000:]
     assert list((killed_run.out / "checkpoints").glob("step-*")), killed_run.log[-3000:]
+    ended = json.loads((killed_run.out / "run.json").read_text())["ended"]
+    assert ended["reason"].endswith("(the launcher died: the kernel's signal to its ranks)"), ended
 
 
 def test_a_tracker_failing_mid_run_is_one_warning_and_the_run_goes_on(killed_run):

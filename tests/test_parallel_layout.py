@@ -79,6 +79,9 @@ def test_every_preset_is_its_degrees(name, options, world_size):
     ({"dp_shard": 3}, {}, 4, "parallel: dp_shard 3 ranks, but the run has 4; make the product 4"),
     ({"dp_shard": 3, "tp": 2}, {}, 4, "parallel: dp_shard 3 × tp 2 = 6 ranks, but the run has 4; make the product 4"),
     ({"tp": 3}, {}, 4, "parallel: tp 3 does not divide the 4 ranks"),
+    # one process (`toolkit train` with no launcher): the fix is a launch on that many ranks
+    ({"pp": 2, "tp": 2}, {}, 1, "parallel: pp 2 × tp 2 = 4 needs 4 ranks, and this run has 1; launch it on 4 "
+     "(toolkit launch --nproc 4)"),
     ({"dp_shard": 2}, {"name": "ddp"}, 2, "strategy.name ddp and parallel (dp_shard 2, which runs as fsdp) disagree"),
     ({"dp_replicate": 2}, {"name": "fsdp", "replicate_degree": 4}, 4,
      "strategy.replicate_degree=4 disagrees with parallel (dp_replicate 2 × dp_shard 2), which sets 2"),

@@ -121,3 +121,9 @@ def test_a_folder_or_a_missing_file_given_as_the_recipe_is_said_to_be_so(tmp_pat
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [f"toolkit: error: recipe {path} {words}; pass a YAML file (see `toolkit --help` for the "
                        "shipped recipes)"], err
+    # a name one typo away from a recipe beside it is offered
+    (tmp_path / "llama-tiny.yaml").write_text("model: {}\n")
+    assert main(["validate", str(tmp_path / "lama-tiny.yaml")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"toolkit: error: recipe {tmp_path / 'lama-tiny.yaml'} not found (did you mean {tmp_path / 'llama-tiny.yaml'}?)"
+        "; pass a YAML file (see `toolkit --help` for the shipped recipes)"]

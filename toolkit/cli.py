@@ -432,10 +432,17 @@ def run() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from toolkit.errors import ctrl_c_seen, note_ctrl_c
+
+    note_ctrl_c()
     try:
         return _main(argv)
     except KeyboardInterrupt:  # Ctrl-C outside a rank's training (there: cmd_train, and the loop's stop signal)
         return interrupted()
+    except Exception:
+        if ctrl_c_seen():  # a Ctrl-C that a library's import turned into another error
+            return interrupted()
+        raise
 
 
 def _main(argv: list[str] | None) -> int:

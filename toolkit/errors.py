@@ -4,6 +4,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import signal
 import sys
 import tempfile
 
@@ -164,3 +165,26 @@ def end_restart_after_final_stop() -> None:
     for code, mark in FINAL_MARKS.items():
         if os.path.exists(os.path.join(folder, mark)):
             raise SystemExit(code)
+
+
+_ctrl_c = {"seen": False}
+
+
+def note_ctrl_c() -> None:
+    """From a command's start: Ctrl-C raises KeyboardInterrupt as Python's own handler does, and is remembered.
+    Raised inside a library's lazy import, KeyboardInterrupt can come out as another exception (transformers'
+    lazy module reports a ModuleNotFoundError for the class it was importing, numpy a RecursionError): after a
+    Ctrl-C such an error is the interrupt, said as one (ctrl_c_seen), not a bug's traceback. The training
+    steps install their own handler (StopSignals) and give this one back."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:  # a caller's own handler stays
+        return
+
+    def note(signum, frame) -> None:
+        _ctrl_c["seen"] = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, note)
+
+
+def ctrl_c_seen() -> bool:
+    return _ctrl_c["seen"]

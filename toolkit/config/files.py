@@ -27,13 +27,27 @@ def read_recipe_dict(path: str | os.PathLike, overrides: list[str] | tuple[str, 
     path = Path(path)
     if not path.is_file():
         what = "is a folder" if path.is_dir() else "not found"
-        raise RecipeError(f"recipe {path} {what}; pass a YAML file (see `toolkit --help` for the shipped recipes)")
+        raise RecipeError(f"recipe {path} {what}{_nearby(path)}; pass a YAML file (see `toolkit --help` for the "
+                          "shipped recipes)")
     raw = read_yaml_mapping(path, what="recipe", holds="sections (model, data, ...)")
     if not raw and not overrides:  # else "recipe key 'model' is required", as if one section were missing
         raise RecipeError(f"recipe {path} is empty; it needs at least a model and a data section (see recipes/)")
     for item in overrides:
         apply_override(raw, item)
     return raw
+
+
+def _nearby(path: Path) -> str:
+    """' (did you mean DIR/NAME?)' for a YAML file in the same folder whose name is close to a missing one's."""
+    import difflib
+
+    folder = path.parent
+    try:
+        names = sorted(p.name for p in folder.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.7)
+    return f" (did you mean {folder / close[0]}?)" if close and not path.is_dir() else ""
 
 
 def apply_override(raw: dict, item: str) -> None:

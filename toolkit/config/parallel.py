@@ -104,6 +104,9 @@ def degrees_of(recipe: Recipe, *, world_size: int) -> Degrees:
     others = fixed["dp_replicate"] * fixed["cp"] * fixed["tp"] * fixed["pp"]
     shard = given.dp_shard
     if shard is None:
+        if world_size == 1 and others > 1:  # `toolkit train` without a launcher
+            raise RecipeError(f"parallel: {_product(fixed, total=others)} needs {others} ranks, and this run has 1; "
+                              f"launch it on {others} (toolkit launch --nproc {others}), or leave the degrees out")
         if world_size % others:
             raise RecipeError(f"parallel: {_product(fixed, total=others)} does not divide the {world_size} ranks; the "
                               f"rest would be dp_shard; give degrees whose product divides {world_size}")

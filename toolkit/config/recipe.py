@@ -412,6 +412,16 @@ class BatchPlan:
     global_batch_size: int
 
 
+class BatchMismatch(RecipeError):
+    """batch.grad_accum_steps and global_batch_size that disagree: `total` is the global batch the accumulation
+    makes, `per_step` the samples of one micro-batch on every rank, `wanted` the global batch the recipe asks for
+    (whoever supplied the accumulation words the fix: an accelerate config file's gradient_accumulation_steps)."""
+
+    def __init__(self, message: str, *, total: int, per_step: int, wanted: int):
+        super().__init__(message)
+        self.total, self.per_step, self.wanted = total, per_step, wanted
+
+
 def plan_batch(batch: BatchConfig, *, world_size: int) -> BatchPlan:
     micro = batch.micro_batch_size
     accum = batch.grad_accum_steps
@@ -427,9 +437,11 @@ def plan_batch(batch: BatchConfig, *, world_size: int) -> BatchPlan:
         accum = batch.global_batch_size // per_step
     total = world_size * micro * accum
     if batch.global_batch_size is not None and batch.global_batch_size != total:
-        raise RecipeError(
+        raise BatchMismatch(
             f"batch: {world_size} ranks × micro {micro} × accum {accum} = {total}, but global_batch_size is "
-            f"{batch.global_batch_size}; set batch.grad_accum_steps=null to derive it, or make global_batch_size {total}")
+            f"{batch.global_batch_size}; set batch.grad_accum_steps=null to derive it, or make global_batch_size "
+            f"{total}",
+            total=total, per_step=world_size * micro, wanted=batch.global_batch_size)
     return BatchPlan(world_size=world_size, micro_batch_size=micro, grad_accum_steps=accum, global_batch_size=total)
 
 

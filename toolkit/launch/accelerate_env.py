@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from toolkit.config.strategy_options import StrategyConfig
+from toolkit.config.recipe import BatchMismatch
 from toolkit.config.typed import yaml_number
 from toolkit.errors import RecipeError
 from toolkit.strategies import strategy_for_plugin
@@ -221,6 +222,14 @@ def named_source(settings: list[Setting]) -> Iterator[None]:
     clipping inf) names the variable it came from: the recipe the user reads does not hold it."""
     try:
         yield
+    except BatchMismatch as exc:
+        source = next((s.source for s in settings if s.key == "batch.grad_accum_steps"), None)
+        if source is None:
+            raise
+        fits = f" (or set it to {exc.wanted // exc.per_step})" if exc.wanted % exc.per_step == 0 else ""
+        raise RecipeError(f"{str(exc).split(';')[0]}: the accumulation is accelerate launch's ({source}); remove "
+                          f"gradient_accumulation_steps from the accelerate config file{fits}, and the recipe's global "
+                          f"batch sets it, or make batch.global_batch_size {exc.total}") from None
     except RecipeError as exc:
         # its subject: the message starts with the key, not with a longer one it prefixes (stage, stages_per_rank)
         source = next((s.source for s in settings if s.key and re.match(re.escape(s.key) + r"(?![\w.])", str(exc))),

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from toolkit.errors import (NONFINITE_EXIT_CODE, REPLICA_DRIFT_EXIT_CODE, SAID_DIR_ENV, USER_ERROR_EXIT_CODE,
                             RecipeError, failure_said, first_line, ranks_option, under_accelerate)
+from toolkit.launch.agent_log import AgentWatch
 from toolkit.launch.exits import Failure, describe_failures, failed_ranks, nonfinite_elsewhere, stopped_together
 from toolkit.process.orphans import LAUNCHED_AT_ENV, LAUNCHER_PID_ENV
 
@@ -193,25 +194,49 @@ def launch_recipe(recipe_path: str, overrides: list[str], *, nproc: int, nodes: 
     extra = [] if resume is None else ["--resume", *([resume.path] if resume.path else [])] + \
         (["--resume-weights-only"] if resume.weights_only else [])
     started, failures = time.time(), list[Failure]()
+    watch = AgentWatch(one_machine=nodes.count == 1)
     code = launch(recipe_path, nproc=nproc, overrides=overrides, extra=extra, max_restarts=max_restarts,
-                  nodes=nodes, failures=failures, check_in_ranks=in_ranks)
+                  nodes=nodes, failures=failures, check_in_ranks=in_ranks, watch=watch)
     out_dir = Path(recipe.output_dir)
     run_info = out_dir / "run.json"
     if code == 0 or not run_info.is_file() or run_info.stat().st_mtime < started:
         return code
-    status = (store.read_run_info(out_dir) or {}).get("status")
+    from toolkit.train import runinfo
+
+    info = store.read_run_info(out_dir) or {}
+    status, signalled = info.get("status"), code > 128 and watch.stop_signal is not None
     if status == "completed":
         # a rank that dies after the outputs are written is still a failure, but the outputs are good
-        print(f"toolkit: the run itself completed before that: outputs in {recipe.output_dir} are complete",
+        when = "its last step before it could stop" if signalled else "before that"
+        print(f"toolkit: the run itself completed {when}: outputs in {recipe.output_dir} are complete",
               file=sys.stderr)
+    elif status == "running" and signalled and nodes.count == 1:
+        # the agent forwarded a stop signal, and killed the ranks when they had not stopped by its timeout
+        # (one blocked in a collective whose peer hangs): rank 0 wrote nothing of the stop
+        found = store.complete_checkpoints(out_dir)
+        runinfo.mark_left_running(out_dir, stopped_by=watch.stop_signal, reason=(
+            f"{watch.stop_signal}: the ranks had not finished their step {watch.timeout_s} s after it and were "
+            "killed (no checkpoint of the stop)"))
+        where = (f"the newest checkpoint is {found[-1]} (step {store.step_of(found[-1])}); resume with: "
+                 f"{relaunch_command(recipe_path, overrides, nproc=nproc)}") if found else "no checkpoint was written"
+        print(f"toolkit: stopped by {watch.stop_signal}, but the ranks had not finished their step "
+              f"{watch.timeout_s} s after it (a rank blocked in a collective, its peer hung or stopped) and were "
+              f"killed; {where}", file=sys.stderr, flush=True)
     elif status == "running" and (nodes.count == 1 or (failures and 0 in failures[-1].ranks)):
         # rank 0 was killed before it could write how the run ended. With more machines, only rank 0's own
         # launcher (its failure is among this machine's ranks, all gone) knows it will write nothing more.
-        from toolkit.train.runinfo import mark_left_running
-
-        mark_left_running(out_dir, reason=f"launch failed: {failures[-1].how}" if failures else
-                          f"the ranks ended (launch exit code {code}) before rank 0 recorded why")
+        runinfo.mark_left_running(out_dir, reason=f"launch failed: {failures[-1].how}" if failures else
+                                  f"the ranks ended (launch exit code {code}) before rank 0 recorded why")
+    elif status == "failed" and failures and (info.get("ended") or {}).get("peer_lost"):
+        # rank 0 recorded only that a connection closed: the launch knows which rank failed and how
+        runinfo.name_failed_rank(out_dir, reason=f"launch failed: {failures[-1].how}")
     return code
+
+
+def relaunch_command(recipe_path: str, overrides: list[str], *, nproc: int) -> str:
+    """The `toolkit launch` command (on one machine) that continues this launch's run from its newest checkpoint."""
+    sets = "".join(f" --set {shlex.quote(item)}" for item in overrides)
+    return f"toolkit launch --nproc {nproc} {shlex.quote(recipe_path)}{sets} --resume"
 
 
 AGENT_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")  # the handlers torch's agent installs
@@ -219,16 +244,19 @@ AGENT_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")  # the handlers torch
 
 def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[str] | None = None,
            max_restarts: int = 0, nodes: Nodes = Nodes(), failures: list[Failure] | None = None,
-           check_in_ranks: bool = False) -> int:
+           check_in_ranks: bool = False, watch: AgentWatch | None = None) -> int:
     """Run the recipe on `nproc` local ranks (of `nodes`) through torch.distributed.run; returns the exit code.
     `failures` gets which ranks failed and how, where the launch failed ("rank 0 killed by SIGKILL; ...").
-    `check_in_ranks`: the ranks run the launcher's checks of the recipe (launch_recipe) before they train."""
+    `check_in_ranks`: the ranks run the launcher's checks of the recipe (launch_recipe) before they train.
+    `watch`: what torch's agent did (restarts said as they happen; the ranks it killed after a stop signal)."""
     import signal
 
     from torch.distributed.run import get_args_parser, run
 
     prepare_environment()
     quiet_agent_logs()
+    watch = watch or AgentWatch(one_machine=nodes.count == 1)
+    watch.attach(quiet="LOGLEVEL" not in os.environ)
     args = get_args_parser().parse_args(torchrun_args(recipe_path, nproc=nproc, overrides=overrides,
                                                         extra=extra, max_restarts=max_restarts, nodes=nodes))
     # the launch's own temporary folder: the ranks' say_once markers and torch's agent logs (its default is a
@@ -260,6 +288,7 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
     try:
         return _run_ranks(run, args, nodes, failures=failures)
     finally:
+        watch.detach()
         signal.signal(signal.SIGUSR1, usr1)
         for signum, handler in handlers.items():
             if handler is not None:  # None: not set from Python, nothing to give back
@@ -313,7 +342,10 @@ def _run_ranks(run, args, nodes: Nodes, *, failures: list[Failure] | None = None
         # a rank that said the failure in one line (rank 0, which may then be stopped by the first rank to exit)
         if failed == {1} and any(failure_said(failure.pid) for failure in exc.failures.values()):
             return 1
-        print(f"toolkit: launch failed: {failed_how} (see the rank output above)", file=sys.stderr)
+        # a rank SIGKILLed says nothing (a rank that faulted prints its Python stacks, one that raised its error)
+        above = "" if all(codes[rank] == -signal.SIGKILL for rank in failed_ranks(codes)) else \
+            " (see the rank output above)"
+        print(f"toolkit: launch failed: {failed_how}{above}", file=sys.stderr)
         return 1
     except RendezvousError as exc:  # the machine that hosts the rendezvous is gone
         if nodes.count == 1:  # this machine is the only one: the endpoint is not one it can host

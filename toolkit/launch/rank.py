@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from toolkit.errors import (INTERRUPTED_EXIT_CODE, NONFINITE_EXIT_CODE, REPLICA_DRIFT_EXIT_CODE, USER_ERROR_EXIT_CODE,
-                            RecipeError, first_line, mark_failure_said, mark_final, say_once, say_user_error)
+                            RecipeError, ctrl_c_seen, first_line, mark_failure_said, mark_final, say_once,
+                            say_user_error)
 from toolkit.process.cleanup import entries, remove_made
 from toolkit.process.folder_lock import FolderInUse, FolderLock, hold, in_use, run_in_use
 
@@ -33,7 +34,7 @@ def run_rank(recipe_path: str, overrides: list[str], resume: Resume | None) -> i
         for note in notes:
             print(f"[toolkit] accelerate: {note}", file=sys.stderr, flush=True)
     quiet_libraries()
-    from toolkit.process.dist import exit_process, init_distributed, shutdown
+    from toolkit.process.dist import exit_process, init_distributed, peer_lost, shutdown
 
     env = init_distributed(deepspeed=_may_import_deepspeed(recipe.strategy.name))
     code, strategy = 1, None
@@ -42,7 +43,9 @@ def run_rank(recipe_path: str, overrides: list[str], resume: Resume | None) -> i
     except KeyboardInterrupt:  # Ctrl-C outside the steps (inside them it is a stop signal: see loop)
         code = interrupted(recipe, env)
     except Exception as exc:  # a bug, not a user's mistake: the whole traceback, then the same end as any rank
-        if peer_lost(exc, env):  # the consequence of another rank's failure, which that rank reports
+        if ctrl_c_seen():  # a Ctrl-C that a library's lazy import turned into another error (note_ctrl_c)
+            code = interrupted(recipe, env)
+        elif peer_lost(exc, env):  # the consequence of another rank's failure, which that rank reports
             print(f"toolkit: rank {env.rank}: stopped, another rank left the run ({first_line(exc)})",
                   file=sys.stderr, flush=True)
         else:
@@ -90,17 +93,6 @@ def _may_import_deepspeed(name: str) -> bool:
     return name not in strategy_names() or "deepspeed" in strategy_info(name).runtime_modules
 
 
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed",
-             "Connection refused")  # gloo's words for a peer process that is gone
-
-
-def peer_lost(exc: BaseException, env) -> bool:
-    import torch.distributed as dist
-
-    return env.distributed and isinstance(exc, (RuntimeError, dist.DistError)) and \
-        any(words in str(exc) for words in PEER_LOST)
-
-
 def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
     """Train this rank: (exit code, the strategy to release once every rank is done). A user's mistake or
     replica drift is one line and an exit code, not a traceback."""
@@ -135,6 +127,8 @@ def train_rank(recipe, env, resume) -> tuple[int, Strategy | None]:
     except RecipeError as exc:
         if env.is_main:
             remove_made(out_dir, before=before)  # nothing half-written for a user mistake
+        if ctrl_c_seen():  # a Ctrl-C that a library's import turned into the error a check refuses
+            return interrupted(recipe, env), None
         say_user_error(exc)  # the first rank that finds it prints the one line
         if not env.is_main:  # the first rank to exit gets the others stopped: rank 0 first removes what it made
             _let_rank_0_clean(out_dir)

@@ -43,6 +43,14 @@ def restarted() -> bool:
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
 
 
+def restart_count() -> int:
+    """How many times torch's agent has restarted this launch's ranks (--max-restarts) before this attempt."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
 def env_world_size() -> int:
     """World size as the launcher set it (1 when not launched by torchrun/accelerate)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -257,6 +265,17 @@ def world_mesh(env: DistEnv, degrees: Degrees, *, keep: tuple[str, ...] = ()):
     shape = tuple(getattr(degrees, name) for name in names)
     assert math.prod(shape) == env.world_size, (degrees, env.world_size)
     return init_device_mesh(env.device.type, shape, mesh_dim_names=names)
+
+
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed",
+             "Connection refused")  # gloo's words for a peer process that is gone
+
+
+def peer_lost(exc: BaseException, env: DistEnv) -> bool:
+    """Whether `exc` is this rank's collective failing because another rank's process is gone (its launcher says
+    which rank and how; this rank's own error says only that a connection closed)."""
+    return env.distributed and isinstance(exc, (RuntimeError, dist.DistError)) and \
+        any(words in str(exc) for words in PEER_LOST)
 
 
 def barrier(env: DistEnv) -> None:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from toolkit.process.dist import DistEnv, restarted
 
-KILL_RANK_AT_STEP = "TOOLKIT_FAULT_KILL_RANK_AT_STEP"  # "RANK:STEP": SIGKILL that rank after that step
+# "RANK:STEP": SIGKILL that rank after that step ("RANK:STEP:SIGSTOP": that signal, a rank hung in its next collective)
+KILL_RANK_AT_STEP = "TOOLKIT_FAULT_KILL_RANK_AT_STEP"
 SIGTERM_LAUNCHER_AT_STEP = "TOOLKIT_FAULT_SIGTERM_LAUNCHER_AT_STEP"  # rank 0 sends its launcher SIGTERM
 KILL_BEFORE_COMMIT_STEP = "TOOLKIT_FAULT_KILL_BEFORE_COMMIT_STEP"  # SIGKILL before a checkpoint is committed
 INF_GRADIENT_AT_STEP = "TOOLKIT_FAULT_INF_GRADIENT_AT_STEP"  # an inf gradient before that step's update
@@ -30,9 +31,9 @@ def after_step(step: int, env: DistEnv, *, out_dir: Path) -> None:
     if os.environ.get(FULL_DISK_AFTER_STEP) == str(step):  # a disk as good as full: what is written stays so,
         limit = (out_dir / "run.json").stat().st_size  # and no file grows past this (EFBIG; Python ignores SIGXFSZ)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-    kill = os.environ.get(KILL_RANK_AT_STEP)
-    if kill and kill == f"{env.rank}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
+    rank, at, *how = (os.environ.get(KILL_RANK_AT_STEP) or "::").split(":")
+    if f"{rank}:{at}" == f"{env.rank}:{step}":
+        os.kill(os.getpid(), getattr(signal, how[0]) if how else signal.SIGKILL)
     if os.environ.get(SIGTERM_LAUNCHER_AT_STEP) == str(step) and env.is_main:
         os.kill(os.getppid(), signal.SIGTERM)  # what a scheduler's preemption does to the launcher
 

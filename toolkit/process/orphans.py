@@ -50,11 +50,21 @@ def follow_launcher(*, grace_s: float = ORPHAN_GRACE_S) -> None:
         return
     os.environ[FOLLOWED_ENV] = "1"
     launcher = int(value)
+    _followed["launcher"] = launcher
     if _set_parent_death_signal(signal.SIGTERM) and os.getppid() != launcher:
         # the launcher died before the request was made: no signal will come, and nothing has started yet
         raise SystemExit(128 + signal.SIGTERM)
     threading.Thread(target=_end_when_orphaned, args=(launcher, grace_s), name="toolkit-launcher-watch",
                      daemon=True).start()
+
+
+_followed: dict[str, int] = {}  # the launcher this rank follows (follow_launcher)
+
+
+def launcher_gone() -> bool:
+    """Whether the launcher this rank follows has died (the rank was re-parented): a SIGTERM now is its death
+    signal, not a scheduler's or a user's."""
+    return "launcher" in _followed and os.getppid() != _followed["launcher"]
 
 
 def _set_parent_death_signal(signum: int) -> bool:

@@ -29,7 +29,10 @@ class Stopped(Exception):
     """Every rank stopped after `step` because a stop signal arrived; `checkpoint` holds the run."""
 
     def __init__(self, signum: int, step: int, total: int, checkpoint):
-        super().__init__(f"{signal.Signals(signum).name} at step {step} of {total}")
+        from toolkit.process.orphans import launcher_gone
+
+        gone = " (the launcher died: the kernel's signal to its ranks)" if launcher_gone() else ""
+        super().__init__(f"{signal.Signals(signum).name} at step {step} of {total}{gone}")
         self.signum, self.step, self.total, self.checkpoint = signum, step, total, checkpoint
 
 

@@ -40,7 +40,7 @@ from toolkit.observe.gradient_scale import GradientScale
 from toolkit.observe.metrics import (Progress, compile_graph_breaks, compile_seconds, peak_memory_bytes,
                                      synchronize)
 from toolkit.process import faults
-from toolkit.process.dist import DistEnv, all_reduce_max, all_reduce_sum
+from toolkit.process.dist import DistEnv, all_reduce_max, all_reduce_sum, restart_count
 from toolkit.process.stopping import (NonFinite, OutputWriteError, SkippedSteps, StopSignals, Stopped,
                                       write_error_text)
 from toolkit.plan.predict import run_base_bytes
@@ -184,6 +184,8 @@ def _train(recipe: Recipe, env: DistEnv, *, resume: Resume | None) -> TrainResul
         if checkpoint is not None:
             info["resumed_from"] = {"checkpoint": str(checkpoint.path), "step": done,
                                     "weights_only": weights_only}
+        if restart_count():  # torch's agent restarted the ranks after one failed (--max-restarts)
+            info["restarts"] = restart_count()
         said = strategy.report()
         info["layout"] = said.layout
         fallback = said.fallback

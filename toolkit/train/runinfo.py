@@ -29,7 +29,7 @@ from toolkit.observe.metrics import (live_tensor_storages, measured_matmul_flops
                                      peak_reserved_bytes, storage_key, strict_json)
 from toolkit.observe.versions import versions
 from toolkit.process import host_memory
-from toolkit.process.dist import DistEnv, all_reduce_max, gather_objects
+from toolkit.process.dist import DistEnv, all_reduce_max, gather_objects, peer_lost
 from toolkit.process.stopping import NonFinite, OutputWriteError, SkippedSteps, Stopped, write_error_text
 from toolkit.strategies import layout_line, strategy_degrees
 from toolkit.strategies.base import storage_bytes
@@ -311,15 +311,16 @@ def ending(info: RunRecord, *, env: DistEnv, out_dir: Path, skips: SkippedSteps)
     except BaseException as exc:
         if env.is_main and info.get("status") == "running":
             with contextlib.suppress(Exception):
-                _write({**info.fields, **ended_record(info, exc, out_dir=out_dir, skips=skips)}, out_dir)
+                _write({**info.fields, **ended_record(info, exc, out_dir=out_dir, skips=skips, env=env)}, out_dir)
         raise
 
 
-def ended_record(info: RunRecord, exc: BaseException, *, out_dir: Path, skips: SkippedSteps) -> dict:
+def ended_record(info: RunRecord, exc: BaseException, *, out_dir: Path, skips: SkippedSteps, env: DistEnv) -> dict:
     """run.json's status, ended and skipped_steps for a run that `exc` ended. ended: the reason in one line,
     steps_done (the last step metrics.jsonl holds) and the newest complete checkpoint (or null); a stop signal
     adds the signal and resumable (its checkpoint is of steps_done); a non-finite value what, value and step
-    (and skipped_from, under train.on_nonfinite skip); a failure the error (a checkpoint not written: its step)."""
+    (and skipped_from, under train.on_nonfinite skip); a failure the error (a checkpoint not written: its step;
+    another rank's process gone: peer_lost, and the launcher that knows which rank and how rewrites the reason)."""
     found = complete_checkpoints(out_dir)
     ended: dict[str, Any] = {"reason": "", "steps_done": info.last_step,
                              "checkpoint": str(found[-1]) if found else None}
@@ -337,16 +338,22 @@ def ended_record(info: RunRecord, exc: BaseException, *, out_dir: Path, skips: S
     elif isinstance(exc, (CheckpointWriteError, OutputWriteError)):  # the whole line (first_line would cut it)
         status = "failed"
         ended.update(reason=str(exc), error=type(exc).__name__, step=exc.step)
+    elif peer_lost(exc, env):
+        status = "failed"
+        ended.update(reason=f"another rank left the run ({first_line(exc)})", error=type(exc).__name__,
+                     peer_lost=True)
     else:
         status = "failed"
         ended.update(reason=f"{type(exc).__name__}: {first_line(exc)}", error=type(exc).__name__)
     return {"status": status, "ended": ended, "skipped_steps": skips.summary()}
 
 
-def mark_left_running(out_dir: Path, *, reason: str) -> bool:
+def mark_left_running(out_dir: Path, *, reason: str, stopped_by: str | None = None) -> bool:
     """After every rank is gone (the launcher's last word): a run.json still "running" (rank 0 was killed outright,
     SIGKILL or the out-of-memory killer, or stopped by its launcher before it could write) becomes "failed", ended
-    with `reason`, the last step metrics.jsonl holds and the newest complete checkpoint. True when rewritten."""
+    with `reason`, the last step metrics.jsonl holds and the newest complete checkpoint. `stopped_by`: the stop
+    signal the launcher forwarded before it killed the ranks: "stopped" with that signal, resumable where a
+    checkpoint is. True when rewritten."""
     info = read_run_info(out_dir)
     if info is None or info.get("status") != "running":
         return False
@@ -356,8 +363,25 @@ def mark_left_running(out_dir: Path, *, reason: str) -> bool:
             with contextlib.suppress(ValueError, TypeError):
                 steps = max(steps, int(json.loads(line)["step"]))
     found = complete_checkpoints(out_dir)
-    info.update(status="failed", ended={"reason": reason, "steps_done": steps,
-                                        "checkpoint": str(found[-1]) if found else None})
+    ended: dict[str, Any] = {"reason": reason, "steps_done": steps, "checkpoint": str(found[-1]) if found else None}
+    if stopped_by is not None:
+        ended.update(signal=stopped_by, resumable=bool(found))
+    info.update(status="failed" if stopped_by is None else "stopped", ended=ended)
+    return _rewrite(info, out_dir)
+
+
+def name_failed_rank(out_dir: Path, *, reason: str) -> bool:
+    """After every rank is gone: a failed run.json whose rank 0 saw only a peer's connection close (peer_lost)
+    takes the launcher's `reason`, which names the rank that failed and how; rank 0's own words stay beside it."""
+    info = read_run_info(out_dir)
+    ended = (info or {}).get("ended") or {}
+    if info is None or info.get("status") != "failed" or not ended.get("peer_lost"):
+        return False
+    info["ended"] = {**ended, "reason": reason, "rank_0_saw": ended.get("reason")}
+    return _rewrite(info, out_dir)
+
+
+def _rewrite(info: dict, out_dir: Path) -> bool:
     with contextlib.suppress(OSError):  # best effort, as `ending`: the launch's own line is what is reported
         _write(info, out_dir)
         return True
