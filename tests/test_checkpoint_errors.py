@@ -173,3 +173,107 @@ def test_a_run_that_wrote_no_checkpoint_is_refused_with_a_way_out(tmp_path):
     assert str(resumed.value) == (f"--resume: no complete checkpoint in {out / 'checkpoints'}; remove {out} (its run "
                                   "wrote no checkpoint) and start again without --resume, or pass a checkpoint "
                                   "folder with --resume PATH")
+
+
+def _without_digests(checkpoint: Path, copy: Path) -> Path:
+    """A copy as a checkpoint from before digests were recorded (or with checkpoint.digests false): damage to it
+    is found by reading it, not by a file's hash."""
+    shutil.copytree(checkpoint, copy)
+    (copy / "digests.json").unlink()
+    manifest = json.loads((copy / "manifest.json").read_text())
+    del manifest["digests"]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
+def test_convert_of_a_damaged_hf_config_or_an_uncommitted_save_is_one_line(checkpoint, tmp_path, capsys):
+    copy = _without_digests(checkpoint, tmp_path / "copy")
+    (copy / "hf" / "config.json").write_text("{")  # transformers' own refusal was a 52-line traceback
+    _assert_one_line_exit_2(main(["convert", str(copy), str(tmp_path / "out")]), capsys,
+                            f"checkpoint {copy}: its hf/ folder (the model's config and tokenizer) is unreadable",
+                            "the checkpoint is damaged")
+    # a save never committed (a crash mid-save leaves .step-N.partial), complete as it may look
+    partial = tmp_path / "checkpoints" / ".step-00000001.partial"
+    shutil.copytree(checkpoint, partial)
+    _assert_one_line_exit_2(main(["convert", str(partial), str(tmp_path / "out")]), capsys,
+                            "is a save that was never committed", "use a complete checkpoint")
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_onto_a_full_disk_is_one_line_and_keeps_nothing(checkpoint, tmp_path):
+    """A model file that cannot be written (here no file may grow past 64 kB: EFBIG, as a quota or a full disk
+    refuses it): one line, exit 1, and neither the partial folder nor the folders made for OUT are left."""
+    import resource
+    import subprocess
+    import sys
+
+    from conftest import REPO, toolkit_env
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+
+    out = tmp_path / "a" / "b" / "model"
+    result = subprocess.run([sys.executable, "-m", "toolkit", "convert", str(checkpoint), str(out)], cwd=REPO,
+                            env=toolkit_env(), capture_output=True, text=True, timeout=300, preexec_fn=small_files)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and lines[-1] == f"toolkit: {out} could not be written (File too large (EFBIG)); " \
+        "nothing of it was kept: free space or choose another folder", result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []  # a/, a/b/ and .model.partial all gone
+
+
+class _RunsCode:
+    """What a hostile .metadata holds: unpickling it calls os.system (pickle's __reduce__), which torch's own
+    reader (pickle.load) would run."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("hostile", ["a global", "a pickled entry"])
+@pytest.mark.parametrize("command", ["train", "convert"])
+def test_a_checkpoint_whose_metadata_would_run_code_is_refused_without_running_it(hostile, command, recipe,
+                                                                                 checkpoint, tmp_path, capsys):
+    """Nothing is unpickled on load but DCP's .metadata, and that only as DCP's own metadata classes: a global
+    other than those is refused before it is called, and so is an entry stored as a pickled object (DCP reads such
+    an entry with torch.load(weights_only=False)). The digests guard against damage, not against whoever rewrote
+    them: a checkpoint without digests shows it."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from toolkit.checkpoint.verify import SafeReader
+
+    copy = _without_digests(checkpoint, tmp_path / "copy")
+    marker = tmp_path / "ran"
+    if hostile == "a global":
+        (copy / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+        words = "os.system is not part of a DCP checkpoint's metadata" if os.name != "posix" else \
+            "posix.system is not part of a DCP checkpoint's metadata"
+    else:
+        metadata = SafeReader(str(copy)).read_metadata()
+        key = next(k for k in metadata.state_dict_metadata if k.startswith("model."))
+        metadata.state_dict_metadata[key] = BytesStorageMetadata()
+        (copy / ".metadata").write_bytes(pickle.dumps(metadata))
+        words = f"{key!r} is stored as a pickled object, which no toolkit checkpoint holds"
+    out = tmp_path / "out"
+    args = ["train", str(recipe), "--set", f"output_dir={out}", "--resume", str(copy)] if command == "train" else \
+        ["convert", str(copy), str(out)]
+    _assert_one_line_exit_2(main(args), capsys, f"checkpoint {copy}: its DCP metadata is unreadable", words)
+    assert not marker.exists() and not out.exists()
+
+
+@pytest.mark.parametrize("weights_only", [False, True])
+def test_a_checkpoint_without_lora_adapters_resumed_with_model_lora_names_that_setting(weights_only, recipe,
+                                                                                       checkpoint, tmp_path, capsys):
+    """Every adapted layer's weights have other names under peft (base_layer, lora_A): the line was "no weight
+    'model.layers.0...base_layer.weight'", not the one setting that differs."""
+    out = tmp_path / "out"
+    code = main(["train", str(recipe), "--set", "model.lora={r: 4}", "--set", f"output_dir={out}",
+                 "--resume", str(checkpoint), *(["--resume-weights-only"] if weights_only else [])])
+    _assert_one_line_exit_2(code, capsys, "holds a model without LoRA adapters and this run's has them: drop "
+                            "model.lora to continue it, or write it out with `toolkit convert`")
+    assert not out.exists()

@@ -145,6 +145,9 @@ BAD_FILES = {
     "text not text": ("train.jsonl", '{"text": true}\n{"text": false}\n', "causal-lm",
                       "column 'text' holds bool values, not text"),  # numbers are read as text
     "row without text": ("train.jsonl", '{"text": "a"}\n{"text": null}\n', "causal-lm", "row 2 has no 'text'"),
+    # empty in every row: the run trained on the tokenizer's special tokens alone (eval accuracy 1.0)
+    "no text in any row": ("train.jsonl", '{"text": "", "label": 1}\n{"text": "  ", "label": 0}\n',
+                           "sequence-classification", "column 'text' is empty in every row"),
     "label outside num_labels": ("train.csv", "text,label\ngood,1\nbad,7\n", "sequence-classification",
                                  "has label 7 in column 'label', outside 0..1 (model.num_labels: 2)"),
     "labels that are numbers but not ids": ("train.csv", "text,label\ngood,0.5\nbad,1.5\n", "sequence-classification",
@@ -265,7 +268,7 @@ def test_a_ctrl_c_that_a_library_import_turns_into_another_error_is_still_an_int
         monkeypatch.setitem(toolkit.cli.COMMANDS, "validate", command)
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as a process starts (pytest's differs)
         try:
-            return main(["validate", "recipes/llama-tiny.yaml"])
+            return main(["validate", str(REPO / "recipes" / "llama-tiny.yaml")])
         finally:
             signal.signal(signal.SIGINT, previous)
 

@@ -45,6 +45,10 @@ def test_dp_without_two_gpus_says_what_it_ran_as_and_progress_shows_eval_loss(tm
     assert [line.split()[1] for line in lines] == ["2/3", "3/3"]
     for line, step in zip(lines, (2, 3)):
         assert f" eval_loss {evaluated[step]:.4f} " in line
+    # the last evaluation, the exported model's, is in run.json and the line the run ends with
+    assert run["final_eval"]["eval_loss"] == evaluated[3]
+    [done] = [line for line in err if line.startswith("[toolkit] done: ")]
+    assert done.startswith(f"[toolkit] done: final eval_loss {evaluated[3]:.4f}, eval_perplexity "), done
 
 
 def ctrl_c(args: list[str], *, started, timeout: float = 240, signum: int = signal.SIGINT,

@@ -98,15 +98,20 @@ def test_merged_weights_are_base_plus_scaled_adapter_product_and_peft_loads_the_
 CASES = {
     "target that matches nothing": ({"lora": {"target_modules": ["query_proj"]}}, (), "query_proj"),
     "rank zero": ({"lora": {"r": 0}}, (), "model.lora.r must be a positive rank"),
+    # an output layer tied to the input embedding (tiny_tied_llama_dir): its merged adapter would change the
+    # embedding too, which the trained model never had (and the adapter's export failed on the shared weight)
+    "tied output layer": ({"lora": {"target_modules": ["q_proj", "lm_head"]}}, (),
+                          "model.lora.target_modules: lm_head shares its weight with the input embedding"),
     "under tensor parallel": ({"lora": {"r": 4}}, ("strategy.name=tp",), "not available with strategy tp"),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_lora_bad_input_is_one_line(case, tmp_path, tiny_llama_dir, capsys):
+def test_lora_bad_input_is_one_line(case, tmp_path, tiny_llama_dir, tiny_tied_llama_dir, capsys):
     model, overrides, words = CASES[case]
     out = tmp_path / "out"
-    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_llama_dir, output_dir=out, model=model)
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=tiny_tied_llama_dir if "tied" in case else tiny_llama_dir,
+                          output_dir=out, model=model)
     code = main(["validate", str(recipe), *[a for o in overrides for a in ("--set", o)]])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and words in err[0], err

@@ -127,3 +127,14 @@ def test_a_folder_or_a_missing_file_given_as_the_recipe_is_said_to_be_so(tmp_pat
     assert capsys.readouterr().err.strip().splitlines() == [
         f"toolkit: error: recipe {tmp_path / 'lama-tiny.yaml'} not found (did you mean {tmp_path / 'llama-tiny.yaml'}?)"
         "; pass a YAML file (see `toolkit --help` for the shipped recipes)"]
+
+
+def test_a_flow_mapping_without_a_space_after_its_colons_names_the_yaml_rule(tmp_path, capsys):
+    """`--set model.lora={r:8,merge_on_export:true}`: YAML reads each `a:b` as one key, which the recipe has not."""
+    from conftest import REPO
+
+    assert main(["validate", str(REPO / "recipes" / "llama-tiny.yaml"), "--set",
+                 "model.lora={r:8,merge_on_export:true}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown recipe key 'model.lora.merge_on_export:true'; YAML reads " \
+        "'merge_on_export:true' as one key: write 'merge_on_export: ...', with a space after the colon" in err[0], err

@@ -400,9 +400,18 @@ def cmd_strategies(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from toolkit.checkpoint.convert import convert
+    import signal
+
+    from toolkit.checkpoint.convert import ConvertWriteError, Stopped, convert
     quiet_libraries()
-    out = convert(Path(args.checkpoint), Path(args.out))
+    try:
+        out = convert(Path(args.checkpoint), Path(args.out))
+    except ConvertWriteError as exc:
+        print(f"toolkit: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except Stopped as stop:
+        print(f"toolkit: stopped by {stop}; {args.out} was not written", file=sys.stderr, flush=True)
+        return 128 + int(getattr(signal, str(stop)))
     print(f"[toolkit] wrote {out} (load it with from_pretrained)", file=sys.stderr)
     return 0
 

@@ -5,7 +5,8 @@ A checkpoint is a folder `output_dir/checkpoints/step-NNNNNNNN/` holding
     parameter names, a tied weight once), `optim.state.<name>.<exp_avg|exp_avg_sq|step>` (AdamW's state, torch's flattened
     layout), `rng.<rank>` (each rank's CPU generator) and on a GPU `device_rng.<rank>` (its CUDA generator);
   - `manifest.json`: step, strategy, world size, precision, recipe hash, tokens seen, versions, the LR
-    schedule's and the loss scaler's state (small numbers, JSON: nothing is unpickled on load);
+    schedule's and the loss scaler's state (small numbers, JSON; DCP's own pickled `.metadata` is read by
+    verify.MetadataUnpickler, which builds DCP's metadata classes only: nothing a checkpoint names runs on load);
   - `recipe.yaml` and `hf/` (the model's config and tokenizer): enough for `toolkit convert` alone;
   - `digests.json`: every other file's size and SHA-256, compared before a resume or convert reads a tensor
     (toolkit/checkpoint/digest.py).

@@ -7,16 +7,19 @@ model.lora) comes out with its adapters merged: a plain model, as merge_on_expor
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import signal
 import sys
 from pathlib import Path
 
 import torch
 
 from toolkit.checkpoint import digest, state, store
-from toolkit.errors import RecipeError
+from toolkit.errors import RecipeError, first_line
 from toolkit.model.export import replace_folder
 from toolkit.model.tied import without_tied_aliases
+from toolkit.process.stopping import write_error_text
 
 
 def convert(checkpoint_path: Path, out: Path) -> Path:
@@ -41,7 +44,8 @@ def _convert(checkpoint_path: Path, out: Path) -> Path:
     hf = checkpoint.path / "hf"
     if not (hf / "config.json").is_file():
         raise RecipeError(f"checkpoint {checkpoint.path} has no hf/config.json; it is incomplete")
-    config = transformers.AutoConfig.from_pretrained(str(hf))
+    config = _read_hf(checkpoint.path, lambda: transformers.AutoConfig.from_pretrained(str(hf)))
+    tokenizer = _read_hf(checkpoint.path, lambda: transformers.AutoTokenizer.from_pretrained(str(hf)))
     task = checkpoint.manifest.get("task", "causal-lm")
     auto = (transformers.AutoModelForCausalLM if task == "causal-lm"
             else transformers.AutoModelForSequenceClassification)
@@ -55,11 +59,65 @@ def _convert(checkpoint_path: Path, out: Path) -> Path:
 
         model = merged_model(model, lora, task=task, load=lambda m: state.load_weights(m, checkpoint.path))
     tmp = out.parent / f".{out.name}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp), state_dict=without_tied_aliases(model, model.state_dict()))
-    transformers.AutoTokenizer.from_pretrained(str(hf)).save_pretrained(str(tmp))
-    replace_folder(tmp, out)  # out is new (check_out): renamed into place, its files as readable as the umask allows
+    made = next((p for p in reversed(out.parents) if not p.exists()), None)  # the first folder the write makes
+    try:
+        with stop_signals_raise():
+            shutil.rmtree(tmp, ignore_errors=True)
+            model.save_pretrained(str(tmp), state_dict=without_tied_aliases(model, model.state_dict()))
+            tokenizer.save_pretrained(str(tmp))
+            replace_folder(tmp, out)  # out is new (check_out): renamed into place, as readable as the umask allows
+    except BaseException as exc:  # nothing half-written: the partial folder and the folders made for it go
+        shutil.rmtree(tmp, ignore_errors=True)
+        if made is not None:
+            _remove_empty(out.parent, up_to=made)
+        text = write_error_text(exc)
+        if text is None:
+            raise
+        raise ConvertWriteError(f"{out} could not be written ({text}); nothing of it was kept: free space or "
+                                "choose another folder") from None
     return out
+
+
+class ConvertWriteError(Exception):
+    """The model folder could not be written (a full disk, a quota): one line, exit 1; nothing of it is kept."""
+
+
+@contextlib.contextmanager
+def stop_signals_raise():
+    """SIGTERM (and SIGHUP) while the model is written end the command as Ctrl-C does, through the same clean-up,
+    instead of killing the process with its partial folder left behind."""
+    def stop(signum, frame):
+        raise Stopped(signal.Signals(signum).name)
+
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+class Stopped(BaseException):
+    """A stop signal while the model was written (stop_signals_raise): the command's exit is 128 + the signal."""
+
+
+def _remove_empty(folder: Path, *, up_to: Path) -> None:
+    """Remove `folder` and its parents up to `up_to` where empty: the folders a failed write made for OUT."""
+    for path in (folder, *folder.parents):
+        with contextlib.suppress(OSError):
+            path.rmdir()  # only an empty folder goes
+        if path == up_to:
+            return
+
+
+def _read_hf(path: Path, read):
+    """The checkpoint's hf/ config or tokenizer, read by transformers; a damaged file is one line naming the
+    checkpoint (transformers' own refusal, of a config.json that is not JSON, is a traceback)."""
+    try:
+        return read()
+    except (OSError, ValueError) as exc:
+        raise RecipeError(f"checkpoint {path}: its hf/ folder (the model's config and tokenizer) is unreadable "
+                          f"({first_line(exc)}); the checkpoint is damaged, use an earlier one") from None
 
 
 def lora_of(path: Path):

@@ -363,7 +363,8 @@ def saved_keys(path: Path) -> set[str]:
 
 def _load(state: dict, path: Path, *, pieces: Fragments | None = None) -> None:
     try:
-        dcp.load(state, checkpoint_id=str(path), planner=PiecesLoadPlanner(pieces) if pieces is not None else None)
+        dcp.load(state, checkpoint_id=str(path), storage_reader=verify.SafeReader(str(path)),
+                 planner=PiecesLoadPlanner(pieces) if pieces is not None else None)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - (DCP's own is a BaseException)
         text = str(exc).strip().splitlines()
         raise RecipeError(f"checkpoint {path} cannot be read into this model ({type(exc).__name__}: "

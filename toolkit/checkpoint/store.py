@@ -90,6 +90,9 @@ def read_checkpoint(path: Path, *, resuming: bool = True) -> Checkpoint:
         inside = f" (the folder holding it: {path.parent})" if path.name == MANIFEST else ""
         raise RecipeError(f"checkpoint {path} does not exist or is not a folder{inside}; pass an "
                           f"output_dir/checkpoints/step-N folder{newest}")
+    if re.fullmatch(r"\.step-\d+\.partial", path.name):  # written until a crash or a stop: never committed
+        raise RecipeError(f"{path} is a save that was never committed (the run ended while writing it: its files may "
+                          "be incomplete or of different steps); use a complete checkpoint, checkpoints/step-N")
     if not (path / MANIFEST).is_file():
         how = "pass it with --resume alone, or one of its checkpoints/step-N" if resuming else \
             "pass one of its checkpoints/step-N"

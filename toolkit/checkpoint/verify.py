@@ -8,23 +8,78 @@ inside its planner or reader (or, for tensors the model does not have, silently 
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
 from toolkit.errors import RecipeError
 
 OTHER_MODEL = "it was written for another model; train with the model settings of its recipe.yaml"
+LORA_WORD = ".lora_A."  # in every adapted layer's parameter names (peft)
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """DCP writes `.metadata` with pickle, and its own reader loads it with pickle.load, which runs whatever code
+    the file names: a checkpoint from elsewhere could run anything at `--resume` or `toolkit convert`. This
+    unpickler builds only what DCP's metadata is made of (its metadata dataclasses, _StorageInfo, torch.Size,
+    dtypes and layouts, the checkpoint's path) and refuses any other global. (DCP reads the tensors themselves
+    with torch.load(weights_only=True); SafeReader refuses the entries it would read otherwise.)"""
+
+    ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+               ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+               *(("pathlib", name) for name in ("Path", "PosixPath", "PurePosixPath", "WindowsPath",
+                                                "PureWindowsPath"))}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if "." not in name and ((module, name) in self.ALLOWED or self._metadata_type(module, name) or
+                                self._torch_constant(module, name)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's metadata")
+
+    @staticmethod
+    def _metadata_type(module: str, name: str) -> bool:  # a class (dataclass, enum) of DCP's metadata module
+        value = getattr(dcp_metadata, name, None) if module == dcp_metadata.__name__ else None
+        return isinstance(value, type) and value.__module__ == module
+
+    @staticmethod
+    def _torch_constant(module: str, name: str) -> bool:  # torch.float32, torch.strided, torch.contiguous_format
+        return module == "torch" and isinstance(getattr(torch, name, None),
+                                                (torch.dtype, torch.layout, torch.memory_format))
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, its `.metadata` unpickled by MetadataUnpickler (torch's read_metadata, otherwise)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as file:
+            metadata = MetadataUnpickler(file).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"the file holds a {type(metadata).__name__}, not DCP's Metadata")
+        # an entry stored as bytes is read back with torch.load(weights_only=False), a pickle that runs what it names;
+        # the toolkit writes tensors only (weights, optimizer state, generators, positions)
+        pickled = next((key for key, entry in (metadata.state_dict_metadata or {}).items()
+                        if isinstance(entry, BytesStorageMetadata)), None)
+        if pickled is not None:
+            raise pickle.UnpicklingError(f"{pickled!r} is stored as a pickled object, which no toolkit checkpoint "
+                                         "holds")
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
+        return metadata
 
 
 def read_metadata(path: Path) -> Metadata:
     """The checkpoint's DCP metadata, once every storage file it names is checked to be on disk, whole."""
     try:
-        metadata = FileSystemReader(str(path)).read_metadata()
+        metadata = SafeReader(str(path)).read_metadata()
     except Exception as exc:  # noqa: BLE001 - any unreadable metadata is the same user-facing fact
-        raise RecipeError(f"checkpoint {path}: its DCP metadata is unreadable ({type(exc).__name__}); the "
+        why = f": {exc}" if isinstance(exc, pickle.UnpicklingError) else ""
+        raise RecipeError(f"checkpoint {path}: its DCP metadata is unreadable ({type(exc).__name__}{why}); the "
                           "checkpoint is corrupted, use an earlier one") from None
     check_files(path, metadata)
     return metadata
@@ -51,6 +106,13 @@ def check_model_fits(path: Path, metadata: Metadata, shapes: dict[str, Any], *, 
     checkpoint holds no model tensor beyond them (DCP would leave such a tensor unread, without a word)."""
     saved = {key.removeprefix("model."): entry for key, entry in metadata.state_dict_metadata.items()
              if key.startswith("model.")}
+    adapters_saved, adapters_here = (any(LORA_WORD in name for name in names) for names in (saved, shapes))
+    if adapters_saved != adapters_here:  # the one setting that differs, named (peft renames every adapted layer)
+        raise RecipeError(f"checkpoint {path} holds a model {'with' if adapters_saved else 'without'} LoRA adapters "
+                          f"and this run's has {'none' if adapters_saved else 'them'}: " +
+                          ("set the model.lora of its recipe.yaml" if adapters_saved else
+                           "drop model.lora to continue it, or write it out with `toolkit convert` and adapt that "
+                           "folder (model.path) afresh"))
     missing = [name for name in shapes if name not in saved]
     if missing:
         raise RecipeError(f"checkpoint {path} has no weight {missing[0]!r} ({len(missing)} missing): {OTHER_MODEL}")

@@ -32,7 +32,7 @@ class LoraOptions:
     alpha: int = 16  # the adapter's output is scaled by alpha / r
     dropout: float = 0.0  # on the adapter's input; 0.0 for runs compared across strategies
     target_modules: tuple[str, ...] | None = None  # layer names to adapt (e.g. [q_proj, v_proj]); null: peft's default
-    merge_on_export: bool = False  # true: output_dir/model holds W + (alpha/r)·B·A as a plain transformers model
+    merge_on_export: bool = False  # true: output_dir/model-merged: W + (alpha/r)·B·A as a plain model
 
     def __post_init__(self) -> None:
         if self.r <= 0:
@@ -213,7 +213,7 @@ class TrainConfig:
     max_steps: int | None = 100  # optimizer steps; null: use epochs
     epochs: float | None = None  # passes over the train set (rounded down to whole steps, at least one)
     log_every: int = 1  # progress-bar/log-line cadence; metrics.jsonl always gets every step
-    # eval loss every N steps and at the end; null: only at the end (if data.eval)
+    # eval loss every N steps and at the end (run.json final_eval, the done line); null: only at the end
     eval_every: int | None = EVAL_EVERY_DEFAULT
     consistency_check_every: int | None = None  # compare replica checksums every N steps; null: only at start
     progress: bool = True  # progress bar on rank 0

@@ -34,6 +34,9 @@ def from_plain(cls: type, raw: Any, where: str = "") -> Any:
         key = f"{where}.{unknown[0]}" if where else unknown[0]
         close = difflib.get_close_matches(str(unknown[0]), list(fields), n=1, cutoff=0.7)
         guess = f"did you mean {f'{where}.{close[0]}' if where else close[0]!r}? " if close else ""
+        name, colon, _ = str(unknown[0]).partition(":")
+        if colon and name in fields:  # {r:8} is YAML's one key 'r:8': a mapping needs a space after each colon
+            guess = f"YAML reads {unknown[0]!r} as one key: write '{name}: ...', with a space after the colon; "
         raise RecipeError(f"unknown recipe key {key!r}; {guess}known keys here: {', '.join(fields)}")
     values = {}
     for name, value in raw.items():

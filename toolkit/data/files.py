@@ -310,6 +310,21 @@ def check_filled(raw, source: DataSource, column: str) -> None:
         raise RecipeError(f"{source.key}: {source.path} row {number} has no {column!r}; fill or drop it")
 
 
+def check_some_text(raw, source: DataSource, column: str, setting: str) -> None:
+    """A text column in which every row is empty (or only whitespace) is no data: the run would train on the
+    tokenizer's special tokens alone. Empty rows among others are the data's own."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    try:
+        longest = pc.max(pc.utf8_length(pc.utf8_trim_whitespace(raw.data.column(column)))).as_py() or 0
+    except pa.ArrowNotImplementedError:  # a type arrow's kernels lack (string_view in some releases)
+        longest = int(any(str(value).strip() for value in raw[column]))
+    if len(raw) and longest == 0:
+        raise RecipeError(f"{source.key}: {source.path} column {column!r} is empty in every row; point "
+                          f"{source.key} at the data, or set {setting} to the column with the text")
+
+
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -323,7 +338,10 @@ def check_text_column(raw, source: DataSource, column: str, setting: str) -> Non
                           f"{setting} to one of those")
     check_filled(raw, source, column)
     feature = raw.features[column]
-    if isinstance(feature, datasets.Value) and feature.dtype.startswith(TEXT_DTYPES + NUMBER_DTYPES):
+    if isinstance(feature, datasets.Value) and feature.dtype.startswith(TEXT_DTYPES):
+        check_some_text(raw, source, column, setting)
+        return
+    if isinstance(feature, datasets.Value) and feature.dtype.startswith(NUMBER_DTYPES):
         return
     if isinstance(feature, datasets.Json):  # JSON values of several types: text and numbers in some rows only
         if not any(not isinstance(v, str) and not _is_number(v) for v in raw[column]):

@@ -50,6 +50,7 @@ def apply_lora(model: nn.Module, options: LoraOptions, *, task: str) -> nn.Modul
     if widths and options.r > max(widths):  # peft would allocate r × (in + out) per layer all the same
         raise RecipeError(f"model.lora.r {options.r} is above the width of every layer of the model (at most "
                           f"{max(widths)}): a larger rank adds parameters, not capacity; 8 or 16 are usual")
+    check_tied_output(model, options)
     try:
         peft_model = adapted(model, options, task=task)
     except ValueError as exc:  # peft: target modules that match no layer of the model
@@ -59,6 +60,24 @@ def apply_lora(model: nn.Module, options: LoraOptions, *, task: str) -> nn.Modul
     inner = peft_model.base_model.model
     assert inner is model  # peft adapts the model in place
     return inner
+
+
+def check_tied_output(model: nn.Module, options: LoraOptions) -> None:
+    """An output layer whose weight is the input embedding's (tie_word_embeddings) cannot take an adapter: merged,
+    its delta would change the embedding too, which the trained model never had (and the adapter's export fails
+    on the shared weight). Refused in one line, before any step."""
+    get_output, get_input = getattr(model, "get_output_embeddings", None), getattr(model, "get_input_embeddings", None)
+    output = get_output() if callable(get_output) else None
+    embedding = get_input() if callable(get_input) else None
+    if output is None or embedding is None or getattr(output, "weight", None) is not embedding.weight:
+        return
+    name = next(n for n, m in model.named_modules() if m is output)
+    target = next((t for t in options.target_modules or () if name == t or name.endswith(f".{t}")), None)
+    if target is not None:
+        layer = target if name == target else f"{target} ({name})"
+        raise RecipeError(f"model.lora.target_modules: {layer} shares its weight with the input embedding "
+                          "(tie_word_embeddings): its adapter, merged, would change the embedding too; leave "
+                          f"{target} out, or untie them (tie_word_embeddings false in the model's config)")
 
 
 def merged_model(model: nn.Module, options: LoraOptions, *, task: str, load) -> nn.Module:

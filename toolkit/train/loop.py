@@ -309,8 +309,11 @@ def run_steps(strategy: Strategy, loader, parts: StepParts, *, done: int) -> lis
             note_graph_breaks(info, first=step == done + 1, env=env)
         every = recipe.train.eval_every
         if parts.eval_ds is not None and ((every and step % every == 0) or step == parts.total_steps):
-            record.update(evaluate(strategy, parts.eval_ds, collator=parts.collator, recipe=recipe, env=env,
-                                   layout=parts.layout, group=parts.plan.grad_accum_steps))
+            evaluated = evaluate(strategy, parts.eval_ds, collator=parts.collator, recipe=recipe, env=env,
+                                 layout=parts.layout, group=parts.plan.grad_accum_steps)
+            record.update(evaluated)
+            if step == parts.total_steps:  # the exported model's: in run.json and the run's last line
+                info["final_eval"] = evaluated
         check_every = recipe.train.consistency_check_every
         if parts.replicas and check_every and step % check_every == 0:
             fresh = strategy.state.replicas()  # the live tensors of this step
