@@ -233,13 +233,14 @@ class _RunsCode:
         return os.system, (f"touch {self.marker}",)
 
 
-@pytest.mark.parametrize("hostile", ["a global", "a pickled entry"])
+@pytest.mark.parametrize("hostile", ["a global", "a class's state", "a pickled entry"])
 @pytest.mark.parametrize("command", ["train", "convert"])
 def test_a_checkpoint_whose_metadata_would_run_code_is_refused_without_running_it(hostile, command, recipe,
                                                                                  checkpoint, tmp_path, capsys):
     """Nothing is unpickled on load but DCP's .metadata, and that only as DCP's own metadata classes: a global
-    other than those is refused before it is called, and so is an entry stored as a pickled object (DCP reads such
-    an entry with torch.load(weights_only=False)). The digests guard against damage, not against whoever rewrote
+    other than those is refused before it is called, so is state set on a class (pickle's BUILD: it would change
+    the class for the whole process), and so is an entry stored as a pickled object (DCP reads such an entry
+    with torch.load(weights_only=False)). The digests guard against damage, not against whoever rewrote
     them: a checkpoint without digests shows it."""
     import pickle
 
@@ -253,6 +254,11 @@ def test_a_checkpoint_whose_metadata_would_run_code_is_refused_without_running_i
         (copy / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
         words = "os.system is not part of a DCP checkpoint's metadata" if os.name != "posix" else \
             "posix.system is not part of a DCP checkpoint's metadata"
+    elif hostile == "a class's state":  # BUILD on an allowed class: every PosixPath of the process names /x
+        metadata = pickle.dumps(SafeReader(str(copy)).read_metadata(), protocol=2)[2:]
+        (copy / ".metadata").write_bytes(b"\x80\x02cpathlib\nPosixPath\nN}X\x04\x00\x00\x00_strX\x02\x00\x00\x00/xs"
+                                         b"\x86b0" + metadata)
+        words = "it sets the state of <class 'pathlib.PosixPath'>, which DCP's metadata never does"
     else:
         metadata = SafeReader(str(copy)).read_metadata()
         key = next(k for k in metadata.state_dict_metadata if k.startswith("model."))
@@ -263,7 +269,7 @@ def test_a_checkpoint_whose_metadata_would_run_code_is_refused_without_running_i
     args = ["train", str(recipe), "--set", f"output_dir={out}", "--resume", str(copy)] if command == "train" else \
         ["convert", str(copy), str(out)]
     _assert_one_line_exit_2(main(args), capsys, f"checkpoint {copy}: its DCP metadata is unreadable", words)
-    assert not marker.exists() and not out.exists()
+    assert not marker.exists() and not out.exists() and str(Path("/a")) == "/a"
 
 
 @pytest.mark.parametrize("weights_only", [False, True])
@@ -277,3 +283,31 @@ def test_a_checkpoint_without_lora_adapters_resumed_with_model_lora_names_that_s
     _assert_one_line_exit_2(code, capsys, "holds a model without LoRA adapters and this run's has them: drop "
                             "model.lora to continue it, or write it out with `toolkit convert`")
     assert not out.exists()
+
+
+def test_a_strategys_own_state_in_a_checkpoint_is_read_without_running_code(tmp_path):
+    """PowerSGD's and local SGD's state travels in a checkpoint as bytes of torch.save (a comm.<rank> tensor, which
+    .metadata's checks let through): read back with weights_only, it builds tensors, numbers and numpy arrays
+    (PowerSGD's generator state) and refuses any other global before calling it."""
+    import io
+    import pickle
+
+    import numpy as np
+    import torch
+
+    from toolkit.checkpoint.verify import load_blob
+
+    rng = np.random.RandomState(7)
+    buffer = io.BytesIO()
+    torch.save({"iter": 3, "rng": rng.get_state(), "parameters": {"w": {"p": torch.ones(2)}}, "blobs": [b"x"]},
+               buffer)
+    saved = load_blob(buffer.getvalue())
+    again = np.random.RandomState()
+    again.set_state(saved["rng"])
+    assert again.randint(1 << 30) == rng.randint(1 << 30) and saved["blobs"] == [b"x"]
+    marker = tmp_path / "ran"
+    buffer = io.BytesIO()
+    torch.save({"state": _RunsCode(marker)}, buffer)
+    with pytest.raises(pickle.UnpicklingError):
+        load_blob(buffer.getvalue())
+    assert not marker.exists()

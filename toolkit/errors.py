@@ -176,6 +176,7 @@ def note_ctrl_c() -> None:
     lazy module reports a ModuleNotFoundError for the class it was importing, numpy a RecursionError): after a
     Ctrl-C such an error is the interrupt, said as one (ctrl_c_seen), not a bug's traceback. The training
     steps install their own handler (StopSignals) and give this one back."""
+    _ctrl_c["seen"] = False  # a command's own: not an earlier one's in the same process (a notebook)
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:  # a caller's own handler stays
         return
 

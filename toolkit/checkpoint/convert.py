@@ -73,8 +73,9 @@ def _convert(checkpoint_path: Path, out: Path) -> Path:
         text = write_error_text(exc)
         if text is None:
             raise
-        raise ConvertWriteError(f"{out} could not be written ({text}); nothing of it was kept: free space or "
-                                "choose another folder") from None
+        fix = "free space or choose another folder" if any(name in text for name in ("ENOSPC", "EDQUOT", "EFBIG")) \
+            else "choose another folder"
+        raise ConvertWriteError(f"{out} could not be written ({text}); nothing of it was kept: {fix}") from None
     return out
 
 
@@ -94,7 +95,8 @@ def stop_signals_raise():
         yield
     finally:
         for signum, handler in previous.items():
-            signal.signal(signum, handler)
+            if handler is not None:  # None: set from outside Python, nothing to give back
+                signal.signal(signum, handler)
 
 
 class Stopped(BaseException):

@@ -23,23 +23,39 @@ OTHER_MODEL = "it was written for another model; train with the model settings o
 LORA_WORD = ".lora_A."  # in every adapted layer's parameter names (peft)
 
 
-class MetadataUnpickler(pickle.Unpickler):
+class MetadataUnpickler(pickle._Unpickler):  # the Python unpickler: its BUILD step can be checked (load_build)
     """DCP writes `.metadata` with pickle, and its own reader loads it with pickle.load, which runs whatever code
     the file names: a checkpoint from elsewhere could run anything at `--resume` or `toolkit convert`. This
     unpickler builds only what DCP's metadata is made of (its metadata dataclasses, _StorageInfo, torch.Size,
-    dtypes and layouts, the checkpoint's path) and refuses any other global. (DCP reads the tensors themselves
-    with torch.load(weights_only=True); SafeReader refuses the entries it would read otherwise.)"""
+    dtypes and layouts, the checkpoint's path) and refuses any other global, and sets state (pickle's BUILD) only
+    on instances of DCP's own classes: BUILD on a class would set its attributes for the whole process (a
+    PosixPath whose every instance names another folder). (DCP reads the tensors themselves with
+    torch.load(weights_only=True); SafeReader refuses the entries it would read otherwise.)"""
 
     ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-               ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-               *(("pathlib", name) for name in ("Path", "PosixPath", "PurePosixPath", "WindowsPath",
-                                                "PureWindowsPath"))}
+               ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+    PATHS = ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")  # pathlib's, pathlib._local's
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
 
     def find_class(self, module: str, name: str) -> Any:
         if "." not in name and ((module, name) in self.ALLOWED or self._metadata_type(module, name) or
-                                self._torch_constant(module, name)):
+                                self._torch_constant(module, name) or self._path_type(module, name)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's metadata")
+
+    def load_build(self) -> None:
+        target = self.stack[-2]  # type: ignore[attr-defined]
+        if isinstance(target, type) or not self._builds(type(target)):
+            raise pickle.UnpicklingError(f"it sets the state of {target!r}, which DCP's metadata never does")
+        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
+
+    dispatch[pickle.BUILD[0]] = load_build  # type: ignore[assignment]
+
+    @classmethod
+    def _builds(cls, kind: type) -> bool:  # DCP's dataclasses, whose state pickle sets as a dict
+        return cls._metadata_type(kind.__module__, kind.__name__) or \
+            (kind.__module__, kind.__name__) == ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
 
     @staticmethod
     def _metadata_type(module: str, name: str) -> bool:  # a class (dataclass, enum) of DCP's metadata module
@@ -51,12 +67,18 @@ class MetadataUnpickler(pickle.Unpickler):
         return module == "torch" and isinstance(getattr(torch, name, None),
                                                 (torch.dtype, torch.layout, torch.memory_format))
 
+    @classmethod
+    def _path_type(cls, module: str, name: str) -> bool:  # Python 3.13 pickles PosixPath from pathlib._local
+        return module in ("pathlib", "pathlib._local") and name in cls.PATHS
+
 
 class SafeReader(FileSystemReader):
     """DCP's file reader, its `.metadata` unpickled by MetadataUnpickler (torch's read_metadata, otherwise)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as file:
+        where = getattr(self, "_get_metadata_path", None)  # rank-local metadata: newer torch only
+        path = where(kwargs.get("rank")) if where is not None else self.fs.concat_path(self.path, ".metadata")
+        with self.fs.create_stream(path, "rb") as file:
             metadata = MetadataUnpickler(file).load()
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(f"the file holds a {type(metadata).__name__}, not DCP's Metadata")
@@ -68,7 +90,7 @@ class SafeReader(FileSystemReader):
             raise pickle.UnpicklingError(f"{pickled!r} is stored as a pickled object, which no toolkit checkpoint "
                                          "holds")
         storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
-        storage_meta.load_id = self.load_id
+        storage_meta.load_id = getattr(self, "load_id", None)
         metadata.storage_meta = storage_meta
         return metadata
 
@@ -107,7 +129,9 @@ def check_model_fits(path: Path, metadata: Metadata, shapes: dict[str, Any], *, 
     saved = {key.removeprefix("model."): entry for key, entry in metadata.state_dict_metadata.items()
              if key.startswith("model.")}
     adapters_saved, adapters_here = (any(LORA_WORD in name for name in names) for names in (saved, shapes))
-    if adapters_saved != adapters_here:  # the one setting that differs, named (peft renames every adapted layer)
+    # the one setting that differs, named (peft renames every adapted layer); not for a part of the model (a
+    # pipeline stage, a ZeRO-3 module), whose strategies refuse LoRA themselves
+    if whole and adapters_saved != adapters_here:
         raise RecipeError(f"checkpoint {path} holds a model {'with' if adapters_saved else 'without'} LoRA adapters "
                           f"and this run's has {'none' if adapters_saved else 'them'}: " +
                           ("set the model.lora of its recipe.yaml" if adapters_saved else
@@ -125,3 +149,17 @@ def check_model_fits(path: Path, metadata: Metadata, shapes: dict[str, Any], *, 
     if extra:
         raise RecipeError(f"checkpoint {path} holds weight {extra[0]!r} that this model does not have ({len(extra)} "
                           f"such): {OTHER_MODEL}")
+
+
+def load_blob(blob: bytes) -> Any:
+    """A strategy's own state as its state_bytes wrote it into a checkpoint (a `comm.<rank>` tensor: PowerSGD's
+    factors and generator, local SGD's anchor and outer optimizer), read with torch.load(weights_only=True):
+    tensors, numbers, strings and containers, and numpy arrays (PowerSGD's generator state), nothing else built."""
+    import io
+
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core  # numpy 2 names it _core
+    with torch.serialization.safe_globals([core.multiarray._reconstruct, np.ndarray, np.dtype,
+                                           type(np.dtype(np.uint32))]):
+        return torch.load(io.BytesIO(blob), weights_only=True)

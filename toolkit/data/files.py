@@ -312,25 +312,36 @@ def check_filled(raw, source: DataSource, column: str) -> None:
 
 def check_some_text(raw, source: DataSource, column: str, setting: str) -> None:
     """A text column in which every row is empty (or only whitespace) is no data: the run would train on the
-    tokenizer's special tokens alone. Empty rows among others are the data's own."""
+    tokenizer's special tokens alone. Empty rows among others are the data's own (a text file's blank lines:
+    num_blank_lines). Read chunk by chunk, up to the first that holds text: a large column is neither copied
+    nor read whole (the arrow table's, whatever rows a view of it selects: text there is text in the file)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    try:
-        longest = pc.max(pc.utf8_length(pc.utf8_trim_whitespace(raw.data.column(column)))).as_py() or 0
-    except pa.ArrowNotImplementedError:  # a type arrow's kernels lack (string_view in some releases)
-        longest = int(any(str(value).strip() for value in raw[column]))
-    if len(raw) and longest == 0:
-        raise RecipeError(f"{source.key}: {source.path} column {column!r} is empty in every row; point "
-                          f"{source.key} at the data, or set {setting} to the column with the text")
+    if source.format == "text" or not len(raw):
+        return
+    for chunk in raw.data.column(column).chunks:
+        for start in range(0, len(chunk), 65536):
+            piece = chunk.slice(start, 65536)
+            try:
+                if not pc.max(pc.binary_length(piece)).as_py():  # every value empty: nothing to trim
+                    continue
+                if pc.max(pc.utf8_length(pc.utf8_trim_whitespace(piece))).as_py():
+                    return
+            except pa.ArrowNotImplementedError:  # a type arrow's kernels lack (string_view in some releases)
+                if any(str(value).strip() for value in piece.to_pylist() if value is not None):
+                    return
+    raise RecipeError(f"{source.key}: {source.path} column {column!r} is empty in every row; point "
+                      f"{source.key} at the data, or set {setting} to the column with the text")
 
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def check_text_column(raw, source: DataSource, column: str, setting: str) -> None:
-    """`column` exists and holds text or numbers (read as text: numbers_as_text) in every row."""
+def check_text_column(raw, source: DataSource, column: str, setting: str, *, may_be_empty: bool = False) -> None:
+    """`column` exists and holds text or numbers (read as text: numbers_as_text) in every row; text in some row
+    unless `may_be_empty` (a prompt column: data that is responses alone)."""
     import datasets
 
     if column not in raw.column_names:
@@ -339,7 +350,8 @@ def check_text_column(raw, source: DataSource, column: str, setting: str) -> Non
     check_filled(raw, source, column)
     feature = raw.features[column]
     if isinstance(feature, datasets.Value) and feature.dtype.startswith(TEXT_DTYPES):
-        check_some_text(raw, source, column, setting)
+        if not may_be_empty:
+            check_some_text(raw, source, column, setting)
         return
     if isinstance(feature, datasets.Value) and feature.dtype.startswith(NUMBER_DTYPES):
         return

@@ -148,7 +148,7 @@ def check_rows(raw, source: DataSource, *, data: DataConfig, task: str, num_labe
                               f"{columns(raw)}); set data.messages_column to one of those")
         check_messages(raw[data.messages_column], source.key, source.path, data.messages_column)
     elif data.format == "prompt-response":
-        check_text_column(raw, source, data.prompt_column, "data.prompt_column")
+        check_text_column(raw, source, data.prompt_column, "data.prompt_column", may_be_empty=True)
         check_text_column(raw, source, data.response_column, "data.response_column")
     else:
         check_text_column(raw, source, data.text_column, "data.text_column")

@@ -228,8 +228,8 @@ def named_source(settings: list[Setting]) -> Iterator[None]:
             raise
         fits = f" (or set it to {exc.wanted // exc.per_step})" if exc.wanted % exc.per_step == 0 else ""
         raise RecipeError(f"{str(exc).split(';')[0]}: the accumulation is accelerate launch's ({source}); remove "
-                          f"gradient_accumulation_steps from the accelerate config file{fits}, and the recipe's global "
-                          f"batch sets it, or make batch.global_batch_size {exc.total}") from None
+                          f"gradient_accumulation_steps from the accelerate config file or command{fits}, and the "
+                          f"recipe's global batch sets it, or make batch.global_batch_size {exc.total}") from None
     except RecipeError as exc:
         # its subject: the message starts with the key, not with a longer one it prefixes (stage, stages_per_rank)
         source = next((s.source for s in settings if s.key and re.match(re.escape(s.key) + r"(?![\w.])", str(exc))),

@@ -211,23 +211,25 @@ def launch_recipe(recipe_path: str, overrides: list[str], *, nproc: int, nodes: 
         print(f"toolkit: the run itself completed {when}: outputs in {recipe.output_dir} are complete",
               file=sys.stderr)
     elif status == "running" and signalled and nodes.count == 1:
-        # the agent forwarded a stop signal, and killed the ranks when they had not stopped by its timeout
-        # (one blocked in a collective whose peer hangs): rank 0 wrote nothing of the stop
+        # the agent forwarded a stop signal and the ranks ended before rank 0 wrote how: killed when they had not
+        # stopped by its timeout (one blocked in a collective whose peer hangs), or before they could take it
         found = store.complete_checkpoints(out_dir)
-        runinfo.mark_left_running(out_dir, stopped_by=watch.stop_signal, reason=(
-            f"{watch.stop_signal}: the ranks had not finished their step {watch.timeout_s} s after it and were "
-            "killed (no checkpoint of the stop)"))
+        why = (f"the ranks had not finished their step {watch.timeout_s} s after it and were killed" if watch.killed
+               else "the ranks ended before rank 0 recorded the stop")
+        runinfo.mark_left_running(out_dir, stopped_by=watch.stop_signal,
+                                  reason=f"{watch.stop_signal}: {why} (no checkpoint of the stop)")
         where = (f"the newest checkpoint is {found[-1]} (step {store.step_of(found[-1])}); resume with: "
                  f"{relaunch_command(recipe_path, overrides, nproc=nproc)}") if found else "no checkpoint was written"
-        print(f"toolkit: stopped by {watch.stop_signal}, but the ranks had not finished their step "
-              f"{watch.timeout_s} s after it (a rank blocked in a collective, its peer hung or stopped) and were "
-              f"killed; {where}", file=sys.stderr, flush=True)
+        how = (f"the ranks had not finished their step {watch.timeout_s} s after it (a rank blocked in a collective, "
+               "its peer hung or stopped) and were killed" if watch.killed else
+               "the ranks ended before they wrote a checkpoint of the stop")
+        print(f"toolkit: stopped by {watch.stop_signal}, but {how}; {where}", file=sys.stderr, flush=True)
     elif status == "running" and (nodes.count == 1 or (failures and 0 in failures[-1].ranks)):
         # rank 0 was killed before it could write how the run ended. With more machines, only rank 0's own
         # launcher (its failure is among this machine's ranks, all gone) knows it will write nothing more.
         runinfo.mark_left_running(out_dir, reason=f"launch failed: {failures[-1].how}" if failures else
                                   f"the ranks ended (launch exit code {code}) before rank 0 recorded why")
-    elif status == "failed" and failures and (info.get("ended") or {}).get("peer_lost"):
+    elif status == "failed" and failures and nodes.count == 1 and (info.get("ended") or {}).get("peer_lost"):
         # rank 0 recorded only that a connection closed: the launch knows which rank failed and how
         runinfo.name_failed_rank(out_dir, reason=f"launch failed: {failures[-1].how}")
     return code
@@ -256,7 +258,6 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
     prepare_environment()
     quiet_agent_logs()
     watch = watch or AgentWatch(one_machine=nodes.count == 1)
-    watch.attach(quiet="LOGLEVEL" not in os.environ)
     args = get_args_parser().parse_args(torchrun_args(recipe_path, nproc=nproc, overrides=overrides,
                                                         extra=extra, max_restarts=max_restarts, nodes=nodes))
     # the launch's own temporary folder: the ranks' say_once markers and torch's agent logs (its default is a
@@ -286,6 +287,7 @@ def launch(recipe_path: str, *, nproc: int, overrides: list[str], extra: list[st
         # when the process does
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     try:
+        watch.attach(quiet="LOGLEVEL" not in os.environ)
         return _run_ranks(run, args, nodes, failures=failures)
     finally:
         watch.detach()

@@ -71,7 +71,9 @@ def check_tied_output(model: nn.Module, options: LoraOptions) -> None:
     embedding = get_input() if callable(get_input) else None
     if output is None or embedding is None or getattr(output, "weight", None) is not embedding.weight:
         return
-    name = next(n for n, m in model.named_modules() if m is output)
+    name = next((n for n, m in model.named_modules() if m is output), None)
+    if name is None:  # not a module of the model (no name to match a target against)
+        return
     target = next((t for t in options.target_modules or () if name == t or name.endswith(f".{t}")), None)
     if target is not None:
         layer = target if name == target else f"{target} ({name})"

@@ -292,7 +292,8 @@ def finish(info: RunRecord, *, env: DistEnv, out_dir: Path, losses: list[float],
         skipped = f"{skips.note()} · " if skips.note() else ""  # first: a run that trained on few steps says so
         evaluated = info.get("final_eval") or {}
         if evaluated:
-            skipped += "final " + ", ".join(f"{key} {value:.4f}" if abs(value) < 1000 else f"{key} {value:,.0f}"
+            skipped += "final " + ", ".join(f"{key} {value:.4f}" if abs(value) < 1000 else
+                                            f"{key} {value:,.0f}" if abs(value) < 1e9 else f"{key} {value:.3g}"
                                             for key, value in evaluated.items()) + " · "
         print(f"[toolkit] done: {skipped}metrics {out_dir / 'metrics.jsonl'} · {model} · run info "
               f"{out_dir / 'run.json'}", file=sys.stderr, flush=True)

@@ -25,6 +25,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
 from toolkit.cost.collectives import Collective
+from toolkit.checkpoint.verify import load_blob
 from toolkit.errors import RecipeError
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
@@ -131,7 +132,7 @@ class HookStates:
         return buffer.getvalue()
 
     def load_bytes(self, blob: bytes) -> None:
-        blobs: list[bytes] = torch.load(io.BytesIO(blob), weights_only=False)  # written by state_bytes
+        blobs: list[bytes] = load_blob(blob)  # written by state_bytes
         if len(blobs) != len(self.hooks):
             raise RuntimeError(f"the checkpoint holds the PowerSGD state of {len(blobs)} stages, this rank runs "
                                f"{len(self.hooks)}")
@@ -325,7 +326,7 @@ class PowerSgd:
         return buffer.getvalue()
 
     def load_bytes(self, blob: bytes) -> None:
-        saved: dict[str, Any] = torch.load(io.BytesIO(blob), weights_only=False)  # written by state_bytes
+        saved: dict[str, Any] = load_blob(blob)  # written by state_bytes
         self.state.iter = saved["iter"]
         self.state.rng.set_state(saved["rng"])
         for index in list(self.layouts):

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from toolkit.cost.collectives import Collective
 from toolkit.memory.state_bytes import ADAM_MOMENTS, StateBytes
+from toolkit.checkpoint.verify import load_blob
 from toolkit.errors import RecipeError
 
 OUTER_OPTIMIZERS = ("average", "nesterov")
@@ -199,7 +200,7 @@ class LocalSgd:
         return buffer.getvalue()
 
     def load_bytes(self, blob: bytes) -> None:
-        saved: dict[str, Any] = torch.load(io.BytesIO(blob), weights_only=False)  # written by state_bytes
+        saved: dict[str, Any] = load_blob(blob)  # written by state_bytes
         self.steps, self.synced = saved["steps"], saved["synced"]
         with torch.no_grad():
             for (name, _), param in zip(self.named, self._params()):
