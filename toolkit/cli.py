@@ -400,8 +400,6 @@ def cmd_strategies(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    import signal
-
     from toolkit.checkpoint.convert import ConvertWriteError, Stopped, convert
     quiet_libraries()
     try:
@@ -411,7 +409,7 @@ def cmd_convert(args) -> int:
         return 1
     except Stopped as stop:
         print(f"toolkit: stopped by {stop}; {args.out} was not written", file=sys.stderr, flush=True)
-        return 128 + int(getattr(signal, str(stop)))
+        return 128 + stop.signum
     print(f"[toolkit] wrote {out} (load it with from_pretrained)", file=sys.stderr)
     return 0
 

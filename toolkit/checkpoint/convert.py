@@ -19,6 +19,7 @@ from toolkit.checkpoint import digest, state, store
 from toolkit.errors import RecipeError, first_line
 from toolkit.model.export import replace_folder
 from toolkit.model.tied import without_tied_aliases
+from toolkit.process.cleanup import make_folders, remove_empty
 from toolkit.process.stopping import write_error_text
 
 
@@ -59,7 +60,7 @@ def _convert(checkpoint_path: Path, out: Path) -> Path:
 
         model = merged_model(model, lora, task=task, load=lambda m: state.load_weights(m, checkpoint.path))
     tmp = out.parent / f".{out.name}.partial"
-    made = next((p for p in reversed(out.parents) if not p.exists()), None)  # the first folder the write makes
+    made = make_folders(out.parent)  # the folders OUT needs above it: a failed write takes them back
     try:
         with stop_signals_raise():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -68,8 +69,7 @@ def _convert(checkpoint_path: Path, out: Path) -> Path:
             replace_folder(tmp, out)  # out is new (check_out): renamed into place, as readable as the umask allows
     except BaseException as exc:  # nothing half-written: the partial folder and the folders made for it go
         shutil.rmtree(tmp, ignore_errors=True)
-        if made is not None:
-            _remove_empty(out.parent, up_to=made)
+        remove_empty(made[::-1])
         text = write_error_text(exc)
         if text is None:
             raise
@@ -88,7 +88,7 @@ def stop_signals_raise():
     """SIGTERM (and SIGHUP) while the model is written end the command as Ctrl-C does, through the same clean-up,
     instead of killing the process with its partial folder left behind."""
     def stop(signum, frame):
-        raise Stopped(signal.Signals(signum).name)
+        raise Stopped(signum)
 
     previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
     try:
@@ -102,14 +102,9 @@ def stop_signals_raise():
 class Stopped(BaseException):
     """A stop signal while the model was written (stop_signals_raise): the command's exit is 128 + the signal."""
 
-
-def _remove_empty(folder: Path, *, up_to: Path) -> None:
-    """Remove `folder` and its parents up to `up_to` where empty: the folders a failed write made for OUT."""
-    for path in (folder, *folder.parents):
-        with contextlib.suppress(OSError):
-            path.rmdir()  # only an empty folder goes
-        if path == up_to:
-            return
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def _read_hf(path: Path, read):

@@ -215,15 +215,12 @@ def launch_recipe(recipe_path: str, overrides: list[str], *, nproc: int, nodes: 
         # stopped by its timeout (one blocked in a collective whose peer hangs), or before they could take it
         found = store.complete_checkpoints(out_dir)
         why = (f"the ranks had not finished their step {watch.timeout_s} s after it and were killed" if watch.killed
-               else "the ranks ended before rank 0 recorded the stop")
-        runinfo.mark_left_running(out_dir, stopped_by=watch.stop_signal,
-                                  reason=f"{watch.stop_signal}: {why} (no checkpoint of the stop)")
+               else "the ranks ended before rank 0 recorded the stop") + " (no checkpoint of the stop)"
+        runinfo.mark_left_running(out_dir, stopped_by=watch.stop_signal, reason=f"{watch.stop_signal}: {why}")
+        blocked = " (a rank blocked in a collective: its peer hung or stopped)" if watch.killed else ""
         where = (f"the newest checkpoint is {found[-1]} (step {store.step_of(found[-1])}); resume with: "
                  f"{relaunch_command(recipe_path, overrides, nproc=nproc)}") if found else "no checkpoint was written"
-        how = (f"the ranks had not finished their step {watch.timeout_s} s after it (a rank blocked in a collective, "
-               "its peer hung or stopped) and were killed" if watch.killed else
-               "the ranks ended before they wrote a checkpoint of the stop")
-        print(f"toolkit: stopped by {watch.stop_signal}, but {how}; {where}", file=sys.stderr, flush=True)
+        print(f"toolkit: stopped by {watch.stop_signal}, but {why}{blocked}; {where}", file=sys.stderr, flush=True)
     elif status == "running" and (nodes.count == 1 or (failures and 0 in failures[-1].ranks)):
         # rank 0 was killed before it could write how the run ended. With more machines, only rank 0's own
         # launcher (its failure is among this machine's ranks, all gone) knows it will write nothing more.

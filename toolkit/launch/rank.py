@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from toolkit.errors import (INTERRUPTED_EXIT_CODE, NONFINITE_EXIT_CODE, REPLICA_DRIFT_EXIT_CODE, USER_ERROR_EXIT_CODE,
                             RecipeError, ctrl_c_seen, first_line, mark_failure_said, mark_final, say_once,
                             say_user_error)
-from toolkit.process.cleanup import entries, remove_made
+from toolkit.process.cleanup import entries, make_folders, remove_empty, remove_made
 from toolkit.process.folder_lock import FolderInUse, FolderLock, hold, in_use, run_in_use
 
 if TYPE_CHECKING:
@@ -207,29 +207,6 @@ def hold_output_dir(out_dir: Path, env) -> tuple[FolderLock | None, set[str] | N
     if refused is not None:
         raise refused
     return lock, before, above if env.is_main else []
-
-
-def make_folders(out_dir: Path) -> list[Path]:
-    """output_dir made with the folders above it it needs, one at a time: those this process made, outermost
-    first (another process making the same ones at once keeps its own). A path no folder can take stops it: the
-    recipe's checks say why."""
-    made = []
-    for folder in (*reversed(out_dir.parents), out_dir):
-        try:
-            os.mkdir(folder)
-        except FileExistsError:
-            continue
-        except (OSError, ValueError):
-            break
-        made.append(folder)
-    return made
-
-
-def remove_empty(folders: list[Path]) -> None:
-    """Each folder, deepest first, where it is empty: what making output_dir made above it."""
-    for folder in folders:
-        with contextlib.suppress(OSError, ValueError):
-            folder.rmdir()
 
 
 def _let_rank_0_clean(out_dir: Path, *, wait_s: float = 5.0) -> None:

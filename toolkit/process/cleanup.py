@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -31,3 +32,26 @@ def remove_made(folder: Path, *, before: set[str] | None) -> None:
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
+
+
+def make_folders(out_dir: Path) -> list[Path]:
+    """A folder (a run's output_dir, convert's OUT) made with the folders above it it needs, one at a time: those
+    this process made, outermost first (another process making the same ones at once keeps its own). A path no
+    folder can take stops it: the recipe's checks, or the write that follows, say why."""
+    made = []
+    for folder in (*reversed(out_dir.parents), out_dir):
+        try:
+            os.mkdir(folder)
+        except FileExistsError:
+            continue
+        except (OSError, ValueError):
+            break
+        made.append(folder)
+    return made
+
+
+def remove_empty(folders: list[Path]) -> None:
+    """Each folder, deepest first, where it is empty: what make_folders made, once a failed run or write is gone."""
+    for folder in folders:
+        with contextlib.suppress(OSError, ValueError):
+            folder.rmdir()

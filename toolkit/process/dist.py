@@ -40,7 +40,7 @@ class DistEnv:
 
 def restarted() -> bool:
     """Whether torch's launcher restarted this rank's group (`--max-restarts`): a later attempt of one run."""
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    return restart_count() != 0
 
 
 def restart_count() -> int:

@@ -184,8 +184,8 @@ def _train(recipe: Recipe, env: DistEnv, *, resume: Resume | None) -> TrainResul
         if checkpoint is not None:
             info["resumed_from"] = {"checkpoint": str(checkpoint.path), "step": done,
                                     "weights_only": weights_only}
-        if restart_count():  # torch's agent restarted the ranks after one failed (--max-restarts)
-            info["restarts"] = restart_count()
+        if restarts := restart_count():  # torch's agent restarted the ranks after one failed (--max-restarts)
+            info["restarts"] = restarts
         said = strategy.report()
         info["layout"] = said.layout
         fallback = said.fallback
